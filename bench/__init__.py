@@ -1,0 +1,1 @@
+"""kvstore-bench: benchmarks that compare kvstore with the physical limits they chase."""

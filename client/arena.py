@@ -1,0 +1,59 @@
+"""A client's mapping of the server's shared-memory arena.
+
+Opened only when the file the server announced exists here and starts with the token the
+server announced, i.e. client and server share a host. Otherwise pages go over gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MAGIC = b"KVARENA1"
+
+
+class ArenaMap:
+    def __init__(self, mm: mmap.mmap) -> None:
+        self._mmap = mm
+        self.view = memoryview(mm)
+        self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
+
+    @classmethod
+    def open(cls, path: str, size: int, token: bytes) -> ArenaMap | None:
+        """The mapping, or None (with the reason logged) when this host cannot map it."""
+        if not path:
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            logger.info("arena %s not reachable (%s); pages go over gRPC", path, exc.strerror)
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                logger.info("arena %s has another size than announced; pages go over gRPC", path)
+                return None
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        if mm[: len(_MAGIC) + len(token)] != _MAGIC + token:
+            logger.info("arena %s belongs to another server; pages go over gRPC", path)
+            mm.close()
+            return None
+        return cls(mm)
+
+    def slot(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over one slot (no copy)."""
+        return self.bytes[offset : offset + nbytes]
+
+    def close(self) -> None:
+        self.view.release()
+        del self.bytes
+        try:
+            self._mmap.close()
+        except BufferError:
+            logger.debug("arena mapping still referenced; left to the garbage collector")

@@ -1,0 +1,309 @@
+"""KVStoreClient: store the KV an engine computed, find the longest stored prefix, fetch it.
+
+Contract:
+* Only full pages are stored; ``put`` returns how many leading tokens are now stored.
+* ``lookup`` answers the longest contiguous stored prefix (page-aligned) in one RPC per
+  ``max_pages_per_request`` pages.
+* ``get`` delivers exactly the pages of the hit, each verified against its checksum, or
+  raises (PageMissing / PageCorrupt) after copying the valid leading pages; the exception's
+  ``num_tokens`` says how many leading tokens of ``into`` are valid.
+* Every RPC has a deadline: no call hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.client.arena import ArenaMap
+from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
+from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing
+from kvstore.keys import page_keys
+from kvstore.page import LayoutDesc, checksum
+from kvstore.status import error_for
+from kvstore.types import Location, Namespace
+from kvstore.validate import layout_msg
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+]
+WIRE_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The stored prefix of a token sequence: ``num_tokens`` leading tokens (whole pages)."""
+
+    namespace_id: bytes
+    num_tokens: int
+    keys: list[bytes] = field(repr=False)
+    locations: list[Location] = field(repr=False)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+
+def _partial(cls: type[KVStoreError], message: str, num_tokens: int) -> KVStoreError:
+    exc = cls(message)
+    exc.num_tokens = num_tokens  # type: ignore[attr-defined]
+    return exc
+
+
+class KVStoreClient:
+    """One namespace's view of a kvstore server. Use as ``async with``."""
+
+    def __init__(
+        self,
+        address: str,
+        namespace: Namespace,
+        *,
+        use_shm: bool = True,
+        timeout_s: float = 30.0,
+        lease_ms: int = 30_000,
+        copy_threads: int = 2,
+    ) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.layout = namespace.layout
+        self.use_shm = use_shm
+        self.timeout_s = timeout_s
+        self.lease_ms = lease_ms
+        self._layout_desc = LayoutDesc.of(self.layout)
+        self._layout_msg = layout_msg(self._layout_desc)
+        self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
+        self._copy_threads = copy_threads
+        self._channel: grpc.aio.Channel | None = None
+        self.arena: ArenaMap | None = None
+        self.max_pages = 4096
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> KVStoreClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._directory = directory_pb2_grpc.DirectoryStub(self._channel)
+        self._data = data_pb2_grpc.DataStub(self._channel)
+        info = await self._call(self._data.GetInfo, data_pb2.GetInfoRequest())
+        self.node = info.node
+        self.max_pages = max(1, info.max_pages_per_request)
+        if self.use_shm:
+            self.arena = ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self._pool.shutdown(wait=True)
+
+    @property
+    def shared_memory(self) -> bool:
+        """True when page bytes move through the shared arena rather than the socket."""
+        return self.arena is not None
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> KVStoreError:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and "I/O" not in (exc.details() or ""):
+            return KVStoreError(f"kvstore-server at {self.address}: {exc.code().name}: {exc.details()}")
+        return error_for(exc.code(), exc.details() or "")
+
+    def _batches(self, items: list[T]) -> list[list[T]]:
+        return [items[i : i + self.max_pages] for i in range(0, len(items), self.max_pages)]
+
+    def keys(self, tokens: Any) -> list[bytes]:
+        """The page keys of ``tokens`` (full pages only)."""
+        return page_keys(self.namespace.namespace_id, tokens, self.layout.page_tokens)
+
+    # -- lookup --------------------------------------------------------------------------
+
+    async def lookup(self, tokens: Any) -> Hit:
+        """The longest stored prefix of ``tokens``."""
+        keys = self.keys(tokens)
+        found: list[Location] = []
+        for batch in self._batches(keys):
+            resp = await self._call(self._directory.Lookup, directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch))
+            found.extend(Location(l.node, l.tier, l.version, l.size_bytes) for l in resp.locations)
+            if resp.num_pages < len(batch):
+                break
+        n = len(found)
+        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], found)
+
+    # -- put -----------------------------------------------------------------------------
+
+    async def put(self, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
+        """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
+
+        Pages already stored are not written again. With ``durable`` the pages are also on
+        the ssd tier (synced) when this returns. Returns the number of leading tokens stored.
+        """
+        keys = self.keys(tokens)
+        check_kv(kv, self.layout, len(keys) * self.layout.page_tokens)
+        stored = 0
+        for start in range(0, len(keys), self.max_pages):
+            batch = keys[start : start + self.max_pages]
+            if self.arena is not None:
+                n = await self._put_shm(batch, kv, start, durable)
+            else:
+                n = await self._put_wire(batch, kv, start, durable)
+            stored += n
+            if n < len(batch):
+                break
+        return stored * self.layout.page_tokens
+
+    async def _put_shm(self, keys: list[bytes], kv: torch.Tensor, first_page: int, durable: bool) -> int:
+        req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
+        alloc = await self._call(self._data.Allocate, req)
+        todo = [(i, s) for i, s in enumerate(alloc.slots) if not s.exists]
+        try:
+            sums = await self._parallel(lambda item: self._write_slot(kv, first_page + item[0], item[1].offset), todo)
+        except BaseException:
+            await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
+            raise
+        commit = data_pb2.CommitRequest(
+            allocation_id=alloc.allocation_id, keys=[s.key for _, s in todo], checksums=sums, durable=durable
+        )
+        await self._call(self._data.Commit, commit)
+        return len(alloc.slots)
+
+    def _write_slot(self, kv: torch.Tensor, page: int, offset: int) -> int:
+        assert self.arena is not None
+        slot = self.arena.slot(offset, self.layout.page_bytes)
+        copy_bytes(slot_as_page(slot, self.layout), page_of(kv, page, self.layout.page_tokens))
+        return checksum(self.arena.view[offset : offset + self.layout.page_bytes])
+
+    async def _parallel(self, fn: Any, items: list[Any]) -> list[Any]:
+        """fn over items on the copy threads, in order; contiguous shares per thread."""
+        if not items:
+            return []
+        loop = asyncio.get_running_loop()
+        share = -(-len(items) // self._copy_threads)
+        parts = [items[i : i + share] for i in range(0, len(items), share)]
+        results = await asyncio.gather(*(loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts))
+        return [r for part in results for r in part]
+
+    async def _put_wire(self, keys: list[bytes], kv: torch.Tensor, first_page: int, durable: bool) -> int:
+        layout = self.layout
+        ns = self.namespace.namespace_id
+
+        def chunks() -> Any:
+            for i, key in enumerate(keys):
+                page = page_of(kv, first_page + i, layout.page_tokens).contiguous().cpu()
+                data = memoryview(page.view(torch.uint8).numpy()).cast("B")
+                csum = checksum(data)
+                for start in range(0, layout.page_bytes, WIRE_CHUNK_BYTES):
+                    first = start == 0
+                    yield data_pb2.PageChunk(
+                        key=key, offset=start, data=bytes(data[start : start + WIRE_CHUNK_BYTES]), page_bytes=layout.page_bytes,
+                        checksum=csum, namespace_id=ns if first else b"", layout=self._layout_msg if first else None,
+                        durable=durable,
+                    )
+
+        resp = await self._call(self._data.WritePages, chunks())
+        return int(resp.num_published)
+
+    # -- get -----------------------------------------------------------------------------
+
+    async def get(self, hit: Hit, into: torch.Tensor) -> int:
+        """Copies the hit's pages into ``into`` (``[layers, kv, >= hit.num_tokens, heads, dim]``).
+
+        Returns ``hit.num_tokens``. Raises PageMissing or PageCorrupt when a promised page
+        cannot be delivered; the leading pages before it are in place (``exc.num_tokens``).
+        """
+        if hit.namespace_id != self.namespace.namespace_id:
+            raise InvalidRequest("the hit belongs to another namespace than this client")
+        check_kv(into, self.layout, hit.num_tokens, "into")
+        done = 0
+        for batch in self._batches(hit.keys):
+            if self.arena is not None:
+                n = await self._get_shm(batch, into, done)
+            else:
+                n = await self._get_wire(batch, into, done)
+            done += n
+            if n < len(batch):
+                raise _partial(
+                    PageMissing,
+                    f"lookup promised {hit.num_pages} pages but page {done} is no longer stored; "
+                    f"{done * self.layout.page_tokens} tokens are valid, recompute the rest",
+                    done * self.layout.page_tokens,
+                )
+        return hit.num_tokens
+
+    async def _get_shm(self, keys: list[bytes], into: torch.Tensor, first_page: int) -> int:
+        req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        acq = await self._call(self._data.Acquire, req)
+        try:
+            items = list(enumerate(acq.pages))
+            ok = await self._parallel(lambda item: self._read_slot(into, first_page + item[0], item[1]), items)
+        finally:
+            await self._call(self._data.Release, data_pb2.ReleaseRequest(lease_id=acq.lease_id))
+        for i, good in enumerate(ok):
+            if not good:
+                raise _partial(
+                    PageCorrupt, f"page {first_page + i} failed its checksum; "
+                    f"{(first_page + i) * self.layout.page_tokens} tokens are valid, recompute the rest",
+                    (first_page + i) * self.layout.page_tokens,
+                )
+        return len(acq.pages)
+
+    def _read_slot(self, into: torch.Tensor, page: int, acquired: Any) -> bool:
+        assert self.arena is not None
+        n = self.layout.page_bytes
+        if checksum(self.arena.view[acquired.offset : acquired.offset + n]) != acquired.checksum:
+            return False
+        slot = self.arena.slot(acquired.offset, n)
+        copy_bytes(page_of(into, page, self.layout.page_tokens), slot_as_page(slot, self.layout))
+        return True
+
+    async def _get_wire(self, keys: list[bytes], into: torch.Tensor, first_page: int) -> int:
+        layout = self.layout
+        req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        buf = torch.empty(layout.page_bytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        count = 0
+        filled = 0
+        expect_sum = 0
+        try:
+            async for chunk in self._data.ReadPages(req, timeout=self.timeout_s):
+                if count >= len(keys) or chunk.key != keys[count] or chunk.offset != filled:
+                    raise PageCorrupt(f"server sent an out-of-order chunk for page {first_page + count}")
+                if filled == 0:
+                    expect_sum = chunk.checksum
+                    if chunk.page_bytes != layout.page_bytes:
+                        raise PageCorrupt(f"page {first_page + count} has {chunk.page_bytes} bytes, layout needs {layout.page_bytes}")
+                view[filled : filled + len(chunk.data)] = chunk.data
+                filled += len(chunk.data)
+                if filled == layout.page_bytes:
+                    if checksum(view) != expect_sum:
+                        raise _partial(PageCorrupt, f"page {first_page + count} failed its checksum in transit",
+                                       (first_page + count) * layout.page_tokens)
+                    copy_bytes(page_of(into, first_page + count, layout.page_tokens), slot_as_page(buf, layout))
+                    count += 1
+                    filled = 0
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(exc) from None
+        return count

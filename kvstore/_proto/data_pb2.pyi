@@ -1,0 +1,166 @@
+from kvstore._proto import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("node", "arena_path", "arena_bytes", "arena_token", "tiers", "max_pages_per_request", "max_page_bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    arena_path: str
+    arena_bytes: int
+    arena_token: bytes
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    max_pages_per_request: int
+    max_page_bytes: int
+    def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("namespace_id", "layout", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    layout: _common_pb2.Layout
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("key", "offset", "exists")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    offset: int
+    exists: bool
+    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("allocation_id", "slots", "page_bytes")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: int
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    page_bytes: int
+    def __init__(self, allocation_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("allocation_id", "keys", "checksums", "durable")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    durable: bool
+    def __init__(self, allocation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("num_published",)
+    NUM_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    num_published: int
+    def __init__(self, num_published: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("allocation_id",)
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: int
+    def __init__(self, allocation_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "ttl_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_ms: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class AcquiredPage(_message.Message):
+    __slots__ = ("key", "offset", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    offset: int
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "pages", "page_bytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    pages: _containers.RepeatedCompositeFieldContainer[AcquiredPage]
+    page_bytes: int
+    def __init__(self, lease_id: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    namespace_id: bytes
+    layout: _common_pb2.Layout
+    page_bytes: int
+    checksum: int
+    offset: int
+    data: bytes
+    durable: bool
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class WritePagesResponse(_message.Message):
+    __slots__ = ("num_published",)
+    NUM_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    num_published: int
+    def __init__(self, num_published: _Optional[int] = ...) -> None: ...
+
+class ReadPagesRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    chunk_bytes: int
+    ttl_ms: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...

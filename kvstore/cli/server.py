@@ -1,0 +1,83 @@
+"""kvstore-server: parses flags into a ServerConfig and runs until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from kvstore import logs
+from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig, parse_size
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger("kvstore.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore-server", description="Tiered KV-cache store for LLM inference.")
+    p.add_argument("--tiers", default="host,ssd", help="comma-separated tiers: hbm,host,ssd (default host,ssd)")
+    p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
+    p.add_argument("--data-dir", default="./kvstore-data", help="directory for the persistent directory (LMDB)")
+    p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
+    p.add_argument("--ssd-dir", default=None, help="where ssd pages live (default: DATA_DIR/ssd)")
+    p.add_argument("--ssd-capacity", default="8GiB", help="ssd tier capacity")
+    p.add_argument("--no-direct-io", action="store_true", help="use buffered I/O on the ssd tier even where O_DIRECT works")
+    p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
+    p.add_argument("--node", default="local", help="this node's name in locations")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    data_dir = Path(args.data_dir)
+    ssd = None
+    if "ssd" in tiers:
+        ssd = SsdTierConfig(
+            directory=Path(args.ssd_dir) if args.ssd_dir else data_dir / "ssd",
+            capacity_bytes=parse_size(args.ssd_capacity, "--ssd-capacity"),
+            direct_io=not args.no_direct_io,
+        )
+    return ServerConfig(
+        listen=args.listen,
+        data_dir=data_dir,
+        tiers=tiers,
+        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity")),
+        ssd=ssd,
+        metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
+        node=args.node,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level, args.log_format)
+    from kvstore.server import Server
+
+    try:
+        server = Server(config_from_args(args))
+        server.start()
+    except KVStoreError as exc:
+        logger.error("%s", exc)
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"kvstore-server ready on {server.address}", flush=True)
+    done.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Configuration: one frozen dataclass per component, composed into ServerConfig.
+
+Only ``main()`` reads argv; every component receives its own slice. Validation happens in
+``__post_init__`` and the error names the flag that fixes it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+KNOWN_TIERS = ("hbm", "host", "ssd")
+
+
+def parse_size(text: str | int, flag: str = "size") -> int:
+    """'512MiB' -> 536870912, '4GiB', '1.5GB', '4096'. Raises ConfigError naming ``flag``."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"{flag}: cannot parse size {text!r}; use e.g. 512MiB, 4GiB, 10GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f}{unit}" if unit != "B" else f"{int(num_bytes)}B"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    capacity_bytes: int = 1 << 30
+    shm_dir: Path = Path("/dev/shm")
+    slab_bytes: int = 0  # 0: derived from capacity (capacity/16, clamped to [4 MiB, 64 MiB])
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 4 << 20:
+            raise ConfigError("--host-capacity must be at least 4MiB")
+        if self.slab_bytes == 0:
+            derived = min(64 << 20, max(4 << 20, self.capacity_bytes // 16))
+            object.__setattr__(self, "slab_bytes", derived - derived % 4096)
+        if self.slab_bytes % 4096 or self.slab_bytes > self.capacity_bytes:
+            raise ConfigError("host slab size must be a multiple of 4096 and at most --host-capacity")
+
+
+@dataclass(frozen=True)
+class SsdTierConfig:
+    directory: Path
+    capacity_bytes: int = 16 << 30
+    direct_io: bool = True  # O_DIRECT where the filesystem allows it
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 16 << 20:
+            raise ConfigError("--ssd-capacity must be at least 16MiB")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:7070"
+    data_dir: Path = Path("./kvstore-data")
+    tiers: tuple[str, ...] = ("host", "ssd")
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    ssd: SsdTierConfig | None = None
+    metrics_listen: str | None = "127.0.0.1:9464"  # None: no /metrics endpoint
+    node: str = "local"
+    max_pages_per_request: int = 65536
+    max_page_bytes: int = 64 << 20
+    default_lease_ms: int = 30_000
+    max_lease_ms: int = 600_000
+    allocation_ttl_ms: int = 60_000
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        for tier in self.tiers:
+            if tier not in KNOWN_TIERS:
+                raise ConfigError(f"--tiers: unknown tier {tier!r}; known: {', '.join(KNOWN_TIERS)}")
+        if "host" not in self.tiers:
+            raise ConfigError("--tiers must include host: it is where pages land first")
+        if "ssd" in self.tiers and self.ssd is None:
+            raise ConfigError("--tiers includes ssd but no --ssd-dir was given")
+        if ":" not in self.listen:
+            raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if self.max_pages_per_request <= 0:
+            raise ConfigError("max_pages_per_request must be > 0")

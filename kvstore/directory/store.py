@@ -1,0 +1,146 @@
+"""Page key -> locations, in memory for lookups and in LMDB for what must survive a restart.
+
+Only locations in durable tiers (ssd, remote) are written to LMDB: a host-arena page dies
+with the process, so persisting it would only create entries to drop at start. Every change
+emits an event. Not thread-safe on its own: the tier manager serialises calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from kvstore.directory.events import EventKind, EventLog
+from kvstore.types import Location
+
+logger = logging.getLogger(__name__)
+
+DURABLE_TIERS = ("ssd", "remote")
+TIER_ORDER = {"hbm": 0, "host": 1, "ssd": 2, "remote": 3}
+_SEQ_KEY = b"last_seq"
+
+
+@dataclass
+class Entry:
+    namespace_id: bytes
+    locations: dict[tuple[str, str], Location] = field(default_factory=dict)  # (node, tier) -> location
+
+    def best(self, local_node: str) -> Location:
+        """The cheapest location: a local tier before a remote node, faster tiers first."""
+        return min(self.locations.values(), key=lambda loc: (loc.node != local_node, TIER_ORDER.get(loc.tier, 9)))
+
+    def durable(self) -> list[Location]:
+        return [loc for loc in self.locations.values() if loc.tier in DURABLE_TIERS]
+
+
+class Directory:
+    def __init__(self, data_dir: Path, node: str) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.node = node
+        self.env = lmdb.open(str(data_dir / "directory.lmdb"), map_size=8 << 30, max_dbs=4, metasync=False, sync=True)
+        self.entries_db = self.env.open_db(b"entries")
+        self.meta_db = self.env.open_db(b"meta")
+        self._entries: dict[bytes, Entry] = {}
+        self._version = 0
+        with self.env.begin(db=self.meta_db) as txn:
+            raw = txn.get(_SEQ_KEY)
+        last_seq = int(raw) if raw else 0
+        self.events = EventLog(first_seq=last_seq + 1)
+        self._load()
+
+    def _load(self) -> None:
+        with self.env.begin(db=self.entries_db) as txn:
+            for key, value in txn.cursor():
+                rec = json.loads(bytes(value))
+                entry = Entry(bytes.fromhex(rec["ns"]))
+                for node, tier, version, size in rec["locs"]:
+                    entry.locations[(node, tier)] = Location(node, tier, version, size)
+                    self._version = max(self._version, version)
+                self._entries[bytes(key)] = entry
+        logger.info("directory: %d entries loaded", len(self._entries))
+
+    def _persist(self, changed: list[bytes]) -> None:
+        """Writes the durable part of the changed entries, and the event sequence."""
+        with self.env.begin(write=True) as txn:
+            for key in changed:
+                entry = self._entries.get(key)
+                durable = entry.durable() if entry else []
+                if durable:
+                    rec = {"ns": entry.namespace_id.hex(), "locs": [[l.node, l.tier, l.version, l.size_bytes] for l in durable]}  # type: ignore[union-attr]
+                    txn.put(key, json.dumps(rec, separators=(",", ":")).encode(), db=self.entries_db)
+                else:
+                    txn.delete(key, db=self.entries_db)
+            txn.put(_SEQ_KEY, str(self.events.last_seq).encode(), db=self.meta_db)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[Location]:
+        """Best location of each page of the longest contiguous present prefix."""
+        out = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                break
+            out.append(entry.best(self.node))
+        return out
+
+    def keys_of(self, namespace_id: bytes) -> list[bytes]:
+        return [k for k, e in self._entries.items() if e.namespace_id == namespace_id]
+
+    def all_keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    # -- changes -------------------------------------------------------------------------
+
+    def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
+        """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions."""
+        versions, durable_changed = [], []
+        for key, node, tier, size in records:
+            entry = self._entries.setdefault(key, Entry(namespace_id))
+            self._version += 1
+            loc = Location(node, tier, self._version, size)
+            entry.locations[(node, tier)] = loc
+            versions.append(self._version)
+            self.events.append(EventKind.STORED, namespace_id, key, loc)
+            if tier in DURABLE_TIERS:
+                durable_changed.append(key)
+        if durable_changed:
+            self._persist(durable_changed)
+        return versions
+
+    def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
+        """Drops the locations of ``key`` matching node/tier (all when None); returns them."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return []
+        gone = [loc for loc in entry.locations.values() if (node is None or loc.node == node) and (tier is None or loc.tier == tier)]
+        for loc in gone:
+            del entry.locations[(loc.node, loc.tier)]
+            self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
+        if not entry.locations:
+            del self._entries[key]
+        if any(loc.tier in DURABLE_TIERS for loc in gone):
+            self._persist([key])
+        return gone
+
+    def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:
+        """Removes every entry of a namespace; one CLEARED event."""
+        keys = self.keys_of(namespace_id)
+        removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
+        self.events.append(EventKind.CLEARED, namespace_id)
+        self._persist(keys)
+        return removed
+
+    def close(self) -> None:
+        self.events.close()
+        self.env.close()

@@ -1,0 +1,43 @@
+"""The error hierarchy shared by client and server.
+
+The servicers map each class to one gRPC status (kvstore/service_errors.py); the client maps
+statuses back, so an engine catches the same class whichever side raised it.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+
+class InvalidRequest(KVStoreError):
+    """The input is malformed (sizes, counts, key lengths, layouts); nothing was changed."""
+
+
+class NamespaceMismatch(InvalidRequest):
+    """A page or request names a namespace or layout that does not match; nothing was changed."""
+
+
+class TierFull(KVStoreError):
+    """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
+
+
+class PageMissing(KVStoreError):
+    """A page promised by a lookup is gone (evicted, invalidated, or its bytes were lost)."""
+
+
+class PageCorrupt(KVStoreError):
+    """A page failed its length or checksum check; it was quarantined and not returned."""
+
+
+class LeaseExpired(KVStoreError):
+    """The lease or allocation was released or timed out before it was used."""
+
+
+class TierUnavailable(KVStoreError):
+    """A tier cannot work here (no CUDA for hbm, an unusable --ssd-dir)."""
+
+
+class ConfigError(KVStoreError):
+    """A configuration value is invalid; the message names the flag that fixes it."""

@@ -1,0 +1,40 @@
+"""Prometheus metrics of one server, on a registry of its own (several servers may share a
+process in tests)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("kvstore_hits", "Pages served, by the tier that held them", ["tier"], registry=r)
+        self.misses = Counter("kvstore_misses", "Pages asked of a tier that did not hold them", ["tier"], registry=r)
+        self.bytes_in = Counter("kvstore_bytes_in", "Page bytes written into a tier", ["tier"], registry=r)
+        self.bytes_out = Counter("kvstore_bytes_out", "Page bytes read out of a tier", ["tier"], registry=r)
+        self.pages = Gauge("kvstore_pages", "Pages stored, per tier", ["tier"], registry=r)
+        self.used_bytes = Gauge("kvstore_used_bytes", "Bytes of slots in use, per tier", ["tier"], registry=r)
+        self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Tier capacity", ["tier"], registry=r)
+        self.evictions = Counter("kvstore_evictions", "Pages evicted from a tier", ["tier"], registry=r)
+        self.demotions = Counter("kvstore_demotions", "Pages moved down a tier under pressure", ["tier"], registry=r)
+        self.promotions = Counter("kvstore_promotions", "Pages copied up into a faster tier on use", ["tier"], registry=r)
+        self.quarantined = Counter("kvstore_quarantined", "Pages that failed a check and were quarantined", ["tier"], registry=r)
+        self.rpc_seconds = Histogram(
+            "kvstore_rpc_seconds", "RPC latency", ["method"], registry=r,
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),
+        )
+        self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=r)
+
+    @contextmanager
+    def timed(self, method: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.rpc_seconds.labels(method).observe(time.perf_counter() - start)

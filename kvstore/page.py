@@ -1,0 +1,104 @@
+"""The stored form of a page: a fixed header, then layer-major payload bytes.
+
+Header (little-endian, padded to ``HEADER_BYTES`` so that the payload of an on-disk page is
+aligned for O_DIRECT):
+
+    magic "KVPG" | format u16 | flags u16 | namespace_id 16s | key 16s |
+    num_layers u32 | kv_factor u32 | num_kv_heads u32 | head_dim u32 | dtype 16s |
+    page_tokens u32 | payload_bytes u64 | checksum u64 | header_checksum u64
+
+``checksum`` is xxh3-64 of the payload; ``header_checksum`` covers every byte before it.
+A page whose header or payload fails its check is never returned.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.errors import NamespaceMismatch, PageCorrupt
+from kvstore.types import DTYPE_BYTES, KVLayout
+
+MAGIC = b"KVPG"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+_BODY = struct.Struct("<4sHH16s16sIIII16sIQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packed header
+
+
+def checksum(data: object) -> int:
+    """xxh3-64 of a buffer (bytes, memoryview, numpy array)."""
+    return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LayoutDesc:
+    """A layout as stored in a header; comparable with ``KVLayout`` without torch."""
+
+    num_layers: int
+    kv_factor: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_tokens: int
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutDesc:
+        return cls(layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, layout.dtype_name, layout.page_tokens)
+
+    @property
+    def page_bytes(self) -> int:
+        itemsize = DTYPE_BYTES.get(self.dtype, 0)
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * itemsize * self.page_tokens
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    namespace_id: bytes
+    key: bytes
+    layout: LayoutDesc
+    payload_bytes: int
+    checksum: int
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        """The header padded to HEADER_BYTES."""
+        lay = self.layout
+        body = _BODY.pack(
+            MAGIC, FORMAT_VERSION, self.flags, self.namespace_id, self.key,
+            lay.num_layers, lay.kv_factor, lay.num_kv_heads, lay.head_dim, lay.dtype.encode(),
+            lay.page_tokens, self.payload_bytes, self.checksum,
+        )
+        packed = body + _CHECK.pack(checksum(body))
+        return packed + bytes(HEADER_BYTES - len(packed))
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> PageHeader:
+        """Parses and checks a header; raises PageCorrupt when it is not a valid one."""
+        if len(data) < _BODY.size + _CHECK.size:
+            raise PageCorrupt(f"page header truncated: {len(data)} bytes")
+        body = bytes(data[: _BODY.size])
+        (stored,) = _CHECK.unpack_from(data, _BODY.size)
+        if stored != checksum(body):
+            raise PageCorrupt("page header checksum mismatch")
+        magic, version, flags, ns, key, nl, kvf, heads, hd, dtype, pt, length, csum = _BODY.unpack(body)
+        if magic != MAGIC:
+            raise PageCorrupt(f"bad page magic {magic!r}")
+        if version != FORMAT_VERSION:
+            raise PageCorrupt(f"page format version {version} is not supported (expected {FORMAT_VERSION})")
+        layout = LayoutDesc(nl, kvf, heads, hd, dtype.rstrip(b"\0").decode(), pt)
+        return cls(ns, key, layout, length, csum, flags)
+
+    def verify_payload(self, payload: object, length: int) -> None:
+        """Raises PageCorrupt unless ``payload`` has the recorded length and checksum."""
+        if length != self.payload_bytes:
+            raise PageCorrupt(f"page {self.key.hex()} has {length} bytes, header says {self.payload_bytes}")
+        if checksum(payload) != self.checksum:
+            raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
+
+    def expect(self, namespace_id: bytes, key: bytes) -> None:
+        if self.namespace_id != namespace_id or self.key != key:
+            raise NamespaceMismatch(f"page {key.hex()} header names another namespace or key")

@@ -1,0 +1,107 @@
+"""The Directory servicer: a thin adapter from gRPC messages to the tier manager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from kvstore import validate
+from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
+from kvstore.config import ServerConfig
+from kvstore.directory import Event
+from kvstore.service_errors import stream, unary
+from kvstore.tier_manager import TierManager
+from kvstore.types import Location
+
+_SUBSCRIBE_POLL_S = 0.5
+
+
+def location_msg(loc: Location | None) -> common_pb2.Location | None:
+    if loc is None:
+        return None
+    return common_pb2.Location(node=loc.node, tier=loc.tier, version=loc.version, size_bytes=loc.size_bytes)
+
+
+def event_msg(ev: Event) -> directory_pb2.Event:
+    return directory_pb2.Event(
+        seq=ev.seq, kind=int(ev.kind), namespace_id=ev.namespace_id, key=ev.key,
+        location=location_msg(ev.location), unix_ms=ev.unix_ms,
+    )
+
+
+class DirectoryService(directory_pb2_grpc.DirectoryServicer):
+    def __init__(self, manager: TierManager, config: ServerConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.metrics = manager.metrics
+
+    def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
+        return validate.keys(values, self.config.max_pages_per_request, allow_empty)
+
+    @unary
+    def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        locations = self.manager.lookup(ns, self._keys(list(request.keys)))
+        return directory_pb2.LookupResponse(num_pages=len(locations), locations=[location_msg(l) for l in locations])
+
+    @unary
+    def Publish(self, request: directory_pb2.PublishRequest, context: grpc.ServicerContext) -> directory_pb2.PublishResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        keys = self._keys([r.key for r in request.records])
+        records = []
+        for key, rec in zip(keys, request.records):
+            validate.tier(rec.location.tier, ("hbm", "host", "ssd", "remote"))
+            if not rec.location.node or not rec.location.tier:
+                raise validate.InvalidRequest("every published location needs a node and a tier")
+            records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
+        versions = self.manager.publish_remote(ns, records)
+        return directory_pb2.PublishResponse(versions=versions)
+
+    @unary
+    def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        tier = validate.tier(request.tier, ("hbm", "host", "ssd", "remote"))
+        return directory_pb2.RemoveResponse(num_removed=self.manager.remove(ns, self._keys(list(request.keys)), tier))
+
+    @unary
+    def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        keys = self._keys(list(request.keys), allow_empty=True)
+        return directory_pb2.InvalidateResponse(num_removed=self.manager.invalidate(ns, keys))
+
+    @unary
+    def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        ident, found, expires = self.manager.lease(ns, self._keys(list(request.keys)), request.ttl_ms)
+        return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
+
+    @unary
+    def ReleaseLease(self, request: directory_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext) -> directory_pb2.ReleaseLeaseResponse:
+        return directory_pb2.ReleaseLeaseResponse(released=self.manager.release(request.lease_id))
+
+    @stream
+    def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
+        events = self.manager.directory.events
+        next_seq = request.from_seq or events.last_seq + 1
+        while context.is_active() and not events.closed:
+            batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
+            for ev in batch:
+                yield event_msg(ev)
+                next_seq = max(next_seq, ev.seq + 1)
+
+    @unary
+    def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> directory_pb2.StatsResponse:
+        st = self.manager.stats()
+        tiers = []
+        for name, usage in st.tiers.items():
+            c = st.counters.get(name, {})
+            tiers.append(directory_pb2.TierStats(
+                tier=name, num_pages=usage.num_pages, used_bytes=usage.used_bytes, capacity_bytes=usage.capacity_bytes,
+                hits=int(c.get("hits", 0)), misses=int(c.get("misses", 0)), evictions=int(c.get("evictions", 0)),
+                bytes_in=int(c.get("bytes_in", 0)), bytes_out=int(c.get("bytes_out", 0)),
+            ))
+        return directory_pb2.StatsResponse(
+            node=st.node, num_entries=st.num_entries, last_seq=st.last_seq, tiers=tiers,
+            num_leases=st.num_leases, num_quarantined=st.num_quarantined,
+        )

@@ -1,0 +1,128 @@
+"""The Data servicer: arena slots for same-host clients, page streams for the others."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from kvstore import validate
+from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore.config import ServerConfig
+from kvstore.errors import InvalidRequest
+from kvstore.page import PageHeader
+from kvstore.service_errors import stream, unary
+from kvstore.tier_manager import TierManager
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 8 << 20
+
+
+class DataService(data_pb2_grpc.DataServicer):
+    def __init__(self, manager: TierManager, config: ServerConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.metrics = manager.metrics
+
+    def _keys(self, values: list[bytes]) -> list[bytes]:
+        return validate.keys(values, self.config.max_pages_per_request)
+
+    @unary
+    def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
+        host = self.manager.host
+        return data_pb2.GetInfoResponse(
+            node=self.manager.node, arena_path=str(host.path), arena_bytes=host.arena_bytes, arena_token=host.token,
+            tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
+            max_page_bytes=self.config.max_page_bytes,
+        )
+
+    @unary
+    def Allocate(self, request: data_pb2.AllocateRequest, context: grpc.ServicerContext) -> data_pb2.AllocateResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        layout = validate.layout(request.layout)
+        ident, slots = self.manager.allocate(ns, layout, self._keys(list(request.keys)))
+        return data_pb2.AllocateResponse(
+            allocation_id=ident, page_bytes=layout.page_bytes,
+            slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
+        )
+
+    @unary
+    def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
+        keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
+        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable)
+        return data_pb2.CommitResponse(num_published=n)
+
+    @unary
+    def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
+        self.manager.abort(request.allocation_id)
+        return data_pb2.AbortResponse()
+
+    @unary
+    def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        ident, pages = self.manager.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
+        page_bytes = self.manager.host.header(pages[0].key).payload_bytes if pages else 0  # type: ignore[union-attr]
+        return data_pb2.AcquireResponse(
+            lease_id=ident, page_bytes=page_bytes,
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.offset, checksum=p.checksum) for p in pages],
+        )
+
+    @unary
+    def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
+        self.manager.release(request.lease_id)
+        return data_pb2.ReleaseResponse()
+
+    @unary
+    def WritePages(self, request_iterator: Iterator[data_pb2.PageChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
+        stored = 0
+        current: tuple[PageHeader, bytearray, bool] | None = None
+        filled = 0
+        for chunk in request_iterator:
+            if current is None or chunk.offset == 0:
+                if current is not None:
+                    raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+                key = validate.keys([chunk.key], 1)[0]
+                ns = validate.namespace_id(chunk.namespace_id)
+                layout = validate.layout(chunk.layout)
+                if chunk.page_bytes != layout.page_bytes:
+                    raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
+                if chunk.offset != 0:
+                    raise InvalidRequest("the first chunk of a page must have offset 0")
+                current = (PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum), bytearray(chunk.page_bytes), chunk.durable)
+                filled = 0
+            header, buf, durable = current
+            if chunk.key != header.key or chunk.offset != filled:
+                raise InvalidRequest(f"chunk of page {header.key.hex()} at offset {chunk.offset}, expected {filled}")
+            if filled + len(chunk.data) > header.payload_bytes:
+                raise InvalidRequest(f"page {header.key.hex()} got more than its {header.payload_bytes} bytes")
+            buf[filled : filled + len(chunk.data)] = chunk.data
+            filled += len(chunk.data)
+            if filled == header.payload_bytes:
+                self.manager.write_page(header, memoryview(buf), durable)
+                stored += 1
+                current = None
+        if current is not None:
+            raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+        return data_pb2.WritePagesResponse(num_published=stored)
+
+    @stream
+    def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[data_pb2.PageChunk]:
+        ns = validate.namespace_id(request.namespace_id)
+        keys = self._keys(list(request.keys))
+        chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
+        if not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        ident, pages = self.manager.acquire(ns, keys, request.ttl_ms)
+        try:
+            for page in pages:
+                header, view = self.manager.read_view(page.key)
+                layout = validate.layout_msg(header.layout)
+                for start in range(0, header.payload_bytes, chunk_bytes):
+                    first = start == 0
+                    yield data_pb2.PageChunk(
+                        key=header.key, offset=start, data=bytes(view[start : start + chunk_bytes]),
+                        namespace_id=header.namespace_id if first else b"", layout=layout if first else None,
+                        page_bytes=header.payload_bytes, checksum=header.checksum,
+                    )
+        finally:
+            self.manager.release(ident)

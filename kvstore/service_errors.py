@@ -1,0 +1,67 @@
+"""Decorators that turn exceptions into gRPC statuses and time every RPC.
+
+The only place that maps exceptions to status codes on the server: expected errors
+(KVStoreError) become their status with the message; I/O errors become UNAVAILABLE;
+anything else is logged with its traceback and becomes INTERNAL. The server keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from kvstore.errors import KVStoreError
+from kvstore.status import code_for
+
+logger = logging.getLogger(__name__)
+
+
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, KVStoreError):
+        return code_for(exc), str(exc)
+    if isinstance(exc, OSError):
+        logger.error("I/O error: %s", exc)
+        return grpc.StatusCode.UNAVAILABLE, f"storage I/O error: {exc}"
+    logger.exception("unexpected error")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def unary(method: Callable[..., Any]) -> Callable[..., Any]:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status below
+            code, message = _status(exc)
+            self.metrics.rpc_errors.labels(name, code.name).inc()
+            context.abort(code, message)
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+def stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        start = time.perf_counter()
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status below
+            code, message = _status(exc)
+            self.metrics.rpc_errors.labels(name, code.name).inc()
+            context.abort(code, message)
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
+
+    return wrapper

@@ -1,0 +1,34 @@
+"""One table between kvstore errors and gRPC status codes, used by servicers and client."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvstore import errors
+
+# Most specific first: the first matching class wins.
+ERROR_CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
+    (errors.NamespaceMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.TierFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PageMissing, grpc.StatusCode.NOT_FOUND),
+    (errors.PageCorrupt, grpc.StatusCode.DATA_LOSS),
+    (errors.LeaseExpired, grpc.StatusCode.ABORTED),
+    (errors.TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def code_for(exc: errors.KVStoreError) -> grpc.StatusCode:
+    for cls, code in ERROR_CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_for(code: grpc.StatusCode, message: str) -> errors.KVStoreError:
+    """The client-side exception for a status the server sent."""
+    for cls, known in ERROR_CODES:
+        if known == code:
+            return cls(message)
+    return errors.KVStoreError(f"{code.name}: {message}")

@@ -1,0 +1,579 @@
+"""Places pages in tiers, moves them on pressure and use, and keeps the directory true.
+
+Page life in the host tier::
+
+    allocate --> reserved --commit--> stored --evict--> (demoted to ssd | dropped)
+        |                  \\--abort/expire--> freed       ^
+        '-- stored already: nothing to write               '-- promoted from ssd on acquire
+
+A page is published in the directory only once its bytes are in the tier named by the
+location (host: committed to the arena; ssd: synced and indexed). Pinned pages (leases,
+acquisitions) are never evicted or freed; a page removed while pinned is doomed and freed
+when its last pin goes.
+
+Thread-safety: every public method takes ``self._lock``; the host arena's bytes are written
+by clients outside it, only into slots they were allocated.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from kvstore.config import ServerConfig
+from kvstore.directory import Directory
+from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull
+from kvstore.metrics import Metrics
+from kvstore.page import LayoutDesc, PageHeader, checksum
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.ssd import Quarantined, SsdTier
+from kvstore.types import Location
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Allocation:
+    namespace_id: bytes
+    layout: LayoutDesc
+    slots: dict[bytes, int]       # key -> reserved host offset
+    expires: float
+
+
+@dataclass
+class Lease:
+    keys: list[bytes]
+    expires: float
+
+
+@dataclass(frozen=True)
+class AcquiredPage:
+    key: bytes
+    offset: int
+    checksum: int
+
+
+@dataclass
+class ManagerStats:
+    node: str
+    num_entries: int
+    last_seq: int
+    tiers: dict[str, TierUsage]
+    num_leases: int
+    num_quarantined: int
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class TierManager:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.node = config.node
+        self.metrics = metrics or Metrics()
+        self._lock = threading.RLock()
+        self.directory = Directory(config.data_dir, config.node)
+        self.host = HostTier(config.host, config.node)
+        self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
+        self._host_lru: OrderedDict[bytes, None] = OrderedDict()
+        self._ssd_lru: OrderedDict[bytes, None] = OrderedDict()
+        self._pins: Counter[bytes] = Counter()
+        self._doomed: set[tuple[bytes, str]] = set()  # (key, tier) to drop once unpinned
+        self._layouts: dict[bytes, LayoutDesc] = {}
+        self._allocations: dict[int, Allocation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._expiry: list[tuple[float, int, str]] = []  # (deadline, id, "lease"|"alloc")
+        self._ids = itertools.count(1)
+        self._host_quarantine: list[Quarantined] = []
+        self._recover()
+        self._refresh_gauges()
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Makes the directory agree with what the tiers really hold after a restart."""
+        ssd_keys = set(self.ssd.keys()) if self.ssd else set()
+        dropped = adopted = 0
+        for key in self.directory.all_keys():
+            entry = self.directory.get(key)
+            assert entry is not None
+            for (node, tier) in list(entry.locations):
+                if node == self.node and (tier in ("host", "hbm") or (tier == "ssd" and key not in ssd_keys)):
+                    self.directory.remove(key, node, tier)
+                    dropped += 1
+        if self.ssd:
+            for key in ssd_keys:
+                header = self.ssd.header(key)
+                assert header is not None
+                self._layouts.setdefault(header.namespace_id, header.layout)
+                self._ssd_lru[key] = None
+                entry = self.directory.get(key)
+                if entry is None or (self.node, "ssd") not in entry.locations:
+                    self.directory.publish(header.namespace_id, [(key, self.node, "ssd", header.payload_bytes)])
+                    adopted += 1
+        if dropped or adopted:
+            logger.info("recovery: dropped %d directory locations without bytes, adopted %d ssd pages", dropped, adopted)
+
+    # -- housekeeping --------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, ident, kind = heapq.heappop(self._expiry)
+            if kind == "lease":
+                lease = self._leases.pop(ident, None)
+                if lease is not None:
+                    logger.warning("lease %d expired with %d pages pinned", ident, len(lease.keys))
+                    self._unpin(lease.keys)
+            else:
+                alloc = self._allocations.pop(ident, None)
+                if alloc is not None:
+                    logger.warning("allocation %d expired uncommitted; freeing %d slots", ident, len(alloc.slots))
+                    for offset in alloc.slots.values():
+                        self.host.unreserve(offset)
+
+    def _pin(self, keys: list[bytes]) -> None:
+        self._pins.update(keys)
+
+    def _unpin(self, keys: list[bytes]) -> None:
+        self._pins.subtract(keys)
+        for key in keys:
+            if self._pins[key] <= 0:
+                del self._pins[key]
+                for tier in ("host", "ssd"):
+                    if (key, tier) in self._doomed:
+                        self._doomed.discard((key, tier))
+                        self._drop_local(key, tier)
+
+    def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
+        known = self._layouts.setdefault(namespace_id, layout)
+        if known != layout:
+            raise NamespaceMismatch(f"namespace {namespace_id.hex()} has layout {known}, request says {layout}")
+        if layout.page_bytes <= 0:
+            raise InvalidRequest(f"layout {layout} gives an empty page or an unknown dtype")
+        if layout.page_bytes > self.config.max_page_bytes:
+            raise InvalidRequest(f"page of {layout.page_bytes} bytes exceeds the limit of {self.config.max_page_bytes}")
+        if not self.host.allocator.fits(layout.page_bytes):
+            raise InvalidRequest(
+                f"page of {layout.page_bytes} bytes does not fit a host slab of {self.host.allocator.slab_bytes} bytes; "
+                "raise --host-capacity"
+            )
+
+    def _has(self, key: bytes, tier: str) -> bool:
+        held = self.host.contains(key) if tier == "host" else bool(self.ssd and self.ssd.contains(key))
+        return held and (key, tier) not in self._doomed
+
+    def _stored(self, key: bytes) -> bool:
+        return self._has(key, "host") or self._has(key, "ssd")
+
+    # -- making room ---------------------------------------------------------------------
+
+    def _host_reserve(self, page_bytes: int) -> int | None:
+        """A host slot, evicting (demoting) least recently used unpinned pages as needed."""
+        while True:
+            offset = self.host.reserve(page_bytes)
+            if offset is not None:
+                return offset
+            victim = next((k for k in self._host_lru if k not in self._pins), None)
+            if victim is None:
+                return None
+            self._evict_host(victim)
+
+    def _evict_host(self, key: bytes) -> None:
+        slot = self.host.slot(key)
+        assert slot is not None
+        offset, header = slot
+        if self.ssd is not None and not self.ssd.contains(key):
+            try:
+                self.host.verify(key)
+            except PageCorrupt as exc:
+                self._host_lru.pop(key, None)
+                self._quarantine_host(header, str(exc))
+                return
+            if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
+                self.metrics.demotions.labels("host").inc()
+        self._host_lru.pop(key, None)
+        self.host.delete(key)
+        self.directory.remove(key, self.node, "host")
+        self.metrics.evictions.labels("host").inc()
+
+    def _ssd_reserve(self, payload_bytes: int) -> int | None:
+        assert self.ssd is not None
+        while True:
+            offset = self.ssd.reserve(payload_bytes)
+            if offset is not None:
+                return offset
+            victim = next((k for k in self._ssd_lru if k not in self._pins), None)
+            if victim is None:
+                return None
+            self._ssd_lru.pop(victim)
+            self.ssd.delete(victim)
+            self.directory.remove(victim, self.node, "ssd")
+            self.metrics.evictions.labels("ssd").inc()
+
+    def _ssd_write(self, items: list[tuple[PageHeader, memoryview]]) -> int:
+        """Writes pages durably to the ssd tier and publishes them; returns how many."""
+        assert self.ssd is not None
+        placed: list[tuple[int, PageHeader]] = []
+        try:
+            for header, payload in items:
+                if self.ssd.contains(header.key):
+                    continue
+                offset = self._ssd_reserve(header.payload_bytes)
+                if offset is None:
+                    break
+                placed.append((offset, header))
+                self.ssd.write_slot(offset, header, payload)
+            if placed:
+                self.ssd.sync()
+                self.ssd.index(placed)
+        except OSError:
+            for offset, _ in placed:
+                self.ssd.unreserve(offset)
+            logger.exception("ssd tier: write failed; pages stay in the host tier only")
+            raise
+        by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
+        for _, header in placed:
+            self._ssd_lru[header.key] = None
+            by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, "ssd", header.payload_bytes))
+            self.metrics.bytes_in.labels("ssd").inc(header.payload_bytes)
+        for ns, records in by_ns.items():
+            self.directory.publish(ns, records)
+        return len(placed)
+
+    def _quarantine_host(self, header: PageHeader, reason: str) -> None:
+        logger.error("host tier: quarantining page %s: %s", header.key.hex(), reason)
+        self._host_quarantine.append(Quarantined(header.key, header.namespace_id, reason, time.time()))
+        self.metrics.quarantined.labels("host").inc()
+        self.directory.remove(header.key, self.node, "host")
+
+    def _quarantine_ssd(self, key: bytes) -> None:
+        """Bookkeeping after SsdTier quarantined a page that failed a read check."""
+        self._ssd_lru.pop(key, None)
+        self.metrics.quarantined.labels("ssd").inc()
+        self.directory.remove(key, self.node, "ssd")
+
+    # -- writes through the arena --------------------------------------------------------
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[int, list[tuple[bytes, int | None]]]:
+        """Reserves slots for the keys not stored yet; stops at the first that finds no room.
+
+        Returns (allocation id, [(key, offset or None when already stored)]) for a prefix of
+        ``keys``. Raises TierFull when not even the first page fits.
+        """
+        with self._lock:
+            self._reap()
+            self._check_layout(namespace_id, layout)
+            out: list[tuple[bytes, int | None]] = []
+            slots: dict[bytes, int] = {}
+            for key in keys:
+                if self._stored(key) or key in slots:
+                    out.append((key, None))
+                    continue
+                offset = self._host_reserve(layout.page_bytes)
+                if offset is None:
+                    break
+                slots[key] = offset
+                out.append((key, offset))
+            if not out:
+                raise TierFull("host tier is full and every page in it is leased")
+            ident = next(self._ids)
+            deadline = time.monotonic() + self.config.allocation_ttl_ms / 1000
+            self._allocations[ident] = Allocation(namespace_id, layout, slots, deadline)
+            heapq.heappush(self._expiry, (deadline, ident, "alloc"))
+            return ident, out
+
+    def commit(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool = False) -> int:
+        """Publishes the written slots of an allocation; frees the others.
+
+        With ``durable`` the pages are also written through to the ssd tier (synced) before
+        this returns. Returns the number of ``keys`` now stored.
+        """
+        with self._lock:
+            self._reap()
+            alloc = self._allocations.pop(allocation_id, None)
+            if alloc is None:
+                raise LeaseExpired(f"allocation {allocation_id} is unknown or expired; allocate again")
+            if len(keys) != len(checksums):
+                raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
+            fresh: list[PageHeader] = []
+            for key, csum in zip(keys, checksums):
+                offset = alloc.slots.pop(key, None)
+                if offset is None:
+                    continue  # was stored already at allocation time
+                header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum)
+                if self._stored(key):
+                    self.host.unreserve(offset)
+                    continue
+                self.host.install(header, offset)
+                self._host_lru[key] = None
+                fresh.append(header)
+            for offset in alloc.slots.values():
+                self.host.unreserve(offset)
+            self._publish_host(alloc.namespace_id, fresh)
+            if durable and self.ssd is not None:
+                self._write_through(keys)
+            return sum(1 for k in keys if self._stored(k))
+
+    def _publish_host(self, namespace_id: bytes, headers: list[PageHeader]) -> None:
+        if headers:
+            self.directory.publish(namespace_id, [(h.key, self.node, "host", h.payload_bytes) for h in headers])
+            self.metrics.bytes_in.labels("host").inc(sum(h.payload_bytes for h in headers))
+
+    def _write_through(self, keys: list[bytes]) -> None:
+        items = []
+        for key in keys:
+            slot = self.host.slot(key)
+            if slot is not None and self.ssd is not None and not self.ssd.contains(key):
+                offset, header = slot
+                try:
+                    self.host.verify(key)
+                except PageCorrupt as exc:
+                    self._host_lru.pop(key, None)
+                    self._quarantine_host(header, str(exc))
+                    raise
+                items.append((header, self.host.view(offset, header.payload_bytes)))
+        if items:
+            self._ssd_write(items)
+
+    def abort(self, allocation_id: int) -> None:
+        with self._lock:
+            alloc = self._allocations.pop(allocation_id, None)
+            if alloc is not None:
+                for offset in alloc.slots.values():
+                    self.host.unreserve(offset)
+
+    # -- writes over the socket ----------------------------------------------------------
+
+    def write_page(self, header: PageHeader, payload: memoryview, durable: bool = False) -> bool:
+        """Stores a page that arrived whole over the wire (checksum verified here)."""
+        header.verify_payload(payload, len(payload))
+        with self._lock:
+            self._reap()
+            self._check_layout(header.namespace_id, header.layout)
+            if header.payload_bytes != header.layout.page_bytes:
+                raise InvalidRequest(f"page has {header.payload_bytes} bytes, its layout needs {header.layout.page_bytes}")
+            if not self._stored(header.key):
+                offset = self._host_reserve(header.payload_bytes)
+                if offset is None:
+                    raise TierFull("host tier is full and every page in it is leased")
+                self.host.view(offset, header.payload_bytes)[:] = payload
+                self.host.install(header, offset)
+                self._host_lru[header.key] = None
+                self._publish_host(header.namespace_id, [header])
+            if durable and self.ssd is not None:
+                self._write_through([header.key])
+            return True
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, list[AcquiredPage]]:
+        """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
+        arena, promoting ssd pages into the host tier. A page that fails its check ends the
+        prefix (and is quarantined)."""
+        with self._lock:
+            self._reap()
+            pages: list[AcquiredPage] = []
+            for key in keys:
+                entry = self.directory.get(key)
+                if entry is None or entry.namespace_id != namespace_id or not self._stored(key):
+                    self.metrics.misses.labels("host").inc()
+                    break
+                slot = self.host.slot(key) if self._has(key, "host") else None
+                if slot is not None:
+                    self._host_lru.move_to_end(key)
+                    self.metrics.hits.labels("host").inc()
+                else:
+                    self.metrics.misses.labels("host").inc()
+                    slot = self._promote(key)
+                    if slot is None:
+                        break
+                offset, header = slot
+                self._pin([key])
+                pages.append(AcquiredPage(key, offset, header.checksum))
+                self.metrics.bytes_out.labels("host").inc(header.payload_bytes)
+            ident = next(self._ids)
+            self._lease_locked(ident, [p.key for p in pages], ttl_ms)
+            return ident, pages
+
+    def _promote(self, key: bytes) -> tuple[int, PageHeader] | None:
+        if self.ssd is None or not self.ssd.contains(key):
+            if self.ssd is not None:
+                self.metrics.misses.labels("ssd").inc()
+            return None
+        header = self.ssd.header(key)
+        assert header is not None
+        self._pin([key])  # keep the ssd copy while the host tier makes room
+        try:
+            offset = self._host_reserve(header.payload_bytes)
+        finally:
+            self._unpin([key])
+        if offset is None:
+            raise TierFull("host tier is full and every page in it is leased; cannot promote from ssd")
+        slot_bytes = self.host.allocator.slot_bytes(offset)
+        try:
+            self.ssd.get(key, self.host.view(offset, slot_bytes))
+        except PageCorrupt:
+            self.host.unreserve(offset)
+            self._quarantine_ssd(key)
+            return None
+        except BaseException:
+            self.host.unreserve(offset)
+            raise
+        self._ssd_lru.move_to_end(key)
+        self.host.install(header, offset)
+        self._host_lru[key] = None
+        self.metrics.hits.labels("ssd").inc()
+        self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
+        self.metrics.promotions.labels("ssd").inc()
+        self.directory.publish(header.namespace_id, [(key, self.node, "host", header.payload_bytes)])
+        return offset, header
+
+    def read_view(self, key: bytes) -> tuple[PageHeader, memoryview]:
+        """The bytes of a page acquired by the caller (valid until it releases)."""
+        slot = self.host.slot(key)
+        if slot is None:
+            raise LeaseExpired(f"page {key.hex()} is no longer held; its lease was lost")
+        offset, header = slot
+        return header, self.host.view(offset, header.payload_bytes)
+
+    def release(self, lease_id: int) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            self._unpin(lease.keys)
+            return True
+
+    def _lease_locked(self, ident: int, keys: list[bytes], ttl_ms: int) -> float:
+        ttl_ms = ttl_ms or self.config.default_lease_ms
+        if ttl_ms > self.config.max_lease_ms:
+            raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.config.max_lease_ms} ms")
+        deadline = time.monotonic() + ttl_ms / 1000
+        self._leases[ident] = Lease(keys, deadline)
+        heapq.heappush(self._expiry, (deadline, ident, "lease"))
+        return time.time() + ttl_ms / 1000
+
+    # -- directory operations ------------------------------------------------------------
+
+    def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[Location]:
+        with self._lock:
+            return self.directory.lookup(namespace_id, keys)
+
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, int, float]:
+        """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
+        with self._lock:
+            self._reap()
+            found = len(self.directory.lookup(namespace_id, keys))
+            held = keys[:found]
+            ident = next(self._ids)
+            expires = self._lease_locked(ident, held, ttl_ms)
+            self._pin(held)
+            return ident, found, expires
+
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
+        """Records pages held by other nodes (their bytes are durable there)."""
+        with self._lock:
+            for _, node, _, _ in records:
+                if node == self.node:
+                    raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
+            return self.directory.publish(namespace_id, records)
+
+    def _drop_local(self, key: bytes, tier: str) -> None:
+        """Frees this node's copy in ``tier`` now, or once its last pin goes."""
+        if key in self._pins:
+            self._doomed.add((key, tier))
+        elif tier == "host" and self.host.delete(key):
+            self._host_lru.pop(key, None)
+        elif tier == "ssd" and self.ssd is not None and self.ssd.delete(key):
+            self._ssd_lru.pop(key, None)
+
+    def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
+        """Removes pages (only their copies in ``tier`` when given); returns how many keys
+        lost at least one location."""
+        with self._lock:
+            count = 0
+            for key in keys:
+                entry = self.directory.get(key)
+                if entry is None or entry.namespace_id != namespace_id:
+                    continue
+                gone = self.directory.remove(key, None, tier or None)
+                if not gone:
+                    continue
+                count += 1
+                for loc in gone:
+                    if loc.node == self.node:
+                        self._drop_local(key, loc.tier)
+            self._refresh_gauges()
+            return count
+
+    def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
+        if keys:
+            return self.remove(namespace_id, keys)
+        with self._lock:
+            removed = self.directory.clear_namespace(namespace_id)
+            for key, _ in removed:
+                self._drop_local(key, "host")
+                self._drop_local(key, "ssd")
+            self._layouts.pop(namespace_id, None)
+            self._refresh_gauges()
+            return len(removed)
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def quarantined(self) -> list[Quarantined]:
+        with self._lock:
+            return list(self._host_quarantine) + (self.ssd.quarantined() if self.ssd else [])
+
+    def purge_quarantine(self) -> int:
+        with self._lock:
+            n = len(self._host_quarantine) + (self.ssd.purge_quarantine() if self.ssd else 0)
+            self._host_quarantine.clear()
+            return n
+
+    def _refresh_gauges(self) -> None:
+        for name, usage in self._usages().items():
+            self.metrics.pages.labels(name).set(usage.num_pages)
+            self.metrics.used_bytes.labels(name).set(usage.used_bytes)
+            self.metrics.capacity_bytes.labels(name).set(usage.capacity_bytes)
+
+    def _usages(self) -> dict[str, TierUsage]:
+        usages = {"host": self.host.usage()}
+        if self.ssd is not None:
+            usages["ssd"] = self.ssd.usage()
+        return usages
+
+    def stats(self) -> ManagerStats:
+        with self._lock:
+            self._reap()
+            self._refresh_gauges()
+            counters: dict[str, dict[str, float]] = {}
+            for name in self._usages():
+                counters[name] = {
+                    "hits": self.metrics.hits.labels(name)._value.get(),
+                    "misses": self.metrics.misses.labels(name)._value.get(),
+                    "evictions": self.metrics.evictions.labels(name)._value.get(),
+                    "bytes_in": self.metrics.bytes_in.labels(name)._value.get(),
+                    "bytes_out": self.metrics.bytes_out.labels(name)._value.get(),
+                }
+            return ManagerStats(
+                node=self.node,
+                num_entries=len(self.directory),
+                last_seq=self.directory.events.last_seq,
+                tiers=self._usages(),
+                num_leases=len(self._leases),
+                num_quarantined=len(self._host_quarantine) + (len(self.ssd.quarantined()) if self.ssd else 0),
+                counters=counters,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self.directory.close()
+            self.host.close()
+            if self.ssd is not None:
+                self.ssd.close()

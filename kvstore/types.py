@@ -1,0 +1,171 @@
+"""Leaf value types everyone may import: KVLayout, Namespace, PageKey, Location.
+
+No torch import at module level: the server never builds a ``KVLayout`` (it works with
+``page.LayoutDesc``), so only clients pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+NAMESPACE_ID_BYTES = 16
+PAGE_KEY_BYTES = 16
+
+# Bytes per element of the dtypes a page may hold.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+ATTENTION_KINDS = ("gqa", "mla")
+
+
+def dtype_name(dtype: Any) -> str:
+    """'bfloat16' for torch.bfloat16 or 'bfloat16'; raises ConfigError for anything else."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV of one model shard, and how it is cut into pages.
+
+    A page holds ``page_tokens`` tokens of every layer, laid out layer-major:
+    ``[layer][K|V][token][head][dim]`` so that one layer of a page is one contiguous slice.
+    MLA keeps a single latent per token (``attention="mla"``: no separate K and V).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any = "bfloat16"  # a torch.dtype (a name like "bfloat16" is converted)
+    page_tokens: int = 16
+    attention: str = "gqa"
+
+    def __post_init__(self) -> None:
+        name = dtype_name(self.dtype)
+        import torch
+
+        object.__setattr__(self, "dtype", getattr(torch, name))
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value > 1 << 20:
+                raise ConfigError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"KVLayout.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+
+    @property
+    def kv_factor(self) -> int:
+        """2 when K and V are stored separately, 1 for an MLA latent."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype_name]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.bytes_per_token * self.page_tokens
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one layer of one page: the unit of a layer-wise copy."""
+        return self.page_bytes // self.num_layers
+
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.kv_factor, self.page_tokens, self.num_kv_heads, self.head_dim)
+
+    def torch_dtype(self) -> Any:
+        return self.dtype
+
+    def describe(self) -> dict[str, Any]:
+        """Canonical, JSON-able form; part of the namespace id."""
+        return {
+            "num_layers": self.num_layers,
+            "kv_factor": self.kv_factor,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype_name,
+            "page_tokens": self.page_tokens,
+            "attention": self.attention,
+        }
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: Any = "bfloat16", page_tokens: int = 16) -> KVLayout:
+        """Derives the layout of a Hugging Face decoder config (GQA/MHA)."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype=dtype, page_tokens=page_tokens)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that decides which computation produced a KV page.
+
+    Two requests may share pages only if every field is equal: same weights revision, same
+    adapter, same KV format and the same tensor-parallel shard. ``tenant_salt`` separates
+    tenants so that one can neither read nor probe another's prefixes.
+    """
+
+    model: str
+    revision: str
+    layout: KVLayout
+    adapter: str = ""
+    adapter_revision: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    tenant_salt: str = ""
+    namespace_id: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("Namespace.model must not be empty")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"Namespace.tp_rank must be in [0, tp_size), got {self.tp_rank}/{self.tp_size}")
+        canonical = json.dumps(
+            {
+                "v": 1,
+                "model": self.model,
+                "revision": self.revision,
+                "adapter": self.adapter,
+                "adapter_revision": self.adapter_revision,
+                "layout": self.layout.describe(),
+                "tp": [self.tp_rank, self.tp_size],
+                "tenant_salt": self.tenant_salt,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        digest = hashlib.blake2b(canonical, digest_size=NAMESPACE_ID_BYTES, person=b"kvstore-ns-v1").digest()
+        object.__setattr__(self, "namespace_id", digest)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a page's bytes are: which node, which tier, which version of the entry."""
+
+    node: str
+    tier: str
+    version: int
+    size_bytes: int

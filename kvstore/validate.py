@@ -1,0 +1,54 @@
+"""Checks every request field before it reaches domain code; errors say what was wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore._proto import common_pb2
+from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
+from kvstore.types import DTYPE_BYTES, NAMESPACE_ID_BYTES, PAGE_KEY_BYTES
+
+_MAX_DIM = 1 << 16
+
+
+def namespace_id(value: bytes) -> bytes:
+    if len(value) != NAMESPACE_ID_BYTES:
+        raise InvalidRequest(f"namespace_id must be {NAMESPACE_ID_BYTES} bytes, got {len(value)}")
+    return bytes(value)
+
+
+def keys(values: Sequence[bytes], max_count: int, allow_empty: bool = False) -> list[bytes]:
+    if not values and not allow_empty:
+        raise InvalidRequest("keys must not be empty")
+    if len(values) > max_count:
+        raise InvalidRequest(f"too many keys: {len(values)} (at most {max_count} per request)")
+    for i, key in enumerate(values):
+        if len(key) != PAGE_KEY_BYTES:
+            raise InvalidRequest(f"keys[{i}] must be {PAGE_KEY_BYTES} bytes, got {len(key)}")
+    return [bytes(k) for k in values]
+
+
+def layout(msg: common_pb2.Layout) -> LayoutDesc:
+    if msg.dtype not in DTYPE_BYTES:
+        raise InvalidRequest(f"layout.dtype {msg.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+    if msg.kv_factor not in (1, 2):
+        raise InvalidRequest(f"layout.kv_factor must be 1 or 2, got {msg.kv_factor}")
+    for name in ("num_layers", "num_kv_heads", "head_dim", "page_tokens"):
+        value = getattr(msg, name)
+        if not 0 < value <= _MAX_DIM:
+            raise InvalidRequest(f"layout.{name} must be in [1, {_MAX_DIM}], got {value}")
+    return LayoutDesc(msg.num_layers, msg.kv_factor, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_tokens)
+
+
+def layout_msg(desc: LayoutDesc) -> common_pb2.Layout:
+    return common_pb2.Layout(
+        num_layers=desc.num_layers, kv_factor=desc.kv_factor, num_kv_heads=desc.num_kv_heads,
+        head_dim=desc.head_dim, dtype=desc.dtype, page_tokens=desc.page_tokens,
+    )
+
+
+def tier(value: str, allowed: Sequence[str]) -> str:
+    if value and value not in allowed:
+        raise InvalidRequest(f"tier {value!r} is not one of {', '.join(allowed)}")
+    return value

@@ -1,0 +1,127 @@
+"""Shared fixtures: real servers on 127.0.0.1 with a free port, real LMDB, real files,
+a real shared-memory arena."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVLayout, Namespace
+from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
+from kvstore.server import Server
+
+
+def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
+    ssd = SsdTierConfig(directory=tmp / "ssd", capacity_bytes=ssd_bytes) if ssd_bytes else None
+    return ServerConfig(
+        listen="127.0.0.1:0",
+        data_dir=tmp / "data",
+        tiers=("host", "ssd") if ssd else ("host",),
+        host=HostTierConfig(capacity_bytes=host_bytes),
+        ssd=ssd,
+        metrics_listen="127.0.0.1:0",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator[object]:
+    started: list[Server] = []
+
+    def start(config: ServerConfig | None = None, **kw: object) -> Server:
+        server = Server(config or make_config(tmp_path, **kw))
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop(grace_s=1)
+
+
+@pytest.fixture
+def server(server_factory: object) -> Server:
+    return server_factory()  # type: ignore[operator]
+
+
+SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return SMALL
+
+
+@pytest.fixture
+def ns(layout: KVLayout) -> Namespace:
+    return Namespace(model="demo", revision="r1", layout=layout)
+
+
+def random_kv(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, layout.kv_factor, tokens, layout.num_kv_heads, layout.head_dim)
+    return torch.randn(shape, generator=g).to(layout.torch_dtype())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """kvstore-server as a child process (for SIGKILL and restart tests)."""
+
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.args = [
+            sys.executable, "-m", "kvstore.cli.server", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(tmp / "data"),
+            "--ssd-dir", str(tmp / "ssd"), "--host-capacity", "64MiB", "--ssd-capacity", "256MiB", "--metrics-listen", "off",
+            "--log-level", "warning", *extra,
+        ]
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if "ready" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read() if self.proc.stderr else ''}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(20)
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path)
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.proc.kill()
+        proc.proc.wait(10)
+
+
+__all__ = ["SMALL", "ServerProcess", "free_port", "make_config", "random_kv", "replace", "os", "time"]

@@ -1,0 +1,1 @@
+"""Storage tiers behind one small interface (see base.py). Import as ``kvstore.tiers``."""

@@ -1,0 +1,98 @@
+"""Slab allocation of fixed-size page slots inside one arena (or one file).
+
+The arena is cut into equal slabs; a slab serves one slot size (page bytes rounded up to
+4 KiB, so slots stay aligned for O_DIRECT and for the CPU). A slab whose slots are all free
+goes back to the pool, so a size that is no longer used gives its space to others.
+"""
+
+from __future__ import annotations
+
+ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class SlabAllocator:
+    """Offsets of free slots. Not thread-safe: the owner serialises calls."""
+
+    def __init__(self, base: int, capacity: int, slab_bytes: int) -> None:
+        self.base = base
+        self.slab_bytes = slab_bytes
+        self.num_slabs = capacity // slab_bytes
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._slab_class: dict[int, int] = {}          # slab index -> slot bytes
+        self._slab_free: dict[int, list[int]] = {}     # slab index -> free slot offsets
+        self._partial: dict[int, set[int]] = {}        # slot bytes -> slabs with a free slot
+        self.used_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.num_slabs * self.slab_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < round_up(nbytes) <= self.slab_bytes
+
+    def alloc(self, nbytes: int) -> int | None:
+        """A free slot for ``nbytes``, or None when no slot and no slab is free."""
+        size = round_up(nbytes)
+        partial = self._partial.setdefault(size, set())
+        if not partial:
+            if not self._free_slabs:
+                return None
+            slab = self._free_slabs.pop()
+            start = self.base + slab * self.slab_bytes
+            count = self.slab_bytes // size
+            self._slab_class[slab] = size
+            self._slab_free[slab] = [start + i * size for i in range(count - 1, -1, -1)]
+            partial.add(slab)
+        slab = next(iter(partial))
+        slots = self._slab_free[slab]
+        offset = slots.pop()
+        if not slots:
+            partial.discard(slab)
+        self.used_bytes += size
+        return offset
+
+    def free(self, offset: int) -> None:
+        slab = (offset - self.base) // self.slab_bytes
+        size = self._slab_class[slab]
+        slots = self._slab_free[slab]
+        slots.append(offset)
+        self.used_bytes -= size
+        if len(slots) == self.slab_bytes // size:
+            del self._slab_class[slab], self._slab_free[slab]
+            self._partial[size].discard(slab)
+            self._free_slabs.append(slab)
+        else:
+            self._partial[size].add(slab)
+
+    def slot_bytes(self, offset: int) -> int:
+        return self._slab_class[(offset - self.base) // self.slab_bytes]
+
+    def claim(self, offset: int, nbytes: int) -> bool:
+        """Marks a known slot used (rebuilding state from an index); False if it conflicts."""
+        size = round_up(nbytes)
+        slab = (offset - self.base) // self.slab_bytes
+        if not 0 <= slab < self.num_slabs or (offset - self.base - slab * self.slab_bytes) % size:
+            return False
+        if slab not in self._slab_class:
+            if slab not in self._free_slabs:
+                return False
+            self._free_slabs.remove(slab)
+            start = self.base + slab * self.slab_bytes
+            self._slab_class[slab] = size
+            self._slab_free[slab] = [start + i * size for i in range(self.slab_bytes // size - 1, -1, -1)]
+            self._partial.setdefault(size, set()).add(slab)
+        if self._slab_class[slab] != size:
+            return False
+        slots = self._slab_free[slab]
+        try:
+            slots.remove(offset)
+        except ValueError:
+            return False
+        if not slots:
+            self._partial[size].discard(slab)
+        self.used_bytes += size
+        return True

@@ -1,0 +1,295 @@
+"""The SSD tier: page slots in one data file, an LMDB index, checksums on every read.
+
+A write is durable before it is indexed, and indexed before anyone can find it:
+``pwrite`` header+payload into a free slot -> ``fdatasync`` -> index transaction (synced) ->
+the caller publishes. A crash between any two steps leaves either a free slot with stray
+bytes (reused later) or an indexed page the directory adopts at start.
+
+O_DIRECT is used where the filesystem allows it (the payload of a page read from or written
+to the host arena is already 4 KiB aligned, so it goes to disk without a copy); elsewhere
+I/O is buffered, which is said once in the log. Each read checks the header and the payload
+checksum; a page that fails is quarantined (dropped from the index, listed with its reason).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvstore.config import SsdTierConfig
+from kvstore.errors import PageCorrupt, TierUnavailable
+from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
+
+logger = logging.getLogger(__name__)
+
+_ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core
+DATA_FILE = "pages.dat"
+INDEX_DIR = "index.lmdb"
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    key: bytes
+    namespace_id: bytes
+    reason: str
+    unix_s: float
+
+
+def _address(view: memoryview) -> int | None:
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class SsdTier:
+    """Pages on local disk. Metadata calls are serialised by the tier manager; reads and
+    writes of distinct slots may run concurrently."""
+
+    name = "ssd"
+
+    def __init__(self, config: SsdTierConfig) -> None:
+        self.directory = config.directory
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierUnavailable(f"--ssd-dir {self.directory}: {exc.strerror}") from exc
+        slab = min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
+        capacity = config.capacity_bytes - config.capacity_bytes % slab
+        self.allocator = SlabAllocator(0, capacity, slab)
+        self.direct_io = False
+        self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
+        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True)
+        self.index_db = self.env.open_db(b"index")
+        self.quarantine_db = self.env.open_db(b"quarantine")
+        self._pages: dict[bytes, tuple[int, PageHeader]] = {}
+        self._local = threading.local()
+        self._load_index()
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _open_data(self, path: Path, want_direct: bool) -> int:
+        flags = os.O_RDWR | os.O_CREAT
+        if want_direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                probe = mmap.mmap(-1, ALIGN)
+                os.pread(fd, 0, 0)
+                os.preadv(fd, [probe], 0)
+                self.direct_io = True
+                return fd
+            except OSError as exc:
+                logger.warning("ssd tier: O_DIRECT not available on %s (%s); using buffered I/O", path.parent, exc.strerror)
+        return os.open(path, flags, 0o600)
+
+    def _load_index(self) -> None:
+        """Rebuilds slot state from the index, dropping entries that cannot be right."""
+        size = os.fstat(self.fd).st_size
+        dropped = []
+        with self.env.begin(db=self.index_db) as txn:
+            for key, value in txn.cursor():
+                try:
+                    offset, slot_bytes = _ENTRY.unpack_from(value)
+                    header = PageHeader.unpack(value[_ENTRY.size :])
+                except (struct.error, PageCorrupt):
+                    dropped.append((bytes(key), "unreadable index entry"))
+                    continue
+                if (
+                    header.key != key
+                    or slot_bytes != HEADER_BYTES + round_up(header.payload_bytes)
+                    or offset + slot_bytes > size
+                    or not self.allocator.claim(offset, slot_bytes)
+                ):
+                    dropped.append((bytes(key), "index entry does not match the data file"))
+                    continue
+                self._pages[bytes(key)] = (offset, header)
+        for key, reason in dropped:
+            logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
+        if dropped:
+            with self.env.begin(write=True, db=self.index_db) as txn:
+                for key, _ in dropped:
+                    txn.delete(key)
+        logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
+                    "O_DIRECT" if self.direct_io else "buffered")
+
+    # -- scratch buffers (aligned, per thread) -------------------------------------------
+
+    def _scratch(self, nbytes: int) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = mmap.mmap(-1, round_up(max(nbytes, 4 << 20)))
+            self._local.buf = buf
+        return buf
+
+    def _header_buf(self) -> mmap.mmap:
+        buf = getattr(self._local, "hdr", None)
+        if buf is None:
+            buf = self._local.hdr = mmap.mmap(-1, HEADER_BYTES)
+        return buf
+
+    def _direct_ok(self, view: memoryview, nbytes: int) -> bool:
+        addr = _address(view)
+        return addr is not None and addr % ALIGN == 0 and nbytes % ALIGN == 0
+
+    # -- writes --------------------------------------------------------------------------
+
+    def reserve(self, payload_bytes: int) -> int | None:
+        return self.allocator.alloc(HEADER_BYTES + round_up(payload_bytes))
+
+    def unreserve(self, offset: int) -> None:
+        self.allocator.free(offset)
+
+    def write_slot(self, offset: int, header: PageHeader, payload: memoryview) -> None:
+        """Writes header and payload into a reserved slot (not yet durable nor indexed)."""
+        hdr = self._header_buf()
+        hdr[:] = header.pack()
+        padded = round_up(header.payload_bytes)
+        if self._direct_ok(payload, padded) or (not self.direct_io and padded == header.payload_bytes):
+            bufs: list[object] = [hdr, payload]
+        else:
+            scratch = self._scratch(padded)
+            scratch[: header.payload_bytes] = payload
+            bufs = [hdr, memoryview(scratch)[:padded]]
+        written = os.pwritev(self.fd, bufs, offset)  # type: ignore[arg-type]
+        if written != HEADER_BYTES + padded:
+            raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + padded} bytes")
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def index(self, entries: list[tuple[int, PageHeader]]) -> None:
+        """Indexes written slots (after ``sync``); from here they survive a restart."""
+        with self.env.begin(write=True, db=self.index_db) as txn:
+            for offset, header in entries:
+                value = _ENTRY.pack(offset, HEADER_BYTES + round_up(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
+                txn.put(header.key, value)
+        for offset, header in entries:
+            self._pages[header.key] = (offset, header)
+
+    def put_many(self, items: list[tuple[PageHeader, memoryview]]) -> int:
+        """Writes and indexes pages durably; returns how many (a prefix) found room."""
+        placed: list[tuple[int, PageHeader]] = []
+        stored = 0
+        for header, payload in items:
+            if header.key in self._pages:
+                stored += 1
+                continue
+            offset = self.reserve(header.payload_bytes)
+            if offset is None:
+                break
+            try:
+                self.write_slot(offset, header, payload)
+            except OSError:
+                self.unreserve(offset)
+                for off, _ in placed:
+                    self.unreserve(off)
+                raise
+            placed.append((offset, header))
+            stored += 1
+        if placed:
+            self.sync()
+            self.index(placed)
+        return stored
+
+    # -- Tier ----------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def header(self, key: bytes) -> PageHeader | None:
+        entry = self._pages.get(key)
+        return entry[1] if entry else None
+
+    def put(self, header: PageHeader, payload: memoryview) -> bool:
+        return header.key in self._pages or self.put_many([(header, payload)]) == 1
+
+    def get(self, key: bytes, into: memoryview) -> PageHeader | None:
+        """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
+        aligned for O_DIRECT) and verifies it; PageCorrupt quarantines it."""
+        entry = self._pages.get(key)
+        if entry is None:
+            return None
+        offset, header = entry
+        padded = round_up(header.payload_bytes)
+        hdr = self._header_buf()
+        try:
+            if len(into) >= padded and self._direct_ok(into, padded):
+                got = os.preadv(self.fd, [hdr, into[:padded]], offset)
+                payload = into[: header.payload_bytes]
+            else:
+                scratch = self._scratch(padded)
+                got = os.preadv(self.fd, [hdr, memoryview(scratch)[:padded]], offset)
+                payload = memoryview(scratch)[: header.payload_bytes]
+            if got < HEADER_BYTES + header.payload_bytes:
+                raise PageCorrupt(f"page {key.hex()} is truncated on disk ({got} bytes read)")
+            on_disk = PageHeader.unpack(hdr[:HEADER_CORE_BYTES])
+            if on_disk != header:
+                raise PageCorrupt(f"page {key.hex()} header on disk does not match the index")
+            on_disk.verify_payload(payload, len(payload))
+        except PageCorrupt as exc:
+            self.quarantine(key, str(exc))
+            raise
+        if payload.obj is not into.obj:
+            into[: header.payload_bytes] = payload
+        return header
+
+    def delete(self, key: bytes) -> bool:
+        return self.delete_many([key]) == 1
+
+    def delete_many(self, keys: list[bytes]) -> int:
+        gone = [k for k in keys if k in self._pages]
+        if not gone:
+            return 0
+        with self.env.begin(write=True, db=self.index_db) as txn:
+            for key in gone:
+                txn.delete(key)
+        for key in gone:
+            offset, _ = self._pages.pop(key)
+            self.allocator.free(offset)
+        return len(gone)
+
+    def keys(self) -> list[bytes]:
+        return list(self._pages)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._pages), self.allocator.used_bytes, self.allocator.capacity)
+
+    # -- quarantine ----------------------------------------------------------------------
+
+    def quarantine(self, key: bytes, reason: str) -> None:
+        entry = self._pages.get(key)
+        namespace_id = entry[1].namespace_id if entry else b""
+        logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
+        record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
+        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+            txn.put(key, record.encode())
+        self.delete(key)
+
+    def quarantined(self) -> list[Quarantined]:
+        out = []
+        with self.env.begin(db=self.quarantine_db) as txn:
+            for key, value in txn.cursor():
+                rec = json.loads(bytes(value))
+                out.append(Quarantined(bytes(key), bytes.fromhex(rec["namespace_id"]), rec["reason"], rec["unix_s"]))
+        return out
+
+    def purge_quarantine(self) -> int:
+        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+            n = txn.stat(self.quarantine_db)["entries"]
+            txn.drop(self.quarantine_db, delete=False)
+        return n
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self.fd)
