@@ -24,7 +24,7 @@ import torch
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client.arena import ArenaMap
 from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
-from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing
+from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum
 from kvstore.status import error_for
@@ -87,6 +87,7 @@ class KVStoreClient:
         self._channel: grpc.aio.Channel | None = None
         self.arena: ArenaMap | None = None
         self.max_pages = 4096
+        self._arena_bytes = 0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class KVStoreClient:
         info = await self._call(self._data.GetInfo, data_pb2.GetInfoRequest())
         self.node = info.node
         self.max_pages = max(1, info.max_pages_per_request)
+        self._arena_bytes = info.arena_bytes
         if self.use_shm:
             self.arena = ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token)
 
@@ -164,15 +166,21 @@ class KVStoreClient:
         keys = self.keys(tokens)
         check_kv(kv, self.layout, len(keys) * self.layout.page_tokens)
         stored = 0
-        for start in range(0, len(keys), self.max_pages):
-            batch = keys[start : start + self.max_pages]
-            if self.arena is not None:
-                n = await self._put_shm(batch, kv, start, durable)
-            else:
-                n = await self._put_wire(batch, kv, start, durable)
-            stored += n
-            if n < len(batch):
+        while stored < len(keys):
+            batch = keys[stored : stored + self.max_pages]
+            try:
+                if self.arena is not None:
+                    n = await self._put_shm(batch, kv, stored, durable)
+                else:
+                    n = await self._put_wire(batch, kv, stored, durable)
+            except TierFull:
+                if stored == 0:
+                    raise
+                logger.warning("tier full after %d of %d pages; the rest is not stored", stored, len(keys))
                 break
+            # A partial allocation means the host tier had no more free slots for this batch;
+            # the committed pages are evictable now, so the next batch can make room.
+            stored += n
         return stored * self.layout.page_tokens
 
     async def _put_shm(self, keys: list[bytes], kv: torch.Tensor, first_page: int, durable: bool) -> int:
@@ -238,13 +246,16 @@ class KVStoreClient:
             raise InvalidRequest("the hit belongs to another namespace than this client")
         check_kv(into, self.layout, hit.num_tokens, "into")
         done = 0
-        for batch in self._batches(hit.keys):
+        while done < hit.num_pages:
+            batch = hit.keys[done : done + self._get_batch_pages()]
             if self.arena is not None:
                 n = await self._get_shm(batch, into, done)
             else:
                 n = await self._get_wire(batch, into, done)
             done += n
-            if n < len(batch):
+            # Fewer pages than asked: the server had no more room to promote this round
+            # (continue), or the next page is gone (nothing served: give up).
+            if n == 0:
                 raise _partial(
                     PageMissing,
                     f"lookup promised {hit.num_pages} pages but page {done} is no longer stored; "
@@ -252,6 +263,12 @@ class KVStoreClient:
                     done * self.layout.page_tokens,
                 )
         return hit.num_tokens
+
+    def _get_batch_pages(self) -> int:
+        """Pages per Acquire: at most a quarter of the arena, so that ssd pages promoted for
+        one batch never need more room than the host tier has."""
+        arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
+        return max(1, min(self.max_pages, arena_pages // 4))
 
     async def _get_shm(self, keys: list[bytes], into: torch.Tensor, first_page: int) -> int:
         req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)

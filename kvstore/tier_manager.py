@@ -389,7 +389,12 @@ class TierManager:
                     self.metrics.hits.labels("host").inc()
                 else:
                     self.metrics.misses.labels("host").inc()
-                    slot = self._promote(key)
+                    try:
+                        slot = self._promote(key)
+                    except TierFull:
+                        if pages:
+                            break  # serve what is pinned; the caller asks again for the rest
+                        raise
                     if slot is None:
                         break
                 offset, header = slot

@@ -1,0 +1,125 @@
+"""kvstore-ctl: operator commands against a running server (stats, lookup, invalidate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.config import format_size
+from kvstore.errors import KVStoreError
+from kvstore.keys import page_keys
+from kvstore.status import error_for
+from kvstore.types import KVLayout, Namespace
+
+
+def _namespace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace-id", help="namespace id in hex (instead of the fields below)")
+    p.add_argument("--model")
+    p.add_argument("--revision", default="")
+    p.add_argument("--adapter", default="")
+    p.add_argument("--tenant-salt", default="")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--page-tokens", type=int, default=16)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore-ctl", description="Operate a running kvstore-server.")
+    p.add_argument("--server", default="127.0.0.1:7070", help="server address HOST:PORT")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on the server")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("stats", help="tier usage, hits, misses, evictions")
+    lk = sub.add_parser("lookup", help="how much of a token sequence is stored")
+    _namespace_args(lk)
+    lk.add_argument("--tokens", required=True, help="comma-separated token ids, or @FILE with a JSON list")
+    inv = sub.add_parser("invalidate", help="drop every page of a namespace")
+    _namespace_args(inv)
+    return p
+
+
+def _namespace(args: argparse.Namespace) -> tuple[bytes, int]:
+    if args.namespace_id:
+        try:
+            ns_id = bytes.fromhex(args.namespace_id)
+        except ValueError:
+            raise KVStoreError("--namespace-id must be hex") from None
+        return ns_id, args.page_tokens
+    if not (args.model and args.layers and args.kv_heads and args.head_dim):
+        raise KVStoreError("give --namespace-id, or --model with --layers, --kv-heads and --head-dim")
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, dtype=args.dtype, page_tokens=args.page_tokens)
+    ns = Namespace(model=args.model, revision=args.revision, layout=layout, adapter=args.adapter, tenant_salt=args.tenant_salt)
+    return ns.namespace_id, args.page_tokens
+
+
+def _tokens(text: str) -> list[int]:
+    if text.startswith("@"):
+        return [int(t) for t in json.loads(Path(text[1:]).read_text())]
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with grpc.insecure_channel(args.server) as channel:
+        stub = directory_pb2_grpc.DirectoryStub(channel)
+        try:
+            if args.command == "stats":
+                r = stub.Stats(directory_pb2.StatsRequest(), timeout=args.timeout)
+                return {
+                    "node": r.node, "entries": r.num_entries, "last_seq": r.last_seq, "leases": r.num_leases,
+                    "quarantined": r.num_quarantined,
+                    "tiers": [
+                        {"tier": t.tier, "pages": t.num_pages, "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
+                         "hits": t.hits, "misses": t.misses, "evictions": t.evictions, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out}
+                        for t in r.tiers
+                    ],
+                }
+            ns_id, page_tokens = _namespace(args)
+            if args.command == "lookup":
+                keys = page_keys(ns_id, _tokens(args.tokens), page_tokens)
+                r = stub.Lookup(directory_pb2.LookupRequest(namespace_id=ns_id, keys=keys), timeout=args.timeout)
+                tiers: dict[str, int] = {}
+                for loc in r.locations:
+                    tiers[loc.tier] = tiers.get(loc.tier, 0) + 1
+                return {"namespace_id": ns_id.hex(), "pages": r.num_pages, "tokens": r.num_pages * page_tokens,
+                        "full_pages_asked": len(keys), "by_tier": tiers}
+            r = stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns_id), timeout=args.timeout)
+            return {"namespace_id": ns_id.hex(), "removed": r.num_removed}
+        except grpc.RpcError as exc:
+            raise error_for(exc.code(), f"{args.server}: {exc.details()}") from None
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    tiers = result.pop("tiers", None)
+    for key, value in result.items():
+        print(f"{key:>18}: {value}")
+    if tiers:
+        print(f"\n{'tier':<6} {'pages':>8} {'used':>10} {'capacity':>10} {'hits':>8} {'misses':>8} {'evictions':>9}")
+        for t in tiers:
+            print(f"{t['tier']:<6} {t['pages']:>8} {format_size(t['used_bytes']):>10} {format_size(t['capacity_bytes']):>10} "
+                  f"{t['hits']:>8} {t['misses']:>8} {t['evictions']:>9}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = run(args)
+    except KVStoreError as exc:
+        print(f"kvstore-ctl: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""End to end through a real server: long prefixes, eviction and promotion, events,
+invalidation, metrics, two worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from conftest import random_kv
+from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.errors import PageMissing
+
+
+async def test_long_prefix_qwen3_shape_with_partial_last_page(server_factory) -> None:
+    """8,192 + 5 tokens of a Qwen3-8B-shaped layout (4 of its 36 layers, to keep CI fast)."""
+    layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
+    ns = Namespace(model="Qwen/Qwen3-8B", revision="test", layout=layout)
+    server = server_factory(host_bytes=256 << 20, ssd_bytes=None)
+    tokens = list(range(100, 100 + 8192 + 5))
+    kv = random_kv(layout, len(tokens), seed=1)
+    async with KVStoreClient(server.address, ns) as client:
+        assert client.shared_memory
+        assert await client.put(tokens, kv) == 8192
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == 8192 and hit.num_pages == 512
+        assert {loc.tier for loc in hit.locations} == {"host"}
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, into=out) == 8192
+        assert torch.equal(out[:, :, :8192], kv[:, :, :8192])
+        assert not out[:, :, 8192:].any(), "nothing beyond the hit may be written"
+        # A diverging suffix shares only the common full pages.
+        fork = tokens[:1000] + [1] * 500
+        assert (await client.lookup(fork)).num_tokens == 992
+
+
+async def test_lookup_of_8192_pages_is_one_rpc(server_factory) -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float16, page_tokens=16)
+    ns = Namespace(model="tiny", revision="r", layout=layout)
+    server = server_factory(host_bytes=64 << 20, ssd_bytes=None)
+    tokens = list(range(8192 * 16))
+    kv = random_kv(layout, len(tokens), seed=2)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == len(tokens)
+        before = server.metrics.rpc_seconds.labels("Lookup")._sum.get(), _count(server, "Lookup")
+        hit = await client.lookup(tokens)
+        assert hit.num_pages == 8192
+        assert _count(server, "Lookup") == before[1] + 1
+
+
+def _count(server, method: str) -> float:
+    for metric in server.metrics.registry.collect():
+        for sample in metric.samples:
+            if sample.name == "kvstore_rpc_seconds_count" and sample.labels.get("method") == method:
+                return sample.value
+    return 0.0
+
+
+async def test_pressure_demotes_to_ssd_and_hits_promote_back(server_factory, layout, ns) -> None:
+    server = server_factory(host_bytes=8 << 20, ssd_bytes=64 << 20)  # 8 MiB host: ~128 small pages
+    tokens = list(range(16 * 400))  # 400 pages of 64 KiB = 25 MiB
+    kv = random_kv(layout, len(tokens), seed=3)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == len(tokens)
+        hit = await client.lookup(tokens)
+        assert hit.num_pages == 400
+        tiers = [loc.tier for loc in hit.locations]
+        assert tiers[0] == "ssd" and tiers[-1] == "host"
+        # The whole hit is larger than the host tier: the client fetches it in batches and
+        # each batch promotes its ssd pages, evicting the ones already copied.
+        out = torch.empty_like(kv)
+        assert await client.get(hit, into=out) == len(tokens)
+        assert torch.equal(out, kv)
+    stats = server.manager.stats()
+    assert stats.counters["ssd"]["hits"] > 0 and stats.counters["host"]["evictions"] > 0
+
+
+async def test_events_invalidate_and_metrics(server, layout, ns) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = directory_pb2_grpc.DirectoryStub(channel)
+        stream = stub.Subscribe(directory_pb2.SubscribeRequest(from_seq=1))
+        tokens = list(range(64))
+        async with KVStoreClient(server.address, ns) as client:
+            await client.put(tokens, random_kv(layout, 64))
+            seen = []
+            async for ev in stream:
+                seen.append(ev)
+                if len(seen) == 4:
+                    break
+            assert [e.kind for e in seen] == [directory_pb2.Event.STORED] * 4
+            assert [e.seq for e in seen] == [1, 2, 3, 4]
+            assert {e.key for e in seen} == set(client.keys(tokens))
+            r = await stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns.namespace_id))
+            assert r.num_removed == 4
+            async for ev in stream:
+                assert ev.kind == directory_pb2.Event.CLEARED and ev.namespace_id == ns.namespace_id
+                break
+            stream.cancel()
+            assert (await client.lookup(tokens)).num_tokens == 0
+            # a stale hit now fails loudly instead of returning bytes
+            hit_before = client.keys(tokens)
+            assert hit_before
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("kvstore_hits_total", "kvstore_misses_total", "kvstore_bytes_in_total", "kvstore_pages",
+                 "kvstore_evictions_total", "kvstore_rpc_seconds_bucket"):
+        assert name in text, name
+
+
+async def test_get_after_pages_vanish_raises_with_valid_prefix(server, layout, ns) -> None:
+    tokens = list(range(160))
+    kv = random_kv(layout, 160)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = directory_pb2_grpc.DirectoryStub(channel)
+            await stub.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=[hit.keys[6]]))
+        out = torch.zeros_like(kv)
+        with pytest.raises(PageMissing, match="96 tokens are valid") as err:
+            await client.get(hit, into=out)
+        assert err.value.num_tokens == 96
+        assert torch.equal(out[:, :, :96], kv[:, :, :96])
+
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, sys, torch
+    from kvstore import KVLayout, Namespace
+    from kvstore.client import KVStoreClient
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
+    ns = Namespace(model="demo", revision="r1", layout=layout)
+    tokens = list(range(int(sys.argv[3])))
+    kv = torch.randn(4, 2, len(tokens), 2, 64, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    async def main(addr, role):
+        async with KVStoreClient(addr, ns) as c:
+            assert c.shared_memory
+            if role == "put":
+                print(await c.put(tokens, kv))
+            else:
+                hit = await c.lookup(tokens)
+                out = torch.empty_like(kv[:, :, :hit.num_tokens])
+                await c.get(hit, into=out)
+                print(hit.num_tokens, torch.equal(out, kv[:, :, :hit.num_tokens]))
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+def test_two_worker_processes_share_pages(server) -> None:
+    def run(role: str) -> str:
+        res = subprocess.run([sys.executable, "-c", WORKER, server.address, role, "1000"], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    assert run("put") == "992"
+    assert run("get") == "992 True"
+
+
+async def test_concurrent_clients_same_pages(server, layout, ns) -> None:
+    tokens = list(range(640))
+    kv = random_kv(layout, 640, seed=9)
+
+    async def worker(i: int) -> None:
+        async with KVStoreClient(server.address, ns) as client:
+            assert await client.put(tokens, kv) == 640
+            hit = await client.lookup(tokens)
+            out = torch.empty_like(kv)
+            await client.get(hit, into=out)
+            assert torch.equal(out, kv)
+
+    await asyncio.gather(*(worker(i) for i in range(6)))
+    assert server.manager.host.usage().num_pages == 40
