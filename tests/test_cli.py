@@ -1,0 +1,78 @@
+"""kvstore-server flags and kvstore-ctl against a running server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import random_kv
+from kvstore.cli import ctl
+from kvstore.client import KVStoreClient
+from kvstore.config import parse_size
+from kvstore.errors import ConfigError
+
+
+@pytest.mark.parametrize("text, value", [("512MiB", 512 << 20), ("4GiB", 4 << 30), ("1.5GB", 1_500_000_000), ("4096", 4096), ("64 kib", 65536)])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_parse_size_error_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--host-capacity"):
+        parse_size("lots", "--host-capacity")
+
+
+def _server(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli.server", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_hbm_without_cuda_exits_with_a_clear_message(tmp_path) -> None:
+    res = _server("--tiers", "hbm,host,ssd", "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-listen", "off")
+    assert res.returncode == 2
+    assert "hbm" in res.stderr and ("CUDA" in res.stderr or "not implemented" in res.stderr)
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--tiers", "host,tape"], "unknown tier 'tape'"),
+        (["--host-capacity", "lots"], "--host-capacity"),
+        (["--host-capacity", "1MiB"], "--host-capacity must be at least"),
+        (["--listen", "nowhere"], "--listen"),
+    ],
+)
+def test_bad_flags(tmp_path, args, expect) -> None:
+    res = _server("--data-dir", str(tmp_path), "--metrics-listen", "off", *args)
+    assert res.returncode == 2 and expect in res.stderr
+
+
+async def test_ctl_stats_lookup_invalidate(server, layout, ns, capsys) -> None:
+    tokens = list(range(100))
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, random_kv(layout, 100))
+    nsargs = ["--model", "demo", "--revision", "r1", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float16"]
+    base = ["--server", server.address, "--json"]
+
+    assert ctl.main([*base, "stats"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entries"] == 6 and stats["tiers"][0]["tier"] == "host" and stats["tiers"][0]["pages"] == 6
+
+    assert ctl.main([*base, "lookup", *nsargs, "--tokens", ",".join(map(str, tokens))]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found == {"namespace_id": ns.namespace_id.hex(), "pages": 6, "tokens": 96, "full_pages_asked": 6, "by_tier": {"host": 6}}
+
+    assert ctl.main([*base, "invalidate", "--namespace-id", ns.namespace_id.hex()]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == 6
+
+    assert ctl.main(["--server", server.address, "stats"]) == 0
+    assert "entries" in capsys.readouterr().out
+
+
+def test_ctl_unreachable_server_is_a_clear_error(capsys) -> None:
+    from conftest import free_port
+
+    assert ctl.main(["--server", f"127.0.0.1:{free_port()}", "--timeout", "1", "stats"]) == 1
+    assert "kvstore-ctl:" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""Restart and damage: SIGKILL keeps ssd pages, RAM pages are cleanly gone, a flipped byte
+on disk is never served and is quarantined."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from conftest import random_kv
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.errors import PageCorrupt, PageMissing
+from kvstore.page import HEADER_BYTES
+
+
+async def test_sigkill_restart_keeps_ssd_pages(server_process, layout, ns) -> None:
+    server_process.start()
+    durable_tokens = list(range(320))
+    ram_tokens = list(range(5000, 5320))
+    kv = random_kv(layout, 320, seed=4)
+    async with KVStoreClient(server_process.address, ns) as client:
+        assert await client.put(durable_tokens, kv, durable=True) == 320
+        assert await client.put(ram_tokens, kv) == 320
+        hit = await client.lookup(durable_tokens)
+        assert {loc.tier for loc in hit.locations} == {"host"}
+    server_process.kill()
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns) as client:
+        hit = await client.lookup(durable_tokens)
+        assert hit.num_tokens == 320
+        assert {loc.tier for loc in hit.locations} == {"ssd"}
+        out = torch.empty_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+        assert (await client.lookup(ram_tokens)).num_tokens == 0, "RAM-only pages must be cleanly absent"
+    assert server_process.terminate() == 0
+
+
+def _flip_payload_byte(ssd_dir, offset: int, where: int) -> None:
+    with open(ssd_dir / "pages.dat", "r+b") as f:
+        f.seek(offset + HEADER_BYTES + where)
+        byte = f.read(1)
+        f.seek(offset + HEADER_BYTES + where)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_factory, tmp_path, layout, ns) -> None:
+    server = server_factory()
+    tokens = list(range(160))
+    kv = random_kv(layout, 160, seed=5)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv, durable=True)
+        hit = await client.lookup(tokens)
+        bad = hit.keys[3]
+        # Drop the host copies so the next read must come from disk.
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = directory_pb2_grpc.DirectoryStub(ch)
+            await stub.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+        _flip_payload_byte(tmp_path / "ssd", server.manager.ssd._pages[bad][0], where=1234)
+        hit = await client.lookup(tokens)
+        assert hit.num_pages == 10 and {loc.tier for loc in hit.locations} == {"ssd"}
+        out = torch.zeros_like(kv)
+        with pytest.raises(PageMissing) as err:
+            await client.get(hit, into=out)
+        assert err.value.num_tokens == 48
+        assert torch.equal(out[:, :, :48], kv[:, :, :48])
+        assert not out[:, :, 48:].any(), "no byte of the corrupt page may reach the caller"
+        # Quarantined: the next lookup stops before it instead of stalling on it again.
+        assert (await client.lookup(tokens)).num_tokens == 48
+    quarantined = server.manager.quarantined()
+    assert [q.key for q in quarantined] == [bad] and "checksum" in quarantined[0].reason
+    assert server.manager.stats().num_quarantined == 1
+
+
+async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns) -> None:
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=6)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        offset, _ = server.manager.host.slot(hit.keys[2])
+        server.manager.host.buffer[offset + 100] ^= 0xFF  # a stray write into the arena
+        out = torch.zeros_like(kv)
+        with pytest.raises(PageCorrupt) as err:
+            await client.get(hit, into=out)
+        assert err.value.num_tokens == 32
+        assert torch.equal(out[:, :, :32], kv[:, :, :32])
+
+
+async def test_index_entry_without_bytes_is_dropped_at_start(server_process, tmp_path, layout, ns) -> None:
+    server_process.start()
+    tokens = list(range(64))
+    async with KVStoreClient(server_process.address, ns) as client:
+        await client.put(tokens, random_kv(layout, 64), durable=True)
+    server_process.kill()
+    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # lose the last page's bytes
+        f.truncate(f.seek(0, 2) - 4096)
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns) as client:
+        assert (await client.lookup(tokens)).num_tokens == 48
