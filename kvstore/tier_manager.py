@@ -216,33 +216,49 @@ class TierManager:
             self.metrics.evictions.labels("ssd").inc()
 
     def _ssd_write(self, items: list[tuple[PageHeader, memoryview]]) -> int:
-        """Writes pages durably to the ssd tier and publishes them; returns how many."""
+        """Writes pages durably to the ssd tier and publishes them; returns how many.
+
+        Slots are reserved and the result indexed under the lock; the writes and the sync
+        run outside it unless the caller already holds it (eviction). The payload views must
+        stay valid meanwhile: the caller pins their keys or holds the lock.
+        """
         assert self.ssd is not None
-        placed: list[tuple[int, PageHeader]] = []
-        try:
+        ssd = self.ssd
+        with self._lock:
+            placed: list[tuple[int, PageHeader, memoryview]] = []
             for header, payload in items:
-                if self.ssd.contains(header.key):
+                if ssd.contains(header.key):
                     continue
                 offset = self._ssd_reserve(header.payload_bytes)
                 if offset is None:
                     break
-                placed.append((offset, header))
-                self.ssd.write_slot(offset, header, payload)
+                placed.append((offset, header, payload))
+        try:
+            for offset, header, payload in placed:
+                ssd.write_slot(offset, header, payload)
             if placed:
-                self.ssd.sync()
-                self.ssd.index(placed)
+                ssd.sync()
         except OSError:
-            for offset, _ in placed:
-                self.ssd.unreserve(offset)
+            with self._lock:
+                for offset, _, _ in placed:
+                    ssd.unreserve(offset)
             logger.exception("ssd tier: write failed; pages stay in the host tier only")
             raise
-        by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
-        for _, header in placed:
-            self._ssd_lru[header.key] = None
-            by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, "ssd", header.payload_bytes))
-            self.metrics.bytes_in.labels("ssd").inc(header.payload_bytes)
-        for ns, records in by_ns.items():
-            self.directory.publish(ns, records)
+        with self._lock:
+            fresh = []
+            for offset, header, _ in placed:
+                if ssd.contains(header.key):  # a concurrent writer got there first
+                    ssd.unreserve(offset)
+                else:
+                    fresh.append((offset, header))
+            ssd.index(fresh)
+            by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
+            for _, header in fresh:
+                self._ssd_lru[header.key] = None
+                by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, "ssd", header.payload_bytes))
+                self.metrics.bytes_in.labels("ssd").inc(header.payload_bytes)
+            for ns, records in by_ns.items():
+                self.directory.publish(ns, records)
         return len(placed)
 
     def _quarantine_host(self, header: PageHeader, reason: str) -> None:
@@ -316,7 +332,14 @@ class TierManager:
                 self.host.unreserve(offset)
             self._publish_host(alloc.namespace_id, fresh)
             if durable and self.ssd is not None:
+                self._pin(keys)
+        if durable and self.ssd is not None:
+            try:
                 self._write_through(keys)
+            finally:
+                with self._lock:
+                    self._unpin(keys)
+        with self._lock:
             return sum(1 for k in keys if self._stored(k))
 
     def _publish_host(self, namespace_id: bytes, headers: list[PageHeader]) -> None:
@@ -325,18 +348,24 @@ class TierManager:
             self.metrics.bytes_in.labels("host").inc(sum(h.payload_bytes for h in headers))
 
     def _write_through(self, keys: list[bytes]) -> None:
+        """Copies pinned host pages to the ssd tier (verified first: a page damaged in the
+        arena is quarantined, never persisted)."""
         items = []
         for key in keys:
             slot = self.host.slot(key)
-            if slot is not None and self.ssd is not None and not self.ssd.contains(key):
-                offset, header = slot
-                try:
-                    self.host.verify(key)
-                except PageCorrupt as exc:
+            if slot is None or self.ssd is None or self.ssd.contains(key):
+                continue
+            offset, header = slot
+            view = self.host.view(offset, header.payload_bytes)
+            try:
+                header.verify_payload(view, header.payload_bytes)
+            except PageCorrupt as exc:
+                with self._lock:
                     self._host_lru.pop(key, None)
                     self._quarantine_host(header, str(exc))
-                    raise
-                items.append((header, self.host.view(offset, header.payload_bytes)))
+                    self._drop_local(key, "host")
+                raise
+            items.append((header, view))
         if items:
             self._ssd_write(items)
 
@@ -365,19 +394,31 @@ class TierManager:
                 self.host.install(header, offset)
                 self._host_lru[header.key] = None
                 self._publish_host(header.namespace_id, [header])
-            if durable and self.ssd is not None:
-                self._write_through([header.key])
-            return True
+            if not (durable and self.ssd is not None):
+                return True
+            self._pin([header.key])
+        try:
+            self._write_through([header.key])
+        finally:
+            with self._lock:
+                self._unpin([header.key])
+        return True
 
     # -- reads ---------------------------------------------------------------------------
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, list[AcquiredPage]]:
         """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
         arena, promoting ssd pages into the host tier. A page that fails its check ends the
-        prefix (and is quarantined)."""
+        prefix (and is quarantined). When the host tier cannot take more promoted pages the
+        prefix ends early; the caller asks again for the rest.
+
+        Disk reads run outside the lock: promoted pages get a reserved host slot and a pin
+        first, and are installed (published) once read and verified.
+        """
+        pages: list[AcquiredPage] = []
+        promote: list[tuple[int, PageHeader]] = []  # (index in pages, header)
         with self._lock:
             self._reap()
-            pages: list[AcquiredPage] = []
             for key in keys:
                 entry = self.directory.get(key)
                 if entry is None or entry.namespace_id != namespace_id or not self._stored(key):
@@ -387,56 +428,76 @@ class TierManager:
                 if slot is not None:
                     self._host_lru.move_to_end(key)
                     self.metrics.hits.labels("host").inc()
-                else:
-                    self.metrics.misses.labels("host").inc()
-                    try:
-                        slot = self._promote(key)
-                    except TierFull:
-                        if pages:
-                            break  # serve what is pinned; the caller asks again for the rest
-                        raise
-                    if slot is None:
-                        break
-                offset, header = slot
-                self._pin([key])
+                    self._pin([key])
+                    pages.append(AcquiredPage(key, slot[0], slot[1].checksum))
+                    continue
+                self.metrics.misses.labels("host").inc()
+                assert self.ssd is not None
+                header = self.ssd.header(key)
+                assert header is not None
+                self._pin([key])  # keeps the ssd copy while we make room and read it
+                offset = self._host_reserve(header.payload_bytes)
+                if offset is None:
+                    self._unpin([key])
+                    if pages:
+                        break  # serve what is pinned; the caller asks again for the rest
+                    raise TierFull("host tier is full and every page in it is leased; cannot promote from ssd")
+                promote.append((len(pages), header))
                 pages.append(AcquiredPage(key, offset, header.checksum))
-                self.metrics.bytes_out.labels("host").inc(header.payload_bytes)
+        cut, reason = self._read_promoted(pages, promote)
+        with self._lock:
+            for index, header in promote:
+                page = pages[index]
+                if index < cut and self.directory.get(page.key) is None:
+                    cut, reason = index, ""  # removed while we read it: do not resurrect it
+                if index >= cut:
+                    self.host.unreserve(page.offset)
+                    continue
+                existing = self.host.slot(page.key)
+                if existing is not None:  # promoted concurrently by another reader
+                    self.host.unreserve(page.offset)
+                    pages[index] = AcquiredPage(page.key, existing[0], page.checksum)
+                    continue
+                self.host.install(header, page.offset)
+                self._host_lru[page.key] = None
+                self._ssd_lru.move_to_end(page.key)
+                self.metrics.hits.labels("ssd").inc()
+                self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
+                self.metrics.promotions.labels("ssd").inc()
+                self.directory.publish(header.namespace_id, [(page.key, self.node, "host", header.payload_bytes)])
+            if cut < len(pages):
+                bad = pages[cut].key
+                self._unpin([p.key for p in pages[cut:]])
+                if reason and self.ssd is not None and self.ssd.contains(bad):
+                    self.ssd.quarantine(bad, reason)
+                    self._quarantine_ssd(bad)
+                pages = pages[:cut]
+            for page in pages:
+                self.metrics.bytes_out.labels("host").inc(self.layout_bytes(page.key))
             ident = next(self._ids)
             self._lease_locked(ident, [p.key for p in pages], ttl_ms)
             return ident, pages
 
-    def _promote(self, key: bytes) -> tuple[int, PageHeader] | None:
-        if self.ssd is None or not self.ssd.contains(key):
-            if self.ssd is not None:
-                self.metrics.misses.labels("ssd").inc()
-            return None
-        header = self.ssd.header(key)
-        assert header is not None
-        self._pin([key])  # keep the ssd copy while the host tier makes room
-        try:
-            offset = self._host_reserve(header.payload_bytes)
-        finally:
-            self._unpin([key])
-        if offset is None:
-            raise TierFull("host tier is full and every page in it is leased; cannot promote from ssd")
-        slot_bytes = self.host.allocator.slot_bytes(offset)
-        try:
-            self.ssd.get(key, self.host.view(offset, slot_bytes))
-        except PageCorrupt:
-            self.host.unreserve(offset)
-            self._quarantine_ssd(key)
-            return None
-        except BaseException:
-            self.host.unreserve(offset)
-            raise
-        self._ssd_lru.move_to_end(key)
-        self.host.install(header, offset)
-        self._host_lru[key] = None
-        self.metrics.hits.labels("ssd").inc()
-        self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
-        self.metrics.promotions.labels("ssd").inc()
-        self.directory.publish(header.namespace_id, [(key, self.node, "host", header.payload_bytes)])
-        return offset, header
+    def _read_promoted(self, pages: list[AcquiredPage], promote: list[tuple[int, PageHeader]]) -> tuple[int, str]:
+        """Reads pages from ssd into their reserved host slots (no lock held). Returns the
+        index of the first page that failed (len(pages) if none) and why."""
+        for index, header in promote:
+            page = pages[index]
+            assert self.ssd is not None
+            try:
+                got = self.ssd.read(page.key, self.host.view(page.offset, self.host.allocator.slot_bytes(page.offset)))
+            except PageCorrupt as exc:
+                return index, str(exc)
+            except OSError as exc:
+                logger.error("ssd tier: read of %s failed: %s", page.key.hex(), exc)
+                return index, ""
+            if got is None:
+                return index, ""
+        return len(pages), ""
+
+    def layout_bytes(self, key: bytes) -> int:
+        header = self.host.header(key)
+        return header.payload_bytes if header else 0
 
     def read_view(self, key: bytes) -> tuple[PageHeader, memoryview]:
         """The bytes of a page acquired by the caller (valid until it releases)."""

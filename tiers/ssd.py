@@ -215,31 +215,36 @@ class SsdTier:
         return header.key in self._pages or self.put_many([(header, payload)]) == 1
 
     def get(self, key: bytes, into: memoryview) -> PageHeader | None:
+        """Reads and verifies a page (see ``read``); a page that fails is quarantined."""
+        try:
+            return self.read(key, into)
+        except PageCorrupt as exc:
+            self.quarantine(key, str(exc))
+            raise
+
+    def read(self, key: bytes, into: memoryview) -> PageHeader | None:
         """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
-        aligned for O_DIRECT) and verifies it; PageCorrupt quarantines it."""
+        aligned for O_DIRECT) and verifies it; raises PageCorrupt, changing nothing.
+        Safe to call without the owner's lock while the key cannot be deleted."""
         entry = self._pages.get(key)
         if entry is None:
             return None
         offset, header = entry
         padded = round_up(header.payload_bytes)
         hdr = self._header_buf()
-        try:
-            if len(into) >= padded and self._direct_ok(into, padded):
-                got = os.preadv(self.fd, [hdr, into[:padded]], offset)
-                payload = into[: header.payload_bytes]
-            else:
-                scratch = self._scratch(padded)
-                got = os.preadv(self.fd, [hdr, memoryview(scratch)[:padded]], offset)
-                payload = memoryview(scratch)[: header.payload_bytes]
-            if got < HEADER_BYTES + header.payload_bytes:
-                raise PageCorrupt(f"page {key.hex()} is truncated on disk ({got} bytes read)")
-            on_disk = PageHeader.unpack(hdr[:HEADER_CORE_BYTES])
-            if on_disk != header:
-                raise PageCorrupt(f"page {key.hex()} header on disk does not match the index")
-            on_disk.verify_payload(payload, len(payload))
-        except PageCorrupt as exc:
-            self.quarantine(key, str(exc))
-            raise
+        if len(into) >= padded and self._direct_ok(into, padded):
+            got = os.preadv(self.fd, [hdr, into[:padded]], offset)
+            payload = into[: header.payload_bytes]
+        else:
+            scratch = self._scratch(padded)
+            got = os.preadv(self.fd, [hdr, memoryview(scratch)[:padded]], offset)
+            payload = memoryview(scratch)[: header.payload_bytes]
+        if got < HEADER_BYTES + header.payload_bytes:
+            raise PageCorrupt(f"page {key.hex()} is truncated on disk ({got} bytes read)")
+        on_disk = PageHeader.unpack(hdr[:HEADER_CORE_BYTES])
+        if on_disk != header:
+            raise PageCorrupt(f"page {key.hex()} header on disk does not match the index")
+        on_disk.verify_payload(payload, len(payload))
         if payload.obj is not into.obj:
             into[: header.payload_bytes] = payload
         return header
