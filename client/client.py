@@ -39,6 +39,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
 ]
 WIRE_CHUNK_BYTES = 1 << 20
+PIPELINE_PAGES = 32
 
 
 @dataclass(frozen=True)
@@ -165,38 +166,71 @@ class KVStoreClient:
         """
         keys = self.keys(tokens)
         check_kv(kv, self.layout, len(keys) * self.layout.page_tokens)
-        stored = 0
-        while stored < len(keys):
-            batch = keys[stored : stored + self.max_pages]
-            try:
-                if self.arena is not None:
-                    n = await self._put_shm(batch, kv, stored, durable)
-                else:
-                    n = await self._put_wire(batch, kv, stored, durable)
-            except TierFull:
-                if stored == 0:
-                    raise
-                logger.warning("tier full after %d of %d pages; the rest is not stored", stored, len(keys))
-                break
-            # A partial allocation means the host tier had no more free slots for this batch;
-            # the committed pages are evictable now, so the next batch can make room.
-            stored += n
+        if self.arena is not None:
+            stored = await self._put_shm_pipelined(keys, kv, durable)
+        else:
+            stored = 0
+            while stored < len(keys):
+                try:
+                    n = await self._put_wire(keys[stored : stored + self.max_pages], kv, stored, durable)
+                except TierFull:
+                    if stored == 0:
+                        raise
+                    logger.warning("tier full after %d of %d pages; the rest is not stored", stored, len(keys))
+                    break
+                stored += n
         return stored * self.layout.page_tokens
 
-    async def _put_shm(self, keys: list[bytes], kv: torch.Tensor, first_page: int, durable: bool) -> int:
-        req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
-        alloc = await self._call(self._data.Allocate, req)
-        todo = [(i, s) for i, s in enumerate(alloc.slots) if not s.exists]
+    def _batch_pages(self) -> int:
+        """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
+        server's work on the previous one, and at most a quarter of the arena so that two
+        batches in flight always fit."""
+        arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
+        return max(1, min(self.max_pages, arena_pages // 4, PIPELINE_PAGES))
+
+    async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor, durable: bool) -> int:
+        """Allocate, copy, commit batch by batch; batch i commits (and, when durable, is
+        written to ssd) while batch i+1 is copied. Returns pages stored."""
+        stored = cursor = 0
+        pending: asyncio.Future[int] | None = None
         try:
-            sums = await self._parallel(lambda item: self._write_slot(kv, first_page + item[0], item[1].offset), todo)
-        except BaseException:
-            await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
-            raise
-        commit = data_pb2.CommitRequest(
-            allocation_id=alloc.allocation_id, keys=[s.key for _, s in todo], checksums=sums, durable=durable
-        )
-        await self._call(self._data.Commit, commit)
-        return len(alloc.slots)
+            while cursor < len(keys):
+                batch = keys[cursor : cursor + self._batch_pages()]
+                try:
+                    alloc = await self._call(self._data.Allocate, data_pb2.AllocateRequest(
+                        namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=batch))
+                except TierFull:
+                    if pending is not None:  # its pages become evictable once committed
+                        stored += await pending
+                        pending = None
+                        continue
+                    if cursor == 0:
+                        raise
+                    logger.warning("tier full after %d of %d pages; the rest is not stored", cursor, len(keys))
+                    break
+                todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
+                try:
+                    sums = await self._parallel(lambda item, base=cursor: self._write_slot(kv, base + item[0], item[1].offset), todo)
+                except BaseException:
+                    await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
+                    raise
+                if pending is not None:
+                    stored += await pending
+                commit = data_pb2.CommitRequest(
+                    allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable)
+                pending = asyncio.ensure_future(self._commit(commit, len(alloc.slots)))
+                cursor += len(alloc.slots)
+            if pending is not None:
+                stored += await pending
+                pending = None
+        finally:
+            if pending is not None:
+                await asyncio.gather(pending, return_exceptions=True)
+        return stored
+
+    async def _commit(self, request: data_pb2.CommitRequest, num_pages: int) -> int:
+        await self._call(self._data.Commit, request)
+        return num_pages
 
     def _write_slot(self, kv: torch.Tensor, page: int, offset: int) -> int:
         assert self.arena is not None
@@ -245,47 +279,72 @@ class KVStoreClient:
         if hit.namespace_id != self.namespace.namespace_id:
             raise InvalidRequest("the hit belongs to another namespace than this client")
         check_kv(into, self.layout, hit.num_tokens, "into")
+        if self.arena is not None:
+            await self._get_shm_pipelined(hit, into)
+            return hit.num_tokens
         done = 0
         while done < hit.num_pages:
-            batch = hit.keys[done : done + self._get_batch_pages()]
-            if self.arena is not None:
-                n = await self._get_shm(batch, into, done)
-            else:
-                n = await self._get_wire(batch, into, done)
-            done += n
-            # Fewer pages than asked: the server had no more room to promote this round
-            # (continue), or the next page is gone (nothing served: give up).
+            n = await self._get_wire(hit.keys[done : done + self.max_pages], into, done)
             if n == 0:
-                raise _partial(
-                    PageMissing,
-                    f"lookup promised {hit.num_pages} pages but page {done} is no longer stored; "
-                    f"{done * self.layout.page_tokens} tokens are valid, recompute the rest",
-                    done * self.layout.page_tokens,
-                )
+                raise self._missing(hit, done)
+            done += n
         return hit.num_tokens
 
-    def _get_batch_pages(self) -> int:
-        """Pages per Acquire: at most a quarter of the arena, so that ssd pages promoted for
-        one batch never need more room than the host tier has."""
-        arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
-        return max(1, min(self.max_pages, arena_pages // 4))
+    def _missing(self, hit: Hit, done: int) -> KVStoreError:
+        return _partial(
+            PageMissing,
+            f"lookup promised {hit.num_pages} pages but page {done} is no longer stored; "
+            f"{done * self.layout.page_tokens} tokens are valid, recompute the rest",
+            done * self.layout.page_tokens,
+        )
 
-    async def _get_shm(self, keys: list[bytes], into: torch.Tensor, first_page: int) -> int:
-        req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
-        acq = await self._call(self._data.Acquire, req)
+    async def _get_shm_pipelined(self, hit: Hit, into: torch.Tensor) -> None:
+        """Acquire batch i+1 (the server may be reading it from ssd) while batch i is
+        copied out of the arena; release each lease as soon as its copy is done."""
+        keys = hit.keys
+
+        def acquire(start: int) -> asyncio.Future[Any]:
+            req = data_pb2.AcquireRequest(
+                namespace_id=self.namespace.namespace_id, keys=keys[start : start + self._batch_pages()], ttl_ms=self.lease_ms)
+            return asyncio.ensure_future(self._call(self._data.Acquire, req))
+
+        releases: list[asyncio.Future[Any]] = []
+
+        def release(lease_id: int) -> None:
+            releases.append(asyncio.ensure_future(self._call(self._data.Release, data_pb2.ReleaseRequest(lease_id=lease_id))))
+
+        done = 0
+        pending: asyncio.Future[Any] | None = acquire(0)
         try:
-            items = list(enumerate(acq.pages))
-            ok = await self._parallel(lambda item: self._read_slot(into, first_page + item[0], item[1]), items)
+            while pending is not None:
+                acq = await pending
+                pending = None
+                n = len(acq.pages)
+                if n == 0:
+                    release(acq.lease_id)
+                    raise self._missing(hit, done)
+                if done + n < len(keys):
+                    pending = acquire(done + n)
+                try:
+                    ok = await self._parallel(
+                        lambda item, base=done: self._read_slot(into, base + item[0], item[1]), list(enumerate(acq.pages)))
+                finally:
+                    release(acq.lease_id)
+                for i, good in enumerate(ok):
+                    if not good:
+                        raise _partial(
+                            PageCorrupt, f"page {done + i} failed its checksum; "
+                            f"{(done + i) * self.layout.page_tokens} tokens are valid, recompute the rest",
+                            (done + i) * self.layout.page_tokens,
+                        )
+                done += n
         finally:
-            await self._call(self._data.Release, data_pb2.ReleaseRequest(lease_id=acq.lease_id))
-        for i, good in enumerate(ok):
-            if not good:
-                raise _partial(
-                    PageCorrupt, f"page {first_page + i} failed its checksum; "
-                    f"{(first_page + i) * self.layout.page_tokens} tokens are valid, recompute the rest",
-                    (first_page + i) * self.layout.page_tokens,
-                )
-        return len(acq.pages)
+            if pending is not None:  # an error ended the loop: free the lease it may hold
+                try:
+                    release((await pending).lease_id)
+                except KVStoreError:
+                    pass
+            await asyncio.gather(*releases, return_exceptions=True)
 
     def _read_slot(self, into: torch.Tensor, page: int, acquired: Any) -> bool:
         assert self.arena is not None
