@@ -1,0 +1,35 @@
+"""kvstore-bench: one subcommand per question; tables on stdout, ``--json`` ends with one
+JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvstore import logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits")
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvstore.bench import throughput
+
+    tp = sub.add_parser("throughput", help="put/get GB/s per data path vs memcpy, raw disk, raw gRPC")
+    throughput.add_arguments(tp)
+    tp.add_argument("--json", action="store_true")
+    tp.set_defaults(module=throughput)
+
+    args = parser.parse_args(argv)
+    logs.setup(args.log_level)
+    report = args.module.run(args)
+    args.module.print_table(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""kvstore-bench throughput: put/get of 2.25 MiB pages through the client, per data path,
+beside the limit each path chases, measured in the same run.
+
+| path | limit |
+| --- | --- |
+| host-shm-put/get | memcpy of the same bytes (torch copy_, 2 threads) |
+| host-grpc-put/get | raw gRPC byte stream of the same size (bare server, no processing) |
+| ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem |
+| ssd-get | raw O_DIRECT page reads of the same bytes |
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench import limits, rawgrpc
+from kvstore.bench.harness import start_raw_grpc, start_server
+from kvstore.client import KVStoreClient
+
+QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pages", type=int, default=512, help="pages per batch (512 x 2.25 MiB = 1.125 GiB)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per path (median reported)")
+    p.add_argument("--dir", default="bench-out/throughput", help="work directory (on the filesystem to test)")
+    p.add_argument("--paths", default="host-shm,host-grpc,ssd", help="which paths to run")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (random bit patterns include NaNs, which never compare equal)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+async def _timed(fn: Any, repeats: int, setup: Any = None) -> float:
+    """Median seconds of ``fn`` over repeats after one warm-up; ``setup`` runs untimed before each."""
+    times = []
+    for i in range(repeats + 1):
+        if setup is not None:
+            await setup()
+        start = time.perf_counter()
+        await fn()
+        if i:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
+    layout = QWEN3_8B
+    ns = Namespace(model="Qwen/Qwen3-8B", revision="bench", layout=layout)
+    tokens = list(range(args.pages * layout.page_tokens))
+    nbytes = args.pages * layout.page_bytes
+    kv = torch.empty(layout.num_layers, 2, len(tokens), layout.num_kv_heads, layout.head_dim, dtype=layout.dtype)
+    kv.view(torch.int16).random_(-(2**15), 2**15 - 1)
+    out = torch.zeros_like(kv)
+    workdir = Path(args.dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    wanted = set(args.paths.split(","))
+    results: list[dict[str, Any]] = []
+
+    def add(path: str, seconds: float, limit: str, limit_seconds: float) -> None:
+        gbps, limit_gbps = nbytes / seconds / 1e9, nbytes / limit_seconds / 1e9
+        results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
+                        "ratio": round(gbps / limit_gbps, 3), "seconds": round(seconds, 4)})
+        bar.update(1)
+
+    server, addr = start_server(workdir, host_bytes=int(nbytes * 1.3) + (64 << 20), ssd_bytes=int(nbytes * 1.3) + (256 << 20))
+    raw_proc, raw_addr = start_raw_grpc()
+    try:
+        memcpy_s = limits.memcpy_seconds(kv, out, args.repeats)
+        async with grpc.aio.insecure_channel(addr) as ch:
+            directory = directory_pb2_grpc.DirectoryStub(ch)
+
+            async def clear() -> None:
+                await directory.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns.namespace_id))
+
+            if "host-shm" in wanted:
+                async with KVStoreClient(addr, ns) as client:
+                    assert client.shared_memory, "benchmark client could not map the arena"
+                    put_s = await _timed(lambda: client.put(tokens, kv), args.repeats, setup=clear)
+                    add("host-shm-put", put_s, "memcpy", memcpy_s)
+                    hit = await client.lookup(tokens)
+                    assert hit.num_tokens == len(tokens)
+                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats)
+                    assert _same(out, kv), "host-shm get returned other bytes"
+                    add("host-shm-get", get_s, "memcpy", memcpy_s)
+            if "host-grpc" in wanted:
+                async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw:
+                    up_s = await _timed(lambda: rawgrpc.upload(raw, nbytes, 1 << 20), args.repeats)
+                    down_s = await _timed(lambda: rawgrpc.download(raw, nbytes, 1 << 20), args.repeats)
+                async with KVStoreClient(addr, ns, use_shm=False) as client:
+                    put_s = await _timed(lambda: client.put(tokens, kv), args.repeats, setup=clear)
+                    add("host-grpc-put", put_s, "raw-grpc-upload", up_s)
+                    hit = await client.lookup(tokens)
+                    out.zero_()
+                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats)
+                    assert _same(out, kv), "host-grpc get returned other bytes"
+                    add("host-grpc-get", get_s, "raw-grpc-download", down_s)
+            if "ssd" in wanted:
+                disk = limits.RawDisk(workdir / "ssd", kv, layout.page_bytes)
+                try:
+                    write_s = limits.best_seconds(disk.write, args.repeats)
+                    read_s = limits.best_seconds(disk.read, args.repeats)
+                finally:
+                    disk.close()
+                async with KVStoreClient(addr, ns) as client:
+                    put_s = await _timed(lambda: client.put(tokens, kv, durable=True), args.repeats, setup=clear)
+                    add("ssd-put", put_s, "raw-write+sync" + ("" if disk.direct else "(buffered)"), write_s)
+                    hit = await client.lookup(tokens)
+
+                    async def drop_host() -> None:
+                        await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+
+                    out.zero_()
+                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats, setup=drop_host)
+                    assert _same(out, kv), "ssd get returned other bytes"
+                    add("ssd-get", get_s, "raw-read" + ("-odirect" if disk.direct else ""), read_s)
+    finally:
+        server.stop()
+        raw_proc.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    total = 2 * len(args.paths.split(","))
+    with tqdm(total=total, desc="throughput", unit="path", disable=None) as bar:
+        results = asyncio.run(_measure(args, bar))
+    return {"pages": args.pages, "page_bytes": QWEN3_8B.page_bytes, "results": results}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"{report['pages']} pages x {report['page_bytes'] / 2**20:.2f} MiB = {report['pages'] * report['page_bytes'] / 2**30:.3f} GiB per batch")
+    print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}")
+    for r in report["results"]:
+        print(f"{r['path']:<14} {r['gbps']:>7.2f}  {r['limit']:<22} {r['limit_gbps']:>7.2f} {r['ratio']:>6.2f}")
