@@ -43,18 +43,24 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-async def _timed(fn: Any, repeats: int, setup: Any = None) -> float:
-    """Median seconds of ``fn`` over repeats after one warm-up; ``setup`` runs untimed before each."""
-    times = []
+async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> tuple[float, float]:
+    """Median seconds of ``fn`` and of its ``limit``, measured alternately (one warm-up
+    each) so that drift on a shared machine hits both alike. ``setup`` runs untimed."""
+    path_s, limit_s = [], []
     for i in range(repeats + 1):
         if setup is not None:
             await setup()
         start = time.perf_counter()
         await fn()
+        elapsed = time.perf_counter() - start
+        start = time.perf_counter()
+        result = limit()
+        if asyncio.iscoroutine(result):
+            await result
         if i:
-            times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+            path_s.append(elapsed)
+            limit_s.append(time.perf_counter() - start)
+    return sorted(path_s)[len(path_s) // 2], sorted(limit_s)[len(limit_s) // 2]
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
@@ -71,7 +77,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     wanted = set(args.paths.split(","))
     results: list[dict[str, Any]] = []
 
-    def add(path: str, seconds: float, limit: str, limit_seconds: float) -> None:
+    def add(path: str, timing: tuple[float, float], limit: str) -> None:
+        seconds, limit_seconds = timing
         gbps, limit_gbps = nbytes / seconds / 1e9, nbytes / limit_seconds / 1e9
         results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
                         "ratio": round(gbps / limit_gbps, 3), "seconds": round(seconds, 4)})
@@ -80,7 +87,11 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     server, addr = start_server(workdir, host_bytes=int(nbytes * 1.3) + (64 << 20), ssd_bytes=int(nbytes * 1.3) + (256 << 20))
     raw_proc, raw_addr = start_raw_grpc()
     try:
-        memcpy_s = limits.memcpy_seconds(kv, out, args.repeats)
+        scratch = torch.zeros_like(kv)
+
+        def memcpy() -> None:
+            scratch.copy_(kv)
+
         async with grpc.aio.insecure_channel(addr) as ch:
             directory = directory_pb2_grpc.DirectoryStub(ch)
 
@@ -90,44 +101,41 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
             if "host-shm" in wanted:
                 async with KVStoreClient(addr, ns) as client:
                     assert client.shared_memory, "benchmark client could not map the arena"
-                    put_s = await _timed(lambda: client.put(tokens, kv), args.repeats, setup=clear)
-                    add("host-shm-put", put_s, "memcpy", memcpy_s)
+                    add("host-shm-put", await _timed(lambda: client.put(tokens, kv), memcpy, args.repeats, setup=clear), "memcpy")
                     hit = await client.lookup(tokens)
                     assert hit.num_tokens == len(tokens)
-                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats)
+                    timing = await _timed(lambda: client.get(hit, into=out), memcpy, args.repeats)
                     assert _same(out, kv), "host-shm get returned other bytes"
-                    add("host-shm-get", get_s, "memcpy", memcpy_s)
+                    add("host-shm-get", timing, "memcpy")
             if "host-grpc" in wanted:
-                async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw:
-                    up_s = await _timed(lambda: rawgrpc.upload(raw, nbytes, 1 << 20), args.repeats)
-                    down_s = await _timed(lambda: rawgrpc.download(raw, nbytes, 1 << 20), args.repeats)
-                async with KVStoreClient(addr, ns, use_shm=False) as client:
-                    put_s = await _timed(lambda: client.put(tokens, kv), args.repeats, setup=clear)
-                    add("host-grpc-put", put_s, "raw-grpc-upload", up_s)
+                async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw, \
+                        KVStoreClient(addr, ns, use_shm=False) as client:
+                    timing = await _timed(lambda: client.put(tokens, kv), lambda: rawgrpc.upload(raw, nbytes, 1 << 20),
+                                          args.repeats, setup=clear)
+                    add("host-grpc-put", timing, "raw-grpc-upload")
                     hit = await client.lookup(tokens)
                     out.zero_()
-                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats)
+                    timing = await _timed(lambda: client.get(hit, into=out), lambda: rawgrpc.download(raw, nbytes, 1 << 20),
+                                          args.repeats)
                     assert _same(out, kv), "host-grpc get returned other bytes"
-                    add("host-grpc-get", get_s, "raw-grpc-download", down_s)
+                    add("host-grpc-get", timing, "raw-grpc-download")
             if "ssd" in wanted:
                 disk = limits.RawDisk(workdir / "ssd", kv, layout.page_bytes)
                 try:
-                    write_s = limits.best_seconds(disk.write, args.repeats)
-                    read_s = limits.best_seconds(disk.read, args.repeats)
+                    async with KVStoreClient(addr, ns) as client:
+                        timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write, args.repeats, setup=clear)
+                        add("ssd-put", timing, "raw-write+sync" + ("" if disk.direct else "(buffered)"))
+                        hit = await client.lookup(tokens)
+
+                        async def drop_host() -> None:
+                            await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+
+                        out.zero_()
+                        timing = await _timed(lambda: client.get(hit, into=out), disk.read, args.repeats, setup=drop_host)
+                        assert _same(out, kv), "ssd get returned other bytes"
+                        add("ssd-get", timing, "raw-read" + ("-odirect" if disk.direct else ""))
                 finally:
                     disk.close()
-                async with KVStoreClient(addr, ns) as client:
-                    put_s = await _timed(lambda: client.put(tokens, kv, durable=True), args.repeats, setup=clear)
-                    add("ssd-put", put_s, "raw-write+sync" + ("" if disk.direct else "(buffered)"), write_s)
-                    hit = await client.lookup(tokens)
-
-                    async def drop_host() -> None:
-                        await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
-
-                    out.zero_()
-                    get_s = await _timed(lambda: client.get(hit, into=out), args.repeats, setup=drop_host)
-                    assert _same(out, kv), "ssd get returned other bytes"
-                    add("ssd-get", get_s, "raw-read" + ("-odirect" if disk.direct else ""), read_s)
     finally:
         server.stop()
         raw_proc.stop()

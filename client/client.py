@@ -39,7 +39,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
 ]
 WIRE_CHUNK_BYTES = 1 << 20
-PIPELINE_PAGES = 32
+PIPELINE_PAGES = 64
 
 
 @dataclass(frozen=True)

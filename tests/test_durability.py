@@ -99,3 +99,23 @@ async def test_index_entry_without_bytes_is_dropped_at_start(server_process, tmp
     server_process.start()
     async with KVStoreClient(server_process.address, ns) as client:
         assert (await client.lookup(tokens)).num_tokens == 48
+
+
+def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
+    """Regression: a capacity whose 64th part was not a multiple of 4 KiB gave unaligned
+    slots, and O_DIRECT writes failed with EINVAL."""
+    from kvstore.config import SsdTierConfig
+    from kvstore.page import LayoutDesc, PageHeader, checksum
+    from kvstore.tiers.ssd import SsdTier
+
+    tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=1_718_000_000))
+    try:
+        assert tier.allocator.slab_bytes % 4096 == 0
+        payload = bytes(range(256)) * 9216  # 2.25 MiB
+        for i in range(40):
+            header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(36, 2, 8, 128, "bfloat16", 16), len(payload), checksum(payload))
+            assert tier.put(header, memoryview(payload))
+        into = bytearray(len(payload))
+        assert tier.get((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
+    finally:
+        tier.close()

@@ -66,6 +66,7 @@ class SsdTier:
         except OSError as exc:
             raise TierUnavailable(f"--ssd-dir {self.directory}: {exc.strerror}") from exc
         slab = min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
+        slab -= slab % ALIGN  # every slot offset must stay aligned for O_DIRECT
         capacity = config.capacity_bytes - config.capacity_bytes % slab
         self.allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
