@@ -75,6 +75,7 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def WritePages(self, request_iterator: Iterator[data_pb2.PageChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
         stored = 0
+        scratch = bytearray()
         current: tuple[PageHeader, bytearray, bool] | None = None
         filled = 0
         for chunk in request_iterator:
@@ -88,7 +89,9 @@ class DataService(data_pb2_grpc.DataServicer):
                     raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
                 if chunk.offset != 0:
                     raise InvalidRequest("the first chunk of a page must have offset 0")
-                current = (PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum), bytearray(chunk.page_bytes), chunk.durable)
+                if len(scratch) != chunk.page_bytes:  # reused across pages: fresh memory is slow to touch
+                    scratch = bytearray(chunk.page_bytes)
+                current = (PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum), scratch, chunk.durable)
                 filled = 0
             header, buf, durable = current
             if chunk.key != header.key or chunk.offset != filled:
