@@ -43,7 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
     lk.add_argument("--tokens", required=True, help="comma-separated token ids, or @FILE with a JSON list")
     inv = sub.add_parser("invalidate", help="drop every page of a namespace")
     _namespace_args(inv)
+    plan = sub.add_parser("plan", help="rank local hit, fetch and recompute per instance (no server needed)")
+    plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstore import planner
+
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+    try:
+        request, candidates, objective = planner.request_from_dict(json.loads(text))
+        if objective == "makespan":
+            count = json.loads(text).get("num_requests", 1)
+            return planner.route_batch([request] * count, candidates).to_dict()
+        return planner.route(request, candidates, objective).to_dict()
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVStoreError(f"plan input: {exc}") from None
 
 
 def _namespace(args: argparse.Namespace) -> tuple[bytes, int]:
@@ -67,6 +83,8 @@ def _tokens(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.command == "plan":
+        return plan(args)
     with grpc.insecure_channel(args.server) as channel:
         stub = directory_pb2_grpc.DirectoryStub(channel)
         try:
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as exc:
         print(f"kvstore-ctl: {exc}", file=sys.stderr)
         return 1
-    if args.json:
+    if args.json or args.command == "plan":
         print(json.dumps(result, indent=2))
     else:
         _print_table(result)
