@@ -23,6 +23,8 @@ import torch
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client.arena import ArenaMap
+from kvstore.client.engine_kv import EngineKV, as_engine_kv
+from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
@@ -74,6 +76,7 @@ class KVStoreClient:
         timeout_s: float = 30.0,
         lease_ms: int = 30_000,
         copy_threads: int = 2,
+        prefill_tokens_per_s: float = 3000.0,
     ) -> None:
         self.address = address
         self.namespace = namespace
@@ -89,6 +92,9 @@ class KVStoreClient:
         self.arena: ArenaMap | None = None
         self.max_pages = 4096
         self._arena_bytes = 0
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.load_bps = 0.0  # measured by layer-wise loads (EWMA)
+        self._sync_channel: grpc.Channel | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -111,6 +117,9 @@ class KVStoreClient:
             self.arena = ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token)
 
     async def close(self) -> None:
+        if self._sync_channel is not None:
+            self._sync_channel.close()
+            self._sync_channel = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -158,14 +167,14 @@ class KVStoreClient:
 
     # -- put -----------------------------------------------------------------------------
 
-    async def put(self, tokens: Any, kv: torch.Tensor, *, durable: bool = False) -> int:
+    async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False) -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
         Pages already stored are not written again. With ``durable`` the pages are also on
         the ssd tier (synced) when this returns. Returns the number of leading tokens stored.
         """
         keys = self.keys(tokens)
-        check_kv(kv, self.layout, len(keys) * self.layout.page_tokens)
+        self._check(kv, len(keys) * self.layout.page_tokens, "kv")
         if self.arena is not None:
             stored = await self._put_shm_pipelined(keys, kv, durable)
         else:
@@ -188,7 +197,7 @@ class KVStoreClient:
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
         return max(1, min(self.max_pages, arena_pages // 4, PIPELINE_PAGES))
 
-    async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor, durable: bool) -> int:
+    async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool) -> int:
         """Allocate, copy, commit batch by batch; batch i commits (and, when durable, is
         written to ssd) while batch i+1 is copied. Returns pages stored."""
         stored = cursor = 0
@@ -232,10 +241,31 @@ class KVStoreClient:
         await self._call(self._data.Commit, request)
         return num_pages
 
-    def _write_slot(self, kv: torch.Tensor, page: int, offset: int) -> int:
+    def _check(self, kv: torch.Tensor | EngineKV, tokens: int, name: str) -> None:
+        if isinstance(kv, torch.Tensor):
+            check_kv(kv, self.layout, tokens, name)
+        elif kv.num_tokens < tokens:
+            raise InvalidRequest(f"{name} holds {kv.num_tokens} tokens, {tokens} are needed")
+
+    def _page_in(self, dst: torch.Tensor, kv: torch.Tensor | EngineKV, page: int) -> None:
+        """dst (one page, layer-major) <- page ``page`` of the engine's KV."""
+        if isinstance(kv, torch.Tensor):
+            copy_bytes(dst, page_of(kv, page, self.layout.page_tokens))
+        else:
+            for layer in range(self.layout.num_layers):
+                dst[layer].copy_(kv.read_layer(page, layer))
+
+    def _page_out(self, into: torch.Tensor | EngineKV, page: int, src: torch.Tensor) -> None:
+        """Page ``page`` of the engine's KV <- src (one page, layer-major)."""
+        if isinstance(into, torch.Tensor):
+            copy_bytes(page_of(into, page, self.layout.page_tokens), src)
+        else:
+            for layer in range(self.layout.num_layers):
+                into.write_layer(page, layer, src[layer])
+
+    def _write_slot(self, kv: torch.Tensor | EngineKV, page: int, offset: int) -> int:
         assert self.arena is not None
-        slot = self.arena.slot(offset, self.layout.page_bytes)
-        copy_bytes(slot_as_page(slot, self.layout), page_of(kv, page, self.layout.page_tokens))
+        self._page_in(slot_as_page(self.arena.slot(offset, self.layout.page_bytes), self.layout), kv, page)
         return checksum(self.arena.view[offset : offset + self.layout.page_bytes])
 
     async def _parallel(self, fn: Any, items: list[Any]) -> list[Any]:
@@ -248,13 +278,14 @@ class KVStoreClient:
         results = await asyncio.gather(*(loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts))
         return [r for part in results for r in part]
 
-    async def _put_wire(self, keys: list[bytes], kv: torch.Tensor, first_page: int, durable: bool) -> int:
+    async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool) -> int:
         layout = self.layout
         ns = self.namespace.namespace_id
 
         def chunks() -> Any:
             for i, key in enumerate(keys):
-                page = page_of(kv, first_page + i, layout.page_tokens).contiguous().cpu()
+                page = torch.empty(layout.page_shape(), dtype=layout.torch_dtype())
+                self._page_in(page, kv, first_page + i)
                 data = memoryview(page.view(torch.uint8).numpy()).cast("B")
                 csum = checksum(data)
                 for start in range(0, layout.page_bytes, WIRE_CHUNK_BYTES):
@@ -270,7 +301,7 @@ class KVStoreClient:
 
     # -- get -----------------------------------------------------------------------------
 
-    async def get(self, hit: Hit, into: torch.Tensor) -> int:
+    async def get(self, hit: Hit, into: torch.Tensor | EngineKV) -> int:
         """Copies the hit's pages into ``into`` (``[layers, kv, >= hit.num_tokens, heads, dim]``).
 
         Returns ``hit.num_tokens``. Raises PageMissing or PageCorrupt when a promised page
@@ -278,7 +309,7 @@ class KVStoreClient:
         """
         if hit.namespace_id != self.namespace.namespace_id:
             raise InvalidRequest("the hit belongs to another namespace than this client")
-        check_kv(into, self.layout, hit.num_tokens, "into")
+        self._check(into, hit.num_tokens, "into")
         if self.arena is not None:
             await self._get_shm_pipelined(hit, into)
             return hit.num_tokens
@@ -298,7 +329,7 @@ class KVStoreClient:
             done * self.layout.page_tokens,
         )
 
-    async def _get_shm_pipelined(self, hit: Hit, into: torch.Tensor) -> None:
+    async def _get_shm_pipelined(self, hit: Hit, into: torch.Tensor | EngineKV) -> None:
         """Acquire batch i+1 (the server may be reading it from ssd) while batch i is
         copied out of the arena; release each lease as soon as its copy is done."""
         keys = hit.keys
@@ -346,16 +377,15 @@ class KVStoreClient:
                     pass
             await asyncio.gather(*releases, return_exceptions=True)
 
-    def _read_slot(self, into: torch.Tensor, page: int, acquired: Any) -> bool:
+    def _read_slot(self, into: torch.Tensor | EngineKV, page: int, acquired: Any) -> bool:
         assert self.arena is not None
         n = self.layout.page_bytes
         if checksum(self.arena.view[acquired.offset : acquired.offset + n]) != acquired.checksum:
             return False
-        slot = self.arena.slot(acquired.offset, n)
-        copy_bytes(page_of(into, page, self.layout.page_tokens), slot_as_page(slot, self.layout))
+        self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))
         return True
 
-    async def _get_wire(self, keys: list[bytes], into: torch.Tensor, first_page: int) -> int:
+    async def _get_wire(self, keys: list[bytes], into: torch.Tensor | EngineKV, first_page: int) -> int:
         layout = self.layout
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
         buf = torch.empty(layout.page_bytes, dtype=torch.uint8)
@@ -377,9 +407,119 @@ class KVStoreClient:
                     if checksum(view) != expect_sum:
                         raise _partial(PageCorrupt, f"page {first_page + count} failed its checksum in transit",
                                        (first_page + count) * layout.page_tokens)
-                    copy_bytes(page_of(into, first_page + count, layout.page_tokens), slot_as_page(buf, layout))
+                    self._page_out(into, first_page + count, slot_as_page(buf, layout))
                     count += 1
                     filled = 0
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return count
+
+    # -- layer-wise ----------------------------------------------------------------------
+
+    def load(self, hit: Hit, into: torch.Tensor | EngineKV, ahead: int = 0, deadline_s: float | None = None) -> LayerLoad:
+        """Starts a layer-wise load of ``hit`` into the engine's KV and returns at once.
+
+        ``deadline_s`` bounds every wait (default: the estimated time to recompute the hit,
+        at least 50 ms); past it the engine is told to recompute."""
+        if hit.namespace_id != self.namespace.namespace_id:
+            raise InvalidRequest("the hit belongs to another namespace than this client")
+        if deadline_s is None:
+            deadline_s = max(0.05, 2 * hit.num_tokens / self.prefill_tokens_per_s)
+        return LayerLoad(self, hit, as_engine_kv(into, self.layout), ahead, deadline_s)
+
+    def save(self, tokens: Any, kv: torch.Tensor | EngineKV, start: int = 0, durable: bool = False) -> LayerSave:
+        """Starts a layer-wise save of the full pages of ``tokens`` from token ``start``
+        (page-aligned: usually ``hit.num_tokens``) on; see LayerSave."""
+        return LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable)
+
+    def suggest_ahead(self, hit_tokens: int, new_tokens: int, compute_s_per_token: float | None = None,
+                      bandwidth_bps: float | None = None) -> int:
+        """Layers to load before compute starts: S_buf = B·(T_read − T_new) in whole layers,
+        with B measured by earlier loads (or given) and T_new from the prefill speed."""
+        from kvstore import planner
+
+        bandwidth = bandwidth_bps or self.load_bps or 5e9
+        per_token = compute_s_per_token or 1.0 / self.prefill_tokens_per_s
+        read_s = hit_tokens * self.layout.bytes_per_token / bandwidth
+        return planner.preload_layers(self.layout.num_layers, bandwidth, read_s, new_tokens * per_token)
+
+    def record_load(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes and seconds > 0:
+            bps = num_bytes / seconds
+            self.load_bps = bps if not self.load_bps else 0.7 * self.load_bps + 0.3 * bps
+
+    def _sync(self) -> tuple[Any, Any]:
+        if self._sync_channel is None:
+            self._sync_channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return data_pb2_grpc.DataStub(self._sync_channel), directory_pb2_grpc.DirectoryStub(self._sync_channel)
+
+    def _call_sync(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_for(exc.code(), exc.details() or "") from None  # type: ignore[attr-defined]
+
+    def acquire_sync(self, keys: list[bytes]) -> Any:
+        req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        return self._call_sync(self._sync()[0].Acquire, req)
+
+    def release_sync(self, lease_id: int) -> None:
+        try:
+            self._call_sync(self._sync()[0].Release, data_pb2.ReleaseRequest(lease_id=lease_id))
+        except KVStoreError as exc:
+            logger.warning("release of lease %d failed (it will expire): %s", lease_id, exc)
+
+    def allocate_sync(self, keys: list[bytes]) -> Any:
+        req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
+        return self._call_sync(self._sync()[0].Allocate, req)
+
+    def commit_sync(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool) -> None:
+        req = data_pb2.CommitRequest(allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable)
+        self._call_sync(self._sync()[0].Commit, req)
+
+    def abort_sync(self, allocation_id: int) -> None:
+        try:
+            self._call_sync(self._sync()[0].Abort, data_pb2.AbortRequest(allocation_id=allocation_id))
+        except KVStoreError:
+            pass
+
+    def read_pages_sync(self, keys: list[bytes]) -> list[torch.Tensor]:
+        """Pages over the socket, each verified; stops at the first missing or bad one."""
+        layout = self.layout
+        req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        pages: list[torch.Tensor] = []
+        buf: torch.Tensor | None = None
+        filled = expect = 0
+        try:
+            for chunk in self._sync()[0].ReadPages(req, timeout=self.timeout_s):
+                if len(pages) >= len(keys) or chunk.key != keys[len(pages)] or chunk.offset != filled:
+                    break
+                if filled == 0:
+                    buf = torch.empty(layout.page_bytes, dtype=torch.uint8)
+                    expect = chunk.checksum
+                assert buf is not None
+                buf.numpy()[filled : filled + len(chunk.data)] = memoryview(chunk.data)
+                filled += len(chunk.data)
+                if filled == layout.page_bytes:
+                    if checksum(buf.numpy()) != expect:
+                        break
+                    pages.append(buf)
+                    filled = 0
+        except grpc.RpcError as exc:
+            logger.warning("page stream ended early: %s", exc)
+        return pages
+
+    def write_pages_sync(self, keys: list[bytes], pages: list[torch.Tensor], checksums: list[int], durable: bool) -> int:
+        ns = self.namespace.namespace_id
+        n = self.layout.page_bytes
+
+        def chunks() -> Any:
+            for key, page, csum in zip(keys, pages, checksums):
+                data = memoryview(page.numpy())
+                for start in range(0, n, WIRE_CHUNK_BYTES):
+                    first = start == 0
+                    yield data_pb2.PageChunk(key=key, offset=start, data=bytes(data[start : start + WIRE_CHUNK_BYTES]),
+                                             page_bytes=n, checksum=csum, namespace_id=ns if first else b"",
+                                             layout=self._layout_msg if first else None, durable=durable)
+
+        return int(self._call_sync(self._sync()[0].WritePages, chunks()).num_published)

@@ -1,0 +1,1 @@
+"""Engine adapters: each maps one engine's KV cache objects to kvstore pages."""
