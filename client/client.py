@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -95,6 +96,7 @@ class KVStoreClient:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.load_bps = 0.0  # measured by layer-wise loads (EWMA)
         self._sync_channel: grpc.Channel | None = None
+        self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # running layer-wise loads/saves
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -117,6 +119,10 @@ class KVStoreClient:
             self.arena = ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token)
 
     async def close(self) -> None:
+        for handle in list(self._handles):
+            handle.abandon("client closed")
+        for handle in list(self._handles):
+            await asyncio.get_running_loop().run_in_executor(None, handle.join, self.timeout_s)
         if self._sync_channel is not None:
             self._sync_channel.close()
             self._sync_channel = None
@@ -425,12 +431,16 @@ class KVStoreClient:
             raise InvalidRequest("the hit belongs to another namespace than this client")
         if deadline_s is None:
             deadline_s = max(0.05, 2 * hit.num_tokens / self.prefill_tokens_per_s)
-        return LayerLoad(self, hit, as_engine_kv(into, self.layout), ahead, deadline_s)
+        load = LayerLoad(self, hit, as_engine_kv(into, self.layout), ahead, deadline_s)
+        self._handles.add(load)
+        return load
 
     def save(self, tokens: Any, kv: torch.Tensor | EngineKV, start: int = 0, durable: bool = False) -> LayerSave:
         """Starts a layer-wise save of the full pages of ``tokens`` from token ``start``
         (page-aligned: usually ``hit.num_tokens``) on; see LayerSave."""
-        return LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable)
+        save = LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable)
+        self._handles.add(save)
+        return save
 
     def suggest_ahead(self, hit_tokens: int, new_tokens: int, compute_s_per_token: float | None = None,
                       bandwidth_bps: float | None = None) -> int:

@@ -87,6 +87,9 @@ class LayerLoad:
                 self.num_tokens = 0
                 logger.warning("layer-wise load of %d tokens abandoned: %s", self.hit.num_tokens, reason)
 
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
     async def finished(self) -> int:
         """Waits (bounded by the deadline) for the worker; returns tokens actually loaded."""
         remaining = max(0.0, self.deadline - time.monotonic())
@@ -187,6 +190,17 @@ class LayerSave:
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-layer-save", daemon=True)
         self._thread.start()
+
+    def abandon(self, reason: str) -> None:
+        """Stops a save that will not be finished (the client is closing): every layer is
+        released so the worker copies and commits, or fails, promptly."""
+        if not self._done.is_set():
+            logger.info("layer-wise save closing: %s", reason)
+            for layer in range(self.client.layout.num_layers):
+                self.layer_done(layer)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
 
     def layer_done(self, layer: int) -> None:
         if not 0 <= layer < self.client.layout.num_layers:

@@ -94,6 +94,8 @@ def preload_layers(num_layers: int, bandwidth_bps: float, read_s: float, new_s: 
     """The least ``ahead`` (layers loaded before compute starts) with which a layer-wise
     load never stalls compute: S_buf rounded up to whole layers, checked by simulating the
     pipeline (a layer more is needed when the buffer lands just past a layer boundary)."""
+    if prefetch_buffer_bytes(bandwidth_bps, read_s, new_s) == 0:
+        return 0  # compute is the longer: only the first layer's read is exposed
     read_layer, compute_layer = read_s / num_layers, new_s / num_layers
     floor = math.floor(prefetch_buffer_bytes(bandwidth_bps, read_s, new_s) / (bandwidth_bps * read_layer)) if read_layer > 0 else 0
     for ahead in range(max(0, floor), num_layers + 1):
