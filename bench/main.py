@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     tp.add_argument("--json", action="store_true")
     tp.set_defaults(module=throughput)
 
+    from kvstore.bench import overlap
+
+    ov = sub.add_parser("overlap", help="layer-wise load vs serial on a real model (CPU)")
+    overlap.add_arguments(ov)
+    ov.add_argument("--json", action="store_true")
+    ov.set_defaults(module=overlap)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)

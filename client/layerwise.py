@@ -82,7 +82,7 @@ class LayerLoad:
     def abandon(self, reason: str) -> None:
         """Stops the load; after this returns no byte is written into the engine's KV."""
         with self._copy_lock:
-            if not self._abandoned:
+            if not self._abandoned and not self._done.is_set():
                 self._abandoned = True
                 self.num_tokens = 0
                 logger.warning("layer-wise load of %d tokens abandoned: %s", self.hit.num_tokens, reason)
