@@ -84,7 +84,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                         "ratio": round(gbps / limit_gbps, 3), "seconds": round(seconds, 4)})
         bar.update(1)
 
-    server, addr = start_server(workdir, host_bytes=int(nbytes * 1.3) + (64 << 20), ssd_bytes=int(nbytes * 1.3) + (256 << 20))
+    # No endurance budget here: this measures the data path, not the admission policy.
+    server, addr = start_server(workdir, int(nbytes * 1.3) + (64 << 20), int(nbytes * 1.3) + (256 << 20), "--ssd-dwpd", "0")
     raw_proc, raw_addr = start_raw_grpc()
     try:
         scratch = torch.zeros_like(kv)

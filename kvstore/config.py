@@ -45,10 +45,14 @@ class HostTierConfig:
     capacity_bytes: int = 1 << 30
     shm_dir: Path = Path("/dev/shm")
     slab_bytes: int = 0  # 0: derived from capacity (capacity/16, clamped to [4 MiB, 64 MiB])
+    hint_share: float = 0.5  # at most this share of the tier is protected/prefetched for hints
+    hint_grace_s: float = 30.0  # a hint whose eta passed this long ago is dropped
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes < 4 << 20:
+        if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
             raise ConfigError("--host-capacity must be at least 4MiB")
+        if not 0 <= self.hint_share <= 1:
+            raise ConfigError("--hint-share must be in [0, 1]")
         if self.slab_bytes == 0:
             derived = min(64 << 20, max(4 << 20, self.capacity_bytes // 16))
             object.__setattr__(self, "slab_bytes", derived - derived % 4096)
@@ -61,10 +65,19 @@ class SsdTierConfig:
     directory: Path
     capacity_bytes: int = 16 << 30
     direct_io: bool = True  # O_DIRECT where the filesystem allows it
+    dwpd: float = 1.0  # drive writes per day the endurance budget allows; 0: no budget
+    burst_s: float = 60.0  # the budget's burst, in seconds of its long-run rate
+    admission: str = "value"  # all | first-come | seen-twice | value
+    sync: bool = True  # False only for trace replay: no fdatasync, no synced index
+    slab_bytes: int = 0  # 0: derived from capacity
 
     def __post_init__(self) -> None:
-        if self.capacity_bytes < 16 << 20:
+        if self.capacity_bytes < 16 << 20 and self.slab_bytes == 0:
             raise ConfigError("--ssd-capacity must be at least 16MiB")
+        if self.dwpd < 0:
+            raise ConfigError("--ssd-dwpd must be >= 0 (0: no write budget)")
+        if self.burst_s <= 0:
+            raise ConfigError("--ssd-burst-s must be > 0")
 
 
 @dataclass(frozen=True)

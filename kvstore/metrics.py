@@ -25,6 +25,12 @@ class Metrics:
         self.demotions = Counter("kvstore_demotions", "Pages moved down a tier under pressure", ["tier"], registry=r)
         self.promotions = Counter("kvstore_promotions", "Pages copied up into a faster tier on use", ["tier"], registry=r)
         self.quarantined = Counter("kvstore_quarantined", "Pages that failed a check and were quarantined", ["tier"], registry=r)
+        self.admissions = Counter("kvstore_ssd_admissions", "SSD admission decisions", ["policy", "decision", "reason"], registry=r)
+        self.ssd_refused_bytes = Counter("kvstore_ssd_refused_bytes", "Bytes not written to SSD (policy or budget)", registry=r)
+        self.ssd_budget_fill = Gauge("kvstore_ssd_budget_fill", "Share of the SSD write burst available now", registry=r)
+        self.ssd_write_rate = Gauge("kvstore_ssd_write_rate_bytes_per_second", "Average SSD page write rate", registry=r)
+        self.ssd_life_days = Gauge("kvstore_ssd_projected_life_days", "Drive life at the current write rate", registry=r)
+        self.hints = Counter("kvstore_hints", "Pages hinted by the engine's queue", ["result"], registry=r)
         self.rpc_seconds = Histogram(
             "kvstore_rpc_seconds", "RPC latency", ["method"], registry=r,
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),

@@ -23,10 +23,13 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.config import ServerConfig
+from kvstore.admission import FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
 from kvstore.directory import Directory
+from kvstore.eviction import HostResidency
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, PageHeader, checksum
@@ -71,15 +74,21 @@ class ManagerStats:
 
 
 class TierManager:
-    def __init__(self, config: ServerConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock
         self.node = config.node
         self.metrics = metrics or Metrics()
         self._lock = threading.RLock()
         self.directory = Directory(config.data_dir, config.node)
         self.host = HostTier(config.host, config.node)
         self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
-        self._host_lru: OrderedDict[bytes, None] = OrderedDict()
+        self._residency = HostResidency()
+        self.budget: WriteBudget | None = None
+        self.admission: AdmissionPolicy | None = None
+        if self.ssd is not None and config.ssd is not None:
+            self.budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s)
+            self.admission = make_policy(config.ssd.admission)
         self._ssd_lru: OrderedDict[bytes, None] = OrderedDict()
         self._pins: Counter[bytes] = Counter()
         self._doomed: set[tuple[bytes, str]] = set()  # (key, tier) to drop once unpinned
@@ -121,6 +130,7 @@ class TierManager:
     # -- housekeeping --------------------------------------------------------------------
 
     def _reap(self) -> None:
+        self._residency.expire(self.clock(), self.config.host.hint_grace_s)
         now = time.monotonic()
         while self._expiry and self._expiry[0][0] <= now:
             _, ident, kind = heapq.heappop(self._expiry)
@@ -178,7 +188,7 @@ class TierManager:
             offset = self.host.reserve(page_bytes)
             if offset is not None:
                 return offset
-            victim = next((k for k in self._host_lru if k not in self._pins), None)
+            victim = self._residency.victim(self._pins)
             if victim is None:
                 return None
             self._evict_host(victim)
@@ -187,19 +197,36 @@ class TierManager:
         slot = self.host.slot(key)
         assert slot is not None
         offset, header = slot
-        if self.ssd is not None and not self.ssd.contains(key):
+        if self.ssd is not None and not self.ssd.contains(key) and self._admit(header):
             try:
                 self.host.verify(key)
             except PageCorrupt as exc:
-                self._host_lru.pop(key, None)
+                self._residency.remove(key)
                 self._quarantine_host(header, str(exc))
+                self.host.delete(key)
                 return
             if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
                 self.metrics.demotions.labels("host").inc()
-        self._host_lru.pop(key, None)
+        self._residency.remove(key)
         self.host.delete(key)
         self.directory.remove(key, self.node, "host")
         self.metrics.evictions.labels("host").inc()
+
+    def _learn(self, key: bytes) -> None:
+        """A use of ``key``: admission learns from it, and a hint for it is fulfilled."""
+        if self.admission is not None:
+            self.admission.record_access(key)
+        self._residency.consume(key)
+
+    def _admit(self, header: PageHeader) -> bool:
+        """Whether a page leaving the host tier is worth an SSD write (policy + budget)."""
+        assert self.admission is not None and self.budget is not None
+        decision = self.admission.can_admit(header.key, header.flags, self.budget, header.payload_bytes)
+        self.metrics.admissions.labels(self.admission.name, "admit" if decision.admit else "refuse", decision.reason).inc()
+        if not decision.admit:
+            self.admission.record_refused(header.key)
+            self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+        return decision.admit
 
     def _ssd_reserve(self, payload_bytes: int) -> int | None:
         assert self.ssd is not None
@@ -229,6 +256,10 @@ class TierManager:
             for header, payload in items:
                 if ssd.contains(header.key):
                     continue
+                assert self.budget is not None
+                if not self.budget.take(header.payload_bytes):
+                    self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+                    break  # over the endurance budget: the rest stays in RAM only
                 offset = self._ssd_reserve(header.payload_bytes)
                 if offset is None:
                     break
@@ -290,6 +321,7 @@ class TierManager:
                 if self._stored(key) or key in slots:
                     out.append((key, None))
                     continue
+                self._learn(key)
                 offset = self._host_reserve(layout.page_bytes)
                 if offset is None:
                     break
@@ -303,7 +335,7 @@ class TierManager:
             heapq.heappush(self._expiry, (deadline, ident, "alloc"))
             return ident, out
 
-    def commit(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool = False) -> int:
+    def commit(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         With ``durable`` the pages are also written through to the ssd tier (synced) before
@@ -321,12 +353,12 @@ class TierManager:
                 offset = alloc.slots.pop(key, None)
                 if offset is None:
                     continue  # was stored already at allocation time
-                header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum)
+                header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum, flags | (FLAG_WANTED if durable else 0))
                 if self._stored(key):
                     self.host.unreserve(offset)
                     continue
                 self.host.install(header, offset)
-                self._host_lru[key] = None
+                self._residency.add(key)
                 fresh.append(header)
             for offset in alloc.slots.values():
                 self.host.unreserve(offset)
@@ -361,13 +393,16 @@ class TierManager:
                 header.verify_payload(view, header.payload_bytes)
             except PageCorrupt as exc:
                 with self._lock:
-                    self._host_lru.pop(key, None)
+                    self._residency.remove(key)
                     self._quarantine_host(header, str(exc))
                     self._drop_local(key, "host")
                 raise
             items.append((header, view))
-        if items:
-            self._ssd_write(items)
+        if items and self._ssd_write(items) < len(items):
+            raise TierFull(
+                "durable write refused: the ssd write budget (--ssd-dwpd) or the ssd tier is exhausted; "
+                "the pages are stored in RAM only"
+            )
 
     def abort(self, allocation_id: int) -> None:
         with self._lock:
@@ -392,7 +427,7 @@ class TierManager:
                     raise TierFull("host tier is full and every page in it is leased")
                 self.host.view(offset, header.payload_bytes)[:] = payload
                 self.host.install(header, offset)
-                self._host_lru[header.key] = None
+                self._residency.add(header.key)
                 self._publish_host(header.namespace_id, [header])
             if not (durable and self.ssd is not None):
                 return True
@@ -406,7 +441,7 @@ class TierManager:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, list[AcquiredPage]]:
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[int, list[AcquiredPage]]:
         """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
         arena, promoting ssd pages into the host tier. A page that fails its check ends the
         prefix (and is quarantined). When the host tier cannot take more promoted pages the
@@ -425,8 +460,10 @@ class TierManager:
                     self.metrics.misses.labels("host").inc()
                     break
                 slot = self.host.slot(key) if self._has(key, "host") else None
+                if learn:
+                    self._learn(key)
                 if slot is not None:
-                    self._host_lru.move_to_end(key)
+                    self._residency.touch(key)
                     self.metrics.hits.labels("host").inc()
                     self._pin([key])
                     pages.append(AcquiredPage(key, slot[0], slot[1].checksum))
@@ -459,7 +496,7 @@ class TierManager:
                     pages[index] = AcquiredPage(page.key, existing[0], page.checksum)
                     continue
                 self.host.install(header, page.offset)
-                self._host_lru[page.key] = None
+                self._residency.add(page.key)
                 self._ssd_lru.move_to_end(page.key)
                 self.metrics.hits.labels("ssd").inc()
                 self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
@@ -526,6 +563,32 @@ class TierManager:
 
     # -- directory operations ------------------------------------------------------------
 
+    def hint(self, namespace_id: bytes, keys: list[bytes], eta_s: float, prefetch: bool = True) -> bool:
+        """A queued request will need ``keys`` in about ``eta_s`` seconds.
+
+        The stored prefix of ``keys`` is protected from eviction (within a bounded share of
+        the host tier) and pages only on SSD are read into the host tier ahead of use. The
+        prefetch space is a reservation: when the share is taken, nothing is reserved and
+        False comes back at once, so the engine recomputes instead of waiting.
+        """
+        with self._lock:
+            self._reap()
+            found = [k for k in keys[: len(self.directory.lookup(namespace_id, keys))] if k not in self._residency.hints]
+            page_bytes = self._layouts[namespace_id].page_bytes if namespace_id in self._layouts else 0
+            share = self.config.host.hint_share * self.host.allocator.capacity
+            if page_bytes and (len(self._residency.hints) + len(found)) * page_bytes > share:
+                self.metrics.hints.labels("refused").inc(len(found))
+                return False
+            eta = self.clock() + eta_s
+            for key in found:
+                self._residency.hint(key, eta)
+            self.metrics.hints.labels("reserved").inc(len(found))
+            todo = [k for k in found if not self._has(k, "host")] if prefetch else []
+        if todo:
+            ident, _ = self.acquire(namespace_id, todo, 0, learn=False)
+            self.release(ident)
+        return True
+
     def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[Location]:
         with self._lock:
             return self.directory.lookup(namespace_id, keys)
@@ -554,7 +617,7 @@ class TierManager:
         if key in self._pins:
             self._doomed.add((key, tier))
         elif tier == "host" and self.host.delete(key):
-            self._host_lru.pop(key, None)
+            self._residency.remove(key)
         elif tier == "ssd" and self.ssd is not None and self.ssd.delete(key):
             self._ssd_lru.pop(key, None)
 
@@ -603,6 +666,11 @@ class TierManager:
             return n
 
     def _refresh_gauges(self) -> None:
+        if self.budget is not None and self.config.ssd is not None:
+            self.metrics.ssd_budget_fill.set(self.budget.fill())
+            self.metrics.ssd_write_rate.set(self.budget.write_rate_bps())
+            life = self.budget.projected_life_days(self.config.ssd.capacity_bytes, self.config.ssd.dwpd)
+            self.metrics.ssd_life_days.set(life if life != float("inf") else -1)
         for name, usage in self._usages().items():
             self.metrics.pages.labels(name).set(usage.num_pages)
             self.metrics.used_bytes.labels(name).set(usage.used_bytes)

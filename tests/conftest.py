@@ -22,7 +22,8 @@ from kvstore.server import Server
 
 
 def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
-    ssd = SsdTierConfig(directory=tmp / "ssd", capacity_bytes=ssd_bytes) if ssd_bytes else None
+    # Tests store everything they demote (no endurance budget) unless they test admission.
+    ssd = SsdTierConfig(directory=tmp / "ssd", capacity_bytes=ssd_bytes, dwpd=0, admission="all") if ssd_bytes else None
     return ServerConfig(
         listen="127.0.0.1:0",
         data_dir=tmp / "data",
@@ -88,7 +89,7 @@ class ServerProcess:
         self.args = [
             sys.executable, "-m", "kvstore.cli.server", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(tmp / "data"),
             "--ssd-dir", str(tmp / "ssd"), "--host-capacity", "64MiB", "--ssd-capacity", "256MiB", "--metrics-listen", "off",
-            "--log-level", "warning", *extra,
+            "--log-level", "warning", "--ssd-dwpd", "0", "--ssd-admission", "all", *extra,
         ]
         self.proc: subprocess.Popen[str] | None = None
 

@@ -65,13 +65,14 @@ class SsdTier:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TierUnavailable(f"--ssd-dir {self.directory}: {exc.strerror}") from exc
-        slab = min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
+        slab = config.slab_bytes or min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
         slab -= slab % ALIGN  # every slot offset must stay aligned for O_DIRECT
+        self.durable = config.sync
         capacity = config.capacity_bytes - config.capacity_bytes % slab
         self.allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
-        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True)
+        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
@@ -167,7 +168,8 @@ class SsdTier:
             raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + padded} bytes")
 
     def sync(self) -> None:
-        os.fdatasync(self.fd)
+        if self.durable:
+            os.fdatasync(self.fd)
 
     def index(self, entries: list[tuple[int, PageHeader]]) -> None:
         """Indexes written slots (after ``sync``); from here they survive a restart."""

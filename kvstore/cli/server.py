@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-dir", default=None, help="where ssd pages live (default: DATA_DIR/ssd)")
     p.add_argument("--ssd-capacity", default="8GiB", help="ssd tier capacity")
     p.add_argument("--no-direct-io", action="store_true", help="use buffered I/O on the ssd tier even where O_DIRECT works")
+    p.add_argument("--ssd-dwpd", type=float, default=1.0, help="drive writes per day the SSD endurance budget allows (0: no budget)")
+    p.add_argument("--ssd-burst-s", type=float, default=60.0, help="write budget burst, in seconds of its long-run rate")
+    p.add_argument("--ssd-admission", default="value", help="SSD admission policy: value, seen-twice, first-come, all")
+    p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -41,12 +45,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             directory=Path(args.ssd_dir) if args.ssd_dir else data_dir / "ssd",
             capacity_bytes=parse_size(args.ssd_capacity, "--ssd-capacity"),
             direct_io=not args.no_direct_io,
+            dwpd=args.ssd_dwpd,
+            burst_s=args.ssd_burst_s,
+            admission=args.ssd_admission,
         )
     return ServerConfig(
         listen=args.listen,
         data_dir=data_dir,
         tiers=tiers,
-        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity")),
+        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share),
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=args.node,

@@ -1,0 +1,238 @@
+"""What may be written to the SSD tier: a write budget from the drive's endurance, and
+admission by value.
+
+An SSD rated DWPD drive-writes a day accepts ``capacity × DWPD / 86,400`` bytes/s in the
+long run (3.84 TB at 1 DWPD: 44.4 MB/s), while one GPU can produce KV at over 1 GB/s. The
+``WriteBudget`` is a token bucket over bytes with a bounded burst; every SSD write takes
+from it and a write it cannot cover is refused. Policies answer ``can_admit`` without side
+effects on eviction state; they learn from ``record_access`` and ``record_refused``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+
+FLAG_WANTED = 1        # the engine asked to keep this page
+FLAG_SESSION_OPEN = 2  # its session is still open (multi-turn, tool wait)
+WARRANTY_DAYS = 5 * 365
+
+
+class WriteBudget:
+    """Token bucket over bytes: ``rate_bps`` long-run, at most ``burst_bytes`` at once.
+    A rate of 0 means no budget (unlimited writes)."""
+
+    def __init__(self, rate_bps: float, burst_bytes: float, clock: Callable[[], float]) -> None:
+        if rate_bps < 0 or burst_bytes < 0:
+            raise ConfigError("--ssd-dwpd and the burst must be >= 0")
+        self.rate_bps = rate_bps
+        self.burst_bytes = burst_bytes
+        self.clock = clock
+        self.tokens = burst_bytes
+        self._last = clock()
+        self.written_bytes = 0
+        self.refused_bytes = 0
+        self._started = self._last
+
+    @classmethod
+    def for_drive(cls, capacity_bytes: int, dwpd: float, clock: Callable[[], float], burst_s: float = 60.0) -> WriteBudget:
+        rate = capacity_bytes * dwpd / 86_400
+        burst = max(rate * burst_s, 16 << 20) if rate else 0.0
+        return cls(rate, burst, clock)
+
+    @property
+    def unlimited(self) -> bool:
+        return self.rate_bps == 0
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst_bytes, self.tokens + (now - self._last) * self.rate_bps)
+        self._last = now
+
+    def fill(self) -> float:
+        """Fraction of the burst available now (1.0 when unlimited)."""
+        if self.unlimited:
+            return 1.0
+        self._refill()
+        return self.tokens / self.burst_bytes if self.burst_bytes else 0.0
+
+    def can_take(self, num_bytes: int) -> bool:
+        if self.unlimited:
+            return True
+        self._refill()
+        return self.tokens >= num_bytes
+
+    def take(self, num_bytes: int) -> bool:
+        """Takes ``num_bytes`` if the bucket holds them; False (nothing taken) otherwise."""
+        if not self.can_take(num_bytes):
+            self.refused_bytes += num_bytes
+            return False
+        if not self.unlimited:
+            self.tokens -= num_bytes
+        self.written_bytes += num_bytes
+        return True
+
+    def write_rate_bps(self) -> float:
+        elapsed = self.clock() - self._started
+        return self.written_bytes / elapsed if elapsed > 0 else 0.0
+
+    def projected_life_days(self, capacity_bytes: int, dwpd: float) -> float:
+        """Days until the rated endurance (capacity × DWPD × 5 years) is used at the
+        average write rate so far."""
+        rate = self.write_rate_bps()
+        endurance = capacity_bytes * dwpd * WARRANTY_DAYS
+        return math.inf if rate <= 0 or dwpd <= 0 else endurance / rate / 86_400
+
+
+class FrequencySketch:
+    """Count-min sketch of accesses with aging: every ``window`` recorded accesses all
+    counters halve, so old popularity fades (as in TinyLFU)."""
+
+    def __init__(self, width: int = 1 << 16, depth: int = 4, window: int = 1 << 18) -> None:
+        self.width, self.depth, self.window = width, depth, window
+        self.table = np.zeros((depth, width), dtype=np.uint32)
+        self.seen = 0
+
+    def _slots(self, key: bytes) -> list[int]:
+        digest = hashlib.blake2b(key, digest_size=4 * self.depth).digest()
+        return [int.from_bytes(digest[4 * i : 4 * i + 4], "little") % self.width for i in range(self.depth)]
+
+    def add(self, key: bytes) -> None:
+        for row, col in enumerate(self._slots(key)):
+            self.table[row, col] += 1
+        self.seen += 1
+        if self.seen >= self.window:
+            self.table >>= 1
+            self.seen = 0
+
+    def estimate(self, key: bytes) -> int:
+        return int(min(self.table[row, col] for row, col in enumerate(self._slots(key))))
+
+
+class GhostList:
+    """Keys recently evicted without admission: seeing one again proves reuse beyond the
+    host tier's reach."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+
+@dataclass(frozen=True)
+class Decision:
+    admit: bool
+    reason: str
+
+
+class AdmissionPolicy(Protocol):
+    name: str
+
+    def can_admit(self, key: bytes, flags: int, budget: WriteBudget, num_bytes: int) -> Decision:
+        """Whether a page leaving the host tier should be written to SSD. No side effects."""
+        ...
+
+    def record_access(self, key: bytes) -> None: ...
+
+    def record_refused(self, key: bytes) -> None: ...
+
+
+class _Learning:
+    def __init__(self) -> None:
+        self.sketch = FrequencySketch()
+        self.ghosts = GhostList()
+
+    def record_access(self, key: bytes) -> None:
+        self.sketch.add(key)
+
+    def record_refused(self, key: bytes) -> None:
+        self.ghosts.add(key)
+
+
+class AdmitAll(_Learning):
+    """Everything the budget allows, first come first served."""
+
+    name = "all"
+
+    def can_admit(self, key: bytes, flags: int, budget: WriteBudget, num_bytes: int) -> Decision:
+        if not budget.can_take(num_bytes):
+            return Decision(False, "budget")
+        return Decision(True, "any")
+
+
+class SeenTwice(_Learning):
+    """Pages accessed at least twice, within the budget."""
+
+    name = "seen-twice"
+
+    def can_admit(self, key: bytes, flags: int, budget: WriteBudget, num_bytes: int) -> Decision:
+        if self.sketch.estimate(key) < 2:
+            return Decision(False, "one-shot")
+        if not budget.can_take(num_bytes):
+            return Decision(False, "budget")
+        return Decision(True, "reused")
+
+
+class ValueAdmission(_Learning):
+    """Admits by value: engine-marked pages (wanted, open session) first; then pages whose
+    reuse is proven (seen again after an unadmitted eviction, or accessed often), with a
+    frequency bar that rises as the write budget runs low, so the scarce writes go to the
+    most reused prefixes instead of to whoever comes first."""
+
+    name = "value"
+
+    def __init__(self, base_threshold: int = 2, reserve: float = 0.1) -> None:
+        super().__init__()
+        self.base_threshold = base_threshold
+        self.reserve = reserve  # share of the burst kept for engine-marked pages
+
+    def threshold(self, budget: WriteBudget) -> int:
+        fill = budget.fill()
+        if fill >= 0.5:
+            return self.base_threshold
+        return self.base_threshold + math.ceil((0.5 - fill) * 8)
+
+    def can_admit(self, key: bytes, flags: int, budget: WriteBudget, num_bytes: int) -> Decision:
+        if flags & FLAG_WANTED:
+            reason = "wanted"
+        elif flags & FLAG_SESSION_OPEN:
+            reason = "session"
+        else:
+            count = self.sketch.estimate(key)
+            if key in self.ghosts and count >= 2:
+                reason = "ghost"
+            elif count >= self.threshold(budget):
+                reason = "reused"
+            else:
+                return Decision(False, "one-shot" if count < 2 else "low-value")
+            if not budget.unlimited and budget.fill() < self.reserve:
+                return Decision(False, "budget")
+        if not budget.can_take(num_bytes):
+            return Decision(False, "budget")
+        return Decision(True, reason)
+
+
+POLICIES: dict[str, type] = {"all": AdmitAll, "first-come": AdmitAll, "seen-twice": SeenTwice, "value": ValueAdmission}
+
+
+def make_policy(name: str) -> AdmissionPolicy:
+    try:
+        return POLICIES[name]()  # type: ignore[no-any-return]
+    except KeyError:
+        raise ConfigError(f"--ssd-admission must be one of {', '.join(POLICIES)}, got {name!r}") from None
