@@ -29,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ov.add_argument("--json", action="store_true")
     ov.set_defaults(module=overlap)
 
+    from kvstore.bench import replay
+
+    rp = sub.add_parser("replay", help="trace replay: admission and eviction policies vs Belady")
+    replay.add_arguments(rp)
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(module=replay)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)

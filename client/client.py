@@ -173,16 +173,19 @@ class KVStoreClient:
 
     # -- put -----------------------------------------------------------------------------
 
-    async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False) -> int:
+    async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
+                  session_open: bool = False) -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
         Pages already stored are not written again. With ``durable`` the pages are also on
-        the ssd tier (synced) when this returns. Returns the number of leading tokens stored.
+        the ssd tier (synced) when this returns. ``wanted`` / ``session_open`` tell SSD
+        admission these pages will be used again. Returns the number of leading tokens stored.
         """
+        flags = (1 if wanted else 0) | (2 if session_open else 0)
         keys = self.keys(tokens)
         self._check(kv, len(keys) * self.layout.page_tokens, "kv")
         if self.arena is not None:
-            stored = await self._put_shm_pipelined(keys, kv, durable)
+            stored = await self._put_shm_pipelined(keys, kv, durable, flags)
         else:
             stored = 0
             while stored < len(keys):
@@ -203,7 +206,7 @@ class KVStoreClient:
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
         return max(1, min(self.max_pages, arena_pages // 4, PIPELINE_PAGES))
 
-    async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool) -> int:
+    async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
         """Allocate, copy, commit batch by batch; batch i commits (and, when durable, is
         written to ssd) while batch i+1 is copied. Returns pages stored."""
         stored = cursor = 0
@@ -232,7 +235,8 @@ class KVStoreClient:
                 if pending is not None:
                     stored += await pending
                 commit = data_pb2.CommitRequest(
-                    allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable)
+                    allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable,
+                    flags=flags)
                 pending = asyncio.ensure_future(self._commit(commit, len(alloc.slots)))
                 cursor += len(alloc.slots)
             if pending is not None:
@@ -419,6 +423,21 @@ class KVStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return count
+
+    # -- queue hints ---------------------------------------------------------------------
+
+    async def hint(self, tokens: Any, eta_s: float) -> bool:
+        """Tells the store a queued request will need ``tokens`` in about ``eta_s`` seconds.
+        False means no prefetch space was reserved: recompute rather than wait."""
+        return (await self.hint_batch([(tokens, eta_s)]))[0]
+
+    async def hint_batch(self, requests: list[tuple[Any, float]]) -> list[bool]:
+        entries = [data_pb2.HintEntry(keys=self.keys(tokens)[: self.max_pages], eta_ms=max(0, int(eta * 1000)))
+                   for tokens, eta in requests]
+        if not entries:
+            return []
+        resp = await self._call(self._data.Hint, data_pb2.HintRequest(namespace_id=self.namespace.namespace_id, entries=entries))
+        return list(resp.reserved)
 
     # -- layer-wise ----------------------------------------------------------------------
 

@@ -47,12 +47,15 @@ class HostTierConfig:
     slab_bytes: int = 0  # 0: derived from capacity (capacity/16, clamped to [4 MiB, 64 MiB])
     hint_share: float = 0.5  # at most this share of the tier is protected/prefetched for hints
     hint_grace_s: float = 30.0  # a hint whose eta passed this long ago is dropped
+    eviction: str = "slru"  # slru (one-shot pages go first) or lru
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
             raise ConfigError("--host-capacity must be at least 4MiB")
         if not 0 <= self.hint_share <= 1:
             raise ConfigError("--hint-share must be in [0, 1]")
+        if self.eviction not in ("slru", "lru"):
+            raise ConfigError(f"--host-eviction must be slru or lru, got {self.eviction!r}")
         if self.slab_bytes == 0:
             derived = min(64 << 20, max(4 << 20, self.capacity_bytes // 16))
             object.__setattr__(self, "slab_bytes", derived - derived % 4096)

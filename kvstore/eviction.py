@@ -1,13 +1,19 @@
-"""Which host page goes first under pressure: queue-aware LRU.
+"""Which host page goes first under pressure: queue-aware segmented LRU.
 
-Pages nobody announced go first, least recently used first. Pages the engine's scheduler
+Pages nobody announced go first: with ``segmented`` (the default) those used only once
+(probation) before those used again (protected), each least recently used first, so a
+one-shot prefix cannot push out a reused one; plain LRU otherwise. A page evicted recently
+and stored again is a reuse: it enters protected. Pages the engine's scheduler
 hinted (a queued request will need them at ``eta``) go only when nothing else can, and
-then the one whose use is furthest away (Belady's rule, with the queue as the oracle).
-A hint ends when the page is used or when its eta has long passed.
+then the one whose next announced use is furthest away (Belady's rule, with the queue as
+the oracle). When hinted pages hold more than their share of the tier, the furthest of
+them go before unannounced ones. A page keeps every announced use: when one happens (or
+passed long ago) the next one counts.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Container
 
@@ -15,52 +21,100 @@ from collections.abc import Container
 class HostResidency:
     """Eviction order of the pages in the host tier. Not thread-safe (owner's lock)."""
 
-    def __init__(self) -> None:
-        self.lru: OrderedDict[bytes, None] = OrderedDict()  # unhinted, oldest first
-        self.hinted: set[bytes] = set()                     # resident and hinted
-        self.hints: dict[bytes, float] = {}                 # key -> eta (resident or not)
+    def __init__(self, segmented: bool = True, protected_share: float = 0.8, ghost_pages: int = 1 << 16) -> None:
+        self.segmented = segmented
+        self.protected_share = protected_share
+        self.lru: OrderedDict[bytes, None] = OrderedDict()        # unhinted probation, oldest first
+        self.protected: OrderedDict[bytes, None] = OrderedDict()  # unhinted, used again
+        self.hinted: set[bytes] = set()                           # resident and hinted
+        self.hints: dict[bytes, list[float]] = {}                 # key -> heap of announced uses (etas)
+        self.ghosts: OrderedDict[bytes, None] = OrderedDict()     # recently evicted
+        self.ghost_pages = ghost_pages
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.lru or key in self.hinted
+        return key in self.lru or key in self.protected or key in self.hinted
+
+    def _protect(self, key: bytes) -> None:
+        self.protected[key] = None
+        self.protected.move_to_end(key)
+        resident = len(self.lru) + len(self.protected) + len(self.hinted)
+        while len(self.protected) > self.protected_share * resident:
+            old, _ = self.protected.popitem(last=False)
+            self.lru[old] = None  # back to probation, as its most recent entry
+
+    def next_use(self, key: bytes) -> float | None:
+        etas = self.hints.get(key)
+        return etas[0] if etas else None
 
     def add(self, key: bytes) -> None:
         if key in self.hints:
             self.hinted.add(key)
+        elif self.segmented and self.ghosts.pop(key, False) is None:
+            self._protect(key)
         else:
             self.lru[key] = None
             self.lru.move_to_end(key)
 
     def touch(self, key: bytes) -> None:
         if key in self.lru:
-            self.lru.move_to_end(key)
+            if self.segmented:
+                del self.lru[key]
+                self._protect(key)
+            else:
+                self.lru.move_to_end(key)
+        elif key in self.protected:
+            self.protected.move_to_end(key)
 
-    def remove(self, key: bytes) -> None:
+    def remove(self, key: bytes, evicted: bool = False) -> None:
         self.lru.pop(key, None)
+        self.protected.pop(key, None)
         self.hinted.discard(key)
+        if evicted and self.segmented:
+            self.ghosts[key] = None
+            if len(self.ghosts) > self.ghost_pages:
+                self.ghosts.popitem(last=False)
 
     def hint(self, key: bytes, eta: float) -> None:
-        self.hints[key] = min(eta, self.hints.get(key, eta))
-        if key in self.lru:
-            del self.lru[key]
+        heapq.heappush(self.hints.setdefault(key, []), eta)
+        if key in self.lru or key in self.protected:
+            self.lru.pop(key, None)
+            self.protected.pop(key, None)
             self.hinted.add(key)
 
-    def consume(self, key: bytes) -> None:
-        """The hinted use happened (or will not): back to plain LRU, most recent."""
-        if self.hints.pop(key, None) is not None and key in self.hinted:
+    def consume(self, key: bytes, now: float) -> None:
+        """A use of ``key`` happened: announced uses up to now are fulfilled."""
+        etas = self.hints.get(key)
+        if not etas:
+            return
+        while etas and etas[0] <= now + 1e-6:
+            heapq.heappop(etas)
+        if not etas:
+            self._unhint(key)
+
+    def _unhint(self, key: bytes) -> None:
+        del self.hints[key]
+        if key in self.hinted:
             self.hinted.discard(key)
-            self.lru[key] = None
+            if self.segmented:
+                self._protect(key)  # it was used, as announced
+            else:
+                self.lru[key] = None
 
     def expire(self, now: float, grace_s: float) -> None:
-        for key in [k for k, eta in self.hints.items() if eta + grace_s < now]:
-            self.consume(key)
+        for key in [k for k, etas in self.hints.items() if etas[-1] + grace_s < now or max(etas) + grace_s < now]:
+            self._unhint(key)
 
-    def victim(self, pinned: Container[bytes]) -> bytes | None:
-        for key in self.lru:
-            if key not in pinned:
-                return key
+    def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
+        if hinted_share is None or len(self.hinted) <= hinted_share:
+            for segment in (self.lru, self.protected):
+                for key in segment:
+                    if key not in pinned:
+                        return key
         best, best_eta = None, -1.0
         for key in self.hinted:
-            eta = self.hints.get(key, 0.0)
+            eta = self.hints[key][0]
             if key not in pinned and eta > best_eta:
                 best, best_eta = key, eta
+        if best is None:
+            return next((k for seg in (self.lru, self.protected) for k in seg if k not in pinned), None)
         return best

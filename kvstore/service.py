@@ -103,5 +103,5 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             ))
         return directory_pb2.StatsResponse(
             node=st.node, num_entries=st.num_entries, last_seq=st.last_seq, tiers=tiers,
-            num_leases=st.num_leases, num_quarantined=st.num_quarantined,
+            num_leases=st.num_leases, num_quarantined=st.num_quarantined, ssd=st.ssd,
         )

@@ -49,7 +49,7 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
-        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable)
+        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags & 3)
         return data_pb2.CommitResponse(num_published=n)
 
     @unary
@@ -107,6 +107,17 @@ class DataService(data_pb2_grpc.DataServicer):
         if current is not None:
             raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
         return data_pb2.WritePagesResponse(num_published=stored)
+
+    @unary
+    def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        if len(request.entries) > self.config.max_pages_per_request:
+            raise InvalidRequest(f"too many hint entries: {len(request.entries)}")
+        reserved = []
+        for entry in request.entries:
+            keys = self._keys(list(entry.keys))
+            reserved.append(self.manager.hint(ns, keys, entry.eta_ms / 1000))
+        return data_pb2.HintResponse(reserved=reserved)
 
     @stream
     def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[data_pb2.PageChunk]:

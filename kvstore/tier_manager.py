@@ -71,6 +71,7 @@ class ManagerStats:
     num_leases: int
     num_quarantined: int
     counters: dict[str, dict[str, float]] = field(default_factory=dict)
+    ssd: dict[str, float] = field(default_factory=dict)
 
 
 class TierManager:
@@ -83,7 +84,7 @@ class TierManager:
         self.directory = Directory(config.data_dir, config.node)
         self.host = HostTier(config.host, config.node)
         self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
-        self._residency = HostResidency()
+        self._residency = HostResidency(segmented=config.host.eviction == "slru")
         self.budget: WriteBudget | None = None
         self.admission: AdmissionPolicy | None = None
         if self.ssd is not None and config.ssd is not None:
@@ -188,7 +189,7 @@ class TierManager:
             offset = self.host.reserve(page_bytes)
             if offset is not None:
                 return offset
-            victim = self._residency.victim(self._pins)
+            victim = self._residency.victim(self._pins, self._hint_share_pages(page_bytes))
             if victim is None:
                 return None
             self._evict_host(victim)
@@ -207,7 +208,7 @@ class TierManager:
                 return
             if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
                 self.metrics.demotions.labels("host").inc()
-        self._residency.remove(key)
+        self._residency.remove(key, evicted=True)
         self.host.delete(key)
         self.directory.remove(key, self.node, "host")
         self.metrics.evictions.labels("host").inc()
@@ -216,7 +217,10 @@ class TierManager:
         """A use of ``key``: admission learns from it, and a hint for it is fulfilled."""
         if self.admission is not None:
             self.admission.record_access(key)
-        self._residency.consume(key)
+        self._residency.consume(key, self.clock())
+
+    def _hint_share_pages(self, page_bytes: int) -> int:
+        return int(self.config.host.hint_share * self.host.allocator.capacity // max(1, page_bytes))
 
     def _admit(self, header: PageHeader) -> bool:
         """Whether a page leaving the host tier is worth an SSD write (policy + budget)."""
@@ -566,24 +570,24 @@ class TierManager:
     def hint(self, namespace_id: bytes, keys: list[bytes], eta_s: float, prefetch: bool = True) -> bool:
         """A queued request will need ``keys`` in about ``eta_s`` seconds.
 
-        The stored prefix of ``keys`` is protected from eviction (within a bounded share of
-        the host tier) and pages only on SSD are read into the host tier ahead of use. The
-        prefetch space is a reservation: when the share is taken, nothing is reserved and
-        False comes back at once, so the engine recomputes instead of waiting.
+        Eviction learns the announced use (hinted pages go last, furthest use first). Pages
+        only on SSD are read into the host tier ahead of use if prefetch space is left
+        within the hint share; the space is a reservation: when it is taken, nothing is
+        read and False comes back at once, so the engine recomputes instead of waiting.
         """
         with self._lock:
             self._reap()
-            found = [k for k in keys[: len(self.directory.lookup(namespace_id, keys))] if k not in self._residency.hints]
-            page_bytes = self._layouts[namespace_id].page_bytes if namespace_id in self._layouts else 0
-            share = self.config.host.hint_share * self.host.allocator.capacity
-            if page_bytes and (len(self._residency.hints) + len(found)) * page_bytes > share:
-                self.metrics.hints.labels("refused").inc(len(found))
-                return False
             eta = self.clock() + eta_s
-            for key in found:
+            for key in keys:
                 self._residency.hint(key, eta)
-            self.metrics.hints.labels("reserved").inc(len(found))
-            todo = [k for k in found if not self._has(k, "host")] if prefetch else []
+            stored = len(self.directory.lookup(namespace_id, keys))
+            todo = [k for k in keys[:stored] if not self._has(k, "host")] if prefetch else []
+            layout = self._layouts.get(namespace_id)
+            share = self._hint_share_pages(layout.page_bytes) if layout else 0
+            if todo and len(self._residency.hinted) + len(todo) > share:
+                self.metrics.hints.labels("refused").inc(len(keys))
+                return False
+            self.metrics.hints.labels("reserved").inc(len(keys))
         if todo:
             ident, _ = self.acquire(namespace_id, todo, 0, learn=False)
             self.release(ident)
@@ -695,7 +699,24 @@ class TierManager:
                     "bytes_in": self.metrics.bytes_in.labels(name)._value.get(),
                     "bytes_out": self.metrics.bytes_out.labels(name)._value.get(),
                 }
+            ssd: dict[str, float] = {}
+            if self.budget is not None and self.config.ssd is not None and self.admission is not None:
+                life = self.budget.projected_life_days(self.config.ssd.capacity_bytes, self.config.ssd.dwpd)
+                ssd = {
+                    "dwpd": self.config.ssd.dwpd,
+                    "budget_bytes_per_s": self.budget.rate_bps,
+                    "budget_fill": self.budget.fill(),
+                    "written_bytes": float(self.budget.written_bytes),
+                    "refused_bytes": float(self.metrics.ssd_refused_bytes._value.get()),
+                    "write_rate_bytes_per_s": self.budget.write_rate_bps(),
+                    "projected_life_days": life if life != float("inf") else -1.0,
+                }
+                for metric in self.metrics.admissions.collect():
+                    for sample in metric.samples:
+                        if sample.name.endswith("_total"):
+                            ssd[f"admission.{sample.labels['decision']}.{sample.labels['reason']}"] = sample.value
             return ManagerStats(
+                ssd=ssd,
                 node=self.node,
                 num_entries=len(self.directory),
                 last_seq=self.directory.events.last_seq,

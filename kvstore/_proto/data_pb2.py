@@ -25,47 +25,53 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xa3\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\"Y\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"^\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"X\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\xa7\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"[\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r2\xa3\x04\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\")\n\tHintEntry\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"K\n\x0bHintRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.HintEntry\" \n\x0cHintResponse\x12\x10\n\x08reserved\x18\x01 \x03(\x08\"\x10\n\x0eGetInfoRequest\"\xa3\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\"Y\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"^\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"g\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\r\n\x05\x66lags\x18\x05 \x01(\r\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\xa7\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"[\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r2\xde\x04\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x12\x39\n\x04Hint\x12\x17.kvstore.v1.HintRequest\x1a\x18.kvstore.v1.HintResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.data_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETINFOREQUEST']._serialized_start=62
-  _globals['_GETINFOREQUEST']._serialized_end=78
-  _globals['_GETINFORESPONSE']._serialized_start=81
-  _globals['_GETINFORESPONSE']._serialized_end=244
-  _globals['_ALLOCATEREQUEST']._serialized_start=246
-  _globals['_ALLOCATEREQUEST']._serialized_end=335
-  _globals['_SLOT']._serialized_start=337
-  _globals['_SLOT']._serialized_end=388
-  _globals['_ALLOCATERESPONSE']._serialized_start=390
-  _globals['_ALLOCATERESPONSE']._serialized_end=484
-  _globals['_COMMITREQUEST']._serialized_start=486
-  _globals['_COMMITREQUEST']._serialized_end=574
-  _globals['_COMMITRESPONSE']._serialized_start=576
-  _globals['_COMMITRESPONSE']._serialized_end=615
-  _globals['_ABORTREQUEST']._serialized_start=617
-  _globals['_ABORTREQUEST']._serialized_end=654
-  _globals['_ABORTRESPONSE']._serialized_start=656
-  _globals['_ABORTRESPONSE']._serialized_end=671
-  _globals['_ACQUIREREQUEST']._serialized_start=673
-  _globals['_ACQUIREREQUEST']._serialized_end=741
-  _globals['_ACQUIREDPAGE']._serialized_start=743
-  _globals['_ACQUIREDPAGE']._serialized_end=804
-  _globals['_ACQUIRERESPONSE']._serialized_start=806
-  _globals['_ACQUIRERESPONSE']._serialized_end=902
-  _globals['_RELEASEREQUEST']._serialized_start=904
-  _globals['_RELEASEREQUEST']._serialized_end=938
-  _globals['_RELEASERESPONSE']._serialized_start=940
-  _globals['_RELEASERESPONSE']._serialized_end=957
-  _globals['_PAGECHUNK']._serialized_start=960
-  _globals['_PAGECHUNK']._serialized_end=1127
-  _globals['_WRITEPAGESRESPONSE']._serialized_start=1129
-  _globals['_WRITEPAGESRESPONSE']._serialized_end=1172
-  _globals['_READPAGESREQUEST']._serialized_start=1174
-  _globals['_READPAGESREQUEST']._serialized_end=1265
-  _globals['_DATA']._serialized_start=1268
-  _globals['_DATA']._serialized_end=1815
+  _globals['_HINTENTRY']._serialized_start=62
+  _globals['_HINTENTRY']._serialized_end=103
+  _globals['_HINTREQUEST']._serialized_start=105
+  _globals['_HINTREQUEST']._serialized_end=180
+  _globals['_HINTRESPONSE']._serialized_start=182
+  _globals['_HINTRESPONSE']._serialized_end=214
+  _globals['_GETINFOREQUEST']._serialized_start=216
+  _globals['_GETINFOREQUEST']._serialized_end=232
+  _globals['_GETINFORESPONSE']._serialized_start=235
+  _globals['_GETINFORESPONSE']._serialized_end=398
+  _globals['_ALLOCATEREQUEST']._serialized_start=400
+  _globals['_ALLOCATEREQUEST']._serialized_end=489
+  _globals['_SLOT']._serialized_start=491
+  _globals['_SLOT']._serialized_end=542
+  _globals['_ALLOCATERESPONSE']._serialized_start=544
+  _globals['_ALLOCATERESPONSE']._serialized_end=638
+  _globals['_COMMITREQUEST']._serialized_start=640
+  _globals['_COMMITREQUEST']._serialized_end=743
+  _globals['_COMMITRESPONSE']._serialized_start=745
+  _globals['_COMMITRESPONSE']._serialized_end=784
+  _globals['_ABORTREQUEST']._serialized_start=786
+  _globals['_ABORTREQUEST']._serialized_end=823
+  _globals['_ABORTRESPONSE']._serialized_start=825
+  _globals['_ABORTRESPONSE']._serialized_end=840
+  _globals['_ACQUIREREQUEST']._serialized_start=842
+  _globals['_ACQUIREREQUEST']._serialized_end=910
+  _globals['_ACQUIREDPAGE']._serialized_start=912
+  _globals['_ACQUIREDPAGE']._serialized_end=973
+  _globals['_ACQUIRERESPONSE']._serialized_start=975
+  _globals['_ACQUIRERESPONSE']._serialized_end=1071
+  _globals['_RELEASEREQUEST']._serialized_start=1073
+  _globals['_RELEASEREQUEST']._serialized_end=1107
+  _globals['_RELEASERESPONSE']._serialized_start=1109
+  _globals['_RELEASERESPONSE']._serialized_end=1126
+  _globals['_PAGECHUNK']._serialized_start=1129
+  _globals['_PAGECHUNK']._serialized_end=1296
+  _globals['_WRITEPAGESRESPONSE']._serialized_start=1298
+  _globals['_WRITEPAGESRESPONSE']._serialized_end=1341
+  _globals['_READPAGESREQUEST']._serialized_start=1343
+  _globals['_READPAGESREQUEST']._serialized_end=1434
+  _globals['_DATA']._serialized_start=1437
+  _globals['_DATA']._serialized_end=2043
 # @@protoc_insertion_point(module_scope)

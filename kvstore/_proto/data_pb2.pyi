@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class HintEntry(_message.Message):
+    __slots__ = ("keys", "eta_ms")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ETA_MS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    eta_ms: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., eta_ms: _Optional[int] = ...) -> None: ...
+
+class HintRequest(_message.Message):
+    __slots__ = ("namespace_id", "entries")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    entries: _containers.RepeatedCompositeFieldContainer[HintEntry]
+    def __init__(self, namespace_id: _Optional[bytes] = ..., entries: _Optional[_Iterable[_Union[HintEntry, _Mapping]]] = ...) -> None: ...
+
+class HintResponse(_message.Message):
+    __slots__ = ("reserved",)
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    reserved: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, reserved: _Optional[_Iterable[bool]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -60,16 +82,18 @@ class AllocateResponse(_message.Message):
     def __init__(self, allocation_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("allocation_id", "keys", "checksums", "durable")
+    __slots__ = ("allocation_id", "keys", "checksums", "durable", "flags")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
     allocation_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
-    def __init__(self, allocation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    flags: int
+    def __init__(self, allocation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("num_published",)

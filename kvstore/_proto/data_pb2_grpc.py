@@ -76,6 +76,11 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.ReadPagesRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.PageChunk.FromString,
                 _registered_method=True)
+        self.Hint = channel.unary_unary(
+                '/kvstore.v1.Data/Hint',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.HintRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.HintResponse.FromString,
+                _registered_method=True)
 
 
 class DataServicer:
@@ -135,6 +140,14 @@ class DataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hint(self, request, context):
+        """The engine's queue will need these prefixes soon: protect them from eviction and read
+        those still on SSD into the host tier. Answers at once whether space was reserved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +190,11 @@ def add_DataServicer_to_server(servicer, server):
                     servicer.ReadPages,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.ReadPagesRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.PageChunk.SerializeToString,
+            ),
+            'Hint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hint,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.HintRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.HintResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +415,33 @@ class Data:
             '/kvstore.v1.Data/ReadPages',
             kvstore_dot_v1_dot_data__pb2.ReadPagesRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.PageChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/Hint',
+            kvstore_dot_v1_dot_data__pb2.HintRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.HintResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -169,17 +169,26 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., num_pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node", "num_entries", "last_seq", "tiers", "num_leases", "num_quarantined")
+    __slots__ = ("node", "num_entries", "last_seq", "tiers", "num_leases", "num_quarantined", "ssd")
+    class SsdEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    SSD_FIELD_NUMBER: _ClassVar[int]
     node: str
     num_entries: int
     last_seq: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     num_leases: int
     num_quarantined: int
-    def __init__(self, node: _Optional[str] = ..., num_entries: _Optional[int] = ..., last_seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., num_quarantined: _Optional[int] = ...) -> None: ...
+    ssd: _containers.ScalarMap[str, float]
+    def __init__(self, node: _Optional[str] = ..., num_entries: _Optional[int] = ..., last_seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., ssd: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 return {
                     "node": r.node, "entries": r.num_entries, "last_seq": r.last_seq, "leases": r.num_leases,
                     "quarantined": r.num_quarantined,
+                    "ssd": dict(sorted(r.ssd.items())),
                     "tiers": [
                         {"tier": t.tier, "pages": t.num_pages, "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes,
                          "hits": t.hits, "misses": t.misses, "evictions": t.evictions, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out}
@@ -116,6 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_table(result: dict[str, Any]) -> None:
     tiers = result.pop("tiers", None)
+    ssd = result.pop("ssd", None)
     for key, value in result.items():
         print(f"{key:>18}: {value}")
     if tiers:
@@ -123,6 +125,10 @@ def _print_table(result: dict[str, Any]) -> None:
         for t in tiers:
             print(f"{t['tier']:<6} {t['pages']:>8} {format_size(t['used_bytes']):>10} {format_size(t['capacity_bytes']):>10} "
                   f"{t['hits']:>8} {t['misses']:>8} {t['evictions']:>9}")
+    if ssd:
+        print("\nssd endurance")
+        for key, value in ssd.items():
+            print(f"{key:>32}: {value:,.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
