@@ -30,7 +30,7 @@ from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum
-from kvstore.status import error_for
+from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
 
@@ -43,6 +43,17 @@ CHANNEL_OPTIONS = [
 ]
 WIRE_CHUNK_BYTES = 1 << 20
 PIPELINE_PAGES = 64
+
+
+def _error_name(exc: Any) -> str | None:
+    """The server's error class name from trailing metadata, if it sent one."""
+    try:
+        for key, value in exc.trailing_metadata() or ():
+            if key == ERROR_METADATA_KEY:
+                return str(value)
+    except Exception:  # noqa: BLE001 - a transport failure carries no metadata
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -145,10 +156,11 @@ class KVStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
 
-    def _error(self, exc: grpc.aio.AioRpcError) -> KVStoreError:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and "I/O" not in (exc.details() or ""):
+    def _error(self, exc: Any) -> KVStoreError:
+        name = _error_name(exc)
+        if name is None and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return KVStoreError(f"kvstore-server at {self.address}: {exc.code().name}: {exc.details()}")
-        return error_for(exc.code(), exc.details() or "")
+        return error_for(exc.code(), exc.details() or "", name)
 
     def _batches(self, items: list[T]) -> list[list[T]]:
         return [items[i : i + self.max_pages] for i in range(0, len(items), self.max_pages)]
@@ -486,7 +498,7 @@ class KVStoreClient:
         try:
             return method(request, timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            raise error_for(exc.code(), exc.details() or "") from None  # type: ignore[attr-defined]
+            raise self._error(exc) from None
 
     def acquire_sync(self, keys: list[bytes]) -> Any:
         req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)

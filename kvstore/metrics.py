@@ -30,6 +30,8 @@ class Metrics:
         self.ssd_budget_fill = Gauge("kvstore_ssd_budget_fill", "Share of the SSD write burst available now", registry=r)
         self.ssd_write_rate = Gauge("kvstore_ssd_write_rate_bytes_per_second", "Average SSD page write rate", registry=r)
         self.ssd_life_days = Gauge("kvstore_ssd_projected_life_days", "Drive life at the current write rate", registry=r)
+        self.ssd_errors = Counter("kvstore_ssd_io_errors", "SSD writes that failed (disk full, I/O error)", registry=r)
+        self.ssd_errors_recent = Gauge("kvstore_ssd_degraded", "1 while the last SSD write failed", registry=r)
         self.hints = Counter("kvstore_hints", "Pages hinted by the engine's queue", ["result"], registry=r)
         self.rpc_seconds = Histogram(
             "kvstore_rpc_seconds", "RPC latency", ["method"], registry=r,

@@ -16,9 +16,16 @@ from typing import Any
 import grpc
 
 from kvstore.errors import KVStoreError
-from kvstore.status import code_for
+from kvstore.status import ERROR_METADATA_KEY, code_for
 
 logger = logging.getLogger(__name__)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    code, message = _status(exc)
+    if isinstance(exc, KVStoreError):
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+    return code, message
 
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -40,7 +47,7 @@ def unary(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _status(exc)
+            code, message = _abort(context, exc)
             self.metrics.rpc_errors.labels(name, code.name).inc()
             context.abort(code, message)
         finally:
@@ -58,7 +65,7 @@ def stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]
         try:
             yield from method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _status(exc)
+            code, message = _abort(context, exc)
             self.metrics.rpc_errors.labels(name, code.name).inc()
             context.abort(code, message)
         finally:

@@ -26,8 +26,15 @@ def code_for(exc: errors.KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def error_for(code: grpc.StatusCode, message: str) -> errors.KVStoreError:
-    """The client-side exception for a status the server sent."""
+ERROR_METADATA_KEY = "kvstore-error"  # trailing metadata naming the exact error class
+
+
+def error_for(code: grpc.StatusCode, message: str, name: str | None = None) -> errors.KVStoreError:
+    """The client-side exception for a status the server sent (``name``: the class the
+    server raised, from trailing metadata, when it says)."""
+    named = getattr(errors, name, None) if name else None
+    if isinstance(named, type) and issubclass(named, errors.KVStoreError):
+        return named(message)
     for cls, known in ERROR_CODES:
         if known == code:
             return cls(message)

@@ -30,7 +30,7 @@ from kvstore.config import ServerConfig
 from kvstore.admission import FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
 from kvstore.directory import Directory
 from kvstore.eviction import HostResidency
-from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull
+from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.tiers.base import TierUsage
@@ -84,6 +84,7 @@ class TierManager:
         self.directory = Directory(config.data_dir, config.node)
         self.host = HostTier(config.host, config.node)
         self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
+        self._last_ssd_error_log = 0.0
         self._residency = HostResidency(segmented=config.host.eviction == "slru")
         self.budget: WriteBudget | None = None
         self.admission: AdmissionPolicy | None = None
@@ -206,8 +207,11 @@ class TierManager:
                 self._quarantine_host(header, str(exc))
                 self.host.delete(key)
                 return
-            if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
-                self.metrics.demotions.labels("host").inc()
+            try:
+                if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
+                    self.metrics.demotions.labels("host").inc()
+            except OSError:
+                pass  # logged and counted by _ssd_write; the page leaves the cache as any eviction
         self._residency.remove(key, evicted=True)
         self.host.delete(key)
         self.directory.remove(key, self.node, "host")
@@ -273,12 +277,18 @@ class TierManager:
                 ssd.write_slot(offset, header, payload)
             if placed:
                 ssd.sync()
-        except OSError:
+        except OSError as exc:
             with self._lock:
                 for offset, _, _ in placed:
                     ssd.unreserve(offset)
-            logger.exception("ssd tier: write failed; pages stay in the host tier only")
+            self.metrics.ssd_errors.inc()
+            self.metrics.ssd_errors_recent.set(1)
+            now = time.monotonic()
+            if now - self._last_ssd_error_log > 10:  # one line per 10 s, not one per page
+                self._last_ssd_error_log = now
+                logger.error("ssd tier: write failed (%s); serving from RAM, nothing stored is lost", exc)
             raise
+        self.metrics.ssd_errors_recent.set(0)
         with self._lock:
             fresh = []
             for offset, header, _ in placed:
@@ -402,7 +412,13 @@ class TierManager:
                     self._drop_local(key, "host")
                 raise
             items.append((header, view))
-        if items and self._ssd_write(items) < len(items):
+        try:
+            written = self._ssd_write(items) if items else 0
+        except OSError as exc:
+            raise TierUnavailable(
+                f"durable write failed on the ssd tier ({exc.strerror or exc}); the pages are stored in RAM only"
+            ) from exc
+        if written < len(items):
             raise TierFull(
                 "durable write refused: the ssd write budget (--ssd-dwpd) or the ssd tier is exhausted; "
                 "the pages are stored in RAM only"

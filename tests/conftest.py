@@ -97,8 +97,9 @@ class ServerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def start(self, preexec_fn: object = None) -> None:
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=preexec_fn)  # type: ignore[arg-type]
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:

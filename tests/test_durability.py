@@ -119,3 +119,34 @@ def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
         assert tier.get((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
     finally:
         tier.close()
+
+
+def _limit_file_size() -> None:
+    """In the server process: files may not grow past 12 MiB (EFBIG, like a full disk)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (12 << 20, 12 << 20))
+
+
+async def test_disk_full_is_a_clear_error_and_nothing_stored_is_lost(server_process, layout, ns) -> None:
+    from kvstore.errors import TierUnavailable
+
+    server_process.args += ["--host-capacity", "8MiB"]
+    server_process.start(preexec_fn=_limit_file_size)
+    first = list(range(16 * 100))
+    kv = random_kv(layout, len(first), seed=31)
+    async with KVStoreClient(server_process.address, ns) as client:
+        assert await client.put(first, kv, durable=True) == len(first)  # ~3.4 MiB on disk
+        more = list(range(100_000, 100_000 + 16 * 300))
+        with pytest.raises(TierUnavailable, match="durable write failed on the ssd tier"):
+            await client.put(more, random_kv(layout, len(more), seed=32), durable=True)
+        hit = await client.lookup(first)
+        assert hit.num_tokens == len(first)
+        out = torch.empty_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+        ram = list(range(900_000, 900_000 + 160))
+        assert await client.put(ram, random_kv(layout, 160)) == 160, "the server keeps serving from RAM"
+    assert server_process.terminate() == 0

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(config_from_args(args))
         server.start()
-    except KVStoreError as exc:
-        logger.error("%s", exc)
-        print(f"kvstore-server: {exc}", file=sys.stderr)
+    except (KVStoreError, OSError, RuntimeError) as exc:
+        message = str(exc) if isinstance(exc, KVStoreError) else f"cannot start: {exc}"
+        logger.error("%s", message)
+        print(f"kvstore-server: {message}", file=sys.stderr)
         return 2
     done = threading.Event()
 
