@@ -26,6 +26,8 @@ from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.client.session import Recovery, SessionLog
+from kvstore.client.session import recover as recover_session
 from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
@@ -435,6 +437,17 @@ class KVStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
         return count
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def session(self, session_id: str, sync_every: int = 1, sync_ms: float = 50.0) -> SessionLog:
+        """The token write-ahead log of one generation (see kvstore.client.session)."""
+        return SessionLog(self, session_id, sync_every, sync_ms)
+
+    async def recover(self, session_id: str) -> Recovery | None:
+        """What a crashed generation had returned, how much of its KV is stored, and what
+        must be prefilled again; None if the session was never logged (or was ended)."""
+        return await recover_session(self, session_id)
 
     # -- queue hints ---------------------------------------------------------------------
 

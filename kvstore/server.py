@@ -17,6 +17,7 @@ from kvstore.metrics import Metrics
 from kvstore.service import DirectoryService
 from kvstore.service_data import DataService
 from kvstore.tier_manager import TierManager
+from kvstore.wal import TokenLog
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class Server:
         self.manager = TierManager(config, self.metrics)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"), options=GRPC_OPTIONS)
         directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryService(self.manager, config), self._grpc)
-        data_pb2_grpc.add_DataServicer_to_server(DataService(self.manager, config), self._grpc)
+        self.wal = TokenLog(config.data_dir)
+        data_pb2_grpc.add_DataServicer_to_server(DataService(self.manager, config, self.wal), self._grpc)
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
@@ -87,6 +89,7 @@ class Server:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         self.manager.close()
+        self.wal.close()
         logger.info("kvstore-server stopped")
 
     def wait(self) -> None:

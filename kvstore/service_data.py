@@ -13,16 +13,18 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import PageHeader
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
+from kvstore.wal import TokenLog
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 8 << 20
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, manager: TierManager, config: ServerConfig) -> None:
+    def __init__(self, manager: TierManager, config: ServerConfig, wal: TokenLog) -> None:
         self.manager = manager
         self.config = config
         self.metrics = manager.metrics
+        self.wal = wal
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -118,6 +120,27 @@ class DataService(data_pb2_grpc.DataServicer):
             keys = self._keys(list(entry.keys))
             reserved.append(self.manager.hint(ns, keys, entry.eta_ms / 1000))
         return data_pb2.HintResponse(reserved=reserved)
+
+    @unary
+    def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        if len(request.tokens) > 1 << 20:
+            raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
+        length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
+                                 request.prompt_tokens, request.sync)
+        return data_pb2.AppendTokensResponse(length=length)
+
+    @unary
+    def GetSession(self, request: data_pb2.GetSessionRequest, context: grpc.ServicerContext) -> data_pb2.GetSessionResponse:
+        found = self.wal.read(validate.namespace_id(request.namespace_id), request.session_id)
+        if found is None:
+            return data_pb2.GetSessionResponse(found=False)
+        return data_pb2.GetSessionResponse(found=True, prompt_tokens=found[0], tokens=found[1])
+
+    @unary
+    def EndSession(self, request: data_pb2.EndSessionRequest, context: grpc.ServicerContext) -> data_pb2.EndSessionResponse:
+        self.wal.end(validate.namespace_id(request.namespace_id), request.session_id)
+        return data_pb2.EndSessionResponse()
 
     @stream
     def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[data_pb2.PageChunk]:

@@ -7,6 +7,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AppendTokensRequest(_message.Message):
+    __slots__ = ("namespace_id", "session_id", "expected_length", "tokens", "sync", "prompt_tokens")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    session_id: str
+    expected_length: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    sync: bool
+    prompt_tokens: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., session_id: _Optional[str] = ..., expected_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., sync: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendTokensResponse(_message.Message):
+    __slots__ = ("length",)
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    length: int
+    def __init__(self, length: _Optional[int] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("namespace_id", "session_id")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    session_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class GetSessionResponse(_message.Message):
+    __slots__ = ("found", "prompt_tokens", "tokens")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    prompt_tokens: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, found: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("namespace_id", "session_id")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    session_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HintEntry(_message.Message):
     __slots__ = ("keys", "eta_ms")
     KEYS_FIELD_NUMBER: _ClassVar[int]

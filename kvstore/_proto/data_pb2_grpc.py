@@ -81,6 +81,21 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.HintRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.HintResponse.FromString,
                 _registered_method=True)
+        self.AppendTokens = channel.unary_unary(
+                '/kvstore.v1.Data/AppendTokens',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.AppendTokensRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.AppendTokensResponse.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/kvstore.v1.Data/GetSession',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.GetSessionResponse.FromString,
+                _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/kvstore.v1.Data/EndSession',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class DataServicer:
@@ -148,6 +163,25 @@ class DataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendTokens(self, request, context):
+        """Token write-ahead log of a generation session (what the user was already given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +229,21 @@ def add_DataServicer_to_server(servicer, server):
                     servicer.Hint,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.HintRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.HintResponse.SerializeToString,
+            ),
+            'AppendTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendTokens,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.AppendTokensRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.AppendTokensResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.GetSessionRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.GetSessionResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.EndSessionRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +491,87 @@ class Data:
             '/kvstore.v1.Data/Hint',
             kvstore_dot_v1_dot_data__pb2.HintRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.HintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/AppendTokens',
+            kvstore_dot_v1_dot_data__pb2.AppendTokensRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.AppendTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/GetSession',
+            kvstore_dot_v1_dot_data__pb2.GetSessionRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.GetSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/EndSession',
+            kvstore_dot_v1_dot_data__pb2.EndSessionRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""A generation session's token log, and recovery after a crash.
+
+    session = client.session("req-42", sync_every=8)
+    await session.start(prompt_ids)          # logged durably
+    await session.returned([token])          # per generated token; durable every 8 tokens
+    ... emit only session.durable_tokens to the user ...
+    rec = await client.recover("req-42")     # after a crash of the worker or the server
+    # rec.tokens: prompt + everything already returned; rec.stored_tokens: KV prefix in the
+    # store; rec.to_prefill: what must be computed again before generating the next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore._proto import data_pb2
+from kvstore.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from kvstore.client.client import KVStoreClient
+
+
+@dataclass(frozen=True)
+class Recovery:
+    session_id: str
+    prompt_tokens: int
+    tokens: list[int]          # the prompt, then every token already returned to the user
+    stored_tokens: int         # leading tokens whose KV is in the store (page-aligned)
+    to_prefill: list[int]      # tokens to prefill again; the last logged token is fed next
+
+    @property
+    def returned(self) -> list[int]:
+        return self.tokens[self.prompt_tokens :]
+
+
+class SessionLog:
+    """Appends a session's tokens to the server's write-ahead log, batching syncs."""
+
+    def __init__(self, client: KVStoreClient, session_id: str, sync_every: int = 1, sync_ms: float = 50.0) -> None:
+        if sync_every < 1:
+            raise InvalidRequest("sync_every must be >= 1")
+        self.client = client
+        self.session_id = session_id
+        self.sync_every = sync_every
+        self.sync_s = sync_ms / 1000
+        self.logged = 0          # tokens the server has (maybe not yet synced)
+        self.durable_tokens = 0  # tokens known durable: safe to show the user
+        self._pending: list[int] = []
+        self._last_sync = time.monotonic()
+
+    async def _append(self, tokens: list[int], sync: bool, prompt_tokens: int = 0) -> None:
+        req = data_pb2.AppendTokensRequest(
+            namespace_id=self.client.namespace.namespace_id, session_id=self.session_id, expected_length=self.logged,
+            tokens=tokens, sync=sync, prompt_tokens=prompt_tokens,
+        )
+        resp = await self.client._call(self.client._data.AppendTokens, req)
+        self.logged = int(resp.length)
+        if sync:
+            self.durable_tokens = self.logged
+            self._last_sync = time.monotonic()
+
+    async def start(self, prompt: Any) -> None:
+        tokens = [int(t) for t in prompt]
+        await self._append(tokens, sync=True, prompt_tokens=len(tokens))
+
+    async def returned(self, tokens: Any) -> int:
+        """Logs tokens given to the user; returns how many logged tokens are durable."""
+        self._pending.extend(int(t) for t in tokens)
+        if len(self._pending) >= self.sync_every or time.monotonic() - self._last_sync >= self.sync_s:
+            await self.flush()
+        return self.durable_tokens
+
+    async def flush(self) -> int:
+        pending, self._pending = self._pending, []
+        await self._append(pending, sync=True)
+        return self.durable_tokens
+
+    async def end(self) -> None:
+        req = data_pb2.EndSessionRequest(namespace_id=self.client.namespace.namespace_id, session_id=self.session_id)
+        await self.client._call(self.client._data.EndSession, req)
+
+
+async def recover(client: KVStoreClient, session_id: str) -> Recovery | None:
+    req = data_pb2.GetSessionRequest(namespace_id=client.namespace.namespace_id, session_id=session_id)
+    resp = await client._call(client._data.GetSession, req)
+    if not resp.found:
+        return None
+    tokens = list(resp.tokens)
+    hit = await client.lookup(tokens[: max(0, len(tokens) - 1)])
+    return Recovery(session_id, resp.prompt_tokens, tokens, hit.num_tokens, tokens[hit.num_tokens : max(hit.num_tokens, len(tokens) - 1)])

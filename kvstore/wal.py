@@ -1,0 +1,89 @@
+"""Token write-ahead log: per session, the prompt and every token returned to the user.
+
+After a crash of the worker or the server, the log says which sequence to continue and the
+KV checkpoint says how much of it must be prefilled again; nothing the user saw is sampled
+again. Appends carry the length the writer believes is logged, so a retried append is
+applied once. Entries live in LMDB (``data_dir/wal.lmdb``); a ``sync`` append is durable
+before it is acknowledged, others are synced with the next sync append (batched).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+
+_META = struct.Struct("<IQ")  # prompt tokens, total length
+MAX_SESSION_ID = 256
+
+
+class TokenLog:
+    def __init__(self, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(data_dir / "wal.lmdb"), map_size=4 << 30, max_dbs=2, sync=False, metasync=False)
+        self.meta_db = self.env.open_db(b"meta")
+        self.chunks_db = self.env.open_db(b"chunks")
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _sid(namespace_id: bytes, session_id: str) -> bytes:
+        raw = session_id.encode()
+        if not raw or len(raw) > MAX_SESSION_ID or b"\0" in raw:
+            raise InvalidRequest(f"session_id must be 1..{MAX_SESSION_ID} bytes without NUL")
+        return namespace_id + raw + b"\0"
+
+    def append(self, namespace_id: bytes, session_id: str, expected_length: int, tokens: list[int],
+               prompt_tokens: int = 0, sync: bool = True) -> int:
+        """Appends unless already applied; returns the logged length. A gap is an error."""
+        sid = self._sid(namespace_id, session_id)
+        with self._lock, self.env.begin(write=True) as txn:
+            raw = txn.get(sid, db=self.meta_db)
+            prompt, length = _META.unpack(raw) if raw else (prompt_tokens, 0)
+            if expected_length + len(tokens) <= length:
+                return length  # a retry of an append already logged
+            if expected_length != length:
+                raise InvalidRequest(f"session {session_id!r} has {length} tokens logged, the append expects {expected_length}")
+            if tokens:
+                txn.put(sid + struct.pack(">Q", length), np.asarray(tokens, dtype="<u4").tobytes(), db=self.chunks_db)
+            length += len(tokens)
+            txn.put(sid, _META.pack(prompt, length), db=self.meta_db)
+        if sync:
+            self.env.sync(True)
+        return length
+
+    def read(self, namespace_id: bytes, session_id: str) -> tuple[int, list[int]] | None:
+        sid = self._sid(namespace_id, session_id)
+        with self.env.begin() as txn:
+            raw = txn.get(sid, db=self.meta_db)
+            if raw is None:
+                return None
+            prompt, length = _META.unpack(raw)
+            parts = []
+            cursor = txn.cursor(db=self.chunks_db)
+            if cursor.set_range(sid):
+                for key, value in cursor:
+                    if not bytes(key).startswith(sid):
+                        break
+                    parts.append(np.frombuffer(bytes(value), dtype="<u4"))
+        tokens = np.concatenate(parts).tolist() if parts else []
+        return prompt, tokens[:length]
+
+    def end(self, namespace_id: bytes, session_id: str) -> None:
+        sid = self._sid(namespace_id, session_id)
+        with self._lock, self.env.begin(write=True) as txn:
+            txn.delete(sid, db=self.meta_db)
+            cursor = txn.cursor(db=self.chunks_db)
+            if cursor.set_range(sid):
+                while bytes(cursor.key()).startswith(sid):
+                    if not cursor.delete():
+                        break
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.sync(True)
+        self.env.close()
