@@ -36,13 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(module=replay)
 
+    from kvstore.bench import crash
+
+    cr = sub.add_parser("crash", help="SIGKILL the server under load, restart, check invariants")
+    crash.add_arguments(cr)
+    cr.add_argument("--json", action="store_true")
+    cr.set_defaults(module=crash)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)
     args.module.print_table(report)
     if args.json:
         print(json.dumps(report))
-    return 0
+    return 1 if report.get("num_violations") else 0
 
 
 if __name__ == "__main__":

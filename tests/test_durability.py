@@ -150,3 +150,12 @@ async def test_disk_full_is_a_clear_error_and_nothing_stored_is_lost(server_proc
         ram = list(range(900_000, 900_000 + 160))
         assert await client.put(ram, random_kv(layout, 160)) == 160, "the server keeps serving from RAM"
     assert server_process.terminate() == 0
+
+
+async def test_crash_harness_short(tmp_path) -> None:
+    """Three random SIGKILLs under concurrent durable/RAM-only writes and reads."""
+    from kvstore.bench.crash import run_iterations
+
+    report = await run_iterations(tmp_path / "crash", iterations=3, seed=7)
+    assert report["num_violations"] == 0, report["violations"]
+    assert report["durable_puts_alive"] > 0 and report["reads_verified"] > 0
