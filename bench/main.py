@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     cr.add_argument("--json", action="store_true")
     cr.set_defaults(module=crash)
 
+    from kvstore.bench import restart
+
+    rs = sub.add_parser("restart", help="directory and index recovery time for N pages")
+    restart.add_arguments(rs)
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(module=restart)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)

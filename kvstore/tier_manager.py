@@ -17,6 +17,7 @@ by clients outside it, only into slots they were allocated.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import logging
@@ -81,9 +82,20 @@ class TierManager:
         self.node = config.node
         self.metrics = metrics or Metrics()
         self._lock = threading.RLock()
-        self.directory = Directory(config.data_dir, config.node)
-        self.host = HostTier(config.host, config.node)
-        self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
+        # Recovery creates an object or two per stored page; the cyclic GC would rescan the
+        # growing heap again and again meanwhile (none of these objects form cycles).
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self.directory = Directory(config.data_dir, config.node)
+            self.host = HostTier(config.host, config.node)
+            self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
+            self._init_state(config, clock)
+        finally:
+            if gc_enabled:
+                gc.enable()
+
+    def _init_state(self, config: ServerConfig, clock: Callable[[], float]) -> None:
         self._last_ssd_error_log = 0.0
         self._residency = HostResidency(segmented=config.host.eviction == "slru")
         self.budget: WriteBudget | None = None
@@ -106,28 +118,33 @@ class TierManager:
     # -- start-up ------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Makes the directory agree with what the tiers really hold after a restart."""
-        ssd_keys = set(self.ssd.keys()) if self.ssd else set()
-        dropped = adopted = 0
+        """Makes the directory agree with what the tiers really hold after a restart:
+        this node's locations come from the tiers' own indexes (RAM pages are gone; SSD
+        pages are exactly the indexed ones), other nodes' from the directory's LMDB."""
+        dropped = 0
         for key in self.directory.all_keys():
             entry = self.directory.get(key)
             assert entry is not None
-            for (node, tier) in list(entry.locations):
-                if node == self.node and (tier in ("host", "hbm") or (tier == "ssd" and key not in ssd_keys)):
+            for node, tier in list(entry.locations):
+                if node == self.node:
                     self.directory.remove(key, node, tier)
                     dropped += 1
-        if self.ssd:
-            for key in ssd_keys:
-                header = self.ssd.header(key)
-                assert header is not None
-                self._layouts.setdefault(header.namespace_id, header.layout)
-                self._ssd_lru[key] = None
-                entry = self.directory.get(key)
-                if entry is None or (self.node, "ssd") not in entry.locations:
-                    self.directory.publish(header.namespace_id, [(key, self.node, "ssd", header.payload_bytes)])
-                    adopted += 1
-        if dropped or adopted:
-            logger.info("recovery: dropped %d directory locations without bytes, adopted %d ssd pages", dropped, adopted)
+        if self.ssd is not None:
+            ssd = self.ssd
+            records = []
+            for key, namespace_id, payload_bytes in ssd.recovered:
+                if namespace_id not in self._layouts:
+                    header = ssd.header(key)
+                    if header is None:
+                        continue  # corrupt index header: found and quarantined on first read
+                    self._layouts[namespace_id] = header.layout
+                records.append((key, namespace_id, "ssd", payload_bytes))
+            self._ssd_lru = OrderedDict.fromkeys(r[0] for r in records)
+            ssd.recovered = []
+            self.directory.restore_local(records)
+            logger.info("recovery: %d ssd pages back in the directory", len(records))
+        if dropped:
+            logger.info("recovery: dropped %d stale local locations", dropped)
 
     # -- housekeeping --------------------------------------------------------------------
 

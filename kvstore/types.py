@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.errors import ConfigError
 
@@ -161,9 +161,9 @@ class Namespace:
         object.__setattr__(self, "namespace_id", digest)
 
 
-@dataclass(frozen=True)
-class Location:
-    """Where a page's bytes are: which node, which tier, which version of the entry."""
+class Location(NamedTuple):
+    """Where a page's bytes are: which node, which tier, which version of the entry.
+    (A NamedTuple: a restart creates one per stored page, and it must be cheap.)"""
 
     node: str
     tier: str

@@ -96,3 +96,36 @@ class SlabAllocator:
             self._partial[size].discard(slab)
         self.used_bytes += size
         return True
+
+    def claim_many(self, slots: list[tuple[int, int]]) -> list[bool]:
+        """Marks many known slots used at once (start-up): O(slots) overall instead of a
+        list search per slot. Returns per slot whether it could be claimed."""
+        by_slab: dict[int, list[tuple[int, int, int]]] = {}
+        ok = [False] * len(slots)
+        for i, (offset, nbytes) in enumerate(slots):
+            size = round_up(nbytes)
+            slab = (offset - self.base) // self.slab_bytes
+            if 0 <= slab < self.num_slabs and (offset - self.base - slab * self.slab_bytes) % size == 0:
+                by_slab.setdefault(slab, []).append((i, offset, size))
+        free_slabs = set(self._free_slabs)
+        for slab, items in by_slab.items():
+            size = items[0][2]
+            if slab not in free_slabs or any(it[2] != size for it in items):
+                continue  # already in use, or mixed sizes: not a valid state
+            start = self.base + slab * self.slab_bytes
+            used = {offset for _, offset, _ in items}
+            if len(used) != len(items):
+                continue
+            free_slabs.discard(slab)
+            self._slab_class[slab] = size
+            count = self.slab_bytes // size
+            self._slab_free[slab] = [start + j * size for j in range(count - 1, -1, -1) if start + j * size not in used]
+            if self._slab_free[slab]:
+                self._partial.setdefault(size, set()).add(slab)
+            else:
+                self._partial.setdefault(size, set())
+            self.used_bytes += size * len(items)
+            for i, _, _ in items:
+                ok[i] = True
+        self._free_slabs = sorted(free_slabs, reverse=True)
+        return ok

@@ -35,6 +35,8 @@ from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 logger = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core
+_PAYLOAD = struct.Struct("<Q")
+_NS_AT, _KEY_AT, _PAYLOAD_AT = 8, 24, 76  # field offsets in a packed header (see kvstore.page)
 DATA_FILE = "pages.dat"
 INDEX_DIR = "index.lmdb"
 
@@ -75,7 +77,9 @@ class SsdTier:
         self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
-        self._pages: dict[bytes, tuple[int, PageHeader]] = {}
+        # key -> (offset, header); the header stays raw bytes until first used, so that a
+        # restart with a million pages does not parse a million headers.
+        self._pages: dict[bytes, tuple[int, PageHeader | bytes]] = {}
         self._local = threading.local()
         self._load_index()
 
@@ -98,24 +102,32 @@ class SsdTier:
     def _load_index(self) -> None:
         """Rebuilds slot state from the index, dropping entries that cannot be right."""
         size = os.fstat(self.fd).st_size
-        dropped = []
-        with self.env.begin(db=self.index_db) as txn:
+        dropped: list[tuple[bytes, str]] = []
+        candidates: list[tuple[bytes, int, int, PageHeader]] = []
+        entry_end = _ENTRY.size + HEADER_CORE_BYTES
+        unpack_entry, unpack_payload, add = _ENTRY.unpack_from, _PAYLOAD.unpack_from, candidates.append
+        with self.env.begin(db=self.index_db, buffers=False) as txn:
             for key, value in txn.cursor():
                 try:
-                    offset, slot_bytes = _ENTRY.unpack_from(value)
-                    header = PageHeader.unpack(value[_ENTRY.size :])
-                except (struct.error, PageCorrupt):
-                    dropped.append((bytes(key), "unreadable index entry"))
+                    offset, slot_bytes = unpack_entry(value)
+                    raw = value[_ENTRY.size : entry_end]
+                    (payload,) = unpack_payload(raw, _PAYLOAD_AT)
+                except struct.error:
+                    dropped.append((key, "unreadable index entry"))
                     continue
-                if (
-                    header.key != key
-                    or slot_bytes != HEADER_BYTES + round_up(header.payload_bytes)
-                    or offset + slot_bytes > size
-                    or not self.allocator.claim(offset, slot_bytes)
-                ):
-                    dropped.append((bytes(key), "index entry does not match the data file"))
+                if (raw[_KEY_AT : _KEY_AT + 16] != key or slot_bytes != HEADER_BYTES + -(-payload // ALIGN) * ALIGN
+                        or offset + slot_bytes > size):
+                    dropped.append((key, "index entry does not match the data file"))
                     continue
-                self._pages[bytes(key)] = (offset, header)
+                add((key, offset, slot_bytes, raw))
+        claimed = self.allocator.claim_many([(offset, slot_bytes) for _, offset, slot_bytes, _ in candidates])
+        self.recovered: list[tuple[bytes, bytes, int]] = []  # (key, namespace, payload bytes), for the directory
+        for (key, offset, _, raw), ok in zip(candidates, claimed):
+            if ok:
+                self._pages[key] = (offset, raw)
+                self.recovered.append((key, raw[_NS_AT : _NS_AT + 16], _PAYLOAD.unpack_from(raw, _PAYLOAD_AT)[0]))
+            else:
+                dropped.append((key, "index entry overlaps another slot"))
         for key, reason in dropped:
             logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
         if dropped:
@@ -207,11 +219,37 @@ class SsdTier:
 
     # -- Tier ----------------------------------------------------------------------------
 
+    def _entry(self, key: bytes) -> tuple[int, PageHeader] | None:
+        """The entry with its header parsed (and checked) on first use; a header that
+        fails its check raises PageCorrupt."""
+        entry = self._pages.get(key)
+        if entry is None:
+            return None
+        offset, header = entry
+        if isinstance(header, bytes):
+            header = PageHeader.unpack(header)
+            self._pages[key] = (offset, header)
+        return offset, header
+
     def contains(self, key: bytes) -> bool:
         return key in self._pages
 
-    def header(self, key: bytes) -> PageHeader | None:
+    def namespace_of(self, key: bytes) -> bytes | None:
         entry = self._pages.get(key)
+        if entry is None:
+            return None
+        header = entry[1]
+        return header[_NS_AT : _NS_AT + 16] if isinstance(header, bytes) else header.namespace_id
+
+    def payload_bytes_of(self, key: bytes) -> int:
+        header = self._pages[key][1]
+        return _PAYLOAD.unpack_from(header, _PAYLOAD_AT)[0] if isinstance(header, bytes) else header.payload_bytes
+
+    def header(self, key: bytes) -> PageHeader | None:
+        try:
+            entry = self._entry(key)
+        except PageCorrupt:
+            return None
         return entry[1] if entry else None
 
     def put(self, header: PageHeader, payload: memoryview) -> bool:
@@ -229,7 +267,7 @@ class SsdTier:
         """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
         aligned for O_DIRECT) and verifies it; raises PageCorrupt, changing nothing.
         Safe to call without the owner's lock while the key cannot be deleted."""
-        entry = self._pages.get(key)
+        entry = self._entry(key)
         if entry is None:
             return None
         offset, header = entry
@@ -276,8 +314,7 @@ class SsdTier:
     # -- quarantine ----------------------------------------------------------------------
 
     def quarantine(self, key: bytes, reason: str) -> None:
-        entry = self._pages.get(key)
-        namespace_id = entry[1].namespace_id if entry else b""
+        namespace_id = self.namespace_of(key) or b""
         logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
         record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
         with self.env.begin(write=True, db=self.quarantine_db) as txn:

@@ -1,15 +1,16 @@
 """Page key -> locations, in memory for lookups and in LMDB for what must survive a restart.
 
-Only locations in durable tiers (ssd, remote) are written to LMDB: a host-arena page dies
-with the process, so persisting it would only create entries to drop at start. Every change
-emits an event. Not thread-safe on its own: the tier manager serialises calls.
+Only locations on other nodes are written to this LMDB: a host-arena page dies with the
+process, and this node's SSD pages are already recorded durably in the SSD tier's own
+index, from which the directory rebuilds them at start (``restore_local``) — writing them
+twice would only double the work of every publish and of every restart. Every change emits
+an event. Not thread-safe on its own: the tier manager serialises calls.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
@@ -19,15 +20,19 @@ from kvstore.types import Location
 
 logger = logging.getLogger(__name__)
 
-DURABLE_TIERS = ("ssd", "remote")
+DURABLE_TIERS = ("remote",)  # persisted here; local ssd pages are rebuilt from the ssd index
 TIER_ORDER = {"hbm": 0, "host": 1, "ssd": 2, "remote": 3}
 _SEQ_KEY = b"last_seq"
 
 
-@dataclass
 class Entry:
-    namespace_id: bytes
-    locations: dict[tuple[str, str], Location] = field(default_factory=dict)  # (node, tier) -> location
+    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page."""
+
+    __slots__ = ("namespace_id", "locations")
+
+    def __init__(self, namespace_id: bytes) -> None:
+        self.namespace_id = namespace_id
+        self.locations: dict[tuple[str, str], Location] = {}
 
     def best(self, local_node: str) -> Location:
         """The cheapest location: a local tier before a remote node, faster tiers first."""
@@ -117,6 +122,18 @@ class Directory:
         if durable_changed:
             self._persist(durable_changed)
         return versions
+
+    def restore_local(self, records: list[tuple[bytes, bytes, str, int]]) -> None:
+        """Rebuilds entries (key, namespace, tier, size) of this node's durable tiers at
+        start, without events: subscribers resync after a restart anyway."""
+        entries, node, version = self._entries, self.node, self._version
+        for key, namespace_id, tier, size in records:
+            entry = entries.get(key)
+            if entry is None:
+                entry = entries[key] = Entry(namespace_id)
+            version += 1
+            entry.locations[(node, tier)] = Location(node, tier, version, size)
+        self._version = version
 
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
         """Drops the locations of ``key`` matching node/tier (all when None); returns them."""
