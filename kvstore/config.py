@@ -98,6 +98,7 @@ class ServerConfig:
     max_lease_ms: int = 600_000
     allocation_ttl_ms: int = 60_000
     workers: int = 16
+    scrub_pages_per_s: float = 20.0  # background verification of SSD pages; 0: off
 
     def __post_init__(self) -> None:
         for tier in self.tiers:

@@ -32,6 +32,7 @@ class Metrics:
         self.ssd_life_days = Gauge("kvstore_ssd_projected_life_days", "Drive life at the current write rate", registry=r)
         self.ssd_errors = Counter("kvstore_ssd_io_errors", "SSD writes that failed (disk full, I/O error)", registry=r)
         self.ssd_errors_recent = Gauge("kvstore_ssd_degraded", "1 while the last SSD write failed", registry=r)
+        self.scrubbed = Counter("kvstore_scrubbed_pages", "SSD pages verified by the background scrub", registry=r)
         self.hints = Counter("kvstore_hints", "Pages hinted by the engine's queue", ["result"], registry=r)
         self.rpc_seconds = Histogram(
             "kvstore_rpc_seconds", "RPC latency", ["method"], registry=r,

@@ -59,6 +59,7 @@ class Server:
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
         self._stopped = threading.Event()
+        self._scrubber: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -70,6 +71,9 @@ class Server:
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         self._grpc.start()
+        if self.config.scrub_pages_per_s > 0 and self.manager.ssd is not None:
+            self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
+            self._scrubber.start()
         if self.config.metrics_listen:
             host, port = split_host_port(self.config.metrics_listen, "--metrics-listen")
             self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
@@ -79,10 +83,23 @@ class Server:
             self.address, ",".join(self.config.tiers), f"{self.config.metrics_listen.rsplit(':', 1)[0]}:{self.metrics_port}" if self._metrics_http else "off",
         )
 
+    def _scrub(self) -> None:
+        """Verifies SSD pages at a bounded rate so that damage is found before a reader
+        needs the page."""
+        interval = 1.0 / self.config.scrub_pages_per_s
+        while not self._stopped.wait(interval):
+            try:
+                if self.manager.scrub_one() is None:
+                    self._stopped.wait(1.0)
+            except Exception:  # noqa: BLE001 - the scrub must outlive one bad round
+                logger.exception("scrub round failed")
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._scrubber is not None:
+            self._scrubber.join(5)
         self.manager.directory.events.close()
         self._grpc.stop(grace_s).wait()
         if self._metrics_http is not None:

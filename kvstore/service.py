@@ -105,3 +105,12 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             node=st.node, num_entries=st.num_entries, last_seq=st.last_seq, tiers=tiers,
             num_leases=st.num_leases, num_quarantined=st.num_quarantined, ssd=st.ssd,
         )
+
+    @unary
+    def Quarantine(self, request: directory_pb2.QuarantineRequest, context: grpc.ServicerContext) -> directory_pb2.QuarantineResponse:
+        pages = self.manager.quarantined()
+        purged = self.manager.purge_quarantine() if request.purge else 0
+        return directory_pb2.QuarantineResponse(
+            purged=purged,
+            pages=[directory_pb2.QuarantinedPage(key=q.key, namespace_id=q.namespace_id, reason=q.reason, unix_s=q.unix_s) for q in pages],
+        )

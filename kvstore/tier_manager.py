@@ -112,6 +112,8 @@ class TierManager:
         self._expiry: list[tuple[float, int, str]] = []  # (deadline, id, "lease"|"alloc")
         self._ids = itertools.count(1)
         self._host_quarantine: list[Quarantined] = []
+        self._scrub_queue: list[bytes] = []
+        self._scrub_buf = bytearray()
         self._recover()
         self._refresh_gauges()
 
@@ -689,6 +691,44 @@ class TierManager:
             self._layouts.pop(namespace_id, None)
             self._refresh_gauges()
             return len(removed)
+
+    # -- scrub ---------------------------------------------------------------------------
+
+    def scrub_one(self) -> bool | None:
+        """Verifies the next SSD page (round robin) against its checksum, outside the lock;
+        a page that fails is quarantined. Returns None when there is nothing to scrub."""
+        if self.ssd is None:
+            return None
+        with self._lock:
+            if not self._scrub_queue:
+                self._scrub_queue = list(self._ssd_lru)
+            key = None
+            while self._scrub_queue:
+                candidate = self._scrub_queue.pop()
+                if self.ssd.contains(candidate):
+                    key = candidate
+                    break
+            if key is None:
+                return None
+            self._pin([key])
+            size = self.ssd.payload_bytes_of(key)
+        if len(self._scrub_buf) < size + 4096:
+            self._scrub_buf = bytearray(size + 4096)
+        try:
+            self.ssd.read(key, memoryview(self._scrub_buf)[:size])
+            ok, reason = True, ""
+        except PageCorrupt as exc:
+            ok, reason = False, str(exc)
+        except OSError as exc:
+            ok, reason = True, ""  # an I/O error is not evidence of bad bytes; retried next round
+            logger.warning("scrub: read of %s failed: %s", key.hex(), exc)
+        with self._lock:
+            self._unpin([key])
+            self.metrics.scrubbed.inc()
+            if not ok and self.ssd.contains(key):
+                self.ssd.quarantine(key, f"scrub: {reason}")
+                self._quarantine_ssd(key)
+        return ok
 
     # -- reporting -----------------------------------------------------------------------
 

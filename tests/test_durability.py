@@ -159,3 +159,25 @@ async def test_crash_harness_short(tmp_path) -> None:
     report = await run_iterations(tmp_path / "crash", iterations=3, seed=7)
     assert report["num_violations"] == 0, report["violations"]
     assert report["durable_puts_alive"] > 0 and report["reads_verified"] > 0
+
+
+async def test_scrub_finds_damage_and_ctl_lists_and_purges(server_factory, tmp_path, layout, ns, capsys) -> None:
+    import json as _json
+
+    from kvstore.cli import ctl
+
+    server = server_factory()
+    tokens = list(range(96))
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, random_kv(layout, 96, seed=41), durable=True)
+        keys = client.keys(tokens)
+    _flip_payload_byte(tmp_path / "ssd", server.manager.ssd._pages[keys[2]][0], where=77)
+    results = [server.manager.scrub_one() for _ in range(6)]
+    assert results.count(False) == 1 and results.count(True) == 5
+    assert not server.manager.ssd.contains(keys[2])
+    assert ctl.main(["--server", server.address, "--json", "quarantine"]) == 0
+    listed = _json.loads(capsys.readouterr().out)
+    assert listed["quarantined"] == 1 and listed["pages"][0]["key"] == keys[2].hex() and "scrub" in listed["pages"][0]["reason"]
+    assert ctl.main(["--server", server.address, "--json", "quarantine", "--purge"]) == 0
+    assert _json.loads(capsys.readouterr().out)["purged"] == 1
+    assert server.manager.quarantined() == []

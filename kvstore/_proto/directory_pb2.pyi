@@ -8,6 +8,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class QuarantineRequest(_message.Message):
+    __slots__ = ("purge",)
+    PURGE_FIELD_NUMBER: _ClassVar[int]
+    purge: bool
+    def __init__(self, purge: _Optional[bool] = ...) -> None: ...
+
+class QuarantinedPage(_message.Message):
+    __slots__ = ("key", "namespace_id", "reason", "unix_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    namespace_id: bytes
+    reason: str
+    unix_s: float
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., reason: _Optional[str] = ..., unix_s: _Optional[float] = ...) -> None: ...
+
+class QuarantineResponse(_message.Message):
+    __slots__ = ("pages", "purged")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PURGED_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedCompositeFieldContainer[QuarantinedPage]
+    purged: int
+    def __init__(self, pages: _Optional[_Iterable[_Union[QuarantinedPage, _Mapping]]] = ..., purged: _Optional[int] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "keys")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

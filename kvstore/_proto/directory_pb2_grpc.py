@@ -75,6 +75,11 @@ class DirectoryStub:
                 request_serializer=kvstore_dot_v1_dot_directory__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_directory__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Quarantine = channel.unary_unary(
+                '/kvstore.v1.Directory/Quarantine',
+                request_serializer=kvstore_dot_v1_dot_directory__pb2.QuarantineRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_directory__pb2.QuarantineResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryServicer:
@@ -133,6 +138,13 @@ class DirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quarantine(self, request, context):
+        """Pages that failed a length or checksum check: list them, or purge the list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +187,11 @@ def add_DirectoryServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_directory__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_directory__pb2.StatsResponse.SerializeToString,
+            ),
+            'Quarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quarantine,
+                    request_deserializer=kvstore_dot_v1_dot_directory__pb2.QuarantineRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_directory__pb2.QuarantineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +411,33 @@ class Directory:
             '/kvstore.v1.Directory/Stats',
             kvstore_dot_v1_dot_directory__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_directory__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Directory/Quarantine',
+            kvstore_dot_v1_dot_directory__pb2.QuarantineRequest.SerializeToString,
+            kvstore_dot_v1_dot_directory__pb2.QuarantineResponse.FromString,
             options,
             channel_credentials,
             insecure,

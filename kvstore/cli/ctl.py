@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     lk.add_argument("--tokens", required=True, help="comma-separated token ids, or @FILE with a JSON list")
     inv = sub.add_parser("invalidate", help="drop every page of a namespace")
     _namespace_args(inv)
+    qu = sub.add_parser("quarantine", help="pages that failed their checks (list, or --purge the list)")
+    qu.add_argument("--purge", action="store_true")
     plan = sub.add_parser("plan", help="rank local hit, fetch and recompute per instance (no server needed)")
     plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
@@ -100,6 +102,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for t in r.tiers
                     ],
                 }
+            if args.command == "quarantine":
+                r = stub.Quarantine(directory_pb2.QuarantineRequest(purge=args.purge), timeout=args.timeout)
+                return {"quarantined": len(r.pages), "purged": r.purged,
+                        "pages": [{"key": p.key.hex(), "namespace_id": p.namespace_id.hex(), "reason": p.reason,
+                                   "unix_s": p.unix_s} for p in r.pages]}
             ns_id, page_tokens = _namespace(args)
             if args.command == "lookup":
                 keys = page_keys(ns_id, _tokens(args.tokens), page_tokens)

@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-dwpd", type=float, default=1.0, help="drive writes per day the SSD endurance budget allows (0: no budget)")
     p.add_argument("--ssd-burst-s", type=float, default=60.0, help="write budget burst, in seconds of its long-run rate")
     p.add_argument("--ssd-admission", default="value", help="SSD admission policy: value, seen-twice, first-come, all")
+    p.add_argument("--scrub-rate", type=float, default=20.0, help="SSD pages verified per second in the background (0: off)")
     p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
@@ -57,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=args.node,
+        scrub_pages_per_s=args.scrub_rate,
     )
 
 
