@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(module=restart)
 
+    from kvstore.bench import crossover
+
+    cx = sub.add_parser("crossover", help="fetch vs recompute on this machine, with the planner's predictions")
+    crossover.add_arguments(cx)
+    cx.add_argument("--json", action="store_true")
+    cx.set_defaults(module=crossover)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)

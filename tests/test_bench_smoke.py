@@ -31,3 +31,20 @@ def test_overlap_smoke(tmp_path) -> None:
     assert [r["mode"] for r in report["results"]] == ["serial", "layerwise", "layerwise-ahead"]
     for r in report["results"]:
         assert r["seconds"] > 0 and r["ideal_seconds"] == round(max(report["t_read_s"], report["t_compute_s"]), 4)
+
+
+def test_crossover_smoke(tmp_path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.main", "crossover", "--lengths", "64,128,256", "--layers", "2", "--hidden", "128",
+         "--kv-heads", "2", "--head-dim", "32", "--link-mbps", "5,50", "--repeats", "1", "--json",
+         "--dir", str(tmp_path / "cx"), "--plot", str(tmp_path / "cx.png")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {p["path"] for p in report["paths"]} == {"host-shm", "host-grpc", "ssd"}
+    for p in report["paths"]:
+        assert p["read_gbps"] > 0 and p["measured_read_ms"] > 0 and p["predicted_read_ms"] > 0
+    assert [e["link_gbps"] for e in report["emulated"]] == [0.005, 0.05]
+    assert report["r_gbps"] > 0 and report["chapter"]["r_gbps"] == 1.411
+    assert (tmp_path / "cx.png").stat().st_size > 1000

@@ -1,0 +1,283 @@
+"""kvstore-bench crossover: when does fetching stored KV beat recomputing it, here?
+
+Measures, in one run, for a real transformers model (random weights, sized by flags) and
+several prefix lengths: the prefill time (T_recompute) and, through the real store, T_write
+and T_read for each path (host via shared memory, host via gRPC, SSD), plus gRPC reads
+through an emulated link whose bandwidth is swept. The planner is calibrated on the two
+shortest prefixes only and predicts the rest, so its predictions are checked against
+measurements it did not see. Draws time vs prefix length (each path vs recompute) and
+time vs link bandwidth, with the crossover marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from kvstore import KVLayout, Namespace, planner
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.harness import start_server
+from kvstore.bench.linkproxy import LinkProxy
+from kvstore.client import KVStoreClient
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="256,512,1024,2048", help="prefix lengths (tokens); the two shortest calibrate")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--link-mbps", default="2,5,10,20,50", help="emulated link bandwidths to sweep, MB/s")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--plot", default="bench-out/crossover.png")
+    p.add_argument("--dir", default="bench-out/crossover")
+
+
+def _model(args: argparse.Namespace, max_len: int) -> tuple[Any, Any]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=2048, hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
+        num_attention_heads=max(args.kv_heads, args.hidden // args.head_dim), num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim, max_position_embeddings=max_len + 16, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).eval(), config
+
+
+def _median(xs: list[float]) -> float:
+    """Best of the repeats: the least disturbed run on a shared machine."""
+    return min(xs)
+
+
+async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    model, config = _model(args, lengths[-1])
+    layout = KVLayout.from_hf_config(config, dtype=torch.float32, page_tokens=16)
+    ns = Namespace(model="bench-crossover", revision="r", layout=layout)
+    ids = torch.randint(0, 2048, (1, lengths[-1]), generator=torch.Generator().manual_seed(3))
+    workdir = Path(args.dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    total = lengths[-1] * layout.bytes_per_token
+    server, addr = start_server(workdir, 4 * total + (64 << 20), 4 * total + (256 << 20), "--ssd-dwpd", "0", "--ssd-admission", "all")
+    rows: dict[int, dict[str, float]] = {}
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch, KVStoreClient(addr, ns) as shm, KVStoreClient(addr, ns, use_shm=False) as wire:
+            directory = directory_pb2_grpc.DirectoryStub(ch)
+
+            async def clear() -> None:
+                await directory.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns.namespace_id))
+
+            for n in lengths:
+                row: dict[str, float] = {}
+                prefix = ids[:, :n]
+                times = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = model(prefix, use_cache=True)
+                    times.append(time.perf_counter() - t0)
+                row["recompute"] = _median(times)
+                kv = torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                                  for layer in out.past_key_values.layers]).contiguous()
+                tokens = prefix[0].tolist()
+                into = torch.zeros_like(kv)
+                for path, client, durable in (("host-shm", shm, False), ("host-grpc", wire, False), ("ssd", shm, True)):
+                    w, r = [], []
+                    for _ in range(args.repeats):
+                        await clear()
+                        t0 = time.perf_counter()
+                        await client.put(tokens, kv, durable=durable)
+                        w.append(time.perf_counter() - t0)
+                        hit = await client.lookup(tokens)
+                        if path == "ssd":
+                            await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+                        t0 = time.perf_counter()
+                        await client.get(hit, into=into)
+                        r.append(time.perf_counter() - t0)
+                        assert torch.equal(into, kv), f"{path} returned other bytes"
+                    row[f"{path}-write"], row[f"{path}-read"] = _median(w), _median(r)
+                row["bytes"] = n * layout.bytes_per_token
+                rows[n] = row
+                bar.update(1)
+            # the emulated link, at the longest prefix
+            n = lengths[-1]
+            await clear()
+            kv_tokens = ids[0, :n].tolist()
+            with torch.no_grad():
+                out = model(ids[:, :n], use_cache=True)
+            kv = torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                              for layer in out.past_key_values.layers]).contiguous()
+            await shm.put(kv_tokens, kv)
+            emulated = []
+            for mbps in [float(x) for x in args.link_mbps.split(",")]:
+                proxy = LinkProxy(addr, mbps * 1e6)
+                try:
+                    async with KVStoreClient(proxy.address, ns, use_shm=False, timeout_s=600) as remote:
+                        t0 = time.perf_counter()
+                        hit = await remote.lookup(kv_tokens)
+                        into = torch.zeros_like(kv)
+                        await remote.get(hit, into=into)
+                        fetch = time.perf_counter() - t0
+                        assert torch.equal(into, kv)
+                finally:
+                    proxy.close()
+                emulated.append({"link_gbps": mbps / 1e3, "fetch_ms": round(fetch * 1e3, 1)})
+                bar.update(1)
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _report(args, layout, lengths, rows, emulated)
+
+
+def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows: dict[int, dict[str, float]],
+            emulated: list[dict[str, Any]]) -> dict[str, Any]:
+    calib, target = lengths[:2], lengths[-1]
+    # prefill = a·n (projections, MLP) + b·n² (attention), through the calibration points
+    (n0, n1), (t0, t1) = calib, (rows[calib[0]]["recompute"], rows[calib[1]]["recompute"])
+    b_quad = max(0.0, (t1 / n1 - t0 / n0) / (n1 - n0))
+    a_lin = t0 / n0 - b_quad * n0
+    v = rows[target]["bytes"]
+    t_rec = rows[target]["recompute"]
+    r_measured = planner.production_rate(v, t_rec)
+    paths = []
+    for path in ("host-shm", "host-grpc", "ssd"):
+        # bandwidth seen at the longer calibration prefix; the planner's V/B
+        cal = calib[-1]
+        predicted = planner.transfer_s(v, rows[cal]["bytes"] / rows[cal][f"{path}-read"])
+        read, write = rows[target][f"{path}-read"], rows[target][f"{path}-write"]
+        paths.append({
+            "path": path, "read_gbps": round(v / read / 1e9, 4), "write_gbps": round(v / write / 1e9, 4),
+            "reuses_to_win": planner.reuses_to_win(write, read, t_rec),
+            "predicted_read_ms": round(predicted * 1e3, 2), "measured_read_ms": round(read * 1e3, 2),
+            "prediction_error": round(predicted / read - 1, 3),
+        })
+    predicted_rec = a_lin * target + b_quad * target * target
+    # the emulated link adds V/B to what the same gRPC read costs without it
+    wire_fixed = rows[calib[-1]]["host-grpc-read"] * v / rows[calib[-1]]["bytes"]
+    for e in emulated:
+        link = e["link_gbps"] * 1e9
+        e["recompute_ms"] = round(t_rec * 1e3, 1)
+        e["fetch_wins"] = e["fetch_ms"] < e["recompute_ms"]
+        e["predicted_fetch_ms"] = round((wire_fixed + v / link) * 1e3, 1)
+    # measured crossover: where fetch time meets recompute time (log-linear interpolation)
+    measured_x = None
+    for a, b in zip(emulated, emulated[1:]):
+        if (a["fetch_ms"] - a["recompute_ms"]) * (b["fetch_ms"] - b["recompute_ms"]) <= 0:
+            la, lb = math.log(a["link_gbps"]), math.log(b["link_gbps"])
+            fa, fb = math.log(a["fetch_ms"]), math.log(b["fetch_ms"])
+            target_f = math.log(a["recompute_ms"])
+            measured_x = math.exp(la + (target_f - fa) * (lb - la) / (fb - fa)) if fb != fa else math.exp(la)
+            break
+    predicted_x = planner.tie_bandwidth(v, predicted_rec, wire_fixed) / 1e9
+    return {
+        "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                  "bytes_per_token": layout.bytes_per_token},
+        "prefix_tokens": target, "prefix_bytes": v,
+        "recompute_ms": round(t_rec * 1e3, 1), "predicted_recompute_ms": round(predicted_rec * 1e3, 1),
+        "r_gbps": round(r_measured / 1e9, 6), "paths": paths, "emulated": emulated,
+        "crossover_link_gbps": {"measured": None if measured_x is None else round(measured_x, 6),
+                                "predicted": round(predicted_x, 6), "r": round(r_measured / 1e9, 6)},
+        "by_length": {str(n): {k: (round(x * 1e3, 2) if k != "bytes" else x) for k, x in rows[n].items()} for n in lengths},
+        "chapter": chapter_choices(),
+    }
+
+
+def chapter_choices() -> dict[str, Any]:
+    """The same planner fed the chapter's A100/H20 numbers (FACTS.md)."""
+    v = 8192 * planner.kv_bytes_per_token_gqa(36, 8, 128, 2)
+    rec = 0.856
+    paths = {"host RAM (PCIe 25 GB/s)": (v / 25e9, v / 25e9), "local SSD (7.1/4.2 GB/s)": (v / 4.2e9, v / 7.1e9),
+             "remote pool (25 GB/s)": (v / 25e9, v / 25e9), "10 GbE (1.25 GB/s)": (v / 1.25e9, v / 1.25e9)}
+    out: dict[str, Any] = {"r_gbps": round(planner.production_rate(v, rec) / 1e9, 3), "paths": {}}
+    for name, (w, r) in paths.items():
+        out["paths"][name] = {"read_ms": round(r * 1e3, 1), "reuses_to_win": planner.reuses_to_win(w, r, rec)}
+    pf = planner.PrefillModel(points=((256, 0.0309), (8448, 0.887)))
+    req = planner.Request(8448, v / 8192)
+    for gbe, bps in (("50GbE", 6.25e9), ("200GbE", 25e9)):
+        plan = planner.route(req, [planner.Candidate("A", 0.250, pf, hbm_tokens=8192),
+                                   planner.Candidate("B", 0.020, pf, remote_tokens=8192, network_bps=bps, lookup_s=0.010)])
+        out[f"route_{gbe}"] = f"{plan.best.candidate}/{plan.best.path} in {plan.best.first_token_s * 1e3:.0f} ms"
+    return out
+
+
+def _plot(report: dict[str, Any], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lengths = sorted(int(n) for n in report["by_length"])
+    by = report["by_length"]
+    ax1.plot(lengths, [by[str(n)]["recompute"] for n in lengths], "k-o", label="recompute (prefill)")
+    for p in ("host-shm", "host-grpc", "ssd"):
+        ax1.plot(lengths, [by[str(n)][f"{p}-read"] for n in lengths], "-o", label=f"fetch {p}")
+    bpt = report["model"]["bytes_per_token"]
+    for e in report["emulated"]:
+        ax1.plot(lengths, [n * bpt / (e["link_gbps"] * 1e9) * 1e3 for n in lengths], ":", alpha=0.6,
+                 label=f"link {e['link_gbps'] * 1e3:g} MB/s (V/B)")
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("prefix length (tokens)")
+    ax1.set_ylabel("time (ms)")
+    ax1.set_title("fetch vs recompute by prefix length")
+    ax1.legend(fontsize=7)
+    ax1.grid(True, alpha=0.3)
+    links = [e["link_gbps"] * 1e3 for e in report["emulated"]]
+    ax2.plot(links, [e["fetch_ms"] for e in report["emulated"]], "b-o", label="fetch over emulated link (measured)")
+    ax2.plot(links, [e["predicted_fetch_ms"] for e in report["emulated"]], "b--", label="fetch (planner)")
+    ax2.axhline(report["recompute_ms"], color="k", label="recompute (measured)")
+    cx = report["crossover_link_gbps"]
+    if cx["measured"]:
+        ax2.axvline(cx["measured"] * 1e3, color="g", label=f"crossover measured {cx['measured'] * 1e3:.1f} MB/s")
+    ax2.axvline(cx["predicted"] * 1e3, color="r", linestyle="--", label=f"crossover planner {cx['predicted'] * 1e3:.1f} MB/s")
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("link bandwidth (MB/s)")
+    ax2.set_ylabel("time (ms)")
+    ax2.set_title(f"{report['prefix_tokens']}-token prefix: fetch vs recompute")
+    ax2.legend(fontsize=7)
+    ax2.grid(True, alpha=0.3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    steps = len(args.lengths.split(",")) + len(args.link_mbps.split(","))
+    with tqdm(total=steps, desc="crossover", unit="step", disable=None) as bar:
+        report = asyncio.run(_measure(args, bar))
+    if args.plot:
+        report["plot"] = _plot(report, args.plot)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"prefix {report['prefix_tokens']} tokens = {report['prefix_bytes'] / 2**20:.1f} MiB; recompute "
+          f"{report['recompute_ms']:.0f} ms (planner {report['predicted_recompute_ms']:.0f}); r = {report['r_gbps'] * 1e3:.2f} MB/s")
+    print(f"{'path':<10} {'read GB/s':>9} {'write GB/s':>10} {'reuses':>6} {'pred ms':>8} {'meas ms':>8} {'err':>6}  vs r")
+    for p in report["paths"]:
+        print(f"{p['path']:<10} {p['read_gbps']:>9.3f} {p['write_gbps']:>10.3f} {str(p['reuses_to_win']):>6} "
+              f"{p['predicted_read_ms']:>8.1f} {p['measured_read_ms']:>8.1f} {100 * p['prediction_error']:>5.0f}%  "
+              f"{p['read_gbps'] / report['r_gbps']:.0f}x r")
+    print(f"{'link MB/s':>10} {'fetch ms':>9} {'pred ms':>8} {'recompute':>9} wins")
+    for e in report["emulated"]:
+        print(f"{e['link_gbps'] * 1e3:>10g} {e['fetch_ms']:>9.0f} {e['predicted_fetch_ms']:>8.0f} {e['recompute_ms']:>9.0f} {e['fetch_wins']}")
+    cx = report["crossover_link_gbps"]
+    print(f"crossover: measured {cx['measured'] and cx['measured'] * 1e3} MB/s, planner {cx['predicted'] * 1e3:.2f} MB/s, r {cx['r'] * 1e3:.2f} MB/s")
+    print("chapter (A100/H20 numbers):", report["chapter"])
+    if report.get("plot"):
+        print(f"plot: {report['plot']}")

@@ -1,0 +1,76 @@
+"""An emulated network link: a TCP proxy on 127.0.0.1 that paces bytes in each direction
+to a set bandwidth (plus an optional one-way latency). Runs its own event loop in a thread
+so that the benchmark's client is not slowed by it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+
+class LinkProxy:
+    def __init__(self, upstream: str, bandwidth_bps: float, latency_s: float = 0.0) -> None:
+        self.upstream_host, port = upstream.rsplit(":", 1)
+        self.upstream_port = int(port)
+        self.bandwidth_bps = bandwidth_bps
+        self.latency_s = latency_s
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("link proxy did not start")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._server = server
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        start, sent = time.monotonic(), 0
+        try:
+            while True:
+                data = await reader.read(64 << 10)
+                if not data:
+                    break
+                sent += len(data)
+                due = start + self.latency_s + sent / self.bandwidth_bps
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    start, sent = time.monotonic() - self.latency_s, 0  # idle gap: do not bank credit
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
