@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     cx.add_argument("--json", action="store_true")
     cx.set_defaults(module=crossover)
 
+    from kvstore.bench import checkpoint
+
+    ck = sub.add_parser("checkpoint", help="KV checkpoint policies: SSD bytes vs tokens to recompute after a crash")
+    checkpoint.add_arguments(ck)
+    ck.add_argument("--json", action="store_true")
+    ck.set_defaults(module=checkpoint)
+
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
     report = args.module.run(args)

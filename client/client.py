@@ -440,9 +440,11 @@ class KVStoreClient:
 
     # -- sessions ------------------------------------------------------------------------
 
-    def session(self, session_id: str, sync_every: int = 1, sync_ms: float = 50.0) -> SessionLog:
-        """The token write-ahead log of one generation (see kvstore.client.session)."""
-        return SessionLog(self, session_id, sync_every, sync_ms)
+    def session(self, session_id: str, sync_every: int = 1, sync_ms: float = 50.0, checkpoint: str = "periodic",
+                checkpoint_tokens: int = 256) -> SessionLog:
+        """The token write-ahead log and KV checkpoint policy of one generation (see
+        kvstore.client.session)."""
+        return SessionLog(self, session_id, sync_every, sync_ms, checkpoint, checkpoint_tokens)
 
     async def recover(self, session_id: str) -> Recovery | None:
         """What a crashed generation had returned, how much of its KV is stored, and what

@@ -35,12 +35,27 @@ class Recovery:
         return self.tokens[self.prompt_tokens :]
 
 
-class SessionLog:
-    """Appends a session's tokens to the server's write-ahead log, batching syncs."""
+CHECKPOINT_POLICIES = ("ram", "write-through", "periodic")
 
-    def __init__(self, client: KVStoreClient, session_id: str, sync_every: int = 1, sync_ms: float = 50.0) -> None:
+
+class SessionLog:
+    """Appends a session's tokens to the server's write-ahead log, batching syncs, and
+    checkpoints its KV by policy:
+
+    * ``ram``: pages stay in the host tier (fast, lost with the server);
+    * ``write-through``: every completed page is written to SSD as it completes;
+    * ``periodic``: completed pages go to SSD every ``checkpoint_tokens`` tokens.
+    """
+
+    def __init__(self, client: KVStoreClient, session_id: str, sync_every: int = 1, sync_ms: float = 50.0,
+                 checkpoint: str = "periodic", checkpoint_tokens: int = 256) -> None:
         if sync_every < 1:
             raise InvalidRequest("sync_every must be >= 1")
+        if checkpoint not in CHECKPOINT_POLICIES:
+            raise InvalidRequest(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
+        self.checkpoint_policy = checkpoint
+        self.checkpoint_tokens = checkpoint_tokens
+        self.checkpointed = 0      # tokens whose KV is durable in the store
         self.client = client
         self.session_id = session_id
         self.sync_every = sync_every
@@ -76,6 +91,22 @@ class SessionLog:
         pending, self._pending = self._pending, []
         await self._append(pending, sync=True)
         return self.durable_tokens
+
+    async def checkpoint(self, tokens: Any, kv: Any, force: bool = False) -> int:
+        """Stores the KV of the completed pages of ``tokens`` as the policy says; returns
+        the tokens whose KV is durable. Call it after each step (cheap when nothing is due)."""
+        page = self.client.layout.page_tokens
+        complete = len(tokens) // page * page
+        due = {
+            "ram": False,
+            "write-through": complete > self.checkpointed,
+            "periodic": complete - self.checkpointed >= self.checkpoint_tokens,
+        }[self.checkpoint_policy]
+        if force or due:
+            self.checkpointed = await self.client.put(list(tokens)[:complete], kv, durable=self.checkpoint_policy != "ram")
+        elif self.checkpoint_policy == "ram" and complete > self.checkpointed:
+            await self.client.put(list(tokens)[:complete], kv)
+        return self.checkpointed if self.checkpoint_policy != "ram" else 0
 
     async def end(self) -> None:
         req = data_pb2.EndSessionRequest(namespace_id=self.client.namespace.namespace_id, session_id=self.session_id)

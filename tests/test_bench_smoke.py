@@ -48,3 +48,16 @@ def test_crossover_smoke(tmp_path) -> None:
     assert [e["link_gbps"] for e in report["emulated"]] == [0.005, 0.05]
     assert report["r_gbps"] > 0 and report["chapter"]["r_gbps"] == 1.411
     assert (tmp_path / "cx.png").stat().st_size > 1000
+
+
+def test_checkpoint_policies_smoke(tmp_path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.main", "checkpoint", "--prompt", "64", "--generate", "48", "--crashes", "1",
+         "--periods", "32", "--json", "--dir", str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    by = {r["policy"]: r for r in json.loads(res.stdout.strip().splitlines()[-1])["results"]}
+    assert by["ram"]["ssd_mib_per_1k_tokens"] == 0
+    assert by["write-through"]["mean_tokens_to_prefill"] < by["ram"]["mean_tokens_to_prefill"]
+    assert by["write-through"]["ssd_mib_per_1k_tokens"] >= by["periodic-32"]["ssd_mib_per_1k_tokens"]
