@@ -31,6 +31,9 @@ from kvstore.errors import KVStoreError
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
 NS = Namespace(model="crash-test", revision="r", layout=LAYOUT)
 SERVER_ARGS = ("--ssd-dwpd", "0", "--ssd-admission", "all")
+# Large enough that no acknowledged durable page is evicted for room over a few hundred kills:
+# the invariants are about crashes, not about capacity eviction (which is legitimate).
+SSD_BYTES = 3 << 30
 
 
 def _tokens(seed: int, pages: int) -> list[int]:
@@ -117,7 +120,7 @@ async def run_iterations(workdir: Path, iterations: int, seed: int, bar: Any = N
     try:
         for it in range(iterations):
             t0 = time.perf_counter()
-            server, addr = start_server(workdir, 32 << 20, 256 << 20, *SERVER_ARGS)
+            server, addr = start_server(workdir, 32 << 20, SSD_BYTES, *SERVER_ARGS)
             restarts.append(time.perf_counter() - t0)
             async with KVStoreClient(addr, NS, timeout_s=10) as client:
                 # Everything acknowledged since the last kill, every in-flight put, and (to stay
@@ -144,7 +147,7 @@ async def run_iterations(workdir: Path, iterations: int, seed: int, bar: Any = N
             if bar is not None:
                 bar.update(1)
         # a last restart to check the final kill
-        server, addr = start_server(workdir, 32 << 20, 256 << 20, *SERVER_ARGS)
+        server, addr = start_server(workdir, 32 << 20, SSD_BYTES, *SERVER_ARGS)
         async with KVStoreClient(addr, NS, timeout_s=10) as client:
             for s, (pages, durable) in list(model.acked.items()):
                 await _check_prefix(client, s, pages, model, True if durable else False)
