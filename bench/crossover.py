@@ -3,9 +3,9 @@
 Measures, in one run, for a real transformers model (random weights, sized by flags) and
 several prefix lengths: the prefill time (T_recompute) and, through the real store, T_write
 and T_read for each path (host via shared memory, host via gRPC, SSD), plus gRPC reads
-through an emulated link whose bandwidth is swept. The planner is calibrated on the two
-shortest prefixes only and predicts the rest, so its predictions are checked against
-measurements it did not see. Draws time vs prefix length (each path vs recompute) and
+through an emulated link whose bandwidth is swept. The planner is calibrated on the shorter
+prefixes only and predicts the longest, so its predictions are checked against a
+measurement it did not see. Draws time vs prefix length (each path vs recompute) and
 time vs link bandwidth, with the crossover marked.
 """
 
@@ -142,19 +142,22 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
 
 def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows: dict[int, dict[str, float]],
             emulated: list[dict[str, Any]]) -> dict[str, Any]:
-    calib, target = lengths[:2], lengths[-1]
-    # prefill = a·n (projections, MLP) + b·n² (attention), through the calibration points
-    (n0, n1), (t0, t1) = calib, (rows[calib[0]]["recompute"], rows[calib[1]]["recompute"])
-    b_quad = max(0.0, (t1 / n1 - t0 / n0) / (n1 - n0))
-    a_lin = t0 / n0 - b_quad * n0
+    calib, target = lengths[:-1], lengths[-1]
+    # prefill = a·n (projections, MLP) + b·n² (attention): least squares on the shorter prefixes
+    import numpy as np
+
+    design = np.array([[n, n * n] for n in calib], dtype=float)
+    (a_lin, b_quad), *_ = np.linalg.lstsq(design, np.array([rows[n]["recompute"] for n in calib]), rcond=None)
+    if b_quad < 0:
+        a_lin, b_quad = sum(rows[n]["recompute"] for n in calib) / sum(calib), 0.0
     v = rows[target]["bytes"]
     t_rec = rows[target]["recompute"]
     r_measured = planner.production_rate(v, t_rec)
     paths = []
     for path in ("host-shm", "host-grpc", "ssd"):
-        # bandwidth seen at the longer calibration prefix; the planner's V/B
-        cal = calib[-1]
-        predicted = planner.transfer_s(v, rows[cal]["bytes"] / rows[cal][f"{path}-read"])
+        # the planner's V/B, with B measured over the shorter prefixes (total bytes / total time)
+        bandwidth = sum(rows[n]["bytes"] for n in calib) / sum(rows[n][f"{path}-read"] for n in calib)
+        predicted = planner.transfer_s(v, bandwidth)
         read, write = rows[target][f"{path}-read"], rows[target][f"{path}-write"]
         paths.append({
             "path": path, "read_gbps": round(v / read / 1e9, 4), "write_gbps": round(v / write / 1e9, 4),
@@ -164,7 +167,7 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
         })
     predicted_rec = a_lin * target + b_quad * target * target
     # the emulated link adds V/B to what the same gRPC read costs without it
-    wire_fixed = rows[calib[-1]]["host-grpc-read"] * v / rows[calib[-1]]["bytes"]
+    wire_fixed = v * sum(rows[n]["host-grpc-read"] for n in calib) / sum(rows[n]["bytes"] for n in calib)
     for e in emulated:
         link = e["link_gbps"] * 1e9
         e["recompute_ms"] = round(t_rec * 1e3, 1)
