@@ -31,7 +31,7 @@ from kvstore.client import KVStoreClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="256,512,1024,2048", help="prefix lengths (tokens); the two shortest calibrate")
+    p.add_argument("--lengths", default="256,512,1024,2048", help="prefix lengths (tokens); the shorter ones calibrate the planner, the longest is predicted")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--kv-heads", type=int, default=2)
