@@ -62,7 +62,7 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     layout = KVLayout.from_hf_config(config, dtype=torch.float32, page_tokens=16)
     ns = Namespace(model="bench-qwen3", revision="overlap", layout=layout)
     ids = torch.randint(0, 1024, (1, args.hit_tokens + args.new_tokens), generator=torch.Generator().manual_seed(1))
-    prefix, new = ids[:, : args.hit_tokens], ids[:, args.hit_tokens :]
+    prefix = ids[:, : args.hit_tokens]
     workdir = Path(args.dir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)

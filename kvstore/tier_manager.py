@@ -33,7 +33,7 @@ from kvstore.directory import Directory
 from kvstore.eviction import HostResidency
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
 from kvstore.metrics import Metrics
-from kvstore.page import LayoutDesc, PageHeader, checksum
+from kvstore.page import LayoutDesc, PageHeader
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import Quarantined, SsdTier
