@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.config import ServerConfig
 from kvstore.admission import FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
@@ -34,6 +34,8 @@ from kvstore.eviction import HostResidency
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, PageHeader
+from kvstore.recovery import rebuild_directory
+from kvstore.tier_stats import ManagerStats, collect_stats, refresh_gauges
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import Quarantined, SsdTier
@@ -61,18 +63,6 @@ class AcquiredPage:
     key: bytes
     offset: int
     checksum: int
-
-
-@dataclass
-class ManagerStats:
-    node: str
-    num_entries: int
-    last_seq: int
-    tiers: dict[str, TierUsage]
-    num_leases: int
-    num_quarantined: int
-    counters: dict[str, dict[str, float]] = field(default_factory=dict)
-    ssd: dict[str, float] = field(default_factory=dict)
 
 
 class TierManager:
@@ -120,33 +110,7 @@ class TierManager:
     # -- start-up ------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Makes the directory agree with what the tiers really hold after a restart:
-        this node's locations come from the tiers' own indexes (RAM pages are gone; SSD
-        pages are exactly the indexed ones), other nodes' from the directory's LMDB."""
-        dropped = 0
-        for key in self.directory.all_keys():
-            entry = self.directory.get(key)
-            assert entry is not None
-            for node, tier in list(entry.locations):
-                if node == self.node:
-                    self.directory.remove(key, node, tier)
-                    dropped += 1
-        if self.ssd is not None:
-            ssd = self.ssd
-            records = []
-            for key, namespace_id, payload_bytes in ssd.recovered:
-                if namespace_id not in self._layouts:
-                    header = ssd.header(key)
-                    if header is None:
-                        continue  # corrupt index header: found and quarantined on first read
-                    self._layouts[namespace_id] = header.layout
-                records.append((key, namespace_id, "ssd", payload_bytes))
-            self._ssd_lru = OrderedDict.fromkeys(r[0] for r in records)
-            ssd.recovered = []
-            self.directory.restore_local(records)
-            logger.info("recovery: %d ssd pages back in the directory", len(records))
-        if dropped:
-            logger.info("recovery: dropped %d stale local locations", dropped)
+        rebuild_directory(self)
 
     # -- housekeeping --------------------------------------------------------------------
 
@@ -743,17 +707,9 @@ class TierManager:
             return n
 
     def _refresh_gauges(self) -> None:
-        if self.budget is not None and self.config.ssd is not None:
-            self.metrics.ssd_budget_fill.set(self.budget.fill())
-            self.metrics.ssd_write_rate.set(self.budget.write_rate_bps())
-            life = self.budget.projected_life_days(self.config.ssd.capacity_bytes, self.config.ssd.dwpd)
-            self.metrics.ssd_life_days.set(life if life != float("inf") else -1)
-        for name, usage in self._usages().items():
-            self.metrics.pages.labels(name).set(usage.num_pages)
-            self.metrics.used_bytes.labels(name).set(usage.used_bytes)
-            self.metrics.capacity_bytes.labels(name).set(usage.capacity_bytes)
+        refresh_gauges(self)
 
-    def _usages(self) -> dict[str, TierUsage]:
+    def usages(self) -> dict[str, TierUsage]:
         usages = {"host": self.host.usage()}
         if self.ssd is not None:
             usages["ssd"] = self.ssd.usage()
@@ -762,42 +718,7 @@ class TierManager:
     def stats(self) -> ManagerStats:
         with self._lock:
             self._reap()
-            self._refresh_gauges()
-            counters: dict[str, dict[str, float]] = {}
-            for name in self._usages():
-                counters[name] = {
-                    "hits": self.metrics.hits.labels(name)._value.get(),
-                    "misses": self.metrics.misses.labels(name)._value.get(),
-                    "evictions": self.metrics.evictions.labels(name)._value.get(),
-                    "bytes_in": self.metrics.bytes_in.labels(name)._value.get(),
-                    "bytes_out": self.metrics.bytes_out.labels(name)._value.get(),
-                }
-            ssd: dict[str, float] = {}
-            if self.budget is not None and self.config.ssd is not None and self.admission is not None:
-                life = self.budget.projected_life_days(self.config.ssd.capacity_bytes, self.config.ssd.dwpd)
-                ssd = {
-                    "dwpd": self.config.ssd.dwpd,
-                    "budget_bytes_per_s": self.budget.rate_bps,
-                    "budget_fill": self.budget.fill(),
-                    "written_bytes": float(self.budget.written_bytes),
-                    "refused_bytes": float(self.metrics.ssd_refused_bytes._value.get()),
-                    "write_rate_bytes_per_s": self.budget.write_rate_bps(),
-                    "projected_life_days": life if life != float("inf") else -1.0,
-                }
-                for metric in self.metrics.admissions.collect():
-                    for sample in metric.samples:
-                        if sample.name.endswith("_total"):
-                            ssd[f"admission.{sample.labels['decision']}.{sample.labels['reason']}"] = sample.value
-            return ManagerStats(
-                ssd=ssd,
-                node=self.node,
-                num_entries=len(self.directory),
-                last_seq=self.directory.events.last_seq,
-                tiers=self._usages(),
-                num_leases=len(self._leases),
-                num_quarantined=len(self._host_quarantine) + (len(self.ssd.quarantined()) if self.ssd else 0),
-                counters=counters,
-            )
+            return collect_stats(self)
 
     def close(self) -> None:
         with self._lock:
