@@ -99,6 +99,7 @@ class ServerConfig:
     allocation_ttl_ms: int = 60_000
     workers: int = 16
     scrub_pages_per_s: float = 20.0  # background verification of SSD pages; 0: off
+    max_subscribers: int = 8  # Subscribe streams at once (each holds a worker thread)
 
     def __post_init__(self) -> None:
         for tier in self.tiers:
@@ -110,5 +111,7 @@ class ServerConfig:
             raise ConfigError("--tiers includes ssd but no --ssd-dir was given")
         if ":" not in self.listen:
             raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if not 0 < self.max_subscribers < self.workers:
+            raise ConfigError("max_subscribers must be > 0 and below the number of workers")
         if self.max_pages_per_request <= 0:
             raise ConfigError("max_pages_per_request must be > 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -10,6 +11,7 @@ from kvstore import validate
 from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event
+from kvstore.errors import TierFull
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.types import Location
@@ -35,6 +37,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         self.manager = manager
         self.config = config
         self.metrics = manager.metrics
+        self._subscribers = 0
+        self._subscribers_lock = threading.Lock()
 
     def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request, allow_empty)
@@ -82,13 +86,22 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
-        events = self.manager.directory.events
-        next_seq = request.from_seq or events.last_seq + 1
-        while context.is_active() and not events.closed:
-            batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
-            for ev in batch:
-                yield event_msg(ev)
-                next_seq = max(next_seq, ev.seq + 1)
+        # Each stream holds a server worker thread: bound them so RPCs always find one.
+        with self._subscribers_lock:
+            if self._subscribers >= self.config.max_subscribers:
+                raise TierFull(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
+            self._subscribers += 1
+        try:
+            events = self.manager.directory.events
+            next_seq = request.from_seq or events.last_seq + 1
+            while context.is_active() and not events.closed:
+                batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
+                for ev in batch:
+                    yield event_msg(ev)
+                    next_seq = max(next_seq, ev.seq + 1)
+        finally:
+            with self._subscribers_lock:
+                self._subscribers -= 1
 
     @unary
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> directory_pb2.StatsResponse:

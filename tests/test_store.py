@@ -178,3 +178,32 @@ async def test_concurrent_clients_same_pages(server, layout, ns) -> None:
 
     await asyncio.gather(*(worker(i) for i in range(6)))
     assert server.manager.host.usage().num_pages == 40
+
+
+def test_event_ring_resync() -> None:
+    """A subscriber asking for events that fell out of the ring first gets RESYNC."""
+    from kvstore.directory import EventKind, EventLog
+
+    log = EventLog(first_seq=1, capacity=4)
+    for i in range(10):
+        log.append(EventKind.STORED, b"n" * 16, bytes([i]) * 16)
+    events = log.since(1)
+    assert events[0].kind == EventKind.RESYNC
+    assert [e.seq for e in events[1:]] == [7, 8, 9, 10]
+    assert [e.seq for e in log.since(9)] == [9, 10]
+    assert log.since(11) == []
+
+
+async def test_subscribers_are_bounded(server_factory) -> None:
+    server = server_factory(max_subscribers=1)
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = directory_pb2_grpc.DirectoryStub(channel)
+        first = stub.Subscribe(directory_pb2.SubscribeRequest())
+        await asyncio.sleep(0.3)
+        second = stub.Subscribe(directory_pb2.SubscribeRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in second:
+                pass
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many subscribers" in err.value.details()
+        first.cancel()
+        assert (await stub.Stats(directory_pb2.StatsRequest())).node == "local"
