@@ -140,6 +140,18 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     return _report(args, layout, lengths, rows, emulated)
 
 
+def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, bandwidth B/s) of t = latency + bytes/B, least squares, latency >= 0."""
+    import numpy as np
+
+    xs = np.array([p[0] for p in points], dtype=float)
+    ts = np.array([p[1] for p in points], dtype=float)
+    slope, intercept = np.polyfit(xs, ts, 1)
+    if intercept < 0 or slope <= 0:
+        return 0.0, float(xs.sum() / ts.sum())
+    return float(intercept), float(1.0 / slope)
+
+
 def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows: dict[int, dict[str, float]],
             emulated: list[dict[str, Any]]) -> dict[str, Any]:
     calib, target = lengths[:-1], lengths[-1]
@@ -155,9 +167,9 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
     r_measured = planner.production_rate(v, t_rec)
     paths = []
     for path in ("host-shm", "host-grpc", "ssd"):
-        # the planner's V/B, with B measured over the shorter prefixes (total bytes / total time)
-        bandwidth = sum(rows[n]["bytes"] for n in calib) / sum(rows[n][f"{path}-read"] for n in calib)
-        predicted = planner.transfer_s(v, bandwidth)
+        # the planner's latency + V/B, both fitted (least squares) on the shorter prefixes
+        fixed, bandwidth = _fit_link([(rows[n]["bytes"], rows[n][f"{path}-read"]) for n in calib])
+        predicted = planner.transfer_s(v, bandwidth, fixed)
         read, write = rows[target][f"{path}-read"], rows[target][f"{path}-write"]
         paths.append({
             "path": path, "read_gbps": round(v / read / 1e9, 4), "write_gbps": round(v / write / 1e9, 4),
@@ -167,7 +179,8 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
         })
     predicted_rec = a_lin * target + b_quad * target * target
     # the emulated link adds V/B to what the same gRPC read costs without it
-    wire_fixed = v * sum(rows[n]["host-grpc-read"] for n in calib) / sum(rows[n]["bytes"] for n in calib)
+    fixed, bandwidth = _fit_link([(rows[n]["bytes"], rows[n]["host-grpc-read"]) for n in calib])
+    wire_fixed = planner.transfer_s(v, bandwidth, fixed)
     for e in emulated:
         link = e["link_gbps"] * 1e9
         e["recompute_ms"] = round(t_rec * 1e3, 1)
