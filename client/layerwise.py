@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore._proto import data_pb2
 from kvstore.client.engine_kv import EngineKV
-from kvstore.errors import InvalidRequest, KVStoreError, LeaseExpired, PageMissing
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksum
 
 if TYPE_CHECKING:
@@ -260,5 +259,3 @@ class LayerSave:
         finally:
             self._done.set()
 
-
-__all__ = ["LayerLoad", "LayerSave", "LeaseExpired", "PageMissing", "data_pb2"]

@@ -3,14 +3,11 @@ a real shared-memory arena."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,5 +122,3 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
         proc.proc.kill()
         proc.proc.wait(10)
 
-
-__all__ = ["SMALL", "ServerProcess", "free_port", "make_config", "random_kv", "replace", "os", "time"]

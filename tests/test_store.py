@@ -105,9 +105,6 @@ async def test_events_invalidate_and_metrics(server, layout, ns) -> None:
                 break
             stream.cancel()
             assert (await client.lookup(tokens)).num_tokens == 0
-            # a stale hit now fails loudly instead of returning bytes
-            hit_before = client.keys(tokens)
-            assert hit_before
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     for name in ("kvstore_hits_total", "kvstore_misses_total", "kvstore_bytes_in_total", "kvstore_pages",
                  "kvstore_evictions_total", "kvstore_rpc_seconds_bucket"):
