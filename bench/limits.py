@@ -1,32 +1,16 @@
-"""The physical limits the data paths chase, measured in the same run: memcpy, raw disk
-(O_DIRECT write + sync, O_DIRECT read) and raw gRPC byte streams."""
+"""Raw disk, the limit the SSD paths chase: O_DIRECT page writes + fdatasync and O_DIRECT
+reads of the same bytes on the same filesystem. (memcpy is timed inline by the throughput
+benchmark; the raw gRPC pump is rawgrpc.py.)"""
 
 from __future__ import annotations
 
 import mmap
 import os
-import time
 from pathlib import Path
 
 import torch
 
 ALIGN = 4096
-
-
-def best_seconds(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Median of ``repeats`` timed calls after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def memcpy_seconds(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> float:
-    return best_seconds(lambda: dst.copy_(src), repeats)
 
 
 class RawDisk:

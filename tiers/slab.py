@@ -71,32 +71,6 @@ class SlabAllocator:
     def slot_bytes(self, offset: int) -> int:
         return self._slab_class[(offset - self.base) // self.slab_bytes]
 
-    def claim(self, offset: int, nbytes: int) -> bool:
-        """Marks a known slot used (rebuilding state from an index); False if it conflicts."""
-        size = round_up(nbytes)
-        slab = (offset - self.base) // self.slab_bytes
-        if not 0 <= slab < self.num_slabs or (offset - self.base - slab * self.slab_bytes) % size:
-            return False
-        if slab not in self._slab_class:
-            if slab not in self._free_slabs:
-                return False
-            self._free_slabs.remove(slab)
-            start = self.base + slab * self.slab_bytes
-            self._slab_class[slab] = size
-            self._slab_free[slab] = [start + i * size for i in range(self.slab_bytes // size - 1, -1, -1)]
-            self._partial.setdefault(size, set()).add(slab)
-        if self._slab_class[slab] != size:
-            return False
-        slots = self._slab_free[slab]
-        try:
-            slots.remove(offset)
-        except ValueError:
-            return False
-        if not slots:
-            self._partial[size].discard(slab)
-        self.used_bytes += size
-        return True
-
     def claim_many(self, slots: list[tuple[int, int]]) -> list[bool]:
         """Marks many known slots used at once (start-up): O(slots) overall instead of a
         list search per slot. Returns per slot whether it could be claimed."""
