@@ -27,6 +27,7 @@ from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.session import Recovery, SessionLog
+from kvstore.client.wire import PageAssembler
 from kvstore.client.session import recover as recover_session
 from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
@@ -35,6 +36,7 @@ from kvstore.page import LayoutDesc, checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
+from kvstore.wire import page_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
 ]
-WIRE_CHUNK_BYTES = 1 << 20
 PIPELINE_PAGES = 64
 
 
@@ -302,25 +303,22 @@ class KVStoreClient:
         results = await asyncio.gather(*(loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts))
         return [r for part in results for r in part]
 
+    def _wire_page(self, kv: torch.Tensor | EngineKV, page: int) -> torch.Tensor:
+        """One page of the engine's KV as contiguous bytes (for the socket)."""
+        out = torch.empty(self.layout.page_shape(), dtype=self.layout.torch_dtype())
+        self._page_in(out, kv, page)
+        return out.view(torch.uint8).reshape(-1)
+
+    def _write_chunks(self, keys: list[bytes], pages: Any, checksums: Any, durable: bool) -> Any:
+        for key, page, csum in zip(keys, pages, checksums):
+            data = memoryview(page.numpy())
+            yield from page_chunks(key, self.namespace.namespace_id, self._layout_msg, data,
+                                   checksum(data) if csum is None else csum, durable)
+
     async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool) -> int:
-        layout = self.layout
-        ns = self.namespace.namespace_id
-
-        def chunks() -> Any:
-            for i, key in enumerate(keys):
-                page = torch.empty(layout.page_shape(), dtype=layout.torch_dtype())
-                self._page_in(page, kv, first_page + i)
-                data = memoryview(page.view(torch.uint8).numpy()).cast("B")
-                csum = checksum(data)
-                for start in range(0, layout.page_bytes, WIRE_CHUNK_BYTES):
-                    first = start == 0
-                    yield data_pb2.PageChunk(
-                        key=key, offset=start, data=bytes(data[start : start + WIRE_CHUNK_BYTES]), page_bytes=layout.page_bytes,
-                        checksum=csum, namespace_id=ns if first else b"", layout=self._layout_msg if first else None,
-                        durable=durable,
-                    )
-
-        resp = await self._call(self._data.WritePages, chunks())
+        pages = (self._wire_page(kv, first_page + i) for i in range(len(keys)))
+        chunks = self._write_chunks(keys, pages, [None] * len(keys), durable)
+        resp = await self._call(self._data.WritePages, chunks)
         return int(resp.num_published)
 
     # -- get -----------------------------------------------------------------------------
@@ -410,33 +408,20 @@ class KVStoreClient:
         return True
 
     async def _get_wire(self, keys: list[bytes], into: torch.Tensor | EngineKV, first_page: int) -> int:
-        layout = self.layout
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
-        buf = torch.empty(layout.page_bytes, dtype=torch.uint8)
-        view = memoryview(buf.numpy())
-        count = 0
-        filled = 0
-        expect_sum = 0
+        pages = PageAssembler(keys, self.layout.page_bytes)
         try:
             async for chunk in self._data.ReadPages(req, timeout=self.timeout_s):
-                if count >= len(keys) or chunk.key != keys[count] or chunk.offset != filled:
-                    raise PageCorrupt(f"server sent an out-of-order chunk for page {first_page + count}")
-                if filled == 0:
-                    expect_sum = chunk.checksum
-                    if chunk.page_bytes != layout.page_bytes:
-                        raise PageCorrupt(f"page {first_page + count} has {chunk.page_bytes} bytes, layout needs {layout.page_bytes}")
-                view[filled : filled + len(chunk.data)] = chunk.data
-                filled += len(chunk.data)
-                if filled == layout.page_bytes:
-                    if checksum(view) != expect_sum:
-                        raise _partial(PageCorrupt, f"page {first_page + count} failed its checksum in transit",
-                                       (first_page + count) * layout.page_tokens)
-                    self._page_out(into, first_page + count, slot_as_page(buf, layout))
-                    count += 1
-                    filled = 0
+                page = pages.feed(chunk)
+                if page is not None:
+                    self._page_out(into, first_page + pages.count - 1, slot_as_page(page, self.layout))
+        except PageCorrupt as exc:
+            valid = first_page + pages.count
+            raise _partial(PageCorrupt, f"{exc} (stream from page {first_page}); {valid * self.layout.page_tokens} "
+                           "tokens are valid, recompute the rest", valid * self.layout.page_tokens) from None
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
-        return count
+        return pages.count
 
     # -- sessions ------------------------------------------------------------------------
 
@@ -541,41 +526,18 @@ class KVStoreClient:
 
     def read_pages_sync(self, keys: list[bytes]) -> list[torch.Tensor]:
         """Pages over the socket, each verified; stops at the first missing or bad one."""
-        layout = self.layout
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        assembler = PageAssembler(keys, self.layout.page_bytes, reuse=False)
         pages: list[torch.Tensor] = []
-        buf: torch.Tensor | None = None
-        filled = expect = 0
         try:
             for chunk in self._sync()[0].ReadPages(req, timeout=self.timeout_s):
-                if len(pages) >= len(keys) or chunk.key != keys[len(pages)] or chunk.offset != filled:
-                    break
-                if filled == 0:
-                    buf = torch.empty(layout.page_bytes, dtype=torch.uint8)
-                    expect = chunk.checksum
-                assert buf is not None
-                buf.numpy()[filled : filled + len(chunk.data)] = memoryview(chunk.data)
-                filled += len(chunk.data)
-                if filled == layout.page_bytes:
-                    if checksum(buf.numpy()) != expect:
-                        break
-                    pages.append(buf)
-                    filled = 0
-        except grpc.RpcError as exc:
-            logger.warning("page stream ended early: %s", exc)
+                page = assembler.feed(chunk)
+                if page is not None:
+                    pages.append(page)
+        except (PageCorrupt, grpc.RpcError) as exc:
+            logger.warning("page stream ended after %d of %d pages: %s", len(pages), len(keys), exc)
         return pages
 
     def write_pages_sync(self, keys: list[bytes], pages: list[torch.Tensor], checksums: list[int], durable: bool) -> int:
-        ns = self.namespace.namespace_id
-        n = self.layout.page_bytes
-
-        def chunks() -> Any:
-            for key, page, csum in zip(keys, pages, checksums):
-                data = memoryview(page.numpy())
-                for start in range(0, n, WIRE_CHUNK_BYTES):
-                    first = start == 0
-                    yield data_pb2.PageChunk(key=key, offset=start, data=bytes(data[start : start + WIRE_CHUNK_BYTES]),
-                                             page_bytes=n, checksum=csum, namespace_id=ns if first else b"",
-                                             layout=self._layout_msg if first else None, durable=durable)
-
-        return int(self._call_sync(self._sync()[0].WritePages, chunks()).num_published)
+        chunks = self._write_chunks(keys, pages, checksums, durable)
+        return int(self._call_sync(self._sync()[0].WritePages, chunks).num_published)

@@ -13,9 +13,10 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import PageHeader
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
+from kvstore.wire import CHUNK_BYTES, page_chunks
 from kvstore.wal import TokenLog
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 MAX_CHUNK_BYTES = 8 << 20
 
 
@@ -153,13 +154,7 @@ class DataService(data_pb2_grpc.DataServicer):
         try:
             for page in pages:
                 header, view = self.manager.read_view(page.key)
-                layout = validate.layout_msg(header.layout)
-                for start in range(0, header.payload_bytes, chunk_bytes):
-                    first = start == 0
-                    yield data_pb2.PageChunk(
-                        key=header.key, offset=start, data=bytes(view[start : start + chunk_bytes]),
-                        namespace_id=header.namespace_id if first else b"", layout=layout if first else None,
-                        page_bytes=header.payload_bytes, checksum=header.checksum,
-                    )
+                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), view,
+                                       header.checksum, chunk_bytes=chunk_bytes)
         finally:
             self.manager.release(ident)

@@ -39,3 +39,27 @@ def test_payload_checks() -> None:
     payload[4000] ^= 1
     with pytest.raises(PageCorrupt, match="checksum"):
         header.verify_payload(payload, len(payload))
+
+
+def test_wire_roundtrip_and_damage() -> None:
+    """Chunks made by kvstore.wire go back together only whole, in order, and intact."""
+    from kvstore._proto import common_pb2
+    from kvstore.client.wire import PageAssembler
+    from kvstore.wire import page_chunks
+
+    data = bytes(range(256)) * 64  # 16 KiB
+    layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
+    chunks = list(page_chunks(b"k" * 16, b"n" * 16, layout, memoryview(data), checksum(data), chunk_bytes=4096))
+    assert len(chunks) == 4 and chunks[0].namespace_id and not chunks[1].namespace_id
+    asm = PageAssembler([b"k" * 16], len(data))
+    pages = [p for p in (asm.feed(c) for c in chunks) if p is not None]
+    assert len(pages) == 1 and bytes(pages[0].numpy()) == data
+    with pytest.raises(PageCorrupt, match="out-of-order"):
+        PageAssembler([b"k" * 16], len(data)).feed(chunks[1])
+    bad = list(chunks)
+    bad[2] = type(bad[2])(**{f.name: getattr(bad[2], f.name) for f in bad[2].DESCRIPTOR.fields if f.name != "data"},
+                          data=b"\0" * 4096)
+    asm = PageAssembler([b"k" * 16], len(data))
+    with pytest.raises(PageCorrupt, match="checksum"):
+        for c in bad:
+            asm.feed(c)
