@@ -145,5 +145,6 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
             await directory_pb2_grpc.DirectoryStub(ch).Remove(
                 directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=client.keys(more), tier="host"))
         assert await client.hint_batch([(more, 1.0)]) == [False], "no prefetch space left: told at once"
-    text = server.manager.stats()
-    assert "admission.admit.wanted" in text.ssd or text.ssd["written_bytes"] > 0
+    stats = server.manager.stats()
+    assert stats.ssd["written_bytes"] == 40 * layout.page_bytes, "both durable puts were written and counted"
+    assert stats.ssd["budget_bytes_per_s"] == 0 and stats.ssd["projected_life_days"] == -1  # no budget in tests

@@ -55,10 +55,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
     try:
-        request, candidates, objective = planner.request_from_dict(json.loads(text))
+        doc = json.loads(text)
+        request, candidates, objective = planner.request_from_dict(doc)
         if objective == "makespan":
-            count = json.loads(text).get("num_requests", 1)
-            return planner.route_batch([request] * count, candidates).to_dict()
+            return planner.route_batch([request] * doc.get("num_requests", 1), candidates).to_dict()
         return planner.route(request, candidates, objective).to_dict()
     except (KeyError, TypeError, ValueError) as exc:
         raise KVStoreError(f"plan input: {exc}") from None
