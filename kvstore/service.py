@@ -11,7 +11,7 @@ from kvstore import validate
 from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event
-from kvstore.errors import TierFull
+from kvstore.errors import InvalidRequest, TierFull
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.types import Location
@@ -57,7 +57,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         for key, rec in zip(keys, request.records):
             validate.tier(rec.location.tier, ("hbm", "host", "ssd", "remote"))
             if not rec.location.node or not rec.location.tier:
-                raise validate.InvalidRequest("every published location needs a node and a tier")
+                raise InvalidRequest("every published location needs a node and a tier")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
         versions = self.manager.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
