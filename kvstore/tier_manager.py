@@ -338,13 +338,13 @@ class TierManager:
         With ``durable`` the pages are also written through to the ssd tier (synced) before
         this returns. Returns the number of ``keys`` now stored.
         """
+        if len(keys) != len(checksums):  # before taking the allocation: it stays usable
+            raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
         with self._lock:
             self._reap()
             alloc = self._allocations.pop(allocation_id, None)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id} is unknown or expired; allocate again")
-            if len(keys) != len(checksums):
-                raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
             fresh: list[PageHeader] = []
             for key, csum in zip(keys, checksums):
                 offset = alloc.slots.pop(key, None)

@@ -65,12 +65,15 @@ def test_layout_mismatch_within_a_namespace(stubs) -> None:
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "layout" in details
 
 
-def test_unknown_allocation_and_bad_commit(stubs) -> None:
+def test_unknown_allocation_and_bad_commit(stubs, server) -> None:
     code, details = _status(stubs[1].Commit, data_pb2.CommitRequest(allocation_id=999, keys=[KEY], checksums=[1]))
     assert code == grpc.StatusCode.ABORTED and "allocation 999" in details
     alloc = stubs[1].Allocate(data_pb2.AllocateRequest(namespace_id=NS, layout=LAYOUT, keys=[KEY]), timeout=10)
     code, details = _status(stubs[1].Commit, data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=[KEY], checksums=[]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "checksums" in details
+    # Regression: a rejected commit used to drop the allocation and leak its slots.
+    stubs[1].Abort(data_pb2.AbortRequest(allocation_id=alloc.allocation_id), timeout=10)
+    assert server.manager.host.usage().used_bytes == 0
 
 
 def test_lease_ttl_and_publish_rules(stubs) -> None:
