@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -216,50 +217,65 @@ class KVStoreClient:
 
     def _batch_pages(self) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
-        server's work on the previous one, and at most a quarter of the arena so that two
-        batches in flight always fit."""
+        server's work on others, and at most a quarter of the arena so that the batches in
+        flight (one allocated ahead, one being copied, two committing) always fit."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
         return max(1, min(self.max_pages, arena_pages // 4, PIPELINE_PAGES))
 
     async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
-        """Allocate, copy, commit batch by batch; batch i commits (and, when durable, is
-        written to ssd) while batch i+1 is copied. Returns pages stored."""
+        """Allocate, copy, commit batch by batch, overlapped: while batch i is copied, batch
+        i+1 is being allocated and up to two earlier batches commit (and, when durable, are
+        written to ssd), so that neither the copy threads nor the disk wait on a round trip.
+        Returns pages stored (a prefix)."""
         stored = cursor = 0
-        pending: asyncio.Future[int] | None = None
+        commits: deque[asyncio.Future[int]] = deque()
+        ahead: asyncio.Future[Any] | None = None
+
+        def allocate(start: int) -> asyncio.Future[Any]:
+            return asyncio.ensure_future(self._call(self._data.Allocate, data_pb2.AllocateRequest(
+                namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + self._batch_pages()])))
+
         try:
-            while cursor < len(keys):
-                batch = keys[cursor : cursor + self._batch_pages()]
+            ahead = allocate(0)
+            while ahead is not None:
                 try:
-                    alloc = await self._call(self._data.Allocate, data_pb2.AllocateRequest(
-                        namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=batch))
+                    alloc = await ahead
                 except TierFull:
-                    if pending is not None:  # its pages become evictable once committed
-                        stored += await pending
-                        pending = None
+                    ahead = None
+                    if commits:  # their pages become evictable once committed
+                        while commits:
+                            stored += await commits.popleft()
+                        ahead = allocate(cursor)
                         continue
                     if cursor == 0:
                         raise
                     logger.warning("tier full after %d of %d pages; the rest is not stored", cursor, len(keys))
                     break
+                n = len(alloc.slots)
+                ahead = allocate(cursor + n) if cursor + n < len(keys) else None
                 todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
                 try:
                     sums = await self._parallel(lambda item, base=cursor: self._write_slot(kv, base + item[0], item[1].offset), todo)
                 except BaseException:
                     await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
                     raise
-                if pending is not None:
-                    stored += await pending
                 commit = data_pb2.CommitRequest(
                     allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable,
                     flags=flags)
-                pending = asyncio.ensure_future(self._commit(commit, len(alloc.slots)))
-                cursor += len(alloc.slots)
-            if pending is not None:
-                stored += await pending
-                pending = None
+                commits.append(asyncio.ensure_future(self._commit(commit, n)))
+                cursor += n
+                if len(commits) > 2:
+                    stored += await commits.popleft()
+            while commits:
+                stored += await commits.popleft()
         finally:
-            if pending is not None:
-                await asyncio.gather(pending, return_exceptions=True)
+            if ahead is not None:  # an error ended the loop: give back what was allocated ahead
+                try:
+                    await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=(await ahead).allocation_id))
+                except KVStoreError:
+                    pass
+            if commits:
+                await asyncio.gather(*commits, return_exceptions=True)
         return stored
 
     async def _commit(self, request: data_pb2.CommitRequest, num_pages: int) -> int:

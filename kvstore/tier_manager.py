@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvstore.config import ServerConfig
@@ -65,6 +66,15 @@ class AcquiredPage:
     checksum: int
 
 
+def _damage(header: PageHeader, payload: memoryview) -> str | None:
+    """Why ``payload`` is not the page ``header`` describes, or None when it is."""
+    try:
+        header.verify_payload(payload, len(payload))
+    except PageCorrupt as exc:
+        return str(exc)
+    return None
+
+
 class TierManager:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -87,6 +97,7 @@ class TierManager:
 
     def _init_state(self, config: ServerConfig, clock: Callable[[], float]) -> None:
         self._last_ssd_error_log = 0.0
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
         self._residency = HostResidency(segmented=config.host.eviction == "slru")
         self.budget: WriteBudget | None = None
         self.admission: AdmissionPolicy | None = None
@@ -233,12 +244,13 @@ class TierManager:
             self.directory.remove(victim, self.node, "ssd")
             self.metrics.evictions.labels("ssd").inc()
 
-    def _ssd_write(self, items: list[tuple[PageHeader, memoryview]]) -> int:
+    def _ssd_write(self, items: list[tuple[PageHeader, memoryview]], before_sync: Callable[[], None] | None = None) -> int:
         """Writes pages durably to the ssd tier and publishes them; returns how many.
 
         Slots are reserved and the result indexed under the lock; the writes and the sync
         run outside it unless the caller already holds it (eviction). The payload views must
-        stay valid meanwhile: the caller pins their keys or holds the lock.
+        stay valid meanwhile: the caller pins their keys or holds the lock. ``before_sync``
+        runs after the writes; if it raises, the slots are freed and nothing is indexed.
         """
         assert self.ssd is not None
         ssd = self.ssd
@@ -258,8 +270,15 @@ class TierManager:
         try:
             for offset, header, payload in placed:
                 ssd.write_slot(offset, header, payload)
+            if before_sync is not None:
+                before_sync()
             if placed:
                 ssd.sync()
+        except PageCorrupt:
+            with self._lock:
+                for offset, _, _ in placed:
+                    ssd.unreserve(offset)
+            raise
         except OSError as exc:
             with self._lock:
                 for offset, _, _ in placed:
@@ -377,26 +396,30 @@ class TierManager:
             self.metrics.bytes_in.labels("host").inc(sum(h.payload_bytes for h in headers))
 
     def _write_through(self, keys: list[bytes]) -> None:
-        """Copies pinned host pages to the ssd tier (verified first: a page damaged in the
-        arena is quarantined, never persisted)."""
+        """Copies pinned host pages to the ssd tier. Each page is verified on a helper thread
+        while the pages are written (hashing and disk I/O overlap); a page damaged in the
+        arena is quarantined and the batch is never synced nor indexed, so never persisted."""
         items = []
         for key in keys:
             slot = self.host.slot(key)
             if slot is None or self.ssd is None or self.ssd.contains(key):
                 continue
             offset, header = slot
-            view = self.host.view(offset, header.payload_bytes)
-            try:
-                header.verify_payload(view, header.payload_bytes)
-            except PageCorrupt as exc:
-                with self._lock:
-                    self._residency.remove(key)
-                    self._quarantine_host(header, str(exc))
-                    self._drop_local(key, "host")
-                raise
-            items.append((header, view))
+            items.append((header, self.host.view(offset, header.payload_bytes)))
+        checks = [self._verifier.submit(_damage, header, view) for header, view in items]
+
+        def verified() -> None:
+            for (header, _), check in zip(items, checks):
+                reason = check.result()
+                if reason is not None:
+                    with self._lock:
+                        self._residency.remove(header.key)
+                        self._quarantine_host(header, reason)
+                        self._drop_local(header.key, "host")
+                    raise PageCorrupt(reason)
+
         try:
-            written = self._ssd_write(items) if items else 0
+            written = self._ssd_write(items, before_sync=verified) if items else 0
         except OSError as exc:
             raise TierUnavailable(
                 f"durable write failed on the ssd tier ({exc.strerror or exc}); the pages are stored in RAM only"
@@ -721,6 +744,7 @@ class TierManager:
             return collect_stats(self)
 
     def close(self) -> None:
+        self._verifier.shutdown(wait=True)
         with self._lock:
             self.directory.close()
             self.host.close()

@@ -181,3 +181,21 @@ async def test_scrub_finds_damage_and_ctl_lists_and_purges(server_factory, tmp_p
     assert ctl.main(["--server", server.address, "--json", "quarantine", "--purge"]) == 0
     assert _json.loads(capsys.readouterr().out)["purged"] == 1
     assert server.manager.quarantined() == []
+
+
+async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -> None:
+    """A durable commit whose arena bytes do not match their checksum: the page is
+    quarantined, nothing of the batch is indexed on ssd, and its ssd slots are free again."""
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=7)
+    async with KVStoreClient(server.address, ns) as client:
+        keys = client.keys(tokens)
+        alloc = client.allocate_sync(keys)
+        sums = [client._write_slot(kv, i, slot.offset) for i, slot in enumerate(alloc.slots)]
+        sums[2] ^= 1  # the client's bytes and its checksum disagree for page 2
+        with pytest.raises(PageCorrupt):
+            client.commit_sync(alloc.allocation_id, keys, sums, durable=True)
+        ssd = server.manager.ssd
+        assert not any(ssd.contains(k) for k in keys) and ssd.usage().used_bytes == 0
+        assert [q.key for q in server.manager.quarantined()] == [keys[2]]
+        assert (await client.lookup(tokens)).num_tokens == 2 * layout.page_tokens  # pages 0-1 stay in RAM
