@@ -9,6 +9,7 @@ import json
 import sys
 
 from kvstore import logs
+from kvstore.memory import tune_malloc
 
 # subcommand -> (module in kvstore.bench, help)
 COMMANDS = {
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(module=module)
     args = parser.parse_args(argv)
     logs.setup(args.log_level)
+    tune_malloc()  # as the server does; see kvstore.memory
     report = args.module.run(args)
     args.module.print_table(report)
     if args.json:

@@ -1,17 +1,22 @@
 """A bare gRPC byte pump: the limit of moving bytes through Python gRPC on this machine.
 
 Runs as its own process (like kvstore-server) with generic handlers and no processing:
-Upload consumes a stream of chunks, Download streams a prebuilt chunk N times.
+Upload consumes a stream of chunks, Download streams prebuilt chunks. Every chunk is a
+distinct buffer, as the pages of a real transfer are: sending one cached 1 MiB buffer N
+times would measure cache bandwidth, a limit no transfer of N MiB of real data can reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import struct
 import sys
 from concurrent import futures
 
 import grpc
+
+from kvstore.memory import tune_malloc
 
 _REQ = struct.Struct("<QI")  # total bytes, chunk bytes
 OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
@@ -24,11 +29,22 @@ def _upload(request_iterator, context):  # type: ignore[no-untyped-def]
     return struct.pack("<Q", total)
 
 
+_prebuilt: dict[tuple[int, int], list[bytes]] = {}
+
+
+def distinct_chunks(total: int, chunk_bytes: int) -> list[bytes]:
+    """``total // chunk_bytes`` chunks, each its own memory (built once, then reused)."""
+    key = (total, chunk_bytes)
+    if key not in _prebuilt:
+        _prebuilt.clear()
+        seed = os.urandom(chunk_bytes)
+        _prebuilt[key] = [bytes(bytearray(seed)) for _ in range(total // chunk_bytes)]
+    return _prebuilt[key]
+
+
 def _download(request, context):  # type: ignore[no-untyped-def]
     total, chunk_bytes = _REQ.unpack(request)
-    chunk = bytes(chunk_bytes)
-    for _ in range(total // chunk_bytes):
-        yield chunk
+    yield from distinct_chunks(total, chunk_bytes)
 
 
 def serve(port: int) -> None:
@@ -46,13 +62,7 @@ def serve(port: int) -> None:
 
 async def upload(channel: grpc.aio.Channel, total: int, chunk_bytes: int) -> None:
     call = channel.stream_unary("/raw.Raw/Upload")
-    chunk = bytes(chunk_bytes)
-
-    def chunks():  # type: ignore[no-untyped-def]
-        for _ in range(total // chunk_bytes):
-            yield chunk
-
-    await call(chunks())
+    await call(iter(distinct_chunks(total, chunk_bytes)))
 
 
 async def download(channel: grpc.aio.Channel, total: int, chunk_bytes: int) -> None:
@@ -64,5 +74,6 @@ async def download(channel: grpc.aio.Channel, total: int, chunk_bytes: int) -> N
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=0)
+    tune_malloc()  # the same settings as kvstore-server, so that the limit is a fair one
     serve(parser.parse_args().port)
     sys.exit(0)

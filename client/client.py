@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -30,14 +31,14 @@ from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.session import Recovery, SessionLog
 from kvstore.client.wire import PageAssembler
 from kvstore.client.session import recover as recover_session
-from kvstore.client.pages import check_kv, copy_bytes, page_of, slot_as_page
+from kvstore.client.pages import RowPage, check_kv, copy_bytes, page_of, page_rows, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
-from kvstore.wire import page_chunks
+from kvstore.wire import PageStubs, decode_chunk, page_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class KVStoreClient:
         self._layout_desc = LayoutDesc.of(self.layout)
         self._layout_msg = layout_msg(self._layout_desc)
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
+        # One thread for socket pages: chunks are encoded and placed in stream order.
+        self._wire_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-wire")
+        self._local = threading.local()
         self._copy_threads = copy_threads
         self._channel: grpc.aio.Channel | None = None
         self.arena: ArenaMap | None = None
@@ -126,6 +130,7 @@ class KVStoreClient:
         self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._directory = directory_pb2_grpc.DirectoryStub(self._channel)
         self._data = data_pb2_grpc.DataStub(self._channel)
+        self._pages = PageStubs(self._channel)
         info = await self._call(self._data.GetInfo, data_pb2.GetInfoRequest())
         self.node = info.node
         self.max_pages = max(1, info.max_pages_per_request)
@@ -148,6 +153,7 @@ class KVStoreClient:
             self.arena.close()
             self.arena = None
         self._pool.shutdown(wait=True)
+        self._wire_pool.shutdown(wait=True)
 
     @property
     def shared_memory(self) -> bool:
@@ -320,21 +326,49 @@ class KVStoreClient:
         return [r for part in results for r in part]
 
     def _wire_page(self, kv: torch.Tensor | EngineKV, page: int) -> torch.Tensor:
-        """One page of the engine's KV as contiguous bytes (for the socket)."""
-        out = torch.empty(self.layout.page_shape(), dtype=self.layout.torch_dtype())
-        self._page_in(out, kv, page)
-        return out.view(torch.uint8).reshape(-1)
+        """One page of the engine's KV as contiguous bytes, in this thread's reused buffer
+        (fresh memory is slow to touch; the encoded chunks copy out of it)."""
+        buf = getattr(self._local, "page", None)
+        if buf is None:
+            buf = self._local.page = torch.empty(self.layout.page_shape(), dtype=self.layout.torch_dtype())
+        self._page_in(buf, kv, page)
+        return buf.view(torch.uint8).reshape(-1)
 
-    def _write_chunks(self, keys: list[bytes], pages: Any, checksums: Any, durable: bool) -> Any:
-        for key, page, csum in zip(keys, pages, checksums):
+    def _encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool) -> list[bytes]:
+        """The encoded WritePages chunks of one page (runs on a copy thread): ``page`` is
+        contiguous bytes or a RowPage of the engine's tensor (copied once, into the chunks)."""
+        if isinstance(page, RowPage):
+            data: Any = page
+            csum = page.checksum() if csum is None else csum
+        else:
             data = memoryview(page.numpy())
-            yield from page_chunks(key, self.namespace.namespace_id, self._layout_msg, data,
-                                   checksum(data) if csum is None else csum, durable)
+            csum = checksum(data) if csum is None else csum
+        return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable))
+
+    def _row_run(self) -> int:
+        return self.layout.page_bytes // (self.layout.num_layers * self.layout.kv_factor)
 
     async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool) -> int:
-        pages = (self._wire_page(kv, first_page + i) for i in range(len(keys)))
-        chunks = self._write_chunks(keys, pages, [None] * len(keys), durable)
-        resp = await self._call(self._data.WritePages, chunks)
+        """One WritePages stream; page i+1 is encoded on a worker thread while the event
+        loop sends page i. From a CPU tensor the chunks are built straight from its rows."""
+        loop = asyncio.get_running_loop()
+        rows = page_rows(kv, self.layout) if isinstance(kv, torch.Tensor) else None
+        run = self._row_run()
+
+        def encode(i: int) -> list[bytes]:
+            page = RowPage(rows, first_page + i, run) if rows is not None else self._wire_page(kv, first_page + i)
+            return self._encode_page(keys[i], page, None, durable)
+
+        async def chunks() -> Any:
+            ahead = loop.run_in_executor(self._wire_pool, encode, 0)
+            for i in range(len(keys)):
+                current = await ahead
+                if i + 1 < len(keys):
+                    ahead = loop.run_in_executor(self._wire_pool, encode, i + 1)
+                for chunk in current:
+                    yield chunk
+
+        resp = await self._call(self._pages.write_pages, chunks())
         return int(resp.num_published)
 
     # -- get -----------------------------------------------------------------------------
@@ -424,19 +458,46 @@ class KVStoreClient:
         return True
 
     async def _get_wire(self, keys: list[bytes], into: torch.Tensor | EngineKV, first_page: int) -> int:
+        """One ReadPages stream. The event loop only receives; a single worker thread decodes,
+        verifies and places each chunk (in order) while the next one arrives."""
+        loop = asyncio.get_running_loop()
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
-        pages = PageAssembler(keys, self.layout.page_bytes)
+        rows = page_rows(into, self.layout) if isinstance(into, torch.Tensor) else None
+        if rows is not None:  # chunks go straight into the engine's tensor
+            run = self._row_run()
+
+            def sink(index: int, offset: int, data: memoryview) -> None:
+                RowPage(rows, first_page + index, run).write(offset, data)
+
+            pages = PageAssembler(keys, self.layout.page_bytes, sink=sink)
+
+            def place(raw: bytes) -> None:
+                pages.feed(decode_chunk(raw))
+        else:
+            pages = PageAssembler(keys, self.layout.page_bytes)
+
+            def place(raw: bytes) -> None:
+                if pages.feed(decode_chunk(raw)):
+                    self._page_out(into, first_page + pages.count - 1, slot_as_page(pages.page, self.layout))
+
+        placing: asyncio.Future[None] | None = None
         try:
-            async for chunk in self._data.ReadPages(req, timeout=self.timeout_s):
-                page = pages.feed(chunk)
-                if page is not None:
-                    self._page_out(into, first_page + pages.count - 1, slot_as_page(page, self.layout))
+            async for raw in self._pages.read_pages(req, timeout=self.timeout_s):
+                previous, placing = placing, loop.run_in_executor(self._wire_pool, place, raw)
+                if previous is not None:
+                    await previous
+            if placing is not None:
+                await placing
+                placing = None
         except PageCorrupt as exc:
             valid = first_page + pages.count
             raise _partial(PageCorrupt, f"{exc} (stream from page {first_page}); {valid * self.layout.page_tokens} "
                            "tokens are valid, recompute the rest", valid * self.layout.page_tokens) from None
         except grpc.aio.AioRpcError as exc:
             raise self._error(exc) from None
+        finally:
+            if placing is not None:  # never leave a worker writing into ``into`` after returning
+                await asyncio.gather(placing, return_exceptions=True)
         return pages.count
 
     # -- sessions ------------------------------------------------------------------------
@@ -508,7 +569,12 @@ class KVStoreClient:
     def _sync(self) -> tuple[Any, Any]:
         if self._sync_channel is None:
             self._sync_channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._sync_page_stubs = PageStubs(self._sync_channel)
         return data_pb2_grpc.DataStub(self._sync_channel), directory_pb2_grpc.DirectoryStub(self._sync_channel)
+
+    def _sync_pages(self) -> PageStubs:
+        self._sync()
+        return self._sync_page_stubs
 
     def _call_sync(self, method: Any, request: Any) -> Any:
         try:
@@ -546,14 +612,14 @@ class KVStoreClient:
         assembler = PageAssembler(keys, self.layout.page_bytes, reuse=False)
         pages: list[torch.Tensor] = []
         try:
-            for chunk in self._sync()[0].ReadPages(req, timeout=self.timeout_s):
-                page = assembler.feed(chunk)
-                if page is not None:
-                    pages.append(page)
+            for raw in self._sync_pages().read_pages(req, timeout=self.timeout_s):
+                if assembler.feed(decode_chunk(raw)):
+                    pages.append(assembler.page)
         except (PageCorrupt, grpc.RpcError) as exc:
             logger.warning("page stream ended after %d of %d pages: %s", len(pages), len(keys), exc)
         return pages
 
     def write_pages_sync(self, keys: list[bytes], pages: list[torch.Tensor], checksums: list[int], durable: bool) -> int:
-        chunks = self._write_chunks(keys, pages, checksums, durable)
-        return int(self._call_sync(self._sync()[0].WritePages, chunks).num_published)
+        chunks = (chunk for key, page, csum in zip(keys, pages, checksums)
+                  for chunk in self._encode_page(key, page.view(torch.uint8).reshape(-1), csum, durable))
+        return int(self._call_sync(self._sync_pages().write_pages, chunks).num_published)

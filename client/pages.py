@@ -10,6 +10,7 @@ own intra-op threads.
 from __future__ import annotations
 
 import numpy as np
+import xxhash
 import torch
 
 from kvstore.errors import InvalidRequest
@@ -52,3 +53,63 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 def slot_as_page(slot: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """A uint8 slot tensor viewed as one page of the layout."""
     return slot[: layout.page_bytes].view(layout.torch_dtype()).view(layout.page_shape())
+
+
+def page_rows(kv: torch.Tensor, layout: KVLayout) -> np.ndarray | None:
+    """``kv`` as a uint8 array of rows ``[layers*kv_factor, tokens*heads*dim*itemsize]`` (a
+    view, no copy), or None when its strides do not allow one (then callers go through a
+    page buffer). Page ``p`` is the column range ``[p*R, (p+1)*R)`` of every row, R being
+    ``page_bytes // rows``: its layer-major bytes row after row."""
+    if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu" or kv.stride(-1) != 1:
+        return None
+    rows = layout.num_layers * layout.kv_factor
+    arr = as_bytes(kv).numpy()
+    view = arr.view()
+    try:
+        view.shape = (rows, -1)  # raises rather than copy when the strides do not fold
+    except AttributeError:
+        return None
+    return view
+
+
+class RowPage:
+    """Reads and writes byte ranges of one page of a ``page_rows`` view: the flat
+    layer-major offset ``o`` is row ``o // run``, column ``page*run + o % run``."""
+
+    def __init__(self, rows: np.ndarray, page: int, run: int) -> None:
+        self.rows = rows[:, page * run : (page + 1) * run]
+        self.run = run
+        self.nbytes = rows.shape[0] * run
+
+    def checksum(self) -> int:
+        """The page checksum (kvstore.page.checksum of its layer-major bytes), row by row."""
+        h = xxhash.xxh3_64()
+        for row in self.rows:
+            h.update(row)
+        return h.intdigest()
+
+    def _spans(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """(row, col_from, col_to, bytes before it) pieces of ``[start, end)``."""
+        out = []
+        pos = start
+        while pos < end:
+            row, col = divmod(pos, self.run)
+            take = min(self.run - col, end - pos)
+            out.append((row, col, col + take, pos - start))
+            pos += take
+        return out
+
+    def write(self, start: int, data: memoryview) -> None:
+        src = np.frombuffer(data, dtype=np.uint8)
+        end = start + len(src)
+        first_row, col = divmod(start, self.run)
+        if col == 0 and len(src) % self.run == 0:  # whole rows: one strided copy
+            n = len(src) // self.run
+            np.copyto(self.rows[first_row : first_row + n], src.reshape(n, self.run))
+            return
+        for row, c0, c1, before in self._spans(start, end):
+            np.copyto(self.rows[row, c0:c1], src[before : before + c1 - c0])
+
+    def pieces(self, start: int, end: int) -> list[memoryview]:
+        """Views of the bytes ``[start, end)``, in order (for bytes.join and hashing)."""
+        return [memoryview(self.rows[row, c0:c1]) for row, c0, c1, _ in self._spans(start, end)]

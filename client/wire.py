@@ -2,49 +2,66 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from kvstore._proto import data_pb2
+import torch
+import xxhash
+
 from kvstore.errors import PageCorrupt
 from kvstore.page import checksum
+from kvstore.wire import WireChunk
+
+Sink = Callable[[int, int, memoryview], None]  # (page index, byte offset, bytes)
 
 
 class PageAssembler:
     """Puts the pages of a ReadPages stream back together, in the order of ``keys``.
 
-    ``feed`` returns a finished page (uint8 tensor of ``page_bytes``, checksum verified) or
-    None, and raises PageCorrupt for a chunk out of order, a wrong length or a bad checksum.
-    With ``reuse`` every page lands in the same buffer (copy it out before the next feed).
+    ``feed`` returns True when a chunk completed a page (its checksum verified) and raises
+    PageCorrupt for a chunk out of order, a wrong length or a bad checksum. Without a
+    ``sink`` the page collects in ``page`` (with ``reuse``, the same buffer every time: copy
+    it out before the next feed). With a ``sink`` every chunk goes straight to its place
+    and the checksum is computed as the bytes pass, so a page is copied once; the sink's
+    page is then valid only once ``feed`` returned True for it.
     """
 
-    def __init__(self, keys: list[bytes], page_bytes: int, reuse: bool = True) -> None:
+    def __init__(self, keys: list[bytes], page_bytes: int, reuse: bool = True, sink: Sink | None = None) -> None:
         self.keys = keys
         self.page_bytes = page_bytes
         self.reuse = reuse
+        self.sink = sink
         self.count = 0  # pages finished
-        self._buf = torch.empty(page_bytes, dtype=torch.uint8)
+        self.page = torch.empty(0 if sink else page_bytes, dtype=torch.uint8)
         self._filled = 0
         self._expect = 0
+        self._hash = xxhash.xxh3_64()
 
-    def feed(self, chunk: data_pb2.PageChunk) -> torch.Tensor | None:
+    def feed(self, chunk: WireChunk) -> bool:
+        if chunk.error:
+            raise PageCorrupt(f"page {self.count}: {chunk.error}")
         if self.count >= len(self.keys) or chunk.key != self.keys[self.count] or chunk.offset != self._filled:
             raise PageCorrupt(f"out-of-order chunk for page {self.count}")
         if self._filled == 0:
             if chunk.page_bytes != self.page_bytes:
                 raise PageCorrupt(f"page {self.count} has {chunk.page_bytes} bytes, the layout needs {self.page_bytes}")
-            if not self.reuse:
-                self._buf = torch.empty(self.page_bytes, dtype=torch.uint8)
+            if self.sink is None and not self.reuse:
+                self.page = torch.empty(self.page_bytes, dtype=torch.uint8)
             self._expect = chunk.checksum
+            self._hash.reset()
         end = self._filled + len(chunk.data)
         if end > self.page_bytes:
             raise PageCorrupt(f"page {self.count} got more than its {self.page_bytes} bytes")
-        view = self._buf.numpy()
-        view[self._filled : end] = memoryview(chunk.data)
+        if self.sink is not None:
+            self._hash.update(chunk.data)
+            self.sink(self.count, self._filled, chunk.data)
+        else:
+            self.page.numpy()[self._filled : end] = memoryview(chunk.data)
         self._filled = end
         if end < self.page_bytes:
-            return None
-        if checksum(view) != self._expect:
+            return False
+        digest = self._hash.intdigest() if self.sink is not None else checksum(self.page.numpy())
+        if digest != self._expect:
             raise PageCorrupt(f"page {self.count} failed its checksum in transit")
         self._filled = 0
         self.count += 1
-        return self._buf
+        return True

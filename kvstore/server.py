@@ -10,7 +10,7 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import start_http_server
 
-from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
+from kvstore._proto import directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.metrics import Metrics
@@ -18,6 +18,7 @@ from kvstore.service import DirectoryService
 from kvstore.service_data import DataService
 from kvstore.tier_manager import TierManager
 from kvstore.wal import TokenLog
+from kvstore.wire import add_data_service
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Server:
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"), options=GRPC_OPTIONS)
         directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryService(self.manager, config), self._grpc)
         self.wal = TokenLog(config.data_dir)
-        data_pb2_grpc.add_DataServicer_to_server(DataService(self.manager, config, self.wal), self._grpc)
+        add_data_service(DataService(self.manager, config, self.wal), self._grpc)
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -13,7 +14,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import PageHeader
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
-from kvstore.wire import CHUNK_BYTES, page_chunks
+from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
 from kvstore.wal import TokenLog
 
 DEFAULT_CHUNK_BYTES = CHUNK_BYTES
@@ -26,6 +27,7 @@ class DataService(data_pb2_grpc.DataServicer):
         self.config = config
         self.metrics = manager.metrics
         self.wal = wal
+        self._local = threading.local()  # per RPC thread: scratch for pages stored already
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -76,40 +78,58 @@ class DataService(data_pb2_grpc.DataServicer):
         return data_pb2.ReleaseResponse()
 
     @unary
-    def WritePages(self, request_iterator: Iterator[data_pb2.PageChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
+    def WritePages(self, request_iterator: Iterator[WireChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
         stored = 0
-        scratch = bytearray()
-        current: tuple[PageHeader, bytearray, bool] | None = None
+        # The page being received: its header, its reserved host slot (None: stored
+        # already, its bytes are only checked) and whether it must reach the ssd tier.
+        current: tuple[PageHeader, memoryview, int | None, bool] | None = None
         filled = 0
-        for chunk in request_iterator:
-            if current is None or chunk.offset == 0:
-                if current is not None:
-                    raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
-                key = validate.keys([chunk.key], 1)[0]
-                ns = validate.namespace_id(chunk.namespace_id)
-                layout = validate.layout(chunk.layout)
-                if chunk.page_bytes != layout.page_bytes:
-                    raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
-                if chunk.offset != 0:
-                    raise InvalidRequest("the first chunk of a page must have offset 0")
-                if len(scratch) != chunk.page_bytes:  # reused across pages: fresh memory is slow to touch
-                    scratch = bytearray(chunk.page_bytes)
-                current = (PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum), scratch, chunk.durable)
-                filled = 0
-            header, buf, durable = current
-            if chunk.key != header.key or chunk.offset != filled:
-                raise InvalidRequest(f"chunk of page {header.key.hex()} at offset {chunk.offset}, expected {filled}")
-            if filled + len(chunk.data) > header.payload_bytes:
-                raise InvalidRequest(f"page {header.key.hex()} got more than its {header.payload_bytes} bytes")
-            buf[filled : filled + len(chunk.data)] = chunk.data
-            filled += len(chunk.data)
-            if filled == header.payload_bytes:
-                self.manager.write_page(header, memoryview(buf), durable)
-                stored += 1
-                current = None
-        if current is not None:
-            raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+        try:
+            for chunk in request_iterator:
+                if chunk.error:
+                    raise InvalidRequest(chunk.error)
+                if current is None or chunk.offset == 0:
+                    if current is not None:
+                        raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+                    current = self._start_page(chunk)
+                    filled = 0
+                header, dest, offset, durable = current
+                if chunk.key != header.key or chunk.offset != filled:
+                    raise InvalidRequest(f"chunk of page {header.key.hex()} at offset {chunk.offset}, expected {filled}")
+                if filled + len(chunk.data) > header.payload_bytes:
+                    raise InvalidRequest(f"page {header.key.hex()} got more than its {header.payload_bytes} bytes")
+                dest[filled : filled + len(chunk.data)] = chunk.data
+                filled += len(chunk.data)
+                if filled == header.payload_bytes:
+                    current = None
+                    if offset is None:
+                        header.verify_payload(dest, filled)
+                    self.manager.install_page(header, offset, durable)
+                    stored += 1
+            if current is not None:
+                raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+        finally:
+            if current is not None and current[2] is not None:
+                self.manager.abort_page(current[2])
         return data_pb2.WritePagesResponse(num_published=stored)
+
+    def _start_page(self, chunk: WireChunk) -> tuple[PageHeader, memoryview, int | None, bool]:
+        """Checks a page's first chunk and reserves the host slot its bytes go to."""
+        key = validate.keys([chunk.key], 1)[0]
+        ns = validate.namespace_id(chunk.namespace_id)
+        layout = validate.layout(chunk.layout)
+        if chunk.page_bytes != layout.page_bytes:
+            raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
+        if chunk.offset != 0:
+            raise InvalidRequest("the first chunk of a page must have offset 0")
+        header = PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum)
+        offset = self.manager.reserve_page(header)
+        if offset is None:  # stored already: received into scratch, still checked
+            scratch = getattr(self._local, "scratch", None)
+            if scratch is None or len(scratch) != chunk.page_bytes:
+                scratch = self._local.scratch = bytearray(chunk.page_bytes)
+            return header, memoryview(scratch), None, chunk.durable
+        return header, self.manager.view(offset, chunk.page_bytes), offset, chunk.durable
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:
@@ -144,7 +164,7 @@ class DataService(data_pb2_grpc.DataServicer):
         return data_pb2.EndSessionResponse()
 
     @stream
-    def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[data_pb2.PageChunk]:
+    def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES

@@ -1,26 +1,196 @@
-"""Pages on the socket: how a page is cut into PageChunk messages and put back together.
+"""Pages on the socket: PageChunk messages encoded and decoded without copying page bytes
+through protobuf objects.
+
+The contract stays proto/kvstore/v1/data.proto: an encoded chunk is a valid ``PageChunk``
+(its small fields serialised by protobuf, then field 7 ``data`` appended by hand, which the
+wire format allows in any order), and ``decode_chunk`` reads any valid ``PageChunk``, however
+its fields are ordered. What changes is the cost: building a message with protobuf copies the
+payload three times (slice, message, serialise); ``page_chunks`` copies it once, straight into
+the bytes gRPC sends, and ``decode_chunk`` hands the payload out as a view of the bytes gRPC
+received. ReadPages and WritePages are served and called with these instead of the
+generated (de)serialisers (see ``data_method_handlers`` and ``PageStubs``).
 
 The first chunk of a page carries its namespace and layout; every chunk carries the key,
-the total length and the checksum, so a receiver can check order, length and checksum
-without trusting the sender. Used by the server (ReadPages) and the client (writes); the
-client's reassembly is kvstore.client.wire.PageAssembler.
+the total length and the checksum, so a receiver checks order, length and checksum without
+trusting the sender.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, Protocol
+
+import grpc
 
 from kvstore._proto import common_pb2, data_pb2
 
 CHUNK_BYTES = 1 << 20
+SERVICE = "kvstore.v1.Data"
+WRITE_PAGES = f"/{SERVICE}/WritePages"
+READ_PAGES = f"/{SERVICE}/ReadPages"
+_DATA_FIELD = 7
+_DATA_TAG = (_DATA_FIELD << 3) | 2  # field 7, length-delimited
 
 
-def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: memoryview, page_checksum: int,
-                durable: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Iterator[data_pb2.PageChunk]:
-    size = len(data)
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_DATA_TAG_BYTES = _encode_varint(_DATA_TAG)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def encode_chunk(meta: data_pb2.PageChunk, *parts: Any) -> bytes:
+    """``meta`` (a PageChunk without data) plus the concatenated ``parts`` as its data, as one
+    encoded PageChunk; the payload is copied once (bytes.join releases the GIL for large
+    copies)."""
+    size = sum(memoryview(part).nbytes for part in parts)
+    return b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size), *parts))
+
+
+class Pieces(Protocol):
+    """A page whose bytes are not one buffer (e.g. rows of an engine's KV tensor)."""
+
+    nbytes: int
+
+    def pieces(self, start: int, end: int) -> list[memoryview]: ...
+
+
+def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int,
+                durable: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``."""
+    if hasattr(data, "pieces"):
+        size, cut = data.nbytes, data.pieces
+    else:
+        view = memoryview(data).cast("B")
+        size, cut = len(view), lambda start, end: [view[start:end]]
     for start in range(0, size, chunk_bytes):
         first = start == 0
-        yield data_pb2.PageChunk(
-            key=key, offset=start, data=bytes(data[start : start + chunk_bytes]), page_bytes=size, checksum=page_checksum,
-            namespace_id=namespace_id if first else b"", layout=layout if first else None, durable=durable,
+        meta = data_pb2.PageChunk(
+            key=key, offset=start, page_bytes=size, checksum=page_checksum, durable=durable,
+            namespace_id=namespace_id if first else b"", layout=layout if first else None,
         )
+        yield encode_chunk(meta, *cut(start, min(size, start + chunk_bytes)))
+
+
+class WireChunk:
+    """A received PageChunk: its small fields parsed, its payload a view of the received
+    bytes. ``error`` is set (and the fields empty) when the bytes are not a PageChunk, so
+    that the handler can answer INVALID_ARGUMENT instead of gRPC's opaque deserialisation
+    failure."""
+
+    __slots__ = ("meta", "data", "error")
+
+    def __init__(self, meta: data_pb2.PageChunk, data: memoryview, error: str | None = None) -> None:
+        self.meta = meta
+        self.data = data
+        self.error = error
+
+    key = property(lambda self: self.meta.key)
+    namespace_id = property(lambda self: self.meta.namespace_id)
+    layout = property(lambda self: self.meta.layout)
+    page_bytes = property(lambda self: self.meta.page_bytes)
+    checksum = property(lambda self: self.meta.checksum)
+    offset = property(lambda self: self.meta.offset)
+    durable = property(lambda self: self.meta.durable)
+
+
+def decode_chunk(raw: bytes) -> WireChunk:
+    """Splits an encoded PageChunk into its small fields (parsed by protobuf) and a view of
+    its payload; never raises."""
+    view = memoryview(raw)
+    data = view[0:0]
+    spans: list[bytes] = []
+    pos, end = 0, len(raw)
+    try:
+        while pos < end:
+            start = pos
+            tag, pos = _read_varint(raw, pos)
+            wire_type = tag & 7
+            if wire_type == 0:
+                _, pos = _read_varint(raw, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            elif wire_type == 2:
+                length, pos = _read_varint(raw, pos)
+                if pos + length > end:
+                    raise ValueError(f"field {tag >> 3} runs past the end of the message")
+                if tag == _DATA_TAG:
+                    data = view[pos : pos + length]
+                    pos += length
+                    continue
+                pos += length
+            else:
+                raise ValueError(f"unsupported wire type {wire_type}")
+            if pos > end:
+                raise ValueError("message truncated")
+            spans.append(raw[start:pos])
+        meta = data_pb2.PageChunk.FromString(b"".join(spans))
+    except Exception as exc:  # noqa: BLE001 - any malformed input becomes a clear error
+        return WireChunk(data_pb2.PageChunk(), view[0:0], f"malformed PageChunk: {exc}")
+    return WireChunk(meta, data)
+
+
+def data_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
+    """The Data service's handlers: the generated ones, with ReadPages and WritePages
+    moving encoded chunks (bytes) instead of PageChunk objects."""
+    from kvstore._proto import data_pb2_grpc
+
+    class _Capture:
+        def __init__(self) -> None:
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, _: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+            self.handlers = dict(handlers)
+
+    capture = _Capture()
+    data_pb2_grpc.add_DataServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["WritePages"] = grpc.stream_unary_rpc_method_handler(
+        servicer.WritePages, request_deserializer=decode_chunk,
+        response_serializer=data_pb2.WritePagesResponse.SerializeToString)
+    handlers["ReadPages"] = grpc.unary_stream_rpc_method_handler(
+        servicer.ReadPages, request_deserializer=data_pb2.ReadPagesRequest.FromString,
+        response_serializer=None)  # the servicer yields encoded chunks
+    return handlers
+
+
+def add_data_service(servicer: Any, server: grpc.Server) -> None:
+    handlers = data_method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+class PageStubs:
+    """Client calls of ReadPages/WritePages that send encoded chunks and receive raw bytes
+    (decode each with ``decode_chunk``). Works on sync and asyncio channels alike."""
+
+    def __init__(self, channel: Any) -> None:
+        self.write_pages = channel.stream_unary(
+            WRITE_PAGES, request_serializer=None, response_deserializer=data_pb2.WritePagesResponse.FromString)
+        self.read_pages = channel.unary_stream(
+            READ_PAGES, request_serializer=data_pb2.ReadPagesRequest.SerializeToString, response_deserializer=None)

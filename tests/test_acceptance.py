@@ -36,3 +36,19 @@ async def test_acceptance_example_over_grpc_stream(server, monkeypatch) -> None:
 
     monkeypatch.setattr(client_mod.ArenaMap, "open", classmethod(lambda cls, *a: None))
     await example(server.address)
+
+
+async def test_grpc_stream_pages_of_several_chunks_into_a_slice(server) -> None:
+    """Over the socket with pages larger than a chunk (rows cut across chunks), into a
+    destination that is a slice of a bigger tensor: bit-exact, the rest untouched."""
+    layout = KVLayout(num_layers=6, num_kv_heads=4, head_dim=96, dtype=torch.bfloat16, page_tokens=48)  # 1.3 MiB pages
+    ns = Namespace(model="demo", revision="wide", layout=layout)
+    tokens = list(range(200))
+    kv = torch.randn(6, 2, 200, 4, 96).to(torch.bfloat16)
+    async with KVStoreClient(server.address, ns, use_shm=False) as client:
+        assert not client.shared_memory
+        assert await client.put(tokens, kv[:, :, :200]) == 192
+        hit = await client.lookup(tokens)
+        big = torch.zeros(6, 2, 300, 4, 96, dtype=torch.bfloat16)
+        await client.get(hit, into=big[:, :, 50:250])
+        assert torch.equal(big[:, :, 50:242], kv[:, :, :192]) and not big[:, :, :50].any() and not big[:, :, 242:].any()

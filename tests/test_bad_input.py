@@ -18,7 +18,7 @@ LAYOUT = common_pb2.Layout(num_layers=4, kv_factor=2, num_kv_heads=2, head_dim=6
 @pytest.fixture
 def stubs(server):
     channel = grpc.insecure_channel(server.address)
-    yield directory_pb2_grpc.DirectoryStub(channel), data_pb2_grpc.DataStub(channel)
+    yield directory_pb2_grpc.DirectoryStub(channel), data_pb2_grpc.DataStub(channel), channel
     channel.close()
 
 
@@ -95,7 +95,7 @@ def _chunks(data: bytes, checksum: int, offsets=None, page_bytes=None):
                                  namespace_id=NS if first else b"", layout=LAYOUT if first else None)
 
 
-def test_write_pages_checks(stubs) -> None:
+def test_write_pages_checks(stubs, server) -> None:
     from kvstore.page import checksum
 
     data = bytes(range(256)) * 128  # 32 KiB: one page of LAYOUT
@@ -107,6 +107,11 @@ def test_write_pages_checks(stubs) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended after 16384" in details
     code, details = _status(stubs[1].WritePages, _chunks(data, checksum(data), page_bytes=1000))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "does not match the layout" in details
+    raw = stubs[2].stream_unary("/kvstore.v1.Data/WritePages")
+    with pytest.raises(grpc.RpcError) as err:
+        raw(iter([b"\xff" * 64]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed PageChunk" in err.value.details()
+    assert server.manager.host.usage().used_bytes == 0, "a rejected stream must give back the slot it reserved"
     assert stubs[1].WritePages(_chunks(data, checksum(data)), timeout=10).num_published == 1
     r = stubs[0].Lookup(directory_pb2.LookupRequest(namespace_id=NS, keys=[KEY]), timeout=10)
     assert r.num_pages == 1

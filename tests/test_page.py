@@ -45,21 +45,66 @@ def test_wire_roundtrip_and_damage() -> None:
     """Chunks made by kvstore.wire go back together only whole, in order, and intact."""
     from kvstore._proto import common_pb2
     from kvstore.client.wire import PageAssembler
-    from kvstore.wire import page_chunks
+    from kvstore.wire import decode_chunk, page_chunks
 
     data = bytes(range(256)) * 64  # 16 KiB
     layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
-    chunks = list(page_chunks(b"k" * 16, b"n" * 16, layout, memoryview(data), checksum(data), chunk_bytes=4096))
+    chunks = [decode_chunk(raw) for raw in page_chunks(b"k" * 16, b"n" * 16, layout, memoryview(data), checksum(data), chunk_bytes=4096)]
     assert len(chunks) == 4 and chunks[0].namespace_id and not chunks[1].namespace_id
     asm = PageAssembler([b"k" * 16], len(data))
-    pages = [p for p in (asm.feed(c) for c in chunks) if p is not None]
-    assert len(pages) == 1 and bytes(pages[0].numpy()) == data
+    assert [asm.feed(c) for c in chunks] == [False, False, False, True] and bytes(asm.page.numpy()) == data
     with pytest.raises(PageCorrupt, match="out-of-order"):
         PageAssembler([b"k" * 16], len(data)).feed(chunks[1])
     bad = list(chunks)
-    bad[2] = type(bad[2])(**{f.name: getattr(bad[2], f.name) for f in bad[2].DESCRIPTOR.fields if f.name != "data"},
-                          data=b"\0" * 4096)
+    bad[2] = type(bad[2])(bad[2].meta, memoryview(b"\0" * 4096))
     asm = PageAssembler([b"k" * 16], len(data))
     with pytest.raises(PageCorrupt, match="checksum"):
         for c in bad:
             asm.feed(c)
+
+
+def test_chunk_codec_is_protobuf() -> None:
+    """An encoded chunk is a PageChunk to protobuf, and decode_chunk reads protobuf's own
+    encoding (fields in number order, data in the middle) the same way."""
+    from kvstore._proto import common_pb2, data_pb2
+    from kvstore.wire import decode_chunk, page_chunks
+
+    data = bytes(range(256)) * 40
+    layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=20, dtype="float16", page_tokens=64)
+    raw = next(page_chunks(b"k" * 16, b"n" * 16, layout, memoryview(data), 1234, durable=True))
+    msg = data_pb2.PageChunk.FromString(raw)
+    assert (msg.key, msg.namespace_id, msg.layout, msg.page_bytes, msg.checksum, msg.offset, msg.data, msg.durable) == (
+        b"k" * 16, b"n" * 16, layout, len(data), 1234, 0, data, True)
+    back = decode_chunk(msg.SerializeToString())
+    assert back.error is None and back.meta == data_pb2.PageChunk(
+        key=b"k" * 16, namespace_id=b"n" * 16, layout=layout, page_bytes=len(data), checksum=1234, durable=True)
+    assert bytes(back.data) == data
+    for garbage in (b"\xff" * 12, raw[:100], b"\x3a\x80\x80\x80\x80\x10"):
+        assert "malformed PageChunk" in (decode_chunk(garbage).error or "")
+
+
+def test_row_page_matches_the_page_bytes() -> None:
+    """RowPage reads and writes a page of an engine tensor (here a strided slice) exactly as
+    the layer-major page bytes, at any offsets, and checksums them the same way."""
+    import torch
+
+    from kvstore import KVLayout
+    from kvstore.client.pages import RowPage, page_of, page_rows
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=24, dtype=torch.float16, page_tokens=4)
+    big = torch.randn(3, 2, 20, 2, 24).to(torch.float16)
+    kv = big[:, :, :12]  # not contiguous: the rows have a stride of 20 tokens
+    rows = page_rows(kv, layout)
+    assert rows is not None
+    run = layout.page_bytes // 6
+    want = page_of(kv, 1, 4).contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    page = RowPage(rows, 1, run)
+    assert b"".join(bytes(p) for p in page.pieces(0, page.nbytes)) == want
+    assert b"".join(bytes(p) for p in page.pieces(100, 1000)) == want[100:1000]
+    assert page.checksum() == checksum(want)
+    fresh = torch.zeros_like(big)[:, :, :12]
+    out = RowPage(page_rows(fresh, layout), 1, run)
+    for start, end in ((0, 700), (700, 768), (768, 2 * run), (2 * run, len(want))):  # odd cuts, then whole rows
+        out.write(start, memoryview(want[start:end]))
+    assert torch.equal(page_of(fresh, 1, 4), page_of(kv, 1, 4)) and not fresh[:, :, :4].any()
+    assert page_rows(kv.transpose(3, 4), layout) is None  # heads/dim not contiguous: no row view

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvstore import logs
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig, parse_size
 from kvstore.errors import KVStoreError
+from kvstore.memory import tune_malloc
 
 logger = logging.getLogger("kvstore.server")
 
@@ -65,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.setup(args.log_level, args.log_format)
+    tune_malloc()
     from kvstore.server import Server
 
     try:

@@ -1,0 +1,43 @@
+"""Process memory settings for moving large buffers.
+
+Page-sized transient buffers (a 1 MiB gRPC message, a 2.25 MiB page) sit above glibc's
+default mmap threshold, so each one is mapped fresh and unmapped on free; on VMs whose
+balloon driver hands freed memory back to the host, touching fresh memory runs at a
+fraction of memcpy speed (see LIMITS.md: 0.3-1.9 GB/s against 7 GB/s for reused memory).
+Keeping such buffers on the heap and not trimming it makes them reused memory. The
+server, the benchmarks and the raw gRPC pump they compare against call ``tune_malloc``
+at start; an engine embedding the client may call it too (it affects the whole process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit (HEAP_MAX/2)
+TRIM_THRESHOLD = 1 << 30
+TOP_PAD = 64 << 20
+
+
+def tune_malloc() -> bool:
+    """Keeps buffers up to 32 MiB on the heap and the heap untrimmed below 1 GiB; False
+    (logged at debug) where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        logger.debug("mallopt not available (C library %s); malloc left as is", name)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD)))
+    if not ok:
+        logger.debug("mallopt refused a setting; malloc partly tuned")
+    return ok
