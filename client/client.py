@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +105,7 @@ class KVStoreClient:
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
         # One thread for socket pages: chunks are encoded and placed in stream order.
         self._wire_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-wire")
-        self._local = threading.local()
+        self._wire_buf: torch.Tensor | None = None  # one page, used on the kv-wire thread only
         self._copy_threads = copy_threads
         self._channel: grpc.aio.Channel | None = None
         self.arena: ArenaMap | None = None
@@ -326,13 +325,12 @@ class KVStoreClient:
         return [r for part in results for r in part]
 
     def _wire_page(self, kv: torch.Tensor | EngineKV, page: int) -> torch.Tensor:
-        """One page of the engine's KV as contiguous bytes, in this thread's reused buffer
-        (fresh memory is slow to touch; the encoded chunks copy out of it)."""
-        buf = getattr(self._local, "page", None)
-        if buf is None:
-            buf = self._local.page = torch.empty(self.layout.page_shape(), dtype=self.layout.torch_dtype())
-        self._page_in(buf, kv, page)
-        return buf.view(torch.uint8).reshape(-1)
+        """One page of the engine's KV as contiguous bytes, in a buffer reused by the kv-wire
+        thread (fresh memory is slow to touch; the encoded chunks copy out of it)."""
+        if self._wire_buf is None:
+            self._wire_buf = torch.empty(self.layout.page_shape(), dtype=self.layout.torch_dtype())
+        self._page_in(self._wire_buf, kv, page)
+        return self._wire_buf.view(torch.uint8).reshape(-1)
 
     def _encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool) -> list[bytes]:
         """The encoded WritePages chunks of one page (runs on a copy thread): ``page`` is
@@ -345,18 +343,14 @@ class KVStoreClient:
             csum = checksum(data) if csum is None else csum
         return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable))
 
-    def _row_run(self) -> int:
-        return self.layout.page_bytes // (self.layout.num_layers * self.layout.kv_factor)
-
     async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool) -> int:
         """One WritePages stream; page i+1 is encoded on a worker thread while the event
         loop sends page i. From a CPU tensor the chunks are built straight from its rows."""
         loop = asyncio.get_running_loop()
-        rows = page_rows(kv, self.layout) if isinstance(kv, torch.Tensor) else None
-        run = self._row_run()
+        rows = page_rows(kv, self.layout)
 
         def encode(i: int) -> list[bytes]:
-            page = RowPage(rows, first_page + i, run) if rows is not None else self._wire_page(kv, first_page + i)
+            page = rows.page(first_page + i) if rows is not None else self._wire_page(kv, first_page + i)
             return self._encode_page(keys[i], page, None, durable)
 
         async def chunks() -> Any:
@@ -462,12 +456,10 @@ class KVStoreClient:
         verifies and places each chunk (in order) while the next one arrives."""
         loop = asyncio.get_running_loop()
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
-        rows = page_rows(into, self.layout) if isinstance(into, torch.Tensor) else None
+        rows = page_rows(into, self.layout)
         if rows is not None:  # chunks go straight into the engine's tensor
-            run = self._row_run()
-
             def sink(index: int, offset: int, data: memoryview) -> None:
-                RowPage(rows, first_page + index, run).write(offset, data)
+                rows.page(first_page + index).write(offset, data)
 
             pages = PageAssembler(keys, self.layout.page_bytes, sink=sink)
 

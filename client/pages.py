@@ -10,10 +10,10 @@ own intra-op threads.
 from __future__ import annotations
 
 import numpy as np
-import xxhash
 import torch
 
 from kvstore.errors import InvalidRequest
+from kvstore.page import checksummer
 from kvstore.types import KVLayout
 
 
@@ -55,35 +55,45 @@ def slot_as_page(slot: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return slot[: layout.page_bytes].view(layout.torch_dtype()).view(layout.page_shape())
 
 
-def page_rows(kv: torch.Tensor, layout: KVLayout) -> np.ndarray | None:
-    """``kv`` as a uint8 array of rows ``[layers*kv_factor, tokens*heads*dim*itemsize]`` (a
-    view, no copy), or None when its strides do not allow one (then callers go through a
-    page buffer). Page ``p`` is the column range ``[p*R, (p+1)*R)`` of every row, R being
-    ``page_bytes // rows``: its layer-major bytes row after row."""
+def page_rows(kv: object, layout: KVLayout) -> KVRows | None:
+    """``kv`` seen as rows of bytes, one per (layer, K/V), or None when it is not a CPU
+    tensor whose strides allow that without a copy (then callers go through a page buffer)."""
     if not isinstance(kv, torch.Tensor) or kv.device.type != "cpu" or kv.stride(-1) != 1:
         return None
-    rows = layout.num_layers * layout.kv_factor
-    arr = as_bytes(kv).numpy()
-    view = arr.view()
+    num_rows = layout.num_layers * layout.kv_factor
+    view = as_bytes(kv).numpy().view()
     try:
-        view.shape = (rows, -1)  # raises rather than copy when the strides do not fold
+        view.shape = (num_rows, -1)  # raises rather than copy when the strides do not fold
     except AttributeError:
         return None
-    return view
+    return KVRows(view, layout.page_bytes // num_rows)
+
+
+class KVRows:
+    """An engine tensor as a uint8 array ``[layers*kv_factor, tokens*heads*dim*itemsize]``
+    (a view): page ``p`` is the columns ``[p*run, (p+1)*run)`` of every row, its layer-major
+    bytes row after row."""
+
+    def __init__(self, rows: np.ndarray, run: int) -> None:
+        self.rows = rows
+        self.run = run
+
+    def page(self, index: int) -> RowPage:
+        return RowPage(self.rows[:, index * self.run : (index + 1) * self.run], self.run)
 
 
 class RowPage:
-    """Reads and writes byte ranges of one page of a ``page_rows`` view: the flat
-    layer-major offset ``o`` is row ``o // run``, column ``page*run + o % run``."""
+    """Reads and writes byte ranges of one page of ``KVRows``: the flat layer-major offset
+    ``o`` is row ``o // run``, column ``o % run``."""
 
-    def __init__(self, rows: np.ndarray, page: int, run: int) -> None:
-        self.rows = rows[:, page * run : (page + 1) * run]
+    def __init__(self, rows: np.ndarray, run: int) -> None:
+        self.rows = rows
         self.run = run
         self.nbytes = rows.shape[0] * run
 
     def checksum(self) -> int:
         """The page checksum (kvstore.page.checksum of its layer-major bytes), row by row."""
-        h = xxhash.xxh3_64()
+        h = checksummer()
         for row in self.rows:
             h.update(row)
         return h.intdigest()

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import xxhash
 
 from kvstore.errors import PageCorrupt
-from kvstore.page import checksum
+from kvstore.page import checksum, checksummer
 from kvstore.wire import WireChunk
 
 Sink = Callable[[int, int, memoryview], None]  # (page index, byte offset, bytes)
@@ -34,7 +33,7 @@ class PageAssembler:
         self.page = torch.empty(0 if sink else page_bytes, dtype=torch.uint8)
         self._filled = 0
         self._expect = 0
-        self._hash = xxhash.xxh3_64()
+        self._hash = checksummer()
 
     def feed(self, chunk: WireChunk) -> bool:
         if chunk.error:

@@ -34,6 +34,12 @@ def checksum(data: object) -> int:
     return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
 
 
+def checksummer() -> xxhash.xxh3_64:
+    """The incremental form of ``checksum``: ``update`` piece by piece, then ``intdigest``
+    equals ``checksum`` of the pieces joined (for bytes checked as they stream past)."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True)
 class LayoutDesc:
     """A layout as stored in a header; comparable with ``KVLayout`` without torch."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import grpc
@@ -10,8 +9,8 @@ import grpc
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest
-from kvstore.page import PageHeader
+from kvstore.errors import InvalidRequest, PageCorrupt
+from kvstore.page import checksummer
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
@@ -21,13 +20,45 @@ DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 MAX_CHUNK_BYTES = 8 << 20
 
 
+class _IncomingPage:
+    """A page arriving over WritePages: where its bytes go (None: stored already) and the
+    checksum of what arrived so far."""
+
+    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, allocation_id: int,
+                 dest: memoryview | None) -> None:
+        self.key, self.page_bytes, self.checksum, self.durable = key, page_bytes, checksum, durable
+        self.allocation_id = allocation_id
+        self.dest = dest
+        self.filled = 0
+        self._hash = checksummer()
+
+    def add(self, chunk: WireChunk) -> bool:
+        """Takes the next chunk; True when the page is complete and its checksum holds."""
+        if chunk.key != self.key or chunk.offset != self.filled:
+            raise InvalidRequest(f"chunk of page {self.key.hex()} at offset {chunk.offset}, expected {self.filled}")
+        end = self.filled + len(chunk.data)
+        if end > self.page_bytes:
+            raise InvalidRequest(f"page {self.key.hex()} got more than its {self.page_bytes} bytes")
+        if self.dest is not None:
+            self.dest[self.filled : end] = chunk.data
+        self._hash.update(chunk.data)
+        self.filled = end
+        if end < self.page_bytes:
+            return False
+        if self._hash.intdigest() != self.checksum:
+            raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
+        return True
+
+    def truncated(self) -> InvalidRequest:
+        return InvalidRequest(f"page {self.key.hex()} ended after {self.filled} of {self.page_bytes} bytes")
+
+
 class DataService(data_pb2_grpc.DataServicer):
     def __init__(self, manager: TierManager, config: ServerConfig, wal: TokenLog) -> None:
         self.manager = manager
         self.config = config
         self.metrics = manager.metrics
         self.wal = wal
-        self._local = threading.local()  # per RPC thread: scratch for pages stored already
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -79,42 +110,32 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def WritePages(self, request_iterator: Iterator[WireChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
+        """Each page takes the same allocate -> fill -> commit path as a same-host client's,
+        the server filling the slot from the stream and checking the checksum as the bytes
+        pass (a page stored already is only checked)."""
         stored = 0
-        # The page being received: its header, its reserved host slot (None: stored
-        # already, its bytes are only checked) and whether it must reach the ssd tier.
-        current: tuple[PageHeader, memoryview, int | None, bool] | None = None
-        filled = 0
+        page: _IncomingPage | None = None
         try:
             for chunk in request_iterator:
                 if chunk.error:
                     raise InvalidRequest(chunk.error)
-                if current is None or chunk.offset == 0:
-                    if current is not None:
-                        raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
-                    current = self._start_page(chunk)
-                    filled = 0
-                header, dest, offset, durable = current
-                if chunk.key != header.key or chunk.offset != filled:
-                    raise InvalidRequest(f"chunk of page {header.key.hex()} at offset {chunk.offset}, expected {filled}")
-                if filled + len(chunk.data) > header.payload_bytes:
-                    raise InvalidRequest(f"page {header.key.hex()} got more than its {header.payload_bytes} bytes")
-                dest[filled : filled + len(chunk.data)] = chunk.data
-                filled += len(chunk.data)
-                if filled == header.payload_bytes:
-                    current = None
-                    if offset is None:
-                        header.verify_payload(dest, filled)
-                    self.manager.install_page(header, offset, durable)
+                if page is None or chunk.offset == 0:
+                    if page is not None:
+                        raise page.truncated()
+                    page = self._start_page(chunk)
+                if page.add(chunk):
+                    done, page = page, None
+                    self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable)
                     stored += 1
-            if current is not None:
-                raise InvalidRequest(f"page {current[0].key.hex()} ended after {filled} of {current[0].payload_bytes} bytes")
+            if page is not None:
+                raise page.truncated()
         finally:
-            if current is not None and current[2] is not None:
-                self.manager.abort_page(current[2])
+            if page is not None:
+                self.manager.abort(page.allocation_id)
         return data_pb2.WritePagesResponse(num_published=stored)
 
-    def _start_page(self, chunk: WireChunk) -> tuple[PageHeader, memoryview, int | None, bool]:
-        """Checks a page's first chunk and reserves the host slot its bytes go to."""
+    def _start_page(self, chunk: WireChunk) -> _IncomingPage:
+        """Checks a page's first chunk and allocates the host slot its bytes go to."""
         key = validate.keys([chunk.key], 1)[0]
         ns = validate.namespace_id(chunk.namespace_id)
         layout = validate.layout(chunk.layout)
@@ -122,14 +143,9 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        header = PageHeader(ns, key, layout, chunk.page_bytes, chunk.checksum)
-        offset = self.manager.reserve_page(header)
-        if offset is None:  # stored already: received into scratch, still checked
-            scratch = getattr(self._local, "scratch", None)
-            if scratch is None or len(scratch) != chunk.page_bytes:
-                scratch = self._local.scratch = bytearray(chunk.page_bytes)
-            return header, memoryview(scratch), None, chunk.durable
-        return header, self.manager.view(offset, chunk.page_bytes), offset, chunk.durable
+        allocation_id, [(_, offset)] = self.manager.allocate(ns, layout, [key])
+        dest = None if offset is None else self.manager.host.view(offset, layout.page_bytes)
+        return _IncomingPage(key, chunk.page_bytes, chunk.checksum, chunk.durable, allocation_id, dest)
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:

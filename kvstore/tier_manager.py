@@ -437,58 +437,6 @@ class TierManager:
                 for offset in alloc.slots.values():
                     self.host.unreserve(offset)
 
-    # -- writes over the socket ----------------------------------------------------------
-
-    def reserve_page(self, header: PageHeader) -> int | None:
-        """A host slot for a page arriving over the socket, to be filled chunk by chunk and
-        then handed to ``install_page`` (or ``abort_page``). None: the page is stored already."""
-        with self._lock:
-            self._reap()
-            self._check_layout(header.namespace_id, header.layout)
-            if header.payload_bytes != header.layout.page_bytes:
-                raise InvalidRequest(f"page has {header.payload_bytes} bytes, its layout needs {header.layout.page_bytes}")
-            if self._stored(header.key):
-                return None
-            offset = self._host_reserve(header.payload_bytes)
-            if offset is None:
-                raise TierFull("host tier is full and every page in it is leased")
-            return offset
-
-    def abort_page(self, offset: int) -> None:
-        with self._lock:
-            self.host.unreserve(offset)
-
-    def install_page(self, header: PageHeader, offset: int | None, durable: bool = False) -> None:
-        """Verifies the page written into its reserved slot and publishes it (a page that
-        fails its checksum frees the slot and raises PageCorrupt); with ``durable`` it is also
-        written through to the ssd tier. ``offset`` None: stored already (durable still applies)."""
-        if offset is not None:
-            try:
-                header.verify_payload(self.host.view(offset, header.payload_bytes), header.payload_bytes)
-            except PageCorrupt:
-                self.abort_page(offset)
-                raise
-        with self._lock:
-            if offset is not None:
-                if self._stored(header.key):  # a concurrent writer got there first
-                    self.host.unreserve(offset)
-                else:
-                    self.host.install(header, offset)
-                    self._residency.add(header.key)
-                    self._publish_host(header.namespace_id, [header])
-            if not (durable and self.ssd is not None):
-                return
-            self._pin([header.key])
-        try:
-            self._write_through([header.key])
-        finally:
-            with self._lock:
-                self._unpin([header.key])
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """A reserved host slot's bytes, for filling it."""
-        return self.host.view(offset, nbytes)
-
     # -- reads ---------------------------------------------------------------------------
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[int, list[AcquiredPage]]:

@@ -89,21 +89,21 @@ def test_row_page_matches_the_page_bytes() -> None:
     import torch
 
     from kvstore import KVLayout
-    from kvstore.client.pages import RowPage, page_of, page_rows
+    from kvstore.client.pages import page_of, page_rows
 
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=24, dtype=torch.float16, page_tokens=4)
     big = torch.randn(3, 2, 20, 2, 24).to(torch.float16)
     kv = big[:, :, :12]  # not contiguous: the rows have a stride of 20 tokens
     rows = page_rows(kv, layout)
-    assert rows is not None
-    run = layout.page_bytes // 6
+    assert rows is not None and rows.run == layout.page_bytes // 6
+    run = rows.run
     want = page_of(kv, 1, 4).contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-    page = RowPage(rows, 1, run)
+    page = rows.page(1)
     assert b"".join(bytes(p) for p in page.pieces(0, page.nbytes)) == want
     assert b"".join(bytes(p) for p in page.pieces(100, 1000)) == want[100:1000]
     assert page.checksum() == checksum(want)
     fresh = torch.zeros_like(big)[:, :, :12]
-    out = RowPage(page_rows(fresh, layout), 1, run)
+    out = page_rows(fresh, layout).page(1)
     for start, end in ((0, 700), (700, 768), (768, 2 * run), (2 * run, len(want))):  # odd cuts, then whole rows
         out.write(start, memoryview(want[start:end]))
     assert torch.equal(page_of(fresh, 1, 4), page_of(kv, 1, 4)) and not fresh[:, :, :4].any()
