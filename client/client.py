@@ -31,6 +31,7 @@ from kvstore.client.session import Recovery, SessionLog
 from kvstore.client.wire import PageAssembler
 from kvstore.client.session import recover as recover_session
 from kvstore.client.pages import RowPage, check_kv, copy_bytes, page_of, page_rows, slot_as_page
+from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum
@@ -202,7 +203,7 @@ class KVStoreClient:
         the ssd tier (synced) when this returns. ``wanted`` / ``session_open`` tell SSD
         admission these pages will be used again. Returns the number of leading tokens stored.
         """
-        flags = (1 if wanted else 0) | (2 if session_open else 0)
+        flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         keys = self.keys(tokens)
         self._check(kv, len(keys) * self.layout.page_tokens, "kv")
         if self.arena is not None:
@@ -211,7 +212,7 @@ class KVStoreClient:
             stored = 0
             while stored < len(keys):
                 try:
-                    n = await self._put_wire(keys[stored : stored + self.max_pages], kv, stored, durable)
+                    n = await self._put_wire(keys[stored : stored + self.max_pages], kv, stored, durable, flags)
                 except TierFull:
                     if stored == 0:
                         raise
@@ -332,7 +333,7 @@ class KVStoreClient:
         self._page_in(self._wire_buf, kv, page)
         return self._wire_buf.view(torch.uint8).reshape(-1)
 
-    def _encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool) -> list[bytes]:
+    def _encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0) -> list[bytes]:
         """The encoded WritePages chunks of one page (runs on a copy thread): ``page`` is
         contiguous bytes or a RowPage of the engine's tensor (copied once, into the chunks)."""
         if isinstance(page, RowPage):
@@ -341,9 +342,10 @@ class KVStoreClient:
         else:
             data = memoryview(page.numpy())
             csum = checksum(data) if csum is None else csum
-        return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable))
+        return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable, flags=flags))
 
-    async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool) -> int:
+    async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,
+                        flags: int = 0) -> int:
         """One WritePages stream; page i+1 is encoded on a worker thread while the event
         loop sends page i. From a CPU tensor the chunks are built straight from its rows."""
         loop = asyncio.get_running_loop()
@@ -351,7 +353,7 @@ class KVStoreClient:
 
         def encode(i: int) -> list[bytes]:
             page = rows.page(first_page + i) if rows is not None else self._wire_page(kv, first_page + i)
-            return self._encode_page(keys[i], page, None, durable)
+            return self._encode_page(keys[i], page, None, durable, flags)
 
         async def chunks() -> Any:
             ahead = loop.run_in_executor(self._wire_pool, encode, 0)

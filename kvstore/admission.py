@@ -23,6 +23,7 @@ from kvstore.errors import ConfigError
 
 FLAG_WANTED = 1        # the engine asked to keep this page
 FLAG_SESSION_OPEN = 2  # its session is still open (multi-turn, tool wait)
+ENGINE_FLAGS = FLAG_WANTED | FLAG_SESSION_OPEN  # what a client may set
 WARRANTY_DAYS = 5 * 365
 
 

@@ -24,9 +24,9 @@ class _IncomingPage:
     """A page arriving over WritePages: where its bytes go (None: stored already) and the
     checksum of what arrived so far."""
 
-    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, allocation_id: int,
+    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, flags: int, allocation_id: int,
                  dest: memoryview | None) -> None:
-        self.key, self.page_bytes, self.checksum, self.durable = key, page_bytes, checksum, durable
+        self.key, self.page_bytes, self.checksum, self.durable, self.flags = key, page_bytes, checksum, durable, flags
         self.allocation_id = allocation_id
         self.dest = dest
         self.filled = 0
@@ -85,7 +85,7 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
-        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags & 3)
+        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags)
         return data_pb2.CommitResponse(num_published=n)
 
     @unary
@@ -125,7 +125,7 @@ class DataService(data_pb2_grpc.DataServicer):
                     page = self._start_page(chunk)
                 if page.add(chunk):
                     done, page = page, None
-                    self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable)
+                    self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable, done.flags)
                     stored += 1
             if page is not None:
                 raise page.truncated()
@@ -145,7 +145,7 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest("the first chunk of a page must have offset 0")
         allocation_id, [(_, offset)] = self.manager.allocate(ns, layout, [key])
         dest = None if offset is None else self.manager.host.view(offset, layout.page_bytes)
-        return _IncomingPage(key, chunk.page_bytes, chunk.checksum, chunk.durable, allocation_id, dest)
+        return _IncomingPage(key, chunk.page_bytes, chunk.checksum, chunk.durable, chunk.flags, allocation_id, dest)
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvstore.config import ServerConfig
-from kvstore.admission import FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
+from kvstore.admission import ENGINE_FLAGS, FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
 from kvstore.directory import Directory
 from kvstore.eviction import HostResidency
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
@@ -359,6 +359,7 @@ class TierManager:
         """
         if len(keys) != len(checksums):  # before taking the allocation: it stays usable
             raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
+        flags &= ENGINE_FLAGS
         with self._lock:
             self._reap()
             alloc = self._allocations.pop(allocation_id, None)

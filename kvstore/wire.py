@@ -76,7 +76,7 @@ class Pieces(Protocol):
 
 
 def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int,
-                durable: bool = False, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+                durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0) -> Iterator[bytes]:
     """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``."""
     if hasattr(data, "pieces"):
         size, cut = data.nbytes, data.pieces
@@ -87,7 +87,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         first = start == 0
         meta = data_pb2.PageChunk(
             key=key, offset=start, page_bytes=size, checksum=page_checksum, durable=durable,
-            namespace_id=namespace_id if first else b"", layout=layout if first else None,
+            namespace_id=namespace_id if first else b"", layout=layout if first else None, flags=flags if first else 0,
         )
         yield encode_chunk(meta, *cut(start, min(size, start + chunk_bytes)))
 
@@ -112,6 +112,7 @@ class WireChunk:
     checksum = property(lambda self: self.meta.checksum)
     offset = property(lambda self: self.meta.offset)
     durable = property(lambda self: self.meta.durable)
+    flags = property(lambda self: self.meta.flags)
 
 
 def decode_chunk(raw: bytes) -> WireChunk:

@@ -148,3 +148,24 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
     stats = server.manager.stats()
     assert stats.ssd["written_bytes"] == 40 * layout.page_bytes, "both durable puts were written and counted"
     assert stats.ssd["budget_bytes_per_s"] == 0 and stats.ssd["projected_life_days"] == -1  # no budget in tests
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, use_shm) -> None:
+    """put(wanted=..., session_open=...) marks the stored pages for admission, through the
+    arena and over the socket alike; other bits a client sets are ignored."""
+    from conftest import random_kv
+    from kvstore.client import KVStoreClient
+    from kvstore.page import LayoutDesc
+
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        assert client.shared_memory is use_shm
+        wanted, session = list(range(32)), list(range(1000, 1032))
+        await client.put(wanted, random_kv(layout, 32), wanted=True)
+        await client.put(session, random_kv(layout, 32, seed=1), session_open=True)
+        assert {server.manager.host.header(k).flags for k in client.keys(wanted)} == {FLAG_WANTED}
+        assert {server.manager.host.header(k).flags for k in client.keys(session)} == {FLAG_SESSION_OPEN}
+    manager, key = server.manager, b"f" * 16
+    allocation, _ = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), [key])
+    manager.commit(allocation, [key], [0], flags=0xFF)
+    assert manager.host.header(key).flags == FLAG_WANTED | FLAG_SESSION_OPEN

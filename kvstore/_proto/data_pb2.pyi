@@ -204,7 +204,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable")
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class PageChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace_id: bytes
     layout: _common_pb2.Layout
@@ -221,7 +222,8 @@ class PageChunk(_message.Message):
     offset: int
     data: bytes
     durable: bool
-    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
+    flags: int
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("num_published",)
