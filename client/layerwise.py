@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.client.engine_kv import EngineKV
+from kvstore.client.pages import slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksum
 
@@ -161,9 +162,7 @@ class LayerLoad:
             page = source
         else:
             page = self.client.arena.slot(source.offset, layout.page_bytes)  # type: ignore[union-attr]
-        lb = layout.layer_page_bytes
-        return page[layer * lb : (layer + 1) * lb].view(layout.torch_dtype()).view(
-            layout.kv_factor, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+        return slot_as_page(page, layout)[layer]
 
 
 class LayerSave:
@@ -236,14 +235,12 @@ class LayerSave:
             else:
                 todo = [(i, None) for i in range(len(self.keys))]
                 targets = [torch.empty(layout.page_bytes, dtype=torch.uint8) for _ in todo]
-            lb = layout.layer_page_bytes
-            shape = (layout.kv_factor, layout.page_tokens, layout.num_kv_heads, layout.head_dim)
+            pages = [slot_as_page(target, layout) for target in targets]
             for _ in range(layout.num_layers):
                 layer = self._layers.get()
                 assert layer is not None
-                for (i, _), target in zip(todo, targets):
-                    dst = target[layer * lb : (layer + 1) * lb].view(layout.torch_dtype()).view(shape)
-                    dst.copy_(self.kv.read_layer(self.first_page + i, layer))
+                for (i, _), page in zip(todo, pages):
+                    page[layer].copy_(self.kv.read_layer(self.first_page + i, layer))
             sums = [checksum(t.numpy()) for t in targets]
             if alloc is not None:
                 client.commit_sync(alloc.allocation_id, [slot.key for _, slot in todo], sums, self.durable)

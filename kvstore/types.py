@@ -87,11 +87,6 @@ class KVLayout:
     def page_bytes(self) -> int:
         return self.bytes_per_token * self.page_tokens
 
-    @property
-    def layer_page_bytes(self) -> int:
-        """Bytes of one layer of one page: the unit of a layer-wise copy."""
-        return self.page_bytes // self.num_layers
-
     def page_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, self.kv_factor, self.page_tokens, self.num_kv_heads, self.head_dim)
 

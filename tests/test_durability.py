@@ -112,11 +112,17 @@ def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
     try:
         assert tier.allocator.slab_bytes % 4096 == 0
         payload = bytes(range(256)) * 9216  # 2.25 MiB
+        placed = []
         for i in range(40):
             header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(36, 2, 8, 128, "bfloat16", 16), len(payload), checksum(payload))
-            assert tier.put(header, memoryview(payload))
+            offset = tier.reserve(header.payload_bytes)
+            assert offset is not None and offset % 4096 == 0
+            tier.write_slot(offset, header, memoryview(payload))
+            placed.append((offset, header))
+        tier.sync()
+        tier.index(placed)
         into = bytearray(len(payload))
-        assert tier.get((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
+        assert tier.read((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
     finally:
         tier.close()
 

@@ -1,13 +1,14 @@
 """What every tier offers the tier manager.
 
 Contract shared by all tiers:
-* Batch-free and synchronous; the tier manager serialises metadata changes under its own
-  lock, so a tier need not be thread-safe for those. Reads of stored bytes may run
-  concurrently with other reads.
+* Synchronous; the tier manager serialises metadata changes under its own lock, so a tier
+  need not be thread-safe for those. Reads of stored bytes may run concurrently with other
+  reads.
 * A miss is a value (``None`` / ``False``), never an exception.
-* ``get`` verifies length and checksum before returning; a page that fails raises
-  ``PageCorrupt`` and has been removed from the tier.
-* ``put`` of a key that is already stored replaces nothing and returns True.
+
+Writing and reading bytes is tier-specific (host: arena slots the manager hands out; ssd:
+reserve -> write_slot -> sync -> index, and a verifying ``read``), because the manager
+overlaps each differently with its lock.
 """
 
 from __future__ import annotations
@@ -32,13 +33,7 @@ class Tier(Protocol):
 
     def header(self, key: bytes) -> PageHeader | None: ...
 
-    def put(self, header: PageHeader, payload: memoryview) -> bool: ...
-
-    def get(self, key: bytes, into: memoryview) -> PageHeader | None: ...
-
     def delete(self, key: bytes) -> bool: ...
-
-    def keys(self) -> list[bytes]: ...
 
     def usage(self) -> TierUsage: ...
 

@@ -98,30 +98,6 @@ class HostTier:
         entry = self._pages.get(key)
         return entry[1] if entry else None
 
-    def put(self, header: PageHeader, payload: memoryview) -> bool:
-        if header.key in self._pages:
-            return True
-        offset = self.reserve(header.payload_bytes)
-        if offset is None:
-            return False
-        self.view(offset, header.payload_bytes)[:] = payload
-        self.install(header, offset)
-        return True
-
-    def get(self, key: bytes, into: memoryview) -> PageHeader | None:
-        entry = self._pages.get(key)
-        if entry is None:
-            return None
-        offset, header = entry
-        src = self.view(offset, header.payload_bytes)
-        into[: header.payload_bytes] = src
-        try:
-            header.verify_payload(into[: header.payload_bytes], header.payload_bytes)
-        except PageCorrupt:
-            self.delete(key)
-            raise
-        return header
-
     def verify(self, key: bytes) -> None:
         """Raises PageCorrupt (and drops the page) if its slot no longer matches its checksum."""
         offset, header = self._pages[key]
@@ -137,9 +113,6 @@ class HostTier:
             return False
         self.allocator.free(entry[0])
         return True
-
-    def keys(self) -> list[bytes]:
-        return list(self._pages)
 
     def usage(self) -> TierUsage:
         return TierUsage(len(self._pages), self.allocator.used_bytes, self.allocator.capacity)

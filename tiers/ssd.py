@@ -192,31 +192,6 @@ class SsdTier:
         for offset, header in entries:
             self._pages[header.key] = (offset, header)
 
-    def put_many(self, items: list[tuple[PageHeader, memoryview]]) -> int:
-        """Writes and indexes pages durably; returns how many (a prefix) found room."""
-        placed: list[tuple[int, PageHeader]] = []
-        stored = 0
-        for header, payload in items:
-            if header.key in self._pages:
-                stored += 1
-                continue
-            offset = self.reserve(header.payload_bytes)
-            if offset is None:
-                break
-            try:
-                self.write_slot(offset, header, payload)
-            except OSError:
-                self.unreserve(offset)
-                for off, _ in placed:
-                    self.unreserve(off)
-                raise
-            placed.append((offset, header))
-            stored += 1
-        if placed:
-            self.sync()
-            self.index(placed)
-        return stored
-
     # -- Tier ----------------------------------------------------------------------------
 
     def _entry(self, key: bytes) -> tuple[int, PageHeader] | None:
@@ -251,17 +226,6 @@ class SsdTier:
         except PageCorrupt:
             return None
         return entry[1] if entry else None
-
-    def put(self, header: PageHeader, payload: memoryview) -> bool:
-        return header.key in self._pages or self.put_many([(header, payload)]) == 1
-
-    def get(self, key: bytes, into: memoryview) -> PageHeader | None:
-        """Reads and verifies a page (see ``read``); a page that fails is quarantined."""
-        try:
-            return self.read(key, into)
-        except PageCorrupt as exc:
-            self.quarantine(key, str(exc))
-            raise
 
     def read(self, key: bytes, into: memoryview) -> PageHeader | None:
         """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
@@ -304,9 +268,6 @@ class SsdTier:
             offset, _ = self._pages.pop(key)
             self.allocator.free(offset)
         return len(gone)
-
-    def keys(self) -> list[bytes]:
-        return list(self._pages)
 
     def usage(self) -> TierUsage:
         return TierUsage(len(self._pages), self.allocator.used_bytes, self.allocator.capacity)
