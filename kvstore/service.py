@@ -17,6 +17,7 @@ from kvstore.tier_manager import TierManager
 from kvstore.types import Location
 
 _SUBSCRIBE_POLL_S = 0.5
+LOCATION_TIERS = ("hbm", "host", "ssd", "remote")  # what a published or removed location may name
 
 
 def location_msg(loc: Location | None) -> common_pb2.Location | None:
@@ -55,7 +56,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         keys = self._keys([r.key for r in request.records])
         records = []
         for key, rec in zip(keys, request.records):
-            validate.tier(rec.location.tier, ("hbm", "host", "ssd", "remote"))
+            validate.tier(rec.location.tier, LOCATION_TIERS)
             if not rec.location.node or not rec.location.tier:
                 raise InvalidRequest("every published location needs a node and a tier")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
@@ -65,7 +66,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
         ns = validate.namespace_id(request.namespace_id)
-        tier = validate.tier(request.tier, ("hbm", "host", "ssd", "remote"))
+        tier = validate.tier(request.tier, LOCATION_TIERS)
         return directory_pb2.RemoveResponse(num_removed=self.manager.remove(ns, self._keys(list(request.keys)), tier))
 
     @unary
