@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ class ArenaMap:
         self._mmap = mm
         self.view = memoryview(mm)
         self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
 
     @classmethod
     def open(cls, path: str, size: int, token: bytes) -> ArenaMap | None:
@@ -52,9 +54,14 @@ class ArenaMap:
         """A uint8 tensor over one slot (no copy)."""
         return self.bytes[offset : offset + nbytes]
 
+    def rows(self, offset: int, nbytes: int, num_rows: int) -> np.ndarray:
+        """One slot as a ``[num_rows, nbytes // num_rows]`` uint8 array (no copy)."""
+        return self.array[offset : offset + nbytes].reshape(num_rows, -1)
+
     def close(self) -> None:
         self.view.release()
         del self.bytes
+        del self.array
         try:
             self._mmap.close()
         except BufferError:

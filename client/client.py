@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import torch
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
@@ -30,7 +31,7 @@ from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.session import Recovery, SessionLog
 from kvstore.client.wire import PageAssembler
 from kvstore.client.session import recover as recover_session
-from kvstore.client.pages import RowPage, check_kv, copy_bytes, page_of, page_rows, slot_as_page
+from kvstore.client.pages import KVRows, RowPage, check_kv, copy_bytes, page_of, page_rows, slot_as_page
 from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
@@ -223,17 +224,19 @@ class KVStoreClient:
 
     def _batch_pages(self) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
-        server's work on others, and at most a quarter of the arena so that the batches in
-        flight (one allocated ahead, one being copied, two committing) always fit."""
+        server's work on others, and at most a sixth of the arena so that the batches in
+        flight (one allocated ahead, two being copied, up to three committing) always fit."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
-        return max(1, min(self.max_pages, arena_pages // 4, PIPELINE_PAGES))
+        return max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
 
     async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
-        """Allocate, copy, commit batch by batch, overlapped: while batch i is copied, batch
-        i+1 is being allocated and up to two earlier batches commit (and, when durable, are
-        written to ssd), so that neither the copy threads nor the disk wait on a round trip.
+        """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
+        copy threads (so they never wait between batches), the next one is being allocated
+        and up to three earlier ones commit (and, when durable, are written to ssd).
         Returns pages stored (a prefix)."""
+        rows = page_rows(kv, self.layout) if isinstance(kv, torch.Tensor) else None
         stored = cursor = 0
+        copying: deque[tuple[Any, list[Any], asyncio.Future[list[Any]]]] = deque()
         commits: deque[asyncio.Future[int]] = deque()
         ahead: asyncio.Future[Any] | None = None
 
@@ -241,14 +244,29 @@ class KVStoreClient:
             return asyncio.ensure_future(self._call(self._data.Allocate, data_pb2.AllocateRequest(
                 namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + self._batch_pages()])))
 
+        async def commit_oldest() -> None:
+            alloc, todo, copied = copying[0]
+            sums = await copied
+            copying.popleft()
+            commits.append(asyncio.ensure_future(self._commit(data_pb2.CommitRequest(
+                allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable,
+                flags=flags), len(alloc.slots))))
+
         try:
             ahead = allocate(0)
-            while ahead is not None:
+            while ahead is not None or copying:
+                if ahead is None or len(copying) >= 2:
+                    await commit_oldest()
+                    if len(commits) > 3:
+                        stored += await commits.popleft()
+                    continue
                 try:
                     alloc = await ahead
                 except TierFull:
                     ahead = None
-                    if commits:  # their pages become evictable once committed
+                    if copying or commits:  # their pages become evictable once committed
+                        while copying:
+                            await commit_oldest()
                         while commits:
                             stored += await commits.popleft()
                         ahead = allocate(cursor)
@@ -258,26 +276,26 @@ class KVStoreClient:
                     logger.warning("tier full after %d of %d pages; the rest is not stored", cursor, len(keys))
                     break
                 n = len(alloc.slots)
-                ahead = allocate(cursor + n) if cursor + n < len(keys) else None
                 todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
-                try:
-                    sums = await self._parallel(lambda item, base=cursor: self._write_slot(kv, base + item[0], item[1].offset), todo)
-                except BaseException:
-                    await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
-                    raise
-                commit = data_pb2.CommitRequest(
-                    allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable,
-                    flags=flags)
-                commits.append(asyncio.ensure_future(self._commit(commit, n)))
+                copying.append((alloc, todo, self._submit(
+                    lambda item, base=cursor: self._write_slot(kv, rows, base + item[0], item[1].offset), todo)))
                 cursor += n
-                if len(commits) > 2:
-                    stored += await commits.popleft()
+                ahead = allocate(cursor) if cursor < len(keys) else None
             while commits:
                 stored += await commits.popleft()
         finally:
-            if ahead is not None:  # an error ended the loop: give back what was allocated ahead
+            # An error ended the loop: let the copies finish (they write into the slots),
+            # then give back every allocation not committed.
+            unused = [alloc for alloc, _, _ in copying]
+            await asyncio.gather(*(copied for _, _, copied in copying), return_exceptions=True)
+            if ahead is not None:
                 try:
-                    await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=(await ahead).allocation_id))
+                    unused.append(await ahead)
+                except KVStoreError:
+                    pass
+            for alloc in unused:
+                try:
+                    await self._call(self._data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
                 except KVStoreError:
                     pass
             if commits:
@@ -310,20 +328,34 @@ class KVStoreClient:
             for layer in range(self.layout.num_layers):
                 into.write_layer(page, layer, src[layer])
 
-    def _write_slot(self, kv: torch.Tensor | EngineKV, page: int, offset: int) -> int:
+    def _write_slot(self, kv: torch.Tensor | EngineKV, rows: KVRows | None, page: int, offset: int) -> int:
+        """Copies page ``page`` of the engine's KV into the arena slot at ``offset`` and
+        returns its checksum. From a CPU tensor it is one strided numpy copy of the rows."""
         assert self.arena is not None
-        self._page_in(slot_as_page(self.arena.slot(offset, self.layout.page_bytes), self.layout), kv, page)
-        return checksum(self.arena.view[offset : offset + self.layout.page_bytes])
+        n = self.layout.page_bytes
+        if rows is not None:
+            slot = self.arena.rows(offset, n, rows.rows.shape[0])
+            np.copyto(slot, rows.page(page).rows)
+            return checksum(slot)
+        self._page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page)
+        return checksum(self.arena.view[offset : offset + n])
 
-    async def _parallel(self, fn: Any, items: list[Any]) -> list[Any]:
-        """fn over items on the copy threads, in order; contiguous shares per thread."""
-        if not items:
-            return []
+    def _submit(self, fn: Any, items: list[Any]) -> asyncio.Future[list[Any]]:
+        """fn over items on the copy threads, in order; contiguous shares per thread. Not
+        awaited here, so that callers can queue the next batch behind this one."""
         loop = asyncio.get_running_loop()
-        share = -(-len(items) // self._copy_threads)
+        share = max(1, -(-len(items) // self._copy_threads))
         parts = [items[i : i + share] for i in range(0, len(items), share)]
-        results = await asyncio.gather(*(loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts))
-        return [r for part in results for r in part]
+        futures = [loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts]
+
+        async def joined() -> list[Any]:
+            results = await asyncio.gather(*futures, return_exceptions=True)  # all shares end before this does
+            for part in results:
+                if isinstance(part, BaseException):
+                    raise part
+            return [r for part in results for r in part]  # type: ignore[union-attr]
+
+        return asyncio.ensure_future(joined())
 
     def _wire_page(self, kv: torch.Tensor | EngineKV, page: int) -> torch.Tensor:
         """One page of the engine's KV as contiguous bytes, in a buffer reused by the kv-wire
@@ -398,9 +430,10 @@ class KVStoreClient:
         )
 
     async def _get_shm_pipelined(self, hit: Hit, into: torch.Tensor | EngineKV) -> None:
-        """Acquire batch i+1 (the server may be reading it from ssd) while batch i is
-        copied out of the arena; release each lease as soon as its copy is done."""
+        """Acquire batch i+2 (the server may be reading it from ssd) while batches i and i+1
+        are queued on the copy threads; release each lease as soon as its copy is done."""
         keys = hit.keys
+        rows = page_rows(into, self.layout) if isinstance(into, torch.Tensor) else None
 
         def acquire(start: int) -> asyncio.Future[Any]:
             req = data_pb2.AcquireRequest(
@@ -412,22 +445,30 @@ class KVStoreClient:
         def release(lease_id: int) -> None:
             releases.append(asyncio.ensure_future(self._call(self._data.Release, data_pb2.ReleaseRequest(lease_id=lease_id))))
 
-        done = 0
+        done = cursor = 0  # pages verified and in place / pages handed to the copy threads
+        copying: deque[tuple[Any, asyncio.Future[list[bool]]]] = deque()
         pending: asyncio.Future[Any] | None = acquire(0)
+        missing = False
         try:
-            while pending is not None:
-                acq = await pending
-                pending = None
-                n = len(acq.pages)
-                if n == 0:
-                    release(acq.lease_id)
-                    raise self._missing(hit, done)
-                if done + n < len(keys):
-                    pending = acquire(done + n)
+            while pending is not None or copying:
+                if pending is not None and len(copying) < 2:
+                    acq = await pending
+                    pending = None
+                    if not acq.pages:
+                        release(acq.lease_id)
+                        missing = True
+                        continue  # the batches before it are still checked below
+                    if cursor + len(acq.pages) < len(keys):
+                        pending = acquire(cursor + len(acq.pages))
+                    copying.append((acq, self._submit(
+                        lambda item, base=cursor: self._read_slot(into, rows, base + item[0], item[1]), list(enumerate(acq.pages)))))
+                    cursor += len(acq.pages)
+                    continue
+                acq, copied = copying[0]
                 try:
-                    ok = await self._parallel(
-                        lambda item, base=done: self._read_slot(into, base + item[0], item[1]), list(enumerate(acq.pages)))
+                    ok = await copied
                 finally:
+                    copying.popleft()
                     release(acq.lease_id)
                 for i, good in enumerate(ok):
                     if not good:
@@ -436,18 +477,32 @@ class KVStoreClient:
                             f"{(done + i) * self.layout.page_tokens} tokens are valid, recompute the rest",
                             (done + i) * self.layout.page_tokens,
                         )
-                done += n
+                done += len(ok)
+            if missing:
+                raise self._missing(hit, done)
         finally:
-            if pending is not None:  # an error ended the loop: free the lease it may hold
+            # An error ended the loop: let the copies finish before their leases go.
+            for acq, copied in copying:
+                await asyncio.gather(copied, return_exceptions=True)
+                release(acq.lease_id)
+            if pending is not None:
                 try:
                     release((await pending).lease_id)
                 except KVStoreError:
                     pass
             await asyncio.gather(*releases, return_exceptions=True)
 
-    def _read_slot(self, into: torch.Tensor | EngineKV, page: int, acquired: Any) -> bool:
+    def _read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any) -> bool:
+        """Verifies the leased slot and copies it into page ``page`` of ``into``; False
+        (nothing copied) when the bytes fail their checksum."""
         assert self.arena is not None
         n = self.layout.page_bytes
+        if rows is not None:
+            slot = self.arena.rows(acquired.offset, n, rows.rows.shape[0])
+            if checksum(slot) != acquired.checksum:
+                return False
+            np.copyto(rows.page(page).rows, slot)
+            return True
         if checksum(self.arena.view[acquired.offset : acquired.offset + n]) != acquired.checksum:
             return False
         self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))

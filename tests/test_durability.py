@@ -88,6 +88,32 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns) -
         assert torch.equal(out[:, :, :32], kv[:, :, :32])
 
 
+async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_factory, layout, ns) -> None:
+    """Many batches in flight at once (host tier of 128 pages, batches of 21): pages land in
+    order, and a corrupt slot in a later batch ends the get exactly there."""
+    server = server_factory(host_bytes=4 << 20, ssd_bytes=None)
+    tokens = list(range(16 * 100))
+    kv = random_kv(layout, len(tokens), seed=8)
+    async with KVStoreClient(server.address, ns) as client:
+        assert client._batch_pages() < 30
+        assert await client.put(tokens, kv) == len(tokens)
+        hit = await client.lookup(tokens)
+        out = torch.zeros_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+        offset, _ = server.manager.host.slot(hit.keys[70])
+        server.manager.host.buffer[offset + 7] ^= 0x01
+        out.zero_()
+        with pytest.raises(PageCorrupt) as err:
+            await client.get(hit, into=out)
+        assert err.value.num_tokens == 70 * 16
+        assert torch.equal(out[:, :, : 70 * 16], kv[:, :, : 70 * 16])
+        assert not out[:, :, 70 * 16 : 71 * 16].any(), "no byte of the corrupt page may reach the caller"
+        # No lease outlived the failed get: new pages can take every slot of the tier.
+        other = list(range(100_000, 100_000 + 16 * 128))
+        assert await client.put(other, random_kv(layout, len(other))) == len(other)
+
+
 async def test_index_entry_without_bytes_is_dropped_at_start(server_process, tmp_path, layout, ns) -> None:
     server_process.start()
     tokens = list(range(64))
@@ -197,7 +223,7 @@ async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -
     async with KVStoreClient(server.address, ns) as client:
         keys = client.keys(tokens)
         alloc = client.allocate_sync(keys)
-        sums = [client._write_slot(kv, i, slot.offset) for i, slot in enumerate(alloc.slots)]
+        sums = [client._write_slot(kv, None, i, slot.offset) for i, slot in enumerate(alloc.slots)]
         sums[2] ^= 1  # the client's bytes and its checksum disagree for page 2
         with pytest.raises(PageCorrupt):
             client.commit_sync(alloc.allocation_id, keys, sums, durable=True)
