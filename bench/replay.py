@@ -5,7 +5,8 @@ time, and compare policies with the offline optimum (Belady) at the same capacit
 Two questions, each a suite of runs:
 * admission: host H blocks + SSD S blocks; "all" writes every evicted page (no budget);
   the other policies get a write budget of ``--budget-of-all`` times what "all" wrote.
-  SSD hits kept = a policy's SSD hits / the SSD hits of "all".
+  SSD hits kept = a policy's SSD hits / the SSD hits of "all". "oracle" reads the trace's
+  future (admits pages used at least twice more): the bound for an online policy.
 * eviction: host-only caches of ``--capacities`` blocks, LRU (window 0) vs queue-aware
   eviction with the hints a scheduler would send for requests arriving in the next W s.
 """
@@ -13,6 +14,7 @@ Two questions, each a suite of runs:
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import shutil
 import tempfile
@@ -22,6 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvstore.admission import Decision, WriteBudget
 from kvstore.bench.belady import belady_hits
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.metrics import Metrics
@@ -61,6 +64,34 @@ def _key(block: int) -> bytes:
     return block.to_bytes(16, "little")
 
 
+class OracleAdmission:
+    """A reference, not a policy a server can run: it reads the future of the trace and
+    admits a page leaving the host tier when the trace uses it at least twice more (within
+    the budget). It bounds what an online policy can keep at the same budget, as Belady
+    bounds eviction."""
+
+    name = "oracle"
+
+    def __init__(self, reqs: list[Req]) -> None:
+        self.uses: dict[bytes, list[float]] = {}
+        for req in reqs:
+            for block in req.blocks:
+                self.uses.setdefault(_key(block), []).append(req.t)
+
+    def can_admit(self, key: bytes, flags: int, budget: WriteBudget, num_bytes: int) -> Decision:
+        uses = self.uses.get(key, [])
+        future = len(uses) - bisect.bisect_right(uses, budget.clock())
+        if future < 2:
+            return Decision(False, "one-shot")
+        return Decision(budget.can_take(num_bytes), "future")
+
+    def record_access(self, key: bytes) -> None:
+        pass
+
+    def record_refused(self, key: bytes) -> None:
+        pass
+
+
 def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd: float, window_s: float,
            page_bytes: int, workdir: Path, progress: bool = False, hint_share: float = 0.5, eviction: str = "slru") -> dict[str, Any]:
     """One run; returns hit rates and SSD write figures."""
@@ -71,7 +102,7 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
     ssd = None
     if ssd_blocks:
         ssd = SsdTierConfig(directory=run_dir / "ssd", capacity_bytes=ssd_blocks * (page_bytes + 4096), direct_io=False,
-                            dwpd=dwpd, admission=policy, sync=False, slab_bytes=8 * (page_bytes + 4096))
+                            dwpd=dwpd, admission="all" if policy == "oracle" else policy, sync=False, slab_bytes=8 * (page_bytes + 4096))
     config = ServerConfig(
         listen="127.0.0.1:0", data_dir=run_dir / "data", tiers=("host", "ssd") if ssd else ("host",),
         host=HostTierConfig(capacity_bytes=host_blocks * page_bytes, slab_bytes=8 * page_bytes, hint_share=hint_share,
@@ -79,6 +110,8 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
         ssd=ssd, metrics_listen=None, node=f"replay{run_dir.name}",
     )
     manager = TierManager(config, Metrics(), clock=clock)
+    if policy == "oracle" and manager.admission is not None:
+        manager.admission = OracleAdmission(reqs)
     payload = bytearray(page_bytes)
     hits = host_hits = ssd_hits = total = 0
     next_hint = 0
@@ -131,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="admission,eviction", help="admission, eviction or both")
     p.add_argument("--host-blocks", type=int, default=1000, help="host tier capacity for the admission suite")
     p.add_argument("--ssd-blocks", type=int, default=50_000, help="SSD tier capacity for the admission suite")
-    p.add_argument("--policies", default="first-come,seen-twice,value", help="admission policies compared with 'all'")
+    p.add_argument("--policies", default="first-come,seen-twice,value,oracle",
+                   help="admission policies compared with 'all' ('oracle' reads the trace's future: a reference bound)")
     p.add_argument("--budget-of-all", type=float, default=1 / 3, help="write budget as a share of what 'all' writes")
     p.add_argument("--dwpd", type=float, default=0.0, help="explicit DWPD for the budgeted policies (overrides --budget-of-all)")
     p.add_argument("--capacities", default="1000,5000,10000", help="host capacities (blocks) for the eviction suite")
