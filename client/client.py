@@ -225,14 +225,14 @@ class KVStoreClient:
     def _batch_pages(self) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
         server's work on others, and at most a sixth of the arena so that the batches in
-        flight (one allocated ahead, two being copied, up to three committing) always fit."""
+        flight (one allocated ahead, two being copied, up to three committing while the oldest is awaited) always fit."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
         return max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
 
     async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
         """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
         copy threads (so they never wait between batches), the next one is being allocated
-        and up to three earlier ones commit (and, when durable, are written to ssd).
+        and up to two earlier ones commit (and, when durable, are written to ssd).
         Returns pages stored (a prefix)."""
         rows = page_rows(kv, self.layout) if isinstance(kv, torch.Tensor) else None
         stored = cursor = 0
@@ -257,7 +257,7 @@ class KVStoreClient:
             while ahead is not None or copying:
                 if ahead is None or len(copying) >= 2:
                     await commit_oldest()
-                    if len(commits) > 3:
+                    if len(commits) > 2:
                         stored += await commits.popleft()
                     continue
                 try:
