@@ -225,7 +225,7 @@ class KVStoreClient:
     def _batch_pages(self) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
         server's work on others, and at most a sixth of the arena so that the batches in
-        flight (one allocated ahead, two being copied, up to three committing while the oldest is awaited) always fit."""
+        flight (one allocated ahead, two being copied, up to three committing) always fit."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
         return max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
 
