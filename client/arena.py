@@ -21,7 +21,6 @@ _MAGIC = b"KVARENA1"
 class ArenaMap:
     def __init__(self, mm: mmap.mmap) -> None:
         self._mmap = mm
-        self.view = memoryview(mm)
         self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
 
@@ -54,12 +53,7 @@ class ArenaMap:
         """A uint8 tensor over one slot (no copy)."""
         return self.bytes[offset : offset + nbytes]
 
-    def rows(self, offset: int, nbytes: int, num_rows: int) -> np.ndarray:
-        """One slot as a ``[num_rows, nbytes // num_rows]`` uint8 array (no copy)."""
-        return self.array[offset : offset + nbytes].reshape(num_rows, -1)
-
     def close(self) -> None:
-        self.view.release()
         del self.bytes
         del self.array
         try:

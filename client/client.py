@@ -234,7 +234,7 @@ class KVStoreClient:
         copy threads (so they never wait between batches), the next one is being allocated
         and up to two earlier ones commit (and, when durable, are written to ssd).
         Returns pages stored (a prefix)."""
-        rows = page_rows(kv, self.layout) if isinstance(kv, torch.Tensor) else None
+        rows = page_rows(kv, self.layout)
         stored = cursor = 0
         copying: deque[tuple[Any, list[Any], asyncio.Future[list[Any]]]] = deque()
         commits: deque[asyncio.Future[int]] = deque()
@@ -333,12 +333,12 @@ class KVStoreClient:
         returns its checksum. From a CPU tensor it is one strided numpy copy of the rows."""
         assert self.arena is not None
         n = self.layout.page_bytes
+        slot = self.arena.array[offset : offset + n]
         if rows is not None:
-            slot = self.arena.rows(offset, n, rows.rows.shape[0])
-            np.copyto(slot, rows.page(page).rows)
-            return checksum(slot)
-        self._page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page)
-        return checksum(self.arena.view[offset : offset + n])
+            np.copyto(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
+        else:
+            self._page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page)
+        return checksum(slot)
 
     def _submit(self, fn: Any, items: list[Any]) -> asyncio.Future[list[Any]]:
         """fn over items on the copy threads, in order; contiguous shares per thread. Not
@@ -433,7 +433,7 @@ class KVStoreClient:
         """Acquire batch i+2 (the server may be reading it from ssd) while batches i and i+1
         are queued on the copy threads; release each lease as soon as its copy is done."""
         keys = hit.keys
-        rows = page_rows(into, self.layout) if isinstance(into, torch.Tensor) else None
+        rows = page_rows(into, self.layout)
 
         def acquire(start: int) -> asyncio.Future[Any]:
             req = data_pb2.AcquireRequest(
@@ -497,15 +497,13 @@ class KVStoreClient:
         (nothing copied) when the bytes fail their checksum."""
         assert self.arena is not None
         n = self.layout.page_bytes
-        if rows is not None:
-            slot = self.arena.rows(acquired.offset, n, rows.rows.shape[0])
-            if checksum(slot) != acquired.checksum:
-                return False
-            np.copyto(rows.page(page).rows, slot)
-            return True
-        if checksum(self.arena.view[acquired.offset : acquired.offset + n]) != acquired.checksum:
+        slot = self.arena.array[acquired.offset : acquired.offset + n]
+        if checksum(slot) != acquired.checksum:
             return False
-        self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))
+        if rows is not None:
+            np.copyto(rows.page(page).rows, slot.reshape(rows.rows.shape[0], -1))
+        else:
+            self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))
         return True
 
     async def _get_wire(self, keys: list[bytes], into: torch.Tensor | EngineKV, first_page: int) -> int:

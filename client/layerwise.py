@@ -151,7 +151,7 @@ class LayerLoad:
             return len(sources)  # checked on arrival
         n = client.layout.page_bytes
         for i, page in enumerate(sources):
-            if checksum(client.arena.view[page.offset : page.offset + n]) != page.checksum:
+            if checksum(client.arena.array[page.offset : page.offset + n]) != page.checksum:
                 logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
                 return i
         return len(sources)
