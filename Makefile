@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 
 .PHONY: install run test bench proto clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py kvstore/_copyhash.c
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)

@@ -36,6 +36,7 @@ from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum
+from kvstore.pagecopy import copy_checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
@@ -335,9 +336,8 @@ class KVStoreClient:
         n = self.layout.page_bytes
         slot = self.arena.array[offset : offset + n]
         if rows is not None:
-            np.copyto(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
-        else:
-            self._page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page)
+            return copy_checksum(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
+        self._page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page)
         return checksum(slot)
 
     def _submit(self, fn: Any, items: list[Any]) -> asyncio.Future[list[Any]]:
@@ -493,17 +493,21 @@ class KVStoreClient:
             await asyncio.gather(*releases, return_exceptions=True)
 
     def _read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any) -> bool:
-        """Verifies the leased slot and copies it into page ``page`` of ``into``; False
-        (nothing copied) when the bytes fail their checksum."""
+        """Copies the leased slot into page ``page`` of ``into`` and verifies it; False when
+        the bytes fail their checksum, and then that page of ``into`` is zeroed: no byte of a
+        corrupt page reaches the caller."""
         assert self.arena is not None
         n = self.layout.page_bytes
         slot = self.arena.array[acquired.offset : acquired.offset + n]
+        if rows is not None:  # verified as it is copied (one pass); a bad page is wiped before anyone sees it
+            dst = rows.page(page).rows
+            if copy_checksum(dst, slot.reshape(rows.rows.shape[0], -1)) == acquired.checksum:
+                return True
+            dst.fill(0)
+            return False
         if checksum(slot) != acquired.checksum:
             return False
-        if rows is not None:
-            np.copyto(rows.page(page).rows, slot.reshape(rows.rows.shape[0], -1))
-        else:
-            self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))
+        self._page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout))
         return True
 
     async def _get_wire(self, keys: list[bytes], into: torch.Tensor | EngineKV, first_page: int) -> int:

@@ -1,0 +1,47 @@
+"""Copying page bytes and computing their checksum in one pass.
+
+Every page that enters or leaves the shared-memory arena is copied once and checksummed
+once. Done apart, the checksum reads the bytes a second time; the native
+``kvstore._copyhash`` hashes each piece while it is in L1 and streams it to its
+destination, which is ~1.4x faster on a 2-core host. Without the extension (no C
+compiler at install) numpy does the same work: same bytes, same checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvstore.page import checksum, checksummer
+
+logger = logging.getLogger(__name__)
+
+try:
+    from kvstore import _copyhash
+
+    NATIVE = True
+except ImportError as exc:  # no compiler at install time, or an xxhash build without the XXH3 exports
+    _copyhash = None  # type: ignore[assignment]
+    NATIVE = False
+    logger.info("page copies use numpy (kvstore._copyhash unavailable: %s)", exc)
+
+
+def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> int:
+    """Copies ``src`` into ``dst`` and returns ``kvstore.page.checksum`` of the bytes, row
+    after row. Both are 2-D uint8 arrays of one shape whose rows are contiguous (a page in
+    the arena reshaped to the engine's rows, or an engine page's strided rows). The GIL is
+    released while the bytes move."""
+    if native and _copyhash is not None:
+        return int(_copyhash.copy_checksum(dst, src))
+    if src.flags.c_contiguous:  # hash the source first: a reader verifies before it copies
+        digest = checksum(src)
+        np.copyto(dst, src)
+        return digest
+    np.copyto(dst, src)
+    if dst.flags.c_contiguous:
+        return checksum(dst)
+    h = checksummer()
+    for row in dst:
+        h.update(row)
+    return h.intdigest()
