@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 import torch
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc

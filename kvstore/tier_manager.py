@@ -515,21 +515,15 @@ class TierManager:
             return ident, pages
 
     def _read_promoted(self, pages: list[AcquiredPage], promote: list[tuple[int, PageHeader]]) -> tuple[int, str]:
-        """Reads pages from ssd into their reserved host slots (no lock held). Returns the
-        index of the first page that failed (len(pages) if none) and why."""
-        for index, header in promote:
-            page = pages[index]
-            assert self.ssd is not None
-            try:
-                got = self.ssd.read(page.key, self.host.view(page.offset, self.host.allocator.slot_bytes(page.offset)))
-            except PageCorrupt as exc:
-                return index, str(exc)
-            except OSError as exc:
-                logger.error("ssd tier: read of %s failed: %s", page.key.hex(), exc)
-                return index, ""
-            if got is None:
-                return index, ""
-        return len(pages), ""
+        """Reads pages from ssd into their reserved host slots (no lock held), each verified
+        as the helper thread copies it into place. Returns the index of the first page that
+        failed (len(pages) if none) and why; nothing is installed before its check passed."""
+        if not promote:
+            return len(pages), ""
+        assert self.ssd is not None
+        items = [(pages[i].key, self.host.view(pages[i].offset, self.host.allocator.slot_bytes(pages[i].offset))) for i, _ in promote]
+        failed, reason = self.ssd.read_pages(items, self._verifier)
+        return (promote[failed][0] if failed < len(promote) else len(pages)), reason
 
     def layout_bytes(self, key: bytes) -> int:
         header = self.host.header(key)

@@ -5,9 +5,10 @@ A write is durable before it is indexed, and indexed before anyone can find it:
 the caller publishes. A crash between any two steps leaves either a free slot with stray
 bytes (reused later) or an indexed page the directory adopts at start.
 
-O_DIRECT is used where the filesystem allows it (the payload of a page read from or written
-to the host arena is already 4 KiB aligned, so it goes to disk without a copy); elsewhere
-I/O is buffered, which is said once in the log. Each read checks the header and the payload
+O_DIRECT is used where the filesystem allows it (the payload of a page written from the host
+arena is already 4 KiB aligned, so it goes to disk without a copy; reads land in aligned
+staging buffers and are copied into place while the next page is read); elsewhere I/O is
+buffered, which is said once in the log. Each read checks the header and the payload
 checksum; a page that fails is quarantined (dropped from the index, listed with its reason).
 """
 
@@ -21,14 +22,17 @@ import os
 import struct
 import threading
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
-from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
+from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader, checksum
+from kvstore.pagecopy import copy_checksum
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
@@ -39,6 +43,18 @@ _PAYLOAD = struct.Struct("<Q")
 _NS_AT, _KEY_AT, _PAYLOAD_AT = 8, 24, 76  # field offsets in a packed header (see kvstore.page)
 DATA_FILE = "pages.dat"
 INDEX_DIR = "index.lmdb"
+
+
+def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
+    """Copies a staged page to its destination (unless it was read there) and verifies it
+    in the same pass; False when it fails its checksum."""
+    if src.obj is dst.obj and _address(src) == _address(dst):
+        return checksum(src) == header.checksum
+    return copy_checksum(_flat(dst), _flat(src)) == header.checksum
+
+
+def _flat(view: memoryview) -> np.ndarray:
+    return np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
 
 
 @dataclass(frozen=True)
@@ -229,8 +245,67 @@ class SsdTier:
 
     def read(self, key: bytes, into: memoryview) -> PageHeader | None:
         """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
-        aligned for O_DIRECT) and verifies it; raises PageCorrupt, changing nothing.
-        Safe to call without the owner's lock while the key cannot be deleted."""
+        aligned for O_DIRECT) and verifies it; raises PageCorrupt. Safe to call without the
+        owner's lock while the key cannot be deleted."""
+        header = self.read_unverified(key, into)
+        if header is not None:
+            header.verify_payload(into[: header.payload_bytes], header.payload_bytes)
+        return header
+
+    def read_pages(self, items: list[tuple[bytes, memoryview]], helper: Executor) -> tuple[int, str]:
+        """Reads pages into their destinations (``(key, into)``, e.g. reserved host slots),
+        each verified as it is copied. Returns the index of the first page that is missing,
+        unreadable or corrupt (``len(items)`` if none) and why (empty when it was not
+        corruption); the destinations before it hold their verified pages.
+
+        The disk reads go back to back into two aligned staging buffers of this thread
+        (anonymous memory: O_DIRECT into shared memory is slower on some hosts) while
+        ``helper`` copies each staged page into place and checks it in one pass.
+        """
+        stage = self._staging()
+        jobs: list[Future[bool]] = []
+        cut, reason = len(items), ""
+        for index, (key, into) in enumerate(items):
+            if index >= 2:
+                jobs[index - 2].result()  # its staging buffer is free again
+            entry = self._entry_or_none(key)
+            buf = stage[index % 2] if entry is not None and len(stage[index % 2]) >= round_up(entry[1].payload_bytes) else None
+            try:
+                header = self.read_unverified(key, buf if buf is not None else into)
+            except PageCorrupt as exc:
+                cut, reason = index, str(exc)
+                break
+            except OSError as exc:
+                logger.error("ssd tier: read of %s failed: %s", key.hex(), exc)
+                cut = index
+                break
+            if header is None:
+                cut = index
+                break
+            src = (buf if buf is not None else into)[: header.payload_bytes]
+            jobs.append(helper.submit(_place, header, src, into[: header.payload_bytes]))
+        for index, job in enumerate(jobs):  # every job ends before the buffers can be reused
+            if not job.result() and index < cut:
+                cut, reason = index, f"page {items[index][0].hex()} failed its checksum"
+        return cut, reason
+
+    def _staging(self) -> tuple[memoryview, memoryview]:
+        """Two aligned buffers of this thread, big enough for the largest page seen so far."""
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            stage = self._local.stage = (memoryview(mmap.mmap(-1, 4 << 20)), memoryview(mmap.mmap(-1, 4 << 20)))
+        return stage
+
+    def _entry_or_none(self, key: bytes) -> tuple[int, PageHeader] | None:
+        try:
+            return self._entry(key)
+        except PageCorrupt:
+            return None
+
+    def read_unverified(self, key: bytes, into: memoryview) -> PageHeader | None:
+        """``read`` without the payload checksum: the header on disk, the index and the length
+        are checked, the payload is in ``into`` but must pass ``header.verify_payload``
+        before anyone uses it (so that a caller can hash one page while the next is read)."""
         entry = self._entry(key)
         if entry is None:
             return None
@@ -249,7 +324,6 @@ class SsdTier:
         on_disk = PageHeader.unpack(hdr[:HEADER_CORE_BYTES])
         if on_disk != header:
             raise PageCorrupt(f"page {key.hex()} header on disk does not match the index")
-        on_disk.verify_payload(payload, len(payload))
         if payload.obj is not into.obj:
             into[: header.payload_bytes] = payload
         return header
