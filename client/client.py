@@ -49,6 +49,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
 ]
 PIPELINE_PAGES = 64
+RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
 
 
 def _error_name(exc: Any) -> str | None:
@@ -222,12 +223,15 @@ class KVStoreClient:
                 stored += n
         return stored * self.layout.page_tokens
 
-    def _batch_pages(self) -> int:
+    def _batch_pages(self, index: int | None = None) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
         server's work on others, and at most a sixth of the arena so that the batches in
-        flight (one allocated ahead, two being copied, up to three committing) always fit."""
+        flight (one allocated ahead, two being copied, up to three committing) always fit.
+        Batch ``index`` of a transfer ramps up from RAMP_PAGES (doubling), so that the
+        other side starts working after a short first batch instead of a full one."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
-        return max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
+        full = max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
+        return full if index is None else min(full, RAMP_PAGES << min(index, 16))
 
     async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
         """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
@@ -240,9 +244,14 @@ class KVStoreClient:
         commits: deque[asyncio.Future[int]] = deque()
         ahead: asyncio.Future[Any] | None = None
 
+        batches = 0
+
         def allocate(start: int) -> asyncio.Future[Any]:
+            nonlocal batches
+            size = self._batch_pages(batches)
+            batches += 1
             return asyncio.ensure_future(self._call(self._data.Allocate, data_pb2.AllocateRequest(
-                namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + self._batch_pages()])))
+                namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + size])))
 
         async def commit_oldest() -> None:
             alloc, todo, copied = copying[0]
@@ -429,15 +438,29 @@ class KVStoreClient:
         )
 
     async def _get_shm_pipelined(self, hit: Hit, into: torch.Tensor | EngineKV) -> None:
-        """Acquire batch i+2 (the server may be reading it from ssd) while batches i and i+1
-        are queued on the copy threads; release each lease as soon as its copy is done."""
+        """Two acquires in flight (the server may be reading them from ssd: while it answers
+        one it already works on the next) while two batches are queued on the copy threads;
+        each lease is released as soon as its copy is done.
+
+        The second acquire asks for the range after the first as if the first came back
+        whole; when one comes back short (the host tier could not take more promoted pages)
+        the ones issued after it are stale: they are released unused and asked again from
+        where the short one ended. When the tier is full while our own leases hold space,
+        the request waits for one of them to go and asks again; TierFull reaches the caller
+        only when nothing of ours is held."""
         keys = hit.keys
         rows = page_rows(into, self.layout)
+        batches = issued = 0  # acquires sent / the first page not yet asked for
+        generation = 0  # bumped when a short answer makes the acquires in flight stale
+        pending: deque[tuple[int, int, asyncio.Future[Any]]] = deque()  # (generation, pages asked, answer)
 
-        def acquire(start: int) -> asyncio.Future[Any]:
-            req = data_pb2.AcquireRequest(
-                namespace_id=self.namespace.namespace_id, keys=keys[start : start + self._batch_pages()], ttl_ms=self.lease_ms)
-            return asyncio.ensure_future(self._call(self._data.Acquire, req))
+        def acquire() -> None:
+            nonlocal batches, issued
+            size = min(self._batch_pages(batches), len(keys) - issued)
+            req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys[issued : issued + size], ttl_ms=self.lease_ms)
+            pending.append((generation, size, asyncio.ensure_future(self._call(self._data.Acquire, req))))
+            batches += 1
+            issued += size
 
         releases: list[asyncio.Future[Any]] = []
 
@@ -446,22 +469,45 @@ class KVStoreClient:
 
         done = cursor = 0  # pages verified and in place / pages handed to the copy threads
         copying: deque[tuple[Any, asyncio.Future[list[bool]]]] = deque()
-        pending: asyncio.Future[Any] | None = acquire(0)
         missing = False
+        held_back = False  # the host tier was full: ask again once one of our leases is gone
         try:
-            while pending is not None or copying:
-                if pending is not None and len(copying) < 2:
-                    acq = await pending
-                    pending = None
+            while True:
+                while not (missing or held_back) and len(pending) < 2 and issued < len(keys):
+                    acquire()
+                if not pending and not copying:
+                    if held_back and not missing and issued < len(keys):
+                        await asyncio.gather(*releases, return_exceptions=True)  # all ours are back
+                        held_back = False
+                        continue  # one more try: a second TierFull with nothing held raises
+                    break
+                if pending and len(copying) < 2:
+                    gen, asked, answer = pending.popleft()
+                    try:
+                        acq = await answer
+                    except TierFull:
+                        if gen != generation or missing:
+                            continue
+                        if not copying and not pending:
+                            raise  # nothing of ours holds the space: the tier is full of other leases
+                        generation += 1  # our own leases hold it: retry when one is released
+                        issued, held_back = cursor, True
+                        continue
+                    if gen != generation or missing:
+                        release(acq.lease_id)  # stale, or past a missing page
+                        continue
                     if not acq.pages:
                         release(acq.lease_id)
                         missing = True
                         continue  # the batches before it are still checked below
-                    if cursor + len(acq.pages) < len(keys):
-                        pending = acquire(cursor + len(acq.pages))
+                    if len(acq.pages) < asked:
+                        generation += 1
+                        issued = cursor + len(acq.pages)
                     copying.append((acq, self._submit(
                         lambda item, base=cursor: self._read_slot(into, rows, base + item[0], item[1]), list(enumerate(acq.pages)))))
                     cursor += len(acq.pages)
+                    continue
+                if not copying:  # only stale acquires left: let them come back and be released
                     continue
                 acq, copied = copying[0]
                 try:
@@ -469,6 +515,9 @@ class KVStoreClient:
                 finally:
                     copying.popleft()
                     release(acq.lease_id)
+                if held_back:
+                    await asyncio.gather(*releases, return_exceptions=True)  # the space is free before we ask again
+                    held_back = False
                 for i, good in enumerate(ok):
                     if not good:
                         raise _partial(
@@ -477,16 +526,16 @@ class KVStoreClient:
                             (done + i) * self.layout.page_tokens,
                         )
                 done += len(ok)
-            if missing:
+            if missing or done < len(keys):
                 raise self._missing(hit, done)
         finally:
             # An error ended the loop: let the copies finish before their leases go.
             for acq, copied in copying:
                 await asyncio.gather(copied, return_exceptions=True)
                 release(acq.lease_id)
-            if pending is not None:
+            for _, _, answer in pending:
                 try:
-                    release((await pending).lease_id)
+                    release((await answer).lease_id)
                 except KVStoreError:
                     pass
             await asyncio.gather(*releases, return_exceptions=True)

@@ -15,9 +15,9 @@ import torch
 
 from conftest import random_kv
 from kvstore import KVLayout, Namespace
-from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.errors import PageMissing
+from kvstore.errors import PageMissing, TierFull
 
 
 async def test_long_prefix_qwen3_shape_with_partial_last_page(server_factory) -> None:
@@ -65,8 +65,8 @@ def _count(server, method: str) -> float:
 
 
 async def test_pressure_demotes_to_ssd_and_hits_promote_back(server_factory, layout, ns) -> None:
-    server = server_factory(host_bytes=8 << 20, ssd_bytes=64 << 20)  # 8 MiB host: ~128 small pages
-    tokens = list(range(16 * 400))  # 400 pages of 64 KiB = 25 MiB
+    server = server_factory(host_bytes=8 << 20, ssd_bytes=64 << 20)  # 8 MiB host: 256 small pages
+    tokens = list(range(16 * 400))  # 400 pages of 32 KiB = 12.5 MiB
     kv = random_kv(layout, len(tokens), seed=3)
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, kv) == len(tokens)
@@ -204,3 +204,44 @@ async def test_subscribers_are_bounded(server_factory) -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many subscribers" in err.value.details()
         first.cancel()
         assert (await stub.Stats(directory_pb2.StatsRequest())).node == "local"
+
+
+async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(server_factory, layout, ns) -> None:
+    """The client keeps two acquires in flight; when the host tier cannot take a whole batch
+    of promoted pages (here most of it is leased by someone else) answers come back short,
+    the acquire issued after a short one is stale and asked again, and a TierFull while our
+    own leases hold the space waits for them. The get still delivers every page, in order."""
+    server = server_factory(host_bytes=8 << 20, ssd_bytes=64 << 20)  # 256 host slots of 32 KiB
+    tokens = list(range(16 * 300))
+    kv = random_kv(layout, len(tokens), seed=11)
+    other = list(range(10**6, 10**6 + 16 * 240))
+    answers: list[tuple[int, int]] = []
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == len(tokens)  # most of it demoted to ssd
+        assert await client.put(other, random_kv(layout, len(other), seed=12)) == len(other)
+        blocker = await client._data.Acquire(data_pb2.AcquireRequest(
+            namespace_id=ns.namespace_id, keys=client.keys(other), ttl_ms=60_000))
+        assert len(blocker.pages) == 240  # promotions share the other 16 slots
+        hit = await client.lookup(tokens)
+        assert hit.num_pages == 300
+        acquire = client._data.Acquire
+
+        async def counted(req: data_pb2.AcquireRequest, **kw: object) -> data_pb2.AcquireResponse:
+            if len(answers) == 2:  # the third acquire: two of ours are in flight or copying
+                answers.append((len(req.keys), -1))
+                raise TierFull("host tier is full and every page in it is leased")
+            answer = await acquire(req, **kw)
+            answers.append((len(req.keys), len(answer.pages)))
+            return answer
+
+        client._data.Acquire = counted  # type: ignore[method-assign]
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, into=out) == len(tokens)
+        client._data.Acquire = acquire  # type: ignore[method-assign]
+        assert torch.equal(out, kv)
+        assert any(0 < got < asked for asked, got in answers), answers
+        assert answers[2][1] == -1 and len(answers) > 3, "the get went on after the TierFull"
+        await client._data.Release(data_pb2.ReleaseRequest(lease_id=blocker.lease_id))
+        # Every lease of the get is gone: the whole tier can be filled again.
+        fresh = list(range(2 * 10**6, 2 * 10**6 + 16 * 250))
+        assert await client.put(fresh, random_kv(layout, len(fresh), seed=13)) == len(fresh)
