@@ -4,7 +4,7 @@ beside the limit each path chases, measured in the same run.
 | path | limit |
 | --- | --- |
 | host-shm-put/get | memcpy of the same bytes (torch copy_, 2 threads) |
-| host-grpc-put/get | raw gRPC byte stream of the same size (bare server, no processing) |
+| host-grpc-put/get | raw gRPC byte stream of the same size in messages of the same size (bare server, no processing) |
 | ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem |
 | ssd-get | raw O_DIRECT page reads of the same bytes |
 """
@@ -27,6 +27,7 @@ from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench import limits, rawgrpc
 from kvstore.bench.harness import start_raw_grpc, start_server
 from kvstore.client import KVStoreClient
+from kvstore.wire import CHUNK_BYTES
 
 QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
 
@@ -109,14 +110,15 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                     assert _same(out, kv), "host-shm get returned other bytes"
                     add("host-shm-get", timing, "memcpy")
             if "host-grpc" in wanted:
+                message = min(CHUNK_BYTES, layout.page_bytes)  # the raw pump moves messages of the size ours carry
                 async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw, \
                         KVStoreClient(addr, ns, use_shm=False) as client:
-                    timing = await _timed(lambda: client.put(tokens, kv), lambda: rawgrpc.upload(raw, nbytes, 1 << 20),
+                    timing = await _timed(lambda: client.put(tokens, kv), lambda: rawgrpc.upload(raw, nbytes, message),
                                           args.repeats, setup=clear)
                     add("host-grpc-put", timing, "raw-grpc-upload")
                     hit = await client.lookup(tokens)
                     out.zero_()
-                    timing = await _timed(lambda: client.get(hit, into=out), lambda: rawgrpc.download(raw, nbytes, 1 << 20),
+                    timing = await _timed(lambda: client.get(hit, into=out), lambda: rawgrpc.download(raw, nbytes, message),
                                           args.repeats)
                     assert _same(out, kv), "host-grpc get returned other bytes"
                     add("host-grpc-get", timing, "raw-grpc-download")

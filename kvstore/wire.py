@@ -24,7 +24,7 @@ import grpc
 
 from kvstore._proto import common_pb2, data_pb2
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
 SERVICE = "kvstore.v1.Data"
 WRITE_PAGES = f"/{SERVICE}/WritePages"
 READ_PAGES = f"/{SERVICE}/ReadPages"
