@@ -3,6 +3,8 @@ on disk is never served and is quarantined."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 import torch
@@ -150,6 +152,51 @@ def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
         into = bytearray(len(payload))
         assert tier.read((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
     finally:
+        tier.close()
+
+
+def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
+    """read_pages stages each page in a shared buffer pair and verifies it as it is copied
+    into place: the pages before a damaged one arrive bit-exact, the damaged one is named,
+    and the buffers go back to the pool (a second pass of the same reads works)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.config import SsdTierConfig
+    from kvstore.page import LayoutDesc, PageHeader, checksum
+    from kvstore.tiers.ssd import SsdTier
+
+    tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=64 << 20))
+    helper = ThreadPoolExecutor(1)
+    try:
+        pages, placed = [], []
+        for i in range(6):
+            payload = bytes([i]) * 5000 + os.urandom(3192)  # 8 KiB, unaligned content
+            header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(1, 2, 1, 2048, "float16", 1), len(payload), checksum(payload))
+            offset = tier.reserve(header.payload_bytes)
+            assert offset is not None
+            tier.write_slot(offset, header, memoryview(payload))
+            pages.append(payload)
+            placed.append((offset, header))
+        tier.sync()
+        tier.index(placed)
+        dests = [bytearray(8192) for _ in pages]
+        items = [(i.to_bytes(16, "little"), memoryview(d)) for i, d in enumerate(dests)]
+        assert tier.read_pages(items, helper) == (6, "")
+        assert [bytes(d) for d in dests] == pages
+
+        with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # one byte of page 4's payload
+            f.seek(placed[4][0] + HEADER_BYTES + 100)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+        for _ in range(2):
+            for d in dests:
+                d[:] = bytes(8192)
+            cut, reason = tier.read_pages(items, helper)
+            assert (cut, reason) == (4, f"page {(4).to_bytes(16, 'little').hex()} failed its checksum")
+            assert [bytes(d) for d in dests[:4]] == pages[:4]
+    finally:
+        helper.shutdown()
         tier.close()
 
 
