@@ -39,7 +39,7 @@ from kvstore.pagecopy import copy_checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
-from kvstore.wire import PageStubs, decode_chunk, page_chunks
+from kvstore.wire import CHUNK_BYTES, PageStubs, decode_chunk, page_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,13 @@ class KVStoreClient:
         lease_ms: int = 30_000,
         copy_threads: int = 2,
         prefill_tokens_per_s: float = 3000.0,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        """``chunk_bytes``: the most page bytes one gRPC message carries on the socket path
+        (4 KiB to 8 MiB); by default a page up to 4 MiB is one message."""
+        if not 4096 <= chunk_bytes <= 8 << 20:
+            raise InvalidRequest(f"chunk_bytes must be in [4096, {8 << 20}], got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         self.address = address
         self.namespace = namespace
         self.layout = namespace.layout
@@ -382,7 +388,7 @@ class KVStoreClient:
         else:
             data = memoryview(page.numpy())
             csum = checksum(data) if csum is None else csum
-        return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable, flags=flags))
+        return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable, self.chunk_bytes, flags))
 
     async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,
                         flags: int = 0) -> int:
@@ -562,13 +568,17 @@ class KVStoreClient:
         """One ReadPages stream. The event loop only receives; a single worker thread decodes,
         verifies and places each chunk (in order) while the next one arrives."""
         loop = asyncio.get_running_loop()
-        req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
+        req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms,
+                                        chunk_bytes=self.chunk_bytes)
         rows = page_rows(into, self.layout)
         if rows is not None:  # chunks go straight into the engine's tensor
             def sink(index: int, offset: int, data: memoryview) -> None:
                 rows.page(first_page + index).write(offset, data)
 
-            pages = PageAssembler(keys, self.layout.page_bytes, sink=sink)
+            def whole(index: int, data: memoryview) -> int:
+                return rows.page(first_page + index).write_all(data)
+
+            pages = PageAssembler(keys, self.layout.page_bytes, sink=sink, whole=whole)
 
             def place(raw: bytes) -> None:
                 pages.feed(decode_chunk(raw))

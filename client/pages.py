@@ -14,6 +14,7 @@ import torch
 
 from kvstore.errors import InvalidRequest
 from kvstore.page import checksummer
+from kvstore.pagecopy import copy_checksum
 from kvstore.types import KVLayout
 
 
@@ -108,6 +109,12 @@ class RowPage:
             out.append((row, col, col + take, pos - start))
             pos += take
         return out
+
+    def write_all(self, data: memoryview) -> int:
+        """Writes the whole page from its layer-major bytes and returns their checksum,
+        computed as they are copied."""
+        src = np.frombuffer(data, dtype=np.uint8).reshape(self.rows.shape[0], self.run)
+        return copy_checksum(self.rows, src)
 
     def write(self, start: int, data: memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8)

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, PageCorrupt
-from kvstore.page import checksummer
+from kvstore.page import checksum, checksummer
+from kvstore.pagecopy import copy_checksum
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
@@ -39,6 +41,13 @@ class _IncomingPage:
         end = self.filled + len(chunk.data)
         if end > self.page_bytes:
             raise InvalidRequest(f"page {self.key.hex()} got more than its {self.page_bytes} bytes")
+        if end == self.page_bytes and self.filled == 0:  # the whole page in one chunk: copy and hash in one pass
+            self.filled = end
+            src = np.frombuffer(chunk.data, dtype=np.uint8).reshape(1, -1)
+            digest = checksum(chunk.data) if self.dest is None else copy_checksum(np.frombuffer(self.dest, dtype=np.uint8).reshape(1, -1), src)
+            if digest != self.checksum:
+                raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
+            return True
         if self.dest is not None:
             self.dest[self.filled : end] = chunk.data
         self._hash.update(chunk.data)

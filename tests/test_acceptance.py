@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvstore import KVLayout, Namespace
@@ -38,14 +39,16 @@ async def test_acceptance_example_over_grpc_stream(server, monkeypatch) -> None:
     await example(server.address)
 
 
-async def test_grpc_stream_pages_of_several_chunks_into_a_slice(server) -> None:
-    """Over the socket with pages larger than a chunk (rows cut across chunks), into a
-    destination that is a slice of a bigger tensor: bit-exact, the rest untouched."""
-    layout = KVLayout(num_layers=6, num_kv_heads=4, head_dim=96, dtype=torch.bfloat16, page_tokens=48)  # 1.3 MiB pages
+@pytest.mark.parametrize("chunk_bytes", [100_000, 8 << 20], ids=["rows-cut-across-chunks", "page-per-message"])
+async def test_grpc_stream_pages_into_a_slice(server, chunk_bytes: int) -> None:
+    """Over the socket, into a destination that is a slice of a bigger tensor, with pages
+    cut across chunks (rows split mid-way) and with a whole page per message (copied and
+    hashed in one pass): bit-exact, the rest untouched."""
+    layout = KVLayout(num_layers=6, num_kv_heads=4, head_dim=96, dtype=torch.bfloat16, page_tokens=48)  # 432 KiB pages
     ns = Namespace(model="demo", revision="wide", layout=layout)
     tokens = list(range(200))
     kv = torch.randn(6, 2, 200, 4, 96).to(torch.bfloat16)
-    async with KVStoreClient(server.address, ns, use_shm=False) as client:
+    async with KVStoreClient(server.address, ns, use_shm=False, chunk_bytes=chunk_bytes) as client:
         assert not client.shared_memory
         assert await client.put(tokens, kv[:, :, :200]) == 192
         hit = await client.lookup(tokens)

@@ -75,10 +75,13 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
     assert server.manager.stats().num_quarantined == 1
 
 
-async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns) -> None:
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, use_shm: bool) -> None:
+    """A stray write into the arena: the reader (same host or over the socket) stops at the
+    damaged page, and no byte of it reaches the caller."""
     tokens = list(range(64))
     kv = random_kv(layout, 64, seed=6)
-    async with KVStoreClient(server.address, ns) as client:
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
         offset, _ = server.manager.host.slot(hit.keys[2])
@@ -88,6 +91,7 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns) -
             await client.get(hit, into=out)
         assert err.value.num_tokens == 32
         assert torch.equal(out[:, :, :32], kv[:, :, :32])
+        assert not out[:, :, 32:48].any(), "no byte of the corrupt page may reach the caller"
 
 
 async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_factory, layout, ns) -> None:
