@@ -17,6 +17,7 @@ from kvstore.page import checksum, checksummer
 
 logger = logging.getLogger(__name__)
 
+NATIVE_MISSING = ""  # why the native half is not in use (said in the server's start line)
 try:
     from kvstore import _copyhash
 
@@ -24,7 +25,8 @@ try:
 except ImportError as exc:  # no compiler at install time, or an xxhash build without the XXH3 exports
     _copyhash = None  # type: ignore[assignment]
     NATIVE = False
-    logger.info("page copies use numpy (kvstore._copyhash unavailable: %s)", exc)
+    NATIVE_MISSING = f"kvstore._copyhash unavailable ({exc}); reinstall with a C compiler present"
+    logger.info("page copies use numpy: %s", NATIVE_MISSING)
 
 
 def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> int:
