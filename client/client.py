@@ -463,7 +463,8 @@ class KVStoreClient:
         def acquire() -> None:
             nonlocal batches, issued
             size = min(self._batch_pages(batches), len(keys) - issued)
-            req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys[issued : issued + size], ttl_ms=self.lease_ms)
+            req = data_pb2.AcquireRequest(
+                namespace_id=self.namespace.namespace_id, keys=keys[issued : issued + size], ttl_ms=self.lease_ms)
             pending.append((generation, size, asyncio.ensure_future(self._call(self._data.Acquire, req))))
             batches += 1
             issued += size
@@ -510,7 +511,8 @@ class KVStoreClient:
                         generation += 1
                         issued = cursor + len(acq.pages)
                     copying.append((acq, self._submit(
-                        lambda item, base=cursor: self._read_slot(into, rows, base + item[0], item[1]), list(enumerate(acq.pages)))))
+                        lambda item, base=cursor: self._read_slot(into, rows, base + item[0], item[1]),
+                        list(enumerate(acq.pages)))))
                     cursor += len(acq.pages)
                     continue
                 if not copying:  # only stale acquires left: let them come back and be released

@@ -83,7 +83,8 @@ class Server:
         logger.info(
             "kvstore-server listening on %s (tiers %s, %s, page copies %s)",
             self.address, ",".join(self.config.tiers),
-            f"metrics on {self.config.metrics_listen.rsplit(':', 1)[0]}:{self.metrics_port}" if self._metrics_http else "metrics off",
+            f"metrics on {self.config.metrics_listen.rsplit(':', 1)[0]}:{self.metrics_port}"
+            if self._metrics_http else "metrics off",
             "native" if pagecopy.NATIVE else f"in numpy, ~1.4x slower: {pagecopy.NATIVE_MISSING}",
         )
 

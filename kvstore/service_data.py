@@ -22,6 +22,10 @@ DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 MAX_CHUNK_BYTES = 8 << 20
 
 
+def _flat(view: memoryview) -> np.ndarray:
+    return np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
+
+
 class _IncomingPage:
     """A page arriving over WritePages: where its bytes go (None: stored already) and the
     checksum of what arrived so far."""
@@ -43,8 +47,10 @@ class _IncomingPage:
             raise InvalidRequest(f"page {self.key.hex()} got more than its {self.page_bytes} bytes")
         if end == self.page_bytes and self.filled == 0:  # the whole page in one chunk: copy and hash in one pass
             self.filled = end
-            src = np.frombuffer(chunk.data, dtype=np.uint8).reshape(1, -1)
-            digest = checksum(chunk.data) if self.dest is None else copy_checksum(np.frombuffer(self.dest, dtype=np.uint8).reshape(1, -1), src)
+            if self.dest is None:
+                digest = checksum(chunk.data)
+            else:
+                digest = copy_checksum(_flat(self.dest), _flat(chunk.data))
             if digest != self.checksum:
                 raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
             return True

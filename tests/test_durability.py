@@ -175,7 +175,8 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
         pages, placed = [], []
         for i in range(6):
             payload = bytes([i]) * 5000 + os.urandom(3192)  # 8 KiB, unaligned content
-            header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(1, 2, 1, 2048, "float16", 1), len(payload), checksum(payload))
+            layout = LayoutDesc(1, 2, 1, 2048, "float16", 1)
+            header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), layout, len(payload), checksum(payload))
             offset = tier.reserve(header.payload_bytes)
             assert offset is not None
             tier.write_slot(offset, header, memoryview(payload))
