@@ -22,15 +22,15 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-
-from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.layerwise import LayerLoad, LayerSave
-from kvstore.client.session import Recovery, SessionLog
-from kvstore.client.wire import PageAssembler
-from kvstore.client.session import recover as recover_session
 from kvstore.client.pages import KVRows, RowPage, check_kv, copy_bytes, page_of, page_rows, slot_as_page
+from kvstore.client.session import Recovery, SessionLog
+from kvstore.client.session import recover as recover_session
+from kvstore.client.wire import PageAssembler
+
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
@@ -58,7 +58,7 @@ def _error_name(exc: Any) -> str | None:
         for key, value in exc.trailing_metadata() or ():
             if key == ERROR_METADATA_KEY:
                 return str(value)
-    except Exception:  # noqa: BLE001 - a transport failure carries no metadata
+    except Exception:
         return None
     return None
 

@@ -10,8 +10,8 @@ from wsgiref.simple_server import WSGIServer
 import grpc
 from prometheus_client import start_http_server
 
-from kvstore._proto import directory_pb2_grpc
 from kvstore import pagecopy
+from kvstore._proto import directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.metrics import Metrics
@@ -96,7 +96,7 @@ class Server:
             try:
                 if self.manager.scrub_one() is None:
                     self._stopped.wait(1.0)
-            except Exception:  # noqa: BLE001 - the scrub must outlive one bad round
+            except Exception:
                 logger.exception("scrub round failed")
 
     def stop(self, grace_s: float = 5.0) -> None:

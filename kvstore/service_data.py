@@ -15,8 +15,8 @@ from kvstore.page import checksum, checksummer
 from kvstore.pagecopy import copy_checksum
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
-from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
 from kvstore.wal import TokenLog
+from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
 
 DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 MAX_CHUNK_BYTES = 8 << 20

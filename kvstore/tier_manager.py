@@ -28,11 +28,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.config import ServerConfig
 from kvstore.admission import ENGINE_FLAGS, FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
+from kvstore.config import ServerConfig
 from kvstore.directory import Directory
-from kvstore.eviction import HostResidency
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
+from kvstore.eviction import HostResidency
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, PageHeader
 from kvstore.recovery import rebuild_directory

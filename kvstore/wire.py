@@ -98,7 +98,7 @@ class WireChunk:
     that the handler can answer INVALID_ARGUMENT instead of gRPC's opaque deserialisation
     failure."""
 
-    __slots__ = ("meta", "data", "error")
+    __slots__ = ("data", "error", "meta")
 
     def __init__(self, meta: data_pb2.PageChunk, data: memoryview, error: str | None = None) -> None:
         self.meta = meta
@@ -148,7 +148,7 @@ def decode_chunk(raw: bytes) -> WireChunk:
                 raise ValueError("message truncated")
             spans.append(raw[start:pos])
         meta = data_pb2.PageChunk.FromString(b"".join(spans))
-    except Exception as exc:  # noqa: BLE001 - any malformed input becomes a clear error
+    except Exception as exc:
         return WireChunk(data_pb2.PageChunk(), view[0:0], f"malformed PageChunk: {exc}")
     return WireChunk(meta, data)
 

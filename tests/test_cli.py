@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import random_kv
-from kvstore.cli import ctl
 from kvstore.client import KVStoreClient
+
+from kvstore.cli import ctl
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
 from kvstore.pagecopy import copy_checksum
-from kvstore.tiers.base import TierUsage
-from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ _SEQ_KEY = b"last_seq"
 class Entry:
     """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page."""
 
-    __slots__ = ("namespace_id", "locations")
+    __slots__ = ("locations", "namespace_id")
 
     def __init__(self, namespace_id: bytes) -> None:
         self.namespace_id = namespace_id
