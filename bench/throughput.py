@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfl
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", type=int, default=512, help="pages per batch (512 x 2.25 MiB = 1.125 GiB)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per path (median reported)")
+    p.add_argument("--repeats", type=int, default=5, help="timed pairs (path, then its limit) per path; medians reported")
     p.add_argument("--dir", default="bench-out/throughput", help="work directory (on the filesystem to test)")
     p.add_argument("--paths", default="host-shm,host-grpc,ssd", help="which paths to run")
 
@@ -44,9 +45,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> tuple[float, float]:
-    """Median seconds of ``fn`` and of its ``limit``, measured alternately (one warm-up
-    each) so that drift on a shared machine hits both alike. ``setup`` runs untimed."""
+@dataclass(frozen=True)
+class Timing:
+    """Medians of a path and of its limit over alternating repeats, and the median of the
+    per-repeat ratios: each pair is measured back to back, so drift on a shared machine
+    (which moved memcpy between 10 and 14 GB/s within an hour here) hits both alike."""
+
+    path_s: float
+    limit_s: float
+    ratio: float
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> Timing:
+    """Times ``fn`` and its ``limit`` alternately, ``repeats`` pairs after one warm-up pair.
+    ``setup`` runs untimed before each ``fn``."""
     path_s, limit_s = [], []
     for i in range(repeats + 1):
         if setup is not None:
@@ -61,7 +79,7 @@ async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> tuple[
         if i:
             path_s.append(elapsed)
             limit_s.append(time.perf_counter() - start)
-    return sorted(path_s)[len(path_s) // 2], sorted(limit_s)[len(limit_s) // 2]
+    return Timing(_median(path_s), _median(limit_s), _median([lim / p for p, lim in zip(path_s, limit_s)]))
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
@@ -78,11 +96,10 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     wanted = set(args.paths.split(","))
     results: list[dict[str, Any]] = []
 
-    def add(path: str, timing: tuple[float, float], limit: str) -> None:
-        seconds, limit_seconds = timing
-        gbps, limit_gbps = nbytes / seconds / 1e9, nbytes / limit_seconds / 1e9
+    def add(path: str, timing: Timing, limit: str) -> None:
+        gbps, limit_gbps = nbytes / timing.path_s / 1e9, nbytes / timing.limit_s / 1e9
         results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
-                        "ratio": round(gbps / limit_gbps, 3), "seconds": round(seconds, 4)})
+                        "ratio": round(timing.ratio, 3), "seconds": round(timing.path_s, 4)})
         bar.update(1)
 
     # No endurance budget here: this measures the data path, not the admission policy.
