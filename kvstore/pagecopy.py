@@ -10,6 +10,7 @@ compiler at install) numpy does the same work: same bytes, same checksum.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,12 @@ except ImportError as exc:  # no compiler at install time, or an xxhash build wi
     NATIVE = False
     NATIVE_MISSING = f"kvstore._copyhash unavailable ({exc}); reinstall with a C compiler present"
     logger.info("page copies use numpy: %s", NATIVE_MISSING)
+
+
+def copy_checksum_bytes(dst: Any, src: Any) -> int:
+    """``copy_checksum`` for two contiguous buffers of one length (a staged page and its
+    slot, a received chunk and its slot)."""
+    return copy_checksum(np.frombuffer(dst, dtype=np.uint8).reshape(1, -1), np.frombuffer(src, dtype=np.uint8).reshape(1, -1))
 
 
 def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> int:

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
-import numpy as np
 
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, PageCorrupt
 from kvstore.page import checksum, checksummer
-from kvstore.pagecopy import copy_checksum
+from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.wal import TokenLog
@@ -20,10 +19,6 @@ from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
 
 DEFAULT_CHUNK_BYTES = CHUNK_BYTES
 MAX_CHUNK_BYTES = 8 << 20
-
-
-def _flat(view: memoryview) -> np.ndarray:
-    return np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
 
 
 class _IncomingPage:
@@ -50,7 +45,7 @@ class _IncomingPage:
             if self.dest is None:
                 digest = checksum(chunk.data)
             else:
-                digest = copy_checksum(_flat(self.dest), _flat(chunk.data))
+                digest = copy_checksum_bytes(self.dest, chunk.data)
             if digest != self.checksum:
                 raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
             return True

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
-import numpy as np
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
-from kvstore.pagecopy import copy_checksum
+from kvstore.pagecopy import copy_checksum_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +47,7 @@ INDEX_DIR = "index.lmdb"
 def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
     """Copies a staged page to its destination and verifies it in the same pass; False
     when it fails its checksum."""
-    return copy_checksum(_flat(dst), _flat(src)) == header.checksum
-
-
-def _flat(view: memoryview) -> np.ndarray:
-    return np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
+    return copy_checksum_bytes(dst, src) == header.checksum
 
 
 class StagingPool:
