@@ -16,6 +16,7 @@ import asyncio
 import logging
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,7 +59,7 @@ def _error_name(exc: Any) -> str | None:
         for key, value in exc.trailing_metadata() or ():
             if key == ERROR_METADATA_KEY:
                 return str(value)
-    except Exception:
+    except Exception:  # a transport failure carries no metadata
         return None
     return None
 
@@ -229,15 +230,21 @@ class KVStoreClient:
                 stored += n
         return stored * self.layout.page_tokens
 
-    def _batch_pages(self, index: int | None = None) -> int:
+    def _batch_pages(self) -> int:
         """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
         server's work on others, and at most a sixth of the arena so that the batches in
-        flight (one allocated ahead, two being copied, up to three committing) always fit.
-        Batch ``index`` of a transfer ramps up from RAMP_PAGES (doubling), so that the
-        other side starts working after a short first batch instead of a full one."""
+        flight (one allocated ahead, two being copied, up to three committing) always fit."""
         arena_pages = self._arena_bytes // max(1, self.layout.page_bytes)
-        full = max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
-        return full if index is None else min(full, RAMP_PAGES << min(index, 16))
+        return max(1, min(self.max_pages, arena_pages // 6, PIPELINE_PAGES))
+
+    def _batch_sizes(self) -> Iterator[int]:
+        """The batch sizes of one transfer: from RAMP_PAGES, doubling up to ``_batch_pages``,
+        so that the other side starts working after a short first batch."""
+        full = self._batch_pages()
+        size = min(full, RAMP_PAGES)
+        while True:
+            yield size
+            size = min(full, size * 2)
 
     async def _put_shm_pipelined(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int = 0) -> int:
         """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
@@ -250,14 +257,11 @@ class KVStoreClient:
         commits: deque[asyncio.Future[int]] = deque()
         ahead: asyncio.Future[Any] | None = None
 
-        batches = 0
+        sizes = self._batch_sizes()
 
         def allocate(start: int) -> asyncio.Future[Any]:
-            nonlocal batches
-            size = self._batch_pages(batches)
-            batches += 1
             return asyncio.ensure_future(self._call(self._data.Allocate, data_pb2.AllocateRequest(
-                namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + size])))
+                namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys[start : start + next(sizes)])))
 
         async def commit_oldest() -> None:
             alloc, todo, copied = copying[0]
@@ -456,17 +460,17 @@ class KVStoreClient:
         only when nothing of ours is held."""
         keys = hit.keys
         rows = page_rows(into, self.layout)
-        batches = issued = 0  # acquires sent / the first page not yet asked for
+        sizes = self._batch_sizes()
+        issued = 0  # the first page not yet asked for
         generation = 0  # bumped when a short answer makes the acquires in flight stale
         pending: deque[tuple[int, int, asyncio.Future[Any]]] = deque()  # (generation, pages asked, answer)
 
         def acquire() -> None:
-            nonlocal batches, issued
-            size = min(self._batch_pages(batches), len(keys) - issued)
+            nonlocal issued
+            size = min(next(sizes), len(keys) - issued)
             req = data_pb2.AcquireRequest(
                 namespace_id=self.namespace.namespace_id, keys=keys[issued : issued + size], ttl_ms=self.lease_ms)
             pending.append((generation, size, asyncio.ensure_future(self._call(self._data.Acquire, req))))
-            batches += 1
             issued += size
 
         releases: list[asyncio.Future[Any]] = []
