@@ -117,7 +117,7 @@ class LayerLoad:
                         self.into.write_layer(page, layer, self._layer_view(sources[page], layer))
                 self._layer_ready[layer].set()
             self.client.record_load(valid * self.client.layout.page_bytes, time.perf_counter() - start)
-        except BaseException as exc:  # reported to the engine through wait()
+        except BaseException as exc:  # noqa: BLE001 - reported to the engine through wait()
             self.error = exc
             logger.warning("layer-wise load failed: %s", exc)
             for event in self._layer_ready:
@@ -249,7 +249,7 @@ class LayerSave:
             else:
                 stored = client.write_pages_sync([self.keys[i] for i, _ in todo], targets, sums, self.durable)
             self._result = (self.first_page + stored) * layout.page_tokens
-        except BaseException as exc:  # raised again by finished()
+        except BaseException as exc:  # noqa: BLE001 - raised again by finished()
             self.error = exc if isinstance(exc, KVStoreError) else KVStoreError(f"layer-wise save failed: {exc!r}")
             if alloc is not None:
                 client.abort_sync(alloc.allocation_id)

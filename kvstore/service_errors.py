@@ -46,7 +46,7 @@ def unary(method: Callable[..., Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         try:
             return method(self, request, context)
-        except Exception as exc:  # mapped to a status below
+        except Exception as exc:  # noqa: BLE001 - mapped to a status below
             code, message = _abort(context, exc)
             self.metrics.rpc_errors.labels(name, code.name).inc()
             context.abort(code, message)
@@ -64,7 +64,7 @@ def stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]
         start = time.perf_counter()
         try:
             yield from method(self, request, context)
-        except Exception as exc:  # mapped to a status below
+        except Exception as exc:  # noqa: BLE001 - mapped to a status below
             code, message = _abort(context, exc)
             self.metrics.rpc_errors.labels(name, code.name).inc()
             context.abort(code, message)

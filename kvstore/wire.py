@@ -148,7 +148,7 @@ def decode_chunk(raw: bytes) -> WireChunk:
                 raise ValueError("message truncated")
             spans.append(raw[start:pos])
         meta = data_pb2.PageChunk.FromString(b"".join(spans))
-    except Exception as exc:  # any malformed input becomes a clear error
+    except Exception as exc:  # noqa: BLE001 - any malformed input becomes a clear error
         return WireChunk(data_pb2.PageChunk(), view[0:0], f"malformed PageChunk: {exc}")
     return WireChunk(meta, data)
 
