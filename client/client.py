@@ -59,7 +59,7 @@ def _error_name(exc: Any) -> str | None:
         for key, value in exc.trailing_metadata() or ():
             if key == ERROR_METADATA_KEY:
                 return str(value)
-    except Exception:  # a transport failure carries no metadata
+    except Exception:  # noqa: BLE001 - a transport failure carries no metadata
         return None
     return None
 
@@ -560,10 +560,10 @@ class KVStoreClient:
         n = self.layout.page_bytes
         slot = self.arena.array[acquired.offset : acquired.offset + n]
         if rows is not None:  # verified as it is copied (one pass); a bad page is wiped before anyone sees it
-            dst = rows.page(page).rows
-            if copy_checksum(dst, slot.reshape(rows.rows.shape[0], -1)) == acquired.checksum:
+            dst = rows.page(page)
+            if copy_checksum(dst.rows, slot.reshape(rows.rows.shape[0], -1)) == acquired.checksum:
                 return True
-            dst.fill(0)
+            dst.clear()
             return False
         if checksum(slot) != acquired.checksum:
             return False
@@ -578,13 +578,7 @@ class KVStoreClient:
                                         chunk_bytes=self.chunk_bytes)
         rows = page_rows(into, self.layout)
         if rows is not None:  # chunks go straight into the engine's tensor
-            def sink(index: int, offset: int, data: memoryview) -> None:
-                rows.page(first_page + index).write(offset, data)
-
-            def whole(index: int, data: memoryview) -> int:
-                return rows.page(first_page + index).write_all(data)
-
-            pages = PageAssembler(keys, self.layout.page_bytes, sink=sink, whole=whole)
+            pages = PageAssembler(keys, self.layout.page_bytes, target=lambda index: rows.page(first_page + index))
 
             def place(raw: bytes) -> None:
                 pages.feed(decode_chunk(raw))
@@ -613,6 +607,7 @@ class KVStoreClient:
         finally:
             if placing is not None:  # never leave a worker writing into ``into`` after returning
                 await asyncio.gather(placing, return_exceptions=True)
+            pages.abandon()  # a stream cut mid-page leaves no unverified bytes behind
         return pages.count
 
     # -- sessions ------------------------------------------------------------------------

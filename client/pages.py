@@ -110,6 +110,10 @@ class RowPage:
             pos += take
         return out
 
+    def clear(self) -> None:
+        """Zeroes the page (a page that failed its check must not reach the engine)."""
+        self.rows.fill(0)
+
     def write_all(self, data: memoryview) -> int:
         """Writes the whole page from its layer-major bytes and returns their checksum,
         computed as they are copied."""

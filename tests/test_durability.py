@@ -75,13 +75,14 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
     assert server.manager.stats().num_quarantined == 1
 
 
-@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
-async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, use_shm: bool) -> None:
-    """A stray write into the arena: the reader (same host or over the socket) stops at the
-    damaged page, and no byte of it reaches the caller."""
+@pytest.mark.parametrize(("use_shm", "chunk_bytes"), [(True, 4 << 20), (False, 4 << 20), (False, 4096)],
+                         ids=["shm", "grpc-page-per-message", "grpc-chunks"])
+async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, use_shm: bool, chunk_bytes: int) -> None:
+    """A stray write into the arena: the reader (same host or over the socket, a page whole
+    or in chunks) stops at the damaged page, and no byte of it reaches the caller."""
     tokens = list(range(64))
     kv = random_kv(layout, 64, seed=6)
-    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+    async with KVStoreClient(server.address, ns, use_shm=use_shm, chunk_bytes=chunk_bytes) as client:
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
         offset, _ = server.manager.host.slot(hit.keys[2])

@@ -64,6 +64,44 @@ def test_wire_roundtrip_and_damage() -> None:
             asm.feed(c)
 
 
+def test_target_pages_that_fail_or_stay_unfinished_are_zeroed() -> None:
+    """Into an engine's rows (the ``target``), chunk by chunk and whole: a page that fails
+    its checksum, and one the stream leaves half written (``abandon``), are zeroed; the
+    pages before them stay."""
+    import numpy as np
+
+    from kvstore._proto import common_pb2
+    from kvstore.client.pages import KVRows
+    from kvstore.client.wire import PageAssembler
+    from kvstore.wire import decode_chunk, page_chunks
+
+    layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
+    pages = [bytes([i + 1]) * 16384 for i in range(2)]  # two 16 KiB pages of 2 rows
+    keys = [b"a" * 16, b"b" * 16]
+
+    def encoded(i: int, chunk_bytes: int, damage: bool = False) -> list:
+        data = pages[i] if not damage else pages[i][:-1] + b"\0"
+        return [decode_chunk(raw) for raw in page_chunks(keys[i], b"n" * 16, layout, memoryview(data), checksum(pages[i]),
+                                                         chunk_bytes=chunk_bytes)]
+
+    for chunk_bytes in (4096, 16384):  # several chunks per page / the page in one chunk
+        rows = KVRows(np.zeros((2, 2 * 8192), dtype=np.uint8), 8192)
+        asm = PageAssembler(keys, 16384, target=rows.page)
+        assert [asm.feed(c) for c in encoded(0, chunk_bytes)][-1]
+        with pytest.raises(PageCorrupt, match="checksum"):
+            for c in encoded(1, chunk_bytes, damage=True):
+                asm.feed(c)
+        assert rows.page(0).rows.tobytes() == pages[0]
+        assert not rows.page(1).rows.any(), "the damaged page's bytes must not stay in the engine's tensor"
+
+    rows = KVRows(np.zeros((2, 2 * 8192), dtype=np.uint8), 8192)
+    asm = PageAssembler(keys, 16384, target=rows.page)
+    first, *_ = encoded(0, 4096)
+    assert not asm.feed(first) and rows.page(0).rows.any()
+    asm.abandon()  # the stream broke off after one chunk
+    assert not rows.page(0).rows.any()
+
+
 def test_chunk_codec_is_protobuf() -> None:
     """An encoded chunk is a PageChunk to protobuf, and decode_chunk reads protobuf's own
     encoding (fields in number order, data in the middle) the same way."""
