@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import grpc
@@ -56,12 +57,6 @@ class Timing:
     ratio: float
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> Timing:
     """Times ``fn`` and its ``limit`` alternately, ``repeats`` pairs after one warm-up pair.
     ``setup`` runs untimed before each ``fn``."""
@@ -79,7 +74,7 @@ async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> Timing
         if i:
             path_s.append(elapsed)
             limit_s.append(time.perf_counter() - start)
-    return Timing(_median(path_s), _median(limit_s), _median([lim / p for p, lim in zip(path_s, limit_s)]))
+    return Timing(median(path_s), median(limit_s), median([lim / p for p, lim in zip(path_s, limit_s)]))
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
