@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 import torch
-from kvstore.bench.harness import start_server
-from kvstore.client import KVStoreClient
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.harness import start_server
+from kvstore.client import KVStoreClient
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
 

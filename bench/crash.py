@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvstore.bench.harness import start_server
-from kvstore.client import KVStoreClient
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.harness import start_server
+from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)

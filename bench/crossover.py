@@ -21,13 +21,13 @@ from typing import Any
 
 import grpc
 import torch
-from kvstore.bench.harness import start_server
-from kvstore.bench.linkproxy import LinkProxy
-from kvstore.client import KVStoreClient
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace, planner
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.harness import start_server
+from kvstore.bench.linkproxy import LinkProxy
+from kvstore.client import KVStoreClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvstore.bench.harness import start_server
-from kvstore.client import KVStoreClient
-from kvstore.client.adapters.hf import HFKVCache, HFLayersKV, cache_from_layers, wait_per_layer
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.harness import start_server
+from kvstore.client import KVStoreClient
+from kvstore.client.adapters.hf import HFKVCache, HFLayersKV, cache_from_layers, wait_per_layer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench.belady import belady_hits
 from tqdm import tqdm
 
 from kvstore.admission import Decision, WriteBudget
+from kvstore.bench.belady import belady_hits
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, checksum

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.tiers.slab import round_up
 from tqdm import tqdm
 
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.metrics import Metrics
 from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader
 from kvstore.tier_manager import TierManager
+from kvstore.tiers.slab import round_up
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

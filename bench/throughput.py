@@ -22,13 +22,13 @@ from typing import Any
 
 import grpc
 import torch
-from kvstore.bench import limits, rawgrpc
-from kvstore.bench.harness import start_raw_grpc, start_server
-from kvstore.client import KVStoreClient
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench import limits, rawgrpc
+from kvstore.bench.harness import start_raw_grpc, start_server
+from kvstore.client import KVStoreClient
 from kvstore.wire import CHUNK_BYTES
 
 QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)

@@ -23,6 +23,9 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.layerwise import LayerLoad, LayerSave
@@ -30,9 +33,6 @@ from kvstore.client.pages import KVRows, RowPage, check_kv, copy_bytes, page_of,
 from kvstore.client.session import Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
 from kvstore.client.wire import PageAssembler
-
-from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
-from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
 from kvstore.page import LayoutDesc, checksum

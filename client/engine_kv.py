@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from kvstore.client.pages import check_kv, copy_bytes
 
+from kvstore.client.pages import check_kv, copy_bytes
 from kvstore.errors import InvalidRequest
 from kvstore.types import KVLayout
 

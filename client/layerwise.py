@@ -29,9 +29,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kvstore.client.engine_kv import EngineKV
 from kvstore.client.pages import slot_as_page
-
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksum
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from kvstore.client.pages import RowPage
 
+from kvstore.client.pages import RowPage
 from kvstore.errors import PageCorrupt
 from kvstore.page import checksum, checksummer
 from kvstore.wire import WireChunk

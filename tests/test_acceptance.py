@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvstore.client import KVStoreClient
 
 from kvstore import KVLayout, Namespace
+from kvstore.client import KVStoreClient
 
 
 async def example(addr: str) -> None:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvstore.bench.belady import belady_hits
 
 from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED, SeenTwice, ValueAdmission, WriteBudget, make_policy
+from kvstore.bench.belady import belady_hits
 from kvstore.errors import ConfigError
 from kvstore.eviction import HostResidency
 
@@ -122,9 +122,9 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
 
     import grpc
     from conftest import make_config, random_kv
-    from kvstore.client import KVStoreClient
 
     from kvstore._proto import directory_pb2, directory_pb2_grpc
+    from kvstore.client import KVStoreClient
 
     config = make_config(tmp_path, host_bytes=8 << 20)
     config = dataclasses.replace(config, host=dataclasses.replace(config.host, hint_share=0.1))  # 25 of 256 pages
@@ -155,8 +155,8 @@ async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, 
     """put(wanted=..., session_open=...) marks the stored pages for admission, through the
     arena and over the socket alike; other bits a client sets are ignored."""
     from conftest import random_kv
-    from kvstore.client import KVStoreClient
 
+    from kvstore.client import KVStoreClient
     from kvstore.page import LayoutDesc
 
     async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 from conftest import random_kv
-from kvstore.client import KVStoreClient
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidRequest, TierFull
 
 NS = b"n" * 16

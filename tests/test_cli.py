@@ -8,9 +8,9 @@ import sys
 
 import pytest
 from conftest import random_kv
-from kvstore.client import KVStoreClient
 
 from kvstore.cli import ctl
+from kvstore.client import KVStoreClient
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
 

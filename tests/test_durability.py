@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 from conftest import random_kv
-from kvstore.client import KVStoreClient
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
 from kvstore.errors import PageCorrupt, PageMissing
 from kvstore.page import HEADER_BYTES
 
@@ -137,10 +137,9 @@ async def test_index_entry_without_bytes_is_dropped_at_start(server_process, tmp
 def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
     """Regression: a capacity whose 64th part was not a multiple of 4 KiB gave unaligned
     slots, and O_DIRECT writes failed with EINVAL."""
-    from kvstore.tiers.ssd import SsdTier
-
     from kvstore.config import SsdTierConfig
     from kvstore.page import LayoutDesc, PageHeader, checksum
+    from kvstore.tiers.ssd import SsdTier
 
     tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=1_718_000_000))
     try:
@@ -167,10 +166,9 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
     and the buffers go back to the pool (a second pass of the same reads works)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvstore.tiers.ssd import SsdTier
-
     from kvstore.config import SsdTierConfig
     from kvstore.page import LayoutDesc, PageHeader, checksum
+    from kvstore.tiers.ssd import SsdTier
 
     tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=64 << 20))
     helper = ThreadPoolExecutor(1)

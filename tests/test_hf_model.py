@@ -11,11 +11,11 @@ import grpc
 import pytest
 import torch
 from hf_model import greedy, namespace_for, tiny_qwen3
-from kvstore.client import KVStoreClient
-from kvstore.client.adapters.hf import HFKVCache, wait_per_layer
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.client.adapters.hf import HFKVCache, wait_per_layer
 from kvstore.errors import NamespaceMismatch
 
 torch.set_num_threads(1)

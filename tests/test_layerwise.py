@@ -7,11 +7,11 @@ import time
 import grpc
 import torch
 from conftest import random_kv
-from kvstore.client import KVStoreClient
-from kvstore.client.engine_kv import PagedKV
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.client.engine_kv import PagedKV
 
 
 def _paged_from(kv: torch.Tensor, layout: KVLayout, block_size: int, seed: int = 0) -> PagedKV:

@@ -43,9 +43,8 @@ def test_payload_checks() -> None:
 
 def test_wire_roundtrip_and_damage() -> None:
     """Chunks made by kvstore.wire go back together only whole, in order, and intact."""
-    from kvstore.client.wire import PageAssembler
-
     from kvstore._proto import common_pb2
+    from kvstore.client.wire import PageAssembler
     from kvstore.wire import decode_chunk, page_chunks
 
     data = bytes(range(256)) * 64  # 16 KiB
@@ -126,9 +125,9 @@ def test_row_page_matches_the_page_bytes() -> None:
     """RowPage reads and writes a page of an engine tensor (here a strided slice) exactly as
     the layer-major page bytes, at any offsets, and checksums them the same way."""
     import torch
-    from kvstore.client.pages import page_of, page_rows
 
     from kvstore import KVLayout
+    from kvstore.client.pages import page_of, page_rows
 
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=24, dtype=torch.float16, page_tokens=4)
     big = torch.randn(3, 2, 20, 2, 24).to(torch.float16)

@@ -13,10 +13,10 @@ import grpc
 import pytest
 import torch
 from conftest import random_kv
-from kvstore.client import KVStoreClient
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing, TierFull
 
 

@@ -15,12 +15,11 @@ import os
 import secrets
 from pathlib import Path
 
-from kvstore.tiers.base import TierUsage
-from kvstore.tiers.slab import ALIGN, SlabAllocator
-
 from kvstore.config import HostTierConfig
 from kvstore.errors import PageCorrupt
 from kvstore.page import PageHeader
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.slab import ALIGN, SlabAllocator
 
 logger = logging.getLogger(__name__)
 

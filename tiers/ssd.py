@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
-from kvstore.tiers.base import TierUsage
-from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
 from kvstore.pagecopy import copy_checksum_bytes
+from kvstore.tiers.base import TierUsage
+from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 
 logger = logging.getLogger(__name__)
 

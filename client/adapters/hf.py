@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
 from kvstore.client.client import KVStoreClient
 from kvstore.client.layerwise import LayerLoad
-
 from kvstore.errors import InvalidRequest, NamespaceMismatch, PageCorrupt, PageMissing
 from kvstore.types import KVLayout
 
