@@ -40,7 +40,7 @@ from kvstore.pagecopy import copy_checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace
 from kvstore.validate import layout_msg
-from kvstore.wire import CHUNK_BYTES, PageStubs, decode_chunk, page_chunks
+from kvstore.wire import CHUNK_BYTES, PageStubs, check_chunk_bytes, decode_chunk, page_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,7 @@ class KVStoreClient:
     ) -> None:
         """``chunk_bytes``: the most page bytes one gRPC message carries on the socket path
         (4 KiB to 8 MiB); by default a page up to 4 MiB is one message."""
-        if not 4096 <= chunk_bytes <= 8 << 20:
-            raise InvalidRequest(f"chunk_bytes must be in [4096, {8 << 20}], got {chunk_bytes}")
+        check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.address = address
         self.namespace = namespace

@@ -15,10 +15,7 @@ from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.wal import TokenLog
-from kvstore.wire import CHUNK_BYTES, WireChunk, page_chunks
-
-DEFAULT_CHUNK_BYTES = CHUNK_BYTES
-MAX_CHUNK_BYTES = 8 << 20
+from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
 
 class _IncomingPage:
@@ -193,9 +190,8 @@ class DataService(data_pb2_grpc.DataServicer):
     def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        chunk_bytes = request.chunk_bytes or DEFAULT_CHUNK_BYTES
-        if not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidRequest(f"chunk_bytes must be in [4096, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        chunk_bytes = request.chunk_bytes or CHUNK_BYTES
+        check_chunk_bytes(chunk_bytes)
         ident, pages = self.manager.acquire(ns, keys, request.ttl_ms)
         try:
             for page in pages:

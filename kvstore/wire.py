@@ -23,8 +23,16 @@ from typing import Any, Protocol
 import grpc
 
 from kvstore._proto import common_pb2, data_pb2
+from kvstore.errors import InvalidRequest
 
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 8 << 20  # what a ReadPages request or a client may ask for
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Raises InvalidRequest unless ``chunk_bytes`` is a message size both sides accept."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidRequest(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
 SERVICE = "kvstore.v1.Data"
 WRITE_PAGES = f"/{SERVICE}/WritePages"
 READ_PAGES = f"/{SERVICE}/ReadPages"

@@ -117,7 +117,15 @@ def test_write_pages_checks(stubs, server) -> None:
     assert r.num_pages == 1
 
 
+def test_read_pages_message_size_is_bounded(stubs) -> None:
+    for size in (100, (8 << 20) + 1):
+        code, details = _status(stubs[1].ReadPages, data_pb2.ReadPagesRequest(namespace_id=NS, keys=[KEY], chunk_bytes=size))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"chunk_bytes must be in [4096, {8 << 20}], got {size}" in details
+
+
 async def test_client_side_errors_are_clear(server, layout, ns) -> None:
+    with pytest.raises(InvalidRequest, match=r"chunk_bytes must be in \[4096, 8388608\], got 100"):
+        KVStoreClient(server.address, ns, chunk_bytes=100)
     async with KVStoreClient(server.address, ns) as client:
         with pytest.raises(InvalidRequest, match="shape"):
             await client.put(list(range(32)), random_kv(layout, 32)[:, :1])
