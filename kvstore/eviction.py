@@ -6,7 +6,8 @@ one-shot prefix cannot push out a reused one; plain LRU otherwise. A page evicte
 and stored again is a reuse: it enters protected. Pages the engine's scheduler
 hinted (a queued request will need them at ``eta``) go only when nothing else can, and
 then the one whose next announced use is furthest away (Belady's rule, with the queue as
-the oracle). When hinted pages hold more than their share of the tier, the furthest of
+the oracle); among the pages of one request (one eta) the deepest goes first, since a
+page is only of use while every page before it in its prefix is there. When hinted pages hold more than their share of the tier, the furthest of
 them go before unannounced ones. A page keeps every announced use: when one happens (or
 passed long ago) the next one counts.
 """
@@ -28,6 +29,7 @@ class HostResidency:
         self.protected: OrderedDict[bytes, None] = OrderedDict()  # unhinted, used again
         self.hinted: set[bytes] = set()                           # resident and hinted
         self.hints: dict[bytes, list[float]] = {}                 # key -> heap of announced uses (etas)
+        self.depth: dict[bytes, int] = {}                         # hinted key -> its page index in the prefix
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()     # recently evicted
         self.ghost_pages = ghost_pages
 
@@ -74,8 +76,10 @@ class HostResidency:
             if len(self.ghosts) > self.ghost_pages:
                 self.ghosts.popitem(last=False)
 
-    def hint(self, key: bytes, eta: float) -> None:
+    def hint(self, key: bytes, eta: float, depth: int = 0) -> None:
+        """A queued request needs ``key``, its page ``depth`` (index in the prefix), at ``eta``."""
         heapq.heappush(self.hints.setdefault(key, []), eta)
+        self.depth[key] = depth
         if key in self.lru or key in self.protected:
             self.lru.pop(key, None)
             self.protected.pop(key, None)
@@ -93,6 +97,7 @@ class HostResidency:
 
     def _unhint(self, key: bytes) -> None:
         del self.hints[key]
+        self.depth.pop(key, None)
         if key in self.hinted:
             self.hinted.discard(key)
             if self.segmented:
@@ -110,11 +115,11 @@ class HostResidency:
                 for key in segment:
                     if key not in pinned:
                         return key
-        best, best_eta = None, -1.0
+        best, best_use = None, (-1.0, -1)
         for key in self.hinted:
-            eta = self.hints[key][0]
-            if key not in pinned and eta > best_eta:
-                best, best_eta = key, eta
+            use = (self.hints[key][0], self.depth[key])
+            if key not in pinned and use > best_use:
+                best, best_use = key, use
         if best is None:
             return next((k for seg in (self.lru, self.protected) for k in seg if k not in pinned), None)
         return best

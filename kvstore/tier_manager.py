@@ -567,8 +567,8 @@ class TierManager:
         with self._lock:
             self._reap()
             eta = self.clock() + eta_s
-            for key in keys:
-                self._residency.hint(key, eta)
+            for depth, key in enumerate(keys):
+                self._residency.hint(key, eta, depth)
             stored = len(self.directory.lookup(namespace_id, keys))
             todo = [k for k in keys[:stored] if not self._has(k, "host")] if prefetch else []
             layout = self._layouts.get(namespace_id)
