@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import shutil
 import time
@@ -188,7 +189,7 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
         e["predicted_fetch_ms"] = round((wire_fixed + v / link) * 1e3, 1)
     # measured crossover: where fetch time meets recompute time (log-linear interpolation)
     measured_x = None
-    for a, b in zip(emulated, emulated[1:]):
+    for a, b in itertools.pairwise(emulated):
         if (a["fetch_ms"] - a["recompute_ms"]) * (b["fetch_ms"] - b["recompute_ms"]) <= 0:
             la, lb = math.log(a["link_gbps"]), math.log(b["link_gbps"])
             fa, fb = math.log(a["fetch_ms"]), math.log(b["fetch_ms"])
@@ -286,7 +287,7 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['recompute_ms']:.0f} ms (planner {report['predicted_recompute_ms']:.0f}); r = {report['r_gbps'] * 1e3:.2f} MB/s")
     print(f"{'path':<10} {'read GB/s':>9} {'write GB/s':>10} {'reuses':>6} {'pred ms':>8} {'meas ms':>8} {'err':>6}  vs r")
     for p in report["paths"]:
-        print(f"{p['path']:<10} {p['read_gbps']:>9.3f} {p['write_gbps']:>10.3f} {str(p['reuses_to_win']):>6} "
+        print(f"{p['path']:<10} {p['read_gbps']:>9.3f} {p['write_gbps']:>10.3f} {p['reuses_to_win']!s:>6} "
               f"{p['predicted_read_ms']:>8.1f} {p['measured_read_ms']:>8.1f} {100 * p['prediction_error']:>5.0f}%  "
               f"{p['read_gbps'] / report['r_gbps']:.0f}x r")
     print(f"{'link MB/s':>10} {'fetch ms':>9} {'pred ms':>8} {'recompute':>9} wins")

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 import torch
@@ -127,7 +127,7 @@ class KVStoreClient:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def __aenter__(self) -> KVStoreClient:
+    async def __aenter__(self) -> Self:
         await self.connect()
         return self
 

@@ -96,7 +96,7 @@ class Server:
             try:
                 if self.manager.scrub_one() is None:
                     self._stopped.wait(1.0)
-            except Exception:  # noqa: BLE001 - the scrub must outlive one bad round
+            except Exception:  # the scrub must outlive one bad round
                 logger.exception("scrub round failed")
 
     def stop(self, grace_s: float = 5.0) -> None:

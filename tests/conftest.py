@@ -96,7 +96,7 @@ class ServerProcess:
 
     def start(self, preexec_fn: object = None) -> None:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=preexec_fn)  # type: ignore[arg-type]
+                                     preexec_fn=preexec_fn)  # type: ignore[arg-type]  # noqa: PLW1509 - a test's fork hook, no threads yet
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:

@@ -10,7 +10,7 @@ import sys
 def test_throughput_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "throughput", "--pages", "8", "--repeats", "1", "--json", "--dir", str(tmp_path / "tp")],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
@@ -24,7 +24,7 @@ def test_overlap_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "overlap", "--hit-tokens", "512", "--new-tokens", "16", "--layers", "2",
          "--hidden", "256", "--kv-heads", "2", "--head-dim", "64", "--repeats", "1", "--json", "--dir", str(tmp_path / "ov")],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
@@ -38,7 +38,7 @@ def test_crossover_smoke(tmp_path) -> None:
         [sys.executable, "-m", "kvstore.bench.main", "crossover", "--lengths", "64,128,256", "--layers", "2", "--hidden", "128",
          "--kv-heads", "2", "--head-dim", "32", "--link-mbps", "5,50", "--repeats", "1", "--json",
          "--dir", str(tmp_path / "cx"), "--plot", str(tmp_path / "cx.png")],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
@@ -54,7 +54,7 @@ def test_checkpoint_policies_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "checkpoint", "--prompt", "64", "--generate", "48", "--crashes", "1",
          "--periods", "32", "--json", "--dir", str(tmp_path / "ck")],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     by = {r["policy"]: r for r in json.loads(res.stdout.strip().splitlines()[-1])["results"]}

@@ -127,7 +127,7 @@ async def test_index_entry_without_bytes_is_dropped_at_start(server_process, tmp
     async with KVStoreClient(server_process.address, ns) as client:
         await client.put(tokens, random_kv(layout, 64), durable=True)
     server_process.kill()
-    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # lose the last page's bytes
+    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # noqa: ASYNC230 - lose the last page's bytes (server is down)
         f.truncate(f.seek(0, 2) - 4096)
     server_process.start()
     async with KVStoreClient(server_process.address, ns) as client:

@@ -53,7 +53,7 @@ def test_only_full_pages_and_chain() -> None:
     ],
 )
 def test_namespace_fields_change_the_id(change: dict) -> None:
-    base = dict(model="m", revision="r", layout=QWEN3_8B)
+    base = {"model": "m", "revision": "r", "layout": QWEN3_8B}
     assert Namespace(**base).namespace_id != Namespace(**{**base, **change}).namespace_id
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -59,7 +60,7 @@ async def test_layerwise_load_and_save(server, layout, ns) -> None:
         save = client.save(tokens, kv, start=hit.num_tokens)
         save.layer_done(0)
         save.layer_done(1)
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
         assert (await client.lookup(tokens)).num_tokens == 160, "pages are published only once all layers are stored"
         save.layer_done(2)
         save.layer_done(3)
@@ -108,7 +109,7 @@ async def test_deadline_means_recompute_and_no_late_writes(server, layout, ns, m
         assert load.wait(0) is False
         assert time.monotonic() - start < 0.5
         assert load.num_tokens == 0 and await load.finished() == 0
-        time.sleep(0.8)
+        await asyncio.sleep(0.8)
         assert not into.any(), "nothing may be written after the load is abandoned"
         assert not load.wait(1)
         default = client.load(hit, into=torch.zeros_like(kv))
