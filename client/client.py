@@ -385,12 +385,7 @@ class KVStoreClient:
     def _encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0) -> list[bytes]:
         """The encoded WritePages chunks of one page (runs on a copy thread): ``page`` is
         contiguous bytes or a RowPage of the engine's tensor (copied once, into the chunks)."""
-        if isinstance(page, RowPage):
-            data: Any = page
-            csum = page.checksum() if csum is None else csum
-        else:
-            data = memoryview(page.numpy())
-            csum = checksum(data) if csum is None else csum
+        data = page if isinstance(page, RowPage) else memoryview(page.numpy())
         return list(page_chunks(key, self.namespace.namespace_id, self._layout_msg, data, csum, durable, self.chunk_bytes, flags))
 
     async def _put_wire(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,

@@ -36,6 +36,21 @@ def copy_checksum_bytes(dst: Any, src: Any) -> int:
     return copy_checksum(np.frombuffer(dst, dtype=np.uint8).reshape(1, -1), np.frombuffer(src, dtype=np.uint8).reshape(1, -1))
 
 
+def frame_checksummed(head: bytes, rows: np.ndarray, tag: int) -> tuple[bytes, int]:
+    """``head`` + the bytes of ``rows`` (2-D uint8, rows contiguous) + ``tag`` + their checksum
+    as a 10-byte varint, built in one pass; returns the message and the checksum. Lets a
+    sender put a page's checksum into its message without reading the page twice."""
+    if NATIVE and _copyhash is not None:
+        message, digest = _copyhash.frame_checksummed(head, rows, tag)
+        return message, int(digest)
+    h = checksummer()
+    for row in rows:
+        h.update(row)
+    digest = h.intdigest()
+    varint = bytes([((digest >> (7 * i)) & 0x7F) | 0x80 for i in range(9)]) + bytes([digest >> 63])
+    return b"".join((head, *(memoryview(row) for row in rows), bytes([tag]), varint)), digest
+
+
 def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> int:
     """Copies ``src`` into ``dst`` and returns ``kvstore.page.checksum`` of the bytes, row
     after row. Both are 2-D uint8 arrays of one shape whose rows are contiguous (a page in

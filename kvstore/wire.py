@@ -21,9 +21,12 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 
 from kvstore._proto import common_pb2, data_pb2
 from kvstore.errors import InvalidRequest
+from kvstore.page import checksummer
+from kvstore.pagecopy import frame_checksummed
 
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 8 << 20  # what a ReadPages request or a client may ask for
@@ -38,6 +41,7 @@ WRITE_PAGES = f"/{SERVICE}/WritePages"
 READ_PAGES = f"/{SERVICE}/ReadPages"
 _DATA_FIELD = 7
 _DATA_TAG = (_DATA_FIELD << 3) | 2  # field 7, length-delimited
+_CHECKSUM_TAG = (5 << 3) | 0  # field 5, varint
 
 
 def _encode_varint(value: int) -> bytes:
@@ -76,21 +80,37 @@ def encode_chunk(meta: data_pb2.PageChunk, *parts: Any) -> bytes:
 
 
 class Pieces(Protocol):
-    """A page whose bytes are not one buffer (e.g. rows of an engine's KV tensor)."""
+    """A page whose bytes are not one buffer (e.g. rows of an engine's KV tensor): its
+    ``rows`` (2-D uint8, each row contiguous) hold its bytes in order."""
 
     nbytes: int
+    rows: np.ndarray
 
     def pieces(self, start: int, end: int) -> list[memoryview]: ...
 
 
-def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int,
+def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int | None,
                 durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0) -> Iterator[bytes]:
-    """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``."""
+    """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``.
+    With ``page_checksum`` None the checksum is computed here: for a page that fits one
+    chunk while its bytes are copied into the message (written after them as a 10-byte
+    varint, which keeps the message size known before the hash), else in a pass of its own."""
     if hasattr(data, "pieces"):
-        size, cut = data.nbytes, data.pieces
+        size, cut, rows = data.nbytes, data.pieces, data.rows
     else:
         view = memoryview(data).cast("B")
         size, cut = len(view), lambda start, end: [view[start:end]]
+        rows = np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
+    if page_checksum is None and size <= chunk_bytes:
+        meta = data_pb2.PageChunk(key=key, page_bytes=size, durable=durable, namespace_id=namespace_id, layout=layout, flags=flags)
+        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size)))
+        yield frame_checksummed(head, rows, _CHECKSUM_TAG)[0]
+        return
+    if page_checksum is None:
+        h = checksummer()
+        for row in rows:
+            h.update(row)
+        page_checksum = h.intdigest()
     for start in range(0, size, chunk_bytes):
         first = start == 0
         meta = data_pb2.PageChunk(

@@ -146,3 +146,33 @@ def test_row_page_matches_the_page_bytes() -> None:
         out.write(start, memoryview(want[start:end]))
     assert torch.equal(page_of(fresh, 1, 4), page_of(kv, 1, 4)) and not fresh[:, :, :4].any()
     assert page_rows(kv.transpose(3, 4), layout) is None  # heads/dim not contiguous: no row view
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_sender_without_the_checksum_gets_it_computed_into_the_message(monkeypatch, native: bool) -> None:
+    """``page_chunks`` with no checksum: a one-chunk page gets its checksum written after its
+    bytes (one pass, native or numpy alike), a longer page gets it in every chunk; protobuf
+    and decode_chunk read the same message, from a buffer or from an engine's strided rows."""
+    import numpy as np
+
+    from kvstore import pagecopy
+    from kvstore._proto import common_pb2, data_pb2
+    from kvstore.client.pages import KVRows
+    from kvstore.wire import decode_chunk, page_chunks
+
+    if native and not pagecopy.NATIVE:
+        pytest.skip(pagecopy.NATIVE_MISSING)
+    monkeypatch.setattr(pagecopy, "NATIVE", native)
+    layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
+    engine = np.random.default_rng(7).integers(0, 256, size=(2, 3 * 8192), dtype=np.uint8)  # rows of 3 pages
+    page = KVRows(engine, 8192).page(1)
+    data = page.rows.tobytes()
+    for source in (page, memoryview(data)):
+        [raw] = page_chunks(b"k" * 16, b"n" * 16, layout, source, None, durable=True, flags=2)
+        msg = data_pb2.PageChunk.FromString(raw)
+        assert (msg.checksum, msg.data, msg.page_bytes, msg.durable, msg.flags) == (checksum(data), data, len(data), True, 2)
+        chunk = decode_chunk(raw)
+        assert chunk.error is None and chunk.checksum == checksum(data) and bytes(chunk.data) == data
+        chunks = [decode_chunk(r) for r in page_chunks(b"k" * 16, b"n" * 16, layout, source, None, chunk_bytes=4096)]
+        assert len(chunks) == 4 and {c.checksum for c in chunks} == {checksum(data)}
+        assert b"".join(bytes(c.data) for c in chunks) == data
