@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED, SeenTwice, ValueAdmission, WriteBudget, make_policy
+from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED, Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
 from kvstore.bench.belady import belady_hits
 from kvstore.errors import ConfigError
 from kvstore.eviction import HostResidency
@@ -66,8 +66,11 @@ def test_policies() -> None:
     value.record_access(b"c")  # stored once
     assert value.can_admit(b"c", 0, tight, 100).reason == "one-shot"
     assert value.can_admit(b"c", 0, unlimited, 100).reason == "spare-budget"
-    value.record_access(b"c")
-    assert value.can_admit(b"c", 0, tight, 100).reason == "reused"
+    value.record_access(b"c")  # used again while in RAM: not yet proof of reuse beyond it
+    assert value.can_admit(b"c", 0, tight, 100) == Decision(False, "reused-in-ram")
+    value.record_refused(b"c")  # evicted without admission ...
+    value.record_access(b"c")  # ... and asked for again
+    assert value.can_admit(b"c", 0, tight, 100).reason == "ghost"
     assert value.can_admit(b"c", 0, tight, 10_000).reason == "budget"
     with pytest.raises(ConfigError, match="--ssd-admission"):
         make_policy("magic")
