@@ -7,9 +7,10 @@ and stored again is a reuse: it enters protected. Pages the engine's scheduler
 hinted (a queued request will need them at ``eta``) go only when nothing else can, and
 then the one whose next announced use is furthest away (Belady's rule, with the queue as
 the oracle); among the pages of one request (one eta) the deepest goes first, since a
-page is only of use while every page before it in its prefix is there. When hinted pages hold more than their share of the tier, the furthest of
-them go before unannounced ones. A page keeps every announced use: when one happens (or
-passed long ago) the next one counts.
+page is only of use while every page before it in its prefix is there. When hinted pages
+hold more than their share of the tier, the furthest of them go before unannounced ones.
+A page keeps every announced use: when one happens (or passed long ago) the next one
+counts.
 """
 
 from __future__ import annotations
