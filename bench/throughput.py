@@ -7,12 +7,18 @@ beside the limit each path chases, measured in the same run.
 | host-grpc-put/get | raw gRPC byte stream of the same size in messages of the same size (bare server, no processing) |
 | ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem |
 | ssd-get | raw O_DIRECT page reads of the same bytes |
+
+Beside each rate it reports the CPU the two sides spent per GB moved (this process, plus
+the server for a path or the raw gRPC pump for its limit): on a host where client and
+server share few cores, a path that needs more CPU per byte than its limit cannot reach
+it, whatever the transport does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -50,31 +56,52 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Timing:
     """Medians of a path and of its limit over alternating repeats, and the median of the
     per-repeat ratios: each pair is measured back to back, so drift on a shared machine
-    (which moved memcpy between 10 and 14 GB/s within an hour here) hits both alike."""
+    (which moved memcpy between 10 and 14 GB/s within an hour here) hits both alike.
+    ``*_cpu_s``: median CPU seconds of this process plus the peer process (if any)."""
 
     path_s: float
     limit_s: float
     ratio: float
+    path_cpu_s: float = 0.0
+    limit_cpu_s: float = 0.0
 
 
-async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None) -> Timing:
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(peer: int | None) -> float:
+    """CPU seconds (user + system, all threads) of this process and of ``peer``."""
+    own = os.times()
+    total = own.user + own.system
+    if peer is not None:
+        with open(f"/proc/{peer}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None, path_peer: int | None = None,
+                 limit_peer: int | None = None) -> Timing:
     """Times ``fn`` and its ``limit`` alternately, ``repeats`` pairs after one warm-up pair.
-    ``setup`` runs untimed before each ``fn``."""
-    path_s, limit_s = [], []
+    ``setup`` runs untimed before each ``fn``. ``*_peer``: the other process whose CPU counts."""
+    path_s, limit_s, path_cpu, limit_cpu = [], [], [], []
     for i in range(repeats + 1):
         if setup is not None:
             await setup()
-        start = time.perf_counter()
+        cpu, start = _cpu_s(path_peer), time.perf_counter()
         await fn()
-        elapsed = time.perf_counter() - start
-        start = time.perf_counter()
+        elapsed, used = time.perf_counter() - start, _cpu_s(path_peer) - cpu
+        cpu, start = _cpu_s(limit_peer), time.perf_counter()
         result = limit()
         if asyncio.iscoroutine(result):
             await result
         if i:
             path_s.append(elapsed)
+            path_cpu.append(used)
             limit_s.append(time.perf_counter() - start)
-    return Timing(median(path_s), median(limit_s), median([lim / p for p, lim in zip(path_s, limit_s)]))
+            limit_cpu.append(_cpu_s(limit_peer) - cpu)
+    return Timing(median(path_s), median(limit_s), median([lim / p for p, lim in zip(path_s, limit_s)]),
+                  median(path_cpu), median(limit_cpu))
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
@@ -94,12 +121,15 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     def add(path: str, timing: Timing, limit: str) -> None:
         gbps, limit_gbps = nbytes / timing.path_s / 1e9, nbytes / timing.limit_s / 1e9
         results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
-                        "ratio": round(timing.ratio, 3), "seconds": round(timing.path_s, 4)})
+                        "ratio": round(timing.ratio, 3), "seconds": round(timing.path_s, 4),
+                        "cpu_s_per_gb": round(timing.path_cpu_s / (nbytes / 1e9), 3),
+                        "limit_cpu_s_per_gb": round(timing.limit_cpu_s / (nbytes / 1e9), 3)})
         bar.update(1)
 
     # No endurance budget here: this measures the data path, not the admission policy.
     server, addr = start_server(workdir, int(nbytes * 1.3) + (64 << 20), int(nbytes * 1.3) + (256 << 20), "--ssd-dwpd", "0")
     raw_proc, raw_addr = start_raw_grpc()
+    server_pid, raw_pid = server.proc.pid, raw_proc.proc.pid
     try:
         scratch = torch.zeros_like(kv)
 
@@ -115,10 +145,11 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
             if "host-shm" in wanted:
                 async with KVStoreClient(addr, ns) as client:
                     assert client.shared_memory, "benchmark client could not map the arena"
-                    add("host-shm-put", await _timed(lambda: client.put(tokens, kv), memcpy, args.repeats, setup=clear), "memcpy")
+                    add("host-shm-put", await _timed(lambda: client.put(tokens, kv), memcpy, args.repeats, setup=clear, path_peer=server_pid),
+                        "memcpy")
                     hit = await client.lookup(tokens)
                     assert hit.num_tokens == len(tokens)
-                    timing = await _timed(lambda: client.get(hit, into=out), memcpy, args.repeats)
+                    timing = await _timed(lambda: client.get(hit, into=out), memcpy, args.repeats, path_peer=server_pid)
                     assert _same(out, kv), "host-shm get returned other bytes"
                     add("host-shm-get", timing, "memcpy")
             if "host-grpc" in wanted:
@@ -126,19 +157,20 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                 async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw, \
                         KVStoreClient(addr, ns, use_shm=False) as client:
                     timing = await _timed(lambda: client.put(tokens, kv), lambda: rawgrpc.upload(raw, nbytes, message),
-                                          args.repeats, setup=clear)
+                                          args.repeats, setup=clear, path_peer=server_pid, limit_peer=raw_pid)
                     add("host-grpc-put", timing, "raw-grpc-upload")
                     hit = await client.lookup(tokens)
                     out.zero_()
                     timing = await _timed(lambda: client.get(hit, into=out), lambda: rawgrpc.download(raw, nbytes, message),
-                                          args.repeats)
+                                          args.repeats, path_peer=server_pid, limit_peer=raw_pid)
                     assert _same(out, kv), "host-grpc get returned other bytes"
                     add("host-grpc-get", timing, "raw-grpc-download")
             if "ssd" in wanted:
                 disk = limits.RawDisk(workdir / "ssd", kv, layout.page_bytes)
                 try:
                     async with KVStoreClient(addr, ns) as client:
-                        timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write, args.repeats, setup=clear)
+                        timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write, args.repeats, setup=clear,
+                                              path_peer=server_pid)
                         add("ssd-put", timing, "raw-write+sync" + ("" if disk.direct else "(buffered)"))
                         hit = await client.lookup(tokens)
 
@@ -146,7 +178,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                             await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
 
                         out.zero_()
-                        timing = await _timed(lambda: client.get(hit, into=out), disk.read, args.repeats, setup=drop_host)
+                        timing = await _timed(lambda: client.get(hit, into=out), disk.read, args.repeats, setup=drop_host,
+                                              path_peer=server_pid)
                         assert _same(out, kv), "ssd get returned other bytes"
                         add("ssd-get", timing, "raw-read" + ("-odirect" if disk.direct else ""))
                 finally:
@@ -167,6 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"{report['pages']} pages x {report['page_bytes'] / 2**20:.2f} MiB = {report['pages'] * report['page_bytes'] / 2**30:.3f} GiB per batch")
-    print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}")
+    print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}   {'CPU s/GB path':>13} {'limit':>6}")
     for r in report["results"]:
-        print(f"{r['path']:<14} {r['gbps']:>7.2f}  {r['limit']:<22} {r['limit_gbps']:>7.2f} {r['ratio']:>6.2f}")
+        print(f"{r['path']:<14} {r['gbps']:>7.2f}  {r['limit']:<22} {r['limit_gbps']:>7.2f} {r['ratio']:>6.2f}   "
+              f"{r['cpu_s_per_gb']:>13.2f} {r['limit_cpu_s_per_gb']:>6.2f}")
+    print("CPU s/GB: this process plus the server (path) or the raw gRPC pump (limit), per GB moved")
