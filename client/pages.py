@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidRequest
-from kvstore.page import checksummer
+from kvstore.page import checksum_rows
 from kvstore.pagecopy import copy_checksum
 from kvstore.types import KVLayout
 
@@ -94,10 +94,7 @@ class RowPage:
 
     def checksum(self) -> int:
         """The page checksum (kvstore.page.checksum of its layer-major bytes), row by row."""
-        h = checksummer()
-        for row in self.rows:
-            h.update(row)
-        return h.intdigest()
+        return checksum_rows(self.rows)
 
     def _spans(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
         """(row, col_from, col_to, bytes before it) pieces of ``[start, end)``."""

@@ -67,6 +67,28 @@ static int rows_view(PyObject *obj, Py_buffer *view, int writable, const char *n
     return 0;
 }
 
+/* Hashes the rows of src into state and copies them to dst (row r at dst + r * dst_stride),
+ * piece by piece while each piece is in L1: streamed (non-temporal) stores for a destination
+ * nobody reads soon, plain ones for a message the socket layer reads next. No GIL needed. */
+static void hash_copy_rows(void *state, const Py_buffer *src, char *dst, Py_ssize_t dst_stride, int stream) {
+    xxh3_reset(state);
+    for (Py_ssize_t r = 0; r < src->shape[0]; r++) {
+        const char *s = (const char *)src->buf + r * src->strides[0];
+        char *d = dst + r * dst_stride;
+        for (Py_ssize_t at = 0; at < src->shape[1]; at += PIECE_BYTES) {
+            size_t n = (size_t)(src->shape[1] - at < PIECE_BYTES ? src->shape[1] - at : PIECE_BYTES);
+            xxh3_update(state, s + at, n);
+            if (stream)
+                stream_copy(d + at, s + at, n);
+            else
+                memcpy(d + at, s + at, n);
+        }
+    }
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();  /* the streamed stores are visible before anyone is told the copy is done */
+#endif
+}
+
 PyDoc_STRVAR(copy_checksum_doc,
 "copy_checksum(dst, src) -> int\n\n"
 "Copies src into dst (2-D uint8 arrays of one shape, rows contiguous) and returns the\n"
@@ -96,19 +118,7 @@ static PyObject *copy_checksum(PyObject *self, PyObject *args) {
     }
     unsigned long long digest;
     Py_BEGIN_ALLOW_THREADS
-    xxh3_reset(state);
-    for (Py_ssize_t r = 0; r < src.shape[0]; r++) {
-        const char *s = (const char *)src.buf + r * src.strides[0];
-        char *d = (char *)dst.buf + r * dst.strides[0];
-        for (Py_ssize_t at = 0; at < src.shape[1]; at += PIECE_BYTES) {
-            size_t n = (size_t)(src.shape[1] - at < PIECE_BYTES ? src.shape[1] - at : PIECE_BYTES);
-            xxh3_update(state, s + at, n);
-            stream_copy(d + at, s + at, n);
-        }
-    }
-#if defined(__SSE2__)
-    _mm_sfence();  /* the streamed stores are visible before anyone is told the copy is done */
-#endif
+    hash_copy_rows(state, &src, (char *)dst.buf, dst.strides[0], 1);
     digest = xxh3_digest(state);
     xxh3_free(state);
     Py_END_ALLOW_THREADS
@@ -140,26 +150,21 @@ static PyObject *frame_checksummed(PyObject *self, PyObject *args) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, head.len + payload + 11);
     void *state = out ? xxh3_create() : NULL;
     if (state == NULL) {
-        Py_XDECREF(out);
+        if (out != NULL) {
+            Py_DECREF(out);
+            PyErr_NoMemory();
+        }
         PyBuffer_Release(&head);
         PyBuffer_Release(&src);
-        return out ? PyErr_NoMemory() : NULL;
+        return NULL;
     }
     char *dst = PyBytes_AS_STRING(out);
     unsigned long long digest;
     Py_BEGIN_ALLOW_THREADS
     memcpy(dst, head.buf, (size_t)head.len);
     char *d = dst + head.len;
-    xxh3_reset(state);
-    for (Py_ssize_t r = 0; r < src.shape[0]; r++) {
-        const char *s = (const char *)src.buf + r * src.strides[0];
-        for (Py_ssize_t at = 0; at < src.shape[1]; at += PIECE_BYTES) {
-            size_t n = (size_t)(src.shape[1] - at < PIECE_BYTES ? src.shape[1] - at : PIECE_BYTES);
-            xxh3_update(state, s + at, n);
-            memcpy(d, s + at, n);
-            d += n;
-        }
-    }
+    hash_copy_rows(state, &src, d, src.shape[1], 0);
+    d += payload;
     digest = xxh3_digest(state);
     xxh3_free(state);
     *d++ = (char)tag;
@@ -169,8 +174,7 @@ static PyObject *frame_checksummed(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&head);
     PyBuffer_Release(&src);
-    PyObject *result = Py_BuildValue("(NK)", out, digest);
-    return result;
+    return Py_BuildValue("(NK)", out, digest);
 }
 
 static PyMethodDef methods[] = {

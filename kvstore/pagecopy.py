@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.page import checksum, checksummer
+from kvstore.page import checksum, checksum_rows
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,7 @@ def frame_checksummed(head: bytes, rows: np.ndarray, tag: int) -> tuple[bytes, i
     if NATIVE and _copyhash is not None:
         message, digest = _copyhash.frame_checksummed(head, rows, tag)
         return message, int(digest)
-    h = checksummer()
-    for row in rows:
-        h.update(row)
-    digest = h.intdigest()
+    digest = checksum_rows(rows)
     varint = bytes([((digest >> (7 * i)) & 0x7F) | 0x80 for i in range(9)]) + bytes([digest >> 63])
     return b"".join((head, *(memoryview(row) for row in rows), bytes([tag]), varint)), digest
 
@@ -63,9 +60,4 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> in
         np.copyto(dst, src)
         return digest
     np.copyto(dst, src)
-    if dst.flags.c_contiguous:
-        return checksum(dst)
-    h = checksummer()
-    for row in dst:
-        h.update(row)
-    return h.intdigest()
+    return checksum(dst) if dst.flags.c_contiguous else checksum_rows(dst)

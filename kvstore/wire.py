@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstore._proto import common_pb2, data_pb2
 from kvstore.errors import InvalidRequest
-from kvstore.page import checksummer
+from kvstore.page import checksum_rows
 from kvstore.pagecopy import frame_checksummed
 
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
@@ -36,6 +36,8 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
     """Raises InvalidRequest unless ``chunk_bytes`` is a message size both sides accept."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise InvalidRequest(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+
+
 SERVICE = "kvstore.v1.Data"
 WRITE_PAGES = f"/{SERVICE}/WritePages"
 READ_PAGES = f"/{SERVICE}/ReadPages"
@@ -107,10 +109,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         yield frame_checksummed(head, rows, _CHECKSUM_TAG)[0]
         return
     if page_checksum is None:
-        h = checksummer()
-        for row in rows:
-            h.update(row)
-        page_checksum = h.intdigest()
+        page_checksum = checksum_rows(rows)
     for start in range(0, size, chunk_bytes):
         first = start == 0
         meta = data_pb2.PageChunk(
