@@ -19,6 +19,7 @@ COMMANDS = {
     "crash": ("crash", "SIGKILL the server under load, restart, check invariants"),
     "restart": ("restart", "directory and index recovery time for N pages"),
     "crossover": ("crossover", "fetch vs recompute on this machine, with the planner's predictions"),
+    "lookup": ("lookup", "directory lookup latency and rate of a 512-page prefix, idle and while demoting"),
     "checkpoint": ("checkpoint", "KV checkpoint policies: SSD bytes vs tokens to recompute after a crash"),
 }
 

@@ -1,0 +1,154 @@
+"""kvstore-bench lookup: how fast the directory answers a 512-page prefix, idle and while
+the store demotes to SSD at full speed.
+
+A real ``kvstore-server`` process; every client is its own process (see lookup_load.py)
+calling the Lookup RPC with the prefix's keys computed once, for ``--seconds``; p50/p99
+are over every call of every client, lookups/s is calls over the window. In the
+``demoting`` runs a writer process puts fresh 2.25 MiB pages into a host tier smaller than
+what it writes, so every allocation evicts a page to SSD (the demotion rate is read from
+the server's own counters and printed beside). One row times ``KVStoreClient.lookup``
+(hashing the tokens into keys, then the RPC), and the hashing alone is timed here.
+
+Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
+>= 2,000 lookups/s from 8 clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.harness import start_server
+from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
+from kvstore.client import KVStoreClient
+from kvstore.keys import page_keys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pages", type=int, default=512, help="pages in the looked-up prefix")
+    p.add_argument("--clients", default="1,8", help="client process counts to run")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
+    p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
+    p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
+    p.add_argument("--dir", default="bench-out/lookup", help="work directory")
+
+
+def _spawn(role: str, address: str, pages: int, seconds: float) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "kvstore.bench.lookup_load", role, "--address", address, "--pages", str(pages),
+            "--seconds", str(seconds)]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"load process {role} did not get ready")
+    return proc
+
+
+def _go(procs: list[subprocess.Popen[str]], start: float) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start}\n")
+        proc.stdin.flush()
+
+
+def _collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load process failed with status {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _ssd_bytes_in(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stats = directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=30)
+    return sum(t.bytes_in for t in stats.tiers if t.tier == "ssd")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _run(address: str, role: str, clients: int, pages: int, seconds: float, demote: bool) -> dict[str, Any]:
+    writer = _spawn("writer", address, pages, seconds + 1.5) if demote else None
+    procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
+    before = _ssd_bytes_in(address)
+    start = time.time() + 0.2
+    if writer is not None:
+        _go([writer], start - 1.0)  # in full swing before the lookups start
+    _go(procs, start)
+    results = [_collect(p) for p in procs]
+    written = _collect(writer)["pages_written"] if writer else 0
+    demoted = _ssd_bytes_in(address) - before
+    latencies = [lat for r in results for lat in r["latencies_s"]]
+    return {
+        "state": "demoting" if demote else "idle", "call": "Lookup RPC" if role == "rpc" else "client.lookup",
+        "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
+        "p50_ms": _percentile(latencies, 0.50) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3,
+        "short_answers": sum(r["short"] for r in results),
+        "writer_pages": written, "demoted_gb_per_s": demoted / (seconds + 1.5) / 1e9 if demote else 0.0,  # the writer's window
+    }
+
+
+async def _store_prefix(address: str, pages: int) -> int:
+    tokens = prefix_tokens(pages)
+    kv = torch.randn(LOOKUP_LAYOUT.num_layers, 2, len(tokens), 2, 64).to(torch.float16)
+    async with KVStoreClient(address, LOOKUP_NS) as client:
+        return await client.put(tokens, kv) // LOOKUP_LAYOUT.page_tokens
+
+
+def _hash_ms(pages: int) -> float:
+    tokens = prefix_tokens(pages)
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        page_keys(LOOKUP_NS.namespace_id, tokens, LOOKUP_LAYOUT.page_tokens)
+        times.append(time.perf_counter() - t0)
+    return median(times) * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(args.dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
+                                   "--ssd-admission", "all", "--scrub-rate", "0")
+    counts = [int(c) for c in args.clients.split(",") if c]
+    plan = [("rpc", n, demote) for demote in (False, True) for n in counts] + [("client", 1, False)]
+    rows = []
+    try:
+        for role, n, demote in tqdm(plan, desc="lookup runs", file=sys.stderr):
+            # Stored again before each run (only what a previous run's writer pushed out):
+            # the prefix is then the newest data in the store and outlives this run's writes.
+            stored = asyncio.run(_store_prefix(address, args.pages))
+            if stored != args.pages:
+                raise RuntimeError(f"only {stored} of {args.pages} prefix pages could be stored")
+            rows.append(_run(address, role, n, args.pages, args.seconds, demote))
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"pages": args.pages, "seconds": args.seconds, "hash_ms": _hash_ms(args.pages), "rows": rows,
+            "num_violations": 0}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"lookup of a {report['pages']}-page prefix, {report['seconds']:.0f} s per run "
+          f"(hashing {report['pages']} keys on the client: {report['hash_ms']:.2f} ms)")
+    print("| state | call | clients | lookups/s | p50 ms | p99 ms | short answers | demoted GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in report["rows"]:
+        print(f"| {r['state']} | {r['call']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
+              f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['demoted_gb_per_s']:.2f} |")

@@ -1,0 +1,121 @@
+"""Load processes for ``kvstore-bench lookup``: one per lookup client, one writer.
+
+Each runs as its own process (``python -m kvstore.bench.lookup_load ROLE ...``) so that
+eight clients are eight interpreters, as eight engine workers would be, not eight
+coroutines sharing one GIL. Every process connects and warms up, prints ``ready``, reads
+the wall-clock start time from stdin (sent once all are ready), runs until start +
+``--seconds`` and prints one JSON line with what it measured.
+
+Roles:
+* ``rpc``: the Lookup RPC of a 512-page prefix with its keys computed once (what an
+  engine pays per lookup when it keeps a request's keys).
+* ``client``: ``KVStoreClient.lookup(tokens)``: the RPC plus hashing the tokens.
+* ``writer``: puts fresh 2.25 MiB pages as fast as it can into a host tier smaller than
+  what it writes, so that every allocation demotes a page to SSD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import grpc
+import torch
+
+from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.keys import page_keys
+
+LOOKUP_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
+WRITER_LAYOUT = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
+LOOKUP_NS = Namespace(model="lookup-bench", revision="r1", layout=LOOKUP_LAYOUT)
+WRITER_NS = Namespace(model="lookup-bench-writer", revision="r1", layout=WRITER_LAYOUT)
+
+
+def prefix_tokens(pages: int) -> list[int]:
+    """The looked-up prefix: the same tokens in every process."""
+    return [(i * 7919) % 50_000 for i in range(pages * LOOKUP_LAYOUT.page_tokens)]
+
+
+def _ready() -> float:
+    """Says ready, then waits for the start time (every process starts together)."""
+    print("ready", flush=True)
+    start = float(sys.stdin.readline())
+    delay = start - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    return start
+
+
+def run_rpc(address: str, pages: int, seconds: float) -> dict[str, object]:
+    keys = page_keys(LOOKUP_NS.namespace_id, prefix_tokens(pages), LOOKUP_LAYOUT.page_tokens)
+    request = directory_pb2.LookupRequest(namespace_id=LOOKUP_NS.namespace_id, keys=keys)
+    with grpc.insecure_channel(address) as channel:
+        stub = directory_pb2_grpc.DirectoryStub(channel)
+        for _ in range(20):  # warm-up: connection, first allocations
+            stub.Lookup(request, timeout=10)
+        start = _ready()
+        latencies, short = [], 0
+        end = start + seconds
+        while time.time() < end:
+            t0 = time.perf_counter()
+            resp = stub.Lookup(request, timeout=10)
+            latencies.append(time.perf_counter() - t0)
+            short += resp.num_pages < pages
+    return {"latencies_s": latencies, "short": short}
+
+
+async def _run_client(address: str, pages: int, seconds: float) -> dict[str, object]:
+    tokens = prefix_tokens(pages)
+    async with KVStoreClient(address, LOOKUP_NS, use_shm=False) as client:
+        for _ in range(5):
+            await client.lookup(tokens)
+        start = _ready()
+        latencies, short = [], 0
+        end = start + seconds
+        while time.time() < end:
+            t0 = time.perf_counter()
+            hit = await client.lookup(tokens)
+            latencies.append(time.perf_counter() - t0)
+            short += hit.num_pages < pages
+    return {"latencies_s": latencies, "short": short}
+
+
+async def _run_writer(address: str, seconds: float) -> dict[str, object]:
+    batch = 16
+    kv = torch.randn(WRITER_LAYOUT.num_layers, 2, batch * 16, 8, 128).to(torch.bfloat16)
+    written = 0
+    async with KVStoreClient(address, WRITER_NS) as client:
+        start = _ready()
+        end = start + seconds
+        base = 1_000_000
+        while time.time() < end:
+            tokens = list(range(base, base + batch * 16))
+            base += batch * 16
+            written += await client.put(tokens, kv) // 16
+    return {"pages_written": written}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvstore.bench.lookup_load")
+    p.add_argument("role", choices=["rpc", "client", "writer"])
+    p.add_argument("--address", required=True)
+    p.add_argument("--pages", type=int, default=512)
+    p.add_argument("--seconds", type=float, required=True)
+    args = p.parse_args(argv)
+    if args.role == "rpc":
+        out = run_rpc(args.address, args.pages, args.seconds)
+    elif args.role == "client":
+        out = asyncio.run(_run_client(args.address, args.pages, args.seconds))
+    else:
+        out = asyncio.run(_run_writer(args.address, args.seconds))
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

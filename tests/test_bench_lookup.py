@@ -1,0 +1,25 @@
+"""Smoke run of kvstore-bench lookup: every run of the plan measures lookups, each answer
+is the whole stored prefix, the writer really demotes, JSON shape as documented."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_lookup_smoke(tmp_path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
+         "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--json", "--dir", str(tmp_path / "lk")],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
+        ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),
+        ("idle", "client.lookup", 1)]
+    for r in rows:
+        assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+    assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
