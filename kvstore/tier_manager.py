@@ -87,7 +87,7 @@ class TierManager:
         gc_enabled = gc.isenabled()
         gc.disable()
         try:
-            self.directory = Directory(config.data_dir, config.node)
+            self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
             self.host = HostTier(config.host, config.node)
             self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
             self._init_state(config, clock)

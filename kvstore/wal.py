@@ -16,6 +16,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from kvstore.config import TOKEN_LOG_MAP_BYTES
 from kvstore.errors import InvalidRequest
 
 _META = struct.Struct("<IQ")  # prompt tokens, total length
@@ -23,9 +24,9 @@ MAX_SESSION_ID = 256
 
 
 class TokenLog:
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(data_dir / "wal.lmdb"), map_size=4 << 30, max_dbs=2, sync=False, metasync=False)
+        self.env = lmdb.open(str(data_dir / "wal.lmdb"), map_size=map_bytes, max_dbs=2, sync=False, metasync=False)
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
         self._lock = threading.Lock()

@@ -113,7 +113,7 @@ class SsdTier:
         self.allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
-        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True, sync=config.sync)
+        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=config.index_map_bytes, max_dbs=4, subdir=True, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
         # key -> (offset, header); the header stays raw bytes until first used, so that a

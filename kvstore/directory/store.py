@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lmdb
 
+from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
 from kvstore.types import Location
 
@@ -43,10 +44,10 @@ class Entry:
 
 
 class Directory:
-    def __init__(self, data_dir: Path, node: str) -> None:
+    def __init__(self, data_dir: Path, node: str, map_bytes: int = MAP_BYTES) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node = node
-        self.env = lmdb.open(str(data_dir / "directory.lmdb"), map_size=8 << 30, max_dbs=4, metasync=False, sync=True)
+        self.env = lmdb.open(str(data_dir / "directory.lmdb"), map_size=map_bytes, max_dbs=4, metasync=False, sync=True)
         self.entries_db = self.env.open_db(b"entries")
         self.meta_db = self.env.open_db(b"meta")
         self._entries: dict[bytes, Entry] = {}
