@@ -6,6 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+from conftest import random_kv
+
+from kvstore.bench.crossover import _read_checked
+from kvstore.client import KVStoreClient
+
 
 def test_throughput_smoke(tmp_path) -> None:
     res = subprocess.run(
@@ -61,3 +67,19 @@ def test_checkpoint_policies_smoke(tmp_path) -> None:
     assert by["ram"]["ssd_mib_per_1k_tokens"] == 0
     assert by["write-through"]["mean_tokens_to_prefill"] < by["ram"]["mean_tokens_to_prefill"]
     assert by["write-through"]["ssd_mib_per_1k_tokens"] >= by["periodic-32"]["ssd_mib_per_1k_tokens"]
+
+
+async def test_crossover_read_check_fails_when_a_read_leaves_bytes_out(server, layout, ns) -> None:
+    """Bug: crossover read every path into one buffer, so once the first path had filled it
+    the bit-exact check of the later paths could not fail. Each read now gets a fresh
+    poisoned buffer: a read that delivers only part of the prefix fails the check."""
+    tokens = list(range(64))
+    kv = random_kv(layout, len(tokens), seed=7)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens[:32], kv[:, :, :32].contiguous()) == 32
+        short = await client.lookup(tokens)
+        assert short.num_tokens == 32
+        with pytest.raises(RuntimeError, match="other bytes"):
+            await _read_checked("host-shm", client, short, kv)
+        assert await client.put(tokens, kv) == 64
+        assert await _read_checked("host-shm", client, await client.lookup(tokens), kv) > 0
