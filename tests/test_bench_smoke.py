@@ -89,3 +89,22 @@ async def test_crossover_read_check_fails_when_a_read_leaves_bytes_out(server, l
             await _read_checked("host-shm", client, short, kv)
         assert await client.put(tokens, kv) == 64
         assert await _read_checked("host-shm", client, await client.lookup(tokens), kv) > 0
+
+
+def test_restart_smoke(tmp_path) -> None:
+    """Bug: restart timed only the TierManager constructor, in the process that had just
+    built a sparse data file (warm cache, no page bytes). It now also starts a real
+    kvstore-server on pages really written, cache dropped or said otherwise, and times it
+    until its first Lookup answers."""
+    pages = 300
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.main", "restart", "--pages", str(pages), "--json", "--dir", str(tmp_path / "rs")],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["recovered_pages"] == report["directory_entries"] == pages
+    assert report["data_file_allocated_bytes"] >= pages * (4096 + 4096), "every page's slot is on disk, not a hole"
+    assert 0 < report["server_ready_s"] <= report["server_first_lookup_s"] and report["constructor_s"] > 0
+    assert report["page_cache"].startswith(("dropped", "NOT dropped"))
+    assert "first Lookup answered" in res.stdout and report["page_cache"] in res.stdout
