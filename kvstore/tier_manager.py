@@ -239,7 +239,10 @@ class TierManager:
             victim = next((k for k in self._ssd_lru if k not in self._pins), None)
             if victim is None:
                 return None
-            self.ssd.delete(victim)  # first: when the index cannot take the delete, nothing changed
+            try:
+                self.ssd.delete(victim)
+            except MetadataFull:
+                return None  # a full index cannot even record a delete: no room
             self._ssd_lru.pop(victim)
             self.directory.remove(victim, self.node, "ssd")
             self.metrics.evictions.labels("ssd").inc()
