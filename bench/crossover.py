@@ -55,6 +55,26 @@ def _model(args: argparse.Namespace, max_len: int) -> tuple[Any, Any]:
     return Qwen3ForCausalLM(config).eval(), config
 
 
+def _poisoned_like(kv: torch.Tensor) -> torch.Tensor:
+    """A fresh destination full of a byte pattern no read leaves there by chance."""
+    into = torch.empty_like(kv)
+    into.view(torch.uint8).fill_(0xA5)
+    return into
+
+
+async def _read_checked(path: str, client: KVStoreClient, hit: Any, kv: torch.Tensor) -> float:
+    """Seconds to read ``hit`` into a fresh poisoned buffer, which must then equal ``kv`` bit
+    for bit. Fresh per read: a buffer an earlier path had filled would hide a path that
+    wrote nothing or too little."""
+    into = _poisoned_like(kv)
+    t0 = time.perf_counter()
+    await client.get(hit, into=into)
+    seconds = time.perf_counter() - t0
+    if not torch.equal(into.view(torch.uint8), kv.view(torch.uint8)):
+        raise RuntimeError(f"{path}: the read returned other bytes than were stored")
+    return seconds
+
+
 def _best(xs: list[float]) -> float:
     """Best of the repeats: the least disturbed run on a shared machine."""
     return min(xs)
@@ -92,7 +112,6 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                 kv = torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
                                   for layer in out.past_key_values.layers]).contiguous()
                 tokens = prefix[0].tolist()
-                into = torch.zeros_like(kv)
                 for path, client, durable in (("host-shm", shm, False), ("host-grpc", wire, False), ("ssd", shm, True)):
                     w, r = [], []
                     for _ in range(args.repeats):
@@ -103,10 +122,7 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         hit = await client.lookup(tokens)
                         if path == "ssd":
                             await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
-                        t0 = time.perf_counter()
-                        await client.get(hit, into=into)
-                        r.append(time.perf_counter() - t0)
-                        assert torch.equal(into, kv), f"{path} returned other bytes"
+                        r.append(await _read_checked(path, client, hit, kv))
                     row[f"{path}-write"], row[f"{path}-read"] = _best(w), _best(r)
                 row["bytes"] = n * layout.bytes_per_token
                 rows[n] = row
@@ -127,10 +143,7 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                     async with KVStoreClient(proxy.address, ns, use_shm=False, timeout_s=600) as remote:
                         t0 = time.perf_counter()
                         hit = await remote.lookup(kv_tokens)
-                        into = torch.zeros_like(kv)
-                        await remote.get(hit, into=into)
-                        fetch = time.perf_counter() - t0
-                        assert torch.equal(into, kv)
+                        fetch = time.perf_counter() - t0 + await _read_checked(f"link {mbps:g} MB/s", remote, hit, kv)
                 finally:
                     proxy.close()
                 emulated.append({"link_gbps": mbps / 1e3, "fetch_ms": round(fetch * 1e3, 1)})

@@ -1,14 +1,50 @@
-"""Raw disk, the limit the SSD paths chase: O_DIRECT page writes + fdatasync and O_DIRECT
-reads of the same bytes on the same filesystem. (memcpy is timed inline by the throughput
-benchmark; the raw gRPC pump is rawgrpc.py.)"""
+"""The limits the throughput paths chase: memcpy (ordinary and non-temporal stores) for the
+shared-memory paths; raw disk (O_DIRECT page writes + fdatasync and O_DIRECT reads of the
+same bytes on the same filesystem) for the SSD paths. (The raw gRPC pump is rawgrpc.py.)"""
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from kvstore import pagecopy
+
+
+class Memcpy:
+    """Copies of the path's bytes into a buffer of their size, two ways: ordinary stores
+    (torch ``copy_``, on its own threads) and the non-temporal stores the shared-memory path
+    writes slots with (``pagecopy.copy_streamed``, one slice per thread of the client's copy
+    pool). Which is faster depends on the machine; the limit is the better of the two, so
+    that a streamed path is not measured against a slower copy than it could be."""
+
+    def __init__(self, src: torch.Tensor, threads: int = 2) -> None:
+        self.src = src
+        self.dst = torch.empty_like(src)
+        self.dst.view(torch.uint8).fill_(0)  # touched once: first-touch faults are not a copy
+        src_bytes, dst_bytes = src.view(torch.uint8).reshape(-1).numpy(), self.dst.view(torch.uint8).reshape(-1).numpy()
+        step = -(-len(src_bytes) // threads)
+        self._parts = [(dst_bytes[i : i + step], src_bytes[i : i + step]) for i in range(0, len(src_bytes), step)]
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="memcpy")
+        self.streamed_available = pagecopy.copy_streamed(*self._parts[0])
+
+    def plain(self) -> None:
+        self.dst.copy_(self.src)
+
+    def streamed(self) -> None:
+        for _ in self._pool.map(lambda part: pagecopy.copy_streamed(*part), self._parts):
+            pass
+
+    def ways(self) -> dict[str, Callable[[], None]]:
+        """name -> copy, for the ways this machine can run."""
+        return {"memcpy": self.plain, "memcpy-nt": self.streamed} if self.streamed_available else {"memcpy": self.plain}
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 ALIGN = 4096
 

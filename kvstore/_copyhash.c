@@ -177,8 +177,35 @@ static PyObject *frame_checksummed(PyObject *self, PyObject *args) {
     return Py_BuildValue("(NK)", out, digest);
 }
 
+PyDoc_STRVAR(copy_streamed_doc,
+"copy_streamed(dst, src) -> None\n\n"
+"Copies src into dst (contiguous buffers of one length) with the non-temporal stores\n"
+"copy_checksum writes a slot with, and no hash: the memcpy a streamed path is measured\n"
+"against. Releases the GIL while it copies.");
+
+static PyObject *copy_streamed(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "dst is %zd bytes but src is %zd", dst.len, src.len);
+        PyBuffer_Release(&dst);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    stream_copy((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_checksum", copy_checksum, METH_VARARGS, copy_checksum_doc},
+    {"copy_streamed", copy_streamed, METH_VARARGS, copy_streamed_doc},
     {"frame_checksummed", frame_checksummed, METH_VARARGS, frame_checksummed_doc},
     {NULL, NULL, 0, NULL},
 };

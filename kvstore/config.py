@@ -19,6 +19,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 KNOWN_TIERS = ("hbm", "host", "ssd")
+MIN_MAP_BYTES = 64 << 10  # an LMDB map smaller than this cannot hold its own tables
+MAP_BYTES = 8 << 30  # default LMDB map of the directory and of the ssd index (address space, not disk)
+TOKEN_LOG_MAP_BYTES = 4 << 30
 
 
 def parse_size(text: str | int, flag: str = "size") -> int:
@@ -73,10 +76,13 @@ class SsdTierConfig:
     admission: str = "value"  # all | first-come | seen-twice | value
     sync: bool = True  # False only for trace replay: no fdatasync, no synced index
     slab_bytes: int = 0  # 0: derived from capacity
+    index_map_bytes: int = MAP_BYTES  # LMDB map of the slot index; when full, writes to the tier are refused
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 16 << 20 and self.slab_bytes == 0:
             raise ConfigError("--ssd-capacity must be at least 16MiB")
+        if self.index_map_bytes < MIN_MAP_BYTES:
+            raise ConfigError("--lmdb-map-size must be at least 64KiB")
         if self.dwpd < 0:
             raise ConfigError("--ssd-dwpd must be >= 0 (0: no write budget)")
         if self.burst_s <= 0:
@@ -100,6 +106,8 @@ class ServerConfig:
     workers: int = 16
     scrub_pages_per_s: float = 20.0  # background verification of SSD pages; 0: off
     max_subscribers: int = 8  # Subscribe streams at once (each holds a worker thread)
+    directory_map_bytes: int = MAP_BYTES  # LMDB map of the directory's durable (remote) locations
+    token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
 
     def __post_init__(self) -> None:
         for tier in self.tiers:
@@ -115,3 +123,5 @@ class ServerConfig:
             raise ConfigError("max_subscribers must be > 0 and below the number of workers")
         if self.max_pages_per_request <= 0:
             raise ConfigError("max_pages_per_request must be > 0")
+        if min(self.directory_map_bytes, self.token_log_map_bytes) < MIN_MAP_BYTES:
+            raise ConfigError("--lmdb-map-size must be at least 64KiB")

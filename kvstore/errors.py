@@ -23,6 +23,12 @@ class TierFull(KVStoreError):
     """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
 
 
+class MetadataFull(TierFull):
+    """An LMDB map (directory, token log or ssd index) has no room left. The transaction
+    was aborted and memory left as it was: nothing of the request was stored. The message
+    names the map and the flag that makes it larger."""
+
+
 class PageMissing(KVStoreError):
     """A page promised by a lookup is gone (evicted, invalidated, or its bytes were lost)."""
 

@@ -36,6 +36,16 @@ def copy_checksum_bytes(dst: Any, src: Any) -> int:
     return copy_checksum(np.frombuffer(dst, dtype=np.uint8).reshape(1, -1), np.frombuffer(src, dtype=np.uint8).reshape(1, -1))
 
 
+def copy_streamed(dst: Any, src: Any) -> bool:
+    """Copies ``src`` into ``dst`` (contiguous buffers of one length) with the non-temporal
+    stores ``copy_checksum`` writes slots with, without hashing; False (nothing copied)
+    without the native half. Benchmarks compare a streamed path with it."""
+    if not NATIVE or _copyhash is None:
+        return False
+    _copyhash.copy_streamed(dst, src)
+    return True
+
+
 def frame_checksummed(head: bytes, rows: np.ndarray, tag: int) -> tuple[bytes, int]:
     """``head`` + the bytes of ``rows`` (2-D uint8, rows contiguous) + ``tag`` + their checksum
     as a 10-byte varint, built in one pass; returns the message and the checksum. Lets a

@@ -55,7 +55,7 @@ class Server:
         self.manager = TierManager(config, self.metrics)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"), options=GRPC_OPTIONS)
         directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryService(self.manager, config), self._grpc)
-        self.wal = TokenLog(config.data_dir)
+        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         add_data_service(DataService(self.manager, config, self.wal), self._grpc)
         self.port = 0
         self.metrics_port = 0

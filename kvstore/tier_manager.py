@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from kvstore.admission import ENGINE_FLAGS, FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
-from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
+from kvstore.errors import InvalidRequest, LeaseExpired, MetadataFull, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
 from kvstore.eviction import HostResidency
 from kvstore.metrics import Metrics
 from kvstore.page import LayoutDesc, PageHeader
@@ -87,7 +87,7 @@ class TierManager:
         gc_enabled = gc.isenabled()
         gc.disable()
         try:
-            self.directory = Directory(config.data_dir, config.node)
+            self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
             self.host = HostTier(config.host, config.node)
             self.ssd = SsdTier(config.ssd) if "ssd" in config.tiers and config.ssd else None
             self._init_state(config, clock)
@@ -204,7 +204,7 @@ class TierManager:
             try:
                 if self._ssd_write([(header, self.host.view(offset, header.payload_bytes))]) == 1:
                     self.metrics.demotions.labels("host").inc()
-            except OSError:
+            except (OSError, MetadataFull):
                 pass  # logged and counted by _ssd_write; the page leaves the cache as any eviction
         self._residency.remove(key, evicted=True)
         self.host.delete(key)
@@ -239,8 +239,11 @@ class TierManager:
             victim = next((k for k in self._ssd_lru if k not in self._pins), None)
             if victim is None:
                 return None
+            try:
+                self.ssd.delete(victim)
+            except MetadataFull:
+                return None  # a full index cannot even record a delete: no room
             self._ssd_lru.pop(victim)
-            self.ssd.delete(victim)
             self.directory.remove(victim, self.node, "ssd")
             self.metrics.evictions.labels("ssd").inc()
 
@@ -298,7 +301,17 @@ class TierManager:
                     ssd.unreserve(offset)
                 else:
                     fresh.append((offset, header))
-            ssd.index(fresh)
+            try:
+                ssd.index(fresh)
+            except MetadataFull as exc:
+                for offset, _ in fresh:  # written but never indexed: free again, like a failed write
+                    ssd.unreserve(offset)
+                self.metrics.ssd_errors.inc()
+                now = time.monotonic()
+                if now - self._last_ssd_error_log > 10:
+                    self._last_ssd_error_log = now
+                    logger.error("ssd tier: %s; serving from RAM, nothing stored is lost", exc)
+                raise
             by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
             for _, header in fresh:
                 self._ssd_lru[header.key] = None

@@ -13,19 +13,19 @@ import struct
 import threading
 from pathlib import Path
 
-import lmdb
 import numpy as np
 
+from kvstore.config import TOKEN_LOG_MAP_BYTES
 from kvstore.errors import InvalidRequest
+from kvstore.lmdb_env import map_full, open_env
 
 _META = struct.Struct("<IQ")  # prompt tokens, total length
 MAX_SESSION_ID = 256
 
 
 class TokenLog:
-    def __init__(self, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(data_dir / "wal.lmdb"), map_size=4 << 30, max_dbs=2, sync=False, metasync=False)
+    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES) -> None:
+        self.env = open_env(data_dir / "wal.lmdb", map_bytes, max_dbs=2, sync=False, metasync=False)
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
         self._lock = threading.Lock()
@@ -41,7 +41,7 @@ class TokenLog:
                prompt_tokens: int = 0, sync: bool = True) -> int:
         """Appends unless already applied; returns the logged length. A gap is an error."""
         sid = self._sid(namespace_id, session_id)
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
             raw = txn.get(sid, db=self.meta_db)
             prompt, length = _META.unpack(raw) if raw else (prompt_tokens, 0)
             if expected_length + len(tokens) <= length:
@@ -75,7 +75,7 @@ class TokenLog:
 
     def end(self, namespace_id: bytes, session_id: str) -> None:
         sid = self._sid(namespace_id, session_id)
-        with self._lock, self.env.begin(write=True) as txn:
+        with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
             txn.delete(sid, db=self.meta_db)
             cursor = txn.cursor(db=self.chunks_db)
             if cursor.set_range(sid):

@@ -3,12 +3,15 @@
 The server creates and owns the arena; same-host clients map the same file and copy page
 bytes in and out directly, so no page byte crosses a socket. The first 4 KiB hold a magic
 and a random token: a client that reads the token the server announced is on this host.
+The server holds an exclusive ``flock`` on the arena file while it lives; a server starting on
+the same node removes the arenas no one holds (their owner died, even by SIGKILL).
 Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the tier manager
 (allocations and leases); this class only keeps the arena and the stored-page index.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -27,23 +30,31 @@ ARENA_MAGIC = b"KVARENA1"
 ARENA_HEADER_BYTES = ALIGN
 
 
-def _pid_alive(pid: int) -> bool:
+def _owned(fd: int) -> bool:
+    """Whether a live server holds the arena open: its owner keeps an exclusive lock on it
+    for its whole life, which the kernel drops when the owner dies however it dies (a pid
+    may outlive its process as a zombie or be reused, so ``kill(pid, 0)`` cannot tell)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    return True
+    return False
 
 
 def remove_stale_arenas(shm_dir: Path, node: str) -> None:
     """Unlinks arenas left by servers of this node that died without cleaning up."""
     for path in shm_dir.glob(f"kvstore-{node}-*"):
-        parts = path.name.split("-")
-        if len(parts) >= 4 and parts[-2].isdigit() and not _pid_alive(int(parts[-2])):
-            logger.info("removing stale arena %s", path)
-            path.unlink(missing_ok=True)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or another user's: not ours to judge
+            continue
+        try:
+            # An empty file is being created: its owner takes the lock before it sizes it.
+            if not _owned(fd) and os.fstat(fd).st_size > 0:
+                logger.info("removing stale arena %s", path)
+                path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 class HostTier:
@@ -59,11 +70,15 @@ class HostTier:
         self.arena_bytes = ARENA_HEADER_BYTES + capacity
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until close (or death): the arena is in use
             os.ftruncate(fd, self.arena_bytes)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, self.arena_bytes, flags=flags)
-        finally:
+        except BaseException:
             os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self._lock_fd = fd
         self.buffer = memoryview(self._mmap)
         self.buffer[: len(ARENA_MAGIC) + 16] = ARENA_MAGIC + self.token
         self.allocator = SlabAllocator(ARENA_HEADER_BYTES, capacity, config.slab_bytes)
@@ -124,3 +139,4 @@ class HostTier:
         except BufferError:
             logger.warning("host arena still has exported views at close; leaving the mapping")
         self.path.unlink(missing_ok=True)
+        os.close(self._lock_fd)

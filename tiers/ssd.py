@@ -26,10 +26,9 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
-
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
+from kvstore.lmdb_env import map_full, open_env, private_dir
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import TierUsage
@@ -103,7 +102,7 @@ class SsdTier:
     def __init__(self, config: SsdTierConfig) -> None:
         self.directory = config.directory
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            private_dir(self.directory)
         except OSError as exc:
             raise TierUnavailable(f"--ssd-dir {self.directory}: {exc.strerror}") from exc
         slab = config.slab_bytes or min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
@@ -113,7 +112,7 @@ class SsdTier:
         self.allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
-        self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True, sync=config.sync)
+        self.env = open_env(self.directory / INDEX_DIR, config.index_map_bytes, max_dbs=4, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
         # key -> (offset, header); the header stays raw bytes until first used, so that a
@@ -171,7 +170,7 @@ class SsdTier:
         for key, reason in dropped:
             logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
         if dropped:
-            with self.env.begin(write=True, db=self.index_db) as txn:
+            with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
                 for key, _ in dropped:
                     txn.delete(key)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
@@ -224,8 +223,9 @@ class SsdTier:
             os.fdatasync(self.fd)
 
     def index(self, entries: list[tuple[int, PageHeader]]) -> None:
-        """Indexes written slots (after ``sync``); from here they survive a restart."""
-        with self.env.begin(write=True, db=self.index_db) as txn:
+        """Indexes written slots (after ``sync``); from here they survive a restart. On
+        MetadataFull nothing was indexed: the caller frees the slots."""
+        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
             for offset, header in entries:
                 value = _ENTRY.pack(offset, HEADER_BYTES + round_up(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
                 txn.put(header.key, value)
@@ -359,7 +359,7 @@ class SsdTier:
         gone = [k for k in keys if k in self._pages]
         if not gone:
             return 0
-        with self.env.begin(write=True, db=self.index_db) as txn:
+        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
             for key in gone:
                 txn.delete(key)
         for key in gone:
@@ -376,7 +376,7 @@ class SsdTier:
         namespace_id = self.namespace_of(key) or b""
         logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
         record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
-        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.quarantine_db) as txn:
             txn.put(key, record.encode())
         self.delete(key)
 
@@ -389,7 +389,7 @@ class SsdTier:
         return out
 
     def purge_quarantine(self) -> int:
-        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.quarantine_db) as txn:
             n = txn.stat(self.quarantine_db)["entries"]
             txn.drop(self.quarantine_db, delete=False)
         return n

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from kvstore import logs
-from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig, parse_size
+from kvstore.config import MAP_BYTES, TOKEN_LOG_MAP_BYTES, HostTierConfig, ServerConfig, SsdTierConfig, parse_size
 from kvstore.errors import KVStoreError
 from kvstore.memory import tune_malloc
 
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
+    p.add_argument("--lmdb-map-size", default=None,
+                   help="size of each LMDB map (directory, token log, ssd index); a full one refuses writes "
+                        "(default 8GiB, 4GiB for the token log)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
@@ -40,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
+    map_bytes = parse_size(args.lmdb_map_size, "--lmdb-map-size") if args.lmdb_map_size else None
     data_dir = Path(args.data_dir)
     ssd = None
     if "ssd" in tiers:
@@ -50,6 +54,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             dwpd=args.ssd_dwpd,
             burst_s=args.ssd_burst_s,
             admission=args.ssd_admission,
+            index_map_bytes=map_bytes or MAP_BYTES,
         )
     return ServerConfig(
         listen=args.listen,
@@ -60,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=args.node,
         scrub_pages_per_s=args.scrub_rate,
+        directory_map_bytes=map_bytes or MAP_BYTES,
+        token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,
     )
 
 

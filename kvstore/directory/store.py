@@ -13,9 +13,9 @@ import json
 import logging
 from pathlib import Path
 
-import lmdb
-
+from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
+from kvstore.lmdb_env import map_full, open_env
 from kvstore.types import Location
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,9 @@ class Entry:
 
 
 class Directory:
-    def __init__(self, data_dir: Path, node: str) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, data_dir: Path, node: str, map_bytes: int = MAP_BYTES) -> None:
         self.node = node
-        self.env = lmdb.open(str(data_dir / "directory.lmdb"), map_size=8 << 30, max_dbs=4, metasync=False, sync=True)
+        self.env = open_env(data_dir / "directory.lmdb", map_bytes, max_dbs=4, metasync=False, sync=True)
         self.entries_db = self.env.open_db(b"entries")
         self.meta_db = self.env.open_db(b"meta")
         self._entries: dict[bytes, Entry] = {}
@@ -68,18 +67,18 @@ class Directory:
                 self._entries[bytes(key)] = entry
         logger.info("directory: %d entries loaded", len(self._entries))
 
-    def _persist(self, changed: list[bytes]) -> None:
-        """Writes the durable part of the changed entries, and the event sequence."""
-        with self.env.begin(write=True) as txn:
-            for key in changed:
-                entry = self._entries.get(key)
-                durable = entry.durable() if entry else []
+    def _persist(self, rows: dict[bytes, tuple[bytes, list[Location]]], last_seq: int) -> None:
+        """Writes the durable locations ``rows`` (key -> namespace, locations; none: the
+        key is deleted) and the event sequence, in one transaction. Called before memory
+        changes: when it raises (MetadataFull), nothing changed anywhere."""
+        with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
+            for key, (namespace_id, durable) in rows.items():
                 if durable:
-                    rec = {"ns": entry.namespace_id.hex(), "locs": [[l.node, l.tier, l.version, l.size_bytes] for l in durable]}  # type: ignore[union-attr]
+                    rec = {"ns": namespace_id.hex(), "locs": [[l.node, l.tier, l.version, l.size_bytes] for l in durable]}
                     txn.put(key, json.dumps(rec, separators=(",", ":")).encode(), db=self.entries_db)
                 else:
                     txn.delete(key, db=self.entries_db)
-            txn.put(_SEQ_KEY, str(self.events.last_seq).encode(), db=self.meta_db)
+            txn.put(_SEQ_KEY, str(last_seq).encode(), db=self.meta_db)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -108,20 +107,25 @@ class Directory:
     # -- changes -------------------------------------------------------------------------
 
     def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
-        """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions."""
-        versions, durable_changed = [], []
-        for key, node, tier, size in records:
-            entry = self._entries.setdefault(key, Entry(namespace_id))
-            self._version += 1
-            loc = Location(node, tier, self._version, size)
-            entry.locations[(node, tier)] = loc
-            versions.append(self._version)
+        """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions.
+        Durable locations are committed to LMDB first; on MetadataFull nothing changed."""
+        staged = [(key, Location(node, tier, self._version + i, size)) for i, (key, node, tier, size) in enumerate(records, 1)]
+        rows: dict[bytes, tuple[bytes, list[Location]]] = {}
+        for key, loc in staged:
+            if loc.tier in DURABLE_TIERS:
+                prior = rows.get(key)
+                if prior is None:
+                    entry = self._entries.get(key)
+                    prior = (entry.namespace_id, entry.durable()) if entry else (namespace_id, [])
+                ns, durable = prior
+                rows[key] = (ns, [l for l in durable if (l.node, l.tier) != (loc.node, loc.tier)] + [loc])
+        if rows:
+            self._persist(rows, self.events.last_seq + len(staged))
+        for key, loc in staged:
+            self._entries.setdefault(key, Entry(namespace_id)).locations[(loc.node, loc.tier)] = loc
             self.events.append(EventKind.STORED, namespace_id, key, loc)
-            if tier in DURABLE_TIERS:
-                durable_changed.append(key)
-        if durable_changed:
-            self._persist(durable_changed)
-        return versions
+        self._version += len(staged)
+        return [loc.version for _, loc in staged]
 
     def restore_local(self, records: list[tuple[bytes, bytes, str, int]]) -> None:
         """Rebuilds entries (key, namespace, tier, size) of this node's durable tiers at
@@ -136,26 +140,30 @@ class Directory:
         self._version = version
 
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
-        """Drops the locations of ``key`` matching node/tier (all when None); returns them."""
+        """Drops the locations of ``key`` matching node/tier (all when None); returns them.
+        On MetadataFull (a durable one could not be deleted) nothing changed."""
         entry = self._entries.get(key)
         if entry is None:
             return []
         gone = [loc for loc in entry.locations.values() if (node is None or loc.node == node) and (tier is None or loc.tier == tier)]
+        if any(loc.tier in DURABLE_TIERS for loc in gone):
+            kept = [loc for loc in entry.durable() if loc not in gone]
+            self._persist({key: (entry.namespace_id, kept)}, self.events.last_seq + len(gone))
         for loc in gone:
             del entry.locations[(loc.node, loc.tier)]
             self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
         if not entry.locations:
             del self._entries[key]
-        if any(loc.tier in DURABLE_TIERS for loc in gone):
-            self._persist([key])
         return gone
 
     def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:
-        """Removes every entry of a namespace; one CLEARED event."""
+        """Removes every entry of a namespace; one CLEARED event. On MetadataFull nothing changed."""
         keys = self.keys_of(namespace_id)
+        rows: dict[bytes, tuple[bytes, list[Location]]] = {k: (namespace_id, []) for k in keys if self._entries[k].durable()}
+        if rows:
+            self._persist(rows, self.events.last_seq + 1)
         removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
         self.events.append(EventKind.CLEARED, namespace_id)
-        self._persist(keys)
         return removed
 
     def close(self) -> None:

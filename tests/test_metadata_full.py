@@ -1,0 +1,139 @@
+"""A full LMDB map (directory, token log, ssd index): a clear RESOURCE_EXHAUSTED, memory
+and disk agree afterwards, nothing a failed write took stays taken, the server keeps serving.
+Each test fills a real map made tiny through the config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+from conftest import make_config, random_kv
+
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError, TierFull
+from kvstore.page import HEADER_BYTES
+from kvstore.tiers.slab import round_up
+
+
+def _lookup(address: str, namespace_id: bytes, keys: list[bytes]) -> int:
+    with grpc.insecure_channel(address) as ch:
+        resp = directory_pb2_grpc.DirectoryStub(ch).Lookup(directory_pb2.LookupRequest(namespace_id=namespace_id, keys=keys))
+    return resp.num_pages
+
+
+def _ssd_usage(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as ch:
+        stats = directory_pb2_grpc.DirectoryStub(ch).Stats(directory_pb2.StatsRequest())
+    (ssd,) = [t for t in stats.tiers if t.tier == "ssd"]
+    return ssd.num_pages, ssd.used_bytes
+
+
+def test_full_directory_map_refuses_publish_and_memory_matches_disk(server_factory, tmp_path) -> None:
+    """Bug: a Publish that filled the directory's LMDB map answered INTERNAL with a
+    traceback, and its records were already in memory (found by Lookup) though never
+    written: they vanished at the next restart."""
+    config = make_config(tmp_path, ssd_bytes=None, directory_map_bytes=128 << 10)
+    server = server_factory(config)
+    namespace_id = bytes(range(16))
+    acked: list[bytes] = []
+    refused: list[bytes] = []
+    code, details = None, ""
+    with grpc.insecure_channel(server.address) as ch:
+        stub = directory_pb2_grpc.DirectoryStub(ch)
+        for batch in range(1000):
+            keys = [(batch * 64 + i).to_bytes(16, "little") for i in range(64)]
+            records = [directory_pb2.PageRecord(key=k, location=common_pb2.Location(node="peer", tier="remote", size_bytes=4096))
+                       for k in keys]
+            try:
+                stub.Publish(directory_pb2.PublishRequest(namespace_id=namespace_id, records=records))
+            except grpc.RpcError as exc:
+                code, details, refused = exc.code(), exc.details(), keys
+                break
+            acked += keys
+    assert refused, "a 128 KiB map must fill up"
+    kept, dropped = acked[64:], acked[:64]
+    removed = True
+    with grpc.insecure_channel(server.address) as ch:  # deleting from a full map needs room too: may be refused
+        try:
+            directory_pb2_grpc.DirectoryStub(ch).Remove(directory_pb2.RemoveRequest(namespace_id=namespace_id, keys=dropped))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+            removed = False
+
+    def census(address: str) -> tuple[int, ...]:  # pages found of: the kept, the removed, the refused records
+        return tuple(_lookup(address, namespace_id, keys) for keys in (kept, dropped, refused))
+
+    expected = (len(kept), 0 if removed else len(dropped), 0)
+    before = census(server.address)
+    server.stop()
+    server = server_factory(config)
+    assert (code, before, census(server.address)) == (grpc.StatusCode.RESOURCE_EXHAUSTED, expected, expected), details
+    assert "directory" in details and "--lmdb-map-size" in details
+
+
+async def test_full_token_log_is_resource_exhausted_and_keeps_what_was_acknowledged(server_factory, tmp_path, ns) -> None:
+    """Bug: an AppendTokens that filled the token log's LMDB map answered INTERNAL."""
+    server = server_factory(make_config(tmp_path, ssd_bytes=None, token_log_map_bytes=64 << 10))
+    logged: list[int] = []
+    code, details = None, ""
+    with grpc.insecure_channel(server.address) as ch:
+        stub = data_pb2_grpc.DataStub(ch)
+        for step in range(1000):
+            tokens = list(range(step * 500, step * 500 + 500))
+            try:
+                resp = stub.AppendTokens(data_pb2.AppendTokensRequest(
+                    namespace_id=ns.namespace_id, session_id="s", expected_length=len(logged), tokens=tokens, sync=True))
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+                break
+            assert resp.length == len(logged) + len(tokens)
+            logged += tokens
+    assert (code, "token log" in details, "--lmdb-map-size" in details) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True, True), details
+    async with KVStoreClient(server.address, ns) as client:
+        rec = await client.recover("s")
+        assert rec is not None and rec.tokens == logged, "what was acknowledged is logged, nothing more"
+        with pytest.raises(TierFull, match="token log"):
+            await client.session("t").start([1, 2, 3])
+
+
+async def test_full_ssd_index_frees_the_slots_and_keeps_serving(server_factory, tmp_path, layout, ns) -> None:
+    """Bug: a durable put whose ssd index write filled the LMDB map answered INTERNAL, and
+    the ssd slots it had written stayed allocated (leaked until restart); with the index
+    full, every demotion raised out of eviction, so RAM puts failed too."""
+    config = make_config(tmp_path, host_bytes=8 << 20)
+    assert config.ssd is not None
+    config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, index_map_bytes=64 << 10))
+    server = server_factory(config)
+    slot_bytes = HEADER_BYTES + round_up(layout.page_bytes)
+    stored: list[tuple[list[int], torch.Tensor]] = []
+    failure: KVStoreError | None = None
+    async with KVStoreClient(server.address, ns) as client:
+        for step in range(100):
+            tokens = list(range(step * 16 * 8, (step + 1) * 16 * 8))
+            kv = random_kv(layout, len(tokens), seed=step)
+            try:
+                assert await client.put(tokens, kv, durable=True) == len(tokens)
+            except KVStoreError as exc:
+                failure = exc
+                break
+            stored.append((tokens, kv))
+        assert failure is not None, "a 64 KiB index must fill up"
+        num_pages, used_bytes = _ssd_usage(server.address)
+        assert (type(failure).__name__, used_bytes) == ("MetadataFull", num_pages * slot_bytes), str(failure)
+        assert isinstance(failure, TierFull) and "ssd index" in str(failure) and "--lmdb-map-size" in str(failure)
+        assert num_pages == sum(len(t) for t, _ in stored) // 16
+        ram = list(range(1_000_000, 1_000_000 + 16 * 600))  # 2x the host tier: evicts, cannot demote
+        assert await client.put(ram, random_kv(layout, len(ram), seed=99)) == len(ram), "RAM puts still work"
+    server.stop()
+    server = server_factory(config)
+    assert _ssd_usage(server.address) == (num_pages, used_bytes)
+    async with KVStoreClient(server.address, ns) as client:
+        for tokens, kv in stored:
+            hit = await client.lookup(tokens)
+            assert hit.num_tokens == len(tokens)
+            out = torch.empty_like(kv)
+            await client.get(hit, into=out)
+            assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
