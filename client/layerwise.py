@@ -190,12 +190,12 @@ class LayerSave:
         self._thread.start()
 
     def abandon(self, reason: str) -> None:
-        """Stops a save that will not be finished (the client is closing): every layer is
-        released so the worker copies and commits, or fails, promptly."""
+        """Stops a save that will not be finished (the client is closing). Layers the engine
+        did not mark done are never copied: unless every layer was marked, nothing is
+        published and the allocation is given back."""
         if not self._done.is_set():
             logger.info("layer-wise save closing: %s", reason)
-            for layer in range(self.client.layout.num_layers):
-                self.layer_done(layer)
+            self._layers.put(None)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -238,7 +238,8 @@ class LayerSave:
             pages = [slot_as_page(target, layout) for target in targets]
             for _ in range(layout.num_layers):
                 layer = self._layers.get()
-                assert layer is not None
+                if layer is None:
+                    raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
                 for (i, _), page in zip(todo, pages):
                     page[layer].copy_(self.kv.read_layer(self.first_page + i, layer))
             sums = [checksum(t.numpy()) for t in targets]

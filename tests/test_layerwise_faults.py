@@ -8,10 +8,32 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from conftest import random_kv
 
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns, use_shm) -> None:
+    """Issue 13 item 3: closing the client during a layer-wise save marked every layer done,
+    so 64 tokens were published with layers 1..N never computed (zeros, checksum-clean)."""
+    tokens = list(range(64))
+    kv = torch.zeros(layout.num_layers, layout.kv_factor, 64, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+    kv[0] = random_kv(layout, 64, seed=31)[0]  # the engine computed layer 0 only
+    before = server.manager.host.usage()
+    client = KVStoreClient(server.address, ns, use_shm=use_shm)
+    await client.connect()
+    save = client.save(tokens, kv)
+    save.layer_done(0)
+    await client.close()
+    async with KVStoreClient(server.address, ns) as reader:
+        assert (await reader.lookup(tokens)).num_tokens == 0, "layers the engine never computed were published"
+    assert server.manager.host.usage() == before, "the abandoned save left slots allocated"
+    with pytest.raises(KVStoreError, match="abandoned"):
+        await save.finished()
 
 
 async def test_renew_extends_a_lease_and_refuses_a_gone_one(server, layout, ns) -> None:
