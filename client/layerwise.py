@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
-from kvstore.client.engine_kv import EngineKV
-from kvstore.client.pages import as_bytes, slot_as_page
+from kvstore.client.engine_kv import ContiguousKV, EngineKV
+from kvstore.client.pages import as_bytes, page_rows, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksum, checksummer
 
@@ -83,6 +83,7 @@ class LayerLoad:
         self._abandoned = False
         self._cut = False  # a page failed its check after copying
         self._slowest_write_s = 0.0
+        self._rows = page_rows(into.kv, layout) if isinstance(into, ContiguousKV) else None
         self._leases: list[int] = []
         self._keeper: threading.Thread | None = None
         self._first_wait = True
@@ -219,6 +220,12 @@ class LayerLoad:
     def _hash_landed(self, landed: xxhash.xxh3_64, page: int, layer: int) -> None:
         """Feeds what is now in the engine's KV for (page, layer) to the page's running
         checksum, in the page's byte order (layer-major, K then V)."""
+        rows = self._rows
+        if rows is not None:  # a CPU tensor: numpy views of its rows, no copy
+            first = layer * self.client.layout.kv_factor
+            for row in rows.rows[first : first + self.client.layout.kv_factor]:
+                landed.update(row[page * rows.run : (page + 1) * rows.run])
+            return
         for part in self.into.read_layer(page, layer):
             landed.update(as_bytes(part.contiguous()).cpu().numpy())
 
