@@ -717,7 +717,7 @@ class KVStoreClient:
 
     def read_pages_sync(self, keys: list[bytes], timeout_s: float | None = None) -> list[torch.Tensor]:
         """Pages over the socket, each verified; stops at the first missing or bad one (or
-        when ``timeout_s`` ends the stream)."""
+        when ``timeout_s`` ends the stream). Raises when the stream failed before any page."""
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
         assembler = PageAssembler(keys, self.layout.page_bytes, reuse=False)
         pages: list[torch.Tensor] = []
@@ -726,6 +726,8 @@ class KVStoreClient:
                 if assembler.feed(decode_chunk(raw)):
                     pages.append(assembler.page)
         except (PageCorrupt, grpc.RpcError) as exc:
+            if not pages and isinstance(exc, grpc.RpcError):
+                raise self._error(exc) from None
             logger.warning("page stream ended after %d of %d pages: %s", len(pages), len(keys), exc)
         return pages
 
