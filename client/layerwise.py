@@ -10,8 +10,8 @@ A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
   page's last layer is in, so the final word is ``wait(num_layers - 1)``. If a page fails
   there (its slot changed under the load), that wait returns False and ``num_tokens`` drops
   to the verified pages before it: the engine must recompute from ``num_tokens`` on,
-  including what it computed on top of the dropped pages, since the layers it was already
-  given held wrong KV for them. A page that failed is never counted.
+  including what it computed on top of the dropped pages, since layers it was already
+  given may have held wrong KV for them. A page that failed is never counted.
 * The deadline is known at start and the worker watches it itself: it starts a layer
   write only if, at the pace of the slowest so far, it ends before the deadline. At the
   deadline, on ``abandon`` (the client closing), on an error or on a lost lease, the load
