@@ -680,9 +680,9 @@ class KVStoreClient:
         self._sync()
         return self._sync_page_stubs
 
-    def _call_sync(self, method: Any, request: Any) -> Any:
+    def _call_sync(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
 
@@ -695,6 +695,11 @@ class KVStoreClient:
             self._call_sync(self._sync()[0].Release, data_pb2.ReleaseRequest(lease_id=lease_id))
         except KVStoreError as exc:
             logger.warning("release of lease %d failed (it will expire): %s", lease_id, exc)
+
+    def renew_sync(self, lease_id: int, timeout_s: float) -> None:
+        """Extends a lease by ``lease_ms``; raises LeaseExpired when it is already gone."""
+        req = data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=self.lease_ms)
+        self._call_sync(self._sync()[0].Renew, req, timeout_s)
 
     def allocate_sync(self, keys: list[bytes]) -> Any:
         req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
@@ -710,16 +715,19 @@ class KVStoreClient:
         except KVStoreError:
             pass
 
-    def read_pages_sync(self, keys: list[bytes]) -> list[torch.Tensor]:
-        """Pages over the socket, each verified; stops at the first missing or bad one."""
+    def read_pages_sync(self, keys: list[bytes], timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Pages over the socket, each verified; stops at the first missing or bad one (or
+        when ``timeout_s`` ends the stream). Raises when the stream failed before any page."""
         req = data_pb2.ReadPagesRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
         assembler = PageAssembler(keys, self.layout.page_bytes, reuse=False)
         pages: list[torch.Tensor] = []
         try:
-            for raw in self._sync_pages().read_pages(req, timeout=self.timeout_s):
+            for raw in self._sync_pages().read_pages(req, timeout=timeout_s or self.timeout_s):
                 if assembler.feed(decode_chunk(raw)):
                     pages.append(assembler.page)
         except (PageCorrupt, grpc.RpcError) as exc:
+            if not pages and isinstance(exc, grpc.RpcError):
+                raise self._error(exc) from None
             logger.warning("page stream ended after %d of %d pages: %s", len(pages), len(keys), exc)
         return pages
 

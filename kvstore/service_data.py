@@ -116,6 +116,11 @@ class DataService(data_pb2_grpc.DataServicer):
         return data_pb2.ReleaseResponse()
 
     @unary
+    def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
+        self.manager.renew(request.lease_id, request.ttl_ms)
+        return data_pb2.RenewResponse()
+
+    @unary
     def WritePages(self, request_iterator: Iterator[WireChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
         """Each page takes the same allocate -> fill -> commit path as a same-host client's,
         the server filling the slot from the stream and checking the checksum as the bytes

@@ -131,8 +131,11 @@ class TierManager:
         while self._expiry and self._expiry[0][0] <= now:
             _, ident, kind = heapq.heappop(self._expiry)
             if kind == "lease":
-                lease = self._leases.pop(ident, None)
-                if lease is not None:
+                lease = self._leases.get(ident)
+                if lease is not None and lease.expires > now:  # renewed: one entry per lease, moved on
+                    heapq.heappush(self._expiry, (lease.expires, ident, "lease"))
+                elif lease is not None:
+                    del self._leases[ident]
                     logger.warning("lease %d expired with %d pages pinned", ident, len(lease.keys))
                     self._unpin(lease.keys)
             else:
@@ -557,6 +560,21 @@ class TierManager:
                 return False
             self._unpin(lease.keys)
             return True
+
+    def renew(self, lease_id: int, ttl_ms: int) -> None:
+        """Extends a lease to ``ttl_ms`` from now (never shortens it), so that a reader
+        holding pages for longer than one ttl keeps them pinned. Raises LeaseExpired when the
+        lease was released or has expired (its pages may have been evicted and their slots
+        reused). O(1): the lease's expiry entry moves on when it comes due."""
+        ttl_ms = ttl_ms or self.config.default_lease_ms
+        if ttl_ms > self.config.max_lease_ms:
+            raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.config.max_lease_ms} ms")
+        with self._lock:
+            self._reap()
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                raise LeaseExpired(f"lease {lease_id} was released or has expired; its pages may be gone")
+            lease.expires = max(lease.expires, time.monotonic() + ttl_ms / 1000)
 
     def _lease_locked(self, ident: int, keys: list[bytes], ttl_ms: int) -> float:
         ttl_ms = ttl_ms or self.config.default_lease_ms

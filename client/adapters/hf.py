@@ -141,7 +141,8 @@ class HFKVCache:
 
 
 class LoadAbandoned(RuntimeError):
-    """Raised inside the model's forward when a layer's KV did not arrive in time."""
+    """Raised inside the model's forward when a layer's KV did not arrive in time, or a
+    page failed its check once copied: recompute from ``load.num_tokens``."""
 
 
 @contextlib.contextmanager
@@ -155,7 +156,8 @@ def wait_per_layer(model: Any, load: LayerLoad | None) -> Iterator[None]:
     for i, layer in enumerate(layers):
         def hook(_module: Any, _args: Any, i: int = i) -> None:
             if not load.wait(i):
-                raise LoadAbandoned(f"layer {i} KV did not arrive before the deadline")
+                raise LoadAbandoned(f"layer {i}: the load was abandoned or a page failed its check; "
+                                    f"{load.num_tokens} tokens are valid")
         handles.append(layer.register_forward_pre_hook(hook))
     try:
         yield

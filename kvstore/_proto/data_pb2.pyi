@@ -203,6 +203,18 @@ class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RenewRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PageChunk(_message.Message):
     __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags")
     KEY_FIELD_NUMBER: _ClassVar[int]

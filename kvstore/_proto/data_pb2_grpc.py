@@ -66,6 +66,11 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/kvstore.v1.Data/Renew',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.WritePages = channel.stream_unary(
                 '/kvstore.v1.Data/WritePages',
                 request_serializer=kvstore_dot_v1_dot_data__pb2.PageChunk.SerializeToString,
@@ -142,6 +147,14 @@ class DataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extends a lease by ttl_ms from now: a reader that holds pages longer than one ttl (a
+        layer-wise load) keeps them pinned. ABORTED when the lease was released or expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WritePages(self, request_iterator, context):
         """Pages over the socket, for clients that cannot map the arena.
         """
@@ -214,6 +227,11 @@ def add_DataServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.ReleaseRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.RenewRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.RenewResponse.SerializeToString,
             ),
             'WritePages': grpc.stream_unary_rpc_method_handler(
                     servicer.WritePages,
@@ -410,6 +428,33 @@ class Data:
             '/kvstore.v1.Data/Release',
             kvstore_dot_v1_dot_data__pb2.ReleaseRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/Renew',
+            kvstore_dot_v1_dot_data__pb2.RenewRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,254 @@
+"""Layer-wise loads and saves that end badly: closed mid-save, failed, past their deadline,
+outliving their lease, or copying a slot that changed under them. Each checks that nothing
+wrong is reported valid and nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+from conftest import make_config, random_kv
+
+from kvstore import KVLayout
+from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.client.engine_kv import ContiguousKV
+from kvstore.config import HostTierConfig
+from kvstore.errors import KVStoreError
+
+
+class SlowKV:
+    """The engine's KV behind a busy device: every layer write takes ``write_s`` and is
+    logged as (page, layer, start time); ``before_write`` runs first (the engine's side)."""
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, write_s: float,
+                 before_write: Callable[[int, int], None] | None = None) -> None:
+        self.inner = ContiguousKV(kv, layout)
+        self.num_tokens = kv.shape[2]
+        self.write_s = write_s
+        self.before_write = before_write
+        self.writes: list[tuple[int, int, float]] = []
+
+    def read_layer(self, page: int, layer: int) -> torch.Tensor:
+        return self.inner.read_layer(page, layer)
+
+    def write_layer(self, page: int, layer: int, src: torch.Tensor) -> None:
+        self.writes.append((page, layer, time.monotonic()))
+        if self.before_write is not None:
+            self.before_write(page, layer)
+        time.sleep(self.write_s)  # the device is busy: this is the work, not a wait for an event
+        self.inner.write_layer(page, layer, src)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns, use_shm) -> None:
+    """Issue 13 item 3: closing the client during a layer-wise save marked every layer done,
+    so 64 tokens were published with layers 1..N never computed (zeros, checksum-clean)."""
+    tokens = list(range(64))
+    kv = torch.zeros(layout.num_layers, layout.kv_factor, 64, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+    kv[0] = random_kv(layout, 64, seed=31)[0]  # the engine computed layer 0 only
+    before = server.manager.host.usage()
+    client = KVStoreClient(server.address, ns, use_shm=use_shm)
+    await client.connect()
+    save = client.save(tokens, kv)
+    save.layer_done(0)
+    await client.close()
+    async with KVStoreClient(server.address, ns) as reader:
+        assert (await reader.lookup(tokens)).num_tokens == 0, "layers the engine never computed were published"
+    assert server.manager.host.usage() == before, "the abandoned save left slots allocated"
+    with pytest.raises(KVStoreError, match="abandoned"):
+        await save.finished()
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_a_failed_layerwise_load_reports_nothing_loaded(server, layout, ns, use_shm) -> None:
+    """Issue 13 item 4: when the lease RPC failed, wait(0) was False but finished() returned
+    hit.num_tokens (160) instead of the tokens delivered (0). (Over gRPC the refused stream
+    was taken for an empty hit: wait(0) was True.)"""
+    tokens = list(range(160))
+    kv = random_kv(layout, 160, seed=32)
+    async with KVStoreClient(server.address, ns) as writer:
+        await writer.put(tokens, kv)
+    too_long = server.config.max_lease_ms + 1  # the server refuses the Acquire
+    async with KVStoreClient(server.address, ns, lease_ms=too_long, use_shm=use_shm) as client:
+        assert client.shared_memory == use_shm
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == 160
+        load = client.load(hit, into=torch.zeros_like(kv), deadline_s=30)
+        assert load.wait(0) is False
+        assert await load.finished() == 0
+        assert load.num_tokens == 0
+
+
+async def test_the_load_worker_stops_at_the_deadline_by_itself(server, layout, ns) -> None:
+    """Issue 13 item 5: the deadline was enforced only inside wait(); an engine busy in its
+    own compute got its KV written long after the load was given up (the review counted
+    17 of 40 layer writes after the deadline)."""
+    tokens = list(range(160))  # 10 pages x 4 layers = 40 layer writes of 20 ms
+    kv = random_kv(layout, 160, seed=33)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        into = torch.zeros_like(kv)
+        engine = SlowKV(into, layout, write_s=0.02)
+        load = client.load(hit, into=engine, deadline_s=0.2)
+        load.join(10)  # the engine computes and never calls wait(): the worker must stop on its own
+        late = [w for w in engine.writes if w[2] >= load.deadline]
+        assert not late, f"{len(late)} of {len(engine.writes)} layer writes started after the deadline"
+        # paced by the slowest write so far, the last one started one write's time before the deadline
+        assert engine.writes[-1][2] + engine.write_s <= load.deadline + engine.write_s / 2
+        assert len(engine.writes) < 40
+        for page in range(10):  # only what the log shows was written before the deadline
+            for layer in range(layout.num_layers):
+                region = into[layer, :, page * 16 : (page + 1) * 16]
+                assert bool(region.any()) == any(w[:2] == (page, layer) for w in engine.writes)
+        assert load.wait(layout.num_layers - 1) is False
+        assert load.num_tokens == 0 and await load.finished() == 0
+        assert not server.manager._pins, "the abandoned load left pages leased"
+
+
+async def test_closing_the_client_mid_load_leaves_nothing_leased(server, layout, ns) -> None:
+    """Closing the client while the worker copies (and its leases are kept alive) stops the
+    load: nothing more is written, nothing stays pinned, nothing is reported loaded."""
+    tokens = list(range(160))
+    kv = random_kv(layout, 160, seed=38)
+    client = KVStoreClient(server.address, ns, lease_ms=300)  # renewed every 100 ms meanwhile
+    await client.connect()
+    await client.put(tokens, kv)
+    hit = await client.lookup(tokens)
+    engine = SlowKV(torch.zeros_like(kv), layout, write_s=0.02)
+    load = client.load(hit, into=engine, deadline_s=30)
+    assert await asyncio.get_running_loop().run_in_executor(None, load.wait, 0)
+    await client.close()
+    written = len(engine.writes)
+    assert written < 40 and not server.manager._pins
+    assert await load.finished() == 0 and load.wait(layout.num_layers - 1) is False
+    assert len(engine.writes) == written
+
+
+def _small_lru_server(server_factory, tmp_path):  # type: ignore[no-untyped-def]
+    """A 4 MiB host tier (128 pages of the small layout) evicting least recently used first."""
+    config = make_config(tmp_path)
+    return server_factory(dataclasses.replace(config, host=HostTierConfig(capacity_bytes=4 << 20, eviction="lru")))
+
+
+async def test_a_long_load_keeps_its_lease(server_factory, tmp_path, layout, ns) -> None:
+    """Issue 13 item 6: a layer-wise load checked each slot once, then copied it layer by
+    layer without renewing its lease; a load outliving the lease copied slots that had been
+    evicted and reused meanwhile, and reported the wrong KV as valid."""
+    server = _small_lru_server(server_factory, tmp_path)
+    tokens = list(range(128))
+    kv = random_kv(layout, 128, seed=34)
+    reached, resume = threading.Event(), threading.Event()
+
+    def engine_side(page: int, layer: int) -> None:
+        if (page, layer) == (0, 1):  # layer 0 is in place; the engine is slow with the rest
+            reached.set()
+            resume.wait(30)
+
+    lease_ms = 500
+    async with KVStoreClient(server.address, ns, lease_ms=lease_ms) as client, KVStoreClient(server.address, ns) as other:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        into = torch.zeros_like(kv)
+        load = client.load(hit, into=SlowKV(into, layout, write_s=0.0, before_write=engine_side), deadline_s=60)
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, reached.wait, 30)
+        await asyncio.sleep(2.5 * lease_ms / 1000)  # the lease would have expired by now
+        flood = list(range(10_000, 10_000 + 256 * 16))  # twice the host tier: evicts everything not pinned
+        await other.put(flood, random_kv(layout, len(flood), seed=35))
+        resume.set()
+        assert all(load.wait(layer) for layer in range(layout.num_layers))
+        assert await load.finished() == 128
+        assert torch.equal(into, kv), "the load copied slots reused by other pages"
+
+
+async def test_a_lease_lost_under_the_load_is_not_reported_valid(server_factory, tmp_path, layout, ns) -> None:
+    """Issue 13 item 6: when a load's lease went (here another caller releases it), its
+    slots were evicted and reused while the load kept copying them, and the other pages'
+    bytes were reported as this hit's KV. The refused renewal (or the check of what was
+    copied) must abandon it."""
+    server = _small_lru_server(server_factory, tmp_path)
+    tokens = list(range(128))
+    kv = random_kv(layout, 128, seed=39)
+    flood = list(range(10_000, 10_000 + 256 * 16))
+    flood_kv = random_kv(layout, len(flood), seed=40)
+    loop = asyncio.get_running_loop()
+    async with KVStoreClient(server.address, ns, lease_ms=300) as client, KVStoreClient(server.address, ns) as other:
+
+        def engine_side(page: int, layer: int) -> None:
+            if (page, layer) == (0, 1):
+                with grpc.insecure_channel(server.address) as channel:
+                    for lease_id in list(server.manager._leases):  # read, to aim the release
+                        data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
+                asyncio.run_coroutine_threadsafe(other.put(flood, flood_kv), loop).result(60)
+
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        into = torch.zeros_like(kv)
+        load = client.load(hit, into=SlowKV(into, layout, write_s=0.0, before_write=engine_side), deadline_s=60)
+        await loop.run_in_executor(None, load.join, 60)
+        assert load.wait(layout.num_layers - 1) is False
+        assert await load.finished() == 0 and load.num_tokens == 0
+        assert not server.manager._pins
+
+
+async def test_a_slot_changed_under_the_load_is_not_reported_valid(server, layout, ns) -> None:
+    """Issue 13 item 6: what a layer-wise load copied was never verified, so a slot whose
+    bytes changed after the first check (reused, overwritten) reached the engine as valid
+    KV. Here page 5's last layer changes after the check; the load keeps pages 0-4 only."""
+    tokens = list(range(128))
+    kv = random_kv(layout, 128, seed=36)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        assert client.arena is not None
+        offset, _ = server.manager.host.slot(hit.keys[5])  # read, to aim the fault
+        last_layer = (layout.num_layers - 1) * layout.page_bytes // layout.num_layers
+
+        def overwrite_page_5(page: int, layer: int) -> None:
+            if (page, layer) == (0, 1):  # checked and leased, layer 0 in place
+                client.arena.array[offset + last_layer : offset + layout.page_bytes] ^= 0xFF  # type: ignore[union-attr]
+
+        into = torch.zeros_like(kv)
+        load = client.load(hit, into=SlowKV(into, layout, write_s=0.0, before_write=overwrite_page_5), deadline_s=30)
+        assert all(load.wait(layer) for layer in range(layout.num_layers - 1))
+        assert load.wait(layout.num_layers - 1) is False, "the last wait must say that what was computed on is not all valid"
+        assert load.num_tokens == 80
+        assert await load.finished() == 80
+        assert torch.equal(into[:, :, :80], kv[:, :, :80])
+
+
+async def test_renew_extends_a_lease_and_refuses_a_gone_one(server, layout, ns) -> None:
+    """Renew keeps a lease past its first ttl; a released lease or an out-of-range ttl is
+    refused with a clear status and changes nothing."""
+    tokens = list(range(32))
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, random_kv(layout, 32, seed=37))
+        keys = client.keys(tokens)
+    with grpc.insecure_channel(server.address) as channel:
+        data = data_pb2_grpc.DataStub(channel)
+        acq = data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=200), timeout=10)
+        assert len(acq.pages) == 2
+        entries = len(server.manager._expiry)
+        for _ in range(1000):  # a caller renewing in a loop grows nothing
+            data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=5000), timeout=10)
+        assert len(server.manager._expiry) == entries
+        await asyncio.sleep(0.4)  # past the first ttl
+        server.manager.stats()  # reaps what has expired
+        assert set(server.manager._pins) == set(keys), "a renewed lease expired at its first ttl"
+        with pytest.raises(grpc.RpcError) as err:
+            data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=server.config.max_lease_ms + 1), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        data.Release(data_pb2.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
+        assert not server.manager._pins
+        with pytest.raises(grpc.RpcError) as err:
+            data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=5000), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ABORTED and "released or has expired" in (err.value.details() or "")
+        assert not server.manager._pins, "renewing a gone lease pinned something"
