@@ -23,6 +23,11 @@ class TierFull(KVStoreError):
     """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
 
 
+class LimitExceeded(KVStoreError):
+    """A bound of the server's own is reached (streams open at once, remote records); nothing
+    was changed. Retry later, or make room (close streams, remove records)."""
+
+
 class PageMissing(KVStoreError):
     """A page promised by a lookup is gone (evicted, invalidated, or its bytes were lost)."""
 
