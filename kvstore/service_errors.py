@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -36,6 +36,15 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"storage I/O error: {exc}"
     logger.exception("unexpected error")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def reject(context: grpc.ServicerContext, metrics: Any, method: str, exc: KVStoreError) -> NoReturn:
+    """Answers ``exc``'s status for a call refused before its servicer method ran (a request
+    that does not decode, a stream over the limit)."""
+    code, message = _abort(context, exc)
+    metrics.rpc_errors.labels(method, code.name).inc()
+    context.abort(code, message)
+    raise AssertionError("context.abort returned")  # it raises; this tells the type checker
 
 
 def unary(method: Callable[..., Any]) -> Callable[..., Any]:
