@@ -90,10 +90,12 @@ def _guard(method: MethodDescriptor, handler: grpc.RpcMethodHandler, gate: Strea
 
     def requests(raw_requests: Iterator[bytes], slot: StreamSlot) -> Iterator[Any]:
         """The decoded request stream; a decoding error is raised to the servicer method,
-        whose decorator answers it."""
+        whose decorator answers it. Idle is only the time spent waiting for the peer."""
         for index, raw in enumerate(raw_requests):
-            slot.touch()
+            slot.touch(busy=True)
             yield decode(raw, index)
+            slot.touch()  # the servicer asks for the next message: waiting on the peer again
+        slot.touch(busy=True)  # the peer is done; the answer is the server's work
         if slot.cancelled:  # the watchdog cancelled the call: the stream is not complete
             raise LimitExceeded(f"{name}: cancelled after {gate.idle_s:.0f} s without a message (--stream-idle-s)")
 

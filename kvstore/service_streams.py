@@ -29,19 +29,22 @@ class Cancellable(Protocol):
 
 
 class StreamSlot:
-    """One admitted stream: when it last moved a message, and whether the watchdog
-    cancelled it."""
+    """One admitted stream: when it last moved a message, whether the server is busy with
+    what it received (then it is not idle, however long that takes: a durable commit), and
+    whether the watchdog cancelled it."""
 
-    __slots__ = ("cancelled", "context", "last_s", "method")
+    __slots__ = ("busy", "cancelled", "context", "last_s", "method")
 
     def __init__(self, method: str, context: Cancellable) -> None:
         self.method = method
         self.context = context
         self.last_s = time.monotonic()
+        self.busy = False
         self.cancelled = False
 
-    def touch(self) -> None:
+    def touch(self, busy: bool = False) -> None:
         self.last_s = time.monotonic()
+        self.busy = busy
 
 
 class StreamGate:
@@ -93,7 +96,7 @@ class StreamGate:
         """Cancels the streams idle for longer than ``idle_s``; returns how many."""
         now = time.monotonic()
         with self._lock:
-            idle = [slot for slot in self._open if not slot.cancelled and now - slot.last_s > self.idle_s]
+            idle = [slot for slot in self._open if not (slot.cancelled or slot.busy) and now - slot.last_s > self.idle_s]
             for slot in idle:
                 slot.cancelled = True
         for slot in idle:
