@@ -103,9 +103,16 @@ class ServerConfig:
     default_lease_ms: int = 30_000
     max_lease_ms: int = 600_000
     allocation_ttl_ms: int = 60_000
-    workers: int = 16
+    workers: int = 16  # threads for unary calls; open streams hold max_streams threads of their own
     scrub_pages_per_s: float = 20.0  # background verification of SSD pages; 0: off
-    max_subscribers: int = 8  # Subscribe streams at once (each holds a worker thread)
+    max_streams: int = 32  # streaming RPCs open at once (each holds a thread); RESOURCE_EXHAUSTED beyond
+    max_subscribers: int = 8  # Subscribe streams at once, within max_streams
+    stream_idle_s: float = 30.0  # a stream that moves no message this long is cancelled
+    keepalive_s: float = 30.0  # each connection is pinged this often ...
+    keepalive_timeout_s: float = 10.0  # ... and closed, with its streams, when a ping goes unanswered this long
+    max_hint_eta_s: float = 3600.0  # a hint further ahead is INVALID_ARGUMENT
+    max_remote_records_per_node: int = 1 << 18  # locations Publish may record for one other node
+    max_remote_records: int = 1 << 19  # ... and for all other nodes together (~0.8 KB of RSS each)
     directory_map_bytes: int = MAP_BYTES  # LMDB map of the directory's durable (remote) locations
     token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
 
@@ -119,8 +126,18 @@ class ServerConfig:
             raise ConfigError("--tiers includes ssd but no --ssd-dir was given")
         if ":" not in self.listen:
             raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
-        if not 0 < self.max_subscribers < self.workers:
-            raise ConfigError("max_subscribers must be > 0 and below the number of workers")
+        if self.workers <= 0:
+            raise ConfigError("--workers must be > 0")
+        if self.max_streams <= 0:
+            raise ConfigError("--max-streams must be > 0")
+        if not 0 < self.max_subscribers <= self.max_streams:
+            raise ConfigError("--max-subscribers must be > 0 and at most --max-streams")
+        for flag, value in (("--stream-idle-s", self.stream_idle_s), ("--keepalive-s", self.keepalive_s),
+                            ("--keepalive-timeout-s", self.keepalive_timeout_s), ("--max-hint-eta-s", self.max_hint_eta_s)):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0")
+        if self.max_remote_records_per_node <= 0 or self.max_remote_records <= 0:
+            raise ConfigError("--max-remote-records-per-node and --max-remote-records must be > 0")
         if self.max_pages_per_request <= 0:
             raise ConfigError("max_pages_per_request must be > 0")
         if min(self.directory_map_bytes, self.token_log_map_bytes) < MIN_MAP_BYTES:

@@ -29,6 +29,11 @@ class MetadataFull(TierFull):
     names the map and the flag that makes it larger."""
 
 
+class LimitExceeded(KVStoreError):
+    """A bound of the server's own is reached (streams open at once, remote records); nothing
+    was changed. Retry later, or make room (close streams, remove records)."""
+
+
 class PageMissing(KVStoreError):
     """A page promised by a lookup is gone (evicted, invalidated, or its bytes were lost)."""
 

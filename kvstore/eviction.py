@@ -10,7 +10,8 @@ the oracle); among the pages of one request (one eta) the deepest goes first, si
 page is only of use while every page before it in its prefix is there. When hinted pages
 hold more than their share of the tier, the furthest of them go before unannounced ones.
 A page keeps every announced use: when one happens (or passed long ago) the next one
-counts.
+counts. Announced uses also sit in one heap ordered by eta, so that expiring them costs
+what expired, not what is announced.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class HostResidency:
         self.hinted: set[bytes] = set()                           # resident and hinted
         self.hints: dict[bytes, list[float]] = {}                 # key -> heap of announced uses (etas)
         self.depth: dict[bytes, int] = {}                         # hinted key -> its page index in the prefix
+        self.due: list[tuple[float, bytes]] = []                  # heap of (eta, key), one per announced use
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()     # recently evicted
         self.ghost_pages = ghost_pages
 
@@ -80,6 +82,7 @@ class HostResidency:
     def hint(self, key: bytes, eta: float, depth: int = 0) -> None:
         """A queued request needs ``key``, its page ``depth`` (index in the prefix), at ``eta``."""
         heapq.heappush(self.hints.setdefault(key, []), eta)
+        heapq.heappush(self.due, (eta, key))
         self.depth[key] = depth
         if key in self.lru or key in self.protected:
             self.lru.pop(key, None)
@@ -107,8 +110,18 @@ class HostResidency:
                 self.lru[key] = None
 
     def expire(self, now: float, grace_s: float) -> None:
-        for key in [k for k, etas in self.hints.items() if etas[-1] + grace_s < now or max(etas) + grace_s < now]:
-            self._unhint(key)
+        """Forgets announced uses more than ``grace_s`` past; a key stays hinted while any
+        use of it is still ahead. Pops only what expired (and ``due`` entries of uses
+        fulfilled meanwhile, each once)."""
+        while self.due and self.due[0][0] + grace_s < now:
+            _, key = heapq.heappop(self.due)
+            etas = self.hints.get(key)
+            if not etas:
+                continue  # fulfilled (consumed) already
+            while etas and etas[0] + grace_s < now:
+                heapq.heappop(etas)
+            if not etas:
+                self._unhint(key)
 
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
         if hinted_share is None or len(self.hinted) <= hinted_share:

@@ -11,15 +11,16 @@ import grpc
 from prometheus_client import start_http_server
 
 from kvstore import pagecopy
-from kvstore._proto import directory_pb2_grpc
+from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.metrics import Metrics
 from kvstore.service import DirectoryService
 from kvstore.service_data import DataService
+from kvstore.service_handlers import add_service, data_handlers, generated_handlers
+from kvstore.service_streams import StreamGate
 from kvstore.tier_manager import TierManager
 from kvstore.wal import TokenLog
-from kvstore.wire import add_data_service
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,22 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+MIN_CLIENT_PING_INTERVAL_MS = 10_000  # a client may ping this often (keepalive_time_ms >= 10 s); more is a ping flood
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Message sizes, and keepalive: the server pings every connection each keepalive_s and
+    closes one whose ping goes unanswered for keepalive_timeout_s, which cancels its streams
+    (a peer that froze or vanished without a FIN otherwise holds its threads for good)."""
+    return [
+        *GRPC_OPTIONS,
+        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),  # grpcio 1.85 waits this long, not the above
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging a connection whose streams are quiet
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
 
 
 def split_host_port(text: str, flag: str) -> tuple[str, int]:
@@ -53,10 +70,15 @@ class Server:
         self.config = config
         self.metrics = Metrics()
         self.manager = TierManager(config, self.metrics)
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"), options=GRPC_OPTIONS)
-        directory_pb2_grpc.add_DirectoryServicer_to_server(DirectoryService(self.manager, config), self._grpc)
+        # Open streams hold at most max_streams threads; unary calls always have the other workers.
+        self.streams = StreamGate(config.max_streams, config.stream_idle_s)
+        pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
+        self._grpc = grpc.server(pool, options=grpc_options(config))
+        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.manager, config))
+        add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
-        add_data_service(DataService(self.manager, config, self.wal), self._grpc)
+        data = data_handlers(DataService(self.manager, config, self.wal))
+        add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics)
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
@@ -73,6 +95,7 @@ class Server:
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         self._grpc.start()
+        self.streams.start()
         if self.config.scrub_pages_per_s > 0 and self.manager.ssd is not None:
             self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
             self._scrubber.start()
@@ -107,6 +130,7 @@ class Server:
             self._scrubber.join(5)
         self.manager.directory.events.close()
         self._grpc.stop(grace_s).wait()
+        self.streams.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

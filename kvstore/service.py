@@ -11,13 +11,14 @@ from kvstore import validate
 from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event
-from kvstore.errors import InvalidRequest, TierFull
+from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.service_errors import stream, unary
 from kvstore.tier_manager import TierManager
 from kvstore.types import Location
 
 _SUBSCRIBE_POLL_S = 0.5
 LOCATION_TIERS = ("hbm", "host", "ssd", "remote")  # what a published or removed location may name
+MAX_NODE_NAME = 255
 
 
 def location_msg(loc: Location | None) -> common_pb2.Location | None:
@@ -59,6 +60,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             validate.tier(rec.location.tier, LOCATION_TIERS)
             if not rec.location.node or not rec.location.tier:
                 raise InvalidRequest("every published location needs a node and a tier")
+            if len(rec.location.node) > MAX_NODE_NAME:
+                raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
         versions = self.manager.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
@@ -87,10 +90,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
-        # Each stream holds a server worker thread: bound them so RPCs always find one.
+        # A share of the stream slots (service_streams), so that routers leave room for page streams.
         with self._subscribers_lock:
             if self._subscribers >= self.config.max_subscribers:
-                raise TierFull(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
+                raise LimitExceeded(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
             self._subscribers += 1
         try:
             events = self.manager.directory.events

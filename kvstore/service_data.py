@@ -130,7 +130,7 @@ class DataService(data_pb2_grpc.DataServicer):
         try:
             for chunk in request_iterator:
                 if chunk.error:
-                    raise InvalidRequest(chunk.error)
+                    raise InvalidRequest(f"WritePages: {chunk.error}")
                 if page is None or chunk.offset == 0:
                     if page is not None:
                         raise page.truncated()
@@ -164,11 +164,13 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         if len(request.entries) > self.config.max_pages_per_request:
             raise InvalidRequest(f"too many hint entries: {len(request.entries)}")
-        reserved = []
-        for entry in request.entries:
-            keys = self._keys(list(entry.keys))
-            reserved.append(self.manager.hint(ns, keys, entry.eta_ms / 1000))
-        return data_pb2.HintResponse(reserved=reserved)
+        max_eta_ms = int(self.config.max_hint_eta_s * 1000)
+        entries = []  # every entry is checked before any is applied
+        for i, entry in enumerate(request.entries):
+            if entry.eta_ms > max_eta_ms:
+                raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
+            entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
+        return data_pb2.HintResponse(reserved=[self.manager.hint(ns, keys, eta_s) for keys, eta_s in entries])
 
     @unary
     def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:

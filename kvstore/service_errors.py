@@ -1,7 +1,8 @@
 """Decorators that turn exceptions into gRPC statuses and time every RPC.
 
 The only place that maps exceptions to status codes on the server: expected errors
-(KVStoreError) become their status with the message; I/O errors become UNAVAILABLE;
+(KVStoreError) become their status with the message; I/O errors become UNAVAILABLE; a call
+whose client left is CANCELLED (nobody hears it, but the metrics count it as what it is);
 anything else is logged with its traceback and becomes INTERNAL. The server keeps serving.
 """
 
@@ -11,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -22,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, (grpc.RpcError, KVStoreError)) and not context.is_active():
+        # The client left: grpcio's request iterator raised, or ended and the stream looked cut short.
+        return grpc.StatusCode.CANCELLED, "the client cancelled the call"
     code, message = _status(exc)
     if isinstance(exc, KVStoreError):
         context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
@@ -36,6 +40,15 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"storage I/O error: {exc}"
     logger.exception("unexpected error")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def reject(context: grpc.ServicerContext, metrics: Any, method: str, exc: KVStoreError) -> NoReturn:
+    """Answers ``exc``'s status for a call refused before its servicer method ran (a request
+    that does not decode, a stream over the limit)."""
+    code, message = _abort(context, exc)
+    metrics.rpc_errors.labels(method, code.name).inc()
+    context.abort(code, message)
+    raise AssertionError("context.abort returned")  # it raises; this tells the type checker
 
 
 def unary(method: Callable[..., Any]) -> Callable[..., Any]:

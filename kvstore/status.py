@@ -12,6 +12,7 @@ ERROR_CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.TierFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.PageMissing, grpc.StatusCode.NOT_FOUND),
     (errors.PageCorrupt, grpc.StatusCode.DATA_LOSS),
     (errors.LeaseExpired, grpc.StatusCode.ABORTED),

@@ -159,7 +159,9 @@ class TierManager:
                         self._drop_local(key, tier)
 
     def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
-        known = self._layouts.setdefault(namespace_id, layout)
+        """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
+        binds it once a slot was taken, so a rejected request leaves no binding)."""
+        known = self._layouts.get(namespace_id, layout)
         if known != layout:
             raise NamespaceMismatch(f"namespace {namespace_id.hex()} has layout {known}, request says {layout}")
         if layout.page_bytes <= 0:
@@ -361,6 +363,7 @@ class TierManager:
                 out.append((key, offset))
             if not out:
                 raise TierFull("host tier is full and every page in it is leased")
+            self._layouts.setdefault(namespace_id, layout)
             ident = next(self._ids)
             deadline = time.monotonic() + self.config.allocation_ttl_ms / 1000
             self._allocations[ident] = Allocation(namespace_id, layout, slots, deadline)
@@ -465,6 +468,7 @@ class TierManager:
         Disk reads run outside the lock: promoted pages get a reserved host slot and a pin
         first, and are installed (published) once read and verified.
         """
+        ttl_ms = self._lease_ttl_ms(ttl_ms)  # before any pin is taken
         pages: list[AcquiredPage] = []
         promote: list[tuple[int, PageHeader]] = []  # (index in pages, header)
         with self._lock:
@@ -566,9 +570,7 @@ class TierManager:
         holding pages for longer than one ttl keeps them pinned. Raises LeaseExpired when the
         lease was released or has expired (its pages may have been evicted and their slots
         reused). O(1): the lease's expiry entry moves on when it comes due."""
-        ttl_ms = ttl_ms or self.config.default_lease_ms
-        if ttl_ms > self.config.max_lease_ms:
-            raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.config.max_lease_ms} ms")
+        ttl_ms = self._lease_ttl_ms(ttl_ms)
         with self._lock:
             self._reap()
             lease = self._leases.get(lease_id)
@@ -576,10 +578,15 @@ class TierManager:
                 raise LeaseExpired(f"lease {lease_id} was released or has expired; its pages may be gone")
             lease.expires = max(lease.expires, time.monotonic() + ttl_ms / 1000)
 
-    def _lease_locked(self, ident: int, keys: list[bytes], ttl_ms: int) -> float:
+    def _lease_ttl_ms(self, ttl_ms: int) -> int:
+        """The ttl a lease gets (0: the default); raises InvalidRequest beyond the maximum."""
         ttl_ms = ttl_ms or self.config.default_lease_ms
         if ttl_ms > self.config.max_lease_ms:
             raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.config.max_lease_ms} ms")
+        return ttl_ms
+
+    def _lease_locked(self, ident: int, keys: list[bytes], ttl_ms: int) -> float:
+        ttl_ms = self._lease_ttl_ms(ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000
         self._leases[ident] = Lease(keys, deadline)
         heapq.heappush(self._expiry, (deadline, ident, "lease"))
@@ -629,11 +636,12 @@ class TierManager:
             return ident, found, expires
 
     def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
-        """Records pages held by other nodes (their bytes are durable there)."""
+        """Records pages held by other nodes (their bytes are durable there); all or none."""
         with self._lock:
             for _, node, _, _ in records:
                 if node == self.node:
                     raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
+            self.directory.check_remote_room(records, self.config.max_remote_records_per_node, self.config.max_remote_records)
             return self.directory.publish(namespace_id, records)
 
     def _drop_local(self, key: bytes, tier: str) -> None:

@@ -8,7 +8,7 @@ its fields are ordered. What changes is the cost: building a message with protob
 payload three times (slice, message, serialise); ``page_chunks`` copies it once, straight into
 the bytes gRPC sends, and ``decode_chunk`` hands the payload out as a view of the bytes gRPC
 received. ReadPages and WritePages are served and called with these instead of the
-generated (de)serialisers (see ``data_method_handlers`` and ``PageStubs``).
+generated (de)serialisers (see ``service_handlers.data_handlers`` and ``PageStubs``).
 
 The first chunk of a page carries its namespace and layout; every chunk carries the key,
 the total length and the checksum, so a receiver checks order, length and checksum without
@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-import grpc
 import numpy as np
 
 from kvstore._proto import common_pb2, data_pb2
@@ -178,39 +177,6 @@ def decode_chunk(raw: bytes) -> WireChunk:
     except Exception as exc:  # noqa: BLE001 - any malformed input becomes a clear error
         return WireChunk(data_pb2.PageChunk(), view[0:0], f"malformed PageChunk: {exc}")
     return WireChunk(meta, data)
-
-
-def data_method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
-    """The Data service's handlers: the generated ones, with ReadPages and WritePages
-    moving encoded chunks (bytes) instead of PageChunk objects."""
-    from kvstore._proto import data_pb2_grpc
-
-    class _Capture:
-        def __init__(self) -> None:
-            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-        def add_generic_rpc_handlers(self, _: object) -> None:
-            pass
-
-        def add_registered_method_handlers(self, _: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-            self.handlers = dict(handlers)
-
-    capture = _Capture()
-    data_pb2_grpc.add_DataServicer_to_server(servicer, capture)
-    handlers = capture.handlers
-    handlers["WritePages"] = grpc.stream_unary_rpc_method_handler(
-        servicer.WritePages, request_deserializer=decode_chunk,
-        response_serializer=data_pb2.WritePagesResponse.SerializeToString)
-    handlers["ReadPages"] = grpc.unary_stream_rpc_method_handler(
-        servicer.ReadPages, request_deserializer=data_pb2.ReadPagesRequest.FromString,
-        response_serializer=None)  # the servicer yields encoded chunks
-    return handlers
-
-
-def add_data_service(servicer: Any, server: grpc.Server) -> None:
-    handlers = data_method_handlers(servicer)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class PageStubs:

@@ -188,3 +188,21 @@ async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, 
     allocation, _ = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), [key])
     manager.commit(allocation, [key], [0], flags=0xFF)
     assert manager.host.header(key).flags == FLAG_WANTED | FLAG_SESSION_OPEN
+
+
+def test_expire_keeps_a_hint_whose_latest_eta_is_still_ahead() -> None:
+    """Bug (issue 13, item 7): ``expire`` read ``etas[-1]`` of the eta heap as the latest
+    announced use; with etas 1, 100, 2 an expiry at 7.1 (grace 5) dropped the hint although
+    the use at 100 is still ahead."""
+    res = HostResidency()
+    res.add(b"k")
+    for eta in (1.0, 100.0, 2.0):
+        res.hint(b"k", eta=eta)
+    res.expire(7.1, grace_s=5.0)
+    assert res.next_use(b"k") == 100.0, "the uses at 1 and 2 passed long ago; the one at 100 counts"
+    assert b"k" in res.hinted
+    res.expire(104.9, grace_s=5.0)
+    assert res.next_use(b"k") == 100.0
+    res.expire(105.1, grace_s=5.0)
+    assert res.next_use(b"k") is None and b"k" not in res.hinted
+    assert b"k" in res, "an expired hint leaves the page resident, as an ordinary page"

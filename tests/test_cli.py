@@ -42,6 +42,8 @@ def test_hbm_without_cuda_exits_with_a_clear_message(tmp_path) -> None:
         (["--host-capacity", "lots"], "--host-capacity"),
         (["--host-capacity", "1MiB"], "--host-capacity must be at least"),
         (["--listen", "nowhere"], "--listen"),
+        (["--max-streams", "4", "--max-subscribers", "8"], "--max-subscribers must be > 0 and at most --max-streams"),
+        (["--stream-idle-s", "0"], "--stream-idle-s must be > 0"),
     ],
 )
 def test_bad_flags(tmp_path, args, expect) -> None:

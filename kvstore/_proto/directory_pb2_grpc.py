@@ -94,7 +94,9 @@ class DirectoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
-        """Records pages whose bytes are already durable on another node.
+        """Records pages whose bytes are already durable on another node. All or nothing:
+        RESOURCE_EXHAUSTED when a node would hold more than --max-remote-records-per-node
+        locations here, or all other nodes more than --max-remote-records.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,7 +128,8 @@ class DirectoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Subscribe(self, request, context):
-        """STORED / REMOVED / CLEARED events from `from_seq` on, then live.
+        """STORED / REMOVED / CLEARED events from `from_seq` on, then live. A subscription with
+        no event for --stream-idle-s is cancelled (CANCELLED): subscribe again from the next seq.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

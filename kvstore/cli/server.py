@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,6 +16,24 @@ from kvstore.errors import KVStoreError
 from kvstore.memory import tune_malloc
 
 logger = logging.getLogger("kvstore.server")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+_LIMIT_FLAGS: list[tuple[str, type, str]] = [
+    ("--workers", int, "threads for unary calls (Lookup, Stats, Allocate...); streams get --max-streams more"),
+    ("--max-streams", int, "streaming RPCs open at once (WritePages, ReadPages, Subscribe); RESOURCE_EXHAUSTED beyond"),
+    ("--max-subscribers", int, "Subscribe streams at once, within --max-streams"),
+    ("--stream-idle-s", float, "a stream that moves no message this long is cancelled"),
+    ("--keepalive-s", float, "each connection is pinged this often"),
+    ("--keepalive-timeout-s", float, "a connection whose ping is unanswered this long is closed, with its streams"),
+    ("--max-hint-eta-s", float, "a hint further ahead is refused (INVALID_ARGUMENT)"),
+    ("--max-remote-records-per-node", int, "locations Publish may record for one other node; RESOURCE_EXHAUSTED beyond"),
+    ("--max-remote-records", int, "locations Publish may record for all other nodes together"),
+]
+
+
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lmdb-map-size", default=None,
                    help="size of each LMDB map (directory, token log, ssd index); a full one refuses writes "
                         "(default 8GiB, 4GiB for the token log)")
+    limits = p.add_argument_group("limits", "what callers can make the server hold")
+    for flag, kind, text in _LIMIT_FLAGS:
+        limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=f"{text} (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
@@ -67,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         scrub_pages_per_s=args.scrub_rate,
         directory_map_bytes=map_bytes or MAP_BYTES,
         token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,
+        **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},
     )
 
 

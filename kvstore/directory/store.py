@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
+from kvstore.errors import LimitExceeded
 from kvstore.lmdb_env import map_full, open_env
 from kvstore.types import Location
 
@@ -49,6 +51,7 @@ class Directory:
         self.entries_db = self.env.open_db(b"entries")
         self.meta_db = self.env.open_db(b"meta")
         self._entries: dict[bytes, Entry] = {}
+        self._remote: Counter[str] = Counter()  # other node -> locations recorded for it
         self._version = 0
         with self.env.begin(db=self.meta_db) as txn:
             raw = txn.get(_SEQ_KEY)
@@ -63,6 +66,7 @@ class Directory:
                 entry = Entry(bytes.fromhex(rec["ns"]))
                 for node, tier, version, size in rec["locs"]:
                     entry.locations[(node, tier)] = Location(node, tier, version, size)
+                    self._count(node, 1)
                     self._version = max(self._version, version)
                 self._entries[bytes(key)] = entry
         logger.info("directory: %d entries loaded", len(self._entries))
@@ -98,6 +102,35 @@ class Directory:
             out.append(entry.best(self.node))
         return out
 
+    def num_remote(self, node: str | None = None) -> int:
+        """Locations recorded for ``node`` (None: for every other node)."""
+        return self._remote[node] if node is not None else self._remote.total()
+
+    def check_remote_room(self, records: list[tuple[bytes, str, str, int]], per_node: int, total: int) -> None:
+        """Raises LimitExceeded when publishing ``records`` would hold more than ``per_node``
+        locations of one other node or ``total`` of all; a location known already counts once."""
+        added: Counter[str] = Counter()
+        seen = set()
+        for key, node, tier, _ in records:
+            entry = self._entries.get(key)
+            if node == self.node or (key, node, tier) in seen or (entry is not None and (node, tier) in entry.locations):
+                continue
+            seen.add((key, node, tier))
+            added[node] += 1
+        for node, count in added.items():
+            if self._remote[node] + count > per_node:
+                raise LimitExceeded(f"publish refused: node {node} would have {self._remote[node] + count} locations here, "
+                                    f"at most {per_node} (--max-remote-records-per-node); nothing was published")
+        if self._remote.total() + added.total() > total:
+            raise LimitExceeded(f"publish refused: other nodes would have {self._remote.total() + added.total()} locations "
+                                f"here, at most {total} (--max-remote-records); nothing was published")
+
+    def _count(self, node: str, change: int) -> None:
+        if node != self.node:
+            self._remote[node] += change
+            if self._remote[node] <= 0:
+                del self._remote[node]
+
     def keys_of(self, namespace_id: bytes) -> list[bytes]:
         return [k for k, e in self._entries.items() if e.namespace_id == namespace_id]
 
@@ -122,7 +155,10 @@ class Directory:
         if rows:
             self._persist(rows, self.events.last_seq + len(staged))
         for key, loc in staged:
-            self._entries.setdefault(key, Entry(namespace_id)).locations[(loc.node, loc.tier)] = loc
+            entry = self._entries.setdefault(key, Entry(namespace_id))
+            if (loc.node, loc.tier) not in entry.locations:
+                self._count(loc.node, 1)
+            entry.locations[(loc.node, loc.tier)] = loc
             self.events.append(EventKind.STORED, namespace_id, key, loc)
         self._version += len(staged)
         return [loc.version for _, loc in staged]
@@ -151,6 +187,7 @@ class Directory:
             self._persist({key: (entry.namespace_id, kept)}, self.events.last_seq + len(gone))
         for loc in gone:
             del entry.locations[(loc.node, loc.tier)]
+            self._count(loc.node, -1)
             self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
         if not entry.locations:
             del self._entries[key]
@@ -163,6 +200,9 @@ class Directory:
         if rows:
             self._persist(rows, self.events.last_seq + 1)
         removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
+        for _, locations in removed:
+            for loc in locations:
+                self._count(loc.node, -1)
         self.events.append(EventKind.CLEARED, namespace_id)
         return removed
 
