@@ -205,19 +205,24 @@ class SsdTier:
         self.allocator.free(offset)
 
     def write_slot(self, offset: int, header: PageHeader, payload: memoryview) -> None:
-        """Writes header and payload into a reserved slot (not yet durable nor indexed)."""
+        """Writes header and payload, zero-padded to whole 4 KiB blocks, into a reserved slot
+        (not yet durable nor indexed). The payload's whole blocks go to disk without a copy
+        (for O_DIRECT when they are aligned); only the rest is staged."""
         hdr = self._header_buf()
         hdr[:] = header.pack()
-        padded = round_up(header.payload_bytes)
-        if self._direct_ok(payload, padded) or (not self.direct_io and padded == header.payload_bytes):
-            bufs: list[object] = [hdr, payload]
-        else:
-            scratch = self._scratch(padded)
-            scratch[: header.payload_bytes] = payload
-            bufs = [hdr, memoryview(scratch)[:padded]]
+        size = header.payload_bytes
+        whole = size - size % ALIGN
+        if self.direct_io and not self._direct_ok(payload, whole):
+            whole = 0
+        bufs: list[object] = [hdr, payload[:whole]]
+        if whole < size:
+            staged = memoryview(self._scratch(size - whole))[: round_up(size - whole)]
+            staged[: size - whole] = payload[whole:size]
+            staged[size - whole :] = bytes(len(staged) - (size - whole))  # zeros, not an earlier page's bytes
+            bufs.append(staged)
         written = os.pwritev(self.fd, bufs, offset)  # type: ignore[arg-type]
-        if written != HEADER_BYTES + padded:
-            raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + padded} bytes")
+        if written != HEADER_BYTES + round_up(size):
+            raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + round_up(size)} bytes")
 
     def sync(self) -> None:
         if self.durable:
