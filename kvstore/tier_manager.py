@@ -104,7 +104,8 @@ class TierManager:
         self.budget: WriteBudget | None = None
         self.admission: AdmissionPolicy | None = None
         if self.ssd is not None and config.ssd is not None:
-            self.budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s)
+            self.budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s,
+                                                settle=self.ssd.index_writes.take)
             self.admission = make_policy(config.ssd.admission)
         self._ssd_lru: OrderedDict[bytes, None] = OrderedDict()
         self._pins: Counter[bytes] = Counter()
@@ -226,11 +227,12 @@ class TierManager:
     def _admit(self, header: PageHeader) -> bool:
         """Whether a page leaving the host tier is worth an SSD write (policy + budget)."""
         assert self.admission is not None and self.budget is not None
-        decision = self.admission.can_admit(header.key, header.flags, self.budget, header.payload_bytes)
+        cost = SsdTier.slot_bytes(header.payload_bytes)
+        decision = self.admission.can_admit(header.key, header.flags, self.budget, cost)
         self.metrics.admissions.labels(self.admission.name, "admit" if decision.admit else "refuse", decision.reason).inc()
         if not decision.admit:
             self.admission.record_refused(header.key)
-            self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+            self.metrics.ssd_refused_bytes.inc(cost)
         return decision.admit
 
     def _ssd_reserve(self, payload_bytes: int) -> int | None:
@@ -263,8 +265,8 @@ class TierManager:
                 if ssd.contains(header.key):
                     continue
                 assert self.budget is not None
-                if not self.budget.take(header.payload_bytes):
-                    self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+                if not self.budget.take(ssd.slot_bytes(header.payload_bytes)):  # index writes are settled after
+                    self.metrics.ssd_refused_bytes.inc(ssd.slot_bytes(header.payload_bytes))
                     break  # over the endurance budget: the rest stays in RAM only
                 offset = self._ssd_reserve(header.payload_bytes)
                 if offset is None:

@@ -33,7 +33,9 @@ from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import TierUsage
+from kvstore.tiers.device_writes import IndexWrites
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
+from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -48,36 +50,6 @@ def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
     """Copies a staged page to its destination and verifies it in the same pass; False
     when it fails its checksum."""
     return copy_checksum_bytes(dst, src) == header.checksum
-
-
-class StagingPool:
-    """Pairs of aligned buffers for staged reads, shared by the server's threads: at most
-    ``pairs`` exist (a reader waits for one), kept once made (first touch is slow), the
-    most recently used handed out first."""
-
-    def __init__(self, pairs: int = 4) -> None:
-        self._free: list[tuple[memoryview, memoryview]] = []
-        self._made = 0
-        self._pairs = pairs
-        self._cond = threading.Condition()
-
-    def take(self, nbytes: int) -> tuple[memoryview, memoryview]:
-        with self._cond:
-            while not self._free and self._made >= self._pairs:
-                self._cond.wait()
-            if self._free:
-                pair = self._free.pop()
-                if len(pair[0]) >= nbytes:
-                    return pair
-                self._made -= 1  # too small for this page size: replaced below
-            self._made += 1
-        size = round_up(max(nbytes, 4 << 20))
-        return memoryview(mmap.mmap(-1, size)), memoryview(mmap.mmap(-1, size))
-
-    def give(self, pair: tuple[memoryview, memoryview]) -> None:
-        with self._cond:
-            self._free.append(pair)
-            self._cond.notify()
 
 
 @dataclass(frozen=True)
@@ -116,6 +88,7 @@ class SsdTier:
         self.env = lmdb.open(str(self.directory / INDEX_DIR), map_size=8 << 30, max_dbs=4, subdir=True, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
+        self.index_writes = IndexWrites()  # what index transactions cost the device (the write budget)
         # key -> (offset, header); the header stays raw bytes until first used, so that a
         # restart with a million pages does not parse a million headers.
         self._pages: dict[bytes, tuple[int, PageHeader | bytes]] = {}
@@ -171,7 +144,7 @@ class SsdTier:
         for key, reason in dropped:
             logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
         if dropped:
-            with self.env.begin(write=True, db=self.index_db) as txn:
+            with self.index_writes.transaction(len(dropped)), self.env.begin(write=True, db=self.index_db) as txn:
                 for key, _ in dropped:
                     txn.delete(key)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
@@ -198,8 +171,13 @@ class SsdTier:
 
     # -- writes --------------------------------------------------------------------------
 
+    @staticmethod
+    def slot_bytes(payload_bytes: int) -> int:
+        """What writing one page sends to the device: header + payload padded to 4 KiB."""
+        return HEADER_BYTES + round_up(payload_bytes)
+
     def reserve(self, payload_bytes: int) -> int | None:
-        return self.allocator.alloc(HEADER_BYTES + round_up(payload_bytes))
+        return self.allocator.alloc(self.slot_bytes(payload_bytes))
 
     def unreserve(self, offset: int) -> None:
         self.allocator.free(offset)
@@ -221,8 +199,8 @@ class SsdTier:
             staged[size - whole :] = bytes(len(staged) - (size - whole))  # zeros, not an earlier page's bytes
             bufs.append(staged)
         written = os.pwritev(self.fd, bufs, offset)  # type: ignore[arg-type]
-        if written != HEADER_BYTES + round_up(size):
-            raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + round_up(size)} bytes")
+        if written != self.slot_bytes(size):
+            raise OSError(f"short write to {DATA_FILE}: {written} of {self.slot_bytes(size)} bytes")
 
     def sync(self) -> None:
         if self.durable:
@@ -230,9 +208,9 @@ class SsdTier:
 
     def index(self, entries: list[tuple[int, PageHeader]]) -> None:
         """Indexes written slots (after ``sync``); from here they survive a restart."""
-        with self.env.begin(write=True, db=self.index_db) as txn:
+        with self.index_writes.transaction(len(entries)), self.env.begin(write=True, db=self.index_db) as txn:
             for offset, header in entries:
-                value = _ENTRY.pack(offset, HEADER_BYTES + round_up(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
+                value = _ENTRY.pack(offset, self.slot_bytes(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
                 txn.put(header.key, value)
         for offset, header in entries:
             self._pages[header.key] = (offset, header)
@@ -364,7 +342,7 @@ class SsdTier:
         gone = [k for k in keys if k in self._pages]
         if not gone:
             return 0
-        with self.env.begin(write=True, db=self.index_db) as txn:
+        with self.index_writes.transaction(len(gone)), self.env.begin(write=True, db=self.index_db) as txn:
             for key in gone:
                 txn.delete(key)
         for key in gone:
@@ -381,7 +359,7 @@ class SsdTier:
         namespace_id = self.namespace_of(key) or b""
         logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
         record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
-        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with self.index_writes.transaction(1), self.env.begin(write=True, db=self.quarantine_db) as txn:
             txn.put(key, record.encode())
         self.delete(key)
 
@@ -394,7 +372,7 @@ class SsdTier:
         return out
 
     def purge_quarantine(self) -> int:
-        with self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with self.index_writes.transaction(1), self.env.begin(write=True, db=self.quarantine_db) as txn:
             n = txn.stat(self.quarantine_db)["entries"]
             txn.drop(self.quarantine_db, delete=False)
         return n
