@@ -168,3 +168,26 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
         await client.get(hit, into=out)
         assert torch.equal(out, kv)
     assert not server.manager._pins and not server.manager._allocations
+
+
+async def test_pages_held_by_an_allocation_are_released_by_abort_and_expiry(server_factory, tmp_path, layout, ns) -> None:
+    """The pin an allocation takes on the pages it calls stored goes with the allocation:
+    an aborted one and an expired one (a client that died mid-put) leave no pin."""
+    from conftest import make_config
+
+    from kvstore.page import LayoutDesc
+
+    server = server_factory(make_config(tmp_path, allocation_ttl_ms=100))
+    manager = server.manager
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(list(range(32)), random_kv(layout, 32))
+        keys = client.keys(list(range(48)))
+    aborted, _ = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
+    manager.abort(aborted)
+    assert not manager._pins and manager.host.usage().num_pages == 2
+    manager.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
+    assert set(manager._pins) == set(keys[:2])
+    await asyncio.sleep(0.2)  # past the allocation's ttl: nothing else ends it
+    manager.stats()  # any call reaps
+    assert not manager._pins and not manager._allocations
+    assert manager.host.usage().used_bytes == 2 * layout.page_bytes
