@@ -207,9 +207,11 @@ class KVStoreClient:
                   session_open: bool = False) -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
-        Pages already stored are not written again. With ``durable`` the pages are also on
-        the ssd tier (synced) when this returns. ``wanted`` / ``session_open`` tell SSD
-        admission these pages will be used again. Returns the number of leading tokens stored.
+        Pages already stored are not written again. With ``durable`` every page of the
+        returned prefix, those stored before in RAM included, is on the ssd tier (synced)
+        when this returns, or this raises (TierFull, TierUnavailable, or PageMissing with
+        ``num_tokens`` durable). ``wanted`` / ``session_open`` tell SSD admission these pages
+        will be used again. Returns the number of leading tokens stored.
         """
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         keys = self.keys(tokens)
@@ -226,7 +228,10 @@ class KVStoreClient:
                         raise
                     logger.warning("tier full after %d of %d pages; the rest is not stored", stored, len(keys))
                     break
-                stored += n
+                asked = min(len(keys) - stored, self.max_pages)
+                stored += self.published_prefix(asked, n, durable, stored)
+                if n < asked:
+                    break  # a page stored at the start of the stream was gone at its commit
         return stored * self.layout.page_tokens
 
     def _batch_pages(self) -> int:
@@ -253,7 +258,8 @@ class KVStoreClient:
         rows = page_rows(kv, self.layout)
         stored = cursor = 0
         copying: deque[tuple[Any, list[Any], asyncio.Future[list[Any]]]] = deque()
-        commits: deque[asyncio.Future[int]] = deque()
+        commits: deque[tuple[int, asyncio.Future[Any]]] = deque()  # (pages asked, the Commit answer)
+        short = False  # a commit came back short: the stored prefix ended there
         ahead: asyncio.Future[Any] | None = None
 
         sizes = self._batch_sizes()
@@ -266,9 +272,17 @@ class KVStoreClient:
             alloc, todo, copied = copying[0]
             sums = await copied
             copying.popleft()
-            commits.append(asyncio.ensure_future(self._commit(data_pb2.CommitRequest(
+            commits.append((len(alloc.slots), asyncio.ensure_future(self._call(self._data.Commit, data_pb2.CommitRequest(
                 allocation_id=alloc.allocation_id, keys=[slot.key for _, slot in todo], checksums=sums, durable=durable,
-                flags=flags), len(alloc.slots))))
+                flags=flags)))))
+
+        async def settle_oldest() -> None:
+            nonlocal stored, short
+            asked, answer = commits.popleft()
+            n = self.published_prefix(asked, (await answer).num_published, durable, stored)
+            if not short:
+                stored += n
+            short = short or n < asked
 
         try:
             ahead = allocate(0)
@@ -276,7 +290,7 @@ class KVStoreClient:
                 if ahead is None or len(copying) >= 2:
                     await commit_oldest()
                     if len(commits) > 2:
-                        stored += await commits.popleft()
+                        await settle_oldest()
                     continue
                 try:
                     alloc = await ahead
@@ -286,7 +300,7 @@ class KVStoreClient:
                         while copying:
                             await commit_oldest()
                         while commits:
-                            stored += await commits.popleft()
+                            await settle_oldest()
                         ahead = allocate(cursor)
                         continue
                     if cursor == 0:
@@ -300,7 +314,7 @@ class KVStoreClient:
                 cursor += n
                 ahead = allocate(cursor) if cursor < len(keys) else None
             while commits:
-                stored += await commits.popleft()
+                await settle_oldest()
         finally:
             # An error ended the loop: let the copies finish (they write into the slots),
             # then give back every allocation not committed.
@@ -317,12 +331,18 @@ class KVStoreClient:
                 except KVStoreError:
                     pass
             if commits:
-                await asyncio.gather(*commits, return_exceptions=True)
+                await asyncio.gather(*(answer for _, answer in commits), return_exceptions=True)
         return stored
 
-    async def _commit(self, request: data_pb2.CommitRequest, num_pages: int) -> int:
-        await self._call(self._data.Commit, request)
-        return num_pages
+    def published_prefix(self, asked: int, num_published: int, durable: bool, first_page: int) -> int:
+        """The pages of a commit's ``asked`` that the server reports stored (a prefix). A
+        durable write that comes back short raises: the pages after it are not on ssd."""
+        n = min(asked, num_published)
+        if durable and n < asked:
+            done = (first_page + n) * self.layout.page_tokens
+            raise _partial(PageMissing, f"durable write: page {first_page + n} was removed before its commit, so it is "
+                           f"not on ssd; {done} leading tokens are durable", done)
+        return n
 
     def _check(self, kv: torch.Tensor | EngineKV, tokens: int, name: str) -> None:
         if isinstance(kv, torch.Tensor):
@@ -705,9 +725,10 @@ class KVStoreClient:
         req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
         return self._call_sync(self._sync()[0].Allocate, req)
 
-    def commit_sync(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool) -> None:
+    def commit_sync(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool) -> int:
+        """Returns num_published: the leading pages of the allocation stored (durable: on ssd)."""
         req = data_pb2.CommitRequest(allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable)
-        self._call_sync(self._sync()[0].Commit, req)
+        return int(self._call_sync(self._sync()[0].Commit, req).num_published)
 
     def abort_sync(self, allocation_id: int) -> None:
         try:

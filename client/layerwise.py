@@ -343,11 +343,13 @@ class LayerSave:
                     page[layer].copy_(self.kv.read_layer(self.first_page + i, layer))
             sums = [checksum(t.numpy()) for t in targets]
             if alloc is not None:
-                client.commit_sync(alloc.allocation_id, [slot.key for _, slot in todo], sums, self.durable)
-                stored = len(alloc.slots)
+                asked = len(alloc.slots)
+                published = client.commit_sync(alloc.allocation_id, [slot.key for _, slot in todo], sums, self.durable)
                 alloc = None
             else:
-                stored = client.write_pages_sync([self.keys[i] for i, _ in todo], targets, sums, self.durable)
+                asked = len(todo)
+                published = client.write_pages_sync([self.keys[i] for i, _ in todo], targets, sums, self.durable)
+            stored = client.published_prefix(asked, published, self.durable, self.first_page)
             self._result = (self.first_page + stored) * layout.page_tokens
         except BaseException as exc:  # noqa: BLE001 - raised again by finished()
             self.error = exc if isinstance(exc, KVStoreError) else KVStoreError(f"layer-wise save failed: {exc!r}")

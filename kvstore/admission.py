@@ -28,10 +28,15 @@ WARRANTY_DAYS = 5 * 365
 
 
 class WriteBudget:
-    """Token bucket over bytes: ``rate_bps`` long-run, at most ``burst_bytes`` at once.
-    A rate of 0 means no budget (unlimited writes)."""
+    """Token bucket over the bytes that reach the device: ``rate_bps`` long-run, at most
+    ``burst_bytes`` at once. A rate of 0 means no budget (unlimited writes, still counted).
 
-    def __init__(self, rate_bps: float, burst_bytes: float, clock: Callable[[], float]) -> None:
+    A page write ``take``s its bytes up front (header + padded payload); writes whose size is
+    known only afterwards (index transactions) come from ``settle``, which returns the bytes
+    written since it was last called, and are charged at each refill, into debt if need be."""
+
+    def __init__(self, rate_bps: float, burst_bytes: float, clock: Callable[[], float],
+                 settle: Callable[[], int] | None = None) -> None:
         if rate_bps < 0 or burst_bytes < 0:
             raise ConfigError("--ssd-dwpd and the burst must be >= 0")
         self.rate_bps = rate_bps
@@ -42,12 +47,14 @@ class WriteBudget:
         self.written_bytes = 0
         self.refused_bytes = 0
         self._started = self._last
+        self._settle = settle
 
     @classmethod
-    def for_drive(cls, capacity_bytes: int, dwpd: float, clock: Callable[[], float], burst_s: float = 60.0) -> WriteBudget:
+    def for_drive(cls, capacity_bytes: int, dwpd: float, clock: Callable[[], float], burst_s: float = 60.0,
+                  settle: Callable[[], int] | None = None) -> WriteBudget:
         rate = capacity_bytes * dwpd / 86_400
         burst = max(rate * burst_s, 16 << 20) if rate else 0.0
-        return cls(rate, burst, clock)
+        return cls(rate, burst, clock, settle)
 
     @property
     def unlimited(self) -> bool:
@@ -57,19 +64,22 @@ class WriteBudget:
         now = self.clock()
         self.tokens = min(self.burst_bytes, self.tokens + (now - self._last) * self.rate_bps)
         self._last = now
+        if self._settle is not None:
+            spent = self._settle()
+            self.written_bytes += spent
+            if not self.unlimited:
+                self.tokens -= spent
 
     def fill(self) -> float:
         """Fraction of the burst available now (1.0 when unlimited)."""
+        self._refill()
         if self.unlimited:
             return 1.0
-        self._refill()
         return self.tokens / self.burst_bytes if self.burst_bytes else 0.0
 
     def can_take(self, num_bytes: int) -> bool:
-        if self.unlimited:
-            return True
         self._refill()
-        return self.tokens >= num_bytes
+        return self.unlimited or self.tokens >= num_bytes
 
     def take(self, num_bytes: int) -> bool:
         """Takes ``num_bytes`` if the bucket holds them; False (nothing taken) otherwise."""
@@ -82,6 +92,7 @@ class WriteBudget:
         return True
 
     def write_rate_bps(self) -> float:
+        self._refill()
         elapsed = self.clock() - self._started
         return self.written_bytes / elapsed if elapsed > 0 else 0.0
 

@@ -137,7 +137,8 @@ class DataService(data_pb2_grpc.DataServicer):
                     page = self._start_page(chunk)
                 if page.add(chunk):
                     done, page = page, None
-                    self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable, done.flags)
+                    if not self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable, done.flags):
+                        break  # stored at its first chunk, gone at its commit: num_published ends here
                     stored += 1
             if page is not None:
                 raise page.truncated()

@@ -51,6 +51,8 @@ class Allocation:
     layout: LayoutDesc
     slots: dict[bytes, int]       # key -> reserved host offset
     expires: float
+    keys: list[bytes]             # the prefix allocate answered: stored already or reserved
+    held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
 
 
 @dataclass
@@ -102,7 +104,8 @@ class TierManager:
         self.budget: WriteBudget | None = None
         self.admission: AdmissionPolicy | None = None
         if self.ssd is not None and config.ssd is not None:
-            self.budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s)
+            self.budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s,
+                                                settle=self.ssd.index_writes.take)
             self.admission = make_policy(config.ssd.admission)
         self._ssd_lru: OrderedDict[bytes, None] = OrderedDict()
         self._pins: Counter[bytes] = Counter()
@@ -144,6 +147,7 @@ class TierManager:
                     logger.warning("allocation %d expired uncommitted; freeing %d slots", ident, len(alloc.slots))
                     for offset in alloc.slots.values():
                         self.host.unreserve(offset)
+                    self._unpin(alloc.held)
 
     def _pin(self, keys: list[bytes]) -> None:
         self._pins.update(keys)
@@ -228,11 +232,12 @@ class TierManager:
     def _admit(self, header: PageHeader) -> bool:
         """Whether a page leaving the host tier is worth an SSD write (policy + budget)."""
         assert self.admission is not None and self.budget is not None
-        decision = self.admission.can_admit(header.key, header.flags, self.budget, header.payload_bytes)
+        cost = SsdTier.slot_bytes(header.payload_bytes)
+        decision = self.admission.can_admit(header.key, header.flags, self.budget, cost)
         self.metrics.admissions.labels(self.admission.name, "admit" if decision.admit else "refuse", decision.reason).inc()
         if not decision.admit:
             self.admission.record_refused(header.key)
-            self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+            self.metrics.ssd_refused_bytes.inc(cost)
         return decision.admit
 
     def _ssd_reserve(self, payload_bytes: int) -> int | None:
@@ -268,8 +273,8 @@ class TierManager:
                 if ssd.contains(header.key):
                     continue
                 assert self.budget is not None
-                if not self.budget.take(header.payload_bytes):
-                    self.metrics.ssd_refused_bytes.inc(header.payload_bytes)
+                if not self.budget.take(ssd.slot_bytes(header.payload_bytes)):  # index writes are settled after
+                    self.metrics.ssd_refused_bytes.inc(ssd.slot_bytes(header.payload_bytes))
                     break  # over the endurance budget: the rest stays in RAM only
                 offset = self._ssd_reserve(header.payload_bytes)
                 if offset is None:
@@ -344,37 +349,52 @@ class TierManager:
         """Reserves slots for the keys not stored yet; stops at the first that finds no room.
 
         Returns (allocation id, [(key, offset or None when already stored)]) for a prefix of
-        ``keys``. Raises TierFull when not even the first page fits.
+        ``keys``. The pages it calls stored are pinned until the commit (which may have to
+        make them durable), abort or expiry. Raises TierFull when not even the first page fits.
         """
         with self._lock:
             self._reap()
             self._check_layout(namespace_id, layout)
             out: list[tuple[bytes, int | None]] = []
             slots: dict[bytes, int] = {}
-            for key in keys:
-                if self._stored(key) or key in slots:
-                    out.append((key, None))
-                    continue
-                self._learn(key)
-                offset = self._host_reserve(layout.page_bytes)
-                if offset is None:
-                    break
-                slots[key] = offset
-                out.append((key, offset))
+            held: list[bytes] = []
+            try:
+                for key in keys:
+                    if self._stored(key) or key in slots:
+                        if key not in slots:
+                            held.append(key)
+                            self._pin([key])  # before the next reserve: it must not evict what we answer stored
+                        out.append((key, None))
+                        continue
+                    self._learn(key)
+                    offset = self._host_reserve(layout.page_bytes)
+                    if offset is None:
+                        break
+                    slots[key] = offset
+                    out.append((key, offset))
+            except BaseException:
+                for offset in slots.values():
+                    self.host.unreserve(offset)
+                self._unpin(held)
+                raise
             if not out:
                 raise TierFull("host tier is full and every page in it is leased")
             self._layouts.setdefault(namespace_id, layout)
             ident = next(self._ids)
             deadline = time.monotonic() + self.config.allocation_ttl_ms / 1000
-            self._allocations[ident] = Allocation(namespace_id, layout, slots, deadline)
+            self._allocations[ident] = Allocation(namespace_id, layout, slots, deadline, [k for k, _ in out], held)
             heapq.heappush(self._expiry, (deadline, ident, "alloc"))
             return ident, out
 
     def commit(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
-        With ``durable`` the pages are also written through to the ssd tier (synced) before
-        this returns. Returns the number of ``keys`` now stored.
+        Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
+        it, pages stored before included) are now stored. With ``durable`` every one of
+        them, written now or stored earlier in RAM, is on the ssd tier (synced) when this
+        returns and only those count; raises TierFull / TierUnavailable when the ssd tier
+        refuses or fails (the pages stay in RAM), and TierUnavailable, storing nothing,
+        when there is no ssd tier.
         """
         if len(keys) != len(checksums):  # before taking the allocation: it stays usable
             raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
@@ -384,6 +404,12 @@ class TierManager:
             alloc = self._allocations.pop(allocation_id, None)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id} is unknown or expired; allocate again")
+            if durable and self.ssd is None:
+                for reserved in alloc.slots.values():
+                    self.host.unreserve(reserved)
+                self._unpin(alloc.held)
+                raise TierUnavailable("durable write asked of a server with no ssd tier (start it with --tiers host,ssd); "
+                                      "nothing was stored")
             fresh: list[PageHeader] = []
             for key, csum in zip(keys, checksums):
                 offset = alloc.slots.pop(key, None)
@@ -399,16 +425,25 @@ class TierManager:
             for offset in alloc.slots.values():
                 self.host.unreserve(offset)
             self._publish_host(alloc.namespace_id, fresh)
-            if durable and self.ssd is not None:
-                self._pin(keys)
-        if durable and self.ssd is not None:
-            try:
-                self._write_through(keys)
-            finally:
-                with self._lock:
-                    self._unpin(keys)
+            run = self._leading(alloc.keys, self._stored)
+            if durable:
+                self._pin(run)
+        try:
+            if durable:
+                self._write_through(run)
+        finally:
+            with self._lock:
+                self._unpin(alloc.held + (run if durable else []))
         with self._lock:
-            return sum(1 for k in keys if self._stored(k))
+            return len(self._leading(run, (lambda k: self._has(k, "ssd")) if durable else self._stored))
+
+    @staticmethod
+    def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
+        """The leading keys for which ``held`` is true."""
+        for i, key in enumerate(keys):
+            if not held(key):
+                return keys[:i]
+        return keys
 
     def _publish_host(self, namespace_id: bytes, headers: list[PageHeader]) -> None:
         if headers:
@@ -456,6 +491,7 @@ class TierManager:
             if alloc is not None:
                 for offset in alloc.slots.values():
                     self.host.unreserve(offset)
+                self._unpin(alloc.held)
 
     # -- reads ---------------------------------------------------------------------------
 

@@ -22,9 +22,13 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import lmdb
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
@@ -32,7 +36,9 @@ from kvstore.lmdb_env import map_full, open_env, private_dir
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import TierUsage
+from kvstore.tiers.device_writes import IndexWrites
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
+from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -47,36 +53,6 @@ def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
     """Copies a staged page to its destination and verifies it in the same pass; False
     when it fails its checksum."""
     return copy_checksum_bytes(dst, src) == header.checksum
-
-
-class StagingPool:
-    """Pairs of aligned buffers for staged reads, shared by the server's threads: at most
-    ``pairs`` exist (a reader waits for one), kept once made (first touch is slow), the
-    most recently used handed out first."""
-
-    def __init__(self, pairs: int = 4) -> None:
-        self._free: list[tuple[memoryview, memoryview]] = []
-        self._made = 0
-        self._pairs = pairs
-        self._cond = threading.Condition()
-
-    def take(self, nbytes: int) -> tuple[memoryview, memoryview]:
-        with self._cond:
-            while not self._free and self._made >= self._pairs:
-                self._cond.wait()
-            if self._free:
-                pair = self._free.pop()
-                if len(pair[0]) >= nbytes:
-                    return pair
-                self._made -= 1  # too small for this page size: replaced below
-            self._made += 1
-        size = round_up(max(nbytes, 4 << 20))
-        return memoryview(mmap.mmap(-1, size)), memoryview(mmap.mmap(-1, size))
-
-    def give(self, pair: tuple[memoryview, memoryview]) -> None:
-        with self._cond:
-            self._free.append(pair)
-            self._cond.notify()
 
 
 @dataclass(frozen=True)
@@ -115,6 +91,7 @@ class SsdTier:
         self.env = open_env(self.directory / INDEX_DIR, config.index_map_bytes, max_dbs=4, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
+        self.index_writes = IndexWrites()  # what index transactions cost the device (the write budget)
         # key -> (offset, header); the header stays raw bytes until first used, so that a
         # restart with a million pages does not parse a million headers.
         self._pages: dict[bytes, tuple[int, PageHeader | bytes]] = {}
@@ -170,11 +147,19 @@ class SsdTier:
         for key, reason in dropped:
             logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
         if dropped:
-            with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
+            with self._write_txn(len(dropped), self.index_db) as txn:
                 for key, _ in dropped:
                     txn.delete(key)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
                     "O_DIRECT" if self.direct_io else "buffered")
+
+    @contextmanager
+    def _write_txn(self, num_entries: int, db: object) -> Iterator[lmdb.Transaction]:
+        """One write transaction of the index: a full map is MetadataFull (nothing written),
+        and what it costs the device is charged to the write budget (index_writes)."""
+        with map_full(self.env, "the ssd index"), self.index_writes.transaction(num_entries), \
+                self.env.begin(write=True, db=db) as txn:
+            yield txn
 
     # -- scratch buffers (aligned, per thread) -------------------------------------------
 
@@ -197,26 +182,36 @@ class SsdTier:
 
     # -- writes --------------------------------------------------------------------------
 
+    @staticmethod
+    def slot_bytes(payload_bytes: int) -> int:
+        """What writing one page sends to the device: header + payload padded to 4 KiB."""
+        return HEADER_BYTES + round_up(payload_bytes)
+
     def reserve(self, payload_bytes: int) -> int | None:
-        return self.allocator.alloc(HEADER_BYTES + round_up(payload_bytes))
+        return self.allocator.alloc(self.slot_bytes(payload_bytes))
 
     def unreserve(self, offset: int) -> None:
         self.allocator.free(offset)
 
     def write_slot(self, offset: int, header: PageHeader, payload: memoryview) -> None:
-        """Writes header and payload into a reserved slot (not yet durable nor indexed)."""
+        """Writes header and payload, zero-padded to whole 4 KiB blocks, into a reserved slot
+        (not yet durable nor indexed). The payload's whole blocks go to disk without a copy
+        (for O_DIRECT when they are aligned); only the rest is staged."""
         hdr = self._header_buf()
         hdr[:] = header.pack()
-        padded = round_up(header.payload_bytes)
-        if self._direct_ok(payload, padded) or (not self.direct_io and padded == header.payload_bytes):
-            bufs: list[object] = [hdr, payload]
-        else:
-            scratch = self._scratch(padded)
-            scratch[: header.payload_bytes] = payload
-            bufs = [hdr, memoryview(scratch)[:padded]]
+        size = header.payload_bytes
+        whole = size - size % ALIGN
+        if self.direct_io and not self._direct_ok(payload, whole):
+            whole = 0
+        bufs: list[object] = [hdr, payload[:whole]]
+        if whole < size:
+            staged = memoryview(self._scratch(size - whole))[: round_up(size - whole)]
+            staged[: size - whole] = payload[whole:size]
+            staged[size - whole :] = bytes(len(staged) - (size - whole))  # zeros, not an earlier page's bytes
+            bufs.append(staged)
         written = os.pwritev(self.fd, bufs, offset)  # type: ignore[arg-type]
-        if written != HEADER_BYTES + padded:
-            raise OSError(f"short write to {DATA_FILE}: {written} of {HEADER_BYTES + padded} bytes")
+        if written != self.slot_bytes(size):
+            raise OSError(f"short write to {DATA_FILE}: {written} of {self.slot_bytes(size)} bytes")
 
     def sync(self) -> None:
         if self.durable:
@@ -225,9 +220,9 @@ class SsdTier:
     def index(self, entries: list[tuple[int, PageHeader]]) -> None:
         """Indexes written slots (after ``sync``); from here they survive a restart. On
         MetadataFull nothing was indexed: the caller frees the slots."""
-        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
+        with self._write_txn(len(entries), self.index_db) as txn:
             for offset, header in entries:
-                value = _ENTRY.pack(offset, HEADER_BYTES + round_up(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
+                value = _ENTRY.pack(offset, self.slot_bytes(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
                 txn.put(header.key, value)
         for offset, header in entries:
             self._pages[header.key] = (offset, header)
@@ -359,7 +354,7 @@ class SsdTier:
         gone = [k for k in keys if k in self._pages]
         if not gone:
             return 0
-        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.index_db) as txn:
+        with self._write_txn(len(gone), self.index_db) as txn:
             for key in gone:
                 txn.delete(key)
         for key in gone:
@@ -376,7 +371,7 @@ class SsdTier:
         namespace_id = self.namespace_of(key) or b""
         logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
         record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
-        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with self._write_txn(1, self.quarantine_db) as txn:
             txn.put(key, record.encode())
         self.delete(key)
 
@@ -389,7 +384,7 @@ class SsdTier:
         return out
 
     def purge_quarantine(self) -> int:
-        with map_full(self.env, "the ssd index"), self.env.begin(write=True, db=self.quarantine_db) as txn:
+        with self._write_txn(1, self.quarantine_db) as txn:
             n = txn.stat(self.quarantine_db)["entries"]
             txn.drop(self.quarantine_db, delete=False)
         return n
