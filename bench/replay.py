@@ -24,12 +24,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvstore.admission import Decision, WriteBudget
+from kvstore.server.admission import Decision, WriteBudget
 from kvstore.bench.belady import belady_hits
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
-from kvstore.metrics import Metrics
+from kvstore.server.metrics import Metrics
 from kvstore.page import LayoutDesc, checksum
-from kvstore.tier_manager import TierManager
+from kvstore.server.placement import TierManager
 
 NS = b"replay-namespace"
 

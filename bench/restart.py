@@ -30,9 +30,9 @@ from tqdm import tqdm
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench.harness import start_server
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
-from kvstore.metrics import Metrics
+from kvstore.server.metrics import Metrics
 from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum
-from kvstore.tier_manager import TierManager
+from kvstore.server.placement import TierManager
 from kvstore.tiers.slab import round_up
 from kvstore.tiers.ssd import SsdTier
 

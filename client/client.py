@@ -25,7 +25,6 @@ import grpc
 import torch
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
-from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.layerwise import LayerLoad, LayerSave
@@ -35,7 +34,7 @@ from kvstore.client.session import recover as recover_session
 from kvstore.client.wire import PageAssembler
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissing, TierFull
 from kvstore.keys import page_keys
-from kvstore.page import LayoutDesc, checksum
+from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc, checksum
 from kvstore.pagecopy import copy_checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, Namespace

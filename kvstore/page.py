@@ -29,6 +29,11 @@ _BODY = struct.Struct("<4sHH16s16sIIII16sIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packed header
 
+# Header flags an engine may set (SSD admission reads them).
+FLAG_WANTED = 1        # the engine asked to keep this page
+FLAG_SESSION_OPEN = 2  # its session is still open (multi-turn, tool wait)
+ENGINE_FLAGS = FLAG_WANTED | FLAG_SESSION_OPEN
+
 
 def checksum(data: object) -> int:
     """xxh3-64 of a buffer (bytes, memoryview, numpy array)."""

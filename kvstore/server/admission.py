@@ -20,10 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from kvstore.errors import ConfigError
+from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
 
-FLAG_WANTED = 1        # the engine asked to keep this page
-FLAG_SESSION_OPEN = 2  # its session is still open (multi-turn, tool wait)
-ENGINE_FLAGS = FLAG_WANTED | FLAG_SESSION_OPEN  # what a client may set
 WARRANTY_DAYS = 5 * 365
 
 

@@ -102,7 +102,7 @@ def test_bytes_known_after_the_write_are_charged_into_debt() -> None:
     """Index bytes are measured after their transaction: they are counted as written and
     taken from the bucket even below zero, and no page write is admitted until the debt
     is repaid by the refill."""
-    from kvstore.admission import WriteBudget
+    from kvstore.server.admission import WriteBudget
 
     now = [0.0]
     measured = [0]

@@ -28,15 +28,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstore.admission import ENGINE_FLAGS, FLAG_WANTED, AdmissionPolicy, WriteBudget, make_policy
+from kvstore.server.admission import AdmissionPolicy, WriteBudget, make_policy
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest, LeaseExpired, MetadataFull, NamespaceMismatch, PageCorrupt, TierFull, TierUnavailable
-from kvstore.eviction import HostResidency
-from kvstore.metrics import Metrics
-from kvstore.page import LayoutDesc, PageHeader
-from kvstore.recovery import rebuild_directory
-from kvstore.tier_stats import ManagerStats, collect_stats, refresh_gauges
+from kvstore.server.eviction import HostResidency
+from kvstore.server.metrics import Metrics
+from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
+from kvstore.server.recovery import rebuild_directory
+from kvstore.server.stats import ManagerStats, collect_stats, refresh_gauges
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import Quarantined, SsdTier

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kvstore.tiers.base import TierUsage
 
 if TYPE_CHECKING:
-    from kvstore.tier_manager import TierManager
+    from kvstore.server.placement import TierManager
 
 
 @dataclass

@@ -12,9 +12,9 @@ from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, PageCorrupt
 from kvstore.page import checksum, checksummer
 from kvstore.pagecopy import copy_checksum_bytes
-from kvstore.service_errors import stream, unary
-from kvstore.tier_manager import TierManager
-from kvstore.wal import TokenLog
+from kvstore.server.services.errors import stream, unary
+from kvstore.server.placement import TierManager
+from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
 

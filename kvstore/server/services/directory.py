@@ -12,8 +12,8 @@ from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event
 from kvstore.errors import InvalidRequest, LimitExceeded
-from kvstore.service_errors import stream, unary
-from kvstore.tier_manager import TierManager
+from kvstore.server.services.errors import stream, unary
+from kvstore.server.placement import TierManager
 from kvstore.types import Location
 
 _SUBSCRIBE_POLL_S = 0.5

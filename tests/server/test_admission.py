@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.admission import FLAG_SESSION_OPEN, FLAG_WANTED, Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
+from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
+from kvstore.server.admission import Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
 from kvstore.bench.belady import belady_hits
 from kvstore.errors import ConfigError
-from kvstore.eviction import HostResidency
+from kvstore.server.eviction import HostResidency
 
-TRACE = Path(__file__).resolve().parent / "data" / "mooncake_trace_300.jsonl"  # shipped: the smoke test always runs
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_300.jsonl"  # shipped: the smoke test always runs
 
 
 class Clock:

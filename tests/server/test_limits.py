@@ -13,7 +13,7 @@ from conftest import make_config, random_kv
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.tier_manager import TierManager
+from kvstore.server.placement import TierManager
 
 NS = b"n" * 16
 KEY = b"k" * 16

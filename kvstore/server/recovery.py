@@ -7,7 +7,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstore.tier_manager import TierManager
+    from kvstore.server.placement import TierManager
 
 logger = logging.getLogger(__name__)
 

@@ -97,7 +97,8 @@ async def test_cache_written_by_another_process(server, model_and_config) -> Non
     import os
 
     model, config = model_and_config
-    res = subprocess.run([sys.executable, "-c", WRITER, server.address, os.path.dirname(__file__)],  # noqa: ASYNC221 - waits for the writer
+    tests_dir = os.path.dirname(os.path.dirname(__file__))  # where hf_model.py lives
+    res = subprocess.run([sys.executable, "-c", WRITER, server.address, tests_dir],  # noqa: ASYNC221 - waits for the writer
                          check=False, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "192", res.stderr[-2000:]
     async with KVStoreClient(server.address, namespace_for(config)) as client:

@@ -21,8 +21,8 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from kvstore._proto import data_pb2_grpc
 from kvstore.errors import InvalidRequest, LimitExceeded
-from kvstore.service_errors import reject
-from kvstore.service_streams import StreamGate, StreamSlot
+from kvstore.server.services.errors import reject
+from kvstore.server.services.streams import StreamGate, StreamSlot
 from kvstore.wire import decode_chunk
 
 

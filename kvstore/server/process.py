@@ -14,13 +14,13 @@ from kvstore import pagecopy
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
-from kvstore.metrics import Metrics
-from kvstore.service import DirectoryService
-from kvstore.service_data import DataService
-from kvstore.service_handlers import add_service, data_handlers, generated_handlers
-from kvstore.service_streams import StreamGate
-from kvstore.tier_manager import TierManager
-from kvstore.wal import TokenLog
+from kvstore.server.metrics import Metrics
+from kvstore.server.services.directory import DirectoryService
+from kvstore.server.services.data import DataService
+from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
+from kvstore.server.services.streams import StreamGate
+from kvstore.server.placement import TierManager
+from kvstore.server.tokenlog import TokenLog
 
 logger = logging.getLogger(__name__)
 
