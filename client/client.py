@@ -37,7 +37,7 @@ from kvstore.keys import page_keys
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc, checksum
 from kvstore.pagecopy import copy_checksum
 from kvstore.status import ERROR_METADATA_KEY, error_for
-from kvstore.types import Location, Namespace
+from kvstore.types import Location, LocationRun, Namespace
 from kvstore.validate import layout_msg
 from kvstore.wire import CHUNK_BYTES, PageStubs, check_chunk_bytes, decode_chunk, page_chunks
 
@@ -70,11 +70,16 @@ class Hit:
     namespace_id: bytes
     num_tokens: int
     keys: list[bytes] = field(repr=False)
-    locations: list[Location] = field(repr=False)
+    runs: list[LocationRun] = field(repr=False)  # where the pages are, run-length encoded, in order
 
     @property
     def num_pages(self) -> int:
         return len(self.keys)
+
+    @property
+    def locations(self) -> list[Location]:
+        """One location per page (expanded from ``runs``)."""
+        return [Location(r.node, r.tier, 0, r.size_bytes) for r in self.runs for _ in range(r.num_pages)]
 
 
 def _partial(cls: type[KVStoreError], message: str, num_tokens: int) -> KVStoreError:
@@ -191,14 +196,15 @@ class KVStoreClient:
     async def lookup(self, tokens: Any) -> Hit:
         """The longest stored prefix of ``tokens``."""
         keys = self.keys(tokens)
-        found: list[Location] = []
+        runs: list[LocationRun] = []
+        n = 0
         for batch in self._batches(keys):
             resp = await self._call(self._directory.Lookup, directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch))
-            found.extend(Location(l.node, l.tier, l.version, l.size_bytes) for l in resp.locations)
+            runs.extend(LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs)
+            n += resp.num_pages
             if resp.num_pages < len(batch):
                 break
-        n = len(found)
-        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], found)
+        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs)
 
     # -- put -----------------------------------------------------------------------------
 

@@ -164,3 +164,14 @@ class Location(NamedTuple):
     tier: str
     version: int
     size_bytes: int
+
+
+class LocationRun(NamedTuple):
+    """``num_pages`` consecutive pages of a prefix whose best copies are all on ``node`` in
+    ``tier``, each of ``size_bytes``: how a lookup answers, so that a prefix held in one
+    place is one record, not one per page."""
+
+    node: str
+    tier: str
+    num_pages: int
+    size_bytes: int

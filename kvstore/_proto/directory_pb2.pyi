@@ -43,12 +43,24 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_pages", "locations")
+    __slots__ = ("num_pages", "runs")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
-    locations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Location]
-    def __init__(self, num_pages: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[_common_pb2.Location, _Mapping]]] = ...) -> None: ...
+    runs: _containers.RepeatedCompositeFieldContainer[LocationRun]
+    def __init__(self, num_pages: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[LocationRun, _Mapping]]] = ...) -> None: ...
+
+class LocationRun(_message.Message):
+    __slots__ = ("node", "tier", "num_pages", "size_bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    tier: str
+    num_pages: int
+    size_bytes: int
+    def __init__(self, node: _Optional[str] = ..., tier: _Optional[str] = ..., num_pages: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class PageRecord(_message.Message):
     __slots__ = ("key", "location")

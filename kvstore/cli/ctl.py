@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 keys = page_keys(ns_id, _tokens(args.tokens), page_tokens)
                 r = stub.Lookup(directory_pb2.LookupRequest(namespace_id=ns_id, keys=keys), timeout=args.timeout)
                 tiers: dict[str, int] = {}
-                for loc in r.locations:
-                    tiers[loc.tier] = tiers.get(loc.tier, 0) + 1
+                for run in r.runs:
+                    tiers[run.tier] = tiers.get(run.tier, 0) + run.num_pages
                 return {"namespace_id": ns_id.hex(), "pages": r.num_pages, "tokens": r.num_pages * page_tokens,
                         "full_pages_asked": len(keys), "by_tier": tiers}
             r = stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns_id), timeout=args.timeout)

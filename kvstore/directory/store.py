@@ -4,13 +4,18 @@ Only locations on other nodes are written to this LMDB: a host-arena page dies w
 process, and this node's SSD pages are already recorded durably in the SSD tier's own
 index, from which the directory rebuilds them at start (``restore_local``) — writing them
 twice would only double the work of every publish and of every restart. Every change emits
-an event. Not thread-safe on its own: the tier manager serialises calls.
+an event.
+
+Thread-safety: lookups take only ``_lock``, held for in-memory work alone; a change takes
+``_write_lock`` (changes are serialised), commits its durable part to LMDB under it, and
+only then takes ``_lock`` to apply itself in memory. A lookup never waits for a disk sync.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +23,7 @@ from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
 from kvstore.errors import LimitExceeded
 from kvstore.lmdb_env import map_full, open_env
-from kvstore.types import Location
+from kvstore.types import Location, LocationRun
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ class Entry:
 
     def best(self, local_node: str) -> Location:
         """The cheapest location: a local tier before a remote node, faster tiers first."""
+        if len(self.locations) == 1:
+            return next(iter(self.locations.values()))
         return min(self.locations.values(), key=lambda loc: (loc.node != local_node, TIER_ORDER.get(loc.tier, 9)))
 
     def durable(self) -> list[Location]:
@@ -53,6 +60,8 @@ class Directory:
         self._entries: dict[bytes, Entry] = {}
         self._remote: Counter[str] = Counter()  # other node -> locations recorded for it
         self._version = 0
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         with self.env.begin(db=self.meta_db) as txn:
             raw = txn.get(_SEQ_KEY)
         last_seq = int(raw) if raw else 0
@@ -92,15 +101,37 @@ class Directory:
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
 
-    def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[Location]:
-        """Best location of each page of the longest contiguous present prefix."""
-        out = []
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.namespace_id != namespace_id or not entry.locations:
-                break
-            out.append(entry.best(self.node))
-        return out
+    def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
+        """The longest contiguous present prefix of ``keys``, as runs of pages whose best
+        location is on the same node, tier and page size (a 512-page prefix in RAM: one run)."""
+        runs: list[LocationRun] = []
+        node = self.node
+        with self._lock:
+            entries = self._entries
+            count, run = 0, None
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                    break
+                loc = entry.best(node)
+                where = (loc.node, loc.tier, loc.size_bytes)
+                if where != run:
+                    if run is not None:
+                        runs.append(LocationRun(run[0], run[1], count, run[2]))
+                    run, count = where, 0
+                count += 1
+            if run is not None:
+                runs.append(LocationRun(run[0], run[1], count, run[2]))
+        return runs
+
+    def prefix_length(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are present in ``namespace_id``."""
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                    return i
+        return len(keys)
 
     def num_remote(self, node: str | None = None) -> int:
         """Locations recorded for ``node`` (None: for every other node)."""
@@ -132,16 +163,22 @@ class Directory:
                 del self._remote[node]
 
     def keys_of(self, namespace_id: bytes) -> list[bytes]:
-        return [k for k, e in self._entries.items() if e.namespace_id == namespace_id]
+        with self._lock:
+            return [k for k, e in self._entries.items() if e.namespace_id == namespace_id]
 
     def all_keys(self) -> list[bytes]:
-        return list(self._entries)
+        with self._lock:
+            return list(self._entries)
 
     # -- changes -------------------------------------------------------------------------
 
     def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
         """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions.
         Durable locations are committed to LMDB first; on MetadataFull nothing changed."""
+        with self._write_lock:
+            return self._publish(namespace_id, records)
+
+    def _publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
         staged = [(key, Location(node, tier, self._version + i, size)) for i, (key, node, tier, size) in enumerate(records, 1)]
         rows: dict[bytes, tuple[bytes, list[Location]]] = {}
         for key, loc in staged:
@@ -154,18 +191,19 @@ class Directory:
                 rows[key] = (ns, [l for l in durable if (l.node, l.tier) != (loc.node, loc.tier)] + [loc])
         if rows:
             self._persist(rows, self.events.last_seq + len(staged))
-        for key, loc in staged:
-            entry = self._entries.setdefault(key, Entry(namespace_id))
-            if (loc.node, loc.tier) not in entry.locations:
-                self._count(loc.node, 1)
-            entry.locations[(loc.node, loc.tier)] = loc
-            self.events.append(EventKind.STORED, namespace_id, key, loc)
-        self._version += len(staged)
+        with self._lock:
+            for key, loc in staged:
+                entry = self._entries.setdefault(key, Entry(namespace_id))
+                if (loc.node, loc.tier) not in entry.locations:
+                    self._count(loc.node, 1)
+                entry.locations[(loc.node, loc.tier)] = loc
+                self.events.append(EventKind.STORED, namespace_id, key, loc)
+            self._version += len(staged)
         return [loc.version for _, loc in staged]
 
     def restore_local(self, records: list[tuple[bytes, bytes, str, int]]) -> None:
         """Rebuilds entries (key, namespace, tier, size) of this node's durable tiers at
-        start, without events: subscribers resync after a restart anyway."""
+        start, without events: subscribers resync after a restart anyway. Before serving."""
         entries, node, version = self._entries, self.node, self._version
         for key, namespace_id, tier, size in records:
             entry = entries.get(key)
@@ -178,33 +216,38 @@ class Directory:
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
         """Drops the locations of ``key`` matching node/tier (all when None); returns them.
         On MetadataFull (a durable one could not be deleted) nothing changed."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return []
-        gone = [loc for loc in entry.locations.values() if (node is None or loc.node == node) and (tier is None or loc.tier == tier)]
-        if any(loc.tier in DURABLE_TIERS for loc in gone):
-            kept = [loc for loc in entry.durable() if loc not in gone]
-            self._persist({key: (entry.namespace_id, kept)}, self.events.last_seq + len(gone))
-        for loc in gone:
-            del entry.locations[(loc.node, loc.tier)]
-            self._count(loc.node, -1)
-            self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
-        if not entry.locations:
-            del self._entries[key]
-        return gone
+        with self._write_lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return []
+            gone = [loc for loc in entry.locations.values()
+                    if (node is None or loc.node == node) and (tier is None or loc.tier == tier)]
+            if any(loc.tier in DURABLE_TIERS for loc in gone):
+                kept = [loc for loc in entry.durable() if loc not in gone]
+                self._persist({key: (entry.namespace_id, kept)}, self.events.last_seq + len(gone))
+            with self._lock:
+                for loc in gone:
+                    del entry.locations[(loc.node, loc.tier)]
+                    self._count(loc.node, -1)
+                    self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
+                if not entry.locations:
+                    del self._entries[key]
+            return gone
 
     def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:
         """Removes every entry of a namespace; one CLEARED event. On MetadataFull nothing changed."""
-        keys = self.keys_of(namespace_id)
-        rows: dict[bytes, tuple[bytes, list[Location]]] = {k: (namespace_id, []) for k in keys if self._entries[k].durable()}
-        if rows:
-            self._persist(rows, self.events.last_seq + 1)
-        removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
-        for _, locations in removed:
-            for loc in locations:
-                self._count(loc.node, -1)
-        self.events.append(EventKind.CLEARED, namespace_id)
-        return removed
+        with self._write_lock:
+            keys = self.keys_of(namespace_id)
+            rows: dict[bytes, tuple[bytes, list[Location]]] = {k: (namespace_id, []) for k in keys if self._entries[k].durable()}
+            if rows:
+                self._persist(rows, self.events.last_seq + 1)
+            with self._lock:
+                removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
+                for _, locations in removed:
+                    for loc in locations:
+                        self._count(loc.node, -1)
+                self.events.append(EventKind.CLEARED, namespace_id)
+            return removed
 
     def close(self) -> None:
         self.events.close()

@@ -40,7 +40,6 @@ from kvstore.server.stats import ManagerStats, collect_stats, refresh_gauges
 from kvstore.tiers.base import TierUsage
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import Quarantined, SsdTier
-from kvstore.types import Location
 
 logger = logging.getLogger(__name__)
 
@@ -643,7 +642,7 @@ class TierManager:
             eta = self.clock() + eta_s
             for depth, key in enumerate(keys):
                 self._residency.hint(key, eta, depth)
-            stored = len(self.directory.lookup(namespace_id, keys))
+            stored = self.directory.prefix_length(namespace_id, keys)
             todo = [k for k in keys[:stored] if not self._has(k, "host")] if prefetch else []
             layout = self._layouts.get(namespace_id)
             share = self._hint_share_pages(layout.page_bytes) if layout else 0
@@ -656,15 +655,11 @@ class TierManager:
             self.release(ident)
         return True
 
-    def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[Location]:
-        with self._lock:
-            return self.directory.lookup(namespace_id, keys)
-
     def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, int, float]:
         """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self._lock:
             self._reap()
-            found = len(self.directory.lookup(namespace_id, keys))
+            found = self.directory.prefix_length(namespace_id, keys)
             held = keys[:found]
             ident = next(self._ids)
             expires = self._lease_locked(ident, held, ttl_ms)

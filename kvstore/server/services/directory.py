@@ -48,8 +48,11 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
-        locations = self.manager.lookup(ns, self._keys(list(request.keys)))
-        return directory_pb2.LookupResponse(num_pages=len(locations), locations=[location_msg(l) for l in locations])
+        runs = self.manager.directory.lookup(ns, self._keys(list(request.keys)))  # the directory's lock only
+        return directory_pb2.LookupResponse(
+            num_pages=sum(r.num_pages for r in runs),
+            runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
+                  for r in runs])
 
     @unary
     def Publish(self, request: directory_pb2.PublishRequest, context: grpc.ServicerContext) -> directory_pb2.PublishResponse:
