@@ -494,7 +494,7 @@ class KVStoreClient:
 
         releases: list[asyncio.Future[Any]] = []
 
-        def release(lease_id: int) -> None:
+        def release(lease_id: bytes) -> None:
             releases.append(asyncio.ensure_future(self._call(self._data.Release, data_pb2.ReleaseRequest(lease_id=lease_id))))
 
         done = cursor = 0  # pages verified and in place / pages handed to the copy threads
@@ -715,13 +715,13 @@ class KVStoreClient:
         req = data_pb2.AcquireRequest(namespace_id=self.namespace.namespace_id, keys=keys, ttl_ms=self.lease_ms)
         return self._call_sync(self._sync()[0].Acquire, req)
 
-    def release_sync(self, lease_id: int) -> None:
+    def release_sync(self, lease_id: bytes) -> None:
         try:
             self._call_sync(self._sync()[0].Release, data_pb2.ReleaseRequest(lease_id=lease_id))
         except KVStoreError as exc:
-            logger.warning("release of lease %d failed (it will expire): %s", lease_id, exc)
+            logger.warning("release of lease %s failed (it will expire): %s", lease_id.hex()[:8], exc)
 
-    def renew_sync(self, lease_id: int, timeout_s: float) -> None:
+    def renew_sync(self, lease_id: bytes, timeout_s: float) -> None:
         """Extends a lease by ``lease_ms``; raises LeaseExpired when it is already gone."""
         req = data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=self.lease_ms)
         self._call_sync(self._sync()[0].Renew, req, timeout_s)
@@ -730,12 +730,12 @@ class KVStoreClient:
         req = data_pb2.AllocateRequest(namespace_id=self.namespace.namespace_id, layout=self._layout_msg, keys=keys)
         return self._call_sync(self._sync()[0].Allocate, req)
 
-    def commit_sync(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool) -> int:
+    def commit_sync(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool) -> int:
         """Returns num_published: the leading pages of the allocation stored (durable: on ssd)."""
         req = data_pb2.CommitRequest(allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable)
         return int(self._call_sync(self._sync()[0].Commit, req).num_published)
 
-    def abort_sync(self, allocation_id: int) -> None:
+    def abort_sync(self, allocation_id: bytes) -> None:
         try:
             self._call_sync(self._sync()[0].Abort, data_pb2.AbortRequest(allocation_id=allocation_id))
         except KVStoreError:

@@ -84,7 +84,7 @@ class LayerLoad:
         self._cut = False  # a page failed its check after copying
         self._slowest_write_s = 0.0
         self._rows = page_rows(into.kv, layout) if isinstance(into, ContiguousKV) else None
-        self._leases: list[int] = []
+        self._leases: list[bytes] = []
         self._keeper: threading.Thread | None = None
         self._first_wait = True
         self._thread = threading.Thread(target=self._run, name="kv-layer-load", daemon=True)
@@ -252,7 +252,7 @@ class LayerLoad:
                 try:
                     self.client.renew_sync(lease_id, ttl_s)
                 except KVStoreError as exc:
-                    self.abandon(f"lease {lease_id} lost: {exc}")
+                    self.abandon(f"lease {lease_id.hex()[:8]} lost: {exc}")
                     return
 
     def _layer_view(self, source: Any, layer: int) -> torch.Tensor:

@@ -128,10 +128,10 @@ class AllocateResponse(_message.Message):
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    allocation_id: int
+    allocation_id: bytes
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
-    def __init__(self, allocation_id: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("allocation_id", "keys", "checksums", "durable", "flags")
@@ -140,12 +140,12 @@ class CommitRequest(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
-    allocation_id: int
+    allocation_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
     flags: int
-    def __init__(self, allocation_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ...) -> None: ...
+    def __init__(self, allocation_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., checksums: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("num_published",)
@@ -156,8 +156,8 @@ class CommitResponse(_message.Message):
 class AbortRequest(_message.Message):
     __slots__ = ("allocation_id",)
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
-    allocation_id: int
-    def __init__(self, allocation_id: _Optional[int] = ...) -> None: ...
+    allocation_id: bytes
+    def __init__(self, allocation_id: _Optional[bytes] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -188,16 +188,16 @@ class AcquireResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
+    lease_id: bytes
     pages: _containers.RepeatedCompositeFieldContainer[AcquiredPage]
     page_bytes: int
-    def __init__(self, lease_id: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    lease_id: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -207,9 +207,9 @@ class RenewRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
+    lease_id: bytes
     ttl_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ()

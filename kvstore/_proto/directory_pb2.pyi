@@ -129,16 +129,16 @@ class LeaseResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
+    lease_id: bytes
     num_pages: int
     expires_unix_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    lease_id: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("released",)

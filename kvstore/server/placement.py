@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -110,10 +110,9 @@ class TierManager:
         self._pins: Counter[bytes] = Counter()
         self._doomed: set[tuple[bytes, str]] = set()  # (key, tier) to drop once unpinned
         self._layouts: dict[bytes, LayoutDesc] = {}
-        self._allocations: dict[int, Allocation] = {}
-        self._leases: dict[int, Lease] = {}
-        self._expiry: list[tuple[float, int, str]] = []  # (deadline, id, "lease"|"alloc")
-        self._ids = itertools.count(1)
+        self._allocations: dict[bytes, Allocation] = {}
+        self._leases: dict[bytes, Lease] = {}
+        self._expiry: list[tuple[float, bytes, str]] = []  # (deadline, id, "lease"|"alloc")
         self._host_quarantine: list[Quarantined] = []
         self._scrub_queue: list[bytes] = []
         self._scrub_buf = bytearray()
@@ -138,12 +137,12 @@ class TierManager:
                     heapq.heappush(self._expiry, (lease.expires, ident, "lease"))
                 elif lease is not None:
                     del self._leases[ident]
-                    logger.warning("lease %d expired with %d pages pinned", ident, len(lease.keys))
+                    logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
                     self._unpin(lease.keys)
             else:
                 alloc = self._allocations.pop(ident, None)
                 if alloc is not None:
-                    logger.warning("allocation %d expired uncommitted; freeing %d slots", ident, len(alloc.slots))
+                    logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     for offset in alloc.slots.values():
                         self.host.unreserve(offset)
                     self._unpin(alloc.held)
@@ -344,7 +343,7 @@ class TierManager:
 
     # -- writes through the arena --------------------------------------------------------
 
-    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[int, list[tuple[bytes, int | None]]]:
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         """Reserves slots for the keys not stored yet; stops at the first that finds no room.
 
         Returns (allocation id, [(key, offset or None when already stored)]) for a prefix of
@@ -379,13 +378,13 @@ class TierManager:
             if not out:
                 raise TierFull("host tier is full and every page in it is leased")
             self._layouts.setdefault(namespace_id, layout)
-            ident = next(self._ids)
+            ident = secrets.token_bytes(16)
             deadline = time.monotonic() + self.config.allocation_ttl_ms / 1000
             self._allocations[ident] = Allocation(namespace_id, layout, slots, deadline, [k for k, _ in out], held)
             heapq.heappush(self._expiry, (deadline, ident, "alloc"))
             return ident, out
 
-    def commit(self, allocation_id: int, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
@@ -402,7 +401,7 @@ class TierManager:
             self._reap()
             alloc = self._allocations.pop(allocation_id, None)
             if alloc is None:
-                raise LeaseExpired(f"allocation {allocation_id} is unknown or expired; allocate again")
+                raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
             if durable and self.ssd is None:
                 for reserved in alloc.slots.values():
                     self.host.unreserve(reserved)
@@ -484,7 +483,7 @@ class TierManager:
                 "the pages are stored in RAM only"
             )
 
-    def abort(self, allocation_id: int) -> None:
+    def abort(self, allocation_id: bytes) -> None:
         with self._lock:
             alloc = self._allocations.pop(allocation_id, None)
             if alloc is not None:
@@ -494,7 +493,7 @@ class TierManager:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[int, list[AcquiredPage]]:
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
         """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
         arena, promoting ssd pages into the host tier. A page that fails its check ends the
         prefix (and is quarantined). When the host tier cannot take more promoted pages the
@@ -565,7 +564,7 @@ class TierManager:
                 pages = pages[:cut]
             for page in pages:
                 self.metrics.bytes_out.labels("host").inc(self.layout_bytes(page.key))
-            ident = next(self._ids)
+            ident = secrets.token_bytes(16)
             self._lease_locked(ident, [p.key for p in pages], ttl_ms)
             return ident, pages
 
@@ -592,7 +591,7 @@ class TierManager:
         offset, header = slot
         return header, self.host.view(offset, header.payload_bytes)
 
-    def release(self, lease_id: int) -> bool:
+    def release(self, lease_id: bytes) -> bool:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
             if lease is None:
@@ -600,7 +599,7 @@ class TierManager:
             self._unpin(lease.keys)
             return True
 
-    def renew(self, lease_id: int, ttl_ms: int) -> None:
+    def renew(self, lease_id: bytes, ttl_ms: int) -> None:
         """Extends a lease to ``ttl_ms`` from now (never shortens it), so that a reader
         holding pages for longer than one ttl keeps them pinned. Raises LeaseExpired when the
         lease was released or has expired (its pages may have been evicted and their slots
@@ -610,7 +609,7 @@ class TierManager:
             self._reap()
             lease = self._leases.get(lease_id)
             if lease is None:
-                raise LeaseExpired(f"lease {lease_id} was released or has expired; its pages may be gone")
+                raise LeaseExpired(f"lease {lease_id.hex()} was released or has expired; its pages may be gone")
             lease.expires = max(lease.expires, time.monotonic() + ttl_ms / 1000)
 
     def _lease_ttl_ms(self, ttl_ms: int) -> int:
@@ -620,7 +619,7 @@ class TierManager:
             raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.config.max_lease_ms} ms")
         return ttl_ms
 
-    def _lease_locked(self, ident: int, keys: list[bytes], ttl_ms: int) -> float:
+    def _lease_locked(self, ident: bytes, keys: list[bytes], ttl_ms: int) -> float:
         ttl_ms = self._lease_ttl_ms(ttl_ms)
         deadline = time.monotonic() + ttl_ms / 1000
         self._leases[ident] = Lease(keys, deadline)
@@ -655,13 +654,13 @@ class TierManager:
             self.release(ident)
         return True
 
-    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[int, int, float]:
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[bytes, int, float]:
         """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self._lock:
             self._reap()
             found = self.directory.prefix_length(namespace_id, keys)
             held = keys[:found]
-            ident = next(self._ids)
+            ident = secrets.token_bytes(16)
             expires = self._lease_locked(ident, held, ttl_ms)
             self._pin(held)
             return ident, found, expires

@@ -72,8 +72,8 @@ def test_layout_mismatch_within_a_namespace(stubs) -> None:
 
 
 def test_unknown_allocation_and_bad_commit(stubs, server) -> None:
-    code, details = _status(stubs[1].Commit, data_pb2.CommitRequest(allocation_id=999, keys=[KEY], checksums=[1]))
-    assert code == grpc.StatusCode.ABORTED and "allocation 999" in details
+    code, details = _status(stubs[1].Commit, data_pb2.CommitRequest(allocation_id=b"\x01" * 16, keys=[KEY], checksums=[1]))
+    assert code == grpc.StatusCode.ABORTED and "allocation " + "01" * 16 in details
     alloc = stubs[1].Allocate(data_pb2.AllocateRequest(namespace_id=NS, layout=LAYOUT, keys=[KEY]), timeout=10)
     code, details = _status(stubs[1].Commit, data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=[KEY], checksums=[]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "checksums" in details

@@ -22,7 +22,7 @@ class _IncomingPage:
     """A page arriving over WritePages: where its bytes go (None: stored already) and the
     checksum of what arrived so far."""
 
-    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, flags: int, allocation_id: int,
+    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, flags: int, allocation_id: bytes,
                  dest: memoryview | None) -> None:
         self.key, self.page_bytes, self.checksum, self.durable, self.flags = key, page_bytes, checksum, durable, flags
         self.allocation_id = allocation_id
