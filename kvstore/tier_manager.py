@@ -557,17 +557,21 @@ class TierManager:
                 self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
                 self.metrics.promotions.labels("ssd").inc()
                 self.directory.publish(header.namespace_id, [(page.key, self.node, "host", header.payload_bytes)])
-            if cut < len(pages):
-                bad = pages[cut].key
+            bad = pages[cut].key if cut < len(pages) else None
+            if bad is not None:
                 self._unpin([p.key for p in pages[cut:]])
-                if reason and self.ssd is not None and self.ssd.contains(bad):
-                    self.ssd.quarantine(bad, reason)
-                    self._quarantine_ssd(bad)
                 pages = pages[:cut]
             for page in pages:
                 self.metrics.bytes_out.labels("host").inc(self.layout_bytes(page.key))
             ident = next(self._ids)
             self._lease_locked(ident, [p.key for p in pages], ttl_ms)
+            if bad is not None and reason and self.ssd is not None and self.ssd.contains(bad):
+                try:  # after the lease: a full index must not leave the served prefix pinned with no lease
+                    self.ssd.quarantine(bad, reason)
+                    self._quarantine_ssd(bad)
+                except MetadataFull as exc:
+                    logger.error("ssd tier: page %s failed its check but cannot be quarantined (%s); "
+                                 "every read checks it again, so it is never served", bad.hex(), exc)
             return ident, pages
 
     def _read_promoted(self, pages: list[AcquiredPage], promote: list[tuple[int, PageHeader]]) -> tuple[int, str]:
