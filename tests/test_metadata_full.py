@@ -167,7 +167,7 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
     with grpc.insecure_channel(server.address) as ch:  # the next read of the prefix must come from disk
         directory_pb2_grpc.DirectoryStub(ch).Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys, tier="host"))
     offset = server.manager.ssd._pages[keys[3]][0]
-    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:
+    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # noqa: ASYNC230 - flip a byte of page 3 on disk
         f.seek(offset + HEADER_BYTES + 100)
         byte = f.read(1)
         f.seek(-1, 1)
