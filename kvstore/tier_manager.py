@@ -693,10 +693,25 @@ class TierManager:
         elif tier == "ssd" and self.ssd is not None and self.ssd.delete(key):
             self._ssd_lru.pop(key, None)
 
+    def _delete_ssd_first(self, keys: list[bytes]) -> None:
+        """Deletes the unpinned ssd copies of ``keys`` from the ssd index, in one transaction,
+        before the directory forgets them: a full index (MetadataFull) refuses the removal
+        with nothing changed, rather than pages gone from lookups that are back after a
+        restart (rebuilt from the index)."""
+        if self.ssd is None:
+            return
+        gone = [k for k in keys if k not in self._pins and self.ssd.contains(k)]
+        self.ssd.delete_many(gone)
+        for key in gone:
+            self._ssd_lru.pop(key, None)
+
     def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
         """Removes pages (only their copies in ``tier`` when given); returns how many keys
         lost at least one location."""
         with self._lock:
+            if tier in ("", "ssd"):
+                ours = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
+                self._delete_ssd_first(ours)
             count = 0
             for key in keys:
                 entry = self.directory.get(key)
@@ -717,6 +732,7 @@ class TierManager:
         if keys:
             return self.remove(namespace_id, keys)
         with self._lock:
+            self._delete_ssd_first(self.directory.keys_of(namespace_id))
             removed = self.directory.clear_namespace(namespace_id)
             for key, _ in removed:
                 self._drop_local(key, "host")

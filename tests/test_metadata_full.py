@@ -181,3 +181,43 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
     snapshot.abort()
     pinned = {k: n for k, n in server.manager._pins.items() if n}
     assert pinned == {}, f"{len(pinned)} pages stay pinned with no lease or allocation holding them"
+
+
+@pytest.mark.parametrize("how", ["remove", "invalidate-keys", "invalidate-namespace"])
+async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(server_factory, tmp_path, layout, ns, how: str) -> None:
+    """Bug: with the ssd index's LMDB map full, Remove / Invalidate took the pages out of the
+    directory in memory, then failed to delete them from the ssd index (MetadataFull): the
+    caller got RESOURCE_EXHAUSTED while lookups no longer found the pages, and after a
+    restart they were back (rebuilt from the index)."""
+    config = make_config(tmp_path, host_bytes=8 << 20)
+    assert config.ssd is not None
+    config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, index_map_bytes=64 << 10))
+    server = server_factory(config)
+    tokens = list(range(16 * 8))
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, random_kv(layout, len(tokens), seed=3), durable=True) == len(tokens)
+        keys = (await client.lookup(tokens)).keys
+        snapshot = server.manager.ssd.env.begin()  # no freed page is reused: the map fills to its end
+        for step in range(1, 1000):
+            more = list(range(10**6 + step * 16, 10**6 + (step + 1) * 16))
+            try:
+                await client.put(more, random_kv(layout, 16, seed=step), durable=True)
+            except TierFull:
+                break
+        else:
+            pytest.fail("a 64 KiB index must fill up")
+    with grpc.insecure_channel(server.address) as ch:
+        directory = directory_pb2_grpc.DirectoryStub(ch)
+        try:
+            if how == "remove":
+                directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys), timeout=10)
+            else:
+                directory.Invalidate(directory_pb2.InvalidateRequest(
+                    namespace_id=ns.namespace_id, keys=keys if how == "invalidate-keys" else []), timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+    found = _lookup(server.address, ns.namespace_id, keys)
+    snapshot.abort()
+    server.stop()
+    server = server_factory(config)
+    assert (found, _lookup(server.address, ns.namespace_id, keys)) in ((0, 0), (8, 8)), "memory and disk must agree"
