@@ -21,6 +21,7 @@ import gc
 import heapq
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -114,7 +115,9 @@ class TierManager:
         self._allocations: dict[int, Allocation] = {}
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int, str]] = []  # (deadline, id, "lease"|"alloc")
-        self._ids = itertools.count(1)
+        # Lease and allocation ids start at a random point in each process: an id a client
+        # holds from before a restart must not name another caller's lease or allocation.
+        self._ids = itertools.count(secrets.randbits(62) + 1)
         self._host_quarantine: list[Quarantined] = []
         self._scrub_queue: list[bytes] = []
         self._scrub_buf = bytearray()
