@@ -419,7 +419,7 @@ class TierManager:
                 if offset is None:
                     continue  # was stored already at allocation time
                 header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum, flags | (FLAG_WANTED if durable else 0))
-                if self._stored(key):
+                if self._stored(key) or self.host.contains(key):  # or removed, still read: it goes with its last pin
                     self.host.unreserve(offset)
                     continue
                 self.host.install(header, offset)
