@@ -10,7 +10,7 @@ from kvstore.wire import page_chunks
 
 async def test_structured_fuzz(server_factory, tmp_path, layout, ns) -> None:
     server = server_factory(make_config(tmp_path, host_bytes=8 << 20))
-    rng = random.Random(5)
+    import os; rng = random.Random(int(os.environ.get("SEED", "5")))
     tokens = list(range(16 * 32))
     kv = random_kv(layout, len(tokens), seed=1)
     async with KVStoreClient(server.address, ns) as c:
