@@ -15,7 +15,7 @@ import torch
 from conftest import random_kv
 
 from kvstore import KVLayout, Namespace
-from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing, TierFull
 
@@ -245,3 +245,31 @@ async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(serve
         # Every lease of the get is gone: the whole tier can be filled again.
         fresh = list(range(2 * 10**6, 2 * 10**6 + 16 * 250))
         assert await client.put(fresh, random_kv(layout, len(fresh), seed=13)) == len(fresh)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_storing_again_a_page_removed_while_leased_leaks_no_slot(server_factory, layout, ns, use_shm: bool) -> None:
+    """Bug: a page removed while a reader held it stays in the arena (doomed) until its last
+    pin goes. A put of the same key meanwhile was given a new slot and committed it over
+    the doomed entry: the old slot was never freed (leaked until restart), and the reader's
+    release then freed the new copy, while the directory still listed it on the host tier
+    (a lookup promised a page whose bytes were gone)."""
+    server = server_factory(ssd_bytes=None)
+    tokens = list(range(32))
+    kv = random_kv(layout, 32, seed=51)
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        assert await client.put(tokens, kv) == 32
+        keys = client.keys(tokens)
+        with grpc.insecure_channel(server.address) as channel:
+            data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+            lease = data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000), timeout=10)
+            directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys[1:]), timeout=10)
+            stored = await client.put(tokens, kv)  # page 1 again, while the reader still holds its removed copy
+            data.Release(data_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
+        usage = server.manager.host.usage()
+        assert usage.used_bytes == usage.num_pages * layout.page_bytes, "a slot stays allocated with no page in it"
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == stored, "what the put said it stored is what is found"
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, into=out) == hit.num_tokens, "a page the lookup found must be readable"
+        assert torch.equal(out[:, :, : hit.num_tokens], kv[:, :, : hit.num_tokens])

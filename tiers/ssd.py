@@ -88,6 +88,7 @@ class SsdTier:
         self.allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
+        os.fchmod(self.fd, 0o600)  # also when an older version created it world-readable: it holds the KV
         self.env = open_env(self.directory / INDEX_DIR, config.index_map_bytes, max_dbs=4, sync=config.sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")

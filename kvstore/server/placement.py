@@ -414,7 +414,7 @@ class TierManager:
                 if offset is None:
                     continue  # was stored already at allocation time
                 header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum, flags | (FLAG_WANTED if durable else 0))
-                if self._stored(key):
+                if self._stored(key) or self.host.contains(key):  # or removed, still read: it goes with its last pin
                     self.host.unreserve(offset)
                     continue
                 self.host.install(header, offset)
@@ -555,17 +555,21 @@ class TierManager:
                 self.metrics.bytes_out.labels("ssd").inc(header.payload_bytes)
                 self.metrics.promotions.labels("ssd").inc()
                 self.directory.publish(header.namespace_id, [(page.key, self.node, "host", header.payload_bytes)])
-            if cut < len(pages):
-                bad = pages[cut].key
+            bad = pages[cut].key if cut < len(pages) else None
+            if bad is not None:
                 self._unpin([p.key for p in pages[cut:]])
-                if reason and self.ssd is not None and self.ssd.contains(bad):
-                    self.ssd.quarantine(bad, reason)
-                    self._quarantine_ssd(bad)
                 pages = pages[:cut]
             for page in pages:
                 self.metrics.bytes_out.labels("host").inc(self.layout_bytes(page.key))
             ident = secrets.token_bytes(16)
             self._lease_locked(ident, [p.key for p in pages], ttl_ms)
+            if bad is not None and reason and self.ssd is not None and self.ssd.contains(bad):
+                try:  # after the lease: a full index must not leave the served prefix pinned with no lease
+                    self.ssd.quarantine(bad, reason)
+                    self._quarantine_ssd(bad)
+                except MetadataFull as exc:
+                    logger.error("ssd tier: page %s failed its check but cannot be quarantined (%s); "
+                                 "every read checks it again, so it is never served", bad.hex(), exc)
             return ident, pages
 
     def _read_promoted(self, pages: list[AcquiredPage], promote: list[tuple[int, PageHeader]]) -> tuple[int, str]:
@@ -683,10 +687,25 @@ class TierManager:
         elif tier == "ssd" and self.ssd is not None and self.ssd.delete(key):
             self._ssd_lru.pop(key, None)
 
+    def _delete_ssd_first(self, keys: list[bytes]) -> None:
+        """Deletes the unpinned ssd copies of ``keys`` from the ssd index, in one transaction,
+        before the directory forgets them: a full index (MetadataFull) refuses the removal
+        with nothing changed, rather than pages gone from lookups that are back after a
+        restart (rebuilt from the index)."""
+        if self.ssd is None:
+            return
+        gone = [k for k in keys if k not in self._pins and self.ssd.contains(k)]
+        self.ssd.delete_many(gone)
+        for key in gone:
+            self._ssd_lru.pop(key, None)
+
     def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
         """Removes pages (only their copies in ``tier`` when given); returns how many keys
         lost at least one location."""
         with self._lock:
+            if tier in ("", "ssd"):
+                ours = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
+                self._delete_ssd_first(ours)
             count = 0
             for key in keys:
                 entry = self.directory.get(key)
@@ -707,6 +726,7 @@ class TierManager:
         if keys:
             return self.remove(namespace_id, keys)
         with self._lock:
+            self._delete_ssd_first(self.directory.keys_of(namespace_id))
             removed = self.directory.clear_namespace(namespace_id)
             for key, _ in removed:
                 self._drop_local(key, "host")

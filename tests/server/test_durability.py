@@ -10,10 +10,11 @@ import pytest
 import torch
 from conftest import random_kv
 
-from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageCorrupt, PageMissing
-from kvstore.page import HEADER_BYTES
+from kvstore.page import HEADER_BYTES, LayoutDesc
+from kvstore.validate import layout_msg
 
 
 async def test_sigkill_restart_keeps_ssd_pages(server_process, layout, ns) -> None:
@@ -287,3 +288,34 @@ async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -
         assert not any(ssd.contains(k) for k in keys) and ssd.usage().used_bytes == 0
         assert [q.key for q in server.manager.quarantined()] == [keys[2]]
         assert (await client.lookup(tokens)).num_tokens == 2 * layout.page_tokens  # pages 0-1 stay in RAM
+
+
+async def test_ids_from_before_a_restart_name_nothing_after_it(server_process, layout, ns) -> None:
+    """Bug: lease and allocation ids counted from 1 in every server process, so after a
+    restart a client still holding an id from before (a layer-wise load renewing its
+    lease, a put whose Commit or Abort was in flight) named another caller's lease or
+    allocation: its Renew kept that lease alive, its Release freed that caller's pins, its
+    Abort freed that caller's slots while they were being written."""
+    server_process.start()
+    tokens = list(range(64))
+    async with KVStoreClient(server_process.address, ns) as client:
+        assert await client.put(tokens, random_kv(layout, 64, seed=41), durable=True) == 64
+        keys = client.keys(tokens)
+    acquire = data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000)
+    with grpc.insecure_channel(server_process.address) as channel:
+        data = data_pb2_grpc.DataStub(channel)
+        old = [data.Acquire(acquire, timeout=10).lease_id for _ in range(4)]
+        old += [data.Allocate(data_pb2.AllocateRequest(namespace_id=ns.namespace_id, layout=layout_msg(LayoutDesc.of(layout)),
+                                                       keys=[bytes(16)]), timeout=10).allocation_id]
+    server_process.kill()
+    server_process.start()
+    with grpc.insecure_channel(server_process.address) as channel:
+        data = data_pb2_grpc.DataStub(channel)
+        new = [data.Acquire(acquire, timeout=10).lease_id for _ in range(8)]
+        new += [data.Allocate(data_pb2.AllocateRequest(namespace_id=ns.namespace_id, layout=layout_msg(LayoutDesc.of(layout)),
+                                                       keys=[(i + 1).to_bytes(16, "big")]), timeout=10).allocation_id
+                for i in range(8)]
+        assert not set(old) & set(new), "an id from before the restart names a lease or allocation after it"
+        with pytest.raises(grpc.RpcError) as err:
+            data.Renew(data_pb2.RenewRequest(lease_id=old[0], ttl_ms=60_000), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ABORTED

@@ -62,3 +62,19 @@ def test_arena_of_a_killed_server_is_removed_even_while_its_pid_exists(server_fa
                 proc.proc.wait(10)
         for path in Path("/dev/shm").glob(f"kvstore-{node}-*"):  # what a failed run would leave
             path.unlink()
+
+
+async def test_a_data_file_left_world_readable_by_an_older_version_is_made_private(server_factory, tmp_path) -> None:
+    """Bug: the LMDB environments were made private also when an older version had created
+    them 0644/0755, but the ssd data file (every stored page's KV bytes) kept the 0644 it
+    had: a store upgraded in place stayed readable by every user of the host. (The
+    directories given by --data-dir / --ssd-dir are the operator's, e.g. a mount point;
+    what the server creates in them is private.)"""
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd" / "pages.dat").touch()
+    os.chmod(tmp_path / "ssd" / "pages.dat", 0o644)
+    server_factory()
+    modes = {**_modes(tmp_path / "data"), **_modes(tmp_path / "ssd")}
+    loose = {name: mode for name, mode in modes.items()
+             if name not in ("data", "ssd") and mode != ("700" if (tmp_path / name).is_dir() else "600")}
+    assert loose == {}
