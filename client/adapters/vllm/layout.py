@@ -1,0 +1,112 @@
+"""How an attention backend lays out one layer of vLLM's paged KV cache.
+
+kvstore copies pages through ``kvstore.client.engine_kv.PagedKV``, which reads and writes
+one layer as ``[num_blocks, 2 (K|V), block_size, num_kv_heads, head_size]``. Each backend
+keeps another physical layout; a ``BlockLayout`` turns the backend's per-layer tensor into
+that logical view without copying (writes through the view land in vLLM's cache). A new
+backend is one small class here plus one line in ``LAYOUTS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvstore.client.engine_kv import PagedKV
+from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.types import KVLayout
+
+
+class BlockLayout(Protocol):
+    """Maps a backend's per-layer KV tensor to ``[blocks, 2, block_size, heads, dim]``."""
+
+    name: str
+
+    def matches(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> bool:
+        """True when ``kv`` has this layout's shape for the given dimensions."""
+        ...
+
+    def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
+        """A view (never a copy) of ``kv`` as ``[blocks, 2, block_size, heads, dim]``."""
+        ...
+
+
+class CpuLayout:
+    """vLLM's CPU backend: ``[blocks, heads, block_size, 2*head_size]``. Inside a block and
+    a head the memory holds the ``block_size`` K rows, then the ``block_size`` V rows (the
+    backend views it as ``[blocks, heads, 2*block_size, head_size]`` and splits dim 2)."""
+
+    name = "cpu"
+
+    def matches(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> bool:
+        return kv.dim() == 4 and tuple(kv.shape[1:]) == (num_kv_heads, block_size, 2 * head_size)
+
+    def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
+        num_blocks = kv.shape[0]
+        return kv.view(num_blocks, num_kv_heads, 2, block_size, head_size).permute(0, 2, 3, 1, 4)
+
+
+class SplitKVLayout:
+    """The classic flash-attention layout ``[2, blocks, block_size, heads, head_size]``
+    (K and V in separate halves, tokens before heads)."""
+
+    name = "split-nhd"
+
+    def matches(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> bool:
+        return kv.dim() == 5 and kv.shape[0] == 2 and tuple(kv.shape[2:]) == (block_size, num_kv_heads, head_size)
+
+    def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
+        return kv.transpose(0, 1)
+
+
+LAYOUTS: tuple[BlockLayout, ...] = (CpuLayout(), SplitKVLayout())
+
+
+def block_views(kv_caches: Sequence[torch.Tensor], block_size: int, num_kv_heads: int, head_size: int) -> list[torch.Tensor]:
+    """Every layer's tensor as ``[blocks, 2, block_size, heads, dim]``, through the first
+    layout whose shape matches; a clear error when none does."""
+    first = kv_caches[0]
+    for layout in LAYOUTS:
+        if layout.matches(first, block_size, num_kv_heads, head_size):
+            return [layout.blocks(kv, block_size, num_kv_heads, head_size) for kv in kv_caches]
+    raise ConfigError(
+        f"unsupported vLLM KV cache layout {list(first.shape)} (block_size={block_size}, heads={num_kv_heads}, "
+        f"head_size={head_size}); known: {[layout.name for layout in LAYOUTS]} (client/adapters/vllm/layout.py)"
+    )
+
+
+class RequestKV:
+    """One request's pages in vLLM's paged cache (an ``EngineKV``), from page
+    ``first_page`` of the request on. ``cancel()`` makes every later access raise, which is
+    how a layer-wise save that must not be published is stopped: its worker fails and
+    aborts the allocation instead of committing."""
+
+    def __init__(self, blocks: Sequence[torch.Tensor], block_ids: Sequence[int], first_page: int, num_pages: int,
+                 layout: KVLayout) -> None:
+        block_size = blocks[0].shape[2]
+        first_token = first_page * layout.page_tokens
+        if first_token % block_size:
+            raise InvalidRequest(f"page {first_page} does not start a vLLM block of {block_size} tokens")
+        self.num_tokens = num_pages * layout.page_tokens
+        self.block_ids = list(block_ids)
+        self._paged = PagedKV(blocks, self.block_ids[first_token // block_size :], self.num_tokens, layout)
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def read_layer(self, page: int, layer: int) -> torch.Tensor:
+        if self._cancelled:
+            raise InvalidRequest("save cancelled: the KV of this step is not to be published")
+        return self._paged.read_layer(page, layer)
+
+    def write_layer(self, page: int, layer: int, src: torch.Tensor) -> None:
+        if self._cancelled:
+            raise InvalidRequest("load cancelled")
+        self._paged.write_layer(page, layer, src)

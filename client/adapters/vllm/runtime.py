@@ -1,0 +1,130 @@
+"""A ``KVStoreClient`` for an engine that calls synchronously.
+
+vLLM calls connector hooks on its own thread and must never stall on the store, so the
+asyncio client lives on a private event loop thread and every blocking call is bounded
+by a timeout. A store that cannot be reached is a miss, not an engine error: after a
+failure the connection is dropped and tried again at most every ``retry_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+from kvstore.client.client import KVStoreClient
+from kvstore.errors import KVStoreError
+from kvstore.types import Namespace
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class StoreConnection:
+    """One namespace's client, connected lazily and reconnected after failures.
+
+    Thread-safe: ``client()``, ``run()`` and ``submit()`` may be called from any thread."""
+
+    def __init__(self, address: str, namespace: Namespace, *, use_shm: bool = True, connect_timeout_s: float = 2.0,
+                 retry_s: float = 1.0) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.use_shm = use_shm
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_s = retry_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-connector-loop", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self._client: KVStoreClient | None = None
+        self._next_try = 0.0
+        self._closed = False
+        self._connecting = False
+
+    def start(self) -> bool:
+        """Connects now (engine start-up may wait ``connect_timeout_s``); False when the
+        store cannot be reached yet (a connection is then tried in the background)."""
+        future = self._connect_later()
+        if future is None:
+            return self._client is not None
+        try:
+            future.result(self.connect_timeout_s)
+        except FutureTimeout:
+            return False
+        return self._client is not None
+
+    def client(self) -> KVStoreClient | None:
+        """The connected client, or None while the store cannot be reached (a connection
+        attempt is then started in the background; this never blocks)."""
+        if self._client is None:
+            self._connect_later()
+        return self._client
+
+    def _connect_later(self) -> Future[None] | None:
+        with self._lock:
+            if self._client is not None or self._closed or self._connecting or time.monotonic() < self._next_try:
+                return None
+            self._connecting = True
+            self._next_try = time.monotonic() + self.retry_s
+        return self.submit(self._connect())
+
+    async def _connect(self) -> None:
+        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm)
+        try:
+            await asyncio.wait_for(client.connect(), self.connect_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
+            logger.warning("kvstore at %s not reachable (%s); requests recompute, retrying in %.1f s",
+                           self.address, exc, self.retry_s)
+            await client.close()
+            with self._lock:
+                self._connecting = False
+            return
+        logger.info("kvstore connector connected to %s (%s)", self.address,
+                    "shared memory" if client.shared_memory else "gRPC")
+        with self._lock:
+            self._connecting = False
+            if self._closed:
+                self.submit(client.close())
+                return
+            self._client = client
+
+    def failed(self, client: KVStoreClient, reason: object) -> None:
+        """Drops ``client`` after a transport failure; the next ``client()`` reconnects."""
+        with self._lock:
+            if self._client is not client:
+                return
+            self._client = None
+            self._next_try = time.monotonic() + self.retry_s
+        logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
+        self.submit(client.close())
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Runs ``coro`` on the loop; raises TimeoutError (and cancels it) past ``timeout_s``."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"no answer from kvstore at {self.address} within {timeout_s} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Runs ``coro`` on the loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                self.run(client.close(), timeout_s)
+            except (KVStoreError, TimeoutError) as exc:
+                logger.warning("kvstore client did not close cleanly: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)

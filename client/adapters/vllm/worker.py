@@ -1,0 +1,230 @@
+"""Worker side of the connector: layer-wise loads into and saves out of vLLM's paged KV.
+
+One step::
+
+    bind metadata --> saves start (allocate in the background)
+    start_load_kv --> loads start (lease + verify every page, then copy layer by layer)
+    per layer i:  wait_for_layer_load(i) --> attention(i) --> save_kv_layer(i): copy out
+    wait_for_save --> loads settled: short or late ones become failed blocks
+                  --> saves of requests whose load failed are cancelled (never published);
+                      the others get their last layer and commit in the background
+    get_finished  --> requests whose saves are done may have their blocks freed
+
+A save holds back its last layer until ``wait_for_save``: only then is it known that the
+KV it copies was computed from valid loaded KV, and a page is published only after all
+its layers are stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client.adapters.vllm.runtime import StoreConnection
+from kvstore.client.client import Hit, KVStoreClient
+from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ActiveLoad:
+    spec: LoadSpec
+    kv: RequestKV
+    load: LayerLoad | None  # None: it could not even start (no store)
+    client: KVStoreClient | None
+    ok: bool = True  # every layer waited for so far arrived in time
+
+
+@dataclass
+class ActiveSave:
+    spec: SaveSpec
+    kv: RequestKV
+    save: LayerSave
+    done: Future[int] | None = None  # set once every layer is marked
+
+
+@dataclass
+class WorkerStats:
+    """Counters tests and logs read (never reset)."""
+
+    loaded_tokens: int = 0
+    failed_loads: int = 0
+    failed_blocks: int = 0
+    saves_started: int = 0
+    saves_cancelled: int = 0
+    saves_failed: int = 0
+    saved_tokens: int = 0
+
+
+@dataclass
+class WorkerSide:
+    store: StoreConnection
+    layer_names: list[str]
+    block_size: int
+    num_blocks: int
+    load_deadline_s: float | None = None
+    load_ahead: int | None = None
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        self.layout = self.store.namespace.layout
+        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self._blocks: list[torch.Tensor] = []
+        self._loads: list[ActiveLoad] = []
+        self._saves: list[ActiveSave] = []
+        self._pending: dict[str, list[ActiveSave]] = {}  # req id -> saves not yet reported finished
+        self._saving: set[str] = set()  # had a save scheduled: vLLM holds its blocks when it finishes
+        self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
+        self._failed_blocks: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = [kv_caches[name] for name in self.layer_names]
+        self._blocks = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        if self._blocks[0].shape[0] != self.num_blocks:
+            raise KVStoreError(f"vLLM KV cache has {self._blocks[0].shape[0]} kernel blocks for {self.num_blocks} "
+                               "blocks; split kernel blocks are not supported by the kvstore connector")
+
+    # -- one step ------------------------------------------------------------------------
+
+    def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
+        """Starts this step's saves, so that their allocations overlap the forward pass."""
+        client = self.store.client()
+        for spec in meta.saves:
+            self._saving.add(spec.req_id)
+            kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout)
+            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens) if client else None
+            if save is None:
+                continue  # no store: nothing to save, nothing to wait for
+            active = ActiveSave(spec, kv, save)
+            self._saves.append(active)
+            self._pending.setdefault(spec.req_id, []).append(active)
+            self.stats.saves_started += 1
+
+    def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        client = self.store.client()
+        for spec in meta.loads:
+            kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout)
+            load = None
+            if client is not None:
+                keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
+                hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
+                ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
+                load = client.load(hit, into=kv, ahead=ahead, deadline_s=self.load_deadline_s)
+            self._loads.append(ActiveLoad(spec, kv, load, client, ok=load is not None))
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for active in self._loads:
+            if active.ok and active.load is not None and not active.load.wait(layer):
+                active.ok = False
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer == len(self.layer_names) - 1:
+            return  # the last layer is marked in end_step, once the loads are settled
+        for active in self._saves:
+            active.save.layer_done(layer)
+
+    def end_step(self) -> None:
+        """Settles this step's loads, then lets its saves commit (or cancels them)."""
+        failed_reqs = set()
+        for active in self._loads:
+            valid = self._settle(active)
+            if valid < active.spec.num_pages:
+                failed_reqs.add(active.spec.req_id)
+                self._fail_blocks(active, valid)
+            else:
+                self.stats.loaded_tokens += active.kv.num_tokens
+        self._loads.clear()
+        for active in self._saves:
+            if active.spec.req_id in failed_reqs:
+                active.kv.cancel()  # its KV was computed from blocks that failed to load
+                self.stats.saves_cancelled += 1
+            active.done = self.store.submit(active.save.finished())
+        self._saves.clear()
+
+    def _settle(self, active: ActiveLoad) -> int:
+        """Pages of the load that are valid in vLLM's blocks; after this no byte of it is
+        written any more."""
+        load = active.load
+        if load is None:
+            return 0
+        if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
+            active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
+        if not active.ok:
+            load.abandon("not complete when the step ended")
+            if load.error is not None and active.client is not None:
+                self.store.failed(active.client, load.error)
+            return 0
+        return load.num_tokens // self.layout.page_tokens
+
+    def _fail_blocks(self, active: ActiveLoad, valid_pages: int) -> None:
+        first_token = (active.spec.first_page + valid_pages) * self.layout.page_tokens
+        end_token = (active.spec.first_page + active.spec.num_pages) * self.layout.page_tokens
+        blocks = active.spec.block_ids[first_token // self.block_size : -(-end_token // self.block_size)]
+        self._failed_blocks.update(blocks)
+        self.stats.failed_loads += 1
+        self.stats.failed_blocks += len(blocks)
+        logger.warning("kvstore load of request %s: %d of %d pages valid; vLLM recomputes %d blocks",
+                       active.spec.req_id, valid_pages, active.spec.num_pages, len(blocks))
+
+    def load_errors(self) -> set[int]:
+        errors, self._failed_blocks = self._failed_blocks, set()
+        return errors
+
+    # -- after the step ------------------------------------------------------------------
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are all done: their blocks may be freed.
+        (vLLM holds the blocks of every request that had a save scheduled, so each of
+        those is reported exactly once, also when its save could not start.)"""
+        self._finishing |= finished_req_ids & self._saving
+        for req_id in list(self._pending):
+            still = [s for s in self._pending[req_id] if not self._ended(s)]
+            if still:
+                self._pending[req_id] = still
+            else:
+                del self._pending[req_id]
+        reported = {req_id for req_id in self._finishing if req_id not in self._pending}
+        self._finishing -= reported
+        self._saving -= reported
+        return reported
+
+    def _ended(self, active: ActiveSave) -> bool:
+        """True (and counted) once the save committed, failed or was cancelled."""
+        if active.done is None or not active.done.done():
+            return False
+        exc = active.done.exception()
+        if exc is None:
+            self.stats.saved_tokens += active.done.result() - active.spec.first_page * self.layout.page_tokens
+        elif not active.kv.cancelled:
+            self.stats.saves_failed += 1
+            logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
+        return True
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """vLLM is about to reuse these requests' blocks: their saves must stop reading
+        them first (a save still running is cancelled and waited for)."""
+        for req_id in req_ids & set(self._pending):
+            for active in self._pending[req_id]:
+                if active.done is not None and not active.done.done():
+                    active.kv.cancel()
+                    active.save.join(self.store.connect_timeout_s)
+
+    def shutdown(self) -> None:
+        for active in self._saves:
+            active.kv.cancel()
+            active.save.abandon("engine shutting down")
+        for active in self._loads:
+            if active.load is not None:
+                active.load.abandon("engine shutting down")
