@@ -9,7 +9,8 @@
 | `layout.py` | each attention backend's per-layer KV tensor as `[blocks, K/V, block, heads, dim]` |
 | `metadata.py` | what the scheduler sends the workers each step |
 | `config.py` | `kv_connector_extra_config` and the engine's kvstore namespace (no vLLM import) |
-| `runtime.py` | the asyncio client on a private loop thread, with timeouts and reconnects |
+
+``kvstore.client.adapters.connection`` runs the asyncio client for these synchronous hooks.
 """
 
 from kvstore.client.adapters.vllm.connector import KVStoreConnector

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace, kv_spec
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
-from kvstore.client.adapters.vllm.runtime import StoreConnection
+from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 

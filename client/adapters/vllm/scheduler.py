@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client.adapters.vllm.runtime import StoreConnection
+from kvstore.client.adapters.connection import StoreConnection
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import torch
 
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client.adapters.vllm.runtime import StoreConnection
+from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.errors import KVStoreError

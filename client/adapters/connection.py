@@ -1,6 +1,6 @@
 """A ``KVStoreClient`` for an engine that calls synchronously.
 
-vLLM calls connector hooks on its own thread and must never stall on the store, so the
+vLLM and SGLang call their cache hooks on their own threads and must never stall on the store, so the
 asyncio client lives on a private event loop thread and every blocking call is bounded
 by a timeout. A store that cannot be reached is a miss, not an engine error: after a
 failure the connection is dropped and tried again at most every ``retry_s`` seconds.
