@@ -20,6 +20,7 @@ COMMANDS = {
     "restart": ("restart", "directory and index recovery time for N pages"),
     "crossover": ("crossover", "fetch vs recompute on this machine, with the planner's predictions"),
     "checkpoint": ("checkpoint", "KV checkpoint policies: SSD bytes vs tokens to recompute after a crash"),
+    "vllm": ("vllm", "TTFT with a kvstore hit vs recompute vs vLLM's prefix cache; small-hit cost in the connector"),
 }
 
 

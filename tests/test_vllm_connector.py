@@ -2,8 +2,9 @@
 real kvstore-server process.
 
 Two engines, each in its own process: ``hooked`` (vLLM's prefix cache off, so every reuse
-comes from kvstore; the test hooks of vllm_hooks.py are off unless a test turns them on)
-and ``plain`` (the production class as an operator loads it, vLLM's prefix cache on).
+comes from kvstore, loaded layer by layer; the test hooks of vllm_hooks.py are off unless a
+test turns them on) and ``plain`` (the production class as an operator loads it, vLLM's
+prefix cache on, small hits copied at once from the pages the lookup leased).
 Output "without a kvstore hit" is the same engine's greedy generation with
 ``skip_reading_prefix_cache`` (a full recompute). Tokens must be identical; logprobs
 equal to 1e-4 (a prefill that starts after a cached prefix runs other kernel shapes than
@@ -13,6 +14,7 @@ same last bits), and bit-identical to vLLM's own prefix-cache hit.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
@@ -52,9 +54,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, store: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
     logs = tmp_path_factory.mktemp("engine-logs")
+    # A generous load deadline: these tests are about which KV is used, not about speed,
+    # and a loaded 2-core CI box must not turn a slow copy into a "failed" load. "hooked"
+    # loads every hit layer by layer; "plain" copies hits of up to 8 pages at once from the
+    # lookup's lease.
     started = {
-        "hooked": EngineProcess(model_dir, logs / "hooked.log", **connector_config(store.address, hooked=True)),
-        "plain": EngineProcess(model_dir, logs / "plain.log", prefix_caching=True, **connector_config(store.address)),
+        "hooked": EngineProcess(model_dir, logs / "hooked.log",
+                                **connector_config(store.address, hooked=True, load_deadline_s=30, sync_load_pages=0)),
+        "plain": EngineProcess(model_dir, logs / "plain.log", prefix_caching=True,
+                               **connector_config(store.address, load_deadline_s=30, sync_load_pages=8)),
     }
     try:
         for engine in started.values():
@@ -71,9 +79,9 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any], exact: bool = False) -> None:
-    assert got["tokens"] == want["tokens"]
+    assert got["tokens"] == want["tokens"], (got, want)
     for a, b in zip(got["logprobs"], want["logprobs"]):
-        assert a == b if exact else math.isclose(a, b, abs_tol=1e-4), (got["logprobs"], want["logprobs"])
+        assert a == b if exact else math.isclose(a, b, abs_tol=1e-4), (got, want)
 
 
 def namespace(model_dir: Path) -> Namespace:
@@ -126,13 +134,14 @@ def test_second_engine_gets_the_first_ones_kv(engines: dict[str, EngineProcess])
     assert_same_output(from_kvstore, from_own_cache, exact=True)
 
 
-def test_corrupt_stored_page_is_not_used(engines: dict[str, EngineProcess], store: ServerProcess, model_dir: Path) -> None:
+@pytest.mark.parametrize("loader", ["hooked", "plain"])
+def test_corrupt_stored_page_is_not_used(engines: dict[str, EngineProcess], store: ServerProcess, model_dir: Path,
+                                         loader: str) -> None:
     """A stored page whose bytes changed after it was stored fails its checksum: vLLM is
     told its block (and the ones after it) did not load, recomputes them, and the output
-    is the recompute's."""
-    engine = engines["hooked"]
-    prompt = tokens(5 * BLOCK, seed=8)
-    engine.generate([prompt])
+    is the recompute's. Both load paths: layer-wise (hooked) and the leased copy (plain)."""
+    prompt = tokens(5 * BLOCK, seed=8 + len(loader))
+    engines["hooked"].generate([prompt])
 
     async def damage_page_2() -> None:
         async with KVStoreClient(store.address, namespace(model_dir)) as client:
@@ -142,9 +151,8 @@ def test_corrupt_stored_page_is_not_used(engines: dict[str, EngineProcess], stor
             client.arena.array[lease.pages[0].offset + 1000] ^= 0x40
             client.release_sync(lease.lease_id)
 
-    import asyncio
-
     asyncio.run(damage_page_2())
+    engine = engines[loader]
     before = engine.stats()
     out = engine.generate([prompt])[0]
     after = engine.stats()

@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstore.client.client import KVStoreClient
@@ -24,6 +25,21 @@ from kvstore.types import Namespace
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Leading pages of a lookup, pinned in the server's shared arena until ``expires_at``
+    (``time.monotonic()``) or release: where each page's bytes are and their checksum."""
+
+    lease_id: int
+    offsets: list[int]
+    checksums: list[int]
+    expires_at: float
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.offsets)
 
 
 class StoreConnection:
@@ -46,6 +62,9 @@ class StoreConnection:
         self._next_try = 0.0
         self._closed = False
         self._connecting = False
+        # Blocking RPCs on the client's synchronous channel (a lookup that leases, releases):
+        # one hop to this thread, no event loop, and the caller waits only as long as it chooses.
+        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-rpc")
 
     def start(self) -> bool:
         """Connects now (engine start-up may wait ``connect_timeout_s``); False when the
@@ -104,6 +123,35 @@ class StoreConnection:
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
         self.submit(client.close())
 
+    def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
+        """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:
+        the lease says where the bytes are). None when no answer came within ``timeout_s``
+        (a lease granted later is released) or the store failed."""
+        started = time.monotonic()
+        future = self._rpc.submit(client.acquire_sync, keys)
+        try:
+            acq = future.result(timeout_s)
+        except FutureTimeout:
+            future.add_done_callback(lambda f: self._release_late(client, f))
+            return None
+        except KVStoreError as exc:
+            self.failed(client, exc)
+            return None
+        if not acq.pages:
+            self.release(client, acq.lease_id)
+            return Lease(acq.lease_id, [], [], started)
+        return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
+                     started + client.lease_ms / 1000)
+
+    def _release_late(self, client: KVStoreClient, future: Future[Any]) -> None:
+        if future.exception() is None:
+            self.release(client, future.result().lease_id)
+
+    def release(self, client: KVStoreClient, lease_id: int) -> None:
+        """Gives a lease back in the background (a failed release expires with its TTL)."""
+        if not self._closed:
+            self._rpc.submit(client.release_sync, lease_id)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the loop; raises TimeoutError (and cancels it) past ``timeout_s``."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -126,5 +174,6 @@ class StoreConnection:
                 self.run(client.close(), timeout_s)
             except (KVStoreError, TimeoutError) as exc:
                 logger.warning("kvstore client did not close cleanly: %s", exc)
+        self._rpc.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

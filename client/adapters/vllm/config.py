@@ -30,6 +30,9 @@ class ConnectorConfig:
       its blocks are reported failed and vLLM recomputes them (default: the client's
       estimate of the recompute time, at least 50 ms).
     * ``load_ahead``: layers loaded before compute starts (default: the client's estimate).
+    * ``sync_load_pages``: hits of at most this many pages, leased by the lookup on the
+      server's host, are copied at once before the forward pass (no further RPC); longer
+      ones load layer by layer behind compute.
     * ``revision``: the weights revision in the namespace (default: vLLM's ``revision``).
       Two engines share pages only with equal model, revision, layout and TP shard.
     * ``tenant_salt``: separates tenants sharing one store.
@@ -42,6 +45,7 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.25
     load_deadline_s: float | None = None
     load_ahead: int | None = None
+    sync_load_pages: int = 4
     revision: str | None = None
     tenant_salt: str = ""
     use_shm: bool = True

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s)
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
-                                     self.config.load_deadline_s, self.config.load_ahead)
+                                     self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
         logger.info("kvstore connector (%s) for %s at %s, %d-token pages, namespace %s", role.name,
                     namespace.model, self.config.address, namespace.layout.page_tokens, namespace.namespace_id.hex())
 
@@ -147,3 +148,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler().holds_blocks

@@ -1,7 +1,7 @@
 """How an attention backend lays out one layer of vLLM's paged KV cache.
 
-kvstore copies pages through ``kvstore.client.engine_kv.PagedKV``, which reads and writes
-one layer as ``[num_blocks, 2 (K|V), block_size, num_kv_heads, head_size]``. Each backend
+kvstore copies pages through ``RequestKV``, which reads and writes one layer as
+``[num_blocks, 2 (K|V), block_size, num_kv_heads, head_size]``. Each backend
 keeps another physical layout; a ``BlockLayout`` turns the backend's per-layer tensor into
 that logical view without copying (writes through the view land in vLLM's cache). A new
 backend is one small class here plus one line in ``LAYOUTS``.
@@ -14,7 +14,6 @@ from typing import Protocol
 
 import torch
 
-from kvstore.client.engine_kv import PagedKV
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.types import KVLayout
 
@@ -79,19 +78,27 @@ def block_views(kv_caches: Sequence[torch.Tensor], block_size: int, num_kv_heads
 
 class RequestKV:
     """One request's pages in vLLM's paged cache (an ``EngineKV``), from page
-    ``first_page`` of the request on. ``cancel()`` makes every later access raise, which is
-    how a layer-wise save that must not be published is stopped: its worker fails and
-    aborts the allocation instead of committing."""
+    ``first_page`` of the request on. A page lies inside one block (page_tokens divides
+    block_size), so each page and layer is a plain view of the block tensor: copies are
+    strided ``copy_`` calls, never gathers. ``cancel()`` makes every later access raise,
+    which is how a layer-wise save that must not be published is stopped: its worker fails
+    and aborts the allocation instead of committing."""
 
     def __init__(self, blocks: Sequence[torch.Tensor], block_ids: Sequence[int], first_page: int, num_pages: int,
                  layout: KVLayout) -> None:
         block_size = blocks[0].shape[2]
-        first_token = first_page * layout.page_tokens
-        if first_token % block_size:
-            raise InvalidRequest(f"page {first_page} does not start a vLLM block of {block_size} tokens")
-        self.num_tokens = num_pages * layout.page_tokens
+        p = layout.page_tokens
+        if block_size % p:
+            raise InvalidRequest(f"pages of {p} tokens do not tile vLLM blocks of {block_size}")
+        if len(block_ids) * block_size < (first_page + num_pages) * p:
+            raise InvalidRequest(f"{len(block_ids)} blocks cannot hold {first_page + num_pages} pages")
+        self.blocks = blocks
         self.block_ids = list(block_ids)
-        self._paged = PagedKV(blocks, self.block_ids[first_token // block_size :], self.num_tokens, layout)
+        self.num_tokens = num_pages * p
+        # page -> (block id, first slot in the block)
+        self._where = [(self.block_ids[t // block_size], t % block_size)
+                       for t in ((first_page + i) * p for i in range(num_pages))]
+        self._p = p
         self._cancelled = False
 
     def cancel(self) -> None:
@@ -101,12 +108,16 @@ class RequestKV:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    def _view(self, page: int, layer: int) -> torch.Tensor:
+        block, slot = self._where[page]
+        return self.blocks[layer][block, :, slot : slot + self._p]
+
     def read_layer(self, page: int, layer: int) -> torch.Tensor:
         if self._cancelled:
             raise InvalidRequest("save cancelled: the KV of this step is not to be published")
-        return self._paged.read_layer(page, layer)
+        return self._view(page, layer)
 
     def write_layer(self, page: int, layer: int, src: torch.Tensor) -> None:
         if self._cancelled:
             raise InvalidRequest("load cancelled")
-        self._paged.write_layer(page, layer, src)
+        self._view(page, layer).copy_(src)

@@ -7,17 +7,23 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.client.adapters.connection import Lease
+
 
 @dataclass(frozen=True)
 class LoadSpec:
     """Load pages ``[first_page, first_page + num_pages)`` of the prefix ``tokens`` into
-    the request's blocks. Workers compute the keys in their own namespace (their TP shard)."""
+    the request's blocks. Workers compute the keys in their own namespace (their TP shard).
+    ``lease``: the scheduler's lookup leased the prefix in ``namespace_id``; the worker of
+    that namespace may copy straight from it, and gives it back either way."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     first_page: int
     num_pages: int
+    namespace_id: bytes = b""
+    lease: Lease | None = None
 
 
 @dataclass(frozen=True)

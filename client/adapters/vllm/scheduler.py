@@ -2,8 +2,11 @@
 each step loads and saves.
 
 Per request, one lookup (the answer is cached, so vLLM may ask again and get the same
-count). The count offered to vLLM is aligned to vLLM blocks and kvstore pages and leaves
-at least the prompt's last token to compute, so the engine always has logits to sample.
+count). On the server's host the lookup also leases the pages (one Acquire RPC): they
+cannot be evicted before the load, and the worker copies them without asking again. The
+lease goes to the worker with the load, or back to the server when no load follows. The
+count offered to vLLM is aligned to vLLM blocks and kvstore pages and leaves at least the
+prompt's last token to compute, so the engine always has logits to sample.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.client.adapters.connection import Lease, StoreConnection
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client.adapters.connection import StoreConnection
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,7 @@ class RequestState:
     load_from: int = 0  # tokens; a load of [load_from, hit_tokens) is due when load_from < hit_tokens
     load_due: bool = False
     saving: bool = False  # a save was scheduled: the blocks are kept until the workers finish it
+    lease: Lease | None = None  # held until a load takes it over or the request goes
 
 
 class SchedulerSide:
@@ -39,6 +43,7 @@ class SchedulerSide:
         self.page_tokens = store.namespace.layout.page_tokens
         self.lookup_timeout_s = lookup_timeout_s
         self._requests: dict[str, RequestState] = {}
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the saves end
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own block-aligned hit) that kvstore
@@ -50,22 +55,36 @@ class SchedulerSide:
 
     def _lookup(self, request: Any) -> RequestState:
         tokens = list(request.prompt_token_ids or ())
-        stored = 0
+        stored, lease = 0, None
         client = self.store.client()
         if client is not None and len(tokens) > self.page_tokens:
-            try:
-                hit = self.store.run(client.lookup(tokens), self.lookup_timeout_s)
-                stored = hit.num_pages
-            except (KVStoreError, TimeoutError) as exc:
-                self.store.failed(client, exc)
+            if client.shared_memory:
+                lease = self.store.acquire(client, client.keys(tokens), self.lookup_timeout_s)
+                stored = lease.num_pages if lease is not None else 0
+                lease = lease if stored else None
+            else:
+                try:
+                    stored = self.store.run(client.lookup(tokens), self.lookup_timeout_s).num_pages
+                except (KVStoreError, TimeoutError) as exc:
+                    self.store.failed(client, exc)
         usable = min(stored * self.page_tokens, len(tokens) - 1)
-        return RequestState(tokens, stored, usable - usable % self.block_size)
+        return RequestState(tokens, stored, usable - usable % self.block_size, lease=lease)
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
-        if state is not None and num_external_tokens > 0:
+        if state is None:
+            return
+        if num_external_tokens > 0:
             state.load_from = state.hit_tokens - num_external_tokens
             state.load_due = True
+        else:
+            self._release(state)  # vLLM's own cache covers it, or the request skips caches
+
+    def _release(self, state: RequestState) -> None:
+        client = self.store.client()
+        if state.lease is not None and client is not None:
+            self.store.release(client, state.lease.lease_id)
+        state.lease = None
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()))
@@ -94,7 +113,8 @@ class SchedulerSide:
             state.load_due = False
             first = state.load_from // p
             meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first,
-                                       state.hit_tokens // p - first))
+                                       state.hit_tokens // p - first, self.store.namespace.namespace_id, state.lease))
+            state.lease = None  # the worker gives it back
         end = min(computed_after, len(state.tokens)) // p
         if end > state.stored_pages:
             num_blocks = -(-end * p // self.block_size)
@@ -106,4 +126,19 @@ class SchedulerSide:
         """True when a save of this request may still read its blocks: vLLM keeps them
         until a worker reports the request in ``finished_sending``."""
         state = self._requests.pop(request.request_id, None)
-        return state is not None and state.saving
+        if state is None:
+            return False
+        self._release(state)
+        if not state.saving:
+            return False
+        self._held.add(request.request_id)
+        return True
+
+    def saves_finished(self, req_ids: set[str]) -> None:
+        self._held -= req_ids
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Blocks of finished requests are still held: vLLM may wait for them rather than
+        preempt, and its engine loop keeps stepping until they are given back."""
+        return bool(self._held)

@@ -18,18 +18,21 @@ its layers are stored.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.client.pages import slot_as_page
 from kvstore.errors import KVStoreError
+from kvstore.page import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +41,10 @@ logger = logging.getLogger(__name__)
 class ActiveLoad:
     spec: LoadSpec
     kv: RequestKV
-    load: LayerLoad | None  # None: it could not even start (no store)
+    load: LayerLoad | None  # None: copied at once (``copied``) or could not start (no store)
     client: KVStoreClient | None
     ok: bool = True  # every layer waited for so far arrived in time
+    copied: int = 0  # valid pages of a load copied at once from the lookup's lease
 
 
 @dataclass
@@ -72,6 +76,7 @@ class WorkerSide:
     num_blocks: int
     load_deadline_s: float | None = None
     load_ahead: int | None = None
+    sync_load_pages: int = 4
     stats: WorkerStats = field(default_factory=WorkerStats)
 
     def __post_init__(self) -> None:
@@ -109,16 +114,47 @@ class WorkerSide:
             self.stats.saves_started += 1
 
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        """Small hits leased by the scheduler's lookup are copied here, at once (no RPC);
+        others start a layer-wise load that ``wait_layer`` waits on."""
         client = self.store.client()
         for spec in meta.loads:
             kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout)
-            load = None
-            if client is not None:
-                keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
-                hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
-                ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
-                load = client.load(hit, into=kv, ahead=ahead, deadline_s=self.load_deadline_s)
-            self._loads.append(ActiveLoad(spec, kv, load, client, ok=load is not None))
+            ours = client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id
+            if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
+                self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
+            else:
+                self._loads.append(self._start_layerwise(client, spec, kv))
+            if ours:
+                self.store.release(client, spec.lease.lease_id)  # type: ignore[arg-type,union-attr]
+
+    def _start_layerwise(self, client: KVStoreClient | None, spec: LoadSpec, kv: RequestKV) -> ActiveLoad:
+        if client is None:
+            return ActiveLoad(spec, kv, None, client, ok=False)
+        keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
+        hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
+        ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
+        return ActiveLoad(spec, kv, client.load(hit, into=kv, ahead=ahead, deadline_s=self.load_deadline_s), client)
+
+    def _lease_usable(self, client: KVStoreClient, spec: LoadSpec) -> bool:
+        lease = spec.lease
+        assert lease is not None
+        return (client.arena is not None and lease.num_pages >= spec.first_page + spec.num_pages
+                and time.monotonic() < lease.expires_at - 1.0)  # a second's margin for the copy itself
+
+    def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
+        """Copies the leased pages into vLLM's blocks; returns how many leading pages are
+        valid (a page failing its checksum and all after it are not copied)."""
+        lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
+        assert lease is not None and arena is not None
+        for i in range(spec.num_pages):
+            offset = lease.offsets[spec.first_page + i]
+            if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
+                logger.error("leased page %d of request %s failed its checksum", spec.first_page + i, spec.req_id)
+                return i
+            page = slot_as_page(arena.slot(offset, n), self.layout)
+            for layer in range(self.layout.num_layers):
+                kv.write_layer(i, layer, page[layer])
+        return spec.num_pages
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -158,7 +194,7 @@ class WorkerSide:
         written any more."""
         load = active.load
         if load is None:
-            return 0
+            return active.copied
         if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
             active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
         if not active.ok:
