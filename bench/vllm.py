@@ -61,7 +61,7 @@ def _model(path: Path, args: argparse.Namespace) -> Path:
                          head_dim=args.head_dim, max_position_embeddings=args.prompt_tokens + args.suffix_tokens + 64,
                          tie_word_embeddings=False, initializer_range=0.2)
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    LlamaForCausalLM(config).float().save_pretrained(path)
     return path
 
 
@@ -84,8 +84,8 @@ def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dic
     def generate(prompt: list[int], skip: bool = False) -> tuple[float, list[int]]:
         params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=skip or None)
         start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        return time.perf_counter() - start, [out.num_cached_tokens, *out.outputs[0].token_ids]
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]  # type: ignore[arg-type]
+        return time.perf_counter() - start, [out.num_cached_tokens or 0, *out.outputs[0].token_ids]
 
     def reset() -> None:
         # The blocks of a request whose save was in flight when it finished come back at

@@ -61,3 +61,23 @@ def test_checkpoint_policies_smoke(tmp_path) -> None:
     assert by["ram"]["ssd_mib_per_1k_tokens"] == 0
     assert by["write-through"]["mean_tokens_to_prefill"] < by["ram"]["mean_tokens_to_prefill"]
     assert by["write-through"]["ssd_mib_per_1k_tokens"] >= by["periodic-32"]["ssd_mib_per_1k_tokens"]
+
+
+def test_vllm_smoke(tmp_path) -> None:
+    """kvstore-bench vllm on a real (tiny) vLLM engine: every mode runs, the kvstore hit
+    really comes from kvstore, the small hits load, the PNG is written."""
+    res = subprocess.run(
+        [sys.executable, "-m", "kvstore.bench.main", "vllm", "--prompt-tokens", "128", "--suffix-tokens", "8", "--layers", "2",
+         "--hidden", "128", "--kv-heads", "2", "--head-dim", "64", "--block-size", "32", "--repeats", "1",
+         "--small-repeats", "2", "--json", "--dir", str(tmp_path / "vl"), "--plot", str(tmp_path / "vl.png")],
+        check=False, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    by = {r["mode"]: r for r in report["ttft"]}
+    assert list(by) == ["recompute", "vllm-prefix-cache", "kvstore-hit"]
+    assert by["recompute"]["num_cached_tokens"] == 0
+    assert by["vllm-prefix-cache"]["num_cached_tokens"] == by["kvstore-hit"]["num_cached_tokens"] == 128
+    assert [r["pages"] for r in report["small_hits"]] == [1, 16]
+    assert all(r["total_ms"] > 0 and r["memcpy_ms"] > 0 for r in report["small_hits"])
+    assert (tmp_path / "vl.png").stat().st_size > 1000

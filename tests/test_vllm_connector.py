@@ -15,6 +15,7 @@ same last bits), and bit-identical to vLLM's own prefix-cache hit.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
@@ -194,7 +195,7 @@ def test_store_killed_between_lookup_and_load(engines: dict[str, EngineProcess],
     engine.call(cmd="hooks", pause={"paused": str(paused), "resume": str(resume)})
     before = engine.stats()
     assert engine.proc.stdin is not None
-    engine.proc.stdin.write('{"cmd": "generate", "prompts": [%s], "max_tokens": 8}\n' % prompt)
+    engine.proc.stdin.write(json.dumps({"cmd": "generate", "prompts": [prompt], "max_tokens": 8}) + "\n")
     engine.proc.stdin.flush()
     with open(paused) as f:
         assert int(f.readline()) == 128, "the lookup found the stored prefix"

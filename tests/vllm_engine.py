@@ -29,10 +29,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     model_dir, config = sys.argv[1], json.loads(sys.argv[2])
 
+    import vllm_hooks
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-
-    import vllm_hooks
 
     transfer = None
     if config.get("connector"):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from kvstore.client.adapters.vllm import KVStoreConnector
 
 PAUSE: dict[str, str] = {}  # {"paused": fifo to announce on, "resume": fifo to wait on}; one use

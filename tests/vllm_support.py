@@ -43,7 +43,7 @@ class EngineProcess:
 
     def __init__(self, model_dir: Path, log_path: Path, **config: Any) -> None:
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - open for the child's whole life, closed in close()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_engine.py"), str(model_dir), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)

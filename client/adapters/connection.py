@@ -116,12 +116,15 @@ class StoreConnection:
     def failed(self, client: KVStoreClient, reason: object) -> None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects."""
         with self._lock:
-            if self._client is not client:
+            if not self._holds(client):
                 return
             self._client = None
             self._next_try = time.monotonic() + self.retry_s
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
         self.submit(client.close())
+
+    def _holds(self, client: KVStoreClient) -> bool:
+        return self._client is client
 
     def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
         """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:

@@ -27,9 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace, kv_spec
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
-from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
@@ -60,7 +60,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        transfer = vllm_config.kv_transfer_config
+        transfer = self._kv_transfer_config  # the base class refused a config without one
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning('kv_load_failure_policy is "%s": a kvstore page that cannot be loaded fails its request; '

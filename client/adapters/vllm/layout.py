@@ -82,10 +82,12 @@ class RequestKV:
     block_size), so each page and layer is a plain view of the block tensor: copies are
     strided ``copy_`` calls, never gathers. ``cancel()`` makes every later access raise,
     which is how a layer-wise save that must not be published is stopped: its worker fails
-    and aborts the allocation instead of committing."""
+    and aborts the allocation instead of committing. With ``guarded`` only layers handed
+    over with ``release_layer`` may be read: a save that is ended early (its client closes)
+    fails on a layer vLLM has not computed yet rather than publish it."""
 
     def __init__(self, blocks: Sequence[torch.Tensor], block_ids: Sequence[int], first_page: int, num_pages: int,
-                 layout: KVLayout) -> None:
+                 layout: KVLayout, guarded: bool = False) -> None:
         block_size = blocks[0].shape[2]
         p = layout.page_tokens
         if block_size % p:
@@ -100,6 +102,7 @@ class RequestKV:
                        for t in ((first_page + i) * p for i in range(num_pages))]
         self._p = p
         self._cancelled = False
+        self._readable: set[int] | None = set() if guarded else None
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -108,6 +111,11 @@ class RequestKV:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    def release_layer(self, layer: int) -> None:
+        """vLLM has computed ``layer``: a guarded save may read it now."""
+        if self._readable is not None:
+            self._readable.add(layer)
+
     def _view(self, page: int, layer: int) -> torch.Tensor:
         block, slot = self._where[page]
         return self.blocks[layer][block, :, slot : slot + self._p]
@@ -115,6 +123,8 @@ class RequestKV:
     def read_layer(self, page: int, layer: int) -> torch.Tensor:
         if self._cancelled:
             raise InvalidRequest("save cancelled: the KV of this step is not to be published")
+        if self._readable is not None and layer not in self._readable:
+            raise InvalidRequest(f"layer {layer} is not computed yet: the save ended early")
         return self._view(page, layer)
 
     def write_layer(self, page: int, layer: int, src: torch.Tensor) -> None:

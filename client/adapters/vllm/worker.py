@@ -21,7 +21,6 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -104,7 +103,8 @@ class WorkerSide:
         client = self.store.client()
         for spec in meta.saves:
             self._saving.add(spec.req_id)
-            kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout)
+            kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
+                           guarded=True)
             save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens) if client else None
             if save is None:
                 continue  # no store: nothing to save, nothing to wait for
@@ -169,40 +169,45 @@ class WorkerSide:
         if layer is None or layer == len(self.layer_names) - 1:
             return  # the last layer is marked in end_step, once the loads are settled
         for active in self._saves:
+            active.kv.release_layer(layer)
             active.save.layer_done(layer)
 
     def end_step(self) -> None:
         """Settles this step's loads, then lets its saves commit (or cancels them)."""
-        failed_reqs = set()
+        failed_reqs, errors = set(), []
         for active in self._loads:
-            valid = self._settle(active)
+            valid, error = self._settle(active)
+            if error is not None and active.client is not None:
+                errors.append((active.client, error))
             if valid < active.spec.num_pages:
                 failed_reqs.add(active.spec.req_id)
                 self._fail_blocks(active, valid)
             else:
                 self.stats.loaded_tokens += active.kv.num_tokens
         self._loads.clear()
-        for active in self._saves:
-            if active.spec.req_id in failed_reqs:
-                active.kv.cancel()  # its KV was computed from blocks that failed to load
+        for save in self._saves:
+            if save.spec.req_id in failed_reqs:
+                save.kv.cancel()  # its KV was computed from blocks that failed to load
                 self.stats.saves_cancelled += 1
-            active.done = self.store.submit(active.save.finished())
+            else:
+                save.kv.release_layer(len(self.layer_names) - 1)
+            save.done = self.store.submit(save.save.finished())
         self._saves.clear()
+        for client, error in errors:  # only now: dropping a client ends its saves early
+            self.store.failed(client, error)
 
-    def _settle(self, active: ActiveLoad) -> int:
-        """Pages of the load that are valid in vLLM's blocks; after this no byte of it is
-        written any more."""
+    def _settle(self, active: ActiveLoad) -> tuple[int, BaseException | None]:
+        """Pages of the load that are valid in vLLM's blocks, and the load's error; after
+        this no byte of it is written any more."""
         load = active.load
         if load is None:
-            return active.copied
+            return active.copied, None
         if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
             active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
         if not active.ok:
             load.abandon("not complete when the step ended")
-            if load.error is not None and active.client is not None:
-                self.store.failed(active.client, load.error)
-            return 0
-        return load.num_tokens // self.layout.page_tokens
+            return 0, load.error
+        return load.num_tokens // self.layout.page_tokens, None
 
     def _fail_blocks(self, active: ActiveLoad, valid_pages: int) -> None:
         first_token = (active.spec.first_page + valid_pages) * self.layout.page_tokens
@@ -258,9 +263,9 @@ class WorkerSide:
                     active.save.join(self.store.connect_timeout_s)
 
     def shutdown(self) -> None:
-        for active in self._saves:
-            active.kv.cancel()
-            active.save.abandon("engine shutting down")
-        for active in self._loads:
-            if active.load is not None:
-                active.load.abandon("engine shutting down")
+        for save in self._saves:
+            save.kv.cancel()
+            save.save.abandon("engine shutting down")
+        for load in self._loads:
+            if load.load is not None:
+                load.load.abandon("engine shutting down")
