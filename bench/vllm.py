@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -129,6 +130,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
     from kvstore.client.adapters.vllm.scheduler import SchedulerSide
     from kvstore.client.adapters.vllm.worker import WorkerSide
 
+    torch.set_num_threads(1)  # as vLLM's CPU worker runs on a 2-core host; two threads make strided copies slower here
     layout = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
     ns = Namespace(model="bench-qwen3-8b-shape", revision="vllm-bench", layout=layout)
     store = StoreConnection(address, ns)
@@ -137,7 +139,8 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
     client = store.client()
     assert client is not None
     num_blocks = 40
-    caches = {f"layer.{i}": torch.zeros(num_blocks, 8, 16, 256, dtype=torch.bfloat16) for i in range(36)}
+    raw = torch.zeros(36, num_blocks, 8, 16, 256, dtype=torch.bfloat16)  # one buffer for all layers, as vLLM allocates
+    caches = {f"layer.{i}": raw[i] for i in range(36)}
     worker = WorkerSide(store, list(caches), 16, num_blocks, load_deadline_s=5.0)
     worker.register(caches)
     scheduler = SchedulerSide(store, 16, lookup_timeout_s=5.0)
@@ -146,8 +149,8 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
         tokens = [random.Random(num_pages).randrange(1, 50_000) for _ in range(num_pages * 16 + 1)]
         kv = torch.randn(36, 2, num_pages * 16, 8, 128).to(torch.bfloat16)
         store.run(client.put(tokens, kv), 30)
-        src = torch.empty(num_pages * layout.page_bytes, dtype=torch.uint8).fill_(1)
-        dst = torch.empty_like(src)
+        src = np.ones(num_pages * layout.page_bytes, dtype=np.uint8)
+        dst = np.zeros_like(src)
         lookup_s, load_s, total_s, copy_s = [], [], [], []
         for i in range(args.small_repeats + 1):
             request = SimpleNamespace(request_id=f"bench-{num_pages}-{i}", prompt_token_ids=tokens)
@@ -166,7 +169,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
             worker.end_step()
             t2 = time.perf_counter()
             scheduler.finished(request)
-            dst.copy_(src)
+            np.copyto(dst, src)  # memcpy of the same bytes, one core
             t3 = time.perf_counter()
             if worker.load_errors() or hit_tokens != num_pages * 16:
                 raise RuntimeError("the small hit did not load")

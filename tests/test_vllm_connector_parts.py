@@ -191,3 +191,56 @@ def test_configuration_errors_name_what_to_fix() -> None:
     two = SimpleNamespace(kv_cache_groups=[kv_cache_config.kv_cache_groups[0]] * 2)
     with pytest.raises(ConfigError, match="one KV cache group"):
         engine_namespace(vllm_config, two, ConnectorConfig("h:1"))
+
+
+def test_client_closed_mid_step_publishes_no_uncomputed_layer(store_process: ServerProcess) -> None:
+    """Closing a client ends its layer-wise saves at once (every layer is marked done);
+    a save whose later layers vLLM has not computed yet must fail, not publish them."""
+    store, scheduler, worker, caches = parts(store_process.address)
+    tokens = list(range(3, 3 + 2 * BLOCK + 1))
+    meta = step(scheduler, "r", tokens, 0, [0, 1, 2])
+    worker.begin_step(meta)
+    worker.start_loads(meta)
+    caches[NAMES[0]].fill_(1.0)
+    worker.save_layer(NAMES[0])  # layer 0 computed; layers 1 and 2 not yet
+    client = store.client()
+    assert client is not None
+    store.failed(client, "test: the connection broke mid-step")
+    save = worker._saves[0].save
+    save.join(10)
+    reader = StoreConnection(store_process.address, store.namespace)
+    assert reader.start()
+    fresh = reader.client()
+    assert fresh is not None
+    assert reader.run(fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
+    assert "not computed yet" in str(save.error)
+    reader.close()
+    store.close()
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_page_copies_land_where_vllms_cpu_kernels_read(one_buffer: bool) -> None:
+    """A page written through RequestKV (one copy over all layers when vLLM carved them out
+    of one buffer, one per layer otherwise) lands where vLLM's CPU attention reads token
+    t of block b: K at row t and V at row block_size + t of ``[blocks, heads, 2*N, D]``."""
+    from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+    if one_buffer:
+        raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM)
+        caches = [raw[i * raw.numel() // LAYERS : (i + 1) * raw.numel() // LAYERS].view(shape) for i in range(LAYERS)]
+    else:
+        caches = [torch.zeros(shape) for _ in range(LAYERS)]
+    layers, together = block_views(caches, BLOCK, HEADS, DIM)
+    assert (together is not None) == one_buffer
+    small = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK // 2)
+    page = torch.randn(small.page_shape())
+    kv = RequestKV(layers, [7, 3], first_page=2, num_pages=2, layout=small, all_layers=together)
+    kv.write_page(1, page)  # request page 3: second half of its block 1, i.e. vLLM block 3
+    for layer in range(LAYERS):
+        rows = caches[layer].view(NUM_BLOCKS, HEADS, 2 * BLOCK, DIM)[3]  # [heads, 2N, D], as the CPU backend reads it
+        for t in range(small.page_tokens):
+            assert torch.equal(rows[:, BLOCK // 2 + t], page[layer, 0, t])
+            assert torch.equal(rows[:, BLOCK + BLOCK // 2 + t], page[layer, 1, t])
+        assert torch.equal(kv.read_layer(1, layer), page[layer])
+    assert int(torch.count_nonzero(torch.stack(caches))) == page.numel()

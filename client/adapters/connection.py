@@ -62,9 +62,11 @@ class StoreConnection:
         self._next_try = 0.0
         self._closed = False
         self._connecting = False
-        # Blocking RPCs on the client's synchronous channel (a lookup that leases, releases):
-        # one hop to this thread, no event loop, and the caller waits only as long as it chooses.
+        # Blocking RPCs on the client's synchronous channel: one hop to a thread, no event
+        # loop, and the caller waits only as long as it chooses. Releases have their own
+        # thread so that a lookup never queues behind one.
         self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-rpc")
+        self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-release")
 
     def start(self) -> bool:
         """Connects now (engine start-up may wait ``connect_timeout_s``); False when the
@@ -153,7 +155,7 @@ class StoreConnection:
     def release(self, client: KVStoreClient, lease_id: int) -> None:
         """Gives a lease back in the background (a failed release expires with its TTL)."""
         if not self._closed:
-            self._rpc.submit(client.release_sync, lease_id)
+            self._releases.submit(client.release_sync, lease_id)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the loop; raises TimeoutError (and cancels it) past ``timeout_s``."""
@@ -178,5 +180,6 @@ class StoreConnection:
             except (KVStoreError, TimeoutError) as exc:
                 logger.warning("kvstore client did not close cleanly: %s", exc)
         self._rpc.shutdown(wait=False, cancel_futures=True)
+        self._releases.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

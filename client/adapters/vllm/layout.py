@@ -28,7 +28,8 @@ class BlockLayout(Protocol):
         ...
 
     def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-        """A view (never a copy) of ``kv`` as ``[blocks, 2, block_size, heads, dim]``."""
+        """A view (never a copy) of ``kv`` as ``[blocks, 2, block_size, heads, dim]``; with a
+        leading layer dimension (all layers stacked), ``[layers, blocks, 2, ...]``."""
         ...
 
 
@@ -43,8 +44,9 @@ class CpuLayout:
         return kv.dim() == 4 and tuple(kv.shape[1:]) == (num_kv_heads, block_size, 2 * head_size)
 
     def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-        num_blocks = kv.shape[0]
-        return kv.view(num_blocks, num_kv_heads, 2, block_size, head_size).permute(0, 2, 3, 1, 4)
+        view = kv.view(*kv.shape[:-3], num_kv_heads, 2, block_size, head_size)  # [..., blocks, H, 2, N, D]
+        lead = view.dim() - 4
+        return view.permute(*range(lead), lead + 1, lead + 2, lead, lead + 3)  # [..., blocks, 2, N, H, D]
 
 
 class SplitKVLayout:
@@ -57,19 +59,42 @@ class SplitKVLayout:
         return kv.dim() == 5 and kv.shape[0] == 2 and tuple(kv.shape[2:]) == (block_size, num_kv_heads, head_size)
 
     def blocks(self, kv: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-        return kv.transpose(0, 1)
+        return kv.transpose(-5, -4)
 
 
 LAYOUTS: tuple[BlockLayout, ...] = (CpuLayout(), SplitKVLayout())
 
 
-def block_views(kv_caches: Sequence[torch.Tensor], block_size: int, num_kv_heads: int, head_size: int) -> list[torch.Tensor]:
-    """Every layer's tensor as ``[blocks, 2, block_size, heads, dim]``, through the first
-    layout whose shape matches; a clear error when none does."""
+def stacked(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """All layers as one view ``[layers, *layer shape]`` when vLLM carved them out of one
+    buffer at a fixed distance (it does: one KV cache tensor per group), so that a page is
+    copied with one call rather than one per layer; None otherwise."""
+    first = kv_caches[0]
+    if len(kv_caches) < 2:
+        return first.unsqueeze(0)
+    step = kv_caches[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % first.element_size():
+        return None
+    for i, kv in enumerate(kv_caches):
+        if (kv.shape != first.shape or kv.stride() != first.stride() or kv.dtype != first.dtype
+                or kv.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or kv.data_ptr() != first.data_ptr() + i * step):
+            return None
+    return first.as_strided((len(kv_caches), *first.shape), (step // first.element_size(), *first.stride()),
+                            first.storage_offset())
+
+
+def block_views(kv_caches: Sequence[torch.Tensor], block_size: int, num_kv_heads: int,
+                head_size: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Every layer's tensor as ``[blocks, 2, block_size, heads, dim]``, and all layers as
+    ``[layers, blocks, 2, ...]`` where they share one buffer, through the first layout whose
+    shape matches; a clear error when none does."""
     first = kv_caches[0]
     for layout in LAYOUTS:
         if layout.matches(first, block_size, num_kv_heads, head_size):
-            return [layout.blocks(kv, block_size, num_kv_heads, head_size) for kv in kv_caches]
+            layers = [layout.blocks(kv, block_size, num_kv_heads, head_size) for kv in kv_caches]
+            together = stacked(kv_caches)
+            return layers, None if together is None else layout.blocks(together, block_size, num_kv_heads, head_size)
     raise ConfigError(
         f"unsupported vLLM KV cache layout {list(first.shape)} (block_size={block_size}, heads={num_kv_heads}, "
         f"head_size={head_size}); known: {[layout.name for layout in LAYOUTS]} (client/adapters/vllm/layout.py)"
@@ -87,7 +112,7 @@ class RequestKV:
     fails on a layer vLLM has not computed yet rather than publish it."""
 
     def __init__(self, blocks: Sequence[torch.Tensor], block_ids: Sequence[int], first_page: int, num_pages: int,
-                 layout: KVLayout, guarded: bool = False) -> None:
+                 layout: KVLayout, guarded: bool = False, all_layers: torch.Tensor | None = None) -> None:
         block_size = blocks[0].shape[2]
         p = layout.page_tokens
         if block_size % p:
@@ -101,6 +126,7 @@ class RequestKV:
         self._where = [(self.block_ids[t // block_size], t % block_size)
                        for t in ((first_page + i) * p for i in range(num_pages))]
         self._p = p
+        self._all_layers = all_layers
         self._cancelled = False
         self._readable: set[int] | None = set() if guarded else None
 
@@ -131,3 +157,15 @@ class RequestKV:
         if self._cancelled:
             raise InvalidRequest("load cancelled")
         self._view(page, layer).copy_(src)
+
+    def write_page(self, page: int, src: torch.Tensor) -> None:
+        """Stores a whole page (``[layers, 2, P, heads, dim]``): one copy when the layers
+        share one buffer, else one per layer."""
+        if self._cancelled:
+            raise InvalidRequest("load cancelled")
+        if self._all_layers is None:
+            for layer in range(src.shape[0]):
+                self._view(page, layer).copy_(src[layer])
+            return
+        block, slot = self._where[page]
+        self._all_layers[:, block, :, slot : slot + self._p].copy_(src)

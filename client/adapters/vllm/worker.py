@@ -82,6 +82,7 @@ class WorkerSide:
         self.layout = self.store.namespace.layout
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self._blocks: list[torch.Tensor] = []
+        self._all_layers: torch.Tensor | None = None
         self._loads: list[ActiveLoad] = []
         self._saves: list[ActiveSave] = []
         self._pending: dict[str, list[ActiveSave]] = {}  # req id -> saves not yet reported finished
@@ -91,7 +92,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
-        self._blocks = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        self._blocks, self._all_layers = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         if self._blocks[0].shape[0] != self.num_blocks:
             raise KVStoreError(f"vLLM KV cache has {self._blocks[0].shape[0]} kernel blocks for {self.num_blocks} "
                                "blocks; split kernel blocks are not supported by the kvstore connector")
@@ -118,7 +119,8 @@ class WorkerSide:
         others start a layer-wise load that ``wait_layer`` waits on."""
         client = self.store.client()
         for spec in meta.loads:
-            kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout)
+            kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout,
+                           all_layers=self._all_layers)
             ours = client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id
             if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
                 self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
@@ -151,9 +153,7 @@ class WorkerSide:
             if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
                 logger.error("leased page %d of request %s failed its checksum", spec.first_page + i, spec.req_id)
                 return i
-            page = slot_as_page(arena.slot(offset, n), self.layout)
-            for layer in range(self.layout.num_layers):
-                kv.write_layer(i, layer, page[layer])
+            kv.write_page(i, slot_as_page(arena.slot(offset, n), self.layout))
         return spec.num_pages
 
     def wait_layer(self, layer_name: str) -> None:
