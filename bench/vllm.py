@@ -91,10 +91,12 @@ def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dic
     def reset() -> None:
         # The blocks of a request whose save was in flight when it finished come back at
         # the engine's next step (in-process, LLM.generate does not step an idle engine).
-        for _ in range(100):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
             if llm.reset_prefix_cache():
                 return
             llm.llm_engine.step()
+            time.sleep(0.01)
         raise RuntimeError("vLLM's prefix cache could not be reset")
 
     generate([rng.randrange(1, 2048) for _ in range(64)])  # warm-up
@@ -152,6 +154,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
         src = np.ones(num_pages * layout.page_bytes, dtype=np.uint8)
         dst = np.zeros_like(src)
         lookup_s, load_s, total_s, copy_s = [], [], [], []
+        leased_before = worker.stats.leased_copies
         for i in range(args.small_repeats + 1):
             request = SimpleNamespace(request_id=f"bench-{num_pages}-{i}", prompt_token_ids=tokens)
             t0 = time.perf_counter()
@@ -182,7 +185,9 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
         got = CpuLayout().blocks(caches["layer.3"], 16, 8, 128)[0, 0]  # block 0, K of layer 3: [16 tokens, heads, dim]
         if not torch.equal(got, kv[3, 0, :16]):
             raise RuntimeError("the loaded KV differs from the stored KV")
-        rows.append({"pages": num_pages, "path": "leased copy" if num_pages <= worker.sync_load_pages else "layer-wise",
+        leased = worker.stats.leased_copies - leased_before == args.small_repeats + 1
+        rows.append({"pages": num_pages, "path": "leased copy" if leased else "layer-wise",
+                     "transport": "shared memory" if client.shared_memory else "gRPC",
                      "bytes": num_pages * layout.page_bytes, "lookup_ms": round(_median(lookup_s) * 1e3, 3),
                      "load_ms": round(_median(load_s) * 1e3, 3), "total_ms": round(_median(total_s) * 1e3, 3),
                      "memcpy_ms": round(_median(copy_s) * 1e3, 3)})
@@ -211,6 +216,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the table and the JSON line
     workdir = Path(args.dir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -247,8 +253,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{r['mode']:<18} {r['ttft_s'] * 1e3:>9.1f} {r['num_cached_tokens']:>7} {r['vs_recompute']:>12.2f} "
               f"{r['vs_vllm_prefix_cache']:>13.2f}")
     print("small hits through the connector (Qwen3-8B-sized 2.25 MiB pages, CPU blocks):")
-    print(f"{'pages':>5} {'path':>12} {'MiB':>6} {'lookup ms':>10} {'load ms':>8} {'total ms':>9} {'memcpy ms':>10}")
+    print(f"{'pages':>5} {'path':>12} {'via':>13} {'MiB':>6} {'lookup ms':>10} {'load ms':>8} {'total ms':>9} {'memcpy ms':>10}")
     for r in report["small_hits"]:
-        print(f"{r['pages']:>5} {r['path']:>12} {r['bytes'] / 2**20:>6.2f} {r['lookup_ms']:>10.3f} {r['load_ms']:>8.3f} "
-              f"{r['total_ms']:>9.3f} {r['memcpy_ms']:>10.3f}")
+        print(f"{r['pages']:>5} {r['path']:>12} {r['transport']:>13} {r['bytes'] / 2**20:>6.2f} {r['lookup_ms']:>10.3f} "
+              f"{r['load_ms']:>8.3f} {r['total_ms']:>9.3f} {r['memcpy_ms']:>10.3f}")
     print("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()))

@@ -116,7 +116,11 @@ class StoreConnection:
             self._client = client
 
     def failed(self, client: KVStoreClient, reason: object) -> None:
-        """Drops ``client`` after a transport failure; the next ``client()`` reconnects."""
+        """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An
+        error the server answered with (a subclass of KVStoreError: full tier, missing
+        page, ...) says the connection works, and keeps it."""
+        if isinstance(reason, KVStoreError) and type(reason) is not KVStoreError:
+            return
         with self._lock:
             if not self._holds(client):
                 return

@@ -59,6 +59,7 @@ class WorkerStats:
     """Counters tests and logs read (never reset)."""
 
     loaded_tokens: int = 0
+    leased_copies: int = 0  # loads copied at once from the lookup's lease
     failed_loads: int = 0
     failed_blocks: int = 0
     saves_started: int = 0
@@ -104,11 +105,16 @@ class WorkerSide:
         client = self.store.client()
         for spec in meta.saves:
             self._saving.add(spec.req_id)
-            kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
-                           guarded=True)
-            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens) if client else None
-            if save is None:
+            if client is None:
                 continue  # no store: nothing to save, nothing to wait for
+            try:
+                kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
+                               guarded=True)
+                save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens)
+            except KVStoreError as exc:  # a cache: this prefix is just not stored
+                logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
+                self.stats.saves_failed += 1
+                continue
             active = ActiveSave(spec, kv, save)
             self._saves.append(active)
             self._pending.setdefault(spec.req_id, []).append(active)
@@ -122,10 +128,15 @@ class WorkerSide:
             kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout,
                            all_layers=self._all_layers)
             ours = client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id
-            if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
-                self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
-            else:
-                self._loads.append(self._start_layerwise(client, spec, kv))
+            try:
+                if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
+                    self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
+                    self.stats.leased_copies += 1
+                else:
+                    self._loads.append(self._start_layerwise(client, spec, kv))
+            except (KVStoreError, AttributeError, ValueError) as exc:  # the client closed under us: recompute
+                logger.warning("kvstore load of request %s not started: %s", spec.req_id, exc)
+                self._loads.append(ActiveLoad(spec, kv, None, client, ok=False))
             if ours:
                 self.store.release(client, spec.lease.lease_id)  # type: ignore[arg-type,union-attr]
 
