@@ -72,6 +72,9 @@ def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dic
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvstore.client.adapters.vllm import KVStoreConnector
 
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.client.adapters.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -107,6 +110,12 @@ def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dic
         suffix = [rng.randrange(1, 2048) for _ in range(args.suffix_tokens)]
         results = {}
         results["recompute"] = generate(prefix + suffix, skip=True)
+        # The recompute's save (a miss stores the prefix) runs behind it: let it end so that
+        # it does not share the two cores with the next measurement.
+        connector = get_kv_transfer_group()
+        assert isinstance(connector, KVStoreConnector) and connector.worker is not None
+        if not connector.worker.wait_saves(120):
+            raise RuntimeError("the connector's save did not finish")
         results["vllm-prefix-cache"] = generate(prefix + suffix)
         reset()
         results["kvstore-hit"] = generate(prefix + suffix)

@@ -244,3 +244,19 @@ def test_page_copies_land_where_vllms_cpu_kernels_read(one_buffer: bool) -> None
             assert torch.equal(rows[:, BLOCK + BLOCK // 2 + t], page[layer, 1, t])
         assert torch.equal(kv.read_layer(1, layer), page[layer])
     assert int(torch.count_nonzero(torch.stack(caches))) == page.numel()
+
+
+def test_only_transport_failures_drop_the_connection(store_process: ServerProcess) -> None:
+    """An error the server answered with (a full tier, a missing page) says the connection
+    works: it is kept. A transport failure drops it, and the next use reconnects."""
+    from kvstore.errors import KVStoreError, TierFull
+
+    store = StoreConnection(store_process.address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    assert store.start()
+    client = store.client()
+    assert client is not None
+    store.failed(client, TierFull("host tier full"))
+    assert store.client() is client
+    store.failed(client, KVStoreError("UNAVAILABLE"))
+    assert store.client() is not client  # None now: a new connection is being made
+    store.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -263,6 +263,12 @@ class WorkerSide:
             self.stats.saves_failed += 1
             logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
         return True
+
+    def wait_saves(self, timeout_s: float) -> bool:
+        """Waits for every save marked done so far to commit or fail (benchmarks use it to
+        keep one request's save from overlapping the next one's timing); False on timeout."""
+        running = [s.done for saves in self._pending.values() for s in saves if s.done is not None]
+        return not wait(running, timeout_s).not_done
 
     def preempted(self, req_ids: set[str]) -> None:
         """vLLM is about to reuse these requests' blocks: their saves must stop reading
