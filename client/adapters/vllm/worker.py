@@ -3,7 +3,8 @@
 One step::
 
     bind metadata --> saves start (allocate in the background)
-    start_load_kv --> loads start (lease + verify every page, then copy layer by layer)
+    start_load_kv --> small leased hits: verified and copied now (no RPC);
+                      others: a layer-wise load starts (lease + verify, then layer by layer)
     per layer i:  wait_for_layer_load(i) --> attention(i) --> save_kv_layer(i): copy out
     wait_for_save --> loads settled: short or late ones become failed blocks
                   --> saves of requests whose load failed are cancelled (never published);
