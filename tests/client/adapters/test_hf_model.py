@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import grpc
 import pytest
@@ -94,10 +95,8 @@ WRITER = textwrap.dedent(
 
 
 async def test_cache_written_by_another_process(server, model_and_config) -> None:
-    import os
-
     model, config = model_and_config
-    tests_dir = os.path.dirname(os.path.dirname(__file__))  # where hf_model.py lives
+    tests_dir = str(Path(__file__).resolve().parents[2])  # tests/, where hf_model.py lives
     res = subprocess.run([sys.executable, "-c", WRITER, server.address, tests_dir],  # noqa: ASYNC221 - waits for the writer
                          check=False, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "192", res.stderr[-2000:]

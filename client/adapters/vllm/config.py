@@ -1,0 +1,107 @@
+"""The connector's configuration and the kvstore namespace of a vLLM engine.
+
+Nothing here imports vLLM: the engine's config objects are read by attribute, so this
+module is testable and importable where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.types import KVLayout, Namespace
+
+ADDRESS_ENV = "KVSTORE_ADDRESS"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` may set. Unknown keys are refused by name.
+
+    * ``address``: the kvstore-server (default: ``$KVSTORE_ADDRESS``).
+    * ``page_tokens``: tokens per kvstore page; must divide vLLM's block size (default:
+      the block size, one page per block).
+    * ``lookup_timeout_s``: the most the scheduler waits for a lookup before it treats the
+      request as a miss (the engine never stalls on a dead store).
+    * ``load_deadline_s``: the most a layer-wise load may hold up the forward pass before
+      its blocks are reported failed and vLLM recomputes them (default: the client's
+      estimate of the recompute time, at least 50 ms).
+    * ``load_ahead``: layers loaded before compute starts (default: the client's estimate).
+    * ``sync_load_pages``: hits of at most this many pages, leased by the lookup on the
+      server's host, are copied at once before the forward pass (no further RPC); longer
+      ones load layer by layer behind compute.
+    * ``revision``: the weights revision in the namespace (default: vLLM's ``revision``).
+      Two engines share pages only with equal model, revision, layout and TP shard.
+    * ``tenant_salt``: separates tenants sharing one store.
+    * ``use_shm``: move page bytes through the server's shared arena when on its host.
+    * ``retry_s``: how long after a failed connection the next attempt is made.
+    """
+
+    address: str
+    page_tokens: int | None = None
+    lookup_timeout_s: float = 0.25
+    load_deadline_s: float | None = None
+    load_ahead: int | None = None
+    sync_load_pages: int = 4
+    revision: str | None = None
+    tenant_salt: str = ""
+    use_shm: bool = True
+    retry_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ConfigError(f'kv_connector_extra_config needs "address" (or set {ADDRESS_ENV})')
+        if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens <= 0):
+            raise ConfigError(f'kv_connector_extra_config "page_tokens" must be a positive integer, got {self.page_tokens!r}')
+        for name in ("lookup_timeout_s", "retry_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f'kv_connector_extra_config "{name}" must be > 0')
+        if self.load_deadline_s is not None and self.load_deadline_s <= 0:
+            raise ConfigError('kv_connector_extra_config "load_deadline_s" must be > 0')
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        extra.setdefault("address", environ.get(ADDRESS_ENV, ""))
+        return cls(**extra)
+
+
+def kv_spec(kv_cache_config: Any) -> tuple[list[str], Any]:
+    """The attention layer names (in model order) and their common KV cache spec.
+
+    Only models whose layers share one full-attention KV cache group are supported: block
+    ids of several groups cannot be told apart in vLLM's load-error report."""
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        raise ConfigError(f"the kvstore connector supports one KV cache group, this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "block_size", "dtype")):
+        raise ConfigError(f"the kvstore connector needs an attention KV cache, got {type(spec).__name__}")
+    if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
+        raise ConfigError("the kvstore connector needs equal K and V head sizes (MLA is not supported yet)")
+    return list(groups[0].layer_names), spec
+
+
+def engine_namespace(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int = 0,
+                     tp_size: int | None = None) -> Namespace:
+    """The namespace of this engine's KV: model, revision, KV dtype and shape, page size
+    and tensor-parallel shard. Pages are canonical (``[layer][K|V][token][head][dim]``),
+    so engines on different attention backends share them."""
+    layer_names, spec = kv_spec(kv_cache_config)
+    page_tokens = config.page_tokens or spec.block_size
+    if spec.block_size % page_tokens:
+        raise ConfigError(f'"page_tokens" {page_tokens} must divide vLLM\'s block size {spec.block_size}')
+    layout = KVLayout(num_layers=len(layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+                      dtype=spec.dtype, page_tokens=page_tokens)
+    model = vllm_config.model_config
+    revision = config.revision if config.revision is not None else (model.revision or "")
+    size = tp_size if tp_size is not None else vllm_config.parallel_config.tensor_parallel_size
+    return Namespace(model=str(model.model), revision=revision, layout=layout, tp_rank=tp_rank, tp_size=size,
+                     tenant_salt=config.tenant_salt)

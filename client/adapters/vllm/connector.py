@@ -1,0 +1,156 @@
+"""``KVStoreConnector``: vLLM's KV connector (V1) backed by kvstore.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore.client.adapters.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"address": "127.0.0.1:7070"}}'
+
+vLLM builds one instance per role: the scheduler's (``SchedulerSide``: lookups, what each
+step loads and saves) and each worker's (``WorkerSide``: the copies). Hooks are called
+synchronously by vLLM and none of them blocks past a deadline when the store is slow or
+gone: a store that cannot answer is a miss, a load that fails is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (this needs
+``kv_load_failure_policy: recompute``; vLLM's default, ``fail``, fails the request).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace, kv_spec
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+from kvstore.client.adapters.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _tp_rank_size(role: KVConnectorRole) -> tuple[int, int | None]:
+    """The worker's tensor-parallel shard; the scheduler looks up shard 0's pages."""
+    if role != KVConnectorRole.WORKER:
+        return 0, None
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config  # the base class refused a config without one
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.warning('kv_load_failure_policy is "%s": a kvstore page that cannot be loaded fails its request; '
+                           'set "kv_load_failure_policy": "recompute" to recompute it instead', transfer.kv_load_failure_policy)
+        tp_rank, tp_size = _tp_rank_size(role)
+        namespace = engine_namespace(vllm_config, kv_cache_config, self.config, tp_rank, tp_size)
+        layer_names, spec = kv_spec(kv_cache_config)
+        self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s)
+        self.store.start()
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s)
+        else:
+            self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
+                                     self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
+        logger.info("kvstore connector (%s) for %s at %s, %d-token pages, namespace %s", role.name,
+                    namespace.model, self.config.address, namespace.layout.page_tokens, namespace.namespace_id.hex())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # layer-wise waits and saves must run between graph pieces
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save lost to preemption is a later miss
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def _worker(self) -> WorkerSide:
+        assert self.worker is not None, "a worker hook was called on the scheduler's connector"
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVStoreConnectorMetadata)
+        self._worker().begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self._worker().start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker().wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        self._worker().save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker().end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().finished(finished_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().load_errors()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVStoreConnectorMetadata) and kv_connector_metadata.preempted:
+            self._worker().preempted(kv_connector_metadata.preempted)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.store.close()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler is not None, "a scheduler hook was called on a worker's connector"
+        return self.scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler().build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request), None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler().holds_blocks

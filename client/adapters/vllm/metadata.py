@@ -1,0 +1,44 @@
+"""What the scheduler side tells the workers each step (plain data: vLLM may pickle it
+to worker processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.client.adapters.connection import Lease
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load pages ``[first_page, first_page + num_pages)`` of the prefix ``tokens`` into
+    the request's blocks. Workers compute the keys in their own namespace (their TP shard).
+    ``lease``: the scheduler's lookup leased the prefix in ``namespace_id``; the worker of
+    that namespace may copy straight from it, and gives it back either way."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    first_page: int
+    num_pages: int
+    namespace_id: bytes = b""
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save the full pages ``[first_page, len(tokens) / page_tokens)`` of ``tokens`` from
+    the request's blocks, layer by layer during this step's forward pass."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    first_page: int
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)

@@ -1,0 +1,144 @@
+"""Scheduler side of the connector: how much of a prompt kvstore holds, and which pages
+each step loads and saves.
+
+Per request, one lookup (the answer is cached, so vLLM may ask again and get the same
+count). On the server's host the lookup also leases the pages (one Acquire RPC): they
+cannot be evicted before the load, and the worker copies them without asking again. The
+lease goes to the worker with the load, or back to the server when no load follows. The
+count offered to vLLM is aligned to vLLM blocks and kvstore pages and leaves at least the
+prompt's last token to compute, so the engine always has logits to sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.client.adapters.connection import Lease, StoreConnection
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side knows of one request."""
+
+    tokens: list[int]
+    stored_pages: int  # leading pages kvstore holds (lookup) or will hold (saves scheduled)
+    hit_tokens: int  # what may be loaded: block-aligned, short of the last prompt token
+    block_ids: list[int] = field(default_factory=list)
+    load_from: int = 0  # tokens; a load of [load_from, hit_tokens) is due when load_from < hit_tokens
+    load_due: bool = False
+    saving: bool = False  # a save was scheduled: the blocks are kept until the workers finish it
+    lease: Lease | None = None  # held until a load takes it over or the request goes
+
+
+class SchedulerSide:
+    def __init__(self, store: StoreConnection, block_size: int, lookup_timeout_s: float) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.page_tokens = store.namespace.layout.page_tokens
+        self.lookup_timeout_s = lookup_timeout_s
+        self._requests: dict[str, RequestState] = {}
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the saves end
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own block-aligned hit) that kvstore
+        can supply: 0 on a miss, a timeout or a store that cannot be reached."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = self._lookup(request)
+        return max(0, state.hit_tokens - num_computed_tokens)
+
+    def _lookup(self, request: Any) -> RequestState:
+        tokens = list(request.prompt_token_ids or ())
+        stored, lease = 0, None
+        client = self.store.client()
+        if client is not None and len(tokens) > self.page_tokens:
+            if client.shared_memory:
+                lease = self.store.acquire(client, client.keys(tokens), self.lookup_timeout_s)
+                stored = lease.num_pages if lease is not None else 0
+                lease = lease if stored else None
+            else:
+                try:
+                    stored = self.store.run(client.lookup(tokens), self.lookup_timeout_s).num_pages
+                except (KVStoreError, TimeoutError) as exc:
+                    self.store.failed(client, exc)
+        usable = min(stored * self.page_tokens, len(tokens) - 1)
+        return RequestState(tokens, stored, usable - usable % self.block_size, lease=lease)
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens > 0:
+            state.load_from = state.hit_tokens - num_external_tokens
+            state.load_due = True
+        else:
+            self._release(state)  # vLLM's own cache covers it, or the request skips caches
+
+    def _release(self, state: RequestState) -> None:
+        client = self.store.client()
+        if state.lease is not None and client is not None:
+            self.store.release(client, state.lease.lease_id)
+        state.lease = None
+
+    def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()))
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(meta, new.req_id, state, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(blocks[0]) if blocks is not None else []
+            elif blocks is not None:
+                state.block_ids.extend(blocks[0])
+            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+        return meta
+
+    def _plan(self, meta: KVStoreConnectorMetadata, req_id: str, state: RequestState, computed_after: int) -> None:
+        """Adds this step's load and save of one request to ``meta``."""
+        p = self.page_tokens
+        if state.load_due:
+            state.load_due = False
+            first = state.load_from // p
+            meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first,
+                                       state.hit_tokens // p - first, self.store.namespace.namespace_id, state.lease))
+            state.lease = None  # the worker gives it back
+        end = min(computed_after, len(state.tokens)) // p
+        if end > state.stored_pages:
+            num_blocks = -(-end * p // self.block_size)
+            meta.saves.append(SaveSpec(req_id, state.tokens[: end * p], state.block_ids[:num_blocks], state.stored_pages))
+            state.stored_pages = end
+            state.saving = True
+
+    def finished(self, request: Any) -> bool:
+        """True when a save of this request may still read its blocks: vLLM keeps them
+        until a worker reports the request in ``finished_sending``."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False
+        self._release(state)
+        if not state.saving:
+            return False
+        self._held.add(request.request_id)
+        return True
+
+    def saves_finished(self, req_ids: set[str]) -> None:
+        self._held -= req_ids
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Blocks of finished requests are still held: vLLM may wait for them rather than
+        preempt, and its engine loop keeps stepping until they are given back."""
+        return bool(self._held)

@@ -1,0 +1,289 @@
+"""Worker side of the connector: layer-wise loads into and saves out of vLLM's paged KV.
+
+One step::
+
+    bind metadata --> saves start (allocate in the background)
+    start_load_kv --> small leased hits: verified and copied now (no RPC);
+                      others: a layer-wise load starts (lease + verify, then layer by layer)
+    per layer i:  wait_for_layer_load(i) --> attention(i) --> save_kv_layer(i): copy out
+    wait_for_save --> loads settled: short or late ones become failed blocks
+                  --> saves of requests whose load failed are cancelled (never published);
+                      the others get their last layer and commit in the background
+    get_finished  --> requests whose saves are done may have their blocks freed
+
+A save holds back its last layer until ``wait_for_save``: only then is it known that the
+KV it copies was computed from valid loaded KV, and a page is published only after all
+its layers are stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client.client import Hit, KVStoreClient
+from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.client.pages import slot_as_page
+from kvstore.errors import KVStoreError
+from kvstore.page import checksum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ActiveLoad:
+    spec: LoadSpec
+    kv: RequestKV
+    load: LayerLoad | None  # None: copied at once (``copied``) or could not start (no store)
+    client: KVStoreClient | None
+    ok: bool = True  # every layer waited for so far arrived in time
+    copied: int = 0  # valid pages of a load copied at once from the lookup's lease
+
+
+@dataclass
+class ActiveSave:
+    spec: SaveSpec
+    kv: RequestKV
+    save: LayerSave
+    done: Future[int] | None = None  # set once every layer is marked
+
+
+@dataclass
+class WorkerStats:
+    """Counters tests and logs read (never reset)."""
+
+    loaded_tokens: int = 0
+    leased_copies: int = 0  # loads copied at once from the lookup's lease
+    failed_loads: int = 0
+    failed_blocks: int = 0
+    saves_started: int = 0
+    saves_cancelled: int = 0
+    saves_failed: int = 0
+    saved_tokens: int = 0
+
+
+@dataclass
+class WorkerSide:
+    store: StoreConnection
+    layer_names: list[str]
+    block_size: int
+    num_blocks: int
+    load_deadline_s: float | None = None
+    load_ahead: int | None = None
+    sync_load_pages: int = 4
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        self.layout = self.store.namespace.layout
+        self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self._blocks: list[torch.Tensor] = []
+        self._all_layers: torch.Tensor | None = None
+        self._loads: list[ActiveLoad] = []
+        self._saves: list[ActiveSave] = []
+        self._pending: dict[str, list[ActiveSave]] = {}  # req id -> saves not yet reported finished
+        self._saving: set[str] = set()  # had a save scheduled: vLLM holds its blocks when it finishes
+        self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
+        self._failed_blocks: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = [kv_caches[name] for name in self.layer_names]
+        self._blocks, self._all_layers = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        if self._blocks[0].shape[0] != self.num_blocks:
+            raise KVStoreError(f"vLLM KV cache has {self._blocks[0].shape[0]} kernel blocks for {self.num_blocks} "
+                               "blocks; split kernel blocks are not supported by the kvstore connector")
+
+    # -- one step ------------------------------------------------------------------------
+
+    def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
+        """Starts this step's saves, so that their allocations overlap the forward pass."""
+        client = self.store.client()
+        for spec in meta.saves:
+            self._saving.add(spec.req_id)
+            if client is None:
+                continue  # no store: nothing to save, nothing to wait for
+            try:
+                kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
+                               guarded=True)
+                save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens)
+            except KVStoreError as exc:  # a cache: this prefix is just not stored
+                logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
+                self.stats.saves_failed += 1
+                continue
+            active = ActiveSave(spec, kv, save)
+            self._saves.append(active)
+            self._pending.setdefault(spec.req_id, []).append(active)
+            self.stats.saves_started += 1
+
+    def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        """Small hits leased by the scheduler's lookup are copied here, at once (no RPC);
+        others start a layer-wise load that ``wait_layer`` waits on."""
+        client = self.store.client()
+        for spec in meta.loads:
+            kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout,
+                           all_layers=self._all_layers)
+            ours = client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id
+            try:
+                if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
+                    self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
+                    self.stats.leased_copies += 1
+                else:
+                    self._loads.append(self._start_layerwise(client, spec, kv))
+            except (KVStoreError, AttributeError, ValueError) as exc:  # the client closed under us: recompute
+                logger.warning("kvstore load of request %s not started: %s", spec.req_id, exc)
+                self._loads.append(ActiveLoad(spec, kv, None, client, ok=False))
+            if ours:
+                self.store.release(client, spec.lease.lease_id)  # type: ignore[arg-type,union-attr]
+
+    def _start_layerwise(self, client: KVStoreClient | None, spec: LoadSpec, kv: RequestKV) -> ActiveLoad:
+        if client is None:
+            return ActiveLoad(spec, kv, None, client, ok=False)
+        keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
+        hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
+        ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
+        return ActiveLoad(spec, kv, client.load(hit, into=kv, ahead=ahead, deadline_s=self.load_deadline_s), client)
+
+    def _lease_usable(self, client: KVStoreClient, spec: LoadSpec) -> bool:
+        lease = spec.lease
+        assert lease is not None
+        return (client.arena is not None and lease.num_pages >= spec.first_page + spec.num_pages
+                and time.monotonic() < lease.expires_at - 1.0)  # a second's margin for the copy itself
+
+    def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
+        """Copies the leased pages into vLLM's blocks; returns how many leading pages are
+        valid (a page failing its checksum and all after it are not copied)."""
+        lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
+        assert lease is not None and arena is not None
+        for i in range(spec.num_pages):
+            offset = lease.offsets[spec.first_page + i]
+            if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
+                logger.error("leased page %d of request %s failed its checksum", spec.first_page + i, spec.req_id)
+                return i
+            kv.write_page(i, slot_as_page(arena.slot(offset, n), self.layout))
+        return spec.num_pages
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for active in self._loads:
+            if active.ok and active.load is not None and not active.load.wait(layer):
+                active.ok = False
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer == len(self.layer_names) - 1:
+            return  # the last layer is marked in end_step, once the loads are settled
+        for active in self._saves:
+            active.kv.release_layer(layer)
+            active.save.layer_done(layer)
+
+    def end_step(self) -> None:
+        """Settles this step's loads, then lets its saves commit (or cancels them)."""
+        failed_reqs, errors = set(), []
+        for active in self._loads:
+            valid, error = self._settle(active)
+            if error is not None and active.client is not None:
+                errors.append((active.client, error))
+            if valid < active.spec.num_pages:
+                failed_reqs.add(active.spec.req_id)
+                self._fail_blocks(active, valid)
+            else:
+                self.stats.loaded_tokens += active.kv.num_tokens
+        self._loads.clear()
+        for save in self._saves:
+            if save.spec.req_id in failed_reqs:
+                save.kv.cancel()  # its KV was computed from blocks that failed to load
+                self.stats.saves_cancelled += 1
+            else:
+                save.kv.release_layer(len(self.layer_names) - 1)
+            save.done = self.store.submit(save.save.finished())
+        self._saves.clear()
+        for client, error in errors:  # only now: dropping a client ends its saves early
+            self.store.failed(client, error)
+
+    def _settle(self, active: ActiveLoad) -> tuple[int, BaseException | None]:
+        """Pages of the load that are valid in vLLM's blocks, and the load's error; after
+        this no byte of it is written any more."""
+        load = active.load
+        if load is None:
+            return active.copied, None
+        if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
+            active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
+        if not active.ok:
+            load.abandon("not complete when the step ended")
+            return 0, load.error
+        return load.num_tokens // self.layout.page_tokens, None
+
+    def _fail_blocks(self, active: ActiveLoad, valid_pages: int) -> None:
+        first_token = (active.spec.first_page + valid_pages) * self.layout.page_tokens
+        end_token = (active.spec.first_page + active.spec.num_pages) * self.layout.page_tokens
+        blocks = active.spec.block_ids[first_token // self.block_size : -(-end_token // self.block_size)]
+        self._failed_blocks.update(blocks)
+        self.stats.failed_loads += 1
+        self.stats.failed_blocks += len(blocks)
+        logger.warning("kvstore load of request %s: %d of %d pages valid; vLLM recomputes %d blocks",
+                       active.spec.req_id, valid_pages, active.spec.num_pages, len(blocks))
+
+    def load_errors(self) -> set[int]:
+        errors, self._failed_blocks = self._failed_blocks, set()
+        return errors
+
+    # -- after the step ------------------------------------------------------------------
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are all done: their blocks may be freed.
+        (vLLM holds the blocks of every request that had a save scheduled, so each of
+        those is reported exactly once, also when its save could not start.)"""
+        self._finishing |= finished_req_ids & self._saving
+        for req_id in list(self._pending):
+            still = [s for s in self._pending[req_id] if not self._ended(s)]
+            if still:
+                self._pending[req_id] = still
+            else:
+                del self._pending[req_id]
+        reported = {req_id for req_id in self._finishing if req_id not in self._pending}
+        self._finishing -= reported
+        self._saving -= reported
+        return reported
+
+    def _ended(self, active: ActiveSave) -> bool:
+        """True (and counted) once the save committed, failed or was cancelled."""
+        if active.done is None or not active.done.done():
+            return False
+        exc = active.done.exception()
+        if exc is None:
+            self.stats.saved_tokens += active.done.result() - active.spec.first_page * self.layout.page_tokens
+        elif not active.kv.cancelled:
+            self.stats.saves_failed += 1
+            logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
+        return True
+
+    def wait_saves(self, timeout_s: float) -> bool:
+        """Waits for every save marked done so far to commit or fail (benchmarks use it to
+        keep one request's save from overlapping the next one's timing); False on timeout."""
+        running = [s.done for saves in self._pending.values() for s in saves if s.done is not None]
+        return not wait(running, timeout_s).not_done
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """vLLM is about to reuse these requests' blocks: their saves must stop reading
+        them first (a save still running is cancelled and waited for)."""
+        for req_id in req_ids & set(self._pending):
+            for active in self._pending[req_id]:
+                if active.done is not None and not active.done.done():
+                    active.kv.cancel()
+                    active.save.join(self.store.connect_timeout_s)
+
+    def shutdown(self) -> None:
+        for save in self._saves:
+            save.kv.cancel()
+            save.save.abandon("engine shutting down")
+        for load in self._loads:
+            if load.load is not None:
+                load.load.abandon("engine shutting down")

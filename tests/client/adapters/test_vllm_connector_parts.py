@@ -1,0 +1,263 @@
+"""The vLLM connector's scheduler and worker sides without an engine: the timing and
+fault paths a real engine cannot be steered into (a store that stops answering), and
+the configuration errors. Real kvstore-server processes; vLLM's own block layout on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import ServerProcess
+
+from kvstore import KVLayout, Namespace
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
+from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+from kvstore.client.adapters.vllm.worker import WorkerSide
+from kvstore.errors import ConfigError
+
+BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 32, 2, 32, 3, 16
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
+NAMES = [f"model.layers.{i}.attn" for i in range(LAYERS)]
+
+
+@pytest.fixture
+def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path)
+    proc.start()
+    yield proc
+    assert proc.proc is not None
+    if proc.proc.poll() is None:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.proc.kill()
+        proc.proc.wait(10)
+
+
+def parts(address: str, **worker_kw: Any) -> tuple[StoreConnection, SchedulerSide, WorkerSide, dict[str, torch.Tensor]]:
+    store = StoreConnection(address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    assert store.start()
+    caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for name in NAMES}  # vLLM's CPU layout
+    worker = WorkerSide(store, NAMES, BLOCK, NUM_BLOCKS, **worker_kw)
+    worker.register(caches)
+    return store, SchedulerSide(store, BLOCK, lookup_timeout_s=0.2), worker, caches
+
+
+def step(scheduler: SchedulerSide, req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> KVStoreConnectorMetadata:
+    """What vLLM's scheduler does for a new request: ask, allocate, build the step's metadata."""
+    request = SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
+    hit = scheduler.num_new_matched_tokens(request, computed)
+    scheduler.after_alloc(request, hit)
+    return scheduler.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed + hit)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={req_id: len(tokens) - computed - hit}, preempted_req_ids=None))
+
+
+def forward(worker: WorkerSide, meta: KVStoreConnectorMetadata, fill: float | None = None,
+            caches: dict[str, torch.Tensor] | None = None) -> None:
+    """One step of the worker hooks in vLLM's order; ``fill`` writes every block as the
+    model would (so that saves have KV to copy)."""
+    worker.begin_step(meta)
+    worker.start_loads(meta)
+    for i, name in enumerate(NAMES):
+        worker.wait_layer(name)
+        if fill is not None and caches is not None:
+            caches[name].fill_(fill + i)
+        worker.save_layer(name)
+    worker.end_step()
+
+
+def store_prompt(address: str, tokens: list[int]) -> None:
+    _, scheduler, worker, caches = parts(address)
+    meta = step(scheduler, "writer", tokens, 0, list(range(4)))
+    assert meta.saves and not meta.loads
+    forward(worker, meta, fill=1.0, caches=caches)
+    deadline = time.monotonic() + 10
+    while not worker.finished({"writer"}):
+        assert time.monotonic() < deadline, "the save did not finish"
+        time.sleep(0.01)
+    worker.store.close()
+
+
+def test_lookup_of_a_stopped_store_is_a_bounded_miss(store_process: ServerProcess) -> None:
+    """The scheduler never waits past lookup_timeout_s on a store that stopped answering."""
+    store, scheduler, _, _ = parts(store_process.address)
+    assert store_process.proc is not None
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=list(range(1, 100))), 0)
+    assert hit == 0 and time.monotonic() - start < 1.0
+    os.kill(store_process.proc.pid, signal.SIGCONT)
+    store.close()
+
+
+@pytest.mark.parametrize("sync_load_pages", [0, 8])
+def test_load_from_a_store_that_stops_after_the_lookup(store_process: ServerProcess, sync_load_pages: int) -> None:
+    """Layer-wise: the worker's wait ends at the load deadline and every loaded block is
+    reported failed. Leased copy: the lookup's lease already says where the bytes are, so
+    the pages load without the store (verified against their checksums)."""
+    tokens = list(range(1, 4 * BLOCK + 2))
+    store_prompt(store_process.address, tokens)
+    store, scheduler, worker, caches = parts(store_process.address, load_deadline_s=0.5, sync_load_pages=sync_load_pages)
+    meta = step(scheduler, "reader", tokens, 0, [10, 11, 12, 13, 14])
+    assert [(spec.first_page, spec.num_pages) for spec in meta.loads] == [(0, 4)]
+    assert store_process.proc is not None
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        forward(worker, meta)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    if sync_load_pages:
+        assert worker.load_errors() == set() and elapsed < 1.0
+        assert all(bool((caches[name][10:14] == 1.0 + i).all()) for i, name in enumerate(NAMES))
+    else:
+        assert worker.load_errors() == {10, 11, 12, 13} and elapsed < 1.5
+        assert all(bool((caches[name][10:14] == 0).all()) for name in NAMES), "no byte of a failed load lands"
+    store.close()
+
+
+def test_save_is_not_published_when_the_same_steps_load_failed(store_process: ServerProcess) -> None:
+    """The KV a step computes after a failed load is wrong: its save is cancelled, the
+    store finds no page of it."""
+    tokens = list(range(1, 2 * BLOCK + 2))
+    store_prompt(store_process.address, tokens)
+    longer = tokens[: 2 * BLOCK] + list(range(500, 500 + 3 * BLOCK))
+    store, scheduler, worker, caches = parts(store_process.address, load_deadline_s=0.3, sync_load_pages=0)
+    meta = step(scheduler, "r", longer, 0, list(range(5, 10)))
+    assert meta.loads and meta.saves and meta.saves[0].first_page == 2
+    assert store_process.proc is not None
+    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    try:
+        forward(worker, meta, fill=5.0, caches=caches)
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    assert worker.load_errors() == {5, 6}
+    deadline = time.monotonic() + 10
+    while not worker.finished({"r"}):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert worker.stats.saves_cancelled == 1 and worker.stats.saved_tokens == 0
+    client = store.client()
+    assert client is not None
+    assert store.run(client.lookup(longer), 5).num_pages == 2, "only the pages stored before"
+    store.close()
+
+
+def test_finished_requests_are_reported_once_their_saves_end(store_process: ServerProcess) -> None:
+    """vLLM keeps a finished request's blocks while its save may read them, and frees
+    them when the worker reports it: every request with a save is reported exactly once."""
+    store, scheduler, worker, caches = parts(store_process.address)
+    tokens = list(range(7, 7 + 3 * BLOCK))
+    meta = step(scheduler, "a", tokens, 0, [0, 1, 2])
+    assert isinstance(meta.saves[0], SaveSpec)
+    forward(worker, meta, fill=2.0, caches=caches)
+    assert scheduler.finished(SimpleNamespace(request_id="a")) is True and scheduler.holds_blocks
+    reported: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not reported:
+        reported = worker.finished({"a"} if not reported else set())
+        assert time.monotonic() < deadline
+    assert reported == {"a"} and worker.finished(set()) == set()
+    scheduler.saves_finished(reported)
+    assert not scheduler.holds_blocks
+    assert scheduler.finished(SimpleNamespace(request_id="never-seen")) is False
+    store.close()
+
+
+def test_configuration_errors_name_what_to_fix() -> None:
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys \\['adress'\\]"):
+        ConnectorConfig.from_extra({"adress": "x"}, environ={})
+    with pytest.raises(ConfigError, match="KVSTORE_ADDRESS"):
+        ConnectorConfig.from_extra({}, environ={})
+    assert ConnectorConfig.from_extra({}, environ={"KVSTORE_ADDRESS": "h:1"}).address == "h:1"
+    spec = SimpleNamespace(num_kv_heads=HEADS, head_size=DIM, block_size=BLOCK, dtype=torch.float32)
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=NAMES, kv_cache_spec=spec)])
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="m", revision=None),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    ns = engine_namespace(vllm_config, kv_cache_config, ConnectorConfig("h:1"))
+    assert ns.layout == LAYOUT and ns.revision == ""
+    with pytest.raises(ConfigError, match="must divide"):
+        engine_namespace(vllm_config, kv_cache_config, ConnectorConfig("h:1", page_tokens=24))
+    two = SimpleNamespace(kv_cache_groups=[kv_cache_config.kv_cache_groups[0]] * 2)
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        engine_namespace(vllm_config, two, ConnectorConfig("h:1"))
+
+
+def test_client_closed_mid_step_publishes_no_uncomputed_layer(store_process: ServerProcess) -> None:
+    """Closing a client ends its layer-wise saves at once; a save whose later layers vLLM
+    has not computed yet must fail, not publish them (the client abandons it; the
+    connector's guard on uncomputed layers stands behind that)."""
+    store, scheduler, worker, caches = parts(store_process.address)
+    tokens = list(range(3, 3 + 2 * BLOCK + 1))
+    meta = step(scheduler, "r", tokens, 0, [0, 1, 2])
+    worker.begin_step(meta)
+    worker.start_loads(meta)
+    caches[NAMES[0]].fill_(1.0)
+    worker.save_layer(NAMES[0])  # layer 0 computed; layers 1 and 2 not yet
+    client = store.client()
+    assert client is not None
+    store.failed(client, "test: the connection broke mid-step")
+    save = worker._saves[0].save
+    save.join(10)
+    reader = StoreConnection(store_process.address, store.namespace)
+    assert reader.start()
+    fresh = reader.client()
+    assert fresh is not None
+    assert reader.run(fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
+    assert save.error is not None and ("abandoned" in str(save.error) or "not computed yet" in str(save.error))
+    reader.close()
+    store.close()
+
+
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_page_copies_land_where_vllms_cpu_kernels_read(one_buffer: bool) -> None:
+    """A page written through RequestKV (one copy over all layers when vLLM carved them out
+    of one buffer, one per layer otherwise) lands where vLLM's CPU attention reads token
+    t of block b: K at row t and V at row block_size + t of ``[blocks, heads, 2*N, D]``."""
+    from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+    if one_buffer:
+        raw = torch.zeros(LAYERS * NUM_BLOCKS * HEADS * BLOCK * 2 * DIM)
+        caches = [raw[i * raw.numel() // LAYERS : (i + 1) * raw.numel() // LAYERS].view(shape) for i in range(LAYERS)]
+    else:
+        caches = [torch.zeros(shape) for _ in range(LAYERS)]
+    layers, together = block_views(caches, BLOCK, HEADS, DIM)
+    assert (together is not None) == one_buffer
+    small = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK // 2)
+    page = torch.randn(small.page_shape())
+    kv = RequestKV(layers, [7, 3], first_page=2, num_pages=2, layout=small, all_layers=together)
+    kv.write_page(1, page)  # request page 3: second half of its block 1, i.e. vLLM block 3
+    for layer in range(LAYERS):
+        rows = caches[layer].view(NUM_BLOCKS, HEADS, 2 * BLOCK, DIM)[3]  # [heads, 2N, D], as the CPU backend reads it
+        for t in range(small.page_tokens):
+            assert torch.equal(rows[:, BLOCK // 2 + t], page[layer, 0, t])
+            assert torch.equal(rows[:, BLOCK + BLOCK // 2 + t], page[layer, 1, t])
+        assert torch.equal(kv.read_layer(1, layer), page[layer])
+    assert int(torch.count_nonzero(torch.stack(caches))) == page.numel()
+
+
+def test_only_transport_failures_drop_the_connection(store_process: ServerProcess) -> None:
+    """An error the server answered with (a full tier, a missing page) says the connection
+    works: it is kept. A transport failure drops it, and the next use reconnects."""
+    from kvstore.errors import KVStoreError, TierFull
+
+    store = StoreConnection(store_process.address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    assert store.start()
+    client = store.client()
+    assert client is not None
+    store.failed(client, TierFull("host tier full"))
+    assert store.client() is client
+    store.failed(client, KVStoreError("UNAVAILABLE"))
+    assert store.client() is not client  # None now: a new connection is being made
+    store.close()

@@ -1,0 +1,77 @@
+"""A vLLM engine in its own process, driven by JSON lines (the tests' side: EngineProcess).
+
+Usage: python vllm_engine.py MODEL_DIR CONFIG_JSON. The protocol goes over the process's
+original stdout; vLLM's own output is moved to stderr.
+
+Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b}
+-> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"};
+{"cmd": "stats"} -> the worker connector's counters; {"cmd": "hooks", ...} sets
+vllm_hooks' switches; {"cmd": "exit"}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    model_dir, config = sys.argv[1], json.loads(sys.argv[2])
+
+    import vllm_hooks
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    transfer = None
+    if config.get("connector"):
+        transfer = KVTransferConfig(kv_connector=config["connector"], kv_connector_module_path=config["module"],
+                                    kv_role="kv_both", kv_load_failure_policy="recompute",
+                                    kv_connector_extra_config=config.get("extra", {}))
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              block_size=config.get("block_size", 32), max_model_len=config.get("max_model_len", 1024),
+              enable_prefix_caching=config.get("prefix_caching", False), kv_transfer_config=transfer,
+              max_num_batched_tokens=config.get("max_num_batched_tokens", 4096))
+    proto.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        if cmd["cmd"] == "generate":
+            params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=0,
+                                    skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None)
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            reply = {"seconds": seconds, "outputs": [{
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+                "num_cached_tokens": o.num_cached_tokens,
+            } for o in outs]}
+        elif cmd["cmd"] == "stats":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            reply = dataclasses.asdict(get_kv_transfer_group().worker.stats)
+        elif cmd["cmd"] == "hooks":
+            vllm_hooks.CORRUPT_LAYER[:] = [cmd["corrupt_layer"]] if cmd.get("corrupt_layer") is not None else []
+            vllm_hooks.PAUSE.clear()
+            if cmd.get("pause"):
+                vllm_hooks.PAUSE.update(cmd["pause"])
+            reply = {}
+        else:
+            reply = {"error": f"unknown command {cmd['cmd']}"}
+        proto.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    main()

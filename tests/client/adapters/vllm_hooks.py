@@ -1,0 +1,37 @@
+"""Test-only hooks around the real connector (loaded by vLLM from this module):
+* a pause between the scheduler's lookup and the workers' load, to kill the store there;
+* wrong KV written over one loaded layer, for the negative control.
+The runner (vllm_engine.py) switches them through the module globals below."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.client.adapters.vllm import KVStoreConnector
+
+PAUSE: dict[str, str] = {}  # {"paused": fifo to announce on, "resume": fifo to wait on}; one use
+CORRUPT_LAYER: list[int] = []  # the layer whose loaded pages are overwritten with wrong KV
+
+
+class HookedConnector(KVStoreConnector):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if PAUSE and result[0]:
+            paused, resume = PAUSE.pop("paused"), PAUSE.pop("resume")
+            with open(paused, "w") as f:
+                f.write(f"{result[0]}\n")
+            with open(resume) as f:
+                f.readline()
+        return result
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)
+        worker = self._worker()
+        if CORRUPT_LAYER and worker._layer_index.get(layer_name) == CORRUPT_LAYER[0]:
+            layer = CORRUPT_LAYER[0]
+            for active in worker._loads:
+                for page in range(active.spec.num_pages):
+                    wrong = active.kv.read_layer(page, layer).flip(1)  # tokens in reverse order
+                    active.kv.write_layer(page, layer, wrong)
+
+

@@ -1,0 +1,85 @@
+"""Test side of the real-vLLM tests: a random-weight tiny Llama saved with
+``save_pretrained`` (nothing downloaded) and vLLM engines in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).parent
+BLOCK = 32  # vLLM's CPU backend takes multiples of 32 tokens per block
+
+
+def tiny_llama(path: Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+               intermediate: int = 256, seed: int = 0) -> Path:
+    """Writes a random-weight Llama to ``path`` (once) and returns it."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def connector_config(address: str, hooked: bool = False, **extra: Any) -> dict[str, Any]:
+    if hooked:
+        return {"connector": "HookedConnector", "module": "vllm_hooks", "extra": {"address": address, **extra}}
+    return {"connector": "KVStoreConnector", "module": "kvstore.client.adapters.vllm", "extra": {"address": address, **extra}}
+
+
+class EngineProcess:
+    """A vLLM engine in a child process (tests/vllm_engine.py): each owns its engine, and
+    its prefix cache starts empty. Start several, then ``wait_ready`` each: they boot in
+    parallel."""
+
+    def __init__(self, model_dir: Path, log_path: Path, **config: Any) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - open for the child's whole life, closed in close()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_engine.py"), str(model_dir), json.dumps(config)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{self.log_tail()}")
+        return json.loads(line)
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self) -> None:
+        assert self._read().get("ready")
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, skip_prefix_cache: bool = False) -> list[dict[str, Any]]:
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, skip_prefix_cache=skip_prefix_cache)["outputs"]
+
+    def stats(self) -> dict[str, int]:
+        return self.call(cmd="stats")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="exit")
+                self.proc.wait(30)
+            except (OSError, RuntimeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
