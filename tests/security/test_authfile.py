@@ -85,8 +85,8 @@ def test_other_mistakes_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "auth.toml"
     for text, message in (("[[token]]\ntenant = 'a'", r"unknown key\(s\) \['token'\]"), ("tokens = 3", "list of tables"),
                           ("[[certs]]\ntenant = 'a'\nrights = ['read']", "subject"),
-                          ("[[tokens]]\ntenant = 'a'\nrights = ['read']\nexpires = 2030-01-01T00:00:00\n"
-                           f"token = '{ALICE}'", "no UTC offset"),
+                          (f"[[tokens]]\ntenant = 'a'\nrights = ['read']\nexpires = 2030-01-01T00:00:00\ntoken = '{ALICE}'",
+                           "no UTC offset"),
                           ("tokens = [", "not valid TOML")):
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):

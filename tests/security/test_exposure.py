@@ -72,7 +72,7 @@ def test_tls_flags_are_checked(tmp_path: Path) -> None:
 def _run_server(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "kvstore.cli.server", "--data-dir", str(tmp / "data"), "--tiers", "host",
            "--host-capacity", "16MiB", "--log-level", "warning", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("flags", [["--listen", "0.0.0.0:{port}"], ["--listen", "127.0.0.1:{port}", "--metrics-listen", "0.0.0.0:0"]],

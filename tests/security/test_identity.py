@@ -127,6 +127,25 @@ def test_every_kind_of_call_sees_its_own_caller_under_concurrency(who_factory, t
     assert answers == [{"alice"} if i % 2 else {"bob"} for i in range(32)]
 
 
+async def test_client_channels_present_the_token_on_every_kind_of_call(who_factory, tmp_path) -> None:
+    """Bug: one aio interceptor implementing all four call kinds was filed by grpc.aio under
+    unary-unary only, so streams (WritePages) went without the token."""
+    from kvstore.security.channel import aio_channel, sync_channel
+
+    server = who_factory(auth_file=write_auth_file(tmp_path / "auth.json", grants()))
+    with sync_channel(server.address, token=ALICE) as channel:
+        seen = {json.loads(channel.unary_unary("/t.Who/Unary")(b"", timeout=10))["tenant"]}
+        seen |= {json.loads(r)["tenant"] for r in channel.unary_stream("/t.Who/Stream")(b"", timeout=10)}
+        seen |= {a["tenant"] for a in json.loads(channel.stream_unary("/t.Who/Upload")(iter([b""]), timeout=10))}
+        seen |= {json.loads(r)["tenant"] for r in channel.stream_stream("/t.Who/Chat")(iter([b""]), timeout=10)}
+    async with aio_channel(server.address, token=BOB) as channel:
+        seen_aio = {json.loads(await channel.unary_unary("/t.Who/Unary")(b"", timeout=10))["tenant"]}
+        seen_aio |= {json.loads(r)["tenant"] async for r in channel.unary_stream("/t.Who/Stream")(b"", timeout=10)}
+        seen_aio |= {a["tenant"] for a in json.loads(await channel.stream_unary("/t.Who/Upload")(iter([b""]), timeout=10))}
+        seen_aio |= {json.loads(r)["tenant"] async for r in channel.stream_stream("/t.Who/Chat")(iter([b""]), timeout=10)}
+    assert (seen, seen_aio) == ({"alice"}, {"bob"})
+
+
 def test_the_identity_is_not_visible_outside_the_call(who_factory, tmp_path) -> None:
     """Fail closed: a thread the handler hands work to, or code outside any call, has no caller."""
     server = who_factory(auth_file=write_auth_file(tmp_path / "auth.json", grants()))
