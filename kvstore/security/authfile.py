@@ -21,9 +21,10 @@ not leak a token through timing: the only comparison that can stop early is betw
 SHA-256(presented token) and a stored digest (dict lookup: a keyed hash of the digest, then
 memcmp). Timing can at best tell an attacker how many leading bytes of the digest of *its
 own guess* match a stored digest; turning that into a token needs a SHA-256 preimage. The
-token itself is never compared with anything, so no early exit depends on its bytes. Tokens
-are at least 16 characters (``kvstore-ctl new-token`` makes 256-bit ones), so a slow hash
-(bcrypt) would add cost without adding safety: nobody brute-forces 128 bits through SHA-256.
+token itself is never compared with anything, so no early exit depends on its bytes. A slow
+hash (bcrypt) would matter only for guessable tokens: tokens must be random secrets
+(``kvstore-ctl new-token`` makes 256-bit ones; at least 16 characters are required), and
+nobody brute-forces 128 random bits through SHA-256.
 """
 
 from __future__ import annotations
