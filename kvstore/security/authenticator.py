@@ -54,6 +54,7 @@ class Authenticator:
         self.trust_certs = trust_certs
         self._salts = salts
         self._table: AuthTable | None = None
+        self.generation = 0  # +1 per reload that took effect: open streams re-check their caller then
         if auth_file is not None:
             self._table = authfile.load(auth_file)
             self._assign_salts(self._table)
@@ -85,6 +86,7 @@ class Authenticator:
             logger.error("reload refused, the previous auth file stays in force: %s", exc)
             return False
         self._table = table
+        self.generation += 1
         logger.info("auth file %s reloaded: %d token(s), %d certificate name(s)", self.auth_file,
                     len(table.tokens), len(table.certs))
         return True
@@ -108,7 +110,7 @@ class Authenticator:
 
     def _identity(self, grant: Grant, via: str) -> Identity:
         assert self._salts is not None
-        return Identity(grant.tenant, grant.rights, self._salts.salt(grant.tenant), via=via)
+        return Identity(grant.tenant, grant.rights, self._salts.salt(grant.tenant), via=via, expires_unix_s=grant.expires_unix_s)
 
     @staticmethod
     def _by_token(table: AuthTable, authorization: Sequence[str], now: float) -> Grant:
@@ -137,7 +139,8 @@ class Authenticator:
         rights = Rights.NONE
         for grant in valid:
             rights |= grant.rights
-        return Grant(valid[0].tenant, rights)
+        ends = [g.expires_unix_s for g in valid if g.expires_unix_s is not None]
+        return Grant(valid[0].tenant, rights, max(ends) if len(ends) == len(valid) else None)
 
     def _cert_without_auth_file(self, certificate: PeerCertificate) -> Identity:
         try:

@@ -58,13 +58,15 @@ class Identity:
 
     ``salt`` is the tenant's secret, server-assigned salt (empty for the local tenant of a
     server without --auth-file, so that its namespace ids are those of before tenants).
-    ``via`` says how the caller proved it: "token", "cert" or "local".
+    ``via`` says how the caller proved it: "token", "cert" or "local";
+    ``expires_unix_s`` when its credential stops working (None: never).
     """
 
     tenant: str
     rights: Rights
     salt: bytes = field(repr=False)
     via: str = "token"
+    expires_unix_s: float | None = field(default=None, compare=False)
 
     def allows(self, right: Rights) -> bool:
         return right in self.rights

@@ -9,15 +9,17 @@ identity for the duration of the call. PERMISSION_DENIED is the handlers' to ans
 they know which namespace a request names.
 
 The identity lives in a ContextVar of a context made for the call, in which every step of the
-call's handler runs (see ``_context``): it is visible to the handler and everything it calls
-on that thread, and to nothing else. Handlers read it at their start, before handing work to
-other threads (where it is not set, and ``current_identity`` fails closed).
+call's handler runs (see ``_Call``): it is visible to the handler and everything it calls on
+that thread, and to nothing else. Handlers read it at their start, before handing work to
+other threads (where it is not set, and ``current_identity`` fails closed). Streams
+re-check their caller after a reload or an expiry: revoking a token ends its open streams.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,18 +69,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
         if handler.request_streaming and handler.response_streaming:
-            return handler._replace(stream_stream=self._streaming(handler.stream_stream, method))
+            return handler._replace(stream_stream=self._streaming(handler.stream_stream, method, checked_requests=True))
         if handler.request_streaming:
-            return handler._replace(stream_unary=self._unary(handler.stream_unary, method))
+            return handler._replace(stream_unary=self._unary(handler.stream_unary, method, checked_requests=True))
         if handler.response_streaming:
-            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method))
-        return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method, checked_requests=False))
+        return handler._replace(unary_unary=self._unary(handler.unary_unary, method, checked_requests=False))
 
-    def _identify(self, context: grpc.ServicerContext, method: str) -> Identity:
-        authorization = [v for k, v in context.invocation_metadata() if k == "authorization"]
+    def _start(self, context: grpc.ServicerContext, method: str) -> _Call:
+        """Authenticates the call, or aborts it (the handler never runs)."""
+        authorization = [str(v) for k, v in context.invocation_metadata() if k == "authorization"]
         certificate = peer_certificate(context) if self.authenticator.trust_certs else None
         try:
-            return self.authenticator.authenticate([str(v) for v in authorization], certificate)
+            return _Call(self.authenticator, authorization, certificate)
         except Unauthenticated as exc:
             self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, f"{method}: {exc}")
         except OSError as exc:  # the tenant's salt could not be stored
@@ -92,22 +95,29 @@ class AuthInterceptor(grpc.ServerInterceptor):
             self._rejected(method, code.name)
         context.abort(code, message)
 
-    def _unary(self, behaviour: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable[..., Any]:
+    def _unary(self, behaviour: Callable[[Any, grpc.ServicerContext], Any], method: str, *,
+               checked_requests: bool) -> Callable[..., Any]:
         def authenticated(request: Any, context: grpc.ServicerContext) -> Any:
-            return self._context(context, method).run(behaviour, request, context)
+            call = self._start(context, method)
+            return call.run(behaviour, call.checked(request) if checked_requests else request, context)
 
         return authenticated
 
-    def _streaming(self, behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str) -> Callable[..., Any]:
+    def _streaming(self, behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str, *,
+                   checked_requests: bool) -> Callable[..., Any]:
         def authenticated(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            call = self._context(context, method)  # before the handler runs: a refused caller takes no stream slot
-            produced = iter(call.run(behaviour, request, context))
+            call = self._start(context, method)  # before the handler runs: a refused caller takes no stream slot
+            produced = iter(call.run(behaviour, call.checked(request) if checked_requests else request, context))
             try:
                 while True:
                     try:
                         response = call.run(next, produced)
                     except StopIteration:
                         return
+                    try:
+                        call.recheck()
+                    except Unauthenticated as exc:
+                        self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, f"{method}: {exc}")
                     yield response
             finally:
                 close = getattr(produced, "close", None)
@@ -116,11 +126,46 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
         return authenticated
 
-    def _context(self, context: grpc.ServicerContext, method: str) -> contextvars.Context:
-        """A copy of this thread's context with the caller's identity set: every step of the
-        call runs in it, so the identity is never set in the thread's own context (nothing to
-        reset, nothing left for the next call, also when a stream is closed from another thread)."""
-        identity = self._identify(context, method)
-        call = contextvars.copy_context()
-        call.run(_IDENTITY.set, identity)
-        return call
+
+class _Call:
+    """One authenticated call.
+
+    Every step of its handler runs in a copy of the thread's context holding the identity, so
+    the identity is never set in the thread's own context (nothing to reset, nothing left for
+    the next call, also when a stream is closed from another thread). A stream re-checks its
+    caller on each message once the auth file was reloaded or the credential's expiry passed,
+    so that a token revoked (SIGHUP) or expired while a stream is open ends the stream.
+    """
+
+    def __init__(self, authenticator: Authenticator, authorization: list[str], certificate: PeerCertificate | None) -> None:
+        self._authenticator = authenticator
+        self._authorization = authorization
+        self._certificate = certificate
+        self._generation = authenticator.generation
+        self.identity = authenticator.authenticate(authorization, certificate)
+        self._context = contextvars.copy_context()
+        self._context.run(_IDENTITY.set, self.identity)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._context.run(fn, *args)
+
+    def recheck(self) -> None:
+        """Raises Unauthenticated when the caller's credential no longer grants what it did."""
+        expires = self.identity.expires_unix_s
+        if self._generation == self._authenticator.generation and (expires is None or time.time() < expires):
+            return
+        generation = self._authenticator.generation
+        try:
+            now = self._authenticator.authenticate(self._authorization, self._certificate)
+        except Unauthenticated as exc:
+            raise Unauthenticated(f"the credential stopped working while the stream was open ({exc})") from None
+        if now != self.identity:
+            raise Unauthenticated("the credential now grants another tenant or other rights; call again")
+        self.identity, self._generation = now, generation  # same grant, maybe a new expiry
+
+    def checked(self, requests: Iterator[Any]) -> Iterator[Any]:
+        """The request stream, re-checking the caller before each message (the services map
+        the Unauthenticated it may raise to UNAUTHENTICATED)."""
+        for request in requests:
+            self.recheck()
+            yield request

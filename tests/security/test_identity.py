@@ -4,7 +4,9 @@ certificates made here), in front of a small service that answers who called it.
 from __future__ import annotations
 
 import json
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,16 @@ def _elsewhere() -> bytes:
             return b"unauthenticated"
 
 
+def _chat(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    """One answer per request; Unauthenticated (a caller revoked mid-stream) is answered as
+    the kvstore services answer it."""
+    try:
+        for _ in requests:
+            yield _who()
+    except Unauthenticated as exc:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+
 class WhoAmI(grpc.GenericRpcHandler):
     """/t.Who/Unary, /Stream (3 answers), /Upload (counts requests), /Chat (echoes per request), /Elsewhere."""
 
@@ -51,7 +63,7 @@ class WhoAmI(grpc.GenericRpcHandler):
             "Stream": lambda: grpc.unary_stream_rpc_method_handler(lambda _req, _ctx: (_who() for _ in range(3))),
             "Upload": lambda: grpc.stream_unary_rpc_method_handler(
                 lambda reqs, _ctx: json.dumps([json.loads(_who()) for _ in reqs]).encode()),
-            "Chat": lambda: grpc.stream_stream_rpc_method_handler(lambda reqs, _ctx: (_who() for _ in reqs)),
+            "Chat": lambda: grpc.stream_stream_rpc_method_handler(_chat),
         }
         return handlers[name]() if name in handlers else None
 
@@ -225,3 +237,40 @@ async def test_mtls_client_stores_pages_as_its_certificates_tenant(server_factor
     with pytest.raises(Unauthenticated):
         async with KVStoreClient(server.address, ns, tls=ClientTLS(ca=ca.cert, cert=mallory.cert, key=mallory.key), timeout_s=10):
             pass
+
+
+def _open_chat(channel: grpc.Channel, token: str) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
+    """A Chat stream whose requests the test sends one at a time: (ask, close)."""
+    outbox: queue.Queue[bytes | None] = queue.Queue()
+    answers = channel.stream_stream("/t.Who/Chat")(iter(outbox.get, None), timeout=30, metadata=_bearer(token))
+
+    def ask() -> dict[str, Any]:
+        outbox.put(b"")
+        return json.loads(next(answers))
+
+    return ask, lambda: outbox.put(None)
+
+
+def test_a_request_stream_ends_when_its_token_is_revoked_or_expires(who_factory, tmp_path) -> None:
+    expires = time.time() + 1.0
+    auth = write_auth_file(tmp_path / "auth.json", [*grants(), {"tenant": "dave", "rights": ["read"],
+                                                                "token": "dave-token-0123456789abcdef", "expires": expires}])
+    server = who_factory(auth_file=auth)
+    with grpc.insecure_channel(server.address) as channel:
+        alice_ask, alice_close = _open_chat(channel, ALICE)
+        bob_ask, bob_close = _open_chat(channel, BOB)
+        dave_ask, dave_close = _open_chat(channel, "dave-token-0123456789abcdef")
+        assert (alice_ask()["tenant"], bob_ask()["tenant"], dave_ask()["tenant"]) == ("alice", "bob", "dave")
+        write_auth_file(auth, [g for g in grants() if g["token"] != ALICE] + [json.loads(auth.read_text())["tokens"][-1]])
+        assert server.security.reload()
+        with pytest.raises(grpc.RpcError) as caught:
+            alice_ask()
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and "while the stream was open" in caught.value.details()
+        assert bob_ask()["tenant"] == "bob", "a reload ends only the streams of revoked tokens"
+        time.sleep(max(0.0, expires - time.time()) + 0.05)  # what is tested is the passing of the expiry time itself
+        with pytest.raises(grpc.RpcError) as caught:
+            dave_ask()
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED and "expired" in caught.value.details()
+        assert bob_ask()["tenant"] == "bob"
+        for close in (alice_close, bob_close, dave_close):
+            close()
