@@ -9,6 +9,8 @@ import json
 import sys
 
 from kvstore import logs
+from kvstore.cli.client_args import add_client_security, client_security
+from kvstore.errors import ConfigError
 from kvstore.memory import tune_malloc
 
 # subcommand -> (module in kvstore.bench, help)
@@ -28,6 +30,9 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits")
     parser.add_argument("--log-level", default="warning")
+    # Read into args.token and args.tls for subcommands that reach a server with --auth-file/TLS;
+    # today's subcommands start their own loopback server without them and do not use them.
+    add_client_security(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"kvstore.bench.{module_name}")
@@ -36,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="end with one JSON object")
         p.set_defaults(module=module)
     args = parser.parse_args(argv)
+    try:
+        args.token, args.tls = client_security(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     logs.setup(args.log_level)
     tune_malloc()  # as the server does; see kvstore.memory
     report = args.module.run(args)

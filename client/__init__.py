@@ -1,5 +1,6 @@
 """The library inference workers embed. Import as ``kvstore.client``."""
 
 from kvstore.client.client import Hit, KVStoreClient
+from kvstore.security.channel import ClientTLS
 
-__all__ = ["Hit", "KVStoreClient"]
+__all__ = ["ClientTLS", "Hit", "KVStoreClient"]

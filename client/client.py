@@ -36,6 +36,7 @@ from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt, PageMissin
 from kvstore.keys import page_keys
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc, checksum
 from kvstore.pagecopy import copy_checksum
+from kvstore.security.channel import ClientTLS, aio_channel, sync_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, LocationRun, Namespace
 from kvstore.validate import layout_msg
@@ -102,10 +103,15 @@ class KVStoreClient:
         copy_threads: int = 2,
         prefill_tokens_per_s: float = 3000.0,
         chunk_bytes: int = CHUNK_BYTES,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         """``chunk_bytes``: the most page bytes one gRPC message carries on the socket path
-        (4 KiB to 8 MiB); by default a page up to 4 MiB is one message."""
+        (4 KiB to 8 MiB); by default a page up to 4 MiB is one message. ``token``: the bearer
+        token of a server with --auth-file; ``tls``: for a server with --tls-cert (see
+        kvstore.security.channel: a token goes only over TLS or to a loopback address)."""
         check_chunk_bytes(chunk_bytes)
+        self._token, self._tls = token, tls
         self.chunk_bytes = chunk_bytes
         self.address = address
         self.namespace = namespace
@@ -139,7 +145,7 @@ class KVStoreClient:
         await self.close()
 
     async def connect(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(self.address, CHANNEL_OPTIONS, token=self._token, tls=self._tls)
         self._directory = directory_pb2_grpc.DirectoryStub(self._channel)
         self._data = data_pb2_grpc.DataStub(self._channel)
         self._pages = PageStubs(self._channel)
@@ -706,7 +712,7 @@ class KVStoreClient:
 
     def _sync(self) -> tuple[Any, Any]:
         if self._sync_channel is None:
-            self._sync_channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._sync_channel = sync_channel(self.address, CHANNEL_OPTIONS, token=self._token, tls=self._tls)
             self._sync_page_stubs = PageStubs(self._sync_channel)
         return data_pb2_grpc.DataStub(self._sync_channel), directory_pb2_grpc.DirectoryStub(self._sync_channel)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
+from kvstore.security.exposure import check_exposure
 
 _UNITS = {
     "": 1, "b": 1,
@@ -90,6 +91,29 @@ class SsdTierConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may call the server and over what (kvstore/security/). No auth file and no TLS:
+    every caller is the local tenant with every right, which only loopback allows unless
+    ``insecure``."""
+
+    auth_file: Path | None = None  # tokens -> tenant, rights, expiry (TOML or JSON); reloaded on SIGHUP
+    tls_cert: Path | None = None  # the server's certificate chain (PEM) ...
+    tls_key: Path | None = None  # ... and its private key
+    tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
+    insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS with client certificates)")
+        for flag, path in (("--auth-file", self.auth_file), ("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                           ("--tls-client-ca", self.tls_client_ca)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     listen: str = "127.0.0.1:7070"
     data_dir: Path = Path("./kvstore-data")
@@ -115,6 +139,7 @@ class ServerConfig:
     max_remote_records: int = 1 << 19  # ... and for all other nodes together (~0.8 KB of RSS each)
     directory_map_bytes: int = MAP_BYTES  # LMDB map of the directory's durable (remote) locations
     token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         for tier in self.tiers:
@@ -142,3 +167,4 @@ class ServerConfig:
             raise ConfigError("max_pages_per_request must be > 0")
         if min(self.directory_map_bytes, self.token_log_map_bytes) < MIN_MAP_BYTES:
             raise ConfigError("--lmdb-map-size must be at least 64KiB")
+        check_exposure(self.listen, self.metrics_listen, self.security)

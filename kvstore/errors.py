@@ -50,5 +50,15 @@ class TierUnavailable(KVStoreError):
     """A tier cannot work here (no CUDA for hbm, an unusable --ssd-dir)."""
 
 
+class Unauthenticated(KVStoreError):
+    """The caller presented no credential, or one the server does not accept (unknown,
+    expired or revoked token; a client certificate no entry names); nothing was done."""
+
+
+class PermissionDenied(KVStoreError):
+    """The caller is authenticated but lacks the right (read, write, admin) or the
+    ownership the request needs; nothing was changed."""
+
+
 class ConfigError(KVStoreError):
     """A configuration value is invalid; the message names the flag that fixes it."""

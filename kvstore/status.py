@@ -17,6 +17,8 @@ ERROR_CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.PageCorrupt, grpc.StatusCode.DATA_LOSS),
     (errors.LeaseExpired, grpc.StatusCode.ABORTED),
     (errors.TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 

@@ -11,9 +11,13 @@ from typing import Any
 import grpc
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.cli.client_args import add_client_security, client_security
 from kvstore.config import format_size
 from kvstore.errors import KVStoreError
 from kvstore.keys import page_keys
+from kvstore.security import authfile
+from kvstore.security.channel import sync_channel
+from kvstore.security.identity import Rights, check_tenant_name
 from kvstore.status import error_for
 from kvstore.types import KVLayout, Namespace
 
@@ -36,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default="127.0.0.1:7070", help="server address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on the server")
+    add_client_security(p)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("stats", help="tier usage, hits, misses, evictions")
     lk = sub.add_parser("lookup", help="how much of a token sequence is stored")
@@ -45,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _namespace_args(inv)
     qu = sub.add_parser("quarantine", help="pages that failed their checks (list, or --purge the list)")
     qu.add_argument("--purge", action="store_true")
+    nt = sub.add_parser("new-token", help="make a random token and the --auth-file entry that grants it (no server needed)")
+    nt.add_argument("--tenant", required=True)
+    nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin (default read,write)")
     plan = sub.add_parser("plan", help="rank local hit, fetch and recompute per instance (no server needed)")
     plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
@@ -84,10 +92,20 @@ def _tokens(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
+def new_token(args: argparse.Namespace) -> dict[str, Any]:
+    tenant = check_tenant_name(args.tenant, "--tenant")
+    rights = Rights.parse([r.strip() for r in args.rights.split(",") if r.strip()], "--rights")
+    token = authfile.new_token()
+    return {"token": token, "auth_file_entry": authfile.token_entry(tenant, rights, token)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.command == "plan":
         return plan(args)
-    with grpc.insecure_channel(args.server) as channel:
+    if args.command == "new-token":
+        return new_token(args)
+    token, tls = client_security(args)
+    with sync_channel(args.server, token=token, tls=tls) as channel:
         stub = directory_pb2_grpc.DirectoryStub(channel)
         try:
             if args.command == "stats":
@@ -147,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.json or args.command == "plan":
         print(json.dumps(result, indent=2))
+    elif args.command == "new-token":
+        print(f"{result['token']}\n\n# Give the token above to the client; the server keeps only its SHA-256.\n"
+              f"# Add this to the --auth-file, then send the server SIGHUP:\n{result['auth_file_entry']}", end="")
     else:
         _print_table(result)
     return 0

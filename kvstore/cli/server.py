@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from kvstore import logs
-from kvstore.config import MAP_BYTES, TOKEN_LOG_MAP_BYTES, HostTierConfig, ServerConfig, SsdTierConfig, parse_size
+from kvstore.config import MAP_BYTES, TOKEN_LOG_MAP_BYTES, HostTierConfig, SecurityConfig, ServerConfig, SsdTierConfig, parse_size
 from kvstore.errors import KVStoreError
 from kvstore.memory import tune_malloc
 
@@ -58,9 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
     limits = p.add_argument_group("limits", "what callers can make the server hold")
     for flag, kind, text in _LIMIT_FLAGS:
         limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=f"{text} (default %(default)s)")
+    security = p.add_argument_group("security", "who may call, and over what (see README: Security)")
+    security.add_argument("--auth-file", help="TOML or JSON file of tokens -> tenant, rights, expiry; re-read on SIGHUP")
+    security.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
+    security.add_argument("--tls-key", help="the private key of --tls-cert (PEM)")
+    security.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA; they name the tenant")
+    security.add_argument("--insecure", action="store_true",
+                          help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
+
+
+def _path(text: str | None) -> Path | None:
+    return Path(text) if text else None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -89,6 +100,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         scrub_pages_per_s=args.scrub_rate,
         directory_map_bytes=map_bytes or MAP_BYTES,
         token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,
+        security=SecurityConfig(
+            auth_file=_path(args.auth_file), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
+            tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure,
+        ),
         **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},
     )
 
@@ -113,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("received %s, shutting down", signal.Signals(signum).name)
         done.set()
 
+    def on_hangup(_signum: int, _frame: object) -> None:
+        # Off the signal handler: the reload reads a file and logs, which may wait on locks.
+        threading.Thread(target=server.reload_security, name="reload", daemon=True).start()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)  # re-read --auth-file (revoked tokens stop working)
     print(f"kvstore-server ready on {server.address}", flush=True)
     done.wait()
     server.stop()

@@ -14,12 +14,13 @@ from kvstore import pagecopy
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
+from kvstore.security.server import ServerSecurity
 from kvstore.server.metrics import Metrics
-from kvstore.server.services.directory import DirectoryService
+from kvstore.server.placement import TierManager
 from kvstore.server.services.data import DataService
+from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.streams import StreamGate
-from kvstore.server.placement import TierManager
 from kvstore.server.tokenlog import TokenLog
 
 logger = logging.getLogger(__name__)
@@ -69,11 +70,16 @@ class Server:
             require_cuda()
         self.config = config
         self.metrics = Metrics()
+        # Security hook (issue 16), built first: a bad auth file or certificate leaves no arena
+        # behind. Every call is authenticated before its handler runs; handlers read the caller
+        # with kvstore.security.interceptor.current_identity().
+        self.security = ServerSecurity(config.security, config.data_dir,
+                                       lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
         self.manager = TierManager(config, self.metrics)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
-        self._grpc = grpc.server(pool, options=grpc_options(config))
+        self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.manager, config))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
@@ -91,7 +97,7 @@ class Server:
         return f"{host}:{self.port}"
 
     def start(self) -> None:
-        self.port = self._grpc.add_insecure_port(self.config.listen)
+        self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         self._grpc.start()
@@ -104,12 +110,16 @@ class Server:
             self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
             self.metrics_port = self._metrics_http.server_port
         logger.info(
-            "kvstore-server listening on %s (tiers %s, %s, page copies %s)",
-            self.address, ",".join(self.config.tiers),
+            "kvstore-server listening on %s (%s; tiers %s, %s, page copies %s)",
+            self.address, self.security.describe(), ",".join(self.config.tiers),
             f"metrics on {self.config.metrics_listen.rsplit(':', 1)[0]}:{self.metrics_port}"
             if self._metrics_http else "metrics off",
             "native" if pagecopy.NATIVE else f"in numpy, ~1.4x slower: {pagecopy.NATIVE_MISSING}",
         )
+
+    def reload_security(self) -> bool:
+        """Re-reads --auth-file (SIGHUP); a file that does not load keeps the current one."""
+        return self.security.reload()
 
     def _scrub(self) -> None:
         """Verifies SSD pages at a bounded rate so that damage is found before a reader

@@ -1,0 +1,184 @@
+"""The client's side: channels that present a bearer token and/or speak TLS.
+
+A leaf module (gRPC, kvstore.errors, kvstore.security.exposure): the client's channel
+creation calls ``aio_channel``/``sync_channel`` instead of ``grpc.*insecure_channel``.
+
+How the token travels: as ``authorization: Bearer <token>`` metadata that a client
+interceptor adds to every call (or that a caller adds itself, from ``call_metadata``). Not
+as gRPC call credentials: grpcio runs those as a Python plugin on a thread of its own per
+call, which measured ~2x the latency of a small unary call here, where the interceptor
+costs nothing measurable. gRPC would send call credentials only over a protected channel;
+this module keeps that rule itself: a token goes over TLS, or to a loopback/Unix-socket
+address (never across the network in clear text), and is refused here otherwise, before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import grpc
+
+from kvstore.errors import ConfigError
+from kvstore.security.exposure import is_local_address
+
+_TOKEN = re.compile(r"^[\x21-\x7e]+$")  # an HTTP/2 header value: printable ASCII, no spaces
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS for a client's channel.
+
+    ``ca``: PEM of the CA(s) that signed the server's certificate (None: the system's
+    roots). ``cert``/``key``: the client's certificate and key, for a server with
+    --tls-client-ca (mTLS; the certificate names the tenant). ``server_name``: the name to
+    check in the server's certificate when it differs from the address's host.
+    """
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ConfigError("tls: a client certificate (--tls-cert) and its key (--tls-key) go together")
+        for name in ("ca", "cert", "key"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read("tls ca", self.ca),
+            private_key=_read("tls key", self.key),
+            certificate_chain=_read("tls cert", self.cert),
+        )
+
+
+def _read(what: str, path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read: {exc.strerror or exc}") from None
+
+
+def check_token_route(address: str, token: str | None, tls: ClientTLS | None) -> None:
+    """Raises ConfigError for a token that is malformed or would cross the network in clear text."""
+    if token is None:
+        return
+    if not _TOKEN.match(token):
+        raise ConfigError("token must be printable ASCII without spaces (it is sent as 'authorization: Bearer <token>')")
+    if tls is None and not is_local_address(address):
+        raise ConfigError(f"{address} is not a loopback address: a token is sent to it only over TLS (give tls=/--tls-ca)")
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that authenticates one call (empty without a token)."""
+    return (("authorization", f"Bearer {token}"),) if token is not None else ()
+
+
+def channel_options(options: Sequence[tuple[str, Any]], tls: ClientTLS | None) -> list[tuple[str, Any]]:
+    if tls is not None and tls.server_name:
+        return [*options, ("grpc.ssl_target_name_override", tls.server_name)]
+    return list(options)
+
+
+def aio_channel(address: str, options: Sequence[tuple[str, Any]] = (), *, token: str | None = None,
+                tls: ClientTLS | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to ``address`` whose every call presents ``token``, over ``tls`` if given."""
+    check_token_route(address, token, tls)
+    interceptors = aio_token_interceptors(token) if token is not None else None
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=channel_options(options, tls), interceptors=interceptors)
+
+
+def sync_channel(address: str, options: Sequence[tuple[str, Any]] = (), *, token: str | None = None,
+                 tls: ClientTLS | None = None) -> grpc.Channel:
+    """A blocking channel to ``address``, as ``aio_channel``."""
+    check_token_route(address, token, tls)
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=list(options))
+    else:
+        channel = grpc.secure_channel(address, tls.credentials(), options=channel_options(options, tls))
+    return grpc.intercept_channel(channel, SyncBearerToken(token)) if token is not None else channel
+
+
+def _with_token(metadata: Any, header: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    return (*(tuple(item) for item in metadata or ()), header)
+
+
+class _AioToken:
+    """Adds the bearer token to the calls of an asyncio channel. grpc.aio files each
+    interceptor under the first call kind it implements, so there is one class per kind."""
+
+    def __init__(self, token: str) -> None:
+        (self._header,) = call_metadata(token)
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=grpc.aio.Metadata(*_with_token(details.metadata, self._header)))
+
+
+class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+def aio_token_interceptors(token: str) -> list[Any]:
+    """The interceptors that make every call of a grpc.aio channel present ``token``."""
+    return [kind(token) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class SyncBearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the bearer token to every call of a blocking channel (``grpc.intercept_channel``)."""
+
+    def __init__(self, token: str) -> None:
+        (self._header,) = call_metadata(token)
+
+    def _details(self, details: Any) -> Any:
+        return _CallDetails(details.method, details.timeout, _with_token(details.metadata, self._header),
+                            details.credentials, getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)

@@ -1,0 +1,159 @@
+"""The arena hand-over prototype: a tenant's arena fd over a real Unix socket (SCM_RIGHTS),
+to its own token only; memfd arenas with no path anyone could open."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import ADMIN, ALICE, BOB, EXPIRED, grants, write_auth_file
+
+from kvstore.errors import KVStoreError, Unauthenticated
+from kvstore.security.arena_socket import ArenaSocket, receive_arena
+from kvstore.security.authenticator import Authenticator
+from kvstore.security.identity import Identity
+from kvstore.security.salts import TenantSalts
+
+ARENA_BYTES = 1 << 20
+
+
+class Arenas:
+    """One memfd per tenant (alice, bob), marked with the tenant's name; ops has none."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        for tenant in ("alice", "bob"):
+            fd = os.memfd_create(f"kvstore-arena-{tenant}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, ARENA_BYTES)
+            os.pwrite(fd, f"{tenant}-arena".encode(), 0)
+            self.fds[tenant] = fd
+
+    def __call__(self, identity: Identity) -> tuple[int, int] | None:
+        fd = self.fds.get(identity.tenant)
+        return None if fd is None else (fd, ARENA_BYTES)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+@pytest.fixture
+def door(tmp_path: Path) -> Iterator[tuple[ArenaSocket, Arenas]]:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
+    arenas = Arenas()
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=2.0, max_peers=8)
+    server.start()
+    yield server, arenas
+    server.stop()
+    arenas.close()
+
+
+def test_each_token_receives_its_own_tenants_arena(door) -> None:
+    server, arenas = door
+    received: dict[str, int] = {}
+    for token in (ALICE, BOB):
+        fd, size, tenant = receive_arena(server.path, token)
+        received[tenant] = fd
+        assert size == ARENA_BYTES
+        with mmap.mmap(fd, size) as view:
+            assert view[: len(tenant) + 6] == f"{tenant}-arena".encode()
+            view[100:104] = b"seen"  # shared memory: the server's arena sees the write
+        assert os.pread(arenas.fds[tenant], 4, 100) == b"seen"
+        assert os.fstat(fd).st_ino == os.fstat(arenas.fds[tenant]).st_ino
+    assert os.fstat(received["alice"]).st_ino != os.fstat(received["bob"]).st_ino
+    for fd in received.values():
+        os.close(fd)
+
+
+TOKENS = pytest.mark.parametrize("token", [None, "wrong-token-0123456789abcdef", EXPIRED],
+                                 ids=["no-token", "wrong-token", "expired"])
+
+
+@TOKENS
+def test_an_unauthenticated_peer_is_refused(door, token: str | None) -> None:
+    server, _ = door
+    with pytest.raises(Unauthenticated):
+        receive_arena(server.path, token)
+
+
+@TOKENS
+def test_a_refused_raw_peer_receives_bytes_and_no_descriptor(door, token: str | None) -> None:
+    """Below the client function: what a hostile peer actually gets from the socket."""
+    server, _ = door
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(server.path))
+        body = b"{}" if token is None else f'{{"token": "{token}"}}'.encode()
+        sock.sendall(len(body).to_bytes(4, "big") + body)
+        data, fds, _, _ = socket.recv_fds(sock, 65536, 8)
+    assert fds == [] and b'"ok": false' in data and b'"Unauthenticated"' in data
+
+
+def test_a_tenant_without_an_arena_gets_a_clear_refusal(door) -> None:
+    server, _ = door
+    with pytest.raises(KVStoreError, match="tenant 'ops' has no arena"):
+        receive_arena(server.path, ADMIN)
+
+
+def test_bad_requests_are_refused_and_the_socket_keeps_serving(door) -> None:
+    server, _ = door
+    for raw in (b"\xff\xff\xff\xff", (5).to_bytes(4, "big") + b"nope!", (2).to_bytes(4, "big") + b"[]",
+                (13).to_bytes(4, "big") + b'{"token": 12}'):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(server.path))
+            sock.sendall(raw)
+            data, fds, _, _ = socket.recv_fds(sock, 65536, 8)
+        assert fds == [] and (b'"InvalidRequest"' in data), data
+    fd, _, tenant = receive_arena(server.path, ALICE)
+    os.close(fd)
+    assert tenant == "alice"
+
+
+def test_silent_peers_are_dropped_and_cannot_queue_the_others(tmp_path: Path) -> None:
+    """At most max_peers exchanges at once: peers that connect and say nothing hold their
+    slot only for timeout_s, and a peer beyond the limit is closed at once, not queued."""
+    data = tmp_path / "data"
+    arenas = Arenas()
+    authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=3.0, max_peers=2)
+    server.start()  # fresh: no earlier exchange holds a slot
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for sock in silent:
+            sock.connect(str(server.path))  # accepted in order: they take both slots
+        with pytest.raises(KVStoreError):
+            receive_arena(server.path, ALICE, timeout_s=10)
+        for sock in silent:
+            assert sock.recv(1) == b"", "dropped after timeout_s"
+        fd, _, tenant = receive_arena(server.path, ALICE)
+        os.close(fd)
+        assert tenant == "alice"
+    finally:
+        for sock in silent:
+            sock.close()
+        server.stop()
+        arenas.close()
+
+
+def test_the_socket_is_private_and_removed_on_stop(tmp_path: Path, door) -> None:
+    server, arenas = door
+    assert stat.S_IMODE(server.path.stat().st_mode) == 0o600 and stat.S_ISSOCK(server.path.stat().st_mode)
+    assert stat.S_IMODE(server.path.parent.stat().st_mode) == 0o700
+    server.stop()
+    assert not server.path.exists()
+    # A socket file left by a killed server is replaced by the next one.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(str(server.path))
+    again = ArenaSocket(server.path, server._authenticator, arenas)
+    again.start()
+    try:
+        fd, _, _ = receive_arena(server.path, BOB)
+        os.close(fd)
+    finally:
+        again.stop()
