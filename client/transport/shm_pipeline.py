@@ -2,7 +2,10 @@
 
 Both run on the runtime loop; the copies run on the transport's copy threads. Whatever
 ends them (an error, a cancellation, the client closing), they first let the copies
-finish and then give back every allocation not committed and every lease taken.
+finish and then give back every allocation not committed and every lease taken. So they
+await their RPCs and copies shielded, and take one off its queue only once it is
+settled: a cancellation never cuts an RPC whose answer (an allocation, a lease) would be
+lost, and the cleanup sees everything still in flight.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+async def _all_done(futures: list[asyncio.Future[None]]) -> None:
+    """Waits for every future; unlike gather, a cancelled waiter does not cancel them."""
+    if futures:
+        await asyncio.wait(futures)
+
+
 async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int) -> int:
     """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
     copy threads (so they never wait between batches), the next one is being allocated
@@ -43,15 +52,17 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
 
     async def commit_oldest() -> None:
         alloc, todo, copied = copying[0]
-        sums = await copied
+        sums = await asyncio.shield(copied)
         copying.popleft()
         commits.append((len(alloc.slots), asyncio.ensure_future(shm.commit(
             alloc.allocation_id, [slot.key for _, slot in todo], sums, durable, flags))))
 
     async def settle_oldest() -> None:
         nonlocal stored, short
-        asked, answer = commits.popleft()
-        n = published_prefix(asked, await answer, durable, stored, shm.layout.page_tokens)
+        asked, answer = commits[0]
+        num_published = await asyncio.shield(answer)
+        commits.popleft()
+        n = published_prefix(asked, num_published, durable, stored, shm.layout.page_tokens)
         if not short:
             stored += n
         short = short or n < asked
@@ -65,7 +76,7 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
                     await settle_oldest()
                 continue
             try:
-                alloc = await ahead
+                alloc = await asyncio.shield(ahead)
             except TierFull:
                 ahead = None
                 if copying or commits:  # their pages become evictable once committed
@@ -143,15 +154,16 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                 acquire()
             if not pending and not copying:
                 if held_back and not gone and issued < len(keys):
-                    await asyncio.gather(*releases, return_exceptions=True)  # all ours are back
+                    await _all_done(releases)  # all ours are back
                     held_back = False
                     continue  # one more try: a second TierFull with nothing held raises
                 break
             if pending and len(copying) < 2:
-                gen, asked, answer = pending.popleft()
+                gen, asked, answer = pending[0]
                 try:
-                    acq = await answer
+                    acq = await asyncio.shield(answer)
                 except TierFull:
+                    pending.popleft()
                     if gen != generation or gone:
                         continue
                     if not copying and not pending:
@@ -159,6 +171,7 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                     generation += 1  # our own leases hold it: retry when one is released
                     issued, held_back = cursor, True
                     continue
+                pending.popleft()
                 if gen != generation or gone:
                     release(acq.lease_id)  # stale, or past a missing page
                     continue
@@ -177,13 +190,11 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
             if not copying:  # only stale acquires left: let them come back and be released
                 continue
             acq, copied = copying[0]
-            try:
-                ok = await copied
-            finally:
-                copying.popleft()
-                release(acq.lease_id)
+            ok = await asyncio.shield(copied)  # on failure the cleanup waits for it, then releases
+            copying.popleft()
+            release(acq.lease_id)
             if held_back:
-                await asyncio.gather(*releases, return_exceptions=True)  # the space is free before we ask again
+                await _all_done(releases)  # the space is free before we ask again
                 held_back = False
             for i, good in enumerate(ok):
                 if not good:

@@ -77,20 +77,19 @@ class StreamTransport:
             if pages.feed(decode_chunk(raw)) and on_page is not None:
                 on_page()
 
+        previous: asyncio.Future[None] | None = None
         placing: asyncio.Future[None] | None = None
         try:
             async for raw in runtime.pages.read_pages(req, timeout=timeout_s or runtime.timeout_s):
                 previous, placing = placing, loop.run_in_executor(self._pool, place, raw)
                 if previous is not None:
-                    await previous
+                    await asyncio.shield(previous)
             if placing is not None:
-                await placing
-                placing = None
+                await asyncio.shield(placing)
         except grpc.aio.AioRpcError as exc:
             raise runtime.error(exc) from None
-        finally:
-            if placing is not None:  # never leave the wire thread writing after returning
-                await asyncio.gather(placing, return_exceptions=True)
+        finally:  # never leave the wire thread writing after returning (also when cancelled)
+            await asyncio.gather(*(f for f in (previous, placing) if f is not None), return_exceptions=True)
             pages.abandon()  # a stream cut mid-page leaves no unverified bytes behind
 
     # -- put / get -------------------------------------------------------------------------
