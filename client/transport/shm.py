@@ -68,12 +68,9 @@ class ShmTransport:
         return int(answer.num_published)
 
     async def abort(self, allocation_id: bytes) -> None:
-        """Gives an allocation back; a failure is left to the allocation's expiry."""
-        runtime = self.peer.runtime
-        try:
-            await runtime.rpc(runtime.data.Abort, data_pb2.AbortRequest(allocation_id=allocation_id))
-        except KVStoreError as exc:
-            logger.debug("abort of allocation %s failed (it will expire): %s", allocation_id.hex()[:8], exc)
+        """Gives an allocation back (one that failed its commit is gone already: debug)."""
+        request = data_pb2.AbortRequest(allocation_id=allocation_id)
+        await self._give_back(self.peer.runtime.data.Abort, request, f"allocation {allocation_id.hex()[:8]}", logging.DEBUG)
 
     async def acquire(self, keys: list[bytes]) -> Any:
         """A lease on the slots of the longest stored prefix of ``keys`` that fits."""
@@ -82,12 +79,16 @@ class ShmTransport:
             namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms))
 
     async def release(self, lease_id: bytes) -> None:
-        """Gives a lease back; a failure is left to the lease's expiry."""
-        runtime = self.peer.runtime
+        """Gives a lease back."""
+        request = data_pb2.ReleaseRequest(lease_id=lease_id)
+        await self._give_back(self.peer.runtime.data.Release, request, f"lease {lease_id.hex()[:8]}", logging.WARNING)
+
+    async def _give_back(self, method: Callable[..., Awaitable[Any]], request: Any, what: str, level: int) -> None:
+        """A call that gives something back never raises: a failure is left to its expiry."""
         try:
-            await runtime.rpc(runtime.data.Release, data_pb2.ReleaseRequest(lease_id=lease_id))
+            await self.peer.runtime.rpc(method, request)
         except KVStoreError as exc:
-            logger.warning("release of lease %s failed (it will expire): %s", lease_id.hex()[:8], exc)
+            logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
 
     async def renew(self, lease_id: bytes, timeout_s: float) -> None:
         """Extends a lease by ``lease_ms``; raises LeaseExpired when it is already gone."""
@@ -132,7 +133,11 @@ class ShmTransport:
         loop = asyncio.get_running_loop()
         share = max(1, -(-len(items) // self.copy_threads))
         parts = [items[i : i + share] for i in range(0, len(items), share)]
-        futures = [loop.run_in_executor(self._pool, lambda p=p: [fn(x) for x in p]) for p in parts]
+
+        def share_of(part: list[Any]) -> list[T]:
+            return [fn(x) for x in part]
+
+        futures = [loop.run_in_executor(self._pool, share_of, part) for part in parts]
 
         async def joined() -> list[T]:
             results = await asyncio.gather(*futures, return_exceptions=True)  # all shares end before this does
