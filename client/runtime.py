@@ -53,15 +53,30 @@ def _error_name(exc: Any) -> str | None:
     return None
 
 
+def _wake(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    """Completes ``future`` on its own loop (from the runtime thread)."""
+    try:
+        loop.call_soon_threadsafe(_set_done, future)
+    except RuntimeError:  # the caller's loop is closed: nobody waits any more
+        logger.debug("a caller's event loop closed before its call completed")
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the waiter may have been cancelled meanwhile
+        future.set_result(None)
+
+
 class _Job:
     """One coroutine submitted to the runtime loop: its result for any thread, and a way to
     cancel it that leaves the result pending until the coroutine has unwound."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], jobs: set[_Job]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], jobs: set[_Job],
+                 notify: Callable[[], None] | None) -> None:
         self.result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._loop = loop
         self._task: asyncio.Task[Any] | None = None
         self._jobs = jobs
+        self._notify = notify  # called (on the runtime thread) once ``result`` is set
         loop.call_soon_threadsafe(self._start, coro)
 
     def _start(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -77,6 +92,8 @@ class _Job:
             self.result.set_exception(task.exception())  # type: ignore[arg-type]
         else:
             self.result.set_result(task.result())
+        if self._notify is not None:
+            self._notify()
 
     def cancel(self) -> None:
         """Cancels the coroutine (from any thread); ``result`` completes once it unwound."""
@@ -133,12 +150,12 @@ class Runtime:
 
     # -- from other loops and threads ------------------------------------------------------
 
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> _Job:
+    def _submit(self, coro: Coroutine[Any, Any, T], notify: Callable[[], None] | None = None) -> _Job:
         with self._lock:
             if self._closed:
                 coro.close()
                 raise KVStoreError(f"the client of kvstore-server at {self.address} is closed")
-            return _Job(self._loop, coro, self._jobs)
+            return _Job(self._loop, coro, self._jobs, notify)
 
     def _on_loop(self) -> bool:
         try:
@@ -152,14 +169,16 @@ class Runtime:
         into the caller's tensors and nothing it held stays leased once this returns."""
         if self._on_loop():
             return await coro
-        job = self._submit(coro)
-        waiter = asyncio.wrap_future(job.result)
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()  # one wake-up of this loop when the job is done
+        job = self._submit(coro, lambda: _wake(loop, settled))
         try:
-            return await asyncio.shield(waiter)
+            await settled
         except asyncio.CancelledError:
             job.cancel()
-            await asyncio.wait([waiter])
+            await asyncio.wait([asyncio.wrap_future(job.result)])
             raise
+        return job.result.result()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the runtime loop and blocks this thread (never the runtime's own)
