@@ -1,6 +1,6 @@
-"""Closing a client while a put or a get is in flight: the call completes once (with an
-error or its result), no copy runs after it, and the server is left with nothing leased
-and no slot allocated that is not published."""
+"""The client's I/O runtime: closing while a put or a get is in flight (the call completes
+once, no copy runs after it, nothing is left leased and no slot allocated that is not
+published), and engine calls run synchronously through ``runtime.run``."""
 
 from __future__ import annotations
 
@@ -107,3 +107,27 @@ async def test_closing_mid_get_leaves_nothing_leased_and_copies_nothing_after(se
     assert (await _stats(server.address)).num_leases == 0, "the get left leases behind"
     await asyncio.sleep(0.2)  # any copy still running would land here
     assert engine.copies == copies, "a copy ran after close returned"
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_engine_keys_and_a_synchronous_hook(server, layout, ns, use_shm) -> None:
+    """put_keys stores page i under keys[i] of a chain the engine computed itself, and
+    lookup_keys finds its prefix; a synchronous engine hook runs the same calls through
+    ``runtime.run`` even from the thread of a blocked event loop; after close every call
+    raises a clear KVStoreError."""
+    keys = [bytes([i]) * 16 for i in range(1, 7)]
+    kv = random_kv(layout, 6 * layout.page_tokens, seed=53)
+    client = KVStoreClient(server.address, ns, use_shm=use_shm)
+    await client.connect()
+    assert await client.put_keys(keys[:4], kv[:, :, : 4 * layout.page_tokens]) == 4 * layout.page_tokens
+    hit = client.runtime.run(client.lookup_keys(keys), 10)  # this loop is blocked meanwhile
+    assert hit.keys == keys[:4] and hit.num_tokens == 4 * layout.page_tokens
+    out = torch.zeros_like(kv)
+    assert client.runtime.run(client.get(hit, into=out), 10) == 4 * layout.page_tokens
+    assert torch.equal(out[:, :, : 4 * layout.page_tokens], kv[:, :, : 4 * layout.page_tokens])
+    assert (await client.lookup(list(range(64)))).num_tokens == 0, "engine keys are not the token chain's"
+    await client.close()
+    with pytest.raises(KVStoreError, match="closed"):
+        await client.lookup_keys(keys)
+    with pytest.raises(KVStoreError, match="closed"):
+        client.runtime.run(client.lookup_keys(keys), 10)
