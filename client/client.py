@@ -123,6 +123,8 @@ class KVStoreClient:
         """Abandons the layer-wise loads and saves still running and waits for them (each
         completes once and gives back what it held), cancels the calls in flight and waits
         for their cleanup, then closes the channel, the copy threads and the arena."""
+        if self._runtime is not None and self._runtime.on_loop():
+            raise KVStoreError("close() must be awaited on the caller's event loop, not on the client's I/O runtime")
         loop = asyncio.get_running_loop()
         for handle in list(self._handles):
             handle.abandon("client closed")

@@ -85,13 +85,22 @@ class _Job:
         self._task.add_done_callback(self._settle)
 
     def _settle(self, task: asyncio.Task[Any]) -> None:
-        self._jobs.discard(self)
         if task.cancelled():
-            self.result.set_exception(KVStoreError("the operation was cancelled"))
+            self.fail(KVStoreError("the operation was cancelled"))
         elif task.exception() is not None:
-            self.result.set_exception(task.exception())  # type: ignore[arg-type]
+            self.fail(task.exception())  # type: ignore[arg-type]
         else:
-            self.result.set_result(task.result())
+            self._complete(lambda: self.result.set_result(task.result()))
+
+    def fail(self, exc: BaseException) -> None:
+        """Completes the job with ``exc`` (also one whose coroutine never ended: close gave up on it)."""
+        self._complete(lambda: self.result.set_exception(exc))
+
+    def _complete(self, set_result: Callable[[], None]) -> None:
+        self._jobs.discard(self)
+        if self.result.done():
+            return
+        set_result()
         if self._notify is not None:
             self._notify()
 
@@ -121,6 +130,9 @@ class Runtime:
         self._lock = threading.Lock()  # orders submissions against close
         self._closed = False
         self._channel: grpc.aio.Channel | None = None
+        self.data: data_pb2_grpc.DataStub  # the stubs, set by open()
+        self.directory: directory_pb2_grpc.DirectoryStub
+        self.pages: PageStubs
         self._thread.start()
 
     # -- on the runtime loop ---------------------------------------------------------------
@@ -157,7 +169,8 @@ class Runtime:
                 raise KVStoreError(f"the client of kvstore-server at {self.address} is closed")
             return _Job(self._loop, coro, self._jobs, notify)
 
-    def _on_loop(self) -> bool:
+    def on_loop(self) -> bool:
+        """True when called from a coroutine running on the runtime loop."""
         try:
             return asyncio.get_running_loop() is self._loop
         except RuntimeError:
@@ -167,7 +180,7 @@ class Runtime:
         """Runs ``coro`` on the runtime loop and awaits it from the caller's loop. Cancelling
         the caller cancels the job and waits for it to unwind, so that no copy still writes
         into the caller's tensors and nothing it held stays leased once this returns."""
-        if self._on_loop():
+        if self.on_loop():
             return await coro
         loop = asyncio.get_running_loop()
         settled = loop.create_future()  # one wake-up of this loop when the job is done
@@ -198,6 +211,8 @@ class Runtime:
     def close(self) -> None:
         """Cancels the jobs still running and waits for them to unwind, closes the channel and
         stops the loop. Idempotent; later calls and runs raise KVStoreError."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("Runtime.close called on the runtime thread: it would wait for itself")
         with self._lock:
             if self._closed:
                 return
@@ -212,9 +227,15 @@ class Runtime:
         self._loop.close()
 
     async def _shutdown(self) -> None:
-        tasks = [job.cancel_here() for job in list(self._jobs)]
-        if tasks:
-            await asyncio.wait(tasks)  # their cleanup (aborts, releases) still has the channel
+        jobs = list(self._jobs)
+        tasks = [job.cancel_here() for job in jobs]
+        if tasks:  # their cleanup (aborts, releases) still has the channel; each RPC has a deadline
+            _, pending = await asyncio.wait(tasks, timeout=2 * self.timeout_s)
+            for job, task in zip(jobs, tasks):
+                if task in pending:
+                    logger.error("a call did not finish its cleanup within %.0f s of close; what it holds expires",
+                                 2 * self.timeout_s)
+                    job.fail(KVStoreError("the client closed before the operation finished"))
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
