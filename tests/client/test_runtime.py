@@ -109,6 +109,29 @@ async def test_closing_mid_get_leaves_nothing_leased_and_copies_nothing_after(se
     assert engine.copies == copies, "a copy ran after close returned"
 
 
+async def test_a_cancelled_get_returns_only_after_its_copies(server, layout, ns) -> None:
+    """A caller that gives up on a get (wait_for, task.cancel) while its copies wait on a busy
+    engine (the old client returned at once and the copies went on writing into the engine's
+    KV afterwards): the cancelled call returns once the copies are done and the leases back."""
+    tokens = list(range(16 * 100))
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, random_kv(layout, len(tokens), seed=54)) == len(tokens)
+        hit = await client.lookup(tokens)
+        engine = GatedKV(torch.zeros(layout.num_layers, layout.kv_factor, len(tokens), layout.num_kv_heads,
+                                     layout.head_dim, dtype=layout.torch_dtype()), layout)
+        get = asyncio.create_task(client.get(hit, into=engine))
+        assert await asyncio.get_running_loop().run_in_executor(None, engine.reached.wait, 30)
+        get.cancel()
+        engine.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await get
+        copies = engine.copies
+        assert (await _stats(server.address)).num_leases == 0, "the cancelled get left leases behind"
+        await asyncio.sleep(0.2)  # any copy still running would land here
+        assert engine.copies == copies, "a copy ran after the cancelled get returned"
+        assert (await client.lookup(tokens)).num_tokens == len(tokens), "the client works on after a cancel"
+
+
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
 async def test_engine_keys_and_a_synchronous_hook(server, layout, ns, use_shm) -> None:
     """put_keys stores page i under keys[i] of a chain the engine computed itself, and
