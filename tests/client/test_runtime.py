@@ -111,8 +111,9 @@ async def test_closing_mid_get_leaves_nothing_leased_and_copies_nothing_after(se
 
 async def test_a_cancelled_get_returns_only_after_its_copies(server, layout, ns) -> None:
     """A caller that gives up on a get (wait_for, task.cancel) while its copies wait on a busy
-    engine (the old client returned at once and the copies went on writing into the engine's
-    KV afterwards): the cancelled call returns once the copies are done and the leases back."""
+    engine (the old client's cancel cut the Acquire in flight: its lease stayed until the ttl;
+    and it did not wait for the copies): the cancelled call returns once the copies are done
+    and every lease is back."""
     tokens = list(range(16 * 100))
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, random_kv(layout, len(tokens), seed=54)) == len(tokens)
