@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PIPELINE_PAGES = 64
 RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
+INLINE_COPY_BYTES = 128 << 10  # a batch this small is copied on the runtime loop (a thread hop costs more)
 
 
 class ShmTransport:
@@ -127,10 +128,19 @@ class ShmTransport:
             yield size
             size = min(full, size * 2)
 
-    def copy(self, fn: Callable[[Any], T], items: list[Any]) -> asyncio.Future[list[T]]:
+    def copy(self, fn: Callable[[Any], T], items: list[Any], cpu_rows: bool) -> asyncio.Future[list[T]]:
         """fn over items on the copy threads, in order; contiguous shares per thread. Not
-        awaited here, so that callers can queue the next batch behind this one."""
+        awaited here, so that callers can queue the next batch behind this one. A batch of
+        at most INLINE_COPY_BYTES between the arena and the rows of a CPU tensor (``cpu_rows``:
+        numpy copies, no engine code) is copied here at once: two thread hops cost more."""
         loop = asyncio.get_running_loop()
+        if cpu_rows and len(items) * self.layout.page_bytes <= INLINE_COPY_BYTES:
+            done: asyncio.Future[list[T]] = loop.create_future()
+            try:
+                done.set_result([fn(x) for x in items])
+            except Exception as exc:  # noqa: BLE001 - delivered to whoever awaits the copy, as from a thread
+                done.set_exception(exc)
+            return done
         share = max(1, -(-len(items) // self.copy_threads))
         parts = [items[i : i + share] for i in range(0, len(items), share)]
 

@@ -93,7 +93,7 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
             n = len(alloc.slots)
             todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
             copying.append((alloc, todo, shm.copy(
-                lambda item, base=cursor: shm.write_slot(kv, rows, base + item[0], item[1].offset), todo)))
+                lambda item, base=cursor: shm.write_slot(kv, rows, base + item[0], item[1].offset), todo, rows is not None)))
             cursor += n
             ahead = allocate(cursor) if cursor < len(keys) else None
         while commits:
@@ -184,7 +184,7 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                     issued = cursor + len(acq.pages)
                 copying.append((acq, shm.copy(
                     lambda item, base=cursor: shm.read_slot(into, rows, base + item[0], item[1]),
-                    list(enumerate(acq.pages)))))
+                    list(enumerate(acq.pages)), rows is not None)))
                 cursor += len(acq.pages)
                 continue
             if not copying:  # only stale acquires left: let them come back and be released
