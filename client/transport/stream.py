@@ -186,15 +186,19 @@ class StreamedPages:
         """Stops at the first missing or bad page, or where ``timeout_s`` cuts the stream;
         raises when the stream failed before its first page."""
         pages = PageAssembler(keys, self.transport.layout.page_bytes, reuse=False)
+
+        def keep() -> None:  # on the wire thread, off the runtime loop
+            self.checksums.append(checksum(pages.page.numpy()))
+            self.pages.append(pages.page)
+
         try:
-            await self.transport.read_pages(keys, pages, lambda: self.pages.append(pages.page), timeout_s)
+            await self.transport.read_pages(keys, pages, keep, timeout_s)
         except PageCorrupt as exc:
             logger.warning("page stream ended after %d of %d pages: %s", len(self.pages), len(keys), exc)
         except KVStoreError as exc:
             if not self.pages:
                 raise
             logger.warning("page stream ended after %d of %d pages: %s", len(self.pages), len(keys), exc)
-        self.checksums = [checksum(page.numpy()) for page in self.pages]
 
     def verify(self) -> int:
         return len(self.pages)
