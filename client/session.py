@@ -15,11 +15,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore._proto import data_pb2
 from kvstore.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from kvstore.client.client import KVStoreClient
+
+
+@dataclass(frozen=True)
+class LoggedSession:
+    """What the server's log holds for a session: the prompt, then the tokens returned."""
+
+    prompt_tokens: int
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,8 @@ class SessionLog:
         self._last_sync = time.monotonic()
 
     async def _append(self, tokens: list[int], sync: bool, prompt_tokens: int = 0) -> None:
-        req = data_pb2.AppendTokensRequest(
-            namespace_id=self.client.namespace.namespace_id, session_id=self.session_id, expected_length=self.logged,
-            tokens=tokens, sync=sync, prompt_tokens=prompt_tokens,
-        )
-        resp = await self.client._call(self.client._data.AppendTokens, req)
-        self.logged = int(resp.length)
+        self.logged = await self.client.append_tokens(self.session_id, tokens, expected_length=self.logged, sync=sync,
+                                                      prompt_tokens=prompt_tokens)
         if sync:
             self.durable_tokens = self.logged
             self._last_sync = time.monotonic()
@@ -109,15 +112,15 @@ class SessionLog:
         return self.checkpointed if self.checkpoint_policy != "ram" else 0
 
     async def end(self) -> None:
-        req = data_pb2.EndSessionRequest(namespace_id=self.client.namespace.namespace_id, session_id=self.session_id)
-        await self.client._call(self.client._data.EndSession, req)
+        await self.client.end_session(self.session_id)
 
 
 async def recover(client: KVStoreClient, session_id: str) -> Recovery | None:
-    req = data_pb2.GetSessionRequest(namespace_id=client.namespace.namespace_id, session_id=session_id)
-    resp = await client._call(client._data.GetSession, req)
-    if not resp.found:
+    """See KVStoreClient.recover."""
+    logged = await client.read_session(session_id)
+    if logged is None:
         return None
-    tokens = list(resp.tokens)
+    tokens = logged.tokens
     hit = await client.lookup(tokens[: max(0, len(tokens) - 1)])
-    return Recovery(session_id, resp.prompt_tokens, tokens, hit.num_tokens, tokens[hit.num_tokens : max(hit.num_tokens, len(tokens) - 1)])
+    return Recovery(session_id, logged.prompt_tokens, tokens, hit.num_tokens,
+                    tokens[hit.num_tokens : max(hit.num_tokens, len(tokens) - 1)])

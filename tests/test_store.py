@@ -216,32 +216,32 @@ async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(serve
     kv = random_kv(layout, len(tokens), seed=11)
     other = list(range(10**6, 10**6 + 16 * 240))
     answers: list[tuple[int, int]] = []
-    async with KVStoreClient(server.address, ns) as client:
+    async with KVStoreClient(server.address, ns) as client, grpc.aio.insecure_channel(server.address) as channel:
         assert await client.put(tokens, kv) == len(tokens)  # most of it demoted to ssd
         assert await client.put(other, random_kv(layout, len(other), seed=12)) == len(other)
-        blocker = await client._data.Acquire(data_pb2.AcquireRequest(
-            namespace_id=ns.namespace_id, keys=client.keys(other), ttl_ms=60_000))
+        data = data_pb2_grpc.DataStub(channel)
+        blocker = await data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=client.keys(other), ttl_ms=60_000))
         assert len(blocker.pages) == 240  # promotions share the other 16 slots
         hit = await client.lookup(tokens)
         assert hit.num_pages == 300
-        acquire = client._data.Acquire
+        acquire = client.transport.acquire
 
-        async def counted(req: data_pb2.AcquireRequest, **kw: object) -> data_pb2.AcquireResponse:
+        async def counted(keys: list[bytes]) -> data_pb2.AcquireResponse:
             if len(answers) == 2:  # the third acquire: two of ours are in flight or copying
-                answers.append((len(req.keys), -1))
+                answers.append((len(keys), -1))
                 raise TierFull("host tier is full and every page in it is leased")
-            answer = await acquire(req, **kw)
-            answers.append((len(req.keys), len(answer.pages)))
+            answer = await acquire(keys)
+            answers.append((len(keys), len(answer.pages)))
             return answer
 
-        client._data.Acquire = counted  # type: ignore[method-assign]
+        client.transport.acquire = counted  # type: ignore[method-assign]
         out = torch.zeros_like(kv)
         assert await client.get(hit, into=out) == len(tokens)
-        client._data.Acquire = acquire  # type: ignore[method-assign]
+        client.transport.acquire = acquire  # type: ignore[method-assign]
         assert torch.equal(out, kv)
         assert any(0 < got < asked for asked, got in answers), answers
         assert answers[2][1] == -1 and len(answers) > 3, "the get went on after the TierFull"
-        await client._data.Release(data_pb2.ReleaseRequest(lease_id=blocker.lease_id))
+        await data.Release(data_pb2.ReleaseRequest(lease_id=blocker.lease_id))
         # Every lease of the get is gone: the whole tier can be filled again.
         fresh = list(range(2 * 10**6, 2 * 10**6 + 16 * 250))
         assert await client.put(fresh, random_kv(layout, len(fresh), seed=13)) == len(fresh)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstore.client.client import KVStoreClient
+from kvstore.client.transport import ShmTransport
 from kvstore.errors import KVStoreError
 from kvstore.types import Namespace
 
@@ -32,7 +33,7 @@ class Lease:
     """Leading pages of a lookup, pinned in the server's shared arena until ``expires_at``
     (``time.monotonic()``) or release: where each page's bytes are and their checksum."""
 
-    lease_id: int
+    lease_id: bytes
     offsets: list[int]
     checksums: list[int]
     expires_at: float
@@ -137,7 +138,7 @@ class StoreConnection:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
         (a lease granted later is released) or the store failed."""
         started = time.monotonic()
-        future = self._rpc.submit(client.acquire_sync, keys)
+        future = self._rpc.submit(self._acquire, client, keys)
         try:
             acq = future.result(timeout_s)
         except FutureTimeout:
@@ -152,14 +153,30 @@ class StoreConnection:
         return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
                      started + client.lease_ms / 1000)
 
+    @staticmethod
+    def _acquire(client: KVStoreClient, keys: list[bytes]) -> Any:
+        """One Acquire on the client's own I/O runtime (same-host clients: the shm transport)."""
+        transport = client.transport
+        assert isinstance(transport, ShmTransport), "leases are taken only on the server's host"
+        return client.runtime.run(transport.acquire(keys), client.timeout_s)
+
+    @staticmethod
+    def _release(client: KVStoreClient, lease_id: bytes) -> None:
+        transport = client.transport
+        if isinstance(transport, ShmTransport):
+            try:
+                client.runtime.run(transport.release(lease_id), client.timeout_s)
+            except KVStoreError as exc:
+                logger.warning("release of a lease failed (it expires with its ttl): %s", exc)
+
     def _release_late(self, client: KVStoreClient, future: Future[Any]) -> None:
         if future.exception() is None:
             self.release(client, future.result().lease_id)
 
-    def release(self, client: KVStoreClient, lease_id: int) -> None:
+    def release(self, client: KVStoreClient, lease_id: bytes) -> None:
         """Gives a lease back in the background (a failed release expires with its TTL)."""
         if not self._closed:
-            self._releases.submit(client.release_sync, lease_id)
+            self._releases.submit(self._release, client, lease_id)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the loop; raises TimeoutError (and cancels it) past ``timeout_s``."""

@@ -96,13 +96,13 @@ async def test_deadline_means_recompute_and_no_late_writes(server, layout, ns, m
     async with KVStoreClient(server.address, ns) as client:
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
-        real = client.acquire_sync
+        real = client.transport.acquire
 
-        def slow_acquire(keys):  # type: ignore[no-untyped-def]
-            time.sleep(0.6)
-            return real(keys)
+        async def slow_acquire(keys):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.6)
+            return await real(keys)
 
-        monkeypatch.setattr(client, "acquire_sync", slow_acquire)
+        monkeypatch.setattr(client.transport, "acquire", slow_acquire)
         into = torch.zeros_like(kv)
         load = client.load(hit, into=into, deadline_s=0.2)
         start = time.monotonic()

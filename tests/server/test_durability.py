@@ -103,7 +103,7 @@ async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_fa
     tokens = list(range(16 * 100))
     kv = random_kv(layout, len(tokens), seed=8)
     async with KVStoreClient(server.address, ns) as client:
-        assert client._batch_pages() < 30
+        assert client.transport.batch_pages() < 30
         assert await client.put(tokens, kv) == len(tokens)
         hit = await client.lookup(tokens)
         out = torch.zeros_like(kv)
@@ -279,11 +279,12 @@ async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -
     kv = random_kv(layout, 64, seed=7)
     async with KVStoreClient(server.address, ns) as client:
         keys = client.keys(tokens)
-        alloc = client.allocate_sync(keys)
-        sums = [client._write_slot(kv, None, i, slot.offset) for i, slot in enumerate(alloc.slots)]
+        shm, io = client.transport, client.runtime
+        alloc = await io.call(shm.allocate(keys))
+        sums = [shm.write_slot(kv, None, i, slot.offset) for i, slot in enumerate(alloc.slots)]
         sums[2] ^= 1  # the client's bytes and its checksum disagree for page 2
         with pytest.raises(PageCorrupt):
-            client.commit_sync(alloc.allocation_id, keys, sums, durable=True)
+            await io.call(shm.commit(alloc.allocation_id, keys, sums, durable=True))
         ssd = server.manager.ssd
         assert not any(ssd.contains(k) for k in keys) and ssd.usage().used_bytes == 0
         assert [q.key for q in server.manager.quarantined()] == [keys[2]]

@@ -148,9 +148,9 @@ def test_corrupt_stored_page_is_not_used(engines: dict[str, EngineProcess], stor
         async with KVStoreClient(store.address, namespace(model_dir)) as client:
             hit = await client.lookup(prompt)
             assert hit.num_pages == 5 and client.arena is not None
-            lease = client.acquire_sync(hit.keys[2:3])
+            lease = await client.runtime.call(client.transport.acquire(hit.keys[2:3]))
             client.arena.array[lease.pages[0].offset + 1000] ^= 0x40
-            client.release_sync(lease.lease_id)
+            await client.runtime.call(client.transport.release(lease.lease_id))
 
     asyncio.run(damage_page_2())
     engine = engines[loader]

@@ -1,0 +1,228 @@
+"""Layer-wise load: copies run on their own worker while the engine computes.
+
+A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
+
+* Before the first layer is released every page is leased and checked against its
+  checksum: ``num_tokens`` is then the prefix the engine may compute on (whole pages). A
+  missing or corrupt page only shortens it (partial recompute); it never grows.
+* ``wait(layer)`` True: layer ``layer`` of those ``num_tokens`` tokens is in place. What
+  landed in the engine's KV is verified page by page against the page checksum once the
+  page's last layer is in, so the final word is ``wait(num_layers - 1)``. If a page fails
+  there (its slot changed under the load), that wait returns False and ``num_tokens`` drops
+  to the verified pages before it: the engine must recompute from ``num_tokens`` on,
+  including what it computed on top of the dropped pages, since layers it was already
+  given may have held wrong KV for them. A page that failed is never counted.
+* The deadline is known at start and the worker watches it itself: it starts a layer
+  write only if, at the pace of the slowest so far, it ends before the deadline. At the
+  deadline, on ``abandon`` (the client closing), on an error or on a lost lease, the load
+  is abandoned: no layer write starts any more (once ``abandon`` or a False ``wait``
+  returned, none is in progress), ``wait`` returns False and ``num_tokens`` is 0:
+  recompute everything.
+* ``finished()`` returns the tokens delivered and verified: 0 when abandoned.
+* What the transport holds for the load (leases on arena slots) is renewed every third of
+  the lease ttl for the life of the load, from a thread of its own (the worker may be
+  inside the engine's write); a renewal refused (the lease expired: its slots may have
+  been reused) abandons the load. Everything held is given back when the worker ends.
+
+On CPU the worker is a thread. (On CUDA the copy into device memory would run on a side
+stream with one event per layer; that path needs a GPU and is not built yet.)
+
+Life of a load::
+
+    started --leased+checked--> copying --last layer in, every page verified--> done
+       |                           |------last layer in, page i failed its check--> done (num_tokens: i pages)
+       '---------------------------'--deadline / abandon / error / lease lost--> abandoned (num_tokens = 0)
+
+The worker and the keeper run the transport's coroutines on the client's I/O runtime
+(``runtime.run``), so the load progresses even while the engine's compute blocks the
+caller's event loop. Any transport works: the load reads ``Staged.pages`` layer by layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import xxhash
+
+from kvstore.client.engine_kv import ContiguousKV, EngineKV
+from kvstore.client.pages import as_bytes, page_rows, slot_as_page
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.page import checksummer
+
+if TYPE_CHECKING:
+    from kvstore.client.client import KVStoreClient
+    from kvstore.client.hit import Hit
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_MS = 30_000  # the server's default, for a client that leaves lease_ms at 0
+
+
+class LayerLoad:
+    """Handle of a layer-wise load; see the module docstring."""
+
+    def __init__(self, client: KVStoreClient, hit: Hit, into: EngineKV, ahead: int, deadline_s: float) -> None:
+        layout = client.layout
+        if into.num_tokens < hit.num_tokens:
+            raise InvalidRequest(f"into holds {into.num_tokens} tokens, the hit has {hit.num_tokens}")
+        self.client = client
+        self.hit = hit
+        self.into = into
+        self.num_layers = layout.num_layers
+        self.ahead = max(0, min(ahead, layout.num_layers))
+        self.deadline = time.monotonic() + deadline_s
+        self.num_tokens = hit.num_tokens
+        self.error: BaseException | None = None
+        self._layer_ready = [threading.Event() for _ in range(layout.num_layers)]
+        self._done = threading.Event()  # the worker returned and gave its leases back
+        self._copy_lock = threading.Lock()  # held around every write into the engine's KV
+        self._final = False  # num_tokens is the result (done or abandoned); set under _copy_lock
+        self._abandoned = False
+        self._cut = False  # a page failed its check after copying
+        self._slowest_write_s = 0.0
+        self._rows = page_rows(into.kv, layout) if isinstance(into, ContiguousKV) else None
+        self._staged = client.transport.staged()
+        self._keeper = threading.Thread(target=self._keep, name="kv-lease-keeper", daemon=True)
+        self._first_wait = True
+        self._thread = threading.Thread(target=self._run, name="kv-layer-load", daemon=True)
+        self._thread.start()
+
+    # -- engine side ---------------------------------------------------------------------
+
+    def wait(self, layer: int) -> bool:
+        """Blocks until ``layer`` of every valid page is in place (the first call waits for
+        the first ``ahead`` layers too). False: recompute from ``num_tokens`` (0 when the
+        load was abandoned)."""
+        if not 0 <= layer < self.num_layers:
+            raise InvalidRequest(f"layer {layer} out of range")
+        target = max(layer, self.ahead - 1) if self._first_wait else layer
+        self._first_wait = False
+        ready = self._layer_ready[target].wait(max(0.0, self.deadline - time.monotonic()))
+        if not ready:
+            self.abandon("deadline passed")
+        return ready and not self._abandoned and not self._cut
+
+    def abandon(self, reason: str) -> None:
+        """Stops the load; after this returns no byte is written into the engine's KV."""
+        with self._copy_lock:
+            self._abandon_locked(reason)
+
+    def _abandon_locked(self, reason: str) -> None:
+        if self._final:
+            return
+        self._final = self._abandoned = True
+        self.num_tokens = 0
+        logger.warning("layer-wise load of %d tokens abandoned: %s", self.hit.num_tokens, reason)
+        for event in self._layer_ready:
+            event.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self._keeper.is_alive():  # it stops once the worker is done
+            self._keeper.join(timeout_s)
+
+    async def finished(self) -> int:
+        """Waits (bounded by the deadline) for the worker; returns the tokens delivered and
+        verified (0 when the load was abandoned or failed)."""
+        remaining = max(0.0, self.deadline - time.monotonic())
+        done = await asyncio.get_running_loop().run_in_executor(None, self._done.wait, remaining)
+        if not done:
+            self.abandon("deadline passed")
+        return self.num_tokens
+
+    # -- worker --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        runtime = self.client.runtime
+        staged = self._staged
+        try:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise KVStoreError("deadline passed before the pages were read")
+            self._keeper.start()
+            # fill stops at the deadline by itself (a stream cut by it ends short); the bound
+            # of run() is a backstop for an RPC that hangs
+            runtime.run(staged.fill(self.hit.keys, remaining), remaining + self.client.timeout_s)
+            valid = staged.verify()
+            with self._copy_lock:
+                if self._final:
+                    return
+                self.num_tokens = valid * self.client.layout.page_tokens
+            landed = [checksummer() for _ in range(valid)]
+            start = time.perf_counter()
+            for layer in range(self.num_layers):
+                for page in range(valid):
+                    if not self._write(page, layer, staged.pages[page]):
+                        return
+                    self._hash_landed(landed[page], page, layer)
+                if layer < self.num_layers - 1:
+                    self._layer_ready[layer].set()
+            good = next((i for i in range(valid) if landed[i].intdigest() != staged.checksums[i]), valid)
+            self._finish(valid, good)
+            self.client.record_load(good * self.client.layout.page_bytes, time.perf_counter() - start)
+        except BaseException as exc:  # noqa: BLE001 - reported to the engine through wait()
+            self.error = exc
+            self.abandon(f"load failed: {exc}")
+        finally:
+            try:
+                runtime.run(staged.release(), self.client.timeout_s)
+            except KVStoreError as exc:
+                logger.warning("a layer-wise load could not give back its pages (they expire): %s", exc)
+            self._done.set()
+
+    def _write(self, page: int, layer: int, source: torch.Tensor) -> bool:
+        """Writes one layer of one page into the engine's KV unless the load is over (False).
+        A write is started only if, at the pace of the slowest one so far, it ends before
+        the deadline: the engine's KV is its own again at the deadline."""
+        with self._copy_lock:
+            if self._final:
+                return False
+            start = time.monotonic()
+            if start + self._slowest_write_s >= self.deadline:
+                self._abandon_locked("deadline reached")
+                return False
+            self.into.write_layer(page, layer, slot_as_page(source, self.client.layout)[layer])
+            self._slowest_write_s = max(self._slowest_write_s, time.monotonic() - start)
+            return True
+
+    def _hash_landed(self, landed: xxhash.xxh3_64, page: int, layer: int) -> None:
+        """Feeds what is now in the engine's KV for (page, layer) to the page's running
+        checksum, in the page's byte order (layer-major, K then V)."""
+        rows = self._rows
+        if rows is not None:  # a CPU tensor: numpy views of its rows, no copy
+            first = layer * self.client.layout.kv_factor
+            for row in rows.rows[first : first + self.client.layout.kv_factor]:
+                landed.update(row[page * rows.run : (page + 1) * rows.run])
+            return
+        for part in self.into.read_layer(page, layer):
+            landed.update(as_bytes(part.contiguous()).cpu().numpy())
+
+    def _finish(self, valid: int, good: int) -> None:
+        with self._copy_lock:
+            if self._final:
+                return
+            self._final = True
+            if good < valid:
+                self._cut = True
+                logger.error("page %d of a layer-wise load changed under the load (its copy failed the checksum); "
+                             "%d tokens are valid, recompute the rest", good, good * self.client.layout.page_tokens)
+            self.num_tokens = good * self.client.layout.page_tokens
+        self._layer_ready[-1].set()
+
+    def _keep(self) -> None:
+        """Renews what the load holds every third of the lease ttl until the worker is done;
+        a renewal refused means slots may have been reused: the load is abandoned."""
+        ttl_s = (self.client.lease_ms or DEFAULT_LEASE_MS) / 1000
+        while not self._done.wait(ttl_s / 3):
+            if self._final:
+                return
+            try:
+                self.client.runtime.run(self._staged.renew(ttl_s), ttl_s)
+            except KVStoreError as exc:
+                self.abandon(f"a lease was lost: {exc}")
+                return

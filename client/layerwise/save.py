@@ -1,0 +1,118 @@
+"""Layer-wise save: each layer the engine finished is copied out behind compute; the pages
+are published only when all their layers are stored.
+
+Contract of a ``LayerSave``:
+
+* ``layer_done(i)`` hands layer ``i`` of the new full pages to the worker, which copies it
+  into the transport's page buffers (arena slots, or buffers sent at publish).
+* ``finished()`` marks the layers not yet done, waits for the publish and returns the
+  leading tokens now stored; a durable save that comes back short raises PageMissing.
+* ``abandon`` (the client closing) stops it: layers the engine did not mark done are never
+  copied, nothing is published unless every layer was marked, and what was reserved on
+  the server is given back. ``finished()`` then raises.
+
+The worker runs the transport's coroutines on the client's I/O runtime (``runtime.run``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+from kvstore.client.engine_kv import EngineKV
+from kvstore.client.hit import published_prefix
+from kvstore.client.pages import slot_as_page
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.page import checksum
+
+if TYPE_CHECKING:
+    from kvstore.client.client import KVStoreClient
+
+logger = logging.getLogger(__name__)
+
+
+class LayerSave:
+    """Handle of a layer-wise save; see the module docstring."""
+
+    def __init__(self, client: KVStoreClient, tokens: Any, kv: EngineKV, start: int, durable: bool) -> None:
+        layout = client.layout
+        if start % layout.page_tokens:
+            raise InvalidRequest(f"save start {start} must be page-aligned ({layout.page_tokens} tokens)")
+        keys = client.keys(tokens)
+        if kv.num_tokens < len(keys) * layout.page_tokens:
+            raise InvalidRequest(f"kv holds {kv.num_tokens} tokens, {len(keys) * layout.page_tokens} are needed")
+        self.client = client
+        self.kv = kv
+        self.first_page = start // layout.page_tokens
+        self.keys = keys[self.first_page :]
+        self.durable = durable
+        self._layers: queue.Queue[int | None] = queue.Queue()
+        self._marked: set[int] = set()
+        self._result: int | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-layer-save", daemon=True)
+        self._thread.start()
+
+    def abandon(self, reason: str) -> None:
+        """Stops a save that will not be finished (the client is closing). Layers the engine
+        did not mark done are never copied: unless every layer was marked, nothing is
+        published and the reservation is given back."""
+        if not self._done.is_set():
+            logger.info("layer-wise save closing: %s", reason)
+            self._layers.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def layer_done(self, layer: int) -> None:
+        if not 0 <= layer < self.client.layout.num_layers:
+            raise InvalidRequest(f"layer {layer} out of range")
+        if layer not in self._marked:
+            self._marked.add(layer)
+            self._layers.put(layer)
+
+    async def finished(self, timeout_s: float | None = None) -> int:
+        """Marks any layer not yet done, waits for the commit; returns the number of leading
+        tokens now stored. Raises the worker's error."""
+        for layer in range(self.client.layout.num_layers):
+            self.layer_done(layer)
+        timeout = timeout_s if timeout_s is not None else self.client.timeout_s
+        done = await asyncio.get_running_loop().run_in_executor(None, self._done.wait, timeout)
+        if not done:
+            raise KVStoreError(f"layer-wise save did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self._result is not None
+        return self._result
+
+    def _run(self) -> None:
+        client, layout, runtime = self.client, self.client.layout, self.client.runtime
+        outgoing = client.transport.outgoing()
+        try:
+            if not self.keys:
+                self._result = self.first_page * layout.page_tokens
+                return
+            runtime.run(outgoing.reserve(self.keys), client.timeout_s)
+            pages = [slot_as_page(buffer, layout) for buffer in outgoing.buffers]
+            for _ in range(layout.num_layers):
+                layer = self._layers.get()
+                if layer is None:
+                    raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
+                for i, page in zip(outgoing.indices, pages):
+                    page[layer].copy_(self.kv.read_layer(self.first_page + i, layer))
+            sums = [checksum(buffer.numpy()) for buffer in outgoing.buffers]
+            published = runtime.run(outgoing.publish(sums, self.durable), client.timeout_s)
+            stored = published_prefix(outgoing.asked, published, self.durable, self.first_page, layout.page_tokens)
+            self._result = (self.first_page + stored) * layout.page_tokens
+        except BaseException as exc:  # noqa: BLE001 - raised again by finished()
+            self.error = exc if isinstance(exc, KVStoreError) else KVStoreError(f"layer-wise save failed: {exc!r}")
+        finally:
+            try:
+                runtime.run(outgoing.discard(), client.timeout_s)
+            except KVStoreError as exc:
+                logger.warning("a layer-wise save could not give back its reservation (it expires): %s", exc)
+            self._done.set()

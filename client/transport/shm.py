@@ -1,0 +1,279 @@
+"""Pages through the server's shared-memory arena (client and server on one host).
+
+Writes: Allocate slots, copy the pages in, Commit (or Abort). Reads: Acquire a lease on
+the pages' slots, copy them out verifying each checksum, Release (or Renew, for a long
+layer-wise load). The copies run on a small pool of copy threads (numpy releases the GIL);
+the pipelines that overlap them with the RPCs are in ``shm_pipeline``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from kvstore._proto import data_pb2
+from kvstore.client.arena import ArenaMap
+from kvstore.client.engine_kv import EngineKV
+from kvstore.client.pages import KVRows, slot_as_page
+from kvstore.client.transport import shm_pipeline
+from kvstore.client.transport.base import Peer, page_in, page_out
+from kvstore.errors import KVStoreError
+from kvstore.page import checksum
+from kvstore.pagecopy import copy_checksum
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PIPELINE_PAGES = 64
+RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
+INLINE_COPY_BYTES = 128 << 10  # a batch this small is copied on the runtime loop (a thread hop costs more)
+
+
+class ShmTransport:
+    """The shared-memory path (see kvstore.client.transport.base.Transport for the contract).
+
+    Owns the client's mapping of the arena and closes it."""
+
+    def __init__(self, peer: Peer, arena: ArenaMap, arena_bytes: int, copy_threads: int) -> None:
+        self.peer = peer
+        self.layout = peer.layout
+        self.arena = arena
+        self.arena_bytes = arena_bytes
+        self.copy_threads = copy_threads
+        self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.arena.close()
+
+    # -- the RPCs of the arena path: one method each ---------------------------------------
+
+    async def allocate(self, keys: list[bytes]) -> Any:
+        """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy)."""
+        runtime = self.peer.runtime
+        return await runtime.rpc(runtime.data.Allocate, data_pb2.AllocateRequest(
+            namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys))
+
+    async def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
+                     flags: int = 0) -> int:
+        """Publishes the copied slots; returns num_published: the leading pages of the
+        allocation stored (durable: on ssd)."""
+        runtime = self.peer.runtime
+        answer = await runtime.rpc(runtime.data.Commit, data_pb2.CommitRequest(
+            allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable, flags=flags))
+        return int(answer.num_published)
+
+    async def abort(self, allocation_id: bytes) -> None:
+        """Gives an allocation back (one that failed its commit is gone already: debug)."""
+        request = data_pb2.AbortRequest(allocation_id=allocation_id)
+        await self._give_back(self.peer.runtime.data.Abort, request, f"allocation {allocation_id.hex()[:8]}", logging.DEBUG)
+
+    async def acquire(self, keys: list[bytes]) -> Any:
+        """A lease on the slots of the longest stored prefix of ``keys`` that fits."""
+        runtime = self.peer.runtime
+        return await runtime.rpc(runtime.data.Acquire, data_pb2.AcquireRequest(
+            namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms))
+
+    async def release(self, lease_id: bytes) -> None:
+        """Gives a lease back."""
+        request = data_pb2.ReleaseRequest(lease_id=lease_id)
+        await self._give_back(self.peer.runtime.data.Release, request, f"lease {lease_id.hex()[:8]}", logging.WARNING)
+
+    async def _give_back(self, method: Callable[..., Awaitable[Any]], request: Any, what: str, level: int) -> None:
+        """A call that gives something back never raises: a failure is left to its expiry."""
+        try:
+            await self.peer.runtime.rpc(method, request)
+        except KVStoreError as exc:
+            logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
+
+    async def renew(self, lease_id: bytes, timeout_s: float) -> None:
+        """Extends a lease by ``lease_ms``; raises LeaseExpired when it is already gone."""
+        runtime = self.peer.runtime
+        await runtime.rpc(runtime.data.Renew, data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=self.peer.lease_ms),
+                          timeout_s)
+
+    async def granted(self, request: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[None]]) -> T:
+        """Awaits an RPC that grants something (a lease, an allocation). If the caller is
+        cancelled meanwhile, the answer is still awaited and what it granted given back."""
+        answer = asyncio.ensure_future(request)
+        try:
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            try:
+                await give_back(await answer)
+            except KVStoreError:
+                pass  # nothing was granted
+            raise
+
+    # -- copies ----------------------------------------------------------------------------
+
+    def batch_pages(self) -> int:
+        """Pages per Allocate/Acquire: small enough that copying one batch overlaps the
+        server's work on others, and at most a sixth of the arena so that the batches in
+        flight (one allocated ahead, two being copied, up to three committing) always fit."""
+        arena_pages = self.arena_bytes // max(1, self.layout.page_bytes)
+        return max(1, min(self.peer.max_pages, arena_pages // 6, PIPELINE_PAGES))
+
+    def batch_sizes(self) -> Iterator[int]:
+        """The batch sizes of one transfer: from RAMP_PAGES, doubling up to ``batch_pages``,
+        so that the other side starts working after a short first batch."""
+        full = self.batch_pages()
+        size = min(full, RAMP_PAGES)
+        while True:
+            yield size
+            size = min(full, size * 2)
+
+    def copy(self, fn: Callable[[Any], T], items: list[Any], cpu_rows: bool) -> asyncio.Future[list[T]]:
+        """fn over items on the copy threads, in order; contiguous shares per thread. Not
+        awaited here, so that callers can queue the next batch behind this one. A batch of
+        at most INLINE_COPY_BYTES between the arena and the rows of a CPU tensor (``cpu_rows``:
+        numpy copies, no engine code) is copied here at once: two thread hops cost more."""
+        loop = asyncio.get_running_loop()
+        if cpu_rows and len(items) * self.layout.page_bytes <= INLINE_COPY_BYTES:
+            done: asyncio.Future[list[T]] = loop.create_future()
+            try:
+                done.set_result([fn(x) for x in items])
+            except Exception as exc:  # noqa: BLE001 - delivered to whoever awaits the copy, as from a thread
+                done.set_exception(exc)
+            return done
+        share = max(1, -(-len(items) // self.copy_threads))
+        parts = [items[i : i + share] for i in range(0, len(items), share)]
+
+        def share_of(part: list[Any]) -> list[T]:
+            return [fn(x) for x in part]
+
+        futures = [loop.run_in_executor(self._pool, share_of, part) for part in parts]
+
+        async def joined() -> list[T]:
+            results = await asyncio.gather(*futures, return_exceptions=True)  # all shares end before this does
+            for part in results:
+                if isinstance(part, BaseException):
+                    raise part
+            return [r for part in results for r in part]  # type: ignore[union-attr]
+
+        return asyncio.ensure_future(joined())
+
+    def write_slot(self, kv: torch.Tensor | EngineKV, rows: KVRows | None, page: int, offset: int) -> int:
+        """Copies page ``page`` of the engine's KV into the arena slot at ``offset`` and
+        returns its checksum. From a CPU tensor it is one strided numpy copy of the rows."""
+        n = self.layout.page_bytes
+        slot = self.arena.array[offset : offset + n]
+        if rows is not None:
+            return copy_checksum(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
+        page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page, self.layout)
+        return checksum(slot)
+
+    def read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any) -> bool:
+        """Copies the leased slot into page ``page`` of ``into`` and verifies it; False when
+        the bytes fail their checksum, and then that page of ``into`` is zeroed: no byte of a
+        corrupt page reaches the caller."""
+        n = self.layout.page_bytes
+        slot = self.arena.array[acquired.offset : acquired.offset + n]
+        if rows is not None:  # verified as it is copied (one pass); a bad page is wiped before anyone sees it
+            dst = rows.page(page)
+            if copy_checksum(dst.rows, slot.reshape(rows.rows.shape[0], -1)) == acquired.checksum:
+                return True
+            dst.clear()
+            return False
+        if checksum(slot) != acquired.checksum:
+            return False
+        page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout), self.layout)
+        return True
+
+    # -- put / get / layer-wise ------------------------------------------------------------
+
+    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int) -> int:
+        return await shm_pipeline.put(self, keys, kv, durable, flags)
+
+    async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
+        await shm_pipeline.get(self, keys, into)
+
+    def staged(self) -> LeasedPages:
+        return LeasedPages(self)
+
+    def outgoing(self) -> SlotOutgoing:
+        return SlotOutgoing(self)
+
+
+class LeasedPages:
+    """A layer-wise load's pages, read in place from their leased arena slots."""
+
+    def __init__(self, shm: ShmTransport) -> None:
+        self.shm = shm
+        self.pages: list[torch.Tensor] = []
+        self.checksums: list[int] = []
+        self.leases: list[bytes] = []  # every lease granted, empty ones included, until released
+        self._offsets: list[int] = []
+
+    async def fill(self, keys: list[bytes], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sources: list[Any] = []
+        while len(sources) < len(keys):
+            if loop.time() >= deadline:
+                raise KVStoreError("deadline passed while the pages were leased")
+            batch = keys[len(sources) : len(sources) + self.shm.peer.max_pages]
+            acq = await self.shm.granted(self.shm.acquire(batch), lambda acq: self.shm.release(acq.lease_id))
+            self.leases.append(acq.lease_id)
+            if not acq.pages:
+                break
+            sources.extend(acq.pages)
+        n = self.shm.layout.page_bytes
+        self._offsets = [page.offset for page in sources]
+        self.pages = [self.shm.arena.slot(page.offset, n) for page in sources]
+        self.checksums = [page.checksum for page in sources]
+
+    def verify(self) -> int:
+        n = self.shm.layout.page_bytes
+        for i, offset in enumerate(self._offsets):
+            if checksum(self.shm.arena.array[offset : offset + n]) != self.checksums[i]:
+                logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
+                return i
+        return len(self._offsets)
+
+    async def renew(self, timeout_s: float) -> None:
+        for lease_id in list(self.leases):
+            await self.shm.renew(lease_id, timeout_s)
+
+    async def release(self) -> None:
+        leases, self.leases = self.leases, []
+        for lease_id in leases:
+            await self.shm.release(lease_id)
+
+
+class SlotOutgoing:
+    """A layer-wise save's pages, copied straight into allocated arena slots and committed
+    at publish; an allocation not committed is aborted at discard."""
+
+    def __init__(self, shm: ShmTransport) -> None:
+        self.shm = shm
+        self.buffers: list[torch.Tensor] = []
+        self.indices: list[int] = []
+        self.asked = 0
+        self._alloc: Any = None
+        self._keys: list[bytes] = []
+
+    async def reserve(self, keys: list[bytes]) -> None:
+        alloc = await self.shm.granted(self.shm.allocate(keys), lambda alloc: self.shm.abort(alloc.allocation_id))
+        self._alloc = alloc
+        todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
+        self.indices = [i for i, _ in todo]
+        self._keys = [slot.key for _, slot in todo]
+        self.buffers = [self.shm.arena.slot(slot.offset, self.shm.layout.page_bytes) for _, slot in todo]
+        self.asked = len(alloc.slots)
+
+    async def publish(self, checksums: list[int], durable: bool) -> int:
+        assert self._alloc is not None, "publish follows reserve"
+        published = await self.shm.commit(self._alloc.allocation_id, self._keys, checksums, durable)
+        self._alloc = None  # a commit that failed is aborted by discard
+        return published
+
+    async def discard(self) -> None:
+        alloc, self._alloc = self._alloc, None
+        if alloc is not None:
+            await self.shm.abort(alloc.allocation_id)
