@@ -40,14 +40,11 @@ from kvstore.status import ERROR_METADATA_KEY, error_for
 from kvstore.types import Location, LocationRun, Namespace
 from kvstore.validate import layout_msg
 from kvstore.wire import CHUNK_BYTES, PageStubs, check_chunk_bytes, decode_chunk, page_chunks
+from kvstore.wire import MESSAGE_OPTIONS as CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-]
 PIPELINE_PAGES = 64
 RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
 

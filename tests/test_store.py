@@ -79,7 +79,7 @@ async def test_pressure_demotes_to_ssd_and_hits_promote_back(server_factory, lay
         out = torch.empty_like(kv)
         assert await client.get(hit, into=out) == len(tokens)
         assert torch.equal(out, kv)
-    stats = server.manager.stats()
+    stats = server.core.stats()
     assert stats.counters["ssd"]["hits"] > 0 and stats.counters["host"]["evictions"] > 0
 
 
@@ -174,7 +174,7 @@ async def test_concurrent_clients_same_pages(server, layout, ns) -> None:
             assert torch.equal(out, kv)
 
     await asyncio.gather(*(worker(i) for i in range(6)))
-    assert server.manager.host.usage().num_pages == 40
+    assert server.core.view().tiers["host"].num_pages == 40
 
 
 def test_event_ring_resync() -> None:

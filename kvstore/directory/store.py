@@ -23,12 +23,12 @@ from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
 from kvstore.errors import LimitExceeded
 from kvstore.lmdb_env import map_full, open_env
-from kvstore.types import Location, LocationRun
+from kvstore.types import REMOTE_TIER, TIER_NAMES, Location, LocationRun
 
 logger = logging.getLogger(__name__)
 
-DURABLE_TIERS = ("remote",)  # persisted here; local ssd pages are rebuilt from the ssd index
-TIER_ORDER = {"hbm": 0, "host": 1, "ssd": 2, "remote": 3}
+DURABLE_TIERS = (REMOTE_TIER,)  # persisted here; this node's ssd pages are rebuilt from the ssd index
+TIER_ORDER = {name: rank for rank, name in enumerate(TIER_NAMES)}
 _SEQ_KEY = b"last_seq"
 
 
@@ -176,6 +176,25 @@ class Directory:
         """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions.
         Durable locations are committed to LMDB first; on MetadataFull nothing changed."""
         with self._write_lock:
+            return self._publish(namespace_id, records)
+
+    def publish_listed(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> set[bytes]:
+        """Publishes further copies of pages still listed in ``namespace_id``; one removed
+        meanwhile is left out (no resurrection by a copy finished after its removal).
+        Returns the keys published."""
+        with self._write_lock:
+            entries = self._entries
+            listed = [r for r in records if (e := entries.get(r[0])) is not None and e.namespace_id == namespace_id and e.locations]
+            if listed:
+                self._publish(namespace_id, listed)
+            return {r[0] for r in listed}
+
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]], per_node: int,
+                       total: int) -> list[int]:
+        """``publish`` of other nodes' locations, all or none, refused (LimitExceeded) when it
+        would hold more than ``per_node`` locations of one node or ``total`` of all."""
+        with self._write_lock:
+            self.check_remote_room(records, per_node, total)
             return self._publish(namespace_id, records)
 
     def _publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:

@@ -51,6 +51,13 @@ def reject(context: grpc.ServicerContext, metrics: Any, method: str, exc: KVStor
     raise AssertionError("context.abort returned")  # it raises; this tells the type checker
 
 
+def _failed(servicer: Any, name: str, context: grpc.ServicerContext, exc: Exception) -> None:
+    """Answers ``exc``'s status (context.abort raises) and counts it."""
+    code, message = _abort(context, exc)
+    servicer.metrics.rpc_errors.labels(name, code.name).inc()
+    context.abort(code, message)
+
+
 def unary(method: Callable[..., Any]) -> Callable[..., Any]:
     name = method.__name__
 
@@ -59,10 +66,8 @@ def unary(method: Callable[..., Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _abort(context, exc)
-            self.metrics.rpc_errors.labels(name, code.name).inc()
-            context.abort(code, message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            _failed(self, name, context, exc)
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 
@@ -77,10 +82,8 @@ def stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]
         start = time.perf_counter()
         try:
             yield from method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _abort(context, exc)
-            self.metrics.rpc_errors.labels(name, code.name).inc()
-            context.abort(code, message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            _failed(self, name, context, exc)
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 
