@@ -33,13 +33,16 @@ _SEQ_KEY = b"last_seq"
 
 
 class Entry:
-    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page."""
+    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page.
+    ``where`` caches (node, tier, size) of the best location for lookups; every change of
+    ``locations`` resets it to None (under the directory's lock)."""
 
-    __slots__ = ("locations", "namespace_id")
+    __slots__ = ("locations", "namespace_id", "where")
 
     def __init__(self, namespace_id: bytes) -> None:
         self.namespace_id = namespace_id
         self.locations: dict[tuple[str, str], Location] = {}
+        self.where: tuple[str, str, int] | None = None
 
     def best(self, local_node: str) -> Location:
         """The cheapest location: a local tier before a remote node, faster tiers first."""
@@ -111,10 +114,14 @@ class Directory:
             count, run = 0, None
             for key in keys:
                 entry = entries.get(key)
-                if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                if entry is None or entry.namespace_id != namespace_id:
                     break
-                loc = entry.best(node)
-                where = (loc.node, loc.tier, loc.size_bytes)
+                where = entry.where
+                if where is None:
+                    if not entry.locations:
+                        break
+                    loc = entry.best(node)
+                    where = entry.where = (loc.node, loc.tier, loc.size_bytes)
                 if where != run:
                     if run is not None:
                         runs.append(LocationRun(run[0], run[1], count, run[2]))
@@ -216,6 +223,7 @@ class Directory:
                 if (loc.node, loc.tier) not in entry.locations:
                     self._count(loc.node, 1)
                 entry.locations[(loc.node, loc.tier)] = loc
+                entry.where = None
                 self.events.append(EventKind.STORED, namespace_id, key, loc)
             self._version += len(staged)
         return [loc.version for _, loc in staged]
@@ -230,6 +238,7 @@ class Directory:
                 entry = entries[key] = Entry(namespace_id)
             version += 1
             entry.locations[(node, tier)] = Location(node, tier, version, size)
+            entry.where = None
         self._version = version
 
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
@@ -247,6 +256,7 @@ class Directory:
             with self._lock:
                 for loc in gone:
                     del entry.locations[(loc.node, loc.tier)]
+                    entry.where = None
                     self._count(loc.node, -1)
                     self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
                 if not entry.locations:
