@@ -71,4 +71,4 @@ class PageAssembler:
             return self.target(self.count)
         if not self.reuse:
             self.page = torch.empty(self.page_bytes, dtype=torch.uint8)
-        return BufferSink(memoryview(self.page.numpy()), clear_on_failure=False)
+        return BufferSink(self.page.numpy().data, clear_on_failure=False)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -45,7 +46,7 @@ class SsdIndex:
         self._write_lock = threading.Lock()
 
     @contextmanager
-    def _write_txn(self, num_entries: int, db: object) -> Iterator[lmdb.Transaction]:
+    def _write_txn(self, num_entries: int, db: Any) -> Iterator[lmdb.Transaction]:
         """One write transaction: a full map is MetadataFull (nothing written), and what it
         costs the device is counted in ``writes``."""
         with self._write_lock, map_full(self.env, "the ssd index"), self.writes.transaction(num_entries), \

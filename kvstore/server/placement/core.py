@@ -45,9 +45,6 @@ from kvstore.tiers.base import ArenaInfo, Quarantined
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AcquiredPage", "Placement"]
-
-
 def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
     """The leading keys for which ``held`` is true."""
     for i, key in enumerate(keys):
@@ -76,9 +73,9 @@ class Placement:
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock
             self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
-            self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts_get)
-            self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
+            self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
+            self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
         finally:
             if gc_enabled:
                 gc.enable()
@@ -88,9 +85,6 @@ class Placement:
     @property
     def arena(self) -> ArenaInfo:
         return self.landing.arena
-
-    def _layouts_get(self, namespace_id: bytes) -> LayoutDesc | None:
-        return self._layouts.get(namespace_id)
 
     def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
         """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
