@@ -33,7 +33,7 @@ HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packe
 NAMESPACE_AT = struct.calcsize("<4sHH")
 KEY_AT = NAMESPACE_AT + 16
 PAYLOAD_BYTES_AT = struct.calcsize("<4sHH16s16sIIII16sI")
-_PAYLOAD_BYTES = struct.Struct("<Q")
+PAYLOAD_BYTES_FIELD = struct.Struct("<Q")  # at PAYLOAD_BYTES_AT
 
 # The first bytes of the host tier's shared-memory arena (then a 16-byte token): a client
 # that finds them, with the token the server announced, shares the server's host.
@@ -134,4 +134,4 @@ def peek(packed: bytes | memoryview) -> tuple[bytes, bytes, int]:
     """(namespace id, key, payload bytes) of a packed header, unchecked: for an index that
     parses (and checks) a header only when the page is first used."""
     return (bytes(packed[NAMESPACE_AT : NAMESPACE_AT + 16]), bytes(packed[KEY_AT : KEY_AT + 16]),
-            _PAYLOAD_BYTES.unpack_from(packed, PAYLOAD_BYTES_AT)[0])
+            PAYLOAD_BYTES_FIELD.unpack_from(packed, PAYLOAD_BYTES_AT)[0])

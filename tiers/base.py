@@ -36,8 +36,9 @@ Contract of every tier:
   ``unreserve`` of a slot once are no-ops; ``commit`` is not (commit once).
 * **Eviction order** is the tier's own: ``victim`` names the page to go next, skipping
   ``pinned`` keys, without removing it; ``touch`` records a use.
-* **Index.** ``recover`` lists what the tier holds after a restart (a memory tier: nothing),
-  from its own index, so that the directory can be rebuilt from it.
+* **Index.** ``recover`` lists what the tier held when it was opened (a memory tier:
+  nothing), from its own index, so that the directory can be rebuilt from it; the list is
+  handed over once (a second call lists nothing).
 """
 
 from __future__ import annotations
@@ -56,13 +57,9 @@ class TierUsage:
     capacity_bytes: int
 
 
-@dataclass(frozen=True)
-class StoredPage:
-    """One page a tier's index holds, as ``recover`` lists it."""
-
-    key: bytes
-    namespace_id: bytes
-    payload_bytes: int
+# One page a tier's index holds, as ``recover`` lists it: (key, namespace_id, payload_bytes).
+# A plain tuple: a restart makes one per stored page.
+StoredPage = tuple[bytes, bytes, int]
 
 
 @dataclass(frozen=True)

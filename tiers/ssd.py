@@ -33,7 +33,7 @@ from pathlib import Path
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.lmdb_env import private_dir
-from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader, peek
+from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
@@ -87,6 +87,7 @@ class SsdTier:
         self._local = threading.local()
         self._staging = StagingPool()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-verify")  # checks beside reads
+        self._recovered: list[StoredPage] = []
         self._load_index()
 
     # -- start-up ------------------------------------------------------------------------
@@ -110,9 +111,11 @@ class SsdTier:
         entries = self._index.load(os.fstat(self.fd).st_size)
         claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries])
         overlapping = []
+        recovered, payload_of = self._recovered, PAYLOAD_BYTES_FIELD.unpack_from
         for (key, offset, _, raw), ok in zip(entries, claimed):
             if ok:
                 self._pages[key] = (offset, raw)
+                recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0]))
             else:
                 overlapping.append((key, "index entry overlaps another slot"))
         self._index.drop(overlapping)
@@ -120,16 +123,9 @@ class SsdTier:
                     "O_DIRECT" if self.direct_io else "buffered")
 
     def recover(self) -> list[StoredPage]:
-        with self._lock:
-            entries = list(self._pages.items())
-        out = []
-        for key, (_, header) in entries:
-            if isinstance(header, bytes):
-                namespace_id, _, payload = peek(header)
-                out.append(StoredPage(key, namespace_id, payload))
-            else:
-                out.append(StoredPage(key, header.namespace_id, header.payload_bytes))
-        return out
+        """What the index held when the tier was opened (handed over once)."""
+        recovered, self._recovered = self._recovered, []
+        return recovered
 
     # -- scratch buffers (aligned, per thread) -------------------------------------------
 

@@ -236,9 +236,10 @@ class Directory:
             entry = entries.get(key)
             if entry is None:
                 entry = entries[key] = Entry(namespace_id)
+            else:
+                entry.where = None
             version += 1
             entry.locations[(node, tier)] = Location(node, tier, version, size)
-            entry.where = None
         self._version = version
 
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:

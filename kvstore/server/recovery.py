@@ -27,13 +27,14 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
     layouts: dict[bytes, LayoutDesc] = {}
     for tier in tiers:
         records = []
-        for page in tier.recover():
-            if page.namespace_id not in layouts:
-                header = tier.header(page.key)
+        name = tier.name
+        for key, namespace_id, payload_bytes in tier.recover():  # one per stored page: kept lean
+            if namespace_id not in layouts:
+                header = tier.header(key)
                 if header is None:
                     continue  # corrupt index header: found and quarantined on first read
-                layouts[page.namespace_id] = header.layout
-            records.append((page.key, page.namespace_id, tier.name, page.payload_bytes))
+                layouts[namespace_id] = header.layout
+            records.append((key, namespace_id, name, payload_bytes))
         directory.restore_local(records)
         if records:
             logger.info("recovery: %d %s pages back in the directory", len(records), tier.name)

@@ -237,7 +237,7 @@ def test_recover_lists_what_outlived_the_process(case: Case, tmp_path: Path) -> 
         tier.close()
     again = case.open(tmp_path, seed=1)
     try:
-        recovered = {(p.key, p.namespace_id, p.payload_bytes) for p in again.recover()}
+        recovered = set(again.recover())
         expected = {(_page(i)[0].key, NS, PAGE.page_bytes) for i in stored} if case.recovers else set()
         assert recovered == expected
         if case.recovers:

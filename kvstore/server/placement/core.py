@@ -76,11 +76,11 @@ class Placement:
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
+            self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
+            self.reporter.refresh_gauges()
         finally:
             if gc_enabled:
                 gc.enable()
-        self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
-        self.reporter.refresh_gauges()
 
     @property
     def arena(self) -> ArenaInfo:
