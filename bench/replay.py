@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kvstore.bench.belady import belady_hits
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import LayoutDesc, checksum
+from kvstore.planner import SECONDS_PER_DAY
 from kvstore.server.admission import Decision, WriteBudget
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement import Placement
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.append(base)
         duration = reqs[-1].t - reqs[0].t
         ssd_bytes = args.ssd_blocks * (args.page_bytes + 4096)
-        dwpd = args.dwpd or args.budget_of_all * base["ssd_blocks_written"] * args.page_bytes / duration * 86_400 / ssd_bytes
+        dwpd = args.dwpd or args.budget_of_all * base["ssd_blocks_written"] * args.page_bytes / duration * SECONDS_PER_DAY / ssd_bytes
         for policy in args.policies.split(","):
             r = replay(reqs, args.host_blocks, args.ssd_blocks, policy, dwpd, 0.0, args.page_bytes, workdir, progress)
             r["belady_hit_rate"] = belady
