@@ -1,6 +1,6 @@
 """The one native piece: kvstore._copyhash (fused page copy + checksum). Everything else is
 in pyproject.toml. ``optional=True``: without a C compiler the install still succeeds and
-kvstore.fastcopy uses numpy (same bytes, same checksums, slower)."""
+kvstore.pagecopy uses numpy (same bytes, same checksums, slower)."""
 
 from setuptools import Extension, setup
 

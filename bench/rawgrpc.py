@@ -17,9 +17,10 @@ from concurrent import futures
 import grpc
 
 from kvstore.memory import tune_malloc
+from kvstore.wire import MESSAGE_OPTIONS
 
 _REQ = struct.Struct("<QI")  # total bytes, chunk bytes
-OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)]
+OPTIONS = MESSAGE_OPTIONS
 
 
 def _upload(request_iterator, context):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""kvstore-bench replay: drive the real tier manager, admission and eviction code with a
+"""kvstore-bench replay: drive the real placement core, admission and eviction code with a
 Mooncake-format trace (one page per 512-token block, payloads scaled down), on simulated
 time, and compare policies with the offline optimum (Belady) at the same capacity.
 
@@ -24,12 +24,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvstore.server.admission import Decision, WriteBudget
 from kvstore.bench.belady import belady_hits
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
-from kvstore.server.metrics import Metrics
 from kvstore.page import LayoutDesc, checksum
-from kvstore.server.placement import TierManager
+from kvstore.planner import SECONDS_PER_DAY
+from kvstore.server.admission import Decision, WriteBudget
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement import Placement
 
 NS = b"replay-namespace"
 
@@ -109,9 +110,10 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
                             eviction=eviction),
         ssd=ssd, metrics_listen=None, node=f"replay{run_dir.name}",
     )
-    manager = TierManager(config, Metrics(), clock=clock)
-    if policy == "oracle" and manager.admission is not None:
-        manager.admission = OracleAdmission(reqs)
+    # No demoter thread: every eviction happens inline, in the order allocations need room,
+    # so the figures are deterministic.
+    core = Placement(config, Metrics(), clock=clock, policy=OracleAdmission(reqs) if policy == "oracle" and ssd else None)
+    budget = core.lower[0].budget if core.lower else None
     payload = bytearray(page_bytes)
     hits = host_hits = ssd_hits = total = 0
     next_hint = 0
@@ -122,12 +124,12 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
                 next_hint = max(next_hint, i + 1)
                 while next_hint < len(reqs) and reqs[next_hint].t <= req.t + window_s:
                     later = reqs[next_hint]
-                    manager.hint(NS, [_key(b) for b in later.blocks], later.t - req.t)
+                    core.hint(NS, [_key(b) for b in later.blocks], later.t - req.t)
                     next_hint += 1
             keys = [_key(b) for b in req.blocks]
-            in_host = [manager.host.contains(k) for k in keys]
-            ident, pages = manager.acquire(NS, keys, 0)
-            manager.release(ident)
+            in_host = [core.landing.contains(k) for k in keys]
+            ident, pages = core.acquire(NS, keys, 0)
+            core.release(ident)
             served = len(pages)
             hits += served
             host_hits += sum(in_host[:served])
@@ -135,21 +137,21 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
             total += len(keys)
             missing = keys[served:]
             if missing:
-                alloc, slots = manager.allocate(NS, layout, missing)
+                alloc, slots = core.allocate(NS, layout, missing)
                 written, sums = [], []
                 for key, offset in slots:
                     if offset is None:
                         continue
                     payload[:16] = key
-                    manager.host.view(offset, page_bytes)[:] = payload
+                    core.slot_view(alloc, key)[:] = payload
                     written.append(key)
                     sums.append(checksum(payload))
-                manager.commit(alloc, written, sums)
-        written_blocks = manager.budget.written_bytes // page_bytes if manager.budget else 0
+                core.commit(alloc, written, sums)
+        written_blocks = budget.written_bytes // page_bytes if budget else 0
         duration = max(1e-9, reqs[-1].t - reqs[0].t)
-        budget_blocks = (manager.budget.rate_bps * duration + manager.budget.burst_bytes) / page_bytes if manager.budget and not manager.budget.unlimited else None
+        budget_blocks = (budget.rate_bps * duration + budget.burst_bytes) / page_bytes if budget and not budget.unlimited else None
     finally:
-        manager.close()
+        core.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return {
         "policy": policy if ssd_blocks else ("queue-aware" if window_s > 0 else eviction),
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.append(base)
         duration = reqs[-1].t - reqs[0].t
         ssd_bytes = args.ssd_blocks * (args.page_bytes + 4096)
-        dwpd = args.dwpd or args.budget_of_all * base["ssd_blocks_written"] * args.page_bytes / duration * 86_400 / ssd_bytes
+        dwpd = args.dwpd or args.budget_of_all * base["ssd_blocks_written"] * args.page_bytes / duration * SECONDS_PER_DAY / ssd_bytes
         for policy in args.policies.split(","):
             r = replay(reqs, args.host_blocks, args.ssd_blocks, policy, dwpd, 0.0, args.page_bytes, workdir, progress)
             r["belady_hit_rate"] = belady

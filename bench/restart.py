@@ -9,7 +9,7 @@ write, fdatasync, index), not a sparse file. Then two figures:
   page cache is dropped (``/proc/sys/vm/drop_caches``) where the machine allows it;
   elsewhere only the store's own files are evicted (``posix_fadvise(DONTNEED)``), and the
   output says which, with the share of the store's files still cached at the start.
-* ``constructor_s``: the ``TierManager`` constructor alone, in the process that just built
+* ``constructor_s``: the ``Placement`` (core) constructor alone, in the process that just built
   the store (warm cache): recovery without process start-up and cold reads.
 """
 
@@ -30,9 +30,9 @@ from tqdm import tqdm
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench.harness import start_server
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
-from kvstore.server.metrics import Metrics
 from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum
-from kvstore.server.placement import TierManager
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement import Placement
 from kvstore.tiers.slab import round_up
 from kvstore.tiers.ssd import SsdTier
 
@@ -80,10 +80,9 @@ def build(workdir: Path, pages: int, page_bytes: int, bar: Any) -> None:
                 offset = ssd.reserve(page_bytes)
                 assert offset is not None, "the ssd capacity is sized for every page"
                 header = PageHeader(NS, _key(i), layout, page_bytes, checksum(view))
-                ssd.write_slot(offset, header, view)
+                ssd.write(offset, header, view)
                 entries.append((offset, header))
-            ssd.sync()
-            ssd.index(entries)
+            ssd.commit(entries)
             bar.update(len(entries))
     finally:
         view.release()
@@ -162,10 +161,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             build(workdir, args.pages, args.page_bytes, bar)
         build_s = time.perf_counter() - start
         start = time.perf_counter()
-        manager = TierManager(_config(workdir, args.pages, args.page_bytes), Metrics())
+        core = Placement(_config(workdir, args.pages, args.page_bytes), Metrics())
         constructor_s = time.perf_counter() - start
-        entries = len(manager.directory)
-        manager.close()
+        entries = len(core.directory)
+        core.close()
         cache = _cold(workdir)
         cached = _cached_share(workdir)
         ready_s, lookup_s, recovered = _first_lookup(workdir, args.pages, args.page_bytes)
@@ -186,5 +185,5 @@ def print_table(report: dict[str, Any]) -> None:
           "file pages cached")
     print(f"kvstore-server start -> first Lookup answered: {report['server_first_lookup_s']:.2f} s "
           f"(ready line after {report['server_ready_s']:.2f} s)")
-    print(f"TierManager constructor alone, warm, in the building process: {report['constructor_s']:.2f} s "
+    print(f"Placement core constructor alone, warm, in the building process: {report['constructor_s']:.2f} s "
           f"({report['directory_entries']:,} directory entries)")

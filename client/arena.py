@@ -13,9 +13,10 @@ import os
 import numpy as np
 import torch
 
+from kvstore.page import ARENA_MAGIC as _MAGIC
+
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"KVARENA1"
 
 
 class ArenaMap:

@@ -32,15 +32,11 @@ from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
-from kvstore.wire import PageStubs
+from kvstore.wire import MESSAGE_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-]
 
 
 def _error_name(exc: Any) -> str | None:
@@ -141,7 +137,7 @@ class Runtime:
 
     async def open(self) -> None:
         """Opens the channel (on this loop: a grpc.aio channel belongs to the loop it was made on)."""
-        self._channel = aio_channel(self.address, CHANNEL_OPTIONS, token=self._token, tls=self._tls)
+        self._channel = aio_channel(self.address, MESSAGE_OPTIONS, token=self._token, tls=self._tls)
         self.data = data_pb2_grpc.DataStub(self._channel)
         self.directory = directory_pb2_grpc.DirectoryStub(self._channel)
         self.pages = PageStubs(self._channel)

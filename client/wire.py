@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from kvstore.chunks import BufferSink, ChunkedPage, PageSink
 from kvstore.client.pages import RowPage
 from kvstore.errors import PageCorrupt
-from kvstore.page import checksum, checksummer
 from kvstore.wire import WireChunk
 
 
@@ -23,7 +23,8 @@ class PageAssembler:
     so a page is copied once; a page sent whole in one chunk (the default up to 4 MiB) is
     copied and hashed in one pass. A target page is valid only once ``feed`` returned True
     for it: one that fails, or that the stream leaves unfinished (``abandon``), is zeroed,
-    so that no unverified byte reaches the caller.
+    so that no unverified byte reaches the caller. Each page is one ``kvstore.chunks``
+    ``ChunkedPage`` (the same reassembly the server's WritePages uses).
     """
 
     def __init__(self, keys: list[bytes], page_bytes: int, reuse: bool = True,
@@ -34,15 +35,13 @@ class PageAssembler:
         self.target = target
         self.count = 0  # pages finished
         self.page = torch.empty(0 if target else page_bytes, dtype=torch.uint8)
-        self._filled = 0
-        self._expect = 0
-        self._hash = checksummer()
+        self._current: ChunkedPage | None = None
 
     def abandon(self) -> None:
         """The stream ended or failed: zero the target page left half written, if any."""
-        if self.target is not None and self._filled:
-            self.target(self.count).clear()
-        self._filled = 0
+        if self._current is not None:
+            self._current.abandon()
+        self._current = None
 
     def feed(self, chunk: WireChunk) -> bool:
         try:
@@ -54,36 +53,22 @@ class PageAssembler:
     def _feed(self, chunk: WireChunk) -> bool:
         if chunk.error:
             raise PageCorrupt(f"page {self.count}: {chunk.error}")
-        if self.count >= len(self.keys) or chunk.key != self.keys[self.count] or chunk.offset != self._filled:
-            raise PageCorrupt(f"out-of-order chunk for page {self.count}")
-        if self._filled == 0:
+        if self.count >= len(self.keys):
+            raise PageCorrupt(f"out-of-order chunk for page {self.count}: the stream has more pages than asked for")
+        if self._current is None:
             if chunk.page_bytes != self.page_bytes:
                 raise PageCorrupt(f"page {self.count} has {chunk.page_bytes} bytes, the layout needs {self.page_bytes}")
-            if self.target is None and not self.reuse:
-                self.page = torch.empty(self.page_bytes, dtype=torch.uint8)
-            self._expect = chunk.checksum
-            if self.target is not None and len(chunk.data) == self.page_bytes:
-                self._filled = self.page_bytes  # written, not yet verified
-                if self.target(self.count).write_all(chunk.data) != self._expect:
-                    raise PageCorrupt(f"page {self.count} failed its checksum in transit")
-                self._filled = 0
-                self.count += 1
-                return True
-            self._hash.reset()
-        end = self._filled + len(chunk.data)
-        if end > self.page_bytes:
-            raise PageCorrupt(f"page {self.count} got more than its {self.page_bytes} bytes")
-        if self.target is not None:
-            self._hash.update(chunk.data)
-            self.target(self.count).write(self._filled, chunk.data)
-        else:
-            self.page.numpy()[self._filled : end] = memoryview(chunk.data)
-        self._filled = end
-        if end < self.page_bytes:
+            self._current = ChunkedPage(self.keys[self.count], self.page_bytes, chunk.checksum, self._sink(),
+                                        f"page {self.count}", PageCorrupt)
+        if not self._current.add(chunk):
             return False
-        digest = self._hash.intdigest() if self.target is not None else checksum(self.page.numpy())
-        if digest != self._expect:
-            raise PageCorrupt(f"page {self.count} failed its checksum in transit")
-        self._filled = 0
+        self._current = None
         self.count += 1
         return True
+
+    def _sink(self) -> PageSink:
+        if self.target is not None:
+            return self.target(self.count)
+        if not self.reuse:
+            self.page = torch.empty(self.page_bytes, dtype=torch.uint8)
+        return BufferSink(self.page.numpy().data, clear_on_failure=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvstore.errors import ConfigError
 from kvstore.security.exposure import check_exposure
+from kvstore.types import LOCAL_TIER_NAMES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -19,7 +20,6 @@ _UNITS = {
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-KNOWN_TIERS = ("hbm", "host", "ssd")
 MIN_MAP_BYTES = 64 << 10  # an LMDB map smaller than this cannot hold its own tables
 MAP_BYTES = 8 << 30  # default LMDB map of the directory and of the ssd index (address space, not disk)
 TOKEN_LOG_MAP_BYTES = 4 << 30
@@ -52,12 +52,16 @@ class HostTierConfig:
     hint_share: float = 0.5  # at most this share of the tier is protected/prefetched for hints
     hint_grace_s: float = 30.0  # a hint whose eta passed this long ago is dropped
     eviction: str = "slru"  # slru (one-shot pages go first) or lru
+    demote_above: float = 0.95  # fuller than this, the demoter writes the coldest pages down ...
+    demote_to: float = 0.90  # ... until it is down to this (1.0 and 1.0: only allocations evict)
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
             raise ConfigError("--host-capacity must be at least 4MiB")
         if not 0 <= self.hint_share <= 1:
             raise ConfigError("--hint-share must be in [0, 1]")
+        if not 0 < self.demote_to <= self.demote_above <= 1:
+            raise ConfigError("host demotion watermarks must satisfy 0 < demote_to <= demote_above <= 1")
         if self.eviction not in ("slru", "lru"):
             raise ConfigError(f"--host-eviction must be slru or lru, got {self.eviction!r}")
         if self.slab_bytes == 0:
@@ -143,8 +147,8 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for tier in self.tiers:
-            if tier not in KNOWN_TIERS:
-                raise ConfigError(f"--tiers: unknown tier {tier!r}; known: {', '.join(KNOWN_TIERS)}")
+            if tier not in LOCAL_TIER_NAMES:
+                raise ConfigError(f"--tiers: unknown tier {tier!r}; known: {', '.join(LOCAL_TIER_NAMES)}")
         if "host" not in self.tiers:
             raise ConfigError("--tiers must include host: it is where pages land first")
         if "ssd" in self.tiers and self.ssd is None:

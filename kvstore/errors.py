@@ -15,6 +15,11 @@ class InvalidRequest(KVStoreError):
     """The input is malformed (sizes, counts, key lengths, layouts); nothing was changed."""
 
 
+class StreamCut(InvalidRequest):
+    """A request stream ended inside a page: a client that sent half a page, or (a moment
+    before the server sees it) a client that cancelled."""
+
+
 class NamespaceMismatch(InvalidRequest):
     """A page or request names a namespace or layout that does not match; nothing was changed."""
 

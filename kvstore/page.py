@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.errors import NamespaceMismatch, PageCorrupt
-from kvstore.types import DTYPE_BYTES, KVLayout
+from kvstore.errors import PageCorrupt
+from kvstore.types import KVLayout, page_bytes_of
 
 MAGIC = b"KVPG"
 FORMAT_VERSION = 1
@@ -28,6 +28,16 @@ HEADER_BYTES = 4096
 _BODY = struct.Struct("<4sHH16s16sIIII16sIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packed header
+# Where fields sit in a packed header, for readers that peek without parsing it (an index
+# of a million pages at start-up).
+NAMESPACE_AT = struct.calcsize("<4sHH")
+KEY_AT = NAMESPACE_AT + 16
+PAYLOAD_BYTES_AT = struct.calcsize("<4sHH16s16sIIII16sI")
+PAYLOAD_BYTES_FIELD = struct.Struct("<Q")  # at PAYLOAD_BYTES_AT
+
+# The first bytes of the host tier's shared-memory arena (then a 16-byte token): a client
+# that finds them, with the token the server announced, shares the server's host.
+ARENA_MAGIC = b"KVARENA1"
 
 # Header flags an engine may set (SSD admission reads them).
 FLAG_WANTED = 1        # the engine asked to keep this page
@@ -71,8 +81,8 @@ class LayoutDesc:
 
     @property
     def page_bytes(self) -> int:
-        itemsize = DTYPE_BYTES.get(self.dtype, 0)
-        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * itemsize * self.page_tokens
+        """0 for an unknown dtype."""
+        return page_bytes_of(self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype, self.page_tokens)
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,9 @@ class PageHeader:
         if checksum(payload) != self.checksum:
             raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
 
-    def expect(self, namespace_id: bytes, key: bytes) -> None:
-        if self.namespace_id != namespace_id or self.key != key:
-            raise NamespaceMismatch(f"page {key.hex()} header names another namespace or key")
+
+def peek(packed: bytes | memoryview) -> tuple[bytes, bytes, int]:
+    """(namespace id, key, payload bytes) of a packed header, unchecked: for an index that
+    parses (and checks) a header only when the page is first used."""
+    return (bytes(packed[NAMESPACE_AT : NAMESPACE_AT + 16]), bytes(packed[KEY_AT : KEY_AT + 16]),
+            PAYLOAD_BYTES_FIELD.unpack_from(packed, PAYLOAD_BYTES_AT)[0])

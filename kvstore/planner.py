@@ -14,17 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+SECONDS_PER_DAY = 86_400
+
 # -- sizes and transfers ---------------------------------------------------------------
 
 
 def kv_bytes_per_token_gqa(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """K and V of every layer: 2·n·h_kv·d_h·b."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-
-
-def kv_bytes_per_token_mla(num_layers: int, latent_dim: int, rope_dim: int, dtype_bytes: int) -> int:
-    """One compressed latent plus the decoupled RoPE key per layer: n·(d_c + d_r)·b."""
-    return num_layers * (latent_dim + rope_dim) * dtype_bytes
 
 
 def transfer_s(num_bytes: float, bandwidth_bps: float, latency_s: float = 0.0) -> float:
@@ -37,9 +34,6 @@ def production_rate(num_bytes: float, recompute_s: float) -> float:
     return num_bytes / recompute_s
 
 
-crossover_bandwidth = production_rate
-
-
 def tie_bandwidth(num_bytes: float, target_s: float, fixed_s: float = 0.0) -> float:
     """The link bandwidth at which fixed_s + V/B equals target_s."""
     if target_s <= fixed_s:
@@ -48,11 +42,6 @@ def tie_bandwidth(num_bytes: float, target_s: float, fixed_s: float = 0.0) -> fl
 
 
 # -- store, fetch, recompute ------------------------------------------------------------
-
-
-def store_then_fetch_wins(write_s: float, read_s: float, recompute_s: float, reuses: int) -> bool:
-    """T_write + k·T_read < k·T_recompute."""
-    return write_s + reuses * read_s < reuses * recompute_s
 
 
 def reuses_to_win(write_s: float, read_s: float, recompute_s: float) -> int | None:
@@ -79,11 +68,6 @@ def layerwise_s(num_layers: int, read_layer_s: float, compute_layer_s: float, pr
     return compute_end
 
 
-def serial_s(read_s: float, compute_s: float) -> float:
-    """Read everything, then compute."""
-    return read_s + compute_s
-
-
 def prefetch_buffer_bytes(bandwidth_bps: float, read_s: float, new_s: float) -> float:
     """S_buf = B·(T_read − T_new): what must be loaded before compute starts so that the
     rest of the read hides behind compute. Zero when compute is the longer of the two."""
@@ -104,11 +88,6 @@ def preload_layers(num_layers: int, bandwidth_bps: float, read_s: float, new_s: 
     return num_layers
 
 
-def new_tokens_to_hide_read(read_s: float, seconds_per_new_token: float) -> int:
-    """How many new tokens of compute hide a read completely (T_new ≥ T_read)."""
-    return math.ceil(read_s / seconds_per_new_token)
-
-
 # -- time to first token ---------------------------------------------------------------
 
 
@@ -127,56 +106,12 @@ def quantile_first_token_s(p_hit: float, hit_s: float, miss_s: float, q: float =
     return hit_s if p_hit >= q - 1e-12 else miss_s
 
 
-def breakeven_hit_probability(hit_s: float, miss_s: float, alternative_s: float) -> float:
-    """The p above which E[T] = p·hit + (1−p)·miss beats a sure alternative."""
-    if miss_s <= alternative_s:
-        return 0.0
-    return (miss_s - alternative_s) / (miss_s - hit_s)
-
-
-# -- capacity, endurance, startup ------------------------------------------------------
-
-
-def capacity_for_reuse_bytes(rate_bps: float, interval_s: float) -> float:
-    """C ≥ r·T: to catch a reuse T seconds later, a FIFO tier must hold T of production."""
-    return rate_bps * interval_s
-
-
-def retention_s(capacity_bytes: float, rate_bps: float) -> float:
-    return capacity_bytes / rate_bps
+# -- endurance -------------------------------------------------------------------------
 
 
 def ssd_write_budget_bps(capacity_bytes: float, dwpd: float) -> float:
     """Long-run write rate an SSD's endurance allows: capacity × DWPD / 86,400."""
-    return capacity_bytes * dwpd / 86_400
-
-
-def ssd_write_share(capacity_bytes: float, dwpd: float, rate_bps: float) -> float:
-    """Fraction of newly produced KV that may go to the SSD in the long run."""
-    return min(1.0, ssd_write_budget_bps(capacity_bytes, dwpd) / rate_bps)
-
-
-@dataclass(frozen=True)
-class Backlog:
-    requests: float
-    drain_s: float       # after start-up ends; inf when the queue never drains
-    cleared_at_s: float  # from the beginning of start-up
-
-
-def startup_backlog(arrival_rate: float, startup_s: float, service_rate: float) -> Backlog:
-    """λ·T_s requests pile up during start-up and drain in λ·T_s / (μ − λ)."""
-    backlog = arrival_rate * startup_s
-    if service_rate <= arrival_rate:
-        return Backlog(backlog, math.inf, math.inf)
-    drain = backlog / (service_rate - arrival_rate)
-    return Backlog(backlog, drain, startup_s + drain)
-
-
-def migration_catch_up_s(state_bytes: float, growth_bps: float, bandwidth_bps: float) -> float:
-    """Background copy of a growing state: S / (B − g)."""
-    if bandwidth_bps <= growth_bps:
-        return math.inf
-    return state_bytes / (bandwidth_bps - growth_bps)
+    return capacity_bytes * dwpd / SECONDS_PER_DAY
 
 
 # -- routing ---------------------------------------------------------------------------

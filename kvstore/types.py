@@ -29,6 +29,18 @@ DTYPE_BYTES: dict[str, int] = {
 
 ATTENTION_KINDS = ("gqa", "mla")
 
+# Tier names, fastest first: the order a reader prefers copies in. Only the first three can
+# be this node's own (--tiers); "remote" is a copy held by another node.
+TIER_NAMES = ("hbm", "host", "ssd", "remote")
+LOCAL_TIER_NAMES = TIER_NAMES[:3]
+REMOTE_TIER = "remote"
+
+
+def page_bytes_of(num_layers: int, kv_factor: int, num_kv_heads: int, head_dim: int, dtype: str, page_tokens: int) -> int:
+    """Bytes of one page: every layer's K (and V) for ``page_tokens`` tokens; 0 for an
+    unknown dtype. The one formula behind KVLayout.page_bytes and LayoutDesc.page_bytes."""
+    return num_layers * kv_factor * num_kv_heads * head_dim * DTYPE_BYTES.get(dtype, 0) * page_tokens
+
 
 def dtype_name(dtype: Any) -> str:
     """'bfloat16' for torch.bfloat16 or 'bfloat16'; raises ConfigError for anything else."""
@@ -81,11 +93,11 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.itemsize
+        return page_bytes_of(self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_name, 1)
 
     @property
     def page_bytes(self) -> int:
-        return self.bytes_per_token * self.page_tokens
+        return page_bytes_of(self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_name, self.page_tokens)
 
     def page_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, self.kv_factor, self.page_tokens, self.num_kv_heads, self.head_dim)

@@ -23,10 +23,11 @@ def keys(values: Sequence[bytes], max_count: int, allow_empty: bool = False) -> 
         raise InvalidRequest("keys must not be empty")
     if len(values) > max_count:
         raise InvalidRequest(f"too many keys: {len(values)} (at most {max_count} per request)")
-    for i, key in enumerate(values):
-        if len(key) != PAGE_KEY_BYTES:
-            raise InvalidRequest(f"keys[{i}] must be {PAGE_KEY_BYTES} bytes, got {len(key)}")
-    return [bytes(k) for k in values]
+    out = list(values)  # protobuf hands out bytes: no copy per key
+    if set(map(len, out)) - {PAGE_KEY_BYTES}:
+        i, key = next((i, key) for i, key in enumerate(out) if len(key) != PAGE_KEY_BYTES)
+        raise InvalidRequest(f"keys[{i}] must be {PAGE_KEY_BYTES} bytes, got {len(key)}")
+    return out
 
 
 def layout(msg: common_pb2.Layout) -> LayoutDesc:

@@ -27,6 +27,12 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import checksum_rows
 from kvstore.pagecopy import frame_checksummed
 
+MAX_MESSAGE_BYTES = 256 << 20
+# gRPC options both ends set: a message (a page chunk, a lookup of 65,536 keys) may be this large.
+MESSAGE_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 8 << 20  # what a ReadPages request or a client may ask for
 

@@ -71,6 +71,15 @@ def random_kv(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(layout.torch_dtype())
 
 
+def flip_arena_byte(server: Server, offset: int) -> None:
+    """A stray write into the server's shared-memory arena, made as a client that maps it would."""
+    with open(server.core.arena.path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

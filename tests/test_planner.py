@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -22,8 +21,6 @@ def ms(x: float) -> float:
 def test_state_sizes() -> None:
     assert pl.kv_bytes_per_token_gqa(36, 8, 128, 2) == 144 * 1024
     assert V == 1_207_959_552 == 1.125 * GIB
-    mla = 8192 * pl.kv_bytes_per_token_mla(61, 512, 64, 2)
-    assert mla == 575_668_224 and mla / 2**20 == pytest.approx(549, abs=0.1)
 
 
 def test_transfer_times() -> None:
@@ -36,9 +33,7 @@ def test_transfer_times() -> None:
 
 def test_store_then_fetch_vs_recompute() -> None:
     read = pl.transfer_s(V, 25e9)
-    assert pl.store_then_fetch_wins(read, read, R_A100, 1)            # 96.6 ms < 856 ms
     assert pl.production_rate(V, R_A100) / 1e9 == pytest.approx(1.41, abs=0.005)
-    assert pl.crossover_bandwidth(V, R_A100) == pl.production_rate(V, R_A100)
     # between 1.41 and 2.82 GB/s at least two reuses are needed; above, one is enough
     for gbps in (1.5, 2.0, 2.5, 2.8):
         t = pl.transfer_s(V, gbps * 1e9)
@@ -53,7 +48,6 @@ def test_store_then_fetch_vs_recompute() -> None:
 
 def test_layerwise_overlap_and_buffer() -> None:
     read, new = pl.transfer_s(V, PCIE), 0.0309
-    assert ms(pl.serial_s(read, new)) == pytest.approx(79.2, abs=0.05)
     assert ms(pl.layerwise_s(36, read / 36, new / 36)) == pytest.approx(49.2, abs=0.05)
     assert pl.prefetch_buffer_bytes(PCIE, read, new) / 1e6 == pytest.approx(437, rel=0.01)
     assert pl.preload_layers(36, PCIE, read, new) == 14
@@ -61,26 +55,11 @@ def test_layerwise_overlap_and_buffer() -> None:
     assert pl.prefetch_buffer_bytes(PCIE, read, 36 * 0.000857) / 1e6 == pytest.approx(437, abs=0.5)
     assert ms(pl.layerwise_s(36, read / 36, new / 36, preloaded=14)) == pytest.approx(30.9, abs=0.01)
     assert pl.prefetch_buffer_bytes(PCIE, read, 0.060) == 0.0
-    per_token = new / 256
-    assert pl.new_tokens_to_hide_read(read, per_token) == pytest.approx(400, rel=0.01)                       # host
-    assert pl.new_tokens_to_hide_read(2 * read, per_token) == pytest.approx(800, rel=0.01)                   # remote pool
-    assert pl.new_tokens_to_hide_read(pl.transfer_s(V, 7.1e9), per_token) == pytest.approx(1400, rel=0.03)   # local SSD
 
 
-def test_capacity_endurance_and_startup() -> None:
-    r = pl.production_rate(V, R_A100)
-    assert pl.capacity_for_reuse_bytes(r, 10) / 1e9 == pytest.approx(14.1, abs=0.05)
-    assert pl.capacity_for_reuse_bytes(r, 600) / 1e9 == pytest.approx(846, abs=1)
-    assert pl.retention_s(256 * GIB, r) == pytest.approx(195, abs=1)
-    assert pl.retention_s(3.84e12, r) == pytest.approx(2722, abs=3)
+def test_endurance() -> None:
     assert pl.ssd_write_budget_bps(3.84e12, 1) / 1e6 == pytest.approx(44.4, abs=0.05)
-    assert pl.ssd_write_share(3.84e12, 1, 1.41e9) == pytest.approx(0.032, abs=0.0005)
     assert 1.41e9 / pl.ssd_write_budget_bps(3.84e12, 1) == pytest.approx(31.7, abs=0.05)
-    backlog = pl.startup_backlog(3.5, 10, 4.55)
-    assert backlog.requests == 35 and math.ceil(backlog.cleared_at_s) == 44 and backlog.cleared_at_s == pytest.approx(43.3, abs=0.05)
-    assert pl.startup_backlog(3.5, 10, 3.02).drain_s == math.inf
-    assert pl.migration_catch_up_s(41.1e9, 0.172e9, 25e9) == pytest.approx(1.65, abs=0.01)
-    assert pl.migration_catch_up_s(41.1e9, 0.172e9, 6.25e9) == pytest.approx(6.76, abs=0.01)
 
 
 def test_first_token_overlap() -> None:
@@ -117,7 +96,6 @@ def test_routing_example() -> None:
 def test_stale_location_probability() -> None:
     hit, miss = 0.080 + 0.0309, 0.080 + 0.8872
     assert ms(pl.expected_first_token_s(0.9, hit, miss)) == pytest.approx(196.5, abs=0.1)
-    assert pl.breakeven_hit_probability(hit, miss, 0.907) == pytest.approx(0.07, abs=0.001)
     assert ms(pl.quantile_first_token_s(0.9, hit, miss)) == pytest.approx(967.2, abs=0.1)
     assert ms(pl.quantile_first_token_s(0.99, hit, miss)) <= 220
     cands = [pl.Candidate("A", 0.080, PREFILL, hbm_tokens=8192, hit_probability=0.05),

@@ -79,7 +79,7 @@ async def test_pressure_demotes_to_ssd_and_hits_promote_back(server_factory, lay
         out = torch.empty_like(kv)
         assert await client.get(hit, into=out) == len(tokens)
         assert torch.equal(out, kv)
-    stats = server.manager.stats()
+    stats = server.core.stats()
     assert stats.counters["ssd"]["hits"] > 0 and stats.counters["host"]["evictions"] > 0
 
 
@@ -174,7 +174,7 @@ async def test_concurrent_clients_same_pages(server, layout, ns) -> None:
             assert torch.equal(out, kv)
 
     await asyncio.gather(*(worker(i) for i in range(6)))
-    assert server.manager.host.usage().num_pages == 40
+    assert server.core.view().tiers["host"].num_pages == 40
 
 
 def test_event_ring_resync() -> None:
@@ -225,10 +225,13 @@ async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(serve
         hit = await client.lookup(tokens)
         assert hit.num_pages == 300
         acquire = client.transport.acquire
+        calls = 0
 
         async def counted(keys: list[bytes]) -> data_pb2.AcquireResponse:
-            if len(answers) == 2:  # the third acquire: two of ours are in flight or copying
-                answers.append((len(keys), -1))
+            nonlocal calls
+            calls += 1
+            if calls == 3:  # the third acquire: two of ours are in flight or copying (counted by calls:
+                answers.append((len(keys), -1))  # answers arrive in any order under load)
                 raise TierFull("host tier is full and every page in it is leased")
             answer = await acquire(keys)
             answers.append((len(keys), len(answer.pages)))
@@ -240,7 +243,7 @@ async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(serve
         client.transport.acquire = acquire  # type: ignore[method-assign]
         assert torch.equal(out, kv)
         assert any(0 < got < asked for asked, got in answers), answers
-        assert answers[2][1] == -1 and len(answers) > 3, "the get went on after the TierFull"
+        assert (-1 in [got for _, got in answers]) and calls > 3, f"the get went on after the TierFull: {answers}"
         await data.Release(data_pb2.ReleaseRequest(lease_id=blocker.lease_id))
         # Every lease of the get is gone: the whole tier can be filled again.
         fresh = list(range(2 * 10**6, 2 * 10**6 + 16 * 250))
@@ -266,7 +269,7 @@ async def test_storing_again_a_page_removed_while_leased_leaks_no_slot(server_fa
             directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys[1:]), timeout=10)
             stored = await client.put(tokens, kv)  # page 1 again, while the reader still holds its removed copy
             data.Release(data_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
-        usage = server.manager.host.usage()
+        usage = server.core.view().tiers["host"]
         assert usage.used_bytes == usage.num_pages * layout.page_bytes, "a slot stays allocated with no page in it"
         hit = await client.lookup(tokens)
         assert hit.num_tokens == stored, "what the put said it stored is what is found"

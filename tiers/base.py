@@ -1,20 +1,51 @@
-"""What every tier offers the tier manager.
+"""What every tier offers the placement core: one small, batch-first protocol.
 
-Contract shared by all tiers:
-* Synchronous; the tier manager serialises metadata changes under its own lock, so a tier
-  need not be thread-safe for those. Reads of stored bytes may run concurrently with other
-  reads.
-* A miss is a value (``None`` / ``False``), never an exception.
+The core keeps an ordered list of tiers (the first is where pages land, the rest are where
+they are demoted to) and calls them only through ``Tier``; what is special about a tier is
+its type (``LandingTier``: memory that clients map), or a wrapper around it (admission and
+a write budget, fault injection), never a branch on its name.
 
-Writing and reading bytes is tier-specific (host: arena slots the manager hands out; ssd:
-reserve -> write_slot -> sync -> index, and a verifying ``read``), because the manager
-overlaps each differently with its lock.
+Contract of every tier:
+
+* **Keys.** A tier holds at most one copy of a 16-byte page key. ``commit`` of a key it
+  holds already replaces that copy (its old slot is freed).
+* **Writing** is reserve -> write -> commit. ``reserve`` answers a slot or None when the
+  tier is full (the caller frees room with ``victim`` + ``delete`` and asks again); it
+  never evicts by itself. ``write`` puts a page into a reserved slot, not findable yet;
+  ``commit`` makes written slots the stored copies, durable when the tier is (synced,
+  indexed): only after it returns may anyone publish them. ``unreserve`` gives back a slot
+  that will not be committed. A ``write`` or ``commit`` that raises (``OSError``,
+  ``MetadataFull``) stored nothing of its batch; the caller unreserves the slots.
+* **Reading.** ``read_into`` copies pages into the caller's buffers and verifies each
+  (length, header, checksum) before it counts; only a contiguous prefix of the batch counts.
+  A page the tier does not hold is a miss (it ends the prefix), never an exception; a page
+  that fails its check ends it with the reason; a tier that cannot read at all may raise
+  ``OSError`` (nothing of the batch counts).
+* **Buffers** belong to the caller: a tier keeps no reference to a payload after ``write``
+  returns, nor to a destination after ``read_into`` returns. A destination holds at least
+  the payload; one that is 4 KiB aligned and holds the payload rounded up to 4 KiB may be
+  read into directly (O_DIRECT).
+* **Thread-safety.** Every method is safe to call from any thread: a tier guards its own
+  metadata with its own lock and never holds that lock over disk I/O. ``reserve``,
+  ``unreserve``, ``contains``, ``header``, ``touch``, ``victim``, ``stored_keys`` and ``usage``
+  never block on I/O (callers may hold their own locks over them); ``write``, ``commit``,
+  ``read_into``, ``delete``, ``quarantine`` and ``recover`` may, and must not be called
+  under a lock that lookups or allocations take. The caller keeps a page from being
+  deleted while it reads it (pins); the tier does not.
+* **Idempotency.** ``delete`` of a key not held, ``touch`` of an unknown key and
+  ``unreserve`` of a slot once are no-ops; ``commit`` is not (commit once).
+* **Eviction order** is the tier's own: ``victim`` names the page to go next, skipping
+  ``pinned`` keys, without removing it; ``touch`` records a use.
+* **Index.** ``recover`` lists what the tier held when it was opened (a memory tier:
+  nothing), from its own index, so that the directory can be rebuilt from it; the list is
+  handed over once (a second call lists nothing).
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvstore.page import PageHeader
 
@@ -26,15 +57,193 @@ class TierUsage:
     capacity_bytes: int
 
 
+# One page a tier's index holds, as ``recover`` lists it: (key, namespace_id, payload_bytes).
+# A plain tuple: a restart makes one per stored page.
+StoredPage = tuple[bytes, bytes, int]
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A page that failed a check: dropped from its tier, kept on this list for operators."""
+
+    key: bytes
+    namespace_id: bytes
+    reason: str
+    unix_s: float
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """How far a batch read got: pages ``[0, num_read)`` are in their buffers, verified.
+    ``reason`` says why page ``num_read`` failed when it was damaged (empty for a miss or
+    an I/O error, which prove nothing about the bytes)."""
+
+    num_read: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """What a client needs to map a landing tier's memory."""
+
+    path: str
+    size_bytes: int
+    token: bytes
+
+
 class Tier(Protocol):
     name: str
+
+    def reserve(self, payload_bytes: int) -> int | None: ...
+
+    def unreserve(self, slot: int) -> None: ...
+
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None: ...
+
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None: ...
+
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult: ...
 
     def contains(self, key: bytes) -> bool: ...
 
     def header(self, key: bytes) -> PageHeader | None: ...
 
-    def delete(self, key: bytes) -> bool: ...
+    def slot_of(self, key: bytes) -> int | None:
+        """Where the tier keeps ``key`` (arena or file offset), or None."""
+        ...
+
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
+        """Drops the copies of ``keys``; returns how many it held. ``evicted``: they go to
+        make room (an eviction order may remember them as recently evicted)."""
+        ...
+
+    def quarantine(self, key: bytes, reason: str) -> None:
+        """Drops a page that failed a check and lists it (``quarantined``) with ``reason``."""
+        ...
+
+    def quarantined(self) -> list[Quarantined]: ...
+
+    def purge_quarantine(self) -> int: ...
+
+    def touch(self, key: bytes) -> None: ...
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        """The page to evict next to make room for one of ``page_bytes`` (None: every page
+        is pinned)."""
+        ...
+
+    def stored_keys(self) -> list[bytes]:
+        """The keys held (the scrub walks them)."""
+        ...
+
+    def recover(self) -> list[StoredPage]: ...
 
     def usage(self) -> TierUsage: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class LandingTier(Tier, Protocol):
+    """Where pages land: memory that clients map and fill or read in place (the host arena).
+
+    The core hands out its slots (``view``) to writers it allocated them to and to readers it
+    leased pages to. Every method is an in-memory operation (none blocks on I/O), so the core
+    may call any of them under its own lock. Its eviction order is queue-aware: ``hint``
+    announces uses, ``used`` fulfils them, ``expire_hints`` forgets the stale ones.
+    """
+
+    arena: ArenaInfo
+
+    def view(self, slot: int, nbytes: int) -> memoryview: ...
+
+    def detach(self, key: bytes) -> int | None:
+        """Drops ``key`` from the index but keeps its slot reserved (returned; None: not
+        held): a reader the page was leased to still finds its bytes there, while the key
+        may be stored again in another slot. The caller unreserves the slot later."""
+        ...
+
+    def slot_bytes(self, slot: int) -> int: ...
+
+    def fits(self, page_bytes: int) -> bool:
+        """Whether a page of ``page_bytes`` fits one slot at all."""
+        ...
+
+    def hint(self, keys: list[bytes], eta: float) -> None: ...
+
+    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
+        """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
+        ...
+
+    def num_hinted(self) -> int: ...
+
+    def used(self, key: bytes, now: float) -> None: ...
+
+    def expire_hints(self, now: float) -> None: ...
+
+
+class TierWrapper:
+    """Delegates every ``Tier`` method to ``inner``: the base of cross-cutting wrappers
+    (fault injection, admission), which override what they change. Attributes beyond the
+    protocol (a landing tier's ``view``, ``hint``...) are looked up on ``inner`` too."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def reserve(self, payload_bytes: int) -> int | None:
+        return self.inner.reserve(payload_bytes)
+
+    def unreserve(self, slot: int) -> None:
+        self.inner.unreserve(slot)
+
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
+        self.inner.write(slot, header, payload)
+
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+        self.inner.commit(pages)
+
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        return self.inner.read_into(pages)
+
+    def contains(self, key: bytes) -> bool:
+        return self.inner.contains(key)
+
+    def header(self, key: bytes) -> PageHeader | None:
+        return self.inner.header(key)
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self.inner.slot_of(key)
+
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
+        return self.inner.delete(keys, evicted)
+
+    def quarantine(self, key: bytes, reason: str) -> None:
+        self.inner.quarantine(key, reason)
+
+    def quarantined(self) -> list[Quarantined]:
+        return self.inner.quarantined()
+
+    def purge_quarantine(self) -> int:
+        return self.inner.purge_quarantine()
+
+    def touch(self, key: bytes) -> None:
+        self.inner.touch(key)
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        return self.inner.victim(pinned, page_bytes)
+
+    def stored_keys(self) -> list[bytes]:
+        return self.inner.stored_keys()
+
+    def recover(self) -> list[StoredPage]:
+        return self.inner.recover()
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -12,6 +12,7 @@ in: three pages per entry and two per transaction.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,11 +35,12 @@ def thread_write_bytes() -> int | None:
 
 
 class IndexWrites:
-    """Device bytes of index transactions since ``take`` was last called. The owner
-    serialises calls (the tier manager's lock)."""
+    """Device bytes of index transactions since ``take`` was last called. Thread-safe: a
+    transaction is measured in the thread that commits it, and ``take`` may come from any."""
 
     def __init__(self) -> None:
         self._pending = 0
+        self._lock = threading.Lock()
         self.measured = thread_write_bytes() is not None
         if not self.measured:
             logger.info("ssd tier: %s unreadable; index writes are estimated, not measured", _IO_FILE)
@@ -51,12 +53,12 @@ class IndexWrites:
             yield
         finally:
             after = thread_write_bytes() if before is not None else None
-            if before is not None and after is not None:
-                self._pending += after - before
-            else:
-                self._pending += PAGE_BYTES * (3 * num_entries + 2)
+            spent = after - before if before is not None and after is not None else PAGE_BYTES * (3 * num_entries + 2)
+            with self._lock:
+                self._pending += spent
 
     def take(self) -> int:
         """The bytes written since the last call."""
-        pending, self._pending = self._pending, 0
+        with self._lock:
+            pending, self._pending = self._pending, 0
         return pending

@@ -5,8 +5,10 @@ bytes in and out directly, so no page byte crosses a socket. The first 4 KiB hol
 and a random token: a client that reads the token the server announced is on this host.
 The server holds an exclusive ``flock`` on the arena file while it lives; a server starting on
 the same node removes the arenas no one holds (their owner died, even by SIGKILL).
-Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the tier manager
-(allocations and leases); this class only keeps the arena and the stored-page index.
+Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the placement core
+(allocations and leases); this class keeps the arena, the stored-page index, its eviction
+order (eviction.py) and the pages it quarantined. It is the landing tier (base.LandingTier):
+every method is in memory, guarded by the tier's own lock.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ import logging
 import mmap
 import os
 import secrets
+import threading
+import time
+from collections.abc import Container
 from pathlib import Path
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import PageCorrupt
-from kvstore.page import PageHeader
-from kvstore.tiers.base import TierUsage
+from kvstore.page import ARENA_MAGIC, PageHeader
+from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.eviction import HostResidency
 from kvstore.tiers.slab import ALIGN, SlabAllocator
 
 logger = logging.getLogger(__name__)
 
-ARENA_MAGIC = b"KVARENA1"
 ARENA_HEADER_BYTES = ALIGN
 
 
@@ -58,53 +63,86 @@ def remove_stale_arenas(shm_dir: Path, node: str) -> None:
 
 
 class HostTier:
-    """Pages in a shared-memory arena, indexed by key."""
+    """Pages in a shared-memory arena, indexed by key (a ``LandingTier``)."""
 
     name = "host"
 
     def __init__(self, config: HostTierConfig, node: str = "local") -> None:
         remove_stale_arenas(config.shm_dir, node)
-        self.token = secrets.token_bytes(16)
-        self.path = config.shm_dir / f"kvstore-{node}-{os.getpid()}-{self.token.hex()[:8]}"
+        self.config = config
+        token = secrets.token_bytes(16)
+        self.path = config.shm_dir / f"kvstore-{node}-{os.getpid()}-{token.hex()[:8]}"
         capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
-        self.arena_bytes = ARENA_HEADER_BYTES + capacity
+        arena_bytes = ARENA_HEADER_BYTES + capacity
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until close (or death): the arena is in use
-            os.ftruncate(fd, self.arena_bytes)
+            os.ftruncate(fd, arena_bytes)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(fd, self.arena_bytes, flags=flags)
+            self._mmap = mmap.mmap(fd, arena_bytes, flags=flags)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
         self._lock_fd = fd
-        self.buffer = memoryview(self._mmap)
-        self.buffer[: len(ARENA_MAGIC) + 16] = ARENA_MAGIC + self.token
-        self.allocator = SlabAllocator(ARENA_HEADER_BYTES, capacity, config.slab_bytes)
+        self.arena = ArenaInfo(str(self.path), arena_bytes, token)
+        self._buffer = memoryview(self._mmap)
+        self._buffer[: len(ARENA_MAGIC) + 16] = ARENA_MAGIC + token
+        self._allocator = SlabAllocator(ARENA_HEADER_BYTES, capacity, config.slab_bytes)
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
-        logger.info("host arena %s: %d MiB in %d slabs", self.path, capacity >> 20, self.allocator.num_slabs)
+        self._order = HostResidency(segmented=config.eviction == "slru")
+        self._quarantine: list[Quarantined] = []
+        self._lock = threading.Lock()
+        logger.info("host arena %s: %d MiB in %d slabs", self.path, capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
 
-    def reserve(self, page_bytes: int) -> int | None:
+    def reserve(self, payload_bytes: int) -> int | None:
         """A free slot's offset, or None when the arena is full (the caller evicts)."""
-        return self.allocator.alloc(page_bytes)
+        with self._lock:
+            return self._allocator.alloc(payload_bytes)
 
-    def unreserve(self, offset: int) -> None:
-        self.allocator.free(offset)
+    def unreserve(self, slot: int) -> None:
+        with self._lock:
+            self._allocator.free(slot)
 
-    def install(self, header: PageHeader, offset: int) -> None:
-        """Makes a reserved, written slot the stored copy of ``header.key``."""
-        self._pages[header.key] = (offset, header)
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
+        self._buffer[slot : slot + header.payload_bytes] = payload[: header.payload_bytes]
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        return self.buffer[offset : offset + nbytes]
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+        """Makes reserved, written slots the stored copies of their keys."""
+        with self._lock:
+            for slot, header in pages:
+                old = self._pages.get(header.key)
+                if old is not None and old[0] != slot:
+                    self._allocator.free(old[0])
+                self._pages[header.key] = (slot, header)
+                self._order.add(header.key)
 
-    def slot(self, key: bytes) -> tuple[int, PageHeader] | None:
-        return self._pages.get(key)
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        return self._buffer[slot : slot + nbytes]
 
-    # -- Tier ----------------------------------------------------------------------------
+    def slot_bytes(self, slot: int) -> int:
+        with self._lock:
+            return self._allocator.slot_bytes(slot)
+
+    def fits(self, page_bytes: int) -> bool:
+        return self._allocator.fits(page_bytes)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        for index, (key, into) in enumerate(pages):
+            entry = self._pages.get(key)
+            if entry is None:
+                return ReadResult(index)
+            slot, header = entry
+            into[: header.payload_bytes] = self._buffer[slot : slot + header.payload_bytes]
+            try:
+                header.verify_payload(into[: header.payload_bytes], header.payload_bytes)
+            except PageCorrupt as exc:
+                return ReadResult(index, str(exc))
+        return ReadResult(len(pages))
 
     def contains(self, key: bytes) -> bool:
         return key in self._pages
@@ -113,27 +151,100 @@ class HostTier:
         entry = self._pages.get(key)
         return entry[1] if entry else None
 
-    def verify(self, key: bytes) -> None:
-        """Raises PageCorrupt (and drops the page) if its slot no longer matches its checksum."""
-        offset, header = self._pages[key]
-        try:
-            header.verify_payload(self.view(offset, header.payload_bytes), header.payload_bytes)
-        except PageCorrupt:
-            self.delete(key)
-            raise
+    def slot_of(self, key: bytes) -> int | None:
+        entry = self._pages.get(key)
+        return entry[0] if entry else None
 
-    def delete(self, key: bytes) -> bool:
-        entry = self._pages.pop(key, None)
-        if entry is None:
-            return False
-        self.allocator.free(entry[0])
-        return True
+    # -- removal -------------------------------------------------------------------------
+
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
+        count = 0
+        with self._lock:
+            for key in keys:
+                entry = self._pages.pop(key, None)
+                if entry is not None:
+                    self._allocator.free(entry[0])
+                    self._order.remove(key, evicted)
+                    count += 1
+        return count
+
+    def detach(self, key: bytes) -> int | None:
+        with self._lock:
+            entry = self._pages.pop(key, None)
+            if entry is None:
+                return None
+            self._order.remove(key)
+            return entry[0]
+
+    def quarantine(self, key: bytes, reason: str) -> None:
+        header = self.header(key)
+        if header is None:
+            return
+        logger.error("host tier: quarantining page %s: %s", key.hex(), reason)
+        with self._lock:
+            self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
+        self.delete([key])
+
+    def quarantined(self) -> list[Quarantined]:
+        with self._lock:
+            return list(self._quarantine)
+
+    def purge_quarantine(self) -> int:
+        with self._lock:
+            count = len(self._quarantine)
+            self._quarantine.clear()
+            return count
+
+    # -- eviction order ------------------------------------------------------------------
+
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            self._order.touch(key)
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        with self._lock:
+            return self._order.victim(pinned, self._hint_share(page_bytes))
+
+    def stored_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._pages)
+
+    def hint(self, keys: list[bytes], eta: float) -> None:
+        with self._lock:
+            for depth, key in enumerate(keys):
+                self._order.hint(key, eta, depth)
+
+    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
+        with self._lock:
+            return len(self._order.hinted) + num_pages <= self._hint_share(page_bytes)
+
+    def num_hinted(self) -> int:
+        """Keys with an announced use still ahead (resident or not)."""
+        with self._lock:
+            return len(self._order.hints)
+
+    def used(self, key: bytes, now: float) -> None:
+        with self._lock:
+            self._order.consume(key, now)
+
+    def expire_hints(self, now: float) -> None:
+        with self._lock:
+            self._order.expire(now, self.config.hint_grace_s)
+
+    def _hint_share(self, page_bytes: int) -> int:
+        return int(self.config.hint_share * self._allocator.capacity // max(1, page_bytes))
+
+    # -- index ---------------------------------------------------------------------------
+
+    def recover(self) -> list[StoredPage]:
+        return []  # a new arena: what the last process held in RAM is gone
 
     def usage(self) -> TierUsage:
-        return TierUsage(len(self._pages), self.allocator.used_bytes, self.allocator.capacity)
+        with self._lock:
+            return TierUsage(len(self._pages), self._allocator.used_bytes, self._allocator.capacity)
 
     def close(self) -> None:
-        self.buffer.release()
+        self._buffer.release()
         try:
             self._mmap.close()
         except BufferError:

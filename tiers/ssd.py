@@ -1,50 +1,47 @@
 """The SSD tier: page slots in one data file, an LMDB index, checksums on every read.
 
 A write is durable before it is indexed, and indexed before anyone can find it:
-``pwrite`` header+payload into a free slot -> ``fdatasync`` -> index transaction (synced) ->
-the caller publishes. A crash between any two steps leaves either a free slot with stray
-bytes (reused later) or an indexed page the directory adopts at start.
+``write`` (pwrite header+payload into a reserved slot) -> ``commit`` (fdatasync, then the
+synced index transaction) -> the caller publishes. A crash between any two steps leaves
+either a free slot with stray bytes (reused later) or an indexed page the directory adopts
+at start (``recover``).
 
 O_DIRECT is used where the filesystem allows it (the payload of a page written from the host
 arena is already 4 KiB aligned, so it goes to disk without a copy; reads land in aligned
 staging buffers and are copied into place while the next page is read); elsewhere I/O is
 buffered, which is said once in the log. Each read checks the header and the payload
-checksum; a page that fails is quarantined (dropped from the index, listed with its reason).
+checksum before the page counts.
+
+Thread-safety: ``_lock`` guards the in-memory map, the slot allocator and the LRU order,
+and is held only for in-memory work; disk reads and writes run without it, index
+transactions under the index's own lock (ssd_index.py). Eviction order: least recently
+used first (a page counts as used when it is stored or read into the host tier).
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import mmap
 import os
-import struct
 import threading
-import time
-from collections.abc import Iterator
-from concurrent.futures import Executor, Future
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Container
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-
-import lmdb
 
 from kvstore.config import SsdTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
-from kvstore.lmdb_env import map_full, open_env, private_dir
-from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, PageHeader
+from kvstore.lmdb_env import private_dir
+from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
 from kvstore.pagecopy import copy_checksum_bytes
-from kvstore.tiers.base import TierUsage
-from kvstore.tiers.device_writes import IndexWrites
+from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
+from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
-_ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core
-_PAYLOAD = struct.Struct("<Q")
-_NS_AT, _KEY_AT, _PAYLOAD_AT = 8, 24, 76  # field offsets in a packed header (see kvstore.page)
 DATA_FILE = "pages.dat"
 INDEX_DIR = "index.lmdb"
 
@@ -55,14 +52,6 @@ def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
     return copy_checksum_bytes(dst, src) == header.checksum
 
 
-@dataclass(frozen=True)
-class Quarantined:
-    key: bytes
-    namespace_id: bytes
-    reason: str
-    unix_s: float
-
-
 def _address(view: memoryview) -> int | None:
     if view.readonly:
         return None
@@ -70,10 +59,10 @@ def _address(view: memoryview) -> int | None:
 
 
 class SsdTier:
-    """Pages on local disk. Metadata calls are serialised by the tier manager; reads and
-    writes of distinct slots may run concurrently."""
+    """Pages on local disk (a ``Tier``)."""
 
     name = "ssd"
+    slot_bytes = staticmethod(slot_bytes)
 
     def __init__(self, config: SsdTierConfig) -> None:
         self.directory = config.directory
@@ -85,19 +74,21 @@ class SsdTier:
         slab -= slab % ALIGN  # every slot offset must stay aligned for O_DIRECT
         self.durable = config.sync
         capacity = config.capacity_bytes - config.capacity_bytes % slab
-        self.allocator = SlabAllocator(0, capacity, slab)
+        self._allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
         os.fchmod(self.fd, 0o600)  # also when an older version created it world-readable: it holds the KV
-        self.env = open_env(self.directory / INDEX_DIR, config.index_map_bytes, max_dbs=4, sync=config.sync)
-        self.index_db = self.env.open_db(b"index")
-        self.quarantine_db = self.env.open_db(b"quarantine")
-        self.index_writes = IndexWrites()  # what index transactions cost the device (the write budget)
+        self._index = SsdIndex(self.directory / INDEX_DIR, config.index_map_bytes, config.sync)
+        self.index_writes = self._index.writes  # what index transactions cost the device (the write budget)
         # key -> (offset, header); the header stays raw bytes until first used, so that a
-        # restart with a million pages does not parse a million headers.
-        self._pages: dict[bytes, tuple[int, PageHeader | bytes]] = {}
+        # restart with a million pages does not parse a million headers. Insertion order is
+        # the LRU order.
+        self._pages: OrderedDict[bytes, tuple[int, PageHeader | bytes]] = OrderedDict()
+        self._lock = threading.Lock()
         self._local = threading.local()
         self._staging = StagingPool()
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-verify")  # checks beside reads
+        self._recovered: list[StoredPage] = []
         self._load_index()
 
     # -- start-up ------------------------------------------------------------------------
@@ -118,49 +109,24 @@ class SsdTier:
 
     def _load_index(self) -> None:
         """Rebuilds slot state from the index, dropping entries that cannot be right."""
-        size = os.fstat(self.fd).st_size
-        dropped: list[tuple[bytes, str]] = []
-        candidates: list[tuple[bytes, int, int, PageHeader]] = []
-        entry_end = _ENTRY.size + HEADER_CORE_BYTES
-        unpack_entry, unpack_payload, add = _ENTRY.unpack_from, _PAYLOAD.unpack_from, candidates.append
-        with self.env.begin(db=self.index_db, buffers=False) as txn:
-            for key, value in txn.cursor():
-                try:
-                    offset, slot_bytes = unpack_entry(value)
-                    raw = value[_ENTRY.size : entry_end]
-                    (payload,) = unpack_payload(raw, _PAYLOAD_AT)
-                except struct.error:
-                    dropped.append((key, "unreadable index entry"))
-                    continue
-                if (raw[_KEY_AT : _KEY_AT + 16] != key or slot_bytes != HEADER_BYTES + -(-payload // ALIGN) * ALIGN
-                        or offset + slot_bytes > size):
-                    dropped.append((key, "index entry does not match the data file"))
-                    continue
-                add((key, offset, slot_bytes, raw))
-        claimed = self.allocator.claim_many([(offset, slot_bytes) for _, offset, slot_bytes, _ in candidates])
-        self.recovered: list[tuple[bytes, bytes, int]] = []  # (key, namespace, payload bytes), for the directory
-        for (key, offset, _, raw), ok in zip(candidates, claimed):
+        entries = self._index.load(os.fstat(self.fd).st_size)
+        claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries])
+        overlapping = []
+        recovered, payload_of = self._recovered, PAYLOAD_BYTES_FIELD.unpack_from
+        for (key, offset, _, raw), ok in zip(entries, claimed):
             if ok:
                 self._pages[key] = (offset, raw)
-                self.recovered.append((key, raw[_NS_AT : _NS_AT + 16], _PAYLOAD.unpack_from(raw, _PAYLOAD_AT)[0]))
+                recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0]))
             else:
-                dropped.append((key, "index entry overlaps another slot"))
-        for key, reason in dropped:
-            logger.warning("ssd tier: dropping index entry %s: %s", key.hex(), reason)
-        if dropped:
-            with self._write_txn(len(dropped), self.index_db) as txn:
-                for key, _ in dropped:
-                    txn.delete(key)
+                overlapping.append((key, "index entry overlaps another slot"))
+        self._index.drop(overlapping)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
                     "O_DIRECT" if self.direct_io else "buffered")
 
-    @contextmanager
-    def _write_txn(self, num_entries: int, db: object) -> Iterator[lmdb.Transaction]:
-        """One write transaction of the index: a full map is MetadataFull (nothing written),
-        and what it costs the device is charged to the write budget (index_writes)."""
-        with map_full(self.env, "the ssd index"), self.index_writes.transaction(num_entries), \
-                self.env.begin(write=True, db=db) as txn:
-            yield txn
+    def recover(self) -> list[StoredPage]:
+        """What the index held when the tier was opened (handed over once)."""
+        recovered, self._recovered = self._recovered, []
+        return recovered
 
     # -- scratch buffers (aligned, per thread) -------------------------------------------
 
@@ -183,18 +149,15 @@ class SsdTier:
 
     # -- writes --------------------------------------------------------------------------
 
-    @staticmethod
-    def slot_bytes(payload_bytes: int) -> int:
-        """What writing one page sends to the device: header + payload padded to 4 KiB."""
-        return HEADER_BYTES + round_up(payload_bytes)
-
     def reserve(self, payload_bytes: int) -> int | None:
-        return self.allocator.alloc(self.slot_bytes(payload_bytes))
+        with self._lock:
+            return self._allocator.alloc(slot_bytes(payload_bytes))
 
-    def unreserve(self, offset: int) -> None:
-        self.allocator.free(offset)
+    def unreserve(self, slot: int) -> None:
+        with self._lock:
+            self._allocator.free(slot)
 
-    def write_slot(self, offset: int, header: PageHeader, payload: memoryview) -> None:
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         """Writes header and payload, zero-padded to whole 4 KiB blocks, into a reserved slot
         (not yet durable nor indexed). The payload's whole blocks go to disk without a copy
         (for O_DIRECT when they are aligned); only the rest is staged."""
@@ -210,51 +173,42 @@ class SsdTier:
             staged[: size - whole] = payload[whole:size]
             staged[size - whole :] = bytes(len(staged) - (size - whole))  # zeros, not an earlier page's bytes
             bufs.append(staged)
-        written = os.pwritev(self.fd, bufs, offset)  # type: ignore[arg-type]
-        if written != self.slot_bytes(size):
-            raise OSError(f"short write to {DATA_FILE}: {written} of {self.slot_bytes(size)} bytes")
+        written = os.pwritev(self.fd, bufs, slot)  # type: ignore[arg-type]
+        if written != slot_bytes(size):
+            raise OSError(f"short write to {DATA_FILE}: {written} of {slot_bytes(size)} bytes")
 
-    def sync(self) -> None:
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+        """Syncs the written slots, then indexes them (synced): from here they survive a
+        restart. On MetadataFull or an I/O error nothing was indexed."""
+        if not pages:
+            return
         if self.durable:
             os.fdatasync(self.fd)
+        self._index.put(pages)
+        with self._lock:
+            for slot, header in pages:
+                old = self._pages.pop(header.key, None)
+                if old is not None and old[0] != slot:
+                    self._allocator.free(old[0])
+                self._pages[header.key] = (slot, header)
 
-    def index(self, entries: list[tuple[int, PageHeader]]) -> None:
-        """Indexes written slots (after ``sync``); from here they survive a restart. On
-        MetadataFull nothing was indexed: the caller frees the slots."""
-        with self._write_txn(len(entries), self.index_db) as txn:
-            for offset, header in entries:
-                value = _ENTRY.pack(offset, self.slot_bytes(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
-                txn.put(header.key, value)
-        for offset, header in entries:
-            self._pages[header.key] = (offset, header)
-
-    # -- Tier ----------------------------------------------------------------------------
+    # -- reads ---------------------------------------------------------------------------
 
     def _entry(self, key: bytes) -> tuple[int, PageHeader] | None:
         """The entry with its header parsed (and checked) on first use; a header that
         fails its check raises PageCorrupt."""
-        entry = self._pages.get(key)
-        if entry is None:
-            return None
-        offset, header = entry
-        if isinstance(header, bytes):
-            header = PageHeader.unpack(header)
-            self._pages[key] = (offset, header)
-        return offset, header
+        with self._lock:
+            entry = self._pages.get(key)
+            if entry is None:
+                return None
+            offset, header = entry
+            if isinstance(header, bytes):
+                header = PageHeader.unpack(header)
+                self._pages[key] = (offset, header)
+            return offset, header
 
     def contains(self, key: bytes) -> bool:
         return key in self._pages
-
-    def namespace_of(self, key: bytes) -> bytes | None:
-        entry = self._pages.get(key)
-        if entry is None:
-            return None
-        header = entry[1]
-        return header[_NS_AT : _NS_AT + 16] if isinstance(header, bytes) else header.namespace_id
-
-    def payload_bytes_of(self, key: bytes) -> int:
-        header = self._pages[key][1]
-        return _PAYLOAD.unpack_from(header, _PAYLOAD_AT)[0] if isinstance(header, bytes) else header.payload_bytes
 
     def header(self, key: bytes) -> PageHeader | None:
         try:
@@ -263,45 +217,37 @@ class SsdTier:
             return None
         return entry[1] if entry else None
 
-    def read(self, key: bytes, into: memoryview) -> PageHeader | None:
-        """Reads a page into ``into`` (at least the payload, rounded up to 4 KiB when
-        aligned for O_DIRECT) and verifies it; raises PageCorrupt. Safe to call without the
-        owner's lock while the key cannot be deleted."""
-        header = self.read_unverified(key, into)
-        if header is not None:
-            header.verify_payload(into[: header.payload_bytes], header.payload_bytes)
-        return header
+    def slot_of(self, key: bytes) -> int | None:
+        entry = self._pages.get(key)
+        return entry[0] if entry else None
 
-    def read_pages(self, items: list[tuple[bytes, memoryview]], helper: Executor) -> tuple[int, str]:
-        """Reads pages into their destinations (``(key, into)``, e.g. reserved host slots),
-        each verified as it is copied. Returns the index of the first page that is missing,
-        unreadable or corrupt (``len(items)`` if none) and why (empty when it was not
-        corruption); the destinations before it hold their verified pages.
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        """Reads pages into their destinations, each verified as it is copied.
 
         The disk reads go back to back into a pair of aligned staging buffers (anonymous
-        memory: O_DIRECT into the shared-memory arena reads ~10% slower here) while
-        ``helper`` copies each staged page into place and checks it in one pass.
+        memory: O_DIRECT into the shared-memory arena reads ~10% slower here) while a
+        helper thread copies each staged page into place and checks it in one pass.
         """
-        if not items:
-            return 0, ""
-        stage = self._staging.take(max(len(into) for _, into in items))
+        if not pages:
+            return ReadResult(0)
+        stage = self._staging.take(max(len(into) for _, into in pages))
         jobs: list[Future[bool]] = []
-        cut, reason = len(items), ""
+        cut, reason = len(pages), ""
 
         def bad(index: int) -> bool:
             if jobs[index].result():
                 return False
             nonlocal cut, reason
-            cut, reason = min(cut, index), f"page {items[index][0].hex()} failed its checksum"
+            cut, reason = min(cut, index), f"page {pages[index][0].hex()} failed its checksum"
             return True
 
         try:
-            for index, (key, into) in enumerate(items):
+            for index, (key, into) in enumerate(pages):
                 if index >= 2 and bad(index - 2):  # also frees its staging buffer
                     break
                 buf = stage[index % 2]
                 try:
-                    header = self.read_unverified(key, buf)
+                    header = self._read_unverified(key, buf)
                 except PageCorrupt as exc:
                     cut, reason = index, str(exc)
                     break
@@ -312,7 +258,7 @@ class SsdTier:
                 if header is None:
                     cut = index
                     break
-                jobs.append(helper.submit(_place, header, buf[: header.payload_bytes], into[: header.payload_bytes]))
+                jobs.append(self._verifier.submit(_place, header, buf[: header.payload_bytes], into[: header.payload_bytes]))
         finally:
             for job in jobs:  # every copy ends before the buffers go back
                 job.exception()
@@ -320,12 +266,11 @@ class SsdTier:
         for index in range(min(cut, len(jobs))):
             if bad(index):
                 break
-        return cut, reason
+        return ReadResult(cut, reason)
 
-    def read_unverified(self, key: bytes, into: memoryview) -> PageHeader | None:
-        """``read`` without the payload checksum: the header on disk, the index and the length
-        are checked, the payload is in ``into`` but must pass ``header.verify_payload``
-        before anyone uses it (so that a caller can hash one page while the next is read)."""
+    def _read_unverified(self, key: bytes, into: memoryview) -> PageHeader | None:
+        """A page's bytes into ``into``, its header, the index and the length checked but
+        not the payload checksum (the caller checks it while the next page is read)."""
         entry = self._entry(key)
         if entry is None:
             return None
@@ -348,48 +293,61 @@ class SsdTier:
             into[: header.payload_bytes] = payload
         return header
 
-    def delete(self, key: bytes) -> bool:
-        return self.delete_many([key]) == 1
+    # -- removal -------------------------------------------------------------------------
 
-    def delete_many(self, keys: list[bytes]) -> int:
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         gone = [k for k in keys if k in self._pages]
         if not gone:
             return 0
-        with self._write_txn(len(gone), self.index_db) as txn:
+        self._index.delete(gone)
+        count = 0
+        with self._lock:
             for key in gone:
-                txn.delete(key)
-        for key in gone:
-            offset, _ = self._pages.pop(key)
-            self.allocator.free(offset)
-        return len(gone)
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._pages), self.allocator.used_bytes, self.allocator.capacity)
-
-    # -- quarantine ----------------------------------------------------------------------
+                entry = self._pages.pop(key, None)
+                if entry is not None:
+                    self._allocator.free(entry[0])
+                    count += 1
+        return count
 
     def quarantine(self, key: bytes, reason: str) -> None:
-        namespace_id = self.namespace_of(key) or b""
+        entry = self._pages.get(key)
+        if entry is None:
+            return
+        header = entry[1]
+        namespace_id = peek(header)[0] if isinstance(header, bytes) else header.namespace_id
         logger.error("ssd tier: quarantining page %s: %s", key.hex(), reason)
-        record = json.dumps({"namespace_id": namespace_id.hex(), "reason": reason, "unix_s": time.time()})
-        with self._write_txn(1, self.quarantine_db) as txn:
-            txn.put(key, record.encode())
-        self.delete(key)
+        self._index.quarantine(key, namespace_id, reason)
+        with self._lock:
+            entry = self._pages.pop(key, None)
+            if entry is not None:
+                self._allocator.free(entry[0])
 
     def quarantined(self) -> list[Quarantined]:
-        out = []
-        with self.env.begin(db=self.quarantine_db) as txn:
-            for key, value in txn.cursor():
-                rec = json.loads(bytes(value))
-                out.append(Quarantined(bytes(key), bytes.fromhex(rec["namespace_id"]), rec["reason"], rec["unix_s"]))
-        return out
+        return self._index.quarantined()
 
     def purge_quarantine(self) -> int:
-        with self._write_txn(1, self.quarantine_db) as txn:
-            n = txn.stat(self.quarantine_db)["entries"]
-            txn.drop(self.quarantine_db, delete=False)
-        return n
+        return self._index.purge_quarantine()
+
+    # -- eviction order ------------------------------------------------------------------
+
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._pages:
+                self._pages.move_to_end(key)
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        with self._lock:
+            return next((k for k in self._pages if k not in pinned), None)
+
+    def stored_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._pages)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._pages), self._allocator.used_bytes, self._allocator.capacity)
 
     def close(self) -> None:
-        self.env.close()
+        self._verifier.shutdown(wait=True)
+        self._index.close()
         os.close(self.fd)

@@ -23,23 +23,26 @@ from kvstore.config import MAP_BYTES
 from kvstore.directory.events import EventKind, EventLog
 from kvstore.errors import LimitExceeded
 from kvstore.lmdb_env import map_full, open_env
-from kvstore.types import Location, LocationRun
+from kvstore.types import REMOTE_TIER, TIER_NAMES, Location, LocationRun
 
 logger = logging.getLogger(__name__)
 
-DURABLE_TIERS = ("remote",)  # persisted here; local ssd pages are rebuilt from the ssd index
-TIER_ORDER = {"hbm": 0, "host": 1, "ssd": 2, "remote": 3}
+DURABLE_TIERS = (REMOTE_TIER,)  # persisted here; this node's ssd pages are rebuilt from the ssd index
+TIER_ORDER = {name: rank for rank, name in enumerate(TIER_NAMES)}
 _SEQ_KEY = b"last_seq"
 
 
 class Entry:
-    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page."""
+    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page.
+    ``where`` caches (node, tier, size) of the best location for lookups; every change of
+    ``locations`` resets it to None (under the directory's lock)."""
 
-    __slots__ = ("locations", "namespace_id")
+    __slots__ = ("locations", "namespace_id", "where")
 
     def __init__(self, namespace_id: bytes) -> None:
         self.namespace_id = namespace_id
         self.locations: dict[tuple[str, str], Location] = {}
+        self.where: tuple[str, str, int] | None = None
 
     def best(self, local_node: str) -> Location:
         """The cheapest location: a local tier before a remote node, faster tiers first."""
@@ -111,10 +114,14 @@ class Directory:
             count, run = 0, None
             for key in keys:
                 entry = entries.get(key)
-                if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                if entry is None or entry.namespace_id != namespace_id:
                     break
-                loc = entry.best(node)
-                where = (loc.node, loc.tier, loc.size_bytes)
+                where = entry.where
+                if where is None:
+                    if not entry.locations:
+                        break
+                    loc = entry.best(node)
+                    where = entry.where = (loc.node, loc.tier, loc.size_bytes)
                 if where != run:
                     if run is not None:
                         runs.append(LocationRun(run[0], run[1], count, run[2]))
@@ -178,6 +185,25 @@ class Directory:
         with self._write_lock:
             return self._publish(namespace_id, records)
 
+    def publish_listed(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> set[bytes]:
+        """Publishes further copies of pages still listed in ``namespace_id``; one removed
+        meanwhile is left out (no resurrection by a copy finished after its removal).
+        Returns the keys published."""
+        with self._write_lock:
+            entries = self._entries
+            listed = [r for r in records if (e := entries.get(r[0])) is not None and e.namespace_id == namespace_id and e.locations]
+            if listed:
+                self._publish(namespace_id, listed)
+            return {r[0] for r in listed}
+
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]], per_node: int,
+                       total: int) -> list[int]:
+        """``publish`` of other nodes' locations, all or none, refused (LimitExceeded) when it
+        would hold more than ``per_node`` locations of one node or ``total`` of all."""
+        with self._write_lock:
+            self.check_remote_room(records, per_node, total)
+            return self._publish(namespace_id, records)
+
     def _publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
         staged = [(key, Location(node, tier, self._version + i, size)) for i, (key, node, tier, size) in enumerate(records, 1)]
         rows: dict[bytes, tuple[bytes, list[Location]]] = {}
@@ -197,6 +223,7 @@ class Directory:
                 if (loc.node, loc.tier) not in entry.locations:
                     self._count(loc.node, 1)
                 entry.locations[(loc.node, loc.tier)] = loc
+                entry.where = None
                 self.events.append(EventKind.STORED, namespace_id, key, loc)
             self._version += len(staged)
         return [loc.version for _, loc in staged]
@@ -209,6 +236,8 @@ class Directory:
             entry = entries.get(key)
             if entry is None:
                 entry = entries[key] = Entry(namespace_id)
+            else:
+                entry.where = None
             version += 1
             entry.locations[(node, tier)] = Location(node, tier, version, size)
         self._version = version
@@ -228,6 +257,7 @@ class Directory:
             with self._lock:
                 for loc in gone:
                     del entry.locations[(loc.node, loc.tier)]
+                    entry.where = None
                     self._count(loc.node, -1)
                     self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
                 if not entry.locations:

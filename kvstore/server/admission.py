@@ -1,5 +1,5 @@
 """What may be written to the SSD tier: a write budget from the drive's endurance, and
-admission by value.
+admission by value; ``AdmittedTier`` puts both around a tier.
 
 An SSD rated DWPD drive-writes a day accepts ``capacity × DWPD / 86,400`` bytes/s in the
 long run (3.84 TB at 1 DWPD: 44.4 MB/s), while one GPU can produce KV at over 1 GB/s. The
@@ -20,7 +20,10 @@ from typing import Protocol
 import numpy as np
 
 from kvstore.errors import ConfigError
-from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
+from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, PageHeader
+from kvstore.planner import SECONDS_PER_DAY, ssd_write_budget_bps
+from kvstore.server.metrics import Metrics
+from kvstore.tiers.base import Tier, TierWrapper
 
 WARRANTY_DAYS = 5 * 365
 
@@ -50,7 +53,7 @@ class WriteBudget:
     @classmethod
     def for_drive(cls, capacity_bytes: int, dwpd: float, clock: Callable[[], float], burst_s: float = 60.0,
                   settle: Callable[[], int] | None = None) -> WriteBudget:
-        rate = capacity_bytes * dwpd / 86_400
+        rate = ssd_write_budget_bps(capacity_bytes, dwpd)
         burst = max(rate * burst_s, 16 << 20) if rate else 0.0
         return cls(rate, burst, clock, settle)
 
@@ -99,7 +102,7 @@ class WriteBudget:
         average write rate so far."""
         rate = self.write_rate_bps()
         endurance = capacity_bytes * dwpd * WARRANTY_DAYS
-        return math.inf if rate <= 0 or dwpd <= 0 else endurance / rate / 86_400
+        return math.inf if rate <= 0 or dwpd <= 0 else endurance / rate / SECONDS_PER_DAY
 
 
 class FrequencySketch:
@@ -246,3 +249,69 @@ def make_policy(name: str) -> AdmissionPolicy:
         return POLICIES[name]()  # type: ignore[no-any-return]
     except KeyError:
         raise ConfigError(f"--ssd-admission must be one of {', '.join(POLICIES)}, got {name!r}") from None
+
+
+class AdmittedTier(TierWrapper):
+    """A demotion target whose writes pass an admission policy and a write budget.
+
+    ``admit`` decides whether a page leaving a faster tier is worth a write here (policy and
+    budget, counted in the metrics; a refused page is remembered by the policy); ``charge``
+    takes a write's device bytes from the budget. Everything else is the inner tier's.
+    Called under the placement core's lock (the budget and the policy are not thread-safe).
+    """
+
+    def __init__(self, inner: Tier, policy: AdmissionPolicy, budget: WriteBudget, metrics: Metrics,
+                 write_cost: Callable[[int], int], capacity_bytes: int, dwpd: float) -> None:
+        super().__init__(inner)
+        self.policy = policy
+        self.budget = budget
+        self.metrics = metrics
+        self.write_cost = write_cost  # device bytes of one page write, from its payload bytes
+        self.capacity_bytes = capacity_bytes
+        self.dwpd = dwpd
+
+    def learn(self, key: bytes) -> None:
+        """A use of ``key`` (admission learns what is reused)."""
+        self.policy.record_access(key)
+
+    def admit(self, header: PageHeader) -> bool:
+        cost = self.write_cost(header.payload_bytes)
+        decision = self.policy.can_admit(header.key, header.flags, self.budget, cost)
+        self.metrics.admissions.labels(self.policy.name, "admit" if decision.admit else "refuse", decision.reason).inc()
+        if not decision.admit:
+            self.policy.record_refused(header.key)
+            self.metrics.ssd_refused_bytes.inc(cost)
+        return decision.admit
+
+    def charge(self, payload_bytes: int) -> bool:
+        """Takes one page write from the budget; False (counted as refused) when it is spent."""
+        cost = self.write_cost(payload_bytes)
+        if self.budget.take(cost):
+            return True
+        self.metrics.ssd_refused_bytes.inc(cost)
+        return False
+
+    def life_days(self) -> float:
+        """Projected drive life at the write rate so far (-1: unbounded)."""
+        life = self.budget.projected_life_days(self.capacity_bytes, self.dwpd)
+        return life if life != math.inf else -1.0
+
+    def report(self) -> dict[str, float]:
+        """Budget and admission figures for the Stats RPC (and the gauges)."""
+        self.metrics.ssd_budget_fill.set(self.budget.fill())
+        self.metrics.ssd_write_rate.set(self.budget.write_rate_bps())
+        self.metrics.ssd_life_days.set(self.life_days())
+        figures = {
+            "dwpd": self.dwpd,
+            "budget_bytes_per_s": self.budget.rate_bps,
+            "budget_fill": self.budget.fill(),
+            "written_bytes": float(self.budget.written_bytes),
+            "refused_bytes": float(self.metrics.ssd_refused_bytes._value.get()),
+            "write_rate_bytes_per_s": self.budget.write_rate_bps(),
+            "projected_life_days": self.life_days(),
+        }
+        for metric in self.metrics.admissions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    figures[f"admission.{sample.labels['decision']}.{sample.labels['reason']}"] = sample.value
+        return figures

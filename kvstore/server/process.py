@@ -1,4 +1,4 @@
-"""The kvstore server: tier manager + Directory and Data services + /metrics."""
+"""The kvstore server: placement core + Directory and Data services + /metrics."""
 
 from __future__ import annotations
 
@@ -16,20 +16,17 @@ from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.security.server import ServerSecurity
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement import TierManager
+from kvstore.server.placement import Demoter, Placement
+from kvstore.server.placement.assembly import Wrap
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tokenlog import TokenLog
+from kvstore.wire import MESSAGE_OPTIONS
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 MIN_CLIENT_PING_INTERVAL_MS = 10_000  # a client may ping this often (keepalive_time_ms >= 10 s); more is a ping flood
 
 
@@ -38,7 +35,7 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     closes one whose ping goes unanswered for keepalive_timeout_s, which cancels its streams
     (a peer that froze or vanished without a FIN otherwise holds its threads for good)."""
     return [
-        *GRPC_OPTIONS,
+        *MESSAGE_OPTIONS,
         ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),  # grpcio 1.85 waits this long, not the above
@@ -56,14 +53,16 @@ def split_host_port(text: str, flag: str) -> tuple[str, int]:
 
 
 class Server:
-    """Owns the gRPC server, the tier manager and the metrics endpoint.
+    """Owns the gRPC server, the placement core (``core``), its demoter and scrubber, and
+    the metrics endpoint.
 
     ``start()`` binds (port 0 picks a free one; see ``port``); ``stop()`` stops taking RPCs,
     lets running ones finish within ``grace_s``, then closes the tiers (the arena file is
-    unlinked; ssd pages and the directory stay on disk).
+    unlinked; ssd pages and the directory stay on disk). ``wrap`` goes around every tier
+    (tests: a ``FaultyTier``).
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, wrap: Wrap | None = None) -> None:
         if "hbm" in config.tiers:
             from kvstore.tiers.hbm import require_cuda
 
@@ -75,15 +74,16 @@ class Server:
         # with kvstore.security.interceptor.current_identity().
         self.security = ServerSecurity(config.security, config.data_dir,
                                        lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
-        self.manager = TierManager(config, self.metrics)
+        self.core = Placement(config, self.metrics, wrap=wrap)
+        self.demoter = Demoter(self.core)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
-        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.manager, config))
+        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.core, config))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
-        data = data_handlers(DataService(self.manager, config, self.wal))
+        data = data_handlers(DataService(self.core, config, self.wal))
         add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics)
         self.port = 0
         self.metrics_port = 0
@@ -102,7 +102,8 @@ class Server:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         self._grpc.start()
         self.streams.start()
-        if self.config.scrub_pages_per_s > 0 and self.manager.ssd is not None:
+        self.demoter.start()
+        if self.config.scrub_pages_per_s > 0 and len(self.core.tiers) > 1:
             self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
             self._scrubber.start()
         if self.config.metrics_listen:
@@ -127,7 +128,7 @@ class Server:
         interval = 1.0 / self.config.scrub_pages_per_s
         while not self._stopped.wait(interval):
             try:
-                if self.manager.scrub_one() is None:
+                if self.core.scrub_one() is None:
                     self._stopped.wait(1.0)
             except Exception:  # the scrub must outlive one bad round
                 logger.exception("scrub round failed")
@@ -138,13 +139,14 @@ class Server:
         self._stopped.set()
         if self._scrubber is not None:
             self._scrubber.join(5)
-        self.manager.directory.events.close()
+        self.core.directory.events.close()
         self._grpc.stop(grace_s).wait()
         self.streams.stop()
+        self.demoter.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
-        self.manager.close()
+        self.core.close()
         self.wal.close()
         logger.info("kvstore-server stopped")
 

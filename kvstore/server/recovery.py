@@ -3,39 +3,41 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvstore.server.placement import TierManager
+from kvstore.directory import Directory
+from kvstore.page import LayoutDesc
+from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 
 
-def rebuild_directory(m: TierManager) -> None:
-    """This node's locations come from the tiers' own indexes (RAM pages are gone; SSD
-    pages are exactly the indexed ones); other nodes' come from the directory's LMDB."""
+def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dict[bytes, LayoutDesc]:
+    """This node's locations come from the tiers' own indexes (what a memory tier held is
+    gone; a durable tier holds exactly what it indexed); other nodes' come from the
+    directory's LMDB. Returns the layout of every namespace found, from one page header
+    each."""
     dropped = 0
-    for key in m.directory.all_keys():
-        entry = m.directory.get(key)
+    for key in directory.all_keys():
+        entry = directory.get(key)
         assert entry is not None
-        for node, tier in list(entry.locations):
-            if node == m.node:
-                m.directory.remove(key, node, tier)
+        for loc_node, tier in list(entry.locations):
+            if loc_node == node:
+                directory.remove(key, loc_node, tier)
                 dropped += 1
-    if m.ssd is not None:
-        ssd = m.ssd
+    layouts: dict[bytes, LayoutDesc] = {}
+    for tier in tiers:
         records = []
-        for key, namespace_id, payload_bytes in ssd.recovered:
-            if namespace_id not in m._layouts:
-                header = ssd.header(key)
+        name = tier.name
+        for key, namespace_id, payload_bytes in tier.recover():  # one per stored page: kept lean
+            if namespace_id not in layouts:
+                header = tier.header(key)
                 if header is None:
                     continue  # corrupt index header: found and quarantined on first read
-                m._layouts[namespace_id] = header.layout
-            records.append((key, namespace_id, "ssd", payload_bytes))
-        m._ssd_lru = OrderedDict.fromkeys(r[0] for r in records)
-        ssd.recovered = []
-        m.directory.restore_local(records)
-        logger.info("recovery: %d ssd pages back in the directory", len(records))
+                layouts[namespace_id] = header.layout
+            records.append((key, namespace_id, name, payload_bytes))
+        directory.restore_local(records)
+        if records:
+            logger.info("recovery: %d %s pages back in the directory", len(records), tier.name)
     if dropped:
         logger.info("recovery: dropped %d stale local locations", dropped)
+    return layouts

@@ -1,18 +1,17 @@
-"""What the tier manager reports: Stats RPC figures and Prometheus gauges."""
+"""What the placement core reports: Stats RPC figures and Prometheus gauges."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvstore.tiers.base import TierUsage
-
-if TYPE_CHECKING:
-    from kvstore.server.placement import TierManager
+from kvstore.directory import Directory
+from kvstore.server.admission import AdmittedTier
+from kvstore.server.metrics import Metrics
+from kvstore.tiers.base import Tier, TierUsage
 
 
 @dataclass
-class ManagerStats:
+class CoreStats:
     node: str
     num_entries: int
     last_seq: int
@@ -23,48 +22,45 @@ class ManagerStats:
     ssd: dict[str, float] = field(default_factory=dict)
 
 
-def refresh_gauges(m: TierManager) -> None:
-    if m.budget is not None and m.config.ssd is not None:
-        m.metrics.ssd_budget_fill.set(m.budget.fill())
-        m.metrics.ssd_write_rate.set(m.budget.write_rate_bps())
-        life = m.budget.projected_life_days(m.config.ssd.capacity_bytes, m.config.ssd.dwpd)
-        m.metrics.ssd_life_days.set(life if life != float("inf") else -1)
-    for name, usage in m.usages().items():
-        m.metrics.pages.labels(name).set(usage.num_pages)
-        m.metrics.used_bytes.labels(name).set(usage.used_bytes)
-        m.metrics.capacity_bytes.labels(name).set(usage.capacity_bytes)
+class Reporter:
+    """Reads the tiers, the admission wrappers and the metrics; owns nothing."""
 
+    def __init__(self, node: str, directory: Directory, tiers: list[Tier], lower: list[AdmittedTier], metrics: Metrics) -> None:
+        self.node = node
+        self.directory = directory
+        self.tiers = tiers
+        self.lower = lower
+        self.metrics = metrics
 
-def collect_stats(m: TierManager) -> ManagerStats:
-    """Called with the manager's lock held."""
-    refresh_gauges(m)
-    counters: dict[str, dict[str, float]] = {}
-    for name in m.usages():
-        counters[name] = {
-            "hits": m.metrics.hits.labels(name)._value.get(),
-            "misses": m.metrics.misses.labels(name)._value.get(),
-            "evictions": m.metrics.evictions.labels(name)._value.get(),
-            "bytes_in": m.metrics.bytes_in.labels(name)._value.get(),
-            "bytes_out": m.metrics.bytes_out.labels(name)._value.get(),
-        }
-    ssd: dict[str, float] = {}
-    if m.budget is not None and m.config.ssd is not None and m.admission is not None:
-        life = m.budget.projected_life_days(m.config.ssd.capacity_bytes, m.config.ssd.dwpd)
-        ssd = {
-            "dwpd": m.config.ssd.dwpd,
-            "budget_bytes_per_s": m.budget.rate_bps,
-            "budget_fill": m.budget.fill(),
-            "written_bytes": float(m.budget.written_bytes),
-            "refused_bytes": float(m.metrics.ssd_refused_bytes._value.get()),
-            "write_rate_bytes_per_s": m.budget.write_rate_bps(),
-            "projected_life_days": life if life != float("inf") else -1.0,
-        }
-        for metric in m.metrics.admissions.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    ssd[f"admission.{sample.labels['decision']}.{sample.labels['reason']}"] = sample.value
-    quarantined = len(m.quarantined())
-    return ManagerStats(
-        node=m.node, num_entries=len(m.directory), last_seq=m.directory.events.last_seq, tiers=m.usages(),
-        num_leases=len(m._leases), num_quarantined=quarantined, counters=counters, ssd=ssd,
-    )
+    def usages(self) -> dict[str, TierUsage]:
+        return {tier.name: tier.usage() for tier in self.tiers}
+
+    def refresh_gauges(self) -> dict[str, float]:
+        """Sets the gauges; returns the figures of the admitted tier (empty without one)."""
+        figures: dict[str, float] = {}
+        for target in self.lower:
+            figures = target.report()
+        for name, usage in self.usages().items():
+            self.metrics.pages.labels(name).set(usage.num_pages)
+            self.metrics.used_bytes.labels(name).set(usage.used_bytes)
+            self.metrics.capacity_bytes.labels(name).set(usage.capacity_bytes)
+        return figures
+
+    def collect(self, num_leases: int, num_quarantined: int) -> CoreStats:
+        """Called with the core's lock held (the budget is not thread-safe)."""
+        ssd = self.refresh_gauges()
+        m = self.metrics
+        counters: dict[str, dict[str, float]] = {}
+        for tier in self.tiers:
+            name = tier.name
+            counters[name] = {
+                "hits": m.hits.labels(name)._value.get(),
+                "misses": m.misses.labels(name)._value.get(),
+                "evictions": m.evictions.labels(name)._value.get(),
+                "bytes_in": m.bytes_in.labels(name)._value.get(),
+                "bytes_out": m.bytes_out.labels(name)._value.get(),
+            }
+        return CoreStats(
+            node=self.node, num_entries=len(self.directory), last_seq=self.directory.events.last_seq, tiers=self.usages(),
+            num_leases=num_leases, num_quarantined=num_quarantined, counters=counters, ssd=ssd,
+        )

@@ -53,7 +53,7 @@ async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns,
     tokens = list(range(64))
     kv = torch.zeros(layout.num_layers, layout.kv_factor, 64, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
     kv[0] = random_kv(layout, 64, seed=31)[0]  # the engine computed layer 0 only
-    before = server.manager.host.usage()
+    before = server.core.view().tiers["host"]
     client = KVStoreClient(server.address, ns, use_shm=use_shm)
     await client.connect()
     save = client.save(tokens, kv)
@@ -61,7 +61,7 @@ async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns,
     await client.close()
     async with KVStoreClient(server.address, ns) as reader:
         assert (await reader.lookup(tokens)).num_tokens == 0, "layers the engine never computed were published"
-    assert server.manager.host.usage() == before, "the abandoned save left slots allocated"
+    assert server.core.view().tiers["host"] == before, "the abandoned save left slots allocated"
     with pytest.raises(KVStoreError, match="abandoned"):
         await save.finished()
 
@@ -110,7 +110,7 @@ async def test_the_load_worker_stops_at_the_deadline_by_itself(server, layout, n
                 assert bool(region.any()) == any(w[:2] == (page, layer) for w in engine.writes)
         assert load.wait(layout.num_layers - 1) is False
         assert load.num_tokens == 0 and await load.finished() == 0
-        assert not server.manager._pins, "the abandoned load left pages leased"
+        assert not server.core.view().pinned, "the abandoned load left pages leased"
 
 
 async def test_closing_the_client_mid_load_leaves_nothing_leased(server, layout, ns) -> None:
@@ -127,7 +127,7 @@ async def test_closing_the_client_mid_load_leaves_nothing_leased(server, layout,
     assert await asyncio.get_running_loop().run_in_executor(None, load.wait, 0)
     await client.close()
     written = len(engine.writes)
-    assert written < 40 and not server.manager._pins
+    assert written < 40 and not server.core.view().pinned
     assert await load.finished() == 0 and load.wait(layout.num_layers - 1) is False
     assert len(engine.writes) == written
 
@@ -185,7 +185,7 @@ async def test_a_lease_lost_under_the_load_is_not_reported_valid(server_factory,
         def engine_side(page: int, layer: int) -> None:
             if (page, layer) == (0, 1):
                 with grpc.insecure_channel(server.address) as channel:
-                    for lease_id in list(server.manager._leases):  # read, to aim the release
+                    for lease_id in server.core.view().lease_ids:  # read, to aim the release
                         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
                 asyncio.run_coroutine_threadsafe(other.put(flood, flood_kv), loop).result(60)
 
@@ -196,7 +196,7 @@ async def test_a_lease_lost_under_the_load_is_not_reported_valid(server_factory,
         await loop.run_in_executor(None, load.join, 60)
         assert load.wait(layout.num_layers - 1) is False
         assert await load.finished() == 0 and load.num_tokens == 0
-        assert not server.manager._pins
+        assert not server.core.view().pinned
 
 
 async def test_a_slot_changed_under_the_load_is_not_reported_valid(server, layout, ns) -> None:
@@ -209,7 +209,7 @@ async def test_a_slot_changed_under_the_load_is_not_reported_valid(server, layou
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
         assert client.arena is not None
-        offset, _ = server.manager.host.slot(hit.keys[5])  # read, to aim the fault
+        offset = server.core.where(hit.keys[5])["host"]  # read, to aim the fault
         last_layer = (layout.num_layers - 1) * layout.page_bytes // layout.num_layers
 
         def overwrite_page_5(page: int, layer: int) -> None:
@@ -236,22 +236,22 @@ async def test_renew_extends_a_lease_and_refuses_a_gone_one(server, layout, ns) 
         data = data_pb2_grpc.DataStub(channel)
         acq = data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=200), timeout=10)
         assert len(acq.pages) == 2
-        entries = len(server.manager._expiry)
+        entries = server.core.view().num_expiry_entries
         for _ in range(1000):  # a caller renewing in a loop grows nothing
             data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=5000), timeout=10)
-        assert len(server.manager._expiry) == entries
+        assert server.core.view().num_expiry_entries == entries
         await asyncio.sleep(0.4)  # past the first ttl
-        server.manager.stats()  # reaps what has expired
-        assert set(server.manager._pins) == set(keys), "a renewed lease expired at its first ttl"
+        server.core.stats()  # reaps what has expired
+        assert server.core.view().pinned == set(keys), "a renewed lease expired at its first ttl"
         with pytest.raises(grpc.RpcError) as err:
             data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=server.config.max_lease_ms + 1), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         data.Release(data_pb2.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
-        assert not server.manager._pins
+        assert not server.core.view().pinned
         with pytest.raises(grpc.RpcError) as err:
             data.Renew(data_pb2.RenewRequest(lease_id=acq.lease_id, ttl_ms=5000), timeout=10)
         assert err.value.code() == grpc.StatusCode.ABORTED and "released or has expired" in (err.value.details() or "")
-        assert not server.manager._pins, "renewing a gone lease pinned something"
+        assert not server.core.view().pinned, "renewing a gone lease pinned something"
 
 
 @pytest.mark.xfail(strict=True, reason="a LayerSave's allocation is never renewed: an engine slower than allocation_ttl_ms "

@@ -62,3 +62,25 @@ def test_lookups_run_beside_changes(tmp_path) -> None:
     writer.join()
     assert not bad
     d.close()
+
+
+def test_lookup_follows_every_change_of_a_page(tmp_path) -> None:
+    """Lookups keep each page's best location between changes; every change (publish of a
+    better or a worse copy, remove of one, a restart's restore) shows in the next lookup."""
+    d = Directory(tmp_path, "me")
+    [key] = _keys(1)
+    d.publish(NS, [(key, "me", "ssd", 4096)])
+    assert d.lookup(NS, [key]) == [LocationRun("me", "ssd", 1, 4096)]
+    d.publish(NS, [(key, "me", "host", 4096)])
+    assert d.lookup(NS, [key]) == [LocationRun("me", "host", 1, 4096)]
+    d.publish(NS, [(key, "other", "remote", 4096)])
+    assert d.lookup(NS, [key]) == [LocationRun("me", "host", 1, 4096)]
+    d.remove(key, "me", "host")
+    assert d.lookup(NS, [key]) == [LocationRun("me", "ssd", 1, 4096)]
+    d.remove(key, "me", "ssd")
+    assert d.lookup(NS, [key]) == [LocationRun("other", "remote", 1, 4096)]
+    d.restore_local([(key, NS, "host", 8192)])
+    assert d.lookup(NS, [key]) == [LocationRun("me", "host", 1, 8192)]
+    d.remove(key)
+    assert d.lookup(NS, [key]) == []
+    d.close()

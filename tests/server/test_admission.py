@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
-from kvstore.server.admission import Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
 from kvstore.bench.belady import belady_hits
 from kvstore.errors import ConfigError
-from kvstore.server.eviction import HostResidency
+from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
+from kvstore.server.admission import Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
+from kvstore.tiers.eviction import HostResidency
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_300.jsonl"  # shipped: the smoke test always runs
 
@@ -155,16 +155,16 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
         async with grpc.aio.insecure_channel(server.address) as ch:
             await directory_pb2_grpc.DirectoryStub(ch).Remove(
                 directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys, tier="host"))
-        assert not any(server.manager.host.contains(k) for k in keys)
+        assert not any("host" in server.core.where(k) for k in keys)
         assert await client.hint(tokens, eta_s=2.0) is True
-        assert all(server.manager.host.contains(k) for k in keys), "hinted ssd pages are read ahead into the host tier"
+        assert all("host" in server.core.where(k) for k in keys), "hinted ssd pages are read ahead into the host tier"
         more = list(range(10_000, 10_000 + 16 * 20))
         await client.put(more, random_kv(layout, len(more)), durable=True)
         async with grpc.aio.insecure_channel(server.address) as ch:
             await directory_pb2_grpc.DirectoryStub(ch).Remove(
                 directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=client.keys(more), tier="host"))
         assert await client.hint_batch([(more, 1.0)]) == [False], "no prefetch space left: told at once"
-    stats = server.manager.stats()
+    stats = server.core.stats()
     pages_bytes = 40 * (4096 + layout.page_bytes)  # header + payload: what each page write sends to the device
     assert pages_bytes < stats.ssd["written_bytes"] < 2 * pages_bytes, "both durable puts were written and counted, index included"
     assert stats.ssd["budget_bytes_per_s"] == 0 and stats.ssd["projected_life_days"] == -1  # no budget in tests
@@ -184,12 +184,12 @@ async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, 
         wanted, session = list(range(32)), list(range(1000, 1032))
         await client.put(wanted, random_kv(layout, 32), wanted=True)
         await client.put(session, random_kv(layout, 32, seed=1), session_open=True)
-        assert {server.manager.host.header(k).flags for k in client.keys(wanted)} == {FLAG_WANTED}
-        assert {server.manager.host.header(k).flags for k in client.keys(session)} == {FLAG_SESSION_OPEN}
-    manager, key = server.manager, b"f" * 16
-    allocation, _ = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), [key])
-    manager.commit(allocation, [key], [0], flags=0xFF)
-    assert manager.host.header(key).flags == FLAG_WANTED | FLAG_SESSION_OPEN
+        assert {server.core.page(k).flags for k in client.keys(wanted)} == {FLAG_WANTED}
+        assert {server.core.page(k).flags for k in client.keys(session)} == {FLAG_SESSION_OPEN}
+    core, key = server.core, b"f" * 16
+    allocation, _ = core.allocate(ns.namespace_id, LayoutDesc.of(layout), [key])
+    core.commit(allocation, [key], [0], flags=0xFF)
+    assert core.page(key).flags == FLAG_WANTED | FLAG_SESSION_OPEN
 
 
 def test_expire_keeps_a_hint_whose_latest_eta_is_still_ahead() -> None:

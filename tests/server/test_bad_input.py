@@ -79,7 +79,7 @@ def test_unknown_allocation_and_bad_commit(stubs, server) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "checksums" in details
     # Regression: a rejected commit used to drop the allocation and leak its slots.
     stubs[1].Abort(data_pb2.AbortRequest(allocation_id=alloc.allocation_id), timeout=10)
-    assert server.manager.host.usage().used_bytes == 0
+    assert server.core.view().tiers["host"].used_bytes == 0
 
 
 def test_lease_ttl_and_publish_rules(stubs) -> None:
@@ -117,7 +117,7 @@ def test_write_pages_checks(stubs, server) -> None:
     with pytest.raises(grpc.RpcError) as err:
         raw(iter([b"\xff" * 64]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed PageChunk" in err.value.details()
-    assert server.manager.host.usage().used_bytes == 0, "a rejected stream must give back the slot it reserved"
+    assert server.core.view().tiers["host"].used_bytes == 0, "a rejected stream must give back the slot it reserved"
     assert stubs[1].WritePages(_chunks(data, checksum(data)), timeout=10).num_published == 1
     r = stubs[0].Lookup(directory_pb2.LookupRequest(namespace_id=NS, keys=[KEY]), timeout=10)
     assert r.num_pages == 1

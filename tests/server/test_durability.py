@@ -8,12 +8,13 @@ import os
 import grpc
 import pytest
 import torch
-from conftest import random_kv
+from conftest import flip_arena_byte, random_kv
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageCorrupt, PageMissing
 from kvstore.page import HEADER_BYTES, LayoutDesc
+from kvstore.tiers.base import ReadResult
 from kvstore.validate import layout_msg
 
 
@@ -60,7 +61,7 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = directory_pb2_grpc.DirectoryStub(ch)
             await stub.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
-        _flip_payload_byte(tmp_path / "ssd", server.manager.ssd._pages[bad][0], where=1234)
+        _flip_payload_byte(tmp_path / "ssd", server.core.where(bad)["ssd"], where=1234)
         hit = await client.lookup(tokens)
         assert hit.num_pages == 10 and {loc.tier for loc in hit.locations} == {"ssd"}
         out = torch.zeros_like(kv)
@@ -71,9 +72,9 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
         assert not out[:, :, 48:].any(), "no byte of the corrupt page may reach the caller"
         # Quarantined: the next lookup stops before it instead of stalling on it again.
         assert (await client.lookup(tokens)).num_tokens == 48
-    quarantined = server.manager.quarantined()
+    quarantined = server.core.quarantined()
     assert [q.key for q in quarantined] == [bad] and "checksum" in quarantined[0].reason
-    assert server.manager.stats().num_quarantined == 1
+    assert server.core.stats().num_quarantined == 1
 
 
 @pytest.mark.parametrize(("use_shm", "chunk_bytes"), [(True, 4 << 20), (False, 4 << 20), (False, 4096)],
@@ -86,8 +87,7 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, u
     async with KVStoreClient(server.address, ns, use_shm=use_shm, chunk_bytes=chunk_bytes) as client:
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
-        offset, _ = server.manager.host.slot(hit.keys[2])
-        server.manager.host.buffer[offset + 100] ^= 0xFF  # a stray write into the arena
+        flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)  # a stray write into the arena
         out = torch.zeros_like(kv)
         with pytest.raises(PageCorrupt) as err:
             await client.get(hit, into=out)
@@ -109,8 +109,7 @@ async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_fa
         out = torch.zeros_like(kv)
         await client.get(hit, into=out)
         assert torch.equal(out, kv)
-        offset, _ = server.manager.host.slot(hit.keys[70])
-        server.manager.host.buffer[offset + 7] ^= 0x01
+        flip_arena_byte(server, server.core.where(hit.keys[70])["host"] + 7)
         out.zero_()
         with pytest.raises(PageCorrupt) as err:
             await client.get(hit, into=out)
@@ -144,35 +143,30 @@ def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
 
     tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=1_718_000_000))
     try:
-        assert tier.allocator.slab_bytes % 4096 == 0
         payload = bytes(range(256)) * 9216  # 2.25 MiB
         placed = []
         for i in range(40):
             header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(36, 2, 8, 128, "bfloat16", 16), len(payload), checksum(payload))
             offset = tier.reserve(header.payload_bytes)
             assert offset is not None and offset % 4096 == 0
-            tier.write_slot(offset, header, memoryview(payload))
+            tier.write(offset, header, memoryview(payload))
             placed.append((offset, header))
-        tier.sync()
-        tier.index(placed)
+        tier.commit(placed)
         into = bytearray(len(payload))
-        assert tier.read((39).to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
+        assert tier.read_into([((39).to_bytes(16, "little"), memoryview(into))]).num_read == 1 and bytes(into) == payload
     finally:
         tier.close()
 
 
 def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
-    """read_pages stages each page in a shared buffer pair and verifies it as it is copied
+    """read_into stages each page in a shared buffer pair and verifies it as it is copied
     into place: the pages before a damaged one arrive bit-exact, the damaged one is named,
     and the buffers go back to the pool (a second pass of the same reads works)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from kvstore.config import SsdTierConfig
     from kvstore.page import LayoutDesc, PageHeader, checksum
     from kvstore.tiers.ssd import SsdTier
 
     tier = SsdTier(SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=64 << 20))
-    helper = ThreadPoolExecutor(1)
     try:
         pages, placed = [], []
         for i in range(6):
@@ -181,14 +175,13 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
             header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), layout, len(payload), checksum(payload))
             offset = tier.reserve(header.payload_bytes)
             assert offset is not None
-            tier.write_slot(offset, header, memoryview(payload))
+            tier.write(offset, header, memoryview(payload))
             pages.append(payload)
             placed.append((offset, header))
-        tier.sync()
-        tier.index(placed)
+        tier.commit(placed)
         dests = [bytearray(8192) for _ in pages]
         items = [(i.to_bytes(16, "little"), memoryview(d)) for i, d in enumerate(dests)]
-        assert tier.read_pages(items, helper) == (6, "")
+        assert tier.read_into(items) == ReadResult(6)
         assert [bytes(d) for d in dests] == pages
 
         with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # one byte of page 4's payload
@@ -199,11 +192,9 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
         for _ in range(2):
             for d in dests:
                 d[:] = bytes(8192)
-            cut, reason = tier.read_pages(items, helper)
-            assert (cut, reason) == (4, f"page {(4).to_bytes(16, 'little').hex()} failed its checksum")
+            assert tier.read_into(items) == ReadResult(4, f"page {(4).to_bytes(16, 'little').hex()} failed its checksum")
             assert [bytes(d) for d in dests[:4]] == pages[:4]
     finally:
-        helper.shutdown()
         tier.close()
 
 
@@ -260,16 +251,16 @@ async def test_scrub_finds_damage_and_ctl_lists_and_purges(server_factory, tmp_p
     async with KVStoreClient(server.address, ns) as client:
         await client.put(tokens, random_kv(layout, 96, seed=41), durable=True)
         keys = client.keys(tokens)
-    _flip_payload_byte(tmp_path / "ssd", server.manager.ssd._pages[keys[2]][0], where=77)
-    results = [server.manager.scrub_one() for _ in range(6)]
+    _flip_payload_byte(tmp_path / "ssd", server.core.where(keys[2])["ssd"], where=77)
+    results = [server.core.scrub_one() for _ in range(6)]
     assert results.count(False) == 1 and results.count(True) == 5
-    assert not server.manager.ssd.contains(keys[2])
+    assert "ssd" not in server.core.where(keys[2])
     assert ctl.main(["--server", server.address, "--json", "quarantine"]) == 0
     listed = _json.loads(capsys.readouterr().out)
     assert listed["quarantined"] == 1 and listed["pages"][0]["key"] == keys[2].hex() and "scrub" in listed["pages"][0]["reason"]
     assert ctl.main(["--server", server.address, "--json", "quarantine", "--purge"]) == 0
     assert _json.loads(capsys.readouterr().out)["purged"] == 1
-    assert server.manager.quarantined() == []
+    assert server.core.quarantined() == []
 
 
 async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -> None:
@@ -285,9 +276,8 @@ async def test_damaged_arena_page_is_never_written_through(server, layout, ns) -
         sums[2] ^= 1  # the client's bytes and its checksum disagree for page 2
         with pytest.raises(PageCorrupt):
             await io.call(shm.commit(alloc.allocation_id, keys, sums, durable=True))
-        ssd = server.manager.ssd
-        assert not any(ssd.contains(k) for k in keys) and ssd.usage().used_bytes == 0
-        assert [q.key for q in server.manager.quarantined()] == [keys[2]]
+        assert not any("ssd" in server.core.where(k) for k in keys) and server.core.view().tiers["ssd"].used_bytes == 0
+        assert [q.key for q in server.core.quarantined()] == [keys[2]]
         assert (await client.lookup(tokens)).num_tokens == 2 * layout.page_tokens  # pages 0-1 stay in RAM
 
 

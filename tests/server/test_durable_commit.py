@@ -96,8 +96,8 @@ async def test_durable_put_without_ssd_tier_is_a_clear_error(server_factory, lay
         with pytest.raises(TierUnavailable, match="no ssd tier"):
             await client.put(tokens, random_kv(layout, len(tokens)), durable=True)
         assert (await client.lookup(tokens)).num_tokens == 0
-    assert server.manager.host.usage().used_bytes == 0
-    assert not server.manager._allocations and not server.manager._pins
+    view = server.core.view()
+    assert view.tiers["host"].used_bytes == 0 and view.idle
 
 
 async def test_durable_commit_reports_only_the_prefix_on_ssd(server, layout, ns) -> None:
@@ -106,17 +106,16 @@ async def test_durable_commit_reports_only_the_prefix_on_ssd(server, layout, ns)
     commit counts the allocation's leading pages that are on SSD."""
     from kvstore.page import LayoutDesc, checksum
 
-    manager = server.manager
+    core = server.core
     async with KVStoreClient(server.address, ns) as client:
         await client.put(list(range(16)), random_kv(layout, 16))
         keys = client.keys(list(range(32)))
-    ident, slots = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
+    ident, slots = core.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
     assert [offset is None for _, offset in slots] == [True, False]
-    manager.remove(ns.namespace_id, keys[:1])  # another caller removes page 0 meanwhile
-    offset = slots[1][1]
-    view = manager.host.view(offset, layout.page_bytes)
-    assert manager.commit(ident, keys[1:], [checksum(view)], durable=True) == 0
-    assert not manager._pins
+    core.remove(ns.namespace_id, keys[:1])  # another caller removes page 0 meanwhile
+    view = core.slot_view(ident, keys[1])
+    assert core.commit(ident, keys[1:], [checksum(view)], durable=True) == 0
+    assert core.view().idle
 
 
 async def test_layer_save_raises_when_the_durable_prefix_is_short(server, layout, ns) -> None:
@@ -128,7 +127,7 @@ async def test_layer_save_raises_when_the_durable_prefix_is_short(server, layout
     async with KVStoreClient(server.address, ns) as client:
         await client.put(tokens[:16], kv)
         save = client.save(tokens, kv, durable=True)
-        while not server.manager._allocations:  # the worker allocates at once; reading, not steering
+        while not server.core.view().num_allocations:  # the worker allocates at once; reading, not steering
             await asyncio.sleep(0.005)
         async with grpc.aio.insecure_channel(server.address) as ch:
             await directory_pb2_grpc.DirectoryStub(ch).Remove(
@@ -152,7 +151,7 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
     config = make_config(tmp_path, host_bytes=8 << 20)
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, admission="seen-twice"))  # one-shot: dropped
     server = server_factory(config)
-    host_pages = server.manager.host.allocator.capacity // layout.page_bytes
+    host_pages = server.core.view().tiers["host"].capacity_bytes // layout.page_bytes
     prefix, new = list(range(8 * 16)), list(range(10**6, 10**6 + 16 * 16))
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(prefix, random_kv(layout, len(prefix))) == len(prefix)  # RAM only, oldest in LRU
@@ -161,13 +160,13 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
         tokens = prefix + new
         kv = torch.cat([random_kv(layout, len(prefix)), random_kv(layout, len(new), seed=2)], dim=2)
         assert await client.put(tokens, kv, durable=True) == len(tokens)
-        assert all(server.manager.ssd.contains(k) for k in client.keys(tokens))
+        assert all("ssd" in server.core.where(k) for k in client.keys(tokens))
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens)
         out = torch.zeros_like(kv)
         await client.get(hit, into=out)
         assert torch.equal(out, kv)
-    assert not server.manager._pins and not server.manager._allocations
+    assert server.core.view().idle
 
 
 async def test_pages_held_by_an_allocation_are_released_by_abort_and_expiry(server_factory, tmp_path, layout, ns) -> None:
@@ -178,16 +177,16 @@ async def test_pages_held_by_an_allocation_are_released_by_abort_and_expiry(serv
     from kvstore.page import LayoutDesc
 
     server = server_factory(make_config(tmp_path, allocation_ttl_ms=100))
-    manager = server.manager
+    core = server.core
     async with KVStoreClient(server.address, ns) as client:
         await client.put(list(range(32)), random_kv(layout, 32))
         keys = client.keys(list(range(48)))
-    aborted, _ = manager.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
-    manager.abort(aborted)
-    assert not manager._pins and manager.host.usage().num_pages == 2
-    manager.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
-    assert set(manager._pins) == set(keys[:2])
+    aborted, _ = core.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
+    core.abort(aborted)
+    assert core.view().idle and core.view().tiers["host"].num_pages == 2
+    core.allocate(ns.namespace_id, LayoutDesc.of(layout), keys)
+    assert core.view().pinned == set(keys[:2])
     await asyncio.sleep(0.2)  # past the allocation's ttl: nothing else ends it
-    manager.stats()  # any call reaps
-    assert not manager._pins and not manager._allocations
-    assert manager.host.usage().used_bytes == 2 * layout.page_bytes
+    core.stats()  # any call reaps
+    assert core.view().idle
+    assert core.view().tiers["host"].used_bytes == 2 * layout.page_bytes

@@ -13,7 +13,7 @@ from conftest import make_config, random_kv
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.server.placement import TierManager
+from kvstore.server.placement import Placement
 
 NS = b"n" * 16
 KEY = b"k" * 16
@@ -99,7 +99,7 @@ def test_hint_eta_is_capped_and_a_rejected_hint_changes_nothing(server) -> None:
         code, details = _rejected(data.Hint, data_pb2.HintRequest(namespace_id=NS, entries=entries))
         limit_ms = int(server.config.max_hint_eta_s * 1000)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "eta" in details and str(limit_ms) in details, details
-        assert not server.manager._residency.hints, "no entry of a rejected hint may be applied"
+        assert not server.core.view().num_hinted, "no entry of a rejected hint may be applied"
         ok = data.Hint(data_pb2.HintRequest(namespace_id=NS, entries=[data_pb2.HintEntry(keys=[_key(1)], eta_ms=limit_ms)]),
                        timeout=10)
         assert list(ok.reserved) == [True]
@@ -115,7 +115,7 @@ def test_the_hints_a_caller_can_make_the_server_hold_are_bounded(server_factory)
     (measured: 8 such requests, 124 -> 916 MB RSS). Beyond a bound proportional to the host
     tier, a Hint must be refused (RESOURCE_EXHAUSTED) or displace older hints."""
     server = server_factory(host_bytes=4 << 20, ssd_bytes=None)  # 128 pages
-    host_pages = server.manager.host.allocator.capacity // (32 << 10)
+    host_pages = server.core.view().tiers["host"].capacity_bytes // (32 << 10)
     with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         data = data_pb2_grpc.DataStub(channel)
         for r in range(2):
@@ -125,8 +125,8 @@ def test_the_hints_a_caller_can_make_the_server_hold_are_bounded(server_factory)
                 data.Hint(data_pb2.HintRequest(namespace_id=NS, entries=entries), timeout=60)
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
-    held = sum(len(etas) for etas in server.manager._residency.hints.values())
-    assert held <= 64 * host_pages, f"{held} announced uses held for a host tier of {host_pages} pages"
+    held = server.core.view().num_hinted
+    assert held <= 64 * host_pages, f"{held} hinted keys held for a host tier of {host_pages} pages"
 
 
 def _lines_run(call: Callable[[], object]) -> int:
@@ -153,19 +153,19 @@ def test_hint_expiry_work_grows_with_expired_hints_not_with_all_hints(tmp_path) 
     by scanning all of them under the global lock (260k hints: Stats 2 -> 98 ms). Reaping
     must cost what expired, not what is stored."""
     now = [1000.0]
-    manager = TierManager(make_config(tmp_path), clock=lambda: now[0])
+    core = Placement(make_config(tmp_path), clock=lambda: now[0])
     try:
         keys = [_key(i) for i in range(60_000)]
-        manager.hint(NS, keys[:59_000], eta_s=600, prefetch=False)
-        manager.hint(NS, keys[59_000:], eta_s=1, prefetch=False)
-        manager.stats()
-        idle = _lines_run(manager.stats)
-        now[0] += 1 + manager.config.host.hint_grace_s + 1  # the 1,000 hints due at +1 s are past their grace
-        expiring = _lines_run(manager.stats)
-        after = _lines_run(manager.stats)
-        assert len(manager._residency.hints) == 59_000
+        core.hint(NS, keys[:59_000], eta_s=600, prefetch=False)
+        core.hint(NS, keys[59_000:], eta_s=1, prefetch=False)
+        core.stats()
+        idle = _lines_run(core.stats)
+        now[0] += 1 + core.config.host.hint_grace_s + 1  # the 1,000 hints due at +1 s are past their grace
+        expiring = _lines_run(core.stats)
+        after = _lines_run(core.stats)
+        assert core.view().num_hinted == 59_000
     finally:
-        manager.close()
+        core.close()
     assert idle < 3_000, f"{idle} lines with 60,000 hints and none expired"
     assert after < 3_000
     assert expiring < idle + 30 * 1_000, f"{expiring} lines to expire 1,000 of 60,000 hints"

@@ -4,7 +4,12 @@ Each test fills a real map made tiny through the config."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +21,30 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError, TierFull
 from kvstore.page import HEADER_BYTES
 from kvstore.tiers.slab import round_up
+
+
+_HOLD_SNAPSHOT = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], readonly=True, max_dbs=4, lock=True)
+txn = env.begin()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@contextlib.contextmanager
+def old_snapshot(index_dir: Path) -> Iterator[None]:
+    """A reader in another process holding an old snapshot of an LMDB map: LMDB cannot reuse
+    the pages freed since, so the map fills to its last page and then refuses every write
+    transaction. (Another process, as a reader would be: LMDB forbids opening one
+    environment twice in a process.)"""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_SNAPSHOT, str(index_dir)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.communicate("\n", timeout=30)
 
 
 def _lookup(address: str, namespace_id: bytes, keys: list[bytes]) -> int:
@@ -155,7 +184,8 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
         keys = (await client.lookup(tokens)).keys
         # A reader holding an old snapshot keeps LMDB from reusing freed pages: the map fills
         # to its last page, and then every write transaction is refused, the quarantine's too.
-        snapshot = server.manager.ssd.env.begin()
+        snapshot = old_snapshot(tmp_path / "ssd" / "index.lmdb")
+        snapshot.__enter__()
         for step in range(1, 1000):
             more = list(range(10**6 + step * 16, 10**6 + (step + 1) * 16))
             try:
@@ -166,7 +196,7 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
             pytest.fail("a 64 KiB index must fill up")
     with grpc.insecure_channel(server.address) as ch:  # the next read of the prefix must come from disk
         directory_pb2_grpc.DirectoryStub(ch).Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys, tier="host"))
-    offset = server.manager.ssd._pages[keys[3]][0]
+    offset = server.core.where(keys[3])["ssd"]
     with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # noqa: ASYNC230 - flip a byte of page 3 on disk
         f.seek(offset + HEADER_BYTES + 100)
         byte = f.read(1)
@@ -178,9 +208,9 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
             acq = data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000), timeout=10)
             assert len(acq.pages) == 3, "the good prefix before the corrupt page is served, the corrupt page never"
             data.Release(data_pb2.ReleaseRequest(lease_id=acq.lease_id), timeout=10)
-    snapshot.abort()
-    pinned = {k: n for k, n in server.manager._pins.items() if n}
-    assert pinned == {}, f"{len(pinned)} pages stay pinned with no lease or allocation holding them"
+    snapshot.__exit__(None, None, None)
+    pinned = server.core.view().pinned
+    assert not pinned, f"{len(pinned)} pages stay pinned with no lease or allocation holding them"
 
 
 @pytest.mark.parametrize("how", ["remove", "invalidate-keys", "invalidate-namespace"])
@@ -197,7 +227,8 @@ async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(serve
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, random_kv(layout, len(tokens), seed=3), durable=True) == len(tokens)
         keys = (await client.lookup(tokens)).keys
-        snapshot = server.manager.ssd.env.begin()  # no freed page is reused: the map fills to its end
+        snapshot = old_snapshot(tmp_path / "ssd" / "index.lmdb")  # no freed page is reused: the map fills to its end
+        snapshot.__enter__()
         for step in range(1, 1000):
             more = list(range(10**6 + step * 16, 10**6 + (step + 1) * 16))
             try:
@@ -217,7 +248,7 @@ async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(serve
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
     found = _lookup(server.address, ns.namespace_id, keys)
-    snapshot.abort()
+    snapshot.__exit__(None, None, None)
     server.stop()
     server = server_factory(config)
     assert (found, _lookup(server.address, ns.namespace_id, keys)) in ((0, 0), (8, 8)), "memory and disk must agree"
@@ -241,7 +272,8 @@ async def test_a_page_removed_while_leased_is_gone_for_good_with_a_full_ssd_inde
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, random_kv(layout, len(tokens), seed=3), durable=True) == len(tokens)
         keys = (await client.lookup(tokens)).keys
-        snapshot = server.manager.ssd.env.begin()  # no freed page is reused: the map fills to its end
+        snapshot = old_snapshot(tmp_path / "ssd" / "index.lmdb")  # no freed page is reused: the map fills to its end
+        snapshot.__enter__()
         for step in range(1, 1000):
             more = list(range(10**6 + step * 16, 10**6 + (step + 1) * 16))
             try:
@@ -260,8 +292,9 @@ async def test_a_page_removed_while_leased_is_gone_for_good_with_a_full_ssd_inde
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
             removed = False
         data.Release(data_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
-    assert not server.manager._pins and not server.manager._doomed
-    snapshot.abort()
+    view = server.core.view()
+    assert not view.pinned and not view.moving and not view.num_detached
+    snapshot.__exit__(None, None, None)
     server.stop()
     server = server_factory(config)
     assert _lookup(server.address, ns.namespace_id, keys) == (0 if removed else 8), "an acknowledged removal holds"

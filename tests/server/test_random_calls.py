@@ -3,7 +3,7 @@ truncated and corrupt page streams, removals under readers) against a real serve
 is answered INTERNAL, UNKNOWN or hangs, and once every lease and allocation it handed out is
 given back nothing is left pinned, allocated, leased or open, and every host slot in use
 holds a stored page. It found the slot leak of a page stored again while its removed copy
-was still read (tier_manager.commit)."""
+was still read (the placement core's commit)."""
 
 from __future__ import annotations
 
@@ -142,8 +142,8 @@ async def test_random_calls_leave_nothing_behind(server_factory, tmp_path, layou
         assert caller.directory.Stats(directory_pb2.StatsRequest(), timeout=10).num_leases == 0
     assert not bad, bad[:10]
     assert codes["WritePages", "OK"] and codes["Acquire", "OK"] and codes["Commit", "OK"], codes  # the calls went deep
-    manager = server.manager
-    assert (dict(manager._pins), manager._doomed, manager._allocations, manager._leases) == ({}, set(), {}, {})
+    view = server.core.view()
+    assert (view.pinned, view.moving, view.num_allocations, view.num_leases, view.num_detached) == (frozenset(), frozenset(), 0, 0, 0)
     assert server.streams.num_open == 0
-    usage = manager.host.usage()
+    usage = view.tiers["host"]
     assert usage.used_bytes == usage.num_pages * layout.page_bytes, "a host slot stays allocated with no page in it"

@@ -142,7 +142,7 @@ async def test_idle_streams_are_closed_and_leave_nothing_behind(server_factory) 
     keys = await _store_pages(server.address, 512)
     streams = _Streams(server.address)
     try:
-        used = server.manager.host.usage().used_bytes
+        used = server.core.view().tiers["host"].used_bytes
         streams.subscribe()
         streams.read_unread(keys)
         streams.write(half_page=True)
@@ -157,7 +157,7 @@ async def test_idle_streams_are_closed_and_leave_nothing_behind(server_factory) 
             await asyncio.sleep(0.05)
         pages, code = streams.drain(streams.calls[1])
         assert code == grpc.StatusCode.CANCELLED and pages < 512, "the server gave up on the unread stream"
-        assert server.manager.host.usage().used_bytes == used, "the half-written page's slot is freed"
+        assert server.core.view().tiers["host"].used_bytes == used, "the half-written page's slot is freed"
         whole = [data_pb2.PageChunk(key=b"x" * 16, offset=0, data=PAGE, page_bytes=len(PAGE), checksum=checksum(PAGE),
                                     namespace_id=NS, layout=LAYOUT)]
         assert streams.data.WritePages(iter(whole), timeout=10).num_published == 1, "the slots are free again"
@@ -217,12 +217,12 @@ def test_a_stream_the_client_cancels_is_no_server_fault(server) -> None:
     try:
         streams.write(half_page=True)
         deadline = time.monotonic() + 10
-        while server.manager.host.usage().used_bytes == 0:  # until the server reserved the page's slot
+        while server.core.view().tiers["host"].used_bytes == 0:  # until the server reserved the page's slot
             assert time.monotonic() < deadline
             time.sleep(0.01)
         streams.calls[0].cancel()
         assert streams.wait_ended(1, timeout_s=10) == [("WritePages", grpc.StatusCode.CANCELLED)]
-        while server.manager.host.usage().used_bytes:
+        while server.core.view().tiers["host"].used_bytes:
             assert time.monotonic() < deadline, "the cancelled stream's slot was not freed"
             time.sleep(0.01)
     finally:

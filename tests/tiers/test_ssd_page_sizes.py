@@ -67,19 +67,19 @@ async def test_odd_sized_pages_are_demoted_not_dropped(server_factory, tmp_path,
     config = make_config(tmp_path, host_bytes=8 << 20)
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, direct_io=direct_io))
     server = server_factory(config)
-    assert server.manager.ssd.direct_io is direct_io
-    host_pages = server.manager.host.allocator.capacity // layout.page_bytes
+    assert server.core.lower[0].direct_io is direct_io
+    host_pages = server.core.view().tiers["host"].capacity_bytes // layout.page_bytes
     tokens = list(range(2 * host_pages * 16))
     kv = random_kv(layout, len(tokens), seed=22)
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, kv) == len(tokens)
-        assert not server.manager.host.contains(client.keys(tokens)[0]), "the head was evicted"
+        assert "host" not in server.core.where(client.keys(tokens)[0]), "the head was evicted"
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens), "evicted pages were demoted to ssd"
         out = torch.zeros_like(kv)
         await client.get(hit, into=out)
         assert torch.equal(out, kv)
-    assert server.manager.stats().num_quarantined == 0
+    assert server.core.stats().num_quarantined == 0
 
 
 @pytest.mark.parametrize("aligned_source", [True, False], ids=["aligned", "unaligned"])
@@ -109,11 +109,10 @@ def test_write_slot_pads_any_page_size_with_zeros(tmp_path, size: int, direct_io
         header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(1, 1, 1, n, "uint8", 1), n, checksum(payload))
         offset = tier.reserve(n)
         assert offset is not None
-        tier.write_slot(offset, header, memoryview(source)[start : start + n])
+        tier.write(offset, header, memoryview(source)[start : start + n])
         placed.append((offset, header))
         pages.append(payload)
-    tier.sync()
-    tier.index(placed)
+    tier.commit(placed)
     tier.close()
     with open(tmp_path / "ssd" / "pages.dat", "rb") as f:
         for (offset, _), payload in zip(placed, pages):
@@ -123,6 +122,6 @@ def test_write_slot_pads_any_page_size_with_zeros(tmp_path, size: int, direct_io
     try:
         for i, payload in enumerate(pages):
             into = bytearray(len(payload))
-            assert tier.read(i.to_bytes(16, "little"), memoryview(into)) is not None and bytes(into) == payload
+            assert tier.read_into([(i.to_bytes(16, "little"), memoryview(into))]).num_read == 1 and bytes(into) == payload
     finally:
         tier.close()

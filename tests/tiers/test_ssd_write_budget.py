@@ -82,7 +82,7 @@ async def test_durable_writes_never_exceed_the_burst_on_disk(server_factory, tmp
     config = make_config(tmp_path)
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, dwpd=1.0))
     server = server_factory(config)
-    budget = server.manager.budget
+    budget = server.core.lower[0].budget
     assert budget.burst_bytes == 16 << 20
     data_file = tmp_path / "ssd" / "pages.dat"
     before = _file_bytes(data_file)
@@ -95,7 +95,7 @@ async def test_durable_writes_never_exceed_the_burst_on_disk(server_factory, tmp
     refilled = (time.monotonic() - started) * budget.rate_bps
     grown = _file_bytes(data_file) - before
     assert 0 < grown <= budget.burst_bytes + refilled, (grown, budget.burst_bytes)
-    assert hit.num_tokens > 0 and server.manager.stats().ssd["written_bytes"] >= grown
+    assert hit.num_tokens > 0 and server.core.stats().ssd["written_bytes"] >= grown
 
 
 def test_bytes_known_after_the_write_are_charged_into_debt() -> None:

@@ -3,68 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, PageCorrupt
-from kvstore.page import checksum, checksummer
-from kvstore.pagecopy import copy_checksum_bytes
+from kvstore.errors import InvalidRequest, StreamCut
+from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
-from kvstore.server.placement import TierManager
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
 
-class _IncomingPage:
-    """A page arriving over WritePages: where its bytes go (None: stored already) and the
-    checksum of what arrived so far."""
+@dataclass(frozen=True)
+class _Destination:
+    """Where a page arriving over WritePages goes: its allocation, and how it commits."""
 
-    def __init__(self, key: bytes, page_bytes: int, checksum: int, durable: bool, flags: int, allocation_id: bytes,
-                 dest: memoryview | None) -> None:
-        self.key, self.page_bytes, self.checksum, self.durable, self.flags = key, page_bytes, checksum, durable, flags
-        self.allocation_id = allocation_id
-        self.dest = dest
-        self.filled = 0
-        self._hash = checksummer()
-
-    def add(self, chunk: WireChunk) -> bool:
-        """Takes the next chunk; True when the page is complete and its checksum holds."""
-        if chunk.key != self.key or chunk.offset != self.filled:
-            raise InvalidRequest(f"chunk of page {self.key.hex()} at offset {chunk.offset}, expected {self.filled}")
-        end = self.filled + len(chunk.data)
-        if end > self.page_bytes:
-            raise InvalidRequest(f"page {self.key.hex()} got more than its {self.page_bytes} bytes")
-        if end == self.page_bytes and self.filled == 0:  # the whole page in one chunk: copy and hash in one pass
-            self.filled = end
-            if self.dest is None:
-                digest = checksum(chunk.data)
-            else:
-                digest = copy_checksum_bytes(self.dest, chunk.data)
-            if digest != self.checksum:
-                raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
-            return True
-        if self.dest is not None:
-            self.dest[self.filled : end] = chunk.data
-        self._hash.update(chunk.data)
-        self.filled = end
-        if end < self.page_bytes:
-            return False
-        if self._hash.intdigest() != self.checksum:
-            raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
-        return True
-
-    def truncated(self) -> InvalidRequest:
-        return InvalidRequest(f"page {self.key.hex()} ended after {self.filled} of {self.page_bytes} bytes")
+    allocation_id: bytes
+    durable: bool
+    flags: int
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, manager: TierManager, config: ServerConfig, wal: TokenLog) -> None:
-        self.manager = manager
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog) -> None:
+        self.core = core
         self.config = config
-        self.metrics = manager.metrics
+        self.metrics = core.metrics
         self.wal = wal
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
@@ -72,9 +39,9 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        host = self.manager.host
+        arena = self.core.arena
         return data_pb2.GetInfoResponse(
-            node=self.manager.node, arena_path=str(host.path), arena_bytes=host.arena_bytes, arena_token=host.token,
+            node=self.core.node, arena_path=arena.path, arena_bytes=arena.size_bytes, arena_token=arena.token,
             tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
             max_page_bytes=self.config.max_page_bytes,
         )
@@ -83,7 +50,7 @@ class DataService(data_pb2_grpc.DataServicer):
     def Allocate(self, request: data_pb2.AllocateRequest, context: grpc.ServicerContext) -> data_pb2.AllocateResponse:
         ns = validate.namespace_id(request.namespace_id)
         layout = validate.layout(request.layout)
-        ident, slots = self.manager.allocate(ns, layout, self._keys(list(request.keys)))
+        ident, slots = self.core.allocate(ns, layout, self._keys(list(request.keys)))
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
@@ -92,32 +59,31 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
-        n = self.manager.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags)
+        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags)
         return data_pb2.CommitResponse(num_published=n)
 
     @unary
     def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
-        self.manager.abort(request.allocation_id)
+        self.core.abort(request.allocation_id)
         return data_pb2.AbortResponse()
 
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, pages = self.manager.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
-        page_bytes = self.manager.host.header(pages[0].key).payload_bytes if pages else 0  # type: ignore[union-attr]
+        ident, pages = self.core.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
         return data_pb2.AcquireResponse(
-            lease_id=ident, page_bytes=page_bytes,
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.offset, checksum=p.checksum) for p in pages],
+            lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
         )
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        self.manager.release(request.lease_id)
+        self.core.release(request.lease_id)
         return data_pb2.ReleaseResponse()
 
     @unary
     def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
-        self.manager.renew(request.lease_id, request.ttl_ms)
+        self.core.renew(request.lease_id, request.ttl_ms)
         return data_pb2.RenewResponse()
 
     @unary
@@ -126,7 +92,8 @@ class DataService(data_pb2_grpc.DataServicer):
         the server filling the slot from the stream and checking the checksum as the bytes
         pass (a page stored already is only checked)."""
         stored = 0
-        page: _IncomingPage | None = None
+        page: ChunkedPage | None = None
+        dest: _Destination | None = None
         try:
             for chunk in request_iterator:
                 if chunk.error:
@@ -134,21 +101,23 @@ class DataService(data_pb2_grpc.DataServicer):
                 if page is None or chunk.offset == 0:
                     if page is not None:
                         raise page.truncated()
-                    page = self._start_page(chunk)
+                    page, dest = self._start_page(chunk)
                 if page.add(chunk):
+                    assert dest is not None
                     done, page = page, None
-                    if not self.manager.commit(done.allocation_id, [done.key], [done.checksum], done.durable, done.flags):
+                    if not self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable, dest.flags):
                         break  # stored at its first chunk, gone at its commit: num_published ends here
                     stored += 1
             if page is not None:
-                raise page.truncated()
+                raise StreamCut(str(page.truncated()))
         finally:
-            if page is not None:
-                self.manager.abort(page.allocation_id)
+            if page is not None and dest is not None:
+                self.core.abort(dest.allocation_id)
         return data_pb2.WritePagesResponse(num_published=stored)
 
-    def _start_page(self, chunk: WireChunk) -> _IncomingPage:
-        """Checks a page's first chunk and allocates the host slot its bytes go to."""
+    def _start_page(self, chunk: WireChunk) -> tuple[ChunkedPage, _Destination]:
+        """Checks a page's first chunk and allocates the landing slot its bytes go to (none
+        when the page is stored already: its bytes are only checked)."""
         key = validate.keys([chunk.key], 1)[0]
         ns = validate.namespace_id(chunk.namespace_id)
         layout = validate.layout(chunk.layout)
@@ -156,9 +125,10 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        allocation_id, [(_, offset)] = self.manager.allocate(ns, layout, [key])
-        dest = None if offset is None else self.manager.host.view(offset, layout.page_bytes)
-        return _IncomingPage(key, chunk.page_bytes, chunk.checksum, chunk.durable, chunk.flags, allocation_id, dest)
+        allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key])
+        sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
+        page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
+        return page, _Destination(allocation_id, chunk.durable, chunk.flags)
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:
@@ -171,7 +141,7 @@ class DataService(data_pb2_grpc.DataServicer):
             if entry.eta_ms > max_eta_ms:
                 raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
-        return data_pb2.HintResponse(reserved=[self.manager.hint(ns, keys, eta_s) for keys, eta_s in entries])
+        return data_pb2.HintResponse(reserved=[self.core.hint(ns, keys, eta_s) for keys, eta_s in entries])
 
     @unary
     def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:
@@ -200,11 +170,11 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
-        ident, pages = self.manager.acquire(ns, keys, request.ttl_ms)
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         try:
             for page in pages:
-                header, view = self.manager.read_view(page.key)
-                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), view,
+                header = page.header
+                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), self.core.read_view(page),
                                        header.checksum, chunk_bytes=chunk_bytes)
         finally:
-            self.manager.release(ident)
+            self.core.release(ident)

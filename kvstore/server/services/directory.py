@@ -1,4 +1,4 @@
-"""The Directory servicer: a thin adapter from gRPC messages to the tier manager."""
+"""The Directory servicer: a thin adapter from gRPC messages to the directory and the placement core."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event
 from kvstore.errors import InvalidRequest, LimitExceeded
+from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
-from kvstore.server.placement import TierManager
-from kvstore.types import Location
+from kvstore.types import TIER_NAMES, Location
 
 _SUBSCRIBE_POLL_S = 0.5
-LOCATION_TIERS = ("hbm", "host", "ssd", "remote")  # what a published or removed location may name
 MAX_NODE_NAME = 255
 
 
@@ -35,10 +34,10 @@ def event_msg(ev: Event) -> directory_pb2.Event:
 
 
 class DirectoryService(directory_pb2_grpc.DirectoryServicer):
-    def __init__(self, manager: TierManager, config: ServerConfig) -> None:
-        self.manager = manager
+    def __init__(self, core: Placement, config: ServerConfig) -> None:
+        self.core = core
         self.config = config
-        self.metrics = manager.metrics
+        self.metrics = core.metrics
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
 
@@ -48,7 +47,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
-        runs = self.manager.directory.lookup(ns, self._keys(list(request.keys)))  # the directory's lock only
+        runs = self.core.directory.lookup(ns, self._keys(list(request.keys)))  # the directory's lock only
         return directory_pb2.LookupResponse(
             num_pages=sum(r.num_pages for r in runs),
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
@@ -60,36 +59,36 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         keys = self._keys([r.key for r in request.records])
         records = []
         for key, rec in zip(keys, request.records):
-            validate.tier(rec.location.tier, LOCATION_TIERS)
+            validate.tier(rec.location.tier, TIER_NAMES)
             if not rec.location.node or not rec.location.tier:
                 raise InvalidRequest("every published location needs a node and a tier")
             if len(rec.location.node) > MAX_NODE_NAME:
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
-        versions = self.manager.publish_remote(ns, records)
+        versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
     @unary
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
         ns = validate.namespace_id(request.namespace_id)
-        tier = validate.tier(request.tier, LOCATION_TIERS)
-        return directory_pb2.RemoveResponse(num_removed=self.manager.remove(ns, self._keys(list(request.keys)), tier))
+        tier = validate.tier(request.tier, TIER_NAMES)
+        return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, self._keys(list(request.keys)), tier))
 
     @unary
     def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys), allow_empty=True)
-        return directory_pb2.InvalidateResponse(num_removed=self.manager.invalidate(ns, keys))
+        return directory_pb2.InvalidateResponse(num_removed=self.core.invalidate(ns, keys))
 
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, found, expires = self.manager.lease(ns, self._keys(list(request.keys)), request.ttl_ms)
+        ident, found, expires = self.core.lease(ns, self._keys(list(request.keys)), request.ttl_ms)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
     @unary
     def ReleaseLease(self, request: directory_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext) -> directory_pb2.ReleaseLeaseResponse:
-        return directory_pb2.ReleaseLeaseResponse(released=self.manager.release(request.lease_id))
+        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id))
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
@@ -99,7 +98,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 raise LimitExceeded(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
             self._subscribers += 1
         try:
-            events = self.manager.directory.events
+            events = self.core.directory.events
             next_seq = request.from_seq or events.last_seq + 1
             while context.is_active() and not events.closed:
                 batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
@@ -112,7 +111,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @unary
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> directory_pb2.StatsResponse:
-        st = self.manager.stats()
+        st = self.core.stats()
         tiers = []
         for name, usage in st.tiers.items():
             c = st.counters.get(name, {})
@@ -128,8 +127,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @unary
     def Quarantine(self, request: directory_pb2.QuarantineRequest, context: grpc.ServicerContext) -> directory_pb2.QuarantineResponse:
-        pages = self.manager.quarantined()
-        purged = self.manager.purge_quarantine() if request.purge else 0
+        pages = self.core.quarantined()
+        purged = self.core.purge_quarantine() if request.purge else 0
         return directory_pb2.QuarantineResponse(
             purged=purged,
             pages=[directory_pb2.QuarantinedPage(key=q.key, namespace_id=q.namespace_id, reason=q.reason, unix_s=q.unix_s) for q in pages],

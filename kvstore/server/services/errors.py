@@ -10,20 +10,39 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StreamCut
 from kvstore.status import ERROR_METADATA_KEY, code_for
 
 logger = logging.getLogger(__name__)
+_CANCEL_SETTLE_S = 0.05
+
+
+def _client_left(context: grpc.ServicerContext, exc: BaseException) -> bool:
+    """Whether the client cancelled. A cancel can end grpcio's request iterator a moment
+    before the call is marked inactive, so a stream that ended inside a page waits a little
+    (an error path only) for the termination to show."""
+    if not isinstance(exc, (grpc.RpcError, KVStoreError)):
+        return False
+    if not context.is_active():
+        return True
+    if not isinstance(exc, StreamCut):
+        return False
+    ended = threading.Event()
+    if not context.add_callback(ended.set):
+        return True
+    ended.wait(_CANCEL_SETTLE_S)
+    return not context.is_active()
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, (grpc.RpcError, KVStoreError)) and not context.is_active():
+    if _client_left(context, exc):
         # The client left: grpcio's request iterator raised, or ended and the stream looked cut short.
         return grpc.StatusCode.CANCELLED, "the client cancelled the call"
     code, message = _status(exc)
@@ -51,6 +70,13 @@ def reject(context: grpc.ServicerContext, metrics: Any, method: str, exc: KVStor
     raise AssertionError("context.abort returned")  # it raises; this tells the type checker
 
 
+def _failed(servicer: Any, name: str, context: grpc.ServicerContext, exc: Exception) -> None:
+    """Answers ``exc``'s status (context.abort raises) and counts it."""
+    code, message = _abort(context, exc)
+    servicer.metrics.rpc_errors.labels(name, code.name).inc()
+    context.abort(code, message)
+
+
 def unary(method: Callable[..., Any]) -> Callable[..., Any]:
     name = method.__name__
 
@@ -59,10 +85,8 @@ def unary(method: Callable[..., Any]) -> Callable[..., Any]:
         start = time.perf_counter()
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _abort(context, exc)
-            self.metrics.rpc_errors.labels(name, code.name).inc()
-            context.abort(code, message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            _failed(self, name, context, exc)
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 
@@ -77,10 +101,8 @@ def stream(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]
         start = time.perf_counter()
         try:
             yield from method(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status below
-            code, message = _abort(context, exc)
-            self.metrics.rpc_errors.labels(name, code.name).inc()
-            context.abort(code, message)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status
+            _failed(self, name, context, exc)
         finally:
             self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - start)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import flip_arena_byte
 from hf_model import greedy, namespace_for, tiny_qwen3
 
 from kvstore import KVLayout, Namespace
@@ -126,8 +127,7 @@ async def test_fault_between_lookup_and_load_still_identical(server, model_and_c
                     await directory_pb2_grpc.DirectoryStub(ch).Remove(
                         directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=[victim]))
             else:
-                offset, _ = server.manager.host.slot(victim)
-                server.manager.host.buffer[offset + 333] ^= 0x10
+                flip_arena_byte(server, server.core.where(victim)["host"] + 333)
             return hit
 
         client.lookup = lookup_then_fault  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import flip_arena_byte
 from sglang_api import HostPool, load_sglang_interface
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -132,8 +133,7 @@ def test_corrupt_page_is_a_miss_and_never_reaches_the_pool(make_backend: Any, se
     k = keys(3, tag="bad")
     assert backend.batch_set_v1(k, host_indices([0, 1, 2])) == [True] * 3
     victim = backend._keys(k)[1]
-    offset, _ = server.manager.host.slot(victim)
-    server.manager.host.buffer[offset + 77] ^= 0x20
+    flip_arena_byte(server, server.core.where(victim)["host"] + 77)
     dst = HostPool("page_first", page_size=P)
     backend.pool = dst
     assert backend.batch_get_v1(k, host_indices([4, 5, 6])) == [True, False, False]

@@ -1,0 +1,181 @@
+"""What callers make the server hold for them: pins, leases, allocations, and their expiry.
+
+A pin keeps a page in whatever tier holds it (never evicted, never freed) until its last
+pin goes; pins count, so two readers of one page each hold one. A lease is a reader's pin
+on a prefix, an allocation a writer's reserved slots (plus a pin on the pages it called
+stored already). Both expire: one heap entry per lease or allocation, a renewed lease's
+entry moved on when it comes due, so renewing in a loop grows nothing.
+
+Handles are 16 random bytes: a caller cannot guess another's to release, renew or abort it.
+
+Not thread-safe: the placement core calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidRequest, LeaseExpired
+from kvstore.page import LayoutDesc
+
+logger = logging.getLogger(__name__)
+
+HANDLE_BYTES = 16
+
+
+@dataclass
+class Allocation:
+    """A writer's reservation: slots in the landing tier for the keys not stored yet."""
+
+    namespace_id: bytes
+    layout: LayoutDesc
+    slots: dict[bytes, int]       # key -> reserved slot in the landing tier
+    keys: list[bytes]             # the prefix allocate answered: stored already or reserved
+    held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
+    expires: float = field(default=0.0)
+
+
+@dataclass
+class Lease:
+    keys: list[bytes]
+    expires: float
+
+
+@dataclass(frozen=True)
+class LeaseCounts:
+    """A read-only picture of what callers hold (for stats and tests)."""
+
+    num_leases: int
+    num_allocations: int
+    num_expiry_entries: int
+    pinned: frozenset[bytes]  # by callers: leases, allocations, acquisitions under way
+    moving: frozenset[bytes]  # by the server's own moves in flight (demotion, deletion)
+    lease_ids: frozenset[bytes]
+
+
+class LeaseTable:
+    def __init__(self, default_lease_ms: int, max_lease_ms: int, allocation_ttl_ms: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.default_lease_ms = default_lease_ms
+        self.max_lease_ms = max_lease_ms
+        self.allocation_ttl_ms = allocation_ttl_ms
+        self.clock = clock
+        self.pins: Counter[bytes] = Counter()  # every pin, a caller's or a move's
+        self._moving: Counter[bytes] = Counter()  # the pins of moves
+        self._leases: dict[bytes, Lease] = {}
+        self._allocations: dict[bytes, Allocation] = {}
+        self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
+
+    # -- pins ----------------------------------------------------------------------------
+
+    def pin(self, keys: list[bytes], move: bool = False) -> None:
+        """``move``: the pin of the server's own move (writing a page down, deleting a copy)."""
+        self.pins.update(keys)
+        if move:
+            self._moving.update(keys)
+
+    def unpin(self, keys: list[bytes], move: bool = False) -> list[bytes]:
+        """Drops one pin of each key; returns the keys that are no longer pinned at all."""
+        if move:
+            self._moving.subtract(keys)
+            self._moving = +self._moving
+        pins = self.pins
+        pins.subtract(keys)
+        free = []
+        for key in keys:
+            if key in pins and pins[key] <= 0:
+                del pins[key]
+                free.append(key)
+        return free
+
+    def pinned(self, key: bytes) -> bool:
+        return key in self.pins
+
+    # -- leases --------------------------------------------------------------------------
+
+    def lease_ttl_ms(self, ttl_ms: int) -> int:
+        """The ttl a lease gets (0: the default); raises InvalidRequest beyond the maximum.
+        Called before any pin is taken, so a refused request holds nothing."""
+        ttl_ms = ttl_ms or self.default_lease_ms
+        if ttl_ms > self.max_lease_ms:
+            raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.max_lease_ms} ms")
+        return ttl_ms
+
+    def lease(self, keys: list[bytes], ttl_ms: int) -> tuple[bytes, float]:
+        """Pins ``keys`` under a new lease; returns its handle and its expiry (unix seconds)."""
+        ttl_ms = self.lease_ttl_ms(ttl_ms)
+        ident = secrets.token_bytes(HANDLE_BYTES)
+        deadline = self.clock() + ttl_ms / 1000
+        self._leases[ident] = Lease(keys, deadline)
+        heapq.heappush(self._expiry, (deadline, ident, True))
+        self.pin(keys)
+        return ident, time.time() + ttl_ms / 1000
+
+    def release(self, ident: bytes) -> list[bytes] | None:
+        """Ends a lease; returns its keys no longer pinned, or None when there is no such lease."""
+        lease = self._leases.pop(ident, None)
+        return None if lease is None else self.unpin(lease.keys)
+
+    def renew(self, ident: bytes, ttl_ms: int) -> None:
+        """Moves a lease's expiry to ``ttl_ms`` from now (never back). Raises LeaseExpired when
+        the lease was released or has expired (its pages may have been evicted meanwhile)."""
+        ttl_ms = self.lease_ttl_ms(ttl_ms)
+        lease = self._leases.get(ident)
+        if lease is None:
+            raise LeaseExpired(f"lease {ident.hex()} was released or has expired; its pages may be gone")
+        lease.expires = max(lease.expires, self.clock() + ttl_ms / 1000)
+
+    # -- allocations ---------------------------------------------------------------------
+
+    def add_allocation(self, alloc: Allocation) -> bytes:
+        """Records an allocation (its ``held`` keys are pinned already); returns its handle."""
+        ident = secrets.token_bytes(HANDLE_BYTES)
+        alloc.expires = self.clock() + self.allocation_ttl_ms / 1000
+        self._allocations[ident] = alloc
+        heapq.heappush(self._expiry, (alloc.expires, ident, False))
+        return ident
+
+    def allocation(self, ident: bytes) -> Allocation | None:
+        return self._allocations.get(ident)
+
+    def take_allocation(self, ident: bytes) -> Allocation | None:
+        """Removes and returns an allocation (None: unknown or expired); the caller frees its
+        slots and unpins its ``held`` keys."""
+        return self._allocations.pop(ident, None)
+
+    # -- expiry --------------------------------------------------------------------------
+
+    def expired(self) -> tuple[list[bytes], list[Allocation]]:
+        """Ends what is past its deadline: returns the keys no longer pinned (from expired
+        leases) and the expired allocations, whose slots and pins the caller gives back."""
+        now = self.clock()
+        free: list[bytes] = []
+        allocations: list[Allocation] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, ident, is_lease = heapq.heappop(self._expiry)
+            if is_lease:
+                lease = self._leases.get(ident)
+                if lease is not None and lease.expires > now:  # renewed: its one entry moves on
+                    heapq.heappush(self._expiry, (lease.expires, ident, True))
+                elif lease is not None:
+                    del self._leases[ident]
+                    logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
+                    free += self.unpin(lease.keys)
+            else:
+                alloc = self._allocations.pop(ident, None)
+                if alloc is not None:
+                    logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
+                    allocations.append(alloc)
+        return free, allocations
+
+    def counts(self) -> LeaseCounts:
+        moving = self._moving
+        callers = frozenset(k for k, n in self.pins.items() if n > moving.get(k, 0))
+        return LeaseCounts(len(self._leases), len(self._allocations), len(self._expiry), callers, frozenset(moving),
+                           frozenset(self._leases))

@@ -1,0 +1,38 @@
+"""The tiers a configuration asks for, opened in order and wrapped: the one place that
+names concrete tier classes (the core only knows the protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.config import ServerConfig
+from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget, make_policy
+from kvstore.server.metrics import Metrics
+from kvstore.tiers.base import LandingTier, Tier
+from kvstore.tiers.host import HostTier
+from kvstore.tiers.ssd import SsdTier
+
+Wrap = Callable[[Tier], Tier]
+
+
+def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
+               policy: AdmissionPolicy | None = None) -> tuple[LandingTier, list[AdmittedTier]]:
+    """The landing tier (host) and the demotion targets (ssd, with its admission policy and
+    write budget). ``wrap`` goes around each tier first (tests: ``FaultyTier``); ``policy``
+    replaces the configured admission policy (the replay's oracle)."""
+    wrap = wrap or (lambda tier: tier)
+    landing = wrap(HostTier(config.host, config.node))
+    if not isinstance(landing, LandingTier):
+        raise TypeError(f"{landing!r} cannot be the landing tier")
+    lower: list[AdmittedTier] = []
+    try:
+        if "ssd" in config.tiers and config.ssd is not None:
+            ssd = SsdTier(config.ssd)
+            budget = WriteBudget.for_drive(config.ssd.capacity_bytes, config.ssd.dwpd, clock, config.ssd.burst_s,
+                                           settle=ssd.index_writes.take)
+            lower.append(AdmittedTier(wrap(ssd), policy or make_policy(config.ssd.admission), budget, metrics,
+                                      SsdTier.slot_bytes, config.ssd.capacity_bytes, config.ssd.dwpd))
+    except BaseException:
+        landing.close()
+        raise
+    return landing, lower

@@ -1,0 +1,350 @@
+"""The placement core: places pages in tiers, moves them on pressure and use, keeps the
+directory true.
+
+Page life in the landing tier::
+
+    allocate --> reserved --commit--> stored --evict--> (written down | dropped)
+        |                  \\--abort/expire--> freed       ^
+        '-- stored already: nothing to write               '-- read up from below on acquire
+
+A page is published only once its bytes are where its location says (landing: committed;
+lower: synced and indexed). Pinned pages (leases, acquisitions, moves in flight) are never
+evicted or freed; a page removed while pinned goes when its last pin goes.
+
+Locks: ``_lock`` guards in-memory placement state only (leases, which copy is live, the
+eviction and admission decisions). No disk I/O runs under it: moves let go of it around
+their writes and reads (moves.py), removals of lower-tier copies are done after it is
+released (housekeeping.py). The directory has its own locks; this node's locations are never
+persisted by it, so publishing and removing them under ``_lock`` is in-memory work.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore.config import ServerConfig
+from kvstore.directory import Directory
+from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, TierFull, TierUnavailable
+from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
+from kvstore.server.admission import AdmissionPolicy
+from kvstore.server.leases import Allocation, LeaseTable
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement.assembly import Wrap, open_tiers
+from kvstore.server.placement.housekeeping import Housekeeper
+from kvstore.server.placement.moves import Mover
+from kvstore.server.placement.reads import AcquiredPage, Reader
+from kvstore.server.placement.residence import Residence
+from kvstore.server.placement.view import CoreView
+from kvstore.server.recovery import rebuild_directory
+from kvstore.server.stats import CoreStats, Reporter
+from kvstore.tiers.base import ArenaInfo, Quarantined
+
+logger = logging.getLogger(__name__)
+
+def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
+    """The leading keys for which ``held`` is true."""
+    for i, key in enumerate(keys):
+        if not held(key):
+            return keys[:i]
+    return keys
+
+
+class Placement:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 wrap: Wrap | None = None, policy: AdmissionPolicy | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.node = config.node
+        self.metrics = metrics or Metrics()
+        # Recovery creates an object or two per stored page; the cyclic GC would rescan the
+        # growing heap again and again meanwhile (none of these objects form cycles).
+        gc_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
+            self.landing, self.lower = open_tiers(config, self.metrics, clock, wrap, policy)
+            self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
+            self.residence = Residence(self.landing, list(self.lower), self.leases)
+            self.tiers = self.residence.tiers
+            self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
+            self._lock = self.keeper.lock
+            self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
+            self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
+            self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
+            self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
+            self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
+            self.reporter.refresh_gauges()
+        finally:
+            if gc_enabled:
+                gc.enable()
+
+    @property
+    def arena(self) -> ArenaInfo:
+        return self.landing.arena
+
+    def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
+        """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
+        binds it once a slot was taken, so a rejected request leaves no binding)."""
+        known = self._layouts.get(namespace_id, layout)
+        if known != layout:
+            raise NamespaceMismatch(f"namespace {namespace_id.hex()} has layout {known}, request says {layout}")
+        if layout.page_bytes <= 0:
+            raise InvalidRequest(f"layout {layout} gives an empty page or an unknown dtype")
+        if layout.page_bytes > self.config.max_page_bytes:
+            raise InvalidRequest(f"page of {layout.page_bytes} bytes exceeds the limit of {self.config.max_page_bytes}")
+        if not self.landing.fits(layout.page_bytes):
+            raise InvalidRequest(f"page of {layout.page_bytes} bytes does not fit a {self.landing.name} slab; raise --host-capacity")
+
+    def _fill(self) -> float:
+        usage = self.landing.usage()
+        return usage.used_bytes / usage.capacity_bytes if usage.capacity_bytes else 0.0
+
+    # -- writes through the landing tier -------------------------------------------------
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        """Reserves landing slots for the keys not stored yet; stops at the first that finds
+        no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
+        prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
+        expiry. Raises TierFull when not even the first page fits."""
+        with self.keeper.critical():
+            self.keeper.reap()
+            self._check_layout(namespace_id, layout)
+            out: list[tuple[bytes, int | None]] = []
+            slots: dict[bytes, int] = {}
+            held: list[bytes] = []
+            try:
+                for key in keys:
+                    if key in slots or self.residence.stored(key):
+                        if key not in slots:
+                            held.append(key)
+                            self.leases.pin([key])  # before the next reserve: it must not evict what we answer stored
+                        out.append((key, None))
+                        continue
+                    self.keeper.learn(key)
+                    slot = self.moves.make_room(layout.page_bytes)
+                    if slot is None:
+                        break
+                    slots[key] = slot
+                    out.append((key, slot))
+            except BaseException:
+                self.keeper.free_slots(list(slots.values()))
+                self.keeper.unpin(held)
+                raise
+            if not out:
+                raise TierFull(f"{self.landing.name} tier is full and every page in it is leased")
+            self._layouts.setdefault(namespace_id, layout)
+            if self._fill() > self.config.host.demote_above:
+                self.pressure.set()
+            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held))
+            return ident, out
+
+    def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
+        """Where the caller writes the page ``key`` of its allocation (LeaseExpired when the
+        allocation is gone; InvalidRequest for a key it has no slot for)."""
+        with self._lock:
+            alloc = self.leases.allocation(allocation_id)
+            if alloc is None:
+                raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
+            slot = alloc.slots.get(key)
+            if slot is None:
+                raise InvalidRequest(f"allocation {allocation_id.hex()} has no slot for page {key.hex()}")
+            return self.landing.view(slot, alloc.layout.page_bytes)
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
+        """Publishes the written slots of an allocation; frees the others.
+
+        Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
+        it, pages stored before included) are now stored. With ``durable`` every one of
+        them, written now or stored earlier in RAM, is in the first lower tier (synced) when
+        this returns and only those count; raises TierFull / TierUnavailable when that tier
+        refuses or fails (the pages stay in RAM), and TierUnavailable, storing nothing,
+        when there is no lower tier.
+        """
+        if len(keys) != len(checksums):  # before taking the allocation: it stays usable
+            raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
+        flags &= ENGINE_FLAGS
+        with self.keeper.critical():
+            self.keeper.reap()
+            alloc = self.leases.take_allocation(allocation_id)
+            if alloc is None:
+                raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
+            if durable and not self.lower:
+                self.keeper.give_back(alloc)
+                raise TierUnavailable("durable write asked of a server with no ssd tier (start it with --tiers host,ssd); "
+                                      "nothing was stored")
+            fresh: list[tuple[int, PageHeader]] = []
+            for key, csum in zip(keys, checksums):
+                slot = alloc.slots.pop(key, None)
+                if slot is None:
+                    continue  # was stored already at allocation time
+                if self.residence.stored(key):
+                    self.landing.unreserve(slot)
+                    continue
+                header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum,
+                                    flags | (FLAG_WANTED if durable else 0))
+                fresh.append((slot, header))
+            self.landing.commit(fresh)
+            self.keeper.free_slots(list(alloc.slots.values()))
+            if fresh:
+                self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
+                self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
+            run = _leading(alloc.keys, self.residence.stored)
+            if durable:
+                self.leases.pin(run)
+        try:
+            if durable:
+                self.moves.write_through(run)
+        finally:
+            with self.keeper.critical():
+                self.keeper.unpin(alloc.held + (run if durable else []))
+        with self._lock:
+            return len(_leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
+
+    def abort(self, allocation_id: bytes) -> None:
+        with self.keeper.critical():
+            alloc = self.leases.take_allocation(allocation_id)
+            if alloc is not None:
+                self.keeper.give_back(alloc)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
+        """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
+        landing tier, reading pages held only below into it (see reads.py)."""
+        return self.reads.acquire(namespace_id, keys, ttl_ms, learn)
+
+    def read_view(self, page: AcquiredPage) -> memoryview:
+        """The bytes of a page the caller acquired (valid until it releases)."""
+        return self.landing.view(page.slot, page.header.payload_bytes)
+
+    def release(self, lease_id: bytes) -> bool:
+        with self.keeper.critical():
+            free = self.leases.release(lease_id)
+            if free is None:
+                return False
+            self.residence.released(free)
+            return True
+
+    def renew(self, lease_id: bytes, ttl_ms: int) -> None:
+        """Extends a lease to ``ttl_ms`` from now (never shortens it); LeaseExpired when it
+        was released or has expired."""
+        with self.keeper.critical():
+            self.keeper.reap()
+            self.leases.renew(lease_id, ttl_ms)
+
+    # -- directory operations ------------------------------------------------------------
+
+    def hint(self, namespace_id: bytes, keys: list[bytes], eta_s: float, prefetch: bool = True) -> bool:
+        """A queued request will need ``keys`` in about ``eta_s`` seconds (see reads.py)."""
+        return self.reads.hint(namespace_id, keys, eta_s, prefetch)
+
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[bytes, int, float]:
+        """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
+        with self.keeper.critical():
+            self.keeper.reap()
+            found = self.directory.prefix_length(namespace_id, keys)
+            ident, expires = self.leases.lease(keys[:found], ttl_ms)
+            return ident, found, expires
+
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
+        """Records pages held by other nodes (their bytes are durable there); all or none.
+        The directory persists them: no lock of the core is held."""
+        for _, node, _, _ in records:
+            if node == self.node:
+                raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
+        return self.directory.publish_remote(namespace_id, records, self.config.max_remote_records_per_node,
+                                             self.config.max_remote_records)
+
+    def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
+        """Removes pages (only their copies in ``tier`` when given); returns how many keys lost a
+        location. Lower-tier copies go first (a full index refuses: nothing changed), then the
+        directory entries (no core lock held), then the landing copies."""
+        mine = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
+        self.keeper.delete_lower_first(mine, tier)
+        local: list[tuple[bytes, str]] = []
+        count = 0
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is None or entry.namespace_id != namespace_id:
+                continue
+            gone = self.directory.remove(key, None, tier or None)
+            count += bool(gone)
+            local += [(key, loc.tier) for loc in gone if loc.node == self.node]
+        with self.keeper.critical():
+            for key, name in local:
+                index = self.residence.index(name)
+                if index is not None:
+                    self.residence.drop(key, index)
+            self.reporter.refresh_gauges()
+        return count
+
+    def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
+        if keys:
+            return self.remove(namespace_id, keys)
+        self.keeper.delete_lower_first(self.directory.keys_of(namespace_id))  # a full index refuses here
+        removed = self.directory.clear_namespace(namespace_id)
+        with self.keeper.critical():
+            for key, _ in removed:
+                for index in range(len(self.tiers)):
+                    if self.tiers[index].contains(key):
+                        self.residence.drop(key, index)
+            self._layouts.pop(namespace_id, None)
+            self.reporter.refresh_gauges()
+        return len(removed)
+
+    # -- background work -----------------------------------------------------------------
+
+    def demote_one(self) -> bool:
+        """Evicts (writing down) the landing tier's coldest page if it is fuller than
+        ``config.host.demote_to``; False when it is not, or nothing can go. Without a lower
+        tier nothing is demoted ahead of need (an eviction is then in-memory work)."""
+        with self.keeper.critical():
+            if self.lower and self._fill() > self.config.host.demote_to and self.moves.evict_one(0):
+                return True
+            self.pressure.clear()  # set again by the next allocation past the watermark
+            return False
+
+    def scrub_one(self) -> bool | None:
+        """Verifies the next lower-tier page (see reads.py); None when there is none."""
+        return self.reads.scrub_one()
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def quarantined(self) -> list[Quarantined]:
+        return [q for tier in self.tiers for q in tier.quarantined()]
+
+    def purge_quarantine(self) -> int:
+        return sum(tier.purge_quarantine() for tier in self.tiers)
+
+    def stats(self) -> CoreStats:
+        num_quarantined = len(self.quarantined())  # an index read: outside the lock
+        with self.keeper.critical():
+            self.keeper.reap()
+            return self.reporter.collect(self.leases.counts().num_leases, num_quarantined)
+
+    def view(self) -> CoreView:
+        """A read-only picture of what is held and where (for operators and tests)."""
+        with self._lock:
+            return CoreView.of(self)
+
+    def where(self, key: bytes) -> dict[str, int]:
+        """This node's live copies of ``key``: tier name -> slot (arena or file offset)."""
+        with self._lock:
+            return {t.name: t.slot_of(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)}  # type: ignore[misc]
+
+    def page(self, key: bytes) -> PageHeader | None:
+        """The header of this node's fastest live copy of ``key``."""
+        with self._lock:
+            return next((t.header(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)), None)
+
+    def close(self) -> None:
+        self.moves.close()
+        with self._lock:
+            self.directory.close()
+            for tier in self.tiers:
+                tier.close()

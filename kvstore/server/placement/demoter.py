@@ -1,0 +1,50 @@
+"""Background demotion: keeps the landing tier below a high watermark, so that an
+allocation finds a free slot instead of waiting for a victim to be written to disk.
+
+When an allocation leaves the landing tier fuller than ``demote_above`` it signals
+``core.pressure``; this thread then demotes the coldest pages (``Placement.demote_one``:
+the same eviction and admission decisions an allocation would make, the writes outside
+the core's lock) until the tier is down to ``demote_to``. An allocation that still finds
+no room reclaims a victim itself. With no lower tier there is no demoter (an eviction is
+then in-memory work); without this thread (the trace replay) every eviction
+happens inline, in the order allocations need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvstore.server.placement.core import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class Demoter:
+    def __init__(self, core: Placement, idle_s: float = 1.0) -> None:
+        self.core = core
+        self.idle_s = idle_s
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if len(self.core.tiers) < 2:
+            return  # nothing to demote to: evictions are in-memory, done inline
+        self._thread = threading.Thread(target=self._run, name="demoter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.core.pressure.set()  # wakes it
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self.core.pressure.wait(self.idle_s)
+            try:
+                while not self._stopped.is_set() and self.core.demote_one():
+                    pass
+            except Exception:  # the demoter must outlive one bad round
+                logger.exception("demotion round failed")
+                self._stopped.wait(self.idle_s)

@@ -1,0 +1,123 @@
+"""The core's lock, and what every operation does around it: expiry of leases, allocations
+and hints, learning from uses, and the removals owed, done after the lock is let go."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvstore.errors import MetadataFull
+from kvstore.server.admission import AdmittedTier
+from kvstore.server.leases import Allocation, LeaseTable
+from kvstore.server.placement.residence import Owed, Residence
+
+logger = logging.getLogger(__name__)
+
+
+class Housekeeper:
+    def __init__(self, residence: Residence, leases: LeaseTable, lower: list[AdmittedTier], clock: Callable[[], float]) -> None:
+        self.lock = threading.Lock()  # in-memory placement state only; never held over disk I/O
+        self.residence = residence
+        self.leases = leases
+        self.lower = lower
+        self.clock = clock
+
+    @contextmanager
+    def critical(self) -> Iterator[None]:
+        """Holds the lock; on the way out, lower-tier copies owed a removal meanwhile are
+        deleted (or quarantined) without it."""
+        self.lock.acquire()
+        try:
+            yield
+        finally:
+            owed = self.residence.take_owed()
+            self.lock.release()
+            while owed:
+                owed = self._settle(owed)
+
+    def _settle(self, owed: list[Owed]) -> list[Owed]:
+        """Does owed removals, each key pinned meanwhile; returns what became owed since."""
+        done = []
+        for item in owed:
+            tier = self.residence.tiers[item.tier]
+            try:
+                if item.reason:
+                    tier.quarantine(item.key, item.reason)
+                else:
+                    tier.delete([item.key])
+                done.append((item, True))
+            except (OSError, MetadataFull) as exc:
+                logger.error("%s tier: cannot remove page %s (%s); it is never served again", tier.name, item.key.hex(), exc)
+                done.append((item, False))
+        with self.lock:
+            for item, ok in done:
+                self.residence.settled(item, ok)
+                self.residence.released(self.leases.unpin([item.key], move=True))
+            return self.residence.take_owed()
+
+    def delete_lower_first(self, keys: list[bytes], tier_name: str = "") -> None:
+        """Deletes the unpinned lower-tier copies of ``keys`` (only in ``tier_name`` when
+        given) BEFORE the caller forgets them: a delete the tier refuses (a full index)
+        raises MetadataFull with nothing changed, so memory and disk never disagree (an I/O
+        error leaves the copy stuck, never served, as an owed removal does). Each key
+        is doomed and pinned meanwhile; the deletes run without the lock. Copies still pinned
+        by readers are left to the removal owed at their last unpin."""
+        todo: list[tuple[int, bytes]] = []
+        with self.lock:
+            for key in keys:
+                if self.leases.pinned(key):
+                    continue
+                for index in range(1, len(self.residence.tiers)):
+                    tier = self.residence.tiers[index]
+                    if (not tier_name or tier.name == tier_name) and self.residence.has(key, index):
+                        self.residence.doom(key, index)
+                        todo.append((index, key))
+            self.leases.pin([key for _, key in todo], move=True)
+        done: list[tuple[int, bytes]] = []
+        failed: list[tuple[int, bytes]] = []
+        try:
+            for index in sorted({i for i, _ in todo}):
+                batch = [key for i, key in todo if i == index]
+                try:
+                    self.residence.tiers[index].delete(batch)  # one index transaction: all or nothing
+                    done += [(index, key) for key in batch]
+                except OSError as exc:  # a failing device: the removal goes on, the copies are never served
+                    logger.error("%s tier: cannot remove %d pages (%s); they are never served again",
+                                 self.residence.tiers[index].name, len(batch), exc)
+                    failed += [(index, key) for key in batch]
+        finally:
+            with self.lock:
+                for index, key in todo:
+                    if (index, key) in done or (index, key) in failed:
+                        self.residence.settled(Owed(index, key), (index, key) in done)
+                    else:
+                        self.residence.revive(key, index)
+                self.residence.released(self.leases.unpin([key for _, key in todo], move=True))
+
+    def reap(self) -> None:
+        """Lock held: forgets stale hints, ends expired leases and allocations."""
+        self.residence.landing.expire_hints(self.clock())
+        free, allocations = self.leases.expired()
+        self.residence.released(free)
+        for alloc in allocations:
+            self.give_back(alloc)
+
+    def give_back(self, alloc: Allocation) -> None:
+        """Lock held: frees an allocation's reserved slots and its pins on stored pages."""
+        self.free_slots(list(alloc.slots.values()))
+        self.unpin(alloc.held)
+
+    def free_slots(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.residence.landing.unreserve(slot)
+
+    def unpin(self, keys: list[bytes]) -> None:
+        self.residence.released(self.leases.unpin(keys))
+
+    def learn(self, key: bytes) -> None:
+        """Lock held: a use of ``key``; admission learns from it, a hint for it is fulfilled."""
+        for target in self.lower:
+            target.learn(key)
+        self.residence.landing.used(key, self.clock())

@@ -1,0 +1,272 @@
+"""Moving pages between tiers without holding the core's lock over I/O.
+
+Every move has the same shape: decide under the lock (victim, slot, budget), let go of it
+for the I/O (pwrite, fdatasync, the index commit, a delete, a read), take it again to
+publish. What a move touches is pinned meanwhile, so that it is neither evicted, freed nor
+written twice; a page removed meanwhile is not published (``Directory.publish_listed``).
+
+* ``make_room`` frees a slot in the landing tier: a clean victim (held below already, or
+  not admitted) is dropped at once; a dirty one is written down first.
+* ``write_down`` copies landing pages to a lower tier: reserve (evicting there), write,
+  verify, sync and index, publish.
+* ``read_up`` reads lower-tier pages into reserved landing slots, verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvstore.directory import Directory
+from kvstore.errors import MetadataFull, PageCorrupt, TierFull, TierUnavailable
+from kvstore.page import PageHeader
+from kvstore.server.admission import AdmittedTier
+from kvstore.server.leases import LeaseTable
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement.residence import LANDING, Residence
+from kvstore.tiers.base import ReadResult
+
+logger = logging.getLogger(__name__)
+
+
+def _damage(header: PageHeader, payload: memoryview) -> str | None:
+    """Why ``payload`` is not the page ``header`` describes, or None when it is."""
+    try:
+        header.verify_payload(payload, len(payload))
+    except PageCorrupt as exc:
+        return str(exc)
+    return None
+
+
+class Mover:
+    def __init__(self, lock: threading.Lock, residence: Residence, lower: list[AdmittedTier], leases: LeaseTable,
+                 directory: Directory, node: str, metrics: Metrics) -> None:
+        self.lock = lock
+        self.residence = residence
+        self.landing = residence.landing
+        self.lower = lower  # residence.tiers[1:], with their admission
+        self.leases = leases
+        self.directory = directory
+        self.node = node
+        self.metrics = metrics
+        self._writing: set[tuple[bytes, int]] = set()  # (key, tier) being written down
+        self._written = threading.Condition(lock)
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
+        self._last_error_log = 0.0
+
+    def close(self) -> None:
+        self._verifier.shutdown(wait=True)
+
+    def _target(self, tier: int) -> AdmittedTier:
+        return self.lower[tier - 1]
+
+    # -- landing room (lock held; released around writes) --------------------------------
+
+    def make_room(self, page_bytes: int) -> int | None:
+        """A landing slot for a page of ``page_bytes``, evicting as needed; None when every
+        page left is pinned. Called with the lock held; lets go of it while a victim is
+        written down, so what the caller decided before may have changed after."""
+        while True:
+            slot = self.landing.reserve(page_bytes)
+            if slot is not None or not self.evict_one(page_bytes):
+                return slot
+
+    def evict_one(self, page_bytes: int) -> bool:
+        """Evicts the landing tier's next victim (written down first when it is worth it);
+        False when there is none. Lock held; released during the write."""
+        victim = self.landing.victim(self.leases.pins, page_bytes)
+        if victim is None:
+            return False
+        header, slot = self.landing.header(victim), self.landing.slot_of(victim)
+        assert header is not None and slot is not None
+        if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
+            self._evict(victim)
+            return True
+        self.leases.pin([victim], move=True)
+        self.lock.release()
+        try:
+            written = self.write_down(1, [(header, self.landing.view(slot, header.payload_bytes))])
+        except PageCorrupt:
+            written = -1  # quarantined: gone from the landing tier already
+        except (OSError, MetadataFull):
+            written = 0  # logged and counted by write_down; the page leaves the cache as any eviction
+        finally:
+            self.lock.acquire()
+            self.residence.released(self.leases.unpin([victim], move=True))
+        if written == 1:
+            self.metrics.demotions.labels(self.landing.name).inc()
+        if written >= 0 and self.residence.has(victim, LANDING) and not self.leases.pinned(victim):
+            self._evict(victim)  # a reader that took it meanwhile keeps it (now clean) in place
+        return True
+
+    def _evict(self, key: bytes) -> None:
+        self.landing.delete([key], evicted=True)
+        self.directory.remove(key, self.node, self.landing.name)
+        self.metrics.evictions.labels(self.landing.name).inc()
+
+    # -- lower room (lock held; released around deletes) ---------------------------------
+
+    def _reserve_lower(self, tier: int, payload_bytes: int) -> int | None:
+        target = self._target(tier)
+        while True:
+            slot = target.reserve(payload_bytes)
+            if slot is not None:
+                return slot
+            victim = target.victim(self.leases.pins, payload_bytes)
+            if victim is None:
+                return None
+            self.residence.doom(victim, tier)  # not served while it goes
+            self.leases.pin([victim], move=True)
+            deleted = False
+            self.lock.release()
+            try:
+                target.delete([victim], evicted=True)
+                deleted = True
+            except (OSError, MetadataFull) as exc:  # a full index cannot even record a delete: no room
+                logger.warning("%s tier: cannot evict %s: %s", target.name, victim.hex(), exc)
+            finally:
+                self.lock.acquire()
+                self.residence.revive(victim, tier)  # gone, or still there and live
+                self.residence.released(self.leases.unpin([victim], move=True))
+            if not deleted:
+                return None
+            self.directory.remove(victim, self.node, target.name)
+            self.metrics.evictions.labels(target.name).inc()
+
+    # -- writing down (lock not held) ----------------------------------------------------
+
+    def write_through(self, keys: list[bytes]) -> None:
+        """Copies landing pages (pinned by the caller) to the first lower tier, synced: a
+        durable commit. Raises TierUnavailable on an I/O error, TierFull when the tier or
+        its write budget refuses, PageCorrupt when a page was damaged in the landing tier
+        (it is quarantined and nothing of the batch is indexed)."""
+        with self.lock:
+            items = []
+            for key in keys:
+                header, slot = self.landing.header(key), self.landing.slot_of(key)
+                if header is not None and slot is not None and not self.residence.has(key, 1):
+                    items.append((header, self.landing.view(slot, header.payload_bytes)))
+        try:
+            held = self.write_down(1, items, wait=True) if items else 0
+        except OSError as exc:
+            raise TierUnavailable(
+                f"durable write failed on the {self._target(1).name} tier ({exc.strerror or exc}); the pages are stored in RAM only"
+            ) from exc
+        if held < len(items):
+            raise TierFull(f"durable write refused: the {self._target(1).name} write budget (--ssd-dwpd) or the tier is "
+                           "exhausted; the pages are stored in RAM only")
+
+    def write_down(self, tier: int, items: list[tuple[PageHeader, memoryview]], wait: bool = False) -> int:
+        """Writes landing pages (pinned by the caller, views of their slots) durably to
+        ``tier`` and publishes them; returns how many of them ``tier`` holds now.
+
+        Slots and budget are taken under the lock, pages written, verified, synced and
+        indexed outside it. A page damaged in the landing tier is quarantined and nothing
+        of the batch is indexed (PageCorrupt); an I/O error or a full index stores nothing
+        (OSError, MetadataFull). ``wait``: a page another caller is writing to ``tier`` is
+        waited for instead of skipped (a durable commit needs it there when it returns).
+        """
+        target = self._target(tier)
+        placed: list[tuple[int, PageHeader, memoryview]] = []
+        with self.lock:
+            while wait and any((h.key, tier) in self._writing for h, _ in items):
+                self._written.wait(1.0)
+            try:
+                for header, payload in items:
+                    if self.residence.has(header.key, tier) or (header.key, tier) in self._writing:
+                        continue
+                    if not target.charge(header.payload_bytes):
+                        break  # over the endurance budget: the rest stays in RAM only
+                    slot = self._reserve_lower(tier, header.payload_bytes)
+                    if slot is None:
+                        break
+                    placed.append((slot, header, payload))
+                    self._writing.add((header.key, tier))
+            except BaseException:
+                self._unplace(target, tier, placed)
+                raise
+        try:
+            checks = [self._verifier.submit(_damage, header, payload) for _, header, payload in placed]
+            for slot, header, payload in placed:
+                target.write(slot, header, payload)
+            for (_, header, _), check in zip(placed, checks):
+                reason = check.result()
+                if reason is not None:
+                    self._quarantine_landing(header, reason)
+                    raise PageCorrupt(reason)
+            target.commit([(slot, header) for slot, header, _ in placed])
+        except PageCorrupt:
+            with self.lock:
+                self._unplace(target, tier, placed)
+            raise
+        except (OSError, MetadataFull) as exc:
+            with self.lock:
+                self._unplace(target, tier, placed)
+            self._io_failed(target.name, exc)
+            raise
+        self.metrics.ssd_errors_recent.set(0)
+        with self.lock:
+            self._publish(tier, [header for _, header, _ in placed])
+            return sum(self.residence.has(header.key, tier) for header, _ in items)
+
+    def _unplace(self, target: AdmittedTier, tier: int, placed: list[tuple[int, PageHeader, memoryview]]) -> None:
+        for slot, header, _ in placed:
+            target.unreserve(slot)
+            self._writing.discard((header.key, tier))
+        self._written.notify_all()
+
+    def _publish(self, tier: int, headers: list[PageHeader]) -> None:
+        """Lock held: publishes written copies, except of pages removed meanwhile (their new
+        copy is deleted once unpinned)."""
+        target = self._target(tier)
+        by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
+        for header in headers:
+            self._writing.discard((header.key, tier))
+            self.residence.revive(header.key, tier)
+            by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, target.name, header.payload_bytes))
+            self.metrics.bytes_in.labels(target.name).inc(header.payload_bytes)
+        for namespace_id, records in by_ns.items():
+            listed = self.directory.publish_listed(namespace_id, records)
+            for key, _, _, _ in records:
+                if key not in listed:
+                    self.residence.drop(key, tier)
+        self._written.notify_all()
+
+    def _io_failed(self, name: str, exc: Exception) -> None:
+        self.metrics.ssd_errors.inc()
+        if isinstance(exc, OSError):
+            self.metrics.ssd_errors_recent.set(1)
+        now = time.monotonic()
+        if now - self._last_error_log > 10:  # one line per 10 s, not one per page
+            self._last_error_log = now
+            logger.error("%s tier: write failed (%s); serving from RAM, nothing stored is lost", name, exc)
+
+    def _quarantine_landing(self, header: PageHeader, reason: str) -> None:
+        with self.lock:
+            self.landing.quarantine(header.key, reason)
+            self.metrics.quarantined.labels(self.landing.name).inc()
+            self.directory.remove(header.key, self.node, self.landing.name)
+
+    # -- reading up (lock not held) ------------------------------------------------------
+
+    def read_up(self, items: list[tuple[int, bytes, int]]) -> ReadResult:
+        """Reads pages (lower tier, key, reserved landing slot), pinned by the caller, into
+        their landing slots, verified. Stops at the first page that fails; a tier that
+        fails as a whole (OSError) ends the prefix there, which proves nothing about bytes."""
+        done = 0
+        while done < len(items):
+            tier = items[done][0]
+            end = next((i for i in range(done, len(items)) if items[i][0] != tier), len(items))
+            run = items[done:end]
+            views = [(key, self.landing.view(slot, self.landing.slot_bytes(slot))) for _, key, slot in run]
+            try:
+                result = self._target(tier).read_into(views)
+            except OSError as exc:
+                logger.error("%s tier: read failed: %s", self._target(tier).name, exc)
+                return ReadResult(done)
+            done += result.num_read
+            if result.num_read < len(run):
+                return ReadResult(done, result.reason)
+        return ReadResult(done)

@@ -1,0 +1,202 @@
+"""Reading: leasing a stored prefix readable in the landing tier, prefetching what queued
+requests will need, and scrubbing lower-tier pages in the background."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.directory import Directory
+from kvstore.errors import TierFull
+from kvstore.page import LayoutDesc, PageHeader
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement.housekeeping import Housekeeper
+from kvstore.server.placement.moves import Mover
+from kvstore.server.placement.residence import LANDING
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AcquiredPage:
+    """A leased page: its landing slot stays valid until the lease goes."""
+
+    key: bytes
+    slot: int
+    header: PageHeader
+
+    @property
+    def checksum(self) -> int:
+        return self.header.checksum
+
+
+class Reader:
+    def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
+                 layout_of: Callable[[bytes], LayoutDesc | None]) -> None:
+        self.keeper = keeper
+        self.residence = keeper.residence
+        self.leases = keeper.leases
+        self.landing = keeper.residence.landing
+        self.tiers = keeper.residence.tiers
+        self.moves = moves
+        self.directory = directory
+        self.node = node
+        self.metrics = metrics
+        self.layout_of = layout_of
+        self._scrub_queue: list[tuple[int, bytes]] = []
+        self._scrub_buf = bytearray()
+
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
+        """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
+        landing tier, reading pages held only below into it. A page that fails its check ends
+        the prefix (and is quarantined). When the landing tier cannot take more pages the
+        prefix ends early; the caller asks again for the rest.
+
+        Reads run outside the lock: pages read up get a reserved landing slot and a pin
+        first, and are committed there (published) once read and verified.
+        """
+        ttl_ms = self.leases.lease_ttl_ms(ttl_ms)  # before any pin is taken
+        landing, hit, miss = self.landing.name, self.metrics.hits, self.metrics.misses
+        pages: list[AcquiredPage] = []
+        read_up: list[tuple[int, bytes, int]] = []  # (lower tier, key, landing slot)
+        at: list[int] = []  # where each of read_up is in pages
+        with self.keeper.critical():
+            self.keeper.reap()
+            for key in keys:
+                entry = self.directory.get(key)
+                if entry is None or entry.namespace_id != namespace_id or not self.residence.stored(key):
+                    miss.labels(landing).inc()
+                    break
+                if learn:
+                    self.keeper.learn(key)
+                if self.residence.has(key, LANDING):
+                    self.landing.touch(key)
+                    hit.labels(landing).inc()
+                    self.leases.pin([key])
+                    pages.append(AcquiredPage(key, self.landing.slot_of(key), self.landing.header(key)))  # type: ignore[arg-type]
+                    continue
+                miss.labels(landing).inc()
+                tier = self.residence.holder(key)
+                header = self.tiers[tier].header(key) if tier is not None else None
+                if tier is None or header is None:
+                    break
+                self.leases.pin([key])  # keeps the lower copy while we make room and read it
+                slot = self.moves.make_room(header.payload_bytes)
+                if slot is None:
+                    self.keeper.unpin([key])
+                    if pages:
+                        break  # serve what is pinned; the caller asks again for the rest
+                    raise TierFull(f"{landing} tier is full and every page in it is leased; "
+                                   f"cannot promote from {self.tiers[tier].name}")
+                read_up.append((tier, key, slot))
+                at.append(len(pages))
+                pages.append(AcquiredPage(key, slot, header))
+        result = self.moves.read_up(read_up)
+        with self.keeper.critical():
+            return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms)
+
+    def _lease(self, pages: list[AcquiredPage], read_up: list[tuple[int, bytes, int]], at: list[int], num_read: int,
+               reason: str, ttl_ms: int) -> tuple[bytes, list[AcquiredPage]]:
+        """Lock held: commits what was read up, cuts the prefix at the first failure, leases it."""
+        source = {page: j for j, page in enumerate(at)}  # index in pages -> index in read_up
+        cut, bad_tier = len(pages), 0
+        for i, page in enumerate(pages):
+            if i not in source:
+                continue
+            tier, _, slot = read_up[source[i]]
+            if source[i] >= num_read and cut == len(pages):
+                cut, bad_tier = i, tier
+            if i >= cut:
+                self.landing.unreserve(slot)
+                continue
+            if self.residence.has(page.key, LANDING):  # read up concurrently by another reader
+                self.landing.unreserve(slot)
+                pages[i] = AcquiredPage(page.key, self.landing.slot_of(page.key), page.header)  # type: ignore[arg-type]
+                continue
+            record = (page.key, self.node, self.landing.name, page.header.payload_bytes)
+            if page.key not in self.directory.publish_listed(page.header.namespace_id, [record]):
+                self.landing.unreserve(slot)  # removed while we read it: not resurrected
+                cut, reason = i, ""
+                continue
+            self.landing.commit([(slot, page.header)])
+            name = self.tiers[tier].name
+            self.tiers[tier].touch(page.key)
+            self.metrics.hits.labels(name).inc()
+            self.metrics.bytes_out.labels(name).inc(page.header.payload_bytes)
+            self.metrics.promotions.labels(name).inc()
+        if cut < len(pages):
+            bad = pages[cut].key
+            if reason and bad_tier and self.residence.has(bad, bad_tier):
+                self._quarantine(bad, bad_tier, reason)
+            self.keeper.unpin([p.key for p in pages[cut:]])
+            pages = pages[:cut]
+        for page in pages:
+            self.metrics.bytes_out.labels(self.landing.name).inc(page.header.payload_bytes)
+        keys = [p.key for p in pages]
+        ident, _ = self.leases.lease(keys, ttl_ms)
+        self.keeper.unpin(keys)  # the lease holds them now
+        return ident, pages
+
+    def _quarantine(self, key: bytes, tier: int, reason: str) -> None:
+        """Lock held: a lower-tier copy failed a check."""
+        name = self.tiers[tier].name
+        self.residence.quarantine(key, tier, reason)
+        self.metrics.quarantined.labels(name).inc()
+        self.directory.remove(key, self.node, name)
+
+    def hint(self, namespace_id: bytes, keys: list[bytes], eta_s: float, prefetch: bool = True) -> bool:
+        """A queued request will need ``keys`` in about ``eta_s`` seconds.
+
+        Eviction learns the announced use (hinted pages go last, furthest use first). Pages
+        held only below are read into the landing tier ahead of use if prefetch space is
+        left within the hint share; the space is a reservation: when it is taken, nothing is
+        read and False comes back at once, so the engine recomputes instead of waiting.
+        """
+        with self.keeper.critical():
+            self.keeper.reap()
+            self.landing.hint(keys, self.keeper.clock() + eta_s)
+            stored = self.directory.prefix_length(namespace_id, keys)
+            todo = [k for k in keys[:stored] if not self.residence.has(k, LANDING)] if prefetch else []
+            layout = self.layout_of(namespace_id)
+            if todo and (layout is None or not self.landing.hint_room(len(todo), layout.page_bytes)):
+                self.metrics.hints.labels("refused").inc(len(keys))
+                return False
+            self.metrics.hints.labels("reserved").inc(len(keys))
+        if todo:
+            ident, _ = self.acquire(namespace_id, todo, 0, learn=False)
+            with self.keeper.critical():
+                self.residence.released(self.leases.release(ident) or [])
+        return True
+
+    def scrub_one(self) -> bool | None:
+        """Verifies the next lower-tier page (round robin) against its checksum, outside
+        the lock; a page that fails is quarantined. None when there is nothing to scrub."""
+        with self.keeper.critical():
+            if not self._scrub_queue:
+                self._scrub_queue = [(i, key) for i in range(1, len(self.tiers)) for key in self.tiers[i].stored_keys()]
+            found = None
+            while self._scrub_queue:
+                tier, key = self._scrub_queue.pop()
+                if self.residence.has(key, tier):
+                    found = (tier, key, self.tiers[tier].slot_of(key), self.tiers[tier].header(key))
+                    break
+            if found is None:
+                return None
+            tier, key, slot, header = found  # header None: its index entry is damaged, which the read reports
+            self.leases.pin([key], move=True)
+        size = header.payload_bytes if header is not None else 0
+        if len(self._scrub_buf) < size + 4096:
+            self._scrub_buf = bytearray(size + 4096)
+        try:
+            result = self.tiers[tier].read_into([(key, memoryview(self._scrub_buf))])
+            reason = result.reason if result.num_read == 0 else ""
+        except OSError as exc:
+            reason = ""  # an I/O error is not evidence of bad bytes; retried next round
+            logger.warning("scrub: read of %s failed: %s", key.hex(), exc)
+        with self.keeper.critical():
+            self.residence.released(self.leases.unpin([key], move=True))
+            self.metrics.scrubbed.inc()
+            if reason and self.residence.has(key, tier) and self.tiers[tier].slot_of(key) == slot:
+                self._quarantine(key, tier, f"scrub: {reason}")
+        return not reason

@@ -1,0 +1,122 @@
+"""Which tier holds a live copy of each page, and the removals still owed.
+
+A copy stops being live the moment it is removed (from the directory); its bytes go only
+when no pin is left on its key, because a reader may still be copying them:
+
+* in the landing tier the copy is detached at once (the key can be stored again in another
+  slot) and its slot is given back when the last pin goes;
+* in a lower tier the copy is doomed (never served again) and deleted once unpinned. A
+  delete is disk I/O, so it is owed: ``take_owed`` hands the owed removals to the core,
+  which does them after letting go of its lock, each key pinned meanwhile so that nobody
+  writes or reads it while its copy is being deleted.
+
+Not thread-safe, and does no I/O: the core calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvstore.server.leases import LeaseTable
+from kvstore.tiers.base import LandingTier, Tier
+
+logger = logging.getLogger(__name__)
+
+LANDING = 0  # tiers[0] is where pages land; tiers[1:] are demotion targets
+
+
+@dataclass(frozen=True)
+class Owed:
+    """A copy to delete (or, with a reason, to quarantine) outside the core's lock."""
+
+    tier: int
+    key: bytes
+    reason: str = ""
+
+
+class Residence:
+    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable) -> None:
+        self.landing = landing
+        self.tiers: list[Tier] = [landing, *lower]
+        self.leases = leases
+        self._doomed: set[tuple[bytes, int]] = set()  # lower-tier copies removed, not yet deleted
+        self._stuck: set[tuple[bytes, int]] = set()   # ... whose delete failed: never served, never retried
+        self._detached: dict[bytes, list[int]] = {}   # landing slots of removed pages, freed once unpinned
+        self._owed: list[Owed] = []
+
+    def has(self, key: bytes, tier: int) -> bool:
+        """Whether ``tiers[tier]`` holds a live copy of ``key``."""
+        return self.tiers[tier].contains(key) and (tier == LANDING or (key, tier) not in self._doomed)
+
+    def stored(self, key: bytes) -> bool:
+        return any(self.has(key, i) for i in range(len(self.tiers)))
+
+    def holder(self, key: bytes) -> int | None:
+        """The fastest lower tier with a live copy of ``key``."""
+        return next((i for i in range(1, len(self.tiers)) if self.has(key, i)), None)
+
+    def index(self, name: str) -> int | None:
+        return next((i for i, tier in enumerate(self.tiers) if tier.name == name), None)
+
+    # -- removal -------------------------------------------------------------------------
+
+    def drop(self, key: bytes, tier: int) -> None:
+        """Frees this node's copy of ``key`` in ``tiers[tier]`` (already out of the
+        directory) now, or once its last pin goes."""
+        if tier == LANDING:
+            if not self.leases.pinned(key):
+                self.landing.delete([key])
+            else:
+                slot = self.landing.detach(key)
+                if slot is not None:
+                    self._detached.setdefault(key, []).append(slot)
+            return
+        if not self.tiers[tier].contains(key) or (key, tier) in self._doomed:
+            return
+        self._doomed.add((key, tier))
+        if not self.leases.pinned(key):
+            self._owe(Owed(tier, key))
+
+    def quarantine(self, key: bytes, tier: int, reason: str) -> None:
+        """A lower-tier copy failed a check: never served again, quarantined outside the lock."""
+        self._doomed.add((key, tier))
+        self._owe(Owed(tier, key, reason))
+
+    def doom(self, key: bytes, tier: int) -> None:
+        """Marks a copy as leaving (not served) while the caller deletes it itself."""
+        self._doomed.add((key, tier))
+
+    def revive(self, key: bytes, tier: int) -> None:
+        """A copy was written again (a fresh one replaces a doomed one) or its delete failed
+        and it stays where it is, published again."""
+        self._doomed.discard((key, tier))
+        self._stuck.discard((key, tier))
+
+    def released(self, keys: list[bytes]) -> None:
+        """``keys`` lost their last pin: what waited for that happens (or is owed) now."""
+        for key in keys:
+            for slot in self._detached.pop(key, ()):
+                self.landing.unreserve(slot)
+            for tier in range(1, len(self.tiers)):
+                if (key, tier) in self._doomed and (key, tier) not in self._stuck:
+                    self._owe(Owed(tier, key))
+
+    def _owe(self, owed: Owed) -> None:
+        self.leases.pin([owed.key], move=True)  # nobody writes or reads the key while its copy goes
+        self._owed.append(owed)
+
+    def take_owed(self) -> list[Owed]:
+        owed, self._owed = self._owed, []
+        return owed
+
+    def settled(self, owed: Owed, ok: bool) -> None:
+        """An owed removal was done (``ok``) or failed; its pin is the caller's to drop."""
+        if ok or not self.tiers[owed.tier].contains(owed.key):
+            self._doomed.discard((owed.key, owed.tier))
+            self._stuck.discard((owed.key, owed.tier))
+        else:
+            self._stuck.add((owed.key, owed.tier))
+
+    def num_detached(self) -> int:
+        return sum(len(slots) for slots in self._detached.values())

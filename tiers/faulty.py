@@ -1,0 +1,88 @@
+"""A tier that fails on purpose, for tests: errors, short reads, corrupt bytes and delays.
+
+``FaultyTier(inner, seed, ...)`` wraps any tier (LMCache's fault-injection adapter is the
+model) and, from a seeded random stream, makes the I/O methods fail the ways a disk or a
+link does:
+
+* ``error_rate``: ``write``, ``commit``, ``read_into`` and ``delete`` raise ``OSError``
+  before doing anything (nothing of the batch happened);
+* ``short_read_rate``: ``read_into`` stops after a random prefix of the batch, as an I/O
+  error in the middle would (the pages before it are read and verified);
+* ``corrupt_rate``: ``write`` stores the page with one byte flipped under its true
+  header, so that the damage is found by the tier's own check when the page is read;
+* ``delay_s``: every ``write``, ``commit`` and ``read_into`` first sleeps this long (a slow
+  device: what a caller holding a lock over I/O would make everyone wait for).
+
+What it injected is counted in ``injected``. Thread-safe like the tier it wraps.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+
+from kvstore.page import PageHeader
+from kvstore.tiers.base import ReadResult, Tier, TierWrapper
+
+
+class FaultyTier(TierWrapper):
+    def __init__(self, inner: Tier, seed: int, error_rate: float = 0.0, short_read_rate: float = 0.0,
+                 corrupt_rate: float = 0.0, delay_s: float = 0.0) -> None:
+        super().__init__(inner)
+        self.seed = seed
+        self.error_rate = error_rate
+        self.short_read_rate = short_read_rate
+        self.corrupt_rate = corrupt_rate
+        self.delay_s = delay_s
+        self.injected: Counter[str] = Counter()
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"FaultyTier({self.inner.name}, seed={self.seed}, error_rate={self.error_rate}, "
+                f"short_read_rate={self.short_read_rate}, corrupt_rate={self.corrupt_rate}, delay_s={self.delay_s})")
+
+    def _draw(self, rate: float, fault: str) -> bool:
+        if rate <= 0:
+            return False
+        with self._lock:
+            hit = self._random.random() < rate
+            if hit:
+                self.injected[fault] += 1
+        return hit
+
+    def _io(self, what: str) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+        if self._draw(self.error_rate, "error"):
+            raise OSError(f"injected I/O error in {self.inner.name}.{what} (FaultyTier seed {self.seed})")
+
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
+        self._io("write")
+        if header.payload_bytes and self._draw(self.corrupt_rate, "corrupt"):
+            damaged = bytearray(payload[: header.payload_bytes])
+            with self._lock:
+                at = self._random.randrange(len(damaged))
+            damaged[at] ^= 0x5A
+            payload = memoryview(damaged)
+        self.inner.write(slot, header, payload)
+
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+        self._io("commit")
+        self.inner.commit(pages)
+
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        self._io("read_into")
+        if pages and self._draw(self.short_read_rate, "short_read"):
+            with self._lock:
+                keep = self._random.randrange(len(pages))
+            result = self.inner.read_into(pages[:keep])
+            return result if result.num_read < keep else ReadResult(keep)
+        return self.inner.read_into(pages)
+
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
+        if self._draw(self.error_rate, "error"):
+            raise OSError(f"injected I/O error in {self.inner.name}.delete (FaultyTier seed {self.seed})")
+        return self.inner.delete(keys, evicted)
