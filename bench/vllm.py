@@ -159,7 +159,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
     for num_pages in (1, 16):
         tokens = [random.Random(num_pages).randrange(1, 50_000) for _ in range(num_pages * 16 + 1)]
         kv = torch.randn(36, 2, num_pages * 16, 8, 128).to(torch.bfloat16)
-        store.run(client.put(tokens, kv), 30)
+        store.run(client, client.put(tokens, kv), 30)
         src = np.ones(num_pages * layout.page_bytes, dtype=np.uint8)
         dst = np.zeros_like(src)
         lookup_s, load_s, total_s, copy_s = [], [], [], []

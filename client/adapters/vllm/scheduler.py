@@ -64,7 +64,7 @@ class SchedulerSide:
                 lease = lease if stored else None
             else:
                 try:
-                    stored = self.store.run(client.lookup(tokens), self.lookup_timeout_s).num_pages
+                    stored = self.store.run(client, client.lookup(tokens), self.lookup_timeout_s).num_pages
                 except (KVStoreError, TimeoutError) as exc:
                     self.store.failed(client, exc)
         usable = min(stored * self.page_tokens, len(tokens) - 1)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +51,7 @@ class ActiveSave:
     spec: SaveSpec
     kv: RequestKV
     save: LayerSave
-    done: Future[int] | None = None  # set once every layer is marked
+    marked: bool = False  # every layer handed over (end_step): the save ends on its own
 
 
 @dataclass
@@ -203,7 +202,8 @@ class WorkerSide:
                 self.stats.saves_cancelled += 1
             else:
                 save.kv.release_layer(len(self.layer_names) - 1)
-            save.done = self.store.submit(save.save.finished())
+            save.save.mark_all()
+            save.marked = True
         self._saves.clear()
         for client, error in errors:  # only now: dropping a client ends its saves early
             self.store.failed(client, error)
@@ -255,28 +255,29 @@ class WorkerSide:
 
     def _ended(self, active: ActiveSave) -> bool:
         """True (and counted) once the save committed, failed or was cancelled."""
-        if active.done is None or not active.done.done():
+        if not active.marked or not active.save.wait(0):
             return False
-        exc = active.done.exception()
-        if exc is None:
-            self.stats.saved_tokens += active.done.result() - active.spec.first_page * self.layout.page_tokens
-        elif not active.kv.cancelled:
-            self.stats.saves_failed += 1
-            logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
+        try:
+            self.stats.saved_tokens += active.save.result() - active.spec.first_page * self.layout.page_tokens
+        except KVStoreError as exc:
+            if not active.kv.cancelled:
+                self.stats.saves_failed += 1
+                logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
         return True
 
     def wait_saves(self, timeout_s: float) -> bool:
         """Waits for every save marked done so far to commit or fail (benchmarks use it to
         keep one request's save from overlapping the next one's timing); False on timeout."""
-        running = [s.done for saves in self._pending.values() for s in saves if s.done is not None]
-        return not wait(running, timeout_s).not_done
+        deadline = time.monotonic() + timeout_s
+        running = [s.save for saves in self._pending.values() for s in saves if s.marked]
+        return all(save.wait(max(0.0, deadline - time.monotonic())) for save in running)
 
     def preempted(self, req_ids: set[str]) -> None:
         """vLLM is about to reuse these requests' blocks: their saves must stop reading
         them first (a save still running is cancelled and waited for)."""
         for req_id in req_ids & set(self._pending):
             for active in self._pending[req_id]:
-                if active.done is not None and not active.done.done():
+                if active.marked and not active.save.wait(0):
                     active.kv.cancel()
                     active.save.join(self.store.connect_timeout_s)
 

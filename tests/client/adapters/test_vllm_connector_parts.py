@@ -12,11 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from conftest import ServerProcess
 
 from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
@@ -87,15 +89,30 @@ def store_prompt(address: str, tokens: list[int]) -> None:
     worker.store.close()
 
 
+def num_leases(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return int(directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_leases)
+
+
 def test_lookup_of_a_stopped_store_is_a_bounded_miss(store_process: ServerProcess) -> None:
-    """The scheduler never waits past lookup_timeout_s on a store that stopped answering."""
+    """The scheduler never waits past lookup_timeout_s on a store that stopped answering;
+    the lease the store grants once it runs again is given back."""
+    tokens = list(range(1, 2 * BLOCK + 2))
+    store_prompt(store_process.address, tokens)
     store, scheduler, _, _ = parts(store_process.address)
     assert store_process.proc is not None
     os.kill(store_process.proc.pid, signal.SIGSTOP)
-    start = time.monotonic()
-    hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=list(range(1, 100))), 0)
-    assert hit == 0 and time.monotonic() - start < 1.0
-    os.kill(store_process.proc.pid, signal.SIGCONT)
+    try:
+        start = time.monotonic()
+        hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=tokens), 0)
+        assert hit == 0 and time.monotonic() - start < 1.0
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while num_leases(store_process.address):  # the late answer comes, then its release
+        assert time.monotonic() < deadline, "the lease granted after the timeout was never given back"
+        time.sleep(0.01)
+    assert scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r2", prompt_token_ids=tokens), 0) == 2 * BLOCK
     store.close()
 
 
@@ -149,7 +166,7 @@ def test_save_is_not_published_when_the_same_steps_load_failed(store_process: Se
     assert worker.stats.saves_cancelled == 1 and worker.stats.saved_tokens == 0
     client = store.client()
     assert client is not None
-    assert store.run(client.lookup(longer), 5).num_pages == 2, "only the pages stored before"
+    assert store.run(client, client.lookup(longer), 5).num_pages == 2, "only the pages stored before"
     store.close()
 
 
@@ -213,7 +230,7 @@ def test_client_closed_mid_step_publishes_no_uncomputed_layer(store_process: Ser
     assert reader.start()
     fresh = reader.client()
     assert fresh is not None
-    assert reader.run(fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
+    assert reader.run(fresh, fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
     assert save.error is not None and ("abandoned" in str(save.error) or "not computed yet" in str(save.error))
     reader.close()
     store.close()
@@ -261,3 +278,21 @@ def test_only_transport_failures_drop_the_connection(store_process: ServerProces
     store.failed(client, KVStoreError("UNAVAILABLE"))
     assert store.client() is not client  # None now: a new connection is being made
     store.close()
+
+
+def test_close_ends_the_close_of_a_dropped_client(store_process: ServerProcess) -> None:
+    """Regression: a client dropped after a transport failure was closed on the connection's
+    private event loop, which close() stopped before that close ended ("Task was destroyed
+    but it is pending! ... KVStoreClient.close()"): its arena stayed mapped. Now close()
+    returns once every dropped client is closed."""
+    from kvstore.errors import KVStoreError
+
+    store = StoreConnection(store_process.address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    assert store.start()
+    client = store.client()
+    assert client is not None and client.shared_memory
+    store.failed(client, KVStoreError("UNAVAILABLE"))
+    store.close()
+    assert not client.shared_memory, "the dropped client's close did not end"
+    with pytest.raises(KVStoreError, match="closed"):
+        store.run(client, client.lookup([1, 2, 3]), 1)
