@@ -165,7 +165,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm) -> list[dict[
         lookup_s, load_s, total_s, copy_s = [], [], [], []
         leased_before = worker.stats.leased_copies
         for i in range(args.small_repeats + 1):
-            request = SimpleNamespace(request_id=f"bench-{num_pages}-{i}", prompt_token_ids=tokens)
+            request = SimpleNamespace(request_id=f"bench-{num_pages}-{i}", prompt_token_ids=tokens, all_token_ids=tokens)
             t0 = time.perf_counter()
             hit_tokens = scheduler.num_new_matched_tokens(request, 0)
             t1 = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
-from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
@@ -90,6 +90,7 @@ class WorkerSide:
         self._saving: set[str] = set()  # had a save scheduled: vLLM holds its blocks when it finishes
         self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
         self._failed_blocks: set[int] = set()
+        self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -106,7 +107,8 @@ class WorkerSide:
         for spec in meta.saves:
             self._saving.add(spec.req_id)
             if client is None:
-                continue  # no store: nothing to save, nothing to wait for
+                self._stored_short(spec.req_id, spec.first_page)  # no store: nothing saved, nothing to wait for
+                continue
             try:
                 kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
                                guarded=True)
@@ -114,6 +116,7 @@ class WorkerSide:
             except KVStoreError as exc:  # a cache: this prefix is just not stored
                 logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
                 self.stats.saves_failed += 1
+                self._stored_short(spec.req_id, spec.first_page)
                 continue
             active = ActiveSave(spec, kv, save)
             self._saves.append(active)
@@ -257,13 +260,28 @@ class WorkerSide:
         """True (and counted) once the save committed, failed or was cancelled."""
         if not active.marked or not active.save.wait(0):
             return False
+        spec, p = active.spec, self.layout.page_tokens
+        stored = spec.first_page * p
         try:
-            self.stats.saved_tokens += active.save.result() - active.spec.first_page * self.layout.page_tokens
+            stored = active.save.result()
+            self.stats.saved_tokens += stored - spec.first_page * p
         except KVStoreError as exc:
             if not active.kv.cancelled:
                 self.stats.saves_failed += 1
-                logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
+                logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
+        if stored < len(spec.tokens):
+            self._stored_short(spec.req_id, stored // p)
         return True
+
+    def _stored_short(self, req_id: str, pages: int) -> None:
+        self._short[req_id] = min(self._short.get(req_id, pages), pages)
+
+    def report(self) -> KVStoreWorkerMetadata | None:
+        """Requests whose saves ended short since the last report, for the scheduler side."""
+        if not self._short:
+            return None
+        report, self._short = KVStoreWorkerMetadata(self._short), {}
+        return report
 
     def wait_saves(self, timeout_s: float) -> bool:
         """Waits for every save marked done so far to commit or fail (benchmarks use it to

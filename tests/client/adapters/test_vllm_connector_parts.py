@@ -24,7 +24,7 @@ from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespac
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 32, 2, 32, 3, 16
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
@@ -52,15 +52,39 @@ def parts(address: str, **worker_kw: Any) -> tuple[StoreConnection, SchedulerSid
     return store, SchedulerSide(store, BLOCK, lookup_timeout_s=0.2), worker, caches
 
 
-def step(scheduler: SchedulerSide, req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> KVStoreConnectorMetadata:
+def new_request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    """What the connector reads of vLLM's Request (all_token_ids grows with the output)."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=list(tokens))
+
+
+def step(scheduler: SchedulerSide, req_id: str, tokens: list[int], computed: int, blocks: list[int],
+         request: SimpleNamespace | None = None) -> KVStoreConnectorMetadata:
     """What vLLM's scheduler does for a new request: ask, allocate, build the step's metadata."""
-    request = SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
+    request = request or new_request(req_id, tokens)
     hit = scheduler.num_new_matched_tokens(request, computed)
     scheduler.after_alloc(request, hit)
     return scheduler.build_meta(SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed + hit)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
         num_scheduled_tokens={req_id: len(tokens) - computed - hit}, preempted_req_ids=None))
+
+
+def cached_step(scheduler: SchedulerSide, req_id: str, computed: int, scheduled: int) -> KVStoreConnectorMetadata:
+    """A later step of a running request (no new blocks): ``scheduled`` tokens from ``computed`` on."""
+    return scheduler.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                                              num_computed_tokens=[computed]),
+        num_scheduled_tokens={req_id: scheduled}, preempted_req_ids=None))
+
+
+def hand_back(worker: WorkerSide, scheduler: SchedulerSide, finished: set[str] | None = None) -> set[str]:
+    """What vLLM does after each step: the workers' finished requests and their report go
+    to the scheduler side."""
+    done = worker.finished(finished or set())
+    scheduler.saves_finished(done)
+    scheduler.saves_short(worker.report())
+    return done
 
 
 def forward(worker: WorkerSide, meta: KVStoreConnectorMetadata, fill: float | None = None,
@@ -296,3 +320,58 @@ def test_close_ends_the_close_of_a_dropped_client(store_process: ServerProcess) 
     assert not client.shared_memory, "the dropped client's close did not end"
     with pytest.raises(KVStoreError, match="closed"):
         store.run(client, client.lookup([1, 2, 3]), 1)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+def test_a_save_that_ended_short_is_saved_again(store_process: ServerProcess, how: str) -> None:
+    """Regression: the scheduler counted a save's pages as stored when it scheduled it and
+    never took that back when the save was cancelled (its step's load failed) or failed (the
+    connection broke): those pages were never saved again, and a later save started after
+    them, past a gap no lookup crosses. Now the workers report a save that ended short and
+    the request's next step saves again from the pages that are stored."""
+    address = store_process.address
+    if how == "cancelled":  # 2 pages stored; a 5-page prompt whose load of them fails
+        tokens = list(range(1, 2 * BLOCK + 1)) + list(range(500, 500 + 3 * BLOCK))
+        store_prompt(address, tokens[: 2 * BLOCK + 1])
+        store, scheduler, worker, caches = parts(address, load_deadline_s=0.3, sync_load_pages=0)
+        meta = step(scheduler, "r", tokens, 0, list(range(5, 10)))
+        assert [(s.first_page, len(s.tokens) // BLOCK) for s in meta.saves] == [(2, 5)]
+        assert store_process.proc is not None
+        os.kill(store_process.proc.pid, signal.SIGSTOP)
+        try:
+            forward(worker, meta, fill=5.0, caches=caches)
+        finally:
+            os.kill(store_process.proc.pid, signal.SIGCONT)
+        assert worker.load_errors() == {5, 6}
+        assert worker.wait_saves(10)
+        hand_back(worker, scheduler)
+        again = cached_step(scheduler, "r", 0, len(tokens))  # vLLM recomputes from the failed blocks on
+    else:  # a 3-page prompt whose save fails when the connection breaks mid-step
+        tokens = list(range(11, 11 + 3 * BLOCK + 1))
+        store, scheduler, worker, caches = parts(address)
+        request = new_request("r", tokens)
+        meta = step(scheduler, "r", tokens, 0, [0, 1, 2, 3], request=request)
+        worker.begin_step(meta)
+        worker.start_loads(meta)
+        client = store.client()
+        assert client is not None
+        store.failed(client, KVStoreError("test: the connection broke mid-step"))
+        for i, name in enumerate(NAMES):
+            caches[name].fill_(7.0 + i)
+            worker.save_layer(name)
+        worker.end_step()
+        assert worker.wait_saves(10)
+        hand_back(worker, scheduler)
+        deadline = time.monotonic() + 10
+        while store.client() is None:  # reconnects after retry_s
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.05)
+        request.all_token_ids.append(99)  # the first output token, computed in the next (decode) step
+        again = cached_step(scheduler, "r", len(tokens), 1)
+    assert [(s.first_page, len(s.tokens) // BLOCK) for s in again.saves] == [(2 if how == "cancelled" else 0, len(tokens) // BLOCK)]
+    forward(worker, again, fill=5.0, caches=caches)
+    assert worker.wait_saves(10)
+    fresh = store.client()
+    assert fresh is not None
+    assert store.run(fresh, fresh.lookup(tokens), 5).num_pages == len(tokens) // BLOCK
+    store.close()
