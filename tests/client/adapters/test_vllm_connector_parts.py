@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -375,3 +377,22 @@ def test_a_save_that_ended_short_is_saved_again(store_process: ServerProcess, ho
     assert fresh is not None
     assert store.run(fresh, fresh.lookup(tokens), 5).num_pages == len(tokens) // BLOCK
     store.close()
+
+
+def test_close_from_atexit_is_clean(store_process: ServerProcess) -> None:
+    """An engine may shut its connector down from an atexit handler (vLLM does, at exit),
+    when no thread pool takes work any more: the close says so in one line, not in a
+    traceback from the thread that closes the client."""
+    script = f"""
+import atexit, logging, torch
+from kvstore import KVLayout, Namespace
+from kvstore.client.adapters.connection import StoreConnection
+logging.basicConfig(level=logging.INFO)
+layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, page_tokens=4)
+store = StoreConnection({store_process.address!r}, Namespace(model="m", revision="r", layout=layout))
+assert store.start()
+atexit.register(store.close)
+"""
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "left open at interpreter exit" in result.stderr
