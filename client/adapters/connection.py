@@ -4,7 +4,7 @@ vLLM and SGLang call their cache hooks on their own threads and must never stall
 store. Every call goes through the client's own I/O runtime (``client.runtime``: one event
 loop thread and one channel per client) and is bounded by the caller's timeout without
 waiting for a cancelled call to unwind: ``Runtime.submit`` hands back a job the hook waits
-on as long as it chooses; what a late answer granted is given back on the runtime loop.
+on as long as it chooses; a lease that a late answer brings is given back.
 
 A store that cannot be reached is a miss, not an engine error: after a transport failure
 the connection is dropped and tried again at most every ``retry_s`` seconds. Connecting and
@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -137,19 +138,15 @@ class StoreConnection:
     def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
         """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
-        (a lease granted later is given back when it comes) or the store failed."""
+        (the call goes on, and a lease it brings later is given back) or the store failed."""
         started = time.monotonic()
-
-        async def leased() -> Any:
+        try:
             transport = client.transport
             assert isinstance(transport, ShmTransport), "leases are taken only on the server's host"
-            return await transport.granted(transport.acquire(keys), lambda acq: transport.release(acq.lease_id))
-
-        try:
-            job = client.runtime.submit(leased())
+            job = client.runtime.submit(transport.acquire(keys))
             acq = job.result.result(timeout_s)
         except FutureTimeout:
-            job.cancel()
+            job.result.add_done_callback(lambda late: self._release_late(client, late))
             return None
         except KVStoreError as exc:
             self.failed(client, exc)
@@ -159,6 +156,10 @@ class StoreConnection:
             return Lease(acq.lease_id, [], [], started)
         return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
                      started + client.lease_ms / 1000)
+
+    def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:
+        if not late.cancelled() and late.exception() is None:
+            self.release(client, late.result().lease_id)
 
     def release(self, client: KVStoreClient, lease_id: bytes) -> None:
         """Gives a lease back in the background (a release that fails, or a client closed
