@@ -1,7 +1,8 @@
 """A bare gRPC byte pump: the limit of moving bytes through Python gRPC on this machine.
 
 Runs as its own process (like kvstore-server) with generic handlers and no processing:
-Upload consumes a stream of chunks, Download streams prebuilt chunks. Every chunk is a
+Upload consumes a stream of chunks, Download streams prebuilt chunks, Echo answers a unary
+call with its request (the round-trip floor of a small RPC). Every chunk is a
 distinct buffer, as the pages of a real transfer are: sending one cached 1 MiB buffer N
 times would measure cache bandwidth, a limit no transfer of N MiB of real data can reach.
 """
@@ -48,11 +49,16 @@ def _download(request, context):  # type: ignore[no-untyped-def]
     yield from distinct_chunks(total, chunk_bytes)
 
 
+def _echo(request, context):  # type: ignore[no-untyped-def]
+    return request
+
+
 def serve(port: int) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
     handlers = {
         "Upload": grpc.stream_unary_rpc_method_handler(_upload),
         "Download": grpc.unary_stream_rpc_method_handler(_download),
+        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("raw.Raw", handlers),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -70,6 +76,9 @@ async def download(channel: grpc.aio.Channel, total: int, chunk_bytes: int) -> N
     call = channel.unary_stream("/raw.Raw/Download")
     async for _ in call(_REQ.pack(total, chunk_bytes)):
         pass
+
+
+ECHO = "/raw.Raw/Echo"
 
 
 if __name__ == "__main__":

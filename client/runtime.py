@@ -63,11 +63,12 @@ def _set_done(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class _Job:
-    """One coroutine submitted to the runtime loop: its result for any thread, and a way to
-    cancel it that leaves the result pending until the coroutine has unwound."""
+class Job:
+    """One coroutine submitted to the runtime loop: its result (``result``, a
+    concurrent.futures.Future, for any thread), and a way to cancel it that leaves the result
+    pending until the coroutine has unwound."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], jobs: set[_Job],
+    def __init__(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], jobs: set[Job],
                  notify: Callable[[], None] | None) -> None:
         self.result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._loop = loop
@@ -124,7 +125,7 @@ class Runtime:
         self._token, self._tls = token, tls
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-io", daemon=True)
-        self._jobs: set[_Job] = set()
+        self._jobs: set[Job] = set()
         self._lock = threading.Lock()  # orders submissions against close
         self._closed = False
         self._channel: grpc.aio.Channel | None = None
@@ -160,12 +161,12 @@ class Runtime:
 
     # -- from other loops and threads ------------------------------------------------------
 
-    def _submit(self, coro: Coroutine[Any, Any, T], notify: Callable[[], None] | None = None) -> _Job:
+    def _submit(self, coro: Coroutine[Any, Any, T], notify: Callable[[], None] | None = None) -> Job:
         with self._lock:
             if self._closed:
                 coro.close()
                 raise KVStoreError(f"the client of kvstore-server at {self.address} is closed")
-            return _Job(self._loop, coro, self._jobs, notify)
+            return Job(self._loop, coro, self._jobs, notify)
 
     def on_loop(self) -> bool:
         """True when called from a coroutine running on the runtime loop."""
@@ -190,6 +191,14 @@ class Runtime:
             await asyncio.wait([asyncio.wrap_future(job.result)])
             raise
         return job.result.result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Job:
+        """Runs ``coro`` on the runtime loop and returns at once: for a caller with a bound
+        of its own that must not wait for a cancelled call to unwind (an engine hook on a
+        store that stopped answering). It waits on ``job.result`` as long as it chooses and
+        may ``job.cancel()`` without waiting; the coroutine's cleanup (a late lease given
+        back) then runs on the loop. ``close`` cancels and waits for it like any other job."""
+        return self._submit(coro)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the runtime loop and blocks this thread (never the runtime's own)

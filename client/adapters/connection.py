@@ -1,9 +1,15 @@
 """A ``KVStoreClient`` for an engine that calls synchronously.
 
-vLLM and SGLang call their cache hooks on their own threads and must never stall on the store, so the
-asyncio client lives on a private event loop thread and every blocking call is bounded
-by a timeout. A store that cannot be reached is a miss, not an engine error: after a
-failure the connection is dropped and tried again at most every ``retry_s`` seconds.
+vLLM and SGLang call their cache hooks on their own threads and must never stall on the
+store. Every call goes through the client's own I/O runtime (``client.runtime``: one event
+loop thread and one channel per client) and is bounded by the caller's timeout without
+waiting for a cancelled call to unwind: ``Runtime.submit`` hands back a job the hook waits
+on as long as it chooses; a lease that a late answer brings is given back.
+
+A store that cannot be reached is a miss, not an engine error: after a transport failure
+the connection is dropped and tried again at most every ``retry_s`` seconds. Connecting and
+closing await the client's coroutines on a short-lived thread of their own (``asyncio.run``),
+so neither blocks a hook, and ``close`` waits for every one of them to end.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,7 +52,7 @@ class Lease:
 class StoreConnection:
     """One namespace's client, connected lazily and reconnected after failures.
 
-    Thread-safe: ``client()``, ``run()`` and ``submit()`` may be called from any thread."""
+    Thread-safe: every method may be called from any thread."""
 
     def __init__(self, address: str, namespace: Namespace, *, use_shm: bool = True, connect_timeout_s: float = 2.0,
                  retry_s: float = 1.0) -> None:
@@ -55,30 +61,19 @@ class StoreConnection:
         self.use_shm = use_shm
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-connector-loop", daemon=True)
-        self._thread.start()
         self._lock = threading.Lock()
         self._client: KVStoreClient | None = None
         self._next_try = 0.0
         self._closed = False
         self._connecting = False
-        # Blocking RPCs on the client's synchronous channel: one hop to a thread, no event
-        # loop, and the caller waits only as long as it chooses. Releases have their own
-        # thread so that a lookup never queues behind one.
-        self._rpc = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-rpc")
-        self._releases = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-release")
+        self._threads: list[threading.Thread] = []  # connecting or closing a client: close() waits for them
 
     def start(self) -> bool:
         """Connects now (engine start-up may wait ``connect_timeout_s``); False when the
         store cannot be reached yet (a connection is then tried in the background)."""
-        future = self._connect_later()
-        if future is None:
-            return self._client is not None
-        try:
-            future.result(self.connect_timeout_s)
-        except FutureTimeout:
-            return False
+        thread = self._connect_later()
+        if thread is not None:
+            thread.join(self.connect_timeout_s)
         return self._client is not None
 
     def client(self) -> KVStoreClient | None:
@@ -88,13 +83,22 @@ class StoreConnection:
             self._connect_later()
         return self._client
 
-    def _connect_later(self) -> Future[None] | None:
+    def _connect_later(self) -> threading.Thread | None:
         with self._lock:
             if self._client is not None or self._closed or self._connecting or time.monotonic() < self._next_try:
                 return None
             self._connecting = True
             self._next_try = time.monotonic() + self.retry_s
-        return self.submit(self._connect())
+        return self._spawn(self._connect(), "kvstore-connect")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> threading.Thread:
+        """Runs ``coro`` to its end on a thread of its own (its own short-lived event loop)."""
+        thread = threading.Thread(target=asyncio.run, args=(coro,), name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+        return thread
 
     async def _connect(self) -> None:
         client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm)
@@ -103,7 +107,7 @@ class StoreConnection:
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
             logger.warning("kvstore at %s not reachable (%s); requests recompute, retrying in %.1f s",
                            self.address, exc, self.retry_s)
-            await client.close()
+            await _close_client(client)
             with self._lock:
                 self._connecting = False
             return
@@ -111,10 +115,11 @@ class StoreConnection:
                     "shared memory" if client.shared_memory else "gRPC")
         with self._lock:
             self._connecting = False
-            if self._closed:
-                self.submit(client.close())
-                return
-            self._client = client
+            closed = self._closed
+            if not closed:
+                self._client = client
+        if closed:
+            await _close_client(client)
 
     def failed(self, client: KVStoreClient, reason: object) -> None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An
@@ -123,26 +128,25 @@ class StoreConnection:
         if isinstance(reason, KVStoreError) and type(reason) is not KVStoreError:
             return
         with self._lock:
-            if not self._holds(client):
+            if self._client is not client:
                 return
             self._client = None
             self._next_try = time.monotonic() + self.retry_s
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
-        self.submit(client.close())
-
-    def _holds(self, client: KVStoreClient) -> bool:
-        return self._client is client
+        self._spawn(_close_client(client), "kvstore-close")
 
     def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
         """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
-        (a lease granted later is released) or the store failed."""
+        (the call goes on, and a lease it brings later is given back) or the store failed."""
         started = time.monotonic()
-        future = self._rpc.submit(self._acquire, client, keys)
         try:
-            acq = future.result(timeout_s)
+            transport = client.transport
+            assert isinstance(transport, ShmTransport), "leases are taken only on the server's host"
+            job = client.runtime.submit(transport.acquire(keys))
+            acq = job.result.result(timeout_s)
         except FutureTimeout:
-            future.add_done_callback(lambda f: self._release_late(client, f))
+            job.result.add_done_callback(lambda late: self._release_late(client, late))
             return None
         except KVStoreError as exc:
             self.failed(client, exc)
@@ -153,54 +157,55 @@ class StoreConnection:
         return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
                      started + client.lease_ms / 1000)
 
-    @staticmethod
-    def _acquire(client: KVStoreClient, keys: list[bytes]) -> Any:
-        """One Acquire on the client's own I/O runtime (same-host clients: the shm transport)."""
-        transport = client.transport
-        assert isinstance(transport, ShmTransport), "leases are taken only on the server's host"
-        return client.runtime.run(transport.acquire(keys), client.timeout_s)
-
-    @staticmethod
-    def _release(client: KVStoreClient, lease_id: bytes) -> None:
-        transport = client.transport
-        if isinstance(transport, ShmTransport):
-            try:
-                client.runtime.run(transport.release(lease_id), client.timeout_s)
-            except KVStoreError as exc:
-                logger.warning("release of a lease failed (it expires with its ttl): %s", exc)
-
-    def _release_late(self, client: KVStoreClient, future: Future[Any]) -> None:
-        if future.exception() is None:
-            self.release(client, future.result().lease_id)
+    def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:
+        if not late.cancelled() and late.exception() is None:
+            self.release(client, late.result().lease_id)
 
     def release(self, client: KVStoreClient, lease_id: bytes) -> None:
-        """Gives a lease back in the background (a failed release expires with its TTL)."""
-        if not self._closed:
-            self._releases.submit(self._release, client, lease_id)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Runs ``coro`` on the loop; raises TimeoutError (and cancels it) past ``timeout_s``."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Gives a lease back in the background (a release that fails, or a client closed
+        meanwhile, leaves it to expire with its TTL)."""
         try:
-            return future.result(timeout_s)
+            transport = client.transport
+            if isinstance(transport, ShmTransport):
+                client.runtime.submit(transport.release(lease_id))
+        except KVStoreError as exc:
+            logger.debug("lease %s not released (it expires): %s", lease_id.hex()[:8], exc)
+
+    def run(self, client: KVStoreClient, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Runs one of ``client``'s coroutines on its runtime and waits at most ``timeout_s``:
+        past that it is cancelled (its cleanup runs on in the background) and TimeoutError
+        raised. A client closed meanwhile raises KVStoreError."""
+        job = client.runtime.submit(coro)
+        try:
+            return job.result.result(timeout_s)
         except FutureTimeout:
-            future.cancel()
+            job.cancel()
             raise TimeoutError(f"no answer from kvstore at {self.address} within {timeout_s} s") from None
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Runs ``coro`` on the loop without waiting for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
     def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the client and waits (at most ``timeout_s``) for every connect and close
+        still running; the connection cannot be used again."""
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
         if client is not None:
-            try:
-                self.run(client.close(), timeout_s)
-            except (KVStoreError, TimeoutError) as exc:
-                logger.warning("kvstore client did not close cleanly: %s", exc)
-        self._rpc.shutdown(wait=False, cancel_futures=True)
-        self._releases.shutdown(wait=False, cancel_futures=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+            self._spawn(_close_client(client), "kvstore-close")
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("kvstore connection to %s: %s still running %.0f s after close", self.address,
+                               thread.name, timeout_s)
+
+
+async def _close_client(client: KVStoreClient) -> None:
+    try:
+        await client.close()
+    except KVStoreError as exc:
+        logger.warning("kvstore client did not close cleanly: %s", exc)
+    except RuntimeError as exc:  # an engine shut down from atexit: no thread may start any more
+        if "interpreter shutdown" not in str(exc):
+            raise
+        logger.info("kvstore client left open at interpreter exit (its leases and allocations expire)")

@@ -123,7 +123,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if client is None or not keys:
             return 0
         try:
-            return self.store.run(client.lookup_keys(self._keys(keys)), self.timeout_s).num_pages  # type: ignore[union-attr]
+            return self.store.run(client, client.lookup_keys(self._keys(keys)), self.timeout_s).num_pages  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0
@@ -141,7 +141,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                          dtype=layout.torch_dtype())
         hit = Hit(client.namespace.namespace_id, kv.shape[2], self._keys(keys), [])
         try:
-            self.store.run(client.get(hit, into=kv), self.timeout_s)  # type: ignore[union-attr]
+            self.store.run(client, client.get(hit, into=kv), self.timeout_s)  # type: ignore[union-attr]
             return kv
         except (PageMissing, PageCorrupt) as exc:
             valid = getattr(exc, "num_tokens", 0)
@@ -195,7 +195,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return 0
         kv = torch.cat([page for page in pages], dim=2) if len(pages) > 1 else pages[0].contiguous()
         try:
-            stored = self.store.run(client.put_keys(self._keys(keys), kv), self.timeout_s)  # type: ignore[union-attr]
+            stored = self.store.run(client, client.put_keys(self._keys(keys), kv), self.timeout_s)  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0

@@ -7,6 +7,7 @@ Contract of a ``LayerSave``:
   into the transport's page buffers (arena slots, or buffers sent at publish).
 * ``finished()`` marks the layers not yet done, waits for the publish and returns the
   leading tokens now stored; a durable save that comes back short raises PageMissing.
+  A synchronous caller does the same with ``mark_all()``, ``wait(timeout_s)`` and ``result()``.
 * ``abandon`` (the client closing) stops it: layers the engine did not mark done are never
   copied, nothing is published unless every layer was marked, and what was reserved on
   the server is given back. ``finished()`` then raises.
@@ -78,12 +79,28 @@ class LayerSave:
     async def finished(self, timeout_s: float | None = None) -> int:
         """Marks any layer not yet done, waits for the commit; returns the number of leading
         tokens now stored. Raises the worker's error."""
-        for layer in range(self.client.layout.num_layers):
-            self.layer_done(layer)
+        self.mark_all()
         timeout = timeout_s if timeout_s is not None else self.client.timeout_s
         done = await asyncio.get_running_loop().run_in_executor(None, self._done.wait, timeout)
         if not done:
             raise KVStoreError(f"layer-wise save did not finish within {timeout} s")
+        return self.result()
+
+    def mark_all(self) -> None:
+        """Marks every layer not yet done, without waiting (a synchronous engine hook then
+        polls ``wait(0)``)."""
+        for layer in range(self.client.layout.num_layers):
+            self.layer_done(layer)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once the save ended (published, failed or abandoned), waiting at most
+        ``timeout_s``; ``result()`` then answers at once."""
+        return self._done.wait(timeout_s)
+
+    def result(self) -> int:
+        """The leading tokens stored by a save that ended; raises its error."""
+        if not self._done.is_set():
+            raise KVStoreError("the layer-wise save has not ended yet")
         if self.error is not None:
             raise self.error
         assert self._result is not None

@@ -25,11 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace, kv_spec
-from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
@@ -122,6 +123,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().report()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVStoreConnectorMetadata) and kv_connector_metadata.preempted:
             self._worker().preempted(kv_connector_metadata.preempted)
@@ -151,6 +155,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
+        report = connector_output.kv_connector_worker_meta
+        self._scheduler().saves_short(report if isinstance(report, KVStoreWorkerMetadata) else None)
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler().holds_blocks

@@ -1,11 +1,11 @@
-"""What the scheduler side tells the workers each step (plain data: vLLM may pickle it
-to worker processes)."""
+"""What the scheduler side tells the workers each step, and what the workers tell it back
+(plain data: vLLM may pickle it between processes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvstore.client.adapters.connection import Lease
 
@@ -28,8 +28,9 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Save the full pages ``[first_page, len(tokens) / page_tokens)`` of ``tokens`` from
-    the request's blocks, layer by layer during this step's forward pass."""
+    """Save the full pages ``[first_page, len(tokens) / page_tokens)`` of ``tokens`` (prompt
+    and generated tokens whose KV exists by the end of this step) from the request's blocks,
+    layer by layer during this step's forward pass."""
 
     req_id: str
     tokens: list[int]
@@ -42,3 +43,19 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Requests whose saves stored less than the scheduler side counted (a save failed, was
+    cancelled or could not start), each with the leading pages of the request that may be
+    stored at most: the scheduler side saves again from there."""
+
+    stored_pages: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVStoreWorkerMetadata:
+        """Tensor-parallel workers each report their shard: a page counts only if every shard stored it."""
+        merged = dict(self.stored_pages)
+        for req_id, pages in getattr(other, "stored_pages", {}).items():
+            merged[req_id] = min(merged.get(req_id, pages), pages)
+        return KVStoreWorkerMetadata(merged)

@@ -1,6 +1,12 @@
 """Scheduler side of the connector: how much of a prompt kvstore holds, and which pages
 each step loads and saves.
 
+Saves cover every full page whose KV exists by the end of a step, generated tokens
+included: a page of the answer is saved in the decode step that computes its last token,
+so a follow-up turn that repeats the answer finds it. A save that ends short (it failed,
+was cancelled or never started) is reported back by the workers, and the next step of the
+request saves again from the pages that may be stored.
+
 Per request, one lookup (the answer is cached, so vLLM may ask again and get the same
 count). On the server's host the lookup also leases the pages (one Acquire RPC): they
 cannot be evicted before the load, and the worker copies them without asking again. The
@@ -16,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.adapters.connection import Lease, StoreConnection
-from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +32,8 @@ logger = logging.getLogger(__name__)
 class RequestState:
     """What the scheduler side knows of one request."""
 
-    tokens: list[int]
+    request: Any  # vLLM's request: all_token_ids grows with the generated tokens
+    tokens: list[int]  # the prompt
     stored_pages: int  # leading pages kvstore holds (lookup) or will hold (saves scheduled)
     hit_tokens: int  # what may be loaded: block-aligned, short of the last prompt token
     block_ids: list[int] = field(default_factory=list)
@@ -64,11 +71,11 @@ class SchedulerSide:
                 lease = lease if stored else None
             else:
                 try:
-                    stored = self.store.run(client.lookup(tokens), self.lookup_timeout_s).num_pages
+                    stored = self.store.run(client, client.lookup(tokens), self.lookup_timeout_s).num_pages
                 except (KVStoreError, TimeoutError) as exc:
                     self.store.failed(client, exc)
         usable = min(stored * self.page_tokens, len(tokens) - 1)
-        return RequestState(tokens, stored, usable - usable % self.block_size, lease=lease)
+        return RequestState(request, tokens, stored, usable - usable % self.block_size, lease=lease)
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -115,10 +122,14 @@ class SchedulerSide:
             meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first,
                                        state.hit_tokens // p - first, self.store.namespace.namespace_id, state.lease))
             state.lease = None  # the worker gives it back
-        end = min(computed_after, len(state.tokens)) // p
-        if end > state.stored_pages:
+        # Token ids known now (with async scheduling the last sampled one may come later):
+        # nothing when the prompt came as embeddings (no ids to key pages by).
+        known = len(state.request.all_token_ids) if state.tokens else 0
+        end = min(computed_after, known) // p
+        if end > state.stored_pages and self.store.client() is not None:
             num_blocks = -(-end * p // self.block_size)
-            meta.saves.append(SaveSpec(req_id, state.tokens[: end * p], state.block_ids[:num_blocks], state.stored_pages))
+            tokens = list(state.request.all_token_ids[: end * p])
+            meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages))
             state.stored_pages = end
             state.saving = True
 
@@ -136,6 +147,18 @@ class SchedulerSide:
 
     def saves_finished(self, req_ids: set[str]) -> None:
         self._held -= req_ids
+
+    def saves_short(self, report: KVStoreWorkerMetadata | None) -> None:
+        """Takes back the pages counted for saves that stored less (the workers' report):
+        the request's next step saves again from the pages that may be stored."""
+        if report is None:
+            return
+        for req_id, pages in report.stored_pages.items():
+            state = self._requests.get(req_id)
+            if state is not None and pages < state.stored_pages:
+                logger.info("kvstore: request %s has %d pages stored, not %d; saving the rest again",
+                            req_id, pages, state.stored_pages)
+                state.stored_pages = pages
 
     @property
     def holds_blocks(self) -> bool:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
-from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
@@ -52,7 +51,7 @@ class ActiveSave:
     spec: SaveSpec
     kv: RequestKV
     save: LayerSave
-    done: Future[int] | None = None  # set once every layer is marked
+    marked: bool = False  # every layer handed over (end_step): the save ends on its own
 
 
 @dataclass
@@ -91,6 +90,7 @@ class WorkerSide:
         self._saving: set[str] = set()  # had a save scheduled: vLLM holds its blocks when it finishes
         self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
         self._failed_blocks: set[int] = set()
+        self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -107,7 +107,8 @@ class WorkerSide:
         for spec in meta.saves:
             self._saving.add(spec.req_id)
             if client is None:
-                continue  # no store: nothing to save, nothing to wait for
+                self._stored_short(spec.req_id, spec.first_page)  # no store: nothing saved, nothing to wait for
+                continue
             try:
                 kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
                                guarded=True)
@@ -115,6 +116,7 @@ class WorkerSide:
             except KVStoreError as exc:  # a cache: this prefix is just not stored
                 logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
                 self.stats.saves_failed += 1
+                self._stored_short(spec.req_id, spec.first_page)
                 continue
             active = ActiveSave(spec, kv, save)
             self._saves.append(active)
@@ -203,7 +205,8 @@ class WorkerSide:
                 self.stats.saves_cancelled += 1
             else:
                 save.kv.release_layer(len(self.layer_names) - 1)
-            save.done = self.store.submit(save.save.finished())
+            save.save.mark_all()
+            save.marked = True
         self._saves.clear()
         for client, error in errors:  # only now: dropping a client ends its saves early
             self.store.failed(client, error)
@@ -255,28 +258,44 @@ class WorkerSide:
 
     def _ended(self, active: ActiveSave) -> bool:
         """True (and counted) once the save committed, failed or was cancelled."""
-        if active.done is None or not active.done.done():
+        if not active.marked or not active.save.wait(0):
             return False
-        exc = active.done.exception()
-        if exc is None:
-            self.stats.saved_tokens += active.done.result() - active.spec.first_page * self.layout.page_tokens
-        elif not active.kv.cancelled:
-            self.stats.saves_failed += 1
-            logger.warning("kvstore save of request %s failed: %s", active.spec.req_id, exc)
+        spec, p = active.spec, self.layout.page_tokens
+        stored = spec.first_page * p
+        try:
+            stored = active.save.result()
+            self.stats.saved_tokens += stored - spec.first_page * p
+        except KVStoreError as exc:
+            if not active.kv.cancelled:
+                self.stats.saves_failed += 1
+                logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
+        if stored < len(spec.tokens):
+            self._stored_short(spec.req_id, stored // p)
         return True
+
+    def _stored_short(self, req_id: str, pages: int) -> None:
+        self._short[req_id] = min(self._short.get(req_id, pages), pages)
+
+    def report(self) -> KVStoreWorkerMetadata | None:
+        """Requests whose saves ended short since the last report, for the scheduler side."""
+        if not self._short:
+            return None
+        report, self._short = KVStoreWorkerMetadata(self._short), {}
+        return report
 
     def wait_saves(self, timeout_s: float) -> bool:
         """Waits for every save marked done so far to commit or fail (benchmarks use it to
         keep one request's save from overlapping the next one's timing); False on timeout."""
-        running = [s.done for saves in self._pending.values() for s in saves if s.done is not None]
-        return not wait(running, timeout_s).not_done
+        deadline = time.monotonic() + timeout_s
+        running = [s.save for saves in self._pending.values() for s in saves if s.marked]
+        return all(save.wait(max(0.0, deadline - time.monotonic())) for save in running)
 
     def preempted(self, req_ids: set[str]) -> None:
         """vLLM is about to reuse these requests' blocks: their saves must stop reading
         them first (a save still running is cancelled and waited for)."""
         for req_id in req_ids & set(self._pending):
             for active in self._pending[req_id]:
-                if active.done is not None and not active.done.done():
+                if active.marked and not active.save.wait(0):
                     active.kv.cancel()
                     active.save.join(self.store.connect_timeout_s)
 

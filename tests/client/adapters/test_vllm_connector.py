@@ -4,7 +4,8 @@ real kvstore-server process.
 Two engines, each in its own process: ``hooked`` (vLLM's prefix cache off, so every reuse
 comes from kvstore, loaded layer by layer; the test hooks of vllm_hooks.py are off unless a
 test turns them on) and ``plain`` (the production class as an operator loads it, vLLM's
-prefix cache on, small hits copied at once from the pages the lookup leased).
+prefix cache on, small hits copied at once from the pages the lookup leased). The
+identical-output cases run on both, so with vLLM's own prefix caching off and on.
 Output "without a kvstore hit" is the same engine's greedy generation with
 ``skip_reading_prefix_cache`` (a full recompute). Tokens must be identical; logprobs
 equal to 1e-4 (a prefill that starts after a cached prefix runs other kernel shapes than
@@ -102,14 +103,21 @@ CASES = {
 }
 
 
+# vLLM's own prefix cache off: the "hooked" engine stores and loads (layer by layer). On:
+# the "hooked" engine stores, the "plain" one (its own cache empty of these prompts) loads
+# (small hits copied at once from the lookup's lease).
+PREFIX_CACHE = {"prefix-cache-off": "hooked", "prefix-cache-on": "plain"}
+
+
+@pytest.mark.parametrize("prefix_cache", list(PREFIX_CACHE))
 @pytest.mark.parametrize("case", list(CASES))
-def test_kvstore_hit_output_equals_recompute(engines: dict[str, EngineProcess], case: str) -> None:
-    engine = engines["hooked"]
+def test_kvstore_hit_output_equals_recompute(engines: dict[str, EngineProcess], case: str, prefix_cache: str) -> None:
+    engine = engines[PREFIX_CACHE[prefix_cache]]
     build, expected_hit = CASES[case]
-    seed = list(CASES).index(case)
+    seed = list(CASES).index(case) + 10 * list(PREFIX_CACHE).index(prefix_cache)  # prompts new to the store
     stored = tokens(4 * BLOCK + 1, seed=100 + seed)
     prompt = build(stored, tokens(100, seed=200 + seed))
-    engine.generate([stored])
+    engines["hooked"].generate([stored])
     before = engine.stats()
     hit = engine.generate([prompt])[0]
     after = engine.stats()
@@ -119,6 +127,39 @@ def test_kvstore_hit_output_equals_recompute(engines: dict[str, EngineProcess], 
     assert after["failed_loads"] == before["failed_loads"]
     assert recompute["num_cached_tokens"] == 0
     assert_same_output(hit, recompute)
+
+
+def test_kvstore_continues_vllms_own_prefix_cache_hit(engines: dict[str, EngineProcess]) -> None:
+    """Prefix caching on: vLLM's own cache holds the first 2 blocks of a prompt, kvstore the
+    next 2; the connector loads only those 2 (from block 2 on) and the output is the recompute's."""
+    engine = engines["plain"]
+    shared = tokens(4 * BLOCK + 1, seed=11)
+    engine.generate([shared[: 2 * BLOCK] + tokens(40, seed=12)])  # into vLLM's own cache: blocks 0-1
+    engines["hooked"].generate([shared])  # into kvstore: blocks 0-3
+    prompt = shared[: 4 * BLOCK] + tokens(5, seed=13)
+    before = engine.stats()
+    out = engine.generate([prompt])[0]
+    after = engine.stats()
+    assert out["num_cached_tokens"] == 4 * BLOCK
+    assert after["loaded_tokens"] - before["loaded_tokens"] == 2 * BLOCK, "only what vLLM's own cache lacks"
+    assert_same_output(out, engine.generate([prompt], skip_prefix_cache=True)[0])
+
+
+def test_follow_up_turn_finds_the_answer_of_the_first(engines: dict[str, EngineProcess]) -> None:
+    """Pages of generated tokens are saved too: turn 2 (turn 1's prompt + its answer + new
+    text) gets from kvstore every full page whose KV turn 1 computed, answer included
+    (vLLM's own prefix cache off), and the same output as a recompute."""
+    engine = engines["hooked"]
+    prompt = tokens(50, seed=14)
+    before = engine.stats()
+    first = engine.generate([prompt], max_tokens=50, ignore_eos=True)[0]
+    saved = engine.stats()["saved_tokens"] - before["saved_tokens"]
+    computed = len(prompt) + len(first["tokens"]) - 1  # the last sampled token's KV is never computed
+    assert saved == computed // BLOCK * BLOCK == 3 * BLOCK, "page 0 at prefill, pages 1-2 while decoding"
+    turn2 = prompt + first["tokens"] + tokens(20, seed=15)
+    out = engine.generate([turn2])[0]
+    assert out["num_cached_tokens"] == 3 * BLOCK, "the hit covers turn 1's answer up to its last full page"
+    assert_same_output(out, engine.generate([turn2], skip_prefix_cache=True)[0])
 
 
 def test_second_engine_gets_the_first_ones_kv(engines: dict[str, EngineProcess]) -> None:

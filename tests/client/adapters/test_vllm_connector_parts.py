@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from conftest import ServerProcess
 
 from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 32, 2, 32, 3, 16
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
@@ -50,15 +54,39 @@ def parts(address: str, **worker_kw: Any) -> tuple[StoreConnection, SchedulerSid
     return store, SchedulerSide(store, BLOCK, lookup_timeout_s=0.2), worker, caches
 
 
-def step(scheduler: SchedulerSide, req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> KVStoreConnectorMetadata:
+def new_request(req_id: str, tokens: list[int]) -> SimpleNamespace:
+    """What the connector reads of vLLM's Request (all_token_ids grows with the output)."""
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, all_token_ids=list(tokens))
+
+
+def step(scheduler: SchedulerSide, req_id: str, tokens: list[int], computed: int, blocks: list[int],
+         request: SimpleNamespace | None = None) -> KVStoreConnectorMetadata:
     """What vLLM's scheduler does for a new request: ask, allocate, build the step's metadata."""
-    request = SimpleNamespace(request_id=req_id, prompt_token_ids=tokens)
+    request = request or new_request(req_id, tokens)
     hit = scheduler.num_new_matched_tokens(request, computed)
     scheduler.after_alloc(request, hit)
     return scheduler.build_meta(SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=computed + hit)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
         num_scheduled_tokens={req_id: len(tokens) - computed - hit}, preempted_req_ids=None))
+
+
+def cached_step(scheduler: SchedulerSide, req_id: str, computed: int, scheduled: int) -> KVStoreConnectorMetadata:
+    """A later step of a running request (no new blocks): ``scheduled`` tokens from ``computed`` on."""
+    return scheduler.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[req_id], resumed_req_ids=set(), new_block_ids=[None],
+                                              num_computed_tokens=[computed]),
+        num_scheduled_tokens={req_id: scheduled}, preempted_req_ids=None))
+
+
+def hand_back(worker: WorkerSide, scheduler: SchedulerSide, finished: set[str] | None = None) -> set[str]:
+    """What vLLM does after each step: the workers' finished requests and their report go
+    to the scheduler side."""
+    done = worker.finished(finished or set())
+    scheduler.saves_finished(done)
+    scheduler.saves_short(worker.report())
+    return done
 
 
 def forward(worker: WorkerSide, meta: KVStoreConnectorMetadata, fill: float | None = None,
@@ -87,15 +115,30 @@ def store_prompt(address: str, tokens: list[int]) -> None:
     worker.store.close()
 
 
+def num_leases(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return int(directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_leases)
+
+
 def test_lookup_of_a_stopped_store_is_a_bounded_miss(store_process: ServerProcess) -> None:
-    """The scheduler never waits past lookup_timeout_s on a store that stopped answering."""
+    """The scheduler never waits past lookup_timeout_s on a store that stopped answering;
+    the lease the store grants once it runs again is given back."""
+    tokens = list(range(1, 2 * BLOCK + 2))
+    store_prompt(store_process.address, tokens)
     store, scheduler, _, _ = parts(store_process.address)
     assert store_process.proc is not None
     os.kill(store_process.proc.pid, signal.SIGSTOP)
-    start = time.monotonic()
-    hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=list(range(1, 100))), 0)
-    assert hit == 0 and time.monotonic() - start < 1.0
-    os.kill(store_process.proc.pid, signal.SIGCONT)
+    try:
+        start = time.monotonic()
+        hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=tokens), 0)
+        assert hit == 0 and time.monotonic() - start < 1.0
+    finally:
+        os.kill(store_process.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while num_leases(store_process.address):  # the late answer comes, then its release
+        assert time.monotonic() < deadline, "the lease granted after the timeout was never given back"
+        time.sleep(0.01)
+    assert scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r2", prompt_token_ids=tokens), 0) == 2 * BLOCK
     store.close()
 
 
@@ -149,7 +192,7 @@ def test_save_is_not_published_when_the_same_steps_load_failed(store_process: Se
     assert worker.stats.saves_cancelled == 1 and worker.stats.saved_tokens == 0
     client = store.client()
     assert client is not None
-    assert store.run(client.lookup(longer), 5).num_pages == 2, "only the pages stored before"
+    assert store.run(client, client.lookup(longer), 5).num_pages == 2, "only the pages stored before"
     store.close()
 
 
@@ -213,7 +256,7 @@ def test_client_closed_mid_step_publishes_no_uncomputed_layer(store_process: Ser
     assert reader.start()
     fresh = reader.client()
     assert fresh is not None
-    assert reader.run(fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
+    assert reader.run(fresh, fresh.lookup(tokens), 5).num_pages == 0, "no page of the half-computed step is published"
     assert save.error is not None and ("abandoned" in str(save.error) or "not computed yet" in str(save.error))
     reader.close()
     store.close()
@@ -261,3 +304,95 @@ def test_only_transport_failures_drop_the_connection(store_process: ServerProces
     store.failed(client, KVStoreError("UNAVAILABLE"))
     assert store.client() is not client  # None now: a new connection is being made
     store.close()
+
+
+def test_close_ends_the_close_of_a_dropped_client(store_process: ServerProcess) -> None:
+    """Regression: a client dropped after a transport failure was closed on the connection's
+    private event loop, which close() stopped before that close ended ("Task was destroyed
+    but it is pending! ... KVStoreClient.close()"): its arena stayed mapped. Now close()
+    returns once every dropped client is closed."""
+    from kvstore.errors import KVStoreError
+
+    store = StoreConnection(store_process.address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    assert store.start()
+    client = store.client()
+    assert client is not None and client.shared_memory
+    store.failed(client, KVStoreError("UNAVAILABLE"))
+    store.close()
+    assert not client.shared_memory, "the dropped client's close did not end"
+    with pytest.raises(KVStoreError, match="closed"):
+        store.run(client, client.lookup([1, 2, 3]), 1)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failed"])
+def test_a_save_that_ended_short_is_saved_again(store_process: ServerProcess, how: str) -> None:
+    """Regression: the scheduler counted a save's pages as stored when it scheduled it and
+    never took that back when the save was cancelled (its step's load failed) or failed (the
+    connection broke): those pages were never saved again, and a later save started after
+    them, past a gap no lookup crosses. Now the workers report a save that ended short and
+    the request's next step saves again from the pages that are stored."""
+    address = store_process.address
+    if how == "cancelled":  # 2 pages stored; a 5-page prompt whose load of them fails
+        tokens = list(range(1, 2 * BLOCK + 1)) + list(range(500, 500 + 3 * BLOCK))
+        store_prompt(address, tokens[: 2 * BLOCK + 1])
+        store, scheduler, worker, caches = parts(address, load_deadline_s=0.3, sync_load_pages=0)
+        meta = step(scheduler, "r", tokens, 0, list(range(5, 10)))
+        assert [(s.first_page, len(s.tokens) // BLOCK) for s in meta.saves] == [(2, 5)]
+        assert store_process.proc is not None
+        os.kill(store_process.proc.pid, signal.SIGSTOP)
+        try:
+            forward(worker, meta, fill=5.0, caches=caches)
+        finally:
+            os.kill(store_process.proc.pid, signal.SIGCONT)
+        assert worker.load_errors() == {5, 6}
+        assert worker.wait_saves(10)
+        hand_back(worker, scheduler)
+        again = cached_step(scheduler, "r", 0, len(tokens))  # vLLM recomputes from the failed blocks on
+    else:  # a 3-page prompt whose save fails when the connection breaks mid-step
+        tokens = list(range(11, 11 + 3 * BLOCK + 1))
+        store, scheduler, worker, caches = parts(address)
+        request = new_request("r", tokens)
+        meta = step(scheduler, "r", tokens, 0, [0, 1, 2, 3], request=request)
+        worker.begin_step(meta)
+        worker.start_loads(meta)
+        client = store.client()
+        assert client is not None
+        store.failed(client, KVStoreError("test: the connection broke mid-step"))
+        for i, name in enumerate(NAMES):
+            caches[name].fill_(7.0 + i)
+            worker.save_layer(name)
+        worker.end_step()
+        assert worker.wait_saves(10)
+        hand_back(worker, scheduler)
+        deadline = time.monotonic() + 10
+        while store.client() is None:  # reconnects after retry_s
+            assert time.monotonic() < deadline, "no reconnection"
+            time.sleep(0.05)
+        request.all_token_ids.append(99)  # the first output token, computed in the next (decode) step
+        again = cached_step(scheduler, "r", len(tokens), 1)
+    assert [(s.first_page, len(s.tokens) // BLOCK) for s in again.saves] == [(2 if how == "cancelled" else 0, len(tokens) // BLOCK)]
+    forward(worker, again, fill=5.0, caches=caches)
+    assert worker.wait_saves(10)
+    fresh = store.client()
+    assert fresh is not None
+    assert store.run(fresh, fresh.lookup(tokens), 5).num_pages == len(tokens) // BLOCK
+    store.close()
+
+
+def test_close_from_atexit_is_clean(store_process: ServerProcess) -> None:
+    """An engine may shut its connector down from an atexit handler (vLLM does, at exit),
+    when no thread pool takes work any more: the close says so in one line, not in a
+    traceback from the thread that closes the client."""
+    script = f"""
+import atexit, logging, torch
+from kvstore import KVLayout, Namespace
+from kvstore.client.adapters.connection import StoreConnection
+logging.basicConfig(level=logging.INFO)
+layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, page_tokens=4)
+store = StoreConnection({store_process.address!r}, Namespace(model="m", revision="r", layout=layout))
+assert store.start()
+atexit.register(store.close)
+"""
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "left open at interpreter exit" in result.stderr

@@ -3,8 +3,9 @@
 Usage: python vllm_engine.py MODEL_DIR CONFIG_JSON. The protocol goes over the process's
 original stdout; vLLM's own output is moved to stderr.
 
-Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b}
--> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"};
+Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b, "ignore_eos": b}
+-> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"} once the connector's
+saves of the generation have ended (so that the next command finds what it stored);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "hooks", ...} sets
 vllm_hooks' switches; {"cmd": "exit"}.
 """
@@ -49,10 +50,15 @@ def main() -> None:
             break
         if cmd["cmd"] == "generate":
             params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=0,
+                                    ignore_eos=cmd.get("ignore_eos", False),
                                     skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None)
             start = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
             seconds = time.perf_counter() - start
+            if transfer is not None:
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                assert get_kv_transfer_group().worker.wait_saves(60), "the connector's saves did not end"
             reply = {"seconds": seconds, "outputs": [{
                 "tokens": list(o.outputs[0].token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],

@@ -68,8 +68,10 @@ class EngineProcess:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8, skip_prefix_cache: bool = False) -> list[dict[str, Any]]:
-        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, skip_prefix_cache=skip_prefix_cache)["outputs"]
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, skip_prefix_cache: bool = False,
+                 ignore_eos: bool = False) -> list[dict[str, Any]]:
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, skip_prefix_cache=skip_prefix_cache,
+                         ignore_eos=ignore_eos)["outputs"]
 
     def stats(self) -> dict[str, int]:
         return self.call(cmd="stats")
