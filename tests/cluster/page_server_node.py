@@ -2,7 +2,7 @@
 page(key) = a fixed random block with the key in its first 16 bytes; keys starting 0xFF are
 missing, keys starting 0xEE are served with a wrong stored checksum (corruption at rest).
 A request whose first key starts 0xDD (0xDC) makes the process SIGKILL (SIGSTOP) itself
-20 ms after it starts answering: a sender dying (freezing) mid-transfer, deterministically.
+5 ms after it starts answering: a sender dying (freezing) mid-transfer, deterministically.
 Prints its port, then ``open <n>`` each time it opens n pages for a request.
 
     python tests/cluster/page_server_node.py PAGE_BYTES TLS PROGRESS_MODE
@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,7 +41,8 @@ class SyntheticSource:
         print(f"open {len(keys)}", flush=True)
         if keys[0][0] in (0xDD, 0xDC):
             sig = signal.SIGKILL if keys[0][0] == 0xDD else signal.SIGSTOP
-            asyncio.get_running_loop().call_later(0.02, os.kill, os.getpid(), sig)
+            # a thread, not the event loop: the loop is busy sending when the moment comes
+            threading.Timer(0.005, os.kill, (os.getpid(), sig)).start()
         pages: list[SourcePage | None] = []
         for key in keys:
             if key[0] == 0xFF:

@@ -74,7 +74,7 @@ class Arena:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(128 << 20)
+    a = Arena(256 << 20)
     yield a
     a.close()
 
@@ -111,9 +111,9 @@ async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) 
 
 
 async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena) -> None:
-    """The sender dies (SIGKILL) 20 ms into a 100 MiB answer: the receiver returns soon after,
+    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer: the receiver returns soon after,
     with the verified pages that arrived and FAILED for the rest, never a hang."""
-    page, n = 1 << 20, 100
+    page, n = 1 << 20, 200
     child = await start_server(page)
     dests = arena.slots(page, n)
     keys = [key(0, first=0xDD)] + [key(i) for i in range(1, n)]
@@ -134,7 +134,7 @@ async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Ar
     """The sender freezes (SIGSTOP) mid-answer: fetch returns at its deadline; resumed, the
     sender goes on sending into the dropped connection, and none of it may reach the buffers
     the caller got back and reused."""
-    page, n = 1 << 20, 100
+    page, n = 1 << 20, 200
     child = await start_server(page)
     dests = arena.slots(page, n)
     keys = [key(0, first=0xDC)] + [key(i) for i in range(1, n)]
