@@ -165,7 +165,7 @@ def _perftest_gbps(tls: str, page_bytes: int, iters: int) -> float | None:
         for _ in range(50):
             time.sleep(0.1)
             out = subprocess.run([str(exe), "127.0.0.1", "-p", port, "-t", "tag_bw", "-s", str(page_bytes), "-n", str(iters)],
-                                 env=env, capture_output=True, text=True, timeout=120)
+                                 env=env, check=False, capture_output=True, text=True, timeout=120)
             m = re.search(r"Final:\s+\d+\s+\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+)", out.stdout)
             if m:
                 return float(m.group(2)) * (1 << 20) / 1e9  # perftest's MB/s are MiB/s
@@ -177,7 +177,7 @@ def _perftest_gbps(tls: str, page_bytes: int, iters: int) -> float | None:
 
 def _measure(kind: str, tls: str, mode: str, page_bytes: int, batch: int, total: int) -> float:
     out = subprocess.run([sys.executable, "-m", "kvstore.bench.cluster_transport", "--measure", kind, tls, mode,
-                          str(page_bytes), str(batch), str(total)], capture_output=True, text=True, timeout=300)
+                          str(page_bytes), str(batch), str(total)], check=False, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise RuntimeError(f"{kind} over {tls} failed: {out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])

@@ -114,7 +114,7 @@ class EtcdClient:
     async def _call(self, what: str, method: object, request: object) -> object:
         try:
             return await method(request, timeout=self.call_timeout_s)  # type: ignore[operator]
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             raise _unavailable(what, exc) from exc
 
     async def grant(self, ttl_s: int) -> tuple[int, int]:
@@ -132,7 +132,7 @@ class EtcdClient:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return
             raise _unavailable("lease revoke", exc) from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise _unavailable("lease revoke", exc) from exc
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
@@ -205,7 +205,7 @@ class LeaseKeepAlive:
                     self._call = self._client._lease.LeaseKeepAlive()
                 await asyncio.wait_for(self._call.write(rpc.LeaseKeepAliveRequest(ID=lease_id)), timeout_s)
                 resp = await asyncio.wait_for(self._call.read(), timeout_s)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+            except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 self._reset()
                 raise _unavailable("lease keep-alive", exc) from exc
             if resp is grpc.aio.EOF:

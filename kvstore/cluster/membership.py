@@ -237,7 +237,9 @@ class Membership:
         lease, ttl = await self._etcd.grant(self.config.ttl_s)
         try:
             previous = await self._etcd.get(epoch_key)
-            epoch = (int(previous.value) if previous else 0) + 1
+            # max with our own: an etcd restored from an old backup (or wiped) must not hand
+            # out an epoch this node already used
+            epoch = max(int(previous.value) if previous else 0, self._me.epoch) + 1
             me = replace(self._me, epoch=epoch)
             won = await self._etcd.put_if([(epoch_key, str(epoch).encode(), 0), (node_key, me.to_json(), lease)],
                                           {epoch_key: previous.mod_revision if previous else 0, node_key: 0})
@@ -247,8 +249,8 @@ class Membership:
         if not won:
             await self._revoke_quietly(lease)
             holder = await self._etcd.get(node_key)
-            raise CoordinatorUnavailable(f"node id {self._me.node_id} is still registered"
-                                         f"{' (lease %x)' % holder.lease if holder else ''}; waiting for it to expire")
+            held = f" (lease {holder.lease:x})" if holder else ""
+            raise CoordinatorUnavailable(f"node id {self._me.node_id} is still registered{held}; waiting for it to expire")
         self._me, self._lease, self._deadline = me, lease, sent + ttl
         logger.info("node %s registered: epoch %d, lease %x, ttl %d s", me.node_id, epoch, lease, ttl)
         self._set_state(MemberState.MEMBER)
@@ -319,6 +321,9 @@ class Membership:
                 await asyncio.sleep(self.config.retry_s)
 
     def _apply_snapshot(self, revision: int, kvs: list[KeyValue]) -> None:
+        if revision < self._revision:  # a replaced etcd (wiped, restored): its history is not ours
+            logger.warning("etcd revision went back from %d to %d; re-reading everything", self._revision, revision)
+            self._revision = 0
         members: dict[str, Member] = {}
         invalidations: list[KeyValue] = []
         for kv in kvs:

@@ -105,9 +105,10 @@ async def _recv_frame(ep: Any) -> bytearray:
 class UcxPageServer:
     """Serves pages from a ``PageSource`` to any number of fetchers (one task per connection)."""
 
-    def __init__(self, source: PageSource, config: UcxConfig, port: int = 0) -> None:
+    def __init__(self, source: PageSource, config: UcxConfig, port: int = 0, send_timeout_s: float = 30.0) -> None:
         self._source = source
         self._config = config
+        self._send_timeout_s = send_timeout_s  # a fetcher that stops reading must not pin pages forever
         self._port = port
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -139,8 +140,8 @@ class UcxPageServer:
                 await self._serve(ep, request)
         except asyncio.CancelledError:
             raise
-        except ucxx.exceptions.UCXError as exc:
-            logger.debug("page fetcher went away: %s", exc)
+        except (ucxx.exceptions.UCXError, TimeoutError) as exc:
+            logger.debug("page fetcher went away: %r", exc)
         except InvalidRequest as exc:
             logger.warning("dropping a page fetch connection that sent a bad frame: %s", exc)
         except Exception:
@@ -160,9 +161,22 @@ class UcxPageServer:
                     entries.append(PageEntry(PageStatus.WRONG_SIZE, memoryview(page.data).nbytes))
                 else:
                     entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
-            await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries)).encode())
-            sends = [ep.send(page.data) for page, e in zip(pages, entries) if e.status is PageStatus.FOUND]
-            await asyncio.gather(*sends)
+            sends: list[asyncio.Future[Any]] = []
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries)).encode())
+                    sends = [asyncio.ensure_future(ep.send(page.data))
+                             for page, e in zip(pages, entries) if e.status is PageStatus.FOUND]
+                    await asyncio.gather(*sends)
+            except BaseException:
+                # the pages are released below: no send may still be reading them by then
+                ep.abort()
+                if pending := [t for t in sends if not t.done()]:
+                    await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+                for t in sends:
+                    if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                        exc.__traceback__ = None
+                raise
         finally:
             for page in pages:
                 if page is not None:
@@ -222,6 +236,8 @@ class UcxPageFetcher:
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout_s):
+                    if self._ep is not None and not self._ep.alive:
+                        self._drop()  # the server closed it (restart, idle): connect afresh
                     if self._ep is None:
                         init_ucx(self._config)
                         self._ep = await ucxx.create_endpoint(self._host, self._port)
@@ -252,7 +268,7 @@ class UcxPageFetcher:
         self._drop()
         pending = [t for t in receives if not t.done()]
         if pending:
-            done, still = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+            _, still = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
             if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
                 logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
                 raise TransportError("receives still posted after abort; do not reuse the destinations")

@@ -87,8 +87,8 @@ class EtcdProcess:
                 self.proc.wait(10)
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+@pytest.fixture(name="etcd")
+def etcd_fixture(tmp_path: Path) -> Iterator[EtcdProcess]:
     proc = EtcdProcess(tmp_path)
     proc.start()
     yield proc

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from kvstore.cluster.etcd import EtcdClient
-from kvstore.cluster.membership import Member, MemberState, Membership, MembershipConfig
+from kvstore.cluster.membership import Member, Membership, MembershipConfig, MemberState
 
 
 async def main(endpoint: str, cluster: str, node_id: str, ttl_s: int) -> None:

@@ -4,8 +4,8 @@ invalidations, and etcd itself restarted under the nodes."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -13,10 +13,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
-from etcd_proc import EtcdProcess, etcd  # noqa: F401  # the fixture
+from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
 
 from kvstore.cluster.etcd import EtcdClient
-from kvstore.cluster.membership import Invalidation, Member, MemberState, Membership, MembershipConfig
+from kvstore.cluster.membership import Invalidation, Member, Membership, MembershipConfig, MemberState
 from kvstore.errors import ConfigError
 
 TTL = 2  # etcd's shortest lease; keeps the expiry tests short
@@ -60,11 +60,15 @@ async def test_stopped_node_disappears_within_ttl_and_comes_back_with_a_new_epoc
     """A node whose keep-alives stop (its process SIGSTOPped) leaves the others' view within
     TTL + 1 s; resumed, it finds its lease gone, stops acting as a member, and registers again
     under a higher epoch."""
-    child = subprocess.Popen([sys.executable, str(Path(__file__).with_name("member_node.py")), etcd.endpoint, "c", "b", str(TTL)],
-                             stdout=subprocess.PIPE, text=True)
+    child = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).with_name("member_node.py")), etcd.endpoint,
+                                                 "c", "b", str(TTL), stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+
+    async def line() -> list[str]:
+        return (await asyncio.wait_for(child.stdout.readline(), 10)).decode().split()  # type: ignore[union-attr]
+
     try:
-        assert child.stdout is not None
-        assert child.stdout.readline().split() == ["member", "1"]
+        assert await line() == ["member", "1"]
         async with member(etcd, "a") as a:
             await a.wait_for(sees("a", "b"), 5)
             child.send_signal(signal.SIGSTOP)
@@ -73,13 +77,13 @@ async def test_stopped_node_disappears_within_ttl_and_comes_back_with_a_new_epoc
             gone_s = time.monotonic() - t0
             assert gone_s <= TTL + 1
             child.send_signal(signal.SIGCONT)
-            assert child.stdout.readline().split() == ["lost", "1"]
-            assert child.stdout.readline().split() == ["member", "2"]
+            assert await line() == ["lost", "1"]
+            assert await line() == ["member", "2"]
             await a.wait_for(lambda m: "b" in m.members and m.members["b"].epoch == 2, 5)
     finally:
         child.send_signal(signal.SIGCONT)
         child.terminate()
-        child.wait(10)
+        await asyncio.wait_for(child.wait(), 10)
     assert child.returncode == 0
 
 
@@ -99,14 +103,13 @@ async def test_revoked_lease_makes_the_node_stop_and_reregister(etcd: EtcdProces
 async def test_a_second_process_with_the_same_node_id_waits_for_the_first(etcd: EtcdProcess) -> None:
     """Two incarnations of one node id never both act: the second registers only after the
     first's key is gone, under the next epoch."""
-    async with member(etcd, "a") as first:
-        async with member(etcd, "a", start=False) as second:
-            with pytest.raises(TimeoutError):
-                await second.start(timeout_s=1.5)
-            assert not second.is_member and first.is_member
-            await first.close()
-            await second.wait_for(lambda m: m.is_member, 5)
-            assert second.epoch == 2 and second.members["a"].epoch == 2
+    async with member(etcd, "a") as first, member(etcd, "a", start=False) as second:
+        with pytest.raises(TimeoutError):
+            await second.start(timeout_s=1.5)
+        assert not second.is_member and first.is_member
+        await first.close()
+        await second.wait_for(lambda m: m.is_member, 5)
+        assert second.epoch == 2 and second.members["a"].epoch == 2
 
 
 async def test_invalidation_reaches_every_node_and_later_joiners(etcd: EtcdProcess) -> None:
@@ -186,3 +189,24 @@ async def test_members_see_the_same_set_under_concurrent_joins(etcd: EtcdProcess
         assert all(m.epoch == 1 for m in nodes)
         await nodes[0].close()
         await nodes[1].wait_for(sees(*names[1:]), 5)
+
+
+async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
+    """etcd's data lost (wiped or restored from nothing): nodes re-register, and epochs never go
+    back (a record under epoch 1 of the old incarnation must stay older than the new one),
+    and an invalidation in the new etcd, at a lower revision than the last one seen, still
+    reaches every node."""
+    seen: list[bytes] = []
+    async with member(etcd, "a") as a, member(etcd, "b") as b:
+        a.on_invalidate(lambda inv: seen.append(inv.namespace_id))
+        admin = EtcdClient([etcd.endpoint])
+        for i in range(20):  # move the old etcd's revision well past the new one's
+            await admin.put(b"/elsewhere", str(i).encode())
+        await admin.close()
+        etcd.kill()
+        shutil.rmtree(etcd.data_dir)
+        etcd.start()
+        for m in (a, b):
+            await m.wait_for(lambda m: m.is_member and {n: x.epoch for n, x in m.members.items()} == {"a": 2, "b": 2}, 10)
+        await b.invalidate(NS)
+        await a.wait_for(lambda m: seen == [NS], 5)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 from page_server_node import expected_page
 
-from kvstore.cluster.transport_ucx import FetchStatus, UcxConfig, UcxPageFetcher, init_ucx
+from kvstore.cluster.page_wire import FetchRequest
+from kvstore.cluster.transport_ucx import FetchStatus, SourcePage, UcxConfig, UcxPageFetcher, UcxPageServer, init_ucx
 from kvstore.errors import InvalidRequest
+from kvstore.page import checksum
 
 HERE = Path(__file__).parent
 TCP = UcxConfig(tls="tcp", progress_mode="blocking")  # "remote" really crosses a socket
@@ -194,8 +196,48 @@ def test_two_processes_bit_exact_over(tls: str) -> None:
         assert server.stdout is not None
         port = server.stdout.readline().strip()
         out = subprocess.run([sys.executable, str(HERE / "page_fetch_node.py"), port, str(page), "8", tls, "blocking"],
-                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)})
+                             check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)})
         assert out.stdout.strip() == "ok 8", out.stdout + out.stderr[-2000:]
     finally:
         server.terminate()
         server.wait(20)
+
+
+class CountingSource:
+    """Serves zero pages and counts pins, so a test can see that none is left behind."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.pinned = 0
+        self.opened = asyncio.Event()
+        self.all_released = asyncio.Event()
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+        def release() -> None:
+            self.pinned -= 1
+            if self.pinned == 0:
+                self.all_released.set()
+
+        self.pinned += len(keys)
+        self.opened.set()
+        data = np.zeros(self.page_bytes, np.uint8)
+        return [SourcePage(data, checksum(data), release) for _ in keys]
+
+
+async def test_a_fetcher_that_stops_reading_does_not_pin_pages_forever() -> None:
+    """A peer that asks and then never takes the bytes: the server gives up after its send
+    timeout, drops the connection, and releases every page it had pinned for the answer."""
+    import ucxx
+
+    source = CountingSource(1 << 20)
+    server = UcxPageServer(source, TCP, send_timeout_s=1.0)
+    port = await server.start()
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    body = FetchRequest(1, NS, 1 << 20, tuple(key(i) for i in range(8))).encode()
+    await ep.send(np.array([len(body)], dtype=np.uint64))
+    await ep.send(np.frombuffer(body, np.uint8))
+    await asyncio.wait_for(source.opened.wait(), 10)
+    await asyncio.wait_for(source.all_released.wait(), 1.0 + 4)
+    assert source.pinned == 0
+    ep.abort()
+    await server.close()
