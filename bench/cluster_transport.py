@@ -87,8 +87,10 @@ def _fetch_gbps(tls: str, mode: str, page_bytes: int, batch: int, total: int) ->
 
     server, port = _child("--serve", str(page_bytes), tls, mode, str(batch))
     arena = shared_memory.SharedMemory(create=True, size=page_bytes * batch)
-    slots = [arena.buf[i * page_bytes:(i + 1) * page_bytes] for i in range(batch)]
-    np.frombuffer(arena.buf, np.uint8)[:] = 0  # touch once, as a long-lived arena is
+    buf = arena.buf
+    assert buf is not None
+    slots = [buf[i * page_bytes:(i + 1) * page_bytes] for i in range(batch)]
+    np.frombuffer(buf, np.uint8)[:] = 0  # touch once, as a long-lived arena is
 
     async def main() -> float:
         fetcher = UcxPageFetcher("127.0.0.1", port, UcxConfig(tls=tls, progress_mode=mode))

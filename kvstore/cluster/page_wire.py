@@ -51,7 +51,7 @@ class FetchRequest:
                              len(self.keys)) + b"".join(self.keys)
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> FetchRequest:
+    def decode(cls, data: bytes | bytearray | memoryview) -> FetchRequest:
         """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
         if len(data) < _REQUEST.size:
             raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
@@ -84,7 +84,7 @@ class FetchAnswer:
             _ENTRY.pack(e.status, e.payload_bytes, e.checksum) for e in self.entries)
 
     @classmethod
-    def decode(cls, data: bytes | memoryview, request: FetchRequest) -> FetchAnswer:
+    def decode(cls, data: bytes | bytearray | memoryview, request: FetchRequest) -> FetchAnswer:
         """Parses the answer to ``request``; raises InvalidRequest unless it answers exactly
         that request (same id, one entry per key, found pages of the posted size)."""
         if len(data) < _ANSWER.size:

@@ -185,16 +185,16 @@ def merge_lookup(plan: LookupPlan, answers: Mapping[str, Sequence[Sequence[T | N
     requests = plan.requests()
     by_page: dict[int, T | None] = {}
     failed: set[str] = set()
-    for owner, ranges in requests.items():
-        answer = answers.get(owner)
+    for asked_owner, ranges in requests.items():
+        answer = answers.get(asked_owner)
         if answer is None:
-            failed.add(owner)
+            failed.add(asked_owner)
             continue
         if len(answer) != len(ranges):
-            raise InvalidRequest(f"owner {owner} answered {len(answer)} ranges, {len(ranges)} were asked")
+            raise InvalidRequest(f"owner {asked_owner} answered {len(answer)} ranges, {len(ranges)} were asked")
         for rng, records in zip(ranges, answer):
             if len(records) > rng.stop - rng.start:
-                raise InvalidRequest(f"owner {owner} answered {len(records)} records for {rng.stop - rng.start} pages")
+                raise InvalidRequest(f"owner {asked_owner} answered {len(records)} records for {rng.stop - rng.start} pages")
             for offset, record in enumerate(records):
                 by_page[rng.start + offset] = record
     found: list[T] = []

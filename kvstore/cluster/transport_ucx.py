@@ -166,7 +166,7 @@ class UcxPageServer:
                 async with asyncio.timeout(self._send_timeout_s):
                     await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries)).encode())
                     sends = [asyncio.ensure_future(ep.send(page.data))
-                             for page, e in zip(pages, entries) if e.status is PageStatus.FOUND]
+                             for page, e in zip(pages, entries) if page is not None and e.status is PageStatus.FOUND]
                     await asyncio.gather(*sends)
             except BaseException:
                 # the pages are released below: no send may still be reading them by then
