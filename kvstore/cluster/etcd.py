@@ -203,8 +203,11 @@ class LeaseKeepAlive:
             try:
                 if self._call is None:
                     self._call = self._client._lease.LeaseKeepAlive()
-                await asyncio.wait_for(self._call.write(rpc.LeaseKeepAliveRequest(ID=lease_id)), timeout_s)
-                resp = await asyncio.wait_for(self._call.read(), timeout_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+                # races with completion, and the keep-alive task would outlive close()
+                async with asyncio.timeout(timeout_s):
+                    await self._call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                    resp = await self._call.read()
             except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
                 self._reset()
                 raise _unavailable("lease keep-alive", exc) from exc

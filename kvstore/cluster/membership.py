@@ -114,10 +114,9 @@ class Membership:
     async def wait_for(self, predicate: Callable[[Membership], bool], timeout_s: float) -> None:
         """Returns once ``predicate(self)`` holds (checked on every change of view or state);
         raises TimeoutError after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not predicate(self):
-            changed = self._changed
-            await asyncio.wait_for(changed.wait(), max(0.0, deadline - time.monotonic()))
+        async with asyncio.timeout(timeout_s):
+            while not predicate(self):
+                await self._changed.wait()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -132,16 +131,14 @@ class Membership:
         stops the tasks. Safe to call twice; a revoke that fails leaves expiry to etcd."""
         if self._state is MemberState.CLOSED:
             return
-        lease, self._lease = self._lease, 0
-        self._set_state(MemberState.CLOSED)
+        self._set_state(MemberState.CLOSED)  # the loops stop at their next turn even if a cancel is lost
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        _, stuck = await asyncio.wait(self._tasks, timeout=2 * self._etcd.call_timeout_s + 1) if self._tasks else ((), ())
+        for task in stuck:
+            logger.error("membership task %s did not stop on close", task.get_name())
         self._keepalive.close()
+        lease, self._lease = self._lease, 0  # after the loops: one of them may have just registered
         if lease:
             try:
                 await self._etcd.revoke(lease)
@@ -180,6 +177,9 @@ class Membership:
             holder = await self._etcd.get(node_key)
             held = f" (lease {holder.lease:x})" if holder else ""
             raise CoordinatorUnavailable(f"node id {self._me.node_id} is still registered{held}; waiting for it to expire")
+        if self._state is MemberState.CLOSED:  # closed while registering: leave again at once
+            await self._revoke_quietly(lease)
+            return
         self._me, self._lease, self._deadline = me, lease, sent + ttl
         logger.info("node %s registered: epoch %d, lease %x, ttl %d s", me.node_id, epoch, lease, ttl)
         self._set_state(MemberState.MEMBER)
@@ -192,7 +192,7 @@ class Membership:
 
     async def _keepalive_loop(self) -> None:
         cfg = self.config
-        while True:
+        while self._state is not MemberState.CLOSED:
             try:
                 if self.state is not MemberState.MEMBER:
                     if self._state is MemberState.MEMBER:
@@ -225,7 +225,7 @@ class Membership:
         self._set_state(MemberState.LOST)
 
     def _set_state(self, state: MemberState) -> None:
-        if state is self._state:
+        if state is self._state or self._state is MemberState.CLOSED:
             return
         self._state = state
         for listener in self._state_listeners:
@@ -234,7 +234,7 @@ class Membership:
 
     # -- the view ---------------------------------------------------------------------------
     async def _watch_loop(self) -> None:
-        while True:
+        while self._state is not MemberState.CLOSED:
             try:
                 revision, kvs = await self._etcd.get_prefix(self.config.root)
                 self._apply_snapshot(revision, kvs)

@@ -188,7 +188,7 @@ async def test_members_see_the_same_set_under_concurrent_joins(etcd: EtcdProcess
             await m.wait_for(sees(*names), 10)
         assert all(m.epoch == 1 for m in nodes)
         await nodes[0].close()
-        await nodes[1].wait_for(sees(*names[1:]), 5)
+        await nodes[1].wait_for(sees(*names[1:]), TTL + 1)  # revoked at once, or expired at worst
 
 
 async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
@@ -210,3 +210,23 @@ async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
             await m.wait_for(lambda m: m.is_member and {n: x.epoch for n, x in m.members.items()} == {"a": 2, "b": 2}, 10)
         await b.invalidate(NS)
         await a.wait_for(lambda m: seen == [NS], 5)
+
+
+async def test_close_during_registration_leaves_nothing_behind(etcd: EtcdProcess) -> None:
+    """close() at any point of start(): it returns promptly, and no node key stays in etcd
+    (a registration that lands after close would keep a dead node listed until its TTL,
+    or for ever if its keep-alive outlived close)."""
+    admin = EtcdClient([etcd.endpoint])
+    for turns in range(0, 40, 2):
+        async with member(etcd, "a", start=False) as m:
+            starting = asyncio.create_task(m.start(timeout_s=10))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            t0 = time.monotonic()
+            await m.close()
+            assert time.monotonic() - t0 < 4
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            assert m.state is MemberState.CLOSED
+            assert await admin.get(b"/kvstore/c/nodes/a") is None, f"left registered after {turns} turns"
+    await admin.close()
