@@ -83,7 +83,11 @@ async def test_stopped_node_disappears_within_ttl_and_comes_back_with_a_new_epoc
     finally:
         child.send_signal(signal.SIGCONT)
         child.terminate()
-        await asyncio.wait_for(child.wait(), 10)
+        try:
+            await asyncio.wait_for(child.wait(), 10)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
     assert child.returncode == 0
 
 

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -82,12 +82,25 @@ def arena() -> Iterator[Arena]:
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[Child]:
-    child = await start_server(256 << 10)
-    yield child
-    if child.proc.returncode is None:
-        child.proc.kill()
-    await child.proc.wait()
+async def servers() -> AsyncIterator[Callable[[int], Awaitable[Child]]]:
+    """Starts page servers; every one is resumed and killed at teardown, whatever the test did."""
+    started: list[Child] = []
+
+    async def start(page_bytes: int) -> Child:
+        started.append(await start_server(page_bytes))
+        return started[-1]
+
+    yield start
+    for child in started:
+        if child.proc.returncode is None:
+            child.proc.send_signal(signal.SIGCONT)
+            child.proc.kill()
+        await child.proc.wait()
+
+
+@pytest.fixture
+async def server(servers: Callable[[int], Awaitable[Child]]) -> Child:
+    return await servers(256 << 10)
 
 
 def untouched(slot: memoryview) -> bool:
@@ -112,11 +125,11 @@ async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) 
     await fetcher.close()
 
 
-async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena) -> None:
+async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena, servers: Callable[[int], Awaitable[Child]]) -> None:
     """The sender dies (SIGKILL) 5 ms into a 200 MiB answer: the receiver returns soon after,
     with the verified pages that arrived and FAILED for the rest, never a hang."""
     page, n = 1 << 20, 200
-    child = await start_server(page)
+    child = await servers(page)
     dests = arena.slots(page, n)
     keys = [key(0, first=0xDD)] + [key(i) for i in range(1, n)]
     fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
@@ -132,12 +145,13 @@ async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena) -> N
     await fetcher.close()
 
 
-async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Arena) -> None:
+async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Arena,
+                                                                       servers: Callable[[int], Awaitable[Child]]) -> None:
     """The sender freezes (SIGSTOP) mid-answer: fetch returns at its deadline; resumed, the
     sender goes on sending into the dropped connection, and none of it may reach the buffers
     the caller got back and reused."""
     page, n = 1 << 20, 200
-    child = await start_server(page)
+    child = await servers(page)
     dests = arena.slots(page, n)
     keys = [key(0, first=0xDC)] + [key(i) for i in range(1, n)]
     fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
@@ -154,8 +168,6 @@ async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Ar
     assert probe.statuses == [FetchStatus.OK]
     assert all(untouched(dests[i]) for i in failed)
     await fetcher.close()
-    child.proc.kill()
-    await child.proc.wait()
 
 
 async def test_unreachable_server_and_bad_arguments() -> None:
@@ -200,7 +212,11 @@ def test_two_processes_bit_exact_over(tls: str) -> None:
         assert out.stdout.strip() == "ok 8", out.stdout + out.stderr[-2000:]
     finally:
         server.terminate()
-        server.wait(20)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
 
 
 class CountingSource:
