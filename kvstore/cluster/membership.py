@@ -1,0 +1,323 @@
+"""Cluster membership on etcd: who is alive, under which epoch, and namespace invalidations.
+
+Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
+
+    <root>nodes/<node-id>          JSON Member, under the node's lease (gone when the lease is)
+    <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
+    <root>invalidations/<ns hex>   JSON {namespace_id, issued_by, issued_at_s} (no lease)
+
+A node registers with one transaction that bumps its epoch and creates its node key (only if
+no key of that node exists: a second process with the same id, or the previous incarnation
+whose lease has not yet expired, makes it wait). It refreshes the lease every TTL/3 and
+counts itself a member only until ``sent + TTL`` of the last acknowledged refresh: a node
+that cannot reach etcd stops acting as a member no later than etcd expires its lease, so two
+incarnations of a node never both act. It then revokes the old lease (best effort) and
+registers again under a new epoch.
+
+State machine of the local node::
+
+    JOINING --registered--> MEMBER --lease gone / refresh deadline passed--> LOST
+                               ^                                               |
+                               +--------- registered again, epoch + 1 --------+
+    any --close()--> CLOSED
+
+The view of the others comes from one watch over ``<root>``; a broken watch (etcd restart,
+compaction) is healed by a fresh snapshot, diffed against the view so listeners see only
+real changes. Listeners run on the event loop and must not block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from kvstore.cluster.errors import CoordinatorUnavailable, NotAMember, WatchLost
+from kvstore.cluster.etcd import EtcdClient, KeyValue, WatchEvent
+from kvstore.cluster.members import Invalidation, Member, MembershipConfig, MemberState
+from kvstore.errors import ConfigError, InvalidRequest
+
+__all__ = ["Invalidation", "Member", "MemberState", "Membership", "MembershipConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+MembersListener = Callable[[Mapping[str, Member]], None]
+StateListener = Callable[[MemberState, int], None]
+InvalidationListener = Callable[[Invalidation], None]
+
+
+class Membership:
+    """This node's registration and its view of the cluster. Owns its background tasks
+    (keep-alive and watch); ``close()`` leaves the cluster (revokes the lease) and ends them."""
+
+    def __init__(self, client: EtcdClient, config: MembershipConfig, me: Member) -> None:
+        if me.node_id != config.node_id:
+            raise ConfigError(f"--node-id {config.node_id!r} does not match the member record ({me.node_id!r})")
+        self.config = config
+        self._etcd = client
+        self._me = me
+        self._state = MemberState.JOINING
+        self._lease = 0
+        self._deadline = 0.0  # monotonic; a member only while now < deadline
+        self._members: dict[str, Member] = {}
+        self._revision = 0    # last etcd revision folded into the view
+        self._changed = asyncio.Event()  # set and replaced on every change of view or state
+        self._member_listeners: list[MembersListener] = []
+        self._state_listeners: list[StateListener] = []
+        self._invalidation_listeners: list[InvalidationListener] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._keepalive = client.keepalive()
+
+    # -- what the server reads -------------------------------------------------------------
+    @property
+    def state(self) -> MemberState:
+        if self._state is MemberState.MEMBER and time.monotonic() >= self._deadline:
+            return MemberState.LOST  # the keep-alive task may not have run yet (e.g. after SIGSTOP)
+        return self._state
+
+    @property
+    def is_member(self) -> bool:
+        return self.state is MemberState.MEMBER
+
+    @property
+    def epoch(self) -> int:
+        return self._me.epoch
+
+    @property
+    def me(self) -> Member:
+        return self._me
+
+    @property
+    def members(self) -> Mapping[str, Member]:
+        """The live members as etcd lists them (this node included while it is registered)."""
+        return dict(self._members)
+
+    def check_member(self) -> int:
+        """The current epoch; raises NotAMember while this node must not act as one."""
+        if not self.is_member:
+            raise NotAMember(f"node {self._me.node_id} is {self.state.value}, not a member")
+        return self._me.epoch
+
+    def on_members(self, listener: MembersListener) -> None:
+        self._member_listeners.append(listener)
+
+    def on_state(self, listener: StateListener) -> None:
+        self._state_listeners.append(listener)
+
+    def on_invalidate(self, listener: InvalidationListener) -> None:
+        self._invalidation_listeners.append(listener)
+
+    async def wait_for(self, predicate: Callable[[Membership], bool], timeout_s: float) -> None:
+        """Returns once ``predicate(self)`` holds (checked on every change of view or state);
+        raises TimeoutError after ``timeout_s``."""
+        async with asyncio.timeout(timeout_s):
+            while not predicate(self):
+                await self._changed.wait()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 30.0) -> None:
+        """Loads the view, registers, and starts the keep-alive and watch tasks; returns once
+        this node is a member (TimeoutError if that takes longer than ``timeout_s``)."""
+        self._tasks = [asyncio.create_task(self._watch_loop(), name=f"membership-watch-{self._me.node_id}"),
+                       asyncio.create_task(self._keepalive_loop(), name=f"membership-keepalive-{self._me.node_id}")]
+        await self.wait_for(lambda m: m.is_member and m._me.node_id in m._members, timeout_s)
+
+    async def close(self) -> None:
+        """Leaves the cluster: revokes the lease (the others see this node go at once) and
+        stops the tasks. Safe to call twice; a revoke that fails leaves expiry to etcd."""
+        if self._state is MemberState.CLOSED:
+            return
+        self._set_state(MemberState.CLOSED)  # the loops stop at their next turn even if a cancel is lost
+        for task in self._tasks:
+            task.cancel()
+        _, stuck = await asyncio.wait(self._tasks, timeout=2 * self._etcd.call_timeout_s + 1) if self._tasks else ((), ())
+        for task in stuck:
+            logger.error("membership task %s did not stop on close", task.get_name())
+        self._keepalive.close()
+        lease, self._lease = self._lease, 0  # after the loops: one of them may have just registered
+        if lease:
+            try:
+                await self._etcd.revoke(lease)
+            except CoordinatorUnavailable as exc:
+                logger.warning("node %s left without revoking its lease (%s); etcd expires it", self._me.node_id, exc)
+
+    async def invalidate(self, namespace_id: bytes) -> Invalidation:
+        """Writes a namespace invalidation; every node (this one too) gets it through its watch."""
+        if len(namespace_id) != 16:
+            raise InvalidRequest("namespace_id must be 16 bytes")
+        inv = Invalidation(namespace_id, self._me.node_id, time.time())
+        doc = {"namespace_id": namespace_id.hex(), "issued_by": inv.issued_by, "issued_at_s": inv.issued_at_s}
+        rev = await self._etcd.put(self.config.root + b"invalidations/" + namespace_id.hex().encode(), json.dumps(doc).encode())
+        return replace(inv, revision=rev)
+
+    # -- registration and keep-alive ------------------------------------------------------------
+    async def _register(self) -> None:
+        """One attempt: a new lease, then epoch + 1 and the node key in one transaction."""
+        root, node = self.config.root, self._me.node_id.encode()
+        epoch_key, node_key = root + b"epochs/" + node, root + b"nodes/" + node
+        sent = time.monotonic()
+        lease, ttl = await self._etcd.grant(self.config.ttl_s)
+        try:
+            previous = await self._etcd.get(epoch_key)
+            # max with our own: an etcd restored from an old backup (or wiped) must not hand
+            # out an epoch this node already used
+            epoch = max(int(previous.value) if previous else 0, self._me.epoch) + 1
+            me = replace(self._me, epoch=epoch)
+            won = await self._etcd.put_if([(epoch_key, str(epoch).encode(), 0), (node_key, me.to_json(), lease)],
+                                          {epoch_key: previous.mod_revision if previous else 0, node_key: 0})
+        except BaseException:
+            await self._revoke_quietly(lease)
+            raise
+        if not won:
+            await self._revoke_quietly(lease)
+            holder = await self._etcd.get(node_key)
+            held = f" (lease {holder.lease:x})" if holder else ""
+            raise CoordinatorUnavailable(f"node id {self._me.node_id} is still registered{held}; waiting for it to expire")
+        if self._state is MemberState.CLOSED:  # closed while registering: leave again at once
+            await self._revoke_quietly(lease)
+            return
+        self._me, self._lease, self._deadline = me, lease, sent + ttl
+        logger.info("node %s registered: epoch %d, lease %x, ttl %d s", me.node_id, epoch, lease, ttl)
+        self._set_state(MemberState.MEMBER)
+
+    async def _revoke_quietly(self, lease: int) -> None:
+        try:
+            await self._etcd.revoke(lease)
+        except CoordinatorUnavailable as exc:
+            logger.info("could not revoke lease %x (%s); etcd expires it", lease, exc)
+
+    async def _keepalive_loop(self) -> None:
+        cfg = self.config
+        while self._state is not MemberState.CLOSED:
+            try:
+                if self.state is not MemberState.MEMBER:
+                    if self._state is MemberState.MEMBER:
+                        self._lose("no keep-alive acknowledged within the lease TTL")
+                    if self._lease:
+                        lease, self._lease = self._lease, 0
+                        await self._revoke_quietly(lease)
+                    await self._register()
+                    continue
+                sent = time.monotonic()
+                ttl = await self._keepalive.ping(self._lease, timeout_s=min(self._etcd.call_timeout_s, cfg.keepalive_every_s))
+                if ttl <= 0:
+                    self._lose("etcd reports the lease gone")
+                    continue
+                self._deadline = max(self._deadline, sent + ttl)
+                await asyncio.sleep(max(0.0, min(cfg.keepalive_every_s, self._deadline - time.monotonic())))
+            except asyncio.CancelledError:
+                raise
+            except CoordinatorUnavailable as exc:
+                logger.info("node %s: %s", self._me.node_id, exc)
+                await asyncio.sleep(max(0.0, min(cfg.retry_s, self._deadline - time.monotonic())) if self._state is
+                                    MemberState.MEMBER else cfg.retry_s)
+            except Exception:
+                logger.exception("membership keep-alive of node %s failed", self._me.node_id)
+                await asyncio.sleep(cfg.retry_s)
+
+    def _lose(self, why: str) -> None:
+        logger.warning("node %s (epoch %d) stops acting as a member: %s", self._me.node_id, self._me.epoch, why)
+        self._deadline = 0.0
+        self._set_state(MemberState.LOST)
+
+    def _set_state(self, state: MemberState) -> None:
+        if state is self._state or self._state is MemberState.CLOSED:
+            return
+        self._state = state
+        for listener in self._state_listeners:
+            self._call(listener, state, self._me.epoch)
+        self._notify()
+
+    # -- the view ---------------------------------------------------------------------------
+    async def _watch_loop(self) -> None:
+        while self._state is not MemberState.CLOSED:
+            try:
+                revision, kvs = await self._etcd.get_prefix(self.config.root)
+                self._apply_snapshot(revision, kvs)
+                async for revision, events in self._etcd.watch_prefix(self.config.root, self._revision + 1):
+                    self._apply_events(revision, events)
+            except asyncio.CancelledError:
+                raise
+            except (CoordinatorUnavailable, WatchLost) as exc:
+                logger.info("node %s: membership watch broke (%s); resyncing", self._me.node_id, exc)
+                await asyncio.sleep(self.config.retry_s)
+            except Exception:
+                logger.exception("membership watch of node %s failed", self._me.node_id)
+                await asyncio.sleep(self.config.retry_s)
+
+    def _apply_snapshot(self, revision: int, kvs: list[KeyValue]) -> None:
+        if revision < self._revision:  # a replaced etcd (wiped, restored): its history is not ours
+            logger.warning("etcd revision went back from %d to %d; re-reading everything", self._revision, revision)
+            self._revision = 0
+        members: dict[str, Member] = {}
+        invalidations: list[KeyValue] = []
+        for kv in kvs:
+            kind, name = self._classify(kv.key)
+            if kind == "nodes" and (member := self._parse_member(kv)) is not None:
+                members[name] = member
+            elif kind == "invalidations" and kv.mod_revision > self._revision:
+                invalidations.append(kv)
+        self._revision = revision
+        self._set_members(members)
+        for kv in sorted(invalidations, key=lambda kv: kv.mod_revision):
+            self._deliver_invalidation(kv)
+
+    def _apply_events(self, revision: int, events: list[WatchEvent]) -> None:
+        members = dict(self._members)
+        for ev in events:
+            kind, name = self._classify(ev.kv.key)
+            if kind == "nodes":
+                if ev.kind == "delete":
+                    members.pop(name, None)
+                elif (member := self._parse_member(ev.kv)) is not None:
+                    members[name] = member
+            elif kind == "invalidations" and ev.kind == "put":
+                self._deliver_invalidation(ev.kv)
+        self._revision = revision
+        self._set_members(members)
+
+    def _classify(self, key: bytes) -> tuple[str, str]:
+        kind, _, name = key[len(self.config.root):].decode(errors="replace").partition("/")
+        return kind, name
+
+    def _parse_member(self, kv: KeyValue) -> Member | None:
+        try:
+            return Member.from_json(kv.value)
+        except InvalidRequest as exc:
+            logger.warning("ignoring node record %r: %s", kv.key, exc)
+            return None
+
+    def _set_members(self, members: dict[str, Member]) -> None:
+        if members == self._members:
+            return
+        self._members = members
+        for listener in self._member_listeners:
+            self._call(listener, dict(members))
+        self._notify()
+
+    def _deliver_invalidation(self, kv: KeyValue) -> None:
+        try:
+            doc = json.loads(kv.value)
+            inv = Invalidation(bytes.fromhex(doc["namespace_id"]), str(doc["issued_by"]), float(doc["issued_at_s"]),
+                               kv.mod_revision)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring invalidation record %r: %r", kv.key, exc)
+            return
+        for listener in self._invalidation_listeners:
+            self._call(listener, inv)
+        self._notify()
+
+    @staticmethod
+    def _call(listener: Callable[..., None], *args: object) -> None:
+        try:
+            listener(*args)
+        except Exception:
+            logger.exception("membership listener %r failed", listener)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()

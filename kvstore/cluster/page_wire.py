@@ -1,0 +1,117 @@
+"""The node-to-node page fetch protocol, independent of the transport that carries it (UCX
+now; a gRPC stream would carry the same frames).
+
+    receiver -> sender   request:  "KVFQ" version u16 | flags u16 | request_id u64 |
+                                   namespace_id 16s | page_bytes u64 | num_keys u32 | keys 16s * n
+    sender -> receiver   answer:   "KVFA" version u16 | flags u16 | request_id u64 | num_keys u32 |
+                                   per key: status u8 | pad 7 | payload_bytes u64 | checksum u64
+    sender -> receiver   then each FOUND page's payload, in key order, one message per page,
+                         straight into the buffer the receiver posted for it.
+
+The receiver sizes its buffers before it asks (pages of one namespace have one size), so a
+page of another size is answered WRONG_SIZE and never sent. ``checksum`` is the xxh3-64 the
+sender's tier stored with the page, so the receiver's check covers the sender's memory and
+disk as well as the wire. No pickle: fixed structs, every length bounded before use.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidRequest
+from kvstore.types import PAGE_KEY_BYTES
+
+VERSION = 1
+MAX_KEYS = 8192                 # a 128K-token prefix of 16-token pages
+MAX_PAGE_BYTES = 1 << 30
+_REQUEST = struct.Struct("<4sHHQ16sQI")
+_ANSWER = struct.Struct("<4sHHQI")
+_ENTRY = struct.Struct("<B7xQQ")
+MAX_FRAME_BYTES = max(_REQUEST.size + MAX_KEYS * PAGE_KEY_BYTES, _ANSWER.size + MAX_KEYS * _ENTRY.size)
+
+
+class PageStatus(enum.IntEnum):
+    FOUND = 0
+    MISSING = 1
+    WRONG_SIZE = 2  # held, but not of the size the receiver posted: not sent
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    request_id: int
+    namespace_id: bytes
+    page_bytes: int
+    keys: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        return _REQUEST.pack(b"KVFQ", VERSION, 0, self.request_id, self.namespace_id, self.page_bytes,
+                             len(self.keys)) + b"".join(self.keys)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> FetchRequest:
+        """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
+        if len(data) < _REQUEST.size:
+            raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
+        magic, version, _flags, rid, ns, page_bytes, n = _REQUEST.unpack_from(data)
+        if magic != b"KVFQ" or version != VERSION:
+            raise InvalidRequest(f"not a fetch request of version {VERSION} ({bytes(magic)!r} v{version})")
+        if not 0 < n <= MAX_KEYS or not 0 < page_bytes <= MAX_PAGE_BYTES:
+            raise InvalidRequest(f"fetch request out of bounds: {n} keys of {page_bytes} bytes")
+        if len(data) != _REQUEST.size + n * PAGE_KEY_BYTES:
+            raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
+        raw = bytes(data[_REQUEST.size:])
+        keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
+        return cls(rid, bytes(ns), page_bytes, keys)
+
+
+@dataclass(frozen=True)
+class PageEntry:
+    status: PageStatus
+    payload_bytes: int = 0
+    checksum: int = 0
+
+
+@dataclass(frozen=True)
+class FetchAnswer:
+    request_id: int
+    entries: tuple[PageEntry, ...]
+
+    def encode(self) -> bytes:
+        return _ANSWER.pack(b"KVFA", VERSION, 0, self.request_id, len(self.entries)) + b"".join(
+            _ENTRY.pack(e.status, e.payload_bytes, e.checksum) for e in self.entries)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview, request: FetchRequest) -> FetchAnswer:
+        """Parses the answer to ``request``; raises InvalidRequest unless it answers exactly
+        that request (same id, one entry per key, found pages of the posted size)."""
+        if len(data) < _ANSWER.size:
+            raise InvalidRequest(f"fetch answer of {len(data)} bytes is truncated")
+        magic, version, _flags, rid, n = _ANSWER.unpack_from(data)
+        if magic != b"KVFA" or version != VERSION or rid != request.request_id or n != len(request.keys):
+            raise InvalidRequest(f"fetch answer does not answer request {request.request_id}")
+        if len(data) != _ANSWER.size + n * _ENTRY.size:
+            raise InvalidRequest(f"fetch answer of {len(data)} bytes does not hold {n} entries")
+        entries = []
+        for i in range(n):
+            status, length, csum = _ENTRY.unpack_from(data, _ANSWER.size + i * _ENTRY.size)
+            try:
+                st = PageStatus(status)
+            except ValueError:
+                raise InvalidRequest(f"fetch answer entry {i} has unknown status {status}") from None
+            if st is PageStatus.FOUND and length != request.page_bytes:
+                raise InvalidRequest(f"fetch answer entry {i} is {length} bytes, {request.page_bytes} were posted")
+            entries.append(PageEntry(st, length, csum))
+        return cls(rid, tuple(entries))
+
+
+def check_keys(namespace_id: bytes, keys: Sequence[bytes]) -> None:
+    if len(namespace_id) != 16:
+        raise InvalidRequest("namespace_id must be 16 bytes")
+    if not 0 < len(keys) <= MAX_KEYS:
+        raise InvalidRequest(f"a fetch asks for 1..{MAX_KEYS} keys, got {len(keys)}")
+    for key in keys:
+        if len(key) != PAGE_KEY_BYTES:
+            raise InvalidRequest(f"page keys are {PAGE_KEY_BYTES} bytes, got {len(key)}")

@@ -1,0 +1,279 @@
+"""Bulk page bytes node to node over UCX (``ucxx``): the receiver posts its destination
+buffers (host-arena slots, any writable buffer) and the sender's bytes land in them, with no
+copy through a Python object on either side.
+
+One connection carries one fetch at a time (``page_wire``): request, answer (status, size
+and stored checksum per key), then the found pages in key order. The receiver posts every
+destination before the first page arrives and verifies each page's checksum as it lands.
+
+Failure contract of ``UcxPageFetcher.fetch``: it returns within ``timeout_s`` (+ the bounded
+time to abort), whatever the peer does (killed, stopped, reset, answering garbage); pages
+that arrived whole and verified are OK, the rest FAILED. Before it returns, every receive it
+posted has completed or been cancelled, so no late byte can land in a buffer the caller
+reuses; a connection that failed is dropped and the next fetch reconnects.
+
+UCX reads its transports when the process first uses it: ``init_ucx`` sets them (``UCX_TLS``)
+and the progress mode once per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import ucxx
+
+from kvstore.cluster.errors import TransportError
+from kvstore.cluster.page_wire import MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.page import checksum
+
+logger = logging.getLogger(__name__)
+
+_ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
+
+
+@dataclass(frozen=True)
+class UcxConfig:
+    tls: str | None = None            # UCX_TLS, e.g. "tcp" or "sm,self,tcp"; None: UCX chooses
+    progress_mode: str = "blocking"   # "blocking" (event loop wakes on UCX events), "polling", "thread"
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.progress_mode not in ("blocking", "polling", "thread", "thread-polling"):
+            raise ConfigError(f"--ucx-progress must be blocking, polling or thread, got {self.progress_mode!r}")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError("--ucx-connect-timeout must be > 0")
+
+
+_initialized: UcxConfig | None = None
+
+
+def init_ucx(config: UcxConfig) -> None:
+    """Starts UCX in this process with ``config`` (once; a different second config is an error)."""
+    global _initialized
+    if _initialized is not None:
+        if _initialized != config:
+            raise ConfigError(f"UCX already runs here with {_initialized}, cannot switch to {config}")
+        return
+    options = {"TLS": config.tls} if config.tls else {}
+    if config.tls and "sm" in config.tls.split(","):
+        options["MM_ERROR_HANDLING"] = "y"  # sm through a listener needs it (peer failure detection on sm)
+    ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s)
+    _initialized = config
+
+
+@dataclass
+class SourcePage:
+    """A page the sender holds, pinned until ``release()``: ``data`` is its payload as one
+    contiguous buffer, ``checksum`` the xxh3-64 its tier stored with it."""
+
+    data: Any
+    checksum: int
+    release: Callable[[], None] = lambda: None
+
+
+class PageSource(Protocol):
+    """What a page server serves from (the host tier, an SSD read into staging, a test's dict).
+    Returns one entry per key, None for a page it does not hold; the server releases every
+    page it got, also when the transfer fails."""
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]: ...
+
+
+async def _send_frame(ep: Any, body: bytes) -> None:
+    await ep.send(np.array([len(body)], dtype=np.uint64))
+    await ep.send(np.frombuffer(body, dtype=np.uint8))
+
+
+async def _recv_frame(ep: Any) -> bytearray:
+    size = np.empty(1, dtype=np.uint64)
+    await ep.recv(size)
+    if not 0 < int(size[0]) <= MAX_FRAME_BYTES:
+        raise InvalidRequest(f"frame of {int(size[0])} bytes is out of bounds")
+    body = bytearray(int(size[0]))
+    await ep.recv(body)
+    return body
+
+
+class UcxPageServer:
+    """Serves pages from a ``PageSource`` to any number of fetchers (one task per connection)."""
+
+    def __init__(self, source: PageSource, config: UcxConfig, port: int = 0, send_timeout_s: float = 30.0) -> None:
+        self._source = source
+        self._config = config
+        self._send_timeout_s = send_timeout_s  # a fetcher that stops reading must not pin pages forever
+        self._port = port
+        self._listener: Any = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.port)
+
+    async def start(self) -> int:
+        init_ucx(self._config)
+        self._listener = ucxx.create_listener(self._on_connect, port=self._port)
+        return self.port
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _on_connect(self, ep: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            while True:
+                request = FetchRequest.decode(await _recv_frame(ep))
+                await self._serve(ep, request)
+        except asyncio.CancelledError:
+            raise
+        except (ucxx.exceptions.UCXError, TimeoutError) as exc:
+            logger.debug("page fetcher went away: %r", exc)
+        except InvalidRequest as exc:
+            logger.warning("dropping a page fetch connection that sent a bad frame: %s", exc)
+        except Exception:
+            logger.exception("page server connection failed")
+        finally:
+            self._handlers.discard(task)
+            ep.abort()
+
+    async def _serve(self, ep: Any, request: FetchRequest) -> None:
+        pages = await self._source.open_pages(request.namespace_id, request.keys)
+        try:
+            entries = []
+            for page in pages:
+                if page is None:
+                    entries.append(PageEntry(PageStatus.MISSING))
+                elif memoryview(page.data).nbytes != request.page_bytes:
+                    entries.append(PageEntry(PageStatus.WRONG_SIZE, memoryview(page.data).nbytes))
+                else:
+                    entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
+            sends: list[asyncio.Future[Any]] = []
+            try:
+                async with asyncio.timeout(self._send_timeout_s):
+                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries)).encode())
+                    sends = [asyncio.ensure_future(ep.send(page.data))
+                             for page, e in zip(pages, entries) if page is not None and e.status is PageStatus.FOUND]
+                    await asyncio.gather(*sends)
+            except BaseException:
+                # the pages are released below: no send may still be reading them by then
+                ep.abort()
+                if pending := [t for t in sends if not t.done()]:
+                    await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+                for t in sends:
+                    if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                        exc.__traceback__ = None
+                raise
+        finally:
+            for page in pages:
+                if page is not None:
+                    page.release()
+
+
+class FetchStatus(enum.Enum):
+    OK = "ok"            # the page's bytes are in its buffer and match the stored checksum
+    MISSING = "missing"  # the sender does not hold it (or not at the posted size)
+    CORRUPT = "corrupt"  # bytes arrived but failed the checksum: the buffer holds garbage
+    FAILED = "failed"    # the transfer broke or timed out before this page arrived
+
+
+@dataclass
+class FetchResult:
+    statuses: list[FetchStatus]
+    error: str | None = None  # why the transfer broke, when it did
+
+    @property
+    def prefix(self) -> int:
+        """How many leading pages arrived whole and verified."""
+        n = 0
+        while n < len(self.statuses) and self.statuses[n] is FetchStatus.OK:
+            n += 1
+        return n
+
+
+class UcxPageFetcher:
+    """The receiving side of one connection to one node's page server."""
+
+    def __init__(self, host: str, port: int, config: UcxConfig) -> None:
+        self._host, self._port, self._config = host, port, config
+        self._ep: Any = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._ep is not None:
+            self._ep.abort()
+            self._ep = None
+
+    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
+        """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
+        Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
+        raise InvalidRequest."""
+        check_keys(namespace_id, keys)
+        views = [memoryview(d).cast("B") for d in dests]
+        if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
+            raise InvalidRequest("fetch needs one writable destination of the page size per key")
+        request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
+        result = FetchResult([FetchStatus.FAILED] * len(keys))
+        receives: list[tuple[int, asyncio.Future[Any]]] = []
+        async with self._lock:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    if self._ep is not None and not self._ep.alive:
+                        self._drop()  # the server closed it (restart, idle): connect afresh
+                    if self._ep is None:
+                        init_ucx(self._config)
+                        self._ep = await ucxx.create_endpoint(self._host, self._port)
+                    await _send_frame(self._ep, request.encode())
+                    answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
+                    for i, entry in enumerate(answer.entries):
+                        if entry.status is PageStatus.FOUND:
+                            receives.append((i, asyncio.ensure_future(self._ep.recv(views[i]))))
+                        else:
+                            result.statuses[i] = FetchStatus.MISSING
+                    for i, task in receives:
+                        await task
+                        ok = checksum(views[i]) == answer.entries[i].checksum
+                        result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT
+            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest) as exc:
+                result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                logger.warning("fetch of %d pages from %s:%d failed after %d: %s", len(keys), self._host, self._port,
+                               result.prefix, result.error)
+                await self._abandon([t for _, t in receives])
+            except BaseException:
+                await self._abandon([t for _, t in receives])
+                raise
+        return result
+
+    async def _abandon(self, receives: list[asyncio.Future[Any]]) -> None:
+        """Drops the connection and waits until every posted receive has finished, so none
+        can write into a destination after ``fetch`` returns."""
+        self._drop()
+        pending = [t for t in receives if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
+            if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
+                logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
+                raise TransportError("receives still posted after abort; do not reuse the destinations")
+        for t in receives:
+            if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                # reported through the statuses; the traceback's frames would keep the caller's
+                # buffers exported (an arena slot that cannot be unmapped) until a gc pass
+                exc.__traceback__ = None

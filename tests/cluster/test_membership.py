@@ -1,0 +1,236 @@
+"""Membership against a real etcd process: join, leave, a stopped node expiring, epochs,
+invalidations, and etcd itself restarted under the nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import pytest
+from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
+
+from kvstore.cluster.etcd import EtcdClient
+from kvstore.cluster.membership import Invalidation, Member, Membership, MembershipConfig, MemberState
+from kvstore.errors import ConfigError
+
+TTL = 2  # etcd's shortest lease; keeps the expiry tests short
+NS = bytes(range(16))
+
+
+@asynccontextmanager
+async def member(etcd: EtcdProcess, node_id: str, cluster: str = "c", ttl_s: int = TTL,
+                 start: bool = True) -> AsyncIterator[Membership]:
+    client = EtcdClient([etcd.endpoint], call_timeout_s=1.0)
+    m = Membership(client, MembershipConfig(cluster=cluster, node_id=node_id, ttl_s=ttl_s),
+                   Member(node_id, f"127.0.0.1:1{len(node_id)}", "127.0.0.1:0", ("host", "ssd"), {"host": 1 << 30}))
+    try:
+        if start:
+            await m.start(timeout_s=10)
+        yield m
+    finally:
+        await m.close()
+        await client.close()
+
+
+def sees(*node_ids: str) -> Callable[[Membership], bool]:
+    return lambda m: set(m.members) == set(node_ids)
+
+
+async def test_join_and_leave(etcd: EtcdProcess) -> None:
+    async with member(etcd, "a") as a, member(etcd, "b") as b:
+        async with member(etcd, "c") as c:
+            for m in (a, b, c):
+                await m.wait_for(sees("a", "b", "c"), 5)
+            assert a.members["c"].tiers == ("host", "ssd") and a.members["c"].capacities == {"host": 1 << 30}
+            assert all(m.is_member and m.epoch == 1 for m in (a, b, c))
+        # a leaving node revokes its lease: the others see it go at once, not after the TTL
+        t0 = time.monotonic()
+        await a.wait_for(sees("a", "b"), 5)
+        await b.wait_for(sees("a", "b"), 5)
+        assert time.monotonic() - t0 < TTL
+
+
+async def test_stopped_node_disappears_within_ttl_and_comes_back_with_a_new_epoch(etcd: EtcdProcess) -> None:
+    """A node whose keep-alives stop (its process SIGSTOPped) leaves the others' view within
+    TTL + 1 s; resumed, it finds its lease gone, stops acting as a member, and registers again
+    under a higher epoch."""
+    child = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).with_name("member_node.py")), etcd.endpoint,
+                                                 "c", "b", str(TTL), stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None
+
+    async def line() -> list[str]:
+        return (await asyncio.wait_for(child.stdout.readline(), 10)).decode().split()  # type: ignore[union-attr]
+
+    try:
+        assert await line() == ["member", "1"]
+        async with member(etcd, "a") as a:
+            await a.wait_for(sees("a", "b"), 5)
+            child.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            await a.wait_for(sees("a"), TTL + 1)
+            gone_s = time.monotonic() - t0
+            assert gone_s <= TTL + 1
+            child.send_signal(signal.SIGCONT)
+            assert await line() == ["lost", "1"]
+            assert await line() == ["member", "2"]
+            await a.wait_for(lambda m: "b" in m.members and m.members["b"].epoch == 2, 5)
+    finally:
+        child.send_signal(signal.SIGCONT)
+        child.terminate()
+        try:
+            await asyncio.wait_for(child.wait(), 10)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0
+
+
+async def test_revoked_lease_makes_the_node_stop_and_reregister(etcd: EtcdProcess) -> None:
+    async with member(etcd, "a") as a, member(etcd, "b") as b:
+        states: list[tuple[MemberState, int]] = []
+        b.on_state(lambda state, epoch: states.append((state, epoch)))
+        admin = EtcdClient([etcd.endpoint])
+        lease = (await admin.get(b"/kvstore/c/nodes/b")).lease  # type: ignore[union-attr]
+        await admin.revoke(lease)
+        await admin.close()
+        await b.wait_for(lambda m: m.is_member and m.epoch == 2, TTL + 1)
+        assert states == [(MemberState.LOST, 1), (MemberState.MEMBER, 2)]
+        await a.wait_for(lambda m: m.members.get("b", Member("b", "", "")).epoch == 2, 5)
+
+
+async def test_a_second_process_with_the_same_node_id_waits_for_the_first(etcd: EtcdProcess) -> None:
+    """Two incarnations of one node id never both act: the second registers only after the
+    first's key is gone, under the next epoch."""
+    async with member(etcd, "a") as first, member(etcd, "a", start=False) as second:
+        with pytest.raises(TimeoutError):
+            await second.start(timeout_s=1.5)
+        assert not second.is_member and first.is_member
+        await first.close()
+        await second.wait_for(lambda m: m.is_member, 5)
+        assert second.epoch == 2 and second.members["a"].epoch == 2
+
+
+async def test_invalidation_reaches_every_node_and_later_joiners(etcd: EtcdProcess) -> None:
+    seen: dict[str, list[Invalidation]] = {"a": [], "b": [], "c": [], "d": []}
+    async with member(etcd, "a") as a, member(etcd, "b") as b, member(etcd, "c") as c:
+        for m in (a, b, c):
+            m.on_invalidate(seen[m.me.node_id].append)
+        issued = await b.invalidate(NS)
+        for m in (a, b, c):
+            await m.wait_for(lambda m: len(seen[m.me.node_id]) == 1, 5)
+        for node in "abc":
+            assert seen[node] == [issued]
+        async with member(etcd, "d", start=False) as d:
+            d.on_invalidate(seen["d"].append)
+            await d.start(timeout_s=5)
+            assert seen["d"] == [issued]  # a node that was away still learns of it
+
+
+async def test_malformed_records_are_ignored(etcd: EtcdProcess) -> None:
+    async with member(etcd, "a") as a:
+        admin = EtcdClient([etcd.endpoint])
+        await admin.put(b"/kvstore/c/nodes/x", b"not json")
+        await admin.put(b"/kvstore/c/invalidations/zz", b"{}")
+        await admin.close()
+        async with member(etcd, "b") as b:
+            await a.wait_for(sees("a", "b"), 5)
+            assert set(b.members) == {"a", "b"}
+
+
+async def test_etcd_restarted_under_the_nodes(etcd: EtcdProcess) -> None:
+    """etcd SIGKILLed and restarted on its data dir: the nodes reconnect, every one is a
+    member again and sees the others, and changes after the restart reach every node."""
+    seen: dict[str, list[bytes]] = {"a": [], "b": [], "c": []}
+    async with member(etcd, "a", ttl_s=3) as a, member(etcd, "b", ttl_s=3) as b, member(etcd, "c", ttl_s=3) as c:
+        for m in (a, b, c):
+            m.on_invalidate(lambda inv, node=m.me.node_id: seen[node].append(inv.namespace_id))
+        etcd.kill()
+        etcd.start()
+        async with member(etcd, "d", ttl_s=3) as d:
+            for m in (a, b, c, d):
+                await m.wait_for(lambda m: m.is_member and set(m.members) == {"a", "b", "c", "d"}, 10)
+            await d.invalidate(NS)
+            for m in (a, b, c):
+                await m.wait_for(lambda m: seen[m.me.node_id] == [NS], 5)
+
+
+async def test_etcd_unreachable_longer_than_the_ttl(etcd: EtcdProcess) -> None:
+    """With etcd frozen, a node stops counting itself a member within its TTL (before etcd
+    could expire it: no split brain); when etcd returns, it registers under a new epoch."""
+    async with member(etcd, "a") as a, member(etcd, "b") as b:
+        etcd.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for m in (a, b):
+                await m.wait_for(lambda m: not m.is_member, TTL + 0.5)
+            assert time.monotonic() - t0 <= TTL + 0.5
+        finally:
+            etcd.signal(signal.SIGCONT)
+        for m in (a, b):
+            await m.wait_for(lambda m: m.is_member and m.epoch == 2 and {n: x.epoch for n, x in m.members.items()}
+                             == {"a": 2, "b": 2}, 10)
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ConfigError, match="--cluster-ttl"):
+        MembershipConfig(cluster="c", node_id="a", ttl_s=1)
+    with pytest.raises(ConfigError, match="--node-id"):
+        MembershipConfig(cluster="c", node_id="a/b")
+
+
+async def test_members_see_the_same_set_under_concurrent_joins(etcd: EtcdProcess) -> None:
+    names = [f"n{i}" for i in range(6)]
+    async with AsyncExitStack() as stack:
+        nodes = await asyncio.gather(*(stack.enter_async_context(member(etcd, n)) for n in names))
+        for m in nodes:
+            await m.wait_for(sees(*names), 10)
+        assert all(m.epoch == 1 for m in nodes)
+        await nodes[0].close()
+        await nodes[1].wait_for(sees(*names[1:]), TTL + 1)  # revoked at once, or expired at worst
+
+
+async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
+    """etcd's data lost (wiped or restored from nothing): nodes re-register, and epochs never go
+    back (a record under epoch 1 of the old incarnation must stay older than the new one),
+    and an invalidation in the new etcd, at a lower revision than the last one seen, still
+    reaches every node."""
+    seen: list[bytes] = []
+    async with member(etcd, "a") as a, member(etcd, "b") as b:
+        a.on_invalidate(lambda inv: seen.append(inv.namespace_id))
+        admin = EtcdClient([etcd.endpoint])
+        for i in range(20):  # move the old etcd's revision well past the new one's
+            await admin.put(b"/elsewhere", str(i).encode())
+        await admin.close()
+        etcd.kill()
+        shutil.rmtree(etcd.data_dir)
+        etcd.start()
+        for m in (a, b):
+            await m.wait_for(lambda m: m.is_member and {n: x.epoch for n, x in m.members.items()} == {"a": 2, "b": 2}, 10)
+        await b.invalidate(NS)
+        await a.wait_for(lambda m: seen == [NS], 5)
+
+
+async def test_close_during_registration_leaves_nothing_behind(etcd: EtcdProcess) -> None:
+    """close() at any point of start(): it returns promptly, and no node key stays in etcd
+    (a registration that lands after close would keep a dead node listed until its TTL,
+    or for ever if its keep-alive outlived close)."""
+    admin = EtcdClient([etcd.endpoint])
+    for turns in range(0, 40, 2):
+        async with member(etcd, "a", start=False) as m:
+            starting = asyncio.create_task(m.start(timeout_s=10))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            t0 = time.monotonic()
+            await m.close()
+            assert time.monotonic() - t0 < 4
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            assert m.state is MemberState.CLOSED
+            assert await admin.get(b"/kvstore/c/nodes/a") is None, f"left registered after {turns} turns"
+    await admin.close()

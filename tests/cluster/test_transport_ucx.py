@@ -1,0 +1,259 @@
+"""The UCX page transport between two processes on loopback: bit-exact pages into
+shared-memory slots, missing and corrupt pages reported per key, and a sender killed or
+stopped mid-transfer costing the receiver only the pages not yet arrived, within its
+deadline, with no byte landing after fetch returns."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+import pytest
+from page_server_node import expected_page
+
+from kvstore.cluster.page_wire import FetchRequest
+from kvstore.cluster.transport_ucx import FetchStatus, SourcePage, UcxConfig, UcxPageFetcher, UcxPageServer, init_ucx
+from kvstore.errors import InvalidRequest
+from kvstore.page import checksum
+
+HERE = Path(__file__).parent
+TCP = UcxConfig(tls="tcp", progress_mode="blocking")  # "remote" really crosses a socket
+NS = bytes(16)
+SENTINEL = 0xA5
+
+
+def key(i: int, first: int = 1) -> bytes:
+    return bytes([first]) + i.to_bytes(15, "little")
+
+
+class Child:
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc, self.port = proc, port
+
+    async def line(self) -> str:
+        assert self.proc.stdout is not None
+        return (await asyncio.wait_for(self.proc.stdout.readline(), 30)).decode().strip()
+
+
+async def start_server(page_bytes: int, tls: str = "tcp", mode: str = "blocking") -> Child:
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "page_server_node.py"), str(page_bytes), tls, mode,
+                                                stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+    if not line.isdigit():
+        proc.kill()
+        raise RuntimeError(f"page server did not start: {line!r}")
+    return Child(proc, int(line))
+
+
+class Arena:
+    """A shared-memory arena cut into page slots, as the host tier's (filled with a sentinel)."""
+
+    def __init__(self, size: int) -> None:
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        np.frombuffer(self.shm.buf, np.uint8)[:] = SENTINEL
+        self.views: list[memoryview] = []
+
+    def slots(self, page_bytes: int, n: int) -> list[memoryview]:
+        views = [self.shm.buf[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
+        self.views += views
+        return views
+
+    def close(self) -> None:
+        for v in self.views:
+            v.release()
+        self.shm.close()
+        self.shm.unlink()
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(256 << 20)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[Callable[[int], Awaitable[Child]]]:
+    """Starts page servers; every one is resumed and killed at teardown, whatever the test did."""
+    started: list[Child] = []
+
+    async def start(page_bytes: int) -> Child:
+        started.append(await start_server(page_bytes))
+        return started[-1]
+
+    yield start
+    for child in started:
+        if child.proc.returncode is None:
+            child.proc.send_signal(signal.SIGCONT)
+            child.proc.kill()
+        await child.proc.wait()
+
+
+@pytest.fixture
+async def server(servers: Callable[[int], Awaitable[Child]]) -> Child:
+    return await servers(256 << 10)
+
+
+def untouched(slot: memoryview) -> bool:
+    return bool((np.frombuffer(slot, np.uint8) == SENTINEL).all())
+
+
+async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) -> None:
+    page = 256 << 10
+    keys = [key(0), key(1), key(2, first=0xFF), key(3), key(4, first=0xEE), key(5)]
+    dests = arena.slots(page, len(keys))
+    fetcher = UcxPageFetcher("127.0.0.1", server.port, TCP)
+    result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
+    assert result.statuses == [FetchStatus.OK, FetchStatus.OK, FetchStatus.MISSING, FetchStatus.OK,
+                               FetchStatus.CORRUPT, FetchStatus.OK]
+    assert result.prefix == 2 and result.error is None
+    for i in (0, 1, 3, 5):
+        assert np.array_equal(np.frombuffer(dests[i], np.uint8), expected_page(keys[i], page))
+    assert untouched(dests[2])  # a missing page is never sent
+    # the connection is reused for the next request
+    again = await fetcher.fetch(NS, [key(9)], [dests[2]], timeout_s=20)
+    assert again.statuses == [FetchStatus.OK]
+    await fetcher.close()
+
+
+async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena, servers: Callable[[int], Awaitable[Child]]) -> None:
+    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer: the receiver returns soon after,
+    with the verified pages that arrived and FAILED for the rest, never a hang."""
+    page, n = 1 << 20, 200
+    child = await servers(page)
+    dests = arena.slots(page, n)
+    keys = [key(0, first=0xDD)] + [key(i) for i in range(1, n)]
+    fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
+    t0 = time.monotonic()
+    result = await fetcher.fetch(NS, keys, dests, timeout_s=60)
+    assert time.monotonic() - t0 < 10, "the receiver noticed the dead sender late"
+    assert await child.proc.wait() == -signal.SIGKILL
+    assert result.prefix < n and result.error
+    assert all(s is FetchStatus.OK for s in result.statuses[:result.prefix])
+    assert all(s is FetchStatus.FAILED for s in result.statuses[result.prefix:])
+    for i in range(result.prefix):
+        assert np.array_equal(np.frombuffer(dests[i], np.uint8), expected_page(keys[i], page))
+    await fetcher.close()
+
+
+async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Arena,
+                                                                       servers: Callable[[int], Awaitable[Child]]) -> None:
+    """The sender freezes (SIGSTOP) mid-answer: fetch returns at its deadline; resumed, the
+    sender goes on sending into the dropped connection, and none of it may reach the buffers
+    the caller got back and reused."""
+    page, n = 1 << 20, 200
+    child = await servers(page)
+    dests = arena.slots(page, n)
+    keys = [key(0, first=0xDC)] + [key(i) for i in range(1, n)]
+    fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
+    t0 = time.monotonic()
+    result = await fetcher.fetch(NS, keys, dests, timeout_s=2)
+    assert time.monotonic() - t0 < 2 + 2.5
+    failed = [i for i, s in enumerate(result.statuses) if s is FetchStatus.FAILED]
+    assert failed and "Timeout" in (result.error or "")
+    for i in failed:
+        np.frombuffer(dests[i], np.uint8)[:] = SENTINEL  # the caller reuses the buffers it got back
+    child.proc.send_signal(signal.SIGCONT)
+    # a fresh connection is served by the resumed sender, after it met the dropped one
+    probe = await fetcher.fetch(NS, [key(7, first=2)], [bytearray(page)], timeout_s=20)
+    assert probe.statuses == [FetchStatus.OK]
+    assert all(untouched(dests[i]) for i in failed)
+    await fetcher.close()
+
+
+async def test_unreachable_server_and_bad_arguments() -> None:
+    fetcher = UcxPageFetcher("127.0.0.1", 1, TCP)  # nothing listens on port 1
+    result = await fetcher.fetch(NS, [key(0)], [bytearray(16)], timeout_s=5)
+    assert result.statuses == [FetchStatus.FAILED] and result.error
+    with pytest.raises(InvalidRequest):
+        await fetcher.fetch(NS, [key(0)], [bytes(16)], timeout_s=1)  # read-only destination
+    with pytest.raises(InvalidRequest):
+        await fetcher.fetch(NS, [key(0), key(1)], [bytearray(16), bytearray(8)], timeout_s=1)
+    with pytest.raises(InvalidRequest):
+        await fetcher.fetch(NS, [b"short"], [bytearray(16)], timeout_s=1)
+    with pytest.raises(InvalidRequest):
+        await fetcher.fetch(b"ns", [key(0)], [bytearray(16)], timeout_s=1)
+
+
+async def test_a_garbage_frame_drops_only_that_connection(server: Child) -> None:
+    import ucxx
+
+    init_ucx(TCP)
+    ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+    await ep.send(np.array([40], dtype=np.uint64))
+    await ep.send(np.zeros(40, dtype=np.uint8))
+    ep.abort()
+    fetcher = UcxPageFetcher("127.0.0.1", server.port, TCP)
+    result = await fetcher.fetch(NS, [key(1)], [bytearray(256 << 10)], timeout_s=20)
+    assert result.statuses == [FetchStatus.OK]
+    await fetcher.close()
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,self,tcp"])
+def test_two_processes_bit_exact_over(tls: str) -> None:
+    """Both ends in child processes, so each transport gets a fresh UCX (it reads UCX_TLS once)."""
+    page = 2_359_296
+    server = subprocess.Popen([sys.executable, str(HERE / "page_server_node.py"), str(page), tls, "blocking"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        out = subprocess.run([sys.executable, str(HERE / "page_fetch_node.py"), port, str(page), "8", tls, "blocking"],
+                             check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(HERE)})
+        assert out.stdout.strip() == "ok 8", out.stdout + out.stderr[-2000:]
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+
+
+class CountingSource:
+    """Serves zero pages and counts pins, so a test can see that none is left behind."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.pinned = 0
+        self.opened = asyncio.Event()
+        self.all_released = asyncio.Event()
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+        def release() -> None:
+            self.pinned -= 1
+            if self.pinned == 0:
+                self.all_released.set()
+
+        self.pinned += len(keys)
+        self.opened.set()
+        data = np.zeros(self.page_bytes, np.uint8)
+        return [SourcePage(data, checksum(data), release) for _ in keys]
+
+
+async def test_a_fetcher_that_stops_reading_does_not_pin_pages_forever() -> None:
+    """A peer that asks and then never takes the bytes: the server gives up after its send
+    timeout, drops the connection, and releases every page it had pinned for the answer."""
+    import ucxx
+
+    source = CountingSource(1 << 20)
+    server = UcxPageServer(source, TCP, send_timeout_s=1.0)
+    port = await server.start()
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    body = FetchRequest(1, NS, 1 << 20, tuple(key(i) for i in range(8))).encode()
+    await ep.send(np.array([len(body)], dtype=np.uint64))
+    await ep.send(np.frombuffer(body, np.uint8))
+    await asyncio.wait_for(source.opened.wait(), 10)
+    await asyncio.wait_for(source.all_released.wait(), 1.0 + 4)
+    assert source.pinned == 0
+    ep.abort()
+    await server.close()
