@@ -8,6 +8,8 @@ Contract of a ``LayerSave``:
 * ``finished()`` marks the layers not yet done, waits for the publish and returns the
   leading tokens now stored; a durable save that comes back short raises PageMissing.
   A synchronous caller does the same with ``mark_all()``, ``wait(timeout_s)`` and ``result()``.
+* The reserved slots are renewed every third of their term while the engine computes, so
+  a slow engine never has a layer copied into a slot the server gave to another writer.
 * ``abandon`` (the client closing) stops it: layers the engine did not mark done are never
   copied, nothing is published unless every layer was marked, and what was reserved on
   the server is given back. ``finished()`` then raises.
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvstore.client.engine_kv import EngineKV
@@ -31,6 +35,7 @@ from kvstore.page import checksum
 
 if TYPE_CHECKING:
     from kvstore.client.client import KVStoreClient
+    from kvstore.client.transport.base import Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +111,25 @@ class LayerSave:
         assert self._result is not None
         return self._result
 
+    def _next_layer(self, outgoing: Outgoing, renewed: float) -> tuple[int | None, float]:
+        """The next layer the engine marked done (None: abandoned). Meanwhile the reserved
+        slots are renewed every third of their term, so that an engine slower than one term
+        never has its layers copied into slots the server gave to another writer (a renewal
+        refused raises: nothing more is copied)."""
+        runtime, timeout = self.client.runtime, self.client.timeout_s
+        while True:
+            term = outgoing.term_s
+            if math.isinf(term):
+                return self._layers.get(), renewed
+            left = renewed + term / 3 - time.monotonic()
+            try:
+                if left > 0:
+                    return self._layers.get(timeout=left), renewed
+            except queue.Empty:
+                pass
+            runtime.run(outgoing.renew(timeout), timeout)
+            renewed = time.monotonic()
+
     def _run(self) -> None:
         client, layout, runtime = self.client, self.client.layout, self.client.runtime
         outgoing = client.transport.outgoing()
@@ -114,9 +138,10 @@ class LayerSave:
                 self._result = self.first_page * layout.page_tokens
                 return
             runtime.run(outgoing.reserve(self.keys), client.timeout_s)
+            renewed = time.monotonic()
             pages = [slot_as_page(buffer, layout) for buffer in outgoing.buffers]
             for _ in range(layout.num_layers):
-                layer = self._layers.get()
+                layer, renewed = self._next_layer(outgoing, renewed)
                 if layer is None:
                     raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
                 for i, page in zip(outgoing.indices, pages):

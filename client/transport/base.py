@@ -65,7 +65,8 @@ class Outgoing(Protocol):
     ``indices[j]`` of ``keys`` (pages the server already has are left out) and ``asked``
     is how many leading pages a publish covers. ``publish`` stores them with their
     checksums and returns the server's ``num_published``; ``discard`` gives back what was
-    reserved and not published (idempotent, never raises)."""
+    reserved and not published (idempotent, never raises). What is reserved is kept for
+    ``term_s`` unless ``renew`` is called (LeaseExpired: it is gone, never write into it)."""
 
     buffers: list[torch.Tensor]
     indices: list[int]
@@ -76,6 +77,11 @@ class Outgoing(Protocol):
     async def publish(self, checksums: list[int], durable: bool) -> int: ...
 
     async def discard(self) -> None: ...
+
+    @property
+    def term_s(self) -> float: ...
+
+    async def renew(self, timeout_s: float) -> None: ...
 
 
 class Transport(Protocol):

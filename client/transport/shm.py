@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -91,11 +92,12 @@ class ShmTransport:
         except KVStoreError as exc:
             logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
 
-    async def renew(self, lease_id: bytes, timeout_s: float) -> None:
-        """Extends a lease by ``lease_ms``; raises LeaseExpired when it is already gone."""
+    async def renew(self, lease_id: bytes, timeout_s: float, ttl_ms: int | None = None) -> None:
+        """Extends a lease by ``lease_ms`` (an allocation by ``ttl_ms``, 0: its own term);
+        raises LeaseExpired when it is already gone."""
         runtime = self.peer.runtime
-        await runtime.rpc(runtime.data.Renew, data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=self.peer.lease_ms),
-                          timeout_s)
+        ttl = self.peer.lease_ms if ttl_ms is None else ttl_ms
+        await runtime.rpc(runtime.data.Renew, data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
 
     async def granted(self, request: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[None]]) -> T:
         """Awaits an RPC that grants something (a lease, an allocation). If the caller is
@@ -272,6 +274,17 @@ class SlotOutgoing:
         published = await self.shm.commit(self._alloc.allocation_id, self._keys, checksums, durable)
         self._alloc = None  # a commit that failed is aborted by discard
         return published
+
+    @property
+    def term_s(self) -> float:
+        """How long the server keeps the reserved slots unrenewed (inf before reserve)."""
+        return self._alloc.ttl_ms / 1000 if self._alloc is not None and self._alloc.ttl_ms else math.inf
+
+    async def renew(self, timeout_s: float) -> None:
+        """Keeps the reserved slots for another term; LeaseExpired when they were freed
+        (the save must then never write into them: another writer may hold them)."""
+        if self._alloc is not None:
+            await self.shm.renew(self._alloc.allocation_id, timeout_s, ttl_ms=0)
 
     async def discard(self) -> None:
         alloc, self._alloc = self._alloc, None

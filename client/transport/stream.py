@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -231,6 +232,11 @@ class StreamedOutgoing:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
             keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable))
+
+    term_s = math.inf  # nothing is reserved on the server
+
+    async def renew(self, timeout_s: float) -> None:
+        return None
 
     async def discard(self) -> None:
         return None

@@ -124,14 +124,16 @@ class Slot(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("allocation_id", "slots", "page_bytes")
+    __slots__ = ("allocation_id", "slots", "page_bytes", "ttl_ms")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
     allocation_id: bytes
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
-    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    ttl_ms: int
+    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("allocation_id", "keys", "checksums", "durable", "flags")

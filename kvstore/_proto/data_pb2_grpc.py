@@ -148,8 +148,9 @@ class DataServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Renew(self, request, context):
-        """Extends a lease by ttl_ms from now: a reader that holds pages longer than one ttl (a
-        layer-wise load) keeps them pinned. ABORTED when the lease was released or expired.
+        """Extends a lease (or an allocation) by ttl_ms from now: a reader that holds pages longer
+        than one ttl (a layer-wise load) keeps them pinned, a writer that fills its slots longer
+        (a layer-wise save) keeps them. ABORTED when it was released, committed or expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -123,8 +123,17 @@ class LeaseTable:
         return None if lease is None else self.unpin(lease.keys)
 
     def renew(self, ident: bytes, ttl_ms: int) -> None:
-        """Moves a lease's expiry to ``ttl_ms`` from now (never back). Raises LeaseExpired when
-        the lease was released or has expired (its pages may have been evicted meanwhile)."""
+        """Moves a lease's or an allocation's expiry to ``ttl_ms`` from now (never back).
+        Raises LeaseExpired when it was released, committed or has expired (its pages may have
+        been evicted, its slots given to another writer, meanwhile)."""
+        alloc = self._allocations.get(ident)
+        if alloc is not None:  # a writer filling its slots for longer than one term (a layer-wise save)
+            ttl_ms = ttl_ms or self.allocation_ttl_ms
+            if ttl_ms > max(self.max_lease_ms, self.allocation_ttl_ms):
+                raise InvalidRequest(f"allocation ttl {ttl_ms} ms exceeds the maximum of "
+                                     f"{max(self.max_lease_ms, self.allocation_ttl_ms)} ms")
+            alloc.expires = max(alloc.expires, self.clock() + ttl_ms / 1000)
+            return
         ttl_ms = self.lease_ttl_ms(ttl_ms)
         lease = self._leases.get(ident)
         if lease is None:
@@ -168,8 +177,11 @@ class LeaseTable:
                     logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
                     free += self.unpin(lease.keys)
             else:
-                alloc = self._allocations.pop(ident, None)
-                if alloc is not None:
+                alloc = self._allocations.get(ident)
+                if alloc is not None and alloc.expires > now:  # renewed: its one entry moves on
+                    heapq.heappush(self._expiry, (alloc.expires, ident, False))
+                elif alloc is not None:
+                    del self._allocations[ident]
                     logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     allocations.append(alloc)
         return free, allocations

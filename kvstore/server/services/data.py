@@ -52,7 +52,7 @@ class DataService(data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         ident, slots = self.core.allocate(ns, layout, self._keys(list(request.keys)))
         return data_pb2.AllocateResponse(
-            allocation_id=ident, page_bytes=layout.page_bytes,
+            allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
         )
 
