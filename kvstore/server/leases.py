@@ -97,6 +97,10 @@ class LeaseTable:
     def pinned(self, key: bytes) -> bool:
         return key in self.pins
 
+    def moving(self, key: bytes) -> bool:
+        """Whether a move of the server's own (a promotion, demotion, scrub or delete) holds ``key``."""
+        return key in self._moving
+
     # -- leases --------------------------------------------------------------------------
 
     def lease_ttl_ms(self, ttl_ms: int) -> int:

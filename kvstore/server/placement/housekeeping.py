@@ -62,12 +62,13 @@ class Housekeeper:
         given) BEFORE the caller forgets them: a delete the tier refuses (a full index)
         raises MetadataFull with nothing changed, so memory and disk never disagree (an I/O
         error leaves the copy stuck, never served, as an owed removal does). Each key
-        is doomed and pinned meanwhile; the deletes run without the lock. Copies still pinned
-        by readers are left to the removal owed at their last unpin."""
+        is doomed and pinned meanwhile; the deletes run without the lock. Readers' leases hold
+        landing copies only, so a leased key's lower copies go now; a key a move holds is left
+        to the removal owed at its last unpin."""
         todo: list[tuple[int, bytes]] = []
         with self.lock:
             for key in keys:
-                if self.leases.pinned(key):
+                if self.leases.moving(key):  # a move reads or writes a lower copy now: removed at its unpin
                     continue
                 for index in range(1, len(self.residence.tiers)):
                     tier = self.residence.tiers[index]
