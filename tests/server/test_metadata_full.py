@@ -22,7 +22,6 @@ from kvstore.errors import KVStoreError, TierFull
 from kvstore.page import HEADER_BYTES
 from kvstore.tiers.slab import round_up
 
-
 _HOLD_SNAPSHOT = """
 import sys, lmdb
 env = lmdb.open(sys.argv[1], readonly=True, max_dbs=4, lock=True)
