@@ -29,7 +29,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits")
+    parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--log-level", default="warning")
     # Read into args.token and args.tls for subcommands that reach a server with --auth-file/TLS;
     # today's subcommands start their own loopback server without them and do not use them.
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"kvstore.bench.{module_name}")
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="end with one JSON object")
         p.set_defaults(module=module)

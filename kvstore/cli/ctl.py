@@ -36,24 +36,25 @@ def _namespace_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore-ctl", description="Operate a running kvstore-server.")
+    p = argparse.ArgumentParser(prog="kvstore-ctl", description="Operate a running kvstore-server.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--server", default="127.0.0.1:7070", help="server address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on the server")
     add_client_security(p)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("stats", help="tier usage, hits, misses, evictions")
-    lk = sub.add_parser("lookup", help="how much of a token sequence is stored")
+    sub.add_parser("stats", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="tier usage, hits, misses, evictions")
+    lk = sub.add_parser("lookup", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="how much of a token sequence is stored")
     _namespace_args(lk)
     lk.add_argument("--tokens", required=True, help="comma-separated token ids, or @FILE with a JSON list")
-    inv = sub.add_parser("invalidate", help="drop every page of a namespace")
+    inv = sub.add_parser("invalidate", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="drop every page of a namespace")
     _namespace_args(inv)
-    qu = sub.add_parser("quarantine", help="pages that failed their checks (list, or --purge the list)")
+    qu = sub.add_parser("quarantine", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="pages that failed their checks (list, or --purge the list)")
     qu.add_argument("--purge", action="store_true")
-    nt = sub.add_parser("new-token", help="make a random token and the --auth-file entry that grants it (no server needed)")
+    nt = sub.add_parser("new-token", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="make a random token and the --auth-file entry that grants it (no server needed)")
     nt.add_argument("--tenant", required=True)
-    nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin (default read,write)")
-    plan = sub.add_parser("plan", help="rank local hit, fetch and recompute per instance (no server needed)")
+    nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin")
+    plan = sub.add_parser("plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="rank local hit, fetch and recompute per instance (no server needed)")
     plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
 

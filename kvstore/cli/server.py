@@ -37,8 +37,9 @@ def _field(flag: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore-server", description="Tiered KV-cache store for LLM inference.")
-    p.add_argument("--tiers", default="host,ssd", help="comma-separated tiers: hbm,host,ssd (default host,ssd)")
+    p = argparse.ArgumentParser(prog="kvstore-server", description="Tiered KV-cache store for LLM inference.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tiers", default="host,ssd", help="comma-separated tiers: hbm,host,ssd")
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
     p.add_argument("--data-dir", default="./kvstore-data", help="directory for the persistent directory (LMDB)")
     p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 8GiB, 4GiB for the token log)")
     limits = p.add_argument_group("limits", "what callers can make the server hold")
     for flag, kind, text in _LIMIT_FLAGS:
-        limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=f"{text} (default %(default)s)")
+        limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=text)
     security = p.add_argument_group("security", "who may call, and over what (see README: Security)")
     security.add_argument("--auth-file", help="TOML or JSON file of tokens -> tenant, rights, expiry; re-read on SIGHUP")
     security.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
