@@ -121,19 +121,20 @@ class StoreConnection:
         if closed:
             await _close_client(client)
 
-    def failed(self, client: KVStoreClient, reason: object) -> None:
+    def failed(self, client: KVStoreClient, reason: object) -> threading.Thread | None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An
         error the server answered with (a subclass of KVStoreError: full tier, missing
-        page, ...) says the connection works, and keeps it."""
+        page, ...) says the connection works, and keeps it. Returns the thread closing the
+        dropped client (its loads and saves are abandoned once it ends), None if kept."""
         if isinstance(reason, KVStoreError) and type(reason) is not KVStoreError:
-            return
+            return None
         with self._lock:
             if self._client is not client:
-                return
+                return None
             self._client = None
             self._next_try = time.monotonic() + self.retry_s
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
-        self._spawn(_close_client(client), "kvstore-close")
+        return self._spawn(_close_client(client), "kvstore-close")
 
     def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
         """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:
