@@ -352,7 +352,8 @@ class SsdTier:
         return self.delete_many([key]) == 1
 
     def delete_many(self, keys: list[bytes]) -> int:
-        gone = [k for k in keys if k in self._pages]
+        """Deletes the stored ones of ``keys`` (a key named twice counts once); returns how many."""
+        gone = list(dict.fromkeys(k for k in keys if k in self._pages))
         if not gone:
             return 0
         with self._write_txn(len(gone), self.index_db) as txn:
