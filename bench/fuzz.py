@@ -74,6 +74,9 @@ class Tally:
 
 
 class Fuzzer:
+    """Makes the calls: picks an RPC and a caller, builds the case, calls, tallies the
+    answer and learns from it (handles, stored pages) for the cases that follow."""
+
     def __init__(self, addr: str, tenants: list[Pools], admin: str, tls: Any, arena: ArenaMap | None, seed: int,
                  only: set[str] | None = None) -> None:
         self.rng = random.Random(seed)
@@ -82,8 +85,9 @@ class Fuzzer:
         self.every = list(every_method())
         self.methods = [m for m in self.every if not only or m[1].name in only]
         self.tally = Tally()
-        # One huge request at a time: the server's heap keeps its high-water mark (kvstore.memory),
-        # and eight huge requests landing together would raise it for good without any leak.
+        # One huge request at a time: the server's heaps keep their high-water marks (see
+        # tests/server/test_fuzz_findings.py), which several huge requests landing together
+        # would raise for good without any leak.
         self._huge = asyncio.Lock()
 
     def _caller(self) -> tuple[str, Pools, str | None, tuple[tuple[str, str], ...]]:
@@ -130,21 +134,6 @@ class Fuzzer:
             return case
         case.request, case.requests = message, [message.SerializeToString()]
         return case
-
-    def burst(self, count: int) -> list[Case]:
-        """``count`` huge valid requests to send at once at the end of the warm-up (Lookup and
-        ReadPages of 65,536 real keys): every thread and malloc arena of the server then held
-        one, so the heap's high-water mark, which it keeps by design (kvstore.memory), is
-        reached before the RSS baseline and later growth is growth, not a new peak."""
-        cases = []
-        for i in range(count):
-            method = next(m for _, m in self.every if m.name == ("Lookup" if i % 2 else "ReadPages"))
-            pools = self.tenants[i % len(self.tenants)]
-            keys = (pools.keys * (65_536 // max(1, len(pools.keys)) + 1))[:65_536]
-            request = (directory_pb2.LookupRequest if i % 2 else data_pb2.ReadPagesRequest)(namespace_id=pools.namespace_id, keys=keys)
-            cases.append(Case(method, pools.tenant, pools, pools.token, call_metadata(pools.token), "burst",
-                              [request.SerializeToString()], request))
-        return cases
 
     async def run_case(self, case: Case) -> None:
         name = case.method.name
@@ -275,7 +264,6 @@ async def fuzz(args: argparse.Namespace, bar: Any) -> dict[str, Any]:
                         return
 
             await asyncio.gather(*(worker(warmup) for _ in range(args.concurrency)))
-            await asyncio.gather(*(fuzzer.run_case(case) for case in fuzzer.burst(args.burst)))
             report["rss_after_warmup"] = rss(pid)
             await asyncio.gather(*(worker(args.calls) for _ in range(args.concurrency)))
             report["rss_end"] = rss(pid) if server.proc.poll() is None else None
@@ -321,16 +309,16 @@ def _verdict(report: dict[str, Any], tally: Tally, exit_code: int | None) -> dic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--calls", type=int, default=10_000, help="calls to make (a stream's chunks each count as a message)")
     p.add_argument("--concurrency", type=int, default=8, help="calls in flight at once")
     p.add_argument("--warmup-share", type=float, default=0.2, help="share of the calls before the RSS baseline")
-    p.add_argument("--burst", type=int, default=24, help="huge requests sent at once at the end of the warm-up (see Fuzzer.burst)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the cases and mutations (a finding reproduces with its seed)")
     p.add_argument("--methods", help="only these RPCs, comma-separated (to reproduce a finding); default every RPC")
     p.add_argument("--server-malloc-arenas", type=int, default=0,
                    help="diagnosis: run the server with MALLOC_ARENA_MAX=N (0: as deployed) to tell a leak from arena high-water marks")
     p.add_argument("--tls-dir", help="use ca.pem, server.crt, server.key from here instead of making them")
-    p.add_argument("--dir", default="bench-out/fuzz")
+    p.add_argument("--dir", default="bench-out/fuzz", help="the servers' files; removed at the end")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
