@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -18,8 +19,9 @@ def free_port() -> int:
 class Process:
     """A child process that prints one 'ready' line when it serves."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env} if env else None)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:
@@ -37,16 +39,31 @@ class Process:
                 self.proc.wait(10)
 
 
-def start_server(workdir: Path, host_bytes: int, ssd_bytes: int, *extra: str) -> tuple[Process, str]:
+def start_server(workdir: Path, host_bytes: int, ssd_bytes: int, *extra: str,
+                 env: dict[str, str] | None = None) -> tuple[Process, str]:
+    """kvstore-server on a free loopback port; ``extra`` flags, ``env`` added to the environment."""
     port = free_port()
     args = [
         sys.executable, "-m", "kvstore.cli.server", "--listen", f"127.0.0.1:{port}", "--data-dir", str(workdir / "data"),
         "--ssd-dir", str(workdir / "ssd"), "--host-capacity", str(host_bytes), "--ssd-capacity", str(ssd_bytes),
         "--metrics-listen", "off", "--log-level", "warning", *extra,
     ]
-    return Process(args), f"127.0.0.1:{port}"
+    return Process(args, env), f"127.0.0.1:{port}"
 
 
 def start_raw_grpc() -> tuple[Process, str]:
     port = free_port()
     return Process([sys.executable, "-m", "kvstore.bench.rawgrpc", "--port", str(port)]), f"127.0.0.1:{port}"
+
+
+def rss(pid: int) -> dict[str, int]:
+    """A process's resident memory in bytes: ``rss`` (VmRSS) and its parts ``anon`` (heap),
+    ``file`` (mapped files, e.g. LMDB) and ``shmem`` (the shared-memory arena)."""
+    fields = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in fields:
+                out[fields[name]] = int(value.split()[0]) * 1024
+    return out

@@ -23,6 +23,8 @@ COMMANDS = {
     "crossover": ("crossover", "fetch vs recompute on this machine, with the planner's predictions"),
     "lookup": ("lookup", "directory lookup latency and rate of a 512-page prefix, idle and while demoting"),
     "checkpoint": ("checkpoint", "KV checkpoint policies: SSD bytes vs tokens to recompute after a crash"),
+    "fuzz": ("fuzz", "random and mutated requests on every RPC with auth + TLS on: no crash, INTERNAL, hang, leak; still exact"),
+    "soak": ("soak", "N clients of 2 tenants, mixed ops with TLS + auth, bytes checked; RSS, p50/p99; cost vs plain"),
     "vllm": ("vllm", "TTFT with a kvstore hit vs recompute vs vLLM's prefix cache; small-hit cost in the connector"),
     "vllm-stall": ("vllm_stall", "a big hit loaded in the step vs fetched beside it (async load): decode stall, TTFT"),
 }

@@ -296,7 +296,8 @@ class SsdTier:
     # -- removal -------------------------------------------------------------------------
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
-        gone = [k for k in keys if k in self._pages]
+        """Deletes the stored ones of ``keys`` (a key named twice counts once); returns how many."""
+        gone = list(dict.fromkeys(k for k in keys if k in self._pages))
         if not gone:
             return 0
         self._index.delete(gone)

@@ -1,0 +1,68 @@
+"""Smoke runs of kvstore-bench fuzz and soak: a real kvstore-server with TLS and tokens, real
+client processes; the JSON shape as documented and the verdicts that must hold on any run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvstore.bench.fuzz_streams import every_method
+
+
+def _bench(*args: str, timeout_s: float = 240) -> tuple[int, dict, str]:
+    res = subprocess.run([sys.executable, "-m", "kvstore.bench.main", *args, "--json"], check=False, capture_output=True,
+                         text=True, timeout=timeout_s)
+    lines = res.stdout.strip().splitlines()
+    assert lines, res.stderr[-3000:]
+    return res.returncode, json.loads(lines[-1]), res.stdout
+
+
+def _not_rss(violations: list[str]) -> list[str]:
+    """Violations other than server RSS growth: that one is a known server defect over a short
+    run (tests/server/test_fuzz_findings.py::test_refused_large_requests_do_not_pin_server_memory)."""
+    return [v for v in violations if "RSS" not in v]
+
+
+def test_fuzz_smoke_calls_every_rpc_and_finds_nothing(tmp_path) -> None:
+    rc, report, stdout = _bench("fuzz", "--calls", "700", "--dir", str(tmp_path / "fz"))
+    every = {m.name for _, m in every_method()}
+    assert set(report["methods"]) == every, "every RPC of the protos is fuzzed, taken from the descriptors"
+    assert all(m["calls"] > 0 for m in report["methods"].values())
+    assert report["num_calls"] >= 700 and report["num_messages"] > report["num_calls"]  # WritePages streams many
+    assert {"valid", "fields", "encoding", "random bytes"} <= set(report["strategies"])
+    codes = {c for m in report["methods"].values() for c in m["codes"]}
+    assert {"OK", "INVALID_ARGUMENT", "UNAUTHENTICATED"} <= codes, "valid, malformed and unauthenticated calls all happened"
+    assert report["faults"] == [] and _not_rss(report["violations"]) == []
+    assert report["server_exit_code"] is None and report["leases_after_release"] == 0
+    assert report["acceptance"] == {"shm": [], "grpc": []}
+    assert 0 < report["rss_after_warmup"]["rss"] and report["rss_growth"] is not None
+    assert rc == (1 if report["num_violations"] else 0)
+    assert "status codes" in stdout and "acceptance afterwards" in stdout
+
+
+def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
+    plot = tmp_path / "soak.png"
+    rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "2", "--duration-s", "3", "--prompts", "64",
+                                "--dir", str(tmp_path / "sk"), "--plot", str(plot))
+    assert list(report["phases"]) == ["secure-shm", "plain-shm", "plain-grpc", "secure-grpc"]
+    assert report["auth_file_tenants"] == {"alpha": 2, "beta": 2}, "each client its own token, two tenants"
+    for name, phase in report["phases"].items():
+        assert phase["server_alive"], name
+        assert phase["counts"]["errors"] == 0 and phase["counts"]["wrong_bytes"] == 0, (name, phase["error_samples"])
+        assert phase["counts"]["verified_tokens"] > 0, name
+        assert all(phase["ops"][op]["count"] > 0 for op in ("put", "lookup", "get")), name
+        assert phase["shared_memory_clients"] == (4 if name.endswith("shm") else 0), name
+        assert phase["rss_baseline"] and phase["rss_end"]
+    assert set(report["tls_auth_cost"]) == {"shm", "grpc"}
+    assert _not_rss(report["violations"]) == [] and rc == (1 if report["num_violations"] else 0)
+    assert plot.stat().st_size > 10_000 and "TLS+auth cost, grpc" in stdout
+
+
+def test_soak_help_shows_defaults_and_refuses_unknown_phases() -> None:
+    shown = subprocess.run([sys.executable, "-m", "kvstore.bench.main", "soak", "--help"], check=True, capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "(default: 16)" in shown and "(default: 60.0)" in shown, "--clients and --duration-s show their defaults"
+    bad = subprocess.run([sys.executable, "-m", "kvstore.bench.main", "soak", "--phases", "secure-shm,fast"], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "secure-shm,fast" in bad.stderr
