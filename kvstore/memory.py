@@ -20,14 +20,17 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit (HEAP_MAX/2)
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
+ARENA_MAX = 2  # glibc's default is 8 per core: each thread's peak is kept in its own untrimmed heap
 
 
 def tune_malloc() -> bool:
-    """Keeps buffers up to 32 MiB on the heap and the heap untrimmed below 1 GiB; False
-    (logged at debug) where the C library is not glibc."""
+    """Keeps buffers up to 32 MiB on the heap and the heap untrimmed below 1 GiB, in at most
+    ARENA_MAX heaps (untrimmed heaps per thread would each keep the peak of whatever request
+    that thread parsed); False (logged at debug) where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -37,7 +40,8 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD)))
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD),
+        (_M_ARENA_MAX, ARENA_MAX)))
     if not ok:
         logger.debug("mallopt refused a setting; malloc partly tuned")
     return ok

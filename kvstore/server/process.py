@@ -21,6 +21,7 @@ from kvstore.server.placement.assembly import Wrap
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
+from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
@@ -35,7 +36,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     closes one whose ping goes unanswered for keepalive_timeout_s, which cancels its streams
     (a peer that froze or vanished without a FIN otherwise holds its threads for good)."""
     return [
-        *MESSAGE_OPTIONS,
+        ("grpc.max_receive_message_length", receive_limit(config)),
+        *[(name, value) for name, value in MESSAGE_OPTIONS if name != "grpc.max_receive_message_length"],
         ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_s * 1000)),  # grpcio 1.85 waits this long, not the above
@@ -81,10 +83,11 @@ class Server:
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.core, config))
-        add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics)
+        add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics,
+                    request_limits(config))
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         data = data_handlers(DataService(self.core, config, self.wal))
-        add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics)
+        add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics, request_limits(config))
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None

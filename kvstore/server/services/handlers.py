@@ -13,7 +13,7 @@ StreamGate (service_streams.py) while they run, touched on every message.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -56,20 +56,26 @@ def data_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
 
 
 def add_service(server: grpc.Server, service: ServiceDescriptor, handlers: dict[str, grpc.RpcMethodHandler],
-                gate: StreamGate, metrics: Any) -> None:
-    """Registers ``handlers`` (one per method of ``service``) on ``server``, guarded."""
+                gate: StreamGate, metrics: Any, limits: Mapping[str, int]) -> None:
+    """Registers ``handlers`` (one per method of ``service``) on ``server``, guarded; a
+    request (a stream's message) over ``limits[name]`` (else ``limits["default"]``) bytes
+    is refused before it is parsed."""
     declared = {m.name for m in service.methods}
     if declared != set(handlers):
         raise RuntimeError(f"{service.full_name}: handlers {sorted(handlers)} do not match the proto's methods {sorted(declared)}")
-    guarded = {m.name: _guard(m, handlers[m.name], gate, metrics) for m in service.methods}
+    guarded = {m.name: _guard(m, handlers[m.name], gate, metrics, limits.get(m.name, limits["default"])) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, guarded),))
     server.add_registered_method_handlers(service.full_name, guarded)
 
 
-def _guard(method: MethodDescriptor, handler: grpc.RpcMethodHandler, gate: StreamGate, metrics: Any) -> grpc.RpcMethodHandler:
+def _guard(method: MethodDescriptor, handler: grpc.RpcMethodHandler, gate: StreamGate, metrics: Any,
+           max_bytes: int) -> grpc.RpcMethodHandler:
     name, deserialize = method.name, handler.request_deserializer or (lambda raw: raw)
 
     def decode(raw: bytes, index: int | None = None) -> Any:
+        if len(raw) > max_bytes:
+            which = "request" if index is None else f"message {index} of the request stream"
+            raise InvalidRequest(f"{name}: {which} of {len(raw)} bytes is larger than any valid one ({max_bytes})")
         try:
             return deserialize(raw)
         except Exception as exc:  # noqa: BLE001 - any request bytes that do not parse are the caller's error
