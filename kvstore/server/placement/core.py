@@ -9,7 +9,8 @@ Page life in the landing tier::
 
 A page is published only once its bytes are where its location says (landing: committed;
 lower: synced and indexed). Pinned pages (leases, acquisitions, moves in flight) are never
-evicted or freed; a page removed while pinned goes when its last pin goes.
+evicted or freed; a page removed while leased loses its lower copies at once, its landing
+copy at its last unpin.
 
 Locks: ``_lock`` guards in-memory placement state only (leases, which copy is live, the
 eviction and admission decisions). No disk I/O runs under it: moves let go of it around
@@ -267,10 +268,7 @@ class Placement:
         self.keeper.delete_lower_first(mine, tier)
         local: list[tuple[bytes, str]] = []
         count = 0
-        for key in keys:
-            entry = self.directory.get(key)
-            if entry is None or entry.namespace_id != namespace_id:
-                continue
+        for key in mine:
             gone = self.directory.remove(key, None, tier or None)
             count += bool(gone)
             local += [(key, loc.tier) for loc in gone if loc.node == self.node]
