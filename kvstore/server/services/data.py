@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -28,9 +29,10 @@ class _Destination:
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, cluster: Any = None) -> None:
         self.core = core
         self.config = config
+        self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
         self.wal = wal
 
@@ -70,7 +72,10 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, pages = self.core.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
+        keys = self._keys(list(request.keys))
+        if self.cluster is not None:
+            self.cluster.fill(ns, keys, context.time_remaining())
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
