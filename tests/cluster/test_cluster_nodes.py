@@ -66,3 +66,86 @@ async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes
 
 async def _found(client: KVStoreClient, tokens: list[int], num_tokens: int) -> bool:
     return (await client.lookup(tokens)).num_tokens == num_tokens
+
+
+async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster_nodes) -> None:
+    """Pages 0-7 of a prefix are on node a, pages 8-15 on node b (durable, on its SSD). b
+    freezes while c fetches the prefix: c's client gets a's pages, bit-exact, within the
+    fetch deadline, never b's and never a hang. b SIGKILLed: its records leave c's lookups
+    within TTL + 1 s. b restarted on the same data: it republishes its SSD pages and c finds
+    and reads the whole prefix again."""
+    a, b, c = cluster_nodes(["a", "b", "c"], "ucx")
+    tokens = tokens_of(2, 16)
+    kv = random_kv(LAYOUT, len(tokens), seed=2)
+    half = 8 * LAYOUT.page_tokens
+    async with KVStoreClient(a.address, NS) as on_a, KVStoreClient(b.address, NS) as on_b:
+        keys = on_a.keys(tokens)
+        assert await on_a.put_keys(keys[:8], kv[:, :, :half].contiguous()) == half
+        assert await on_b.put_keys(keys[8:], kv[:, :, half:].contiguous(), durable=True) == half
+    async with KVStoreClient(c.address, NS) as on_c:
+        await eventually(lambda: _found(on_c, tokens, len(tokens)), 5, "the whole prefix in c's lookup")
+        hit = await on_c.lookup(tokens)
+        assert [(r.node, r.num_pages) for r in hit.runs] == [("a", 8), ("b", 8)]
+        b.signal(signal.SIGSTOP)
+        out = torch.zeros_like(kv)
+        started = time.monotonic()
+        with pytest.raises(PageMissing) as missing:
+            await on_c.get(hit, out)
+        waited = time.monotonic() - started
+        assert missing.value.num_tokens == half  # type: ignore[attr-defined]
+        assert torch.equal(out[:, :, :half], kv[:, :, :half])
+        assert not out[:, :, half:].any()  # nothing of b's pages reached the engine
+        assert waited < 1.5 + 2.0, f"c's client waited {waited:.2f} s for a frozen node (fetch deadline 1.5 s)"
+        print(f"c's client got a's prefix after {waited:.2f} s with b frozen (fetch deadline 1.5 s)")
+        stats = await on_c._call(on_c.runtime.directory.Stats, directory_pb2.StatsRequest())
+        host = next(t for t in stats.tiers if t.tier == "host")
+        assert host.num_pages == 8 and stats.num_leases == 0  # b's slots were given back, nothing is pinned
+
+        killed = time.monotonic()
+        b.kill()
+        await eventually(lambda: _listed(on_c, tokens, half, {"c"}), TTL_S + 1, "b's records gone from c's lookups")
+        print(f"b's records left c's lookups {time.monotonic() - killed:.2f} s after SIGKILL (TTL {TTL_S} s)")
+
+        b.start()  # same ports, same data: its SSD pages come back from its index
+        await eventually(lambda: _found(on_c, tokens, len(tokens)), 10, "b's SSD pages republished")
+        hit = await on_c.lookup(tokens)
+        assert [(r.node, r.num_pages) for r in hit.runs] == [("c", 8), ("b", 8)]
+        out = torch.zeros_like(kv)
+        assert await on_c.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)
+
+
+async def _listed(client: KVStoreClient, tokens: list[int], num_tokens: int, nodes: set[str]) -> bool:
+    hit = await client.lookup(tokens)
+    return hit.num_tokens == num_tokens and {r.node for r in hit.runs} == nodes
+
+
+def test_single_node_imports_nothing_of_cluster_mode(tmp_path) -> None:
+    """Without --cluster the server runs alone with nothing else running, and imports no
+    module of cluster mode (no etcd stubs, no UCX)."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent.parent)!r})
+        from conftest import make_config, random_kv
+        from kvstore.server import Server
+        from kvstore.client import KVStoreClient
+        from kvstore import KVLayout, Namespace
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_tokens=16)
+        ns = Namespace(model="solo", revision="r1", layout=layout)
+        server = Server(make_config(__import__("pathlib").Path({str(tmp_path)!r})))
+        server.start()
+        async def main():
+            async with KVStoreClient(server.address, ns) as client:
+                tokens = list(range(64)); kv = random_kv(layout, 64)
+                assert await client.put(tokens, kv) == 64
+                hit = await client.lookup(tokens)
+                assert hit.num_tokens == 64 and {{r.node for r in hit.runs}} == {{"local"}}
+                out = torch.zeros_like(kv); await client.get(hit, out); assert torch.equal(out, kv)
+        asyncio.run(main())
+        server.stop()
+        loaded = sorted(m for m in sys.modules if m.startswith(("kvstore.cluster", "kvstore.server.cluster", "aetcd", "ucxx")))
+        print("loaded:", loaded)
+        assert not loaded
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

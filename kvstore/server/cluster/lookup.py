@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from kvstore._proto import directory_pb2
@@ -51,14 +52,49 @@ def split(records: list[PageRecord], ranges: list[KeyRange]) -> list[list[PageRe
     return out
 
 
+class AnswerCache:
+    """Records a lookup learned from other owners, kept ``ttl_s`` (the membership TTL: as long
+    as a dead node's records may be listed anyway), so that the Acquire that follows a
+    client's lookup fetches without asking the owners again, and still fetches when an owner
+    fails between the two. A stale record costs a miss (the holder answers MISSING)."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._records: dict[bytes, tuple[bytes, PageRecord, float]] = {}
+
+    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord]) -> None:
+        if len(self._records) + len(records) > self.MAX_ENTRIES:
+            self._records.clear()
+        expires = self._clock() + self._ttl_s
+        for key, record in zip(keys, records):
+            self._records[key] = (namespace_id, record, expires)
+
+    def leading(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[PageRecord]:
+        """The cached records of the leading ``keys`` (stops at the first not cached)."""
+        now, out = self._clock(), []
+        for key in keys:
+            cached = self._records.get(key)
+            if cached is None or cached[0] != namespace_id or cached[2] < now:
+                break
+            out.append(cached[1])
+        return out
+
+    def forget_node(self, node: str) -> None:
+        self._records = {k: v for k, v in self._records.items() if v[1][0] != node}
+
+
 class ShardedLookup:
     def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
-                 timeout_s: float) -> None:
+                 timeout_s: float, cache_ttl_s: float) -> None:
         self._directory = directory
         self._node = node
         self._peers = peers
         self._shard_map = shard_map
         self._timeout_s = timeout_s
+        self.cache = AnswerCache(cache_ttl_s)
 
     async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None) -> list[LocationRun]:
         local = self._directory.lookup(namespace_id, keys)
@@ -76,7 +112,15 @@ class ShardedLookup:
         except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
             logger.warning("discarding a malformed lookup answer: %s", exc)
             return local
+        self.cache.put(namespace_id, rest, merged)
         return compress(expand(local) + merged)
+
+    async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> list[PageRecord]:
+        """Per leading page of ``keys``, where it is: cached answers first, then a lookup."""
+        found = self.cache.leading(namespace_id, keys)
+        if len(found) < len(keys):
+            found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s))
+        return found
 
     async def _ask(self, owner: str, namespace_id: bytes, keys: list[bytes], ranges: list[KeyRange],
                    timeout_s: float) -> list[list[PageRecord]] | None:

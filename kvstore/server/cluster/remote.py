@@ -29,7 +29,7 @@ from kvstore._proto import data_pb2
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.errors import KVStoreError, PageCorrupt
 from kvstore.page import LayoutDesc
-from kvstore.server.cluster.lookup import ShardedLookup
+from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import Peer, Peers
 from kvstore.server.placement import Placement
 from kvstore.wire import decode_chunk
@@ -63,7 +63,7 @@ class RemoteTier:
         start = self.local_prefix(namespace_id, keys)
         if start == len(keys):
             return start
-        runs = await self._lookup.lookup(namespace_id, keys[start:], timeout_s)
+        runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s))
         pos = start
         for run in runs:
             remaining = deadline - time.monotonic()

@@ -106,7 +106,8 @@ class ClusterRuntime:
             data_address = f"{cluster.advertise.rpartition(':')[0]}:{await self._page_server.start()}"
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)
-        self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s)
+        self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
+                                     cluster.ttl_s)
         self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
         self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s)
         capacities = {"host": self.config.host.capacity_bytes}
@@ -209,6 +210,7 @@ class ClusterRuntime:
             self.publisher.members_changed(before, self.shard_map)
 
     async def _drop(self, node: str) -> None:
+        self.lookups.cache.forget_node(node)
         gone = await asyncio.to_thread(self.core.directory.drop_node, node)
         logger.info("node %s left the cluster (or re-registered): %d of its records dropped", node, gone)
 
