@@ -13,7 +13,14 @@ from pathlib import Path
 
 from kvstore import logs
 from kvstore.config import (
-    MAP_BYTES, TOKEN_LOG_MAP_BYTES, ClusterConfig, HostTierConfig, SecurityConfig, ServerConfig, SsdTierConfig, parse_size,
+    MAP_BYTES,
+    TOKEN_LOG_MAP_BYTES,
+    ClusterConfig,
+    HostTierConfig,
+    SecurityConfig,
+    ServerConfig,
+    SsdTierConfig,
+    parse_size,
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.memory import tune_malloc

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from etcd_proc import free_port
 
 TTL_S = 2
@@ -75,8 +74,8 @@ class Node:
                 self.proc.wait(10)
 
 
-@pytest.fixture
-def cluster_nodes(tmp_path: Path, etcd: object) -> Iterator[Callable[..., list[Node]]]:
+@pytest.fixture(name="cluster_nodes")
+def cluster_nodes_fixture(tmp_path: Path, etcd: object) -> Iterator[Callable[..., list[Node]]]:
     """``start(names, data_plane)`` -> the nodes, started in parallel and all members."""
     started: list[Node] = []
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from cluster_nodes import TTL_S, cluster_nodes, eventually  # noqa: F401  # the fixture
+from cluster_nodes import TTL_S, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from conftest import random_kv
 from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 
@@ -36,7 +36,7 @@ async def nodes_listed(client: KVStoreClient, tokens: list[int]) -> tuple[int, s
 
 
 @pytest.mark.parametrize("data_plane", ["ucx", "grpc"])
-async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes, data_plane: str) -> None:
+async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes, etcd, data_plane: str) -> None:
     """An engine on node a stores a prefix; an engine on node c finds all of it with one
     lookup and reads it bit-exact through c's shared memory (the fetch copies it into c's
     host tier: the directory then lists both copies). A namespace invalidated at a reaches
@@ -57,11 +57,23 @@ async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes
         # c holds its own copy now, and lists it first
         hit = await on_c.lookup(tokens)
         assert {r.node for r in hit.runs} == {"c"} and hit.num_tokens == len(tokens)
+        status = ctl_cluster(etcd.url)
+        assert [(m["node"], m["epoch"], m["reachable"]) for m in status["members"]] == [("a", 1, True), ("b", 1, True), ("c", 1, True)]
+        assert abs(sum(m["record_share"] for m in status["members"]) - 1) < 0.01
+        host_pages = {m["node"]: m["tiers"]["host"]["pages"] for m in status["members"]}
+        assert host_pages == {"a": 24, "b": 0, "c": 24}
         async with KVStoreClient(b.address, NS) as on_b:
             # a whole-namespace invalidation at a goes to every node through etcd
             await on_a._call(on_a.runtime.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=NS.namespace_id))
             for client in (on_a, on_b, on_c):
                 await eventually(lambda cl=client: _found(cl, tokens, 0), 5, "the namespace cleared on every node")
+
+
+def ctl_cluster(etcd_url: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli.ctl", "--json", "cluster", "--etcd", etcd_url],
+                          check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 async def _found(client: KVStoreClient, tokens: list[int], num_tokens: int) -> bool:
@@ -147,5 +159,5 @@ def test_single_node_imports_nothing_of_cluster_mode(tmp_path) -> None:
         print("loaded:", loaded)
         assert not loaded
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
