@@ -32,9 +32,16 @@ from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import Peer, Peers
 from kvstore.server.placement import Placement
+from kvstore.types import LocationRun
 from kvstore.wire import decode_chunk
 
 logger = logging.getLogger(__name__)
+
+FETCH_PAGES = 1024  # pages per fetch request (page_wire allows 8192): the first lands while the next is asked
+
+
+def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
+    return [LocationRun(run.node, run.tier, min(size, run.num_pages - i), run.size_bytes) for i in range(0, run.num_pages, size)]
 
 
 class RemoteTier:
@@ -65,7 +72,7 @@ class RemoteTier:
             return start
         runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s))
         pos = start
-        for run in runs:
+        for run in (piece for whole in runs for piece in _pieces(whole, FETCH_PAGES)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

@@ -23,6 +23,7 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.cluster.etcd import EtcdClient, parse_endpoints
 from kvstore.cluster.members import Invalidation, Member, MembershipConfig, MemberState
 from kvstore.cluster.membership import Membership
@@ -88,11 +89,17 @@ class ClusterRuntime:
         self.publisher: Publisher | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float | None = None) -> None:
         """Starts the loop, the page server, joins the cluster and publishes what this node
-        holds; returns once it is a member (TimeoutError after ``timeout_s``)."""
+        holds; returns once it is a member (CoordinatorUnavailable after ``timeout_s``,
+        by default 3 TTLs: a restarted node waits for its previous lease to expire)."""
+        timeout_s = timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
         self._thread.start()
-        self.call(self._start(timeout_s), timeout_s + 5)
+        try:
+            self.call(self._start(timeout_s), timeout_s + 5)
+        except TimeoutError:
+            raise CoordinatorUnavailable(f"could not join the cluster at {self.cluster.etcd} as node {self.node} "
+                                         f"within {timeout_s:.0f} s (etcd down? the node id still registered?)") from None
 
     async def _start(self, timeout_s: float) -> None:
         cluster = self.cluster
