@@ -24,6 +24,7 @@ COMMANDS = {
     "lookup": ("lookup", "directory lookup latency and rate of a 512-page prefix, idle and while demoting"),
     "checkpoint": ("checkpoint", "KV checkpoint policies: SSD bytes vs tokens to recompute after a crash"),
     "vllm": ("vllm", "TTFT with a kvstore hit vs recompute vs vLLM's prefix cache; small-hit cost in the connector"),
+    "cluster": ("cluster", "cluster mode on loopback: remote get GB/s per data plane vs raw pumps, sharded lookup, failover"),
     "vllm-stall": ("vllm_stall", "a big hit loaded in the step vs fetched beside it (async load): decode stall, TTFT"),
 }
 
