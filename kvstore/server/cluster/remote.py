@@ -59,7 +59,8 @@ class RemoteTier:
         """How many leading keys this node holds a copy of."""
         for i, key in enumerate(keys):
             entry = self.core.directory.get(key)
-            if entry is None or entry.namespace_id != namespace_id or not any(n == self.node for n, _ in entry.locations):
+            # list(): a copy taken at once (the GIL), as another thread may add a location meanwhile
+            if entry is None or entry.namespace_id != namespace_id or not any(n == self.node for n, _ in list(entry.locations)):
                 return i
         return len(keys)
 
