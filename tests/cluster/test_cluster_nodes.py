@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -161,3 +162,63 @@ def test_single_node_imports_nothing_of_cluster_mode(tmp_path) -> None:
     """)
     done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+async def test_hf_model_restored_on_another_node_generates_identically(cluster_nodes) -> None:
+    """The HF adapter on node a saves a real model's KV of a prompt; the adapter on node c
+    restores it from a's pages (fetched into c's host tier) and greedy decoding from it is
+    token for token what it is without any cache."""
+    from hf_model import greedy, namespace_for, tiny_qwen3
+
+    from kvstore.client.adapters.hf import HFKVCache
+
+    torch.set_num_threads(1)
+    model, config = tiny_qwen3()
+    a, c = cluster_nodes(["a", "c"], "ucx")
+    prompt = torch.randint(0, 512, (1, 100), generator=torch.Generator().manual_seed(3))
+    ns = namespace_for(config)
+    async with KVStoreClient(a.address, ns) as on_a, KVStoreClient(c.address, ns) as on_c:
+        with torch.no_grad():
+            past = model(prompt, use_cache=True).past_key_values
+        assert await HFKVCache(on_a, config).save(prompt, past) == 96
+        await eventually(lambda: _found(on_c, prompt[0].tolist(), 96), 5, "a's pages in c's lookup")
+        assert {r.node for r in (await on_c.lookup(prompt[0].tolist())).runs} == {"a"}
+        n, restored = await HFKVCache(on_c, config).restore(prompt)
+        assert n == 96
+        assert greedy(model, prompt, restored, steps=16) == greedy(model, prompt, steps=16)
+
+
+async def test_etcd_restarted_under_a_live_cluster(cluster_nodes, etcd) -> None:
+    """etcd SIGKILLed and restarted on the same data: meanwhile the nodes keep serving local
+    hits; afterwards they are members again and no page is lost (c finds and reads a's
+    prefix)."""
+    a, c = cluster_nodes(["a", "c"], "ucx")
+    tokens = tokens_of(4, 8)
+    kv = random_kv(LAYOUT, len(tokens), seed=4)
+    async with KVStoreClient(a.address, NS) as on_a, KVStoreClient(c.address, NS) as on_c:
+        assert await on_a.put(tokens, kv) == len(tokens)
+        await eventually(lambda: _found(on_c, tokens, len(tokens)), 5, "the prefix in c's lookup")
+        etcd.kill()
+        out = torch.zeros_like(kv)
+        for _ in range(3):  # across the lease TTL: a keeps serving its own pages
+            hit = await on_a.lookup(tokens)
+            assert hit.num_tokens == len(tokens)
+            assert await on_a.get(hit, out) == len(tokens) and torch.equal(out, kv)
+            await asyncio.sleep(TTL_S / 2)
+        etcd.start()
+        # both stopped acting as members when their leases ran out, and register again (epoch 2)
+        # once etcd expires the old keys (it restores leases with a fresh TTL on restart)
+        status = await asyncio.to_thread(_members_after_restart, etcd.url, {"a": 2, "c": 2})
+        assert status == {"a": 2, "c": 2}
+        await eventually(lambda: _listed(on_c, tokens, len(tokens), {"a"}), 10, "a's prefix found from c again")
+        out = torch.zeros_like(kv)
+        assert await on_c.get(await on_c.lookup(tokens), out) == len(tokens) and torch.equal(out, kv)
+
+
+def _members_after_restart(etcd_url: str, expected: dict[str, int]) -> dict[str, int]:
+    deadline = time.monotonic() + 15
+    while True:
+        members = {m["node"]: m["epoch"] for m in ctl_cluster(etcd_url)["members"]}
+        if members == expected or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
