@@ -20,7 +20,7 @@ from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient
-from kvstore.errors import PageMissing
+from kvstore.errors import PageMissing, TierUnavailable
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
 NS = Namespace(model="cluster", revision="r1", layout=LAYOUT)
@@ -199,6 +199,9 @@ async def test_etcd_restarted_under_a_live_cluster(cluster_nodes, etcd) -> None:
         assert await on_a.put(tokens, kv) == len(tokens)
         await eventually(lambda: _found(on_c, tokens, len(tokens)), 5, "the prefix in c's lookup")
         etcd.kill()
+        other = directory_pb2.InvalidateRequest(namespace_id=bytes(range(16)))
+        with pytest.raises(TierUnavailable, match="etcd did not take the invalidation"):  # a clear status, not INTERNAL
+            await on_a._call(on_a.runtime.directory.Invalidate, other)
         out = torch.zeros_like(kv)
         for _ in range(3):  # across the lease TTL: a keeps serving its own pages
             hit = await on_a.lookup(tokens)

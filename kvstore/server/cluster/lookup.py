@@ -102,16 +102,22 @@ class ShardedLookup:
         if found == len(keys):
             return local
         rest = keys[found:]
-        plan = plan_lookup(rest, self._shard_map())
-        requests = plan.requests()
         timeout = min(self._timeout_s, timeout_s) if timeout_s else self._timeout_s
-        owners = list(requests)
-        answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout) for o in owners))
-        try:
-            merged = merge_lookup(plan, dict(zip(owners, answers)))
-        except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
-            logger.warning("discarding a malformed lookup answer: %s", exc)
-            return local
+        shard_map, failed = self._shard_map(), set[str]()
+        # one round; a second only when an owner failed and the records have other replicas
+        for _ in range(2 if shard_map.config.replicas > 1 else 1):
+            plan = plan_lookup(rest, shard_map, exclude=failed)
+            requests = plan.requests()
+            owners = list(requests)
+            answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout) for o in owners))
+            try:
+                merged = merge_lookup(plan, dict(zip(owners, answers)))
+            except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
+                logger.warning("discarding a malformed lookup answer: %s", exc)
+                return local
+            failed |= {o for o, a in zip(owners, answers) if a is None}
+            if len(merged) == len(rest) or not failed:
+                break
         self.cache.put(namespace_id, rest, merged)
         return compress(expand(local) + merged)
 

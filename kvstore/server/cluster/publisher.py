@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from kvstore._proto import common_pb2, directory_pb2
 from kvstore.cluster.shards import ShardMap, moves
 from kvstore.directory import Directory
@@ -28,6 +30,8 @@ from kvstore.directory.events import EventKind
 from kvstore.server.cluster.peers import Peers
 
 logger = logging.getLogger(__name__)
+
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 BATCH_RECORDS = 4096
 FLUSH_S = 0.02  # how long changes gather before they are sent
@@ -176,8 +180,13 @@ class Publisher:
                 sent = start + len(batch)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - grpc errors of any kind: retried while the owner is a member
-            logger.info("node %s: publishing %d records to %s failed (%r); retrying", self._node, len(items) - sent, owner, exc)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRIED:  # refused (the owner's record limits, rights): retrying would not change that
+                logger.warning("node %s: owner %s refused %d records (%s: %s); they are not listed there",
+                               self._node, owner, len(items) - sent, exc.code().name, exc.details())
+                return
+            logger.info("node %s: publishing %d records to %s failed (%s); retrying", self._node, len(items) - sent, owner,
+                        exc.code().name)
             if owner in self._shard_map().members:
                 retry = self._pending.setdefault(owner, {})
                 for held, record in items[sent:]:

@@ -29,7 +29,7 @@ from kvstore.cluster.members import Invalidation, Member, MembershipConfig, Memb
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
@@ -51,6 +51,7 @@ class AppliedInvalidations:
 
     def __init__(self, path: Path) -> None:
         self._path = path
+        self._lock = threading.Lock()
         try:
             self._revs: dict[str, int] = {k: int(v) for k, v in json.loads(path.read_text()).items()}
         except FileNotFoundError:
@@ -63,11 +64,14 @@ class AppliedInvalidations:
         return self._revs.get(inv.namespace_id.hex(), 0) >= inv.revision
 
     def record(self, namespace_id: bytes, revision: int) -> None:
+        """Thread-safe: the Invalidate servicer and the watch's worker may record at once
+        (the issuing node gets its own invalidation back)."""
         key = namespace_id.hex()
-        self._revs[key] = max(self._revs.get(key, 0), revision)
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._revs))
-        os.replace(tmp, self._path)
+        with self._lock:
+            self._revs[key] = max(self._revs.get(key, 0), revision)
+            tmp = self._path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._revs))
+            os.replace(tmp, self._path)
 
 
 class ClusterRuntime:
@@ -201,7 +205,11 @@ class ClusterRuntime:
     def invalidate(self, namespace_id: bytes) -> None:
         """Writes a namespace invalidation to etcd: every node clears the namespace."""
         assert self.membership is not None
-        inv = self.call(self.membership.invalidate(namespace_id), self.etcd.call_timeout_s + 1)
+        try:
+            inv = self.call(self.membership.invalidate(namespace_id), self.etcd.call_timeout_s + 1)
+        except (CoordinatorUnavailable, TimeoutError) as exc:
+            raise TierUnavailable(f"namespace {namespace_id.hex()} was cleared on node {self.node} but etcd did not take "
+                                  f"the invalidation ({exc!r}); the other nodes still hold it: invalidate again") from None
         self.invalidations.record(namespace_id, inv.revision)
 
     # -- membership listeners (on the loop) -------------------------------------------------
