@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -24,6 +25,9 @@ from kvstore.server.services.handlers import add_service, data_handlers, generat
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class Server:
         self.security = ServerSecurity(config.security, config.data_dir,
                                        lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
         self.core = Placement(config, self.metrics, wrap=wrap)
-        self.cluster = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
+        self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if config.cluster is not None:
             from kvstore.server.cluster import ClusterRuntime
 

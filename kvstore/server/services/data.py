@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,6 +18,9 @@ from kvstore.server.services.errors import stream, unary
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
+
 
 @dataclass(frozen=True)
 class _Destination:
@@ -29,7 +32,7 @@ class _Destination:
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, cluster: Any = None) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold

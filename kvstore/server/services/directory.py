@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -16,6 +16,9 @@ from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
 from kvstore.types import TIER_NAMES, Location
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
 
 _SUBSCRIBE_POLL_S = 0.5
 MAX_NODE_NAME = 255
@@ -35,7 +38,7 @@ def event_msg(ev: Event) -> directory_pb2.Event:
 
 
 class DirectoryService(directory_pb2_grpc.DirectoryServicer):
-    def __init__(self, core: Placement, config: ServerConfig, cluster: Any = None) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: lookups span the shard owners
