@@ -55,6 +55,15 @@ async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes
         out = torch.zeros_like(kv)
         assert await on_c.get(hit, out) == len(tokens)
         assert torch.equal(out, kv)
+        # an engine on another host reads through c over ReadPages streams: c fetches the same way
+        tokens2 = tokens_of(5, 8)
+        kv2 = random_kv(LAYOUT, len(tokens2), seed=5)
+        assert await on_a.put(tokens2, kv2) == len(tokens2)
+        async with KVStoreClient(c.address, NS, use_shm=False) as streamed:
+            await eventually(lambda: _found(streamed, tokens2, len(tokens2)), 5, "the second prefix in c's lookup")
+            out2 = torch.zeros_like(kv2)
+            assert not streamed.shared_memory and await streamed.get(await streamed.lookup(tokens2), out2) == len(tokens2)
+            assert torch.equal(out2, kv2)
         # c holds its own copy now, and lists it first
         hit = await on_c.lookup(tokens)
         assert {r.node for r in hit.runs} == {"c"} and hit.num_tokens == len(tokens)
@@ -62,7 +71,7 @@ async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes
         assert [(m["node"], m["epoch"], m["reachable"]) for m in status["members"]] == [("a", 1, True), ("b", 1, True), ("c", 1, True)]
         assert abs(sum(m["record_share"] for m in status["members"]) - 1) < 0.01
         host_pages = {m["node"]: m["tiers"]["host"]["pages"] for m in status["members"]}
-        assert host_pages == {"a": 24, "b": 0, "c": 24}
+        assert host_pages == {"a": 24 + 8, "b": 0, "c": 24 + 8}
         async with KVStoreClient(b.address, NS) as on_b:
             # a whole-namespace invalidation at a goes to every node through etcd
             await on_a._call(on_a.runtime.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=NS.namespace_id))

@@ -137,7 +137,7 @@ class RemoteTier:
     async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""
-        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys), timeout=timeout_s)
+        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True), timeout=timeout_s)
         allocation_id: bytes | None = None
         slots: dict[bytes, int | None] = {}
         ok_keys: list[bytes] = []

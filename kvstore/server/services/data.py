@@ -178,6 +178,8 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
+        if self.cluster is not None and not request.local_only:
+            self.cluster.fill(ns, keys, context.time_remaining())
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         try:
             for page in pages:
