@@ -270,14 +270,22 @@ class Directory:
                     del self._entries[key]
             return gone
 
-    def drop_node(self, node: str) -> int:
-        """Removes every location on another node (it left the cluster: its records are
-        stale). Returns how many went; the locations of this node are never touched here."""
+    @property
+    def version(self) -> int:
+        """The version the last published location got (versions only grow)."""
+        return self._version
+
+    def drop_node(self, node: str, up_to_version: int | None = None) -> int:
+        """Removes the locations on another node (it left the cluster, or registered again:
+        its records are stale), those published up to ``up_to_version`` only when given (a
+        node that registered again republishes at once: what it sent since must stay).
+        Returns how many went; the locations of this node are never touched here."""
         if node == self.node:
             raise ValueError("drop_node is for other nodes' locations")
         gone = 0
         for key, _, loc in self.locations_of(node):
-            gone += len(self.remove(key, node, loc.tier))
+            if up_to_version is None or loc.version <= up_to_version:
+                gone += len(self.remove(key, node, loc.tier))
         return gone
 
     def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:

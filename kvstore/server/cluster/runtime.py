@@ -219,14 +219,15 @@ class ClusterRuntime:
         self._members = dict(members)
         for peer in self.peers.update(members):
             self._spawn(peer.close())
+        version = self.core.directory.version  # records published after this are the new incarnation's
         for node in left:
-            self._spawn(self._drop(node))
+            self._spawn(self._drop(node, version))
         if self.publisher is not None:
             self.publisher.members_changed(before, self.shard_map)
 
-    async def _drop(self, node: str) -> None:
+    async def _drop(self, node: str, up_to_version: int) -> None:
         self.lookups.cache.forget_node(node)
-        gone = await asyncio.to_thread(self.core.directory.drop_node, node)
+        gone = await asyncio.to_thread(self.core.directory.drop_node, node, up_to_version)
         logger.info("node %s left the cluster (or re-registered): %d of its records dropped", node, gone)
 
     def _on_state(self, state: MemberState, epoch: int) -> None:
