@@ -72,6 +72,12 @@ async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes
         assert abs(sum(m["record_share"] for m in status["members"]) - 1) < 0.01
         host_pages = {m["node"]: m["tiers"]["host"]["pages"] for m in status["members"]}
         assert host_pages == {"a": 24 + 8, "b": 0, "c": 24 + 8}
+        # a hint on c fetches a's pages ahead, without waiting for them
+        tokens3 = tokens_of(6, 4)
+        assert await on_a.put(tokens3, random_kv(LAYOUT, len(tokens3), seed=6)) == len(tokens3)
+        await eventually(lambda: _found(on_c, tokens3, len(tokens3)), 5, "the third prefix in c's lookup")
+        assert await on_c.hint(tokens3, eta_s=1.0)
+        await eventually(lambda: _listed(on_c, tokens3, len(tokens3), {"c"}), 5, "the hinted pages fetched into c")
         async with KVStoreClient(b.address, NS) as on_b:
             # a whole-namespace invalidation at a goes to every node through etcd
             await on_a._call(on_a.runtime.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=NS.namespace_id))

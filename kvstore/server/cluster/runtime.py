@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
+MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
 _ABORT_S = 3.0    # a cancelled fetch's bounded clean-up (the transport waits up to 2 s for posted receives)
 
 
@@ -89,6 +90,8 @@ class ClusterRuntime:
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._page_server: Any = None
+        self._prefetch_lock = threading.Lock()
+        self._prefetching = 0
         self.membership: Membership | None = None
         self.publisher: Publisher | None = None
 
@@ -201,6 +204,29 @@ class ClusterRuntime:
             self.call(self.remote.read_into_landing(namespace_id, keys, timeout), timeout + _ABORT_S)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("remote fill of %d pages ended early: %r", len(keys), exc)
+
+    def prefetch(self, namespace_id: bytes, keys: list[bytes]) -> bool:
+        """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
+        request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
+        flight already (the engine then recomputes or reads them on demand)."""
+        if self.remote.local_prefix(namespace_id, keys) == len(keys):
+            return True
+        with self._prefetch_lock:
+            if self._prefetching >= MAX_PREFETCHES:
+                return False
+            self._prefetching += 1
+        # a task of the runtime: cancelled (its allocation given back) when the node leaves
+        self._loop.call_soon_threadsafe(self._spawn, self._prefetch(namespace_id, keys))
+        return True
+
+    async def _prefetch(self, namespace_id: bytes, keys: list[bytes]) -> None:
+        try:
+            await self.remote.read_into_landing(namespace_id, keys, self.cluster.fetch_timeout_s)
+        except KVStoreError as exc:
+            logger.info("prefetch of %d remote pages ended early: %r", len(keys), exc)
+        finally:
+            with self._prefetch_lock:
+                self._prefetching -= 1
 
     def invalidate(self, namespace_id: bytes) -> None:
         """Writes a namespace invalidation to etcd: every node clears the namespace."""

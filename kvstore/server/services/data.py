@@ -149,7 +149,12 @@ class DataService(data_pb2_grpc.DataServicer):
             if entry.eta_ms > max_eta_ms:
                 raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
-        return data_pb2.HintResponse(reserved=[self.core.hint(ns, keys, eta_s) for keys, eta_s in entries])
+        reserved = [self.core.hint(ns, keys, eta_s) for keys, eta_s in entries]
+        if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
+            for (keys, _), ok in zip(entries, reserved):
+                if ok:
+                    self.cluster.prefetch(ns, keys)
+        return data_pb2.HintResponse(reserved=reserved)
 
     @unary
     def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:
