@@ -91,6 +91,7 @@ class ClusterRuntime:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._page_server: Any = None
         self._prefetch_lock = threading.Lock()
+        self._leaving = False
         self._prefetching = 0
         self.membership: Membership | None = None
         self.publisher: Publisher | None = None
@@ -142,6 +143,7 @@ class ClusterRuntime:
         once) and stops the loop."""
         if not self._thread.is_alive():
             return
+        self._leaving = True  # calls still arriving answer from this node alone
         try:
             self.call(self._stop(), 15)
         except (TimeoutError, KVStoreError) as exc:
@@ -184,6 +186,8 @@ class ClusterRuntime:
     # -- what the servicers call ---------------------------------------------------------
     def lookup(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> list[LocationRun]:
         """The contiguous prefix of ``keys`` stored anywhere in the cluster, as runs."""
+        if self._leaving:
+            return self.core.directory.lookup(namespace_id, keys)
         timeout = self.cluster.rpc_timeout_s if time_remaining_s is None else max(0.01, time_remaining_s - _MARGIN_S)
         try:
             return self.call(self.lookups.lookup(namespace_id, keys, timeout), timeout + 1)
@@ -193,7 +197,7 @@ class ClusterRuntime:
     def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> None:
         """Fetches the pages of ``keys`` held only elsewhere into the host tier (up to the
         first that cannot be had), within the caller's deadline; then an acquire finds them."""
-        if self.remote.local_prefix(namespace_id, keys) == len(keys):
+        if self._leaving or self.remote.local_prefix(namespace_id, keys) == len(keys):
             return
         timeout = self.cluster.fetch_timeout_s
         if time_remaining_s is not None:
@@ -209,6 +213,8 @@ class ClusterRuntime:
         """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
         request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
         flight already (the engine then recomputes or reads them on demand)."""
+        if self._leaving:
+            return False
         if self.remote.local_prefix(namespace_id, keys) == len(keys):
             return True
         with self._prefetch_lock:
@@ -231,6 +237,9 @@ class ClusterRuntime:
     def invalidate(self, namespace_id: bytes) -> None:
         """Writes a namespace invalidation to etcd: every node clears the namespace."""
         assert self.membership is not None
+        if self._leaving:
+            raise TierUnavailable(f"namespace {namespace_id.hex()} was cleared on node {self.node}, which is leaving "
+                                  "the cluster: invalidate it again at another node")
         try:
             inv = self.call(self.membership.invalidate(namespace_id), self.etcd.call_timeout_s + 1)
         except (CoordinatorUnavailable, TimeoutError) as exc:
