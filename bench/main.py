@@ -26,6 +26,7 @@ COMMANDS = {
     "fuzz": ("fuzz", "random and mutated requests on every RPC with auth + TLS on: no crash, INTERNAL, hang, leak; still exact"),
     "soak": ("soak", "N clients of 2 tenants, mixed ops with TLS + auth, bytes checked; RSS, p50/p99; cost vs plain"),
     "vllm": ("vllm", "TTFT with a kvstore hit vs recompute vs vLLM's prefix cache; small-hit cost in the connector"),
+    "cluster": ("cluster", "cluster mode on loopback: remote get GB/s per data plane vs raw pumps, sharded lookup, failover"),
     "vllm-stall": ("vllm_stall", "a big hit loaded in the step vs fetched beside it (async load): decode stall, TTFT"),
 }
 

@@ -118,6 +118,38 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Cluster mode (DESIGN §12; kvstore/server/cluster/). The node's name in locations is
+    ``node_id``; peers reach it at ``advertise`` (gRPC) and ``advertise``'s host + the data
+    port (UCX)."""
+
+    etcd: str  # etcd://host:port[,host:port...]
+    node_id: str
+    advertise: str  # HOST:PORT other nodes call this node's gRPC server at
+    name: str = "default"  # the cluster's name: its keys live under /kvstore/<name>/ in etcd
+    data_plane: str = "ucx"  # "ucx" or "grpc" (ReadPages streams)
+    ucx_tls: str | None = None  # UCX_TLS (e.g. "tcp"); None: UCX chooses
+    data_port: int = 0  # the UCX listener's port (0: any free one; it is registered in etcd)
+    ttl_s: int = 10  # the membership lease
+    replicas: int = 1  # directory owners of each page's record
+    fetch_timeout_s: float = 5.0  # a remote fetch gives up after this (or the caller's deadline, if sooner)
+    rpc_timeout_s: float = 2.0  # node-to-node directory calls (lookup, publish)
+    token: str | None = None  # bearer token this node presents to the others
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in ("ucx", "grpc"):
+            raise ConfigError(f"--data-plane must be ucx or grpc, got {self.data_plane!r}")
+        if ":" not in self.advertise or not self.advertise.rpartition(":")[2].isdigit() or self.advertise.endswith(":0"):
+            raise ConfigError(f"--advertise must be HOST:PORT with a fixed port, got {self.advertise!r}")
+        if self.ttl_s < 2:
+            raise ConfigError("--cluster-ttl must be >= 2 s")
+        if self.replicas < 1:
+            raise ConfigError("--cluster-replicas must be >= 1")
+        if not (self.fetch_timeout_s > 0 and self.rpc_timeout_s > 0):
+            raise ConfigError("--fetch-timeout-s and --cluster-rpc-timeout-s must be > 0")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     listen: str = "127.0.0.1:7070"
     data_dir: Path = Path("./kvstore-data")
@@ -144,6 +176,7 @@ class ServerConfig:
     directory_map_bytes: int = MAP_BYTES  # LMDB map of the directory's durable (remote) locations
     token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    cluster: ClusterConfig | None = None  # None: a single node, nothing of cluster mode is imported
 
     def __post_init__(self) -> None:
         for tier in self.tiers:

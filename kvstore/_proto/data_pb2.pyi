@@ -246,13 +246,15 @@ class WritePagesResponse(_message.Message):
     def __init__(self, num_published: _Optional[int] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms")
+    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunk_bytes: int
     ttl_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ...) -> None: ...

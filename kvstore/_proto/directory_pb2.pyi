@@ -35,12 +35,14 @@ class QuarantineResponse(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[_Union[QuarantinedPage, _Mapping]]] = ..., purged: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "local_only")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_pages", "runs")
@@ -85,14 +87,16 @@ class PublishResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier")
+    __slots__ = ("namespace_id", "keys", "tier", "node")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ...) -> None: ...
+    node: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("num_removed",)

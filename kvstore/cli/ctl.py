@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     nt = sub.add_parser("new-token", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="make a random token and the --auth-file entry that grants it (no server needed)")
     nt.add_argument("--tenant", required=True)
     nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin")
+    cl = sub.add_parser("cluster", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        help="members, epochs, record ownership and usage of every node (reads etcd)")
+    cl.add_argument("--etcd", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]", help="the cluster's etcd (as --cluster)")
+    cl.add_argument("--cluster-name", default="default")
+    cl.add_argument("--cluster-replicas", type=int, default=1, help="as the servers' --cluster-replicas")
     plan = sub.add_parser("plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="rank local hit, fetch and recompute per instance (no server needed)")
     plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
@@ -106,6 +111,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.command == "new-token":
         return new_token(args)
     token, tls = client_security(args)
+    if args.command == "cluster":
+        from kvstore.cli.ctl_cluster import cluster_status
+
+        return cluster_status(args.etcd, args.cluster_name, args.cluster_replicas, token, tls, args.timeout)
     with sync_channel(args.server, token=token, tls=tls) as channel:
         stub = directory_pb2_grpc.DirectoryStub(channel)
         try:
@@ -166,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.json or args.command == "plan":
         print(json.dumps(result, indent=2))
+    elif args.command == "cluster":
+        from kvstore.cli.ctl_cluster import print_cluster
+
+        print_cluster(result)
     elif args.command == "new-token":
         print(f"{result['token']}\n\n# Give the token above to the client; the server keeps only its SHA-256.\n"
               f"# Add this to the --auth-file, then send the server SIGHUP:\n{result['auth_file_entry']}", end="")

@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from kvstore import logs
-from kvstore.config import MAP_BYTES, TOKEN_LOG_MAP_BYTES, HostTierConfig, SecurityConfig, ServerConfig, SsdTierConfig, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.config import (
+    MAP_BYTES,
+    TOKEN_LOG_MAP_BYTES,
+    ClusterConfig,
+    HostTierConfig,
+    SecurityConfig,
+    ServerConfig,
+    SsdTierConfig,
+    parse_size,
+)
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.memory import tune_malloc
 
 logger = logging.getLogger("kvstore.server")
@@ -66,6 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA; they name the tenant")
     security.add_argument("--insecure", action="store_true",
                           help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
+    cluster = p.add_argument_group("cluster", "join a cluster of nodes on etcd (DESIGN §12); without --cluster: one node")
+    cluster.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]", help="etcd endpoints of the cluster")
+    cluster.add_argument("--node-id", help="this node's unique name in the cluster (replaces --node)")
+    cluster.add_argument("--advertise", help="HOST:PORT other nodes reach this node's gRPC server at (default: --listen)")
+    cluster.add_argument("--data-plane", default="ucx", choices=["ucx", "grpc"],
+                         help="how page bytes move node to node: UCX, or gRPC ReadPages streams (default %(default)s)")
+    cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (default: UCX chooses)")
+    cluster.add_argument("--data-port", type=int, default=0, help="the UCX listener's port (default 0: any free one)")
+    cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd (default %(default)s)")
+    cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds (default %(default)s)")
+    cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record (default %(default)s)")
+    cluster.add_argument("--fetch-timeout-s", type=float, default=5.0,
+                         help="a remote page fetch gives up after this, or the caller's deadline if sooner (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
@@ -75,7 +98,23 @@ def _path(text: str | None) -> Path | None:
     return Path(text) if text else None
 
 
+def cluster_from_args(args: argparse.Namespace) -> ClusterConfig | None:
+    if not args.cluster:
+        if args.node_id or args.advertise:
+            raise ConfigError("--node-id and --advertise need --cluster")
+        return None
+    if not args.node_id:
+        raise ConfigError("--cluster needs --node-id")
+    return ClusterConfig(
+        etcd=args.cluster, node_id=args.node_id, advertise=args.advertise or args.listen, name=args.cluster_name,
+        data_plane=args.data_plane, ucx_tls=args.ucx_tls, data_port=args.data_port, ttl_s=args.cluster_ttl,
+        replicas=args.cluster_replicas, fetch_timeout_s=args.fetch_timeout_s,
+        token=os.environ.get("KVSTORE_CLUSTER_TOKEN") or None,  # a secret: not on the command line
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    cluster = cluster_from_args(args)
     tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip())
     map_bytes = parse_size(args.lmdb_map_size, "--lmdb-map-size") if args.lmdb_map_size else None
     data_dir = Path(args.data_dir)
@@ -97,7 +136,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share),
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
-        node=args.node,
+        node=cluster.node_id if cluster else args.node,
+        cluster=cluster,
         scrub_pages_per_s=args.scrub_rate,
         directory_map_bytes=map_bytes or MAP_BYTES,
         token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,

@@ -5,8 +5,12 @@ now; a gRPC stream would carry the same frames).
                                    namespace_id 16s | page_bytes u64 | num_keys u32 | keys 16s * n
     sender -> receiver   answer:   "KVFA" version u16 | flags u16 | request_id u64 | num_keys u32 |
                                    per key: status u8 | pad 7 | payload_bytes u64 | checksum u64
+                                   [layout, when flags has LAYOUT: num_layers u32 | kv_factor u32 |
+                                    num_kv_heads u32 | head_dim u32 | dtype 16s | page_tokens u32]
     sender -> receiver   then each FOUND page's payload, in key order, one message per page,
-                         straight into the buffer the receiver posted for it.
+                         straight into the buffer the receiver posted for it (none when the
+                         request's flags has DESCRIBE: a receiver that does not know the
+                         namespace's layout asks for it before it allocates destinations).
 
 The receiver sizes its buffers before it asks (pages of one namespace have one size), so a
 page of another size is answered WRONG_SIZE and never sent. ``checksum`` is the xxh3-64 the
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
 from kvstore.types import PAGE_KEY_BYTES
 
 VERSION = 1
@@ -30,7 +35,27 @@ MAX_PAGE_BYTES = 1 << 30
 _REQUEST = struct.Struct("<4sHHQ16sQI")
 _ANSWER = struct.Struct("<4sHHQI")
 _ENTRY = struct.Struct("<B7xQQ")
-MAX_FRAME_BYTES = max(_REQUEST.size + MAX_KEYS * PAGE_KEY_BYTES, _ANSWER.size + MAX_KEYS * _ENTRY.size)
+_LAYOUT = struct.Struct("<IIII16sI")
+MAX_FRAME_BYTES = max(_REQUEST.size + MAX_KEYS * PAGE_KEY_BYTES, _ANSWER.size + MAX_KEYS * _ENTRY.size + _LAYOUT.size)
+DESCRIBE = 1  # request flag: answer statuses (and the layout), send no payload
+LAYOUT = 1    # answer flag: the namespace's layout follows the entries
+
+
+def encode_layout(layout: LayoutDesc) -> bytes:
+    return _LAYOUT.pack(layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, layout.dtype.encode(),
+                        layout.page_tokens)
+
+
+def decode_layout(data: bytes | bytearray | memoryview, offset: int) -> LayoutDesc:
+    layers, kv, heads, dim, dtype, tokens = _LAYOUT.unpack_from(data, offset)
+    try:
+        name = bytes(dtype).rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        raise InvalidRequest("fetch answer names a dtype that is not ASCII") from None
+    layout = LayoutDesc(layers, kv, heads, dim, name, tokens)
+    if layout.page_bytes <= 0:
+        raise InvalidRequest(f"fetch answer carries an unusable layout {layout}")
+    return layout
 
 
 class PageStatus(enum.IntEnum):
@@ -45,9 +70,10 @@ class FetchRequest:
     namespace_id: bytes
     page_bytes: int
     keys: tuple[bytes, ...]
+    flags: int = 0
 
     def encode(self) -> bytes:
-        return _REQUEST.pack(b"KVFQ", VERSION, 0, self.request_id, self.namespace_id, self.page_bytes,
+        return _REQUEST.pack(b"KVFQ", VERSION, self.flags, self.request_id, self.namespace_id, self.page_bytes,
                              len(self.keys)) + b"".join(self.keys)
 
     @classmethod
@@ -55,7 +81,7 @@ class FetchRequest:
         """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
         if len(data) < _REQUEST.size:
             raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
-        magic, version, _flags, rid, ns, page_bytes, n = _REQUEST.unpack_from(data)
+        magic, version, flags, rid, ns, page_bytes, n = _REQUEST.unpack_from(data)
         if magic != b"KVFQ" or version != VERSION:
             raise InvalidRequest(f"not a fetch request of version {VERSION} ({bytes(magic)!r} v{version})")
         if not 0 < n <= MAX_KEYS or not 0 < page_bytes <= MAX_PAGE_BYTES:
@@ -64,7 +90,7 @@ class FetchRequest:
             raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
         raw = bytes(data[_REQUEST.size:])
         keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
-        return cls(rid, bytes(ns), page_bytes, keys)
+        return cls(rid, bytes(ns), page_bytes, keys, flags & DESCRIBE)
 
 
 @dataclass(frozen=True)
@@ -78,10 +104,13 @@ class PageEntry:
 class FetchAnswer:
     request_id: int
     entries: tuple[PageEntry, ...]
+    layout: LayoutDesc | None = None
 
     def encode(self) -> bytes:
-        return _ANSWER.pack(b"KVFA", VERSION, 0, self.request_id, len(self.entries)) + b"".join(
-            _ENTRY.pack(e.status, e.payload_bytes, e.checksum) for e in self.entries)
+        flags = LAYOUT if self.layout is not None else 0
+        return _ANSWER.pack(b"KVFA", VERSION, flags, self.request_id, len(self.entries)) + b"".join(
+            _ENTRY.pack(e.status, e.payload_bytes, e.checksum) for e in self.entries) + (
+            encode_layout(self.layout) if self.layout is not None else b"")
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview, request: FetchRequest) -> FetchAnswer:
@@ -89,10 +118,11 @@ class FetchAnswer:
         that request (same id, one entry per key, found pages of the posted size)."""
         if len(data) < _ANSWER.size:
             raise InvalidRequest(f"fetch answer of {len(data)} bytes is truncated")
-        magic, version, _flags, rid, n = _ANSWER.unpack_from(data)
+        magic, version, flags, rid, n = _ANSWER.unpack_from(data)
         if magic != b"KVFA" or version != VERSION or rid != request.request_id or n != len(request.keys):
             raise InvalidRequest(f"fetch answer does not answer request {request.request_id}")
-        if len(data) != _ANSWER.size + n * _ENTRY.size:
+        tail = _LAYOUT.size if flags & LAYOUT else 0
+        if len(data) != _ANSWER.size + n * _ENTRY.size + tail:
             raise InvalidRequest(f"fetch answer of {len(data)} bytes does not hold {n} entries")
         entries = []
         for i in range(n):
@@ -104,7 +134,8 @@ class FetchAnswer:
             if st is PageStatus.FOUND and length != request.page_bytes:
                 raise InvalidRequest(f"fetch answer entry {i} is {length} bytes, {request.page_bytes} were posted")
             entries.append(PageEntry(st, length, csum))
-        return cls(rid, tuple(entries))
+        layout = decode_layout(data, _ANSWER.size + n * _ENTRY.size) if tail else None
+        return cls(rid, tuple(entries), layout)
 
 
 def check_keys(namespace_id: bytes, keys: Sequence[bytes]) -> None:

@@ -23,16 +23,16 @@ import enum
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import ucxx
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_wire import MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
 from kvstore.errors import ConfigError, InvalidRequest
-from kvstore.page import checksum
+from kvstore.page import LayoutDesc, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,13 @@ def init_ucx(config: UcxConfig) -> None:
 @dataclass
 class SourcePage:
     """A page the sender holds, pinned until ``release()``: ``data`` is its payload as one
-    contiguous buffer, ``checksum`` the xxh3-64 its tier stored with it."""
+    contiguous buffer, ``checksum`` the xxh3-64 its tier stored with it, ``layout`` the
+    layout it was stored with (sent to a receiver that asks, so it can allocate for it)."""
 
     data: Any
     checksum: int
     release: Callable[[], None] = lambda: None
+    layout: LayoutDesc | None = None
 
 
 class PageSource(Protocol):
@@ -161,10 +163,13 @@ class UcxPageServer:
                     entries.append(PageEntry(PageStatus.WRONG_SIZE, memoryview(page.data).nbytes))
                 else:
                     entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
+            layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
             sends: list[asyncio.Future[Any]] = []
             try:
                 async with asyncio.timeout(self._send_timeout_s):
-                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries)).encode())
+                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries), layout).encode())
+                    if request.flags & DESCRIBE:
+                        return
                     sends = [asyncio.ensure_future(ep.send(page.data))
                              for page, e in zip(pages, entries) if page is not None and e.status is PageStatus.FOUND]
                     await asyncio.gather(*sends)
@@ -194,6 +199,7 @@ class FetchStatus(enum.Enum):
 class FetchResult:
     statuses: list[FetchStatus]
     error: str | None = None  # why the transfer broke, when it did
+    checksums: list[int] = field(default_factory=list)  # per key: the checksum its OK bytes matched
 
     @property
     def prefix(self) -> int:
@@ -231,7 +237,7 @@ class UcxPageFetcher:
         if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
             raise InvalidRequest("fetch needs one writable destination of the page size per key")
         request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
-        result = FetchResult([FetchStatus.FAILED] * len(keys))
+        result = FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         async with self._lock:
             try:
@@ -250,6 +256,7 @@ class UcxPageFetcher:
                             result.statuses[i] = FetchStatus.MISSING
                     for i, task in receives:
                         await task
+                        result.checksums[i] = answer.entries[i].checksum
                         ok = checksum(views[i]) == answer.entries[i].checksum
                         result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT
             except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest) as exc:
@@ -261,6 +268,27 @@ class UcxPageFetcher:
                 await self._abandon([t for _, t in receives])
                 raise
         return result
+
+    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:
+        """The layout the sender stored ``key`` with (None: it does not hold it at
+        ``page_bytes``, or did not answer in time): what a receiver needs to allocate for it."""
+        check_keys(namespace_id, [key])
+        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE)
+        async with self._lock:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    if self._ep is not None and not self._ep.alive:
+                        self._drop()
+                    if self._ep is None:
+                        init_ucx(self._config)
+                        self._ep = await ucxx.create_endpoint(self._host, self._port)
+                    await _send_frame(self._ep, request.encode())
+                    answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
+            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest) as exc:
+                logger.warning("describe of a page at %s:%d failed: %r", self._host, self._port, exc)
+                self._drop()
+                return None
+        return answer.layout if answer.entries[0].status is PageStatus.FOUND else None
 
     async def _abandon(self, receives: list[asyncio.Future[Any]]) -> None:
         """Drops the connection and waits until every posted receive has finished, so none

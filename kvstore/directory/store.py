@@ -177,6 +177,12 @@ class Directory:
         with self._lock:
             return list(self._entries)
 
+    def locations_of(self, node: str) -> list[tuple[bytes, bytes, Location]]:
+        """(key, namespace, location) of every location on ``node`` (cluster mode: what a
+        node publishes of its own, or holds of another's)."""
+        with self._lock:
+            return [(k, e.namespace_id, loc) for k, e in self._entries.items() for loc in e.locations.values() if loc.node == node]
+
     # -- changes -------------------------------------------------------------------------
 
     def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
@@ -263,6 +269,24 @@ class Directory:
                 if not entry.locations:
                     del self._entries[key]
             return gone
+
+    @property
+    def version(self) -> int:
+        """The version the last published location got (versions only grow)."""
+        return self._version
+
+    def drop_node(self, node: str, up_to_version: int | None = None) -> int:
+        """Removes the locations on another node (it left the cluster, or registered again:
+        its records are stale), those published up to ``up_to_version`` only when given (a
+        node that registered again republishes at once: what it sent since must stay).
+        Returns how many went; the locations of this node are never touched here."""
+        if node == self.node:
+            raise ValueError("drop_node is for other nodes' locations")
+        gone = 0
+        for key, _, loc in self.locations_of(node):
+            if up_to_version is None or loc.version <= up_to_version:
+                gone += len(self.remove(key, node, loc.tier))
+        return gone
 
     def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:
         """Removes every entry of a namespace; one CLEARED event. On MetadataFull nothing changed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -25,6 +26,9 @@ from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +81,21 @@ class Server:
         self.security = ServerSecurity(config.security, config.data_dir,
                                        lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
         self.core = Placement(config, self.metrics, wrap=wrap)
+        self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
+        if config.cluster is not None:
+            from kvstore.server.cluster import ClusterRuntime
+
+            self.cluster = ClusterRuntime(self.core, config)
         self.demoter = Demoter(self.core)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
-        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.core, config))
+        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.core, config, self.cluster))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics,
                     request_limits(config))
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
-        data = data_handlers(DataService(self.core, config, self.wal))
+        data = data_handlers(DataService(self.core, config, self.wal, self.cluster))
         add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics, request_limits(config))
         self.port = 0
         self.metrics_port = 0
@@ -104,6 +113,8 @@ class Server:
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         self._grpc.start()
+        if self.cluster is not None:
+            self.cluster.start()  # after the gRPC server: peers may call as soon as this node is a member
         self.streams.start()
         self.demoter.start()
         if self.config.scrub_pages_per_s > 0 and len(self.core.tiers) > 1:
@@ -140,6 +151,8 @@ class Server:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.cluster is not None:
+            self.cluster.stop()
         if self._scrubber is not None:
             self._scrubber.join(5)
         self.core.directory.events.close()

@@ -260,6 +260,14 @@ class Placement:
         return self.directory.publish_remote(namespace_id, records, self.config.max_remote_records_per_node,
                                              self.config.max_remote_records)
 
+    def withdraw_remote(self, namespace_id: bytes, node: str, keys: list[bytes], tier: str = "") -> int:
+        """Drops locations another node recorded here (cluster: it no longer holds them);
+        this node's own copies are its tiers' business. Returns how many went."""
+        if node == self.node:
+            raise InvalidRequest(f"locations on this node ({node}) are withdrawn by its tiers, not by Remove")
+        mine = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
+        return sum(len(self.directory.remove(k, node, tier or None)) for k in mine)
+
     def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
         """Removes pages (only their copies in ``tier`` when given); returns how many keys lost a
         location. Lower-tier copies go first (a full index refuses: nothing changed), then the

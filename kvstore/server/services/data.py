@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +18,9 @@ from kvstore.server.services.errors import stream, unary
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
+
 
 @dataclass(frozen=True)
 class _Destination:
@@ -28,9 +32,10 @@ class _Destination:
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
+        self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
         self.wal = wal
 
@@ -70,7 +75,10 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, pages = self.core.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
+        keys = self._keys(list(request.keys))
+        if self.cluster is not None:
+            self.cluster.fill(ns, keys, context.time_remaining())
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
@@ -141,7 +149,12 @@ class DataService(data_pb2_grpc.DataServicer):
             if entry.eta_ms > max_eta_ms:
                 raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
-        return data_pb2.HintResponse(reserved=[self.core.hint(ns, keys, eta_s) for keys, eta_s in entries])
+        reserved = [self.core.hint(ns, keys, eta_s) for keys, eta_s in entries]
+        if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
+            for (keys, _), ok in zip(entries, reserved):
+                if ok:
+                    self.cluster.prefetch(ns, keys)
+        return data_pb2.HintResponse(reserved=reserved)
 
     @unary
     def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:
@@ -170,6 +183,8 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
+        if self.cluster is not None and not request.local_only:
+            self.cluster.fill(ns, keys, context.time_remaining())
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         try:
             for page in pages:

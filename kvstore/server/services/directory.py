@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -15,6 +16,9 @@ from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
 from kvstore.types import TIER_NAMES, Location
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
 
 _SUBSCRIBE_POLL_S = 0.5
 MAX_NODE_NAME = 255
@@ -34,9 +38,10 @@ def event_msg(ev: Event) -> directory_pb2.Event:
 
 
 class DirectoryService(directory_pb2_grpc.DirectoryServicer):
-    def __init__(self, core: Placement, config: ServerConfig) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
+        self.cluster = cluster  # a ClusterRuntime in cluster mode: lookups span the shard owners
         self.metrics = core.metrics
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
@@ -47,7 +52,11 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
-        runs = self.core.directory.lookup(ns, self._keys(list(request.keys)))  # the directory's lock only
+        keys = self._keys(list(request.keys))
+        if self.cluster is not None and not request.local_only:
+            runs = self.cluster.lookup(ns, keys, context.time_remaining())
+        else:
+            runs = self.core.directory.lookup(ns, keys)  # the directory's lock only
         return directory_pb2.LookupResponse(
             num_pages=sum(r.num_pages for r in runs),
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
@@ -72,13 +81,18 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
         ns = validate.namespace_id(request.namespace_id)
         tier = validate.tier(request.tier, TIER_NAMES)
+        if request.node:
+            return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, self._keys(list(request.keys)), tier))
         return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, self._keys(list(request.keys)), tier))
 
     @unary
     def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys), allow_empty=True)
-        return directory_pb2.InvalidateResponse(num_removed=self.core.invalidate(ns, keys))
+        removed = self.core.invalidate(ns, keys)
+        if self.cluster is not None and not keys:
+            self.cluster.invalidate(ns)  # through etcd to every node
+        return directory_pb2.InvalidateResponse(num_removed=removed)
 
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:

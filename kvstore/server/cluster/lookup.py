@@ -1,0 +1,149 @@
+"""A prefix lookup across the cluster: this node's directory first, then one parallel round
+to the owners of the rest (``Lookup`` with ``local_only``), merged to the contiguous prefix.
+
+Owners are per page: a record lives with the rendezvous owners of the page's own key (a
+``ShardMap`` of one-page segments). DESIGN §12 names segments by the chain's key at depth
+S·k, but a holder cannot compute that: a page key carries no depth, and neither the
+allocation nor the SSD index records one, so a node republishing its SSD pages after a
+restart could not find their segments. Per-page owners keep the round to one call per live
+owner (at most N calls, however long the prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvstore._proto import directory_pb2
+from kvstore.cluster.shards import KeyRange, ShardMap, merge_lookup, plan_lookup
+from kvstore.directory import Directory
+from kvstore.errors import InvalidRequest
+from kvstore.server.cluster.peers import Peers
+from kvstore.types import LocationRun
+
+logger = logging.getLogger(__name__)
+
+PageRecord = tuple[str, str, int]  # (node, tier, size_bytes) of one page's best copy
+
+
+def expand(runs: Sequence[LocationRun]) -> list[PageRecord]:
+    return [(r.node, r.tier, r.size_bytes) for r in runs for _ in range(r.num_pages)]
+
+
+def compress(records: Sequence[PageRecord]) -> list[LocationRun]:
+    runs: list[LocationRun] = []
+    for node, tier, size in records:
+        last = runs[-1] if runs else None
+        if last is not None and (last.node, last.tier, last.size_bytes) == (node, tier, size):
+            runs[-1] = LocationRun(node, tier, last.num_pages + 1, size)
+        else:
+            runs.append(LocationRun(node, tier, 1, size))
+    return runs
+
+
+def split(records: list[PageRecord], ranges: list[KeyRange]) -> list[list[PageRecord]]:
+    """The records of a leading prefix of the ranges' pages (concatenated), per range."""
+    out, at = [], 0
+    for rng in ranges:
+        out.append(records[at : at + rng.stop - rng.start])
+        at += rng.stop - rng.start
+    return out
+
+
+class AnswerCache:
+    """Records a lookup learned from other owners, kept ``ttl_s`` (the membership TTL: as long
+    as a dead node's records may be listed anyway), so that the Acquire that follows a
+    client's lookup fetches without asking the owners again, and still fetches when an owner
+    fails between the two. A stale record costs a miss (the holder answers MISSING)."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._records: dict[bytes, tuple[bytes, PageRecord, float]] = {}
+
+    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord]) -> None:
+        if len(self._records) + len(records) > self.MAX_ENTRIES:
+            self._records.clear()
+        expires = self._clock() + self._ttl_s
+        for key, record in zip(keys, records):
+            self._records[key] = (namespace_id, record, expires)
+
+    def leading(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[PageRecord]:
+        """The cached records of the leading ``keys`` (stops at the first not cached)."""
+        now, out = self._clock(), []
+        for key in keys:
+            cached = self._records.get(key)
+            if cached is None or cached[0] != namespace_id or cached[2] < now:
+                break
+            out.append(cached[1])
+        return out
+
+    def forget_node(self, node: str) -> None:
+        self._records = {k: v for k, v in self._records.items() if v[1][0] != node}
+
+
+class ShardedLookup:
+    def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
+                 timeout_s: float, cache_ttl_s: float) -> None:
+        self._directory = directory
+        self._node = node
+        self._peers = peers
+        self._shard_map = shard_map
+        self._timeout_s = timeout_s
+        self.cache = AnswerCache(cache_ttl_s)
+
+    async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None) -> list[LocationRun]:
+        local = self._directory.lookup(namespace_id, keys)
+        found = sum(r.num_pages for r in local)
+        if found == len(keys):
+            return local
+        rest = keys[found:]
+        timeout = min(self._timeout_s, timeout_s) if timeout_s else self._timeout_s
+        shard_map, failed = self._shard_map(), set[str]()
+        # one round; a second only when an owner failed and the records have other replicas
+        for _ in range(2 if shard_map.config.replicas > 1 else 1):
+            plan = plan_lookup(rest, shard_map, exclude=failed)
+            requests = plan.requests()
+            owners = list(requests)
+            answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout) for o in owners))
+            try:
+                merged = merge_lookup(plan, dict(zip(owners, answers)))
+            except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
+                logger.warning("discarding a malformed lookup answer: %s", exc)
+                return local
+            failed |= {o for o, a in zip(owners, answers) if a is None}
+            if len(merged) == len(rest) or not failed:
+                break
+        self.cache.put(namespace_id, rest, merged)
+        return compress(expand(local) + merged)
+
+    async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> list[PageRecord]:
+        """Per leading page of ``keys``, where it is: cached answers first, then a lookup."""
+        found = self.cache.leading(namespace_id, keys)
+        if len(found) < len(keys):
+            found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s))
+        return found
+
+    async def _ask(self, owner: str, namespace_id: bytes, keys: list[bytes], ranges: list[KeyRange],
+                   timeout_s: float) -> list[list[PageRecord]] | None:
+        """One owner's records for its ranges; None when it did not answer."""
+        asked = [k for rng in ranges for k in keys[rng.start : rng.stop]]
+        if owner == self._node:
+            return split(expand(self._directory.lookup(namespace_id, asked)), ranges)
+        peer = self._peers.get(owner)
+        if peer is None:
+            return None
+        try:
+            resp = await peer.directory.Lookup(directory_pb2.LookupRequest(namespace_id=namespace_id, keys=asked, local_only=True),
+                                               timeout=timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the owner ends the prefix at its first page
+            logger.info("lookup at owner %s failed: %r", owner, exc)
+            return None
+        runs = [LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs]
+        return split(expand(runs)[: len(asked)], ranges)

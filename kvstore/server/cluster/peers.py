@@ -1,0 +1,82 @@
+"""The other nodes as this node calls them: a gRPC channel (directory calls, the ReadPages
+fallback) and, on the UCX data plane, a page fetcher per node.
+
+A node is a caller like any other: its channels present the cluster token
+(``KVSTORE_CLUSTER_TOKEN``) and, when the server runs TLS, its own certificate, trusting the
+CA given as ``--tls-client-ca`` (one cluster CA signs every node's certificate). Lives on the
+cluster loop: channels and fetchers are made, used and closed there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvstore._proto import directory_pb2_grpc
+from kvstore.cluster.members import Member
+from kvstore.config import ClusterConfig, SecurityConfig
+from kvstore.security.channel import ClientTLS, aio_channel
+from kvstore.wire import MESSAGE_OPTIONS, PageStubs
+
+logger = logging.getLogger(__name__)
+
+
+def client_tls(security: SecurityConfig) -> ClientTLS | None:
+    """The TLS this node calls the others with: none unless it serves TLS itself."""
+    if security.tls_cert is None:
+        return None
+    return ClientTLS(ca=security.tls_client_ca, cert=security.tls_cert, key=security.tls_key)
+
+
+class Peer:
+    """One other node, as its member record names it (a new epoch makes a new Peer)."""
+
+    def __init__(self, member: Member, cluster: ClusterConfig, tls: ClientTLS | None, ucx: Any) -> None:
+        self.member = member
+        self.channel = aio_channel(member.grpc_address, MESSAGE_OPTIONS, token=cluster.token, tls=tls)
+        self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
+        self.pages = PageStubs(self.channel)
+        self.fetcher: Any = None
+        if ucx is not None and member.data_address:
+            from kvstore.cluster.transport_ucx import UcxPageFetcher
+
+            host, _, port = member.data_address.rpartition(":")
+            self.fetcher = UcxPageFetcher(host, int(port), ucx)
+
+    async def close(self) -> None:
+        if self.fetcher is not None:
+            await self.fetcher.close()
+        await self.channel.close(grace=None)
+
+
+class Peers:
+    """node id -> Peer for the live members but this one; ``update`` follows membership."""
+
+    def __init__(self, me: str, cluster: ClusterConfig, security: SecurityConfig, ucx: Any) -> None:
+        self._me = me
+        self._cluster = cluster
+        self._tls = client_tls(security)
+        self._ucx = ucx
+        self._peers: dict[str, Peer] = {}
+
+    def get(self, node: str) -> Peer | None:
+        return self._peers.get(node)
+
+    def update(self, members: Mapping[str, Member]) -> list[Peer]:
+        """Opens peers for new members (or new epochs of known ones) at once; returns those
+        gone, for the caller to close."""
+        gone = []
+        for node, peer in list(self._peers.items()):
+            current = members.get(node)
+            if current is None or current.epoch != peer.member.epoch or current.grpc_address != peer.member.grpc_address:
+                gone.append(self._peers.pop(node))
+        for node, member in members.items():
+            if node != self._me and node not in self._peers:
+                self._peers[node] = Peer(member, self._cluster, self._tls, self._ucx)
+        return gone
+
+    async def close(self) -> None:
+        peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            await peer.close()

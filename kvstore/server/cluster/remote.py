@@ -1,0 +1,183 @@
+"""The remote tier: pages other nodes hold, read into this node's landing tier.
+
+Tier-shaped on the read side (``contains``, ``read_into_landing``): where a local lower tier
+reads a page up into a reserved landing slot, this one fetches it from its holder into a
+landing slot allocated as a writer's would be (``core.allocate``), then commits what arrived
+verified (``core.commit``), which publishes the new local copy; the directory then lists
+both. The core's ``acquire`` then leases the prefix as for any local page. It is not in the
+core's tier list: that list is where pages are written down to, and nothing is written down
+to another node (replicas are made by readers fetching, DESIGN §12).
+
+Two data planes: UCX (the receiver posts the landing slots themselves as destinations, the
+bytes land there; checksums verified as each lands) and gRPC ``ReadPages`` streams (the
+fallback). Failure contract: a fetch returns by its deadline; pages that arrived whole and
+verified are committed, the rest of the allocation is freed; a peer dying mid-fetch costs
+only the pages not yet verified. No byte that failed its check is ever committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import grpc
+
+from kvstore import validate
+from kvstore._proto import data_pb2
+from kvstore.chunks import BufferSink, ChunkedPage
+from kvstore.errors import KVStoreError, PageCorrupt
+from kvstore.page import LayoutDesc
+from kvstore.server.cluster.lookup import ShardedLookup, compress
+from kvstore.server.cluster.peers import Peer, Peers
+from kvstore.server.placement import Placement
+from kvstore.types import LocationRun
+from kvstore.wire import decode_chunk
+
+logger = logging.getLogger(__name__)
+
+FETCH_PAGES = 1024  # pages per fetch request (page_wire allows 8192): the first lands while the next is asked
+
+
+def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
+    return [LocationRun(run.node, run.tier, min(size, run.num_pages - i), run.size_bytes) for i in range(0, run.num_pages, size)]
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, core: Placement, peers: Peers, lookup: ShardedLookup, data_plane: str) -> None:
+        self.core = core
+        self.node = core.node
+        self._peers = peers
+        self._lookup = lookup
+        self._data_plane = data_plane
+        self.num_fetched = 0
+
+    def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """How many leading keys this node holds a copy of."""
+        for i, key in enumerate(keys):
+            entry = self.core.directory.get(key)
+            # list(): a copy taken at once (the GIL), as another thread may add a location meanwhile
+            if entry is None or entry.namespace_id != namespace_id or not any(n == self.node for n, _ in list(entry.locations)):
+                return i
+        return len(keys)
+
+    async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> int:
+        """Fetches the pages of ``keys`` held only on other nodes into the landing tier, up
+        to the first that cannot be had; returns how many leading keys are now held here."""
+        deadline = time.monotonic() + timeout_s
+        start = self.local_prefix(namespace_id, keys)
+        if start == len(keys):
+            return start
+        runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s))
+        pos = start
+        for run in (piece for whole in runs for piece in _pieces(whole, FETCH_PAGES)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            want = keys[pos : pos + run.num_pages]
+            peer = self._peers.get(run.node)
+            if run.node == self.node:
+                got = self.local_prefix(namespace_id, want)
+            elif peer is None:
+                got = 0
+            elif self._data_plane == "ucx" and peer.fetcher is not None:
+                got = await self._fetch_ucx(peer, namespace_id, want, run.size_bytes, remaining)
+            else:
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining)
+            pos += got
+            if got < len(want):
+                break
+        return pos
+
+    def _layout(self, namespace_id: bytes) -> LayoutDesc | None:
+        return self.core.reads.layout_of(namespace_id)
+
+    async def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
+        try:
+            return await asyncio.to_thread(self.core.allocate, namespace_id, layout, keys)
+        except KVStoreError as exc:  # full of leased pages, another layout: nothing fetched, the prefix ends here
+            logger.info("no landing room for %d remote pages: %s", len(keys), exc)
+            return None
+
+    async def _commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        n = await asyncio.to_thread(self.core.commit, allocation_id, keys, checksums)
+        self.num_fetched += len(keys)
+        return n
+
+    async def _fetch_ucx(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s)
+        if layout is None or layout.page_bytes != page_bytes:
+            return 0
+        allocated = await self._allocate(namespace_id, layout, keys)
+        if allocated is None:
+            return 0
+        allocation_id, slots = allocated
+        to_fetch = [k for k, slot in slots if slot is not None]
+        ok_keys: list[bytes] = []
+        ok_sums: list[int] = []
+        try:
+            if to_fetch:
+                views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
+                try:
+                    result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()))
+                finally:
+                    for view in views:
+                        view.release()
+                ok_keys = to_fetch[: result.prefix]
+                ok_sums = result.checksums[: result.prefix]
+        except BaseException:
+            await asyncio.to_thread(self.core.abort, allocation_id)
+            raise
+        return await self._commit(allocation_id, ok_keys, ok_sums)
+
+    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> int:
+        """ReadPages from the holder, each page straight into its landing slot as its
+        chunks arrive (allocated once the first chunk names the layout)."""
+        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True), timeout=timeout_s)
+        allocation_id: bytes | None = None
+        slots: dict[bytes, int | None] = {}
+        ok_keys: list[bytes] = []
+        ok_sums: list[int] = []
+        page: ChunkedPage | None = None
+        try:
+            async for raw in call:
+                chunk = decode_chunk(raw)
+                if chunk.error:
+                    raise PageCorrupt(f"node {peer.member.node_id} sent {chunk.error}")
+                if page is None:
+                    if chunk.offset != 0 or len(ok_keys) >= len(keys) or chunk.key != keys[len(ok_keys)]:
+                        raise PageCorrupt(f"node {peer.member.node_id} sent a page out of order")
+                    if allocation_id is None:
+                        layout = validate.layout(chunk.layout)
+                        if chunk.page_bytes != layout.page_bytes:
+                            raise PageCorrupt(f"node {peer.member.node_id} sent a page of the wrong size")
+                        allocated = await self._allocate(namespace_id, layout, keys)
+                        if allocated is None:
+                            break
+                        allocation_id, answered = allocated
+                        slots = dict(answered)
+                    if chunk.key not in slots:
+                        break  # the allocation's prefix ends before it
+                    slot = slots[chunk.key]
+                    sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, chunk.key), clear_on_failure=False)
+                    page = ChunkedPage(chunk.key, chunk.page_bytes, chunk.checksum, sink, f"remote page {chunk.key.hex()}", PageCorrupt)
+                if page.add(chunk):  # whole and verified (a page stored here already is only checked)
+                    ok_keys.append(page.key)
+                    ok_sums.append(page.expected)
+                    page = None
+        except (grpc.aio.AioRpcError, KVStoreError, TimeoutError) as exc:
+            logger.warning("fetch of %d pages from %s over grpc ended after %d: %r", len(keys), peer.member.node_id,
+                           len(ok_keys), exc)
+        except BaseException:
+            if allocation_id is not None:
+                await asyncio.to_thread(self.core.abort, allocation_id)
+            raise
+        finally:
+            call.cancel()
+        if allocation_id is None:
+            return 0
+        return await self._commit(allocation_id, ok_keys, ok_sums)

@@ -1,0 +1,42 @@
+"""What this node's UCX page server sends from: the landing tier, through the core's acquire
+(so a page on SSD only is read up first, and every page sent is leased, never evicted
+mid-send). One lease per request, released when the server has released every page."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvstore.cluster.transport_ucx import SourcePage
+from kvstore.errors import KVStoreError
+from kvstore.server.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+LEASE_MS = 30_000  # a sender that stalls longer loses the pin; the transport's send timeout is shorter
+
+
+class CorePageSource:
+    def __init__(self, core: Placement) -> None:
+        self.core = core
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+        try:
+            lease_id, pages = await asyncio.to_thread(self.core.acquire, namespace_id, list(keys), LEASE_MS, False)
+        except KVStoreError as exc:  # full of leased pages, bad keys: answered as missing
+            logger.info("cannot serve %d pages to a peer: %s", len(keys), exc)
+            return [None] * len(keys)
+        if not pages:
+            self.core.release(lease_id)
+            return [None] * len(keys)
+        left = [len(pages)]
+
+        def release() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.core.release(lease_id)
+
+        out: list[SourcePage | None] = [
+            SourcePage(self.core.read_view(p), p.checksum, release, p.header.layout) for p in pages]
+        return out + [None] * (len(keys) - len(pages))
