@@ -12,27 +12,37 @@ from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, StreamCut
+from kvstore.security.identity import Identity
+from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.tenancy import Tenancy
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
 
 @dataclass(frozen=True)
 class _Destination:
-    """Where a page arriving over WritePages goes: its allocation, and how it commits."""
+    """Where a page arriving over WritePages goes: its allocation, how it commits, and the
+    namespace claim (tenancy) it settles."""
 
     allocation_id: bytes
     durable: bool
     flags: int
+    namespace_id: bytes
+    claimed: bool
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog) -> None:
+    """Each handler reads its caller first and checks it against the namespace the request
+    names (see kvstore/server/tenancy/access.py)."""
+
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy) -> None:
         self.core = core
         self.config = config
         self.metrics = core.metrics
         self.wal = wal
+        self.tenancy = tenancy
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -47,10 +57,17 @@ class DataService(data_pb2_grpc.DataServicer):
         )
 
     @unary
+    def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
+        who = current_identity()
+        return data_pb2.WhoAmIResponse(tenant=who.tenant, rights=who.rights.names(), salt=who.salt)
+
+    @unary
     def Allocate(self, request: data_pb2.AllocateRequest, context: grpc.ServicerContext) -> data_pb2.AllocateResponse:
         ns = validate.namespace_id(request.namespace_id)
         layout = validate.layout(request.layout)
-        ident, slots = self.core.allocate(ns, layout, self._keys(list(request.keys)))
+        keys = self._keys(list(request.keys))
+        with self.tenancy.writing(current_identity(), ns):
+            ident, slots = self.core.allocate(ns, layout, keys)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
@@ -70,7 +87,10 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, pages = self.core.acquire(ns, self._keys(list(request.keys)), request.ttl_ms)
+        keys = self._keys(list(request.keys))
+        if not self.tenancy.may_read(current_identity(), ns):
+            keys = []  # as for an empty namespace
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
@@ -94,6 +114,7 @@ class DataService(data_pb2_grpc.DataServicer):
         stored = 0
         page: ChunkedPage | None = None
         dest: _Destination | None = None
+        who = current_identity()
         try:
             for chunk in request_iterator:
                 if chunk.error:
@@ -101,11 +122,17 @@ class DataService(data_pb2_grpc.DataServicer):
                 if page is None or chunk.offset == 0:
                     if page is not None:
                         raise page.truncated()
-                    page, dest = self._start_page(chunk)
+                    page, dest = self._start_page(chunk, who)
                 if page.add(chunk):
                     assert dest is not None
                     done, page = page, None
-                    if not self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable, dest.flags):
+                    committed = False
+                    try:
+                        committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
+                                                     dest.flags) > 0
+                    finally:
+                        self._settle(who, dest, committed)
+                    if not committed:
                         break  # stored at its first chunk, gone at its commit: num_published ends here
                     stored += 1
             if page is not None:
@@ -113,9 +140,14 @@ class DataService(data_pb2_grpc.DataServicer):
         finally:
             if page is not None and dest is not None:
                 self.core.abort(dest.allocation_id)
+                self._settle(who, dest, False)
         return data_pb2.WritePagesResponse(num_published=stored)
 
-    def _start_page(self, chunk: WireChunk) -> tuple[ChunkedPage, _Destination]:
+    def _settle(self, who: Identity, dest: _Destination, succeeded: bool) -> None:
+        if dest.claimed:
+            self.tenancy.settle(who, dest.namespace_id, succeeded)
+
+    def _start_page(self, chunk: WireChunk, who: Identity) -> tuple[ChunkedPage, _Destination]:
         """Checks a page's first chunk and allocates the landing slot its bytes go to (none
         when the page is stored already: its bytes are only checked)."""
         key = validate.keys([chunk.key], 1)[0]
@@ -125,22 +157,37 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key])
-        sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
+        claimed = self.tenancy.claim(who, ns)
+        try:
+            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key])
+        except BaseException:
+            if claimed:
+                self.tenancy.settle(who, ns, False)
+            raise
+        dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
+        try:
+            sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
+        except BaseException:
+            self.core.abort(allocation_id)
+            self._settle(who, dest, False)
+            raise
         page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
-        return page, _Destination(allocation_id, chunk.durable, chunk.flags)
+        return page, dest
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:
         ns = validate.namespace_id(request.namespace_id)
         if len(request.entries) > self.config.max_pages_per_request:
             raise InvalidRequest(f"too many hint entries: {len(request.entries)}")
+        readable = self.tenancy.may_read(current_identity(), ns)
         max_eta_ms = int(self.config.max_hint_eta_s * 1000)
         entries = []  # every entry is checked before any is applied
         for i, entry in enumerate(request.entries):
             if entry.eta_ms > max_eta_ms:
                 raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
+        if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
+            return data_pb2.HintResponse(reserved=[True] * len(entries))
         return data_pb2.HintResponse(reserved=[self.core.hint(ns, keys, eta_s) for keys, eta_s in entries])
 
     @unary
@@ -148,20 +195,24 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         if len(request.tokens) > 1 << 20:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
-        length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
-                                 request.prompt_tokens, request.sync)
+        with self.tenancy.writing(current_identity(), ns):
+            length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
+                                     request.prompt_tokens, request.sync)
         return data_pb2.AppendTokensResponse(length=length)
 
     @unary
     def GetSession(self, request: data_pb2.GetSessionRequest, context: grpc.ServicerContext) -> data_pb2.GetSessionResponse:
-        found = self.wal.read(validate.namespace_id(request.namespace_id), request.session_id)
+        ns = validate.namespace_id(request.namespace_id)
+        found = self.wal.read(ns, request.session_id) if self.tenancy.may_read(current_identity(), ns) else None
         if found is None:
             return data_pb2.GetSessionResponse(found=False)
         return data_pb2.GetSessionResponse(found=True, prompt_tokens=found[0], tokens=found[1])
 
     @unary
     def EndSession(self, request: data_pb2.EndSessionRequest, context: grpc.ServicerContext) -> data_pb2.EndSessionResponse:
-        self.wal.end(validate.namespace_id(request.namespace_id), request.session_id)
+        ns = validate.namespace_id(request.namespace_id)
+        if self.tenancy.may_administer(current_identity(), ns):  # else: as for a session that does not exist
+            self.wal.end(ns, request.session_id)
         return data_pb2.EndSessionResponse()
 
     @stream
@@ -170,6 +221,8 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
+        if not self.tenancy.may_read(current_identity(), ns):
+            keys = []  # as for an empty namespace
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
         try:
             for page in pages:

@@ -10,10 +10,14 @@ import grpc
 from kvstore import validate
 from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.directory import Event
+from kvstore.directory import Event, EventKind
 from kvstore.errors import InvalidRequest, LimitExceeded
+from kvstore.security.identity import Rights
+from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.services.tenant_stats import tenant_stats
+from kvstore.server.tenancy import Tenancy
 from kvstore.types import TIER_NAMES, Location
 
 _SUBSCRIBE_POLL_S = 0.5
@@ -34,9 +38,14 @@ def event_msg(ev: Event) -> directory_pb2.Event:
 
 
 class DirectoryService(directory_pb2_grpc.DirectoryServicer):
-    def __init__(self, core: Placement, config: ServerConfig) -> None:
+    """Each handler reads its caller first and checks it against the namespace the request
+    names; events, stats and quarantine lists are filtered to the caller's namespaces (see
+    kvstore/server/tenancy/access.py)."""
+
+    def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy) -> None:
         self.core = core
         self.config = config
+        self.tenancy = tenancy
         self.metrics = core.metrics
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
@@ -47,7 +56,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
-        runs = self.core.directory.lookup(ns, self._keys(list(request.keys)))  # the directory's lock only
+        keys = self._keys(list(request.keys))
+        if not self.tenancy.may_read(current_identity(), ns):
+            return directory_pb2.LookupResponse(num_pages=0)  # as for an empty namespace
+        runs = self.core.directory.lookup(ns, keys)  # the directory's lock only
         return directory_pb2.LookupResponse(
             num_pages=sum(r.num_pages for r in runs),
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
@@ -65,25 +77,34 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             if len(rec.location.node) > MAX_NODE_NAME:
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
-        versions = self.core.publish_remote(ns, records)
+        with self.tenancy.writing(current_identity(), ns):
+            versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
     @unary
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
         ns = validate.namespace_id(request.namespace_id)
         tier = validate.tier(request.tier, TIER_NAMES)
-        return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, self._keys(list(request.keys)), tier))
+        keys = self._keys(list(request.keys))
+        if not self.tenancy.may_administer(current_identity(), ns):
+            return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
+        return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, keys, tier))
 
     @unary
     def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys), allow_empty=True)
+        if not self.tenancy.may_administer(current_identity(), ns):
+            return directory_pb2.InvalidateResponse(num_removed=0)  # as for an empty namespace
         return directory_pb2.InvalidateResponse(num_removed=self.core.invalidate(ns, keys))
 
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, found, expires = self.core.lease(ns, self._keys(list(request.keys)), request.ttl_ms)
+        keys = self._keys(list(request.keys))
+        if not self.tenancy.may_read(current_identity(), ns):
+            keys = []  # as for an empty namespace
+        ident, found, expires = self.core.lease(ns, keys, request.ttl_ms)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
     @unary
@@ -93,6 +114,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
         # A share of the stream slots (service_streams), so that routers leave room for page streams.
+        who = current_identity()
+        sees = self.tenancy.sees
         with self._subscribers_lock:
             if self._subscribers >= self.config.max_subscribers:
                 raise LimitExceeded(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
@@ -103,7 +126,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             while context.is_active() and not events.closed:
                 batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
                 for ev in batch:
-                    yield event_msg(ev)
+                    if ev.kind == EventKind.RESYNC or sees(who, ev.namespace_id):
+                        yield event_msg(ev)
                     next_seq = max(next_seq, ev.seq + 1)
         finally:
             with self._subscribers_lock:
@@ -111,6 +135,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @unary
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> directory_pb2.StatsResponse:
+        who = current_identity()
+        if not who.allows(Rights.ADMIN):
+            return tenant_stats(self.core, self.tenancy, who)
         st = self.core.stats()
         tiers = []
         for name, usage in st.tiers.items():
@@ -127,7 +154,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @unary
     def Quarantine(self, request: directory_pb2.QuarantineRequest, context: grpc.ServicerContext) -> directory_pb2.QuarantineResponse:
-        pages = self.core.quarantined()
+        who = current_identity()
+        if request.purge:
+            self.tenancy.check_purge(who)
+        pages = [q for q in self.core.quarantined() if self.tenancy.sees(who, q.namespace_id)]
         purged = self.core.purge_quarantine() if request.purge else 0
         return directory_pb2.QuarantineResponse(
             purged=purged,
