@@ -7,6 +7,8 @@ stored already). Both expire: one heap entry per lease or allocation, a renewed 
 entry moved on when it comes due, so renewing in a loop grows nothing.
 
 Handles are 16 random bytes: a caller cannot guess another's to release, renew or abort it.
+Each remembers the tenant that made it; another tenant's release, renew, commit or abort
+finds nothing, exactly as with an unknown handle (``tenant=None``: the server's own use).
 
 Not thread-safe: the placement core calls it under its own lock.
 """
@@ -39,12 +41,14 @@ class Allocation:
     keys: list[bytes]             # the prefix allocate answered: stored already or reserved
     held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
     expires: float = field(default=0.0)
+    tenant: str = ""              # who made it: only that tenant may commit or abort it
 
 
 @dataclass
 class Lease:
     keys: list[bytes]
     expires: float
+    tenant: str = ""  # who took it: only that tenant may renew or release it
 
 
 @dataclass(frozen=True)
@@ -107,26 +111,33 @@ class LeaseTable:
             raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.max_lease_ms} ms")
         return ttl_ms
 
-    def lease(self, keys: list[bytes], ttl_ms: int) -> tuple[bytes, float]:
-        """Pins ``keys`` under a new lease; returns its handle and its expiry (unix seconds)."""
+    def lease(self, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, float]:
+        """Pins ``keys`` under a new lease of ``tenant``; returns its handle and its expiry (unix seconds)."""
         ttl_ms = self.lease_ttl_ms(ttl_ms)
         ident = secrets.token_bytes(HANDLE_BYTES)
         deadline = self.clock() + ttl_ms / 1000
-        self._leases[ident] = Lease(keys, deadline)
+        self._leases[ident] = Lease(keys, deadline, tenant)
         heapq.heappush(self._expiry, (deadline, ident, True))
         self.pin(keys)
         return ident, time.time() + ttl_ms / 1000
 
-    def release(self, ident: bytes) -> list[bytes] | None:
-        """Ends a lease; returns its keys no longer pinned, or None when there is no such lease."""
-        lease = self._leases.pop(ident, None)
-        return None if lease is None else self.unpin(lease.keys)
-
-    def renew(self, ident: bytes, ttl_ms: int) -> None:
-        """Moves a lease's expiry to ``ttl_ms`` from now (never back). Raises LeaseExpired when
-        the lease was released or has expired (its pages may have been evicted meanwhile)."""
-        ttl_ms = self.lease_ttl_ms(ttl_ms)
+    def _lease_of(self, ident: bytes, tenant: str | None) -> Lease | None:
         lease = self._leases.get(ident)
+        return lease if lease is not None and (tenant is None or lease.tenant == tenant) else None
+
+    def release(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
+        """Ends a lease; returns its keys no longer pinned, or None when there is no such lease
+        (of ``tenant``, when given)."""
+        if self._lease_of(ident, tenant) is None:
+            return None
+        return self.unpin(self._leases.pop(ident).keys)
+
+    def renew(self, ident: bytes, ttl_ms: int, tenant: str | None = None) -> None:
+        """Moves a lease's expiry to ``ttl_ms`` from now (never back). Raises LeaseExpired when
+        the lease was released or has expired (its pages may have been evicted meanwhile), or
+        is not ``tenant``'s."""
+        ttl_ms = self.lease_ttl_ms(ttl_ms)
+        lease = self._lease_of(ident, tenant)
         if lease is None:
             raise LeaseExpired(f"lease {ident.hex()} was released or has expired; its pages may be gone")
         lease.expires = max(lease.expires, self.clock() + ttl_ms / 1000)
@@ -144,10 +155,13 @@ class LeaseTable:
     def allocation(self, ident: bytes) -> Allocation | None:
         return self._allocations.get(ident)
 
-    def take_allocation(self, ident: bytes) -> Allocation | None:
-        """Removes and returns an allocation (None: unknown or expired); the caller frees its
-        slots and unpins its ``held`` keys."""
-        return self._allocations.pop(ident, None)
+    def take_allocation(self, ident: bytes, tenant: str | None = None) -> Allocation | None:
+        """Removes and returns an allocation (None: unknown, expired, or not ``tenant``'s when
+        given); the caller frees its slots and unpins its ``held`` keys."""
+        alloc = self._allocations.get(ident)
+        if alloc is None or (tenant is not None and alloc.tenant != tenant):
+            return None
+        return self._allocations.pop(ident)
 
     # -- expiry --------------------------------------------------------------------------
 

@@ -105,9 +105,10 @@ class Placement:
 
     # -- writes through the landing tier -------------------------------------------------
 
-    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]]:
-        """Reserves landing slots for the keys not stored yet; stops at the first that finds
-        no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 tenant: str = "") -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        """Reserves landing slots for the keys not stored yet, under an allocation of
+        ``tenant``; stops at the first that finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
         prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
         expiry. Raises TierFull when not even the first page fits."""
         with self.keeper.critical():
@@ -139,7 +140,7 @@ class Placement:
             self._layouts.setdefault(namespace_id, layout)
             if self._fill() > self.config.host.demote_above:
                 self.pressure.set()
-            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held))
+            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant))
             return ident, out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
@@ -154,7 +155,8 @@ class Placement:
                 raise InvalidRequest(f"allocation {allocation_id.hex()} has no slot for page {key.hex()}")
             return self.landing.view(slot, alloc.layout.page_bytes)
 
-    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
+               tenant: str | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
@@ -169,7 +171,7 @@ class Placement:
         flags &= ENGINE_FLAGS
         with self.keeper.critical():
             self.keeper.reap()
-            alloc = self.leases.take_allocation(allocation_id)
+            alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
             if durable and not self.lower:
@@ -204,37 +206,40 @@ class Placement:
         with self._lock:
             return len(_leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
 
-    def abort(self, allocation_id: bytes) -> None:
+    def abort(self, allocation_id: bytes, tenant: str | None = None) -> None:
+        """Gives back an allocation (of ``tenant``, when given); an unknown one is a no-op."""
         with self.keeper.critical():
-            alloc = self.leases.take_allocation(allocation_id)
+            alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
     # -- reads ---------------------------------------------------------------------------
 
-    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
-        """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
-        landing tier, reading pages held only below into it (see reads.py)."""
-        return self.reads.acquire(namespace_id, keys, ttl_ms, learn)
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
+                tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
+        """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
+        readable in the landing tier, reading pages held only below into it (see reads.py)."""
+        return self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
         return self.landing.view(page.slot, page.header.payload_bytes)
 
-    def release(self, lease_id: bytes) -> bool:
+    def release(self, lease_id: bytes, tenant: str | None = None) -> bool:
+        """Ends a lease (of ``tenant``, when given); False when there is no such lease."""
         with self.keeper.critical():
-            free = self.leases.release(lease_id)
+            free = self.leases.release(lease_id, tenant)
             if free is None:
                 return False
             self.residence.released(free)
             return True
 
-    def renew(self, lease_id: bytes, ttl_ms: int) -> None:
+    def renew(self, lease_id: bytes, ttl_ms: int, tenant: str | None = None) -> None:
         """Extends a lease to ``ttl_ms`` from now (never shortens it); LeaseExpired when it
-        was released or has expired."""
+        was released or has expired (or is not ``tenant``'s, when given)."""
         with self.keeper.critical():
             self.keeper.reap()
-            self.leases.renew(lease_id, ttl_ms)
+            self.leases.renew(lease_id, ttl_ms, tenant)
 
     # -- directory operations ------------------------------------------------------------
 
@@ -242,12 +247,12 @@ class Placement:
         """A queued request will need ``keys`` in about ``eta_s`` seconds (see reads.py)."""
         return self.reads.hint(namespace_id, keys, eta_s, prefetch)
 
-    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[bytes, int, float]:
-        """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, int, float]:
+        """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():
             self.keeper.reap()
             found = self.directory.prefix_length(namespace_id, keys)
-            ident, expires = self.leases.lease(keys[:found], ttl_ms)
+            ident, expires = self.leases.lease(keys[:found], ttl_ms, tenant)
             return ident, found, expires
 
     def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:

@@ -66,8 +66,9 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
-        with self.tenancy.writing(current_identity(), ns):
-            ident, slots = self.core.allocate(ns, layout, keys)
+        who = current_identity()
+        with self.tenancy.writing(who, ns):
+            ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
@@ -76,21 +77,23 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
-        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags)
+        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
+                             tenant=current_identity().tenant)
         return data_pb2.CommitResponse(num_published=n)
 
     @unary
     def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
-        self.core.abort(request.allocation_id)
+        self.core.abort(request.allocation_id, current_identity().tenant)
         return data_pb2.AbortResponse()
 
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        if not self.tenancy.may_read(current_identity(), ns):
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
@@ -98,12 +101,12 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        self.core.release(request.lease_id)
+        self.core.release(request.lease_id, current_identity().tenant)
         return data_pb2.ReleaseResponse()
 
     @unary
     def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
-        self.core.renew(request.lease_id, request.ttl_ms)
+        self.core.renew(request.lease_id, request.ttl_ms, current_identity().tenant)
         return data_pb2.RenewResponse()
 
     @unary
@@ -159,7 +162,7 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest("the first chunk of a page must have offset 0")
         claimed = self.tenancy.claim(who, ns)
         try:
-            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key])
+            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
         except BaseException:
             if claimed:
                 self.tenancy.settle(who, ns, False)
@@ -221,9 +224,10 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
-        if not self.tenancy.may_read(current_identity(), ns):
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         try:
             for page in pages:
                 header = page.header

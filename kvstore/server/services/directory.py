@@ -102,14 +102,15 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        if not self.tenancy.may_read(current_identity(), ns):
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        ident, found, expires = self.core.lease(ns, keys, request.ttl_ms)
+        ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
     @unary
     def ReleaseLease(self, request: directory_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext) -> directory_pb2.ReleaseLeaseResponse:
-        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id))
+        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id, current_identity().tenant))
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
