@@ -11,8 +11,19 @@ import threading
 from pathlib import Path
 
 from kvstore import logs
-from kvstore.config import MAP_BYTES, TOKEN_LOG_MAP_BYTES, HostTierConfig, SecurityConfig, ServerConfig, SsdTierConfig, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.config import (
+    MAP_BYTES,
+    QUOTA_BYTES_FIELDS,
+    TOKEN_LOG_MAP_BYTES,
+    HostTierConfig,
+    SecurityConfig,
+    ServerConfig,
+    SsdTierConfig,
+    TenantQuota,
+    format_size,
+    parse_size,
+)
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.memory import tune_malloc
 
 logger = logging.getLogger("kvstore.server")
@@ -30,6 +41,15 @@ _LIMIT_FLAGS: list[tuple[str, type, str]] = [
     ("--max-remote-records-per-node", int, "locations Publish may record for one other node; RESOURCE_EXHAUSTED beyond"),
     ("--max-remote-records", int, "locations Publish may record for all other nodes together"),
 ]
+
+
+_QUOTA_DEFAULTS = TenantQuota()
+_QUOTA_HELP = {
+    "host_bytes": "committed pages in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "leases": "leases held at once", "allocations": "allocations not yet committed or aborted",
+    "hints": "hinted keys held at once", "token_log_bytes": "token-log bytes of its sessions",
+    "published_records": "other nodes' locations its Publish calls record",
+}
 
 
 def _field(flag: str) -> str:
@@ -58,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     limits = p.add_argument_group("limits", "what callers can make the server hold")
     for flag, kind, text in _LIMIT_FLAGS:
         limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=f"{text} (default %(default)s)")
+    limits.add_argument("--max-hints", type=int, default=0,
+                        help="hinted keys held at once, all callers together; RESOURCE_EXHAUSTED beyond "
+                             "(default 0: one per KiB of --host-capacity)")
+    quotas = p.add_argument_group("tenant quotas", "per tenant; one exceeded is RESOURCE_EXHAUSTED for that tenant only. The auth "
+                                  "file's [quotas.TENANT] tables override them; 0: no limit; none without --auth-file or mTLS")
+    for name, text in _QUOTA_HELP.items():
+        default = getattr(_QUOTA_DEFAULTS, name)
+        shown = (format_size(default) if default else "0") if name in QUOTA_BYTES_FIELDS else default
+        quotas.add_argument(f"--tenant-{name.replace('_', '-')}", default=str(default), help=f"{text} (default {shown})")
     security = p.add_argument_group("security", "who may call, and over what (see README: Security)")
     security.add_argument("--auth-file", help="TOML or JSON file of tokens -> tenant, rights, expiry; re-read on SIGHUP")
     security.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
@@ -93,7 +122,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         listen=args.listen,
         data_dir=data_dir,
         tiers=tiers,
-        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share),
+        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
+                            max_hints=args.max_hints),
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=args.node,
@@ -104,8 +134,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             auth_file=_path(args.auth_file), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
             tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure,
         ),
+        tenant_quota=_tenant_quota(args),
         **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},
     )
+
+
+def _tenant_quota(args: argparse.Namespace) -> TenantQuota:
+    values = {}
+    for name in _QUOTA_HELP:
+        flag, text = f"--tenant-{name.replace('_', '-')}", getattr(args, f"tenant_{name}")
+        if name in QUOTA_BYTES_FIELDS:
+            values[name] = parse_size(text, flag)
+        elif text.isdigit():
+            values[name] = int(text)
+        else:
+            raise ConfigError(f"{flag} must be an integer >= 0, got {text!r}")
+    return TenantQuota(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

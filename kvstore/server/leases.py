@@ -75,6 +75,7 @@ class LeaseTable:
         self._leases: dict[bytes, Lease] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
+        self._held: Counter[tuple[str, bool]] = Counter()  # (tenant, is_lease) -> how many it holds (quotas)
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class LeaseTable:
         ident = secrets.token_bytes(HANDLE_BYTES)
         deadline = self.clock() + ttl_ms / 1000
         self._leases[ident] = Lease(keys, deadline, tenant)
+        self._held[(tenant, True)] += 1
         heapq.heappush(self._expiry, (deadline, ident, True))
         self.pin(keys)
         return ident, time.time() + ttl_ms / 1000
@@ -130,7 +132,9 @@ class LeaseTable:
         (of ``tenant``, when given)."""
         if self._lease_of(ident, tenant) is None:
             return None
-        return self.unpin(self._leases.pop(ident).keys)
+        lease = self._leases.pop(ident)
+        self._held[(lease.tenant, True)] -= 1
+        return self.unpin(lease.keys)
 
     def renew(self, ident: bytes, ttl_ms: int, tenant: str | None = None) -> None:
         """Moves a lease's expiry to ``ttl_ms`` from now (never back). Raises LeaseExpired when
@@ -149,6 +153,7 @@ class LeaseTable:
         ident = secrets.token_bytes(HANDLE_BYTES)
         alloc.expires = self.clock() + self.allocation_ttl_ms / 1000
         self._allocations[ident] = alloc
+        self._held[(alloc.tenant, False)] += 1
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
 
@@ -161,6 +166,7 @@ class LeaseTable:
         alloc = self._allocations.get(ident)
         if alloc is None or (tenant is not None and alloc.tenant != tenant):
             return None
+        self._held[(alloc.tenant, False)] -= 1
         return self._allocations.pop(ident)
 
     # -- expiry --------------------------------------------------------------------------
@@ -179,14 +185,20 @@ class LeaseTable:
                     heapq.heappush(self._expiry, (lease.expires, ident, True))
                 elif lease is not None:
                     del self._leases[ident]
+                    self._held[(lease.tenant, True)] -= 1
                     logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
                     free += self.unpin(lease.keys)
             else:
                 alloc = self._allocations.pop(ident, None)
                 if alloc is not None:
+                    self._held[(alloc.tenant, False)] -= 1
                     logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     allocations.append(alloc)
         return free, allocations
+
+    def held(self, tenant: str) -> tuple[int, int]:
+        """(leases, allocations) ``tenant`` holds now (a dict read: callers need no lock)."""
+        return self._held.get((tenant, True), 0), self._held.get((tenant, False), 0)
 
     def counts(self) -> LeaseCounts:
         moving = self._moving

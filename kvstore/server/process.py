@@ -22,7 +22,7 @@ from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.streams import StreamGate
-from kvstore.server.tenancy import NamespaceOwners, Tenancy
+from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
 
@@ -77,7 +77,11 @@ class Server:
                                        lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
         self.core = Placement(config, self.metrics, wrap=wrap)
         self.demoter = Demoter(self.core)
-        self.tenancy = Tenancy(NamespaceOwners(self.core.directory.env))  # who owns each namespace (issue 16)
+        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
+        quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
+                        self.core.leases, self.wal, config.host.hint_grace_s)
+        self.tenancy = Tenancy(owners, quotas)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
@@ -85,7 +89,6 @@ class Server:
         directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server,
                                        DirectoryService(self.core, config, self.tenancy))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics)
-        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         data = data_handlers(DataService(self.core, config, self.wal, self.tenancy))
         add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics)
         self.port = 0

@@ -43,6 +43,7 @@ class DataService(data_pb2_grpc.DataServicer):
         self.metrics = core.metrics
         self.wal = wal
         self.tenancy = tenancy
+        self.quotas = tenancy.quotas
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -67,6 +68,7 @@ class DataService(data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
         who = current_identity()
+        self.quotas.check_pages(who, len(keys), layout.page_bytes)
         with self.tenancy.writing(who, ns):
             ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
         return data_pb2.AllocateResponse(
@@ -77,8 +79,12 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
+        who = current_identity()
+        alloc = self.core.leases.allocation(request.allocation_id) if request.durable else None
+        if alloc is not None and alloc.tenant == who.tenant:
+            self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
         n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                             tenant=current_identity().tenant)
+                             tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
 
     @unary
@@ -93,6 +99,7 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
+        self.quotas.check_lease(who)
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
@@ -160,6 +167,9 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
+        self.quotas.check_pages(who, 1, layout.page_bytes)
+        if chunk.durable:
+            self.quotas.check_durable(who, layout.page_bytes)
         claimed = self.tenancy.claim(who, ns)
         try:
             allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
@@ -182,7 +192,8 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         if len(request.entries) > self.config.max_pages_per_request:
             raise InvalidRequest(f"too many hint entries: {len(request.entries)}")
-        readable = self.tenancy.may_read(current_identity(), ns)
+        who = current_identity()
+        readable = self.tenancy.may_read(who, ns)
         max_eta_ms = int(self.config.max_hint_eta_s * 1000)
         entries = []  # every entry is checked before any is applied
         for i, entry in enumerate(request.entries):
@@ -191,6 +202,7 @@ class DataService(data_pb2_grpc.DataServicer):
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
         if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
             return data_pb2.HintResponse(reserved=[True] * len(entries))
+        self.quotas.charge_hints(who, sum(len(keys) for keys, _ in entries), max((eta for _, eta in entries), default=0.0))
         return data_pb2.HintResponse(reserved=[self.core.hint(ns, keys, eta_s) for keys, eta_s in entries])
 
     @unary
@@ -198,7 +210,9 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         if len(request.tokens) > 1 << 20:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
-        with self.tenancy.writing(current_identity(), ns):
+        who = current_identity()
+        self.quotas.check_tokens(who, len(request.tokens))
+        with self.tenancy.writing(who, ns):
             length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
                                      request.prompt_tokens, request.sync)
         return data_pb2.AppendTokensResponse(length=length)
@@ -227,6 +241,7 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
+        self.quotas.check_lease(who)
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         try:
             for page in pages:

@@ -16,7 +16,7 @@ from kvstore.security.identity import Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
-from kvstore.server.services.tenant_stats import tenant_stats
+from kvstore.server.services.tenant_stats import tenant_stats, tenant_usage
 from kvstore.server.tenancy import Tenancy
 from kvstore.types import TIER_NAMES, Location
 
@@ -77,7 +77,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             if len(rec.location.node) > MAX_NODE_NAME:
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
-        with self.tenancy.writing(current_identity(), ns):
+        who = current_identity()
+        self.tenancy.quotas.check_publish(who, len(records))
+        with self.tenancy.writing(who, ns):
             versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
@@ -105,6 +107,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
+        self.tenancy.quotas.check_lease(who)
         ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
@@ -151,6 +154,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.StatsResponse(
             node=st.node, num_entries=st.num_entries, last_seq=st.last_seq, tiers=tiers,
             num_leases=st.num_leases, num_quarantined=st.num_quarantined, ssd=st.ssd,
+            tenants=[tenant_usage(self.tenancy, t) for t in self.tenancy.tenants()],
         )
 
     @unary

@@ -35,4 +35,10 @@ def tenant_stats(core: Placement, tenancy: Tenancy, who: Identity) -> directory_
              for name, usage in core.reporter.usages().items()]
     quarantined = sum(1 for q in core.quarantined() if tenancy.sees(who, q.namespace_id))
     return directory_pb2.StatsResponse(node=core.node, num_entries=num_entries, last_seq=directory.events.last_seq,
-                                       tiers=tiers, num_leases=0, num_quarantined=quarantined)
+                                       tiers=tiers, num_leases=core.leases.held(who.tenant)[0], num_quarantined=quarantined,
+                                       tenants=[tenant_usage(tenancy, who.tenant)])
+
+
+def tenant_usage(tenancy: Tenancy, tenant: str) -> directory_pb2.TenantUsage:
+    return directory_pb2.TenantUsage(tenant=tenant, used=tenancy.quotas.usage(tenant),
+                                     limits=vars(tenancy.quotas.limits(tenant)))

@@ -5,5 +5,6 @@ from __future__ import annotations
 
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.owners import NamespaceOwners
+from kvstore.server.tenancy.quotas import Quotas
 
-__all__ = ["NamespaceOwners", "Tenancy"]
+__all__ = ["NamespaceOwners", "Quotas", "Tenancy"]

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from kvstore.errors import PermissionDenied
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.tenancy.owners import NamespaceOwners
+from kvstore.server.tenancy.quotas import Quotas
 
 
 def _require(who: Identity, right: Rights) -> None:
@@ -39,8 +40,13 @@ def _require(who: Identity, right: Rights) -> None:
 class Tenancy:
     """Thread-safe (see NamespaceOwners); every check is a dict read or two."""
 
-    def __init__(self, owners: NamespaceOwners) -> None:
+    def __init__(self, owners: NamespaceOwners, quotas: Quotas) -> None:
         self.owners = owners
+        self.quotas = quotas
+
+    def tenants(self) -> list[str]:
+        """The tenants an admin's Stats lists: those owning a namespace or given a quota."""
+        return sorted({*self.owners.tenants(), *self.quotas.tenants_with_limits()})
 
     def sees(self, who: Identity, namespace_id: bytes) -> bool:
         """Whether events, stats and quarantine entries of the namespace are shown to ``who``."""

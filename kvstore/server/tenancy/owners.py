@@ -45,6 +45,10 @@ class NamespaceOwners:
     def owner(self, namespace_id: bytes) -> str | None:
         return self._owners.get(namespace_id)
 
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(t for t, namespaces in self._by_tenant.items() if namespaces)
+
     def namespaces_of(self, tenant: str) -> frozenset[bytes]:
         with self._lock:
             return frozenset(self._by_tenant.get(tenant, ()))
