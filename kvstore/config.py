@@ -110,6 +110,7 @@ class SecurityConfig:
     tls_key: Path | None = None  # ... and its private key
     tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
     insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
+    share_arena: bool = False  # hand the one host arena to authenticated tenants (they can read each other's pages)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA; they name the tenant")
     security.add_argument("--insecure", action="store_true",
                           help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
+    security.add_argument("--share-arena", action="store_true",
+                          help="with --auth-file or mTLS: hand the shared-memory arena to every authenticated same-host "
+                               "caller anyway (whoever maps it reads and writes every tenant's pages: only for tenants that "
+                               "trust each other); by default tenants' pages go over gRPC")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
@@ -132,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,
         security=SecurityConfig(
             auth_file=_path(args.auth_file), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
-            tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure,
+            tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure, share_arena=args.share_arena,
         ),
         tenant_quota=_tenant_quota(args),
         **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},

@@ -12,6 +12,7 @@ from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, StreamCut
+from kvstore.page import checksum
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
@@ -50,9 +51,13 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
+        """The arena is one trust domain (whoever maps it reads and writes every page in it):
+        tenants get it only with --share-arena; without it their pages go over gRPC."""
         arena = self.core.arena
+        shared = current_identity().via == "local" or self.config.security.share_arena
         return data_pb2.GetInfoResponse(
-            node=self.core.node, arena_path=arena.path, arena_bytes=arena.size_bytes, arena_token=arena.token,
+            node=self.core.node, arena_path=arena.path if shared else "", arena_bytes=arena.size_bytes if shared else 0,
+            arena_token=arena.token if shared else b"",
             tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
             max_page_bytes=self.config.max_page_bytes,
         )
@@ -80,12 +85,23 @@ class DataService(data_pb2_grpc.DataServicer):
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
         who = current_identity()
-        alloc = self.core.leases.allocation(request.allocation_id) if request.durable else None
-        if alloc is not None and alloc.tenant == who.tenant:
-            self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
+        alloc = self.core.leases.allocation(request.allocation_id)
+        if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
+            if request.durable:
+                self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
+            self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
         n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
                              tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
+
+    def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
+        """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
+        bytes of the page that left it (maybe another tenant's), and a commit that claims a
+        checksum without writing them must not publish those bytes under the caller's key."""
+        for key, expected in zip(keys, checksums):
+            if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
+                raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
+                                     "nothing was committed (write the page, then commit)")
 
     @unary
     def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
