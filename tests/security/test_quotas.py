@@ -159,3 +159,18 @@ def test_the_auth_files_quotas_are_checked_when_it_loads() -> None:
                       ({"a": {"ssd_bytes": "lots"}}, "quotas.a.ssd_bytes")):
         with pytest.raises(ConfigError, match=says):
             authfile.parse({"quotas": bad}, "f")
+
+
+def test_a_quota_changed_in_the_auth_file_holds_after_a_reload(quota_server, ca) -> None:
+    a = Caller(quota_server, ca, A)
+    ns = new_ns()
+    assert a.put(ns, new_keys(1)) == 1
+    acquire = data_pb2.AcquireRequest(namespace_id=ns, keys=new_keys(1))
+    for _ in range(2):
+        a(a.data.Acquire, acquire)
+    assert a.code(a.data.Acquire, acquire) == FULL
+    auth = quota_server.config.security.auth_file
+    auth.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {**QUOTAS["a"], "leases": 3}}}))
+    assert quota_server.reload_security()
+    assert a.code(a.data.Acquire, acquire) == OK
+    assert a.code(a.data.Acquire, acquire) == FULL
