@@ -70,16 +70,34 @@ def test_leases_and_allocations(quota_server, ca) -> None:
     assert b.code(b.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns_b, layout=LAYOUT, keys=new_keys(1))) == OK
 
 
-def test_host_bytes(quota_server, ca) -> None:
-    a, b = Caller(quota_server, ca, A), Caller(quota_server, ca, B)
-    ns = new_ns()
-    assert a.put(ns, new_keys(3)) == 3
+@pytest.fixture
+def host_quota_server(tmp_path, ca) -> Iterator[Server]:
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 3 * PAGE_BYTES}})
+    yield server
+    server.stop(grace_s=1)
+
+
+def test_host_bytes(host_quota_server, ca) -> None:
+    """A tenant at its host_bytes quota makes room by evicting (writing down) its own coldest
+    pages, never another tenant's; only when all of its own are pinned is it refused.
+    Bug: it was refused until its pages happened to be demoted, which on a server with room
+    is never."""
+    a, b = Caller(host_quota_server, ca, A), Caller(host_quota_server, ca, B)
+    ns, ns_b, keys, keys_b = new_ns(), new_ns(), new_keys(5), new_keys(5)
+    assert b.put(ns_b, keys_b) == 5
+    assert a.put(ns, keys[:3]) == 3
+    assert a.put(ns, keys[3:]) == 2
+    core = host_quota_server.core
+    assert [set(core.where(k)) for k in keys] == [{"ssd"}] * 2 + [{"host"}] * 3, "a's two coldest went down"
+    assert all("host" in core.where(k) for k in keys_b), "b's pages stay"
+    assert a.lookup(ns, keys) == 5
+    assert host_quota_server.tenancy.quotas.usage("a")["host_bytes"] == 3 * PAGE_BYTES
+    held = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys[2:])).lease_id  # a's host pages, pinned
     with pytest.raises(grpc.RpcError) as err:
         a.put(ns, new_keys(1))
-    assert err.value.code() == FULL
-    assert b.put(new_ns(), new_keys(5)) == 5
-    a(a.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=ns))
-    assert a.put(ns, new_keys(3)) == 3
+    assert err.value.code() == FULL and "host bytes" in err.value.details()
+    a(a.data.Release, data_pb2.ReleaseRequest(lease_id=held))
+    assert a.put(ns, new_keys(1)) == 1
 
 
 def test_ssd_bytes(quota_server, ca) -> None:

@@ -24,7 +24,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
@@ -44,6 +44,20 @@ from kvstore.server.stats import CoreStats, Reporter
 from kvstore.tiers.base import ArenaInfo, Quarantined
 
 logger = logging.getLogger(__name__)
+
+class _NotAmong:
+    """The keys an eviction for some namespaces passes over: pinned ones, and every page of
+    another namespace (read from the directory: no tier lock is taken)."""
+
+    def __init__(self, pins: Container[bytes], directory: Directory, namespace_ids: frozenset[bytes]) -> None:
+        self._pins, self._directory, self._namespace_ids = pins, directory, namespace_ids
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._pins:
+            return True
+        entry = self._directory.get(key)  # type: ignore[arg-type]
+        return entry is None or entry.namespace_id not in self._namespace_ids
+
 
 def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
     """The leading keys for which ``held`` is true."""
@@ -212,6 +226,19 @@ class Placement:
             alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is not None:
                 self.keeper.give_back(alloc)
+
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> None:
+        """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
+        ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
+        quota makes room with its own pages, never another's. Stops when what is left of
+        them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
+        directory, landing = self.directory, self.landing.name
+        skip = _NotAmong(self.leases.pins, directory, namespace_ids)
+        with self.keeper.critical():
+            while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
+                   and self.moves.evict_one(0, skip)):
+                pass
+            self.reporter.refresh_gauges()
 
     # -- reads ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.directory import Directory
@@ -73,10 +74,11 @@ class Mover:
             if slot is not None or not self.evict_one(page_bytes):
                 return slot
 
-    def evict_one(self, page_bytes: int) -> bool:
-        """Evicts the landing tier's next victim (written down first when it is worth it);
-        False when there is none. Lock held; released during the write."""
-        victim = self.landing.victim(self.leases.pins, page_bytes)
+    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None) -> bool:
+        """Evicts the landing tier's next victim (written down first when it is worth it),
+        passing over the keys in ``skip`` (default: the pinned ones); False when there is
+        none. Lock held; released during the write."""
+        victim = self.landing.victim(self.leases.pins if skip is None else skip, page_bytes)
         if victim is None:
             return False
         header, slot = self.landing.header(victim), self.landing.slot_of(victim)

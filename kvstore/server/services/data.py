@@ -11,7 +11,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, StreamCut
+from kvstore.errors import HostQuotaFull, InvalidRequest, StreamCut
 from kvstore.page import checksum
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import current_identity
@@ -73,7 +73,7 @@ class DataService(data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
         who = current_identity()
-        self.quotas.check_pages(who, len(keys), layout.page_bytes)
+        self._room(who, len(keys), layout.page_bytes)
         with self.tenancy.writing(who, ns):
             ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
         return data_pb2.AllocateResponse(
@@ -93,6 +93,15 @@ class DataService(data_pb2_grpc.DataServicer):
         n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
                              tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
+
+    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> None:
+        """Checks the tenant's quotas for ``num_pages`` new pages; at its host quota, its own
+        coldest pages make room (written down), never another tenant's."""
+        try:
+            self.quotas.check_pages(who, num_pages, page_bytes)
+        except HostQuotaFull as full:
+            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
+            self.quotas.check_pages(who, num_pages, page_bytes)
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
@@ -183,7 +192,7 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        self.quotas.check_pages(who, 1, layout.page_bytes)
+        self._room(who, 1, layout.page_bytes)
         if chunk.durable:
             self.quotas.check_durable(who, layout.page_bytes)
         claimed = self.tenancy.claim(who, ns)

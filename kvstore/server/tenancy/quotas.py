@@ -12,10 +12,9 @@ for that tenant only. They are not atomic with the change they guard: concurrent
 one tenant can pass a limit by at most what those calls add. The local tenant of a server
 without tenants has no quota.
 
-What a quota does not do (yet): the host tier does not evict a tenant's own pages to make
-room within its quota — a tenant at its host_bytes limit is refused until its pages are
-demoted, invalidated or removed; and demotion does not check ssd_bytes (a tenant at its
-ssd_bytes limit is refused new pages instead).
+A tenant at its host_bytes quota makes room by evicting (writing down) its own coldest
+pages (``Placement.evict_own``); it is refused only when all of them are pinned. Demotion
+does not check ssd_bytes: a tenant at its ssd_bytes limit is refused new pages instead.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from collections.abc import Callable
 
 from kvstore.config import TenantQuota
 from kvstore.directory import Directory
-from kvstore.errors import LimitExceeded
+from kvstore.errors import HostQuotaFull, LimitExceeded
 from kvstore.security.identity import Identity
 from kvstore.server.leases import LeaseTable
 from kvstore.server.tenancy.owners import NamespaceOwners
@@ -127,14 +126,21 @@ class Quotas:
                                 "nothing was done")
 
     def check_pages(self, who: Identity, num_pages: int, page_bytes: int) -> None:
-        """Before an allocation of ``num_pages`` pages: allocations, host bytes, and the ssd
-        share (a tenant whose ssd_bytes are spent takes no new page: it would be demoted)."""
+        """Before an allocation of ``num_pages`` pages: allocations, the ssd share (a tenant
+        whose ssd_bytes are spent takes no new page: it would be demoted), and host bytes
+        (HostQuotaFull: the caller may evict the tenant's own pages and ask again)."""
         if not self._bounded(who):
             return
         used = self.usage(who.tenant)
         self._over(who, "allocations", 1, used["allocations"])
-        self._over(who, "host_bytes", num_pages * page_bytes, used["host_bytes"])
         self._over(who, "ssd_bytes", 1 if used["ssd_bytes"] else 0, used["ssd_bytes"])
+        try:
+            self._over(who, "host_bytes", num_pages * page_bytes, used["host_bytes"])
+        except LimitExceeded as exc:
+            keep = self.limits(who.tenant).host_bytes - num_pages * page_bytes
+            if keep < 0:  # the request alone is larger than the quota
+                raise
+            raise HostQuotaFull(str(exc), keep) from None
 
     def check_durable(self, who: Identity, num_bytes: int) -> None:
         """Before a durable commit writes ``num_bytes`` through to the ssd tier."""
