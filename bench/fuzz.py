@@ -236,6 +236,7 @@ async def fuzz(args: argparse.Namespace, bar: Any) -> dict[str, Any]:
     metrics_port = free_port()
     server, addr = start_server(workdir, 64 << 20, 256 << 20, "--ssd-dwpd", "0", "--max-remote-records", "20000",
                                 "--metrics-listen", f"127.0.0.1:{metrics_port}", *creds.server_args(),
+                                "--share-arena",  # the acceptance example's shm path maps the arena with a token
                                 env={"MALLOC_ARENA_MAX": str(args.server_malloc_arenas)} if args.server_malloc_arenas else None)
     pid = server.proc.pid
     report: dict[str, Any] = {"calls": args.calls, "seed": args.seed, "server_malloc_arenas": args.server_malloc_arenas,

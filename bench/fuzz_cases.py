@@ -208,12 +208,15 @@ def learn(p: Pools, method: str, request: Message | None, response: Message, tok
     elif isinstance(response, (data_pb2.AcquireResponse, directory_pb2.LeaseResponse)) and response.lease_id:
         p.leases[response.lease_id] = token
     elif method in ("Commit", "Abort") and request is not None:
-        if p.allocations.pop(request.allocation_id, None) is not None:
+        alloc = p.allocations.get(request.allocation_id)
+        if alloc is not None and alloc.token == token:  # another tenant's call is answered as for an unknown handle
+            del p.allocations[request.allocation_id]
             p.released.append(request.allocation_id)
         if method == "Commit":
             p.keys.extend(request.keys[: response.num_published])
     elif method in ("Release", "ReleaseLease") and request is not None:
-        if p.leases.pop(request.lease_id, None) is not None:
+        if p.leases.get(request.lease_id) == token:  # only its maker's release ends a lease
+            del p.leases[request.lease_id]
             p.released.append(request.lease_id)
     elif method == "WritePages":
         p.keys.extend(page_keys[: response.num_published])

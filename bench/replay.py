@@ -106,8 +106,10 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
                             dwpd=dwpd, admission="all" if policy == "oracle" else policy, sync=False, slab_bytes=8 * (page_bytes + 4096))
     config = ServerConfig(
         listen="127.0.0.1:0", data_dir=run_dir / "data", tiers=("host", "ssd") if ssd else ("host",),
+        # Every queued request's blocks are hinted, as the trace's engine would: the replay
+        # measures the policies, so the server's memory bound on hints (--max-hints) is lifted.
         host=HostTierConfig(capacity_bytes=host_blocks * page_bytes, slab_bytes=8 * page_bytes, hint_share=hint_share,
-                            eviction=eviction),
+                            eviction=eviction, max_hints=1 << 40),
         ssd=ssd, metrics_listen=None, node=f"replay{run_dir.name}",
     )
     # No demoter thread: every eviction happens inline, in the order allocations need room,

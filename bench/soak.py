@@ -115,6 +115,7 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
     shutil.rmtree(workdir / name, ignore_errors=True)
     server, addr = start_server(workdir / name, args.host_capacity << 20, 64 << 20, "--tiers", "host",
                                 *(("--auth-file", str(creds.auth_file)) if auth else ()),
+                                *(("--share-arena",) if auth and use_shm else ()),  # tenants get the arena only so
                                 *(("--tls-cert", str(creds.cert), "--tls-key", str(creds.key)) if tls else ()))
     per_tenant = len(clients.pipes) // len(TENANTS)
     specs = []

@@ -34,6 +34,7 @@ from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
+from kvstore.client.tenant import tenant_namespace
 from kvstore.client.transport import Peer, ShmTransport, StreamTransport, Transport
 from kvstore.client.transport.base import check_engine_kv
 from kvstore.errors import InvalidRequest, KVStoreError
@@ -105,12 +106,13 @@ class KVStoreClient:
         transport: the arena when this host can map it (and ``use_shm``), else streams."""
         self._runtime = runtime = Runtime(self.address, self.timeout_s, token=self._token, tls=self._tls)
         try:
-            info = await runtime.call(self._open())
+            info, identity = await runtime.call(self._open())
         except BaseException:
             await asyncio.get_running_loop().run_in_executor(None, runtime.close)
             raise
         self.node = info.node
         self.max_pages = max(1, info.max_pages_per_request)
+        self.namespace = tenant_namespace(self.namespace, identity)
         peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
                     self.max_pages, self.lease_ms)
         if self.use_shm:
@@ -120,10 +122,14 @@ class KVStoreClient:
         else:
             self._transport = StreamTransport(peer, self.chunk_bytes)
 
-    async def _open(self) -> Any:
+    async def _open(self) -> tuple[Any, Any]:
+        """The server's info, and who this client is to it (None without a credential)."""
         runtime = self.runtime
         await runtime.open()
-        return await runtime.rpc(runtime.data.GetInfo, data_pb2.GetInfoRequest())
+        info = await runtime.rpc(runtime.data.GetInfo, data_pb2.GetInfoRequest())
+        credential = self._token is not None or (self._tls is not None and self._tls.cert is not None)
+        identity = await runtime.rpc(runtime.data.WhoAmI, data_pb2.WhoAmIRequest()) if credential else None
+        return info, identity
 
     async def close(self) -> None:
         """Abandons the layer-wise loads and saves still running and waits for them (each

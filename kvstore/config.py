@@ -54,6 +54,7 @@ class HostTierConfig:
     eviction: str = "slru"  # slru (one-shot pages go first) or lru
     demote_above: float = 0.95  # fuller than this, the demoter writes the coldest pages down ...
     demote_to: float = 0.90  # ... until it is down to this (1.0 and 1.0: only allocations evict)
+    max_hints: int = 0  # announced uses (hinted keys) held at once, all callers; 0: one per KiB of capacity
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
@@ -62,6 +63,10 @@ class HostTierConfig:
             raise ConfigError("--hint-share must be in [0, 1]")
         if not 0 < self.demote_to <= self.demote_above <= 1:
             raise ConfigError("host demotion watermarks must satisfy 0 < demote_to <= demote_above <= 1")
+        if self.max_hints < 0:
+            raise ConfigError("--max-hints must be >= 0 (0: one per KiB of --host-capacity)")
+        if self.max_hints == 0:
+            object.__setattr__(self, "max_hints", max(1024, self.capacity_bytes // 1024))
         if self.eviction not in ("slru", "lru"):
             raise ConfigError(f"--host-eviction must be slru or lru, got {self.eviction!r}")
         if self.slab_bytes == 0:
@@ -105,6 +110,7 @@ class SecurityConfig:
     tls_key: Path | None = None  # ... and its private key
     tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
     insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
+    share_arena: bool = False  # hand the one host arena to authenticated tenants (they can read each other's pages)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -115,6 +121,30 @@ class SecurityConfig:
                            ("--tls-client-ca", self.tls_client_ca)):
             if path is not None and not path.is_file():
                 raise ConfigError(f"{flag} {path}: no such file")
+
+
+QUOTA_BYTES_FIELDS = ("host_bytes", "ssd_bytes", "token_log_bytes")
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """What one tenant may make the server hold (issue 16); 0: no limit of its own (the
+    server's capacity and limits still apply). Server-wide defaults come from the
+    --tenant-* flags, a tenant's own from the auth file's ``quotas`` table. The local
+    tenant of a server without --auth-file has none."""
+
+    host_bytes: int = 0  # committed pages in this node's host tier
+    ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit, no new page is taken
+    leases: int = 16384  # leases held at once (Acquire, Lease, ReadPages streams)
+    allocations: int = 4096  # allocations not yet committed or aborted
+    hints: int = 262144  # announced uses (hinted keys) held at once
+    token_log_bytes: int = 1 << 30  # token-log entries of its sessions (4 bytes a token)
+    published_records: int = 262144  # other nodes' locations recorded by its Publish calls
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"--tenant-{name.replace('_', '-')} must be an integer >= 0 (0: no limit), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -177,6 +207,7 @@ class ServerConfig:
     token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
     security: SecurityConfig = field(default_factory=SecurityConfig)
     cluster: ClusterConfig | None = None  # None: a single node, nothing of cluster mode is imported
+    tenant_quota: TenantQuota = field(default_factory=TenantQuota)  # defaults; the auth file overrides per tenant
 
     def __post_init__(self) -> None:
         for tier in self.tiers:

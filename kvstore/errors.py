@@ -39,6 +39,16 @@ class LimitExceeded(KVStoreError):
     was changed. Retry later, or make room (close streams, remove records)."""
 
 
+class HostQuotaFull(LimitExceeded):
+    """A tenant's pages in the host tier would pass its host_bytes quota (issue 16); nothing
+    was done. ``keep_bytes``: how much of its own the tenant may keep there for the request
+    to fit (the servicer evicts its coldest pages down to that, then asks again)."""
+
+    def __init__(self, message: str, keep_bytes: int) -> None:
+        super().__init__(message)
+        self.keep_bytes = keep_bytes
+
+
 class PageMissing(KVStoreError):
     """A page promised by a lookup is gone (evicted, invalidated, or its bytes were lost)."""
 

@@ -24,7 +24,7 @@ from collections.abc import Container
 from pathlib import Path
 
 from kvstore.config import HostTierConfig
-from kvstore.errors import PageCorrupt
+from kvstore.errors import LimitExceeded, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
 from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.eviction import HostResidency
@@ -210,7 +210,13 @@ class HostTier:
             return list(self._pages)
 
     def hint(self, keys: list[bytes], eta: float) -> None:
+        """Raises LimitExceeded, holding nothing new, when the announced uses held would pass
+        ``config.max_hints`` (every announced use costs memory until its eta plus grace)."""
         with self._lock:
+            held = len(self._order.due)
+            if held + len(keys) > self.config.max_hints:
+                raise LimitExceeded(f"{held} hinted keys are held, {len(keys)} more would pass the limit of "
+                                    f"{self.config.max_hints} (--max-hints); nothing was hinted")
             for depth, key in enumerate(keys):
                 self._order.hint(key, eta, depth)
 

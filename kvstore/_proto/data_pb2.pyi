@@ -81,6 +81,20 @@ class HintResponse(_message.Message):
     reserved: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, reserved: _Optional[_Iterable[bool]] = ...) -> None: ...
 
+class WhoAmIRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WhoAmIResponse(_message.Message):
+    __slots__ = ("tenant", "rights", "salt")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    rights: _containers.RepeatedScalarFieldContainer[str]
+    salt: bytes
+    def __init__(self, tenant: _Optional[str] = ..., rights: _Optional[_Iterable[str]] = ..., salt: _Optional[bytes] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

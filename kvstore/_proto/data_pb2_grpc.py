@@ -41,6 +41,11 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.WhoAmI = channel.unary_unary(
+                '/kvstore.v1.Data/WhoAmI',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.WhoAmIRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.WhoAmIResponse.FromString,
+                _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/kvstore.v1.Data/Allocate',
                 request_serializer=kvstore_dot_v1_dot_data__pb2.AllocateRequest.SerializeToString,
@@ -110,6 +115,14 @@ class DataServicer:
 
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WhoAmI(self, request, context):
+        """Who the caller is to this server: its tenant, its rights and the secret salt its
+        namespace ids must fold in (Namespace.tenant_salt). Empty salt: a server without tenants.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -204,6 +217,11 @@ def add_DataServicer_to_server(servicer, server):
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.GetInfoRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.GetInfoResponse.SerializeToString,
             ),
+            'WhoAmI': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhoAmI,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.WhoAmIRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.WhoAmIResponse.SerializeToString,
+            ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.AllocateRequest.FromString,
@@ -294,6 +312,33 @@ class Data:
             '/kvstore.v1.Data/GetInfo',
             kvstore_dot_v1_dot_data__pb2.GetInfoRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhoAmI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/WhoAmI',
+            kvstore_dot_v1_dot_data__pb2.WhoAmIRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.WhoAmIResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -211,7 +211,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., num_pages: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node", "num_entries", "last_seq", "tiers", "num_leases", "num_quarantined", "ssd")
+    __slots__ = ("node", "num_entries", "last_seq", "tiers", "num_leases", "num_quarantined", "ssd", "tenants")
     class SsdEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class StatsResponse(_message.Message):
     NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     SSD_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     node: str
     num_entries: int
     last_seq: int
@@ -233,4 +234,29 @@ class StatsResponse(_message.Message):
     num_leases: int
     num_quarantined: int
     ssd: _containers.ScalarMap[str, float]
-    def __init__(self, node: _Optional[str] = ..., num_entries: _Optional[int] = ..., last_seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., ssd: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, node: _Optional[str] = ..., num_entries: _Optional[int] = ..., last_seq: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_leases: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., ssd: _Optional[_Mapping[str, float]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "used", "limits")
+    class UsedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    used: _containers.ScalarMap[str, int]
+    limits: _containers.ScalarMap[str, int]
+    def __init__(self, tenant: _Optional[str] = ..., used: _Optional[_Mapping[str, int]] = ..., limits: _Optional[_Mapping[str, int]] = ...) -> None: ...

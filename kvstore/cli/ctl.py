@@ -129,6 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "hits": t.hits, "misses": t.misses, "evictions": t.evictions, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out}
                         for t in r.tiers
                     ],
+                    "tenants": {t.tenant: {"used": dict(sorted(t.used.items())), "limits": dict(sorted(t.limits.items()))}
+                                for t in r.tenants},
                 }
             if args.command == "quarantine":
                 r = stub.Quarantine(directory_pb2.QuarantineRequest(purge=args.purge), timeout=args.timeout)

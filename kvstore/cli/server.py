@@ -14,12 +14,15 @@ from pathlib import Path
 from kvstore import logs
 from kvstore.config import (
     MAP_BYTES,
+    QUOTA_BYTES_FIELDS,
     TOKEN_LOG_MAP_BYTES,
     ClusterConfig,
     HostTierConfig,
     SecurityConfig,
     ServerConfig,
     SsdTierConfig,
+    TenantQuota,
+    format_size,
     parse_size,
 )
 from kvstore.errors import ConfigError, KVStoreError
@@ -42,6 +45,15 @@ _LIMIT_FLAGS: list[tuple[str, type, str]] = [
 ]
 
 
+_QUOTA_DEFAULTS = TenantQuota()
+_QUOTA_HELP = {
+    "host_bytes": "committed pages in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "leases": "leases held at once", "allocations": "allocations not yet committed or aborted",
+    "hints": "hinted keys held at once", "token_log_bytes": "token-log bytes of its sessions",
+    "published_records": "other nodes' locations its Publish calls record",
+}
+
+
 def _field(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
@@ -53,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
     p.add_argument("--data-dir", default="./kvstore-data", help="directory for the persistent directory (LMDB)")
     p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
-    p.add_argument("--ssd-dir", default=None, help="where ssd pages live (default: DATA_DIR/ssd)")
+    p.add_argument("--ssd-dir", default=None, help="where ssd pages live (None: DATA_DIR/ssd)")
     p.add_argument("--ssd-capacity", default="8GiB", help="ssd tier capacity")
     p.add_argument("--no-direct-io", action="store_true", help="use buffered I/O on the ssd tier even where O_DIRECT works")
     p.add_argument("--ssd-dwpd", type=float, default=1.0, help="drive writes per day the SSD endurance budget allows (0: no budget)")
@@ -65,10 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", default="local", help="this node's name in locations")
     p.add_argument("--lmdb-map-size", default=None,
                    help="size of each LMDB map (directory, token log, ssd index); a full one refuses writes "
-                        "(default 8GiB, 4GiB for the token log)")
+                        "(None: 8GiB, 4GiB for the token log)")
     limits = p.add_argument_group("limits", "what callers can make the server hold")
     for flag, kind, text in _LIMIT_FLAGS:
         limits.add_argument(flag, type=kind, default=_DEFAULTS[_field(flag)], help=text)
+    limits.add_argument("--max-hints", type=int, default=0,
+                        help="hinted keys held at once, all callers together; RESOURCE_EXHAUSTED beyond "
+                             "(0: one per KiB of --host-capacity)")
+    quotas = p.add_argument_group("tenant quotas", "per tenant; one exceeded is RESOURCE_EXHAUSTED for that tenant only. The auth "
+                                  "file's [quotas.TENANT] tables override them; 0: no limit; none without --auth-file or mTLS")
+    for name, text in _QUOTA_HELP.items():
+        default = getattr(_QUOTA_DEFAULTS, name)
+        shown = (format_size(default) if default else "0") if name in QUOTA_BYTES_FIELDS else str(default)
+        quotas.add_argument(f"--tenant-{name.replace('_', '-')}", default=shown, help=text)
     security = p.add_argument_group("security", "who may call, and over what (see README: Security)")
     security.add_argument("--auth-file", help="TOML or JSON file of tokens -> tenant, rights, expiry; re-read on SIGHUP")
     security.add_argument("--tls-cert", help="serve TLS with this certificate chain (PEM)")
@@ -76,19 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA; they name the tenant")
     security.add_argument("--insecure", action="store_true",
                           help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
+    security.add_argument("--share-arena", action="store_true",
+                          help="with --auth-file or mTLS: hand the shared-memory arena to every authenticated same-host "
+                               "caller anyway (whoever maps it reads and writes every tenant's pages: only for tenants that "
+                               "trust each other); by default tenants' pages go over gRPC")
     cluster = p.add_argument_group("cluster", "join a cluster of nodes on etcd (DESIGN §12); without --cluster: one node")
     cluster.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]", help="etcd endpoints of the cluster")
     cluster.add_argument("--node-id", help="this node's unique name in the cluster (replaces --node)")
-    cluster.add_argument("--advertise", help="HOST:PORT other nodes reach this node's gRPC server at (default: --listen)")
+    cluster.add_argument("--advertise", help="HOST:PORT other nodes reach this node's gRPC server at (None: --listen)")
     cluster.add_argument("--data-plane", default="ucx", choices=["ucx", "grpc"],
-                         help="how page bytes move node to node: UCX, or gRPC ReadPages streams (default %(default)s)")
-    cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (default: UCX chooses)")
-    cluster.add_argument("--data-port", type=int, default=0, help="the UCX listener's port (default 0: any free one)")
-    cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd (default %(default)s)")
-    cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds (default %(default)s)")
-    cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record (default %(default)s)")
+                         help="how page bytes move node to node: UCX, or gRPC ReadPages streams")
+    cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (None: UCX chooses)")
+    cluster.add_argument("--data-port", type=int, default=0, help="the UCX listener's port (0: any free one)")
+    cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd")
+    cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds")
+    cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record")
     cluster.add_argument("--fetch-timeout-s", type=float, default=5.0,
-                         help="a remote page fetch gives up after this, or the caller's deadline if sooner (default %(default)s)")
+                         help="a remote page fetch gives up after this, or the caller's deadline if sooner")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p
@@ -133,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         listen=args.listen,
         data_dir=data_dir,
         tiers=tiers,
-        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share),
+        host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
+                            max_hints=args.max_hints),
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=cluster.node_id if cluster else args.node,
@@ -143,10 +169,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         token_log_map_bytes=map_bytes or TOKEN_LOG_MAP_BYTES,
         security=SecurityConfig(
             auth_file=_path(args.auth_file), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
-            tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure,
+            tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure, share_arena=args.share_arena,
         ),
+        tenant_quota=_tenant_quota(args),
         **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},
     )
+
+
+def _tenant_quota(args: argparse.Namespace) -> TenantQuota:
+    values = {}
+    for name in _QUOTA_HELP:
+        flag, text = f"--tenant-{name.replace('_', '-')}", getattr(args, f"tenant_{name}")
+        if name in QUOTA_BYTES_FIELDS:
+            values[name] = parse_size(text, flag)
+        elif text.isdigit():
+            values[name] = int(text)
+        else:
+            raise ConfigError(f"{flag} must be an integer >= 0, got {text!r}")
+    return TenantQuota(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

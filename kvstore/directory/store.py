@@ -62,6 +62,7 @@ class Directory:
         self.meta_db = self.env.open_db(b"meta")
         self._entries: dict[bytes, Entry] = {}
         self._remote: Counter[str] = Counter()  # other node -> locations recorded for it
+        self._usage: dict[bytes, Counter[str]] = {}  # namespace -> tier -> bytes here (remote: locations); tenant quotas
         self._version = 0
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -79,6 +80,7 @@ class Directory:
                 for node, tier, version, size in rec["locs"]:
                     entry.locations[(node, tier)] = Location(node, tier, version, size)
                     self._count(node, 1)
+                    self._account(entry.namespace_id, entry.locations[(node, tier)], 1)
                     self._version = max(self._version, version)
                 self._entries[bytes(key)] = entry
         logger.info("directory: %d entries loaded", len(self._entries))
@@ -163,6 +165,24 @@ class Directory:
             raise LimitExceeded(f"publish refused: other nodes would have {self._remote.total() + added.total()} locations "
                                 f"here, at most {total} (--max-remote-records); nothing was published")
 
+    def usage(self, namespace_id: bytes) -> dict[str, int]:
+        """What the namespace holds: this node's tiers in bytes, ``remote`` in locations."""
+        with self._lock:
+            return dict(self._usage.get(namespace_id, ()))
+
+    def _account(self, namespace_id: bytes, loc: Location, sign: int) -> None:
+        """Lock held: a location of ``namespace_id`` came (1) or went (-1)."""
+        if loc.node == self.node:
+            what, amount = loc.tier, loc.size_bytes
+        elif loc.tier in DURABLE_TIERS:
+            what, amount = loc.tier, 1
+        else:
+            return
+        usage = self._usage.get(namespace_id)
+        if usage is None:
+            usage = self._usage[namespace_id] = Counter()
+        usage[what] += sign * amount
+
     def _count(self, node: str, change: int) -> None:
         if node != self.node:
             self._remote[node] += change
@@ -226,8 +246,12 @@ class Directory:
         with self._lock:
             for key, loc in staged:
                 entry = self._entries.setdefault(key, Entry(namespace_id))
-                if (loc.node, loc.tier) not in entry.locations:
+                old = entry.locations.get((loc.node, loc.tier))
+                if old is None:
                     self._count(loc.node, 1)
+                else:
+                    self._account(entry.namespace_id, old, -1)
+                self._account(entry.namespace_id, loc, 1)
                 entry.locations[(loc.node, loc.tier)] = loc
                 entry.where = None
                 self.events.append(EventKind.STORED, namespace_id, key, loc)
@@ -245,7 +269,11 @@ class Directory:
             else:
                 entry.where = None
             version += 1
+            old = entry.locations.get((node, tier))
+            if old is not None:
+                self._account(entry.namespace_id, old, -1)
             entry.locations[(node, tier)] = Location(node, tier, version, size)
+            self._account(entry.namespace_id, entry.locations[(node, tier)], 1)
         self._version = version
 
     def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
@@ -265,6 +293,7 @@ class Directory:
                     del entry.locations[(loc.node, loc.tier)]
                     entry.where = None
                     self._count(loc.node, -1)
+                    self._account(entry.namespace_id, loc, -1)
                     self.events.append(EventKind.REMOVED, entry.namespace_id, key, loc)
                 if not entry.locations:
                     del self._entries[key]
@@ -300,6 +329,7 @@ class Directory:
                 for _, locations in removed:
                     for loc in locations:
                         self._count(loc.node, -1)
+                self._usage.pop(namespace_id, None)
                 self.events.append(EventKind.CLEARED, namespace_id)
             return removed
 

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 CERT_RIGHTS_WITHOUT_AUTH_FILE = Rights.READ | Rights.WRITE  # admin is granted only by name, in the auth file
 LOCAL_IDENTITY = Identity(LOCAL_TENANT, ALL_RIGHTS, b"", via="local")
+_NO_QUOTAS: dict[str, dict[str, int]] = {}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ class Authenticator:
             self._assign_salts(self._table)
             logger.info("auth file %s: %d token(s), %d certificate name(s), tenants %s", auth_file,
                         len(self._table.tokens), len(self._table.certs), ", ".join(sorted(self._table.tenants())) or "none")
+
+    @property
+    def quotas(self) -> dict[str, dict[str, int]]:
+        """The auth file's per-tenant quotas (the same object until a reload replaces it)."""
+        table = self._table
+        return table.quotas if table is not None else _NO_QUOTAS
 
     @property
     def required(self) -> bool:

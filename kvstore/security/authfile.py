@@ -14,7 +14,12 @@ TOML (or JSON when the name ends in ``.json``)::
     tenant = "alice"
     rights = ["read", "write"]
 
-Revoking a token is removing its entry and sending the server SIGHUP.
+    [quotas.alice]                          # optional, per tenant: over the --tenant-* defaults
+    host_bytes = "4GiB"                     # host_bytes, ssd_bytes, token_log_bytes: sizes;
+    leases = 1000                           # leases, allocations, hints, published_records: counts
+
+Revoking a token is removing its entry and sending the server SIGHUP; a changed quota
+takes effect the same way.
 
 Only the SHA-256 of each token is kept, and tokens are found by that digest. Why this does
 not leak a token through timing: the only comparison that can stop early is between
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import QUOTA_BYTES_FIELDS, TenantQuota, parse_size
 from kvstore.errors import ConfigError
 from kvstore.security.identity import Rights, check_tenant_name
 
@@ -86,6 +92,7 @@ class AuthTable:
 
     tokens: dict[bytes, Grant] = field(default_factory=dict)  # SHA-256 of the token -> grant
     certs: dict[str, Grant] = field(default_factory=dict)  # certificate name (CN or SAN) -> grant
+    quotas: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> its own TenantQuota fields
 
     def tenants(self) -> set[str]:
         return {g.tenant for g in (*self.tokens.values(), *self.certs.values())}
@@ -128,9 +135,9 @@ def _holds_plain_tokens(doc: dict[str, Any]) -> bool:
 def parse(doc: object, where: str) -> AuthTable:
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: the top level must be a table with 'tokens' and/or 'certs'")
-    unknown = set(doc) - {"tokens", "certs"}
+    unknown = set(doc) - {"tokens", "certs", "quotas"}
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected 'tokens' and/or 'certs'")
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; expected 'tokens', 'certs' and/or 'quotas'")
     tokens: dict[bytes, Grant] = {}
     for i, entry in enumerate(_entries(doc, "tokens", where)):
         at = f"{where}: tokens[{i}]"
@@ -147,7 +154,29 @@ def parse(doc: object, where: str) -> AuthTable:
         if subject in certs:
             raise ConfigError(f"{at}: subject {subject!r} appears twice")
         certs[subject] = _grant(entry, at)
-    return AuthTable(tokens, certs)
+    return AuthTable(tokens, certs, _quotas(doc.get("quotas", {}), where))
+
+
+def _quotas(table: object, where: str) -> dict[str, dict[str, int]]:
+    """``{tenant: {field: value}}``, each value checked as TenantQuota checks it."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: 'quotas' must be a table of tenants ([quotas.TENANT] in TOML)")
+    fields = set(vars(TenantQuota()))
+    quotas: dict[str, dict[str, int]] = {}
+    for tenant, entry in table.items():
+        at = f"{where}: quotas.{tenant}"
+        check_tenant_name(tenant, at)
+        values = {}
+        for name, value in _keys(entry, fields, at).items():
+            if name in QUOTA_BYTES_FIELDS and isinstance(value, str):
+                value = parse_size(value, f"{at}.{name}")
+            values[name] = value
+        try:
+            TenantQuota(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{at}: {exc}") from None
+        quotas[tenant] = values
+    return quotas
 
 
 def _entries(doc: dict[str, Any], key: str, where: str) -> list[Any]:

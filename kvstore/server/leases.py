@@ -7,6 +7,8 @@ stored already). Both expire: one heap entry per lease or allocation, a renewed 
 entry moved on when it comes due, so renewing in a loop grows nothing.
 
 Handles are 16 random bytes: a caller cannot guess another's to release, renew or abort it.
+Each remembers the tenant that made it; another tenant's release, renew, commit or abort
+finds nothing, exactly as with an unknown handle (``tenant=None``: the server's own use).
 
 Not thread-safe: the placement core calls it under its own lock.
 """
@@ -39,12 +41,14 @@ class Allocation:
     keys: list[bytes]             # the prefix allocate answered: stored already or reserved
     held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
     expires: float = field(default=0.0)
+    tenant: str = ""              # who made it: only that tenant may commit or abort it
 
 
 @dataclass
 class Lease:
     keys: list[bytes]
     expires: float
+    tenant: str = ""  # who took it: only that tenant may renew or release it
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class LeaseTable:
         self._leases: dict[bytes, Lease] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
+        self._held: Counter[tuple[str, bool]] = Counter()  # (tenant, is_lease) -> how many it holds (quotas)
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -111,27 +116,36 @@ class LeaseTable:
             raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.max_lease_ms} ms")
         return ttl_ms
 
-    def lease(self, keys: list[bytes], ttl_ms: int) -> tuple[bytes, float]:
-        """Pins ``keys`` under a new lease; returns its handle and its expiry (unix seconds)."""
+    def lease(self, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, float]:
+        """Pins ``keys`` under a new lease of ``tenant``; returns its handle and its expiry (unix seconds)."""
         ttl_ms = self.lease_ttl_ms(ttl_ms)
         ident = secrets.token_bytes(HANDLE_BYTES)
         deadline = self.clock() + ttl_ms / 1000
-        self._leases[ident] = Lease(keys, deadline)
+        self._leases[ident] = Lease(keys, deadline, tenant)
+        self._held[(tenant, True)] += 1
         heapq.heappush(self._expiry, (deadline, ident, True))
         self.pin(keys)
         return ident, time.time() + ttl_ms / 1000
 
-    def release(self, ident: bytes) -> list[bytes] | None:
-        """Ends a lease; returns its keys no longer pinned, or None when there is no such lease."""
-        lease = self._leases.pop(ident, None)
-        return None if lease is None else self.unpin(lease.keys)
+    def _lease_of(self, ident: bytes, tenant: str | None) -> Lease | None:
+        lease = self._leases.get(ident)
+        return lease if lease is not None and (tenant is None or lease.tenant == tenant) else None
 
-    def renew(self, ident: bytes, ttl_ms: int) -> None:
+    def release(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
+        """Ends a lease; returns its keys no longer pinned, or None when there is no such lease
+        (of ``tenant``, when given)."""
+        if self._lease_of(ident, tenant) is None:
+            return None
+        lease = self._leases.pop(ident)
+        self._held[(lease.tenant, True)] -= 1
+        return self.unpin(lease.keys)
+
+    def renew(self, ident: bytes, ttl_ms: int, tenant: str | None = None) -> None:
         """Moves a lease's or an allocation's expiry to ``ttl_ms`` from now (never back).
         Raises LeaseExpired when it was released, committed or has expired (its pages may have
-        been evicted, its slots given to another writer, meanwhile)."""
+        been evicted, its slots given to another writer, meanwhile), or is not ``tenant``'s."""
         alloc = self._allocations.get(ident)
-        if alloc is not None:  # a writer filling its slots for longer than one term (a layer-wise save)
+        if alloc is not None and (tenant is None or alloc.tenant == tenant):  # a layer-wise save's slots
             ttl_ms = ttl_ms or self.allocation_ttl_ms
             if ttl_ms > max(self.max_lease_ms, self.allocation_ttl_ms):
                 raise InvalidRequest(f"allocation ttl {ttl_ms} ms exceeds the maximum of "
@@ -139,7 +153,7 @@ class LeaseTable:
             alloc.expires = max(alloc.expires, self.clock() + ttl_ms / 1000)
             return
         ttl_ms = self.lease_ttl_ms(ttl_ms)
-        lease = self._leases.get(ident)
+        lease = self._lease_of(ident, tenant)
         if lease is None:
             raise LeaseExpired(f"lease {ident.hex()} was released or has expired; its pages may be gone")
         lease.expires = max(lease.expires, self.clock() + ttl_ms / 1000)
@@ -151,16 +165,21 @@ class LeaseTable:
         ident = secrets.token_bytes(HANDLE_BYTES)
         alloc.expires = self.clock() + self.allocation_ttl_ms / 1000
         self._allocations[ident] = alloc
+        self._held[(alloc.tenant, False)] += 1
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
 
     def allocation(self, ident: bytes) -> Allocation | None:
         return self._allocations.get(ident)
 
-    def take_allocation(self, ident: bytes) -> Allocation | None:
-        """Removes and returns an allocation (None: unknown or expired); the caller frees its
-        slots and unpins its ``held`` keys."""
-        return self._allocations.pop(ident, None)
+    def take_allocation(self, ident: bytes, tenant: str | None = None) -> Allocation | None:
+        """Removes and returns an allocation (None: unknown, expired, or not ``tenant``'s when
+        given); the caller frees its slots and unpins its ``held`` keys."""
+        alloc = self._allocations.get(ident)
+        if alloc is None or (tenant is not None and alloc.tenant != tenant):
+            return None
+        self._held[(alloc.tenant, False)] -= 1
+        return self._allocations.pop(ident)
 
     # -- expiry --------------------------------------------------------------------------
 
@@ -178,6 +197,7 @@ class LeaseTable:
                     heapq.heappush(self._expiry, (lease.expires, ident, True))
                 elif lease is not None:
                     del self._leases[ident]
+                    self._held[(lease.tenant, True)] -= 1
                     logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
                     free += self.unpin(lease.keys)
             else:
@@ -186,9 +206,14 @@ class LeaseTable:
                     heapq.heappush(self._expiry, (alloc.expires, ident, False))
                 elif alloc is not None:
                     del self._allocations[ident]
+                    self._held[(alloc.tenant, False)] -= 1
                     logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     allocations.append(alloc)
         return free, allocations
+
+    def held(self, tenant: str) -> tuple[int, int]:
+        """(leases, allocations) ``tenant`` holds now (a dict read: callers need no lock)."""
+        return self._held.get((tenant, True), 0), self._held.get((tenant, False), 0)
 
     def counts(self) -> LeaseCounts:
         moving = self._moving

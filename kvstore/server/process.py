@@ -24,6 +24,7 @@ from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
+from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
 
@@ -87,15 +88,20 @@ class Server:
 
             self.cluster = ClusterRuntime(self.core, config)
         self.demoter = Demoter(self.core)
+        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
+        quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
+                        self.core.leases, self.wal, config.host.hint_grace_s)
+        self.tenancy = Tenancy(owners, quotas)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
-        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, DirectoryService(self.core, config, self.cluster))
+        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server,
+                                       DirectoryService(self.core, config, self.tenancy, self.cluster))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics,
                     request_limits(config))
-        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
-        data = data_handlers(DataService(self.core, config, self.wal, self.cluster))
+        data = data_handlers(DataService(self.core, config, self.wal, self.tenancy, self.cluster))
         add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics, request_limits(config))
         self.port = 0
         self.metrics_port = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 from kvstore.config import TOKEN_LOG_MAP_BYTES
 from kvstore.errors import InvalidRequest
 from kvstore.lmdb_env import map_full, open_env
+from kvstore.types import NAMESPACE_ID_BYTES
 
 _META = struct.Struct("<IQ")  # prompt tokens, total length
 MAX_SESSION_ID = 256
@@ -29,6 +31,14 @@ class TokenLog:
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
         self._lock = threading.Lock()
+        self._tokens: Counter[bytes] = Counter()  # namespace -> tokens logged in its sessions (tenant quotas)
+        with self.env.begin(db=self.meta_db) as txn:
+            for sid, raw in txn.cursor():
+                self._tokens[bytes(sid[:NAMESPACE_ID_BYTES])] += _META.unpack(raw)[1]
+
+    def tokens_of(self, namespace_id: bytes) -> int:
+        """Tokens logged in the namespace's open sessions."""
+        return self._tokens.get(namespace_id, 0)
 
     @staticmethod
     def _sid(namespace_id: bytes, session_id: str) -> bytes:
@@ -52,6 +62,8 @@ class TokenLog:
                 txn.put(sid + struct.pack(">Q", length), np.asarray(tokens, dtype="<u4").tobytes(), db=self.chunks_db)
             length += len(tokens)
             txn.put(sid, _META.pack(prompt, length), db=self.meta_db)
+        with self._lock:  # counted once the transaction committed
+            self._tokens[namespace_id] += len(tokens)
         if sync:
             self.env.sync(True)
         return length
@@ -76,12 +88,16 @@ class TokenLog:
     def end(self, namespace_id: bytes, session_id: str) -> None:
         sid = self._sid(namespace_id, session_id)
         with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
+            raw = txn.get(sid, db=self.meta_db)
             txn.delete(sid, db=self.meta_db)
             cursor = txn.cursor(db=self.chunks_db)
             if cursor.set_range(sid):
                 while bytes(cursor.key()).startswith(sid):
                     if not cursor.delete():
                         break
+        if raw is not None:
+            with self._lock:
+                self._tokens[namespace_id] -= _META.unpack(raw)[1]
         self.env.sync(True)
 
     def close(self) -> None:

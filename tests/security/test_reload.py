@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import ServerProcess
-from helpers import ALICE, BOB, grants, secure_config, write_auth_file
+from helpers import ADMIN, ALICE, BOB, grants, secure_config, write_auth_file
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.security.channel import sync_channel
@@ -87,23 +87,27 @@ def test_a_file_that_does_not_load_on_reload_keeps_the_previous_one(logged, tmp_
 
 async def test_revoking_a_token_ends_its_open_streams(server_factory, tmp_path, layout, ns) -> None:
     """A Subscribe stream opened with a token must not outlive the token's revocation: its
-    next event is refused instead of delivered."""
+    next event is refused instead of delivered. (A subscriber sees only its own tenant's
+    namespaces, so the next event is the operator invalidating alice's namespace.)"""
     from conftest import random_kv
 
     from kvstore.client import KVStoreClient
 
     auth = write_auth_file(tmp_path / "auth.json", grants())
     server = server_factory(secure_config(tmp_path, auth_file=auth))
-    with sync_channel(server.address, token=ALICE) as channel:
+    with sync_channel(server.address, token=ALICE) as channel, sync_channel(server.address, token=ADMIN) as ops:
         events = directory_pb2_grpc.DirectoryStub(channel).Subscribe(directory_pb2.SubscribeRequest(from_seq=1), timeout=30)
-        async with KVStoreClient(server.address, ns, use_shm=False, token=BOB) as bob:
-            await bob.put(list(range(16)), random_kv(layout, 16))
+        async with KVStoreClient(server.address, ns, use_shm=False, token=ALICE) as alice, \
+                KVStoreClient(server.address, ns, use_shm=False, token=BOB) as bob:
+            await alice.put(list(range(16)), random_kv(layout, 16))
             assert next(events).kind == directory_pb2.Event.STORED
             write_auth_file(auth, [g for g in grants() if g["token"] != ALICE])
             assert server.reload_security()
-            await bob.put(list(range(100, 116)), random_kv(layout, 16, seed=1))
+            directory_pb2_grpc.DirectoryStub(ops).Invalidate(
+                directory_pb2.InvalidateRequest(namespace_id=alice.namespace.namespace_id), timeout=10)
             with pytest.raises(grpc.RpcError) as caught:
                 next(events)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "stopped working while the stream was open" in caught.value.details()
+            await bob.put(list(range(100, 116)), random_kv(layout, 16, seed=1))
             assert (await bob.lookup(list(range(100, 116)))).num_tokens == 16, "bob's token still works"

@@ -105,8 +105,6 @@ def test_hint_eta_is_capped_and_a_rejected_hint_changes_nothing(server) -> None:
         assert list(ok.reserved) == [True]
 
 
-@pytest.mark.xfail(strict=True, reason="the number of hints a caller can make the server hold is not bounded (only their eta "
-                   "is): 2M hints in 8 Hint calls took a kvstore-server from 124 to 916 MB RSS, kept up to an hour")
 def test_the_hints_a_caller_can_make_the_server_hold_are_bounded(server_factory) -> None:
     """Bug: item 12 capped a hint's eta at --max-hint-eta-s, but not how many announced uses
     the server keeps: every key of every Hint entry (4,096 per entry, 4,096 entries per

@@ -36,8 +36,9 @@ from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.assembly import Wrap, open_tiers
 from kvstore.server.placement.housekeeping import Housekeeper
-from kvstore.server.placement.moves import Mover
+from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
+from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.residence import Residence
 from kvstore.server.placement.view import CoreView
 from kvstore.server.recovery import rebuild_directory
@@ -77,6 +78,7 @@ class Placement:
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
+            self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
             self.reporter.refresh_gauges()
         finally:
@@ -106,9 +108,10 @@ class Placement:
 
     # -- writes through the landing tier -------------------------------------------------
 
-    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]]:
-        """Reserves landing slots for the keys not stored yet; stops at the first that finds
-        no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 tenant: str = "") -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        """Reserves landing slots for the keys not stored yet, under an allocation of
+        ``tenant``; stops at the first that finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
         prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
         expiry. Raises TierFull when not even the first page fits."""
         with self.keeper.critical():
@@ -140,7 +143,7 @@ class Placement:
             self._layouts.setdefault(namespace_id, layout)
             if self._fill() > self.config.host.demote_above:
                 self.pressure.set()
-            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held))
+            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant))
             return ident, out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
@@ -155,7 +158,8 @@ class Placement:
                 raise InvalidRequest(f"allocation {allocation_id.hex()} has no slot for page {key.hex()}")
             return self.landing.view(slot, alloc.layout.page_bytes)
 
-    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0) -> int:
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
+               tenant: str | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
@@ -170,7 +174,7 @@ class Placement:
         flags &= ENGINE_FLAGS
         with self.keeper.critical():
             self.keeper.reap()
-            alloc = self.leases.take_allocation(allocation_id)
+            alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
             if durable and not self.lower:
@@ -205,37 +209,53 @@ class Placement:
         with self._lock:
             return len(_leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
 
-    def abort(self, allocation_id: bytes) -> None:
+    def abort(self, allocation_id: bytes, tenant: str | None = None) -> None:
+        """Gives back an allocation (of ``tenant``, when given); an unknown one is a no-op."""
         with self.keeper.critical():
-            alloc = self.leases.take_allocation(allocation_id)
+            alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> None:
+        """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
+        ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
+        quota makes room with its own pages, never another's. Stops when what is left of
+        them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
+        directory, landing = self.directory, self.landing.name
+        skip = NotAmong(self.leases.pins, directory, namespace_ids)
+        with self.keeper.critical():
+            while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
+                   and self.moves.evict_one(0, skip)):
+                pass
+            self.reporter.refresh_gauges()
+
     # -- reads ---------------------------------------------------------------------------
 
-    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
-        """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
-        landing tier, reading pages held only below into it (see reads.py)."""
-        return self.reads.acquire(namespace_id, keys, ttl_ms, learn)
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
+                tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
+        """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
+        readable in the landing tier, reading pages held only below into it (see reads.py)."""
+        return self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
         return self.landing.view(page.slot, page.header.payload_bytes)
 
-    def release(self, lease_id: bytes) -> bool:
+    def release(self, lease_id: bytes, tenant: str | None = None) -> bool:
+        """Ends a lease (of ``tenant``, when given); False when there is no such lease."""
         with self.keeper.critical():
-            free = self.leases.release(lease_id)
+            free = self.leases.release(lease_id, tenant)
             if free is None:
                 return False
             self.residence.released(free)
             return True
 
-    def renew(self, lease_id: bytes, ttl_ms: int) -> None:
+    def renew(self, lease_id: bytes, ttl_ms: int, tenant: str | None = None) -> None:
         """Extends a lease to ``ttl_ms`` from now (never shortens it); LeaseExpired when it
-        was released or has expired."""
+        was released or has expired (or is not ``tenant``'s, when given)."""
         with self.keeper.critical():
             self.keeper.reap()
-            self.leases.renew(lease_id, ttl_ms)
+            self.leases.renew(lease_id, ttl_ms, tenant)
 
     # -- directory operations ------------------------------------------------------------
 
@@ -243,65 +263,27 @@ class Placement:
         """A queued request will need ``keys`` in about ``eta_s`` seconds (see reads.py)."""
         return self.reads.hint(namespace_id, keys, eta_s, prefetch)
 
-    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int) -> tuple[bytes, int, float]:
-        """Pins the contiguous present prefix of ``keys`` in whatever tier holds it."""
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, int, float]:
+        """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():
             self.keeper.reap()
             found = self.directory.prefix_length(namespace_id, keys)
-            ident, expires = self.leases.lease(keys[:found], ttl_ms)
+            ident, expires = self.leases.lease(keys[:found], ttl_ms, tenant)
             return ident, found, expires
 
     def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
-        """Records pages held by other nodes (their bytes are durable there); all or none.
-        The directory persists them: no lock of the core is held."""
-        for _, node, _, _ in records:
-            if node == self.node:
-                raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
-        return self.directory.publish_remote(namespace_id, records, self.config.max_remote_records_per_node,
-                                             self.config.max_remote_records)
+        return self.removals.publish_remote(namespace_id, records)
 
     def withdraw_remote(self, namespace_id: bytes, node: str, keys: list[bytes], tier: str = "") -> int:
-        """Drops locations another node recorded here (cluster: it no longer holds them);
-        this node's own copies are its tiers' business. Returns how many went."""
-        if node == self.node:
-            raise InvalidRequest(f"locations on this node ({node}) are withdrawn by its tiers, not by Remove")
-        mine = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
-        return sum(len(self.directory.remove(k, node, tier or None)) for k in mine)
+        return self.removals.withdraw_remote(namespace_id, node, keys, tier)
 
     def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
-        """Removes pages (only their copies in ``tier`` when given); returns how many keys lost a
-        location. Lower-tier copies go first (a full index refuses: nothing changed), then the
-        directory entries (no core lock held), then the landing copies."""
-        mine = [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
-        self.keeper.delete_lower_first(mine, tier)
-        local: list[tuple[bytes, str]] = []
-        count = 0
-        for key in mine:
-            gone = self.directory.remove(key, None, tier or None)
-            count += bool(gone)
-            local += [(key, loc.tier) for loc in gone if loc.node == self.node]
-        with self.keeper.critical():
-            for key, name in local:
-                index = self.residence.index(name)
-                if index is not None:
-                    self.residence.drop(key, index)
-            self.reporter.refresh_gauges()
-        return count
+        """Removes pages (only their copies in ``tier`` when given); see removals.py."""
+        return self.removals.remove(namespace_id, keys, tier)
 
     def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
-        if keys:
-            return self.remove(namespace_id, keys)
-        self.keeper.delete_lower_first(self.directory.keys_of(namespace_id))  # a full index refuses here
-        removed = self.directory.clear_namespace(namespace_id)
-        with self.keeper.critical():
-            for key, _ in removed:
-                for index in range(len(self.tiers)):
-                    if self.tiers[index].contains(key):
-                        self.residence.drop(key, index)
-            self._layouts.pop(namespace_id, None)
-            self.reporter.refresh_gauges()
-        return len(removed)
+        return self.removals.invalidate(namespace_id, keys)
 
     # -- background work -----------------------------------------------------------------
 

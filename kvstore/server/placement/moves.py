@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.directory import Directory
@@ -29,6 +30,20 @@ from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.tiers.base import ReadResult
 
 logger = logging.getLogger(__name__)
+
+
+class NotAmong:
+    """The keys an eviction for some namespaces passes over: pinned ones, and every page of
+    another namespace (read from the directory: no tier lock is taken)."""
+
+    def __init__(self, pins: Container[bytes], directory: Directory, namespace_ids: frozenset[bytes]) -> None:
+        self._pins, self._directory, self._namespace_ids = pins, directory, namespace_ids
+
+    def __contains__(self, key: object) -> bool:
+        if key in self._pins:
+            return True
+        entry = self._directory.get(key)  # type: ignore[arg-type]
+        return entry is None or entry.namespace_id not in self._namespace_ids
 
 
 def _damage(header: PageHeader, payload: memoryview) -> str | None:
@@ -73,10 +88,11 @@ class Mover:
             if slot is not None or not self.evict_one(page_bytes):
                 return slot
 
-    def evict_one(self, page_bytes: int) -> bool:
-        """Evicts the landing tier's next victim (written down first when it is worth it);
-        False when there is none. Lock held; released during the write."""
-        victim = self.landing.victim(self.leases.pins, page_bytes)
+    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None) -> bool:
+        """Evicts the landing tier's next victim (written down first when it is worth it),
+        passing over the keys in ``skip`` (default: the pinned ones); False when there is
+        none. Lock held; released during the write."""
+        victim = self.landing.victim(self.leases.pins if skip is None else skip, page_bytes)
         if victim is None:
             return False
         header, slot = self.landing.header(victim), self.landing.slot_of(victim)

@@ -47,7 +47,8 @@ class Reader:
         self._scrub_queue: list[tuple[int, bytes]] = []
         self._scrub_buf = bytearray()
 
-    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True) -> tuple[bytes, list[AcquiredPage]]:
+    def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
+                tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
         landing tier, reading pages held only below into it. A page that fails its check ends
         the prefix (and is quarantined). When the landing tier cannot take more pages the
@@ -94,10 +95,10 @@ class Reader:
                 pages.append(AcquiredPage(key, slot, header))
         result = self.moves.read_up(read_up)
         with self.keeper.critical():
-            return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms)
+            return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms, tenant)
 
     def _lease(self, pages: list[AcquiredPage], read_up: list[tuple[int, bytes, int]], at: list[int], num_read: int,
-               reason: str, ttl_ms: int) -> tuple[bytes, list[AcquiredPage]]:
+               reason: str, ttl_ms: int, tenant: str) -> tuple[bytes, list[AcquiredPage]]:
         """Lock held: commits what was read up, cuts the prefix at the first failure, leases it."""
         source = {page: j for j, page in enumerate(at)}  # index in pages -> index in read_up
         cut, bad_tier = len(pages), 0
@@ -134,7 +135,7 @@ class Reader:
         for page in pages:
             self.metrics.bytes_out.labels(self.landing.name).inc(page.header.payload_bytes)
         keys = [p.key for p in pages]
-        ident, _ = self.leases.lease(keys, ttl_ms)
+        ident, _ = self.leases.lease(keys, ttl_ms, tenant)
         self.keeper.unpin(keys)  # the lease holds them now
         return ident, pages
 

@@ -12,9 +12,13 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, StreamCut
+from kvstore.errors import HostQuotaFull, InvalidRequest, StreamCut
+from kvstore.page import checksum
+from kvstore.security.identity import Identity
+from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.tenancy import Tenancy
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
@@ -24,38 +28,60 @@ if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
 
 @dataclass(frozen=True)
 class _Destination:
-    """Where a page arriving over WritePages goes: its allocation, and how it commits."""
+    """Where a page arriving over WritePages goes: its allocation, how it commits, and the
+    namespace claim (tenancy) it settles."""
 
     allocation_id: bytes
     durable: bool
     flags: int
+    namespace_id: bytes
+    claimed: bool
 
 
 class DataService(data_pb2_grpc.DataServicer):
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, cluster: ClusterRuntime | None = None) -> None:
+    """Each handler reads its caller first and checks it against the namespace the request
+    names (see kvstore/server/tenancy/access.py)."""
+
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
+                 cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
         self.wal = wal
+        self.tenancy = tenancy
+        self.quotas = tenancy.quotas
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
+        """The arena is one trust domain (whoever maps it reads and writes every page in it):
+        tenants get it only with --share-arena; without it their pages go over gRPC."""
         arena = self.core.arena
+        shared = current_identity().via == "local" or self.config.security.share_arena
         return data_pb2.GetInfoResponse(
-            node=self.core.node, arena_path=arena.path, arena_bytes=arena.size_bytes, arena_token=arena.token,
+            node=self.core.node, arena_path=arena.path if shared else "", arena_bytes=arena.size_bytes if shared else 0,
+            arena_token=arena.token if shared else b"",
             tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
             max_page_bytes=self.config.max_page_bytes,
         )
 
     @unary
+    def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
+        who = current_identity()
+        return data_pb2.WhoAmIResponse(tenant=who.tenant, rights=who.rights.names(), salt=who.salt)
+
+    @unary
     def Allocate(self, request: data_pb2.AllocateRequest, context: grpc.ServicerContext) -> data_pb2.AllocateResponse:
         ns = validate.namespace_id(request.namespace_id)
         layout = validate.layout(request.layout)
-        ident, slots = self.core.allocate(ns, layout, self._keys(list(request.keys)))
+        keys = self._keys(list(request.keys))
+        who = current_identity()
+        self._room(who, len(keys), layout.page_bytes)
+        with self.tenancy.writing(who, ns):
+            ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
@@ -64,21 +90,50 @@ class DataService(data_pb2_grpc.DataServicer):
     @unary
     def Commit(self, request: data_pb2.CommitRequest, context: grpc.ServicerContext) -> data_pb2.CommitResponse:
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
-        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags)
+        who = current_identity()
+        alloc = self.core.leases.allocation(request.allocation_id)
+        if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
+            if request.durable:
+                self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
+            self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
+        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
+                             tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
+
+    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> None:
+        """Checks the tenant's quotas for ``num_pages`` new pages; at its host quota, its own
+        coldest pages make room (written down), never another tenant's."""
+        try:
+            self.quotas.check_pages(who, num_pages, page_bytes)
+        except HostQuotaFull as full:
+            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
+            self.quotas.check_pages(who, num_pages, page_bytes)
+
+    def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
+        """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
+        bytes of the page that left it (maybe another tenant's), and a commit that claims a
+        checksum without writing them must not publish those bytes under the caller's key."""
+        for key, expected in zip(keys, checksums):
+            if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
+                raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
+                                     "nothing was committed (write the page, then commit)")
 
     @unary
     def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
-        self.core.abort(request.allocation_id)
+        self.core.abort(request.allocation_id, current_identity().tenant)
         return data_pb2.AbortResponse()
 
     @unary
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        if self.cluster is not None:
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
+            keys = []  # as for an empty namespace
+        self.quotas.check_lease(who)
+        if self.cluster is not None and keys:
             self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
@@ -86,12 +141,12 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        self.core.release(request.lease_id)
+        self.core.release(request.lease_id, current_identity().tenant)
         return data_pb2.ReleaseResponse()
 
     @unary
     def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
-        self.core.renew(request.lease_id, request.ttl_ms)
+        self.core.renew(request.lease_id, request.ttl_ms, current_identity().tenant)
         return data_pb2.RenewResponse()
 
     @unary
@@ -102,6 +157,7 @@ class DataService(data_pb2_grpc.DataServicer):
         stored = 0
         page: ChunkedPage | None = None
         dest: _Destination | None = None
+        who = current_identity()
         try:
             for chunk in request_iterator:
                 if chunk.error:
@@ -109,11 +165,17 @@ class DataService(data_pb2_grpc.DataServicer):
                 if page is None or chunk.offset == 0:
                     if page is not None:
                         raise page.truncated()
-                    page, dest = self._start_page(chunk)
+                    page, dest = self._start_page(chunk, who)
                 if page.add(chunk):
                     assert dest is not None
                     done, page = page, None
-                    if not self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable, dest.flags):
+                    committed = False
+                    try:
+                        committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
+                                                     dest.flags) > 0
+                    finally:
+                        self._settle(who, dest, committed)
+                    if not committed:
                         break  # stored at its first chunk, gone at its commit: num_published ends here
                     stored += 1
             if page is not None:
@@ -121,9 +183,14 @@ class DataService(data_pb2_grpc.DataServicer):
         finally:
             if page is not None and dest is not None:
                 self.core.abort(dest.allocation_id)
+                self._settle(who, dest, False)
         return data_pb2.WritePagesResponse(num_published=stored)
 
-    def _start_page(self, chunk: WireChunk) -> tuple[ChunkedPage, _Destination]:
+    def _settle(self, who: Identity, dest: _Destination, succeeded: bool) -> None:
+        if dest.claimed:
+            self.tenancy.settle(who, dest.namespace_id, succeeded)
+
+    def _start_page(self, chunk: WireChunk, who: Identity) -> tuple[ChunkedPage, _Destination]:
         """Checks a page's first chunk and allocates the landing slot its bytes go to (none
         when the page is stored already: its bytes are only checked)."""
         key = validate.keys([chunk.key], 1)[0]
@@ -133,22 +200,42 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key])
-        sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
+        self._room(who, 1, layout.page_bytes)
+        if chunk.durable:
+            self.quotas.check_durable(who, layout.page_bytes)
+        claimed = self.tenancy.claim(who, ns)
+        try:
+            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
+        except BaseException:
+            if claimed:
+                self.tenancy.settle(who, ns, False)
+            raise
+        dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
+        try:
+            sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
+        except BaseException:
+            self.core.abort(allocation_id)
+            self._settle(who, dest, False)
+            raise
         page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
-        return page, _Destination(allocation_id, chunk.durable, chunk.flags)
+        return page, dest
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:
         ns = validate.namespace_id(request.namespace_id)
         if len(request.entries) > self.config.max_pages_per_request:
             raise InvalidRequest(f"too many hint entries: {len(request.entries)}")
+        who = current_identity()
+        readable = self.tenancy.may_read(who, ns)
         max_eta_ms = int(self.config.max_hint_eta_s * 1000)
         entries = []  # every entry is checked before any is applied
         for i, entry in enumerate(request.entries):
             if entry.eta_ms > max_eta_ms:
                 raise InvalidRequest(f"entries[{i}].eta_ms {entry.eta_ms} is beyond the maximum of {max_eta_ms} ms (--max-hint-eta-s)")
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
+        if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
+            return data_pb2.HintResponse(reserved=[True] * len(entries))
+        self.quotas.charge_hints(who, sum(len(keys) for keys, _ in entries), max((eta for _, eta in entries), default=0.0))
         reserved = [self.core.hint(ns, keys, eta_s) for keys, eta_s in entries]
         if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
             for (keys, _), ok in zip(entries, reserved):
@@ -161,20 +248,26 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         if len(request.tokens) > 1 << 20:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
-        length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
-                                 request.prompt_tokens, request.sync)
+        who = current_identity()
+        self.quotas.check_tokens(who, len(request.tokens))
+        with self.tenancy.writing(who, ns):
+            length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
+                                     request.prompt_tokens, request.sync)
         return data_pb2.AppendTokensResponse(length=length)
 
     @unary
     def GetSession(self, request: data_pb2.GetSessionRequest, context: grpc.ServicerContext) -> data_pb2.GetSessionResponse:
-        found = self.wal.read(validate.namespace_id(request.namespace_id), request.session_id)
+        ns = validate.namespace_id(request.namespace_id)
+        found = self.wal.read(ns, request.session_id) if self.tenancy.may_read(current_identity(), ns) else None
         if found is None:
             return data_pb2.GetSessionResponse(found=False)
         return data_pb2.GetSessionResponse(found=True, prompt_tokens=found[0], tokens=found[1])
 
     @unary
     def EndSession(self, request: data_pb2.EndSessionRequest, context: grpc.ServicerContext) -> data_pb2.EndSessionResponse:
-        self.wal.end(validate.namespace_id(request.namespace_id), request.session_id)
+        ns = validate.namespace_id(request.namespace_id)
+        if self.tenancy.may_administer(current_identity(), ns):  # else: as for a session that does not exist
+            self.wal.end(ns, request.session_id)
         return data_pb2.EndSessionResponse()
 
     @stream
@@ -183,9 +276,13 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
-        if self.cluster is not None and not request.local_only:
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
+            keys = []  # as for an empty namespace
+        self.quotas.check_lease(who)
+        if self.cluster is not None and keys and not request.local_only:
             self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms)
+        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         try:
             for page in pages:
                 header = page.header

@@ -11,10 +11,14 @@ import grpc
 from kvstore import validate
 from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.directory import Event
+from kvstore.directory import Event, EventKind
 from kvstore.errors import InvalidRequest, LimitExceeded
+from kvstore.security.identity import Rights
+from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.services.tenant_stats import tenant_stats, tenant_usage
+from kvstore.server.tenancy import Tenancy
 from kvstore.types import TIER_NAMES, Location
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
@@ -38,9 +42,14 @@ def event_msg(ev: Event) -> directory_pb2.Event:
 
 
 class DirectoryService(directory_pb2_grpc.DirectoryServicer):
-    def __init__(self, core: Placement, config: ServerConfig, cluster: ClusterRuntime | None = None) -> None:
+    """Each handler reads its caller first and checks it against the namespace the request
+    names; events, stats and quarantine lists are filtered to the caller's namespaces (see
+    kvstore/server/tenancy/access.py)."""
+
+    def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
         self.config = config
+        self.tenancy = tenancy
         self.cluster = cluster  # a ClusterRuntime in cluster mode: lookups span the shard owners
         self.metrics = core.metrics
         self._subscribers = 0
@@ -53,6 +62,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
+        if not self.tenancy.may_read(current_identity(), ns):
+            return directory_pb2.LookupResponse(num_pages=0)  # as for an empty namespace
         if self.cluster is not None and not request.local_only:
             runs = self.cluster.lookup(ns, keys, context.time_remaining())
         else:
@@ -74,21 +85,29 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             if len(rec.location.node) > MAX_NODE_NAME:
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
-        versions = self.core.publish_remote(ns, records)
+        who = current_identity()
+        self.tenancy.quotas.check_publish(who, len(records))
+        with self.tenancy.writing(who, ns):
+            versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
     @unary
     def Remove(self, request: directory_pb2.RemoveRequest, context: grpc.ServicerContext) -> directory_pb2.RemoveResponse:
         ns = validate.namespace_id(request.namespace_id)
         tier = validate.tier(request.tier, TIER_NAMES)
+        keys = self._keys(list(request.keys))
+        if not self.tenancy.may_administer(current_identity(), ns):
+            return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
         if request.node:
-            return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, self._keys(list(request.keys)), tier))
-        return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, self._keys(list(request.keys)), tier))
+            return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, keys, tier))
+        return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, keys, tier))
 
     @unary
     def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys), allow_empty=True)
+        if not self.tenancy.may_administer(current_identity(), ns):
+            return directory_pb2.InvalidateResponse(num_removed=0)  # as for an empty namespace
         removed = self.core.invalidate(ns, keys)
         if self.cluster is not None and not keys:
             self.cluster.invalidate(ns)  # through etcd to every node
@@ -97,16 +116,23 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
         ns = validate.namespace_id(request.namespace_id)
-        ident, found, expires = self.core.lease(ns, self._keys(list(request.keys)), request.ttl_ms)
+        keys = self._keys(list(request.keys))
+        who = current_identity()
+        if not self.tenancy.may_read(who, ns):
+            keys = []  # as for an empty namespace
+        self.tenancy.quotas.check_lease(who)
+        ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
     @unary
     def ReleaseLease(self, request: directory_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext) -> directory_pb2.ReleaseLeaseResponse:
-        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id))
+        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id, current_identity().tenant))
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:
         # A share of the stream slots (service_streams), so that routers leave room for page streams.
+        who = current_identity()
+        sees = self.tenancy.sees
         with self._subscribers_lock:
             if self._subscribers >= self.config.max_subscribers:
                 raise LimitExceeded(f"too many subscribers ({self._subscribers}); at most {self.config.max_subscribers}")
@@ -117,7 +143,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             while context.is_active() and not events.closed:
                 batch = events.wait_since(next_seq, _SUBSCRIBE_POLL_S)
                 for ev in batch:
-                    yield event_msg(ev)
+                    if ev.kind == EventKind.RESYNC or sees(who, ev.namespace_id):
+                        yield event_msg(ev)
                     next_seq = max(next_seq, ev.seq + 1)
         finally:
             with self._subscribers_lock:
@@ -125,6 +152,9 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
 
     @unary
     def Stats(self, request: directory_pb2.StatsRequest, context: grpc.ServicerContext) -> directory_pb2.StatsResponse:
+        who = current_identity()
+        if not who.allows(Rights.ADMIN):
+            return tenant_stats(self.core, self.tenancy, who)
         st = self.core.stats()
         tiers = []
         for name, usage in st.tiers.items():
@@ -137,11 +167,15 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         return directory_pb2.StatsResponse(
             node=st.node, num_entries=st.num_entries, last_seq=st.last_seq, tiers=tiers,
             num_leases=st.num_leases, num_quarantined=st.num_quarantined, ssd=st.ssd,
+            tenants=[tenant_usage(self.tenancy, t) for t in self.tenancy.tenants()],
         )
 
     @unary
     def Quarantine(self, request: directory_pb2.QuarantineRequest, context: grpc.ServicerContext) -> directory_pb2.QuarantineResponse:
-        pages = self.core.quarantined()
+        who = current_identity()
+        if request.purge:
+            self.tenancy.check_purge(who)
+        pages = [q for q in self.core.quarantined() if self.tenancy.sees(who, q.namespace_id)]
         purged = self.core.purge_quarantine() if request.purge else 0
         return directory_pb2.QuarantineResponse(
             purged=purged,

@@ -1,0 +1,77 @@
+"""Removing pages and namespaces, and other nodes' records: the directory changes that
+free this node's copies. Lower-tier copies go first (a full index refuses the whole
+removal with nothing changed), then the directory entries (the directory's own locks),
+then, under the core's lock, the landing copies (at their last unpin when leased)."""
+
+from __future__ import annotations
+
+from kvstore.config import ServerConfig
+from kvstore.directory import Directory
+from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
+from kvstore.server.placement.housekeeping import Housekeeper
+from kvstore.server.stats import Reporter
+
+
+class Removals:
+    def __init__(self, config: ServerConfig, directory: Directory, keeper: Housekeeper, reporter: Reporter,
+                 layouts: dict[bytes, LayoutDesc]) -> None:
+        self.config = config
+        self.node = config.node
+        self.directory = directory
+        self.keeper = keeper
+        self.residence = keeper.residence
+        self.reporter = reporter
+        self._layouts = layouts  # the core's: a namespace cleared whole loses its layout binding
+
+    def _of(self, namespace_id: bytes, keys: list[bytes]) -> list[bytes]:
+        return [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
+
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
+        """Records pages held by other nodes (their bytes are durable there); all or none."""
+        for _, node, _, _ in records:
+            if node == self.node:
+                raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
+        return self.directory.publish_remote(namespace_id, records, self.config.max_remote_records_per_node,
+                                             self.config.max_remote_records)
+
+    def withdraw_remote(self, namespace_id: bytes, node: str, keys: list[bytes], tier: str = "") -> int:
+        """Drops locations another node recorded here (cluster: it no longer holds them)."""
+        if node == self.node:
+            raise InvalidRequest(f"locations on this node ({node}) are withdrawn by its tiers, not by Remove")
+        return sum(len(self.directory.remove(k, node, tier or None)) for k in self._of(namespace_id, keys))
+
+    def remove(self, namespace_id: bytes, keys: list[bytes], tier: str = "") -> int:
+        """Removes pages (only their copies in ``tier`` when given); returns how many keys
+        lost a location."""
+        mine = self._of(namespace_id, keys)
+        self.keeper.delete_lower_first(mine, tier)
+        local: list[tuple[bytes, str]] = []
+        count = 0
+        for key in mine:
+            gone = self.directory.remove(key, None, tier or None)
+            count += bool(gone)
+            local += [(key, loc.tier) for loc in gone if loc.node == self.node]
+        with self.keeper.critical():
+            for key, name in local:
+                index = self.residence.index(name)
+                if index is not None:
+                    self.residence.drop(key, index)
+            self.reporter.refresh_gauges()
+        return count
+
+    def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
+        if keys:
+            return self.remove(namespace_id, keys)
+        self.keeper.delete_lower_first(self.directory.keys_of(namespace_id))  # a full index refuses here
+        removed = self.directory.clear_namespace(namespace_id)
+        tiers = self.residence.tiers
+        with self.keeper.critical():
+            for key, _ in removed:
+                for index in range(len(tiers)):
+                    if tiers[index].contains(key):
+                        self.residence.drop(key, index)
+            self._layouts.pop(namespace_id, None)
+            self.reporter.refresh_gauges()
+        return len(removed)

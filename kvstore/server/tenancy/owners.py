@@ -1,0 +1,105 @@
+"""Which tenant owns each namespace id: bound at the namespace's first successful write,
+kept in the directory's LMDB (table ``owners``) so that it survives a restart.
+
+The first write into an unbound namespace binds it to its tenant before it runs (one LMDB
+write per namespace, ever: the events of that write must already be shown to the owner)
+and settles after: if no first write succeeded, the binding is undone, so a rejected
+request binds nothing. Meanwhile no other tenant can write into it.
+
+Thread-safety: ``owner`` is a dict read without a lock (the hot path: one per RPC); claims
+and bindings take ``_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import lmdb
+
+from kvstore.errors import PermissionDenied
+from kvstore.lmdb_env import map_full
+
+logger = logging.getLogger(__name__)
+
+TABLE = b"owners"
+
+
+class NamespaceOwners:
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+        self._db = env.open_db(TABLE)
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, int] = {}  # namespace bound by a first write still running -> writes in flight
+        self._owners: dict[bytes, str] = {}
+        self._by_tenant: dict[str, set[bytes]] = {}
+        with env.begin(db=self._db) as txn:
+            for namespace_id, tenant in txn.cursor():
+                self._remember(bytes(namespace_id), bytes(tenant).decode())
+        logger.info("namespace owners: %d namespace(s) of %d tenant(s)", len(self._owners), len(self._by_tenant))
+
+    def _remember(self, namespace_id: bytes, tenant: str) -> None:
+        self._owners[namespace_id] = tenant
+        self._by_tenant.setdefault(tenant, set()).add(namespace_id)
+
+    def owner(self, namespace_id: bytes) -> str | None:
+        return self._owners.get(namespace_id)
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(t for t, namespaces in self._by_tenant.items() if namespaces)
+
+    def namespaces_of(self, tenant: str) -> frozenset[bytes]:
+        with self._lock:
+            return frozenset(self._by_tenant.get(tenant, ()))
+
+    def claim(self, namespace_id: bytes, tenant: str) -> bool:
+        """Lets ``tenant`` write into the namespace; PermissionDenied when another tenant owns
+        it. An unbound namespace is bound to ``tenant`` now (persisted first: on MetadataFull
+        nothing is bound), before the write runs, so that the write's events are already
+        shown to its owner; True: ``settle`` must follow, and undoes the binding when no
+        first write succeeded."""
+        owner = self._owners.get(namespace_id)
+        if owner == tenant and namespace_id not in self._pending:
+            return False
+        with self._lock:
+            owner = self._owners.get(namespace_id)
+            if owner is None:
+                self._write(namespace_id, tenant)
+                self._remember(namespace_id, tenant)
+                self._pending[namespace_id] = 1
+                return True
+            if owner != tenant:
+                raise PermissionDenied(f"namespace {namespace_id.hex()} belongs to another tenant")
+            if namespace_id not in self._pending:
+                return False
+            self._pending[namespace_id] += 1
+            return True
+
+    def settle(self, namespace_id: bytes, tenant: str, succeeded: bool) -> None:
+        """Ends a claim. The binding stays once one of the first writes succeeded; when the
+        last of them ends and none did, it is undone."""
+        with self._lock:
+            count = self._pending.get(namespace_id)
+            if count is None:
+                return  # a first write succeeded already
+            if succeeded:
+                del self._pending[namespace_id]
+            elif count > 1:
+                self._pending[namespace_id] = count - 1
+            else:
+                del self._pending[namespace_id]
+                self._write(namespace_id, None)
+                del self._owners[namespace_id]
+                self._by_tenant[tenant].discard(namespace_id)
+                logger.debug("namespace %s: its first write failed, left unbound", namespace_id.hex())
+                return
+        if succeeded:
+            logger.info("namespace %s bound to tenant %s", namespace_id.hex(), tenant)
+
+    def _write(self, namespace_id: bytes, tenant: str | None) -> None:
+        with map_full(self._env, "the namespace owner table"), self._env.begin(write=True, db=self._db) as txn:
+            if tenant is None:
+                txn.delete(namespace_id)
+            else:
+                txn.put(namespace_id, tenant.encode())

@@ -1,0 +1,110 @@
+"""Two tenants (and an operator) on one real server with TLS and tokens: the auth file, a
+raw caller that sends any request as any token, and page writes made the way a client does."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from certs import CertAuthority
+from helpers import secure_config, tls_channel, write_auth_file
+
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.config import ServerConfig
+from kvstore.page import HEADER_BYTES, checksum
+from kvstore.server import Server
+
+A = "tenant-a-token-0123456789abcdef"  # tenant a: read, write
+B = "tenant-b-token-0123456789abcdef"  # tenant b: read, write
+OPS = "tenant-ops-token-0123456789abcd"  # tenant ops: read, write, admin
+READER = "tenant-a-reader-0123456789abcd"  # tenant a: read only
+WRITER = "tenant-a-writer-0123456789abcd"  # tenant a: write only
+LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=1, head_dim=8, dtype="float32", page_tokens=4)
+PAGE_BYTES = 2 * 2 * 1 * 8 * 4 * 4  # of LAYOUT
+
+
+def tenant_grants(extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    return [
+        {"tenant": "a", "rights": ["read", "write"], "token": A},
+        {"tenant": "b", "rights": ["read", "write"], "token": B},
+        {"tenant": "ops", "rights": ["read", "write", "admin"], "token": OPS},
+        {"tenant": "a", "rights": ["read"], "token": READER},
+        {"tenant": "a", "rights": ["write"], "token": WRITER},
+        *(extra or []),
+    ]
+
+
+def tenant_config(tmp: Path, ca: CertAuthority, grants: list[dict[str, Any]] | None = None, **kw: Any) -> ServerConfig:
+    auth = write_auth_file(tmp / "auth.json", grants or tenant_grants())
+    return secure_config(tmp, auth_file=auth, tls=ca.server_cert(), **kw)
+
+
+def new_ns() -> bytes:
+    return secrets.token_bytes(16)
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [secrets.token_bytes(16) for _ in range(n)]
+
+
+class Caller:
+    """Raw stubs over one TLS channel, every call made with ``token`` (None: none)."""
+
+    def __init__(self, server: Server, ca: CertAuthority, token: str | None) -> None:
+        self.channel = tls_channel(server.address, ca)
+        self.metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+        self.data = data_pb2_grpc.DataStub(self.channel)
+        self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
+
+    def __call__(self, method: Any, request: Any, timeout: float = 10.0) -> Any:
+        return method(request, metadata=self.metadata, timeout=timeout)
+
+    def stream(self, method: Any, request: Any, timeout: float = 10.0) -> list[Any]:
+        return list(method(request, metadata=self.metadata, timeout=timeout))
+
+    def code(self, method: Any, request: Any) -> grpc.StatusCode:
+        """The status of a unary call (OK when it succeeded)."""
+        try:
+            self(method, request)
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    def put(self, ns: bytes, keys: list[bytes], durable: bool = False) -> int:
+        """Stores pages as a remote client does (WritePages); returns num_published."""
+        chunks = []
+        for key in keys:
+            data = secrets.token_bytes(PAGE_BYTES)
+            chunks.append(data_pb2.PageChunk(key=key, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
+                                             checksum=checksum(data), offset=0, data=data, durable=durable))
+        return self.data.WritePages(iter(chunks), metadata=self.metadata, timeout=10).num_published
+
+    def lookup(self, ns: bytes, keys: list[bytes]) -> int:
+        return self(self.directory.Lookup, directory_pb2.LookupRequest(namespace_id=ns, keys=keys)).num_pages
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def quarantine_a_page(server: Server, owner: Caller, ns: bytes) -> bytes:
+    """Stores a page of ``owner`` on SSD only, damages it there and reads it: the server
+    quarantines it. Returns its key."""
+    [key] = new_keys(1)
+    assert owner.put(ns, [key], durable=True) == 1
+    owner(owner.directory.Remove, directory_pb2.RemoveRequest(namespace_id=ns, keys=[key], tier="host"))
+    with open(server.config.ssd.directory / "pages.dat", "r+b") as f:  # type: ignore[union-attr]
+        f.seek(server.core.where(key)["ssd"] + HEADER_BYTES + 7)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    assert owner.stream(owner.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns, keys=[key])) == []
+    assert [q.key for q in server.core.quarantined()][-1:] == [key]
+    return key
+
+
+def callers(server: Server, ca: CertAuthority, *tokens: str | None) -> Iterator[Caller]:
+    for token in tokens:
+        yield Caller(server, ca, token)
