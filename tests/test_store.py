@@ -276,3 +276,21 @@ async def test_storing_again_a_page_removed_while_leased_leaks_no_slot(server_fa
         out = torch.zeros_like(kv)
         assert await client.get(hit, into=out) == hit.num_tokens, "a page the lookup found must be readable"
         assert torch.equal(out[:, :, : hit.num_tokens], kv[:, :, : hit.num_tokens])
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+async def test_put_of_less_than_a_page_stores_nothing_and_says_so(server, layout, ns, use_shm) -> None:
+    """Bug: ``put`` (documented: stores the full pages, returns the tokens stored) raised
+    InvalidRequest 'keys must not be empty' for a prompt shorter than one page, where
+    ``lookup`` of the same tokens answers 0: an engine saving every prompt failed on each
+    short one. Now it returns 0 (also durable) and leaves nothing allocated."""
+    kv = random_kv(layout, layout.page_tokens - 1)
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        assert await client.put(list(range(layout.page_tokens - 1)), kv) == 0
+        assert await client.put([], kv[:, :, :0]) == 0
+        assert await client.put(list(range(3)), kv, durable=True) == 0
+        save = client.save(list(range(3)), kv)
+        for layer in range(layout.num_layers):
+            save.layer_done(layer)
+        assert await save.finished() == 0
+    assert server.core.view().idle
