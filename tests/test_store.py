@@ -17,7 +17,7 @@ from conftest import random_kv
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.errors import PageMissing, TierFull
+from kvstore.errors import InvalidRequest, PageMissing, TierFull
 
 
 async def test_long_prefix_qwen3_shape_with_partial_last_page(server_factory) -> None:
@@ -294,3 +294,19 @@ async def test_put_of_less_than_a_page_stores_nothing_and_says_so(server, layout
             save.layer_done(layer)
         assert await save.finished() == 0
     assert server.core.view().idle
+
+
+async def test_hint_of_less_than_a_page_or_an_out_of_range_eta_is_answered_not_raised(server, layout, ns) -> None:
+    """Bug: ``hint`` raised InvalidRequest 'keys must not be empty' for a queued prompt
+    shorter than one page, and a raw ValueError/OverflowError from protobuf (not a
+    KVStoreError) for an eta the wire's uint32 milliseconds cannot hold (1e30, inf, NaN).
+    A short prompt has nothing to prefetch (False, not sent); such an eta is InvalidRequest
+    naming eta_s, like one beyond --max-hint-eta-s is from the server."""
+    tokens = list(range(4 * layout.page_tokens))
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.hint(list(range(3)), 1.0) is False
+        assert await client.hint_batch([(list(range(3)), 1.0), (tokens, 1.0), ([], 2.0)]) == [False, True, False]
+        for eta_s in (1e30, float("inf"), float("nan")):
+            with pytest.raises(InvalidRequest, match="eta_s"):
+                await client.hint(tokens, eta_s)
+        assert await client.hint(tokens, -1.0) is True  # already due
