@@ -38,7 +38,7 @@ from kvstore.client.session import recover as recover_session
 from kvstore.client.transport import Peer, ShmTransport, StreamTransport, Transport
 from kvstore.client.transport.base import check_engine_kv
 from kvstore.errors import InvalidRequest, KVStoreError
-from kvstore.keys import page_keys
+from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
 from kvstore.security.channel import ClientTLS
 from kvstore.types import LocationRun, Namespace
@@ -274,7 +274,7 @@ class KVStoreClient:
         (a retry of an append already logged changes nothing; a gap raises InvalidRequest);
         ``sync``: durable before this returns. Returns the log's length."""
         req = data_pb2.AppendTokensRequest(namespace_id=self.namespace.namespace_id, session_id=session_id,
-                                           expected_length=expected_length, tokens=tokens, sync=sync,
+                                           expected_length=expected_length, tokens=token_array(tokens).tolist(), sync=sync,
                                            prompt_tokens=prompt_tokens)
         return int((await self._call(self.runtime.data.AppendTokens, req)).length)
 

@@ -82,3 +82,13 @@ async def test_an_append_that_conflicts_with_the_log_is_refused_not_acknowledged
             with pytest.raises(InvalidRequest, match="conflict"):
                 await client.append_tokens("s", tokens, expected_length=at, sync=True)
         assert (await client.read_session("s")).tokens == [1, 2, 3, 4, 5]
+
+
+async def test_an_append_of_out_of_range_token_ids_is_invalid_request(server, layout, ns) -> None:
+    """Bug: append_tokens([-5]) raised protobuf's ValueError 'Value out of range' (no
+    KVStoreError), where put of the same ids is InvalidRequest; nothing is logged."""
+    async with KVStoreClient(server.address, ns) as client:
+        for tokens in ([-5], [1 << 32], [1.5]):
+            with pytest.raises(InvalidRequest, match="token ids"):
+                await client.append_tokens("s", tokens, expected_length=0, sync=True)
+        assert await client.read_session("s") is None
