@@ -38,6 +38,7 @@ from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
+from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
 from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -111,12 +112,12 @@ class SsdTier:
 
     def _slab_bytes(self, config: SsdTierConfig) -> int:
         """The slab size the stored pages were placed with, else one derived from the
-        capacity (and kept): slabs of another size would not line up with their slots."""
+        capacity (and kept, ssd_slabs.py): slabs of another size would not line up with their slots."""
         derived = config.slab_bytes or min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
         derived -= derived % ALIGN  # every slot offset must stay aligned for O_DIRECT
-        stored = self._index.slab_bytes()
+        stored = stored_slab_bytes(self.directory)
         if stored is None:
-            self._index.keep_slab_bytes(derived)
+            keep_slab_bytes(self.directory, derived)
             return derived
         if stored != derived:
             logger.info("ssd tier %s: %s slabs, as its pages were placed (this capacity alone would give %s)",

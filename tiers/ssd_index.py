@@ -30,7 +30,6 @@ from kvstore.tiers.slab import ALIGN, round_up
 logger = logging.getLogger(__name__)
 
 _ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core
-_SLAB_BYTES = b"slab_bytes"  # in meta_db: the slot grid of the data file must not move between starts
 
 
 def slot_bytes(payload_bytes: int) -> int:
@@ -43,7 +42,6 @@ class SsdIndex:
         self.env = open_env(path, map_bytes, max_dbs=4, sync=sync)
         self.index_db = self.env.open_db(b"index")
         self.quarantine_db = self.env.open_db(b"quarantine")
-        self.meta_db = self.env.open_db(b"meta")
         self.writes = IndexWrites()
         self._write_lock = threading.Lock()
 
@@ -120,17 +118,6 @@ class SsdIndex:
             n: int = txn.stat(self.quarantine_db)["entries"]
             txn.drop(self.quarantine_db, delete=False)
         return n
-
-    def slab_bytes(self) -> int | None:
-        """The slab size the stored pages were placed with; None for a new index (or one an
-        older version made, which did not keep it)."""
-        with self.env.begin(db=self.meta_db) as txn:
-            raw = txn.get(_SLAB_BYTES)
-        return int.from_bytes(raw, "little") if raw else None
-
-    def keep_slab_bytes(self, slab_bytes: int) -> None:
-        with self._write_txn(1, self.meta_db) as txn:
-            txn.put(_SLAB_BYTES, slab_bytes.to_bytes(8, "little"))
 
     def close(self) -> None:
         self.env.close()

@@ -31,7 +31,7 @@ async def test_a_restart_with_another_ssd_capacity_keeps_every_durable_page(serv
     overlaps another slot'): 7,280 durable pages written at 256MiB were 3,640 after one
     start at 2GiB, also when started at 256MiB again. A smaller capacity dropped the pages
     beyond it the same way. Now the slot grid of the pages on disk is kept (the slab size
-    is stored in the index), and a capacity too small for the stored pages is refused,
+    is kept in ssd/slabs.json), and a capacity too small for the stored pages is refused,
     naming --ssd-capacity, with nothing dropped."""
     config = make_config(tmp_path, host_bytes=64 << 20, ssd_bytes=64 << 20)
     tokens = list(range(NUM_PAGES * layout.page_tokens))
