@@ -29,9 +29,12 @@ class DirectoryLock:
 
     def __init__(self, directories: Iterable[tuple[Path, str]]) -> None:
         self._fds: list[int] = []
+        taken: set[Path] = set()
         try:
             for directory, flag in directories:
-                self._fds.append(self._take(directory, flag))
+                if directory.resolve() not in taken:  # --ssd-dir may be the --data-dir itself
+                    self._fds.append(self._take(directory, flag))
+                    taken.add(directory.resolve())
         except BaseException:
             self.release()
             raise

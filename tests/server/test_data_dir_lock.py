@@ -56,3 +56,12 @@ def test_kvstore_server_on_a_live_servers_data_dir_exits_with_a_clear_message(se
     server_process.kill()
     second.start()
     assert second.terminate() == 0
+
+
+def test_one_directory_for_both_data_and_ssd_is_locked_once(server_factory, tmp_path) -> None:
+    """--ssd-dir may be the --data-dir itself (their files do not collide): the server must
+    not find its own lock in the way."""
+    config = make_config(tmp_path)
+    assert config.ssd is not None
+    server = server_factory(dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, directory=config.data_dir)))
+    assert server.core.view().tiers["ssd"].num_pages == 0
