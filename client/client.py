@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Self, TypeVar
@@ -38,7 +39,7 @@ from kvstore.client.tenant import tenant_namespace
 from kvstore.client.transport import Peer, ShmTransport, StreamTransport, Transport
 from kvstore.client.transport.base import check_engine_kv
 from kvstore.errors import InvalidRequest, KVStoreError
-from kvstore.keys import page_keys
+from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
 from kvstore.security.channel import ClientTLS
 from kvstore.types import LocationRun, Namespace
@@ -50,6 +51,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["Hit", "KVStoreClient"]
+
+MAX_ETA_MS = 2**32 - 1  # HintEntry.eta_ms is a uint32 (the server refuses more than --max-hint-eta-s)
+
+
+def _eta_ms(eta_s: float) -> int:
+    """``eta_s`` as the wire's milliseconds (a past eta is now); one the wire cannot hold is
+    InvalidRequest, not protobuf's ValueError."""
+    if not math.isfinite(eta_s) or eta_s * 1000 > MAX_ETA_MS:
+        raise InvalidRequest(f"hint eta_s must be a finite number of seconds below {MAX_ETA_MS // 1000}, got {eta_s}")
+    return max(0, int(eta_s * 1000))
 
 
 class KVStoreClient:
@@ -269,7 +280,7 @@ class KVStoreClient:
         (a retry of an append already logged changes nothing; a gap raises InvalidRequest);
         ``sync``: durable before this returns. Returns the log's length."""
         req = data_pb2.AppendTokensRequest(namespace_id=self.namespace.namespace_id, session_id=session_id,
-                                           expected_length=expected_length, tokens=tokens, sync=sync,
+                                           expected_length=expected_length, tokens=token_array(tokens).tolist(), sync=sync,
                                            prompt_tokens=prompt_tokens)
         return int((await self._call(self.runtime.data.AppendTokens, req)).length)
 
@@ -292,12 +303,15 @@ class KVStoreClient:
         return (await self.hint_batch([(tokens, eta_s)]))[0]
 
     async def hint_batch(self, requests: list[tuple[Any, float]]) -> list[bool]:
-        entries = [data_pb2.HintEntry(keys=self.keys(tokens)[: self.max_pages], eta_ms=max(0, int(eta * 1000)))
-                   for tokens, eta in requests]
-        if not entries:
-            return []
-        req = data_pb2.HintRequest(namespace_id=self.namespace.namespace_id, entries=entries)
-        return list((await self._call(self.runtime.data.Hint, req)).reserved)
+        """``hint`` for several queued requests in one RPC; one answer per request (False for
+        one shorter than a page: it has no page to prefetch, and is not sent)."""
+        entries = [data_pb2.HintEntry(keys=self.keys(tokens)[: self.max_pages], eta_ms=_eta_ms(eta)) for tokens, eta in requests]
+        sent = [entry for entry in entries if entry.keys]  # the server refuses an entry without keys
+        if not sent:
+            return [False] * len(entries)
+        req = data_pb2.HintRequest(namespace_id=self.namespace.namespace_id, entries=sent)
+        reserved = iter((await self._call(self.runtime.data.Hint, req)).reserved)
+        return [bool(entry.keys) and next(reserved) for entry in entries]
 
     # -- layer-wise ----------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from conftest import random_kv
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.errors import PageMissing, TierFull
+from kvstore.errors import InvalidRequest, PageMissing, TierFull
 
 
 async def test_long_prefix_qwen3_shape_with_partial_last_page(server_factory) -> None:
@@ -276,3 +276,37 @@ async def test_storing_again_a_page_removed_while_leased_leaks_no_slot(server_fa
         out = torch.zeros_like(kv)
         assert await client.get(hit, into=out) == hit.num_tokens, "a page the lookup found must be readable"
         assert torch.equal(out[:, :, : hit.num_tokens], kv[:, :, : hit.num_tokens])
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+async def test_put_of_less_than_a_page_stores_nothing_and_says_so(server, layout, ns, use_shm) -> None:
+    """Bug: ``put`` (documented: stores the full pages, returns the tokens stored) raised
+    InvalidRequest 'keys must not be empty' for a prompt shorter than one page, where
+    ``lookup`` of the same tokens answers 0: an engine saving every prompt failed on each
+    short one. Now it returns 0 (also durable) and leaves nothing allocated."""
+    kv = random_kv(layout, layout.page_tokens - 1)
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        assert await client.put(list(range(layout.page_tokens - 1)), kv) == 0
+        assert await client.put([], kv[:, :, :0]) == 0
+        assert await client.put(list(range(3)), kv, durable=True) == 0
+        save = client.save(list(range(3)), kv)
+        for layer in range(layout.num_layers):
+            save.layer_done(layer)
+        assert await save.finished() == 0
+    assert server.core.view().idle
+
+
+async def test_hint_of_less_than_a_page_or_an_out_of_range_eta_is_answered_not_raised(server, layout, ns) -> None:
+    """Bug: ``hint`` raised InvalidRequest 'keys must not be empty' for a queued prompt
+    shorter than one page, and a raw ValueError/OverflowError from protobuf (not a
+    KVStoreError) for an eta the wire's uint32 milliseconds cannot hold (1e30, inf, NaN).
+    A short prompt has nothing to prefetch (False, not sent); such an eta is InvalidRequest
+    naming eta_s, like one beyond --max-hint-eta-s is from the server."""
+    tokens = list(range(4 * layout.page_tokens))
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.hint(list(range(3)), 1.0) is False
+        assert await client.hint_batch([(list(range(3)), 1.0), (tokens, 1.0), ([], 2.0)]) == [False, True, False]
+        for eta_s in (1e30, float("inf"), float("nan")):
+            with pytest.raises(InvalidRequest, match="eta_s"):
+                await client.hint(tokens, eta_s)
+        assert await client.hint(tokens, -1.0) is True  # already due

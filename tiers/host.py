@@ -24,7 +24,7 @@ from collections.abc import Container
 from pathlib import Path
 
 from kvstore.config import HostTierConfig
-from kvstore.errors import LimitExceeded, PageCorrupt
+from kvstore.errors import ConfigError, LimitExceeded, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
 from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.eviction import HostResidency
@@ -62,6 +62,16 @@ def remove_stale_arenas(shm_dir: Path, node: str) -> None:
             os.close(fd)
 
 
+def _check_room(shm_dir: Path, arena_bytes: int) -> None:
+    """Refuses an arena its filesystem cannot hold before touching it (filling /dev/shm
+    would starve every process of the host)."""
+    fs = os.statvfs(shm_dir)
+    free = fs.f_bavail * fs.f_frsize
+    if arena_bytes > free:
+        raise ConfigError(f"--host-capacity: a {arena_bytes >> 20} MiB arena does not fit in {shm_dir} "
+                          f"({free >> 20} MiB free of {fs.f_blocks * fs.f_frsize >> 20} MiB)")
+
+
 class HostTier:
     """Pages in a shared-memory arena, indexed by key (a ``LandingTier``)."""
 
@@ -74,10 +84,16 @@ class HostTier:
         self.path = config.shm_dir / f"kvstore-{node}-{os.getpid()}-{token.hex()[:8]}"
         capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
         arena_bytes = ARENA_HEADER_BYTES + capacity
+        _check_room(config.shm_dir, arena_bytes)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until close (or death): the arena is in use
             os.ftruncate(fd, arena_bytes)
+            try:  # reserve every page now: a sparse arena runs out mid-write later, and that is SIGBUS
+                os.posix_fallocate(fd, 0, arena_bytes)
+            except OSError as exc:
+                raise ConfigError(f"--host-capacity: no room for a {arena_bytes >> 20} MiB arena in {config.shm_dir} "
+                                  f"({exc.strerror})") from None
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, arena_bytes, flags=flags)
         except BaseException:

@@ -30,14 +30,15 @@ from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvstore.config import SsdTierConfig
-from kvstore.errors import PageCorrupt, TierUnavailable
+from kvstore.config import SsdTierConfig, format_size
+from kvstore.errors import ConfigError, PageCorrupt, TierUnavailable
 from kvstore.lmdb_env import private_dir
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
+from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
 from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -70,16 +71,14 @@ class SsdTier:
             private_dir(self.directory)
         except OSError as exc:
             raise TierUnavailable(f"--ssd-dir {self.directory}: {exc.strerror}") from exc
-        slab = config.slab_bytes or min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
-        slab -= slab % ALIGN  # every slot offset must stay aligned for O_DIRECT
         self.durable = config.sync
-        capacity = config.capacity_bytes - config.capacity_bytes % slab
-        self._allocator = SlabAllocator(0, capacity, slab)
         self.direct_io = False
         self.fd = self._open_data(self.directory / DATA_FILE, config.direct_io)
         os.fchmod(self.fd, 0o600)  # also when an older version created it world-readable: it holds the KV
         self._index = SsdIndex(self.directory / INDEX_DIR, config.index_map_bytes, config.sync)
         self.index_writes = self._index.writes  # what index transactions cost the device (the write budget)
+        slab = self._slab_bytes(config)
+        self._allocator = SlabAllocator(0, config.capacity_bytes - config.capacity_bytes % slab, slab)
         # key -> (offset, header); the header stays raw bytes until first used, so that a
         # restart with a million pages does not parse a million headers. Insertion order is
         # the LRU order.
@@ -89,7 +88,11 @@ class SsdTier:
         self._staging = StagingPool()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-verify")  # checks beside reads
         self._recovered: list[StoredPage] = []
-        self._load_index()
+        try:
+            self._load_index(config.capacity_bytes)
+        except BaseException:
+            self.close()
+            raise
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -107,9 +110,29 @@ class SsdTier:
                 logger.warning("ssd tier: O_DIRECT not available on %s (%s); using buffered I/O", path.parent, exc.strerror)
         return os.open(path, flags, 0o600)
 
-    def _load_index(self) -> None:
-        """Rebuilds slot state from the index, dropping entries that cannot be right."""
+    def _slab_bytes(self, config: SsdTierConfig) -> int:
+        """The slab size the stored pages were placed with, else one derived from the
+        capacity (and kept, ssd_slabs.py): slabs of another size would not line up with their slots."""
+        derived = config.slab_bytes or min(64 << 20, max(16 << 20, config.capacity_bytes // 64))
+        derived -= derived % ALIGN  # every slot offset must stay aligned for O_DIRECT
+        stored = stored_slab_bytes(self.directory)
+        if stored is None:
+            keep_slab_bytes(self.directory, derived)
+            return derived
+        if stored != derived:
+            logger.info("ssd tier %s: %s slabs, as its pages were placed (this capacity alone would give %s)",
+                        self.directory, format_size(stored), format_size(derived))
+        return stored
+
+    def _load_index(self, capacity_bytes: int) -> None:
+        """Rebuilds slot state from the index, dropping entries that cannot be right; a
+        capacity too small for the stored pages is refused, not a reason to drop them."""
         entries = self._index.load(os.fstat(self.fd).st_size)
+        end = max((offset + size for _, offset, size, _ in entries), default=0)
+        slab = self._allocator.slab_bytes
+        if end > self._allocator.capacity or self._allocator.capacity == 0:
+            raise ConfigError(f"--ssd-capacity {format_size(capacity_bytes)} is less than the pages stored in {self.directory} "
+                              f"take: give at least {format_size(max(end + (-end) % slab, slab))}, or an empty --ssd-dir")
         claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries])
         overlapping = []
         recovered, payload_of = self._recovered, PAYLOAD_BYTES_FIELD.unpack_from

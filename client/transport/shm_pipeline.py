@@ -68,7 +68,7 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
         short = short or n < asked
 
     try:
-        ahead = allocate(0)
+        ahead = allocate(0) if keys else None  # less than a page: nothing to store (the server refuses an empty Allocate)
         while ahead is not None or copying:
             if ahead is None or len(copying) >= 2:
                 await commit_oldest()

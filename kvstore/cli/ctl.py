@@ -140,11 +140,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ns_id, page_tokens = _namespace(args)
             if args.command == "lookup":
                 keys = page_keys(ns_id, _tokens(args.tokens), page_tokens)
-                r = stub.Lookup(directory_pb2.LookupRequest(namespace_id=ns_id, keys=keys), timeout=args.timeout)
                 tiers: dict[str, int] = {}
-                for run in r.runs:
-                    tiers[run.tier] = tiers.get(run.tier, 0) + run.num_pages
-                return {"namespace_id": ns_id.hex(), "pages": r.num_pages, "tokens": r.num_pages * page_tokens,
+                num_pages = 0
+                if keys:  # less than a page has no key, and the server refuses an empty Lookup: none is stored
+                    r = stub.Lookup(directory_pb2.LookupRequest(namespace_id=ns_id, keys=keys), timeout=args.timeout)
+                    num_pages = r.num_pages
+                    for run in r.runs:
+                        tiers[run.tier] = tiers.get(run.tier, 0) + run.num_pages
+                return {"namespace_id": ns_id.hex(), "pages": num_pages, "tokens": num_pages * page_tokens,
                         "full_pages_asked": len(keys), "by_tier": tiers}
             r = stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns_id), timeout=args.timeout)
             return {"namespace_id": ns_id.hex(), "removed": r.num_removed}

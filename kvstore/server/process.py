@@ -16,6 +16,7 @@ from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.security.server import ServerSecurity
+from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement import Demoter, Placement
 from kvstore.server.placement.assembly import Wrap
@@ -75,6 +76,16 @@ class Server:
 
             require_cuda()
         self.config = config
+        # First: a directory a live server uses is refused before anything is created or opened.
+        self._dirs = DirectoryLock([(config.data_dir, "--data-dir"),
+                                    *([(config.ssd.directory, "--ssd-dir")] if config.ssd and "ssd" in config.tiers else [])])
+        try:
+            self._build(config, wrap)
+        except BaseException:
+            self._dirs.release()
+            raise
+
+    def _build(self, config: ServerConfig, wrap: Wrap | None) -> None:
         self.metrics = Metrics()
         # Security hook (issue 16), built first: a bad auth file or certificate leaves no arena
         # behind. Every call is authenticated before its handler runs; handlers read the caller
@@ -170,6 +181,7 @@ class Server:
             self._metrics_http.server_close()
         self.core.close()
         self.wal.close()
+        self._dirs.release()
         logger.info("kvstore-server stopped")
 
     def wait(self) -> None:

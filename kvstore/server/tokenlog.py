@@ -13,6 +13,7 @@ import struct
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,11 @@ class TokenLog:
             raw = txn.get(sid, db=self.meta_db)
             prompt, length = _META.unpack(raw) if raw else (prompt_tokens, 0)
             if expected_length + len(tokens) <= length:
-                return length  # a retry of an append already logged
+                # A retry repeats what is logged there; other tokens are another writer's, not ours to ack.
+                if self._logged(txn, sid, length)[expected_length : expected_length + len(tokens)] != list(tokens):
+                    raise InvalidRequest(f"session {session_id!r}: the append at {expected_length} conflicts with the "
+                                         "tokens logged there (another writer?)")
+                return length
             if expected_length != length:
                 raise InvalidRequest(f"session {session_id!r} has {length} tokens logged, the append expects {expected_length}")
             if tokens:
@@ -75,15 +80,18 @@ class TokenLog:
             if raw is None:
                 return None
             prompt, length = _META.unpack(raw)
-            parts = []
-            cursor = txn.cursor(db=self.chunks_db)
-            if cursor.set_range(sid):
-                for key, value in cursor:
-                    if not bytes(key).startswith(sid):
-                        break
-                    parts.append(np.frombuffer(bytes(value), dtype="<u4"))
-        tokens = np.concatenate(parts).tolist() if parts else []
-        return prompt, tokens[:length]
+            return prompt, self._logged(txn, sid, length)
+
+    def _logged(self, txn: Any, sid: bytes, length: int) -> list[int]:
+        parts = []
+        cursor = txn.cursor(db=self.chunks_db)
+        if cursor.set_range(sid):
+            for key, value in cursor:
+                if not bytes(key).startswith(sid):
+                    break
+                parts.append(np.frombuffer(bytes(value), dtype="<u4"))
+        tokens: list[int] = np.concatenate(parts).tolist() if parts else []
+        return tokens[:length]
 
     def end(self, namespace_id: bytes, session_id: str) -> None:
         sid = self._sid(namespace_id, session_id)

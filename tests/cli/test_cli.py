@@ -78,3 +78,13 @@ def test_ctl_unreachable_server_is_a_clear_error(capsys) -> None:
 
     assert ctl.main(["--server", f"127.0.0.1:{free_port()}", "--timeout", "1", "stats"]) == 1
     assert "kvstore-ctl:" in capsys.readouterr().err
+
+
+def test_ctl_lookup_of_less_than_a_page_answers_none_stored(server, ns, capsys) -> None:
+    """Bug: README's own example `kvstore-ctl lookup ... --tokens 1,2,3` exited 1 with
+    'keys must not be empty': fewer tokens than one page make no page key, and the empty
+    Lookup the CLI sent is refused by the server. Nothing of them can be stored: 0 pages."""
+    nsargs = ["--model", "demo", "--revision", "r1", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float16"]
+    assert ctl.main(["--server", server.address, "--json", "lookup", *nsargs, "--tokens", "1,2,3"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found == {"namespace_id": ns.namespace_id.hex(), "pages": 0, "tokens": 0, "full_pages_asked": 0, "by_tier": {}}

@@ -65,3 +65,30 @@ async def test_appends_are_idempotent_and_gaps_rejected(server, layout, ns) -> N
             await bad.returned([5])
         await session.end()
         assert await client.recover("s") is None
+
+
+async def test_an_append_that_conflicts_with_the_log_is_refused_not_acknowledged(server, layout, ns) -> None:
+    """Bug: an append counted as a retry whenever its end fell inside the logged length,
+    whatever its tokens: a second writer appending [7, 8, 9] at 0 to a log of [1, 2, 3] got
+    3 back (success) and believed its tokens were logged. A retry must repeat the logged
+    tokens; anything else is InvalidRequest, and the log is unchanged."""
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.append_tokens("s", [1, 2, 3], expected_length=0, sync=True) == 3
+        assert await client.append_tokens("s", [4, 5], expected_length=3, sync=True) == 5
+        assert await client.append_tokens("s", [1, 2, 3], expected_length=0, sync=True) == 5  # true retries
+        assert await client.append_tokens("s", [4, 5], expected_length=3, sync=True) == 5
+        assert await client.append_tokens("s", [2, 3, 4], expected_length=1, sync=True) == 5  # spans two appends
+        for tokens, at in (([7, 8, 9], 0), ([4, 6], 3), ([3, 9], 2)):
+            with pytest.raises(InvalidRequest, match="conflict"):
+                await client.append_tokens("s", tokens, expected_length=at, sync=True)
+        assert (await client.read_session("s")).tokens == [1, 2, 3, 4, 5]
+
+
+async def test_an_append_of_out_of_range_token_ids_is_invalid_request(server, layout, ns) -> None:
+    """Bug: append_tokens([-5]) raised protobuf's ValueError 'Value out of range' (no
+    KVStoreError), where put of the same ids is InvalidRequest; nothing is logged."""
+    async with KVStoreClient(server.address, ns) as client:
+        for tokens in ([-5], [1 << 32], [1.5]):
+            with pytest.raises(InvalidRequest, match="token ids"):
+                await client.append_tokens("s", tokens, expected_length=0, sync=True)
+        assert await client.read_session("s") is None
