@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tiers", default="host,ssd", help="comma-separated tiers: hbm,host,ssd")
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
-    p.add_argument("--data-dir", default="./kvstore-data", help="directory for the persistent directory (LMDB)")
+    p.add_argument("--data-dir", default="./kvstore-data", help="server state: the directory and token log (LMDB), tenant salts, ssd pages unless --ssd-dir")
     p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--ssd-dir", default=None, help="where ssd pages live (None: DATA_DIR/ssd)")
     p.add_argument("--ssd-capacity", default="8GiB", help="ssd tier capacity")
