@@ -56,15 +56,17 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, store: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
     logs = tmp_path_factory.mktemp("engine-logs")
-    # A generous load deadline: these tests are about which KV is used, not about speed,
-    # and a loaded 2-core CI box must not turn a slow copy into a "failed" load. "hooked"
+    # A generous load deadline and lookup timeout: these tests are about which KV is used, not
+    # about speed, and a loaded 2-core CI box must not turn a slow copy into a "failed" load or
+    # a slow lookup into a miss (the bounded miss is test_vllm_connector_parts'). "hooked"
     # loads every hit layer by layer; "plain" copies hits of up to 8 pages at once from the
     # lookup's lease.
     started = {
         "hooked": EngineProcess(model_dir, logs / "hooked.log",
-                                **connector_config(store.address, hooked=True, load_deadline_s=30, sync_load_pages=0)),
+                                **connector_config(store.address, hooked=True, load_deadline_s=30, lookup_timeout_s=5,
+                                                  sync_load_pages=0)),
         "plain": EngineProcess(model_dir, logs / "plain.log", prefix_caching=True,
-                               **connector_config(store.address, load_deadline_s=30, sync_load_pages=8)),
+                               **connector_config(store.address, load_deadline_s=30, lookup_timeout_s=5, sync_load_pages=8)),
     }
     try:
         for engine in started.values():
