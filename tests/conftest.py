@@ -17,6 +17,8 @@ from kvstore import KVLayout, Namespace
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.server import Server
 
+pytest.register_assert_rewrite("tenants")  # tests/security/tenants.py: helpers and, via pytest_plugins, fixtures
+
 
 def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
     # Tests store everything they demote (no endurance budget) unless they test admission.

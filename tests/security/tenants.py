@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from certs import CertAuthority
 from helpers import secure_config, tls_channel, write_auth_file
 
@@ -108,3 +109,17 @@ def quarantine_a_page(server: Server, owner: Caller, ns: bytes) -> bytes:
 def callers(server: Server, ca: CertAuthority, *tokens: str | None) -> Iterator[Caller]:
     for token in tokens:
         yield Caller(server, ca, token)
+
+
+# Fixtures of the files that name this module in pytest_plugins.
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
+    return CertAuthority(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def tenant_server(tmp_path: Path, ca: CertAuthority) -> Iterator[Server]:
+    server = Server(tenant_config(tmp_path, ca))
+    server.start()
+    yield server
+    server.stop(grace_s=1)

@@ -5,29 +5,14 @@ handle keeps working for its owner."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 
 import grpc
-import pytest
-from certs import CertAuthority
-from tenants import LAYOUT, OPS, A, B, Caller, new_keys, new_ns, tenant_config
+from tenants import LAYOUT, OPS, A, B, Caller, new_keys, new_ns
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.page import checksum
-from kvstore.server import Server
 
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
-    return CertAuthority(tmp_path_factory.mktemp("ca"))
-
-
-@pytest.fixture
-def tenant_server(tmp_path, ca) -> Iterator[Server]:
-    server = Server(tenant_config(tmp_path, ca))
-    server.start()
-    yield server
-    server.stop(grace_s=1)
+pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
 
 
 def test_another_tenant_cannot_commit_or_abort_an_allocation(tenant_server, ca) -> None:

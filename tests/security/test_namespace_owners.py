@@ -4,12 +4,9 @@ nothing); the client learns its tenant's salt with WhoAmI and folds it into its 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 import torch
-from certs import CertAuthority
 from conftest import random_kv
 from tenants import LAYOUT, OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, quarantine_a_page, tenant_config
 
@@ -21,17 +18,7 @@ from kvstore.server import Server
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
-    return CertAuthority(tmp_path_factory.mktemp("ca"))
-
-
-@pytest.fixture
-def tenant_server(tmp_path, ca) -> Iterator[Server]:
-    server = Server(tenant_config(tmp_path, ca))
-    server.start()
-    yield server
-    server.stop(grace_s=1)
+pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
 
 
 def test_whoami_names_the_caller_its_rights_and_its_salt(tenant_server, ca) -> None:
