@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -212,12 +213,10 @@ async def test_a_corrupt_page_that_cannot_be_quarantined_leaks_no_pin(server_fac
     assert not pinned, f"{len(pinned)} pages stay pinned with no lease or allocation holding them"
 
 
-@pytest.mark.parametrize("how", ["remove", "invalidate-keys", "invalidate-namespace"])
-async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(server_factory, tmp_path, layout, ns, how: str) -> None:
-    """Bug: with the ssd index's LMDB map full, Remove / Invalidate took the pages out of the
-    directory in memory, then failed to delete them from the ssd index (MetadataFull): the
-    caller got RESOURCE_EXHAUSTED while lookups no longer found the pages, and after a
-    restart they were back (rebuilt from the index)."""
+async def _with_a_full_ssd_index(server_factory: Any, tmp_path: Path, layout: Any, ns: Any) -> tuple[Any, Any, list[bytes], Any]:
+    """A server whose 64 KiB ssd index is full, 8 durable pages of ``ns`` stored first:
+    (server, config, their keys, the entered snapshot holder that keeps the map from reusing
+    freed pages; the caller exits it)."""
     config = make_config(tmp_path, host_bytes=8 << 20)
     assert config.ssd is not None
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, index_map_bytes=64 << 10))
@@ -236,6 +235,16 @@ async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(serve
                 break
         else:
             pytest.fail("a 64 KiB index must fill up")
+    return server, config, keys, snapshot
+
+
+@pytest.mark.parametrize("how", ["remove", "invalidate-keys", "invalidate-namespace"])
+async def test_a_removal_refused_by_a_full_ssd_index_leaves_memory_as_disk(server_factory, tmp_path, layout, ns, how: str) -> None:
+    """Bug: with the ssd index's LMDB map full, Remove / Invalidate took the pages out of the
+    directory in memory, then failed to delete them from the ssd index (MetadataFull): the
+    caller got RESOURCE_EXHAUSTED while lookups no longer found the pages, and after a
+    restart they were back (rebuilt from the index)."""
+    server, config, keys, snapshot = await _with_a_full_ssd_index(server_factory, tmp_path, layout, ns)
     with grpc.insecure_channel(server.address) as ch:
         directory = directory_pb2_grpc.DirectoryStub(ch)
         try:
@@ -262,24 +271,7 @@ async def test_a_page_removed_while_leased_is_gone_for_good_with_a_full_ssd_inde
     restart (their index entries were never deleted). Seen failing (strict xfail until now):
     `an acknowledged removal holds: 8 == 0`. A lease holds landing copies only: the lower
     copies of a leased page are deleted at the removal, which a full index refuses whole."""
-    config = make_config(tmp_path, host_bytes=8 << 20)
-    assert config.ssd is not None
-    config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, index_map_bytes=64 << 10))
-    server = server_factory(config)
-    tokens = list(range(16 * 8))
-    async with KVStoreClient(server.address, ns) as client:
-        assert await client.put(tokens, random_kv(layout, len(tokens), seed=3), durable=True) == len(tokens)
-        keys = (await client.lookup(tokens)).keys
-        snapshot = old_snapshot(tmp_path / "ssd" / "index.lmdb")  # no freed page is reused: the map fills to its end
-        snapshot.__enter__()
-        for step in range(1, 1000):
-            more = list(range(10**6 + step * 16, 10**6 + (step + 1) * 16))
-            try:
-                await client.put(more, random_kv(layout, 16, seed=step), durable=True)
-            except TierFull:
-                break
-        else:
-            pytest.fail("a 64 KiB index must fill up")
+    server, config, keys, snapshot = await _with_a_full_ssd_index(server_factory, tmp_path, layout, ns)
     with grpc.insecure_channel(server.address) as ch:
         data, directory = data_pb2_grpc.DataStub(ch), directory_pb2_grpc.DirectoryStub(ch)
         lease = data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000), timeout=10)
