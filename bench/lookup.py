@@ -6,7 +6,10 @@ calling the Lookup RPC with the prefix's keys computed once, for ``--seconds``; 
 are over every call of every client, lookups/s is calls over the window. In the
 ``demoting`` runs a writer process puts fresh 2.25 MiB pages into a host tier smaller than
 what it writes, so every allocation evicts a page to SSD (the demotion rate is read from
-the server's own counters and printed beside). One row times ``KVStoreClient.lookup``
+the server's own counters and printed beside). The ``writing`` rows are their control: the
+same writer against a second server with no SSD tier (its evictions are in-memory drops),
+so that what the writer's own CPU costs the lookups on this machine is told apart from
+what demotion costs them. One row times ``KVStoreClient.lookup``
 (hashing the tokens into keys, then the RPC), and the hashing alone is timed here.
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
@@ -30,7 +33,7 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.bench.harness import start_server
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
 from kvstore.client import KVStoreClient
@@ -82,8 +85,27 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def _run(address: str, role: str, clients: int, pages: int, seconds: float, demote: bool) -> dict[str, Any]:
-    writer = _spawn("writer", address, pages, seconds + 1.5) if demote else None
+def _lease_prefix(address: str, pages: int, seconds: float) -> bytes:
+    """Pins the prefix for the run: with no SSD below, the writer would otherwise push it out
+    of RAM and the control would time misses."""
+    keys = page_keys(LOOKUP_NS.namespace_id, prefix_tokens(pages), LOOKUP_LAYOUT.page_tokens)
+    with grpc.insecure_channel(address) as channel:
+        answer = data_pb2_grpc.DataStub(channel).Acquire(
+            data_pb2.AcquireRequest(namespace_id=LOOKUP_NS.namespace_id, keys=keys, ttl_ms=int((seconds + 30) * 1e3)), timeout=30)
+    if len(answer.pages) != pages:
+        raise RuntimeError(f"only {len(answer.pages)} of {pages} prefix pages could be leased")
+    return answer.lease_id
+
+
+def _release(address: str, lease_id: bytes) -> None:
+    with grpc.insecure_channel(address) as channel:
+        data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
+
+
+def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str) -> dict[str, Any]:
+    demote = state == "demoting"
+    lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
+    writer = _spawn("writer", address, pages, seconds + 1.5) if state != "idle" else None
     procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
@@ -92,14 +114,16 @@ def _run(address: str, role: str, clients: int, pages: int, seconds: float, demo
     _go(procs, start)
     results = [_collect(p) for p in procs]
     written = _collect(writer)["pages_written"] if writer else 0
+    if lease is not None:
+        _release(address, lease)
     demoted = _ssd_bytes_in(address) - before
     latencies = [lat for r in results for lat in r["latencies_s"]]
     return {
-        "state": "demoting" if demote else "idle", "call": "Lookup RPC" if role == "rpc" else "client.lookup",
+        "state": state, "call": "Lookup RPC" if role == "rpc" else "client.lookup",
         "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
         "p50_ms": _percentile(latencies, 0.50) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3,
         "short_answers": sum(r["short"] for r in results),
-        "writer_pages": written, "demoted_gb_per_s": demoted / (seconds + 1.5) / 1e9 if demote else 0.0,  # the writer's window
+        "writer_pages": written, "writer_pages_per_s": written / (seconds + 1.5), "demoted_gb_per_s": demoted / (seconds + 1.5) / 1e9 if demote else 0.0,  # the writer's window
     }
 
 
@@ -126,19 +150,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True)
     server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
                                    "--ssd-admission", "all", "--scrub-rate", "0")
+    ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
+                                           "--scrub-rate", "0")
     counts = [int(c) for c in args.clients.split(",") if c]
-    plan = [("rpc", n, demote) for demote in (False, True) for n in counts] + [("client", 1, False)]
+    plan = [("rpc", n, state) for state in ("idle", "writing", "demoting") for n in counts] + [("client", 1, "idle")]
     rows = []
     try:
-        for role, n, demote in tqdm(plan, desc="lookup runs", file=sys.stderr):
+        for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
+            at = ram_address if state == "writing" else address
             # Stored again before each run (only what a previous run's writer pushed out):
             # the prefix is then the newest data in the store and outlives this run's writes.
-            stored = asyncio.run(_store_prefix(address, args.pages))
+            stored = asyncio.run(_store_prefix(at, args.pages))
             if stored != args.pages:
                 raise RuntimeError(f"only {stored} of {args.pages} prefix pages could be stored")
-            rows.append(_run(address, role, n, args.pages, args.seconds, demote))
+            rows.append(_run(at, role, n, args.pages, args.seconds, state))
     finally:
         server.stop()
+        ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {"pages": args.pages, "seconds": args.seconds, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
@@ -147,8 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(f"lookup of a {report['pages']}-page prefix, {report['seconds']:.0f} s per run "
           f"(hashing {report['pages']} keys on the client: {report['hash_ms']:.2f} ms)")
-    print("| state | call | clients | lookups/s | p50 ms | p99 ms | short answers | demoted GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state | call | clients | lookups/s | p50 ms | p99 ms | short answers | writer pages/s | demoted GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in report["rows"]:
         print(f"| {r['state']} | {r['call']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['demoted_gb_per_s']:.2f} |")
+              f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['writer_pages_per_s']:.0f} | {r['demoted_gb_per_s']:.2f} |")

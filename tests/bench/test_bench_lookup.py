@@ -1,5 +1,6 @@
 """Smoke run of kvstore-bench lookup: every run of the plan measures lookups, each answer
-is the whole stored prefix, the writer really demotes, JSON shape as documented."""
+is the whole stored prefix, the writer really demotes (and its RAM-only control writes
+without demoting), JSON shape as documented."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def test_lookup_smoke(tmp_path) -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     rows = report["rows"]
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
-        ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),
-        ("idle", "client.lookup", 1)]
+        ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("writing", "Lookup RPC", 1), ("writing", "Lookup RPC", 2),
+        ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2), ("idle", "client.lookup", 1)]
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
+    assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] == 0 for r in rows if r["state"] == "writing")
