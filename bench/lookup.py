@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
     p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
     p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
+    p.add_argument("--demote-nice", type=int, default=10, help="the server's --demote-nice (0: the demoter competes as an equal)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
-                                   "--ssd-admission", "all", "--scrub-rate", "0")
+                                   "--ssd-admission", "all", "--scrub-rate", "0",
+                                   "--demote-nice", str(args.demote_nice))
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            "--scrub-rate", "0")
     counts = [int(c) for c in args.clients.split(",") if c]
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"pages": args.pages, "seconds": args.seconds, "hash_ms": _hash_ms(args.pages), "rows": rows,
+    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
 
 

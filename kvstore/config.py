@@ -55,6 +55,7 @@ class HostTierConfig:
     demote_above: float = 0.95  # fuller than this, the demoter writes the coldest pages down ...
     demote_to: float = 0.90  # ... until it is down to this (1.0 and 1.0: only allocations evict)
     max_hints: int = 0  # announced uses (hinted keys) held at once, all callers; 0: one per KiB of capacity
+    demote_nice: int = 10  # OS niceness of the demoter thread: foreground RPCs come first on busy cores
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
@@ -63,6 +64,8 @@ class HostTierConfig:
             raise ConfigError("--hint-share must be in [0, 1]")
         if not 0 < self.demote_to <= self.demote_above <= 1:
             raise ConfigError("host demotion watermarks must satisfy 0 < demote_to <= demote_above <= 1")
+        if not 0 <= self.demote_nice <= 19:
+            raise ConfigError("--demote-nice must be in [0, 19]")
         if self.max_hints < 0:
             raise ConfigError("--max-hints must be >= 0 (0: one per KiB of --host-capacity)")
         if self.max_hints == 0:

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-burst-s", type=float, default=60.0, help="write budget burst, in seconds of its long-run rate")
     p.add_argument("--ssd-admission", default="value", help="SSD admission policy: value, seen-twice, first-come, all")
     p.add_argument("--scrub-rate", type=float, default=20.0, help="SSD pages verified per second in the background (0: off)")
+    p.add_argument("--demote-nice", type=int, default=10,
+                   help="OS niceness (0-19) of the background demoter thread: on busy cores lookups and other "
+                        "foreground RPCs get the CPU first; an allocation that finds no room still demotes itself")
     p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
@@ -159,7 +162,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data_dir=data_dir,
         tiers=tiers,
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
-                            max_hints=args.max_hints),
+                            max_hints=args.max_hints, demote_nice=args.demote_nice),
         ssd=ssd,
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=cluster.node_id if cluster else args.node,

@@ -5,7 +5,9 @@ lookups or allocations take is held over the SSD's I/O."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import random
 import threading
 import time
@@ -185,3 +187,28 @@ def test_a_slow_ssd_write_blocks_no_lookup_acquire_or_allocation(tmp_path) -> No
         slow.join(60)
     finally:
         server.stop(grace_s=1)
+
+
+def _nice_of_thread(name: str) -> int:
+    """The OS niceness of this process's Python thread called ``name`` (/proc, field 19)."""
+    tid = next(t.native_id for t in threading.enumerate() if t.name == name)
+    return int(Path(f"/proc/{os.getpid()}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_the_demoter_thread_runs_below_the_foreground_threads(tmp_path) -> None:
+    """Demotion is work ahead of need: on busy cores it must not take the CPU from lookups
+    and allocations (architecture issue: lookup p99 under demotion). It runs at the
+    configured niceness, the rest of the server at the process's own."""
+    config = make_config(tmp_path)
+    core = Placement(dataclasses.replace(config, host=dataclasses.replace(config.host, demote_nice=7)))
+    demoter = Demoter(core, idle_s=0.05)
+    demoter.start()
+    try:
+        deadline = time.monotonic() + 5  # the thread sets its own priority as it starts
+        while _nice_of_thread("demoter") != 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _nice_of_thread("demoter") == 7
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the calling (foreground) thread is untouched
+    finally:
+        demoter.stop()
+        core.close()

@@ -8,11 +8,16 @@ the core's lock) until the tier is down to ``demote_to``. An allocation that sti
 no room reclaims a victim itself. With no lower tier there is no demoter (an eviction is
 then in-memory work); without this thread (the trace replay) every eviction
 happens inline, in the order allocations need them.
+
+The thread runs at a lower OS priority (``HostTierConfig.demote_nice``): what it does is
+work ahead of need, so on busy cores a lookup or an allocation should not wait behind it
+in the run queue. If it falls behind, allocations evict inline at their own priority.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from kvstore.server.placement.core import Placement
@@ -40,6 +45,12 @@ class Demoter:
             self._thread.join(10)
 
     def _run(self) -> None:
+        nice = self.core.config.host.demote_nice
+        if nice:
+            try:  # Linux: a thread's id is a process id to setpriority
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            except OSError as exc:
+                logger.warning("demoter runs at normal priority: %s", exc)
         while not self._stopped.is_set():
             self.core.pressure.wait(self.idle_s)
             try:
