@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +15,8 @@ import grpc
 import pytest
 from tenants import LAYOUT, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
-from kvstore._proto import data_pb2, directory_pb2
+from kvstore._proto import common_pb2, data_pb2, directory_pb2
+from kvstore.page import checksum
 from kvstore.server import Server
 
 pytest_plugins = ["tenants"]
@@ -110,9 +113,49 @@ def test_a_tenant_has_its_share_of_the_ssd_write_budget(budget_server, ca) -> No
 def test_quota_refusals_are_counted_per_tenant(share_server, ca) -> None:
     a = Caller(share_server, ca, A)
     ns = new_ns()
-    assert a.put(ns, new_keys(1)) == 1
+    assert a.put(ns, new_keys(4)) == 4  # the 4th makes room by evicting a's coldest: not a refusal
+    sample = share_server.metrics.registry.get_sample_value
+    assert sample("kvstore_tenant_quota_refusals_total", {"tenant": "a", "quota": "host_bytes"}) is None
     with pytest.raises(grpc.RpcError):
         a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(4)))  # more than its quota
-    sample = share_server.metrics.registry.get_sample_value
     assert sample("kvstore_tenant_quota_refusals_total", {"tenant": "a", "quota": "host_bytes"}) == 1
     assert sample("kvstore_tenant_quota_refusals_total", {"tenant": "b", "quota": "host_bytes"}) is None
+
+
+BIG = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=1, head_dim=128, dtype="float32", page_tokens=32)
+BIG_BYTES = 2 * 2 * 1 * 128 * 4 * 32  # 64 KiB
+
+
+def _put_big(caller: Caller, ns: bytes, num_pages: int, durable: bool = False) -> list[bytes]:
+    keys = new_keys(num_pages)
+    chunks = []
+    for key in keys:
+        data = secrets.token_bytes(BIG_BYTES)
+        chunks.append(data_pb2.PageChunk(key=key, namespace_id=ns, layout=BIG, page_bytes=BIG_BYTES, checksum=checksum(data),
+                                         data=data, durable=durable))
+    assert caller.data.WritePages(iter(chunks), metadata=caller.metadata, timeout=30).num_published == num_pages
+    return keys
+
+
+def test_the_demoter_keeps_a_tenant_within_its_ssd_share(tmp_path, ca) -> None:
+    """Bug: the background demoter wrote a tenant's pages to the ssd whatever its ssd_bytes:
+    a tenant that only wrote to RAM filled the ssd past its share."""
+    config = tenant_config(tmp_path, ca, host_bytes=4 << 20)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.5, demote_to=0.25))
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"ssd_bytes": 4 * BIG_BYTES}}}))
+    server = Server(config)
+    server.start()
+    try:
+        a, b = Caller(server, ca, A), Caller(server, ca, B)
+        keys_b = _put_big(b, new_ns(), 4, durable=True)
+        _put_big(a, new_ns(), 40)  # past demote_above: the demoter writes the coldest down to demote_to
+        landing = server.core.landing
+        deadline = time.monotonic() + 60
+        while landing.usage().used_bytes > 0.25 * landing.usage().capacity_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)  # the demoter runs on its own thread; nothing signals its end
+        assert landing.usage().used_bytes <= 0.25 * landing.usage().capacity_bytes, "the demoter made room"
+        assert 0 < server.tenancy.quotas.usage("a")["ssd_bytes"] <= 4 * BIG_BYTES
+        assert all("ssd" in server.core.where(k) for k in keys_b), "b's ssd pages stay"
+    finally:
+        server.stop(grace_s=1)

@@ -172,6 +172,8 @@ class Mover:
             why.append(f"tenant {tenant!r} has spent its share of the {self._target(tier).name} write budget "
                        "(ssd_write_percent of --ssd-dwpd)")
             return False
+        if not self._target(tier).budget.can_take(cost):
+            return True  # the drive's budget refuses it next: nothing of the tenant's is evicted for it
         skip = None
         while shares.over(tenant, header.payload_bytes):
             skip = skip or shares.own(tenant, self.leases.pins)

@@ -114,7 +114,11 @@ class DataService(data_pb2_grpc.DataServicer):
             return self.quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
             self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
+        try:
             return self.quotas.pages(who, num_pages, page_bytes)
+        except HostQuotaFull:  # its own pages left are pinned or reserved
+            self.quotas.refused(who.tenant, "host_bytes")
+            raise
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the

@@ -161,13 +161,15 @@ class Quotas:
             self._reserved[tenant].subtract(amounts)
 
     def _refuse(self, who: Identity, name: str, adding: int, held: int, limit: int, used: dict[str, int]) -> None:
-        self.refused(who.tenant, name)
+        """Raises; counts the refusal unless the caller may make room (HostQuotaFull: it counts
+        one if it still fails after)."""
         text = (f"tenant {who.tenant!r} holds {held} {name.replace('_', ' ')}; {adding} more would pass its quota of {limit} "
                 f"(--tenant-{name.replace('_', '-')} or the auth file's quotas); nothing was done")
         if name == "host_bytes":
             keep = limit - adding - (held - used["host_bytes"]) - self._leases.slot_bytes(who.tenant)
             if keep >= 0:  # evicting its own pages down to keep makes room (slots and reservations cannot go)
                 raise HostQuotaFull(text, keep)
+        self.refused(who.tenant, name)
         raise LimitExceeded(text)
 
     # -- the quotas, as the servicers use them -------------------------------------------
