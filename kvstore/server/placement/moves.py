@@ -71,7 +71,7 @@ class Mover:
         self._written = threading.Condition(lock)
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
         self._last_error_log = 0.0
-        self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server when it has tenants)
+        self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server; a page nobody owns has none)
 
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
