@@ -136,8 +136,9 @@ class TenantQuota:
     --tenant-* flags, a tenant's own from the auth file's ``quotas`` table. The local
     tenant of a server without --auth-file has none."""
 
-    host_bytes: int = 0  # committed pages in this node's host tier
-    ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit, no new page is taken
+    host_bytes: int = 0  # pages and allocated slots in this node's host tier; at the limit its own coldest go down
+    ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit its own coldest there make room
+    ssd_write_percent: int = 0  # its share (percent of rate and burst) of the ssd write budget (--ssd-dwpd)
     leases: int = 16384  # leases held at once (Acquire, Lease, ReadPages streams)
     allocations: int = 4096  # allocations not yet committed or aborted
     hints: int = 262144  # announced uses (hinted keys) held at once
@@ -148,6 +149,8 @@ class TenantQuota:
         for name, value in vars(self).items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"--tenant-{name.replace('_', '-')} must be an integer >= 0 (0: no limit), got {value!r}")
+        if self.ssd_write_percent > 100:
+            raise ConfigError(f"--tenant-ssd-write-percent must be at most 100, got {self.ssd_write_percent}")
 
 
 @dataclass(frozen=True)

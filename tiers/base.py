@@ -171,6 +171,10 @@ class LandingTier(Tier, Protocol):
 
     def hint(self, keys: list[bytes], eta: float) -> None: ...
 
+    def check_hints(self, num_keys: int) -> None:
+        """Raises LimitExceeded when ``num_keys`` more announced uses would pass the tier's limit."""
+        ...
+
     def hint_room(self, num_pages: int, page_bytes: int) -> bool:
         """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
         ...

@@ -236,6 +236,15 @@ class HostTier:
             for depth, key in enumerate(keys):
                 self._order.hint(key, eta, depth)
 
+    def check_hints(self, num_keys: int) -> None:
+        """Raises LimitExceeded when ``num_keys`` more announced uses would pass
+        ``config.max_hints`` (a caller announcing several batches checks them whole first)."""
+        with self._lock:
+            held = len(self._order.due)
+            if held + num_keys > self.config.max_hints:
+                raise LimitExceeded(f"{held} hinted keys are held, {num_keys} more would pass the limit of "
+                                    f"{self.config.max_hints} (--max-hints); nothing was hinted")
+
     def hint_room(self, num_pages: int, page_bytes: int) -> bool:
         with self._lock:
             return len(self._order.hinted) + num_pages <= self._hint_share(page_bytes)

@@ -47,7 +47,8 @@ _LIMIT_FLAGS: list[tuple[str, type, str]] = [
 
 _QUOTA_DEFAULTS = TenantQuota()
 _QUOTA_HELP = {
-    "host_bytes": "committed pages in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "host_bytes": "pages and allocated slots in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "ssd_write_percent": "share of the ssd write budget (--ssd-dwpd), in percent of its rate and burst",
     "leases": "leases held at once", "allocations": "allocations not yet committed or aborted",
     "hints": "hinted keys held at once", "token_log_bytes": "token-log bytes of its sessions",
     "published_records": "other nodes' locations its Publish calls record",

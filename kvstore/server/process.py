@@ -26,6 +26,7 @@ from kvstore.server.services.handlers import add_service, data_handlers, generat
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
+from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
 
@@ -102,7 +103,9 @@ class Server:
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
-                        self.core.leases, self.wal, config.host.hint_grace_s)
+                        self.core.leases, self.wal, config.host.hint_grace_s, self.metrics)
+        # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
+        self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
         self.tenancy = Tenancy(owners, quotas)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)

@@ -263,6 +263,10 @@ class Placement:
         """A queued request will need ``keys`` in about ``eta_s`` seconds (see reads.py)."""
         return self.reads.hint(namespace_id, keys, eta_s, prefetch)
 
+    def hint_entries(self, namespace_id: bytes, entries: list[tuple[list[bytes], float]]) -> list[bool]:
+        """``hint`` for each (keys, eta_s) entry, all announced or none (reads.py)."""
+        return self.reads.hint_entries(namespace_id, entries)
+
     def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, int, float]:
         """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():

@@ -154,9 +154,21 @@ class Reader:
         left within the hint share; the space is a reservation: when it is taken, nothing is
         read and False comes back at once, so the engine recomputes instead of waiting.
         """
+        return self.hint_entries(namespace_id, [(keys, eta_s)], prefetch)[0]
+
+    def hint_entries(self, namespace_id: bytes, entries: list[tuple[list[bytes], float]], prefetch: bool = True) -> list[bool]:
+        """``hint`` for each (keys, eta_s) entry, announced all or none: LimitExceeded, with
+        nothing announced, when together they would pass --max-hints."""
         with self.keeper.critical():
             self.keeper.reap()
-            self.landing.hint(keys, self.keeper.clock() + eta_s)
+            self.landing.check_hints(sum(len(keys) for keys, _ in entries))
+            now = self.keeper.clock()
+            for keys, eta_s in entries:
+                self.landing.hint(keys, now + eta_s)
+        return [self._prefetch(namespace_id, keys, prefetch) for keys, _ in entries]
+
+    def _prefetch(self, namespace_id: bytes, keys: list[bytes], prefetch: bool) -> bool:
+        with self.keeper.critical():
             stored = self.directory.prefix_length(namespace_id, keys)
             todo = [k for k in keys[:stored] if not self.residence.has(k, LANDING)] if prefetch else []
             layout = self.layout_of(namespace_id)

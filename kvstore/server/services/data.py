@@ -19,6 +19,7 @@ from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
 
@@ -79,9 +80,12 @@ class DataService(data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
         who = current_identity()
-        self._room(who, len(keys), layout.page_bytes)
-        with self.tenancy.writing(who, ns):
-            ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
+        held = self._room(who, len(keys), layout.page_bytes)
+        try:
+            with self.tenancy.writing(who, ns):
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
+        finally:
+            held.release()  # the allocation's slots count now (or there are none)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
@@ -92,22 +96,29 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
         who = current_identity()
         alloc = self.core.leases.allocation(request.allocation_id)
+        bridge = NOTHING
         if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
-            if request.durable:
-                self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
             self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
-        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                             tenant=who.tenant)
+            bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
+        try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
+            n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
+                                 tenant=who.tenant)
+        finally:
+            bridge.release()
         return data_pb2.CommitResponse(num_published=n)
 
-    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> None:
-        """Checks the tenant's quotas for ``num_pages`` new pages; at its host quota, its own
-        coldest pages make room (written down), never another tenant's."""
+    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> Reservation:
+        """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its
+        host quota, its own coldest pages make room (written down), never another tenant's."""
         try:
-            self.quotas.check_pages(who, num_pages, page_bytes)
+            return self.quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
             self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
-            self.quotas.check_pages(who, num_pages, page_bytes)
+        try:
+            return self.quotas.pages(who, num_pages, page_bytes)
+        except HostQuotaFull:  # its own pages left are pinned or reserved
+            self.quotas.refused(who.tenant, "host_bytes")
+            raise
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
@@ -130,10 +141,11 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        self.quotas.check_lease(who)
-        if self.cluster is not None and keys:
-            self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        with self.quotas.reserving(who, leases=1):
+            if self.cluster is not None and keys:
+                self.cluster.fill(ns, keys, context.time_remaining())
+            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        self.quotas.used(who, [p.key for p in pages])
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
@@ -170,10 +182,12 @@ class DataService(data_pb2_grpc.DataServicer):
                     assert dest is not None
                     done, page = page, None
                     committed = False
+                    bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
                     try:
                         committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
                                                      dest.flags) > 0
                     finally:
+                        bridge.release()
                         self._settle(who, dest, committed)
                     if not committed:
                         break  # stored at its first chunk, gone at its commit: num_published ends here
@@ -200,16 +214,17 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        self._room(who, 1, layout.page_bytes)
-        if chunk.durable:
-            self.quotas.check_durable(who, layout.page_bytes)
-        claimed = self.tenancy.claim(who, ns)
+        held = self._room(who, 1, layout.page_bytes)
         try:
-            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
-        except BaseException:
-            if claimed:
-                self.tenancy.settle(who, ns, False)
-            raise
+            claimed = self.tenancy.claim(who, ns)
+            try:
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
+            except BaseException:
+                if claimed:
+                    self.tenancy.settle(who, ns, False)
+                raise
+        finally:
+            held.release()  # the allocation's slot counts now (or there is none)
         dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
         try:
             sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
@@ -235,8 +250,8 @@ class DataService(data_pb2_grpc.DataServicer):
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
         if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
             return data_pb2.HintResponse(reserved=[True] * len(entries))
-        self.quotas.charge_hints(who, sum(len(keys) for keys, _ in entries), max((eta for _, eta in entries), default=0.0))
-        reserved = [self.core.hint(ns, keys, eta_s) for keys, eta_s in entries]
+        with self.quotas.hinting(who, entries):  # all of it, or none: a Hint the server refuses is not charged
+            reserved = self.core.hint_entries(ns, entries)
         if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
             for (keys, _), ok in zip(entries, reserved):
                 if ok:
@@ -249,10 +264,9 @@ class DataService(data_pb2_grpc.DataServicer):
         if len(request.tokens) > 1 << 20:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
         who = current_identity()
-        self.quotas.check_tokens(who, len(request.tokens))
-        with self.tenancy.writing(who, ns):
+        with self.tenancy.writing(who, ns), self.quotas.appending(who) as charge:
             length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
-                                     request.prompt_tokens, request.sync)
+                                     request.prompt_tokens, request.sync, charge)
         return data_pb2.AppendTokensResponse(length=length)
 
     @unary
@@ -279,10 +293,11 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        self.quotas.check_lease(who)
-        if self.cluster is not None and keys and not request.local_only:
-            self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        with self.quotas.reserving(who, leases=1):
+            if self.cluster is not None and keys and not request.local_only:
+                self.cluster.fill(ns, keys, context.time_remaining())
+            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        self.quotas.used(who, [p.key for p in pages])
         try:
             for page in pages:
                 header = page.header
