@@ -29,7 +29,7 @@ def test_another_tenant_cannot_commit_or_abort_an_allocation(tenant_server, ca) 
         assert caller.code(caller.data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id)) == \
             caller.code(caller.data.Abort, data_pb2.AbortRequest(allocation_id=unknown)) == grpc.StatusCode.OK
     assert tenant_server.core.view().num_allocations == 1
-    with open(tenant_server.core.arena.path, "r+b") as arena:  # the writer fills its slots as a same-host client does
+    with open(tenant_server.core.arena_of().path, "r+b") as arena:  # the writer fills its slots as a same-host client does
         sums = []
         for slot in alloc.slots:
             data = secrets.token_bytes(alloc.page_bytes)

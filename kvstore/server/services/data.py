@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -20,7 +21,7 @@ from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tokenlog import TokenLog
-from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
+from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
@@ -43,8 +44,9 @@ class DataService(data_pb2_grpc.DataServicer):
     names (see kvstore/server/tenancy/access.py)."""
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
-                 cluster: ClusterRuntime | None = None) -> None:
+                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
         self.core = core
+        self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
@@ -57,16 +59,21 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """The arena is one trust domain (whoever maps it reads and writes every page in it):
-        tenants get it only with --share-arena; without it their pages go over gRPC."""
-        arena = self.core.arena
-        shared = current_identity().via == "local" or self.config.security.share_arena
-        return data_pb2.GetInfoResponse(
-            node=self.core.node, arena_path=arena.path if shared else "", arena_bytes=arena.size_bytes if shared else 0,
-            arena_token=arena.token if shared else b"",
-            tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
-            max_page_bytes=self.config.max_page_bytes,
-        )
+        """An arena is one trust domain (whoever maps it reads and writes every page in it).
+        Without tenants (or with --share-arena) the one arena is announced by path; with
+        tenants the caller's own arena (made now at its first use) is announced by its size
+        and token, and handed over as a descriptor by the arena socket to the caller's token."""
+        who = current_identity()
+        info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
+                                        max_pages_per_request=self.config.max_pages_per_request,
+                                        max_page_bytes=self.config.max_page_bytes)
+        if who.via == "local" or self.config.security.share_arena:
+            arena = self.core.arena_of()
+            info.arena_path, info.arena_bytes, info.arena_token = arena.path, arena.size_bytes, arena.token
+        elif self.arena_socket is not None:
+            arena = self.core.arena_of(who.tenant)
+            info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
+        return info
 
     @unary
     def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
@@ -84,7 +91,8 @@ class DataService(data_pb2_grpc.DataServicer):
             ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
-            slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
+            slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
+                   for k, o in slots],
         )
 
     @unary
@@ -95,7 +103,8 @@ class DataService(data_pb2_grpc.DataServicer):
         if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
             if request.durable:
                 self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
-            self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
+            if self.arena_socket is None:  # one arena for all tenants: a freed slot may hold another's page
+                self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
         n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
                              tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
@@ -106,7 +115,7 @@ class DataService(data_pb2_grpc.DataServicer):
         try:
             self.quotas.check_pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
-            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
+            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes, who.tenant)
             self.quotas.check_pages(who, num_pages, page_bytes)
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
@@ -130,13 +139,17 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
+        elif keys and self.arena_socket is not None and self.tenancy.owners.owner(ns) not in (None, who.tenant):
+            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
+                                 "read them with ReadPages")
         self.quotas.check_lease(who)
         if self.cluster is not None and keys:
             self.cluster.fill(ns, keys, context.time_remaining())
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
+                   for p in pages],
         )
 
     @unary
@@ -284,9 +297,13 @@ class DataService(data_pb2_grpc.DataServicer):
             self.cluster.fill(ns, keys, context.time_remaining())
         ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         try:
-            for page in pages:
+            for page in pages:  # each checked as it is copied out: a slot scribbled on is quarantined, not sent
                 header = page.header
-                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), self.core.read_view(page),
-                                       header.checksum, chunk_bytes=chunk_bytes)
+                chunks = checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
+                                             self.core.read_view(page), header.checksum, chunk_bytes)
+                if chunks is None:
+                    self.core.damaged(page, "its bytes in the arena do not match its checksum (checked before sending)")
+                    break
+                yield from chunks
         finally:
             self.core.release(ident)
