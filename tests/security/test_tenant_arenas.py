@@ -212,3 +212,58 @@ def test_a_lookup_by_another_tenants_admin_is_refused_clearly(tenant_server, ca)
     assert ops.code(ops.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys)).name == "INVALID_ARGUMENT"
     assert len(ops.stream(ops.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys))) == 2
     assert ops.lookup(ns, keys) == 2
+
+
+ATTACK = """
+import os, sys
+pid = sys.argv[1]
+try:
+    names = os.listdir(f"/proc/{pid}/fd")
+except PermissionError:
+    names = []
+for name in names:
+    try:
+        fd = os.open(f"/proc/{pid}/fd/{name}", os.O_RDONLY)
+    except OSError:
+        continue
+    print("opened", os.readlink(f"/proc/self/fd/{fd}"))
+print("done")
+"""
+
+
+HOLDER = "import os, time; os.memfd_create('kvstore-test-arena'); print('holding', flush=True); time.sleep(60)"
+
+
+def test_a_same_uid_process_cannot_open_the_servers_arena_descriptors(tmp_path: Path, ca: CertAuthority) -> None:
+    """A tenant's arena has no path; the one route left to a process of the server's uid,
+    /proc/<server>/fd/N, is closed: kvstore-server makes itself undumpable when it has
+    tenants. The same attack on an ordinary process holding a memfd succeeds (the control).
+    Server, holder and attacker run without capabilities (as root: under ``setpriv`` with an
+    empty bounding set), as processes of one unprivileged uid do; root with CAP_SYS_PTRACE
+    still gets in (see README)."""
+    from conftest import ServerProcess
+    from helpers import write_auth_file
+    from tenants import tenant_grants
+
+    unprivileged = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"] if os.geteuid() == 0 else []
+    auth, issued = write_auth_file(tmp_path / "auth.json", tenant_grants()), ca.server_cert()
+    server = ServerProcess(tmp_path, "--auth-file", str(auth), "--tls-cert", str(issued.cert), "--tls-key", str(issued.key))
+    server.args = [*unprivileged, *server.args]
+    holder = subprocess.Popen([*unprivileged, sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    server.start()
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        a = Caller(server, ca, A)  # type: ignore[arg-type]
+        assert a(a.data.GetInfo, data_pb2.GetInfoRequest()).arena_socket, "a's arena exists now"
+        a.close()
+
+        def attack(pid: int) -> str:
+            return subprocess.run([*unprivileged, sys.executable, "-c", ATTACK, str(pid)], capture_output=True, text=True,
+                                  timeout=60, check=True).stdout
+
+        assert "opened /memfd:kvstore-test-arena" in attack(holder.pid), "the control: a dumpable process's memfd opens"
+        assert attack(server.proc.pid) == "done\n", "the server's descriptors do not"  # type: ignore[union-attr]
+    finally:
+        server.kill()
+        holder.kill()
+        holder.wait(10)
