@@ -20,8 +20,20 @@ import pytest
 from certs import CertAuthority
 from conftest import ServerProcess
 from helpers import call_raw, every_method, tls_channel
-from tenants import (LAYOUT, PAGE_BYTES, READER, A, B, Caller, map_own_arena, new_keys, new_ns, quarantine_a_page, tenant_config,
-                     tenant_grants)
+from tenants import (
+    LAYOUT,
+    PAGE_BYTES,
+    READER,
+    A,
+    B,
+    Caller,
+    map_own_arena,
+    new_keys,
+    new_ns,
+    quarantine_a_page,
+    tenant_config,
+    tenant_grants,
+)
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.page import ARENA_MAGIC, checksum
