@@ -6,6 +6,7 @@ server restart leave nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 import torch
 from certs import CertAuthority
 from conftest import random_kv
-from tenants import LAYOUT, PAGE_BYTES, READER, A, B, Caller, map_own_arena, new_keys, new_ns, tenant_config
+from tenants import LAYOUT, PAGE_BYTES, READER, A, B, Caller, map_own_arena, new_keys, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
@@ -129,18 +130,42 @@ def test_a_page_scribbled_on_is_quarantined_not_demoted(tmp_path: Path, ca: Cert
         server.stop(grace_s=1)
 
 
+def test_each_arena_has_its_tenants_host_quota_and_evicts_only_its_own_pages(tmp_path: Path, ca: CertAuthority) -> None:
+    """A's arena is its host_bytes quota (8 MiB: 2048 slots of 4 KiB); B, without a quota of
+    its own, has --host-capacity. A storing far more than its arena holds evicts (writes
+    down) A's coldest pages, in A's arena only: B's pages all stay in RAM."""
+    config = tenant_config(tmp_path, ca)
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"host_bytes": "8MiB"}}}))
+    server = Server(config)
+    server.start()
+    try:
+        a, b = Caller(server, ca, A), Caller(server, ca, B)
+        info_a, info_b = (c(c.data.GetInfo, data_pb2.GetInfoRequest()) for c in (a, b))
+        assert info_a.arena_bytes == (8 << 20) + 4096 and info_b.arena_bytes == config.host.capacity_bytes + 4096
+        ns_a, ns_b, keys_b = new_ns(), new_ns(), new_keys(50)
+        assert b.put(ns_b, keys_b) == 50
+        for _ in range(3):
+            assert a.put(ns_a, new_keys(1000)) == 1000
+        assert server.core.landing.part("a").usage().used_bytes <= 8 << 20
+        assert all("host" in server.core.where(k) for k in keys_b), "B's pages were not evicted for A's"
+        assert server.metrics.evictions.labels("host")._value.get() > 0
+    finally:
+        server.stop(grace_s=1)
+
+
 CHILD = """
-import sys, time, grpc
-sys.path[:0] = {paths!r}
-from tenants import Caller, LAYOUT, map_own_arena, new_keys
-from certs import CertAuthority
+import sys, time
+from pathlib import Path
+from types import SimpleNamespace
+sys.path[:0] = sys.argv[1:3]
+from tenants import LAYOUT, Caller, map_own_arena, new_keys
 from kvstore._proto import data_pb2
-class S: address = {address!r}; arena_socket = type("P", (), {{"path": __import__("pathlib").Path({socket!r})}})
-ca = CertAuthority.__new__(CertAuthority); ca.cert = __import__("pathlib").Path({ca!r})
-a = Caller(S, ca, {token!r})
-alloc = a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=bytes.fromhex({ns!r}), layout=LAYOUT, keys=new_keys(8)))
-arena = map_own_arena(S, {token!r})
-arena[alloc.slots[0].offset : alloc.slots[0].offset + 100] = b"x" * 100
+address, socket, ca, token, ns = sys.argv[3:]
+server = SimpleNamespace(address=address, arena_socket=SimpleNamespace(path=Path(socket)))
+a = Caller(server, SimpleNamespace(cert=Path(ca)), token)
+alloc = a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=bytes.fromhex(ns), layout=LAYOUT, keys=new_keys(8)))
+arena = map_own_arena(server, token)
+arena[alloc.slots[0].offset : alloc.slots[0].offset + 100] = b"x" * 100  # half a put: written, never committed
 print("allocated", flush=True)
 time.sleep(60)
 """
@@ -150,10 +175,10 @@ def test_nothing_is_left_behind_when_a_client_dies_mid_put(tmp_path: Path, ca: C
     server = Server(tenant_config(tmp_path, ca, allocation_ttl_ms=300))
     server.start()
     try:
-        here = str(Path(__file__).parent)
-        code = CHILD.format(paths=[here, str(Path(here).parent)], address=server.address, socket=str(server.arena_socket.path),
-                            ca=str(ca.cert), token=A, ns=new_ns().hex())
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        here = Path(__file__).parent
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(here), str(here.parent), server.address,
+                                  str(server.arena_socket.path), str(ca.cert), A, new_ns().hex()],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == "allocated", child.stderr.read()
             assert server.core.view().num_allocations == 1
@@ -243,7 +268,6 @@ def test_a_same_uid_process_cannot_open_the_servers_arena_descriptors(tmp_path: 
     still gets in (see README)."""
     from conftest import ServerProcess
     from helpers import write_auth_file
-    from tenants import tenant_grants
 
     unprivileged = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"] if os.geteuid() == 0 else []
     auth, issued = write_auth_file(tmp_path / "auth.json", tenant_grants()), ca.server_cert()
