@@ -59,10 +59,8 @@ class Placement:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
                  owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None) -> None:
-        """``owner_of(namespace_id)``: the tenant whose arena the namespace's pages live in
-        (tiers/arenas.py; "" without tenants), ``arena_bytes(tenant)``: that arena's size."""
         self.config = config
-        self.owner_of = owner_of or (lambda namespace_id: "")
+        self.owner_of = owner_of or (lambda namespace_id: "")  # namespace -> the tenant whose arena holds its pages
         self.clock = clock
         self.node = config.node
         self.metrics = metrics or Metrics()
@@ -221,16 +219,17 @@ class Placement:
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
-    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int, tenant: str = "") -> None:
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> None:
         """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
         ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
         quota makes room with its own pages, never another's. Stops when what is left of
         them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
+        arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
         with self.keeper.critical():
             while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
-                   and self.moves.evict_one(0, skip, self.landing.part(tenant))):
+                   and self.moves.evict_one(0, skip, arena)):
                 pass
             self.reporter.refresh_gauges()
 
@@ -245,10 +244,6 @@ class Placement:
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
         return self.landing.view(page.slot, page.header.payload_bytes)
-
-    def damaged(self, page: AcquiredPage, reason: str) -> None:
-        """A page the caller acquired failed its check as it was sent: quarantined (see reads.py)."""
-        self.moves.quarantine_landing(page.header, reason, page.slot)
 
     def release(self, lease_id: bytes, tenant: str | None = None) -> bool:
         """Ends a lease (of ``tenant``, when given); False when there is no such lease."""

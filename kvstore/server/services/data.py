@@ -103,8 +103,7 @@ class DataService(data_pb2_grpc.DataServicer):
         if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
             if request.durable:
                 self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
-            if self.arena_socket is None:  # one arena for all tenants: a freed slot may hold another's page
-                self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
+            self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
         n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
                              tenant=who.tenant)
         return data_pb2.CommitResponse(num_published=n)
@@ -115,13 +114,17 @@ class DataService(data_pb2_grpc.DataServicer):
         try:
             self.quotas.check_pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
-            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes, who.tenant)
+            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
             self.quotas.check_pages(who, num_pages, page_bytes)
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
         bytes of the page that left it (maybe another tenant's), and a commit that claims a
-        checksum without writing them must not publish those bytes under the caller's key."""
+        checksum without writing them must not publish those bytes under the caller's key. With
+        an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
+        page committed with a wrong checksum fails the checks before it is sent or demoted)."""
+        if self.arena_socket is not None:
+            return
         for key, expected in zip(keys, checksums):
             if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
                 raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
@@ -137,11 +140,9 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         who = current_identity()
+        self._check_arena(who, ns)
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        elif keys and self.arena_socket is not None and self.tenancy.owners.owner(ns) not in (None, who.tenant):
-            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
-                                 "read them with ReadPages")
         self.quotas.check_lease(who)
         if self.cluster is not None and keys:
             self.cluster.fill(ns, keys, context.time_remaining())
@@ -151,6 +152,15 @@ class DataService(data_pb2_grpc.DataServicer):
             pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
                    for p in pages],
         )
+
+    def _check_arena(self, who: Identity, namespace_id: bytes) -> None:
+        """With an arena per tenant, Acquire answers slots in the arena of the namespace's
+        owner: a reader of another tenant's namespace (admin) is told to use ReadPages (a
+        caller that may not read it learns nothing here: it is answered as empty)."""
+        owner = self.tenancy.owners.owner(namespace_id)
+        if self.arena_socket is not None and owner not in (None, who.tenant) and self.tenancy.may_read(who, namespace_id):
+            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
+                                 "read them with ReadPages")
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
@@ -301,8 +311,9 @@ class DataService(data_pb2_grpc.DataServicer):
                 header = page.header
                 chunks = checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
                                              self.core.read_view(page), header.checksum, chunk_bytes)
-                if chunks is None:
-                    self.core.damaged(page, "its bytes in the arena do not match its checksum (checked before sending)")
+                if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
+                    self.core.moves.quarantine_landing(header, "its bytes in the arena do not match its checksum "
+                                                       "(checked before sending)", page.slot)
                     break
                 yield from chunks
         finally:
