@@ -113,7 +113,12 @@ class SecurityConfig:
     tls_key: Path | None = None  # ... and its private key
     tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
     insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
-    share_arena: bool = False  # hand the one host arena to authenticated tenants (they can read each other's pages)
+    share_arena: bool = False  # with tenants: one host arena for all of them, by path (they can read each other's pages)
+
+    @property
+    def tenants(self) -> bool:
+        """Whether callers are tenants (an auth file or client certificates name them)."""
+        return self.auth_file is not None or self.tls_client_ca is not None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

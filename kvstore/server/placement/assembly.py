@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvstore.config import ServerConfig
 from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget, make_policy
 from kvstore.server.metrics import Metrics
+from kvstore.tiers.arenas import TenantArenas
 from kvstore.tiers.base import LandingTier, Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
@@ -16,12 +17,17 @@ Wrap = Callable[[Tier], Tier]
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
-               policy: AdmissionPolicy | None = None) -> tuple[LandingTier, list[AdmittedTier]]:
+               policy: AdmissionPolicy | None = None,
+               arena_bytes: Callable[[str], int] | None = None) -> tuple[LandingTier, list[AdmittedTier]]:
     """The landing tier (host) and the demotion targets (ssd, with its admission policy and
     write budget). ``wrap`` goes around each tier first (tests: ``FaultyTier``); ``policy``
-    replaces the configured admission policy (the replay's oracle)."""
+    replaces the configured admission policy (the replay's oracle). With tenants (and not
+    --share-arena) the host tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes."""
     wrap = wrap or (lambda tier: tier)
-    landing = wrap(HostTier(config.host, config.node))
+    if config.security.tenants and not config.security.share_arena:
+        landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0)))
+    else:
+        landing = wrap(HostTier(config.host, config.node))
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []

@@ -28,7 +28,7 @@ from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import TenantShares
-from kvstore.tiers.base import ReadResult
+from kvstore.tiers.base import LandingTier, ReadResult
 
 logger = logging.getLogger(__name__)
 
@@ -81,20 +81,22 @@ class Mover:
 
     # -- landing room (lock held; released around writes) --------------------------------
 
-    def make_room(self, page_bytes: int) -> int | None:
-        """A landing slot for a page of ``page_bytes``, evicting as needed; None when every
-        page left is pinned. Called with the lock held; lets go of it while a victim is
-        written down, so what the caller decided before may have changed after."""
+    def make_room(self, page_bytes: int, arena: LandingTier | None = None) -> int | None:
+        """A slot in ``arena`` (a part of the landing tier: one tenant's arena) for a page of
+        ``page_bytes``, evicting from that arena as needed; None when every page left in it
+        is pinned. Called with the lock held; lets go of it while a victim is written down,
+        so what the caller decided before may have changed after."""
+        arena = arena or self.landing
         while True:
-            slot = self.landing.reserve(page_bytes)
-            if slot is not None or not self.evict_one(page_bytes):
+            slot = arena.reserve(page_bytes)
+            if slot is not None or not self.evict_one(page_bytes, None, arena):
                 return slot
 
-    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None) -> bool:
-        """Evicts the landing tier's next victim (written down first when it is worth it),
-        passing over the keys in ``skip`` (default: the pinned ones); False when there is
-        none. Lock held; released during the write."""
-        victim = self.landing.victim(self.leases.pins if skip is None else skip, page_bytes)
+    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None) -> bool:
+        """Evicts the next victim of ``arena`` (default: the landing tier's choice), written
+        down first when it is worth it, passing over the keys in ``skip`` (default: the
+        pinned ones); False when there is none. Lock held; released during the write."""
+        victim = (arena or self.landing).victim(self.leases.pins if skip is None else skip, page_bytes)
         if victim is None:
             return False
         header, slot = self.landing.header(victim), self.landing.slot_of(victim)
@@ -251,7 +253,7 @@ class Mover:
             for (_, header, _), check in zip(placed, checks):
                 reason = check.result()
                 if reason is not None:
-                    self._quarantine_landing(header, reason)
+                    self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
             target.commit([(slot, header) for slot, header, _ in placed])
         except PageCorrupt:
@@ -311,8 +313,12 @@ class Mover:
             self._last_error_log = now
             logger.error("%s tier: write failed (%s); serving from RAM, nothing stored is lost", name, exc)
 
-    def _quarantine_landing(self, header: PageHeader, reason: str) -> None:
+    def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
+        """Drops a landing page that failed a check (lock not held). With ``slot``: only if
+        the page is still kept there (it may have been stored again elsewhere meanwhile)."""
         with self.lock:
+            if slot is not None and self.landing.slot_of(header.key) != slot:
+                return
             self.landing.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)

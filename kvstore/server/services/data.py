@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -21,7 +22,7 @@ from kvstore.server.services.errors import stream, unary
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
-from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
+from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
@@ -44,8 +45,9 @@ class DataService(data_pb2_grpc.DataServicer):
     names (see kvstore/server/tenancy/access.py)."""
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
-                 cluster: ClusterRuntime | None = None) -> None:
+                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
         self.core = core
+        self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
@@ -58,16 +60,21 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """The arena is one trust domain (whoever maps it reads and writes every page in it):
-        tenants get it only with --share-arena; without it their pages go over gRPC."""
-        arena = self.core.arena
-        shared = current_identity().via == "local" or self.config.security.share_arena
-        return data_pb2.GetInfoResponse(
-            node=self.core.node, arena_path=arena.path if shared else "", arena_bytes=arena.size_bytes if shared else 0,
-            arena_token=arena.token if shared else b"",
-            tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
-            max_page_bytes=self.config.max_page_bytes,
-        )
+        """An arena is one trust domain (whoever maps it reads and writes every page in it).
+        Without tenants (or with --share-arena) the one arena is announced by path; with
+        tenants the caller's own arena (made now at its first use) is announced by its size
+        and token, and handed over as a descriptor by the arena socket to the caller's token."""
+        who = current_identity()
+        info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
+                                        max_pages_per_request=self.config.max_pages_per_request,
+                                        max_page_bytes=self.config.max_page_bytes)
+        if who.via == "local" or self.config.security.share_arena:
+            arena = self.core.arena_of()
+            info.arena_path, info.arena_bytes, info.arena_token = arena.path, arena.size_bytes, arena.token
+        elif self.arena_socket is not None:
+            arena = self.core.arena_of(who.tenant)
+            info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
+        return info
 
     @unary
     def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
@@ -88,7 +95,8 @@ class DataService(data_pb2_grpc.DataServicer):
             held.release()  # the allocation's slots count now (or there are none)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
-            slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
+            slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
+                   for k, o in slots],
         )
 
     @unary
@@ -123,7 +131,11 @@ class DataService(data_pb2_grpc.DataServicer):
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
         bytes of the page that left it (maybe another tenant's), and a commit that claims a
-        checksum without writing them must not publish those bytes under the caller's key."""
+        checksum without writing them must not publish those bytes under the caller's key. With
+        an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
+        page committed with a wrong checksum fails the checks before it is sent or demoted)."""
+        if self.arena_socket is not None:
+            return
         for key, expected in zip(keys, checksums):
             if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
                 raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
@@ -139,6 +151,7 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         who = current_identity()
+        self._check_arena(who, ns)
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
         with self.quotas.reserving(who, leases=1):
@@ -148,8 +161,18 @@ class DataService(data_pb2_grpc.DataServicer):
         self.quotas.used(who, [p.key for p in pages])
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
+                   for p in pages],
         )
+
+    def _check_arena(self, who: Identity, namespace_id: bytes) -> None:
+        """With an arena per tenant, Acquire answers slots in the arena of the namespace's
+        owner: a reader of another tenant's namespace (admin) is told to use ReadPages (a
+        caller that may not read it learns nothing here: it is answered as empty)."""
+        owner = self.tenancy.owners.owner(namespace_id)
+        if self.arena_socket is not None and owner not in (None, who.tenant) and self.tenancy.may_read(who, namespace_id):
+            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
+                                 "read them with ReadPages")
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
@@ -299,9 +322,14 @@ class DataService(data_pb2_grpc.DataServicer):
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
         try:
-            for page in pages:
+            for page in pages:  # each checked as it is copied out: a slot scribbled on is quarantined, not sent
                 header = page.header
-                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), self.core.read_view(page),
-                                       header.checksum, chunk_bytes=chunk_bytes)
+                chunks = checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
+                                             self.core.read_view(page), header.checksum, chunk_bytes)
+                if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
+                    self.core.moves.quarantine_landing(header, "its bytes in the arena do not match its checksum "
+                                                       "(checked before sending)", page.slot)
+                    break
+                yield from chunks
         finally:
             self.core.release(ident)
