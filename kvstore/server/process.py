@@ -104,6 +104,8 @@ class Server:
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
                         self.core.leases, self.wal, config.host.hint_grace_s)
         self.tenancy = Tenancy(owners, quotas)
+        if self.cluster is not None:
+            self.cluster.owner_of = owners.owner  # what this node publishes names the namespace's tenant
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")

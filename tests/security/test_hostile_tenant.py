@@ -43,6 +43,7 @@ COVERAGE = {
     "Data.AppendTokens": "test_b_cannot_read_extend_or_end_as_session",
     "Data.GetSession": "test_b_cannot_read_extend_or_end_as_session",
     "Data.EndSession": "test_b_cannot_read_extend_or_end_as_session",
+    "Data.Replicate": "test_tenants_cannot_make_the_node_only_calls",
     "Directory.Lookup": "test_b_cannot_probe_as_namespace_with_lookup",
     "Directory.Publish": "test_b_cannot_write_into_as_namespace",
     "Directory.Remove": "test_b_cannot_invalidate_or_remove_as_pages",
@@ -137,6 +138,32 @@ def test_b_cannot_write_into_as_namespace(world: World) -> None:
     assert b.code(b.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record])) == DENIED
     assert world.server.core.view().num_allocations == 0
     assert world.server.core.directory.get(world.keys[0]).locations.keys() == {("local", "host")}
+
+
+def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
+    """Bug (issue 17): a node is a caller like any other, but what only nodes do (publishing
+    records naming a node, withdrawing a node's records, asking a shard owner with
+    local_only, reading for another tenant, replicating from a holder) took a tenant's
+    token: B could list A's keys at any node it liked, or withdraw them. Those calls and
+    fields now need the node right, which no tenant has (not even A in its own namespace)."""
+    a, b, ns, keys = world.a, world.b, world.ns, world.keys
+    record = directory_pb2.PageRecord(key=new_keys(1)[0], location=common_pb2.Location(node="n2", tier="host", size_bytes=1))
+    for caller in (a, b):
+        assert caller.code(caller.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record])) == DENIED
+        assert caller.code(caller.directory.Remove, directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, node="local")) == DENIED
+        for lookup in (directory_pb2.LookupRequest(namespace_id=ns, keys=keys, local_only=True),
+                       directory_pb2.LookupRequest(namespace_id=ns, keys=keys, tenant="a")):
+            assert caller.code(caller.directory.Lookup, lookup) == DENIED
+        for read in (data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, local_only=True),
+                     data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, tenant="a")):
+            with pytest.raises(grpc.RpcError) as err:
+                caller.stream(caller.data.ReadPages, read)
+            assert err.value.code() == DENIED
+        replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=2, holder="n2", tenant="a", page_bytes=PAGE_BYTES)
+        assert caller.code(caller.data.Replicate, replicate) == DENIED
+    assert world.server.core.directory.get(record.key) is None
+    assert world.server.core.directory.get(keys[0]).locations.keys() == {("local", "host")}
+    assert not world.server.core.view().pinned
 
 
 def test_b_cannot_invalidate_or_remove_as_pages(world: World) -> None:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore._proto import directory_pb2_grpc
+from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
 from kvstore.security.channel import ClientTLS, aio_channel
@@ -36,6 +36,7 @@ class Peer:
         self.member = member
         self.channel = aio_channel(member.grpc_address, MESSAGE_OPTIONS, token=cluster.token, tls=tls)
         self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
+        self.data = data_pb2_grpc.DataStub(self.channel)
         self.pages = PageStubs(self.channel)
         self.fetcher: Any = None
         if ucx is not None and member.data_address:
