@@ -24,7 +24,7 @@ from kvstore.errors import PermissionDenied
 from kvstore.security.channel import ClientTLS
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "security"))  # the test CA lives with the security tests
-from certs import CertAuthority  # noqa: E402
+from certs import CertAuthority
 
 A = "tenant-a-token-0123456789abcdef"
 B = "tenant-b-token-0123456789abcdef"
