@@ -55,6 +55,12 @@ COVERAGE = {
     "Directory.Quarantine": "test_b_cannot_list_or_purge_as_quarantined_pages",
 }
 
+# What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
+# whole RPCs, and the request fields that make an RPC a node's call.
+NODE_ONLY = {"Directory.Publish", "Directory.Remove.node", "Directory.Lookup.local_only", "Directory.Lookup.tenant",
+             "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
+_NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
+
 
 @dataclass
 class World:
@@ -103,6 +109,17 @@ def test_every_rpc_is_attacked_by_this_suite() -> None:
     assert declared == set(COVERAGE), f"not covered: {sorted(declared - set(COVERAGE))}; gone: {sorted(set(COVERAGE) - declared)}"
     for test in set(COVERAGE.values()):
         assert callable(globals().get(test)), f"COVERAGE names {test}, which is not a test here"
+
+
+def test_every_node_only_field_is_attacked() -> None:
+    """Fails when a request field that makes a call a node's (by its name) is added without an
+    entry in NODE_ONLY, or an entry names a field that is gone."""
+    declared = {f"{s.name}.{m.name}" for s, m in every_method()}
+    fields = {f"{s.name}.{m.name}.{f.name}" for s, m in every_method() for f in m.input_type.fields
+              if f.name in _NODE_FIELDS and f"{s.name}.{m.name}" not in NODE_ONLY}
+    assert fields == {n for n in NODE_ONLY if n.count(".") == 2}
+    assert {n for n in NODE_ONLY if n.count(".") == 1} <= declared
+    assert COVERAGE["Data.Replicate"] == "test_tenants_cannot_make_the_node_only_calls"
 
 
 def test_b_learns_nothing_of_a_from_getinfo_and_whoami(world: World) -> None:
@@ -161,6 +178,8 @@ def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
             assert err.value.code() == DENIED
         replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=2, holder="n2", tenant="a", page_bytes=PAGE_BYTES)
         assert caller.code(caller.data.Replicate, replicate) == DENIED
+    replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1)
+    assert b(b.data.Replicate, replicate).num_pages == 0 and a(a.data.Replicate, replicate).num_pages == len(keys)
     assert world.server.core.directory.get(record.key) is None
     assert world.server.core.directory.get(keys[0]).locations.keys() == {("local", "host")}
     assert not world.server.core.view().pinned
