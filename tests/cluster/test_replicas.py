@@ -3,6 +3,9 @@ it returns; the original holder SIGKILLed, the prefix is still read bit-exact fr
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 import torch
 from cluster_nodes import TTL_S, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
@@ -10,6 +13,7 @@ from conftest import random_kv
 from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
+from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidRequest
 
@@ -55,3 +59,26 @@ async def test_a_single_server_refuses_replicas(server) -> None:
             await client.put(tokens, kv, replicas=2)
         assert await client.put(tokens, kv, replicas=1) == len(tokens)
         assert await client.replicate_keys(client.keys(tokens), 1) == 2
+
+
+async def test_a_frozen_target_costs_the_replica_not_a_hang(cluster_nodes) -> None:
+    """Both other nodes frozen (SIGSTOP) while a put asks for a replica: the put returns 0
+    replicated tokens within the fetch deadline and its margins, the pages stay stored at the
+    holder, and nothing is left pinned there."""
+    a, b, c = cluster_nodes(["a", "b", "c"], "grpc")
+    tokens = tokens_of(24, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=24)
+    async with KVStoreClient(a.address, NS) as on_a:
+        for node in (b, c):
+            node.signal(signal.SIGSTOP)
+        started = time.monotonic()
+        assert await on_a.put(tokens, kv, replicas=2) == 0
+        waited = time.monotonic() - started
+        for node in (b, c):
+            node.signal(signal.SIGCONT)
+        assert waited < 1.5 + 3.0 + 2.0, f"the put waited {waited:.1f} s for frozen targets"
+        assert (await on_a.lookup(tokens)).num_tokens == len(tokens)
+        stats = await on_a._call(on_a.runtime.directory.Stats, directory_pb2.StatsRequest())
+        assert stats.num_leases == 0
+        # thawed, the same put is replicated
+        assert await on_a.put(tokens, kv, replicas=2) == len(tokens)

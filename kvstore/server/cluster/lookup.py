@@ -20,7 +20,7 @@ from kvstore._proto import directory_pb2
 from kvstore.cluster.shards import KeyRange, ShardMap, merge_lookup, plan_lookup
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest
-from kvstore.server.cluster.peers import Peers
+from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.types import LocationRun
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,10 @@ class ShardedLookup:
                                                                                tenant=tenant),
                                                timeout=timeout_s)
         except asyncio.CancelledError:
-            raise
+            if current_cancelled():
+                raise
+            logger.info("lookup at owner %s ended with its channel (it left the cluster)", owner)
+            return None
         except Exception as exc:  # noqa: BLE001 - any failure of the owner ends the prefix at its first page
             logger.info("lookup at owner %s failed: %r", owner, exc)
             return None

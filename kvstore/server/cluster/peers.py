@@ -9,6 +9,7 @@ cluster loop: channels and fetchers are made, used and closed there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +21,14 @@ from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.wire import MESSAGE_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
+
+
+def current_cancelled() -> bool:
+    """Whether the running task itself is being cancelled. A call on a peer's channel also
+    raises CancelledError when the channel is closed under it (the peer left the cluster and
+    ``update`` closed it): that is the peer's failure, not the caller's cancellation."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def client_tls(security: SecurityConfig) -> ClientTLS | None:

@@ -30,7 +30,7 @@ from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.errors import KVStoreError, PageCorrupt
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
-from kvstore.server.cluster.peers import Peer, Peers
+from kvstore.server.cluster.peers import Peer, Peers, current_cancelled
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
 from kvstore.wire import decode_chunk
@@ -192,6 +192,14 @@ class RemoteTier:
         except (grpc.aio.AioRpcError, KVStoreError, TimeoutError) as exc:
             logger.warning("fetch of %d pages from %s over grpc ended after %d: %r", len(keys), peer.member.node_id,
                            len(ok_keys), exc)
+        except asyncio.CancelledError:
+            if current_cancelled():
+                if allocation_id is not None:
+                    await asyncio.to_thread(self.core.abort, allocation_id)
+                raise
+            # the peer left and its channel was closed under the stream: what arrived verified stays
+            logger.warning("fetch of %d pages from %s over grpc ended with its channel after %d", len(keys),
+                           peer.member.node_id, len(ok_keys))
         except BaseException:
             if allocation_id is not None:
                 await asyncio.to_thread(self.core.abort, allocation_id)

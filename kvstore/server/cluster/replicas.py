@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from kvstore._proto import data_pb2
 from kvstore.cluster.members import Member
 from kvstore.cluster.shards import score
-from kvstore.server.cluster.peers import Peers
+from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.cluster.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,10 @@ class Replicas:
         try:
             return int((await peer.data.Replicate(request, timeout=timeout_s)).num_pages)
         except asyncio.CancelledError:
-            raise
+            if current_cancelled():
+                raise
+            logger.warning("node %s: replica at %s ended with its channel (it left the cluster)", self._node, target)
+            return 0  # grpc.aio cancels the calls of a channel closed under them
         except Exception as exc:  # noqa: BLE001 - a target that fails holds no replica
             logger.warning("node %s: replica of %d pages at %s failed: %r", self._node, len(request.keys), target, exc)
             return 0
