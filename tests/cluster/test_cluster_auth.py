@@ -30,16 +30,18 @@ A = "tenant-a-token-0123456789abcdef"
 B = "tenant-b-token-0123456789abcdef"
 
 
-def secure_args(tmp: Path, ca: CertAuthority, names: list[str]) -> dict[str, list[str]]:
+def secure_args(tmp: Path, ca: CertAuthority, names: list[str], node_token: str | None = None) -> dict[str, list[str]]:
     """Per node: the flags of an mTLS server whose certificate is also its identity as a caller
-    (CN node-<name>, SAN kvstore-node: one auth-file entry for every node). Every node gets the
-    same tenant salts (a tenant's namespace ids are the same at every node)."""
+    (CN node-<name>, SAN kvstore-node: one auth-file entry for every node), or, given
+    ``node_token``, whose $KVSTORE_CLUSTER_TOKEN is. Every node gets the same tenant salts (a
+    tenant's namespace ids are the same at every node)."""
     auth = tmp / "auth.json"
-    auth.write_text(json.dumps({
-        "tokens": [{"tenant": "a", "rights": ["read", "write"], "token": A},
-                   {"tenant": "b", "rights": ["read", "write"], "token": B}],
-        "certs": [{"subject": "kvstore-node", "tenant": "cluster", "rights": ["node"]}],
-    }))
+    tenants = [{"tenant": "a", "rights": ["read", "write"], "token": A}, {"tenant": "b", "rights": ["read", "write"], "token": B}]
+    if node_token is None:
+        doc = {"tokens": tenants, "certs": [{"subject": "kvstore-node", "tenant": "cluster", "rights": ["node"]}]}
+    else:
+        doc = {"tokens": [*tenants, {"tenant": "cluster", "rights": ["node"], "token": node_token}]}
+    auth.write_text(json.dumps(doc))
     auth.chmod(0o600)
     salts = json.dumps({"version": 1, "salts": {t: secrets.token_bytes(16).hex() for t in ("a", "b", "cluster")}})
     args = {}
@@ -54,10 +56,15 @@ def secure_args(tmp: Path, ca: CertAuthority, names: list[str]) -> dict[str, lis
     return args
 
 
-@pytest.mark.parametrize("data_plane", ["grpc", "ucx"])
-async def test_tenants_across_nodes_with_mtls_between_nodes(cluster_nodes, tmp_path: Path, data_plane: str) -> None:
+@pytest.mark.parametrize(("data_plane", "node_identity"), [("grpc", "cert"), ("ucx", "cert"), ("grpc", "token")])
+async def test_tenants_across_nodes_with_mtls_between_nodes(cluster_nodes, tmp_path: Path, monkeypatch, data_plane: str,
+                                                             node_identity: str) -> None:
     ca = CertAuthority(tmp_path / "ca")
-    args = secure_args(tmp_path, ca, ["a", "b", "c"])
+    node_token = None
+    if node_identity == "token":
+        node_token = "cluster-node-token-0123456789ab"
+        monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", node_token)  # the nodes' processes inherit it
+    args = secure_args(tmp_path, ca, ["a", "b", "c"], node_token)
     a, b, c = (cluster_nodes([n], data_plane, *args[n])[0] for n in ("a", "b", "c"))
     engine = ca.issue("engine")  # a client certificate (mTLS); the token names the tenant
     tls = ClientTLS(ca=ca.cert, cert=engine.cert, key=engine.key)
