@@ -227,25 +227,40 @@ class KVStoreClient:
         return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs)
 
     async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
-                  session_open: bool = False) -> int:
+                  session_open: bool = False, replicas: int = 1) -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
         Pages already stored are not written again. With ``durable`` every page of the
         returned prefix, those stored before in RAM included, is on the ssd tier (synced)
         when this returns, or this raises (TierFull, TierUnavailable, or PageMissing with
         ``num_tokens`` durable). ``wanted`` / ``session_open`` tell SSD admission these pages
-        will be used again. Returns the number of leading tokens stored.
+        will be used again. ``replicas`` (cluster mode): ``replicas`` nodes, this server's
+        included, hold every page of the returned prefix when this returns (see
+        ``replicate``). Returns the number of leading tokens stored (on that many nodes).
         """
-        return await self.put_keys(self.keys(tokens), kv, durable=durable, wanted=wanted, session_open=session_open)
+        return await self.put_keys(self.keys(tokens), kv, durable=durable, wanted=wanted, session_open=session_open,
+                                   replicas=replicas)
 
     async def put_keys(self, keys: list[bytes], kv: torch.Tensor | EngineKV, *, durable: bool = False,
-                       wanted: bool = False, session_open: bool = False) -> int:
+                       wanted: bool = False, session_open: bool = False, replicas: int = 1) -> int:
         """``put`` for page keys the engine computed itself: page i of ``kv`` is stored under
         ``keys[i]``. Returns the number of leading tokens stored."""
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         check_engine_kv(kv, self.layout, len(keys) * self.layout.page_tokens, "kv")
         stored = await self._io(self.transport.put(keys, kv, durable, flags))
+        if replicas != 1 and stored:
+            stored = await self.replicate_keys(keys[:stored], replicas)
         return stored * self.layout.page_tokens
+
+    async def replicate_keys(self, keys: list[bytes], replicas: int) -> int:
+        """Has ``replicas`` nodes of the cluster (this server included) hold the pages of
+        ``keys`` that this server holds: it asks ``replicas - 1`` other members to copy them and
+        answers once they did, or at the deadline. Returns how many leading pages are held on
+        at least ``replicas`` nodes: fewer when the cluster has fewer live members or a copy
+        failed (best effort, counted; a replica is an ordinary copy afterwards, evictable).
+        A single server answers what it holds for ``replicas=1`` and refuses more."""
+        request = data_pb2.ReplicateRequest(namespace_id=self.namespace.namespace_id, keys=keys, replicas=replicas)
+        return int((await self._call(self.runtime.data.Replicate, request)).num_pages)
 
     async def get(self, hit: Hit, into: torch.Tensor | EngineKV) -> int:
         """Copies the hit's pages into ``into`` (``[layers, kv, >= hit.num_tokens, heads, dim]``).

@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReplicateRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "replicas", "holder", "tenant", "page_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    replicas: int
+    holder: str
+    tenant: str
+    page_bytes: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., replicas: _Optional[int] = ..., holder: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("num_pages",)
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    def __init__(self, num_pages: _Optional[int] = ...) -> None: ...
+
 class AppendTokensRequest(_message.Message):
     __slots__ = ("namespace_id", "session_id", "expected_length", "tokens", "sync", "prompt_tokens")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -262,15 +284,17 @@ class WritePagesResponse(_message.Message):
     def __init__(self, num_published: _Optional[int] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only")
+    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunk_bytes: int
     ttl_ms: int
     local_only: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...

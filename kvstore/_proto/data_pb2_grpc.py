@@ -106,6 +106,11 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/kvstore.v1.Data/Replicate',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class DataServicer:
@@ -209,6 +214,14 @@ class DataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Cluster mode: makes `replicas` nodes (this one included) hold each of the leading pages
+        of `keys` this node holds; answers once they do, or at the deadline with fewer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +294,11 @@ def add_DataServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.EndSessionRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.ReplicateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,6 +681,33 @@ class Data:
             '/kvstore.v1.Data/EndSession',
             kvstore_dot_v1_dot_data__pb2.EndSessionRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/Replicate',
+            kvstore_dot_v1_dot_data__pb2.ReplicateRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,

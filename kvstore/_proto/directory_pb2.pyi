@@ -35,14 +35,16 @@ class QuarantineResponse(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[_Union[QuarantinedPage, _Mapping]]] = ..., purged: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "local_only")
+    __slots__ = ("namespace_id", "keys", "local_only", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     local_only: bool
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_pages", "runs")
@@ -73,12 +75,14 @@ class PageRecord(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("namespace_id", "records")
+    __slots__ = ("namespace_id", "records", "tenant")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     records: _containers.RepeatedCompositeFieldContainer[PageRecord]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("versions",)

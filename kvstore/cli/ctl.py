@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--purge", action="store_true")
     nt = sub.add_parser("new-token", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="make a random token and the --auth-file entry that grants it (no server needed)")
     nt.add_argument("--tenant", required=True)
-    nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin")
+    nt.add_argument("--rights", default="read,write", help="comma-separated: read, write, admin, node (a cluster node's right)")
     cl = sub.add_parser("cluster", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                         help="members, epochs, record ownership and usage of every node (reads etcd)")
     cl.add_argument("--etcd", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]", help="the cluster's etcd (as --cluster)")

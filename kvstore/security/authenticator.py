@@ -30,7 +30,8 @@ from kvstore.security.salts import TenantSalts
 logger = logging.getLogger(__name__)
 
 CERT_RIGHTS_WITHOUT_AUTH_FILE = Rights.READ | Rights.WRITE  # admin is granted only by name, in the auth file
-LOCAL_IDENTITY = Identity(LOCAL_TENANT, ALL_RIGHTS, b"", via="local")
+# without auth every caller may do everything, the other nodes of a cluster included
+LOCAL_IDENTITY = Identity(LOCAL_TENANT, ALL_RIGHTS | Rights.NODE, b"", via="local")
 _NO_QUOTAS: dict[str, dict[str, int]] = {}
 
 

@@ -4,7 +4,7 @@ TOML (or JSON when the name ends in ``.json``)::
 
     [[tokens]]
     tenant = "alice"
-    rights = ["read", "write"]              # read, write, admin
+    rights = ["read", "write"]              # read, write, admin; node: a cluster node (never a tenant)
     sha256 = "9f86d08..."                   # SHA-256 of the token, hex: the file holds no secret
     # token = "..."                         # or the token itself (then keep the file 0600)
     expires = 2030-01-01T00:00:00Z          # optional: TOML time with offset, RFC 3339 text, or unix seconds

@@ -17,23 +17,27 @@ class Rights(enum.IntFlag):
     """What a caller may do with the namespaces its tenant owns. ``ADMIN`` is separate from
     ``READ`` and ``WRITE``: it is the right to act on other tenants' namespaces and on the
     server (invalidate, purge, session deletion, unfiltered stats), not a superset of data
-    access; grant all three to an operator's token."""
+    access; grant all three to an operator's token. ``NODE`` is a cluster node's right (DESIGN
+    §12): publishing and withdrawing location records, asking a shard owner (``local_only``),
+    reading and replicating for the tenant a request names. Give it only to the nodes'
+    certificates (or the cluster token), never to a tenant: it reaches every namespace."""
 
     NONE = 0
     READ = 1
     WRITE = 2
     ADMIN = 4
+    NODE = 8
 
     @classmethod
     def parse(cls, names: Iterable[object], where: str) -> Rights:
         """``["read", "write"]`` -> READ|WRITE; anything else is a ConfigError naming ``where``."""
         rights = cls.NONE
         for name in names:
-            if not isinstance(name, str) or name.lower() not in ("read", "write", "admin"):
-                raise ConfigError(f"{where}: unknown right {name!r}; use read, write, admin")
+            if not isinstance(name, str) or name.lower() not in ("read", "write", "admin", "node"):
+                raise ConfigError(f"{where}: unknown right {name!r}; use read, write, admin, node")
             rights |= cls[name.upper()]
         if rights == cls.NONE:
-            raise ConfigError(f"{where}: rights must name at least one of read, write, admin")
+            raise ConfigError(f"{where}: rights must name at least one of read, write, admin, node")
         return rights
 
     def names(self) -> list[str]:

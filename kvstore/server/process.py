@@ -125,6 +125,8 @@ class Server:
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
         self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
         self.tenancy = Tenancy(owners, quotas)
+        if self.cluster is not None:
+            self.cluster.owner_of = owners.owner  # what this node publishes names the namespace's tenant
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")

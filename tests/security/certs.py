@@ -49,8 +49,9 @@ class CertAuthority:
         self.cert.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, common_name: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = (), server: bool = False,
-              days: float = 1.0) -> Issued:
-        """A leaf certificate for ``common_name`` with the given SANs (server or client use)."""
+              days: float = 1.0, client: bool = False) -> Issued:
+        """A leaf certificate for ``common_name`` with the given SANs (server or client use;
+        ``server`` and ``client``: both, as a cluster node's, which serves and calls the others)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
@@ -60,8 +61,8 @@ class CertAuthority:
             .issuer_name(self._cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH] * server
+                                                 + [ExtendedKeyUsageOID.CLIENT_AUTH] * (client or not server)), critical=False)
         )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)

@@ -26,6 +26,7 @@ B = "tenant-b-token-0123456789abcdef"  # tenant b: read, write
 OPS = "tenant-ops-token-0123456789abcd"  # tenant ops: read, write, admin
 READER = "tenant-a-reader-0123456789abcd"  # tenant a: read only
 WRITER = "tenant-a-writer-0123456789abcd"  # tenant a: write only
+NODE = "cluster-node-token-0123456789ab"  # a cluster node: the node right only
 LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=1, head_dim=8, dtype="float32", page_tokens=4)
 PAGE_BYTES = 2 * 2 * 1 * 8 * 4 * 4  # of LAYOUT
 
@@ -37,6 +38,7 @@ def tenant_grants(extra: list[dict[str, Any]] | None = None) -> list[dict[str, A
         {"tenant": "ops", "rights": ["read", "write", "admin"], "token": OPS},
         {"tenant": "a", "rights": ["read"], "token": READER},
         {"tenant": "a", "rights": ["write"], "token": WRITER},
+        {"tenant": "cluster", "rights": ["node"], "token": NODE},
         *(extra or []),
     ]
 

@@ -56,6 +56,7 @@ COVERAGE = {
     "Data.AppendTokens": "test_b_cannot_read_extend_or_end_as_session",
     "Data.GetSession": "test_b_cannot_read_extend_or_end_as_session",
     "Data.EndSession": "test_b_cannot_read_extend_or_end_as_session",
+    "Data.Replicate": "test_tenants_cannot_make_the_node_only_calls",
     "Directory.Lookup": "test_b_cannot_probe_as_namespace_with_lookup",
     "Directory.Publish": "test_b_cannot_write_into_as_namespace",
     "Directory.Remove": "test_b_cannot_invalidate_or_remove_as_pages",
@@ -66,6 +67,12 @@ COVERAGE = {
     "Directory.Stats": "test_b_cannot_see_a_in_stats",
     "Directory.Quarantine": "test_b_cannot_list_or_purge_as_quarantined_pages",
 }
+
+# What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
+# whole RPCs, and the request fields that make an RPC a node's call.
+NODE_ONLY = {"Directory.Publish", "Directory.Remove.node", "Directory.Lookup.local_only", "Directory.Lookup.tenant",
+             "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
+_NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
 
 @dataclass
@@ -117,6 +124,17 @@ def test_every_rpc_is_attacked_by_this_suite() -> None:
         assert callable(globals().get(test)), f"COVERAGE names {test}, which is not a test here"
 
 
+def test_every_node_only_field_is_attacked() -> None:
+    """Fails when a request field that makes a call a node's (by its name) is added without an
+    entry in NODE_ONLY, or an entry names a field that is gone."""
+    declared = {f"{s.name}.{m.name}" for s, m in every_method()}
+    fields = {f"{s.name}.{m.name}.{f.name}" for s, m in every_method() for f in m.input_type.fields
+              if f.name in _NODE_FIELDS and f"{s.name}.{m.name}" not in NODE_ONLY}
+    assert fields == {n for n in NODE_ONLY if n.count(".") == 2}
+    assert {n for n in NODE_ONLY if n.count(".") == 1} <= declared
+    assert COVERAGE["Data.Replicate"] == "test_tenants_cannot_make_the_node_only_calls"
+
+
 def test_b_learns_nothing_of_a_from_getinfo_and_whoami(world: World) -> None:
     b = world.b
     me = b(b.data.WhoAmI, data_pb2.WhoAmIRequest())
@@ -150,6 +168,34 @@ def test_b_cannot_write_into_as_namespace(world: World) -> None:
     assert b.code(b.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record])) == DENIED
     assert world.server.core.view().num_allocations == 0
     assert world.server.core.directory.get(world.keys[0]).locations.keys() == {("local", "host")}
+
+
+def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
+    """Bug (issue 17): a node is a caller like any other, but what only nodes do (publishing
+    records naming a node, withdrawing a node's records, asking a shard owner with
+    local_only, reading for another tenant, replicating from a holder) took a tenant's
+    token: B could list A's keys at any node it liked, or withdraw them. Those calls and
+    fields now need the node right, which no tenant has (not even A in its own namespace)."""
+    a, b, ns, keys = world.a, world.b, world.ns, world.keys
+    record = directory_pb2.PageRecord(key=new_keys(1)[0], location=common_pb2.Location(node="n2", tier="host", size_bytes=1))
+    for caller in (a, b):
+        assert caller.code(caller.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record])) == DENIED
+        assert caller.code(caller.directory.Remove, directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, node="local")) == DENIED
+        for lookup in (directory_pb2.LookupRequest(namespace_id=ns, keys=keys, local_only=True),
+                       directory_pb2.LookupRequest(namespace_id=ns, keys=keys, tenant="a")):
+            assert caller.code(caller.directory.Lookup, lookup) == DENIED
+        for read in (data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, local_only=True),
+                     data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, tenant="a")):
+            with pytest.raises(grpc.RpcError) as err:
+                caller.stream(caller.data.ReadPages, read)
+            assert err.value.code() == DENIED
+        replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=2, holder="n2", tenant="a", page_bytes=PAGE_BYTES)
+        assert caller.code(caller.data.Replicate, replicate) == DENIED
+    replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1)
+    assert b(b.data.Replicate, replicate).num_pages == 0 and a(a.data.Replicate, replicate).num_pages == len(keys)
+    assert world.server.core.directory.get(record.key) is None
+    assert world.server.core.directory.get(keys[0]).locations.keys() == {("local", "host")}
+    assert not world.server.core.view().pinned
 
 
 def test_b_cannot_invalidate_or_remove_as_pages(world: World) -> None:

@@ -182,7 +182,7 @@ def test_the_identity_is_not_visible_outside_the_call(who_factory, tmp_path) -> 
 def test_without_an_auth_file_everyone_is_the_local_tenant_with_every_right(who_factory) -> None:
     server = who_factory()
     with grpc.insecure_channel(server.address) as channel:
-        assert _ask(channel) == {"tenant": "local", "rights": ["read", "write", "admin"], "salt": "", "via": "local"}
+        assert _ask(channel) == {"tenant": "local", "rights": ["read", "write", "admin", "node"], "salt": "", "via": "local"}
         assert _ask(channel, token="anything-at-all-0123456")["tenant"] == "local"  # nothing to check it against
 
 

@@ -35,7 +35,7 @@ def test_whoami_without_an_auth_file_is_the_local_tenant_without_salt(server) ->
         from kvstore._proto import data_pb2_grpc
 
         me = data_pb2_grpc.DataStub(channel).WhoAmI(data_pb2.WhoAmIRequest(), timeout=10)
-    assert (me.tenant, list(me.rights), me.salt) == ("local", ["read", "write", "admin"], b"")
+    assert (me.tenant, list(me.rights), me.salt) == ("local", ["read", "write", "admin", "node"], b"")  # without auth: everything
 
 
 async def test_a_client_with_a_token_folds_its_tenant_salt_into_its_namespace(tenant_server, ca, layout: KVLayout) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from certs import CertAuthority
-from tenants import LAYOUT, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
+from tenants import LAYOUT, NODE, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.cli import ctl
@@ -125,14 +125,17 @@ def test_hints_token_log_and_published_records(quota_server, ca) -> None:
     assert b.code(b.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns_b, session_id="s",
                                                                     tokens=list(range(100)))) == OK
 
-    def publish(caller: Caller, target: bytes, n: int) -> grpc.StatusCode:
+    node = Caller(quota_server, ca, NODE)  # records are published by nodes, for the namespace's tenant
+
+    def publish(tenant: str, target: bytes, n: int) -> grpc.StatusCode:
         records = [directory_pb2.PageRecord(key=k, location=common_pb2.Location(node="n2", tier="remote", size_bytes=1))
                    for k in new_keys(n)]
-        return caller.code(caller.directory.Publish, directory_pb2.PublishRequest(namespace_id=target, records=records))
+        return node.code(node.directory.Publish, directory_pb2.PublishRequest(namespace_id=target, records=records, tenant=tenant))
 
-    assert publish(a, ns, 2) == OK
-    assert publish(a, ns, 1) == FULL
-    assert publish(b, ns_b, 5) == OK
+    assert publish("a", ns, 2) == OK
+    assert publish("a", ns, 1) == FULL
+    assert publish("b", ns_b, 5) == OK
+    assert publish("b", ns, 1) == grpc.StatusCode.PERMISSION_DENIED  # a's namespace: not b's records
 
 
 def test_stats_show_each_tenants_use_and_limits(quota_server, ca) -> None:

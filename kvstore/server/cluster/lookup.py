@@ -20,7 +20,7 @@ from kvstore._proto import directory_pb2
 from kvstore.cluster.shards import KeyRange, ShardMap, merge_lookup, plan_lookup
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest
-from kvstore.server.cluster.peers import Peers
+from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.types import LocationRun
 
 logger = logging.getLogger(__name__)
@@ -56,27 +56,28 @@ class AnswerCache:
     """Records a lookup learned from other owners, kept ``ttl_s`` (the membership TTL: as long
     as a dead node's records may be listed anyway), so that the Acquire that follows a
     client's lookup fetches without asking the owners again, and still fetches when an owner
-    fails between the two. A stale record costs a miss (the holder answers MISSING)."""
+    fails between the two. A stale record costs a miss (the holder answers MISSING). Kept per
+    tenant asked for: the owners answered that tenant, and no other may fetch on its answer."""
 
     MAX_ENTRIES = 1 << 16
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
-        self._records: dict[bytes, tuple[bytes, PageRecord, float]] = {}
+        self._records: dict[tuple[bytes, str], tuple[bytes, PageRecord, float]] = {}
 
-    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord]) -> None:
+    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord], tenant: str = "") -> None:
         if len(self._records) + len(records) > self.MAX_ENTRIES:
             self._records.clear()
         expires = self._clock() + self._ttl_s
         for key, record in zip(keys, records):
-            self._records[key] = (namespace_id, record, expires)
+            self._records[(key, tenant)] = (namespace_id, record, expires)
 
-    def leading(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[PageRecord]:
+    def leading(self, namespace_id: bytes, keys: Sequence[bytes], tenant: str = "") -> list[PageRecord]:
         """The cached records of the leading ``keys`` (stops at the first not cached)."""
         now, out = self._clock(), []
         for key in keys:
-            cached = self._records.get(key)
+            cached = self._records.get((key, tenant))
             if cached is None or cached[0] != namespace_id or cached[2] < now:
                 break
             out.append(cached[1])
@@ -96,7 +97,9 @@ class ShardedLookup:
         self._timeout_s = timeout_s
         self.cache = AnswerCache(cache_ttl_s)
 
-    async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None) -> list[LocationRun]:
+    async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None,
+                     tenant: str = "") -> list[LocationRun]:
+        """``tenant``: the caller's, named to the owners (they answer only for its namespaces)."""
         local = self._directory.lookup(namespace_id, keys)
         found = sum(r.num_pages for r in local)
         if found == len(keys):
@@ -109,7 +112,7 @@ class ShardedLookup:
             plan = plan_lookup(rest, shard_map, exclude=failed)
             requests = plan.requests()
             owners = list(requests)
-            answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout) for o in owners))
+            answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout, tenant) for o in owners))
             try:
                 merged = merge_lookup(plan, dict(zip(owners, answers)))
             except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
@@ -118,18 +121,18 @@ class ShardedLookup:
             failed |= {o for o, a in zip(owners, answers) if a is None}
             if len(merged) == len(rest) or not failed:
                 break
-        self.cache.put(namespace_id, rest, merged)
+        self.cache.put(namespace_id, rest, merged, tenant)
         return compress(expand(local) + merged)
 
-    async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> list[PageRecord]:
+    async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> list[PageRecord]:
         """Per leading page of ``keys``, where it is: cached answers first, then a lookup."""
-        found = self.cache.leading(namespace_id, keys)
+        found = self.cache.leading(namespace_id, keys, tenant)
         if len(found) < len(keys):
-            found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s))
+            found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s, tenant))
         return found
 
     async def _ask(self, owner: str, namespace_id: bytes, keys: list[bytes], ranges: list[KeyRange],
-                   timeout_s: float) -> list[list[PageRecord]] | None:
+                   timeout_s: float, tenant: str) -> list[list[PageRecord]] | None:
         """One owner's records for its ranges; None when it did not answer."""
         asked = [k for rng in ranges for k in keys[rng.start : rng.stop]]
         if owner == self._node:
@@ -138,10 +141,14 @@ class ShardedLookup:
         if peer is None:
             return None
         try:
-            resp = await peer.directory.Lookup(directory_pb2.LookupRequest(namespace_id=namespace_id, keys=asked, local_only=True),
+            resp = await peer.directory.Lookup(directory_pb2.LookupRequest(namespace_id=namespace_id, keys=asked, local_only=True,
+                                                                               tenant=tenant),
                                                timeout=timeout_s)
         except asyncio.CancelledError:
-            raise
+            if current_cancelled():
+                raise
+            logger.info("lookup at owner %s ended with its channel (it left the cluster)", owner)
+            return None
         except Exception as exc:  # noqa: BLE001 - any failure of the owner ends the prefix at its first page
             logger.info("lookup at owner %s failed: %r", owner, exc)
             return None

@@ -9,17 +9,26 @@ cluster loop: channels and fetchers are made, used and closed there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore._proto import directory_pb2_grpc
+from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.wire import MESSAGE_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
+
+
+def current_cancelled() -> bool:
+    """Whether the running task itself is being cancelled. A call on a peer's channel also
+    raises CancelledError when the channel is closed under it (the peer left the cluster and
+    ``update`` closed it): that is the peer's failure, not the caller's cancellation."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def client_tls(security: SecurityConfig) -> ClientTLS | None:
@@ -36,6 +45,7 @@ class Peer:
         self.member = member
         self.channel = aio_channel(member.grpc_address, MESSAGE_OPTIONS, token=cluster.token, tls=tls)
         self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
+        self.data = data_pb2_grpc.DataStub(self.channel)
         self.pages = PageStubs(self.channel)
         self.fetcher: Any = None
         if ucx is not None and member.data_address:

@@ -10,6 +10,11 @@ A RESYNC (the publisher fell behind the event ring) re-reads every location of t
 
 A failed call is retried while its owner is a member; an owner that left gets nothing (the
 records move with the membership change). Records are soft: a lost one costs a miss.
+
+Nothing is sent while this node is not a member (its lease lost: the others dropped its
+records and may not list it again); what is pending waits, and a re-registration publishes
+everything again. Each batch names the namespace's tenant here (``tenant_of``): the owner
+binds the namespace to it and answers only that tenant's lookups.
 """
 
 from __future__ import annotations
@@ -51,12 +56,15 @@ Change = dict[tuple[bytes, str], tuple[Record, bool]]
 
 class Publisher:
     def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
-                 timeout_s: float) -> None:
+                 timeout_s: float, is_member: Callable[[], bool] = lambda: True,
+                 tenant_of: Callable[[bytes], str] = lambda namespace_id: "") -> None:
         self._directory = directory
         self._node = node
         self._peers = peers
         self._shard_map = shard_map
         self._timeout_s = timeout_s
+        self._is_member = is_member
+        self._tenant_of = tenant_of
         self._held: dict[tuple[bytes, str], Record] = {}
         self._pending: dict[str, Change] = {}  # owner -> its changes not sent yet
         self._wake = asyncio.Event()
@@ -158,6 +166,8 @@ class Publisher:
         while True:
             await self._wake.wait()
             await asyncio.sleep(FLUSH_S)
+            if not self._is_member():
+                continue  # held (the wake stays set) until this node is a member again
             self._wake.clear()
             pending, self._pending = self._pending, {}
             try:
@@ -204,7 +214,8 @@ class Publisher:
             else:
                 withdraw.setdefault((record.namespace_id, tier), []).append(key)
         for ns, records in publish.items():
-            await peer.directory.Publish(directory_pb2.PublishRequest(namespace_id=ns, records=records), timeout=self._timeout_s)
+            request = directory_pb2.PublishRequest(namespace_id=ns, records=records, tenant=self._tenant_of(ns))
+            await peer.directory.Publish(request, timeout=self._timeout_s)
             self.num_published += len(records)
         for (ns, tier), keys in withdraw.items():
             await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node),

@@ -30,7 +30,7 @@ from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.errors import KVStoreError, PageCorrupt
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
-from kvstore.server.cluster.peers import Peer, Peers
+from kvstore.server.cluster.peers import Peer, Peers, current_cancelled
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
 from kvstore.wire import decode_chunk
@@ -64,14 +64,15 @@ class RemoteTier:
                 return i
         return len(keys)
 
-    async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> int:
+    async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> int:
         """Fetches the pages of ``keys`` held only on other nodes into the landing tier, up
-        to the first that cannot be had; returns how many leading keys are now held here."""
+        to the first that cannot be had, for ``tenant`` (named to owners and holders); returns
+        how many leading keys are now held here."""
         deadline = time.monotonic() + timeout_s
         start = self.local_prefix(namespace_id, keys)
         if start == len(keys):
             return start
-        runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s))
+        runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s, tenant))
         pos = start
         for run in (piece for whole in runs for piece in _pieces(whole, FETCH_PAGES)):
             remaining = deadline - time.monotonic()
@@ -86,7 +87,7 @@ class RemoteTier:
             elif self._data_plane == "ucx" and peer.fetcher is not None:
                 got = await self._fetch_ucx(peer, namespace_id, want, run.size_bytes, remaining)
             else:
-                got = await self._fetch_grpc(peer, namespace_id, want, remaining)
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
             pos += got
             if got < len(want):
                 break
@@ -134,10 +135,29 @@ class RemoteTier:
             raise
         return await self._commit(allocation_id, ok_keys, ok_sums)
 
-    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float) -> int:
+    async def fetch_from(self, node: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
+                         tenant: str) -> int:
+        """Fetches the pages of ``keys`` not held here from ``node`` (a replica the holder asked
+        for: no lookup); returns how many leading keys are now held here."""
+        deadline = time.monotonic() + timeout_s
+        pos = self.local_prefix(namespace_id, keys)
+        peer = self._peers.get(node)
+        while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
+            want = keys[pos : pos + FETCH_PAGES]
+            if self._data_plane == "ucx" and peer.fetcher is not None:
+                got = await self._fetch_ucx(peer, namespace_id, want, page_bytes, remaining)
+            else:
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
+            pos += got
+            if got < len(want):
+                break
+        return pos
+
+    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""
-        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True), timeout=timeout_s)
+        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
+                                                                            tenant=tenant), timeout=timeout_s)
         allocation_id: bytes | None = None
         slots: dict[bytes, int | None] = {}
         ok_keys: list[bytes] = []
@@ -172,6 +192,14 @@ class RemoteTier:
         except (grpc.aio.AioRpcError, KVStoreError, TimeoutError) as exc:
             logger.warning("fetch of %d pages from %s over grpc ended after %d: %r", len(keys), peer.member.node_id,
                            len(ok_keys), exc)
+        except asyncio.CancelledError:
+            if current_cancelled():
+                if allocation_id is not None:
+                    await asyncio.to_thread(self.core.abort, allocation_id)
+                raise
+            # the peer left and its channel was closed under the stream: what arrived verified stays
+            logger.warning("fetch of %d pages from %s over grpc ended with its channel after %d", len(keys),
+                           peer.member.node_id, len(ok_keys))
         except BaseException:
             if allocation_id is not None:
                 await asyncio.to_thread(self.core.abort, allocation_id)

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
 from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.cluster.replicas import Replicas
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
 
@@ -95,6 +96,8 @@ class ClusterRuntime:
         self._prefetching = 0
         self.membership: Membership | None = None
         self.publisher: Publisher | None = None
+        # namespace -> its tenant here (the server's tenancy sets it): named in what this node publishes
+        self.owner_of: Callable[[bytes], str | None] = lambda namespace_id: None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> None:
@@ -124,7 +127,9 @@ class ClusterRuntime:
         self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
                                      cluster.ttl_s)
         self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
-        self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s)
+        self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
+                                   is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "")
+        self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes
@@ -184,36 +189,89 @@ class ClusterRuntime:
             logger.error("cluster task failed", exc_info=exc)
 
     # -- what the servicers call ---------------------------------------------------------
-    def lookup(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> list[LocationRun]:
-        """The contiguous prefix of ``keys`` stored anywhere in the cluster, as runs."""
-        if self._leaving:
-            return self.core.directory.lookup(namespace_id, keys)
+    @property
+    def is_member(self) -> bool:
+        """Whether this node acts as a member now: registered, its lease not lost (DESIGN §12:
+        a node that lost it would be split-brained), not leaving."""
+        return self.membership is not None and self.membership.is_member and not self._leaving
+
+    def own_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
+        """The prefix of ``keys`` this node holds itself (a local copy is always the best location)."""
+        runs = self.core.directory.lookup(namespace_id, keys)
+        return runs[: next((i for i, r in enumerate(runs) if r.node != self.node), len(runs))]
+
+    def owner_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
+        """What a node asking this one as a shard owner gets: every record here while a member,
+        only this node's own pages otherwise (the records it holds as an owner may be stale)."""
+        return self.core.directory.lookup(namespace_id, keys) if self.is_member else self.own_lookup(namespace_id, keys)
+
+    def lookup(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "") -> list[LocationRun]:
+        """The contiguous prefix of ``keys`` stored anywhere in the cluster, as runs; only this
+        node's own pages while it is not a member. ``tenant``: the caller's, named to the owners."""
+        if not self.is_member:
+            return self.own_lookup(namespace_id, keys)
         timeout = self.cluster.rpc_timeout_s if time_remaining_s is None else max(0.01, time_remaining_s - _MARGIN_S)
         try:
-            return self.call(self.lookups.lookup(namespace_id, keys, timeout), timeout + 1)
+            return self.call(self.lookups.lookup(namespace_id, keys, timeout, tenant), timeout + 1)
         except TimeoutError:
-            return self.core.directory.lookup(namespace_id, keys)
+            return self.owner_lookup(namespace_id, keys)
 
-    def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> None:
+    def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "") -> int:
         """Fetches the pages of ``keys`` held only elsewhere into the host tier (up to the
-        first that cannot be had), within the caller's deadline; then an acquire finds them."""
-        if self._leaving or self.remote.local_prefix(namespace_id, keys) == len(keys):
-            return
+        first that cannot be had), within the caller's deadline; then an acquire finds them.
+        Returns how many pages this added to the leading ones held here (none while not a member)."""
+        before = self.remote.local_prefix(namespace_id, keys)
+        if not self.is_member or before == len(keys):
+            return 0
         timeout = self.cluster.fetch_timeout_s
         if time_remaining_s is not None:
             timeout = min(timeout, time_remaining_s - _MARGIN_S - _ABORT_S)
         if timeout <= 0:
-            return
+            return 0
         try:
-            self.call(self.remote.read_into_landing(namespace_id, keys, timeout), timeout + _ABORT_S)
+            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant), timeout + _ABORT_S) - before)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("remote fill of %d pages ended early: %r", len(keys), exc)
+            return max(0, self.remote.local_prefix(namespace_id, keys) - before)
 
-    def prefetch(self, namespace_id: bytes, keys: list[bytes]) -> bool:
+    def replicate(self, namespace_id: bytes, keys: list[bytes], replicas: int, time_remaining_s: float | None,
+                  tenant: str = "") -> int:
+        """Has other members copy the leading pages of ``keys`` held here until ``replicas``
+        nodes hold them (replicas.py); returns how many leading pages that many nodes hold."""
+        if not self.is_member:
+            return self.remote.local_prefix(namespace_id, keys) if replicas <= 1 else 0
+        # the targets' own fetch deadline is this one less their margins (see _timeout)
+        budget = self.cluster.fetch_timeout_s + _ABORT_S + 2 * _MARGIN_S
+        if time_remaining_s is not None:
+            budget = min(budget, time_remaining_s - _MARGIN_S)
+        try:
+            return self.call(self.replicas.replicate(namespace_id, keys, replicas, max(0.01, budget), tenant), budget + 1)
+        except TimeoutError:
+            return 0
+
+    def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
+                  tenant: str = "") -> int:
+        """A replica ``holder`` asked for: fetches ``keys`` from it; returns the leading pages held here."""
+        if not self.is_member:
+            return self.remote.local_prefix(namespace_id, keys)
+        timeout = self._timeout(time_remaining_s)
+        try:
+            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant), timeout + _ABORT_S)
+        except (TimeoutError, KVStoreError) as exc:
+            logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
+            return self.remote.local_prefix(namespace_id, keys)
+
+    def _timeout(self, time_remaining_s: float | None) -> float:
+        timeout = self.cluster.fetch_timeout_s
+        if time_remaining_s is not None:
+            timeout = min(timeout, time_remaining_s - _MARGIN_S - _ABORT_S)
+        return max(0.01, timeout)
+
+    def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "") -> bool:
         """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
         request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
         flight already (the engine then recomputes or reads them on demand)."""
-        if self._leaving:
+        if not self.is_member:
             return False
         if self.remote.local_prefix(namespace_id, keys) == len(keys):
             return True
@@ -222,12 +280,12 @@ class ClusterRuntime:
                 return False
             self._prefetching += 1
         # a task of the runtime: cancelled (its allocation given back) when the node leaves
-        self._loop.call_soon_threadsafe(self._spawn, self._prefetch(namespace_id, keys))
+        self._loop.call_soon_threadsafe(self._spawn, self._prefetch(namespace_id, keys, tenant))
         return True
 
-    async def _prefetch(self, namespace_id: bytes, keys: list[bytes]) -> None:
+    async def _prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str) -> None:
         try:
-            await self.remote.read_into_landing(namespace_id, keys, self.cluster.fetch_timeout_s)
+            await self.remote.read_into_landing(namespace_id, keys, self.cluster.fetch_timeout_s, tenant)
         except KVStoreError as exc:
             logger.info("prefetch of %d remote pages ended early: %r", len(keys), exc)
         finally:

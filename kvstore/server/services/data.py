@@ -13,12 +13,14 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import HostQuotaFull, InvalidRequest, StreamCut
+from kvstore.errors import HostQuotaFull, InvalidRequest, PermissionDenied, StreamCut
 from kvstore.page import checksum
-from kvstore.security.identity import Identity
+from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
+from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.services.node_calls import MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
@@ -50,6 +52,7 @@ class DataService(data_pb2_grpc.DataServicer):
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
+        self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
         self.metrics = core.metrics
         self.wal = wal
         self.tenancy = tenancy
@@ -152,11 +155,9 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         who = current_identity()
         self._check_arena(who, ns)
-        if not self.tenancy.may_read(who, ns):
-            keys = []  # as for an empty namespace
         with self.quotas.reserving(who, leases=1):
-            if self.cluster is not None and keys:
-                self.cluster.fill(ns, keys, context.time_remaining())
+            if not self._readable(who, ns, keys, context):
+                keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
         return data_pb2.AcquireResponse(
@@ -173,6 +174,13 @@ class DataService(data_pb2_grpc.DataServicer):
         if self.arena_socket is not None and owner not in (None, who.tenant) and self.tenancy.may_read(who, namespace_id):
             raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
                                  "read them with ReadPages")
+
+    def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: grpc.ServicerContext) -> bool:
+        """Whether ``who`` may read the namespace; in cluster mode, after fetching what other
+        nodes hold of ``keys`` into this node's host tier (cluster_reads.py)."""
+        if self.cluster_reads is None:
+            return self.tenancy.may_read(who, ns)
+        return self.cluster_reads.fill(who, ns, keys, context.time_remaining())
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
@@ -275,10 +283,10 @@ class DataService(data_pb2_grpc.DataServicer):
             return data_pb2.HintResponse(reserved=[True] * len(entries))
         with self.quotas.hinting(who, entries):  # all of it, or none: a Hint the server refuses is not charged
             reserved = self.core.hint_entries(ns, entries)
-        if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
+        if self.cluster_reads is not None:  # pages held on other nodes are fetched ahead too, without waiting
             for (keys, _), ok in zip(entries, reserved):
                 if ok:
-                    self.cluster.prefetch(ns, keys)
+                    self.cluster_reads.prefetch(who, ns, keys)
         return data_pb2.HintResponse(reserved=reserved)
 
     @unary
@@ -307,6 +315,45 @@ class DataService(data_pb2_grpc.DataServicer):
             self.wal.end(ns, request.session_id)
         return data_pb2.EndSessionResponse()
 
+    @unary
+    def Replicate(self, request: data_pb2.ReplicateRequest, context: grpc.ServicerContext) -> data_pb2.ReplicateResponse:
+        """A client's ``put(replicas=n)``: other members copy the caller's pages held here
+        (kvstore/server/cluster/replicas.py). With ``holder`` (the node right): this node is
+        such a member, and fetches the pages from the holder for the tenant named."""
+        ns = validate.namespace_id(request.namespace_id)
+        keys = self._keys(list(request.keys))
+        if not 1 <= request.replicas <= MAX_REPLICAS:
+            raise InvalidRequest(f"replicas must be 1..{MAX_REPLICAS}, got {request.replicas}")
+        who = current_identity()
+        if request.holder or request.tenant:
+            require_node(who, "Replicate from a holder")
+            return data_pb2.ReplicateResponse(num_pages=self._copy_from(acting_for(who, request.tenant), ns, keys, request, context))
+        if not who.allows(Rights.WRITE):
+            raise PermissionDenied(f"tenant {who.tenant!r} lacks the write right (replicas are writes on other nodes)")
+        if self.cluster is None:
+            if request.replicas > 1:
+                raise InvalidRequest("replicas > 1 needs cluster mode (--cluster)")
+            held = self.core.directory.lookup(ns, keys) if self.tenancy.may_read(who, ns) else []
+            return data_pb2.ReplicateResponse(num_pages=sum(r.num_pages for r in held))
+        if not self.tenancy.may_read(who, ns):
+            return data_pb2.ReplicateResponse(num_pages=0)  # as for an empty namespace
+        n = self.cluster.replicate(ns, keys, request.replicas, context.time_remaining(), on_behalf(who))
+        return data_pb2.ReplicateResponse(num_pages=n)
+
+    def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], request: data_pb2.ReplicateRequest,
+                   context: grpc.ServicerContext) -> int:
+        """The namespace is claimed for the tenant before the copy and bound only if pages arrived."""
+        if self.cluster is None or request.page_bytes <= 0:
+            raise InvalidRequest("Replicate with a holder needs cluster mode and page_bytes")
+        claimed = self.tenancy.claim(who, ns)
+        held = 0
+        try:
+            held = self.cluster.copy_from(request.holder, ns, keys, request.page_bytes, context.time_remaining(), on_behalf(who))
+        finally:
+            if claimed:
+                self.tenancy.settle(who, ns, held > 0)
+        return held
+
     @stream
     def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ns = validate.namespace_id(request.namespace_id)
@@ -314,11 +361,13 @@ class DataService(data_pb2_grpc.DataServicer):
         chunk_bytes = request.chunk_bytes or CHUNK_BYTES
         check_chunk_bytes(chunk_bytes)
         who = current_identity()
-        if not self.tenancy.may_read(who, ns):
-            keys = []  # as for an empty namespace
+        node_call = request.local_only or bool(request.tenant)  # a node fetching for one of its tenants
+        if node_call:
+            require_node(who, "ReadPages with local_only or tenant")
+            who = acting_for(who, request.tenant)
         with self.quotas.reserving(who, leases=1):
-            if self.cluster is not None and keys and not request.local_only:
-                self.cluster.fill(ns, keys, context.time_remaining())
+            if not (self.tenancy.may_read(who, ns) if node_call else self._readable(who, ns, keys, context)):
+                keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
         try:

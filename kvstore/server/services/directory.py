@@ -16,7 +16,9 @@ from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.security.identity import Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
+from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.services.node_calls import acting_for, require_node
 from kvstore.server.services.tenant_stats import tenant_stats, tenant_usage
 from kvstore.server.tenancy import Tenancy
 from kvstore.types import TIER_NAMES, Location
@@ -51,6 +53,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         self.config = config
         self.tenancy = tenancy
         self.cluster = cluster  # a ClusterRuntime in cluster mode: lookups span the shard owners
+        self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
         self.metrics = core.metrics
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
@@ -62,12 +65,18 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Lookup(self, request: directory_pb2.LookupRequest, context: grpc.ServicerContext) -> directory_pb2.LookupResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        if not self.tenancy.may_read(current_identity(), ns):
-            return directory_pb2.LookupResponse(num_pages=0)  # as for an empty namespace
-        if self.cluster is not None and not request.local_only:
-            runs = self.cluster.lookup(ns, keys, context.time_remaining())
-        else:
+        who = current_identity()
+        if request.local_only or request.tenant:  # a node asking a shard owner
+            require_node(who, "Lookup with local_only or tenant")
+            if not self.tenancy.may_read(acting_for(who, request.tenant), ns):
+                return directory_pb2.LookupResponse(num_pages=0)
+            runs = self.cluster.owner_lookup(ns, keys) if self.cluster is not None else self.core.directory.lookup(ns, keys)
+        elif self.cluster_reads is not None:
+            runs = self.cluster_reads.lookup(who, ns, keys, context.time_remaining())
+        elif self.tenancy.may_read(who, ns):
             runs = self.core.directory.lookup(ns, keys)  # the directory's lock only
+        else:
+            runs = []  # as for an empty namespace
         return directory_pb2.LookupResponse(
             num_pages=sum(r.num_pages for r in runs),
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
@@ -77,6 +86,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Publish(self, request: directory_pb2.PublishRequest, context: grpc.ServicerContext) -> directory_pb2.PublishResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys([r.key for r in request.records])
+        who = current_identity()
+        require_node(who, "Publish")
         records = []
         for key, rec in zip(keys, request.records):
             validate.tier(rec.location.tier, TIER_NAMES)
@@ -85,7 +96,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             if len(rec.location.node) > MAX_NODE_NAME:
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
-        who = current_identity()
+        who = acting_for(who, request.tenant)  # the records' tenant: bound here to it, within its quota
         with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns):
             versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
@@ -95,10 +106,12 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         ns = validate.namespace_id(request.namespace_id)
         tier = validate.tier(request.tier, TIER_NAMES)
         keys = self._keys(list(request.keys))
-        if not self.tenancy.may_administer(current_identity(), ns):
-            return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
-        if request.node:
+        who = current_identity()
+        if request.node:  # a node withdrawing its records from a shard owner
+            require_node(who, "Remove with node")
             return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, keys, tier))
+        if not self.tenancy.may_administer(who, ns):
+            return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
         return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, keys, tier))
 
     @unary

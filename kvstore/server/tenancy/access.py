@@ -6,7 +6,8 @@
   was ever stored in. PERMISSION_DENIED would tell the caller that the id is in use, an
   oracle for "this tenant ran this model / saw this prompt", and a tenant's own fresh
   namespace is legitimately read before its first write (it is unbound then).
-* Write (Allocate, WritePages, Publish, AppendTokens): the WRITE right, and the namespace
+* Write (Allocate, WritePages, AppendTokens; Publish, made by nodes for a tenant: see
+  services/node_calls.py): the WRITE right, and the namespace
   is the caller's or nobody's; its first successful write binds it to the caller (see
   owners.py). A write into another tenant's namespace is PERMISSION_DENIED: silently
   dropping it would lose the caller's data, and the denial only says that an id the

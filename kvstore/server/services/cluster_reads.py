@@ -1,0 +1,68 @@
+"""A tenant's reads in cluster mode: its namespace may be bound on the nodes it wrote at but
+not (yet) on the one it reads at.
+
+A namespace is bound to its tenant by the first write on each node (tenancy/owners.py), by
+records published to this node as a shard owner, and by pages fetched here for the tenant.
+A read of a namespace bound here to the caller goes to the cluster as before. A read of a
+namespace bound to nobody here asks the owners and holders for the caller's tenant, and they
+answer only where it is bound to that tenant; pages fetched so bind it here to the caller
+(claimed before the fetch, undone when nothing arrived), so that a second tenant can neither
+read them nor bind the namespace meanwhile. A namespace bound here to another tenant is
+empty to the caller, as on a single node.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore.errors import PermissionDenied
+from kvstore.security.identity import Identity, Rights
+from kvstore.server.services.node_calls import on_behalf
+from kvstore.server.tenancy import Tenancy
+from kvstore.types import LocationRun
+
+if TYPE_CHECKING:
+    from kvstore.server.cluster import ClusterRuntime
+
+
+class ClusterReads:
+    def __init__(self, tenancy: Tenancy, cluster: ClusterRuntime) -> None:
+        self.tenancy = tenancy
+        self.cluster = cluster
+
+    def _unbound_for(self, who: Identity, namespace_id: bytes) -> bool:
+        """A tenant's read of a namespace nobody holds here: asked of the other nodes."""
+        return who.via != "local" and who.allows(Rights.READ) and self.tenancy.owners.owner(namespace_id) is None
+
+    def lookup(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> list[LocationRun]:
+        if self.tenancy.may_read(who, namespace_id) or self._unbound_for(who, namespace_id):
+            return self.cluster.lookup(namespace_id, keys, time_remaining_s, on_behalf(who))
+        return []
+
+    def fill(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> bool:
+        """Fetches what other nodes hold of ``keys`` for ``who``; returns whether ``who`` may
+        read the namespace here now (the caller acquires only then)."""
+        tenant = on_behalf(who)
+        if self.tenancy.may_read(who, namespace_id):
+            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant)
+            return True
+        if not self._unbound_for(who, namespace_id):
+            return False
+        owners = self.tenancy.owners
+        try:
+            claimed = owners.claim(namespace_id, who.tenant)
+        except PermissionDenied:  # bound to another tenant meanwhile
+            return False
+        fetched = 0
+        try:
+            fetched = self.cluster.fill(namespace_id, keys, time_remaining_s, tenant)
+        finally:
+            if claimed:
+                owners.settle(namespace_id, who.tenant, fetched > 0)
+        return self.tenancy.may_read(who, namespace_id)
+
+    def prefetch(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> None:
+        """A hint's fetch ahead: only into a namespace bound here to the caller (one nobody holds
+        here is fetched when it is read)."""
+        if self.tenancy.may_read(who, namespace_id):
+            self.cluster.prefetch(namespace_id, keys, on_behalf(who))
