@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from tenants import LAYOUT, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
+from tenants import LAYOUT, NODE, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.config import HostTierConfig
@@ -127,9 +127,11 @@ def test_concurrent_token_appends_and_publishes_stay_within_the_limit(limited, c
                                                                                  tokens=[1, 2])))
     assert codes.count(OK) == 5 and limited.tenancy.quotas.usage("a")["token_log_bytes"] == 5 * 2 * 4
 
+    node = Caller(limited, ca, NODE)  # records are published by nodes, for the namespace's tenant
+
     def publish(i: int) -> None:
         record = directory_pb2.PageRecord(key=new_keys(1)[0], location=common_pb2.Location(node="n2", tier="remote", size_bytes=1))
-        a(a.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record]))
+        node(node.directory.Publish, directory_pb2.PublishRequest(namespace_id=ns, records=[record], tenant="a"))
 
     codes = _burst(publish)
     assert codes.count(OK) == 4 and limited.tenancy.quotas.usage("a")["published_records"] == 4
