@@ -1,0 +1,81 @@
+"""The CUDA calls of the GPU tier, kept apart: the only lines CI (no GPU) never runs.
+
+* ``export_pool`` / ``open_pool``: CUDA IPC of the hbm pool. The server exports the pool's
+  allocation once; a same-host engine process opens it and reads pages in place (device to
+  device, no host copy). The handle travels as plain JSON (bytes as hex), never pickled.
+* ``pin_host`` / ``unpin_host``: page-locking the host arena (``cudaHostRegister``), so
+  host <-> device copies of its slots are DMA at link speed instead of being staged through
+  a driver bounce buffer.
+
+Each is checked on a GPU machine by bench/gpu/run_device_checks.sh (tests_gpu/).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def host_address(buffer: memoryview) -> int:
+    """The address of ``buffer``'s first byte (the numpy array that reads it is dropped at
+    once, so the buffer keeps no export and its mmap can still be closed)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8, count=1).ctypes.data)
+
+
+# -- CUDA ONLY below: not run in CI --------------------------------------------------------
+
+
+def export_pool(pool: torch.Tensor) -> str:
+    """CUDA ONLY. A JSON handle another process on this host opens with ``open_pool``. The
+    exporting process must keep ``pool`` alive while any importer uses it."""
+    if pool.device.type != "cuda":
+        raise ValueError(f"only a CUDA pool can be exported, this one is on {pool.device}")
+    (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = pool.untyped_storage()._share_cuda_()
+    return json.dumps({
+        "device": int(device), "handle": bytes(handle).hex(), "storage_size_bytes": int(size_bytes),
+        "storage_offset_bytes": int(offset_bytes), "ref_counter_handle": bytes(ref_counter_handle).hex(),
+        "ref_counter_offset": int(ref_counter_offset),
+        "event_handle": bytes(event_handle).hex() if event_handle else "",
+        "event_sync_required": bool(event_sync_required),
+        "tensor_offset": int(pool.storage_offset()), "num_bytes": int(pool.numel()),
+    })
+
+
+def open_pool(exported: str) -> torch.Tensor:
+    """CUDA ONLY. The pool a ``export_pool`` handle names, as a uint8 tensor on this
+    process's view of the same device memory (no copy)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    h = json.loads(exported)
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([h["num_bytes"]]), (1,), h["tensor_offset"], torch.storage.TypedStorage, torch.uint8,
+        h["device"], bytes.fromhex(h["handle"]), h["storage_size_bytes"], h["storage_offset_bytes"], False,
+        bytes.fromhex(h["ref_counter_handle"]), h["ref_counter_offset"],
+        bytes.fromhex(h["event_handle"]) if h["event_handle"] else None, h["event_sync_required"],
+    )
+
+
+def pin_host(address: int, num_bytes: int) -> bool:
+    """CUDA ONLY. Page-locks ``num_bytes`` of host memory at ``address`` for DMA; False
+    (logged) when the driver refuses (e.g. the locked-memory limit): copies then still
+    work, through the driver's staging buffer, slower."""
+    err = torch.cuda.cudart().cudaHostRegister(address, num_bytes, CUDA_HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        logger.warning("host arena not pinned (cudaHostRegister error %d); host<->GPU copies are staged", int(err))
+        return False
+    return True
+
+
+def unpin_host(address: int) -> None:
+    """CUDA ONLY. Undoes ``pin_host`` (before the memory is unmapped)."""
+    err = torch.cuda.cudart().cudaHostUnregister(address)
+    if int(err) != 0:
+        logger.warning("cudaHostUnregister error %d", int(err))
