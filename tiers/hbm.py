@@ -102,6 +102,10 @@ class HbmTier:
                 self._order[header.key] = None
                 self._order.move_to_end(header.key)
 
+    def fits(self, page_bytes: int) -> bool:
+        """Whether a page of ``page_bytes`` fits one slot at all."""
+        return self._allocator.fits(page_bytes)
+
     def device_view(self, slot: int, nbytes: int) -> torch.Tensor:
         """The slot's bytes in the pool (on the device): for copies that stay on it."""
         return self.pool[slot : slot + nbytes]

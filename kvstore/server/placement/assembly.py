@@ -10,9 +10,21 @@ from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget,
 from kvstore.server.metrics import Metrics
 from kvstore.tiers.base import LandingTier, Tier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.pinned import pinned
 from kvstore.tiers.ssd import SsdTier
 
 Wrap = Callable[[Tier], Tier]
+
+
+def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> list[Tier]:
+    """The tiers above the landing tier (hbm), fastest first; opened before the landing
+    tier, so that a device that cannot be used refuses before an arena is made. torch is
+    imported only when they are asked for (the server does not need it otherwise)."""
+    if "hbm" not in config.tiers:
+        return []
+    from kvstore.tiers.hbm import HbmTier
+
+    return [(wrap or (lambda tier: tier))(HbmTier(config.hbm))]
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
@@ -21,7 +33,7 @@ def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float
     write budget). ``wrap`` goes around each tier first (tests: ``FaultyTier``); ``policy``
     replaces the configured admission policy (the replay's oracle)."""
     wrap = wrap or (lambda tier: tier)
-    landing = wrap(HostTier(config.host, config.node))
+    landing = wrap(pinned(HostTier(config.host, config.node), config.hbm.device if "hbm" in config.tiers else None))
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []

@@ -34,12 +34,13 @@ from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
 from kvstore.server.admission import AdmissionPolicy
 from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.assembly import Wrap, open_tiers
+from kvstore.server.placement.assembly import Wrap, open_tiers, open_upper
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.residence import Residence
+from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.view import CoreView
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import CoreStats, Reporter
@@ -68,15 +69,17 @@ class Placement:
         gc.disable()
         try:
             self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
+            upper = open_upper(config, wrap)  # hbm, above the landing tier: promoted into on use
             self.landing, self.lower = open_tiers(config, self.metrics, clock, wrap, policy)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
-            self.residence = Residence(self.landing, list(self.lower), self.leases)
+            self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
             self.tiers = self.residence.tiers
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock
             self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
+            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
@@ -234,8 +237,11 @@ class Placement:
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (see reads.py)."""
-        return self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
+        readable in the landing tier, reading pages held only below into it (see reads.py);
+        then copies them up into the tier above it, if any (upper.py)."""
+        ident, pages = self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
+        self.promoter.promote(pages)
+        return ident, pages
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
