@@ -3,9 +3,9 @@
 * ``export_pool`` / ``open_pool``: CUDA IPC of the hbm pool. The server exports the pool's
   allocation once; a same-host engine process opens it and reads pages in place (device to
   device, no host copy). The handle travels as plain JSON (bytes as hex), never pickled.
-* ``pin_host`` / ``unpin_host``: page-locking the host arena (``cudaHostRegister``), so
-  host <-> device copies of its slots are DMA at link speed instead of being staged through
-  a driver bounce buffer.
+
+(Page-locking the host arena, ``cudaHostRegister``, is in kvstore/cuda_host.py: clients
+use it too.)
 
 Each is checked on a GPU machine by bench/gpu/run_device_checks.sh (tests_gpu/).
 """
@@ -15,19 +15,9 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
-
-CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
-
-
-def host_address(buffer: memoryview) -> int:
-    """The address of ``buffer``'s first byte (the numpy array that reads it is dropped at
-    once, so the buffer keeps no export and its mmap can still be closed)."""
-    return int(np.frombuffer(buffer, dtype=np.uint8, count=1).ctypes.data)
-
 
 # -- CUDA ONLY below: not run in CI --------------------------------------------------------
 
@@ -61,21 +51,3 @@ def open_pool(exported: str) -> torch.Tensor:
         bytes.fromhex(h["ref_counter_handle"]), h["ref_counter_offset"],
         bytes.fromhex(h["event_handle"]) if h["event_handle"] else None, h["event_sync_required"],
     )
-
-
-def pin_host(address: int, num_bytes: int) -> bool:
-    """CUDA ONLY. Page-locks ``num_bytes`` of host memory at ``address`` for DMA; False
-    (logged) when the driver refuses (e.g. the locked-memory limit): copies then still
-    work, through the driver's staging buffer, slower."""
-    err = torch.cuda.cudart().cudaHostRegister(address, num_bytes, CUDA_HOST_REGISTER_PORTABLE)
-    if int(err) != 0:
-        logger.warning("host arena not pinned (cudaHostRegister error %d); host<->GPU copies are staged", int(err))
-        return False
-    return True
-
-
-def unpin_host(address: int) -> None:
-    """CUDA ONLY. Undoes ``pin_host`` (before the memory is unmapped)."""
-    err = torch.cuda.cudart().cudaHostUnregister(address)
-    if int(err) != 0:
-        logger.warning("cudaHostUnregister error %d", int(err))

@@ -110,6 +110,13 @@ class HbmTier:
         """The slot's bytes in the pool (on the device): for copies that stay on it."""
         return self.pool[slot : slot + nbytes]
 
+    def export(self) -> str:
+        """CUDA ONLY. The pool as a CUDA IPC handle (JSON) for same-host engine processes
+        (cuda.open_pool); slot offsets (``slot_of``) index the tensor they open."""
+        from kvstore.tiers.cuda import export_pool
+
+        return export_pool(self.pool)
+
     # -- reads ---------------------------------------------------------------------------
 
     def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:

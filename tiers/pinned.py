@@ -20,16 +20,16 @@ class PinnedArena(TierWrapper):
     """CUDA ONLY (not run in CI): pins the arena when opened, unpins it before it is unmapped."""
 
     def __init__(self, inner: LandingTier) -> None:
-        from kvstore.tiers import cuda
+        from kvstore import cuda_host
 
         super().__init__(inner)
-        self._address = cuda.host_address(inner.view(0, 1))
-        self._pinned = cuda.pin_host(self._address, inner.arena.size_bytes)
+        self._address = cuda_host.host_address(inner.view(0, 1))
+        self._pinned = cuda_host.pin_host(self._address, inner.arena.size_bytes)
 
     def close(self) -> None:
         if self._pinned:
-            from kvstore.tiers import cuda
+            from kvstore import cuda_host
 
-            cuda.unpin_host(self._address)
+            cuda_host.unpin_host(self._address)
             self._pinned = False
         self.inner.close()
