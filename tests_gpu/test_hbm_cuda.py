@@ -4,6 +4,7 @@ plain pinned copy_ of the same bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -79,12 +80,10 @@ def test_cuda_ipc_read_and_write_from_a_second_process(figures) -> None:
                    "write_at": [spare, 4096]}
         start = time.perf_counter()
         child = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(request), capture_output=True, text=True,
-                               timeout=180, env=dict(os.environ))
+                               check=False, timeout=180, env=dict(os.environ))
         figures["ipc_child_process_s"] = round(time.perf_counter() - start, 3)
         assert child.returncode == 0, child.stderr[-3000:]
         answer = json.loads(child.stdout.strip().splitlines()[-1])
-        import hashlib
-
         assert answer["digests"] == [hashlib.sha256(bytes(page(i)[1])).hexdigest() for i in range(8)]
         assert answer["num_bytes"] == tier.pool.numel()
         assert bool((tier.pool[spare : spare + 4096] == 0xA5).all()), "the importer's write is seen by the exporter"

@@ -16,7 +16,10 @@ from conftest import make_config, random_kv
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.config import HbmTierConfig, ServerConfig
+from kvstore.errors import PageMissing
 from kvstore.server import Server
+from kvstore.tiers.base import Tier
+from kvstore.tiers.faulty import FaultyTier
 
 PAGE_TOKENS = 16  # SMALL layout: 32 KiB pages; a 1 MiB hbm pool holds 32 of them
 
@@ -146,3 +149,37 @@ async def test_a_restart_keeps_ssd_pages_and_starts_with_an_empty_pool(server_fa
         assert torch.equal(out, kv)
         assert _tiers(again, hit.keys) == [{"ssd", "host", "hbm"}] * 20
     assert again.core.view().idle
+
+
+async def test_a_faulty_hbm_pool_never_serves_a_wrong_byte_and_keeps_nothing_reserved(tmp_path, layout, ns) -> None:
+    """Errors, short reads and corrupt copies in hbm (promotions, reads of hbm-only pages,
+    demotions): every byte served is right, and at the end nothing is pinned or reserved."""
+    def wrap(tier: Tier) -> Tier:
+        return FaultyTier(tier, 7, error_rate=0.02, short_read_rate=0.2, corrupt_rate=0.1) if tier.name == "hbm" else tier
+
+    server = Server(_config(tmp_path), wrap=wrap)
+    server.start()
+    try:
+        async with KVStoreClient(server.address, ns) as client:
+            for i in range(8):
+                tokens = list(range(i * 100_000, i * 100_000 + 256))
+                kv = random_kv(layout, 256, seed=20 + i)
+                await client.put(tokens, kv)
+                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+                hit = await client.lookup(tokens)
+                await _remove_from(server, ns, hit.keys, "host")  # what is left lives in hbm only (or nowhere)
+                out = torch.zeros_like(kv)
+                hit = await client.lookup(tokens)
+                try:
+                    await client.get(hit, into=out)
+                    served = hit.num_tokens
+                except PageMissing as exc:
+                    served = exc.num_tokens
+                assert torch.equal(out[:, :, :served], kv[:, :, :served]), f"round {i}: a wrong byte was served"
+                assert not out[:, :, served:].any(), f"round {i}: bytes past the valid prefix reached the caller"
+        view = server.core.view()
+        assert view.idle, view
+        hbm = view.tiers["hbm"]
+        assert hbm.used_bytes == hbm.num_pages * layout.page_bytes, "a reserved hbm slot was left behind"
+    finally:
+        server.stop(grace_s=1)

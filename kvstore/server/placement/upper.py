@@ -136,7 +136,11 @@ class Promoter:
         if header is not None and not elsewhere and self.landing.fits(header.payload_bytes):
             self._demote(victim, header)
         if self.residence.has(victim, up) and not self.leases.pinned(victim):
-            tier.delete([victim], evicted=True)
+            try:
+                tier.delete([victim], evicted=True)
+            except OSError as exc:  # a memory tier does not fail here, a fault-injecting wrapper may
+                logger.error("%s tier: cannot evict %s: %s", tier.name, victim.hex(), exc)
+                return False
             self.directory.remove(victim, self.node, tier.name)
             self.metrics.evictions.labels(tier.name).inc()
         return True
