@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import make_config, random_kv
+from conftest import ServerProcess, make_config, random_kv
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
@@ -183,3 +183,33 @@ async def test_a_faulty_hbm_pool_never_serves_a_wrong_byte_and_keeps_nothing_res
         assert hbm.used_bytes == hbm.num_pages * layout.page_bytes, "a reserved hbm slot was left behind"
     finally:
         server.stop(grace_s=1)
+
+
+async def test_sigkill_with_hbm_keeps_ssd_pages_and_the_cli_flags_work(tmp_path, layout, ns) -> None:
+    """kvstore-server --tiers hbm,host,ssd --hbm-device cpu, killed with SIGKILL after reads
+    promoted pages into hbm: durable pages come back bit-exact, RAM-only ones are cleanly gone."""
+    proc = ServerProcess(tmp_path, "--tiers", "hbm,host,ssd", "--hbm-device", "cpu", "--hbm-capacity", "8MiB")
+    durable, ram = list(range(320)), list(range(5000, 5320))
+    kv = random_kv(layout, 320, seed=9)
+    try:
+        proc.start()
+        async with KVStoreClient(proc.address, ns) as client:
+            assert await client.put(durable, kv, durable=True) == 320
+            assert await client.put(ram, kv) == 320
+            for tokens in (durable, ram):
+                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+            assert {loc.tier for loc in (await client.lookup(durable)).locations} == {"hbm"}
+        proc.kill()
+        proc.start()
+        async with KVStoreClient(proc.address, ns) as client:
+            hit = await client.lookup(durable)
+            assert hit.num_tokens == 320 and {loc.tier for loc in hit.locations} == {"ssd"}
+            out = torch.zeros_like(kv)
+            await client.get(hit, into=out)
+            assert torch.equal(out, kv)
+            assert (await client.lookup(ram)).num_tokens == 0
+        assert proc.terminate() == 0
+    finally:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)

@@ -67,7 +67,8 @@ class Promoter:
         with self.keeper.critical():
             for page in pages:
                 key, size = page.key, page.header.payload_bytes
-                if self.residence.has(key, up) or key in self._promoting or not tier.fits(size):
+                # a key a move holds may have a copy being deleted here: not written over it
+                if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not tier.fits(size):
                     continue
                 self._promoting.add(key)
                 slot = self._make_room(size)
@@ -108,7 +109,7 @@ class Promoter:
             if header.key in self.directory.publish_listed(header.namespace_id, [record]):
                 listed.add(header.key)
                 self.residence.revive(header.key, up)
-                self.metrics.promotions.labels(tier.name).inc()
+                self.metrics.promotions.labels(self.landing.name).inc()  # labelled by the tier it left, as reads.py does
                 self.metrics.bytes_in.labels(tier.name).inc(header.payload_bytes)
             else:
                 self.residence.drop(header.key, up)  # removed while it was copied: not resurrected
