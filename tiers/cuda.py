@@ -30,13 +30,20 @@ def export_pool(pool: torch.Tensor) -> str:
     (device, handle, size_bytes, offset_bytes, ref_counter_handle, ref_counter_offset, event_handle,
      event_sync_required) = pool.untyped_storage()._share_cuda_()
     return json.dumps({
-        "device": int(device), "handle": bytes(handle).hex(), "storage_size_bytes": int(size_bytes),
-        "storage_offset_bytes": int(offset_bytes), "ref_counter_handle": bytes(ref_counter_handle).hex(),
-        "ref_counter_offset": int(ref_counter_offset),
-        "event_handle": bytes(event_handle).hex() if event_handle else "",
+        "device": int(device), "handle": _hex(handle), "storage_size_bytes": int(size_bytes),
+        "storage_offset_bytes": int(offset_bytes), "ref_counter_handle": _hex(ref_counter_handle),
+        "ref_counter_offset": int(ref_counter_offset), "event_handle": _hex(event_handle),
         "event_sync_required": bool(event_sync_required),
         "tensor_offset": int(pool.storage_offset()), "num_bytes": int(pool.numel()),
     })
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else bytes(value).hex()
+
+
+def _bytes(value: str | None) -> bytes | None:
+    return None if value is None else bytes.fromhex(value)
 
 
 def open_pool(exported: str) -> torch.Tensor:
@@ -47,7 +54,6 @@ def open_pool(exported: str) -> torch.Tensor:
     h = json.loads(exported)
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size([h["num_bytes"]]), (1,), h["tensor_offset"], torch.storage.TypedStorage, torch.uint8,
-        h["device"], bytes.fromhex(h["handle"]), h["storage_size_bytes"], h["storage_offset_bytes"], False,
-        bytes.fromhex(h["ref_counter_handle"]), h["ref_counter_offset"],
-        bytes.fromhex(h["event_handle"]) if h["event_handle"] else None, h["event_sync_required"],
+        h["device"], _bytes(h["handle"]), h["storage_size_bytes"], h["storage_offset_bytes"], False,
+        _bytes(h["ref_counter_handle"]), h["ref_counter_offset"], _bytes(h["event_handle"]), h["event_sync_required"],
     )
