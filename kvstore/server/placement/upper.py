@@ -64,18 +64,27 @@ class Promoter:
             return 0
         up, tier = self.index, self.tier
         placed: list[tuple[int, AcquiredPage]] = []
+        making_room: bytes | None = None  # the key whose slot is being found
         with self.keeper.critical():
-            for page in pages:
-                key, size = page.key, page.header.payload_bytes
-                # a key a move holds may have a copy being deleted here: not written over it
-                if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not tier.fits(size):
-                    continue
-                self._promoting.add(key)
-                slot = self._make_room(size)
-                if slot is None:
-                    self._promoting.discard(key)
-                    break
-                placed.append((slot, page))
+            try:
+                for page in pages:
+                    key, size = page.key, page.header.payload_bytes
+                    # a key a move holds may have a copy being deleted here: not written over it
+                    if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not tier.fits(size):
+                        continue
+                    self._promoting.add(key)
+                    making_room = key
+                    slot = self._make_room(size)
+                    making_room = None
+                    if slot is None:
+                        self._promoting.discard(key)
+                        break
+                    placed.append((slot, page))
+            except BaseException:
+                self._promoting.difference_update([page.key for _, page in placed] + ([making_room] if making_room else []))
+                for slot, _ in placed:
+                    tier.unreserve(slot)
+                raise
         written: list[tuple[int, PageHeader]] = []
         try:
             for slot, page in placed:
@@ -88,6 +97,9 @@ class Promoter:
                 tier.write(slot, page.header, source)
                 written.append((slot, page.header))
             tier.commit(written)
+        except OSError as exc:
+            logger.error("promotion into %s failed (%s); the pages stay below", tier.name, exc)
+            written = []
         except Exception:
             logger.exception("promotion into %s failed; the pages stay below", tier.name)
             written = []
