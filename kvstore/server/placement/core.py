@@ -34,7 +34,7 @@ from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
 from kvstore.server.admission import AdmissionPolicy
 from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.assembly import Wrap, open_tiers, open_upper
+from kvstore.server.placement.assembly import Wrap, open_tiers
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
@@ -69,8 +69,7 @@ class Placement:
         gc.disable()
         try:
             self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
-            upper = open_upper(config, wrap)  # hbm, above the landing tier: promoted into on use
-            self.landing, self.lower = open_tiers(config, self.metrics, clock, wrap, policy)
+            self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
             self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
             self.tiers = self.residence.tiers
@@ -237,11 +236,8 @@ class Placement:
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (see reads.py);
-        then copies them up into the tier above it, if any (upper.py)."""
-        ident, pages = self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
-        self.promoter.promote(pages)
-        return ident, pages
+        readable in the landing tier, reading pages held only below into it (reads.py), then up into hbm (upper.py)."""
+        return self.promoter.promoted(*self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant))
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""

@@ -56,6 +56,11 @@ class Promoter:
         assert self.index is not None
         return self.residence.tiers[self.index]  # type: ignore[return-value]
 
+    def promoted(self, ident: bytes, pages: list[AcquiredPage]) -> tuple[bytes, list[AcquiredPage]]:
+        """An acquire's answer, once its pages were promoted (``promote``)."""
+        self.promote(pages)
+        return ident, pages
+
     def promote(self, pages: list[AcquiredPage]) -> int:
         """Copies leased landing pages (the caller's lease keeps their slots) into the upper
         tier; returns how many it published there. A page that does not fit, or that fails
