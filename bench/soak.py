@@ -1,8 +1,10 @@
 """kvstore-bench soak: N client processes of two tenants (each client its own token) run a
 mixed put / lookup / get / layer-wise save and load workload against a real kvstore-server
 with TLS and auth on, every read checked bit-exact; then the same workload against a plain
-loopback server (no TLS, no auth file), back to back; once through the shared arena and once
-over gRPC (use_shm=False).
+loopback server (no TLS, no auth file), back to back; once through shared memory and once
+over gRPC (use_shm=False). With auth each tenant's clients map their tenant's own arena (the
+server hands it over its arena socket to their tokens), of --host-capacity each; without,
+every client maps the server's one arena.
 
 Reported per phase: errors and wrong bytes (both must be 0), p50/p99 latency per operation
 and ops/s after the warm-up, server RSS from minute 1 (or, in a run shorter than two minutes,
@@ -115,7 +117,6 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
     shutil.rmtree(workdir / name, ignore_errors=True)
     server, addr = start_server(workdir / name, args.host_capacity << 20, 64 << 20, "--tiers", "host",
                                 *(("--auth-file", str(creds.auth_file)) if auth else ()),
-                                *(("--share-arena",) if auth and use_shm else ()),  # tenants get the arena only so
                                 *(("--tls-cert", str(creds.cert), "--tls-key", str(creds.key)) if tls else ()))
     per_tenant = len(clients.pipes) // len(TENANTS)
     specs = []

@@ -1,7 +1,10 @@
 """A client's mapping of the server's shared-memory arena.
 
-Opened only when the file the server announced exists here and starts with the token the
-server announced, i.e. client and server share a host. Otherwise pages go over gRPC.
+Without tenants the server announces its arena's path; with tenants it announces a Unix
+socket that hands this client its tenant's arena as a file descriptor for its bearer token
+(kvstore/security/arena_socket.py). Either way the arena is mapped only when it is there and
+starts with the token the server announced over gRPC, i.e. client and server share a host
+(and it is that server's). Otherwise pages go over gRPC.
 """
 
 from __future__ import annotations
@@ -9,12 +12,15 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvstore import cuda_host
+from kvstore.errors import KVStoreError
 from kvstore.page import ARENA_MAGIC as _MAGIC
+from kvstore.security.arena_socket import receive_arena
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +49,28 @@ class ArenaMap:
         except OSError as exc:
             logger.info("arena %s not reachable (%s); pages go over gRPC", path, exc.strerror)
             return None
+        return cls._map(fd, path, size, token)
+
+    @classmethod
+    def receive(cls, socket_path: str, bearer: str | None, size: int, token: bytes) -> ArenaMap | None:
+        """The mapping of this caller's tenant's arena, handed over by the server's arena
+        socket for ``bearer`` (the client's token), or None (reason logged): another host,
+        another uid, no token, or a refusal."""
+        if not socket_path or bearer is None:
+            return None
+        try:
+            fd, _, tenant = receive_arena(Path(socket_path), bearer)
+        except KVStoreError as exc:
+            logger.info("no arena from %s (%s); pages go over gRPC", socket_path, exc)
+            return None
+        return cls._map(fd, f"of tenant {tenant}", size, token)
+
+    @classmethod
+    def _map(cls, fd: int, name: str, size: int, token: bytes) -> ArenaMap | None:
+        """Maps ``fd`` (closed here) if it is the arena announced: ``size`` bytes starting with ``token``."""
         try:
             if os.fstat(fd).st_size != size:
-                logger.info("arena %s has another size than announced; pages go over gRPC", path)
+                logger.info("arena %s has another size than announced; pages go over gRPC", name)
                 return None
             # MAP_POPULATE maps the (already resident) arena up front: a first touch per 4 KiB
             # page would otherwise cost a fault on the hot path.
@@ -53,7 +78,7 @@ class ArenaMap:
         finally:
             os.close(fd)
         if mm[: len(_MAGIC) + len(token)] != _MAGIC + token:
-            logger.info("arena %s belongs to another server; pages go over gRPC", path)
+            logger.info("arena %s belongs to another server; pages go over gRPC", name)
             mm.close()
             return None
         return cls(mm)

@@ -127,7 +127,8 @@ class KVStoreClient:
         peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
                     self.max_pages, self.lease_ms)
         if self.use_shm:
-            self._arena = ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token)
+            self._arena = (ArenaMap.receive(info.arena_socket, self._token, info.arena_bytes, info.arena_token)
+                           if info.arena_socket else ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token))
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, info.arena_bytes, self.copy_threads)
         else:

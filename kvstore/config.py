@@ -137,7 +137,12 @@ class SecurityConfig:
     tls_key: Path | None = None  # ... and its private key
     tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
     insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
-    share_arena: bool = False  # hand the one host arena to authenticated tenants (they can read each other's pages)
+    share_arena: bool = False  # with tenants: one host arena for all of them, by path (they can read each other's pages)
+
+    @property
+    def tenants(self) -> bool:
+        """Whether callers are tenants (an auth file or client certificates name them)."""
+        return self.auth_file is not None or self.tls_client_ca is not None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -160,8 +165,9 @@ class TenantQuota:
     --tenant-* flags, a tenant's own from the auth file's ``quotas`` table. The local
     tenant of a server without --auth-file has none."""
 
-    host_bytes: int = 0  # committed pages in this node's host tier
-    ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit, no new page is taken
+    host_bytes: int = 0  # pages and allocated slots in this node's host tier; at the limit its own coldest go down
+    ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit its own coldest there make room
+    ssd_write_percent: int = 0  # its share (percent of rate and burst) of the ssd write budget (--ssd-dwpd)
     leases: int = 16384  # leases held at once (Acquire, Lease, ReadPages streams)
     allocations: int = 4096  # allocations not yet committed or aborted
     hints: int = 262144  # announced uses (hinted keys) held at once
@@ -172,6 +178,8 @@ class TenantQuota:
         for name, value in vars(self).items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"--tenant-{name.replace('_', '-')} must be an integer >= 0 (0: no limit), got {value!r}")
+        if self.ssd_write_percent > 100:
+            raise ConfigError(f"--tenant-ssd-write-percent must be at most 100, got {self.ssd_write_percent}")
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,24 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         yield encode_chunk(meta, *cut(start, min(size, start + chunk_bytes)))
 
 
+def checked_page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int,
+                        chunk_bytes: int = CHUNK_BYTES) -> list[bytes] | None:
+    """The encoded chunks of a stored page, or None when its bytes no longer match
+    ``page_checksum`` (damaged where they are kept: a slot of a shared arena may be written by
+    whoever maps it). What is checked is what is sent: a page of one chunk is hashed while
+    it is copied into its message; a longer one is copied once, then hashed, then cut."""
+    view = memoryview(data).cast("B")
+    if len(view) <= chunk_bytes:
+        meta = data_pb2.PageChunk(key=key, page_bytes=len(view), namespace_id=namespace_id, layout=layout)
+        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(len(view))))
+        message, found = frame_checksummed(head, np.frombuffer(view, dtype=np.uint8).reshape(1, -1), _CHECKSUM_TAG)
+        return [message] if found == page_checksum else None
+    copy = bytes(view)
+    if checksum_rows(np.frombuffer(copy, dtype=np.uint8).reshape(1, -1)) != page_checksum:
+        return None
+    return list(page_chunks(key, namespace_id, layout, copy, page_checksum, chunk_bytes=chunk_bytes))
+
+
 class WireChunk:
     """A received PageChunk: its small fields parsed, its payload a view of the received
     bytes. ``error`` is set (and the fields empty) when the bytes are not a PageChunk, so

@@ -75,7 +75,7 @@ def random_kv(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
 
 def flip_arena_byte(server: Server, offset: int) -> None:
     """A stray write into the server's shared-memory arena, made as a client that maps it would."""
-    with open(server.core.arena.path, "r+b") as f:
+    with open(server.core.arena_of().path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)

@@ -84,11 +84,13 @@ class ReadResult:
 
 @dataclass(frozen=True)
 class ArenaInfo:
-    """What a client needs to map a landing tier's memory."""
+    """What a client needs to map a landing tier's memory: its path (empty: it has none and
+    is handed over as ``fd``, a descriptor the tier owns), its size and the token it starts with."""
 
     path: str
     size_bytes: int
     token: bytes
+    fd: int = -1
 
 
 class Tier(Protocol):
@@ -157,6 +159,19 @@ class LandingTier(Tier, Protocol):
 
     def view(self, slot: int, nbytes: int) -> memoryview: ...
 
+    def offset(self, slot: int) -> int:
+        """Where ``slot`` lies in the arena a client maps (the byte offset it is told)."""
+        ...
+
+    def part(self, owner: str) -> LandingTier:
+        """The landing memory of ``owner``'s pages (a tenant's arena): where its pages are
+        reserved, read up and evicted from. A tier of one arena is its own only part."""
+        ...
+
+    def parts(self) -> list[LandingTier]:
+        """Every part (the demoter keeps each below its watermark)."""
+        ...
+
     def detach(self, key: bytes) -> int | None:
         """Drops ``key`` from the index but keeps its slot reserved (returned; None: not
         held): a reader the page was leased to still finds its bytes there, while the key
@@ -170,6 +185,10 @@ class LandingTier(Tier, Protocol):
         ...
 
     def hint(self, keys: list[bytes], eta: float) -> None: ...
+
+    def check_hints(self, num_keys: int) -> None:
+        """Raises LimitExceeded when ``num_keys`` more announced uses would pass the tier's limit."""
+        ...
 
     def hint_room(self, num_pages: int, page_bytes: int) -> bool:
         """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
@@ -193,6 +212,14 @@ class TierWrapper:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
+
+    def part(self, owner: str) -> Any:
+        """The inner tier's part, through this wrapper when the inner tier is its own part."""
+        found = self.inner.part(owner)  # type: ignore[attr-defined]
+        return self if found is self.inner else found
+
+    def parts(self) -> list[Any]:
+        return [self if part is self.inner else part for part in self.inner.parts()]  # type: ignore[attr-defined]
 
     def reserve(self, payload_bytes: int) -> int | None:
         return self.inner.reserve(payload_bytes)

@@ -9,6 +9,12 @@ Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the placem
 (allocations and leases); this class keeps the arena, the stored-page index, its eviction
 order (eviction.py) and the pages it quarantined. It is the landing tier (base.LandingTier):
 every method is in memory, guarded by the tier's own lock.
+
+An anonymous arena (``anonymous=True``: one tenant's, see arenas.py) is a memfd, mode 0600,
+with no name in any filesystem: it is handed to its clients as a file descriptor, and it
+dies with the server. Its slots are numbered from ``base`` (so that several arenas behind
+one landing tier never share a slot number); ``offset`` turns a slot into the byte offset
+a client uses in its own mapping.
 """
 
 from __future__ import annotations
@@ -62,6 +68,17 @@ def remove_stale_arenas(shm_dir: Path, node: str) -> None:
             os.close(fd)
 
 
+def _check_memory(arena_bytes: int) -> None:
+    """Refuses an anonymous arena the host's available memory cannot hold (it is reserved up
+    front: past that, the OOM killer would pick a victim)."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    free = int(fields["MemAvailable"].split()[0]) * 1024
+    if arena_bytes > free:
+        raise ConfigError(f"a {arena_bytes >> 20} MiB arena does not fit in the {free >> 20} MiB of memory available "
+                          "(lower --host-capacity or the tenant's host_bytes quota)")
+
+
 def _check_room(shm_dir: Path, arena_bytes: int) -> None:
     """Refuses an arena its filesystem cannot hold before touching it (filling /dev/shm
     would starve every process of the host)."""
@@ -77,15 +94,22 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig, node: str = "local") -> None:
-        remove_stale_arenas(config.shm_dir, node)
+    def __init__(self, config: HostTierConfig, node: str = "local", *, base: int = 0, anonymous: bool = False) -> None:
         self.config = config
+        self._base = base
         token = secrets.token_bytes(16)
-        self.path = config.shm_dir / f"kvstore-{node}-{os.getpid()}-{token.hex()[:8]}"
         capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
         arena_bytes = ARENA_HEADER_BYTES + capacity
-        _check_room(config.shm_dir, arena_bytes)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if anonymous:
+            self.path: Path | None = None
+            _check_memory(arena_bytes)
+            fd = os.memfd_create(f"kvstore-{node}-arena", os.MFD_CLOEXEC)
+            os.fchmod(fd, 0o600)  # a memfd is created 0777; /proc/<pid>/fd/ is the one way to reach it by name
+        else:
+            remove_stale_arenas(config.shm_dir, node)
+            self.path = config.shm_dir / f"kvstore-{node}-{os.getpid()}-{token.hex()[:8]}"
+            _check_room(config.shm_dir, arena_bytes)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until close (or death): the arena is in use
             os.ftruncate(fd, arena_bytes)
@@ -98,18 +122,19 @@ class HostTier:
             self._mmap = mmap.mmap(fd, arena_bytes, flags=flags)
         except BaseException:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
             raise
         self._lock_fd = fd
-        self.arena = ArenaInfo(str(self.path), arena_bytes, token)
+        self.arena = ArenaInfo(str(self.path or ""), arena_bytes, token, fd)
         self._buffer = memoryview(self._mmap)
         self._buffer[: len(ARENA_MAGIC) + 16] = ARENA_MAGIC + token
-        self._allocator = SlabAllocator(ARENA_HEADER_BYTES, capacity, config.slab_bytes)
+        self._allocator = SlabAllocator(base + ARENA_HEADER_BYTES, capacity, config.slab_bytes)
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
         self._order = HostResidency(segmented=config.eviction == "slru")
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
-        logger.info("host arena %s: %d MiB in %d slabs", self.path, capacity >> 20, self._allocator.num_slabs)
+        logger.info("host arena %s: %d MiB in %d slabs", self.path or "(anonymous)", capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -123,7 +148,7 @@ class HostTier:
             self._allocator.free(slot)
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        self._buffer[slot : slot + header.payload_bytes] = payload[: header.payload_bytes]
+        self.view(slot, header.payload_bytes)[:] = payload[: header.payload_bytes]
 
     def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
         """Makes reserved, written slots the stored copies of their keys."""
@@ -136,7 +161,17 @@ class HostTier:
                 self._order.add(header.key)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
-        return self._buffer[slot : slot + nbytes]
+        start = slot - self._base
+        return self._buffer[start : start + nbytes]
+
+    def offset(self, slot: int) -> int:
+        return slot - self._base
+
+    def part(self, owner: str) -> HostTier:
+        return self  # one arena for every owner
+
+    def parts(self) -> list[HostTier]:
+        return [self]
 
     def slot_bytes(self, slot: int) -> int:
         with self._lock:
@@ -153,7 +188,7 @@ class HostTier:
             if entry is None:
                 return ReadResult(index)
             slot, header = entry
-            into[: header.payload_bytes] = self._buffer[slot : slot + header.payload_bytes]
+            into[: header.payload_bytes] = self.view(slot, header.payload_bytes)
             try:
                 header.verify_payload(into[: header.payload_bytes], header.payload_bytes)
             except PageCorrupt as exc:
@@ -236,6 +271,15 @@ class HostTier:
             for depth, key in enumerate(keys):
                 self._order.hint(key, eta, depth)
 
+    def check_hints(self, num_keys: int) -> None:
+        """Raises LimitExceeded when ``num_keys`` more announced uses would pass
+        ``config.max_hints`` (a caller announcing several batches checks them whole first)."""
+        with self._lock:
+            held = len(self._order.due)
+            if held + num_keys > self.config.max_hints:
+                raise LimitExceeded(f"{held} hinted keys are held, {num_keys} more would pass the limit of "
+                                    f"{self.config.max_hints} (--max-hints); nothing was hinted")
+
     def hint_room(self, num_pages: int, page_bytes: int) -> bool:
         with self._lock:
             return len(self._order.hinted) + num_pages <= self._hint_share(page_bytes)
@@ -271,5 +315,6 @@ class HostTier:
             self._mmap.close()
         except BufferError:
             logger.warning("host arena still has exported views at close; leaving the mapping")
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
         os.close(self._lock_fd)

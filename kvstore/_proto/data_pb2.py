@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\x8d\x01\n\x13\x41ppendTokensRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x0c\n\x04sync\x18\x05 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"&\n\x14\x41ppendTokensResponse\x12\x0e\n\x06length\x18\x01 \x01(\x04\"=\n\x11GetSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"J\n\x12GetSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"=\n\x11\x45ndSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x14\n\x12\x45ndSessionResponse\")\n\tHintEntry\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"K\n\x0bHintRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.HintEntry\" \n\x0cHintResponse\x12\x10\n\x08reserved\x18\x01 \x03(\x08\"\x0f\n\rWhoAmIRequest\">\n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06rights\x18\x02 \x03(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xa3\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\"Y\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"n\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"g\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\r\n\x05\x66lags\x18\x05 \x01(\r\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"0\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x0f\n\rRenewResponse\"\xb6\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\r\n\x05\x66lags\x18\t \x01(\r\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"o\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x32\xca\x07\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.kvstore.v1.RenewRequest\x1a\x19.kvstore.v1.RenewResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x12\x39\n\x04Hint\x12\x17.kvstore.v1.HintRequest\x1a\x18.kvstore.v1.HintResponse\x12Q\n\x0c\x41ppendTokens\x12\x1f.kvstore.v1.AppendTokensRequest\x1a .kvstore.v1.AppendTokensResponse\x12K\n\nGetSession\x12\x1d.kvstore.v1.GetSessionRequest\x1a\x1e.kvstore.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.kvstore.v1.EndSessionRequest\x1a\x1e.kvstore.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\x8d\x01\n\x13\x41ppendTokensRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x0c\n\x04sync\x18\x05 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"&\n\x14\x41ppendTokensResponse\x12\x0e\n\x06length\x18\x01 \x01(\x04\"=\n\x11GetSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"J\n\x12GetSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"=\n\x11\x45ndSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x14\n\x12\x45ndSessionResponse\")\n\tHintEntry\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"K\n\x0bHintRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.HintEntry\" \n\x0cHintResponse\x12\x10\n\x08reserved\x18\x01 \x03(\x08\"\x0f\n\rWhoAmIRequest\">\n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06rights\x18\x02 \x03(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xb9\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x61rena_socket\x18\x08 \x01(\t\"Y\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"n\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"g\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\r\n\x05\x66lags\x18\x05 \x01(\r\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"0\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x0f\n\rRenewResponse\"\xb6\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\r\n\x05\x66lags\x18\t \x01(\r\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"o\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x32\xca\x07\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.kvstore.v1.RenewRequest\x1a\x19.kvstore.v1.RenewResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x12\x39\n\x04Hint\x12\x17.kvstore.v1.HintRequest\x1a\x18.kvstore.v1.HintResponse\x12Q\n\x0c\x41ppendTokens\x12\x1f.kvstore.v1.AppendTokensRequest\x1a .kvstore.v1.AppendTokensResponse\x12K\n\nGetSession\x12\x1d.kvstore.v1.GetSessionRequest\x1a\x1e.kvstore.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.kvstore.v1.EndSessionRequest\x1a\x1e.kvstore.v1.EndSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,41 +57,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=705
   _globals['_GETINFOREQUEST']._serialized_end=721
   _globals['_GETINFORESPONSE']._serialized_start=724
-  _globals['_GETINFORESPONSE']._serialized_end=887
-  _globals['_ALLOCATEREQUEST']._serialized_start=889
-  _globals['_ALLOCATEREQUEST']._serialized_end=978
-  _globals['_SLOT']._serialized_start=980
-  _globals['_SLOT']._serialized_end=1031
-  _globals['_ALLOCATERESPONSE']._serialized_start=1033
-  _globals['_ALLOCATERESPONSE']._serialized_end=1143
-  _globals['_COMMITREQUEST']._serialized_start=1145
-  _globals['_COMMITREQUEST']._serialized_end=1248
-  _globals['_COMMITRESPONSE']._serialized_start=1250
-  _globals['_COMMITRESPONSE']._serialized_end=1289
-  _globals['_ABORTREQUEST']._serialized_start=1291
-  _globals['_ABORTREQUEST']._serialized_end=1328
-  _globals['_ABORTRESPONSE']._serialized_start=1330
-  _globals['_ABORTRESPONSE']._serialized_end=1345
-  _globals['_ACQUIREREQUEST']._serialized_start=1347
-  _globals['_ACQUIREREQUEST']._serialized_end=1415
-  _globals['_ACQUIREDPAGE']._serialized_start=1417
-  _globals['_ACQUIREDPAGE']._serialized_end=1478
-  _globals['_ACQUIRERESPONSE']._serialized_start=1480
-  _globals['_ACQUIRERESPONSE']._serialized_end=1576
-  _globals['_RELEASEREQUEST']._serialized_start=1578
-  _globals['_RELEASEREQUEST']._serialized_end=1612
-  _globals['_RELEASERESPONSE']._serialized_start=1614
-  _globals['_RELEASERESPONSE']._serialized_end=1631
-  _globals['_RENEWREQUEST']._serialized_start=1633
-  _globals['_RENEWREQUEST']._serialized_end=1681
-  _globals['_RENEWRESPONSE']._serialized_start=1683
-  _globals['_RENEWRESPONSE']._serialized_end=1698
-  _globals['_PAGECHUNK']._serialized_start=1701
-  _globals['_PAGECHUNK']._serialized_end=1883
-  _globals['_WRITEPAGESRESPONSE']._serialized_start=1885
-  _globals['_WRITEPAGESRESPONSE']._serialized_end=1928
-  _globals['_READPAGESREQUEST']._serialized_start=1930
-  _globals['_READPAGESREQUEST']._serialized_end=2041
-  _globals['_DATA']._serialized_start=2044
-  _globals['_DATA']._serialized_end=3014
+  _globals['_GETINFORESPONSE']._serialized_end=909
+  _globals['_ALLOCATEREQUEST']._serialized_start=911
+  _globals['_ALLOCATEREQUEST']._serialized_end=1000
+  _globals['_SLOT']._serialized_start=1002
+  _globals['_SLOT']._serialized_end=1053
+  _globals['_ALLOCATERESPONSE']._serialized_start=1055
+  _globals['_ALLOCATERESPONSE']._serialized_end=1165
+  _globals['_COMMITREQUEST']._serialized_start=1167
+  _globals['_COMMITREQUEST']._serialized_end=1270
+  _globals['_COMMITRESPONSE']._serialized_start=1272
+  _globals['_COMMITRESPONSE']._serialized_end=1311
+  _globals['_ABORTREQUEST']._serialized_start=1313
+  _globals['_ABORTREQUEST']._serialized_end=1350
+  _globals['_ABORTRESPONSE']._serialized_start=1352
+  _globals['_ABORTRESPONSE']._serialized_end=1367
+  _globals['_ACQUIREREQUEST']._serialized_start=1369
+  _globals['_ACQUIREREQUEST']._serialized_end=1437
+  _globals['_ACQUIREDPAGE']._serialized_start=1439
+  _globals['_ACQUIREDPAGE']._serialized_end=1500
+  _globals['_ACQUIRERESPONSE']._serialized_start=1502
+  _globals['_ACQUIRERESPONSE']._serialized_end=1598
+  _globals['_RELEASEREQUEST']._serialized_start=1600
+  _globals['_RELEASEREQUEST']._serialized_end=1634
+  _globals['_RELEASERESPONSE']._serialized_start=1636
+  _globals['_RELEASERESPONSE']._serialized_end=1653
+  _globals['_RENEWREQUEST']._serialized_start=1655
+  _globals['_RENEWREQUEST']._serialized_end=1703
+  _globals['_RENEWRESPONSE']._serialized_start=1705
+  _globals['_RENEWRESPONSE']._serialized_end=1720
+  _globals['_PAGECHUNK']._serialized_start=1723
+  _globals['_PAGECHUNK']._serialized_end=1905
+  _globals['_WRITEPAGESRESPONSE']._serialized_start=1907
+  _globals['_WRITEPAGESRESPONSE']._serialized_end=1950
+  _globals['_READPAGESREQUEST']._serialized_start=1952
+  _globals['_READPAGESREQUEST']._serialized_end=2063
+  _globals['_DATA']._serialized_start=2066
+  _globals['_DATA']._serialized_end=3036
 # @@protoc_insertion_point(module_scope)

@@ -28,6 +28,7 @@ from kvstore.config import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.memory import tune_malloc
+from kvstore.security.undumpable import forbid_inspection
 
 logger = logging.getLogger("kvstore.server")
 
@@ -48,7 +49,8 @@ _LIMIT_FLAGS: list[tuple[str, type, str]] = [
 
 _QUOTA_DEFAULTS = TenantQuota()
 _QUOTA_HELP = {
-    "host_bytes": "committed pages in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "host_bytes": "pages and allocated slots in the host tier", "ssd_bytes": "pages in the ssd tier",
+    "ssd_write_percent": "share of the ssd write budget (--ssd-dwpd), in percent of its rate and burst",
     "leases": "leases held at once", "allocations": "allocations not yet committed or aborted",
     "hints": "hinted keys held at once", "token_log_bytes": "token-log bytes of its sessions",
     "published_records": "other nodes' locations its Publish calls record",
@@ -105,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--insecure", action="store_true",
                           help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
     security.add_argument("--share-arena", action="store_true",
-                          help="with --auth-file or mTLS: hand the shared-memory arena to every authenticated same-host "
-                               "caller anyway (whoever maps it reads and writes every tenant's pages: only for tenants that "
-                               "trust each other); by default tenants' pages go over gRPC")
+                          help="with --auth-file or mTLS: one shared-memory arena for all tenants, announced by path "
+                               "(whoever maps it reads and writes every tenant's pages: only for tenants that trust each "
+                               "other); by default each tenant has its own arena, handed to its tokens over a Unix socket")
     cluster = p.add_argument_group("cluster", "join a cluster of nodes on etcd (DESIGN §12); without --cluster: one node")
     cluster.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]", help="etcd endpoints of the cluster")
     cluster.add_argument("--node-id", help="this node's unique name in the cluster (replaces --node)")
@@ -204,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvstore.server import Server
 
     try:
-        server = Server(config_from_args(args))
+        config = config_from_args(args)
+        if config.security.tenants and not config.security.share_arena:
+            forbid_inspection()  # tenants' arenas are descriptors here: keep same-uid processes out of /proc/<pid>/fd
+        server = Server(config)
         server.start()
     except (KVStoreError, OSError, RuntimeError) as exc:
         message = str(exc) if isinstance(exc, KVStoreError) else f"cannot start: {exc}"

@@ -1,6 +1,6 @@
-"""Prototype (issue 16, item 4): a tenant's shared-memory arena handed to an authenticated
-same-host client as a file descriptor over a Unix socket (SCM_RIGHTS), instead of a path in
-/dev/shm that any process of the server's uid can open.
+"""A tenant's shared-memory arena (issue 16, item 4; tiers/arenas.py) handed to an
+authenticated same-host client as a file descriptor over a Unix socket (SCM_RIGHTS): the
+arena has no path anyone could open.
 
 Protocol, one exchange per connection (each message: 4-byte big-endian length + JSON):
 

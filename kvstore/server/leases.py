@@ -76,6 +76,7 @@ class LeaseTable:
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
         self._held: Counter[tuple[str, bool]] = Counter()  # (tenant, is_lease) -> how many it holds (quotas)
+        self._slot_bytes: Counter[str] = Counter()  # tenant -> landing bytes its allocations' slots hold (host quota)
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class LeaseTable:
         alloc.expires = self.clock() + self.allocation_ttl_ms / 1000
         self._allocations[ident] = alloc
         self._held[(alloc.tenant, False)] += 1
+        self._slot_bytes[alloc.tenant] += len(alloc.slots) * alloc.layout.page_bytes
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
 
@@ -179,6 +181,7 @@ class LeaseTable:
         if alloc is None or (tenant is not None and alloc.tenant != tenant):
             return None
         self._held[(alloc.tenant, False)] -= 1
+        self._slot_bytes[alloc.tenant] -= len(alloc.slots) * alloc.layout.page_bytes
         return self._allocations.pop(ident)
 
     # -- expiry --------------------------------------------------------------------------
@@ -207,6 +210,7 @@ class LeaseTable:
                 elif alloc is not None:
                     del self._allocations[ident]
                     self._held[(alloc.tenant, False)] -= 1
+                    self._slot_bytes[alloc.tenant] -= len(alloc.slots) * alloc.layout.page_bytes
                     logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     allocations.append(alloc)
         return free, allocations
@@ -214,6 +218,10 @@ class LeaseTable:
     def held(self, tenant: str) -> tuple[int, int]:
         """(leases, allocations) ``tenant`` holds now (a dict read: callers need no lock)."""
         return self._held.get((tenant, True), 0), self._held.get((tenant, False), 0)
+
+    def slot_bytes(self, tenant: str) -> int:
+        """Landing bytes the slots of ``tenant``'s allocations hold (a dict read, as ``held``)."""
+        return self._slot_bytes.get(tenant, 0)
 
     def counts(self) -> LeaseCounts:
         moving = self._moving

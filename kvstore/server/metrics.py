@@ -34,4 +34,9 @@ class Metrics:
             "kvstore_rpc_seconds", "RPC latency", ["method"], registry=r,
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10),
         )
+        # Per tenant (bounded: tenants are named in the auth file or by certificates the operator's CA signed).
+        self.tenant_quota_refusals = Counter("kvstore_tenant_quota_refusals", "Calls refused (or pages kept off SSD) by a tenant's quota",
+                                             ["tenant", "quota"], registry=r)
+        self.tenant_ssd_written = Counter("kvstore_tenant_ssd_written_bytes", "SSD device bytes written for a tenant's pages",
+                                          ["tenant"], registry=r)
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=r)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
@@ -15,6 +19,8 @@ from kvstore import pagecopy
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
+from kvstore.security.arena_socket import ArenaSocket
+from kvstore.security.identity import Identity
 from kvstore.security.server import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.metrics import Metrics
@@ -26,6 +32,7 @@ from kvstore.server.services.handlers import add_service, data_handlers, generat
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
+from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import MESSAGE_OPTIONS
 
@@ -51,6 +58,15 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
     ]
+
+
+def arena_socket_path(data_dir: Path) -> Path:
+    """``DATA_DIR/arena.sock``, or, when that path is too long for a Unix socket, one in a
+    new private (0700) directory under the temp directory."""
+    path = data_dir / "arena.sock"
+    if len(os.fsencode(path)) <= 100:
+        return path
+    return Path(tempfile.mkdtemp(prefix="kvstore-")) / "arena.sock"
 
 
 def split_host_port(text: str, flag: str) -> tuple[str, int]:
@@ -92,7 +108,10 @@ class Server:
         # with kvstore.security.interceptor.current_identity().
         self.security = ServerSecurity(config.security, config.data_dir,
                                        lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
-        self.core = Placement(config, self.metrics, wrap=wrap)
+        # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
+        # holding the pages of the namespaces it owns; it is handed over by the arena socket.
+        self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
+                              arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes)
         self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if config.cluster is not None:
             from kvstore.server.cluster import ClusterRuntime
@@ -102,7 +121,9 @@ class Server:
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
-                        self.core.leases, self.wal, config.host.hint_grace_s)
+                        self.core.leases, self.wal, config.host.hint_grace_s, self.metrics)
+        # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
+        self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
         self.tenancy = Tenancy(owners, quotas)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
@@ -112,7 +133,11 @@ class Server:
                                        DirectoryService(self.core, config, self.tenancy, self.cluster))
         add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics,
                     request_limits(config))
-        data = data_handlers(DataService(self.core, config, self.wal, self.tenancy, self.cluster))
+        self.arena_socket: ArenaSocket | None = None
+        if config.security.tenants and not config.security.share_arena:
+            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for)
+        data = data_handlers(DataService(self.core, config, self.wal, self.tenancy, self.cluster,
+                                         self.arena_socket.path if self.arena_socket else None))
         add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics, request_limits(config))
         self.port = 0
         self.metrics_port = 0
@@ -125,10 +150,19 @@ class Server:
         host, _ = split_host_port(self.config.listen, "--listen")
         return f"{host}:{self.port}"
 
+    def _arena_for(self, identity: Identity) -> tuple[int, int] | None:
+        """The arena socket's answer: the descriptor and size of the caller's tenant's arena."""
+        if identity.via == "local":
+            return None
+        arena = self.core.arena_of(identity.tenant)
+        return arena.fd, arena.size_bytes
+
     def start(self) -> None:
         self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
+        if self.arena_socket is not None:
+            self.arena_socket.start()  # before the first GetInfo announces it
         self._grpc.start()
         if self.cluster is not None:
             self.cluster.start()  # after the gRPC server: peers may call as soon as this node is a member
@@ -174,6 +208,10 @@ class Server:
             self._scrubber.join(5)
         self.core.directory.events.close()
         self._grpc.stop(grace_s).wait()
+        if self.arena_socket is not None:
+            self.arena_socket.stop()  # no new hand-overs; clients keep the mappings they have until they close
+            if self.arena_socket.path.parent != self.config.data_dir:
+                shutil.rmtree(self.arena_socket.path.parent, ignore_errors=True)
         self.streams.stop()
         self.demoter.stop()
         if self._metrics_http is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,10 @@ class TokenLog:
         return namespace_id + raw + b"\0"
 
     def append(self, namespace_id: bytes, session_id: str, expected_length: int, tokens: list[int],
-               prompt_tokens: int = 0, sync: bool = True) -> int:
-        """Appends unless already applied; returns the logged length. A gap is an error."""
+               prompt_tokens: int = 0, sync: bool = True, charge: Callable[[int], None] | None = None) -> int:
+        """Appends unless already applied; returns the logged length. A gap is an error.
+        ``charge`` is called, under the log's lock, with the number of tokens the append adds
+        (not with a retry's): it may refuse (raise), and nothing is written then."""
         sid = self._sid(namespace_id, session_id)
         with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
             raw = txn.get(sid, db=self.meta_db)
@@ -63,6 +66,8 @@ class TokenLog:
                 return length
             if expected_length != length:
                 raise InvalidRequest(f"session {session_id!r} has {length} tokens logged, the append expects {expected_length}")
+            if charge is not None:
+                charge(len(tokens))
             if tokens:
                 txn.put(sid + struct.pack(">Q", length), np.asarray(tokens, dtype="<u4").tobytes(), db=self.chunks_db)
             length += len(tokens)

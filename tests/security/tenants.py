@@ -3,6 +3,8 @@ raw caller that sends any request as any token, and page writes made the way a c
 
 from __future__ import annotations
 
+import mmap
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from helpers import secure_config, tls_channel, write_auth_file
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.page import HEADER_BYTES, checksum
+from kvstore.security.arena_socket import receive_arena
 from kvstore.server import Server
 
 A = "tenant-a-token-0123456789abcdef"  # tenant a: read, write
@@ -104,6 +107,17 @@ def quarantine_a_page(server: Server, owner: Caller, ns: bytes) -> bytes:
     assert owner.stream(owner.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns, keys=[key])) == []
     assert [q.key for q in server.core.quarantined()][-1:] == [key]
     return key
+
+
+def map_own_arena(server: Server, token: str | None) -> mmap.mmap:
+    """The arena the server's arena socket hands to ``token``, mapped as a same-host client
+    maps it (the caller closes it)."""
+    assert server.arena_socket is not None
+    fd, size, _ = receive_arena(server.arena_socket.path, token)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def callers(server: Server, ca: CertAuthority, *tokens: str | None) -> Iterator[Caller]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import secrets
 
 import grpc
-from tenants import LAYOUT, OPS, A, B, Caller, new_keys, new_ns
+from tenants import LAYOUT, OPS, A, B, Caller, map_own_arena, new_keys, new_ns
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.page import checksum
@@ -29,12 +29,11 @@ def test_another_tenant_cannot_commit_or_abort_an_allocation(tenant_server, ca) 
         assert caller.code(caller.data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id)) == \
             caller.code(caller.data.Abort, data_pb2.AbortRequest(allocation_id=unknown)) == grpc.StatusCode.OK
     assert tenant_server.core.view().num_allocations == 1
-    with open(tenant_server.core.arena.path, "r+b") as arena:  # the writer fills its slots as a same-host client does
+    with map_own_arena(tenant_server, A) as arena:  # the writer fills its slots as a same-host client does
         sums = []
         for slot in alloc.slots:
             data = secrets.token_bytes(alloc.page_bytes)
-            arena.seek(slot.offset)
-            arena.write(data)
+            arena[slot.offset : slot.offset + len(data)] = data
             sums.append(checksum(data))
     done = a(a.data.Commit, data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=keys, checksums=sums))
     assert done.num_published == 2

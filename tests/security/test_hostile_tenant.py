@@ -20,16 +20,29 @@ import pytest
 from certs import CertAuthority
 from conftest import ServerProcess
 from helpers import call_raw, every_method, tls_channel
-from tenants import LAYOUT, PAGE_BYTES, READER, A, B, Caller, new_keys, new_ns, quarantine_a_page, tenant_config, tenant_grants
+from tenants import (
+    LAYOUT,
+    PAGE_BYTES,
+    READER,
+    A,
+    B,
+    Caller,
+    map_own_arena,
+    new_keys,
+    new_ns,
+    quarantine_a_page,
+    tenant_config,
+    tenant_grants,
+)
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
-from kvstore.page import checksum
+from kvstore.page import ARENA_MAGIC, checksum
 from kvstore.server import Server
 
 DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 
 COVERAGE = {
-    "Data.GetInfo": "test_b_learns_nothing_of_a_from_getinfo_and_whoami",
+    "Data.GetInfo": "test_b_learns_nothing_of_a_from_getinfo_and_whoami",  # and test_b_is_handed_only_its_own_arena
     "Data.WhoAmI": "test_b_learns_nothing_of_a_from_getinfo_and_whoami",
     "Data.Allocate": "test_b_cannot_write_into_as_namespace",
     "Data.Commit": "test_b_cannot_commit_or_abort_as_allocation",
@@ -274,26 +287,33 @@ def test_a_forged_handle_is_an_unknown_handle(world: World) -> None:
 def test_b_cannot_read_as_freed_bytes_through_a_commit_it_did_not_write(world: World) -> None:
     """Bug: a freed landing slot keeps its last page's bytes. B allocated a slot A's page had
     just left, committed it without writing (any checksum: the server believed it) and read
-    A's bytes back with ReadPages. A tenant's Commit is now checked against the slot's bytes."""
+    A's bytes back with ReadPages. Now each tenant's pages are in its own arena: B's slots
+    never held A's bytes, whatever offsets they have, and a page B committed without writing
+    fails the check the server makes before it sends a page (quarantined, not sent)."""
     a, b = world.a, world.b
     ns, [key] = new_ns(), new_keys(1)
     secret = b"A's secret KV..." * (PAGE_BYTES // 16)
     a.data.WritePages(iter([data_pb2.PageChunk(key=key, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
                                                checksum=checksum(secret), data=secret)]), metadata=a.metadata, timeout=10)
-    slot = world.server.core.where(key)["host"]
     assert a(a.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=ns)).num_removed == 1
-    ns_b = new_ns()
-    alloc = b(b.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns_b, layout=LAYOUT, keys=new_keys(1)))
-    assert alloc.slots[0].offset == slot, "the allocator hands out the slot A's page left"
-    fake = data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=[alloc.slots[0].key], checksums=[12345])
-    assert b.code(b.data.Commit, fake) == grpc.StatusCode.INVALID_ARGUMENT
-    pages = b.stream(b.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns_b, keys=[alloc.slots[0].key]))
-    assert secret not in b"".join(p.data for p in pages)
-    b(b.data.Abort, data_pb2.AbortRequest(allocation_id=alloc.allocation_id))
+    ns_b, [key_b] = new_ns(), new_keys(1)
+    alloc = b(b.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns_b, layout=LAYOUT, keys=[key_b]))
+    with map_own_arena(world.server, B) as arena:
+        assert secret[:32] not in arena[:], "B's arena never held A's page"
+    fake = data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=[key_b], checksums=[12345])
+    b(b.data.Commit, fake)
+    pages = b.stream(b.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns_b, keys=[key_b]))
+    assert pages == [], "a page whose bytes do not match its checksum is not sent"
+    assert key_b in [q.key for q in world.server.core.quarantined()]
 
 
-def test_b_is_not_handed_the_shared_arena(world: World) -> None:
-    """The host arena is one trust domain (whoever maps it reads and writes every page): with
-    tenants it is handed out only when the operator says they trust each other (--share-arena)."""
-    info = world.b(world.b.data.GetInfo, data_pb2.GetInfoRequest())
-    assert (info.arena_path, info.arena_token) == ("", b"")
+def test_b_is_handed_only_its_own_arena(world: World) -> None:
+    """An arena is one trust domain (whoever maps it reads and writes every page in it): with
+    tenants each has its own, announced without a path and handed over by the arena socket to
+    the caller's own token only (tests/security/test_tenant_arenas.py attacks it further)."""
+    info_a = world.a(world.a.data.GetInfo, data_pb2.GetInfoRequest())
+    info_b = world.b(world.b.data.GetInfo, data_pb2.GetInfoRequest())
+    assert (info_b.arena_path, info_b.arena_socket) == ("", str(world.server.arena_socket.path))
+    assert info_b.arena_token != info_a.arena_token
+    with map_own_arena(world.server, B) as arena:
+        assert arena[len(ARENA_MAGIC) : len(ARENA_MAGIC) + 16] == info_b.arena_token

@@ -101,12 +101,13 @@ def test_host_bytes(host_quota_server, ca) -> None:
 
 
 def test_ssd_bytes(quota_server, ca) -> None:
+    """At its ssd_bytes a tenant's durable write replaces its own coldest ssd page (more in
+    test_quota_ssd_share.py)."""
     a = Caller(quota_server, ca, A)
     ns = new_ns()
     assert a.put(ns, new_keys(2), durable=True) == 2
-    with pytest.raises(grpc.RpcError) as err:
-        a.put(ns, new_keys(1), durable=True)
-    assert err.value.code() == FULL
+    assert a.put(ns, new_keys(1), durable=True) == 1
+    assert quota_server.tenancy.quotas.usage("a")["ssd_bytes"] == 2 * PAGE_BYTES
 
 
 def test_hints_token_log_and_published_records(quota_server, ca) -> None:
@@ -150,7 +151,7 @@ def test_stats_show_each_tenants_use_and_limits(quota_server, ca) -> None:
 def test_quota_defaults_are_flags_shown_in_help() -> None:
     out = subprocess.run([sys.executable, "-m", "kvstore.cli.server", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--tenant-host-bytes", "--tenant-ssd-bytes", "--tenant-leases", "--tenant-allocations", "--tenant-hints",
-                 "--tenant-token-log-bytes", "--tenant-published-records", "--max-hints"):
+                 "--tenant-token-log-bytes", "--tenant-published-records", "--tenant-ssd-write-percent", "--max-hints"):
         assert flag in out
     assert "(default: 4096)" in " ".join(out.rsplit("--tenant-allocations", 1)[1][:300].split())
 
@@ -174,7 +175,7 @@ def test_the_auth_files_quotas_are_checked_when_it_loads() -> None:
     table = authfile.parse({"quotas": {"a": {"host_bytes": "1GiB", "leases": 3}}}, "f")
     assert table.quotas == {"a": {"host_bytes": 1 << 30, "leases": 3}}
     for bad, says in (({"a": {"leses": 3}}, "unknown key"), ({"a": {"leases": -1}}, "quotas.a"), ({"a b": {}}, "tenant"),
-                      ({"a": {"ssd_bytes": "lots"}}, "quotas.a.ssd_bytes")):
+                      ({"a": {"ssd_bytes": "lots"}}, "quotas.a.ssd_bytes"), ({"a": {"ssd_write_percent": 101}}, "at most 100")):
         with pytest.raises(ConfigError, match=says):
             authfile.parse({"quotas": bad}, "f")
 

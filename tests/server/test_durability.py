@@ -81,7 +81,9 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
                          ids=["shm", "grpc-page-per-message", "grpc-chunks"])
 async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, use_shm: bool, chunk_bytes: int) -> None:
     """A stray write into the arena: the reader (same host or over the socket, a page whole
-    or in chunks) stops at the damaged page, and no byte of it reaches the caller."""
+    or in chunks) stops at the damaged page, and no byte of it reaches the caller. A
+    same-host reader finds the damage itself (PageCorrupt); over the socket the server finds
+    it before sending and quarantines the page, so the reader finds it gone (PageMissing)."""
     tokens = list(range(64))
     kv = random_kv(layout, 64, seed=6)
     async with KVStoreClient(server.address, ns, use_shm=use_shm, chunk_bytes=chunk_bytes) as client:
@@ -89,11 +91,12 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, u
         hit = await client.lookup(tokens)
         flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)  # a stray write into the arena
         out = torch.zeros_like(kv)
-        with pytest.raises(PageCorrupt) as err:
+        with pytest.raises(PageCorrupt if use_shm else PageMissing) as err:
             await client.get(hit, into=out)
         assert err.value.num_tokens == 32
         assert torch.equal(out[:, :, :32], kv[:, :, :32])
         assert not out[:, :, 32:48].any(), "no byte of the corrupt page may reach the caller"
+        assert use_shm or hit.keys[2] in [q.key for q in server.core.quarantined()]
 
 
 async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_factory, layout, ns) -> None:

@@ -29,7 +29,7 @@ async def test_data_files_are_0600_in_0700_directories(server_factory, tmp_path,
     assert {"data/wal.lmdb/data.mdb", "data/directory.lmdb/data.mdb", "ssd/index.lmdb/data.mdb", "ssd/pages.dat"} <= set(modes)
     loose = {name: mode for name, mode in modes.items() if mode != ("700" if (tmp_path / name).is_dir() else "600")}
     assert loose == {}
-    assert stat.S_IMODE(Path(server.core.arena.path).stat().st_mode) == 0o600, "the arena too"
+    assert stat.S_IMODE(Path(server.core.arena_of().path).stat().st_mode) == 0o600, "the arena too"
 
 
 def _arena_of(node: str) -> Path:

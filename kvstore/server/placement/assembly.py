@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvstore.config import ServerConfig
 from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget, make_policy
 from kvstore.server.metrics import Metrics
+from kvstore.tiers.arenas import TenantArenas
 from kvstore.tiers.base import LandingTier, Tier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.pinned import pinned
@@ -27,14 +28,19 @@ def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> list[Tier]:
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
-               policy: AdmissionPolicy | None = None) -> tuple[LandingTier, list[AdmittedTier], list[Tier]]:
+               policy: AdmissionPolicy | None = None, arena_bytes: Callable[[str], int] | None = None,
+               ) -> tuple[LandingTier, list[AdmittedTier], list[Tier]]:
     """The landing tier (host), the demotion targets (ssd, with its admission policy and
     write budget) and the tiers above the landing tier (hbm, see ``open_upper``). ``wrap``
     goes around each tier first (tests: ``FaultyTier``); ``policy`` replaces the configured
-    admission policy (the replay's oracle)."""
+    admission policy (the replay's oracle). With tenants (and not --share-arena) the host
+    tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes (made lazily: not pinned)."""
     wrap = wrap or (lambda tier: tier)
     upper = open_upper(config, wrap)  # first: a device that cannot be used refuses before an arena is made
-    landing = wrap(pinned(HostTier(config.host, config.node), config.hbm.device if "hbm" in config.tiers else None))
+    if config.security.tenants and not config.security.share_arena:
+        landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0)))
+    else:
+        landing = wrap(pinned(HostTier(config.host, config.node), config.hbm.device if "hbm" in config.tiers else None))
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []

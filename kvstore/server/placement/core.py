@@ -44,7 +44,7 @@ from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.view import CoreView
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import CoreStats, Reporter
-from kvstore.tiers.base import ArenaInfo, Quarantined
+from kvstore.tiers.base import ArenaInfo, LandingTier, Quarantined
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
 
 class Placement:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
-                 wrap: Wrap | None = None, policy: AdmissionPolicy | None = None) -> None:
+                 wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
+                 owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None) -> None:
         self.config = config
+        self.owner_of = owner_of or (lambda namespace_id: "")  # namespace -> the tenant whose arena holds its pages
         self.clock = clock
         self.node = config.node
         self.metrics = metrics or Metrics()
@@ -69,7 +71,7 @@ class Placement:
         gc.disable()
         try:
             self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
-            self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy)
+            self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
             self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
             self.tiers = self.residence.tiers
@@ -77,8 +79,8 @@ class Placement:
             self._lock = self.keeper.lock
             self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
-            self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get)
-            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics)
+            self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get, self.owner_of)
+            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
@@ -87,9 +89,9 @@ class Placement:
             if gc_enabled:
                 gc.enable()
 
-    @property
-    def arena(self) -> ArenaInfo:
-        return self.landing.arena
+    def arena_of(self, tenant: str = "") -> ArenaInfo:
+        """The arena ``tenant``'s pages live in (made now at its first use: TierFull when the host cannot hold it)."""
+        return self.landing.part(tenant).arena
 
     def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
         """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
@@ -104,8 +106,8 @@ class Placement:
         if not self.landing.fits(layout.page_bytes):
             raise InvalidRequest(f"page of {layout.page_bytes} bytes does not fit a {self.landing.name} slab; raise --host-capacity")
 
-    def _fill(self) -> float:
-        usage = self.landing.usage()
+    def _fill(self, tier: LandingTier | None = None) -> float:
+        usage = (tier or self.landing).usage()
         return usage.used_bytes / usage.capacity_bytes if usage.capacity_bytes else 0.0
 
     # -- writes through the landing tier -------------------------------------------------
@@ -116,6 +118,7 @@ class Placement:
         ``tenant``; stops at the first that finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
         prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
         expiry. Raises TierFull when not even the first page fits."""
+        arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
             self._check_layout(namespace_id, layout)
@@ -131,7 +134,7 @@ class Placement:
                         out.append((key, None))
                         continue
                     self.keeper.learn(key)
-                    slot = self.moves.make_room(layout.page_bytes)
+                    slot = self.moves.make_room(layout.page_bytes, arena)
                     if slot is None:
                         break
                     slots[key] = slot
@@ -143,7 +146,7 @@ class Placement:
             if not out:
                 raise TierFull(f"{self.landing.name} tier is full and every page in it is leased")
             self._layouts.setdefault(namespace_id, layout)
-            if self._fill() > self.config.host.demote_above:
+            if self._fill(arena) > self.config.host.demote_above:
                 self.pressure.set()
             ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant))
             return ident, out
@@ -225,9 +228,10 @@ class Placement:
         them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
+        arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
         with self.keeper.critical():
             while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
-                   and self.moves.evict_one(0, skip)):
+                   and self.moves.evict_one(0, skip, arena)):
                 pass
             self.reporter.refresh_gauges()
 
@@ -265,6 +269,10 @@ class Placement:
         """A queued request will need ``keys`` in about ``eta_s`` seconds (see reads.py)."""
         return self.reads.hint(namespace_id, keys, eta_s, prefetch)
 
+    def hint_entries(self, namespace_id: bytes, entries: list[tuple[list[bytes], float]]) -> list[bool]:
+        """``hint`` for each (keys, eta_s) entry, all announced or none (reads.py)."""
+        return self.reads.hint_entries(namespace_id, entries)
+
     def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, int, float]:
         """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():
@@ -294,7 +302,8 @@ class Placement:
         ``config.host.demote_to``; False when it is not, or nothing can go. Without a lower
         tier nothing is demoted ahead of need (an eviction is then in-memory work)."""
         with self.keeper.critical():
-            if self.lower and self._fill() > self.config.host.demote_to and self.moves.evict_one(0):
+            arena = max(self.landing.parts(), key=self._fill, default=self.landing)  # each tenant's arena has its watermarks
+            if self.lower and self._fill(arena) > self.config.host.demote_to and self.moves.evict_one(0, None, arena):
                 return True
             self.pressure.clear()  # set again by the next allocation past the watermark
             return False

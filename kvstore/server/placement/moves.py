@@ -21,13 +21,14 @@ from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.directory import Directory
-from kvstore.errors import MetadataFull, PageCorrupt, TierFull, TierUnavailable
+from kvstore.errors import LimitExceeded, MetadataFull, PageCorrupt, TierFull, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.residence import LANDING, Residence
-from kvstore.tiers.base import ReadResult
+from kvstore.server.placement.shares import TenantShares
+from kvstore.tiers.base import LandingTier, ReadResult
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Mover:
         self._written = threading.Condition(lock)
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
         self._last_error_log = 0.0
+        self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server; a page nobody owns has none)
 
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
@@ -79,20 +81,22 @@ class Mover:
 
     # -- landing room (lock held; released around writes) --------------------------------
 
-    def make_room(self, page_bytes: int) -> int | None:
-        """A landing slot for a page of ``page_bytes``, evicting as needed; None when every
-        page left is pinned. Called with the lock held; lets go of it while a victim is
-        written down, so what the caller decided before may have changed after."""
+    def make_room(self, page_bytes: int, arena: LandingTier | None = None) -> int | None:
+        """A slot in ``arena`` (a part of the landing tier: one tenant's arena) for a page of
+        ``page_bytes``, evicting from that arena as needed; None when every page left in it
+        is pinned. Called with the lock held; lets go of it while a victim is written down,
+        so what the caller decided before may have changed after."""
+        arena = arena or self.landing
         while True:
-            slot = self.landing.reserve(page_bytes)
-            if slot is not None or not self.evict_one(page_bytes):
+            slot = arena.reserve(page_bytes)
+            if slot is not None or not self.evict_one(page_bytes, None, arena):
                 return slot
 
-    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None) -> bool:
-        """Evicts the landing tier's next victim (written down first when it is worth it),
-        passing over the keys in ``skip`` (default: the pinned ones); False when there is
-        none. Lock held; released during the write."""
-        victim = self.landing.victim(self.leases.pins if skip is None else skip, page_bytes)
+    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None) -> bool:
+        """Evicts the next victim of ``arena`` (default: the landing tier's choice), written
+        down first when it is worth it, passing over the keys in ``skip`` (default: the
+        pinned ones); False when there is none. Lock held; released during the write."""
+        victim = (arena or self.landing).victim(self.leases.pins if skip is None else skip, page_bytes)
         if victim is None:
             return False
         header, slot = self.landing.header(victim), self.landing.slot_of(victim)
@@ -125,31 +129,62 @@ class Mover:
     # -- lower room (lock held; released around deletes) ---------------------------------
 
     def _reserve_lower(self, tier: int, payload_bytes: int) -> int | None:
-        target = self._target(tier)
         while True:
-            slot = target.reserve(payload_bytes)
-            if slot is not None:
+            slot = self._target(tier).reserve(payload_bytes)
+            if slot is not None or not self._evict_lower(tier, self.leases.pins, payload_bytes):
                 return slot
-            victim = target.victim(self.leases.pins, payload_bytes)
-            if victim is None:
-                return None
-            self.residence.doom(victim, tier)  # not served while it goes
-            self.leases.pin([victim], move=True)
-            deleted = False
-            self.lock.release()
-            try:
-                target.delete([victim], evicted=True)
-                deleted = True
-            except (OSError, MetadataFull) as exc:  # a full index cannot even record a delete: no room
-                logger.warning("%s tier: cannot evict %s: %s", target.name, victim.hex(), exc)
-            finally:
-                self.lock.acquire()
-                self.residence.revive(victim, tier)  # gone, or still there and live
-                self.residence.released(self.leases.unpin([victim], move=True))
-            if not deleted:
-                return None
-            self.directory.remove(victim, self.node, target.name)
-            self.metrics.evictions.labels(target.name).inc()
+
+    def _evict_lower(self, tier: int, skip: Container[bytes], payload_bytes: int) -> bool:
+        """Evicts the next victim of ``tier`` not in ``skip``; False when there is none or its
+        delete failed. Lock held; released during the delete."""
+        target = self._target(tier)
+        victim = target.victim(skip, payload_bytes)
+        if victim is None:
+            return False
+        self.residence.doom(victim, tier)  # not served while it goes
+        self.leases.pin([victim], move=True)
+        deleted = False
+        self.lock.release()
+        try:
+            target.delete([victim], evicted=True)
+            deleted = True
+        except (OSError, MetadataFull) as exc:  # a full index cannot even record a delete: no room
+            logger.warning("%s tier: cannot evict %s: %s", target.name, victim.hex(), exc)
+        finally:
+            self.lock.acquire()
+            self.residence.revive(victim, tier)  # gone, or still there and live
+            self.residence.released(self.leases.unpin([victim], move=True))
+        if not deleted:
+            return False
+        self.directory.remove(victim, self.node, target.name)
+        self.metrics.evictions.labels(target.name).inc()
+        return True
+
+    def _share_room(self, tier: int, header: PageHeader, why: list[str]) -> bool:
+        """Lock held: whether the page's tenant may add it to ``tier`` within its shares (write
+        budget, then ssd_bytes). At its ssd_bytes its own coldest unpinned pages there make room,
+        never another tenant's; False (the reason in ``why``) when they cannot."""
+        shares = self.shares
+        tenant = shares.tenant_of(header.namespace_id) if shares is not None and tier == 1 else None
+        if shares is None or tenant is None:
+            return True
+        cost = self._target(tier).write_cost(header.payload_bytes)
+        if not shares.can_write(tenant, cost):
+            shares.refused(tenant, "ssd_write_percent")
+            why.append(f"tenant {tenant!r} has spent its share of the {self._target(tier).name} write budget "
+                       "(ssd_write_percent of --ssd-dwpd)")
+            return False
+        if not self._target(tier).budget.can_take(cost):
+            return True  # the drive's budget refuses it next: nothing of the tenant's is evicted for it
+        skip = None
+        while shares.over(tenant, header.payload_bytes):
+            skip = skip or shares.own(tenant, self.leases.pins)
+            if not self._evict_lower(tier, skip, header.payload_bytes):
+                shares.refused(tenant, "ssd_bytes")
+                why.append(f"tenant {tenant!r} is at its ssd bytes quota and every one of its {self._target(tier).name} "
+                           "pages is in use (--tenant-ssd-bytes or the auth file's quotas)")
+                return False
+        return True
 
     # -- writing down (lock not held) ----------------------------------------------------
 
@@ -165,16 +200,20 @@ class Mover:
                 if header is not None and slot is not None and not self.residence.has(key, 1):
                     items.append((header, self.landing.view(slot, header.payload_bytes)))
         try:
-            held = self.write_down(1, items, wait=True) if items else 0
+            why: list[str] = []
+            held = self.write_down(1, items, wait=True, why=why) if items else 0
         except OSError as exc:
             raise TierUnavailable(
                 f"durable write failed on the {self._target(1).name} tier ({exc.strerror or exc}); the pages are stored in RAM only"
             ) from exc
+        if held < len(items) and why:
+            raise LimitExceeded(f"durable write refused: {why[0]}; the pages are stored in RAM only")
         if held < len(items):
             raise TierFull(f"durable write refused: the {self._target(1).name} write budget (--ssd-dwpd) or the tier is "
                            "exhausted; the pages are stored in RAM only")
 
-    def write_down(self, tier: int, items: list[tuple[PageHeader, memoryview]], wait: bool = False) -> int:
+    def write_down(self, tier: int, items: list[tuple[PageHeader, memoryview]], wait: bool = False,
+                   why: list[str] | None = None) -> int:
         """Writes landing pages (pinned by the caller, views of their slots) durably to
         ``tier`` and publishes them; returns how many of them ``tier`` holds now.
 
@@ -182,7 +221,8 @@ class Mover:
         indexed outside it. A page damaged in the landing tier is quarantined and nothing
         of the batch is indexed (PageCorrupt); an I/O error or a full index stores nothing
         (OSError, MetadataFull). ``wait``: a page another caller is writing to ``tier`` is
-        waited for instead of skipped (a durable commit needs it there when it returns).
+        waited for instead of skipped (a durable commit needs it there when it returns). A page
+        its tenant's ssd shares refuse is not written (the reason goes to ``why``).
         """
         target = self._target(tier)
         placed: list[tuple[int, PageHeader, memoryview]] = []
@@ -193,6 +233,8 @@ class Mover:
                 for header, payload in items:
                     if self.residence.has(header.key, tier) or (header.key, tier) in self._writing:
                         continue
+                    if not self._share_room(tier, header, [] if why is None else why):
+                        break  # its tenant's shares are spent: the rest stays in RAM only
                     if not target.charge(header.payload_bytes):
                         break  # over the endurance budget: the rest stays in RAM only
                     slot = self._reserve_lower(tier, header.payload_bytes)
@@ -200,6 +242,7 @@ class Mover:
                         break
                     placed.append((slot, header, payload))
                     self._writing.add((header.key, tier))
+                    self._placing(tier, header)
             except BaseException:
                 self._unplace(target, tier, placed)
                 raise
@@ -210,7 +253,7 @@ class Mover:
             for (_, header, _), check in zip(placed, checks):
                 reason = check.result()
                 if reason is not None:
-                    self._quarantine_landing(header, reason)
+                    self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
             target.commit([(slot, header) for slot, header, _ in placed])
         except PageCorrupt:
@@ -231,7 +274,16 @@ class Mover:
         for slot, header, _ in placed:
             target.unreserve(slot)
             self._writing.discard((header.key, tier))
+            if self.shares is not None:
+                self.shares.placed(header.key)
         self._written.notify_all()
+
+    def _placing(self, tier: int, header: PageHeader) -> None:
+        """Lock held: a page is placed in ``tier``; its tenant's shares count it (and its write)."""
+        tenant = self.shares.tenant_of(header.namespace_id) if self.shares is not None and tier == 1 else None
+        if self.shares is not None and tenant is not None:
+            self.shares.wrote(tenant, self._target(tier).write_cost(header.payload_bytes))
+            self.shares.placing(header.key, tenant, header.payload_bytes)
 
     def _publish(self, tier: int, headers: list[PageHeader]) -> None:
         """Lock held: publishes written copies, except of pages removed meanwhile (their new
@@ -248,6 +300,8 @@ class Mover:
             for key, _, _, _ in records:
                 if key not in listed:
                     self.residence.drop(key, tier)
+                if self.shares is not None:
+                    self.shares.placed(key)  # counted by the directory now (or removed meanwhile)
         self._written.notify_all()
 
     def _io_failed(self, name: str, exc: Exception) -> None:
@@ -259,8 +313,12 @@ class Mover:
             self._last_error_log = now
             logger.error("%s tier: write failed (%s); serving from RAM, nothing stored is lost", name, exc)
 
-    def _quarantine_landing(self, header: PageHeader, reason: str) -> None:
+    def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
+        """Drops a landing page that failed a check (lock not held). With ``slot``: only if
+        the page is still kept there (it may have been stored again elsewhere meanwhile)."""
         with self.lock:
+            if slot is not None and self.landing.slot_of(header.key) != slot:
+                return
             self.landing.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)

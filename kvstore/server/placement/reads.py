@@ -33,7 +33,7 @@ class AcquiredPage:
 
 class Reader:
     def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
-                 layout_of: Callable[[bytes], LayoutDesc | None]) -> None:
+                 layout_of: Callable[[bytes], LayoutDesc | None], owner_of: Callable[[bytes], str]) -> None:
         self.keeper = keeper
         self.residence = keeper.residence
         self.leases = keeper.leases
@@ -44,6 +44,7 @@ class Reader:
         self.node = node
         self.metrics = metrics
         self.layout_of = layout_of
+        self.owner_of = owner_of  # namespace id -> the tenant whose arena its pages are read up into
         self._scrub_queue: list[tuple[int, bytes]] = []
         self._scrub_buf = bytearray()
 
@@ -62,6 +63,7 @@ class Reader:
         pages: list[AcquiredPage] = []
         read_up: list[tuple[int, bytes, int]] = []  # (lower tier, key, landing slot)
         at: list[int] = []  # where each of read_up is in pages
+        arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
             for key in keys:
@@ -83,7 +85,7 @@ class Reader:
                 if tier is None or header is None:
                     break
                 self.leases.pin([key])  # keeps the lower copy while we make room and read it
-                slot = self.moves.make_room(header.payload_bytes)
+                slot = self.moves.make_room(header.payload_bytes, arena)
                 if slot is None:
                     self.keeper.unpin([key])
                     if pages:
@@ -154,13 +156,27 @@ class Reader:
         left within the hint share; the space is a reservation: when it is taken, nothing is
         read and False comes back at once, so the engine recomputes instead of waiting.
         """
+        return self.hint_entries(namespace_id, [(keys, eta_s)], prefetch)[0]
+
+    def hint_entries(self, namespace_id: bytes, entries: list[tuple[list[bytes], float]], prefetch: bool = True) -> list[bool]:
+        """``hint`` for each (keys, eta_s) entry, announced all or none: LimitExceeded, with
+        nothing announced, when together they would pass --max-hints."""
+        arena = self.landing.part(self.owner_of(namespace_id))
         with self.keeper.critical():
             self.keeper.reap()
-            self.landing.hint(keys, self.keeper.clock() + eta_s)
+            arena.check_hints(sum(len(keys) for keys, _ in entries))
+            now = self.keeper.clock()
+            for keys, eta_s in entries:
+                arena.hint(keys, now + eta_s)
+        return [self._prefetch(namespace_id, keys, prefetch) for keys, _ in entries]
+
+    def _prefetch(self, namespace_id: bytes, keys: list[bytes], prefetch: bool) -> bool:
+        arena = self.landing.part(self.owner_of(namespace_id))
+        with self.keeper.critical():
             stored = self.directory.prefix_length(namespace_id, keys)
             todo = [k for k in keys[:stored] if not self.residence.has(k, LANDING)] if prefetch else []
             layout = self.layout_of(namespace_id)
-            if todo and (layout is None or not self.landing.hint_room(len(todo), layout.page_bytes)):
+            if todo and (layout is None or not arena.hint_room(len(todo), layout.page_bytes)):
                 self.metrics.hints.labels("refused").inc(len(keys))
                 return False
             self.metrics.hints.labels("reserved").inc(len(keys))

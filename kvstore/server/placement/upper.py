@@ -18,6 +18,7 @@ run under the lock; its ``write`` and ``read_into`` (device copies) never do.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from kvstore.directory import Directory
@@ -38,7 +39,9 @@ class UpperTier(Tier, Protocol):
 
 
 class Promoter:
-    def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics) -> None:
+    def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
+                 owner_of: Callable[[bytes], str]) -> None:
+        self.owner_of = owner_of  # namespace id -> the tenant whose arena a page demoted from hbm goes to
         self.keeper = keeper
         self.lock = keeper.lock
         self.residence = keeper.residence
@@ -167,7 +170,7 @@ class Promoter:
         """Lock held (released for the copy): reads the only copy of ``key`` into a landing
         slot and publishes it there."""
         up, tier = self.index, self.tier
-        slot = self.moves.make_room(header.payload_bytes)
+        slot = self.moves.make_room(header.payload_bytes, self.landing.part(self.owner_of(header.namespace_id)))
         if slot is None:
             return  # every landing page is pinned: the page leaves the cache
         self.leases.pin([key], move=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,8 +20,9 @@ from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
-from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, page_chunks
+from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
@@ -43,8 +45,9 @@ class DataService(data_pb2_grpc.DataServicer):
     names (see kvstore/server/tenancy/access.py)."""
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
-                 cluster: ClusterRuntime | None = None) -> None:
+                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
         self.core = core
+        self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.metrics = core.metrics
@@ -57,16 +60,21 @@ class DataService(data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """The arena is one trust domain (whoever maps it reads and writes every page in it):
-        tenants get it only with --share-arena; without it their pages go over gRPC."""
-        arena = self.core.arena
-        shared = current_identity().via == "local" or self.config.security.share_arena
-        return data_pb2.GetInfoResponse(
-            node=self.core.node, arena_path=arena.path if shared else "", arena_bytes=arena.size_bytes if shared else 0,
-            arena_token=arena.token if shared else b"",
-            tiers=list(self.config.tiers), max_pages_per_request=self.config.max_pages_per_request,
-            max_page_bytes=self.config.max_page_bytes,
-        )
+        """An arena is one trust domain (whoever maps it reads and writes every page in it).
+        Without tenants (or with --share-arena) the one arena is announced by path; with
+        tenants the caller's own arena (made now at its first use) is announced by its size
+        and token, and handed over as a descriptor by the arena socket to the caller's token."""
+        who = current_identity()
+        info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
+                                        max_pages_per_request=self.config.max_pages_per_request,
+                                        max_page_bytes=self.config.max_page_bytes)
+        if who.via == "local" or self.config.security.share_arena:
+            arena = self.core.arena_of()
+            info.arena_path, info.arena_bytes, info.arena_token = arena.path, arena.size_bytes, arena.token
+        elif self.arena_socket is not None:
+            arena = self.core.arena_of(who.tenant)
+            info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
+        return info
 
     @unary
     def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
@@ -79,12 +87,16 @@ class DataService(data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
         who = current_identity()
-        self._room(who, len(keys), layout.page_bytes)
-        with self.tenancy.writing(who, ns):
-            ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
+        held = self._room(who, len(keys), layout.page_bytes)
+        try:
+            with self.tenancy.writing(who, ns):
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
+        finally:
+            held.release()  # the allocation's slots count now (or there are none)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
-            slots=[data_pb2.Slot(key=k, offset=o or 0, exists=o is None) for k, o in slots],
+            slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
+                   for k, o in slots],
         )
 
     @unary
@@ -92,27 +104,38 @@ class DataService(data_pb2_grpc.DataServicer):
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
         who = current_identity()
         alloc = self.core.leases.allocation(request.allocation_id)
+        bridge = NOTHING
         if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
-            if request.durable:
-                self.quotas.check_durable(who, len(alloc.keys) * alloc.layout.page_bytes)
             self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
-        n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                             tenant=who.tenant)
+            bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
+        try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
+            n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
+                                 tenant=who.tenant)
+        finally:
+            bridge.release()
         return data_pb2.CommitResponse(num_published=n)
 
-    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> None:
-        """Checks the tenant's quotas for ``num_pages`` new pages; at its host quota, its own
-        coldest pages make room (written down), never another tenant's."""
+    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> Reservation:
+        """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its
+        host quota, its own coldest pages make room (written down), never another tenant's."""
         try:
-            self.quotas.check_pages(who, num_pages, page_bytes)
+            return self.quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
             self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
-            self.quotas.check_pages(who, num_pages, page_bytes)
+        try:
+            return self.quotas.pages(who, num_pages, page_bytes)
+        except HostQuotaFull:  # its own pages left are pinned or reserved
+            self.quotas.refused(who.tenant, "host_bytes")
+            raise
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
         bytes of the page that left it (maybe another tenant's), and a commit that claims a
-        checksum without writing them must not publish those bytes under the caller's key."""
+        checksum without writing them must not publish those bytes under the caller's key. With
+        an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
+        page committed with a wrong checksum fails the checks before it is sent or demoted)."""
+        if self.arena_socket is not None:
+            return
         for key, expected in zip(keys, checksums):
             if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
                 raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
@@ -128,16 +151,28 @@ class DataService(data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         who = current_identity()
+        self._check_arena(who, ns)
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        self.quotas.check_lease(who)
-        if self.cluster is not None and keys:
-            self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        with self.quotas.reserving(who, leases=1):
+            if self.cluster is not None and keys:
+                self.cluster.fill(ns, keys, context.time_remaining())
+            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        self.quotas.used(who, [p.key for p in pages])
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.slot, checksum=p.checksum) for p in pages],
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
+                   for p in pages],
         )
+
+    def _check_arena(self, who: Identity, namespace_id: bytes) -> None:
+        """With an arena per tenant, Acquire answers slots in the arena of the namespace's
+        owner: a reader of another tenant's namespace (admin) is told to use ReadPages (a
+        caller that may not read it learns nothing here: it is answered as empty)."""
+        owner = self.tenancy.owners.owner(namespace_id)
+        if self.arena_socket is not None and owner not in (None, who.tenant) and self.tenancy.may_read(who, namespace_id):
+            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
+                                 "read them with ReadPages")
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
@@ -170,10 +205,12 @@ class DataService(data_pb2_grpc.DataServicer):
                     assert dest is not None
                     done, page = page, None
                     committed = False
+                    bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
                     try:
                         committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
                                                      dest.flags) > 0
                     finally:
+                        bridge.release()
                         self._settle(who, dest, committed)
                     if not committed:
                         break  # stored at its first chunk, gone at its commit: num_published ends here
@@ -200,16 +237,17 @@ class DataService(data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        self._room(who, 1, layout.page_bytes)
-        if chunk.durable:
-            self.quotas.check_durable(who, layout.page_bytes)
-        claimed = self.tenancy.claim(who, ns)
+        held = self._room(who, 1, layout.page_bytes)
         try:
-            allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
-        except BaseException:
-            if claimed:
-                self.tenancy.settle(who, ns, False)
-            raise
+            claimed = self.tenancy.claim(who, ns)
+            try:
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
+            except BaseException:
+                if claimed:
+                    self.tenancy.settle(who, ns, False)
+                raise
+        finally:
+            held.release()  # the allocation's slot counts now (or there is none)
         dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
         try:
             sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
@@ -235,8 +273,8 @@ class DataService(data_pb2_grpc.DataServicer):
             entries.append((self._keys(list(entry.keys)), entry.eta_ms / 1000))
         if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
             return data_pb2.HintResponse(reserved=[True] * len(entries))
-        self.quotas.charge_hints(who, sum(len(keys) for keys, _ in entries), max((eta for _, eta in entries), default=0.0))
-        reserved = [self.core.hint(ns, keys, eta_s) for keys, eta_s in entries]
+        with self.quotas.hinting(who, entries):  # all of it, or none: a Hint the server refuses is not charged
+            reserved = self.core.hint_entries(ns, entries)
         if self.cluster is not None:  # pages held on other nodes are fetched ahead too, without waiting
             for (keys, _), ok in zip(entries, reserved):
                 if ok:
@@ -249,10 +287,9 @@ class DataService(data_pb2_grpc.DataServicer):
         if len(request.tokens) > 1 << 20:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
         who = current_identity()
-        self.quotas.check_tokens(who, len(request.tokens))
-        with self.tenancy.writing(who, ns):
+        with self.tenancy.writing(who, ns), self.quotas.appending(who) as charge:
             length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
-                                     request.prompt_tokens, request.sync)
+                                     request.prompt_tokens, request.sync, charge)
         return data_pb2.AppendTokensResponse(length=length)
 
     @unary
@@ -279,14 +316,20 @@ class DataService(data_pb2_grpc.DataServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        self.quotas.check_lease(who)
-        if self.cluster is not None and keys and not request.local_only:
-            self.cluster.fill(ns, keys, context.time_remaining())
-        ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        with self.quotas.reserving(who, leases=1):
+            if self.cluster is not None and keys and not request.local_only:
+                self.cluster.fill(ns, keys, context.time_remaining())
+            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+        self.quotas.used(who, [p.key for p in pages])
         try:
-            for page in pages:
+            for page in pages:  # each checked as it is copied out: a slot scribbled on is quarantined, not sent
                 header = page.header
-                yield from page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout), self.core.read_view(page),
-                                       header.checksum, chunk_bytes=chunk_bytes)
+                chunks = checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
+                                             self.core.read_view(page), header.checksum, chunk_bytes)
+                if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
+                    self.core.moves.quarantine_landing(header, "its bytes in the arena do not match its checksum "
+                                                       "(checked before sending)", page.slot)
+                    break
+                yield from chunks
         finally:
             self.core.release(ident)

@@ -86,8 +86,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
         who = current_identity()
-        self.tenancy.quotas.check_publish(who, len(records))
-        with self.tenancy.writing(who, ns):
+        with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns):
             versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
@@ -120,8 +119,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         who = current_identity()
         if not self.tenancy.may_read(who, ns):
             keys = []  # as for an empty namespace
-        self.tenancy.quotas.check_lease(who)
-        ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
+        with self.tenancy.quotas.reserving(who, leases=1):
+            ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
         return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
 
     @unary

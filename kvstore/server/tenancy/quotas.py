@@ -3,32 +3,38 @@
 A tenant's limits are the server-wide defaults (--tenant-* flags, ``TenantQuota``) with the
 auth file's ``[quotas.TENANT]`` over them, re-read with the file (SIGHUP). Its use is read
 from counters the holders keep anyway: the directory's bytes per namespace and tier and
-its remote records, the lease table's leases and allocations per tenant, the token log's
-tokens per namespace, and the hints charged here until their eta plus grace. A check is a
-few dict reads per namespace of the tenant; nothing is written per RPC.
+its remote records, the lease table's leases, allocations and allocated slot bytes per
+tenant, the token log's tokens per namespace, and the hints charged in hint_charges.py.
 
-Checks run before the request changes anything and raise LimitExceeded (RESOURCE_EXHAUSTED)
-for that tenant only. They are not atomic with the change they guard: concurrent calls of
-one tenant can pass a limit by at most what those calls add. The local tenant of a server
-without tenants has no quota.
+Check and charge are one step: ``reserve`` checks use + what the tenant's calls in flight
+reserved + what this call adds against the limit, and reserves it, under the tenant's
+lock; the reservation is released once the change is counted by its holder (or failed),
+so concurrent calls of one tenant never pass a limit together, and a refused or failed
+call leaves no charge. A quota exceeded raises LimitExceeded (RESOURCE_EXHAUSTED) for that
+tenant only and is counted in ``kvstore_tenant_quota_refusals_total``. The local tenant of a
+server without tenants has no quota.
 
 A tenant at its host_bytes quota makes room by evicting (writing down) its own coldest
-pages (``Placement.evict_own``); it is refused only when all of them are pinned. Demotion
-does not check ssd_bytes: a tenant at its ssd_bytes limit is refused new pages instead.
+pages (``Placement.evict_own``); it is refused only when all of them are pinned or
+reserved. ssd_bytes and ssd_write_percent hold wherever pages reach the ssd tier, durable
+writes and demotion alike (ssd_share.py).
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvstore.config import TenantQuota
 from kvstore.directory import Directory
 from kvstore.errors import HostQuotaFull, LimitExceeded
 from kvstore.security.identity import Identity
 from kvstore.server.leases import LeaseTable
+from kvstore.server.metrics import Metrics
+from kvstore.server.tenancy.hint_charges import HintCharges
 from kvstore.server.tenancy.owners import NamespaceOwners
 from kvstore.server.tokenlog import TokenLog
 from kvstore.types import REMOTE_TIER
@@ -36,52 +42,40 @@ from kvstore.types import REMOTE_TIER
 TOKEN_BYTES = 4  # a logged token is a little-endian uint32
 
 
-class _HintCharges:
-    """Hinted keys charged to each tenant until their eta plus grace (a consumed hint stays
-    charged until then: conservative, and nothing to hook into the eviction order)."""
+class Reservation:
+    """What one call reserved of its tenant's quotas; ``release`` once the change it guards
+    is counted by its holder, or failed (idempotent)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._due: list[tuple[float, str, int]] = []  # (until, tenant, keys)
-        self._held: dict[str, int] = {}
+    def __init__(self, release: Callable[[], None] | None = None) -> None:
+        self._release = release
 
-    def held(self, tenant: str) -> int:
-        with self._lock:
-            self._expire()
-            return self._held.get(tenant, 0)
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
-    def charge(self, tenant: str, num_keys: int, until: float, limit: int) -> None:
-        with self._lock:
-            self._expire()
-            held = self._held.get(tenant, 0)
-            if limit and held + num_keys > limit:
-                raise LimitExceeded(f"tenant {tenant!r} holds {held} hinted keys; {num_keys} more would pass its quota "
-                                    f"of {limit} (hints); nothing was hinted")
-            self._held[tenant] = held + num_keys
-            heapq.heappush(self._due, (until, tenant, num_keys))
 
-    def _expire(self) -> None:
-        now = self._clock()
-        while self._due and self._due[0][0] <= now:
-            _, tenant, num_keys = heapq.heappop(self._due)
-            self._held[tenant] -= num_keys
+NOTHING = Reservation()
 
 
 class Quotas:
     def __init__(self, defaults: TenantQuota, overrides: Callable[[], dict[str, dict[str, int]]], owners: NamespaceOwners,
-                 directory: Directory, leases: LeaseTable, wal: TokenLog, hint_grace_s: float,
+                 directory: Directory, leases: LeaseTable, wal: TokenLog, hint_grace_s: float, metrics: Metrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.defaults = defaults
         self._overrides = overrides
-        self._owners = owners
-        self._directory = directory
+        self.owners = owners
+        self.directory = directory
         self._leases = leases
         self._wal = wal
         self._hint_grace_s = hint_grace_s
+        self.metrics = metrics or Metrics()
         self._clock = clock
-        self._hints = _HintCharges(clock)
+        self._hints = HintCharges(clock)
         self._cache: tuple[object, dict[str, TenantQuota]] = (None, {})
+        self._locks: dict[str, threading.Lock] = {}
+        self._reserved: dict[str, Counter[str]] = {}  # tenant -> quota -> reserved by its calls in flight
+        self.ssd_written: Counter[str] = Counter()  # tenant -> ssd device bytes written for it (ssd_share.py)
 
     def limits(self, tenant: str) -> TenantQuota:
         overrides = self._overrides()
@@ -98,69 +92,136 @@ class Quotas:
         return list(self._overrides())
 
     def usage(self, tenant: str) -> dict[str, int]:
-        """What ``tenant`` holds, by TenantQuota field."""
+        """What ``tenant`` holds, by TenantQuota field (host_bytes: pages and allocated slots),
+        and the ssd bytes written for it (``ssd_written_bytes``)."""
+        slot_bytes = self._leases.slot_bytes(tenant)  # before the directory: a commit moves bytes from one to the other
         held: dict[str, int] = {}
         tokens = 0
-        for namespace_id in self._owners.namespaces_of(tenant):
-            for what, amount in self._directory.usage(namespace_id).items():
+        for namespace_id in self.owners.namespaces_of(tenant):
+            for what, amount in self.directory.usage(namespace_id).items():
                 held[what] = held.get(what, 0) + amount
             tokens += self._wal.tokens_of(namespace_id)
         leases, allocations = self._leases.held(tenant)
-        return {"host_bytes": held.get("host", 0), "ssd_bytes": held.get("ssd", 0), "leases": leases,
+        return {"host_bytes": held.get("host", 0) + slot_bytes, "ssd_bytes": held.get("ssd", 0), "leases": leases,
                 "allocations": allocations, "hints": self._hints.held(tenant), "token_log_bytes": tokens * TOKEN_BYTES,
-                "published_records": held.get(REMOTE_TIER, 0)}
+                "published_records": held.get(REMOTE_TIER, 0), "ssd_written_bytes": self.ssd_written[tenant]}
+
+    def refused(self, tenant: str, quota: str) -> None:
+        self.metrics.tenant_quota_refusals.labels(tenant, quota).inc()
 
     @staticmethod
     def _bounded(who: Identity) -> bool:
         return who.via != "local"
 
-    def _over(self, who: Identity, name: str, adding: int, used: int | None = None) -> None:
-        limit = getattr(self.limits(who.tenant), name)
-        if not limit:
-            return
-        if used is None:
-            used = self.usage(who.tenant)[name]
-        if used + adding > limit:
-            raise LimitExceeded(f"tenant {who.tenant!r} holds {used} {name.replace('_', ' ')}; {adding} more would pass "
-                                f"its quota of {limit} (--tenant-{name.replace('_', '-')} or the auth file's quotas); "
-                                "nothing was done")
+    def _lock(self, tenant: str) -> threading.Lock:
+        return self._locks.setdefault(tenant, threading.Lock())
 
-    def check_pages(self, who: Identity, num_pages: int, page_bytes: int) -> None:
-        """Before an allocation of ``num_pages`` pages: allocations, the ssd share (a tenant
-        whose ssd_bytes are spent takes no new page: it would be demoted), and host bytes
-        (HostQuotaFull: the caller may evict the tenant's own pages and ask again)."""
+    # -- reservations --------------------------------------------------------------------
+
+    def reserve(self, who: Identity, **amounts: int) -> Reservation:
+        """Checks and reserves ``amounts`` (TenantQuota field -> how much the call adds) in one
+        step; LimitExceeded, reserving nothing, when one would pass its limit. HostQuotaFull
+        (a LimitExceeded) when only host_bytes would, and evicting the tenant's own pages down
+        to its ``keep_bytes`` would make room."""
         if not self._bounded(who):
-            return
-        used = self.usage(who.tenant)
-        self._over(who, "allocations", 1, used["allocations"])
-        self._over(who, "ssd_bytes", 1 if used["ssd_bytes"] else 0, used["ssd_bytes"])
+            return NOTHING
+        tenant = who.tenant
+        limits = self.limits(tenant)
+        with self._lock(tenant):
+            used = self.usage(tenant)
+            reserved = self._reserved.setdefault(tenant, Counter())
+            for name, adding in amounts.items():
+                limit = getattr(limits, name)
+                held = used[name] + reserved[name]
+                if limit and held + adding > limit:
+                    self._refuse(who, name, adding, held, limit, used)
+            reserved.update(amounts)
+        return Reservation(lambda: self._give_back(tenant, amounts))
+
+    def hold(self, who: Identity, **amounts: int) -> Reservation:
+        """Reserves ``amounts`` without a check: a change moving use from one holder's count to
+        another's (a commit: slots to pages) is counted throughout."""
+        if not self._bounded(who):
+            return NOTHING
+        with self._lock(who.tenant):
+            self._reserved.setdefault(who.tenant, Counter()).update(amounts)
+        return Reservation(lambda: self._give_back(who.tenant, amounts))
+
+    @contextmanager
+    def reserving(self, who: Identity, **amounts: int) -> Iterator[None]:
+        """``reserve`` for the body, released after it (its change is counted by then)."""
+        held = self.reserve(who, **amounts)
         try:
-            self._over(who, "host_bytes", num_pages * page_bytes, used["host_bytes"])
-        except LimitExceeded as exc:
-            keep = self.limits(who.tenant).host_bytes - num_pages * page_bytes
-            if keep < 0:  # the request alone is larger than the quota
-                raise
-            raise HostQuotaFull(str(exc), keep) from None
+            yield
+        finally:
+            held.release()
 
-    def check_durable(self, who: Identity, num_bytes: int) -> None:
-        """Before a durable commit writes ``num_bytes`` through to the ssd tier."""
-        if self._bounded(who):
-            self._over(who, "ssd_bytes", num_bytes)
+    def _give_back(self, tenant: str, amounts: dict[str, int]) -> None:
+        with self._lock(tenant):
+            self._reserved[tenant].subtract(amounts)
 
-    def check_lease(self, who: Identity) -> None:
-        if self._bounded(who):
-            self._over(who, "leases", 1, self._leases.held(who.tenant)[0])
+    def _refuse(self, who: Identity, name: str, adding: int, held: int, limit: int, used: dict[str, int]) -> None:
+        """Raises; counts the refusal unless the caller may make room (HostQuotaFull: it counts
+        one if it still fails after)."""
+        text = (f"tenant {who.tenant!r} holds {held} {name.replace('_', ' ')}; {adding} more would pass its quota of {limit} "
+                f"(--tenant-{name.replace('_', '-')} or the auth file's quotas); nothing was done")
+        if name == "host_bytes":
+            keep = limit - adding - (held - used["host_bytes"]) - self._leases.slot_bytes(who.tenant)
+            if keep >= 0:  # evicting its own pages down to keep makes room (slots and reservations cannot go)
+                raise HostQuotaFull(text, keep)
+        self.refused(who.tenant, name)
+        raise LimitExceeded(text)
 
-    def check_tokens(self, who: Identity, num_tokens: int) -> None:
-        if self._bounded(who):
-            self._over(who, "token_log_bytes", num_tokens * TOKEN_BYTES)
+    # -- the quotas, as the servicers use them -------------------------------------------
 
-    def check_publish(self, who: Identity, num_records: int) -> None:
-        if self._bounded(who):
-            self._over(who, "published_records", num_records)
+    def pages(self, who: Identity, num_pages: int, page_bytes: int) -> Reservation:
+        """For an allocation of ``num_pages`` new pages: one allocation and their host bytes,
+        held until the allocation holds its slots (``LeaseTable.slot_bytes``)."""
+        return self.reserve(who, allocations=1, host_bytes=num_pages * page_bytes)
 
-    def charge_hints(self, who: Identity, num_keys: int, eta_s: float) -> None:
-        """Charges ``num_keys`` hinted keys until ``eta_s`` (from now) plus the hint grace."""
-        if self._bounded(who):
-            limit = self.limits(who.tenant).hints
-            self._hints.charge(who.tenant, num_keys, self._clock() + eta_s + self._hint_grace_s, limit)
+    def lease(self, who: Identity) -> Reservation:
+        return self.reserve(who, leases=1)
+
+    def publish(self, who: Identity, num_records: int) -> Reservation:
+        return self.reserve(who, published_records=num_records)
+
+    @contextmanager
+    def appending(self, who: Identity) -> Iterator[Callable[[int], None]]:
+        """A token append: gives the token log the charge it calls, under its own lock, with
+        the tokens the append adds (none for a retry of an applied append)."""
+        held: list[Reservation] = []
+
+        def charge(num_tokens: int) -> None:
+            if num_tokens:
+                held.append(self.reserve(who, token_log_bytes=num_tokens * TOKEN_BYTES))
+
+        try:
+            yield charge
+        finally:
+            for reservation in held:  # the token log counts the tokens by now, or wrote none
+                reservation.release()
+
+    @contextmanager
+    def hinting(self, who: Identity, entries: list[tuple[list[bytes], float]]) -> Iterator[None]:
+        """Charges the hinted keys of ``entries`` ((keys, eta_s)) until their eta plus the hint
+        grace, or their use; a body that raises (the server refused the Hint) charges nothing."""
+        if not self._bounded(who):
+            yield
+            return
+        now = self._clock()
+        try:
+            ids = self._hints.charge(who.tenant, [(keys, now + eta + self._hint_grace_s) for keys, eta in entries],
+                                     self.limits(who.tenant).hints)
+        except LimitExceeded:
+            self.refused(who.tenant, "hints")
+            raise
+        try:
+            yield
+        except BaseException:
+            self._hints.refund(ids)
+            raise
+
+    def used(self, who: Identity, keys: list[bytes]) -> None:
+        """``who`` read ``keys``: the hints that announced these uses are fulfilled."""
+        if self._bounded(who) and keys:
+            self._hints.used(who.tenant, keys)

@@ -1,0 +1,39 @@
+"""The server checks a landing page's bytes before it sends them over the wire (issue 16,
+item 4): whoever maps an arena can write into any slot of it, so a damaged page must be
+quarantined, never streamed out under its checksum nor left stored."""
+
+from __future__ import annotations
+
+import secrets
+
+import grpc
+import pytest
+from conftest import flip_arena_byte
+
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.page import checksum
+
+LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=64, dtype="float16", page_tokens=16)
+PAGE_BYTES = 2 * 2 * 2 * 64 * 2 * 16
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 << 20, 4096], ids=["page-per-message", "chunks"])
+def test_a_damaged_landing_page_is_quarantined_not_streamed(server, chunk_bytes: int) -> None:
+    """Bug: ReadPages streamed a landing page straight from its slot without checking it,
+    so bytes scribbled into the arena went out over the wire (the receiver alone noticed)
+    and the damaged page stayed stored and findable."""
+    ns = secrets.token_bytes(16)
+    keys = [secrets.token_bytes(16) for _ in range(3)]
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    with grpc.insecure_channel(server.address) as channel:
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+        stored = data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
+                                                          checksum=checksum(p), data=p) for k, p in zip(keys, pages)]))
+        assert stored.num_published == 3
+        flip_arena_byte(server, server.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
+        chunks = list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, chunk_bytes=chunk_bytes)))
+        sent = b"".join(c.data for c in chunks)
+        assert {c.key for c in chunks} == {keys[0]}, "the stream ends before the damaged page"
+        assert sent == pages[0]
+        assert keys[1] in [q.key for q in server.core.quarantined()]
+        assert directory.Lookup(directory_pb2.LookupRequest(namespace_id=ns, keys=keys)).num_pages == 1
