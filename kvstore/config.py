@@ -80,6 +80,30 @@ class HostTierConfig:
 
 
 @dataclass(frozen=True)
+class HbmTierConfig:
+    """The hbm tier: one pool of page slots in GPU memory (tiers/hbm.py).
+
+    ``device`` is a CUDA device ("cuda", "cuda:1"). "cpu" places the same pool in host memory
+    to run the tier's logic without a GPU: a test-only emulation (``--hbm-device cpu``), never
+    a deployment (nothing is faster than the host tier then)."""
+
+    capacity_bytes: int = 4 << 30
+    device: str = "cuda"
+    slab_bytes: int = 0  # 0: derived from capacity (capacity/16, clamped to [4 MiB, 64 MiB])
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"cuda(:\d+)?|cpu", self.device):
+            raise ConfigError(f"--hbm-device must be cuda, cuda:N or cpu (test-only emulation), got {self.device!r}")
+        if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
+            raise ConfigError("--hbm-capacity must be at least 4MiB")
+        if self.slab_bytes == 0:
+            derived = min(64 << 20, max(4 << 20, self.capacity_bytes // 16))
+            object.__setattr__(self, "slab_bytes", derived - derived % 4096)
+        if self.slab_bytes % 4096 or self.slab_bytes > self.capacity_bytes:
+            raise ConfigError("hbm slab size must be a multiple of 4096 and at most --hbm-capacity")
+
+
+@dataclass(frozen=True)
 class SsdTierConfig:
     directory: Path
     capacity_bytes: int = 16 << 30
@@ -197,6 +221,7 @@ class ServerConfig:
     tiers: tuple[str, ...] = ("host", "ssd")
     host: HostTierConfig = field(default_factory=HostTierConfig)
     ssd: SsdTierConfig | None = None
+    hbm: HbmTierConfig = field(default_factory=HbmTierConfig)  # used when tiers names hbm
     metrics_listen: str | None = "127.0.0.1:9464"  # None: no /metrics endpoint
     node: str = "local"
     max_pages_per_request: int = 65536

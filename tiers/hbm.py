@@ -1,16 +1,208 @@
-"""The hbm tier needs CUDA. Until it is built, asking for it fails with a clear message,
-and without a GPU it always does."""
+"""The hbm tier: one pool of page slots in GPU memory, above the host tier.
+
+The pool is one tensor allocated once on a ``torch.device`` (a plain device allocation
+through torch's allocator, never managed memory) and carved into 4 KiB-aligned page slots
+by the same slab allocator as the host arena. The tier keeps its own index, LRU order and
+quarantine list under its own lock; copies in and out of the pool run outside it.
+
+On CUDA the pool lives in GPU memory and same-host engines map it through CUDA IPC
+(``export``, see cuda.py); a page crosses the PCIe link once, from the host arena. With
+``HbmTierConfig.device == "cpu"`` the same pool sits in host memory: a test-only emulation
+that runs every line of this tier but the CUDA calls (the contract suite and the server
+tests run it so). Without CUDA and without that switch the tier refuses to open
+(``check_device``), and ``kvstore-server --tiers hbm`` exits with that message.
+
+It is a memory tier: nothing survives the process (``recover`` lists nothing).
+"""
 
 from __future__ import annotations
 
-from kvstore.errors import TierUnavailable
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Container
+
+import torch
+
+from kvstore.config import HbmTierConfig
+from kvstore.errors import PageCorrupt, TierUnavailable
+from kvstore.page import PageHeader
+from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.slab import SlabAllocator
+
+logger = logging.getLogger(__name__)
 
 
-def require_cuda() -> None:
-    try:
-        import torch
-    except ImportError as exc:
-        raise TierUnavailable("--tiers hbm needs torch with CUDA; torch is not installed") from exc
+def check_device(config: HbmTierConfig) -> torch.device:
+    """The device the pool goes on; TierUnavailable when it cannot be used here."""
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        logger.warning("hbm tier emulated in host memory (--hbm-device cpu): for tests only")
+        return device
     if not torch.cuda.is_available():
-        raise TierUnavailable("--tiers hbm needs a CUDA device and none is visible; drop hbm from --tiers")
-    raise TierUnavailable("--tiers hbm is not implemented yet in this version; use --tiers host,ssd")
+        raise TierUnavailable("--tiers hbm needs a CUDA device and none is visible; drop hbm from --tiers "
+                              "(--hbm-device cpu emulates it in host memory, for tests only)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise TierUnavailable(f"--hbm-device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", index)
+
+
+def _host_bytes(buffer: memoryview, nbytes: int) -> torch.Tensor:
+    """``buffer[:nbytes]`` as a uint8 tensor sharing its memory (a read-only buffer, which
+    torch cannot wrap without a warning, is copied: only tests pass one)."""
+    if buffer.readonly:
+        return torch.frombuffer(bytearray(buffer[:nbytes]), dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+
+
+class HbmTier:
+    """Pages in one device-memory pool, indexed by key (a ``Tier``)."""
+
+    name = "hbm"
+
+    def __init__(self, config: HbmTierConfig) -> None:
+        self.config = config
+        self.device = check_device(config)
+        capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
+        # One allocation for the tier's life: slots never go back to torch's allocator, so
+        # an exported handle (CUDA IPC) names the same memory as long as the tier lives.
+        self.pool = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self._allocator = SlabAllocator(0, capacity, config.slab_bytes)
+        self._pages: dict[bytes, tuple[int, PageHeader]] = {}
+        self._order: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._quarantine: list[Quarantined] = []
+        self._lock = threading.Lock()
+        logger.info("hbm pool on %s: %d MiB in %d slabs", self.device, capacity >> 20, self._allocator.num_slabs)
+
+    # -- slots ---------------------------------------------------------------------------
+
+    def reserve(self, payload_bytes: int) -> int | None:
+        with self._lock:
+            return self._allocator.alloc(payload_bytes) if self._allocator.fits(payload_bytes) else None
+
+    def unreserve(self, slot: int) -> None:
+        with self._lock:
+            self._allocator.free(slot)
+
+    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
+        """Copies the payload from host memory into the slot (host -> device; a pinned
+        source makes it DMA). Returns once the bytes are in the pool."""
+        nbytes = header.payload_bytes
+        self.pool[slot : slot + nbytes].copy_(_host_bytes(payload, nbytes))
+
+    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+        with self._lock:
+            for slot, header in pages:
+                old = self._pages.get(header.key)
+                if old is not None and old[0] != slot:
+                    self._allocator.free(old[0])
+                self._pages[header.key] = (slot, header)
+                self._order[header.key] = None
+                self._order.move_to_end(header.key)
+
+    def fits(self, page_bytes: int) -> bool:
+        """Whether a page of ``page_bytes`` fits one slot at all."""
+        return self._allocator.fits(page_bytes)
+
+    def device_view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The slot's bytes in the pool (on the device): for copies that stay on it."""
+        return self.pool[slot : slot + nbytes]
+
+    def export(self) -> str:
+        """CUDA ONLY. The pool as a CUDA IPC handle (JSON) for same-host engine processes
+        (cuda.open_pool); slot offsets (``slot_of``) index the tensor they open."""
+        from kvstore.tiers.cuda import export_pool
+
+        return export_pool(self.pool)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        """Copies pages out of the pool (device -> host) and verifies each there."""
+        for index, (key, into) in enumerate(pages):
+            entry = self._pages.get(key)
+            if entry is None:
+                return ReadResult(index)
+            slot, header = entry
+            nbytes = header.payload_bytes
+            torch.frombuffer(into, dtype=torch.uint8, count=nbytes).copy_(self.pool[slot : slot + nbytes])
+            try:
+                header.verify_payload(into[:nbytes], nbytes)
+            except PageCorrupt as exc:
+                return ReadResult(index, str(exc))
+        return ReadResult(len(pages))
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def header(self, key: bytes) -> PageHeader | None:
+        entry = self._pages.get(key)
+        return entry[1] if entry else None
+
+    def slot_of(self, key: bytes) -> int | None:
+        entry = self._pages.get(key)
+        return entry[0] if entry else None
+
+    # -- removal -------------------------------------------------------------------------
+
+    def delete(self, keys: list[bytes], evicted: bool = False) -> int:
+        count = 0
+        with self._lock:
+            for key in keys:
+                entry = self._pages.pop(key, None)
+                if entry is not None:
+                    self._allocator.free(entry[0])
+                    self._order.pop(key, None)
+                    count += 1
+        return count
+
+    def quarantine(self, key: bytes, reason: str) -> None:
+        header = self.header(key)
+        if header is None:
+            return
+        logger.error("hbm tier: quarantining page %s: %s", key.hex(), reason)
+        with self._lock:
+            self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
+        self.delete([key])
+
+    def quarantined(self) -> list[Quarantined]:
+        with self._lock:
+            return list(self._quarantine)
+
+    def purge_quarantine(self) -> int:
+        with self._lock:
+            count = len(self._quarantine)
+            self._quarantine.clear()
+            return count
+
+    # -- eviction order (LRU) ------------------------------------------------------------
+
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._order:
+                self._order.move_to_end(key)
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        with self._lock:
+            return next((k for k in self._order if k not in pinned), None)
+
+    def stored_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._pages)
+
+    # -- index ---------------------------------------------------------------------------
+
+    def recover(self) -> list[StoredPage]:
+        return []  # device memory: what the last process held is gone
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._pages), self._allocator.used_bytes, self._allocator.capacity)
+
+    def close(self) -> None:
+        with self._lock:
+            self._pages.clear()
+            self._order.clear()
+        self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)  # the pool goes back to torch

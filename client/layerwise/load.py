@@ -24,8 +24,11 @@ A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
   inside the engine's write); a renewal refused (the lease expired: its slots may have
   been reused) abandons the load. Everything held is given back when the worker ends.
 
-On CPU the worker is a thread. (On CUDA the copy into device memory would run on a side
-stream with one event per layer; that path needs a GPU and is not built yet.)
+On CPU the worker is a thread. KV on a CUDA device: the same worker issues each layer's
+copies on a side stream and records one event per layer; ``wait(layer)`` makes the
+engine's current stream wait on that event (no host sync on the engine's side; device.py).
+Each copy is complete when the worker's call returns, so an abandoned load has no copy in
+flight either.
 
 Life of a load::
 
@@ -50,6 +53,7 @@ import torch
 import xxhash
 
 from kvstore.client.engine_kv import ContiguousKV, EngineKV
+from kvstore.client.layerwise.device import layer_signals
 from kvstore.client.pages import as_bytes, page_rows, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksummer
@@ -87,6 +91,7 @@ class LayerLoad:
         self._slowest_write_s = 0.0
         self._rows = page_rows(into.kv, layout) if isinstance(into, ContiguousKV) else None
         self._staged = client.transport.staged()
+        self._signals = layer_signals(into, layout.num_layers)  # host thread, or CUDA side stream + events
         self._keeper = threading.Thread(target=self._keep, name="kv-lease-keeper", daemon=True)
         self._first_wait = True
         self._thread = threading.Thread(target=self._run, name="kv-layer-load", daemon=True)
@@ -105,7 +110,10 @@ class LayerLoad:
         ready = self._layer_ready[target].wait(max(0.0, self.deadline - time.monotonic()))
         if not ready:
             self.abandon("deadline passed")
-        return ready and not self._abandoned and not self._cut
+        ok = ready and not self._abandoned and not self._cut
+        if ok:
+            self._signals.engine_waits(target)
+        return ok
 
     def abandon(self, reason: str) -> None:
         """Stops the load; after this returns no byte is written into the engine's KV."""
@@ -155,13 +163,15 @@ class LayerLoad:
                 self.num_tokens = valid * self.client.layout.page_tokens
             landed = [checksummer() for _ in range(valid)]
             start = time.perf_counter()
-            for layer in range(self.num_layers):
-                for page in range(valid):
-                    if not self._write(page, layer, staged.pages[page]):
-                        return
-                    self._hash_landed(landed[page], page, layer)
-                if layer < self.num_layers - 1:
-                    self._layer_ready[layer].set()
+            with self._signals.copying():
+                for layer in range(self.num_layers):
+                    for page in range(valid):
+                        if not self._write(page, layer, staged.pages[page]):
+                            return
+                        self._hash_landed(landed[page], page, layer)
+                    self._signals.issued(layer)
+                    if layer < self.num_layers - 1:
+                        self._layer_ready[layer].set()
             good = next((i for i in range(valid) if landed[i].intdigest() != staged.checksums[i]), valid)
             self._finish(valid, good)
             self.client.record_load(good * self.client.layout.page_bytes, time.perf_counter() - start)
@@ -169,6 +179,10 @@ class LayerLoad:
             self.error = exc
             self.abandon(f"load failed: {exc}")
         finally:
+            try:
+                self._signals.drain()  # no copy out of the slots may outlive their leases
+            except Exception:  # a device error: the load already failed or is cut; leases still go back
+                logger.exception("layer-wise load: waiting for the side stream failed")
             try:
                 runtime.run(staged.release(), self.client.timeout_s)
             except KVStoreError as exc:

@@ -17,6 +17,7 @@ from kvstore.config import (
     QUOTA_BYTES_FIELDS,
     TOKEN_LOG_MAP_BYTES,
     ClusterConfig,
+    HbmTierConfig,
     HostTierConfig,
     SecurityConfig,
     ServerConfig,
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
     p.add_argument("--data-dir", default="./kvstore-data", help="server state: the directory and token log (LMDB), tenant salts, ssd pages unless --ssd-dir")
     p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
+    p.add_argument("--hbm-capacity", default="4GiB", help="GPU memory pool of the hbm tier (with --tiers hbm,...)")
+    p.add_argument("--hbm-device", default="cuda",
+                   help="device of the hbm pool: cuda or cuda:N; 'cpu' emulates it in host memory, for tests only")
     p.add_argument("--ssd-dir", default=None, help="where ssd pages live (None: DATA_DIR/ssd)")
     p.add_argument("--ssd-capacity", default="8GiB", help="ssd tier capacity")
     p.add_argument("--no-direct-io", action="store_true", help="use buffered I/O on the ssd tier even where O_DIRECT works")
@@ -166,6 +170,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
                             max_hints=args.max_hints, demote_nice=args.demote_nice),
         ssd=ssd,
+        hbm=HbmTierConfig(capacity_bytes=parse_size(args.hbm_capacity, "--hbm-capacity"), device=args.hbm_device),
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
         node=cluster.node_id if cluster else args.node,
         cluster=cluster,

@@ -87,10 +87,10 @@ class Server:
     """
 
     def __init__(self, config: ServerConfig, wrap: Wrap | None = None) -> None:
-        if "hbm" in config.tiers:
-            from kvstore.tiers.hbm import require_cuda
+        if "hbm" in config.tiers:  # first: without a usable device nothing is created
+            from kvstore.tiers.hbm import check_device
 
-            require_cuda()
+            check_device(config.hbm)
         self.config = config
         # First: a directory a live server uses is refused before anything is created or opened.
         self._dirs = DirectoryLock([(config.data_dir, "--data-dir"),

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import HostTierConfig, SsdTierConfig
+from kvstore.config import HbmTierConfig, HostTierConfig, SsdTierConfig
 from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum
 from kvstore.tiers.base import Tier
 from kvstore.tiers.faulty import FaultyTier
+from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.slab import round_up
 from kvstore.tiers.ssd import DATA_FILE, SsdTier
@@ -38,11 +39,22 @@ def _ssd(direct_io: bool) -> Callable[[Path], Tier]:
     return make
 
 
+def _hbm(tmp: Path) -> Tier:
+    return HbmTier(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"))  # the test-only emulation
+
+
 def _damage_host(tier: Tier, tmp: Path, key: bytes) -> None:
     slot = tier.slot_of(key)
     assert slot is not None
     view = tier.view(slot + 7, 1)  # type: ignore[attr-defined]  # the arena a client maps
     view[0] ^= 0xFF
+
+
+def _damage_hbm(tier: Tier, tmp: Path, key: bytes) -> None:
+    slot = tier.slot_of(key)
+    assert slot is not None
+    pool = tier.pool  # type: ignore[attr-defined]  # the device memory (here: emulated in host memory)
+    pool[slot + 7] ^= 0xFF
 
 
 def _damage_ssd(tier: Tier, tmp: Path, key: bytes) -> None:
@@ -70,9 +82,12 @@ class Case:
 
 CASES = {
     "host": Case(_host, _damage_host, recovers=False),
+    "hbm-emulated": Case(_hbm, _damage_hbm, recovers=False),
     "ssd-direct": Case(_ssd(True), _damage_ssd, recovers=True),
     "ssd-buffered": Case(_ssd(False), _damage_ssd, recovers=True),
     "faulty-host": Case(_host, _damage_host, recovers=False, faults={"error_rate": 0.2, "short_read_rate": 0.2, "corrupt_rate": 0.2}),
+    "faulty-hbm-emulated": Case(_hbm, _damage_hbm, recovers=False,
+                                faults={"error_rate": 0.2, "short_read_rate": 0.2, "corrupt_rate": 0.2}),
     "faulty-ssd": Case(_ssd(True), _damage_ssd, recovers=True,
                        faults={"error_rate": 0.2, "short_read_rate": 0.2, "corrupt_rate": 0.2, "delay_s": 0.001}),
 }

@@ -11,23 +11,36 @@ from kvstore.server.metrics import Metrics
 from kvstore.tiers.arenas import TenantArenas
 from kvstore.tiers.base import LandingTier, Tier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.pinned import pinned
 from kvstore.tiers.ssd import SsdTier
 
 Wrap = Callable[[Tier], Tier]
 
 
+def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> list[Tier]:
+    """The tiers above the landing tier (hbm), fastest first. torch is imported only when
+    they are asked for (the server does not need it otherwise)."""
+    if "hbm" not in config.tiers:
+        return []
+    from kvstore.tiers.hbm import HbmTier
+
+    return [(wrap or (lambda tier: tier))(HbmTier(config.hbm))]
+
+
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
-               policy: AdmissionPolicy | None = None,
-               arena_bytes: Callable[[str], int] | None = None) -> tuple[LandingTier, list[AdmittedTier]]:
-    """The landing tier (host) and the demotion targets (ssd, with its admission policy and
-    write budget). ``wrap`` goes around each tier first (tests: ``FaultyTier``); ``policy``
-    replaces the configured admission policy (the replay's oracle). With tenants (and not
-    --share-arena) the host tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes."""
+               policy: AdmissionPolicy | None = None, arena_bytes: Callable[[str], int] | None = None,
+               ) -> tuple[LandingTier, list[AdmittedTier], list[Tier]]:
+    """The landing tier (host), the demotion targets (ssd, with its admission policy and
+    write budget) and the tiers above the landing tier (hbm, see ``open_upper``). ``wrap``
+    goes around each tier first (tests: ``FaultyTier``); ``policy`` replaces the configured
+    admission policy (the replay's oracle). With tenants (and not --share-arena) the host
+    tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes (made lazily: not pinned)."""
     wrap = wrap or (lambda tier: tier)
+    upper = open_upper(config, wrap)  # first: a device that cannot be used refuses before an arena is made
     if config.security.tenants and not config.security.share_arena:
         landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0)))
     else:
-        landing = wrap(HostTier(config.host, config.node))
+        landing = wrap(pinned(HostTier(config.host, config.node), config.hbm.device if "hbm" in config.tiers else None))
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []
@@ -39,6 +52,7 @@ def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float
             lower.append(AdmittedTier(wrap(ssd), policy or make_policy(config.ssd.admission), budget, metrics,
                                       SsdTier.slot_bytes, config.ssd.capacity_bytes, config.ssd.dwpd))
     except BaseException:
-        landing.close()
+        for tier in (landing, *upper):
+            tier.close()
         raise
-    return landing, lower
+    return landing, lower, upper

@@ -40,6 +40,7 @@ from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.residence import Residence
+from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.view import CoreView
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import CoreStats, Reporter
@@ -70,15 +71,16 @@ class Placement:
         gc.disable()
         try:
             self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
-            self.landing, self.lower = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
+            self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
-            self.residence = Residence(self.landing, list(self.lower), self.leases)
+            self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
             self.tiers = self.residence.tiers
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock
             self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get, self.owner_of)
+            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
@@ -238,8 +240,8 @@ class Placement:
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (see reads.py)."""
-        return self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant)
+        readable in the landing tier, reading pages held only below into it (reads.py), then up into hbm (upper.py)."""
+        return self.promoter.promoted(*self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant))
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""

@@ -326,7 +326,7 @@ class Mover:
     # -- reading up (lock not held) ------------------------------------------------------
 
     def read_up(self, items: list[tuple[int, bytes, int]]) -> ReadResult:
-        """Reads pages (lower tier, key, reserved landing slot), pinned by the caller, into
+        """Reads pages (source tier, key, reserved landing slot), pinned by the caller, into
         their landing slots, verified. Stops at the first page that fails; a tier that
         fails as a whole (OSError) ends the prefix there, which proves nothing about bytes."""
         done = 0
@@ -335,10 +335,11 @@ class Mover:
             end = next((i for i in range(done, len(items)) if items[i][0] != tier), len(items))
             run = items[done:end]
             views = [(key, self.landing.view(slot, self.landing.slot_bytes(slot))) for _, key, slot in run]
+            source = self.residence.tiers[tier]  # a lower tier, or one above the landing tier
             try:
-                result = self._target(tier).read_into(views)
+                result = source.read_into(views)
             except OSError as exc:
-                logger.error("%s tier: read failed: %s", self._target(tier).name, exc)
+                logger.error("%s tier: read failed: %s", source.name, exc)
                 return ReadResult(done)
             done += result.num_read
             if result.num_read < len(run):

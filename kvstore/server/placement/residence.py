@@ -36,9 +36,13 @@ class Owed:
 
 
 class Residence:
-    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable) -> None:
+    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable, upper: list[Tier] | None = None) -> None:
         self.landing = landing
-        self.tiers: list[Tier] = [landing, *lower]
+        # Upper tiers (faster than the landing tier: hbm) go last, so that the index of the
+        # landing tier and of each lower tier is the same with or without them.
+        self.tiers: list[Tier] = [landing, *lower, *(upper or [])]
+        self.upper = list(range(1 + len(lower), len(self.tiers)))
+        self._read_order = [*self.upper, *range(1, 1 + len(lower))]  # fastest first
         self.leases = leases
         self._doomed: set[tuple[bytes, int]] = set()  # lower-tier copies removed, not yet deleted
         self._stuck: set[tuple[bytes, int]] = set()   # ... whose delete failed: never served, never retried
@@ -53,8 +57,8 @@ class Residence:
         return any(self.has(key, i) for i in range(len(self.tiers)))
 
     def holder(self, key: bytes) -> int | None:
-        """The fastest lower tier with a live copy of ``key``."""
-        return next((i for i in range(1, len(self.tiers)) if self.has(key, i)), None)
+        """The fastest tier but the landing one with a live copy of ``key``."""
+        return next((i for i in self._read_order if self.has(key, i)), None)
 
     def index(self, name: str) -> int | None:
         return next((i for i, tier in enumerate(self.tiers) if tier.name == name), None)

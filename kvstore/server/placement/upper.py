@@ -1,0 +1,208 @@
+"""The tier above the landing tier (hbm): pages in use are promoted into it, and its
+coldest pages are demoted back down to make room.
+
+Clients write and read pages through the landing tier (the host arena they map), so hbm
+is filled from there: after an acquire leased a prefix in the landing tier, its pages
+not yet in hbm are copied up (``promote``). When hbm is full, its victim goes: a page with
+another live copy (landing or lower) is dropped from hbm; one held nowhere else is demoted
+first, read into a landing slot and published there (hbm -> host; from there demotion
+goes on to ssd as for any landing page). Acquire finds a page held only in hbm and reads
+it into the landing tier like any page held outside it (``Residence.holder``).
+
+Same shape as moves.py: decide under the core's lock, copy outside it with the keys pinned,
+publish under it (a page removed meanwhile is not published, its copy is dropped). The
+upper tier is memory: its ``reserve``, ``victim``, ``commit`` and ``delete`` do no I/O and
+run under the lock; its ``write`` and ``read_into`` (device copies) never do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from kvstore.directory import Directory
+from kvstore.errors import PageCorrupt
+from kvstore.page import PageHeader
+from kvstore.server.metrics import Metrics
+from kvstore.server.placement.housekeeping import Housekeeper
+from kvstore.server.placement.moves import Mover
+from kvstore.server.placement.reads import AcquiredPage
+from kvstore.server.placement.residence import LANDING
+from kvstore.tiers.base import ReadResult, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class UpperTier(Tier, Protocol):
+    def fits(self, page_bytes: int) -> bool: ...
+
+
+class Promoter:
+    def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
+                 owner_of: Callable[[bytes], str]) -> None:
+        self.owner_of = owner_of  # namespace id -> the tenant whose arena a page demoted from hbm goes to
+        self.keeper = keeper
+        self.lock = keeper.lock
+        self.residence = keeper.residence
+        self.leases = keeper.leases
+        self.landing = keeper.residence.landing
+        self.moves = moves
+        self.directory = directory
+        self.node = node
+        self.metrics = metrics
+        self.index = self.residence.upper[0] if self.residence.upper else None  # the fastest upper tier
+        self._promoting: set[bytes] = set()
+
+    @property
+    def tier(self) -> UpperTier:
+        assert self.index is not None
+        return self.residence.tiers[self.index]  # type: ignore[return-value]
+
+    def promoted(self, ident: bytes, pages: list[AcquiredPage]) -> tuple[bytes, list[AcquiredPage]]:
+        """An acquire's answer, once its pages were promoted (``promote``)."""
+        self.promote(pages)
+        return ident, pages
+
+    def promote(self, pages: list[AcquiredPage]) -> int:
+        """Copies leased landing pages (the caller's lease keeps their slots) into the upper
+        tier; returns how many it published there. A page that does not fit, or that fails
+        its check on the way, stays where it is. Without an upper tier: nothing."""
+        if self.index is None or not pages:
+            return 0
+        up, tier = self.index, self.tier
+        placed: list[tuple[int, AcquiredPage]] = []
+        making_room: bytes | None = None  # the key whose slot is being found
+        with self.keeper.critical():
+            try:
+                for page in pages:
+                    key, size = page.key, page.header.payload_bytes
+                    # a key a move holds may have a copy being deleted here: not written over it
+                    if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not tier.fits(size):
+                        continue
+                    self._promoting.add(key)
+                    making_room = key
+                    slot = self._make_room(size)
+                    making_room = None
+                    if slot is None:
+                        self._promoting.discard(key)
+                        break
+                    placed.append((slot, page))
+            except BaseException:
+                self._promoting.difference_update([page.key for _, page in placed] + ([making_room] if making_room else []))
+                for slot, _ in placed:
+                    tier.unreserve(slot)
+                raise
+        written: list[tuple[int, PageHeader]] = []
+        try:
+            for slot, page in placed:
+                source = self.landing.view(page.slot, page.header.payload_bytes)
+                try:
+                    page.header.verify_payload(source, page.header.payload_bytes)
+                except PageCorrupt as exc:  # damaged in the arena: not copied up; reads find it
+                    logger.warning("not promoting page %s: %s", page.key.hex(), exc)
+                    continue
+                tier.write(slot, page.header, source)
+                written.append((slot, page.header))
+            tier.commit(written)
+        except OSError as exc:
+            logger.error("promotion into %s failed (%s); the pages stay below", tier.name, exc)
+            written = []
+        except Exception:
+            logger.exception("promotion into %s failed; the pages stay below", tier.name)
+            written = []
+        with self.keeper.critical():
+            return self._publish(placed, written)
+
+    def _publish(self, placed: list[tuple[int, AcquiredPage]], written: list[tuple[int, PageHeader]]) -> int:
+        """Lock held: publishes what was committed; gives back the slots of the rest."""
+        up, tier = self.index, self.tier
+        assert up is not None
+        committed = {slot for slot, _ in written}
+        for slot, page in placed:
+            self._promoting.discard(page.key)
+            if slot not in committed:
+                tier.unreserve(slot)
+        listed: set[bytes] = set()
+        for slot, header in written:
+            record = (header.key, self.node, tier.name, header.payload_bytes)
+            if header.key in self.directory.publish_listed(header.namespace_id, [record]):
+                listed.add(header.key)
+                self.residence.revive(header.key, up)
+                self.metrics.promotions.labels(self.landing.name).inc()  # labelled by the tier it left, as reads.py does
+                self.metrics.bytes_in.labels(tier.name).inc(header.payload_bytes)
+            else:
+                self.residence.drop(header.key, up)  # removed while it was copied: not resurrected
+        return len(listed)
+
+    # -- room in the upper tier (lock held; released while a victim is demoted) ----------
+
+    def _make_room(self, page_bytes: int) -> int | None:
+        while True:
+            slot = self.tier.reserve(page_bytes)
+            if slot is not None or not self._evict_one(page_bytes):
+                return slot
+
+    def _evict_one(self, page_bytes: int) -> bool:
+        """Frees the upper tier's next victim, demoting it to the landing tier first when
+        no other tier holds it; False when every page there is pinned or in flight."""
+        up, tier = self.index, self.tier
+        assert up is not None
+        skip = _Either(self.leases.pins, self._promoting)
+        victim = tier.victim(skip, page_bytes)
+        if victim is None:
+            return False
+        header = tier.header(victim)
+        elsewhere = any(self.residence.has(victim, i) for i in range(len(self.residence.tiers)) if i != up)
+        if header is not None and not elsewhere and self.landing.fits(header.payload_bytes):
+            self._demote(victim, header)
+        if self.residence.has(victim, up) and not self.leases.pinned(victim):
+            try:
+                tier.delete([victim], evicted=True)
+            except OSError as exc:  # a memory tier does not fail here, a fault-injecting wrapper may
+                logger.error("%s tier: cannot evict %s: %s", tier.name, victim.hex(), exc)
+                return False
+            self.directory.remove(victim, self.node, tier.name)
+            self.metrics.evictions.labels(tier.name).inc()
+        return True
+
+    def _demote(self, key: bytes, header: PageHeader) -> None:
+        """Lock held (released for the copy): reads the only copy of ``key`` into a landing
+        slot and publishes it there."""
+        up, tier = self.index, self.tier
+        slot = self.moves.make_room(header.payload_bytes, self.landing.part(self.owner_of(header.namespace_id)))
+        if slot is None:
+            return  # every landing page is pinned: the page leaves the cache
+        self.leases.pin([key], move=True)
+        self.lock.release()
+        try:
+            result = tier.read_into([(key, self.landing.view(slot, self.landing.slot_bytes(slot)))])
+        except OSError as exc:
+            logger.error("%s tier: read of %s failed: %s", tier.name, key.hex(), exc)
+            result = ReadResult(0)
+        finally:
+            self.lock.acquire()
+            self.residence.released(self.leases.unpin([key], move=True))
+        if result.num_read == 1 and up is not None and self.residence.has(key, up) and not self.residence.has(key, LANDING):
+            self.landing.commit([(slot, header)])
+            record = (key, self.node, self.landing.name, header.payload_bytes)
+            if key in self.directory.publish_listed(header.namespace_id, [record]):
+                self.metrics.demotions.labels(tier.name).inc()
+            else:
+                self.residence.drop(key, LANDING)
+            return
+        self.landing.unreserve(slot)
+        if result.reason and up is not None and self.residence.has(key, up):
+            tier.quarantine(key, f"on demotion: {result.reason}")
+            self.metrics.quarantined.labels(tier.name).inc()
+            self.directory.remove(key, self.node, tier.name)
+
+
+class _Either:
+    """Membership in either of two containers (pinned keys, keys being promoted)."""
+
+    def __init__(self, first: object, second: set[bytes]) -> None:
+        self._first, self._second = first, second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._first or key in self._second  # type: ignore[operator]

@@ -1,0 +1,215 @@
+"""`--tiers hbm,host,ssd` through the real server, with the hbm pool emulated in host memory
+(`--hbm-device cpu`, the test-only switch): the placement core sees hbm as the top tier.
+Pages in use are promoted host -> hbm, a page held only in hbm is demoted hbm -> host when
+hbm needs room, host pages go on down to ssd, and every read is bit-exact."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest import ServerProcess, make_config, random_kv
+
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.config import HbmTierConfig, ServerConfig
+from kvstore.errors import PageMissing
+from kvstore.server import Server
+from kvstore.tiers.base import Tier
+from kvstore.tiers.faulty import FaultyTier
+
+PAGE_TOKENS = 16  # SMALL layout: 32 KiB pages; a 1 MiB hbm pool holds 32 of them
+
+
+def _config(tmp: Path, hbm_bytes: int = 1 << 20, host_bytes: int = 64 << 20) -> ServerConfig:
+    base = make_config(tmp, host_bytes=host_bytes)
+    return dataclasses.replace(base, tiers=("hbm", "host", "ssd"),
+                               hbm=HbmTierConfig(capacity_bytes=hbm_bytes, slab_bytes=1 << 20, device="cpu"))
+
+
+def _tiers(server: Server, keys: list[bytes]) -> list[set[str]]:
+    return [set(server.core.where(key)) for key in keys]
+
+
+async def _remove_from(server: Server, ns, keys: list[bytes], tier: str) -> None:
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stub = directory_pb2_grpc.DirectoryStub(ch)
+        await stub.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys, tier=tier))
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_put_get_is_bit_exact_and_a_read_promotes_into_hbm(server_factory, tmp_path, layout, ns, use_shm) -> None:
+    server = server_factory(_config(tmp_path))
+    tokens = list(range(320))
+    kv = random_kv(layout, 320, seed=11)
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        assert await client.put(tokens, kv) == 320
+        hit = await client.lookup(tokens)
+        assert _tiers(server, hit.keys) == [{"host"}] * 20, "new pages land in the host arena"
+        out = torch.zeros_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+        assert _tiers(server, hit.keys) == [{"host", "hbm"}] * 20, "a read promotes host -> hbm"
+        assert {loc.tier for loc in (await client.lookup(tokens)).locations} == {"hbm"}, "lookups name the fastest copy"
+    stats = server.core.stats()
+    assert stats.tiers["hbm"].num_pages == 20 and stats.counters["hbm"]["bytes_in"] == 20 * layout.page_bytes
+    assert server.core.view().idle
+
+
+async def test_hbm_demotes_to_host_host_to_ssd_and_reads_promote_back(server_factory, tmp_path, layout, ns) -> None:
+    server = server_factory(_config(tmp_path))
+    a_tokens, b_tokens = list(range(256)), list(range(10_000, 10_512))
+    a_kv, b_kv = random_kv(layout, 256, seed=1), random_kv(layout, 512, seed=2)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(a_tokens, a_kv)
+        a_hit = await client.lookup(a_tokens)
+        await client.get(a_hit, into=torch.zeros_like(a_kv))  # A: host + hbm
+        await _remove_from(server, ns, a_hit.keys, "host")
+        assert _tiers(server, a_hit.keys) == [{"hbm"}] * 16, "A is held in hbm only"
+
+        # B fills the 32-page pool: A's pages are its victims and, held nowhere else, go down to host.
+        await client.put(b_tokens, b_kv)
+        await client.get(await client.lookup(b_tokens), into=torch.zeros_like(b_kv))
+        assert _tiers(server, a_hit.keys) == [{"host"}] * 16, "hbm -> host demotion"
+        assert server.core.stats().tiers["hbm"].num_pages == 32
+
+        # host -> ssd, as for any host page (here by removing the host copies after a durable write).
+        await client.put(a_tokens, a_kv, durable=True)
+        assert all("ssd" in t for t in _tiers(server, a_hit.keys))
+        await _remove_from(server, ns, a_hit.keys, "host")
+        assert _tiers(server, a_hit.keys) == [{"ssd"}] * 16
+
+        # A read promotes back up: ssd -> host (landing) -> hbm, bit-exact.
+        out = torch.zeros_like(a_kv)
+        await client.get(await client.lookup(a_tokens), into=out)
+        assert torch.equal(out, a_kv)
+        assert _tiers(server, a_hit.keys) == [{"ssd", "host", "hbm"}] * 16
+        out = torch.zeros_like(b_kv)
+        await client.get(await client.lookup(b_tokens), into=out)  # B's pages left hbm for A's: read from host
+        assert torch.equal(out, b_kv)
+    assert server.core.view().idle
+
+
+async def test_a_page_only_in_hbm_is_read_from_there(server_factory, tmp_path, layout, ns) -> None:
+    server = server_factory(_config(tmp_path))
+    tokens = list(range(160))
+    kv = random_kv(layout, 160, seed=3)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        await client.get(hit, into=torch.zeros_like(kv))
+        await _remove_from(server, ns, hit.keys, "host")
+        out = torch.zeros_like(kv)
+        await client.get(await client.lookup(tokens), into=out)
+        assert torch.equal(out, kv)
+        assert _tiers(server, hit.keys) == [{"host", "hbm"}] * 10, "read into host from hbm, kept in both"
+    assert server.core.stats().counters["hbm"]["evictions"] == 0
+
+
+async def test_host_pressure_demotes_to_ssd_with_hbm_above(server_factory, tmp_path, layout, ns) -> None:
+    """The demoter writes host pages down to ssd while hbm keeps copies of the hot ones."""
+    server = server_factory(_config(tmp_path, host_bytes=4 << 20))  # 128 host pages
+    tokens = list(range(16 * 200))
+    kv = random_kv(layout, len(tokens), seed=4)
+    async with KVStoreClient(server.address, ns) as client:
+        head = tokens[: 16 * 8]
+        await client.put(head, kv[:, :, : len(head)])
+        await client.get(await client.lookup(head), into=torch.zeros_like(kv[:, :, : len(head)]))
+        assert await client.put(tokens, kv) == len(tokens)
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == len(tokens)
+        held = {tier for t in _tiers(server, hit.keys) for tier in t}
+        assert {"ssd", "hbm"} <= held
+        out = torch.zeros_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+    assert server.core.view().idle
+
+
+async def test_a_restart_keeps_ssd_pages_and_starts_with_an_empty_pool(server_factory, tmp_path, layout, ns) -> None:
+    config = _config(tmp_path)
+    server = server_factory(config)
+    tokens = list(range(320))
+    kv = random_kv(layout, 320, seed=5)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv, durable=True) == 320
+        await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+        assert server.core.stats().tiers["hbm"].num_pages == 20
+    server.stop(grace_s=1)
+    again = server_factory(config)
+    assert again.core.stats().tiers["hbm"].num_pages == 0, "device memory keeps nothing across a restart"
+    async with KVStoreClient(again.address, ns) as client:
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == 320 and {loc.tier for loc in hit.locations} == {"ssd"}
+        out = torch.zeros_like(kv)
+        await client.get(hit, into=out)
+        assert torch.equal(out, kv)
+        assert _tiers(again, hit.keys) == [{"ssd", "host", "hbm"}] * 20
+    assert again.core.view().idle
+
+
+async def test_a_faulty_hbm_pool_never_serves_a_wrong_byte_and_keeps_nothing_reserved(tmp_path, layout, ns) -> None:
+    """Errors, short reads and corrupt copies in hbm (promotions, reads of hbm-only pages,
+    demotions): every byte served is right, and at the end nothing is pinned or reserved."""
+    def wrap(tier: Tier) -> Tier:
+        return FaultyTier(tier, 7, error_rate=0.02, short_read_rate=0.2, corrupt_rate=0.1) if tier.name == "hbm" else tier
+
+    server = Server(_config(tmp_path), wrap=wrap)
+    server.start()
+    try:
+        async with KVStoreClient(server.address, ns) as client:
+            for i in range(8):
+                tokens = list(range(i * 100_000, i * 100_000 + 256))
+                kv = random_kv(layout, 256, seed=20 + i)
+                await client.put(tokens, kv)
+                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+                hit = await client.lookup(tokens)
+                await _remove_from(server, ns, hit.keys, "host")  # what is left lives in hbm only (or nowhere)
+                out = torch.zeros_like(kv)
+                hit = await client.lookup(tokens)
+                try:
+                    await client.get(hit, into=out)
+                    served = hit.num_tokens
+                except PageMissing as exc:
+                    served = exc.num_tokens
+                assert torch.equal(out[:, :, :served], kv[:, :, :served]), f"round {i}: a wrong byte was served"
+                assert not out[:, :, served:].any(), f"round {i}: bytes past the valid prefix reached the caller"
+        view = server.core.view()
+        assert view.idle, view
+        hbm = view.tiers["hbm"]
+        assert hbm.used_bytes == hbm.num_pages * layout.page_bytes, "a reserved hbm slot was left behind"
+    finally:
+        server.stop(grace_s=1)
+
+
+async def test_sigkill_with_hbm_keeps_ssd_pages_and_the_cli_flags_work(tmp_path, layout, ns) -> None:
+    """kvstore-server --tiers hbm,host,ssd --hbm-device cpu, killed with SIGKILL after reads
+    promoted pages into hbm: durable pages come back bit-exact, RAM-only ones are cleanly gone."""
+    proc = ServerProcess(tmp_path, "--tiers", "hbm,host,ssd", "--hbm-device", "cpu", "--hbm-capacity", "8MiB")
+    durable, ram = list(range(320)), list(range(5000, 5320))
+    kv = random_kv(layout, 320, seed=9)
+    try:
+        proc.start()
+        async with KVStoreClient(proc.address, ns) as client:
+            assert await client.put(durable, kv, durable=True) == 320
+            assert await client.put(ram, kv) == 320
+            for tokens in (durable, ram):
+                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+            assert {loc.tier for loc in (await client.lookup(durable)).locations} == {"hbm"}
+        proc.kill()
+        proc.start()
+        async with KVStoreClient(proc.address, ns) as client:
+            hit = await client.lookup(durable)
+            assert hit.num_tokens == 320 and {loc.tier for loc in hit.locations} == {"ssd"}
+            out = torch.zeros_like(kv)
+            await client.get(hit, into=out)
+            assert torch.equal(out, kv)
+            assert (await client.lookup(ram)).num_tokens == 0
+        assert proc.terminate() == 0
+    finally:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait(10)
