@@ -54,9 +54,10 @@ class Etcd:
 
 
 class Node:
-    """A kvstore-server in cluster mode; ``start`` returns once it is a member and serves."""
+    """A kvstore-server in cluster mode (a single server when ``etcd`` is None);
+    ``wait_ready`` returns once it is a member and serves."""
 
-    def __init__(self, workdir: Path, name: str, etcd: Etcd, cluster: str, data_plane: str, ttl_s: int,
+    def __init__(self, workdir: Path, name: str, etcd: Etcd | None, cluster: str, data_plane: str, ttl_s: int,
                  host_capacity: str) -> None:
         self.name = name
         self.address = f"127.0.0.1:{free_port()}"
@@ -65,9 +66,10 @@ class Node:
         self.args = [
             sys.executable, "-m", "kvstore.cli.server", "--listen", self.address, "--data-dir", str(self.dir / "data"),
             "--tiers", "host", "--host-capacity", host_capacity, "--metrics-listen", "off", "--log-level", "warning",
-            "--cluster", etcd.url, "--cluster-name", cluster, "--node-id", name, "--advertise", self.address,
-            "--cluster-ttl", str(ttl_s), "--data-plane", data_plane, "--ucx-tls", "tcp",
         ]
+        if etcd is not None:
+            self.args += ["--cluster", etcd.url, "--cluster-name", cluster, "--node-id", name, "--advertise", self.address,
+                          "--cluster-ttl", str(ttl_s), "--data-plane", data_plane, "--ucx-tls", "tcp"]
         self.proc: subprocess.Popen[str] | None = None
 
     def launch(self) -> None:
@@ -96,7 +98,7 @@ class Node:
                 self.proc.wait(10)
 
 
-def start_nodes(workdir: Path, etcd: Etcd, cluster: str, names: list[str], data_plane: str, ttl_s: int,
+def start_nodes(workdir: Path, etcd: Etcd | None, cluster: str, names: list[str], data_plane: str, ttl_s: int,
                 host_capacity: str) -> list[Node]:
     nodes = [Node(workdir, n, etcd, cluster, data_plane, ttl_s, host_capacity) for n in names]
     for node in nodes:
