@@ -22,11 +22,18 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+# UCX logs to stdout unless told otherwise, and warns there at start (ucxx sets
+# UCX_MEMTYPE_CACHE, which this UCX does not know): the server's stdout carries its ready
+# line, read by launchers, so UCX's messages go to stderr (the server's log) instead.
+# Read when UCX loads, i.e. on ``import ucxx``.
+os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
