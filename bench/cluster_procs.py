@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.bench.harness import free_port
+from kvstore.bench.harness import free_port, stop_process
 
 
 def etcd_binary() -> str:
@@ -48,8 +48,7 @@ class Etcd:
         return f"etcd://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        stop_process(self.proc, 10)
         shutil.rmtree(self.data, ignore_errors=True)
 
 
@@ -78,8 +77,7 @@ class Node:
 
     def wait_ready(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        while (line := self.proc.stdout.readline()) and "ready" not in line:
-            pass  # UCX warns on stdout
+        line = self.proc.stdout.readline()
         if "ready" not in line:
             raise RuntimeError(f"node {self.name} did not start; see {self.dir / 'server.log'}")
 
@@ -89,13 +87,7 @@ class Node:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
 def start_nodes(workdir: Path, etcd: Etcd | None, cluster: str, names: list[str], data_plane: str, ttl_s: int,
