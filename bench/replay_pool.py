@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench.cluster_procs import Etcd, Node, start_nodes
+from kvstore.bench.cluster_procs import Etcd, start_nodes
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing
 
