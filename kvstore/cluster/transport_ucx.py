@@ -72,7 +72,12 @@ def init_ucx(config: UcxConfig) -> None:
     options = {"TLS": config.tls} if config.tls else {}
     if config.tls and "sm" in config.tls.split(","):
         options["MM_ERROR_HANDLING"] = "y"  # sm through a listener needs it (peer failure detection on sm)
-    ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s)
+    # In the thread modes a request is awaited through a Python future that ucxx's notifier
+    # thread completes; without it (ucxx's default) the loop spins on sleep(0) for as long as
+    # any receive is posted, e.g. a page server waiting for a connection's next request.
+    threaded = config.progress_mode.startswith("thread")
+    ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s,
+              enable_python_future=threaded)
     _initialized = config
 
 
