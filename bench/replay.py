@@ -261,7 +261,8 @@ def _plot(results: list[dict[str, Any]], path: str, window: float) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"{report['requests']} requests, {report['blocks']} block accesses")
-    print(f"{'policy':<12} {'W s':>5} {'host':>6} {'ssd':>6} {'hit%':>6} {'host%':>6} {'ssd%':>6} {'written':>8} {'budget':>8} {'belady%':>8} {'kept/closed':>11}")
+    if report["results"]:
+        print(f"{'policy':<12} {'W s':>5} {'host':>6} {'ssd':>6} {'hit%':>6} {'host%':>6} {'ssd%':>6} {'written':>8} {'budget':>8} {'belady%':>8} {'kept/closed':>11}")
     for r in report["results"]:
         extra = r.get("ssd_hits_kept", r.get("gap_closed"))
         print(f"{r['policy']:<12} {r['window_s']:>5g} {r['host_blocks']:>6} {r['ssd_blocks']:>6} {100 * r['hit_rate']:>6.1f} "
