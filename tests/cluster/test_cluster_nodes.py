@@ -102,8 +102,7 @@ async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster
     freezes while c fetches the prefix: c's client gets a's pages, bit-exact, within the
     fetch deadline, never b's and never a hang. b SIGKILLed: its records leave c's lookups
     within TTL + 1 s. b restarted on the same data: it republishes its SSD pages and c finds
-    and reads the whole prefix again. On both data planes (the gRPC one copies pages into
-    their slots in workers while it reads the next: none may count or land after the end)."""
+    and reads the whole prefix again. On both data planes."""
     a, b, c = cluster_nodes(["a", "b", "c"], data_plane)
     tokens = tokens_of(2, 16)
     kv = random_kv(LAYOUT, len(tokens), seed=2)
