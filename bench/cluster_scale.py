@@ -71,6 +71,8 @@ def plot(report: dict[str, Any], path: str) -> str:
     if report.get("mooncake_remote_gbps"):
         ax.axhline(report["mooncake_remote_gbps"], color="gray", linestyle="--", label="Mooncake Store remote TCP get")
     ax.set_xticks(list(xs), labels)
+    top = max([r["raw_gbps"] for r in rows] + [r["gbps"] for r in rows] + [report.get("mooncake_remote_gbps") or 0])
+    ax.set_ylim(0, 1.45 * top)  # room for the legend above the bars
     ax.set_ylabel("GB/s")
     ax.set_title(f"remote get, {report['pages']} pages of {report['page_bytes'] >> 20} MiB")
     ax.legend(fontsize=8)
