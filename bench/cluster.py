@@ -5,17 +5,22 @@ processes), in one run:
   server fetches it into its host tier, the engine copies it out of shared memory), beside
   the raw pump of the same transport and page size (a bare ucxx pump; a bare gRPC stream);
 * lookup p50/p99 of a 512-page prefix whose records are spread over 3 owners, from node c;
+* scaling: aggregate lookups/s with one engine per node, on the 3 nodes and again after 2
+  more joined (``cluster_scale``);
 * failover: SIGKILL of the node holding a prefix -> the first lookup at another node that no
-  longer lists it, and the worst lookup latency meanwhile.
-
-Not measured yet (reported as null with the reason): Mooncake Store's remote get, and the
-pooled vs isolated hit rate of a trace replay over 4 engine nodes.
+  longer lists it, and the worst lookup latency meanwhile;
+* Mooncake Store's remote TCP get of the same pages (``cluster_mooncake``; null with the
+  reason when the ``mooncake-transfer-engine-non-cuda`` wheel does not import);
+* pooled vs isolated: the hit rate of a trace replayed round-robin over 4 engine nodes
+  against one pooled cluster cache and against 4 isolated caches of the same total capacity
+  (``replay_pool``, the same code as ``kvstore-bench replay --suite pool``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -27,9 +32,13 @@ import torch
 
 from kvstore import KVLayout, Namespace
 from kvstore.bench import rawgrpc
+from kvstore.bench.cluster_mooncake import remote_get_gbps
 from kvstore.bench.cluster_procs import Etcd, Node, start_nodes
+from kvstore.bench.cluster_scale import lookup_rate, plot
 from kvstore.bench.cluster_transport import _measure
 from kvstore.bench.harness import start_raw_grpc
+from kvstore.bench.replay import load_trace
+from kvstore.bench.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.client import KVStoreClient
 
 BIG = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_tokens=16)  # 2 MiB pages
@@ -42,6 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookups", type=int, default=300, help="lookups timed for p50/p99")
     p.add_argument("--ttl", type=int, default=10, help="the nodes' --cluster-ttl (failover detection rides on it)")
     p.add_argument("--planes", default="ucx,grpc")
+    p.add_argument("--scale-seconds", type=float, default=5.0, help="seconds of concurrent lookups per scaling row")
+    p.add_argument("--mooncake", choices=["auto", "off"], default="auto", help="measure Mooncake Store's remote get if it imports")
+    p.add_argument("--trace", default="tests/data/mooncake_trace_300.jsonl",
+                   help="Mooncake-format trace of the pooled vs isolated replay ('' skips it)")
+    p.add_argument("--limit-requests", type=int, default=0, help="replay only the first N requests of --trace")
+    p.add_argument("--pool-nodes", type=int, default=4, help="engine nodes of the replay (requests round-robin)")
+    p.add_argument("--pool-blocks", type=int, default=8192, help="host-tier blocks of the replay, all nodes together")
+    p.add_argument("--plot", default="bench-out/cluster.png", help="PNG of the figures ('' for none)")
 
 
 def _tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
@@ -143,7 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     etcd = Etcd(workdir)
     nbytes = args.pages * BIG.page_bytes
     host = f"{max(512, 3 * nbytes >> 20)}MiB"
-    report: dict[str, Any] = {"page_bytes": BIG.page_bytes, "pages": args.pages, "remote_get": []}
+    report: dict[str, Any] = {"page_bytes": BIG.page_bytes, "pages": args.pages, "remote_get": [],
+                              "load_average_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         for plane in args.planes.split(","):
             nodes = start_nodes(workdir, etcd, f"get-{plane}", ["a", "c"], plane, args.ttl, host)
@@ -159,26 +177,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nodes = start_nodes(workdir, etcd, "shards", ["a", "b", "c"], "ucx", args.ttl, "256MiB")
         try:
             report["lookup"] = asyncio.run(_lookups(nodes, args.lookups))
+            report["scaling"] = [asyncio.run(lookup_rate(nodes, args.scale_seconds, SMALL, _tokens, _kv))]
+            nodes += start_nodes(workdir, etcd, "shards", ["d", "e"], "ucx", args.ttl, "256MiB")
+            report["scaling"].append(asyncio.run(lookup_rate(nodes, args.scale_seconds, SMALL, _tokens, _kv)))
             report["failover"] = asyncio.run(_failover(nodes, args.ttl))
         finally:
             for node in nodes:
                 node.stop()
     finally:
         etcd.stop()
-    report["mooncake_remote_gbps"] = None
-    report["mooncake_skipped"] = "not measured: no Mooncake Store run is wired into this benchmark yet"
-    report["pooled"] = report["isolated"] = None
-    report["pooled_skipped"] = "not measured yet: the 4-node pooled vs isolated trace replay is not written"
+    report["mooncake_remote_gbps"], report["mooncake_skipped"] = (
+        remote_get_gbps(workdir, BIG.page_bytes, args.pages, args.rounds) if args.mooncake == "auto" else (None, "--mooncake off"))
+    for row in report["remote_get"]:
+        row["over_mooncake"] = round(row["gbps"] / report["mooncake_remote_gbps"], 2) if report["mooncake_remote_gbps"] else None
+    report["pooled"] = report["isolated"] = report["pool"] = None
+    if args.trace:
+        reqs = [r.blocks for r in load_trace(args.trace, args.limit_requests)]
+        report["pool"] = pooled_vs_isolated(reqs, args.pool_nodes, args.pool_blocks, workdir)
+        report["pool"]["trace"] = args.trace
+        report["pooled"], report["isolated"] = report["pool"]["pooled"], report["pool"]["isolated"]
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    if args.plot:
+        report["plot"] = plot(report, args.plot)
     return report
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"remote get: {report['pages']} pages of {report['page_bytes'] >> 20} MiB from node a into an engine on node c")
-    print(f"{'data plane':>10} {'GB/s':>7} {'raw pump':>9} {'ratio':>6} {'exact':>6}")
+    print(f"load average {report['load_average_start']} at the start, {report['load_average_end']} at the end")
+    mc = report["mooncake_remote_gbps"]
+    print(f"remote get: {report['pages']} pages of {report['page_bytes'] >> 20} MiB from node a into an engine on node c; "
+          f"Mooncake Store remote TCP get of the same pages: {f'{mc:.2f} GB/s' if mc else report['mooncake_skipped']}")
+    print(f"{'data plane':>10} {'GB/s':>7} {'raw pump':>9} {'ratio':>6} {'/Mooncake':>9} {'exact':>6}")
     for r in report["remote_get"]:
-        print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {r['bit_exact']!s:>6}")
+        over = f"{r['over_mooncake']:.2f}" if r["over_mooncake"] else "-"
+        print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {over:>9} {r['bit_exact']!s:>6}")
     lk, fo = report["lookup"], report["failover"]
     print(f"\nlookup of a {lk['pages']}-page prefix over {lk['owners']} owners: p50 {lk['p50_ms']} ms, p99 {lk['p99_ms']} ms")
+    print("scaling, one engine per node looking up a 512-page prefix: "
+          + ", ".join(f"{s['nodes']} nodes {s['lookups_per_s']} lookups/s ({s['per_node_per_s']}/node)" for s in report["scaling"]))
     print(f"failover (TTL {fo['ttl_s']} s): records of a SIGKILLed node gone from lookups after {fo['detect_s']} s; "
-          f"worst lookup wait meanwhile {fo['worst_wait_s']} s")
-    print(f"\nMooncake: {report['mooncake_skipped']}\npooled vs isolated: {report['pooled_skipped']}")
+          f"worst lookup wait meanwhile {fo['worst_wait_s']} s\n")
+    if report["pool"]:
+        print_pool(report["pool"])
+    if report.get("plot"):
+        print(f"plot: {report['plot']}")

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.bench.harness import free_port
+from kvstore.bench.harness import free_port, stop_process
 
 
 def etcd_binary() -> str:
@@ -48,15 +48,15 @@ class Etcd:
         return f"etcd://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        stop_process(self.proc, 10)
         shutil.rmtree(self.data, ignore_errors=True)
 
 
 class Node:
-    """A kvstore-server in cluster mode; ``start`` returns once it is a member and serves."""
+    """A kvstore-server in cluster mode (a single server when ``etcd`` is None);
+    ``wait_ready`` returns once it is a member and serves."""
 
-    def __init__(self, workdir: Path, name: str, etcd: Etcd, cluster: str, data_plane: str, ttl_s: int,
+    def __init__(self, workdir: Path, name: str, etcd: Etcd | None, cluster: str, data_plane: str, ttl_s: int,
                  host_capacity: str) -> None:
         self.name = name
         self.address = f"127.0.0.1:{free_port()}"
@@ -65,9 +65,10 @@ class Node:
         self.args = [
             sys.executable, "-m", "kvstore.cli.server", "--listen", self.address, "--data-dir", str(self.dir / "data"),
             "--tiers", "host", "--host-capacity", host_capacity, "--metrics-listen", "off", "--log-level", "warning",
-            "--cluster", etcd.url, "--cluster-name", cluster, "--node-id", name, "--advertise", self.address,
-            "--cluster-ttl", str(ttl_s), "--data-plane", data_plane, "--ucx-tls", "tcp",
         ]
+        if etcd is not None:
+            self.args += ["--cluster", etcd.url, "--cluster-name", cluster, "--node-id", name, "--advertise", self.address,
+                          "--cluster-ttl", str(ttl_s), "--data-plane", data_plane, "--ucx-tls", "tcp"]
         self.proc: subprocess.Popen[str] | None = None
 
     def launch(self) -> None:
@@ -76,8 +77,7 @@ class Node:
 
     def wait_ready(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        while (line := self.proc.stdout.readline()) and "ready" not in line:
-            pass  # UCX warns on stdout
+        line = self.proc.stdout.readline()
         if "ready" not in line:
             raise RuntimeError(f"node {self.name} did not start; see {self.dir / 'server.log'}")
 
@@ -87,16 +87,10 @@ class Node:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
 
 
-def start_nodes(workdir: Path, etcd: Etcd, cluster: str, names: list[str], data_plane: str, ttl_s: int,
+def start_nodes(workdir: Path, etcd: Etcd | None, cluster: str, names: list[str], data_plane: str, ttl_s: int,
                 host_capacity: str) -> list[Node]:
     nodes = [Node(workdir, n, etcd, cluster, data_plane, ttl_s, host_capacity) for n in names]
     for node in nodes:

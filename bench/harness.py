@@ -7,7 +7,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -16,27 +18,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_process(proc: subprocess.Popen[Any] | None, timeout_s: float = 30.0) -> None:
+    """Stops a child for good: resumes it first (a test may have SIGSTOPped it, and a stopped
+    process cannot act on SIGTERM), SIGTERM, ``timeout_s`` to exit, then SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGCONT)
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 class Process:
-    """A child process that prints one 'ready' line when it serves."""
+    """A child process that prints one 'ready' line when it serves. Its stderr goes to a
+    temporary file, not a pipe: a pipe nobody reads fills, and a chatty server then blocks."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                      env={**os.environ, **env} if env else None)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:
             self.proc.kill()
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"{args[2]} did not start: {line}{err}")
+            self.proc.wait(10)
+            raise RuntimeError(f"{args[2]} did not start: {line}{self.stderr_text()}")
+
+    def stderr_text(self) -> str:
+        """What the process wrote on stderr so far."""
+        self.stderr.seek(0)
+        return self.stderr.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
+        self.stderr.close()
 
 
 def start_server(workdir: Path, host_bytes: int, ssd_bytes: int, *extra: str,

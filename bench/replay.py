@@ -9,6 +9,10 @@ Two questions, each a suite of runs:
   future (admits pages used at least twice more): the bound for an online policy.
 * eviction: host-only caches of ``--capacities`` blocks, LRU (window 0) vs queue-aware
   eviction with the hints a scheduler would send for requests arriving in the next W s.
+
+A third suite, ``pool``, runs real server processes instead (``replay_pool``): the trace
+round-robin over ``--pool-nodes`` engine nodes, against one pooled cluster cache and against
+isolated per-node caches of the same total capacity (``--pool-blocks``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvstore.bench.belady import belady_hits
+from kvstore.bench.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import LayoutDesc, checksum
 from kvstore.planner import SECONDS_PER_DAY
@@ -165,7 +170,7 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
-    p.add_argument("--suite", default="admission,eviction", help="admission, eviction or both")
+    p.add_argument("--suite", default="admission,eviction", help="admission, eviction, pool (real processes), comma-separated")
     p.add_argument("--host-blocks", type=int, default=1000, help="host tier capacity for the admission suite")
     p.add_argument("--ssd-blocks", type=int, default=50_000, help="SSD tier capacity for the admission suite")
     p.add_argument("--policies", default="first-come,seen-twice,value,oracle",
@@ -177,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hint-share", type=float, default=0.9, help="share of the host tier hints may protect (server default 0.5)")
     p.add_argument("--page-bytes", type=int, default=4096, help="scaled-down payload per 512-token block")
     p.add_argument("--limit-requests", type=int, default=0, help="replay only the first N requests")
+    p.add_argument("--pool-nodes", type=int, default=4, help="engine nodes of the pool suite (requests round-robin)")
+    p.add_argument("--pool-blocks", type=int, default=8192,
+                   help="host-tier blocks of the pool suite, all nodes together (the trace has 43,924 distinct blocks)")
     p.add_argument("--plot", default="bench-out/replay-hit-rate.png", help="PNG of hit rate vs capacity per policy")
     p.add_argument("--dir", default="bench-out/replay")
 
@@ -215,6 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 r["gap_closed"] = (r["hit_rate"] - lru["hit_rate"]) / gap if gap > 0 else None
             results += [lru, slru, queue]
     report: dict[str, Any] = {"trace": args.trace, "requests": len(reqs), "blocks": len(seq), "results": results}
+    if "pool" in suites:
+        report["pool"] = pooled_vs_isolated([r.blocks for r in reqs], args.pool_nodes, args.pool_blocks, workdir)
     if "eviction" in suites and args.plot:
         report["plot"] = _plot(results, args.plot, args.window)
     return report
@@ -251,12 +261,15 @@ def _plot(results: list[dict[str, Any]], path: str, window: float) -> str:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"{report['requests']} requests, {report['blocks']} block accesses")
-    print(f"{'policy':<12} {'W s':>5} {'host':>6} {'ssd':>6} {'hit%':>6} {'host%':>6} {'ssd%':>6} {'written':>8} {'budget':>8} {'belady%':>8} {'kept/closed':>11}")
+    if report["results"]:
+        print(f"{'policy':<12} {'W s':>5} {'host':>6} {'ssd':>6} {'hit%':>6} {'host%':>6} {'ssd%':>6} {'written':>8} {'budget':>8} {'belady%':>8} {'kept/closed':>11}")
     for r in report["results"]:
         extra = r.get("ssd_hits_kept", r.get("gap_closed"))
         print(f"{r['policy']:<12} {r['window_s']:>5g} {r['host_blocks']:>6} {r['ssd_blocks']:>6} {100 * r['hit_rate']:>6.1f} "
               f"{100 * r['host_hit_rate']:>6.1f} {100 * r['ssd_hit_rate']:>6.1f} {r['ssd_blocks_written']:>8} "
               f"{r['ssd_budget_blocks'] if r['ssd_budget_blocks'] is not None else '-':>8} {100 * r['belady_hit_rate']:>8.1f} "
               f"{'-' if extra is None else f'{100 * extra:.0f}%':>11}")
+    if report.get("pool"):
+        print_pool(report["pool"])
     if report.get("plot"):
         print(f"plot: {report['plot']}")

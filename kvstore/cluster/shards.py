@@ -17,7 +17,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from functools import cached_property
+from typing import NamedTuple, TypeVar, cast
 
 import xxhash
 
@@ -38,9 +39,9 @@ class ShardConfig:
             raise ConfigError("--cluster-replicas must be >= 1")
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Pages ``[start, stop)`` of one chain; ``key`` is the chain's key at ``start``."""
+class Segment(NamedTuple):
+    """Pages ``[start, stop)`` of one chain; ``key`` is the chain's key at ``start``.
+    (A tuple: a lookup of a long chain of one-page segments makes one per page.)"""
 
     index: int
     start: int
@@ -130,9 +131,8 @@ def moves(segment_keys: Iterable[bytes], before: ShardMap, after: ShardMap) -> l
     return out
 
 
-@dataclass(frozen=True)
-class KeyRange:
-    """Pages ``[start, stop)`` of the looked-up chain."""
+class KeyRange(NamedTuple):
+    """Pages ``[start, stop)`` of the looked-up chain (a tuple, as ``Segment``)."""
 
     start: int
     stop: int
@@ -148,17 +148,22 @@ class LookupPlan:
     asked: tuple[str | None, ...]
 
     def requests(self) -> dict[str, list[KeyRange]]:
-        """Owner -> the page ranges to ask it for, in chain order: one RPC per owner."""
-        out: dict[str, list[KeyRange]] = {}
+        """Owner -> the page ranges to ask it for, in chain order: one RPC per owner.
+        Computed once per plan (the lookup and its merge both read it): do not mutate."""
+        return self._requests
+
+    @cached_property
+    def _requests(self) -> dict[str, list[KeyRange]]:
+        spans: dict[str, list[list[int]]] = {}  # [start, stop] grown in place; a KeyRange per final range
         for seg, owner in zip(self.segments, self.asked):
             if owner is None:
                 continue
-            ranges = out.setdefault(owner, [])
-            if ranges and ranges[-1].stop == seg.start:
-                ranges[-1] = KeyRange(ranges[-1].start, seg.stop)  # adjacent segments of one owner: one range
+            ranges = spans.setdefault(owner, [])
+            if ranges and ranges[-1][1] == seg.start:
+                ranges[-1][1] = seg.stop  # adjacent segments of one owner: one range
             else:
-                ranges.append(KeyRange(seg.start, seg.stop))
-        return out
+                ranges.append([seg.start, seg.stop])
+        return {owner: [KeyRange(start, stop) for start, stop in ranges] for owner, ranges in spans.items()}
 
 
 def plan_lookup(keys: Sequence[bytes], shard_map: ShardMap,
@@ -171,7 +176,9 @@ def plan_lookup(keys: Sequence[bytes], shard_map: ShardMap,
     segs = segments(keys, shard_map.config.segment_pages)
     asked: list[str | None] = []
     for seg in segs:
-        owners = tuple(o for o in shard_map.owners(seg.key) if o not in excluded)
+        owners = shard_map.owners(seg.key)
+        if excluded:
+            owners = tuple(o for o in owners if o not in excluded)
         asked.append(None if not owners else choose(seg, owners) if choose else owners[0])
     return LookupPlan(tuple(keys), tuple(segs), tuple(asked))
 
@@ -183,7 +190,7 @@ def merge_lookup(plan: LookupPlan, answers: Mapping[str, Sequence[Sequence[T | N
     prefix ends at its first segment. A malformed answer (wrong number of ranges, a range
     longer than asked) raises InvalidRequest rather than being trusted."""
     requests = plan.requests()
-    by_page: dict[int, T | None] = {}
+    by_page: list[T | None] = [None] * len(plan.keys)
     failed: set[str] = set()
     for asked_owner, ranges in requests.items():
         answer = answers.get(asked_owner)
@@ -195,15 +202,14 @@ def merge_lookup(plan: LookupPlan, answers: Mapping[str, Sequence[Sequence[T | N
         for rng, records in zip(ranges, answer):
             if len(records) > rng.stop - rng.start:
                 raise InvalidRequest(f"owner {asked_owner} answered {len(records)} records for {rng.stop - rng.start} pages")
-            for offset, record in enumerate(records):
-                by_page[rng.start + offset] = record
-    found: list[T] = []
+            by_page[rng.start : rng.start + len(records)] = records
+    end = len(plan.keys)  # the first page of the first segment without an owner that answered
     for seg, owner in zip(plan.segments, plan.asked):
         if owner is None or owner in failed:
+            end = seg.start
             break
-        for i in range(seg.start, seg.stop):
-            record = by_page.get(i)
-            if record is None:
-                return found
-            found.append(record)
-    return found
+    try:  # the prefix ends at the first page no owner listed (list.index: one pass in C)
+        end = by_page.index(None, 0, end)
+    except ValueError:
+        pass
+    return cast(list[T], by_page[:end])

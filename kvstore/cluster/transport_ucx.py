@@ -22,11 +22,18 @@ import asyncio
 import enum
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+# UCX logs to stdout unless told otherwise, and warns there at start (ucxx sets
+# UCX_MEMTYPE_CACHE, which this UCX does not know): the server's stdout carries its ready
+# line, read by launchers, so UCX's messages go to stderr (the server's log) instead.
+# Read when UCX loads, i.e. on ``import ucxx``.
+os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
@@ -65,7 +72,12 @@ def init_ucx(config: UcxConfig) -> None:
     options = {"TLS": config.tls} if config.tls else {}
     if config.tls and "sm" in config.tls.split(","):
         options["MM_ERROR_HANDLING"] = "y"  # sm through a listener needs it (peer failure detection on sm)
-    ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s)
+    # In the thread modes a request is awaited through a Python future that ucxx's notifier
+    # thread completes; without it (ucxx's default) the loop spins on sleep(0) for as long as
+    # any receive is posted, e.g. a page server waiting for a connection's next request.
+    threaded = config.progress_mode.startswith("thread")
+    ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s,
+              enable_python_future=threaded)
     _initialized = config
 
 

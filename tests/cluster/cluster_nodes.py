@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from etcd_proc import free_port
 
+from kvstore.bench.harness import stop_process
+
 TTL_S = 2
 
 
@@ -43,12 +45,10 @@ class Node:
 
     def wait_ready(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        seen = ""
-        while (line := self.proc.stdout.readline()) and "ready" not in line:
-            seen += line  # UCX warns on stdout
+        line = self.proc.stdout.readline()
         if "ready" not in line:
             self.proc.kill()
-            raise RuntimeError(f"node {self.name} did not start: {seen}{self.log.read_text()[-3000:]}")
+            raise RuntimeError(f"node {self.name} did not start: {line}{self.log.read_text()[-3000:]}")
 
     def start(self) -> None:
         self.launch()
@@ -64,14 +64,7 @@ class Node:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 20)
 
 
 @pytest.fixture(name="cluster_nodes")

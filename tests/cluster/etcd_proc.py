@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.bench.harness import stop_process
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -81,19 +83,10 @@ class EtcdProcess:
 
     def stop(self) -> None:
         try:
-            self._stop_process()
+            stop_process(self.proc, 10)
         finally:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def _stop_process(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
 @pytest.fixture(name="etcd")

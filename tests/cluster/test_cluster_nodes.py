@@ -96,13 +96,14 @@ async def _found(client: KVStoreClient, tokens: list[int], num_tokens: int) -> b
     return (await client.lookup(tokens)).num_tokens == num_tokens
 
 
-async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster_nodes) -> None:
+@pytest.mark.parametrize("data_plane", ["ucx", "grpc"])
+async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster_nodes, data_plane: str) -> None:
     """Pages 0-7 of a prefix are on node a, pages 8-15 on node b (durable, on its SSD). b
     freezes while c fetches the prefix: c's client gets a's pages, bit-exact, within the
     fetch deadline, never b's and never a hang. b SIGKILLed: its records leave c's lookups
     within TTL + 1 s. b restarted on the same data: it republishes its SSD pages and c finds
-    and reads the whole prefix again."""
-    a, b, c = cluster_nodes(["a", "b", "c"], "ucx")
+    and reads the whole prefix again. On both data planes."""
+    a, b, c = cluster_nodes(["a", "b", "c"], data_plane)
     tokens = tokens_of(2, 16)
     kv = random_kv(LAYOUT, len(tokens), seed=2)
     half = 8 * LAYOUT.page_tokens

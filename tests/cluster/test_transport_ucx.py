@@ -257,3 +257,29 @@ async def test_a_fetcher_that_stops_reading_does_not_pin_pages_forever() -> None
     assert source.pinned == 0
     ep.abort()
     await server.close()
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_an_idle_connection_leaves_a_thread_mode_server_idle() -> None:
+    """Bug: in ucxx's thread progress mode (the one kvstore-server runs) a receive was awaited
+    by spinning the event loop (``asyncio.sleep(0)`` until done: ucxx's default without its
+    notifier thread), so a page server with one open connection, waiting for the next
+    request, burned ~40% of a core for as long as the connection stayed open; seen as 1.17 s
+    of CPU in 3 idle seconds, and it slowed every lookup and fetch on that node's loop."""
+    child = await start_server(4096, mode="thread")
+    try:
+        fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
+        result = await fetcher.fetch(NS, [key(1)], [np.zeros(4096, np.uint8)], 30)
+        assert result.statuses == [FetchStatus.OK]
+        before = _cpu_s(child.proc.pid)
+        await asyncio.sleep(3)
+        busy = _cpu_s(child.proc.pid) - before
+        await fetcher.close()
+        assert busy < 0.3, f"the idle page server used {busy:.2f} s of CPU in 3 s"
+    finally:
+        child.proc.kill()
+        await child.proc.wait()

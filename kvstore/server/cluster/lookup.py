@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 from kvstore._proto import directory_pb2
 from kvstore.cluster.shards import KeyRange, ShardMap, merge_lookup, plan_lookup
@@ -33,14 +34,8 @@ def expand(runs: Sequence[LocationRun]) -> list[PageRecord]:
 
 
 def compress(records: Sequence[PageRecord]) -> list[LocationRun]:
-    runs: list[LocationRun] = []
-    for node, tier, size in records:
-        last = runs[-1] if runs else None
-        if last is not None and (last.node, last.tier, last.size_bytes) == (node, tier, size):
-            runs[-1] = LocationRun(node, tier, last.num_pages + 1, size)
-        else:
-            runs.append(LocationRun(node, tier, 1, size))
-    return runs
+    # groupby runs in C: one LocationRun per run, not one per page
+    return [LocationRun(node, tier, sum(1 for _ in same), size) for (node, tier, size), same in groupby(records)]
 
 
 def split(records: list[PageRecord], ranges: list[KeyRange]) -> list[list[PageRecord]]:
@@ -70,8 +65,7 @@ class AnswerCache:
         if len(self._records) + len(records) > self.MAX_ENTRIES:
             self._records.clear()
         expires = self._clock() + self._ttl_s
-        for key, record in zip(keys, records):
-            self._records[(key, tenant)] = (namespace_id, record, expires)
+        self._records.update(((key, tenant), (namespace_id, record, expires)) for key, record in zip(keys, records))
 
     def leading(self, namespace_id: bytes, keys: Sequence[bytes], tenant: str = "") -> list[PageRecord]:
         """The cached records of the leading ``keys`` (stops at the first not cached)."""
