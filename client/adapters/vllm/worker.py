@@ -32,6 +32,7 @@ from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
 from kvstore.errors import KVStoreError
 from kvstore.page import checksum
+from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +160,22 @@ class WorkerSide:
 
     def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
         """Copies the leased pages into vLLM's blocks; returns how many leading pages are
-        valid (a page failing its checksum and all after it are not copied)."""
+        valid. Into a CPU cache, one native call copies every page and checksums it as it
+        copies (the blocks of a page that fails, and of all after it, are reported failed and
+        recomputed); otherwise each page is checked first and one that fails is not copied."""
         lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
         assert lease is not None and arena is not None
+        first = spec.first_page
+        host = kv.host_pages()
+        if host is not None:
+            offsets = lease.offsets[first : first + spec.num_pages]
+            sums = [running_checksum() for _ in offsets]
+            host.write_pages(self.layout.num_layers, range(len(offsets)), [arena.array[o : o + n] for o in offsets], sums)
+            bad = next((i for i, s in enumerate(sums) if s.intdigest() != lease.checksums[first + i]), None)
+            if bad is None:
+                return spec.num_pages
+            logger.error("leased page %d of request %s failed its checksum", first + bad, spec.req_id)
+            return bad
         for i in range(spec.num_pages):
             offset = lease.offsets[spec.first_page + i]
             if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
@@ -219,10 +233,9 @@ class WorkerSide:
             return active.copied, None
         if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
             active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
-        if not active.ok:
+        if not active.ok:  # abandoned: num_tokens is 0; a page failed its check: the pages before it
             load.abandon("not complete when the step ended")
-            return 0, load.error
-        return load.num_tokens // self.layout.page_tokens, None
+        return load.num_tokens // self.layout.page_tokens, load.error
 
     def _fail_blocks(self, active: ActiveLoad, valid_pages: int) -> None:
         first_token = (active.spec.first_page + valid_pages) * self.layout.page_tokens
