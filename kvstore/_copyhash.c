@@ -24,7 +24,7 @@ reset_fn xxh3_reset;
 update_fn xxh3_update;
 digest_fn xxh3_digest;
 
-static void stream_copy(char *dst, const char *src, size_t n) {
+void stream_copy(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) head = n;

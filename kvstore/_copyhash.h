@@ -21,6 +21,9 @@ extern digest_fn xxh3_digest;
 
 #define PIECE_BYTES 16384  /* hashed, then stored, while it is in L1 */
 
+/* _copyhash.c: copies n bytes with non-temporal stores (the caller fences) */
+void stream_copy(char *dst, const char *src, size_t n);
+
 /* _scatter.c */
 extern const char scatter_checksum_doc[];
 PyObject *scatter_checksum(PyObject *self, PyObject *args);

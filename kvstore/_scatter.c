@@ -5,6 +5,9 @@
  * hashed what landed read every byte three times; this reads it once. */
 #include "_copyhash.h"
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* -- Checksum: a running xxh3-64, fed by scatter_checksum piece by piece ------------------ */
 
@@ -125,7 +128,10 @@ done:
  * order, and feeds src to state in pieces of up to PIECE_BYTES right after each piece is
  * copied (still in L1). Hashing what was just read for the copy, not the destination,
  * keeps the hash to a few large updates; a source that changes under the copy hashes to
- * something else, since every byte is hashed after it was copied. No GIL needed. */
+ * something else, since every byte is hashed after it was copied. The stores are
+ * streamed: a load is far larger than the cache, and a plain store reads each line
+ * first (measured: plain 2.75 GB/s, streamed 3.8 GB/s, memcpy 3.7 GB/s on 128 MiB into
+ * vLLM's CPU layout, 2-core host). No GIL needed. */
 static void scatter_one(void *state, const Place *place, char *dst, const char *src) {
     Py_ssize_t index[MAX_DIMS] = {0};
     Py_ssize_t done = 0, hashed = 0;
@@ -134,7 +140,7 @@ static void scatter_one(void *state, const Place *place, char *dst, const char *
         for (Py_ssize_t d = 0; d < place->ndim; d++) at += index[d] * place->strides[d];
         for (Py_ssize_t r = 0; r < place->run; r += PIECE_BYTES) {
             size_t n = (size_t)(place->run - r < PIECE_BYTES ? place->run - r : PIECE_BYTES);
-            memcpy(dst + at + r, src + done + r, n);
+            stream_copy(dst + at + r, src + done + r, n);
             if (done + r + (Py_ssize_t)n - hashed >= PIECE_BYTES) {
                 xxh3_update(state, src + hashed, (size_t)(done + r + (Py_ssize_t)n - hashed));
                 hashed = done + r + (Py_ssize_t)n;
@@ -147,6 +153,9 @@ static void scatter_one(void *state, const Place *place, char *dst, const char *
         }
     }
     if (hashed < done) xxh3_update(state, src + hashed, (size_t)(done - hashed));
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streamed stores are visible before the caller is told the copy is done */
+#endif
 }
 
 const char scatter_checksum_doc[] =
