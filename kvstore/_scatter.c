@@ -111,12 +111,22 @@ static int read_place(PyObject *shape_obj, PyObject *strides_obj, Place *place) 
     place->run = sizes[dims - 1];
     place->extent = place->run;
     place->total = place->run;
+    int empty = place->run == 0;
     for (Py_ssize_t d = 0; d < place->ndim; d++) {
+        Py_ssize_t span;
         place->shape[d] = sizes[d];
-        if (sizes[d] == 0) place->extent = 0;
-        else place->extent += (sizes[d] - 1) * place->strides[d];
-        place->total *= sizes[d];
+        if (sizes[d] == 0) {
+            empty = 1;
+            continue;
+        }
+        if (__builtin_mul_overflow(sizes[d] - 1, place->strides[d], &span) ||
+            __builtin_add_overflow(place->extent, span, &place->extent) ||
+            __builtin_mul_overflow(place->total, sizes[d], &place->total)) {
+            PyErr_SetString(PyExc_OverflowError, "shape and strides describe more bytes than an address holds");
+            goto done;
+        }
     }
+    if (empty) place->extent = place->total = 0;
     ok = 0;
 done:
     Py_XDECREF(shape);
@@ -164,7 +174,8 @@ const char scatter_checksum_doc[] =
 "into dst (a writable contiguous byte buffer) at byte offset offsets[i], laid out by shape\n"
 "(its last entry: bytes of a contiguous run) and strides (bytes, one per dimension before\n"
 "the last), and feeds the bytes of srcs[i] to checksums[i] (a Checksum) as it copies them.\n"
-"Every place is checked to lie inside dst before a byte moves. Releases the GIL.";
+"Every place is checked to lie inside dst before a byte moves. Releases the GIL; a\n"
+"Checksum must not be fed from two threads at once.";
 
 PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     PyObject *sums_obj, *dst_obj, *offsets_obj, *strides_obj, *shape_obj, *srcs_obj;
@@ -175,6 +186,7 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     PyObject *offsets = sums ? PySequence_Fast(offsets_obj, "offsets must be a sequence") : NULL;
     PyObject *srcs = offsets ? PySequence_Fast(srcs_obj, "srcs must be a sequence") : NULL;
     Py_buffer dst = {0}, *views = NULL;
+    ChecksumObject **states = NULL;  /* referenced here: the sequence may change while the GIL is released */
     Py_ssize_t *at = NULL, n = 0, held = 0;
     PyObject *result = NULL;
     if (srcs == NULL || PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
@@ -185,7 +197,8 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     }
     views = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
     at = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
-    if (views == NULL || at == NULL) {
+    states = PyMem_Calloc((size_t)n + 1, sizeof(ChecksumObject *));
+    if (views == NULL || at == NULL || states == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -196,6 +209,8 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
             goto done;
         }
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(srcs, held), &views[held], PyBUF_C_CONTIGUOUS) < 0) goto done;
+        states[held] = (ChecksumObject *)PySequence_Fast_GET_ITEM(sums, held);
+        Py_INCREF(states[held]);
         if (views[held].len != place.total) {
             PyErr_Format(PyExc_ValueError, "srcs[%zd] has %zd bytes, shape %zd", held, views[held].len, place.total);
             held++;
@@ -210,16 +225,19 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
-        scatter_one(((ChecksumObject *)PySequence_Fast_GET_ITEM(sums, i))->state, &place, (char *)dst.buf + at[i],
-                    (const char *)views[i].buf);
+        scatter_one(states[i]->state, &place, (char *)dst.buf + at[i], (const char *)views[i].buf);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyBuffer_Release(&views[i]);
+        Py_XDECREF(states[i]);
+    }
     if (dst.obj != NULL) PyBuffer_Release(&dst);
     PyMem_Free(views);
     PyMem_Free(at);
+    PyMem_Free(states);
     Py_XDECREF(sums);
     Py_XDECREF(offsets);
     Py_XDECREF(srcs);

@@ -137,3 +137,5 @@ def test_native_scatter_refuses_places_outside_the_buffer() -> None:
     readonly.flags.writeable = False
     with pytest.raises((BufferError, ValueError)):
         pagecopy.scatter_checksum(sums, readonly, offsets, strides, shape, list(src))
+    with pytest.raises(OverflowError):  # a place so large that its size wraps around is refused, not written
+        pagecopy.scatter_checksum(sums, dst, offsets, (1 << 62, 1, 1), (4, 1 << 62, 1, 1), list(src))
