@@ -4,4 +4,5 @@ kvstore.pagecopy uses numpy (same bytes, same checksums, slower)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvstore._copyhash", ["kvstore/_copyhash.c"], extra_compile_args=["-O3"], optional=True)])
+setup(ext_modules=[Extension("kvstore._copyhash", ["kvstore/_copyhash.c", "kvstore/_scatter.c"], depends=["kvstore/_copyhash.h"],
+                             extra_compile_args=["-O3"], optional=True)])

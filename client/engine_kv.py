@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from kvstore.client.hostpages import HostPages, host_pages
 from kvstore.client.pages import check_kv, copy_bytes
 from kvstore.errors import InvalidRequest
 from kvstore.types import KVLayout
@@ -46,6 +47,12 @@ class ContiguousKV:
 
     def write_layer(self, page: int, layer: int, src: torch.Tensor) -> None:
         copy_bytes(self.read_layer(page, layer), src)
+
+    def host_pages(self) -> HostPages | None:
+        """The pages as places in host memory (a layer-wise load copies and checksums a
+        layer of every page in one call); None for a tensor off the CPU."""
+        p = self.layout.page_tokens
+        return host_pages(self.kv, [(i * p,) for i in range(self.num_tokens // p)], self.layout)
 
 
 class PagedKV:

@@ -10,8 +10,7 @@
  * the one `kvstore.page.checksum` computes. When anything is missing the import fails and
  * kvstore.fastcopy falls back to numpy; the result is the same, only slower.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_copyhash.h"
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
@@ -19,21 +18,13 @@
 #include <emmintrin.h>
 #endif
 
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef unsigned long long (*digest_fn)(const void *);
+create_fn xxh3_create;
+free_fn xxh3_free;
+reset_fn xxh3_reset;
+update_fn xxh3_update;
+digest_fn xxh3_digest;
 
-static create_fn xxh3_create;
-static free_fn xxh3_free;
-static reset_fn xxh3_reset;
-static update_fn xxh3_update;
-static digest_fn xxh3_digest;
-
-#define PIECE_BYTES 16384  /* hashed, then stored, while it is in L1 */
-
-static void stream_copy(char *dst, const char *src, size_t n) {
+void stream_copy(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) head = n;
@@ -207,6 +198,7 @@ static PyMethodDef methods[] = {
     {"copy_checksum", copy_checksum, METH_VARARGS, copy_checksum_doc},
     {"copy_streamed", copy_streamed, METH_VARARGS, copy_streamed_doc},
     {"frame_checksummed", frame_checksummed, METH_VARARGS, frame_checksummed_doc},
+    {"scatter_checksum", scatter_checksum, METH_VARARGS, scatter_checksum_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -240,5 +232,7 @@ static int bind_xxh3(void) {
 
 PyMODINIT_FUNC PyInit__copyhash(void) {
     if (bind_xxh3() < 0) return NULL;
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod != NULL && add_checksum_type(mod) < 0) Py_CLEAR(mod);
+    return mod;
 }

@@ -10,11 +10,12 @@ compiler at install) numpy does the same work: same bytes, same checksum.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstore.page import checksum, checksum_rows
+from kvstore.page import checksum, checksum_rows, checksummer
 
 logger = logging.getLogger(__name__)
 
@@ -71,3 +72,33 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> in
         return digest
     np.copyto(dst, src)
     return checksum(dst) if dst.flags.c_contiguous else checksum_rows(dst)
+
+
+def running_checksum(native: bool = NATIVE) -> Any:
+    """A running page checksum (``update``, ``intdigest``) that ``scatter_checksum`` feeds:
+    the native one where it is built, else xxhash's (same digest)."""
+    return _copyhash.Checksum() if native and _copyhash is not None else checksummer()
+
+
+def scatter_checksum(sums: Sequence[Any], dst: np.ndarray, offsets: Sequence[int], strides: Sequence[int],
+                     shape: Sequence[int], srcs: Sequence[Any], native: bool = NATIVE) -> None:
+    """For each i, copies ``srcs[i]`` (``prod(shape)`` contiguous bytes, read in C order)
+    to its place in ``dst`` (a 1-D uint8 array): from byte ``offsets[i]`` on, laid out by
+    ``shape`` (the last entry: bytes of one contiguous run) and ``strides`` (bytes, one per
+    dimension before the last), and feeds the bytes to ``sums[i]`` (``running_checksum``).
+    A layer of every page of a load is one call, read once: each piece is hashed right
+    after it is copied. Every place is checked to lie inside ``dst`` first. The GIL is
+    released while the bytes move."""
+    if native and _copyhash is not None:
+        _copyhash.scatter_checksum(sums, dst, offsets, strides, shape, srcs)
+        return
+    if not len(sums) == len(offsets) == len(srcs):
+        raise ValueError("checksums, offsets and srcs must have one length")
+    extent = shape[-1] + sum((n - 1) * stride for n, stride in zip(shape, strides))
+    if min(offsets, default=0) < 0 or max(offsets, default=0) > len(dst) - extent or min((*shape, *strides), default=0) < 0:
+        raise ValueError(f"a place of {extent} bytes lies outside dst ({len(dst)} bytes)")
+    for running, offset, src in zip(sums, offsets, srcs):
+        place = np.lib.stride_tricks.as_strided(dst[offset:], shape=tuple(shape), strides=(*strides, 1))
+        data = np.frombuffer(src, dtype=np.uint8).reshape(shape)
+        np.copyto(place, data)
+        running.update(data)

@@ -87,3 +87,55 @@ def test_native_copies_from_many_threads_are_right() -> None:
     for t in threads:
         t.join()
     assert [got[p] for p in range(4)] == want
+
+
+def _scatter_case(seed: int) -> tuple[np.ndarray, np.ndarray, list[int], tuple[int, ...], tuple[int, ...]]:
+    """Two [kv, tokens, heads, dim-bytes] pieces scattered into a paged, head-major buffer
+    [blocks, heads, kv, block tokens, dim-bytes], as vLLM's CPU cache holds them."""
+    blocks, heads, block_tokens, run, tokens = 3, 4, 8, 40, 4
+    dst = np.zeros(blocks * heads * 2 * block_tokens * run + 5, dtype=np.uint8)
+    src = np.random.default_rng(seed).integers(0, 256, (2, 2 * tokens * heads * run), dtype=np.uint8)
+    strides = (block_tokens * run, run, 2 * block_tokens * run)  # kv, token, head
+    block = heads * 2 * block_tokens * run
+    offsets = [5 + 2 * block + 4 * run, 5 + 0 * block]  # (block 2, token 4) and (block 0, token 0), unaligned
+    return dst, src, offsets, strides, (2, tokens, heads, run)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_scatter_checksum_places_the_bytes_and_hashes_them(native: bool) -> None:
+    """Every page in one call: each source lands in its strided place, nothing else is
+    written, and each running checksum equals kvstore.page.checksum of its source, also
+    when it is fed across two calls (K in the first, V in the second, as layer after layer)."""
+    dst, src, offsets, strides, shape = _scatter_case(5)
+    sums = [pagecopy.running_checksum(native) for _ in offsets]
+    half = src.shape[1] // 2
+    for kv in (0, 1):
+        pagecopy.scatter_checksum(sums, dst, [o + kv * strides[0] for o in offsets], strides[1:], shape[1:],
+                                  [s[kv * half : (kv + 1) * half] for s in src], native=native)
+    assert [s.intdigest() for s in sums] == [checksum(s) for s in src]
+    placed = np.zeros_like(dst)
+    for o, s in zip(offsets, src):
+        np.lib.stride_tricks.as_strided(placed[o:], shape=shape, strides=(*strides, 1))[...] = s.reshape(shape)
+    assert np.array_equal(dst, placed)
+
+
+def test_native_scatter_refuses_places_outside_the_buffer() -> None:
+    """Every place is checked before a byte moves: a clear error, never a write out of bounds."""
+    dst, src, offsets, strides, shape = _scatter_case(6)
+    sums = [pagecopy.running_checksum() for _ in offsets]
+    for native in (True, False):
+        with pytest.raises(ValueError):
+            pagecopy.scatter_checksum(sums, dst, [len(dst) - 10, 0], strides, shape, list(src), native=native)
+        with pytest.raises((ValueError, OverflowError)):
+            pagecopy.scatter_checksum(sums, dst, [-1, 0], strides, shape, list(src), native=native)
+    assert not dst.any()
+    with pytest.raises(ValueError, match="has 1279 bytes"):
+        pagecopy.scatter_checksum(sums, dst, offsets, strides, shape, [src[0][:-1], src[1]])
+    with pytest.raises(TypeError, match="Checksum"):
+        pagecopy.scatter_checksum([pagecopy.running_checksum(False)] * 2, dst, offsets, strides, shape, list(src))
+    readonly = dst.copy()
+    readonly.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        pagecopy.scatter_checksum(sums, readonly, offsets, strides, shape, list(src))
+    with pytest.raises(OverflowError):  # a place so large that its size wraps around is refused, not written
+        pagecopy.scatter_checksum(sums, dst, offsets, (1 << 62, 1, 1), (4, 1 << 62, 1, 1), list(src))

@@ -2,16 +2,22 @@
 
 A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
 
-* Before the first layer is released every page is leased and checked against its
-  checksum: ``num_tokens`` is then the prefix the engine may compute on (whole pages). A
-  missing or corrupt page only shortens it (partial recompute); it never grows.
-* ``wait(layer)`` True: layer ``layer`` of those ``num_tokens`` tokens is in place. What
-  landed in the engine's KV is verified page by page against the page checksum once the
-  page's last layer is in, so the final word is ``wait(num_layers - 1)``. If a page fails
-  there (its slot changed under the load), that wait returns False and ``num_tokens`` drops
-  to the verified pages before it: the engine must recompute from ``num_tokens`` on,
-  including what it computed on top of the dropped pages, since layers it was already
-  given may have held wrong KV for them. A page that failed is never counted.
+* Before the first layer is released every page is leased: ``num_tokens`` is then the
+  prefix the engine may compute on (whole pages). A missing page only shortens it (partial
+  recompute); it never grows.
+* ``wait(layer)`` True: layer ``layer`` of those ``num_tokens`` tokens is in place. Every
+  page is verified against its checksum once its last layer is in, so the final word is
+  ``wait(num_layers - 1)``. If a page fails there (corrupt, or its slot changed under the
+  load), that wait returns False and ``num_tokens`` drops to the verified pages before it:
+  the engine must recompute from ``num_tokens`` on, including what it computed on top of
+  the dropped pages, since layers it was already given may have held wrong KV for them. A
+  page that failed is never counted.
+* How a page is checked: into an engine KV with ``host_pages()`` (a CPU tensor), a layer
+  of every page is copied by one native call that feeds each page's running checksum as
+  it copies (every byte read once, each piece hashed right after it was copied, so a
+  source that changes under the copy fails). Otherwise every page is checked before the
+  first layer is released (a corrupt one shortens ``num_tokens`` at once) and what landed
+  is hashed again after each layer write.
 * The deadline is known at start and the worker watches it itself: it starts a layer
   write only if, at the pace of the slowest so far, it ends before the deadline. At the
   deadline, on ``abandon`` (the client closing), on an error or on a lost lease, the load
@@ -47,16 +53,18 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from kvstore.client.engine_kv import ContiguousKV, EngineKV
 from kvstore.client.layerwise.device import layer_signals
+from kvstore.client.hostpages import HostPages
 from kvstore.client.pages import as_bytes, page_rows, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksummer
+from kvstore.pagecopy import running_checksum
 
 if TYPE_CHECKING:
     from kvstore.client.client import KVStoreClient
@@ -156,23 +164,18 @@ class LayerLoad:
             # fill stops at the deadline by itself (a stream cut by it ends short); the bound
             # of run() is a backstop for an RPC that hangs
             runtime.run(staged.fill(self.hit.keys, remaining), remaining + self.client.timeout_s)
-            valid = staged.verify()
+            host_pages = getattr(self.into, "host_pages", None)
+            host: HostPages | None = host_pages() if host_pages is not None and staged.pages else None
+            valid = len(staged.pages) if host is not None else staged.verify()  # fused: checked as copied
             with self._copy_lock:
                 if self._final:
                     return
                 self.num_tokens = valid * self.client.layout.page_tokens
-            landed = [checksummer() for _ in range(valid)]
             start = time.perf_counter()
-            with self._signals.copying():
-                for layer in range(self.num_layers):
-                    for page in range(valid):
-                        if not self._write(page, layer, staged.pages[page]):
-                            return
-                        self._hash_landed(landed[page], page, layer)
-                    self._signals.issued(layer)
-                    if layer < self.num_layers - 1:
-                        self._layer_ready[layer].set()
-            good = next((i for i in range(valid) if landed[i].intdigest() != staged.checksums[i]), valid)
+            with self._signals.copying():  # host thread, or the CUDA side stream (device.py)
+                good = self._copy_fused(host, valid) if host is not None else self._copy_checked(valid)
+            if good is None:
+                return
             self._finish(valid, good)
             self.client.record_load(good * self.client.layout.page_bytes, time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - reported to the engine through wait()
@@ -189,10 +192,45 @@ class LayerLoad:
                 logger.warning("a layer-wise load could not give back its pages (they expire): %s", exc)
             self._done.set()
 
-    def _write(self, page: int, layer: int, source: torch.Tensor) -> bool:
-        """Writes one layer of one page into the engine's KV unless the load is over (False).
-        A write is started only if, at the pace of the slowest one so far, it ends before
-        the deadline: the engine's KV is its own again at the deadline."""
+    def _copy_fused(self, host: HostPages, valid: int) -> int | None:
+        """Layer after layer, one native call copies the layer of every page and feeds each
+        page's running checksum; returns the leading pages whose bytes held their checksum
+        (None: the load ended meanwhile)."""
+        staged, layout = self._staged, self.client.layout
+        step = layout.page_bytes // layout.num_layers
+        sources = [as_bytes(page).numpy() for page in staged.pages[:valid]]
+        sums = [running_checksum() for _ in range(valid)]
+        pages = range(valid)
+        for layer in range(self.num_layers):
+            parts = [source[layer * step : (layer + 1) * step] for source in sources]
+            if not self._write(lambda: host.write_layer(layer, pages, parts, sums)):  # noqa: B023 - called at once
+                return None
+            self._signals.issued(layer)
+            if layer < self.num_layers - 1:
+                self._layer_ready[layer].set()
+        return next((i for i in range(valid) if sums[i].intdigest() != staged.checksums[i]), valid)
+
+    def _copy_checked(self, valid: int) -> int | None:
+        """Page by page and layer by layer through ``EngineKV.write_layer``, hashing what
+        landed; returns the leading pages whose copies held their checksum (None: the load
+        ended meanwhile)."""
+        staged, layout = self._staged, self.client.layout
+        landed = [checksummer() for _ in range(valid)]
+        for layer in range(self.num_layers):
+            for page in range(valid):
+                source = slot_as_page(staged.pages[page], layout)[layer]
+                if not self._write(lambda: self.into.write_layer(page, layer, source)):  # noqa: B023 - called at once
+                    return None
+                self._hash_landed(landed[page], page, layer)
+            self._signals.issued(layer)
+            if layer < self.num_layers - 1:
+                self._layer_ready[layer].set()
+        return next((i for i in range(valid) if landed[i].intdigest() != staged.checksums[i]), valid)
+
+    def _write(self, write: Callable[[], None]) -> bool:
+        """Runs one write into the engine's KV unless the load is over (False). A write is
+        started only if, at the pace of the slowest one so far, it ends before the
+        deadline: the engine's KV is its own again at the deadline."""
         with self._copy_lock:
             if self._final:
                 return False
@@ -200,7 +238,7 @@ class LayerLoad:
             if start + self._slowest_write_s >= self.deadline:
                 self._abandon_locked("deadline reached")
                 return False
-            self.into.write_layer(page, layer, slot_as_page(source, self.client.layout)[layer])
+            write()
             self._slowest_write_s = max(self._slowest_write_s, time.monotonic() - start)
             return True
 

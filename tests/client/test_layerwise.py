@@ -136,3 +136,24 @@ async def test_suggest_ahead_matches_the_chapter(server) -> None:
     async with KVStoreClient(server.address, qwen) as client:
         assert client.suggest_ahead(8192, 256, compute_s_per_token=0.0309 / 256, bandwidth_bps=25e9) == 14
         assert client.suggest_ahead(8192, 1000, compute_s_per_token=0.0309 / 256, bandwidth_bps=25e9) == 0
+
+
+async def test_a_corrupt_page_found_as_it_is_copied_cuts_the_load(server, layout, ns) -> None:
+    """Into a CPU tensor a page is checked as its layers are copied (one read of the
+    bytes), not before: a page corrupt at rest is found once its last layer is in. The
+    last wait then says so (earlier ones do too once the load ended), and only the pages
+    before it count."""
+    tokens = list(range(128))
+    kv = random_kv(layout, 128, seed=26)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        assert client.arena is not None
+        offset = server.core.where(hit.keys[5])["host"]  # read, to aim the fault
+        client.arena.array[offset + 100] ^= 0x10
+        into = torch.zeros_like(kv)
+        load = client.load(hit, into=into, deadline_s=30)
+        assert load.wait(layout.num_layers - 1) is False
+        assert load.num_tokens == 80 and await load.finished() == 80
+        assert torch.equal(into[:, :, :80], kv[:, :, :80])
+        assert not server.core.view().pinned

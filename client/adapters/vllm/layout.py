@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from kvstore.client.hostpages import HostPages, host_pages
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.types import KVLayout
 
@@ -126,6 +127,7 @@ class RequestKV:
         self._where = [(self.block_ids[t // block_size], t % block_size)
                        for t in ((first_page + i) * p for i in range(num_pages))]
         self._p = p
+        self._layout = layout
         self._all_layers = all_layers
         self._cancelled = False
         self._readable: set[int] | None = set() if guarded else None
@@ -157,6 +159,13 @@ class RequestKV:
         if self._cancelled:
             raise InvalidRequest("load cancelled")
         self._view(page, layer).copy_(src)
+
+    def host_pages(self) -> HostPages | None:
+        """The pages as places in host memory (one copy+checksum call per layer), when the
+        layers share one CPU buffer; None otherwise."""
+        if self._all_layers is None or self._cancelled:
+            return None
+        return host_pages(self._all_layers, self._where, self._layout)
 
     def write_page(self, page: int, src: torch.Tensor) -> None:
         """Stores a whole page (``[layers, 2, P, heads, dim]``): one copy when the layers

@@ -5,7 +5,8 @@ Saves cover every full page whose KV exists by the end of a step, generated toke
 included: a page of the answer is saved in the decode step that computes its last token,
 so a follow-up turn that repeats the answer finds it. A save that ends short (it failed,
 was cancelled or never started) is reported back by the workers, and the next step of the
-request saves again from the pages that may be stored.
+request saves again from the pages that may be stored. A finished request has no next
+step: its workers save again themselves while its blocks are held (worker side, resave.py).
 
 Per request, one lookup (the answer is cached, so vLLM may ask again and get the same
 count). On the server's host the lookup also leases the pages (one Acquire RPC): they

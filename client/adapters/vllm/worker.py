@@ -9,7 +9,8 @@ One step::
     wait_for_save --> loads settled: short or late ones become failed blocks
                   --> saves of requests whose load failed are cancelled (never published);
                       the others get their last layer and commit in the background
-    get_finished  --> requests whose saves are done may have their blocks freed
+    get_finished  --> requests whose saves are done may have their blocks freed (a finished
+                      request whose saves ended short saves again first: resave.py)
 
 A save holds back its last layer until ``wait_for_save``: only then is it known that the
 KV it copies was computed from valid loaded KV, and a page is published only after all
@@ -27,11 +28,13 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
+from kvstore.client.adapters.vllm.resave import Unsaveds
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
 from kvstore.errors import KVStoreError
 from kvstore.page import checksum
+from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class WorkerStats:
     failed_loads: int = 0
     failed_blocks: int = 0
     saves_started: int = 0
+    saves_again: int = 0  # saves of a finished request's unsaved pages (see resave)
     saves_cancelled: int = 0
     saves_failed: int = 0
     saved_tokens: int = 0
@@ -91,6 +95,7 @@ class WorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
+        self._unsaved = Unsaveds(self.store.connect_timeout_s + self.store.retry_s)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -106,22 +111,33 @@ class WorkerSide:
         client = self.store.client()
         for spec in meta.saves:
             self._saving.add(spec.req_id)
-            if client is None:
-                self._stored_short(spec.req_id, spec.first_page)  # no store: nothing saved, nothing to wait for
-                continue
-            try:
-                kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
-                               guarded=True)
-                save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens)
-            except KVStoreError as exc:  # a cache: this prefix is just not stored
-                logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
-                self.stats.saves_failed += 1
-                self._stored_short(spec.req_id, spec.first_page)
-                continue
-            active = ActiveSave(spec, kv, save)
-            self._saves.append(active)
-            self._pending.setdefault(spec.req_id, []).append(active)
-            self.stats.saves_started += 1
+            active = self._start_save(client, spec, computed=False)
+            if active is not None:
+                self._saves.append(active)
+
+    def _start_save(self, client: KVStoreClient | None, spec: SaveSpec, computed: bool) -> ActiveSave | None:
+        """Starts a layer-wise save of ``spec`` (``computed``: every layer of its blocks is
+        computed already, as for a finished request: all are handed over at once); None
+        when it could not start (then it counts as ended short)."""
+        if client is None:
+            self._stored_short(spec, spec.first_page)  # no store: nothing saved, nothing to wait for
+            return None
+        try:
+            kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
+                           guarded=not computed)
+            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens)
+        except KVStoreError as exc:  # a cache: this prefix is just not stored
+            logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
+            self.stats.saves_failed += 1
+            self._stored_short(spec, spec.first_page)
+            return None
+        active = ActiveSave(spec, kv, save)
+        if computed:
+            save.mark_all()
+            active.marked = True
+        self._pending.setdefault(spec.req_id, []).append(active)
+        self.stats.saves_started += 1
+        return active
 
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
         """Small hits leased by the scheduler's lookup are copied here, at once (no RPC);
@@ -159,9 +175,22 @@ class WorkerSide:
 
     def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
         """Copies the leased pages into vLLM's blocks; returns how many leading pages are
-        valid (a page failing its checksum and all after it are not copied)."""
+        valid. Into a CPU cache, one native call copies every page and checksums it as it
+        copies (the blocks of a page that fails, and of all after it, are reported failed and
+        recomputed); otherwise each page is checked first and one that fails is not copied."""
         lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
         assert lease is not None and arena is not None
+        first = spec.first_page
+        host = kv.host_pages()
+        if host is not None:
+            offsets = lease.offsets[first : first + spec.num_pages]
+            sums = [running_checksum() for _ in offsets]
+            host.write_pages(self.layout.num_layers, range(len(offsets)), [arena.array[o : o + n] for o in offsets], sums)
+            bad = next((i for i, s in enumerate(sums) if s.intdigest() != lease.checksums[first + i]), None)
+            if bad is None:
+                return spec.num_pages
+            logger.error("leased page %d of request %s failed its checksum", first + bad, spec.req_id)
+            return bad
         for i in range(spec.num_pages):
             offset = lease.offsets[spec.first_page + i]
             if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
@@ -199,6 +228,7 @@ class WorkerSide:
             else:
                 self.stats.loaded_tokens += active.kv.num_tokens
         self._loads.clear()
+        self._unsaved.forget(failed_reqs)  # their blocks hold KV computed from blocks that failed to load
         for save in self._saves:
             if save.spec.req_id in failed_reqs:
                 save.kv.cancel()  # its KV was computed from blocks that failed to load
@@ -219,10 +249,9 @@ class WorkerSide:
             return active.copied, None
         if active.ok:  # layers vLLM did not wait for (none, normally): wait now, bounded
             active.ok = all(load.wait(layer) for layer in range(len(self.layer_names)))
-        if not active.ok:
+        if not active.ok:  # abandoned: num_tokens is 0; a page failed its check: the pages before it
             load.abandon("not complete when the step ended")
-            return 0, load.error
-        return load.num_tokens // self.layout.page_tokens, None
+        return load.num_tokens // self.layout.page_tokens, load.error
 
     def _fail_blocks(self, active: ActiveLoad, valid_pages: int) -> None:
         first_token = (active.spec.first_page + valid_pages) * self.layout.page_tokens
@@ -243,7 +272,8 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all done: their blocks may be freed.
         (vLLM holds the blocks of every request that had a save scheduled, so each of
-        those is reported exactly once, also when its save could not start.)"""
+        those is reported exactly once, also when its save could not start.) A finished
+        request whose saves left pages unsaved saves them again first, once."""
         self._finishing |= finished_req_ids & self._saving
         for req_id in list(self._pending):
             still = [s for s in self._pending[req_id] if not self._ended(s)]
@@ -251,10 +281,24 @@ class WorkerSide:
                 self._pending[req_id] = still
             else:
                 del self._pending[req_id]
-        reported = {req_id for req_id in self._finishing if req_id not in self._pending}
+        for req_id in self._finishing - self._pending.keys():
+            self._save_again(req_id)
+        reported = {r for r in self._finishing if r not in self._pending and not self._unsaved.waiting(r)}
         self._finishing -= reported
         self._saving -= reported
+        self._unsaved.forget(reported)
         return reported
+
+    def _save_again(self, req_id: str) -> None:
+        """A finished request whose saves left pages unsaved: saves them now, once, while
+        vLLM holds its blocks (it has no next step to do it in)."""
+        client = self.store.client()
+        spec = self._unsaved.to_save(req_id, client is not None)
+        if spec is not None:
+            logger.info("kvstore: finished request %s has %d pages stored, not %d; saving the rest again", req_id,
+                        spec.first_page, len(spec.tokens) // self.layout.page_tokens)
+            self.stats.saves_again += 1
+            self._start_save(client, spec, computed=True)
 
     def _ended(self, active: ActiveSave) -> bool:
         """True (and counted) once the save committed, failed or was cancelled."""
@@ -270,11 +314,19 @@ class WorkerSide:
                 self.stats.saves_failed += 1
                 logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
         if stored < len(spec.tokens):
-            self._stored_short(spec.req_id, stored // p)
+            if active.kv.cancelled:  # computed from KV that failed to load: never to be saved
+                self._short[spec.req_id] = min(self._short.get(spec.req_id, stored // p), stored // p)
+            else:
+                self._stored_short(spec, stored // p)
+        else:
+            self._unsaved.ended_whole(spec)
         return True
 
-    def _stored_short(self, req_id: str, pages: int) -> None:
-        self._short[req_id] = min(self._short.get(req_id, pages), pages)
+    def _stored_short(self, spec: SaveSpec, pages: int) -> None:
+        """``spec``'s request has at most ``pages`` leading pages stored: the scheduler side
+        is told (its next step saves again), and a finished request saves again here."""
+        self._short[spec.req_id] = min(self._short.get(spec.req_id, pages), pages)
+        self._unsaved.ended_short(spec, pages)
 
     def report(self) -> KVStoreWorkerMetadata | None:
         """Requests whose saves ended short since the last report, for the scheduler side."""
@@ -293,6 +345,7 @@ class WorkerSide:
     def preempted(self, req_ids: set[str]) -> None:
         """vLLM is about to reuse these requests' blocks: their saves must stop reading
         them first (a save still running is cancelled and waited for)."""
+        self._unsaved.forget(req_ids)
         for req_id in req_ids & set(self._pending):
             for active in self._pending[req_id]:
                 if active.marked and not active.save.wait(0):
