@@ -7,9 +7,10 @@ are over every call of every client, lookups/s is calls over the window. In the
 ``demoting`` runs a writer process puts fresh 2.25 MiB pages into a host tier smaller than
 what it writes, so every allocation evicts a page to SSD (the demotion rate is read from
 the server's own counters and printed beside). The ``writing`` rows are their control: the
-same writer against a second server with no SSD tier (its evictions are in-memory drops),
-so that what the writer's own CPU costs the lookups on this machine is told apart from
-what demotion costs them. One row times ``KVStoreClient.lookup``
+same writer, paced to the page rate it reached in the demoting row of the same client
+count, against a second server with no SSD tier (its evictions are in-memory drops), so
+that what the writer's own CPU costs the lookups on this machine is told apart from what
+demotion costs them. One row times ``KVStoreClient.lookup``
 (hashing the tokens into keys, then the RPC), and the hashing alone is timed here.
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
@@ -50,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
-def _spawn(role: str, address: str, pages: int, seconds: float) -> subprocess.Popen[str]:
+def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "kvstore.bench.lookup_load", role, "--address", address, "--pages", str(pages),
-            "--seconds", str(seconds)]
+            "--seconds", str(seconds), "--rate", str(rate)]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
@@ -103,10 +104,10 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
-def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str) -> dict[str, Any]:
+def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0) -> dict[str, Any]:
     demote = state == "demoting"
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
-    writer = _spawn("writer", address, pages, seconds + 1.5) if state != "idle" else None
+    writer = _spawn("writer", address, pages, seconds + 1.5, rate) if state != "idle" else None
     procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            "--scrub-rate", "0")
     counts = [int(c) for c in args.clients.split(",") if c]
-    plan = [("rpc", n, state) for state in ("idle", "writing", "demoting") for n in counts] + [("client", 1, "idle")]
+    plan = [("rpc", n, state) for state in ("idle", "demoting", "writing") for n in counts] + [("client", 1, "idle")]
     rows = []
     try:
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
@@ -165,7 +166,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stored = asyncio.run(_store_prefix(at, args.pages))
             if stored != args.pages:
                 raise RuntimeError(f"only {stored} of {args.pages} prefix pages could be stored")
-            rows.append(_run(at, role, n, args.pages, args.seconds, state))
+            # the control writes at the pace the writer reached while demoting, with as many clients
+            rate = next((r["writer_pages_per_s"] for r in rows if r["state"] == "demoting" and r["clients"] == n), 0.0)
+            rows.append(_run(at, role, n, args.pages, args.seconds, state, rate if state == "writing" else 0.0))
     finally:
         server.stop()
         ram_server.stop()

@@ -85,7 +85,8 @@ async def _run_client(address: str, pages: int, seconds: float) -> dict[str, obj
     return {"latencies_s": latencies, "short": short}
 
 
-async def _run_writer(address: str, seconds: float) -> dict[str, object]:
+async def _run_writer(address: str, seconds: float, rate: float) -> dict[str, object]:
+    """Puts fresh pages for ``seconds``: as fast as it can, or ``rate`` pages/s when given."""
     batch = 16
     kv = torch.randn(WRITER_LAYOUT.num_layers, 2, batch * 16, 8, 128).to(torch.bfloat16)
     written = 0
@@ -97,6 +98,8 @@ async def _run_writer(address: str, seconds: float) -> dict[str, object]:
             tokens = list(range(base, base + batch * 16))
             base += batch * 16
             written += await client.put(tokens, kv) // 16
+            if rate > 0:
+                await asyncio.sleep(max(0.0, start + written / rate - time.time()))
     return {"pages_written": written}
 
 
@@ -106,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--pages", type=int, default=512)
     p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--rate", type=float, default=0.0, help="writer: pages/s (0: as fast as it can)")
     args = p.parse_args(argv)
     if args.role == "rpc":
         out = run_rpc(args.address, args.pages, args.seconds)
     elif args.role == "client":
         out = asyncio.run(_run_client(args.address, args.pages, args.seconds))
     else:
-        out = asyncio.run(_run_writer(args.address, args.seconds))
+        out = asyncio.run(_run_writer(args.address, args.seconds, args.rate))
     print(json.dumps(out), flush=True)
     return 0
 
