@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
     p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
     p.add_argument("--demote-nice", type=int, default=10, help="the server's --demote-nice (0: the demoter competes as an equal)")
+    p.add_argument("--writer-core", type=int, default=-1,
+                   help="run the writer alone on this CPU and the server and lookup clients on the others, as an "
+                        "engine whose work is not on the store's cores (-1: every process shares every core)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
@@ -104,10 +108,13 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
-def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0) -> dict[str, Any]:
+def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
+         writer_core: int = -1) -> dict[str, Any]:
     demote = state == "demoting"
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
     writer = _spawn("writer", address, pages, seconds + 1.5, rate) if state != "idle" else None
+    if writer is not None and writer_core >= 0:
+        os.sched_setaffinity(writer.pid, {writer_core})
     procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
@@ -148,6 +155,11 @@ def _hash_ms(pages: int) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.dir)
+    if args.writer_core >= 0:  # this process, hence the server and the clients it starts, off the writer's core
+        others = os.sched_getaffinity(0) - {args.writer_core}
+        if not others:
+            raise SystemExit(f"--writer-core {args.writer_core}: no other CPU is left for the server and clients")
+        os.sched_setaffinity(0, others)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
@@ -168,12 +180,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"only {stored} of {args.pages} prefix pages could be stored")
             # the control writes at the pace the writer reached while demoting, with as many clients
             rate = next((r["writer_pages_per_s"] for r in rows if r["state"] == "demoting" and r["clients"] == n), 0.0)
-            rows.append(_run(at, role, n, args.pages, args.seconds, state, rate if state == "writing" else 0.0))
+            rows.append(_run(at, role, n, args.pages, args.seconds, state, rate if state == "writing" else 0.0,
+                             args.writer_core))
     finally:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice, "hash_ms": _hash_ms(args.pages), "rows": rows,
+    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
 
 
