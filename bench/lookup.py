@@ -111,11 +111,13 @@ def _release(address: str, lease_id: bytes) -> None:
 def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
          writer_core: int = -1) -> dict[str, Any]:
     demote = state == "demoting"
-    lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
     writer = _spawn("writer", address, pages, seconds + 1.5, rate) if state != "idle" else None
     if writer is not None and writer_core >= 0:
         os.sched_setaffinity(writer.pid, {writer_core})
     procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
+    # leased once every process is ready (starting them can take longer than a lease on a
+    # loaded machine), before the writer is let go
+    lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
     if writer is not None:

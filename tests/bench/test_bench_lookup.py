@@ -22,7 +22,7 @@ def test_lookup_smoke(tmp_path) -> None:
         ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),
         ("writing", "Lookup RPC", 1), ("writing", "Lookup RPC", 2), ("idle", "client.lookup", 1)]
     for r in rows:
-        assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"]
+        assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] == 0 for r in rows if r["state"] == "writing")
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
