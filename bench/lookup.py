@@ -97,7 +97,7 @@ def _lease_prefix(address: str, pages: int, seconds: float) -> bytes:
     keys = page_keys(LOOKUP_NS.namespace_id, prefix_tokens(pages), LOOKUP_LAYOUT.page_tokens)
     with grpc.insecure_channel(address) as channel:
         answer = data_pb2_grpc.DataStub(channel).Acquire(
-            data_pb2.AcquireRequest(namespace_id=LOOKUP_NS.namespace_id, keys=keys, ttl_ms=int((seconds + 30) * 1e3)), timeout=30)
+            data_pb2.AcquireRequest(namespace_id=LOOKUP_NS.namespace_id, keys=keys, ttl_ms=int((seconds + 120) * 1e3)), timeout=30)
     if len(answer.pages) != pages:
         raise RuntimeError(f"only {len(answer.pages)} of {pages} prefix pages could be leased")
     return answer.lease_id
