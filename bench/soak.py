@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -44,8 +45,10 @@ TENANTS = ("alpha", "beta")
 OPS = ("put", "lookup", "get", "save", "load")
 # name -> (TLS, auth, shared arena). The default runs the first four in this order: secure, plain,
 # plain, secure cancels a drift in the machine's load out of the cost comparison. The tls-* and
-# auth-* phases (only when named) tell which of the two a cost comes from.
-PHASES = {"secure-shm": (True, True, True), "plain-shm": (False, False, True), "plain-grpc": (False, False, False),
+# auth-* phases (only when named) tell which of the two a cost comes from. local-shm: the
+# secure server (TLS port, tokens), its same-host clients on its --local-socket (tokens, no TLS).
+LOCAL_PHASES = {"local-shm"}
+PHASES = {"local-shm": (True, True, True), "secure-shm": (True, True, True), "plain-shm": (False, False, True), "plain-grpc": (False, False, False),
           "secure-grpc": (True, True, False), "tls-shm": (True, False, True), "auth-shm": (False, True, True),
           "tls-grpc": (True, False, False), "auth-grpc": (False, True, False)}
 DEFAULT_PHASES = "secure-shm,plain-shm,plain-grpc,secure-grpc"
@@ -115,17 +118,21 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
            bar: tqdm[Any]) -> dict[str, Any]:
     tls, auth, use_shm = PHASES[name]
     shutil.rmtree(workdir / name, ignore_errors=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvsoak-"))  # a Unix socket path has at most 107 bytes
+    local = sock_dir / "kv.sock" if name in LOCAL_PHASES else None
     server, addr = start_server(workdir / name, args.host_capacity << 20, 64 << 20, "--tiers", "host",
                                 *(("--auth-file", str(creds.auth_file)) if auth else ()),
-                                *(("--tls-cert", str(creds.cert), "--tls-key", str(creds.key)) if tls else ()))
+                                *(("--tls-cert", str(creds.cert), "--tls-key", str(creds.key)) if tls else ()),
+                                *(("--local-socket", str(local)) if local else ()))
+    client_addr, client_tls = (f"unix:{local}", False) if local else (addr, tls)
     per_tenant = len(clients.pipes) // len(TENANTS)
     specs = []
     for i in range(len(clients.pipes)):
         tenant = TENANTS[min(i // max(1, per_tenant), len(TENANTS) - 1)]
-        specs.append({"address": addr, "tenant": tenant, "use_shm": use_shm, "revision": name, "seed": args.seed,
+        specs.append({"address": client_addr, "tenant": tenant, "use_shm": use_shm, "revision": name, "seed": args.seed,
                       "prompts": args.prompts, "warmup_s": args.warmup_s, "duration_s": args.duration_s,
                       "token": creds.tokens[tenant][i % per_tenant] if auth else None,
-                      "tls_ca": str(creds.ca) if tls else None})
+                      "tls_ca": str(creds.ca) if client_tls else None})
     load_start = os.getloadavg()
     try:
         start, pending, shared = clients.start(specs)
@@ -136,6 +143,7 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
         alive = server.proc.poll() is None
     finally:
         server.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     return {**_summary(name, results, timeline, alive, args, load_start), "shared_memory_clients": shared}
 
 
@@ -218,6 +226,10 @@ def _cost(phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for part in ("tls", "auth"):
             if alone := phases.get(f"{part}-{transport}"):
                 cost.setdefault(transport, {})[f"{part}_only"] = _versus(alone, plain)
+        if transport == "shm" and (local := phases.get("local-shm")):  # the same-host path of a secure server
+            entry = {**_versus(local, plain), "goal_slowdown": goal}
+            entry["meets_goal"] = entry["slowdown"] is not None and entry["slowdown"] <= goal
+            cost.setdefault(transport, {})["local_socket"] = entry
     return cost
 
 
@@ -299,7 +311,8 @@ def print_table(report: dict[str, Any]) -> None:
           "(65,536 events, ~300 B each) fills meanwhile: " + ", ".join(
               f"{n} {p['events_logged_at_baseline']}->{p['events_logged_at_end']}" for n, p in report["phases"].items()))
     for transport, c in report["tls_auth_cost"].items():
-        for label, part in (("TLS+auth", c), ("TLS alone", c.get("tls_only")), ("auth alone", c.get("auth_only"))):
+        for label, part in (("TLS+auth", c), ("TLS alone", c.get("tls_only")), ("auth alone", c.get("auth_only")),
+                            ("tokens on --local-socket (no TLS)", c.get("local_socket"))):
             if not part or "slowdown" not in part:
                 continue
             goal = (f" (goal <= {part['goal_slowdown']:.0%}: {'met' if part['meets_goal'] else 'NOT met'})"

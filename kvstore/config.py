@@ -138,6 +138,7 @@ class SecurityConfig:
     tls_client_ca: Path | None = None  # mTLS: client certificates must be signed by this CA; they name the tenant
     insecure: bool = False  # serve off loopback without TLS or authentication, and /metrics off loopback
     share_arena: bool = False  # with tenants: one host arena for all of them, by path (they can read each other's pages)
+    local_socket: Path | None = None  # a Unix socket for same-host clients: no TLS on it, tokens still checked
 
     @property
     def tenants(self) -> bool:

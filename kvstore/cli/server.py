@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument("--tls-client-ca", help="mTLS: require client certificates signed by this CA; they name the tenant")
     security.add_argument("--insecure", action="store_true",
                           help="allow a non-loopback --listen without TLS or authentication, and a non-loopback --metrics-listen")
+    security.add_argument("--local-socket", metavar="PATH",
+                          help="also listen on this Unix socket (mode 0600), for clients on this host (address unix:PATH): "
+                               "without TLS on it, since nothing on it crosses a network, but with the same tokens and "
+                               "tenants as --listen")
     security.add_argument("--share-arena", action="store_true",
                           help="with --auth-file or mTLS: one shared-memory arena for all tenants, announced by path "
                                "(whoever maps it reads and writes every tenant's pages: only for tenants that trust each "
@@ -180,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         security=SecurityConfig(
             auth_file=_path(args.auth_file), tls_cert=_path(args.tls_cert), tls_key=_path(args.tls_key),
             tls_client_ca=_path(args.tls_client_ca), insecure=args.insecure, share_arena=args.share_arena,
+            local_socket=_path(args.local_socket),
         ),
         tenant_quota=_tenant_quota(args),
         **{_field(flag): getattr(args, _field(flag)) for flag, _, _ in _LIMIT_FLAGS},

@@ -4,6 +4,7 @@ every call, the port (TLS or not) and the reload of the auth file on SIGHUP."""
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,23 @@ class ServerSecurity:
             return server.add_secure_port(listen, self._credentials)
         except RuntimeError:  # grpcio raises, where add_insecure_port answers 0
             return 0
+
+    def add_local(self, server: grpc.Server, path: Path) -> None:
+        """Binds the Unix socket ``path`` without TLS (same-host callers: nothing on it crosses a
+        network; the file's mode 0600 keeps other uids out); every call on it is authenticated as
+        on the TCP port. A socket file left by a dead server is replaced."""
+        if path.is_socket():
+            path.unlink()  # this server holds the data directory's lock: no live server uses it
+        elif path.exists():
+            raise ConfigError(f"--local-socket {path}: exists and is not a socket")
+        old = os.umask(0o177)  # the socket is created 0600: no window in which others may connect
+        try:
+            bound = server.add_insecure_port(f"unix:{path}")
+        finally:
+            os.umask(old)
+        if bound == 0 or not path.is_socket():
+            raise ConfigError(f"--local-socket {path}: cannot bind")
+        os.chmod(path, 0o600)
 
     def describe(self) -> str:
         """One phrase for the start-up log line."""

@@ -163,6 +163,8 @@ class Server:
         self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
+        if self.config.security.local_socket is not None:
+            self.security.add_local(self._grpc, self.config.security.local_socket)
         if self.arena_socket is not None:
             self.arena_socket.start()  # before the first GetInfo announces it
         self._grpc.start()
@@ -178,8 +180,9 @@ class Server:
             self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
             self.metrics_port = self._metrics_http.server_port
         logger.info(
-            "kvstore-server listening on %s (%s; tiers %s, %s, page copies %s)",
-            self.address, self.security.describe(), ",".join(self.config.tiers),
+            "kvstore-server listening on %s%s (%s; tiers %s, %s, page copies %s)",
+            self.address, f" and unix:{self.config.security.local_socket}" if self.config.security.local_socket else "",
+            self.security.describe(), ",".join(self.config.tiers),
             f"metrics on {self.config.metrics_listen.rsplit(':', 1)[0]}:{self.metrics_port}"
             if self._metrics_http else "metrics off",
             "native" if pagecopy.NATIVE else f"in numpy, ~1.4x slower: {pagecopy.NATIVE_MISSING}",
@@ -210,6 +213,9 @@ class Server:
             self._scrubber.join(5)
         self.core.directory.events.close()
         self._grpc.stop(grace_s).wait()
+        local = self.config.security.local_socket
+        if local is not None and local.is_socket():
+            local.unlink(missing_ok=True)
         if self.arena_socket is not None:
             self.arena_socket.stop()  # no new hand-overs; clients keep the mappings they have until they close
             if self.arena_socket.path.parent != self.config.data_dir:

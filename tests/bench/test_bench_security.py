@@ -44,8 +44,9 @@ def test_fuzz_smoke_calls_every_rpc_and_finds_nothing(tmp_path) -> None:
 def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
     plot = tmp_path / "soak.png"
     rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "2", "--duration-s", "3", "--prompts", "64",
+                                "--phases", "secure-shm,plain-shm,plain-grpc,secure-grpc,local-shm",
                                 "--dir", str(tmp_path / "sk"), "--plot", str(plot))
-    assert list(report["phases"]) == ["secure-shm", "plain-shm", "plain-grpc", "secure-grpc"]
+    assert list(report["phases"]) == ["secure-shm", "plain-shm", "plain-grpc", "secure-grpc", "local-shm"]
     assert report["auth_file_tenants"] == {"alpha": 2, "beta": 2}, "each client its own token, two tenants"
     for name, phase in report["phases"].items():
         assert phase["server_alive"], name
@@ -55,6 +56,8 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
         assert phase["shared_memory_clients"] == (4 if name.endswith("shm") else 0), name
         assert phase["rss_baseline"] and phase["rss_end"]
     assert set(report["tls_auth_cost"]) == {"shm", "grpc"}
+    assert "slowdown" in report["tls_auth_cost"]["shm"]["local_socket"], "the same-host path over --local-socket is costed"
+    assert "tokens on --local-socket (no TLS) cost, shm" in stdout
     assert _not_rss(report["violations"]) == [] and rc == (1 if report["num_violations"] else 0)
     assert plot.stat().st_size > 10_000 and "TLS+auth cost, grpc" in stdout
 
