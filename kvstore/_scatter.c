@@ -14,9 +14,21 @@
 typedef struct {
     PyObject_HEAD
     void *state;
+    int busy;  /* fed with the GIL released right now: set and read only under the GIL */
 } ChecksumObject;
 
 static PyTypeObject ChecksumType;
+
+/* Claims a Checksum for one feed outside the GIL. Two threads feeding one xxh3 state at
+ * once overrun its buffer (the process crashed), so a second feeder is refused. */
+static int checksum_claim(ChecksumObject *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this Checksum is being fed by another thread");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
 
 static PyObject *checksum_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
@@ -42,14 +54,23 @@ static void checksum_dealloc(ChecksumObject *self) {
 static PyObject *checksum_update(ChecksumObject *self, PyObject *arg) {
     Py_buffer data;
     if (PyObject_GetBuffer(arg, &data, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (checksum_claim(self) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
     xxh3_update(self->state, data.buf, (size_t)data.len);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     PyBuffer_Release(&data);
     Py_RETURN_NONE;
 }
 
 static PyObject *checksum_intdigest(ChecksumObject *self, PyObject *unused) {
+    if (self->busy) {  /* its state is changing under another thread */
+        PyErr_SetString(PyExc_RuntimeError, "this Checksum is being fed by another thread");
+        return NULL;
+    }
     return PyLong_FromUnsignedLongLong(xxh3_digest(self->state));
 }
 
@@ -175,7 +196,7 @@ const char scatter_checksum_doc[] =
 "(its last entry: bytes of a contiguous run) and strides (bytes, one per dimension before\n"
 "the last), and feeds the bytes of srcs[i] to checksums[i] (a Checksum) as it copies them.\n"
 "Every place is checked to lie inside dst before a byte moves. Releases the GIL; a\n"
-"Checksum must not be fed from two threads at once.";
+"Checksum fed by another thread at the time raises RuntimeError.";
 
 PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     PyObject *sums_obj, *dst_obj, *offsets_obj, *strides_obj, *shape_obj, *srcs_obj;
@@ -188,6 +209,7 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     Py_buffer dst = {0}, *views = NULL;
     ChecksumObject **states = NULL;  /* referenced here: the sequence may change while the GIL is released */
     Py_ssize_t *at = NULL, n = 0, held = 0;
+    int claimed = 0;
     PyObject *result = NULL;
     if (srcs == NULL || PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
     n = PySequence_Fast_GET_SIZE(sums);
@@ -223,6 +245,14 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    for (Py_ssize_t i = 0; i < n; i++) {  /* under the GIL: all of them or none (one may be listed twice) */
+        if (states[i]->busy) {
+            PyErr_SetString(PyExc_RuntimeError, "a Checksum is being fed by another thread");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) states[i]->busy = 1;
+    claimed = 1;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++)
         scatter_one(states[i]->state, &place, (char *)dst.buf + at[i], (const char *)views[i].buf);
@@ -231,6 +261,7 @@ PyObject *scatter_checksum(PyObject *self, PyObject *args) {
     Py_INCREF(result);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
+        if (claimed) states[i]->busy = 0;
         PyBuffer_Release(&views[i]);
         Py_XDECREF(states[i]);
     }

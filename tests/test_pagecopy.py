@@ -4,6 +4,8 @@ and the same checksum as ``kvstore.page.checksum``, for pages written into the a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -139,3 +141,45 @@ def test_native_scatter_refuses_places_outside_the_buffer() -> None:
         pagecopy.scatter_checksum(sums, readonly, offsets, strides, shape, list(src))
     with pytest.raises(OverflowError):  # a place so large that its size wraps around is refused, not written
         pagecopy.scatter_checksum(sums, dst, offsets, (1 << 62, 1, 1), (4, 1 << 62, 1, 1), list(src))
+
+
+_SHARED_CHECKSUM = """
+import sys, threading, time
+import numpy as np
+from kvstore._copyhash import Checksum, scatter_checksum
+sys.setswitchinterval(1e-6)
+shared = Checksum()
+bufs = [np.ones(n, np.uint8) for n in (1, 63, 200, 255, 1000, 5000)]
+dst = np.zeros(5000, np.uint8)
+refused = [0]
+stop = threading.Event()
+def feed(i):
+    while not stop.is_set():
+        i += 1
+        try:
+            if i % 3:
+                shared.update(bufs[i % len(bufs)])
+            else:
+                scatter_checksum([shared], dst, [0], (), (len(bufs[i % len(bufs)]),), [bufs[i % len(bufs)]])
+            shared.intdigest()
+        except RuntimeError:
+            refused[0] += 1
+threads = [threading.Thread(target=feed, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+time.sleep(float(sys.argv[1]))
+stop.set()
+for t in threads:
+    t.join()
+print("refused", refused[0])
+"""
+
+
+def test_a_checksum_fed_from_two_threads_at_once_is_refused_not_corrupted() -> None:
+    """Bug: Checksum.update and scatter_checksum feed the xxh3 state with the GIL released and
+    nothing kept two threads off one state: Python code feeding a Checksum from several
+    threads crashed the process (SIGSEGV: the state's buffer overrun). A second feeder now
+    gets RuntimeError. Run in a child: on the unchanged code it dies."""
+    child = subprocess.run([sys.executable, "-c", _SHARED_CHECKSUM, "3"], check=False, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, f"the child died (rc {child.returncode}): {child.stderr[-500:]}"
+    assert int(child.stdout.split()[-1]) > 0, "no concurrent feed was refused"

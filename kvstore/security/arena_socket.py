@@ -11,8 +11,8 @@ Protocol, one exchange per connection (each message: 4-byte big-endian length + 
 The request names no tenant and no arena: the token decides whose arena comes back, so a
 caller can only ever receive its own tenant's. The socket is 0600 in the 0700 data
 directory (only the server's uid, or root, can connect) and the peer's pid/uid
-(SO_PEERCRED) is logged with every hand-out. A peer that says nothing within ``timeout_s``
-is dropped; at most ``max_peers`` exchanges run at once, more are closed unanswered.
+(SO_PEERCRED) is logged with every hand-out. A peer that has not sent its whole request within
+``timeout_s`` is dropped; at most ``max_peers`` exchanges run at once, more are closed unanswered.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,9 +50,16 @@ def _send(sock: socket.socket, doc: dict[str, Any], fds: list[int] | None = None
         sock.sendall(message[sent:])
 
 
-def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
+def _recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = None) -> bytes:
+    """``num_bytes`` from ``sock``; with ``deadline`` (time.monotonic()), all of them by then:
+    a socket timeout bounds each recv, and a peer dripping a byte at a time would pass it."""
     data = b""
     while len(data) < num_bytes:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer did not send its message in time")
+            sock.settimeout(left)
         chunk = sock.recv(num_bytes - len(data))
         if not chunk:
             raise ConnectionError("the peer closed the connection mid-message")
@@ -59,12 +67,12 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
     return data
 
 
-def _decode(header: bytes, sock: socket.socket) -> dict[str, Any]:
+def _decode(header: bytes, sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
     (length,) = _LENGTH.unpack(header)
     if length > MAX_MESSAGE_BYTES:
         raise InvalidRequest(f"message of {length} bytes; at most {MAX_MESSAGE_BYTES}")
     try:
-        doc = json.loads(_recv_exact(sock, length))
+        doc = json.loads(_recv_exact(sock, length, deadline))
     except ValueError as exc:
         raise InvalidRequest(f"the message is not JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -146,7 +154,8 @@ class ArenaSocket:
             conn.close()
 
     def _answer(self, conn: socket.socket) -> tuple[Identity, int, int]:
-        request = _decode(_recv_exact(conn, _LENGTH.size), conn)
+        deadline = time.monotonic() + self._timeout_s  # for the whole request, not per recv
+        request = _decode(_recv_exact(conn, _LENGTH.size, deadline), conn, deadline)
         token = request.get("token")
         if token is not None and not isinstance(token, str):
             raise InvalidRequest("token must be a string")

@@ -7,6 +7,7 @@ import mmap
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,36 @@ def test_the_socket_is_private_and_removed_on_stop(tmp_path: Path, door) -> None
         os.close(fd)
     finally:
         again.stop()
+
+
+def test_a_peer_that_drips_its_message_is_dropped_within_timeout(tmp_path: Path) -> None:
+    """Bug: timeout_s bounded each recv, not the exchange: a peer sending one byte just under
+    every timeout_s held its slot for the whole message (8 KiB: hours), and max_peers such
+    peers kept every other tenant from its arena. The pacing sleeps are the attack itself."""
+    data = tmp_path / "data"
+    arenas = Arenas()
+    authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=1.0, max_peers=1)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as drip:
+            drip.connect(str(server.path))
+            drip.sendall((100).to_bytes(4, "big"))
+            start = time.monotonic()
+            dropped = False
+            while not dropped and time.monotonic() - start < 5.0:
+                time.sleep(0.3)
+                try:
+                    dropped = drip.recv(1, socket.MSG_DONTWAIT) == b""
+                except BlockingIOError:
+                    drip.send(b" ")
+                except ConnectionError:
+                    dropped = True
+            held = time.monotonic() - start
+        assert dropped and held < 3.0, f"a dripping peer held its exchange for {held:.1f} s (timeout_s 1.0)"
+        fd, _, tenant = receive_arena(server.path, ALICE)
+        os.close(fd)
+        assert tenant == "alice"
+    finally:
+        server.stop()
+        arenas.close()

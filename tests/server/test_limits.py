@@ -13,6 +13,7 @@ from conftest import make_config, random_kv
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
+from kvstore.page import checksum
 from kvstore.server.placement import Placement
 
 NS = b"n" * 16
@@ -221,3 +222,42 @@ def test_remote_records_are_bounded_per_node_and_in_total(server_factory, tmp_pa
         directory.Invalidate(directory_pb2.InvalidateRequest(namespace_id=NS), timeout=10)
         assert len(_publish(directory, "a", [_key(30_000 + i) for i in range(1000)]).versions) == 1000
 
+
+
+def test_a_hint_whose_prefetch_finds_the_host_tier_leased_full_answers_not_reserved(server_factory) -> None:
+    """Bug: a Hint whose prefetch found no landing slot (every page in the host tier leased)
+    failed as a whole with RESOURCE_EXHAUSTED after its hints were announced (and, with
+    quotas, its hint charge refunded while the announced uses stayed held). The prefetch's
+    space is a reservation: without room the entry is answered not reserved (False) at once,
+    and the engine recomputes."""
+    server = server_factory(host_bytes=4 << 20)
+    layout = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=1, head_dim=8, dtype="float32", page_tokens=4)
+    page_bytes = 2 * 2 * 1 * 8 * 4 * 4
+
+    def chunk(key: bytes, durable: bool = False) -> data_pb2.PageChunk:
+        payload = bytes([key[-1]]) * page_bytes
+        return data_pb2.PageChunk(key=key, namespace_id=NS, layout=layout, page_bytes=page_bytes, checksum=checksum(payload),
+                                  offset=0, data=payload, durable=durable)
+
+    with grpc.insecure_channel(server.address) as channel:
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+        below = _key(1 << 20)
+        assert data.WritePages(iter([chunk(below, durable=True)]), timeout=10).num_published == 1
+        directory.Remove(directory_pb2.RemoveRequest(namespace_id=NS, keys=[below], tier="host"), timeout=10)
+        leased, i = 0, 0
+        while True:  # fills the host tier with leased pages
+            keys = [_key(i + j) for j in range(64)]
+            i += 64
+            full = False
+            try:
+                data.WritePages(iter([chunk(k) for k in keys]), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                full = True  # the pages stored before the refusal are leased too
+            leased += len(data.Acquire(data_pb2.AcquireRequest(namespace_id=NS, keys=keys, ttl_ms=60_000), timeout=10).pages)
+            if full:
+                break
+        assert leased and server.core.where(below) == {"ssd": server.core.where(below)["ssd"]}
+        answer = data.Hint(data_pb2.HintRequest(namespace_id=NS, entries=[data_pb2.HintEntry(keys=[below], eta_ms=1000)]),
+                           timeout=10)
+        assert list(answer.reserved) == [False]

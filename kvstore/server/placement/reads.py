@@ -181,7 +181,10 @@ class Reader:
                 return False
             self.metrics.hints.labels("reserved").inc(len(keys))
         if todo:
-            ident, _ = self.acquire(namespace_id, todo, 0, learn=False)
+            try:
+                ident, _ = self.acquire(namespace_id, todo, 0, learn=False)
+            except TierFull:  # every page in the arena is leased: no room to read ahead, as when the share is taken
+                return False
             with self.keeper.critical():
                 self.residence.released(self.leases.release(ident) or [])
         return True
