@@ -15,8 +15,8 @@ import grpc
 import pytest
 import torch
 from conftest import ServerProcess, random_kv
-from tenants import A, B, tenant_config
 from helpers import call_raw, every_method
+from tenants import A, B, tenant_config
 
 from kvstore.client import KVStoreClient
 from kvstore.security.channel import sync_channel
