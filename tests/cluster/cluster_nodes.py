@@ -15,6 +15,7 @@ import pytest
 from etcd_proc import free_port
 
 from kvstore.bench.harness import stop_process
+from kvstore.tiers.host import remove_stale_arenas
 
 TTL_S = 2
 
@@ -84,6 +85,8 @@ def cluster_nodes_fixture(tmp_path: Path, etcd: object) -> Iterator[Callable[...
     yield start
     for node in started:
         node.stop()
+    for name in {node.name for node in started}:  # the arenas of nodes a test SIGKILLed and never restarted
+        remove_stale_arenas(Path("/dev/shm"), name)
 
 
 async def eventually(check: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.05) -> float:
