@@ -29,6 +29,7 @@ from kvstore.config import HbmTierConfig
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.indexed import IndexedPages
 from kvstore.tiers.slab import SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def _host_bytes(buffer: memoryview, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
 
-class HbmTier:
+class HbmTier(IndexedPages):
     """Pages in one device-memory pool, indexed by key (a ``Tier``)."""
 
     name = "hbm"
@@ -133,17 +134,6 @@ class HbmTier:
             except PageCorrupt as exc:
                 return ReadResult(index, str(exc))
         return ReadResult(len(pages))
-
-    def contains(self, key: bytes) -> bool:
-        return key in self._pages
-
-    def header(self, key: bytes) -> PageHeader | None:
-        entry = self._pages.get(key)
-        return entry[1] if entry else None
-
-    def slot_of(self, key: bytes) -> int | None:
-        entry = self._pages.get(key)
-        return entry[0] if entry else None
 
     # -- removal -------------------------------------------------------------------------
 

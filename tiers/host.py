@@ -34,6 +34,7 @@ from kvstore.errors import ConfigError, LimitExceeded, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
 from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.eviction import HostResidency
+from kvstore.tiers.indexed import IndexedPages
 from kvstore.tiers.slab import ALIGN, SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _check_room(shm_dir: Path, arena_bytes: int) -> None:
                           f"({free >> 20} MiB free of {fs.f_blocks * fs.f_frsize >> 20} MiB)")
 
 
-class HostTier:
+class HostTier(IndexedPages):
     """Pages in a shared-memory arena, indexed by key (a ``LandingTier``)."""
 
     name = "host"
@@ -194,17 +195,6 @@ class HostTier:
             except PageCorrupt as exc:
                 return ReadResult(index, str(exc))
         return ReadResult(len(pages))
-
-    def contains(self, key: bytes) -> bool:
-        return key in self._pages
-
-    def header(self, key: bytes) -> PageHeader | None:
-        entry = self._pages.get(key)
-        return entry[1] if entry else None
-
-    def slot_of(self, key: bytes) -> int | None:
-        entry = self._pages.get(key)
-        return entry[0] if entry else None
 
     # -- removal -------------------------------------------------------------------------
 
