@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Container
 
@@ -147,25 +146,6 @@ class HbmTier(IndexedPages):
                     self._order.pop(key, None)
                     count += 1
         return count
-
-    def quarantine(self, key: bytes, reason: str) -> None:
-        header = self.header(key)
-        if header is None:
-            return
-        logger.error("hbm tier: quarantining page %s: %s", key.hex(), reason)
-        with self._lock:
-            self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
-        self.delete([key])
-
-    def quarantined(self) -> list[Quarantined]:
-        with self._lock:
-            return list(self._quarantine)
-
-    def purge_quarantine(self) -> int:
-        with self._lock:
-            count = len(self._quarantine)
-            self._quarantine.clear()
-            return count
 
     # -- eviction order (LRU) ------------------------------------------------------------
 

@@ -25,7 +25,6 @@ import mmap
 import os
 import secrets
 import threading
-import time
 from collections.abc import Container
 from pathlib import Path
 
@@ -216,25 +215,6 @@ class HostTier(IndexedPages):
                 return None
             self._order.remove(key)
             return entry[0]
-
-    def quarantine(self, key: bytes, reason: str) -> None:
-        header = self.header(key)
-        if header is None:
-            return
-        logger.error("host tier: quarantining page %s: %s", key.hex(), reason)
-        with self._lock:
-            self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
-        self.delete([key])
-
-    def quarantined(self) -> list[Quarantined]:
-        with self._lock:
-            return list(self._quarantine)
-
-    def purge_quarantine(self) -> int:
-        with self._lock:
-            count = len(self._quarantine)
-            self._quarantine.clear()
-            return count
 
     # -- eviction order ------------------------------------------------------------------
 
