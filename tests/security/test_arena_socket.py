@@ -7,6 +7,8 @@ import mmap
 import os
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,8 +119,9 @@ def test_bad_requests_are_refused_and_the_socket_keeps_serving(door) -> None:
 
 
 def test_silent_peers_are_dropped_and_cannot_queue_the_others(tmp_path: Path) -> None:
-    """At most max_peers exchanges at once: peers that connect and say nothing hold their
-    slot only for timeout_s, and a peer beyond the limit is closed at once, not queued."""
+    """Peers that connect and say nothing are dropped after timeout_s, and while they wait a
+    peer that sends its request is answered at once: a silent connection holds no turn (with
+    max_peers open in all, the oldest of the busiest process is closed to make room)."""
     data = tmp_path / "data"
     arenas = Arenas()
     authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
@@ -128,8 +131,10 @@ def test_silent_peers_are_dropped_and_cannot_queue_the_others(tmp_path: Path) ->
     try:
         for sock in silent:
             sock.connect(str(server.path))  # accepted in order: they take both slots
-        with pytest.raises(KVStoreError):
-            receive_arena(server.path, ALICE, timeout_s=10)
+        start = time.monotonic()
+        fd, _, tenant = receive_arena(server.path, ALICE, timeout_s=10)
+        os.close(fd)
+        assert tenant == "alice" and time.monotonic() - start < 1.5, "answered without waiting for the silent ones"
         for sock in silent:
             assert sock.recv(1) == b"", "dropped after timeout_s"
         fd, _, tenant = receive_arena(server.path, ALICE)
@@ -189,5 +194,59 @@ def test_a_peer_that_drips_its_message_is_dropped_within_timeout(tmp_path: Path)
         os.close(fd)
         assert tenant == "alice"
     finally:
+        server.stop()
+        arenas.close()
+
+
+SQUATTER = """
+import socket, sys
+path, holding = sys.argv[1], int(sys.argv[2])
+open_socks = []
+print("squatting", flush=True)
+while True:  # keeps `holding` silent connections open, opening a new one as each is dropped
+    for sock in list(open_socks):
+        try:
+            if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                open_socks.remove(sock)
+                sock.close()
+        except BlockingIOError:
+            pass
+        except OSError:
+            open_socks.remove(sock)
+            sock.close()
+    while len(open_socks) < holding:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            break
+        open_socks.append(sock)
+"""
+
+
+def test_a_peer_squatting_every_slot_does_not_keep_others_from_their_arena(tmp_path: Path) -> None:
+    """Bug: at most max_peers exchanges ran at once and each silent peer held its slot for
+    timeout_s, so one process of the server's uid that kept max_peers connections open (silent,
+    reconnecting as each was dropped) had every legitimate client refused its arena. The
+    squatter runs in its own process (another pid, as an attacker would) for the whole test."""
+    data = tmp_path / "data"
+    arenas = Arenas()
+    authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=3.0)
+    server.start()
+    squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, str(server.path), "200"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
+        for _ in range(5):
+            start = time.monotonic()
+            fd, _, tenant = receive_arena(server.path, ALICE, timeout_s=10)
+            waited = time.monotonic() - start
+            os.close(fd)
+            assert tenant == "alice" and waited < 1.5, f"served after {waited:.1f} s (timeout_s 3.0)"
+        assert squatter.poll() is None, "the squatter ran throughout"
+    finally:
+        squatter.kill()
+        squatter.wait(10)
         server.stop()
         arenas.close()
