@@ -5,11 +5,14 @@ arena has no path anyone could open.
 Protocol, one exchange per connection (each message: 4-byte big-endian length + JSON):
 
     client -> server   {"token": "<bearer token>"}            (no token: only without --auth-file)
-    server -> client   {"ok": true, "tenant": "...", "size_bytes": N}  + the arena's fd (SCM_RIGHTS)
+    server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": W}  + the arena's fd (SCM_RIGHTS)
                     or {"ok": false, "error": "..."}              and no fd
 
 The request names no tenant and no arena: the token decides whose arena comes back, so a
-caller can only ever receive its own tenant's. The socket is 0600 in the 0700 data
+caller can only ever receive its own tenant's. A token without the write right receives a
+read-only descriptor (W false; its own open of the arena, O_RDONLY): no writable mapping. It
+is no wall against a hostile process of the server's uid, which can reopen it read-write
+through /proc/self/fd (or ptrace a writer of the tenant): the server's checksums are. The socket is 0600 in the 0700 data
 directory (only the server's uid, or root, can connect) and the peer's pid/uid
 (SO_PEERCRED) is logged with every hand-out. A peer that has not sent its whole request within
 ``timeout_s`` is dropped. One thread serves every connection (a selector, no thread or slot per
@@ -37,7 +40,7 @@ from typing import Any
 from kvstore import errors
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
-from kvstore.security.identity import Identity
+from kvstore.security.identity import Identity, Rights
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +246,16 @@ class ArenaSocket:
         arena = self._arena_for(identity)
         if arena is None:
             raise KVStoreError(f"tenant {identity.tenant!r} has no arena on this server")
-        _send(peer.conn, {"ok": True, "tenant": identity.tenant, "size_bytes": arena[1]}, [arena[0]])
-        logger.info("arena socket: gave tenant %s's arena to pid %d uid %d", identity.tenant, peer.pid, peer.uid)
+        writable = identity.allows(Rights.WRITE)
+        # A reader gets a descriptor of its own, opened read-only: the kernel refuses it a writable mapping.
+        fd = arena[0] if writable else os.open(f"/proc/self/fd/{arena[0]}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _send(peer.conn, {"ok": True, "tenant": identity.tenant, "size_bytes": arena[1], "writable": writable}, [fd])
+        finally:
+            if fd != arena[0]:
+                os.close(fd)
+        logger.info("arena socket: gave tenant %s's arena (%s) to pid %d uid %d", identity.tenant,
+                    "read-write" if writable else "read-only", peer.pid, peer.uid)
 
 
 def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
