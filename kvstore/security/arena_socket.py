@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8192
 _LENGTH = struct.Struct(">I")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
+_ACCEPT_BATCH = 64
 
 ArenaLookup = Callable[[Identity], "tuple[int, int] | None"]  # identity -> (fd, size_bytes), or None: no arena
 
@@ -110,7 +111,7 @@ class ArenaSocket:
     tenant's arena (the fd stays the server's: the kernel duplicates it into the peer)."""
 
     def __init__(self, path: Path, authenticator: Authenticator, arena_for: ArenaLookup, *,
-                 timeout_s: float = 2.0, max_peers: int = 256, max_per_pid: int = 4) -> None:
+                 timeout_s: float = 2.0, max_peers: int = 256, max_per_pid: int = 32) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
         self.path = path
@@ -172,9 +173,11 @@ class ArenaSocket:
             self._selector.close()
 
     def _accept(self) -> None:
-        """Every connection waiting, each within the per-process and total limits."""
+        """The connections waiting, each within the per-process and total limits; at most
+        _ACCEPT_BATCH a turn: peers reconnecting as fast as they are closed must not keep the
+        loop from reading the requests it has accepted."""
         assert self._sock is not None
-        while not self._closing.is_set():
+        for _ in range(_ACCEPT_BATCH):
             try:
                 conn, _ = self._sock.accept()
             except BlockingIOError:
@@ -236,6 +239,8 @@ class ArenaSocket:
                 _send(peer.conn, {"ok": False, "error": str(exc), "error_class": type(exc).__name__})
             except OSError:
                 pass
+        except Exception:  # a bug answering one peer must not end the loop that serves all of them
+            logger.exception("arena socket: exchange with pid %d failed", peer.pid)
         self._drop(peer)
 
     def _serve(self, peer: _Peer, request: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def door(tmp_path: Path) -> Iterator[tuple[ArenaSocket, Arenas]]:
     data.mkdir(mode=0o700)
     authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
     arenas = Arenas()
-    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=2.0, max_peers=8)
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=2.0)
     server.start()
     yield server, arenas
     server.stop()
@@ -225,28 +226,45 @@ while True:  # keeps `holding` silent connections open, opening a new one as eac
 """
 
 
-def test_a_peer_squatting_every_slot_does_not_keep_others_from_their_arena(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("squatters", "limits"), [(1, {}), (3, {"max_peers": 16, "max_per_pid": 8})],
+                         ids=["one-process", "three-processes-past-max-peers"])
+def test_a_peer_squatting_every_slot_does_not_keep_others_from_their_arena(tmp_path: Path, squatters: int,
+                                                                            limits: dict[str, int]) -> None:
     """Bug: at most max_peers exchanges ran at once and each silent peer held its slot for
     timeout_s, so one process of the server's uid that kept max_peers connections open (silent,
     reconnecting as each was dropped) had every legitimate client refused its arena. The
-    squatter runs in its own process (another pid, as an attacker would) for the whole test."""
+    squatters run in processes of their own (other pids, as an attacker's would) for the whole
+    test; three of them hold more than max_peers connections together."""
     data = tmp_path / "data"
     arenas = Arenas()
     authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
-    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=3.0)
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=3.0, **limits)
     server.start()
-    squatter = subprocess.Popen([sys.executable, "-c", SQUATTER, str(server.path), "200"], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", SQUATTER, str(server.path), "200"], stdout=subprocess.PIPE, text=True)
+             for _ in range(squatters)]
     try:
-        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
+        for squatter in procs:
+            assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
         for _ in range(5):
             start = time.monotonic()
             fd, _, tenant = receive_arena(server.path, ALICE, timeout_s=10)
             waited = time.monotonic() - start
             os.close(fd)
             assert tenant == "alice" and waited < 1.5, f"served after {waited:.1f} s (timeout_s 3.0)"
-        assert squatter.poll() is None, "the squatter ran throughout"
+        assert all(squatter.poll() is None for squatter in procs), "the squatters ran throughout"
     finally:
-        squatter.kill()
-        squatter.wait(10)
+        for squatter in procs:
+            squatter.kill()
+            squatter.wait(10)
         server.stop()
         arenas.close()
+
+
+def test_one_process_receiving_many_arenas_at_once_gets_them_all(door) -> None:
+    """The per-process connection limit leaves room for a process whose clients connect together."""
+    server, _ = door
+    with ThreadPoolExecutor(16) as pool:
+        received = list(pool.map(lambda _: receive_arena(server.path, ALICE), range(16)))
+    for fd, _, tenant in received:
+        os.close(fd)
+        assert tenant == "alice"
