@@ -9,9 +9,11 @@ starts with the token the server announced over gRPC, i.e. client and server sha
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,12 @@ logger = logging.getLogger(__name__)
 
 
 class ArenaMap:
-    def __init__(self, mm: mmap.mmap) -> None:
+    def __init__(self, mm: mmap.mmap, writable: bool = True) -> None:
         self._mmap = mm
-        self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self.writable = writable  # False: a read-only token's mapping (PROT_READ); writing into it would fault
+        with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only; numpy's array is
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
         # With CUDA, page-locked: slot <-> GPU copies (layer-wise loads and saves) are then DMA.
         self._pinned_at = self._pin() if torch.cuda.is_available() else None
@@ -37,7 +42,7 @@ class ArenaMap:
     def _pin(self) -> int | None:
         """CUDA ONLY. Pins this process's mapping; its address, or None when refused."""
         address = int(self.array.ctypes.data)
-        return address if cuda_host.pin_host(address, len(self.array)) else None
+        return address if cuda_host.pin_host(address, len(self.array), read_only=not self.writable) else None
 
     @classmethod
     def open(cls, path: str, size: int, token: bytes) -> ArenaMap | None:
@@ -72,16 +77,19 @@ class ArenaMap:
             if os.fstat(fd).st_size != size:
                 logger.info("arena %s has another size than announced; pages go over gRPC", name)
                 return None
+            # A read-only token's descriptor (arena_socket.py) is mapped read-only: it can be no other way.
+            writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
             # MAP_POPULATE maps the (already resident) arena up front: a first touch per 4 KiB
             # page would otherwise cost a fault on the hot path.
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                           prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(fd)
         if mm[: len(_MAGIC) + len(token)] != _MAGIC + token:
             logger.info("arena %s belongs to another server; pages go over gRPC", name)
             mm.close()
             return None
-        return cls(mm)
+        return cls(mm, writable)
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over one slot (no copy)."""

@@ -15,6 +15,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly (CUDA 11.1): the device only reads it
 
 
 def host_address(buffer: object) -> int:
@@ -23,10 +24,12 @@ def host_address(buffer: object) -> int:
     return int(np.frombuffer(buffer, dtype=np.uint8, count=1).ctypes.data)  # type: ignore[call-overload]
 
 
-def pin_host(address: int, num_bytes: int) -> bool:
+def pin_host(address: int, num_bytes: int, read_only: bool = False) -> bool:
     """CUDA ONLY. Page-locks ``num_bytes`` of host memory at ``address``; False (logged)
-    when the driver refuses (e.g. the locked-memory limit): copies still work, slower."""
-    err = int(torch.cuda.cudart().cudaHostRegister(address, num_bytes, CUDA_HOST_REGISTER_PORTABLE))
+    when the driver refuses (e.g. the locked-memory limit): copies still work, slower.
+    ``read_only``: a PROT_READ mapping (a read-only token's arena), which the driver pins only so."""
+    flags = CUDA_HOST_REGISTER_PORTABLE | (CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
+    err = int(torch.cuda.cudart().cudaHostRegister(address, num_bytes, flags))
     if err != 0:
         logger.warning("host memory not pinned (cudaHostRegister error %d); host<->GPU copies are staged", err)
         return False

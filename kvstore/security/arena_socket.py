@@ -5,14 +5,21 @@ arena has no path anyone could open.
 Protocol, one exchange per connection (each message: 4-byte big-endian length + JSON):
 
     client -> server   {"token": "<bearer token>"}            (no token: only without --auth-file)
-    server -> client   {"ok": true, "tenant": "...", "size_bytes": N}  + the arena's fd (SCM_RIGHTS)
+    server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": W}  + the arena's fd (SCM_RIGHTS)
                     or {"ok": false, "error": "..."}              and no fd
 
 The request names no tenant and no arena: the token decides whose arena comes back, so a
-caller can only ever receive its own tenant's. The socket is 0600 in the 0700 data
+caller can only ever receive its own tenant's. A token without the write right receives a
+read-only descriptor (W false; its own open of the arena, O_RDONLY): no writable mapping. It
+is no wall against a hostile process of the server's uid, which can reopen it read-write
+through /proc/self/fd (or ptrace a writer of the tenant): the server's checksums are. The socket is 0600 in the 0700 data
 directory (only the server's uid, or root, can connect) and the peer's pid/uid
 (SO_PEERCRED) is logged with every hand-out. A peer that has not sent its whole request within
-``timeout_s`` is dropped; at most ``max_peers`` exchanges run at once, more are closed unanswered.
+``timeout_s`` is dropped. One thread serves every connection (a selector, no thread or slot per
+connection): a silent connection costs a descriptor, not a turn. A process (SO_PEERCRED pid) holds
+at most ``max_per_pid`` connections, a newer one is closed; with ``max_peers`` open in all, the
+oldest of the process holding the most is closed: a process squatting connections, however
+fast it reconnects, never keeps another process from its arena.
 """
 
 from __future__ import annotations
@@ -20,24 +27,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstore import errors
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
-from kvstore.security.identity import Identity
+from kvstore.security.identity import Identity, Rights
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8192
 _LENGTH = struct.Struct(">I")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
+_ACCEPT_BATCH = 64
 
 ArenaLookup = Callable[[Identity], "tuple[int, int] | None"]  # identity -> (fd, size_bytes), or None: no arena
 
@@ -67,12 +77,28 @@ def _recv_exact(sock: socket.socket, num_bytes: int, deadline: float | None = No
     return data
 
 
-def _decode(header: bytes, sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
-    (length,) = _LENGTH.unpack(header)
+@dataclass
+class _Peer:
+    """One accepted connection: who (SO_PEERCRED), until when it may send, what it sent so far."""
+
+    conn: socket.socket
+    pid: int
+    uid: int
+    deadline: float
+    received: bytes = field(default=b"")
+
+
+def _request(received: bytes) -> dict[str, Any] | None:
+    """The request in ``received``, or None while it is incomplete; InvalidRequest for a bad one."""
+    if len(received) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(received[: _LENGTH.size])
     if length > MAX_MESSAGE_BYTES:
         raise InvalidRequest(f"message of {length} bytes; at most {MAX_MESSAGE_BYTES}")
+    if len(received) < _LENGTH.size + length:
+        return None
     try:
-        doc = json.loads(_recv_exact(sock, length, deadline))
+        doc = json.loads(received[_LENGTH.size : _LENGTH.size + length])
     except ValueError as exc:
         raise InvalidRequest(f"the message is not JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -85,14 +111,17 @@ class ArenaSocket:
     tenant's arena (the fd stays the server's: the kernel duplicates it into the peer)."""
 
     def __init__(self, path: Path, authenticator: Authenticator, arena_for: ArenaLookup, *,
-                 timeout_s: float = 2.0, max_peers: int = 8) -> None:
+                 timeout_s: float = 2.0, max_peers: int = 256, max_per_pid: int = 32) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
         self.path = path
         self._authenticator = authenticator
         self._arena_for = arena_for
         self._timeout_s = timeout_s
-        self._peers = threading.BoundedSemaphore(max_peers)
+        self._max_peers = max_peers
+        self._max_per_pid = max_per_pid
+        self._peers: dict[int, _Peer] = {}  # by the connection's fd, in accept order
+        self._selector = selectors.DefaultSelector()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
@@ -103,59 +132,118 @@ class ArenaSocket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.path))
         os.chmod(self.path, 0o600)  # bind used the umask; the 0700 directory covers the moment between
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a burst of connections waits in the backlog, not refused
+        sock.setblocking(False)
         self._sock = sock
-        self._thread = threading.Thread(target=self._accept, name="arena-socket", daemon=True)
+        self._selector.register(sock, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._loop, name="arena-socket", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._closing.set()
         if self._sock is not None:
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the selector
             except OSError:
                 pass
-            self._sock.close()
         if self._thread is not None:
             self._thread.join(5)
+        if self._sock is not None:
+            self._sock.close()
         self.path.unlink(missing_ok=True)
 
+    def _loop(self) -> None:
+        try:
+            while not self._closing.is_set():
+                now = time.monotonic()
+                for peer in [p for p in self._peers.values() if p.deadline <= now]:
+                    logger.info("arena socket: pid %d uid %d sent no request within %.1f s", peer.pid, peer.uid, self._timeout_s)
+                    self._drop(peer)
+                wait = min((p.deadline for p in self._peers.values()), default=now + 1.0) - now
+                for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    elif (peer := self._peers.get(key.fd)) is not None:
+                        self._read(peer)
+        except Exception:  # a bug here must not leave the server silently without arenas
+            logger.exception("arena socket: the serving loop failed")
+        finally:
+            for peer in list(self._peers.values()):
+                self._drop(peer)
+            self._selector.close()
+
     def _accept(self) -> None:
+        """The connections waiting, each within the per-process and total limits; at most
+        _ACCEPT_BATCH a turn: peers reconnecting as fast as they are closed must not keep the
+        loop from reading the requests it has accepted."""
         assert self._sock is not None
-        while not self._closing.is_set():
+        for _ in range(_ACCEPT_BATCH):
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                if self._closing.is_set():
-                    return
-                logger.exception("arena socket: accept failed")
-                continue
-            if not self._peers.acquire(blocking=False):
-                conn.close()  # too many exchanges at once: a slow peer must not queue the others
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="arena-peer", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self._timeout_s)
-            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            try:
-                identity, fd, size = self._answer(conn)
-            except KVStoreError as exc:
-                logger.info("arena socket: refused pid %d uid %d: %s", pid, uid, exc)
-                _send(conn, {"ok": False, "error": str(exc), "error_class": type(exc).__name__})
+            except BlockingIOError:
                 return
-            _send(conn, {"ok": True, "tenant": identity.tenant, "size_bytes": size}, [fd])
-            logger.info("arena socket: gave tenant %s's arena to pid %d uid %d", identity.tenant, pid, uid)
-        except OSError as exc:  # the peer left or stalled: nothing was handed out
-            logger.info("arena socket: exchange dropped: %s", exc)
-        finally:
-            self._peers.release()  # before the close: a peer that saw its connection end finds its slot free
-            conn.close()
+            except OSError as exc:
+                if not self._closing.is_set():
+                    logger.warning("arena socket: accept failed: %s", exc)
+                return
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            held = [p for p in self._peers.values() if p.pid == pid]
+            if len(held) >= self._max_per_pid:
+                logger.debug("arena socket: pid %d already holds %d connections; closed a new one", pid, len(held))
+                conn.close()
+                continue
+            if len(self._peers) >= self._max_peers:
+                self._drop(self._oldest_of_busiest())
+            conn.setblocking(False)
+            peer = _Peer(conn, pid, uid, time.monotonic() + self._timeout_s)
+            self._peers[conn.fileno()] = peer
+            self._selector.register(conn, selectors.EVENT_READ)
 
-    def _answer(self, conn: socket.socket) -> tuple[Identity, int, int]:
-        deadline = time.monotonic() + self._timeout_s  # for the whole request, not per recv
-        request = _decode(_recv_exact(conn, _LENGTH.size, deadline), conn, deadline)
+    def _oldest_of_busiest(self) -> _Peer:
+        by_pid: dict[int, list[_Peer]] = {}
+        for peer in self._peers.values():  # accept order: each list starts with its oldest
+            by_pid.setdefault(peer.pid, []).append(peer)
+        return max(by_pid.values(), key=len)[0]
+
+    def _drop(self, peer: _Peer) -> None:
+        self._peers.pop(peer.conn.fileno(), None)
+        try:
+            self._selector.unregister(peer.conn)
+        except (KeyError, ValueError):
+            pass
+        peer.conn.close()
+
+    def _read(self, peer: _Peer) -> None:
+        try:
+            chunk = peer.conn.recv(MAX_MESSAGE_BYTES + _LENGTH.size - len(peer.received))
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            logger.info("arena socket: exchange with pid %d dropped: %s", peer.pid, exc)
+            self._drop(peer)
+            return
+        if not chunk:
+            self._drop(peer)  # the peer left before its request was whole: nothing was handed out
+            return
+        peer.received += chunk
+        try:
+            request = _request(peer.received)
+            if request is None:
+                return
+            self._serve(peer, request)
+        except OSError as exc:  # the peer left, or its receive buffer is full: nothing was handed out
+            logger.info("arena socket: exchange with pid %d dropped: %s", peer.pid, exc)
+        except KVStoreError as exc:
+            logger.info("arena socket: refused pid %d uid %d: %s", peer.pid, peer.uid, exc)
+            try:
+                _send(peer.conn, {"ok": False, "error": str(exc), "error_class": type(exc).__name__})
+            except OSError:
+                pass
+        except Exception:  # a bug answering one peer must not end the loop that serves all of them
+            logger.exception("arena socket: exchange with pid %d failed", peer.pid)
+        self._drop(peer)
+
+    def _serve(self, peer: _Peer, request: dict[str, Any]) -> None:
         token = request.get("token")
         if token is not None and not isinstance(token, str):
             raise InvalidRequest("token must be a string")
@@ -163,7 +251,29 @@ class ArenaSocket:
         arena = self._arena_for(identity)
         if arena is None:
             raise KVStoreError(f"tenant {identity.tenant!r} has no arena on this server")
-        return identity, arena[0], arena[1]
+        writable = identity.allows(Rights.WRITE)
+        # A reader gets a descriptor of its own, opened read-only: the kernel refuses it a writable mapping.
+        fd = arena[0] if writable else os.open(f"/proc/self/fd/{arena[0]}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _send(peer.conn, {"ok": True, "tenant": identity.tenant, "size_bytes": arena[1], "writable": writable}, [fd])
+        finally:
+            if fd != arena[0]:
+                os.close(fd)
+        logger.info("arena socket: gave tenant %s's arena (%s) to pid %d uid %d", identity.tenant,
+                    "read-write" if writable else "read-only", peer.pid, peer.uid)
+
+
+def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
+    """A full listen backlog answers EAGAIN at once (AF_UNIX does not wait in a socket with a
+    timeout): a burst of other connections is waited out until ``deadline``, not taken as a refusal."""
+    while True:
+        try:
+            sock.connect(str(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)
 
 
 def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tuple[int, int, str]:
@@ -173,7 +283,7 @@ def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tupl
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
-            sock.connect(str(path))
+            _connect(sock, path, time.monotonic() + timeout_s)
             _send(sock, {"token": token} if token is not None else {})
             data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + _LENGTH.size, 1)
         except OSError as exc:

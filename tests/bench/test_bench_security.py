@@ -3,10 +3,12 @@ client processes; the JSON shape as documented and the verdicts that must hold o
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+from kvstore.bench import soak_rounds
 from kvstore.bench.fuzz_streams import every_method
 
 
@@ -45,7 +47,8 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
     plot = tmp_path / "soak.png"
     rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "2", "--duration-s", "3", "--prompts", "64",
                                 "--phases", "secure-shm,plain-shm,plain-grpc,secure-grpc,local-shm",
-                                "--dir", str(tmp_path / "sk"), "--plot", str(plot))
+                                "--rounds", "2", "--round-s", "1", "--round-warmup-s", "1",
+                                "--dir", str(tmp_path / "sk"), "--plot", str(plot), timeout_s=480)
     assert list(report["phases"]) == ["secure-shm", "plain-shm", "plain-grpc", "secure-grpc", "local-shm"]
     assert report["auth_file_tenants"] == {"alpha": 2, "beta": 2}, "each client its own token, two tenants"
     for name, phase in report["phases"].items():
@@ -60,6 +63,30 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
     assert "tokens on --local-socket (no TLS) cost, shm" in stdout
     assert _not_rss(report["violations"]) == [] and rc == (1 if report["num_violations"] else 0)
     assert plot.stat().st_size > 10_000 and "TLS+auth cost, grpc" in stdout
+    # The cost in interleaved rounds: every pair of the named phases, each side first in turn.
+    assert set(report["cost_rounds"]) == {"secure-shm", "secure-grpc", "local-shm"}
+    for name, rounds in report["cost_rounds"].items():
+        plain = f"plain-{name.split('-')[1]}"
+        assert rounds["baseline"] == plain and rounds["first_in_round"] == [plain, name], name
+        assert len(rounds["baseline_ops_per_s"]) == len(rounds["phase_ops_per_s"]) == rounds["rounds"] == 2, name
+        assert all(ops > 0 for ops in rounds["baseline_ops_per_s"] + rounds["phase_ops_per_s"]), name
+        assert rounds["errors"] == 0 and rounds["wrong_bytes"] == 0, name
+        assert rounds["slowdown_min"] <= rounds["slowdown_median"] <= rounds["slowdown_max"], name
+    for entry in (report["tls_auth_cost"]["shm"], report["tls_auth_cost"]["grpc"], report["tls_auth_cost"]["shm"]["local_socket"]):
+        assert entry["meets_goal_by"] == "rounds median"
+        assert entry["meets_goal"] == (entry["rounds"]["slowdown_median"] <= entry["goal_slowdown"])
+    assert "secure-grpc vs plain-grpc in 2 interleaved round pairs" in stdout
+
+
+def test_soak_rounds_cost_is_the_median_of_per_pair_slowdowns() -> None:
+    """One noisy round pair moves min or max, not the cost."""
+    args = argparse.Namespace(round_s=10.0, round_warmup_s=5.0)
+    r = soak_rounds.summarize("plain-shm", "secure-shm", [100.0, 100.0, 50.0], [100.0, 90.0, 100.0],
+                              ["plain-shm", "secure-shm", "plain-shm"], 0, 0, args)
+    assert r["slowdowns"] == [0.0, 0.1111, -0.5]
+    assert (r["slowdown_median"], r["slowdown_min"], r["slowdown_max"]) == (0.0, -0.5, 0.1111)
+    assert soak_rounds.pairs(["secure-shm", "plain-shm", "local-shm", "plain-grpc", "tls-grpc"]) == [
+        ("plain-shm", "secure-shm"), ("plain-grpc", "tls-grpc"), ("plain-shm", "local-shm")]
 
 
 def test_soak_help_shows_defaults_and_refuses_unknown_phases() -> None:

@@ -3,6 +3,7 @@ raw caller that sends any request as any token, and page writes made the way a c
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -113,11 +114,12 @@ def quarantine_a_page(server: Server, owner: Caller, ns: bytes) -> bytes:
 
 def map_own_arena(server: Server, token: str | None) -> mmap.mmap:
     """The arena the server's arena socket hands to ``token``, mapped as a same-host client
-    maps it (the caller closes it)."""
+    maps it: read-only for a token without the write right (the caller closes it)."""
     assert server.arena_socket is not None
     fd, size, _ = receive_arena(server.arena_socket.path, token)
     try:
-        return mmap.mmap(fd, size)
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
 

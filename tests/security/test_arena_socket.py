@@ -7,8 +7,11 @@ import mmap
 import os
 import socket
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,7 +52,7 @@ def door(tmp_path: Path) -> Iterator[tuple[ArenaSocket, Arenas]]:
     data.mkdir(mode=0o700)
     authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
     arenas = Arenas()
-    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=2.0, max_peers=8)
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=2.0)
     server.start()
     yield server, arenas
     server.stop()
@@ -117,8 +120,9 @@ def test_bad_requests_are_refused_and_the_socket_keeps_serving(door) -> None:
 
 
 def test_silent_peers_are_dropped_and_cannot_queue_the_others(tmp_path: Path) -> None:
-    """At most max_peers exchanges at once: peers that connect and say nothing hold their
-    slot only for timeout_s, and a peer beyond the limit is closed at once, not queued."""
+    """Peers that connect and say nothing are dropped after timeout_s, and while they wait a
+    peer that sends its request is answered at once: a silent connection holds no turn (with
+    max_peers open in all, the oldest of the busiest process is closed to make room)."""
     data = tmp_path / "data"
     arenas = Arenas()
     authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
@@ -128,8 +132,10 @@ def test_silent_peers_are_dropped_and_cannot_queue_the_others(tmp_path: Path) ->
     try:
         for sock in silent:
             sock.connect(str(server.path))  # accepted in order: they take both slots
-        with pytest.raises(KVStoreError):
-            receive_arena(server.path, ALICE, timeout_s=10)
+        start = time.monotonic()
+        fd, _, tenant = receive_arena(server.path, ALICE, timeout_s=10)
+        os.close(fd)
+        assert tenant == "alice" and time.monotonic() - start < 1.5, "answered without waiting for the silent ones"
         for sock in silent:
             assert sock.recv(1) == b"", "dropped after timeout_s"
         fd, _, tenant = receive_arena(server.path, ALICE)
@@ -191,3 +197,74 @@ def test_a_peer_that_drips_its_message_is_dropped_within_timeout(tmp_path: Path)
     finally:
         server.stop()
         arenas.close()
+
+
+SQUATTER = """
+import socket, sys
+path, holding = sys.argv[1], int(sys.argv[2])
+open_socks = []
+print("squatting", flush=True)
+while True:  # keeps `holding` silent connections open, opening a new one as each is dropped
+    for sock in list(open_socks):
+        try:
+            if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                open_socks.remove(sock)
+                sock.close()
+        except BlockingIOError:
+            pass
+        except OSError:
+            open_socks.remove(sock)
+            sock.close()
+    while len(open_socks) < holding:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            break
+        open_socks.append(sock)
+"""
+
+
+@pytest.mark.parametrize(("squatters", "limits"), [(1, {}), (3, {"max_peers": 16, "max_per_pid": 8})],
+                         ids=["one-process", "three-processes-past-max-peers"])
+def test_a_peer_squatting_every_slot_does_not_keep_others_from_their_arena(tmp_path: Path, squatters: int,
+                                                                            limits: dict[str, int]) -> None:
+    """Bug: at most max_peers exchanges ran at once and each silent peer held its slot for
+    timeout_s, so one process of the server's uid that kept max_peers connections open (silent,
+    reconnecting as each was dropped) had every legitimate client refused its arena. The
+    squatters run in processes of their own (other pids, as an attacker's would) for the whole
+    test; three of them hold more than max_peers connections together."""
+    data = tmp_path / "data"
+    arenas = Arenas()
+    authenticator = Authenticator(write_auth_file(tmp_path / "auth.json", grants()), TenantSalts(data))
+    server = ArenaSocket(data / "arena.sock", authenticator, arenas, timeout_s=3.0, **limits)
+    server.start()
+    procs = [subprocess.Popen([sys.executable, "-c", SQUATTER, str(server.path), "200"], stdout=subprocess.PIPE, text=True)
+             for _ in range(squatters)]
+    try:
+        for squatter in procs:
+            assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
+        for _ in range(5):
+            start = time.monotonic()
+            fd, _, tenant = receive_arena(server.path, ALICE, timeout_s=10)
+            waited = time.monotonic() - start
+            os.close(fd)
+            assert tenant == "alice" and waited < 1.5, f"served after {waited:.1f} s (timeout_s 3.0)"
+        assert all(squatter.poll() is None for squatter in procs), "the squatters ran throughout"
+    finally:
+        for squatter in procs:
+            squatter.kill()
+            squatter.wait(10)
+        server.stop()
+        arenas.close()
+
+
+def test_one_process_receiving_many_arenas_at_once_gets_them_all(door) -> None:
+    """The per-process connection limit leaves room for a process whose clients connect together."""
+    server, _ = door
+    with ThreadPoolExecutor(16) as pool:
+        received = list(pool.map(lambda _: receive_arena(server.path, ALICE), range(16)))
+    for fd, _, tenant in received:
+        os.close(fd)
+        assert tenant == "alice"

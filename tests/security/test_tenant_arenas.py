@@ -7,6 +7,7 @@ server restart leave nothing behind."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import secrets
 import subprocess
@@ -24,6 +25,7 @@ from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.page import ARENA_MAGIC, checksum
+from kvstore.security.arena_socket import receive_arena
 from kvstore.server import Server
 from kvstore.tiers.arenas import ARENA_BITS
 from kvstore.types import Namespace
@@ -73,6 +75,42 @@ def test_the_socket_hands_each_token_its_own_arena_and_nothing_else(tenant_serve
     for token in (None, "not-a-token-0123456789abcdef", A + "x"):
         with pytest.raises(Unauthenticated):
             map_own_arena(tenant_server, token)
+
+
+async def test_a_read_only_token_receives_its_arena_read_only(tenant_server, ca, layout) -> None:
+    """Bug: a token with only the read right received its tenant's arena read-write: it could
+    map it writable and overwrite the pages its tenant's other clients read through shared
+    memory. Now its descriptor is read-only (a writable mapping is refused by the kernel), its
+    client maps it read-only and still reads bit-exact; a read-write token is unchanged."""
+    assert tenant_server.arena_socket is not None
+    fd, size, tenant = receive_arena(tenant_server.arena_socket.path, READER)
+    try:
+        assert tenant == "a"
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"x", 4096)
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as view:
+            assert view[: len(ARENA_MAGIC)] == ARENA_MAGIC
+    finally:
+        os.close(fd)
+    fd, size, _ = receive_arena(tenant_server.arena_socket.path, A)
+    try:
+        mmap.mmap(fd, size, flags=mmap.MAP_SHARED).close()  # the writer's stays writable
+    finally:
+        os.close(fd)
+    tls = ClientTLS(ca=ca.cert)
+    tokens = list(range(4 * layout.page_tokens))
+    kv = random_kv(layout, len(tokens), seed=3)
+    ns = Namespace("m", "r1", layout)
+    async with KVStoreClient(tenant_server.address, ns, token=A, tls=tls) as writer, \
+            KVStoreClient(tenant_server.address, ns, token=READER, tls=tls) as reader:
+        assert writer.shared_memory and reader.shared_memory, "the reader reads through its (read-only) arena"
+        assert await writer.put(tokens, kv) == len(tokens)
+        hit = await reader.lookup(tokens)
+        out = torch.zeros_like(kv)
+        assert await reader.get(hit, into=out) == len(tokens)
+        assert torch.equal(out, kv), "bit-exact through the read-only mapping"
 
 
 def test_a_slot_offset_of_a_is_meaningless_in_bs_arena(tenant_server, ca) -> None:
