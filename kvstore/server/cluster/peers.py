@@ -65,6 +65,10 @@ class Peer:
             answer = await self.data.GrantTransfer(data_pb2.GrantTransferRequest(node=self._me), timeout=self._rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise TransportError(f"node {self.member.node_id} gave no data-plane grant: {exc.code().name} {exc.details()}") from None
+        except asyncio.CancelledError:
+            if current_cancelled():
+                raise
+            raise TransportError(f"node {self.member.node_id} left while asked for a data-plane grant") from None  # its channel closed
         return answer.grant
 
     async def close(self) -> None:
