@@ -4,6 +4,7 @@ out over its authenticated control plane (gRPC, node right)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import subprocess
@@ -61,6 +62,12 @@ async def test_a_client_that_is_not_a_node_gets_no_page_over_ucx(cluster_nodes, 
     got = raw_fetch(data["a"], hit.namespace_id, LAYOUT.page_bytes, hit.keys, grant=secrets.token_bytes(16))  # a forged grant
     assert "ok" not in got["statuses"], f"a forged grant read tenant a's pages: {got}"
     await eventually(lambda: _logged(a.log, "its grant is unknown, used or expired"), 10, "node a logging the forged grant")
+
+    # a connection that presents nothing is dropped after HELLO_TIMEOUT_S, not served nor held forever
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, str(RAW_FETCH), data["a"], "idle"], capture_output=True,
+                                   text=True, timeout=60, check=False)
+    assert done.stdout.strip().endswith("idle"), done.stderr[-3000:]
+    await eventually(lambda: _logged(a.log, "no grant within"), 10, "node a dropping the idle connection")
 
     # the nodes' own transfers still work: tenant a reads its prefix at b, over UCX, bit-exact
     async with KVStoreClient(b.address, NS, token=A, tls=tls) as a_on_b:
