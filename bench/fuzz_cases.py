@@ -171,6 +171,7 @@ VALID: dict[str, Callable[[Pools, random.Random, ArenaMap | None], Message]] = {
     "GetSession": lambda p, rng, a: data_pb2.GetSessionRequest(namespace_id=p.namespace_id, session_id=_session(p, rng)),
     "EndSession": lambda p, rng, a: data_pb2.EndSessionRequest(namespace_id=p.namespace_id, session_id=_session(p, rng)),
     "Replicate": lambda p, rng, a: data_pb2.ReplicateRequest(namespace_id=p.namespace_id, keys=_keys(p, rng), replicas=1),
+    "GrantTransfer": lambda p, rng, a: data_pb2.GrantTransferRequest(node=f"peer-{rng.randrange(3)}"),
     "Lookup": lambda p, rng, a: directory_pb2.LookupRequest(namespace_id=p.namespace_id, keys=_keys(p, rng)),
     "Publish": lambda p, rng, a: directory_pb2.PublishRequest(namespace_id=p.namespace_id, records=[
         directory_pb2.PageRecord(key=rng.randbytes(16), location=common_pb2.Location(

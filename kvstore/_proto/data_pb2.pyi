@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GrantTransferRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class GrantTransferResponse(_message.Message):
+    __slots__ = ("grant", "ttl_ms")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    grant: bytes
+    ttl_ms: int
+    def __init__(self, grant: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
 class ReplicateRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "replicas", "holder", "tenant", "page_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

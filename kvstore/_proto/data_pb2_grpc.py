@@ -111,6 +111,11 @@ class DataStub:
                 request_serializer=kvstore_dot_v1_dot_data__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_data__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.GrantTransfer = channel.unary_unary(
+                '/kvstore.v1.Data/GrantTransfer',
+                request_serializer=kvstore_dot_v1_dot_data__pb2.GrantTransferRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_data__pb2.GrantTransferResponse.FromString,
+                _registered_method=True)
 
 
 class DataServicer:
@@ -222,6 +227,14 @@ class DataServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GrantTransfer(self, request, context):
+        """Cluster mode, node-only (the node right): a one-time grant for one connection to this
+        node's UCX data port, which serves a connection only once it presents a live grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DataServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -299,6 +312,11 @@ def add_DataServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=kvstore_dot_v1_dot_data__pb2.ReplicateRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_data__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'GrantTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GrantTransfer,
+                    request_deserializer=kvstore_dot_v1_dot_data__pb2.GrantTransferRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_data__pb2.GrantTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -708,6 +726,33 @@ class Data:
             '/kvstore.v1.Data/Replicate',
             kvstore_dot_v1_dot_data__pb2.ReplicateRequest.SerializeToString,
             kvstore_dot_v1_dot_data__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GrantTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Data/GrantTransfer',
+            kvstore_dot_v1_dot_data__pb2.GrantTransferRequest.SerializeToString,
+            kvstore_dot_v1_dot_data__pb2.GrantTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,8 @@
 """The node-to-node page fetch protocol, independent of the transport that carries it (UCX
 now; a gRPC stream would carry the same frames).
 
+    receiver -> sender   hello, once per connection, first:  "KVFH" version u16 | pad u16 | grant 16s
+                         (a grant the sender issued to the receiver over gRPC: grants.py)
     receiver -> sender   request:  "KVFQ" version u16 | flags u16 | request_id u64 |
                                    namespace_id 16s | page_bytes u64 | num_keys u32 | keys 16s * n
     sender -> receiver   answer:   "KVFA" version u16 | flags u16 | request_id u64 | num_keys u32 |
@@ -37,6 +39,8 @@ _ANSWER = struct.Struct("<4sHHQI")
 _ENTRY = struct.Struct("<B7xQQ")
 _LAYOUT = struct.Struct("<IIII16sI")
 MAX_FRAME_BYTES = max(_REQUEST.size + MAX_KEYS * PAGE_KEY_BYTES, _ANSWER.size + MAX_KEYS * _ENTRY.size + _LAYOUT.size)
+_HELLO = struct.Struct("<4sH2x16s")
+HELLO_BYTES = _HELLO.size
 DESCRIBE = 1  # request flag: answer statuses (and the layout), send no payload
 LAYOUT = 1    # answer flag: the namespace's layout follows the entries
 
@@ -136,6 +140,20 @@ class FetchAnswer:
             entries.append(PageEntry(st, length, csum))
         layout = decode_layout(data, _ANSWER.size + n * _ENTRY.size) if tail else None
         return cls(rid, tuple(entries), layout)
+
+
+def encode_hello(grant: bytes) -> bytes:
+    return _HELLO.pack(b"KVFH", VERSION, grant)
+
+
+def decode_hello(data: bytes | bytearray | memoryview) -> bytes:
+    """The grant a connection's first frame presents; InvalidRequest when it is no hello."""
+    if len(data) != _HELLO.size:
+        raise InvalidRequest(f"a hello of {len(data)} bytes, not {_HELLO.size}")
+    magic, version, grant = _HELLO.unpack(data)
+    if magic != b"KVFH" or version != VERSION:
+        raise InvalidRequest(f"not a hello of version {VERSION} ({bytes(magic)!r} v{version})")
+    return bytes(grant)
 
 
 def check_keys(namespace_id: bytes, keys: Sequence[bytes]) -> None:

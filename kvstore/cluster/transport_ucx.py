@@ -23,7 +23,7 @@ import enum
 import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,13 +37,25 @@ os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.cluster.page_wire import (
+    DESCRIBE,
+    HELLO_BYTES,
+    MAX_FRAME_BYTES,
+    FetchAnswer,
+    FetchRequest,
+    PageEntry,
+    PageStatus,
+    check_keys,
+    decode_hello,
+    encode_hello,
+)
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.page import LayoutDesc, checksum
 
 logger = logging.getLogger(__name__)
 
 _ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
+HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 
 
 @dataclass(frozen=True)
@@ -106,10 +118,10 @@ async def _send_frame(ep: Any, body: bytes) -> None:
     await ep.send(np.frombuffer(body, dtype=np.uint8))
 
 
-async def _recv_frame(ep: Any) -> bytearray:
+async def _recv_frame(ep: Any, max_bytes: int = MAX_FRAME_BYTES) -> bytearray:
     size = np.empty(1, dtype=np.uint64)
     await ep.recv(size)
-    if not 0 < int(size[0]) <= MAX_FRAME_BYTES:
+    if not 0 < int(size[0]) <= max_bytes:
         raise InvalidRequest(f"frame of {int(size[0])} bytes is out of bounds")
     body = bytearray(int(size[0]))
     await ep.recv(body)
@@ -117,10 +129,15 @@ async def _recv_frame(ep: Any) -> bytearray:
 
 
 class UcxPageServer:
-    """Serves pages from a ``PageSource`` to any number of fetchers (one task per connection)."""
+    """Serves pages from a ``PageSource`` to any number of fetchers (one task per connection).
+    With ``authorize`` (grant -> the node it was issued to, None if not live: grants.py) a
+    connection is served only after its first frame presents a live grant; a refusal is
+    logged and the connection dropped."""
 
-    def __init__(self, source: PageSource, config: UcxConfig, port: int = 0, send_timeout_s: float = 30.0) -> None:
+    def __init__(self, source: PageSource, config: UcxConfig, port: int = 0, send_timeout_s: float = 30.0,
+                 authorize: Callable[[bytes], str | None] | None = None) -> None:
         self._source = source
+        self._authorize = authorize
         self._config = config
         self._send_timeout_s = send_timeout_s  # a fetcher that stops reading must not pin pages forever
         self._port = port
@@ -149,6 +166,8 @@ class UcxPageServer:
         assert task is not None
         self._handlers.add(task)
         try:
+            if self._authorize is not None and not await self._admit(ep):
+                return
             while True:
                 request = FetchRequest.decode(await _recv_frame(ep))
                 await self._serve(ep, request)
@@ -163,6 +182,26 @@ class UcxPageServer:
         finally:
             self._handlers.discard(task)
             ep.abort()
+
+    async def _admit(self, ep: Any) -> bool:
+        """Whether the connection's hello presents a live grant (bounded in size and time: an
+        unauthenticated peer gets neither a large buffer nor a handler that waits forever)."""
+        assert self._authorize is not None
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                grant = decode_hello(await _recv_frame(ep, HELLO_BYTES))
+        except InvalidRequest as exc:
+            reason = f"no grant ({exc})"
+        except TimeoutError:
+            reason = f"no grant within {HELLO_TIMEOUT_S:.0f} s"
+        else:
+            node = self._authorize(grant)
+            if node is not None:
+                logger.debug("UCX connection of node %s admitted", node)
+                return True
+            reason = "its grant is unknown, used or expired"
+        logger.warning("refused a UCX connection to the data port: %s", reason)
+        return False
 
     async def _serve(self, ep: Any, request: FetchRequest) -> None:
         pages = await self._source.open_pages(request.namespace_id, request.keys)
@@ -223,10 +262,12 @@ class FetchResult:
 
 
 class UcxPageFetcher:
-    """The receiving side of one connection to one node's page server."""
+    """The receiving side of one connection to one node's page server. ``grant``: asks the
+    server's node for a grant (over its authenticated control plane) before each connect."""
 
-    def __init__(self, host: str, port: int, config: UcxConfig) -> None:
+    def __init__(self, host: str, port: int, config: UcxConfig, grant: Callable[[], Awaitable[bytes]] | None = None) -> None:
         self._host, self._port, self._config = host, port, config
+        self._grant = grant
         self._ep: Any = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -234,6 +275,23 @@ class UcxPageFetcher:
     async def close(self) -> None:
         async with self._lock:
             self._drop()
+
+    async def _connect(self) -> None:
+        """Connects (and presents a fresh grant) unless the connection is up."""
+        if self._ep is not None and not self._ep.alive:
+            self._drop()  # the server closed it (restart, idle): connect afresh
+        if self._ep is not None:
+            return
+        init_ucx(self._config)
+        grant = await self._grant() if self._grant is not None else None
+        ep = await ucxx.create_endpoint(self._host, self._port)
+        try:
+            if grant is not None:
+                await _send_frame(ep, encode_hello(grant))
+        except BaseException:
+            ep.abort()
+            raise
+        self._ep = ep
 
     def _drop(self) -> None:
         if self._ep is not None:
@@ -254,11 +312,7 @@ class UcxPageFetcher:
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout_s):
-                    if self._ep is not None and not self._ep.alive:
-                        self._drop()  # the server closed it (restart, idle): connect afresh
-                    if self._ep is None:
-                        init_ucx(self._config)
-                        self._ep = await ucxx.create_endpoint(self._host, self._port)
+                    await self._connect()
                     await _send_frame(self._ep, request.encode())
                     answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
                     for i, entry in enumerate(answer.entries):
@@ -271,7 +325,7 @@ class UcxPageFetcher:
                         result.checksums[i] = answer.entries[i].checksum
                         ok = checksum(views[i]) == answer.entries[i].checksum
                         result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT
-            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest) as exc:
+            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
                 result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 logger.warning("fetch of %d pages from %s:%d failed after %d: %s", len(keys), self._host, self._port,
                                result.prefix, result.error)
@@ -289,14 +343,10 @@ class UcxPageFetcher:
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout_s):
-                    if self._ep is not None and not self._ep.alive:
-                        self._drop()
-                    if self._ep is None:
-                        init_ucx(self._config)
-                        self._ep = await ucxx.create_endpoint(self._host, self._port)
+                    await self._connect()
                     await _send_frame(self._ep, request.encode())
                     answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
-            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest) as exc:
+            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
                 logger.warning("describe of a page at %s:%d failed: %r", self._host, self._port, exc)
                 self._drop()
                 return None

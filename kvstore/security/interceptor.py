@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.errors import Unauthenticated
+from kvstore.errors import TierUnavailable, Unauthenticated
 from kvstore.security.authenticator import Authenticator, PeerCertificate
 from kvstore.security.identity import Identity
 
@@ -84,9 +84,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return _Call(self.authenticator, authorization, certificate)
         except Unauthenticated as exc:
             self._refuse(context, method, grpc.StatusCode.UNAUTHENTICATED, f"{method}: {exc}")
-        except OSError as exc:  # the tenant's salt could not be stored
+        except (OSError, TierUnavailable) as exc:  # the tenant's salt could not be stored (its file; etcd in a cluster)
             logger.error("%s: cannot authenticate: %s", method, exc)
-            self._refuse(context, method, grpc.StatusCode.UNAVAILABLE, f"{method}: storage I/O error: {exc}")
+            self._refuse(context, method, grpc.StatusCode.UNAVAILABLE, f"{method}: cannot get the tenant's salt: {exc}")
         raise AssertionError("context.abort returned")
 
     def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:

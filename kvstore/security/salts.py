@@ -78,6 +78,9 @@ class TenantSalts:
             self._salts = grown
         logger.info("assigned a salt to tenant(s) %s", ", ".join(missing))
 
+    def close(self) -> None:
+        """Nothing to release here (the file is written whole each time); the cluster's store closes its etcd channel."""
+
     def _write(self, salts: dict[str, bytes]) -> None:
         directory = self.path.parent
         directory.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)

@@ -58,10 +58,14 @@ class ServerSecurity:
     ``grpc.server(interceptors=...)``, ``add_port`` replaces ``add_insecure_port``,
     ``reload`` is what SIGHUP calls. ``rejected(method, code)`` counts refused calls."""
 
-    def __init__(self, config: SecurityConfig, data_dir: Path, rejected: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, config: SecurityConfig, data_dir: Path, rejected: Callable[[str, str], None] | None = None,
+                 salts: Callable[[], TenantSalts] | None = None) -> None:
+        """``salts``: where the tenants' salts come from when there are tenants (cluster mode:
+        etcd, shared by the nodes); by default ``DATA_DIR/tenant-salts.json``."""
         self.config = config
         trust_certs = config.tls_client_ca is not None
-        self.salts = TenantSalts(data_dir) if config.auth_file is not None or trust_certs else None
+        tenants = config.auth_file is not None or trust_certs
+        self.salts = (salts or (lambda: TenantSalts(data_dir)))() if tenants else None
         self.authenticator = Authenticator(config.auth_file, self.salts, trust_certs=trust_certs)
         self.interceptor = AuthInterceptor(self.authenticator, rejected)
         self._credentials = server_credentials(config)

@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
 from kvstore.security.arena_socket import ArenaSocket
 from kvstore.security.identity import Identity
+from kvstore.security.salts import TenantSalts
 from kvstore.security.server import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.metrics import Metrics
@@ -69,6 +71,21 @@ def arena_socket_path(data_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="kvstore-")) / "arena.sock"
 
 
+def _cluster_salts(config: ServerConfig) -> Callable[[], TenantSalts]:
+    """The tenants' salts of a cluster node: kept in etcd, so that every node folds the same salt
+    into a tenant's namespace ids (kvstore/cluster/salts.py; imported only in cluster mode)."""
+    assert config.cluster is not None
+    cluster = config.cluster
+
+    def make() -> TenantSalts:
+        from kvstore.cluster.etcd import parse_endpoints
+        from kvstore.cluster.salts import EtcdSalts
+
+        return EtcdSalts(config.data_dir, parse_endpoints(cluster.etcd), cluster.name)
+
+    return make
+
+
 def split_host_port(text: str, flag: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():
@@ -107,7 +124,8 @@ class Server:
         # behind. Every call is authenticated before its handler runs; handlers read the caller
         # with kvstore.security.interceptor.current_identity().
         self.security = ServerSecurity(config.security, config.data_dir,
-                                       lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
+                                       lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
+                                       salts=_cluster_salts(config) if config.cluster is not None else None)
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
         self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
@@ -213,6 +231,8 @@ class Server:
             self._scrubber.join(5)
         self.core.directory.events.close()
         self._grpc.stop(grace_s).wait()
+        if self.security.salts is not None:
+            self.security.salts.close()
         local = self.config.security.local_socket
         if local is not None and local.is_socket():
             local.unlink(missing_ok=True)

@@ -57,6 +57,7 @@ COVERAGE = {
     "Data.GetSession": "test_b_cannot_read_extend_or_end_as_session",
     "Data.EndSession": "test_b_cannot_read_extend_or_end_as_session",
     "Data.Replicate": "test_tenants_cannot_make_the_node_only_calls",
+    "Data.GrantTransfer": "test_tenants_cannot_make_the_node_only_calls",
     "Directory.Lookup": "test_b_cannot_probe_as_namespace_with_lookup",
     "Directory.Publish": "test_b_cannot_write_into_as_namespace",
     "Directory.Remove": "test_b_cannot_invalidate_or_remove_as_pages",
@@ -70,8 +71,8 @@ COVERAGE = {
 
 # What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
 # whole RPCs, and the request fields that make an RPC a node's call.
-NODE_ONLY = {"Directory.Publish", "Directory.Remove.node", "Directory.Lookup.local_only", "Directory.Lookup.tenant",
-             "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
+NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Directory.Remove.node", "Directory.Lookup.local_only",
+             "Directory.Lookup.tenant", "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
 _NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
 
@@ -191,6 +192,7 @@ def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
             assert err.value.code() == DENIED
         replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=2, holder="n2", tenant="a", page_bytes=PAGE_BYTES)
         assert caller.code(caller.data.Replicate, replicate) == DENIED
+        assert caller.code(caller.data.GrantTransfer, data_pb2.GrantTransferRequest(node="n2")) == DENIED  # the UCX data port
     replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1)
     assert b(b.data.Replicate, replicate).num_pages == 0 and a(a.data.Replicate, replicate).num_pages == len(keys)
     assert world.server.core.directory.get(record.key) is None

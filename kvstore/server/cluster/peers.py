@@ -14,7 +14,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
+import grpc
+
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2_grpc
+from kvstore.cluster.errors import TransportError
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
 from kvstore.security.channel import ClientTLS, aio_channel
@@ -41,7 +44,9 @@ def client_tls(security: SecurityConfig) -> ClientTLS | None:
 class Peer:
     """One other node, as its member record names it (a new epoch makes a new Peer)."""
 
-    def __init__(self, member: Member, cluster: ClusterConfig, tls: ClientTLS | None, ucx: Any) -> None:
+    def __init__(self, me: str, member: Member, cluster: ClusterConfig, tls: ClientTLS | None, ucx: Any) -> None:
+        self._me = me
+        self._rpc_timeout_s = cluster.rpc_timeout_s
         self.member = member
         self.channel = aio_channel(member.grpc_address, MESSAGE_OPTIONS, token=cluster.token, tls=tls)
         self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
@@ -52,7 +57,19 @@ class Peer:
             from kvstore.cluster.transport_ucx import UcxPageFetcher
 
             host, _, port = member.data_address.rpartition(":")
-            self.fetcher = UcxPageFetcher(host, int(port), ucx)
+            self.fetcher = UcxPageFetcher(host, int(port), ucx, grant=self._grant)
+
+    async def _grant(self) -> bytes:
+        """A grant for one connection to the peer's data port, asked over the authenticated channel."""
+        try:
+            answer = await self.data.GrantTransfer(data_pb2.GrantTransferRequest(node=self._me), timeout=self._rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise TransportError(f"node {self.member.node_id} gave no data-plane grant: {exc.code().name} {exc.details()}") from None
+        except asyncio.CancelledError:
+            if current_cancelled():
+                raise
+            raise TransportError(f"node {self.member.node_id} left while asked for a data-plane grant") from None  # its channel closed
+        return answer.grant
 
     async def close(self) -> None:
         if self.fetcher is not None:
@@ -83,7 +100,7 @@ class Peers:
                 gone.append(self._peers.pop(node))
         for node, member in members.items():
             if node != self._me and node not in self._peers:
-                self._peers[node] = Peer(member, self._cluster, self._tls, self._ucx)
+                self._peers[node] = Peer(self._me, member, self._cluster, self._tls, self._ucx)
         return gone
 
     async def close(self) -> None:

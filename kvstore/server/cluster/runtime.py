@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.cluster.etcd import EtcdClient, parse_endpoints
+from kvstore.cluster.grants import TransferGrants
 from kvstore.cluster.members import Invalidation, Member, MembershipConfig, MemberState
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
@@ -91,6 +92,7 @@ class ClusterRuntime:
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._page_server: Any = None
+        self.grants: TransferGrants | None = None  # with the UCX data plane: what GrantTransfer hands out
         self._prefetch_lock = threading.Lock()
         self._leaving = False
         self._prefetching = 0
@@ -120,7 +122,8 @@ class ClusterRuntime:
             from kvstore.server.cluster.source import CorePageSource
 
             ucx = UcxConfig(tls=cluster.ucx_tls, progress_mode="thread")
-            self._page_server = UcxPageServer(CorePageSource(self.core), ucx, port=cluster.data_port)
+            self.grants = TransferGrants()  # the data port serves only connections granted over gRPC (node right)
+            self._page_server = UcxPageServer(CorePageSource(self.core), ucx, port=cluster.data_port, authorize=self.grants.take)
             data_address = f"{cluster.advertise.rpartition(':')[0]}:{await self._page_server.start()}"
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)

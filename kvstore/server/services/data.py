@@ -20,7 +20,7 @@ from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
-from kvstore.server.services.node_calls import MAX_REPLICAS, acting_for, on_behalf, require_node
+from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
@@ -339,6 +339,17 @@ class DataService(data_pb2_grpc.DataServicer):
             return data_pb2.ReplicateResponse(num_pages=0)  # as for an empty namespace
         n = self.cluster.replicate(ns, keys, request.replicas, context.time_remaining(), on_behalf(who))
         return data_pb2.ReplicateResponse(num_pages=n)
+
+    @unary
+    def GrantTransfer(self, request: data_pb2.GrantTransferRequest, context: grpc.ServicerContext) -> data_pb2.GrantTransferResponse:
+        """A node's one-time grant for a connection to this node's UCX data port (kvstore/cluster/grants.py)."""
+        require_node(current_identity(), "GrantTransfer")
+        if self.cluster is None or self.cluster.grants is None:
+            raise InvalidRequest("GrantTransfer needs cluster mode with --data-plane ucx")
+        if not 0 < len(request.node) <= MAX_NODE_ID:
+            raise InvalidRequest(f"GrantTransfer names a node id of 1..{MAX_NODE_ID} characters, got {len(request.node)}")
+        grants = self.cluster.grants
+        return data_pb2.GrantTransferResponse(grant=grants.issue(request.node), ttl_ms=int(grants.ttl_s * 1000))
 
     def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], request: data_pb2.ReplicateRequest,
                    context: grpc.ServicerContext) -> int:

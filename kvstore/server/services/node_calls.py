@@ -4,7 +4,8 @@ A node is a caller like any other: it proves who it is with its certificate (mTL
 cluster token, and the auth file grants it the ``node`` right. Publishing records that name
 a node, withdrawing a node's records (``Remove`` with ``node``), asking a shard owner
 (``Lookup`` with ``local_only``), reading pages for another node (``ReadPages`` with
-``local_only``) and replicating from a holder (``Replicate`` with ``holder``) need it; a
+``local_only``), replicating from a holder (``Replicate`` with ``holder``) and a grant for
+a node's UCX data port (``GrantTransfer``) need it; a
 tenant asking any of them is PERMISSION_DENIED. A node's call names the tenant it acts for
 (the namespace's owner where the call came from): the tenancy checks and quotas of that
 tenant apply, so a node never reads or binds a namespace for a tenant that does not own it.
@@ -16,6 +17,7 @@ from kvstore.errors import ConfigError, InvalidRequest, PermissionDenied
 from kvstore.security.identity import Identity, Rights, check_tenant_name
 
 NODE_TENANT_RIGHTS = Rights.READ | Rights.WRITE
+MAX_NODE_ID = 128  # characters of the node id a GrantTransfer names
 MAX_REPLICAS = 16  # Replicate's replicas: nodes holding each page, the asking one included
 
 

@@ -1,0 +1,55 @@
+"""A raw UCX client that is not a node (no grant from the control plane) as a child process:
+connects to a node's data port and asks for pages by namespace id and key, as anyone who
+reaches the port could. Prints one JSON line: the status of each page and the checksum of
+the bytes that arrived (so the test can compare them with the stored page).
+
+    python tests/cluster/raw_ucx_fetch.py HOST:PORT GRANT_HEX|- NAMESPACE_HEX PAGE_BYTES KEY_HEX [KEY_HEX ...]
+
+GRANT_HEX: a grant to present (a forged one, say); ``-``: none; ``idle``: connect, send nothing
+for IDLE_S seconds, print ``idle`` and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from kvstore.cluster import transport_ucx  # before ucxx itself: it points UCX's log away from stdout
+from kvstore.cluster.transport_ucx import UcxConfig, UcxPageFetcher, init_ucx
+from kvstore.page import checksum
+
+IDLE_S = 7.0  # past the page server's HELLO_TIMEOUT_S
+
+
+async def idle(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    init_ucx(UcxConfig(tls="tcp", progress_mode="thread"))
+    ep = await transport_ucx.ucxx.create_endpoint(host, int(port))
+    await asyncio.sleep(IDLE_S)
+    ep.abort()
+    print("idle", flush=True)
+
+
+async def main(address: str, grant: bytes | None, namespace_id: bytes, page_bytes: int, keys: list[bytes]) -> None:
+    host, _, port = address.rpartition(":")
+
+    async def present() -> bytes:
+        assert grant is not None
+        return grant
+
+    fetcher = UcxPageFetcher(host, int(port), UcxConfig(tls="tcp", progress_mode="thread"), None if grant is None else present)
+    dests = [bytearray(page_bytes) for _ in keys]
+    result = await fetcher.fetch(namespace_id, keys, dests, timeout_s=5)
+    print(json.dumps({"statuses": [s.value for s in result.statuses], "checksums": [checksum(d) for d in dests],
+                      "error": result.error}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[2] == "idle":
+        asyncio.run(idle(sys.argv[1]))
+        os._exit(0)
+    grant = None if sys.argv[2] == "-" else bytes.fromhex(sys.argv[2])
+    asyncio.run(main(sys.argv[1], grant, bytes.fromhex(sys.argv[3]), int(sys.argv[4]), [bytes.fromhex(k) for k in sys.argv[5:]]))
+    os._exit(0)  # the answer is out; UCX's notifier thread (thread progress mode) may hold up an orderly exit

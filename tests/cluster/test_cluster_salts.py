@@ -1,0 +1,109 @@
+"""Tenant salts in cluster mode come from etcd, shared by every node (DESIGN §11-12)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from conftest import random_kv
+from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from test_cluster_auth import A, B, secure_args
+from test_cluster_nodes import LAYOUT, NS, tokens_of
+
+from kvstore._proto import data_pb2, directory_pb2
+from kvstore.client import KVStoreClient
+from kvstore.security.channel import ClientTLS
+from kvstore.security.salts import FILE_NAME
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "security"))
+from certs import CertAuthority
+
+NODE_TOKEN = "cluster-node-token-0123456789ab"
+
+
+async def test_a_tenants_prefix_is_read_across_nodes_without_a_copied_salt_file(cluster_nodes, tmp_path: Path,
+                                                                               monkeypatch) -> None:
+    """Bug: tenant salts were per node (each node's DATA_DIR/tenant-salts.json), so without a
+    file copied by the operator a tenant's namespace ids differed per node and its prefix
+    stored at one node was never found at another. Now cluster nodes share the salts through
+    etcd; tenant b still finds nothing of a's, at any node."""
+    ca = CertAuthority(tmp_path / "ca")
+    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
+    args = secure_args(tmp_path, ca, ["a", "b", "c"], NODE_TOKEN)
+    for name in ("a", "b", "c"):
+        (tmp_path / name / "data" / FILE_NAME).unlink()  # no salt file copied by an operator
+    nodes = cluster_nodes(["a", "b", "c"], "ucx", *args["a"])  # every node's certificate is valid for each (CN aside)
+    a, _, c = nodes
+    engine = ca.issue("engine")
+    tls = ClientTLS(ca=ca.cert, cert=engine.cert, key=engine.key)
+    tokens = tokens_of(13, 16)
+    kv = random_kv(LAYOUT, len(tokens), seed=13)
+    async with KVStoreClient(a.address, NS, token=A, tls=tls) as a_on_a, KVStoreClient(c.address, NS, token=A, tls=tls) as a_on_c:
+        assert a_on_a.namespace.namespace_id == a_on_c.namespace.namespace_id, "tenant a's salt differs between nodes"
+        assert await a_on_a.put(tokens, kv) == len(tokens)
+        await eventually(lambda: _found(a_on_c, tokens), 10, "a's prefix in c's lookup")
+        hit = await a_on_c.lookup(tokens)
+        out = torch.zeros_like(kv)
+        assert await a_on_c.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)
+        ns, keys = hit.namespace_id, hit.keys
+    for node in nodes:
+        async with KVStoreClient(node.address, NS, token=B, tls=tls) as b_client:
+            assert b_client.namespace.namespace_id != ns
+            assert (await b_client.lookup(tokens)).num_tokens == 0
+            lookup = await b_client._call(b_client.runtime.directory.Lookup, directory_pb2.LookupRequest(namespace_id=ns, keys=keys))
+            assert lookup.num_pages == 0
+            acquired = await b_client._call(b_client.runtime.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys))
+            assert list(acquired.pages) == []
+    for name in ("a", "b", "c"):
+        assert not (tmp_path / name / "data" / FILE_NAME).exists()  # the local file is the single node's store
+
+
+async def _found(client: KVStoreClient, tokens: list[int]) -> bool:
+    return (await client.lookup(tokens)).num_tokens == len(tokens)
+
+
+def test_nodes_racing_to_create_a_tenants_salt_end_with_one(etcd, tmp_path: Path) -> None:
+    """Two nodes meeting the same new tenants at once each propose a salt; the etcd
+    transaction (create only while absent) makes them agree on one per tenant."""
+    from kvstore.cluster.salts import EtcdSalts
+
+    tenants = [f"t{i}" for i in range(20)]
+    nodes = [EtcdSalts(tmp_path / f"n{i}", [etcd.endpoint], "race") for i in range(2)]
+    start = threading.Barrier(len(nodes))
+    got: list[dict[str, bytes]] = [{} for _ in nodes]
+
+    def meet(i: int) -> None:
+        start.wait()
+        for tenant in tenants:
+            got[i][tenant] = nodes[i].salt(tenant)
+
+    threads = [threading.Thread(target=meet, args=(i,)) for i in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got[0] == got[1] and len(set(got[0].values())) == len(tenants)
+    late = EtcdSalts(tmp_path / "late", [etcd.endpoint], "race")  # a node joining later reads the same
+    assert {t: late.salt(t) for t in tenants} == got[0]
+    for salts in (*nodes, late):
+        salts.close()
+
+
+def test_a_copied_salt_file_is_kept_when_salts_move_to_etcd(etcd, tmp_path: Path) -> None:
+    """An existing cluster whose operator copied tenant-salts.json keeps its namespace ids:
+    the first node proposes its file's salt, the others read it from etcd."""
+    from kvstore.cluster.salts import EtcdSalts
+
+    old = bytes(range(16))
+    (tmp_path / "n1").mkdir(mode=0o700)
+    (tmp_path / "n1" / FILE_NAME).write_text(json.dumps({"version": 1, "salts": {"a": old.hex()}}))
+    first, second = EtcdSalts(tmp_path / "n1", [etcd.endpoint], "c"), EtcdSalts(tmp_path / "n2", [etcd.endpoint], "c")
+    first.ensure(["a"])
+    assert first.salt("a") == old and second.salt("a") == old
+    first.close()
+    second.close()
