@@ -50,9 +50,11 @@ from kvstore.cluster.page_wire import (
     encode_hello,
 )
 from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.logs import Throttled
 from kvstore.page import LayoutDesc, checksum
 
 logger = logging.getLogger(__name__)
+_refusals = Throttled(logger)  # a scanner at the data port must not flood the log
 
 _ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
@@ -191,16 +193,16 @@ class UcxPageServer:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 grant = decode_hello(await _recv_frame(ep, HELLO_BYTES))
         except InvalidRequest as exc:
-            reason = f"no grant ({exc})"
+            kind, reason = "no-grant", f"no grant ({exc})"
         except TimeoutError:
-            reason = f"no grant within {HELLO_TIMEOUT_S:.0f} s"
+            kind, reason = "silent", f"no grant within {HELLO_TIMEOUT_S:.0f} s"
         else:
             node = self._authorize(grant)
             if node is not None:
                 logger.debug("UCX connection of node %s admitted", node)
                 return True
-            reason = "its grant is unknown, used or expired"
-        logger.warning("refused a UCX connection to the data port: %s", reason)
+            kind, reason = "bad-grant", "its grant is unknown, used or expired"
+        _refusals.warning(kind, "refused a UCX connection to the data port: %s", reason)
         return False
 
     async def _serve(self, ep: Any, request: FetchRequest) -> None:
