@@ -58,10 +58,11 @@ class StoreConnection:
     Thread-safe: every method may be called from any thread."""
 
     def __init__(self, address: str, namespace: Namespace, *, use_shm: bool = True, connect_timeout_s: float = 2.0,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, use_call_socket: bool = True) -> None:
         self.address = address
         self.namespace = namespace
         self.use_shm = use_shm
+        self.use_call_socket = use_call_socket  # the server's same-host call channel for leases, when offered
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self._lock = threading.Lock()
@@ -104,7 +105,7 @@ class StoreConnection:
         return thread
 
     async def _connect(self) -> None:
-        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm)
+        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm, use_call_socket=self.use_call_socket)
         try:
             await asyncio.wait_for(client.connect(), self.connect_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
@@ -114,8 +115,8 @@ class StoreConnection:
             with self._lock:
                 self._connecting = False
             return
-        logger.info("kvstore connector connected to %s (%s)", self.address,
-                    "shared memory" if client.shared_memory else "gRPC")
+        logger.info("kvstore connector connected to %s (%s, unary calls over %s)", self.address,
+                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls else "gRPC")
         with self._lock:
             self._connecting = False
             closed = self._closed
