@@ -128,6 +128,9 @@ class CallChannel:
             conn.connect(self.path)
             conn.sendall(self._hello)
             status, body = _answer(conn, deadline, bytearray())
+        except TimeoutError:
+            conn.close()  # nothing was asked yet: nothing to give back
+            raise TimeoutError(f"call socket {self.path}: no HELLO answer by the deadline") from None
         except (OSError, _Gone) as exc:
             conn.close()
             raise KVStoreError(f"call socket {self.path}: {exc}") from None

@@ -28,7 +28,10 @@ def read_answer(sock: socket.socket) -> tuple[grpc.StatusCode, bytes] | None:
 def _exactly(sock: socket.socket, num_bytes: int) -> bytes | None:
     data = b""
     while len(data) < num_bytes:
-        chunk = sock.recv(num_bytes - len(data))
+        try:
+            chunk = sock.recv(num_bytes - len(data))
+        except ConnectionResetError:  # closed by the server with bytes of ours unread
+            return None
         if not chunk:
             return None
         data += chunk
@@ -40,7 +43,10 @@ def connect(server: Server, token: str | None, timeout_s: float = 10.0) -> tuple
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     sock.connect(str(server.call_socket.path))
-    sock.sendall(localcall.request_frame(localcall.HELLO, 0, (token or "").encode()))
+    try:
+        sock.sendall(localcall.request_frame(localcall.HELLO, 0, (token or "").encode()))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused before the HELLO (no slot): the answer is there to read
     answer = read_answer(sock)
     assert answer is not None, "HELLO got no answer"
     return sock, answer[0]
