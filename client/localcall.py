@@ -46,6 +46,7 @@ class CallChannel:
         self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
         self._call_token = call_token
         self._idle: list[socket.socket] = []
+        self._owed: dict[socket.socket, int] = {}  # answers of posted calls still to read, per idle connection
         self._lock = threading.Lock()
         self._closed = False
         self.num_late = 0  # answers that came after their deadline and were given back here
@@ -73,7 +74,17 @@ class CallChannel:
         deadline = time.monotonic() + timeout_s
         frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())
         for attempt in range(2):
-            conn, reused = self._take(deadline)
+            conn, reused, owed = self._take(deadline)
+            try:
+                self._drop_answers(conn, owed, deadline)
+            except TimeoutError:
+                conn.close()  # this call was not sent yet
+                raise TimeoutError(f"no answer from the call socket {self.path} within {timeout_s:.3f} s") from None
+            except (_Gone, OSError) as exc:
+                conn.close()
+                if attempt == 0:
+                    continue  # this call was not sent yet: on a new connection
+                raise KVStoreError(f"call socket {self.path}: {exc}") from None
             received = bytearray()  # of the answer: what a deadline leaves read is still looked at
             try:
                 conn.settimeout(max(1e-6, deadline - time.monotonic()))
@@ -97,27 +108,57 @@ class CallChannel:
             raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
         raise AssertionError("unreachable")
 
+    def post(self, method: str, request: Any, timeout_s: float) -> None:
+        """Sends a call whose answer nobody waits for (a give-back such as Release: what it
+        gives back expires anyway if it fails); the next call on the connection reads and
+        drops the answer. Blocks at most ``timeout_s`` (a connection to open, a full socket);
+        raises KVStoreError or TimeoutError when the call was not sent."""
+        deadline = time.monotonic() + timeout_s
+        frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(self.timeout_s * 1000)),
+                                        request.SerializeToString())
+        conn, _, owed = self._take(deadline)
+        try:
+            conn.settimeout(max(1e-6, deadline - time.monotonic()))
+            conn.sendall(frame)
+        except OSError as exc:  # TimeoutError included: a part may have gone, the connection cannot be reused
+            conn.close()
+            raise KVStoreError(f"call socket {self.path}: {method} not sent: {exc}") from None
+        self._put(conn, owed + 1)
+
+    def _drop_answers(self, conn: socket.socket, owed: int, deadline: float) -> None:
+        """Reads the answers of ``owed`` posted calls (a failure is logged: what they gave back expires)."""
+        for _ in range(owed):
+            status, body = _answer(conn, deadline, bytearray())
+            if status != 0:
+                logger.info("a call posted on the call socket failed (what it gave back expires): %s",
+                            localcall.parse_error(body)[1])
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._owed.clear()
         for conn in idle:
             conn.close()
 
     # -- connections -----------------------------------------------------------------------
 
-    def _take(self, deadline: float) -> tuple[socket.socket, bool]:
+    def _take(self, deadline: float) -> tuple[socket.socket, bool, int]:
+        """A connection for one call: (it, whether it was used before, answers owed on it)."""
         with self._lock:
             if self._closed:
                 raise KVStoreError(f"the call channel to {self.path} is closed")
             if self._idle:
-                return self._idle.pop(), True
-        return self._connect(deadline), False
+                conn = self._idle.pop()
+                return conn, True, self._owed.pop(conn, 0)
+        return self._connect(deadline), False, 0
 
-    def _put(self, conn: socket.socket) -> None:
+    def _put(self, conn: socket.socket, owed: int = 0) -> None:
         with self._lock:
             if not self._closed:
                 self._idle.append(conn)
+                if owed:
+                    self._owed[conn] = owed
                 return
         conn.close()
 

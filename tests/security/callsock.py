@@ -41,8 +41,8 @@ def _exactly(sock: socket.socket, num_bytes: int) -> bytes | None:
 def connect(server: Server, token: str | None, timeout_s: float = 10.0) -> tuple[socket.socket, grpc.StatusCode]:
     """A connection that said HELLO with ``token``, and the status of its answer."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(server.call_socket.path))  # blocking: a full backlog waits for the accept loop
     sock.settimeout(timeout_s)
-    sock.connect(str(server.call_socket.path))
     try:
         sock.sendall(localcall.request_frame(localcall.HELLO, 0, (token or "").encode()))
     except (BrokenPipeError, ConnectionResetError):

@@ -114,8 +114,8 @@ def _still_serves(server: Server) -> None:
 
 def _raw(server: Server) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(server.call_socket.path))  # blocking: a full backlog waits for the accept loop
     sock.settimeout(10)
-    sock.connect(str(server.call_socket.path))
     return sock
 
 
@@ -173,8 +173,8 @@ def test_random_frames_never_crash_or_hang_the_server(server: Server) -> None:
 def test_silent_peers_do_not_hold_the_slots(server: Server) -> None:
     """Connections that never say HELLO take at most the connection limit, and only until
     the HELLO deadline; a caller that did say HELLO is served meanwhile."""
-    silent = [_raw(server) for _ in range(63)]
-    _still_serves(server)  # the 64th slot
+    silent = [_raw(server) for _ in range(255)]
+    _still_serves(server)  # the last slot
     for sock in silent:
         assert sock.recv(1) == b"", "a silent peer is closed at the HELLO deadline"
         sock.close()
@@ -182,7 +182,7 @@ def test_silent_peers_do_not_hold_the_slots(server: Server) -> None:
 
 
 def test_connections_beyond_the_limit_are_refused_not_queued(server: Server) -> None:
-    held = [SocketCaller(server, None) for _ in range(64)]
+    held = [SocketCaller(server, None) for _ in range(256)]
     sock, status = connect(server, None)
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
     sock.close()

@@ -73,7 +73,7 @@ class CallSocket:
 
     def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
                  call_token: bytes, *, undo: dict[str, Undo] | None = None,
-                 rejected: Callable[[str, str], None] | None = None, max_connections: int = 64,
+                 rejected: Callable[[str, str], None] | None = None, max_connections: int = 256,
                  hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
@@ -106,7 +106,7 @@ class CallSocket:
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a burst of clients connecting waits here rather than being refused (EAGAIN)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name="call-socket", daemon=True)
         self._thread.start()
