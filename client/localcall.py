@@ -29,6 +29,7 @@ from kvstore.status import error_for
 logger = logging.getLogger(__name__)
 
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
+_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
     "Data.Acquire": lambda answer: ("Data.Release", data_pb2.ReleaseRequest(lease_id=answer.lease_id)),
@@ -93,15 +94,18 @@ class CallChannel:
             except TimeoutError:
                 self._abandon(conn, method, received)
                 raise TimeoutError(f"no answer from the call socket {self.path} within {timeout_s:.3f} s") from None
-            except _Gone as exc:
+            except (_Gone, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()
-                if reused and not exc.partial and attempt == 0:
-                    continue  # the server closed an idle connection before reading this request: it never ran
+                if reused and not received and attempt == 0:
+                    continue  # the server had closed this idle connection: the request was never read, never ran
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
             except OSError as exc:
                 conn.close()
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            self._put(conn)
+            if status == _UNAUTHENTICATED:
+                conn.close()  # the server closes a connection whose caller it refused
+            else:
+                self._put(conn)
             if status == 0:
                 return response_type.FromString(body)
             name, message = localcall.parse_error(body)
@@ -215,11 +219,7 @@ class CallChannel:
 
 
 class _Gone(Exception):
-    """The server closed the connection; ``partial``: after some of an answer arrived."""
-
-    def __init__(self, message: str, partial: bool) -> None:
-        super().__init__(message)
-        self.partial = partial
+    """The server closed the connection (or sent what no answer is)."""
 
 
 def _answer(conn: socket.socket, deadline: float, received: bytearray) -> tuple[int, bytes]:
@@ -229,7 +229,7 @@ def _answer(conn: socket.socket, deadline: float, received: bytearray) -> tuple[
     _fill(conn, received, size, deadline)
     body_bytes, status = localcall.ANSWER_HEADER.unpack(received[:size])
     if body_bytes > localcall.MAX_ANSWER_BYTES:
-        raise _Gone(f"an answer of {body_bytes} bytes", partial=True)
+        raise _Gone(f"an answer of {body_bytes} bytes")
     _fill(conn, received, size + body_bytes, deadline)
     return status, bytes(received[size:])
 
@@ -242,7 +242,7 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
         conn.settimeout(left)
         chunk = conn.recv(num_bytes - len(received))
         if not chunk:
-            raise _Gone("the server closed the connection", partial=bool(received))
+            raise _Gone("the server closed the connection")
         received += chunk
 
 

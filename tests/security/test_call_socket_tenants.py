@@ -23,6 +23,8 @@ from test_reload import LoggedServer
 
 from kvstore import localcall
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2
+from kvstore.client.localcall import CallChannel
+from kvstore.errors import Unauthenticated
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server
 
@@ -219,3 +221,31 @@ def test_sighup_revokes_a_token_on_an_open_connection(tmp_path: Path) -> None:
     finally:
         assert logged.process.terminate() == 0
 
+
+
+def test_the_client_channel_follows_a_revocation_and_a_new_grant(tmp_path: Path, ca: CertAuthority) -> None:
+    """The client's pooled connection is closed by the server once its token is revoked; the
+    channel answers Unauthenticated, and once the token is granted again its next call is
+    made on a new connection (the closed one is dropped, the call not lost)."""
+    with_a2 = tenant_grants([{"tenant": "a", "rights": ["read", "write"], "token": A2}])
+    server = Server(tenant_config(tmp_path, ca, with_a2))
+    server.start()
+    auth = tmp_path / "auth.json"
+    try:
+        info = SocketCaller(server, A2)("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
+        channel = CallChannel.open(info.call_socket, A2, info.call_token, 5.0)
+        assert channel is not None and channel.tenant == "a"
+        who = (data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
+        assert channel.call("Data.WhoAmI", *who).tenant == "a"
+        write_auth_file(auth, tenant_grants())
+        assert server.reload_security()
+        with pytest.raises(Unauthenticated):
+            channel.call("Data.WhoAmI", *who)
+        with pytest.raises(Unauthenticated):
+            channel.call("Data.WhoAmI", *who)  # a new connection: refused at HELLO
+        write_auth_file(auth, with_a2)
+        assert server.reload_security()
+        assert channel.call("Data.WhoAmI", *who).tenant == "a"
+        channel.close()
+    finally:
+        server.stop(grace_s=1)
