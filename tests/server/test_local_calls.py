@@ -212,3 +212,17 @@ def test_a_channel_to_another_servers_socket_is_refused(server_factory: object, 
     assert CallChannel.open(info.call_socket, None, b"\0" * localcall.CALL_TOKEN_BYTES, 5.0) is None
     assert CallChannel.open(str(tmp_path / "nothing.sock"), None, info.call_token, 5.0) is None
     assert CallChannel.open(info.call_socket, None, info.call_token, 5.0) is not None
+
+
+def test_a_caller_that_never_reads_its_answers_is_dropped(server: Server) -> None:
+    """Requests sent without reading the answers fill both socket buffers; the server's write
+    then waits at most its frame deadline and drops the connection (its thread and slot
+    freed), and serves the others meanwhile."""
+    caller = SocketCaller(server, None)
+    frame = localcall.request_frame(localcall.METHOD_IDS["Data.WhoAmI"], 0, b"") * 1000
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for _ in range(1000):  # 10 MB of requests: far more than the buffers hold
+            caller.sock.sendall(frame)
+    _still_serves(server)
+    caller.close()
+

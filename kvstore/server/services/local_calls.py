@@ -204,6 +204,7 @@ class CallSocket:
         except OSError as exc:  # the tenant's salt could not be stored
             raise _Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
         logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
+        conn.settimeout(self._frame_s)
         conn.sendall(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
         return call, authorization
 
@@ -276,6 +277,7 @@ class CallSocket:
             answer = localcall.answer_frame(_status(grpc.StatusCode.INTERNAL),
                                             localcall.error_body("", f"internal error: {type(exc).__name__}"))
         try:
+            conn.settimeout(self._frame_s)  # a caller that does not read its answers holds this thread no longer
             conn.sendall(answer)
         except OSError:
             undo = self._undo.get(method)
@@ -286,12 +288,13 @@ class CallSocket:
         return True
 
     def _send(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
+        conn.settimeout(self._frame_s)
         conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
 
     def _send_quietly(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
         try:
             conn.settimeout(0.1)
-            self._send(conn, code, error_class, message)
+            conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
         except OSError:
             pass
 
