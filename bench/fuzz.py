@@ -49,6 +49,7 @@ from kvstore.bench.fuzz_calls import (
     client_send_failed,
 )
 from kvstore.bench.fuzz_cases import VALID, Pools, learn, write_pages_stream
+from kvstore.bench.fuzz_socket import SocketFuzzer
 from kvstore.bench.fuzz_streams import every_method, mutate_stream
 from kvstore.bench.harness import free_port, rss, start_server
 from kvstore.bench.secure import make_credentials
@@ -267,6 +268,9 @@ async def fuzz(args: argparse.Namespace, bar: Any) -> dict[str, Any]:
             await asyncio.gather(*(worker(warmup) for _ in range(args.concurrency)))
             report["rss_after_warmup"] = rss(pid)
             await asyncio.gather(*(worker(args.calls) for _ in range(args.concurrency)))
+            if probe.calls is not None and args.socket_calls:  # the same cases, as frames on the same-host call socket
+                await asyncio.to_thread(SocketFuzzer(probe.calls.path, fuzzer, args.seed).run, args.socket_calls, bar,
+                                        lambda: server.proc.poll() is None)
             report["rss_end"] = rss(pid) if server.proc.poll() is None else None
             alive = server.proc.poll() is None
             if alive:
@@ -313,6 +317,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--calls", type=int, default=10_000, help="calls to make (a stream's chunks each count as a message)")
     p.add_argument("--concurrency", type=int, default=8, help="calls in flight at once")
+    p.add_argument("--socket-calls", type=int, default=2000,
+                   help="cases sent afterwards as frames on the same-host call socket (kvstore/localcall.py)")
     p.add_argument("--warmup-share", type=float, default=0.2, help="share of the calls before the RSS baseline")
     p.add_argument("--seed", type=int, default=0, help="of the cases and mutations (a finding reproduces with its seed)")
     p.add_argument("--methods", help="only these RPCs, comma-separated (to reproduce a finding); default every RPC")
@@ -323,15 +329,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tqdm(total=args.calls, desc="fuzz", unit="call", disable=None) as bar:
+    with tqdm(total=args.calls + args.socket_calls, desc="fuzz", unit="call", disable=None) as bar:
         return asyncio.run(fuzz(args, bar))
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{'method':<14} {'calls':>6} {'msgs':>6}  status codes")
+    print(f"{'method':<19} {'calls':>6} {'msgs':>6}  status codes")
     for name, m in report["methods"].items():
         codes = ", ".join(f"{c} {n}" for c, n in sorted(m["codes"].items(), key=lambda kv: -kv[1]))
-        print(f"{name:<14} {m['calls']:>6} {m['messages']:>6}  {codes}")
+        print(f"{name:<19} {m['calls']:>6} {m['messages']:>6}  {codes}")
     print(f"{report['num_calls']} calls, {report['num_messages']} messages; strategies: {report['strategies']}")
     mib = 1 / 2**20
     for key in ("rss_start", "rss_after_warmup", "rss_end"):

@@ -32,6 +32,7 @@ from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.client.localcall import CallChannel
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
@@ -79,11 +80,13 @@ class KVStoreClient:
         chunk_bytes: int = CHUNK_BYTES,
         token: str | None = None,
         tls: ClientTLS | None = None,
+        use_call_socket: bool = True,
     ) -> None:
         """``chunk_bytes``: the most page bytes one gRPC message carries on the socket path
         (4 KiB to 8 MiB); by default a page up to 4 MiB is one message. ``token``: the bearer
         token of a server with --auth-file; ``tls``: for a server with --tls-cert (see
-        kvstore.security.channel: a token goes only over TLS or to a loopback address)."""
+        kvstore.security.channel: a token goes only over TLS or to a loopback address).
+        ``use_call_socket``: take the server's same-host call channel (``calls``) when it offers one."""
         check_chunk_bytes(chunk_bytes)
         self._token, self._tls = token, tls
         self.chunk_bytes = chunk_bytes
@@ -91,6 +94,8 @@ class KVStoreClient:
         self.namespace = namespace
         self.layout = namespace.layout
         self.use_shm = use_shm
+        self.use_call_socket = use_call_socket
+        self._calls: CallChannel | None = None
         self.timeout_s = timeout_s
         self.lease_ms = lease_ms
         self.copy_threads = copy_threads
@@ -129,6 +134,9 @@ class KVStoreClient:
         if self.use_shm:
             self._arena = (ArenaMap.receive(info.arena_socket, self._token, info.arena_bytes, info.arena_token)
                            if info.arena_socket else ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token))
+        if self.use_call_socket and info.call_socket:
+            self._calls = await asyncio.get_running_loop().run_in_executor(
+                None, CallChannel.open, info.call_socket, self._token, info.call_token, self.timeout_s)
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, info.arena_bytes, self.copy_threads)
         else:
@@ -156,6 +164,8 @@ class KVStoreClient:
             await loop.run_in_executor(None, handle.join, self.timeout_s)
         if self._runtime is not None:
             await loop.run_in_executor(None, self._runtime.close)
+        if self._calls is not None:
+            self._calls.close()
         if self._transport is not None:
             self._transport.close()  # closes the arena with it
             self._transport = None
@@ -170,6 +180,12 @@ class KVStoreClient:
         if self._runtime is None:
             raise KVStoreError("the client is not connected")
         return self._runtime
+
+    @property
+    def calls(self) -> CallChannel | None:
+        """The server's same-host call channel (set at connect), when this host can use it:
+        blocking unary calls from the caller's thread, without gRPC (kvstore.client.localcall)."""
+        return self._calls
 
     @property
     def transport(self) -> Transport:

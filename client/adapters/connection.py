@@ -24,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvstore._proto import data_pb2
 from kvstore.client.client import KVStoreClient
 from kvstore.client.transport import ShmTransport
 from kvstore.errors import KVStoreError
@@ -32,6 +33,8 @@ from kvstore.types import Namespace
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+RELEASE_TIMEOUT_S = 0.2  # a release over the call channel blocks a hook this long at most (to connect; the lease then expires)
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,11 @@ class StoreConnection:
     Thread-safe: every method may be called from any thread."""
 
     def __init__(self, address: str, namespace: Namespace, *, use_shm: bool = True, connect_timeout_s: float = 2.0,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, use_call_socket: bool = True) -> None:
         self.address = address
         self.namespace = namespace
         self.use_shm = use_shm
+        self.use_call_socket = use_call_socket  # the server's same-host call channel for leases, when offered
         self.connect_timeout_s = connect_timeout_s
         self.retry_s = retry_s
         self._lock = threading.Lock()
@@ -101,7 +105,7 @@ class StoreConnection:
         return thread
 
     async def _connect(self) -> None:
-        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm)
+        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm, use_call_socket=self.use_call_socket)
         try:
             await asyncio.wait_for(client.connect(), self.connect_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
@@ -111,8 +115,8 @@ class StoreConnection:
             with self._lock:
                 self._connecting = False
             return
-        logger.info("kvstore connector connected to %s (%s)", self.address,
-                    "shared memory" if client.shared_memory else "gRPC")
+        logger.info("kvstore connector connected to %s (%s, unary calls over %s)", self.address,
+                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls else "gRPC")
         with self._lock:
             self._connecting = False
             closed = self._closed
@@ -141,6 +145,8 @@ class StoreConnection:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
         (the call goes on, and a lease it brings later is given back) or the store failed."""
         started = time.monotonic()
+        if client.calls is not None:
+            return self._acquire_here(client, keys, timeout_s, started)
         try:
             transport = client.transport
             assert isinstance(transport, ShmTransport), "leases are taken only on the server's host"
@@ -148,6 +154,24 @@ class StoreConnection:
             acq = job.result.result(timeout_s)
         except FutureTimeout:
             job.result.add_done_callback(lambda late: self._release_late(client, late))
+            return None
+        except KVStoreError as exc:
+            self.failed(client, exc)
+            return None
+        if not acq.pages:
+            self.release(client, acq.lease_id)
+            return Lease(acq.lease_id, [], [], started)
+        return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
+                     started + client.lease_ms / 1000)
+
+    def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> Lease | None:
+        """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);
+        past ``timeout_s`` the channel gives back a lease that comes late."""
+        assert client.calls is not None
+        request = data_pb2.AcquireRequest(namespace_id=client.namespace.namespace_id, keys=keys, ttl_ms=client.lease_ms)
+        try:
+            acq = client.calls.call("Data.Acquire", request, data_pb2.AcquireResponse, timeout_s)
+        except TimeoutError:
             return None
         except KVStoreError as exc:
             self.failed(client, exc)
@@ -166,10 +190,13 @@ class StoreConnection:
         """Gives a lease back in the background (a release that fails, or a client closed
         meanwhile, leaves it to expire with its TTL)."""
         try:
+            if client.calls is not None:  # a send of a few microseconds: cheaper than handing it to the runtime
+                client.calls.post("Data.Release", data_pb2.ReleaseRequest(lease_id=lease_id), RELEASE_TIMEOUT_S)
+                return
             transport = client.transport
             if isinstance(transport, ShmTransport):
                 client.runtime.submit(transport.release(lease_id))
-        except KVStoreError as exc:
+        except (KVStoreError, TimeoutError) as exc:
             logger.debug("lease %s not released (it expires): %s", lease_id.hex()[:8], exc)
 
     def run(self, client: KVStoreClient, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:

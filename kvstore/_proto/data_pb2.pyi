@@ -136,7 +136,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("node", "arena_path", "arena_bytes", "arena_token", "tiers", "max_pages_per_request", "max_page_bytes", "arena_socket")
+    __slots__ = ("node", "arena_path", "arena_bytes", "arena_token", "tiers", "max_pages_per_request", "max_page_bytes", "arena_socket", "call_socket", "call_token")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class GetInfoResponse(_message.Message):
     MAX_PAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CALL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    CALL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node: str
     arena_path: str
     arena_bytes: int
@@ -153,7 +155,9 @@ class GetInfoResponse(_message.Message):
     max_pages_per_request: int
     max_page_bytes: int
     arena_socket: str
-    def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ...) -> None: ...
+    call_socket: str
+    call_token: bytes
+    def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("namespace_id", "layout", "keys")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -20,6 +21,7 @@ from kvstore import pagecopy
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import ConfigError
+from kvstore.localcall import CALL_TOKEN_BYTES
 from kvstore.security.arena_socket import ArenaSocket
 from kvstore.security.identity import Identity
 from kvstore.security.salts import TenantSalts
@@ -31,6 +33,7 @@ from kvstore.server.placement.assembly import Wrap
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
+from kvstore.server.services.local_calls import CallSocket
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
@@ -62,10 +65,10 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def arena_socket_path(data_dir: Path) -> Path:
-    """``DATA_DIR/arena.sock``, or, when that path is too long for a Unix socket, one in a
+def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
+    """``DATA_DIR/<name>``, or, when that path is too long for a Unix socket, one in a
     new private (0700) directory under the temp directory."""
-    path = data_dir / "arena.sock"
+    path = data_dir / name
     if len(os.fsencode(path)) <= 100:
         return path
     return Path(tempfile.mkdtemp(prefix="kvstore-")) / "arena.sock"
@@ -151,14 +154,23 @@ class Server:
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server,
                                        DirectoryService(self.core, config, self.tenancy, self.cluster))
-        add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams, self.metrics,
-                    request_limits(config))
+        guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams,
+                              self.metrics, request_limits(config))
         self.arena_socket: ArenaSocket | None = None
         if config.security.tenants and not config.security.share_arena:
             self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for)
-        data = data_handlers(DataService(self.core, config, self.wal, self.tenancy, self.cluster,
-                                         self.arena_socket.path if self.arena_socket else None))
-        add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data, self.streams, self.metrics, request_limits(config))
+        data_service = DataService(self.core, config, self.wal, self.tenancy, self.cluster,
+                                   self.arena_socket.path if self.arena_socket else None)
+        guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
+                               self.streams, self.metrics, request_limits(config))
+        # Same-host unary calls without gRPC (issue 15), answered by the same guarded handlers.
+        self.call_socket = CallSocket(
+            arena_socket_path(config.data_dir, "call.sock"), self.security.authenticator, guarded,
+            secrets.token_bytes(CALL_TOKEN_BYTES),
+            undo={"Acquire": lambda answer, who: self.core.release(answer.lease_id, who.tenant),
+                  "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
+            rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
+        data_service.call_socket, data_service.call_token = self.call_socket.path, self.call_socket.call_token
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
@@ -185,6 +197,7 @@ class Server:
             self.security.add_local(self._grpc, self.config.security.local_socket)
         if self.arena_socket is not None:
             self.arena_socket.start()  # before the first GetInfo announces it
+        self.call_socket.start()  # likewise
         self._grpc.start()
         if self.cluster is not None:
             self.cluster.start()  # after the gRPC server: peers may call as soon as this node is a member
@@ -236,6 +249,9 @@ class Server:
         local = self.config.security.local_socket
         if local is not None and local.is_socket():
             local.unlink(missing_ok=True)
+        self.call_socket.stop()
+        if self.call_socket.path.parent != self.config.data_dir:
+            shutil.rmtree(self.call_socket.path.parent, ignore_errors=True)
         if self.arena_socket is not None:
             self.arena_socket.stop()  # no new hand-overs; clients keep the mappings they have until they close
             if self.arena_socket.path.parent != self.config.data_dir:

@@ -22,6 +22,7 @@ def test_vllm_smoke(tmp_path) -> None:
     assert list(by) == ["recompute", "vllm-prefix-cache", "kvstore-hit"]
     assert by["recompute"]["num_cached_tokens"] == 0
     assert by["vllm-prefix-cache"]["num_cached_tokens"] == by["kvstore-hit"]["num_cached_tokens"] == 128
-    assert [r["pages"] for r in report["small_hits"]] == [1, 16]
+    assert [(r["pages"], r["calls"]) for r in report["small_hits"]] == [
+        (1, "call socket"), (16, "call socket"), (1, "gRPC"), (16, "gRPC")]
     assert all(r["total_ms"] > 0 and r["memcpy_ms"] > 0 for r in report["small_hits"])
     assert (tmp_path / "vl.png").stat().st_size > 1000

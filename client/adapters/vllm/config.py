@@ -37,6 +37,8 @@ class ConnectorConfig:
       Two engines share pages only with equal model, revision, layout and TP shard.
     * ``tenant_salt``: separates tenants sharing one store.
     * ``use_shm``: move page bytes through the server's shared arena when on its host.
+    * ``use_call_socket``: make the hit path's calls (lookup+lease, release) over the
+      server's same-host call socket when it offers one (kvstore/localcall.py), not gRPC.
     * ``retry_s``: how long after a failed connection the next attempt is made.
     """
 
@@ -49,6 +51,7 @@ class ConnectorConfig:
     revision: str | None = None
     tenant_salt: str = ""
     use_shm: bool = True
+    use_call_socket: bool = True
     retry_s: float = 1.0
 
     def __post_init__(self) -> None:

@@ -69,7 +69,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         tp_rank, tp_size = _tp_rank_size(role)
         namespace = engine_namespace(vllm_config, kv_cache_config, self.config, tp_rank, tp_size)
         layer_names, spec = kv_spec(kv_cache_config)
-        self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s)
+        self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s,
+                                     use_call_socket=self.config.use_call_socket)
         self.store.start()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -50,6 +50,8 @@ class DataService(data_pb2_grpc.DataServicer):
                  cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
         self.core = core
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
+        self.call_socket: Path | None = None  # the same-host call channel (local_calls.py), once the server made it
+        self.call_token = b""
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
@@ -77,6 +79,8 @@ class DataService(data_pb2_grpc.DataServicer):
         elif self.arena_socket is not None:
             arena = self.core.arena_of(who.tenant)
             info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
+        if self.call_socket is not None:
+            info.call_socket, info.call_token = str(self.call_socket), self.call_token
         return info
 
     @unary

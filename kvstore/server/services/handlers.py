@@ -56,16 +56,18 @@ def data_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
 
 
 def add_service(server: grpc.Server, service: ServiceDescriptor, handlers: dict[str, grpc.RpcMethodHandler],
-                gate: StreamGate, metrics: Any, limits: Mapping[str, int]) -> None:
+                gate: StreamGate, metrics: Any, limits: Mapping[str, int]) -> dict[str, grpc.RpcMethodHandler]:
     """Registers ``handlers`` (one per method of ``service``) on ``server``, guarded; a
     request (a stream's message) over ``limits[name]`` (else ``limits["default"]``) bytes
-    is refused before it is parsed."""
+    is refused before it is parsed. Returns the guarded handlers by full name ("Service.Method"),
+    for the same-host call channel (local_calls.py) to serve the very same code."""
     declared = {m.name for m in service.methods}
     if declared != set(handlers):
         raise RuntimeError(f"{service.full_name}: handlers {sorted(handlers)} do not match the proto's methods {sorted(declared)}")
     guarded = {m.name: _guard(m, handlers[m.name], gate, metrics, limits.get(m.name, limits["default"])) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, guarded),))
     server.add_registered_method_handlers(service.full_name, guarded)
+    return {f"{service.name}.{name}": handler for name, handler in guarded.items()}
 
 
 def _guard(method: MethodDescriptor, handler: grpc.RpcMethodHandler, gate: StreamGate, metrics: Any,

@@ -1,0 +1,68 @@
+"""The same-host call channel's wire format (issue 15): unary RPCs over a Unix socket
+without gRPC, shared by the server (kvstore/server/services/local_calls.py) and the
+client (kvstore/client/localcall.py).
+
+A 1-page hit is a lookup+lease and a release: on the same host a gRPC round trip costs
+~0.7 ms where the socket round trip costs ~0.01 ms, so the connector's hit path calls here.
+
+Frames, all integers big-endian::
+
+    request   u32 body_bytes | u16 method | u32 timeout_ms | body (the method's protobuf request)
+    answer    u32 body_bytes | u8 status  | body (OK: the protobuf response;
+                                                   else: "<ErrorClass>\\n<message>", UTF-8)
+
+``method`` 0 is HELLO, the first frame of every connection: its body is the bearer token
+(UTF-8; empty without one). Its answer (OK) is the server's 16-byte ``call_token`` (also
+announced by GetInfo: a client that reads it talks to the server it asked) followed by the
+tenant's name. The other method ids index ``METHODS``: unary calls only, streams stay on
+gRPC. ``status`` is the gRPC status code number.
+"""
+
+from __future__ import annotations
+
+import struct
+
+REQUEST_HEADER = struct.Struct(">IHI")
+ANSWER_HEADER = struct.Struct(">IB")
+HELLO = 0
+MAX_REQUEST_BYTES = 1 << 20  # above any valid unary request (4096 keys of a Lookup are ~80 KiB)
+MAX_ANSWER_BYTES = 16 << 20
+CALL_TOKEN_BYTES = 16
+
+# Method ids are positions here (1-based): append only. The hot path (Lookup, Acquire, Release)
+# and the other calls a same-host client makes; no admin calls (Invalidate, Quarantine, Stats,
+# Publish/Remove), no node-only or long-running ones (Replicate): those stay on gRPC.
+METHODS: tuple[str, ...] = (
+    "Directory.Lookup",
+    "Data.Acquire",
+    "Data.Release",
+    "Data.Renew",
+    "Data.GetInfo",
+    "Data.WhoAmI",
+    "Data.Allocate",
+    "Data.Commit",
+    "Data.Abort",
+    "Data.Hint",
+    "Data.AppendTokens",
+    "Data.GetSession",
+    "Data.EndSession",
+)
+METHOD_IDS = {name: index for index, name in enumerate(METHODS, start=1)}
+
+
+def request_frame(method_id: int, timeout_ms: int, body: bytes) -> bytes:
+    return REQUEST_HEADER.pack(len(body), method_id, timeout_ms) + body
+
+
+def answer_frame(status: int, body: bytes) -> bytes:
+    return ANSWER_HEADER.pack(len(body), status) + body
+
+
+def error_body(error_class: str, message: str) -> bytes:
+    return f"{error_class}\n{message}".encode()
+
+
+def parse_error(body: bytes) -> tuple[str, str]:
+    """(error class name or "", message) of an error answer's body."""
+    name, _, message = body.decode(errors="replace").partition("\n")
+    return name, message

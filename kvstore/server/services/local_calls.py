@@ -1,0 +1,303 @@
+"""The same-host call channel, server side (issue 15): unary RPCs over a Unix socket in
+the server's 0700 data directory (the socket itself 0600), framed as kvstore/localcall.py
+says, answered by the very same guarded handlers as gRPC (request decoding and its size
+limit, the servicer's authorization checks, the error mapping), with a LocalContext in
+place of grpc.ServicerContext.
+
+Why its own socket rather than the arena socket's connection continuing: the arena socket
+exists only with tenants and speaks JSON once per connection to hand over a descriptor; this
+channel exists with or without an auth file (as the loopback port does) and speaks binary
+frames for the life of the connection. Both authenticate the same bearer token.
+
+A connection is authenticated once (its HELLO: the bearer token, checked as on gRPC; the
+peer's pid/uid from SO_PEERCRED logged) and its caller re-checked before every call once
+the auth file was reloaded (SIGHUP) or the grant expired: a revoked token gets
+UNAUTHENTICATED and the connection closes. At most ``max_connections`` connections are
+served (more are answered RESOURCE_EXHAUSTED and closed); one that has not said HELLO
+within ``hello_timeout_s`` or sends nothing for ``idle_timeout_s`` is closed, and a frame
+must arrive whole within ``frame_timeout_s`` once begun: a silent peer holds no slot for
+long. A bad frame is answered with a status (INVALID_ARGUMENT, UNIMPLEMENTED); one that
+cannot be skipped (too large, cut short) closes the connection. Nothing reaches a handler
+before the caller is authenticated.
+
+Nothing left behind: an answer that cannot be written (the caller gave up on its deadline
+and shut its end) is undone by ``undo[method]`` (Acquire's lease is released, Allocate's
+allocation aborted). The client shuts its reading side on a timeout before it looks for a
+late answer, so every answer is either read by it (which then gives it back) or undone here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore import localcall
+from kvstore.errors import ConfigError, Unauthenticated
+from kvstore.security.authenticator import Authenticator
+from kvstore.security.identity import Identity
+from kvstore.security.interceptor import AuthenticatedCall
+from kvstore.server.services.local_context import Aborted, LocalContext
+
+logger = logging.getLogger(__name__)
+
+_SUN_PATH_MAX = 107
+_MAX_HELLO_BYTES = 4096
+_DEFAULT_TIMEOUT_S = 30.0  # a request that names no deadline (timeout_ms 0)
+Undo = Callable[[Any, Identity], None]  # (the response that was not delivered, its caller)
+
+
+class _Close(Exception):
+    """Ends a connection, answering ``code``/``message`` first when the peer can hear it."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _status(code: grpc.StatusCode) -> int:
+    return int(code.value[0])
+
+
+class CallSocket:
+    """Serves ``handlers`` (full name "Service.Method" -> the guarded grpc handler) for the
+    methods of ``localcall.METHODS``. ``rejected(method, code)`` counts refused callers."""
+
+    def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
+                 call_token: bytes, *, undo: dict[str, Undo] | None = None,
+                 rejected: Callable[[str, str], None] | None = None, max_connections: int = 256,
+                 hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
+        if len(os.fsencode(path)) > _SUN_PATH_MAX:
+            raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
+        self._table: list[tuple[str, grpc.RpcMethodHandler] | None] = [None]
+        for name in localcall.METHODS:
+            handler = handlers[name]
+            if handler.request_streaming or handler.response_streaming:
+                raise RuntimeError(f"{name} streams: the call channel serves unary methods only")
+            self._table.append((name, handler))
+        self.path = path
+        self.call_token = call_token
+        self._authenticator = authenticator
+        self._undo = undo or {}
+        self._rejected = rejected
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._hello_s, self._idle_s, self._frame_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._open: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path.unlink(missing_ok=True)  # a socket file left by a killed server (this one holds the directory's lock)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600: no moment in which another uid may connect
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(socket.SOMAXCONN)  # a burst of clients connecting waits here rather than being refused (EAGAIN)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name="call-socket", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._closing.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            except OSError:
+                pass
+            self._sock.close()
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            open_now = dict(self._open)
+        for conn in open_now:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its reader; its thread closes it
+            except OSError:
+                pass
+        for thread in open_now.values():  # a call in progress ends before the tiers close
+            thread.join(5)
+        self.path.unlink(missing_ok=True)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                logger.exception("call socket: accept failed")
+                continue
+            if not self._slots.acquire(blocking=False):
+                try:
+                    conn.setblocking(False)
+                    conn.send(localcall.answer_frame(_status(grpc.StatusCode.RESOURCE_EXHAUSTED), localcall.error_body(
+                        "LimitExceeded", "the call socket serves its maximum of connections; use gRPC or retry")))
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            thread = threading.Thread(target=self._serve, args=(conn,), name="call-peer", daemon=True)
+            with self._lock:
+                self._open[conn] = thread
+            thread.start()
+
+    # -- one connection --------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = "unix:?"
+        try:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            peer = f"unix:pid={pid},uid={uid}"
+            call, authorization = self._hello(conn, peer)
+            while not self._closing.is_set():
+                frame = self._read(conn, self._idle_s)
+                if frame is None:
+                    return  # the peer closed between calls, or stayed idle too long
+                if not self._answer(conn, call, authorization, peer, *frame):
+                    return
+        except _Close as exc:
+            logger.info("call socket: closing %s: %s", peer, exc)
+            if exc.code is not None:
+                self._send_quietly(conn, exc.code, "", str(exc))
+        except OSError as exc:  # the peer left mid-frame or mid-answer
+            logger.debug("call socket: %s dropped: %s", peer, exc)
+        finally:
+            with self._lock:
+                self._open.pop(conn, None)
+            self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
+            conn.close()
+
+    def _hello(self, conn: socket.socket, peer: str) -> tuple[AuthenticatedCall, str | None]:
+        frame = self._read(conn, self._hello_s, whole_within=self._hello_s)
+        if frame is None:
+            raise _Close(None, "no HELLO")
+        method_id, _, body = frame
+        if method_id != localcall.HELLO:
+            raise _Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
+        if len(body) > _MAX_HELLO_BYTES:
+            raise _Close(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO of {len(body)} bytes; at most {_MAX_HELLO_BYTES}")
+        try:
+            token = body.decode()
+        except UnicodeDecodeError:
+            raise _Close(grpc.StatusCode.UNAUTHENTICATED, "the token is not UTF-8") from None
+        authorization = f"Bearer {token}" if token else None
+        try:
+            call = AuthenticatedCall(self._authenticator, [authorization] if authorization else [], None)
+        except Unauthenticated as exc:
+            self._count("HELLO", grpc.StatusCode.UNAUTHENTICATED)
+            raise _Close(grpc.StatusCode.UNAUTHENTICATED, f"HELLO: {exc}") from None
+        except OSError as exc:  # the tenant's salt could not be stored
+            raise _Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
+        logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
+        conn.settimeout(self._frame_s)
+        conn.sendall(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
+        return call, authorization
+
+    def _read(self, conn: socket.socket, first_byte_s: float,
+              whole_within: float | None = None) -> tuple[int, int, bytes] | None:
+        """The next request frame; None when the peer closed (or stayed silent past
+        ``first_byte_s``) between frames. A frame begun must be complete within
+        ``frame_timeout_s`` (``whole_within`` from now, when given)."""
+        header_bytes = localcall.REQUEST_HEADER.size
+        deadline = time.monotonic() + whole_within if whole_within is not None else None
+        conn.settimeout(first_byte_s)
+        try:
+            first = conn.recv(header_bytes)
+        except TimeoutError:
+            return None
+        if not first:
+            return None
+        if deadline is None:
+            deadline = time.monotonic() + self._frame_s
+        header = first + self._exactly(conn, header_bytes - len(first), deadline)
+        body_bytes, method_id, timeout_ms = localcall.REQUEST_HEADER.unpack(header)
+        if body_bytes > localcall.MAX_REQUEST_BYTES:
+            raise _Close(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"a frame of {body_bytes} bytes; at most {localcall.MAX_REQUEST_BYTES}")
+        return method_id, timeout_ms, self._exactly(conn, body_bytes, deadline)
+
+    @staticmethod
+    def _exactly(conn: socket.socket, num_bytes: int, deadline: float) -> bytes:
+        buf = bytearray(num_bytes)
+        view, got = memoryview(buf), 0
+        while got < num_bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Close(grpc.StatusCode.DEADLINE_EXCEEDED, "the frame did not arrive whole in time")
+            conn.settimeout(left)
+            try:
+                n = conn.recv_into(view[got:])
+            except TimeoutError:
+                raise _Close(grpc.StatusCode.DEADLINE_EXCEEDED, "the frame did not arrive whole in time") from None
+            if n == 0:
+                raise _Close(None, "the peer closed the connection mid-frame")
+            got += n
+        return bytes(buf)
+
+    def _answer(self, conn: socket.socket, call: AuthenticatedCall, authorization: str | None, peer: str,
+                method_id: int, timeout_ms: int, body: bytes) -> bool:
+        """Answers one request; False when the connection must close."""
+        entry = self._table[method_id] if 0 < method_id < len(self._table) else None
+        if entry is None:
+            what = "HELLO was already said" if method_id == localcall.HELLO else f"no method {method_id} on the call socket"
+            self._send(conn, grpc.StatusCode.UNIMPLEMENTED, "InvalidRequest", f"{what}; use gRPC")
+            return True
+        name, handler = entry
+        method = name.rsplit(".", 1)[-1]
+        try:
+            call.recheck()
+        except Unauthenticated as exc:
+            self._count(method, grpc.StatusCode.UNAUTHENTICATED)
+            self._send(conn, grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", f"{method}: {exc}")
+            return False
+        context = LocalContext(peer, authorization, timeout_ms / 1000 if timeout_ms else _DEFAULT_TIMEOUT_S)
+        response = None
+        try:
+            response = call.run(handler.unary_unary, body, context)
+            answer = localcall.answer_frame(0, handler.response_serializer(response))
+        except Aborted as exc:
+            answer = localcall.answer_frame(_status(exc.code), localcall.error_body(context.error_class, exc.details))
+        except Exception as exc:  # the handlers map every error: this is a bug, answered and logged
+            logger.exception("call socket: %s failed", name)
+            answer = localcall.answer_frame(_status(grpc.StatusCode.INTERNAL),
+                                            localcall.error_body("", f"internal error: {type(exc).__name__}"))
+        try:
+            conn.settimeout(self._frame_s)  # a caller that does not read its answers holds this thread no longer
+            conn.sendall(answer)
+        except OSError:
+            undo = self._undo.get(method)
+            if response is not None and undo is not None:
+                logger.info("call socket: %s's answer could not be delivered to %s; undone", method, peer)
+                undo(response, call.identity)
+            raise
+        return True
+
+    def _send(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
+        conn.settimeout(self._frame_s)
+        conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
+
+    def _send_quietly(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
+        try:
+            conn.settimeout(0.1)
+            conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
+        except OSError:
+            pass
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        if self._rejected is not None:
+            self._rejected(method, code.name)
