@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvstore.client.engine_kv import ContiguousKV, EngineKV
-from kvstore.client.layerwise.device import layer_signals
 from kvstore.client.hostpages import HostPages
+from kvstore.client.layerwise.device import layer_signals
 from kvstore.client.pages import as_bytes, page_rows, slot_as_page
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksummer
