@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _thread_state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "T"  # the thread ended: it answers nothing
+
+
 class ServerProcess:
     """kvstore-server as a child process (for SIGKILL and restart tests)."""
 
@@ -113,6 +121,17 @@ class ServerProcess:
         if "ready" not in line:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read() if self.proc.stderr else ''}")
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread is stopped: kill() only queues the signal, and a
+        request sent right after it over the call socket (~20 us) can still be answered."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
+            assert time.monotonic() < deadline, "the server did not stop within 10 s of SIGSTOP"
+            time.sleep(0.001)
 
     def kill(self) -> None:
         assert self.proc is not None

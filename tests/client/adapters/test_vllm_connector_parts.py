@@ -126,7 +126,7 @@ def test_lookup_of_a_stopped_store_is_a_bounded_miss(store_process: ServerProces
     store_prompt(store_process.address, tokens)
     store, scheduler, _, _ = parts(store_process.address)
     assert store_process.proc is not None
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    store_process.freeze()
     try:
         start = time.monotonic()
         hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=tokens), 0)
@@ -152,7 +152,7 @@ def test_load_from_a_store_that_stops_after_the_lookup(store_process: ServerProc
     meta = step(scheduler, "reader", tokens, 0, [10, 11, 12, 13, 14])
     assert [(spec.first_page, spec.num_pages) for spec in meta.loads] == [(0, 4)]
     assert store_process.proc is not None
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    store_process.freeze()
     try:
         start = time.monotonic()
         forward(worker, meta)
@@ -178,7 +178,7 @@ def test_save_is_not_published_when_the_same_steps_load_failed(store_process: Se
     meta = step(scheduler, "r", longer, 0, list(range(5, 10)))
     assert meta.loads and meta.saves and meta.saves[0].first_page == 2
     assert store_process.proc is not None
-    os.kill(store_process.proc.pid, signal.SIGSTOP)
+    store_process.freeze()
     try:
         forward(worker, meta, fill=5.0, caches=caches)
     finally:
@@ -291,7 +291,7 @@ def test_a_save_that_ended_short_is_saved_again(store_process: ServerProcess, ho
         meta = step(scheduler, "r", tokens, 0, list(range(5, 10)))
         assert [(s.first_page, len(s.tokens) // BLOCK) for s in meta.saves] == [(2, 5)]
         assert store_process.proc is not None
-        os.kill(store_process.proc.pid, signal.SIGSTOP)
+        store_process.freeze()
         try:
             forward(worker, meta, fill=5.0, caches=caches)
         finally:
