@@ -42,7 +42,12 @@ class UcxPump:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.cluster_transport", "--pump-rounds", tls, mode,
                                       str(page_bytes), str(batch), str(total)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.round()  # connects and warms the destinations
+        try:
+            self.round()  # connects and warms the destinations
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
 
     def round(self) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
