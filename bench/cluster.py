@@ -27,16 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench import rawgrpc
 from kvstore.bench.cluster_mooncake import remote_get_gbps
+from kvstore.bench.cluster_paired import paired_rounds
+from kvstore.bench.cluster_paired import prefix_tokens as _tokens
+from kvstore.bench.cluster_paired import random_kv as _kv
 from kvstore.bench.cluster_procs import Etcd, Node, start_nodes
 from kvstore.bench.cluster_scale import lookup_rate, plot
-from kvstore.bench.cluster_transport import _measure
-from kvstore.bench.harness import start_raw_grpc
 from kvstore.bench.replay import load_trace
 from kvstore.bench.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.client import KVStoreClient
@@ -47,7 +46,7 @@ SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages", type=int, default=64, help="2 MiB pages per remote get (default 64: 128 MiB)")
-    p.add_argument("--rounds", type=int, default=3, help="remote gets per data plane, each of a fresh prefix")
+    p.add_argument("--rounds", type=int, default=5, help="timed (pump, remote get) pairs per data plane, each get of a fresh prefix")
     p.add_argument("--lookups", type=int, default=300, help="lookups timed for p50/p99")
     p.add_argument("--ttl", type=int, default=10, help="the nodes' --cluster-ttl (failover detection rides on it)")
     p.add_argument("--planes", default="ucx,grpc")
@@ -61,17 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="bench-out/cluster.png", help="PNG of the figures ('' for none)")
 
 
-def _tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50_000, (pages * layout.page_tokens,), generator=g).tolist()
-
-
-def _kv(layout: KVLayout, tokens: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((layout.num_layers, layout.kv_factor, tokens, layout.num_kv_heads, layout.head_dim),
-                       generator=g).to(layout.torch_dtype())
-
-
 async def _until(check: Any, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():
@@ -80,41 +68,8 @@ async def _until(check: Any, timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _remote_gets(a: Node, c: Node, pages: int, rounds: int) -> tuple[float, bool]:
-    ns = Namespace(model="bench-remote", revision="r1", layout=BIG)
-    seconds, nbytes, exact = 0.0, 0, True
-    async with KVStoreClient(a.address, ns) as on_a, KVStoreClient(c.address, ns) as on_c:
-        for r in range(rounds + 1):  # round 0 warms the connections and learns the layout
-            tokens = _tokens(100 + r, pages, BIG)
-            kv = _kv(BIG, len(tokens), r)
-            await on_a.put(tokens, kv)
-            await _until(lambda t=tokens: _found(on_c, t), 10)
-            hit = await on_c.lookup(tokens)
-            out = torch.empty_like(kv)
-            t0 = time.perf_counter()
-            await on_c.get(hit, out)
-            dt = time.perf_counter() - t0
-            exact &= torch.equal(out, kv)
-            if r:
-                seconds, nbytes = seconds + dt, nbytes + pages * BIG.page_bytes
-    return nbytes / seconds / 1e9, exact
-
-
 async def _found(client: KVStoreClient, tokens: list[int]) -> bool:
     return (await client.lookup(tokens)).num_tokens == len(tokens)
-
-
-async def _raw_grpc_gbps(nbytes: int, page_bytes: int, rounds: int) -> float:
-    proc, address = start_raw_grpc()
-    try:
-        async with grpc.aio.insecure_channel(address, options=rawgrpc.OPTIONS) as channel:
-            await rawgrpc.download(channel, nbytes, page_bytes)
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                await rawgrpc.download(channel, nbytes, page_bytes)
-            return rounds * nbytes / (time.perf_counter() - t0) / 1e9
-    finally:
-        proc.stop()
 
 
 async def _lookups(nodes: list[Node], count: int) -> dict[str, Any]:
@@ -159,21 +114,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
     etcd = Etcd(workdir)
     nbytes = args.pages * BIG.page_bytes
-    host = f"{max(512, 3 * nbytes >> 20)}MiB"
+    host = f"{max(512, (args.rounds + 2) * nbytes >> 20)}MiB"  # every prefix of the rounds fits: no eviction mid-bench
     report: dict[str, Any] = {"page_bytes": BIG.page_bytes, "pages": args.pages, "remote_get": [],
                               "load_average_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         for plane in args.planes.split(","):
             nodes = start_nodes(workdir, etcd, f"get-{plane}", ["a", "c"], plane, args.ttl, host)
             try:
-                gbps, exact = asyncio.run(_remote_gets(nodes[0], nodes[1], args.pages, args.rounds))
+                report["remote_get"].append(asyncio.run(paired_rounds(plane, nodes[0], nodes[1], BIG, args.pages, args.rounds)))
             finally:
                 for node in nodes:
                     node.stop()
-            raw = (_measure("pump", "tcp", "thread", BIG.page_bytes, args.pages, args.rounds * nbytes) if plane == "ucx"
-                   else asyncio.run(_raw_grpc_gbps(nbytes, BIG.page_bytes, args.rounds)))
-            report["remote_get"].append({"transport": plane, "gbps": round(gbps, 3), "raw_gbps": round(raw, 3),
-                                         "ratio": round(gbps / raw, 2), "bit_exact": exact})
         nodes = start_nodes(workdir, etcd, "shards", ["a", "b", "c"], "ucx", args.ttl, "256MiB")
         try:
             report["lookup"] = asyncio.run(_lookups(nodes, args.lookups))
@@ -207,10 +158,13 @@ def print_table(report: dict[str, Any]) -> None:
     mc = report["mooncake_remote_gbps"]
     print(f"remote get: {report['pages']} pages of {report['page_bytes'] >> 20} MiB from node a into an engine on node c; "
           f"Mooncake Store remote TCP get of the same pages: {f'{mc:.2f} GB/s' if mc else report['mooncake_skipped']}")
-    print(f"{'data plane':>10} {'GB/s':>7} {'raw pump':>9} {'ratio':>6} {'/Mooncake':>9} {'exact':>6}")
+    print("medians of paired rounds (pump, then get); ratio: median of the per-round ratios, (min-max) beside it")
+    print(f"{'data plane':>10} {'GB/s':>7} {'raw pump':>9} {'ratio':>6} {'spread':>11} {'/Mooncake':>9} {'exact':>6}")
     for r in report["remote_get"]:
         over = f"{r['over_mooncake']:.2f}" if r["over_mooncake"] else "-"
-        print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {over:>9} {r['bit_exact']!s:>6}")
+        spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {spread:>11} {over:>9} "
+              f"{r['bit_exact']!s:>6}")
     lk, fo = report["lookup"], report["failover"]
     print(f"\nlookup of a {lk['pages']}-page prefix over {lk['owners']} owners: p50 {lk['p50_ms']} ms, p99 {lk['p99_ms']} ms")
     print("scaling, one engine per node looking up a 512-page prefix: "

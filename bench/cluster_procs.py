@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from kvstore.bench.harness import free_port, stop_process
+from kvstore.tiers.host import remove_stale_arenas
 
 
 def etcd_binary() -> str:
@@ -82,9 +83,12 @@ class Node:
             raise RuntimeError(f"node {self.name} did not start; see {self.dir / 'server.log'}")
 
     def kill(self) -> None:
+        """SIGKILL; then its shared-memory arena, which a killed server cannot unlink (one
+        still locked by a live server of that name, another run's, is left alone)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        remove_stale_arenas(Path("/dev/shm"), self.name)
 
     def stop(self) -> None:
         stop_process(self.proc)

@@ -149,6 +149,35 @@ def _pump_gbps(tls: str, mode: str, page_bytes: int, batch: int, total: int) -> 
         server.wait(20)
 
 
+def _pump_rounds(tls: str, mode: str, page_bytes: int, batch: int, total: int) -> None:
+    """Child: the pump's client for paired rounds (``cluster_paired``): per line on stdin,
+    moves ``total`` bytes from a pump server child and prints GB/s; stops at end of input."""
+    import ucxx
+
+    ucxx.init(options={"TLS": tls, **({"MM_ERROR_HANDLING": "y"} if "sm" in tls else {})}, progress_mode=mode)
+    server, port = _child("--pump-serve", str(page_bytes), tls, mode)
+    dsts = [np.zeros(page_bytes, dtype=np.uint8) for _ in range(batch)]
+
+    async def main() -> None:
+        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        while await loop.run_in_executor(None, sys.stdin.readline):
+            t0, moved = time.perf_counter(), 0
+            while moved < total:
+                await ep.send(np.array([batch], dtype=np.uint64))
+                await asyncio.gather(*(ep.recv(d) for d in dsts))
+                moved += batch * page_bytes
+            print(f"gbps {moved / (time.perf_counter() - t0) / 1e9}", flush=True)  # UCX may warn on stdout too
+        ep.abort()
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(20)
+
+
 def _perftest_gbps(tls: str, page_bytes: int, iters: int) -> float | None:
     """ucx_perftest tag_bw from the libucx wheel; None when it is not there."""
     try:
@@ -221,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         return _serve(int(argv[1]), argv[2], argv[3], int(argv[4]))
     if argv and argv[0] == "--pump-serve":
         return _pump_serve(int(argv[1]), argv[2], argv[3])
+    if argv and argv[0] == "--pump-rounds":
+        return _pump_rounds(argv[1], argv[2], int(argv[3]), int(argv[4]), int(argv[5]))
     if argv and argv[0] == "--measure":
         kind, tls, mode, page, batch, total = argv[1:7]
         fn = _fetch_gbps if kind == "fetch" else _pump_gbps

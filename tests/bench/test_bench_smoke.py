@@ -123,6 +123,8 @@ def test_cluster_smoke(tmp_path) -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     [get] = report["remote_get"]
     assert get["transport"] == "grpc" and get["bit_exact"] and get["gbps"] > 0 and get["raw_gbps"] > 0
+    # paired rounds (pump, get): the ratio is the median of the per-round ratios, its spread beside it
+    assert len(get["rounds"]) == 1 and get["ratio_min"] <= get["ratio"] <= get["ratio_max"]
     assert 0 < report["lookup"]["p50_ms"] <= report["lookup"]["p99_ms"]
     assert report["failover"]["detect_s"] is not None and report["failover"]["detect_s"] < 2 + 1 + 1
     assert [s["nodes"] for s in report["scaling"]] == [3, 5] and all(s["lookups_per_s"] > 0 for s in report["scaling"])

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from itertools import groupby
 
 from kvstore._proto import directory_pb2
-from kvstore.cluster.shards import KeyRange, ShardMap, merge_lookup, plan_lookup
+from kvstore.cluster.shards import KeyRange, LookupPlan, ShardMap, merge_lookup, plan_lookup
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest
 from kvstore.server.cluster.peers import Peers, current_cancelled
@@ -81,6 +81,37 @@ class AnswerCache:
         self._records = {k: v for k, v in self._records.items() if v[1][0] != node}
 
 
+class PlanCache:
+    """The lookup plans of the chains looked up lately, per shard map: planning a 512-page
+    chain (an owner per page, its ranges, the keys asked of each owner) costs ~0.5 ms of
+    Python, most of a lookup's own CPU, and the hot chains (shared system prompts) are looked
+    up again and again. A new shard map (membership change) starts afresh. Loop-only."""
+
+    MAX_PLANS = 256
+
+    def __init__(self) -> None:
+        self._map: ShardMap | None = None
+        self._plans: dict[tuple[bytes, ...], tuple[LookupPlan, dict[str, list[bytes]]]] = {}
+
+    def get(self, keys: list[bytes], shard_map: ShardMap) -> tuple[LookupPlan, dict[str, list[bytes]]]:
+        """The plan of ``keys`` under ``shard_map`` and, per owner asked, the keys to ask it for."""
+        if shard_map is not self._map:
+            self._map, self._plans = shard_map, {}
+        chain = tuple(keys)
+        found = self._plans.get(chain)
+        if found is None:
+            found = plan_and_keys(plan_lookup(chain, shard_map))
+            if len(self._plans) >= self.MAX_PLANS:
+                del self._plans[next(iter(self._plans))]  # the oldest planned
+            self._plans[chain] = found
+        return found
+
+
+def plan_and_keys(plan: LookupPlan) -> tuple[LookupPlan, dict[str, list[bytes]]]:
+    keys = plan.keys
+    return plan, {owner: [k for rng in ranges for k in keys[rng.start : rng.stop]] for owner, ranges in plan.requests().items()}
+
+
 class ShardedLookup:
     def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
                  timeout_s: float, cache_ttl_s: float) -> None:
@@ -90,6 +121,7 @@ class ShardedLookup:
         self._shard_map = shard_map
         self._timeout_s = timeout_s
         self.cache = AnswerCache(cache_ttl_s)
+        self._plans = PlanCache()
 
     async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None,
                      tenant: str = "") -> list[LocationRun]:
@@ -103,10 +135,10 @@ class ShardedLookup:
         shard_map, failed = self._shard_map(), set[str]()
         # one round; a second only when an owner failed and the records have other replicas
         for _ in range(2 if shard_map.config.replicas > 1 else 1):
-            plan = plan_lookup(rest, shard_map, exclude=failed)
+            plan, asked = self._plans.get(rest, shard_map) if not failed else plan_and_keys(plan_lookup(rest, shard_map, exclude=failed))
             requests = plan.requests()
             owners = list(requests)
-            answers = await asyncio.gather(*(self._ask(o, namespace_id, rest, requests[o], timeout, tenant) for o in owners))
+            answers = await asyncio.gather(*(self._ask(o, namespace_id, asked[o], requests[o], timeout, tenant) for o in owners))
             try:
                 merged = merge_lookup(plan, dict(zip(owners, answers)))
             except InvalidRequest as exc:  # an owner answered more than it was asked: trust none of it
@@ -125,10 +157,9 @@ class ShardedLookup:
             found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s, tenant))
         return found
 
-    async def _ask(self, owner: str, namespace_id: bytes, keys: list[bytes], ranges: list[KeyRange],
+    async def _ask(self, owner: str, namespace_id: bytes, asked: list[bytes], ranges: list[KeyRange],
                    timeout_s: float, tenant: str) -> list[list[PageRecord]] | None:
-        """One owner's records for its ranges; None when it did not answer."""
-        asked = [k for rng in ranges for k in keys[rng.start : rng.stop]]
+        """One owner's records for its ranges (``asked``: their keys, in order); None when it did not answer."""
         if owner == self._node:
             return split(expand(self._directory.lookup(namespace_id, asked)), ranges)
         peer = self._peers.get(owner)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,6 +23,7 @@ from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
+from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
@@ -59,6 +62,7 @@ class DataService(data_pb2_grpc.DataServicer):
         self.wal = wal
         self.tenancy = tenancy
         self.quotas = tenancy.quotas
+        self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
@@ -385,15 +389,22 @@ class DataService(data_pb2_grpc.DataServicer):
                 keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
+
+        def build(page: Any) -> list[bytes] | None:
+            header = page.header
+            return checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
+                                       self.core.read_view(page), header.checksum, chunk_bytes)
+
+        # Each page checked as it is copied out (the next one while this one is sent): a slot
+        # scribbled on is quarantined, not sent. closing(): the build in flight ends before the
+        # lease is released, however the stream ends.
         try:
-            for page in pages:  # each checked as it is copied out: a slot scribbled on is quarantined, not sent
-                header = page.header
-                chunks = checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
-                                             self.core.read_view(page), header.checksum, chunk_bytes)
-                if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
-                    self.core.moves.quarantine_landing(header, "its bytes in the arena do not match its checksum "
-                                                       "(checked before sending)", page.slot)
-                    break
-                yield from chunks
+            with closing(built_ahead(pages, build, self._read_ahead)) as built:
+                for page, chunks in zip(pages, built):
+                    if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
+                        self.core.moves.quarantine_landing(page.header, "its bytes in the arena do not match its checksum "
+                                                           "(checked before sending)", page.slot)
+                        break
+                    yield from chunks
         finally:
             self.core.release(ident)

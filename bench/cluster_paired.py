@@ -1,0 +1,140 @@
+"""Remote get beside its raw transport in interleaved, paired rounds (pump, get, pump, get ...).
+
+On a shared 2-core host the bare pump alone moved 0.68-1.34 GB/s between runs, so a get
+timed minutes apart from its pump says little. Here each round times one pump of the same
+bytes and message size right before one remote get; the ratio is the median of the
+per-round ratios, with their spread (min, max) beside it.
+
+The get: an engine on node c gets a fresh prefix stored on node a (c's server fetches it
+into its host tier, the engine copies it out of shared memory, verified). Its destination is
+allocated and touched once before the rounds, as an engine's KV cache is and as the pumps'
+and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the kernel's
+first-touch page faults (0.3-0.4 GB/s here, LIMITS.md), not the transfer.
+The pumps: a bare gRPC stream of page-sized messages (``rawgrpc``, its own process); a bare
+ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import torch
+
+from kvstore import Namespace
+from kvstore.bench import rawgrpc
+from kvstore.bench.cluster_procs import Node
+from kvstore.bench.harness import start_raw_grpc
+from kvstore.client import KVStoreClient
+from kvstore.types import KVLayout
+
+
+class UcxPump:
+    """A bare ucxx pump kept up for all rounds: ``round()`` moves ``total`` bytes as
+    ``batch`` page-sized messages at a time and returns GB/s."""
+
+    def __init__(self, tls: str, mode: str, page_bytes: int, batch: int, total: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.cluster_transport", "--pump-rounds", tls, mode,
+                                      str(page_bytes), str(batch), str(total)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            self.round()  # connects and warms the destinations
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+
+    def round(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        while line := self.proc.stdout.readline():
+            if line.startswith("gbps "):  # UCX may print its warnings there too
+                return float(line.split()[1])
+        raise RuntimeError(f"the ucxx pump exited ({self.proc.wait(10)})")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+class GrpcPump:
+    """A bare gRPC download pump (``rawgrpc``) kept up for all rounds."""
+
+    def __init__(self, page_bytes: int, total: int) -> None:
+        self.page_bytes, self.total = page_bytes, total
+        self.proc, address = start_raw_grpc()
+        self.channel = grpc.aio.insecure_channel(address, options=rawgrpc.OPTIONS)
+
+    async def round(self) -> float:
+        t0 = time.perf_counter()
+        await rawgrpc.download(self.channel, self.total, self.page_bytes)
+        return self.total / (time.perf_counter() - t0) / 1e9
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.proc.stop()
+
+
+def prefix_tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (pages * layout.page_tokens,), generator=g).tolist()
+
+
+def random_kv(layout: KVLayout, tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((layout.num_layers, layout.kv_factor, tokens, layout.num_kv_heads, layout.head_dim),
+                       generator=g).to(layout.torch_dtype())
+
+
+async def _stored_at(client: KVStoreClient, tokens: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await client.lookup(tokens)).num_tokens != len(tokens):
+        if time.monotonic() > deadline:
+            raise RuntimeError("node c did not find the prefix stored on node a in time")
+        await asyncio.sleep(0.02)
+
+
+async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: int, rounds: int) -> dict[str, Any]:
+    """Round 0 warms both paths (connections, the layout, the destination); rounds 1..n are
+    timed: pump, then get of a fresh prefix. Returns the row of ``remote_get``."""
+    nbytes = pages * layout.page_bytes
+    ucx = UcxPump("tcp", "thread", layout.page_bytes, pages, nbytes) if plane == "ucx" else None
+    grpc_pump = GrpcPump(layout.page_bytes, nbytes) if plane == "grpc" else None
+    ns = Namespace(model=f"bench-remote-{plane}", revision="r1", layout=layout)
+    gets: list[float] = []
+    pumps: list[float] = []
+    exact = True
+    try:
+        async with KVStoreClient(a.address, ns) as on_a, KVStoreClient(c.address, ns) as on_c:
+            out: torch.Tensor | None = None
+            for r in range(rounds + 1):
+                tokens = prefix_tokens(100 + r, pages, layout)
+                kv = random_kv(layout, len(tokens), r)
+                await on_a.put(tokens, kv)
+                await _stored_at(on_c, tokens, 10)
+                hit = await on_c.lookup(tokens)
+                out = torch.zeros_like(kv) if out is None else out.zero_()
+                pump = ucx.round() if ucx is not None else await grpc_pump.round()  # type: ignore[union-attr]
+                t0 = time.perf_counter()
+                await on_c.get(hit, out)
+                dt = time.perf_counter() - t0
+                exact &= torch.equal(out, kv)
+                if r:
+                    gets.append(nbytes / dt / 1e9)
+                    pumps.append(pump)
+    finally:
+        if ucx is not None:
+            ucx.close()
+        if grpc_pump is not None:
+            await grpc_pump.close()
+    ratios = sorted(g / p for g, p in zip(gets, pumps))
+    return {"transport": plane, "gbps": round(statistics.median(gets), 3), "raw_gbps": round(statistics.median(pumps), 3),
+            "ratio": round(statistics.median(ratios), 2), "ratio_min": round(ratios[0], 2), "ratio_max": round(ratios[-1], 2),
+            "rounds": [{"gbps": round(g, 3), "raw_gbps": round(p, 3)} for g, p in zip(gets, pumps)], "bit_exact": exact}

@@ -1,0 +1,57 @@
+"""ReadPages builds each page's messages one page ahead (kvstore/server/services/read_ahead.py):
+the pages come out in order, a build's error reaches the reader at its page, and a stream
+ended early never leaves a build reading a slot after it returns (the lease is released
+right after)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+import pytest
+
+from kvstore.server.services.read_ahead import built_ahead
+
+
+def test_in_order_and_built_once_each() -> None:
+    calls: list[int] = []
+    with ThreadPoolExecutor(2) as pool:
+        out = list(built_ahead(range(20), lambda p: calls.append(p) or p * 10, pool))
+    assert out == [p * 10 for p in range(20)] and sorted(calls) == list(range(20))
+
+
+def test_a_failed_build_reaches_the_reader_at_its_page() -> None:
+    def build(p: int) -> int:
+        if p == 3:
+            raise ValueError("page 3")
+        return p
+
+    got: list[int] = []
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="page 3"):
+        for x in built_ahead(range(6), build, pool):
+            got.append(x)
+    assert got == [0, 1, 2]
+
+
+def test_closed_early_waits_for_the_build_in_flight() -> None:
+    """Closing while the next page is being built returns only after that build ended: the
+    caller releases the pages' lease right after, and no build may read a slot then."""
+    started, release = threading.Event(), threading.Event()
+    running = threading.Event()
+
+    def build(p: int) -> int:
+        if p == 1:
+            running.set()
+            started.set()
+            release.wait(5)
+            running.clear()
+        return p
+
+    with ThreadPoolExecutor(2) as pool:
+        gen = built_ahead(range(3), build, pool)
+        with closing(gen):
+            assert next(gen) == 0  # page 1 is now being built ahead
+            assert started.wait(5)
+            threading.Timer(0.2, release.set).start()
+        assert not running.is_set()  # close() returned after page 1's build had ended
