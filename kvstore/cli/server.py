@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demote-nice", type=int, default=10,
                    help="OS niceness (0-19) of the background demoter thread: on busy cores lookups and other "
                         "foreground RPCs get the CPU first; an allocation that finds no room still demotes itself")
+    p.add_argument("--demote-above", type=float, default=0.95,
+                   help="host tier fill (0-1) past which the background demoter starts writing the coldest pages down")
+    p.add_argument("--demote-to", type=float, default=0.90,
+                   help="host tier fill (0-1) the demoter writes pages down to once started (a low value keeps RAM "
+                        "free for bursts at the cost of more SSD writes)")
     p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
@@ -172,7 +177,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data_dir=data_dir,
         tiers=tiers,
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
-                            max_hints=args.max_hints, demote_nice=args.demote_nice),
+                            max_hints=args.max_hints, demote_nice=args.demote_nice,
+                            demote_above=args.demote_above, demote_to=args.demote_to),
         ssd=ssd,
         hbm=HbmTierConfig(capacity_bytes=parse_size(args.hbm_capacity, "--hbm-capacity"), device=args.hbm_device),
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
