@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -222,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             forbid_inspection()  # tenants' arenas are descriptors here: keep same-uid processes out of /proc/<pid>/fd
         server = Server(config)
         server.start()
+        # What start-up made (modules, the recovered directory and ssd index) lives as long as
+        # the process: out of the cyclic GC's reach, a full collection walks only what came
+        # since. Walking all of it stalled every thread, a lookup's too, 30-50 ms at a time
+        # while pages were written and demoted (kvstore-bench lookup, 2 cores).
+        gc.freeze()
     except (KVStoreError, OSError, RuntimeError) as exc:
         message = str(exc) if isinstance(exc, KVStoreError) else f"cannot start: {exc}"
         logger.error("%s", message)
