@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engine whose work is not on the store's cores (-1: every process shares every core)")
     p.add_argument("--drain-host-capacity", default="4GiB",
                    help="host tier of the draining rows' server: the backlog they drain (about 0.8 of it)")
-    p.add_argument("--drain-seconds", type=float, default=3.0,
+    p.add_argument("--drain-seconds", type=float, default=2.0,
                    help="measured window of a draining row (it must end before the backlog is written down)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 

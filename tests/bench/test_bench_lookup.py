@@ -13,7 +13,7 @@ import sys
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
-         "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "512MiB", "--drain-seconds", "0.3",
+         "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
          "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=300,
     )
