@@ -47,7 +47,7 @@ from kvstore.client import KVStoreClient
 from kvstore.keys import page_keys
 
 DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill of its host tier (well below
-# full: slab waste keeps 2.25 MiB pages from filling a tier past ~0.94, and no allocation should evict) ...
+# full, so that no allocation of the fill evicts a page itself) ...
 DRAIN_TO = 0.05  # ... and writes down nearly all of it
 
 
