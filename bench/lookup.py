@@ -10,7 +10,12 @@ the server's own counters and printed beside). The ``writing`` rows are their co
 same writer, paced to the page rate it reached in the demoting row of the same client
 count, against a second server with no SSD tier (its evictions are in-memory drops), so
 that what the writer's own CPU costs the lookups on this machine is told apart from what
-demotion costs them. One row times ``KVStoreClient.lookup``
+demotion costs them. The ``draining`` rows measure demotion alone: a server of its own with
+a larger host tier (``--drain-host-capacity``) is filled past its demotion watermark by the
+writer, which then stops; the lookups run while the demoter writes that backlog down at
+full speed (down to ``--demote-to`` of 0.05). The GB/s demoted is read over the lookups' own window, and
+the row says whether that window lay wholly inside the drain (the host tier was still
+above its low watermark when it ended). One row times ``KVStoreClient.lookup``
 (hashing the tokens into keys, then the RPC), and the hashing alone is timed here.
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
@@ -37,9 +42,13 @@ from tqdm import tqdm
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.bench.harness import start_server
-from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
+from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, prefix_tokens
 from kvstore.client import KVStoreClient
 from kvstore.keys import page_keys
+
+DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill of its host tier (well below
+# full, so that no allocation of the fill evicts a page itself) ...
+DRAIN_TO = 0.05  # ... and writes down nearly all of it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,12 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--writer-core", type=int, default=-1,
                    help="run the writer alone on this CPU and the server and lookup clients on the others, as an "
                         "engine whose work is not on the store's cores (-1: every process shares every core)")
+    p.add_argument("--drain-host-capacity", default="4GiB",
+                   help="host tier of the draining rows' server: the backlog they drain (about 0.8 of it)")
+    p.add_argument("--drain-seconds", type=float, default=2.0,
+                   help="measured window of a draining row (it must end before the backlog is written down)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
-def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0) -> subprocess.Popen[str]:
+def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0) -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "kvstore.bench.lookup_load", role, "--address", address, "--pages", str(pages),
-            "--seconds", str(seconds), "--rate", str(rate)]
+            "--seconds", str(seconds), "--rate", str(rate), "--count", str(count)]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
@@ -80,10 +93,15 @@ def _collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _ssd_bytes_in(address: str) -> int:
+def _tier_stats(address: str) -> dict[str, directory_pb2.TierStats]:
     with grpc.insecure_channel(address) as channel:
         stats = directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=30)
-    return sum(t.bytes_in for t in stats.tiers if t.tier == "ssd")
+    return {t.tier: t for t in stats.tiers}
+
+
+def _ssd_bytes_in(address: str) -> int:
+    ssd = _tier_stats(address).get("ssd")
+    return ssd.bytes_in if ssd is not None else 0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -128,14 +146,58 @@ def _run(address: str, role: str, clients: int, pages: int, seconds: float, stat
     if lease is not None:
         _release(address, lease)
     demoted = _ssd_bytes_in(address) - before
+    return {
+        **_row(state, role, clients, seconds, results),
+        "writer_pages": written, "writer_pages_per_s": written / (seconds + 1.5), "demoted_gb_per_s": demoted / (seconds + 1.5) / 1e9 if demote else 0.0,  # the writer's window
+    }
+
+
+def _row(state: str, role: str, clients: int, seconds: float, results: list[dict[str, Any]]) -> dict[str, Any]:
     latencies = [lat for r in results for lat in r["latencies_s"]]
     return {
         "state": state, "call": "Lookup RPC" if role == "rpc" else "client.lookup",
         "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
         "p50_ms": _percentile(latencies, 0.50) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3,
         "short_answers": sum(r["short"] for r in results),
-        "writer_pages": written, "writer_pages_per_s": written / (seconds + 1.5), "demoted_gb_per_s": demoted / (seconds + 1.5) / 1e9 if demote else 0.0,  # the writer's window
     }
+
+
+def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
+    """A draining row: fill a fresh server's host tier past its high watermark, stop writing,
+    time lookups while the demoter writes the backlog down."""
+    workdir = Path(args.dir) / "drain"
+    shutil.rmtree(workdir, ignore_errors=True)
+    server, address = start_server(workdir, args.drain_host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
+                                   "--ssd-admission", "all", "--scrub-rate", "0", "--demote-nice", str(args.demote_nice),
+                                   "--demote-above", str(DRAIN_ABOVE), "--demote-to", str(DRAIN_TO))
+    try:
+        host = _tier_stats(address)["host"]
+        # just past the high watermark: the demoter starts, and no allocation has to evict
+        count = int((DRAIN_ABOVE + 0.02) * host.capacity_bytes - host.used_bytes) // WRITER_LAYOUT.page_bytes + 1
+        writer = _spawn("writer", address, args.pages, 600.0, 0.0, count)
+        if args.writer_core >= 0:
+            os.sched_setaffinity(writer.pid, {args.writer_core})
+        procs = [_spawn(role, address, args.pages, args.drain_seconds) for _ in range(clients)]
+        _go([writer], time.time())
+        written = _collect(writer)["pages_written"]
+        # stored after the backlog: the newest pages, demoted last, as in the other rows
+        if asyncio.run(_store_prefix(address, args.pages)) != args.pages:
+            raise RuntimeError(f"the {args.pages}-page prefix could not be stored whole")
+        start = time.time() + 0.2
+        _go(procs, start)
+        time.sleep(max(0.0, start - time.time()))
+        t0, before = time.time(), _ssd_bytes_in(address)
+        results = [_collect(p) for p in procs]
+        t1, after = time.time(), _tier_stats(address)
+        host_end = after["host"]
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    demoted = after["ssd"].bytes_in - before
+    return {**_row("draining", role, clients, args.drain_seconds, results), "writer_pages": 0, "writer_pages_per_s": 0.0,
+            "demoted_gb_per_s": demoted / (t1 - t0) / 1e9, "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
+            # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
+            "window_inside_drain": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
 
 
 async def _store_prefix(address: str, pages: int) -> int:
@@ -170,10 +232,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            "--scrub-rate", "0")
     counts = [int(c) for c in args.clients.split(",") if c]
-    plan = [("rpc", n, state) for state in ("idle", "demoting", "writing") for n in counts] + [("client", 1, "idle")]
+    plan = [("rpc", n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts] + [("client", 1, "idle")]
     rows = []
     try:
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
+            if state == "draining":
+                rows.append(_drain(args, role, n))
+                continue
             at = ram_address if state == "writing" else address
             # Stored again before each run (only what a previous run's writer pushed out):
             # the prefix is then the newest data in the store and outlives this run's writes.
@@ -200,3 +265,7 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["rows"]:
         print(f"| {r['state']} | {r['call']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
               f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['writer_pages_per_s']:.0f} | {r['demoted_gb_per_s']:.2f} |")
+    for r in report["rows"]:
+        if r["state"] == "draining" and not r["window_inside_drain"]:
+            print(f"NOTE: the draining row with {r['clients']} clients outlasted its {r['backlog_gb']:.1f} GB backlog: "
+                  "raise --drain-host-capacity or lower --drain-seconds")

@@ -11,7 +11,8 @@ Roles:
   engine pays per lookup when it keeps a request's keys).
 * ``client``: ``KVStoreClient.lookup(tokens)``: the RPC plus hashing the tokens.
 * ``writer``: puts fresh 2.25 MiB pages as fast as it can into a host tier smaller than
-  what it writes, so that every allocation demotes a page to SSD.
+  what it writes, so that every allocation demotes a page to SSD; with ``--count`` it stops
+  after that many pages (the draining row fills the host tier with it, then lets it drain).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ async def _run_client(address: str, pages: int, seconds: float) -> dict[str, obj
     return {"latencies_s": latencies, "short": short}
 
 
-async def _run_writer(address: str, seconds: float, rate: float) -> dict[str, object]:
-    """Puts fresh pages for ``seconds``: as fast as it can, or ``rate`` pages/s when given."""
+async def _run_writer(address: str, seconds: float, rate: float, count: int = 0) -> dict[str, object]:
+    """Puts fresh pages for ``seconds`` (and at most ``count`` of them, when given): as fast as
+    it can, or ``rate`` pages/s when given."""
     batch = 16
     kv = torch.randn(WRITER_LAYOUT.num_layers, 2, batch * 16, 8, 128).to(torch.bfloat16)
     written = 0
@@ -94,7 +96,7 @@ async def _run_writer(address: str, seconds: float, rate: float) -> dict[str, ob
         start = _ready()
         end = start + seconds
         base = 1_000_000
-        while time.time() < end:
+        while time.time() < end and (count <= 0 or written < count):
             tokens = list(range(base, base + batch * 16))
             base += batch * 16
             written += await client.put(tokens, kv) // 16
@@ -110,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=512)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--rate", type=float, default=0.0, help="writer: pages/s (0: as fast as it can)")
+    p.add_argument("--count", type=int, default=0, help="writer: stop after this many pages (0: at the end of --seconds)")
     args = p.parse_args(argv)
     if args.role == "rpc":
         out = run_rpc(args.address, args.pages, args.seconds)
     elif args.role == "client":
         out = asyncio.run(_run_client(args.address, args.pages, args.seconds))
     else:
-        out = asyncio.run(_run_writer(args.address, args.seconds, args.rate))
+        out = asyncio.run(_run_writer(args.address, args.seconds, args.rate, args.count))
     print(json.dumps(out), flush=True)
     return 0
 

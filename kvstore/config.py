@@ -63,7 +63,7 @@ class HostTierConfig:
         if not 0 <= self.hint_share <= 1:
             raise ConfigError("--hint-share must be in [0, 1]")
         if not 0 < self.demote_to <= self.demote_above <= 1:
-            raise ConfigError("host demotion watermarks must satisfy 0 < demote_to <= demote_above <= 1")
+            raise ConfigError("host demotion watermarks must satisfy 0 < --demote-to <= --demote-above <= 1")
         if not 0 <= self.demote_nice <= 19:
             raise ConfigError("--demote-nice must be in [0, 19]")
         if self.max_hints < 0:

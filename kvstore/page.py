@@ -14,7 +14,7 @@ A page whose header or payload fails its check is never returned.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import xxhash
@@ -122,11 +122,11 @@ class PageHeader:
         layout = LayoutDesc(nl, kvf, heads, hd, dtype.rstrip(b"\0").decode(), pt)
         return cls(ns, key, layout, length, csum, flags)
 
-    def verify_payload(self, payload: object, length: int) -> None:
-        """Raises PageCorrupt unless ``payload`` has the recorded length and checksum."""
+    def verify_payload(self, payload: object, length: int, digest: Callable[[object], int] = checksum) -> None:
+        """Raises PageCorrupt unless ``payload`` has the recorded length and checksum (computed by ``digest``)."""
         if length != self.payload_bytes:
             raise PageCorrupt(f"page {self.key.hex()} has {length} bytes, header says {self.payload_bytes}")
-        if checksum(payload) != self.checksum:
+        if digest(payload) != self.checksum:
             raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demote-nice", type=int, default=10,
                    help="OS niceness (0-19) of the background demoter thread: on busy cores lookups and other "
                         "foreground RPCs get the CPU first; an allocation that finds no room still demotes itself")
+    p.add_argument("--demote-above", type=float, default=0.95,
+                   help="host tier fill (0-1) past which the background demoter starts writing the coldest pages down")
+    p.add_argument("--demote-to", type=float, default=0.90,
+                   help="host tier fill (0-1) the demoter writes pages down to once started (a low value keeps RAM "
+                        "free for bursts at the cost of more SSD writes)")
     p.add_argument("--hint-share", type=float, default=0.5, help="share of the host tier that queue hints may protect")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="Prometheus /metrics address; 'off' to disable")
     p.add_argument("--node", default="local", help="this node's name in locations")
@@ -172,7 +178,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data_dir=data_dir,
         tiers=tiers,
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
-                            max_hints=args.max_hints, demote_nice=args.demote_nice),
+                            max_hints=args.max_hints, demote_nice=args.demote_nice,
+                            demote_above=args.demote_above, demote_to=args.demote_to),
         ssd=ssd,
         hbm=HbmTierConfig(capacity_bytes=parse_size(args.hbm_capacity, "--hbm-capacity"), device=args.hbm_device),
         metrics_listen=None if args.metrics_listen == "off" else args.metrics_listen,
@@ -216,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             forbid_inspection()  # tenants' arenas are descriptors here: keep same-uid processes out of /proc/<pid>/fd
         server = Server(config)
         server.start()
+        # What start-up made (modules, the recovered directory and ssd index) lives as long as
+        # the process: out of the cyclic GC's reach, a full collection walks only what came
+        # since. Walking all of it stalled every thread, a lookup's too, 30-50 ms at a time
+        # while pages were written and demoted (kvstore-bench lookup, 2 cores).
+        gc.freeze()
     except (KVStoreError, OSError, RuntimeError) as exc:
         message = str(exc) if isinstance(exc, KVStoreError) else f"cannot start: {exc}"
         logger.error("%s", message)

@@ -1,6 +1,7 @@
 """Smoke run of kvstore-bench lookup: every run of the plan measures lookups, each answer
 is the whole stored prefix, the writer really demotes (and its RAM-only control writes
-without demoting), JSON shape as documented."""
+without demoting), the draining rows time lookups while a backlog is written down with no
+writer running, JSON shape as documented."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import sys
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
-         "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--json", "--dir", str(tmp_path / "lk")],
+         "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
+         "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -20,11 +22,15 @@ def test_lookup_smoke(tmp_path) -> None:
     rows = report["rows"]
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
         ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),
-        ("writing", "Lookup RPC", 1), ("writing", "Lookup RPC", 2), ("idle", "client.lookup", 1)]
+        ("writing", "Lookup RPC", 1), ("writing", "Lookup RPC", 2), ("draining", "Lookup RPC", 1), ("draining", "Lookup RPC", 2),
+        ("idle", "client.lookup", 1)]
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] == 0 for r in rows if r["state"] == "writing")
+    for r in (r for r in rows if r["state"] == "draining"):  # a backlog, no writer, demotion inside the window
+        assert r["writer_pages"] == 0 and r["backlog_gb"] > 0.3 and isinstance(r["window_inside_drain"], bool), r
+        assert r["demoted_gb_per_s"] > 0 or not r["window_inside_drain"], r
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
         demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"])
         assert control["writer_pages_per_s"] <= demoting["writer_pages_per_s"] * 1.25 + 16

@@ -298,12 +298,12 @@ class Placement:
     # -- background work -----------------------------------------------------------------
 
     def demote_one(self) -> bool:
-        """Evicts (writing down) the landing tier's coldest page if it is fuller than
-        ``config.host.demote_to``; False when it is not, or nothing can go. Without a lower
-        tier nothing is demoted ahead of need (an eviction is then in-memory work)."""
+        """Writes a batch of the landing tier's coldest pages down while it is fuller than ``demote_to`` (moves.py);
+        False when it is not, nothing can go, or there is no lower tier (an eviction is then in-memory work)."""
         with self.keeper.critical():
             arena = max(self.landing.parts(), key=self._fill, default=self.landing)  # each tenant's arena has its watermarks
-            if self.lower and self._fill(arena) > self.config.host.demote_to and self.moves.evict_one(0, None, arena):
+            low = self.config.host.demote_to
+            if self.lower and self._fill(arena) > low and self.moves.demote(arena, low):
                 return True
             self.pressure.clear()  # set again by the next allocation past the watermark
             return False

@@ -4,7 +4,8 @@ allocation finds a free slot instead of waiting for a victim to be written to di
 When an allocation leaves the landing tier fuller than ``demote_above`` it signals
 ``core.pressure``; this thread then demotes the coldest pages (``Placement.demote_one``:
 the same eviction and admission decisions an allocation would make, the writes outside
-the core's lock) until the tier is down to ``demote_to``. An allocation that still finds
+the core's lock, a batch of pages per sync and index commit) until the tier is down to
+``demote_to``. An allocation that still finds
 no room reclaims a victim itself. With no lower tier there is no demoter (an eviction is
 then in-memory work); without this thread (the trace replay) every eviction
 happens inline, in the order allocations need them.

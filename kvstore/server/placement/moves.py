@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvstore.directory import Directory
 from kvstore.errors import LimitExceeded, MetadataFull, PageCorrupt, TierFull, TierUnavailable
 from kvstore.page import PageHeader
+from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
@@ -31,6 +32,9 @@ from kvstore.server.placement.shares import TenantShares
 from kvstore.tiers.base import LandingTier, ReadResult
 
 logger = logging.getLogger(__name__)
+
+DEMOTE_PAGES = 64  # a demoter round writes at most this many pages down ...
+DEMOTE_BYTES = 32 << 20  # ... and about this many bytes: one sync and one index commit for them all
 
 
 class NotAmong:
@@ -47,13 +51,17 @@ class NotAmong:
         return entry is None or entry.namespace_id not in self._namespace_ids
 
 
-def _damage(header: PageHeader, payload: memoryview) -> str | None:
-    """Why ``payload`` is not the page ``header`` describes, or None when it is."""
-    try:
-        header.verify_payload(payload, len(payload))
-    except PageCorrupt as exc:
-        return str(exc)
-    return None
+def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
+    """Why each payload is not the page its header describes (None when it is); hashed with
+    the GIL released, beside the disk writes, so that lookups do not wait for it."""
+    out: list[str | None] = []
+    for header, payload in pages:
+        try:
+            header.verify_payload(payload, len(payload), checksum_released)
+            out.append(None)
+        except PageCorrupt as exc:
+            out.append(str(exc))
+    return out
 
 
 class Mover:
@@ -96,30 +104,62 @@ class Mover:
         """Evicts the next victim of ``arena`` (default: the landing tier's choice), written
         down first when it is worth it, passing over the keys in ``skip`` (default: the
         pinned ones); False when there is none. Lock held; released during the write."""
-        victim = (arena or self.landing).victim(self.leases.pins if skip is None else skip, page_bytes)
-        if victim is None:
-            return False
-        header, slot = self.landing.header(victim), self.landing.slot_of(victim)
-        assert header is not None and slot is not None
-        if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
-            self._evict(victim)
-            return True
-        self.leases.pin([victim], move=True)
+        return self.evict_some(page_bytes, skip, arena) > 0
+
+    def demote(self, arena: LandingTier, low: float) -> bool:
+        """Lock held: evicts ``arena``'s coldest pages toward ``low`` of its capacity, the ones
+        worth it written down as one batch (the demoter's round); False when nothing could go."""
+        usage = arena.usage()
+        over = usage.used_bytes - int(low * usage.capacity_bytes)
+        return self.evict_some(0, None, arena, DEMOTE_PAGES, min(over, DEMOTE_BYTES)) > 0
+
+    def evict_some(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None,
+                   limit: int = 1, max_bytes: int = 0) -> int:
+        """``evict_one`` for up to ``limit`` victims (no more once ``max_bytes`` of them are
+        picked, when given); the ones worth writing down go in one ``write_down``: one sync
+        and one index transaction for all of them. Returns how many victims it found."""
+        arena = arena or self.landing
+        found, picked = 0, 0
+        batch: list[tuple[bytes, PageHeader, memoryview]] = []
+        while found < limit and (max_bytes <= 0 or picked < max_bytes):
+            victim = arena.victim(self.leases.pins if skip is None else skip, page_bytes)  # pinned ones (the batch) skipped
+            if victim is None:
+                break
+            header, slot = self.landing.header(victim), self.landing.slot_of(victim)
+            assert header is not None and slot is not None
+            found, picked = found + 1, picked + header.payload_bytes
+            if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
+                self._evict(victim)
+                continue
+            self.leases.pin([victim], move=True)
+            batch.append((victim, header, self.landing.view(slot, header.payload_bytes)))
+        if batch:
+            self._write_victims(batch)
+        return found
+
+    def _write_victims(self, batch: list[tuple[bytes, PageHeader, memoryview]]) -> None:
+        """Lock held (released for the write): writes pinned victims down, then evicts them
+        from the landing tier. A batch with a damaged page (quarantined, nothing indexed)
+        leaves the others in place for the next round; after an I/O error or a refusal they
+        leave the cache as any eviction."""
+        keys = [key for key, _, _ in batch]
+        kept = True  # whether what was not written down may be dropped
         self.lock.release()
         try:
-            written = self.write_down(1, [(header, self.landing.view(slot, header.payload_bytes))])
+            self.write_down(1, [(header, view) for _, header, view in batch])
         except PageCorrupt:
-            written = -1  # quarantined: gone from the landing tier already
+            kept = False
         except (OSError, MetadataFull):
-            written = 0  # logged and counted by write_down; the page leaves the cache as any eviction
+            pass  # logged and counted by write_down
         finally:
             self.lock.acquire()
-            self.residence.released(self.leases.unpin([victim], move=True))
-        if written == 1:
-            self.metrics.demotions.labels(self.landing.name).inc()
-        if written >= 0 and self.residence.has(victim, LANDING) and not self.leases.pinned(victim):
-            self._evict(victim)  # a reader that took it meanwhile keeps it (now clean) in place
-        return True
+            self.residence.released(self.leases.unpin(keys, move=True))
+        for key in keys:
+            below = self.residence.has(key, 1)
+            if below:
+                self.metrics.demotions.labels(self.landing.name).inc()
+            if (below or kept) and self.residence.has(key, LANDING) and not self.leases.pinned(key):
+                self._evict(key)  # a reader that took it meanwhile keeps it (now clean) in place
 
     def _evict(self, key: bytes) -> None:
         self.landing.delete([key], evicted=True)
@@ -247,11 +287,10 @@ class Mover:
                 self._unplace(target, tier, placed)
                 raise
         try:
-            checks = [self._verifier.submit(_damage, header, payload) for _, header, payload in placed]
+            check = self._verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
             for slot, header, payload in placed:
                 target.write(slot, header, payload)
-            for (_, header, _), check in zip(placed, checks):
-                reason = check.result()
+            for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
