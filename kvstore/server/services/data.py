@@ -24,6 +24,7 @@ from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.services.read_ahead import built_ahead
+from kvstore.server.services.sessions import SessionCalls
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tokenlog import TokenLog
@@ -45,7 +46,7 @@ class _Destination:
     claimed: bool
 
 
-class DataService(data_pb2_grpc.DataServicer):
+class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler reads its caller first and checks it against the namespace the request
     names (see kvstore/server/tenancy/access.py)."""
 
@@ -296,32 +297,6 @@ class DataService(data_pb2_grpc.DataServicer):
                 if ok:
                     self.cluster_reads.prefetch(who, ns, keys)
         return data_pb2.HintResponse(reserved=reserved)
-
-    @unary
-    def AppendTokens(self, request: data_pb2.AppendTokensRequest, context: grpc.ServicerContext) -> data_pb2.AppendTokensResponse:
-        ns = validate.namespace_id(request.namespace_id)
-        if len(request.tokens) > 1 << 20:
-            raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
-        who = current_identity()
-        with self.tenancy.writing(who, ns), self.quotas.appending(who) as charge:
-            length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
-                                     request.prompt_tokens, request.sync, charge)
-        return data_pb2.AppendTokensResponse(length=length)
-
-    @unary
-    def GetSession(self, request: data_pb2.GetSessionRequest, context: grpc.ServicerContext) -> data_pb2.GetSessionResponse:
-        ns = validate.namespace_id(request.namespace_id)
-        found = self.wal.read(ns, request.session_id) if self.tenancy.may_read(current_identity(), ns) else None
-        if found is None:
-            return data_pb2.GetSessionResponse(found=False)
-        return data_pb2.GetSessionResponse(found=True, prompt_tokens=found[0], tokens=found[1])
-
-    @unary
-    def EndSession(self, request: data_pb2.EndSessionRequest, context: grpc.ServicerContext) -> data_pb2.EndSessionResponse:
-        ns = validate.namespace_id(request.namespace_id)
-        if self.tenancy.may_administer(current_identity(), ns):  # else: as for a session that does not exist
-            self.wal.end(ns, request.session_id)
-        return data_pb2.EndSessionResponse()
 
     @unary
     def Replicate(self, request: data_pb2.ReplicateRequest, context: grpc.ServicerContext) -> data_pb2.ReplicateResponse:
