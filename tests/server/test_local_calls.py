@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -171,9 +172,9 @@ def test_random_frames_never_crash_or_hang_the_server(server: Server) -> None:
 
 
 def test_silent_peers_do_not_hold_the_slots(server: Server) -> None:
-    """Connections that never say HELLO take at most the connection limit, and only until
-    the HELLO deadline; a caller that did say HELLO is served meanwhile."""
-    silent = [_raw(server) for _ in range(255)]
+    """Connections that never say HELLO take at most the connection limit (of a process), and
+    only until the HELLO deadline; a caller that did say HELLO is served meanwhile."""
+    silent = [_raw(server) for _ in range(server.call_socket._max_per_pid - 1)]
     _still_serves(server)  # the last slot
     for sock in silent:
         assert sock.recv(1) == b"", "a silent peer is closed at the HELLO deadline"
@@ -182,7 +183,7 @@ def test_silent_peers_do_not_hold_the_slots(server: Server) -> None:
 
 
 def test_connections_beyond_the_limit_are_refused_not_queued(server: Server) -> None:
-    held = [SocketCaller(server, None) for _ in range(256)]
+    held = [SocketCaller(server, None) for _ in range(server.call_socket._max_per_pid)]
     sock, status = connect(server, None)
     assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
     sock.close()
@@ -226,3 +227,41 @@ def test_a_caller_that_never_reads_its_answers_is_dropped(server: Server) -> Non
     _still_serves(server)
     caller.close()
 
+
+
+_OTHER_PROCESS_HELLO = """
+import socket, sys
+sys.path.insert(0, sys.argv[2])
+from callsock import CODES, read_answer
+from kvstore import localcall
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(10)
+sock.connect(sys.argv[1])
+try:
+    sock.sendall(localcall.request_frame(localcall.HELLO, 0, b""))
+except OSError:
+    pass
+answer = read_answer(sock)
+print(answer[0].name if answer else "CLOSED")
+"""
+
+
+def test_one_process_cannot_take_every_connection(server: Server) -> None:
+    """A process of the server's uid (any tenant's) that opens connections as fast as it can
+    must not keep another process from the call socket: it holds at most its own share of
+    the connections, and a second process is still served."""
+    held: list[socket.socket] = []
+    while True:
+        sock, status = connect(server, None)
+        if status != OK:
+            sock.close()
+            break
+        held.append(sock)
+    try:
+        assert len(held) < 256, "one process took every connection of the call socket"
+        other = subprocess.run([sys.executable, "-c", _OTHER_PROCESS_HELLO, str(server.call_socket.path),
+                                str(Path(__file__).parents[1] / "security")], check=False, capture_output=True, text=True, timeout=60)
+        assert other.stdout.strip() == "OK", other.stdout + other.stderr
+    finally:
+        for sock in held:
+            sock.close()

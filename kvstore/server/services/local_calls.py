@@ -13,7 +13,9 @@ A connection is authenticated once (its HELLO: the bearer token, checked as on g
 peer's pid/uid from SO_PEERCRED logged) and its caller re-checked before every call once
 the auth file was reloaded (SIGHUP) or the grant expired: a revoked token gets
 UNAUTHENTICATED and the connection closes. At most ``max_connections`` connections are
-served (more are answered RESOURCE_EXHAUSTED and closed); one that has not said HELLO
+served, at most ``max_per_pid`` of them to one process (SO_PEERCRED pid; more are answered
+RESOURCE_EXHAUSTED and closed): a process opening connections as fast as it can does not
+keep the others from the socket. One that has not said HELLO
 within ``hello_timeout_s`` or sends nothing for ``idle_timeout_s`` is closed, and a frame
 must arrive whole within ``frame_timeout_s`` once begun: a silent peer holds no slot for
 long. A bad frame is answered with a status (INVALID_ARGUMENT, UNIMPLEMENTED); one that
@@ -74,7 +76,7 @@ class CallSocket:
     def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
                  call_token: bytes, *, undo: dict[str, Undo] | None = None,
                  rejected: Callable[[str, str], None] | None = None, max_connections: int = 256,
-                 hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
+                 max_per_pid: int = 32, hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
         self._table: list[tuple[str, grpc.RpcMethodHandler] | None] = [None]
@@ -89,6 +91,8 @@ class CallSocket:
         self._undo = undo or {}
         self._rejected = rejected
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_per_pid = max_per_pid
+        self._per_pid: dict[int, int] = {}  # open connections per peer process
         self._hello_s, self._idle_s, self._frame_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -142,27 +146,43 @@ class CallSocket:
                     return
                 logger.exception("call socket: accept failed")
                 continue
-            if not self._slots.acquire(blocking=False):
+            try:
+                pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            except OSError:
+                conn.close()
+                continue
+            with self._lock:
+                own = self._per_pid.get(pid, 0) < self._max_per_pid
+                if own:
+                    self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
+            if not own or not self._slots.acquire(blocking=False):
+                if own:
+                    self._unclaim(pid)
+                what = "its maximum of connections" if own else f"{self._max_per_pid} connections to this process"
                 try:
                     conn.setblocking(False)
                     conn.send(localcall.answer_frame(_status(grpc.StatusCode.RESOURCE_EXHAUSTED), localcall.error_body(
-                        "LimitExceeded", "the call socket serves its maximum of connections; use gRPC or retry")))
+                        "LimitExceeded", f"the call socket serves {what} already; use gRPC or retry")))
                 except OSError:
                     pass
                 conn.close()
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name="call-peer", daemon=True)
+            thread = threading.Thread(target=self._serve, args=(conn, pid, uid), name="call-peer", daemon=True)
             with self._lock:
                 self._open[conn] = thread
             thread.start()
 
+    def _unclaim(self, pid: int) -> None:
+        with self._lock:
+            left = self._per_pid.pop(pid) - 1
+            if left:
+                self._per_pid[pid] = left
+
     # -- one connection --------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
-        peer = "unix:?"
+    def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
+        peer = f"unix:pid={pid},uid={uid}"
         try:
-            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            peer = f"unix:pid={pid},uid={uid}"
             call, authorization = self._hello(conn, peer)
             while not self._closing.is_set():
                 frame = self._read(conn, self._idle_s)
@@ -179,6 +199,7 @@ class CallSocket:
         finally:
             with self._lock:
                 self._open.pop(conn, None)
+            self._unclaim(pid)
             self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
             conn.close()
 
