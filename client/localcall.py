@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
 _UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
+_GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
     "Data.Acquire": lambda answer: ("Data.Release", data_pb2.ReleaseRequest(lease_id=answer.lease_id)),
@@ -212,8 +213,8 @@ class CallChannel:
             return  # cut short: the server's write failed, and it undid the call
         undo_method, request = give_back(_response_type(method).FromString(data[size : size + body_bytes]))
         self.num_late += 1
-        try:
-            self.call(undo_method, request, _response_type(undo_method))
+        try:  # posted: the caller's deadline has passed, it waits for no answer (a failed one is logged later)
+            self.post(undo_method, request, _GIVE_BACK_S)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
 
