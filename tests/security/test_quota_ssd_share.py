@@ -159,3 +159,35 @@ def test_the_demoter_keeps_a_tenant_within_its_ssd_share(tmp_path, ca) -> None:
         assert all("ssd" in server.core.where(k) for k in keys_b), "b's ssd pages stay"
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_tenant_out_of_its_write_share_costs_no_other_tenant_its_demotions(tmp_path, ca) -> None:
+    """Bug (batched demotion): the demoter's batch stopped at the first page whose tenant's
+    write share was spent, and the pages after it, other tenants' in a shared arena, left
+    RAM unwritten (dropped from the cache instead of demoted). One page at a time, before the
+    batches, only the spent tenant's page was not written."""
+    config = tenant_config(tmp_path, ca)
+    assert config.security.auth_file is not None and config.ssd is not None
+    config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, dwpd=1.0),
+                                 host=dataclasses.replace(config.host, demote_to=1e-9),
+                                 security=dataclasses.replace(config.security, share_arena=True))
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"ssd_write_percent": 1}}}))
+    server = Server(config)
+    server.start()
+    try:
+        a, b = Caller(server, ca, A), Caller(server, ca, B)
+        ns, ns_b = new_ns(), new_ns()
+        for _ in range(200):  # a spends its share of the write budget
+            try:
+                a.put(ns, new_keys(1), durable=True)
+            except grpc.RpcError as exc:
+                assert exc.code() == FULL
+                break
+        keys_a, keys_b = new_keys(3), new_keys(5)
+        assert a.put(ns, keys_a) == 3  # the coldest: first in the demoter's batch
+        assert b.put(ns_b, keys_b) == 5
+        while server.core.demote_one():
+            pass
+        assert [sorted(server.core.where(k)) for k in keys_b] == [["ssd"]] * 5, "b's pages were not demoted"
+    finally:
+        server.stop(grace_s=1)

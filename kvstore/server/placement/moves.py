@@ -266,6 +266,7 @@ class Mover:
         """
         target = self._target(tier)
         placed: list[tuple[int, PageHeader, memoryview]] = []
+        refused: set[bytes] = set()  # namespaces whose tenant's shares refused a page of this batch
         with self.lock:
             while wait and any((h.key, tier) in self._writing for h, _ in items):
                 self._written.wait(1.0)
@@ -273,8 +274,9 @@ class Mover:
                 for header, payload in items:
                     if self.residence.has(header.key, tier) or (header.key, tier) in self._writing:
                         continue
-                    if not self._share_room(tier, header, [] if why is None else why):
-                        break  # its tenant's shares are spent: the rest stays in RAM only
+                    if header.namespace_id in refused or not self._share_room(tier, header, [] if why is None else why):
+                        refused.add(header.namespace_id)
+                        continue  # its tenant's shares are spent: its pages stay in RAM only, other tenants' go on
                     if not target.charge(header.payload_bytes):
                         break  # over the endurance budget: the rest stays in RAM only
                     slot = self._reserve_lower(tier, header.payload_bytes)
