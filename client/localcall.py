@@ -62,7 +62,7 @@ class CallChannel:
         channel = cls(path, token, call_token, timeout_s)
         try:
             channel._put(channel._connect(time.monotonic() + min(timeout_s, 2.0)))
-        except KVStoreError as exc:
+        except (KVStoreError, TimeoutError) as exc:  # TimeoutError: no HELLO answer (a stalled server, a stranger's socket)
             logger.info("call socket %s not usable (%s); unary calls go over gRPC", path, exc)
             return None
         return channel

@@ -87,3 +87,17 @@ def test_a_late_answer_is_given_back_without_blocking_past_the_deadline(tmp_path
         listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         listener.close()
         peer.join(5)
+
+
+def test_a_socket_that_never_answers_hello_is_not_used(tmp_path: Path) -> None:
+    """A call socket that accepts and never answers (a stalled server, a stranger's socket) is
+    'not usable': open gives None and the client uses gRPC. Before, its TimeoutError came out
+    of open and failed the client's connect."""
+    path = tmp_path / "call.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    try:
+        assert CallChannel.open(str(path), "token", CALL_TOKEN, 0.2) is None
+    finally:
+        listener.close()
