@@ -24,6 +24,7 @@ import grpc
 from kvstore import localcall
 from kvstore._proto import data_pb2
 from kvstore.errors import KVStoreError
+from kvstore.security.socket_owner import check_served_by_us
 from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ class CallChannel:
         try:
             conn.settimeout(max(1e-3, deadline - time.monotonic()))
             conn.connect(self.path)
+            check_served_by_us(conn, self.path)  # the HELLO carries the token
             conn.sendall(self._hello)
             status, body = _answer(conn, deadline, bytearray())
         except TimeoutError:
@@ -180,6 +182,9 @@ class CallChannel:
         except (OSError, _Gone) as exc:
             conn.close()
             raise KVStoreError(f"call socket {self.path}: {exc}") from None
+        except KVStoreError:
+            conn.close()  # not our server's uid: nothing was sent
+            raise
         if status != 0:
             conn.close()
             name, message = localcall.parse_error(body)

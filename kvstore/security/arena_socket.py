@@ -41,6 +41,7 @@ from kvstore import errors
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity, Rights
+from kvstore.security.socket_owner import check_served_by_us
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,7 @@ def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tupl
         sock.settimeout(timeout_s)
         try:
             _connect(sock, path, time.monotonic() + timeout_s)
+            check_served_by_us(sock, path)  # the request carries the token
             _send(sock, {"token": token} if token is not None else {})
             data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + _LENGTH.size, 1)
         except OSError as exc:
