@@ -23,14 +23,16 @@ logger = logging.getLogger(__name__)
 GRANT_BYTES = 16
 GRANT_TTL_S = 10.0
 MAX_OPEN_GRANTS = 1024  # grants issued and not yet taken nor expired: a node connects to each peer once
+MAX_OPEN_PER_NODE = 64  # of them to one node id: one node in a reconnect loop leaves the others room
 
 
 class TransferGrants:
     """Thread-safe: issued from gRPC worker threads, taken on the cluster loop."""
 
-    def __init__(self, ttl_s: float = GRANT_TTL_S, max_open: int = MAX_OPEN_GRANTS) -> None:
+    def __init__(self, ttl_s: float = GRANT_TTL_S, max_open: int = MAX_OPEN_GRANTS, max_per_node: int = MAX_OPEN_PER_NODE) -> None:
         self.ttl_s = ttl_s
         self._max_open = max_open
+        self._max_per_node = max_per_node
         self._lock = threading.Lock()
         self._open: dict[bytes, tuple[str, float]] = {}  # grant -> (node it was issued to, expiry on the monotonic clock)
 
@@ -41,6 +43,9 @@ class TransferGrants:
             self._open = {g: (n, t) for g, (n, t) in self._open.items() if t > now}
             if len(self._open) >= self._max_open:
                 raise LimitExceeded(f"{len(self._open)} data-plane grants are open already; connect with one of them first")
+            if sum(n == node for n, _ in self._open.values()) >= self._max_per_node:
+                raise LimitExceeded(f"node {node!r} holds {self._max_per_node} open data-plane grants already; "
+                                    "connect with one of them first")
             grant = secrets.token_bytes(GRANT_BYTES)
             self._open[grant] = (node, now + self.ttl_s)
         return grant

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvstore.cluster.grants import GRANT_BYTES, TransferGrants
+from kvstore.cluster.grants import GRANT_BYTES, MAX_OPEN_GRANTS, TransferGrants
 from kvstore.errors import LimitExceeded
 
 
@@ -37,3 +37,16 @@ def test_open_grants_are_bounded() -> None:
     short.issue("n1")
     time.sleep(0.05)
     assert short.take(short.issue("n1")) == "n1"  # the expired one made room
+
+
+def test_one_node_cannot_take_every_open_grant() -> None:
+    """A node whose connects keep failing after their grant (a data port it cannot reach,
+    a reconnect loop) asks a grant per attempt: it must not use up the node's open grants
+    and leave every other node without a data-plane connection for the grants' TTL."""
+    grants = TransferGrants()
+    for _ in range(MAX_OPEN_GRANTS):
+        try:
+            grants.issue("flapping")
+        except LimitExceeded:
+            break
+    assert grants.take(grants.issue("other")) == "other"
