@@ -171,6 +171,7 @@ class Server:
                   "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
             rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
         data_service.call_socket, data_service.call_token = self.call_socket.path, self.call_socket.call_token
+        self._data = data_service
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: WSGIServer | None = None
@@ -256,6 +257,7 @@ class Server:
             self.arena_socket.stop()  # no new hand-overs; clients keep the mappings they have until they close
             if self.arena_socket.path.parent != self.config.data_dir:
                 shutil.rmtree(self.arena_socket.path.parent, ignore_errors=True)
+        self._data.close()
         self.streams.stop()
         self.demoter.stop()
         if self._metrics_http is not None:

@@ -55,3 +55,24 @@ def test_closed_early_waits_for_the_build_in_flight() -> None:
             assert started.wait(5)
             threading.Timer(0.2, release.set).start()
         assert not running.is_set()  # close() returned after page 1's build had ended
+
+
+def test_a_stopped_server_leaves_no_read_ahead_thread(server_factory) -> None:
+    """The read-ahead workers are the server's: stop() ends them. Before, every server that
+    had served a ReadPages left its workers running in the process after stop()."""
+    import asyncio
+
+    import grpc
+    from test_streams import NS, _store_pages
+
+    from kvstore._proto import data_pb2, data_pb2_grpc
+
+    server = server_factory()
+    keys = asyncio.run(_store_pages(server.address, 4))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = data_pb2_grpc.DataStub(channel)
+        assert len(list(stub.ReadPages(data_pb2.ReadPagesRequest(namespace_id=NS, keys=keys)))) >= 4
+    before = {t for t in threading.enumerate() if t.name.startswith("read-ahead")}
+    assert before, "ReadPages ran on the read-ahead workers"
+    server.stop(grace_s=1)
+    assert not [t for t in before if t.is_alive()], "read-ahead workers outlived their server"

@@ -65,6 +65,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.quotas = tenancy.quotas
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
 
+    def close(self) -> None:
+        """Once no call runs (the gRPC server stopped): ends the read-ahead workers."""
+        self._read_ahead.shutdown(wait=True)
+
     def _keys(self, values: list[bytes]) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request)
 
