@@ -44,6 +44,7 @@ import grpc
 
 from kvstore import localcall
 from kvstore.errors import ConfigError, Unauthenticated
+from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import AuthenticatedCall
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 _SUN_PATH_MAX = 107
 _MAX_HELLO_BYTES = 4096
 _DEFAULT_TIMEOUT_S = 30.0  # a request that names no deadline (timeout_ms 0)
+_ACCEPT_RETRY_S = 0.05
+_accept_errors = Throttled(logger)
 Undo = Callable[[Any, Identity], None]  # (the response that was not delivered, its caller)
 
 
@@ -141,10 +144,13 @@ class CallSocket:
         while not self._closing.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closing.is_set():
                     return
-                logger.exception("call socket: accept failed")
+                # Out of descriptors (EMFILE) the connection stays in the backlog and accept
+                # fails again at once: a pause, not a spin (nor a traceback per try).
+                _accept_errors.warning("accept", "call socket: accept failed (%s); retrying", exc)
+                self._closing.wait(_ACCEPT_RETRY_S)
                 continue
             try:
                 pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
