@@ -268,3 +268,42 @@ def test_one_process_receiving_many_arenas_at_once_gets_them_all(door) -> None:
     for fd, _, tenant in received:
         os.close(fd)
         assert tenant == "alice"
+
+
+def test_accept_out_of_descriptors_pauses_instead_of_spinning(door, caplog: pytest.LogCaptureFixture) -> None:
+    """Out of file descriptors (EMFILE) accept fails while the connection stays in the
+    backlog, so the selector wakes again at once: the loop logged a warning per turn at full
+    CPU. It pauses between tries, logs at most once per interval, and serves again after."""
+    import logging
+    import resource
+
+    server, _ = door
+    caplog.set_level(logging.WARNING, logger="kvstore.security.arena_socket")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    socks: list[socket.socket] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+    try:
+        try:
+            while True:  # this process's last descriptors: the server's accept finds none
+                socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        except OSError:
+            pass
+        for sock in socks:
+            sock.connect(str(server.path))
+        deadline = time.monotonic() + 10
+        while not _accept_failures(caplog) and time.monotonic() < deadline:  # the loop met EMFILE (bounded)
+            time.sleep(0.01)
+        time.sleep(0.5)  # what the loop does meanwhile is the point: no event marks it
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for sock in socks:
+            sock.close()
+    failures = _accept_failures(caplog)
+    assert 0 < len(failures) <= 2, f"{len(failures)} accept failures logged in 0.5 s"
+    fd, _, tenant = receive_arena(server.path, ALICE)
+    os.close(fd)
+    assert tenant == "alice"
+
+
+def _accept_failures(caplog: pytest.LogCaptureFixture) -> list[object]:
+    return [r for r in caplog.records if "accept failed" in r.getMessage()]
