@@ -1,0 +1,90 @@
+"""The host tier evicts the tail of a prefix before its head, and a put answers only
+what is findable when it returns.
+
+Bug pinned: with segmented LRU, prefixes read again fill the protected share; a new put
+larger than the probation share then evicted its OWN first pages (the oldest in
+probation) while its later batches were allocated. Lookups are prefix lookups, so the
+put was unfindable (0 pages) while it answered every token stored and its other pages
+sat useless in the tier.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import random_kv
+
+from kvstore import KVLayout
+from kvstore.client import KVStoreClient
+from kvstore.tiers.eviction import HostResidency
+
+PAGES = 24  # per prefix: a 256-page tier holds ~10 of them, probation (20%) ~51 pages
+
+
+def _tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
+    return [seed * 100_000 + i for i in range(pages * layout.page_tokens)]
+
+
+async def _fill_and_put(server, layout, ns, big_pages: int) -> tuple[int, int]:
+    """Fills the tier with prefixes read back (protected), then puts one of ``big_pages``.
+    Returns (tokens the put answered stored, tokens a lookup finds right after)."""
+    async with KVStoreClient(server.address, ns) as client:
+        for r in range(10):
+            tokens = _tokens(r + 1, PAGES, layout)
+            assert await client.put(tokens, random_kv(layout, len(tokens), r)) == len(tokens), r
+            hit = await client.lookup(tokens)
+            out = torch.zeros(layout.num_layers, 2, hit.num_tokens, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+            await client.get(hit, out)
+        tokens = _tokens(99, big_pages, layout)
+        kv = random_kv(layout, len(tokens), 99)
+        stored = await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        if hit.num_tokens:
+            out = torch.zeros(layout.num_layers, 2, hit.num_tokens, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+            await client.get(hit, out)
+            assert torch.equal(out, kv[:, :, : hit.num_tokens])
+        return stored, hit.num_tokens
+
+
+async def test_put_larger_than_probation_is_findable(server_factory, layout, ns) -> None:
+    """No SSD: what the put answers stored is found right after, and it is most of the put
+    (its head kept, its tail given up), not 0 pages."""
+    server = server_factory(host_bytes=4 << 20, ssd_bytes=None)
+    stored, found = await _fill_and_put(server, layout, ns, 80)
+    assert found == stored
+    assert found >= 32 * layout.page_tokens  # the put kept its head: at least the probation share's worth
+
+
+async def test_put_larger_than_probation_with_ssd(server_factory, layout, ns) -> None:
+    """With an SSD tier below, evicted pages are demoted: the put is findable, and the host
+    tier keeps its head (page 0) rather than its tail."""
+    server = server_factory(host_bytes=4 << 20)
+    stored, found = await _fill_and_put(server, layout, ns, 80)
+    assert found == stored == 80 * layout.page_tokens
+    async with KVStoreClient(server.address, ns) as client:
+        keys = client.keys(_tokens(99, 80, layout))
+    in_host = [server.core.landing.contains(k) for k in keys]
+    assert in_host[0], "the host tier gave up the put's head"
+    assert in_host == sorted(in_host, reverse=True), "the host tier holds a prefix of the put, not pieces of it"
+
+
+def test_residency_evicts_tail_first_across_batches() -> None:
+    """Unit: a chain committed in several batches is evicted deepest page first, and pages
+    whose head is gone (orphans) go before any intact chain."""
+    order = HostResidency()
+    chain = [bytes([i]) * 16 for i in range(6)]
+    order.add(chain[0])
+    order.add(chain[1], chain[0])
+    order.add(chain[2], chain[1])
+    for i in range(3, 6):  # the next batch
+        order.add(chain[i], chain[i - 1])
+    assert order.victim(set()) == chain[5]
+    order.remove(chain[5], evicted=True)
+    assert order.victim({chain[4]}) is None  # a page in use keeps the chain before it
+    order.add(b"x" * 16)  # a newer, unrelated page
+    assert order.victim({chain[4]}) == b"x" * 16
+    order.remove(chain[2])  # deleted: chain[3:5] is of no use now and goes first, deepest first
+    assert order.victim(set()) == chain[4]
+    order.remove(chain[4], evicted=True)
+    assert order.victim(set()) == chain[3]
+    order.remove(chain[3], evicted=True)
+    assert order.victim(set()) == chain[1]
