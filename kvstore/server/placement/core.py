@@ -124,7 +124,7 @@ class Placement:
             self._check_layout(namespace_id, layout)
             out: list[tuple[bytes, int | None]] = []
             slots: dict[bytes, int] = {}
-            held = self.leases.anchor(parent, self.residence.stored)  # pinned: room is not made by cutting the chain this extends
+            held = [] if self.lower else self.leases.anchor(parent, self.residence.stored)  # nothing below: keep what this extends
             try:
                 for key in keys:
                     if key in slots or self.residence.stored(key):
