@@ -10,10 +10,13 @@ sat useless in the tier.
 
 from __future__ import annotations
 
+import grpc
+import pytest
 import torch
 from conftest import random_kv
 
 from kvstore import KVLayout
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.tiers.eviction import HostResidency
 
@@ -24,10 +27,10 @@ def _tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
     return [seed * 100_000 + i for i in range(pages * layout.page_tokens)]
 
 
-async def _fill_and_put(server, layout, ns, big_pages: int) -> tuple[int, int]:
+async def _fill_and_put(server, layout, ns, big_pages: int, use_shm: bool = True) -> tuple[int, int]:
     """Fills the tier with prefixes read back (protected), then puts one of ``big_pages``.
     Returns (tokens the put answered stored, tokens a lookup finds right after)."""
-    async with KVStoreClient(server.address, ns) as client:
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
         for r in range(10):
             tokens = _tokens(r + 1, PAGES, layout)
             assert await client.put(tokens, random_kv(layout, len(tokens), r)) == len(tokens), r
@@ -45,11 +48,13 @@ async def _fill_and_put(server, layout, ns, big_pages: int) -> tuple[int, int]:
         return stored, hit.num_tokens
 
 
-async def test_put_larger_than_probation_is_findable(server_factory, layout, ns) -> None:
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "stream"])
+async def test_put_larger_than_probation_is_findable(server_factory, layout, ns, use_shm: bool) -> None:
     """No SSD: what the put answers stored is found right after, and it is most of the put
-    (its head kept, its tail given up), not 0 pages."""
+    (its head kept, its tail given up), not 0 pages; through shared memory (batches of
+    Allocate/Commit) and through WritePages streams."""
     server = server_factory(host_bytes=4 << 20, ssd_bytes=None)
-    stored, found = await _fill_and_put(server, layout, ns, 80)
+    stored, found = await _fill_and_put(server, layout, ns, 80, use_shm)
     assert found == stored
     assert found >= 32 * layout.page_tokens  # the put kept its head: at least the probation share's worth
 
@@ -88,3 +93,35 @@ def test_residency_evicts_tail_first_across_batches() -> None:
     assert order.victim(set()) == chain[3]
     order.remove(chain[3], evicted=True)
     assert order.victim(set()) == chain[1]
+
+
+def test_commit_counts_nothing_after_a_gone_parent(server) -> None:
+    """A batch whose named predecessor is gone (evicted while it was written) cannot be
+    found: its commit answers 0, so the put stops counting there. A predecessor merely not
+    committed yet (pipelined batches, committed out of order) does not count as gone; a
+    malformed one is refused."""
+    ns_id, layout = b"n" * 16, common_pb2.Layout(num_layers=4, kv_factor=2, num_kv_heads=2, head_dim=64,
+                                                  dtype="float16", page_tokens=16)
+    a, b, c, d, gone = (bytes([i]) * 16 for i in range(1, 6))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = data_pb2_grpc.DataStub(channel)
+
+        def allocate(key: bytes, parent: bytes = b"") -> bytes:
+            req = data_pb2.AllocateRequest(namespace_id=ns_id, layout=layout, keys=[key], parent=parent)
+            return stub.Allocate(req, timeout=10).allocation_id
+
+        def commit(alloc: bytes, key: bytes) -> int:
+            return stub.Commit(data_pb2.CommitRequest(allocation_id=alloc, keys=[key], checksums=[0]), timeout=10).num_published
+
+        assert commit(allocate(a), a) == 1
+        assert commit(allocate(b, a), b) == 1
+        assert commit(allocate(c, gone), c) == 0
+        first = allocate(d, b)
+        second = allocate(gone, d)  # d is written but not committed yet
+        assert commit(second, gone) == 1
+        assert commit(first, d) == 1
+        with pytest.raises(grpc.RpcError) as bad:
+            allocate(a, b"short")
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    counts = server.core.leases.counts()
+    assert counts.num_allocations == 0 and not counts.pinned and not counts.moving  # nothing left held
