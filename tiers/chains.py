@@ -60,5 +60,7 @@ class PrefixLinks:
             if any(k in pinned for k in after):
                 break
             key = after[0]
+        else:
+            return key  # a cycle (links are the writers' word): this page goes like any other
         blocked.update(seen)
         return None

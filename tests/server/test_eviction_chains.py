@@ -95,6 +95,23 @@ def test_residency_evicts_tail_first_across_batches() -> None:
     assert order.victim(set()) == chain[1]
 
 
+def test_residency_survives_made_up_links() -> None:
+    """Links are what writers said: a cycle or a page named its own parent neither hangs
+    the victim search nor makes its pages unevictable."""
+    order = HostResidency()
+    a, b = b"a" * 16, b"b" * 16
+    order.add(a, b)
+    order.add(b, a)
+    order.add(b"c" * 16, b"c" * 16)
+    seen = set()
+    while (victim := order.victim(set())) is not None:
+        assert victim not in seen
+        seen.add(victim)
+        order.remove(victim, evicted=True)
+    assert seen == {a, b, b"c" * 16}
+    assert not order.links.parent and not order.links.children  # nothing kept for pages gone
+
+
 def test_commit_counts_nothing_after_a_gone_parent(server) -> None:
     """A batch whose named predecessor is gone (evicted while it was written) cannot be
     found: its commit answers 0, so the put stops counting there. A predecessor merely not
