@@ -261,8 +261,8 @@ class SlotOutgoing:
         self._alloc: Any = None
         self._keys: list[bytes] = []
 
-    async def reserve(self, keys: list[bytes]) -> None:
-        alloc = await self.shm.granted(self.shm.allocate(keys), lambda alloc: self.shm.abort(alloc.allocation_id))
+    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
+        alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
         self._alloc = alloc
         todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
         self.indices = [i for i, _ in todo]

@@ -221,12 +221,13 @@ class StreamedOutgoing:
     def __init__(self, transport: StreamTransport) -> None:
         self.transport = transport
         self.keys: list[bytes] = []
+        self.parent = b""
         self.buffers: list[torch.Tensor] = []
         self.indices: list[int] = []
         self.asked = 0
 
-    async def reserve(self, keys: list[bytes]) -> None:
-        self.keys = keys
+    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
+        self.keys, self.parent = keys, parent
         self.indices = list(range(len(keys)))
         self.buffers = [torch.empty(self.transport.layout.page_bytes, dtype=torch.uint8) for _ in keys]
         self.asked = len(keys)
@@ -234,7 +235,7 @@ class StreamedOutgoing:
     async def publish(self, checksums: list[int], durable: bool) -> int:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
-            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable))
+            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent))
 
     term_s = math.inf  # nothing is reserved on the server
 
