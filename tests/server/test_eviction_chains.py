@@ -142,3 +142,26 @@ def test_commit_counts_nothing_after_a_gone_parent(server) -> None:
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     counts = server.core.leases.counts()
     assert counts.num_allocations == 0 and not counts.pinned and not counts.moving  # nothing left held
+
+
+def test_residency_gives_up_whole_chains_tail_first() -> None:
+    """Chains added one after another go oldest chain first, each from its last page to its
+    first, and a chain that grows meanwhile is searched again (not the remembered end)."""
+    order = HostResidency()
+    chains = [[bytes([c, i]) * 8 for i in range(50)] for c in range(3)]
+    for chain in chains:
+        for i, key in enumerate(chain):
+            order.add(key, chain[i - 1] if i else None)
+    got = []
+    for _ in range(10):
+        got.append(victim := order.victim(set()))
+        order.remove(victim, evicted=True)
+    assert got == chains[0][:-11:-1]
+    grown = b"g" * 16
+    order.add(grown, chains[0][39])  # the chain grows at its end
+    assert order.victim(set()) == grown
+    order.remove(grown, evicted=True)
+    while (victim := order.victim(set())) is not None:
+        got.append(victim)
+        order.remove(victim, evicted=True)
+    assert got == [k for chain in chains for k in reversed(chain)]
