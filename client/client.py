@@ -264,6 +264,8 @@ class KVStoreClient:
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         check_engine_kv(kv, self.layout, len(keys) * self.layout.page_tokens, "kv")
         stored = await self._io(self.transport.put(keys, kv, durable, flags))
+        if 0 < stored < len(keys):  # cut short: the put's own tail may have been evicted before it ended
+            stored = min(stored, len((await self.lookup_keys(keys[:stored])).keys))
         if replicas != 1 and stored:
             stored = await self.replicate_keys(keys[:stored], replicas)
         return stored * self.layout.page_tokens

@@ -97,7 +97,7 @@ class Pieces(Protocol):
 
 
 def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int | None,
-                durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0) -> Iterator[bytes]:
+                durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0, parent: bytes = b"") -> Iterator[bytes]:
     """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``.
     With ``page_checksum`` None the checksum is computed here: for a page that fits one
     chunk while its bytes are copied into the message (written after them as a 10-byte
@@ -109,7 +109,8 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         size, cut = len(view), lambda start, end: [view[start:end]]
         rows = np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
     if page_checksum is None and size <= chunk_bytes:
-        meta = data_pb2.PageChunk(key=key, page_bytes=size, durable=durable, namespace_id=namespace_id, layout=layout, flags=flags)
+        meta = data_pb2.PageChunk(key=key, page_bytes=size, durable=durable, namespace_id=namespace_id, layout=layout, flags=flags,
+                                  parent=parent)
         head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size)))
         yield frame_checksummed(head, rows, _CHECKSUM_TAG)[0]
         return
@@ -120,6 +121,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         meta = data_pb2.PageChunk(
             key=key, offset=start, page_bytes=size, checksum=page_checksum, durable=durable,
             namespace_id=namespace_id if first else b"", layout=layout if first else None, flags=flags if first else 0,
+            parent=parent if first else b"",
         )
         yield encode_chunk(meta, *cut(start, min(size, start + chunk_bytes)))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import replace
 
 from kvstore.config import HostTierConfig
@@ -96,11 +96,12 @@ class TenantArenas:
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self._at(slot).write(slot, header, payload)
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
+        links = list(parents) or [None] * len(pages)
         for arena in self.parts():
-            mine = [(slot, header) for slot, header in pages if self._at(slot) is arena]
+            mine = [(page, parent) for page, parent in zip(pages, links) if self._at(page[0]) is arena]
             if mine:
-                arena.commit(mine)
+                arena.commit([page for page, _ in mine], [parent for _, parent in mine])
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         return self._at(slot).view(slot, nbytes)

@@ -43,7 +43,7 @@ Contract of every tier:
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -102,7 +102,9 @@ class Tier(Protocol):
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None: ...
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None: ...
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
+        """Makes written slots the stored pages; ``parents``: each page's predecessor in its
+        prefix when known (the eviction order gives up a chain's tail first)."""
 
     def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult: ...
 
@@ -230,8 +232,8 @@ class TierWrapper:
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self.inner.write(slot, header, payload)
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
-        self.inner.commit(pages)
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
+        self.inner.commit(pages, parents)
 
     def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
         return self.inner.read_into(pages)

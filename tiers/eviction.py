@@ -12,6 +12,12 @@ hold more than their share of the tier, the furthest of them go before unannounc
 A page keeps every announced use: when one happens (or passed long ago) the next one
 counts. Announced uses also sit in one heap ordered by eta, so that expiring them costs
 what expired, not what is announced.
+
+Unannounced pages are given up tail first: a page's writer names its predecessor
+(chains.py), and when the least recently used page has pages after it in its prefix, the
+deepest of those goes first (the head of a prefix outlives its tail in probation, in
+protected and between them, across the several batches of one put). Pages whose
+predecessor is gone (orphans) are of no use and go before anything else.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Container
+
+from kvstore.tiers.chains import PrefixLinks
 
 
 class HostResidency:
@@ -35,14 +43,21 @@ class HostResidency:
         self.due: list[tuple[float, bytes]] = []                  # heap of (eta, key), one per announced use
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()     # recently evicted
         self.ghost_pages = ghost_pages
+        self.orphans: OrderedDict[bytes, None] = OrderedDict()    # unhinted, predecessor gone: no use
+        self.links = PrefixLinks()
+        self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
+        self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.lru or key in self.protected or key in self.hinted
+        return key in self.lru or key in self.protected or key in self.hinted or key in self.orphans
+
+    def _unannounced(self, key: bytes) -> bool:
+        return key in self.lru or key in self.protected or key in self.orphans
 
     def _protect(self, key: bytes) -> None:
         self.protected[key] = None
         self.protected.move_to_end(key)
-        resident = len(self.lru) + len(self.protected) + len(self.hinted)
+        resident = len(self.lru) + len(self.protected) + len(self.hinted) + len(self.orphans)
         while len(self.protected) > self.protected_share * resident:
             old, _ = self.protected.popitem(last=False)
             self.lru[old] = None  # back to probation, as its most recent entry
@@ -51,7 +66,9 @@ class HostResidency:
         etas = self.hints.get(key)
         return etas[0] if etas else None
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: bytes, parent: bytes | None = None) -> None:
+        """``key`` is stored; ``parent``: the page before it in its prefix, when known."""
+        self.orphans.pop(key, None)
         if key in self.hints:
             self.hinted.add(key)
         elif self.segmented and self.ghosts.pop(key, False) is None:
@@ -59,6 +76,19 @@ class HostResidency:
         else:
             self.lru[key] = None
             self.lru.move_to_end(key)
+        for child in self.links.after(key):  # they were waiting for it (a batch committed out of order)
+            if self.orphans.pop(child, False) is None:
+                self.lru[child] = None
+        if parent is not None:
+            self.links.link(key, parent)
+            if parent not in self:
+                self._orphan(key)
+
+    def _orphan(self, key: bytes) -> None:
+        if key in self.lru or key in self.protected:
+            self.lru.pop(key, None)
+            self.protected.pop(key, None)
+            self.orphans[key] = None
 
     def touch(self, key: bytes) -> None:
         if key in self.lru:
@@ -74,6 +104,12 @@ class HostResidency:
         self.lru.pop(key, None)
         self.protected.pop(key, None)
         self.hinted.discard(key)
+        self.orphans.pop(key, None)
+        before = self.links.parent.get(key)
+        if evicted and before is not None and self._picked is not None and self._picked[1] == key:
+            self._next = (self._picked[0], before)  # where the next search down that chain ends: not walked again
+        for child in self.links.unlink(key):
+            self._orphan(child)
         if evicted and self.segmented:
             self.ghosts[key] = None
             if len(self.ghosts) > self.ghost_pages:
@@ -84,9 +120,10 @@ class HostResidency:
         heapq.heappush(self.hints.setdefault(key, []), eta)
         heapq.heappush(self.due, (eta, key))
         self.depth[key] = depth
-        if key in self.lru or key in self.protected:
+        if self._unannounced(key):
             self.lru.pop(key, None)
             self.protected.pop(key, None)
+            self.orphans.pop(key, None)
             self.hinted.add(key)
 
     def consume(self, key: bytes, now: float) -> None:
@@ -123,17 +160,29 @@ class HostResidency:
             if not etas:
                 self._unhint(key)
 
+    def _deepest(self, key: bytes, pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
+        """The page to go in ``key``'s chain; the one before the last victim of the same
+        chain when that is now its end (a chain is given up in O(1) a page, not O(depth))."""
+        if self._next is not None and self._next[0] == key:
+            end = self._next[1]
+            if end not in pinned and self._unannounced(end) and not any(map(self._unannounced, self.links.after(end))):
+                return end
+        return self.links.deepest(key, self._unannounced, pinned, blocked)
+
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
+        blocked: set[bytes] = set()  # chains a pinned page keeps
         if hinted_share is None or len(self.hinted) <= hinted_share:
-            for segment in (self.lru, self.protected):
+            for segment in (self.orphans, self.lru, self.protected):
                 for key in segment:
-                    if key not in pinned:
-                        return key
+                    if key not in pinned and (last := self._deepest(key, pinned, blocked)):
+                        self._picked = (key, last)
+                        return last
         best, best_use = None, (-1.0, -1)
         for key in self.hinted:
             use = (self.hints[key][0], self.depth[key])
             if key not in pinned and use > best_use:
                 best, best_use = key, use
         if best is None:
-            return next((k for seg in (self.lru, self.protected) for k in seg if k not in pinned), None)
+            return next((last for seg in (self.orphans, self.lru, self.protected) for k in seg
+                         if k not in pinned and (last := self.links.deepest(k, self._unannounced, pinned, blocked))), None)
         return best

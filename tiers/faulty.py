@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from kvstore.page import PageHeader
 from kvstore.tiers.base import ReadResult, Tier, TierWrapper
@@ -69,9 +70,9 @@ class FaultyTier(TierWrapper):
             payload = memoryview(damaged)
         self.inner.write(slot, header, payload)
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self._io("commit")
-        self.inner.commit(pages)
+        self.inner.commit(pages, parents)
 
     def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
         self._io("read_into")

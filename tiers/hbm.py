@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -92,7 +92,7 @@ class HbmTier(IndexedPages):
         nbytes = header.payload_bytes
         self.pool[slot : slot + nbytes].copy_(_host_bytes(payload, nbytes))
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         with self._lock:
             for slot, header in pages:
                 old = self._pages.get(header.key)

@@ -25,7 +25,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 from kvstore.config import HostTierConfig
@@ -150,15 +150,17 @@ class HostTier(IndexedPages):
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self.view(slot, header.payload_bytes)[:] = payload[: header.payload_bytes]
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
-        """Makes reserved, written slots the stored copies of their keys."""
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
+        """Makes reserved, written slots the stored copies of their keys (``parents``: see
+        Tier.commit)."""
+        links = list(parents) or [None] * len(pages)
         with self._lock:
-            for slot, header in pages:
+            for (slot, header), parent in zip(pages, links):
                 old = self._pages.get(header.key)
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                self._order.add(header.key)
+                self._order.add(header.key, parent)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = slot - self._base

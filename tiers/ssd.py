@@ -26,7 +26,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -200,7 +200,7 @@ class SsdTier:
         if written != slot_bytes(size):
             raise OSError(f"short write to {DATA_FILE}: {written} of {slot_bytes(size)} bytes")
 
-    def commit(self, pages: list[tuple[int, PageHeader]]) -> None:
+    def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Syncs the written slots, then indexes them (synced): from here they survive a
         restart. On MetadataFull or an I/O error nothing was indexed."""
         if not pages:

@@ -54,6 +54,7 @@ class LayerSave:
         self.kv = kv
         self.first_page = start // layout.page_tokens
         self.keys = keys[self.first_page :]
+        self.parent = keys[self.first_page - 1] if self.first_page else b""  # the server evicts the tail of a prefix first
         self.durable = durable
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._marked: set[int] = set()
@@ -137,7 +138,7 @@ class LayerSave:
             if not self.keys:
                 self._result = self.first_page * layout.page_tokens
                 return
-            runtime.run(outgoing.reserve(self.keys), client.timeout_s)
+            runtime.run(outgoing.reserve(self.keys, self.parent), client.timeout_s)
             renewed = time.monotonic()
             pages = [slot_as_page(buffer, layout) for buffer in outgoing.buffers]
             for _ in range(layout.num_layers):

@@ -72,7 +72,8 @@ class Outgoing(Protocol):
     indices: list[int]
     asked: int
 
-    async def reserve(self, keys: list[bytes]) -> None: ...
+    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
+        """Slots for ``keys``; ``parent``: the page before ``keys[0]`` in its prefix."""
 
     async def publish(self, checksums: list[int], durable: bool) -> int: ...
 

@@ -54,11 +54,12 @@ class ShmTransport:
 
     # -- the RPCs of the arena path: one method each ---------------------------------------
 
-    async def allocate(self, keys: list[bytes]) -> Any:
-        """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy)."""
+    async def allocate(self, keys: list[bytes], parent: bytes = b"") -> Any:
+        """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy);
+        ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first)."""
         runtime = self.peer.runtime
         return await runtime.rpc(runtime.data.Allocate, data_pb2.AllocateRequest(
-            namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys))
+            namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys, parent=parent))
 
     async def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
                      flags: int = 0) -> int:
@@ -260,8 +261,8 @@ class SlotOutgoing:
         self._alloc: Any = None
         self._keys: list[bytes] = []
 
-    async def reserve(self, keys: list[bytes]) -> None:
-        alloc = await self.shm.granted(self.shm.allocate(keys), lambda alloc: self.shm.abort(alloc.allocation_id))
+    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
+        alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
         self._alloc = alloc
         todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
         self.indices = [i for i, _ in todo]

@@ -48,7 +48,7 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
     sizes = shm.batch_sizes()
 
     def allocate(start: int) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(shm.allocate(keys[start : start + next(sizes)]))
+        return asyncio.ensure_future(shm.allocate(keys[start : start + next(sizes)], keys[start - 1] if start else b""))
 
     async def commit_oldest() -> None:
         alloc, todo, copied = copying[0]

@@ -101,7 +101,8 @@ class StreamTransport:
         while stored < len(keys):
             batch = keys[stored : stored + self.peer.max_pages]
             try:
-                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags))
+                parent = keys[stored - 1] if stored else b""  # the server links each page to the one before it
+                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags, parent))
             except TierFull:
                 if stored == 0:
                     raise
@@ -113,12 +114,12 @@ class StreamTransport:
         return stored
 
     def _encoder(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,
-                 flags: int) -> Callable[[int], list[bytes]]:
+                 flags: int, parent: bytes = b"") -> Callable[[int], list[bytes]]:
         rows = page_rows(kv, self.layout)
 
         def encode(i: int) -> list[bytes]:
             page = rows.page(first_page + i) if rows is not None else self._buffered(kv, first_page + i)
-            return self.encode_page(keys[i], page, None, durable, flags)
+            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"")
 
         return encode
 
@@ -130,12 +131,14 @@ class StreamTransport:
         page_in(self._buf, kv, page, self.layout)
         return self._buf.view(torch.uint8).reshape(-1)
 
-    def encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0) -> list[bytes]:
+    def encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0,
+                    parent: bytes = b"") -> list[bytes]:
         """The WritePages chunks of one page: ``page`` is contiguous bytes or a RowPage of the
-        engine's tensor (copied once, into the chunks); ``csum`` None: computed here."""
+        engine's tensor (copied once, into the chunks); ``csum`` None: computed here;
+        ``parent``: the page before it in its prefix."""
         data = page if isinstance(page, RowPage) else memoryview(page.numpy())
         return list(page_chunks(key, self.peer.namespace_id, self.peer.layout_msg, data, csum, durable, self.chunk_bytes,
-                                flags))
+                                flags, parent))
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         """One ReadPages stream per ``max_pages`` pages; a stream that delivers nothing means
@@ -218,12 +221,13 @@ class StreamedOutgoing:
     def __init__(self, transport: StreamTransport) -> None:
         self.transport = transport
         self.keys: list[bytes] = []
+        self.parent = b""
         self.buffers: list[torch.Tensor] = []
         self.indices: list[int] = []
         self.asked = 0
 
-    async def reserve(self, keys: list[bytes]) -> None:
-        self.keys = keys
+    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
+        self.keys, self.parent = keys, parent
         self.indices = list(range(len(keys)))
         self.buffers = [torch.empty(self.transport.layout.page_bytes, dtype=torch.uint8) for _ in keys]
         self.asked = len(keys)
@@ -231,7 +235,7 @@ class StreamedOutgoing:
     async def publish(self, checksums: list[int], durable: bool) -> int:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
-            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable))
+            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent))
 
     term_s = math.inf  # nothing is reserved on the server
 

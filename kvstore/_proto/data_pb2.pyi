@@ -160,14 +160,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace_id", "layout", "keys")
+    __slots__ = ("namespace_id", "layout", "keys", "parent")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     layout: _common_pb2.Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "offset", "exists")
@@ -274,7 +276,7 @@ class RenewResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags")
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class PageChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace_id: bytes
     layout: _common_pb2.Layout
@@ -293,7 +296,8 @@ class PageChunk(_message.Message):
     data: bytes
     durable: bool
     flags: int
-    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ...) -> None: ...
+    parent: bytes
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("num_published",)

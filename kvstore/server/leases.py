@@ -31,6 +31,14 @@ logger = logging.getLogger(__name__)
 HANDLE_BYTES = 16
 
 
+class Pins(Counter[bytes]):
+    """Every pin, a caller's or a move's; ``moving``: the pins of moves. A page pinned by
+    a caller keeps the pages before it in its prefix (eviction order); one being moved
+    down does not (its predecessor may follow it down)."""
+
+    moving: Counter[bytes]  # set by LeaseTable: the same counter as its own
+
+
 @dataclass
 class Allocation:
     """A writer's reservation: slots in the landing tier for the keys not stored yet."""
@@ -42,6 +50,12 @@ class Allocation:
     held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
     expires: float = field(default=0.0)
     tenant: str = ""              # who made it: only that tenant may commit or abort it
+    parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
+
+    def parents(self, keys: list[bytes]) -> list[bytes | None]:
+        """The page before each of ``keys`` in its prefix, when known."""
+        before = dict(zip(self.keys, [self.parent, *self.keys]))
+        return [before.get(key) for key in keys]
 
 
 @dataclass
@@ -70,8 +84,9 @@ class LeaseTable:
         self.max_lease_ms = max_lease_ms
         self.allocation_ttl_ms = allocation_ttl_ms
         self.clock = clock
-        self.pins: Counter[bytes] = Counter()  # every pin, a caller's or a move's
+        self.pins = Pins()  # every pin, a caller's or a move's
         self._moving: Counter[bytes] = Counter()  # the pins of moves
+        self.pins.moving = self._moving
         self._leases: dict[bytes, Lease] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
@@ -90,7 +105,7 @@ class LeaseTable:
         """Drops one pin of each key; returns the keys that are no longer pinned at all."""
         if move:
             self._moving.subtract(keys)
-            self._moving = +self._moving
+            self._moving = self.pins.moving = +self._moving
         pins = self.pins
         pins.subtract(keys)
         free = []
@@ -170,6 +185,26 @@ class LeaseTable:
         self._slot_bytes[alloc.tenant] += len(alloc.slots) * alloc.layout.page_bytes
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
+
+    def anchor(self, parent: bytes | None, stored: Callable[[bytes], bool]) -> list[bytes]:
+        """Pins and returns the nearest stored page at or before ``parent``, following the
+        parents of live allocations (a put's earlier batches may not be committed yet):
+        while a batch is allocated, room is not made by evicting the chain it extends."""
+        for _ in range(len(self._allocations) + 1):
+            if parent is None or stored(parent):
+                break
+            parent = next((a.parent for a in self._allocations.values() if parent in a.slots), None)
+        if parent is None or not stored(parent):
+            return []
+        self.pin([parent])
+        return [parent]
+
+    def broken(self, alloc: Allocation, stored: Callable[[bytes], bool]) -> bool:
+        """Whether the page before the allocation's (``parent``) is gone: evicted while this
+        batch was written, not merely committed later by a live allocation. Then none of the
+        allocation's pages can be found (lookups are prefix lookups)."""
+        parent = alloc.parent
+        return parent is not None and not stored(parent) and not any(parent in a.slots for a in self._allocations.values())
 
     def allocation(self, ident: bytes) -> Allocation | None:
         return self._allocations.get(ident)

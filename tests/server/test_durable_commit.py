@@ -156,7 +156,10 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(prefix, random_kv(layout, len(prefix))) == len(prefix)  # RAM only, oldest in LRU
         filler = list(range(10**7, 10**7 + (host_pages - 8) * 16))
-        assert await client.put(filler, random_kv(layout, len(filler), seed=1)) == len(filler)  # host tier now full
+        # Host tier now full. SSD admission drops one-shot pages, and the tail of a prefix goes
+        # first, so the filler may come back short: what it answers is what can be found.
+        filled = await client.put(filler, random_kv(layout, len(filler), seed=1))
+        assert filled > 0 and (await client.lookup(filler)).num_tokens >= filled
         tokens = prefix + new
         kv = torch.cat([random_kv(layout, len(prefix)), random_kv(layout, len(new), seed=2)], dim=2)
         assert await client.put(tokens, kv, durable=True) == len(tokens)

@@ -73,7 +73,8 @@ async def test_odd_sized_pages_are_demoted_not_dropped(server_factory, tmp_path,
     kv = random_kv(layout, len(tokens), seed=22)
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, kv) == len(tokens)
-        assert "host" not in server.core.where(client.keys(tokens)[0]), "the head was evicted"
+        evicted = [k for k in client.keys(tokens) if "host" not in server.core.where(k)]  # the tail first
+        assert len(evicted) >= host_pages, "half of the pages were evicted from the host tier"
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens), "evicted pages were demoted to ssd"
         out = torch.zeros_like(kv)

@@ -113,18 +113,18 @@ class Placement:
     # -- writes through the landing tier -------------------------------------------------
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 tenant: str = "") -> tuple[bytes, list[tuple[bytes, int | None]]]:
+                 tenant: str = "", parent: bytes | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         """Reserves landing slots for the keys not stored yet, under an allocation of
         ``tenant``; stops at the first that finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
         prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
-        expiry. Raises TierFull when not even the first page fits."""
+        expiry. Raises TierFull when not even the first page fits. ``parent``: the key before keys[0]."""
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
             self._check_layout(namespace_id, layout)
             out: list[tuple[bytes, int | None]] = []
             slots: dict[bytes, int] = {}
-            held: list[bytes] = []
+            held = [] if self.lower else self.leases.anchor(parent, self.residence.stored)  # nothing below: keep what this extends
             try:
                 for key in keys:
                     if key in slots or self.residence.stored(key):
@@ -139,17 +139,17 @@ class Placement:
                         break
                     slots[key] = slot
                     out.append((key, slot))
+                if not out:
+                    raise TierFull(f"{self.landing.name} tier is full and every page in it is leased")
             except BaseException:
                 self.keeper.free_slots(list(slots.values()))
                 self.keeper.unpin(held)
                 raise
-            if not out:
-                raise TierFull(f"{self.landing.name} tier is full and every page in it is leased")
             self._layouts.setdefault(namespace_id, layout)
             if self._fill(arena) > self.config.host.demote_above:
                 self.pressure.set()
-            ident = self.leases.add_allocation(Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant))
-            return ident, out
+            alloc = Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant, parent=parent)
+            return self.leases.add_allocation(alloc), out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
         """Where the caller writes the page ``key`` of its allocation (LeaseExpired when the
@@ -197,12 +197,12 @@ class Placement:
                 header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum,
                                     flags | (FLAG_WANTED if durable else 0))
                 fresh.append((slot, header))
-            self.landing.commit(fresh)
+            self.landing.commit(fresh, alloc.parents([h.key for _, h in fresh]))
             self.keeper.free_slots(list(alloc.slots.values()))
             if fresh:
                 self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
                 self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
-            run = _leading(alloc.keys, self.residence.stored)
+            run = [] if self.leases.broken(alloc, self.residence.stored) else _leading(alloc.keys, self.residence.stored)
             if durable:
                 self.leases.pin(run)
         try:

@@ -63,6 +63,7 @@ class Reader:
         pages: list[AcquiredPage] = []
         read_up: list[tuple[int, bytes, int]] = []  # (lower tier, key, landing slot)
         at: list[int] = []  # where each of read_up is in pages
+        touched: list[bytes] = []  # landing hits, touched once the prefix is known
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
@@ -74,7 +75,7 @@ class Reader:
                 if learn:
                     self.keeper.learn(key)
                 if self.residence.has(key, LANDING):
-                    self.landing.touch(key)
+                    touched.append(key)
                     hit.labels(landing).inc()
                     self.leases.pin([key])
                     pages.append(AcquiredPage(key, self.landing.slot_of(key), self.landing.header(key)))  # type: ignore[arg-type]
@@ -95,6 +96,8 @@ class Reader:
                 read_up.append((tier, key, slot))
                 at.append(len(pages))
                 pages.append(AcquiredPage(key, slot, header))
+            for key in reversed(touched):  # deepest first: the head of the prefix ends the most recent
+                self.landing.touch(key)
         result = self.moves.read_up(read_up)
         with self.keeper.critical():
             return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms, tenant)
@@ -122,7 +125,7 @@ class Reader:
                 self.landing.unreserve(slot)  # removed while we read it: not resurrected
                 cut, reason = i, ""
                 continue
-            self.landing.commit([(slot, page.header)])
+            self.landing.commit([(slot, page.header)], [pages[i - 1].key if i else None])
             name = self.tiers[tier].name
             self.tiers[tier].touch(page.key)
             self.metrics.hits.labels(name).inc()

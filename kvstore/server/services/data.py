@@ -102,11 +102,12 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
+        parent = validate.keys([request.parent], 1)[0] if request.parent else None
         who = current_identity()
         held = self._room(who, len(keys), layout.page_bytes)
         try:
             with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, who.tenant)
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent)
         finally:
             held.release()  # the allocation's slots count now (or there are none)
         return data_pb2.AllocateResponse(
@@ -214,6 +215,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         page: ChunkedPage | None = None
         dest: _Destination | None = None
         who = current_identity()
+        parent: bytes | None = None  # the page before the next one: each follows the one before it in the stream
         try:
             for chunk in request_iterator:
                 if chunk.error:
@@ -221,7 +223,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 if page is None or chunk.offset == 0:
                     if page is not None:
                         raise page.truncated()
-                    page, dest = self._start_page(chunk, who)
+                    if parent is None and stored == 0 and chunk.meta.parent:
+                        parent = validate.keys([chunk.meta.parent], 1)[0]
+                    page, dest = self._start_page(chunk, who, parent)
                 if page.add(chunk):
                     assert dest is not None
                     done, page = page, None
@@ -235,7 +239,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                         self._settle(who, dest, committed)
                     if not committed:
                         break  # stored at its first chunk, gone at its commit: num_published ends here
-                    stored += 1
+                    stored, parent = stored + 1, done.key
             if page is not None:
                 raise StreamCut(str(page.truncated()))
         finally:
@@ -248,7 +252,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if dest.claimed:
             self.tenancy.settle(who, dest.namespace_id, succeeded)
 
-    def _start_page(self, chunk: WireChunk, who: Identity) -> tuple[ChunkedPage, _Destination]:
+    def _start_page(self, chunk: WireChunk, who: Identity, parent: bytes | None) -> tuple[ChunkedPage, _Destination]:
         """Checks a page's first chunk and allocates the landing slot its bytes go to (none
         when the page is stored already: its bytes are only checked)."""
         key = validate.keys([chunk.key], 1)[0]
@@ -262,7 +266,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
-                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant)
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent)
             except BaseException:
                 if claimed:
                     self.tenancy.settle(who, ns, False)

@@ -1,0 +1,167 @@
+"""The host tier evicts the tail of a prefix before its head, and a put answers only
+what is findable when it returns.
+
+Bug pinned: with segmented LRU, prefixes read again fill the protected share; a new put
+larger than the probation share then evicted its OWN first pages (the oldest in
+probation) while its later batches were allocated. Lookups are prefix lookups, so the
+put was unfindable (0 pages) while it answered every token stored and its other pages
+sat useless in the tier.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import random_kv
+
+from kvstore import KVLayout
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.tiers.eviction import HostResidency
+
+PAGES = 24  # per prefix: a 256-page tier holds ~10 of them, probation (20%) ~51 pages
+
+
+def _tokens(seed: int, pages: int, layout: KVLayout) -> list[int]:
+    return [seed * 100_000 + i for i in range(pages * layout.page_tokens)]
+
+
+async def _fill_and_put(server, layout, ns, big_pages: int, use_shm: bool = True) -> tuple[int, int]:
+    """Fills the tier with prefixes read back (protected), then puts one of ``big_pages``.
+    Returns (tokens the put answered stored, tokens a lookup finds right after)."""
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
+        for r in range(10):
+            tokens = _tokens(r + 1, PAGES, layout)
+            assert await client.put(tokens, random_kv(layout, len(tokens), r)) == len(tokens), r
+            hit = await client.lookup(tokens)
+            out = torch.zeros(layout.num_layers, 2, hit.num_tokens, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+            await client.get(hit, out)
+        tokens = _tokens(99, big_pages, layout)
+        kv = random_kv(layout, len(tokens), 99)
+        stored = await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        if hit.num_tokens:
+            out = torch.zeros(layout.num_layers, 2, hit.num_tokens, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
+            await client.get(hit, out)
+            assert torch.equal(out, kv[:, :, : hit.num_tokens])
+        return stored, hit.num_tokens
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "stream"])
+async def test_put_larger_than_probation_is_findable(server_factory, layout, ns, use_shm: bool) -> None:
+    """No SSD: what the put answers stored is found right after, and it is most of the put
+    (its head kept, its tail given up), not 0 pages; through shared memory (batches of
+    Allocate/Commit) and through WritePages streams."""
+    server = server_factory(host_bytes=4 << 20, ssd_bytes=None)
+    stored, found = await _fill_and_put(server, layout, ns, 80, use_shm)
+    assert found == stored
+    assert found >= 32 * layout.page_tokens  # the put kept its head: at least the probation share's worth
+
+
+async def test_put_larger_than_probation_with_ssd(server_factory, layout, ns) -> None:
+    """With an SSD tier below, evicted pages are demoted: the put is findable, and the host
+    tier keeps its head (page 0) rather than its tail."""
+    server = server_factory(host_bytes=4 << 20)
+    stored, found = await _fill_and_put(server, layout, ns, 80)
+    assert found == stored == 80 * layout.page_tokens
+    async with KVStoreClient(server.address, ns) as client:
+        keys = client.keys(_tokens(99, 80, layout))
+    in_host = [server.core.landing.contains(k) for k in keys]
+    assert in_host[0], "the host tier gave up the put's head"
+    assert in_host == sorted(in_host, reverse=True), "the host tier holds a prefix of the put, not pieces of it"
+
+
+def test_residency_evicts_tail_first_across_batches() -> None:
+    """Unit: a chain committed in several batches is evicted deepest page first, and pages
+    whose head is gone (orphans) go before any intact chain."""
+    order = HostResidency()
+    chain = [bytes([i]) * 16 for i in range(6)]
+    order.add(chain[0])
+    order.add(chain[1], chain[0])
+    order.add(chain[2], chain[1])
+    for i in range(3, 6):  # the next batch
+        order.add(chain[i], chain[i - 1])
+    assert order.victim(set()) == chain[5]
+    order.remove(chain[5], evicted=True)
+    assert order.victim({chain[4]}) is None  # a page in use keeps the chain before it
+    order.add(b"x" * 16)  # a newer, unrelated page
+    assert order.victim({chain[4]}) == b"x" * 16
+    order.remove(chain[2])  # deleted: chain[3:5] is of no use now and goes first, deepest first
+    assert order.victim(set()) == chain[4]
+    order.remove(chain[4], evicted=True)
+    assert order.victim(set()) == chain[3]
+    order.remove(chain[3], evicted=True)
+    assert order.victim(set()) == chain[1]
+
+
+def test_residency_survives_made_up_links() -> None:
+    """Links are what writers said: a cycle or a page named its own parent neither hangs
+    the victim search nor makes its pages unevictable."""
+    order = HostResidency()
+    a, b = b"a" * 16, b"b" * 16
+    order.add(a, b)
+    order.add(b, a)
+    order.add(b"c" * 16, b"c" * 16)
+    seen = set()
+    while (victim := order.victim(set())) is not None:
+        assert victim not in seen
+        seen.add(victim)
+        order.remove(victim, evicted=True)
+    assert seen == {a, b, b"c" * 16}
+    assert not order.links.parent and not order.links.children  # nothing kept for pages gone
+
+
+def test_commit_counts_nothing_after_a_gone_parent(server) -> None:
+    """A batch whose named predecessor is gone (evicted while it was written) cannot be
+    found: its commit answers 0, so the put stops counting there. A predecessor merely not
+    committed yet (pipelined batches, committed out of order) does not count as gone; a
+    malformed one is refused."""
+    ns_id, layout = b"n" * 16, common_pb2.Layout(num_layers=4, kv_factor=2, num_kv_heads=2, head_dim=64,
+                                                  dtype="float16", page_tokens=16)
+    a, b, c, d, gone = (bytes([i]) * 16 for i in range(1, 6))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = data_pb2_grpc.DataStub(channel)
+
+        def allocate(key: bytes, parent: bytes = b"") -> bytes:
+            req = data_pb2.AllocateRequest(namespace_id=ns_id, layout=layout, keys=[key], parent=parent)
+            return stub.Allocate(req, timeout=10).allocation_id
+
+        def commit(alloc: bytes, key: bytes) -> int:
+            return stub.Commit(data_pb2.CommitRequest(allocation_id=alloc, keys=[key], checksums=[0]), timeout=10).num_published
+
+        assert commit(allocate(a), a) == 1
+        assert commit(allocate(b, a), b) == 1
+        assert commit(allocate(c, gone), c) == 0
+        first = allocate(d, b)
+        second = allocate(gone, d)  # d is written but not committed yet
+        assert commit(second, gone) == 1
+        assert commit(first, d) == 1
+        with pytest.raises(grpc.RpcError) as bad:
+            allocate(a, b"short")
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    counts = server.core.leases.counts()
+    assert counts.num_allocations == 0 and not counts.pinned and not counts.moving  # nothing left held
+
+
+def test_residency_gives_up_whole_chains_tail_first() -> None:
+    """Chains added one after another go oldest chain first, each from its last page to its
+    first, and a chain that grows meanwhile is searched again (not the remembered end)."""
+    order = HostResidency()
+    chains = [[bytes([c, i]) * 8 for i in range(50)] for c in range(3)]
+    for chain in chains:
+        for i, key in enumerate(chain):
+            order.add(key, chain[i - 1] if i else None)
+    got = []
+    for _ in range(10):
+        got.append(victim := order.victim(set()))
+        order.remove(victim, evicted=True)
+    assert got == chains[0][:-11:-1]
+    grown = b"g" * 16
+    order.add(grown, chains[0][39])  # the chain grows at its end
+    assert order.victim(set()) == grown
+    order.remove(grown, evicted=True)
+    while (victim := order.victim(set())) is not None:
+        got.append(victim)
+        order.remove(victim, evicted=True)
+    assert got == [k for chain in chains for k in reversed(chain)]

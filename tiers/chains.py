@@ -1,0 +1,66 @@
+"""Which page comes before which in its prefix, for the pages a tier holds.
+
+A page is of use only while every page before it in its prefix is there (lookups are prefix
+lookups), so an eviction order must give up the tail of a chain before its head. The
+writer tells the tier each page's predecessor (commit order within a request, and the key
+before its first page); this keeps those links for resident pages only: a page leaves
+when it is removed, so memory is bounded by what the tier holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+
+
+class PrefixLinks:
+    """Predecessor links between resident pages. Not thread-safe (owner's lock)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[bytes, bytes] = {}          # resident key -> the key before it
+        self.children: dict[bytes, set[bytes]] = {}   # key (resident or not) -> resident keys after it
+
+    def link(self, key: bytes, parent: bytes) -> None:
+        """``parent`` comes right before ``key``; a second link replaces the first."""
+        if parent == key:
+            return
+        self.unlink(key)
+        self.parent[key] = parent
+        self.children.setdefault(parent, set()).add(key)
+
+    def unlink(self, key: bytes) -> list[bytes]:
+        """``key`` left the tier: forgets its own link. Returns the resident pages right
+        after it (of no use now); their links stay, so they are adopted if it comes back."""
+        parent = self.parent.pop(key, None)
+        if parent is not None:
+            after = self.children[parent]
+            after.discard(key)
+            if not after:
+                del self.children[parent]
+        return list(self.children.get(key, ()))
+
+    def after(self, key: bytes) -> set[bytes]:
+        return self.children.get(key, set())
+
+    def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
+                 blocked: set[bytes]) -> bytes | None:
+        """The last page of ``key``'s chain (following links to ``evictable`` pages; one being
+        moved down counts as gone), or None when a page after ``key`` is pinned otherwise:
+        that chain is in use up to it, so none of it goes. The pages seen then join
+        ``blocked`` (one victim search walks each chain once). Bounded by the number of
+        links, so a cycle a writer made up cannot hang it."""
+        moving: Container[bytes] = getattr(pinned, "moving", ())  # being moved down: it does not keep its chain
+        seen = []
+        for _ in range(len(self.parent) + 1):
+            if key in blocked:
+                break
+            seen.append(key)
+            after = [k for k in self.children.get(key, ()) if evictable(k) and k not in moving]
+            if not after:
+                return key
+            if any(k in pinned for k in after):
+                break
+            key = after[0]
+        else:
+            return key  # a cycle (links are the writers' word): this page goes like any other
+        blocked.update(seen)
+        return None
