@@ -58,6 +58,7 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 
 _ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
+MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class UcxPageServer:
         self._port = port
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
+        self._admitting = 0  # connections in _admit now (one event loop: no lock)
 
     @property
     def port(self) -> int:
@@ -168,8 +170,18 @@ class UcxPageServer:
         assert task is not None
         self._handlers.add(task)
         try:
-            if self._authorize is not None and not await self._admit(ep):
-                return
+            if self._authorize is not None:
+                if self._admitting >= MAX_ADMITTING:  # peers that present no grant cannot pile up
+                    _refusals.warning("busy", "refused a UCX connection to the data port: %d others are "
+                                      "still presenting their grant", self._admitting)
+                    return
+                self._admitting += 1
+                try:
+                    admitted = await self._admit(ep)
+                finally:
+                    self._admitting -= 1
+                if not admitted:
+                    return
             while True:
                 request = FetchRequest.decode(await _recv_frame(ep))
                 await self._serve(ep, request)

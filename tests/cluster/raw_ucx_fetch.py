@@ -5,8 +5,8 @@ the bytes that arrived (so the test can compare them with the stored page).
 
     python tests/cluster/raw_ucx_fetch.py HOST:PORT GRANT_HEX|- NAMESPACE_HEX PAGE_BYTES KEY_HEX [KEY_HEX ...]
 
-GRANT_HEX: a grant to present (a forged one, say); ``-``: none; ``idle``: connect, send nothing
-for IDLE_S seconds, print ``idle`` and exit.
+GRANT_HEX: a grant to present (a forged one, say); ``-``: none; ``idle [N]``: open N connections
+(default 1), send nothing for IDLE_S seconds, print ``idle`` and exit.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from kvstore.page import checksum
 IDLE_S = 7.0  # past the page server's HELLO_TIMEOUT_S
 
 
-async def idle(address: str) -> None:
+async def idle(address: str, count: int) -> None:
     host, _, port = address.rpartition(":")
     init_ucx(UcxConfig(tls="tcp", progress_mode="thread"))
-    ep = await transport_ucx.ucxx.create_endpoint(host, int(port))
+    eps = [await transport_ucx.ucxx.create_endpoint(host, int(port)) for _ in range(count)]
     await asyncio.sleep(IDLE_S)
-    ep.abort()
+    for ep in eps:
+        ep.abort()
     print("idle", flush=True)
 
 
@@ -48,7 +49,7 @@ async def main(address: str, grant: bytes | None, namespace_id: bytes, page_byte
 
 if __name__ == "__main__":
     if sys.argv[2] == "idle":
-        asyncio.run(idle(sys.argv[1]))
+        asyncio.run(idle(sys.argv[1], int(sys.argv[3]) if len(sys.argv) > 3 else 1))
         os._exit(0)
     grant = None if sys.argv[2] == "-" else bytes.fromhex(sys.argv[2])
     asyncio.run(main(sys.argv[1], grant, bytes.fromhex(sys.argv[3]), int(sys.argv[4]), [bytes.fromhex(k) for k in sys.argv[5:]]))

@@ -19,6 +19,7 @@ from test_cluster_auth import A, secure_args
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster import transport_ucx
 from kvstore.security.channel import ClientTLS
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "security"))
@@ -63,11 +64,14 @@ async def test_a_client_that_is_not_a_node_gets_no_page_over_ucx(cluster_nodes, 
     assert "ok" not in got["statuses"], f"a forged grant read tenant a's pages: {got}"
     await eventually(lambda: _logged(a.log, "its grant is unknown, used or expired"), 10, "node a logging the forged grant")
 
-    # a connection that presents nothing is dropped after HELLO_TIMEOUT_S, not served nor held forever
-    done = await asyncio.to_thread(subprocess.run, [sys.executable, str(RAW_FETCH), data["a"], "idle"], capture_output=True,
-                                   text=True, timeout=60, check=False)
+    # a connection that presents nothing is dropped after HELLO_TIMEOUT_S, not served nor held
+    # forever; and more than MAX_ADMITTING of them at once cannot pile up: the rest are dropped unread
+    flood = str(transport_ucx.MAX_ADMITTING + 8)
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, str(RAW_FETCH), data["a"], "idle", flood],
+                                   capture_output=True, text=True, timeout=120, check=False)
     assert done.stdout.strip().endswith("idle"), done.stderr[-3000:]
     await eventually(lambda: _logged(a.log, "no grant within"), 10, "node a dropping the idle connection")
+    await eventually(lambda: _logged(a.log, "still presenting their grant"), 10, "node a refusing the flood past its cap")
 
     # the nodes' own transfers still work: tenant a reads its prefix at b, over UCX, bit-exact
     async with KVStoreClient(b.address, NS, token=A, tls=tls) as a_on_b:

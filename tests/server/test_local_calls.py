@@ -302,3 +302,28 @@ def test_accept_out_of_descriptors_pauses_instead_of_spinning(server: Server, ca
 
 def _accept_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if "accept failed" in r.getMessage()]
+
+
+def test_a_peer_thread_that_cannot_start_costs_that_peer_only(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process out of threads ("can't start new thread") made the accept loop die on
+    Thread.start(): the call socket stayed dead until a restart. The peer is closed, its
+    slot given back, and the next caller is served. (The one fake here: thread exhaustion
+    cannot be made on purpose without starving the test itself.)"""
+    import threading
+
+    start = threading.Thread.start
+    failed: list[str] = []
+
+    def start_or_fail(thread: threading.Thread) -> None:
+        if thread.name == "call-peer" and not failed:
+            failed.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    first = _raw(server)
+    first.settimeout(5)
+    assert first.recv(1) == b""  # closed unanswered
+    first.close()
+    assert failed
+    _still_serves(server)

@@ -176,7 +176,15 @@ class CallSocket:
             thread = threading.Thread(target=self._serve, args=(conn, pid, uid), name="call-peer", daemon=True)
             with self._lock:
                 self._open[conn] = thread
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread": this peer goes, the socket stays up
+                _accept_errors.warning("thread", "call socket: cannot serve pid %d (%s); it falls back to gRPC", pid, exc)
+                with self._lock:
+                    self._open.pop(conn, None)
+                self._slots.release()
+                self._unclaim(pid)
+                conn.close()
 
     def _unclaim(self, pid: int) -> None:
         with self._lock:
