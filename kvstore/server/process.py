@@ -239,6 +239,7 @@ class Server:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.call_socket.stop()  # first, as gRPC stops taking calls first: nothing is served while the rest stops
         if self.cluster is not None:
             self.cluster.stop()
         if self._scrubber is not None:
@@ -250,7 +251,6 @@ class Server:
         local = self.config.security.local_socket
         if local is not None and local.is_socket():
             local.unlink(missing_ok=True)
-        self.call_socket.stop()
         if self.call_socket.path.parent != self.config.data_dir:
             shutil.rmtree(self.call_socket.path.parent, ignore_errors=True)
         if self.arena_socket is not None:
