@@ -71,7 +71,7 @@ def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
     path = data_dir / name
     if len(os.fsencode(path)) <= 100:
         return path
-    return Path(tempfile.mkdtemp(prefix="kvstore-")) / "arena.sock"
+    return Path(tempfile.mkdtemp(prefix="kvstore-")) / name
 
 
 def _cluster_salts(config: ServerConfig) -> Callable[[], TenantSalts]:
