@@ -4,6 +4,7 @@ server ends a call at its deadline and leaves no lease; a restarted server is re
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Callable
@@ -97,7 +98,7 @@ async def test_a_stalled_server_ends_the_call_at_its_deadline_and_leaves_no_leas
         assert socket_calls == ["Data.Acquire"] and grpc_calls == []
         deadline = time.monotonic() + 10
         while num_leases(server_process.address) and time.monotonic() < deadline:
-            time.sleep(0.01)  # the resumed server fails to answer the abandoned Acquire and undoes it
+            await asyncio.sleep(0.01)  # the resumed server fails to answer the abandoned Acquire and undoes it
         assert num_leases(server_process.address) == 0
         into = torch.zeros_like(kv)
         assert await client.get(hit, into) == len(tokens)  # the socket serves again
