@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 from conftest import ServerProcess, random_kv
+from test_localcall_deadline import CALL_TOKEN, _read_request
 
-from kvstore import KVLayout, Namespace
-from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore import KVLayout, Namespace, localcall
+from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
+from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.errors import KVStoreError
 
 
@@ -117,3 +123,58 @@ async def test_a_restarted_server_is_reached_again(server_process: ServerProcess
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens)
         assert not client.runtime.local.usable, "the socket is another server's now: gRPC"
+
+
+def _scripted_peer(listener: socket.socket, asked: list[int], received: threading.Event, go: threading.Event,
+                   answered: threading.Event) -> None:
+    """Answers each connection's HELLO; answers an Acquire (a lease) only once ``go`` is set,
+    and every other call with an empty OK. Notes the method ids it was asked."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_serve_scripted, args=(conn, asked, received, go, answered), daemon=True).start()
+
+
+def _serve_scripted(conn: socket.socket, asked: list[int], received: threading.Event, go: threading.Event,
+                    answered: threading.Event) -> None:
+    with conn:
+        if _read_request(conn) is None:
+            return
+        conn.sendall(localcall.answer_frame(0, CALL_TOKEN + b"t"))
+        while (request := _read_request(conn)) is not None:
+            asked.append(request[0])
+            if request[0] == localcall.METHOD_IDS["Data.Acquire"]:
+                received.set()
+                go.wait(10)
+                conn.sendall(localcall.answer_frame(0, data_pb2.AcquireResponse(lease_id=b"L" * 16).SerializeToString()))
+                answered.set()
+            else:
+                conn.sendall(localcall.answer_frame(0, b""))
+
+
+async def test_a_lease_answered_to_a_cancelled_call_is_given_back(tmp_path: Path) -> None:
+    """The answer of an Acquire arrived while its caller was being cancelled (it never read it):
+    the channel reads it after shutting the connection and releases the lease."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "call.sock"))
+    listener.listen(8)
+    asked: list[int] = []
+    received, go, answered = threading.Event(), threading.Event(), threading.Event()
+    threading.Thread(target=_scripted_peer, args=(listener, asked, received, go, answered), daemon=True).start()
+    try:
+        channel = await AsyncCallChannel.open(str(tmp_path / "call.sock"), None, CALL_TOKEN)
+        assert channel is not None
+        call = asyncio.ensure_future(channel.call("Data.Acquire", data_pb2.AcquireRequest(keys=[b"k" * 16]), 10.0))
+        assert await asyncio.get_running_loop().run_in_executor(None, received.wait, 10)
+        go.set()
+        assert answered.wait(10)  # blocks this loop: the call cannot read the answer before it is cancelled
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await channel.close()  # waits for the give-back
+        assert channel.num_late == 1
+        assert asked == [localcall.METHOD_IDS["Data.Acquire"], localcall.METHOD_IDS["Data.Release"]]
+    finally:
+        listener.close()
