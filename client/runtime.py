@@ -10,8 +10,9 @@ coroutines:
 * ``runtime.run(coro, timeout_s)`` from any other thread (layer-wise workers, engine
   hooks), bounded by ``timeout_s``.
 
-``rpc`` is the one place a unary method is called (always with a deadline) and ``error``
-the one place a gRPC status becomes a kvstore error. Every job submitted here completes
+``rpc`` is the one place a unary method is called over gRPC (always with a deadline),
+``unary`` picks the same-host call socket for it when the client has one (localcall_aio), and
+``error`` is the one place a gRPC status becomes a kvstore error. Every job submitted here completes
 exactly once: a caller cancelled or timed out cancels its job and waits for it to unwind
 (its cleanup gives back leases and allocations), and ``close`` does the same for every job
 still running before the channel goes.
