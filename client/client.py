@@ -33,6 +33,7 @@ from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
+from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
@@ -86,7 +87,8 @@ class KVStoreClient:
         (4 KiB to 8 MiB); by default a page up to 4 MiB is one message. ``token``: the bearer
         token of a server with --auth-file; ``tls``: for a server with --tls-cert (see
         kvstore.security.channel: a token goes only over TLS or to a loopback address).
-        ``use_call_socket``: take the server's same-host call channel (``calls``) when it offers one."""
+        ``use_call_socket``: take the server's same-host call channel (``calls``) when it offers one,
+        and, with shared memory, make the async API's unary calls over it rather than gRPC."""
         check_chunk_bytes(chunk_bytes)
         self._token, self._tls = token, tls
         self.chunk_bytes = chunk_bytes
@@ -137,6 +139,8 @@ class KVStoreClient:
         if self.use_call_socket and info.call_socket:
             self._calls = await asyncio.get_running_loop().run_in_executor(
                 None, CallChannel.open, info.call_socket, self._token, info.call_token, self.timeout_s)
+        if self._arena is not None and self.use_call_socket and info.call_socket:
+            runtime.local = await runtime.call(AsyncCallChannel.open(info.call_socket, self._token, info.call_token))
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, info.arena_bytes, self.copy_threads)
         else:
@@ -215,6 +219,10 @@ class KVStoreClient:
         """One unary RPC, run on the I/O runtime."""
         return await self._io(self.runtime.rpc(method, request))
 
+    async def _unary(self, name: str, request: Any) -> Any:
+        """One unary call by name, run on the I/O runtime (over the call socket when it has one)."""
+        return await self._io(self.runtime.unary(name, request))
+
     def keys(self, tokens: Any) -> list[bytes]:
         """The page keys of ``tokens`` (full pages only)."""
         return page_keys(self.namespace.namespace_id, tokens, self.layout.page_tokens)
@@ -235,7 +243,7 @@ class KVStoreClient:
         for start in range(0, len(keys), self.max_pages):
             batch = keys[start : start + self.max_pages]
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
-            resp = await self.runtime.rpc(self.runtime.directory.Lookup, req)
+            resp = await self.runtime.unary("Directory.Lookup", req)
             runs.extend(LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs)
             n += resp.num_pages
             if resp.num_pages < len(batch):
@@ -316,18 +324,18 @@ class KVStoreClient:
         req = data_pb2.AppendTokensRequest(namespace_id=self.namespace.namespace_id, session_id=session_id,
                                            expected_length=expected_length, tokens=token_array(tokens).tolist(), sync=sync,
                                            prompt_tokens=prompt_tokens)
-        return int((await self._call(self.runtime.data.AppendTokens, req)).length)
+        return int((await self._unary("Data.AppendTokens", req)).length)
 
     async def read_session(self, session_id: str) -> LoggedSession | None:
         """A session's logged tokens, or None if it was never logged (or was ended)."""
         req = data_pb2.GetSessionRequest(namespace_id=self.namespace.namespace_id, session_id=session_id)
-        resp = await self._call(self.runtime.data.GetSession, req)
+        resp = await self._unary("Data.GetSession", req)
         return LoggedSession(resp.prompt_tokens, list(resp.tokens)) if resp.found else None
 
     async def end_session(self, session_id: str) -> None:
         """Drops a session's log (its KV pages stay, as any others)."""
         req = data_pb2.EndSessionRequest(namespace_id=self.namespace.namespace_id, session_id=session_id)
-        await self._call(self.runtime.data.EndSession, req)
+        await self._unary("Data.EndSession", req)
 
     # -- queue hints ---------------------------------------------------------------------
 
@@ -344,7 +352,7 @@ class KVStoreClient:
         if not sent:
             return [False] * len(entries)
         req = data_pb2.HintRequest(namespace_id=self.namespace.namespace_id, entries=sent)
-        reserved = iter((await self._call(self.runtime.data.Hint, req)).reserved)
+        reserved = iter((await self._unary("Data.Hint", req)).reserved)
         return [bool(entry.keys) and next(reserved) for entry in entries]
 
     # -- layer-wise ----------------------------------------------------------------------

@@ -10,8 +10,9 @@ coroutines:
 * ``runtime.run(coro, timeout_s)`` from any other thread (layer-wise workers, engine
   hooks), bounded by ``timeout_s``.
 
-``rpc`` is the one place a unary method is called (always with a deadline) and ``error``
-the one place a gRPC status becomes a kvstore error. Every job submitted here completes
+``rpc`` is the one place a unary method is called over gRPC (always with a deadline),
+``unary`` picks the same-host call socket for it when the client has one (localcall_aio), and
+``error`` is the one place a gRPC status becomes a kvstore error. Every job submitted here completes
 exactly once: a caller cancelled or timed out cancels its job and waits for it to unwind
 (its cleanup gives back leases and allocations), and ``close`` does the same for every job
 still running before the channel goes.
@@ -28,7 +29,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore import localcall
 from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
+from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
@@ -129,6 +132,7 @@ class Runtime:
         self._lock = threading.Lock()  # orders submissions against close
         self._closed = False
         self._channel: grpc.aio.Channel | None = None
+        self.local: AsyncCallChannel | None = None  # the same-host call socket, when the client takes it (set on this loop)
         self.data: data_pb2_grpc.DataStub  # the stubs, set by open()
         self.directory: directory_pb2_grpc.DirectoryStub
         self.pages: PageStubs
@@ -150,6 +154,26 @@ class Runtime:
             return await method(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self.error(exc) from None
+
+    async def unary(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        """Calls the unary method ``name`` ("Data.Allocate") with a deadline: over the call
+        socket when the client has one (no TLS, no per-call token check), else, or when the
+        socket did not take the request, over gRPC. Errors are the same either way."""
+        timeout_s = timeout_s or self.timeout_s
+        local = self.local
+        if local is not None and name in localcall.METHOD_IDS and local.usable:
+            start = self._loop.time()
+            try:
+                return await local.call(name, request, timeout_s)
+            except NotSent as exc:
+                logger.debug("%s over gRPC: %s", name, exc)
+                timeout_s = max(1e-3, timeout_s - (self._loop.time() - start))  # one deadline for both tries
+            except TimeoutError:
+                raise KVStoreError(f"kvstore-server at {self.address}: DEADLINE_EXCEEDED: {name} "
+                                   f"(call socket, {timeout_s:.3f} s)") from None
+        service, method = name.split(".", 1)
+        stub = self.directory if service == "Directory" else self.data
+        return await self.rpc(getattr(stub, method), request, timeout_s)
 
     def error(self, exc: grpc.aio.AioRpcError) -> KVStoreError:
         """The kvstore error for a failed call: the class the server named, else the one of
@@ -243,6 +267,8 @@ class Runtime:
                     logger.error("a call did not finish its cleanup within %.0f s of close; what it holds expires",
                                  2 * self.timeout_s)
                     job.fail(KVStoreError("the client closed before the operation finished"))
+        if self.local is not None:
+            await self.local.close()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

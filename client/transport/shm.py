@@ -58,7 +58,7 @@ class ShmTransport:
         """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy);
         ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first)."""
         runtime = self.peer.runtime
-        return await runtime.rpc(runtime.data.Allocate, data_pb2.AllocateRequest(
+        return await runtime.unary("Data.Allocate", data_pb2.AllocateRequest(
             namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys, parent=parent))
 
     async def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
@@ -66,30 +66,30 @@ class ShmTransport:
         """Publishes the copied slots; returns num_published: the leading pages of the
         allocation stored (durable: on ssd)."""
         runtime = self.peer.runtime
-        answer = await runtime.rpc(runtime.data.Commit, data_pb2.CommitRequest(
+        answer = await runtime.unary("Data.Commit", data_pb2.CommitRequest(
             allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable, flags=flags))
         return int(answer.num_published)
 
     async def abort(self, allocation_id: bytes) -> None:
         """Gives an allocation back (one that failed its commit is gone already: debug)."""
         request = data_pb2.AbortRequest(allocation_id=allocation_id)
-        await self._give_back(self.peer.runtime.data.Abort, request, f"allocation {allocation_id.hex()[:8]}", logging.DEBUG)
+        await self._give_back("Data.Abort", request, f"allocation {allocation_id.hex()[:8]}", logging.DEBUG)
 
     async def acquire(self, keys: list[bytes]) -> Any:
         """A lease on the slots of the longest stored prefix of ``keys`` that fits."""
         runtime = self.peer.runtime
-        return await runtime.rpc(runtime.data.Acquire, data_pb2.AcquireRequest(
+        return await runtime.unary("Data.Acquire", data_pb2.AcquireRequest(
             namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms))
 
     async def release(self, lease_id: bytes) -> None:
         """Gives a lease back."""
         request = data_pb2.ReleaseRequest(lease_id=lease_id)
-        await self._give_back(self.peer.runtime.data.Release, request, f"lease {lease_id.hex()[:8]}", logging.WARNING)
+        await self._give_back("Data.Release", request, f"lease {lease_id.hex()[:8]}", logging.WARNING)
 
-    async def _give_back(self, method: Callable[..., Awaitable[Any]], request: Any, what: str, level: int) -> None:
+    async def _give_back(self, method: str, request: Any, what: str, level: int) -> None:
         """A call that gives something back never raises: a failure is left to its expiry."""
         try:
-            await self.peer.runtime.rpc(method, request)
+            await self.peer.runtime.unary(method, request)
         except KVStoreError as exc:
             logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
 
@@ -98,7 +98,7 @@ class ShmTransport:
         raises LeaseExpired when it is already gone."""
         runtime = self.peer.runtime
         ttl = self.peer.lease_ms if ttl_ms is None else ttl_ms
-        await runtime.rpc(runtime.data.Renew, data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
+        await runtime.unary("Data.Renew", data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
 
     async def granted(self, request: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[None]]) -> T:
         """Awaits an RPC that grants something (a lease, an allocation). If the caller is

@@ -1,0 +1,241 @@
+"""Unary calls over the server's same-host call socket from the client's I/O runtime (issue 16).
+
+The async API's control calls (Allocate, Commit, Acquire, Release, Lookup, ...) went over
+gRPC even when the pages moved through shared memory: with TLS and tokens every one paid the
+TLS record layer and a token check, which made the secure shm path ~11% slower than the plain
+one. The call socket (kvstore/localcall.py) authenticates once per connection and has no TLS;
+``client/localcall.py`` is its blocking client, this is the one for the runtime's event loop.
+
+Same frames, same HELLO, same check of the server's ``call_token`` as the blocking channel.
+A small pool of connections, one call at a time on each, so concurrent calls do not queue
+behind each other. ``NotSent`` means the request never reached the server (socket missing,
+refused, a connection that broke before it was sent): the caller may take gRPC instead.
+Nothing left behind: a call past its deadline (or cancelled) shuts the connection's reading
+side first, so the server's write fails and it undoes what it granted; an answer that had
+arrived before is read and given back (Release, Abort) on a task of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import grpc
+
+from kvstore import localcall
+from kvstore._proto import data_pb2, directory_pb2
+from kvstore.client.localcall import _CODES, _GIVE_BACK, _GIVE_BACK_S
+from kvstore.errors import KVStoreError
+from kvstore.security.socket_owner import check_served_by_us
+from kvstore.status import error_for
+
+logger = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 8  # calls of one client in flight at once on the socket (a put pipeline has ~5)
+_RETRY_S = 1.0  # after the socket failed to take a call, gRPC alone this long (no connect per call)
+_HELLO_S = 2.0  # the most a HELLO may take (a stalled server or a stranger's socket)
+_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
+
+
+class NotSent(KVStoreError):
+    """The call never reached the server: the caller may make it over gRPC."""
+
+
+class _Gone(Exception):
+    """The server closed the connection (or sent what no answer is)."""
+
+
+class AsyncCallChannel:
+    """The call socket for coroutines of one event loop (the client's runtime loop)."""
+
+    def __init__(self, path: str, token: str | None, call_token: bytes) -> None:
+        self.path = path
+        self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
+        self._call_token = call_token
+        self._idle: list[socket.socket] = []
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._down_until = 0.0
+        self._retired = False  # the socket is another server's now (a restart): gRPC from here on
+        self._give_backs: set[asyncio.Task[None]] = set()
+        self.num_late = 0  # answers that came after their deadline and were given back here
+
+    @classmethod
+    async def open(cls, path: str, token: str | None, call_token: bytes) -> AsyncCallChannel | None:
+        """A channel whose first connection said HELLO; None (reason logged) when this host
+        cannot use the socket (another uid, not this server's, the token refused)."""
+        if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
+            return None
+        channel = cls(path, token, call_token)
+        loop = asyncio.get_running_loop()
+        try:
+            channel._idle.append(await channel._connect(loop.time() + _HELLO_S))
+        except KVStoreError as exc:
+            logger.info("call socket %s not usable from the async client (%s); unary calls go over gRPC", path, exc)
+            return None
+        return channel
+
+    @property
+    def usable(self) -> bool:
+        """False while the socket is known not to take calls (gRPC then, without trying it)."""
+        return not self._retired and asyncio.get_running_loop().time() >= self._down_until
+
+    async def call(self, method: str, request: Any, timeout_s: float) -> Any:
+        """Calls ``method`` ("Service.Method" of localcall.METHODS) and returns its response.
+        Raises the server's error as its KVStoreError, NotSent when the request did not reach
+        the server, TimeoutError past ``timeout_s`` (what the call granted is given back)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise NotSent(f"call socket {self.path}: all {MAX_CONNECTIONS} connections busy") from None
+        try:
+            return await self._call(loop, method, frame, deadline)
+        except NotSent:
+            self._down_until = loop.time() + _RETRY_S
+            raise
+        finally:
+            self._slots.release()
+
+    async def _call(self, loop: asyncio.AbstractEventLoop, method: str, frame: bytes, deadline: float) -> Any:
+        for attempt in range(2):
+            reused = bool(self._idle)
+            conn = self._idle.pop() if reused else await self._connect(min(deadline, loop.time() + _HELLO_S))
+            received = bytearray()  # of the answer: what a deadline leaves read is still looked at
+            sent = False
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await loop.sock_sendall(conn, frame)
+                    sent = True
+                    status, body = await _answer(loop, conn, received)
+            except (TimeoutError, asyncio.CancelledError):
+                if sent:
+                    self._abandon(conn, method, received)
+                else:
+                    conn.close()  # a request cut short is never run
+                raise
+            except (_Gone, OSError) as exc:
+                conn.close()
+                if reused and not received and attempt == 0:
+                    continue  # the server had closed this idle connection (a restart): a new one
+                if not sent:
+                    raise NotSent(f"call socket {self.path}: {exc}") from None
+                raise KVStoreError(f"call socket {self.path}: {exc}") from None
+            if status == _UNAUTHENTICATED:
+                conn.close()  # the server closes a connection whose caller it refused
+            else:
+                self._idle.append(conn)
+            if status == 0:
+                return _response_type(method).FromString(body)
+            name, message = localcall.parse_error(body)
+            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+        raise AssertionError("unreachable")
+
+    async def _connect(self, deadline: float) -> socket.socket:
+        """A connection that said HELLO; NotSent when there is none to be had by ``deadline``."""
+        loop = asyncio.get_running_loop()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.setblocking(False)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await loop.sock_connect(conn, self.path)
+                check_served_by_us(conn, self.path)  # before the HELLO: it carries the token
+                await loop.sock_sendall(conn, self._hello)
+                status, body = await _answer(loop, conn, bytearray())
+        except (TimeoutError, OSError, _Gone, KVStoreError) as exc:
+            conn.close()  # nothing was asked yet: nothing to give back
+            raise NotSent(f"call socket {self.path}: {exc or 'no HELLO answer by the deadline'}") from None
+        except BaseException:
+            conn.close()
+            raise
+        if status != 0:
+            conn.close()
+            raise NotSent(f"call socket {self.path}: HELLO refused: {localcall.parse_error(body)[1]}")
+        if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
+            conn.close()
+            self._retired = True
+            raise NotSent(f"call socket {self.path} belongs to another server now; unary calls go over gRPC")
+        return conn
+
+    def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
+        """After a deadline or a cancel: from the shutdown on the server cannot deliver the
+        answer (and undoes it); one delivered before is read here and given back."""
+        data = bytes(received)
+        try:
+            conn.shutdown(socket.SHUT_RD)
+            while chunk := conn.recv(1 << 20):
+                data += chunk
+        except OSError:
+            pass  # BlockingIOError: all that arrived is read
+        finally:
+            conn.close()
+        size = localcall.ANSWER_HEADER.size
+        if len(data) < size:
+            return
+        body_bytes, status = localcall.ANSWER_HEADER.unpack(data[:size])
+        give_back = _GIVE_BACK.get(method)
+        if status != 0 or give_back is None or len(data) < size + body_bytes:
+            return  # cut short: the server's write failed, and it undid the call
+        undo_method, request = give_back(_response_type(method).FromString(data[size : size + body_bytes]))
+        self.num_late += 1
+        task = asyncio.get_running_loop().create_task(self._give_back(method, undo_method, request))
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
+
+    async def _give_back(self, method: str, undo_method: str, request: Any) -> None:
+        try:
+            await self.call(undo_method, request, _GIVE_BACK_S)
+        except (KVStoreError, TimeoutError) as exc:
+            logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
+
+    async def close(self) -> None:
+        """Waits (bounded) for the give-backs still running, then closes the connections."""
+        if self._give_backs:
+            await asyncio.wait(list(self._give_backs), timeout=2 * _GIVE_BACK_S)
+        self._retired = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _response_type(method: str) -> Any:
+    service, name = method.split(".", 1)
+    return getattr(directory_pb2 if service == "Directory" else data_pb2, name + "Response")
+
+
+async def _answer(loop: asyncio.AbstractEventLoop, conn: socket.socket, received: bytearray) -> tuple[int, bytes]:
+    """One answer frame (status, body), its bytes gathered in ``received`` (a cancel loses none)."""
+    size = localcall.ANSWER_HEADER.size
+    await _fill(loop, conn, received, size)
+    body_bytes, status = localcall.ANSWER_HEADER.unpack(received[:size])
+    if body_bytes > localcall.MAX_ANSWER_BYTES:
+        raise _Gone(f"an answer of {body_bytes} bytes")
+    await _fill(loop, conn, received, size + body_bytes)
+    return status, bytes(received[size:])
+
+
+async def _fill(loop: asyncio.AbstractEventLoop, conn: socket.socket, received: bytearray, num_bytes: int) -> None:
+    # recv here, not loop.sock_recv: a cancel landing between its recv and our resumption would drop the bytes
+    while len(received) < num_bytes:
+        try:
+            chunk = conn.recv(num_bytes - len(received))
+        except BlockingIOError:
+            await _readable(loop, conn)
+            continue
+        if not chunk:
+            raise _Gone("the server closed the connection")
+        received += chunk
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    ready = loop.create_future()
+    fd = conn.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
