@@ -50,12 +50,20 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
     def allocate(start: int) -> asyncio.Future[Any]:
         return asyncio.ensure_future(shm.allocate(keys[start : start + next(sizes)], keys[start - 1] if start else b""))
 
+    async def commit_after(before: asyncio.Future[int] | None, alloc: Any, todo: list[Any], sums: list[Any]) -> int:
+        # Commits of one put reach the server in order: over the call socket's pool two of
+        # them could be served out of order, and a batch committed before the one it extends
+        # joins the tier as an orphan (tiers/chains.py) while its predecessor may be evicted.
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
+        return await shm.commit(alloc.allocation_id, [slot.key for _, slot in todo], sums, durable, flags)
+
     async def commit_oldest() -> None:
         alloc, todo, copied = copying[0]
         sums = await asyncio.shield(copied)
         copying.popleft()
-        commits.append((len(alloc.slots), asyncio.ensure_future(shm.commit(
-            alloc.allocation_id, [slot.key for _, slot in todo], sums, durable, flags))))
+        before = commits[-1][1] if commits else None
+        commits.append((len(alloc.slots), asyncio.ensure_future(commit_after(before, alloc, todo, sums))))
 
     async def settle_oldest() -> None:
         nonlocal stored, short
