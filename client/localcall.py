@@ -209,14 +209,10 @@ class CallChannel:
             pass  # BlockingIOError: all that arrived is read
         finally:
             conn.close()
-        size = localcall.ANSWER_HEADER.size
-        if len(data) < size:
+        undo = late_give_back(method, data)
+        if undo is None:
             return
-        body_bytes, status = localcall.ANSWER_HEADER.unpack(data[:size])
-        give_back = _GIVE_BACK.get(method)
-        if status != 0 or give_back is None or len(data) < size + body_bytes:
-            return  # cut short: the server's write failed, and it undid the call
-        undo_method, request = give_back(_response_type(method).FromString(data[size : size + body_bytes]))
+        undo_method, request = undo
         self.num_late += 1
         try:  # posted: the caller's deadline has passed, it waits for no answer (a failed one is logged later)
             self.post(undo_method, request, _GIVE_BACK_S)
@@ -254,3 +250,18 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
 
 def _response_type(method: str) -> Any:
     return getattr(data_pb2, method.split(".", 1)[1] + "Response")
+
+
+def late_give_back(method: str, data: bytes) -> tuple[str, Any] | None:
+    """The call that undoes a late answer read after a deadline (Release for an Acquire's
+    lease, Abort for an Allocate), or None: no whole OK answer arrived (the server's write
+    failed, and it undid the call itself) or the method leaves nothing behind. Shared by the
+    blocking and the asyncio channels."""
+    size = localcall.ANSWER_HEADER.size
+    if len(data) < size:
+        return None
+    body_bytes, status = localcall.ANSWER_HEADER.unpack(data[:size])
+    give_back = _GIVE_BACK.get(method)
+    if status != 0 or give_back is None or len(data) < size + body_bytes:
+        return None
+    return give_back(_response_type(method).FromString(data[size : size + body_bytes]))

@@ -26,7 +26,7 @@ import grpc
 
 from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import _CODES, _GIVE_BACK, _GIVE_BACK_S
+from kvstore.client.localcall import _CODES, _GIVE_BACK_S, late_give_back
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 from kvstore.status import error_for
@@ -173,14 +173,10 @@ class AsyncCallChannel:
             pass  # BlockingIOError: all that arrived is read
         finally:
             conn.close()
-        size = localcall.ANSWER_HEADER.size
-        if len(data) < size:
+        undo = late_give_back(method, data)
+        if undo is None:
             return
-        body_bytes, status = localcall.ANSWER_HEADER.unpack(data[:size])
-        give_back = _GIVE_BACK.get(method)
-        if status != 0 or give_back is None or len(data) < size + body_bytes:
-            return  # cut short: the server's write failed, and it undid the call
-        undo_method, request = give_back(_response_type(method).FromString(data[size : size + body_bytes]))
+        undo_method, request = undo
         self.num_late += 1
         task = asyncio.get_running_loop().create_task(self._give_back(method, undo_method, request))
         self._give_backs.add(task)

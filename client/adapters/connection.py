@@ -158,11 +158,7 @@ class StoreConnection:
         except KVStoreError as exc:
             self.failed(client, exc)
             return None
-        if not acq.pages:
-            self.release(client, acq.lease_id)
-            return Lease(acq.lease_id, [], [], started)
-        return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
-                     started + client.lease_ms / 1000)
+        return self._lease(client, acq, started)
 
     def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> Lease | None:
         """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);
@@ -176,6 +172,10 @@ class StoreConnection:
         except KVStoreError as exc:
             self.failed(client, exc)
             return None
+        return self._lease(client, acq, started)
+
+    def _lease(self, client: KVStoreClient, acq: Any, started: float) -> Lease:
+        """The Lease of an Acquire's answer, over either channel; an empty one is given back at once."""
         if not acq.pages:
             self.release(client, acq.lease_id)
             return Lease(acq.lease_id, [], [], started)
