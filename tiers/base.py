@@ -43,8 +43,10 @@ Contract of every tier:
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections import Counter
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.page import PageHeader
@@ -91,6 +93,29 @@ class ArenaInfo:
     size_bytes: int
     token: bytes
     fd: int = -1
+
+
+class MovingPins(Counter[bytes]):
+    """The keys a caller keeps a tier from evicting (``victim``'s ``pinned``), counted, and
+    among them the ones held by moves (``moving``): a page being written down does not keep
+    the pages before it in its prefix (its predecessor may follow it down), one a reader
+    holds does (chains.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._moving: Counter[bytes] = Counter()
+
+    @property
+    def moving(self) -> Mapping[bytes, int]:
+        """The pins of moves, read-only (changed through ``pin_moves`` / ``unpin_moves``)."""
+        return MappingProxyType(self._moving)
+
+    def pin_moves(self, keys: Iterable[bytes]) -> None:
+        self._moving.update(keys)
+
+    def unpin_moves(self, keys: Iterable[bytes]) -> None:
+        self._moving.subtract(keys)
+        self._moving = +self._moving  # drops the zeros
 
 
 class Tier(Protocol):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container
 
+from kvstore.tiers.base import MovingPins
+
 
 class PrefixLinks:
     """Predecessor links between resident pages. Not thread-safe (owner's lock)."""
@@ -48,7 +50,7 @@ class PrefixLinks:
         that chain is in use up to it, so none of it goes. The pages seen then join
         ``blocked`` (one victim search walks each chain once). Bounded by the number of
         links, so a cycle a writer made up cannot hang it."""
-        moving: Container[bytes] = getattr(pinned, "moving", ())  # being moved down: it does not keep its chain
+        moving: Container[bytes] = pinned.moving if isinstance(pinned, MovingPins) else ()  # moved down: keeps no chain
         seen = []
         for _ in range(len(self.parent) + 1):
             if key in blocked:

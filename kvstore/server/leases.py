@@ -25,18 +25,17 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidRequest, LeaseExpired
 from kvstore.page import LayoutDesc
+from kvstore.tiers.base import MovingPins
 
 logger = logging.getLogger(__name__)
 
 HANDLE_BYTES = 16
 
 
-class Pins(Counter[bytes]):
+class Pins(MovingPins):
     """Every pin, a caller's or a move's; ``moving``: the pins of moves. A page pinned by
     a caller keeps the pages before it in its prefix (eviction order); one being moved
     down does not (its predecessor may follow it down)."""
-
-    moving: Counter[bytes]  # set by LeaseTable: the same counter as its own
 
 
 @dataclass
@@ -84,9 +83,7 @@ class LeaseTable:
         self.max_lease_ms = max_lease_ms
         self.allocation_ttl_ms = allocation_ttl_ms
         self.clock = clock
-        self.pins = Pins()  # every pin, a caller's or a move's
-        self._moving: Counter[bytes] = Counter()  # the pins of moves
-        self.pins.moving = self._moving
+        self.pins = Pins()  # every pin, a caller's or a move's (``pins.moving``: the moves')
         self._leases: dict[bytes, Lease] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
@@ -99,13 +96,12 @@ class LeaseTable:
         """``move``: the pin of the server's own move (writing a page down, deleting a copy)."""
         self.pins.update(keys)
         if move:
-            self._moving.update(keys)
+            self.pins.pin_moves(keys)
 
     def unpin(self, keys: list[bytes], move: bool = False) -> list[bytes]:
         """Drops one pin of each key; returns the keys that are no longer pinned at all."""
         if move:
-            self._moving.subtract(keys)
-            self._moving = self.pins.moving = +self._moving
+            self.pins.unpin_moves(keys)
         pins = self.pins
         pins.subtract(keys)
         free = []
@@ -120,7 +116,7 @@ class LeaseTable:
 
     def moving(self, key: bytes) -> bool:
         """Whether a move of the server's own (a promotion, demotion, scrub or delete) holds ``key``."""
-        return key in self._moving
+        return key in self.pins.moving
 
     # -- leases --------------------------------------------------------------------------
 
@@ -259,7 +255,7 @@ class LeaseTable:
         return self._slot_bytes.get(tenant, 0)
 
     def counts(self) -> LeaseCounts:
-        moving = self._moving
+        moving = self.pins.moving
         callers = frozenset(k for k, n in self.pins.items() if n > moving.get(k, 0))
         return LeaseCounts(len(self._leases), len(self._allocations), len(self._expiry), callers, frozenset(moving),
                            frozenset(self._leases))

@@ -165,3 +165,26 @@ def test_residency_gives_up_whole_chains_tail_first() -> None:
         got.append(victim)
         order.remove(victim, evicted=True)
     assert got == [k for chain in chains for k in reversed(chain)]
+
+
+def test_pins_say_which_are_moving_through_a_read_only_property() -> None:
+    """The eviction order reads which pins are moves' through ``Pins.moving``, a public
+    read-only view of the lease table's counter (not an attribute anyone may replace)."""
+    from kvstore.server.leases import LeaseTable
+    from kvstore.tiers.base import MovingPins
+
+    table = LeaseTable(1000, 10_000, 1000)
+    a, b = b"a" * 16, b"b" * 16
+    table.pin([a], move=True)
+    table.pin([b])
+    assert isinstance(table.pins, MovingPins)
+    assert a in table.pins.moving and b not in table.pins.moving
+    with pytest.raises(AttributeError):
+        table.pins.moving = {}  # type: ignore[misc]
+    table.unpin([a], move=True)
+    assert a not in table.pins.moving
+    order = HostResidency()
+    order.add(a)
+    order.add(b, a)
+    table.pin([b], move=True)  # being moved down: it does not keep the page before it
+    assert order.victim(table.pins) == a
