@@ -3,8 +3,9 @@
 A pin keeps a page in whatever tier holds it (never evicted, never freed) until its last
 pin goes; pins count, so two readers of one page each hold one. A lease is a reader's pin
 on a prefix, an allocation a writer's reserved slots (plus a pin on the pages it called
-stored already). Both expire: one heap entry per lease or allocation, a renewed lease's
-entry moved on when it comes due, so renewing in a loop grows nothing.
+stored already, and with no tier below on the page it names as its parent). Both expire:
+one heap entry per lease or allocation, a renewed lease's entry moved on when it comes
+due, so renewing in a loop grows nothing.
 
 Handles are 16 random bytes: a caller cannot guess another's to release, renew or abort it.
 Each remembers the tenant that made it; another tenant's release, renew, commit or abort
@@ -50,6 +51,7 @@ class Allocation:
     expires: float = field(default=0.0)
     tenant: str = ""              # who made it: only that tenant may commit or abort it
     parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
+    parent_held: bool = False     # ``parent`` is pinned until commit/abort/expiry (hold_parent)
 
     def parents(self, keys: list[bytes]) -> list[bytes | None]:
         """The page before each of ``keys`` in its prefix, when known."""
@@ -182,18 +184,23 @@ class LeaseTable:
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
 
-    def anchor(self, parent: bytes | None, stored: Callable[[bytes], bool]) -> list[bytes]:
-        """Pins and returns the nearest stored page at or before ``parent``, following the
-        parents of live allocations (a put's earlier batches may not be committed yet):
-        while a batch is allocated, room is not made by evicting the chain it extends."""
-        for _ in range(len(self._allocations) + 1):
-            if parent is None or stored(parent):
-                break
-            parent = next((a.parent for a in self._allocations.values() if parent in a.slots), None)
-        if parent is None or not stored(parent):
-            return []
-        self.pin([parent])
-        return [parent]
+    def hold_parent(self, alloc: Allocation, keep: bool = True) -> None:
+        """With ``keep``, pins the page the allocation names as its parent (stored or not yet:
+        an earlier batch may commit later) until ``let_go``: the pages after it are written
+        meanwhile, and a prefix lookup finds nothing after a missing page. The pin keeps the
+        whole chain before it too, as a reader's pin does. (With a tier below, an eviction
+        writes the chain down, still findable, and a put may outgrow RAM: no pin then.)"""
+        if keep and alloc.parent is not None and not alloc.parent_held:
+            self.pin([alloc.parent])
+            alloc.parent_held = True
+
+    def let_go(self, alloc: Allocation) -> list[bytes]:
+        """Drops the pins an allocation holds (its stored keys, its parent); returns the keys
+        no longer pinned at all. Once only: commit, abort and expiry each take the allocation."""
+        keys, alloc.held = alloc.held, []
+        if alloc.parent is not None and alloc.parent_held:
+            keys, alloc.parent_held = [*keys, alloc.parent], False
+        return self.unpin(keys)
 
     def broken(self, alloc: Allocation, stored: Callable[[bytes], bool]) -> bool:
         """Whether the page before the allocation's (``parent``) is gone: evicted while this

@@ -114,17 +114,18 @@ class Placement:
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                  tenant: str = "", parent: bytes | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
-        """Reserves landing slots for the keys not stored yet, under an allocation of
-        ``tenant``; stops at the first that finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a
-        prefix of ``keys``; the pages it calls stored are pinned until commit, abort or
-        expiry. Raises TierFull when not even the first page fits. ``parent``: the key before keys[0]."""
+        """Reserves landing slots for the keys not stored yet, under an allocation of ``tenant``; stops at the first that
+        finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
+        pages it calls stored (and ``parent``, the key before keys[0], with no tier below) are pinned until commit, abort
+        or expiry. Raises TierFull when not even the first page fits."""
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
             self._check_layout(namespace_id, layout)
             out: list[tuple[bytes, int | None]] = []
-            slots: dict[bytes, int] = {}
-            held = [] if self.lower else self.leases.anchor(parent, self.residence.stored)  # nothing below: keep what this extends
+            alloc = Allocation(namespace_id, layout, {}, [], [], tenant=tenant, parent=parent)
+            slots, held = alloc.slots, alloc.held
+            self.leases.hold_parent(alloc, keep=not self.lower)  # below, an eviction writes it down: findable
             try:
                 for key in keys:
                     if key in slots or self.residence.stored(key):
@@ -142,13 +143,12 @@ class Placement:
                 if not out:
                     raise TierFull(f"{self.landing.name} tier is full and every page in it is leased")
             except BaseException:
-                self.keeper.free_slots(list(slots.values()))
-                self.keeper.unpin(held)
+                self.keeper.give_back(alloc)
                 raise
             self._layouts.setdefault(namespace_id, layout)
             if self._fill(arena) > self.config.host.demote_above:
                 self.pressure.set()
-            alloc = Allocation(namespace_id, layout, slots, [k for k, _ in out], held, tenant=tenant, parent=parent)
+            alloc.keys = [k for k, _ in out]
             return self.leases.add_allocation(alloc), out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
@@ -210,7 +210,7 @@ class Placement:
                 self.moves.write_through(run)
         finally:
             with self.keeper.critical():
-                self.keeper.unpin(alloc.held + (run if durable else []))
+                self.keeper.let_go(alloc, run if durable else [])
         with self._lock:
             return len(_leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
 

@@ -108,7 +108,11 @@ class Housekeeper:
     def give_back(self, alloc: Allocation) -> None:
         """Lock held: frees an allocation's reserved slots and its pins on stored pages."""
         self.free_slots(list(alloc.slots.values()))
-        self.unpin(alloc.held)
+        self.let_go(alloc)
+
+    def let_go(self, alloc: Allocation, also: list[bytes] | None = None) -> None:
+        """Lock held: drops an allocation's pins (stored keys, parent) and one pin of ``also``."""
+        self.residence.released(self.leases.let_go(alloc) + self.leases.unpin(also or []))
 
     def free_slots(self, slots: list[int]) -> None:
         for slot in slots:

@@ -1,0 +1,94 @@
+"""An open allocation keeps the page it names as its parent: the server, not the order in
+which a client sends its commits, keeps a put's head while its later batches are written.
+
+Bug pinned: a batch allocated before the batch it extends was committed held nothing;
+once that earlier batch was committed, other allocations could evict it (the oldest chain)
+while the later batch was still being written, and the later batch's commit then stored
+nothing findable (lookups are prefix lookups). The client sent its commits in order as a
+workaround (client/transport/shm_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+from conftest import make_config
+
+from kvstore.errors import TierFull
+from kvstore.page import LayoutDesc, checksum
+from kvstore.server.placement import Placement
+
+LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
+NS = b"parent-namespace"
+
+
+def _keys(name: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def _payload(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
+
+
+def _allocate(core: Placement, keys: list[bytes], parent: bytes | None = None) -> bytes:
+    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
+    assert [k for k, _ in slots] == keys
+    for key, slot in slots:
+        if slot is not None:
+            core.slot_view(alloc, key)[:] = _payload(key)
+    return alloc
+
+
+def _commit(core: Placement, alloc: bytes, keys: list[bytes]) -> int:
+    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
+
+
+def _found(core: Placement, keys: list[bytes]) -> int:
+    lease, pages = core.acquire(NS, keys, 0)
+    try:
+        for page in pages:
+            assert bytes(core.read_view(page)) == _payload(page.key)
+        return len(pages)
+    finally:
+        core.release(lease)
+
+
+@pytest.fixture
+def core(tmp_path):
+    core = Placement(make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=None, allocation_ttl_ms=300))
+    yield core
+    core.close()
+
+
+def test_an_open_allocation_keeps_its_committed_parent(core: Placement) -> None:
+    """Batch 2 is allocated before batch 1 commits; other puts then fill the tier while
+    batch 2 is written: batch 1 (the put's head) stays, and batch 2's commit counts."""
+    head, tail = _keys("head", 8), _keys("tail", 8)
+    first = _allocate(core, head)
+    second = _allocate(core, tail, parent=head[-1])
+    assert _commit(core, first, head) == 8
+    for n in range(30):  # 240 pages through a 128-page tier, while batch 2 is open
+        others = _keys(f"other{n}", 8)
+        assert _commit(core, _allocate(core, others), others) == 8
+    assert _commit(core, second, tail) == 8, "the put's head was evicted while its next batch was open"
+    assert _found(core, head + tail) == 16
+    assert core.view().idle, core.view()
+
+
+def test_an_aborted_expired_or_refused_allocation_leaves_no_pin(core: Placement) -> None:
+    head = _keys("head", 4)
+    assert _commit(core, _allocate(core, head), head) == 4
+    core.abort(_allocate(core, _keys("aborted", 4), parent=head[-1]))
+    assert core.view().idle, core.view()
+    _allocate(core, _keys("expired", 4), parent=head[-1])
+    time.sleep(0.4)
+    core.stats()  # reaps what expired
+    assert core.view().idle, core.view()
+    everything = _allocate(core, _keys("fill", 124))  # every slot reserved: the next allocation finds no room
+    with pytest.raises(TierFull):
+        core.allocate(NS, LAYOUT, _keys("refused", 2), parent=head[-1])
+    core.abort(everything)
+    assert core.view().idle, core.view()
+    assert _found(core, head) == 4
