@@ -1,7 +1,8 @@
 """The demoter writes its backlog down in batches (one sync and one index commit for many
 pages): every page of a batch is findable on SSD only once the whole batch is durable, a
 page damaged in RAM is quarantined and never demoted, and the rest of its batch is not
-lost: it stays in RAM and goes down in a later round."""
+lost: it stays in RAM and goes down in a later round. The same after an I/O error: the
+pages the round did not write stay in RAM (the demoter backs off) and go down later."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from conftest import make_config
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Placement
 from kvstore.server.placement.moves import DEMOTE_PAGES
+from kvstore.tiers.base import Tier
+from kvstore.tiers.faulty import FaultyTier
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"batch-namespace!"
@@ -59,6 +62,42 @@ def test_a_damaged_page_in_a_demotion_batch_is_quarantined_and_the_rest_go_down_
         on_ssd = [k for k in kept if "ssd" in core.where(k)]
         assert len(on_ssd) >= len(kept) - int(0.05 * 128), "pages of the damaged page's batch were lost or left in RAM"
         for key in kept:  # none lost, none with other bytes, wherever it is now
+            assert _read(core, key) == _payload(key), key.hex()
+        view = core.view()
+        assert view.idle and not view.moving, view
+    finally:
+        core.close()
+
+
+def test_an_io_error_in_a_demotion_round_keeps_its_pages_in_ram_for_a_later_round(tmp_path) -> None:
+    config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_to=0.05))
+    made: list[FaultyTier] = []
+
+    def wrap(tier: Tier) -> Tier:
+        if tier.name == "ssd":
+            made.append(FaultyTier(tier, seed=1, error_rate=1.0))  # every write fails
+            return made[-1]
+        return tier
+
+    core = Placement(config, wrap=wrap)
+    now = [1000.0]
+    core.moves.clock = lambda: now[0]
+    try:
+        keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(100)]
+        _put(core, keys)
+        assert core.demote_one() is True  # the round ran and failed
+        assert made[0].injected["error"] >= 1
+        lost = [k for k in keys if not core.where(k)]
+        assert not lost, f"{len(lost)} of {len(keys)} pages lost to one failed demotion round"
+        assert core.demote_one() is False, "no backoff: the next round hammers the failing tier at once"
+        made[0].error_rate = 0.0  # the device recovers
+        now[0] += 3600
+        while core.demote_one():
+            pass
+        on_ssd = [k for k in keys if "ssd" in core.where(k)]
+        assert len(on_ssd) >= len(keys) - int(0.05 * 128), f"only {len(on_ssd)} pages went down after the backoff"
+        for key in keys:
             assert _read(core, key) == _payload(key), key.hex()
         view = core.view()
         assert view.idle and not view.moving, view

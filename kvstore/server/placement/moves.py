@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.directory import Directory
@@ -27,6 +27,7 @@ from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
+from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import TenantShares
 from kvstore.tiers.base import LandingTier, ReadResult
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 DEMOTE_PAGES = 64  # a demoter round writes at most this many pages down ...
 DEMOTE_BYTES = 32 << 20  # ... and about this many bytes: one sync and one index commit for them all
+BACKOFF_S = (0.5, 30.0)  # after a round the lower tier failed, the next waits this long, doubling up to the second
 
 
 class NotAmong:
@@ -64,7 +66,7 @@ def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
     return out
 
 
-class Mover:
+class Mover(LowerRoom):
     def __init__(self, lock: threading.Lock, residence: Residence, lower: list[AdmittedTier], leases: LeaseTable,
                  directory: Directory, node: str, metrics: Metrics) -> None:
         self.lock = lock
@@ -80,12 +82,12 @@ class Mover:
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
         self._last_error_log = 0.0
         self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server; a page nobody owns has none)
+        self.clock: Callable[[], float] = time.monotonic  # the demoter's backoff (tests replace it)
+        self._backoff_s = 0.0  # after a failed round: how long the demoter waits, until ``_retry_at``
+        self._retry_at = 0.0
 
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
-
-    def _target(self, tier: int) -> AdmittedTier:
-        return self.lower[tier - 1]
 
     # -- landing room (lock held; released around writes) --------------------------------
 
@@ -108,16 +110,20 @@ class Mover:
 
     def demote(self, arena: LandingTier, low: float) -> bool:
         """Lock held: evicts ``arena``'s coldest pages toward ``low`` of its capacity, the ones
-        worth it written down as one batch (the demoter's round); False when nothing could go."""
+        worth it written down as one batch (the demoter's round); False when nothing could go,
+        or while it backs off after a round the lower tier failed (whose pages stayed in RAM)."""
+        if self.clock() < self._retry_at:
+            return False
         usage = arena.usage()
         over = usage.used_bytes - int(low * usage.capacity_bytes)
-        return self.evict_some(0, None, arena, DEMOTE_PAGES, min(over, DEMOTE_BYTES)) > 0
+        return self.evict_some(0, None, arena, DEMOTE_PAGES, min(over, DEMOTE_BYTES), keep=True) > 0
 
     def evict_some(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None,
-                   limit: int = 1, max_bytes: int = 0) -> int:
+                   limit: int = 1, max_bytes: int = 0, keep: bool = False) -> int:
         """``evict_one`` for up to ``limit`` victims (no more once ``max_bytes`` of them are
         picked, when given); the ones worth writing down go in one ``write_down``: one sync
-        and one index transaction for all of them. Returns how many victims it found."""
+        and one index transaction for all of them. Returns how many victims it found.
+        ``keep`` (work ahead of need): what an I/O error left unwritten stays in RAM."""
         arena = arena or self.landing
         found, picked = 0, 0
         batch: list[tuple[bytes, PageHeader, memoryview]] = []
@@ -134,23 +140,28 @@ class Mover:
             self.leases.pin([victim], move=True)
             batch.append((victim, header, self.landing.view(slot, header.payload_bytes)))
         if batch:
-            self._write_victims(batch)
+            self._write_victims(batch, keep)
         return found
 
-    def _write_victims(self, batch: list[tuple[bytes, PageHeader, memoryview]]) -> None:
+    def _write_victims(self, batch: list[tuple[bytes, PageHeader, memoryview]], keep: bool = False) -> None:
         """Lock held (released for the write): writes pinned victims down, then evicts them
         from the landing tier. A batch with a damaged page (quarantined, nothing indexed)
-        leaves the others in place for the next round; after an I/O error or a refusal they
-        leave the cache as any eviction."""
+        leaves the others in place for the next round; so does an I/O error with ``keep``
+        (the demoter's round, which then backs off); else (an allocation needs the room) or
+        after a refusal they leave the cache as any eviction."""
         keys = [key for key, _, _ in batch]
         kept = True  # whether what was not written down may be dropped
         self.lock.release()
         try:
             self.write_down(1, [(header, view) for _, header, view in batch])
+            self._backoff_s = 0.0
         except PageCorrupt:
             kept = False
-        except (OSError, MetadataFull):
-            pass  # logged and counted by write_down
+        except (OSError, MetadataFull):  # logged and counted by write_down
+            kept = not keep
+            if keep:
+                self._backoff_s = min(max(2 * self._backoff_s, BACKOFF_S[0]), BACKOFF_S[1])
+                self._retry_at = self.clock() + self._backoff_s
         finally:
             self.lock.acquire()
             self.residence.released(self.leases.unpin(keys, move=True))
@@ -165,66 +176,6 @@ class Mover:
         self.landing.delete([key], evicted=True)
         self.directory.remove(key, self.node, self.landing.name)
         self.metrics.evictions.labels(self.landing.name).inc()
-
-    # -- lower room (lock held; released around deletes) ---------------------------------
-
-    def _reserve_lower(self, tier: int, payload_bytes: int) -> int | None:
-        while True:
-            slot = self._target(tier).reserve(payload_bytes)
-            if slot is not None or not self._evict_lower(tier, self.leases.pins, payload_bytes):
-                return slot
-
-    def _evict_lower(self, tier: int, skip: Container[bytes], payload_bytes: int) -> bool:
-        """Evicts the next victim of ``tier`` not in ``skip``; False when there is none or its
-        delete failed. Lock held; released during the delete."""
-        target = self._target(tier)
-        victim = target.victim(skip, payload_bytes)
-        if victim is None:
-            return False
-        self.residence.doom(victim, tier)  # not served while it goes
-        self.leases.pin([victim], move=True)
-        deleted = False
-        self.lock.release()
-        try:
-            target.delete([victim], evicted=True)
-            deleted = True
-        except (OSError, MetadataFull) as exc:  # a full index cannot even record a delete: no room
-            logger.warning("%s tier: cannot evict %s: %s", target.name, victim.hex(), exc)
-        finally:
-            self.lock.acquire()
-            self.residence.revive(victim, tier)  # gone, or still there and live
-            self.residence.released(self.leases.unpin([victim], move=True))
-        if not deleted:
-            return False
-        self.directory.remove(victim, self.node, target.name)
-        self.metrics.evictions.labels(target.name).inc()
-        return True
-
-    def _share_room(self, tier: int, header: PageHeader, why: list[str]) -> bool:
-        """Lock held: whether the page's tenant may add it to ``tier`` within its shares (write
-        budget, then ssd_bytes). At its ssd_bytes its own coldest unpinned pages there make room,
-        never another tenant's; False (the reason in ``why``) when they cannot."""
-        shares = self.shares
-        tenant = shares.tenant_of(header.namespace_id) if shares is not None and tier == 1 else None
-        if shares is None or tenant is None:
-            return True
-        cost = self._target(tier).write_cost(header.payload_bytes)
-        if not shares.can_write(tenant, cost):
-            shares.refused(tenant, "ssd_write_percent")
-            why.append(f"tenant {tenant!r} has spent its share of the {self._target(tier).name} write budget "
-                       "(ssd_write_percent of --ssd-dwpd)")
-            return False
-        if not self._target(tier).budget.can_take(cost):
-            return True  # the drive's budget refuses it next: nothing of the tenant's is evicted for it
-        skip = None
-        while shares.over(tenant, header.payload_bytes):
-            skip = skip or shares.own(tenant, self.leases.pins)
-            if not self._evict_lower(tier, skip, header.payload_bytes):
-                shares.refused(tenant, "ssd_bytes")
-                why.append(f"tenant {tenant!r} is at its ssd bytes quota and every one of its {self._target(tier).name} "
-                           "pages is in use (--tenant-ssd-bytes or the auth file's quotas)")
-                return False
-        return True
 
     # -- writing down (lock not held) ----------------------------------------------------
 
