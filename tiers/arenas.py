@@ -138,6 +138,10 @@ class TenantArenas:
         arena = self._holder(key)
         return arena.slot_of(key) if arena is not None else None
 
+    def parent(self, key: bytes) -> bytes | None:
+        arena = self._holder(key)
+        return arena.parent(key) if arena is not None else None
+
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         return sum(arena.delete(keys, evicted) for arena in self.parts())
 

@@ -207,6 +207,11 @@ class LandingTier(Tier, Protocol):
 
     def slot_bytes(self, slot: int) -> int: ...
 
+    def parent(self, key: bytes) -> bytes | None:
+        """The page before ``key`` in its prefix, as its writer named it (None: not known);
+        a page written down takes it along (the lower tier's eviction order)."""
+        ...
+
     def fits(self, page_bytes: int) -> bool:
         """Whether a page of ``page_bytes`` fits one slot at all."""
         ...

@@ -9,7 +9,7 @@ when it is removed, so memory is bounded by what the tier holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 
 from kvstore.tiers.base import MovingPins
 
@@ -66,3 +66,40 @@ class PrefixLinks:
             return key  # a cycle (links are the writers' word): this page goes like any other
         blocked.update(seen)
         return None
+
+
+class TailFirst:
+    """A least-recently-used order (its owner's) given up tail first: the victim is the
+    deepest page of the least recently used page's chain, so the head of a prefix goes
+    last. For a tier whose pages are written or read head first (the SSD tier: durable
+    puts, write-downs, read-ups), where plain LRU would take the head first. The page
+    before the last victim is remembered, so a chain is given up in O(1) a page. Not
+    thread-safe (owner's lock)."""
+
+    def __init__(self) -> None:
+        self.links = PrefixLinks()
+        self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
+        self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
+
+    def removed(self, key: bytes, evicted: bool = False) -> None:
+        """``key`` left the tier (``evicted``: as the victim named last, maybe)."""
+        before = self.links.parent.get(key)
+        if evicted and before is not None and self._picked is not None and self._picked[1] == key:
+            self._next = (self._picked[0], before)
+        self.links.unlink(key)
+
+    def victim(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> bytes | None:
+        """The page to go: ``order`` lists the held pages least recently used first."""
+        blocked: set[bytes] = set()  # chains a pinned page keeps
+        for key in order:
+            if key not in pinned and (last := self._deepest(key, held, pinned, blocked)) is not None:
+                self._picked = (key, last)
+                return last
+        return None
+
+    def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
+        if self._next is not None and self._next[0] == key:
+            end = self._next[1]
+            if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
+                return end
+        return self.links.deepest(key, held, pinned, blocked)

@@ -228,6 +228,10 @@ class HostTier(IndexedPages):
         with self._lock:
             return self._order.victim(pinned, self._hint_share(page_bytes))
 
+    def parent(self, key: bytes) -> bytes | None:
+        with self._lock:
+            return self._order.links.parent.get(key)
+
     def stored_keys(self) -> list[bytes]:
         with self._lock:
             return list(self._pages)

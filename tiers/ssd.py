@@ -15,7 +15,10 @@ checksum before the page counts.
 Thread-safety: ``_lock`` guards the in-memory map, the slot allocator and the LRU order,
 and is held only for in-memory work; disk reads and writes run without it, index
 transactions under the index's own lock (ssd_index.py). Eviction order: least recently
-used first (a page counts as used when it is stored or read into the host tier).
+used first (a page counts as used when it is stored or read into the host tier), the tail
+of its prefix before its head (chains.TailFirst: pages are stored and read head first, so
+plain LRU would take the head, and with it the whole prefix, first); each page's
+predecessor, when its writer named it, is kept in its index entry for a restart.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvstore.lmdb_env import private_dir
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.chains import TailFirst
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
@@ -83,6 +87,7 @@ class SsdTier:
         # restart with a million pages does not parse a million headers. Insertion order is
         # the LRU order.
         self._pages: OrderedDict[bytes, tuple[int, PageHeader | bytes]] = OrderedDict()
+        self._chains = TailFirst()  # which page comes before which, for the eviction order
         self._lock = threading.Lock()
         self._local = threading.local()
         self._staging = StagingPool()
@@ -127,7 +132,7 @@ class SsdTier:
     def _load_index(self, capacity_bytes: int) -> None:
         """Rebuilds slot state from the index, dropping entries that cannot be right; a
         capacity too small for the stored pages is refused, not a reason to drop them."""
-        entries = self._index.load(os.fstat(self.fd).st_size)
+        entries, links = self._index.load(os.fstat(self.fd).st_size)
         end = max((offset + size for _, offset, size, _ in entries), default=0)
         slab = self._allocator.slab_bytes
         if end > self._allocator.capacity or self._allocator.capacity == 0:
@@ -143,6 +148,10 @@ class SsdTier:
             else:
                 overlapping.append((key, "index entry overlaps another slot"))
         self._index.drop(overlapping)
+        link = self._chains.links.link
+        for key, parent in links:
+            if key in self._pages:
+                link(key, parent)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
                     "O_DIRECT" if self.direct_io else "buffered")
 
@@ -201,19 +210,23 @@ class SsdTier:
             raise OSError(f"short write to {DATA_FILE}: {written} of {slot_bytes(size)} bytes")
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
-        """Syncs the written slots, then indexes them (synced): from here they survive a
-        restart. On MetadataFull or an I/O error nothing was indexed."""
+        """Syncs the written slots, then indexes them (synced), with their ``parents`` (see
+        Tier.commit): from here they survive a restart. On MetadataFull or an I/O error
+        nothing was indexed."""
         if not pages:
             return
         if self.durable:
             os.fdatasync(self.fd)
-        self._index.put(pages)
+        links = list(parents) or [None] * len(pages)
+        self._index.put(pages, links)
         with self._lock:
-            for slot, header in pages:
+            for (slot, header), parent in zip(pages, links):
                 old = self._pages.pop(header.key, None)
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
+                if parent is not None:
+                    self._chains.links.link(header.key, parent)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -330,6 +343,7 @@ class SsdTier:
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
+                    self._chains.removed(key, evicted)
                     count += 1
         return count
 
@@ -345,6 +359,7 @@ class SsdTier:
             entry = self._pages.pop(key, None)
             if entry is not None:
                 self._allocator.free(entry[0])
+                self._chains.removed(key)
 
     def quarantined(self) -> list[Quarantined]:
         return self._index.quarantined()
@@ -361,7 +376,7 @@ class SsdTier:
 
     def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
         with self._lock:
-            return next((k for k in self._pages if k not in pinned), None)
+            return self._chains.victim(self._pages, self._pages.__contains__, pinned)
 
     def stored_keys(self) -> list[bytes]:
         with self._lock:

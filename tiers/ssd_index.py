@@ -14,7 +14,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from kvstore.tiers.slab import ALIGN, round_up
 
 logger = logging.getLogger(__name__)
 
-_ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core
+_ENTRY = struct.Struct("<QQ")  # offset, slot bytes; followed by the header core, then the parent key (16 bytes) if known
 
 
 def slot_bytes(payload_bytes: int) -> int:
@@ -53,12 +53,15 @@ class SsdIndex:
                 self.env.begin(write=True, db=db) as txn:
             yield txn
 
-    def load(self, data_file_bytes: int) -> list[tuple[bytes, int, int, bytes]]:
-        """Every entry that can be right, as (key, offset, slot bytes, raw header core); the
-        others are dropped from the index, each said in the log."""
+    def load(self, data_file_bytes: int) -> tuple[list[tuple[bytes, int, int, bytes]], list[tuple[bytes, bytes]]]:
+        """Every entry that can be right, as (key, offset, slot bytes, raw header core), and
+        the (key, parent) links of those whose writer named a parent (entries of older
+        versions name none); the others are dropped from the index, each said in the log."""
         dropped: list[tuple[bytes, str]] = []
         entries: list[tuple[bytes, int, int, bytes]] = []
+        links: list[tuple[bytes, bytes]] = []
         entry_end = _ENTRY.size + HEADER_CORE_BYTES
+        linked = entry_end + 16
         unpack_entry, unpack_payload, add = _ENTRY.unpack_from, PAYLOAD_BYTES_FIELD.unpack_from, entries.append
         with self.env.begin(db=self.index_db, buffers=False) as txn:
             for key, value in txn.cursor():  # a million entries at start: inlined, no call per entry
@@ -74,8 +77,10 @@ class SsdIndex:
                     dropped.append((key, "index entry does not match the data file"))
                     continue
                 add((key, offset, size, raw))
+                if len(value) >= linked:
+                    links.append((key, value[entry_end:linked]))
         self.drop(dropped)
-        return entries
+        return entries, links
 
     def drop(self, entries: list[tuple[bytes, str]]) -> None:
         """Removes entries that cannot be right, saying why in the log."""
@@ -84,12 +89,14 @@ class SsdIndex:
         if entries:
             self.delete([key for key, _ in entries])
 
-    def put(self, entries: list[tuple[int, PageHeader]]) -> None:
-        """Indexes written, synced slots; on MetadataFull nothing was indexed."""
+    def put(self, entries: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
+        """Indexes written, synced slots, each with its parent when known (the eviction order
+        is rebuilt from them at a restart); on MetadataFull nothing was indexed."""
+        links = list(parents) or [None] * len(entries)
         with self._write_txn(len(entries), self.index_db) as txn:
-            for offset, header in entries:
+            for (offset, header), parent in zip(entries, links):
                 value = _ENTRY.pack(offset, slot_bytes(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]
-                txn.put(header.key, value)
+                txn.put(header.key, value + parent if parent is not None and len(parent) == 16 else value)
 
     def delete(self, keys: list[bytes]) -> None:
         with self._write_txn(len(keys), self.index_db) as txn:

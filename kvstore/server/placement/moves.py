@@ -247,7 +247,7 @@ class Mover(LowerRoom):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
-            target.commit([(slot, header) for slot, header, _ in placed])
+            target.commit([(slot, header) for slot, header, _ in placed], [self.landing.parent(h.key) for _, h, _ in placed])
         except PageCorrupt:
             with self.lock:
                 self._unplace(target, tier, placed)
