@@ -9,7 +9,7 @@ when it is removed, so memory is bounded by what the tier holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Collection, Container, Iterable
 
 from kvstore.tiers.base import MovingPins
 
@@ -18,8 +18,10 @@ class PrefixLinks:
     """Predecessor links between resident pages. Not thread-safe (owner's lock)."""
 
     def __init__(self) -> None:
-        self.parent: dict[bytes, bytes] = {}          # resident key -> the key before it
-        self.children: dict[bytes, set[bytes]] = {}   # key (resident or not) -> resident keys after it
+        self.parent: dict[bytes, bytes] = {}  # resident key -> the key before it
+        # key (resident or not) -> the resident key after it, or a set when several are (rare:
+        # prefixes are chains; one key, not a set, per page keeps an SSD tier's links small)
+        self.children: dict[bytes, bytes | set[bytes]] = {}
 
     def link(self, key: bytes, parent: bytes) -> None:
         """``parent`` comes right before ``key``; a second link replaces the first."""
@@ -27,7 +29,13 @@ class PrefixLinks:
             return
         self.unlink(key)
         self.parent[key] = parent
-        self.children.setdefault(parent, set()).add(key)
+        after = self.children.get(parent)
+        if after is None:
+            self.children[parent] = key
+        elif isinstance(after, set):
+            after.add(key)
+        elif after != key:
+            self.children[parent] = {after, key}
 
     def unlink(self, key: bytes) -> list[bytes]:
         """``key`` left the tier: forgets its own link. Returns the resident pages right
@@ -35,13 +43,17 @@ class PrefixLinks:
         parent = self.parent.pop(key, None)
         if parent is not None:
             after = self.children[parent]
-            after.discard(key)
-            if not after:
+            if not isinstance(after, set):
                 del self.children[parent]
-        return list(self.children.get(key, ()))
+            else:
+                after.discard(key)
+                if len(after) == 1:
+                    self.children[parent] = next(iter(after))
+        return list(self.after(key))
 
-    def after(self, key: bytes) -> set[bytes]:
-        return self.children.get(key, set())
+    def after(self, key: bytes) -> Collection[bytes]:
+        after = self.children.get(key)
+        return () if after is None else after if isinstance(after, set) else (after,)
 
     def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
                  blocked: set[bytes]) -> bytes | None:
@@ -56,7 +68,7 @@ class PrefixLinks:
             if key in blocked:
                 break
             seen.append(key)
-            after = [k for k in self.children.get(key, ()) if evictable(k) and k not in moving]
+            after = [k for k in self.after(key) if evictable(k) and k not in moving]
             if not after:
                 return key
             if any(k in pinned for k in after):
