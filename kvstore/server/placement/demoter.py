@@ -5,8 +5,10 @@ When an allocation leaves the landing tier fuller than ``demote_above`` it signa
 ``core.pressure``; this thread then demotes the coldest pages (``Placement.demote_one``:
 the same eviction and admission decisions an allocation would make, the writes outside
 the core's lock, a batch of pages per sync and index commit) until the tier is down to
-``demote_to``. An allocation that still finds
-no room reclaims a victim itself. With no lower tier there is no demoter (an eviction is
+``demote_to``. A round the lower tier fails (an I/O error, a full index) leaves its
+pages in RAM, and the rounds after it wait, longer each time (``moves.BACKOFF_S``); an
+allocation that still finds no room reclaims a victim itself (dropping it, if the lower
+tier fails it too). With no lower tier there is no demoter (an eviction is
 then in-memory work); without this thread (the trace replay) every eviction
 happens inline, in the order allocations need them.
 
