@@ -10,7 +10,7 @@ Reported per phase: errors and wrong bytes (both must be 0), p50/p99 latency per
 and ops/s after the warm-up, server RSS from minute 1 (or, in a run shorter than two minutes,
 from the end of the warm-up) to the end (growth must be < 5%), the load average. A phase is a
 warm-up minute, then the measured minute (--warmup-s, --duration-s): the server's bounded
-structures (the 65,536-event log Subscribe reads, among others) fill in the first one. And the cost
+structures (caches, heaps) fill in the first one. And the cost
 of TLS + auth: secure vs plain per transport (goal: shm unaffected, gRPC <= 15% slower; a
 goal, not a verdict: this measures speed on a shared machine), from the phases and, decisive
 when run (--rounds), from interleaved short rounds of each compared pair (soak_rounds.py: the
@@ -152,7 +152,8 @@ def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s
             bar: tqdm[Any]) -> list[tuple[float, int, int]]:
     """(seconds since the start, server RSS bytes, events the server has logged) every second
     until the phase ends (or the server). The event log Subscribe reads keeps the last 65,536
-    events (~300 B each): until it is full, it is RSS that grows by design. A Stats call that
+    events in a buffer resident from the server's start (72 B a record): its filling no longer
+    grows RSS; the count shows how far it is filled. A Stats call that
     fails while the server runs is logged as -1 events: the verdict is the clients' to give."""
     timeline: list[tuple[float, int, int]] = []
     shown = 0
@@ -328,7 +329,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{name:<12} {p['ops_per_s']:>7.1f} {lat} {c.get('errors', 0):>6} {c.get('wrong_bytes', 0):>5} "
               f"{c.get('misses', 0):>5} {mib:>18} {p['rss_growth']!s:>7}  {p['load_avg_start'][0]:.1f}->{p['load_avg_end'][0]:.1f}")
     print("RSS: from minute 1 (a run shorter than 2 minutes: the end of its warm-up) to the end; the server's event log "
-          "(65,536 events, ~300 B each) fills meanwhile: " + ", ".join(
+          "(65,536 events, resident from the start) fills meanwhile: " + ", ".join(
               f"{n} {p['events_logged_at_baseline']}->{p['events_logged_at_end']}" for n, p in report["phases"].items()))
     for transport, c in report["tls_auth_cost"].items():
         for label, part in (("TLS+auth", c), ("TLS alone", c.get("tls_only")), ("auth alone", c.get("auth_only")),

@@ -65,7 +65,11 @@ class HintCharges:
                 self._end(ident)
 
     def used(self, tenant: str, keys: list[bytes]) -> None:
-        """``tenant`` used ``keys``: the soonest charge of each ends now."""
+        """``tenant`` used ``keys``: the soonest charge of each ends now. A tenant holding no
+        charge (every Acquire of a tenant that never hints) takes no lock and looks up no key:
+        a Hint racing this use is one of two concurrent calls, in either order."""
+        if not self._held.get(tenant):
+            return
         with self._lock:
             for key in keys:
                 ids = self._by_key.get((tenant, key))

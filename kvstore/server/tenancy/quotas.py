@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from kvstore.config import TenantQuota
@@ -40,6 +40,9 @@ from kvstore.server.tokenlog import TokenLog
 from kvstore.types import REMOTE_TIER
 
 TOKEN_BYTES = 4  # a logged token is a little-endian uint32
+_ALL_USES = frozenset(("host_bytes", "ssd_bytes", "leases", "allocations", "hints", "token_log_bytes", "published_records",
+                       "ssd_written_bytes"))
+_PER_NAMESPACE = frozenset(("host_bytes", "ssd_bytes", "token_log_bytes", "published_records"))  # summed over its namespaces
 
 
 class Reservation:
@@ -91,20 +94,29 @@ class Quotas:
     def tenants_with_limits(self) -> list[str]:
         return list(self._overrides())
 
-    def usage(self, tenant: str) -> dict[str, int]:
+    def usage(self, tenant: str, names: Collection[str] | None = None) -> dict[str, int]:
         """What ``tenant`` holds, by TenantQuota field (host_bytes: pages and allocated slots),
-        and the ssd bytes written for it (``ssd_written_bytes``)."""
-        slot_bytes = self._leases.slot_bytes(tenant)  # before the directory: a commit moves bytes from one to the other
+        and the ssd bytes written for it (``ssd_written_bytes``); only ``names`` when given
+        (a call reserving leases alone reads two counters, not every namespace's usage under
+        the directory's lock: issue 16, the cost of tenancy per call)."""
+        wanted = _ALL_USES if names is None else names
+        slot_bytes = self._leases.slot_bytes(tenant) if "host_bytes" in wanted else 0  # before the directory: a commit moves bytes from one to the other
         held: dict[str, int] = {}
         tokens = 0
-        for namespace_id in self.owners.namespaces_of(tenant):
-            for what, amount in self.directory.usage(namespace_id).items():
-                held[what] = held.get(what, 0) + amount
-            tokens += self._wal.tokens_of(namespace_id)
+        if not _PER_NAMESPACE.isdisjoint(wanted):
+            logged = "token_log_bytes" in wanted
+            for namespace_id in self.owners.namespaces_of(tenant):
+                for what, amount in self.directory.usage(namespace_id).items():
+                    held[what] = held.get(what, 0) + amount
+                if logged:
+                    tokens += self._wal.tokens_of(namespace_id)
         leases, allocations = self._leases.held(tenant)
-        return {"host_bytes": held.get("host", 0) + slot_bytes, "ssd_bytes": held.get("ssd", 0), "leases": leases,
-                "allocations": allocations, "hints": self._hints.held(tenant), "token_log_bytes": tokens * TOKEN_BYTES,
-                "published_records": held.get(REMOTE_TIER, 0), "ssd_written_bytes": self.ssd_written[tenant]}
+        every = {"host_bytes": held.get("host", 0) + slot_bytes, "ssd_bytes": held.get("ssd", 0), "leases": leases,
+                 "allocations": allocations, "token_log_bytes": tokens * TOKEN_BYTES,
+                 "published_records": held.get(REMOTE_TIER, 0), "ssd_written_bytes": self.ssd_written[tenant]}
+        if "hints" in wanted:
+            every["hints"] = self._hints.held(tenant)
+        return every if names is None else {name: every[name] for name in names}
 
     def refused(self, tenant: str, quota: str) -> None:
         self.metrics.tenant_quota_refusals.labels(tenant, quota).inc()
@@ -114,7 +126,8 @@ class Quotas:
         return who.via != "local"
 
     def _lock(self, tenant: str) -> threading.Lock:
-        return self._locks.setdefault(tenant, threading.Lock())
+        lock = self._locks.get(tenant)  # no Lock made per call only to be thrown away
+        return lock if lock is not None else self._locks.setdefault(tenant, threading.Lock())
 
     # -- reservations --------------------------------------------------------------------
 
@@ -127,13 +140,14 @@ class Quotas:
             return NOTHING
         tenant = who.tenant
         limits = self.limits(tenant)
+        checked = [name for name in amounts if getattr(limits, name)]  # 0: no limit, no use to read
         with self._lock(tenant):
-            used = self.usage(tenant)
+            used = self.usage(tenant, checked)
             reserved = self._reserved.setdefault(tenant, Counter())
-            for name, adding in amounts.items():
-                limit = getattr(limits, name)
+            for name in checked:
+                adding, limit = amounts[name], getattr(limits, name)
                 held = used[name] + reserved[name]
-                if limit and held + adding > limit:
+                if held + adding > limit:
                     self._refuse(who, name, adding, held, limit, used)
             reserved.update(amounts)
         return Reservation(lambda: self._give_back(tenant, amounts))
