@@ -182,12 +182,12 @@ def print_table(report: dict[str, Any]) -> None:
           f"Mooncake Store remote TCP get of the same pages: {f'{mc:.2f} GB/s' if mc else report['mooncake_skipped']}")
     print("medians of paired rounds (pump, then get); ratio: median of the per-round ratios, (min-max) beside it")
     print(f"{'data plane':>10} {'GB/s':>7} {'raw pump':>9} {'ratio':>6} {'spread':>11} {'/Mooncake':>9} {'exact':>6} "
-          f"{'CPU ms a/c/engine':>18}")
+          f"{'CPU ms a/c/engine':>18} {'pump CPU ms':>11}")
     for r in report["remote_get"]:
         over = f"{r['over_mooncake']:.2f}" if r["over_mooncake"] else "-"
         spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
         print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {spread:>11} {over:>9} "
-              f"{r['bit_exact']!s:>6} {'/'.join(f'{v:.0f}' for v in r['cpu_ms'].values()):>18}")
+              f"{r['bit_exact']!s:>6} {'/'.join(f'{v:.0f}' for v in r['cpu_ms'].values()):>18} {r['pump_cpu_ms']:>11.0f}")
     lk, fo = report["lookup"], report["failover"]
     if lk:
         print(f"\nlookup of a {lk['pages']}-page prefix over {lk['owners']} owners: p50 {lk['p50_ms']} ms, p99 {lk['p99_ms']} ms")
