@@ -19,7 +19,6 @@ and the progress mode once per process.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import enum
 import itertools
 import logging
@@ -52,8 +51,7 @@ from kvstore.cluster.page_wire import (
 )
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
-from kvstore.page import LayoutDesc
-from kvstore.pagecopy import checksum_released
+from kvstore.page import LayoutDesc, checksum
 
 logger = logging.getLogger(__name__)
 _refusals = Throttled(logger)  # a scanner at the data port must not flood the log
@@ -61,9 +59,6 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 _ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
-# Landed pages are hashed here, the GIL released, while the loop takes the next receives:
-# hashed on the loop (xxhash holds the GIL) each 2 MiB page stalled it ~0.3 ms.
-_VERIFY = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucx-verify")
 
 
 @dataclass(frozen=True)
@@ -328,7 +323,6 @@ class UcxPageFetcher:
         request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
         result = FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))
         receives: list[tuple[int, asyncio.Future[Any]]] = []
-        verifies: list[tuple[int, concurrent.futures.Future[int]]] = []  # each page hashed once it has landed
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout_s):
@@ -342,11 +336,9 @@ class UcxPageFetcher:
                             result.statuses[i] = FetchStatus.MISSING
                     for i, task in receives:
                         await task
-                        verifies.append((i, _VERIFY.submit(checksum_released, views[i])))
-                    for i, verify in verifies:
-                        found = await asyncio.wrap_future(verify)
                         result.checksums[i] = answer.entries[i].checksum
-                        result.statuses[i] = FetchStatus.OK if found == answer.entries[i].checksum else FetchStatus.CORRUPT
+                        ok = checksum(views[i]) == answer.entries[i].checksum
+                        result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT
             except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
                 result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 logger.warning("fetch of %d pages from %s:%d failed after %d: %s", len(keys), self._host, self._port,
@@ -355,9 +347,6 @@ class UcxPageFetcher:
             except BaseException:
                 await self._abandon([t for _, t in receives])
                 raise
-            finally:
-                # a hash still reading a destination ends before the caller may reuse it (bounded: ~1 ms a page)
-                concurrent.futures.wait([v for _, v in verifies])
         return result
 
     async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:

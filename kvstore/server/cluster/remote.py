@@ -18,7 +18,6 @@ only the pages not yet verified. No byte that failed its check is ever committed
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -39,20 +38,10 @@ from kvstore.wire import decode_chunk
 logger = logging.getLogger(__name__)
 
 FETCH_PAGES = 1024  # pages per fetch request (page_wire allows 8192): the first lands while the next is asked
-# A ReadPages page is copied into its slot and hashed here (the native copy releases the GIL)
-# while the loop receives the next message: done on the loop, receiving waited for each copy.
-_LAND = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-land")
 
 
 def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
     return [LocationRun(run.node, run.tier, min(size, run.num_pages - i), run.size_bytes) for i in range(0, run.num_pages, size)]
-
-
-def _settle(landing: concurrent.futures.Future[bool] | None) -> None:
-    """Waits for a copy still writing a slot (bounded: one page), so that it ends before the
-    allocation is committed or aborted; its result no longer counts."""
-    if landing is not None:
-        concurrent.futures.wait([landing])
 
 
 class RemoteTier:
@@ -174,22 +163,8 @@ class RemoteTier:
         ok_keys: list[bytes] = []
         ok_sums: list[int] = []
         page: ChunkedPage | None = None
-        adding: concurrent.futures.Future[bool] | None = None  # page.add of the last chunk, on _LAND
-
-        async def added() -> None:
-            """The chunk on _LAND is in place; a page it completed and verified counts."""
-            nonlocal page, adding
-            assert adding is not None and page is not None
-            done, adding = adding, None
-            if await asyncio.wrap_future(done):
-                ok_keys.append(page.key)
-                ok_sums.append(page.expected)
-                page = None
-
         try:
             async for raw in call:
-                if adding is not None:
-                    await added()
                 chunk = decode_chunk(raw)
                 if chunk.error:
                     raise PageCorrupt(f"node {peer.member.node_id} sent {chunk.error}")
@@ -210,15 +185,14 @@ class RemoteTier:
                     slot = slots[chunk.key]
                     sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, chunk.key), clear_on_failure=False)
                     page = ChunkedPage(chunk.key, chunk.page_bytes, chunk.checksum, sink, f"remote page {chunk.key.hex()}", PageCorrupt)
-                # whole and verified when it returns True (a page stored here already is only checked)
-                adding = _LAND.submit(page.add, chunk)
-            if adding is not None:
-                await added()
+                if page.add(chunk):  # whole and verified (a page stored here already is only checked)
+                    ok_keys.append(page.key)
+                    ok_sums.append(page.expected)
+                    page = None
         except (grpc.aio.AioRpcError, KVStoreError, TimeoutError) as exc:
             logger.warning("fetch of %d pages from %s over grpc ended after %d: %r", len(keys), peer.member.node_id,
                            len(ok_keys), exc)
         except asyncio.CancelledError:
-            _settle(adding)
             if current_cancelled():
                 if allocation_id is not None:
                     await asyncio.to_thread(self.core.abort, allocation_id)
@@ -227,13 +201,11 @@ class RemoteTier:
             logger.warning("fetch of %d pages from %s over grpc ended with its channel after %d", len(keys),
                            peer.member.node_id, len(ok_keys))
         except BaseException:
-            _settle(adding)
             if allocation_id is not None:
                 await asyncio.to_thread(self.core.abort, allocation_id)
             raise
         finally:
             call.cancel()
-            _settle(adding)
         if allocation_id is None:
             return 0
         return await self._commit(allocation_id, ok_keys, ok_sums)
