@@ -10,6 +10,9 @@ into its host tier, the engine copies it out of shared memory, verified). Its de
 allocated and touched once before the rounds, as an engine's KV cache is and as the pumps'
 and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the kernel's
 first-touch page faults (0.3-0.4 GB/s here, LIMITS.md), not the transfer.
+Beside it, the CPU of each get (median ms of node a, node c and this process, the engine;
+clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
+tends to the CPU ratio, which no overlap hides.
 The pumps: a bare gRPC stream of page-sized messages (``rawgrpc``, its own process); a bare
 ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds).
 """
@@ -17,13 +20,16 @@ ucxx pump (``cluster_transport``: a client child and a server child, kept for al
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import torch
 
 from kvstore import Namespace
@@ -93,6 +99,25 @@ def random_kv(layout: KVLayout, tokens: int, seed: int) -> torch.Tensor:
                        generator=g).to(layout.torch_dtype())
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used: less swayed by other engineers' load than GB/s."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and all its descendants (a pump and the children it runs)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 async def _stored_at(client: KVStoreClient, tokens: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while (await client.lookup(tokens)).num_tokens != len(tokens):
@@ -110,6 +135,8 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
     ns = Namespace(model=f"bench-remote-{plane}", revision="r1", layout=layout)
     gets: list[float] = []
     pumps: list[float] = []
+    cpu: dict[str, list[float]] = {"sender": [], "receiver": [], "engine": []}  # ms per get
+    pump_cpus: list[float] = []  # ms per pump round, all its processes (and this one, the gRPC pump's receiver)
     exact = True
     try:
         async with KVStoreClient(a.address, ns) as on_a, KVStoreClient(c.address, ns) as on_c:
@@ -121,14 +148,22 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
                 await _stored_at(on_c, tokens, 10)
                 hit = await on_c.lookup(tokens)
                 out = torch.zeros_like(kv) if out is None else out.zero_()
+                pump_pid = ucx.proc.pid if ucx is not None else grpc_pump.proc.proc.pid  # type: ignore[union-attr]
+                pump_before = (_tree_cpu_s(pump_pid), time.process_time())
                 pump = ucx.round() if ucx is not None else await grpc_pump.round()  # type: ignore[union-attr]
+                pump_cpu = _tree_cpu_s(pump_pid) - pump_before[0] + time.process_time() - pump_before[1]
+                before = (_cpu_s(a.proc.pid), _cpu_s(c.proc.pid), time.process_time())
                 t0 = time.perf_counter()
                 await on_c.get(hit, out)
                 dt = time.perf_counter() - t0
+                after = (_cpu_s(a.proc.pid), _cpu_s(c.proc.pid), time.process_time())
                 exact &= torch.equal(out, kv)
                 if r:
                     gets.append(nbytes / dt / 1e9)
                     pumps.append(pump)
+                    pump_cpus.append(1000 * pump_cpu)
+                    for name, t1, t2 in zip(cpu, before, after):
+                        cpu[name].append(1000 * (t2 - t1))
     finally:
         if ucx is not None:
             ucx.close()
@@ -137,4 +172,6 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
     ratios = sorted(g / p for g, p in zip(gets, pumps))
     return {"transport": plane, "gbps": round(statistics.median(gets), 3), "raw_gbps": round(statistics.median(pumps), 3),
             "ratio": round(statistics.median(ratios), 2), "ratio_min": round(ratios[0], 2), "ratio_max": round(ratios[-1], 2),
-            "rounds": [{"gbps": round(g, 3), "raw_gbps": round(p, 3)} for g, p in zip(gets, pumps)], "bit_exact": exact}
+            "rounds": [{"gbps": round(g, 3), "raw_gbps": round(p, 3)} for g, p in zip(gets, pumps)], "bit_exact": exact,
+            "cpu_ms": {name: round(statistics.median(v), 1) for name, v in cpu.items()},
+            "pump_cpu_ms": round(statistics.median(pump_cpus), 1)}
