@@ -29,9 +29,10 @@ from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
 
+# Public, shared with the asyncio channel (localcall_aio.py):
+UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])  # the status after which the server closes the connection
+GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
-_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
-_GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
     "Data.Acquire": lambda answer: ("Data.Release", data_pb2.ReleaseRequest(lease_id=answer.lease_id)),
@@ -104,14 +105,13 @@ class CallChannel:
             except OSError as exc:
                 conn.close()
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            if status == _UNAUTHENTICATED:
+            if status == UNAUTHENTICATED:
                 conn.close()  # the server closes a connection whose caller it refused
             else:
                 self._put(conn)
             if status == 0:
                 return response_type.FromString(body)
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         raise AssertionError("unreachable")
 
     def post(self, method: str, request: Any, timeout_s: float) -> None:
@@ -187,8 +187,7 @@ class CallChannel:
             raise
         if status != 0:
             conn.close()
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
             raise KVStoreError(f"call socket {self.path} belongs to another server")
@@ -215,7 +214,7 @@ class CallChannel:
         undo_method, request = undo
         self.num_late += 1
         try:  # posted: the caller's deadline has passed, it waits for no answer (a failed one is logged later)
-            self.post(undo_method, request, _GIVE_BACK_S)
+            self.post(undo_method, request, GIVE_BACK_S)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
 
@@ -246,6 +245,13 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
         if not chunk:
             raise _Gone("the server closed the connection")
         received += chunk
+
+
+def answer_error(status: int, body: bytes) -> KVStoreError:
+    """The KVStoreError of an error answer (``status`` not 0): the class the server named,
+    else the one of its gRPC status, as a gRPC call would raise it."""
+    name, message = localcall.parse_error(body)
+    return error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
 
 
 def _response_type(method: str) -> Any:

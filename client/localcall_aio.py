@@ -22,21 +22,17 @@ import logging
 import socket
 from typing import Any
 
-import grpc
-
 from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import _CODES, _GIVE_BACK_S, late_give_back
+from kvstore.client.localcall import GIVE_BACK_S, UNAUTHENTICATED, answer_error, late_give_back
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
-from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 8  # calls of one client in flight at once on the socket (a put pipeline has ~5)
 _RETRY_S = 1.0  # after the socket failed to take a call, gRPC alone this long (no connect per call)
 _HELLO_S = 2.0  # the most a HELLO may take (a stalled server or a stranger's socket)
-_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
 
 
 class NotSent(KVStoreError):
@@ -125,14 +121,13 @@ class AsyncCallChannel:
                 if not sent:
                     raise NotSent(f"call socket {self.path}: {exc}") from None
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            if status == _UNAUTHENTICATED:
+            if status == UNAUTHENTICATED:
                 conn.close()  # the server closes a connection whose caller it refused
             else:
                 self._idle.append(conn)
             if status == 0:
                 return _response_type(method).FromString(body)
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         raise AssertionError("unreachable")
 
     async def _connect(self, deadline: float) -> socket.socket:
@@ -184,14 +179,14 @@ class AsyncCallChannel:
 
     async def _give_back(self, method: str, undo_method: str, request: Any) -> None:
         try:
-            await self.call(undo_method, request, _GIVE_BACK_S)
+            await self.call(undo_method, request, GIVE_BACK_S)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
 
     async def close(self) -> None:
         """Waits (bounded) for the give-backs still running, then closes the connections."""
         if self._give_backs:
-            await asyncio.wait(list(self._give_backs), timeout=2 * _GIVE_BACK_S)
+            await asyncio.wait(list(self._give_backs), timeout=2 * GIVE_BACK_S)
         self._retired = True
         idle, self._idle = self._idle, []
         for conn in idle:
