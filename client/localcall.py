@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -32,7 +33,11 @@ logger = logging.getLogger(__name__)
 # Public, shared with the asyncio channel (localcall_aio.py):
 UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])  # the status after which the server closes the connection
 GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
+RELEARN_S = 1.0  # after a restart, the new server's call token is asked for at most this often
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
+# What asks the server over gRPC, within the seconds given, for (its call socket, its call token) now;
+# None when it cannot be asked from here (the client's runtime thread) or offers no socket.
+Relearn = Callable[[float], "tuple[str, bytes] | None"]
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
     "Data.Acquire": lambda answer: ("Data.Release", data_pb2.ReleaseRequest(lease_id=answer.lease_id)),
@@ -43,12 +48,15 @@ _GIVE_BACK = {
 class CallChannel:
     """The client side; ``open`` makes one, or None when this host cannot use the server's socket."""
 
-    def __init__(self, path: str, token: str | None, call_token: bytes, timeout_s: float) -> None:
+    def __init__(self, path: str, token: str | None, call_token: bytes, timeout_s: float,
+                 relearn: Relearn | None = None) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.tenant = ""
         self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
         self._call_token = call_token
+        self._relearn = relearn
+        self._learn_after = 0.0  # no new call token is asked for before this (time.monotonic)
         self._idle: list[socket.socket] = []
         self._owed: dict[socket.socket, int] = {}  # answers of posted calls still to read, per idle connection
         self._lock = threading.Lock()
@@ -56,12 +64,15 @@ class CallChannel:
         self.num_late = 0  # answers that came after their deadline and were given back here
 
     @classmethod
-    def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float) -> CallChannel | None:
+    def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float,
+             relearn: Relearn | None = None) -> CallChannel | None:
         """A channel whose first connection said HELLO; None (reason logged) when the socket
-        is not reachable (another host, another uid), not this server's, or the token refused."""
+        is not reachable (another host, another uid), not this server's, or the token refused.
+        ``relearn(timeout_s)`` asks the server over gRPC for its call socket and call token
+        now: after a restart the channel takes the new server's socket (see ``_learn``)."""
         if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
             return None
-        channel = cls(path, token, call_token, timeout_s)
+        channel = cls(path, token, call_token, timeout_s, relearn)
         try:
             channel._put(channel._connect(time.monotonic() + min(timeout_s, 2.0)))
         except (KVStoreError, TimeoutError) as exc:  # TimeoutError: no HELLO answer (a stalled server, a stranger's socket)
@@ -190,9 +201,35 @@ class CallChannel:
             raise answer_error(status, body)
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
+            if self._learn(deadline):
+                return self._connect(deadline)  # once: _learn asks again only after RELEARN_S
             raise KVStoreError(f"call socket {self.path} belongs to another server")
         self.tenant = body[localcall.CALL_TOKEN_BYTES :].decode(errors="replace")
         return conn
+
+    def _learn(self, deadline: float) -> bool:
+        """After a HELLO answered with another call token (the server restarted): True when
+        the server, asked over gRPC, names another socket or token now (taken from here on).
+        At most once every RELEARN_S: a stranger's socket costs one gRPC call a second."""
+        now = time.monotonic()
+        with self._lock:
+            if self._relearn is None or now < self._learn_after:
+                return False
+            self._learn_after = now + RELEARN_S
+        try:
+            learnt = self._relearn(max(1e-3, deadline - now))
+        except KVStoreError as exc:
+            logger.info("call socket %s: the server's call token not learnt again (%s)", self.path, exc)
+            return False
+        if learnt is None or len(learnt[1]) != localcall.CALL_TOKEN_BYTES or learnt == (self.path, self._call_token):
+            return False
+        with self._lock:
+            (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
+            self._owed.clear()
+        for conn in idle:
+            conn.close()  # the old server's
+        logger.info("call socket %s: the server restarted; unary calls go to the new one", self.path)
+        return True
 
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
         """After a deadline: from the shutdown on the server cannot deliver the answer (and
