@@ -36,7 +36,7 @@ GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at mo
 RELEARN_S = 1.0  # after a restart, the new server's call token is asked for at most this often
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
 # What asks the server over gRPC, within the seconds given, for (its call socket, its call token) now;
-# None when it cannot be asked from here (the client's runtime thread) or offers no socket.
+# None when it cannot be asked (from the client's runtime thread, or it failed) or offers no socket.
 Relearn = Callable[[float], "tuple[str, bytes] | None"]
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
@@ -216,12 +216,8 @@ class CallChannel:
             if self._relearn is None or now < self._learn_after:
                 return False
             self._learn_after = now + RELEARN_S
-        try:
-            learnt = self._relearn(max(1e-3, deadline - now))
-        except KVStoreError as exc:
-            logger.info("call socket %s: the server's call token not learnt again (%s)", self.path, exc)
-            return False
-        if learnt is None or len(learnt[1]) != localcall.CALL_TOKEN_BYTES or learnt == (self.path, self._call_token):
+        learnt = self._relearn(max(1e-3, deadline - now))
+        if not another_socket(learnt, self.path, self._call_token):
             return False
         with self._lock:
             (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
@@ -235,17 +231,7 @@ class CallChannel:
         """After a deadline: from the shutdown on the server cannot deliver the answer (and
         undoes it); one delivered before (``received``: what the call read of it) is read
         here and given back."""
-        data = bytes(received)
-        try:
-            conn.shutdown(socket.SHUT_RD)
-            conn.setblocking(False)
-            while chunk := conn.recv(1 << 20):
-                data += chunk
-        except OSError:
-            pass  # BlockingIOError: all that arrived is read
-        finally:
-            conn.close()
-        undo = late_give_back(method, data)
+        undo = drain_late(conn, method, received)
         if undo is None:
             return
         undo_method, request = undo
@@ -284,6 +270,11 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
         received += chunk
 
 
+def another_socket(learnt: tuple[str, bytes] | None, path: str, call_token: bytes) -> bool:
+    """Whether what a relearn brought names a socket or call token other than (``path``, ``call_token``)."""
+    return learnt is not None and len(learnt[1]) == localcall.CALL_TOKEN_BYTES and learnt != (path, call_token)
+
+
 def answer_error(status: int, body: bytes) -> KVStoreError:
     """The KVStoreError of an error answer (``status`` not 0): the class the server named,
     else the one of its gRPC status, as a gRPC call would raise it."""
@@ -293,6 +284,23 @@ def answer_error(status: int, body: bytes) -> KVStoreError:
 
 def _response_type(method: str) -> Any:
     return getattr(data_pb2, method.split(".", 1)[1] + "Response")
+
+
+def drain_late(conn: socket.socket, method: str, received: bytearray) -> tuple[str, Any] | None:
+    """After a deadline: shuts ``conn``'s reading side (the server's write of the answer fails
+    from then on, and it undoes the call), reads what had arrived, closes it, and returns the
+    give-back of an answer that came whole (``late_give_back``). Both channels' abandon."""
+    data = bytes(received)
+    try:
+        conn.shutdown(socket.SHUT_RD)
+        conn.setblocking(False)
+        while chunk := conn.recv(1 << 20):
+            data += chunk
+    except OSError:
+        pass  # BlockingIOError: all that arrived is read
+    finally:
+        conn.close()
+    return late_give_back(method, data)
 
 
 def late_give_back(method: str, data: bytes) -> tuple[str, Any] | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, late_give_back
+from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, another_socket, answer_error, drain_late
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 8  # calls of one client in flight at once on the socket (a put pipeline has ~5)
 _RETRY_S = 1.0  # after the socket failed to take a call, gRPC alone this long (no connect per call)
-# What asks the server over gRPC for (its call socket, its call token) now; None when it offers no socket.
+# What asks the server over gRPC for (its call socket, its call token) now; None when that failed or it offers no socket.
 AsyncRelearn = Callable[[], Awaitable["tuple[str, bytes] | None"]]
 _HELLO_S = 2.0  # the most a HELLO may take (a stalled server or a stranger's socket)
 
@@ -173,12 +173,8 @@ class AsyncCallChannel:
         if self._relearn is None or loop.time() < self._learn_after:
             return False
         self._learn_after = loop.time() + RELEARN_S
-        try:
-            learnt = await self._relearn()
-        except KVStoreError as exc:
-            logger.info("call socket %s: the server's call token not learnt again (%s)", self.path, exc)
-            return False
-        if learnt is None or len(learnt[1]) != localcall.CALL_TOKEN_BYTES or learnt == (self.path, self._call_token):
+        learnt = await self._relearn()
+        if not another_socket(learnt, self.path, self._call_token):
             return False
         (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
         for conn in idle:
@@ -189,16 +185,7 @@ class AsyncCallChannel:
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
         """After a deadline or a cancel: from the shutdown on the server cannot deliver the
         answer (and undoes it); one delivered before is read here and given back."""
-        data = bytes(received)
-        try:
-            conn.shutdown(socket.SHUT_RD)
-            while chunk := conn.recv(1 << 20):
-                data += chunk
-        except OSError:
-            pass  # BlockingIOError: all that arrived is read
-        finally:
-            conn.close()
-        undo = late_give_back(method, data)
+        undo = drain_late(conn, method, received)
         if undo is None:
             return
         undo_method, request = undo

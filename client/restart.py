@@ -57,8 +57,16 @@ class ServerAgain:
         return calls
 
     async def call_socket(self) -> tuple[str, bytes] | None:
-        """(the server's call socket, its call token) now; None when it offers no socket or
-        its new arena cannot be mapped (the channel then keeps refusing the socket)."""
+        """(the server's call socket, its call token) now; None (reason logged) when it cannot
+        be asked, offers no socket, or its new arena cannot be mapped (the channel then keeps
+        refusing the socket)."""
+        try:
+            return await self._call_socket()
+        except KVStoreError as exc:
+            logger.info("the server's call socket not learnt again: %s", exc)
+            return None
+
+    async def _call_socket(self) -> tuple[str, bytes] | None:
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             runtime = self.runtime
