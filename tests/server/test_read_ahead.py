@@ -1,7 +1,7 @@
 """ReadPages builds each page's messages one page ahead (kvstore/server/services/read_ahead.py):
 the pages come out in order, a build's error reaches the reader at its page, and a stream
 ended early never leaves a build reading a slot after it returns (the lease is released
-right after). The close test was seen failing with the wait in built_ahead's finally removed.
+right after). The close test was seen failing with the wait in built_ahead's finally removed."""
 
 from __future__ import annotations
 
