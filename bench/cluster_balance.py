@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from typing import Any
 
+from kvstore.bench.main import run_alone
 from kvstore.cluster.shards import ShardConfig, ShardMap, moves, plan_lookup
 
 BLOCK_TOKENS = 512  # the trace's block
@@ -92,14 +94,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.cluster_balance", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args)
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    run_alone(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

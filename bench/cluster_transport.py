@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import subprocess
@@ -257,14 +256,9 @@ def main(argv: list[str] | None = None) -> None:
         fn = _fetch_gbps if kind == "fetch" else _pump_gbps
         print(fn(tls, mode, int(page), int(batch), int(total)))
         return None
-    parser = argparse.ArgumentParser(prog="python -m kvstore.bench.cluster_transport", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    report = run(args)
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
+    from kvstore.bench.main import run_alone  # lazily, as this module's other imports: its children need none of it
+
+    run_alone(sys.modules[__name__], argv)
     return None
 
 

@@ -196,6 +196,7 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
     demoted = after["ssd"].bytes_in - before
     return {**_row("draining", role, clients, args.drain_seconds, results), "writer_pages": 0, "writer_pages_per_s": 0.0,
             "demoted_gb_per_s": demoted / (t1 - t0) / 1e9, "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
+            "drained_gb": after["ssd"].bytes_in / 1e9,  # written to ssd since the (fresh) server started: the drain's
             # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
             "window_inside_drain": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
 

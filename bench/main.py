@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import sys
+from types import ModuleType
 
 from kvstore import logs
 from kvstore.cli.client_args import add_client_security, client_security
@@ -57,6 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
     return 1 if report.get("num_violations") else 0
+
+
+def run_alone(module: ModuleType, argv: list[str] | None) -> None:
+    """``python -m kvstore.bench.<module>`` of a bench that also runs without the server's
+    client flags (cluster_balance, cluster_transport): its arguments, ``--json``, its table."""
+    name = module.__spec__.name if module.__spec__ else module.__name__  # "__main__" run with -m
+    parser = argparse.ArgumentParser(prog=f"python -m {name}", description=(module.__doc__ or "").splitlines()[0])
+    module.add_arguments(parser)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = module.run(args)
+    module.print_table(report)
+    if args.json:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, cast
 
 import torch
 
@@ -33,7 +33,7 @@ from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
-from kvstore.client.localcall_aio import AsyncCallChannel
+from kvstore.client.restart import ServerAgain, map_arena
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
@@ -123,10 +123,11 @@ class KVStoreClient:
         """Starts the I/O runtime, asks the server for its limits and arena, and picks the
         transport: the arena when this host can map it (and ``use_shm``), else streams."""
         self._runtime = runtime = Runtime(self.address, self.timeout_s, token=self._token, tls=self._tls)
+        loop = asyncio.get_running_loop()
         try:
             info, identity = await runtime.call(self._open())
         except BaseException:
-            await asyncio.get_running_loop().run_in_executor(None, runtime.close)
+            await loop.run_in_executor(None, runtime.close)
             raise
         self.node = info.node
         self.max_pages = max(1, info.max_pages_per_request)
@@ -134,17 +135,19 @@ class KVStoreClient:
         peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
                     self.max_pages, self.lease_ms)
         if self.use_shm:
-            self._arena = (ArenaMap.receive(info.arena_socket, self._token, info.arena_bytes, info.arena_token)
-                           if info.arena_socket else ArenaMap.open(info.arena_path, info.arena_bytes, info.arena_token))
+            self._arena = await loop.run_in_executor(None, map_arena, info, self._token)
         if self.use_call_socket and info.call_socket:
-            self._calls = await asyncio.get_running_loop().run_in_executor(
-                None, CallChannel.open, info.call_socket, self._token, info.call_token, self.timeout_s)
-        if self._arena is not None and self.use_call_socket and info.call_socket:
-            runtime.local = await runtime.call(AsyncCallChannel.open(info.call_socket, self._token, info.call_token))
+            again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
+            self._calls = await again.open_channels(info, self.timeout_s)
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, info.arena_bytes, self.copy_threads)
         else:
             self._transport = StreamTransport(peer, self.chunk_bytes)
+
+    def _remap(self, arena: ArenaMap) -> None:
+        """Takes the restarted server's arena (client/restart.py)."""
+        cast(ShmTransport, self._transport).remap(arena)
+        self._arena = arena
 
     async def _open(self) -> tuple[Any, Any]:
         """The server's info, and who this client is to it (None without a credential)."""

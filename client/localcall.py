@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -29,9 +30,14 @@ from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
 
+# Public, shared with the asyncio channel (localcall_aio.py):
+UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])  # the status after which the server closes the connection
+GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
+RELEARN_S = 1.0  # after a restart, the new server's call token is asked for at most this often
 _CODES = {int(code.value[0]): code for code in grpc.StatusCode}
-_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
-_GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
+# What asks the server over gRPC, within the seconds given, for (its call socket, its call token) now;
+# None when it cannot be asked (from the client's runtime thread, or it failed) or offers no socket.
+Relearn = Callable[[float], "tuple[str, bytes] | None"]
 # What gives back the result of a call that was answered after its caller stopped waiting.
 _GIVE_BACK = {
     "Data.Acquire": lambda answer: ("Data.Release", data_pb2.ReleaseRequest(lease_id=answer.lease_id)),
@@ -42,12 +48,15 @@ _GIVE_BACK = {
 class CallChannel:
     """The client side; ``open`` makes one, or None when this host cannot use the server's socket."""
 
-    def __init__(self, path: str, token: str | None, call_token: bytes, timeout_s: float) -> None:
+    def __init__(self, path: str, token: str | None, call_token: bytes, timeout_s: float,
+                 relearn: Relearn | None = None) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.tenant = ""
         self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
         self._call_token = call_token
+        self._relearn = relearn
+        self._learn_after = 0.0  # no new call token is asked for before this (time.monotonic)
         self._idle: list[socket.socket] = []
         self._owed: dict[socket.socket, int] = {}  # answers of posted calls still to read, per idle connection
         self._lock = threading.Lock()
@@ -55,12 +64,15 @@ class CallChannel:
         self.num_late = 0  # answers that came after their deadline and were given back here
 
     @classmethod
-    def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float) -> CallChannel | None:
+    def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float,
+             relearn: Relearn | None = None) -> CallChannel | None:
         """A channel whose first connection said HELLO; None (reason logged) when the socket
-        is not reachable (another host, another uid), not this server's, or the token refused."""
+        is not reachable (another host, another uid), not this server's, or the token refused.
+        ``relearn(timeout_s)`` asks the server over gRPC for its call socket and call token
+        now: after a restart the channel takes the new server's socket (see ``_learn``)."""
         if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
             return None
-        channel = cls(path, token, call_token, timeout_s)
+        channel = cls(path, token, call_token, timeout_s, relearn)
         try:
             channel._put(channel._connect(time.monotonic() + min(timeout_s, 2.0)))
         except (KVStoreError, TimeoutError) as exc:  # TimeoutError: no HELLO answer (a stalled server, a stranger's socket)
@@ -104,14 +116,13 @@ class CallChannel:
             except OSError as exc:
                 conn.close()
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            if status == _UNAUTHENTICATED:
+            if status == UNAUTHENTICATED:
                 conn.close()  # the server closes a connection whose caller it refused
             else:
                 self._put(conn)
             if status == 0:
                 return response_type.FromString(body)
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         raise AssertionError("unreachable")
 
     def post(self, method: str, request: Any, timeout_s: float) -> None:
@@ -187,35 +198,46 @@ class CallChannel:
             raise
         if status != 0:
             conn.close()
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
+            if self._learn(deadline):
+                return self._connect(deadline)  # once: _learn asks again only after RELEARN_S
             raise KVStoreError(f"call socket {self.path} belongs to another server")
         self.tenant = body[localcall.CALL_TOKEN_BYTES :].decode(errors="replace")
         return conn
+
+    def _learn(self, deadline: float) -> bool:
+        """After a HELLO answered with another call token (the server restarted): True when
+        the server, asked over gRPC, names another socket or token now (taken from here on).
+        At most once every RELEARN_S: a stranger's socket costs one gRPC call a second."""
+        now = time.monotonic()
+        with self._lock:
+            if self._relearn is None or now < self._learn_after:
+                return False
+            self._learn_after = now + RELEARN_S
+        learnt = self._relearn(max(1e-3, deadline - now))
+        if not another_socket(learnt, self.path, self._call_token):
+            return False
+        with self._lock:
+            (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
+            self._owed.clear()
+        for conn in idle:
+            conn.close()  # the old server's
+        logger.info("call socket %s: the server restarted; unary calls go to the new one", self.path)
+        return True
 
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
         """After a deadline: from the shutdown on the server cannot deliver the answer (and
         undoes it); one delivered before (``received``: what the call read of it) is read
         here and given back."""
-        data = bytes(received)
-        try:
-            conn.shutdown(socket.SHUT_RD)
-            conn.setblocking(False)
-            while chunk := conn.recv(1 << 20):
-                data += chunk
-        except OSError:
-            pass  # BlockingIOError: all that arrived is read
-        finally:
-            conn.close()
-        undo = late_give_back(method, data)
+        undo = drain_late(conn, method, received)
         if undo is None:
             return
         undo_method, request = undo
         self.num_late += 1
         try:  # posted: the caller's deadline has passed, it waits for no answer (a failed one is logged later)
-            self.post(undo_method, request, _GIVE_BACK_S)
+            self.post(undo_method, request, GIVE_BACK_S)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
 
@@ -248,8 +270,37 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
         received += chunk
 
 
+def another_socket(learnt: tuple[str, bytes] | None, path: str, call_token: bytes) -> bool:
+    """Whether what a relearn brought names a socket or call token other than (``path``, ``call_token``)."""
+    return learnt is not None and len(learnt[1]) == localcall.CALL_TOKEN_BYTES and learnt != (path, call_token)
+
+
+def answer_error(status: int, body: bytes) -> KVStoreError:
+    """The KVStoreError of an error answer (``status`` not 0): the class the server named,
+    else the one of its gRPC status, as a gRPC call would raise it."""
+    name, message = localcall.parse_error(body)
+    return error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+
+
 def _response_type(method: str) -> Any:
     return getattr(data_pb2, method.split(".", 1)[1] + "Response")
+
+
+def drain_late(conn: socket.socket, method: str, received: bytearray) -> tuple[str, Any] | None:
+    """After a deadline: shuts ``conn``'s reading side (the server's write of the answer fails
+    from then on, and it undoes the call), reads what had arrived, closes it, and returns the
+    give-back of an answer that came whole (``late_give_back``). Both channels' abandon."""
+    data = bytes(received)
+    try:
+        conn.shutdown(socket.SHUT_RD)
+        conn.setblocking(False)
+        while chunk := conn.recv(1 << 20):
+            data += chunk
+    except OSError:
+        pass  # BlockingIOError: all that arrived is read
+    finally:
+        conn.close()
+    return late_give_back(method, data)
 
 
 def late_give_back(method: str, data: bytes) -> tuple[str, Any] | None:

@@ -20,23 +20,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-import grpc
 
 from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import _CODES, _GIVE_BACK_S, late_give_back
+from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, another_socket, answer_error, drain_late
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
-from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 8  # calls of one client in flight at once on the socket (a put pipeline has ~5)
 _RETRY_S = 1.0  # after the socket failed to take a call, gRPC alone this long (no connect per call)
+# What asks the server over gRPC for (its call socket, its call token) now; None when that failed or it offers no socket.
+AsyncRelearn = Callable[[], Awaitable["tuple[str, bytes] | None"]]
 _HELLO_S = 2.0  # the most a HELLO may take (a stalled server or a stranger's socket)
-_UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])
 
 
 class NotSent(KVStoreError):
@@ -50,24 +49,29 @@ class _Gone(Exception):
 class AsyncCallChannel:
     """The call socket for coroutines of one event loop (the client's runtime loop)."""
 
-    def __init__(self, path: str, token: str | None, call_token: bytes) -> None:
+    def __init__(self, path: str, token: str | None, call_token: bytes, relearn: AsyncRelearn | None = None) -> None:
         self.path = path
         self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
         self._call_token = call_token
+        self._relearn = relearn
+        self._learn_after = 0.0  # no new call token is asked for before this (loop time)
         self._idle: list[socket.socket] = []
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._down_until = 0.0
-        self._retired = False  # the socket is another server's now (a restart): gRPC from here on
+        self._retired = False  # closed: gRPC from here on
         self._give_backs: set[asyncio.Task[None]] = set()
         self.num_late = 0  # answers that came after their deadline and were given back here
 
     @classmethod
-    async def open(cls, path: str, token: str | None, call_token: bytes) -> AsyncCallChannel | None:
+    async def open(cls, path: str, token: str | None, call_token: bytes,
+                   relearn: AsyncRelearn | None = None) -> AsyncCallChannel | None:
         """A channel whose first connection said HELLO; None (reason logged) when this host
-        cannot use the socket (another uid, not this server's, the token refused)."""
+        cannot use the socket (another uid, not this server's, the token refused).
+        ``relearn()`` asks the server over gRPC for its call socket and call token now: after
+        a restart the channel takes the new server's socket (see ``_learn``)."""
         if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
             return None
-        channel = cls(path, token, call_token)
+        channel = cls(path, token, call_token, relearn)
         loop = asyncio.get_running_loop()
         try:
             channel._idle.append(await channel._connect(loop.time() + _HELLO_S))
@@ -125,14 +129,13 @@ class AsyncCallChannel:
                 if not sent:
                     raise NotSent(f"call socket {self.path}: {exc}") from None
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            if status == _UNAUTHENTICATED:
+            if status == UNAUTHENTICATED:
                 conn.close()  # the server closes a connection whose caller it refused
             else:
                 self._idle.append(conn)
             if status == 0:
                 return _response_type(method).FromString(body)
-            name, message = localcall.parse_error(body)
-            raise error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
+            raise answer_error(status, body)
         raise AssertionError("unreachable")
 
     async def _connect(self, deadline: float) -> socket.socket:
@@ -157,23 +160,32 @@ class AsyncCallChannel:
             raise NotSent(f"call socket {self.path}: HELLO refused: {localcall.parse_error(body)[1]}")
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
-            self._retired = True
+            if await self._learn():
+                return await self._connect(deadline)  # once: _learn asks again only after RELEARN_S
             raise NotSent(f"call socket {self.path} belongs to another server now; unary calls go over gRPC")
         return conn
+
+    async def _learn(self) -> bool:
+        """After a HELLO answered with another call token (the server restarted): True when
+        the server, asked over gRPC, names another socket or token now (taken from here on).
+        At most once every RELEARN_S; meanwhile ``call`` raises NotSent (gRPC)."""
+        loop = asyncio.get_running_loop()
+        if self._relearn is None or loop.time() < self._learn_after:
+            return False
+        self._learn_after = loop.time() + RELEARN_S
+        learnt = await self._relearn()
+        if not another_socket(learnt, self.path, self._call_token):
+            return False
+        (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
+        for conn in idle:
+            conn.close()  # the old server's
+        logger.info("call socket %s: the server restarted; the async client's unary calls go to the new one", self.path)
+        return True
 
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
         """After a deadline or a cancel: from the shutdown on the server cannot deliver the
         answer (and undoes it); one delivered before is read here and given back."""
-        data = bytes(received)
-        try:
-            conn.shutdown(socket.SHUT_RD)
-            while chunk := conn.recv(1 << 20):
-                data += chunk
-        except OSError:
-            pass  # BlockingIOError: all that arrived is read
-        finally:
-            conn.close()
-        undo = late_give_back(method, data)
+        undo = drain_late(conn, method, received)
         if undo is None:
             return
         undo_method, request = undo
@@ -184,14 +196,14 @@ class AsyncCallChannel:
 
     async def _give_back(self, method: str, undo_method: str, request: Any) -> None:
         try:
-            await self.call(undo_method, request, _GIVE_BACK_S)
+            await self.call(undo_method, request, GIVE_BACK_S)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("%s answered late and could not be given back (it expires): %s", method, exc)
 
     async def close(self) -> None:
         """Waits (bounded) for the give-backs still running, then closes the connections."""
         if self._give_backs:
-            await asyncio.wait(list(self._give_backs), timeout=2 * _GIVE_BACK_S)
+            await asyncio.wait(list(self._give_backs), timeout=2 * GIVE_BACK_S)
         self._retired = True
         idle, self._idle = self._idle, []
         for conn in idle:

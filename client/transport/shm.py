@@ -47,10 +47,17 @@ class ShmTransport:
         self.arena_bytes = arena_bytes
         self.copy_threads = copy_threads
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
+        self._old_arenas: list[ArenaMap] = []  # of servers before a restart: a copy may still run on them
+
+    def remap(self, arena: ArenaMap) -> None:
+        """Takes the arena of the restarted server (client/restart.py); the old one is closed with this."""
+        self._old_arenas.append(self.arena)
+        self.arena = arena
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self.arena.close()
+        for arena in (*self._old_arenas, self.arena):
+            arena.close()
 
     # -- the RPCs of the arena path: one method each ---------------------------------------
 

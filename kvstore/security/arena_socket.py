@@ -38,20 +38,18 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import errors
+from kvstore.accept_pause import AcceptPause
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
-from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.socket_owner import check_served_by_us
 
 logger = logging.getLogger(__name__)
-_accept_errors = Throttled(logger)
 
 MAX_MESSAGE_BYTES = 8192
 _LENGTH = struct.Struct(">I")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 _ACCEPT_BATCH = 64
-_ACCEPT_RETRY_S = 0.05  # accepting paused this long after accept failed (EMFILE): reads go on meanwhile
 
 ArenaLookup = Callable[[Identity], "tuple[int, int] | None"]  # identity -> (fd, size_bytes), or None: no arena
 
@@ -129,7 +127,7 @@ class ArenaSocket:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
-        self._resume_at: float | None = None  # when accepting, paused after a failed accept, goes on
+        self.accept_pause = AcceptPause(logger, "arena socket")  # out of descriptors: accepting pauses, reads go on
 
     def start(self) -> None:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -161,14 +159,13 @@ class ArenaSocket:
         try:
             while not self._closing.is_set():
                 now = time.monotonic()
-                if self._resume_at is not None and now >= self._resume_at:
+                if self.accept_pause.ended(now):
                     assert self._sock is not None
                     self._selector.register(self._sock, selectors.EVENT_READ)
-                    self._resume_at = None
                 for peer in [p for p in self._peers.values() if p.deadline <= now]:
                     logger.info("arena socket: pid %d uid %d sent no request within %.1f s", peer.pid, peer.uid, self._timeout_s)
                     self._drop(peer)
-                wait = min([p.deadline for p in self._peers.values()] + [self._resume_at or now + 1.0]) - now
+                wait = min([p.deadline for p in self._peers.values()] + [self.accept_pause.until or now + 1.0]) - now
                 for key, _ in self._selector.select(max(0.0, min(wait, 1.0))):
                     if key.fileobj is self._sock:
                         self._accept()
@@ -192,12 +189,9 @@ class ArenaSocket:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if not self._closing.is_set():
-                    # Out of descriptors (EMFILE) the connection stays in the backlog and the
-                    # selector wakes again at once: accepting pauses (reads go on), no spin.
-                    _accept_errors.warning("accept", "arena socket: accept failed: %s", exc)
+                if not self._closing.is_set():  # EMFILE: the selector would wake at once
                     self._selector.unregister(self._sock)
-                    self._resume_at = time.monotonic() + _ACCEPT_RETRY_S
+                    self.accept_pause.failed(exc)
                 return
             pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             held = [p for p in self._peers.values() if p.pid == pid]

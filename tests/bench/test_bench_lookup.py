@@ -31,6 +31,9 @@ def test_lookup_smoke(tmp_path) -> None:
     for r in (r for r in rows if r["state"] == "draining"):  # a backlog, no writer, demotion inside the window
         assert r["writer_pages"] == 0 and r["backlog_gb"] > 0.3 and isinstance(r["window_inside_drain"], bool), r
         assert r["demoted_gb_per_s"] > 0 or not r["window_inside_drain"], r
+        # A window past the drain's end demotes nothing in it; the backlog must still have gone to ssd (all but
+        # the low watermark's --demote-to 0.05 of the 1 GiB host tier): before, a backlog evicted instead passed.
+        assert r["window_inside_drain"] or r["drained_gb"] >= r["backlog_gb"] - 0.06, f"the backlog never reached the ssd: {r}"
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
         demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"])
         assert control["writer_pages_per_s"] <= demoting["writer_pages_per_s"] * 1.25 + 16

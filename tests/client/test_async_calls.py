@@ -1,6 +1,6 @@
 """The async client's unary calls over the same-host call socket (issue 16; client/localcall_aio.py):
 with shared memory on the server's host, put/lookup/get make no gRPC unary call; a stalled
-server ends a call at its deadline and leaves no lease; a restarted server is reached again."""
+server ends a call at its deadline and leaves no lease (a restarted server: test_restart_calls.py)."""
 
 from __future__ import annotations
 
@@ -109,20 +109,6 @@ async def test_a_stalled_server_ends_the_call_at_its_deadline_and_leaves_no_leas
         into = torch.zeros_like(kv)
         assert await client.get(hit, into) == len(tokens)  # the socket serves again
         assert torch.equal(into, kv)
-
-
-async def test_a_restarted_server_is_reached_again(server_process: ServerProcess, ns: Namespace, layout: KVLayout) -> None:
-    server_process.start()
-    tokens = torch.arange(2 * layout.page_tokens)
-    kv = random_kv(layout, len(tokens))
-    async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
-        assert await client.put(tokens, kv, durable=True) == len(tokens)
-        assert client.runtime.local is not None
-        server_process.kill()
-        server_process.start()
-        hit = await client.lookup(tokens)
-        assert hit.num_tokens == len(tokens)
-        assert not client.runtime.local.usable, "the socket is another server's now: gRPC"
 
 
 def _scripted_peer(listener: socket.socket, asked: list[int], received: threading.Event, go: threading.Event,

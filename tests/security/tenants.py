@@ -7,7 +7,8 @@ import fcntl
 import mmap
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,41 @@ def map_own_arena(server: Server, token: str | None) -> mmap.mmap:
         return mmap.mmap(fd, size, prot=mmap.PROT_READ if read_only else mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+@dataclass
+class World:
+    """The hostile-tenant suites' server (over gRPC: test_hostile_tenant.py, over the call
+    socket: test_call_socket_tenants.py): B knows all of A's ids and attacks them."""
+
+    server: Server
+    a: Caller  # over gRPC (TLS)
+    b: Any  # a Caller (gRPC) or a callsock.SocketCaller (the call socket)
+    ns: bytes  # A's namespace, holding A's pages ``keys`` and A's session "s"
+    keys: list[bytes]
+
+
+def hostile_world(tmp: Path, ca: CertAuthority, b_of: Callable[[Server], Any]) -> Iterator[World]:
+    """A module's World (a yield fixture's body): A's namespace set up, B made by ``b_of``."""
+    server = Server(tenant_config(tmp, ca))
+    server.start()
+    a = Caller(server, ca, A)
+    ns, keys = new_ns(), new_keys(4)
+    assert a.put(ns, keys) == 4
+    a(a.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", tokens=[7, 8, 9], prompt_tokens=2))
+    b = b_of(server)
+    yield World(server, a, b, ns, keys)
+    b.close()
+    a.close()
+    server.stop(grace_s=1)
+
+
+def assert_a_intact(w: World) -> None:
+    """After each attack: A's pages, session and namespace are as ``hostile_world`` left them."""
+    assert w.a.lookup(w.ns, w.keys) == 4, "A's pages must survive B's attack"
+    session = w.a(w.a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=w.ns, session_id="s"))
+    assert (session.found, list(session.tokens)) == (True, [7, 8, 9])
+    assert w.server.tenancy.owners.owner(w.ns) == "a"
 
 
 def callers(server: Server, ca: CertAuthority, *tokens: str | None) -> Iterator[Caller]:

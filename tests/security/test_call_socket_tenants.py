@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 from callsock import SocketCaller, connect, read_answer
 from certs import CertAuthority
 from helpers import ALICE, every_method, grants, write_auth_file
-from tenants import LAYOUT, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
+from tenants import LAYOUT, A, B, World, assert_a_intact, hostile_world, new_keys, tenant_config, tenant_grants
 from test_hostile_tenant import COVERAGE
 from test_reload import LoggedServer
 
@@ -28,48 +27,24 @@ from kvstore.errors import Unauthenticated
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server
 
+pytest_plugins = ["tenants"]  # its ca fixture
+
 DENIED, OK, UNAUTHENTICATED = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED
 A2 = "tenant-a-second-token-0123456789"  # tenant a, revoked by the tests
 EXPIRED = "tenant-a-expired-token-01234567"
 
 
-@dataclass
-class World:
-    server: Server
-    a: Caller  # over gRPC (TLS)
-    b: SocketCaller  # over the call socket
-    ns: bytes
-    keys: list[bytes]
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
-    return CertAuthority(tmp_path_factory.mktemp("ca"))
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, ca: CertAuthority) -> Iterator[World]:
-    server = Server(tenant_config(tmp_path_factory.mktemp("server"), ca))
-    server.start()
-    a = Caller(server, ca, A)
-    ns, keys = new_ns(), new_keys(4)
-    assert a.put(ns, keys) == 4
-    a(a.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", tokens=[7, 8, 9], prompt_tokens=2))
-    b = SocketCaller(server, B)
-    yield World(server, a, b, ns, keys)
-    b.close()
-    a.close()
-    server.stop(grace_s=1)
+    """One server for the module; B calls over the call socket."""
+    yield from hostile_world(tmp_path_factory.mktemp("server"), ca, lambda server: SocketCaller(server, B))
 
 
 @pytest.fixture(autouse=True)
 def a_is_intact(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "world" in request.fixturenames:
-        w: World = request.getfixturevalue("world")
-        assert w.a.lookup(w.ns, w.keys) == 4, "A's pages must survive B's attack"
-        session = w.a(w.a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=w.ns, session_id="s"))
-        assert (session.found, list(session.tokens)) == (True, [7, 8, 9])
+        assert_a_intact(request.getfixturevalue("world"))
 
 
 def _lookup(w: World) -> None:

@@ -13,7 +13,6 @@ import secrets
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -27,6 +26,9 @@ from tenants import (
     A,
     B,
     Caller,
+    World,
+    assert_a_intact,
+    hostile_world,
     map_own_arena,
     new_keys,
     new_ns,
@@ -37,7 +39,8 @@ from tenants import (
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.page import ARENA_MAGIC, checksum
-from kvstore.server import Server
+
+pytest_plugins = ["tenants"]  # its ca fixture
 
 DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 
@@ -76,45 +79,18 @@ NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Directory.Remove.node",
 _NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
 
-@dataclass
-class World:
-    server: Server
-    a: Caller
-    b: Caller
-    ns: bytes  # A's namespace, holding A's pages ``keys`` and A's session "s"
-    keys: list[bytes]
-
-
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
-    return CertAuthority(tmp_path_factory.mktemp("ca"))
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, ca: CertAuthority) -> Iterator[World]:
-    """One server for the module; every test attacks A's namespace as it was set up here and
+    """One server for the module; every test attacks A's namespace as it was set up there and
     checks it is intact afterwards."""
-    server = Server(tenant_config(tmp_path_factory.mktemp("server"), ca))
-    server.start()
-    a, b = Caller(server, ca, A), Caller(server, ca, B)
-    ns, keys = new_ns(), new_keys(4)
-    assert a.put(ns, keys) == 4
-    a(a.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", tokens=[7, 8, 9], prompt_tokens=2))
-    yield World(server, a, b, ns, keys)
-    a.close()
-    b.close()
-    server.stop(grace_s=1)
+    yield from hostile_world(tmp_path_factory.mktemp("server"), ca, lambda server: Caller(server, ca, B))
 
 
 @pytest.fixture(autouse=True)
 def a_is_intact(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "world" in request.fixturenames:
-        w: World = request.getfixturevalue("world")
-        assert w.a.lookup(w.ns, w.keys) == 4, "A's pages must survive B's attack"
-        session = w.a(w.a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=w.ns, session_id="s"))
-        assert (session.found, list(session.tokens)) == (True, [7, 8, 9])
-        assert w.server.tenancy.owners.owner(w.ns) == "a"
+        assert_a_intact(request.getfixturevalue("world"))
 
 
 def test_every_rpc_is_attacked_by_this_suite() -> None:

@@ -1,7 +1,7 @@
 """ReadPages builds each page's messages one page ahead (kvstore/server/services/read_ahead.py):
 the pages come out in order, a build's error reaches the reader at its page, and a stream
 ended early never leaves a build reading a slot after it returns (the lease is released
-right after)."""
+right after). The close test was seen failing with the wait in built_ahead's finally removed."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_closed_early_waits_for_the_build_in_flight() -> None:
             assert next(gen) == 0  # page 1 is now being built ahead
             assert started.wait(5)
             threading.Timer(0.2, release.set).start()
-        assert not running.is_set()  # close() returned after page 1's build had ended
+        assert not running.is_set(), "close() returned while page 1's build still read its slot (the lease goes next)"
 
 
 def test_a_stopped_server_leaves_no_read_ahead_thread(server_factory) -> None:

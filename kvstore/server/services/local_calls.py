@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from kvstore import localcall
+from kvstore.accept_pause import AcceptPause
 from kvstore.errors import ConfigError, Unauthenticated
 from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
@@ -55,8 +56,7 @@ logger = logging.getLogger(__name__)
 _SUN_PATH_MAX = 107
 _MAX_HELLO_BYTES = 4096
 _DEFAULT_TIMEOUT_S = 30.0  # a request that names no deadline (timeout_ms 0)
-_ACCEPT_RETRY_S = 0.05
-_accept_errors = Throttled(logger)
+_peer_errors = Throttled(logger)
 Undo = Callable[[Any, Identity], None]  # (the response that was not delivered, its caller)
 
 
@@ -100,6 +100,7 @@ class CallSocket:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self.accept_pause = AcceptPause(logger, "call socket")  # out of descriptors: a pause between accepts
         self._open: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
 
@@ -148,10 +149,7 @@ class CallSocket:
             except OSError as exc:
                 if self._closing.is_set():
                     return
-                # Out of descriptors (EMFILE) the connection stays in the backlog and accept
-                # fails again at once: a pause, not a spin (nor a traceback per try).
-                _accept_errors.warning("accept", "call socket: accept failed (%s); retrying", exc)
-                self._closing.wait(_ACCEPT_RETRY_S)
+                self._closing.wait(self.accept_pause.failed(exc))  # EMFILE: a pause, not a spin
                 continue
             try:
                 pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -180,7 +178,7 @@ class CallSocket:
             try:
                 thread.start()
             except RuntimeError as exc:  # "can't start new thread": this peer goes, the socket stays up
-                _accept_errors.warning("thread", "call socket: cannot serve pid %d (%s); it falls back to gRPC", pid, exc)
+                _peer_errors.warning("thread", "call socket: cannot serve pid %d (%s); it falls back to gRPC", pid, exc)
                 with self._lock:
                     self._open.pop(conn, None)
                 self._slots.release()

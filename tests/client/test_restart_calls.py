@@ -1,0 +1,110 @@
+"""A client whose server restarted takes the restarted server's call socket and arena again
+(client/restart.py): the blocking channel and the asyncio one learn its new ``call_token``
+over gRPC (at most once a second) instead of failing, or falling back to gRPC, for good."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from conftest import ServerProcess, random_kv
+
+from kvstore import KVLayout, Namespace
+from kvstore._proto import data_pb2
+from kvstore.client import KVStoreClient
+from kvstore.page import checksum
+
+
+def served(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a real AsyncCallChannel.call), noting the method of each call it answered."""
+
+    async def spy(method: str, *args: Any, **kw: Any) -> Any:
+        answer = await fn(method, *args, **kw)
+        calls.append(method)
+        return answer
+
+    return spy
+
+
+def grpc_unary(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a real Runtime.rpc), noting the name of each unary call made over gRPC."""
+
+    async def spy(method: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(str(getattr(method, "_method", method)))
+        return await fn(method, *args, **kw)
+
+    return spy
+
+
+async def test_the_async_client_takes_a_restarted_servers_call_socket_and_arena_again(
+        server_process: ServerProcess, ns: Namespace, layout: KVLayout) -> None:
+    """Bug: once the socket answered with another server's call_token (a restart), the async
+    channel retired itself: every unary call went over gRPC for the client's lifetime."""
+    server_process.start()
+    tokens = torch.arange(2 * layout.page_tokens)
+    kv = random_kv(layout, len(tokens))
+    async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
+        assert client.runtime.local is not None and client.shared_memory
+        assert await client.put(tokens, kv, durable=True) == len(tokens)
+        server_process.kill()
+        server_process.start()
+        socket_calls: list[str] = []
+        grpc_calls: list[str] = []
+        client.runtime.local.call = served(socket_calls, client.runtime.local.call)  # type: ignore[method-assign]
+        client.runtime.rpc = grpc_unary(grpc_calls, client.runtime.rpc)  # type: ignore[method-assign]
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == len(tokens)
+        assert socket_calls == ["Directory.Lookup"], f"after the restart: socket {socket_calls}, gRPC {grpc_calls}"
+        assert [c for c in grpc_calls if "GetInfo" not in c] == [], grpc_calls  # only the call token learnt again
+        into = torch.zeros_like(kv)
+        assert await client.get(hit, into) == len(tokens)  # the durable pages, through the new server's arena
+        assert torch.equal(into, kv)
+        more = torch.arange(100, 100 + 2 * layout.page_tokens)
+        more_kv = random_kv(layout, len(more), seed=1)
+        assert await client.put(more, more_kv) == len(more)
+        into = torch.zeros_like(more_kv)
+        assert await client.get(await client.lookup(more), into) == len(more)
+        assert torch.equal(into, more_kv)
+        assert {"Data.Allocate", "Data.Commit", "Data.Acquire"} <= set(socket_calls)
+        assert [c for c in grpc_calls if "GetInfo" not in c] == [], grpc_calls
+    async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as fresh:  # the pages are in the server's arena
+        into = torch.zeros_like(more_kv)
+        assert await fresh.get(await fresh.lookup(more), into) == len(more)
+        assert torch.equal(into, more_kv), "the put after the restart wrote into the old server's arena"
+
+
+async def test_the_blocking_call_channel_reaches_a_restarted_server(server_process: ServerProcess, ns: Namespace,
+                                                                    layout: KVLayout) -> None:
+    """Bug: after a restart every call of the blocking channel (the vLLM connector's hit path)
+    raised 'call socket ... belongs to another server' for the client's lifetime."""
+    server_process.start()
+    tokens = torch.arange(2 * layout.page_tokens)
+    kv = random_kv(layout, len(tokens))
+    async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
+        calls = client.calls
+        assert calls is not None
+        assert await client.put(tokens, kv, durable=True) == len(tokens)
+        before = calls.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse).call_token
+        server_process.kill()
+        server_process.start()
+        info = await asyncio.to_thread(calls.call, "Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
+        assert info.call_token != before, "the restarted server answered over the socket"
+        request = data_pb2.AcquireRequest(namespace_id=client.namespace.namespace_id, keys=client.keys(tokens),
+                                          ttl_ms=client.lease_ms)
+        acq = await asyncio.to_thread(calls.call, "Data.Acquire", request, data_pb2.AcquireResponse)
+        assert len(acq.pages) == 2
+        arena, n = client.arena, layout.page_bytes
+        assert arena is not None
+        assert [checksum(arena.array[p.offset : p.offset + n]) for p in acq.pages] == [p.checksum for p in acq.pages], \
+            "the lease's pages read through the client's arena: the new server's"
+        calls.call("Data.Release", data_pb2.ReleaseRequest(lease_id=acq.lease_id), data_pb2.ReleaseResponse)
+        started = time.monotonic()
+        server_process.kill()
+        server_process.start()
+        server_process.kill()
+        server_process.start()
+        assert calls.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse).call_token
+        assert time.monotonic() - started < 30
