@@ -16,7 +16,7 @@ from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
 from kvstore.errors import HostQuotaFull, InvalidRequest, PermissionDenied, StreamCut
-from kvstore.pagecopy import checksum_released
+from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
@@ -150,13 +150,11 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         bytes of the page that left it (maybe another tenant's), and a commit that claims a
         checksum without writing them must not publish those bytes under the caller's key. With
         an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
-        page committed with a wrong checksum fails the checks before it is sent or demoted).
-        Hashed with the GIL released: a 16-page commit is ~5 ms of hashing, which held every
-        lookup up for as long (kvstore-bench lookup, 'writing' rows)."""
+        page committed with a wrong checksum fails the checks before it is sent or demoted)."""
         if self.arena_socket is not None:
             return
         for key, expected in zip(keys, checksums):
-            if key in slots and checksum_released(self.core.slot_view(allocation_id, key)) != expected:
+            if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
                 raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
                                      "nothing was committed (write the page, then commit)")
 
