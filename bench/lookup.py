@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
     p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
     p.add_argument("--demote-nice", type=int, default=10, help="the server's --demote-nice (0: the demoter competes as an equal)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the servers' --switch-interval-ms, their GIL switch interval (None: the server's default)")
     p.add_argument("--writer-core", type=int, default=-1,
                    help="run the writer alone on this CPU and the server and lookup clients on the others, as an "
                         "engine whose work is not on the store's cores (-1: every process shares every core)")
@@ -66,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=float, default=2.0,
                    help="measured window of a draining row (it must end before the backlog is written down)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
+
+
+def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """Flags every server of the run gets, the draining rows' and the control's too."""
+    switch = () if args.switch_interval_ms is None else ("--switch-interval-ms", str(args.switch_interval_ms))
+    return ("--scrub-rate", "0", "--demote-nice", str(args.demote_nice), *switch)
 
 
 def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0) -> subprocess.Popen[str]:
@@ -168,8 +176,7 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
     workdir = Path(args.dir) / "drain"
     shutil.rmtree(workdir, ignore_errors=True)
     server, address = start_server(workdir, args.drain_host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
-                                   "--ssd-admission", "all", "--scrub-rate", "0", "--demote-nice", str(args.demote_nice),
-                                   "--demote-above", str(DRAIN_ABOVE), "--demote-to", str(DRAIN_TO))
+                                   "--ssd-admission", "all", *_server_flags(args), "--demote-above", str(DRAIN_ABOVE), "--demote-to", str(DRAIN_TO))
     try:
         host = _tier_stats(address)["host"]
         # just past the high watermark: the demoter starts, and no allocation has to evict
@@ -228,10 +235,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
-                                   "--ssd-admission", "all", "--scrub-rate", "0",
-                                   "--demote-nice", str(args.demote_nice))
+                                   "--ssd-admission", "all", *_server_flags(args))
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
-                                           "--scrub-rate", "0")
+                                           *_server_flags(args))
     counts = [int(c) for c in args.clients.split(",") if c]
     plan = [("rpc", n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts] + [("client", 1, "idle")]
     rows = []
@@ -254,7 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
+    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice,
+            "switch_interval_ms": args.switch_interval_ms, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
 
 

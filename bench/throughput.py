@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed pairs (path, then its limit) per path; medians reported")
     p.add_argument("--dir", default="bench-out/throughput", help="work directory (on the filesystem to test)")
     p.add_argument("--paths", default="host-shm,host-grpc,ssd", help="which paths to run")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="the server's --switch-interval-ms, its GIL switch interval (None: the server's default)")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -144,7 +146,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     memcpy = limits.Memcpy(kv)
     copies = "memcpy" if len(memcpy.ways()) == 1 else "memcpy(best plain|nt)"  # which copies the limit is the best of
     # No endurance budget here: this measures the data path, not the admission policy.
-    server, addr = start_server(workdir, int(nbytes * 1.3) + (64 << 20), int(nbytes * 1.3) + (256 << 20), "--ssd-dwpd", "0")
+    server, addr = start_server(workdir, int(nbytes * 1.3) + (64 << 20), int(nbytes * 1.3) + (256 << 20), "--ssd-dwpd", "0",
+                                *(() if args.switch_interval_ms is None else ("--switch-interval-ms", str(args.switch_interval_ms))))
     raw_proc, raw_addr = start_raw_grpc()
     server_pid, raw_pid = server.proc.pid, raw_proc.proc.pid
     try:

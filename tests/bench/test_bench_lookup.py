@@ -14,11 +14,12 @@ def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
-         "--json", "--dir", str(tmp_path / "lk")],
+         "--switch-interval-ms", "1", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["switch_interval_ms"] == 1.0  # every server of the run got it (one that refused it would not start)
     rows = report["rows"]
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
         ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),

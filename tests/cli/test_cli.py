@@ -10,6 +10,7 @@ import pytest
 from conftest import random_kv
 
 from kvstore.cli import ctl
+from kvstore.cli import server as server_cli
 from kvstore.client import KVStoreClient
 from kvstore.config import parse_size
 from kvstore.errors import ConfigError
@@ -44,11 +45,25 @@ def test_hbm_without_cuda_exits_with_a_clear_message(tmp_path) -> None:
         (["--listen", "nowhere"], "--listen"),
         (["--max-streams", "4", "--max-subscribers", "8"], "--max-subscribers must be > 0 and at most --max-streams"),
         (["--stream-idle-s", "0"], "--stream-idle-s must be > 0"),
+        (["--switch-interval-ms", "0"], "--switch-interval-ms must be > 0"),
     ],
 )
 def test_bad_flags(tmp_path, args, expect) -> None:
     res = _server("--data-dir", str(tmp_path), "--metrics-listen", "off", *args)
     assert res.returncode == 2 and expect in res.stderr
+
+
+def test_the_server_sets_the_gil_switch_interval_it_was_given() -> None:
+    """A lookup waits up to one switch interval for a thread holding the GIL (architecture
+    issue 14: lookup p99 ~5 ms under demotion with CPython's 5 ms); the server's default is
+    shorter, and --switch-interval-ms sets it."""
+    assert server_cli.build_parser().parse_args([]).switch_interval_ms < 5.0
+    before = sys.getswitchinterval()
+    try:
+        server_cli.set_switch_interval(server_cli.build_parser().parse_args(["--switch-interval-ms", "0.25"]).switch_interval_ms)
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        sys.setswitchinterval(before)
 
 
 async def test_ctl_stats_lookup_invalidate(server, layout, ns, capsys) -> None:
