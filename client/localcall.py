@@ -210,12 +210,21 @@ class CallChannel:
     def _learn(self, deadline: float) -> bool:
         """After a HELLO answered with another call token (the server restarted): True when
         the server, asked over gRPC, names another socket or token now (taken from here on).
-        At most once every RELEARN_S: a stranger's socket costs one gRPC call a second."""
-        now = time.monotonic()
-        with self._lock:
-            if self._relearn is None or now < self._learn_after:
+        At most once every RELEARN_S: a stranger's socket costs one gRPC call a second; a call
+        that finds the last ask too recent waits for its turn if that comes before its deadline
+        (a server restarted twice within RELEARN_S is reached, not refused)."""
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                if self._relearn is None:
+                    return False
+                wait = self._learn_after - now
+                if wait <= 0:
+                    self._learn_after = now + RELEARN_S
+                    break
+            if now + wait >= deadline:
                 return False
-            self._learn_after = now + RELEARN_S
+            time.sleep(wait)
         learnt = self._relearn(max(1e-3, deadline - now))
         if not another_socket(learnt, self.path, self._call_token):
             return False
