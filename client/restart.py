@@ -5,8 +5,9 @@ arena. The call channels (localcall.py, localcall_aio.py) see the other token on
 connection and ask ``ServerAgain`` for the server's socket and token now: over gRPC, whose
 channel names the server the client asked for (TLS), so the check of the token keeps its
 meaning. The arena is mapped again first: a lease or an allocation of the new server names
-offsets in its arena, not in the old one. The old mapping stays until the client closes (a
-copy may still run on it; the checksums refuse what it reads).
+offsets in its arena, not in the old one. The old mapping goes once no copy runs on it
+(ShmTransport.remap: it holds the dead server's arena in RAM); the checksums refuse what a
+copy read from it.
 """
 
 from __future__ import annotations

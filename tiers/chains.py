@@ -60,22 +60,21 @@ class PrefixLinks:
         """The last page of ``key``'s chain (following links to ``evictable`` pages; one being
         moved down counts as gone), or None when a page after ``key`` is pinned otherwise:
         that chain is in use up to it, so none of it goes. The pages seen then join
-        ``blocked`` (one victim search walks each chain once). Bounded by the number of
-        links, so a cycle a writer made up cannot hang it."""
+        ``blocked`` (one victim search walks each chain once). A cycle a writer made up
+        (links are the writers' word) ends the walk at its first page seen twice, which goes
+        like any other: a walk costs its chain's length, never the tier's size."""
         moving: Container[bytes] = pinned.moving if isinstance(pinned, MovingPins) else ()  # moved down: keeps no chain
-        seen = []
-        for _ in range(len(self.parent) + 1):
-            if key in blocked:
-                break
-            seen.append(key)
+        seen: dict[bytes, None] = {}  # in walk order
+        while key not in blocked:
+            if key in seen:
+                return key  # a cycle
+            seen[key] = None
             after = [k for k in self.after(key) if evictable(k) and k not in moving]
             if not after:
                 return key
             if any(k in pinned for k in after):
                 break
             key = after[0]
-        else:
-            return key  # a cycle (links are the writers' word): this page goes like any other
         blocked.update(seen)
         return None
 

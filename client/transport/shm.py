@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -48,11 +49,26 @@ class ShmTransport:
         self.copy_threads = copy_threads
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
         self._old_arenas: list[ArenaMap] = []  # of servers before a restart: a copy may still run on them
+        self._copying = 0  # copies running now (on the copy threads or inline); ``_lock`` guards both
+        self._lock = threading.Lock()
 
     def remap(self, arena: ArenaMap) -> None:
-        """Takes the arena of the restarted server (client/restart.py); the old one is closed with this."""
-        self._old_arenas.append(self.arena)
-        self.arena = arena
+        """Takes the arena of the restarted server (client/restart.py). The old one is closed
+        once no copy runs: it is the last holder of the dead server's arena (its file unlinked,
+        or a memfd), whose RAM stays taken while it is mapped. A slot view still held (a
+        layer-wise load's) keeps its mapping until it goes (ArenaMap.close)."""
+        with self._lock:
+            self._old_arenas.append(self.arena)
+            self.arena = arena
+        self._copied(0)
+
+    def _copied(self, num: int) -> None:
+        """``num`` copies ended; with none running, the arenas of servers before a restart are closed."""
+        with self._lock:
+            self._copying -= num
+            old, self._old_arenas = ([], self._old_arenas) if self._copying else (self._old_arenas, [])
+        for arena in old:
+            arena.close()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -146,16 +162,25 @@ class ShmTransport:
         loop = asyncio.get_running_loop()
         if cpu_rows and len(items) * self.layout.page_bytes <= INLINE_COPY_BYTES:
             done: asyncio.Future[list[T]] = loop.create_future()
+            with self._lock:
+                self._copying += 1
             try:
                 done.set_result([fn(x) for x in items])
             except Exception as exc:  # noqa: BLE001 - delivered to whoever awaits the copy, as from a thread
                 done.set_exception(exc)
+            finally:
+                self._copied(1)
             return done
         share = max(1, -(-len(items) // self.copy_threads))
         parts = [items[i : i + share] for i in range(0, len(items), share)]
+        with self._lock:
+            self._copying += len(parts)
 
         def share_of(part: list[Any]) -> list[T]:
-            return [fn(x) for x in part]
+            try:
+                return [fn(x) for x in part]
+            finally:
+                self._copied(1)
 
         futures = [loop.run_in_executor(self._pool, share_of, part) for part in parts]
 

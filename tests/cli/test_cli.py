@@ -66,6 +66,20 @@ def test_the_server_sets_the_gil_switch_interval_it_was_given() -> None:
         sys.setswitchinterval(before)
 
 
+@pytest.mark.parametrize("ms", ["inf", "nan", "1e-4"])
+def test_a_switch_interval_python_would_turn_into_zero_is_refused(ms: str) -> None:
+    """Bug: 'inf' and anything under CPython's 1 us resolution passed the '> 0' check and set
+    an interval of 0 (sys.setswitchinterval(inf) leaves getswitchinterval() == 0.0): the
+    opposite of what was asked, a GIL hand-off at every chance, silently."""
+    before = sys.getswitchinterval()
+    try:
+        with pytest.raises(ConfigError, match="--switch-interval-ms"):
+            server_cli.set_switch_interval(float(ms))
+        assert sys.getswitchinterval() == before, f"--switch-interval-ms {ms} set {sys.getswitchinterval()} s"
+    finally:
+        sys.setswitchinterval(before)
+
+
 async def test_ctl_stats_lookup_invalidate(server, layout, ns, capsys) -> None:
     tokens = list(range(100))
     async with KVStoreClient(server.address, ns) as client:

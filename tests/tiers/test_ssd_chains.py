@@ -17,6 +17,7 @@ from conftest import make_config
 from kvstore.config import SsdTierConfig
 from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.server.placement import Placement
+from kvstore.tiers.chains import PrefixLinks
 from kvstore.tiers.ssd import SsdTier
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages
@@ -102,3 +103,25 @@ def test_a_durable_prefix_stays_findable_while_the_ssd_evicts_it(tmp_path) -> No
         assert 0 < sum(held) < 40
     finally:
         core.close()
+
+
+def test_a_cycle_a_writer_made_up_costs_a_victim_search_its_length_not_the_tiers_size() -> None:
+    """Links are the writers' word: a tenant may name any page as a page's parent, so two pages
+    that name each other make a cycle. Bug: ``deepest`` walked it until its bound, the number
+    of links the tier holds (an SSD tier's: every page's), under the tier's lock, for each
+    cycle a victim search met: a tenant writing 2-page cycles made every SSD eviction a walk
+    of the whole index."""
+    links = PrefixLinks()
+    for key, parent in zip(_keys("other", 20_000), _keys("other-parent", 20_000)):
+        links.link(key, parent)  # 20,000 pages of other prefixes
+    a, b = _keys("cycle", 2)
+    links.link(a, b)
+    links.link(b, a)
+    asked: list[bytes] = []
+
+    def evictable(key: bytes) -> bool:
+        asked.append(key)
+        return True
+
+    assert links.deepest(a, evictable, (), set()) in (a, b)  # a cycle's page goes like any other
+    assert len(asked) <= 4, f"a 2-page cycle took {len(asked)} steps of the victim search"
