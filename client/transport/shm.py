@@ -193,22 +193,26 @@ class ShmTransport:
 
         return asyncio.ensure_future(joined())
 
-    def write_slot(self, kv: torch.Tensor | EngineKV, rows: KVRows | None, page: int, offset: int) -> int:
+    def write_slot(self, kv: torch.Tensor | EngineKV, rows: KVRows | None, page: int, offset: int,
+                   arena: ArenaMap | None = None) -> int:
         """Copies page ``page`` of the engine's KV into the arena slot at ``offset`` and
-        returns its checksum. From a CPU tensor it is one strided numpy copy of the rows."""
-        n = self.layout.page_bytes
-        slot = self.arena.array[offset : offset + n]
+        returns its checksum. From a CPU tensor it is one strided numpy copy of the rows.
+        ``arena``: the one mapped when the allocation was answered (its offsets are that
+        server's; a restart may remap ``self.arena`` before a copy thread runs)."""
+        n, arena = self.layout.page_bytes, arena or self.arena
+        slot = arena.array[offset : offset + n]
         if rows is not None:
             return copy_checksum(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
-        page_in(slot_as_page(self.arena.slot(offset, n), self.layout), kv, page, self.layout)
+        page_in(slot_as_page(arena.slot(offset, n), self.layout), kv, page, self.layout)
         return checksum(slot)
 
-    def read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any) -> bool:
+    def read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any,
+                  arena: ArenaMap | None = None) -> bool:
         """Copies the leased slot into page ``page`` of ``into`` and verifies it; False when
         the bytes fail their checksum, and then that page of ``into`` is zeroed: no byte of a
-        corrupt page reaches the caller."""
-        n = self.layout.page_bytes
-        slot = self.arena.array[acquired.offset : acquired.offset + n]
+        corrupt page reaches the caller. ``arena``: as for ``write_slot``."""
+        n, arena = self.layout.page_bytes, arena or self.arena
+        slot = arena.array[acquired.offset : acquired.offset + n]
         if rows is not None:  # verified as it is copied (one pass); a bad page is wiped before anyone sees it
             dst = rows.page(page)
             if copy_checksum(dst.rows, slot.reshape(rows.rows.shape[0], -1)) == acquired.checksum:
@@ -217,7 +221,7 @@ class ShmTransport:
             return False
         if checksum(slot) != acquired.checksum:
             return False
-        page_out(into, page, slot_as_page(self.arena.slot(acquired.offset, n), self.layout), self.layout)
+        page_out(into, page, slot_as_page(arena.slot(acquired.offset, n), self.layout), self.layout)
         return True
 
     # -- put / get / layer-wise ------------------------------------------------------------

@@ -101,7 +101,8 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
             n = len(alloc.slots)
             todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
             copying.append((alloc, todo, shm.copy(
-                lambda item, base=cursor: shm.write_slot(kv, rows, base + item[0], item[1].offset), todo, rows is not None)))
+                lambda item, base=cursor, arena=shm.arena: shm.write_slot(kv, rows, base + item[0], item[1].offset, arena),
+                todo, rows is not None)))
             cursor += n
             ahead = allocate(cursor) if cursor < len(keys) else None
         while commits:
@@ -191,7 +192,7 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                     generation += 1
                     issued = cursor + len(acq.pages)
                 copying.append((acq, shm.copy(
-                    lambda item, base=cursor: shm.read_slot(into, rows, base + item[0], item[1]),
+                    lambda item, base=cursor, arena=shm.arena: shm.read_slot(into, rows, base + item[0], item[1], arena),
                     list(enumerate(acq.pages)), rows is not None)))
                 cursor += len(acq.pages)
                 continue
