@@ -92,12 +92,13 @@ class TailFirst:
         self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
         self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
 
-    def removed(self, key: bytes, evicted: bool = False) -> None:
-        """``key`` left the tier (``evicted``: as the victim named last, maybe)."""
+    def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
+        """``key`` left the tier (``evicted``: as the victim named last, maybe). Returns the
+        resident pages right after it (PrefixLinks.unlink)."""
         before = self.links.parent.get(key)
         if evicted and before is not None and self._picked is not None and self._picked[1] == key:
-            self._next = (self._picked[0], before)
-        self.links.unlink(key)
+            self._next = (self._picked[0], before)  # where the next search down that chain ends: not walked again
+        return self.links.unlink(key)
 
     def victim(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> bytes | None:
         """The page to go: ``order`` lists the held pages least recently used first."""
@@ -109,6 +110,8 @@ class TailFirst:
         return None
 
     def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
+        """The page to go in ``key``'s chain; the one before the last victim of the same
+        chain when that is now its end (a chain is given up in O(1) a page, not O(depth))."""
         if self._next is not None and self._next[0] == key:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):

@@ -25,8 +25,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Container
+from itertools import chain
 
-from kvstore.tiers.chains import PrefixLinks
+from kvstore.tiers.chains import PrefixLinks, TailFirst
 
 
 class HostResidency:
@@ -44,9 +45,11 @@ class HostResidency:
         self.ghosts: OrderedDict[bytes, None] = OrderedDict()     # recently evicted
         self.ghost_pages = ghost_pages
         self.orphans: OrderedDict[bytes, None] = OrderedDict()    # unhinted, predecessor gone: no use
-        self.links = PrefixLinks()
-        self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
-        self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
+        self.chains = TailFirst()  # predecessor links; the victim is the deepest page of the LRU page's chain
+
+    @property
+    def links(self) -> PrefixLinks:
+        return self.chains.links
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.lru or key in self.protected or key in self.hinted or key in self.orphans
@@ -105,10 +108,7 @@ class HostResidency:
         self.protected.pop(key, None)
         self.hinted.discard(key)
         self.orphans.pop(key, None)
-        before = self.links.parent.get(key)
-        if evicted and before is not None and self._picked is not None and self._picked[1] == key:
-            self._next = (self._picked[0], before)  # where the next search down that chain ends: not walked again
-        for child in self.links.unlink(key):
+        for child in self.chains.removed(key, evicted):
             self._orphan(child)
         if evicted and self.segmented:
             self.ghosts[key] = None
@@ -160,23 +160,12 @@ class HostResidency:
             if not etas:
                 self._unhint(key)
 
-    def _deepest(self, key: bytes, pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
-        """The page to go in ``key``'s chain; the one before the last victim of the same
-        chain when that is now its end (a chain is given up in O(1) a page, not O(depth))."""
-        if self._next is not None and self._next[0] == key:
-            end = self._next[1]
-            if end not in pinned and self._unannounced(end) and not any(map(self._unannounced, self.links.after(end))):
-                return end
-        return self.links.deepest(key, self._unannounced, pinned, blocked)
-
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
         blocked: set[bytes] = set()  # chains a pinned page keeps
         if hinted_share is None or len(self.hinted) <= hinted_share:
-            for segment in (self.orphans, self.lru, self.protected):
-                for key in segment:
-                    if key not in pinned and (last := self._deepest(key, pinned, blocked)):
-                        self._picked = (key, last)
-                        return last
+            last = self.chains.victim(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned)
+            if last is not None:
+                return last
         best, best_use = None, (-1.0, -1)
         for key in self.hinted:
             use = (self.hints[key][0], self.depth[key])
