@@ -202,7 +202,7 @@ class CallChannel:
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
             if self._learn(deadline):
-                return self._connect(deadline)  # once: _learn asks again only after RELEARN_S
+                return self._connect(deadline)  # the new server; another restart meanwhile: asked again at most once per RELEARN_S, within the deadline
             raise KVStoreError(f"call socket {self.path} belongs to another server")
         self.tenant = body[localcall.CALL_TOKEN_BYTES :].decode(errors="replace")
         return conn
