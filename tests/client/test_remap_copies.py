@@ -3,6 +3,7 @@ copies write where the allocation's server said, in the arena mapped when it ans
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,10 @@ async def test_a_copy_queued_before_a_remap_writes_into_the_arena_its_allocation
         def remapped_first(fn: Any, items: list[Any], cpu_rows: bool) -> Any:
             shm.copy = copy  # type: ignore[method-assign]
 
-            def run(item: Any, done: list[bool] = []) -> Any:  # noqa: B006 - once per copy
-                if not done:
-                    done.append(True)
+            first = threading.Lock()  # taken once: the copy threads race for it
+
+            def run(item: Any) -> Any:
+                if first.acquire(blocking=False):
                     shm.remap(arena)  # as ServerAgain does, with this copy counted as running
                 return fn(item)
             return copy(run, items, cpu_rows)
