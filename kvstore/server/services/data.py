@@ -15,7 +15,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import HostQuotaFull, InvalidRequest, PermissionDenied, StreamCut
+from kvstore.errors import HostQuotaFull, InvalidRequest, LimitExceeded, PermissionDenied, StreamCut
 from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
@@ -141,9 +141,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
         try:
             return self.quotas.pages(who, num_pages, page_bytes)
-        except HostQuotaFull:  # its own pages left are pinned or reserved
+        except HostQuotaFull as full:  # its own pages left are pinned or reserved
             self.quotas.refused(who.tenant, "host_bytes")
-            raise
+            raise LimitExceeded(str(full)) from None  # HostQuotaFull asks the servicer to make room; the caller is refused
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
