@@ -3,8 +3,10 @@ mixed put / lookup / get / layer-wise save and load workload against a real kvst
 with TLS and auth on, every read checked bit-exact; then the same workload against a plain
 loopback server (no TLS, no auth file), back to back; once through shared memory and once
 over gRPC (use_shm=False). With auth each tenant's clients map their tenant's own arena (the
-server hands it over its arena socket to their tokens), of --host-capacity each; without,
-every client maps the server's one arena.
+server hands it over its arena socket to their tokens), sized by the tenant's host_bytes quota,
+which the bench sets to --host-capacity / tenants; without, every client maps the server's one
+arena of --host-capacity. Both sides hold the same RAM and so evict alike: a server that evicts
+less would miss less and do less work (soak_tiers.py reports what each side's host tier did).
 
 Reported per phase: errors and wrong bytes (both must be 0), p50/p99 latency per operation
 and ops/s after the warm-up, server RSS from minute 1 (or, in a run shorter than two minutes,
@@ -37,7 +39,7 @@ import grpc
 from tqdm import tqdm
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
-from kvstore.bench import soak_rounds, soak_worker
+from kvstore.bench import soak_rounds, soak_tiers, soak_worker
 from kvstore.bench.harness import rss, start_server
 from kvstore.bench.secure import Credentials, make_credentials
 from kvstore.security.channel import sync_channel
@@ -121,7 +123,9 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
     shutil.rmtree(workdir / name, ignore_errors=True)
     sock_dir = Path(tempfile.mkdtemp(prefix="kvsoak-"))  # a Unix socket path has at most 107 bytes
     local = sock_dir / "kv.sock" if name in LOCAL_PHASES else None
-    server, addr = start_server(workdir / name, args.host_capacity << 20, 64 << 20, "--tiers", "host",
+    # with auth: one arena per tenant, of its host_bytes quota; together the plain server's one arena
+    quota = ("--tenant-host-bytes", str((args.host_capacity << 20) // len(TENANTS))) if auth else ()
+    server, addr = start_server(workdir / name, args.host_capacity << 20, 64 << 20, "--tiers", "host", *quota,
                                 *(("--auth-file", str(creds.auth_file)) if auth else ()),
                                 *(("--tls-cert", str(creds.cert), "--tls-key", str(creds.key)) if tls else ()),
                                 *(("--local-socket", str(local)) if local else ()))
@@ -138,29 +142,34 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
     try:
         start, pending, shared = clients.start(specs)
         with sync_channel(addr, token=creds.admin if auth else None, tls=creds.tls() if tls else None) as channel:
-            timeline = _sample(server.proc, directory_pb2_grpc.DirectoryStub(channel), start, args.warmup_s + args.duration_s,
-                               bar)
+            timeline, host = _sample(server.proc, directory_pb2_grpc.DirectoryStub(channel), start,
+                                     args.warmup_s + args.duration_s, bar)
         results = clients.finish(pending, 120)
         alive = server.proc.poll() is None
     finally:
         server.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
-    return {**_summary(name, results, timeline, alive, args, load_start), "shared_memory_clients": shared}
+    summary = _summary(name, results, timeline, alive, args, load_start)
+    return {**summary, "shared_memory_clients": shared, "host_tier": soak_tiers.window(host, args.warmup_s, summary)}
 
 
 def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s: float,
-            bar: tqdm[Any]) -> list[tuple[float, int, int]]:
+            bar: tqdm[Any]) -> tuple[list[tuple[float, int, int]], list[tuple[float, dict[str, Any]]]]:
     """(seconds since the start, server RSS bytes, events the server has logged) every second
-    until the phase ends (or the server). The event log Subscribe reads keeps the last 65,536
-    events in a buffer resident from the server's start (72 B a record): its filling no longer
-    grows RSS; the count shows how far it is filled. A Stats call that
-    fails while the server runs is logged as -1 events: the verdict is the clients' to give."""
+    until the phase ends (or the server), and the host tier's figures then (soak_tiers). The
+    event log Subscribe reads keeps the last 65,536 events in a buffer resident from the
+    server's start (72 B a record): its filling no longer grows RSS; the count shows how far it
+    is filled. A Stats call that fails while the server runs is logged as -1 events: the
+    verdict is the clients' to give."""
     timeline: list[tuple[float, int, int]] = []
+    host: list[tuple[float, dict[str, Any]]] = []
     shown = 0
     while (now := time.time()) < start + total_s + 0.5 and server.poll() is None:
         if now >= start:
             try:
-                last_seq = int(directory.Stats(directory_pb2.StatsRequest(), timeout=30).last_seq)
+                stats = directory.Stats(directory_pb2.StatsRequest(), timeout=30)
+                last_seq = int(stats.last_seq)
+                host.append((round(now - start, 1), soak_tiers.snapshot(stats)))
             except grpc.RpcError:
                 if server.poll() is not None:
                     break
@@ -172,7 +181,7 @@ def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s
             bar.set_postfix_str(f"server RSS {timeline[-1][1] >> 20} MiB", refresh=False)
         time.sleep(1.0)
     bar.update(int(total_s) - shown)
-    return timeline
+    return timeline, host
 
 
 def _summary(name: str, results: list[dict[str, Any]], timeline: list[tuple[float, int, int]], alive: bool,
@@ -331,6 +340,8 @@ def print_table(report: dict[str, Any]) -> None:
     print("RSS: from minute 1 (a run shorter than 2 minutes: the end of its warm-up) to the end; the server's event log "
           "(65,536 events, resident from the start) fills meanwhile: " + ", ".join(
               f"{n} {p['events_logged_at_baseline']}->{p['events_logged_at_end']}" for n, p in report["phases"].items()))
+    print("host tier in the measured window (like-for-like only if both sides evict alike): " + "; ".join(
+        _host_line(n, p) for n, p in report["phases"].items()))
     for transport, c in report["tls_auth_cost"].items():
         for label, part in (("TLS+auth", c), ("TLS alone", c.get("tls_only")), ("auth alone", c.get("auth_only")),
                             ("tokens on --local-socket (no TLS)", c.get("local_socket"))):
@@ -348,3 +359,14 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"latency over time: {report['plot']}")
     for v in report["violations"]:
         print(f"  VIOLATION {v}")
+
+
+def _host_line(name: str, p: dict[str, Any]) -> str:
+    h = p.get("host_tier")
+    if not h:
+        return f"{name}: no Stats"
+    quotas = "".join(f", {t} quota {u['host_bytes_quota'] >> 20} MiB" for t, u in h["tenants_end"].items()
+                     if u["host_bytes_quota"] and t in TENANTS)
+    rate, found = (("n/a" if v is None else f"{v:.1%}") for v in (h["hit_rate_measured"], h["tokens_found_measured"]))
+    return (f"{name} {h['capacity_bytes'] >> 20} MiB{quotas}: {h['evictions_measured']} evictions "
+            f"({h['evictions_per_put']} per put), Acquire hit rate {rate}, {found} of looked-up tokens found")

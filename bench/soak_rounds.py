@@ -7,7 +7,10 @@ TLS alone, auth alone, the --local-socket path) runs as short rounds, each a fre
 with its own warm-up, alternating which of the two goes first (plain, secure, secure, plain,
 ...: a drift in the load lands on both sides alike). Each round pair gives one slowdown
 (plain ops/s / other ops/s - 1); the cost is their median, with min and max beside it and
-every round's ops/s in the report, so one noisy stretch cannot decide it.
+every round's ops/s in the report, so one noisy stretch cannot decide it. A round is a phase
+of soak.py (the same server flags: with auth, each tenant's arena is --host-capacity / tenants),
+and each round's evictions per put and share of looked-up tokens found are kept beside its
+ops/s: the two sides of a round pair must evict alike for its slowdown to be like-for-like.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def run(run_phase: RunPhase, names: list[str], args: argparse.Namespace) -> dict
     results: dict[str, dict[str, Any]] = {}
     for baseline, compared in pairs(names):
         ops: dict[str, list[float]] = {baseline: [], compared: []}
+        evicting: dict[str, list[Any]] = {baseline: [], compared: []}  # (evictions per put, tokens found) per round
         errors = wrong = 0
+        samples: list[str] = []  # the first few errors, by phase
         order = []
         for i in range(args.rounds):
             first, second = (baseline, compared) if i % 2 == 0 else (compared, baseline)
@@ -52,11 +57,16 @@ def run(run_phase: RunPhase, names: list[str], args: argparse.Namespace) -> dict
             for name in (first, second):
                 summary = run_phase(name, per_round)
                 ops[name].append(summary["ops_per_s"])
+                host = summary.get("host_tier") or {}
+                evicting[name].append([host.get("evictions_per_put"), host.get("tokens_found_measured")])
                 errors += summary["counts"].get("errors", 0) + (not summary["server_alive"])
                 wrong += summary["counts"].get("wrong_bytes", 0)
+                samples += [f"{name}: {e}" for e in summary["error_samples"][: 5 - len(samples)]]
             print(f"soak: round {i + 1}/{args.rounds} {baseline} {ops[baseline][-1]} ops/s, "
                   f"{compared} {ops[compared][-1]} ops/s", file=sys.stderr)
-        results[compared] = summarize(baseline, compared, ops[baseline], ops[compared], order, errors, wrong, args)
+        results[compared] = {**summarize(baseline, compared, ops[baseline], ops[compared], order, errors, wrong, args),
+                             "baseline_evictions_per_put_tokens_found": evicting[baseline],
+                             "phase_evictions_per_put_tokens_found": evicting[compared], "error_samples": samples}
     return results
 
 
@@ -87,7 +97,7 @@ def total_s(names: list[str], args: argparse.Namespace) -> float:
 
 
 def violations(rounds: dict[str, dict[str, Any]]) -> list[str]:
-    return [f"rounds {r['baseline']} vs {name}: {r['errors']} errors, {r['wrong_bytes']} wrong bytes"
+    return [f"rounds {r['baseline']} vs {name}: {r['errors']} errors, {r['wrong_bytes']} wrong bytes: {r.get('error_samples', [])[:3]}"
             for name, r in rounds.items() if r["errors"] or r["wrong_bytes"]]
 
 
@@ -95,5 +105,14 @@ def line(r: dict[str, Any]) -> str:
     """One line of the table: the median and its spread."""
     if r["slowdown_median"] is None:
         return f"{r['phase']} vs {r['baseline']}: no rounds"
+    evicting = ", ".join(f"{side} {_median_of(r.get(f'{key}_evictions_per_put_tokens_found', []), 0)} evictions per put, "
+                         f"{_median_of(r.get(f'{key}_evictions_per_put_tokens_found', []), 1)} of tokens found"
+                         for side, key in ((r["baseline"], "baseline"), (r["phase"], "phase")))
     return (f"{r['phase']} vs {r['baseline']} in {r['rounds']} interleaved round pairs of {r['round_s']:.0f} s: "
-            f"median {r['slowdown_median']:+.1%} ops/s (min {r['slowdown_min']:+.1%}, max {r['slowdown_max']:+.1%})")
+            f"median {r['slowdown_median']:+.1%} ops/s (min {r['slowdown_min']:+.1%}, max {r['slowdown_max']:+.1%}); "
+            f"medians: {evicting}")
+
+
+def _median_of(rounds: list[list[Any]], i: int) -> float | None:
+    values = [r[i] for r in rounds if r[i] is not None]
+    return round(median(values), 3) if values else None

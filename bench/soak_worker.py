@@ -6,7 +6,9 @@ against the same bytes. Prompts share prefixes (16 bases, 1-4 pages each, then 1
 of their own) and outnumber what the host tier holds, so puts keep writing new bytes and
 the server keeps evicting. Expected outcomes that are not errors, counted on their own: a
 page evicted between a lookup and its read (``misses``), a layer-wise load that stops
-short at a page evicted meanwhile (``short_loads``).
+short at a page evicted meanwhile (``short_loads``). How much of what it looked up in the
+measured window was stored (``window_lookups``, ``window_lookup_hits``: lookups that found a
+prefix; ``window_tokens_asked``, ``window_tokens_hit``) tells how much the server evicted.
 
 Protocol with the parent, over a Pipe: it sends a phase (dict) or None (exit); the worker
 connects and answers "connected"; the parent sends the wall-clock start; the worker runs
@@ -27,6 +29,7 @@ import torch
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient
+from kvstore.client.hit import Hit
 from kvstore.errors import KVStoreError, PageMissing
 from kvstore.security.channel import ClientTLS
 
@@ -59,16 +62,31 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Loop:
     """The op mix of one client in one phase; samples are (seconds since start, op, latency_s)."""
 
-    def __init__(self, client: KVStoreClient, rng: random.Random, num_prompts: int, start: float) -> None:
+    def __init__(self, client: KVStoreClient, rng: random.Random, num_prompts: int, start: float, measure_from: float) -> None:
         self.client, self.rng, self.num_prompts, self.start = client, rng, num_prompts, start
+        self.measure_from = measure_from  # seconds since start: the measured window (hit counts)
         self.recent: deque[int] = deque(maxlen=64)  # prompts this client put lately: likely still stored
         self.samples: list[tuple[float, str, float]] = []
-        self.counts = {"errors": 0, "wrong_bytes": 0, "misses": 0, "short_loads": 0, "short_puts": 0, "verified_tokens": 0}
+        self.counts = {"errors": 0, "wrong_bytes": 0, "misses": 0, "short_loads": 0, "short_puts": 0, "verified_tokens": 0,
+                       "window_lookups": 0, "window_lookup_hits": 0, "window_tokens_asked": 0, "window_tokens_hit": 0}
         self.error_samples: list[str] = []
 
     def _timed(self, op: str, began: float) -> None:
         now = time.time()
         self.samples.append((began - self.start, op, now - began))
+
+    async def lookup(self, tokens: list[int]) -> Hit:
+        """A timed lookup, counted in the hit figures when it begins in the measured window."""
+        began = time.time()
+        hit = await self.client.lookup(tokens)
+        self._timed("lookup", began)
+        if began - self.start >= self.measure_from:
+            c = self.counts
+            c["window_lookups"] += 1
+            c["window_lookup_hits"] += hit.num_tokens > 0
+            c["window_tokens_asked"] += len(tokens)
+            c["window_tokens_hit"] += hit.num_tokens
+        return hit
 
     def _prompt(self, recent: bool) -> tuple[list[int], list[bytes]]:
         prompt = self.rng.choice(self.recent) if recent and self.recent else self.rng.randrange(self.num_prompts)
@@ -93,9 +111,7 @@ class Loop:
 
     async def read(self, layerwise: bool) -> None:
         tokens, keys = self._prompt(recent=self.rng.random() < 0.8)
-        began = time.time()
-        hit = await self.client.lookup(tokens)
-        self._timed("lookup", began)
+        hit = await self.lookup(tokens)
         if not hit.num_tokens:
             return
         expected = expected_kv(keys[: hit.num_pages])
@@ -129,9 +145,7 @@ class Loop:
             elif roll < 0.42:
                 await self.put(layerwise=True)
             elif roll < 0.62:
-                began = time.time()
-                await self.client.lookup(self._prompt(recent=False)[0])
-                self._timed("lookup", began)
+                await self.lookup(self._prompt(recent=False)[0])
             else:
                 await self.read(layerwise=roll >= 0.92)
         except (KVStoreError, TimeoutError) as exc:
@@ -150,7 +164,7 @@ async def run_phase(phase: dict[str, Any], conn: Connection, index: int) -> dict
         conn.send({"connected": True, "shared_memory": client.shared_memory})
         start = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         await asyncio.sleep(max(0.0, start - time.time()))
-        loop = Loop(client, random.Random(phase["seed"] * 1000 + index), phase["prompts"], start)
+        loop = Loop(client, random.Random(phase["seed"] * 1000 + index), phase["prompts"], start, phase["warmup_s"])
         end = start + phase["warmup_s"] + phase["duration_s"]
         while time.time() < end:
             await loop.one()

@@ -36,6 +36,7 @@ class ArenaMap:
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
+        self.size_bytes = len(mm)
         # With CUDA, page-locked: slot <-> GPU copies (layer-wise loads and saves) are then DMA.
         self._pinned_at = self._pin() if torch.cuda.is_available() else None
 

@@ -140,7 +140,7 @@ class KVStoreClient:
             again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
             self._calls = await again.open_channels(info, self.timeout_s)
         if self._arena is not None:
-            self._transport = ShmTransport(peer, self._arena, info.arena_bytes, self.copy_threads)
+            self._transport = ShmTransport(peer, self._arena, self.copy_threads)
         else:
             self._transport = StreamTransport(peer, self.chunk_bytes)
 

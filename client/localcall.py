@@ -226,14 +226,12 @@ class CallChannel:
                 return False
             time.sleep(wait)
         learnt = self._relearn(max(1e-3, deadline - now))
-        if not another_socket(learnt, self.path, self._call_token):
-            return False
         with self._lock:
-            (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
-            self._owed.clear()
-        for conn in idle:
-            conn.close()  # the old server's
-        logger.info("call socket %s: the server restarted; unary calls go to the new one", self.path)
+            taken = take_over(learnt, self.path, self._call_token, self._idle, "unary calls")
+            if taken is None:
+                return False
+            self.path, self._call_token = taken
+            self._owed.clear()  # of the old server's connections, closed
         return True
 
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:
@@ -279,9 +277,20 @@ def _fill(conn: socket.socket, received: bytearray, num_bytes: int, deadline: fl
         received += chunk
 
 
-def another_socket(learnt: tuple[str, bytes] | None, path: str, call_token: bytes) -> bool:
-    """Whether what a relearn brought names a socket or call token other than (``path``, ``call_token``)."""
-    return learnt is not None and len(learnt[1]) == localcall.CALL_TOKEN_BYTES and learnt != (path, call_token)
+def take_over(learnt: tuple[str, bytes] | None, path: str, call_token: bytes, idle: list[socket.socket],
+              what: str) -> tuple[str, bytes] | None:
+    """The take-over part of both call channels' ``_learn`` (the asking and waiting are each
+    their own): when what a relearn brought names a socket or call token other than
+    (``path``, ``call_token``), the old server's ``idle`` connections are closed and removed
+    from it (the caller holds what guards it) and the new (socket, call token) is returned;
+    else None, nothing changed."""
+    if learnt is None or len(learnt[1]) != localcall.CALL_TOKEN_BYTES or learnt == (path, call_token):
+        return None
+    for conn in idle:
+        conn.close()  # the old server's
+    idle.clear()
+    logger.info("call socket %s: the server restarted; %s go to the new one", path, what)
+    return learnt
 
 
 def answer_error(status: int, body: bytes) -> KVStoreError:

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, another_socket, answer_error, drain_late
+from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, drain_late, take_over
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 
@@ -173,13 +173,10 @@ class AsyncCallChannel:
         if self._relearn is None or loop.time() < self._learn_after:
             return False
         self._learn_after = loop.time() + RELEARN_S
-        learnt = await self._relearn()
-        if not another_socket(learnt, self.path, self._call_token):
+        taken = take_over(await self._relearn(), self.path, self._call_token, self._idle, "the async client's unary calls")
+        if taken is None:
             return False
-        (self.path, self._call_token), idle, self._idle = learnt, self._idle, []
-        for conn in idle:
-            conn.close()  # the old server's
-        logger.info("call socket %s: the server restarted; the async client's unary calls go to the new one", self.path)
+        self.path, self._call_token = taken
         return True
 
     def _abandon(self, conn: socket.socket, method: str, received: bytearray) -> None:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from kvstore.config import HostTierConfig
 from kvstore.errors import ConfigError, TierFull
 from kvstore.page import PageHeader
-from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.slab import SlabAllocator
 
@@ -97,7 +97,7 @@ class TenantArenas:
         self._at(slot).write(slot, header, payload)
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
-        links = list(parents) or [None] * len(pages)
+        links = parent_links(parents, len(pages))
         for arena in self.parts():
             mine = [(page, parent) for page, parent in zip(pages, links) if self._at(page[0]) is arena]
             if mine:

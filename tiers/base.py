@@ -52,6 +52,17 @@ from typing import Any, Protocol, runtime_checkable
 from kvstore.page import PageHeader
 
 
+def parent_links(parents: Sequence[bytes | None], num_pages: int) -> list[bytes | None]:
+    """Each page's parent for a ``commit`` of ``num_pages`` pages: ``parents`` as given, or
+    None for every page when none are. Raises ValueError (nothing stored) for another number
+    of parents: zipped with the pages, the pages past the shorter list would be dropped."""
+    if not parents:
+        return [None] * num_pages
+    if len(parents) != num_pages:
+        raise ValueError(f"{len(parents)} parents for {num_pages} pages")
+    return list(parents)
+
+
 @dataclass(frozen=True)
 class TierUsage:
     num_pages: int

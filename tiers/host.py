@@ -31,7 +31,7 @@ from pathlib import Path
 from kvstore.config import HostTierConfig
 from kvstore.errors import ConfigError, LimitExceeded, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
-from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.eviction import HostResidency
 from kvstore.tiers.indexed import IndexedPages
 from kvstore.tiers.slab import ALIGN, SlabAllocator
@@ -153,7 +153,7 @@ class HostTier(IndexedPages):
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Makes reserved, written slots the stored copies of their keys (``parents``: see
         Tier.commit)."""
-        links = list(parents) or [None] * len(pages)
+        links = parent_links(parents, len(pages))
         with self._lock:
             for (slot, header), parent in zip(pages, links):
                 old = self._pages.get(header.key)

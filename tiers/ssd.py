@@ -38,7 +38,7 @@ from kvstore.errors import ConfigError, PageCorrupt, TierUnavailable
 from kvstore.lmdb_env import private_dir
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
 from kvstore.pagecopy import copy_checksum_bytes
-from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.chains import TailFirst
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
@@ -215,9 +215,9 @@ class SsdTier:
         nothing was indexed."""
         if not pages:
             return
+        links = parent_links(parents, len(pages))
         if self.durable:
             os.fdatasync(self.fd)
-        links = list(parents) or [None] * len(pages)
         self._index.put(pages, links)
         with self._lock:
             for (slot, header), parent in zip(pages, links):

@@ -23,7 +23,7 @@ import lmdb
 
 from kvstore.lmdb_env import map_full, open_env
 from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, KEY_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader
-from kvstore.tiers.base import Quarantined
+from kvstore.tiers.base import Quarantined, parent_links
 from kvstore.tiers.device_writes import IndexWrites
 from kvstore.tiers.slab import ALIGN, round_up
 
@@ -92,7 +92,7 @@ class SsdIndex:
     def put(self, entries: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Indexes written, synced slots, each with its parent when known (the eviction order
         is rebuilt from them at a restart); on MetadataFull nothing was indexed."""
-        links = list(parents) or [None] * len(entries)
+        links = parent_links(parents, len(entries))
         with self._write_txn(len(entries), self.index_db) as txn:
             for (offset, header), parent in zip(entries, links):
                 value = _ENTRY.pack(offset, slot_bytes(header.payload_bytes)) + header.pack()[:HEADER_CORE_BYTES]

@@ -41,16 +41,20 @@ class ShmTransport:
 
     Owns the client's mapping of the arena and closes it."""
 
-    def __init__(self, peer: Peer, arena: ArenaMap, arena_bytes: int, copy_threads: int) -> None:
+    def __init__(self, peer: Peer, arena: ArenaMap, copy_threads: int) -> None:
         self.peer = peer
         self.layout = peer.layout
         self.arena = arena
-        self.arena_bytes = arena_bytes
         self.copy_threads = copy_threads
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
         self._old_arenas: list[ArenaMap] = []  # of servers before a restart: a copy may still run on them
         self._copying = 0  # copies running now (on the copy threads or inline); ``_lock`` guards both
         self._lock = threading.Lock()
+
+    @property
+    def arena_bytes(self) -> int:
+        """The size of the arena mapped now: a restarted server's may be another (it sizes batches)."""
+        return self.arena.size_bytes
 
     def remap(self, arena: ArenaMap) -> None:
         """Takes the arena of the restarted server (client/restart.py). The old one is closed

@@ -50,6 +50,7 @@ def test_fuzz_smoke_calls_every_rpc_and_finds_nothing(tmp_path) -> None:
 def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
     plot = tmp_path / "soak.png"
     rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "2", "--duration-s", "3", "--prompts", "64",
+                                "--host-capacity", "16",
                                 "--phases", "secure-shm,plain-shm,plain-grpc,secure-grpc,local-shm",
                                 "--rounds", "2", "--round-s", "1", "--round-warmup-s", "1",
                                 "--dir", str(tmp_path / "sk"), "--plot", str(plot), timeout_s=480)
@@ -62,6 +63,16 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
         assert all(phase["ops"][op]["count"] > 0 for op in ("put", "lookup", "get")), name
         assert phase["shared_memory_clients"] == (4 if name.endswith("shm") else 0), name
         assert phase["rss_baseline"] and phase["rss_end"]
+    # Like-for-like: with auth each tenant's arena is its host_bytes quota, --host-capacity / 2;
+    # together they hold what the plain server's one arena holds (16 MiB here: both evict).
+    for name, phase in report["phases"].items():
+        host = phase["host_tier"]
+        assert host["capacity_bytes"] == 16 << 20, (name, host)
+        quotas = {t: u["host_bytes_quota"] for t, u in host["tenants_end"].items() if t in ("alpha", "beta")}
+        assert quotas == ({"alpha": 8 << 20, "beta": 8 << 20} if name.startswith(("secure", "local")) else {}), name
+        assert host["evictions_measured"] >= 0 and host["evictions_per_put"] is not None, name
+        assert 0 < host["tokens_found_measured"] <= 1 and phase["counts"]["window_lookups"] > 0, name
+    assert "host tier in the measured window" in stdout and "secure-shm 16 MiB, alpha quota 8 MiB, beta quota 8 MiB" in stdout
     assert set(report["tls_auth_cost"]) == {"shm", "grpc"}
     assert "slowdown" in report["tls_auth_cost"]["shm"]["local_socket"], "the same-host path over --local-socket is costed"
     assert "tokens on --local-socket (no TLS) cost, shm" in stdout
@@ -76,6 +87,7 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
         assert all(ops > 0 for ops in rounds["baseline_ops_per_s"] + rounds["phase_ops_per_s"]), name
         assert rounds["errors"] == 0 and rounds["wrong_bytes"] == 0, name
         assert rounds["slowdown_min"] <= rounds["slowdown_median"] <= rounds["slowdown_max"], name
+        assert len(rounds["baseline_evictions_per_put_tokens_found"]) == len(rounds["phase_evictions_per_put_tokens_found"]) == 2
     for entry in (report["tls_auth_cost"]["shm"], report["tls_auth_cost"]["grpc"], report["tls_auth_cost"]["shm"]["local_socket"]):
         assert entry["meets_goal_by"] == "rounds median"
         assert entry["meets_goal"] == (entry["rounds"]["slowdown_median"] <= entry["goal_slowdown"])

@@ -137,3 +137,31 @@ async def test_the_dead_servers_arena_is_unmapped_once_the_new_one_is_taken(
         assert torch.equal(into, kv)
         assert client.arena is not None and int(client.arena.array.ctypes.data) != old
         assert not _mapped(old), "the dead server's arena is still mapped by the client"
+
+
+
+async def test_a_client_sizes_its_batches_by_the_restarted_servers_arena(server_process: ServerProcess, ns: Namespace,
+                                                                         layout: KVLayout) -> None:
+    """A batch of a put or get is at most a sixth of the arena, so that the batches in flight
+    fit it. Stale state: the client kept the arena size of the server it first met
+    (ShmTransport.arena_bytes, not updated by the remap), so after a restart with a smaller
+    --host-capacity its batches were sized for the old arena (64 pages, not 21). The server
+    coped (a put of 120 pages into the 128-slot arena, two concurrent puts of 64 pages, were
+    still whole and exact): the size now comes from the arena mapped, one source of truth."""
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns, timeout_s=10.0) as client:
+        tokens = torch.arange(2 * layout.page_tokens)
+        assert await client.put(tokens, random_kv(layout, len(tokens)), durable=True) == len(tokens)
+        transport = client._transport
+        assert transport is not None and transport.batch_pages() == 64, "a 64 MiB arena: full batches"
+        server_process.kill()
+        server_process.args[server_process.args.index("--host-capacity") + 1] = "4MiB"
+        server_process.start()
+        assert (await client.lookup(tokens)).num_tokens == len(tokens)  # the durable pages; the new arena is mapped
+        assert transport.batch_pages() == (4 << 20) // layout.page_bytes // 6, "sized by the new server's 4 MiB arena"
+        more = torch.arange(1000, 1000 + 96 * layout.page_tokens)  # 3 MiB: most of the new arena
+        kv = random_kv(layout, len(more), seed=2)
+        assert await client.put(more, kv) == len(more)
+        into = torch.zeros_like(kv)
+        assert await client.get(await client.lookup(more), into) == len(more)
+        assert torch.equal(into, kv)

@@ -224,3 +224,38 @@ def test_the_client_channel_follows_a_revocation_and_a_new_grant(tmp_path: Path,
         channel.close()
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_commit_is_checked_against_its_slots_bytes_on_both_transports_with_a_shared_arena(tmp_path: Path,
+                                                                                             ca: CertAuthority) -> None:
+    """With --share-arena a freed slot keeps the bytes of the page that left it (maybe another
+    tenant's): a commit that claims a checksum without writing its slot is refused
+    (INVALID_ARGUMENT) and publishes nothing, over gRPC and over the call socket alike (the
+    socket serves the very same guarded Commit handler)."""
+    import dataclasses
+
+    from tenants import PAGE_BYTES, Caller, new_ns
+
+    from kvstore.page import checksum
+
+    config = tenant_config(tmp_path, ca)
+    server = Server(dataclasses.replace(config, security=dataclasses.replace(config.security, share_arena=True)))
+    server.start()
+    try:
+        grpc_caller, socket_caller = Caller(server, ca, A), SocketCaller(server, A)
+        ns = new_ns()
+        claimed = checksum(b"\x07" * PAGE_BYTES)  # bytes never written to the slot
+        for name, call in (("grpc", lambda m, r, t: grpc_caller(getattr(grpc_caller.data, m.split(".")[1]), r)),
+                           ("socket", socket_caller)):
+            key = new_keys(1)
+            alloc = call("Data.Allocate", data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=key),
+                         data_pb2.AllocateResponse)
+            commit = data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=key, checksums=[claimed])
+            code = (grpc_caller.code(grpc_caller.data.Commit, commit) if name == "grpc"
+                    else socket_caller.code("Data.Commit", commit))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert grpc_caller.lookup(ns, key) == 0, f"{name}: nothing published"
+        socket_caller.close()
+        grpc_caller.close()
+    finally:
+        server.stop(grace_s=1)

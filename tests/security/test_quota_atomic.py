@@ -16,6 +16,7 @@ from tenants import LAYOUT, NODE, PAGE_BYTES, A, B, Caller, new_keys, new_ns, te
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.config import HostTierConfig
+from kvstore.errors import LimitExceeded
 from kvstore.server import Server
 
 pytest_plugins = ["tenants"]
@@ -196,3 +197,46 @@ def test_a_hint_past_max_hints_part_way_holds_nothing(few_hints, ca) -> None:
     assert few_hints.tenancy.quotas.usage("a")["hints"] == 0, "the refused Hint is not charged"
     four = data_pb2.HintRequest(namespace_id=ns, entries=[data_pb2.HintEntry(keys=new_keys(4), eta_ms=60_000)])
     assert a.code(a.data.Hint, four) == OK, "the refused Hint announced nothing"
+
+
+
+async def test_concurrent_puts_at_the_host_quota_with_room_to_make_are_never_refused(tmp_path, ca) -> None:
+    """A tenant at its host quota whose calls in flight hold far less than the quota always
+    makes room with its own coldest pages (as a server without tenants does when its arena is
+    full). Bug (found by kvstore-bench soak with host quotas per tenant): an allocation evicted
+    down to what it needed, then asked again once, and a put of the tenant that took the room
+    meanwhile (or a commit in flight, counted twice for a moment) got it refused."""
+    import asyncio
+
+    from conftest import random_kv
+
+    from kvstore.client import ClientTLS, KVStoreClient
+    from kvstore.types import KVLayout, Namespace
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=4)
+    server = _server(tmp_path, ca, {"a": {"host_bytes": 32 * layout.page_bytes}})
+    ns = Namespace("m", "r1", layout)
+    refused: list[str] = []
+
+    async def puts(client: KVStoreClient, first: int) -> None:
+        for prompt in range(first, first + 40):
+            tokens = [prompt * 1000 + t for t in range(4 * layout.page_tokens)]  # 4 pages: 16 in flight of 32
+            try:
+                await client.put(tokens, random_kv(layout, len(tokens), seed=prompt))
+            except LimitExceeded as exc:
+                refused.append(str(exc))
+
+    try:
+        tls = ClientTLS(ca=ca.cert)
+        clients = [KVStoreClient(server.address, ns, token=A, tls=tls) for _ in range(4)]
+        try:
+            await asyncio.gather(*(c.__aenter__() for c in clients))
+            assert all(c.shared_memory for c in clients)
+            await asyncio.gather(*(puts(c, i * 100) for i, c in enumerate(clients)))
+        finally:
+            await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients))
+        assert refused == [], f"{len(refused)} of 160 puts refused though the tenant had pages of its own to evict"
+        assert server.tenancy.quotas.usage("a")["host_bytes"] <= 32 * layout.page_bytes
+        assert server.metrics.evictions.labels("host")._value.get() > 0
+    finally:
+        server.stop(grace_s=1)

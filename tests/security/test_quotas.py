@@ -197,3 +197,31 @@ def test_a_quota_changed_in_the_auth_file_holds_after_a_reload(quota_server, ca)
     assert quota_server.reload_security()
     assert a.code(a.data.Acquire, acquire) == OK
     assert a.code(a.data.Acquire, acquire) == FULL
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_exceeded(tmp_path, ca, use_shm: bool) -> None:
+    """Bug (found by kvstore-bench soak with a host_bytes quota per tenant): the server names
+    the class it raised (HostQuotaFull) and the client built it with the message alone; its
+    constructor also takes keep_bytes, so the client raised TypeError, which no caller catches
+    (a soak client died of it), instead of the LimitExceeded a full quota is."""
+    from kvstore.client import ClientTLS, KVStoreClient
+    from kvstore.errors import LimitExceeded
+    from kvstore.types import KVLayout, Namespace
+    from conftest import random_kv
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=4)
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 2 * layout.page_bytes}})
+    try:
+        async with KVStoreClient(server.address, Namespace("m", "r1", layout), token=A, tls=ClientTLS(ca=ca.cert),
+                                 use_shm=use_shm) as client:
+            tokens = list(range(2 * layout.page_tokens))
+            assert await client.put(tokens, random_kv(layout, len(tokens))) == len(tokens)
+            hit = await client.lookup(tokens)
+            a = Caller(server, ca, A)
+            a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=hit.namespace_id, keys=hit.keys))  # all of a's pages, pinned
+            more = list(range(100, 100 + layout.page_tokens))
+            with pytest.raises(LimitExceeded, match="host bytes"):
+                await client.put(more, random_kv(layout, len(more)))
+    finally:
+        server.stop(grace_s=1)

@@ -281,3 +281,26 @@ def test_concurrent_writers_and_readers_of_distinct_pages(tier: Tier, case: Case
         t.join()
     assert not errors, errors
     assert tier.usage().num_pages == 32
+
+
+@pytest.mark.parametrize("name", ["host", "ssd-buffered"])
+def test_a_commit_with_another_number_of_parents_than_pages_stores_nothing(name: str, tmp_path: Path) -> None:
+    """The tiers that keep parents read them through one helper (tiers.base.parent_links): a
+    list of another length is refused before anything is stored, where zipping it with the
+    pages would have stored only the pages up to the shorter list's end."""
+    tier = CASES[name].open(tmp_path)
+    try:
+        pages = [_page(i) for i in range(2)]
+        slots = []
+        for header, payload in pages:
+            slot = tier.reserve(header.payload_bytes)
+            assert slot is not None
+            tier.write(slot, header, memoryview(payload))
+            slots.append(slot)
+        with pytest.raises(ValueError, match="1 parents for 2 pages"):
+            tier.commit([(slot, header) for slot, (header, _) in zip(slots, pages)], [None])
+        assert not any(tier.contains(header.key) for header, _ in pages)
+        tier.commit([(slot, header) for slot, (header, _) in zip(slots, pages)], [None, pages[0][0].key])
+        assert all(tier.contains(header.key) for header, _ in pages)
+    finally:
+        tier.close()

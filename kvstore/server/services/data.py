@@ -15,7 +15,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import HostQuotaFull, InvalidRequest, PermissionDenied, StreamCut
+from kvstore.errors import HostQuotaFull, InvalidRequest, LimitExceeded, PermissionDenied, StreamCut
 from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
@@ -33,6 +33,7 @@ from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
 
+ROOM_TRIES = 4  # evictions of its own pages a call at its host quota makes before it is refused
 
 @dataclass(frozen=True)
 class _Destination:
@@ -134,16 +135,21 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     def _room(self, who: Identity, num_pages: int, page_bytes: int) -> Reservation:
         """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its
-        host quota, its own coldest pages make room (written down), never another tenant's."""
+        host quota, its own coldest pages make room (written down), never another tenant's.
+        Asked again after each eviction, up to ROOM_TRIES times: the tenant's other calls may
+        take the room made meanwhile (or count twice for a moment: an allocation's bytes are
+        reserved and in its slots until it answers), which is no reason to refuse; only when
+        its own pages left are pinned or reserved is it refused."""
+        for _ in range(ROOM_TRIES):
+            try:
+                return self.quotas.pages(who, num_pages, page_bytes)
+            except HostQuotaFull as full:
+                self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
         try:
             return self.quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
-            self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
-        try:
-            return self.quotas.pages(who, num_pages, page_bytes)
-        except HostQuotaFull:  # its own pages left are pinned or reserved
             self.quotas.refused(who.tenant, "host_bytes")
-            raise
+            raise LimitExceeded(str(full)) from None  # HostQuotaFull asks the servicer to make room; the caller is refused
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
