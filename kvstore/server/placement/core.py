@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
@@ -113,9 +114,10 @@ class Placement:
     # -- writes through the landing tier -------------------------------------------------
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 tenant: str = "", parent: bytes | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+                 tenant: str = "", parent: bytes | None = None,
+                 counting: AbstractContextManager[None] | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         """Reserves landing slots for the keys not stored yet, under an allocation of ``tenant``; stops at the first that
-        finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
+        finds no room (``counting``: around the lease table counting it, Quotas.handing_over). Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
         pages it calls stored (and ``parent``, the key before keys[0], with no tier below) are pinned until commit, abort
         or expiry. Raises TierFull when not even the first page fits."""
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
@@ -149,7 +151,8 @@ class Placement:
             if self._fill(arena) > self.config.host.demote_above:
                 self.pressure.set()
             alloc.keys = [k for k, _ in out]
-            return self.leases.add_allocation(alloc), out
+            with counting or nullcontext():
+                return self.leases.add_allocation(alloc), out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
         """Where the caller writes the page ``key`` of its allocation (LeaseExpired when the

@@ -108,9 +108,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         held = self._room(who, len(keys), layout.page_bytes)
         try:
             with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent)
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held))
         finally:
-            held.release()  # the allocation's slots count now (or there are none)
+            held.release()  # handed over to the allocation's slots (or there are none)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
@@ -272,13 +272,13 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
-                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent)
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent, self.quotas.handing_over(held))
             except BaseException:
                 if claimed:
                     self.tenancy.settle(who, ns, False)
                 raise
         finally:
-            held.release()  # the allocation's slot counts now (or there is none)
+            held.release()  # handed over to the allocation's slot (or there is none)
         dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
         try:
             sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
