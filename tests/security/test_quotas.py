@@ -225,3 +225,45 @@ async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_excee
                 await client.put(more, random_kv(layout, len(more)))
     finally:
         server.stop(grace_s=1)
+
+
+@pytest.mark.parametrize("share_arena", [False, True], ids=["own-arenas", "shared-arena"])
+def test_a_refusal_at_the_host_quota_walks_its_pinned_pages_once_and_leaves_the_others_pages(tmp_path, ca, monkeypatch,
+                                                                                            share_arena: bool) -> None:
+    """A tenant whose own pages are all pinned is refused at its host quota after one eviction
+    pass that finds nothing to evict: another pass (under the placement lock every tenant's
+    calls wait for, walking the arena's eviction order) finds the same pins. Bug: the
+    ROOM_TRIES loop made ROOM_TRIES passes for every such refusal, so a tenant that pins its
+    pages and keeps asking cost the server four walks a call. Another tenant's pages stay,
+    with a shared arena too (evict_own passes over them)."""
+    import dataclasses
+
+    config = tenant_config(tmp_path, ca)
+    config = dataclasses.replace(config, security=dataclasses.replace(config.security, share_arena=share_arena))
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"host_bytes": 4 * PAGE_BYTES}}}))
+    server = Server(config)
+    server.start()
+    passes: list[bool] = []
+    evict_own = server.core.evict_own
+
+    def counted(*args: Any) -> Any:
+        passes.append(True)
+        return evict_own(*args)
+
+    monkeypatch.setattr(server.core, "evict_own", counted)
+    try:
+        a, b = Caller(server, ca, A), Caller(server, ca, B)
+        ns_a, ns_b, keys_a, keys_b = new_ns(), new_ns(), new_keys(4), new_keys(8)
+        assert a.put(ns_a, keys_a) == 4 and b.put(ns_b, keys_b) == 8
+        a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns_a, keys=keys_a))  # all of a's pages, pinned
+        passes.clear()
+        allocate = data_pb2.AllocateRequest(namespace_id=ns_a, layout=LAYOUT, keys=new_keys(1))
+        for _ in range(5):
+            assert a.code(a.data.Allocate, allocate) == FULL
+        assert len(passes) == 5, f"{len(passes)} eviction passes for 5 refusals (every pass found only pinned pages)"
+        assert b.lookup(ns_b, keys_b) == 8, "the other tenant's pages stay"
+        a.close()
+        b.close()
+    finally:
+        server.stop(grace_s=1)

@@ -224,19 +224,21 @@ class Placement:
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
-    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> None:
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
         """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
         ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
         quota makes room with its own pages, never another's. Stops when what is left of
-        them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
+        them is pinned (False: another pass would only walk the same pins). Each step removes
+        a page or finds it pinned, so the loop ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
         with self.keeper.critical():
-            while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
-                   and self.moves.evict_one(0, skip, arena)):
+            while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
+                    and self.moves.evict_one(0, skip, arena):
                 pass
             self.reporter.refresh_gauges()
+        return not over
 
     # -- reads ---------------------------------------------------------------------------
 

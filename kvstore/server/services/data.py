@@ -137,14 +137,14 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its
         host quota, its own coldest pages make room (written down), never another tenant's.
         Asked again after each eviction, up to ROOM_TRIES times: the tenant's other calls may
-        take the room made meanwhile (or count twice for a moment: an allocation's bytes are
-        reserved and in its slots until it answers), which is no reason to refuse; only when
-        its own pages left are pinned or reserved is it refused."""
+        take the room made meanwhile, which is no reason to refuse; once its own pages left
+        are pinned or reserved (a pass that could not evict enough) it is asked once more."""
         for _ in range(ROOM_TRIES):
             try:
                 return self.quotas.pages(who, num_pages, page_bytes)
             except HostQuotaFull as full:
-                self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
+                if not self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes):
+                    break  # what is left of its own is pinned: another pass walks the same pins
         try:
             return self.quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
