@@ -267,3 +267,35 @@ def test_a_refusal_at_the_host_quota_walks_its_pinned_pages_once_and_leaves_the_
         b.close()
     finally:
         server.stop(grace_s=1)
+
+
+def test_an_allocate_whose_caller_left_during_its_eviction_passes_holds_nothing(tmp_path, ca, monkeypatch) -> None:
+    """A caller at its host quota whose deadline passes while its Allocate makes room (passes
+    that write pages down to a slow disk; ROOM_TRIES of them) gets DEADLINE_EXCEEDED and never
+    hears of the allocation: it must not stay behind, holding slots and the tenant's host
+    bytes and allocations quota until its TTL. Bug: the servicer went on, allocated, and
+    answered nobody (the call socket undoes such an Allocate; gRPC did not)."""
+    import time
+
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
+    evict_own = server.core.evict_own
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.3)  # a write down to a busy disk
+        return evict_own(*args)
+
+    monkeypatch.setattr(server.core, "evict_own", slow)
+    try:
+        a = Caller(server, ca, A)
+        ns = new_ns()
+        assert a.put(ns, new_keys(4)) == 4
+        with pytest.raises(grpc.RpcError) as err:
+            a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(2)), timeout=0.15)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.6)  # the handler is done by now
+        use = server.tenancy.quotas.usage("a")
+        assert use["allocations"] == 0, f"an allocation nobody heard of is held: {use}"
+        assert use["host_bytes"] <= 4 * PAGE_BYTES
+        a.close()
+    finally:
+        server.stop(grace_s=1)
