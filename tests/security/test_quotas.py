@@ -262,6 +262,9 @@ def test_a_refusal_at_the_host_quota_walks_its_pinned_pages_once_and_leaves_the_
         for _ in range(5):
             assert a.code(a.data.Allocate, allocate) == FULL
         assert len(passes) == 5, f"{len(passes)} eviction passes for 5 refusals (every pass found only pinned pages)"
+        use = server.tenancy.quotas.usage("a", ["host_bytes", "allocations"])
+        assert use == {"host_bytes": 4 * PAGE_BYTES, "allocations": 0}, "the refusals left no slot or charge"
+        assert not +server.tenancy.quotas._reserved["a"], "nor a reservation"
         assert b.lookup(ns_b, keys_b) == 8, "the other tenant's pages stay"
         a.close()
         b.close()
@@ -296,6 +299,49 @@ def test_an_allocate_whose_caller_left_during_its_eviction_passes_holds_nothing(
         use = server.tenancy.quotas.usage("a")
         assert use["allocations"] == 0, f"an allocation nobody heard of is held: {use}"
         assert use["host_bytes"] <= 4 * PAGE_BYTES
+        a.close()
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_needs(tmp_path, ca, monkeypatch) -> None:
+    """Quota 4 pages: 3 stored, a durable put of a 4th in flight (published, its write to the
+    SSD tier under way), then an Allocate of 1 page: 5 pages would be held, so one old page
+    must go. Bug: the commit's bridge (the slots' bytes held while they become pages) stayed
+    reserved after the page was published until the commit returned, so for the whole SSD
+    write the page counted twice; keep_bytes came out a page short and the put evicted two
+    of the tenant's pages where one was needed (the demoter may evict besides: keep_bytes,
+    what the put asks, is checked)."""
+    import threading
+    import time
+
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
+    write_through = server.core.moves.write_through
+
+    def slow(keys: list[bytes]) -> None:
+        time.sleep(0.5)  # a busy disk
+        write_through(keys)
+
+    monkeypatch.setattr(server.core.moves, "write_through", slow)
+    keeps: list[int] = []
+    evict_own = server.core.evict_own
+
+    def recorded(namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
+        keeps.append(keep_bytes)
+        return evict_own(namespace_ids, keep_bytes)
+
+    monkeypatch.setattr(server.core, "evict_own", recorded)
+    try:
+        a = Caller(server, ca, A)
+        ns = new_ns()
+        for _ in range(3):
+            assert a.put(ns, new_keys(1)) == 1  # three pages, no chain: each can go alone
+        durable = threading.Thread(target=a.put, args=(ns, new_keys(1), True))
+        durable.start()
+        time.sleep(0.2)  # the durable page is published; its write is under way
+        assert a.code(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(1))) == OK
+        durable.join(5)
+        assert keeps == [3 * PAGE_BYTES], f"evicted down to {[k // PAGE_BYTES for k in keeps]} pages: 3 of 4 may stay"
         a.close()
     finally:
         server.stop(grace_s=1)

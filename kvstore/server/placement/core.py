@@ -167,7 +167,7 @@ class Placement:
             return self.landing.view(slot, alloc.layout.page_bytes)
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
-               tenant: str | None = None) -> int:
+               tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
@@ -202,8 +202,11 @@ class Placement:
                 fresh.append((slot, header))
             self.landing.commit(fresh, alloc.parents([h.key for _, h in fresh]))
             self.keeper.free_slots(list(alloc.slots.values()))
+            with counting or nullcontext():  # the pages count from here (Quotas.handing_over: the caller's bridge goes)
+                if fresh:
+                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes)
+                                                                for _, h in fresh])
             if fresh:
-                self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
                 self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
             run = [] if self.leases.broken(alloc, self.residence.stored) else _leading(alloc.keys, self.residence.stored)
             if durable:

@@ -129,7 +129,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
         try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
             n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                                 tenant=who.tenant)
+                                 tenant=who.tenant, counting=self.quotas.handing_over(bridge))
         finally:
             bridge.release()
         return data_pb2.CommitResponse(num_published=n)
@@ -222,7 +222,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                     bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
                     try:
                         committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
-                                                     dest.flags) > 0
+                                                     dest.flags, counting=self.quotas.handing_over(bridge)) > 0
                     finally:
                         bridge.release()
                         self._settle(who, dest, committed)

@@ -166,7 +166,7 @@ class Quotas:
             return NOTHING
         with self._lock(who.tenant):
             self._reserved.setdefault(who.tenant, Counter()).update(amounts)
-        return Reservation(lambda: self._give_back(who.tenant, amounts))
+        return Reservation(lambda: self._give_back(who.tenant, amounts), who.tenant, amounts)
 
     @contextmanager
     def reserving(self, who: Identity, **amounts: int) -> Iterator[None]:
@@ -180,7 +180,7 @@ class Quotas:
     @contextmanager
     def handing_over(self, held: Reservation) -> Iterator[None]:
         """For the body that makes the holder count what ``held`` reserved (an allocation's
-        slots and its place in the lease table): it runs under the tenant's lock, and ``held``
+        slots and its place in the lease table; a commit's pages in the directory): it runs under the tenant's lock, and ``held``
         is released in the same step, so a call checking meanwhile sees the change once. Else
         it is counted twice for a moment, and a call of the tenant that fits was refused (its
         keep_bytes negative: no room to make). A body that raises releases nothing here."""
