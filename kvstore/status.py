@@ -37,10 +37,12 @@ def error_for(code: grpc.StatusCode, message: str, name: str | None = None) -> e
     server raised, from trailing metadata, when it says)."""
     named = getattr(errors, name, None) if name else None
     if isinstance(named, type) and issubclass(named, errors.KVStoreError):
-        try:
-            return named(message)
-        except TypeError:  # a class that carries more than a message (HostQuotaFull): the code's class below
-            pass
+        for cls in named.__mro__:  # a class that carries more than a message (HostQuotaFull): its nearest base
+            if issubclass(cls, errors.KVStoreError):
+                try:
+                    return cls(message)
+                except TypeError:
+                    continue
     for cls, known in ERROR_CODES:
         if known == code:
             return cls(message)

@@ -225,3 +225,123 @@ async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_excee
                 await client.put(more, random_kv(layout, len(more)))
     finally:
         server.stop(grace_s=1)
+
+
+@pytest.mark.parametrize("share_arena", [False, True], ids=["own-arenas", "shared-arena"])
+def test_a_refusal_at_the_host_quota_walks_its_pinned_pages_once_and_leaves_the_others_pages(tmp_path, ca, monkeypatch,
+                                                                                            share_arena: bool) -> None:
+    """A tenant whose own pages are all pinned is refused at its host quota after one eviction
+    pass that finds nothing to evict: another pass (under the placement lock every tenant's
+    calls wait for, walking the arena's eviction order) finds the same pins. Bug: the
+    ROOM_TRIES loop made ROOM_TRIES passes for every such refusal, so a tenant that pins its
+    pages and keeps asking cost the server four walks a call. Another tenant's pages stay,
+    with a shared arena too (evict_own passes over them)."""
+    import dataclasses
+
+    config = tenant_config(tmp_path, ca)
+    config = dataclasses.replace(config, security=dataclasses.replace(config.security, share_arena=share_arena))
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"host_bytes": 4 * PAGE_BYTES}}}))
+    server = Server(config)
+    server.start()
+    passes: list[bool] = []
+    evict_own = server.core.evict_own
+
+    def counted(*args: Any) -> Any:
+        passes.append(True)
+        return evict_own(*args)
+
+    monkeypatch.setattr(server.core, "evict_own", counted)
+    try:
+        a, b = Caller(server, ca, A), Caller(server, ca, B)
+        ns_a, ns_b, keys_a, keys_b = new_ns(), new_ns(), new_keys(4), new_keys(8)
+        assert a.put(ns_a, keys_a) == 4 and b.put(ns_b, keys_b) == 8
+        a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns_a, keys=keys_a))  # all of a's pages, pinned
+        passes.clear()
+        allocate = data_pb2.AllocateRequest(namespace_id=ns_a, layout=LAYOUT, keys=new_keys(1))
+        for _ in range(5):
+            assert a.code(a.data.Allocate, allocate) == FULL
+        assert len(passes) == 5, f"{len(passes)} eviction passes for 5 refusals (every pass found only pinned pages)"
+        use = server.tenancy.quotas.usage("a", ["host_bytes", "allocations"])
+        assert use == {"host_bytes": 4 * PAGE_BYTES, "allocations": 0}, "the refusals left no slot or charge"
+        assert not +server.tenancy.quotas._reserved["a"], "nor a reservation"
+        assert b.lookup(ns_b, keys_b) == 8, "the other tenant's pages stay"
+        a.close()
+        b.close()
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_an_allocate_whose_caller_left_during_its_eviction_passes_holds_nothing(tmp_path, ca, monkeypatch) -> None:
+    """A caller at its host quota whose deadline passes while its Allocate makes room (passes
+    that write pages down to a slow disk; ROOM_TRIES of them) gets DEADLINE_EXCEEDED and never
+    hears of the allocation: it must not stay behind, holding slots and the tenant's host
+    bytes and allocations quota until its TTL. Bug: the servicer went on, allocated, and
+    answered nobody (the call socket undoes such an Allocate; gRPC did not)."""
+    import time
+
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
+    evict_own = server.core.evict_own
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.3)  # a write down to a busy disk
+        return evict_own(*args)
+
+    monkeypatch.setattr(server.core, "evict_own", slow)
+    try:
+        a = Caller(server, ca, A)
+        ns = new_ns()
+        assert a.put(ns, new_keys(4)) == 4
+        with pytest.raises(grpc.RpcError) as err:
+            a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(2)), timeout=0.15)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.6)  # the handler is done by now
+        use = server.tenancy.quotas.usage("a")
+        assert use["allocations"] == 0, f"an allocation nobody heard of is held: {use}"
+        assert use["host_bytes"] <= 4 * PAGE_BYTES
+        a.close()
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_needs(tmp_path, ca, monkeypatch) -> None:
+    """Quota 4 pages: 3 stored, a durable put of a 4th in flight (published, its write to the
+    SSD tier under way), then an Allocate of 1 page: 5 pages would be held, so one old page
+    must go. Bug: the commit's bridge (the slots' bytes held while they become pages) stayed
+    reserved after the page was published until the commit returned, so for the whole SSD
+    write the page counted twice; keep_bytes came out a page short and the put evicted two
+    of the tenant's pages where one was needed (the demoter may evict besides: keep_bytes,
+    what the put asks, is checked)."""
+    import threading
+    import time
+
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
+    write_through = server.core.moves.write_through
+
+    def slow(keys: list[bytes]) -> None:
+        time.sleep(0.5)  # a busy disk
+        write_through(keys)
+
+    monkeypatch.setattr(server.core.moves, "write_through", slow)
+    keeps: list[int] = []
+    evict_own = server.core.evict_own
+
+    def recorded(namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
+        keeps.append(keep_bytes)
+        return evict_own(namespace_ids, keep_bytes)
+
+    monkeypatch.setattr(server.core, "evict_own", recorded)
+    try:
+        a = Caller(server, ca, A)
+        ns = new_ns()
+        for _ in range(3):
+            assert a.put(ns, new_keys(1)) == 1  # three pages, no chain: each can go alone
+        durable = threading.Thread(target=a.put, args=(ns, new_keys(1), True))
+        durable.start()
+        time.sleep(0.2)  # the durable page is published; its write is under way
+        assert a.code(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(1))) == OK
+        durable.join(5)
+        assert keeps == [3 * PAGE_BYTES], f"evicted down to {[k // PAGE_BYTES for k in keeps]} pages: 3 of 4 may stay"
+        a.close()
+    finally:
+        server.stop(grace_s=1)

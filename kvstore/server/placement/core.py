@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
@@ -113,9 +114,10 @@ class Placement:
     # -- writes through the landing tier -------------------------------------------------
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 tenant: str = "", parent: bytes | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+                 tenant: str = "", parent: bytes | None = None,
+                 counting: AbstractContextManager[None] | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         """Reserves landing slots for the keys not stored yet, under an allocation of ``tenant``; stops at the first that
-        finds no room. Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
+        finds no room (``counting``: around the lease table counting it, Quotas.handing_over). Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
         pages it calls stored (and ``parent``, the key before keys[0], with no tier below) are pinned until commit, abort
         or expiry. Raises TierFull when not even the first page fits."""
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
@@ -149,7 +151,8 @@ class Placement:
             if self._fill(arena) > self.config.host.demote_above:
                 self.pressure.set()
             alloc.keys = [k for k, _ in out]
-            return self.leases.add_allocation(alloc), out
+            with counting or nullcontext():
+                return self.leases.add_allocation(alloc), out
 
     def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
         """Where the caller writes the page ``key`` of its allocation (LeaseExpired when the
@@ -164,7 +167,7 @@ class Placement:
             return self.landing.view(slot, alloc.layout.page_bytes)
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
-               tenant: str | None = None) -> int:
+               tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
         Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
@@ -199,8 +202,11 @@ class Placement:
                 fresh.append((slot, header))
             self.landing.commit(fresh, alloc.parents([h.key for _, h in fresh]))
             self.keeper.free_slots(list(alloc.slots.values()))
+            with counting or nullcontext():  # the pages count from here (Quotas.handing_over: the caller's bridge goes)
+                if fresh:
+                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes)
+                                                                for _, h in fresh])
             if fresh:
-                self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
                 self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
             run = [] if self.leases.broken(alloc, self.residence.stored) else _leading(alloc.keys, self.residence.stored)
             if durable:
@@ -221,19 +227,21 @@ class Placement:
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
-    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> None:
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
         """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
         ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
         quota makes room with its own pages, never another's. Stops when what is left of
-        them is pinned. Each step removes a page or finds it pinned, so the loop ends."""
+        them is pinned (False: another pass would only walk the same pins). Each step removes
+        a page or finds it pinned, so the loop ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
         with self.keeper.critical():
-            while (sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes
-                   and self.moves.evict_one(0, skip, arena)):
+            while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
+                    and self.moves.evict_one(0, skip, arena):
                 pass
             self.reporter.refresh_gauges()
+        return not over
 
     # -- reads ---------------------------------------------------------------------------
 

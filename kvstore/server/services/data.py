@@ -15,7 +15,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
-from kvstore.errors import HostQuotaFull, InvalidRequest, LimitExceeded, PermissionDenied, StreamCut
+from kvstore.errors import InvalidRequest, PermissionDenied, StreamCut
 from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
@@ -24,16 +24,15 @@ from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.services.read_ahead import built_ahead
+from kvstore.server.services.room import room
 from kvstore.server.services.sessions import SessionCalls
 from kvstore.server.tenancy import Tenancy
-from kvstore.server.tenancy.quotas import NOTHING, Reservation
+from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tokenlog import TokenLog
 from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
-
-ROOM_TRIES = 4  # evictions of its own pages a call at its host quota makes before it is refused
 
 @dataclass(frozen=True)
 class _Destination:
@@ -105,12 +104,14 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         parent = validate.keys([request.parent], 1)[0] if request.parent else None
         who = current_identity()
-        held = self._room(who, len(keys), layout.page_bytes)
+        held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
         try:
             with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent)
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held))
         finally:
-            held.release()  # the allocation's slots count now (or there are none)
+            held.release()  # handed over to the allocation's slots (or there are none)
+        if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
+            self.core.abort(ident, who.tenant)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
@@ -128,28 +129,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
         try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
             n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                                 tenant=who.tenant)
+                                 tenant=who.tenant, counting=self.quotas.handing_over(bridge))
         finally:
             bridge.release()
         return data_pb2.CommitResponse(num_published=n)
-
-    def _room(self, who: Identity, num_pages: int, page_bytes: int) -> Reservation:
-        """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its
-        host quota, its own coldest pages make room (written down), never another tenant's.
-        Asked again after each eviction, up to ROOM_TRIES times: the tenant's other calls may
-        take the room made meanwhile (or count twice for a moment: an allocation's bytes are
-        reserved and in its slots until it answers), which is no reason to refuse; only when
-        its own pages left are pinned or reserved is it refused."""
-        for _ in range(ROOM_TRIES):
-            try:
-                return self.quotas.pages(who, num_pages, page_bytes)
-            except HostQuotaFull as full:
-                self.core.evict_own(self.tenancy.owners.namespaces_of(who.tenant), full.keep_bytes)
-        try:
-            return self.quotas.pages(who, num_pages, page_bytes)
-        except HostQuotaFull as full:
-            self.quotas.refused(who.tenant, "host_bytes")
-            raise LimitExceeded(str(full)) from None  # HostQuotaFull asks the servicer to make room; the caller is refused
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
         """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
@@ -239,7 +222,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                     bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
                     try:
                         committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
-                                                     dest.flags) > 0
+                                                     dest.flags, counting=self.quotas.handing_over(bridge)) > 0
                     finally:
                         bridge.release()
                         self._settle(who, dest, committed)
@@ -268,17 +251,17 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
-        held = self._room(who, 1, layout.page_bytes)
+        held = room(self.quotas, self.core, who, 1, layout.page_bytes)
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
-                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent)
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent, self.quotas.handing_over(held))
             except BaseException:
                 if claimed:
                     self.tenancy.settle(who, ns, False)
                 raise
         finally:
-            held.release()  # the allocation's slot counts now (or there is none)
+            held.release()  # handed over to the allocation's slot (or there is none)
         dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
         try:
             sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)

@@ -49,13 +49,20 @@ class Reservation:
     """What one call reserved of its tenant's quotas; ``release`` once the change it guards
     is counted by its holder, or failed (idempotent)."""
 
-    def __init__(self, release: Callable[[], None] | None = None) -> None:
+    def __init__(self, release: Callable[[], None] | None = None, tenant: str = "",
+                 amounts: dict[str, int] | None = None) -> None:
         self._release = release
+        self.tenant, self.amounts = tenant, amounts or {}  # what ``Quotas.handing_over`` gives back itself
 
     def release(self) -> None:
         release, self._release = self._release, None
         if release is not None:
             release()
+
+    def taken(self) -> bool:
+        """Marks it released without giving anything back (the caller does); False if it was."""
+        release, self._release = self._release, None
+        return release is not None
 
 
 NOTHING = Reservation()
@@ -150,7 +157,7 @@ class Quotas:
                 if held + adding > limit:
                     self._refuse(who, name, adding, held, limit, used)
             reserved.update(amounts)
-        return Reservation(lambda: self._give_back(tenant, amounts))
+        return Reservation(lambda: self._give_back(tenant, amounts), tenant, amounts)
 
     def hold(self, who: Identity, **amounts: int) -> Reservation:
         """Reserves ``amounts`` without a check: a change moving use from one holder's count to
@@ -159,7 +166,7 @@ class Quotas:
             return NOTHING
         with self._lock(who.tenant):
             self._reserved.setdefault(who.tenant, Counter()).update(amounts)
-        return Reservation(lambda: self._give_back(who.tenant, amounts))
+        return Reservation(lambda: self._give_back(who.tenant, amounts), who.tenant, amounts)
 
     @contextmanager
     def reserving(self, who: Identity, **amounts: int) -> Iterator[None]:
@@ -169,6 +176,21 @@ class Quotas:
             yield
         finally:
             held.release()
+
+    @contextmanager
+    def handing_over(self, held: Reservation) -> Iterator[None]:
+        """For the body that makes the holder count what ``held`` reserved (an allocation's
+        slots and its place in the lease table; a commit's pages in the directory): it runs under the tenant's lock, and ``held``
+        is released in the same step, so a call checking meanwhile sees the change once. Else
+        it is counted twice for a moment, and a call of the tenant that fits was refused (its
+        keep_bytes negative: no room to make). A body that raises releases nothing here."""
+        if not held.amounts:
+            yield
+            return
+        with self._lock(held.tenant):
+            yield
+            if held.taken():
+                self._reserved[held.tenant].subtract(held.amounts)
 
     def _give_back(self, tenant: str, amounts: dict[str, int]) -> None:
         with self._lock(tenant):

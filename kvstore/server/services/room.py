@@ -1,0 +1,46 @@
+"""Room for an allocation at its tenant's host quota: the tenant's own coldest pages go.
+
+Apart from the Data servicer (data.py) because the loop is its own policy: when a pass
+helps, when asking again is pointless, and what a refusal looks like to the caller."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvstore.errors import HostQuotaFull, LimitExceeded
+from kvstore.security.identity import Identity
+from kvstore.server.placement import Placement
+from kvstore.server.tenancy.quotas import Quotas, Reservation
+
+ROOM_TRIES = 4  # eviction passes over its own pages a call at its host quota makes before it is refused
+
+
+def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_bytes: int,
+         context: grpc.ServicerContext | None = None) -> Reservation:
+    """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its host
+    quota, its own coldest pages make room (written down), never another tenant's. Asked again
+    after each pass, up to ROOM_TRIES times: the tenant's other calls may take the room made
+    meanwhile, which is no reason to refuse. A pass that could not evict down to what it
+    needed (what is left of its own is pinned or reserved) or a caller gone (its deadline
+    passed) ends the passes: it is asked once more, then refused with LimitExceeded (the
+    caller cannot build HostQuotaFull, the servicer's own signal to make room)."""
+    for _ in range(ROOM_TRIES):
+        try:
+            return quotas.pages(who, num_pages, page_bytes)
+        except HostQuotaFull as full:
+            if context is not None and _gone(context):
+                break
+            if not core.evict_own(quotas.owners.namespaces_of(who.tenant), full.keep_bytes):
+                break  # another pass would walk the same pins
+    try:
+        return quotas.pages(who, num_pages, page_bytes)
+    except HostQuotaFull as full:
+        quotas.refused(who.tenant, "host_bytes")
+        raise LimitExceeded(str(full)) from None
+
+
+def _gone(context: grpc.ServicerContext) -> bool:
+    """Whether the caller will not hear the answer: a gRPC call ended, or a call socket's
+    deadline passed (its context stays active until the answer is written: local_context.py)."""
+    left = context.time_remaining()
+    return not context.is_active() or (left is not None and left <= 0)
