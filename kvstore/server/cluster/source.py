@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvstore.cluster.transport_ucx import SourcePage
+from kvstore.cluster.page_fetch import SourcePage
 from kvstore.errors import KVStoreError
 from kvstore.server.placement import Placement
 
