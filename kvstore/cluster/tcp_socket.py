@@ -65,14 +65,18 @@ class Deadline:
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
     """Fills ``view`` from ``sock``: TransportError when the peer closes first, TimeoutError
-    when ``deadline`` passes (the kernel's timeout ends a receive; the loop re-arms it)."""
+    when ``deadline`` passes (the kernel's timeout, armed by the caller, ends a receive; the
+    loop re-arms it). The kernel's timeout bounds each receive call, not their sum: a
+    caller re-arms it now and then (per page), and the fetcher's watchdog ends the rest."""
     got, n = 0, view.nbytes
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
-            deadline.arm(sock)  # raises TimeoutError once the deadline itself passed
-            continue
+            k = -1
+        if k < 0:
+            deadline.arm(sock)  # raises TimeoutError once the deadline itself passed (outside the except:
+            continue            # no context chained to it, whose frames would hold ``view``)
         if k == 0:
             raise TransportError(f"the peer closed the connection {n - got} bytes short")
         got += k
@@ -86,6 +90,7 @@ def send_frame(sock: socket.socket, body: bytes) -> None:
 
 def recv_frame(sock: socket.socket, max_bytes: int, deadline: Deadline) -> bytearray:
     """One length-prefixed frame of at most ``max_bytes`` (checked before anything is allocated)."""
+    deadline.arm(sock)
     head = bytearray(_SIZE.size)
     recv_exact(sock, memoryview(head), deadline)
     (size,) = _SIZE.unpack(head)

@@ -61,7 +61,7 @@ class _Receiving:
         try:
             TcpPageFetcher.receive(*args)
         except Exception as exc:
-            exc.__traceback__ = None
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             error = exc
         del args
         return error
@@ -204,6 +204,7 @@ class TcpPageFetcher:
             if entry.status is not PageStatus.FOUND:
                 continue
             view, digest = views[i], running_checksum()
+            deadline.arm(sock)
             for at in range(0, view.nbytes, CHUNK_BYTES):
                 piece = view[at: at + CHUNK_BYTES]
                 recv_exact(sock, piece, deadline)

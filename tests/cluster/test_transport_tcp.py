@@ -287,3 +287,94 @@ def test_sockets_get_cubic_and_no_delay() -> None:
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
         if os.geteuid() == 0 or b"cubic" in Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_bytes():
             assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"cubic"
+
+
+async def test_the_data_port_serves_only_a_live_grant_once(caplog: pytest.LogCaptureFixture) -> None:
+    """With ``authorize`` (TransferGrants.take, as a node runs it) a connection is served
+    only after its hello presents a grant the node issued: none, a forged one, or one
+    already used are refused and logged; a fresh one is served."""
+    from kvstore.cluster.grants import TransferGrants
+
+    source = CountingSource(4096)
+    grants = TransferGrants()
+    server = TcpPageServer(source, authorize=grants.take)
+    port = await server.start()
+    try:
+        issued = grants.issue("b")
+
+        async def fetch(grant: bytes | None) -> list[FetchStatus]:
+            async def present() -> bytes:
+                assert grant is not None
+                return grant
+
+            fetcher = TcpPageFetcher("127.0.0.1", port, None if grant is None else present)
+            result = await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=5)
+            await fetcher.close()
+            return result.statuses
+
+        assert await fetch(None) == [FetchStatus.FAILED]
+        assert await fetch(os.urandom(16)) == [FetchStatus.FAILED]
+        assert await fetch(issued) == [FetchStatus.OK]
+        assert await fetch(issued) == [FetchStatus.FAILED]  # used up
+        assert await fetch(grants.issue("b")) == [FetchStatus.OK]
+        logged = caplog.text
+        assert "refused a TCP connection to the data port: no grant" in logged
+        assert "its grant is unknown, used or expired" in logged
+    finally:
+        await server.close()
+    assert source.pinned == 0
+
+
+async def test_silent_connections_are_bounded_and_dropped(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Connections that present nothing: at most MAX_ADMITTING wait for their hello (more
+    are closed unread, logged), each is dropped after HELLO_TIMEOUT_S, and a node's own
+    connection is still served meanwhile."""
+    from kvstore.cluster import tcp_server
+    from kvstore.cluster.grants import TransferGrants
+
+    monkeypatch.setattr(tcp_server, "HELLO_TIMEOUT_S", 1.0)
+    grants = TransferGrants()
+    server = TcpPageServer(CountingSource(4096), authorize=grants.take)
+    port = await server.start()
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(tcp_server.MAX_ADMITTING + 8)]
+    try:
+        await asyncio.sleep(0.3)
+        assert server.connections() <= tcp_server.MAX_ADMITTING
+        assert "others are still presenting their grant" in caplog.text
+        closed = 0
+        for s in silent:
+            s.settimeout(5)
+            try:
+                closed += s.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == len(silent)  # each was dropped: past the cap at once, the rest after the hello deadline
+        assert "no grant within" in caplog.text
+        for _ in range(100):  # a thread ends its connection, then forgets it
+            if server.connections() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.connections() == 0
+        grant = grants.issue("b")
+
+        async def present() -> bytes:
+            return grant
+
+        fetcher = TcpPageFetcher("127.0.0.1", port, present)
+        assert (await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=5)).statuses == [FetchStatus.OK]
+        await fetcher.close()
+    finally:
+        for s in silent:
+            s.close()
+        await server.close()
+
+
+def test_the_tcp_plane_imports_no_ucx() -> None:
+    """A node on the TCP plane loads nothing of UCX (ucxx starts threads and reads its own
+    configuration at import)."""
+    code = ("import sys; import kvstore.cluster.transport_tcp, kvstore.server.cluster.peers, kvstore.server.cluster.source, "
+            "kvstore.server.cluster.runtime; assert 'ucxx' not in sys.modules, 'ucxx loaded'")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
