@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus
 from kvstore.page import LayoutDesc
 
 
@@ -57,3 +58,19 @@ class FetchResult:
         while n < len(self.statuses) and self.statuses[n] is FetchStatus.OK:
             n += 1
         return n
+
+
+def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> FetchAnswer:
+    """The answer a sender gives to ``request`` for the pages its source opened: FOUND (with
+    the stored checksum) for a page of the posted size, WRONG_SIZE (never sent) for another
+    size, MISSING for none; the first layout known goes along (for a DESCRIBE)."""
+    entries = []
+    for page in pages:
+        if page is None:
+            entries.append(PageEntry(PageStatus.MISSING))
+        elif (size := memoryview(page.data).nbytes) != request.page_bytes:
+            entries.append(PageEntry(PageStatus.WRONG_SIZE, size))
+        else:
+            entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
+    layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
+    return FetchAnswer(request.request_id, tuple(entries), layout)

@@ -20,17 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_fetch import PageSource, SourcePage
-from kvstore.cluster.page_wire import (
-    DESCRIBE,
-    HELLO_BYTES,
-    MAX_FRAME_BYTES,
-    FetchAnswer,
-    FetchRequest,
-    PageEntry,
-    PageStatus,
-    decode_hello,
-)
+from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
+from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
 from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_frame, shut, tune, wait_frame
 from kvstore.errors import InvalidRequest
 from kvstore.logs import Throttled
@@ -211,22 +202,13 @@ class TcpPageServer:
         """Answers one request; False when the connection must be dropped (a page failed its check)."""
         pages = self._open(request)
         try:
-            entries = []
-            for page in pages:
-                size = None if page is None else memoryview(page.data).nbytes
-                if page is None:
-                    entries.append(PageEntry(PageStatus.MISSING))
-                elif size != request.page_bytes:
-                    entries.append(PageEntry(PageStatus.WRONG_SIZE, size or 0))
-                else:
-                    entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
-            layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
+            answer = answer_for(request, pages)
             deadline = Deadline(self._send_timeout_s)
             deadline.arm(conn)
-            send_frame(conn, FetchAnswer(request.request_id, tuple(entries), layout).encode())
+            send_frame(conn, answer.encode())
             if request.flags & DESCRIBE:
                 return True
-            for key, page, entry in zip(request.keys, pages, entries):
+            for key, page, entry in zip(request.keys, pages, answer.entries):
                 if page is not None and entry.status is PageStatus.FOUND and not send_verified(conn, page, deadline):
                     logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                     page.damaged(DAMAGED)

@@ -36,14 +36,13 @@ os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage  # noqa: F401  # re-exported
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for  # noqa: F401  # re-exported
 from kvstore.cluster.page_wire import (
     DESCRIBE,
     HELLO_BYTES,
     MAX_FRAME_BYTES,
     FetchAnswer,
     FetchRequest,
-    PageEntry,
     PageStatus,
     check_keys,
     decode_hello,
@@ -200,23 +199,15 @@ class UcxPageServer:
     async def _serve(self, ep: Any, request: FetchRequest) -> None:
         pages = await self._source.open_pages(request.namespace_id, request.keys)
         try:
-            entries = []
-            for page in pages:
-                if page is None:
-                    entries.append(PageEntry(PageStatus.MISSING))
-                elif memoryview(page.data).nbytes != request.page_bytes:
-                    entries.append(PageEntry(PageStatus.WRONG_SIZE, memoryview(page.data).nbytes))
-                else:
-                    entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
-            layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
+            answer = answer_for(request, pages)
             sends: list[asyncio.Future[Any]] = []
             try:
                 async with asyncio.timeout(self._send_timeout_s):
-                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries), layout).encode())
+                    await _send_frame(ep, answer.encode())
                     if request.flags & DESCRIBE:
                         return
                     sends = [asyncio.ensure_future(ep.send(page.data))
-                             for page, e in zip(pages, entries) if page is not None and e.status is PageStatus.FOUND]
+                             for page, e in zip(pages, answer.entries) if page is not None and e.status is PageStatus.FOUND]
                     await asyncio.gather(*sends)
             except BaseException:
                 # the pages are released below: no send may still be reading them by then
