@@ -33,7 +33,7 @@ from typing import Any
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus
 from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
-from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer  # noqa: F401  # re-exported
+from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
 from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_exact, recv_frame, send_frame, shut, tune
 from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
@@ -45,14 +45,36 @@ ABORT_WAIT_S = 2.0  # how long the receiving thread gets to stop once its socket
 
 
 class _Receiving:
-    """A fetch's receives, run on a worker thread. Its failure comes back as a value with no
-    traceback, and it drops its hold on the destinations before it reports: a traceback's
-    frames, or the executor's reference to a callable holding them (kept for a moment after
-    the result is set), would keep the caller's buffers exported (an arena that cannot be
-    unmapped) after ``fetch`` returned."""
+    """A fetch's receives, run on a thread of their own: not the loop's default executor,
+    whose few workers (6 on 2 cores) the cluster loop needs for ``core.acquire`` / allocate /
+    commit, a page server's too; fetches holding them all for their deadline would starve
+    the senders they wait on. Its failure comes back as a value with no traceback, and it
+    drops its hold on the destinations before it reports: a traceback's frames, or a
+    reference to them kept a moment after the result is set, would keep the caller's buffers
+    exported (an arena that cannot be unmapped) after ``fetch`` returned."""
 
     def __init__(self, args: tuple[Any, ...]) -> None:
         self.args: tuple[Any, ...] | None = args
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Exception | None] | None:
+        """The future of the receives (None: no thread could be started; nothing was received)."""
+        future: asyncio.Future[Exception | None] = loop.create_future()
+
+        def settle(error: Exception | None) -> None:
+            if not future.done():
+                future.set_result(error)
+
+        def run() -> None:
+            error = self.run()
+            try:
+                loop.call_soon_threadsafe(settle, error)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+
+        if not start_thread(run, name="tcp-fetch"):
+            self.args = None
+            return None
+        return future
 
     def run(self) -> Exception | None:
         args, self.args = self.args, None
@@ -151,8 +173,10 @@ class TcpPageFetcher:
         except (OSError, TimeoutError, TransportError) as exc:
             self._fail(result, exc, request)
             return None
-        job = _Receiving((sock, request, views, result, deadline, answer))
-        receiving = asyncio.get_running_loop().run_in_executor(None, job.run)
+        receiving = _Receiving((sock, request, views, result, deadline, answer)).start(asyncio.get_running_loop())
+        if receiving is None:
+            self._fail(result, TransportError("cannot start a thread for the fetch"), request)
+            return None
         late = False
         try:
             done, _ = await asyncio.wait({receiving}, timeout=max(0.0, deadline.left()) + 0.05)
