@@ -3,7 +3,8 @@ processes), in one run:
 
 * remote get GB/s per data plane: an engine on node c gets a prefix stored on node a (c's
   server fetches it into its host tier, the engine copies it out of shared memory), beside
-  the raw pump of the same transport and page size (a bare ucxx pump; a bare gRPC stream);
+  the raw pump of the same transport and page size (a bare ucxx pump; a bare TCP socket pump
+  with the TCP plane's socket options; a bare gRPC stream);
 * lookup p50/p99 of a 512-page prefix whose records are spread over 3 owners, from node c;
 * scaling: aggregate lookups/s with one engine per node, on the 3 nodes and again after 2
   more joined (``cluster_scale``);
@@ -50,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed (pump, remote get) pairs per data plane, each get of a fresh prefix")
     p.add_argument("--lookups", type=int, default=300, help="lookups timed for p50/p99")
     p.add_argument("--ttl", type=int, default=10, help="the nodes' --cluster-ttl (failover detection rides on it)")
-    p.add_argument("--planes", default="ucx,grpc")
+    p.add_argument("--planes", default="ucx,tcp,grpc", help="data planes of the remote get rows, of ucx,tcp,grpc")
     p.add_argument("--phases", default=",".join(PHASES),
                    help=f"which parts to run, of {','.join(PHASES)} (e.g. 'get,mooncake': the remote get figures alone)")
     p.add_argument("--scale-seconds", type=float, default=5.0, help="seconds of concurrent lookups per scaling row")

@@ -80,7 +80,11 @@ def unavailable() -> str | None:
     probe = subprocess.run([sys.executable, "-c", "from mooncake.store import MooncakeDistributedStore"],
                            capture_output=True, text=True, timeout=60, check=False)
     if probe.returncode != 0:
-        return f"mooncake.store does not import: {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode}"
+        last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else str(probe.returncode)
+        hint = ""
+        if "libibverbs" in last or "librdmacm" in last:  # the wheel links the RDMA libraries even for TCP
+            hint = " (the wheel needs the RDMA user libraries even for TCP: apt-get install libibverbs1 librdmacm1)"
+        return f"mooncake.store does not import: {last}{hint}"
     return None
 
 

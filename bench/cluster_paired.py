@@ -14,7 +14,8 @@ Beside it, the CPU of each get (median ms of node a, node c and this process, th
 clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
 tends to the CPU ratio, which no overlap hides.
 The pumps: a bare gRPC stream of page-sized messages (``rawgrpc``, its own process); a bare
-ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds).
+ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds); a
+bare TCP pump with the TCP plane's socket options (``cluster_tcp_pump``, likewise).
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ from kvstore.client import KVStoreClient
 from kvstore.types import KVLayout
 
 
-class UcxPump:
-    """A bare ucxx pump kept up for all rounds: ``round()`` moves ``total`` bytes as
-    ``batch`` page-sized messages at a time and returns GB/s."""
+class ChildPump:
+    """A bare pump in child processes kept up for all rounds: ``round()`` moves ``total``
+    bytes as ``batch`` page-sized messages at a time and returns GB/s."""
 
-    def __init__(self, tls: str, mode: str, page_bytes: int, batch: int, total: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.cluster_transport", "--pump-rounds", tls, mode,
-                                      str(page_bytes), str(batch), str(total)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, module: str, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
         try:
             self.round()  # connects and warms the destinations
         except BaseException:
@@ -62,12 +62,22 @@ class UcxPump:
         while line := self.proc.stdout.readline():
             if line.startswith("gbps "):  # UCX may print its warnings there too
                 return float(line.split()[1])
-        raise RuntimeError(f"the ucxx pump exited ({self.proc.wait(10)})")
+        raise RuntimeError(f"the pump exited ({self.proc.wait(10)})")
 
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+def ucx_pump(tls: str, mode: str, page_bytes: int, batch: int, total: int) -> ChildPump:
+    """A bare ucxx pump (``cluster_transport``: a client child and a server child)."""
+    return ChildPump("kvstore.bench.cluster_transport", "--pump-rounds", tls, mode, str(page_bytes), str(batch), str(total))
+
+
+def tcp_pump(page_bytes: int, batch: int, total: int) -> ChildPump:
+    """A bare TCP pump with the TCP plane's socket options (``cluster_tcp_pump``)."""
+    return ChildPump("kvstore.bench.cluster_tcp_pump", "--rounds", str(page_bytes), str(batch), str(total))
 
 
 class GrpcPump:
@@ -130,7 +140,8 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
     """Round 0 warms both paths (connections, the layout, the destination); rounds 1..n are
     timed: pump, then get of a fresh prefix. Returns the row of ``remote_get``."""
     nbytes = pages * layout.page_bytes
-    ucx = UcxPump("tcp", "thread", layout.page_bytes, pages, nbytes) if plane == "ucx" else None
+    child = (ucx_pump("tcp", "thread", layout.page_bytes, pages, nbytes) if plane == "ucx"
+           else tcp_pump(layout.page_bytes, pages, nbytes) if plane == "tcp" else None)  # the child-process pumps
     grpc_pump = GrpcPump(layout.page_bytes, nbytes) if plane == "grpc" else None
     ns = Namespace(model=f"bench-remote-{plane}", revision="r1", layout=layout)
     gets: list[float] = []
@@ -148,9 +159,9 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
                 await _stored_at(on_c, tokens, 10)
                 hit = await on_c.lookup(tokens)
                 out = torch.zeros_like(kv) if out is None else out.zero_()
-                pump_pid = ucx.proc.pid if ucx is not None else grpc_pump.proc.proc.pid  # type: ignore[union-attr]
+                pump_pid = child.proc.pid if child is not None else grpc_pump.proc.proc.pid  # type: ignore[union-attr]
                 pump_before = (_tree_cpu_s(pump_pid), time.process_time())
-                pump = ucx.round() if ucx is not None else await grpc_pump.round()  # type: ignore[union-attr]
+                pump = child.round() if child is not None else await grpc_pump.round()  # type: ignore[union-attr]
                 pump_cpu = _tree_cpu_s(pump_pid) - pump_before[0] + time.process_time() - pump_before[1]
                 before = (_cpu_s(a.proc.pid), _cpu_s(c.proc.pid), time.process_time())
                 t0 = time.perf_counter()
@@ -165,8 +176,8 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
                     for name, t1, t2 in zip(cpu, before, after):
                         cpu[name].append(1000 * (t2 - t1))
     finally:
-        if ucx is not None:
-            ucx.close()
+        if child is not None:
+            child.close()
         if grpc_pump is not None:
             await grpc_pump.close()
     ratios = sorted(g / p for g, p in zip(gets, pumps))

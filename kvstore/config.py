@@ -193,9 +193,9 @@ class ClusterConfig:
     node_id: str
     advertise: str  # HOST:PORT other nodes call this node's gRPC server at
     name: str = "default"  # the cluster's name: its keys live under /kvstore/<name>/ in etcd
-    data_plane: str = "ucx"  # "ucx" or "grpc" (ReadPages streams)
+    data_plane: str = "ucx"  # "ucx", "tcp" (plain sockets) or "grpc" (ReadPages streams)
     ucx_tls: str | None = None  # UCX_TLS (e.g. "tcp"); None: UCX chooses
-    data_port: int = 0  # the UCX listener's port (0: any free one; it is registered in etcd)
+    data_port: int = 0  # the UCX or TCP data listener's port (0: any free one; it is registered in etcd)
     ttl_s: int = 10  # the membership lease
     replicas: int = 1  # directory owners of each page's record
     fetch_timeout_s: float = 5.0  # a remote fetch gives up after this (or the caller's deadline, if sooner)
@@ -203,8 +203,8 @@ class ClusterConfig:
     token: str | None = None  # bearer token this node presents to the others
 
     def __post_init__(self) -> None:
-        if self.data_plane not in ("ucx", "grpc"):
-            raise ConfigError(f"--data-plane must be ucx or grpc, got {self.data_plane!r}")
+        if self.data_plane not in ("ucx", "tcp", "grpc"):
+            raise ConfigError(f"--data-plane must be ucx, tcp or grpc, got {self.data_plane!r}")
         if ":" not in self.advertise or not self.advertise.rpartition(":")[2].isdigit() or self.advertise.endswith(":0"):
             raise ConfigError(f"--advertise must be HOST:PORT with a fixed port, got {self.advertise!r}")
         if self.ttl_s < 2:

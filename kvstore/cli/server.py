@@ -130,10 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--cluster", metavar="etcd://HOST:PORT[,HOST:PORT]", help="etcd endpoints of the cluster")
     cluster.add_argument("--node-id", help="this node's unique name in the cluster (replaces --node)")
     cluster.add_argument("--advertise", help="HOST:PORT other nodes reach this node's gRPC server at (None: --listen)")
-    cluster.add_argument("--data-plane", default="ucx", choices=["ucx", "grpc"],
-                         help="how page bytes move node to node: UCX, or gRPC ReadPages streams")
+    cluster.add_argument("--data-plane", default="ucx", choices=["ucx", "tcp", "grpc"],
+                         help="how page bytes move node to node: UCX (ucxx), plain TCP sockets (cubic congestion "
+                              "control per socket; the fastest here), or gRPC ReadPages streams (the only one with TLS). "
+                              "ucx and tcp send page bytes unencrypted, each connection admitted by a one-time grant "
+                              "asked over authenticated gRPC")
     cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (None: UCX chooses)")
-    cluster.add_argument("--data-port", type=int, default=0, help="the UCX listener's port (0: any free one)")
+    cluster.add_argument("--data-port", type=int, default=0, help="the UCX or TCP data listener's port (0: any free one)")
     cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd")
     cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds")
     cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record")

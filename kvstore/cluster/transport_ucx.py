@@ -19,13 +19,12 @@ and the progress mode once per process.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,13 +36,13 @@ os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for  # noqa: F401  # re-exported
 from kvstore.cluster.page_wire import (
     DESCRIBE,
     HELLO_BYTES,
     MAX_FRAME_BYTES,
     FetchAnswer,
     FetchRequest,
-    PageEntry,
     PageStatus,
     check_keys,
     decode_hello,
@@ -94,26 +93,6 @@ def init_ucx(config: UcxConfig) -> None:
     ucxx.init(options=options, progress_mode=config.progress_mode, connect_timeout=config.connect_timeout_s,
               enable_python_future=threaded)
     _initialized = config
-
-
-@dataclass
-class SourcePage:
-    """A page the sender holds, pinned until ``release()``: ``data`` is its payload as one
-    contiguous buffer, ``checksum`` the xxh3-64 its tier stored with it, ``layout`` the
-    layout it was stored with (sent to a receiver that asks, so it can allocate for it)."""
-
-    data: Any
-    checksum: int
-    release: Callable[[], None] = lambda: None
-    layout: LayoutDesc | None = None
-
-
-class PageSource(Protocol):
-    """What a page server serves from (the host tier, an SSD read into staging, a test's dict).
-    Returns one entry per key, None for a page it does not hold; the server releases every
-    page it got, also when the transfer fails."""
-
-    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]: ...
 
 
 async def _send_frame(ep: Any, body: bytes) -> None:
@@ -220,23 +199,15 @@ class UcxPageServer:
     async def _serve(self, ep: Any, request: FetchRequest) -> None:
         pages = await self._source.open_pages(request.namespace_id, request.keys)
         try:
-            entries = []
-            for page in pages:
-                if page is None:
-                    entries.append(PageEntry(PageStatus.MISSING))
-                elif memoryview(page.data).nbytes != request.page_bytes:
-                    entries.append(PageEntry(PageStatus.WRONG_SIZE, memoryview(page.data).nbytes))
-                else:
-                    entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
-            layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
+            answer = answer_for(request, pages)
             sends: list[asyncio.Future[Any]] = []
             try:
                 async with asyncio.timeout(self._send_timeout_s):
-                    await _send_frame(ep, FetchAnswer(request.request_id, tuple(entries), layout).encode())
+                    await _send_frame(ep, answer.encode())
                     if request.flags & DESCRIBE:
                         return
                     sends = [asyncio.ensure_future(ep.send(page.data))
-                             for page, e in zip(pages, entries) if page is not None and e.status is PageStatus.FOUND]
+                             for page, e in zip(pages, answer.entries) if page is not None and e.status is PageStatus.FOUND]
                     await asyncio.gather(*sends)
             except BaseException:
                 # the pages are released below: no send may still be reading them by then
@@ -251,28 +222,6 @@ class UcxPageServer:
             for page in pages:
                 if page is not None:
                     page.release()
-
-
-class FetchStatus(enum.Enum):
-    OK = "ok"            # the page's bytes are in its buffer and match the stored checksum
-    MISSING = "missing"  # the sender does not hold it (or not at the posted size)
-    CORRUPT = "corrupt"  # bytes arrived but failed the checksum: the buffer holds garbage
-    FAILED = "failed"    # the transfer broke or timed out before this page arrived
-
-
-@dataclass
-class FetchResult:
-    statuses: list[FetchStatus]
-    error: str | None = None  # why the transfer broke, when it did
-    checksums: list[int] = field(default_factory=list)  # per key: the checksum its OK bytes matched
-
-    @property
-    def prefix(self) -> int:
-        """How many leading pages arrived whole and verified."""
-        n = 0
-        while n < len(self.statuses) and self.statuses[n] is FetchStatus.OK:
-            n += 1
-        return n
 
 
 class UcxPageFetcher:

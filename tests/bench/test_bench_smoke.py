@@ -136,17 +136,20 @@ def test_cluster_smoke(tmp_path) -> None:
     assert png.stat().st_size > 0
 
 
-def test_cluster_get_phase_alone() -> None:
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_cluster_get_phase_alone(plane: str) -> None:
     """``--phases get`` runs the remote get rounds only (what tuning the data planes needs),
-    with each get's CPU and the pump's beside the GB/s; the other parts are left empty."""
+    with each get's CPU and the pump's beside the GB/s; the other parts are left empty.
+    The tcp row has its own raw pump (a bare socket pump)."""
     res = subprocess.run(
-        [sys.executable, "-m", "kvstore.bench.main", "cluster", "--phases", "get", "--planes", "grpc", "--pages", "2",
+        [sys.executable, "-m", "kvstore.bench.main", "cluster", "--phases", "get", "--planes", plane, "--pages", "2",
          "--rounds", "1", "--json"],
         check=False, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     [get] = report["remote_get"]
+    assert get["transport"] == plane and get["raw_gbps"] > 0
     assert get["bit_exact"] and set(get["cpu_ms"]) == {"sender", "receiver", "engine"} and get["pump_cpu_ms"] >= 0
     assert report["lookup"] is None and report["failover"] is None and report["scaling"] == [] and report["pool"] is None
     assert report["mooncake_skipped"] == "not in --phases"

@@ -5,7 +5,10 @@ A request whose first key starts 0xDD (0xDC) makes the process SIGKILL (SIGSTOP)
 5 ms after it starts answering: a sender dying (freezing) mid-transfer, deterministically.
 Prints its port, then ``open <n>`` each time it opens n pages for a request.
 
-    python tests/cluster/page_server_node.py PAGE_BYTES TLS PROGRESS_MODE
+    python tests/cluster/page_server_node.py PAGE_BYTES TLS PROGRESS_MODE [PLANE]
+
+PLANE ``tcp``: the TCP page server (transport_tcp) instead, on 127.0.0.1 (TLS and the mode
+unused); it prints ``damaged <key hex>`` when it finds a page's bytes do not match.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from kvstore.cluster.transport_ucx import SourcePage, UcxConfig, UcxPageServer
+from kvstore.cluster.page_fetch import SourcePage
 from kvstore.page import checksum
 
 _BASE: dict[int, np.ndarray] = {}
@@ -39,22 +43,31 @@ class SyntheticSource:
 
     async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
         print(f"open {len(keys)}", flush=True)
-        if keys[0][0] in (0xDD, 0xDC):
-            sig = signal.SIGKILL if keys[0][0] == 0xDD else signal.SIGSTOP
-            # a thread, not the event loop: the loop is busy sending when the moment comes
-            threading.Timer(0.005, os.kill, (os.getpid(), sig)).start()
         pages: list[SourcePage | None] = []
         for key in keys:
             if key[0] == 0xFF:
                 pages.append(None)
                 continue
             data = expected_page(key, self.page_bytes)
-            pages.append(SourcePage(data, checksum(data) + (1 if key[0] == 0xEE else 0)))
+            pages.append(SourcePage(data, checksum(data) + (1 if key[0] == 0xEE else 0),
+                                    damaged=lambda reason, key=key: print(f"damaged {key.hex()}", flush=True)))
+        if keys[0][0] in (0xDD, 0xDC):  # once the pages are ready: the answer starts now
+            sig = signal.SIGKILL if keys[0][0] == 0xDD else signal.SIGSTOP
+            # a thread, not the event loop: the loop is busy sending when the moment comes
+            threading.Timer(0.005, os.kill, (os.getpid(), sig)).start()
         return pages
 
 
-async def main(page_bytes: int, tls: str, progress_mode: str) -> None:
-    server = UcxPageServer(SyntheticSource(page_bytes), UcxConfig(tls=tls, progress_mode=progress_mode))
+async def main(page_bytes: int, tls: str, progress_mode: str, plane: str) -> None:
+    server: Any
+    if plane == "tcp":
+        from kvstore.cluster.transport_tcp import TcpPageServer
+
+        server = TcpPageServer(SyntheticSource(page_bytes))
+    else:
+        from kvstore.cluster.transport_ucx import UcxConfig, UcxPageServer
+
+        server = UcxPageServer(SyntheticSource(page_bytes), UcxConfig(tls=tls, progress_mode=progress_mode))
     port = await server.start()
     print(port, flush=True)
     stop = asyncio.Event()
@@ -64,4 +77,4 @@ async def main(page_bytes: int, tls: str, progress_mode: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
+    asyncio.run(main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "ucx"))

@@ -56,7 +56,7 @@ def secure_args(tmp: Path, ca: CertAuthority, names: list[str], node_token: str 
     return args
 
 
-@pytest.mark.parametrize(("data_plane", "node_identity"), [("grpc", "cert"), ("ucx", "cert"), ("grpc", "token")])
+@pytest.mark.parametrize(("data_plane", "node_identity"), [("grpc", "cert"), ("ucx", "cert"), ("tcp", "cert"), ("grpc", "token")])
 async def test_tenants_across_nodes_with_mtls_between_nodes(cluster_nodes, tmp_path: Path, monkeypatch, data_plane: str,
                                                              node_identity: str) -> None:
     ca = CertAuthority(tmp_path / "ca")

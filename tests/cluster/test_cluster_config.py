@@ -40,4 +40,4 @@ def test_bad_cluster_flags_are_refused(argv: list[str], flag: str) -> None:
 
 def test_help_shows_the_defaults() -> None:
     text = build_parser().format_help()
-    assert "--data-plane {ucx,grpc}" in text and "(default: ucx)" in text and "--cluster-ttl" in text
+    assert "--data-plane {ucx,tcp,grpc}" in text and "plain TCP sockets" in " ".join(text.split()) and "(default: ucx)" in text and "--cluster-ttl" in text

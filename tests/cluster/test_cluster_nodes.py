@@ -36,7 +36,7 @@ async def nodes_listed(client: KVStoreClient, tokens: list[int]) -> tuple[int, s
     return hit.num_tokens, {run.node for run in hit.runs}
 
 
-@pytest.mark.parametrize("data_plane", ["ucx", "grpc"])
+@pytest.mark.parametrize("data_plane", ["ucx", "tcp", "grpc"])
 async def test_prefix_put_on_one_node_is_found_and_read_on_another(cluster_nodes, etcd, data_plane: str) -> None:
     """An engine on node a stores a prefix; an engine on node c finds all of it with one
     lookup and reads it bit-exact through c's shared memory (the fetch copies it into c's
@@ -96,7 +96,7 @@ async def _found(client: KVStoreClient, tokens: list[int], num_tokens: int) -> b
     return (await client.lookup(tokens)).num_tokens == num_tokens
 
 
-@pytest.mark.parametrize("data_plane", ["ucx", "grpc"])
+@pytest.mark.parametrize("data_plane", ["ucx", "tcp", "grpc"])
 async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster_nodes, data_plane: str) -> None:
     """Pages 0-7 of a prefix are on node a, pages 8-15 on node b (durable, on its SSD). b
     freezes while c fetches the prefix: c's client gets a's pages, bit-exact, within the

@@ -18,7 +18,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidRequest
 
 
-@pytest.mark.parametrize("data_plane", ["ucx", "grpc"])
+@pytest.mark.parametrize("data_plane", ["ucx", "tcp", "grpc"])
 async def test_a_put_with_replicas_survives_the_death_of_its_node(cluster_nodes, etcd, data_plane: str) -> None:
     a, b, c = cluster_nodes(["a", "b", "c"], data_plane)
     tokens = tokens_of(21, 12)

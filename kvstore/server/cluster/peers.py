@@ -1,5 +1,5 @@
 """The other nodes as this node calls them: a gRPC channel (directory calls, the ReadPages
-fallback) and, on the UCX data plane, a page fetcher per node.
+fallback) and, on the UCX or TCP data plane, a page fetcher per node.
 
 A node is a caller like any other: its channels present the cluster token
 (``KVSTORE_CLUSTER_TOKEN``) and, when the server runs TLS, its own certificate, trusting the
@@ -53,11 +53,15 @@ class Peer:
         self.data = data_pb2_grpc.DataStub(self.channel)
         self.pages = PageStubs(self.channel)
         self.fetcher: Any = None
+        host, _, port = member.data_address.rpartition(":")
         if ucx is not None and member.data_address:
             from kvstore.cluster.transport_ucx import UcxPageFetcher
 
-            host, _, port = member.data_address.rpartition(":")
             self.fetcher = UcxPageFetcher(host, int(port), ucx, grant=self._grant)
+        elif cluster.data_plane == "tcp" and member.data_address:
+            from kvstore.cluster.transport_tcp import TcpPageFetcher
+
+            self.fetcher = TcpPageFetcher(host.strip("[]"), int(port), grant=self._grant)
 
     async def _grant(self) -> bytes:
         """A grant for one connection to the peer's data port, asked over the authenticated channel."""

@@ -8,9 +8,9 @@ both. The core's ``acquire`` then leases the prefix as for any local page. It is
 core's tier list: that list is where pages are written down to, and nothing is written down
 to another node (replicas are made by readers fetching, DESIGN §12).
 
-Two data planes: UCX (the receiver posts the landing slots themselves as destinations, the
-bytes land there; checksums verified as each lands) and gRPC ``ReadPages`` streams (the
-fallback). Failure contract: a fetch returns by its deadline; pages that arrived whole and
+Three data planes: UCX and plain TCP (the receiver posts the landing slots themselves as
+destinations, the bytes land there; checksums verified as each lands: transport_ucx.py,
+transport_tcp.py) and gRPC ``ReadPages`` streams (the fallback, the one with TLS). Failure contract: a fetch returns by its deadline; pages that arrived whole and
 verified are committed, the rest of the allocation is freed; a peer dying mid-fetch costs
 only the pages not yet verified. No byte that failed its check is ever committed.
 """
@@ -84,8 +84,8 @@ class RemoteTier:
                 got = self.local_prefix(namespace_id, want)
             elif peer is None:
                 got = 0
-            elif self._data_plane == "ucx" and peer.fetcher is not None:
-                got = await self._fetch_ucx(peer, namespace_id, want, run.size_bytes, remaining)
+            elif peer.fetcher is not None:  # the UCX or TCP plane
+                got = await self._fetch_posted(peer, namespace_id, want, run.size_bytes, remaining)
             else:
                 got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
             pos += got
@@ -108,7 +108,7 @@ class RemoteTier:
         self.num_fetched += len(keys)
         return n
 
-    async def _fetch_ucx(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float) -> int:
+    async def _fetch_posted(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
         layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s)
         if layout is None or layout.page_bytes != page_bytes:
@@ -144,8 +144,8 @@ class RemoteTier:
         peer = self._peers.get(node)
         while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
             want = keys[pos : pos + FETCH_PAGES]
-            if self._data_plane == "ucx" and peer.fetcher is not None:
-                got = await self._fetch_ucx(peer, namespace_id, want, page_bytes, remaining)
+            if peer.fetcher is not None:  # the UCX or TCP plane
+                got = await self._fetch_posted(peer, namespace_id, want, page_bytes, remaining)
             else:
                 got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
             pos += got

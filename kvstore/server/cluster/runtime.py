@@ -92,7 +92,7 @@ class ClusterRuntime:
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._page_server: Any = None
-        self.grants: TransferGrants | None = None  # with the UCX data plane: what GrantTransfer hands out
+        self.grants: TransferGrants | None = None  # with the UCX or TCP data plane: what GrantTransfer hands out
         self._prefetch_lock = threading.Lock()
         self._leaving = False
         self._prefetching = 0
@@ -125,6 +125,15 @@ class ClusterRuntime:
             self.grants = TransferGrants()  # the data port serves only connections granted over gRPC (node right)
             self._page_server = UcxPageServer(CorePageSource(self.core), ucx, port=cluster.data_port, authorize=self.grants.take)
             data_address = f"{cluster.advertise.rpartition(':')[0]}:{await self._page_server.start()}"
+        elif cluster.data_plane == "tcp":
+            from kvstore.cluster.transport_tcp import TcpPageServer
+            from kvstore.server.cluster.source import CorePageSource
+
+            self.grants = TransferGrants()  # as for UCX: the port serves only connections granted over gRPC
+            host = cluster.advertise.rpartition(":")[0]
+            self._page_server = TcpPageServer(CorePageSource(self.core), host=host.strip("[]"), port=cluster.data_port,
+                                              authorize=self.grants.take)
+            data_address = f"{host}:{await self._page_server.start()}"
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)
         self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,

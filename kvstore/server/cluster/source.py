@@ -1,4 +1,4 @@
-"""What this node's UCX page server sends from: the landing tier, through the core's acquire
+"""What this node's UCX or TCP page server sends from: the landing tier, through the core's acquire
 (so a page on SSD only is read up first, and every page sent is leased, never evicted
 mid-send). One lease per request, released when the server has released every page."""
 
@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from kvstore.cluster.transport_ucx import SourcePage
+from kvstore.cluster.page_fetch import SourcePage
 from kvstore.errors import KVStoreError
 from kvstore.server.placement import Placement
 
@@ -38,5 +38,7 @@ class CorePageSource:
                 self.core.release(lease_id)
 
         out: list[SourcePage | None] = [
-            SourcePage(self.core.read_view(p), p.checksum, release, p.header.layout) for p in pages]
+            SourcePage(self.core.read_view(p), p.checksum, release, p.header.layout,
+                       damaged=lambda reason, p=p: self.core.moves.quarantine_landing(p.header, reason, p.slot))
+            for p in pages]
         return out + [None] * (len(keys) - len(pages))

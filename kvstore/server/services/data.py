@@ -322,10 +322,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def GrantTransfer(self, request: data_pb2.GrantTransferRequest, context: grpc.ServicerContext) -> data_pb2.GrantTransferResponse:
-        """A node's one-time grant for a connection to this node's UCX data port (kvstore/cluster/grants.py)."""
+        """A node's one-time grant for a connection to this node's UCX or TCP data port (kvstore/cluster/grants.py)."""
         require_node(current_identity(), "GrantTransfer")
         if self.cluster is None or self.cluster.grants is None:
-            raise InvalidRequest("GrantTransfer needs cluster mode with --data-plane ucx")
+            raise InvalidRequest("GrantTransfer needs cluster mode with --data-plane ucx or tcp")
         if not 0 < len(request.node) <= MAX_NODE_ID:
             raise InvalidRequest(f"GrantTransfer names a node id of 1..{MAX_NODE_ID} characters, got {len(request.node)}")
         grants = self.cluster.grants

@@ -1,0 +1,76 @@
+"""What every page transport shares (UCX, TCP): the sender's view of a page it serves
+(``SourcePage``, ``PageSource``) and the receiver's per-key result (``FetchStatus``,
+``FetchResult``). Kept apart from the transports so a node on one data plane imports
+nothing of another's library (the TCP plane needs no ``ucxx``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus
+from kvstore.page import LayoutDesc
+
+
+@dataclass
+class SourcePage:
+    """A page the sender holds, pinned until ``release()``: ``data`` is its payload as one
+    contiguous buffer, ``checksum`` the xxh3-64 its tier stored with it, ``layout`` the
+    layout it was stored with (sent to a receiver that asks, so it can allocate for it).
+    ``damaged(reason)``: called by a sender that found the bytes no longer match
+    ``checksum`` before serving them (the tier quarantines the page)."""
+
+    data: Any
+    checksum: int
+    release: Callable[[], None] = lambda: None
+    layout: LayoutDesc | None = None
+    damaged: Callable[[str], None] = lambda reason: None
+
+
+class PageSource(Protocol):
+    """What a page server serves from (the host tier, an SSD read into staging, a test's dict).
+    Returns one entry per key, None for a page it does not hold; the server releases every
+    page it got, also when the transfer fails."""
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]: ...
+
+
+class FetchStatus(enum.Enum):
+    OK = "ok"            # the page's bytes are in its buffer and match the stored checksum
+    MISSING = "missing"  # the sender does not hold it (or not at the posted size)
+    CORRUPT = "corrupt"  # bytes arrived but failed the checksum: the buffer holds garbage
+    FAILED = "failed"    # the transfer broke or timed out before this page arrived
+
+
+@dataclass
+class FetchResult:
+    statuses: list[FetchStatus]
+    error: str | None = None  # why the transfer broke, when it did
+    checksums: list[int] = field(default_factory=list)  # per key: the checksum its OK bytes matched
+
+    @property
+    def prefix(self) -> int:
+        """How many leading pages arrived whole and verified."""
+        n = 0
+        while n < len(self.statuses) and self.statuses[n] is FetchStatus.OK:
+            n += 1
+        return n
+
+
+def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> FetchAnswer:
+    """The answer a sender gives to ``request`` for the pages its source opened: FOUND (with
+    the stored checksum) for a page of the posted size, WRONG_SIZE (never sent) for another
+    size, MISSING for none; the first layout known goes along (for a DESCRIBE)."""
+    entries = []
+    for page in pages:
+        if page is None:
+            entries.append(PageEntry(PageStatus.MISSING))
+        elif (size := memoryview(page.data).nbytes) != request.page_bytes:
+            entries.append(PageEntry(PageStatus.WRONG_SIZE, size))
+        else:
+            entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
+    layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
+    return FetchAnswer(request.request_id, tuple(entries), layout)

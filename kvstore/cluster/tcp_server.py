@@ -1,0 +1,226 @@
+"""The sending side of the TCP data plane: a listener thread and one thread per connection,
+serving pages from a ``PageSource`` (whose ``open_pages`` runs on the event loop that
+started the server, as the UCX page server's does).
+
+A connection is served only after its first frame presents a live one-time grant (with
+``authorize``: grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
+a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; refusals are logged at
+most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
+hash, ``sendall``) releases the GIL, and a blocking send with the kernel's send timeout
+bounds a fetcher that stops reading without a poll per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.cluster.errors import TransportError
+from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
+from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
+from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_frame, shut, tune, wait_frame
+from kvstore.errors import InvalidRequest
+from kvstore.logs import Throttled
+from kvstore.pagecopy import running_checksum
+
+logger = logging.getLogger(__name__)
+_refusals = Throttled(logger)  # a scanner at the data port must not flood the log
+
+HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
+MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
+DAMAGED = "its bytes in the arena do not match its checksum (checked before sending over TCP)"
+
+
+def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> bool:
+    """Sends a page straight from its memory, chunk by chunk, each hashed just before it is
+    sent (so the kernel copies it from cache); the last chunk only if the whole page matched
+    its stored checksum. False (the rest unsent: drop the connection) when it did not."""
+    view = memoryview(page.data).cast("B")
+    digest = running_checksum()
+    for at in range(0, view.nbytes, CHUNK_BYTES):
+        piece = view[at: at + CHUNK_BYTES]
+        digest.update(piece)
+        if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != page.checksum:
+            return False
+        deadline.arm(sock)
+        sock.sendall(piece)
+    return True
+
+
+def start_thread(target: Callable[..., None], *args: Any, name: str) -> bool:
+    """Starts a daemon thread; False when the process cannot start one (out of threads)."""
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    except RuntimeError:
+        return False
+    return True
+
+
+class TcpPageServer:
+    def __init__(self, source: PageSource, host: str = "127.0.0.1", port: int = 0, send_timeout_s: float = 30.0,
+                 authorize: Callable[[bytes], str | None] | None = None) -> None:
+        self._source = source
+        self._host, self._port = host, port
+        self._send_timeout_s = send_timeout_s  # a fetcher that stops reading must not pin pages forever
+        self._authorize = authorize
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._admitting = 0
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = threading.Condition(self._lock)
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return int(self._listener.getsockname()[1])
+
+    async def start(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            tune(listener)  # accepted sockets start with its buffers and congestion control
+            listener.bind((self._host, self._port))
+            listener.listen(128)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        if not start_thread(self._accept, listener, name="tcp-pages-accept"):
+            listener.close()
+            raise TransportError("cannot start the TCP page server's accept thread")
+        return self.port
+
+    async def close(self) -> None:
+        """Stops accepting, ends every connection, and waits (bounded) until their threads
+        have released every page they held."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            shut(listener)  # wakes the accept thread
+            listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            shut(conn)
+        await asyncio.to_thread(self._wait_idle, 5.0)
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: not self._conns, timeout_s)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._authorize is not None and self._admitting >= MAX_ADMITTING:
+                    _refusals.warning("busy", "refused a TCP connection to the data port: %d others are still "
+                                      "presenting their grant", self._admitting)
+                    conn.close()
+                    continue
+                if self._authorize is not None:
+                    self._admitting += 1
+                self._conns.add(conn)
+            if not start_thread(self._connection, conn, name="tcp-pages"):
+                logger.warning("refused a TCP connection to the data port: cannot start a thread for it")
+                self._gone(conn, admitting=True)
+
+    def _gone(self, conn: socket.socket, admitting: bool) -> None:
+        shut(conn)
+        conn.close()
+        with self._idle:
+            if admitting and self._authorize is not None:
+                self._admitting -= 1
+            self._conns.discard(conn)
+            self._idle.notify_all()
+
+    def _connection(self, conn: socket.socket) -> None:
+        admitting = True
+        try:
+            tune(conn)
+            if self._authorize is not None and not self._admit(conn):
+                return
+            with self._lock:
+                if self._authorize is not None:
+                    self._admitting -= 1
+                admitting = False
+            while (body := wait_frame(conn, MAX_FRAME_BYTES)) is not None:
+                if not self._serve(conn, FetchRequest.decode(body)):
+                    return
+        except (OSError, TimeoutError, TransportError) as exc:
+            logger.debug("page fetcher went away: %r", exc)
+        except InvalidRequest as exc:
+            logger.warning("dropping a TCP page fetch connection that sent a bad frame: %s", exc)
+        except Exception:
+            logger.exception("TCP page server connection failed")
+        finally:
+            self._gone(conn, admitting)
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Whether the connection's hello presents a live grant (bounded in size and time: an
+        unauthenticated peer gets neither a large buffer nor a thread that waits forever)."""
+        assert self._authorize is not None
+        try:
+            grant = decode_hello(recv_frame(conn, HELLO_BYTES, Deadline(HELLO_TIMEOUT_S)))
+        except InvalidRequest as exc:
+            kind, reason = "no-grant", f"no grant ({exc})"
+        except TimeoutError:
+            kind, reason = "silent", f"no grant within {HELLO_TIMEOUT_S:.0f} s"
+        except (OSError, TransportError) as exc:
+            kind, reason = "no-grant", f"no grant (closed: {exc})"
+        else:
+            node = self._authorize(grant)
+            if node is not None:
+                logger.debug("TCP connection of node %s admitted", node)
+                return True
+            kind, reason = "bad-grant", "its grant is unknown, used or expired"
+        with self._lock:
+            _refusals.warning(kind, "refused a TCP connection to the data port: %s", reason)
+        return False
+
+    def _open(self, request: FetchRequest) -> list[SourcePage | None]:
+        """The source's pages, opened on the server's event loop; on a timeout every page it
+        opens later is released at once."""
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._source.open_pages(request.namespace_id, request.keys), self._loop)
+        try:
+            return future.result(self._send_timeout_s)
+        except TimeoutError:
+            future.add_done_callback(lambda f: [p.release() for p in (f.result() if not f.cancelled() and f.exception() is None
+                                                                        else []) if p is not None])
+            raise
+
+    def _serve(self, conn: socket.socket, request: FetchRequest) -> bool:
+        """Answers one request; False when the connection must be dropped (a page failed its check)."""
+        pages = self._open(request)
+        try:
+            answer = answer_for(request, pages)
+            deadline = Deadline(self._send_timeout_s)
+            deadline.arm(conn)
+            send_frame(conn, answer.encode())
+            if request.flags & DESCRIBE:
+                return True
+            for key, page, entry in zip(request.keys, pages, answer.entries):
+                if page is not None and entry.status is PageStatus.FOUND and not send_verified(conn, page, deadline):
+                    logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
+                    page.damaged(DAMAGED)
+                    return False
+            return True
+        finally:
+            for page in pages:  # every send has returned: the kernel holds its own copy of the bytes
+                if page is not None:
+                    page.release()
+
+    def connections(self) -> int:
+        """Connections open now (for tests: silent ones must not pile up)."""
+        with self._lock:
+            return len(self._conns)
+

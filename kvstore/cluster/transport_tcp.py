@@ -1,0 +1,237 @@
+"""Bulk page bytes node to node over plain TCP sockets: the same fetch protocol as the UCX
+plane (``page_wire``: hello with a grant, request, answer, then each found page's bytes in
+key order), on blocking sockets driven by threads.
+
+Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
+get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). The
+Python work per page is a few calls, and every byte-moving call (``recv_into``, ``sendall``,
+the native hash) releases the GIL.
+
+Receiver: ``recv_into`` the destination (a host-arena slot) itself, chunk by chunk, each
+chunk hashed (native xxh3, GIL released) right after it lands, while it is still in cache;
+no copy through Python bytes. Sender: each chunk is hashed, then sent from the arena's own
+memory (``sendall`` of a memoryview: no user-space copy); the last chunk of a page goes only
+after the whole page matched its stored checksum ("verified before served"), so a page
+damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
+connection dropped.
+
+Failure contract of ``TcpPageFetcher.fetch`` (as ``UcxPageFetcher.fetch``): it returns
+within ``timeout_s`` (+ the bounded time to abort) whatever the peer does; pages that arrived
+whole and verified are OK, the rest FAILED; it returns only after its receiving thread has
+stopped, so no byte lands in a caller's buffer afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from kvstore.cluster.errors import TransportError
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus
+from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
+from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
+from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_exact, recv_frame, send_frame, shut, tune
+from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
+from kvstore.pagecopy import running_checksum
+
+logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 2.0  # how long the receiving thread gets to stop once its socket was shut
+
+
+class _Receiving:
+    """A fetch's receives, run on a thread of their own: not the loop's default executor,
+    whose few workers (6 on 2 cores) the cluster loop needs for ``core.acquire`` / allocate /
+    commit, a page server's too; fetches holding them all for their deadline would starve
+    the senders they wait on. Its failure comes back as a value with no traceback, and it
+    drops its hold on the destinations before it reports: a traceback's frames, or a
+    reference to them kept a moment after the result is set, would keep the caller's buffers
+    exported (an arena that cannot be unmapped) after ``fetch`` returned."""
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args: tuple[Any, ...] | None = args
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Exception | None] | None:
+        """The future of the receives (None: no thread could be started; nothing was received)."""
+        future: asyncio.Future[Exception | None] = loop.create_future()
+
+        def settle(error: Exception | None) -> None:
+            if not future.done():
+                future.set_result(error)
+
+        def run() -> None:
+            error = self.run()
+            try:
+                loop.call_soon_threadsafe(settle, error)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+
+        if not start_thread(run, name="tcp-fetch"):
+            self.args = None
+            return None
+        return future
+
+    def run(self) -> Exception | None:
+        args, self.args = self.args, None
+        assert args is not None
+        error: Exception | None = None
+        try:
+            TcpPageFetcher.receive(*args)
+        except Exception as exc:
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            error = exc
+        del args
+        return error
+
+
+class TcpPageFetcher:
+    """The receiving side of one connection to one node's TCP page server (one fetch at a
+    time; the connection is kept for the next). ``grant``: asks the server's node for a
+    grant over its authenticated control plane before each connect."""
+
+    def __init__(self, host: str, port: int, grant: Callable[[], Awaitable[bytes]] | None = None,
+                 connect_timeout_s: float = 5.0) -> None:
+        self._host, self._port = host, port
+        self._grant = grant
+        self._connect_timeout_s = connect_timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    async def close(self) -> None:
+        async with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            shut(self._sock)
+            self._sock.close()
+            self._sock = None
+
+    async def _connect(self, deadline: Deadline) -> socket.socket:
+        """The connection, made (with a fresh grant presented) unless it is up."""
+        if self._sock is not None:
+            return self._sock
+        grant = await self._grant() if self._grant is not None else None
+        timeout = min(self._connect_timeout_s, max(0.001, deadline.left()))
+        sock = await asyncio.to_thread(self._open, grant, timeout)
+        self._sock = sock
+        return sock
+
+    def _open(self, grant: bytes | None, timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            tune(sock)  # before connect: the buffers' sizes shape the window the handshake offers
+            sock.settimeout(timeout_s)
+            sock.connect((self._host, self._port))
+            sock.settimeout(None)
+            if grant is not None:
+                Deadline(timeout_s).arm(sock)
+                send_frame(sock, encode_hello(grant))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
+        """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
+        Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
+        raise InvalidRequest."""
+        check_keys(namespace_id, keys)
+        views = [memoryview(d).cast("B") for d in dests]
+        if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
+            raise InvalidRequest("fetch needs one writable destination of the page size per key")
+        request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
+        result = FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))
+        async with self._lock:
+            await self._exchange(request, views, result, timeout_s)
+        return result
+
+    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:
+        """The layout the sender stored ``key`` with (None: it does not hold it at
+        ``page_bytes``, or did not answer in time): what a receiver needs to allocate for it."""
+        check_keys(namespace_id, [key])
+        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE)
+        result = FetchResult([FetchStatus.FAILED])
+        async with self._lock:
+            answer = await self._exchange(request, [], result, timeout_s)
+        return answer.layout if answer is not None and answer.entries[0].status is PageStatus.FOUND else None
+
+    async def _exchange(self, request: FetchRequest, views: list[memoryview], result: FetchResult,
+                        timeout_s: float) -> FetchAnswer | None:
+        """One request on the connection (lock held), its receives on a thread of their own;
+        whatever happens, returns only once that thread stopped touching ``views``."""
+        deadline = Deadline(timeout_s)
+        answer: list[FetchAnswer] = []
+        try:
+            sock = await asyncio.wait_for(self._connect(deadline), max(0.001, deadline.left()))
+        except (OSError, TimeoutError, TransportError) as exc:
+            self._fail(result, exc, request)
+            return None
+        receiving = _Receiving((sock, request, views, result, deadline, answer)).start(asyncio.get_running_loop())
+        if receiving is None:
+            self._fail(result, TransportError("cannot start a thread for the fetch"), request)
+            return None
+        late = False
+        try:
+            done, _ = await asyncio.wait({receiving}, timeout=max(0.0, deadline.left()) + 0.05)
+            if not done:  # the kernel's timeout has not ended the receive yet (a busy host): end it
+                late = True
+                shut(sock)
+                await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+        except BaseException:  # cancelled: the thread must stop before the caller gets its buffers back
+            shut(sock)
+            await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+            self._after(receiving, sock)
+            raise
+        self._after(receiving, sock)
+        if not receiving.done():
+            raise TransportError("the receiving thread did not stop after the abort; do not reuse the destinations")
+        if (exc := receiving.result()) is not None:
+            self._fail(result, TimeoutError(f"no answer within {timeout_s:.3g} s") if late else exc, request)
+        return answer[0] if answer and result.error is None else None
+
+    def _after(self, receiving: asyncio.Future[Exception | None], sock: socket.socket) -> None:
+        if not receiving.done():
+            logger.error("a TCP receive did not stop after its socket was shut; its buffers may still be written")
+        if not receiving.done() or receiving.result() is not None:
+            if self._sock is sock:
+                self._drop()
+
+    def _fail(self, result: FetchResult, exc: BaseException, request: FetchRequest) -> None:
+        result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        exc.__traceback__ = None  # its frames would keep the caller's buffers exported
+        self._drop()
+        logger.warning("fetch of %d pages from %s:%d failed after %d: %s", len(request.keys), self._host, self._port,
+                       result.prefix, result.error)
+
+    @staticmethod
+    def receive(sock: socket.socket, request: FetchRequest, views: list[memoryview], result: FetchResult,
+                 deadline: Deadline, answer_out: list[FetchAnswer]) -> None:
+        """The thread: request out, answer in, then every found page into its buffer, each
+        chunk hashed as it lands. Raises on any transport or protocol failure."""
+        deadline.arm(sock)
+        send_frame(sock, request.encode())
+        answer = FetchAnswer.decode(recv_frame(sock, MAX_FRAME_BYTES, deadline), request)
+        answer_out.append(answer)
+        for i, entry in enumerate(answer.entries):
+            if entry.status is not PageStatus.FOUND:
+                result.statuses[i] = FetchStatus.MISSING
+        if request.flags & DESCRIBE:
+            return
+        for i, entry in enumerate(answer.entries):
+            if entry.status is not PageStatus.FOUND:
+                continue
+            view, digest = views[i], running_checksum()
+            deadline.arm(sock)
+            for at in range(0, view.nbytes, CHUNK_BYTES):
+                piece = view[at: at + CHUNK_BYTES]
+                recv_exact(sock, piece, deadline)
+                digest.update(piece)
+            result.checksums[i] = entry.checksum
+            result.statuses[i] = FetchStatus.OK if digest.intdigest() == entry.checksum else FetchStatus.CORRUPT

@@ -1,0 +1,91 @@
+"""A node fetching pages over the TCP data plane into its landing slots (the receive buffers
+themselves): a byte flipped in flight, or a page scribbled on in the holder's arena, is never
+committed, nor any page after it; the holder quarantines the scribbled page instead of
+sending it (verified before served). Real servers, a real TCP page server on the holder's
+core, and a relay that damages bytes on the wire."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from conftest import flip_arena_byte, make_config
+from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
+
+from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore.cluster.page_wire import FetchAnswer, PageEntry, PageStatus
+from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
+from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.cluster.source import CorePageSource
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "cluster"))
+from tcp_relay import FlippingRelay  # noqa: E402
+
+
+class Peer:
+    """The holder as ``RemoteTier`` calls it on the TCP plane: only its fetcher."""
+
+    def __init__(self, port: int) -> None:
+        self.fetcher = TcpPageFetcher("127.0.0.1", port)
+        self.member = type("Member", (), {"node_id": "holder"})()
+
+
+def _pages_at(address: str, ns: bytes, keys: list[bytes]) -> bytes:
+    with grpc.insecure_channel(address) as channel:
+        return b"".join(c.data for c in data_pb2_grpc.DataStub(channel).ReadPages(
+            data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys)))
+
+
+async def _setup(server_factory: Any, tmp_path: Path, n: int) -> tuple[Any, Any, bytes, list[bytes], list[bytes]]:
+    holder, receiver = server_factory(), server_factory(make_config(tmp_path / "receiver"))
+    ns = secrets.token_bytes(16)
+    keys = [secrets.token_bytes(16) for _ in range(n)]
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    _store(holder.address, ns, keys, pages)
+    return holder, receiver, ns, keys, pages
+
+
+async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory, tmp_path) -> None:
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    layout = holder.core.reads.layout_of(ns)
+    answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
+    relay = FlippingRelay(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
+    try:
+        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]  # no cluster: the peer is given
+        peer = Peer(relay.port)
+        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
+        await peer.fetcher.close()
+        assert got == 1
+        assert _found(receiver.address, ns, keys) == 1
+        assert _pages_at(receiver.address, ns, keys) == pages[0]
+        # undamaged, the same path lands all four bit-exact
+        peer = Peer(port)
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
+        await peer.fetcher.close()
+        assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
+    finally:
+        relay.close()
+        await server.close()
+
+
+async def test_a_page_scribbled_on_at_the_holder_is_quarantined_not_sent(server_factory, tmp_path) -> None:
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 3)
+    flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]
+        peer = Peer(port)
+        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
+        await peer.fetcher.close()
+        assert got == 1 and _found(receiver.address, ns, keys) == 1
+        assert _pages_at(receiver.address, ns, keys) == pages[0]
+        assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
+        assert _found(holder.address, ns, keys) == 1
+    finally:
+        await server.close()
