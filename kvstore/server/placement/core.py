@@ -40,7 +40,7 @@ from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
-from kvstore.server.placement.residence import Residence
+from kvstore.server.placement.residence import Residence, leading
 from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.view import CoreView
 from kvstore.server.recovery import rebuild_directory
@@ -48,14 +48,6 @@ from kvstore.server.stats import CoreStats, Reporter
 from kvstore.tiers.base import ArenaInfo, LandingTier, Quarantined
 
 logger = logging.getLogger(__name__)
-
-def _leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
-    """The leading keys for which ``held`` is true."""
-    for i, key in enumerate(keys):
-        if not held(key):
-            return keys[:i]
-    return keys
-
 
 class Placement:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
@@ -204,11 +196,10 @@ class Placement:
             self.keeper.free_slots(list(alloc.slots.values()))
             with counting or nullcontext():  # the pages count from here (Quotas.handing_over: the caller's bridge goes)
                 if fresh:
-                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes)
-                                                                for _, h in fresh])
+                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
             if fresh:
                 self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
-            run = [] if self.leases.broken(alloc, self.residence.stored) else _leading(alloc.keys, self.residence.stored)
+            run = [] if self.leases.broken(alloc, self.residence.stored) else leading(alloc.keys, self.residence.stored)
             if durable:
                 self.leases.pin(run)
         try:
@@ -218,7 +209,7 @@ class Placement:
             with self.keeper.critical():
                 self.keeper.let_go(alloc, run if durable else [])
         with self._lock:
-            return len(_leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
+            return len(leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
 
     def abort(self, allocation_id: bytes, tenant: str | None = None) -> None:
         """Gives back an allocation (of ``tenant``, when given); an unknown one is a no-op."""

@@ -16,6 +16,7 @@ Not thread-safe, and does no I/O: the core calls it under its own lock.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.server.leases import LeaseTable
@@ -124,3 +125,11 @@ class Residence:
 
     def num_detached(self) -> int:
         return sum(len(slots) for slots in self._detached.values())
+
+
+def leading(keys: list[bytes], held: Callable[[bytes], bool]) -> list[bytes]:
+    """The leading keys for which ``held`` is true."""
+    for i, key in enumerate(keys):
+        if not held(key):
+            return keys[:i]
+    return keys
