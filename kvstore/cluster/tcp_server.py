@@ -6,7 +6,7 @@ A connection is served only after its first frame presents a live one-time grant
 ``authorize``: grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
 a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
-hash, ``sendall``) releases the GIL, and a blocking send with the kernel's send timeout
+hash, ``send``) releases the GIL, and a blocking send with the kernel's send timeout
 bounds a fetcher that stops reading without a poll per chunk.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_frame, shut, tune, wait_frame
+from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_exact, send_frame, shut, tune, wait_frame
 from kvstore.errors import InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.pagecopy import running_checksum
@@ -46,8 +46,7 @@ def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> 
         digest.update(piece)
         if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != page.checksum:
             return False
-        deadline.arm(sock)
-        sock.sendall(piece)
+        send_exact(sock, piece, deadline)
     return True
 
 
@@ -204,8 +203,7 @@ class TcpPageServer:
         try:
             answer = answer_for(request, pages)
             deadline = Deadline(self._send_timeout_s)
-            deadline.arm(conn)
-            send_frame(conn, answer.encode())
+            send_frame(conn, answer.encode(), deadline)
             if request.flags & DESCRIBE:
                 return True
             for key, page, entry in zip(request.keys, pages, answer.entries):

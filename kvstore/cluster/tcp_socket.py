@@ -84,8 +84,23 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
             deadline.arm(sock)
 
 
-def send_frame(sock: socket.socket, body: bytes) -> None:
-    sock.sendall(_SIZE.pack(len(body)) + body)
+def send_exact(sock: socket.socket, data: bytes | memoryview, deadline: Deadline) -> None:
+    """Sends all of ``data`` by ``deadline``: the kernel's timeout re-armed to what is left
+    before each send call. ``sendall`` would re-use one armed timeout for every partial
+    send, so a peer reading a trickle (each call progressing a little) stretched one 256 KiB
+    chunk to several timeouts: pins held 4.1 s with a 1 s send timeout."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        deadline.arm(sock)  # TimeoutError once the deadline passed
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent: arm() decides
+            continue
+        view = view[sent:]
+
+
+def send_frame(sock: socket.socket, body: bytes, deadline: Deadline) -> None:
+    send_exact(sock, _SIZE.pack(len(body)) + body, deadline)
 
 
 def recv_frame(sock: socket.socket, max_bytes: int, deadline: Deadline) -> bytearray:

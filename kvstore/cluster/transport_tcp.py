@@ -4,13 +4,13 @@ key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
 get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). The
-Python work per page is a few calls, and every byte-moving call (``recv_into``, ``sendall``,
+Python work per page is a few calls, and every byte-moving call (``recv_into``, ``send``,
 the native hash) releases the GIL.
 
 Receiver: ``recv_into`` the destination (a host-arena slot) itself, chunk by chunk, each
 chunk hashed (native xxh3, GIL released) right after it lands, while it is still in cache;
 no copy through Python bytes. Sender: each chunk is hashed, then sent from the arena's own
-memory (``sendall`` of a memoryview: no user-space copy); the last chunk of a page goes only
+memory (``send`` of a memoryview: no user-space copy); the last chunk of a page goes only
 after the whole page matched its stored checksum ("verified before served"), so a page
 damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
 connection dropped.
@@ -131,8 +131,7 @@ class TcpPageFetcher:
             sock.connect((self._host, self._port))
             sock.settimeout(None)
             if grant is not None:
-                Deadline(timeout_s).arm(sock)
-                send_frame(sock, encode_hello(grant))
+                send_frame(sock, encode_hello(grant), Deadline(timeout_s))
         except BaseException:
             sock.close()
             raise
@@ -215,8 +214,7 @@ class TcpPageFetcher:
                  deadline: Deadline, answer_out: list[FetchAnswer]) -> None:
         """The thread: request out, answer in, then every found page into its buffer, each
         chunk hashed as it lands. Raises on any transport or protocol failure."""
-        deadline.arm(sock)
-        send_frame(sock, request.encode())
+        send_frame(sock, request.encode(), deadline)
         answer = FetchAnswer.decode(recv_frame(sock, MAX_FRAME_BYTES, deadline), request)
         answer_out.append(answer)
         for i, entry in enumerate(answer.entries):

@@ -1,0 +1,56 @@
+"""The TCP page transport against hostile peers (review of the i17-tcp merge): a granted
+peer that reads very slowly must not hold the sender's thread and pins past its send
+timeout; a node whose kernel refuses cubic must say so."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from test_transport_ucx import NS, CountingSource, key
+
+from kvstore.cluster.page_wire import FetchRequest
+from kvstore.cluster.transport_tcp import TcpPageServer
+
+
+async def test_a_fetcher_that_reads_slowly_does_not_hold_pins_past_the_send_timeout() -> None:
+    """A peer that takes the answer a trickle at a time (each of the sender's send calls
+    makes a little progress, so a kernel timeout per call never fires): the server still
+    gives up at its send timeout and releases every page pinned for the answer."""
+    source = CountingSource(1 << 20)
+    server = TcpPageServer(source, send_timeout_s=1.0)
+    port = await server.start()
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = FetchRequest(1, NS, 1 << 20, tuple(key(i) for i in range(16))).encode()
+    raw.sendall(struct.pack("<Q", len(body)) + body)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            try:
+                if not raw.recv(1 << 16):
+                    return
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=trickle)
+    reader.start()
+    try:
+        await asyncio.wait_for(source.opened.wait(), 10)
+        t0 = time.monotonic()
+        while source.pinned and time.monotonic() - t0 < 20:
+            await asyncio.sleep(0.02)
+        held = time.monotonic() - t0
+        assert source.pinned == 0 and held < 1.0 + 1.0, f"pins held {held:.2f} s with a 1 s send timeout"
+    finally:
+        stop.set()
+        raw.close()
+        reader.join()
+        await server.close()
