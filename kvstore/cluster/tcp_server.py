@@ -4,7 +4,8 @@ started the server, as the UCX page server's does).
 
 A connection is served only after its first frame presents a live one-time grant (with
 ``authorize``: grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
-a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; refusals are logged at
+a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; a node keeps at most
+``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest); refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
 hash, ``send``) releases the GIL, and a blocking send with the kernel's send timeout
 bounds a fetcher that stops reading without a poll per chunk.
@@ -32,6 +33,7 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
+MAX_CONNECTIONS_PER_NODE = 8  # a node's fetcher keeps one per peer; a newer one supersedes its oldest
 DAMAGED = "its bytes in the arena do not match its checksum (checked before sending over TCP)"
 
 
@@ -68,6 +70,7 @@ class TcpPageServer:
         self._authorize = authorize
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._by_node: dict[str, list[socket.socket]] = {}  # admitted connections per node, oldest first
         self._admitting = 0
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,17 +142,24 @@ class TcpPageServer:
             if admitting and self._authorize is not None:
                 self._admitting -= 1
             self._conns.discard(conn)
+            for node, conns in list(self._by_node.items()):
+                if conn in conns:
+                    conns.remove(conn)
+                    if not conns:
+                        del self._by_node[node]
             self._idle.notify_all()
 
     def _connection(self, conn: socket.socket) -> None:
         admitting = True
         try:
             tune(conn)
-            if self._authorize is not None and not self._admit(conn):
+            node = self._admit(conn) if self._authorize is not None else ""
+            if node is None:
                 return
             with self._lock:
                 if self._authorize is not None:
                     self._admitting -= 1
+                    self._hold(node, conn)
                 admitting = False
             while (body := wait_frame(conn, MAX_FRAME_BYTES)) is not None:
                 if not self._serve(conn, FetchRequest.decode(body)):
@@ -163,9 +173,21 @@ class TcpPageServer:
         finally:
             self._gone(conn, admitting)
 
-    def _admit(self, conn: socket.socket) -> bool:
-        """Whether the connection's hello presents a live grant (bounded in size and time: an
-        unauthenticated peer gets neither a large buffer nor a thread that waits forever)."""
+    def _hold(self, node: str, conn: socket.socket) -> None:
+        """Counts an admitted connection to its node (lock held); past the cap the node's
+        oldest is shut (its thread ends it): one node's grants must not buy unbounded threads
+        and fds, and a peer host that vanished leaves idle connections nothing else ends."""
+        conns = self._by_node.setdefault(node, [])
+        conns.append(conn)
+        while len(conns) > MAX_CONNECTIONS_PER_NODE:
+            shut(conns.pop(0))
+            _refusals.warning("superseded", "node %s opened more than %d TCP data connections: closed its oldest",
+                              node, MAX_CONNECTIONS_PER_NODE)
+
+    def _admit(self, conn: socket.socket) -> str | None:
+        """The node whose live grant the connection's hello presents, None when it presents
+        none (bounded in size and time: an unauthenticated peer gets neither a large buffer
+        nor a thread that waits forever)."""
         assert self._authorize is not None
         try:
             grant = decode_hello(recv_frame(conn, HELLO_BYTES, Deadline(HELLO_TIMEOUT_S)))
@@ -179,11 +201,11 @@ class TcpPageServer:
             node = self._authorize(grant)
             if node is not None:
                 logger.debug("TCP connection of node %s admitted", node)
-                return True
+                return node
             kind, reason = "bad-grant", "its grant is unknown, used or expired"
         with self._lock:
             _refusals.warning(kind, "refused a TCP connection to the data port: %s", reason)
-        return False
+        return None
 
     def _open(self, request: FetchRequest) -> list[SourcePage | None]:
         """The source's pages, opened on the server's event loop; on a timeout every page it

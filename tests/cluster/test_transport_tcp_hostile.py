@@ -86,3 +86,43 @@ def test_a_refused_cubic_is_logged_once_not_kept_silently() -> None:
     assert len(kept) == 3 and "kept cubic" not in kept
     warnings = [line for line in done.stderr.splitlines() if "tcp_allowed_congestion_control" in line]
     assert len(warnings) == 1 and warnings[0].startswith("WARNING"), done.stderr[-2000:]
+
+
+async def test_one_node_cannot_hold_unbounded_connections_and_threads() -> None:
+    """A granted node in a reconnect loop (or hostile) that opens connection after
+    connection, each with a fresh grant, and never closes them: the server keeps at most
+    ``MAX_CONNECTIONS_PER_NODE`` of that node's (a new one supersedes its oldest), not one
+    thread and fd per connection for ever; another node is still served."""
+    from kvstore.cluster import tcp_server
+    from kvstore.cluster.grants import TransferGrants
+    from kvstore.cluster.page_wire import encode_hello
+    from kvstore.cluster.transport_tcp import TcpPageFetcher
+
+    limit = getattr(tcp_server, "MAX_CONNECTIONS_PER_NODE", 8)
+    grants = TransferGrants()
+    server = TcpPageServer(CountingSource(4096), authorize=grants.take)
+    port = await server.start()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(4 * limit):
+            s = socket.create_connection(("127.0.0.1", port))
+            hello = encode_hello(grants.issue("hostile"))
+            s.sendall(struct.pack("<Q", len(hello)) + hello)
+            held.append(s)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if server.connections() <= limit:
+                break
+        assert server.connections() <= limit, f"{server.connections()} connections of one node held open"
+        grant = grants.issue("other")
+
+        async def present() -> bytes:
+            return grant
+
+        fetcher = TcpPageFetcher("127.0.0.1", port, present)
+        assert (await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=5)).statuses[0].value == "ok"
+        await fetcher.close()
+    finally:
+        for s in held:
+            s.close()
+        await server.close()
