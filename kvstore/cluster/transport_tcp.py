@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -181,11 +182,10 @@ class TcpPageFetcher:
             done, _ = await asyncio.wait({receiving}, timeout=max(0.0, deadline.left()) + 0.05)
             if not done:  # the kernel's timeout has not ended the receive yet (a busy host): end it
                 late = True
-                shut(sock)
-                await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+                if await self._stop(receiving, sock):
+                    raise asyncio.CancelledError  # cancelled while it stopped: after the thread, as below
         except BaseException:  # cancelled: the thread must stop before the caller gets its buffers back
-            shut(sock)
-            await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+            await self._stop(receiving, sock)
             self._after(receiving, sock)
             raise
         self._after(receiving, sock)
@@ -194,6 +194,22 @@ class TcpPageFetcher:
         if (exc := receiving.result()) is not None:
             self._fail(result, TimeoutError(f"no answer within {timeout_s:.3g} s") if late else exc, request)
         return answer[0] if answer and result.error is None else None
+
+    @staticmethod
+    async def _stop(receiving: asyncio.Future[Exception | None], sock: socket.socket) -> bool:
+        """Shuts the socket and waits (ABORT_WAIT_S at most) for the receiving thread to stop;
+        True when the task was cancelled meanwhile (the caller raises it once this returns).
+        A cancel does not cut the wait short: a second cancel used to return while the
+        thread was still in recv_exact, writing the buffers the caller frees next."""
+        shut(sock)
+        cancelled = False
+        end = time.monotonic() + ABORT_WAIT_S
+        while not receiving.done() and (left := end - time.monotonic()) > 0:
+            try:
+                await asyncio.wait({receiving}, timeout=left)
+            except asyncio.CancelledError:
+                cancelled = True
+        return cancelled
 
     def _after(self, receiving: asyncio.Future[Exception | None], sock: socket.socket) -> None:
         if not receiving.done():

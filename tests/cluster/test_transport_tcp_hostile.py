@@ -15,7 +15,7 @@ import time
 from test_transport_ucx import NS, CountingSource, key
 
 from kvstore.cluster.page_wire import FetchRequest
-from kvstore.cluster.transport_tcp import TcpPageServer
+from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 
 
 async def test_a_fetcher_that_reads_slowly_does_not_hold_pins_past_the_send_timeout() -> None:
@@ -126,3 +126,46 @@ async def test_one_node_cannot_hold_unbounded_connections_and_threads() -> None:
         for s in held:
             s.close()
         await server.close()
+
+
+async def test_a_fetch_cancelled_twice_still_waits_for_its_receives_and_drops_the_connection() -> None:
+    """The caller's task is cancelled twice in a row (a deadline's cancel, then a shutdown's):
+    the second cancel must not cut short the wait for the receiving thread (whose buffers the
+    caller frees next), and the half-read connection must not be kept for the next fetch."""
+    import numpy as np
+
+    page, n = 1 << 20, 64
+    server = TcpPageServer(CountingSource(page))
+    port = await server.start()
+    fetcher = TcpPageFetcher("127.0.0.1", port)
+    dests = [np.zeros(page, np.uint8) for _ in range(n)]
+    try:
+        task = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(n)], dests, timeout_s=30))
+        for _ in range(100):  # until its thread is receiving
+            await asyncio.sleep(0.005)
+            if any(t.name == "tcp-fetch" for t in threading.enumerate()):
+                break
+        task.cancel()
+        await asyncio.sleep(0)  # the first cancel reached fetch: it waits for its thread now
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        receiving = [f for t, f in sys._current_frames().items()
+                     if any(t == th.ident and th.name == "tcp-fetch" for th in threading.enumerate())
+                     and "receive" in _stack(f)]
+        assert not receiving, "the receiving thread was still in receive() when fetch raised"
+        again = await fetcher.fetch(NS, [key(1)], [np.zeros(page, np.uint8)], timeout_s=5)
+        assert again.statuses[0].value == "ok", again.error
+    finally:
+        await fetcher.close()
+        await server.close()
+
+
+def _stack(frame: object) -> list[str]:
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return names
