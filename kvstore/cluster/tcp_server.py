@@ -2,8 +2,8 @@
 serving pages from a ``PageSource`` (whose ``open_pages`` runs on the event loop that
 started the server, as the UCX page server's does).
 
-A connection is served only after its first frame presents a live one-time grant (with
-``authorize``: grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
+Without ``authorize`` it listens on loopback only. With it, a connection is served only
+after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
 a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; a node keeps at most
 ``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest); refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
@@ -14,6 +14,7 @@ bounds a fetcher that stops reading without a poll per chunk.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
@@ -24,7 +25,7 @@ from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
 from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_exact, send_frame, shut, tune, wait_frame
-from kvstore.errors import InvalidRequest
+from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.pagecopy import running_checksum
 
@@ -50,6 +51,13 @@ def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> 
             return False
         send_exact(sock, piece, deadline)
     return True
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another name may resolve anywhere
+        return False
 
 
 def start_thread(target: Callable[..., None], *args: Any, name: str) -> bool:
@@ -82,6 +90,9 @@ class TcpPageServer:
         return int(self._listener.getsockname()[1])
 
     async def start(self) -> int:
+        if self._authorize is None and not _loopback(self._host):
+            raise ConfigError(f"a TCP page server without grants (authorize) serves anyone: it listens on loopback only, "
+                              f"not {self._host!r}")
         self._loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)

@@ -169,3 +169,22 @@ def _stack(frame: object) -> list[str]:
         names.append(frame.f_code.co_name)  # type: ignore[attr-defined]
         frame = frame.f_back  # type: ignore[attr-defined]
     return names
+
+
+async def test_without_authorize_the_data_port_listens_on_loopback_only() -> None:
+    """Secure by default: a page server that checks no grant (``authorize`` None, as the
+    tests' child servers run) would serve every page to anyone who connects, one thread per
+    connection with no cap: it must refuse to listen anywhere but loopback."""
+    import pytest
+
+    from kvstore.errors import ConfigError
+
+    for host in ("0.0.0.0", "::"):
+        server = TcpPageServer(CountingSource(4096), host=host)
+        with pytest.raises(ConfigError, match="loopback"):
+            await server.start()
+        await server.close()
+    for host in ("127.0.0.1", "::1", "localhost"):
+        server = TcpPageServer(CountingSource(4096), host=host)
+        await server.start()
+        await server.close()
