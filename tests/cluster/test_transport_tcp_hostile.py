@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from test_transport_ucx import NS, CountingSource, key
 
 from kvstore.cluster.page_wire import FetchRequest
@@ -188,3 +190,38 @@ async def test_without_authorize_the_data_port_listens_on_loopback_only() -> Non
         server = TcpPageServer(CountingSource(4096), host=host)
         await server.start()
         await server.close()
+
+
+async def test_a_receive_slower_to_stop_than_the_abort_wait_is_still_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host so busy that the receiving thread needs longer than ABORT_WAIT_S to notice its
+    shut socket (here: ABORT_WAIT_S 0): fetch must still not hand the buffers back (by
+    raising) while the thread can write them; remote._fetch_posted aborts the allocation
+    (frees the landing slots for reuse) on any exception."""
+    import numpy as np
+
+    from kvstore.cluster import transport_tcp
+
+    monkeypatch.setattr(transport_tcp, "ABORT_WAIT_S", 0.0)
+    page, n = 1 << 20, 64
+    server = TcpPageServer(CountingSource(page))
+    port = await server.start()
+    fetcher = TcpPageFetcher("127.0.0.1", port)
+    dests = [np.zeros(page, np.uint8) for _ in range(n)]
+    try:
+        task = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(n)], dests, timeout_s=30))
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if any(t.name == "tcp-fetch" for t in threading.enumerate()):
+                break
+        task.cancel()
+        with pytest.raises(BaseException):
+            await task
+        assert not _receiving(), "fetch raised while its receiving thread was still in receive()"
+    finally:
+        await fetcher.close()
+        await server.close()
+
+
+def _receiving() -> list[object]:
+    names = {th.ident: th.name for th in threading.enumerate()}
+    return [f for t, f in sys._current_frames().items() if names.get(t) == "tcp-fetch" and "receive" in _stack(f)]
