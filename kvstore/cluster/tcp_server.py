@@ -5,7 +5,8 @@ started the server, as the UCX page server's does).
 Without ``authorize`` it listens on loopback only. With it, a connection is served only
 after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
 a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; a node keeps at most
-``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest); refusals are logged at
+``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest), the server
+``MAX_CONNECTIONS`` in all (more are closed); refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
 hash, ``send``) releases the GIL, and a blocking send with the kernel's send timeout
 bounds a fetcher that stops reading without a poll per chunk.
@@ -35,6 +36,7 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
 MAX_CONNECTIONS_PER_NODE = 8  # a node's fetcher keeps one per peer; a newer one supersedes its oldest
+MAX_CONNECTIONS = 256  # admitted in all: a caller names the node id its grant is for, so ids are no bound
 DAMAGED = "its bytes in the arena do not match its checksum (checked before sending over TCP)"
 
 
@@ -168,10 +170,15 @@ class TcpPageServer:
             if node is None:
                 return
             with self._lock:
+                held = True
                 if self._authorize is not None:
                     self._admitting -= 1
-                    self._hold(node, conn)
+                    held = self._hold(node, conn)
                 admitting = False
+            if not held:
+                _refusals.warning("full", "refused a TCP connection to the data port: %d connections are admitted",
+                                  MAX_CONNECTIONS)
+                return
             while (body := wait_frame(conn, MAX_FRAME_BYTES)) is not None:
                 if not self._serve(conn, FetchRequest.decode(body)):
                     return
@@ -184,16 +191,22 @@ class TcpPageServer:
         finally:
             self._gone(conn, admitting)
 
-    def _hold(self, node: str, conn: socket.socket) -> None:
+    def _hold(self, node: str, conn: socket.socket) -> bool:
         """Counts an admitted connection to its node (lock held); past the cap the node's
         oldest is shut (its thread ends it): one node's grants must not buy unbounded threads
-        and fds, and a peer host that vanished leaves idle connections nothing else ends."""
+        and fds, and a peer host that vanished leaves idle connections nothing else ends.
+        False (not counted: drop it) when MAX_CONNECTIONS are admitted already."""
         conns = self._by_node.setdefault(node, [])
+        if len(conns) < MAX_CONNECTIONS_PER_NODE and sum(map(len, self._by_node.values())) >= MAX_CONNECTIONS:
+            if not conns:
+                del self._by_node[node]
+            return False
         conns.append(conn)
         while len(conns) > MAX_CONNECTIONS_PER_NODE:
             shut(conns.pop(0))
             _refusals.warning("superseded", "node %s opened more than %d TCP data connections: closed its oldest",
                               node, MAX_CONNECTIONS_PER_NODE)
+        return True
 
     def _admit(self, conn: socket.socket) -> str | None:
         """The node whose live grant the connection's hello presents, None when it presents

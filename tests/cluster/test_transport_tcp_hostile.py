@@ -225,3 +225,33 @@ async def test_a_receive_slower_to_stop_than_the_abort_wait_is_still_waited_for(
 def _receiving() -> list[object]:
     names = {th.ident: th.name for th in threading.enumerate()}
     return [f for t, f in sys._current_frames().items() if names.get(t) == "tcp-fetch" and "receive" in _stack(f)]
+
+
+async def test_node_ids_named_at_will_cannot_buy_unbounded_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GrantTransfer binds a grant to the node id the caller names (any caller with the node
+    right names any id), so the per-node cap alone does not bound a hostile node: the
+    server's admitted connections are capped in all (MAX_CONNECTIONS)."""
+    from kvstore.cluster import tcp_server
+    from kvstore.cluster.grants import TransferGrants
+    from kvstore.cluster.page_wire import encode_hello
+
+    monkeypatch.setattr(tcp_server, "MAX_CONNECTIONS", 16, raising=False)
+    grants = TransferGrants()
+    server = TcpPageServer(CountingSource(4096), authorize=grants.take)
+    port = await server.start()
+    held: list[socket.socket] = []
+    try:
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            hello = encode_hello(grants.issue(f"made-up-{i}"))
+            s.sendall(struct.pack("<Q", len(hello)) + hello)
+            held.append(s)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if server.connections() <= 16:
+                break
+        assert server.connections() <= 16, f"{server.connections()} admitted connections held open"
+    finally:
+        for s in held:
+            s.close()
+        await server.close()
