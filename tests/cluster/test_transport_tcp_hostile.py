@@ -136,17 +136,11 @@ async def test_a_fetch_cancelled_twice_still_waits_for_its_receives_and_drops_th
     caller frees next), and the half-read connection must not be kept for the next fetch."""
     import numpy as np
 
-    page, n = 1 << 20, 64
+    page = 1 << 20
     server = TcpPageServer(CountingSource(page))
-    port = await server.start()
-    fetcher = TcpPageFetcher("127.0.0.1", port)
-    dests = [np.zeros(page, np.uint8) for _ in range(n)]
+    fetcher = TcpPageFetcher("127.0.0.1", await server.start())
     try:
-        task = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(n)], dests, timeout_s=30))
-        for _ in range(100):  # until its thread is receiving
-            await asyncio.sleep(0.005)
-            if any(t.name == "tcp-fetch" for t in threading.enumerate()):
-                break
+        task = await _receiving_fetch(fetcher, page)
         task.cancel()
         await asyncio.sleep(0)  # the first cancel reached fetch: it waits for its thread now
         task.cancel()
@@ -154,10 +148,7 @@ async def test_a_fetch_cancelled_twice_still_waits_for_its_receives_and_drops_th
             await task
         except asyncio.CancelledError:
             pass
-        receiving = [f for t, f in sys._current_frames().items()
-                     if any(t == th.ident and th.name == "tcp-fetch" for th in threading.enumerate())
-                     and "receive" in _stack(f)]
-        assert not receiving, "the receiving thread was still in receive() when fetch raised"
+        assert not _receiving(), "the receiving thread was still in receive() when fetch raised"
         again = await fetcher.fetch(NS, [key(1)], [np.zeros(page, np.uint8)], timeout_s=5)
         assert again.statuses[0].value == "ok", again.error
     finally:
@@ -197,22 +188,14 @@ async def test_a_receive_slower_to_stop_than_the_abort_wait_is_still_waited_for(
     shut socket (here: ABORT_WAIT_S 0): fetch must still not hand the buffers back (by
     raising) while the thread can write them; remote._fetch_posted aborts the allocation
     (frees the landing slots for reuse) on any exception."""
-    import numpy as np
-
     from kvstore.cluster import transport_tcp
 
     monkeypatch.setattr(transport_tcp, "ABORT_WAIT_S", 0.0)
-    page, n = 1 << 20, 64
+    page = 1 << 20
     server = TcpPageServer(CountingSource(page))
-    port = await server.start()
-    fetcher = TcpPageFetcher("127.0.0.1", port)
-    dests = [np.zeros(page, np.uint8) for _ in range(n)]
+    fetcher = TcpPageFetcher("127.0.0.1", await server.start())
     try:
-        task = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(n)], dests, timeout_s=30))
-        for _ in range(100):
-            await asyncio.sleep(0.005)
-            if any(t.name == "tcp-fetch" for t in threading.enumerate()):
-                break
+        task = await _receiving_fetch(fetcher, page)
         task.cancel()
         with pytest.raises(BaseException):
             await task
@@ -255,3 +238,16 @@ async def test_node_ids_named_at_will_cannot_buy_unbounded_connections(monkeypat
         for s in held:
             s.close()
         await server.close()
+
+
+async def _receiving_fetch(fetcher: TcpPageFetcher, page: int, n: int = 64) -> asyncio.Future[object]:
+    """A fetch of n pages started, returned once its receiving thread runs."""
+    import numpy as np
+
+    dests = [np.zeros(page, np.uint8) for _ in range(n)]
+    task = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(n)], dests, timeout_s=30))
+    for _ in range(100):
+        await asyncio.sleep(0.005)
+        if any(t.name == "tcp-fetch" for t in threading.enumerate()):
+            break
+    return task
