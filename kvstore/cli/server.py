@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--node-id", help="this node's unique name in the cluster (replaces --node)")
     cluster.add_argument("--advertise", help="HOST:PORT other nodes reach this node's gRPC server at (None: --listen)")
     cluster.add_argument("--data-plane", default="ucx", choices=["ucx", "tcp", "grpc"],
-                         help="how page bytes move node to node: UCX (ucxx), plain TCP sockets (cubic congestion "
-                              "control per socket; the fastest here), or gRPC ReadPages streams (the only one with TLS). "
+                         help="how page bytes move node to node: UCX (ucxx), plain TCP sockets (each asks for cubic "
+                              "congestion control: root, or cubic in net.ipv4.tcp_allowed_congestion_control; else the "
+                              "default is kept and logged), or gRPC ReadPages streams (the only one with TLS). "
                               "ucx and tcp send page bytes unencrypted, each connection admitted by a one-time grant "
                               "asked over authenticated gRPC")
     cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (None: UCX chooses)")

@@ -2,17 +2,20 @@
 serving pages from a ``PageSource`` (whose ``open_pages`` runs on the event loop that
 started the server, as the UCX page server's does).
 
-A connection is served only after its first frame presents a live one-time grant (with
-``authorize``: grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
-a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; refusals are logged at
+Without ``authorize`` it listens on loopback only. With it, a connection is served only
+after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
+a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; a node keeps at most
+``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest), the server
+``MAX_CONNECTIONS`` in all (more are closed); refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
-hash, ``sendall``) releases the GIL, and a blocking send with the kernel's send timeout
+hash, ``send``) releases the GIL, and a blocking send with the kernel's send timeout
 bounds a fetcher that stops reading without a poll per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
@@ -22,8 +25,8 @@ from typing import Any
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_frame, shut, tune, wait_frame
-from kvstore.errors import InvalidRequest
+from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_exact, send_frame, shut, tune, wait_frame
+from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.pagecopy import running_checksum
 
@@ -32,6 +35,8 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
+MAX_CONNECTIONS_PER_NODE = 8  # a node's fetcher keeps one per peer; a newer one supersedes its oldest
+MAX_CONNECTIONS = 256  # admitted in all: a caller names the node id its grant is for, so ids are no bound
 DAMAGED = "its bytes in the arena do not match its checksum (checked before sending over TCP)"
 
 
@@ -46,9 +51,15 @@ def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> 
         digest.update(piece)
         if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != page.checksum:
             return False
-        deadline.arm(sock)
-        sock.sendall(piece)
+        send_exact(sock, piece, deadline)
     return True
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another name may resolve anywhere
+        return False
 
 
 def start_thread(target: Callable[..., None], *args: Any, name: str) -> bool:
@@ -69,6 +80,7 @@ class TcpPageServer:
         self._authorize = authorize
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._by_node: dict[str, list[socket.socket]] = {}  # admitted connections per node, oldest first
         self._admitting = 0
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,6 +92,9 @@ class TcpPageServer:
         return int(self._listener.getsockname()[1])
 
     async def start(self) -> int:
+        if self._authorize is None and not _loopback(self._host):
+            raise ConfigError(f"a TCP page server without grants (authorize) serves anyone: it listens on loopback only, "
+                              f"not {self._host!r}")
         self._loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -140,18 +155,30 @@ class TcpPageServer:
             if admitting and self._authorize is not None:
                 self._admitting -= 1
             self._conns.discard(conn)
+            for node, conns in list(self._by_node.items()):
+                if conn in conns:
+                    conns.remove(conn)
+                    if not conns:
+                        del self._by_node[node]
             self._idle.notify_all()
 
     def _connection(self, conn: socket.socket) -> None:
         admitting = True
         try:
             tune(conn)
-            if self._authorize is not None and not self._admit(conn):
+            node = self._admit(conn) if self._authorize is not None else ""
+            if node is None:
                 return
             with self._lock:
+                held = True
                 if self._authorize is not None:
                     self._admitting -= 1
+                    held = self._hold(node, conn)
                 admitting = False
+            if not held:
+                _refusals.warning("full", "refused a TCP connection to the data port: %d connections are admitted",
+                                  MAX_CONNECTIONS)
+                return
             while (body := wait_frame(conn, MAX_FRAME_BYTES)) is not None:
                 if not self._serve(conn, FetchRequest.decode(body)):
                     return
@@ -164,9 +191,27 @@ class TcpPageServer:
         finally:
             self._gone(conn, admitting)
 
-    def _admit(self, conn: socket.socket) -> bool:
-        """Whether the connection's hello presents a live grant (bounded in size and time: an
-        unauthenticated peer gets neither a large buffer nor a thread that waits forever)."""
+    def _hold(self, node: str, conn: socket.socket) -> bool:
+        """Counts an admitted connection to its node (lock held); past the cap the node's
+        oldest is shut (its thread ends it): one node's grants must not buy unbounded threads
+        and fds, and a peer host that vanished leaves idle connections nothing else ends.
+        False (not counted: drop it) when MAX_CONNECTIONS are admitted already."""
+        conns = self._by_node.setdefault(node, [])
+        if len(conns) < MAX_CONNECTIONS_PER_NODE and sum(map(len, self._by_node.values())) >= MAX_CONNECTIONS:
+            if not conns:
+                del self._by_node[node]
+            return False
+        conns.append(conn)
+        while len(conns) > MAX_CONNECTIONS_PER_NODE:
+            shut(conns.pop(0))
+            _refusals.warning("superseded", "node %s opened more than %d TCP data connections: closed its oldest",
+                              node, MAX_CONNECTIONS_PER_NODE)
+        return True
+
+    def _admit(self, conn: socket.socket) -> str | None:
+        """The node whose live grant the connection's hello presents, None when it presents
+        none (bounded in size and time: an unauthenticated peer gets neither a large buffer
+        nor a thread that waits forever)."""
         assert self._authorize is not None
         try:
             grant = decode_hello(recv_frame(conn, HELLO_BYTES, Deadline(HELLO_TIMEOUT_S)))
@@ -180,11 +225,11 @@ class TcpPageServer:
             node = self._authorize(grant)
             if node is not None:
                 logger.debug("TCP connection of node %s admitted", node)
-                return True
+                return node
             kind, reason = "bad-grant", "its grant is unknown, used or expired"
         with self._lock:
             _refusals.warning(kind, "refused a TCP connection to the data port: %s", reason)
-        return False
+        return None
 
     def _open(self, request: FetchRequest) -> list[SourcePage | None]:
         """The source's pages, opened on the server's event loop; on a timeout every page it
@@ -204,8 +249,7 @@ class TcpPageServer:
         try:
             answer = answer_for(request, pages)
             deadline = Deadline(self._send_timeout_s)
-            deadline.arm(conn)
-            send_frame(conn, answer.encode())
+            send_frame(conn, answer.encode(), deadline)
             if request.flags & DESCRIBE:
                 return True
             for key, page, entry in zip(request.keys, pages, answer.entries):

@@ -3,17 +3,19 @@ prefixed frames, and exact receives bounded by a deadline.
 
 Why these options: loopback TCP with this machine's default congestion control (bbr) moved
 1.9-4.0 GB/s where cubic moved 6.3-6.8 (LIMITS.md), so each data socket asks for cubic
-(silently keeping the default where the kernel refuses); TCP_NODELAY so a request or an
-answer frame is not held back behind Nagle; send and receive buffers as large as the kernel
-allows. Blocking sockets on threads, with the deadline as the kernel's SO_RCVTIMEO /
+(keeping the default where the kernel refuses, with one warning per process); TCP_NODELAY
+so a request or an answer frame is not held back behind Nagle; send and receive buffers as
+large as the kernel allows. Blocking sockets on threads, with the deadline as the kernel's SO_RCVTIMEO /
 SO_SNDTIMEO: one syscall per receive (``MSG_WAITALL``), none for a poll, and the GIL
 released while the kernel copies.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+import threading
 import time
 
 from kvstore.cluster.errors import TransportError
@@ -24,6 +26,8 @@ CHUNK_BYTES = 256 << 10  # hashed right after it lands or right before it leaves
 BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF asked for (the kernel caps them at [rw]mem_max)
 _SIZE = struct.Struct("<Q")
 _TIMEVAL = struct.Struct("@ll")
+logger = logging.getLogger(__name__)
+_told = threading.Event()  # the refused congestion control is logged once per process
 
 
 def tune(sock: socket.socket) -> None:
@@ -39,8 +43,13 @@ def tune(sock: socket.socket) -> None:
     if congestion is not None:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, congestion, CONGESTION)
-        except OSError:  # not built into this kernel, or not allowed for this user
-            pass
+        except OSError as exc:  # not built into this kernel, or not allowed for this user
+            if not _told.is_set():
+                _told.set()
+                kept = sock.getsockopt(socket.IPPROTO_TCP, congestion, 16).rstrip(b"\0").decode()
+                logger.warning("TCP data sockets keep congestion control %s: %s refused (%s); a non-root server "
+                               "needs %s in net.ipv4.tcp_allowed_congestion_control (LIMITS.md: bbr moved a third "
+                               "of cubic's bytes on loopback)", kept, CONGESTION.decode(), exc.strerror, CONGESTION.decode())
 
 
 class Deadline:
@@ -84,8 +93,23 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
             deadline.arm(sock)
 
 
-def send_frame(sock: socket.socket, body: bytes) -> None:
-    sock.sendall(_SIZE.pack(len(body)) + body)
+def send_exact(sock: socket.socket, data: bytes | memoryview, deadline: Deadline) -> None:
+    """Sends all of ``data`` by ``deadline``: the kernel's timeout re-armed to what is left
+    before each send call. ``sendall`` would re-use one armed timeout for every partial
+    send, so a peer reading a trickle (each call progressing a little) stretched one 256 KiB
+    chunk to several timeouts: pins held 4.1 s with a 1 s send timeout."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        deadline.arm(sock)  # TimeoutError once the deadline passed
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent: arm() decides
+            continue
+        view = view[sent:]
+
+
+def send_frame(sock: socket.socket, body: bytes, deadline: Deadline) -> None:
+    send_exact(sock, _SIZE.pack(len(body)) + body, deadline)
 
 
 def recv_frame(sock: socket.socket, max_bytes: int, deadline: Deadline) -> bytearray:

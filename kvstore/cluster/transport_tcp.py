@@ -4,13 +4,13 @@ key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
 get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). The
-Python work per page is a few calls, and every byte-moving call (``recv_into``, ``sendall``,
+Python work per page is a few calls, and every byte-moving call (``recv_into``, ``send``,
 the native hash) releases the GIL.
 
 Receiver: ``recv_into`` the destination (a host-arena slot) itself, chunk by chunk, each
 chunk hashed (native xxh3, GIL released) right after it lands, while it is still in cache;
 no copy through Python bytes. Sender: each chunk is hashed, then sent from the arena's own
-memory (``sendall`` of a memoryview: no user-space copy); the last chunk of a page goes only
+memory (``send`` of a memoryview: no user-space copy); the last chunk of a page goes only
 after the whole page matched its stored checksum ("verified before served"), so a page
 damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
 connection dropped.
@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
 
-ABORT_WAIT_S = 2.0  # how long the receiving thread gets to stop once its socket was shut
+ABORT_WAIT_S = 2.0  # after this long a receiving thread that has not stopped on its shut socket is logged
 
 
 class _Receiving:
@@ -131,8 +132,7 @@ class TcpPageFetcher:
             sock.connect((self._host, self._port))
             sock.settimeout(None)
             if grant is not None:
-                Deadline(timeout_s).arm(sock)
-                send_frame(sock, encode_hello(grant))
+                send_frame(sock, encode_hello(grant), Deadline(timeout_s))
         except BaseException:
             sock.close()
             raise
@@ -182,24 +182,40 @@ class TcpPageFetcher:
             done, _ = await asyncio.wait({receiving}, timeout=max(0.0, deadline.left()) + 0.05)
             if not done:  # the kernel's timeout has not ended the receive yet (a busy host): end it
                 late = True
-                shut(sock)
-                await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+                if await self._stop(receiving, sock):
+                    raise asyncio.CancelledError  # cancelled while it stopped: after the thread, as below
         except BaseException:  # cancelled: the thread must stop before the caller gets its buffers back
-            shut(sock)
-            await asyncio.wait({receiving}, timeout=ABORT_WAIT_S)
+            await self._stop(receiving, sock)
             self._after(receiving, sock)
             raise
         self._after(receiving, sock)
-        if not receiving.done():
-            raise TransportError("the receiving thread did not stop after the abort; do not reuse the destinations")
         if (exc := receiving.result()) is not None:
             self._fail(result, TimeoutError(f"no answer within {timeout_s:.3g} s") if late else exc, request)
         return answer[0] if answer and result.error is None else None
 
+    @staticmethod
+    async def _stop(receiving: asyncio.Future[Exception | None], sock: socket.socket) -> bool:
+        """Shuts the socket and waits until the receiving thread stopped; True when the task
+        was cancelled meanwhile (the caller raises it once this returns). Not bounded by
+        ABORT_WAIT_S (after it, an error is logged each time): once its socket is shut the
+        thread only drains what the kernel already holds, whatever the peer does, and
+        returning earlier hands back buffers it still writes (the caller frees them: a
+        second cancel, or a thread slower than the abort wait, did so)."""
+        shut(sock)
+        cancelled = False
+        t0 = time.monotonic()
+        while not receiving.done():
+            try:
+                await asyncio.wait({receiving}, timeout=max(ABORT_WAIT_S, 0.01))
+            except asyncio.CancelledError:
+                cancelled = True
+            if not receiving.done() and time.monotonic() - t0 >= ABORT_WAIT_S:
+                logger.error("a TCP receive has not stopped %.1f s after its socket was shut; the fetch waits for it",
+                             time.monotonic() - t0)
+        return cancelled
+
     def _after(self, receiving: asyncio.Future[Exception | None], sock: socket.socket) -> None:
-        if not receiving.done():
-            logger.error("a TCP receive did not stop after its socket was shut; its buffers may still be written")
-        if not receiving.done() or receiving.result() is not None:
+        if receiving.result() is not None:  # done: _stop waited for it
             if self._sock is sock:
                 self._drop()
 
@@ -215,8 +231,7 @@ class TcpPageFetcher:
                  deadline: Deadline, answer_out: list[FetchAnswer]) -> None:
         """The thread: request out, answer in, then every found page into its buffer, each
         chunk hashed as it lands. Raises on any transport or protocol failure."""
-        deadline.arm(sock)
-        send_frame(sock, request.encode())
+        send_frame(sock, request.encode(), deadline)
         answer = FetchAnswer.decode(recv_frame(sock, MAX_FRAME_BYTES, deadline), request)
         answer_out.append(answer)
         for i, entry in enumerate(answer.entries):
