@@ -14,7 +14,9 @@ from kvstore.server.placement import Placement
 
 logger = logging.getLogger(__name__)
 
-LEASE_MS = 30_000  # a sender that stalls longer loses the pin; the transport's send timeout is shorter
+LEASE_MS = 30_000  # the pin on the pages a peer asked for, from the acquire on
+SEND_TIMEOUT_S = 20.0  # a page server's send deadline, from just after that acquire: a reader that stalls is cut off
+# before the pin could lapse mid-send (the servers' own default, 30 s, equalled it)
 
 
 class CorePageSource:
