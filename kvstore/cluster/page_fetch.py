@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus
+from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 
 
@@ -74,3 +75,16 @@ def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> Fet
             entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
     layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
     return FetchAnswer(request.request_id, tuple(entries), layout)
+
+
+def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes],
+                dests: Sequence[Any]) -> tuple[FetchRequest, list[memoryview], FetchResult]:
+    """What a fetcher checks and builds before it asks (either transport): the request, one
+    writable byte view of the page size per key (InvalidRequest otherwise), and a result
+    that says FAILED for every page until the page arrives verified."""
+    check_keys(namespace_id, keys)
+    views = [memoryview(d).cast("B") for d in dests]
+    if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
+        raise InvalidRequest("fetch needs one writable destination of the page size per key")
+    request = FetchRequest(request_id, namespace_id, views[0].nbytes, tuple(keys))
+    return request, views, FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))

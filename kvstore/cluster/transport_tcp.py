@@ -32,11 +32,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
 from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_exact, recv_frame, send_frame, shut, tune
-from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
 
@@ -142,12 +141,7 @@ class TcpPageFetcher:
         """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
         Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
         raise InvalidRequest."""
-        check_keys(namespace_id, keys)
-        views = [memoryview(d).cast("B") for d in dests]
-        if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
-            raise InvalidRequest("fetch needs one writable destination of the page size per key")
-        request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
-        result = FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests)
         async with self._lock:
             await self._exchange(request, views, result, timeout_s)
         return result

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.errors import TransportError
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for  # noqa: F401  # re-exported
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for, start_fetch  # noqa: F401  # re-exported
 from kvstore.cluster.page_wire import (
     DESCRIBE,
     HELLO_BYTES,
@@ -291,12 +291,7 @@ class UcxPageFetcher:
         """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
         Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
         raise InvalidRequest."""
-        check_keys(namespace_id, keys)
-        views = [memoryview(d).cast("B") for d in dests]
-        if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
-            raise InvalidRequest("fetch needs one writable destination of the page size per key")
-        request = FetchRequest(next(self._ids), namespace_id, views[0].nbytes, tuple(keys))
-        result = FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         async with self._lock:
             try:

@@ -1,5 +1,8 @@
 """A TCP proxy a test can cut: a node that reaches etcd through it loses etcd (a network
-partition of that node alone) while the rest of the cluster keeps it."""
+partition of that node alone) while the rest of the cluster keeps it. With ``flip_at`` it
+also flips one bit of what the upstream sends, at that offset of each connection's stream:
+what a faulty NIC, switch or proxy does to bytes in flight, which TCP's own 16-bit checksum
+can miss (the data planes' in-flight damage tests)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ class TcpProxy:
     """127.0.0.1:``port`` -> ``upstream``. ``cut()`` closes every connection and refuses new ones
     until ``restore()``."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
+    def __init__(self, upstream: tuple[str, int], flip_at: int | None = None) -> None:
+        self.upstream, self.flip_at = upstream, flip_at
         self.port = free_port()
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._lock = threading.Lock()
@@ -40,13 +43,18 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._open += [client, server]
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, flip_at in ((client, server, None), (server, client, self.flip_at)):
+                threading.Thread(target=self._pump, args=(src, dst, flip_at), daemon=True).start()
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
+        seen = 0
         try:
             while data := src.recv(65536):
+                if flip_at is not None and seen <= flip_at < seen + len(data):
+                    data = bytearray(data)
+                    data[flip_at - seen] ^= 0x01
+                seen += len(data)
                 dst.sendall(data)
         except OSError:
             pass

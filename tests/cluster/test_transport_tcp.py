@@ -18,25 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fetch_contract import SENTINEL, Arena, Child, check_killed_sender, check_stopped_sender, page_servers
 from page_server_node import expected_page
-from tcp_relay import FlippingRelay
-from test_transport_ucx import NS, SENTINEL, Arena, CountingSource, _cpu_s, key, untouched
+from tcp_proxy import TcpProxy
+from test_transport_ucx import NS, CountingSource, _cpu_s, key, untouched
 
 from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus
+from kvstore.cluster.tcp_socket import Deadline, send_frame
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 from kvstore.errors import InvalidRequest
 
 HERE = Path(__file__).parent
-
-
-class Child:
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc, self.port = proc, port
-
-    async def line(self) -> str:
-        assert self.proc.stdout is not None
-        return (await asyncio.wait_for(self.proc.stdout.readline(), 30)).decode().strip()
+LATE_S, SETTLE_S = 0.5, 0.5  # a stopped sender: how late fetch may return; stray bytes get 0.5 s to land before the check
 
 
 @pytest.fixture
@@ -48,32 +42,8 @@ def arena() -> Iterator[Arena]:
 
 @pytest.fixture
 async def servers() -> AsyncIterator[Callable[[int], Awaitable[Child]]]:
-    """Starts TCP page servers as child processes; each is resumed and killed at teardown."""
-    started: list[Child] = []
-
-    async def start(page_bytes: int) -> Child:
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "page_server_node.py"), str(page_bytes), "-", "-",
-                                                    "tcp", stdout=asyncio.subprocess.PIPE)
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
-        if not line.isdigit():
-            proc.kill()
-            raise RuntimeError(f"page server did not start: {line!r}")
-        started.append(Child(proc, int(line)))
-        return started[-1]
-
-    yield start
-    for child in started:
-        if child.proc.returncode is None:
-            child.proc.send_signal(signal.SIGCONT)
-            child.proc.kill()
-        await child.proc.wait()
-
-
-async def _lines_until(child: Child, prefix: str) -> str:
-    while not (line := await child.line()).startswith(prefix):
-        pass
-    return line
+    async with page_servers("-", "-", "tcp") as start:
+        yield start
 
 
 async def test_pages_land_bit_exact_in_arena_slots(servers: Callable[[int], Awaitable[Child]], arena: Arena) -> None:
@@ -105,7 +75,7 @@ async def test_a_page_damaged_at_the_sender_is_never_sent_whole(servers: Callabl
     fetcher = TcpPageFetcher("127.0.0.1", server.port)
     result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
     assert result.statuses == [FetchStatus.OK, FetchStatus.FAILED, FetchStatus.FAILED] and result.error
-    assert await _lines_until(server, "damaged") == f"damaged {keys[1].hex()}"
+    assert await server.line_starting("damaged") == f"damaged {keys[1].hex()}"
     assert untouched(dests[1][-(256 << 10):]) and untouched(dests[2])  # its last chunk never left
     assert (await fetcher.fetch(NS, [key(4)], [dests[2]], timeout_s=20)).statuses == [FetchStatus.OK]  # reconnects
     await fetcher.close()
@@ -118,7 +88,7 @@ async def test_a_byte_flipped_in_flight_is_caught(servers: Callable[[int], Await
     server = await servers(page)
     keys = [key(i) for i in range(3)]
     answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, page, 0),) * len(keys)).encode())  # its length + the frame
-    relay = FlippingRelay(("127.0.0.1", server.port), flip_at=answer + page + page // 2)
+    relay = TcpProxy(("127.0.0.1", server.port), flip_at=answer + page + page // 2)
     try:
         dests = arena.slots(page, 3)
         fetcher = TcpPageFetcher("127.0.0.1", relay.port)
@@ -133,47 +103,18 @@ async def test_a_byte_flipped_in_flight_is_caught(servers: Callable[[int], Await
 
 
 async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena, servers: Callable[[int], Awaitable[Child]]) -> None:
-    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer: the receiver returns soon after,
-    with the verified pages that arrived and FAILED for the rest, never a hang."""
-    page, n = 1 << 20, 200
+    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer (fetch_contract.check_killed_sender)."""
+    page = 1 << 20
     child = await servers(page)
-    dests = arena.slots(page, n)
-    keys = [key(0, first=0xDD)] + [key(i) for i in range(1, n)]
-    fetcher = TcpPageFetcher("127.0.0.1", child.port)
-    t0 = time.monotonic()
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=60)
-    assert time.monotonic() - t0 < 10, "the receiver noticed the dead sender late"
-    assert await child.proc.wait() == -signal.SIGKILL
-    assert result.prefix < n and result.error
-    assert all(s is FetchStatus.OK for s in result.statuses[:result.prefix])
-    assert all(s is FetchStatus.FAILED for s in result.statuses[result.prefix:])
-    for i in range(result.prefix):
-        assert np.array_equal(np.frombuffer(dests[i], np.uint8), expected_page(keys[i], page))
-    await fetcher.close()
+    await check_killed_sender(TcpPageFetcher("127.0.0.1", child.port), child, arena.slots(page, 200), page)
 
 
 async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Arena,
                                                                        servers: Callable[[int], Awaitable[Child]]) -> None:
-    """The sender freezes (SIGSTOP) mid-answer: fetch returns at its deadline; resumed, the
-    sender's bytes in flight must not reach the buffers the caller got back and reused."""
-    page, n = 1 << 20, 200
+    """The sender freezes (SIGSTOP) mid-answer (fetch_contract.check_stopped_sender)."""
+    page = 1 << 20
     child = await servers(page)
-    dests = arena.slots(page, n)
-    keys = [key(0, first=0xDC)] + [key(i) for i in range(1, n)]
-    fetcher = TcpPageFetcher("127.0.0.1", child.port)
-    t0 = time.monotonic()
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=2)
-    assert time.monotonic() - t0 < 2 + 0.5
-    failed = [i for i, s in enumerate(result.statuses) if s is FetchStatus.FAILED]
-    assert failed and "Timeout" in (result.error or "")
-    for i in failed:
-        np.frombuffer(dests[i], np.uint8)[:] = SENTINEL  # the caller reuses the buffers it got back
-    child.proc.send_signal(signal.SIGCONT)
-    probe = await fetcher.fetch(NS, [key(7, first=2)], [bytearray(page)], timeout_s=20)  # a fresh connection
-    assert probe.statuses == [FetchStatus.OK]
-    await asyncio.sleep(0.5)
-    assert all(untouched(dests[i]) for i in failed)
-    await fetcher.close()
+    await check_stopped_sender(TcpPageFetcher("127.0.0.1", child.port), child, arena.slots(page, 200), page, LATE_S, SETTLE_S)
 
 
 async def test_a_cancelled_fetch_returns_only_after_its_receives_stopped(arena: Arena,
@@ -250,16 +191,23 @@ async def test_a_peer_answering_garbage_fails_the_fetch_in_time() -> None:
     await fetcher.close()
 
 
+def ask_raw(port: int, page: int, n: int) -> socket.socket:
+    """A bare connection with a 4 KiB receive buffer that has asked for ``n`` pages (framed as
+    the transport frames: tcp_socket.send_frame) and reads nothing yet."""
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    send_frame(raw, FetchRequest(1, NS, page, tuple(key(i) for i in range(n))).encode(), Deadline(5))
+    raw.settimeout(None)
+    return raw
+
+
 async def test_a_fetcher_that_stops_reading_does_not_pin_pages_forever() -> None:
     """A peer that asks and then never takes the bytes: the server gives up after its send
     timeout, drops the connection, and releases every page it had pinned for the answer."""
     source = CountingSource(1 << 20)
     server = TcpPageServer(source, send_timeout_s=1.0)
     port = await server.start()
-    raw = socket.create_connection(("127.0.0.1", port))
-    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    body = FetchRequest(1, NS, 1 << 20, tuple(key(i) for i in range(64))).encode()
-    raw.sendall(struct.pack("<Q", len(body)) + body)
+    raw = ask_raw(port, 1 << 20, 64)
     await asyncio.wait_for(source.opened.wait(), 10)
     await asyncio.wait_for(source.all_released.wait(), 1.0 + 4)
     assert source.pinned == 0

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from test_transport_tcp import ask_raw
 from test_transport_ucx import NS, CountingSource, key
 
-from kvstore.cluster.page_wire import FetchRequest
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 
 
@@ -27,10 +27,7 @@ async def test_a_fetcher_that_reads_slowly_does_not_hold_pins_past_the_send_time
     source = CountingSource(1 << 20)
     server = TcpPageServer(source, send_timeout_s=1.0)
     port = await server.start()
-    raw = socket.create_connection(("127.0.0.1", port))
-    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    body = FetchRequest(1, NS, 1 << 20, tuple(key(i) for i in range(16))).encode()
-    raw.sendall(struct.pack("<Q", len(body)) + body)
+    raw = ask_raw(port, 1 << 20, 16)
     stop = threading.Event()
 
     def trickle() -> None:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fetch_contract import (NS, Arena, Child, check_killed_sender, check_stopped_sender, key, page_servers, start_server,
+                            untouched)
 from page_server_node import expected_page
 
 from kvstore.cluster.page_wire import FetchRequest
@@ -26,52 +25,7 @@ from kvstore.page import checksum
 
 HERE = Path(__file__).parent
 TCP = UcxConfig(tls="tcp", progress_mode="blocking")  # "remote" really crosses a socket
-NS = bytes(16)
-SENTINEL = 0xA5
-
-
-def key(i: int, first: int = 1) -> bytes:
-    return bytes([first]) + i.to_bytes(15, "little")
-
-
-class Child:
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc, self.port = proc, port
-
-    async def line(self) -> str:
-        assert self.proc.stdout is not None
-        return (await asyncio.wait_for(self.proc.stdout.readline(), 30)).decode().strip()
-
-
-async def start_server(page_bytes: int, tls: str = "tcp", mode: str = "blocking") -> Child:
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "page_server_node.py"), str(page_bytes), tls, mode,
-                                                stdout=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
-    if not line.isdigit():
-        proc.kill()
-        raise RuntimeError(f"page server did not start: {line!r}")
-    return Child(proc, int(line))
-
-
-class Arena:
-    """A shared-memory arena cut into page slots, as the host tier's (filled with a sentinel)."""
-
-    def __init__(self, size: int) -> None:
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
-        np.frombuffer(self.shm.buf, np.uint8)[:] = SENTINEL
-        self.views: list[memoryview] = []
-
-    def slots(self, page_bytes: int, n: int) -> list[memoryview]:
-        views = [self.shm.buf[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
-        self.views += views
-        return views
-
-    def close(self) -> None:
-        for v in self.views:
-            v.release()
-        self.shm.close()
-        self.shm.unlink()
+LATE_S, SETTLE_S = 2.5, 0.0  # a stopped sender: how late fetch may return (the abort's wait), no settling
 
 
 @pytest.fixture
@@ -83,28 +37,13 @@ def arena() -> Iterator[Arena]:
 
 @pytest.fixture
 async def servers() -> AsyncIterator[Callable[[int], Awaitable[Child]]]:
-    """Starts page servers; every one is resumed and killed at teardown, whatever the test did."""
-    started: list[Child] = []
-
-    async def start(page_bytes: int) -> Child:
-        started.append(await start_server(page_bytes))
-        return started[-1]
-
-    yield start
-    for child in started:
-        if child.proc.returncode is None:
-            child.proc.send_signal(signal.SIGCONT)
-            child.proc.kill()
-        await child.proc.wait()
+    async with page_servers("tcp", "blocking") as start:
+        yield start
 
 
 @pytest.fixture
 async def server(servers: Callable[[int], Awaitable[Child]]) -> Child:
     return await servers(256 << 10)
-
-
-def untouched(slot: memoryview) -> bool:
-    return bool((np.frombuffer(slot, np.uint8) == SENTINEL).all())
 
 
 async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) -> None:
@@ -124,12 +63,6 @@ async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) 
     await fetcher.close()
 
 
-async def _lines_until(child: Child, prefix: str) -> str:
-    while not (line := await child.line()).startswith(prefix):
-        pass
-    return line
-
-
 async def test_a_page_damaged_at_the_sender_is_never_sent(server: Child, arena: Arena) -> None:
     """Verified before served: the sender finds page 3's bytes do not match its stored
     checksum before it posts its send, reports it damaged (the tier quarantines it) and drops
@@ -141,7 +74,7 @@ async def test_a_page_damaged_at_the_sender_is_never_sent(server: Child, arena: 
     fetcher = UcxPageFetcher("127.0.0.1", server.port, TCP)
     result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
     assert result.statuses == [FetchStatus.OK, FetchStatus.OK, FetchStatus.FAILED, FetchStatus.FAILED] and result.error
-    assert await _lines_until(server, "damaged") == f"damaged {keys[2].hex()}"
+    assert await server.line_starting("damaged") == f"damaged {keys[2].hex()}"
     for i in (0, 1):
         assert np.array_equal(np.frombuffer(dests[i], np.uint8), expected_page(keys[i], page))
     assert untouched(dests[2]) and untouched(dests[3])
@@ -150,48 +83,18 @@ async def test_a_page_damaged_at_the_sender_is_never_sent(server: Child, arena: 
 
 
 async def test_sender_killed_mid_transfer_costs_only_the_rest(arena: Arena, servers: Callable[[int], Awaitable[Child]]) -> None:
-    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer: the receiver returns soon after,
-    with the verified pages that arrived and FAILED for the rest, never a hang."""
-    page, n = 1 << 20, 200
+    """The sender dies (SIGKILL) 5 ms into a 200 MiB answer (fetch_contract.check_killed_sender)."""
+    page = 1 << 20
     child = await servers(page)
-    dests = arena.slots(page, n)
-    keys = [key(0, first=0xDD)] + [key(i) for i in range(1, n)]
-    fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
-    t0 = time.monotonic()
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=60)
-    assert time.monotonic() - t0 < 10, "the receiver noticed the dead sender late"
-    assert await child.proc.wait() == -signal.SIGKILL
-    assert result.prefix < n and result.error
-    assert all(s is FetchStatus.OK for s in result.statuses[:result.prefix])
-    assert all(s is FetchStatus.FAILED for s in result.statuses[result.prefix:])
-    for i in range(result.prefix):
-        assert np.array_equal(np.frombuffer(dests[i], np.uint8), expected_page(keys[i], page))
-    await fetcher.close()
+    await check_killed_sender(UcxPageFetcher("127.0.0.1", child.port, TCP), child, arena.slots(page, 200), page)
 
 
 async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Arena,
                                                                        servers: Callable[[int], Awaitable[Child]]) -> None:
-    """The sender freezes (SIGSTOP) mid-answer: fetch returns at its deadline; resumed, the
-    sender goes on sending into the dropped connection, and none of it may reach the buffers
-    the caller got back and reused."""
-    page, n = 1 << 20, 200
+    """The sender freezes (SIGSTOP) mid-answer (fetch_contract.check_stopped_sender)."""
+    page = 1 << 20
     child = await servers(page)
-    dests = arena.slots(page, n)
-    keys = [key(0, first=0xDC)] + [key(i) for i in range(1, n)]
-    fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
-    t0 = time.monotonic()
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=2)
-    assert time.monotonic() - t0 < 2 + 2.5
-    failed = [i for i, s in enumerate(result.statuses) if s is FetchStatus.FAILED]
-    assert failed and "Timeout" in (result.error or "")
-    for i in failed:
-        np.frombuffer(dests[i], np.uint8)[:] = SENTINEL  # the caller reuses the buffers it got back
-    child.proc.send_signal(signal.SIGCONT)
-    # a fresh connection is served by the resumed sender, after it met the dropped one
-    probe = await fetcher.fetch(NS, [key(7, first=2)], [bytearray(page)], timeout_s=20)
-    assert probe.statuses == [FetchStatus.OK]
-    assert all(untouched(dests[i]) for i in failed)
-    await fetcher.close()
+    await check_stopped_sender(UcxPageFetcher("127.0.0.1", child.port, TCP), child, arena.slots(page, 200), page, LATE_S, SETTLE_S)
 
 
 async def test_unreachable_server_and_bad_arguments() -> None:
@@ -294,7 +197,7 @@ async def test_an_idle_connection_leaves_a_thread_mode_server_idle() -> None:
     notifier thread), so a page server with one open connection, waiting for the next
     request, burned ~40% of a core for as long as the connection stayed open; seen as 1.17 s
     of CPU in 3 idle seconds, and it slowed every lookup and fetch on that node's loop."""
-    child = await start_server(4096, mode="thread")
+    child = await start_server(4096, "tcp", "thread")
     try:
         fetcher = UcxPageFetcher("127.0.0.1", child.port, TCP)
         result = await fetcher.fetch(NS, [key(1)], [np.zeros(4096, np.uint8)], 30)

@@ -22,7 +22,7 @@ from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "cluster"))
-from tcp_relay import FlippingRelay  # noqa: E402
+from tcp_proxy import TcpProxy  # noqa: E402
 
 
 class Peer:
@@ -54,7 +54,7 @@ async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory
     port = await server.start()
     layout = holder.core.reads.layout_of(ns)
     answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
-    relay = FlippingRelay(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
+    relay = TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
     try:
         tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]  # no cluster: the peer is given
         peer = Peer(relay.port)

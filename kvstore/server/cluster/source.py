@@ -14,9 +14,9 @@ from kvstore.server.placement import Placement
 
 logger = logging.getLogger(__name__)
 
-LEASE_MS = 30_000  # the pin on the pages a peer asked for, from the acquire on
-SEND_TIMEOUT_S = 20.0  # a page server's send deadline, from just after that acquire: a reader that stalls is cut off
-# before the pin could lapse mid-send (the servers' own default, 30 s, equalled it)
+SEND_TIMEOUT_S = 20.0  # a page server's send deadline, from just after the acquire that pins what it sends
+LEASE_MS = int(SEND_TIMEOUT_S * 1000) + 10_000  # that pin: longer, so a reader that stalls is cut off before the pin
+# could lapse mid-send (the servers' own default send timeout, 30 s, equalled the pin's 30 s)
 
 
 class CorePageSource:
