@@ -34,6 +34,7 @@ from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
 
+
 @dataclass(frozen=True)
 class _Destination:
     """Where a page arriving over WritePages goes: its allocation, how it commits, and the
