@@ -61,7 +61,11 @@ async def test_put_larger_than_probation_is_findable(server_factory, layout, ns,
 
 async def test_put_larger_than_probation_with_ssd(server_factory, layout, ns) -> None:
     """With an SSD tier below, evicted pages are demoted: the put is findable, and the host
-    tier keeps its head (page 0) rather than its tail."""
+    tier keeps its head (page 0) rather than its tail. A page may have gone down between two
+    of the put's batches (with a tier below, an open allocation does not pin its parent), so
+    the host can hold pieces; then every page it does not hold is on the SSD. (The earlier
+    'a prefix, not pieces' failed 2 of 16 runs on main d1e2e70: 'At index 63 diff: False !=
+    True', page 63, the last of the first batch, demoted while the second was open.)"""
     server = server_factory(host_bytes=4 << 20)
     stored, found = await _fill_and_put(server, layout, ns, 80)
     assert found == stored == 80 * layout.page_tokens
@@ -69,7 +73,9 @@ async def test_put_larger_than_probation_with_ssd(server_factory, layout, ns) ->
         keys = client.keys(_tokens(99, 80, layout))
     in_host = [server.core.landing.contains(k) for k in keys]
     assert in_host[0], "the host tier gave up the put's head"
-    assert in_host == sorted(in_host, reverse=True), "the host tier holds a prefix of the put, not pieces of it"
+    gap = in_host.index(False) if False in in_host else len(keys)
+    assert all(server.core.residence.stored(k) for k in keys), "a page of the put is in no tier"
+    assert in_host[:gap] == [True] * gap and gap >= 32, "the host tier gave up the put's head"
 
 
 def test_residency_evicts_tail_first_across_batches() -> None:
