@@ -345,3 +345,29 @@ def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_nee
         a.close()
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_refusal_after_its_own_pages_went_down_says_so(tmp_path, ca) -> None:
+    """A tenant at its host quota with half its pages pinned asks for more than the other half
+    frees: the eviction pass writes its two unpinned pages down, then the call is refused. Bug:
+    the refusal said "nothing was done" though two of its pages had left the host tier."""
+    config = tenant_config(tmp_path, ca)
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"host_bytes": 4 * PAGE_BYTES}}}))
+    server = Server(config)
+    server.start()
+    try:
+        a = Caller(server, ca, A)
+        ns, keys = new_ns(), new_keys(4)
+        assert a.put(ns, keys) == 4
+        a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys[:2]))  # two pinned, two free to go
+        with pytest.raises(grpc.RpcError) as refused:
+            a(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(4)))
+        assert refused.value.code() == FULL
+        details = refused.value.details() or ""
+        assert "nothing was done" not in details, details
+        assert f"{2 * PAGE_BYTES} bytes of its own pages were written down" in details, details
+        assert server.core.directory.usage(ns).get("host", 0) == 2 * PAGE_BYTES, "the two unpinned pages went down"
+        a.close()
+    finally:
+        server.stop(grace_s=1)

@@ -24,19 +24,35 @@ def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_by
     needed (what is left of its own is pinned or reserved) or a caller gone (its deadline
     passed) ends the passes: it is asked once more, then refused with LimitExceeded (the
     caller cannot build HostQuotaFull, the servicer's own signal to make room)."""
+    before: int | None = None  # the tenant's host bytes when the first pass began
     for _ in range(ROOM_TRIES):
         try:
             return quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
             if context is not None and _gone(context):
                 break
+            if before is None:
+                before = _host_bytes(quotas, who)
             if not core.evict_own(quotas.owners.namespaces_of(who.tenant), full.keep_bytes):
                 break  # another pass would walk the same pins
     try:
         return quotas.pages(who, num_pages, page_bytes)
     except HostQuotaFull as full:
         quotas.refused(who.tenant, "host_bytes")
-        raise LimitExceeded(str(full)) from None
+        raise LimitExceeded(_refusal(str(full), before, _host_bytes(quotas, who))) from None
+
+
+def _host_bytes(quotas: Quotas, who: Identity) -> int:
+    return quotas.usage(who.tenant, ["host_bytes"])["host_bytes"]
+
+
+def _refusal(text: str, before: int | None, after: int) -> str:
+    """The quota's refusal, saying what the passes did: they may have written some of the
+    tenant's pages down before the rest proved pinned."""
+    if before is None or before <= after:
+        return text
+    return text.replace("nothing was done", f"{before - after} bytes of its own pages were written down to make room "
+                                            "(to a lower tier; dropped where there is none); no allocation was made")
 
 
 def _gone(context: grpc.ServicerContext) -> bool:
