@@ -83,6 +83,7 @@ class TcpPageServer:
         self._by_node: dict[str, list[socket.socket]] = {}  # admitted connections per node, oldest first
         self._admitting = 0
         self._listener: socket.socket | None = None
+        self._closing = False  # set under the lock: a connection accepted after it is closed, not served
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = threading.Condition(self._lock)
 
@@ -107,6 +108,7 @@ class TcpPageServer:
             listener.close()
             raise
         self._listener = listener
+        self._closing = False
         if not start_thread(self._accept, listener, name="tcp-pages-accept"):
             listener.close()
             raise TransportError("cannot start the TCP page server's accept thread")
@@ -115,12 +117,13 @@ class TcpPageServer:
     async def close(self) -> None:
         """Stops accepting, ends every connection, and waits (bounded) until their threads
         have released every page they held."""
+        with self._lock:  # the accept thread counts a connection under it, so none escapes this look
+            self._closing = True
+            conns = list(self._conns)
         listener, self._listener = self._listener, None
         if listener is not None:
             shut(listener)  # wakes the accept thread
             listener.close()
-        with self._lock:
-            conns = list(self._conns)
         for conn in conns:
             shut(conn)
         await asyncio.to_thread(self._wait_idle, 5.0)
@@ -136,6 +139,9 @@ class TcpPageServer:
             except OSError:
                 return  # closed
             with self._lock:
+                if self._closing:  # accepted as close() looked at the connections: it would outlive close()
+                    conn.close()
+                    return
                 if self._authorize is not None and self._admitting >= MAX_ADMITTING:
                     _refusals.warning("busy", "refused a TCP connection to the data port: %d others are still "
                                       "presenting their grant", self._admitting)
