@@ -25,7 +25,7 @@ from typing import Any
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_exact, send_frame, shut, tune, wait_frame
+from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_frame, send_hashed, shut, tune, wait_frame
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.pagecopy import running_checksum
@@ -44,15 +44,7 @@ def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> 
     """Sends a page straight from its memory, chunk by chunk, each hashed just before it is
     sent (so the kernel copies it from cache); the last chunk only if the whole page matched
     its stored checksum. False (the rest unsent: drop the connection) when it did not."""
-    view = memoryview(page.data).cast("B")
-    digest = running_checksum()
-    for at in range(0, view.nbytes, CHUNK_BYTES):
-        piece = view[at: at + CHUNK_BYTES]
-        digest.update(piece)
-        if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != page.checksum:
-            return False
-        send_exact(sock, piece, deadline)
-    return True
+    return send_hashed(sock, memoryview(page.data).cast("B"), running_checksum(), page.checksum, deadline)
 
 
 def _loopback(host: str) -> bool:

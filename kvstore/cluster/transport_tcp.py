@@ -3,13 +3,13 @@ plane (``page_wire``: hello with a grant, request, answer, then each found page'
 key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
-get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). The
-Python work per page is a few calls, and every byte-moving call (``recv_into``, ``send``,
-the native hash) releases the GIL.
+get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). A
+page is one native call on each side (``tcp_socket.recv_hashed`` / ``send_hashed``, the GIL
+released for the whole page; chunk by chunk in Python where the module is not built).
 
-Receiver: ``recv_into`` the destination (a host-arena slot) itself, chunk by chunk, each
-chunk hashed (native xxh3, GIL released) right after it lands, while it is still in cache;
-no copy through Python bytes. Sender: each chunk is hashed, then sent from the arena's own
+Receiver: receives into the destination (a host-arena slot) itself, chunk by chunk, each
+chunk hashed (xxh3) right after it lands, while it is still in cache; no copy through
+Python bytes. Sender: each chunk is hashed, then sent from the arena's own
 memory (``send`` of a memoryview: no user-space copy); the last chunk of a page goes only
 after the whole page matched its stored checksum ("verified before served"), so a page
 damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
@@ -35,7 +35,7 @@ from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_exact, recv_frame, send_frame, shut, tune
+from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
 
@@ -263,11 +263,7 @@ class TcpPageFetcher:
         for i, entry in enumerate(answer.entries):
             if entry.status is not PageStatus.FOUND:
                 continue
-            view, digest = views[i], running_checksum()
-            deadline.arm(sock)
-            for at in range(0, view.nbytes, CHUNK_BYTES):
-                piece = view[at: at + CHUNK_BYTES]
-                recv_exact(sock, piece, deadline)
-                digest.update(piece)
+            digest = running_checksum()
+            recv_hashed(sock, views[i], digest, deadline)
             result.checksums[i] = entry.checksum
             result.statuses[i] = FetchStatus.OK if digest.intdigest() == entry.checksum else FetchStatus.CORRUPT
