@@ -42,7 +42,7 @@ from kvstore.pagecopy import running_checksum
 logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 2.0  # after this long a receiving thread that has not stopped on its shut socket is logged
-CONNECTIONS = 2  # per peer node: fetches in flight at once (tcp_server.MAX_CONNECTIONS_PER_NODE admits 8)
+CONNECTIONS = 1  # per peer node, one fetch on each (tcp_server.MAX_CONNECTIONS_PER_NODE admits 8); see TcpPageFetcher
 
 
 def _close(sock: socket.socket) -> None:
@@ -103,10 +103,12 @@ class _Receiving:
 
 class TcpPageFetcher:
     """The receiving side of up to ``CONNECTIONS`` connections to one node's TCP page server
-    (one fetch at a time on each; a connection is kept for the next). Why several: a get
-    keeps two acquires in flight, so two fills fetch from the same node at once; on one
-    connection the second waited for the first to end, and the wire stood idle while the
-    first committed and the second's pages were opened at the sender (7-10 ms per fetch).
+    (one fetch at a time on each; a connection is kept for the next). A get keeps two
+    acquires in flight, so two fills may fetch from one node at once; on one connection the
+    second waits for the first to end (a stage trace: the wire idle 7-10 ms per fetch while
+    the first committed and the sender opened the second's pages). Two connections fill that
+    gap where cores are spare, but on the 2-core hosts here they cost 10% more CPU per get
+    (143-164 ms against 129-144, interleaved, load 8-11) for no GB/s, so one is the default.
     ``grant``: asks the server's node for a grant over its authenticated control plane
     before each connect."""
 
@@ -116,19 +118,20 @@ class TcpPageFetcher:
         self._grant = grant
         self._connect_timeout_s = connect_timeout_s
         self._idle: list[socket.socket] = []  # connected, no fetch on them
+        self._connections = CONNECTIONS
         self._free = asyncio.Semaphore(CONNECTIONS)  # one permit per fetch in flight
         self._ids = itertools.count(1)
 
     async def close(self) -> None:
         """Closes every connection once the fetches in flight have ended (a later fetch connects again)."""
-        for _ in range(CONNECTIONS):
+        for _ in range(self._connections):
             await self._free.acquire()
         try:
             idle, self._idle = self._idle, []
             for sock in idle:
                 _close(sock)
         finally:
-            for _ in range(CONNECTIONS):
+            for _ in range(self._connections):
                 self._free.release()
 
     async def _connect(self, deadline: Deadline) -> socket.socket:

@@ -1,5 +1,6 @@
-"""Races of the TCP plane's connection handling, made certain rather than left to timing: a
-connection accepted while the page server closes, and a fetch cut off while it connects."""
+"""The TCP plane's connection handling: races made certain rather than left to timing (a
+connection accepted while the page server closes, a fetch cut off while it connects), and a
+fetcher's connections (fetches side by side on their own, all closed by close())."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 import pytest
 from test_transport_ucx import NS, CountingSource, key
 
+from kvstore.cluster import transport_tcp
+from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 
 
@@ -111,3 +114,45 @@ async def test_a_fetch_cancelled_while_connecting_closes_the_socket_its_thread_m
     await fetcher.close()
     assert accepted == 2, "the fetcher's connect never completed: the race was not set up"
     assert not leaked, f"a socket left to the GC: {leaked[0].message}"
+
+
+class _HeldSource(CountingSource):
+    """Holds every request's pages until ``go`` is set: fetches that overlap, for certain."""
+
+    def __init__(self, page_bytes: int) -> None:
+        super().__init__(page_bytes)
+        self.go = asyncio.Event()
+        self.requests = 0
+
+    async def open_pages(self, namespace_id: bytes, keys: Any) -> Any:
+        self.requests += 1
+        await self.go.wait()
+        return await super().open_pages(namespace_id, keys)
+
+
+async def test_fetches_at_once_go_side_by_side_on_their_own_connections(monkeypatch: Any) -> None:
+    monkeypatch.setattr(transport_tcp, "CONNECTIONS", 2)
+    source = _HeldSource(4096)
+    server = TcpPageServer(source)
+    port = await server.start()
+    fetcher = TcpPageFetcher("127.0.0.1", port)
+    try:
+        fetches = [asyncio.ensure_future(fetcher.fetch(NS, [key(i)], [bytearray(4096)], timeout_s=10)) for i in (1, 2, 3)]
+        for _ in range(200):
+            if source.requests == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert source.requests == 2 and server.connections() == 2  # the third waits for a connection
+        source.go.set()
+        results = await asyncio.gather(*fetches)
+        assert [r.statuses for r in results] == [[FetchStatus.OK]] * 3
+        assert server.connections() == 2  # kept for the next fetches
+    finally:
+        await fetcher.close()
+        for _ in range(100):
+            if server.connections() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.connections() == 0 and source.pinned == 0
+        await server.close()
