@@ -199,6 +199,8 @@ static PyMethodDef methods[] = {
     {"copy_streamed", copy_streamed, METH_VARARGS, copy_streamed_doc},
     {"frame_checksummed", frame_checksummed, METH_VARARGS, frame_checksummed_doc},
     {"scatter_checksum", scatter_checksum, METH_VARARGS, scatter_checksum_doc},
+    {"recv_hashed", recv_hashed, METH_VARARGS, recv_hashed_doc},
+    {"send_hashed", send_hashed, METH_VARARGS, send_hashed_doc},
     {NULL, NULL, 0, NULL},
 };
 

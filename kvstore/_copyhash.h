@@ -28,5 +28,13 @@ void stream_copy(char *dst, const char *src, size_t n);
 extern const char scatter_checksum_doc[];
 PyObject *scatter_checksum(PyObject *self, PyObject *args);
 int add_checksum_type(PyObject *module);
+void *checksum_take(PyObject *obj);  /* a Checksum's xxh3 state, claimed for a feed outside the GIL (NULL: raised) */
+void checksum_give(PyObject *obj);   /* ends that claim (under the GIL) */
+
+/* _sockhash.c */
+extern const char recv_hashed_doc[];
+extern const char send_hashed_doc[];
+PyObject *recv_hashed(PyObject *self, PyObject *args);
+PyObject *send_hashed(PyObject *self, PyObject *args);
 
 #endif

@@ -275,6 +275,17 @@ done:
     return result;
 }
 
+void *checksum_take(PyObject *obj) {
+    if (!PyObject_TypeCheck(obj, &ChecksumType)) {
+        PyErr_SetString(PyExc_TypeError, "expected a kvstore._copyhash.Checksum");
+        return NULL;
+    }
+    ChecksumObject *self = (ChecksumObject *)obj;
+    return checksum_claim(self) < 0 ? NULL : self->state;
+}
+
+void checksum_give(PyObject *obj) { ((ChecksumObject *)obj)->busy = 0; }
+
 int add_checksum_type(PyObject *module) {
     if (PyType_Ready(&ChecksumType) < 0) return -1;
     Py_INCREF(&ChecksumType);

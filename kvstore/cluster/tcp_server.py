@@ -25,7 +25,7 @@ from typing import Any
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, FetchRequest, PageStatus, decode_hello
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_frame, send_exact, send_frame, shut, tune, wait_frame
+from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_frame, send_hashed, shut, tune, wait_frame
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.pagecopy import running_checksum
@@ -44,15 +44,7 @@ def send_verified(sock: socket.socket, page: SourcePage, deadline: Deadline) -> 
     """Sends a page straight from its memory, chunk by chunk, each hashed just before it is
     sent (so the kernel copies it from cache); the last chunk only if the whole page matched
     its stored checksum. False (the rest unsent: drop the connection) when it did not."""
-    view = memoryview(page.data).cast("B")
-    digest = running_checksum()
-    for at in range(0, view.nbytes, CHUNK_BYTES):
-        piece = view[at: at + CHUNK_BYTES]
-        digest.update(piece)
-        if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != page.checksum:
-            return False
-        send_exact(sock, piece, deadline)
-    return True
+    return send_hashed(sock, memoryview(page.data).cast("B"), running_checksum(), page.checksum, deadline)
 
 
 def _loopback(host: str) -> bool:
@@ -83,6 +75,7 @@ class TcpPageServer:
         self._by_node: dict[str, list[socket.socket]] = {}  # admitted connections per node, oldest first
         self._admitting = 0
         self._listener: socket.socket | None = None
+        self._closing = False  # set under the lock: a connection accepted after it is closed, not served
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = threading.Condition(self._lock)
 
@@ -107,6 +100,7 @@ class TcpPageServer:
             listener.close()
             raise
         self._listener = listener
+        self._closing = False
         if not start_thread(self._accept, listener, name="tcp-pages-accept"):
             listener.close()
             raise TransportError("cannot start the TCP page server's accept thread")
@@ -115,12 +109,13 @@ class TcpPageServer:
     async def close(self) -> None:
         """Stops accepting, ends every connection, and waits (bounded) until their threads
         have released every page they held."""
+        with self._lock:  # the accept thread counts a connection under it, so none escapes this look
+            self._closing = True
+            conns = list(self._conns)
         listener, self._listener = self._listener, None
         if listener is not None:
             shut(listener)  # wakes the accept thread
             listener.close()
-        with self._lock:
-            conns = list(self._conns)
         for conn in conns:
             shut(conn)
         await asyncio.to_thread(self._wait_idle, 5.0)
@@ -136,6 +131,9 @@ class TcpPageServer:
             except OSError:
                 return  # closed
             with self._lock:
+                if self._closing:  # accepted as close() looked at the connections: it would outlive close()
+                    conn.close()
+                    return
                 if self._authorize is not None and self._admitting >= MAX_ADMITTING:
                     _refusals.warning("busy", "refused a TCP connection to the data port: %d others are still "
                                       "presenting their grant", self._admitting)

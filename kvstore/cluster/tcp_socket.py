@@ -13,6 +13,7 @@ released while the kernel copies.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
@@ -20,6 +21,9 @@ import time
 
 from kvstore.cluster.errors import TransportError
 from kvstore.errors import InvalidRequest
+from kvstore.pagecopy import _copyhash
+
+_native = _copyhash if _copyhash is not None and hasattr(_copyhash, "recv_hashed") else None
 
 CONGESTION = b"cubic"
 CHUNK_BYTES = 256 << 10  # hashed right after it lands or right before it leaves: fits in L2
@@ -106,6 +110,53 @@ def send_exact(sock: socket.socket, data: bytes | memoryview, deadline: Deadline
         except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent: arm() decides
             continue
         view = view[sent:]
+
+
+def recv_hashed(sock: socket.socket, view: memoryview, digest: object, deadline: Deadline) -> None:
+    """Fills ``view`` as ``recv_exact`` does (the same errors), feeding ``digest`` (a
+    ``running_checksum``) each chunk as it lands. Natively one call per page, the GIL
+    released throughout (``_sockhash.c``); else chunk by chunk here."""
+    if _native is not None and isinstance(digest, _native.Checksum):
+        got, status, err = _native.recv_hashed(sock.fileno(), view, digest, CHUNK_BYTES, deadline.at)
+        _raise_for(status, err, f"the peer closed the connection {view.nbytes - got} bytes short")
+        return
+    deadline.arm(sock)
+    for at in range(0, view.nbytes, CHUNK_BYTES):
+        piece = view[at: at + CHUNK_BYTES]
+        recv_exact(sock, piece, deadline)
+        digest.update(piece)  # type: ignore[attr-defined]
+
+
+def send_hashed(sock: socket.socket, view: memoryview, digest: object, expected: int, deadline: Deadline) -> bool:
+    """Sends ``view`` chunk by chunk, each fed to ``digest`` (a fresh ``running_checksum``)
+    just before it is sent, so the kernel copies it from cache; the last chunk only if the
+    whole matched ``expected``. False (the rest unsent) when it did not. Natively one call,
+    the GIL released, every send bounded by what is left of ``deadline``."""
+    if _native is not None and isinstance(digest, _native.Checksum):
+        _, status, err = _native.send_hashed(sock.fileno(), view, digest, CHUNK_BYTES, deadline.at, expected)
+        if status == _MISMATCH:
+            return False
+        _raise_for(status, err, "the connection closed")
+        return True
+    for at in range(0, view.nbytes, CHUNK_BYTES):
+        piece = view[at: at + CHUNK_BYTES]
+        digest.update(piece)  # type: ignore[attr-defined]
+        if at + CHUNK_BYTES >= view.nbytes and digest.intdigest() != expected:  # type: ignore[attr-defined]
+            return False
+        send_exact(sock, piece, deadline)
+    return True
+
+
+_CLOSED, _LATE, _FAILED, _MISMATCH = 1, 2, 3, 4  # the native calls' statuses (0: done)
+
+
+def _raise_for(status: int, err: int, closed: str) -> None:
+    if status == _CLOSED:
+        raise TransportError(closed)
+    if status == _LATE:
+        raise TimeoutError("the deadline passed")
+    if status == _FAILED:
+        raise OSError(err, os.strerror(err))
 
 
 def send_frame(sock: socket.socket, body: bytes, deadline: Deadline) -> None:

@@ -3,13 +3,13 @@ plane (``page_wire``: hello with a grant, request, answer, then each found page'
 key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
-get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). The
-Python work per page is a few calls, and every byte-moving call (``recv_into``, ``send``,
-the native hash) releases the GIL.
+get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). A
+page is one native call on each side (``tcp_socket.recv_hashed`` / ``send_hashed``, the GIL
+released for the whole page; chunk by chunk in Python where the module is not built).
 
-Receiver: ``recv_into`` the destination (a host-arena slot) itself, chunk by chunk, each
-chunk hashed (native xxh3, GIL released) right after it lands, while it is still in cache;
-no copy through Python bytes. Sender: each chunk is hashed, then sent from the arena's own
+Receiver: receives into the destination (a host-arena slot) itself, chunk by chunk, each
+chunk hashed (xxh3) right after it lands, while it is still in cache; no copy through
+Python bytes. Sender: each chunk is hashed, then sent from the arena's own
 memory (``send`` of a memoryview: no user-space copy); the last chunk of a page goes only
 after the whole page matched its stored checksum ("verified before served"), so a page
 damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
@@ -35,13 +35,25 @@ from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
-from kvstore.cluster.tcp_socket import CHUNK_BYTES, Deadline, recv_exact, recv_frame, send_frame, shut, tune
+from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 2.0  # after this long a receiving thread that has not stopped on its shut socket is logged
+CONNECTIONS = 1  # per peer node, one fetch on each (tcp_server.MAX_CONNECTIONS_PER_NODE admits 8); see TcpPageFetcher
+
+
+def _close(sock: socket.socket) -> None:
+    shut(sock)
+    sock.close()
+
+
+def _close_made(opening: asyncio.Future[socket.socket]) -> None:
+    """Closes the socket a connect nobody waits for any more made (none when it failed)."""
+    if not opening.cancelled() and opening.exception() is None:
+        _close(opening.result())
 
 
 class _Receiving:
@@ -90,38 +102,51 @@ class _Receiving:
 
 
 class TcpPageFetcher:
-    """The receiving side of one connection to one node's TCP page server (one fetch at a
-    time; the connection is kept for the next). ``grant``: asks the server's node for a
-    grant over its authenticated control plane before each connect."""
+    """The receiving side of up to ``CONNECTIONS`` connections to one node's TCP page server
+    (one fetch at a time on each; a connection is kept for the next). A get keeps two
+    acquires in flight, so two fills may fetch from one node at once; on one connection the
+    second waits for the first to end (a stage trace: the wire idle 7-10 ms per fetch while
+    the first committed and the sender opened the second's pages). Two connections fill that
+    gap where cores are spare, but on the 2-core hosts here they cost 10% more CPU per get
+    (143-164 ms against 129-144, interleaved, load 8-11) for no GB/s, so one is the default.
+    ``grant``: asks the server's node for a grant over its authenticated control plane
+    before each connect."""
 
     def __init__(self, host: str, port: int, grant: Callable[[], Awaitable[bytes]] | None = None,
                  connect_timeout_s: float = 5.0) -> None:
         self._host, self._port = host, port
         self._grant = grant
         self._connect_timeout_s = connect_timeout_s
-        self._sock: socket.socket | None = None
-        self._lock = asyncio.Lock()
+        self._idle: list[socket.socket] = []  # connected, no fetch on them
+        self._connections = CONNECTIONS
+        self._free = asyncio.Semaphore(CONNECTIONS)  # one permit per fetch in flight
         self._ids = itertools.count(1)
 
     async def close(self) -> None:
-        async with self._lock:
-            self._drop()
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            shut(self._sock)
-            self._sock.close()
-            self._sock = None
+        """Closes every connection once the fetches in flight have ended (a later fetch connects again)."""
+        for _ in range(self._connections):
+            await self._free.acquire()
+        try:
+            idle, self._idle = self._idle, []
+            for sock in idle:
+                _close(sock)
+        finally:
+            for _ in range(self._connections):
+                self._free.release()
 
     async def _connect(self, deadline: Deadline) -> socket.socket:
-        """The connection, made (with a fresh grant presented) unless it is up."""
-        if self._sock is not None:
-            return self._sock
+        """An idle connection, or a new one (with a fresh grant presented). A connect cut off
+        (the fetch's deadline, a cancel) closes the socket its thread still makes."""
+        if self._idle:
+            return self._idle.pop()
         grant = await self._grant() if self._grant is not None else None
         timeout = min(self._connect_timeout_s, max(0.001, deadline.left()))
-        sock = await asyncio.to_thread(self._open, grant, timeout)
-        self._sock = sock
-        return sock
+        opening = asyncio.ensure_future(asyncio.to_thread(self._open, grant, timeout))
+        try:
+            return await asyncio.shield(opening)
+        except BaseException:
+            opening.add_done_callback(_close_made)
+            raise
 
     def _open(self, grant: bytes | None, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET, socket.SOCK_STREAM)
@@ -142,8 +167,7 @@ class TcpPageFetcher:
         Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
         raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests)
-        async with self._lock:
-            await self._exchange(request, views, result, timeout_s)
+        await self._exchange(request, views, result, timeout_s)
         return result
 
     async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:
@@ -152,21 +176,35 @@ class TcpPageFetcher:
         check_keys(namespace_id, [key])
         request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE)
         result = FetchResult([FetchStatus.FAILED])
-        async with self._lock:
-            answer = await self._exchange(request, [], result, timeout_s)
+        answer = await self._exchange(request, [], result, timeout_s)
         return answer.layout if answer is not None and answer.entries[0].status is PageStatus.FOUND else None
 
     async def _exchange(self, request: FetchRequest, views: list[memoryview], result: FetchResult,
                         timeout_s: float) -> FetchAnswer | None:
-        """One request on the connection (lock held), its receives on a thread of their own;
-        whatever happens, returns only once that thread stopped touching ``views``."""
+        """One request on a connection of its own, its receives on a thread of their own;
+        whatever happens, returns only once that thread stopped touching ``views``. The
+        connection is kept for the next fetch only when this one ended cleanly."""
         deadline = Deadline(timeout_s)
+        async with self._free:
+            try:
+                sock = await asyncio.wait_for(self._connect(deadline), max(0.001, deadline.left()))
+            except (OSError, TimeoutError, TransportError) as exc:
+                self._fail(result, exc, request)
+                return None
+            try:
+                answer = await self._on(sock, request, views, result, deadline, timeout_s)
+            except BaseException:
+                _close(sock)
+                raise
+            if result.error is None:
+                self._idle.append(sock)
+            else:
+                _close(sock)
+            return answer
+
+    async def _on(self, sock: socket.socket, request: FetchRequest, views: list[memoryview], result: FetchResult,
+                  deadline: Deadline, timeout_s: float) -> FetchAnswer | None:
         answer: list[FetchAnswer] = []
-        try:
-            sock = await asyncio.wait_for(self._connect(deadline), max(0.001, deadline.left()))
-        except (OSError, TimeoutError, TransportError) as exc:
-            self._fail(result, exc, request)
-            return None
         receiving = _Receiving((sock, request, views, result, deadline, answer)).start(asyncio.get_running_loop())
         if receiving is None:
             self._fail(result, TransportError("cannot start a thread for the fetch"), request)
@@ -180,9 +218,7 @@ class TcpPageFetcher:
                     raise asyncio.CancelledError  # cancelled while it stopped: after the thread, as below
         except BaseException:  # cancelled: the thread must stop before the caller gets its buffers back
             await self._stop(receiving, sock)
-            self._after(receiving, sock)
             raise
-        self._after(receiving, sock)
         if (exc := receiving.result()) is not None:
             self._fail(result, TimeoutError(f"no answer within {timeout_s:.3g} s") if late else exc, request)
         return answer[0] if answer and result.error is None else None
@@ -208,15 +244,9 @@ class TcpPageFetcher:
                              time.monotonic() - t0)
         return cancelled
 
-    def _after(self, receiving: asyncio.Future[Exception | None], sock: socket.socket) -> None:
-        if receiving.result() is not None:  # done: _stop waited for it
-            if self._sock is sock:
-                self._drop()
-
     def _fail(self, result: FetchResult, exc: BaseException, request: FetchRequest) -> None:
         result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         exc.__traceback__ = None  # its frames would keep the caller's buffers exported
-        self._drop()
         logger.warning("fetch of %d pages from %s:%d failed after %d: %s", len(request.keys), self._host, self._port,
                        result.prefix, result.error)
 
@@ -236,11 +266,7 @@ class TcpPageFetcher:
         for i, entry in enumerate(answer.entries):
             if entry.status is not PageStatus.FOUND:
                 continue
-            view, digest = views[i], running_checksum()
-            deadline.arm(sock)
-            for at in range(0, view.nbytes, CHUNK_BYTES):
-                piece = view[at: at + CHUNK_BYTES]
-                recv_exact(sock, piece, deadline)
-                digest.update(piece)
+            digest = running_checksum()
+            recv_hashed(sock, views[i], digest, deadline)
             result.checksums[i] = entry.checksum
             result.statuses[i] = FetchStatus.OK if digest.intdigest() == entry.checksum else FetchStatus.CORRUPT
