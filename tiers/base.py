@@ -138,6 +138,12 @@ class Tier(Protocol):
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None: ...
 
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """``write`` for each (slot, header, payload), as few calls to the device as the tier
+        can make of them. On an error some may have been written (none is stored before its
+        ``commit``: the slots stay reserved and unindexed)."""
+        ...
+
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Makes written slots the stored pages; ``parents``: each page's predecessor in its
         prefix when known (the eviction order gives up a chain's tail first)."""
@@ -272,6 +278,9 @@ class TierWrapper:
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self.inner.write(slot, header, payload)
+
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        self.inner.write_many(pages)
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self.inner.commit(pages, parents)

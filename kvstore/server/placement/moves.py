@@ -245,8 +245,7 @@ class Mover(LowerRoom):
                 raise
         try:
             check = self._verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
-            for slot, header, payload in placed:
-                target.write(slot, header, payload)
+            target.write_many(placed)
             for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
