@@ -25,6 +25,7 @@ def _address(view: memoryview) -> int | None:
 
 
 class SsdWrites:
+    run_bytes = 256 << 20  # at most this much a call (Linux writes at most 2 GiB in one; a large durable put is several)
     fd: int
     direct_io: bool
     _local: threading.local
@@ -82,7 +83,7 @@ class SsdWrites:
             if size % ALIGN or (self.direct_io and not self._direct_ok(payload, size)):
                 self.write(slot, header, payload)
                 continue
-            if slot != end or len(bufs) + 2 > IOV_MAX:
+            if slot != end or len(bufs) + 2 > IOV_MAX or end - start + HEADER_BYTES + size > self.run_bytes:
                 self._pwrite(bufs, start, end)
                 bufs, start = [], slot
             hdr = headers[index * HEADER_BYTES : (index + 1) * HEADER_BYTES]

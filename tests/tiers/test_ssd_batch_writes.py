@@ -92,3 +92,21 @@ def test_a_batch_written_but_not_committed_is_not_found_after_a_restart(tmp_path
         assert again.usage().used_bytes == 0, "the written slots are free again"
     finally:
         again.close()
+
+
+def test_a_batch_larger_than_one_call_takes_is_written_in_several(tmp_path: Path) -> None:
+    """A run of adjacent slots longer than ``run_bytes`` (a large durable put) goes in several
+    calls, each within what one pwritev writes, and every page reads back."""
+    tier = _tier(tmp_path, True)
+    tier.run_bytes = 3 * tier.slot_bytes(LAYOUT.page_bytes)  # three pages a call
+    try:
+        pages = [_page(i) for i in range(8)]
+        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
+        batch = [(slot, header, payload) for slot, (header, payload) in zip(slots, pages)]
+        before = _write_calls()
+        tier.write_many(batch)  # type: ignore[arg-type]
+        assert _write_calls() - before == 3
+        tier.commit([(slot, header) for slot, header, _ in batch])  # type: ignore[misc]
+        _reads_back(tier, pages)
+    finally:
+        tier.close()
