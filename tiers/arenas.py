@@ -96,6 +96,10 @@ class TenantArenas:
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self._at(slot).write(slot, header, payload)
 
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        for slot, header, payload in pages:
+            self.write(slot, header, payload)
+
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         links = parent_links(parents, len(pages))
         for arena in self.parts():

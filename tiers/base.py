@@ -11,10 +11,11 @@ Contract of every tier:
   holds already replaces that copy (its old slot is freed).
 * **Writing** is reserve -> write -> commit. ``reserve`` answers a slot or None when the
   tier is full (the caller frees room with ``victim`` + ``delete`` and asks again); it
-  never evicts by itself. ``write`` puts a page into a reserved slot, not findable yet;
+  never evicts by itself. ``write`` puts a page into a reserved slot, not findable yet
+  (``write_many``: several, in as few device calls as the tier can make of them);
   ``commit`` makes written slots the stored copies, durable when the tier is (synced,
   indexed): only after it returns may anyone publish them. ``unreserve`` gives back a slot
-  that will not be committed. A ``write`` or ``commit`` that raises (``OSError``,
+  that will not be committed. A ``write``, ``write_many`` or ``commit`` that raises (``OSError``,
   ``MetadataFull``) stored nothing of its batch; the caller unreserves the slots.
 * **Reading.** ``read_into`` copies pages into the caller's buffers and verifies each
   (length, header, checksum) before it counts; only a contiguous prefix of the batch counts.
@@ -137,6 +138,12 @@ class Tier(Protocol):
     def unreserve(self, slot: int) -> None: ...
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None: ...
+
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """``write`` for each (slot, header, payload), as few calls to the device as the tier
+        can make of them. On an error some may have been written (none is stored before its
+        ``commit``: the slots stay reserved and unindexed)."""
+        ...
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Makes written slots the stored pages; ``parents``: each page's predecessor in its
@@ -272,6 +279,9 @@ class TierWrapper:
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self.inner.write(slot, header, payload)
+
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        self.inner.write_many(pages)
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self.inner.commit(pages, parents)

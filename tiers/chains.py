@@ -111,9 +111,17 @@ class TailFirst:
 
     def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
         """The page to go in ``key``'s chain; the one before the last victim of the same
-        chain when that is now its end (a chain is given up in O(1) a page, not O(depth))."""
+        chain when that is now its end (a chain is given up in O(1) a page, not O(depth)):
+        the last victim evicted, or being moved down (a demotion batch picks its pages
+        before any of them leaves)."""
         if self._next is not None and self._next[0] == key:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
+                return end
+        moving: Container[bytes] = pinned.moving if isinstance(pinned, MovingPins) else ()
+        if self._picked is not None and self._picked[0] == key and self._picked[1] in moving:
+            end = self.links.parent.get(self._picked[1])
+            if (end is not None and end not in pinned and held(end)
+                    and not any(held(k) and k not in moving for k in self.links.after(end))):
                 return end
         return self.links.deepest(key, held, pinned, blocked)

@@ -5,7 +5,8 @@ model) and, from a seeded random stream, makes the I/O methods fail the ways a d
 link does:
 
 * ``error_rate``: ``write``, ``commit``, ``read_into`` and ``delete`` raise ``OSError``
-  before doing anything (nothing of the batch happened);
+  before doing anything (nothing of the batch happened); ``write_many`` at a page of its
+  batch, after writing the ones before it;
 * ``short_read_rate``: ``read_into`` stops after a random prefix of the batch, as an I/O
   error in the middle would (the pages before it are read and verified);
 * ``corrupt_rate``: ``write`` stores the page with one byte flipped under its true
@@ -62,13 +63,28 @@ class FaultyTier(TierWrapper):
 
     def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         self._io("write")
+        self.inner.write(slot, header, self._damaged(header, payload))
+
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """Draws each page's faults as ``write`` does; an error cuts the batch at its page,
+        after the pages before it were written (an I/O error in the middle of a batch)."""
+        done: list[tuple[int, PageHeader, memoryview]] = []
+        try:
+            for slot, header, payload in pages:
+                self._io("write")
+                done.append((slot, header, self._damaged(header, payload)))
+        finally:
+            self.inner.write_many(done)
+
+    def _damaged(self, header: PageHeader, payload: memoryview) -> memoryview:
+        """The payload, or (``corrupt_rate``) a copy of it with one byte flipped."""
         if header.payload_bytes and self._draw(self.corrupt_rate, "corrupt"):
             damaged = bytearray(payload[: header.payload_bytes])
             with self._lock:
                 at = self._random.randrange(len(damaged))
             damaged[at] ^= 0x5A
-            payload = memoryview(damaged)
-        self.inner.write(slot, header, payload)
+            return memoryview(damaged)
+        return payload
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self._io("commit")

@@ -92,6 +92,10 @@ class HbmTier(IndexedPages):
         nbytes = header.payload_bytes
         self.pool[slot : slot + nbytes].copy_(_host_bytes(payload, nbytes))
 
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        for slot, header, payload in pages:
+            self.write(slot, header, payload)
+
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         with self._lock:
             for slot, header in pages:

@@ -23,7 +23,6 @@ predecessor, when its writer named it, is kept in its index entry for a restart.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -43,11 +42,11 @@ from kvstore.tiers.chains import TailFirst
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
+from kvstore.tiers.ssd_writes import DATA_FILE, SsdWrites
 from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
-DATA_FILE = "pages.dat"
 INDEX_DIR = "index.lmdb"
 
 
@@ -57,14 +56,8 @@ def _place(header: PageHeader, src: memoryview, dst: memoryview) -> bool:
     return copy_checksum_bytes(dst, src) == header.checksum
 
 
-def _address(view: memoryview) -> int | None:
-    if view.readonly:
-        return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
-class SsdTier:
-    """Pages on local disk (a ``Tier``)."""
+class SsdTier(SsdWrites):
+    """Pages on local disk (a ``Tier``; its writes: ssd_writes.py)."""
 
     name = "ssd"
     slot_bytes = staticmethod(slot_bytes)
@@ -160,25 +153,6 @@ class SsdTier:
         recovered, self._recovered = self._recovered, []
         return recovered
 
-    # -- scratch buffers (aligned, per thread) -------------------------------------------
-
-    def _scratch(self, nbytes: int) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = mmap.mmap(-1, round_up(max(nbytes, 4 << 20)))
-            self._local.buf = buf
-        return buf
-
-    def _header_buf(self) -> mmap.mmap:
-        buf = getattr(self._local, "hdr", None)
-        if buf is None:
-            buf = self._local.hdr = mmap.mmap(-1, HEADER_BYTES)
-        return buf
-
-    def _direct_ok(self, view: memoryview, nbytes: int) -> bool:
-        addr = _address(view)
-        return addr is not None and addr % ALIGN == 0 and nbytes % ALIGN == 0
-
     # -- writes --------------------------------------------------------------------------
 
     def reserve(self, payload_bytes: int) -> int | None:
@@ -188,26 +162,6 @@ class SsdTier:
     def unreserve(self, slot: int) -> None:
         with self._lock:
             self._allocator.free(slot)
-
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        """Writes header and payload, zero-padded to whole 4 KiB blocks, into a reserved slot
-        (not yet durable nor indexed). The payload's whole blocks go to disk without a copy
-        (for O_DIRECT when they are aligned); only the rest is staged."""
-        hdr = self._header_buf()
-        hdr[:] = header.pack()
-        size = header.payload_bytes
-        whole = size - size % ALIGN
-        if self.direct_io and not self._direct_ok(payload, whole):
-            whole = 0
-        bufs: list[object] = [hdr, payload[:whole]]
-        if whole < size:
-            staged = memoryview(self._scratch(size - whole))[: round_up(size - whole)]
-            staged[: size - whole] = payload[whole:size]
-            staged[size - whole :] = bytes(len(staged) - (size - whole))  # zeros, not an earlier page's bytes
-            bufs.append(staged)
-        written = os.pwritev(self.fd, bufs, slot)  # type: ignore[arg-type]
-        if written != slot_bytes(size):
-            raise OSError(f"short write to {DATA_FILE}: {written} of {slot_bytes(size)} bytes")
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Syncs the written slots, then indexes them (synced), with their ``parents`` (see

@@ -11,11 +11,12 @@ import hashlib
 
 from conftest import make_config
 
-from kvstore.page import LayoutDesc, checksum
+from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.server.placement import Placement
 from kvstore.server.placement.moves import DEMOTE_PAGES
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Tier, TierWrapper
 from kvstore.tiers.faulty import FaultyTier
+from kvstore.tiers.ssd import DATA_FILE, SsdTier
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"batch-namespace!"
@@ -103,3 +104,72 @@ def test_an_io_error_in_a_demotion_round_keeps_its_pages_in_ram_for_a_later_roun
         assert view.idle and not view.moving, view
     finally:
         core.close()
+
+
+class _CutShort(TierWrapper):
+    """Writes the first ``at`` pages of a batch, then fails: an I/O error in the middle of one
+    (None: writes everything)."""
+
+    def __init__(self, inner: Tier, at: int | None) -> None:
+        super().__init__(inner)
+        self.at = at
+        self.cuts = 0
+
+    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        if self.at is None:
+            self.inner.write_many(pages)
+            return
+        self.inner.write_many(pages[: self.at])
+        self.cuts += 1
+        raise OSError("injected: the device failed in the middle of a batch")
+
+
+def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_is_not_on_disk(tmp_path) -> None:
+    """The round's pages are written in one call to the device (write_many): when it fails
+    after some of them reached the disk, none is indexed nor published, all stay in RAM, and
+    a restart finds none; once the device works they go down, and a restart finds exactly
+    the pages the directory listed on SSD."""
+    config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_to=0.05))
+    made: list[_CutShort] = []
+
+    def wrap(tier: Tier) -> Tier:
+        if tier.name == "ssd":
+            made.append(_CutShort(tier, at=3))
+            return made[-1]
+        return tier
+
+    keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(100)]
+    core = Placement(config, wrap=wrap)
+    now = [1000.0]
+    core.moves.clock = lambda: now[0]
+    try:
+        _put(core, keys)
+        assert core.demote_one() is True and made[0].cuts == 1
+        assert not [k for k in keys if "ssd" in core.where(k)], "a page of a failed batch was published on SSD"
+        assert not [k for k in keys if not core.where(k)], "a page of a failed batch was lost"
+        assert (tmp_path / "ssd" / DATA_FILE).stat().st_size > 0, "the cut batch wrote nothing: the test tests nothing"
+    finally:
+        core.close()
+    ssd = SsdTier(config.ssd)  # type: ignore[arg-type]
+    try:
+        assert ssd.recover() == [], "a restart found a page its batch never committed"
+    finally:
+        ssd.close()
+    core = Placement(config, wrap=wrap)
+    try:
+        _put(core, keys)
+        made[-1].at = None  # the device works
+        while core.demote_one():
+            pass
+        on_ssd = {k for k in keys if "ssd" in core.where(k)}
+        assert len(on_ssd) > len(keys) // 2
+        for key in keys:
+            assert _read(core, key) == _payload(key), key.hex()
+    finally:
+        core.close()
+    ssd = SsdTier(config.ssd)  # type: ignore[arg-type]
+    try:
+        assert {key for key, _, _ in ssd.recover()} == on_ssd
+    finally:
+        ssd.close()

@@ -304,3 +304,29 @@ def test_a_commit_with_another_number_of_parents_than_pages_stores_nothing(name:
         assert all(tier.contains(header.key) for header, _ in pages)
     finally:
         tier.close()
+
+
+def test_a_batch_written_at_once_reads_back_and_one_cut_short_stores_nothing(tier: Tier, case: Case) -> None:
+    """``write_many`` is ``write`` for each page (adjacent slots, as a demotion round's): after
+    the commit every page reads back verified; when it fails (a faulty tier's error cuts the
+    batch at a page, after writing the ones before it) and the slots are given back, no page
+    of the batch is stored."""
+    faulty = case.faults is not None
+    pages = [_page(i) for i in range(20, 24)]
+    for _ in range(30):
+        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
+        assert None not in slots, "the tier is full"
+        try:
+            tier.write_many([(slot, header, memoryview(payload)) for slot, (header, payload) in zip(slots, pages)])  # type: ignore[misc]
+            tier.commit([(slot, header) for slot, (header, _) in zip(slots, pages)])  # type: ignore[misc]
+        except OSError:
+            assert faulty, "a fault-free tier failed a write"
+            for slot in slots:
+                tier.unreserve(slot)  # type: ignore[arg-type]
+            assert not any(tier.contains(header.key) for header, _ in pages), "a batch cut short stored a page"
+            continue
+        break
+    else:
+        pytest.fail("30 batches of 4 pages failed")
+    num_read, _, _ = _read(tier, list(range(20, 24)))
+    assert faulty or num_read == 4

@@ -4,7 +4,7 @@ allocation finds a free slot instead of waiting for a victim to be written to di
 When an allocation leaves the landing tier fuller than ``demote_above`` it signals
 ``core.pressure``; this thread then demotes the coldest pages (``Placement.demote_one``:
 the same eviction and admission decisions an allocation would make, the writes outside
-the core's lock, a batch of pages per sync and index commit) until the tier is down to
+the core's lock, a batch of pages per write call, sync and index commit) until the tier is down to
 ``demote_to``. A round the lower tier fails (an I/O error, a full index) leaves its
 pages in RAM, and the rounds after it wait, longer each time (``moves.BACKOFF_S``); an
 allocation that still finds no room reclaims a victim itself (dropping it, if the lower

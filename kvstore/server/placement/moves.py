@@ -135,7 +135,7 @@ class Mover(LowerRoom):
             assert header is not None and slot is not None
             found, picked = found + 1, picked + header.payload_bytes
             if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
-                self._evict(victim)
+                self._evict([victim])
                 continue
             self.leases.pin([victim], move=True)
             batch.append((victim, header, self.landing.view(slot, header.payload_bytes)))
@@ -165,17 +165,21 @@ class Mover(LowerRoom):
         finally:
             self.lock.acquire()
             self.residence.released(self.leases.unpin(keys, move=True))
-        for key in keys:
-            below = self.residence.has(key, 1)
-            if below:
-                self.metrics.demotions.labels(self.landing.name).inc()
-            if (below or kept) and self.residence.has(key, LANDING) and not self.leases.pinned(key):
-                self._evict(key)  # a reader that took it meanwhile keeps it (now clean) in place
+        has, pinned = self.residence.has, self.leases.pinned
+        below = [key for key in keys if has(key, 1)]
+        if below:
+            self.metrics.demotions.labels(self.landing.name).inc(len(below))
+        # a reader that took one meanwhile keeps it (now clean) in place
+        self._evict([key for key in (keys if kept else below) if has(key, LANDING) and not pinned(key)])
 
-    def _evict(self, key: bytes) -> None:
-        self.landing.delete([key], evicted=True)
-        self.directory.remove(key, self.node, self.landing.name)
-        self.metrics.evictions.labels(self.landing.name).inc()
+    def _evict(self, keys: list[bytes]) -> None:
+        """Drops landing pages (a round's at once: one delete, the counter once)."""
+        if not keys:
+            return
+        self.landing.delete(keys, evicted=True)
+        for key in keys:
+            self.directory.remove(key, self.node, self.landing.name)
+        self.metrics.evictions.labels(self.landing.name).inc(len(keys))
 
     # -- writing down (lock not held) ----------------------------------------------------
 
@@ -241,8 +245,7 @@ class Mover(LowerRoom):
                 raise
         try:
             check = self._verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
-            for slot, header, payload in placed:
-                target.write(slot, header, payload)
+            target.write_many(placed)
             for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
@@ -286,7 +289,8 @@ class Mover(LowerRoom):
             self._writing.discard((header.key, tier))
             self.residence.revive(header.key, tier)
             by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, target.name, header.payload_bytes))
-            self.metrics.bytes_in.labels(target.name).inc(header.payload_bytes)
+        if headers:
+            self.metrics.bytes_in.labels(target.name).inc(sum(header.payload_bytes for header in headers))
         for namespace_id, records in by_ns.items():
             listed = self.directory.publish_listed(namespace_id, records)
             for key, _, _, _ in records:
