@@ -27,6 +27,8 @@ from kvstore.server.placement.core import Placement
 
 logger = logging.getLogger(__name__)
 
+STOP_WARN_S = 10.0  # a stop waiting for the demoter's round says so this often
+
 
 class Demoter:
     def __init__(self, core: Placement, idle_s: float = 1.0) -> None:
@@ -42,10 +44,17 @@ class Demoter:
         self._thread.start()
 
     def stop(self) -> None:
+        """Returns once the round under way has ended (its pages written and indexed, or left
+        in RAM), however long a slow disk makes that: the server closes the tiers next, and
+        closing them under a write is worse than a slow stop (its descriptor could be reused)."""
         self._stopped.set()
         self.core.pressure.set()  # wakes it
-        if self._thread is not None:
-            self._thread.join(10)
+        if self._thread is None:
+            return
+        self._thread.join(STOP_WARN_S)
+        while self._thread.is_alive():
+            logger.warning("the demoter is still writing a round down (a slow disk?); the server stops after it")
+            self._thread.join(STOP_WARN_S)
 
     def _run(self) -> None:
         nice = self.core.config.host.demote_nice
