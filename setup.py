@@ -1,8 +1,11 @@
-"""The one native piece: kvstore._copyhash (fused page copy + checksum; a page's socket receive
-or send hashed as it goes). Everything else is in pyproject.toml. ``optional=True``: without a C compiler the install still succeeds and
-kvstore.pagecopy uses numpy (same bytes, same checksums, slower)."""
+"""The native pieces: kvstore._copyhash (fused page copy + checksum; a page's socket receive or
+send hashed as it goes) and kvstore._keys (chained page keys). Everything else is in
+pyproject.toml. ``optional=True``: without a C compiler the install still succeeds;
+kvstore.pagecopy uses numpy (same bytes, same checksums, slower), kvstore.keys hashlib (same
+keys, slower) and the TCP data plane a Python loop per chunk."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvstore._copyhash", ["kvstore/_copyhash.c", "kvstore/_scatter.c", "kvstore/_sockhash.c"], depends=["kvstore/_copyhash.h"],
-                             extra_compile_args=["-O3"], optional=True)])
+setup(ext_modules=[Extension("kvstore._copyhash", ["kvstore/_copyhash.c", "kvstore/_scatter.c", "kvstore/_sockhash.c"],
+                             depends=["kvstore/_copyhash.h"], extra_compile_args=["-O3"], optional=True),
+                   Extension("kvstore._keys", ["kvstore/_keys.c"], extra_compile_args=["-O3"], optional=True)])

@@ -15,8 +15,18 @@ a larger host tier (``--drain-host-capacity``) is filled past its demotion water
 writer, which then stops; the lookups run while the demoter writes that backlog down at
 full speed (down to ``--demote-to`` of 0.05). The GB/s demoted is read over the lookups' own window, and
 the row says whether that window lay wholly inside the drain (the host tier was still
-above its low watermark when it ended). One row times ``KVStoreClient.lookup``
-(hashing the tokens into keys, then the RPC), and the hashing alone is timed here.
+above its low watermark when it ended). The hashing of the prefix's tokens alone is timed here.
+
+What each row's ``call`` times (its ``path`` says which transport it took):
+
+* ``Lookup RPC``: a bare synchronous gRPC stub's Lookup, keys computed once (gRPC on loopback).
+* ``client.lookup_keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client, keys
+  computed once: over the same-host call socket, on the caller's own event loop
+  (client/loopcalls.py); what an engine on the server's host pays when it keeps a
+  request's keys. Beside every ``Lookup RPC`` row (each state, each client count).
+* ``client.lookup`` (idle, one client): ``KVStoreClient.lookup(tokens)`` of a client without
+  shared memory: hashing the tokens, then the Lookup over grpc.aio on the client's I/O
+  runtime thread (a ``use_shm=False`` client makes its unary calls over gRPC).
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
 >= 2,000 lookups/s from 8 clients.
@@ -49,6 +59,7 @@ from kvstore.keys import page_keys
 DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill of its host tier (well below
 # full, so that no allocation of the fill evicts a page itself) ...
 DRAIN_TO = 0.05  # ... and writes down nearly all of it
+CALLS = {"rpc": "Lookup RPC", "keys": "client.lookup_keys", "client": "client.lookup"}  # a row's "call", by load role
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,15 +87,20 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--scrub-rate", "0", "--demote-nice", str(args.demote_nice), *switch)
 
 
-def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0) -> subprocess.Popen[str]:
+def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0,
+           number: int = 1) -> list[subprocess.Popen[str]]:
+    """``number`` load processes of ``role``, started together and each ready (an interpreter
+    that imports torch takes seconds: one after the other, they made most of a run's time)."""
     args = [sys.executable, "-m", "kvstore.bench.lookup_load", role, "--address", address, "--pages", str(pages),
             "--seconds", str(seconds), "--rate", str(rate), "--count", str(count)]
-    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        raise RuntimeError(f"load process {role} did not get ready")
-    return proc
+    procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(number)]
+    for proc in procs:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            for other in procs:
+                other.kill()
+            raise RuntimeError(f"load process {role} did not get ready")
+    return procs
 
 
 def _go(procs: list[subprocess.Popen[str]], start: float) -> None:
@@ -137,10 +153,10 @@ def _release(address: str, lease_id: bytes) -> None:
 def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
          writer_core: int = -1) -> dict[str, Any]:
     demote = state == "demoting"
-    writer = _spawn("writer", address, pages, seconds + 1.5, rate) if state != "idle" else None
+    writer = _spawn("writer", address, pages, seconds + 1.5, rate)[0] if state != "idle" else None
     if writer is not None and writer_core >= 0:
         os.sched_setaffinity(writer.pid, {writer_core})
-    procs = [_spawn(role, address, pages, seconds) for _ in range(clients)]
+    procs = _spawn(role, address, pages, seconds, number=clients)
     # leased once every process is ready (starting them can take longer than a lease on a
     # loaded machine), before the writer is let go
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
@@ -162,8 +178,9 @@ def _run(address: str, role: str, clients: int, pages: int, seconds: float, stat
 
 def _row(state: str, role: str, clients: int, seconds: float, results: list[dict[str, Any]]) -> dict[str, Any]:
     latencies = [lat for r in results for lat in r["latencies_s"]]
+    paths = sorted({str(r.get("path", "")) for r in results})
     return {
-        "state": state, "call": "Lookup RPC" if role == "rpc" else "client.lookup",
+        "state": state, "call": CALLS[role], "path": "+".join(paths),
         "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
         "p50_ms": _percentile(latencies, 0.50) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3,
         "short_answers": sum(r["short"] for r in results),
@@ -181,10 +198,10 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
         host = _tier_stats(address)["host"]
         # just past the high watermark: the demoter starts, and no allocation has to evict
         count = int((DRAIN_ABOVE + 0.02) * host.capacity_bytes - host.used_bytes) // WRITER_LAYOUT.page_bytes + 1
-        writer = _spawn("writer", address, args.pages, 600.0, 0.0, count)
+        writer = _spawn("writer", address, args.pages, 600.0, 0.0, count)[0]
         if args.writer_core >= 0:
             os.sched_setaffinity(writer.pid, {args.writer_core})
-        procs = [_spawn(role, address, args.pages, args.drain_seconds) for _ in range(clients)]
+        procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
         _go([writer], time.time())
         written = _collect(writer)["pages_written"]
         # stored after the backlog: the newest pages, demoted last, as in the other rows
@@ -239,7 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            *_server_flags(args))
     counts = [int(c) for c in args.clients.split(",") if c]
-    plan = [("rpc", n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts] + [("client", 1, "idle")]
+    plan = [(role, n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts for role in ("rpc", "keys")]
+    plan.append(("client", 1, "idle"))
     rows = []
     try:
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
@@ -253,7 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if stored != args.pages:
                 raise RuntimeError(f"only {stored} of {args.pages} prefix pages could be stored")
             # the control writes at the pace the writer reached while demoting, with as many clients
-            rate = next((r["writer_pages_per_s"] for r in rows if r["state"] == "demoting" and r["clients"] == n), 0.0)
+            rate = next((r["writer_pages_per_s"] for r in rows
+                         if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
             rows.append(_run(at, role, n, args.pages, args.seconds, state, rate if state == "writing" else 0.0,
                              args.writer_core))
     finally:
@@ -268,10 +287,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     print(f"lookup of a {report['pages']}-page prefix, {report['seconds']:.0f} s per run "
           f"(hashing {report['pages']} keys on the client: {report['hash_ms']:.2f} ms)")
-    print("| state | call | clients | lookups/s | p50 ms | p99 ms | short answers | writer pages/s | demoted GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| state | call | path | clients | lookups/s | p50 ms | p99 ms | short answers | writer pages/s | demoted GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in report["rows"]:
-        print(f"| {r['state']} | {r['call']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
+        print(f"| {r['state']} | {r['call']} | {r['path']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
               f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['writer_pages_per_s']:.0f} | {r['demoted_gb_per_s']:.2f} |")
     for r in report["rows"]:
         if r["state"] == "draining" and not r["window_inside_drain"]:

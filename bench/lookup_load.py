@@ -9,7 +9,13 @@ the wall-clock start time from stdin (sent once all are ready), runs until start
 Roles:
 * ``rpc``: the Lookup RPC of a 512-page prefix with its keys computed once (what an
   engine pays per lookup when it keeps a request's keys).
-* ``client``: ``KVStoreClient.lookup(tokens)``: the RPC plus hashing the tokens.
+* ``client``: ``KVStoreClient.lookup(tokens)`` of a client without shared memory
+  (``use_shm=False``): hashing the tokens, then the Lookup over grpc.aio on the client's I/O
+  runtime thread (such a client makes its unary calls over gRPC).
+* ``keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client on the server's host,
+  keys computed once: the Lookup over the same-host call socket on the caller's own event
+  loop (client/loopcalls.py), the engine's path when it keeps a request's keys. It reports
+  the path it took (``path``: "call socket" only when the client has the socket).
 * ``writer``: puts fresh 2.25 MiB pages as fast as it can into a host tier smaller than
   what it writes, so that every allocation demotes a page to SSD; with ``--count`` it stops
   after that many pages (the draining row fills the host tier with it, then lets it drain).
@@ -67,23 +73,27 @@ def run_rpc(address: str, pages: int, seconds: float) -> dict[str, object]:
             resp = stub.Lookup(request, timeout=10)
             latencies.append(time.perf_counter() - t0)
             short += resp.num_pages < pages
-    return {"latencies_s": latencies, "short": short}
+    return {"latencies_s": latencies, "short": short, "path": "gRPC"}
 
 
-async def _run_client(address: str, pages: int, seconds: float) -> dict[str, object]:
+async def _run_client(address: str, pages: int, seconds: float, with_keys: bool) -> dict[str, object]:
+    """The ``client`` role, or with ``with_keys`` the ``keys`` role."""
     tokens = prefix_tokens(pages)
-    async with KVStoreClient(address, LOOKUP_NS, use_shm=False) as client:
+    async with KVStoreClient(address, LOOKUP_NS, use_shm=with_keys) as client:
+        keys = client.keys(tokens)
+        lookup = (lambda: client.lookup_keys(keys)) if with_keys else (lambda: client.lookup(tokens))
         for _ in range(5):
-            await client.lookup(tokens)
+            await lookup()
         start = _ready()
         latencies, short = [], 0
         end = start + seconds
         while time.time() < end:
             t0 = time.perf_counter()
-            hit = await client.lookup(tokens)
+            hit = await lookup()
             latencies.append(time.perf_counter() - t0)
             short += hit.num_pages < pages
-    return {"latencies_s": latencies, "short": short}
+        path = "call socket" if client.runtime.local is not None else "gRPC"
+    return {"latencies_s": latencies, "short": short, "path": path}
 
 
 async def _run_writer(address: str, seconds: float, rate: float, count: int = 0) -> dict[str, object]:
@@ -107,7 +117,7 @@ async def _run_writer(address: str, seconds: float, rate: float, count: int = 0)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvstore.bench.lookup_load")
-    p.add_argument("role", choices=["rpc", "client", "writer"])
+    p.add_argument("role", choices=["rpc", "client", "keys", "writer"])
     p.add_argument("--address", required=True)
     p.add_argument("--pages", type=int, default=512)
     p.add_argument("--seconds", type=float, required=True)
@@ -116,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.role == "rpc":
         out = run_rpc(args.address, args.pages, args.seconds)
-    elif args.role == "client":
-        out = asyncio.run(_run_client(args.address, args.pages, args.seconds))
+    elif args.role in ("client", "keys"):
+        out = asyncio.run(_run_client(args.address, args.pages, args.seconds, args.role == "keys"))
     else:
         out = asyncio.run(_run_writer(args.address, args.seconds, args.rate, args.count))
     print(json.dumps(out), flush=True)

@@ -10,7 +10,8 @@ Contract:
 * Every RPC has a deadline: no call hangs.
 
 Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async
-methods await it from the caller's loop; threads (layer-wise workers, synchronous engine
+methods await it from the caller's loop (a lookup over the call socket runs on the caller's
+loop itself: client/loopcalls.py); threads (layer-wise workers, synchronous engine
 hooks) use ``client.runtime.run(coro, timeout_s)``. Page bytes move through the one
 transport picked at connect (kvstore.client.transport): the shared arena when this host
 can map it, else gRPC streams.
@@ -33,6 +34,7 @@ from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
+from kvstore.client.loopcalls import LoopCalls
 from kvstore.client.restart import ServerAgain, map_arena
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
@@ -106,6 +108,7 @@ class KVStoreClient:
         self.max_pages = 4096
         self.node = ""
         self._runtime: Runtime | None = None
+        self._near = LoopCalls(None)  # lookups on the caller's loop (its runtime set at connect)
         self._transport: Transport | None = None
         self._arena: ArenaMap | None = None
         self._handles: weakref.WeakSet[LayerLoad | LayerSave] = weakref.WeakSet()  # running layer-wise loads/saves
@@ -129,7 +132,7 @@ class KVStoreClient:
         except BaseException:
             await loop.run_in_executor(None, runtime.close)
             raise
-        self.node = info.node
+        self.node, self._near = info.node, LoopCalls(runtime)
         self.max_pages = max(1, info.max_pages_per_request)
         self.namespace = tenant_namespace(self.namespace, identity)
         peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
@@ -169,6 +172,7 @@ class KVStoreClient:
             handle.abandon("client closed")
         for handle in list(self._handles):
             await loop.run_in_executor(None, handle.join, self.timeout_s)
+        self._near.close()
         if self._runtime is not None:
             await loop.run_in_executor(None, self._runtime.close)
         if self._calls is not None:
@@ -237,16 +241,13 @@ class KVStoreClient:
         return await self.lookup_keys(self.keys(tokens))
 
     async def lookup_keys(self, keys: list[bytes]) -> Hit:
-        """The longest stored prefix of a chain of page keys the engine computed itself."""
-        return await self._io(self._lookup(keys))
-
-    async def _lookup(self, keys: list[bytes]) -> Hit:
+        """The longest stored prefix of a chain of page keys the engine computed itself (see client/loopcalls.py)."""
         runs: list[LocationRun] = []
         n = 0
         for start in range(0, len(keys), self.max_pages):
             batch = keys[start : start + self.max_pages]
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
-            resp = await self.runtime.unary("Directory.Lookup", req)
+            resp = await self._near.unary("Directory.Lookup", req)
             runs.extend(LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs)
             n += resp.num_pages
             if resp.num_pages < len(batch):

@@ -49,14 +49,18 @@ class _Gone(Exception):
 class AsyncCallChannel:
     """The call socket for coroutines of one event loop (the client's runtime loop)."""
 
-    def __init__(self, path: str, token: str | None, call_token: bytes, relearn: AsyncRelearn | None = None) -> None:
+    def __init__(self, path: str, token: str | None, call_token: bytes, relearn: AsyncRelearn | None = None,
+                 max_connections: int = MAX_CONNECTIONS, queue: bool = True) -> None:
+        """``queue``: a call that finds all ``max_connections`` busy waits for one (until its
+        deadline); without, it is NotSent at once (its caller has another way)."""
         self.path = path
         self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
         self._call_token = call_token
         self._relearn = relearn
         self._learn_after = 0.0  # no new call token is asked for before this (loop time)
         self._idle: list[socket.socket] = []
-        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._slots = asyncio.Semaphore(max_connections)
+        self._queue = queue
         self._down_until = 0.0
         self._retired = False  # closed: gRPC from here on
         self._give_backs: set[asyncio.Task[None]] = set()
@@ -80,6 +84,18 @@ class AsyncCallChannel:
             return None
         return channel
 
+    def sibling(self, hop: Callable[[Awaitable[Any]], Awaitable[Any]], max_connections: int) -> AsyncCallChannel:
+        """A channel to the same server (socket, bearer token, call token) for coroutines of
+        another event loop, connecting on its first call, queueing none (``queue=False``).
+        ``hop(awaitable)`` awaits one of this channel's coroutines on this channel's loop:
+        the sibling learns a restarted server through this channel's relearn."""
+        sibling = AsyncCallChannel(self.path, None, self._call_token, None, max_connections, queue=False)
+        sibling._hello = self._hello
+        relearn = self._relearn
+        if relearn is not None:
+            sibling._relearn = lambda: hop(relearn())
+        return sibling
+
     @property
     def usable(self) -> bool:
         """False while the socket is known not to take calls (gRPC then, without trying it)."""
@@ -92,6 +108,8 @@ class AsyncCallChannel:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())
+        if not self._queue and self._slots.locked():
+            raise NotSent(f"call socket {self.path}: all connections of this loop busy")
         try:
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire()
@@ -129,8 +147,8 @@ class AsyncCallChannel:
                 if not sent:
                     raise NotSent(f"call socket {self.path}: {exc}") from None
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
-            if status == UNAUTHENTICATED:
-                conn.close()  # the server closes a connection whose caller it refused
+            if status == UNAUTHENTICATED or self._retired:
+                conn.close()  # the server closes a connection whose caller it refused; a retired channel keeps none
             else:
                 self._idle.append(conn)
             if status == 0:
@@ -201,6 +219,11 @@ class AsyncCallChannel:
         """Waits (bounded) for the give-backs still running, then closes the connections."""
         if self._give_backs:
             await asyncio.wait(list(self._give_backs), timeout=2 * GIVE_BACK_S)
+        self.retire()
+
+    def retire(self) -> None:
+        """gRPC from here on: closes the idle connections (one in use closes once its call ends).
+        On the channel's loop, or once that loop runs no more."""
         self._retired = True
         idle, self._idle = self._idle, []
         for conn in idle:

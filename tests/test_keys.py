@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import random
 import subprocess
 import sys
 
@@ -10,7 +13,8 @@ import pytest
 
 from kvstore import KVLayout, Namespace
 from kvstore.errors import ConfigError, InvalidRequest
-from kvstore.keys import page_keys
+from kvstore import keys as page_key_module
+from kvstore.keys import hashlib_keys, page_keys, token_array
 
 QWEN3_8B = KVLayout(36, 8, 128, dtype="bfloat16", page_tokens=16)
 
@@ -21,6 +25,60 @@ def test_pinned_digests() -> None:
     assert ns.namespace_id.hex() == "d814f4452bf0e529f66002b5685fe4b3"
     keys = page_keys(ns.namespace_id, list(range(40)), 16)
     assert [k.hex() for k in keys] == ["6741934c0652579bdc8814f90231ab8d", "d49ad7e8ad6eb500b1d1c4924c3b1769"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_pinned_digests_of_a_long_prefix(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned with the per-page hashlib loop (main 93ee59c) before the native chain: a 512-page
+    prefix (the lookup benchmark's tokens) and 32-token pages holding the largest id; natively
+    and with hashlib (a build without the extension)."""
+    if native and page_key_module.chain_keys is None:
+        pytest.skip("kvstore._keys was not built (no C compiler)")
+    if not native:
+        monkeypatch.setattr(page_key_module, "chain_keys", None)
+    ns = Namespace(model="Qwen/Qwen3-8B", revision="abc", layout=QWEN3_8B)
+    tokens = [(i * 7919) % 50_000 for i in range(512 * 16)]
+    for form in (tokens, np.asarray(tokens, dtype=np.int64), np.asarray(tokens, dtype=np.uint32)):
+        keys = page_keys(ns.namespace_id, form, 16)
+        assert len(keys) == 512
+        assert (keys[0].hex(), keys[255].hex(), keys[-1].hex()) == (
+            "156ee767b97571297dfe6e7d81df5970", "c9bd943a35244c3716594d77ee897b14", "43394c4f890b4210b9bd2156e4f72df4")
+        assert hashlib.sha256(b"".join(keys)).hexdigest() == "f63113a635183ffb44b6b9aba0e931b1e2a1971bbcd0be74270590ae5a5a7ad8"
+    keys = page_keys(ns.namespace_id, [2**32 - 1, 0, 65536, 7] * 40, 32)
+    assert len(keys) == 5 and keys[-1].hex() == "e2df9695c9e9c574e73a02bef890351e"
+
+
+def test_the_native_chain_is_hashlibs() -> None:
+    """kvstore/_keys.c against hashlib over random chains: first keys, page sizes and lengths
+    around BLAKE2b's 128-byte block (one block, exactly one, one byte over, several)."""
+    if page_key_module.chain_keys is None:
+        pytest.skip("kvstore._keys was not built (no C compiler): hashlib computes the keys")
+    chain = page_key_module.chain_keys
+    rng = random.Random(7)
+    for _ in range(2000):
+        first = os.urandom(rng.choice([0, 1, 16, 111, 112, 113, 127, 128, 129, 300]))
+        page_bytes = rng.choice([4, 64, 96, 108, 112, 116, 128, 132, 256, 4096])
+        data = os.urandom(page_bytes * rng.randint(0, 4) + rng.randint(0, page_bytes - 1))
+        assert chain(first, data, page_bytes, b"kvstore-page-v1") == hashlib_keys(first, data, page_bytes)
+        person = os.urandom(rng.randint(0, 16))
+        prev, want = first, []
+        for start in range(0, len(data) - page_bytes + 1, page_bytes):
+            prev = hashlib.blake2b(prev + data[start : start + page_bytes], digest_size=16, person=person).digest()
+            want.append(prev)
+        assert chain(first, data, page_bytes, person) == want
+
+
+def test_a_list_of_ids_takes_the_same_checks() -> None:
+    """Lists become arrays without numpy (array('I')); what that refuses, or a list of bools, is
+    refused as before, with the same message."""
+    ids = [0, 1, 2**32 - 1, 65536]
+    assert token_array(ids).dtype == np.dtype("<u4") and token_array(ids).tolist() == ids
+    assert token_array([np.int64(5), True, 3]).tolist() == [5, 1, 3]  # numpy typed it int64 too
+    assert token_array([]).size == 0
+    for bad, message in (([-1, 2], r"\[0, 2\*\*32\)"), ([2**32], r"\[0, 2\*\*32\)"), ([1, 0.5], "integers"),
+                         ([True, False], "integers"), ([2**70], "integers"), ([[1, 2]], "1-D")):
+        with pytest.raises(InvalidRequest, match=message):
+            token_array(bad)
 
 
 def test_keys_equal_in_another_process() -> None:

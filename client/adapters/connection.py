@@ -24,7 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvstore._proto import data_pb2
+from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client.client import KVStoreClient
 from kvstore.client.transport import ShmTransport
 from kvstore.errors import KVStoreError
@@ -159,6 +159,23 @@ class StoreConnection:
             self.failed(client, exc)
             return None
         return self._lease(client, acq, started)
+
+    def num_stored(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> int:
+        """How many leading ``keys`` are stored: over the same-host call channel from this
+        thread when the client has one (no hop to the runtime, as ``acquire``), else a
+        bounded ``run`` of ``lookup_keys``. TimeoutError past ``timeout_s``; KVStoreError."""
+        calls = client.calls
+        if calls is None:
+            return self.run(client, client.lookup_keys(keys), timeout_s).num_pages
+        deadline, found = time.monotonic() + timeout_s, 0
+        for start in range(0, len(keys), client.max_pages):
+            batch = keys[start : start + client.max_pages]
+            request = directory_pb2.LookupRequest(namespace_id=client.namespace.namespace_id, keys=batch)
+            found += calls.call("Directory.Lookup", request, directory_pb2.LookupResponse,
+                                max(1e-3, deadline - time.monotonic())).num_pages
+            if found < start + len(batch):
+                break
+        return found
 
     def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> Lease | None:
         """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);

@@ -123,7 +123,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if client is None or not keys:
             return 0
         try:
-            return self.store.run(client, client.lookup_keys(self._keys(keys)), self.timeout_s).num_pages  # type: ignore[union-attr]
+            return self.store.num_stored(client, self._keys(keys), self.timeout_s)  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0

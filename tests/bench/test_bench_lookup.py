@@ -1,7 +1,8 @@
 """Smoke run of kvstore-bench lookup: every run of the plan measures lookups, each answer
 is the whole stored prefix, the writer really demotes (and its RAM-only control writes
 without demoting), the draining rows time lookups while a backlog is written down with no
-writer running, JSON shape as documented."""
+writer running, the engine's path (client.lookup_keys over the call socket) is timed beside
+every Lookup RPC row, JSON shape as documented."""
 
 from __future__ import annotations
 
@@ -9,22 +10,27 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.timeout(600)  # 17 runs (the lookup_keys rows doubled them): ~3.5 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
          "--switch-interval-ms", "1", "--json", "--dir", str(tmp_path / "lk")],
-        check=False, capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=540,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["switch_interval_ms"] == 1.0  # every server of the run got it (one that refused it would not start)
     rows = report["rows"]
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
-        ("idle", "Lookup RPC", 1), ("idle", "Lookup RPC", 2), ("demoting", "Lookup RPC", 1), ("demoting", "Lookup RPC", 2),
-        ("writing", "Lookup RPC", 1), ("writing", "Lookup RPC", 2), ("draining", "Lookup RPC", 1), ("draining", "Lookup RPC", 2),
-        ("idle", "client.lookup", 1)]
+        (state, call, n) for state in ("idle", "demoting", "writing", "draining") for n in (1, 2)
+        for call in ("Lookup RPC", "client.lookup_keys")] + [("idle", "client.lookup", 1)]
+    # the engine's path beside every RPC row, over the call socket; the use_shm=False client over gRPC
+    assert {r["path"] for r in rows if r["call"] == "client.lookup_keys"} == {"call socket"}
+    assert {r["path"] for r in rows if r["call"] != "client.lookup_keys"} == {"gRPC"}
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
@@ -36,5 +42,6 @@ def test_lookup_smoke(tmp_path) -> None:
         # the low watermark's --demote-to 0.05 of the 1 GiB host tier): before, a backlog evicted instead passed.
         assert r["window_inside_drain"] or r["drained_gb"] >= r["backlog_gb"] - 0.06, f"the backlog never reached the ssd: {r}"
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
-        demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"])
+        demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"]
+                        and r["call"] == control["call"])
         assert control["writer_pages_per_s"] <= demoting["writer_pages_per_s"] * 1.25 + 16

@@ -36,12 +36,19 @@ def recorded(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
     return spy
 
 
-def spy_on(client: KVStoreClient) -> tuple[list[str], list[str]]:
-    """(the calls made over the call socket, the unary calls made over gRPC) from now on."""
+def spy_on(client: KVStoreClient, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
+    """(the calls made over the call socket, the unary calls made over gRPC) from now on. Every
+    AsyncCallChannel's calls: the runtime's, and the caller loop's that lookups take (loopcalls.py)."""
     assert client.runtime.local is not None
     socket_calls: list[str] = []
     grpc_calls: list[str] = []
-    client.runtime.local.call = recorded(socket_calls, client.runtime.local.call)  # type: ignore[method-assign]
+    real_call = AsyncCallChannel.call
+
+    async def call(channel: AsyncCallChannel, method: str, *args: Any) -> Any:
+        socket_calls.append(method)
+        return await real_call(channel, method, *args)
+
+    monkeypatch.setattr(AsyncCallChannel, "call", call)
     client.runtime.rpc = recorded(grpc_calls, client.runtime.rpc)  # type: ignore[method-assign]
     return socket_calls, grpc_calls
 
@@ -51,12 +58,13 @@ def num_leases(address: str) -> int:
         return int(directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_leases)
 
 
-async def test_put_lookup_get_make_no_grpc_unary_call(server, ns: Namespace, layout: KVLayout) -> None:
+async def test_put_lookup_get_make_no_grpc_unary_call(server, ns: Namespace, layout: KVLayout,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = torch.arange(5 * layout.page_tokens)
     kv = random_kv(layout, len(tokens))
     async with KVStoreClient(server.address, ns) as client:
         assert client.shared_memory
-        socket_calls, grpc_calls = spy_on(client)
+        socket_calls, grpc_calls = spy_on(client, monkeypatch)
         assert await client.put(tokens, kv) == len(tokens)
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens)
@@ -80,7 +88,8 @@ async def test_without_the_call_socket_the_calls_go_over_grpc(server, ns: Namesp
 
 
 async def test_a_stalled_server_ends_the_call_at_its_deadline_and_leaves_no_lease(server_process: ServerProcess,
-                                                                                  ns: Namespace, layout: KVLayout) -> None:
+                                                                                  ns: Namespace, layout: KVLayout,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     server_process.start()
     tokens = torch.arange(2 * layout.page_tokens)
     kv = random_kv(layout, len(tokens))
@@ -88,7 +97,7 @@ async def test_a_stalled_server_ends_the_call_at_its_deadline_and_leaves_no_leas
         assert client.runtime.local is not None
         assert await client.put(tokens, kv) == len(tokens)
         hit = await client.lookup(tokens)
-        socket_calls, grpc_calls = spy_on(client)
+        socket_calls, grpc_calls = spy_on(client, monkeypatch)
         server_process.freeze()
         started = time.monotonic()
         try:

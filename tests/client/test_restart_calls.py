@@ -9,20 +9,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2
 from kvstore.client import KVStoreClient
+from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.page import checksum
 
 
 def served(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a real AsyncCallChannel.call), noting the method of each call it answered."""
+    """``fn`` (the real AsyncCallChannel.call, set on the class: the runtime's channel and the
+    caller loop's that lookups take, client/loopcalls.py), noting the method of each call it answered."""
 
-    async def spy(method: str, *args: Any, **kw: Any) -> Any:
-        answer = await fn(method, *args, **kw)
+    async def spy(channel: AsyncCallChannel, method: str, *args: Any, **kw: Any) -> Any:
+        answer = await fn(channel, method, *args, **kw)
         calls.append(method)
         return answer
 
@@ -40,7 +43,7 @@ def grpc_unary(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 async def test_the_async_client_takes_a_restarted_servers_call_socket_and_arena_again(
-        server_process: ServerProcess, ns: Namespace, layout: KVLayout) -> None:
+        server_process: ServerProcess, ns: Namespace, layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bug: once the socket answered with another server's call_token (a restart), the async
     channel retired itself: every unary call went over gRPC for the client's lifetime."""
     server_process.start()
@@ -53,7 +56,7 @@ async def test_the_async_client_takes_a_restarted_servers_call_socket_and_arena_
         server_process.start()
         socket_calls: list[str] = []
         grpc_calls: list[str] = []
-        client.runtime.local.call = served(socket_calls, client.runtime.local.call)  # type: ignore[method-assign]
+        monkeypatch.setattr(AsyncCallChannel, "call", served(socket_calls, AsyncCallChannel.call))
         client.runtime.rpc = grpc_unary(grpc_calls, client.runtime.rpc)  # type: ignore[method-assign]
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens)

@@ -4,6 +4,7 @@ with the same error class as over gRPC, and no unary call goes over gRPC."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import random_kv
 from tenants import LAYOUT, A, B
@@ -11,6 +12,7 @@ from tenants import LAYOUT, A, B
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
+from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError, PermissionDenied
 
 pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
@@ -55,3 +57,26 @@ async def test_tenants_stay_apart_on_the_async_call_socket(tenant_server, ca, la
         assert grpc_calls == []
         over_grpc = await _error_of(bob, bob.runtime.rpc(bob.runtime.data.Allocate, allocate))
         assert over_socket is over_grpc is PermissionDenied
+
+
+async def test_lookups_on_the_callers_loop_are_the_tenants(tenant_server, ca, layout: KVLayout,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup runs on the caller's loop over a channel of its own (client/loopcalls.py): it says
+    HELLO with the client's token, so a tenant sees its own pages there and no other's."""
+    ns = Namespace("m", "r1", layout)
+    tls = ClientTLS(ca=ca.cert)
+    tokens = torch.arange(2 * layout.page_tokens)
+    async with KVStoreClient(tenant_server.address, ns, token=A, tls=tls) as alice, \
+            KVStoreClient(tenant_server.address, ns, token=B, tls=tls) as bob:
+        assert await alice.put(tokens, random_kv(layout, len(tokens))) == len(tokens)
+        hops: list[object] = []
+        real = Runtime.call
+
+        async def hop(runtime: Runtime, coro: object) -> object:
+            hops.append(coro)
+            return await real(runtime, coro)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Runtime, "call", hop)
+        assert (await alice.lookup_keys(alice.keys(tokens))).num_tokens == len(tokens)  # read as alice
+        assert (await bob.lookup(tokens)).num_tokens == 0
+        assert hops == []

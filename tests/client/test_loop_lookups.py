@@ -1,0 +1,176 @@
+"""Lookups on the caller's own event loop (client/loopcalls.py, issue 14): over a call-socket
+channel of that loop, without the hop to the I/O runtime; a stalled server ends them at their
+deadline, a cancelled one leaves no connection behind, a socket that does not take them hands
+them to the runtime, and close leaves no connection of any loop open on the server."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ServerProcess, random_kv
+
+from kvstore import KVLayout, Namespace
+from kvstore.client import KVStoreClient
+from kvstore.client.localcall_aio import AsyncCallChannel
+from kvstore.client.runtime import Runtime
+from kvstore.errors import KVStoreError
+
+
+def spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
+    """(the calls made over any AsyncCallChannel, the coroutines handed to any Runtime) from now on."""
+    socket_calls: list[str] = []
+    hops: list[str] = []
+    real_call, real_hop = AsyncCallChannel.call, Runtime.call
+
+    async def call(channel: AsyncCallChannel, method: str, *args: Any) -> Any:
+        socket_calls.append(method)
+        return await real_call(channel, method, *args)
+
+    async def hop(runtime: Runtime, coro: Any) -> Any:
+        hops.append(coro.__qualname__)
+        return await real_hop(runtime, coro)
+
+    monkeypatch.setattr(AsyncCallChannel, "call", call)
+    monkeypatch.setattr(Runtime, "call", hop)
+    return socket_calls, hops
+
+
+def connections_to(path: str) -> int:
+    """Connected sockets of this host bound to ``path``: the server's ends of the call socket's
+    connections (an accepted socket carries its listener's path in /proc/net/unix)."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f.readlines()[1:] if line.split()[-1] == path and line.split()[5] == "03")
+
+
+def wait_for(predicate: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+async def stored(client: KVStoreClient, layout: KVLayout, pages: int) -> list[bytes]:
+    tokens = torch.arange(pages * layout.page_tokens)
+    assert await client.put(tokens, random_kv(layout, len(tokens))) == len(tokens)
+    return client.keys(tokens)
+
+
+async def test_a_lookup_runs_on_the_callers_loop_without_a_hop(server, ns: Namespace, layout: KVLayout,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    async with KVStoreClient(server.address, ns) as client:
+        keys = await stored(client, layout, 6)
+        socket_calls, hops = spy(monkeypatch)
+        hit = await client.lookup_keys(keys)
+        assert hit.num_pages == 6 and hit.keys == keys
+        assert [(r.tier, r.num_pages) for r in hit.runs] == [("host", 6)]
+        assert (await client.lookup_keys(keys[:3] + [b"\0" * 16])).num_pages == 3
+        # another thread's loop: a channel of its own, no hop either
+        other = await asyncio.to_thread(asyncio.run, client.lookup_keys(keys))
+        assert other.num_pages == 6
+        assert socket_calls == ["Directory.Lookup"] * 3 and hops == []
+        # on the runtime loop itself (a coroutine submitted to it, as engine hooks do): the runtime's channel
+        assert (await client.runtime.call(client.lookup_keys(keys))).num_pages == 6
+        assert socket_calls == ["Directory.Lookup"] * 4
+
+
+async def test_a_stalled_server_ends_the_lookup_at_its_deadline(server_process: ServerProcess, ns: Namespace,
+                                                                 layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns, timeout_s=1.0) as client:
+        keys = await stored(client, layout, 2)
+        assert (await client.lookup_keys(keys)).num_pages == 2  # this loop's channel is connected
+        socket_calls, hops = spy(monkeypatch)
+        server_process.freeze()
+        started = time.monotonic()
+        try:
+            with pytest.raises(KVStoreError, match="DEADLINE_EXCEEDED"):
+                await client.lookup_keys(keys)
+            assert time.monotonic() - started < 1.0 + 0.5
+        finally:
+            assert server_process.proc is not None
+            server_process.proc.send_signal(signal.SIGCONT)
+        assert socket_calls == ["Directory.Lookup"] and hops == []
+        assert (await client.lookup_keys(keys)).num_pages == 2  # a new connection of this loop
+
+
+async def test_a_cancelled_lookup_leaves_no_connection(server_process: ServerProcess, ns: Namespace, layout: KVLayout) -> None:
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns, timeout_s=10.0) as client:
+        keys = await stored(client, layout, 2)
+        assert (await client.lookup_keys(keys)).num_pages == 2
+        path = client.calls.path if client.calls is not None else ""
+        before = connections_to(path)
+        server_process.freeze()
+        try:
+            lookup = asyncio.ensure_future(client.lookup_keys(keys))
+            await asyncio.sleep(0.2)  # sent, waiting for the answer
+            started = time.monotonic()
+            lookup.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await lookup
+            assert time.monotonic() - started < 0.5, "a cancel waits for no answer"
+        finally:
+            assert server_process.proc is not None
+            server_process.proc.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: connections_to(path) == before - 1), "the cancelled call's connection was kept"
+        assert (await client.lookup_keys(keys)).num_pages == 2
+
+
+async def test_a_socket_that_does_not_take_the_lookup_hands_it_to_the_runtime(
+        server, ns: Namespace, layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with KVStoreClient(server.address, ns) as client:
+        keys = await stored(client, layout, 3)
+        Path(server.call_socket.path).unlink()  # connected channels go on; a new connection fails (NotSent)
+        socket_calls, hops = spy(monkeypatch)
+        assert (await client.lookup_keys(keys)).num_pages == 3
+        assert len(hops) == 1, "the lookup went through the runtime"
+        assert socket_calls == ["Directory.Lookup"] * 2  # this loop's channel, not taken; the runtime's
+
+
+async def test_lookups_past_the_loops_connections_wait_for_none(server, ns: Namespace, layout: KVLayout,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    async with KVStoreClient(server.address, ns) as client:
+        keys = await stored(client, layout, 3)
+        socket_calls, hops = spy(monkeypatch)
+        hits = await asyncio.gather(*(client.lookup_keys(keys) for _ in range(6)))
+        assert [h.num_pages for h in hits] == [3] * 6
+        assert len(hops) == 6 - 2, "two on this loop's connections, the others through the runtime"
+
+
+async def test_close_retires_the_channel_of_every_loop(server, ns: Namespace, layout: KVLayout) -> None:
+    path = str(server.call_socket.path)
+    client = KVStoreClient(server.address, ns)
+    await client.connect()
+    keys = await stored(client, layout, 2)
+    looked, closed, done = threading.Event(), threading.Event(), []
+
+    async def other_loop() -> None:
+        assert (await client.lookup_keys(keys)).num_pages == 2
+        looked.set()
+        while not closed.is_set():
+            await asyncio.sleep(0.01)  # this loop runs on while the client closes
+        try:
+            await client.lookup_keys(keys)
+        except KVStoreError as exc:
+            done.append(str(exc))
+
+    thread = threading.Thread(target=asyncio.run, args=(other_loop(),))
+    thread.start()
+    assert await asyncio.to_thread(looked.wait, 10)
+    assert (await client.lookup_keys(keys)).num_pages == 2
+    await client.close()
+    closed.set()
+    await asyncio.to_thread(thread.join, 10)
+    assert done and "closed" in done[0], done
+    with pytest.raises(KVStoreError, match="closed"):
+        await client.lookup_keys(keys)
+    assert await asyncio.to_thread(wait_for, lambda: connections_to(path) == 0), "a call socket connection was left open"
