@@ -4,7 +4,8 @@ the store demotes to SSD at full speed.
 A real ``kvstore-server`` process; every client is its own process (see lookup_load.py)
 calling the Lookup RPC with the prefix's keys computed once, for ``--seconds``; p50/p99
 are over every call of every client, lookups/s is calls over the window. In the
-``demoting`` runs a writer process puts fresh 2.25 MiB pages into a host tier smaller than
+``demoting`` runs a writer process puts fresh 2.25 MiB pages (as fast as it can, or at
+``--writer-rate``) into a host tier smaller than
 what it writes, so every allocation evicts a page to SSD (the demotion rate is read from
 the server's own counters and printed beside). The ``writing`` rows are their control: the
 same writer, paced to the page rate it reached in the demoting row of the same client
@@ -78,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tier of the draining rows' server: the backlog they drain (about 0.8 of it)")
     p.add_argument("--drain-seconds", type=float, default=2.0,
                    help="measured window of a draining row (it must end before the backlog is written down)")
+    p.add_argument("--writer-rate", type=float, default=0.0,
+                   help="pages/s of the demoting rows' writer (0: as fast as it can; give a rate to compare two "
+                        "builds whose demoters differ in speed at the same write load)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
@@ -273,8 +277,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # the control writes at the pace the writer reached while demoting, with as many clients
             rate = next((r["writer_pages_per_s"] for r in rows
                          if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
-            rows.append(_run(at, role, n, args.pages, args.seconds, state, rate if state == "writing" else 0.0,
-                             args.writer_core))
+            pace = rate if state == "writing" else args.writer_rate if state == "demoting" else 0.0
+            rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
     finally:
         server.stop()
         ram_server.stop()
