@@ -44,6 +44,9 @@ class LoopCalls:
         """``runtime``: the client's (None: not connected, every call raises KVStoreError)."""
         self._runtime = runtime
         self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncCallChannel] = weakref.WeakKeyDictionary()
+        # each loop's finalizer, detached by close: it holds the channel, and through it this
+        # object and the runtime, for as long as a loop that outlives the client runs
+        self._finalizers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.finalize] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -83,7 +86,7 @@ class LoopCalls:
             channel = self._channels.get(loop)
             if channel is None and len(self._channels) < MAX_LOOPS:
                 channel = self._channels[loop] = local.sibling(self._hop, CONNECTIONS_PER_LOOP)
-                weakref.finalize(loop, channel.retire)  # a loop dropped without close: its connections go with it
+                self._finalizers[loop] = weakref.finalize(loop, channel.retire)  # a loop dropped without close: its connections go with it
         return channel
 
     async def _hop(self, awaitable: Awaitable[Any]) -> Any:
@@ -101,6 +104,9 @@ class LoopCalls:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.items()), weakref.WeakKeyDictionary()
+            finalizers, self._finalizers = list(self._finalizers.values()), weakref.WeakKeyDictionary()
+        for finalizer in finalizers:
+            finalizer.detach()  # retired below
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:

@@ -11,6 +11,7 @@
  * the peer's doing: the caller maps it to its errors. */
 #include "_copyhash.h"
 #include <errno.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <time.h>
@@ -28,6 +29,18 @@ static int arm(int fd, int option, double deadline) {
     tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
     if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1;  /* 0 would mean no timeout at all */
     return setsockopt(fd, SOL_SOCKET, option, &tv, sizeof tv) == 0 ? 1 : -1;
+}
+
+/* After EAGAIN: waits (at most what is left of deadline) for the socket to be ready. A socket
+ * with a Python timeout is O_NONBLOCK, its kernel timeout unused: without this wait the loop
+ * spun on EAGAIN, a core busy until the peer moved. */
+static void wait_ready(int fd, short events, double deadline) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    double left = deadline - ((double)now.tv_sec + now.tv_nsec * 1e-9);
+    if (left <= 0) return;
+    struct pollfd p = {.fd = fd, .events = events, .revents = 0};
+    poll(&p, 1, left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1);
 }
 
 static int get_args(PyObject *args, const char *fmt, int *fd, Py_buffer *buf, int writable, PyObject **sum,
@@ -77,8 +90,10 @@ PyObject *recv_hashed(PyObject *self, PyObject *args) {
         } else if (n == 0) {
             status = CLOSED;
             break;
-        } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-            continue;  /* the kernel's timeout expired (arm decides) or a signal */
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            wait_ready(fd, POLLIN, deadline);  /* the kernel's timeout expired, or O_NONBLOCK: arm decides */
+        } else if (errno == EINTR) {
+            continue;
         } else {
             status = FAILED;
             err = errno;
@@ -125,7 +140,9 @@ PyObject *send_hashed(PyObject *self, PyObject *args) {
             ssize_t n = send(fd, p + sent, (size_t)(end - sent), MSG_NOSIGNAL);
             if (n >= 0) {
                 sent += n;
-            } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                wait_ready(fd, POLLOUT, deadline);
+            } else if (errno != EINTR) {
                 status = FAILED;
                 err = errno;
                 break;

@@ -6,9 +6,11 @@ them to the runtime, and close leaves no connection of any loop open on the serv
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,17 @@ async def test_close_retires_the_channel_of_every_loop(server, ns: Namespace, la
     with pytest.raises(KVStoreError, match="closed"):
         await client.lookup_keys(keys)
     assert await asyncio.to_thread(wait_for, lambda: connections_to(path) == 0), "a call socket connection was left open"
+
+
+async def test_a_closed_client_leaves_nothing_held_by_a_loop_that_runs_on(server, ns: Namespace, layout: KVLayout) -> None:
+    """A loop that outlives its clients (an engine's main loop, a client per job) holds none
+    of them: a closed client's loop channel, and its runtime, are freed with it."""
+    client = KVStoreClient(server.address, ns)
+    await client.connect()
+    keys = await stored(client, layout, 2)
+    assert (await client.lookup_keys(keys)).num_pages == 2
+    runtime = weakref.ref(client.runtime)
+    await client.close()
+    del client
+    gc.collect()
+    assert runtime() is None, "a closed client's runtime is held (the loop's finalizer of its channel)"

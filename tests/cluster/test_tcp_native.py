@@ -115,3 +115,30 @@ def test_a_send_that_does_not_match_sends_no_last_chunk(path: str) -> None:
         a.shutdown(socket.SHUT_WR)
         reader.join(5)
         assert 0 < len(got) < PAGE and data.tobytes().startswith(bytes(got))
+
+
+def test_a_socket_in_timeout_mode_is_waited_on_not_spun_on(path: str) -> None:
+    """A socket with a Python timeout (settimeout, or a process-wide setdefaulttimeout that
+    accept() hands on) has O_NONBLOCK set: a wait for the peer is a poll, not a busy loop
+    of EAGAIN (a thread burning a core until the peer moves)."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(5.0)
+        page = bytes(range(256)) * (PAGE // 256)
+        sender = threading.Timer(1.0, b.sendall, (page,))
+        sender.start()
+        t0 = time.thread_time()
+        view = memoryview(bytearray(PAGE))
+        recv_hashed(a, view, running_checksum(), Deadline(10))
+        received_cpu = time.thread_time() - t0
+        sender.join()
+        assert bytes(view) == page
+        data = np.zeros(16 << 20, np.uint8)  # more than both socket buffers hold: waits for the reader
+        reader = threading.Timer(1.0, lambda: [b.recv_into(bytearray(1 << 20)) for _ in range(8)])
+        reader.start()
+        t0 = time.thread_time()
+        with pytest.raises(TimeoutError):
+            send_hashed(a, memoryview(data), running_checksum(), checksum(data), Deadline(2.0))
+        sent_cpu = time.thread_time() - t0
+        reader.join()
+        assert received_cpu < 0.25 and sent_cpu < 0.25, (received_cpu, sent_cpu)
