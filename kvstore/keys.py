@@ -52,6 +52,8 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def page_keys(namespace_id: bytes, tokens: Sequence[int] | np.ndarray, page_tokens: int) -> list[bytes]:
     """Keys of the full pages of ``tokens``; a trailing partial page gets none."""
+    if page_tokens <= 0:
+        raise InvalidRequest(f"page_tokens must be positive, got {page_tokens}")
     arr = token_array(tokens)
     num_pages = arr.size // page_tokens
     data = np.ascontiguousarray(arr[: num_pages * page_tokens])

@@ -133,3 +133,10 @@ def test_layout_sizes_match_the_chapter() -> None:
     assert QWEN3_8B.bytes_per_token * 8192 == 1_207_959_552
     mla = KVLayout(61, 1, 576, dtype="bfloat16", attention="mla")
     assert mla.bytes_per_token == 70_272
+
+
+@pytest.mark.parametrize("page_tokens", [0, -16])
+def test_a_page_size_that_is_not_positive_is_refused(page_tokens: int) -> None:
+    """Found by this session's reviewer: 0 raised ZeroDivisionError, a negative size ValueError."""
+    with pytest.raises(InvalidRequest, match="page_tokens"):
+        page_keys(bytes(16), list(range(64)), page_tokens)
