@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import sys
 import time
 
@@ -105,7 +106,9 @@ async def _run_writer(address: str, seconds: float, rate: float, count: int = 0)
     async with KVStoreClient(address, WRITER_NS) as client:
         start = _ready()
         end = start + seconds
-        base = 1_000_000
+        # fresh tokens each run: a run starting where the last one did re-puts stored pages, which
+        # count as written but demote nothing (a paced second run then demoted nothing at all)
+        base = 1_000_000 + random.randrange(1 << 30)
         while time.time() < end and (count <= 0 or written < count):
             tokens = list(range(base, base + batch * 16))
             base += batch * 16

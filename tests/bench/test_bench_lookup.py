@@ -16,7 +16,7 @@ import pytest
 @pytest.mark.timeout(600)  # 17 runs (the lookup_keys rows doubled them): ~3.5 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1",
+        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1", "--writer-rate", "150",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
          "--switch-interval-ms", "1", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=540,
@@ -34,6 +34,8 @@ def test_lookup_smoke(tmp_path) -> None:
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
+    # --writer-rate paces the demoting rows' writer (150 pages/s), each run on fresh pages
+    assert all(r["writer_pages_per_s"] <= 150 * 1.25 + 16 for r in rows if r["state"] == "demoting"), rows
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] == 0 for r in rows if r["state"] == "writing")
     for r in (r for r in rows if r["state"] == "draining"):  # a backlog, no writer, demotion inside the window
         assert r["writer_pages"] == 0 and r["backlog_gb"] > 0.3 and isinstance(r["window_inside_drain"], bool), r
