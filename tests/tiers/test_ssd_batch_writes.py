@@ -33,6 +33,11 @@ def _page(i: int, size: int = LAYOUT.page_bytes) -> tuple[PageHeader, memoryview
     return PageHeader(NS, i.to_bytes(16, "big"), LAYOUT, size, checksum(payload)), payload
 
 
+def _reserved(tier: SsdTier, pages: list[tuple[PageHeader, memoryview]]) -> list[tuple[int, PageHeader, memoryview]]:
+    """A write_many batch of ``pages``, each in a slot reserved for it (in order: adjacent)."""
+    return [(tier.reserve(header.payload_bytes), header, payload) for header, payload in pages]  # type: ignore[misc]
+
+
 def _tier(tmp: Path, direct_io: bool) -> SsdTier:
     return SsdTier(SsdTierConfig(directory=tmp / "ssd", capacity_bytes=16 << 20, slab_bytes=4 << 20, direct_io=direct_io, dwpd=0))
 
@@ -50,9 +55,9 @@ def test_a_batch_of_adjacent_slots_is_one_write_call_and_reads_back(tmp_path: Pa
     tier = _tier(tmp_path, direct_io)
     try:
         pages = [_page(i) for i in range(8)]
-        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
-        assert all(b == a + tier.slot_bytes(LAYOUT.page_bytes) for a, b in zip(slots, slots[1:])), slots  # type: ignore[operator]
-        batch = [(slot, header, payload) for slot, (header, payload) in zip(slots, pages)]
+        batch = _reserved(tier, pages)
+        slots = [slot for slot, _, _ in batch]
+        assert all(b == a + tier.slot_bytes(LAYOUT.page_bytes) for a, b in zip(slots, slots[1:])), slots
         before = _write_calls()
         tier.write_many(batch[::-1])  # in any order
         assert _write_calls() - before == 1, "one write call a page, not one a batch"
@@ -67,8 +72,7 @@ def test_a_partial_last_block_is_written_alone_zero_padded_and_the_rest_still_at
     tier = _tier(tmp_path, True)
     try:
         pages = [_page(0), _page(1), _page(2, LAYOUT.page_bytes - 1000), _page(3), _page(4)]
-        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
-        batch = [(slot, header, payload) for slot, (header, payload) in zip(slots, pages)]
+        batch = _reserved(tier, pages)
         before = _write_calls()
         tier.write_many(batch)
         assert _write_calls() - before <= 3  # pages 0-1, page 2 alone, pages 3-4
@@ -82,8 +86,7 @@ def test_a_batch_written_but_not_committed_is_not_found_after_a_restart(tmp_path
     tier = _tier(tmp_path, True)
     pages = [_page(i) for i in range(4)]
     try:
-        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
-        tier.write_many([(slot, header, payload) for slot, (header, payload) in zip(slots, pages)])  # type: ignore[misc]
+        tier.write_many(_reserved(tier, pages))
     finally:
         tier.close()  # a crash before the commit: the bytes are on disk, the index does not name them
     again = _tier(tmp_path, True)
@@ -101,8 +104,7 @@ def test_a_batch_larger_than_one_call_takes_is_written_in_several(tmp_path: Path
     tier.run_bytes = 3 * tier.slot_bytes(LAYOUT.page_bytes)  # three pages a call
     try:
         pages = [_page(i) for i in range(8)]
-        slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
-        batch = [(slot, header, payload) for slot, (header, payload) in zip(slots, pages)]
+        batch = _reserved(tier, pages)
         before = _write_calls()
         tier.write_many(batch)  # type: ignore[arg-type]
         assert _write_calls() - before == 3
