@@ -39,7 +39,7 @@ import grpc
 from tqdm import tqdm
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
-from kvstore.bench import soak_rounds, soak_tiers, soak_worker
+from kvstore.bench import soak_cpu, soak_rounds, soak_tiers, soak_worker
 from kvstore.bench.harness import rss, start_server
 from kvstore.bench.secure import Credentials, make_credentials
 from kvstore.security.channel import sync_channel
@@ -141,26 +141,27 @@ def _phase(name: str, clients: Clients, creds: Credentials, args: argparse.Names
     load_start = os.getloadavg()
     try:
         start, pending, shared = clients.start(specs)
+        cpu = soak_cpu.Window(server.proc.pid, [proc.pid for proc in clients.procs if proc.pid], start + args.warmup_s)
         with sync_channel(addr, token=creds.admin if auth else None, tls=creds.tls() if tls else None) as channel:
             timeline, host = _sample(server.proc, directory_pb2_grpc.DirectoryStub(channel), start,
-                                     args.warmup_s + args.duration_s, bar)
+                                     args.warmup_s + args.duration_s, bar, cpu)
         results = clients.finish(pending, 120)
         alive = server.proc.poll() is None
     finally:
         server.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
     summary = _summary(name, results, timeline, alive, args, load_start)
-    return {**summary, "shared_memory_clients": shared, "host_tier": soak_tiers.window(host, args.warmup_s, summary)}
+    return {**summary, "cpu": cpu.summary(summary["ops_per_s"]), "shared_memory_clients": shared, "host_tier": soak_tiers.window(host, args.warmup_s, summary)}
 
 
-def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s: float,
-            bar: tqdm[Any]) -> tuple[list[tuple[float, int, int]], list[tuple[float, dict[str, Any]]]]:
+def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s: float, bar: tqdm[Any],
+            cpu: soak_cpu.Window) -> tuple[list[tuple[float, int, int]], list[tuple[float, dict[str, Any]]]]:
     """(seconds since the start, server RSS bytes, events the server has logged) every second
     until the phase ends (or the server), and the host tier's figures then (soak_tiers). The
     event log Subscribe reads keeps the last 65,536 events in a buffer resident from the
     server's start (72 B a record): its filling no longer grows RSS; the count shows how far it
     is filled. A Stats call that fails while the server runs is logged as -1 events: the
-    verdict is the clients' to give."""
+    verdict is the clients' to give. ``cpu`` takes its readings at the same ticks."""
     timeline: list[tuple[float, int, int]] = []
     host: list[tuple[float, dict[str, Any]]] = []
     shown = 0
@@ -175,6 +176,8 @@ def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s
                     break
                 last_seq = -1
             timeline.append((round(now - start, 1), rss(server.pid)["rss"], last_seq))
+            if now < start + total_s:
+                cpu.tick(now)
             elapsed = min(int(now - start), int(total_s))
             bar.update(elapsed - shown)
             shown = elapsed
@@ -340,6 +343,9 @@ def print_table(report: dict[str, Any]) -> None:
     print("RSS: from minute 1 (a run shorter than 2 minutes: the end of its warm-up) to the end; the server's event log "
           "(65,536 events, resident from the start) fills meanwhile: " + ", ".join(
               f"{n} {p['events_logged_at_baseline']}->{p['events_logged_at_end']}" for n, p in report["phases"].items()))
+    print("CPU per op in the measured window (soak_cpu.py): " + "; ".join(
+        f"{n} server {_ms(p.get('cpu', {}).get('server_ms_per_op'))}, clients {_ms(p.get('cpu', {}).get('clients_ms_per_op'))}"
+        for n, p in report["phases"].items()))
     print("host tier in the measured window (like-for-like only if both sides evict alike): " + "; ".join(
         _host_line(n, p) for n, p in report["phases"].items()))
     for transport, c in report["tls_auth_cost"].items():
@@ -359,6 +365,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"latency over time: {report['plot']}")
     for v in report["violations"]:
         print(f"  VIOLATION {v}")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} ms"
 
 
 def _host_line(name: str, p: dict[str, Any]) -> str:

@@ -48,6 +48,7 @@ def run(run_phase: RunPhase, names: list[str], args: argparse.Namespace) -> dict
     for baseline, compared in pairs(names):
         ops: dict[str, list[float]] = {baseline: [], compared: []}
         evicting: dict[str, list[Any]] = {baseline: [], compared: []}  # (evictions per put, tokens found) per round
+        cpu: dict[str, list[Any]] = {baseline: [], compared: []}  # (server, clients) CPU ms per op per round
         errors = wrong = 0
         samples: list[str] = []  # the first few errors, by phase
         order = []
@@ -59,6 +60,8 @@ def run(run_phase: RunPhase, names: list[str], args: argparse.Namespace) -> dict
                 ops[name].append(summary["ops_per_s"])
                 host = summary.get("host_tier") or {}
                 evicting[name].append([host.get("evictions_per_put"), host.get("tokens_found_measured")])
+                used = summary.get("cpu") or {}
+                cpu[name].append([used.get("server_ms_per_op"), used.get("clients_ms_per_op")])
                 errors += summary["counts"].get("errors", 0) + (not summary["server_alive"])
                 wrong += summary["counts"].get("wrong_bytes", 0)
                 samples += [f"{name}: {e}" for e in summary["error_samples"][: 5 - len(samples)]]
@@ -66,7 +69,9 @@ def run(run_phase: RunPhase, names: list[str], args: argparse.Namespace) -> dict
                   f"{compared} {ops[compared][-1]} ops/s", file=sys.stderr)
         results[compared] = {**summarize(baseline, compared, ops[baseline], ops[compared], order, errors, wrong, args),
                              "baseline_evictions_per_put_tokens_found": evicting[baseline],
-                             "phase_evictions_per_put_tokens_found": evicting[compared], "error_samples": samples}
+                             "phase_evictions_per_put_tokens_found": evicting[compared],
+                             "baseline_cpu_ms_per_op": cpu[baseline], "phase_cpu_ms_per_op": cpu[compared],
+                             "cpu_per_op_increase": cpu_increase(cpu[baseline], cpu[compared]), "error_samples": samples}
     return results
 
 
@@ -82,6 +87,16 @@ def summarize(baseline: str, compared: str, base_ops: list[float], other_ops: li
         "slowdown_min": min(slowdowns) if slowdowns else None, "slowdown_max": max(slowdowns) if slowdowns else None,
         "errors": errors, "wrong_bytes": wrong,
     }
+
+
+def cpu_increase(base: list[list[Any]], other: list[list[Any]]) -> dict[str, float | None]:
+    """Median over round pairs of how much more CPU an op took on the compared side, for the
+    server and for the clients (soak_cpu.py: steadier than ops/s on a shared machine)."""
+    found: dict[str, float | None] = {}
+    for i, side in enumerate(("server", "clients")):
+        ratios = [o[i] / b[i] - 1 for b, o in zip(base, other) if b[i] and o[i]]
+        found[side] = round(median(ratios), 4) if ratios else None
+    return found
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,7 +125,13 @@ def line(r: dict[str, Any]) -> str:
                          for side, key in ((r["baseline"], "baseline"), (r["phase"], "phase")))
     return (f"{r['phase']} vs {r['baseline']} in {r['rounds']} interleaved round pairs of {r['round_s']:.0f} s: "
             f"median {r['slowdown_median']:+.1%} ops/s (min {r['slowdown_min']:+.1%}, max {r['slowdown_max']:+.1%}); "
-            f"medians: {evicting}")
+            f"medians: {evicting}; CPU per op: {_cpu_words(r.get('cpu_per_op_increase'))}")
+
+
+def _cpu_words(increase: dict[str, float | None] | None) -> str:
+    if not increase:
+        return "not measured"
+    return ", ".join(f"{side} {'n/a' if v is None else f'{v:+.1%}'}" for side, v in increase.items()) + " (median of round pairs)"
 
 
 def _median_of(rounds: list[list[Any]], i: int) -> float | None:

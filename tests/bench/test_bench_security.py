@@ -63,6 +63,7 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
         assert all(phase["ops"][op]["count"] > 0 for op in ("put", "lookup", "get")), name
         assert phase["shared_memory_clients"] == (4 if name.endswith("shm") else 0), name
         assert phase["rss_baseline"] and phase["rss_end"]
+        assert phase["cpu"]["server_ms_per_op"] > 0 and phase["cpu"]["clients_ms_per_op"] > 0, (name, phase["cpu"])
     # Like-for-like: with auth each tenant's arena is its host_bytes quota, --host-capacity / 2;
     # together they hold what the plain server's one arena holds (16 MiB here: both evict).
     for name, phase in report["phases"].items():
@@ -88,10 +89,13 @@ def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
         assert rounds["errors"] == 0 and rounds["wrong_bytes"] == 0, name
         assert rounds["slowdown_min"] <= rounds["slowdown_median"] <= rounds["slowdown_max"], name
         assert len(rounds["baseline_evictions_per_put_tokens_found"]) == len(rounds["phase_evictions_per_put_tokens_found"]) == 2
+        assert len(rounds["baseline_cpu_ms_per_op"]) == len(rounds["phase_cpu_ms_per_op"]) == 2
+        assert set(rounds["cpu_per_op_increase"]) == {"server", "clients"}
     for entry in (report["tls_auth_cost"]["shm"], report["tls_auth_cost"]["grpc"], report["tls_auth_cost"]["shm"]["local_socket"]):
         assert entry["meets_goal_by"] == "rounds median"
         assert entry["meets_goal"] == (entry["rounds"]["slowdown_median"] <= entry["goal_slowdown"])
     assert "secure-grpc vs plain-grpc in 2 interleaved round pairs" in stdout
+    assert "CPU per op in the measured window (soak_cpu.py): secure-shm server " in stdout
 
 
 def test_soak_rounds_cost_is_the_median_of_per_pair_slowdowns() -> None:
