@@ -18,12 +18,17 @@
 
 enum { DONE = 0, CLOSED = 1, LATE = 2, FAILED = 3, MISMATCH = 4 };
 
-/* Sets SO_RCVTIMEO or SO_SNDTIMEO to what is left of deadline; 0 when nothing is left. */
+#define LONGEST_WAIT_S 1e9  /* ~31 years: an infinite deadline waits this long, within time_t */
+
+/* Sets SO_RCVTIMEO or SO_SNDTIMEO to what is left of deadline; 0 when nothing is left (also
+ * for a NaN deadline). An infinite one is held to LONGEST_WAIT_S: a double beyond time_t's
+ * range cast to it is undefined behaviour (setsockopt then said EDOM here). */
 static int arm(int fd, int option, double deadline) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     double left = deadline - ((double)now.tv_sec + now.tv_nsec * 1e-9);
-    if (left <= 0) return 0;
+    if (!(left > 0)) return 0;
+    if (left > LONGEST_WAIT_S) left = LONGEST_WAIT_S;
     struct timeval tv;
     tv.tv_sec = (time_t)left;
     tv.tv_usec = (suseconds_t)((left - (double)tv.tv_sec) * 1e6);
@@ -123,6 +128,7 @@ PyObject *send_hashed(PyObject *self, PyObject *args) {
     if (get_args(args, "iy*OndK", &fd, &buf, 0, &sum, &chunk, &deadline, &expected, &state) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     const char *p = (const char *)buf.buf;
+    if (buf.len == 0 && xxh3_digest(state) != expected) status = MISMATCH;  /* no chunk, still a page to check */
     for (Py_ssize_t at = 0; at < buf.len && status == DONE; at += chunk) {
         Py_ssize_t end = buf.len - at < chunk ? buf.len : at + chunk;
         xxh3_update(state, p + at, (size_t)(end - at));

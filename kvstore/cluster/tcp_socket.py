@@ -30,6 +30,7 @@ CHUNK_BYTES = 256 << 10  # hashed right after it lands or right before it leaves
 BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF asked for (the kernel caps them at [rw]mem_max)
 _SIZE = struct.Struct("<Q")
 _TIMEVAL = struct.Struct("@ll")
+LONGEST_WAIT_S = 1e9  # ~31 years: what an infinite deadline waits (timeval holds it; _sockhash.c alike)
 logger = logging.getLogger(__name__)
 _told = threading.Event()  # the refused congestion control is logged once per process
 
@@ -67,8 +68,8 @@ class Deadline:
 
     def arm(self, sock: socket.socket) -> None:
         """Sets the kernel's send and receive timeouts to what is left; TimeoutError if nothing is."""
-        left = self.left()
-        if left <= 0:
+        left = min(self.left(), LONGEST_WAIT_S)  # Deadline(math.inf): waits without end, in timeval's range
+        if not left > 0:
             raise TimeoutError("the deadline passed")
         seconds = int(left)
         value = _TIMEVAL.pack(seconds, max(1, int((left - seconds) * 1e6)))
@@ -138,6 +139,8 @@ def send_hashed(sock: socket.socket, view: memoryview, digest: object, expected:
             return False
         _raise_for(status, err, "the connection closed")
         return True
+    if not view.nbytes:
+        return digest.intdigest() == expected  # type: ignore[attr-defined]  # no chunk, still a page to check
     for at in range(0, view.nbytes, CHUNK_BYTES):
         piece = view[at: at + CHUNK_BYTES]
         digest.update(piece)  # type: ignore[attr-defined]

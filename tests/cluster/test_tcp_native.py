@@ -5,6 +5,7 @@ closes or goes silent reported as TransportError or TimeoutError by the deadline
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 import time
@@ -142,3 +143,27 @@ def test_a_socket_in_timeout_mode_is_waited_on_not_spun_on(path: str) -> None:
         sent_cpu = time.thread_time() - t0
         reader.join()
         assert received_cpu < 0.25 and sent_cpu < 0.25, (received_cpu, sent_cpu)
+
+
+def test_a_deadline_without_end_bounds_nothing_and_breaks_nothing(path: str) -> None:
+    """Deadline(math.inf) (a caller with no deadline of its own) waits as long as it takes:
+    the seconds left converted to the kernel's timeval must not overflow (in C, a double
+    out of time_t's range cast to it is undefined behaviour)."""
+    a, b = socket.socketpair()
+    with a, b:
+        page = bytes(range(256)) * 64
+        b.sendall(page)
+        view = memoryview(bytearray(len(page)))
+        recv_hashed(a, view, running_checksum(), Deadline(math.inf))
+        assert bytes(view) == page
+        assert send_hashed(a, memoryview(page), running_checksum(), checksum(page), Deadline(math.inf))
+        assert b.recv(len(page), socket.MSG_WAITALL) == page
+
+
+def test_an_empty_page_is_sent_only_when_it_matches_its_checksum(path: str) -> None:
+    """No chunk to hash is still a page to check: an empty buffer whose expected checksum is
+    not the empty one's is a mismatch, as any other page's would be."""
+    a, b = socket.socketpair()
+    with a, b:
+        assert send_hashed(a, memoryview(b""), running_checksum(), checksum(b""), Deadline(5))
+        assert not send_hashed(a, memoryview(b""), running_checksum(), checksum(b"") ^ 1, Deadline(5))
