@@ -114,6 +114,7 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, preexec_fn: object = None) -> None:
+        self.close_pipes()  # of the run before a restart
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      preexec_fn=preexec_fn)  # type: ignore[arg-type]  # noqa: PLW1509 - a test's fork hook, no threads yet
         assert self.proc.stdout is not None
@@ -143,6 +144,13 @@ class ServerProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(20)
 
+    def close_pipes(self) -> None:
+        """Closes this side of the last run's stdout and stderr (a run's pipes outlive it otherwise)."""
+        if self.proc is not None:
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+
 
 @pytest.fixture
 def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
@@ -151,4 +159,5 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
     if proc.proc is not None and proc.proc.poll() is None:
         proc.proc.kill()
         proc.proc.wait(10)
+    proc.close_pipes()
 
