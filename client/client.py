@@ -168,6 +168,8 @@ class KVStoreClient:
         if self._runtime is not None and self._runtime.on_loop():
             raise KVStoreError("close() must be awaited on the caller's event loop, not on the client's I/O runtime")
         loop = asyncio.get_running_loop()
+        if self._runtime is not None and self._runtime.process.forked:
+            self._handles.clear()  # their threads stayed in the parent, and what they hold is the parent's
         for handle in list(self._handles):
             handle.abandon("client closed")
         for handle in list(self._handles):

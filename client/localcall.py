@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from kvstore import localcall
+from kvstore.client.forked import ProcessCheck
 from kvstore._proto import data_pb2
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
@@ -62,6 +63,7 @@ class CallChannel:
         self._lock = threading.Lock()
         self._closed = False
         self.num_late = 0  # answers that came after their deadline and were given back here
+        self.process = ProcessCheck()  # a forked child is refused (client/forked.py)
 
     @classmethod
     def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float,
@@ -85,6 +87,7 @@ class CallChannel:
         the answer, at most ``timeout_s`` (by default the client's). Raises the server's error
         as its KVStoreError, a plain KVStoreError when the socket fails, TimeoutError past the
         deadline (what the call would have given is given back, see ``_abandon``)."""
+        self.process.check(self.path)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())

@@ -56,6 +56,7 @@ class LoopCalls:
         runtime = self._runtime
         if runtime is None:
             raise KVStoreError("the client is not connected")
+        runtime.process.check(runtime.address)  # a fork's loop may be a copy of the parent's, its channel too
         if runtime.on_loop():
             return await runtime.unary(name, request, timeout_s)
         timeout_s = timeout_s or runtime.timeout_s
@@ -107,6 +108,8 @@ class LoopCalls:
             finalizers, self._finalizers = list(self._finalizers.values()), weakref.WeakKeyDictionary()
         for finalizer in finalizers:
             finalizer.detach()  # retired below
+        if self._runtime is not None and self._runtime.process.forked:
+            return  # retiring would take the parent's sockets out of the epoll set it shares with this child
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:

@@ -31,6 +31,7 @@ import grpc
 
 from kvstore import localcall
 from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
+from kvstore.client.forked import ProcessCheck
 from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
@@ -131,6 +132,7 @@ class Runtime:
         self._jobs: set[Job] = set()
         self._lock = threading.Lock()  # orders submissions against close
         self._closed = False
+        self.process = ProcessCheck()  # a forked child is refused (client/forked.py)
         self._channel: grpc.aio.Channel | None = None
         self.local: AsyncCallChannel | None = None  # the same-host call socket, when the client takes it (set on this loop)
         self.data: data_pb2_grpc.DataStub  # the stubs, set by open()
@@ -186,6 +188,9 @@ class Runtime:
     # -- from other loops and threads ------------------------------------------------------
 
     def _submit(self, coro: Coroutine[Any, Any, T], notify: Callable[[], None] | None = None) -> Job:
+        if self.process.forked:
+            coro.close()
+            self.process.check(self.address)
         with self._lock:
             if self._closed:
                 coro.close()
@@ -248,6 +253,8 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
+        if self.process.forked:
+            return  # the loop's selector and self-pipe are the parent's too: closing them would unregister its sockets
         if self._thread.is_alive():
             done = concurrent.futures.Future[None]()
             self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._shutdown()).add_done_callback(
