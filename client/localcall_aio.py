@@ -178,7 +178,12 @@ class AsyncCallChannel:
             raise NotSent(f"call socket {self.path}: HELLO refused: {localcall.parse_error(body)[1]}")
         if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
-            if await self._learn():
+            try:
+                async with asyncio.timeout_at(deadline):  # asking the server again is part of this call
+                    learnt = await self._learn()
+            except TimeoutError:
+                raise NotSent(f"call socket {self.path}: the restarted server's socket not learnt by the deadline") from None
+            if learnt:
                 return await self._connect(deadline)  # once: _learn asks again only after RELEARN_S
             raise NotSent(f"call socket {self.path} belongs to another server now; unary calls go over gRPC")
         return conn

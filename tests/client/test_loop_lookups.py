@@ -20,7 +20,8 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall_aio import AsyncCallChannel
+from kvstore._proto import directory_pb2
+from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
 
@@ -190,3 +191,27 @@ async def test_a_closed_client_leaves_nothing_held_by_a_loop_that_runs_on(server
     del client
     gc.collect()
     assert runtime() is None, "a closed client's runtime is held (the loop's finalizer of its channel)"
+
+
+async def test_learning_a_restarted_servers_socket_ends_within_the_callers_deadline(server_process: ServerProcess,
+                                                                                    ns: Namespace) -> None:
+    """A HELLO answered with another call token (the server restarted) makes the channel ask
+    the server again over gRPC (relearn); that question is part of the call and ends at its
+    deadline, not at gRPC's own timeout."""
+    server_process.start()
+    async with KVStoreClient(server_process.address, ns) as client:
+        assert client.runtime.local is not None
+        asked = asyncio.Event()
+
+        async def slow_relearn() -> None:  # a gRPC GetInfo that does not answer in time
+            asked.set()
+            await asyncio.sleep(10)
+
+        stale = AsyncCallChannel(client.runtime.local.path, None, bytes(16), slow_relearn)  # the token of no server
+        request = directory_pb2.LookupRequest(namespace_id=client.namespace.namespace_id, keys=client.keys(list(range(16))))
+        t0 = time.monotonic()
+        with pytest.raises((NotSent, TimeoutError)):
+            await stale.call("Directory.Lookup", request, 0.5)
+        took = time.monotonic() - t0
+        assert asked.is_set(), "the stale token made the channel ask again"
+        assert took < 2.0, f"the call took {took:.1f} s with a 0.5 s deadline"
