@@ -24,7 +24,13 @@ def test_lookup_smoke(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["switch_interval_ms"] == 1.0  # every server of the run got it (one that refused it would not start)
-    rows = report["rows"]
+    floor, rows = report["rows"][:2], report["rows"][2:]
+    # the floor first: a bare round trip of a 64-key Lookup's bytes, idle and beside direct writes (their GB/s)
+    assert [(r["state"], r["call"], r["path"]) for r in floor] == [
+        ("idle", "bare round trip (no kvstore)", "Unix socket"), ("draining", "bare round trip (no kvstore)", "Unix socket")]
+    assert all(r["lookups"] > 0 and 0.3 <= r["p50_ms"] <= r["p99_ms"] for r in floor), floor  # 0.3 ms of work each
+    assert floor[1]["demoted_gb_per_s"] > 0 and floor[1]["floor_writer"].startswith("dd oflag=direct"), floor
+    assert "p99 draining / idle, one client (goal <= 2x): " in res.stdout and "bare round trip (no kvstore) " in res.stdout
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
         (state, call, n) for state in ("idle", "demoting", "writing", "draining") for n in (1, 2)
         for call in ("Lookup RPC", "client.lookup_keys")] + [("idle", "client.lookup", 1)]
