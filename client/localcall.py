@@ -90,7 +90,7 @@ class CallChannel:
         self.process.check(self.path)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())
+        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(timeout_s), request.SerializeToString())
         for attempt in range(2):
             conn, reused, owed = self._take(deadline)
             try:
@@ -134,7 +134,7 @@ class CallChannel:
         drops the answer. Blocks at most ``timeout_s`` (a connection to open, a full socket);
         raises KVStoreError or TimeoutError when the call was not sent."""
         deadline = time.monotonic() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(self.timeout_s * 1000)),
+        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(self.timeout_s),
                                         request.SerializeToString())
         conn, _, owed = self._take(deadline)
         try:

@@ -107,7 +107,7 @@ class AsyncCallChannel:
         the server, TimeoutError past ``timeout_s`` (what the call granted is given back)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], max(1, int(timeout_s * 1000)), request.SerializeToString())
+        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(timeout_s), request.SerializeToString())
         if not self._queue and self._slots.locked():
             raise NotSent(f"call socket {self.path}: all connections of this loop busy")
         try:

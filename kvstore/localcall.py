@@ -28,6 +28,7 @@ HELLO = 0
 MAX_REQUEST_BYTES = 1 << 20  # above any valid unary request (4096 keys of a Lookup are ~80 KiB)
 MAX_ANSWER_BYTES = 16 << 20
 CALL_TOKEN_BYTES = 16
+MAX_TIMEOUT_MS = (1 << 32) - 1  # the u32 field's range, ~49.7 days
 
 # Method ids are positions here (1-based): append only. The hot path (Lookup, Acquire, Release)
 # and the other calls a same-host client makes; no admin calls (Invalidate, Quarantine, Stats,
@@ -48,6 +49,13 @@ METHODS: tuple[str, ...] = (
     "Data.EndSession",
 )
 METHOD_IDS = {name: index for index, name in enumerate(METHODS, start=1)}
+
+
+def timeout_ms(timeout_s: float) -> int:
+    """A request's ``timeout_ms`` for ``timeout_s``: at least 1 (0 names none), at most the
+    field holds. Why: a client with a deadline of months (an operator's "no timeout", which
+    gRPC takes) raised struct.error on every call socket call."""
+    return max(1, int(min(timeout_s * 1000, MAX_TIMEOUT_MS)))
 
 
 def request_frame(method_id: int, timeout_ms: int, body: bytes) -> bytes:

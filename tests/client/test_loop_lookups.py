@@ -20,7 +20,7 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient
-from kvstore._proto import directory_pb2
+from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
@@ -215,3 +215,16 @@ async def test_learning_a_restarted_servers_socket_ends_within_the_callers_deadl
         took = time.monotonic() - t0
         assert asked.is_set(), "the stale token made the channel ask again"
         assert took < 2.0, f"the call took {took:.1f} s with a 0.5 s deadline"
+
+
+async def test_a_client_with_a_deadline_of_months_calls_over_the_call_socket(server, ns: Namespace, layout: KVLayout) -> None:
+    """A deadline beyond the frame's u32 of milliseconds (~49.7 days; an operator's "no
+    timeout") works on the call socket as it does over gRPC: every call of such a client,
+    on any path, raised struct.error ("'I' format requires 0 <= number <= 4294967295")."""
+    async with KVStoreClient(server.address, ns, timeout_s=1e7) as client:
+        keys = await stored(client, layout, 2)  # Allocate / Commit on the runtime's call socket
+        assert (await client.lookup_keys(keys)).num_pages == 2  # this loop's channel
+        assert (await asyncio.to_thread(asyncio.run, client.lookup_keys(keys))).num_pages == 2  # another loop's
+        assert client.calls is not None
+        who = await asyncio.to_thread(client.calls.call, "Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
+        assert who.tenant  # the blocking channel
