@@ -52,10 +52,12 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 def page_keys(namespace_id: bytes, tokens: Sequence[int] | np.ndarray, page_tokens: int) -> list[bytes]:
     """Keys of the full pages of ``tokens``; a trailing partial page gets none."""
-    if page_tokens <= 0:
-        raise InvalidRequest(f"page_tokens must be positive, got {page_tokens}")
+    if type(page_tokens) is bool or not hasattr(type(page_tokens), "__index__") or page_tokens <= 0:
+        raise InvalidRequest(f"page_tokens must be a positive integer, got {page_tokens!r}")
     arr = token_array(tokens)
     num_pages = arr.size // page_tokens
+    if num_pages == 0:  # also a page size past the native chain's ssize_t (hashlib's loop took it)
+        return []
     data = np.ascontiguousarray(arr[: num_pages * page_tokens])
     if chain_keys is not None:
         return chain_keys(namespace_id, data, 4 * page_tokens, _PERSON)  # type: ignore[no-any-return]

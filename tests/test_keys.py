@@ -140,3 +140,21 @@ def test_a_page_size_that_is_not_positive_is_refused(page_tokens: int) -> None:
     """Found by this session's reviewer: 0 raised ZeroDivisionError, a negative size ValueError."""
     with pytest.raises(InvalidRequest, match="page_tokens"):
         page_keys(bytes(16), list(range(64)), page_tokens)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_page_size_beyond_the_tokens_or_not_an_integer_is_answered_alike(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths give a page size longer than the tokens no page (only full pages get keys)
+    and refuse one that is no integer. Before: 2**62 raised the native chain's OverflowError
+    ("Python int too large to convert to C ssize_t") where hashlib gave [], and 16.0 a
+    TypeError about slice indices on both."""
+    if native and page_key_module.chain_keys is None:
+        pytest.skip("kvstore._keys is not built")
+    if not native:
+        monkeypatch.setattr(page_key_module, "chain_keys", None)
+    for huge in (2**61, 2**62, 10**30):
+        assert page_keys(bytes(16), list(range(64)), huge) == []
+    for bad in (16.0, "16", None, True):
+        with pytest.raises(InvalidRequest, match="page_tokens"):
+            page_keys(bytes(16), list(range(64)), bad)  # type: ignore[arg-type]
+    assert page_keys(bytes(16), list(range(64)), np.int64(16)) == page_keys(bytes(16), list(range(64)), 16)
