@@ -101,6 +101,7 @@ class CallChannel:
             except (_Gone, OSError) as exc:
                 conn.close()
                 if attempt == 0:
+                    self._drop_idle()
                     continue  # this call was not sent yet: on a new connection
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
             received = bytearray()  # of the answer: what a deadline leaves read is still looked at
@@ -114,6 +115,7 @@ class CallChannel:
             except (_Gone, BrokenPipeError, ConnectionResetError) as exc:
                 conn.close()
                 if reused and not received and attempt == 0:
+                    self._drop_idle()
                     continue  # the server had closed this idle connection: the request was never read, never ran
                 raise KVStoreError(f"call socket {self.path}: {exc}") from None
             except OSError as exc:
@@ -172,6 +174,17 @@ class CallChannel:
                 conn = self._idle.pop()
                 return conn, True, self._owed.pop(conn, 0)
         return self._connect(deadline), False, 0
+
+    def _drop_idle(self) -> None:
+        """Closes every idle connection: one was found closed by the server (a restart, its idle
+        timeout), and the others, idle as long, are as likely closed, so the retry connects anew
+        (before: it took the next idle one, and a restart's second dead one failed the call)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            for conn in idle:
+                self._owed.pop(conn, None)  # the answers of give-backs posted on them: they expire
+        for conn in idle:
+            conn.close()
 
     def _put(self, conn: socket.socket, owed: int = 0) -> None:
         with self._lock:

@@ -143,6 +143,7 @@ class AsyncCallChannel:
             except (_Gone, OSError) as exc:
                 conn.close()
                 if reused and not received and attempt == 0:
+                    self._drop_idle()  # the others, idle as long, are as likely closed
                     continue  # the server had closed this idle connection (a restart): a new one
                 if not sent:
                     raise NotSent(f"call socket {self.path}: {exc}") from None
@@ -226,13 +227,18 @@ class AsyncCallChannel:
             await asyncio.wait(list(self._give_backs), timeout=2 * GIVE_BACK_S)
         self.retire()
 
+    def _drop_idle(self) -> None:
+        """Closes the idle connections, so that a retry connects anew: before, it took the next
+        idle one, and a restart's second dead one made the call NotSent (gRPC for _RETRY_S)."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
     def retire(self) -> None:
         """gRPC from here on: closes the idle connections (one in use closes once its call ends).
         On the channel's loop, or once that loop runs no more."""
         self._retired = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._drop_idle()
 
 
 def _response_type(method: str) -> Any:

@@ -5,6 +5,7 @@ over gRPC (at most once a second) instead of failing, or falling back to gRPC, f
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2
 from kvstore.client import KVStoreClient
 from kvstore.client.localcall_aio import AsyncCallChannel
+from kvstore.client.runtime import Runtime
 from kvstore.page import checksum
 
 
@@ -168,3 +170,47 @@ async def test_a_client_sizes_its_batches_by_the_restarted_servers_arena(server_
         into = torch.zeros_like(kv)
         assert await client.get(await client.lookup(more), into) == len(more)
         assert torch.equal(into, kv)
+
+
+async def test_connections_left_idle_by_calls_side_by_side_do_not_fail_the_first_call_after_a_restart(
+        server_process: ServerProcess, ns: Namespace, layout: KVLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls side by side leave a channel several idle connections, all closed by a restart.
+    Bug: a call tried one of them, then one more, and gave up: the blocking channel (the vLLM
+    connector's hit path) raised 'call socket ...: [Errno 32] Broken pipe', and a lookup on the
+    caller's loop went through the runtime (its loop channel then refused the socket for 1 s)."""
+    server_process.start()
+    tokens = torch.arange(2 * layout.page_tokens)
+    async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
+        calls = client.calls
+        assert calls is not None
+        assert await client.put(tokens, random_kv(layout, len(tokens)), durable=True) == len(tokens)
+        keys = client.keys(tokens)
+        at_once = threading.Barrier(3)
+
+        def get_info() -> None:
+            at_once.wait(10)
+            calls.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
+
+        threads = [threading.Thread(target=get_info) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            await asyncio.to_thread(thread.join, 10)
+        assert [h.num_pages for h in await asyncio.gather(client.lookup_keys(keys), client.lookup_keys(keys))] == [2, 2]
+        server_process.kill()
+        server_process.start()
+        info = await asyncio.to_thread(calls.call, "Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
+        assert info.call_token
+        socket_calls: list[str] = []
+        hops: list[str] = []
+        monkeypatch.setattr(AsyncCallChannel, "call", served(socket_calls, AsyncCallChannel.call))
+        real_hop = Runtime.call
+
+        async def hop(runtime: Runtime, coro: Any) -> Any:
+            hops.append(coro.__qualname__)
+            return await real_hop(runtime, coro)
+
+        monkeypatch.setattr(Runtime, "call", hop)
+        assert (await client.lookup_keys(keys)).num_pages == 2
+        assert [h for h in hops if "call_socket" not in h] == [], "the lookup went through the runtime"
+        assert socket_calls == ["Directory.Lookup"]
