@@ -4,7 +4,8 @@ started the server, as the UCX page server's does).
 
 Without ``authorize`` it listens on loopback only. With it, a connection is served only
 after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
-a time (more are closed unread), each within ``HELLO_TIMEOUT_S``; a node keeps at most
+a time (one past it supersedes the oldest: anyone who reaches the port could otherwise hold
+them all with idle sockets and lock every node out), each within ``HELLO_TIMEOUT_S``; a node keeps at most
 ``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest), the server
 ``MAX_CONNECTIONS`` in all (more are closed); refusals are logged at
 most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 _refusals = Throttled(logger)  # a scanner at the data port must not flood the log
 
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
-MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
+MAX_ADMITTING = 64  # connections still presenting their grant at once; a newer one closes the oldest
 MAX_CONNECTIONS_PER_NODE = 8  # a node's fetcher keeps one per peer; a newer one supersedes its oldest
 MAX_CONNECTIONS = 256  # admitted in all: a caller names the node id its grant is for, so ids are no bound
 DAMAGED = "its bytes in the arena do not match its checksum (checked before sending over TCP)"
@@ -73,7 +74,7 @@ class TcpPageServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._by_node: dict[str, list[socket.socket]] = {}  # admitted connections per node, oldest first
-        self._admitting = 0
+        self._presenting: dict[socket.socket, None] = {}  # accepted, no grant presented yet, oldest first
         self._listener: socket.socket | None = None
         self._closing = False  # set under the lock: a connection accepted after it is closed, not served
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,24 +135,24 @@ class TcpPageServer:
                 if self._closing:  # accepted as close() looked at the connections: it would outlive close()
                     conn.close()
                     return
-                if self._authorize is not None and self._admitting >= MAX_ADMITTING:
-                    _refusals.warning("busy", "refused a TCP connection to the data port: %d others are still "
-                                      "presenting their grant", self._admitting)
-                    conn.close()
-                    continue
                 if self._authorize is not None:
-                    self._admitting += 1
+                    if len(self._presenting) >= MAX_ADMITTING:  # its thread sees the connection end and drops it
+                        oldest = next(iter(self._presenting))
+                        del self._presenting[oldest]
+                        shut(oldest)
+                        _refusals.warning("busy", "TCP connections to the data port: %d were presenting their grant; "
+                                          "closed the oldest", MAX_ADMITTING)
+                    self._presenting[conn] = None
                 self._conns.add(conn)
             if not start_thread(self._connection, conn, name="tcp-pages"):
                 logger.warning("refused a TCP connection to the data port: cannot start a thread for it")
-                self._gone(conn, admitting=True)
+                self._gone(conn)
 
-    def _gone(self, conn: socket.socket, admitting: bool) -> None:
+    def _gone(self, conn: socket.socket) -> None:
         shut(conn)
         conn.close()
         with self._idle:
-            if admitting and self._authorize is not None:
-                self._admitting -= 1
+            self._presenting.pop(conn, None)
             self._conns.discard(conn)
             for node, conns in list(self._by_node.items()):
                 if conn in conns:
@@ -161,7 +162,6 @@ class TcpPageServer:
             self._idle.notify_all()
 
     def _connection(self, conn: socket.socket) -> None:
-        admitting = True
         try:
             tune(conn)
             node = self._admit(conn) if self._authorize is not None else ""
@@ -170,9 +170,8 @@ class TcpPageServer:
             with self._lock:
                 held = True
                 if self._authorize is not None:
-                    self._admitting -= 1
+                    self._presenting.pop(conn, None)
                     held = self._hold(node, conn)
-                admitting = False
             if not held:
                 _refusals.warning("full", "refused a TCP connection to the data port: %d connections are admitted",
                                   MAX_CONNECTIONS)
@@ -187,7 +186,7 @@ class TcpPageServer:
         except Exception:
             logger.exception("TCP page server connection failed")
         finally:
-            self._gone(conn, admitting)
+            self._gone(conn)
 
     def _hold(self, node: str, conn: socket.socket) -> bool:
         """Counts an admitted connection to its node (lock held); past the cap the node's

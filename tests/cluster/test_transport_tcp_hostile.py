@@ -248,3 +248,38 @@ async def _receiving_fetch(fetcher: TcpPageFetcher, page: int, n: int = 64) -> a
         if any(t.name == "tcp-fetch" for t in threading.enumerate()):
             break
     return task
+
+
+async def test_anyone_holding_every_hello_slot_does_not_lock_a_node_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches the data port (no grant needed) could keep MAX_ADMITTING silent
+    connections open, opening a new one as each was dropped at HELLO_TIMEOUT_S: every node's
+    new connection was closed unread meanwhile, its fetch FAILED. Now a connection past the
+    cap supersedes the oldest still presenting its grant (a node sends its hello right
+    after connecting), so holding the slots takes a flood of connects, not 64 idle sockets."""
+    from kvstore.cluster import tcp_server
+    from kvstore.cluster.grants import TransferGrants
+    from kvstore.cluster.page_fetch import FetchStatus
+
+    monkeypatch.setattr(tcp_server, "MAX_ADMITTING", 8)
+    grants = TransferGrants()
+    server = TcpPageServer(CountingSource(4096), authorize=grants.take)
+    port = await server.start()
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(tcp_server.MAX_ADMITTING)]
+    try:
+        await asyncio.sleep(0.3)  # every one accepted, presenting nothing
+        grant = grants.issue("b")
+
+        async def present() -> bytes:
+            return grant
+
+        fetcher = TcpPageFetcher("127.0.0.1", port, present)
+        result = await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=3)
+        await fetcher.close()
+        assert result.statuses == [FetchStatus.OK], f"the node was locked out: {result.error}"
+        assert server.connections() <= tcp_server.MAX_ADMITTING
+        silent[0].settimeout(5)
+        assert silent[0].recv(1) == b"", "the oldest silent connection was superseded"
+    finally:
+        for s in silent:
+            s.close()
+        await server.close()
