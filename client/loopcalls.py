@@ -76,7 +76,7 @@ class LoopCalls:
 
     def _channel(self) -> AsyncCallChannel | None:
         """This loop's channel (made on its first call); None without a call socket, once
-        closed, or past MAX_LOOPS."""
+        closed, or past MAX_LOOPS (closed loops not counted)."""
         local = self._runtime.local if self._runtime is not None else None
         if local is None:
             return None
@@ -85,10 +85,21 @@ class LoopCalls:
             if self._closed:
                 return None
             channel = self._channels.get(loop)
+            if channel is None:
+                self._forget_closed_loops()
             if channel is None and len(self._channels) < MAX_LOOPS:
                 channel = self._channels[loop] = local.sibling(self._hop, CONNECTIONS_PER_LOOP)
                 self._finalizers[loop] = weakref.finalize(loop, channel.retire)  # a loop dropped without close: its connections go with it
         return channel
+
+    def _forget_closed_loops(self) -> None:
+        """Retires the channels of loops closed but not yet collected (lock held): such a loop
+        runs nothing again, and it held one of the MAX_LOOPS places and its connections open."""
+        for loop in [loop for loop in list(self._channels) if loop.is_closed()]:
+            self._channels.pop(loop).retire()
+            finalizer = self._finalizers.pop(loop, None)
+            if finalizer is not None:
+                finalizer.detach()
 
     async def _hop(self, awaitable: Awaitable[Any]) -> Any:
         """Awaits one of the runtime channel's coroutines (a relearn) on the runtime loop;

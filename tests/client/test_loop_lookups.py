@@ -228,3 +228,35 @@ async def test_a_client_with_a_deadline_of_months_calls_over_the_call_socket(ser
         assert client.calls is not None
         who = await asyncio.to_thread(client.calls.call, "Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
         assert who.tenant  # the blocking channel
+
+
+async def test_closed_loops_still_referenced_leave_their_places_and_connections(server, ns: Namespace, layout: KVLayout,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop closed but still referenced (kept by a thread-local, a list of an engine's
+    workers) runs nothing again. Bug: its channel kept one of the MAX_LOOPS places and its
+    connections open on the server until the loop was collected: after four such loops every
+    other loop's lookups hopped to the runtime."""
+    from kvstore.client import loopcalls
+
+    async with KVStoreClient(server.address, ns) as client:
+        keys = await stored(client, layout, 2)
+        path = str(server.call_socket.path)
+        before = connections_to(path)
+        kept: list[asyncio.AbstractEventLoop] = []
+
+        def on_a_loop_of_its_own() -> None:
+            loop = asyncio.new_event_loop()
+            try:
+                assert loop.run_until_complete(client.lookup_keys(keys)).num_pages == 2
+            finally:
+                loop.close()
+            kept.append(loop)
+
+        for _ in range(loopcalls.MAX_LOOPS):
+            await asyncio.to_thread(on_a_loop_of_its_own)
+        socket_calls, hops = spy(monkeypatch)
+        assert (await client.lookup_keys(keys)).num_pages == 2
+        assert hops == [], "this loop's lookup went through the runtime: the closed loops held every place"
+        assert await asyncio.to_thread(wait_for, lambda: connections_to(path) == before + 1), \
+            f"{connections_to(path) - before - 1} connections of closed loops left open on the server"
+        assert len(kept) == loopcalls.MAX_LOOPS
