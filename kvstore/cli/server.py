@@ -58,6 +58,7 @@ _QUOTA_HELP = {
     "leases": "leases held at once", "allocations": "allocations not yet committed or aborted",
     "hints": "hinted keys held at once", "token_log_bytes": "token-log bytes of its sessions",
     "published_records": "other nodes' locations its Publish calls record",
+    "call_connections": "connections to the same-host call socket at once (the socket serves 256 in all)",
 }
 
 

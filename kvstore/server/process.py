@@ -169,7 +169,9 @@ class Server:
             secrets.token_bytes(CALL_TOKEN_BYTES),
             undo={"Acquire": lambda answer, who: self.core.release(answer.lease_id, who.tenant),
                   "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
-            rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc())
+            rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
+            tenant_limit=lambda who: self.tenancy.quotas.limits(who.tenant).call_connections if who.via != "local" else 0,
+            quota_refused=lambda tenant: self.tenancy.quotas.refused(tenant, "call_connections"))
         data_service.call_socket, data_service.call_token = self.call_socket.path, self.call_socket.call_token
         self._data = data_service
         self.port = 0

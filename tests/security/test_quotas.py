@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
+from callsock import SocketCaller, connect
 from certs import CertAuthority
 from tenants import LAYOUT, NODE, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
@@ -369,5 +371,36 @@ def test_a_refusal_after_its_own_pages_went_down_says_so(tmp_path, ca) -> None:
         assert f"{2 * PAGE_BYTES} bytes of its own pages were written down" in details, details
         assert server.core.directory.usage(ns).get("host", 0) == 2 * PAGE_BYTES, "the two unpinned pages went down"
         a.close()
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_call_socket_connections(tmp_path, ca) -> None:
+    """One tenant cannot take the same-host call socket's connections from the others: past
+    its call_connections quota its HELLO is refused with RESOURCE_EXHAUSTED (LimitExceeded),
+    the other tenants' connections still are served, and a connection it closes gives its
+    place back."""
+    server = _start(tmp_path, ca, {"b": {"call_connections": 3}})
+    try:
+        held = [connect(server, B)[0] for _ in range(3)]
+        sock, status = connect(server, B)
+        body = sock.recv(4096)
+        sock.close()
+        assert status == FULL, f"a 4th connection of tenant b with call_connections 3: {status} {body!r}"
+        assert server.tenancy.quotas.metrics.tenant_quota_refusals.labels("b", "call_connections")._value.get() == 1
+        a = SocketCaller(server, A)  # tenant a: not held back by b's connections
+        assert a("Directory.Lookup", directory_pb2.LookupRequest(namespace_id=new_ns(), keys=new_keys(1)),
+                 directory_pb2.LookupResponse) == directory_pb2.LookupResponse()
+        a.close()
+        held.pop().close()
+        for _ in range(100):  # its place is given back once the server saw the close
+            sock, status = connect(server, B)
+            sock.close()
+            if status == OK:
+                break
+            time.sleep(0.05)
+        assert status == OK, "a closed connection gives its place back"
+        for sock in held:
+            sock.close()
     finally:
         server.stop(grace_s=1)

@@ -61,11 +61,11 @@ Undo = Callable[[Any, Identity], None]  # (the response that was not delivered, 
 
 
 class _Close(Exception):
-    """Ends a connection, answering ``code``/``message`` first when the peer can hear it."""
+    """Ends a connection, answering ``code``/``message`` (as ``error_class``) first when the peer can hear it."""
 
-    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode | None, message: str, error_class: str = "") -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.error_class = code, error_class
 
 
 def _status(code: grpc.StatusCode) -> int:
@@ -78,7 +78,9 @@ class CallSocket:
 
     def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
                  call_token: bytes, *, undo: dict[str, Undo] | None = None,
-                 rejected: Callable[[str, str], None] | None = None, max_connections: int = 256,
+                 rejected: Callable[[str, str], None] | None = None, tenant_limit: Callable[[Identity], int] | None = None,
+                 quota_refused: Callable[[str], None] | None = None,
+                 max_connections: int = 256,
                  max_per_pid: int = 32, hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
@@ -96,6 +98,8 @@ class CallSocket:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._max_per_pid = max_per_pid
         self._per_pid: dict[int, int] = {}  # open connections per peer process
+        self._tenant_limit, self._quota_refused = tenant_limit, quota_refused  # a tenant's call_connections, its refusals
+        self._per_tenant: dict[str, int] = {}  # connections past HELLO per tenant (those with a limit)
         self._hello_s, self._idle_s, self._frame_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -156,8 +160,8 @@ class CallSocket:
             except OSError:
                 conn.close()
                 continue
-            with self._lock:
-                own = self._per_pid.get(pid, 0) < self._max_per_pid
+            with self._lock:  # pid 0: a peer in another pid namespace, not told apart from the others there
+                own = pid == 0 or self._per_pid.get(pid, 0) < self._max_per_pid
                 if own:
                     self._per_pid[pid] = self._per_pid.get(pid, 0) + 1
             if not own or not self._slots.acquire(blocking=False):
@@ -195,8 +199,11 @@ class CallSocket:
 
     def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         peer = f"unix:pid={pid},uid={uid}"
+        tenant: str | None = None  # counted against its call_connections once past HELLO
         try:
             call, authorization = self._hello(conn, peer)
+            tenant = self._claim_tenant(call.identity)
+            conn.sendall(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
             while not self._closing.is_set():
                 frame = self._read(conn, self._idle_s)
                 if frame is None:
@@ -206,12 +213,14 @@ class CallSocket:
         except _Close as exc:
             logger.info("call socket: closing %s: %s", peer, exc)
             if exc.code is not None:
-                self._send_quietly(conn, exc.code, "", str(exc))
+                self._send_quietly(conn, exc.code, exc.error_class, str(exc))
         except OSError as exc:  # the peer left mid-frame or mid-answer
             logger.debug("call socket: %s dropped: %s", peer, exc)
         finally:
             with self._lock:
                 self._open.pop(conn, None)
+                if tenant is not None:
+                    self._per_tenant[tenant] -= 1
             self._unclaim(pid)
             self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
             conn.close()
@@ -239,8 +248,24 @@ class CallSocket:
             raise _Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
         logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
         conn.settimeout(self._frame_s)
-        conn.sendall(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
         return call, authorization
+
+    def _claim_tenant(self, who: Identity) -> str | None:
+        """Counts the connection against its tenant's call_connections (None: no limit);
+        past the limit the HELLO is refused (LimitExceeded) for that tenant only, so that one
+        tenant cannot hold the socket's connections the others need."""
+        limit = self._tenant_limit(who) if self._tenant_limit is not None else 0
+        if not limit:
+            return None
+        with self._lock:
+            held = self._per_tenant.get(who.tenant, 0)
+            if held < limit:
+                self._per_tenant[who.tenant] = held + 1
+                return who.tenant
+        if self._quota_refused is not None:
+            self._quota_refused(who.tenant)
+        raise _Close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {who.tenant!r} holds its {limit} call socket connections "
+                     "(call_connections) already; use gRPC or retry", "LimitExceeded")
 
     def _read(self, conn: socket.socket, first_byte_s: float,
               whole_within: float | None = None) -> tuple[int, int, bytes] | None:
