@@ -61,7 +61,7 @@ _refusals = Throttled(logger)  # a scanner at the data port must not flood the l
 
 _ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
-MAX_ADMITTING = 64  # connections still presenting their grant at once; more are dropped unread
+MAX_ADMITTING = 64  # connections still presenting their grant at once; a newer one supersedes the oldest
 # An abort drops the bytes UCX has not delivered yet: before it drops a connection at a damaged
 # page, the server gives the pages sent before it this long to arrive (without it, on loopback
 # under load, 2 test runs in 12 lost the page before it). Late, they are only FAILED (fetched again).
@@ -134,7 +134,7 @@ class UcxPageServer:
         self._port = port
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
-        self._admitting = 0  # connections in _admit now (one event loop: no lock)
+        self._presenting: dict[asyncio.Task[None], None] = {}  # handlers in _admit now, oldest first (one event loop: no lock)
 
     @property
     def port(self) -> int:
@@ -159,15 +159,17 @@ class UcxPageServer:
         self._handlers.add(task)
         try:
             if self._authorize is not None:
-                if self._admitting >= MAX_ADMITTING:  # peers that present no grant cannot pile up
-                    _refusals.warning("busy", "refused a UCX connection to the data port: %d others are "
-                                      "still presenting their grant", self._admitting)
-                    return
-                self._admitting += 1
+                if len(self._presenting) >= MAX_ADMITTING:  # peers that present no grant cannot pile up, nor lock nodes out
+                    oldest = next(iter(self._presenting))
+                    del self._presenting[oldest]
+                    oldest.cancel()  # its endpoint is aborted as it unwinds
+                    _refusals.warning("busy", "UCX connections to the data port: %d were still presenting their grant; "
+                                      "closed the oldest", MAX_ADMITTING)
+                self._presenting[task] = None
                 try:
                     admitted = await self._admit(ep)
                 finally:
-                    self._admitting -= 1
+                    self._presenting.pop(task, None)
                 if not admitted:
                     return
             while True:

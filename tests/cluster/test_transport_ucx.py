@@ -210,3 +210,35 @@ async def test_an_idle_connection_leaves_a_thread_mode_server_idle() -> None:
     finally:
         child.proc.kill()
         await child.proc.wait()
+
+
+async def test_anyone_holding_every_hello_slot_does_not_lock_a_node_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone who reaches the data port (no grant needed) could keep MAX_ADMITTING silent
+    endpoints open: every node's new connection was refused meanwhile, its fetch FAILED. A
+    connection past the cap supersedes the oldest still presenting its grant (a node sends
+    its hello right after connecting), as on the TCP plane."""
+    import ucxx
+
+    from kvstore.cluster import transport_ucx
+    from kvstore.cluster.grants import TransferGrants
+
+    monkeypatch.setattr(transport_ucx, "MAX_ADMITTING", 4)
+    grants = TransferGrants()
+    server = UcxPageServer(CountingSource(4096), TCP, authorize=grants.take)
+    port = await server.start()
+    silent = [await ucxx.create_endpoint("127.0.0.1", port) for _ in range(transport_ucx.MAX_ADMITTING)]
+    try:
+        await asyncio.sleep(0.5)  # every one accepted, presenting nothing
+        grant = grants.issue("b")
+
+        async def present() -> bytes:
+            return grant
+
+        fetcher = UcxPageFetcher("127.0.0.1", port, TCP, present)
+        result = await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=5)
+        await fetcher.close()
+        assert result.statuses == [FetchStatus.OK], f"the node was locked out: {result.error}"
+    finally:
+        for ep in silent:
+            ep.abort()
+        await server.close()
