@@ -39,7 +39,7 @@ def test_peers_outside_the_servers_pid_namespace_are_not_one_process(tmp_path: P
     if subprocess.run(["unshare", "--pid", "--fork", "true"], check=False, capture_output=True).returncode != 0:
         pytest.skip("unshare --pid is not permitted here (no CAP_SYS_ADMIN)")
     server = ServerProcess(tmp_path)
-    server.args = ["unshare", "--pid", "--fork", *server.args]
+    server.args = ["unshare", "--pid", "--kill-child", *server.args]  # the server dies with unshare
     server.start()
     try:
         path = tmp_path / "data" / "call.sock"
@@ -60,4 +60,10 @@ def test_peers_outside_the_servers_pid_namespace_are_not_one_process(tmp_path: P
         for sock in held:
             sock.close()
     finally:
+        assert server.proc is not None
+        children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
         server.kill()
+        deadline = time.monotonic() + 10  # unshare's forked child, the server, ends with it (--kill-child)
+        while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children and not any(Path(f"/proc/{pid}").exists() for pid in children), "the server outlived its test"
