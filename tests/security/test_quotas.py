@@ -4,9 +4,11 @@ gets RESOURCE_EXHAUSTED, and only that tenant; the limits come from the auth fil
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -402,5 +404,92 @@ def test_call_socket_connections(tmp_path, ca) -> None:
         assert status == OK, "a closed connection gives its place back"
         for sock in held:
             sock.close()
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_host_bytes_with_many_writers_at_the_quota(tmp_path, ca) -> None:
+    """Many calls of one tenant at its host quota at once: each makes room by writing its own
+    pages down, and the others take that room meanwhile. None is refused while the tenant
+    has pages that are not pinned (the soak's secure phase saw one LimitExceeded in 11,667
+    puts: a call lost the race ROOM_TRIES times)."""
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 64 * PAGE_BYTES}})  # more than the 12 x 2 pages in flight
+    try:
+        errors: list[str] = []
+        done = 0
+        lock = threading.Lock()
+        end = time.monotonic() + 6
+
+        def writer() -> None:
+            nonlocal done
+            a = Caller(server, ca, A)
+            ns = new_ns()
+            try:
+                while time.monotonic() < end:
+                    try:
+                        a.put(ns, new_keys(2))
+                    except grpc.RpcError as exc:
+                        with lock:
+                            errors.append(f"{exc.code().name}: {exc.details()}")
+                    with lock:
+                        done += 1
+            finally:
+                a.close()
+
+        threads = [threading.Thread(target=writer) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert done > 100, done
+        assert errors == [], f"{len(errors)} of {done} puts refused at the quota: {errors[:2]}"
+    finally:
+        server.stop(grace_s=1)
+
+
+def test_host_bytes_with_many_shm_clients_at_the_quota(tmp_path, ca) -> None:
+    """The same over shared memory (Allocate on the call socket), as the soak's tenants put:
+    8 clients of one tenant, each putting prompts that share prefixes, at a host quota that
+    every put crosses."""
+    from conftest import random_kv
+
+    from kvstore import KVLayout, Namespace
+    from kvstore.client import ClientTLS, KVStoreClient
+    from kvstore.errors import KVStoreError
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=4)
+    server = _start(tmp_path, ca, {"a": {"host_bytes": 48 * layout.page_bytes}})
+    errors: list[str] = []
+
+    async def one(client: KVStoreClient, seed: int, end: float) -> int:
+        import random
+
+        rng, puts = random.Random(seed), 0
+        while time.monotonic() < end:
+            tokens = [7] * 4 + [rng.randrange(1 << 30) for _ in range(4 * rng.randrange(1, 4))]
+            try:
+                await client.put(tokens, random_kv(layout, len(tokens), seed=puts))
+            except KVStoreError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            puts += 1
+        return puts
+
+    async def main() -> int:
+        ns = Namespace("m", "r1", layout)
+        tls = ClientTLS(ca=ca.cert)
+        clients = [KVStoreClient(server.address, ns, token=A, tls=tls) for _ in range(8)]
+        for client in clients:
+            await client.connect()
+        try:
+            end = time.monotonic() + 8
+            return sum(await asyncio.gather(*(one(c, i, end) for i, c in enumerate(clients))))
+        finally:
+            for client in clients:
+                await client.close()
+
+    try:
+        puts = asyncio.run(main())
+        assert puts > 200, puts
+        assert errors == [], f"{len(errors)} of {puts} puts refused at the quota: {errors[:2]}"
     finally:
         server.stop(grace_s=1)
