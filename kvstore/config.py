@@ -174,7 +174,7 @@ class TenantQuota:
     hints: int = 262144  # announced uses (hinted keys) held at once
     token_log_bytes: int = 1 << 30  # token-log entries of its sessions (4 bytes a token)
     published_records: int = 262144  # other nodes' locations recorded by its Publish calls
-    call_connections: int = 64  # connections to the same-host call socket at once (of 256; each process also at most 32)
+    call_connections: int = 128  # connections to the same-host call socket at once (half its 256; each process also at most 32)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
