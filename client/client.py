@@ -7,7 +7,7 @@ Contract:
 * ``get`` delivers exactly the pages of the hit, each verified against its checksum, or
   raises (PageMissing / PageCorrupt) after copying the valid leading pages; the exception's
   ``num_tokens`` says how many leading tokens of ``into`` are valid.
-* Every RPC has a deadline: no call hangs.
+* Every RPC has a deadline: no call hangs. In a fork every call raises (client/forked.py).
 
 Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async
 methods await it from the caller's loop (a lookup over the call socket runs on the caller's
@@ -168,11 +168,11 @@ class KVStoreClient:
         if self._runtime is not None and self._runtime.on_loop():
             raise KVStoreError("close() must be awaited on the caller's event loop, not on the client's I/O runtime")
         loop = asyncio.get_running_loop()
-        if self._runtime is not None and self._runtime.process.forked:
-            self._handles.clear()  # their threads stayed in the parent, and what they hold is the parent's
-        for handle in list(self._handles):
+        # in a forked child the handles' threads and what they hold are the parent's: left alone
+        handles = [] if self._runtime is not None and self._runtime.process.forked else list(self._handles)
+        for handle in handles:
             handle.abandon("client closed")
-        for handle in list(self._handles):
+        for handle in handles:
             await loop.run_in_executor(None, handle.join, self.timeout_s)
         self._near.close()
         if self._runtime is not None:
@@ -220,9 +220,8 @@ class KVStoreClient:
     async def _io(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` on the I/O runtime and awaits it here."""
         if self._runtime is None:
-            coro.close()
-            raise KVStoreError("the client is not connected")
-        return await self._runtime.call(coro)
+            coro.close()  # and ``runtime`` raises
+        return await self.runtime.call(coro)
 
     async def _call(self, method: Callable[..., Any], request: Any) -> Any:
         """One unary RPC, run on the I/O runtime."""
