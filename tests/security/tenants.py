@@ -3,7 +3,9 @@ raw caller that sends any request as any token, and page writes made the way a c
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import mmap
 import os
 import secrets
@@ -48,6 +50,18 @@ def tenant_grants(extra: list[dict[str, Any]] | None = None) -> list[dict[str, A
 def tenant_config(tmp: Path, ca: CertAuthority, grants: list[dict[str, Any]] | None = None, **kw: Any) -> ServerConfig:
     auth = write_auth_file(tmp / "auth.json", grants or tenant_grants())
     return secure_config(tmp, auth_file=auth, tls=ca.server_cert(), **kw)
+
+
+def start_with_quotas(tmp: Path, ca: CertAuthority, quotas: dict[str, Any], share_arena: bool = False) -> Server:
+    """A started tenant server whose auth file gives the tenants ``quotas`` ([quotas.TENANT])."""
+    config = tenant_config(tmp, ca)
+    if share_arena:
+        config = dataclasses.replace(config, security=dataclasses.replace(config.security, share_arena=True))
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": quotas}))
+    server = Server(config)
+    server.start()
+    return server
 
 
 def new_ns() -> bytes:
