@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by rank (nan for none): the lookup rows' and their floor's."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

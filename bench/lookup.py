@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.bench import lookup_floor
-from kvstore.bench.harness import start_server
+from kvstore.bench.harness import percentile, start_server
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, prefix_tokens
 from kvstore.client import KVStoreClient
 from kvstore.keys import page_keys
@@ -142,11 +142,6 @@ def _ssd_bytes_in(address: str) -> int:
     return ssd.bytes_in if ssd is not None else 0
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def _lease_prefix(address: str, pages: int, seconds: float) -> bytes:
     """Pins the prefix for the run: with no SSD below, the writer would otherwise push it out
     of RAM and the control would time misses."""
@@ -196,7 +191,7 @@ def _row(state: str, role: str, clients: int, seconds: float, results: list[dict
     return {
         "state": state, "call": CALLS[role], "path": "+".join(paths),
         "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
-        "p50_ms": _percentile(latencies, 0.50) * 1e3, "p99_ms": _percentile(latencies, 0.99) * 1e3,
+        "p50_ms": percentile(latencies, 0.50) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
         "short_answers": sum(r["short"] for r in results),
     }
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvstore import localcall
 from kvstore._proto import directory_pb2
+from kvstore.bench.harness import percentile
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
 from kvstore.keys import page_keys
 
@@ -87,17 +88,16 @@ def _time(path: str, request_bytes: int, answer_bytes: int, seconds: float) -> l
 
 
 def _row(state: str, latencies: list[float], seconds: float, written_gb_per_s: float) -> dict[str, Any]:
-    ordered = sorted(latencies)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731 - the two percentiles below
-    return {"state": state, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(ordered),
-            "lookups_per_s": len(ordered) / seconds, "p50_ms": at(0.50) * 1e3, "p99_ms": at(0.99) * 1e3,
+    return {"state": state, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(latencies),
+            "lookups_per_s": len(latencies) / seconds,
+            "p50_ms": percentile(latencies, 0.50) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
             "short_answers": 0, "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": written_gb_per_s,
             "floor_writer": f"dd oflag=direct bs={WRITE_BLOCK}" if state == "draining" else ""}
 
 
 def run(workdir: Path, pages: int, seconds: float, work_ms: float) -> list[dict[str, Any]]:
     """Two rows: the round trip idle, and beside the direct writer (its GB/s where the lookup
-    rows put the demoted GB/s); none when this filesystem takes no O_DIRECT writes."""
+    rows put the demoted GB/s); the idle one alone where dd is missing or the filesystem takes no O_DIRECT writes."""
     workdir.mkdir(parents=True, exist_ok=True)
     request_bytes, answer_bytes = sizes(pages)
     path = str(workdir / "floor.sock")  # a Unix socket path has at most 107 bytes: the work dir is short
