@@ -49,6 +49,7 @@ from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import AuthenticatedCall
+from kvstore.server.services.call_frames import Close, FrameConn
 from kvstore.server.services.local_context import Aborted, LocalContext
 
 logger = logging.getLogger(__name__)
@@ -58,14 +59,6 @@ _MAX_HELLO_BYTES = 4096
 _DEFAULT_TIMEOUT_S = 30.0  # a request that names no deadline (timeout_ms 0)
 _peer_errors = Throttled(logger)
 Undo = Callable[[Any, Identity], None]  # (the response that was not delivered, its caller)
-
-
-class _Close(Exception):
-    """Ends a connection, answering ``code``/``message`` (as ``error_class``) first when the peer can hear it."""
-
-    def __init__(self, code: grpc.StatusCode | None, message: str, error_class: str = "") -> None:
-        super().__init__(message)
-        self.code, self.error_class = code, error_class
 
 
 def _status(code: grpc.StatusCode) -> int:
@@ -100,7 +93,7 @@ class CallSocket:
         self._per_pid: dict[int, int] = {}  # open connections per peer process
         self._tenant_limit, self._quota_refused = tenant_limit, quota_refused  # a tenant's call_connections, its refusals
         self._per_tenant: dict[str, int] = {}  # connections past HELLO per tenant (those with a limit)
-        self._hello_s, self._idle_s, self._frame_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
+        self._hello_s, self._idle_s, self.frame_timeout_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
@@ -200,20 +193,21 @@ class CallSocket:
     def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         peer = f"unix:pid={pid},uid={uid}"
         tenant: str | None = None  # counted against its call_connections once past HELLO
+        frames = FrameConn(conn, self.frame_timeout_s)
         try:
-            call, authorization = self._hello(conn, peer)
+            call, authorization = self._hello(frames, peer)
             tenant = self._claim_tenant(call.identity)
-            conn.sendall(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
+            frames.send(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
             while not self._closing.is_set():
-                frame = self._read(conn, self._idle_s)
+                frame = frames.read(self._idle_s)
                 if frame is None:
                     return  # the peer closed between calls, or stayed idle too long
-                if not self._answer(conn, call, authorization, peer, *frame):
+                if not self._answer(frames, call, authorization, peer, *frame):
                     return
-        except _Close as exc:
+        except Close as exc:
             logger.info("call socket: closing %s: %s", peer, exc)
             if exc.code is not None:
-                self._send_quietly(conn, exc.code, exc.error_class, str(exc))
+                self._send_quietly(frames, exc.code, exc.error_class, str(exc))
         except OSError as exc:  # the peer left mid-frame or mid-answer
             logger.debug("call socket: %s dropped: %s", peer, exc)
         finally:
@@ -225,29 +219,28 @@ class CallSocket:
             self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
             conn.close()
 
-    def _hello(self, conn: socket.socket, peer: str) -> tuple[AuthenticatedCall, str | None]:
-        frame = self._read(conn, self._hello_s, whole_within=self._hello_s)
+    def _hello(self, frames: FrameConn, peer: str) -> tuple[AuthenticatedCall, str | None]:
+        frame = frames.read(self._hello_s, whole_within=self._hello_s)
         if frame is None:
-            raise _Close(None, "no HELLO")
+            raise Close(None, "no HELLO")
         method_id, _, body = frame
         if method_id != localcall.HELLO:
-            raise _Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
+            raise Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
         if len(body) > _MAX_HELLO_BYTES:
-            raise _Close(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO of {len(body)} bytes; at most {_MAX_HELLO_BYTES}")
+            raise Close(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO of {len(body)} bytes; at most {_MAX_HELLO_BYTES}")
         try:
             token = body.decode()
         except UnicodeDecodeError:
-            raise _Close(grpc.StatusCode.UNAUTHENTICATED, "the token is not UTF-8") from None
+            raise Close(grpc.StatusCode.UNAUTHENTICATED, "the token is not UTF-8") from None
         authorization = f"Bearer {token}" if token else None
         try:
             call = AuthenticatedCall(self._authenticator, [authorization] if authorization else [], None)
         except Unauthenticated as exc:
             self._count("HELLO", grpc.StatusCode.UNAUTHENTICATED)
-            raise _Close(grpc.StatusCode.UNAUTHENTICATED, f"HELLO: {exc}") from None
+            raise Close(grpc.StatusCode.UNAUTHENTICATED, f"HELLO: {exc}") from None
         except OSError as exc:  # the tenant's salt could not be stored
-            raise _Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
+            raise Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
         logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
-        conn.settimeout(self._frame_s)
         return call, authorization
 
     def _claim_tenant(self, who: Identity) -> str | None:
@@ -264,57 +257,16 @@ class CallSocket:
                 return who.tenant
         if self._quota_refused is not None:
             self._quota_refused(who.tenant)
-        raise _Close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {who.tenant!r} holds its {limit} call socket connections "
+        raise Close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {who.tenant!r} holds its {limit} call socket connections "
                      "(call_connections) already; use gRPC or retry", "LimitExceeded")
 
-    def _read(self, conn: socket.socket, first_byte_s: float,
-              whole_within: float | None = None) -> tuple[int, int, bytes] | None:
-        """The next request frame; None when the peer closed (or stayed silent past
-        ``first_byte_s``) between frames. A frame begun must be complete within
-        ``frame_timeout_s`` (``whole_within`` from now, when given)."""
-        header_bytes = localcall.REQUEST_HEADER.size
-        deadline = time.monotonic() + whole_within if whole_within is not None else None
-        conn.settimeout(first_byte_s)
-        try:
-            first = conn.recv(header_bytes)
-        except TimeoutError:
-            return None
-        if not first:
-            return None
-        if deadline is None:
-            deadline = time.monotonic() + self._frame_s
-        header = first + self._exactly(conn, header_bytes - len(first), deadline)
-        body_bytes, method_id, timeout_ms = localcall.REQUEST_HEADER.unpack(header)
-        if body_bytes > localcall.MAX_REQUEST_BYTES:
-            raise _Close(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"a frame of {body_bytes} bytes; at most {localcall.MAX_REQUEST_BYTES}")
-        return method_id, timeout_ms, self._exactly(conn, body_bytes, deadline)
-
-    @staticmethod
-    def _exactly(conn: socket.socket, num_bytes: int, deadline: float) -> bytes:
-        buf = bytearray(num_bytes)
-        view, got = memoryview(buf), 0
-        while got < num_bytes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Close(grpc.StatusCode.DEADLINE_EXCEEDED, "the frame did not arrive whole in time")
-            conn.settimeout(left)
-            try:
-                n = conn.recv_into(view[got:])
-            except TimeoutError:
-                raise _Close(grpc.StatusCode.DEADLINE_EXCEEDED, "the frame did not arrive whole in time") from None
-            if n == 0:
-                raise _Close(None, "the peer closed the connection mid-frame")
-            got += n
-        return bytes(buf)
-
-    def _answer(self, conn: socket.socket, call: AuthenticatedCall, authorization: str | None, peer: str,
+    def _answer(self, frames: FrameConn, call: AuthenticatedCall, authorization: str | None, peer: str,
                 method_id: int, timeout_ms: int, body: bytes) -> bool:
         """Answers one request; False when the connection must close."""
         entry = self._table[method_id] if 0 < method_id < len(self._table) else None
         if entry is None:
             what = "HELLO was already said" if method_id == localcall.HELLO else f"no method {method_id} on the call socket"
-            self._send(conn, grpc.StatusCode.UNIMPLEMENTED, "InvalidRequest", f"{what}; use gRPC")
+            self._send(frames, grpc.StatusCode.UNIMPLEMENTED, "InvalidRequest", f"{what}; use gRPC")
             return True
         name, handler = entry
         method = name.rsplit(".", 1)[-1]
@@ -322,7 +274,7 @@ class CallSocket:
             call.recheck()
         except Unauthenticated as exc:
             self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-            self._send(conn, grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", f"{method}: {exc}")
+            self._send(frames, grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", f"{method}: {exc}")
             return False
         context = LocalContext(peer, authorization, timeout_ms / 1000 if timeout_ms else _DEFAULT_TIMEOUT_S)
         response = None
@@ -336,8 +288,7 @@ class CallSocket:
             answer = localcall.answer_frame(_status(grpc.StatusCode.INTERNAL),
                                             localcall.error_body("", f"internal error: {type(exc).__name__}"))
         try:
-            conn.settimeout(self._frame_s)  # a caller that does not read its answers holds this thread no longer
-            conn.sendall(answer)
+            frames.send(answer)  # a caller that does not read its answers holds this thread no longer
         except OSError:
             undo = self._undo.get(method)
             if response is not None and undo is not None:
@@ -346,14 +297,12 @@ class CallSocket:
             raise
         return True
 
-    def _send(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
-        conn.settimeout(self._frame_s)
-        conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
+    def _send(self, frames: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
+        frames.send(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
 
-    def _send_quietly(self, conn: socket.socket, code: grpc.StatusCode, error_class: str, message: str) -> None:
+    def _send_quietly(self, frames: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
         try:
-            conn.settimeout(0.1)
-            conn.sendall(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
+            frames.send(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)), 0.1)
         except OSError:
             pass
 
