@@ -1,11 +1,14 @@
 """The native pieces: kvstore._copyhash (fused page copy + checksum; a page's socket receive or
-send hashed as it goes) and kvstore._keys (chained page keys). Everything else is in
+send hashed as it goes), kvstore._keys (chained page keys) and kvstore._lookup (a lookup's
+per-key loops: the directory's prefix walk, the key-length check). Everything else is in
 pyproject.toml. ``optional=True``: without a C compiler the install still succeeds;
 kvstore.pagecopy uses numpy (same bytes, same checksums, slower), kvstore.keys hashlib (same
-keys, slower) and the TCP data plane a Python loop per chunk."""
+keys, slower), the directory and kvstore.validate Python loops (same answers, slower) and the TCP
+data plane a Python loop per chunk."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstore._copyhash", ["kvstore/_copyhash.c", "kvstore/_scatter.c", "kvstore/_sockhash.c"],
                              depends=["kvstore/_copyhash.h"], extra_compile_args=["-O3"], optional=True),
-                   Extension("kvstore._keys", ["kvstore/_keys.c"], extra_compile_args=["-O3"], optional=True)])
+                   Extension("kvstore._keys", ["kvstore/_keys.c"], extra_compile_args=["-O3"], optional=True),
+                   Extension("kvstore._lookup", ["kvstore/_lookup.c"], extra_compile_args=["-O3"], optional=True)])

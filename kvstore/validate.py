@@ -23,11 +23,24 @@ def keys(values: Sequence[bytes], max_count: int, allow_empty: bool = False) -> 
         raise InvalidRequest("keys must not be empty")
     if len(values) > max_count:
         raise InvalidRequest(f"too many keys: {len(values)} (at most {max_count} per request)")
-    out = list(values)  # protobuf hands out bytes: no copy per key
-    if set(map(len, out)) - {PAGE_KEY_BYTES}:
-        i, key = next((i, key) for i, key in enumerate(out) if len(key) != PAGE_KEY_BYTES)
-        raise InvalidRequest(f"keys[{i}] must be {PAGE_KEY_BYTES} bytes, got {len(key)}")
+    out = values if type(values) is list else list(values)  # protobuf hands out bytes: no copy per key
+    i = _first_bad_length(out, PAGE_KEY_BYTES)
+    if i >= 0:
+        raise InvalidRequest(f"keys[{i}] must be {PAGE_KEY_BYTES} bytes, got {len(out[i])}")
     return out
+
+
+def first_bad_length_python(keys: list[bytes], length: int) -> int:
+    """kvstore._lookup.first_bad_length without the C build."""
+    if set(map(len, keys)) - {length}:
+        return next(i for i, key in enumerate(keys) if len(key) != length)
+    return -1
+
+
+try:
+    from kvstore._lookup import first_bad_length as _first_bad_length
+except ImportError:  # built without a C compiler (setup.py)
+    _first_bad_length = first_bad_length_python
 
 
 def layout(msg: common_pb2.Layout) -> LayoutDesc:

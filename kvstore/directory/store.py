@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 DURABLE_TIERS = (REMOTE_TIER,)  # persisted here; this node's ssd pages are rebuilt from the ssd index
 TIER_ORDER = {name: rank for rank, name in enumerate(TIER_NAMES)}
 _SEQ_KEY = b"last_seq"
+_MAX_WHERES = 4096  # distinct (node, tier, page size) places kept shared; past it they start over
 
 
 class Entry:
@@ -54,6 +55,39 @@ class Entry:
         return [loc for loc in self.locations.values() if loc.tier in DURABLE_TIERS]
 
 
+def walk_python(entries: dict[bytes, Entry], keys: list[bytes], namespace_id: bytes, start: int, runs: list[list],
+                 *_: object) -> tuple[int, bool]:
+    """kvstore._lookup.walk without the C build: the same walk, the same answers."""
+    run, count = (runs[-1][0], runs[-1][1]) if runs else (None, 0)
+    i, stopped = start, True
+    for i in range(start, len(keys)):
+        entry = entries.get(keys[i])
+        if entry is None or entry.namespace_id != namespace_id:
+            break
+        where = entry.where
+        if where is None:
+            stopped = False
+            break
+        if where != run:
+            if runs:
+                runs[-1][1] = count
+            runs.append([where, 0])
+            run, count = where, 0
+        count += 1
+    else:
+        i = max(start, len(keys))
+    if runs:
+        runs[-1][1] = count
+    return i, stopped
+
+
+try:
+    from kvstore._lookup import walk as _walk
+except ImportError:  # built without a C compiler (setup.py)
+    _walk = walk_python
+_ENTRY_NS, _ENTRY_WHERE = Entry.__dict__["namespace_id"], Entry.__dict__["where"]  # slot descriptors, for the native walk
+
+
 class Directory:
     def __init__(self, data_dir: Path, node: str, map_bytes: int = MAP_BYTES) -> None:
         self.node = node
@@ -64,6 +98,7 @@ class Directory:
         self._remote: Counter[str] = Counter()  # other node -> locations recorded for it
         self._usage: dict[bytes, Counter[str]] = {}  # namespace -> tier -> bytes here (remote: locations); tenant quotas
         self._version = 0
+        self._wheres: dict[tuple[str, str, int], tuple[str, str, int]] = {}  # the cached best places, shared (lookup)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         with self.env.begin(db=self.meta_db) as txn:
@@ -108,30 +143,26 @@ class Directory:
 
     def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
         """The longest contiguous present prefix of ``keys``, as runs of pages whose best
-        location is on the same node, tier and page size (a 512-page prefix in RAM: one run)."""
-        runs: list[LocationRun] = []
-        node = self.node
+        location is on the same node, tier and page size (a 512-page prefix in RAM: one run).
+        The walk is native (kvstore/_lookup.c) where built; an entry whose best location is
+        not cached yet gets it here, and the walk goes on from it."""
+        keys = keys if type(keys) is list else list(keys)
+        runs: list[list] = []  # [where, pages]
         with self._lock:
-            entries = self._entries
-            count, run = 0, None
-            for key in keys:
-                entry = entries.get(key)
-                if entry is None or entry.namespace_id != namespace_id:
+            entries, start = self._entries, 0
+            while True:
+                start, stopped = _walk(entries, keys, namespace_id, start, runs, Entry, _ENTRY_NS, _ENTRY_WHERE)
+                if stopped:
                     break
-                where = entry.where
-                if where is None:
-                    if not entry.locations:
-                        break
-                    loc = entry.best(node)
-                    where = entry.where = (loc.node, loc.tier, loc.size_bytes)
-                if where != run:
-                    if run is not None:
-                        runs.append(LocationRun(run[0], run[1], count, run[2]))
-                    run, count = where, 0
-                count += 1
-            if run is not None:
-                runs.append(LocationRun(run[0], run[1], count, run[2]))
-        return runs
+                entry = entries[keys[start]]
+                if not entry.locations:
+                    break
+                loc = entry.best(self.node)
+                where = (loc.node, loc.tier, loc.size_bytes)
+                if len(self._wheres) >= _MAX_WHERES:
+                    self._wheres.clear()
+                entry.where = self._wheres.setdefault(where, where)  # one object per place: the walk compares identity first
+        return [LocationRun(where[0], where[1], pages, where[2]) for where, pages in runs]
 
     def prefix_length(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """How many leading ``keys`` are present in ``namespace_id``."""
