@@ -193,6 +193,8 @@ def _row(state: str, role: str, clients: int, seconds: float, results: list[dict
         "clients": clients, "lookups": len(latencies), "lookups_per_s": len(latencies) / seconds,
         "p50_ms": percentile(latencies, 0.50) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
         "short_answers": sum(r["short"] for r in results),
+        # the clients' own CPU over the window (process_time), per lookup: what a lookup costs the engine's side
+        "client_cpu_ms_per_lookup": sum(r.get("cpu_s", 0.0) for r in results) / max(1, len(latencies)) * 1e3,
     }
 
 

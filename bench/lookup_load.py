@@ -69,12 +69,14 @@ def run_rpc(address: str, pages: int, seconds: float) -> dict[str, object]:
         start = _ready()
         latencies, short = [], 0
         end = start + seconds
+        cpu0 = time.process_time()
         while time.time() < end:
             t0 = time.perf_counter()
             resp = stub.Lookup(request, timeout=10)
             latencies.append(time.perf_counter() - t0)
             short += resp.num_pages < pages
-    return {"latencies_s": latencies, "short": short, "path": "gRPC"}
+        cpu_s = time.process_time() - cpu0
+    return {"latencies_s": latencies, "short": short, "path": "gRPC", "cpu_s": cpu_s}
 
 
 async def _run_client(address: str, pages: int, seconds: float, with_keys: bool) -> dict[str, object]:
@@ -88,13 +90,15 @@ async def _run_client(address: str, pages: int, seconds: float, with_keys: bool)
         start = _ready()
         latencies, short = [], 0
         end = start + seconds
+        cpu0 = time.process_time()
         while time.time() < end:
             t0 = time.perf_counter()
             hit = await lookup()
             latencies.append(time.perf_counter() - t0)
             short += hit.num_pages < pages
+        cpu_s = time.process_time() - cpu0
         path = "call socket" if client.runtime.local is not None else "gRPC"
-    return {"latencies_s": latencies, "short": short, "path": path}
+    return {"latencies_s": latencies, "short": short, "path": path, "cpu_s": cpu_s}
 
 
 async def _run_writer(address: str, seconds: float, rate: float, count: int = 0) -> dict[str, object]:
