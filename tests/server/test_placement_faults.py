@@ -257,3 +257,45 @@ def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
     finally:
         server.stop(grace_s=1)
     assert not demoters[0].is_alive(), "the server closed its tiers under a demoter still writing"
+
+
+class _Buggy(FaultyTier):
+    """Its first write_many raises what no I/O error is (a bug below, a MemoryError)."""
+
+    def __init__(self, inner: Tier) -> None:
+        super().__init__(inner, 0)
+        self.raised = 0
+
+    def write_many(self, pages):  # type: ignore[no-untyped-def]
+        if not self.raised:
+            self.raised += 1
+            raise RuntimeError("injected: not an I/O error")
+        return super().write_many(pages)
+
+
+def test_a_write_that_fails_with_no_io_error_leaves_no_slot_or_page_held(tmp_path) -> None:
+    """A write down that raised anything but OSError kept its lower-tier slots reserved and its
+    pages marked as being written: the next eviction of them waited for that write forever."""
+    made: list[_Buggy] = []
+
+    def wrap(tier: Tier) -> Tier:
+        if tier.name != "ssd":
+            return tier
+        made.append(_Buggy(tier))
+        return made[-1]
+
+    core = Placement(_config(tmp_path), wrap=wrap)
+    try:
+        _put(core, _keys(1, 120), durable=False)  # RAM only: every victim must be written down first
+        with pytest.raises(RuntimeError, match="injected"):
+            core.allocate(NS, LAYOUT, _keys(2, 10))
+        assert made[0].raised == 1
+        assert made[0].usage().used_bytes == 0, "the failed write's slots stay reserved"
+        assert not core.view().moving
+        done = threading.Thread(target=_put, args=(core, _keys(3, 10), False), daemon=True)
+        done.start()
+        done.join(10)
+        assert not done.is_alive(), "the next eviction waits for the failed write"
+        assert _get(core, _keys(3, 10)) == 10 and made[0].stored_keys(), "the put after it stored its pages, written down below"
+    finally:
+        core.close()

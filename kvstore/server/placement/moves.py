@@ -260,6 +260,10 @@ class Mover(LowerRoom):
                 self._unplace(target, tier, placed)
             self._io_failed(target.name, exc)
             raise
+        except BaseException:  # not an I/O error (a bug below, MemoryError): nothing stays reserved or marked either
+            with self.lock:
+                self._unplace(target, tier, placed)
+            raise
         self.metrics.ssd_errors_recent.set(0)
         with self.lock:
             self._publish(tier, [header for _, header, _ in placed])
