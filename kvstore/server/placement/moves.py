@@ -251,18 +251,11 @@ class Mover(LowerRoom):
                     self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
             target.commit([(slot, header) for slot, header, _ in placed], [self.landing.parent(h.key) for _, h, _ in placed])
-        except PageCorrupt:
+        except BaseException as exc:  # whatever failed (a corrupt page, an I/O error, a bug below): nothing stays reserved
             with self.lock:
                 self._unplace(target, tier, placed)
-            raise
-        except (OSError, MetadataFull) as exc:
-            with self.lock:
-                self._unplace(target, tier, placed)
-            self._io_failed(target.name, exc)
-            raise
-        except BaseException:  # not an I/O error (a bug below, MemoryError): nothing stays reserved or marked either
-            with self.lock:
-                self._unplace(target, tier, placed)
+            if isinstance(exc, (OSError, MetadataFull)):
+                self._io_failed(target.name, exc)
             raise
         self.metrics.ssd_errors_recent.set(0)
         with self.lock:
