@@ -2,9 +2,9 @@
 
 Why not ``socket.settimeout``: a Python socket with a timeout polls before every recv and
 send, and each of those syscalls lets go of the GIL and takes it back. A lookup read its
-header and its body and wrote its answer that way: six hand-overs of the GIL, each of
-which waits up to the switch interval while the demoter's Python holds it (the lookup p99
-while demoting). Here the socket stays blocking, ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound each
+header and its body and wrote its answer that way: six hand-overs of the GIL (from
+CPython's sock_call_ex), each one a chance to queue behind another thread's Python. Here
+the socket stays blocking, ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound each
 syscall, and one ``recv_into`` takes whatever the peer has sent into a buffer that a whole
 request usually fits: a lookup is one recv and one send.
 
@@ -52,39 +52,45 @@ class FrameConn:
         self._timeouts = {socket.SO_RCVTIMEO: -1.0, socket.SO_SNDTIMEO: -1.0}
 
     def _timeout(self, option: int, seconds: float) -> None:
-        """Sets a kernel timeout (0 would mean none: at least 1 us), only when it changes."""
-        seconds = max(seconds, 1e-6)
+        """Sets a kernel timeout, only when it changes (a zero timeval means none: at least 1 us)."""
         if self._timeouts[option] != seconds:
-            whole = int(seconds)
-            self.conn.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, int((seconds - whole) * 1e6) or (0 if whole else 1)))
+            usec = max(1, round(seconds * 1e6))
+            self.conn.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(usec // 1_000_000, usec % 1_000_000))
             self._timeouts[option] = seconds
 
-    def _fill(self, wait_s: float) -> int:
-        """One recv into the buffer's free end; 0 when the peer closed. Raises TimeoutError."""
+    def _recv(self, view: memoryview, wait_s: float) -> int:
+        """One recv_into ``view`` within ``wait_s``; 0 when the peer closed. Raises TimeoutError."""
+        self._timeout(socket.SO_RCVTIMEO, wait_s)
+        try:
+            return self.conn.recv_into(view)
+        except BlockingIOError:  # EAGAIN: SO_RCVTIMEO ran out
+            raise TimeoutError from None
+
+    def _recv_by(self, view: memoryview, deadline: float) -> int:
+        """``_recv`` of a frame under way: past ``deadline``, or closed by the peer, it ends the connection."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _too_late()
+        try:
+            got = self._recv(view, left)
+        except TimeoutError:
+            raise _too_late() from None
+        if got == 0:
+            raise Close(None, "the peer closed the connection mid-frame")
+        return got
+
+    def _free(self) -> memoryview:
+        """The buffer's free end, the unread bytes first moved to its start when it is full."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):
             left = self._end - self._start
             self._buf[:left] = self._buf[self._start : self._end]
             self._start, self._end = 0, left
-        self._timeout(socket.SO_RCVTIMEO, wait_s)
-        try:
-            got = self.conn.recv_into(self._view[self._end :])
-        except BlockingIOError:  # EAGAIN: SO_RCVTIMEO ran out
-            raise TimeoutError from None
-        self._end += got
-        return got
+        return self._view[self._end :]
 
     def _more(self, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _too_late()
-        try:
-            got = self._fill(left)
-        except TimeoutError:
-            raise _too_late() from None
-        if got == 0:
-            raise Close(None, "the peer closed the connection mid-frame")
+        self._end += self._recv_by(self._free(), deadline)
 
     def read(self, first_byte_s: float, whole_within: float | None = None) -> tuple[int, int, bytes] | None:
         """The next request (method id, timeout_ms, body); None when the peer closed (or
@@ -93,10 +99,12 @@ class FrameConn:
         deadline = time.monotonic() + whole_within if whole_within is not None else None
         if self._start == self._end:
             try:
-                if self._fill(first_byte_s) == 0:
-                    return None
+                got = self._recv(self._free(), first_byte_s)
             except TimeoutError:
                 return None
+            if got == 0:
+                return None
+            self._end += got
         if deadline is None:
             deadline = time.monotonic() + self._frame_s
         header_bytes = localcall.REQUEST_HEADER.size
@@ -122,17 +130,7 @@ class FrameConn:
         view[:got] = self._view[self._start : self._start + got]
         self._start += got
         while got < body_bytes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _too_late()
-            self._timeout(socket.SO_RCVTIMEO, left)
-            try:
-                n = self.conn.recv_into(view[got:])
-            except BlockingIOError:
-                raise _too_late() from None
-            if n == 0:
-                raise Close(None, "the peer closed the connection mid-frame")
-            got += n
+            got += self._recv_by(view[got:], deadline)
         return bytes(body)
 
     def send(self, data: bytes, within_s: float | None = None) -> None:
