@@ -22,7 +22,6 @@ persisted by it, so publishing and removing them under ``_lock`` is in-memory wo
 from __future__ import annotations
 
 import gc
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +46,6 @@ from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import CoreStats, Reporter
 from kvstore.tiers.base import ArenaInfo, LandingTier, Quarantined
 
-logger = logging.getLogger(__name__)
 
 class Placement:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
@@ -98,6 +96,10 @@ class Placement:
             raise InvalidRequest(f"page of {layout.page_bytes} bytes exceeds the limit of {self.config.max_page_bytes}")
         if not self.landing.fits(layout.page_bytes):
             raise InvalidRequest(f"page of {layout.page_bytes} bytes does not fit a {self.landing.name} slab; raise --host-capacity")
+
+    def fullest_fill(self) -> float:
+        """The fill of the landing tier's fullest part (each tenant's arena has its watermarks)."""
+        return max(map(self._fill, self.landing.parts()), default=self._fill())
 
     def _fill(self, tier: LandingTier | None = None) -> float:
         usage = (tier or self.landing).usage()
@@ -300,8 +302,7 @@ class Placement:
         """Writes a batch of the landing tier's coldest pages down while it is fuller than ``demote_to`` (moves.py);
         False when it is not, nothing can go, or there is no lower tier (an eviction is then in-memory work)."""
         with self.keeper.critical():
-            arena = max(self.landing.parts(), key=self._fill, default=self.landing)  # each tenant's arena has its watermarks
-            low = self.config.host.demote_to
+            low, arena = self.config.host.demote_to, max(self.landing.parts(), key=self._fill, default=self.landing)
             if self.lower and self._fill(arena) > low and self.moves.demote(arena, low):
                 return True
             self.pressure.clear()  # set again by the next allocation past the watermark

@@ -2,7 +2,8 @@
 allocation finds a free slot instead of waiting for a victim to be written to disk.
 
 When an allocation leaves the landing tier fuller than ``demote_above`` it signals
-``core.pressure``; this thread then demotes the coldest pages (``Placement.demote_one``:
+``core.pressure`` (an idle tick that finds it that full starts too, and nothing less does);
+this thread then demotes the coldest pages (``Placement.demote_one``:
 the same eviction and admission decisions an allocation would make, the writes outside
 the core's lock, a batch of pages per write call, sync and index commit) until the tier is down to
 ``demote_to``. A round the lower tier fails (an I/O error, a full index) leaves its
@@ -63,11 +64,19 @@ class Demoter:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             except OSError as exc:
                 logger.warning("demoter runs at normal priority: %s", exc)
+        high, low = self.core.config.host.demote_above, self.core.config.host.demote_to
+        draining = False  # between passing the high watermark and reaching the low one
         while not self._stopped.is_set():
-            self.core.pressure.wait(self.idle_s)
+            woken = self.core.pressure.wait(self.idle_s)
+            # an idle tick starts no drain below the high watermark: pages written down early
+            # cost endurance for nothing; one under way (backing off, or its pages pinned) goes on
+            draining = draining or woken or self.core.fullest_fill() > high
+            if not draining:
+                continue
             try:
                 while not self._stopped.is_set() and self.core.demote_one():
                     pass
+                draining = self.core.fullest_fill() > low
             except Exception:  # the demoter must outlive one bad round
                 logger.exception("demotion round failed")
                 self._stopped.wait(self.idle_s)
