@@ -16,7 +16,10 @@ a larger host tier (``--drain-host-capacity``) is filled past its demotion water
 writer, which then stops; the lookups run while the demoter writes that backlog down at
 full speed (down to ``--demote-to`` of 0.05). The GB/s demoted is read over the lookups' own window, and
 the row says whether that window lay wholly inside the drain (the host tier was still
-above its low watermark when it ended). The hashing of the prefix's tokens alone is timed here.
+above its low watermark when it ended). With ``--repeat K`` every idle and draining row is K
+windows (each drain on a fresh server), their calls pooled: on a noisy 2-core VM one window's
+p99 moves by 2x from run to run, idle as much as draining, and the goal is a ratio of two of
+them. The hashing of the prefix's tokens alone is timed here.
 
 What each row's ``call`` times (its ``path`` says which transport it took):
 
@@ -87,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host tier of the draining rows' server: the backlog they drain (about 0.8 of it)")
     p.add_argument("--drain-seconds", type=float, default=2.0,
                    help="measured window of a draining row (it must end before the backlog is written down)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="windows of each idle and draining row (a fresh server for each drain), their calls pooled: "
+                        "one window's p99 on a noisy 2-core VM moves by 2x from run to run, idle as much as draining")
     p.add_argument("--writer-rate", type=float, default=0.0,
                    help="pages/s of the demoting rows' writer (0: as fast as it can; give a rate to compare two "
                         "builds whose demoters differ in speed at the same write load)")
@@ -159,6 +165,17 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
+def _idle(address: str, role: str, clients: int, pages: int, seconds: float, repeat: int) -> dict[str, Any]:
+    """An idle row: ``repeat`` windows of ``seconds``, their calls pooled."""
+    results: list[dict[str, Any]] = []
+    for _ in range(repeat):
+        procs = _spawn(role, address, pages, seconds, number=clients)
+        _go(procs, time.time() + 0.2)
+        results += [_collect(p) for p in procs]
+    return {**_row("idle", role, clients, seconds * repeat, results), "windows": repeat,
+            "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": 0.0}
+
+
 def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
          writer_core: int = -1) -> dict[str, Any]:
     demote = state == "demoting"
@@ -199,8 +216,20 @@ def _row(state: str, role: str, clients: int, seconds: float, results: list[dict
 
 
 def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
-    """A draining row: fill a fresh server's host tier past its high watermark, stop writing,
-    time lookups while the demoter writes the backlog down."""
+    """A draining row: ``--repeat`` drains (``_drain_once``), their calls pooled; the GB/s is
+    over all their windows, and a window that outlasted its drain is said."""
+    drains = [_drain_once(args, role, clients) for _ in range(args.repeat)]
+    results = [r for d in drains for r in d["results"]]
+    window_s = sum(d["window_s"] for d in drains)
+    return {**_row("draining", role, clients, args.drain_seconds * args.repeat, results), "windows": args.repeat,
+            "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": sum(d["demoted"] for d in drains) / window_s / 1e9,
+            "backlog_gb": min(d["backlog_gb"] for d in drains), "drained_gb": min(d["drained_gb"] for d in drains),
+            "window_inside_drain": all(d["inside"] for d in drains)}
+
+
+def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
+    """Fills a fresh server's host tier past its high watermark, stops writing, times lookups
+    while the demoter writes the backlog down."""
     workdir = Path(args.dir) / "drain"
     shutil.rmtree(workdir, ignore_errors=True)
     server, address = start_server(workdir, args.drain_host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
@@ -222,18 +251,20 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
         _go(procs, start)
         time.sleep(max(0.0, start - time.time()))
         t0, before = time.time(), _ssd_bytes_in(address)
-        results = [_collect(p) for p in procs]
+        # read at the window's end, not once the load processes have exited (which takes a
+        # second or more): a drain that ended in that second is not one the window lay in
+        time.sleep(max(0.0, start + args.drain_seconds - time.time()))
         t1, after = time.time(), _tier_stats(address)
+        results = [_collect(p) for p in procs]
         host_end = after["host"]
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    demoted = after["ssd"].bytes_in - before
-    return {**_row("draining", role, clients, args.drain_seconds, results), "writer_pages": 0, "writer_pages_per_s": 0.0,
-            "demoted_gb_per_s": demoted / (t1 - t0) / 1e9, "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
+    return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0,
+            "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
             "drained_gb": after["ssd"].bytes_in / 1e9,  # written to ssd since the (fresh) server started: the drain's
             # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
-            "window_inside_drain": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
+            "inside": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
 
 
 async def _store_prefix(address: str, pages: int) -> int:
@@ -254,6 +285,8 @@ def _hash_ms(pages: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat}: at least one window per row")
     workdir = Path(args.dir)
     if args.writer_core >= 0:  # this process, hence the server and the clients it starts, off the writer's core
         others = os.sched_getaffinity(0) - {args.writer_core}
@@ -285,12 +318,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rate = next((r["writer_pages_per_s"] for r in rows
                          if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
             pace = rate if state == "writing" else args.writer_rate if state == "demoting" else 0.0
-            rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
+            if state == "idle":
+                rows.append(_idle(at, role, n, args.pages, args.seconds, args.repeat))
+            else:
+                rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
     finally:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"pages": args.pages, "seconds": args.seconds, "demote_nice": args.demote_nice,
+    return {"pages": args.pages, "seconds": args.seconds, "repeat": args.repeat, "demote_nice": args.demote_nice,
             "switch_interval_ms": args.switch_interval_ms, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
 

@@ -13,12 +13,12 @@ import sys
 import pytest
 
 
-@pytest.mark.timeout(600)  # 17 runs (the lookup_keys rows doubled them): ~3.5 min on a loaded 2-core host
+@pytest.mark.timeout(600)  # 17 rows, the idle and draining ones two windows each (--repeat 2): ~4.5 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1", "--writer-rate", "150",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
-         "--switch-interval-ms", "1", "--json", "--dir", str(tmp_path / "lk")],
+         "--switch-interval-ms", "1", "--repeat", "2", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=540,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -39,6 +39,8 @@ def test_lookup_smoke(tmp_path) -> None:
     assert {r["path"] for r in rows if r["call"] != "client.lookup_keys"} == {"gRPC"}
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
+        # --repeat 2: the idle and draining rows pool two windows (lookups/s over both), the others one
+        assert r.get("windows", 1) == (2 if r["state"] in ("idle", "draining") else 1), r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
     # --writer-rate paces the demoting rows' writer (150 pages/s), each run on fresh pages
     assert all(r["writer_pages_per_s"] <= 150 * 1.25 + 16 for r in rows if r["state"] == "demoting"), rows
