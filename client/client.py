@@ -47,7 +47,7 @@ from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
 from kvstore.security.channel import ClientTLS
 from kvstore.types import LocationRun, Namespace
-from kvstore.validate import layout_msg
+from kvstore.validate import deadline_s, layout_msg
 from kvstore.wire import CHUNK_BYTES, check_chunk_bytes
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class KVStoreClient:
         self.use_shm = use_shm
         self.use_call_socket = use_call_socket
         self._calls: CallChannel | None = None
-        self.timeout_s = timeout_s
+        self.timeout_s = deadline_s(timeout_s, "timeout_s")
         self.lease_ms = lease_ms
         self.copy_threads = copy_threads
         self.prefill_tokens_per_s = prefill_tokens_per_s

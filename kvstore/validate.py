@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvstore._proto import common_pb2
@@ -66,3 +67,10 @@ def tier(value: str, allowed: Sequence[str]) -> str:
     if value and value not in allowed:
         raise InvalidRequest(f"tier {value!r} is not one of {', '.join(allowed)}")
     return value
+
+
+def deadline_s(value: object, name: str) -> float:
+    """A deadline: a finite number of seconds above 0 (every call has one; ``inf`` is none)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise InvalidRequest(f"{name} must be a finite number of seconds above 0 (every call has a deadline), got {value!r}")
+    return float(value)
