@@ -169,11 +169,12 @@ def test_a_tenant_out_of_its_write_share_costs_no_other_tenant_its_demotions(tmp
     config = tenant_config(tmp_path, ca)
     assert config.security.auth_file is not None and config.ssd is not None
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, dwpd=1.0),
-                                 host=dataclasses.replace(config.host, demote_to=1e-9),
+                                 host=dataclasses.replace(config.host, demote_above=1e-9, demote_to=1e-9),
                                  security=dataclasses.replace(config.security, share_arena=True))
     config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"ssd_write_percent": 1}}}))
     server = Server(config)
     server.start()
+    server.demoter.stop()  # the test runs the demotion rounds itself, once both tenants' pages are in one batch
     try:
         a, b = Caller(server, ca, A), Caller(server, ca, B)
         ns, ns_b = new_ns(), new_ns()

@@ -25,9 +25,9 @@ def _keys(start: int, n: int) -> list[bytes]:
     return [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(start, start + n)]
 
 
-def _put(core: Placement, keys: list[bytes]) -> None:
+def _put(core: Placement, keys: list[bytes], namespace_id: bytes = NS) -> None:
     for key in keys:  # one page per allocation: the fill crosses a watermark at a known page
-        alloc, slots = core.allocate(NS, LAYOUT, [key])
+        alloc, slots = core.allocate(namespace_id, LAYOUT, [key])
         payload = key * (LAYOUT.page_bytes // len(key))
         core.slot_view(alloc, slots[0][0])[:] = payload
         assert core.commit(alloc, [key], [checksum(payload)]) == 1
@@ -59,6 +59,37 @@ def test_the_demoter_writes_nothing_down_below_its_high_watermark_and_drains_to_
         used = core.view().tiers["host"].used_bytes
         assert used <= 0.1 * CAPACITY, f"the drain stopped at {used / CAPACITY:.2f} of the host tier, above its low watermark"
         assert _on_ssd(core, first + more) >= len(first + more) - int(0.1 * pages)
+    finally:
+        demoter.stop()
+        core.close()
+
+
+def test_with_tenant_arenas_only_an_arena_past_its_high_watermark_is_drained(tmp_path) -> None:
+    """Each tenant's arena has its own watermarks: an arena that fills past ``demote_above``
+    drains to ``demote_to``, and another tenant's arena between the two watermarks keeps its
+    pages in RAM. Bug: the hysteresis was one flag for the whole tier, so once one arena had
+    passed its high watermark every arena above its low one was drained too."""
+    auth = tmp_path / "auth.json"
+    auth.write_text("{}")  # names no one: only to make the server's callers tenants (one arena each)
+    config = make_config(tmp_path, host_bytes=CAPACITY, ssd_bytes=32 << 20)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.8, demote_to=0.1),
+                                 security=dataclasses.replace(config.security, auth_file=auth))
+    ns_a, ns_b = b"tenant-a-names!!", b"tenant-b-names!!"
+    core = Placement(config, owner_of={ns_a: "a", ns_b: "b"}.__getitem__, arena_bytes=lambda tenant: CAPACITY)
+    demoter = Demoter(core, idle_s=0.02)
+    demoter.start()
+    try:
+        pages = CAPACITY // LAYOUT.page_bytes
+        keys_b = _keys(0, int(0.5 * pages))  # b's arena half full: between its watermarks
+        _put(core, keys_b, ns_b)
+        keys_a = _keys(len(keys_b), int(0.85 * pages))  # a's past its high one
+        _put(core, keys_a, ns_a)
+        deadline = time.monotonic() + 30
+        while _on_ssd(core, keys_a) < len(keys_a) - int(0.1 * pages) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _on_ssd(core, keys_a) >= len(keys_a) - int(0.1 * pages), "a's arena was not drained to its low watermark"
+        time.sleep(0.5)  # 25 idle ticks
+        assert _on_ssd(core, keys_b) == 0, "b's arena, never past its high watermark, was drained with a's"
     finally:
         demoter.stop()
         core.close()

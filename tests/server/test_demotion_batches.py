@@ -46,7 +46,7 @@ def _read(core: Placement, key: bytes) -> bytes | None:
 
 def test_a_damaged_page_in_a_demotion_batch_is_quarantined_and_the_rest_go_down_later(tmp_path) -> None:
     config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
-    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_to=0.05))
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.05, demote_to=0.05))
     core = Placement(config)
     try:
         keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(100)]
@@ -72,7 +72,7 @@ def test_a_damaged_page_in_a_demotion_batch_is_quarantined_and_the_rest_go_down_
 
 def test_an_io_error_in_a_demotion_round_keeps_its_pages_in_ram_for_a_later_round(tmp_path) -> None:
     config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
-    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_to=0.05))
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.05, demote_to=0.05))
     made: list[FaultyTier] = []
 
     def wrap(tier: Tier) -> Tier:
@@ -130,7 +130,7 @@ def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_
     a restart finds none; once the device works they go down, and a restart finds exactly
     the pages the directory listed on SSD."""
     config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
-    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_to=0.05))
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.05, demote_to=0.05))
     made: list[_CutShort] = []
 
     def wrap(tier: Tier) -> Tier:

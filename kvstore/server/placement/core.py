@@ -42,6 +42,7 @@ from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.residence import Residence, leading
 from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.view import CoreView
+from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import CoreStats, Reporter
 from kvstore.tiers.base import ArenaInfo, LandingTier, Quarantined
@@ -75,6 +76,7 @@ class Placement:
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
+            self.watermarks = Watermarks(config.host.demote_above, config.host.demote_to)
             self.reporter.refresh_gauges()
         finally:
             if gc_enabled:
@@ -96,10 +98,6 @@ class Placement:
             raise InvalidRequest(f"page of {layout.page_bytes} bytes exceeds the limit of {self.config.max_page_bytes}")
         if not self.landing.fits(layout.page_bytes):
             raise InvalidRequest(f"page of {layout.page_bytes} bytes does not fit a {self.landing.name} slab; raise --host-capacity")
-
-    def fullest_fill(self) -> float:
-        """The fill of the landing tier's fullest part (each tenant's arena has its watermarks)."""
-        return max(map(self._fill, self.landing.parts()), default=self._fill())
 
     def _fill(self, tier: LandingTier | None = None) -> float:
         usage = (tier or self.landing).usage()
@@ -299,11 +297,11 @@ class Placement:
     # -- background work -----------------------------------------------------------------
 
     def demote_one(self) -> bool:
-        """Writes a batch of the landing tier's coldest pages down while it is fuller than ``demote_to`` (moves.py);
-        False when it is not, nothing can go, or there is no lower tier (an eviction is then in-memory work)."""
+        """Writes a batch of the coldest pages of the fullest draining arena down (watermarks.py says which drain,
+        moves.py how); False when none is, nothing can go, or there is no lower tier (eviction is in-memory work)."""
         with self.keeper.critical():
-            low, arena = self.config.host.demote_to, max(self.landing.parts(), key=self._fill, default=self.landing)
-            if self.lower and self._fill(arena) > low and self.moves.demote(arena, low):
+            arena = self.watermarks.next_part(self.landing.parts(), self._fill)
+            if self.lower and arena is not None and self.moves.demote(arena, self.watermarks.low):
                 return True
             self.pressure.clear()  # set again by the next allocation past the watermark
             return False

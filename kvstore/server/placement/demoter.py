@@ -1,17 +1,18 @@
 """Background demotion: keeps the landing tier below a high watermark, so that an
 allocation finds a free slot instead of waiting for a victim to be written to disk.
 
-When an allocation leaves the landing tier fuller than ``demote_above`` it signals
-``core.pressure`` (an idle tick that finds it that full starts too, and nothing less does);
-this thread then demotes the coldest pages (``Placement.demote_one``:
-the same eviction and admission decisions an allocation would make, the writes outside
-the core's lock, a batch of pages per write call, sync and index commit) until the tier is down to
-``demote_to``. A round the lower tier fails (an I/O error, a full index) leaves its
-pages in RAM, and the rounds after it wait, longer each time (``moves.BACKOFF_S``); an
-allocation that still finds no room reclaims a victim itself (dropping it, if the lower
-tier fails it too). With no lower tier there is no demoter (an eviction is
-then in-memory work); without this thread (the trace replay) every eviction
-happens inline, in the order allocations need them.
+When an allocation leaves an arena of the landing tier fuller than ``demote_above`` it
+signals ``core.pressure``, and an idle tick looks too; this thread then demotes the coldest
+pages of each draining arena (``Placement.demote_one``: the same eviction and admission
+decisions an allocation would make, the writes outside the core's lock, a batch of pages
+per write call, sync and index commit) until it is down to ``demote_to``; an arena between
+the two watermarks that has not passed the high one is left alone (watermarks.py). A
+round the lower tier fails (an I/O error, a full index) leaves its pages in RAM, and the
+rounds after it wait, longer each time (``moves.BACKOFF_S``); the arena stays draining,
+so an idle tick resumes it. An allocation that still finds no room reclaims a victim
+itself (dropping it, if the lower tier fails it too). With no lower tier there is no
+demoter (an eviction is then in-memory work); without this thread (the trace replay)
+every eviction happens inline, in the order allocations need them.
 
 The thread runs at a lower OS priority (``HostTierConfig.demote_nice``): what it does is
 work ahead of need, so on busy cores a lookup or an allocation should not wait behind it
@@ -64,19 +65,11 @@ class Demoter:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             except OSError as exc:
                 logger.warning("demoter runs at normal priority: %s", exc)
-        high, low = self.core.config.host.demote_above, self.core.config.host.demote_to
-        draining = False  # between passing the high watermark and reaching the low one
         while not self._stopped.is_set():
-            woken = self.core.pressure.wait(self.idle_s)
-            # an idle tick starts no drain below the high watermark: pages written down early
-            # cost endurance for nothing; one under way (backing off, or its pages pinned) goes on
-            draining = draining or woken or self.core.fullest_fill() > high
-            if not draining:
-                continue
-            try:
+            self.core.pressure.wait(self.idle_s)
+            try:  # a round on each wake-up and idle tick; the core's watermarks say whether there is one
                 while not self._stopped.is_set() and self.core.demote_one():
                     pass
-                draining = self.core.fullest_fill() > low
             except Exception:  # the demoter must outlive one bad round
                 logger.exception("demotion round failed")
                 self._stopped.wait(self.idle_s)
