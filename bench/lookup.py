@@ -80,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
     p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
     p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
-    p.add_argument("--demote-nice", type=int, default=10, help="the server's --demote-nice (0: the demoter competes as an equal)")
+    p.add_argument("--demote-sched", default="idle", choices=["idle", "normal"],
+                   help="the servers' --demote-sched: the background demoter in SCHED_IDLE, or normal at --demote-nice")
+    p.add_argument("--demote-nice", type=int, default=10,
+                   help="the servers' --demote-nice (0: the demoter competes as an equal, with --demote-sched normal)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="the servers' --switch-interval-ms, their GIL switch interval (None: the server's default)")
     p.add_argument("--writer-core", type=int, default=-1,
@@ -104,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """Flags every server of the run gets, the draining rows' and the control's too."""
     switch = () if args.switch_interval_ms is None else ("--switch-interval-ms", str(args.switch_interval_ms))
-    return ("--scrub-rate", "0", "--demote-nice", str(args.demote_nice), *switch)
+    return ("--scrub-rate", "0", "--demote-sched", args.demote_sched, "--demote-nice", str(args.demote_nice), *switch)
 
 
 def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0,
@@ -326,7 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"pages": args.pages, "seconds": args.seconds, "repeat": args.repeat, "demote_nice": args.demote_nice,
+    return {"pages": args.pages, "seconds": args.seconds, "repeat": args.repeat, "demote_sched": args.demote_sched,
+            "demote_nice": args.demote_nice,
             "switch_interval_ms": args.switch_interval_ms, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
 

@@ -55,7 +55,8 @@ class HostTierConfig:
     demote_above: float = 0.95  # fuller than this, the demoter writes the coldest pages down ...
     demote_to: float = 0.90  # ... until it is down to this (1.0 and 1.0: only allocations evict)
     max_hints: int = 0  # announced uses (hinted keys) held at once, all callers; 0: one per KiB of capacity
-    demote_nice: int = 10  # OS niceness of the demoter thread: foreground RPCs come first on busy cores
+    demote_sched: str = "idle"  # the demoter's background half: Linux's SCHED_IDLE class ("idle"), or "normal" at demote_nice
+    demote_nice: int = 10  # OS niceness of its urgent half (of both, with "normal"): foreground RPCs come first on busy cores
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 4 << 20 and self.slab_bytes == 0:
@@ -66,6 +67,8 @@ class HostTierConfig:
             raise ConfigError("host demotion watermarks must satisfy 0 < --demote-to <= --demote-above <= 1")
         if not 0 <= self.demote_nice <= 19:
             raise ConfigError("--demote-nice must be in [0, 19]")
+        if self.demote_sched not in ("idle", "normal"):
+            raise ConfigError(f"--demote-sched must be idle or normal, got {self.demote_sched!r}")
         if self.max_hints < 0:
             raise ConfigError("--max-hints must be >= 0 (0: one per KiB of --host-capacity)")
         if self.max_hints == 0:

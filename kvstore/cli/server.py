@@ -83,9 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-burst-s", type=float, default=60.0, help="write budget burst, in seconds of its long-run rate")
     p.add_argument("--ssd-admission", default="value", help="SSD admission policy: value, seen-twice, first-come, all")
     p.add_argument("--scrub-rate", type=float, default=20.0, help="SSD pages verified per second in the background (0: off)")
+    p.add_argument("--demote-sched", default="idle", choices=["idle", "normal"],
+                   help="the background demoter: idle (Linux's SCHED_IDLE: it drains on CPU the foreground leaves; "
+                        "when an allocation finds no room, an urgent demoter at --demote-nice drains with it) or "
+                        "normal (one demoter, at --demote-nice)")
     p.add_argument("--demote-nice", type=int, default=10,
-                   help="OS niceness (0-19) of the background demoter thread: on busy cores lookups and other "
-                        "foreground RPCs get the CPU first; an allocation that finds no room still demotes itself")
+                   help="OS niceness (0-19) of the urgent demoter (of the only one, with --demote-sched normal): on "
+                        "busy cores lookups and other foreground RPCs get the CPU first")
     p.add_argument("--switch-interval-ms", type=float, default=DEFAULT_SWITCH_INTERVAL_MS,
                    help="how long a Python thread may hold the GIL while another waits for it (CPython's "
                         "default: 5 ms); short, a lookup waits less behind a demoting or writing thread")
@@ -198,7 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         data_dir=data_dir,
         tiers=tiers,
         host=HostTierConfig(capacity_bytes=parse_size(args.host_capacity, "--host-capacity"), hint_share=args.hint_share,
-                            max_hints=args.max_hints, demote_nice=args.demote_nice,
+                            max_hints=args.max_hints, demote_nice=args.demote_nice, demote_sched=args.demote_sched,
                             demote_above=args.demote_above, demote_to=args.demote_to),
         ssd=ssd,
         hbm=HbmTierConfig(capacity_bytes=parse_size(args.hbm_capacity, "--hbm-capacity"), device=args.hbm_device),

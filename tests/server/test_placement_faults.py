@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import random
 import threading
 import time
@@ -205,36 +204,6 @@ def test_a_slow_ssd_write_blocks_no_lookup_acquire_or_allocation(tmp_path) -> No
         server.stop(grace_s=1)
 
 
-def _nice_of_thread(native_id: int) -> int:
-    """The OS niceness of this process's thread ``native_id`` (/proc, field 19)."""
-    return int(Path(f"/proc/{os.getpid()}/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()[16])
-
-
-def test_the_demoter_thread_runs_below_the_foreground_threads(tmp_path) -> None:
-    """Demotion is work ahead of need: on busy cores it must not take the CPU from lookups
-    and allocations (architecture issue: lookup p99 under demotion). It runs at the
-    configured niceness, the rest of the server at the process's own."""
-    config = make_config(tmp_path)
-    core = Placement(dataclasses.replace(config, host=dataclasses.replace(config.host, demote_nice=7)))
-    demoter = Demoter(core, idle_s=0.05)
-    # this demoter's thread, not another "demoter" of the process: CI once read one at nice 10,
-    # the demoter of the test before, still writing through its 1.5 s-per-write SSD after its
-    # server's stop (Demoter.stop joins for 10 s)
-    before = {t.native_id for t in threading.enumerate()}
-    demoter.start()
-    try:
-        ours = [t.native_id for t in threading.enumerate() if t.name == "demoter" and t.native_id not in before]
-        assert len(ours) == 1 and ours[0] is not None
-        deadline = time.monotonic() + 5  # the thread sets its own priority as it starts
-        while _nice_of_thread(ours[0]) != 7 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _nice_of_thread(ours[0]) == 7
-        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # the calling (foreground) thread is untouched
-    finally:
-        demoter.stop()
-        core.close()
-
-
 def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
     """A server stopping while its demoter writes a round through a slow SSD waits for that
     round, then closes the tiers. Bug: Demoter.stop joined for 10 s and the server closed the
@@ -242,12 +211,12 @@ def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
     test read the leftover thread; a reused descriptor could take its writes)."""
     config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
     config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.5, demote_to=0.05))
-    wrap, made = _faulty_ssd(0, delay_s=0.2)  # a round of 64 pages: ~13 s
+    wrap, _made = _faulty_ssd(0, delay_s=0.2)  # a round of 64 pages: ~13 s
     server = Server(config, wrap=wrap)
     before = {t.native_id for t in threading.enumerate()}
     server.start()
-    demoters = [t for t in threading.enumerate() if t.name == "demoter" and t.native_id not in before]
-    assert len(demoters) == 1
+    demoters = [t for t in threading.enumerate() if t.name.startswith("demoter") and t.native_id not in before]
+    assert len(demoters) == 2  # its background and urgent halves
     try:
         _put(server.core, _keys(1, 100), durable=False)  # past the watermark: the demoter starts a round
         deadline = time.monotonic() + 10
@@ -256,7 +225,7 @@ def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
         assert server.core.view().moving, "no demotion started"
     finally:
         server.stop(grace_s=1)
-    assert not demoters[0].is_alive(), "the server closed its tiers under a demoter still writing"
+    assert not any(t.is_alive() for t in demoters), "the server closed its tiers under a demoter still writing"
 
 
 class _Buggy(FaultyTier):

@@ -76,6 +76,7 @@ class Placement:
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
+            self.starved = self.moves.starved  # set when an allocation found no room: it evicted inline (demoter.py)
             self.watermarks = Watermarks(config.host.demote_above, config.host.demote_to)
             self.reporter.refresh_gauges()
         finally:

@@ -14,17 +14,23 @@ itself (dropping it, if the lower tier fails it too). With no lower tier there i
 demoter (an eviction is then in-memory work); without this thread (the trace replay)
 every eviction happens inline, in the order allocations need them.
 
-The thread runs at a lower OS priority (``HostTierConfig.demote_nice``): what it does is
-work ahead of need, so on busy cores a lookup or an allocation should not wait behind it
-in the run queue. If it falls behind, allocations evict inline at their own priority.
+Two threads do it. The background half runs behind the foreground (``--demote-sched``,
+background.py; by default Linux's idle class): what it does is work ahead of need, so on
+busy cores a lookup or an allocation should not wait behind it for a CPU, and on a server
+with a core to spare it still drains at disk speed. Where it falls behind, an allocation
+finds no room and evicts inline (one page, one sync); that sets ``core.starved`` and wakes
+the urgent half, a normal thread at ``--demote-nice``, which then drains in batches too
+until no arena is draining: allocations are waiting, so the work is no longer ahead of
+need (the kernel's kswapd and direct reclaim have the same two speeds). With
+``--demote-sched normal`` the background half runs at ``--demote-nice`` and is the only one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
+from kvstore.server.placement.background import run_behind
 from kvstore.server.placement.core import Placement
 
 logger = logging.getLogger(__name__)
@@ -37,39 +43,48 @@ class Demoter:
         self.core = core
         self.idle_s = idle_s
         self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         if len(self.core.tiers) < 2:
             return  # nothing to demote to: evictions are in-memory, done inline
-        self._thread = threading.Thread(target=self._run, name="demoter", daemon=True)
-        self._thread.start()
+        host = self.core.config.host
+        self._threads = [threading.Thread(target=self._run, args=(host.demote_sched,), name="demoter", daemon=True)]
+        if host.demote_sched == "idle":
+            self._threads.append(threading.Thread(target=self._run_urgent, name="demoter-urgent", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Returns once the round under way has ended (its pages written and indexed, or left
-        in RAM), however long a slow disk makes that: the server closes the tiers next, and
+        """Returns once the rounds under way have ended (their pages written and indexed, or
+        left in RAM), however long a slow disk makes that: the server closes the tiers next, and
         closing them under a write is worse than a slow stop (its descriptor could be reused)."""
         self._stopped.set()
-        self.core.pressure.set()  # wakes it
-        if self._thread is None:
-            return
-        self._thread.join(STOP_WARN_S)
-        while self._thread.is_alive():
-            logger.warning("the demoter is still writing a round down (a slow disk?); the server stops after it")
-            self._thread.join(STOP_WARN_S)
+        self.core.pressure.set()  # wakes them
+        self.core.starved.set()
+        for thread in self._threads:
+            thread.join(STOP_WARN_S)
+            while thread.is_alive():
+                logger.warning("the %s is still writing a round down (a slow disk?); the server stops after it", thread.name)
+                thread.join(STOP_WARN_S)
 
-    def _run(self) -> None:
-        nice = self.core.config.host.demote_nice
-        if nice:
-            try:  # Linux: a thread's id is a process id to setpriority
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            except OSError as exc:
-                logger.warning("demoter runs at normal priority: %s", exc)
+    def _run(self, sched: str) -> None:
+        run_behind(sched, self.core.config.host.demote_nice)
         while not self._stopped.is_set():
             self.core.pressure.wait(self.idle_s)
-            try:  # a round on each wake-up and idle tick; the core's watermarks say whether there is one
-                while not self._stopped.is_set() and self.core.demote_one():
-                    pass
-            except Exception:  # the demoter must outlive one bad round
-                logger.exception("demotion round failed")
-                self._stopped.wait(self.idle_s)
+            self._drain()  # a round on each wake-up and idle tick; the core's watermarks say whether there is one
+
+    def _run_urgent(self) -> None:
+        run_behind("normal", self.core.config.host.demote_nice)
+        while not self._stopped.is_set():
+            if self.core.starved.wait(self.idle_s):
+                self.core.starved.clear()
+                self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while not self._stopped.is_set() and self.core.demote_one():
+                pass
+        except Exception:  # the demoter must outlive one bad round
+            logger.exception("demotion round failed")
+            self._stopped.wait(self.idle_s)

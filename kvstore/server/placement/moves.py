@@ -27,6 +27,7 @@ from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
+from kvstore.server.placement.background import is_behind, run_behind
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import TenantShares
@@ -79,7 +80,13 @@ class Mover(LowerRoom):
         self.metrics = metrics
         self._writing: set[tuple[bytes, int]] = set()  # (key, tier) being written down
         self._written = threading.Condition(lock)
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")  # checks beside disk writes
+        # checks beside disk writes: the foreground's (its worker started here, by a foreground thread: one
+        # the idle demoter started would inherit its class) and the idle demoter's (background.py)
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
+        self._verifier.submit(int).result()
+        self._behind_verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify-behind",
+                                                   initializer=run_behind, initargs=("idle", 0))
+        self.starved = threading.Event()  # set when an allocation found no room and evicted inline: the demoter lags
         self._last_error_log = 0.0
         self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server; a page nobody owns has none)
         self.clock: Callable[[], float] = time.monotonic  # the demoter's backoff (tests replace it)
@@ -88,6 +95,7 @@ class Mover(LowerRoom):
 
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
+        self._behind_verifier.shutdown(wait=True)
 
     # -- landing room (lock held; released around writes) --------------------------------
 
@@ -99,8 +107,12 @@ class Mover(LowerRoom):
         arena = arena or self.landing
         while True:
             slot = arena.reserve(page_bytes)
-            if slot is not None or not self.evict_one(page_bytes, None, arena):
+            if slot is not None:
                 return slot
+            if self.lower:
+                self.starved.set()  # the demoter's urgent half writes down ahead of the next ones
+            if not self.evict_one(page_bytes, None, arena):
+                return None
 
     def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None) -> bool:
         """Evicts the next victim of ``arena`` (default: the landing tier's choice), written
@@ -244,7 +256,8 @@ class Mover(LowerRoom):
                 self._unplace(target, tier, placed)
                 raise
         try:
-            check = self._verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
+            verifier = self._behind_verifier if is_behind() else self._verifier  # in the caller's class
+            check = verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
             target.write_many(placed)
             for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:

@@ -1,0 +1,42 @@
+"""Running a thread behind the foreground: the demoter and the verifier of its batches do
+work ahead of need, so on busy cores a lookup, an allocation or a durable put should not
+wait behind them for a CPU.
+
+``idle`` (the default, ``--demote-sched``) puts such a thread in Linux's SCHED_IDLE class: a
+waking foreground thread preempts it at once, and it runs on what CPU is left, which on a
+server waiting for its disk is most of it. ``normal`` keeps it in the normal class at
+``--demote-nice``. A thread inherits the class of the thread that starts it, so a pool
+worker that must run in the foreground is started by a foreground thread. An unprivileged
+thread cannot leave SCHED_IDLE again, so no thread switches back: the demoter's urgent
+half (demoter.py) is a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger(__name__)
+
+SCHEDS = ("idle", "normal")
+
+
+def run_behind(sched: str, nice: int) -> None:
+    """Lowers the calling thread (only it: Linux schedules threads): SCHED_IDLE for ``idle``,
+    else niceness ``nice``. Where the OS refuses, says so and leaves the thread as it was."""
+    try:
+        if sched == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+        elif nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # a thread's id is a process id to it
+    except (OSError, AttributeError) as exc:  # AttributeError: an OS without SCHED_IDLE
+        logger.warning("%s runs at normal priority: %s", threading.current_thread().name, exc)
+
+
+def is_behind() -> bool:
+    """Whether the calling thread runs in the idle class (its work goes to the idle verifier)."""
+    try:
+        return os.sched_getscheduler(0) == os.SCHED_IDLE
+    except (OSError, AttributeError):
+        return False
