@@ -23,6 +23,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 MIN_MAP_BYTES = 64 << 10  # an LMDB map smaller than this cannot hold its own tables
 MAP_BYTES = 8 << 30  # default LMDB map of the directory and of the ssd index (address space, not disk)
 TOKEN_LOG_MAP_BYTES = 4 << 30
+DEMOTE_SCHEDS = ("idle", "normal")  # --demote-sched: the background demoter in Linux's SCHED_IDLE class, or normal at --demote-nice
 
 
 def parse_size(text: str | int, flag: str = "size") -> int:
@@ -67,8 +68,8 @@ class HostTierConfig:
             raise ConfigError("host demotion watermarks must satisfy 0 < --demote-to <= --demote-above <= 1")
         if not 0 <= self.demote_nice <= 19:
             raise ConfigError("--demote-nice must be in [0, 19]")
-        if self.demote_sched not in ("idle", "normal"):
-            raise ConfigError(f"--demote-sched must be idle or normal, got {self.demote_sched!r}")
+        if self.demote_sched not in DEMOTE_SCHEDS:
+            raise ConfigError(f"--demote-sched must be one of {', '.join(DEMOTE_SCHEDS)}, got {self.demote_sched!r}")
         if self.max_hints < 0:
             raise ConfigError("--max-hints must be >= 0 (0: one per KiB of --host-capacity)")
         if self.max_hints == 0:

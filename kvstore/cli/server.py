@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvstore import logs
 from kvstore.config import (
+    DEMOTE_SCHEDS,
     MAP_BYTES,
     QUOTA_BYTES_FIELDS,
     TOKEN_LOG_MAP_BYTES,
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd-burst-s", type=float, default=60.0, help="write budget burst, in seconds of its long-run rate")
     p.add_argument("--ssd-admission", default="value", help="SSD admission policy: value, seen-twice, first-come, all")
     p.add_argument("--scrub-rate", type=float, default=20.0, help="SSD pages verified per second in the background (0: off)")
-    p.add_argument("--demote-sched", default="idle", choices=["idle", "normal"],
+    p.add_argument("--demote-sched", default="idle", choices=DEMOTE_SCHEDS,
                    help="the background demoter: idle (Linux's SCHED_IDLE: it drains on CPU the foreground leaves; "
                         "when an allocation finds no room, an urgent demoter at --demote-nice drains with it) or "
                         "normal (one demoter, at --demote-nice)")

@@ -12,7 +12,7 @@ from conftest import random_kv
 from kvstore.cli import ctl
 from kvstore.cli import server as server_cli
 from kvstore.client import KVStoreClient
-from kvstore.config import parse_size
+from kvstore.config import HostTierConfig, parse_size
 from kvstore.errors import ConfigError
 
 
@@ -46,11 +46,17 @@ def test_hbm_without_cuda_exits_with_a_clear_message(tmp_path) -> None:
         (["--max-streams", "4", "--max-subscribers", "8"], "--max-subscribers must be > 0 and at most --max-streams"),
         (["--stream-idle-s", "0"], "--stream-idle-s must be > 0"),
         (["--switch-interval-ms", "0"], "--switch-interval-ms must be > 0"),
+        (["--demote-sched", "fifo"], "--demote-sched: invalid choice: 'fifo'"),
     ],
 )
 def test_bad_flags(tmp_path, args, expect) -> None:
     res = _server("--data-dir", str(tmp_path), "--metrics-listen", "off", *args)
     assert res.returncode == 2 and expect in res.stderr
+
+
+def test_a_demote_sched_outside_the_cli_is_refused_by_the_config_too() -> None:
+    with pytest.raises(ConfigError, match="--demote-sched must be one of idle, normal, got 'fifo'"):
+        HostTierConfig(capacity_bytes=64 << 20, demote_sched="fifo")
 
 
 def test_the_server_sets_the_gil_switch_interval_it_was_given() -> None:

@@ -67,15 +67,14 @@ def _wait_drained(core: Placement, pages: int, timeout_s: float = 20.0) -> None:
 
 
 def test_by_default_the_background_half_and_its_verifier_are_idle_class_and_the_urgent_half_is_normal_at_demote_nice(tmp_path) -> None:
+    before = {t.native_id for t in threading.enumerate()}  # before the core: it starts the foreground verifier
     core = Placement(_config(tmp_path, demote_nice=7))
     demoter = Demoter(core, idle_s=0.02)
-    before = {t.native_id for t in threading.enumerate()}
     demoter.start()
     try:
         _put(core, _keys(0, 80))  # past the high watermark (64 pages): the background half drains, its batches verified
         _wait_drained(core, 48)
-        ours = {t.name: t.native_id for t in threading.enumerate()
-                if t.native_id not in before or t.name.startswith("kv-verify")}
+        ours = {t.name: t.native_id for t in threading.enumerate() if t.native_id not in before}
         classes = {name: os.sched_getscheduler(tid) for name, tid in ours.items() if tid is not None}
         assert classes["demoter"] == os.SCHED_IDLE
         assert [c for name, c in classes.items() if name.startswith("kv-verify-behind")] == [os.SCHED_IDLE]
@@ -143,6 +142,31 @@ def test_with_demote_sched_normal_one_demoter_runs_at_demote_nice(tmp_path) -> N
         while _nice_of_thread(ours["demoter"]) != 7 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _nice_of_thread(ours["demoter"]) == 7 and os.sched_getscheduler(ours["demoter"]) == os.SCHED_OTHER
+    finally:
+        demoter.stop()
+        core.close()
+
+
+def test_where_the_os_refuses_the_idle_class_the_background_half_runs_at_demote_nice(tmp_path, monkeypatch) -> None:
+    """A container whose seccomp profile refuses sched_setscheduler (the fake: the refusal
+    itself) must not leave the demoter at the foreground's priority, below what
+    --demote-nice gave before the idle class existed."""
+
+    def refused(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    before = {t.native_id for t in threading.enumerate()}
+    core = Placement(_config(tmp_path, demote_nice=7))
+    demoter = Demoter(core, idle_s=0.02)
+    demoter.start()
+    try:
+        ours = {t.name: t.native_id for t in threading.enumerate() if t.native_id not in before}
+        assert ours["demoter"] is not None
+        deadline = time.monotonic() + 5
+        while _nice_of_thread(ours["demoter"]) != 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _nice_of_thread(ours["demoter"]) == 7
     finally:
         demoter.stop()
         core.close()

@@ -19,19 +19,21 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-SCHEDS = ("idle", "normal")
-
-
 def run_behind(sched: str, nice: int) -> None:
     """Lowers the calling thread (only it: Linux schedules threads): SCHED_IDLE for ``idle``,
-    else niceness ``nice``. Where the OS refuses, says so and leaves the thread as it was."""
-    try:
-        if sched == "idle":
+    else niceness ``nice``; where the OS refuses the idle class (a seccomp profile), niceness
+    ``nice`` too. Where it refuses that as well, says so and leaves the thread as it was."""
+    if sched == "idle":
+        try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
-        elif nice:
+            return
+        except (OSError, AttributeError) as exc:  # AttributeError: an OS without SCHED_IDLE
+            logger.warning("%s runs at niceness %d, not in the idle class: %s", threading.current_thread().name, nice, exc)
+    if nice:
+        try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # a thread's id is a process id to it
-    except (OSError, AttributeError) as exc:  # AttributeError: an OS without SCHED_IDLE
-        logger.warning("%s runs at normal priority: %s", threading.current_thread().name, exc)
+        except OSError as exc:
+            logger.warning("%s runs at normal priority: %s", threading.current_thread().name, exc)
 
 
 def is_behind() -> bool:
