@@ -66,6 +66,7 @@ from kvstore.bench import lookup_floor
 from kvstore.bench.harness import percentile, start_server
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, prefix_tokens
 from kvstore.client import KVStoreClient
+from kvstore.config import DEMOTE_SCHEDS
 from kvstore.keys import page_keys
 
 DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill of its host tier (well below
@@ -80,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
     p.add_argument("--host-capacity", default="256MiB", help="host tier of the server (the writer overflows it)")
     p.add_argument("--ssd-capacity", default="24GiB", help="ssd tier of the server (sparse file)")
-    p.add_argument("--demote-sched", default="idle", choices=["idle", "normal"],
+    p.add_argument("--demote-sched", default="idle", choices=DEMOTE_SCHEDS,
                    help="the servers' --demote-sched: the background demoter in SCHED_IDLE, or normal at --demote-nice")
     p.add_argument("--demote-nice", type=int, default=10,
                    help="the servers' --demote-nice (0: the demoter competes as an equal, with --demote-sched normal)")
@@ -305,8 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(c) for c in args.clients.split(",") if c]
     plan = [(role, n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts for role in ("rpc", "keys")]
     plan.append(("client", 1, "idle"))
-    rows = lookup_floor.run(workdir / "floor", args.pages, args.seconds, args.floor_work_ms)
     try:
+        rows = lookup_floor.run(workdir / "floor", args.pages, args.seconds, args.floor_work_ms)
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
             if state == "draining":
                 rows.append(_drain(args, role, n))

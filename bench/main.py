@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 from types import ModuleType
 
@@ -32,6 +33,13 @@ COMMANDS = {
 }
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (kill, a CI timeout) ends a run as Ctrl-C does: its finally blocks stop the
+    servers, load processes and writers it started. Python's default died without them and
+    left them running (a lookup run's floor dd wrote on until the disk was full)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -53,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     logs.setup(args.log_level)
     tune_malloc()  # as the server does; see kvstore.memory
+    _exit_on_sigterm()
     report = args.module.run(args)
     args.module.print_table(report)
     if args.json:

@@ -7,8 +7,11 @@ every Lookup RPC row, JSON shape as documented."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -55,3 +58,34 @@ def test_lookup_smoke(tmp_path) -> None:
         demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"]
                         and r["call"] == control["call"])
         assert control["writer_pages_per_s"] <= demoting["writer_pages_per_s"] * 1.25 + 16
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_bench_stopped_by_sigterm_leaves_no_writer_behind(tmp_path) -> None:
+    """Stopped (SIGTERM: kill, a CI timeout) while its floor's dd writes beside the round
+    trips, the bench stops that dd and removes its file. Bug: the bench died without its
+    finally blocks and the orphaned dd wrote on (200 GiB at most) until the disk was full."""
+    workdir = tmp_path / "lk"
+    bench = subprocess.Popen([sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1",
+                              "--seconds", "30", "--host-capacity", "64MiB", "--ssd-capacity", "1GiB", "--dir", str(workdir)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = workdir / "floor" / "floor.dat"
+    try:
+        deadline = time.monotonic() + 90
+        while not target.exists() and time.monotonic() < deadline and bench.poll() is None:
+            time.sleep(0.05)
+        assert target.exists(), "the floor's direct writer never started"
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=60)
+    finally:
+        bench.kill()
+    time.sleep(0.5)
+    def started(name: str) -> list[str]:
+        return subprocess.run(["pgrep", "-f", name], capture_output=True, text=True, check=False).stdout.split()
+
+    writers, others = started(str(target)), started(str(workdir))  # others: its servers, the floor's echo
+    for pid in {*writers, *others}:  # a failed run must not leave the disk filling either
+        os.kill(int(pid), signal.SIGKILL)
+    assert not writers, "a dd of the floor is still writing"
+    assert not target.exists()
+    assert not others, "processes the bench started outlived it"
