@@ -12,9 +12,10 @@ same writer, paced to the page rate it reached in the demoting row of the same c
 count, against a second server with no SSD tier (its evictions are in-memory drops), so
 that what the writer's own CPU costs the lookups on this machine is told apart from what
 demotion costs them. The ``draining`` rows measure demotion alone: a server of its own with
-a larger host tier (``--drain-host-capacity``) is filled past its demotion watermark by the
-writer, which then stops; the lookups run while the demoter writes that backlog down at
-full speed (down to ``--demote-to`` of 0.05). The GB/s demoted is read over the lookups' own window, and
+a larger host tier (``--drain-host-capacity``) is filled by the writer to just below its
+demotion watermark, and the page that passes it is put as the lookups' window opens: the
+lookups run while the demoter writes that backlog down at full speed (down to
+``--demote-to`` of 0.05), from its first page (``demoted_before_window_gb``: 0). The GB/s demoted is read over the lookups' own window, and
 the row says whether that window lay wholly inside the drain (the host tier was still
 above its low watermark when it ended). With ``--repeat K`` every idle and draining row is K
 windows (each drain on a fresh server), their calls pooled: on a noisy 2-core VM one window's
@@ -49,6 +50,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -64,7 +66,7 @@ from tqdm import tqdm
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.bench import lookup_floor
 from kvstore.bench.harness import percentile, start_server
-from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, prefix_tokens
+from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, WRITER_NS, prefix_tokens
 from kvstore.client import KVStoreClient
 from kvstore.config import DEMOTE_SCHEDS
 from kvstore.keys import page_keys
@@ -228,47 +230,87 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
     return {**_row("draining", role, clients, args.drain_seconds * args.repeat, results), "windows": args.repeat,
             "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": sum(d["demoted"] for d in drains) / window_s / 1e9,
             "backlog_gb": min(d["backlog_gb"] for d in drains), "drained_gb": min(d["drained_gb"] for d in drains),
-            "window_inside_drain": all(d["inside"] for d in drains)}
+            "window_inside_drain": all(d["inside"] for d in drains),
+            # written to ssd before any window opened (0: every drain began with its window)
+            "demoted_before_window_gb": max(d["before"] for d in drains) / 1e9}
 
 
 def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
-    """Fills a fresh server's host tier past its high watermark, stops writing, times lookups
-    while the demoter writes the backlog down."""
+    """Fills a fresh server's host tier to just below its high watermark, then puts the page
+    that passes it as the lookups' window opens, and times them while the demoter writes the
+    backlog down. Filled past it beforehand, the drain ran unmeasured while the prefix was
+    stored and the load processes started: most of the backlog was gone before the window."""
     workdir = Path(args.dir) / "drain"
     shutil.rmtree(workdir, ignore_errors=True)
     server, address = start_server(workdir, args.drain_host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
                                    "--ssd-admission", "all", *_server_flags(args), "--demote-above", str(DRAIN_ABOVE), "--demote-to", str(DRAIN_TO))
     try:
         host = _tier_stats(address)["host"]
-        # just past the high watermark: the demoter starts, and no allocation has to evict
-        count = int((DRAIN_ABOVE + 0.02) * host.capacity_bytes - host.used_bytes) // WRITER_LAYOUT.page_bytes + 1
-        writer = _spawn("writer", address, args.pages, 600.0, 0.0, count)[0]
-        if args.writer_core >= 0:
-            os.sched_setaffinity(writer.pid, {args.writer_core})
-        procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
-        _go([writer], time.time())
-        written = _collect(writer)["pages_written"]
+        # the writer puts 16-page batches: it stops a batch or more short of the watermark
+        room = int(DRAIN_ABOVE * host.capacity_bytes - host.used_bytes) // WRITER_LAYOUT.page_bytes
+        written = 0
+        if room // 16 > 1:
+            writer = _spawn("writer", address, args.pages, 600.0, 0.0, (room // 16 - 1) * 16)[0]
+            if args.writer_core >= 0:
+                os.sched_setaffinity(writer.pid, {args.writer_core})
+            _go([writer], time.time())
+            written = _collect(writer)["pages_written"]
         # stored after the backlog: the newest pages, demoted last, as in the other rows
         if asyncio.run(_store_prefix(address, args.pages)) != args.pages:
             raise RuntimeError(f"the {args.pages}-page prefix could not be stored whole")
-        start = time.time() + 0.2
-        _go(procs, start)
-        time.sleep(max(0.0, start - time.time()))
-        t0, before = time.time(), _ssd_bytes_in(address)
-        # read at the window's end, not once the load processes have exited (which takes a
-        # second or more): a drain that ended in that second is not one the window lay in
-        time.sleep(max(0.0, start + args.drain_seconds - time.time()))
-        t1, after = time.time(), _tier_stats(address)
-        results = [_collect(p) for p in procs]
+        procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
+        try:
+            crossed, before, t0, t1, after = asyncio.run(_drain_window(address, procs, args.drain_seconds))
+            results = [_collect(p) for p in procs]
+        finally:
+            for proc in procs:  # those not collected: the window never opened
+                proc.kill()
+        written += crossed
         host_end = after["host"]
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0,
+    return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0, "before": before,
             "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
             "drained_gb": after["ssd"].bytes_in / 1e9,  # written to ssd since the (fresh) server started: the drain's
             # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
             "inside": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
+
+
+async def _drain_window(address: str, procs: list[subprocess.Popen[str]], seconds: float
+                        ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats]]:
+    """Tops the host tier up to its high watermark without passing it, starts the lookups and
+    puts the page that passes it as their window opens, so the drain begins with the window.
+    Returns the pages put, the SSD's bytes in before that page (0 on a fresh server), the
+    window's start and end and the tiers at its end (read there, not once the load processes
+    have exited, which takes a second or more: a drain that ended in that second is not one
+    the window lay in)."""
+    kv = torch.randn(WRITER_LAYOUT.num_layers, 2, WRITER_LAYOUT.page_tokens, WRITER_LAYOUT.num_kv_heads,
+                     WRITER_LAYOUT.head_dim).to(WRITER_LAYOUT.dtype)
+    async with KVStoreClient(address, WRITER_NS) as client:
+        used = _tier_stats(address)["host"].used_bytes
+        put = await _put_page(client, kv)
+        host = _tier_stats(address)["host"]
+        step = host.used_bytes - used  # what a page takes of the tier (a slab may round it up)
+        while host.used_bytes + step <= DRAIN_ABOVE * host.capacity_bytes:
+            put += await _put_page(client, kv)
+            host = _tier_stats(address)["host"]
+        if host.used_bytes > DRAIN_ABOVE * host.capacity_bytes:
+            raise RuntimeError("the host tier passed its high watermark before the window")
+        before = _ssd_bytes_in(address)
+        start = time.time() + 0.2
+        _go(procs, start)
+        await asyncio.sleep(max(0.0, start - time.time()))
+        put += await _put_page(client, kv)
+        await asyncio.sleep(max(0.0, start + seconds - time.time()))
+        end, after = time.time(), _tier_stats(address)
+    return put, before, start, end, after
+
+
+async def _put_page(client: KVStoreClient, kv: torch.Tensor) -> int:
+    """Puts one page of fresh tokens (a stored page put again is no new page)."""
+    base = (1 << 31) + random.randrange(1 << 30)  # apart from the writer process's tokens (below 2**31)
+    return await client.put(list(range(base, base + WRITER_LAYOUT.page_tokens)), kv) // WRITER_LAYOUT.page_tokens
 
 
 async def _store_prefix(address: str, pages: int) -> int:
