@@ -94,7 +94,7 @@ class _Receiving:
         error: Exception | None = None
         try:
             TcpPageFetcher.receive(*args)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is the fetch's result, handed to its awaiter
             exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             error = exc
         del args
