@@ -293,6 +293,8 @@ async def _drain_window(address: str, procs: list[subprocess.Popen[str]], second
         put = await _put_page(client, kv)
         host = _tier_stats(address)["host"]
         step = host.used_bytes - used  # what a page takes of the tier (a slab may round it up)
+        if step <= 0:  # else the loop below would never end
+            raise RuntimeError("a page put took no room in the host tier")
         while host.used_bytes + step <= DRAIN_ABOVE * host.capacity_bytes:
             put += await _put_page(client, kv)
             host = _tier_stats(address)["host"]
