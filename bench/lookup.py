@@ -281,11 +281,9 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
 async def _drain_window(address: str, procs: list[subprocess.Popen[str]], seconds: float
                         ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats]]:
     """Tops the host tier up to its high watermark without passing it, starts the lookups and
-    puts the page that passes it as their window opens, so the drain begins with the window.
-    Returns the pages put, the SSD's bytes in before that page (0 on a fresh server), the
-    window's start and end and the tiers at its end (read there, not once the load processes
-    have exited, which takes a second or more: a drain that ended in that second is not one
-    the window lay in)."""
+    puts the page that passes it as their window opens. Returns the pages put, the SSD's bytes
+    in before that page (0 on a fresh server), the window's start and end and the tiers at its
+    end (read there, not once the load processes have exited a second or more later)."""
     kv = torch.randn(WRITER_LAYOUT.num_layers, 2, WRITER_LAYOUT.page_tokens, WRITER_LAYOUT.num_kv_heads,
                      WRITER_LAYOUT.head_dim).to(WRITER_LAYOUT.dtype)
     async with KVStoreClient(address, WRITER_NS) as client:
