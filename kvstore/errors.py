@@ -24,6 +24,11 @@ class NamespaceMismatch(InvalidRequest):
     """A page or request names a namespace or layout that does not match; nothing was changed."""
 
 
+class StaleIncarnation(KVStoreError):
+    """Cluster mode: a call of a node's incarnation (registration epoch) that is over; the
+    node registered again since. Not retried: the new incarnation sends what it holds."""
+
+
 class TierFull(KVStoreError):
     """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvstore import KVLayout, Namespace
-from kvstore.errors import ConfigError, InvalidRequest
 from kvstore import keys as page_key_module
+from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.keys import hashlib_keys, page_keys, token_array
 
 QWEN3_8B = KVLayout(36, 8, 128, dtype="bfloat16", page_tokens=16)

@@ -19,8 +19,8 @@ import torch
 from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
-from kvstore.client import KVStoreClient
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.client import KVStoreClient
 from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from page_server_node import expected_page
+
 from kvstore.cluster.page_fetch import FetchStatus
 
 NS = bytes(16)

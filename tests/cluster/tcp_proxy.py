@@ -2,7 +2,8 @@
 partition of that node alone) while the rest of the cluster keeps it. With ``flip_at`` it
 also flips one bit of what the upstream sends, at that offset of each connection's stream:
 what a faulty NIC, switch or proxy does to bytes in flight, which TCP's own 16-bit checksum
-can miss (the data planes' in-flight damage tests)."""
+can miss (the data planes' in-flight damage tests). ``hold()`` delays what the upstream sends
+until ``release()``: a node whose etcd watch lags (its requests still reach etcd)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from etcd_proc import free_port
 
 class TcpProxy:
     """127.0.0.1:``port`` -> ``upstream``. ``cut()`` closes every connection and refuses new ones
-    until ``restore()``."""
+    until ``restore()``; ``hold()`` keeps the upstream's bytes back until ``release()``."""
 
     def __init__(self, upstream: tuple[str, int], flip_at: int | None = None) -> None:
         self.upstream, self.flip_at = upstream, flip_at
@@ -24,6 +25,8 @@ class TcpProxy:
         self._open: list[socket.socket] = []
         self._cut = False
         self._closed = False
+        self._flowing = threading.Event()  # cleared: what the upstream sends waits
+        self._flowing.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -43,14 +46,16 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._open += [client, server]
-            for src, dst, flip_at in ((client, server, None), (server, client, self.flip_at)):
-                threading.Thread(target=self._pump, args=(src, dst, flip_at), daemon=True).start()
+            for src, dst, flip_at, gate in ((client, server, None, None), (server, client, self.flip_at, self._flowing)):
+                threading.Thread(target=self._pump, args=(src, dst, flip_at, gate), daemon=True).start()
 
     @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
+    def _pump(src: socket.socket, dst: socket.socket, flip_at: int | None, gate: threading.Event | None) -> None:
         seen = 0
         try:
             while data := src.recv(65536):
+                if gate is not None:
+                    gate.wait()
                 if flip_at is not None and seen <= flip_at < seen + len(data):
                     data = bytearray(data)
                     data[flip_at - seen] ^= 0x01
@@ -80,7 +85,14 @@ class TcpProxy:
         with self._lock:
             self._cut = False
 
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._closed = True
+        self._flowing.set()
         self.cut()
         self._listener.close()

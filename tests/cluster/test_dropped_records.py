@@ -1,5 +1,6 @@
 """A shard owner drops a node's records when the node leaves or registers again; the records
-the new incarnation republished meanwhile stay."""
+the new incarnation republished meanwhile stay, also those that arrived before the owner heard
+of it; a late call of an incarnation that is over is refused."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.directory import Directory
+from kvstore.errors import StaleIncarnation
+from kvstore.server.cluster.incarnations import Incarnations
 
 NS = bytes(16)
 
@@ -29,5 +32,45 @@ def test_drop_node_keeps_what_was_published_after_the_membership_change(tmp_path
         assert directory.get(fresh) is None and directory.num_remote("b") == 0
         with pytest.raises(ValueError):
             directory.drop_node("owner")
+    finally:
+        directory.close()
+
+
+def test_an_owner_keeps_what_a_newer_incarnation_sent_before_it_heard_of_it(tmp_path: Path) -> None:
+    """Race pinned (the churn test, CI of stop 32): b registered again and its republish reached
+    the owner before the owner's watch said so; dropping b's records up to the moment it heard
+    took the fresh ones too. Now the drop stops where the newer incarnation began."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        old, fresh = b"o" * 16, b"f" * 16
+        with incarnations.admitting(["b"], 1):
+            directory.publish_remote(NS, [(old, "b", "host", 4096)], 100, 100)
+        with incarnations.admitting(["b"], 2):  # b's republish (epoch 2), before the watch
+            directory.publish_remote(NS, [(fresh, "b", "ssd", 4096)], 100, 100)
+        assert directory.drop_node("b", incarnations.ended("b", 1)) == 1  # the watch: epoch 1 is over
+        assert directory.get(old) is None
+        assert directory.lookup(NS, [fresh])[0].node == "b"
+        with pytest.raises(StaleIncarnation), incarnations.admitting(["b"], 1):  # epoch 1's call, late in flight
+            pytest.fail("a call of an incarnation that is over was admitted")
+        with incarnations.admitting(["b"], 0):  # a caller that names no epoch is not checked
+            pass
+    finally:
+        directory.close()
+
+
+def test_an_incarnation_heard_over_refuses_its_late_calls_and_the_next_one_is_kept(tmp_path: Path) -> None:
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        with incarnations.admitting(["b"], 3):
+            directory.publish_remote(NS, [(b"o" * 16, "b", "host", 4096)], 100, 100)
+        assert directory.drop_node("b", incarnations.ended("b", 3)) == 1  # heard first: all of it goes
+        with pytest.raises(StaleIncarnation), incarnations.admitting(["b"], 3):
+            pytest.fail("a call of an incarnation that is over was admitted")
+        with incarnations.admitting(["b"], 4):
+            directory.publish_remote(NS, [(b"n" * 16, "b", "host", 4096)], 100, 100)
+        assert directory.drop_node("b", incarnations.ended("b", 3)) == 0  # the watch repeats itself: epoch 4's stays
+        assert directory.num_remote("b") == 1
     finally:
         directory.close()

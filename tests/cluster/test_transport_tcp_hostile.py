@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-
 from test_transport_tcp import ask_raw
 from test_transport_ucx import NS, CountingSource, key
 

@@ -44,7 +44,7 @@ class _AcceptAfterClose:
     def __enter__(self) -> bool:
         return self.acquire()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fetch_contract import (NS, Arena, Child, check_killed_sender, check_stopped_sender, key, page_servers, start_server,
-                            untouched)
+from fetch_contract import NS, Arena, Child, check_killed_sender, check_stopped_sender, key, page_servers, start_server, untouched
 from page_server_node import expected_page
 
 from kvstore.cluster.page_wire import FetchRequest

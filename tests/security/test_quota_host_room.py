@@ -28,10 +28,11 @@ async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_excee
     the class it raised (HostQuotaFull) and the client built it with the message alone; its
     constructor also takes keep_bytes, so the client raised TypeError, which no caller catches
     (a soak client died of it), instead of the LimitExceeded a full quota is."""
+    from conftest import random_kv
+
     from kvstore.client import ClientTLS, KVStoreClient
     from kvstore.errors import LimitExceeded
     from kvstore.types import KVLayout, Namespace
-    from conftest import random_kv
 
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_tokens=4)
     server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 2 * layout.page_bytes}})

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 from conftest import flip_arena_byte, make_config
-from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
+from test_remote_landing import PAGE_BYTES, _found, _store
 
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.cluster.page_wire import FetchAnswer, PageEntry, PageStatus
@@ -22,7 +22,7 @@ from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "cluster"))
-from tcp_proxy import TcpProxy  # noqa: E402
+from tcp_proxy import TcpProxy
 
 
 class Peer:

@@ -57,7 +57,7 @@ Change = dict[tuple[bytes, str], tuple[Record, bool]]
 class Publisher:
     def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
                  timeout_s: float, is_member: Callable[[], bool] = lambda: True,
-                 tenant_of: Callable[[bytes], str] = lambda namespace_id: "") -> None:
+                 tenant_of: Callable[[bytes], str] = lambda namespace_id: "", epoch: Callable[[], int] = lambda: 0) -> None:
         self._directory = directory
         self._node = node
         self._peers = peers
@@ -65,6 +65,7 @@ class Publisher:
         self._timeout_s = timeout_s
         self._is_member = is_member
         self._tenant_of = tenant_of
+        self._epoch = epoch  # named in every call: an owner refuses a late one of an incarnation that is over
         self._held: dict[tuple[bytes, str], Record] = {}
         self._pending: dict[str, Change] = {}  # owner -> its changes not sent yet
         self._wake = asyncio.Event()
@@ -214,10 +215,11 @@ class Publisher:
             else:
                 withdraw.setdefault((record.namespace_id, tier), []).append(key)
         for ns, records in publish.items():
-            request = directory_pb2.PublishRequest(namespace_id=ns, records=records, tenant=self._tenant_of(ns))
+            request = directory_pb2.PublishRequest(namespace_id=ns, records=records, tenant=self._tenant_of(ns),
+                                                   epoch=self._epoch())
             await peer.directory.Publish(request, timeout=self._timeout_s)
             self.num_published += len(records)
         for (ns, tier), keys in withdraw.items():
-            await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node),
-                                        timeout=self._timeout_s)
+            await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node,
+                                                                    epoch=self._epoch()), timeout=self._timeout_s)
             self.num_withdrawn += len(keys)

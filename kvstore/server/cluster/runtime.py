@@ -31,6 +31,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, TierUnavailable
+from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
@@ -87,6 +88,7 @@ class ClusterRuntime:
         self.shard_config = ShardConfig(segment_pages=1, replicas=self.cluster.replicas)  # per-page owners: see lookup.py
         self.shard_map = ShardMap([], self.shard_config)
         self.invalidations = AppliedInvalidations(config.data_dir / "cluster-invalidations.json")
+        self.incarnations = Incarnations(lambda: core.directory.version)  # of the other nodes, heard as their owner
         self._members: dict[str, Member] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
@@ -141,7 +143,8 @@ class ClusterRuntime:
                                      cluster.ttl_s)
         self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
         self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
-                                   is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "")
+                                   is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
+                                   epoch=lambda: self.membership.epoch if self.membership is not None else 0)
         self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
@@ -321,13 +324,13 @@ class ClusterRuntime:
     # -- membership listeners (on the loop) -------------------------------------------------
     def _on_members(self, members: Mapping[str, Member]) -> None:
         before, self.shard_map = self.shard_map, ShardMap(members, self.shard_config)
-        left = [n for n, m in self._members.items() if n != self.node and (n not in members or members[n].epoch != m.epoch)]
+        left = [(n, m.epoch) for n, m in self._members.items()
+                if n != self.node and (n not in members or members[n].epoch != m.epoch)]
         self._members = dict(members)
         for peer in self.peers.update(members):
             self._spawn(peer.close())
-        version = self.core.directory.version  # records published after this are the new incarnation's
-        for node in left:
-            self._spawn(self._drop(node, version))
+        for node, epoch in left:  # the records a newer incarnation published (maybe before this was heard) stay
+            self._spawn(self._drop(node, self.incarnations.ended(node, epoch)))
         if self.publisher is not None:
             self.publisher.members_changed(before, self.shard_map)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import grpc
@@ -58,6 +59,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
 
+    def _admitting(self, nodes: list[str], epoch: int) -> AbstractContextManager[None]:
+        """A node's calls name its epoch: one of an incarnation that is over is refused."""
+        return self.cluster.incarnations.admitting(nodes, epoch) if self.cluster is not None else nullcontext()
+
     def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request, allow_empty)
 
@@ -97,7 +102,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
         who = acting_for(who, request.tenant)  # the records' tenant: bound here to it, within its quota
-        with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns):
+        with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns), \
+                self._admitting([r[1] for r in records], request.epoch):
             versions = self.core.publish_remote(ns, records)
         return directory_pb2.PublishResponse(versions=versions)
 
@@ -109,7 +115,8 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         who = current_identity()
         if request.node:  # a node withdrawing its records from a shard owner
             require_node(who, "Remove with node")
-            return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, keys, tier))
+            with self._admitting([request.node], request.epoch):
+                return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, keys, tier))
         if not self.tenancy.may_administer(who, ns):
             return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
         return directory_pb2.RemoveResponse(num_removed=self.core.remove(ns, keys, tier))
