@@ -63,6 +63,18 @@ def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listene
     arenas.close()
 
 
+CALLERS = 16  # connections waiting in the backlog while the descriptors are gone (the arena socket serves 32 a process)
+
+
+def _hog(socks: list[socket.socket]) -> None:
+    """Takes every descriptor free under the limit."""
+    try:
+        while True:
+            socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    except OSError:
+        pass
+
+
 def test_accept_out_of_descriptors_pauses_instead_of_spinning(listener: Listener, caplog: pytest.LogCaptureFixture) -> None:
     """Out of file descriptors (EMFILE: the process limit, reachable by callers that hold
     connections) accept fails while the connection stays in the backlog. The call socket's
@@ -71,18 +83,20 @@ def test_accept_out_of_descriptors_pauses_instead_of_spinning(listener: Listener
     logs at most once per interval, and serves again once descriptors are free."""
     caplog.set_level(logging.WARNING, logger=listener.logger)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    socks: list[socket.socket] = []
+    # More callers than descriptors the server's threads free meanwhile: each one freed (a
+    # transient file, a closed connection) lets an accept through. With as many callers as
+    # hogged descriptors, a server closing a few let all of them in and accept never failed.
+    socks = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(CALLERS)]
+    callers = list(socks)
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
     try:
-        try:
-            while True:  # this process's last descriptors: the server's accept finds none
-                socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-        except OSError:
-            pass
-        for sock in socks:
-            sock.connect(str(listener.path))
+        _hog(socks)  # this process's last descriptors: the server's accept finds none
+        for sock in callers:
+            sock.setblocking(False)  # a full backlog answers EAGAIN instead of blocking
+            sock.connect_ex(str(listener.path))
         deadline = time.monotonic() + 10
         while not listener.pause.num_failed and time.monotonic() < deadline:  # the loop met EMFILE (bounded)
+            _hog(socks)  # a descriptor freed meanwhile is taken again before an accept takes it
             time.sleep(0.01)
         first = listener.pause.num_failed
         time.sleep(0.5)  # what the loop does meanwhile is the point
