@@ -64,11 +64,14 @@ def serve(path: str, request_bytes: int, answer_bytes: int, work_s: float) -> No
     while True:
         conn, _ = listener.accept()
         with conn:
-            while _exactly(conn, request):
-                until = time.perf_counter() + work_s
-                while time.perf_counter() < until:  # a server's work on the request: the caller sleeps meanwhile
-                    pass
-                conn.sendall(answer)
+            try:
+                while _exactly(conn, request):
+                    until = time.perf_counter() + work_s
+                    while time.perf_counter() < until:  # a server's work on the request: the caller sleeps meanwhile
+                        pass
+                    conn.sendall(answer)
+            except (ConnectionResetError, BrokenPipeError):  # the caller went away (a stopped bench): the next one
+                pass
 
 
 def _time(path: str, request_bytes: int, answer_bytes: int, seconds: float) -> list[float]:
@@ -134,4 +137,7 @@ def run(workdir: Path, pages: int, seconds: float, work_ms: float) -> list[dict[
 if __name__ == "__main__":
     if len(sys.argv) != 6 or sys.argv[1] != "serve":
         raise SystemExit("usage: python -m kvstore.bench.lookup_floor serve PATH REQUEST_BYTES ANSWER_BYTES WORK_S")
-    serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    try:
+        serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    except KeyboardInterrupt:  # Ctrl-C reaches the bench's whole process group: the bench itself reports it
+        pass
