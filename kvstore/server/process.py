@@ -172,6 +172,7 @@ class Server:
             rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
             tenant_limit=lambda who: self.tenancy.quotas.limits(who.tenant).call_connections if who.via != "local" else 0,
             quota_refused=lambda tenant: self.tenancy.quotas.refused(tenant, "call_connections"))
+        self.tenancy.quotas.call_connections = self.call_socket.tenant_connections
         data_service.call_socket, data_service.call_token = self.call_socket.path, self.call_socket.call_token
         self._data = data_service
         self.port = 0

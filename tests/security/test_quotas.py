@@ -204,6 +204,10 @@ def test_call_socket_connections(tmp_path, ca) -> None:
         sock.close()
         assert status == FULL, f"a 4th connection of tenant b with call_connections 3: {status} {body!r}"
         assert server.tenancy.quotas.metrics.tenant_quota_refusals.labels("b", "call_connections")._value.get() == 1
+        b = Caller(server, ca, B)  # its Stats says what it holds beside the limit, not the limit alone
+        used = b(b.directory.Stats, directory_pb2.StatsRequest()).tenants[0]
+        b.channel.close()
+        assert (used.tenant, used.used["call_connections"], used.limits["call_connections"]) == ("b", 3, 3)
         a = SocketCaller(server, A)  # tenant a: not held back by b's connections
         assert a("Directory.Lookup", directory_pb2.LookupRequest(namespace_id=new_ns(), keys=new_keys(1)),
                  directory_pb2.LookupResponse) == directory_pb2.LookupResponse()

@@ -243,6 +243,11 @@ class CallSocket:
         logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
         return call, authorization
 
+    def tenant_connections(self, tenant: str) -> int:
+        """The connections past HELLO counted against ``tenant``'s call_connections."""
+        with self._lock:
+            return self._per_tenant.get(tenant, 0)
+
     def _claim_tenant(self, who: Identity) -> str | None:
         """Counts the connection against its tenant's call_connections (None: no limit);
         past the limit the HELLO is refused (LimitExceeded) for that tenant only, so that one

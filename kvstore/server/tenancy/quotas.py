@@ -41,7 +41,7 @@ from kvstore.types import REMOTE_TIER
 
 TOKEN_BYTES = 4  # a logged token is a little-endian uint32
 _ALL_USES = frozenset(("host_bytes", "ssd_bytes", "leases", "allocations", "hints", "token_log_bytes", "published_records",
-                       "ssd_written_bytes"))
+                       "ssd_written_bytes", "call_connections"))
 _PER_NAMESPACE = frozenset(("host_bytes", "ssd_bytes", "token_log_bytes", "published_records"))  # summed over its namespaces
 
 
@@ -86,6 +86,7 @@ class Quotas:
         self._locks: dict[str, threading.Lock] = {}
         self._reserved: dict[str, Counter[str]] = {}  # tenant -> quota -> reserved by its calls in flight
         self.ssd_written: Counter[str] = Counter()  # tenant -> ssd device bytes written for it (ssd_share.py)
+        self.call_connections: Callable[[str], int] = lambda tenant: 0  # its call socket connections (the server sets it)
 
     def limits(self, tenant: str) -> TenantQuota:
         overrides = self._overrides()
@@ -123,6 +124,8 @@ class Quotas:
                  "published_records": held.get(REMOTE_TIER, 0), "ssd_written_bytes": self.ssd_written[tenant]}
         if "hints" in wanted:
             every["hints"] = self._hints.held(tenant)
+        if "call_connections" in wanted:
+            every["call_connections"] = self.call_connections(tenant)
         return every if names is None else {name: every[name] for name in names}
 
     def refused(self, tenant: str, quota: str) -> None:
