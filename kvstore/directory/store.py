@@ -307,15 +307,18 @@ class Directory:
             self._account(entry.namespace_id, entry.locations[(node, tier)], 1)
         self._version = version
 
-    def remove(self, key: bytes, node: str | None = None, tier: str | None = None) -> list[Location]:
-        """Drops the locations of ``key`` matching node/tier (all when None); returns them.
-        On MetadataFull (a durable one could not be deleted) nothing changed."""
+    def remove(self, key: bytes, node: str | None = None, tier: str | None = None,
+               up_to_version: int | None = None) -> list[Location]:
+        """Drops the locations of ``key`` matching node/tier (all when None), those published
+        up to ``up_to_version`` only when given; returns them. On MetadataFull (a durable one
+        could not be deleted) nothing changed."""
         with self._write_lock:
             entry = self._entries.get(key)
             if entry is None:
                 return []
             gone = [loc for loc in entry.locations.values()
-                    if (node is None or loc.node == node) and (tier is None or loc.tier == tier)]
+                    if (node is None or loc.node == node) and (tier is None or loc.tier == tier)
+                    and (up_to_version is None or loc.version <= up_to_version)]
             if any(loc.tier in DURABLE_TIERS for loc in gone):
                 kept = [loc for loc in entry.durable() if loc not in gone]
                 self._persist({key: (entry.namespace_id, kept)}, self.events.last_seq + len(gone))
@@ -344,8 +347,8 @@ class Directory:
             raise ValueError("drop_node is for other nodes' locations")
         gone = 0
         for key, _, loc in self.locations_of(node):
-            if up_to_version is None or loc.version <= up_to_version:
-                gone += len(self.remove(key, node, loc.tier))
+            if up_to_version is None or loc.version <= up_to_version:  # checked again under the write lock:
+                gone += len(self.remove(key, node, loc.tier, up_to_version))  # a republish since the listing stays
         return gone
 
     def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:

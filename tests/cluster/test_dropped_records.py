@@ -11,6 +11,7 @@ import pytest
 from kvstore.directory import Directory
 from kvstore.errors import StaleIncarnation
 from kvstore.server.cluster.incarnations import Incarnations
+from kvstore.types import Location
 
 NS = bytes(16)
 
@@ -72,5 +73,27 @@ def test_an_incarnation_heard_over_refuses_its_late_calls_and_the_next_one_is_ke
             directory.publish_remote(NS, [(b"n" * 16, "b", "host", 4096)], 100, 100)
         assert directory.drop_node("b", incarnations.ended("b", 3)) == 0  # the watch repeats itself: epoch 4's stays
         assert directory.num_remote("b") == 1
+    finally:
+        directory.close()
+
+
+def test_a_drop_racing_a_republish_of_the_same_page_keeps_the_fresh_record(tmp_path: Path) -> None:
+    """Race pinned (review of 675101d): drop_node lists b's locations, then removes each; b's
+    republish of the same page landing between the two replaced the old record with a fresh
+    one, and the removal took the fresh one (it named the page, not the version)."""
+    page = b"p" * 16
+
+    class Republished(Directory):
+        def locations_of(self, node: str) -> list[tuple[bytes, bytes, Location]]:
+            found = super().locations_of(node)
+            self.publish_remote(NS, [(page, "b", "host", 4096)], 100, 100)  # b's republish, after the listing
+            return found
+
+    directory = Republished(tmp_path, "owner")
+    try:
+        directory.publish_remote(NS, [(page, "b", "host", 4096)], 100, 100)
+        bound = directory.version  # the old incarnation's last record
+        assert directory.drop_node("b", bound) == 0
+        assert directory.lookup(NS, [page])[0].node == "b", "b's fresh record was dropped with the old one"
     finally:
         directory.close()
