@@ -185,9 +185,10 @@ def _idle(address: str, role: str, clients: int, pages: int, seconds: float, rep
 
 def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
          writer_core: int = -1) -> dict[str, Any]:
+    """A demoting or writing row: one window beside the writer (idle rows are _idle's)."""
     demote = state == "demoting"
-    writer = _spawn("writer", address, pages, seconds + 1.5, rate)[0] if state != "idle" else None
-    if writer is not None and writer_core >= 0:
+    writer = _spawn("writer", address, pages, seconds + 1.5, rate)[0]
+    if writer_core >= 0:
         os.sched_setaffinity(writer.pid, {writer_core})
     procs = _spawn(role, address, pages, seconds, number=clients)
     # leased once every process is ready (starting them can take longer than a lease on a
@@ -195,11 +196,10 @@ def _run(address: str, role: str, clients: int, pages: int, seconds: float, stat
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
-    if writer is not None:
-        _go([writer], start - 1.0)  # in full swing before the lookups start
+    _go([writer], start - 1.0)  # in full swing before the lookups start
     _go(procs, start)
     results = [_collect(p) for p in procs]
-    written = _collect(writer)["pages_written"] if writer else 0
+    written = _collect(writer)["pages_written"]
     if lease is not None:
         _release(address, lease)
     demoted = _ssd_bytes_in(address) - before

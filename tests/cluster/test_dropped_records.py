@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.directory import Directory
-from kvstore.errors import StaleIncarnation
+from kvstore.errors import InvalidRequest, LimitExceeded, StaleIncarnation
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.types import Location
 
@@ -37,6 +37,11 @@ def test_drop_node_keeps_what_was_published_after_the_membership_change(tmp_path
         directory.close()
 
 
+def _drop(directory: Directory, drops: list[tuple[str, int]]) -> int:
+    """What the runtime does with the watch's verdict: each node's records up to its version go."""
+    return sum(directory.drop_node(node, up_to) for node, up_to in drops)
+
+
 def test_an_owner_keeps_what_a_newer_incarnation_sent_before_it_heard_of_it(tmp_path: Path) -> None:
     """Race pinned (the churn test, CI of stop 32): b registered again and its republish reached
     the owner before the owner's watch said so; dropping b's records up to the moment it heard
@@ -45,11 +50,12 @@ def test_an_owner_keeps_what_a_newer_incarnation_sent_before_it_heard_of_it(tmp_
     incarnations = Incarnations(lambda: directory.version)
     try:
         old, fresh = b"o" * 16, b"f" * 16
+        assert incarnations.watched({"b": 1}) == []  # first heard of: nothing ended
         with incarnations.admitting(["b"], 1):
             directory.publish_remote(NS, [(old, "b", "host", 4096)], 100, 100)
         with incarnations.admitting(["b"], 2):  # b's republish (epoch 2), before the watch
             directory.publish_remote(NS, [(fresh, "b", "ssd", 4096)], 100, 100)
-        assert directory.drop_node("b", incarnations.ended("b", 1)) == 1  # the watch: epoch 1 is over
+        assert _drop(directory, incarnations.watched({"b": 2})) == 1  # the watch: b registered again
         assert directory.get(old) is None
         assert directory.lookup(NS, [fresh])[0].node == "b"
         with pytest.raises(StaleIncarnation), incarnations.admitting(["b"], 1):  # epoch 1's call, late in flight
@@ -64,14 +70,89 @@ def test_an_incarnation_heard_over_refuses_its_late_calls_and_the_next_one_is_ke
     directory = Directory(tmp_path, "owner")
     incarnations = Incarnations(lambda: directory.version)
     try:
+        incarnations.watched({"b": 3})
         with incarnations.admitting(["b"], 3):
             directory.publish_remote(NS, [(b"o" * 16, "b", "host", 4096)], 100, 100)
-        assert directory.drop_node("b", incarnations.ended("b", 3)) == 1  # heard first: all of it goes
+        assert _drop(directory, incarnations.watched({})) == 1  # b left (heard first): all of it goes
         with pytest.raises(StaleIncarnation), incarnations.admitting(["b"], 3):
             pytest.fail("a call of an incarnation that is over was admitted")
-        with incarnations.admitting(["b"], 4):
+        with incarnations.admitting(["b"], 4):  # b back under epoch 4, before the watch
             directory.publish_remote(NS, [(b"n" * 16, "b", "host", 4096)], 100, 100)
-        assert directory.drop_node("b", incarnations.ended("b", 3)) == 0  # the watch repeats itself: epoch 4's stays
+        assert _drop(directory, incarnations.watched({"b": 4})) == 0  # the watch catches up: epoch 4's stays
+        assert _drop(directory, incarnations.watched({"b": 4})) == 0  # and repeats itself
+        assert directory.num_remote("b") == 1
+    finally:
+        directory.close()
+
+
+def test_incarnations_the_watch_skipped_are_over_too(tmp_path: Path) -> None:
+    """Review of 675101d: a batched watch can go from b's epoch 1 to epoch 3. Epoch 2 published
+    before the owner heard of it and is over as well: its records go, epoch 3's stay. Before,
+    the drop stopped where epoch 2 began and its records stayed for good."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        incarnations.watched({"b": 1})
+        for epoch, page in ((1, b"1" * 16), (2, b"2" * 16)):
+            with incarnations.admitting(["b"], epoch):
+                directory.publish_remote(NS, [(page, "b", "host", 4096)], 100, 100)
+        assert _drop(directory, incarnations.watched({"b": 3})) == 2  # epoch 3 has sent nothing yet
+        assert directory.get(b"1" * 16) is None and directory.get(b"2" * 16) is None
+        with pytest.raises(StaleIncarnation), incarnations.admitting(["b"], 2):
+            pytest.fail("a call of a skipped incarnation was admitted")
+        with incarnations.admitting(["b"], 3):
+            directory.publish_remote(NS, [(b"3" * 16, "b", "host", 4096)], 100, 100)
+        assert directory.lookup(NS, [b"3" * 16])[0].node == "b"
+    finally:
+        directory.close()
+
+
+def test_a_node_that_left_and_came_back_under_a_new_epoch_ends_what_it_sent_between(tmp_path: Path) -> None:
+    """The watch says b left (epoch 1), then that b is back at epoch 3: epoch 2, never listed,
+    published meanwhile. Before, a node coming back was not compared with anything."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        incarnations.watched({"b": 1})
+        assert incarnations.watched({}) == [("b", directory.version)]
+        with incarnations.admitting(["b"], 2):
+            directory.publish_remote(NS, [(b"2" * 16, "b", "host", 4096)], 100, 100)
+        assert _drop(directory, incarnations.watched({"b": 3})) == 1
+        assert directory.num_remote("b") == 0
+    finally:
+        directory.close()
+
+
+def test_a_node_registered_anew_in_a_replaced_etcd_is_heard_again(tmp_path: Path) -> None:
+    """Review of 675101d: etcd wiped or restored, a restarted b registers at epoch 1 again. Its
+    calls were refused for good (epoch 5 was heard); now the watch seeing b's epoch go down voids
+    what was heard of it, and b's old records go."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        incarnations.watched({"b": 5})
+        with incarnations.admitting(["b"], 5):
+            directory.publish_remote(NS, [(b"5" * 16, "b", "host", 4096)], 100, 100)
+        assert _drop(directory, incarnations.watched({"b": 1})) == 1
+        with incarnations.admitting(["b"], 1):
+            directory.publish_remote(NS, [(b"1" * 16, "b", "host", 4096)], 100, 100)
+        assert directory.lookup(NS, [b"1" * 16])[0].node == "b"
+    finally:
+        directory.close()
+
+
+def test_an_epoch_names_one_node_and_a_refused_publish_notes_no_epoch(tmp_path: Path) -> None:
+    """One call naming an epoch for records of many nodes could stuff the table (or end any node's
+    calls): refused. A publish that fails (here over its per-node limit) notes nothing."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        with pytest.raises(InvalidRequest), incarnations.admitting(["b", "c"], 7):
+            pytest.fail("an epoch for two nodes was admitted")
+        with pytest.raises(LimitExceeded), incarnations.admitting(["b"], 9):
+            directory.publish_remote(NS, [(b"x" * 16, "b", "host", 4096), (b"y" * 16, "b", "host", 4096)], 1, 100)
+        with incarnations.admitting(["b"], 8):  # epoch 9 was not noted: 8 is still b's newest
+            directory.publish_remote(NS, [(b"8" * 16, "b", "host", 4096)], 100, 100)
         assert directory.num_remote("b") == 1
     finally:
         directory.close()

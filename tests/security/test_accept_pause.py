@@ -3,6 +3,7 @@ descriptors: kvstore/accept_pause.py, the one pause both use, tested through eac
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
@@ -93,10 +94,11 @@ def test_accept_out_of_descriptors_pauses_instead_of_spinning(listener: Listener
         _hog(socks)  # this process's last descriptors: the server's accept finds none
         for sock in callers:
             sock.setblocking(False)  # a full backlog answers EAGAIN instead of blocking
-            sock.connect_ex(str(listener.path))
+        waiting = [sock.connect_ex(str(listener.path)) for sock in callers]
+        assert waiting.count(0) > 0, f"no caller got into the backlog: {[errno.errorcode.get(e, e) for e in waiting]}"
         deadline = time.monotonic() + 10
         while not listener.pause.num_failed and time.monotonic() < deadline:  # the loop met EMFILE (bounded)
-            _hog(socks)  # a descriptor freed meanwhile is taken again before an accept takes it
+            _hog(socks)  # a descriptor freed meanwhile (the server's other threads' too) is taken before an accept takes it
             time.sleep(0.01)
         first = listener.pause.num_failed
         time.sleep(0.5)  # what the loop does meanwhile is the point

@@ -8,17 +8,23 @@ before the newest incarnation's first one, not everything up to the moment it he
 fresh records would go too, and nothing would send them again (the page would be a miss
 through this owner for as long as it lives). A ``Publish`` or withdrawal of an older
 incarnation than one heard is refused: a call of a process that is over, late in flight.
+
+The watch is the judge of what ended (``watched``): a node that left, that registered again
+once or several times between two views (a batched watch, a resync), or that left and came
+back. A node whose epoch the watch saw go down was registered anew in a replaced etcd (wiped,
+restored): what was heard of it before is void, or its new calls would all be refused.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
-from kvstore.errors import StaleIncarnation
+from kvstore.errors import InvalidRequest, StaleIncarnation
 
-MAX_NODES = 4096  # nodes remembered (node ids are the caller's to name); the oldest heard is forgotten first
+MAX_NODES = 4096  # nodes remembered (node ids are the caller's to name); those the watch lists are forgotten last
 
 
 class Incarnations:
@@ -26,41 +32,70 @@ class Incarnations:
         self._version = version  # the directory's: the version the last stored location got
         self._lock = threading.Lock()
         self._heard: dict[str, tuple[int, int]] = {}  # node -> (newest epoch, directory version before it began)
+        self._watched: dict[str, tuple[int, bool]] = {}  # node -> (epoch the watch last said, listed now)
 
     @contextmanager
     def admitting(self, nodes: Iterable[str], epoch: int) -> Iterator[None]:
-        """Held while records of ``nodes`` sent by their incarnation ``epoch`` are stored
-        (0: the caller did not say; nothing is checked). Raises StaleIncarnation when one of
-        them has a newer incarnation already."""
+        """Held while records of a node sent by its incarnation ``epoch`` are stored (0: the
+        caller did not say; nothing is checked). Raises StaleIncarnation when the node has a
+        newer incarnation already; the epoch is noted once the records are stored."""
         if not epoch:
             yield
             return
+        named = set(nodes)
+        if len(named) > 1:
+            raise InvalidRequest(f"an epoch is one node's incarnation; the call names {len(named)} nodes")
         with self._lock:
-            nodes = sorted(set(nodes))
-            for node in nodes:
+            for node in named:
                 heard = self._heard.get(node)
                 if heard is not None and epoch < heard[0]:
                     raise StaleIncarnation(f"node {node}'s epoch {epoch} is over here (epoch {heard[0]} registered since)")
-            for node in nodes:
-                self._begin(node, epoch)
+            before = self._version()
             yield
+            for node in named:
+                self._begin(node, epoch, before)
 
-    def ended(self, node: str, epoch: int) -> int:
-        """Incarnation ``epoch`` of ``node`` is over (it left or registered again). Returns
-        the directory version up to which the node's records go: those stored before a newer
-        incarnation's first record, or all stored so far when none was heard yet."""
+    def watched(self, epochs: Mapping[str, int]) -> list[tuple[str, int]]:
+        """The watch's members now (node -> epoch, this node left out). Returns (node, version)
+        for each node whose incarnations the change ended: its records stored up to that
+        version go. A node the watch lists for the first time ends nothing."""
         with self._lock:
-            heard = self._heard.get(node)
-            if heard is not None and heard[0] > epoch:
-                return heard[1]
-            self._begin(node, epoch + 1)  # from now on that incarnation's late calls are refused
-            return self._version()
+            drops = []
+            for node, (epoch, listed) in list(self._watched.items()):
+                if listed and node not in epochs:  # it left: its incarnation is over
+                    self._watched[node] = (epoch, False)
+                    drops.append((node, self._superseded(node, epoch + 1)))
+            for node, epoch in epochs.items():
+                seen = self._watched.pop(node, None)
+                self._watched[node] = (epoch, True)
+                if seen is None or seen[0] == epoch:
+                    continue
+                if epoch < seen[0]:  # registered anew in a replaced etcd
+                    self._heard.pop(node, None)
+                drops.append((node, self._superseded(node, epoch)))
+            self._forget_over(self._watched, lambda node: not self._watched[node][1])
+            return drops
 
-    def _begin(self, node: str, epoch: int) -> None:
+    def _superseded(self, node: str, epoch: int) -> int:
+        """Every incarnation of ``node`` before ``epoch`` is over: the version its records go
+        up to (those stored before the newest heard incarnation began, or all stored so far)."""
+        heard = self._heard.get(node)
+        if heard is not None and heard[0] >= epoch:
+            return heard[1]
+        now = self._version()
+        self._begin(node, epoch, now)  # from now on the older incarnations' late calls are refused
+        return now
+
+    def _begin(self, node: str, epoch: int, before: int) -> None:
         heard = self._heard.get(node)
         if heard is not None and epoch <= heard[0]:
             return
         self._heard.pop(node, None)
-        if len(self._heard) >= MAX_NODES:
-            del self._heard[next(iter(self._heard))]
-        self._heard[node] = (epoch, self._version())
+        self._heard[node] = (epoch, before)
+        self._forget_over(self._heard, lambda other: not self._watched.get(other, (0, False))[1])
+
+    @staticmethod
+    def _forget_over(table: dict[str, Any], unlisted: Callable[[str], bool]) -> None:
+        """Past MAX_NODES, the oldest entry of a node the watch does not list goes (else the oldest)."""
+        if len(table) > MAX_NODES:
+            del table[next((node for node in table if unlisted(node)), next(iter(table)))]

@@ -324,13 +324,12 @@ class ClusterRuntime:
     # -- membership listeners (on the loop) -------------------------------------------------
     def _on_members(self, members: Mapping[str, Member]) -> None:
         before, self.shard_map = self.shard_map, ShardMap(members, self.shard_config)
-        left = [(n, m.epoch) for n, m in self._members.items()
-                if n != self.node and (n not in members or members[n].epoch != m.epoch)]
         self._members = dict(members)
         for peer in self.peers.update(members):
             self._spawn(peer.close())
-        for node, epoch in left:  # the records a newer incarnation published (maybe before this was heard) stay
-            self._spawn(self._drop(node, self.incarnations.ended(node, epoch)))
+        # nodes that left or registered again: the records a newer incarnation published (maybe before this was heard) stay
+        for node, up_to_version in self.incarnations.watched({n: m.epoch for n, m in members.items() if n != self.node}):
+            self._spawn(self._drop(node, up_to_version))
         if self.publisher is not None:
             self.publisher.members_changed(before, self.shard_map)
 
