@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 
 from kvstore import localcall
-from kvstore.client.forked import ProcessCheck
 from kvstore._proto import data_pb2
+from kvstore.client.forked import ProcessCheck
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 from kvstore.status import error_for

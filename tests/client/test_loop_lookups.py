@@ -143,7 +143,7 @@ async def test_lookups_past_the_loops_connections_wait_for_none(server, ns: Name
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     async with KVStoreClient(server.address, ns) as client:
         keys = await stored(client, layout, 3)
-        socket_calls, hops = spy(monkeypatch)
+        _socket_calls, hops = spy(monkeypatch)
         hits = await asyncio.gather(*(client.lookup_keys(keys) for _ in range(6)))
         assert [h.num_pages for h in hits] == [3] * 6
         assert len(hops) == 6 - 2, "two on this loop's connections, the others through the runtime"
@@ -258,7 +258,7 @@ async def test_closed_loops_still_referenced_leave_their_places_and_connections(
 
         for _ in range(loopcalls.MAX_LOOPS):
             await asyncio.to_thread(on_a_loop_of_its_own)
-        socket_calls, hops = spy(monkeypatch)
+        _socket_calls, hops = spy(monkeypatch)
         assert (await client.lookup_keys(keys)).num_pages == 2
         assert hops == [], "this loop's lookup went through the runtime: the closed loops held every place"
         assert await asyncio.to_thread(wait_for, lambda: connections_to(path) == before + 1), \

@@ -4,6 +4,7 @@ frame that trickles in, and the kernel timeouts that bound a silent or slow peer
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import time
@@ -67,7 +68,7 @@ async def test_a_frame_that_trickles_in_within_its_deadline_is_served(server: Se
     caller = SocketCaller(server, None)
     for i in range(0, len(frame), 7):  # the header itself in pieces
         caller.sock.sendall(frame[i : i + 7])
-        time.sleep(0.001)
+        await asyncio.sleep(0.001)
     assert _num_pages(read_answer(caller.sock)) == 4
     caller.close()
 

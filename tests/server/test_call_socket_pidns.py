@@ -52,9 +52,9 @@ def test_peers_outside_the_servers_pid_namespace_are_not_one_process(tmp_path: P
             assert status == grpc.StatusCode.OK, status
             held.append(sock)
         other = subprocess.run(  # another engine process
-            [sys.executable, "-c", f"import sys; sys.path[:0] = {sys.path!r}\n"
-             "from test_call_socket_pidns import _hello\nfrom pathlib import Path\n"
-             f"print(_hello(Path({str(path)!r}))[1].name)"],
+            [sys.executable, "-c", (f"import sys; sys.path[:0] = {sys.path!r}\n"
+                                    "from test_call_socket_pidns import _hello\nfrom pathlib import Path\n"
+                                    f"print(_hello(Path({str(path)!r}))[1].name)")],
             check=True, capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent)
         assert other.stdout.strip() == "OK", f"another process was refused: {other.stdout.strip()} {other.stderr[-500:]}"
         for sock in held:

@@ -8,6 +8,7 @@ is found, before or after a restart, until it is committed.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def test_a_batch_of_adjacent_slots_is_one_write_call_and_reads_back(tmp_path: Pa
         pages = [_page(i) for i in range(8)]
         batch = _reserved(tier, pages)
         slots = [slot for slot, _, _ in batch]
-        assert all(b == a + tier.slot_bytes(LAYOUT.page_bytes) for a, b in zip(slots, slots[1:])), slots
+        assert all(b == a + tier.slot_bytes(LAYOUT.page_bytes) for a, b in itertools.pairwise(slots)), slots
         before = _write_calls()
         tier.write_many(batch[::-1])  # in any order
         assert _write_calls() - before == 1, "one write call a page, not one a batch"
