@@ -141,6 +141,21 @@ def test_a_node_registered_anew_in_a_replaced_etcd_is_heard_again(tmp_path: Path
         directory.close()
 
 
+def test_a_replaced_etcd_keeps_what_the_new_incarnation_sent_before_the_watch_said(tmp_path: Path) -> None:
+    """Review of 9f2caed: the watch saw b at 5 (b@5 sent nothing here), b@1 (a replaced etcd)
+    published, then the watch said 1: voiding what was heard dropped b@1's record too."""
+    directory = Directory(tmp_path, "owner")
+    incarnations = Incarnations(lambda: directory.version)
+    try:
+        incarnations.watched({"b": 5})
+        with incarnations.admitting(["b"], 1):
+            directory.publish_remote(NS, [(b"1" * 16, "b", "host", 4096)], 100, 100)
+        assert _drop(directory, incarnations.watched({"b": 1})) == 0
+        assert directory.lookup(NS, [b"1" * 16])[0].node == "b"
+    finally:
+        directory.close()
+
+
 def test_an_epoch_names_one_node_and_a_refused_publish_notes_no_epoch(tmp_path: Path) -> None:
     """One call naming an epoch for records of many nodes could stuff the table (or end any node's
     calls): refused. A publish that fails (here over its per-node limit) notes nothing."""

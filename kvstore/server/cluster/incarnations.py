@@ -70,8 +70,9 @@ class Incarnations:
                 self._watched[node] = (epoch, True)
                 if seen is None or seen[0] == epoch:
                     continue
-                if epoch < seen[0]:  # registered anew in a replaced etcd
-                    self._heard.pop(node, None)
+                heard = self._heard.get(node)
+                if epoch < seen[0] and heard is not None and heard[0] > epoch:  # registered anew in a replaced etcd
+                    del self._heard[node]  # (what its new incarnation sent already, heard[0] == epoch, stays)
                 drops.append((node, self._superseded(node, epoch)))
             self._forget_over(self._watched, lambda node: not self._watched[node][1])
             return drops
@@ -97,5 +98,5 @@ class Incarnations:
     @staticmethod
     def _forget_over(table: dict[str, Any], unlisted: Callable[[str], bool]) -> None:
         """Past MAX_NODES, the oldest entry of a node the watch does not list goes (else the oldest)."""
-        if len(table) > MAX_NODES:
+        while len(table) > MAX_NODES:
             del table[next((node for node in table if unlisted(node)), next(iter(table)))]
