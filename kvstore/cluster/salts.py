@@ -3,29 +3,41 @@
 A tenant's namespace ids fold in its salt, so every node must use the same one: a node that
 meets a tenant without a salt in memory creates it in etcd with a transaction that succeeds
 only while the key is absent (``create_revision == 0``), and otherwise reads the one that is
-there, so nodes racing for one tenant agree on the first writer's salt. Salts are cached
-in memory for the life of the process (a salt never changes). etcd then holds every
+there, so nodes racing for one tenant agree on the first writer's salt. etcd then holds every
 tenant's secret: it must be reachable by the nodes only (see the README).
 
-Migration: a node proposes the salt its local ``DATA_DIR/tenant-salts.json`` holds (a file
-copied by hand before salts were shared), so an existing cluster keeps its namespace ids; the
-local file is read, never written, in cluster mode (it stays the single-node store).
+etcd can be lost (its disk, a rebuild without a backup), and a salt made anew makes the
+tenant's durable pages unreachable. So every salt a node learns or creates is written to its
+``DATA_DIR/tenant-salts.json`` (0600, atomically, the single node's ``TenantSalts._write``)
+before it is handed out: the file is a durable copy of every salt the node uses. Its salt is
+what the node proposes at start and on a miss (also a file copied by hand before salts were
+shared, so an existing cluster keeps its namespace ids), and ``reseed`` proposes all of them
+again to an etcd that was replaced.
+
+When etcd already holds a different salt, etcd's wins, and the node adopts it (memory and
+file) with an ERROR: the local pages under the old salt are unreachable. The other way round
+would split the tenant: the nodes that made or read etcd's salt (say one that met the tenant
+first after etcd was wiped) use it already and never read it again, so overwriting etcd would
+give one tenant two namespace ids at once, which is worse than losing one node's cached pages.
+Proposing at start and reseeding as soon as a replaced etcd is seen keep that window short.
 
 Synchronous (a plain gRPC channel, etcd's own stubs from ``aetcd``): salts are asked for at
-start, on SIGHUP and in the authenticating interceptor, all in plain threads, before and
-beside the cluster runtime's event loop.
+start, on SIGHUP, in the authenticating interceptor and by the cluster runtime's ``reseed``,
+all in plain threads, before and beside the cluster runtime's event loop.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aetcd import rpc
 
+from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.security.salts import SALT_BYTES, TenantSalts
 
@@ -35,18 +47,25 @@ CALL_TIMEOUT_S = 5.0  # per etcd call; waits that long for an etcd that is start
 
 
 class EtcdSalts(TenantSalts):
-    """The cluster's tenant salts; the same interface as the single node's ``TenantSalts``."""
+    """The cluster's tenant salts; the same interface as the single node's ``TenantSalts``.
+
+    Thread-safety: ``salt`` reads memory without a lock; ``ensure`` and ``reseed`` take the
+    lock, so they run one at a time (etcd calls included: a miss waits for a reseed). A salt
+    is in memory only once the local file holds it.
+    """
 
     def __init__(self, data_dir: Path, endpoints: Sequence[str], cluster: str, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         super().__init__(data_dir)
-        self._local, self._salts = self._salts, {}  # the local file's salts are only proposals here
+        self._local, self._salts = self._salts, {}  # the file's salts are proposals until etcd agrees
         self._prefix = f"/kvstore/{cluster}/tenant-salts/".encode()
         target = endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
         self._channel = grpc.insecure_channel(target)
         self._kv = rpc.KVStub(self._channel)
         self._timeout_s = call_timeout_s
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def salt(self, tenant: str) -> bytes:
@@ -61,35 +80,97 @@ class EtcdSalts(TenantSalts):
 
     def ensure(self, tenants: Iterable[str]) -> None:
         """Gets (creating where absent) the salts of the tenants not cached yet; ConfigError when
-        etcd does not answer (the server does not start, a reload is refused)."""
+        etcd does not answer (the server does not start, a reload is refused), OSError when the
+        local file cannot be written (nothing is handed out then)."""
         with self._lock:
             missing = sorted(set(tenants) - set(self._salts))
-            got = {t: self._create_or_read(t) for t in missing}
+            try:
+                got = {t: self._agree(t, self._local.get(t))[0] for t in missing}
+            except CoordinatorUnavailable as exc:
+                raise ConfigError(f"{exc}; tenants' salts are kept in etcd in cluster mode") from None
+            self._keep(got)
+
+    def reseed(self) -> list[str]:
+        """Proposes every salt this node knows (memory and local file) to etcd again, each
+        created only where absent; returns the tenants whose salt it put back, sorted.
+
+        For an etcd that was replaced (wiped, restored from an old snapshot). Idempotent (a
+        second call finds them all and returns []), callable from any thread at any time, and
+        after ``close`` a no-op. A salt etcd holds differently is adopted, as on a miss.
+        Raises CoordinatorUnavailable when etcd does not answer (what was put back stays;
+        call again), ConfigError when a key holds no salt, OSError when the file cannot be
+        written.
+        """
+        with self._lock:
+            if self._closed:
+                return []
+            known = {**self._local, **self._salts}  # the same salt where both have one
+            present = self._all_in_etcd()
+            got: dict[str, bytes] = {}
+            recreated: list[str] = []
+            for tenant in sorted(known):
+                if present.get(tenant) == known[tenant].hex().encode():
+                    continue
+                got[tenant], created = self._agree(tenant, known[tenant])
+                if created:
+                    recreated.append(tenant)
+            self._keep(got)
+        if recreated:
+            logger.warning("etcd lacked the salts of tenant(s) %s: put back from this node's copy", ", ".join(recreated))
+        return recreated
+
+    def _keep(self, got: dict[str, bytes]) -> None:
+        """Writes ``got`` to the local file (where it differs), then publishes it in memory. Under the lock."""
+        local = {**self._local, **got}
+        if local != self._local:
+            self._write(local)
+            self._local = local
+        if got:
             self._salts = {**self._salts, **got}  # a new dict: ``salt`` reads without the lock
 
-    def _create_or_read(self, tenant: str) -> bytes:
+    def _agree(self, tenant: str, proposal: bytes | None) -> tuple[bytes, bool]:
+        """The cluster's salt of ``tenant`` and whether this call created it in etcd: ``proposal``
+        (else a new one) where etcd has none, else etcd's."""
         key = self._prefix + tenant.encode()
-        proposal = self._local.get(tenant) or secrets.token_bytes(SALT_BYTES)
+        mine = proposal or secrets.token_bytes(SALT_BYTES)
         request = rpc.TxnRequest(
             compare=[rpc.Compare(result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE, key=key, create_revision=0)],
-            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=proposal.hex().encode()))],
+            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=mine.hex().encode()))],
             failure=[rpc.RequestOp(request_range=rpc.RangeRequest(key=key))])
-        try:
-            answer = self._kv.Txn(request, timeout=self._timeout_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise ConfigError(f"etcd did not answer for tenant {tenant!r}'s salt ({exc.code().name}); "  # type: ignore[attr-defined]
-                              "tenants' salts are kept in etcd in cluster mode") from None
+        answer = self._call(self._kv.Txn, request, f"tenant {tenant!r}'s salt")
         if answer.succeeded:
             logger.info("assigned a salt to tenant %s in etcd", tenant)
-            return proposal
+            return mine, True
         kvs = answer.responses[0].response_range.kvs
+        salt = self._parse(key, kvs[0].value if kvs else b"")
+        if proposal is not None and proposal != salt:
+            logger.error("tenant %s: etcd holds a salt other than this node's (%s); the cluster's is kept, so the "
+                         "tenant's pages stored here under the old one are unreachable (etcd replaced and the "
+                         "tenant met at a node that did not know its salt first?)", tenant, self.path)
+        return salt, False
+
+    def _all_in_etcd(self) -> dict[str, bytes]:
+        """Every tenant's value in etcd now, unparsed (one range over the prefix; a damaged key
+        fails only that tenant's ``_agree``)."""
+        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
+        answer = self._call(self._kv.Range, rpc.RangeRequest(key=self._prefix, range_end=end), "the tenants' salts")
+        return {kv.key[len(self._prefix):].decode(errors="replace"): kv.value for kv in answer.kvs}
+
+    @staticmethod
+    def _parse(key: bytes, value: bytes) -> bytes:
         try:
-            salt = bytes.fromhex(kvs[0].value.decode())
+            salt = bytes.fromhex(value.decode())
             if len(salt) != SALT_BYTES:
                 raise ValueError(f"not {SALT_BYTES} bytes")
-        except (IndexError, ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"etcd key {key.decode()} does not hold a salt ({exc}); restore it from a backup") from None
-        if tenant in self._local and self._local[tenant] != salt:
-            logger.warning("tenant %s: the salt in %s differs from the cluster's (etcd); pages cached here under the old "
-                           "one are unreachable", tenant, self.path)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"etcd key {key.decode(errors='replace')} does not hold a salt ({exc}); "
+                              "restore it from a backup") from None
         return salt
+
+    def _call(self, method: Callable[..., Any], request: object, what: str) -> Any:  # aetcd's stubs are untyped
+        if self._closed:
+            raise CoordinatorUnavailable(f"etcd not asked for {what}: the salts are closed")
+        try:
+            return method(request, timeout=self._timeout_s, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise CoordinatorUnavailable(f"etcd did not answer for {what} ({exc.code().name})") from None  # type: ignore[attr-defined]

@@ -87,6 +87,10 @@ class EtcdProcess:
         finally:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def wipe(self) -> None:
+        """etcd replaced by an empty one on the same ports (its disk lost, rebuilt without a backup)."""
+        self.stop()  # deletes the data dir; start() makes a new one
+        self.start()
 
 
 @pytest.fixture(name="etcd")
