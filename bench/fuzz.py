@@ -82,7 +82,7 @@ class Fuzzer:
                  only: set[str] | None = None) -> None:
         self.rng = random.Random(seed)
         self.tenants, self.admin, self.arena = tenants, admin, arena
-        self.channel = aio_channel(addr, OPTIONS, tls=tls)  # tokens go per call, as metadata: callers vary
+        self.channel = aio_channel(addr, OPTIONS, tls=tls, per_call_tokens=True)  # tokens go per call, as metadata: callers vary
         self.every = list(every_method())
         self.methods = [m for m in self.every if not only or m[1].name in only]
         self.tally = Tally()

@@ -1,7 +1,8 @@
 """The client's side: channels that present a bearer token and/or speak TLS.
 
-A leaf module (gRPC, kvstore.errors, kvstore.security.exposure): the client's channel
-creation calls ``aio_channel``/``sync_channel`` instead of ``grpc.*insecure_channel``.
+A leaf module (gRPC, kvstore.errors, kvstore.security.exposure and .loopback_owner): the
+client's channel creation calls ``aio_channel``/``sync_channel`` instead of
+``grpc.*insecure_channel``.
 
 How the token travels: as ``authorization: Bearer <token>`` metadata that a client
 interceptor adds to every call (or that a caller adds itself, from ``call_metadata``). Not
@@ -10,7 +11,9 @@ call, which measured ~2x the latency of a small unary call here, where the inter
 costs nothing measurable. gRPC would send call credentials only over a protected channel;
 this module keeps that rule itself: a token goes over TLS, or to a loopback/Unix-socket
 address (never across the network in clear text), and is refused here otherwise, before
-anything is sent.
+anything is sent. To a loopback TCP port without TLS, each call that carries a token first
+asks whose sockets hold the port (loopback_owner.py: ~40 us a call here): another uid's
+fails the call with UNAUTHENTICATED and the token stays in the process.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import grpc
 
 from kvstore.errors import ConfigError
 from kvstore.security.exposure import is_local_address
+from kvstore.security.loopback_owner import LoopbackOwner, TokenWithheld, loopback_port
 
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")  # an HTTP/2 header value: printable ASCII, no spaces
 
@@ -75,8 +79,19 @@ def check_token_route(address: str, token: str | None, tls: ClientTLS | None) ->
         return
     if not _TOKEN.match(token):
         raise ConfigError("token must be printable ASCII without spaces (it is sent as 'authorization: Bearer <token>')")
+    _check_clear_route(address, tls)
+
+
+def _check_clear_route(address: str, tls: ClientTLS | None) -> None:
     if tls is None and not is_local_address(address):
         raise ConfigError(f"{address} is not a loopback address: a token is sent to it only over TLS (give tls=/--tls-ca)")
+
+
+def owner_check(address: str, tls: ClientTLS | None) -> LoopbackOwner | None:
+    """The check a token needs before it goes to ``address`` in clear text (None: over TLS, or
+    to a Unix socket, whose 0600 mode keeps other uids out)."""
+    port = loopback_port(address) if tls is None else None
+    return LoopbackOwner(address, port) if port is not None else None
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -91,10 +106,16 @@ def channel_options(options: Sequence[tuple[str, Any]], tls: ClientTLS | None) -
 
 
 def aio_channel(address: str, options: Sequence[tuple[str, Any]] = (), *, token: str | None = None,
-                tls: ClientTLS | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to ``address`` whose every call presents ``token``, over ``tls`` if given."""
+                tls: ClientTLS | None = None, per_call_tokens: bool = False) -> grpc.aio.Channel:
+    """An asyncio channel to ``address`` whose every call presents ``token``, over ``tls`` if given.
+    ``per_call_tokens``: the caller adds tokens to calls itself (``call_metadata``, kvstore-bench
+    fuzz); a call that carries one is checked as the channel's own token would be."""
     check_token_route(address, token, tls)
-    interceptors = aio_token_interceptors(token) if token is not None else None
+    if per_call_tokens:
+        _check_clear_route(address, tls)
+    owner = owner_check(address, tls)
+    guarded = token is not None or (per_call_tokens and owner is not None)
+    interceptors = aio_token_interceptors(token, owner) if guarded else None
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
     return grpc.aio.secure_channel(address, tls.credentials(), options=channel_options(options, tls), interceptors=interceptors)
@@ -108,22 +129,34 @@ def sync_channel(address: str, options: Sequence[tuple[str, Any]] = (), *, token
         channel = grpc.insecure_channel(address, options=list(options))
     else:
         channel = grpc.secure_channel(address, tls.credentials(), options=channel_options(options, tls))
-    return grpc.intercept_channel(channel, SyncBearerToken(token)) if token is not None else channel
+    return grpc.intercept_channel(channel, SyncBearerToken(token, owner_check(address, tls))) if token is not None else channel
 
 
-def _with_token(metadata: Any, header: tuple[str, str]) -> tuple[tuple[str, str], ...]:
-    return (*(tuple(item) for item in metadata or ()), header)
+def _with_token(metadata: Any, header: tuple[tuple[str, str], ...], owner: LoopbackOwner | None) -> tuple[tuple[str, str], ...]:
+    """A call's metadata with the channel's token (if any) added, once ``owner`` (if any) let a
+    token go; raises the call's UNAUTHENTICATED error if it does not."""
+    metadata = (*(tuple(item) for item in metadata or ()), *header)
+    if owner is not None and any(key == "authorization" for key, _ in metadata):
+        try:
+            owner.check()
+        except TokenWithheld as exc:
+            # AioRpcError is also the grpc.RpcError a blocking channel's caller catches.
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAUTHENTICATED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=str(exc)) from None
+    return metadata
 
 
 class _AioToken:
-    """Adds the bearer token to the calls of an asyncio channel. grpc.aio files each
-    interceptor under the first call kind it implements, so there is one class per kind."""
+    """Adds the bearer token (if any) to the calls of an asyncio channel, once ``owner`` let it
+    go. grpc.aio files each interceptor under the first call kind it implements, so there is one
+    class per kind."""
 
-    def __init__(self, token: str) -> None:
-        (self._header,) = call_metadata(token)
+    def __init__(self, token: str | None, owner: LoopbackOwner | None) -> None:
+        self._header = call_metadata(token)
+        self._owner = owner
 
     def _details(self, details: Any) -> Any:
-        return details._replace(metadata=grpc.aio.Metadata(*_with_token(details.metadata, self._header)))
+        return details._replace(metadata=grpc.aio.Metadata(*_with_token(details.metadata, self._header, self._owner)))
 
 
 class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
@@ -146,9 +179,10 @@ class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), request_iterator)
 
 
-def aio_token_interceptors(token: str) -> list[Any]:
-    """The interceptors that make every call of a grpc.aio channel present ``token``."""
-    return [kind(token) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
+def aio_token_interceptors(token: str | None, owner: LoopbackOwner | None = None) -> list[Any]:
+    """The interceptors that make every call of a grpc.aio channel present ``token``, each call
+    with a token only once ``owner`` let it go."""
+    return [kind(token, owner) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
 class _CallDetails(NamedTuple):
@@ -162,13 +196,15 @@ class _CallDetails(NamedTuple):
 
 class SyncBearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                       grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the bearer token to every call of a blocking channel (``grpc.intercept_channel``)."""
+    """Adds the bearer token to every call of a blocking channel (``grpc.intercept_channel``),
+    once ``owner`` let it go."""
 
-    def __init__(self, token: str) -> None:
-        (self._header,) = call_metadata(token)
+    def __init__(self, token: str, owner: LoopbackOwner | None = None) -> None:
+        self._header = call_metadata(token)
+        self._owner = owner
 
     def _details(self, details: Any) -> Any:
-        return _CallDetails(details.method, details.timeout, _with_token(details.metadata, self._header),
+        return _CallDetails(details.method, details.timeout, _with_token(details.metadata, self._header, self._owner),
                             details.credentials, getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
