@@ -35,7 +35,7 @@ def _serve(page_bytes: int, tls: str, mode: str, num_pages: int) -> None:
     sums = [checksum(p) for p in pages]
 
     class Source:
-        async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+        async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
             return [SourcePage(pages[int.from_bytes(k, "little") % num_pages], sums[int.from_bytes(k, "little") % num_pages])
                     for k in keys]
 

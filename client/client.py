@@ -35,6 +35,7 @@ from kvstore.client.hit import Hit
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
 from kvstore.client.loopcalls import LoopCalls
+from kvstore.client.namespace_calls import NamespaceCalls
 from kvstore.client.restart import ServerAgain, map_arena
 from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
@@ -67,7 +68,7 @@ def _eta_ms(eta_s: float) -> int:
     return max(0, int(eta_s * 1000))
 
 
-class KVStoreClient:
+class KVStoreClient(NamespaceCalls):
     """One namespace's view of a kvstore server. Use as ``async with``."""
 
     def __init__(
@@ -244,19 +245,22 @@ class KVStoreClient:
     async def lookup_keys(self, keys: list[bytes]) -> Hit:
         """The longest stored prefix of a chain of page keys the engine computed itself (see client/loopcalls.py)."""
         runs: list[LocationRun] = []
-        n = 0
+        n = generation = 0
         for start in range(0, len(keys), self.max_pages):
             batch = keys[start : start + self.max_pages]
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
             resp = await self._near.unary("Directory.Lookup", req)
+            if start and resp.generation != generation:  # invalidated between two batches: what came before is dead
+                return await self.lookup_keys(keys)
+            generation = resp.generation
             runs.extend(LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs)
             n += resp.num_pages
             if resp.num_pages < len(batch):
                 break
-        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs)
+        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs, generation)
 
     async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
-                  session_open: bool = False, replicas: int = 1) -> int:
+                  session_open: bool = False, replicas: int = 1, generation: int | None = None) -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
         Pages already stored are not written again. With ``durable`` every page of the
@@ -265,33 +269,27 @@ class KVStoreClient:
         ``num_tokens`` durable). ``wanted`` / ``session_open`` tell SSD admission these pages
         will be used again. ``replicas`` (cluster mode): ``replicas`` nodes, this server's
         included, hold every page of the returned prefix when this returns (see
-        ``replicate``). Returns the number of leading tokens stored (on that many nodes).
+        ``replicate``). ``generation`` (a ``Hit.generation``): the namespace generation ``kv``
+        was computed in; once an invalidation raised it, the put is refused (StaleGeneration)
+        instead of storing KV of the old one in the new. Returns the number of leading tokens
+        stored (on that many nodes).
         """
         return await self.put_keys(self.keys(tokens), kv, durable=durable, wanted=wanted, session_open=session_open,
-                                   replicas=replicas)
+                                   replicas=replicas, generation=generation)
 
     async def put_keys(self, keys: list[bytes], kv: torch.Tensor | EngineKV, *, durable: bool = False,
-                       wanted: bool = False, session_open: bool = False, replicas: int = 1) -> int:
+                       wanted: bool = False, session_open: bool = False, replicas: int = 1,
+                       generation: int | None = None) -> int:
         """``put`` for page keys the engine computed itself: page i of ``kv`` is stored under
         ``keys[i]``. Returns the number of leading tokens stored."""
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         check_engine_kv(kv, self.layout, len(keys) * self.layout.page_tokens, "kv")
-        stored = await self._io(self.transport.put(keys, kv, durable, flags))
+        stored = await self._io(self.transport.put(keys, kv, durable, flags, generation))
         if 0 < stored < len(keys):  # cut short: the put's own tail may have been evicted before it ended
             stored = min(stored, len((await self.lookup_keys(keys[:stored])).keys))
         if replicas != 1 and stored:
             stored = await self.replicate_keys(keys[:stored], replicas)
         return stored * self.layout.page_tokens
-
-    async def replicate_keys(self, keys: list[bytes], replicas: int) -> int:
-        """Has ``replicas`` nodes of the cluster (this server included) hold the pages of
-        ``keys`` that this server holds: it asks ``replicas - 1`` other members to copy them and
-        answers once they did, or at the deadline. Returns how many leading pages are held on
-        at least ``replicas`` nodes: fewer when the cluster has fewer live members or a copy
-        failed (best effort, counted; a replica is an ordinary copy afterwards, evictable).
-        A single server answers what it holds for ``replicas=1`` and refuses more."""
-        request = data_pb2.ReplicateRequest(namespace_id=self.namespace.namespace_id, keys=keys, replicas=replicas)
-        return int((await self._call(self.runtime.data.Replicate, request)).num_pages)
 
     async def get(self, hit: Hit, into: torch.Tensor | EngineKV) -> int:
         """Copies the hit's pages into ``into`` (``[layers, kv, >= hit.num_tokens, heads, dim]``).

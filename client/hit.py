@@ -20,6 +20,9 @@ class Hit:
     num_tokens: int
     keys: list[bytes] = field(repr=False)
     runs: list[LocationRun] = field(repr=False)  # where the pages are, run-length encoded, in order
+    # the namespace's generation the pages belong to: a writer that computes the rest from them names
+    # it to ``put`` (generation=...), so that its write is refused once an invalidation raised it
+    generation: int = 0
 
     @property
     def num_pages(self) -> int:

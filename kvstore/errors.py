@@ -29,6 +29,17 @@ class StaleIncarnation(KVStoreError):
     node registered again since. Not retried: the new incarnation sends what it holds."""
 
 
+class StaleGeneration(KVStoreError):
+    """The call names a namespace generation that is not the namespace's current one (an
+    invalidation raised it meanwhile: a late fetch, a lagging node, a writer that computed its
+    KV before the invalidation); nothing was changed. ``current``: the namespace's generation
+    where it was refused (-1 where the client rebuilt the error: the message names it)."""
+
+    def __init__(self, message: str, current: int = -1) -> None:
+        super().__init__(message)
+        self.current = current
+
+
 class TierFull(KVStoreError):
     """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
 

@@ -5,10 +5,13 @@ aligned for O_DIRECT):
 
     magic "KVPG" | format u16 | flags u16 | namespace_id 16s | key 16s |
     num_layers u32 | kv_factor u32 | num_kv_heads u32 | head_dim u32 | dtype 16s |
-    page_tokens u32 | payload_bytes u64 | checksum u64 | header_checksum u64
+    page_tokens u32 | payload_bytes u64 | checksum u64 | generation u64 | header_checksum u64
 
 ``checksum`` is xxh3-64 of the payload; ``header_checksum`` covers every byte before it.
-A page whose header or payload fails its check is never returned.
+A page whose header or payload fails its check is never returned. ``generation`` is the
+namespace's generation the page was written in (format 2; a format-1 header, without the
+field, reads as generation 0): a page of an older generation than its namespace's is dead
+wherever it is found, even where a crash kept its bytes (recovery.py drops it).
 """
 
 from __future__ import annotations
@@ -23,11 +26,16 @@ from kvstore.errors import PageCorrupt
 from kvstore.types import KVLayout, page_bytes_of
 
 MAGIC = b"KVPG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
-_BODY = struct.Struct("<4sHH16s16sIIII16sIQQ")
+_BODY_V1 = struct.Struct("<4sHH16s16sIIII16sIQQ")  # format 1: no generation
+_BODY = struct.Struct("<4sHH16s16sIIII16sIQQQ")
 _CHECK = struct.Struct("<Q")
-HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packed header
+HEADER_CORE_BYTES = _BODY.size + _CHECK.size  # the meaningful prefix of a packed header (format 2)
+HEADER_CORE_BYTES_V1 = _BODY_V1.size + _CHECK.size
+GENERATION_AT = _BODY_V1.size  # format 2 only
+GENERATION_FIELD = struct.Struct("<Q")
+_VERSION_FIELD = struct.Struct("<H")  # at 4, after the magic
 # Where fields sit in a packed header, for readers that peek without parsing it (an index
 # of a million pages at start-up).
 NAMESPACE_AT = struct.calcsize("<4sHH")
@@ -93,6 +101,7 @@ class PageHeader:
     payload_bytes: int
     checksum: int
     flags: int = 0
+    generation: int = 0  # the namespace's generation the page belongs to
 
     def pack(self) -> bytes:
         """The header padded to HEADER_BYTES."""
@@ -100,7 +109,7 @@ class PageHeader:
         body = _BODY.pack(
             MAGIC, FORMAT_VERSION, self.flags, self.namespace_id, self.key,
             lay.num_layers, lay.kv_factor, lay.num_kv_heads, lay.head_dim, lay.dtype.encode(),
-            lay.page_tokens, self.payload_bytes, self.checksum,
+            lay.page_tokens, self.payload_bytes, self.checksum, self.generation,
         )
         packed = body + _CHECK.pack(checksum(body))
         return packed + bytes(HEADER_BYTES - len(packed))
@@ -108,19 +117,23 @@ class PageHeader:
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> PageHeader:
         """Parses and checks a header; raises PageCorrupt when it is not a valid one."""
-        if len(data) < _BODY.size + _CHECK.size:
+        if len(data) < HEADER_CORE_BYTES_V1:
             raise PageCorrupt(f"page header truncated: {len(data)} bytes")
-        body = bytes(data[: _BODY.size])
-        (stored,) = _CHECK.unpack_from(data, _BODY.size)
+        version = _VERSION_FIELD.unpack_from(data, 4)[0]
+        shape = _BODY if version == FORMAT_VERSION else _BODY_V1
+        if len(data) < shape.size + _CHECK.size:
+            raise PageCorrupt(f"page header truncated: {len(data)} bytes")
+        body = bytes(data[: shape.size])
+        (stored,) = _CHECK.unpack_from(data, shape.size)
         if stored != checksum(body):
             raise PageCorrupt("page header checksum mismatch")
-        magic, version, flags, ns, key, nl, kvf, heads, hd, dtype, pt, length, csum = _BODY.unpack(body)
+        magic, version, flags, ns, key, nl, kvf, heads, hd, dtype, pt, length, csum, *generation = shape.unpack(body)
         if magic != MAGIC:
             raise PageCorrupt(f"bad page magic {magic!r}")
-        if version != FORMAT_VERSION:
-            raise PageCorrupt(f"page format version {version} is not supported (expected {FORMAT_VERSION})")
+        if version not in (1, FORMAT_VERSION):
+            raise PageCorrupt(f"page format version {version} is not supported (expected 1 or {FORMAT_VERSION})")
         layout = LayoutDesc(nl, kvf, heads, hd, dtype.rstrip(b"\0").decode(), pt)
-        return cls(ns, key, layout, length, csum, flags)
+        return cls(ns, key, layout, length, csum, flags, generation[0] if generation else 0)
 
     def verify_payload(self, payload: object, length: int, digest: Callable[[object], int] = checksum) -> None:
         """Raises PageCorrupt unless ``payload`` has the recorded length and checksum (computed by ``digest``)."""
@@ -128,6 +141,18 @@ class PageHeader:
             raise PageCorrupt(f"page {self.key.hex()} has {length} bytes, header says {self.payload_bytes}")
         if digest(payload) != self.checksum:
             raise PageCorrupt(f"page {self.key.hex()} failed its checksum")
+
+
+def core_bytes(packed: bytes | memoryview) -> int:
+    """How long the meaningful prefix of a packed header is, by its format version."""
+    return HEADER_CORE_BYTES if _VERSION_FIELD.unpack_from(packed, 4)[0] == FORMAT_VERSION else HEADER_CORE_BYTES_V1
+
+
+def peek_generation(packed: bytes | memoryview) -> int:
+    """The generation of a packed header, unchecked (0 for format 1)."""
+    if _VERSION_FIELD.unpack_from(packed, 4)[0] != FORMAT_VERSION:
+        return 0
+    return int(GENERATION_FIELD.unpack_from(packed, GENERATION_AT)[0])
 
 
 def peek(packed: bytes | memoryview) -> tuple[bytes, bytes, int]:

@@ -74,3 +74,13 @@ def deadline_s(value: object, name: str) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise InvalidRequest(f"{name} must be a finite number of seconds above 0 (every call has a deadline), got {value!r}")
     return float(value)
+
+
+MAX_GENERATION = (1 << 63) - 1  # room left above: a namespace at the top could never be invalidated again
+
+
+def generation(value: int) -> int:
+    """A namespace generation a call names (issue 34): at most MAX_GENERATION."""
+    if not 0 <= value <= MAX_GENERATION:
+        raise InvalidRequest(f"generation {value} is outside [0, {MAX_GENERATION}]")
+    return value

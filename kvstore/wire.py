@@ -97,11 +97,14 @@ class Pieces(Protocol):
 
 
 def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int | None,
-                durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0, parent: bytes = b"") -> Iterator[bytes]:
+                durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0, parent: bytes = b"",
+                generation: int | None = None) -> Iterator[bytes]:
     """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``.
     With ``page_checksum`` None the checksum is computed here: for a page that fits one
     chunk while its bytes are copied into the message (written after them as a 10-byte
-    varint, which keeps the message size known before the hash), else in a pass of its own."""
+    varint, which keeps the message size known before the hash), else in a pass of its own.
+    ``generation``: the namespace generation the writer computed the page in (first chunk)."""
+    named = {} if generation is None else {"generation": generation}
     if hasattr(data, "pieces"):
         size, cut, rows = data.nbytes, data.pieces, data.rows
     else:
@@ -110,7 +113,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         rows = np.frombuffer(view, dtype=np.uint8).reshape(1, -1)
     if page_checksum is None and size <= chunk_bytes:
         meta = data_pb2.PageChunk(key=key, page_bytes=size, durable=durable, namespace_id=namespace_id, layout=layout, flags=flags,
-                                  parent=parent)
+                                  parent=parent, **named)
         head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size)))
         yield frame_checksummed(head, rows, _CHECKSUM_TAG)[0]
         return
@@ -121,7 +124,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
         meta = data_pb2.PageChunk(
             key=key, offset=start, page_bytes=size, checksum=page_checksum, durable=durable,
             namespace_id=namespace_id if first else b"", layout=layout if first else None, flags=flags if first else 0,
-            parent=parent if first else b"",
+            parent=parent if first else b"", **(named if first else {}),
         )
         yield encode_chunk(meta, *cut(start, min(size, start + chunk_bytes)))
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from kvstore.errors import PageCorrupt
-from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum
+from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum, core_bytes, peek_generation
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)
 
@@ -21,6 +23,19 @@ def test_roundtrip() -> None:
     assert len(packed) == HEADER_BYTES
     assert PageHeader.unpack(packed) == header
     header.verify_payload(payload, len(payload))
+
+
+def test_the_generation_is_kept_and_a_format_1_header_reads_as_generation_0() -> None:
+    """Format 2 carries the namespace's generation (issue 34); pages written before it (format
+    1, no such field) stay readable, as generation 0."""
+    header = PageHeader(b"n" * 16, b"k" * 16, LAYOUT, 4096, 7, flags=1, generation=2**40 + 3)
+    packed = header.pack()
+    assert PageHeader.unpack(packed) == header and peek_generation(packed) == 2**40 + 3
+    body = struct.pack("<4sHH16s16sIIII16sIQQ", b"KVPG", 1, 1, b"n" * 16, b"k" * 16, 4, 2, 2, 64, b"float16", 16, 4096, 7)
+    v1 = body + struct.pack("<Q", checksum(body))
+    assert core_bytes(v1) == len(v1) < core_bytes(packed)
+    assert PageHeader.unpack(v1) == PageHeader(b"n" * 16, b"k" * 16, LAYOUT, 4096, 7, flags=1, generation=0)
+    assert peek_generation(v1) == 0
 
 
 @pytest.mark.parametrize("pos", [0, 5, 20, 40, 70, 99])

@@ -71,9 +71,9 @@ class TierUsage:
     capacity_bytes: int
 
 
-# One page a tier's index holds, as ``recover`` lists it: (key, namespace_id, payload_bytes).
-# A plain tuple: a restart makes one per stored page.
-StoredPage = tuple[bytes, bytes, int]
+# One page a tier's index holds, as ``recover`` lists it: (key, namespace_id, payload_bytes,
+# generation). A plain tuple: a restart makes one per stored page.
+StoredPage = tuple[bytes, bytes, int, int]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,16 @@ from pathlib import Path
 from kvstore.config import SsdTierConfig, format_size
 from kvstore.errors import ConfigError, PageCorrupt, TierUnavailable
 from kvstore.lmdb_env import private_dir
-from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, NAMESPACE_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, peek
+from kvstore.page import (
+    HEADER_BYTES,
+    HEADER_CORE_BYTES,
+    NAMESPACE_AT,
+    PAYLOAD_BYTES_AT,
+    PAYLOAD_BYTES_FIELD,
+    PageHeader,
+    peek,
+    peek_generation,
+)
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.chains import TailFirst
@@ -137,7 +146,8 @@ class SsdTier(SsdWrites):
         for (key, offset, _, raw), ok in zip(entries, claimed):
             if ok:
                 self._pages[key] = (offset, raw)
-                recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0]))
+                recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0],
+                                  peek_generation(raw)))
             else:
                 overlapping.append((key, "index entry overlaps another slot"))
         self._index.drop(overlapping)

@@ -22,7 +22,7 @@ from typing import Any
 import lmdb
 
 from kvstore.lmdb_env import map_full, open_env
-from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, KEY_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader
+from kvstore.page import HEADER_BYTES, HEADER_CORE_BYTES, KEY_AT, PAYLOAD_BYTES_AT, PAYLOAD_BYTES_FIELD, PageHeader, core_bytes
 from kvstore.tiers.base import Quarantined, parent_links
 from kvstore.tiers.device_writes import IndexWrites
 from kvstore.tiers.slab import ALIGN, round_up
@@ -60,13 +60,12 @@ class SsdIndex:
         dropped: list[tuple[bytes, str]] = []
         entries: list[tuple[bytes, int, int, bytes]] = []
         links: list[tuple[bytes, bytes]] = []
-        entry_end = _ENTRY.size + HEADER_CORE_BYTES
-        linked = entry_end + 16
         unpack_entry, unpack_payload, add = _ENTRY.unpack_from, PAYLOAD_BYTES_FIELD.unpack_from, entries.append
         with self.env.begin(db=self.index_db, buffers=False) as txn:
             for key, value in txn.cursor():  # a million entries at start: inlined, no call per entry
                 try:
                     offset, size = unpack_entry(value)
+                    entry_end = _ENTRY.size + core_bytes(value[_ENTRY.size : _ENTRY.size + 8])  # format 1 or 2
                     raw = value[_ENTRY.size : entry_end]
                     (payload,) = unpack_payload(raw, PAYLOAD_BYTES_AT)
                 except struct.error:
@@ -77,8 +76,8 @@ class SsdIndex:
                     dropped.append((key, "index entry does not match the data file"))
                     continue
                 add((key, offset, size, raw))
-                if len(value) >= linked:
-                    links.append((key, value[entry_end:linked]))
+                if len(value) >= entry_end + 16:
+                    links.append((key, value[entry_end : entry_end + 16]))
         self.drop(dropped)
         return entries, links
 

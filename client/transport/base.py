@@ -98,7 +98,8 @@ class Transport(Protocol):
     * ``staged`` / ``outgoing``: empty holders for layer-wise loads and saves.
     * ``close`` stops its copy threads (nothing may be in flight)."""
 
-    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int) -> int: ...
+    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
+                  generation: int | None = None) -> int: ...
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None: ...
 

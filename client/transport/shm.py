@@ -81,12 +81,16 @@ class ShmTransport:
 
     # -- the RPCs of the arena path: one method each ---------------------------------------
 
-    async def allocate(self, keys: list[bytes], parent: bytes = b"") -> Any:
+    async def allocate(self, keys: list[bytes], parent: bytes = b"", generation: int | None = None) -> Any:
         """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy);
-        ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first)."""
+        ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first);
+        ``generation``: the namespace generation the pages were computed in (refused if it is over)."""
         runtime = self.peer.runtime
-        return await runtime.unary("Data.Allocate", data_pb2.AllocateRequest(
-            namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys, parent=parent))
+        request = data_pb2.AllocateRequest(namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys,
+                                           parent=parent)
+        if generation is not None:
+            request.generation = generation
+        return await runtime.unary("Data.Allocate", request)
 
     async def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
                      flags: int = 0) -> int:
@@ -230,8 +234,9 @@ class ShmTransport:
 
     # -- put / get / layer-wise ------------------------------------------------------------
 
-    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int) -> int:
-        return await shm_pipeline.put(self, keys, kv, durable, flags)
+    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
+                  generation: int | None = None) -> int:
+        return await shm_pipeline.put(self, keys, kv, durable, flags, generation)
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         await shm_pipeline.get(self, keys, into)

@@ -95,14 +95,15 @@ class StreamTransport:
 
     # -- put / get -------------------------------------------------------------------------
 
-    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int) -> int:
+    async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
+                  generation: int | None = None) -> int:
         """One WritePages stream per ``max_pages`` pages, until one comes back short."""
         stored = 0
         while stored < len(keys):
             batch = keys[stored : stored + self.peer.max_pages]
             try:
                 parent = keys[stored - 1] if stored else b""  # the server links each page to the one before it
-                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags, parent))
+                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags, parent, generation))
             except TierFull:
                 if stored == 0:
                     raise
@@ -114,12 +115,12 @@ class StreamTransport:
         return stored
 
     def _encoder(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,
-                 flags: int, parent: bytes = b"") -> Callable[[int], list[bytes]]:
+                 flags: int, parent: bytes = b"", generation: int | None = None) -> Callable[[int], list[bytes]]:
         rows = page_rows(kv, self.layout)
 
         def encode(i: int) -> list[bytes]:
             page = rows.page(first_page + i) if rows is not None else self._buffered(kv, first_page + i)
-            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"")
+            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"", generation)
 
         return encode
 
@@ -132,13 +133,13 @@ class StreamTransport:
         return self._buf.view(torch.uint8).reshape(-1)
 
     def encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0,
-                    parent: bytes = b"") -> list[bytes]:
+                    parent: bytes = b"", generation: int | None = None) -> list[bytes]:
         """The WritePages chunks of one page: ``page`` is contiguous bytes or a RowPage of the
         engine's tensor (copied once, into the chunks); ``csum`` None: computed here;
         ``parent``: the page before it in its prefix."""
         data = page if isinstance(page, RowPage) else memoryview(page.numpy())
         return list(page_chunks(key, self.peer.namespace_id, self.peer.layout_msg, data, csum, durable, self.chunk_bytes,
-                                flags, parent))
+                                flags, parent, generation))
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         """One ReadPages stream per ``max_pages`` pages; a stream that delivers nothing means

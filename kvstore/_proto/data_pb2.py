@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"$\n\x14GrantTransferRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"6\n\x15GrantTransferResponse\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"|\n\x10ReplicateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\"&\n\x11ReplicateResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"\x8d\x01\n\x13\x41ppendTokensRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x0c\n\x04sync\x18\x05 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"&\n\x14\x41ppendTokensResponse\x12\x0e\n\x06length\x18\x01 \x01(\x04\"=\n\x11GetSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"J\n\x12GetSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"=\n\x11\x45ndSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x14\n\x12\x45ndSessionResponse\")\n\tHintEntry\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"K\n\x0bHintRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.HintEntry\" \n\x0cHintResponse\x12\x10\n\x08reserved\x18\x01 \x03(\x08\"\x0f\n\rWhoAmIRequest\">\n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06rights\x18\x02 \x03(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xe2\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x61rena_socket\x18\x08 \x01(\t\x12\x13\n\x0b\x63\x61ll_socket\x18\t \x01(\t\x12\x12\n\ncall_token\x18\n \x01(\x0c\"i\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"n\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"g\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\r\n\x05\x66lags\x18\x05 \x01(\r\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"0\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x0f\n\rRenewResponse\"\xc6\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\r\n\x05\x66lags\x18\t \x01(\r\x12\x0e\n\x06parent\x18\n \x01(\x0c\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"\x7f\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x12\x0e\n\x06tenant\x18\x06 \x01(\t2\xea\x08\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.kvstore.v1.RenewRequest\x1a\x19.kvstore.v1.RenewResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x12\x39\n\x04Hint\x12\x17.kvstore.v1.HintRequest\x1a\x18.kvstore.v1.HintResponse\x12Q\n\x0c\x41ppendTokens\x12\x1f.kvstore.v1.AppendTokensRequest\x1a .kvstore.v1.AppendTokensResponse\x12K\n\nGetSession\x12\x1d.kvstore.v1.GetSessionRequest\x1a\x1e.kvstore.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.kvstore.v1.EndSessionRequest\x1a\x1e.kvstore.v1.EndSessionResponse\x12H\n\tReplicate\x12\x1c.kvstore.v1.ReplicateRequest\x1a\x1d.kvstore.v1.ReplicateResponse\x12T\n\rGrantTransfer\x12 .kvstore.v1.GrantTransferRequest\x1a!.kvstore.v1.GrantTransferResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/data.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"$\n\x14GrantTransferRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\"6\n\x15GrantTransferResponse\x12\r\n\x05grant\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"|\n\x10ReplicateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x10\n\x08replicas\x18\x03 \x01(\r\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\"&\n\x11ReplicateResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"\x8d\x01\n\x13\x41ppendTokensRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x0c\n\x04sync\x18\x05 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"&\n\x14\x41ppendTokensResponse\x12\x0e\n\x06length\x18\x01 \x01(\x04\"=\n\x11GetSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"J\n\x12GetSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\"=\n\x11\x45ndSessionRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x14\n\x12\x45ndSessionResponse\")\n\tHintEntry\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x0e\n\x06\x65ta_ms\x18\x02 \x01(\r\"K\n\x0bHintRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12&\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.HintEntry\" \n\x0cHintResponse\x12\x10\n\x08reserved\x18\x01 \x03(\x08\"\x0f\n\rWhoAmIRequest\">\n\x0eWhoAmIResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06rights\x18\x02 \x03(\t\x12\x0c\n\x04salt\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xe2\x01\n\x0fGetInfoResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61rena_token\x18\x04 \x01(\x0c\x12\r\n\x05tiers\x18\x05 \x03(\t\x12\x1d\n\x15max_pages_per_request\x18\x06 \x01(\r\x12\x16\n\x0emax_page_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x61rena_socket\x18\x08 \x01(\t\x12\x13\n\x0b\x63\x61ll_socket\x18\t \x01(\t\x12\x12\n\ncall_token\x18\n \x01(\x0c\"\x91\x01\n\x0f\x41llocateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\"\n\x06layout\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\x12\x17\n\ngeneration\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation\"3\n\x04Slot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xists\x18\x03 \x01(\x08\"\x82\x01\n\x10\x41llocateResponse\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x1f\n\x05slots\x18\x02 \x03(\x0b\x32\x10.kvstore.v1.Slot\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"g\n\rCommitRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x11\n\tchecksums\x18\x03 \x03(\x04\x12\x0f\n\x07\x64urable\x18\x04 \x01(\x08\x12\r\n\x05\x66lags\x18\x05 \x01(\r\"\'\n\x0e\x43ommitResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"%\n\x0c\x41\x62ortRequest\x12\x15\n\rallocation_id\x18\x01 \x01(\x0c\"\x0f\n\rAbortResponse\"D\n\x0e\x41\x63quireRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"=\n\x0c\x41\x63quiredPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x04\"`\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\'\n\x05pages\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.AcquiredPage\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\"\x11\n\x0fReleaseResponse\"0\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x0f\n\rRenewResponse\"\xee\x01\n\tPageChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\"\n\x06layout\x18\x03 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\r\n\x05\x66lags\x18\t \x01(\r\x12\x0e\n\x06parent\x18\n \x01(\x0c\x12\x17\n\ngeneration\x18\x0b \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation\"+\n\x12WritePagesResponse\x12\x15\n\rnum_published\x18\x01 \x01(\r\"\xa7\x01\n\x10ReadPagesRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x12\n\nlocal_only\x18\x05 \x01(\x08\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x17\n\ngeneration\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation2\xea\x08\n\x04\x44\x61ta\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06WhoAmI\x12\x19.kvstore.v1.WhoAmIRequest\x1a\x1a.kvstore.v1.WhoAmIResponse\x12\x45\n\x08\x41llocate\x12\x1b.kvstore.v1.AllocateRequest\x1a\x1c.kvstore.v1.AllocateResponse\x12?\n\x06\x43ommit\x12\x19.kvstore.v1.CommitRequest\x1a\x1a.kvstore.v1.CommitResponse\x12<\n\x05\x41\x62ort\x12\x18.kvstore.v1.AbortRequest\x1a\x19.kvstore.v1.AbortResponse\x12\x42\n\x07\x41\x63quire\x12\x1a.kvstore.v1.AcquireRequest\x1a\x1b.kvstore.v1.AcquireResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12<\n\x05Renew\x12\x18.kvstore.v1.RenewRequest\x1a\x19.kvstore.v1.RenewResponse\x12\x45\n\nWritePages\x12\x15.kvstore.v1.PageChunk\x1a\x1e.kvstore.v1.WritePagesResponse(\x01\x12\x42\n\tReadPages\x12\x1c.kvstore.v1.ReadPagesRequest\x1a\x15.kvstore.v1.PageChunk0\x01\x12\x39\n\x04Hint\x12\x17.kvstore.v1.HintRequest\x1a\x18.kvstore.v1.HintResponse\x12Q\n\x0c\x41ppendTokens\x12\x1f.kvstore.v1.AppendTokensRequest\x1a .kvstore.v1.AppendTokensResponse\x12K\n\nGetSession\x12\x1d.kvstore.v1.GetSessionRequest\x1a\x1e.kvstore.v1.GetSessionResponse\x12K\n\nEndSession\x12\x1d.kvstore.v1.EndSessionRequest\x1a\x1e.kvstore.v1.EndSessionResponse\x12H\n\tReplicate\x12\x1c.kvstore.v1.ReplicateRequest\x1a\x1d.kvstore.v1.ReplicateResponse\x12T\n\rGrantTransfer\x12 .kvstore.v1.GrantTransferRequest\x1a!.kvstore.v1.GrantTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -66,40 +66,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_end=981
   _globals['_GETINFORESPONSE']._serialized_start=984
   _globals['_GETINFORESPONSE']._serialized_end=1210
-  _globals['_ALLOCATEREQUEST']._serialized_start=1212
-  _globals['_ALLOCATEREQUEST']._serialized_end=1317
-  _globals['_SLOT']._serialized_start=1319
-  _globals['_SLOT']._serialized_end=1370
-  _globals['_ALLOCATERESPONSE']._serialized_start=1372
-  _globals['_ALLOCATERESPONSE']._serialized_end=1482
-  _globals['_COMMITREQUEST']._serialized_start=1484
-  _globals['_COMMITREQUEST']._serialized_end=1587
-  _globals['_COMMITRESPONSE']._serialized_start=1589
-  _globals['_COMMITRESPONSE']._serialized_end=1628
-  _globals['_ABORTREQUEST']._serialized_start=1630
-  _globals['_ABORTREQUEST']._serialized_end=1667
-  _globals['_ABORTRESPONSE']._serialized_start=1669
-  _globals['_ABORTRESPONSE']._serialized_end=1684
-  _globals['_ACQUIREREQUEST']._serialized_start=1686
-  _globals['_ACQUIREREQUEST']._serialized_end=1754
-  _globals['_ACQUIREDPAGE']._serialized_start=1756
-  _globals['_ACQUIREDPAGE']._serialized_end=1817
-  _globals['_ACQUIRERESPONSE']._serialized_start=1819
-  _globals['_ACQUIRERESPONSE']._serialized_end=1915
-  _globals['_RELEASEREQUEST']._serialized_start=1917
-  _globals['_RELEASEREQUEST']._serialized_end=1951
-  _globals['_RELEASERESPONSE']._serialized_start=1953
-  _globals['_RELEASERESPONSE']._serialized_end=1970
-  _globals['_RENEWREQUEST']._serialized_start=1972
-  _globals['_RENEWREQUEST']._serialized_end=2020
-  _globals['_RENEWRESPONSE']._serialized_start=2022
-  _globals['_RENEWRESPONSE']._serialized_end=2037
-  _globals['_PAGECHUNK']._serialized_start=2040
-  _globals['_PAGECHUNK']._serialized_end=2238
-  _globals['_WRITEPAGESRESPONSE']._serialized_start=2240
-  _globals['_WRITEPAGESRESPONSE']._serialized_end=2283
-  _globals['_READPAGESREQUEST']._serialized_start=2285
-  _globals['_READPAGESREQUEST']._serialized_end=2412
-  _globals['_DATA']._serialized_start=2415
-  _globals['_DATA']._serialized_end=3545
+  _globals['_ALLOCATEREQUEST']._serialized_start=1213
+  _globals['_ALLOCATEREQUEST']._serialized_end=1358
+  _globals['_SLOT']._serialized_start=1360
+  _globals['_SLOT']._serialized_end=1411
+  _globals['_ALLOCATERESPONSE']._serialized_start=1414
+  _globals['_ALLOCATERESPONSE']._serialized_end=1544
+  _globals['_COMMITREQUEST']._serialized_start=1546
+  _globals['_COMMITREQUEST']._serialized_end=1649
+  _globals['_COMMITRESPONSE']._serialized_start=1651
+  _globals['_COMMITRESPONSE']._serialized_end=1690
+  _globals['_ABORTREQUEST']._serialized_start=1692
+  _globals['_ABORTREQUEST']._serialized_end=1729
+  _globals['_ABORTRESPONSE']._serialized_start=1731
+  _globals['_ABORTRESPONSE']._serialized_end=1746
+  _globals['_ACQUIREREQUEST']._serialized_start=1748
+  _globals['_ACQUIREREQUEST']._serialized_end=1816
+  _globals['_ACQUIREDPAGE']._serialized_start=1818
+  _globals['_ACQUIREDPAGE']._serialized_end=1879
+  _globals['_ACQUIRERESPONSE']._serialized_start=1881
+  _globals['_ACQUIRERESPONSE']._serialized_end=1977
+  _globals['_RELEASEREQUEST']._serialized_start=1979
+  _globals['_RELEASEREQUEST']._serialized_end=2013
+  _globals['_RELEASERESPONSE']._serialized_start=2015
+  _globals['_RELEASERESPONSE']._serialized_end=2032
+  _globals['_RENEWREQUEST']._serialized_start=2034
+  _globals['_RENEWREQUEST']._serialized_end=2082
+  _globals['_RENEWRESPONSE']._serialized_start=2084
+  _globals['_RENEWRESPONSE']._serialized_end=2099
+  _globals['_PAGECHUNK']._serialized_start=2102
+  _globals['_PAGECHUNK']._serialized_end=2340
+  _globals['_WRITEPAGESRESPONSE']._serialized_start=2342
+  _globals['_WRITEPAGESRESPONSE']._serialized_end=2385
+  _globals['_READPAGESREQUEST']._serialized_start=2388
+  _globals['_READPAGESREQUEST']._serialized_end=2555
+  _globals['_DATA']._serialized_start=2558
+  _globals['_DATA']._serialized_end=3688
 # @@protoc_insertion_point(module_scope)

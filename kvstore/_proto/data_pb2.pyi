@@ -160,16 +160,18 @@ class GetInfoResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace_id", "layout", "keys", "parent")
+    __slots__ = ("namespace_id", "layout", "keys", "parent", "generation")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     layout: _common_pb2.Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
-    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "offset", "exists")
@@ -182,16 +184,18 @@ class Slot(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("allocation_id", "slots", "page_bytes", "ttl_ms")
+    __slots__ = ("allocation_id", "slots", "page_bytes", "ttl_ms", "generation")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     allocation_id: bytes
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
     ttl_ms: int
-    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("allocation_id", "keys", "checksums", "durable", "flags")
@@ -276,7 +280,7 @@ class RenewResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent")
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent", "generation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +291,7 @@ class PageChunk(_message.Message):
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace_id: bytes
     layout: _common_pb2.Layout
@@ -297,7 +302,8 @@ class PageChunk(_message.Message):
     durable: bool
     flags: int
     parent: bytes
-    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("num_published",)
@@ -306,17 +312,19 @@ class WritePagesResponse(_message.Message):
     def __init__(self, num_published: _Optional[int] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only", "tenant")
+    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only", "tenant", "generation")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunk_bytes: int
     ttl_ms: int
     local_only: bool
     tenant: str
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -47,12 +47,14 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_pages", "runs")
+    __slots__ = ("num_pages", "runs", "generation")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     runs: _containers.RepeatedCompositeFieldContainer[LocationRun]
-    def __init__(self, num_pages: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[LocationRun, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, num_pages: _Optional[int] = ..., runs: _Optional[_Iterable[_Union[LocationRun, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LocationRun(_message.Message):
     __slots__ = ("node", "tier", "num_pages", "size_bytes")
@@ -75,16 +77,18 @@ class PageRecord(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("namespace_id", "records", "tenant", "epoch")
+    __slots__ = ("namespace_id", "records", "tenant", "epoch", "generation")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     records: _containers.RepeatedCompositeFieldContainer[PageRecord]
     tenant: str
     epoch: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ..., tenant: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ..., tenant: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("versions",)
@@ -113,18 +117,22 @@ class RemoveResponse(_message.Message):
     def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
 
 class InvalidateRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys")
+    __slots__ = ("namespace_id", "keys", "generation")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    generation: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class InvalidateResponse(_message.Message):
-    __slots__ = ("num_removed",)
+    __slots__ = ("num_removed", "generation")
     NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     num_removed: int
-    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, num_removed: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("namespace_id", "keys", "ttl_ms")
@@ -165,7 +173,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("seq", "kind", "namespace_id", "key", "location", "unix_ms")
+    __slots__ = ("seq", "kind", "namespace_id", "key", "location", "unix_ms", "generation")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Event.Kind]
@@ -184,13 +192,15 @@ class Event(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     LOCATION_FIELD_NUMBER: _ClassVar[int]
     UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     kind: Event.Kind
     namespace_id: bytes
     key: bytes
     location: _common_pb2.Location
     unix_ms: int
-    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., namespace_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., namespace_id: _Optional[bytes] = ..., key: _Optional[bytes] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ..., unix_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

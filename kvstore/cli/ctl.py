@@ -47,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     lk = sub.add_parser("lookup", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="how much of a token sequence is stored")
     _namespace_args(lk)
     lk.add_argument("--tokens", required=True, help="comma-separated token ids, or @FILE with a JSON list")
-    inv = sub.add_parser("invalidate", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="drop every page of a namespace")
+    inv = sub.add_parser("invalidate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="drop every page of a namespace (its generation goes up; in cluster mode at every node)")
     _namespace_args(inv)
+    inv.add_argument("--wait", type=float, default=30.0,
+                     help="seconds the server may take to have every node confirm it (a node that does not is fenced: "
+                          "a lease TTL more)")
     qu = sub.add_parser("quarantine", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="pages that failed their checks (list, or --purge the list)")
     qu.add_argument("--purge", action="store_true")
     nt = sub.add_parser("new-token", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="make a random token and the --auth-file entry that grants it (no server needed)")
@@ -149,8 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         tiers[run.tier] = tiers.get(run.tier, 0) + run.num_pages
                 return {"namespace_id": ns_id.hex(), "pages": num_pages, "tokens": num_pages * page_tokens,
                         "full_pages_asked": len(keys), "by_tier": tiers}
-            r = stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns_id), timeout=args.timeout)
-            return {"namespace_id": ns_id.hex(), "removed": r.num_removed}
+            r = stub.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns_id), timeout=max(args.timeout, args.wait))
+            return {"namespace_id": ns_id.hex(), "removed": r.num_removed, "generation": r.generation}
         except grpc.RpcError as exc:
             raise error_for(exc.code(), f"{args.server}: {exc.details()}") from None
 

@@ -1,5 +1,5 @@
-"""What cluster membership is made of: a node's record, its state, a namespace invalidation,
-and the membership configuration. Plain values; ``membership.py`` keeps them in etcd."""
+"""What cluster membership is made of: a node's record, its state, and the membership
+configuration. Plain values; ``membership.py`` keeps them in etcd."""
 
 from __future__ import annotations
 
@@ -45,17 +45,6 @@ class Member:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidRequest(f"bad member record: {exc!r}") from exc
         return member
-
-
-@dataclass(frozen=True)
-class Invalidation:
-    """Every page under ``namespace_id`` stored before ``issued_at_s`` is dead. Delivered at
-    least once to every node (again after a resync): handlers must be idempotent."""
-
-    namespace_id: bytes
-    issued_by: str
-    issued_at_s: float
-    revision: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Cluster membership on etcd: who is alive, under which epoch, and namespace invalidations.
+"""Cluster membership on etcd: who is alive, under which epoch, and namespace generations.
 
 Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
 
     <root>nodes/<node-id>          JSON Member, under the node's lease (gone when the lease is)
     <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
-    <root>invalidations/<ns hex>   JSON {namespace_id, issued_by, issued_at_s} (no lease)
+    <root>generations/<ns hex>     a namespace's generation (generations.py; no lease)
 
 A node registers with one transaction that bumps its epoch and creates its node key (only if
 no key of that node exists: a second process with the same id, or the previous incarnation
@@ -12,7 +12,8 @@ whose lease has not yet expired, makes it wait). It refreshes the lease every TT
 counts itself a member only until ``sent + TTL`` of the last acknowledged refresh: a node
 that cannot reach etcd stops acting as a member no later than etcd expires its lease, so two
 incarnations of a node never both act. It then revokes the old lease (best effort) and
-registers again under a new epoch.
+registers again under a new epoch. Epochs never go back: the last one is kept in the node's
+own data directory too (``epoch_file.py``), for an etcd that was replaced or restored.
 
 State machine of the local node::
 
@@ -29,32 +30,33 @@ real changes. Listeners run on the event loop and must not block.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from kvstore.cluster.epoch_file import EpochFile
 from kvstore.cluster.errors import CoordinatorUnavailable, NotAMember, WatchLost
 from kvstore.cluster.etcd import EtcdClient, KeyValue, WatchEvent
-from kvstore.cluster.members import Invalidation, Member, MembershipConfig, MemberState
+from kvstore.cluster.members import Member, MembershipConfig, MemberState
 from kvstore.errors import ConfigError, InvalidRequest
 
-__all__ = ["Invalidation", "Member", "MemberState", "Membership", "MembershipConfig"]
+__all__ = ["Member", "MemberState", "Membership", "MembershipConfig"]
 
 logger = logging.getLogger(__name__)
 
 
 MembersListener = Callable[[Mapping[str, Member]], None]
 StateListener = Callable[[MemberState, int], None]
-InvalidationListener = Callable[[Invalidation], None]
+KeyListener = Callable[[KeyValue], None]  # a key of a kind others follow (generations), as put
+ReplacedListener = Callable[[], None]
 
 
 class Membership:
     """This node's registration and its view of the cluster. Owns its background tasks
     (keep-alive and watch); ``close()`` leaves the cluster (revokes the lease) and ends them."""
 
-    def __init__(self, client: EtcdClient, config: MembershipConfig, me: Member) -> None:
+    def __init__(self, client: EtcdClient, config: MembershipConfig, me: Member, epochs: EpochFile | None = None) -> None:
         if me.node_id != config.node_id:
             raise ConfigError(f"--node-id {config.node_id!r} does not match the member record ({me.node_id!r})")
         self.config = config
@@ -68,7 +70,11 @@ class Membership:
         self._changed = asyncio.Event()  # set and replaced on every change of view or state
         self._member_listeners: list[MembersListener] = []
         self._state_listeners: list[StateListener] = []
-        self._invalidation_listeners: list[InvalidationListener] = []
+        self._key_listeners: dict[str, list[KeyListener]] = {}
+        self._replaced_listeners: list[ReplacedListener] = []
+        self._epochs = epochs  # the last epoch, kept by the node (None: etcd's alone)
+        if epochs is not None:
+            self._me = replace(me, epoch=epochs.read())
         self._tasks: list[asyncio.Task[None]] = []
         self._keepalive = client.keepalive()
 
@@ -108,8 +114,31 @@ class Membership:
     def on_state(self, listener: StateListener) -> None:
         self._state_listeners.append(listener)
 
-    def on_invalidate(self, listener: InvalidationListener) -> None:
-        self._invalidation_listeners.append(listener)
+    def on_key(self, kind: str, listener: KeyListener) -> None:
+        """``listener`` gets every key under ``<root><kind>/`` put (in each snapshot, then as
+        the watch delivers them): values a node enters idempotently."""
+        self._key_listeners.setdefault(kind, []).append(listener)
+
+    def on_replaced(self, listener: ReplacedListener) -> None:
+        """``listener`` is called when etcd's revision went back (wiped, or restored from an old
+        snapshot): what this node wrote there may be gone, for it to write back."""
+        self._replaced_listeners.append(listener)
+
+    async def revoke_lease(self, lease: int) -> None:
+        """Revokes another node's lease (fencing it: it stops acting as a member within its TTL)."""
+        if lease:
+            await self._etcd.revoke(lease)
+
+    @property
+    def revision(self) -> int:
+        """The last etcd revision folded into this node's view."""
+        return self._revision
+
+    async def registered(self) -> tuple[int, dict[str, KeyValue]]:
+        """(etcd's revision, the node keys etcd holds now: node id -> its key, with its lease):
+        read from etcd, not from this node's view, which may lag."""
+        revision, kvs = await self._etcd.get_prefix(self.config.root + b"nodes/")
+        return revision, {self._classify(kv.key)[1]: kv for kv in kvs}
 
     async def wait_for(self, predicate: Callable[[Membership], bool], timeout_s: float) -> None:
         """Returns once ``predicate(self)`` holds (checked on every change of view or state);
@@ -145,15 +174,6 @@ class Membership:
             except CoordinatorUnavailable as exc:
                 logger.warning("node %s left without revoking its lease (%s); etcd expires it", self._me.node_id, exc)
 
-    async def invalidate(self, namespace_id: bytes) -> Invalidation:
-        """Writes a namespace invalidation; every node (this one too) gets it through its watch."""
-        if len(namespace_id) != 16:
-            raise InvalidRequest("namespace_id must be 16 bytes")
-        inv = Invalidation(namespace_id, self._me.node_id, time.time())
-        doc = {"namespace_id": namespace_id.hex(), "issued_by": inv.issued_by, "issued_at_s": inv.issued_at_s}
-        rev = await self._etcd.put(self.config.root + b"invalidations/" + namespace_id.hex().encode(), json.dumps(doc).encode())
-        return replace(inv, revision=rev)
-
     # -- registration and keep-alive ------------------------------------------------------------
     async def _register(self) -> None:
         """One attempt: a new lease, then epoch + 1 and the node key in one transaction."""
@@ -167,6 +187,8 @@ class Membership:
             # out an epoch this node already used
             epoch = max(int(previous.value) if previous else 0, self._me.epoch) + 1
             me = replace(self._me, epoch=epoch)
+            if self._epochs is not None:  # before etcd: an epoch handed out is never handed out again
+                await asyncio.to_thread(self._epochs.write, epoch)
             won = await self._etcd.put_if([(epoch_key, str(epoch).encode(), 0), (node_key, me.to_json(), lease)],
                                           {epoch_key: previous.mod_revision if previous else 0, node_key: 0})
         except BaseException:
@@ -250,21 +272,21 @@ class Membership:
                 await asyncio.sleep(self.config.retry_s)
 
     def _apply_snapshot(self, revision: int, kvs: list[KeyValue]) -> None:
-        if revision < self._revision:  # a replaced etcd (wiped, restored): its history is not ours
+        replaced = revision < self._revision
+        if replaced:  # a replaced etcd (wiped, restored): its history is not ours
             logger.warning("etcd revision went back from %d to %d; re-reading everything", self._revision, revision)
-            self._revision = 0
         members: dict[str, Member] = {}
-        invalidations: list[KeyValue] = []
         for kv in kvs:
             kind, name = self._classify(kv.key)
             if kind == "nodes" and (member := self._parse_member(kv)) is not None:
                 members[name] = member
-            elif kind == "invalidations" and kv.mod_revision > self._revision:
-                invalidations.append(kv)
+            else:
+                self._deliver(kind, kv)
         self._revision = revision
         self._set_members(members)
-        for kv in sorted(invalidations, key=lambda kv: kv.mod_revision):
-            self._deliver_invalidation(kv)
+        if replaced:
+            for listener in self._replaced_listeners:
+                self._call(listener)
 
     def _apply_events(self, revision: int, events: list[WatchEvent]) -> None:
         members = dict(self._members)
@@ -275,8 +297,8 @@ class Membership:
                     members.pop(name, None)
                 elif (member := self._parse_member(ev.kv)) is not None:
                     members[name] = member
-            elif kind == "invalidations" and ev.kind == "put":
-                self._deliver_invalidation(ev.kv)
+            elif ev.kind == "put":
+                self._deliver(kind, ev.kv)
         self._revision = revision
         self._set_members(members)
 
@@ -299,17 +321,9 @@ class Membership:
             self._call(listener, dict(members))
         self._notify()
 
-    def _deliver_invalidation(self, kv: KeyValue) -> None:
-        try:
-            doc = json.loads(kv.value)
-            inv = Invalidation(bytes.fromhex(doc["namespace_id"]), str(doc["issued_by"]), float(doc["issued_at_s"]),
-                               kv.mod_revision)
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring invalidation record %r: %r", kv.key, exc)
-            return
-        for listener in self._invalidation_listeners:
-            self._call(listener, inv)
-        self._notify()
+    def _deliver(self, kind: str, kv: KeyValue) -> None:
+        for listener in self._key_listeners.get(kind, ()):
+            self._call(listener, kv)
 
     @staticmethod
     def _call(listener: Callable[..., None], *args: object) -> None:

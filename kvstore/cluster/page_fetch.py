@@ -36,7 +36,9 @@ class PageSource(Protocol):
     Returns one entry per key, None for a page it does not hold; the server releases every
     page it got, also when the transfer fails."""
 
-    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]: ...
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
+        """``generation``: the one the receiver stores the pages in (none are served of another)."""
+        ...
 
 
 class FetchStatus(enum.Enum):
@@ -78,7 +80,7 @@ def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> Fet
 
 
 def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes],
-                dests: Sequence[Any]) -> tuple[FetchRequest, list[memoryview], FetchResult]:
+                dests: Sequence[Any], generation: int = 0) -> tuple[FetchRequest, list[memoryview], FetchResult]:
     """What a fetcher checks and builds before it asks (either transport): the request, one
     writable byte view of the page size per key (InvalidRequest otherwise), and a result
     that says FAILED for every page until the page arrives verified."""
@@ -86,5 +88,5 @@ def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes],
     views = [memoryview(d).cast("B") for d in dests]
     if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
         raise InvalidRequest("fetch needs one writable destination of the page size per key")
-    request = FetchRequest(request_id, namespace_id, views[0].nbytes, tuple(keys))
+    request = FetchRequest(request_id, namespace_id, views[0].nbytes, tuple(keys), generation=generation)
     return request, views, FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))

@@ -4,7 +4,10 @@ now; a gRPC stream would carry the same frames).
     receiver -> sender   hello, once per connection, first:  "KVFH" version u16 | pad u16 | grant 16s
                          (a grant the sender issued to the receiver over gRPC: grants.py)
     receiver -> sender   request:  "KVFQ" version u16 | flags u16 | request_id u64 |
-                                   namespace_id 16s | page_bytes u64 | num_keys u32 | keys 16s * n
+                                   namespace_id 16s | page_bytes u64 | num_keys u32 | generation u64 |
+                                   keys 16s * n
+                         (generation: the namespace generation the receiver stores the pages in; a
+                         sender in a newer one answers MISSING, one in an older enters it first)
     sender -> receiver   answer:   "KVFA" version u16 | flags u16 | request_id u64 | num_keys u32 |
                                    per key: status u8 | pad 7 | payload_bytes u64 | checksum u64
                                    [layout, when flags has LAYOUT: num_layers u32 | kv_factor u32 |
@@ -31,10 +34,10 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.types import PAGE_KEY_BYTES
 
-VERSION = 1
+VERSION = 2  # 2: requests name the receiver's generation
 MAX_KEYS = 8192                 # a 128K-token prefix of 16-token pages
 MAX_PAGE_BYTES = 1 << 30
-_REQUEST = struct.Struct("<4sHHQ16sQI")
+_REQUEST = struct.Struct("<4sHHQ16sQIQ")
 _ANSWER = struct.Struct("<4sHHQI")
 _ENTRY = struct.Struct("<B7xQQ")
 _LAYOUT = struct.Struct("<IIII16sI")
@@ -75,17 +78,18 @@ class FetchRequest:
     page_bytes: int
     keys: tuple[bytes, ...]
     flags: int = 0
+    generation: int = 0
 
     def encode(self) -> bytes:
         return _REQUEST.pack(b"KVFQ", VERSION, self.flags, self.request_id, self.namespace_id, self.page_bytes,
-                             len(self.keys)) + b"".join(self.keys)
+                             len(self.keys), self.generation) + b"".join(self.keys)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> FetchRequest:
         """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
         if len(data) < _REQUEST.size:
             raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
-        magic, version, flags, rid, ns, page_bytes, n = _REQUEST.unpack_from(data)
+        magic, version, flags, rid, ns, page_bytes, n, generation = _REQUEST.unpack_from(data)
         if magic != b"KVFQ" or version != VERSION:
             raise InvalidRequest(f"not a fetch request of version {VERSION} ({bytes(magic)!r} v{version})")
         if not 0 < n <= MAX_KEYS or not 0 < page_bytes <= MAX_PAGE_BYTES:
@@ -94,7 +98,7 @@ class FetchRequest:
             raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
         raw = bytes(data[_REQUEST.size:])
         keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
-        return cls(rid, bytes(ns), page_bytes, keys, flags & DESCRIBE)
+        return cls(rid, bytes(ns), page_bytes, keys, flags & DESCRIBE, generation)
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,8 @@ class TcpPageServer:
         """The source's pages, opened on the server's event loop; on a timeout every page it
         opens later is released at once."""
         assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(self._source.open_pages(request.namespace_id, request.keys), self._loop)
+        opened = self._source.open_pages(request.namespace_id, request.keys, request.generation)
+        future = asyncio.run_coroutine_threadsafe(opened, self._loop)
         try:
             return future.result(self._send_timeout_s)
         except TimeoutError:

@@ -162,19 +162,21 @@ class TcpPageFetcher:
             raise
         return sock
 
-    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
-        """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
+    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
+                    generation: int = 0) -> FetchResult:
+        """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
         raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests)
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation)
         await self._exchange(request, views, result, timeout_s)
         return result
 
-    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:
+    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float,
+                       generation: int = 0) -> LayoutDesc | None:
         """The layout the sender stored ``key`` with (None: it does not hold it at
         ``page_bytes``, or did not answer in time): what a receiver needs to allocate for it."""
         check_keys(namespace_id, [key])
-        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE)
+        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE, generation)
         result = FetchResult([FetchStatus.FAILED])
         answer = await self._exchange(request, [], result, timeout_s)
         return answer.layout if answer is not None and answer.entries[0].status is PageStatus.FOUND else None

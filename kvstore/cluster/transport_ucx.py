@@ -212,7 +212,7 @@ class UcxPageServer:
         """Answers one request; False when the connection must be dropped: a page failed its
         check before it was sent (the answer already promised it, so the fetcher must see the
         connection break there, not wait for it; the pages before it go out whole first)."""
-        pages = await self._source.open_pages(request.namespace_id, request.keys)
+        pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
         try:
             answer = answer_for(request, pages)
             sends: list[asyncio.Future[Any]] = []
@@ -289,11 +289,12 @@ class UcxPageFetcher:
             self._ep.abort()
             self._ep = None
 
-    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
-        """Fetches ``keys`` into ``dests`` (one writable buffer of the page size per key).
+    async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
+                    generation: int = 0) -> FetchResult:
+        """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
         raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests)
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         async with self._lock:
             try:
@@ -321,11 +322,12 @@ class UcxPageFetcher:
                 raise
         return result
 
-    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float) -> LayoutDesc | None:
+    async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float,
+                       generation: int = 0) -> LayoutDesc | None:
         """The layout the sender stored ``key`` with (None: it does not hold it at
         ``page_bytes``, or did not answer in time): what a receiver needs to allocate for it."""
         check_keys(namespace_id, [key])
-        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE)
+        request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE, generation)
         async with self._lock:
             try:
                 async with asyncio.timeout(timeout_s):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from kvstore.types import NAMESPACE_ID_BYTES, PAGE_KEY_BYTES, Location
 
 # seq, unix_ms, kind, flags, namespace id (its length, its bytes), key (likewise),
-# location: node and tier (name table indexes), version, size
-_RECORD = struct.Struct(f"<qqBBB{NAMESPACE_ID_BYTES}sB{PAGE_KEY_BYTES}sHHqq")
+# location: node and tier (name table indexes), version, size; the namespace's generation
+_RECORD = struct.Struct(f"<qqBBB{NAMESPACE_ID_BYTES}sB{PAGE_KEY_BYTES}sHHqqQ")
 _HAS_LOCATION, _KEPT_BESIDE = 1, 2  # flags
 _MAX_NAMES = 1 << 16
 _INT64 = range(-(1 << 63), 1 << 63)
@@ -45,6 +45,7 @@ class Event:
     key: bytes
     location: Location | None
     unix_ms: int
+    generation: int = 0  # the namespace's generation when it happened (CLEARED: the new one)
 
 
 class EventLog:
@@ -65,13 +66,14 @@ class EventLog:
     def last_seq(self) -> int:
         return self._next - 1
 
-    def append(self, kind: EventKind, namespace_id: bytes, key: bytes = b"", location: Location | None = None) -> int:
+    def append(self, kind: EventKind, namespace_id: bytes, key: bytes = b"", location: Location | None = None,
+               generation: int = 0) -> int:
         with self._cond:
             seq = self._next
             self._next += 1
             slot = seq % self._capacity
             self._odd.pop(slot, None)
-            self._write(slot, seq, kind, namespace_id, key, location)
+            self._write(slot, seq, kind, namespace_id, key, location, generation)
             self._cond.notify_all()
             return seq
 
@@ -83,7 +85,7 @@ class EventLog:
         return found
 
     def _write(self, slot: int, seq: int, kind: EventKind, namespace_id: bytes, key: bytes,
-               location: Location | None) -> None:
+               location: Location | None, generation: int) -> None:
         node = tier = 0
         flags = 0
         if location is not None:
@@ -101,17 +103,17 @@ class EventLog:
             location = None
         _RECORD.pack_into(self._buf, slot * _RECORD.size, seq, int(time.time() * 1000), kind, flags, len(namespace_id),
                           namespace_id, len(key), key, node, tier,
-                          location.version if location else 0, location.size_bytes if location else 0)
+                          location.version if location else 0, location.size_bytes if location else 0, generation)
 
     def _read(self, seq: int) -> Event:
         slot = seq % self._capacity
         (_, unix_ms, kind, flags, ns_len, namespace_id, key_len, key, node, tier, version,
-         size_bytes) = _RECORD.unpack_from(self._buf, slot * _RECORD.size)
+         size_bytes, generation) = _RECORD.unpack_from(self._buf, slot * _RECORD.size)
         if flags == _KEPT_BESIDE:
             ns, k, location = self._odd[slot]
-            return Event(seq, EventKind(kind), ns, k, location, unix_ms)
+            return Event(seq, EventKind(kind), ns, k, location, unix_ms, generation)
         location = Location(self._names[node], self._names[tier], version, size_bytes) if flags == _HAS_LOCATION else None
-        return Event(seq, EventKind(kind), namespace_id[:ns_len], key[:key_len], location, unix_ms)
+        return Event(seq, EventKind(kind), namespace_id[:ns_len], key[:key_len], location, unix_ms, generation)
 
     def since(self, from_seq: int) -> list[Event]:
         """Events with seq >= from_seq; a leading RESYNC if some of them are gone."""

@@ -20,65 +20,17 @@ from collections import Counter
 from pathlib import Path
 
 from kvstore.config import MAP_BYTES
+from kvstore.directory.entry import DURABLE_TIERS, Entry, walk_python
 from kvstore.directory.events import EventKind, EventLog
+from kvstore.directory.generations import Generations
 from kvstore.errors import LimitExceeded
 from kvstore.lmdb_env import map_full, open_env
-from kvstore.types import REMOTE_TIER, TIER_NAMES, Location, LocationRun
+from kvstore.types import Location, LocationRun
 
 logger = logging.getLogger(__name__)
 
-DURABLE_TIERS = (REMOTE_TIER,)  # persisted here; this node's ssd pages are rebuilt from the ssd index
-TIER_ORDER = {name: rank for rank, name in enumerate(TIER_NAMES)}
 _SEQ_KEY = b"last_seq"
 _MAX_WHERES = 4096  # distinct (node, tier, page size) places kept shared; past it they start over
-
-
-class Entry:
-    """One page's locations: (node, tier) -> Location. Slotted: a restart makes one per page.
-    ``where`` caches (node, tier, size) of the best location for lookups; every change of
-    ``locations`` resets it to None (under the directory's lock)."""
-
-    __slots__ = ("locations", "namespace_id", "where")
-
-    def __init__(self, namespace_id: bytes) -> None:
-        self.namespace_id = namespace_id
-        self.locations: dict[tuple[str, str], Location] = {}
-        self.where: tuple[str, str, int] | None = None
-
-    def best(self, local_node: str) -> Location:
-        """The cheapest location: a local tier before a remote node, faster tiers first."""
-        if len(self.locations) == 1:
-            return next(iter(self.locations.values()))
-        return min(self.locations.values(), key=lambda loc: (loc.node != local_node, TIER_ORDER.get(loc.tier, 9)))
-
-    def durable(self) -> list[Location]:
-        return [loc for loc in self.locations.values() if loc.tier in DURABLE_TIERS]
-
-
-def walk_python(entries: dict[bytes, Entry], keys: list[bytes], namespace_id: bytes, start: int, runs: list[list],
-                 *_: object) -> tuple[int, bool]:
-    """kvstore._lookup.walk without the C build: the same walk, the same answers."""
-    run, count = (runs[-1][0], runs[-1][1]) if runs else (None, 0)
-    i, stopped = start, True
-    for i in range(start, len(keys)):
-        entry = entries.get(keys[i])
-        if entry is None or entry.namespace_id != namespace_id:
-            break
-        where = entry.where
-        if where is None:
-            stopped = False
-            break
-        if where != run:
-            if runs:
-                runs[-1][1] = count
-            runs.append([where, 0])
-            run, count = where, 0
-        count += 1
-    else:
-        i = max(start, len(keys))
-    if runs:
-        runs[-1][1] = count
-    return i, stopped
 
 
 try:
@@ -91,9 +43,10 @@ _ENTRY_NS, _ENTRY_WHERE = Entry.__dict__["namespace_id"], Entry.__dict__["where"
 class Directory:
     def __init__(self, data_dir: Path, node: str, map_bytes: int = MAP_BYTES) -> None:
         self.node = node
-        self.env = open_env(data_dir / "directory.lmdb", map_bytes, max_dbs=4, metasync=False, sync=True)
+        self.env = open_env(data_dir / "directory.lmdb", map_bytes, max_dbs=6, metasync=False, sync=True)
         self.entries_db = self.env.open_db(b"entries")
         self.meta_db = self.env.open_db(b"meta")
+        self._generations = Generations(self.env)
         self._entries: dict[bytes, Entry] = {}
         self._remote: Counter[str] = Counter()  # other node -> locations recorded for it
         self._usage: dict[bytes, Counter[str]] = {}  # namespace -> tier -> bytes here (remote: locations); tenant quotas
@@ -140,6 +93,14 @@ class Directory:
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
+
+    def generation(self, namespace_id: bytes) -> int:
+        """The namespace's generation here (generations.py): 0 until an invalidation raised it."""
+        return self._generations.get(namespace_id)
+
+    def generations(self) -> dict[bytes, int]:
+        """Every namespace whose generation was raised here, with it."""
+        return self._generations.items()
 
     def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
         """The longest contiguous present prefix of ``keys``, as runs of pages whose best
@@ -228,18 +189,25 @@ class Directory:
         with self._lock:
             return list(self._entries)
 
-    def locations_of(self, node: str) -> list[tuple[bytes, bytes, Location]]:
-        """(key, namespace, location) of every location on ``node`` (cluster mode: what a
-        node publishes of its own, or holds of another's)."""
+    def locations_of(self, node: str) -> list[tuple[bytes, bytes, Location, int]]:
+        """(key, namespace, location, the namespace's generation) of every location on ``node``
+        (cluster mode: what a node publishes of its own, or holds of another's), read at once:
+        a location is never paired with a generation raised after it went."""
+        gen = self._generations.get
         with self._lock:
-            return [(k, e.namespace_id, loc) for k, e in self._entries.items() for loc in e.locations.values() if loc.node == node]
+            return [(k, e.namespace_id, loc, gen(e.namespace_id)) for k, e in self._entries.items()
+                    for loc in e.locations.values() if loc.node == node]
 
     # -- changes -------------------------------------------------------------------------
 
-    def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
+    def publish(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]],
+                generation: int | None = None) -> list[int]:
         """Records (key, node, tier, size) whose bytes are durable in that tier; bumps versions.
-        Durable locations are committed to LMDB first; on MetadataFull nothing changed."""
+        Durable locations are committed to LMDB first; on MetadataFull nothing changed. With
+        ``generation``: StaleGeneration, nothing published, unless the namespace is at it."""
         with self._write_lock:
+            if generation is not None:
+                self._generations.require(namespace_id, generation)
             return self._publish(namespace_id, records)
 
     def publish_listed(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> set[bytes]:
@@ -254,10 +222,13 @@ class Directory:
             return {r[0] for r in listed}
 
     def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]], per_node: int,
-                       total: int) -> list[int]:
+                       total: int, generation: int | None = None) -> list[int]:
         """``publish`` of other nodes' locations, all or none, refused (LimitExceeded) when it
-        would hold more than ``per_node`` locations of one node or ``total`` of all."""
+        would hold more than ``per_node`` locations of one node or ``total`` of all, and
+        (StaleGeneration) when the namespace is not at ``generation``, if given."""
         with self._write_lock:
+            if generation is not None:
+                self._generations.require(namespace_id, generation)
             self.check_remote_room(records, per_node, total)
             return self._publish(namespace_id, records)
 
@@ -274,6 +245,7 @@ class Directory:
                 rows[key] = (ns, [l for l in durable if (l.node, l.tier) != (loc.node, loc.tier)] + [loc])
         if rows:
             self._persist(rows, self.events.last_seq + len(staged))
+        generation = self._generations.get(namespace_id)
         with self._lock:
             for key, loc in staged:
                 entry = self._entries.setdefault(key, Entry(namespace_id))
@@ -285,7 +257,7 @@ class Directory:
                 self._account(entry.namespace_id, loc, 1)
                 entry.locations[(loc.node, loc.tier)] = loc
                 entry.where = None
-                self.events.append(EventKind.STORED, namespace_id, key, loc)
+                self.events.append(EventKind.STORED, namespace_id, key, loc, generation)
             self._version += len(staged)
         return [loc.version for _, loc in staged]
 
@@ -346,25 +318,50 @@ class Directory:
         if node == self.node:
             raise ValueError("drop_node is for other nodes' locations")
         gone = 0
-        for key, _, loc in self.locations_of(node):
+        for key, _, loc, _ in self.locations_of(node):
             if up_to_version is None or loc.version <= up_to_version:  # checked again under the write lock:
                 gone += len(self.remove(key, node, loc.tier, up_to_version))  # a republish since the listing stays
         return gone
 
-    def clear_namespace(self, namespace_id: bytes) -> list[tuple[bytes, list[Location]]]:
-        """Removes every entry of a namespace; one CLEARED event. On MetadataFull nothing changed."""
+    def persist_generation(self, namespace_id: bytes, generation: int) -> bool:
+        """Writes ``generation`` (synced) if it is above the namespace's; False when it is not
+        (nothing written). Memory follows with ``enter_generation``: a crash between the two
+        leaves the raised generation on disk, and recovery drops the older pages it finds."""
         with self._write_lock:
+            if generation <= self._generations.get(namespace_id):
+                return False
+            if generation > self._generations.durable(namespace_id):
+                with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
+                    self._generations.put(txn, namespace_id, generation)
+                self._generations.written(namespace_id, generation)
+            return True
+
+    def enter_generation(self, namespace_id: bytes, generation: int) -> list[tuple[bytes, list[Location]]] | None:
+        """Raises the namespace to ``generation`` and removes every entry of it, the older
+        generation's: one CLEARED event. None when the namespace is at ``generation`` or above
+        already (nothing changed). Writes to LMDB only what ``persist_generation`` did not (a
+        caller holding a lock no disk sync may run under calls that first). On MetadataFull
+        nothing changed."""
+        with self._write_lock:
+            if generation <= self._generations.get(namespace_id):
+                return None
             keys = self.keys_of(namespace_id)
-            rows: dict[bytes, tuple[bytes, list[Location]]] = {k: (namespace_id, []) for k in keys if self._entries[k].durable()}
-            if rows:
-                self._persist(rows, self.events.last_seq + 1)
+            rows = [k for k in keys if self._entries[k].durable()]
+            if rows or generation > self._generations.durable(namespace_id):
+                with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
+                    self._generations.put(txn, namespace_id, generation)
+                    for key in rows:
+                        txn.delete(key, db=self.entries_db)
+                    txn.put(_SEQ_KEY, str(self.events.last_seq + 1).encode(), db=self.meta_db)
+                self._generations.written(namespace_id, generation)
             with self._lock:
+                self._generations.set(namespace_id, generation)
                 removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
                 for _, locations in removed:
                     for loc in locations:
                         self._count(loc.node, -1)
                 self._usage.pop(namespace_id, None)
-                self.events.append(EventKind.CLEARED, namespace_id)
+                self.events.append(EventKind.CLEARED, namespace_id, generation=generation)
             return removed
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ class Allocation:
     tenant: str = ""              # who made it: only that tenant may commit or abort it
     parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
     parent_held: bool = False     # ``parent`` is pinned until commit/abort/expiry (hold_parent)
+    generation: int = 0           # the namespace's generation at allocation: a commit in another is refused
 
     def parents(self, keys: list[bytes]) -> list[bytes | None]:
         """The page before each of ``keys`` in its prefix, when known."""

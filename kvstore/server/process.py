@@ -131,13 +131,15 @@ class Server:
                                        salts=_cluster_salts(config) if config.cluster is not None else None)
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
+        # In cluster mode a node serves reads only as a member caught up with etcd's generations (issue 34).
+        serving = (lambda: self.cluster is not None and self.cluster.serving) if config.cluster is not None else None
         self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
-                              arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes)
+                              arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes, serving=serving)
         self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if config.cluster is not None:
             from kvstore.server.cluster import ClusterRuntime
 
-            self.cluster = ClusterRuntime(self.core, config)
+            self.cluster = ClusterRuntime(self.core, config, reseed_salts=getattr(self.security.salts, "reseed", None))
         self.demoter = Demoter(self.core)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)

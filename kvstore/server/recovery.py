@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from kvstore.directory import Directory
+from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.tiers.base import Tier
 
@@ -14,8 +15,9 @@ logger = logging.getLogger(__name__)
 def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dict[bytes, LayoutDesc]:
     """This node's locations come from the tiers' own indexes (what a memory tier held is
     gone; a durable tier holds exactly what it indexed); other nodes' come from the
-    directory's LMDB. Returns the layout of every namespace found, from one page header
-    each."""
+    directory's LMDB. A page of an older generation than its namespace's (an invalidation
+    raised it; a crash kept the page) is deleted, never listed. Returns the layout of every
+    namespace found, from one page header each."""
     dropped = 0
     for key in directory.all_keys():
         entry = directory.get(key)
@@ -25,10 +27,15 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
                 directory.remove(key, loc_node, tier)
                 dropped += 1
     layouts: dict[bytes, LayoutDesc] = {}
+    generation = directory.generation
     for tier in tiers:
         records = []
+        dead: list[bytes] = []
         name = tier.name
-        for key, namespace_id, payload_bytes in tier.recover():  # one per stored page: kept lean
+        for key, namespace_id, payload_bytes, page_generation in tier.recover():  # one per stored page: kept lean
+            if page_generation != generation(namespace_id):
+                dead.append(key)
+                continue
             if namespace_id not in layouts:
                 header = tier.header(key)
                 if header is None:
@@ -38,6 +45,19 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
         directory.restore_local(records)
         if records:
             logger.info("recovery: %d %s pages back in the directory", len(records), tier.name)
+        if dead:
+            _delete_dead(tier, dead)
     if dropped:
         logger.info("recovery: dropped %d stale local locations", dropped)
     return layouts
+
+
+def _delete_dead(tier: Tier, keys: list[bytes]) -> None:
+    """Deletes pages of an invalidated generation a crash left in ``tier`` (never listed either way)."""
+    try:
+        tier.delete(keys)
+    except (OSError, KVStoreError) as exc:  # a full index: they stay unlisted, and the tier evicts them in time
+        logger.warning("recovery: %d %s pages of invalidated generations could not be deleted (%s); never served",
+                       len(keys), tier.name, exc)
+        return
+    logger.info("recovery: deleted %d %s pages of invalidated generations", len(keys), tier.name)

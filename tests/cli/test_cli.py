@@ -102,7 +102,9 @@ async def test_ctl_stats_lookup_invalidate(server, layout, ns, capsys) -> None:
     assert found == {"namespace_id": ns.namespace_id.hex(), "pages": 6, "tokens": 96, "full_pages_asked": 6, "by_tier": {"host": 6}}
 
     assert ctl.main([*base, "invalidate", "--namespace-id", ns.namespace_id.hex()]) == 0
-    assert json.loads(capsys.readouterr().out)["removed"] == 6
+    assert json.loads(capsys.readouterr().out) == {"namespace_id": ns.namespace_id.hex(), "removed": 6, "generation": 1}
+    assert ctl.main([*base, "lookup", *nsargs, "--tokens", ",".join(map(str, tokens))]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] == 0
 
     assert ctl.main(["--server", server.address, "stats"]) == 0
     assert "entries" in capsys.readouterr().out

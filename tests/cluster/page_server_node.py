@@ -41,7 +41,7 @@ class SyntheticSource:
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
 
-    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
         print(f"open {len(keys)}", flush=True)
         pages: list[SourcePage | None] = []
         for key in keys:

@@ -1,5 +1,5 @@
 """Membership against a real etcd process: join, leave, a stopped node expiring, epochs,
-invalidations, and etcd itself restarted under the nodes."""
+namespace generations, and etcd itself restarted, wiped or replaced under the nodes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
 
-from kvstore.cluster.etcd import EtcdClient
-from kvstore.cluster.membership import Invalidation, Member, Membership, MembershipConfig, MemberState
+from kvstore.cluster.epoch_file import EpochFile
+from kvstore.cluster.etcd import EtcdClient, KeyValue
+from kvstore.cluster.generations import EtcdGenerations
+from kvstore.cluster.membership import Member, Membership, MembershipConfig, MemberState
 from kvstore.errors import ConfigError
 
 TTL = 2  # etcd's shortest lease; keeps the expiry tests short
@@ -25,10 +27,10 @@ NS = bytes(range(16))
 
 @asynccontextmanager
 async def member(etcd: EtcdProcess, node_id: str, cluster: str = "c", ttl_s: int = TTL,
-                 start: bool = True) -> AsyncIterator[Membership]:
+                 start: bool = True, epochs: EpochFile | None = None) -> AsyncIterator[Membership]:
     client = EtcdClient([etcd.endpoint], call_timeout_s=1.0)
     m = Membership(client, MembershipConfig(cluster=cluster, node_id=node_id, ttl_s=ttl_s),
-                   Member(node_id, f"127.0.0.1:1{len(node_id)}", "127.0.0.1:0", ("host", "ssd"), {"host": 1 << 30}))
+                   Member(node_id, f"127.0.0.1:1{len(node_id)}", "127.0.0.1:0", ("host", "ssd"), {"host": 1 << 30}), epochs)
     try:
         if start:
             await m.start(timeout_s=10)
@@ -118,27 +120,61 @@ async def test_a_second_process_with_the_same_node_id_waits_for_the_first(etcd: 
         assert second.epoch == 2
 
 
-async def test_invalidation_reaches_every_node_and_later_joiners(etcd: EtcdProcess) -> None:
-    seen: dict[str, list[Invalidation]] = {"a": [], "b": [], "c": [], "d": []}
+def generations(m: Membership) -> EtcdGenerations:
+    return EtcdGenerations(m._etcd, m.config.root, m.me.node_id)
+
+
+def follow(m: Membership, into: list[tuple[bytes, int]]) -> None:
+    """Every generation ``m`` hears of (snapshots and watch), as (namespace, generation)."""
+    def heard(kv: KeyValue) -> None:
+        parsed = generations(m).parse(kv)
+        if parsed is not None:
+            into.append(parsed)
+    m.on_key("generations", heard)
+
+
+async def test_a_generation_reaches_every_node_and_later_joiners(etcd: EtcdProcess) -> None:
+    seen: dict[str, list[tuple[bytes, int]]] = {"a": [], "b": [], "c": [], "d": []}
     async with member(etcd, "a") as a, member(etcd, "b") as b, member(etcd, "c") as c:
         for m in (a, b, c):
-            m.on_invalidate(seen[m.me.node_id].append)
-        issued = await b.invalidate(NS)
+            follow(m, seen[m.me.node_id])
+        assert await generations(b).raise_above(NS, 0) == 1
+        assert await generations(c).raise_above(NS, 5) == 6  # above both etcd's and the node's own
         for m in (a, b, c):
-            await m.wait_for(lambda m: len(seen[m.me.node_id]) == 1, 5)
-        for node in "abc":
-            assert seen[node] == [issued]
+            await m.wait_for(lambda m: seen[m.me.node_id][-1:] == [(NS, 6)], 5)
         async with member(etcd, "d", start=False) as d:
-            d.on_invalidate(seen["d"].append)
+            follow(d, seen["d"])
             await d.start(timeout_s=5)
-            assert seen["d"] == [issued]  # a node that was away still learns of it
+            assert set(seen["d"]) == {(NS, 6)}  # a node that was away still learns of it (at least once)
+
+
+async def test_a_generation_is_written_back_only_where_etcd_holds_less(etcd: EtcdProcess) -> None:
+    async with member(etcd, "a") as a:
+        g = generations(a)
+        assert await g.seed(NS, 3) and (await g.read_all())[1] == {NS: 3}
+        assert not await g.seed(NS, 2) and (await g.read_all())[1] == {NS: 3}  # never backwards
+        assert await g.raise_above(NS, 1) == 4
+
+
+async def test_epochs_never_go_back_when_etcd_is_wiped(etcd: EtcdProcess, tmp_path: Path) -> None:
+    """Defect 8: a node registered under epoch 3 restarts after etcd was wiped; etcd alone
+    would hand it epoch 1 again (an owner that heard epoch 3 refused its republish for good,
+    or kept epoch 1's records as current). Its own data directory keeps the last epoch."""
+    epochs = EpochFile(tmp_path)
+    for expected in (1, 2, 3):
+        async with member(etcd, "a", epochs=epochs) as a:
+            assert a.epoch == expected
+    etcd.wipe()
+    async with member(etcd, "a", epochs=epochs) as a:
+        assert a.epoch == 4
+    assert epochs.read() == 4 and (tmp_path / "cluster-epoch").stat().st_mode & 0o777 == 0o600
 
 
 async def test_malformed_records_are_ignored(etcd: EtcdProcess) -> None:
     async with member(etcd, "a") as a:
         admin = EtcdClient([etcd.endpoint])
         await admin.put(b"/kvstore/c/nodes/x", b"not json")
-        await admin.put(b"/kvstore/c/invalidations/zz", b"{}")
+        await admin.put(b"/kvstore/c/generations/zz", b"{}")
         await admin.close()
         async with member(etcd, "b") as b:
             await a.wait_for(sees("a", "b"), 5)
@@ -148,18 +184,18 @@ async def test_malformed_records_are_ignored(etcd: EtcdProcess) -> None:
 async def test_etcd_restarted_under_the_nodes(etcd: EtcdProcess) -> None:
     """etcd SIGKILLed and restarted on its data dir: the nodes reconnect, every one is a
     member again and sees the others, and changes after the restart reach every node."""
-    seen: dict[str, list[bytes]] = {"a": [], "b": [], "c": []}
+    seen: dict[str, list[tuple[bytes, int]]] = {"a": [], "b": [], "c": []}
     async with member(etcd, "a", ttl_s=3) as a, member(etcd, "b", ttl_s=3) as b, member(etcd, "c", ttl_s=3) as c:
         for m in (a, b, c):
-            m.on_invalidate(lambda inv, node=m.me.node_id: seen[node].append(inv.namespace_id))
+            follow(m, seen[m.me.node_id])
         etcd.kill()
         etcd.start()
         async with member(etcd, "d", ttl_s=3) as d:
             for m in (a, b, c, d):
                 await m.wait_for(lambda m: m.is_member and set(m.members) == {"a", "b", "c", "d"}, 10)
-            await d.invalidate(NS)
+            await generations(d).raise_above(NS, 0)
             for m in (a, b, c):
-                await m.wait_for(lambda m: seen[m.me.node_id] == [NS], 5)
+                await m.wait_for(lambda m: seen[m.me.node_id][-1:] == [(NS, 1)], 5)
 
 
 async def test_etcd_unreachable_longer_than_the_ttl(etcd: EtcdProcess) -> None:
@@ -199,12 +235,14 @@ async def test_members_see_the_same_set_under_concurrent_joins(etcd: EtcdProcess
 
 async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
     """etcd's data lost (wiped or restored from nothing): nodes re-register, and epochs never go
-    back (a record under epoch 1 of the old incarnation must stay older than the new one),
-    and an invalidation in the new etcd, at a lower revision than the last one seen, still
-    reaches every node."""
-    seen: list[bytes] = []
+    back (a record under epoch 1 of the old incarnation must stay older than the new one), the
+    nodes hear that etcd went back (to write back what it lost), and a generation written in
+    the new etcd, at a lower revision than the last one seen, still reaches every node."""
+    seen: list[tuple[bytes, int]] = []
+    replaced: list[str] = []
     async with member(etcd, "a") as a, member(etcd, "b") as b:
-        a.on_invalidate(lambda inv: seen.append(inv.namespace_id))
+        follow(a, seen)
+        a.on_replaced(lambda: replaced.append("a"))
         admin = EtcdClient([etcd.endpoint])
         for i in range(20):  # move the old etcd's revision well past the new one's
             await admin.put(b"/elsewhere", str(i).encode())
@@ -214,8 +252,9 @@ async def test_etcd_replaced_by_an_empty_one(etcd: EtcdProcess) -> None:
         etcd.start()
         for m in (a, b):
             await m.wait_for(lambda m: m.is_member and {n: x.epoch for n, x in m.members.items()} == {"a": 2, "b": 2}, 10)
-        await b.invalidate(NS)
-        await a.wait_for(lambda m: seen == [NS], 5)
+        assert replaced == ["a"]
+        await generations(b).raise_above(NS, 0)
+        await a.wait_for(lambda m: seen == [(NS, 1)], 5)
 
 
 async def test_close_during_registration_leaves_nothing_behind(etcd: EtcdProcess) -> None:

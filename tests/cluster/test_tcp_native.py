@@ -41,7 +41,7 @@ class RandomSource:
     def __init__(self) -> None:
         self.damaged: list[bytes] = []
 
-    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
         pages: list[SourcePage | None] = []
         for k in keys:
             data = np.random.default_rng(k[1]).integers(0, 256, PAGE, dtype=np.uint8)

@@ -124,10 +124,10 @@ class _HeldSource(CountingSource):
         self.go = asyncio.Event()
         self.requests = 0
 
-    async def open_pages(self, namespace_id: bytes, keys: Any) -> Any:
+    async def open_pages(self, namespace_id: bytes, keys: Any, generation: int = 0) -> Any:
         self.requests += 1
         await self.go.wait()
-        return await super().open_pages(namespace_id, keys)
+        return await super().open_pages(namespace_id, keys, generation)
 
 
 async def test_fetches_at_once_go_side_by_side_on_their_own_connections(monkeypatch: Any) -> None:

@@ -154,7 +154,7 @@ class CountingSource:
         self.opened = asyncio.Event()
         self.all_released = asyncio.Event()
 
-    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes]) -> list[SourcePage | None]:
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
         def release() -> None:
             self.pinned -= 1
             if self.pinned == 0:

@@ -170,6 +170,6 @@ def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_
         core.close()
     ssd = SsdTier(config.ssd)  # type: ignore[arg-type]
     try:
-        assert {key for key, _, _ in ssd.recover()} == on_ssd
+        assert {key for key, _, _, _ in ssd.recover()} == on_ssd
     finally:
         ssd.close()

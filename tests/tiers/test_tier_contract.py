@@ -108,7 +108,7 @@ def tier(case: Case, tmp_path: Path):  # yields a Tier
 def _page(i: int) -> tuple[PageHeader, bytes]:
     payload = bytes([(i * 7 + j) % 251 for j in range(256)]) * (PAGE.page_bytes // 256)
     key = i.to_bytes(16, "big")
-    return PageHeader(NS, key, PAGE, PAGE.page_bytes, checksum(payload)), payload
+    return PageHeader(NS, key, PAGE, PAGE.page_bytes, checksum(payload), generation=i), payload  # recover() says it
 
 
 def _buffer() -> memoryview:
@@ -253,7 +253,7 @@ def test_recover_lists_what_outlived_the_process(case: Case, tmp_path: Path) -> 
     again = case.open(tmp_path, seed=1)
     try:
         recovered = set(again.recover())
-        expected = {(_page(i)[0].key, NS, PAGE.page_bytes) for i in stored} if case.recovers else set()
+        expected = {(_page(i)[0].key, NS, PAGE.page_bytes, _page(i)[0].generation) for i in stored} if case.recovers else set()
         assert recovered == expected
         if case.recovers:
             assert _read(again, stored)[0] <= len(stored)

@@ -113,9 +113,14 @@ def plan_and_keys(plan: LookupPlan) -> tuple[LookupPlan, dict[str, list[bytes]]]
 
 
 class ShardedLookup:
+    """Owners answer with the namespace's generation where they are: an answer of another
+    generation than this node's is discarded (an owner behind this node would promise pages
+    of an older one; one ahead tells this node it is behind: ``newer`` enters it here)."""
+
     def __init__(self, directory: Directory, node: str, peers: Peers, shard_map: Callable[[], ShardMap],
-                 timeout_s: float, cache_ttl_s: float) -> None:
+                 timeout_s: float, cache_ttl_s: float, newer: Callable[[bytes, int], None] = lambda ns, g: None) -> None:
         self._directory = directory
+        self._newer = newer
         self._node = node
         self._peers = peers
         self._shard_map = shard_map
@@ -165,6 +170,7 @@ class ShardedLookup:
         peer = self._peers.get(owner)
         if peer is None:
             return None
+        generation = self._directory.generation(namespace_id)
         try:
             resp = await peer.directory.Lookup(directory_pb2.LookupRequest(namespace_id=namespace_id, keys=asked, local_only=True,
                                                                                tenant=tenant),
@@ -177,5 +183,9 @@ class ShardedLookup:
         except Exception as exc:  # noqa: BLE001 - any failure of the owner ends the prefix at its first page
             logger.info("lookup at owner %s failed: %r", owner, exc)
             return None
+        if resp.generation != generation:
+            if resp.generation > generation:
+                self._newer(namespace_id, resp.generation)
+            return [[] for _ in ranges]  # nothing of another generation is promised
         runs = [LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs]
         return split(expand(runs)[: len(asked)], ranges)

@@ -9,7 +9,14 @@ changed are published to the new owners and withdrawn from the old ones (``shard
 A RESYNC (the publisher fell behind the event ring) re-reads every location of this node.
 
 A failed call is retried while its owner is a member; an owner that left gets nothing (the
-records move with the membership change). Records are soft: a lost one costs a miss.
+records move with the membership change); an owner that registered again under the same name
+(a restart: it lost what it kept) gets every record it owns again. Records are soft: a lost
+one costs a miss.
+
+Every record names the namespace generation its page belongs to (the directory's, read with
+the location at once): an owner refuses one of an older generation than its own, so a page
+stored just before an invalidation is never listed after it; a namespace that entered a new
+generation here drops the records of the older one (the owners drop theirs when they enter it).
 
 Nothing is sent while this node is not a member (its lease lost: the others dropped its
 records and may not list it again); what is pending waits, and a re-registration publishes
@@ -33,10 +40,14 @@ from kvstore.cluster.shards import ShardMap, moves
 from kvstore.directory import Directory
 from kvstore.directory.events import EventKind
 from kvstore.server.cluster.peers import Peers
+from kvstore.status import ERROR_METADATA_KEY
 
 logger = logging.getLogger(__name__)
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# refused because the owner's watch has not yet heard of this node's new incarnation (a node registered
+# anew in a replaced etcd, below the epoch the owner remembers): retried until the owner's watch says so
+_RETRIED_ERRORS = ("StaleIncarnation",)
 
 BATCH_RECORDS = 4096
 FLUSH_S = 0.02  # how long changes gather before they are sent
@@ -48,6 +59,7 @@ class Record:
     namespace_id: bytes
     tier: str
     size_bytes: int
+    generation: int = 0
 
 
 # (key, tier) -> (its record, True: publish it / False: withdraw it)
@@ -73,6 +85,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name=f"publish-{node}", daemon=True)
         self._task: asyncio.Task[None] | None = None
+        self.started = False
         self.num_published = 0
         self.num_withdrawn = 0
 
@@ -80,6 +93,7 @@ class Publisher:
         """Publishes every location this node holds now (its SSD pages after a restart), then
         follows the changes."""
         self._next_seq = self._directory.events.last_seq + 1
+        self.started = True
         self._resync()
         self._thread.start()
         self._task = asyncio.create_task(self._flush_loop(), name=f"publish-flush-{self._node}")
@@ -100,29 +114,32 @@ class Publisher:
             if not batch:
                 continue
             self._next_seq = batch[-1].seq + 1
-            changes: list[tuple[EventKind, bytes, bytes, str, int]] = []
+            changes: list[tuple[EventKind, bytes, bytes, str, int, int]] = []
             for ev in batch:
                 if ev.kind in (EventKind.RESYNC, EventKind.CLEARED):
-                    changes.append((ev.kind, ev.namespace_id, b"", "", 0))
+                    changes.append((ev.kind, ev.namespace_id, b"", "", 0, ev.generation))
                 elif ev.location is not None and ev.location.node == self._node:
-                    changes.append((ev.kind, ev.namespace_id, ev.key, ev.location.tier, ev.location.size_bytes))
+                    changes.append((ev.kind, ev.namespace_id, ev.key, ev.location.tier, ev.location.size_bytes, ev.generation))
             if changes:
                 try:
                     self._loop.call_soon_threadsafe(self._apply, changes)
                 except RuntimeError:  # the loop closed: the node is leaving
                     return
 
-    def _apply(self, changes: list[tuple[EventKind, bytes, bytes, str, int]]) -> None:
+    def _apply(self, changes: list[tuple[EventKind, bytes, bytes, str, int, int]]) -> None:
         shard_map = self._shard_map()
-        for kind, ns, key, tier, size in changes:
+        for kind, ns, key, tier, size, generation in changes:
             if kind is EventKind.RESYNC:
                 self._resync()
             elif kind is EventKind.CLEARED:
-                # every node clears the namespace itself (the invalidation goes through etcd)
-                for held in [h for h, r in self._held.items() if r.namespace_id == ns]:
+                # every owner drops the older generation's records itself when it enters the new one
+                for held in [h for h, r in self._held.items() if r.namespace_id == ns and r.generation < generation]:
                     del self._held[held]
+                for changes_of_owner in self._pending.values():
+                    for held in [h for h, (r, _) in changes_of_owner.items() if r.namespace_id == ns and r.generation < generation]:
+                        del changes_of_owner[held]
             elif kind is EventKind.STORED:
-                record = Record(key, ns, tier, size)
+                record = Record(key, ns, tier, size, generation)
                 self._held[(key, tier)] = record
                 self._queue(shard_map, record, True)
             elif kind is EventKind.REMOVED and (record := self._held.pop((key, tier), None)) is not None:
@@ -132,9 +149,20 @@ class Publisher:
         """Publishes every record again (this node re-registered: the others dropped them)."""
         self._resync()
 
+    def republish_to(self, owners: list[str]) -> None:
+        """Publishes again every record ``owners`` own (they registered anew: what they kept is gone)."""
+        if not owners:
+            return
+        shard_map, wanted = self._shard_map(), set(owners)
+        for record in self._held.values():
+            gained = tuple(o for o in shard_map.owners(record.key) if o in wanted)
+            if gained:
+                self._queue(shard_map, record, True, gained)
+
     def _resync(self) -> None:
         shard_map = self._shard_map()
-        now = {(k, loc.tier): Record(k, ns, loc.tier, loc.size_bytes) for k, ns, loc in self._directory.locations_of(self._node)}
+        now = {(k, loc.tier): Record(k, ns, loc.tier, loc.size_bytes, gen)
+               for k, ns, loc, gen in self._directory.locations_of(self._node)}
         for held, record in self._held.items():
             if held not in now:
                 self._queue(shard_map, record, False)
@@ -192,7 +220,8 @@ class Publisher:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in _RETRIED:  # refused (the owner's record limits, rights): retrying would not change that
+            if exc.code() not in _RETRIED and _error_name(exc) not in _RETRIED_ERRORS:
+                # refused (the owner's record limits, rights, a generation that is over): retrying would not change that
                 logger.warning("node %s: owner %s refused %d records (%s: %s); they are not listed there",
                                self._node, owner, len(items) - sent, exc.code().name, exc.details())
                 return
@@ -206,20 +235,34 @@ class Publisher:
                 self._wake.set()
 
     async def _send_batch(self, peer: Any, batch: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
-        publish: dict[bytes, list[directory_pb2.PageRecord]] = {}
+        publish: dict[tuple[bytes, int], list[directory_pb2.PageRecord]] = {}
         withdraw: dict[tuple[bytes, str], list[bytes]] = {}
         for (key, tier), (record, wanted) in batch:
             if wanted:
                 loc = common_pb2.Location(node=self._node, tier=tier, size_bytes=record.size_bytes)
-                publish.setdefault(record.namespace_id, []).append(directory_pb2.PageRecord(key=key, location=loc))
+                publish.setdefault((record.namespace_id, record.generation), []).append(
+                    directory_pb2.PageRecord(key=key, location=loc))
             else:
                 withdraw.setdefault((record.namespace_id, tier), []).append(key)
-        for ns, records in publish.items():
+        for (ns, generation), records in publish.items():
             request = directory_pb2.PublishRequest(namespace_id=ns, records=records, tenant=self._tenant_of(ns),
-                                                   epoch=self._epoch())
-            await peer.directory.Publish(request, timeout=self._timeout_s)
+                                                   epoch=self._epoch(), generation=generation)
+            try:
+                await peer.directory.Publish(request, timeout=self._timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if _error_name(exc) != "StaleGeneration":
+                    raise
+                # the owner entered a newer generation: these pages are dead (this node drops them when it does)
+                logger.info("node %s: %d records of namespace %s refused by %s: %s", self._node, len(records), ns.hex(),
+                            peer.member.node_id, exc.details())
+                continue
             self.num_published += len(records)
         for (ns, tier), keys in withdraw.items():
             await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node,
                                                                     epoch=self._epoch()), timeout=self._timeout_s)
             self.num_withdrawn += len(keys)
+
+
+def _error_name(exc: grpc.aio.AioRpcError) -> str:
+    """The kvstore error class the owner raised (its trailing metadata), or ""."""
+    return next((str(v) for k, v in (exc.trailing_metadata() or ()) if k == ERROR_METADATA_KEY), "")

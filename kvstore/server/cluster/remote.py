@@ -27,7 +27,7 @@ import grpc
 from kvstore import validate
 from kvstore._proto import data_pb2
 from kvstore.chunks import BufferSink, ChunkedPage
-from kvstore.errors import KVStoreError, PageCorrupt
+from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import Peer, Peers, current_cancelled
@@ -96,24 +96,35 @@ class RemoteTier:
     def _layout(self, namespace_id: bytes) -> LayoutDesc | None:
         return self.core.reads.layout_of(namespace_id)
 
-    async def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes]) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
+    async def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                        generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
+        """Landing slots for fetched pages, in the generation the fetch asks for (an invalidation
+        since: StaleGeneration, nothing allocated); its commit is refused if one comes later."""
         try:
-            return await asyncio.to_thread(self.core.allocate, namespace_id, layout, keys)
-        except KVStoreError as exc:  # full of leased pages, another layout: nothing fetched, the prefix ends here
+            return await asyncio.to_thread(self.core.allocate, namespace_id, layout, keys, generation=generation)
+        except KVStoreError as exc:  # full of leased pages, another layout or generation: nothing fetched, the prefix ends here
             logger.info("no landing room for %d remote pages: %s", len(keys), exc)
             return None
 
     async def _commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
-        n = await asyncio.to_thread(self.core.commit, allocation_id, keys, checksums)
+        """Commits what arrived verified; nothing when the namespace entered another generation
+        meanwhile (the fetched bytes are the old one's: never stored, never published)."""
+        try:
+            n = await asyncio.to_thread(self.core.commit, allocation_id, keys, checksums)
+        except StaleGeneration as exc:
+            logger.info("%d fetched pages dropped: %s", len(keys), exc)
+            return 0
         self.num_fetched += len(keys)
         return n
 
     async def _fetch_posted(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s)
+        generation = self.core.directory.generation(namespace_id)
+        layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s,
+                                                                           generation)
         if layout is None or layout.page_bytes != page_bytes:
             return 0
-        allocated = await self._allocate(namespace_id, layout, keys)
+        allocated = await self._allocate(namespace_id, layout, keys, generation)
         if allocated is None:
             return 0
         allocation_id, slots = allocated
@@ -124,7 +135,8 @@ class RemoteTier:
             if to_fetch:
                 views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
                 try:
-                    result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()))
+                    result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()),
+                                                      generation)
                 finally:
                     for view in views:
                         view.release()
@@ -156,8 +168,9 @@ class RemoteTier:
     async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""
+        generation = self.core.directory.generation(namespace_id)  # the holder sends only pages of this one
         call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
-                                                                            tenant=tenant), timeout=timeout_s)
+                                                                    tenant=tenant, generation=generation), timeout=timeout_s)
         allocation_id: bytes | None = None
         slots: dict[bytes, int | None] = {}
         ok_keys: list[bytes] = []
@@ -175,7 +188,7 @@ class RemoteTier:
                         layout = validate.layout(chunk.layout)
                         if chunk.page_bytes != layout.page_bytes:
                             raise PageCorrupt(f"node {peer.member.node_id} sent a page of the wrong size")
-                        allocated = await self._allocate(namespace_id, layout, keys)
+                        allocated = await self._allocate(namespace_id, layout, keys, generation)
                         if allocated is None:
                             break
                         allocation_id, answered = allocated

@@ -1,11 +1,11 @@
 """Cluster mode inside a server process (DESIGN §12): membership on etcd, this node's records
 published to their shard owners, lookups across owners, remote pages fetched into the host
-tier, namespace invalidations from etcd.
+tier, namespace generations (invalidations) kept with etcd (generations.py).
 
 Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster"); the
 gRPC servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded
 by a deadline. Membership listeners run on that loop and hand blocking work (dropping a dead
-node's records, clearing a namespace) to worker threads.
+node's records, entering a namespace's generation) to worker threads.
 
 What changes on a membership change: the shard map (owners of each page's record), the
 peers (a channel and a fetcher per node), the records of nodes that left or re-registered
@@ -15,22 +15,22 @@ peers (a channel and a fetcher per node), the records of nodes that left or re-r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
+from kvstore.cluster.epoch_file import EpochFile
 from kvstore.cluster.errors import CoordinatorUnavailable
-from kvstore.cluster.etcd import EtcdClient, parse_endpoints
+from kvstore.cluster.etcd import EtcdClient, KeyValue, parse_endpoints
+from kvstore.cluster.generations import EtcdGenerations
 from kvstore.cluster.grants import TransferGrants
-from kvstore.cluster.members import Invalidation, Member, MembershipConfig, MemberState
+from kvstore.cluster.members import Member, MembershipConfig, MemberState
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, TierUnavailable
+from kvstore.server.cluster.generations import GenerationSync
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
@@ -48,38 +48,8 @@ MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
 _ABORT_S = 3.0    # a cancelled fetch's bounded clean-up (the transport waits up to 2 s for posted receives)
 
 
-class AppliedInvalidations:
-    """The etcd revision of the last namespace invalidation applied here, per namespace, in
-    a small file: invalidations are delivered again after every restart, and one applied
-    already must not clear pages stored since."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._lock = threading.Lock()
-        try:
-            self._revs: dict[str, int] = {k: int(v) for k, v in json.loads(path.read_text()).items()}
-        except FileNotFoundError:
-            self._revs = {}
-        except (ValueError, AttributeError) as exc:
-            logger.warning("%s is unreadable (%r); applying every invalidation again", path, exc)
-            self._revs = {}
-
-    def applied(self, inv: Invalidation) -> bool:
-        return self._revs.get(inv.namespace_id.hex(), 0) >= inv.revision
-
-    def record(self, namespace_id: bytes, revision: int) -> None:
-        """Thread-safe: the Invalidate servicer and the watch's worker may record at once
-        (the issuing node gets its own invalidation back)."""
-        key = namespace_id.hex()
-        with self._lock:
-            self._revs[key] = max(self._revs.get(key, 0), revision)
-            tmp = self._path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._revs))
-            os.replace(tmp, self._path)
-
-
 class ClusterRuntime:
-    def __init__(self, core: Placement, config: ServerConfig) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, reseed_salts: Callable[[], object] | None = None) -> None:
         assert config.cluster is not None
         self.core = core
         self.config = config
@@ -87,7 +57,7 @@ class ClusterRuntime:
         self.node = config.node
         self.shard_config = ShardConfig(segment_pages=1, replicas=self.cluster.replicas)  # per-page owners: see lookup.py
         self.shard_map = ShardMap([], self.shard_config)
-        self.invalidations = AppliedInvalidations(config.data_dir / "cluster-invalidations.json")
+        self._reseed_salts = reseed_salts  # the tenants' salts written back to an etcd that lost them
         self.incarnations = Incarnations(lambda: core.directory.version)  # of the other nodes, heard as their owner
         self._members: dict[str, Member] = {}
         self._loop = asyncio.new_event_loop()
@@ -100,6 +70,7 @@ class ClusterRuntime:
         self._prefetching = 0
         self.membership: Membership | None = None
         self.publisher: Publisher | None = None
+        self.generations: GenerationSync | None = None
         # namespace -> its tenant here (the server's tenancy sets it): named in what this node publishes
         self.owner_of: Callable[[bytes], str | None] = lambda namespace_id: None
 
@@ -140,7 +111,7 @@ class ClusterRuntime:
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)
         self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
-                                     cluster.ttl_s)
+                                     cluster.ttl_s, newer=lambda ns, g: self._spawn(self.generations.enter(ns, g)))  # type: ignore[union-attr]
         self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
         self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
                                    is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
@@ -150,11 +121,18 @@ class ClusterRuntime:
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes
         me = Member(self.node, cluster.advertise, data_address, tuple(self.config.tiers), capacities)
-        self.membership = Membership(self.etcd, MembershipConfig(cluster.name, self.node, cluster.ttl_s), me)
+        config = MembershipConfig(cluster.name, self.node, cluster.ttl_s)
+        self.membership = Membership(self.etcd, config, me, EpochFile(self.config.data_dir))
+        self.generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), self.membership,
+                                          self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed_salts)
         self.membership.on_members(self._on_members)
-        self.membership.on_invalidate(self._on_invalidate)
+        self.membership.on_key("generations", self._heard_generation)
+        self.membership.on_replaced(self._etcd_replaced)
         self.membership.on_state(self._on_state)
         await self.membership.start(timeout_s)
+        async with asyncio.timeout(timeout_s):  # caught up with etcd's generations (a task _on_state started)
+            while not self.serving:
+                await asyncio.sleep(0.02)
         self.publisher.start()
         logger.info("node %s joined cluster %s (epoch %d, data plane %s%s)", self.node, cluster.name, self.membership.epoch,
                     cluster.data_plane, f" on {data_address}" if data_address else "")
@@ -211,21 +189,23 @@ class ClusterRuntime:
         a node that lost it would be split-brained), not leaving."""
         return self.membership is not None and self.membership.is_member and not self._leaving
 
-    def own_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
-        """The prefix of ``keys`` this node holds itself (a local copy is always the best location)."""
-        runs = self.core.directory.lookup(namespace_id, keys)
-        return runs[: next((i for i, r in enumerate(runs) if r.node != self.node), len(runs))]
+    @property
+    def serving(self) -> bool:
+        """Whether this node may answer reads now: a member (not leaving) that has caught up
+        with etcd's generations since it registered (generations.py). Otherwise every read is
+        answered as for an empty namespace: a page invalidated while it was away, cut off or
+        down is never served, and no record it keeps as an owner is promised."""
+        return not self._leaving and self.generations is not None and self.generations.serving
 
     def owner_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
-        """What a node asking this one as a shard owner gets: every record here while a member,
-        only this node's own pages otherwise (the records it holds as an owner may be stale)."""
-        return self.core.directory.lookup(namespace_id, keys) if self.is_member else self.own_lookup(namespace_id, keys)
+        """What a node asking this one as a shard owner gets: every record here while serving, none otherwise."""
+        return self.core.directory.lookup(namespace_id, keys) if self.serving else []
 
     def lookup(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "") -> list[LocationRun]:
-        """The contiguous prefix of ``keys`` stored anywhere in the cluster, as runs; only this
-        node's own pages while it is not a member. ``tenant``: the caller's, named to the owners."""
-        if not self.is_member:
-            return self.own_lookup(namespace_id, keys)
+        """The contiguous prefix of ``keys`` stored anywhere in the cluster, as runs; none while
+        this node does not serve. ``tenant``: the caller's, named to the owners."""
+        if not self.serving:
+            return []
         timeout = self.cluster.rpc_timeout_s if time_remaining_s is None else max(0.01, time_remaining_s - _MARGIN_S)
         try:
             return self.call(self.lookups.lookup(namespace_id, keys, timeout, tenant), timeout + 1)
@@ -237,7 +217,7 @@ class ClusterRuntime:
         first that cannot be had), within the caller's deadline; then an acquire finds them.
         Returns how many pages this added to the leading ones held here (none while not a member)."""
         before = self.remote.local_prefix(namespace_id, keys)
-        if not self.is_member or before == len(keys):
+        if not self.serving or before == len(keys):
             return 0
         timeout = self.cluster.fetch_timeout_s
         if time_remaining_s is not None:
@@ -254,8 +234,8 @@ class ClusterRuntime:
                   tenant: str = "") -> int:
         """Has other members copy the leading pages of ``keys`` held here until ``replicas``
         nodes hold them (replicas.py); returns how many leading pages that many nodes hold."""
-        if not self.is_member:
-            return self.remote.local_prefix(namespace_id, keys) if replicas <= 1 else 0
+        if not self.serving:
+            return 0
         # the targets' own fetch deadline is this one less their margins (see _timeout)
         budget = self.cluster.fetch_timeout_s + _ABORT_S + 2 * _MARGIN_S
         if time_remaining_s is not None:
@@ -268,8 +248,8 @@ class ClusterRuntime:
     def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
                   tenant: str = "") -> int:
         """A replica ``holder`` asked for: fetches ``keys`` from it; returns the leading pages held here."""
-        if not self.is_member:
-            return self.remote.local_prefix(namespace_id, keys)
+        if not self.serving:
+            return 0
         timeout = self._timeout(time_remaining_s)
         try:
             return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant), timeout + _ABORT_S)
@@ -287,7 +267,7 @@ class ClusterRuntime:
         """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
         request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
         flight already (the engine then recomputes or reads them on demand)."""
-        if not self.is_member:
+        if not self.serving:
             return False
         if self.remote.local_prefix(namespace_id, keys) == len(keys):
             return True
@@ -296,7 +276,14 @@ class ClusterRuntime:
                 return False
             self._prefetching += 1
         # a task of the runtime: cancelled (its allocation given back) when the node leaves
-        self._loop.call_soon_threadsafe(self._spawn, self._prefetch(namespace_id, keys, tenant))
+        prefetch = self._prefetch(namespace_id, keys, tenant)
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, prefetch)
+        except RuntimeError:  # the loop closed (the node is leaving): the slot is given back, not lost
+            prefetch.close()
+            with self._prefetch_lock:
+                self._prefetching -= 1
+            return False
         return True
 
     async def _prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str) -> None:
@@ -308,22 +295,25 @@ class ClusterRuntime:
             with self._prefetch_lock:
                 self._prefetching -= 1
 
-    def invalidate(self, namespace_id: bytes) -> None:
-        """Writes a namespace invalidation to etcd: every node clears the namespace."""
-        assert self.membership is not None
+    def invalidate(self, namespace_id: bytes, time_remaining_s: float | None) -> tuple[int, int]:
+        """Raises the namespace's generation in etcd and at every node (generations.py); returns
+        (pages removed here, the new generation) once every node entered it or was fenced."""
+        assert self.generations is not None
         if self._leaving:
-            raise TierUnavailable(f"namespace {namespace_id.hex()} was cleared on node {self.node}, which is leaving "
-                                  "the cluster: invalidate it again at another node")
+            raise TierUnavailable(f"node {self.node} is leaving the cluster: invalidate namespace {namespace_id.hex()} "
+                                  "at another node")
+        timeout = max(0.01, (time_remaining_s or 3 * self.cluster.ttl_s) - _MARGIN_S)
         try:
-            inv = self.call(self.membership.invalidate(namespace_id), self.etcd.call_timeout_s + 1)
-        except (CoordinatorUnavailable, TimeoutError) as exc:
-            raise TierUnavailable(f"namespace {namespace_id.hex()} was cleared on node {self.node} but etcd did not take "
-                                  f"the invalidation ({exc!r}); the other nodes still hold it: invalidate again") from None
-        self.invalidations.record(namespace_id, inv.revision)
+            return self.call(self.generations.invalidate(namespace_id, timeout), timeout + 1)
+        except TimeoutError:
+            raise TierUnavailable(f"the invalidation of namespace {namespace_id.hex()} did not finish within the call's "
+                                  "deadline; it may stand at some nodes: invalidate again") from None
 
     # -- membership listeners (on the loop) -------------------------------------------------
     def _on_members(self, members: Mapping[str, Member]) -> None:
         before, self.shard_map = self.shard_map, ShardMap(members, self.shard_config)
+        # owners registered anew (a restart: their records are gone) under the same name: not a move of the shard map
+        restarted = [n for n, m in members.items() if n != self.node and n in self._members and self._members[n].epoch != m.epoch]
         self._members = dict(members)
         for peer in self.peers.update(members):
             self._spawn(peer.close())
@@ -332,6 +322,7 @@ class ClusterRuntime:
             self._spawn(self._drop(node, up_to_version))
         if self.publisher is not None:
             self.publisher.members_changed(before, self.shard_map)
+            self.publisher.republish_to(restarted)
 
     async def _drop(self, node: str, up_to_version: int) -> None:
         self.lookups.cache.forget_node(node)
@@ -339,14 +330,19 @@ class ClusterRuntime:
         logger.info("node %s left the cluster (or re-registered): %d of its records dropped", node, gone)
 
     def _on_state(self, state: MemberState, epoch: int) -> None:
-        if state is MemberState.MEMBER and epoch > 1 and self.publisher is not None:
+        if state is not MemberState.MEMBER or self.generations is None:
+            return
+        self._spawn(self.generations.keep_catching_up(epoch, 0.25))  # reads are served once it is done
+        if epoch > 1 and self.publisher is not None and self.publisher.started:
             self.publisher.republish_all()  # the others dropped this node's records with its old epoch
 
-    def _on_invalidate(self, inv: Invalidation) -> None:
-        if not self.invalidations.applied(inv):
-            self._spawn(self._invalidate(inv))
+    def _heard_generation(self, kv: KeyValue) -> None:
+        if self.generations is not None and (task := self.generations.heard(kv)) is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
 
-    async def _invalidate(self, inv: Invalidation) -> None:
-        removed = await asyncio.to_thread(self.core.invalidate, inv.namespace_id, [])
-        self.invalidations.record(inv.namespace_id, inv.revision)
-        logger.info("namespace %s invalidated by node %s: %d pages dropped here", inv.namespace_id.hex(), inv.issued_by, removed)
+    def _etcd_replaced(self) -> None:
+        """etcd went back (wiped, restored): what it lost of generations and salts is written back."""
+        if self.generations is not None and self.membership is not None:
+            self.generations.etcd_replaced()
+            self._spawn(self.generations.keep_catching_up(self.membership.epoch, 0.25))

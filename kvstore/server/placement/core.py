@@ -35,24 +35,28 @@ from kvstore.server.admission import AdmissionPolicy
 from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.assembly import Wrap, open_tiers
+from kvstore.server.placement.generation_gate import GenerationGate
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover, NotAmong
 from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
+from kvstore.server.placement.reports import CoreReports
 from kvstore.server.placement.residence import Residence, leading
 from kvstore.server.placement.upper import Promoter
-from kvstore.server.placement.view import CoreView
 from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
-from kvstore.server.stats import CoreStats, Reporter
-from kvstore.tiers.base import ArenaInfo, LandingTier, Quarantined
+from kvstore.server.stats import Reporter
+from kvstore.tiers.base import ArenaInfo, LandingTier
 
 
-class Placement:
+class Placement(CoreReports):
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
-                 owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None) -> None:
+                 owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None,
+                 serving: Callable[[], bool] | None = None) -> None:
         self.config = config
+        # whether this node may serve reads now (cluster mode: a member caught up with etcd's generations)
+        self.serving = serving or (lambda: True)
         self.owner_of = owner_of or (lambda namespace_id: "")  # namespace -> the tenant whose arena holds its pages
         self.clock = clock
         self.node = config.node
@@ -75,6 +79,7 @@ class Placement:
             self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
+            self.generations = GenerationGate(self.directory, self.removals, self.serving, self.node)
             self.pressure = threading.Event()  # set when the landing tier fills past config.host.demote_above
             self.starved = self.moves.starved  # set when an allocation found no room: it evicted inline (demoter.py)
             self.watermarks = Watermarks(config.host.demote_above, config.host.demote_to)
@@ -108,17 +113,21 @@ class Placement:
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                  tenant: str = "", parent: bytes | None = None,
-                 counting: AbstractContextManager[None] | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+                 counting: AbstractContextManager[None] | None = None,
+                 generation: int | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         """Reserves landing slots for the keys not stored yet, under an allocation of ``tenant``; stops at the first that
         finds no room (``counting``: around the lease table counting it, Quotas.handing_over). Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
         pages it calls stored (and ``parent``, the key before keys[0], with no tier below) are pinned until commit, abort
-        or expiry. Raises TierFull when not even the first page fits."""
+        or expiry. Raises TierFull when not even the first page fits. The allocation belongs to the namespace's
+        generation now (StaleGeneration when ``generation`` is given and is not it): its commit in another is refused."""
+        self.generations.check_serving()
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
             self._check_layout(namespace_id, layout)
+            current = self.generations.require(namespace_id, generation)
             out: list[tuple[bytes, int | None]] = []
-            alloc = Allocation(namespace_id, layout, {}, [], [], tenant=tenant, parent=parent)
+            alloc = Allocation(namespace_id, layout, {}, [], [], tenant=tenant, parent=parent, generation=current)
             slots, held = alloc.slots, alloc.held
             self.leases.hold_parent(alloc, keep=not self.lower)  # below, an eviction writes it down: findable
             try:
@@ -178,6 +187,12 @@ class Placement:
             alloc = self.leases.take_allocation(allocation_id, tenant)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
+            try:  # a node that may not serve stores nothing; a generation left since allocation: the bytes are dead
+                self.generations.check_serving()
+                self.generations.check_commit(alloc)
+            except BaseException:
+                self.keeper.give_back(alloc)
+                raise
             if durable and not self.lower:
                 self.keeper.give_back(alloc)
                 raise TierUnavailable("durable write asked of a server with no ssd tier (start it with --tiers host,ssd); "
@@ -191,13 +206,14 @@ class Placement:
                     self.landing.unreserve(slot)
                     continue
                 header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum,
-                                    flags | (FLAG_WANTED if durable else 0))
+                                    flags | (FLAG_WANTED if durable else 0), alloc.generation)
                 fresh.append((slot, header))
             self.landing.commit(fresh, alloc.parents([h.key for _, h in fresh]))
             self.keeper.free_slots(list(alloc.slots.values()))
             with counting or nullcontext():  # the pages count from here (Quotas.handing_over: the caller's bridge goes)
                 if fresh:
-                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh])
+                    self.directory.publish(alloc.namespace_id, [(h.key, self.node, self.landing.name, h.payload_bytes) for _, h in fresh],
+                                           alloc.generation)
             if fresh:
                 self.metrics.bytes_in.labels(self.landing.name).inc(sum(h.payload_bytes for _, h in fresh))
             run = [] if self.leases.broken(alloc, self.residence.stored) else leading(alloc.keys, self.residence.stored)
@@ -240,8 +256,9 @@ class Placement:
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (reads.py), then up into hbm (upper.py)."""
-        return self.promoter.promoted(*self.reads.acquire(namespace_id, keys, ttl_ms, learn, tenant))
+        readable in the landing tier, reading pages held only below into it (reads.py), then up into hbm (upper.py).
+        Nothing while this node may not serve (``serving``): as for an empty namespace."""
+        return self.promoter.promoted(*self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, tenant))
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
@@ -277,12 +294,13 @@ class Placement:
         """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():
             self.keeper.reap()
-            found = self.directory.prefix_length(namespace_id, keys)
+            found = self.directory.prefix_length(namespace_id, keys) if self.serving() else 0
             ident, expires = self.leases.lease(keys[:found], ttl_ms, tenant)
             return ident, found, expires
 
-    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
-        return self.removals.publish_remote(namespace_id, records)
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]],
+                       generation: int | None = None) -> list[int]:
+        return self.removals.publish_remote(namespace_id, records, generation)
 
     def withdraw_remote(self, namespace_id: bytes, node: str, keys: list[bytes], tier: str = "") -> int:
         return self.removals.withdraw_remote(namespace_id, node, keys, tier)
@@ -292,8 +310,20 @@ class Placement:
         return self.removals.remove(namespace_id, keys, tier)
 
     def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
-        """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
-        return self.removals.invalidate(namespace_id, keys)
+        """Keys given: removes them. None given: the whole namespace (its generation goes up by one: one CLEARED event)."""
+        if keys:
+            return self.removals.remove(namespace_id, keys)
+        return self.enter_generation(namespace_id, self.directory.generation(namespace_id) + 1) or 0
+
+    def read_generation(self, namespace_id: bytes, generation: int) -> None:
+        """A node reads from here for its ``generation`` (generation_gate.py)."""
+        self.generations.read(namespace_id, generation)
+
+    def enter_generation(self, namespace_id: bytes, generation: int) -> int | None:
+        """Raises the namespace to ``generation``: every page, record and allocation of an older
+        one is dead here (removals.py). Returns how many pages went; None when it was there
+        already. Idempotent, never backwards."""
+        return self.removals.enter_generation(namespace_id, generation)
 
     # -- background work -----------------------------------------------------------------
 
@@ -310,35 +340,6 @@ class Placement:
     def scrub_one(self) -> bool | None:
         """Verifies the next lower-tier page (see reads.py); None when there is none."""
         return self.reads.scrub_one()
-
-    # -- reporting -----------------------------------------------------------------------
-
-    def quarantined(self) -> list[Quarantined]:
-        return [q for tier in self.tiers for q in tier.quarantined()]
-
-    def purge_quarantine(self) -> int:
-        return sum(tier.purge_quarantine() for tier in self.tiers)
-
-    def stats(self) -> CoreStats:
-        num_quarantined = len(self.quarantined())  # an index read: outside the lock
-        with self.keeper.critical():
-            self.keeper.reap()
-            return self.reporter.collect(self.leases.counts().num_leases, num_quarantined)
-
-    def view(self) -> CoreView:
-        """A read-only picture of what is held and where (for operators and tests)."""
-        with self._lock:
-            return CoreView.of(self)
-
-    def where(self, key: bytes) -> dict[str, int]:
-        """This node's live copies of ``key``: tier name -> slot (arena or file offset)."""
-        with self._lock:
-            return {t.name: t.slot_of(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)}  # type: ignore[misc]
-
-    def page(self, key: bytes) -> PageHeader | None:
-        """The header of this node's fastest live copy of ``key``."""
-        with self._lock:
-            return next((t.header(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)), None)
 
     def close(self) -> None:
         self.moves.close()

@@ -67,6 +67,7 @@ class Reader:
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
+            generation = self.directory.generation(namespace_id)  # a page of an older one is never served
             for key in keys:
                 entry = self.directory.get(key)
                 if entry is None or entry.namespace_id != namespace_id or not self.residence.stored(key):
@@ -75,15 +76,18 @@ class Reader:
                 if learn:
                     self.keeper.learn(key)
                 if self.residence.has(key, LANDING):
+                    header = self.landing.header(key)
+                    if header is None or header.generation != generation:
+                        break
                     touched.append(key)
                     hit.labels(landing).inc()
                     self.leases.pin([key])
-                    pages.append(AcquiredPage(key, self.landing.slot_of(key), self.landing.header(key)))  # type: ignore[arg-type]
+                    pages.append(AcquiredPage(key, self.landing.slot_of(key), header))  # type: ignore[arg-type]
                     continue
                 miss.labels(landing).inc()
                 tier = self.residence.holder(key)
                 header = self.tiers[tier].header(key) if tier is not None else None
-                if tier is None or header is None:
+                if tier is None or header is None or header.generation != generation:
                     break
                 self.leases.pin([key])  # keeps the lower copy while we make room and read it
                 slot = self.moves.make_room(header.payload_bytes, arena)

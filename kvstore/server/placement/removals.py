@@ -27,13 +27,15 @@ class Removals:
     def _of(self, namespace_id: bytes, keys: list[bytes]) -> list[bytes]:
         return [k for k in keys if (e := self.directory.get(k)) is not None and e.namespace_id == namespace_id]
 
-    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> list[int]:
-        """Records pages held by other nodes (their bytes are durable there); all or none."""
+    def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]],
+                       generation: int | None = None) -> list[int]:
+        """Records pages held by other nodes (their bytes are durable there), of ``generation``
+        when given (StaleGeneration unless the namespace is at it); all or none."""
         for _, node, _, _ in records:
             if node == self.node:
                 raise InvalidRequest(f"locations on this node ({node}) are published by its tiers, not by Publish")
         return self.directory.publish_remote(namespace_id, records, self.config.max_remote_records_per_node,
-                                             self.config.max_remote_records)
+                                             self.config.max_remote_records, generation)
 
     def withdraw_remote(self, namespace_id: bytes, node: str, keys: list[bytes], tier: str = "") -> int:
         """Drops locations another node recorded here (cluster: it no longer holds them)."""
@@ -60,14 +62,18 @@ class Removals:
             self.reporter.refresh_gauges()
         return count
 
-    def invalidate(self, namespace_id: bytes, keys: list[bytes]) -> int:
-        """Keys given: removes them. None given: the whole namespace (one CLEARED event)."""
-        if keys:
-            return self.remove(namespace_id, keys)
-        self.keeper.delete_lower_first(self.directory.keys_of(namespace_id))  # a full index refuses here
-        removed = self.directory.clear_namespace(namespace_id)
+    def enter_generation(self, namespace_id: bytes, generation: int) -> int | None:
+        """Raises the namespace to ``generation`` (the directory's table, synced, first): its
+        entries go, its landing copies now (at their last unpin when leased), its lower copies
+        as owed removals, outside the lock. A crash before those finish leaves pages of the older
+        generation on disk, which recovery drops. None when it was at ``generation`` already."""
+        if not self.directory.persist_generation(namespace_id, generation):
+            return None
         tiers = self.residence.tiers
-        with self.keeper.critical():
+        with self.keeper.critical():  # commits check the generation under this lock (core.commit)
+            removed = self.directory.enter_generation(namespace_id, generation)
+            if removed is None:
+                return None
             for key, _ in removed:
                 for index in range(len(tiers)):
                     if tiers[index].contains(key):

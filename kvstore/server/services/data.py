@@ -104,17 +104,21 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         layout = validate.layout(request.layout)
         keys = self._keys(list(request.keys))
         parent = validate.keys([request.parent], 1)[0] if request.parent else None
+        generation = validate.generation(request.generation) if request.HasField("generation") else None
         who = current_identity()
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
         try:
             with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held))
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held),
+                                                  generation)
         finally:
             held.release()  # handed over to the allocation's slots (or there are none)
         if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
             self.core.abort(ident, who.tenant)
+        alloc = self.core.leases.allocation(ident)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
+            generation=alloc.generation if alloc is not None else self.core.directory.generation(ns),
             slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
                    for k, o in slots],
         )
@@ -252,11 +256,13 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
+        generation = validate.generation(chunk.meta.generation) if chunk.meta.HasField("generation") else None
         held = room(self.quotas, self.core, who, 1, layout.page_bytes)
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
-                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent, self.quotas.handing_over(held))
+                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent, self.quotas.handing_over(held),
+                                                                generation)
             except BaseException:
                 if claimed:
                     self.tenancy.settle(who, ns, False)
@@ -357,6 +363,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if node_call:
             require_node(who, "ReadPages with local_only or tenant")
             who = acting_for(who, request.tenant)
+            if request.HasField("generation"):  # the reader's: a newer one is entered here, an older one refused
+                self.core.read_generation(ns, validate.generation(request.generation))
         with self.quotas.reserving(who, leases=1):
             if not (self.tenancy.may_read(who, ns) if node_call else self._readable(who, ns, keys, context)):
                 keys = []  # as for an empty namespace

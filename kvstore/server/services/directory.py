@@ -40,7 +40,7 @@ def location_msg(loc: Location | None) -> common_pb2.Location | None:
 def event_msg(ev: Event) -> directory_pb2.Event:
     return directory_pb2.Event(
         seq=ev.seq, kind=int(ev.kind), namespace_id=ev.namespace_id, key=ev.key,
-        location=location_msg(ev.location), unix_ms=ev.unix_ms,
+        location=location_msg(ev.location), unix_ms=ev.unix_ms, generation=ev.generation,
     )
 
 
@@ -83,7 +83,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         else:
             runs = []  # as for an empty namespace
         return directory_pb2.LookupResponse(
-            num_pages=sum(r.num_pages for r in runs),
+            num_pages=sum(r.num_pages for r in runs), generation=self.core.directory.generation(ns),
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
                   for r in runs])
 
@@ -102,9 +102,12 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
                 raise InvalidRequest(f"node names are at most {MAX_NODE_NAME} characters, got {len(rec.location.node)}")
             records.append((key, rec.location.node, rec.location.tier, rec.location.size_bytes))
         who = acting_for(who, request.tenant)  # the records' tenant: bound here to it, within its quota
+        generation = validate.generation(request.generation) if request.HasField("generation") else None
+        if generation is not None:  # a newer one than this node's: entered here first (the sender learned it from etcd)
+            self.core.enter_generation(ns, generation)
         with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns), \
                 self._admitting([r[1] for r in records], request.epoch):
-            versions = self.core.publish_remote(ns, records)
+            versions = self.core.publish_remote(ns, records, generation)
         return directory_pb2.PublishResponse(versions=versions)
 
     @unary
@@ -125,12 +128,22 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     def Invalidate(self, request: directory_pb2.InvalidateRequest, context: grpc.ServicerContext) -> directory_pb2.InvalidateResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys), allow_empty=True)
-        if not self.tenancy.may_administer(current_identity(), ns):
-            return directory_pb2.InvalidateResponse(num_removed=0)  # as for an empty namespace
-        removed = self.core.invalidate(ns, keys)
-        if self.cluster is not None and not keys:
-            self.cluster.invalidate(ns)  # through etcd to every node
-        return directory_pb2.InvalidateResponse(num_removed=removed)
+        who = current_identity()
+        if request.generation:  # a node that raised the generation in etcd, telling this one
+            require_node(who, "Invalidate with a generation")
+            removed = self.core.enter_generation(ns, validate.generation(request.generation)) or 0
+            return directory_pb2.InvalidateResponse(num_removed=removed, generation=self.core.directory.generation(ns))
+        if keys and self.cluster is not None:
+            raise InvalidRequest("Invalidate with keys is local to one node, and another node's copy would be fetched "
+                                 "straight back: in cluster mode invalidate the whole namespace (no keys; its generation "
+                                 "goes up at every node)")
+        if not self.tenancy.may_administer(who, ns):  # as for an empty namespace
+            return directory_pb2.InvalidateResponse(num_removed=0, generation=self.core.directory.generation(ns))
+        if self.cluster is not None:  # etcd first, then every member, before this answers
+            removed, generation = self.cluster.invalidate(ns, context.time_remaining())
+        else:
+            removed, generation = self.core.invalidate(ns, keys), self.core.directory.generation(ns)
+        return directory_pb2.InvalidateResponse(num_removed=removed, generation=generation)
 
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:

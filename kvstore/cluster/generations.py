@@ -1,0 +1,77 @@
+"""The cluster's copy of each namespace's generation, in etcd (issue 34).
+
+    <root>generations/<ns hex>   JSON {"generation": g, "issued_by": node, "issued_at_s": t} (no lease)
+
+An invalidation raises a namespace's generation here first (a compare-and-swap on the key's
+mod revision), then every member enters it. Generations are compared as numbers, never by
+etcd revision, so they mean the same in a replaced etcd (wiped, or restored from an old
+snapshot, whose revisions start again); and they never go back: a node that finds etcd
+without a namespace's generation, or with a lower one than it entered, writes its own back
+(``seed``), as it does for tenants' salts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from kvstore.cluster.etcd import EtcdClient, KeyValue
+
+logger = logging.getLogger(__name__)
+
+_CAS_ROUNDS = 64  # a compare-and-swap lost this often in a row: something else is wrong
+
+
+class EtcdGenerations:
+    def __init__(self, etcd: EtcdClient, root: bytes, node: str) -> None:
+        self._etcd = etcd
+        self.prefix = root + b"generations/"
+        self._node = node
+
+    def _key(self, namespace_id: bytes) -> bytes:
+        return self.prefix + namespace_id.hex().encode()
+
+    def parse(self, kv: KeyValue) -> tuple[bytes, int] | None:
+        """(namespace, generation) of a key under the prefix; None (logged) for one that is not."""
+        try:
+            namespace_id = bytes.fromhex(kv.key[len(self.prefix):].decode())
+            generation = int(json.loads(kv.value)["generation"])
+            if len(namespace_id) != 16 or generation < 0:
+                raise ValueError(f"namespace of {len(namespace_id)} bytes, generation {generation}")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            logger.warning("ignoring generation record %r: %r", kv.key, exc)
+            return None
+        return namespace_id, generation
+
+    async def read_all(self) -> tuple[int, dict[bytes, int]]:
+        """(etcd's revision, every namespace's generation) as etcd holds them now."""
+        revision, kvs = await self._etcd.get_prefix(self.prefix)
+        out: dict[bytes, int] = {}
+        for kv in kvs:
+            parsed = self.parse(kv)
+            if parsed is not None:
+                out[parsed[0]] = parsed[1]
+        return revision, out
+
+    async def raise_above(self, namespace_id: bytes, above: int) -> int:
+        """Writes a generation above both etcd's and ``above`` (this node's); returns it."""
+        return await self._swap(namespace_id, lambda current: max(current, above) + 1)
+
+    async def seed(self, namespace_id: bytes, generation: int) -> bool:
+        """Writes ``generation`` where etcd holds none or a lower one; True when it wrote."""
+        return await self._swap(namespace_id, lambda current: generation if current < generation else None) is not None
+
+    async def _swap(self, namespace_id: bytes, change: Callable[[int], int | None]) -> int | None:
+        key = self._key(namespace_id)
+        for _ in range(_CAS_ROUNDS):
+            kv = await self._etcd.get(key)
+            parsed = self.parse(kv) if kv is not None else None
+            wanted = change(parsed[1] if parsed is not None else 0)
+            if wanted is None:
+                return None
+            doc = {"generation": wanted, "issued_by": self._node, "issued_at_s": time.time()}
+            if await self._etcd.put_if([(key, json.dumps(doc).encode(), 0)], {key: kv.mod_revision if kv else 0}):
+                return int(wanted)
+        raise RuntimeError(f"generation of namespace {namespace_id.hex()}: {_CAS_ROUNDS} compare-and-swaps lost in a row")

@@ -1,0 +1,182 @@
+"""Namespace generations across the cluster (issue 34; DESIGN §12).
+
+* **Invalidate** (``invalidate``): the generation is raised in etcd first (the durable
+  record every node and every later joiner reads), entered here, then pushed to every node
+  etcd lists (``Invalidate`` with ``generation``, the node right); the call is acknowledged
+  only once each has entered it, or has been fenced: its lease revoked and its TTL waited
+  out, past which it serves nothing (``serving``). A node etcd does not list may still hold a
+  lease of an etcd that was replaced (wiped, restored) until its next keep-alive tells it so:
+  for a TTL after this node started, and after it saw etcd go back, an acknowledgement waits
+  that out too (``_quiet_until``). So no read that starts after the acknowledgement is
+  answered from an older generation, at any node.
+* **Watch**: a generation etcd delivers is entered (idempotent, never backwards), so a node
+  the push missed catches up as soon as its watch does.
+* **Catch-up** (``catch_up``): after every registration (and when etcd went back, replaced
+  or restored) a node reads every generation etcd holds, enters them, and writes back the
+  ones etcd lacks or holds lower (and the tenants' salts, ``reseed_salts``); only then does
+  it serve reads (``serving``). A node restarted on its data, or cut off while the cluster
+  moved on, never serves a page invalidated meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from kvstore._proto import directory_pb2
+from kvstore.cluster.errors import CoordinatorUnavailable
+from kvstore.cluster.etcd import KeyValue
+from kvstore.cluster.generations import EtcdGenerations
+from kvstore.cluster.membership import Membership
+from kvstore.errors import TierUnavailable
+from kvstore.server.cluster.peers import Peers
+from kvstore.server.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+VIEW_WAIT_S = 1.0  # how long an invalidation waits for this node's view to list a node etcd lists
+FENCE_MARGIN_S = 0.5  # past a fenced node's TTL, for clocks that do not tick alike
+
+
+class GenerationSync:
+    def __init__(self, core: Placement, etcd: EtcdGenerations, membership: Membership, peers: Peers, node: str,
+                 ttl_s: float, rpc_timeout_s: float, reseed_salts: Callable[[], object] | None = None) -> None:
+        self._core = core
+        self._etcd = etcd
+        self._membership = membership
+        self._peers = peers
+        self._node = node
+        self._ttl_s = ttl_s
+        self._rpc_timeout_s = rpc_timeout_s
+        self._reseed_salts = reseed_salts
+        self._caught_up = 0  # the registration epoch whose catch-up finished (0: none yet)
+        self.num_fenced = 0
+        # until then a node etcd does not list may be serving on a lease of a replaced etcd (this node may
+        # have started just after etcd was replaced: it cannot tell)
+        self._quiet_until = time.monotonic() + self._fence_wait()
+
+    @property
+    def serving(self) -> bool:
+        """A member now, caught up with etcd's generations since it registered."""
+        membership = self._membership
+        return membership.is_member and self._caught_up == membership.epoch
+
+    async def enter(self, namespace_id: bytes, generation: int) -> None:
+        removed = await asyncio.to_thread(self._core.enter_generation, namespace_id, generation)
+        if removed is not None:
+            logger.info("namespace %s entered generation %d: %d pages dropped here", namespace_id.hex(), generation, removed)
+
+    def _fence_wait(self) -> float:
+        return self._ttl_s * 1.05 + FENCE_MARGIN_S
+
+    def etcd_replaced(self) -> None:
+        """etcd went back: the nodes registered in the old one serve until their keep-alives
+        find their leases gone (within a TTL); they are not listed in the new one meanwhile."""
+        self._quiet_until = max(self._quiet_until, time.monotonic() + self._fence_wait())
+
+    def heard(self, kv: KeyValue) -> asyncio.Task[None] | None:
+        """A generation the watch delivered (on the loop): entered in a worker thread."""
+        parsed = self._etcd.parse(kv)
+        return asyncio.ensure_future(self.enter(*parsed)) if parsed is not None else None
+
+    # -- catching up ---------------------------------------------------------------------------
+    async def catch_up(self, epoch: int) -> bool:
+        """Enters every generation etcd holds, writes back what etcd lacks, then serves (if
+        this node is still registered under ``epoch``). False when etcd did not answer."""
+        try:
+            _, held = await self._etcd.read_all()
+            for namespace_id, generation in held.items():
+                await self.enter(namespace_id, generation)
+            for namespace_id, generation in self._core.directory.generations().items():
+                if held.get(namespace_id, 0) < generation and await self._etcd.seed(namespace_id, generation):
+                    logger.warning("etcd lacked generation %d of namespace %s (replaced or restored?): written back",
+                                   generation, namespace_id.hex())
+            if self._reseed_salts is not None:
+                await asyncio.to_thread(self._reseed_salts)
+        except CoordinatorUnavailable as exc:
+            logger.info("catching up with etcd's generations failed (%s); retrying", exc)
+            return False
+        if self._membership.epoch == epoch:
+            self._caught_up = epoch
+        return True
+
+    async def keep_catching_up(self, epoch: int, retry_s: float) -> None:
+        """``catch_up`` until it succeeds or the node registered again (that one catches up itself)."""
+        while self._membership.epoch == epoch and not await self.catch_up(epoch):
+            await asyncio.sleep(retry_s)
+
+    # -- invalidating ------------------------------------------------------------------------
+    async def invalidate(self, namespace_id: bytes, timeout_s: float) -> tuple[int, int]:
+        """Raises the namespace's generation cluster-wide; returns (pages removed here, the
+        new generation) once every node etcd lists has entered it or was fenced. Raises
+        TierUnavailable when etcd did not take it (nothing changed) or when the deadline came
+        before a fenced node's TTL ran out (the generation stands; that node serves nothing
+        once its TTL is over)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            generation = await self._etcd.raise_above(namespace_id, self._core.directory.generation(namespace_id))
+            revision, registered = await self._membership.registered()
+        except CoordinatorUnavailable as exc:
+            raise TierUnavailable(f"etcd did not take the invalidation of namespace {namespace_id.hex()} ({exc}); "
+                                  "nothing was invalidated: try again") from None
+        if revision < self._membership.revision:  # etcd went back before this node's watch said so
+            self.etcd_replaced()
+        removed = await asyncio.to_thread(self._core.enter_generation, namespace_id, generation) or 0
+        others = {node: kv for node, kv in registered.items() if node != self._node}
+        unconfirmed = await self._push(namespace_id, generation, others, deadline)
+        if unconfirmed:
+            await self._fence(namespace_id, generation, unconfirmed)
+        await self._quiet(namespace_id, generation, sorted(unconfirmed), deadline)
+        return removed, generation
+
+    async def _push(self, namespace_id: bytes, generation: int, nodes: dict[str, KeyValue],
+                    deadline: float) -> dict[str, KeyValue]:
+        """Tells every node of ``nodes``; returns those that did not confirm."""
+        try:  # peers come from this node's view, which may lag etcd by a watch event
+            await self._membership.wait_for(lambda m: set(nodes) <= set(m.members), min(VIEW_WAIT_S, deadline - time.monotonic()))
+        except TimeoutError:
+            pass
+        told = await asyncio.gather(*(self._tell(node, namespace_id, generation, deadline) for node in nodes))
+        return {node: kv for (node, kv), ok in zip(nodes.items(), told) if not ok}
+
+    async def _tell(self, node: str, namespace_id: bytes, generation: int, deadline: float) -> bool:
+        peer = self._peers.get(node)
+        timeout = min(self._rpc_timeout_s, deadline - time.monotonic())
+        if peer is None or timeout <= 0:
+            return False
+        request = directory_pb2.InvalidateRequest(namespace_id=namespace_id, generation=generation)
+        try:
+            answer = await peer.directory.Invalidate(request, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the node did not confirm: it is fenced
+            logger.warning("node %s did not confirm generation %d of namespace %s: %r", node, generation,
+                           namespace_id.hex(), exc)
+            return False
+        return int(answer.generation) >= generation
+
+    async def _fence(self, namespace_id: bytes, generation: int, nodes: dict[str, KeyValue]) -> None:
+        """Revokes the leases of nodes that did not confirm: a node counts itself a member (and
+        serves) only within TTL of its last acknowledged refresh, which the caller waits out."""
+        for node, kv in nodes.items():
+            try:
+                await self._membership.revoke_lease(kv.lease)
+            except CoordinatorUnavailable as exc:
+                logger.warning("could not revoke node %s's lease (%s); it ends within its TTL anyway", node, exc)
+            self.num_fenced += 1
+        self._quiet_until = max(self._quiet_until, time.monotonic() + self._fence_wait())
+        logger.warning("nodes %s did not confirm generation %d of namespace %s: fenced (leases revoked)",
+                       ", ".join(sorted(nodes)), generation, namespace_id.hex())
+
+    async def _quiet(self, namespace_id: bytes, generation: int, fenced: list[str], deadline: float) -> None:
+        """Waits until no node that did not confirm can still be serving (``_quiet_until``)."""
+        wait = self._quiet_until - time.monotonic()
+        if wait <= 0:
+            return
+        if time.monotonic() + wait > deadline:
+            who = f"nodes {', '.join(fenced)} did not confirm (their leases were revoked)" if fenced else \
+                "a node of a replaced etcd may not know it yet"
+            raise TierUnavailable(f"namespace {namespace_id.hex()} is at generation {generation} in etcd and at every node "
+                                  f"that answered, but {who}: no node serves an older generation after {wait:.1f} s; "
+                                  "give the call a deadline past that to have it confirmed")
+        await asyncio.sleep(wait)
