@@ -1,9 +1,11 @@
 """Seeded random churn against a reference model (DESIGN §12: the sharded directory gets the
-treatment etcd's robustness suite gives etcd). Puts and reads at random live nodes while
-nodes are SIGKILLed, restarted on their data and a new one joins. After every read: what came
-back is bit-exact or missing, never wrong. After the churn: a prefix whose holder is alive and
-kept it (RAM and never killed since, or durable) is found whole from every live node, lookups
-name live nodes only, and no node holds a lease."""
+treatment etcd's robustness suite gives etcd). Puts, reads and namespace invalidations at
+random live nodes while nodes are SIGKILLed, restarted on their data and a new one joins.
+After every read: what came back is bit-exact or missing, never wrong, and nothing of a prefix
+put before an acknowledged invalidation is served, at any node, ever again. After the churn: a
+prefix whose holder is alive and kept it (RAM and never killed since, or durable) and that no
+invalidation may have touched is found whole from every live node, lookups name live nodes
+only, and no node holds a lease."""
 
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class Stored:
     holder: str
     durable: bool
     lost: bool = False  # its holder was killed after the put and it was in RAM only
-
+    invalidated: bool = False  # an acknowledged invalidation came after it: never served again
+    maybe_invalidated: bool = False  # an invalidation that was not acknowledged came after it
 
 async def test_random_kills_restarts_and_a_join_never_serve_a_wrong_byte(cluster_nodes, etcd, tmp_path) -> None:
     rng = random.Random(SEED)
@@ -44,7 +47,7 @@ async def test_random_kills_restarts_and_a_join_never_serve_a_wrong_byte(cluster
     for step in range(STEPS):
         if time.monotonic() - started > BUDGET_S:
             break
-        op = rng.choices(["put", "read", "kill", "restart", "join"], weights=[5, 8, 1, 1, 1])[0]
+        op = rng.choices(["put", "read", "kill", "restart", "join", "invalidate"], weights=[5, 8, 1, 1, 1, 1])[0]
         if op == "kill" and len(live) > 2:
             name = rng.choice(sorted(live))
             nodes[name].kill()
@@ -63,6 +66,18 @@ async def test_random_kills_restarts_and_a_join_never_serve_a_wrong_byte(cluster
             nodes["n4"] = cluster_nodes(["n4"], "grpc")[0]
             churned.append("join n4")
             live.add("n4")
+        elif op == "invalidate" and stored:
+            name = rng.choice(sorted(live))
+            try:
+                async with KVStoreClient(nodes[name].address, NS) as client:
+                    await client.invalidate()  # every node entered it (or was fenced) when this returns
+                churned.append(f"invalidate at {name}")
+                for s in stored:
+                    s.invalidated = True
+            except KVStoreError:  # not confirmed: it may stand at some nodes
+                churned.append(f"invalidate at {name} (unconfirmed)")
+                for s in stored:
+                    s.maybe_invalidated = True
         elif op == "put" or not stored:
             name = rng.choice(sorted(live))
             tokens = tokens_of(SEED * 1000 + step, rng.randint(2, 8))
@@ -81,7 +96,7 @@ async def test_random_kills_restarts_and_a_join_never_serve_a_wrong_byte(cluster
     for name in sorted(live):
         async with KVStoreClient(nodes[name].address, NS) as client:
             for entry in stored:
-                if entry.holder in live and not entry.lost:
+                if entry.holder in live and not (entry.lost or entry.invalidated or entry.maybe_invalidated):
                     await eventually(lambda c=client, e=entry: _found(c, e.tokens), 2 * TTL_S + 5,
                                      f"prefix of {entry.holder} from {name}")
                 await eventually(lambda c=client, e=entry: _names_live(c, e.tokens, live), TTL_S + 2,
@@ -102,6 +117,7 @@ async def _read_checked(node: Node, entry: Stored) -> int:
         except KVStoreError:
             n = 0
         assert torch.equal(out[:, :, :n], entry.kv[:, :, :n]), f"wrong bytes served at {node.name}"
+        assert not (entry.invalidated and n), f"{node.name} served {n} tokens of a prefix invalidated after it was put"
         return n
 
 
