@@ -1,0 +1,73 @@
+"""Namespace generations on one node (issue 34): a write computed before an invalidation is
+refused after it and leaves nothing behind; a crash between raising a generation and deleting
+the older pages never serves them after the restart; SSD pages written before format 2 stay
+readable as generation 0."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from conftest import random_kv
+
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient
+from kvstore.errors import StaleGeneration
+from kvstore.page import LayoutDesc
+from kvstore.validate import layout_msg
+
+
+async def test_a_put_naming_a_generation_an_invalidation_left_is_refused(server, layout, ns) -> None:
+    tokens = list(range(3 * layout.page_tokens))
+    kv = random_kv(layout, len(tokens), seed=1)
+    async with KVStoreClient(server.address, ns) as client:
+        hit = await client.lookup(tokens)
+        assert hit.generation == 0
+        assert await client.invalidate() == 1
+        with pytest.raises(StaleGeneration, match="generation 1; the call names an older one"):
+            await client.put(tokens, kv, generation=hit.generation)
+        assert (await client.lookup(tokens)).num_tokens == 0
+        assert server.core.leases.counts().num_allocations == 0, "a refused put left an allocation"
+        assert await client.put(tokens, kv, generation=1) == len(tokens)
+        out = torch.zeros_like(kv)
+        hit = await client.lookup(tokens)
+        assert hit.generation == 1 and await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
+
+
+def test_a_commit_after_an_invalidation_is_refused_and_frees_its_slots(server, layout, ns) -> None:
+    """A hostile or late writer: its allocation was made in generation 0, the namespace was
+    invalidated meanwhile: FAILED_PRECONDITION naming the current generation, nothing stored."""
+    keys = [bytes([i]) * 16 for i in range(2)]
+    lay = layout_msg(LayoutDesc.of(layout))
+    with grpc.insecure_channel(server.address) as channel:
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+        alloc = data.Allocate(data_pb2.AllocateRequest(namespace_id=ns.namespace_id, layout=lay, keys=keys), timeout=5)
+        assert alloc.generation == 0
+        directory.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns.namespace_id), timeout=5)
+        with pytest.raises(grpc.RpcError) as refused:
+            data.Commit(data_pb2.CommitRequest(allocation_id=alloc.allocation_id, keys=keys, checksums=[0, 0]), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is at generation 1" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as stale:
+            data.Allocate(data_pb2.AllocateRequest(namespace_id=ns.namespace_id, layout=lay, keys=keys, generation=0), timeout=5)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert server.core.leases.counts().num_allocations == 0
+    assert server.core.landing.usage().used_bytes == 0, "a refused commit kept its slots"
+
+
+async def test_pages_of_a_generation_raised_before_a_crash_are_never_served_after_it(server_factory, tmp_path,
+                                                                                    layout, ns) -> None:
+    """A crash between writing the raised generation and deleting the older pages: the SSD
+    still holds them, and recovery deletes them instead of listing them."""
+    server = server_factory()
+    tokens = list(range(4 * layout.page_tokens))
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, random_kv(layout, len(tokens), seed=2), durable=True) == len(tokens)
+    assert server.core.directory.persist_generation(ns.namespace_id, 5)  # the raise's first, durable step only
+    config = server.config
+    server.stop()
+    again = server_factory(config)
+    assert again.core.directory.generation(ns.namespace_id) == 5
+    async with KVStoreClient(again.address, ns) as client:
+        assert (await client.lookup(tokens)).num_tokens == 0
+    assert again.core.lower[0].usage().num_pages == 0, "the older generation's pages are still on the SSD"
