@@ -242,7 +242,7 @@ class KVStoreClient(NamespaceCalls):
         """The longest stored prefix of ``tokens``."""
         return await self.lookup_keys(self.keys(tokens))
 
-    async def lookup_keys(self, keys: list[bytes]) -> Hit:
+    async def lookup_keys(self, keys: list[bytes], _tries: int = 3) -> Hit:
         """The longest stored prefix of a chain of page keys the engine computed itself (see client/loopcalls.py)."""
         runs: list[LocationRun] = []
         n = generation = 0
@@ -251,7 +251,8 @@ class KVStoreClient(NamespaceCalls):
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
             resp = await self._near.unary("Directory.Lookup", req)
             if start and resp.generation != generation:  # invalidated between two batches: what came before is dead
-                return await self.lookup_keys(keys)
+                return await self.lookup_keys(keys, _tries - 1) if _tries > 1 else Hit(self.namespace.namespace_id, 0, [], [],
+                                                                                        resp.generation)
             generation = resp.generation
             runs.extend(LocationRun(r.node, r.tier, r.num_pages, r.size_bytes) for r in resp.runs)
             n += resp.num_pages

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvstore._proto import common_pb2
 from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
-from kvstore.types import DTYPE_BYTES, NAMESPACE_ID_BYTES, PAGE_KEY_BYTES
+from kvstore.types import DTYPE_BYTES, MAX_GENERATION, NAMESPACE_ID_BYTES, PAGE_KEY_BYTES
 
 _MAX_DIM = 1 << 16
 
@@ -75,8 +75,6 @@ def deadline_s(value: object, name: str) -> float:
         raise InvalidRequest(f"{name} must be a finite number of seconds above 0 (every call has a deadline), got {value!r}")
     return float(value)
 
-
-MAX_GENERATION = (1 << 63) - 1  # room left above: a namespace at the top could never be invalidated again
 
 
 def generation(value: int) -> int:

@@ -1,6 +1,8 @@
 """The cluster's copy of each namespace's generation, in etcd (issue 34).
 
     <root>generations/<ns hex>   JSON {"generation": g, "issued_by": node, "issued_at_s": t} (no lease)
+    <root>incarnation            a random id, made by the first node that finds it absent: another
+                                 id (or none) than a node saw before says etcd was replaced
 
 An invalidation raises a namespace's generation here first (a compare-and-swap on the key's
 mod revision), then every member enters it. Generations are compared as numbers, never by
@@ -14,10 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
 from kvstore.cluster.etcd import EtcdClient, KeyValue
+from kvstore.errors import LimitExceeded
+from kvstore.types import MAX_GENERATION
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +33,19 @@ class EtcdGenerations:
     def __init__(self, etcd: EtcdClient, root: bytes, node: str) -> None:
         self._etcd = etcd
         self.prefix = root + b"generations/"
+        self._incarnation_key = root + b"incarnation"
         self._node = node
+
+    async def incarnation(self) -> bytes:
+        """This etcd's incarnation id (made now if it has none: a new or wiped etcd)."""
+        for _ in range(_CAS_ROUNDS):
+            kv = await self._etcd.get(self._incarnation_key)
+            if kv is not None:
+                return kv.value
+            made = secrets.token_hex(16).encode()
+            if await self._etcd.put_if([(self._incarnation_key, made, 0)], {self._incarnation_key: 0}):
+                return made
+        raise RuntimeError(f"{self._incarnation_key!r}: {_CAS_ROUNDS} creations lost in a row")
 
     def _key(self, namespace_id: bytes) -> bytes:
         return self.prefix + namespace_id.hex().encode()
@@ -56,8 +73,13 @@ class EtcdGenerations:
         return revision, out
 
     async def raise_above(self, namespace_id: bytes, above: int) -> int:
-        """Writes a generation above both etcd's and ``above`` (this node's); returns it."""
-        return await self._swap(namespace_id, lambda current: max(current, above) + 1)
+        """Writes a generation above both etcd's and ``above`` (this node's); returns it.
+        LimitExceeded at MAX_GENERATION (a namespace that high is used up: use another)."""
+        def higher(current: int) -> int:
+            if max(current, above) >= MAX_GENERATION:
+                raise LimitExceeded(f"namespace {namespace_id.hex()} is at the highest generation; use another namespace")
+            return max(current, above) + 1
+        return await self._swap(namespace_id, higher)
 
     async def seed(self, namespace_id: bytes, generation: int) -> bool:
         """Writes ``generation`` where etcd holds none or a lower one; True when it wrote."""

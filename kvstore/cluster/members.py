@@ -29,10 +29,12 @@ class Member:
     tiers: tuple[str, ...] = ()
     capacities: Mapping[str, int] = field(default_factory=dict)
     epoch: int = 0
+    ttl_s: int = 0  # its lease TTL (--cluster-ttl): an issuer fencing it waits this out (0: not said)
 
     def to_json(self) -> bytes:
         return json.dumps({"node_id": self.node_id, "grpc_address": self.grpc_address, "data_address": self.data_address,
-                           "tiers": list(self.tiers), "capacities": dict(self.capacities), "epoch": self.epoch}).encode()
+                           "tiers": list(self.tiers), "capacities": dict(self.capacities), "epoch": self.epoch,
+                           "ttl_s": self.ttl_s}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Member:
@@ -41,7 +43,7 @@ class Member:
             doc = json.loads(raw)
             member = cls(str(doc["node_id"]), str(doc["grpc_address"]), str(doc["data_address"]),
                          tuple(str(t) for t in doc["tiers"]), {str(k): int(v) for k, v in doc["capacities"].items()},
-                         int(doc["epoch"]))
+                         int(doc["epoch"]), int(doc.get("ttl_s", 0)))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidRequest(f"bad member record: {exc!r}") from exc
         return member

@@ -202,7 +202,9 @@ class Membership:
         if self._state is MemberState.CLOSED:  # closed while registering: leave again at once
             await self._revoke_quietly(lease)
             return
-        self._me, self._lease, self._deadline = me, lease, sent + ttl
+        # what etcd grants may be longer (its minimum TTL): a node stops acting within its own
+        # TTL regardless, which is what an issuer fencing it waits out (server/cluster/generations.py)
+        self._me, self._lease, self._deadline = me, lease, sent + min(ttl, self.config.ttl_s)
         logger.info("node %s registered: epoch %d, lease %x, ttl %d s", me.node_id, epoch, lease, ttl)
         self._set_state(MemberState.MEMBER)
 
@@ -229,7 +231,7 @@ class Membership:
                 if ttl <= 0:
                     self._lose("etcd reports the lease gone")
                     continue
-                self._deadline = max(self._deadline, sent + ttl)
+                self._deadline = max(self._deadline, sent + min(ttl, self.config.ttl_s))
                 await asyncio.sleep(max(0.0, min(cfg.keepalive_every_s, self._deadline - time.monotonic())))
             except asyncio.CancelledError:
                 raise

@@ -211,11 +211,15 @@ class Directory:
                 self._generations.require(namespace_id, generation)
             return self._publish(namespace_id, records)
 
-    def publish_listed(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]]) -> set[bytes]:
-        """Publishes further copies of pages still listed in ``namespace_id``; one removed
-        meanwhile is left out (no resurrection by a copy finished after its removal).
-        Returns the keys published."""
+    def publish_listed(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]],
+                       generation: int) -> set[bytes]:
+        """Publishes further copies, of ``generation``, of pages still listed in ``namespace_id``;
+        one removed meanwhile is left out (no resurrection by a copy finished after its
+        removal), and every one when the namespace left ``generation`` (a key listed again by a
+        put of the new generation is not this copy's page). Returns the keys published."""
         with self._write_lock:
+            if generation != self._generations.get(namespace_id):
+                return set()
             entries = self._entries
             listed = [r for r in records if (e := entries.get(r[0])) is not None and e.namespace_id == namespace_id and e.locations]
             if listed:
@@ -334,6 +338,7 @@ class Directory:
             if generation > self._generations.durable(namespace_id):
                 with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
                     self._generations.put(txn, namespace_id, generation)
+                self.env.sync(True)  # the env skips the meta sync (metasync=False): an OS crash must not undo a raise
                 self._generations.written(namespace_id, generation)
             return True
 

@@ -7,7 +7,7 @@ import logging
 from kvstore.directory import Directory
 from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import StoredPage, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +27,18 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
                 directory.remove(key, loc_node, tier)
                 dropped += 1
     layouts: dict[bytes, LayoutDesc] = {}
+    recovered = [(tier, tier.recover()) for tier in tiers]
+    for namespace_id, newest in _newest_generations(recovered).items():  # a raise an OS crash undid: the pages say it
+        if newest > directory.generation(namespace_id) and directory.persist_generation(namespace_id, newest):
+            directory.enter_generation(namespace_id, newest)
+            logger.warning("recovery: namespace %s has pages of generation %d: its generation raised to it",
+                           namespace_id.hex(), newest)
     generation = directory.generation
-    for tier in tiers:
+    for tier, pages in recovered:
         records = []
         dead: list[bytes] = []
         name = tier.name
-        for key, namespace_id, payload_bytes, page_generation in tier.recover():  # one per stored page: kept lean
+        for key, namespace_id, payload_bytes, page_generation in pages:  # one per stored page: kept lean
             if page_generation != generation(namespace_id):
                 dead.append(key)
                 continue
@@ -50,6 +56,16 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
     if dropped:
         logger.info("recovery: dropped %d stale local locations", dropped)
     return layouts
+
+
+def _newest_generations(recovered: list[tuple[Tier, list[StoredPage]]]) -> dict[bytes, int]:
+    """The newest generation of each namespace among the recovered pages (those above 0)."""
+    newest: dict[bytes, int] = {}
+    for _, pages in recovered:
+        for _, namespace_id, _, page_generation in pages:
+            if page_generation > newest.get(namespace_id, 0):
+                newest[namespace_id] = page_generation
+    return newest
 
 
 def _delete_dead(tier: Tier, keys: list[bytes]) -> None:

@@ -34,7 +34,8 @@ def etcd_binary() -> str:
 
 
 class EtcdProcess:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *extra: str) -> None:
+        self.extra = list(extra)  # more etcd flags (e.g. a longer election timeout, which raises its shortest lease)
         self.client_port, self.peer_port = free_port(), free_port()
         # tmpfs: etcd fsyncs every commit, and a disk busy with other tests' fsyncs would slow
         # its lease expiry and watches past the bounds the tests check
@@ -54,7 +55,7 @@ class EtcdProcess:
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         args = [etcd_binary(), "--name", "t", "--data-dir", str(self.data_dir), "--listen-client-urls", client,
                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"t={peer}", "--log-level", "warn", "--logger", "zap"]
+                "--initial-cluster", f"t={peer}", "--log-level", "warn", "--logger", "zap", *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s

@@ -181,6 +181,29 @@ async def test_malformed_records_are_ignored(etcd: EtcdProcess) -> None:
             assert set(b.members) == {"a", "b"}
 
 
+async def test_a_node_stops_acting_within_its_own_ttl_when_etcd_grants_a_longer_one(tmp_path: Path) -> None:
+    """etcd raises a lease's TTL to its own minimum (here 8 s: election timeout 5 s). A node
+    counted itself a member until the granted TTL ran out, while an issuer fencing it waits out
+    the node's configured TTL (issue 34, found by a review of 462107e): cut off, it served past
+    that wait. Now it stops acting within its configured TTL, whatever etcd grants."""
+    slow = EtcdProcess(tmp_path, "--election-timeout", "5000", "--heartbeat-interval", "500")
+    slow.start()
+    try:
+        async with member(slow, "a") as a:
+            lease, granted = await a._etcd.grant(TTL)
+            await a._etcd.revoke(lease)
+            assert granted > TTL + 2, f"precondition: etcd grants more than asked ({granted} s for {TTL})"
+            slow.signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                await a.wait_for(lambda m: not m.is_member, TTL + 0.5)
+                assert time.monotonic() - t0 <= TTL + 0.5
+            finally:
+                slow.signal(signal.SIGCONT)
+    finally:
+        slow.stop()
+
+
 async def test_etcd_restarted_under_the_nodes(etcd: EtcdProcess) -> None:
     """etcd SIGKILLed and restarted on its data dir: the nodes reconnect, every one is a
     member again and sees the others, and changes after the restart reach every node."""

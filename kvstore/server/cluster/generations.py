@@ -4,10 +4,13 @@
   record every node and every later joiner reads), entered here, then pushed to every node
   etcd lists (``Invalidate`` with ``generation``, the node right); the call is acknowledged
   only once each has entered it, or has been fenced: its lease revoked and its TTL waited
-  out, past which it serves nothing (``serving``). A node etcd does not list may still hold a
-  lease of an etcd that was replaced (wiped, restored) until its next keep-alive tells it so:
-  for a TTL after this node started, and after it saw etcd go back, an acknowledgement waits
-  that out too (``_quiet_until``). So no read that starts after the acknowledgement is
+  out, past which it serves nothing (``serving``). A node etcd does not list may still be
+  serving: one another issuer fenced (its key went with the revoke), one that left etcd
+  within its TTL, one holding a lease of an etcd that was replaced (wiped, restored: another
+  ``incarnation`` id, or a revision gone back) until its next keep-alive tells it so. So an
+  acknowledgement also waits out the TTL of every node that left this node's view, or that
+  its view lists and etcd does not, within a TTL, and for a TTL after this node started or
+  saw etcd replaced (``_quiet_until``). No read that starts after the acknowledgement is
   answered from an older generation, at any node.
 * **Watch**: a generation etcd delivers is entered (idempotent, never backwards), so a node
   the push missed catches up as soon as its watch does.
@@ -29,7 +32,7 @@ from kvstore._proto import directory_pb2
 from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.cluster.etcd import KeyValue
 from kvstore.cluster.generations import EtcdGenerations
-from kvstore.cluster.membership import Membership
+from kvstore.cluster.membership import Member, Membership
 from kvstore.errors import TierUnavailable
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.placement import Placement
@@ -52,6 +55,7 @@ class GenerationSync:
         self._rpc_timeout_s = rpc_timeout_s
         self._reseed_salts = reseed_salts
         self._caught_up = 0  # the registration epoch whose catch-up finished (0: none yet)
+        self._incarnation = b""  # etcd's incarnation id when this node last looked
         self.num_fenced = 0
         # until then a node etcd does not list may be serving on a lease of a replaced etcd (this node may
         # have started just after etcd was replaced: it cannot tell)
@@ -68,13 +72,32 @@ class GenerationSync:
         if removed is not None:
             logger.info("namespace %s entered generation %d: %d pages dropped here", namespace_id.hex(), generation, removed)
 
-    def _fence_wait(self) -> float:
-        return self._ttl_s * 1.05 + FENCE_MARGIN_S
+    def _fence_wait(self, member: Member | None = None) -> float:
+        """How long a node may serve after its last acknowledged keep-alive (its TTL, or ours)."""
+        ttl = max(self._ttl_s, member.ttl_s if member is not None else 0)
+        return ttl * 1.05 + FENCE_MARGIN_S
+
+    def _quiet_for(self, wait: float) -> None:
+        self._quiet_until = max(self._quiet_until, time.monotonic() + wait)
 
     def etcd_replaced(self) -> None:
         """etcd went back: the nodes registered in the old one serve until their keep-alives
         find their leases gone (within a TTL); they are not listed in the new one meanwhile."""
-        self._quiet_until = max(self._quiet_until, time.monotonic() + self._fence_wait())
+        self._quiet_for(self._fence_wait())
+
+    def left(self, members: list[Member]) -> None:
+        """Nodes left this node's view (expired, left, fenced by another issuer): until their
+        TTL is out they may still serve, unlisted."""
+        for member in members:
+            self._quiet_for(self._fence_wait(member))
+
+    async def _check_incarnation(self) -> None:
+        """etcd replaced since this node last looked (another incarnation id): ``etcd_replaced``."""
+        incarnation = await self._etcd.incarnation()
+        if self._incarnation and incarnation != self._incarnation:
+            logger.warning("etcd was replaced (its incarnation id changed): what it lost is written back")
+            self.etcd_replaced()
+        self._incarnation = incarnation
 
     def heard(self, kv: KeyValue) -> asyncio.Task[None] | None:
         """A generation the watch delivered (on the loop): entered in a worker thread."""
@@ -86,6 +109,7 @@ class GenerationSync:
         """Enters every generation etcd holds, writes back what etcd lacks, then serves (if
         this node is still registered under ``epoch``). False when etcd did not answer."""
         try:
+            await self._check_incarnation()
             _, held = await self._etcd.read_all()
             for namespace_id, generation in held.items():
                 await self.enter(namespace_id, generation)
@@ -116,6 +140,7 @@ class GenerationSync:
         once its TTL is over)."""
         deadline = time.monotonic() + timeout_s
         try:
+            await self._check_incarnation()
             generation = await self._etcd.raise_above(namespace_id, self._core.directory.generation(namespace_id))
             revision, registered = await self._membership.registered()
         except CoordinatorUnavailable as exc:
@@ -123,11 +148,14 @@ class GenerationSync:
                                   "nothing was invalidated: try again") from None
         if revision < self._membership.revision:  # etcd went back before this node's watch said so
             self.etcd_replaced()
+        viewed = self._membership.members
+        for node in set(viewed) - set(registered) - {self._node}:  # gone from etcd, not yet from the view
+            self._quiet_for(self._fence_wait(viewed[node]))
         removed = await asyncio.to_thread(self._core.enter_generation, namespace_id, generation) or 0
         others = {node: kv for node, kv in registered.items() if node != self._node}
         unconfirmed = await self._push(namespace_id, generation, others, deadline)
         if unconfirmed:
-            await self._fence(namespace_id, generation, unconfirmed)
+            await self._fence(namespace_id, generation, unconfirmed, deadline)
         await self._quiet(namespace_id, generation, sorted(unconfirmed), deadline)
         return removed, generation
 
@@ -155,16 +183,25 @@ class GenerationSync:
             return False
         return int(answer.generation) >= generation
 
-    async def _fence(self, namespace_id: bytes, generation: int, nodes: dict[str, KeyValue]) -> None:
+    async def _fence(self, namespace_id: bytes, generation: int, nodes: dict[str, KeyValue], deadline: float) -> None:
         """Revokes the leases of nodes that did not confirm: a node counts itself a member (and
-        serves) only within TTL of its last acknowledged refresh, which the caller waits out."""
+        serves) only within TTL of its last acknowledged refresh, which the caller waits out. A
+        revoke etcd does not take is tried again until the deadline: a node whose lease lives
+        on (its keep-alives still reach etcd) would serve on. TierUnavailable when one never was."""
+        viewed = self._membership.members
         for node, kv in nodes.items():
-            try:
-                await self._membership.revoke_lease(kv.lease)
-            except CoordinatorUnavailable as exc:
-                logger.warning("could not revoke node %s's lease (%s); it ends within its TTL anyway", node, exc)
+            while True:
+                try:
+                    await self._membership.revoke_lease(kv.lease)
+                    break
+                except CoordinatorUnavailable as exc:
+                    if time.monotonic() + 0.2 > deadline:
+                        raise TierUnavailable(f"namespace {namespace_id.hex()} is at generation {generation} in etcd, "
+                                              f"but node {node} did not confirm it and etcd did not take the revoke of "
+                                              f"its lease ({exc}): it may still serve the older one") from None
+                    await asyncio.sleep(0.2)
             self.num_fenced += 1
-        self._quiet_until = max(self._quiet_until, time.monotonic() + self._fence_wait())
+            self._quiet_for(self._fence_wait(viewed.get(node)))
         logger.warning("nodes %s did not confirm generation %d of namespace %s: fenced (leases revoked)",
                        ", ".join(sorted(nodes)), generation, namespace_id.hex())
 

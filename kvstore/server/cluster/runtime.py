@@ -120,7 +120,7 @@ class ClusterRuntime:
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes
-        me = Member(self.node, cluster.advertise, data_address, tuple(self.config.tiers), capacities)
+        me = Member(self.node, cluster.advertise, data_address, tuple(self.config.tiers), capacities, ttl_s=cluster.ttl_s)
         config = MembershipConfig(cluster.name, self.node, cluster.ttl_s)
         self.membership = Membership(self.etcd, config, me, EpochFile(self.config.data_dir))
         self.generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), self.membership,
@@ -314,6 +314,8 @@ class ClusterRuntime:
         before, self.shard_map = self.shard_map, ShardMap(members, self.shard_config)
         # owners registered anew (a restart: their records are gone) under the same name: not a move of the shard map
         restarted = [n for n, m in members.items() if n != self.node and n in self._members and self._members[n].epoch != m.epoch]
+        if self.generations is not None:  # a node that left may still serve for a TTL (generations.py)
+            self.generations.left([self._members[n] for n in self._members if n not in members])
         self._members = dict(members)
         for peer in self.peers.update(members):
             self._spawn(peer.close())

@@ -73,7 +73,8 @@ class Placement(CoreReports):
             self.tiers = self.residence.tiers
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock
-            self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, self.node, self.metrics)
+            self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, config.node, self.metrics,
+                               self.keeper.settle_owed)
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get, self.owner_of)
             self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
@@ -172,12 +173,11 @@ class Placement(CoreReports):
                tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.
 
-        Returns how many leading pages of the allocation's prefix (as ``allocate`` answered
-        it, pages stored before included) are now stored. With ``durable`` every one of
-        them, written now or stored earlier in RAM, is in the first lower tier (synced) when
-        this returns and only those count; raises TierFull / TierUnavailable when that tier
-        refuses or fails (the pages stay in RAM), and TierUnavailable, storing nothing,
-        when there is no lower tier.
+        Returns how many leading pages of the allocation's prefix (as ``allocate`` answered it, pages stored
+        before included) are now stored. With ``durable`` every one of them, written now or stored earlier in RAM,
+        is in the first lower tier (synced) when this returns and only those count; raises TierFull /
+        TierUnavailable when that tier refuses or fails (the pages stay in RAM), and TierUnavailable, storing
+        nothing, when there is no lower tier. StaleGeneration when the namespace left the allocation's generation.
         """
         if len(keys) != len(checksums):  # before taking the allocation: it stays usable
             raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")

@@ -40,6 +40,11 @@ class Housekeeper:
     def _settle(self, owed: list[Owed]) -> list[Owed]:
         """Does owed removals, each key pinned meanwhile; returns what became owed since."""
         done = []
+        with self.lock:  # a copy written again since it was doomed (revived) is not this removal's to delete
+            revived = [item for item in owed if not item.reason and not self.residence.doomed(item.key, item.tier)]
+            for item in revived:
+                self.residence.released(self.leases.unpin([item.key], move=True))
+            owed = [item for item in owed if item not in revived]
         for item in owed:
             tier = self.residence.tiers[item.tier]
             try:
@@ -56,6 +61,18 @@ class Housekeeper:
                 self.residence.settled(item, ok)
                 self.residence.released(self.leases.unpin([item.key], move=True))
             return self.residence.take_owed()
+
+    def settle_owed(self) -> None:
+        """Lock held: does the removals owed so far now, letting go of the lock meanwhile."""
+        owed = self.residence.take_owed()
+        if not owed:
+            return
+        self.lock.release()
+        try:
+            while owed:
+                owed = self._settle(owed)
+        finally:
+            self.lock.acquire()
 
     def delete_lower_first(self, keys: list[bytes], tier_name: str = "") -> None:
         """Deletes the unpinned lower-tier copies of ``keys`` (only in ``tier_name`` when

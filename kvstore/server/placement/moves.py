@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DEMOTE_PAGES = 64  # a demoter round writes at most this many pages down ...
 DEMOTE_BYTES = 32 << 20  # ... and about this many bytes: one sync and one index commit for them all
 BACKOFF_S = (0.5, 30.0)  # after a round the lower tier failed, the next waits this long, doubling up to the second
+DOOMED_WAIT_S = 10.0  # a durable write waits this long at most for an older copy's delete
 
 
 class NotAmong:
@@ -69,8 +70,9 @@ def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
 
 class Mover(LowerRoom):
     def __init__(self, lock: threading.Lock, residence: Residence, lower: list[AdmittedTier], leases: LeaseTable,
-                 directory: Directory, node: str, metrics: Metrics) -> None:
+                 directory: Directory, node: str, metrics: Metrics, settle_owed: Callable[[], None] = lambda: None) -> None:
         self.lock = lock
+        self._settle_owed = settle_owed  # lock held: does the owed removals now (lets go of the lock meanwhile)
         self.residence = residence
         self.landing = residence.landing
         self.lower = lower  # residence.tiers[1:], with their admission
@@ -229,18 +231,31 @@ class Mover(LowerRoom):
         of the batch is indexed (PageCorrupt); an I/O error or a full index stores nothing
         (OSError, MetadataFull). ``wait``: a page another caller is writing to ``tier`` is
         waited for instead of skipped (a durable commit needs it there when it returns). A page
-        its tenant's ssd shares refuse is not written (the reason goes to ``why``).
+        its tenant's ssd shares refuse is not written (the reason goes to ``why``). A page whose
+        older copy there is being deleted (removed, invalidated) is written only once that delete
+        is done (``wait``; else skipped): the delete would take the new copy; one whose delete
+        waits for the page's last unpin is replaced (the delete is called off).
         """
         target = self._target(tier)
         placed: list[tuple[int, PageHeader, memoryview]] = []
         refused: set[bytes] = set()  # namespaces whose tenant's shares refused a page of this batch
         with self.lock:
-            while wait and any((h.key, tier) in self._writing for h, _ in items):
-                self._written.wait(1.0)
+            waited = time.monotonic() + DOOMED_WAIT_S
+            while wait and any((h.key, tier) in self._writing or self._deleting(h.key, tier) for h, _ in items):
+                if any(self._deleting(h.key, tier) for h, _ in items) and time.monotonic() > waited:
+                    break  # a delete that does not end (a failing device): those pages are skipped below
+                self._settle_owed()
+                self._written.wait(0.05)
             try:
                 for header, payload in items:
                     if self.residence.has(header.key, tier) or (header.key, tier) in self._writing:
                         continue
+                    if self._deleting(header.key, tier):  # the delete of its older copy would take this one
+                        if why is not None:
+                            why.append(f"an older copy of page {header.key.hex()} is being removed from the "
+                                       f"{target.name} tier; retry")
+                        continue
+                    self.residence.revive(header.key, tier)  # a doomed older copy, if any: this one replaces it
                     if header.namespace_id in refused or not self._share_room(tier, header, [] if why is None else why):
                         refused.add(header.namespace_id)
                         continue  # its tenant's shares are spent: its pages stay in RAM only, other tenants' go on
@@ -275,6 +290,11 @@ class Mover(LowerRoom):
             self._publish(tier, [header for _, header, _ in placed])
             return sum(self.residence.has(header.key, tier) for header, _ in items)
 
+    def _deleting(self, key: bytes, tier: int) -> bool:
+        """Lock held: an older copy of ``key`` in ``tier`` is doomed and its delete owed or under
+        way (the key pinned for it); a doomed copy waiting for a reader's unpin is not."""
+        return self.residence.doomed(key, tier) and self.leases.moving(key)
+
     def _unplace(self, target: AdmittedTier, tier: int, placed: list[tuple[int, PageHeader, memoryview]]) -> None:
         for slot, header, _ in placed:
             target.unreserve(slot)
@@ -294,15 +314,16 @@ class Mover(LowerRoom):
         """Lock held: publishes written copies, except of pages removed meanwhile (their new
         copy is deleted once unpinned)."""
         target = self._target(tier)
-        by_ns: dict[bytes, list[tuple[bytes, str, str, int]]] = {}
+        by_ns: dict[tuple[bytes, int], list[tuple[bytes, str, str, int]]] = {}
         for header in headers:
             self._writing.discard((header.key, tier))
             self.residence.revive(header.key, tier)
-            by_ns.setdefault(header.namespace_id, []).append((header.key, self.node, target.name, header.payload_bytes))
+            by_ns.setdefault((header.namespace_id, header.generation), []).append(
+                (header.key, self.node, target.name, header.payload_bytes))
         if headers:
             self.metrics.bytes_in.labels(target.name).inc(sum(header.payload_bytes for header in headers))
-        for namespace_id, records in by_ns.items():
-            listed = self.directory.publish_listed(namespace_id, records)
+        for (namespace_id, generation), records in by_ns.items():
+            listed = self.directory.publish_listed(namespace_id, records, generation)
             for key, _, _, _ in records:
                 if key not in listed:
                     self.residence.drop(key, tier)

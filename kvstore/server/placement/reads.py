@@ -125,7 +125,7 @@ class Reader:
                 pages[i] = AcquiredPage(page.key, self.landing.slot_of(page.key), page.header)  # type: ignore[arg-type]
                 continue
             record = (page.key, self.node, self.landing.name, page.header.payload_bytes)
-            if page.key not in self.directory.publish_listed(page.header.namespace_id, [record]):
+            if page.key not in self.directory.publish_listed(page.header.namespace_id, [record], page.header.generation):
                 self.landing.unreserve(slot)  # removed while we read it: not resurrected
                 cut, reason = i, ""
                 continue
@@ -137,7 +137,8 @@ class Reader:
             self.metrics.promotions.labels(name).inc()
         if cut < len(pages):
             bad = pages[cut].key
-            if reason and bad_tier and self.residence.has(bad, bad_tier):
+            # (the copy read, not one that replaced it meanwhile)
+            if reason and bad_tier and self.residence.has(bad, bad_tier) and self.tiers[bad_tier].header(bad) == pages[cut].header:
                 self._quarantine(bad, bad_tier, reason)
             self.keeper.unpin([p.key for p in pages[cut:]])
             pages = pages[:cut]

@@ -54,6 +54,10 @@ class Residence:
         """Whether ``tiers[tier]`` holds a live copy of ``key``."""
         return self.tiers[tier].contains(key) and (tier == LANDING or (key, tier) not in self._doomed)
 
+    def doomed(self, key: bytes, tier: int) -> bool:
+        """Whether a removed copy of ``key`` in ``tiers[tier]`` waits to be deleted."""
+        return (key, tier) in self._doomed
+
     def stored(self, key: bytes) -> bool:
         return any(self.has(key, i) for i in range(len(self.tiers)))
 

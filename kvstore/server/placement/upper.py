@@ -126,7 +126,7 @@ class Promoter:
         listed: set[bytes] = set()
         for slot, header in written:
             record = (header.key, self.node, tier.name, header.payload_bytes)
-            if header.key in self.directory.publish_listed(header.namespace_id, [record]):
+            if header.key in self.directory.publish_listed(header.namespace_id, [record], header.generation):
                 listed.add(header.key)
                 self.residence.revive(header.key, up)
                 self.metrics.promotions.labels(self.landing.name).inc()  # labelled by the tier it left, as reads.py does
@@ -186,7 +186,7 @@ class Promoter:
         if result.num_read == 1 and up is not None and self.residence.has(key, up) and not self.residence.has(key, LANDING):
             self.landing.commit([(slot, header)])
             record = (key, self.node, self.landing.name, header.payload_bytes)
-            if key in self.directory.publish_listed(header.namespace_id, [record]):
+            if key in self.directory.publish_listed(header.namespace_id, [record], header.generation):
                 self.metrics.demotions.labels(tier.name).inc()
             else:
                 self.residence.drop(key, LANDING)

@@ -71,6 +71,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         who = current_identity()
+        generation = self.core.directory.generation(ns)  # read first: runs of an older one are never labelled newer
         if request.local_only or request.tenant:  # a node asking a shard owner
             require_node(who, "Lookup with local_only or tenant")
             if not self.tenancy.may_read(acting_for(who, request.tenant), ns):
@@ -83,7 +84,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         else:
             runs = []  # as for an empty namespace
         return directory_pb2.LookupResponse(
-            num_pages=sum(r.num_pages for r in runs), generation=self.core.directory.generation(ns),
+            num_pages=sum(r.num_pages for r in runs), generation=generation,
             runs=[directory_pb2.LocationRun(node=r.node, tier=r.tier, num_pages=r.num_pages, size_bytes=r.size_bytes)
                   for r in runs])
 
