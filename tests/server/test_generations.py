@@ -18,10 +18,11 @@ from kvstore.page import LayoutDesc
 from kvstore.validate import layout_msg
 
 
-async def test_a_put_naming_a_generation_an_invalidation_left_is_refused(server, layout, ns) -> None:
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "stream"])
+async def test_a_put_naming_a_generation_an_invalidation_left_is_refused(server, layout, ns, use_shm: bool) -> None:
     tokens = list(range(3 * layout.page_tokens))
     kv = random_kv(layout, len(tokens), seed=1)
-    async with KVStoreClient(server.address, ns) as client:
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
         hit = await client.lookup(tokens)
         assert hit.generation == 0
         assert await client.invalidate() == 1
