@@ -34,7 +34,7 @@ from kvstore.cluster.etcd import KeyValue
 from kvstore.cluster.generations import EtcdGenerations
 from kvstore.cluster.membership import Member, Membership
 from kvstore.errors import TierUnavailable
-from kvstore.server.cluster.peers import Peers
+from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,12 @@ class GenerationSync:
         request = directory_pb2.InvalidateRequest(namespace_id=namespace_id, generation=generation)
         try:
             answer = await peer.directory.Invalidate(request, timeout=timeout)
+        except asyncio.CancelledError:
+            if current_cancelled():
+                raise
+            logger.warning("node %s left while told generation %d of namespace %s (its channel closed)", node,
+                           generation, namespace_id.hex())
+            return False
         except Exception as exc:  # noqa: BLE001 - whatever failed, the node did not confirm: it is fenced
             logger.warning("node %s did not confirm generation %d of namespace %s: %r", node, generation,
                            namespace_id.hex(), exc)

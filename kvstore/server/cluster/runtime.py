@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
 from kvstore.cluster.epoch_file import EpochFile
@@ -171,6 +172,8 @@ class ClusterRuntime:
         except TimeoutError:
             future.cancel()
             raise
+        except CancelledError:  # the loop's tasks are cancelled: the node is leaving
+            raise TierUnavailable(f"node {self.node} is leaving the cluster: ask another node") from None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
