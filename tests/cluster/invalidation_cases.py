@@ -63,9 +63,9 @@ async def read_checked(address: str, tokens: list[int], expected: torch.Tensor, 
         return n
 
 
-async def served(address: str, tokens: list[int]) -> int:
-    """How many tokens of ``tokens`` a node serves now (looked up, then read whole)."""
-    async with KVStoreClient(address, NS) as client:
+async def served(address: str, tokens: list[int], token: str | None = None) -> int:
+    """How many tokens of ``tokens`` a node serves now (looked up, then read whole; as ``token``'s tenant)."""
+    async with KVStoreClient(address, NS, token=token) as client:
         hit = await client.lookup(tokens)
         if not hit.num_tokens:
             return 0

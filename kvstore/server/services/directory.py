@@ -14,7 +14,7 @@ from kvstore._proto import common_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.directory import Event, EventKind
 from kvstore.errors import InvalidRequest, LimitExceeded
-from kvstore.security.identity import Rights
+from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
@@ -138,13 +138,19 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
             raise InvalidRequest("Invalidate with keys is local to one node, and another node's copy would be fetched "
                                  "straight back: in cluster mode invalidate the whole namespace (no keys; its generation "
                                  "goes up at every node)")
-        if not self.tenancy.may_administer(who, ns):  # as for an empty namespace
+        if not (self.tenancy.may_administer(who, ns) or self._elsewhere(who, ns)):  # as for an empty namespace
             return directory_pb2.InvalidateResponse(num_removed=0, generation=self.core.directory.generation(ns))
         if self.cluster is not None:  # etcd first, then every member, before this answers
             removed, generation = self.cluster.invalidate(ns, context.time_remaining())
         else:
             removed, generation = self.core.invalidate(ns, keys), self.core.directory.generation(ns)
         return directory_pb2.InvalidateResponse(num_removed=removed, generation=generation)
+
+    def _elsewhere(self, who: Identity, namespace_id: bytes) -> bool:
+        """Cluster mode: a tenant's namespace bound to nobody at this node may be its own at
+        another (it wrote there): it may invalidate it here. Its id folds in the tenant's
+        secret salt, so another tenant cannot name it without a leak."""
+        return self.cluster is not None and who.via != "local" and self.tenancy.owners.owner(namespace_id) is None
 
     @unary
     def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
