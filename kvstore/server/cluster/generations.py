@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 VIEW_WAIT_S = 1.0  # how long an invalidation waits for this node's view to list a node etcd lists
 FENCE_MARGIN_S = 0.5  # past a fenced node's TTL, for clocks that do not tick alike
+SEED_AT_ONCE = 64  # generations written back to etcd concurrently
 
 
 class GenerationSync:
@@ -111,12 +112,17 @@ class GenerationSync:
         try:
             await self._check_incarnation()
             _, held = await self._etcd.read_all()
+            current = self._core.directory.generation
             for namespace_id, generation in held.items():
-                await self.enter(namespace_id, generation)
-            for namespace_id, generation in self._core.directory.generations().items():
-                if held.get(namespace_id, 0) < generation and await self._etcd.seed(namespace_id, generation):
-                    logger.warning("etcd lacked generation %d of namespace %s (replaced or restored?): written back",
-                                   generation, namespace_id.hex())
+                if generation > current(namespace_id):
+                    await self.enter(namespace_id, generation)
+            lacking = [(ns, g) for ns, g in self._core.directory.generations().items() if held.get(ns, 0) < g]
+            for start in range(0, len(lacking), SEED_AT_ONCE):  # after a wipe, every namespace ever invalidated
+                batch = lacking[start : start + SEED_AT_ONCE]
+                seeded = await asyncio.gather(*(self._etcd.seed(ns, g) for ns, g in batch))
+                if any(seeded):
+                    logger.warning("etcd lacked the generations of %d namespaces (replaced or restored?): written back",
+                                   sum(seeded))
             if self._reseed_salts is not None:
                 await asyncio.to_thread(self._reseed_salts)
         except CoordinatorUnavailable as exc:
