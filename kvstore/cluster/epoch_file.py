@@ -1,10 +1,13 @@
-"""A node's last registration epoch, kept in its own data directory (issue 34, defect 8).
+"""What a node keeps of its cluster membership in its own data directory, for an etcd that was
+replaced or restored (issue 34, defect 8): its last registration epoch, and the incarnation id
+of the etcd it last caught up with.
 
 etcd keeps each node's epoch too, but an etcd that was wiped or restored from an old snapshot
 forgets it, and a restarted node would register under an epoch it (or the owners that heard
 it) used before: its first records then refused for good, or an old incarnation's records
 never ended. The node writes the epoch here (synced, 0600) before it registers with it, and
-registers next above both etcd's and this one.
+registers next above both etcd's and this one. The incarnation id tells a restarted node
+whether etcd is still the one it knew (server/cluster/generations.py).
 """
 
 from __future__ import annotations
@@ -16,34 +19,56 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "cluster-epoch"
+INCARNATION_FILE_NAME = "cluster-incarnation"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        logger.warning("%s is unreadable (%r)", path, exc)
+        return ""
+
+
+def _write(path: Path, text: str) -> None:
+    """Replaces ``path`` with ``text`` (0600), synced (file and directory) before it returns."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{text}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class EpochFile:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / FILE_NAME
+        self.incarnation_path = data_dir / INCARNATION_FILE_NAME
 
     def read(self) -> int:
         """The last epoch written (0: none, or a file that does not hold one, which is logged)."""
+        text = _read(self.path)
         try:
-            return max(0, int(self.path.read_text().strip()))
-        except FileNotFoundError:
-            return 0
-        except (OSError, ValueError) as exc:
-            logger.warning("%s is unreadable (%r); the node's epoch comes from etcd alone", self.path, exc)
+            return max(0, int(text)) if text else 0
+        except ValueError:
+            logger.warning("%s does not hold an epoch (%r); the node's epoch comes from etcd alone", self.path, text)
             return 0
 
     def write(self, epoch: int) -> None:
-        """Replaces the file with ``epoch``, synced (file and directory) before it returns."""
-        tmp = self.path.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, f"{epoch}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _write(self.path, str(epoch))
+
+    def read_incarnation(self) -> bytes:
+        """The incarnation id of the etcd this node last caught up with (b"": none known)."""
+        return _read(self.incarnation_path).encode()
+
+    def write_incarnation(self, incarnation: bytes) -> None:
+        _write(self.incarnation_path, incarnation.decode())

@@ -1,8 +1,11 @@
 """The cluster's copy of each namespace's generation, in etcd (issue 34).
 
     <root>generations/<ns hex>   JSON {"generation": g, "issued_by": node, "issued_at_s": t} (no lease)
-    <root>incarnation            a random id, made by the first node that finds it absent: another
-                                 id (or none) than a node saw before says etcd was replaced
+    <root>incarnation            "<random id> <unix time made>", made by the first node that finds
+                                 it absent: another id (or none) than a node saw before says etcd
+                                 was replaced; its age, how long the nodes have had to write back
+    <root>caught-up/<node>       the incarnation id a node caught up with (written back what it knew),
+                                 under its lease
 
 An invalidation raises a namespace's generation here first (a compare-and-swap on the key's
 mod revision), then every member enters it. Generations are compared as numbers, never by
@@ -34,17 +37,23 @@ class EtcdGenerations:
         self._etcd = etcd
         self.prefix = root + b"generations/"
         self._incarnation_key = root + b"incarnation"
+        self.caught_up_prefix = root + b"caught-up/"
         self._node = node
 
-    async def incarnation(self) -> bytes:
-        """This etcd's incarnation id (made now if it has none: a new or wiped etcd)."""
+    async def incarnation(self) -> tuple[bytes, float]:
+        """This etcd's incarnation id and when it was made (unix seconds; made now if it has
+        none: a new or wiped etcd)."""
         for _ in range(_CAS_ROUNDS):
             kv = await self._etcd.get(self._incarnation_key)
             if kv is not None:
-                return kv.value
-            made = secrets.token_hex(16).encode()
+                ident, _, made_at = kv.value.partition(b" ")
+                try:
+                    return ident, float(made_at)
+                except ValueError:
+                    return ident, 0.0
+            made = f"{secrets.token_hex(16)} {time.time():.3f}".encode()
             if await self._etcd.put_if([(self._incarnation_key, made, 0)], {self._incarnation_key: 0}):
-                return made
+                return made.partition(b" ")[0], time.time()
         raise RuntimeError(f"{self._incarnation_key!r}: {_CAS_ROUNDS} creations lost in a row")
 
     def _key(self, namespace_id: bytes) -> bytes:
@@ -61,6 +70,11 @@ class EtcdGenerations:
             logger.warning("ignoring generation record %r: %r", kv.key, exc)
             return None
         return namespace_id, generation
+
+    async def caught_up(self) -> dict[str, bytes]:
+        """node -> the incarnation id it last caught up with (written back what it knew)."""
+        _, kvs = await self._etcd.get_prefix(self.caught_up_prefix)
+        return {kv.key[len(self.caught_up_prefix):].decode(errors="replace"): kv.value for kv in kvs}
 
     async def read_all(self) -> tuple[int, dict[bytes, int]]:
         """(etcd's revision, every namespace's generation) as etcd holds them now."""

@@ -124,6 +124,13 @@ class Membership:
         snapshot): what this node wrote there may be gone, for it to write back."""
         self._replaced_listeners.append(listener)
 
+    async def put_under_lease(self, key: bytes, value: bytes) -> None:
+        """Writes ``key`` under this node's lease (gone with it); CoordinatorUnavailable, or
+        NotAMember while it holds none."""
+        if not self._lease:
+            raise NotAMember(f"node {self._me.node_id} holds no lease")
+        await self._etcd.put(self.config.root + key, value, self._lease)
+
     async def revoke_lease(self, lease: int) -> None:
         """Revokes another node's lease (fencing it: it stops acting as a member within its TTL)."""
         if lease:
@@ -326,6 +333,8 @@ class Membership:
     def _deliver(self, kind: str, kv: KeyValue) -> None:
         for listener in self._key_listeners.get(kind, ()):
             self._call(listener, kv)
+        if kind in self._key_listeners:
+            self._notify()  # wait_for predicates may read what a listener recorded
 
     @staticmethod
     def _call(listener: Callable[..., None], *args: object) -> None:

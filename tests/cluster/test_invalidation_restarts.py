@@ -12,7 +12,7 @@ from conftest import random_kv
 from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from invalidation_cases import invalidate, read_checked, served, tokens_owned_by
 from tcp_proxy import TcpProxy
-from test_cluster_nodes import LAYOUT, NS
+from test_cluster_nodes import LAYOUT, NS, ctl_cluster
 
 from kvstore.client import KVStoreClient
 
@@ -84,3 +84,40 @@ async def _stored(client: KVStoreClient, tokens: list[int], kv) -> bool:  # type
 
 async def _read_whole(address: str, tokens: list[int], kv) -> bool:  # type: ignore[no-untyped-def]
     return await read_checked(address, tokens, kv, "a read") == len(tokens)
+
+
+async def test_a_node_that_missed_an_invalidation_waits_for_the_others_after_etcd_was_wiped(cluster_nodes, etcd,
+                                                                                            tmp_path) -> None:
+    """Two faults: x is down while its namespace is invalidated at a, then etcd is wiped (the
+    generation gone with it) and x restarts before a could write it back (a's etcd link held).
+    Before, x caught up with an etcd that knew nothing and served its invalidated pages. Now a
+    node that was registered before waits, in an etcd younger than a TTL, until the nodes etcd
+    lists have caught up there too (written back what they knew)."""
+    link = TcpProxy(("127.0.0.1", etcd.client_port))
+    a = Node(tmp_path, "a", f"etcd://127.0.0.1:{link.port}", "grpc")
+    (x,) = cluster_nodes(["x"], "grpc")
+    try:
+        a.start()
+        tokens = tokens_owned_by(["a", "x"], {"a", "x"}, 4)
+        kv = random_kv(LAYOUT, len(tokens), seed=6)
+        async with KVStoreClient(x.address, NS) as on_x:
+            assert await on_x.put(tokens, kv, durable=True) == len(tokens)
+        x.stop()
+        await invalidate(a.address, NS.namespace_id)  # x is not registered: nothing to wait for
+        link.hold()  # a hears of the wipe only once released
+        etcd.wipe()
+        x.launch()
+        await eventually(lambda: _registered(etcd.url, "x"), 20, "x registered in the new etcd")
+        await asyncio.sleep(0.3)
+        link.release()  # a finds its lease gone, registers again, writes generation 1 back
+        x.wait_ready()
+        assert await served(x.address, tokens) == 0, "x served pages invalidated while it was down"
+    finally:
+        link.release()
+        a.stop()
+        link.close()
+
+
+async def _registered(etcd_url: str, node: str) -> bool:
+    members = await asyncio.to_thread(ctl_cluster, etcd_url)
+    return node in {m["node"] for m in members["members"]}

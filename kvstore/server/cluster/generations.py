@@ -16,9 +16,16 @@
   the push missed catches up as soon as its watch does.
 * **Catch-up** (``catch_up``): after every registration (and when etcd went back, replaced
   or restored) a node reads every generation etcd holds, enters them, and writes back the
-  ones etcd lacks or holds lower (and the tenants' salts, ``reseed_salts``); only then does
-  it serve reads (``serving``). A node restarted on its data, or cut off while the cluster
-  moved on, never serves a page invalidated meanwhile.
+  ones etcd lacks or holds lower (and the tenants' salts, ``reseed_salts``); then it says so
+  in etcd (``caught-up/<node>``: etcd's incarnation id) and waits, up to a TTL, for every
+  other node etcd lists to have done the same in this etcd, and, if etcd is not the one it
+  caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), in an etcd younger
+  than a TTL until it is that old (after a wipe, a node that missed an
+  invalidation while it was down must not serve before the nodes that know of it registered
+  again and wrote it back); it reads etcd's generations once more, and only then serves reads
+  (``serving``). A node restarted on its data, or cut off while the cluster moved on, never
+  serves a page invalidated meanwhile (unless every node that knew of it is down and etcd
+  lost it: etcd is the cluster's memory).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import time
 from collections.abc import Callable
 
 from kvstore._proto import directory_pb2
-from kvstore.cluster.errors import CoordinatorUnavailable
+from kvstore.cluster.epoch_file import EpochFile
+from kvstore.cluster.errors import CoordinatorUnavailable, NotAMember
 from kvstore.cluster.etcd import KeyValue
 from kvstore.cluster.generations import EtcdGenerations
 from kvstore.cluster.membership import Member, Membership
@@ -46,7 +54,8 @@ SEED_AT_ONCE = 64  # generations written back to etcd concurrently
 
 class GenerationSync:
     def __init__(self, core: Placement, etcd: EtcdGenerations, membership: Membership, peers: Peers, node: str,
-                 ttl_s: float, rpc_timeout_s: float, reseed_salts: Callable[[], object] | None = None) -> None:
+                 ttl_s: float, rpc_timeout_s: float, reseed_salts: Callable[[], object] | None = None,
+                 epochs: EpochFile | None = None) -> None:
         self._core = core
         self._etcd = etcd
         self._membership = membership
@@ -56,7 +65,11 @@ class GenerationSync:
         self._rpc_timeout_s = rpc_timeout_s
         self._reseed_salts = reseed_salts
         self._caught_up = 0  # the registration epoch whose catch-up finished (0: none yet)
-        self._incarnation = b""  # etcd's incarnation id when this node last looked
+        self._epochs = epochs  # where the incarnation caught up with last is kept, across restarts
+        # etcd's incarnation id when this node last looked (across restarts: the file's)
+        self._incarnation = epochs.read_incarnation() if epochs is not None else b""
+        self._incarnation_made = 0.0  # ... and when it was made (unix seconds)
+        self._replaced = False  # this node met another etcd than the one it knew: the young wait applies
         self.num_fenced = 0
         # until then a node etcd does not list may be serving on a lease of a replaced etcd (this node may
         # have started just after etcd was replaced: it cannot tell)
@@ -94,10 +107,13 @@ class GenerationSync:
 
     async def _check_incarnation(self) -> None:
         """etcd replaced since this node last looked (another incarnation id): ``etcd_replaced``."""
-        incarnation = await self._etcd.incarnation()
+        incarnation, self._incarnation_made = await self._etcd.incarnation()
         if self._incarnation and incarnation != self._incarnation:
             logger.warning("etcd was replaced (its incarnation id changed): what it lost is written back")
             self.etcd_replaced()
+            self._replaced = True
+        if incarnation != self._incarnation and self._epochs is not None:
+            await asyncio.to_thread(self._epochs.write_incarnation, incarnation)
         self._incarnation = incarnation
 
     def heard(self, kv: KeyValue) -> asyncio.Task[None] | None:
@@ -125,12 +141,37 @@ class GenerationSync:
                                    sum(seeded))
             if self._reseed_salts is not None:
                 await asyncio.to_thread(self._reseed_salts)
-        except CoordinatorUnavailable as exc:
+            await self._membership.put_under_lease(self._etcd.caught_up_prefix[len(self._membership.config.root):] +
+                                                   self._node.encode(), self._incarnation)
+            await self._wait_for_the_others()
+            _, held = await self._etcd.read_all()  # what they wrote back
+            for namespace_id, generation in held.items():
+                if generation > current(namespace_id):
+                    await self.enter(namespace_id, generation)
+        except (CoordinatorUnavailable, NotAMember) as exc:
             logger.info("catching up with etcd's generations failed (%s); retrying", exc)
             return False
         if self._membership.epoch == epoch:
             self._caught_up = epoch
         return True
+
+    async def _wait_for_the_others(self) -> None:
+        """Until every other node etcd lists caught up in this etcd (up to a fence wait: one that
+        does not is stuck, or gone within its TTL)."""
+        young = self._incarnation_made + self._fence_wait() - time.time()
+        if young > 0 and self._replaced:  # a new etcd: the nodes of the old one register again within their TTL
+            await asyncio.sleep(young)
+        give_up = time.monotonic() + self._fence_wait()
+        while True:
+            _, registered = await self._membership.registered()
+            marks = await self._etcd.caught_up()
+            behind = sorted(n for n in registered if n != self._node and marks.get(n) != self._incarnation)
+            if not behind:
+                return
+            if time.monotonic() > give_up:
+                logger.warning("nodes %s did not catch up with etcd within a TTL; serving without them", ", ".join(behind))
+                return
+            await asyncio.sleep(0.1)
 
     async def keep_catching_up(self, epoch: int, retry_s: float) -> None:
         """``catch_up`` until it succeeds or the node registered again (that one catches up itself)."""

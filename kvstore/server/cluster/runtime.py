@@ -123,9 +123,11 @@ class ClusterRuntime:
             capacities["ssd"] = self.config.ssd.capacity_bytes
         me = Member(self.node, cluster.advertise, data_address, tuple(self.config.tiers), capacities, ttl_s=cluster.ttl_s)
         config = MembershipConfig(cluster.name, self.node, cluster.ttl_s)
-        self.membership = Membership(self.etcd, config, me, EpochFile(self.config.data_dir))
+        epochs = EpochFile(self.config.data_dir)
+        self.membership = Membership(self.etcd, config, me, epochs)
         self.generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), self.membership,
-                                          self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed_salts)
+                                          self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed_salts,
+                                          epochs)
         self.membership.on_members(self._on_members)
         self.membership.on_key("generations", self._heard_generation)
         self.membership.on_replaced(self._etcd_replaced)
