@@ -12,12 +12,15 @@ whether etcd is still the one it knew (server/cluster/generations.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+_WRITES = itertools.count()
 FILE_NAME = "cluster-epoch"
 INCARNATION_FILE_NAME = "cluster-incarnation"
 
@@ -34,7 +37,7 @@ def _read(path: Path) -> str:
 
 def _write(path: Path, text: str) -> None:
     """Replaces ``path`` with ``text`` (0600), synced (file and directory) before it returns."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_WRITES)}.tmp")  # writers at once
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, f"{text}\n".encode())

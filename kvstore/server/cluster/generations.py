@@ -153,6 +153,7 @@ class GenerationSync:
             return False
         if self._membership.epoch == epoch:
             self._caught_up = epoch
+            logger.info("node %s caught up with etcd's generations (epoch %d): serving", self._node, epoch)
         return True
 
     async def _wait_for_the_others(self) -> None:

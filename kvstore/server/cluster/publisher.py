@@ -39,7 +39,7 @@ from kvstore._proto import common_pb2, directory_pb2
 from kvstore.cluster.shards import ShardMap, moves
 from kvstore.directory import Directory
 from kvstore.directory.events import EventKind
-from kvstore.server.cluster.peers import Peers
+from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.status import ERROR_METADATA_KEY
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,9 @@ class Publisher:
             try:
                 await asyncio.gather(*(self._send(owner, changes) for owner, changes in pending.items()))
             except asyncio.CancelledError:
-                raise
+                if current_cancelled():
+                    raise
+                logger.warning("publishing records of node %s: a call ended with its channel", self._node)
             except Exception:
                 logger.exception("publishing records of node %s failed", self._node)
 
@@ -218,7 +220,12 @@ class Publisher:
                 await self._send_batch(peer, batch)
                 sent = start + len(batch)
         except asyncio.CancelledError:
-            raise
+            if current_cancelled():
+                raise
+            # the owner's channel was closed under the call (it left, or registered anew): this task goes on
+            logger.info("node %s: publishing %d records to %s ended with its channel; retrying", self._node,
+                        len(items) - sent, owner)
+            await self._retry(owner, items[sent:])
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _RETRIED and _error_name(exc) not in _RETRIED_ERRORS:
                 # refused (the owner's record limits, rights, a generation that is over): retrying would not change that
@@ -227,12 +234,16 @@ class Publisher:
                 return
             logger.info("node %s: publishing %d records to %s failed (%s); retrying", self._node, len(items) - sent, owner,
                         exc.code().name)
-            if owner in self._shard_map().members:
-                retry = self._pending.setdefault(owner, {})
-                for held, record in items[sent:]:
-                    retry.setdefault(held, record)  # a newer change queued meanwhile wins
-                await asyncio.sleep(0.2)
-                self._wake.set()
+            await self._retry(owner, items[sent:])
+
+    async def _retry(self, owner: str, items: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
+        """Queues ``items`` for ``owner`` again while it is a member (a newer change queued meanwhile wins)."""
+        if owner in self._shard_map().members:
+            retry = self._pending.setdefault(owner, {})
+            for held, record in items:
+                retry.setdefault(held, record)
+            await asyncio.sleep(0.2)
+            self._wake.set()
 
     async def _send_batch(self, peer: Any, batch: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
         publish: dict[tuple[bytes, int], list[directory_pb2.PageRecord]] = {}
@@ -249,6 +260,8 @@ class Publisher:
                                                    epoch=self._epoch(), generation=generation)
             try:
                 await peer.directory.Publish(request, timeout=self._timeout_s)
+                logger.debug("node %s published %d records of %s (generation %d) to %s, epoch %d", self._node, len(records),
+                             ns.hex(), generation, peer.member.node_id, request.epoch)
             except grpc.aio.AioRpcError as exc:
                 if _error_name(exc) != "StaleGeneration":
                     raise
@@ -258,6 +271,7 @@ class Publisher:
                 continue
             self.num_published += len(records)
         for (ns, tier), keys in withdraw.items():
+            logger.debug("node %s withdraws %d records of %s from %s", self._node, len(keys), ns.hex(), peer.member.node_id)
             await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node,
                                                                     epoch=self._epoch()), timeout=self._timeout_s)
             self.num_withdrawn += len(keys)
