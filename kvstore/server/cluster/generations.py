@@ -19,10 +19,10 @@
   ones etcd lacks or holds lower (and the tenants' salts, ``reseed_salts``); then it says so
   in etcd (``caught-up/<node>``: etcd's incarnation id) and waits, up to a TTL, for every
   other node etcd lists to have done the same in this etcd, and, if etcd is not the one it
-  caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), in an etcd younger
-  than a TTL until it is that old (after a wipe, a node that missed an
-  invalidation while it was down must not serve before the nodes that know of it registered
-  again and wrote it back); it reads etcd's generations once more, and only then serves reads
+  caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), until etcd is a
+  keep-alive period (TTL/3) and a second old (after a wipe, a node that missed an invalidation
+  while it was down must not serve before the nodes that know of it registered again and wrote
+  it back); it reads etcd's generations once more, and only then serves reads
   (``serving``). A node restarted on its data, or cut off while the cluster moved on, never
   serves a page invalidated meanwhile (unless every node that knew of it is down and etcd
   lost it: etcd is the cluster's memory).
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 VIEW_WAIT_S = 1.0  # how long an invalidation waits for this node's view to list a node etcd lists
 FENCE_MARGIN_S = 0.5  # past a fenced node's TTL, for clocks that do not tick alike
 SEED_AT_ONCE = 64  # generations written back to etcd concurrently
+REGISTER_AGAIN_S = 1.0  # past a keep-alive period, for a node of a replaced etcd to find its lease gone and register
 
 
 class GenerationSync:
@@ -159,8 +160,10 @@ class GenerationSync:
     async def _wait_for_the_others(self) -> None:
         """Until every other node etcd lists caught up in this etcd (up to a fence wait: one that
         does not is stuck, or gone within its TTL)."""
-        young = self._incarnation_made + self._fence_wait() - time.time()
-        if young > 0 and self._replaced:  # a new etcd: the nodes of the old one register again within their TTL
+        # a new etcd: a live node of the old one finds its lease gone at its next keep-alive (every TTL/3) and
+        # registers again at once
+        young = self._incarnation_made + self._ttl_s / 3 + REGISTER_AGAIN_S - time.time()
+        if young > 0 and self._replaced:
             await asyncio.sleep(young)
         give_up = time.monotonic() + self._fence_wait()
         while True:
