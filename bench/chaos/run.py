@@ -18,16 +18,16 @@ from kvstore.bench.chaos.runner import Settings, run_histories
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--histories", type=int, default=20)
+    p.add_argument("--histories", type=int, default=20, help="histories to run on one cluster (every namespace of a history is invalidated after it)")
     p.add_argument("--seed", type=int, default=0, help="history i runs with seed SEED+i")
-    p.add_argument("--ops-per-history", type=int, default=250)
+    p.add_argument("--ops-per-history", type=int, default=250, help="operations planned per history")
     p.add_argument("--workers", type=int, default=4, help="concurrent clients' loops per history")
     p.add_argument("--traffic-s", type=float, default=10.0, help="each history's ops are spread over this long")
     p.add_argument("--timeout-s", type=float, default=5.0, help="every client call's deadline")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
     p.add_argument("--shrink-attempts", type=int, default=6, help="reruns to shrink a failing history")
-    p.add_argument("--dir", default=None, help="the cluster's files and failing histories (default: a new temporary dir)")
-    p.add_argument("--server-log-level", default="warning")
+    p.add_argument("--dir", default=None, help="the cluster's files and failing histories (None: a new temporary dir)")
+    p.add_argument("--server-log-level", default="warning", help="the nodes' --log-level")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
