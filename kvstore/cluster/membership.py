@@ -64,6 +64,7 @@ class Membership:
         self._me = me
         self._state = MemberState.JOINING
         self._lease = 0
+        self._lost_leases: set[int] = set()  # leases of this process a revoke has not ended yet (etcd was down)
         self._deadline = 0.0  # monotonic; a member only while now < deadline
         self._members: dict[str, Member] = {}
         self._revision = 0    # last etcd revision folded into the view
@@ -175,17 +176,21 @@ class Membership:
             logger.error("membership task %s did not stop on close", task.get_name())
         self._keepalive.close()
         lease, self._lease = self._lease, 0  # after the loops: one of them may have just registered
-        if lease:
+        for each in sorted({lease, *self._lost_leases} - {0}):
             try:
-                await self._etcd.revoke(lease)
+                await self._etcd.revoke(each)
             except CoordinatorUnavailable as exc:
-                logger.warning("node %s left without revoking its lease (%s); etcd expires it", self._me.node_id, exc)
+                logger.warning("node %s left without revoking lease %x (%s); etcd expires it", self._me.node_id, each, exc)
+                break
 
     # -- registration and keep-alive ------------------------------------------------------------
     async def _register(self) -> None:
         """One attempt: a new lease, then epoch + 1 and the node key in one transaction."""
         root, node = self.config.root, self._me.node_id.encode()
         epoch_key, node_key = root + b"epochs/" + node, root + b"nodes/" + node
+        for old in sorted(self._lost_leases):  # an etcd restarted on its data renews them for a TTL and more
+            await self._etcd.revoke(old)
+            self._lost_leases.discard(old)
         sent = time.monotonic()
         lease, ttl = await self._etcd.grant(self.config.ttl_s)
         try:
@@ -218,8 +223,9 @@ class Membership:
     async def _revoke_quietly(self, lease: int) -> None:
         try:
             await self._etcd.revoke(lease)
-        except CoordinatorUnavailable as exc:
-            logger.info("could not revoke lease %x (%s); etcd expires it", lease, exc)
+        except CoordinatorUnavailable as exc:  # revoked at the next registration (a lost reply may have put the key under it)
+            logger.info("could not revoke lease %x (%s); revoked before registering again", lease, exc)
+            self._lost_leases.add(lease)
 
     async def _keepalive_loop(self) -> None:
         cfg = self.config
@@ -228,9 +234,9 @@ class Membership:
                 if self.state is not MemberState.MEMBER:
                     if self._state is MemberState.MEMBER:
                         self._lose("no keep-alive acknowledged within the lease TTL")
-                    if self._lease:
-                        lease, self._lease = self._lease, 0
-                        await self._revoke_quietly(lease)
+                    if self._lease:  # revoked before registering again, however long etcd is down
+                        self._lost_leases.add(self._lease)
+                        self._lease = 0
                     await self._register()
                     continue
                 sent = time.monotonic()
