@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class ArenaMap:
-    def __init__(self, mm: mmap.mmap, writable: bool = True) -> None:
+    def __init__(self, mm: mmap.mmap, writable: bool = True, token: bytes = b"") -> None:
         self._mmap = mm
+        self.token = token  # the server's arena token: an Allocate or Acquire answer names the arena its offsets are in
         self.writable = writable  # False: a read-only token's mapping (PROT_READ); writing into it would fault
         with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only; numpy's array is
             warnings.simplefilter("ignore", UserWarning)
@@ -90,7 +91,7 @@ class ArenaMap:
             logger.info("arena %s belongs to another server; pages go over gRPC", name)
             mm.close()
             return None
-        return cls(mm, writable)
+        return cls(mm, writable, bytes(token))
 
     def slot(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over one slot (no copy)."""

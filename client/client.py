@@ -140,11 +140,12 @@ class KVStoreClient(NamespaceCalls):
                     self.max_pages, self.lease_ms)
         if self.use_shm:
             self._arena = await loop.run_in_executor(None, map_arena, info, self._token)
+        again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
         if self.use_call_socket and info.call_socket:
-            again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
             self._calls = await again.open_channels(info, self.timeout_s)
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, self.copy_threads)
+            self._transport.relearn = again.arena_again
         else:
             self._transport = StreamTransport(peer, self.chunk_bytes)
 

@@ -6,8 +6,12 @@ connection and ask ``ServerAgain`` for the server's socket and token now: over g
 channel names the server the client asked for (TLS), so the check of the token keeps its
 meaning. The arena is mapped again first: a lease or an allocation of the new server names
 offsets in its arena, not in the old one. The old mapping goes once no copy runs on it
-(ShmTransport.remap: it holds the dead server's arena in RAM); the checksums refuse what a
-copy read from it.
+(ShmTransport.remap: it holds the dead server's arena in RAM).
+
+An answer may still reach the client before its channel learnt of the restart (over gRPC),
+or an old server's answer be copied after: every Allocate and Acquire answer names the
+token of the arena its offsets are in, and ``ShmTransport.mapping`` copies only through that
+arena's mapping, mapping the new one first (``arena_again``) when it is not mapped yet.
 """
 
 from __future__ import annotations
@@ -68,20 +72,33 @@ class ServerAgain:
             return None
 
     async def _call_socket(self) -> tuple[str, bytes] | None:
+        info = await self._learn()
+        if not info.call_socket or (self._arena_token is not None and info.arena_token != self._arena_token):
+            return None  # no socket, or the new arena could not be mapped
+        return info.call_socket, bytes(info.call_token)
+
+    async def arena_again(self) -> None:
+        """Maps the server's arena now if it is another one: an Allocate or Acquire answer named
+        offsets in an arena this client does not map (ShmTransport.mapping). A failure is logged;
+        the caller then gives its answer back."""
+        try:
+            await self._learn()
+        except KVStoreError as exc:
+            logger.info("the restarted server's arena not mapped: %s", exc)
+
+    async def _learn(self) -> Any:
+        """GetInfo, and the arena it announces mapped when it is another one than the client's."""
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             runtime = self.runtime
             info = await runtime.rpc(runtime.data.GetInfo, data_pb2.GetInfoRequest())
-            if not info.call_socket:
-                return None
-            if self._arena_token is not None and info.arena_token != self._arena_token:
+            if self._arena_token is not None and info.arena_token and info.arena_token != self._arena_token:
                 arena = await asyncio.get_running_loop().run_in_executor(None, map_arena, info, self._bearer)
-                if arena is None:
-                    return None
-                self._remap(arena)
-                self._arena_token = info.arena_token
-                logger.info("the restarted server's arena is mapped")
-            return info.call_socket, bytes(info.call_token)
+                if arena is not None:
+                    self._remap(arena)
+                    self._arena_token = info.arena_token
+                    logger.info("the restarted server's arena is mapped")
+            return info
 
     def call_socket_blocking(self, timeout_s: float) -> tuple[str, bytes] | None:
         """``call_socket`` from a thread of the caller's; None on the runtime's own (it would

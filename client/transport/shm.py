@@ -48,6 +48,7 @@ class ShmTransport:
         self.copy_threads = copy_threads
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
         self._old_arenas: list[ArenaMap] = []  # of servers before a restart: a copy may still run on them
+        self.relearn: Callable[[], Awaitable[object]] | None = None  # maps the restarted server's arena (client/restart.py)
         self._copying = 0  # copies running now (on the copy threads or inline); ``_lock`` guards both
         self._lock = threading.Lock()
 
@@ -65,6 +66,28 @@ class ShmTransport:
             self._old_arenas.append(self.arena)
             self.arena = arena
         self._copied(0)
+
+    async def mapping(self, answer: Any, give_back: Callable[[], Awaitable[None]]) -> ArenaMap:
+        """The mapping of the arena an Allocate or Acquire ``answer`` names its offsets in. After
+        a restart the answer may be the new server's before this client mapped its arena, or the
+        old one's after: copying through another mapping would read or write the wrong server's
+        bytes (the new arena's pages overwritten at the old offsets). An arena not mapped yet is
+        mapped first; one that cannot be: ``give_back`` the answer and KVStoreError (retry)."""
+        token = bytes(answer.arena_token)
+        found = self._mapped(token)
+        if found is None and self.relearn is not None:
+            await self.relearn()
+            found = self._mapped(token)
+        if found is None:
+            await give_back()
+            raise KVStoreError("the server restarted and its new arena is not mapped here yet; try again")
+        return found
+
+    def _mapped(self, token: bytes) -> ArenaMap | None:
+        with self._lock:
+            if not token or self.arena.token == token:  # an answer without a token: a server before tokens
+                return self.arena
+            return next((a for a in self._old_arenas if a.token == token), None)
 
     def _copied(self, num: int) -> None:
         """``num`` copies ended; with none running, the arenas of servers before a restart are closed."""
@@ -257,6 +280,7 @@ class LeasedPages:
         self.checksums: list[int] = []
         self.leases: list[bytes] = []  # every lease granted, empty ones included, until released
         self._offsets: list[int] = []
+        self._arena = shm.arena  # the arena the leases' offsets are in
 
     async def fill(self, keys: list[bytes], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -270,16 +294,20 @@ class LeasedPages:
             self.leases.append(acq.lease_id)
             if not acq.pages:
                 break
+            arena = await self.shm.mapping(acq, _nothing)  # a lease taken is released by release()
+            if sources and arena is not self._arena:
+                raise KVStoreError("the server restarted while the pages were leased; try again")
+            self._arena = arena
             sources.extend(acq.pages)
         n = self.shm.layout.page_bytes
         self._offsets = [page.offset for page in sources]
-        self.pages = [self.shm.arena.slot(page.offset, n) for page in sources]
+        self.pages = [self._arena.slot(page.offset, n) for page in sources]
         self.checksums = [page.checksum for page in sources]
 
     def verify(self) -> int:
         n = self.shm.layout.page_bytes
         for i, offset in enumerate(self._offsets):
-            if checksum(self.shm.arena.array[offset : offset + n]) != self.checksums[i]:
+            if checksum(self._arena.array[offset : offset + n]) != self.checksums[i]:
                 logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
                 return i
         return len(self._offsets)
@@ -308,11 +336,12 @@ class SlotOutgoing:
 
     async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
         alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
+        arena = await self.shm.mapping(alloc, lambda: self.shm.abort(alloc.allocation_id))
         self._alloc = alloc
         todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
         self.indices = [i for i, _ in todo]
         self._keys = [slot.key for _, slot in todo]
-        self.buffers = [self.shm.arena.slot(slot.offset, self.shm.layout.page_bytes) for _, slot in todo]
+        self.buffers = [arena.slot(slot.offset, self.shm.layout.page_bytes) for _, slot in todo]
         self.asked = len(alloc.slots)
 
     async def publish(self, checksums: list[int], durable: bool) -> int:
@@ -336,3 +365,7 @@ class SlotOutgoing:
         alloc, self._alloc = self._alloc, None
         if alloc is not None:
             await self.shm.abort(alloc.allocation_id)
+
+
+async def _nothing() -> None:
+    """Nothing to give back here (the caller does)."""

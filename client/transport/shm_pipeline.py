@@ -99,10 +99,11 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
                     raise
                 logger.warning("tier full after %d of %d pages; the rest is not stored", cursor, len(keys))
                 break
+            arena = await shm.mapping(alloc, _aborted_below)  # ``ahead`` still holds it: aborted in the finally below
             n = len(alloc.slots)
             todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
             copying.append((alloc, todo, shm.copy(
-                lambda item, base=cursor, arena=shm.arena: shm.write_slot(kv, rows, base + item[0], item[1].offset, arena),
+                lambda item, base=cursor, arena=arena: shm.write_slot(kv, rows, base + item[0], item[1].offset, arena),
                 todo, rows is not None)))
             cursor += n
             ahead = allocate(cursor) if cursor < len(keys) else None
@@ -189,11 +190,12 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                     release(acq.lease_id)
                     gone = True
                     continue  # the batches before it are still checked below
+                arena = await shm.mapping(acq, lambda acq=acq: shm.release(acq.lease_id))
                 if len(acq.pages) < asked:
                     generation += 1
                     issued = cursor + len(acq.pages)
                 copying.append((acq, shm.copy(
-                    lambda item, base=cursor, arena=shm.arena: shm.read_slot(into, rows, base + item[0], item[1], arena),
+                    lambda item, base=cursor, arena=arena: shm.read_slot(into, rows, base + item[0], item[1], arena),
                     list(enumerate(acq.pages)), rows is not None)))
                 cursor += len(acq.pages)
                 continue
@@ -224,3 +226,7 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
             except KVStoreError:
                 pass
         await asyncio.gather(*releases, return_exceptions=True)
+
+
+async def _aborted_below() -> None:
+    """An allocation whose arena is not mapped: ``put``'s cleanup aborts it (``ahead``)."""

@@ -184,18 +184,20 @@ class Slot(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., exists: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("allocation_id", "slots", "page_bytes", "ttl_ms", "generation")
+    __slots__ = ("allocation_id", "slots", "page_bytes", "ttl_ms", "generation", "arena_token")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     allocation_id: bytes
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     page_bytes: int
     ttl_ms: int
     generation: int
-    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    arena_token: bytes
+    def __init__(self, allocation_id: _Optional[bytes] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., generation: _Optional[int] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("allocation_id", "keys", "checksums", "durable", "flags")
@@ -248,14 +250,16 @@ class AcquiredPage(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "pages", "page_bytes")
+    __slots__ = ("lease_id", "pages", "page_bytes", "arena_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     pages: _containers.RepeatedCompositeFieldContainer[AcquiredPage]
     page_bytes: int
-    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    arena_token: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

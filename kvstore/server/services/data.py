@@ -83,15 +83,20 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
                                         max_pages_per_request=self.config.max_pages_per_request,
                                         max_page_bytes=self.config.max_page_bytes)
-        if who.via == "local" or self.config.security.share_arena:
-            arena = self.core.arena_of()
+        arena = self._arena(who)
+        if arena is not None and (arena.path or self.arena_socket is None):
             info.arena_path, info.arena_bytes, info.arena_token = arena.path, arena.size_bytes, arena.token
-        elif self.arena_socket is not None:
-            arena = self.core.arena_of(who.tenant)
+        elif arena is not None:
             info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
         if self.call_socket is not None:
             info.call_socket, info.call_token = str(self.call_socket), self.call_token
         return info
+
+    def _arena(self, who: Identity) -> Any:
+        """The caller's arena (None: none); Allocate and Acquire name its token (client/restart.py)."""
+        if who.via == "local" or self.config.security.share_arena:
+            return self.core.arena_of()
+        return self.core.arena_of(who.tenant) if self.arena_socket is not None else None
 
     @unary
     def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
@@ -116,8 +121,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
             self.core.abort(ident, who.tenant)
         alloc = self.core.leases.allocation(ident)
+        arena = self._arena(who)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
+            arena_token=arena.token if arena is not None else b"",
             generation=alloc.generation if alloc is not None else self.core.directory.generation(ns),
             slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
                    for k, o in slots],
@@ -168,8 +175,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
+        arena = self._arena(who)
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
+            arena_token=arena.token if arena is not None else b"",
             pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
                    for p in pages],
         )
