@@ -135,9 +135,10 @@ class ShmTransport:
         return await runtime.unary("Data.Acquire", data_pb2.AcquireRequest(
             namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms))
 
-    async def release(self, lease_id: bytes) -> None:
-        """Gives a lease back."""
-        request = data_pb2.ReleaseRequest(lease_id=lease_id)
+    async def release(self, lease_id: bytes, failed: list[bytes] | None = None) -> None:
+        """Gives a lease back; ``failed``: its pages whose copy failed the checksum (the server
+        checks them and quarantines those that fail: placement/reported.py)."""
+        request = data_pb2.ReleaseRequest(lease_id=lease_id, failed=failed or [])
         await self._give_back("Data.Release", request, f"lease {lease_id.hex()[:8]}", logging.WARNING)
 
     async def _give_back(self, method: str, request: Any, what: str, level: int) -> None:
@@ -281,6 +282,8 @@ class LeasedPages:
         self.leases: list[bytes] = []  # every lease granted, empty ones included, until released
         self._offsets: list[int] = []
         self._arena = shm.arena  # the arena the leases' offsets are in
+        self._keys: list[bytes] = []
+        self._failed: list[bytes] = []  # reported at release
 
     async def fill(self, keys: list[bytes], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -301,6 +304,7 @@ class LeasedPages:
             sources.extend(acq.pages)
         n = self.shm.layout.page_bytes
         self._offsets = [page.offset for page in sources]
+        self._keys = [page.key for page in sources]
         self.pages = [self._arena.slot(page.offset, n) for page in sources]
         self.checksums = [page.checksum for page in sources]
 
@@ -309,6 +313,7 @@ class LeasedPages:
         for i, offset in enumerate(self._offsets):
             if checksum(self._arena.array[offset : offset + n]) != self.checksums[i]:
                 logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
+                self._failed = [self._keys[i]]
                 return i
         return len(self._offsets)
 
@@ -318,8 +323,8 @@ class LeasedPages:
 
     async def release(self) -> None:
         leases, self.leases = self.leases, []
-        for lease_id in leases:
-            await self.shm.release(lease_id)
+        for lease_id in leases:  # a failed key is checked only by the lease that holds it
+            await self.shm.release(lease_id, self._failed)
 
 
 class SlotOutgoing:

@@ -152,8 +152,8 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
 
     releases: list[asyncio.Future[None]] = []
 
-    def release(lease_id: bytes) -> None:
-        releases.append(asyncio.ensure_future(shm.release(lease_id)))
+    def release(lease_id: bytes, failed: list[bytes] | None = None) -> None:
+        releases.append(asyncio.ensure_future(shm.release(lease_id, failed)))
 
     done = cursor = 0  # pages verified and in place / pages handed to the copy threads
     copying: deque[tuple[Any, asyncio.Future[list[bool]]]] = deque()
@@ -204,7 +204,7 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
             acq, copied = copying[0]
             ok = await asyncio.shield(copied)  # on failure the cleanup waits for it, then releases
             copying.popleft()
-            release(acq.lease_id)
+            release(acq.lease_id, [page.key for page, good in zip(acq.pages, ok, strict=True) if not good])
             if held_back:
                 await _all_done(releases)  # the space is free before we ask again
                 held_back = False

@@ -262,10 +262,12 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "failed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
+    failed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, lease_id: _Optional[bytes] = ..., failed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -146,6 +146,11 @@ class LeaseTable:
         lease = self._leases.get(ident)
         return lease if lease is not None and (tenant is None or lease.tenant == tenant) else None
 
+    def keys_of(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
+        """The keys a lease (of ``tenant``, when given) pins; None when there is no such lease."""
+        lease = self._lease_of(ident, tenant)
+        return None if lease is None else list(lease.keys)
+
     def release(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
         """Ends a lease; returns its keys no longer pinned, or None when there is no such lease
         (of ``tenant``, when given)."""

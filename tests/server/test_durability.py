@@ -99,6 +99,32 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, u
         assert use_shm or hit.keys[2] in [q.key for q in server.core.quarantined()]
 
 
+async def test_a_page_a_same_host_reader_finds_corrupt_is_checked_and_quarantined(server, layout, ns) -> None:
+    """Found by kvstore-bench chaos: a page whose arena bytes changed after it was stored failed
+    every same-host reader's checksum, and every lookup still promised it (a miss disguised as
+    a hit, for as long as the page stayed). The reader reports it at release; the server
+    checks the bytes itself and quarantines the page, so the next lookup stops before it. A
+    report of an intact page changes nothing (a client cannot get a good page dropped)."""
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=6)
+    async with KVStoreClient(server.address, ns) as client:
+        assert client.shared_memory
+        await client.put(tokens, kv)
+        hit = await client.lookup(tokens)
+        lease = await client.transport.acquire(hit.keys)  # an honest client's false report: the page stays
+        await client.transport.release(lease.lease_id, failed=[hit.keys[1]])
+        assert (await client.lookup(tokens)).num_tokens == 64
+        flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)
+        with pytest.raises(PageCorrupt):
+            await client.get(hit, into=torch.zeros_like(kv))
+        assert [q.key for q in server.core.quarantined()] == [hit.keys[2]]
+        again = await client.lookup(tokens)
+        assert again.num_tokens == 32, "the page a reader found corrupt is promised no more"
+        out = torch.zeros_like(kv)
+        assert await client.get(again, into=out) == 32
+        assert torch.equal(out[:, :, :32], kv[:, :, :32])
+
+
 async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_factory, layout, ns) -> None:
     """Many batches in flight at once (host tier of 128 pages, batches of 21): pages land in
     order, and a corrupt slot in a later batch ends the get exactly there."""

@@ -20,6 +20,7 @@ from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
+from kvstore.server.placement.reported import MAX_REPORTED, check_reported
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
@@ -37,8 +38,7 @@ if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
 
 @dataclass(frozen=True)
 class _Destination:
-    """Where a page arriving over WritePages goes: its allocation, how it commits, and the
-    namespace claim (tenancy) it settles."""
+    """Where a page arriving over WritePages goes: allocation, commit, the namespace claim it settles."""
 
     allocation_id: bytes
     durable: bool
@@ -48,8 +48,7 @@ class _Destination:
 
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
-    """Each handler reads its caller first and checks it against the namespace the request
-    names (see kvstore/server/tenancy/access.py)."""
+    """Each handler reads its caller first and checks it against the namespace (tenancy/access.py)."""
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
                  cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
@@ -75,10 +74,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """An arena is one trust domain (whoever maps it reads and writes every page in it).
-        Without tenants (or with --share-arena) the one arena is announced by path; with
-        tenants the caller's own arena (made now at its first use) is announced by its size
-        and token, and handed over as a descriptor by the arena socket to the caller's token."""
+        """An arena is one trust domain. Without tenants (or with --share-arena) the one arena is
+        announced by path; with tenants the caller's own (made at its first use) by size and token,
+        handed over as a descriptor by the arena socket to the caller's token."""
         who = current_identity()
         info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
                                         max_pages_per_request=self.config.max_pages_per_request,
@@ -201,6 +199,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
+        if request.failed:  # a reader's copy failed its checksum (placement/reported.py)
+            check_reported(self.core, request.lease_id, current_identity().tenant, list(request.failed[:MAX_REPORTED]))
         self.core.release(request.lease_id, current_identity().tenant)
         return data_pb2.ReleaseResponse()
 
