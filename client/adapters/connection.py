@@ -7,9 +7,13 @@ waiting for a cancelled call to unwind: ``Runtime.submit`` hands back a job the 
 on as long as it chooses; a lease that a late answer brings is given back.
 
 A store that cannot be reached is a miss, not an engine error: after a transport failure
-the connection is dropped and tried again at most every ``retry_s`` seconds. Connecting and
-closing await the client's coroutines on a short-lived thread of their own (``asyncio.run``),
-so neither blocks a hook, and ``close`` waits for every one of them to end.
+the connection is dropped and tried again at most every ``retry_s`` seconds. A server that
+refuses the client's credentials (or its namespace) is a configuration error instead:
+``start`` raises it, naming the option to fix, since retrying would recompute every request
+for ever; later refusals (a token revoked while the engine runs) are logged as errors and
+retried, so that a corrected auth file is taken up. Connecting and closing await the client's
+coroutines on a short-lived thread of their own (``asyncio.run``), so neither blocks a hook,
+and ``close`` waits for every one of them to end.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any, TypeVar
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client.client import KVStoreClient
 from kvstore.client.transport import ShmTransport
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, Unauthenticated
+from kvstore.security.credentials import Credentials
 from kvstore.types import Namespace
 
 logger = logging.getLogger(__name__)
@@ -40,12 +45,14 @@ RELEASE_TIMEOUT_S = 0.2  # a release over the call channel blocks a hook this lo
 @dataclass(frozen=True)
 class Lease:
     """Leading pages of a lookup, pinned in the server's shared arena until ``expires_at``
-    (``time.monotonic()``) or release: where each page's bytes are and their checksum."""
+    (``time.monotonic()``) or release: where each page's bytes are and their checksum.
+    ``namespace_id``: the (salted) namespace the pages were leased in."""
 
     lease_id: bytes
     offsets: list[int]
     checksums: list[int]
     expires_at: float
+    namespace_id: bytes = b""
 
     @property
     def num_pages(self) -> int:
@@ -55,12 +62,21 @@ class Lease:
 class StoreConnection:
     """One namespace's client, connected lazily and reconnected after failures.
 
+    ``namespace`` is the one configured: on a server with tenants its id is not the one the
+    server knows, which is the connected client's (``client().namespace``, with the tenant's
+    salt). ``credentials``: the token and TLS to present. Counters: ``num_unreachable``
+    (connections that failed), ``num_refused`` (refused by the server).
+
     Thread-safe: every method may be called from any thread."""
 
     def __init__(self, address: str, namespace: Namespace, *, use_shm: bool = True, connect_timeout_s: float = 2.0,
-                 retry_s: float = 1.0, use_call_socket: bool = True) -> None:
+                 retry_s: float = 1.0, use_call_socket: bool = True, credentials: Credentials | None = None) -> None:
         self.address = address
         self.namespace = namespace
+        self.credentials = credentials or Credentials()
+        self.num_unreachable = 0
+        self.num_refused = 0
+        self.refused: ConfigError | None = None  # the last refusal, until a connection succeeds
         self.use_shm = use_shm
         self.use_call_socket = use_call_socket  # the server's same-host call channel for leases, when offered
         self.connect_timeout_s = connect_timeout_s
@@ -74,10 +90,13 @@ class StoreConnection:
 
     def start(self) -> bool:
         """Connects now (engine start-up may wait ``connect_timeout_s``); False when the
-        store cannot be reached yet (a connection is then tried in the background)."""
+        store cannot be reached yet (a connection is then tried in the background). Raises
+        ConfigError, naming the option to fix, when the server refuses the credentials."""
         thread = self._connect_later()
         if thread is not None:
             thread.join(self.connect_timeout_s)
+        if self.refused is not None:
+            raise self.refused
         return self._client is not None
 
     def client(self) -> KVStoreClient | None:
@@ -105,32 +124,58 @@ class StoreConnection:
         return thread
 
     async def _connect(self) -> None:
-        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm, use_call_socket=self.use_call_socket)
+        client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm, use_call_socket=self.use_call_socket,
+                               token=self.credentials.token, tls=self.credentials.tls)
         try:
             await asyncio.wait_for(client.connect(), self.connect_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
+            await _close_client(client)
+            if _refusal(exc):
+                self._refuse(exc)
+                return
+            self.num_unreachable += 1
             logger.warning("kvstore at %s not reachable (%s); requests recompute, retrying in %.1f s",
                            self.address, exc, self.retry_s)
-            await _close_client(client)
             with self._lock:
                 self._connecting = False
             return
-        logger.info("kvstore connector connected to %s (%s, unary calls over %s)", self.address,
-                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls else "gRPC")
+        logger.info("kvstore connector connected to %s (%s, unary calls over %s), namespace %s", self.address,
+                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls else "gRPC",
+                    client.namespace.namespace_id.hex())
         with self._lock:
             self._connecting = False
+            self.refused = None
             closed = self._closed
             if not closed:
                 self._client = client
         if closed:
             await _close_client(client)
 
+    def _refuse(self, exc: Exception) -> None:
+        """The server refused this client (its token, or its namespace): a configuration error
+        that ``start`` raises; logged as an error when it is news, counted always."""
+        if isinstance(exc, ConfigError):  # a token that may not go there in clear text, a tenant_salt set by hand
+            refused = ConfigError(f"kvstore at {self.address}: {exc}")
+        else:
+            fix = (f"check the token of {self.credentials.named_by}" if self.credentials.token is not None
+                   else f"give a token with {self.credentials.named_by}")
+            refused = ConfigError(f"kvstore at {self.address} refuses this client ({exc}): {fix}")
+        with self._lock:
+            self._connecting = False
+            news = self.refused is None or str(self.refused) != str(refused)
+            self.refused = refused
+        self.num_refused += 1
+        if news:
+            logger.error("%s; requests recompute until it is fixed (retrying every %.1f s)", refused, self.retry_s)
+
     def failed(self, client: KVStoreClient, reason: object) -> threading.Thread | None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An
         error the server answered with (a subclass of KVStoreError: full tier, missing
-        page, ...) says the connection works, and keeps it. Returns the thread closing the
-        dropped client (its loads and saves are abandoned once it ends), None if kept."""
-        if isinstance(reason, KVStoreError) and type(reason) is not KVStoreError:
+        page, ...) says the connection works, and keeps it; but Unauthenticated (the token
+        was revoked) drops it too, so that the reconnection reports the refusal. Returns the
+        thread closing the dropped client (its loads and saves are abandoned once it ends),
+        None if kept."""
+        if isinstance(reason, KVStoreError) and type(reason) is not KVStoreError and not isinstance(reason, Unauthenticated):
             return None
         with self._lock:
             if self._client is not client:
@@ -193,11 +238,12 @@ class StoreConnection:
 
     def _lease(self, client: KVStoreClient, acq: Any, started: float) -> Lease:
         """The Lease of an Acquire's answer, over either channel; an empty one is given back at once."""
+        namespace_id = client.namespace.namespace_id
         if not acq.pages:
             self.release(client, acq.lease_id)
-            return Lease(acq.lease_id, [], [], started)
+            return Lease(acq.lease_id, [], [], started, namespace_id)
         return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
-                     started + client.lease_ms / 1000)
+                     started + client.lease_ms / 1000, namespace_id)
 
     def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:
         if not late.cancelled() and late.exception() is None:
@@ -243,6 +289,13 @@ class StoreConnection:
             if thread.is_alive():
                 logger.warning("kvstore connection to %s: %s still running %.0f s after close", self.address,
                                thread.name, timeout_s)
+
+
+def _refusal(exc: BaseException) -> bool:
+    """True for a connection the server refused (credentials, namespace), not one that failed."""
+    if isinstance(exc, Unauthenticated):
+        return "token withheld" not in str(exc)  # not sent: another uid holds the port (security/loopback_owner.py)
+    return isinstance(exc, (PermissionDenied, ConfigError))
 
 
 async def _close_client(client: KVStoreClient) -> None:

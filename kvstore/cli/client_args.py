@@ -1,21 +1,20 @@
 """The options every command-line client shares to reach a server with --auth-file and/or
-TLS: a token and the TLS files (kvstore-ctl, kvstore-bench)."""
+TLS: a token and the TLS files (kvstore-ctl, kvstore-bench). They are read as the engine
+adapters read theirs (kvstore.security.credentials)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
-from kvstore.errors import ConfigError
 from kvstore.security.channel import ClientTLS
-
-TOKEN_ENV = "KVSTORE_TOKEN"
+from kvstore.security.credentials import TOKEN_ENV, TOKEN_FILE_ENV, ClientSecurity
 
 
 def add_client_security(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("security", "how to reach a server with --auth-file and/or --tls-cert")
-    group.add_argument("--token", help=f"bearer token (visible to other users in ps: prefer --token-file or ${TOKEN_ENV})")
+    group.add_argument("--token", help=f"bearer token (visible to other users in ps: prefer --token-file, ${TOKEN_ENV} "
+                                       f"or ${TOKEN_FILE_ENV})")
     group.add_argument("--token-file", help="read the bearer token from this file")
     group.add_argument("--tls-ca", help="speak TLS; trust server certificates signed by this CA (PEM)")
     group.add_argument("--tls-cert", help="client certificate for mTLS (PEM); implies TLS")
@@ -24,21 +23,12 @@ def add_client_security(p: argparse.ArgumentParser) -> None:
 
 
 def client_security(args: argparse.Namespace) -> tuple[str | None, ClientTLS | None]:
-    """(token, tls) from the options above and ${KVSTORE_TOKEN}; raises ConfigError."""
-    if args.token and args.token_file:
-        raise ConfigError("give --token or --token-file, not both")
-    token = args.token or os.environ.get(TOKEN_ENV) or None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"--token-file {args.token_file}: cannot read: {exc.strerror or exc}") from None
-    tls = None
-    if args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
-        tls = ClientTLS(ca=_path(args.tls_ca), cert=_path(args.tls_cert), key=_path(args.tls_key),
-                        server_name=args.tls_server_name or None)
-    return token, tls
+    """(token, tls) from the options above, ${KVSTORE_TOKEN} and ${KVSTORE_TOKEN_FILE}; raises ConfigError."""
+    given = ClientSecurity(args.token, args.token_file, args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    credentials = given.resolve(flag, os.environ)
+    return credentials.token, credentials.tls
 
 
-def _path(text: str | None) -> Path | None:
-    return Path(text) if text else None
+def flag(name: str) -> str:
+    """How the command line spells option ``name``."""
+    return "--" + name.replace("_", "-")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvstore.errors import ConfigError
+from kvstore.security.credentials import ClientSecurity, Credentials
 from kvstore.types import KVLayout, Namespace
 
 ADDRESS_ENV = "KVSTORE_ADDRESS"
@@ -35,7 +36,13 @@ class ConnectorConfig:
       ones load layer by layer behind compute.
     * ``revision``: the weights revision in the namespace (default: vLLM's ``revision``).
       Two engines share pages only with equal model, revision, layout and TP shard.
-    * ``tenant_salt``: separates tenants sharing one store.
+    * ``tenant_salt``: separates engines sharing a server without tenants. Leave it empty
+      with a token: the server gives each tenant its own salt, folded in at connect.
+    * ``token``, ``token_file``: the bearer token of a server with ``--auth-file`` (default:
+      ``$KVSTORE_TOKEN``, then the file ``$KVSTORE_TOKEN_FILE``); a token the server refuses
+      fails the engine's start. ``tls_ca``, ``tls_cert``, ``tls_key``, ``tls_server_name``:
+      TLS to a server with ``--tls-cert`` (a token goes only over TLS or to a loopback
+      address). ``credentials`` holds what they resolve to.
     * ``use_shm``: move page bytes through the server's shared arena when on its host.
     * ``use_call_socket``: make the hit path's calls (lookup+lease, release) over the
       server's same-host call socket when it offers one (kvstore/localcall.py), not gRPC.
@@ -53,6 +60,7 @@ class ConnectorConfig:
     use_shm: bool = True
     use_call_socket: bool = True
     retry_s: float = 1.0
+    credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -68,12 +76,18 @@ class ConnectorConfig:
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ) -> ConnectorConfig:
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"credentials"} | ClientSecurity.keys()
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        security = ClientSecurity.pop_from(extra)
         extra.setdefault("address", environ.get(ADDRESS_ENV, ""))
-        return cls(**extra)
+        return cls(**extra, credentials=security.resolve(extra_option, environ))
+
+
+def extra_option(name: str) -> str:
+    """How an error names key ``name`` of the connector's config."""
+    return f'kv_connector_extra_config "{name}"'
 
 
 def kv_spec(kv_cache_config: Any) -> tuple[list[str], Any]:

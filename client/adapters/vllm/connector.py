@@ -13,6 +13,8 @@ synchronously by vLLM and none of them blocks past a deadline when the store is 
 gone: a store that cannot answer is a miss, a load that fails is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (this needs
 ``kv_load_failure_policy: recompute``; vLLM's default, ``fail``, fails the request).
+A server that refuses the connector's token is not a miss but a configuration error: the
+engine does not start (config.py, "token").
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         namespace = engine_namespace(vllm_config, kv_cache_config, self.config, tp_rank, tp_size)
         layer_names, spec = kv_spec(kv_cache_config)
         self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s,
-                                     use_call_socket=self.config.use_call_socket)
+                                     use_call_socket=self.config.use_call_socket, credentials=self.config.credentials)
         self.store.start()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
@@ -79,8 +81,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
-        logger.info("kvstore connector (%s) for %s at %s, %d-token pages, namespace %s", role.name,
-                    namespace.model, self.config.address, namespace.layout.page_tokens, namespace.namespace_id.hex())
+        logger.info("kvstore connector (%s) for %s at %s, %d-token pages", role.name, namespace.model, self.config.address,
+                    namespace.layout.page_tokens)  # the namespace id (salted for a tenant) is logged at connect
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -120,8 +120,9 @@ class SchedulerSide:
         if state.load_due:
             state.load_due = False
             first = state.load_from // p
+            leased_in = state.lease.namespace_id if state.lease is not None else b""  # salted: the client's, not the config's
             meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first,
-                                       state.hit_tokens // p - first, self.store.namespace.namespace_id, state.lease))
+                                       state.hit_tokens // p - first, leased_in, state.lease))
             state.lease = None  # the worker gives it back
         # Token ids known now (with async scheduling the last sampled one may come later):
         # nothing when the prompt came as embeddings (no ids to key pages by).
