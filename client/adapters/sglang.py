@@ -5,10 +5,10 @@ Load it with::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
         "module_path": "kvstore.client.adapters.sglang", "class_name": "KVStoreHiCacheStorage",
-        "address": "127.0.0.1:7070"}'
+        "address": "127.0.0.1:7070", "token_file": "/etc/kvstore/engine.token"}'
 
 SGLang names pages by its own chained page hashes; each becomes a kvstore page key (a
-hash of the namespace and SGLang's key), so ``batch_exists`` is one kvstore lookup of the
+hash of the namespace id, with the tenant's salt, and SGLang's key), so ``batch_exists`` is one kvstore lookup of the
 longest contiguous prefix. Page bytes are kept in kvstore's canonical layout
 (``[layer][K|V][token][head][dim]``) whatever ``--hicache-mem-layout`` the host pool
 uses: instances with different host layouts share pages. Every page read is verified
@@ -18,7 +18,8 @@ after it, never garbage in the host pool.
 Contract (SGLang's): methods are called from SGLang's cache-controller threads, each
 returns within the connection's timeout, failures are False / None / a shorter count,
 never exceptions. Only MHA (GQA) host pools (``layer_first``, ``page_first``,
-``page_first_direct``) are supported; MLA is refused at start.
+``page_first_direct``) are supported; MLA is refused at start, and so is a token the server
+refuses (a configuration error, not a miss for ever).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstore.client.adapters.connection import StoreConnection
-from kvstore.client.client import Hit
+from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import ConfigError, KVStoreError, PageCorrupt, PageMissing
+from kvstore.security.credentials import ClientSecurity
 from kvstore.types import KVLayout, Namespace
 
 logger = logging.getLogger(__name__)
@@ -65,12 +67,21 @@ def to_pool_flat(page: torch.Tensor, layout: str) -> torch.Tensor:
     return page.transpose(0, 1).contiguous().flatten()  # layer_first and page_first_direct: [2, L, P, H, D]
 
 
+def extra_option(name: str) -> str:
+    """How an error names key ``name`` of the backend's config."""
+    return f'--hicache-storage-backend-extra-config "{name}"'
+
+
 class KVStoreHiCacheStorage(HiCacheStorage):
     """See the module docstring. ``extra_config`` keys: ``address`` (default
-    ``$KVSTORE_ADDRESS``), ``revision``, ``tenant_salt``, ``timeout_s``."""
+    ``$KVSTORE_ADDRESS``), ``revision``, ``tenant_salt`` (a server without tenants; a tenant's
+    salt comes from the server), ``timeout_s``, and as the vLLM connector's: ``token``,
+    ``token_file`` (default ``$KVSTORE_TOKEN``, then ``$KVSTORE_TOKEN_FILE``), ``tls_ca``,
+    ``tls_cert``, ``tls_key``, ``tls_server_name``."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
+        self.credentials = ClientSecurity.pop_from(extra).resolve(extra_option, os.environ)
         self.address = extra.get("address") or os.environ.get(ADDRESS_ENV, "")
         if not self.address:
             raise ConfigError(f'the kvstore HiCache backend needs "address" in its extra config (or {ADDRESS_ENV})')
@@ -98,17 +109,18 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.store is not None:
             self.store.close()
         self.pool = mem_pool_host
-        self.store = StoreConnection(self.address, namespace)
-        self.store.start()
+        self.store = StoreConnection(self.address, namespace, credentials=self.credentials)
+        self.store.start()  # raises ConfigError when the server refuses the credentials
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
 
-    def _keys(self, keys: list[str]) -> list[bytes]:
-        assert self.store is not None
-        ns = self.store.namespace.namespace_id
+    def _keys(self, client: KVStoreClient, keys: list[str]) -> list[bytes]:
+        """kvstore's keys of SGLang's: hashed with the connected client's namespace id, which
+        holds the tenant's salt, so that tenants configured alike never compute each other's keys."""
+        ns = client.namespace.namespace_id
         return [hashlib.blake2b(ns + key.encode(), digest_size=16, person=b"kvstore-sglang").digest() for key in keys]
 
     def _layout(self) -> KVLayout:
@@ -123,7 +135,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if client is None or not keys:
             return 0
         try:
-            return self.store.num_stored(client, self._keys(keys), self.timeout_s)  # type: ignore[union-attr]
+            return self.store.num_stored(client, self._keys(client, keys), self.timeout_s)  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0
@@ -139,7 +151,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         layout = self._layout()
         kv = torch.empty((layout.num_layers, 2, len(keys) * layout.page_tokens, layout.num_kv_heads, layout.head_dim),
                          dtype=layout.torch_dtype())
-        hit = Hit(client.namespace.namespace_id, kv.shape[2], self._keys(keys), [])
+        hit = Hit(client.namespace.namespace_id, kv.shape[2], self._keys(client, keys), [])
         try:
             self.store.run(client, client.get(hit, into=kv), self.timeout_s)  # type: ignore[union-attr]
             return kv
@@ -195,7 +207,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return 0
         kv = torch.cat([page for page in pages], dim=2) if len(pages) > 1 else pages[0].contiguous()
         try:
-            stored = self.store.run(client, client.put_keys(self._keys(keys), kv), self.timeout_s)  # type: ignore[union-attr]
+            stored = self.store.run(client, client.put_keys(self._keys(client, keys), kv), self.timeout_s)  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0

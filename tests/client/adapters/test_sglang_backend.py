@@ -132,7 +132,7 @@ def test_corrupt_page_is_a_miss_and_never_reaches_the_pool(make_backend: Any, se
     pool.fill(seed=5)
     k = keys(3, tag="bad")
     assert backend.batch_set_v1(k, host_indices([0, 1, 2])) == [True] * 3
-    victim = backend._keys(k)[1]
+    victim = backend._keys(backend.store.client(), k)[1]
     flip_arena_byte(server, server.core.where(victim)["host"] + 77)
     dst = HostPool("page_first", page_size=P)
     backend.pool = dst
