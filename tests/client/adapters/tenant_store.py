@@ -18,8 +18,8 @@ TOKEN_OPS = "tenant-ops-token-0123456789abcd"  # the operator: admin
 TOKEN_UNKNOWN = "nobodys-token-0123456789abcdef"
 
 
-def tenant_server(tmp: Path) -> ServerProcess:
-    """A started kvstore-server whose auth file has tenants a and b (and an admin)."""
+def tenant_server(tmp: Path, *args: str) -> ServerProcess:
+    """A started kvstore-server whose auth file has tenants a and b (and an admin); ``args``: more flags."""
     auth = tmp / "auth.json"
     auth.write_text(json.dumps({"tokens": [
         {"tenant": "a", "rights": ["read", "write"], "token": TOKEN_A},
@@ -28,7 +28,7 @@ def tenant_server(tmp: Path) -> ServerProcess:
         {"tenant": "ops", "rights": ["read", "write", "admin"], "token": TOKEN_OPS},
     ]}))
     auth.chmod(0o600)
-    server = ServerProcess(tmp, "--auth-file", str(auth))
+    server = ServerProcess(tmp, "--auth-file", str(auth), *args)
     server.start()
     return server
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +163,26 @@ def test_a_token_revoked_while_the_engine_runs_is_logged_as_refused(server: Serv
         assert any("refuses this client" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
     finally:
         conn.close()
+
+
+def test_the_tls_options_reach_a_server_with_tls_and_tokens(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "security"))  # the test CA lives with the security tests
+    from certs import CertAuthority
+
+    ca = CertAuthority(tmp_path / "ca")
+    cert = ca.server_cert()
+    server = tenant_server(tmp_path, "--tls-cert", str(cert.cert), "--tls-key", str(cert.key))
+    writer = store(server.address, token=TOKEN_A, tls_ca=str(ca.cert))
+    reader = store(server.address, token=TOKEN_B, tls_ca=str(ca.cert), tls_server_name="localhost")
+    try:
+        assert writer.start() and reader.start()
+        tokens = list(range(1, 4 * BLOCK + 2))
+        save_prompt(writer, tokens)
+        client = writer.client()
+        assert client is not None and writer.num_stored(client, client.keys(tokens), 5.0) == 4
+        other = reader.client()
+        assert other is not None and reader.num_stored(other, other.keys(tokens), 5.0) == 0, "b sees a's pages"
+    finally:
+        writer.close()
+        reader.close()
+        stop(server)
