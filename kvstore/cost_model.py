@@ -1,0 +1,186 @@
+"""The online cost model: what fetching stored KV costs and what recomputing it costs, as
+measured where the work is done, and how much of a hit is worth loading.
+
+Both costs are lines, ``seconds = fixed_s + per_unit_s * units``. A fetch costs a per-call
+time plus bytes over a bandwidth (the chapter's ``latency + V/B``); a forward pass costs a
+per-step time plus a time per scheduled token (its slope is the engine's KV production
+rate seen per token). ``LinearCost`` fits one line online from the observations the caller
+feeds it, so the estimate follows the link and the engine as they are, not as configured.
+
+One model for everything that predicts: the vLLM connector decides its loads with it (its
+workers measure, its scheduler side decides) and ``kvstore-bench crossover`` predicts its
+reads with it, so the estimate that the benchmark checks is the one that decides.
+
+Imports nothing from the rest of kvstore: any layer may use it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Priors: this project's own measurements of its transports on a 2-vCPU host
+# (../shared/LIMITS.md): a shared-memory get ~5.7 GB/s, a Python gRPC page read 0.6-1.5 GB/s.
+SHM_PRIOR_BPS = 5e9
+GRPC_PRIOR_BPS = 1e9
+PER_CALL_PRIOR_S = 1e-3
+
+
+@dataclass(frozen=True)
+class Line:
+    """``seconds = fixed_s + per_unit_s * units`` (units: bytes for a fetch, tokens for a
+    forward pass)."""
+
+    fixed_s: float
+    per_unit_s: float
+
+    def seconds(self, units: float) -> float:
+        return self.fixed_s + self.per_unit_s * units
+
+
+def fetch_prior(shared_memory: bool) -> Line:
+    """What a fetch is assumed to cost before this client measured one: a millisecond per
+    call and the bandwidth this project measured for the transport. Optimistic on
+    purpose: with it the first hit loads, as it always did, and so gets measured (a prior
+    that never loads could never learn that loading pays); a first load over a slower link
+    than assumed is bounded by the load deadline, and its time is then measured."""
+    return Line(PER_CALL_PRIOR_S, 1.0 / (SHM_PRIOR_BPS if shared_memory else GRPC_PRIOR_BPS))
+
+
+def recompute_prior(tokens_per_s: float) -> Line:
+    """What a forward pass is assumed to cost before the engine reported a step: the
+    client's configured prefill speed (``prefill_tokens_per_s``). Only the slope decides a
+    load (a step's fixed cost is paid whether the hit is loaded or not)."""
+    return Line(0.0, 1.0 / tokens_per_s)
+
+
+@dataclass
+class _Bucket:
+    """Observations of one size class (a power of two of units): their running means.
+    Points of a line average to a point of the same line, so a bucket's mean stays on it."""
+
+    units: float
+    seconds: float
+    count: int
+    seen_at: float
+
+
+class LinearCost:
+    """A line fitted online to (units, seconds) observations.
+
+    Observations are kept as running means per size class (a power of two of units; the
+    last ``window`` of each class weigh in), so that many small observations (decode steps,
+    one-page loads) do not wash out the few large ones that pin the slope. The line is a
+    least-squares fit through the classes weighted for relative error (costs span orders
+    of magnitude; a millisecond matters for a small call, not for a large one), with
+    ``fixed_s >= 0`` and
+    ``per_unit_s >= 0``. With no observation it is ``prior``; with one size class only the
+    prior's slope is kept and the line moved through that class (one size cannot tell a
+    per-call cost from a bandwidth). Classes not observed for ``max_age_s`` are forgotten,
+    so an estimate that stopped being refreshed falls back to the prior.
+
+    Thread-safe."""
+
+    def __init__(self, prior: Line, *, window: int = 32, max_age_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        self.prior = prior
+        self.window = window
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._buckets: dict[int, _Bucket] = {}
+        self._lock = threading.Lock()
+        self.num_observations = 0
+
+    def observe(self, units: float, seconds: float) -> None:
+        """Adds one observation; a negative or non-finite one is ignored."""
+        if not (math.isfinite(units) and math.isfinite(seconds)) or units < 0 or seconds < 0:
+            return
+        key = math.frexp(units)[1] if units > 0 else 0
+        with self._lock:
+            now = self._clock()
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                self._buckets[key] = _Bucket(units, seconds, 1, now)
+            else:
+                bucket.count += 1
+                alpha = 1.0 / min(bucket.count, self.window)
+                bucket.units += alpha * (units - bucket.units)
+                bucket.seconds += alpha * (seconds - bucket.seconds)
+                bucket.seen_at = now
+            self.num_observations += 1
+
+    def line(self) -> Line:
+        """The fitted line (the prior before any observation)."""
+        with self._lock:
+            if self.max_age_s is not None:
+                oldest = self._clock() - self.max_age_s
+                self._buckets = {k: b for k, b in self._buckets.items() if b.seen_at >= oldest}
+            # relative errors count: a class's weight is its count over its seconds squared
+            points = [(b.units, b.seconds, min(b.count, self.window) / max(b.seconds, 1e-9) ** 2) for b in self._buckets.values()]
+        return _fit(points, self.prior)
+
+    def seconds(self, units: float) -> float:
+        return self.line().seconds(units)
+
+
+def _fit(points: list[tuple[float, float, float]], prior: Line) -> Line:
+    """Weighted least squares of (x, y, weight) points, kept non-negative."""
+    if not points:
+        return prior
+    total = sum(w for _, _, w in points)
+    mx = sum(w * x for x, _, w in points) / total
+    my = sum(w * y for _, y, w in points) / total
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in points)
+    if len(points) == 1 or sxx <= 1e-12 * max(mx * mx, 1e-300) * total:
+        slope = prior.per_unit_s
+    else:
+        slope = sum(w * (x - mx) * (y - my) for x, y, w in points) / sxx
+    if slope < 0:
+        return Line(my, 0.0)
+    fixed = my - slope * mx
+    if fixed < 0:  # through the origin instead
+        sxx0 = sum(w * x * x for x, _, w in points)
+        return Line(0.0, sum(w * x * y for x, y, w in points) / sxx0 if sxx0 > 0 else 0.0)
+    return Line(fixed, slope)
+
+
+def tokens_worth_loading(hit_tokens: int, fetch: Line, recompute: Line, bytes_per_token: float) -> int:
+    """How many leading tokens of a hit to load; the rest is recomputed.
+
+    Loading ``n`` tokens costs ``fetch(n * bytes_per_token)`` and saves recomputing them,
+    ``n * recompute.per_unit_s`` (the step's fixed cost is paid either way). Both are
+    linear in ``n``, so each further page costs the same to fetch and saves the same: a
+    hit is loaded whole when the per-token fetch is the cheaper and the hit is long enough
+    to pay the per-call cost, otherwise not at all."""
+    if hit_tokens <= 0:
+        return 0
+    saved = hit_tokens * recompute.per_unit_s
+    return hit_tokens if fetch.seconds(hit_tokens * bytes_per_token) < saved else 0
+
+
+class LoadCosts:
+    """The two measured costs of one engine's loads and the decision made from them:
+    ``fetch`` in bytes (this client's loads), ``recompute`` in scheduled tokens (the
+    engine's forward passes). A fetch estimate not refreshed for ``fetch_max_age_s`` falls
+    back to the prior, so a link measured slow once is tried again later (a prior that
+    loads, see ``fetch_prior``)."""
+
+    def __init__(self, bytes_per_token: float, fetch: Line, recompute: Line, fetch_max_age_s: float | None = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.fetch = LinearCost(fetch, max_age_s=fetch_max_age_s, clock=clock)
+        self.recompute = LinearCost(recompute, clock=clock)
+
+    def worth_loading(self, hit_tokens: int) -> int:
+        return tokens_worth_loading(hit_tokens, self.fetch.line(), self.recompute.line(), self.bytes_per_token)
+
+    def fetch_s(self, tokens: int) -> float:
+        return self.fetch.seconds(tokens * self.bytes_per_token)
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens * self.recompute.line().per_unit_s
