@@ -28,8 +28,8 @@ class ConnectorConfig:
     * ``lookup_timeout_s``: the most the scheduler waits for a lookup before it treats the
       request as a miss (the engine never stalls on a dead store).
     * ``load_deadline_s``: the most a layer-wise load may hold up the forward pass before
-      its blocks are reported failed and vLLM recomputes them (default: the client's
-      estimate of the recompute time, at least 50 ms).
+      its blocks are reported failed and vLLM recomputes them (default: twice the
+      measured cost of recomputing them, see ``load_when_faster``; at least 50 ms).
     * ``load_ahead``: layers loaded before compute starts (default: the client's estimate).
     * ``sync_load_pages``: hits of at most this many pages, leased by the lookup on the
       server's host, are copied at once before the forward pass (no further RPC); longer
@@ -47,6 +47,9 @@ class ConnectorConfig:
     * ``use_call_socket``: make the hit path's calls (lookup+lease, release) over the
       server's same-host call socket when it offers one (kvstore/localcall.py), not gRPC.
     * ``retry_s``: how long after a failed connection the next attempt is made.
+    * ``load_when_faster``: load a hit only when fetching it is measured to cost less than
+      recomputing it (the connector's cost model: its loads' and the engine's steps' times);
+      False loads every hit.
     """
 
     address: str
@@ -60,6 +63,7 @@ class ConnectorConfig:
     use_shm: bool = True
     use_call_socket: bool = True
     retry_s: float = 1.0
+    load_when_faster: bool = True
     credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:

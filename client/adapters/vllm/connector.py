@@ -77,7 +77,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s)
+            self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
@@ -160,6 +160,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
         report = connector_output.kv_connector_worker_meta
         self._scheduler().saves_short(report if isinstance(report, KVStoreWorkerMetadata) else None)
+        self._scheduler().measured(report if isinstance(report, KVStoreWorkerMetadata) else None)
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler().holds_blocks

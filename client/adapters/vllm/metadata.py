@@ -15,7 +15,9 @@ class LoadSpec:
     """Load pages ``[first_page, first_page + num_pages)`` of the prefix ``tokens`` into
     the request's blocks. Workers compute the keys in their own namespace (their TP shard).
     ``lease``: the scheduler's lookup leased the prefix in ``namespace_id``; the worker of
-    that namespace may copy straight from it, and gives it back either way."""
+    that namespace may copy straight from it, and gives it back either way. ``deadline_s``:
+    the most the load may hold up the step (from the measured cost of recomputing it),
+    unless the connector's configuration sets one."""
 
     req_id: str
     tokens: list[int]
@@ -24,6 +26,7 @@ class LoadSpec:
     num_pages: int
     namespace_id: bytes = b""
     lease: Lease | None = None
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -43,19 +46,26 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    num_scheduled_tokens: int = 0  # of the step: what a forward pass without loads is timed against
 
 
 @dataclass
 class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Requests whose saves stored less than the scheduler side counted (a save failed, was
     cancelled or could not start), each with the leading pages of the request that may be
-    stored at most: the scheduler side saves again from there."""
+    stored at most: the scheduler side saves again from there. And what the workers
+    measured for the cost model (costs.py): ``step_costs`` (scheduled tokens, seconds) of
+    forward passes without loads, ``load_costs`` (bytes, seconds the step waited) of loads."""
 
     stored_pages: dict[str, int] = field(default_factory=dict)
+    step_costs: list[tuple[int, float]] = field(default_factory=list)
+    load_costs: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVStoreWorkerMetadata:
-        """Tensor-parallel workers each report their shard: a page counts only if every shard stored it."""
+        """Tensor-parallel workers each report their shard: a page counts only if every shard
+        stored it; every shard's measurements count."""
         merged = dict(self.stored_pages)
         for req_id, pages in getattr(other, "stored_pages", {}).items():
             merged[req_id] = min(merged.get(req_id, pages), pages)
-        return KVStoreWorkerMetadata(merged)
+        return KVStoreWorkerMetadata(merged, self.step_costs + list(getattr(other, "step_costs", [])),
+                                     self.load_costs + list(getattr(other, "load_costs", [])))

@@ -13,7 +13,10 @@ count). On the server's host the lookup also leases the pages (one Acquire RPC):
 cannot be evicted before the load, and the worker copies them without asking again. The
 lease goes to the worker with the load, or back to the server when no load follows. The
 count offered to vLLM is aligned to vLLM blocks and kvstore pages and leaves at least the
-prompt's last token to compute, so the engine always has logits to sample.
+prompt's last token to compute, so the engine always has logits to sample. Of it, only what
+is worth loading is offered: a hit whose fetch is measured to cost more than recomputing
+it is recomputed instead (costs.py, LoadPolicy; the workers' measurements come back with
+their metadata).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.adapters.connection import Lease, StoreConnection
+from kvstore.client.adapters.vllm.costs import LoadPolicy
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.errors import KVStoreError
 
@@ -45,20 +49,25 @@ class RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, store: StoreConnection, block_size: int, lookup_timeout_s: float) -> None:
+    def __init__(self, store: StoreConnection, block_size: int, lookup_timeout_s: float, load_when_faster: bool = True) -> None:
         self.store = store
         self.block_size = block_size
         self.page_tokens = store.namespace.layout.page_tokens
         self.lookup_timeout_s = lookup_timeout_s
         self._requests: dict[str, RequestState] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps until the saves end
+        self.policy = LoadPolicy(store.namespace.layout.bytes_per_token, enabled=load_when_faster)
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own block-aligned hit) that kvstore
-        can supply: 0 on a miss, a timeout or a store that cannot be reached."""
+        can supply and that are worth loading: 0 on a miss, a timeout, a store that cannot be
+        reached, or a hit measured to load slower than it recomputes."""
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = self._lookup(request)
+            found = max(0, state.hit_tokens - num_computed_tokens)
+            if self.policy.decide(self.store.client(), request.request_id, found) < found:
+                state.hit_tokens = min(state.hit_tokens, num_computed_tokens)  # recomputed (a lease goes back at alloc)
         return max(0, state.hit_tokens - num_computed_tokens)
 
     def _lookup(self, request: Any) -> RequestState:
@@ -85,6 +94,7 @@ class SchedulerSide:
         if num_external_tokens > 0:
             state.load_from = state.hit_tokens - num_external_tokens
             state.load_due = True
+            self.policy.loaded(num_external_tokens)
         else:
             self._release(state)  # vLLM's own cache covers it, or the request skips caches
 
@@ -95,7 +105,8 @@ class SchedulerSide:
         state.lease = None
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()))
+        meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()),
+                                        num_scheduled_tokens=sum(out.num_scheduled_tokens.values()))
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -121,8 +132,9 @@ class SchedulerSide:
             state.load_due = False
             first = state.load_from // p
             leased_in = state.lease.namespace_id if state.lease is not None else b""  # salted: the client's, not the config's
-            meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first,
-                                       state.hit_tokens // p - first, leased_in, state.lease))
+            num_pages = state.hit_tokens // p - first
+            meta.loads.append(LoadSpec(req_id, state.tokens[: state.hit_tokens], state.block_ids, first, num_pages, leased_in,
+                                       state.lease, self.policy.deadline_s(num_pages * p)))
             state.lease = None  # the worker gives it back
         # Token ids known now (with async scheduling the last sampled one may come later):
         # nothing when the prompt came as embeddings (no ids to key pages by).
@@ -161,6 +173,11 @@ class SchedulerSide:
                 logger.info("kvstore: request %s has %d pages stored, not %d; saving the rest again",
                             req_id, pages, state.stored_pages)
                 state.stored_pages = pages
+
+    def measured(self, report: KVStoreWorkerMetadata | None) -> None:
+        """Feeds what the workers measured this step (forward passes, loads) to the cost model."""
+        if report is not None:
+            self.policy.measured(report.step_costs, report.load_costs)
 
     @property
     def holds_blocks(self) -> bool:

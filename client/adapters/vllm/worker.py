@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.costs import StepClock
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.client.adapters.vllm.resave import Unsaveds
@@ -96,6 +97,7 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
         self._unsaved = Unsaveds(self.store.connect_timeout_s + self.store.retry_s)
+        self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -108,6 +110,7 @@ class WorkerSide:
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
         """Starts this step's saves, so that their allocations overlap the forward pass."""
+        self.clock.begin(meta.num_scheduled_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
         client = self.store.client()
         for spec in meta.saves:
             self._saving.add(spec.req_id)
@@ -142,6 +145,7 @@ class WorkerSide:
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
         """Small hits leased by the scheduler's lookup are copied here, at once (no RPC);
         others start a layer-wise load that ``wait_layer`` waits on."""
+        since = time.perf_counter()
         client = self.store.client()
         for spec in meta.loads:
             kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout,
@@ -158,6 +162,7 @@ class WorkerSide:
                 self._loads.append(ActiveLoad(spec, kv, None, client, ok=False))
             if ours:
                 self.store.release(client, spec.lease.lease_id)  # type: ignore[arg-type,union-attr]
+        self.clock.stalled(since)
 
     def _start_layerwise(self, client: KVStoreClient | None, spec: LoadSpec, kv: RequestKV) -> ActiveLoad:
         if client is None:
@@ -165,7 +170,11 @@ class WorkerSide:
         keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
         hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
         ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
-        return ActiveLoad(spec, kv, client.load(hit, into=kv, ahead=ahead, deadline_s=self.load_deadline_s), client)
+        return ActiveLoad(spec, kv, client.load(hit, into=kv, ahead=ahead, deadline_s=self._deadline_s(spec)), client)
+
+    def _deadline_s(self, spec: LoadSpec) -> float | None:
+        """The configured deadline, else the scheduler side's (from the measured recompute cost)."""
+        return self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
 
     def _lease_usable(self, client: KVStoreClient, spec: LoadSpec) -> bool:
         lease = spec.lease
@@ -203,9 +212,11 @@ class WorkerSide:
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
+        since = time.perf_counter()
         for active in self._loads:
             if active.ok and active.load is not None and not active.load.wait(layer):
                 active.ok = False
+        self.clock.stalled(since)
 
     def save_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
@@ -218,6 +229,7 @@ class WorkerSide:
     def end_step(self) -> None:
         """Settles this step's loads, then lets its saves commit (or cancels them)."""
         failed_reqs, errors = set(), []
+        since, started = time.perf_counter(), all(active.client is not None for active in self._loads)
         for active in self._loads:
             valid, error = self._settle(active)
             if error is not None and active.client is not None:
@@ -228,6 +240,8 @@ class WorkerSide:
             else:
                 self.stats.loaded_tokens += active.kv.num_tokens
         self._loads.clear()
+        self.clock.stalled(since)
+        self.clock.end(loads_ok=started)
         self._unsaved.forget(failed_reqs)  # their blocks hold KV computed from blocks that failed to load
         for save in self._saves:
             if save.spec.req_id in failed_reqs:
@@ -329,10 +343,12 @@ class WorkerSide:
         self._unsaved.ended_short(spec, pages)
 
     def report(self) -> KVStoreWorkerMetadata | None:
-        """Requests whose saves ended short since the last report, for the scheduler side."""
-        if not self._short:
+        """Requests whose saves ended short since the last report, and the steps and loads
+        timed since, for the scheduler side."""
+        steps, loads = self.clock.take()
+        if not (self._short or steps or loads):
             return None
-        report, self._short = KVStoreWorkerMetadata(self._short), {}
+        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads), {}
         return report
 
     def wait_saves(self, timeout_s: float) -> bool:

@@ -6,7 +6,8 @@ original stdout; vLLM's own output is moved to stderr.
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b, "ignore_eos": b}
 -> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"} once the connector's
 saves of the generation have ended (so that the next command finds what it stored);
-{"cmd": "stats"} -> the worker connector's counters; {"cmd": "hooks", ...} sets
+{"cmd": "stats"} -> the worker connector's counters; {"cmd": "load_stats"} -> the scheduler
+side's (tokens found, loaded, skipped as not worth loading); {"cmd": "hooks", ...} sets
 vllm_hooks' switches; {"cmd": "exit"}.
 """
 
@@ -68,6 +69,8 @@ def main() -> None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             reply = dataclasses.asdict(get_kv_transfer_group().worker.stats)
+        elif cmd["cmd"] == "load_stats":  # the scheduler's connector (in this process: no engine-core process)
+            reply = dataclasses.asdict(llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.policy.stats)
         elif cmd["cmd"] == "hooks":
             vllm_hooks.CORRUPT_LAYER[:] = [cmd["corrupt_layer"]] if cmd.get("corrupt_layer") is not None else []
             vllm_hooks.PAUSE.clear()

