@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore import cuda_host
+from kvstore.device_ops import DeviceOps, ops_for
 from kvstore.errors import KVStoreError
 from kvstore.page import ARENA_MAGIC as _MAGIC
 from kvstore.security.arena_socket import receive_arena
@@ -39,12 +39,13 @@ class ArenaMap:
         self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
         self.size_bytes = len(mm)
         # With CUDA, page-locked: slot <-> GPU copies (layer-wise loads and saves) are then DMA.
-        self._pinned_at = self._pin() if torch.cuda.is_available() else None
+        self._ops: DeviceOps | None = ops_for(torch.device("cuda")) if torch.cuda.is_available() else None
+        self._pinned_at = self._pin(self._ops) if self._ops is not None else None
 
-    def _pin(self) -> int | None:
+    def _pin(self, ops: DeviceOps) -> int | None:
         """CUDA ONLY. Pins this process's mapping; its address, or None when refused."""
         address = int(self.array.ctypes.data)
-        return address if cuda_host.pin_host(address, len(self.array), read_only=not self.writable) else None
+        return address if ops.pin_host(address, len(self.array), read_only=not self.writable) else None
 
     @classmethod
     def open(cls, path: str, size: int, token: bytes) -> ArenaMap | None:
@@ -98,8 +99,8 @@ class ArenaMap:
         return self.bytes[offset : offset + nbytes]
 
     def close(self) -> None:
-        if self._pinned_at is not None:  # CUDA ONLY: before the mapping goes
-            cuda_host.unpin_host(self._pinned_at)
+        if self._ops is not None and self._pinned_at is not None:  # CUDA ONLY: before the mapping goes
+            self._ops.unpin_host(self._pinned_at)
             self._pinned_at = None
         del self.bytes
         del self.array

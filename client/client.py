@@ -9,12 +9,11 @@ Contract:
   ``num_tokens`` says how many leading tokens of ``into`` are valid.
 * Every RPC has a deadline: no call hangs. In a fork every call raises (client/forked.py).
 
-Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async
-methods await it from the caller's loop (a lookup over the call socket runs on the caller's
-loop itself: client/loopcalls.py); threads (layer-wise workers, synchronous engine
-hooks) use ``client.runtime.run(coro, timeout_s)``. Page bytes move through the one
-transport picked at connect (kvstore.client.transport): the shared arena when this host
-can map it, else gRPC streams.
+Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async methods
+await it from the caller's loop (a lookup over the call socket runs on the caller's loop
+itself: client/loopcalls.py); threads (layer-wise workers, synchronous engine hooks) use
+``client.runtime.run(coro, timeout_s)``. Page bytes move through the one transport picked at
+connect (kvstore.client.transport): the shared arena when this host can map it, else gRPC streams.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.hit import Hit
-from kvstore.client.layerwise import LayerLoad, LayerSave
+from kvstore.client.layerwise import DeviceOps, LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
 from kvstore.client.loopcalls import LoopCalls
 from kvstore.client.namespace_calls import NamespaceCalls
@@ -144,7 +143,7 @@ class KVStoreClient(NamespaceCalls):
         if self.use_call_socket and info.call_socket:
             self._calls = await again.open_channels(info, self.timeout_s)
         if self._arena is not None:
-            self._transport = ShmTransport(peer, self._arena, self.copy_threads)
+            self._transport = ShmTransport(peer, self._arena, self.copy_threads, info.pool_socket, self._token)
             self._transport.relearn = again.arena_again
         else:
             self._transport = StreamTransport(peer, self.chunk_bytes)
@@ -362,15 +361,16 @@ class KVStoreClient(NamespaceCalls):
 
     # -- layer-wise ----------------------------------------------------------------------
 
-    def load(self, hit: Hit, into: torch.Tensor | EngineKV, ahead: int = 0, deadline_s: float | None = None) -> LayerLoad:
+    def load(self, hit: Hit, into: torch.Tensor | EngineKV, ahead: int = 0, deadline_s: float | None = None,
+             device_ops: DeviceOps | None = None) -> LayerLoad:
         """Starts a layer-wise load of ``hit`` into the engine's KV and returns at once.
-
         ``deadline_s`` bounds every wait (default: the estimated time to recompute the hit,
-        at least 50 ms); past it the engine is told to recompute."""
+        at least 50 ms); past it the engine is told to recompute. ``device_ops``: the device
+        seam of KV on a device (default: read off its tensors; kvstore.device_ops)."""
         self._check_hit(hit)
         if deadline_s is None:
             deadline_s = max(0.05, 2 * hit.num_tokens / self.prefill_tokens_per_s)
-        load = LayerLoad(self, hit, as_engine_kv(into, self.layout), ahead, deadline_s)
+        load = LayerLoad(self, hit, as_engine_kv(into, self.layout), ahead, deadline_s, device_ops)
         self._handles.add(load)
         return load
 

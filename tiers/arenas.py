@@ -8,7 +8,8 @@ its slots from ``i << ARENA_BITS``), a key is in at most one arena (its namespac
 and what must happen in one tenant's arena (reserving a slot, choosing a victim, hints) is
 asked of that arena, ``part(owner)``. An arena is made at its owner's first use, sized by
 ``size_of(owner)`` (the tenant's host_bytes quota, else --host-capacity), and lives as long
-as the server: clients hold mappings of it.
+as the server: clients hold mappings of it. With hbm, each is page-locked as it is made
+(``pins``, pinned.py) and unpinned before it is unmapped.
 
 Thread-safety: every arena guards itself; the list of arenas only grows (under ``_lock``),
 and a reader that iterates it without the lock sees a prefix of it.
@@ -26,6 +27,7 @@ from kvstore.errors import ConfigError, TierFull
 from kvstore.page import PageHeader
 from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.pinned import ArenaPins
 from kvstore.tiers.slab import SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,10 @@ class TenantArenas:
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig, node: str, size_of: Callable[[str], int]) -> None:
+    def __init__(self, config: HostTierConfig, node: str, size_of: Callable[[str], int],
+                 pins: ArenaPins | None = None) -> None:
         self.config = config
+        self.pins = pins
         self.node = node
         self._size_of = size_of
         self._arenas: list[HostTier] = []
@@ -71,6 +75,8 @@ class TenantArenas:
                                      base=len(self._arenas) << ARENA_BITS, anonymous=True)
                 except ConfigError as exc:
                     raise TierFull(f"no arena for tenant {owner!r}: {exc}") from None
+                if self.pins is not None:
+                    self.pins.pin(found)
                 self._arenas.append(found)
                 self._by_owner[owner] = found
                 logger.info("arena %d made for tenant %r", len(self._arenas) - 1, owner)
@@ -215,4 +221,6 @@ class TenantArenas:
 
     def close(self) -> None:
         for arena in self.parts():
+            if self.pins is not None:
+                self.pins.unpin(arena)
             arena.close()

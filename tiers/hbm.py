@@ -1,16 +1,18 @@
-"""The hbm tier: one pool of page slots in GPU memory, above the host tier.
+"""The hbm tier: a pool of page slots in GPU memory, above the host tier.
 
-The pool is one tensor allocated once on a ``torch.device`` (a plain device allocation
-through torch's allocator, never managed memory) and carved into 4 KiB-aligned page slots
-by the same slab allocator as the host arena. The tier keeps its own index, LRU order and
+A pool is one allocation on a device, made once through the device seam
+(``kvstore.device_ops``: its own CUDA segment, or, with ``HbmTierConfig.device == "cpu"``,
+shared memory standing in for it in tests), carved into 4 KiB-aligned page slots by the
+same slab allocator as the host arena. The tier keeps its own index, LRU order and
 quarantine list under its own lock; copies in and out of the pool run outside it.
 
-On CUDA the pool lives in GPU memory and same-host engines map it through CUDA IPC
-(``export``, see cuda.py); a page crosses the PCIe link once, from the host arena. With
-``HbmTierConfig.device == "cpu"`` the same pool sits in host memory: a test-only emulation
-that runs every line of this tier but the CUDA calls (the contract suite and the server
-tests run it so). Without CUDA and without that switch the tier refuses to open
-(``check_device``), and ``kvstore-server --tiers hbm`` exits with that message.
+A pool is a trust domain, as a host arena is: whoever maps it reads and writes every slot.
+So there is one pool per tenant (``tiers/pools.py``), handed only to that tenant's engines
+through the arena socket (``handout``), and only pages an engine asked to read on its
+device are copied in (``placement/upper.py``). With ``device == "cpu"`` every line runs but
+the CUDA calls (in ``kvstore/device_cuda.py``). Without CUDA and without that switch the
+tier refuses to open (``check_device``), and ``kvstore-server --tiers hbm`` exits with that
+message.
 
 It is a memory tier: nothing survives the process (``recover`` lists nothing).
 """
@@ -18,6 +20,7 @@ It is a memory tier: nothing survives the process (``recover`` lists nothing).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Container, Sequence
@@ -25,6 +28,7 @@ from collections.abc import Container, Sequence
 import torch
 
 from kvstore.config import HbmTierConfig
+from kvstore.device_ops import DeviceOps, PoolHandout, ops_for_pool
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
@@ -62,19 +66,24 @@ class HbmTier(IndexedPages):
 
     name = "hbm"
 
-    def __init__(self, config: HbmTierConfig) -> None:
+    def __init__(self, config: HbmTierConfig, ops: DeviceOps | None = None, base: int = 0) -> None:
+        """``ops``: the device seam (default: that of ``config.device``); ``base``: the number
+        of the first slot (several pools behind one tier never share a slot number)."""
         self.config = config
         self.device = check_device(config)
+        self.ops = ops or ops_for_pool(self.device)
+        self._base = base
         capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
-        # One allocation for the tier's life: slots never go back to torch's allocator, so
-        # an exported handle (CUDA IPC) names the same memory as long as the tier lives.
-        self.pool = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        self._allocator = SlabAllocator(0, capacity, config.slab_bytes)
+        # One allocation for the tier's life: slots never go back to the allocator, so a
+        # handed-out pool names the same memory as long as the tier lives.
+        self._device_pool = self.ops.new_pool(capacity, secrets.token_bytes(16))
+        self.pool = self._device_pool.tensor
+        self._allocator = SlabAllocator(base, capacity, config.slab_bytes)
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
         self._order: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
-        logger.info("hbm pool on %s: %d MiB in %d slabs", self.device, capacity >> 20, self._allocator.num_slabs)
+        logger.info("hbm pool on %s: %d MiB in %d slabs", self.ops.name, capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -90,7 +99,7 @@ class HbmTier(IndexedPages):
         """Copies the payload from host memory into the slot (host -> device; a pinned
         source makes it DMA). Returns once the bytes are in the pool."""
         nbytes = header.payload_bytes
-        self.pool[slot : slot + nbytes].copy_(_host_bytes(payload, nbytes))
+        self.device_view(slot, nbytes).copy_(_host_bytes(payload, nbytes))
 
     def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
         for slot, header, payload in pages:
@@ -112,14 +121,17 @@ class HbmTier(IndexedPages):
 
     def device_view(self, slot: int, nbytes: int) -> torch.Tensor:
         """The slot's bytes in the pool (on the device): for copies that stay on it."""
-        return self.pool[slot : slot + nbytes]
+        start = slot - self._base
+        return self.pool[start : start + nbytes]
 
-    def export(self) -> str:
-        """CUDA ONLY. The pool as a CUDA IPC handle (JSON) for same-host engine processes
-        (cuda.open_pool); slot offsets (``slot_of``) index the tensor they open."""
-        from kvstore.tiers.cuda import export_pool
+    def offset(self, slot: int) -> int:
+        """The byte offset of ``slot`` in the pool, as an engine that maps it addresses it."""
+        return slot - self._base
 
-        return export_pool(self.pool)
+    @property
+    def handout(self) -> PoolHandout:
+        """What the arena socket hands the pool's tenant (tiers/pools.py)."""
+        return self._device_pool.handout
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -131,7 +143,7 @@ class HbmTier(IndexedPages):
                 return ReadResult(index)
             slot, header = entry
             nbytes = header.payload_bytes
-            torch.frombuffer(into, dtype=torch.uint8, count=nbytes).copy_(self.pool[slot : slot + nbytes])
+            torch.frombuffer(into, dtype=torch.uint8, count=nbytes).copy_(self.device_view(slot, nbytes))
             try:
                 header.verify_payload(into[:nbytes], nbytes)
             except PageCorrupt as exc:
@@ -179,4 +191,6 @@ class HbmTier(IndexedPages):
         with self._lock:
             self._pages.clear()
             self._order.clear()
-        self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)  # the pool goes back to torch
+        self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._device_pool.tensor = self.pool
+        self._device_pool.release()  # the pool goes back to the device

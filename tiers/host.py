@@ -173,6 +173,10 @@ class HostTier(IndexedPages):
     def offset(self, slot: int) -> int:
         return slot - self._base
 
+    def memory(self) -> memoryview:
+        """The whole arena as this process maps it (pinned.py page-locks it)."""
+        return self._buffer
+
     def part(self, owner: str) -> HostTier:
         return self  # one arena for every owner
 

@@ -1,35 +1,65 @@
-"""The host arena page-locked for DMA while a CUDA hbm pool copies in and out of it.
+"""Every host arena page-locked while an hbm pool copies in and out of it.
 
-``cudaHostRegister`` is per process: this pins the server's own mapping (promotions into
-hbm, demotions out of it); an engine process pins its mapping itself (client/arena.py).
+Promotions into a pool and demotions out of it copy between an arena and device memory;
+from page-locked memory that is DMA at link speed, from pageable memory a staged copy
+through a driver bounce buffer. So with hbm every arena is pinned: the one arena without
+tenants, and each tenant's arena as it is made (arenas.py makes them at a tenant's first
+use, long after start). Page-locking is per process: this pins the server's own mappings;
+an engine pins its mapping itself (client/arena.py).
+
+The page-locking itself is the device seam's (``DeviceOps.pin_host``): ``cudaHostRegister``
+on CUDA, a recorded range in the CPU implementation the tests run.
 """
 
 from __future__ import annotations
 
+import threading
+
+from kvstore.device_ops import DeviceOps, host_address
 from kvstore.tiers.base import LandingTier, TierWrapper
+from kvstore.tiers.host import HostTier
 
 
-def pinned(host: LandingTier, hbm_device: str | None) -> LandingTier:
-    """``host`` itself unless an hbm pool on a CUDA device copies through it."""
-    if hbm_device is None or not hbm_device.startswith("cuda"):
-        return host
-    return PinnedArena(host)  # type: ignore[return-value]  # a LandingTier by delegation
+class ArenaPins:
+    """Pins arenas through ``ops`` and unpins them before they are unmapped. Thread-safe."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        self.ops = ops
+        self._pinned: dict[int, int] = {}  # id(arena) -> the address pinned (absent: refused, or not pinned)
+        self._lock = threading.Lock()
+
+    def pin(self, arena: HostTier) -> None:
+        """Page-locks ``arena``'s whole mapping (a refusal is logged by the seam: copies still work, slower)."""
+        memory = arena.memory()
+        address = host_address(memory)
+        if self.ops.pin_host(address, len(memory)):
+            with self._lock:
+                self._pinned[id(arena)] = address
+
+    def unpin(self, arena: HostTier) -> None:
+        with self._lock:
+            address = self._pinned.pop(id(arena), None)
+        if address is not None:
+            self.ops.unpin_host(address)
+
+    def is_pinned(self, arena: HostTier) -> bool:
+        with self._lock:
+            return id(arena) in self._pinned
 
 
 class PinnedArena(TierWrapper):
-    """CUDA ONLY (not run in CI): pins the arena when opened, unpins it before it is unmapped."""
+    """The one arena of a server without tenant arenas, pinned while it is open."""
 
-    def __init__(self, inner: LandingTier) -> None:
-        from kvstore import cuda_host
-
+    def __init__(self, inner: HostTier, pins: ArenaPins) -> None:
         super().__init__(inner)
-        self._address = cuda_host.host_address(inner.view(0, 1))
-        self._pinned = cuda_host.pin_host(self._address, inner.arena.size_bytes)
+        self.pins = pins
+        pins.pin(inner)
 
     def close(self) -> None:
-        if self._pinned:
-            from kvstore import cuda_host
-
-            cuda_host.unpin_host(self._address)
-            self._pinned = False
+        self.pins.unpin(self.inner)  # type: ignore[arg-type]
         self.inner.close()
+
+
+def pinned(host: HostTier, pins: ArenaPins | None) -> LandingTier:
+    """``host`` itself unless an hbm pool copies through it (``pins``)."""
+    return host if pins is None else PinnedArena(host, pins)  # type: ignore[return-value]  # a LandingTier by delegation

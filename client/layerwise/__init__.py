@@ -2,5 +2,6 @@
 
 from kvstore.client.layerwise.load import LayerLoad
 from kvstore.client.layerwise.save import LayerSave
+from kvstore.device_ops import DeviceOps  # a load's device seam (LayerLoad's ``ops``)
 
-__all__ = ["LayerLoad", "LayerSave"]
+__all__ = ["DeviceOps", "LayerLoad", "LayerSave"]

@@ -1,11 +1,13 @@
 """How a layer-wise load hands layers to the engine, chosen by the device of its KV.
 
-* KV in host memory (CPU engines, tests): the worker thread copies, ``wait(layer)`` returns
-  once the thread has copied the layer. Nothing else to do: ``HostLayers`` is a no-op.
-* KV on a CUDA device: the worker issues each layer's copies on a side stream and records
-  one event per layer there; ``wait(layer)`` then makes the engine's current stream wait on
-  that event, so the engine never blocks the host on the copy (``CudaLayers``, CUDA ONLY:
-  not run in CI; tests_gpu/ runs it on a GPU machine).
+* KV in host memory (CPU engines): the worker thread copies, ``wait(layer)`` returns once
+  the thread has copied the layer. Nothing else to do: ``HostLayers`` is a no-op.
+* KV on a device: the worker issues each layer's copies on a side stream and records one
+  event per layer there; ``wait(layer)`` then makes the engine's current stream wait on
+  that event, so the engine never blocks the host on the copy (``StreamLayers``). Every
+  device call goes through the seam (``kvstore.device_ops``): ``CudaOps`` on a GPU, and in
+  the tests ``CpuOps``, which runs these same lines on host memory and raises if the engine
+  ever waits on a layer whose event was not recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.client.engine_kv import EngineKV
+from kvstore.device_ops import DeviceOps
 
 
 class LayerSignals(Protocol):
@@ -67,27 +70,27 @@ class HostLayers:
         pass
 
 
-class CudaLayers:
-    """CUDA ONLY. A side stream for the load's copies and one event per layer."""
+class StreamLayers:
+    """KV on a device: a side stream for the load's copies and one event per layer."""
 
-    def __init__(self, device: torch.device, num_layers: int) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self.events = [torch.cuda.Event() for _ in range(num_layers)]
+    def __init__(self, ops: DeviceOps, num_layers: int) -> None:
+        self.ops = ops
+        self.stream = ops.stream()
+        self.events = [ops.event() for _ in range(num_layers)]
 
     def copying(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self.stream)
+        return self.ops.on(self.stream)
 
     def issued(self, layer: int) -> None:
-        self.events[layer].record(self.stream)
+        self.ops.record(self.events[layer], self.stream)
 
     def engine_waits(self, layer: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.events[layer])
+        self.ops.wait(self.events[layer])
 
     def drain(self) -> None:
-        self.stream.synchronize()
+        self.ops.synchronize(self.stream)
 
 
-def layer_signals(into: EngineKV, num_layers: int) -> LayerSignals:
-    device = kv_device(into)
-    return CudaLayers(device, num_layers) if device.type == "cuda" else HostLayers()
+def layer_signals(ops: DeviceOps | None, num_layers: int) -> LayerSignals:
+    """``ops``: the device seam of the engine's KV (None: host memory)."""
+    return HostLayers() if ops is None else StreamLayers(ops, num_layers)

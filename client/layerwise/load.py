@@ -30,11 +30,13 @@ A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
   inside the engine's write); a renewal refused (the lease expired: its slots may have
   been reused) abandons the load. Everything held is given back when the worker ends.
 
-On CPU the worker is a thread. KV on a CUDA device: the same worker issues each layer's
-copies on a side stream and records one event per layer; ``wait(layer)`` makes the
-engine's current stream wait on that event (no host sync on the engine's side; device.py).
-Each copy is complete when the worker's call returns, so an abandoned load has no copy in
-flight either.
+On CPU the worker is a thread. KV on a device (``ops``, the device seam: CUDA, or its CPU
+implementation in the tests): the same worker issues each layer's copies on a side stream
+and records one event per layer; ``wait(layer)`` makes the engine's current stream wait on
+that event (no host sync on the engine's side; device.py). Such a load asks for device
+placement: pages the server placed in this client's hbm pool are copied device to device,
+the rest from the page-locked arena (transport/shm_staged.py). The worker drains the side
+stream before it gives the leases back, so no copy outlives them.
 
 Life of a load::
 
@@ -60,8 +62,9 @@ import xxhash
 
 from kvstore.client.engine_kv import ContiguousKV, EngineKV
 from kvstore.client.hostpages import HostPages
-from kvstore.client.layerwise.device import layer_signals
+from kvstore.client.layerwise.device import kv_device, layer_signals
 from kvstore.client.pages import as_bytes, page_rows, slot_as_page
+from kvstore.device_ops import DeviceOps, ops_for
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.page import checksummer
 from kvstore.pagecopy import running_checksum
@@ -78,7 +81,9 @@ DEFAULT_LEASE_MS = 30_000  # the server's default, for a client that leaves leas
 class LayerLoad:
     """Handle of a layer-wise load; see the module docstring."""
 
-    def __init__(self, client: KVStoreClient, hit: Hit, into: EngineKV, ahead: int, deadline_s: float) -> None:
+    def __init__(self, client: KVStoreClient, hit: Hit, into: EngineKV, ahead: int, deadline_s: float,
+                 ops: DeviceOps | None = None) -> None:
+        """``ops``: the device seam of ``into`` (None: read off its tensors, ``ops_for``)."""
         layout = client.layout
         if into.num_tokens < hit.num_tokens:
             raise InvalidRequest(f"into holds {into.num_tokens} tokens, the hit has {hit.num_tokens}")
@@ -98,8 +103,9 @@ class LayerLoad:
         self._cut = False  # a page failed its check after copying
         self._slowest_write_s = 0.0
         self._rows = page_rows(into.kv, layout) if isinstance(into, ContiguousKV) else None
-        self._staged = client.transport.staged()
-        self._signals = layer_signals(into, layout.num_layers)  # host thread, or CUDA side stream + events
+        self.ops = ops if ops is not None else ops_for(kv_device(into))  # None: KV in host memory
+        self._staged = client.transport.staged(on_device=self.ops is not None)
+        self._signals = layer_signals(self.ops, layout.num_layers)  # host thread, or side stream + events
         self._keeper = threading.Thread(target=self._keep, name="kv-lease-keeper", daemon=True)
         self._first_wait = True
         self._thread = threading.Thread(target=self._run, name="kv-layer-load", daemon=True)
@@ -164,7 +170,7 @@ class LayerLoad:
             # fill stops at the deadline by itself (a stream cut by it ends short); the bound
             # of run() is a backstop for an RPC that hangs
             runtime.run(staged.fill(self.hit.keys, remaining), remaining + self.client.timeout_s)
-            host_pages = getattr(self.into, "host_pages", None)
+            host_pages = getattr(self.into, "host_pages", None) if self.ops is None else None
             host: HostPages | None = host_pages() if host_pages is not None and staged.pages else None
             valid = len(staged.pages) if host is not None else staged.verify()  # fused: checked as copied
             with self._copy_lock:
@@ -172,7 +178,7 @@ class LayerLoad:
                     return
                 self.num_tokens = valid * self.client.layout.page_tokens
             start = time.perf_counter()
-            with self._signals.copying():  # host thread, or the CUDA side stream (device.py)
+            with self._signals.copying():  # host thread, or the side stream (device.py)
                 good = self._copy_fused(host, valid) if host is not None else self._copy_checked(valid)
             if good is None:
                 return

@@ -95,7 +95,9 @@ class Transport(Protocol):
     * ``get`` places every page of ``keys`` into ``into``, each verified against its
       checksum, or raises PageMissing / PageCorrupt with ``num_tokens``, the leading valid
       tokens; no unverified byte is left in ``into``, and no copy runs once it returned.
-    * ``staged`` / ``outgoing``: empty holders for layer-wise loads and saves.
+    * ``staged`` / ``outgoing``: empty holders for layer-wise loads and saves; ``staged(on_device=True)``
+      for a load that copies on a device (pages the server placed in this client's hbm pool
+      are then read from there).
     * ``close`` stops its copy threads (nothing may be in flight)."""
 
     async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
@@ -103,7 +105,7 @@ class Transport(Protocol):
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None: ...
 
-    def staged(self) -> Staged: ...
+    def staged(self, on_device: bool = False) -> Staged: ...
 
     def outgoing(self) -> Outgoing: ...
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,10 +19,12 @@ import torch
 
 from kvstore._proto import data_pb2
 from kvstore.client.arena import ArenaMap
+from kvstore.client.device_pool import PoolSource
 from kvstore.client.engine_kv import EngineKV
 from kvstore.client.pages import KVRows, slot_as_page
 from kvstore.client.transport import shm_pipeline
 from kvstore.client.transport.base import Peer, page_in, page_out
+from kvstore.client.transport.shm_staged import LeasedPages, SlotOutgoing
 from kvstore.errors import KVStoreError
 from kvstore.page import checksum
 from kvstore.pagecopy import copy_checksum
@@ -41,8 +42,11 @@ class ShmTransport:
 
     Owns the client's mapping of the arena and closes it."""
 
-    def __init__(self, peer: Peer, arena: ArenaMap, copy_threads: int) -> None:
+    def __init__(self, peer: Peer, arena: ArenaMap, copy_threads: int, pool_socket: str = "",
+                 bearer: str | None = None) -> None:
+        """``pool_socket`` (GetInfo's) and ``bearer``: where this client gets its tenant's hbm pool."""
         self.peer = peer
+        self.pools = PoolSource(pool_socket, bearer) if pool_socket else None  # mapped at the first device load
         self.layout = peer.layout
         self.arena = arena
         self.copy_threads = copy_threads
@@ -101,6 +105,8 @@ class ShmTransport:
         self._pool.shutdown(wait=True)
         for arena in (*self._old_arenas, self.arena):
             arena.close()
+        if self.pools is not None:
+            self.pools.close()
 
     # -- the RPCs of the arena path: one method each ---------------------------------------
 
@@ -129,11 +135,12 @@ class ShmTransport:
         request = data_pb2.AbortRequest(allocation_id=allocation_id)
         await self._give_back("Data.Abort", request, f"allocation {allocation_id.hex()[:8]}", logging.DEBUG)
 
-    async def acquire(self, keys: list[bytes]) -> Any:
-        """A lease on the slots of the longest stored prefix of ``keys`` that fits."""
+    async def acquire(self, keys: list[bytes], device: bool = False) -> Any:
+        """A lease on the slots of the longest stored prefix of ``keys`` that fits; ``device``:
+        the server also places them in this client's hbm pool (answered as device offsets)."""
         runtime = self.peer.runtime
         return await runtime.unary("Data.Acquire", data_pb2.AcquireRequest(
-            namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms))
+            namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms, device=device))
 
     async def release(self, lease_id: bytes, failed: list[bytes] | None = None) -> None:
         """Gives a lease back; ``failed``: its pages whose copy failed the checksum (the server
@@ -265,112 +272,10 @@ class ShmTransport:
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         await shm_pipeline.get(self, keys, into)
 
-    def staged(self) -> LeasedPages:
-        return LeasedPages(self)
+    def staged(self, on_device: bool = False) -> LeasedPages:
+        """``on_device``: the load copies on a device; its pages are read from this client's
+        hbm pool where the server placed them there (shm_staged.py)."""
+        return LeasedPages(self, on_device)
 
     def outgoing(self) -> SlotOutgoing:
         return SlotOutgoing(self)
-
-
-class LeasedPages:
-    """A layer-wise load's pages, read in place from their leased arena slots."""
-
-    def __init__(self, shm: ShmTransport) -> None:
-        self.shm = shm
-        self.pages: list[torch.Tensor] = []
-        self.checksums: list[int] = []
-        self.leases: list[bytes] = []  # every lease granted, empty ones included, until released
-        self._offsets: list[int] = []
-        self._arena = shm.arena  # the arena the leases' offsets are in
-        self._keys: list[bytes] = []
-        self._failed: list[bytes] = []  # reported at release
-
-    async def fill(self, keys: list[bytes], timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        sources: list[Any] = []
-        while len(sources) < len(keys):
-            if loop.time() >= deadline:
-                raise KVStoreError("deadline passed while the pages were leased")
-            batch = keys[len(sources) : len(sources) + self.shm.peer.max_pages]
-            acq = await self.shm.granted(self.shm.acquire(batch), lambda acq: self.shm.release(acq.lease_id))
-            self.leases.append(acq.lease_id)
-            if not acq.pages:
-                break
-            arena = await self.shm.mapping(acq, _nothing)  # a lease taken is released by release()
-            if sources and arena is not self._arena:
-                raise KVStoreError("the server restarted while the pages were leased; try again")
-            self._arena = arena
-            sources.extend(acq.pages)
-        n = self.shm.layout.page_bytes
-        self._offsets = [page.offset for page in sources]
-        self._keys = [page.key for page in sources]
-        self.pages = [self._arena.slot(page.offset, n) for page in sources]
-        self.checksums = [page.checksum for page in sources]
-
-    def verify(self) -> int:
-        n = self.shm.layout.page_bytes
-        for i, offset in enumerate(self._offsets):
-            if checksum(self._arena.array[offset : offset + n]) != self.checksums[i]:
-                logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
-                self._failed = [self._keys[i]]
-                return i
-        return len(self._offsets)
-
-    async def renew(self, timeout_s: float) -> None:
-        for lease_id in list(self.leases):
-            await self.shm.renew(lease_id, timeout_s)
-
-    async def release(self) -> None:
-        leases, self.leases = self.leases, []
-        for lease_id in leases:  # a failed key is checked only by the lease that holds it
-            await self.shm.release(lease_id, self._failed)
-
-
-class SlotOutgoing:
-    """A layer-wise save's pages, copied straight into allocated arena slots and committed
-    at publish; an allocation not committed is aborted at discard."""
-
-    def __init__(self, shm: ShmTransport) -> None:
-        self.shm = shm
-        self.buffers: list[torch.Tensor] = []
-        self.indices: list[int] = []
-        self.asked = 0
-        self._alloc: Any = None
-        self._keys: list[bytes] = []
-
-    async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
-        alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
-        arena = await self.shm.mapping(alloc, lambda: self.shm.abort(alloc.allocation_id))
-        self._alloc = alloc
-        todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
-        self.indices = [i for i, _ in todo]
-        self._keys = [slot.key for _, slot in todo]
-        self.buffers = [arena.slot(slot.offset, self.shm.layout.page_bytes) for _, slot in todo]
-        self.asked = len(alloc.slots)
-
-    async def publish(self, checksums: list[int], durable: bool) -> int:
-        assert self._alloc is not None, "publish follows reserve"
-        published = await self.shm.commit(self._alloc.allocation_id, self._keys, checksums, durable)
-        self._alloc = None  # a commit that failed is aborted by discard
-        return published
-
-    @property
-    def term_s(self) -> float:
-        """How long the server keeps the reserved slots unrenewed (inf before reserve)."""
-        return self._alloc.ttl_ms / 1000 if self._alloc is not None and self._alloc.ttl_ms else math.inf
-
-    async def renew(self, timeout_s: float) -> None:
-        """Keeps the reserved slots for another term; LeaseExpired when they were freed
-        (the save must then never write into them: another writer may hold them)."""
-        if self._alloc is not None:
-            await self.shm.renew(self._alloc.allocation_id, timeout_s, ttl_ms=0)
-
-    async def discard(self) -> None:
-        alloc, self._alloc = self._alloc, None
-        if alloc is not None:
-            await self.shm.abort(alloc.allocation_id)
-
-
-async def _nothing() -> None:
-    """Nothing to give back here (the caller does)."""

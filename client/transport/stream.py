@@ -171,7 +171,8 @@ class StreamTransport:
 
     # -- layer-wise ------------------------------------------------------------------------
 
-    def staged(self) -> StreamedPages:
+    def staged(self, on_device: bool = False) -> StreamedPages:
+        """Streamed pages land in host buffers whatever ``on_device`` says (no pool is mapped off the server's host)."""
         return StreamedPages(self)
 
     def outgoing(self) -> StreamedOutgoing:

@@ -136,7 +136,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("node", "arena_path", "arena_bytes", "arena_token", "tiers", "max_pages_per_request", "max_page_bytes", "arena_socket", "call_socket", "call_token")
+    __slots__ = ("node", "arena_path", "arena_bytes", "arena_token", "tiers", "max_pages_per_request", "max_page_bytes", "arena_socket", "call_socket", "call_token", "pool_socket")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class GetInfoResponse(_message.Message):
     ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     CALL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     CALL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node: str
     arena_path: str
     arena_bytes: int
@@ -157,7 +158,8 @@ class GetInfoResponse(_message.Message):
     arena_socket: str
     call_socket: str
     call_token: bytes
-    def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ...) -> None: ...
+    pool_socket: str
+    def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ..., pool_socket: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("namespace_id", "layout", "keys", "parent", "generation")
@@ -230,36 +232,44 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "ttl_ms")
+    __slots__ = ("namespace_id", "keys", "ttl_ms", "device")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    device: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ..., device: _Optional[bool] = ...) -> None: ...
 
 class AcquiredPage(_message.Message):
-    __slots__ = ("key", "offset", "checksum")
+    __slots__ = ("key", "offset", "checksum", "on_device", "device_offset")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     offset: int
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    on_device: bool
+    device_offset: int
+    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., on_device: _Optional[bool] = ..., device_offset: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "pages", "page_bytes", "arena_token")
+    __slots__ = ("lease_id", "pages", "page_bytes", "arena_token", "pool_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     pages: _containers.RepeatedCompositeFieldContainer[AcquiredPage]
     page_bytes: int
     arena_token: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ...) -> None: ...
+    pool_token: bytes
+    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., pool_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "failed")

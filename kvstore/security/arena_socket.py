@@ -8,6 +8,15 @@ Protocol, one exchange per connection (each message: 4-byte big-endian length + 
     server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": W}  + the arena's fd (SCM_RIGHTS)
                     or {"ok": false, "error": "..."}              and no fd
 
+    client -> server   {"token": "...", "want": "pool"}       (with --tiers hbm: the tenant's device pool)
+    server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": true, "device": "cuda:0",
+                        "pool_token": "<hex>", "handle": "<CUDA IPC JSON>"}   (CUDA: no fd)
+                       ... "device": "cpu", "handle": ""}  + the pool's fd     (the CPU implementation: shared memory)
+
+A pool, like an arena, is one tenant's (tiers/pools.py), and the same token decides whose
+comes back. It goes only to a token with read and write (``may_map_pool``): a CUDA IPC
+mapping is always writable, so a read-only token reads through its read-only arena instead.
+
 The request names no tenant and no arena: the token decides whose arena comes back, so a
 caller can only ever receive its own tenant's. A token without the write right receives a
 read-only descriptor (W false; its own open of the arena, O_RDONLY): no writable mapping. It
@@ -39,6 +48,7 @@ from typing import Any
 
 from kvstore import errors
 from kvstore.accept_pause import AcceptPause
+from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity, Rights
@@ -52,6 +62,12 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 _ACCEPT_BATCH = 64
 
 ArenaLookup = Callable[[Identity], "tuple[int, int] | None"]  # identity -> (fd, size_bytes), or None: no arena
+PoolLookup = Callable[[Identity], "PoolHandout | None"]  # identity -> its tenant's hbm pool, or None: no pool
+
+
+def may_map_pool(identity: Identity) -> bool:
+    """Whether ``identity`` may be handed its tenant's hbm pool (and Acquire copy into it)."""
+    return identity.allows(Rights.READ) and identity.allows(Rights.WRITE)
 
 
 def _send(sock: socket.socket, doc: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -113,12 +129,14 @@ class ArenaSocket:
     tenant's arena (the fd stays the server's: the kernel duplicates it into the peer)."""
 
     def __init__(self, path: Path, authenticator: Authenticator, arena_for: ArenaLookup, *,
-                 timeout_s: float = 2.0, max_peers: int = 256, max_per_pid: int = 32) -> None:
+                 pool_for: PoolLookup | None = None, timeout_s: float = 2.0, max_peers: int = 256,
+                 max_per_pid: int = 32) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
         self.path = path
         self._authenticator = authenticator
         self._arena_for = arena_for
+        self._pool_for = pool_for
         self._timeout_s = timeout_s
         self._max_peers = max_peers
         self._max_per_pid = max_per_pid
@@ -255,6 +273,9 @@ class ArenaSocket:
         if token is not None and not isinstance(token, str):
             raise InvalidRequest("token must be a string")
         identity = self._authenticator.authenticate([f"Bearer {token}"] if token else [], None)
+        if request.get("want", "arena") == "pool":
+            self._serve_pool(peer, identity)
+            return
         arena = self._arena_for(identity)
         if arena is None:
             raise KVStoreError(f"tenant {identity.tenant!r} has no arena on this server")
@@ -268,6 +289,22 @@ class ArenaSocket:
                 os.close(fd)
         logger.info("arena socket: gave tenant %s's arena (%s) to pid %d uid %d", identity.tenant,
                     "read-write" if writable else "read-only", peer.pid, peer.uid)
+
+
+    def _serve_pool(self, peer: _Peer, identity: Identity) -> None:
+        """Hands ``identity``'s tenant its hbm pool: a CUDA IPC handle in the answer, or the
+        pool's descriptor (the CPU implementation)."""
+        if not may_map_pool(identity):
+            raise KVStoreError("a device pool goes only to a token with read and write (a pool is mapped writable); "
+                               "this one reads through its arena")
+        pool = self._pool_for(identity) if self._pool_for is not None else None
+        if pool is None:
+            raise KVStoreError("this server has no hbm pool (--tiers hbm)")
+        _send(peer.conn, {"ok": True, "tenant": identity.tenant, "size_bytes": pool.size_bytes, "writable": True,
+                          "device": pool.device, "pool_token": pool.token.hex(), "handle": pool.handle},
+              [pool.fd] if pool.fd >= 0 else None)
+        logger.info("arena socket: gave tenant %s's hbm pool on %s to pid %d uid %d", identity.tenant, pool.device,
+                    peer.pid, peer.uid)
 
 
 def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
@@ -287,12 +324,42 @@ def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tupl
     """The client side: (fd, size_bytes, tenant) of this token's arena. The caller owns the
     fd (mmap it, then close it). Raises the server's error class (Unauthenticated for a
     refused token), or KVStoreError for a broken exchange."""
+    answer, fd = _exchange(path, {"token": token} if token is not None else {}, timeout_s)
+    if fd is None:
+        raise KVStoreError(f"arena socket {path}: the answer carried no file descriptor")
+    return fd, int(answer["size_bytes"]), str(answer["tenant"])
+
+
+def receive_pool(path: Path, token: str | None, timeout_s: float = 5.0) -> tuple[PoolHandout, str]:
+    """The client side: this token's tenant's hbm pool, and the tenant. The caller owns the
+    handout's fd, if any (the CPU implementation's: map it, then close it). Errors as for
+    ``receive_arena``."""
+    request: dict[str, Any] = {"token": token, "want": "pool"} if token is not None else {"want": "pool"}
+    answer, fd = _exchange(path, request, timeout_s)
+    try:
+        handout = PoolHandout(str(answer["device"]), int(answer["size_bytes"]), bytes.fromhex(answer["pool_token"]),
+                              -1 if fd is None else fd, str(answer["handle"]))
+        if (fd is None) == (not handout.handle):
+            raise KVStoreError(f"arena socket {path}: a pool comes with a descriptor or a handle, one of them")
+    except (ValueError, KeyError) as exc:
+        if fd is not None:
+            os.close(fd)
+        raise KVStoreError(f"arena socket {path}: bad answer: {exc}") from None
+    except KVStoreError:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return handout, str(answer["tenant"])
+
+
+def _exchange(path: Path, request: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], int | None]:
+    """One request and its answer, with the descriptor it carried (the caller owns it)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
             _connect(sock, path, time.monotonic() + timeout_s)
             check_served_by_us(sock, path)  # the request carries the token
-            _send(sock, {"token": token} if token is not None else {})
+            _send(sock, request)
             data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES + _LENGTH.size, 1)
         except OSError as exc:
             raise KVStoreError(f"arena socket {path}: {exc}") from None
@@ -312,10 +379,9 @@ def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tupl
                 if not (isinstance(kind, type) and issubclass(kind, KVStoreError)):
                     kind = KVStoreError
                 raise kind(f"arena socket {path}: {answer.get('error', 'refused')}")
-            if len(fds) != 1:
-                raise KVStoreError(f"arena socket {path}: the answer carried no file descriptor")
-            fd = fds.pop()
-            return fd, int(answer["size_bytes"]), str(answer["tenant"])
+            if len(fds) > 1:
+                raise KVStoreError(f"arena socket {path}: more than one file descriptor")
+            return answer, fds.pop() if fds else None
         except (ValueError, KeyError, OSError) as exc:
             raise KVStoreError(f"arena socket {path}: bad answer: {exc}") from None
         finally:

@@ -20,6 +20,7 @@ from prometheus_client import start_http_server
 from kvstore import pagecopy
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
+from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
 from kvstore.localcall import CALL_TOKEN_BYTES
 from kvstore.security.arena_socket import ArenaSocket
@@ -158,11 +159,16 @@ class Server:
                                        DirectoryService(self.core, config, self.tenancy, self.cluster))
         guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams,
                               self.metrics, request_limits(config))
+        # The arena socket hands each tenant its arena (tenant arenas) and, with hbm, its device pool.
+        self._tenant_arenas = bool(config.security.tenants) and not config.security.share_arena
+        hbm = "hbm" in config.tiers
         self.arena_socket: ArenaSocket | None = None
-        if config.security.tenants and not config.security.share_arena:
-            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for)
+        if self._tenant_arenas or hbm:
+            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for,
+                                            pool_for=self._pool_for if hbm else None)
+        socket_path = self.arena_socket.path if self.arena_socket else None
         data_service = DataService(self.core, config, self.wal, self.tenancy, self.cluster,
-                                   self.arena_socket.path if self.arena_socket else None)
+                                   socket_path if self._tenant_arenas else None, socket_path if hbm else None)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
         # Same-host unary calls without gRPC (issue 15), answered by the same guarded handlers.
@@ -189,11 +195,16 @@ class Server:
         return f"{host}:{self.port}"
 
     def _arena_for(self, identity: Identity) -> tuple[int, int] | None:
-        """The arena socket's answer: the descriptor and size of the caller's tenant's arena."""
-        if identity.via == "local":
+        """The arena socket's answer: the descriptor and size of the caller's tenant's arena
+        (None without tenant arenas: the one arena is announced by path)."""
+        if identity.via == "local" or not self._tenant_arenas:
             return None
         arena = self.core.arena_of(identity.tenant)
         return arena.fd, arena.size_bytes
+
+    def _pool_for(self, identity: Identity) -> PoolHandout | None:
+        """The arena socket's answer to an engine: its tenant's hbm pool (tiers/pools.py)."""
+        return self.core.pool_of(identity.tenant)
 
     def start(self) -> None:
         self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given

@@ -1,7 +1,8 @@
 """`--tiers hbm,host,ssd` through the real server, with the hbm pool emulated in host memory
 (`--hbm-device cpu`, the test-only switch): the placement core sees hbm as the top tier.
-Pages in use are promoted host -> hbm, a page held only in hbm is demoted hbm -> host when
-hbm needs room, host pages go on down to ssd, and every read is bit-exact."""
+Pages an engine reads on its device (a layer-wise load through the device seam's CPU
+implementation, ``on_device``) are promoted host -> hbm, a page held only in hbm is demoted
+hbm -> host when hbm needs room, host pages go on down to ssd, and every read is bit-exact."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import ServerProcess, make_config, random_kv
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.config import HbmTierConfig, ServerConfig
+from kvstore.device_ops import CpuOps
 from kvstore.errors import PageMissing
 from kvstore.server import Server
 from kvstore.tiers.base import Tier
@@ -30,6 +32,14 @@ def _config(tmp: Path, hbm_bytes: int = 1 << 20, host_bytes: int = 64 << 20) -> 
                                hbm=HbmTierConfig(capacity_bytes=hbm_bytes, slab_bytes=1 << 20, device="cpu"))
 
 
+async def on_device(client: KVStoreClient, hit, kv: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Reads ``hit`` as an engine whose KV is on a device does (device placement asked)."""
+    out = torch.zeros_like(kv)
+    load = client.load(hit, into=out, ahead=1, device_ops=CpuOps())
+    await load.finished()
+    return out
+
+
 def _tiers(server: Server, keys: list[bytes]) -> list[set[str]]:
     return [set(server.core.where(key)) for key in keys]
 
@@ -41,7 +51,8 @@ async def _remove_from(server: Server, ns, keys: list[bytes], tier: str) -> None
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
-async def test_put_get_is_bit_exact_and_a_read_promotes_into_hbm(server_factory, tmp_path, layout, ns, use_shm) -> None:
+async def test_put_get_is_bit_exact_and_a_device_read_promotes_into_hbm(server_factory, tmp_path, layout, ns,
+                                                                        use_shm) -> None:
     server = server_factory(_config(tmp_path))
     tokens = list(range(320))
     kv = random_kv(layout, 320, seed=11)
@@ -52,7 +63,12 @@ async def test_put_get_is_bit_exact_and_a_read_promotes_into_hbm(server_factory,
         out = torch.zeros_like(kv)
         await client.get(hit, into=out)
         assert torch.equal(out, kv)
-        assert _tiers(server, hit.keys) == [{"host", "hbm"}] * 20, "a read promotes host -> hbm"
+        assert _tiers(server, hit.keys) == [{"host"}] * 20, "a read into host memory copies nothing up"
+        assert torch.equal(await on_device(client, hit, kv), kv)
+        if not use_shm:  # streamed pages land in host buffers: no pool is mapped off the server's host
+            assert _tiers(server, hit.keys) == [{"host"}] * 20
+            return
+        assert _tiers(server, hit.keys) == [{"host", "hbm"}] * 20, "a device read promotes host -> hbm"
         assert {loc.tier for loc in (await client.lookup(tokens)).locations} == {"hbm"}, "lookups name the fastest copy"
     stats = server.core.stats()
     assert stats.tiers["hbm"].num_pages == 20 and stats.counters["hbm"]["bytes_in"] == 20 * layout.page_bytes
@@ -66,13 +82,13 @@ async def test_hbm_demotes_to_host_host_to_ssd_and_reads_promote_back(server_fac
     async with KVStoreClient(server.address, ns) as client:
         await client.put(a_tokens, a_kv)
         a_hit = await client.lookup(a_tokens)
-        await client.get(a_hit, into=torch.zeros_like(a_kv))  # A: host + hbm
+        await on_device(client, a_hit, a_kv)  # A: host + hbm
         await _remove_from(server, ns, a_hit.keys, "host")
         assert _tiers(server, a_hit.keys) == [{"hbm"}] * 16, "A is held in hbm only"
 
         # B fills the 32-page pool: A's pages are its victims and, held nowhere else, go down to host.
         await client.put(b_tokens, b_kv)
-        await client.get(await client.lookup(b_tokens), into=torch.zeros_like(b_kv))
+        await on_device(client, await client.lookup(b_tokens), b_kv)
         assert _tiers(server, a_hit.keys) == [{"host"}] * 16, "hbm -> host demotion"
         assert server.core.stats().tiers["hbm"].num_pages == 32
 
@@ -82,10 +98,8 @@ async def test_hbm_demotes_to_host_host_to_ssd_and_reads_promote_back(server_fac
         await _remove_from(server, ns, a_hit.keys, "host")
         assert _tiers(server, a_hit.keys) == [{"ssd"}] * 16
 
-        # A read promotes back up: ssd -> host (landing) -> hbm, bit-exact.
-        out = torch.zeros_like(a_kv)
-        await client.get(await client.lookup(a_tokens), into=out)
-        assert torch.equal(out, a_kv)
+        # A device read promotes back up: ssd -> host (landing) -> hbm, bit-exact.
+        assert torch.equal(await on_device(client, await client.lookup(a_tokens), a_kv), a_kv)
         assert _tiers(server, a_hit.keys) == [{"ssd", "host", "hbm"}] * 16
         out = torch.zeros_like(b_kv)
         await client.get(await client.lookup(b_tokens), into=out)  # B's pages left hbm for A's: read from host
@@ -100,7 +114,7 @@ async def test_a_page_only_in_hbm_is_read_from_there(server_factory, tmp_path, l
     async with KVStoreClient(server.address, ns) as client:
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
-        await client.get(hit, into=torch.zeros_like(kv))
+        await on_device(client, hit, kv)
         await _remove_from(server, ns, hit.keys, "host")
         out = torch.zeros_like(kv)
         await client.get(await client.lookup(tokens), into=out)
@@ -117,7 +131,7 @@ async def test_host_pressure_demotes_to_ssd_with_hbm_above(server_factory, tmp_p
     async with KVStoreClient(server.address, ns) as client:
         head = tokens[: 16 * 8]
         await client.put(head, kv[:, :, : len(head)])
-        await client.get(await client.lookup(head), into=torch.zeros_like(kv[:, :, : len(head)]))
+        await on_device(client, await client.lookup(head), kv[:, :, : len(head)])
         assert await client.put(tokens, kv) == len(tokens)
         hit = await client.lookup(tokens)
         assert hit.num_tokens == len(tokens)
@@ -136,7 +150,7 @@ async def test_a_restart_keeps_ssd_pages_and_starts_with_an_empty_pool(server_fa
     kv = random_kv(layout, 320, seed=5)
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, kv, durable=True) == 320
-        await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+        await on_device(client, await client.lookup(tokens), kv)
         assert server.core.stats().tiers["hbm"].num_pages == 20
     server.stop(grace_s=1)
     again = server_factory(config)
@@ -144,9 +158,7 @@ async def test_a_restart_keeps_ssd_pages_and_starts_with_an_empty_pool(server_fa
     async with KVStoreClient(again.address, ns) as client:
         hit = await client.lookup(tokens)
         assert hit.num_tokens == 320 and {loc.tier for loc in hit.locations} == {"ssd"}
-        out = torch.zeros_like(kv)
-        await client.get(hit, into=out)
-        assert torch.equal(out, kv)
+        assert torch.equal(await on_device(client, hit, kv), kv)
         assert _tiers(again, hit.keys) == [{"ssd", "host", "hbm"}] * 20
     assert again.core.view().idle
 
@@ -165,7 +177,7 @@ async def test_a_faulty_hbm_pool_never_serves_a_wrong_byte_and_keeps_nothing_res
                 tokens = list(range(i * 100_000, i * 100_000 + 256))
                 kv = random_kv(layout, 256, seed=20 + i)
                 await client.put(tokens, kv)
-                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+                await on_device(client, await client.lookup(tokens), kv)
                 hit = await client.lookup(tokens)
                 await _remove_from(server, ns, hit.keys, "host")  # what is left lives in hbm only (or nowhere)
                 out = torch.zeros_like(kv)
@@ -196,8 +208,8 @@ async def test_sigkill_with_hbm_keeps_ssd_pages_and_the_cli_flags_work(tmp_path,
         async with KVStoreClient(proc.address, ns) as client:
             assert await client.put(durable, kv, durable=True) == 320
             assert await client.put(ram, kv) == 320
-            for tokens in (durable, ram):
-                await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+            for tokens in (durable, ram):  # the pool is the server process's, mapped here from the arena socket
+                await on_device(client, await client.lookup(tokens), kv)
             assert {loc.tier for loc in (await client.lookup(durable)).locations} == {"hbm"}
         proc.kill()
         proc.start()

@@ -1,5 +1,6 @@
 """What of the hbm tier CI can run besides the contract suite: the device check, the
-config's validation, and that the CUDA-only paths refuse an emulated pool clearly."""
+config's validation, and the emulated pool as the CPU implementation of the device seam
+makes it: shared memory another process maps through the descriptor it is handed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 from kvstore.config import HbmTierConfig
+from kvstore.device_ops import CpuOps
 from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.page import PageHeader
 from kvstore.tiers.hbm import HbmTier, check_device
 from kvstore.tiers.pinned import pinned
 
@@ -28,14 +31,26 @@ def test_a_bad_device_names_the_flag(device: str) -> None:
         HbmTierConfig(device=device)
 
 
-def test_an_emulated_pool_is_not_exported_and_its_arena_is_not_pinned() -> None:
+def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
     tier = HbmTier(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"))
     try:
         assert tier.pool.device.type == "cpu" and tier.pool.numel() == 4 << 20
-        with pytest.raises(ValueError, match="only a CUDA pool"):
-            tier.export()
+        handout = tier.handout
+        assert handout.device == "cpu" and handout.size_bytes == 4 << 20 and handout.fd >= 0 and not handout.handle
+        payload = bytes(range(256)) * 16
+        header = PageHeader(namespace_id=b"n" * 16, key=b"k" * 16, layout=None, payload_bytes=len(payload),  # type: ignore[arg-type]
+                            checksum=0)  # write reads only payload_bytes
+        slot = tier.reserve(len(payload))
+        assert slot is not None
+        tier.write(slot, header, memoryview(payload))
+        opened = CpuOps().open_pool(handout, writable=False)  # as an engine maps it
+        try:
+            offset = tier.offset(slot)
+            assert bytes(opened.tensor[offset : offset + len(payload)].numpy()) == payload
+        finally:
+            opened.close()
         assert not tier.fits(2 << 20) and tier.reserve(2 << 20) is None, "a page larger than a slab never fits"
     finally:
         tier.close()
     host = object()
-    assert pinned(host, None) is host and pinned(host, "cpu") is host  # type: ignore[arg-type]
+    assert pinned(host, None) is host  # type: ignore[arg-type]  # without hbm nothing is pinned

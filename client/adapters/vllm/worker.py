@@ -33,6 +33,7 @@ from kvstore.client.adapters.vllm.resave import Unsaveds
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
+from kvstore.device_ops import DeviceOps, ops_for
 from kvstore.errors import KVStoreError
 from kvstore.page import checksum
 from kvstore.pagecopy import running_checksum
@@ -83,6 +84,9 @@ class WorkerSide:
     load_ahead: int | None = None
     sync_load_pages: int = 4
     stats: WorkerStats = field(default_factory=WorkerStats)
+    # The device seam of vLLM's KV (kvstore.device_ops): read off the caches at register (CUDA:
+    # side stream, one event per layer, hbm pool); tests give CpuOps to run that path on CPU.
+    device_ops: DeviceOps | None = None
 
     def __post_init__(self) -> None:
         self.layout = self.store.namespace.layout
@@ -101,6 +105,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
+        self.device_ops = self.device_ops or ops_for(tensors[0].device)
         self._blocks, self._all_layers = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         if self._blocks[0].shape[0] != self.num_blocks:
             raise KVStoreError(f"vLLM KV cache has {self._blocks[0].shape[0]} kernel blocks for {self.num_blocks} "
@@ -170,7 +175,8 @@ class WorkerSide:
         keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
         hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
         ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
-        return ActiveLoad(spec, kv, client.load(hit, into=kv, ahead=ahead, deadline_s=self._deadline_s(spec)), client)
+        load = client.load(hit, into=kv, ahead=ahead, deadline_s=self._deadline_s(spec), device_ops=self.device_ops)
+        return ActiveLoad(spec, kv, load, client)
 
     def _deadline_s(self, spec: LoadSpec) -> float | None:
         """The configured deadline, else the scheduler side's (from the measured recompute cost)."""
@@ -190,7 +196,7 @@ class WorkerSide:
         lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
         assert lease is not None and arena is not None
         first = spec.first_page
-        host = kv.host_pages()
+        host = kv.host_pages() if self.device_ops is None else None  # KV on a device: copied page by page
         if host is not None:
             offsets = lease.offsets[first : first + spec.num_pages]
             sums = [running_checksum() for _ in offsets]

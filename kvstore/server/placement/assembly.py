@@ -11,20 +11,22 @@ from kvstore.server.metrics import Metrics
 from kvstore.tiers.arenas import TenantArenas
 from kvstore.tiers.base import LandingTier, Tier
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.pinned import pinned
+from kvstore.tiers.pinned import ArenaPins, pinned
 from kvstore.tiers.ssd import SsdTier
 
 Wrap = Callable[[Tier], Tier]
 
 
 def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> list[Tier]:
-    """The tiers above the landing tier (hbm), fastest first. torch is imported only when
-    they are asked for (the server does not need it otherwise)."""
+    """The tiers above the landing tier (hbm: one device pool per tenant, or one without
+    tenant arenas, tiers/pools.py), fastest first. torch is imported only when they are
+    asked for (the server does not need it otherwise)."""
     if "hbm" not in config.tiers:
         return []
-    from kvstore.tiers.hbm import HbmTier
+    from kvstore.tiers.pools import TenantPools
 
-    return [(wrap or (lambda tier: tier))(HbmTier(config.hbm))]
+    per_tenant = bool(config.security.tenants) and not config.security.share_arena
+    return [(wrap or (lambda tier: tier))(TenantPools(config.hbm, per_tenant))]
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
@@ -34,13 +36,15 @@ def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float
     write budget) and the tiers above the landing tier (hbm, see ``open_upper``). ``wrap``
     goes around each tier first (tests: ``FaultyTier``); ``policy`` replaces the configured
     admission policy (the replay's oracle). With tenants (and not --share-arena) the host
-    tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes (made lazily: not pinned)."""
+    tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes, made lazily. With hbm every
+    arena is page-locked for the pools' copies, each tenant's as it is made (tiers/pinned.py)."""
     wrap = wrap or (lambda tier: tier)
     upper = open_upper(config, wrap)  # first: a device that cannot be used refuses before an arena is made
+    pins = ArenaPins(upper[0].ops) if upper else None  # type: ignore[attr-defined]  # TenantPools.ops
     if config.security.tenants and not config.security.share_arena:
-        landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0)))
+        landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0), pins))
     else:
-        landing = wrap(pinned(HostTier(config.host, config.node), config.hbm.device if "hbm" in config.tiers else None))
+        landing = wrap(pinned(HostTier(config.host, config.node), pins))
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.config import ServerConfig
+from kvstore.device_ops import PoolHandout
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, TierFull, TierUnavailable
 from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
@@ -254,11 +255,25 @@ class Placement(CoreReports):
     # -- reads ---------------------------------------------------------------------------
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
-                tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
+                tenant: str = "", device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
         """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (reads.py), then up into hbm (upper.py).
-        Nothing while this node may not serve (``serving``): as for an empty namespace."""
-        return self.promoter.promoted(*self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, tenant))
+        readable in the landing tier, reading pages held only below into it (reads.py); with
+        ``device`` (an engine reads them on its device) also up into its owner's hbm pool
+        (upper.py, ``placed``). Nothing while this node may not serve (``serving``): as for an
+        empty namespace."""
+        leased = self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, tenant)
+        return self.promoter.promoted(*leased, device)
+
+    def placed(self, pages: list[AcquiredPage]) -> tuple[bytes, list[int | None]]:
+        """Where leased pages are in their owner's hbm pool: the pool's token, each offset (None: not there)."""
+        return self.promoter.placed(pages)
+
+    def pool_of(self, tenant: str = "") -> PoolHandout | None:
+        """The hbm pool ``tenant``'s engines map (made now at its first use: TierFull when the
+        device cannot hold it); None without hbm."""
+        if self.promoter.index is None:
+            return None
+        return self.promoter.tier.part(tenant).handout  # type: ignore[attr-defined]  # an HbmTier
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""

@@ -1,9 +1,12 @@
-"""The tier above the landing tier (hbm): pages in use are promoted into it, and its
-coldest pages are demoted back down to make room.
+"""The tier above the landing tier (hbm): pages an engine will read on its device are
+promoted into it, and its coldest pages are demoted back down to make room.
 
-Clients write and read pages through the landing tier (the host arena they map), so hbm
-is filled from there: after an acquire leased a prefix in the landing tier, its pages
-not yet in hbm are copied up (``promote``). When hbm is full, its victim goes: a page with
+Clients write and read pages through the landing tier (the host arena they map); an engine
+whose KV is on a device asks Acquire for device placement (``AcquireRequest.device``), and
+only then are the leased pages not yet in hbm copied up (``promote``), into the pool of the
+namespace's owner (tiers/pools.py): the one that tenant's engines map. Every other read
+(get into host memory, ReadPages, a cluster fetch) copies nothing up: a page in a pool no
+engine reads is a wasted device copy. When the pool is full, its victim goes: a page with
 another live copy (landing or lower) is dropped from hbm; one held nowhere else is demoted
 first, read into a landing slot and published there (hbm -> host; from there demotion
 goes on to ssd as for any landing page). Acquire finds a page held only in hbm and reads
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvstore.directory import Directory
-from kvstore.errors import PageCorrupt
+from kvstore.errors import PageCorrupt, TierFull
 from kvstore.page import PageHeader
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
@@ -36,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 class UpperTier(Tier, Protocol):
     def fits(self, page_bytes: int) -> bool: ...
+
+    def part(self, owner: str) -> Tier:
+        """``owner``'s pool: where its pages are reserved and evicted from."""
+        ...
+
+    def offset(self, slot: int) -> int:
+        """Where ``slot`` lies in the pool an engine maps."""
+        ...
+
+    def token_of(self, slot: int) -> bytes:
+        """The token of the pool ``slot`` is in."""
+        ...
 
 
 class Promoter:
@@ -59,10 +74,23 @@ class Promoter:
         assert self.index is not None
         return self.residence.tiers[self.index]  # type: ignore[return-value]
 
-    def promoted(self, ident: bytes, pages: list[AcquiredPage]) -> tuple[bytes, list[AcquiredPage]]:
-        """An acquire's answer, once its pages were promoted (``promote``)."""
-        self.promote(pages)
+    def promoted(self, ident: bytes, pages: list[AcquiredPage], device: bool) -> tuple[bytes, list[AcquiredPage]]:
+        """An acquire's answer, once its pages were promoted (``promote``) when the engine
+        asked for ``device`` placement; as it is otherwise."""
+        if device:
+            self.promote(pages)
         return ident, pages
+
+    def placed(self, pages: list[AcquiredPage]) -> tuple[bytes, list[int | None]]:
+        """Where leased ``pages`` are in their owner's pool: its token and each page's offset
+        there (None: not in it). The lease keeps them there (a pinned page is no victim)."""
+        if self.index is None or not pages:
+            return b"", [None] * len(pages)
+        tier, up = self.tier, self.index
+        with self.keeper.critical():
+            slots = [tier.slot_of(p.key) if self.residence.has(p.key, up) else None for p in pages]
+        token = next((tier.token_of(slot) for slot in slots if slot is not None), b"")
+        return token, [None if slot is None else tier.offset(slot) for slot in slots]
 
     def promote(self, pages: list[AcquiredPage]) -> int:
         """Copies leased landing pages (the caller's lease keeps their slots) into the upper
@@ -71,6 +99,11 @@ class Promoter:
         if self.index is None or not pages:
             return 0
         up, tier = self.index, self.tier
+        try:
+            pool = tier.part(self.owner_of(pages[0].header.namespace_id))  # one namespace: one owner, one pool
+        except TierFull as exc:  # the device cannot hold another pool: the engine reads from its arena
+            logger.warning("pages not promoted: %s", exc)
+            return 0
         placed: list[tuple[int, AcquiredPage]] = []
         making_room: bytes | None = None  # the key whose slot is being found
         with self.keeper.critical():
@@ -82,7 +115,7 @@ class Promoter:
                         continue
                     self._promoting.add(key)
                     making_room = key
-                    slot = self._make_room(size)
+                    slot = self._make_room(size, pool)
                     making_room = None
                     if slot is None:
                         self._promoting.discard(key)
@@ -137,19 +170,19 @@ class Promoter:
 
     # -- room in the upper tier (lock held; released while a victim is demoted) ----------
 
-    def _make_room(self, page_bytes: int) -> int | None:
+    def _make_room(self, page_bytes: int, pool: Tier) -> int | None:
         while True:
-            slot = self.tier.reserve(page_bytes)
-            if slot is not None or not self._evict_one(page_bytes):
+            slot = pool.reserve(page_bytes)
+            if slot is not None or not self._evict_one(page_bytes, pool):
                 return slot
 
-    def _evict_one(self, page_bytes: int) -> bool:
-        """Frees the upper tier's next victim, demoting it to the landing tier first when
-        no other tier holds it; False when every page there is pinned or in flight."""
+    def _evict_one(self, page_bytes: int, pool: Tier) -> bool:
+        """Frees the next victim of ``pool`` (one owner's), demoting it to the landing tier
+        first when no other tier holds it; False when every page there is pinned or in flight."""
         up, tier = self.index, self.tier
         assert up is not None
         skip = _Either(self.leases.pins, self._promoting)
-        victim = tier.victim(skip, page_bytes)
+        victim = pool.victim(skip, page_bytes)
         if victim is None:
             return False
         header = tier.header(victim)

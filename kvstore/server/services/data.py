@@ -27,6 +27,7 @@ from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.room import room
 from kvstore.server.services.sessions import SessionCalls
+from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tokenlog import TokenLog
@@ -51,9 +52,11 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler reads its caller first and checks it against the namespace (tenancy/access.py)."""
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
-                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None) -> None:
+                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None,
+                 pool_socket: Path | None = None) -> None:
         self.core = core
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
+        self.memory = SharedMemory(core, config, tenancy, arena_socket, pool_socket)  # its arena and hbm pool
         self.call_socket: Path | None = None  # the same-host call channel (local_calls.py), once the server made it
         self.call_token = b""
         self.config = config
@@ -74,27 +77,15 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """An arena is one trust domain. Without tenants (or with --share-arena) the one arena is
-        announced by path; with tenants the caller's own (made at its first use) by size and token,
-        handed over as a descriptor by the arena socket to the caller's token."""
+        """The caller's arena and pool: one trust domain each (shared_memory.py)."""
         who = current_identity()
         info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
                                         max_pages_per_request=self.config.max_pages_per_request,
                                         max_page_bytes=self.config.max_page_bytes)
-        arena = self._arena(who)
-        if arena is not None and (arena.path or self.arena_socket is None):
-            info.arena_path, info.arena_bytes, info.arena_token = arena.path, arena.size_bytes, arena.token
-        elif arena is not None:
-            info.arena_socket, info.arena_bytes, info.arena_token = str(self.arena_socket), arena.size_bytes, arena.token
+        self.memory.describe(who, info)
         if self.call_socket is not None:
             info.call_socket, info.call_token = str(self.call_socket), self.call_token
         return info
-
-    def _arena(self, who: Identity) -> Any:
-        """The caller's arena (None: none); Allocate and Acquire name its token (client/restart.py)."""
-        if who.via == "local" or self.config.security.share_arena:
-            return self.core.arena_of()
-        return self.core.arena_of(who.tenant) if self.arena_socket is not None else None
 
     @unary
     def WhoAmI(self, request: data_pb2.WhoAmIRequest, context: grpc.ServicerContext) -> data_pb2.WhoAmIResponse:
@@ -119,7 +110,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
             self.core.abort(ident, who.tenant)
         alloc = self.core.leases.allocation(ident)
-        arena = self._arena(who)
+        arena = self.memory.arena(who)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             arena_token=arena.token if arena is not None else b"",
@@ -167,28 +158,14 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
         who = current_identity()
-        self._check_arena(who, ns)
+        self.memory.check_arena(who, ns)
+        device = self.memory.device(who, request)
         with self.quotas.reserving(who, leases=1):
             if not self._readable(who, ns, keys, context):
                 keys = []  # as for an empty namespace
-            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
+            ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant, device=device)
         self.quotas.used(who, [p.key for p in pages])
-        arena = self._arena(who)
-        return data_pb2.AcquireResponse(
-            lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
-            arena_token=arena.token if arena is not None else b"",
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum)
-                   for p in pages],
-        )
-
-    def _check_arena(self, who: Identity, namespace_id: bytes) -> None:
-        """With an arena per tenant, Acquire answers slots in the arena of the namespace's
-        owner: a reader of another tenant's namespace (admin) is told to use ReadPages (a
-        caller that may not read it learns nothing here: it is answered as empty)."""
-        owner = self.tenancy.owners.owner(namespace_id)
-        if self.arena_socket is not None and owner not in (None, who.tenant) and self.tenancy.may_read(who, namespace_id):
-            raise InvalidRequest("the namespace's pages are in its owner's arena, which this caller does not map; "
-                                 "read them with ReadPages")
+        return self.memory.acquired(who, ident, pages, device)
 
     def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: grpc.ServicerContext) -> bool:
         """Whether ``who`` may read the namespace; in cluster mode, after fetching what other
