@@ -58,6 +58,10 @@ class KVLayout:
     A page holds ``page_tokens`` tokens of every layer, laid out layer-major:
     ``[layer][K|V][token][head][dim]`` so that one layer of a page is one contiguous slice.
     MLA keeps a single latent per token (``attention="mla"``: no separate K and V).
+    ``groups``: an engine's KV cache groups when it has several kinds of layers (full,
+    sliding-window, chunked attention), each group's kind and layers in page order
+    (client/adapters/vllm/groups.py); part of the namespace id, so that engines whose
+    groups differ never share pages. Empty for one full-attention group.
     """
 
     num_layers: int
@@ -66,6 +70,7 @@ class KVLayout:
     dtype: Any = "bfloat16"  # a torch.dtype (a name like "bfloat16" is converted)
     page_tokens: int = 16
     attention: str = "gqa"
+    groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         name = dtype_name(self.dtype)
@@ -107,8 +112,9 @@ class KVLayout:
         return self.dtype
 
     def describe(self) -> dict[str, Any]:
-        """Canonical, JSON-able form; part of the namespace id."""
-        return {
+        """Canonical, JSON-able form; part of the namespace id (``groups`` only when set:
+        a single-group engine keeps the namespace id it always had)."""
+        described: dict[str, Any] = {
             "num_layers": self.num_layers,
             "kv_factor": self.kv_factor,
             "num_kv_heads": self.num_kv_heads,
@@ -117,6 +123,9 @@ class KVLayout:
             "page_tokens": self.page_tokens,
             "attention": self.attention,
         }
+        if self.groups:
+            described["groups"] = list(self.groups)
+        return described
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype: Any = "bfloat16", page_tokens: int = 16) -> KVLayout:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvstore.client.adapters.vllm.groups import KVGroups
 from kvstore.errors import ConfigError
 from kvstore.security.credentials import ClientSecurity, Credentials
 from kvstore.types import KVLayout, Namespace
@@ -95,32 +96,25 @@ def extra_option(name: str) -> str:
 
 
 def kv_spec(kv_cache_config: Any) -> tuple[list[str], Any]:
-    """The attention layer names (in model order) and their common KV cache spec.
-
-    Only models whose layers share one full-attention KV cache group are supported: block
-    ids of several groups cannot be told apart in vLLM's load-error report."""
-    groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise ConfigError(f"the kvstore connector supports one KV cache group, this model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "block_size", "dtype")):
-        raise ConfigError(f"the kvstore connector needs an attention KV cache, got {type(spec).__name__}")
-    if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
-        raise ConfigError("the kvstore connector needs equal K and V head sizes (MLA is not supported yet)")
-    return list(groups[0].layer_names), spec
+    """The attention layer names in page order and the KV cache spec they share (see
+    groups.py: every group's layers, group after group)."""
+    groups = KVGroups.of(kv_cache_config)
+    return groups.layer_names, groups.spec
 
 
 def engine_namespace(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int = 0,
                      tp_size: int | None = None) -> Namespace:
     """The namespace of this engine's KV: model, revision, KV dtype and shape, page size
     and tensor-parallel shard. Pages are canonical (``[layer][K|V][token][head][dim]``),
-    so engines on different attention backends share them."""
-    layer_names, spec = kv_spec(kv_cache_config)
+    so engines on different attention backends share them. With several KV cache groups
+    the group layout is part of it (KVLayout.groups)."""
+    groups = KVGroups.of(kv_cache_config)
+    layer_names, spec = groups.layer_names, groups.spec
     page_tokens = config.page_tokens or spec.block_size
     if spec.block_size % page_tokens:
         raise ConfigError(f'"page_tokens" {page_tokens} must divide vLLM\'s block size {spec.block_size}')
     layout = KVLayout(num_layers=len(layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-                      dtype=spec.dtype, page_tokens=page_tokens)
+                      dtype=spec.dtype, page_tokens=page_tokens, groups=groups.describe())
     model = vllm_config.model_config
     revision = config.revision if config.revision is not None else (model.revision or "")
     size = tp_size if tp_size is not None else vllm_config.parallel_config.tensor_parallel_size

@@ -27,11 +27,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from kvstore.client.adapters.connection import StoreConnection
-from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace, kv_spec
+from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.groups import KVGroups
+from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
+from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerSide
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
@@ -58,8 +63,11 @@ def _tp_rank_size(role: KVConnectorRole) -> tuple[int, int | None]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. With several KV cache groups (vLLM's hybrid KV cache
+    manager: sliding-window, chunked-local and full attention layers) the hybrid sides
+    serve it (hybrid_scheduler.py, hybrid_worker.py); one full-attention group keeps the
+    single-group sides."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -70,13 +78,21 @@ class KVStoreConnector(KVConnectorBase_V1):
                            'set "kv_load_failure_policy": "recompute" to recompute it instead', transfer.kv_load_failure_policy)
         tp_rank, tp_size = _tp_rank_size(role)
         namespace = engine_namespace(vllm_config, kv_cache_config, self.config, tp_rank, tp_size)
-        layer_names, spec = kv_spec(kv_cache_config)
+        groups = KVGroups.of(kv_cache_config)
+        layer_names, spec = groups.layer_names, groups.spec
         self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s,
                                      use_call_socket=self.config.use_call_socket, credentials=self.config.credentials)
         self.store.start()
+        self.hybrid = groups.hybrid
         self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        self.worker: WorkerSide | HybridWorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER and self.hybrid:
+            self.scheduler = HybridSchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self._block_tables,
+                                                 self.config.load_when_faster)
+        elif self.hybrid:
+            self.worker = HybridWorkerSide(self.store, layer_names, groups.layer_groups, spec.block_size,
+                                           self.config.load_deadline_s)
+        elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
@@ -94,7 +110,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # -- worker side ---------------------------------------------------------------------
 
-    def _worker(self) -> WorkerSide:
+    def _worker(self) -> WorkerSide | HybridWorkerSide:
         assert self.worker is not None, "a worker hook was called on the scheduler's connector"
         return self.worker
 
@@ -123,6 +139,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker().finished(finished_req_ids) or None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid engine's loads end in the step that starts them: landed, or failed
+        (vLLM then recomputes the request from its start; see hybrid_worker.py)."""
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self._worker()
+        if isinstance(worker, HybridWorkerSide):
+            results.finished_recving, results.failed_recving = worker.transfer_results()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
 
@@ -144,11 +169,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self.scheduler is not None, "a scheduler hook was called on a worker's connector"
         return self.scheduler
 
+    def _block_tables(self, req_id: str) -> tuple[list[int], ...]:
+        """A request's current block ids in every group, from vLLM's cache manager."""
+        assert self._kv_cache_manager is not None, "vLLM did not bind its KV cache manager"
+        return self._kv_cache_manager.get_block_ids(req_id)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens), False
+        found = self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
+        return found, self.hybrid and found > 0  # a hybrid engine's hit is loaded before the request computes
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler().after_alloc(request, num_external_tokens)
+        scheduler = self._scheduler()
+        if isinstance(scheduler, HybridSchedulerSide):
+            scheduler.after_alloc(request, num_external_tokens, blocks)
+        else:
+            scheduler.after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_meta(scheduler_output)
@@ -156,11 +191,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request), None
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of ``request_finished`` for a connector that supports
+        its hybrid KV cache manager, whatever the number of groups."""
+        return self._scheduler().finished(request), None
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
         report = connector_output.kv_connector_worker_meta
         self._scheduler().saves_short(report if isinstance(report, KVStoreWorkerMetadata) else None)
         self._scheduler().measured(report if isinstance(report, KVStoreWorkerMetadata) else None)
+        scheduler = self._scheduler()
+        if isinstance(scheduler, HybridSchedulerSide) and connector_output.failed_recving:
+            scheduler.loads_failed(set(connector_output.failed_recving))
 
     def has_pending_block_frees(self) -> bool:
         return self._scheduler().holds_blocks

@@ -41,11 +41,40 @@ class SaveSpec:
     first_page: int
 
 
+@dataclass(frozen=True)
+class GroupLoad:
+    """A hybrid engine's load (grouped.py): pages ``[first_page, first_page + num_pages)``
+    of ``tokens`` into the request's blocks of every KV cache group (``block_ids[g]``:
+    group g's block table, null blocks included). All of it lands, or the request is
+    reported failed and recomputes from its start: a hit covers every group or none."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: tuple[list[int], ...]
+    first_page: int
+    num_pages: int
+    namespace_id: bytes = b""
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True)
+class GroupSave:
+    """A hybrid engine's save: the pages ``[first_page, len(tokens) / page_tokens)``,
+    copied out of every group's blocks when the step ends."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: tuple[list[int], ...]
+    first_page: int
+
+
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    group_loads: list[GroupLoad] = field(default_factory=list)  # hybrid engines only, as group_saves
+    group_saves: list[GroupSave] = field(default_factory=list)
     num_scheduled_tokens: int = 0  # of the step: what a forward pass without loads is timed against
 
 

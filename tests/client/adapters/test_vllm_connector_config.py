@@ -32,9 +32,10 @@ def test_configuration_errors_name_what_to_fix() -> None:
     assert ns.layout == LAYOUT and ns.revision == ""
     with pytest.raises(ConfigError, match="must divide"):
         engine_namespace(vllm_config, kv_cache_config, ConnectorConfig("h:1", page_tokens=24))
-    two = SimpleNamespace(kv_cache_groups=[kv_cache_config.kv_cache_groups[0]] * 2)
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        engine_namespace(vllm_config, two, ConnectorConfig("h:1"))
+    mla = SimpleNamespace(num_kv_heads=1, head_size=DIM, head_size_v=16, block_size=BLOCK, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="MLA is not supported yet"):
+        engine_namespace(vllm_config, SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=NAMES, kv_cache_spec=mla)]),
+                         ConnectorConfig("h:1"))  # several groups: test_vllm_hybrid_parts.py
 
 
 @pytest.mark.parametrize("one_buffer", [True, False])

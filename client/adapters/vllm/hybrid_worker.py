@@ -1,0 +1,204 @@
+"""Worker side of the connector for hybrid engines (several KV cache groups, or a window
+group: groups.py, hybrid_scheduler.py).
+
+One step::
+
+    start_load_kv --> each load: its pages fetched (verified) into a staging tensor, then
+                      written into every group's blocks (null blocks skipped); all of
+                      it, or the request is reported failed (failed_recving)
+    forward pass  --> nothing per layer
+    wait_for_save --> each save: its pages copied out of every group's blocks into a
+                      staging tensor now (vLLM may drop a window group's blocks by the
+                      next step), then stored from it in the background
+    transfer results --> loads of this step: finished (and failed); saves that ended short
+                      go back to the scheduler side in the worker metadata
+
+A load writes vLLM's blocks only once every page arrived and held its checksum, so a
+failed or late load leaves nothing half-written that vLLM could read: the request
+recomputes from its start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.grouped import GroupedBlocks
+from kvstore.client.adapters.vllm.layout import block_views
+from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.client.adapters.vllm.worker import WorkerStats
+from kvstore.client.client import Hit, KVStoreClient
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingSave:
+    spec: GroupSave
+    client: KVStoreClient
+    job: Any  # the runtime's Job of the put: ``job.result`` is a concurrent Future of the tokens stored
+    num_pages: int
+
+
+@dataclass
+class HybridWorkerSide:
+    store: StoreConnection
+    layer_names: list[str]
+    layer_groups: list[int]
+    block_size: int
+    load_deadline_s: float | None = None
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        self.layout = self.store.namespace.layout
+        self._grouped: GroupedBlocks | None = None
+        self._saves: list[GroupSave] = []  # this step's, copied out in end_step
+        self._pending: list[PendingSave] = []  # puts running in the background
+        self._loaded: set[str] = set()  # this step's loads that landed whole
+        self._failed: set[str] = set()  # this step's loads that did not
+        self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = [kv_caches[name] for name in self.layer_names]
+        blocks, _ = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        self._grouped = GroupedBlocks(blocks, self.layer_groups, self.layout)
+
+    def _blocks(self) -> GroupedBlocks:
+        assert self._grouped is not None, "register_kv_caches was not called"
+        return self._grouped
+
+    # -- one step ------------------------------------------------------------------------
+
+    def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
+        self._saves = list(meta.group_saves)
+
+    def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        client = self.store.client()
+        for spec in meta.group_loads:
+            ok = client is not None and self._load(client, spec)
+            (self._loaded if ok else self._failed).add(spec.req_id)
+            if ok:
+                self.stats.loaded_tokens += spec.num_pages * self.layout.page_tokens
+            else:
+                self.stats.failed_loads += 1
+            if client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id:
+                self.store.release(client, spec.lease.lease_id)  # the get leased the pages again
+
+    def _load(self, client: KVStoreClient, spec: GroupLoad) -> bool:
+        """Fetches the pages into a staging tensor, then writes them into the blocks; False
+        (nothing written) when any page is missing, corrupt or late."""
+        p = self.layout.page_tokens
+        keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
+        if len(keys) < spec.num_pages:
+            return False
+        staging = self._blocks().staging(len(keys))
+        timeout_s = self.load_deadline_s or max(1.0, 2 * len(keys) * p / client.prefill_tokens_per_s)
+        try:
+            self.store.run(client, client.get(Hit(client.namespace.namespace_id, len(keys) * p, keys, []), staging), timeout_s)
+        except (KVStoreError, TimeoutError) as exc:
+            logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
+            self.store.failed(client, exc)
+            return False
+        self._blocks().scatter(staging, spec.block_ids, spec.first_page)
+        return True
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Nothing: a hybrid engine's loads landed before the request computes."""
+
+    def save_layer(self, layer_name: str) -> None:
+        """Nothing: saves copy every layer out when the step ends."""
+
+    def end_step(self) -> None:
+        """Copies this step's saves out of vLLM's blocks and starts storing them."""
+        client = self.store.client()
+        for spec in self._saves:
+            num_pages = len(spec.tokens) // self.layout.page_tokens - spec.first_page
+            if client is None:
+                self._stored_short(spec.req_id, spec.first_page)
+                continue
+            try:
+                staging = self._blocks().gather(spec.block_ids, spec.first_page, num_pages)
+                keys = client.keys(spec.tokens)[spec.first_page :]
+                job = client.runtime.submit(client.put_keys(keys, staging))
+            except KVStoreError as exc:
+                logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
+                self.stats.saves_failed += 1
+                self._stored_short(spec.req_id, spec.first_page)
+                continue
+            self._pending.append(PendingSave(spec, client, job, num_pages))
+            self.stats.saves_started += 1
+        self._saves = []
+
+    def _collect(self) -> None:
+        """Counts the puts that ended since the last call."""
+        still = []
+        for save in self._pending:
+            if not save.job.result.done():
+                still.append(save)
+                continue
+            spec, stored = save.spec, 0
+            try:
+                stored = save.job.result.result() // self.layout.page_tokens
+            except (KVStoreError, concurrent.futures.CancelledError) as exc:
+                self.stats.saves_failed += 1
+                logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
+                if isinstance(exc, KVStoreError):
+                    self.store.failed(save.client, exc)
+            self.stats.saved_tokens += stored * self.layout.page_tokens
+            if stored < save.num_pages:
+                self._stored_short(spec.req_id, spec.first_page + stored)
+        self._pending = still
+
+    def _stored_short(self, req_id: str, pages: int) -> None:
+        self._short[req_id] = min(self._short.get(req_id, pages), pages)
+
+    # -- after the step ------------------------------------------------------------------
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """This step's loads: (landed whole or failed, failed). vLLM takes a failed one as
+        finished too, and recomputes it."""
+        done, failed = self._loaded | self._failed, self._failed
+        self._loaded, self._failed = set(), set()
+        return done, failed
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """No request's blocks are held (saves read copies), so none is reported here."""
+        self._collect()
+        return set()
+
+    def load_errors(self) -> set[int]:
+        return set()  # failed loads are whole requests (transfer_results), never blocks
+
+    def report(self) -> KVStoreWorkerMetadata | None:
+        self._collect()
+        if not self._short:
+            return None
+        report, self._short = KVStoreWorkerMetadata(self._short), {}
+        return report
+
+    def wait_saves(self, timeout_s: float) -> bool:
+        """Waits for every put started so far to end; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        for save in list(self._pending):
+            try:
+                save.job.result.exception(max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                return False
+            except concurrent.futures.CancelledError:
+                pass
+        self._collect()
+        return True
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """Nothing: no save reads vLLM's blocks after its step."""
+
+    def shutdown(self) -> None:
+        for save in self._pending:
+            save.job.cancel()
