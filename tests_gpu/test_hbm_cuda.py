@@ -1,6 +1,7 @@
-"""The hbm tier on a real CUDA device: bit-exact put/get, a damaged byte caught, CUDA IPC
-read (and write) from a second process, the pinned host arena, host -> hbm bytes/s beside a
-plain pinned copy_ of the same bytes."""
+"""The hbm tier and the device seam's CUDA implementation (kvstore/device_cuda.py) on a real
+CUDA device: bit-exact put/get, a damaged byte caught, a pool handed out as CUDA IPC and read
+(and written) from a second process, each pool its own CUDA segment (an IPC handle opens the
+whole segment), the pinned host arena, host -> hbm bytes/s beside a plain pinned copy_."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ import time
 import torch
 from pages import QWEN3_8B_PAGE, page
 
-from kvstore import cuda_host
 from kvstore.config import HbmTierConfig
+from kvstore.device_cuda import CudaOps
+from kvstore.device_ops import host_address
 from kvstore.tiers.hbm import HbmTier
 
 CHILD = r"""
 import hashlib, json, sys, torch
-from kvstore.tiers.cuda import open_pool
+from kvstore.device_cuda import CudaOps
+from kvstore.device_ops import PoolHandout
 req = json.load(sys.stdin)
-pool = open_pool(req["handle"])
+handout = PoolHandout(req["device"], req["size_bytes"], bytes.fromhex(req["token"]), handle=req["handle"])
+pool = CudaOps(torch.device(req["device"])).open_pool(handout, writable=True).tensor
 digests = [hashlib.sha256(pool[s : s + n].cpu().numpy().tobytes()).hexdigest() for s, n in req["pages"]]
 s, n = req["write_at"]
 pool[s : s + n].fill_(0xA5)  # the importer writes too: it is the same device memory
@@ -76,8 +80,11 @@ def test_cuda_ipc_read_and_write_from_a_second_process(figures) -> None:
         assert spare is not None
         tier.pool[spare : spare + 4096].zero_()
         torch.cuda.synchronize()
-        request = {"handle": tier.export(), "pages": [[slots[i], QWEN3_8B_PAGE.page_bytes] for i in range(8)],
-                   "write_at": [spare, 4096]}
+        handout = tier.handout
+        assert handout.fd == -1 and handout.handle and handout.device.startswith("cuda")
+        request = {"handle": handout.handle, "device": handout.device, "size_bytes": handout.size_bytes,
+                   "token": handout.token.hex(), "pages": [[tier.offset(slots[i]), QWEN3_8B_PAGE.page_bytes] for i in range(8)],
+                   "write_at": [tier.offset(spare), 4096]}
         start = time.perf_counter()
         child = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(request), capture_output=True, text=True,
                                check=False, timeout=180, env=dict(os.environ))
@@ -91,6 +98,23 @@ def test_cuda_ipc_read_and_write_from_a_second_process(figures) -> None:
         tier.close()
 
 
+def test_each_pool_is_a_cuda_segment_of_its_own() -> None:
+    """Two pools (two tenants'): each handle opens exactly its pool's segment, at offset 0, so
+    one tenant's handle reaches no byte of the other's pool (nor anything else of the server)."""
+    first, second = _tier(64 << 20), _tier(64 << 20)
+    try:
+        for tier in (first, second):
+            h = json.loads(tier.handout.handle)
+            assert h["storage_offset_bytes"] == 0 and h["tensor_offset"] == 0
+            assert h["storage_size_bytes"] == -(-tier.pool.numel() // (2 << 20)) * (2 << 20)
+        a, b = first.pool.data_ptr(), second.pool.data_ptr()
+        assert a + first.pool.numel() <= b or b + second.pool.numel() <= a
+        assert json.loads(first.handout.handle)["handle"] != json.loads(second.handout.handle)["handle"]
+    finally:
+        first.close()
+        second.close()
+
+
 def test_pinned_arena_and_host_to_hbm_bytes_per_s(figures) -> None:
     """Host -> hbm through HbmTier.write from a pinned arena, beside a plain pinned copy_ of the
     same bytes (issue 18's goal: >= 0.8x). Figures only; no speed is asserted."""
@@ -98,8 +122,9 @@ def test_pinned_arena_and_host_to_hbm_bytes_per_s(figures) -> None:
     nbytes = QWEN3_8B_PAGE.page_bytes
     arena = mmap.mmap(-1, num_pages * nbytes)
     view = memoryview(arena)
-    address = cuda_host.host_address(view)
-    assert cuda_host.pin_host(address, len(arena)), "cudaHostRegister refused the arena"
+    ops = CudaOps(torch.device("cuda"))
+    address = host_address(view)
+    assert ops.pin_host(address, len(arena)), "cudaHostRegister refused the arena"
     tier = _tier(capacity=(num_pages + 16) * nbytes)
     host: torch.Tensor | None = None
     try:
@@ -135,6 +160,6 @@ def test_pinned_arena_and_host_to_hbm_bytes_per_s(figures) -> None:
     finally:
         tier.close()
         del host  # its export of the mapping goes before the mapping
-        cuda_host.unpin_host(address)
+        ops.unpin_host(address)
         view.release()
         arena.close()

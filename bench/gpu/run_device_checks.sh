@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The GPU tier's device checks (issue 18), as ONE script for the `device` tool's `run`:
+# The GPU path's device checks (issues 18 and 35 part 4), as ONE script for the `device` tool's `run`:
 #   carry: [".whl"]   command: bash bench/gpu/run_device_checks.sh   timeout_s: 540
-# Runs tests_gpu/ (hbm put/get bit-exact, CUDA IPC read and write from a second process,
-# pinned arena and host->hbm bytes/s beside a plain pinned copy_, the server with
-# --tiers hbm,host,ssd on CUDA, a layer-wise load on a side stream) and writes under $OUT:
-# gpu_checks.json (per test outcome + figures), pytest.log, env.txt. Bounded to 7 minutes.
+# Runs tests_gpu/: the lines of kvstore/device_cuda.py (CudaOps), the only ones the CPU suite
+# never runs (it runs the same code with CpuOps) - hbm put/get bit-exact, a pool handed out
+# as CUDA IPC and read and written from a second process, each pool its own CUDA segment,
+# cudaHostRegister of an arena and host->hbm bytes/s beside a plain pinned copy_, the server
+# with --tiers hbm,host,ssd on CUDA (every arena pinned, tenants' own pools), layer-wise loads
+# into CUDA KV on a side stream with one event per layer, from the pool and from the arena,
+# and vLLM's GPU KV layout - and writes under $OUT: gpu_checks.json (per test outcome +
+# figures), pytest.log, env.txt. Bounded to 7 minutes.
 # Nothing is built or installed system-wide: the package is put on PYTHONPATH as a folder of
 # links (kvstore/ copied, client/ tiers/ bench/ linked under it, as pyproject's package-dir
 # maps them), so the machine's torch 2.11+cu130 is used as is (pyproject's torch pin is for
@@ -30,7 +34,7 @@ if compgen -G "$REPO/.whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.whl/*.whl \
     >> "$OUT/env.txt" 2>&1 || echo "carried wheels failed to install" >> "$OUT/env.txt"
 fi
-PKG=/tmp/kvpath
+PKG=${PKG:-/tmp/kvpath}
 rm -rf "$PKG" && mkdir -p "$PKG"
 cp -r "$REPO/kvstore" "$PKG/kvstore"
 ln -s "$REPO/client" "$PKG/kvstore/client"
@@ -39,7 +43,8 @@ ln -s "$REPO/bench" "$PKG/kvstore/bench"
 export PYTHONPATH="$PKG:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 cd /tmp  # not the repo root: its kvstore/ (without client/ and tiers/) must not shadow $PKG
-"$PY" -c "import kvstore.tiers.hbm, kvstore.client; print('kvstore from', kvstore.__file__)" >> "$OUT/env.txt" 2>&1
+"$PY" -c "import kvstore.tiers.pools, kvstore.device_cuda, kvstore.client; print('kvstore from', kvstore.__file__)" \
+  >> "$OUT/env.txt" 2>&1
 timeout 420 "$PY" -m pytest -q ${PYTEST_ARGS:-} -c "$REPO/tests_gpu/pytest.ini" --rootdir "$REPO/tests_gpu" "$REPO/tests_gpu" 2>&1 \
   | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}

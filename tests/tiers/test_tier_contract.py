@@ -22,6 +22,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.faulty import FaultyTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.pools import TenantPools
 from kvstore.tiers.slab import round_up
 from kvstore.tiers.ssd import DATA_FILE, SsdTier
 
@@ -41,6 +42,16 @@ def _ssd(direct_io: bool) -> Callable[[Path], Tier]:
 
 def _hbm(tmp: Path) -> Tier:
     return HbmTier(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"))  # the test-only emulation
+
+
+def _pools(tmp: Path) -> Tier:
+    return TenantPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=False)
+
+
+def _damage_pools(tier: Tier, tmp: Path, key: bytes) -> None:
+    slot = tier.slot_of(key)
+    assert slot is not None
+    tier.part("").device_view(slot + 7, 1)[0] ^= 0xFF  # type: ignore[attr-defined]  # the pool an engine maps
 
 
 def _damage_host(tier: Tier, tmp: Path, key: bytes) -> None:
@@ -83,6 +94,7 @@ class Case:
 CASES = {
     "host": Case(_host, _damage_host, recovers=False),
     "hbm-emulated": Case(_hbm, _damage_hbm, recovers=False),
+    "hbm-pools-emulated": Case(_pools, _damage_pools, recovers=False),
     "ssd-direct": Case(_ssd(True), _damage_ssd, recovers=True),
     "ssd-buffered": Case(_ssd(False), _damage_ssd, recovers=True),
     "faulty-host": Case(_host, _damage_host, recovers=False, faults={"error_rate": 0.2, "short_read_rate": 0.2, "corrupt_rate": 0.2}),
