@@ -85,11 +85,12 @@ class HostTierConfig:
 
 @dataclass(frozen=True)
 class HbmTierConfig:
-    """The hbm tier: one pool of page slots in GPU memory (tiers/hbm.py).
+    """The hbm tier: pools of page slots in GPU memory, one per tenant (one without tenant
+    arenas), each of ``capacity_bytes`` (tiers/pools.py, tiers/hbm.py).
 
-    ``device`` is a CUDA device ("cuda", "cuda:1"). "cpu" places the same pool in host memory
-    to run the tier's logic without a GPU: a test-only emulation (``--hbm-device cpu``), never
-    a deployment (nothing is faster than the host tier then)."""
+    ``device`` is a CUDA device ("cuda", "cuda:1"). "cpu" places the same pools in shared host
+    memory to run the tier's logic without a GPU: a test-only emulation (``--hbm-device cpu``),
+    never a deployment (nothing is faster than the host tier then)."""
 
     capacity_bytes: int = 4 << 30
     device: str = "cuda"

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7070", help="gRPC address HOST:PORT (port 0: any free port)")
     p.add_argument("--data-dir", default="./kvstore-data", help="server state: the directory and token log (LMDB), tenant salts, ssd pages unless --ssd-dir")
     p.add_argument("--host-capacity", default="1GiB", help="shared-memory arena size, e.g. 512MiB, 4GiB")
-    p.add_argument("--hbm-capacity", default="4GiB", help="GPU memory pool of the hbm tier (with --tiers hbm,...)")
+    p.add_argument("--hbm-capacity", default="4GiB", help="GPU memory pool of the hbm tier, per tenant (with --tiers hbm,...)")
     p.add_argument("--hbm-device", default="cuda",
                    help="device of the hbm pool: cuda or cuda:N; 'cpu' emulates it in host memory, for tests only")
     p.add_argument("--ssd-dir", default=None, help="where ssd pages live (None: DATA_DIR/ssd)")
