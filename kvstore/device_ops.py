@@ -145,6 +145,17 @@ def ops_for_pool(device: torch.device) -> DeviceOps:
     return CudaOps(device)
 
 
+def _shared(mm: mmap.mmap) -> torch.Tensor:
+    """``mm`` as a uint8 tensor through a numpy array that holds an export of it: while any
+    view lives, ``mm.close()`` raises BufferError instead of unmapping memory a view still
+    reads (torch.frombuffer keeps no export: a view would then read unmapped memory)."""
+    import torch
+
+    with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
 class CpuEvent:
     """An event of the CPU implementation: it knows whether it was recorded."""
 
@@ -185,9 +196,7 @@ class CpuOps:
         except BaseException:
             os.close(fd)
             raise
-        import torch
-
-        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        tensor = _shared(mm)
 
         def release() -> None:
             nonlocal tensor
@@ -201,13 +210,9 @@ class CpuOps:
         return DevicePool(tensor, PoolHandout(self.name, num_bytes, token, fd=fd), release)
 
     def open_pool(self, handout: PoolHandout, writable: bool) -> OpenedPool:
-        import torch
-
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         mm = mmap.mmap(handout.fd, handout.size_bytes, flags=mmap.MAP_SHARED, prot=prot)
-        with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        tensor = _shared(mm)
 
         def close() -> None:
             nonlocal tensor

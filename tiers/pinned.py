@@ -42,10 +42,6 @@ class ArenaPins:
         if address is not None:
             self.ops.unpin_host(address)
 
-    def is_pinned(self, arena: HostTier) -> bool:
-        with self._lock:
-            return id(arena) in self._pinned
-
 
 class PinnedArena(TierWrapper):
     """The one arena of a server without tenant arenas, pinned while it is open."""

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Container, Sequence
 
 from kvstore.config import HbmTierConfig
-from kvstore.device_ops import DeviceOps, PoolHandout, ops_for_pool
+from kvstore.device_ops import DeviceOps, ops_for_pool
 from kvstore.errors import TierFull
 from kvstore.page import PageHeader
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
@@ -74,10 +74,6 @@ class TenantPools:
 
     def parts(self) -> list[HbmTier]:
         return list(self._pools)
-
-    def handout(self, owner: str) -> PoolHandout:
-        """What the arena socket gives ``owner``'s engines: their pool, never another's."""
-        return self.part(owner).handout
 
     def token_of(self, slot: int) -> bytes:
         """The token of the pool ``slot`` is in (an Acquire answer names it with the offsets)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from certs import CertAuthority
 from conftest import random_kv
-from tenants import OPS, READER, WRITER, A, B, Caller, tenant_config
+from tenants import OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, tenant_config
 
 from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
@@ -136,3 +136,23 @@ async def test_every_tenant_arena_is_pinned_as_it_is_made(pool_server, ca, layou
     finally:
         server.stop(grace_s=1)  # the fixture's stop after this one does nothing
     assert ops.pinned == {}, "every arena unpinned before it was unmapped"
+
+
+def test_a_tenant_whose_pool_the_device_cannot_hold_reads_through_its_arena(pool_server, ca) -> None:
+    """The device is out of memory for B's pool: B is refused its pool by name, and its
+    Acquire asking for device placement is answered from its arena (nothing promoted)."""
+    ops = pool_server.core.promoter.tier.ops
+    ops.new_pool = lambda num_bytes, token: (_ for _ in ()).throw(RuntimeError("CUDA out of memory"))  # type: ignore[method-assign]
+    assert pool_server.arena_socket is not None
+    with pytest.raises(KVStoreError, match="no hbm pool for tenant 'b'"):
+        receive_pool(pool_server.arena_socket.path, B)
+    bob = Caller(pool_server, ca, B)
+    try:
+        ns, keys = new_ns(), new_keys(3)
+        assert bob.put(ns, keys) == 3
+        answer = bob(bob.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys, device=True))
+        assert len(answer.pages) == 3 and not answer.pool_token and not any(p.on_device for p in answer.pages)
+        assert pool_server.core.stats().counters["hbm"]["bytes_in"] == 0
+        bob(bob.data.Release, data_pb2.ReleaseRequest(lease_id=answer.lease_id))
+    finally:
+        bob.close()

@@ -41,10 +41,15 @@ def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float
     wrap = wrap or (lambda tier: tier)
     upper = open_upper(config, wrap)  # first: a device that cannot be used refuses before an arena is made
     pins = ArenaPins(upper[0].ops) if upper else None  # type: ignore[attr-defined]  # TenantPools.ops
-    if config.security.tenants and not config.security.share_arena:
-        landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0), pins))
-    else:
-        landing = wrap(pinned(HostTier(config.host, config.node), pins))
+    try:
+        if config.security.tenants and not config.security.share_arena:
+            landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0), pins))
+        else:
+            landing = wrap(pinned(HostTier(config.host, config.node), pins))
+    except BaseException:  # no arena: the pools made already go back to the device
+        for tier in upper:
+            tier.close()
+        raise
     if not isinstance(landing, LandingTier):
         raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []
