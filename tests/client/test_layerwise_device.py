@@ -63,7 +63,7 @@ async def _device_load(address: str, layout, ns, seed: int) -> tuple[CpuOps, obj
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
         out = torch.zeros_like(kv)
-        load = client.load(hit, into=out, ahead=1, device_ops=ops)
+        load = client.load(hit, into=out, ahead=1, deadline_s=30, device_ops=ops)
         assert isinstance(load._signals, StreamLayers)
         assert all(load.wait(layer) for layer in range(layout.num_layers))
         assert await load.finished() == 64

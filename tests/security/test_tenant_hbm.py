@@ -34,7 +34,8 @@ async def test_a_page_demoted_from_hbm_goes_back_into_its_owners_arena(tmp_path,
     a_kv, a2_kv, b_kv = random_kv(layout, 256, seed=1), random_kv(layout, 512, seed=3), random_kv(layout, 512, seed=2)
 
     async def on_device(client: KVStoreClient, tokens: list[int], kv: torch.Tensor) -> None:
-        load = client.load(await client.lookup(tokens), into=torch.zeros_like(kv), ahead=1, device_ops=CpuOps())
+        load = client.load(await client.lookup(tokens), into=torch.zeros_like(kv), ahead=1, deadline_s=30,
+                           device_ops=CpuOps())
         await load.finished()  # an engine's read on its device: promoted into its tenant's pool
 
     try:

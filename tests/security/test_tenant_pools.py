@@ -98,7 +98,7 @@ async def test_a_tenants_device_load_fills_only_its_own_pool(pool_server, ca, la
         await alice.put(tokens, kv)
         hit = await alice.lookup(tokens)
         out = torch.zeros_like(kv)
-        load = alice.load(hit, into=out, ahead=1, device_ops=CpuOps())
+        load = alice.load(hit, into=out, ahead=1, deadline_s=30, device_ops=CpuOps())
         assert await load.finished() == len(tokens) and torch.equal(out, kv)
         assert load._staged.on_device == [True] * 4  # type: ignore[attr-defined]
     pages = [kv[:, :, i * layout.page_tokens : (i + 1) * layout.page_tokens].contiguous().view(torch.uint8).numpy().tobytes()

@@ -43,7 +43,7 @@ async def test_an_acquire_without_device_placement_copies_nothing_into_the_pool(
             out = torch.zeros_like(kv)
             await client.get(hit, into=out)
             assert torch.equal(out, kv)
-            load = client.load(hit, into=torch.zeros_like(kv), ahead=1)
+            load = client.load(hit, into=torch.zeros_like(kv), ahead=1, deadline_s=30)
             assert await load.finished() == 160
             assert _in_hbm(server, hit.keys) == 0, f"use_shm={use_shm}: a read without device placement filled the pool"
     assert server.core.stats().counters["hbm"]["bytes_in"] == 0
@@ -66,7 +66,7 @@ async def test_after_a_restart_a_device_load_maps_the_new_pool(tmp_path, layout,
                     try:
                         await client.put(tokens, kv)
                         load = client.load(await client.lookup(tokens), into=torch.zeros_like(kv), ahead=1,
-                                           device_ops=CpuOps())
+                                           deadline_s=30, device_ops=CpuOps())
                         if await load.finished() == 160 and all(load._staged.on_device):  # type: ignore[attr-defined]
                             break
                     except KVStoreError:

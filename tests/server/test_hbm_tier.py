@@ -35,7 +35,7 @@ def _config(tmp: Path, hbm_bytes: int = 1 << 20, host_bytes: int = 64 << 20) -> 
 async def on_device(client: KVStoreClient, hit, kv: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Reads ``hit`` as an engine whose KV is on a device does (device placement asked)."""
     out = torch.zeros_like(kv)
-    load = client.load(hit, into=out, ahead=1, device_ops=CpuOps())
+    load = client.load(hit, into=out, ahead=1, deadline_s=30, device_ops=CpuOps())
     await load.finished()
     return out
 

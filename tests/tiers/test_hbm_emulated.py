@@ -13,6 +13,7 @@ from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.hbm import HbmTier, check_device
 from kvstore.tiers.pinned import pinned
+from kvstore.tiers.pools import TenantPools
 
 
 def test_the_device_check_refuses_cuda_where_there_is_none_and_names_the_switch() -> None:
@@ -43,6 +44,8 @@ def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
         slot = tier.reserve(len(payload))
         assert slot is not None
         tier.write(slot, header, memoryview(payload))
+        tier.commit([(slot, header)])
+        assert tier.stored_keys() == [header.key]
         opened = CpuOps().open_pool(handout, writable=False)  # as an engine maps it
         try:
             offset = tier.offset(slot)
@@ -54,3 +57,20 @@ def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
         tier.close()
     host = object()
     assert pinned(host, None) is host  # type: ignore[arg-type]  # without hbm nothing is pinned
+
+
+def test_pools_of_tenants_are_separate_and_list_their_keys() -> None:
+    pools = TenantPools(HbmTierConfig(capacity_bytes=2 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=True)
+    try:
+        assert pools.parts() == [], "a tenant's pool is made at its first use"
+        a, b = pools.part("a"), pools.part("b")
+        assert pools.part("a") is a and a.handout.token != b.handout.token and a.handout.fd != b.handout.fd
+        header = PageHeader(namespace_id=b"n" * 16, key=b"k" * 16, layout=None, payload_bytes=4096,  # type: ignore[arg-type]
+                            checksum=0)
+        slot = b.reserve(4096)
+        assert slot is not None and pools.offset(slot) == 0 and pools.token_of(slot) == b.handout.token
+        pools.write(slot, header, memoryview(bytes(4096)))
+        pools.commit([(slot, header)])
+        assert pools.stored_keys() == [header.key] and b.stored_keys() == [header.key] and a.stored_keys() == []
+    finally:
+        pools.close()

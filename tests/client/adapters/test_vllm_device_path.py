@@ -34,7 +34,7 @@ def _parts(address: str, ops: CpuOps | None, **worker_kw: Any) -> tuple[Schedule
     store = StoreConnection(address, Namespace(model="device", revision="r", layout=LAYOUT))
     assert store.start()
     caches = {name: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM) for name in NAMES}  # vLLM's GPU (flash-attn) layout
-    worker = WorkerSide(store, NAMES, BLOCK, NUM_BLOCKS, device_ops=ops, **worker_kw)
+    worker = WorkerSide(store, NAMES, BLOCK, NUM_BLOCKS, device_ops=ops, load_deadline_s=30, **worker_kw)
     worker.register(caches)
     return SchedulerSide(store, BLOCK, lookup_timeout_s=1.0, load_when_faster=False), worker, caches
 
