@@ -13,6 +13,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -39,6 +40,10 @@ class ArenaMap:
         self.array = np.frombuffer(mm, dtype=np.uint8)  # numpy slicing costs ~1 us, torch's ~10
         self.size_bytes = len(mm)
         # With CUDA, page-locked: slot <-> GPU copies (layer-wise loads and saves) are then DMA.
+        self._uses = 0  # copies, layer-wise loads and saves reading or writing it now (hold / drop)
+        self._retired = False  # a restarted server's arena replaced it: closed once the last use ends
+        self._closed = False
+        self._use_lock = threading.Lock()
         self._ops: DeviceOps | None = ops_for(torch.device("cuda")) if torch.cuda.is_available() else None
         self._pinned_at = self._pin(self._ops) if self._ops is not None else None
 
@@ -98,7 +103,41 @@ class ArenaMap:
         """A uint8 tensor over one slot (no copy)."""
         return self.bytes[offset : offset + nbytes]
 
+    def hold(self) -> bool:
+        """One more user of the mapping (its slot views stay valid until its ``drop``); False
+        when it is closed already. The views do not keep an mmap open (torch.frombuffer takes no
+        buffer export): a mapping closed under a held view would be read or written unmapped."""
+        with self._use_lock:
+            if self._closed:
+                return False
+            self._uses += 1
+            return True
+
+    def drop(self) -> None:
+        """A user is done; a retired mapping closes with its last user."""
+        with self._use_lock:
+            self._uses -= 1
+            last = self._retired and self._uses == 0
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        """Closes the mapping once nobody holds it (now, when nobody does)."""
+        with self._use_lock:
+            self._retired = True
+            idle = self._uses == 0
+        if idle:
+            self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        with self._use_lock:
+            if self._closed:
+                return
+            self._closed = True
         if self._ops is not None and self._pinned_at is not None:  # CUDA ONLY: before the mapping goes
             self._ops.unpin_host(self._pinned_at)
             self._pinned_at = None

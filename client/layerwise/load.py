@@ -182,6 +182,8 @@ class LayerLoad:
                 good = self._copy_fused(host, valid) if host is not None else self._copy_checked(valid)
             if good is None:
                 return
+            if good < valid:
+                staged.failed_at(good)  # named at release: the server checks it (placement/reported.py)
             self._finish(valid, good)
             self.client.record_load(good * self.client.layout.page_bytes, time.perf_counter() - start)
         except BaseException as exc:  # noqa: BLE001 - reported to the engine through wait()

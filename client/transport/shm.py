@@ -51,9 +51,8 @@ class ShmTransport:
         self.arena = arena
         self.copy_threads = copy_threads
         self._pool = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kv-copy")
-        self._old_arenas: list[ArenaMap] = []  # of servers before a restart: a copy may still run on them
+        self._old_arenas: list[ArenaMap] = []  # of servers before a restart, retired: closed with their last user
         self.relearn: Callable[[], Awaitable[object]] | None = None  # maps the restarted server's arena (client/restart.py)
-        self._copying = 0  # copies running now (on the copy threads or inline); ``_lock`` guards both
         self._lock = threading.Lock()
 
     @property
@@ -62,21 +61,22 @@ class ShmTransport:
         return self.arena.size_bytes
 
     def remap(self, arena: ArenaMap) -> None:
-        """Takes the arena of the restarted server (client/restart.py). The old one is closed
-        once no copy runs: it is the last holder of the dead server's arena (its file unlinked,
-        or a memfd), whose RAM stays taken while it is mapped. A slot view still held (a
-        layer-wise load's) keeps its mapping until it goes (ArenaMap.close)."""
+        """Takes the arena of the restarted server (client/restart.py). The old one is retired:
+        closed once its last user (a copy, a layer-wise load or save holding it) drops it. It is
+        the last holder of the dead server's arena (its file unlinked, or a memfd), whose RAM
+        stays taken while it is mapped."""
         with self._lock:
-            self._old_arenas.append(self.arena)
-            self.arena = arena
-        self._copied(0)
+            old, self.arena = self.arena, arena
+            self._old_arenas = [a for a in self._old_arenas if not a.closed] + [old]
+        old.retire()
 
     async def mapping(self, answer: Any, give_back: Callable[[], Awaitable[None]]) -> ArenaMap:
-        """The mapping of the arena an Allocate or Acquire ``answer`` names its offsets in. After
-        a restart the answer may be the new server's before this client mapped its arena, or the
-        old one's after: copying through another mapping would read or write the wrong server's
-        bytes (the new arena's pages overwritten at the old offsets). An arena not mapped yet is
-        mapped first; one that cannot be: ``give_back`` the answer and KVStoreError (retry)."""
+        """The mapping of the arena an Allocate or Acquire ``answer`` names its offsets in, held
+        for the caller (``drop`` it once its copies are done). After a restart the answer may be
+        the new server's before this client mapped its arena, or the old one's after: copying
+        through another mapping would read or write the wrong server's bytes (the new arena's
+        pages overwritten at the old offsets). An arena not mapped yet is mapped first; one that
+        cannot be: ``give_back`` the answer and KVStoreError (retry)."""
         token = bytes(answer.arena_token)
         found = self._mapped(token)
         if found is None and self.relearn is not None:
@@ -88,20 +88,16 @@ class ShmTransport:
         return found
 
     def _mapped(self, token: bytes) -> ArenaMap | None:
+        """The mapping of ``token``'s arena, held; None when none is mapped (or it closed)."""
         with self._lock:
             if not token or self.arena.token == token:  # an answer without a token: a server before tokens
-                return self.arena
-            return next((a for a in self._old_arenas if a.token == token), None)
-
-    def _copied(self, num: int) -> None:
-        """``num`` copies ended; with none running, the arenas of servers before a restart are closed."""
-        with self._lock:
-            self._copying -= num
-            old, self._old_arenas = ([], self._old_arenas) if self._copying else (self._old_arenas, [])
-        for arena in old:
-            arena.close()
+                found: ArenaMap | None = self.arena
+            else:
+                found = next((a for a in self._old_arenas if a.token == token), None)
+        return found if found is not None and found.hold() else None
 
     def close(self) -> None:
+        """After the client's loads and saves ended (client.close abandons and joins them)."""
         self._pool.shutdown(wait=True)
         for arena in (*self._old_arenas, self.arena):
             arena.close()
@@ -201,25 +197,15 @@ class ShmTransport:
         loop = asyncio.get_running_loop()
         if cpu_rows and len(items) * self.layout.page_bytes <= INLINE_COPY_BYTES:
             done: asyncio.Future[list[T]] = loop.create_future()
-            with self._lock:
-                self._copying += 1
             try:
                 done.set_result([fn(x) for x in items])
             except Exception as exc:  # noqa: BLE001 - delivered to whoever awaits the copy, as from a thread
                 done.set_exception(exc)
-            finally:
-                self._copied(1)
             return done
         share = max(1, -(-len(items) // self.copy_threads))
         parts = [items[i : i + share] for i in range(0, len(items), share)]
-        with self._lock:
-            self._copying += len(parts)
-
         def share_of(part: list[Any]) -> list[T]:
-            try:
-                return [fn(x) for x in part]
-            finally:
-                self._copied(1)
+            return [fn(x) for x in part]
 
         futures = [loop.run_in_executor(self._pool, share_of, part) for part in parts]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,9 +23,11 @@ from kvstore.client.pages import page_rows
 from kvstore.errors import KVStoreError, PageCorrupt, TierFull
 
 if TYPE_CHECKING:
+    from kvstore.client.arena import ArenaMap
     from kvstore.client.transport.shm import ShmTransport
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def _all_done(futures: list[asyncio.Future[None]]) -> None:
@@ -102,9 +104,9 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
             arena = await shm.mapping(alloc, _aborted_below)  # ``ahead`` still holds it: aborted in the finally below
             n = len(alloc.slots)
             todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
-            copying.append((alloc, todo, shm.copy(
+            copying.append((alloc, todo, _holding(arena, shm.copy(
                 lambda item, base=cursor, arena=arena: shm.write_slot(kv, rows, base + item[0], item[1].offset, arena),
-                todo, rows is not None)))
+                todo, rows is not None))))
             cursor += n
             ahead = allocate(cursor) if cursor < len(keys) else None
         while commits:
@@ -190,13 +192,17 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
                     release(acq.lease_id)
                     gone = True
                     continue  # the batches before it are still checked below
-                arena = await shm.mapping(acq, lambda acq=acq: shm.release(acq.lease_id))
+                try:
+                    arena = await shm.mapping(acq, _aborted_below)
+                except BaseException:  # cancelled too: the lease goes back
+                    release(acq.lease_id)
+                    raise
                 if len(acq.pages) < asked:
                     generation += 1
                     issued = cursor + len(acq.pages)
-                copying.append((acq, shm.copy(
+                copying.append((acq, _holding(arena, shm.copy(
                     lambda item, base=cursor, arena=arena: shm.read_slot(into, rows, base + item[0], item[1], arena),
-                    list(enumerate(acq.pages)), rows is not None)))
+                    list(enumerate(acq.pages)), rows is not None))))
                 cursor += len(acq.pages)
                 continue
             if not copying:  # only stale acquires left: let them come back and be released
@@ -228,5 +234,11 @@ async def get(shm: ShmTransport, keys: list[bytes], into: torch.Tensor | EngineK
         await asyncio.gather(*releases, return_exceptions=True)
 
 
+def _holding(arena: ArenaMap, copied: asyncio.Future[list[T]]) -> asyncio.Future[list[T]]:
+    """``copied``, with ``arena`` (held by ``mapping``) dropped once the copy ended."""
+    copied.add_done_callback(lambda _: arena.drop())
+    return copied
+
+
 async def _aborted_below() -> None:
-    """An allocation whose arena is not mapped: ``put``'s cleanup aborts it (``ahead``)."""
+    """An answer whose arena is not mapped: the caller gives it back (``put``: its cleanup aborts ``ahead``)."""

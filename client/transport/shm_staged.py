@@ -20,6 +20,7 @@ from kvstore.errors import KVStoreError
 from kvstore.page import checksum
 
 if TYPE_CHECKING:
+    from kvstore.client.arena import ArenaMap
     from kvstore.client.transport.shm import ShmTransport
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class LeasedPages:
         self.on_device: list[bool] = []  # page i is read from the pool: checked once it landed (load.py)
         self.leases: list[bytes] = []  # every lease granted, empty ones included, until released
         self._offsets: list[int] = []
-        self._arena = shm.arena  # the arena the leases' offsets are in
+        self._arena = shm.arena  # the arena the leases' offsets are in (held from fill to release)
+        self._held: ArenaMap | None = None
         self._keys: list[bytes] = []
         self._failed: list[bytes] = []  # reported at release
 
@@ -55,9 +57,11 @@ class LeasedPages:
             if not acq.pages:
                 break
             arena = await self.shm.mapping(acq, _nothing)  # a lease taken is released by release()
-            if sources and arena is not self._arena:
-                raise KVStoreError("the server restarted while the pages were leased; try again")
-            self._arena = arena
+            if self._held is not None:
+                arena.drop()  # held once, by the first batch
+                if arena is not self._held:
+                    raise KVStoreError("the server restarted while the pages were leased; try again")
+            self._arena = self._held = arena
             pool = self.pool if self.pool is not None and bytes(acq.pool_token) == self.pool.token else None
             if self.pool is not None and self.shm.pools is not None:
                 self.shm.pools.answered(bytes(acq.pool_token))  # another pool than ours: a restarted server's
@@ -80,9 +84,15 @@ class LeasedPages:
                 continue
             if checksum(self._arena.array[offset : offset + n]) != self.checksums[i]:
                 logger.error("page %d of a hit failed its checksum; loading the %d pages before it", i, i)
-                self._failed = [self._keys[i]]
+                self.failed_at(i)
                 return i
         return len(self._offsets)
+
+    def failed_at(self, page: int) -> None:
+        """Page ``page`` failed its checksum where it was copied: named at release (the server
+        checks it and quarantines it if its bytes do fail, kvstore/server/placement/reported.py)."""
+        if page < len(self._keys):
+            self._failed = [self._keys[page]]
 
     async def renew(self, timeout_s: float) -> None:
         for lease_id in list(self.leases):
@@ -90,6 +100,9 @@ class LeasedPages:
 
     async def release(self) -> None:
         leases, self.leases = self.leases, []
+        held, self._held = self._held, None
+        if held is not None:  # the load's copies ended (load.py drains them first)
+            held.drop()
         for lease_id in leases:  # a failed key is checked only by the lease that holds it
             await self.shm.release(lease_id, self._failed)
 
@@ -105,11 +118,12 @@ class SlotOutgoing:
         self.asked = 0
         self._alloc: Any = None
         self._keys: list[bytes] = []
+        self._held: ArenaMap | None = None  # the arena of the reserved slots, from reserve to discard
 
     async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
         alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
-        arena = await self.shm.mapping(alloc, lambda: self.shm.abort(alloc.allocation_id))
-        self._alloc = alloc
+        self._alloc = alloc  # given back by discard, also when the mapping below fails or is cancelled
+        arena = self._held = await self.shm.mapping(alloc, _nothing)
         todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]
         self.indices = [i for i, _ in todo]
         self._keys = [slot.key for _, slot in todo]
@@ -134,7 +148,12 @@ class SlotOutgoing:
             await self.shm.renew(self._alloc.allocation_id, timeout_s, ttl_ms=0)
 
     async def discard(self) -> None:
+        """Ends the save (after its last copy into the slots): the arena let go, an allocation
+        not committed aborted."""
         alloc, self._alloc = self._alloc, None
+        held, self._held = self._held, None
+        if held is not None:
+            held.drop()
         if alloc is not None:
             await self.shm.abort(alloc.allocation_id)
 

@@ -11,8 +11,9 @@ no key of that node exists: a second process with the same id, or the previous i
 whose lease has not yet expired, makes it wait). It refreshes the lease every TTL/3 and
 counts itself a member only until ``sent + TTL`` of the last acknowledged refresh: a node
 that cannot reach etcd stops acting as a member no later than etcd expires its lease, so two
-incarnations of a node never both act. It then revokes the old lease (best effort) and
-registers again under a new epoch. Epochs never go back: the last one is kept in the node's
+incarnations of a node never both act. It then revokes the old lease (retried until etcd
+answers: an etcd restarted on its data renews every lease) and registers again under a new
+epoch. Epochs never go back: the last one is kept in the node's
 own data directory too (``epoch_file.py``), for an etcd that was replaced or restored.
 
 State machine of the local node::
@@ -176,7 +177,8 @@ class Membership:
             logger.error("membership task %s did not stop on close", task.get_name())
         self._keepalive.close()
         lease, self._lease = self._lease, 0  # after the loops: one of them may have just registered
-        for each in sorted({lease, *self._lost_leases} - {0}):
+        # the current lease first (its key tells the others this node left); one that fails ends the tries
+        for each in [lease] * bool(lease) + sorted(self._lost_leases - {lease}):
             try:
                 await self._etcd.revoke(each)
             except CoordinatorUnavailable as exc:

@@ -252,7 +252,8 @@ async def test_nodes_register_again_as_soon_as_a_restarted_etcd_answers(etcd: Et
         t0 = time.monotonic()
         for m in (a, b):
             await m.wait_for(lambda m: m.is_member and {n: x.epoch for n, x in m.members.items()} == {"a": 2, "b": 2}, 10)
-        assert time.monotonic() - t0 < TTL, f"registered again {time.monotonic() - t0:.1f} s after etcd answered"
+        # etcd renews a restarted lease for its TTL and an election timeout: >= 3 s when the node waits for it
+        assert time.monotonic() - t0 < TTL + 0.5, f"registered again {time.monotonic() - t0:.1f} s after etcd answered"
 
 
 def test_config_is_checked() -> None:

@@ -344,8 +344,8 @@ class Mover(LowerRoom):
         """Drops a landing page that failed a check (lock not held). With ``slot``: only if
         the page is still kept there (it may have been stored again elsewhere meanwhile)."""
         with self.lock:
-            if slot is not None and self.landing.slot_of(header.key) != slot:
-                return
+            if slot is not None and (self.landing.slot_of(header.key) != slot or self.landing.header(header.key) != header):
+                return  # stored again meanwhile (maybe in the same slot): not the copy that failed
             self.landing.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)

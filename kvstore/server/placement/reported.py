@@ -7,11 +7,16 @@ tenant scribbling on a slot it no longer holds). Unreported, it would stay liste
 later lookup would promise it and every get fail on it, a miss disguised as a hit for as
 long as the page stays. The server checks the bytes itself instead of trusting the report,
 so a client cannot get a good page quarantined, and looks only at keys of the caller's own
-lease, which still pins them.
+lease, which still pins them. Checking costs a hash of the page, which a caller could ask for
+in a loop (Acquire, then Release naming every page): one page per Release is checked (a
+reader stops at the first page that fails), at most CHECKS_PER_S per tenant.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.errors import PageCorrupt
@@ -20,8 +25,30 @@ from kvstore.pagecopy import checksum_released
 if TYPE_CHECKING:
     from kvstore.server.placement.core import Placement
 
-MAX_REPORTED = 64  # keys a Release may report: one batch of a get
+MAX_REPORTED = 1  # keys of a Release checked: a reader stops at the first page that fails
+CHECKS_PER_S = 4.0  # per tenant: what a reader that finds damaged pages needs, and a bound on what a caller can make us hash
 REASON = "its bytes in the arena do not match its checksum (reported by a reader)"
+
+
+class ReportBudget:
+    """How many reported pages each tenant may still have checked: a bucket of CHECKS_PER_S per
+    second, CHECKS_PER_S deep. Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when)
+
+    def take(self, tenant: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            tokens, when = self._buckets.get(tenant, (CHECKS_PER_S, now))
+            tokens = min(CHECKS_PER_S, tokens + (now - when) * CHECKS_PER_S)
+            if tokens < 1:
+                self._buckets[tenant] = (tokens, now)
+                return False
+            self._buckets[tenant] = (tokens - 1, now)
+            return True
 
 
 def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: list[bytes]) -> int:
@@ -35,7 +62,7 @@ def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: l
     for slot, header in pages:
         if slot is None or header is None:
             continue
-        try:  # the lease pins the page: its slot holds it while this runs
+        try:  # the lease pins the page against eviction; quarantine_landing checks it is still this copy
             header.verify_payload(core.landing.view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
         except PageCorrupt:
             core.moves.quarantine_landing(header, REASON, slot)

@@ -20,7 +20,7 @@ from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
-from kvstore.server.placement.reported import MAX_REPORTED, check_reported
+from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_reported
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
@@ -67,9 +67,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.tenancy = tenancy
         self.quotas = tenancy.quotas
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
+        self._reports = ReportBudget()  # pages readers report failing, checked per tenant
 
-    def close(self) -> None:
-        """Once no call runs (the gRPC server stopped): ends the read-ahead workers."""
+    def close(self) -> None:  # once no call runs (the gRPC server stopped): the read-ahead workers end
         self._read_ahead.shutdown(wait=True)
 
     def _keys(self, values: list[bytes]) -> list[bytes]:
@@ -176,7 +176,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        if request.failed:  # a reader's copy failed its checksum (placement/reported.py)
+        if request.failed and self._reports.take(current_identity().tenant):  # a reader's copy failed (placement/reported.py)
             check_reported(self.core, request.lease_id, current_identity().tenant, list(request.failed[:MAX_REPORTED]))
         self.core.release(request.lease_id, current_identity().tenant)
         return data_pb2.ReleaseResponse()
