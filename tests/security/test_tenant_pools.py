@@ -7,8 +7,12 @@ an engine maps its own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import mmap
 import os
+import socket
+import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +160,39 @@ def test_a_tenant_whose_pool_the_device_cannot_hold_reads_through_its_arena(pool
         bob(bob.data.Release, data_pb2.ReleaseRequest(lease_id=answer.lease_id))
     finally:
         bob.close()
+
+
+@pytest.mark.parametrize("answer, with_fd", [
+    ({"ok": True, "tenant": "a", "size_bytes": 4096, "writable": True, "device": "cpu"}, True),  # no pool_token
+    ({"ok": True, "tenant": "a", "size_bytes": 4096, "writable": True, "device": "cuda:0", "pool_token": "00" * 16,
+      "handle": "{}"}, True),  # a handle and a descriptor
+    ({"ok": True, "tenant": "a", "size_bytes": 4096, "writable": True, "device": "cpu", "pool_token": "00" * 16,
+      "handle": ""}, False),  # neither
+], ids=["missing-field", "fd-and-handle", "neither"])
+def test_a_bad_pool_answer_is_refused_and_its_descriptor_closed(tmp_path: Path, answer: dict, with_fd: bool) -> None:
+    """The client side of the exchange, against a peer of this uid that answers wrong."""
+    path = tmp_path / "arena.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    sent = os.open("/dev/null", os.O_RDONLY)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(8192)
+            body = json.dumps(answer).encode()
+            message = struct.pack(">I", len(body)) + body
+            socket.send_fds(conn, [message], [sent]) if with_fd else conn.sendall(message)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        with pytest.raises(KVStoreError, match="bad answer|one of them"):
+            receive_pool(path, A)
+        server.join(5)
+        assert len(os.listdir("/proc/self/fd")) <= before, "the descriptor received was closed"
+    finally:
+        os.close(sent)
+        listener.close()
