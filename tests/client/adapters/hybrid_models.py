@@ -4,7 +4,7 @@
 Each family mixes layer kinds vLLM puts into separate KV cache groups: sliding-window
 and full attention (Gemma 2, Gemma 3, gpt-oss), chunked local and full attention
 (Llama 4), linear attention or Mamba and full attention (Qwen3-Next, Granite 4, Jamba).
-Windows and chunks are short (48 tokens) so that a prompt of a few hundred tokens
+Windows and chunks are short (48 and 64 tokens) so that a prompt of a few hundred tokens
 has blocks outside them. Weights are drawn with a wide initializer so that wrong KV
 changes the greedy output (the negative controls rely on it).
 """
@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-WINDOW = 48  # sliding window and attention chunk, in tokens
+WINDOW = 48  # sliding window, in tokens
+CHUNK = 64  # attention chunk, in tokens (vLLM: a multiple of the block size)
 
 COMMON: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
@@ -27,8 +28,9 @@ COMMON: dict[str, Any] = {
 def _gemma2() -> Any:
     from transformers import Gemma2Config
 
-    return Gemma2Config(**COMMON, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=32,
-                        layer_types=["sliding_attention", "full_attention"] * 2)
+    return Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=4, sliding_window=WINDOW,
+                        query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * 2,
+                        final_logit_softcapping=None, attn_logit_softcapping=None)
 
 
 def _gemma3() -> Any:
@@ -51,7 +53,7 @@ def _llama4() -> Any:
     from transformers import Llama4TextConfig
 
     config = Llama4TextConfig(**{**COMMON, "intermediate_size": 128}, intermediate_size_mlp=256, num_hidden_layers=4,
-                              attention_chunk_size=WINDOW, num_local_experts=2, num_experts_per_tok=1,
+                              attention_chunk_size=CHUNK, num_local_experts=2, num_experts_per_tok=1,
                               interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0])
     config.architectures = ["Llama4ForCausalLM"]
     return config
@@ -61,8 +63,8 @@ def _qwen3_next() -> Any:
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(**COMMON, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                           linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
-                           linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                           linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                           linear_num_key_heads=1, linear_num_value_heads=2, num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=64, shared_expert_intermediate_size=64, decoder_sparse_step=1)
 
 
@@ -99,5 +101,10 @@ def tiny_model(family: str, path: Path, seed: int = 0) -> Path:
 
     config = FAMILIES[family]()
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if config.tie_word_embeddings:  # short rows of equal norm: else the next token is the current one (Gemma 2)
+        with torch.no_grad():
+            weight = model.get_input_embeddings().weight
+            weight.copy_(torch.nn.functional.normalize(weight, dim=-1) * 0.3)
+    model.save_pretrained(path)
     return path

@@ -7,8 +7,9 @@ Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_
 -> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"} once the connector's
 saves of the generation have ended (so that the next command finds what it stored);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "load_stats"} -> the scheduler
-side's (tokens found, loaded, skipped as not worth loading); {"cmd": "hooks", ...} sets
-vllm_hooks' switches; {"cmd": "exit"}.
+side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
+cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
+{"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "exit"}.
 """
 
 from __future__ import annotations
@@ -70,7 +71,15 @@ def main() -> None:
 
             reply = dataclasses.asdict(get_kv_transfer_group().worker.stats)
         elif cmd["cmd"] == "load_stats":  # the scheduler's connector (in this process: no engine-core process)
-            reply = dataclasses.asdict(llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.policy.stats)
+            policy = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.policy
+            reply = dataclasses.asdict(policy.stats) | {"fetch": dataclasses.asdict(policy.costs.fetch.line()),
+                                                        "recompute": dataclasses.asdict(policy.costs.recompute.line())}
+        elif cmd["cmd"] == "kv_config":  # the KV cache groups, whether vLLM's hybrid manager is on, the namespace
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            layout = connector.store.namespace.layout
+            reply = {"hybrid_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+                     "groups": [type(g.kv_cache_spec).__name__ for g in connector._kv_cache_config.kv_cache_groups],
+                     "layout": {**layout.describe(), "groups": list(layout.groups)}}
         elif cmd["cmd"] == "hooks":
             vllm_hooks.CORRUPT_LAYER[:] = [cmd["corrupt_layer"]] if cmd.get("corrupt_layer") is not None else []
             vllm_hooks.PAUSE.clear()
