@@ -3,10 +3,12 @@
 Measures, in one run, for a real transformers model (random weights, sized by flags) and
 several prefix lengths: the prefill time (T_recompute) and, through the real store, T_write
 and T_read for each path (host via shared memory, host via gRPC, SSD), plus gRPC reads
-through an emulated link whose bandwidth is swept. The planner is calibrated on the shorter
-prefixes only and predicts the longest, so its predictions are checked against a
-measurement it did not see. Draws time vs prefix length (each path vs recompute) and
-time vs link bandwidth, with the crossover marked.
+through an emulated link whose bandwidth is swept. Reads are predicted by the online cost
+model the vLLM connector decides with (kvstore/cost_model.py): each path's model is fed
+that path's reads in the order they are measured, and every length's read is predicted
+before it is measured, so the longest prefix is predicted from the shorter ones only.
+Draws time vs prefix length (each path vs recompute) and time vs link bandwidth, with the
+crossover marked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import itertools
 import math
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,21 +27,24 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from kvstore import KVLayout, Namespace, planner
+from kvstore import KVLayout, Namespace, cost_model, planner
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench.harness import start_server
 from kvstore.bench.linkproxy import LinkProxy
 from kvstore.client import KVStoreClient
 
+PATHS = ("host-shm", "host-grpc", "ssd")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="256,512,1024,2048", help="prefix lengths (tokens); the shorter ones calibrate the planner, the longest is predicted")
+    p.add_argument("--lengths", default="256,512,1024,2048", help="prefix lengths (tokens); each read is predicted from the earlier ones of its path")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--link-mbps", default="2,5,10,20,50", help="emulated link bandwidths to sweep, MB/s")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="prefills per length (the best counts)")
+    p.add_argument("--read-repeats", type=int, default=5, help="writes and reads per path and length")
     p.add_argument("--plot", default="bench-out/crossover.png")
     p.add_argument("--dir", default="bench-out/crossover")
 
@@ -92,6 +98,9 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     total = lengths[-1] * layout.bytes_per_token
     server, addr = start_server(workdir, 4 * total + (64 << 20), 4 * total + (256 << 20), "--ssd-dwpd", "0", "--ssd-admission", "all")
     rows: dict[int, dict[str, float]] = {}
+    # one online model per path, as the connector keeps one per client (shared memory: host-shm and ssd)
+    models = {path: cost_model.LinearCost(cost_model.fetch_prior(path != "host-grpc")) for path in PATHS}
+    recompute = cost_model.LinearCost(cost_model.recompute_prior(3000.0))  # tokens -> seconds of a prefill
     try:
         async with grpc.aio.insecure_channel(addr) as ch, KVStoreClient(addr, ns) as shm, KVStoreClient(addr, ns, use_shm=False) as wire:
             directory = directory_pb2_grpc.DirectoryStub(ch)
@@ -109,12 +118,15 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         out = model(prefix, use_cache=True)
                     times.append(time.perf_counter() - t0)
                 row["recompute"] = _best(times)
+                row["recompute-predicted"] = recompute.seconds(n)  # from the shorter prefixes' prefills
+                recompute.observe(n, row["recompute"])
                 kv = torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
                                   for layer in out.past_key_values.layers]).contiguous()
                 tokens = prefix[0].tolist()
+                row["bytes"] = n * layout.bytes_per_token
                 for path, client, durable in (("host-shm", shm, False), ("host-grpc", wire, False), ("ssd", shm, True)):
-                    w, r = [], []
-                    for _ in range(args.repeats):
+                    w, r, predicted = [], [], []
+                    for _ in range(args.read_repeats):
                         await clear()
                         t0 = time.perf_counter()
                         await client.put(tokens, kv, durable=durable)
@@ -122,9 +134,17 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         hit = await client.lookup(tokens)
                         if path == "ssd":
                             await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+                        # predicted from this path's earlier reads only (the first of the longest
+                        # prefix: from the shorter prefixes' reads only), then measured and fed in
+                        predicted.append(models[path].seconds(row["bytes"]))
                         r.append(await _read_checked(path, client, hit, kv))
+                        models[path].observe(row["bytes"], r[-1])
                     row[f"{path}-write"], row[f"{path}-read"] = _best(w), _best(r)
-                row["bytes"] = n * layout.bytes_per_token
+                    # the first read of a length is predicted from the shorter ones (extrapolated), the
+                    # others from this length's earlier reads too (what the connector does for a size it has seen)
+                    row[f"{path}-extrapolated"], seen = predicted[0], predicted[1:] or predicted
+                    row[f"{path}-read-median"], row[f"{path}-predicted"] = statistics.median(r[-len(seen):]), statistics.median(seen)
+                    row[f"{path}-read-error"] = statistics.median(abs(p / m - 1) for p, m in zip(seen, r[-len(seen):]))
                 rows[n] = row
                 bar.update(1)
             # the emulated link, at the longest prefix
@@ -151,50 +171,34 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return _report(args, layout, lengths, rows, emulated)
-
-
-def _fit_link(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of t = latency + bytes/B, least squares, latency >= 0."""
-    import numpy as np
-
-    xs = np.array([p[0] for p in points], dtype=float)
-    ts = np.array([p[1] for p in points], dtype=float)
-    slope, intercept = np.polyfit(xs, ts, 1)
-    if intercept < 0 or slope <= 0:
-        return 0.0, float(xs.sum() / ts.sum())
-    return float(intercept), float(1.0 / slope)
+    return _report(args, layout, lengths, rows, emulated, models["host-grpc"].seconds(total))
 
 
 def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows: dict[int, dict[str, float]],
-            emulated: list[dict[str, Any]]) -> dict[str, Any]:
-    calib, target = lengths[:-1], lengths[-1]
-    # prefill = a·n (projections, MLP) + b·n² (attention): least squares on the shorter prefixes
-    import numpy as np
-
-    design = np.array([[n, n * n] for n in calib], dtype=float)
-    (a_lin, b_quad), *_ = np.linalg.lstsq(design, np.array([rows[n]["recompute"] for n in calib]), rcond=None)
-    if b_quad < 0:
-        a_lin, b_quad = sum(rows[n]["recompute"] for n in calib) / sum(calib), 0.0
+            emulated: list[dict[str, Any]], wire_s: float) -> dict[str, Any]:
+    """``wire_s``: the gRPC path's model's read of the longest prefix once every gRPC read
+    was fed to it: an emulated link adds V/B to it."""
+    target = lengths[-1]
     v = rows[target]["bytes"]
     t_rec = rows[target]["recompute"]
     r_measured = planner.production_rate(v, t_rec)
     paths = []
-    for path in ("host-shm", "host-grpc", "ssd"):
-        # the planner's latency + V/B, both fitted (least squares) on the shorter prefixes
-        fixed, bandwidth = _fit_link([(rows[n]["bytes"], rows[n][f"{path}-read"]) for n in calib])
-        predicted = planner.transfer_s(v, bandwidth, fixed)
-        read, write = rows[target][f"{path}-read"], rows[target][f"{path}-write"]
+    for path in PATHS:
+        row = rows[target]
+        read, write, median = row[f"{path}-read"], row[f"{path}-write"], row[f"{path}-read-median"]
         paths.append({
             "path": path, "read_gbps": round(v / read / 1e9, 4), "write_gbps": round(v / write / 1e9, 4),
             "reuses_to_win": planner.reuses_to_win(write, read, t_rec),
-            "predicted_read_ms": round(predicted * 1e3, 2), "measured_read_ms": round(read * 1e3, 2),
-            "prediction_error": round(predicted / read - 1, 3),
+            # medians over the repeats after the first: each read predicted from this path's earlier reads
+            "predicted_read_ms": round(row[f"{path}-predicted"] * 1e3, 2), "measured_read_ms": round(median * 1e3, 2),
+            "prediction_error": round(row[f"{path}-predicted"] / median - 1, 3),
+            "per_read_error": round(row[f"{path}-read-error"], 3),  # median of |predicted / measured - 1| per read
+            # the first read of this length, predicted from the shorter prefixes' reads only
+            "extrapolated_read_ms": round(row[f"{path}-extrapolated"] * 1e3, 2),
+            "extrapolation_error": round(row[f"{path}-extrapolated"] / median - 1, 3),
         })
-    predicted_rec = a_lin * target + b_quad * target * target
-    # the emulated link adds V/B to what the same gRPC read costs without it
-    fixed, bandwidth = _fit_link([(rows[n]["bytes"], rows[n]["host-grpc-read"]) for n in calib])
-    wire_fixed = planner.transfer_s(v, bandwidth, fixed)
+    predicted_rec = rows[target]["recompute-predicted"]
+    wire_fixed = wire_s  # the emulated link adds V/B to what the same gRPC read costs without it
     for e in emulated:
         link = e["link_gbps"] * 1e9
         e["recompute_ms"] = round(t_rec * 1e3, 1)
@@ -297,11 +301,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"prefix {report['prefix_tokens']} tokens = {report['prefix_bytes'] / 2**20:.1f} MiB; recompute "
-          f"{report['recompute_ms']:.0f} ms (planner {report['predicted_recompute_ms']:.0f}); r = {report['r_gbps'] * 1e3:.2f} MB/s")
-    print(f"{'path':<10} {'read GB/s':>9} {'write GB/s':>10} {'reuses':>6} {'pred ms':>8} {'meas ms':>8} {'err':>6}  vs r")
+          f"{report['recompute_ms']:.0f} ms (cost model, from the shorter prefixes: {report['predicted_recompute_ms']:.0f}); "
+          f"r = {report['r_gbps'] * 1e3:.2f} MB/s")
+    print("reads of the longest prefix, each predicted by the online cost model from the path's earlier reads (medians of "
+          "the reads after the first; per read: median |error|), and the first from the shorter prefixes' reads only (extrap):")
+    print(f"{'path':<10} {'read GB/s':>9} {'write GB/s':>10} {'reuses':>6} {'pred ms':>8} {'meas ms':>8} {'err':>6} "
+          f"{'per read':>8} {'extrap ms':>9} {'err':>6}  vs r")
     for p in report["paths"]:
         print(f"{p['path']:<10} {p['read_gbps']:>9.3f} {p['write_gbps']:>10.3f} {p['reuses_to_win']!s:>6} "
-              f"{p['predicted_read_ms']:>8.1f} {p['measured_read_ms']:>8.1f} {100 * p['prediction_error']:>5.0f}%  "
+              f"{p['predicted_read_ms']:>8.1f} {p['measured_read_ms']:>8.1f} {100 * p['prediction_error']:>5.0f}% "
+              f"{100 * p['per_read_error']:>7.0f}% {p['extrapolated_read_ms']:>9.1f} {100 * p['extrapolation_error']:>5.0f}%  "
               f"{p['read_gbps'] / report['r_gbps']:.0f}x r")
     print(f"{'link MB/s':>10} {'fetch ms':>9} {'pred ms':>8} {'recompute':>9} wins")
     for e in report["emulated"]:

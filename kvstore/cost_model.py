@@ -76,10 +76,12 @@ class LinearCost:
     one-page loads) do not wash out the few large ones that pin the slope. The line is a
     least-squares fit through the classes weighted for relative error (costs span orders
     of magnitude; a millisecond matters for a small call, not for a large one), with
-    ``fixed_s >= 0`` and
-    ``per_unit_s >= 0``. With no observation it is ``prior``; with one size class only the
-    prior's slope is kept and the line moved through that class (one size cannot tell a
-    per-call cost from a bandwidth). Classes not observed for ``max_age_s`` are forgotten,
+    ``fixed_s >= 0``. With no observation it is ``prior``. With one size class, or a fitted
+    slope that is not positive (noise larger than the slope: decode steps and a short
+    prefill on a loaded host), the prior's slope is kept and the line moved through the
+    observations (one size cannot tell a per-call cost from a bandwidth, and no unit of
+    work is free). ``seconds`` predicts a size already seen from its
+    class (the line plus the class's offset from it). Classes not observed for ``max_age_s`` are forgotten,
     so an estimate that stopped being refreshed falls back to the prior.
 
     Thread-safe."""
@@ -100,7 +102,7 @@ class LinearCost:
         """Adds one observation; a negative or non-finite one is ignored."""
         if not (math.isfinite(units) and math.isfinite(seconds)) or units < 0 or seconds < 0:
             return
-        key = math.frexp(units)[1] if units > 0 else 0
+        key = _size_class(units)
         with self._lock:
             now = self._clock()
             bucket = self._buckets.get(key)
@@ -116,16 +118,30 @@ class LinearCost:
 
     def line(self) -> Line:
         """The fitted line (the prior before any observation)."""
+        return self._fit()[0]
+
+    def seconds(self, units: float) -> float:
+        """The predicted cost of ``units``: the line, moved by how far the observations of
+        that size class lie off it (real costs bend: flow-control windows, caches), so a
+        size seen before is predicted from what it cost, a size never seen from the line."""
+        line, buckets = self._fit()
+        bucket = buckets.get(_size_class(units))
+        off = bucket.seconds - line.seconds(bucket.units) if bucket is not None else 0.0
+        return max(0.0, line.seconds(units) + off)
+
+    def _fit(self) -> tuple[Line, dict[int, _Bucket]]:
         with self._lock:
             if self.max_age_s is not None:
                 oldest = self._clock() - self.max_age_s
                 self._buckets = {k: b for k, b in self._buckets.items() if b.seen_at >= oldest}
-            # relative errors count: a class's weight is its count over its seconds squared
-            points = [(b.units, b.seconds, min(b.count, self.window) / max(b.seconds, 1e-9) ** 2) for b in self._buckets.values()]
-        return _fit(points, self.prior)
+            buckets = {k: _Bucket(b.units, b.seconds, b.count, b.seen_at) for k, b in self._buckets.items()}
+        # relative errors count: a class's weight is its count over its seconds squared
+        points = [(b.units, b.seconds, min(b.count, self.window) / max(b.seconds, 1e-9) ** 2) for b in buckets.values()]
+        return _fit(points, self.prior), buckets
 
-    def seconds(self, units: float) -> float:
-        return self.line().seconds(units)
+
+def _size_class(units: float) -> int:
+    return math.frexp(units)[1] if units > 0 else 0
 
 
 def _fit(points: list[tuple[float, float, float]], prior: Line) -> Line:
@@ -140,8 +156,8 @@ def _fit(points: list[tuple[float, float, float]], prior: Line) -> Line:
         slope = prior.per_unit_s
     else:
         slope = sum(w * (x - mx) * (y - my) for x, y, w in points) / sxx
-    if slope < 0:
-        return Line(my, 0.0)
+    if slope <= 0:  # no cost per unit is not physical: noise hides the slope, so keep the prior's
+        slope = prior.per_unit_s
     fixed = my - slope * mx
     if fixed < 0:  # through the origin instead
         sxx0 = sum(w * x * x for x, _, w in points)
@@ -149,18 +165,16 @@ def _fit(points: list[tuple[float, float, float]], prior: Line) -> Line:
     return Line(fixed, slope)
 
 
-def tokens_worth_loading(hit_tokens: int, fetch: Line, recompute: Line, bytes_per_token: float) -> int:
-    """How many leading tokens of a hit to load; the rest is recomputed.
+def tokens_worth_loading(hit_tokens: int, fetch_s: float, recompute_s: float) -> int:
+    """How many leading tokens of a hit to load (the rest is recomputed), given what
+    fetching the whole hit costs and what recomputing it costs (its tokens' share of a
+    forward pass: the step's fixed cost is paid either way).
 
-    Loading ``n`` tokens costs ``fetch(n * bytes_per_token)`` and saves recomputing them,
-    ``n * recompute.per_unit_s`` (the step's fixed cost is paid either way). Both are
-    linear in ``n``, so each further page costs the same to fetch and saves the same: a
-    hit is loaded whole when the per-token fetch is the cheaper and the hit is long enough
-    to pay the per-call cost, otherwise not at all."""
-    if hit_tokens <= 0:
-        return 0
-    saved = hit_tokens * recompute.per_unit_s
-    return hit_tokens if fetch.seconds(hit_tokens * bytes_per_token) < saved else 0
+    Both costs are linear in the tokens loaded, so each further page costs the same to
+    fetch and saves the same recompute: the hit is loaded whole when its fetch is the
+    cheaper (the per-token fetch is, and the hit is long enough to pay the per-call cost),
+    otherwise not at all."""
+    return hit_tokens if hit_tokens > 0 and fetch_s < recompute_s else 0
 
 
 class LoadCosts:
@@ -177,7 +191,7 @@ class LoadCosts:
         self.recompute = LinearCost(recompute, clock=clock)
 
     def worth_loading(self, hit_tokens: int) -> int:
-        return tokens_worth_loading(hit_tokens, self.fetch.line(), self.recompute.line(), self.bytes_per_token)
+        return tokens_worth_loading(hit_tokens, self.fetch_s(hit_tokens), self.recompute_s(hit_tokens))
 
     def fetch_s(self, tokens: int) -> float:
         return self.fetch.seconds(tokens * self.bytes_per_token)
