@@ -53,6 +53,7 @@ class Lease:
     checksums: list[int]
     expires_at: float
     namespace_id: bytes = b""
+    arena_token: bytes = b""  # the arena the offsets are in: a worker whose client maps another does not copy
 
     @property
     def num_pages(self) -> int:
@@ -243,7 +244,7 @@ class StoreConnection:
             self.release(client, acq.lease_id)
             return Lease(acq.lease_id, [], [], started, namespace_id)
         return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
-                     started + client.lease_ms / 1000, namespace_id)
+                     started + client.lease_ms / 1000, namespace_id, bytes(acq.arena_token))
 
     def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:
         if not late.cancelled() and late.exception() is None:

@@ -30,6 +30,7 @@ from kvstore.client.adapters.vllm.costs import StepClock
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.client.adapters.vllm.resave import Unsaveds
+from kvstore.client.arena import ArenaMap
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
@@ -186,6 +187,7 @@ class WorkerSide:
         lease = spec.lease
         assert lease is not None
         return (client.arena is not None and lease.num_pages >= spec.first_page + spec.num_pages
+                and lease.arena_token in (b"", client.arena.token)  # after a restart: the arena the offsets are in
                 and time.monotonic() < lease.expires_at - 1.0)  # a second's margin for the copy itself
 
     def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
@@ -193,8 +195,18 @@ class WorkerSide:
         valid. Into a CPU cache, one native call copies every page and checksums it as it
         copies (the blocks of a page that fails, and of all after it, are reported failed and
         recomputed); otherwise each page is checked first and one that fails is not copied."""
-        lease, arena, n = spec.lease, client.arena, self.layout.page_bytes
-        assert lease is not None and arena is not None
+        arena = client.arena
+        assert arena is not None
+        if not arena.hold():  # closed by a remap meanwhile: recomputed
+            return 0
+        try:
+            return self._copy_held(arena, spec, kv)
+        finally:
+            arena.drop()
+
+    def _copy_held(self, arena: ArenaMap, spec: LoadSpec, kv: RequestKV) -> int:
+        lease, n = spec.lease, self.layout.page_bytes
+        assert lease is not None
         first = spec.first_page
         host = kv.host_pages() if self.device_ops is None else None  # KV on a device: copied page by page
         if host is not None:
