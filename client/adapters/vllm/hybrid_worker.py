@@ -40,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class HybridWorkerStats(WorkerStats):
+    null_slices_skipped: int = 0  # (page, layer) slices of loads not written: a null block, outside a window
+
+
+@dataclass
 class PendingSave:
     spec: GroupSave
     client: KVStoreClient
@@ -54,7 +59,7 @@ class HybridWorkerSide:
     layer_groups: list[int]
     block_size: int
     load_deadline_s: float | None = None
-    stats: WorkerStats = field(default_factory=WorkerStats)
+    stats: HybridWorkerStats = field(default_factory=HybridWorkerStats)
 
     def __post_init__(self) -> None:
         self.layout = self.store.namespace.layout
@@ -106,7 +111,7 @@ class HybridWorkerSide:
             logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
             self.store.failed(client, exc)
             return False
-        self._blocks().scatter(staging, spec.block_ids, spec.first_page)
+        self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
         return True
 
     def wait_layer(self, layer_name: str) -> None:

@@ -14,6 +14,7 @@ section): Jamba (Mamba1: ``torch.ops._C.selective_scan_fwd`` is not built for CP
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections.abc import Iterator
@@ -21,20 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ServerProcess
 from hybrid_models import CHUNK, WINDOW, tiny_model
 from vllm_support import EngineProcess, connector_config
 
+from kvstore import KVLayout, Namespace
+from kvstore.client import KVStoreClient
+
 pytestmark = pytest.mark.timeout(600)
 
-# family -> (the KV cache group kinds vLLM makes of it, engine options)
-FAMILIES: dict[str, tuple[set[str], dict[str, Any]]] = {
+# family -> (the KV cache group kinds vLLM makes of it, the engine's environment)
+FAMILIES: dict[str, tuple[set[str], dict[str, str]]] = {
     "gemma2": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
     "gemma3": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
     "gpt-oss": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
     # vLLM turns its hybrid manager off for chunked attention unless told otherwise
-    "llama4": ({"ChunkedLocalAttentionSpec", "FullAttentionSpec"},
-               {"env": {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}}),
+    "llama4": ({"ChunkedLocalAttentionSpec", "FullAttentionSpec"}, {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}),
 }
 BLOCK = 32
 
@@ -60,12 +64,17 @@ def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert math.isclose(a, b, abs_tol=1e-4), (got, want)
 
 
-def engines(family: str, store: ServerProcess, tmp_path: Path) -> tuple[EngineProcess, EngineProcess]:
-    """Two fresh engines of ``family`` (their prefix caches on and empty), booted in parallel."""
+def engines(family: str, store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            hooked_b: bool = False) -> tuple[EngineProcess, EngineProcess]:
+    """Two fresh engines of ``family`` (their prefix caches on and empty), booted in
+    parallel; ``hooked_b``: B runs the test hooks' connector (vllm_hooks.py)."""
     model = tiny_model(family, tmp_path.parent / f"model-{family}")
-    options = FAMILIES[family][1]
-    extra = connector_config(store.address, load_deadline_s=30, lookup_timeout_s=5)
-    started = [EngineProcess(model, tmp_path / f"{name}.log", prefix_caching=True, **options, **extra) for name in "ab"]
+    for name, value in FAMILIES[family][1].items():
+        monkeypatch.setenv(name, value)  # the engines inherit it
+    started = [EngineProcess(model, tmp_path / f"{name}.log", prefix_caching=True,
+                             **connector_config(store.address, hooked=hooked_b and name == "b", load_deadline_s=30,
+                                                lookup_timeout_s=5))
+               for name in "ab"]
     try:
         for engine in started:
             engine.wait_ready()
@@ -77,8 +86,9 @@ def engines(family: str, store: ServerProcess, tmp_path: Path) -> tuple[EnginePr
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fresh_engine_gets_every_group_of_the_prefix(family: str, store: ServerProcess, tmp_path: Path) -> None:
-    a, b = engines(family, store, tmp_path)
+def test_fresh_engine_gets_every_group_of_the_prefix(family: str, store: ServerProcess, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = engines(family, store, tmp_path, monkeypatch)
     try:
         kv = a.call(cmd="kv_config")
         assert kv["hybrid_manager"], "vLLM's hybrid KV cache manager was turned off"
@@ -98,6 +108,58 @@ def test_fresh_engine_gets_every_group_of_the_prefix(family: str, store: ServerP
         recompute = b.generate([prompt], skip_prefix_cache=True)[0]
         assert recompute["num_cached_tokens"] == 0
         assert_same_output(hit, recompute)
+    finally:
+        a.close()
+        b.close()
+
+
+def engine_namespace(engine: EngineProcess, model: Path) -> Namespace:
+    """The namespace the engine's connector stores in (its layout, groups included)."""
+    layout = engine.call(cmd="kv_config")["layout"]
+    return Namespace(model=str(model), revision="", layout=KVLayout(
+        num_layers=layout["num_layers"], num_kv_heads=layout["num_kv_heads"], head_dim=layout["head_dim"],
+        dtype=getattr(torch, layout["dtype"]), page_tokens=layout["page_tokens"], groups=tuple(layout["groups"])))
+
+
+def test_a_hit_covers_every_group_or_none(store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stored page whose bytes changed fails its checksum: the whole load is reported
+    failed (vLLM refuses block-level errors with several groups), B recomputes from the
+    start (no cached token) and its output is A's; asked again, the request gets no hit.
+    Negative control: with one loaded layer wrong (a window group's, tokens reversed) the
+    output is not A's, so the comparisons above would catch wrong KV."""
+    a, b = engines("gemma3", store, tmp_path, monkeypatch, hooked_b=True)
+    try:
+        damaged = tokens(6 * BLOCK + 9, seed=100)
+        first = a.generate([damaged])[0]
+
+        async def damage_page_2() -> None:
+            async with KVStoreClient(store.address, engine_namespace(a, tmp_path.parent / "model-gemma3")) as client:
+                hit = await client.lookup(damaged)
+                assert hit.num_pages == 6 and client.arena is not None
+                lease = await client.runtime.call(client.transport.acquire(hit.keys[2:3]))
+                client.arena.array[lease.pages[0].offset + 1000] ^= 0x40
+                await client.runtime.call(client.transport.release(lease.lease_id))
+
+        asyncio.run(damage_page_2())
+        before = b.stats()
+        out = b.generate([damaged])[0]
+        after = b.stats()
+        assert after["failed_loads"] == before["failed_loads"] + 1
+        assert after["loaded_tokens"] == before["loaded_tokens"]
+        assert out["num_cached_tokens"] == 0, "no group of any page was taken"
+        assert_same_output(out, first)
+
+        prompt = tokens(6 * BLOCK + 9, seed=101)
+        right = a.generate([prompt])[0]
+        b.call(cmd="hooks", corrupt_layer=0)  # page order: the first group's layer, a sliding-window one
+        try:
+            wrong = b.generate([prompt])[0]
+        finally:
+            b.call(cmd="hooks")
+        assert wrong["num_cached_tokens"] == 6 * BLOCK
+        assert b.stats()["null_slices_skipped"] > 0, "the window group's blocks outside the window were not written"
+        with pytest.raises(AssertionError):
+            assert_same_output(wrong, right)
     finally:
         a.close()
         b.close()

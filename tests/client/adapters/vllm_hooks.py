@@ -1,6 +1,7 @@
 """Test-only hooks around the real connector (loaded by vLLM from this module):
 * a pause between the scheduler's lookup and the workers' load, to kill the store there;
-* wrong KV written over one loaded layer, for the negative control.
+* wrong KV written over one loaded layer, for the negative control (of a hybrid engine:
+  the layer in page order, its tokens reversed before they are written into the blocks).
 The runner (vllm_engine.py) switches them through the module globals below."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.client.adapters.vllm import KVStoreConnector
+from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerSide
 
 PAUSE: dict[str, str] = {}  # {"paused": fifo to announce on, "resume": fifo to wait on}; one use
 CORRUPT_LAYER: list[int] = []  # the layer whose loaded pages are overwritten with wrong KV
@@ -24,10 +26,28 @@ class HookedConnector(KVStoreConnector):
                 f.readline()
         return result
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        worker = self._worker()
+        if not (CORRUPT_LAYER and isinstance(worker, HybridWorkerSide)):
+            super().start_load_kv(forward_context, **kwargs)
+            return
+        grouped = worker._blocks()
+        right = grouped.scatter
+
+        def wrong(pages: Any, block_ids: Any, first_page: int) -> int:
+            pages[CORRUPT_LAYER[0]] = pages[CORRUPT_LAYER[0]].flip(1)  # tokens in reverse order
+            return right(pages, block_ids, first_page)
+
+        grouped.scatter = wrong  # type: ignore[method-assign]
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        finally:
+            del grouped.scatter
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         super().wait_for_layer_load(layer_name)
         worker = self._worker()
-        if CORRUPT_LAYER and worker._layer_index.get(layer_name) == CORRUPT_LAYER[0]:
+        if CORRUPT_LAYER and not isinstance(worker, HybridWorkerSide) and worker._layer_index.get(layer_name) == CORRUPT_LAYER[0]:
             layer = CORRUPT_LAYER[0]
             for active in worker._loads:
                 for page in range(active.spec.num_pages):
