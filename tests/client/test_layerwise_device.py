@@ -48,7 +48,7 @@ async def test_a_load_into_host_memory_takes_the_host_path(server, layout, ns) -
         await client.put(tokens, kv)
         hit = await client.lookup(tokens)
         out = torch.zeros_like(kv)
-        load = client.load(hit, into=out, ahead=1)
+        load = client.load(hit, into=out, ahead=1, deadline_s=30)  # the default 50 ms is short on a loaded machine
         assert isinstance(load._signals, HostLayers)  # read only
         assert all(load.wait(layer) for layer in range(layout.num_layers))
         assert await load.finished() == 64
