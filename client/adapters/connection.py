@@ -167,7 +167,7 @@ class StoreConnection:
             self.refused = refused
         self.num_refused += 1
         if news:
-            logger.error("%s; requests recompute until it is fixed (retrying every %.1f s)", refused, self.retry_s)
+            logger.error("%s (tried again every %.1f s; meanwhile requests recompute)", refused, self.retry_s)
 
     def failed(self, client: KVStoreClient, reason: object) -> threading.Thread | None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An

@@ -39,12 +39,12 @@ def connector_config(address: str, hooked: bool = False, **extra: Any) -> dict[s
 class EngineProcess:
     """A vLLM engine in a child process (tests/vllm_engine.py): each owns its engine, and
     its prefix cache starts empty. Start several, then ``wait_ready`` each: they boot in
-    parallel."""
+    parallel. ``env``: variables set in the child's environment besides ours."""
 
-    def __init__(self, model_dir: Path, log_path: Path, **config: Any) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, env: dict[str, str] | None = None, **config: Any) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - open for the child's whole life, closed in close()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, str(TESTS / "vllm_engine.py"), str(model_dir), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
 
