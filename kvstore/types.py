@@ -28,7 +28,9 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-ATTENTION_KINDS = ("gqa", "mla")
+# "state": a page holds one state per layer (a state-space layer's conv and SSM state as
+# ``head_dim`` bytes, ``page_tokens`` 1), the state after the tokens its key chains.
+ATTENTION_KINDS = ("gqa", "mla", "state")
 
 # Tier names, fastest first: the order a reader prefers copies in. Only the first three can
 # be this node's own (--tiers); "remote" is a copy held by another node.
@@ -86,8 +88,8 @@ class KVLayout:
 
     @property
     def kv_factor(self) -> int:
-        """2 when K and V are stored separately, 1 for an MLA latent."""
-        return 1 if self.attention == "mla" else 2
+        """2 when K and V are stored separately, 1 for an MLA latent or a state."""
+        return 1 if self.attention in ("mla", "state") else 2
 
     @property
     def dtype_name(self) -> str:

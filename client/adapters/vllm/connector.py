@@ -36,6 +36,7 @@ from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.groups import KVGroups
 from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
+from kvstore.client.adapters.vllm.hybrid_states import state_namespace
 from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerSide
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
@@ -65,9 +66,10 @@ def _tp_rank_size(role: KVConnectorRole) -> tuple[int, int | None]:
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. With several KV cache groups (vLLM's hybrid KV cache
-    manager: sliding-window, chunked-local and full attention layers) the hybrid sides
-    serve it (hybrid_scheduler.py, hybrid_worker.py); one full-attention group keeps the
-    single-group sides."""
+    manager: sliding-window, chunked-local, full attention and state-space layers) the
+    hybrid sides serve it (hybrid_scheduler.py, hybrid_worker.py; states at page
+    boundaries go through ``states``, a connection to their own namespace); one
+    full-attention group keeps the single-group sides."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -83,15 +85,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.store = StoreConnection(self.config.address, namespace, use_shm=self.config.use_shm, retry_s=self.config.retry_s,
                                      use_call_socket=self.config.use_call_socket, credentials=self.config.credentials)
         self.store.start()
+        states = state_namespace(self.store.namespace, groups)  # state-space groups: states at page boundaries
+        self.states = None if states is None else StoreConnection(
+            self.config.address, states, use_shm=self.config.use_shm, retry_s=self.config.retry_s,
+            use_call_socket=self.config.use_call_socket, credentials=self.config.credentials)
+        if self.states is not None:
+            self.states.start()
         self.hybrid = groups.hybrid
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | HybridWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER and self.hybrid:
-            self.scheduler = HybridSchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self._block_tables,
-                                                 self.config.load_when_faster)
+            self.scheduler = HybridSchedulerSide(self.store, groups, self.config.lookup_timeout_s, self._block_tables,
+                                                 self.config.load_when_faster, self.states)
         elif self.hybrid:
             self.worker = HybridWorkerSide(self.store, layer_names, groups.layer_groups, spec.block_size,
-                                           self.config.load_deadline_s)
+                                           self.config.load_deadline_s, self.states, groups.state_layer_names,
+                                           [g.index for g in groups.state_groups for _ in g.layer_names])
         elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
         else:
@@ -162,6 +171,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.shutdown()
         self.store.close()
+        if self.states is not None:
+            self.states.close()
 
     # -- scheduler side ------------------------------------------------------------------
 

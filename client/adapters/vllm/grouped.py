@@ -66,8 +66,8 @@ class GroupedBlocks:
     def gather(self, block_ids: Sequence[Sequence[int]], first_page: int, num_pages: int) -> torch.Tensor:
         """Pages ``[first_page, first_page + num_pages)`` of a request, every layer from its
         group's blocks, as a new staging tensor; a null block among them is an error."""
-        end = first_page + num_pages
-        if pages_with_data(block_ids, self.block_size, self.layout.page_tokens, first_page, end) < end:
+        end, tables = first_page + num_pages, [block_ids[g] for g in sorted(set(self.layer_groups))]
+        if pages_with_data(tables, self.block_size, self.layout.page_tokens, first_page, end) < end:
             raise InvalidRequest("a page to save has a dropped (null) block")
         out, p = self.staging(num_pages), self.layout.page_tokens
         for layer, group in enumerate(self.layer_groups):

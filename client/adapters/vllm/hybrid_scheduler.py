@@ -1,7 +1,7 @@
 """Scheduler side of the connector for hybrid engines (several KV cache groups, or a
 window group: groups.py).
 
-It differs from the single-group side (scheduler.py) in three ways:
+It differs from the single-group side (scheduler.py) in four ways:
 
 * A hit is loaded before the request computes, not inside its first step: vLLM cannot be
   told which blocks of which group failed to load (its block-level error report is
@@ -12,9 +12,13 @@ It differs from the single-group side (scheduler.py) in three ways:
 * Blocks come per group (``update_state_after_alloc``: the request's block table of every
   group, vLLM's null blocks included), and a save takes the request's current tables from
   vLLM's cache manager: a window group's blocks are dropped as the window moves on.
-  Pages are saved only up to the first page that has a dropped block in some group
-  (grouped.pages_with_data); the pages after it would be unreachable (only a contiguous
-  prefix counts), so the request saves nothing more.
+  Pages are saved only up to the first page that has a dropped block in an attention
+  group (grouped.pages_with_data); the pages after it would be unreachable (only a
+  contiguous prefix counts), so the request saves nothing more.
+* With state-space groups a hit ends only at a page boundary whose states are stored
+  (hybrid_states.py): the lookup takes the stored pages, then asks for the states at
+  the last few boundaries before their end. A step that ends at a page boundary saves the
+  states there.
 * Saves are copied out of vLLM's blocks when the step ends (grouped.py), so a finished
   request's blocks are never held.
 """
@@ -27,24 +31,70 @@ from typing import Any
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.grouped import pages_with_data
+from kvstore.client.adapters.vllm.groups import NULL_BLOCK, KVGroups
+from kvstore.client.adapters.vllm.hybrid_states import state_block, state_key
 from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
+from kvstore.errors import InvalidRequest, KVStoreError
 
 logger = logging.getLogger(__name__)
 
 BlockTables = Callable[[str], tuple[list[int], ...]]  # a request's current block table of every group
+STATE_PROBES = 4  # boundaries, from the end of the stored pages back, whose states a lookup asks for
 
 
 class HybridSchedulerSide(SchedulerSide):
     """See the module docstring. ``block_tables``: vLLM's cache manager's current block
-    ids of a request (null blocks included)."""
+    ids of a request (null blocks included). ``states``: the connection to the state
+    namespace, with state-space groups."""
 
-    def __init__(self, store: StoreConnection, block_size: int, lookup_timeout_s: float, block_tables: BlockTables,
-                 load_when_faster: bool = True) -> None:
-        super().__init__(store, block_size, lookup_timeout_s, load_when_faster)
+    def __init__(self, store: StoreConnection, groups: KVGroups, lookup_timeout_s: float, block_tables: BlockTables,
+                 load_when_faster: bool = True, states: StoreConnection | None = None) -> None:
+        super().__init__(store, groups.spec.block_size, lookup_timeout_s, load_when_faster)
+        self.groups = groups
         self.block_tables = block_tables
+        self.states = states
+        self._attention = [group.index for group in groups.groups]
         self._group_ids: dict[str, tuple[list[int], ...]] = {}  # blocks of a due load, as allocated
         self._no_more_saves: set[str] = set()  # a page with a dropped block ended the request's saves
+        self._state_saved: dict[str, int] = {}  # req id -> the last boundary (tokens) whose states were saved
+
+    def _lookup(self, request: Any) -> RequestState:
+        """The stored pages (no lease: the workers fetch them whole), and with state-space
+        groups the last boundary before their end whose states are stored."""
+        tokens = list(request.prompt_token_ids or ())
+        p, stored = self.page_tokens, 0
+        client = self.store.client()
+        if client is not None and len(tokens) > p:
+            try:
+                stored = self.store.num_stored(client, client.keys(tokens), self.lookup_timeout_s)
+            except (KVStoreError, TimeoutError) as exc:
+                self.store.failed(client, exc)
+        usable = min(stored * p, len(tokens) - 1)
+        usable -= usable % self.block_size
+        if self.groups.state_groups and usable:
+            usable = self._stored_state(client, tokens, usable // p) * p
+        return RequestState(request, tokens, stored, usable)
+
+    def _stored_state(self, pages_client: Any, tokens: list[int], pages: int) -> int:
+        """The last of the ``STATE_PROBES`` boundaries up to ``pages`` whose states are
+        stored (in pages), 0 if none is."""
+        client = self.states.client() if self.states is not None else None
+        if client is None:
+            return 0
+        keys = pages_client.keys(tokens[: pages * self.page_tokens])
+        for end in range(pages, max(0, pages - STATE_PROBES), -1):
+            if (end * self.page_tokens) % self.block_size:
+                continue
+            try:
+                found = self.states.num_stored(client, [state_key(keys[end - 1], client.namespace.namespace_id)],  # type: ignore[union-attr]
+                                               self.lookup_timeout_s)
+            except (KVStoreError, TimeoutError) as exc:
+                self.states.failed(client, exc)  # type: ignore[union-attr]
+                return 0
+            if found:
+                return end
+        return 0
 
     def after_alloc(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
         super().after_alloc(request, num_external_tokens)
@@ -66,38 +116,59 @@ class HybridSchedulerSide(SchedulerSide):
                 self._plan_save(meta, req_id, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
         return meta
 
+    def _states_at(self, block_ids: tuple[list[int], ...], boundary: int) -> tuple[tuple[int, int], ...] | None:
+        """(group, block) holding each state group's state after token ``boundary``; None
+        when one is not held (a null block)."""
+        try:
+            found = tuple((g.index, state_block(block_ids[g.index], boundary, g.block_size)) for g in self.groups.state_groups)
+        except InvalidRequest:
+            return None
+        return None if any(block == NULL_BLOCK for _, block in found) else found
+
     def _plan_load(self, meta: KVStoreConnectorMetadata, req_id: str, state: RequestState) -> None:
         state.load_due = False
         block_ids = self._group_ids.pop(req_id, None)
-        if block_ids is None:  # no blocks were given (cannot happen with a load due): no load, the request waits none
-            logger.error("kvstore: request %s has a load due but no blocks", req_id)
-            return
         p = self.page_tokens
+        states: tuple[tuple[int, int], ...] | None = ()
+        if block_ids is not None and self.groups.state_groups:
+            states = self._states_at(block_ids, state.hit_tokens)
+        if block_ids is None or states is None:  # no blocks for it: the request gets the load reported failed
+            logger.error("kvstore: request %s has a load due but no blocks for it", req_id)
+            block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
         first = state.load_from // p
-        leased_in = state.lease.namespace_id if state.lease is not None else b""
         meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first,
-                                          state.hit_tokens // p - first, leased_in, state.lease))
-        state.lease = None  # the worker gives it back
+                                          state.hit_tokens // p - first, state_blocks=states))
+        self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed_after: int) -> None:
         """Saves the full pages computed by the end of this step that kvstore lacks, up to
-        the first page with a dropped block in some group."""
+        the first page with a dropped block in an attention group, and the states when the
+        step ends at a page boundary."""
         state = self._requests[req_id]
         p = self.page_tokens
         known = len(state.request.all_token_ids) if state.tokens else 0
         end = min(computed_after, known) // p
-        if end <= state.stored_pages or req_id in self._no_more_saves or self.store.client() is None:
+        wants_states = (bool(self.groups.state_groups) and computed_after % p == 0 and 0 < computed_after <= known
+                        and self._state_saved.get(req_id) != computed_after)
+        if (end <= state.stored_pages and not wants_states) or req_id in self._no_more_saves or self.store.client() is None:
             return
         block_ids = self.block_tables(req_id)
-        usable = pages_with_data(block_ids, self.block_size, p, state.stored_pages, end)
+        first = state.stored_pages
+        usable = pages_with_data([block_ids[g] for g in self._attention], self.block_size, p, first, max(first, end))
         if usable < end:
             self._no_more_saves.add(req_id)
             logger.info("kvstore: request %s saves no page from %d on: vLLM dropped a block of it (outside a window)",
                         req_id, usable)
-        if usable > state.stored_pages:
-            meta.group_saves.append(GroupSave(req_id, list(state.request.all_token_ids[: usable * p]),
-                                              tuple(list(ids) for ids in block_ids), state.stored_pages))
-            state.stored_pages = usable
+        states: tuple[tuple[int, int], ...] | None = ()
+        if wants_states and usable * p >= computed_after:
+            states = self._states_at(block_ids, computed_after) or ()
+            if states:
+                self._state_saved[req_id] = computed_after
+        if usable > first or states:
+            last = computed_after // p if states else usable
+            meta.group_saves.append(GroupSave(req_id, list(state.request.all_token_ids[: last * p]),
+                                              tuple(list(ids) for ids in block_ids), first, states))
+            state.stored_pages = max(first, usable)
 
     def loads_failed(self, req_ids: set[str]) -> None:
         """The workers could not load these requests' hits: vLLM recomputes them from their
@@ -115,4 +186,5 @@ class HybridSchedulerSide(SchedulerSide):
         self._held.discard(request.request_id)
         self._group_ids.pop(request.request_id, None)
         self._no_more_saves.discard(request.request_id)
+        self._state_saved.pop(request.request_id, None)
         return False

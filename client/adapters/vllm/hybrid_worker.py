@@ -15,7 +15,9 @@ One step::
 
 A load writes vLLM's blocks only once every page arrived and held its checksum, so a
 failed or late load leaves nothing half-written that vLLM could read: the request
-recomputes from its start.
+recomputes from its start. With state-space groups a load also fetches the states after
+its last page, and a save at a page boundary stores the states there (hybrid_states.py):
+the states go into the state namespace through a connection of their own.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.grouped import GroupedBlocks
+from kvstore.client.adapters.vllm.hybrid_states import StateBlocks, state_key
 from kvstore.client.adapters.vllm.layout import block_views
 from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.client.adapters.vllm.worker import WorkerStats
 from kvstore.client.client import Hit, KVStoreClient
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class HybridWorkerStats(WorkerStats):
     null_slices_skipped: int = 0  # (page, layer) slices of loads not written: a null block, outside a window
+    states_loaded: int = 0  # loads that wrote the states after their last page
+    states_saved: int = 0  # boundaries whose states were stored
 
 
 @dataclass
@@ -49,7 +54,7 @@ class PendingSave:
     spec: GroupSave
     client: KVStoreClient
     job: Any  # the runtime's Job of the put: ``job.result`` is a concurrent Future of the tokens stored
-    num_pages: int
+    num_pages: int  # 0: the states after the save's last page (counted in states_saved when stored)
 
 
 @dataclass
@@ -59,11 +64,15 @@ class HybridWorkerSide:
     layer_groups: list[int]
     block_size: int
     load_deadline_s: float | None = None
+    states: StoreConnection | None = None  # the state namespace's connection, with state-space groups
+    state_layer_names: list[str] = field(default_factory=list)
+    state_layer_groups: list[int] = field(default_factory=list)
     stats: HybridWorkerStats = field(default_factory=HybridWorkerStats)
 
     def __post_init__(self) -> None:
         self.layout = self.store.namespace.layout
         self._grouped: GroupedBlocks | None = None
+        self._states: StateBlocks | None = None
         self._saves: list[GroupSave] = []  # this step's, copied out in end_step
         self._pending: list[PendingSave] = []  # puts running in the background
         self._loaded: set[str] = set()  # this step's loads that landed whole
@@ -74,6 +83,9 @@ class HybridWorkerSide:
         tensors = [kv_caches[name] for name in self.layer_names]
         blocks, _ = block_views(tensors, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
         self._grouped = GroupedBlocks(blocks, self.layer_groups, self.layout)
+        if self.states is not None:
+            self._states = StateBlocks([kv_caches[name] for name in self.state_layer_names], self.state_layer_groups,
+                                       self.states.namespace.layout)
 
     def _blocks(self) -> GroupedBlocks:
         assert self._grouped is not None, "register_kv_caches was not called"
@@ -97,22 +109,48 @@ class HybridWorkerSide:
                 self.store.release(client, spec.lease.lease_id)  # the get leased the pages again
 
     def _load(self, client: KVStoreClient, spec: GroupLoad) -> bool:
-        """Fetches the pages into a staging tensor, then writes them into the blocks; False
-        (nothing written) when any page is missing, corrupt or late."""
+        """Fetches the pages (and the states after the last one) into staging tensors,
+        then writes them into the blocks; False (nothing written) when any of them is
+        missing, corrupt or late."""
         p = self.layout.page_tokens
-        keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
-        if len(keys) < spec.num_pages:
+        all_keys = client.keys(spec.tokens)
+        keys = all_keys[spec.first_page : spec.first_page + spec.num_pages]
+        if len(keys) < spec.num_pages or spec.num_pages <= 0:
             return False
         staging = self._blocks().staging(len(keys))
         timeout_s = self.load_deadline_s or max(1.0, 2 * len(keys) * p / client.prefill_tokens_per_s)
+        states = None
         try:
             self.store.run(client, client.get(Hit(client.namespace.namespace_id, len(keys) * p, keys, []), staging), timeout_s)
+            if self._states is not None:
+                states = self._fetch_states(all_keys[-1], timeout_s)
+            self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
-            self.store.failed(client, exc)
+            if not isinstance(exc, InvalidRequest):
+                self.store.failed(client, exc)
             return False
-        self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
+        if states is not None:
+            assert self._states is not None
+            self._states.scatter(states, dict(spec.state_blocks))
+            self.stats.states_loaded += 1
         return True
+
+    def _fetch_states(self, last_page_key: bytes, timeout_s: float) -> torch.Tensor:
+        """The states after the page ``last_page_key``, verified (KVStoreError if absent)."""
+        assert self.states is not None and self._states is not None
+        client = self.states.client()
+        if client is None:
+            raise KVStoreError("the state namespace's store cannot be reached")
+        key = state_key(last_page_key, client.namespace.namespace_id)
+        staging = self._states.staging()
+        try:
+            self.states.run(client, client.get(Hit(client.namespace.namespace_id, 1, [key], []), staging), timeout_s)
+        except (KVStoreError, TimeoutError) as exc:
+            if not isinstance(exc, InvalidRequest):
+                self.states.failed(client, exc)
+            raise KVStoreError(f"the states after the last page did not load: {exc}") from exc
+        return staging
 
     def wait_layer(self, layer_name: str) -> None:
         """Nothing: a hybrid engine's loads landed before the request computes."""
@@ -125,6 +163,10 @@ class HybridWorkerSide:
         client = self.store.client()
         for spec in self._saves:
             num_pages = len(spec.tokens) // self.layout.page_tokens - spec.first_page
+            if spec.state_blocks:
+                self._save_states(spec)
+            if num_pages <= 0:
+                continue
             if client is None:
                 self._stored_short(spec.req_id, spec.first_page)
                 continue
@@ -141,6 +183,20 @@ class HybridWorkerSide:
             self.stats.saves_started += 1
         self._saves = []
 
+    def _save_states(self, spec: GroupSave) -> None:
+        """Copies the states after the save's last page out and starts storing them."""
+        pages_client, client = self.store.client(), self.states.client() if self.states is not None else None
+        if pages_client is None or client is None or self._states is None:
+            return  # a cache: this boundary is just not a hit later
+        try:
+            staging = self._states.gather(dict(spec.state_blocks))
+            key = state_key(pages_client.keys(spec.tokens)[-1], client.namespace.namespace_id)
+            job = client.runtime.submit(client.put_keys([key], staging))
+        except KVStoreError as exc:
+            logger.warning("kvstore: the states of request %s were not saved: %s", spec.req_id, exc)
+            return
+        self._pending.append(PendingSave(spec, client, job, 0))
+
     def _collect(self) -> None:
         """Counts the puts that ended since the last call."""
         still = []
@@ -150,12 +206,15 @@ class HybridWorkerSide:
                 continue
             spec, stored = save.spec, 0
             try:
-                stored = save.job.result.result() // self.layout.page_tokens
+                stored = save.job.result.result() // save.client.layout.page_tokens
             except (KVStoreError, concurrent.futures.CancelledError) as exc:
                 self.stats.saves_failed += 1
                 logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
                 if isinstance(exc, KVStoreError):
-                    self.store.failed(save.client, exc)
+                    (self.states if save.num_pages == 0 and self.states is not None else self.store).failed(save.client, exc)
+            if save.num_pages == 0:  # the states: nothing to save again (a later boundary will be)
+                self.stats.states_saved += stored
+                continue
             self.stats.saved_tokens += stored * self.layout.page_tokens
             if stored < save.num_pages:
                 self._stored_short(spec.req_id, spec.first_page + stored)

