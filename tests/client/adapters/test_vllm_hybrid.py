@@ -190,9 +190,11 @@ def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, sto
     at the last page boundary) or of whole pages (one running state: its prefill ends at
     the boundary), and stores the pages with the states there; B, fresh, gets a longer
     prompt with that prefix: it loads the pages and the states at their end (num cached
-    tokens: the pages), and its greedy output is its own recompute's and A's."""
+    tokens: the pages), and its greedy output is its own recompute's and A's. Negative
+    control: the same hit with the loaded states zeroed gives another output, so the
+    states are what the resumed prefix runs on."""
     page, options = STATE_FAMILIES[family]
-    a, b = engines(family, store, tmp_path, monkeypatch, **options)
+    a, b = engines(family, store, tmp_path, monkeypatch, hooked_b=True, **options)
     try:
         kv = a.call(cmd="kv_config")
         assert kv["hybrid_manager"] and "MambaSpec" in kv["groups"] and "FullAttentionSpec" in kv["groups"]
@@ -209,6 +211,18 @@ def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, sto
         assert after["states_loaded"] == before["states_loaded"] + 1
         assert_same_output(hit, b.generate([prompt], skip_prefix_cache=True)[0])
         assert_same_output(hit, a.generate([prompt], skip_prefix_cache=True)[0])
+
+        fresh = tokens(len(prefix), seed=400 + len(family))  # new to B's own prefix cache
+        a.generate([fresh])
+        other = fresh[: pages * page] + tokens(page // 4, seed=500 + len(family))
+        b.call(cmd="hooks", corrupt_state=True)
+        try:
+            zeroed = b.generate([other])[0]
+        finally:
+            b.call(cmd="hooks")
+        assert zeroed["num_cached_tokens"] == pages * page and b.stats()["states_loaded"] == after["states_loaded"] + 1
+        with pytest.raises(AssertionError):
+            assert_same_output(zeroed, b.generate([other], skip_prefix_cache=True)[0])
     finally:
         a.close()
         b.close()

@@ -82,6 +82,7 @@ def main() -> None:
                      "layout": {**layout.describe(), "groups": list(layout.groups)}}
         elif cmd["cmd"] == "hooks":
             vllm_hooks.CORRUPT_LAYER[:] = [cmd["corrupt_layer"]] if cmd.get("corrupt_layer") is not None else []
+            vllm_hooks.CORRUPT_STATE[:] = [True] if cmd.get("corrupt_state") else []
             vllm_hooks.PAUSE.clear()
             if cmd.get("pause"):
                 vllm_hooks.PAUSE.update(cmd["pause"])

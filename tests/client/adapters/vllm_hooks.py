@@ -1,7 +1,8 @@
 """Test-only hooks around the real connector (loaded by vLLM from this module):
 * a pause between the scheduler's lookup and the workers' load, to kill the store there;
 * wrong KV written over one loaded layer, for the negative control (of a hybrid engine:
-  the layer in page order, its tokens reversed before they are written into the blocks).
+  the layer in page order, its tokens reversed before they are written into the blocks;
+  or the states of its state-space layers zeroed).
 The runner (vllm_engine.py) switches them through the module globals below."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerSide
 
 PAUSE: dict[str, str] = {}  # {"paused": fifo to announce on, "resume": fifo to wait on}; one use
 CORRUPT_LAYER: list[int] = []  # the layer whose loaded pages are overwritten with wrong KV
+CORRUPT_STATE: list[bool] = []  # [True]: a hybrid load writes zeros for the states it loaded
 
 
 class HookedConnector(KVStoreConnector):
@@ -28,21 +30,30 @@ class HookedConnector(KVStoreConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self._worker()
-        if not (CORRUPT_LAYER and isinstance(worker, HybridWorkerSide)):
+        if not ((CORRUPT_LAYER or CORRUPT_STATE) and isinstance(worker, HybridWorkerSide)):
             super().start_load_kv(forward_context, **kwargs)
             return
-        grouped = worker._blocks()
-        right = grouped.scatter
+        grouped, states = worker._blocks(), worker._states
+        right, right_states = grouped.scatter, states.scatter if states is not None else None
 
         def wrong(pages: Any, block_ids: Any, first_page: int) -> int:
-            pages[CORRUPT_LAYER[0]] = pages[CORRUPT_LAYER[0]].flip(1)  # tokens in reverse order
+            if CORRUPT_LAYER:
+                pages[CORRUPT_LAYER[0]] = pages[CORRUPT_LAYER[0]].flip(1)  # tokens in reverse order
             return right(pages, block_ids, first_page)
 
+        def wrong_states(staging: Any, blocks: Any) -> None:
+            assert right_states is not None
+            right_states(staging.zero_() if CORRUPT_STATE else staging, blocks)
+
         grouped.scatter = wrong  # type: ignore[method-assign]
+        if states is not None:
+            states.scatter = wrong_states  # type: ignore[method-assign]
         try:
             super().start_load_kv(forward_context, **kwargs)
         finally:
             del grouped.scatter
+            if states is not None:
+                del states.scatter
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         super().wait_for_layer_load(layer_name)
