@@ -79,18 +79,19 @@ class HybridSchedulerSide(SchedulerSide):
     def _stored_state(self, pages_client: Any, tokens: list[int], pages: int) -> int:
         """The last of the ``STATE_PROBES`` boundaries up to ``pages`` whose states are
         stored (in pages), 0 if none is."""
-        client = self.states.client() if self.states is not None else None
-        if client is None:
+        states = self.states
+        client = states.client() if states is not None else None
+        if states is None or client is None:
             return 0
         keys = pages_client.keys(tokens[: pages * self.page_tokens])
         for end in range(pages, max(0, pages - STATE_PROBES), -1):
             if (end * self.page_tokens) % self.block_size:
                 continue
             try:
-                found = self.states.num_stored(client, [state_key(keys[end - 1], client.namespace.namespace_id)],  # type: ignore[union-attr]
-                                               self.lookup_timeout_s)
+                found = states.num_stored(client, [state_key(keys[end - 1], client.namespace.namespace_id)],
+                                          self.lookup_timeout_s)
             except (KVStoreError, TimeoutError) as exc:
-                self.states.failed(client, exc)  # type: ignore[union-attr]
+                states.failed(client, exc)
                 return 0
             if found:
                 return end
