@@ -58,25 +58,31 @@ class HybridSchedulerSide(SchedulerSide):
         self._group_ids: dict[str, tuple[list[int], ...]] = {}  # blocks of a due load, as allocated
         self._no_more_saves: set[str] = set()  # a page with a dropped block ended the request's saves
         self._state_saved: dict[str, int] = {}  # req id -> the last boundary (tokens) whose states were saved
+        self._generations: dict[str, int] = {}  # req id -> the pages' namespace generation its lookup saw
 
     def _lookup(self, request: Any) -> RequestState:
         """The stored pages (no lease: the workers fetch them whole), and with state-space
         groups the last boundary before their end whose states are stored."""
         tokens = list(request.prompt_token_ids or ())
-        p, stored = self.page_tokens, 0
+        p, stored, generation = self.page_tokens, 0, 0
         client = self.store.client()
         if client is not None and len(tokens) > p:
             try:
-                stored = self.store.num_stored(client, client.keys(tokens), self.lookup_timeout_s)
+                if self.groups.state_groups:  # the generation keys the states
+                    hit = self.store.run(client, client.lookup_keys(client.keys(tokens)), self.lookup_timeout_s)
+                    stored, generation = hit.num_pages, hit.generation
+                else:
+                    stored = self.store.num_stored(client, client.keys(tokens), self.lookup_timeout_s)
             except (KVStoreError, TimeoutError) as exc:
                 self.store.failed(client, exc)
+        self._generations[request.request_id] = generation
         usable = min(stored * p, len(tokens) - 1)
         usable -= usable % self.block_size
         if self.groups.state_groups and usable:
-            usable = self._stored_state(client, tokens, usable // p) * p
+            usable = self._stored_state(client, tokens, usable // p, generation) * p
         return RequestState(request, tokens, stored, usable)
 
-    def _stored_state(self, pages_client: Any, tokens: list[int], pages: int) -> int:
+    def _stored_state(self, pages_client: Any, tokens: list[int], pages: int, generation: int) -> int:
         """The last of the ``STATE_PROBES`` boundaries up to ``pages`` whose states are
         stored (in pages), 0 if none is."""
         states = self.states
@@ -88,8 +94,8 @@ class HybridSchedulerSide(SchedulerSide):
             if (end * self.page_tokens) % self.block_size:
                 continue
             try:
-                found = states.num_stored(client, [state_key(keys[end - 1], client.namespace.namespace_id)],
-                                          self.lookup_timeout_s)
+                key = state_key(keys[end - 1], client.namespace.namespace_id, generation)
+                found = states.num_stored(client, [key], self.lookup_timeout_s)
             except (KVStoreError, TimeoutError) as exc:
                 states.failed(client, exc)
                 return 0
@@ -138,7 +144,8 @@ class HybridSchedulerSide(SchedulerSide):
             block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
         first = state.load_from // p
         meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first,
-                                          state.hit_tokens // p - first, state_blocks=states))
+                                          state.hit_tokens // p - first, state_blocks=states,
+                                          generation=self._generations.get(req_id, 0)))
         self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed_after: int) -> None:
@@ -168,7 +175,8 @@ class HybridSchedulerSide(SchedulerSide):
         if usable > first or states:
             last = computed_after // p if states else usable
             meta.group_saves.append(GroupSave(req_id, list(state.request.all_token_ids[: last * p]),
-                                              tuple(list(ids) for ids in block_ids), first, states))
+                                              tuple(list(ids) for ids in block_ids), first, states,
+                                              self._generations.get(req_id, 0)))
             state.stored_pages = max(first, usable)
 
     def loads_failed(self, req_ids: set[str]) -> None:
@@ -188,4 +196,5 @@ class HybridSchedulerSide(SchedulerSide):
         self._group_ids.pop(request.request_id, None)
         self._no_more_saves.discard(request.request_id)
         self._state_saved.pop(request.request_id, None)
+        self._generations.pop(request.request_id, None)
         return False

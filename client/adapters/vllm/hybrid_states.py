@@ -9,7 +9,8 @@ state group when a step ends at ``b`` (its prefix-caching "align" mode ends pref
 at block boundaries; decode steps cross every boundary one token at a time), so kvstore
 keeps the states of the boundaries where a step ended. They live in a namespace of their
 own (``state_namespace``: one state page per boundary, every state layer in it), keyed by
-the key of the page they end (``state_key``). A hit ends at a boundary whose state is
+the key of the page they end and the pages' namespace generation (``state_key``: states
+of pages invalidated since are never found). A hit ends at a boundary whose state is
 stored, and loads the attention pages before it and that state together, or nothing.
 """
 
@@ -46,10 +47,14 @@ def state_namespace(pages: Namespace, groups: KVGroups) -> Namespace | None:
     return replace(pages, layout=layout)
 
 
-def state_key(page_key: bytes, state_namespace_id: bytes) -> bytes:
+def state_key(page_key: bytes, state_namespace_id: bytes, generation: int) -> bytes:
     """The key of the state after the page whose key is ``page_key`` (its chain covers
-    every token before the boundary), in the state namespace (salted like the pages)."""
-    return hashlib.blake2b(page_key + state_namespace_id, digest_size=16, person=STATE_PERSON).digest()
+    every token before the boundary), in the state namespace (salted like the pages).
+    ``generation``: the pages' namespace generation the state was computed in (a lookup's
+    ``Hit.generation``): invalidating the pages retires their states with them, though
+    the state namespace itself is not invalidated."""
+    return hashlib.blake2b(page_key + state_namespace_id + generation.to_bytes(8, "little"), digest_size=16,
+                           person=STATE_PERSON).digest()
 
 
 def state_block(block_ids: Sequence[int], boundary: int, block_size: int) -> int:

@@ -123,7 +123,9 @@ class HybridWorkerSide:
         try:
             self.store.run(client, client.get(Hit(client.namespace.namespace_id, len(keys) * p, keys, []), staging), timeout_s)
             if self._states is not None:
-                states = self._fetch_states(all_keys[-1], timeout_s)
+                if not spec.state_blocks:
+                    raise InvalidRequest("no block was given for the states")
+                states = self._fetch_states(all_keys[-1], spec.generation, timeout_s)
             self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
         except (KVStoreError, TimeoutError) as exc:
             logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
@@ -136,13 +138,13 @@ class HybridWorkerSide:
             self.stats.states_loaded += 1
         return True
 
-    def _fetch_states(self, last_page_key: bytes, timeout_s: float) -> torch.Tensor:
+    def _fetch_states(self, last_page_key: bytes, generation: int, timeout_s: float) -> torch.Tensor:
         """The states after the page ``last_page_key``, verified (KVStoreError if absent)."""
         assert self.states is not None and self._states is not None
         client = self.states.client()
         if client is None:
             raise KVStoreError("the state namespace's store cannot be reached")
-        key = state_key(last_page_key, client.namespace.namespace_id)
+        key = state_key(last_page_key, client.namespace.namespace_id, generation)
         staging = self._states.staging()
         try:
             self.states.run(client, client.get(Hit(client.namespace.namespace_id, 1, [key], []), staging), timeout_s)
@@ -190,7 +192,7 @@ class HybridWorkerSide:
             return  # a cache: this boundary is just not a hit later
         try:
             staging = self._states.gather(dict(spec.state_blocks))
-            key = state_key(pages_client.keys(spec.tokens)[-1], client.namespace.namespace_id)
+            key = state_key(pages_client.keys(spec.tokens)[-1], client.namespace.namespace_id, spec.generation)
             job = client.runtime.submit(client.put_keys([key], staging))
         except KVStoreError as exc:
             logger.warning("kvstore: the states of request %s were not saved: %s", spec.req_id, exc)

@@ -58,6 +58,7 @@ class GroupLoad:
     namespace_id: bytes = b""
     lease: Lease | None = None
     state_blocks: tuple[tuple[int, int], ...] = ()
+    generation: int = 0  # of the pages' namespace at the lookup: part of the states' key
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class GroupSave:
     block_ids: tuple[list[int], ...]
     first_page: int
     state_blocks: tuple[tuple[int, int], ...] = ()
+    generation: int = 0  # of the pages' namespace at the request's lookup: part of the states' key
 
 
 @dataclass

@@ -78,7 +78,9 @@ def test_state_groups_keep_states_in_a_namespace_of_their_own() -> None:
     assert state_namespace(engine_namespace(VLLM, config((spec(), ["a0"])), ConnectorConfig("h:1")),
                            KVGroups.of(config((spec(), ["a0"])))) is None
     assert state_block([0, 0, 7], 3 * BLOCK, BLOCK) == 7, "the state after token t: block (t - 1) // block_size"
-    assert state_key(b"k" * 16, states.namespace_id) != state_key(b"k" * 16, pages.namespace_id)
+    assert state_key(b"k" * 16, states.namespace_id, 0) != state_key(b"k" * 16, pages.namespace_id, 0)
+    assert state_key(b"k" * 16, states.namespace_id, 0) != state_key(b"k" * 16, states.namespace_id, 1), \
+        "states of pages invalidated since are not found"
 
 
 def test_states_are_copied_through_their_groups_blocks() -> None:
