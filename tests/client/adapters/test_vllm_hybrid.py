@@ -226,3 +226,24 @@ def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, sto
     finally:
         a.close()
         b.close()
+
+
+def test_states_saved_while_decoding(store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode crosses every page boundary one token at a time: A's answer completes page 4
+    (tokens 192-255) while decoding, and the step that ends there saves its pages and the
+    states at 256. B's follow-up turn (A's prompt, the answer so far, new text) resumes
+    there: 256 cached tokens, its recompute's output (Granite 4, one running state)."""
+    page, options = STATE_FAMILIES["granite4"]
+    a, b = engines("granite4", store, tmp_path, monkeypatch, **options)
+    try:
+        prompt = tokens(4 * page - 6, seed=600)
+        answer = a.generate([prompt], max_tokens=10, ignore_eos=True)[0]["tokens"]
+        assert a.stats()["states_saved"] >= 1
+        turn2 = prompt + answer + tokens(12, seed=601)
+        hit = b.generate([turn2])[0]
+        assert hit["num_cached_tokens"] == 4 * page
+        assert b.stats()["states_loaded"] == 1
+        assert_same_output(hit, b.generate([turn2], skip_prefix_cache=True)[0])
+    finally:
+        a.close()
+        b.close()
