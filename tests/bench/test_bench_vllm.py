@@ -19,9 +19,11 @@ def test_vllm_smoke(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     by = {r["mode"]: r for r in report["ttft"]}
-    assert list(by) == ["recompute", "vllm-prefix-cache", "kvstore-hit"]
+    assert list(by) == ["recompute", "vllm-prefix-cache", "kvstore-hit", "kvstore-load-all"]
     assert by["recompute"]["num_cached_tokens"] == 0
-    assert by["vllm-prefix-cache"]["num_cached_tokens"] == by["kvstore-hit"]["num_cached_tokens"] == 128
+    assert by["vllm-prefix-cache"]["num_cached_tokens"] == by["kvstore-load-all"]["num_cached_tokens"] == 128
+    # the cost model's arm loads what it measures to be worth it: all of it, or less on a slow or busy machine
+    assert by["kvstore-hit"]["num_cached_tokens"] in range(0, 129, 32)
     assert [(r["pages"], r["calls"]) for r in report["small_hits"]] == [
         (1, "call socket"), (16, "call socket"), (1, "gRPC"), (16, "gRPC")]
     assert all(r["total_ms"] > 0 and r["memcpy_ms"] > 0 for r in report["small_hits"])
