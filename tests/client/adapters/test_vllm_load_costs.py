@@ -120,7 +120,7 @@ def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_p
     fast, slow = LinkProxy(store.address, FAST_BPS), LinkProxy(store.address, SLOW_BPS)
     # load_deadline_s: the slow engine's first load (made on the prior, before any
     # measurement) runs to its end, so that what it measures is the link, not a deadline
-    extra = {"use_shm": False, "use_call_socket": False, "load_deadline_s": 120, "lookup_timeout_s": 10}
+    extra = {"use_shm": False, "use_call_socket": False, "load_deadline_s": 120, "lookup_timeout_s": 10, "load_when_faster": True}
     engines = {name: EngineProcess(model, tmp_path / f"{name}.log", block_size=ENGINE_BLOCK, max_model_len=1024,
                                    **connector_config(proxy.address, **extra))
                for name, proxy in (("fast", fast), ("slow", slow))}
