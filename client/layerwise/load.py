@@ -143,6 +143,12 @@ class LayerLoad:
         for event in self._layer_ready:
             event.set()
 
+    @property
+    def pages_received(self) -> int:
+        """Pages the transport has received so far (not all verified): how far a load cut
+        short got, and so at what pace it ran."""
+        return len(self._staged.pages)
+
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
         if self._keeper.is_alive():  # it stops once the worker is done

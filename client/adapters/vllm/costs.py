@@ -51,12 +51,15 @@ class StepClock:
         """The step waited for its loads from ``since`` (``time.perf_counter()``) until now."""
         self._stall_s += time.perf_counter() - since
 
-    def end(self, loads_ok: bool = True) -> None:
+    def end(self, loads_ok: bool = True, stretch: float = 1.0) -> None:
         """Ends the step. ``loads_ok`` False: a load could not even start (no store), so
-        its stall says nothing of what a load costs."""
+        its stall says nothing of what a load costs. ``stretch``: a load was cut short
+        (its deadline) after a part of its pages; the whole would have stalled the step this
+        many times longer (without it, a load cut at twice the recompute time would count
+        as costing just that, and a recompute measured twice as slow later would load again)."""
         if self._load_bytes:
             if loads_ok:
-                self._loads.append((self._load_bytes, self._stall_s))
+                self._loads.append((self._load_bytes, self._stall_s * stretch))
         elif self._tokens > 0:
             self._steps.append((self._tokens, time.perf_counter() - self._start))
         self._tokens = self._load_bytes = 0

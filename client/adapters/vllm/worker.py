@@ -248,18 +248,20 @@ class WorkerSide:
         """Settles this step's loads, then lets its saves commit (or cancels them)."""
         failed_reqs, errors = set(), []
         since, started = time.perf_counter(), all(active.client is not None for active in self._loads)
+        stretch = 1.0
         for active in self._loads:
             valid, error = self._settle(active)
             if error is not None and active.client is not None:
                 errors.append((active.client, error))
             if valid < active.spec.num_pages:
                 failed_reqs.add(active.spec.req_id)
+                stretch = max(stretch, self._stretch(active))
                 self._fail_blocks(active, valid)
             else:
                 self.stats.loaded_tokens += active.kv.num_tokens
         self._loads.clear()
         self.clock.stalled(since)
-        self.clock.end(loads_ok=started)
+        self.clock.end(loads_ok=started, stretch=stretch)
         self._unsaved.forget(failed_reqs)  # their blocks hold KV computed from blocks that failed to load
         for save in self._saves:
             if save.spec.req_id in failed_reqs:
@@ -272,6 +274,13 @@ class WorkerSide:
         self._saves.clear()
         for client, error in errors:  # only now: dropping a client ends its saves early
             self.store.failed(client, error)
+
+    def _stretch(self, active: ActiveLoad) -> float:
+        """A load cut short (its deadline) spent its stall on the pages it received: what all
+        of them would have cost at that pace, over what it cost (for the cost model)."""
+        if active.load is None:
+            return 1.0
+        return active.spec.num_pages / max(1, min(active.spec.num_pages, active.load.pages_received))
 
     def _settle(self, active: ActiveLoad) -> tuple[int, BaseException | None]:
         """Pages of the load that are valid in vLLM's blocks, and the load's error; after

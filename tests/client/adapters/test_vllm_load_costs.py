@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import ServerProcess
-from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, parts, step, store_prompt
+from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, num_leases, parts, step, store_prompt
 from vllm_support import EngineProcess, connector_config, tiny_llama
 
 from kvstore.bench.linkproxy import LinkProxy
@@ -71,6 +72,37 @@ def test_workers_report_what_they_timed(store: ServerProcess) -> None:
     assert len(merged.step_costs) == len(merged.load_costs) == 1
 
 
+def test_a_load_cut_by_its_deadline_counts_what_the_whole_would_cost(store: ServerProcess) -> None:
+    """Over a 20 kB/s link a 4-page hit (48 KiB a page) is cut at its 0.5 s deadline with at
+    most one page in: it is measured at its pace for all four pages, not as the deadline (at
+    which a recompute measured twice as slow later would load again)."""
+    import torch
+
+    from kvstore import Namespace
+    from kvstore.client.adapters.connection import StoreConnection
+    from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+    from kvstore.client.adapters.vllm.worker import WorkerSide
+
+    prompt = [random.Random(7).randrange(1, 50_000) for _ in range(4 * BLOCK + 1)]
+    store_prompt(store.address, prompt)
+    proxy = LinkProxy(store.address, 20e3)
+    conn = StoreConnection(proxy.address, Namespace(model="parts", revision="r", layout=LAYOUT), use_shm=False, use_call_socket=False)
+    try:
+        assert conn.start()
+        names = [f"model.layers.{i}.attn" for i in range(LAYOUT.num_layers)]
+        worker = WorkerSide(conn, names, BLOCK, 16, load_deadline_s=0.5)
+        worker.register({name: torch.zeros(16, LAYOUT.num_kv_heads, BLOCK, 2 * LAYOUT.head_dim) for name in names})
+        scheduler = SchedulerSide(conn, BLOCK, lookup_timeout_s=5)
+        forward(worker, step(scheduler, "cut", prompt, 0, [0, 1, 2, 3, 4]))
+        report = worker.report()
+        assert report is not None and worker.stats.failed_loads == 1
+        [(num_bytes, seconds)] = report.load_costs
+        assert num_bytes == 4 * LAYOUT.page_bytes and seconds >= 4 * 0.5
+    finally:
+        conn.close()
+        proxy.close()
+
+
 @pytest.mark.parametrize("fetch_s_per_token", [1e-6, 1.0])
 def test_measured_costs_decide(store: ServerProcess, fetch_s_per_token: float) -> None:
     """With recompute measured at 1 ms a token, a hit whose fetch is measured at 1 us a token
@@ -90,7 +122,10 @@ def test_measured_costs_decide(store: ServerProcess, fetch_s_per_token: float) -
         assert offered == 4 * BLOCK and stats.loaded_tokens == 4 * BLOCK and stats.skipped_tokens == 0
     else:
         assert offered == 0 and stats.skipped_tokens == 4 * BLOCK and stats.loaded_tokens == 0
-        assert scheduler._requests["r"].lease is None  # given back at once, not held until the request ends
+        deadline = time.monotonic() + 10  # the release is sent in the background
+        while num_leases(store.address) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert num_leases(store.address) == 0  # given back at once, not held until the request ends
     assert stats.found_tokens == 4 * BLOCK
     scheduler.finished(request)
 
