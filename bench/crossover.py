@@ -222,7 +222,8 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
         "r_gbps": round(r_measured / 1e9, 6), "paths": paths, "emulated": emulated,
         "crossover_link_gbps": {"measured": None if measured_x is None else round(measured_x, 6),
                                 "predicted": round(predicted_x, 6), "r": round(r_measured / 1e9, 6)},
-        "by_length": {str(n): {k: (round(x * 1e3, 2) if k != "bytes" else x) for k, x in rows[n].items()} for n in lengths},
+        "by_length": {str(n): {k: (x if k == "bytes" else round(x, 3) if k.endswith("error") else round(x * 1e3, 2))
+                               for k, x in rows[n].items()} for n in lengths},
         "chapter": chapter_choices(),
     }
 
