@@ -9,13 +9,10 @@ One step::
     wait_for_save --> loads settled: short or late ones become failed blocks
                   --> saves of requests whose load failed are cancelled (never published);
                       the others get their last layer and commit in the background
-    get_finished  --> requests whose saves are done may have their blocks freed (a finished
-                      request whose saves ended short saves again first: resave.py)
+    get_finished  --> requests whose saves are done may have their blocks freed (one whose saves ended short saves again first: resave.py)
 
-A save holds back its last layer until ``wait_for_save``: only then is it known that the
-KV it copies was computed from valid loaded KV, and a page is published only after all
-its layers are stored.
-"""
+A save holds back its last layer until ``wait_for_save``: only then is it known that the KV it copies was computed
+from valid loaded KV, and a page is published only after all its layers are stored."""
 
 from __future__ import annotations
 
@@ -196,8 +193,7 @@ class WorkerSide:
         copies (the blocks of a page that fails, and of all after it, are reported failed and
         recomputed); otherwise each page is checked first and one that fails is not copied."""
         arena = client.arena
-        assert arena is not None
-        if not arena.hold():  # closed by a remap meanwhile: recomputed
+        if arena is None or not arena.hold():  # closed by a remap meanwhile: recomputed
             return 0
         try:
             return self._copy_held(arena, spec, kv)

@@ -1,5 +1,4 @@
-"""The placement core: places pages in tiers, moves them on pressure and use, keeps the
-directory true.
+"""The placement core: places pages in tiers, moves them on pressure and use, keeps the directory true.
 
 Page life in the landing tier::
 
@@ -7,17 +6,14 @@ Page life in the landing tier::
         |                  \\--abort/expire--> freed       ^
         '-- stored already: nothing to write               '-- read up from below on acquire
 
-A page is published only once its bytes are where its location says (landing: committed;
-lower: synced and indexed). Pinned pages (leases, acquisitions, moves in flight) are never
-evicted or freed; a page removed while leased loses its lower copies at once, its landing
-copy at its last unpin.
+A page is published only once its bytes are where its location says (landing: committed; lower: synced and indexed). Pinned
+pages (leases, acquisitions, moves in flight) are never evicted or freed; a page removed while leased loses its lower copies
+at once, its landing copy at its last unpin.
 
-Locks: ``_lock`` guards in-memory placement state only (leases, which copy is live, the
-eviction and admission decisions). No disk I/O runs under it: moves let go of it around
-their writes and reads (moves.py), removals of lower-tier copies are done after it is
-released (housekeeping.py). The directory has its own locks; this node's locations are never
-persisted by it, so publishing and removing them under ``_lock`` is in-memory work.
-"""
+Locks: ``_lock`` guards in-memory placement state only (leases, which copy is live, the eviction and admission decisions).
+No disk I/O runs under it: moves let go of it around their writes and reads (moves.py), removals of lower-tier copies are
+done after it is released (housekeeping.py). The directory has its own locks; this node's locations are never persisted by
+it, so publishing and removing them under ``_lock`` is in-memory work."""
 
 from __future__ import annotations
 
@@ -172,14 +168,12 @@ class Placement(CoreReports):
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
                tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
-        """Publishes the written slots of an allocation; frees the others.
-
-        Returns how many leading pages of the allocation's prefix (as ``allocate`` answered it, pages stored
-        before included) are now stored. With ``durable`` every one of them, written now or stored earlier in RAM,
-        is in the first lower tier (synced) when this returns and only those count; raises TierFull /
-        TierUnavailable when that tier refuses or fails (the pages stay in RAM), and TierUnavailable, storing
-        nothing, when there is no lower tier. StaleGeneration when the namespace left the allocation's generation.
-        """
+        """Publishes the written slots of an allocation; frees the others.  Returns how many leading pages of the allocation's
+        prefix (as ``allocate`` answered it, pages stored before included) are now stored. With ``durable`` every one of
+        them, written now or stored earlier in RAM, is in the first lower tier (synced) when this returns and only those
+        count; raises TierFull / TierUnavailable when that tier refuses or fails (the pages stay in RAM), and
+        TierUnavailable, storing nothing, when there is no lower tier. StaleGeneration when the namespace left the
+        allocation's generation."""
         if len(keys) != len(checksums):  # before taking the allocation: it stays usable
             raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
         flags &= ENGINE_FLAGS
@@ -237,11 +231,9 @@ class Placement(CoreReports):
                 self.keeper.give_back(alloc)
 
     def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
-        """Evicts (writing down, as any eviction) the coldest unpinned landing pages of
-        ``namespace_ids`` until they hold at most ``keep_bytes`` there: a tenant at its host
-        quota makes room with its own pages, never another's. Stops when what is left of
-        them is pinned (False: another pass would only walk the same pins). Each step removes
-        a page or finds it pinned, so the loop ends."""
+        """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` until they hold at most
+        ``keep_bytes``: a tenant at its host quota makes room with its own pages, never another's. False when what
+        is left of them is pinned (another pass would walk the same pins). Each step removes or finds a pin: it ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
@@ -256,21 +248,15 @@ class Placement(CoreReports):
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "", device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
-        """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it
-        readable in the landing tier, reading pages held only below into it (reads.py); with
-        ``device`` (an engine reads them on its device) also up into its owner's hbm pool
-        (upper.py, ``placed``). Nothing while this node may not serve (``serving``): as for an
-        empty namespace."""
+        """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it readable in the landing tier,
+        reading pages held only below into it (reads.py); with ``device`` (an engine reads them on its device) also up into
+        its owner's hbm pool (upper.py, ``placed``). Nothing while this node may not serve (``serving``): as for an empty
+        namespace."""
         leased = self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, tenant)
         return self.promoter.promoted(*leased, device)
 
-    def placed(self, pages: list[AcquiredPage]) -> tuple[bytes, list[int | None]]:
-        """Where leased pages are in their owner's hbm pool: the pool's token, each offset (None: not there)."""
-        return self.promoter.placed(pages)
-
     def pool_of(self, tenant: str = "") -> PoolHandout | None:
-        """The hbm pool ``tenant``'s engines map (made now at its first use: TierFull when the
-        device cannot hold it); None without hbm."""
+        """The hbm pool ``tenant``'s engines map (made at first use: TierFull if it does not fit); None without hbm."""
         if self.promoter.index is None:
             return None
         return self.promoter.tier.part(tenant).handout  # type: ignore[attr-defined]  # an HbmTier
@@ -335,9 +321,8 @@ class Placement(CoreReports):
         self.generations.read(namespace_id, generation)
 
     def enter_generation(self, namespace_id: bytes, generation: int) -> int | None:
-        """Raises the namespace to ``generation``: every page, record and allocation of an older
-        one is dead here (removals.py). Returns how many pages went; None when it was there
-        already. Idempotent, never backwards."""
+        """Raises the namespace to ``generation``: every page, record and allocation of an older one is dead here
+        (removals.py). Returns how many pages went; None when it was there already. Idempotent, never backwards."""
         return self.removals.enter_generation(namespace_id, generation)
 
     # -- background work -----------------------------------------------------------------

@@ -68,7 +68,7 @@ class SharedMemory:
         """Acquire's answer: each page's offset in the caller's arena and, with ``device``, in
         its pool (only that of the caller's own tenant: the one its token was handed)."""
         arena = self.arena(who)
-        token, offsets = self.core.placed(pages) if device else (b"", [None] * len(pages))
+        token, offsets = self.core.promoter.placed(pages) if device else (b"", [None] * len(pages))
         pool = self.core.pool_of(who.tenant) if token else None
         if pool is None or pool.token != token:
             token, offsets = b"", [None] * len(pages)
