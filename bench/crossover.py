@@ -317,7 +317,7 @@ def print_table(report: dict[str, Any]) -> None:
     for e in report["emulated"]:
         print(f"{e['link_gbps'] * 1e3:>10g} {e['fetch_ms']:>9.0f} {e['predicted_fetch_ms']:>8.0f} {e['recompute_ms']:>9.0f} {e['fetch_wins']}")
     cx = report["crossover_link_gbps"]
-    print(f"crossover: measured {cx['measured'] and cx['measured'] * 1e3} MB/s, planner {cx['predicted'] * 1e3:.2f} MB/s, r {cx['r'] * 1e3:.2f} MB/s")
+    print(f"crossover: measured {cx['measured'] and cx['measured'] * 1e3} MB/s, cost model {cx['predicted'] * 1e3:.2f} MB/s, r {cx['r'] * 1e3:.2f} MB/s")
     print("chapter (A100/H20 numbers):", report["chapter"])
     if report.get("plot"):
         print(f"plot: {report['plot']}")
