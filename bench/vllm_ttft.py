@@ -124,7 +124,7 @@ def ttft(args: argparse.Namespace, address: str, model: Path, bar: tqdm) -> dict
     # per repeat, beside the recompute of the same prefix: steadier than a ratio of medians while the host's load drifts
     paired = {mode: _median([t / r for t, r in zip(times[mode], times["recompute"])]) for mode in MODES}
     rows = [{"mode": mode, "link_gbps": args.link_gbps, "ttft_s": round(medians[mode], 4),
-             "num_cached_tokens": _median([float(c) for c in cached[mode]]), "ttft_s_each": [round(t, 4) for t in times[mode]],
+             "num_cached_tokens": sorted(cached[mode])[len(cached[mode]) // 2], "ttft_s_each": [round(t, 4) for t in times[mode]],
              "vs_recompute": round(medians[mode] / medians["recompute"], 3), "vs_recompute_paired": round(paired[mode], 3),
              "vs_vllm_prefix_cache": round(medians[mode] / medians["vllm-prefix-cache"], 3),
              "vs_load_all": round(medians[mode] / medians["kvstore-load-all"], 3)}
