@@ -11,7 +11,7 @@ import torch
 from conftest import flip_arena_byte, random_kv
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
-from kvstore.client import KVStoreClient
+from kvstore.client import Hit, KVStoreClient
 from kvstore.errors import PageCorrupt, PageMissing
 from kvstore.page import HEADER_BYTES, LayoutDesc
 from kvstore.tiers.base import ReadResult
@@ -99,18 +99,22 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, u
         assert use_shm or hit.keys[2] in [q.key for q in server.core.quarantined()]
 
 
+async def stored(client: KVStoreClient, tokens: list[int], kv: torch.Tensor) -> Hit:
+    """``kv`` put through the arena, and the lookup of it."""
+    assert client.shared_memory
+    await client.put(tokens, kv)
+    return await client.lookup(tokens)
+
+
 async def test_a_page_a_same_host_reader_finds_corrupt_is_checked_and_quarantined(server, layout, ns) -> None:
     """Found by kvstore-bench chaos: a page whose arena bytes changed after it was stored failed
     every same-host reader's checksum, and every lookup still promised it (a miss disguised as
     a hit, for as long as the page stayed). The reader reports it at release; the server
     checks the bytes itself and quarantines the page, so the next lookup stops before it. A
     report of an intact page changes nothing (a client cannot get a good page dropped)."""
-    tokens = list(range(64))
-    kv = random_kv(layout, 64, seed=6)
+    tokens, kv = list(range(64)), random_kv(layout, 64, seed=6)
     async with KVStoreClient(server.address, ns) as client:
-        assert client.shared_memory
-        await client.put(tokens, kv)
-        hit = await client.lookup(tokens)
+        hit = await stored(client, tokens, kv)
         lease = await client.transport.acquire(hit.keys)  # an honest client's false report: the page stays
         await client.transport.release(lease.lease_id, failed=[hit.keys[1]])
         assert (await client.lookup(tokens)).num_tokens == 64
@@ -123,6 +127,17 @@ async def test_a_page_a_same_host_reader_finds_corrupt_is_checked_and_quarantine
         out = torch.zeros_like(kv)
         assert await client.get(again, into=out) == 32
         assert torch.equal(out[:, :, :32], kv[:, :, :32])
+
+
+async def test_a_layerwise_load_names_the_corrupt_page_it_found(server, layout, ns) -> None:
+    """As a get does (found by a review of 36c0631: the layer-wise load reported nothing)."""
+    tokens, kv = list(range(64)), random_kv(layout, 64, seed=6)
+    async with KVStoreClient(server.address, ns) as client:
+        hit = await stored(client, tokens, kv)
+        flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)
+        load = client.load(hit, into=torch.zeros_like(kv), deadline_s=10.0)
+        assert await load.finished() == 32
+        assert [q.key for q in server.core.quarantined()] == [hit.keys[2]], "the layer-wise reader did not report the page"
 
 
 async def test_pipelined_batches_keep_order_and_stop_at_a_corrupt_page(server_factory, layout, ns) -> None:

@@ -12,13 +12,10 @@ from test_vllm_connector_parts import NAMES, forward, parts, step, store_prompt
 
 
 @pytest.fixture
-def store_process(tmp_path):
-    proc = ServerProcess(tmp_path)
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.proc.kill()
-        proc.proc.wait(10)
+def store_process(server_process: ServerProcess) -> ServerProcess:
+    """conftest's server process, started."""
+    server_process.start()
+    return server_process
 
 
 def test_a_worker_reads_a_lease_of_the_restarted_server(store_process: ServerProcess) -> None:

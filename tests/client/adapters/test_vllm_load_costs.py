@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,10 @@ SLOW_BPS = 100e3  # 20 ms per token of this model's KV (2 KiB)
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path)
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.proc.kill()
-        proc.proc.wait(10)
+def store(server_process: ServerProcess) -> ServerProcess:
+    """conftest's server process, started."""
+    server_process.start()
+    return server_process
 
 
 # -- without an engine -------------------------------------------------------------------
