@@ -19,7 +19,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import ServerProcess
-from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
+from vllm_support import BLOCK, EngineProcess, connector_config, module_store, tiny_llama  # noqa: F401  # module_store: the fixture "store"
+from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient
@@ -41,16 +41,6 @@ LAYERS = 4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama", layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("kvstore"))
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.proc.kill()
-        proc.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +65,6 @@ def engines(model_dir: Path, store: ServerProcess, tmp_path_factory: pytest.Temp
     finally:
         for engine in started.values():
             engine.close()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 512) for _ in range(n)]
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any], exact: bool = False) -> None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,8 @@ import pytest
 import torch
 from conftest import ServerProcess
 from hybrid_models import CHUNK, WINDOW, tiny_model
-from vllm_support import EngineProcess, connector_config
+from vllm_support import EngineProcess, connector_config, module_store  # noqa: F401  # module_store: the fixture "store"
+from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient
@@ -47,21 +46,6 @@ FAMILIES: dict[str, tuple[set[str], dict[str, str]]] = {
     "llama4": ({"ChunkedLocalAttentionSpec", "FullAttentionSpec"}, {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}),
 }
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("kvstore"))
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.proc.kill()
-        proc.proc.wait(10)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 512) for _ in range(n)]
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:

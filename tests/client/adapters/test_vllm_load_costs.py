@@ -25,6 +25,7 @@ import pytest
 from conftest import ServerProcess
 from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, num_leases, parts, step, store_prompt
 from vllm_support import EngineProcess, connector_config, tiny_llama
+from vllm_support import random_tokens as tokens
 
 from kvstore.bench.linkproxy import LinkProxy
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
@@ -127,11 +128,6 @@ def test_measured_costs_decide(store: ServerProcess, fetch_s_per_token: float) -
 
 
 # -- on the real engine ------------------------------------------------------------------
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 512) for _ in range(n)]
 
 
 def same_output(got: dict[str, Any], want: dict[str, Any]) -> None:

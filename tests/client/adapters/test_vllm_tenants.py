@@ -12,7 +12,6 @@ the lookup's lease, the path whose leases leaked when the lease named the unsalt
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ import pytest
 from conftest import ServerProcess
 from tenant_store import TOKEN_A, TOKEN_A2, TOKEN_B, TOKEN_UNKNOWN, num_leases, stop, tenant_server
 from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
+from vllm_support import random_tokens as tokens
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,11 +58,6 @@ def engines(store: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> I
     finally:
         for engine in started.values():
             engine.close()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 512) for _ in range(n)]
 
 
 def test_a_tenants_prefix_reaches_its_own_instances_only(engines: dict[str, EngineProcess], store: ServerProcess) -> None:

@@ -5,13 +5,35 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+from conftest import ServerProcess
+
 TESTS = Path(__file__).parent
 BLOCK = 32  # vLLM's CPU backend takes multiples of 32 tokens per block
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """A prompt of ``n`` token ids of the tiny models' vocabulary (512), the seed's."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", name="store")
+def module_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One kvstore server for a module's engines (import it; the fixture is ``store``)."""
+    proc = ServerProcess(tmp_path_factory.mktemp("kvstore"))
+    proc.start()
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.proc.kill()
+        proc.proc.wait(10)
 
 
 def tiny_llama(path: Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
