@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +46,33 @@ def tune_malloc() -> bool:
     if not ok:
         logger.debug("mallopt refused a setting; malloc partly tuned")
     return ok
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    except (OSError, AttributeError, TypeError):  # not glibc, or one older than 2.33
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_bytes() -> dict[str, int] | None:
+    """The C heap of this process, from glibc's mallinfo2: ``in_use`` (allocated, heap and
+    mmapped chunks) and ``free`` (freed, kept by malloc for reuse). Why: tune_malloc keeps
+    freed buffers up to 1 GiB on the heap on purpose, so resident memory is a high-water mark
+    of the buffers in flight at once; a leak shows in ``in_use``, retention in ``free``.
+    None where the C library does not say (not glibc >= 2.33)."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}

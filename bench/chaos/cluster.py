@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,7 @@ class ChaosNode:
     def __init__(self, workdir: Path, name: str, etcd: EtcdServer, auth_file: Path, salts: str, log_level: str) -> None:
         self.name = name
         self.port = free_port()
+        self.metrics_port = free_port()
         self.inbound = Proxy(("127.0.0.1", self.port))
         self.etcd_link = Proxy(("127.0.0.1", etcd.port))
         self.dir = workdir / name
@@ -116,8 +119,8 @@ class ChaosNode:
         self.args = [
             sys.executable, "-m", "kvstore.cli.server", "--listen", self.address, "--data-dir", str(data),
             "--ssd-dir", str(self.dir / "ssd"), "--host-capacity", "64MiB", "--ssd-capacity", "256MiB",
-            "--metrics-listen", "off", "--log-level", log_level, "--ssd-dwpd", "0", "--ssd-admission", "all",
-            "--scrub-rate", "0", "--cluster", f"etcd://{self.etcd_link.address}", "--node-id", name,
+            "--metrics-listen", f"127.0.0.1:{self.metrics_port}", "--log-level", log_level, "--ssd-dwpd", "0",
+            "--ssd-admission", "all", "--scrub-rate", "0", "--cluster", f"etcd://{self.etcd_link.address}", "--node-id", name,
             "--advertise", self.inbound.address, "--cluster-ttl", str(TTL_S), "--data-plane", "grpc",
             "--fetch-timeout-s", str(FETCH_TIMEOUT_S), "--auth-file", str(auth_file),
         ]
@@ -169,9 +172,16 @@ class ChaosNode:
             self.proc.send_signal(signal.SIGCONT)
 
     def resources(self) -> dict[str, int]:
-        """RSS parts (bytes) and open descriptors, from /proc."""
+        """RSS parts (bytes) and open descriptors, from /proc, and the C heap's ``heap_in_use`` and
+        ``heap_free`` from the node's /metrics (absent where its C library does not say)."""
         assert self.proc is not None
-        return {**rss(self.proc.pid), "fds": len(os.listdir(f"/proc/{self.proc.pid}/fd"))}
+        return {**rss(self.proc.pid), "fds": len(os.listdir(f"/proc/{self.proc.pid}/fd")), **self._heap()}
+
+    def _heap(self) -> dict[str, int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        found = re.findall(r'^kvstore_heap_bytes\{state="(\w+)"\} (\S+)$', text, re.MULTILINE)
+        return {f"heap_{state}": int(float(value)) for state, value in found}
 
     def close(self) -> None:
         stop_process(self.proc, 20)

@@ -53,7 +53,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{'faults ' + kind:>20}: {count}")
     first, last = report["steady_first"], report["steady_last"]
     if first:
-        print(f"{'steady node heap':>20}: {first['anon'] >> 20} -> {last['anon'] >> 20} MiB, fds {first['fds']} -> {last['fds']}")
+        print(f"{'steady node anon':>20}: {first['anon'] >> 20} -> {last['anon'] >> 20} MiB "
+              f"(malloc's free list {first.get('heap_free', 0) >> 20} -> {last.get('heap_free', 0) >> 20} MiB), "
+              f"fds {first['fds']} -> {last['fds']}")
     for v in report["violation_samples"]:
         print(f"  VIOLATION seed {v['seed']} ({v['check']}): {v['what']}")
     for path in report["written"]:
