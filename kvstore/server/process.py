@@ -212,6 +212,14 @@ class Server:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         if self.config.security.local_socket is not None:
             self.security.add_local(self._grpc, self.config.security.local_socket)
+        if self.config.metrics_listen:  # bound before anything starts: a port in use stops nothing half-started
+            host, port = split_host_port(self.config.metrics_listen, "--metrics-listen")
+            try:
+                self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise ConfigError(f"--metrics-listen {self.config.metrics_listen}: cannot bind ({exc.strerror}); "
+                                  "another server on this host? give it another --metrics-listen, or 'off'") from exc
+            self.metrics_port = self._metrics_http.server_port
         if self.arena_socket is not None:
             self.arena_socket.start()  # before the first GetInfo announces it
         self.call_socket.start()  # likewise
@@ -223,10 +231,6 @@ class Server:
         if self.config.scrub_pages_per_s > 0 and len(self.core.tiers) > 1:
             self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
             self._scrubber.start()
-        if self.config.metrics_listen:
-            host, port = split_host_port(self.config.metrics_listen, "--metrics-listen")
-            self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
         logger.info(
             "kvstore-server listening on %s%s (%s; tiers %s, %s, page copies %s)",
             self.address, f" and unix:{self.config.security.local_socket}" if self.config.security.local_socket else "",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -52,6 +53,18 @@ def test_hbm_without_cuda_exits_with_a_clear_message(tmp_path) -> None:
 def test_bad_flags(tmp_path, args, expect) -> None:
     res = _server("--data-dir", str(tmp_path), "--metrics-listen", "off", *args)
     assert res.returncode == 2 and expect in res.stderr
+
+
+def test_a_metrics_port_in_use_is_named_with_its_flag(tmp_path) -> None:
+    """A second server on a host (the metrics port 9464 taken) says which address and which
+    flag moves it, before it joins or serves anything; it used to say only 'Address already in use'."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        res = _server("--data-dir", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-listen", address)
+    assert res.returncode == 2 and "ready" not in res.stdout
+    assert f"--metrics-listen {address}: cannot bind" in res.stderr and "'off'" in res.stderr
 
 
 def test_a_demote_sched_outside_the_cli_is_refused_by_the_config_too() -> None:
