@@ -30,6 +30,7 @@ import torch
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client.arena import ArenaMap
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
+from kvstore.client.handoff import HandoffCalls
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import DeviceOps, LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
@@ -67,7 +68,7 @@ def _eta_ms(eta_s: float) -> int:
     return max(0, int(eta_s * 1000))
 
 
-class KVStoreClient(NamespaceCalls):
+class KVStoreClient(NamespaceCalls, HandoffCalls):
     """One namespace's view of a kvstore server. Use as ``async with``."""
 
     def __init__(

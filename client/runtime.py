@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore import localcall
-from kvstore._proto import data_pb2_grpc, directory_pb2_grpc
+from kvstore._proto import data_pb2_grpc, directory_pb2_grpc, handoff_pb2_grpc
 from kvstore.client.forked import ProcessCheck
 from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
@@ -137,6 +137,7 @@ class Runtime:
         self.local: AsyncCallChannel | None = None  # the same-host call socket, when the client takes it (set on this loop)
         self.data: data_pb2_grpc.DataStub  # the stubs, set by open()
         self.directory: directory_pb2_grpc.DirectoryStub
+        self.handoff: handoff_pb2_grpc.HandoffStub
         self.pages: PageStubs
         self._thread.start()
 
@@ -147,6 +148,7 @@ class Runtime:
         self._channel = aio_channel(self.address, MESSAGE_OPTIONS, token=self._token, tls=self._tls)
         self.data = data_pb2_grpc.DataStub(self._channel)
         self.directory = directory_pb2_grpc.DirectoryStub(self._channel)
+        self.handoff = handoff_pb2_grpc.HandoffStub(self._channel)
         self.pages = PageStubs(self._channel)
 
     async def rpc(self, method: Callable[..., Awaitable[Any]], request: Any, timeout_s: float | None = None) -> Any:

@@ -18,7 +18,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from kvstore import pagecopy
-from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc, handoff_pb2, handoff_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
@@ -28,12 +28,14 @@ from kvstore.security.identity import Identity
 from kvstore.security.salts import TenantSalts
 from kvstore.security.server import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
+from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement import Demoter, Placement
 from kvstore.server.placement.assembly import Wrap
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
+from kvstore.server.services.handoffs import HandoffService
 from kvstore.server.services.local_calls import CallSocket
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
@@ -171,6 +173,12 @@ class Server:
                                    socket_path if self._tenant_arenas else None, socket_path if hbm else None)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
+        # Handoffs (issue 36): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
+        self.handoffs = data_service.handoffs = HandoffMarkers(self.core)
+        handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.cluster)
+        guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
+                               generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),
+                               self.streams, self.metrics, request_limits(config))
         # Same-host unary calls without gRPC (issue 15), answered by the same guarded handlers.
         self.call_socket = CallSocket(
             arena_socket_path(config.data_dir, "call.sock"), self.security.authenticator, guarded,
@@ -227,6 +235,7 @@ class Server:
         if self.cluster is not None:
             self.cluster.start()  # after the gRPC server: peers may call as soon as this node is a member
         self.streams.start()
+        self.handoffs.start()
         self.demoter.start()
         if self.config.scrub_pages_per_s > 0 and len(self.core.tiers) > 1:
             self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
@@ -278,6 +287,7 @@ class Server:
             if self.arena_socket.path.parent != self.config.data_dir:
                 shutil.rmtree(self.arena_socket.path.parent, ignore_errors=True)
         self._data.close()
+        self.handoffs.close()
         self.streams.stop()
         self.demoter.stop()
         if self._metrics_http is not None:

@@ -32,6 +32,7 @@ from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, TierUnavailable
 from kvstore.server.cluster.generations import GenerationSync
+from kvstore.server.cluster.handoff_push import HandoffPushes
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
@@ -118,6 +119,7 @@ class ClusterRuntime:
                                    is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
                                    epoch=lambda: self.membership.epoch if self.membership is not None else 0)
         self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
+        self.handoffs = HandoffPushes(self.node, self.remote, self.peers, cluster.rpc_timeout_s)  # prefill side (issue 36)
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes
@@ -137,6 +139,7 @@ class ClusterRuntime:
             while not self.serving:
                 await asyncio.sleep(0.02)
         self.publisher.start()
+        self.handoffs.start()
         logger.info("node %s joined cluster %s (epoch %d, data plane %s%s)", self.node, cluster.name, self.membership.epoch,
                     cluster.data_plane, f" on {data_address}" if data_address else "")
 
@@ -156,6 +159,8 @@ class ClusterRuntime:
     async def _stop(self) -> None:
         if self.publisher is not None:
             await self.publisher.close()
+        if hasattr(self, "handoffs"):
+            await self.handoffs.close()
         if self.membership is not None:
             await self.membership.close()
         for task in list(self._tasks):

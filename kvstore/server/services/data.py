@@ -19,6 +19,7 @@ from kvstore.errors import InvalidRequest, PermissionDenied, StreamCut
 from kvstore.page import checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
+from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_reported
 from kvstore.server.services.cluster_reads import ClusterReads
@@ -50,6 +51,8 @@ class _Destination:
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler reads its caller first and checks it against the namespace (tenancy/access.py)."""
+
+    handoffs: HandoffMarkers | None = None  # a handoff's pages are let go once its waiter acquired them (issue 36)
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
                  cluster: ClusterRuntime | None = None, arena_socket: Path | None = None,
@@ -165,6 +168,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant, device=device)
         self.quotas.used(who, [p.key for p in pages])
+        if self.handoffs is not None:
+            self.handoffs.acquired(who.tenant, ns, [p.key for p in pages])
         return self.memory.acquired(who, ident, pages, device)
 
     def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: grpc.ServicerContext) -> bool:
@@ -356,6 +361,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 keys = []  # as for an empty namespace
             ident, pages = self.core.acquire(ns, keys, request.ttl_ms, tenant=who.tenant)
         self.quotas.used(who, [p.key for p in pages])
+        if self.handoffs is not None and not node_call:
+            self.handoffs.acquired(who.tenant, ns, [p.key for p in pages])
 
         def build(page: Any) -> list[bytes] | None:
             header = page.header

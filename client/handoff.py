@@ -1,0 +1,121 @@
+"""Prefill -> decode handoff calls (DESIGN §12, issue 36), mixed into KVStoreClient.
+
+The prefill side's client is connected to the prefill node, the decode side's to the decode node::
+
+    handoff_id = new_handoff_id()                               # sent to the decode side with the request
+    await prefill.handoff_open(handoff_id, "decode-node", tokens=prompt)   # pages pushed as they are stored
+    ... prefill saves the prompt's KV (put, put_keys, layer-wise save) ...
+    n = await prefill.handoff_complete(handoff_id, prompt, "decode-node")  # tokens handed off
+    hit = await decode.handoff_wait(handoff_id, prompt, deadline_s=2.0)     # the pages held at the decode node
+    await decode.get(hit, into)                                 # or load(hit, ...): releases the handoff's pins
+
+A handoff is bound to the caller's tenant and namespace: another tenant's wait, or a wait with a
+forged id, gets an empty hit at its deadline, exactly as for an unknown id.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstore._proto import handoff_pb2
+from kvstore.client.hit import Hit
+from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
+from kvstore.types import LocationRun
+from kvstore.validate import deadline_s as check_deadline
+
+if TYPE_CHECKING:
+    from kvstore.client.runtime import Runtime
+    from kvstore.types import KVLayout, Namespace
+
+HANDOFF_ID_HEX = 32
+_MARGIN_S = 1.0  # the wait's RPC deadline beyond the wait's own
+
+
+def new_handoff_id() -> str:
+    """A handoff id: 128 random bits, as hex (unguessable: it is the handoff's only name)."""
+    return secrets.token_hex(HANDOFF_ID_HEX // 2)
+
+
+def _id_bytes(handoff_id: str) -> bytes:
+    try:
+        raw = bytes.fromhex(handoff_id)
+    except (TypeError, ValueError):
+        raw = b""
+    if len(raw) != HANDOFF_ID_HEX // 2:
+        raise InvalidRequest(f"handoff_id must be {HANDOFF_ID_HEX} hex digits (new_handoff_id()), got {handoff_id!r}")
+    return raw
+
+
+class HandoffCalls:
+    """Mixed into KVStoreClient, whose ``namespace``, ``layout``, ``runtime``, ``node``, ``keys`` and ``_call`` these use."""
+
+    namespace: Namespace
+    layout: KVLayout
+    runtime: Runtime
+    node: str
+    timeout_s: float
+    _call: Callable[..., Any]
+    _io: Callable[..., Any]
+    keys: Callable[[Any], list[bytes]]
+
+    def _page_keys(self, tokens_or_keys: Any) -> list[bytes]:
+        """Page keys as given (a list of bytes), or computed from tokens (full pages only)."""
+        if isinstance(tokens_or_keys, list) and tokens_or_keys and isinstance(tokens_or_keys[0], bytes):
+            return tokens_or_keys
+        return self.keys(tokens_or_keys)
+
+    async def handoff_open(self, handoff_id: str, to_node: str | None, ttl_s: float = 30.0, *, tokens: Any = None) -> None:
+        """Prefill side, before or while the prompt's KV is saved: registers the handoff at this
+        client's node, to be handed to node ``to_node`` (None: through the pool, the decode node
+        finds the pages by lookup). With ``tokens`` (or their page keys), each page of them is
+        pushed to ``to_node`` as soon as it is stored here, whatever call stores it; without,
+        the pages go at ``handoff_complete``. Forgotten after ``ttl_s`` without a complete.
+        RESOURCE_EXHAUSTED (LimitExceeded) past the tenant's open handoffs at the node."""
+        keys = self._page_keys(tokens) if tokens is not None else []
+        request = handoff_pb2.OpenHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
+                                                 to_node=to_node or "", ttl_ms=_ttl_ms(ttl_s), keys=keys)
+        await self._call(self.runtime.handoff.Open, request)
+
+    async def handoff_complete(self, handoff_id: str, tokens_or_keys: Any, to_node: str | None = None) -> int:
+        """Prefill side, once every page of the prompt is stored at this client's node: hands
+        the full set to the decode node (``to_node``, else the one ``handoff_open`` named),
+        which fetches what it lacks and marks the handoff complete. Returns the number of
+        tokens handed off: the leading pages the decode node holds (through the pool: the
+        leading pages stored here, findable by lookup). Raises TierUnavailable when the decode
+        node is not a member or did not answer within the client's deadline; the pages stay
+        here (a retry with ``to_node=None`` hands them through the pool). The handoff is
+        forgotten at this node in every case."""
+        keys = self._page_keys(tokens_or_keys)
+        if not keys:
+            return 0
+        request = handoff_pb2.CompleteHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
+                                                     keys=keys, to_node=to_node or "")
+        return int((await self._call(self.runtime.handoff.Complete, request)).num_pages) * self.layout.page_tokens
+
+    async def handoff_wait(self, handoff_id: str, tokens: Any, deadline_s: float) -> Hit:
+        """Decode side (a client of the decode node): waits until every page of ``tokens`` is
+        held at this node for the handoff (its completion marker), at most ``deadline_s``;
+        returns a Hit of the leading pages held here, which the caller reads with ``get`` or
+        ``load``. The pages are kept for the caller until it acquires them (get/load) or the
+        handoff's ttl passes. num_tokens 0: nothing arrived, the id is unknown or another
+        tenant's, or the namespace was invalidated meanwhile; recompute."""
+        check_deadline(deadline_s, "deadline_s")
+        keys = self._page_keys(tokens)
+        if not keys:
+            return Hit(self.namespace.namespace_id, 0, [], [])
+        request = handoff_pb2.WaitHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
+                                                 keys=keys, deadline_ms=max(1, int(deadline_s * 1000)))
+        answer = await self._io(self.runtime.rpc(self.runtime.handoff.Wait, request, deadline_s + _MARGIN_S))
+        n = min(len(keys), int(answer.num_pages))
+        runs = [LocationRun(self.node, "host", n, LayoutDesc.of(self.layout).page_bytes)] if n else []
+        return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs, int(answer.generation))
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    check_deadline(ttl_s, "ttl_s")
+    if ttl_s > 600:
+        raise InvalidRequest(f"ttl_s must be at most 600 s, got {ttl_s}")
+    return max(1, int(ttl_s * 1000))

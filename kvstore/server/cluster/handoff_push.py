@@ -1,0 +1,227 @@
+"""The prefill node's half of a handoff (DESIGN §12, issue 36): pages pushed to the decode node
+as they are stored here, then the full set named so that the decode node marks it complete.
+
+Direction: the decode node pulls. A "push" is a ``Handoff.Push`` call naming this node as the
+holder; the decode node fetches the pages it lacks with the replicas' machinery
+(``ClusterRuntime.copy_from`` -> ``RemoteTier.fetch_from``: landing slots allocated in its
+current generation and for its tenant's quota, the bytes over UCX/TCP/gRPC straight into them,
+verified, committed, published). So the node that stores the bytes checks room, quota and
+generation itself, and a push is the very path a replica takes, not a second transfer path.
+
+What triggers a push: a thread follows this node's directory events (as the publisher does);
+a page stored here in a namespace with an open handoff whose ``keys`` it is among wakes that
+handoff, which sends the pages stored since its last push (one call in flight per handoff:
+later pages batch up behind it). An ``Open`` without keys pushes nothing until ``Complete``.
+Any put path (``put_keys``, layer-wise saves, shared memory or streams) is covered, since
+what is followed is the commit itself.
+
+Complete ends the handoff here whatever happens (nothing left in the table): it waits for the
+push in flight, then sends every page stored here of the full set with ``complete``; the
+decode node fetches what is missing (from here, else through the pool) and answers what it
+holds. A decode node that is not a member or does not answer is TierUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore._proto import handoff_pb2, handoff_pb2_grpc
+from kvstore.directory.events import EventKind
+from kvstore.errors import LimitExceeded, TierUnavailable
+from kvstore.server.cluster.peers import Peers, current_cancelled
+from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.handoff_markers import MAX_HANDOFFS_PER_TENANT
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TTL_MS = 30_000
+OpenKey = tuple[str, bytes, bytes]  # tenant (as named to other nodes), namespace id, handoff id
+
+
+@dataclass
+class Outgoing:
+    tenant: str
+    namespace_id: bytes
+    handoff_id: bytes
+    to_node: str
+    ttl_ms: int
+    expires: float  # monotonic
+    keys: list[bytes]
+    may_push: Callable[[], bool]  # the caller may still read the namespace here
+    sent: int = 0  # leading keys the decode node holds
+    failed: bool = False  # a push came back short: the rest waits for Complete
+    again: bool = False
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class HandoffPushes:
+    def __init__(self, node: str, remote: RemoteTier, peers: Peers, rpc_timeout_s: float,
+                 per_tenant: int = MAX_HANDOFFS_PER_TENANT) -> None:
+        self.node = node
+        self.remote = remote
+        self.directory = remote.core.directory
+        self.peers = peers
+        self.rpc_timeout_s = rpc_timeout_s
+        self.per_tenant = per_tenant
+        self._open: dict[OpenKey, Outgoing] = {}
+        self._by_namespace: dict[bytes, set[OpenKey]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name=f"handoff-{node}", daemon=True)
+        self._sweeper: asyncio.Task[None] | None = None
+        self.num_pushed = 0
+
+    def start(self) -> None:
+        self._next_seq = self.directory.events.last_seq + 1
+        self._thread.start()
+        self._sweeper = asyncio.create_task(self._expire_loop(), name=f"handoff-expiry-{self.node}")
+
+    async def close(self) -> None:
+        self._stop.set()
+        tasks = [t for t in (self._sweeper, *(o.task for o in self._open.values())) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._open.clear()
+        self._by_namespace.clear()
+        await asyncio.to_thread(self._thread.join, 2.0)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    # -- on the cluster loop -----------------------------------------------------------
+    async def open(self, tenant: str, namespace_id: bytes, handoff_id: bytes, to_node: str, ttl_ms: int, keys: list[bytes],
+                   may_push: Callable[[], bool]) -> None:
+        """Registers the handoff (again: its decode node, ttl and keys replaced); LimitExceeded
+        past ``per_tenant`` open handoffs of the tenant (nothing registered)."""
+        key = (tenant, namespace_id, handoff_id)
+        if key not in self._open and sum(1 for k in self._open if k[0] == tenant) >= self.per_tenant:
+            raise LimitExceeded(f"tenant {tenant!r} has {self.per_tenant} open handoffs at node {self.node}; complete some")
+        out = self._open.get(key)
+        expires = time.monotonic() + ttl_ms / 1000
+        if out is None:
+            out = self._open[key] = Outgoing(tenant, namespace_id, handoff_id, to_node, ttl_ms, expires, keys, may_push)
+            self._by_namespace.setdefault(namespace_id, set()).add(key)
+        else:
+            out.to_node, out.ttl_ms, out.expires, out.keys, out.may_push = to_node, ttl_ms, expires, keys, may_push
+        self._kick(out)  # pages stored before the open go now
+
+    def _forget(self, key: OpenKey) -> Outgoing | None:
+        out = self._open.pop(key, None)
+        if out is not None:
+            keys = self._by_namespace.get(key[1], set())
+            keys.discard(key)
+            if not keys:
+                self._by_namespace.pop(key[1], None)
+        return out
+
+    def _kick(self, out: Outgoing) -> None:
+        if not out.to_node or out.to_node == self.node or out.failed or not out.keys:
+            return
+        if out.task is not None and not out.task.done():
+            out.again = True
+            return
+        out.task = asyncio.create_task(self._push_stored(out))
+
+    async def _push_stored(self, out: Outgoing) -> None:
+        """Sends what was stored since the last push, until nothing new arrived meanwhile."""
+        while True:
+            out.again = False
+            stored = self.remote.local_prefix(out.namespace_id, out.keys)
+            if stored > out.sent and out.may_push():
+                batch = out.keys[out.sent : stored]
+                try:
+                    held = await self._send(out, batch, complete=False, timeout_s=self.rpc_timeout_s + 5)
+                except TierUnavailable as exc:
+                    logger.info("handoff %s: push to %s failed (%s); Complete sends the rest", out.handoff_id.hex()[:8],
+                                out.to_node, exc)
+                    held = 0
+                out.sent += held
+                if held < len(batch):
+                    out.failed = True
+                    return
+            if not out.again:
+                return
+
+    async def complete(self, tenant: str, namespace_id: bytes, handoff_id: bytes, keys: list[bytes], to_node: str,
+                       timeout_s: float) -> int:
+        """Ends the handoff here; returns the leading pages of ``keys`` the decode node holds
+        (through the pool, ``to_node`` and the open's both empty: the leading pages stored here)."""
+        out = self._forget((tenant, namespace_id, handoff_id))
+        deadline = time.monotonic() + timeout_s
+        to_node = to_node or (out.to_node if out is not None else "")
+        if out is not None and out.task is not None and not out.task.done():
+            try:  # the push in flight lands first (the decode node would fetch its pages twice otherwise)
+                await asyncio.wait_for(asyncio.shield(out.task), max(0.01, timeout_s / 2))
+            except TimeoutError:
+                out.task.cancel()
+        stored = self.remote.local_prefix(namespace_id, keys)
+        if not to_node or stored == 0:
+            return stored
+        target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
+        target.to_node = to_node
+        return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
+
+    async def _send(self, out: Outgoing, keys: list[bytes], complete: bool, timeout_s: float) -> int:
+        peer = self.peers.get(out.to_node)
+        if peer is None:
+            raise TierUnavailable(f"handoff decode node {out.to_node!r} is not a live member of the cluster; "
+                                  "the pages stay here, findable through the pool")
+        request = handoff_pb2.PushHandoffRequest(namespace_id=out.namespace_id, handoff_id=out.handoff_id, keys=keys,
+                                                 holder=self.node, tenant=out.tenant, page_bytes=self._page_bytes(keys[0]),
+                                                 complete=complete, ttl_ms=out.ttl_ms)
+        try:
+            answer = await handoff_pb2_grpc.HandoffStub(peer.channel).Push(request, timeout=timeout_s)
+        except asyncio.CancelledError:
+            if current_cancelled():
+                raise
+            raise TierUnavailable(f"handoff decode node {out.to_node!r} left the cluster during the push") from None
+        except Exception as exc:  # noqa: BLE001 - any failure of the peer is the same answer to the caller
+            raise TierUnavailable(f"handoff decode node {out.to_node!r} did not take {len(keys)} pages: {exc!r}; "
+                                  "the pages stay here, findable through the pool") from None
+        held = min(len(keys), int(answer.num_pages))
+        self.num_pushed += held
+        return held
+
+    def _page_bytes(self, key: bytes) -> int:
+        entry = self.directory.get(key)
+        sizes = [loc.size_bytes for (node, _), loc in list(entry.locations.items()) if node == self.node] if entry else []
+        return sizes[0] if sizes else 0
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for key in [k for k, o in self._open.items() if o.expires <= now]:
+                out = self._forget(key)
+                if out is not None and out.task is not None:
+                    out.task.cancel()
+                logger.info("open handoff %s expired without Complete", key[2].hex()[:8])
+
+    # -- the event thread --------------------------------------------------------------
+    def _follow(self) -> None:
+        """Pages stored here, handed to the loop by namespace (only those with open handoffs)."""
+        events = self.directory.events
+        while not self._stop.is_set() and not events.closed:
+            batch = events.wait_since(self._next_seq, 0.5)
+            if not batch:
+                continue
+            self._next_seq = batch[-1].seq + 1
+            namespaces = {ev.namespace_id for ev in batch if ev.kind is EventKind.STORED and ev.location is not None
+                          and ev.location.node == self.node and ev.namespace_id in self._by_namespace}
+            if namespaces:
+                try:
+                    self._loop.call_soon_threadsafe(self._stored, namespaces)
+                except RuntimeError:  # the loop closed: the node is leaving
+                    return
+
+    def _stored(self, namespaces: set[bytes]) -> None:
+        for namespace_id in namespaces:
+            for key in list(self._by_namespace.get(namespace_id, ())):
+                if (out := self._open.get(key)) is not None:
+                    self._kick(out)

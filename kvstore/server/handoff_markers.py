@@ -1,0 +1,262 @@
+"""Completion markers of prefill -> decode handoffs, held at the decode node (DESIGN §12, issue 36).
+
+A marker is keyed by (tenant, namespace, handoff id): a wait of another tenant, in another
+namespace or with an unknown id meets a marker of its own, which never completes, and gets
+what an unknown id gets (nothing, at its deadline). The pages that arrive for a marker are
+pinned under leases of its tenant, so eviction cannot take them between their arrival and the
+decode side's read; they are let go once the caller acquired every page its wait returned
+(``acquired``), when the marker's ttl passes, or when the namespace's generation moved on (an
+invalidation: nothing of the old generation is kept or returned).
+
+::
+
+    open ──arrived(pages)──> pinned ──arrived(complete=keys, all held)──> complete
+      │                        │                                             │
+      └── ttl / generation / nothing handed ──> dropped (leases released) <──┴── acquired(all handed)
+
+Thread-safe: one lock for the table; the core is called outside it. Bounded: at most
+``per_tenant`` markers per tenant (LimitExceeded beyond: nothing is made).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.errors import LimitExceeded
+from kvstore.server.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+MAX_HANDOFFS_PER_TENANT = 256  # markers (decode side) or open handoffs (prefill side) a tenant holds at once
+MAX_TTL_S = 600.0
+
+MarkerKey = tuple[str, bytes, bytes]  # tenant, namespace id, handoff id
+
+
+@dataclass
+class Marker:
+    tenant: str
+    namespace_id: bytes
+    handoff_id: bytes
+    generation: int  # the namespace's when the marker was made; another one later: the marker is void
+    expires: float  # monotonic
+    ttl_ms: int
+    keys: list[bytes] | None = None  # every page of the handoff, once the prefill node completed it
+    pushed: bool = False  # a prefill node pushed pages to it (direct); else the decode side pulls them (pool)
+    leases: list[bytes] = field(default_factory=list)
+    pinned: set[bytes] = field(default_factory=set)
+    handed: set[bytes] = field(default_factory=set)  # returned by a wait, not yet acquired by the caller
+    waiters: int = 0
+
+    @property
+    def key(self) -> MarkerKey:
+        return self.tenant, self.namespace_id, self.handoff_id
+
+
+class HandoffMarkers:
+    def __init__(self, core: Placement, per_tenant: int = MAX_HANDOFFS_PER_TENANT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = core
+        self.node = core.node
+        self.per_tenant = per_tenant
+        self.clock = clock
+        self._markers: dict[MarkerKey, Marker] = {}
+        self._per_tenant: dict[str, int] = {}
+        self._changed = threading.Condition()  # the table's lock; notified whenever pages arrive or a marker goes
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="handoff-ttl", daemon=True)
+
+    def start(self) -> None:
+        self._sweeper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sweeper.is_alive():
+            self._sweeper.join(5)
+        with self._changed:
+            markers = list(self._markers.values())
+        for marker in markers:
+            self._drop(marker)
+
+    def __len__(self) -> int:
+        return len(self._markers)
+
+    def held(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """How many leading ``keys`` this node holds a copy of (not only a record of another node's)."""
+        directory = self.core.directory
+        for i, key in enumerate(keys):
+            entry = directory.get(key)
+            if entry is None or entry.namespace_id != namespace_id or not any(n == self.node for n, _ in list(entry.locations)):
+                return i
+        return len(keys)
+
+    # -- the table ----------------------------------------------------------------------
+    def open(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int) -> Marker:
+        """The marker of the handoff, made if there is none (LimitExceeded past ``per_tenant``:
+        nothing made); a later open may only lengthen its ttl."""
+        key = (tenant, namespace_id, handoff_id)
+        now = self.clock()
+        generation = self.core.directory.generation(namespace_id)
+        stale = self._markers.get(key)
+        if stale is not None and stale.generation != generation:
+            self._drop(stale)  # of an older generation: its pins go, nothing of it is handed
+        with self._changed:
+            marker = self._markers.get(key)
+            if marker is None:
+                if self._per_tenant.get(tenant, 0) >= self.per_tenant:
+                    raise LimitExceeded(f"tenant {tenant!r} holds {self.per_tenant} handoffs already; "
+                                        "complete or consume some, or let them expire")
+                marker = Marker(tenant, namespace_id, handoff_id, generation, now + ttl_ms / 1000, ttl_ms)
+                self._markers[key] = marker
+                self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+            marker.expires = max(marker.expires, now + ttl_ms / 1000)
+            marker.ttl_ms = max(marker.ttl_ms, ttl_ms)
+            return marker
+
+    def _forget(self, marker: Marker) -> bool:
+        """Takes the marker out of the table (under the lock); False when it was out already."""
+        if self._markers.get(marker.key) is not marker:
+            return False
+        del self._markers[marker.key]
+        left = self._per_tenant[marker.tenant] - 1
+        if left:
+            self._per_tenant[marker.tenant] = left
+        else:
+            del self._per_tenant[marker.tenant]
+        self._changed.notify_all()
+        return True
+
+    def _drop(self, marker: Marker) -> None:
+        """Out of the table, its pins released: nothing of it is left."""
+        with self._changed:
+            self._forget(marker)
+            leases, marker.leases = marker.leases, []
+            marker.pinned.clear()
+            marker.handed.clear()
+        for lease in leases:
+            self.core.release(lease)
+
+    # -- pages arriving -----------------------------------------------------------------
+    def arrived(self, marker: Marker, keys: list[bytes], pushed: bool = False, complete: list[bytes] | None = None) -> None:
+        """Pins the leading ``keys`` held here that the marker does not pin yet; ``complete``:
+        every page of the handoff (the prefill node finished). Wakes the waiters."""
+        with self._changed:
+            live = self._markers.get(marker.key) is marker
+            new = [k for k in keys[: self.held(marker.namespace_id, keys)] if k not in marker.pinned]
+        if live and new:
+            lease, found, _ = self.core.lease(marker.namespace_id, new, marker.ttl_ms, marker.tenant)
+            with self._changed:
+                if self._markers.get(marker.key) is marker:
+                    marker.leases.append(lease)
+                    marker.pinned.update(new[:found])
+                    lease = b""
+            if lease:  # dropped meanwhile: its pins go with it
+                self.core.release(lease)
+        with self._changed:
+            marker.pushed = marker.pushed or pushed
+            if complete is not None:
+                marker.keys = complete
+            self._changed.notify_all()
+
+    # -- the decode side ----------------------------------------------------------------
+    def wait(self, marker: Marker, keys: list[bytes], deadline_s: float, pull: Callable[[float], object] | None,
+             sees: Callable[[], bool] = lambda: True) -> int:
+        """Waits until every page of ``keys`` is held here, the marker is complete, or ``deadline_s``
+        passed; returns the leading pages of ``keys`` held here for the caller (0 when the marker
+        went: expired, or its namespace invalidated). ``pull(time_left_s)``: fetches ``keys``
+        through the pool; called while no prefill node pushes to the marker, at 50, 100, 200,
+        400 ms... (a pool handoff's pages are published by the time the decode side asks).
+        ``sees()``: the caller may read the namespace here; if not, pages held here are not its
+        own and the wait answers as for an unknown id (nothing, at the deadline)."""
+        end = self.clock() + deadline_s
+        step = 0.05
+        with self._changed:
+            marker.waiters += 1
+        try:
+            while True:
+                if self._finished(marker, keys, sees):
+                    break
+                left = end - self.clock()
+                if left <= 0:
+                    break
+                if pull is not None and not marker.pushed:
+                    pull(left)
+                    if sees():
+                        self.arrived(marker, keys)
+                    if self._finished(marker, keys, sees):
+                        break
+                with self._changed:  # woken by arrivals; re-checked after each
+                    self._changed.wait(min(step, max(0.0, end - self.clock())))
+                step = min(2 * step, 0.4)
+            return self._hand(marker, keys) if sees() else self._hand(marker, [])
+        finally:
+            with self._changed:
+                marker.waiters -= 1
+
+    def _finished(self, marker: Marker, keys: list[bytes], sees: Callable[[], bool]) -> bool:
+        if self._markers.get(marker.key) is not marker:
+            return True  # expired or invalidated: answered with nothing
+        if not sees():
+            return False
+        if marker.keys is not None and all(k in marker.pinned for k in marker.keys):
+            return True
+        return self.held(marker.namespace_id, keys) == len(keys)
+
+    def _hand(self, marker: Marker, keys: list[bytes]) -> int:
+        """What the wait answers: the leading ``keys`` held here and pinned for the caller, who
+        takes them over by acquiring them. Nothing (and the marker dropped) when the namespace
+        moved to another generation or nothing is held."""
+        self.arrived(marker, keys)  # a page the pool brought, or held here before the marker
+        live = self._markers.get(marker.key) is marker
+        generation = self.core.directory.generation(marker.namespace_id)
+        n = self.held(marker.namespace_id, keys) if live and generation == marker.generation else 0
+        with self._changed:
+            n = next((i for i, k in enumerate(keys[:n]) if k not in marker.pinned), n)
+            marker.handed.update(keys[:n])
+        if n == 0:
+            self._drop(marker)
+        return n
+
+    def acquired(self, tenant: str, namespace_id: bytes, keys: list[bytes]) -> None:
+        """The caller acquired ``keys``: a marker whose handed pages it has all acquired lets them go."""
+        if not self._markers:
+            return
+        done: list[Marker] = []
+        with self._changed:
+            for marker in self._markers.values():
+                if marker.tenant == tenant and marker.namespace_id == namespace_id and marker.handed and not marker.waiters:
+                    marker.handed.difference_update(keys)
+                    if not marker.handed:
+                        done.append(marker)
+        for marker in done:
+            self._drop(marker)
+
+    # -- expiry -------------------------------------------------------------------------
+    def expire(self) -> int:
+        """Drops the markers past their ttl or of a namespace that moved to another generation; returns how many."""
+        now = self.clock()
+        with self._changed:
+            gone = [m for m in self._markers.values() if not m.waiters and (
+                m.expires <= now or self.core.directory.generation(m.namespace_id) != m.generation)]
+        for marker in gone:
+            logger.info("handoff %s of tenant %r dropped (%s), %d pages let go", marker.handoff_id.hex()[:8], marker.tenant,
+                        "ttl" if marker.expires <= now else "invalidated", len(marker.pinned))
+            self._drop(marker)
+        return len(gone)
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self._next_due()):
+            try:
+                self.expire()
+            except Exception:  # the sweeper outlives one bad round
+                logger.exception("handoff expiry failed")
+
+    def _next_due(self) -> float:
+        with self._changed:
+            first = min((m.expires for m in self._markers.values()), default=None)
+        due = 1.0 if first is None else first - self.clock()
+        return min(1.0, max(0.01, due))

@@ -1,0 +1,159 @@
+"""The Handoff servicer (prefill -> decode, DESIGN §12, issue 36): thin adapters over the decode
+node's completion markers (server/handoff_markers.py) and the prefill node's pushes
+(server/cluster/handoff_push.py). Each handler validates everything before it changes anything.
+
+Which node plays which part: Open and Complete go to the prefill node, Wait to the decode node,
+Push from the prefill node to the decode node (the node right). Without a cluster, or when the
+decode node is the prefill node itself, Complete marks the handoff complete here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvstore import validate
+from kvstore._proto import handoff_pb2, handoff_pb2_grpc
+from kvstore.config import ServerConfig
+from kvstore.errors import InvalidRequest, PermissionDenied
+from kvstore.security.identity import Identity, Rights
+from kvstore.security.interceptor import current_identity
+from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
+from kvstore.server.placement import Placement
+from kvstore.server.services.cluster_reads import ClusterReads
+from kvstore.server.services.errors import unary
+from kvstore.server.services.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
+from kvstore.server.tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from kvstore.server.cluster import ClusterRuntime
+
+HANDOFF_ID_BYTES = 16
+DEFAULT_TTL_MS = 30_000
+_MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
+
+
+def handoff_id(value: bytes) -> bytes:
+    if len(value) != HANDOFF_ID_BYTES:
+        raise InvalidRequest(f"handoff_id must be {HANDOFF_ID_BYTES} bytes (new_handoff_id()), got {len(value)}")
+    return bytes(value)
+
+
+def node_id(value: str, name: str) -> str:
+    if len(value) > MAX_NODE_ID:
+        raise InvalidRequest(f"{name} must be a node id of at most {MAX_NODE_ID} characters, got {len(value)}")
+    return value
+
+
+def ttl_ms(value: int) -> int:
+    if value > MAX_TTL_S * 1000:
+        raise InvalidRequest(f"ttl_ms must be at most {int(MAX_TTL_S * 1000)}, got {value}")
+    return value or DEFAULT_TTL_MS
+
+
+class HandoffService(handoff_pb2_grpc.HandoffServicer):
+    def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy, markers: HandoffMarkers,
+                 cluster: ClusterRuntime | None = None) -> None:
+        self.core = core
+        self.config = config
+        self.tenancy = tenancy
+        self.markers = markers
+        self.cluster = cluster
+        self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
+        self.metrics = core.metrics
+
+    def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
+        return validate.keys(values, self.config.max_pages_per_request, allow_empty)
+
+    def _pushes_to(self, to_node: str) -> bool:
+        """Whether pages go to another node (else: the pool, or this node is the decode node)."""
+        return self.cluster is not None and bool(to_node) and to_node != self.core.node
+
+    @staticmethod
+    def _writer(who: Identity) -> None:
+        if not who.allows(Rights.WRITE):
+            raise PermissionDenied(f"tenant {who.tenant!r} lacks the write right (a handoff hands off pages it stored)")
+
+    @unary
+    def Open(self, request: handoff_pb2.OpenHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.OpenHandoffResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        ident = handoff_id(request.handoff_id)
+        to_node = node_id(request.to_node, "to_node")
+        ttl = ttl_ms(request.ttl_ms)
+        keys = self._keys(list(request.keys), allow_empty=True)
+        who = current_identity()
+        self._writer(who)
+        if self._pushes_to(to_node):
+            assert self.cluster is not None
+            self.cluster.call(self.cluster.handoffs.open(on_behalf(who), ns, ident, to_node, ttl, keys,
+                                                         lambda: self.tenancy.sees(who, ns)), self.cluster.cluster.rpc_timeout_s)
+        return handoff_pb2.OpenHandoffResponse()
+
+    @unary
+    def Complete(self, request: handoff_pb2.CompleteHandoffRequest,
+                 context: grpc.ServicerContext) -> handoff_pb2.CompleteHandoffResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        ident = handoff_id(request.handoff_id)
+        keys = self._keys(list(request.keys))
+        to_node = node_id(request.to_node, "to_node")
+        who = current_identity()
+        self._writer(who)
+        readable = self.tenancy.may_read(who, ns)
+        if self.cluster is not None and to_node != self.core.node:
+            left = context.time_remaining()
+            timeout = max(0.01, (left if left is not None else 30.0) - _MARGIN_S)
+            n = self.cluster.call(self.cluster.handoffs.complete(on_behalf(who), ns, ident, keys if readable else [],
+                                                                 to_node, timeout), timeout + 1)
+            return handoff_pb2.CompleteHandoffResponse(num_pages=n)
+        # no cluster, or this node is the decode node: the marker is here
+        held = self.markers.held(ns, keys) if readable else 0
+        if held:
+            marker = self.markers.open(who.tenant, ns, ident, DEFAULT_TTL_MS)
+            self.markers.arrived(marker, keys[:held], pushed=True, complete=keys[:held])
+        return handoff_pb2.CompleteHandoffResponse(num_pages=held)
+
+    @unary
+    def Wait(self, request: handoff_pb2.WaitHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.WaitHandoffResponse:
+        ns = validate.namespace_id(request.namespace_id)
+        ident = handoff_id(request.handoff_id)
+        keys = self._keys(list(request.keys))
+        if not 0 < request.deadline_ms <= MAX_TTL_S * 1000:
+            raise InvalidRequest(f"deadline_ms must be 1..{int(MAX_TTL_S * 1000)}, got {request.deadline_ms}")
+        who = current_identity()
+        self.tenancy.may_read(who, ns)  # PermissionDenied without the read right
+        left = context.time_remaining()
+        deadline = min(request.deadline_ms / 1000, (left if left is not None else MAX_TTL_S) - _MARGIN_S)
+        marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
+        reads = self.cluster_reads
+        pull = (lambda time_left: reads.fill(who, ns, keys, time_left)) if reads is not None else None
+        n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns))
+        return handoff_pb2.WaitHandoffResponse(num_pages=n, generation=marker.generation)
+
+    @unary
+    def Push(self, request: handoff_pb2.PushHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.PushHandoffResponse:
+        """The prefill node ``holder`` hands pages over: fetched from it (as a replica is), kept
+        for the handoff's marker; with ``complete``, what the holder could not give is pulled
+        through the pool, then the marker completes once every page is here."""
+        require_node(current_identity(), "Handoff.Push")
+        ns = validate.namespace_id(request.namespace_id)
+        ident = handoff_id(request.handoff_id)
+        keys = self._keys(list(request.keys))
+        holder = node_id(request.holder, "holder")
+        ttl = ttl_ms(request.ttl_ms)
+        if self.cluster is None or not holder or request.page_bytes <= 0:
+            raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
+        who = acting_for(current_identity(), request.tenant)
+        claimed = self.tenancy.claim(who, ns)
+        held = 0
+        try:
+            marker = self.markers.open(who.tenant, ns, ident, ttl)
+            held = self.cluster.copy_from(holder, ns, keys, request.page_bytes, context.time_remaining(), on_behalf(who))
+            if request.complete and held < len(keys):  # what the holder could not give: through the pool
+                self.cluster.fill(ns, keys, context.time_remaining(), on_behalf(who))
+                held = self.markers.held(ns, keys)
+            self.markers.arrived(marker, keys, pushed=True, complete=keys if request.complete else None)
+        finally:
+            if claimed:
+                self.tenancy.settle(who, ns, held > 0)
+        return handoff_pb2.PushHandoffResponse(num_pages=held)

@@ -1,0 +1,139 @@
+"""Prefill -> decode handoff (issue 36) on real nodes over a real etcd: pages pushed from the
+prefill node a to the decode node c as they are stored, the completion marker at c, the bytes
+read at c bit-exact; the pool fallback (no decode node named); a wait without a complete ends at
+its deadline with what arrived, also when a is SIGKILLed mid-handoff; an unconsumed handoff lets
+its pins go after its ttl; an invalidation meanwhile leaves nothing to hand over."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from conftest import random_kv
+from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
+
+from kvstore._proto import directory_pb2
+from kvstore.client import KVStoreClient, new_handoff_id
+
+PAGE = LAYOUT.page_tokens
+
+
+async def num_leases(client: KVStoreClient) -> int:
+    return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
+
+
+def host_pages(etcd_url: str, node: str) -> int:
+    return next(m["tiers"]["host"]["pages"] for m in ctl_cluster(etcd_url)["members"] if m["node"] == node)
+
+
+async def test_pages_are_pushed_as_they_are_stored_and_read_bit_exact_at_the_decode_node(cluster_nodes, etcd) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(41, 8)
+    kv = random_kv(LAYOUT, len(tokens), seed=41)
+    half = 4 * PAGE
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", tokens=tokens)
+        assert await prefill.put(tokens[:half], kv[:, :, :half]) == half
+        # pushed before the rest is computed: c holds the first half before any complete
+        await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the first half pushed to c")
+        assert await prefill.put(tokens, kv) == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
+        started = time.monotonic()
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
+        assert time.monotonic() - started < 1.0, "the marker was complete: the wait must not run to its deadline"
+        assert hit.num_tokens == len(tokens) and {r.node for r in hit.runs} == {"c"}
+        assert await num_leases(decode) >= 1  # kept for the decode side until it reads them
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)
+        assert await num_leases(decode) == 0, "the handoff's pins outlived the read that consumed them"
+        assert await num_leases(prefill) == 0
+
+
+async def _holds(etcd_url: str, node: str, pages: int) -> bool:
+    return host_pages(etcd_url, node) >= pages
+
+
+async def test_through_the_pool_the_decode_node_pulls_the_pages_by_lookup(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(42, 6)
+    kv = random_kv(LAYOUT, len(tokens), seed=42)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, None)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens) == len(tokens)  # stored at a, found by lookup
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
+        assert hit.num_tokens == len(tokens) and {r.node for r in hit.runs} == {"c"}
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)
+        assert await num_leases(decode) == 0
+
+
+async def test_without_a_complete_the_wait_ends_at_its_deadline_with_what_arrived_even_when_prefill_dies(
+        cluster_nodes, etcd) -> None:
+    """The prefill node stores half the prompt, then is SIGKILLed: the decode side's wait returns
+    the pushed half at its deadline (the engine recomputes the rest), bit-exact."""
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(43, 8)
+    kv = random_kv(LAYOUT, len(tokens), seed=43)
+    half = 4 * PAGE
+    async with KVStoreClient(c.address, NS) as decode:
+        async with KVStoreClient(a.address, NS) as prefill:
+            handoff = new_handoff_id()
+            await prefill.handoff_open(handoff, "c", tokens=tokens)
+            assert await prefill.put(tokens[:half], kv[:, :, :half]) == half
+            await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the first half pushed to c")
+            started = time.monotonic()
+            hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)
+            waited = time.monotonic() - started
+            assert hit.num_tokens == half and 1.0 <= waited < 2.0, (hit.num_tokens, waited)
+            a.kill()
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)  # the prefill node is gone
+        assert hit.num_tokens == half
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == half
+        assert torch.equal(out[:, :, :half], kv[:, :, :half])
+        assert await num_leases(decode) == 0
+
+
+async def test_an_unconsumed_handoff_lets_its_pins_go_after_its_ttl(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(44, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=44)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", ttl_s=1.0)  # no tokens: pushed at complete
+        assert await prefill.put(tokens, kv) == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens) == len(tokens)
+        assert await num_leases(decode) == 1
+        await eventually(lambda: _no_leases(decode), 3.0, "the expired handoff's pins released")
+        assert (await decode.handoff_wait(new_handoff_id(), tokens, 0.2)).num_tokens == len(tokens)  # its own pages, a hit
+        assert await num_leases(decode) >= 1
+        hit = await decode.lookup(tokens)
+        out = torch.zeros_like(kv)
+        await decode.get(hit, out)
+        assert await num_leases(decode) == 0
+
+
+async def _no_leases(client: KVStoreClient) -> bool:
+    return await num_leases(client) == 0
+
+
+async def test_an_invalidation_meanwhile_leaves_nothing_to_hand_over(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(45, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=45)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c")
+        assert await prefill.put(tokens, kv) == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens) == len(tokens)
+        assert await prefill.invalidate() == 1
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=0.5)
+        assert hit.num_tokens == 0
+        await eventually(lambda: _no_leases(decode), 3.0, "the invalidated handoff's pins released")
