@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from conftest import random_kv
@@ -16,6 +17,7 @@ from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
+from kvstore.errors import TierUnavailable
 
 PAGE = LAYOUT.page_tokens
 
@@ -137,3 +139,21 @@ async def test_an_invalidation_meanwhile_leaves_nothing_to_hand_over(cluster_nod
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=0.5)
         assert hit.num_tokens == 0
         await eventually(lambda: _no_leases(decode), 3.0, "the invalidated handoff's pins released")
+
+
+async def test_a_dead_decode_node_is_a_clear_error_at_complete_and_nothing_is_left_at_the_prefill_node(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(46, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=46)
+    async with KVStoreClient(a.address, NS) as prefill:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c")
+        assert await prefill.put(tokens, kv) == len(tokens)
+        c.kill()
+        started = time.monotonic()
+        with pytest.raises(TierUnavailable, match="decode node 'c'"):
+            await prefill.handoff_complete(handoff, tokens)
+        assert time.monotonic() - started < 10
+        assert await num_leases(prefill) == 0
+        # the pages stay at a: handed through the pool instead
+        assert await prefill.handoff_complete(handoff, tokens, None) == len(tokens)

@@ -1,0 +1,58 @@
+"""A handoff is bound to its tenant and namespace (issue 36): another tenant waiting with the same
+id, even naming the first tenant's namespace id and page keys outright, gets nothing at its
+deadline, exactly as for an id nobody made, although the pages are held at the decode node."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from conftest import random_kv
+from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from test_cluster_auth import A, B, secure_args
+from test_cluster_nodes import LAYOUT, NS, tokens_of
+
+from kvstore._proto import handoff_pb2
+from kvstore.client import KVStoreClient, new_handoff_id
+
+NODE_TOKEN = "cluster-node-token-0123456789ab"
+
+
+async def test_another_tenant_or_a_forged_id_gets_nothing(cluster_nodes, tmp_path, monkeypatch) -> None:
+    from certs import CertAuthority  # test_cluster_auth put the security tests' folder on sys.path
+
+    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
+    args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
+    a, c = (cluster_nodes([n], "tcp", *args[n][:2])[0] for n in ("a", "c"))  # --auth-file only: loopback, tokens
+    tokens = tokens_of(51, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=51)
+    async with KVStoreClient(a.address, NS, token=A) as prefill, KVStoreClient(c.address, NS, token=A) as decode, \
+            KVStoreClient(c.address, NS, token=B) as other:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", tokens=tokens)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens) == len(tokens)
+
+        async def waited(client: KVStoreClient, request: handoff_pb2.WaitHandoffRequest) -> tuple[int, float]:
+            started = time.monotonic()
+            answer = await client._call(client.runtime.handoff.Wait, request)
+            return int(answer.num_pages), time.monotonic() - started
+
+        ident = bytes.fromhex(handoff)
+        own = handoff_pb2.WaitHandoffRequest(namespace_id=other.namespace.namespace_id, handoff_id=ident,
+                                             keys=other.keys(tokens), deadline_ms=500)
+        named = handoff_pb2.WaitHandoffRequest(namespace_id=decode.namespace.namespace_id, handoff_id=ident,
+                                               keys=decode.keys(tokens), deadline_ms=500)
+        forged = handoff_pb2.WaitHandoffRequest(namespace_id=decode.namespace.namespace_id,
+                                                handoff_id=bytes.fromhex(new_handoff_id()), keys=decode.keys(tokens),
+                                                deadline_ms=500)
+        for request in (own, named, forged):  # b: its namespace, a's named outright, a forged id in a's
+            pages, seconds = await waited(other, request)
+            assert pages == 0 and seconds >= 0.5, (pages, seconds)
+        # the handoff is intact for its tenant
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=2.0)
+        assert hit.num_tokens == len(tokens)
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)

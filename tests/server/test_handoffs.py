@@ -1,0 +1,91 @@
+"""Handoffs on one server (issue 36): without a cluster the prefill and decode sides share the node,
+and Complete marks the handoff here. Bad input is a clear error that leaves nothing; the table of
+markers is bounded per tenant; a wait for an id nobody completed ends at its deadline."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import random_kv
+
+from kvstore._proto import directory_pb2, handoff_pb2
+from kvstore.client import KVStoreClient, new_handoff_id
+from kvstore.errors import InvalidRequest, LimitExceeded
+
+
+async def _leases(client: KVStoreClient) -> int:
+    return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
+
+
+def _tokens(seed: int, pages: int, page_tokens: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (pages * page_tokens,), generator=g).tolist()
+
+
+async def test_a_handoff_on_one_node_is_complete_at_once_and_its_pins_go_with_the_read(server, ns, layout) -> None:
+    tokens = _tokens(1, 4, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=1)
+    async with KVStoreClient(server.address, ns) as client:
+        handoff = new_handoff_id()
+        assert len(handoff) == 32 and handoff != new_handoff_id()
+        await client.handoff_open(handoff, None)
+        assert await client.put(tokens, kv) == len(tokens)
+        assert await client.handoff_complete(handoff, tokens) == len(tokens)
+        assert await _leases(client) == 1 and len(server.handoffs) == 1
+        hit = await client.handoff_wait(handoff, tokens, deadline_s=2.0)
+        assert hit.num_tokens == len(tokens)
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv)
+        assert await _leases(client) == 0 and len(server.handoffs) == 0
+
+
+async def test_a_wait_for_pages_nobody_stores_ends_at_its_deadline_with_nothing_left(server, ns, layout) -> None:
+    tokens = _tokens(2, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        started = time.monotonic()
+        hit = await client.handoff_wait(new_handoff_id(), tokens, deadline_s=0.3)
+        assert hit.num_tokens == 0 and 0.3 <= time.monotonic() - started < 1.5
+        assert len(server.handoffs) == 0 and await _leases(client) == 0
+
+
+async def test_bad_input_is_refused_and_leaves_nothing(server, ns, layout) -> None:
+    tokens = _tokens(3, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        for bad in ("", "xyz", "00" * 15, "00" * 17):
+            with pytest.raises(InvalidRequest, match="handoff_id"):
+                await client.handoff_open(bad, None)
+        with pytest.raises(InvalidRequest, match="ttl_s"):
+            await client.handoff_open(new_handoff_id(), None, ttl_s=0)
+        with pytest.raises(InvalidRequest, match="deadline_s"):
+            await client.handoff_wait(new_handoff_id(), tokens, deadline_s=float("inf"))
+        request = handoff_pb2.WaitHandoffRequest(namespace_id=ns.namespace_id, handoff_id=b"x" * 16, keys=client.keys(tokens))
+        with pytest.raises(InvalidRequest, match="deadline_ms"):  # 0: every wait has a deadline
+            await client._call(client.runtime.handoff.Wait, request)
+        request = handoff_pb2.WaitHandoffRequest(namespace_id=b"short", handoff_id=b"x" * 16, keys=client.keys(tokens),
+                                                 deadline_ms=100)
+        with pytest.raises(InvalidRequest, match="namespace_id"):
+            await client._call(client.runtime.handoff.Wait, request)
+        request = handoff_pb2.OpenHandoffRequest(namespace_id=ns.namespace_id, handoff_id=b"x" * 16, ttl_ms=10**9)
+        with pytest.raises(InvalidRequest, match="ttl_ms"):
+            await client._call(client.runtime.handoff.Open, request)
+        push = handoff_pb2.PushHandoffRequest(namespace_id=ns.namespace_id, handoff_id=b"x" * 16, keys=client.keys(tokens),
+                                              holder="a", page_bytes=1)
+        with pytest.raises(InvalidRequest, match="cluster mode"):  # no tenants here: the caller has every right
+            await client._call(client.runtime.handoff.Push, push)
+        assert len(server.handoffs) == 0 and await _leases(client) == 0
+
+
+async def test_the_markers_a_tenant_holds_are_bounded(server, ns, layout) -> None:
+    """Past the bound, RESOURCE_EXHAUSTED for that caller: nothing made, nothing pinned."""
+    server.handoffs.per_tenant = 2
+    tokens = _tokens(4, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, random_kv(layout, len(tokens), seed=4)) == len(tokens)
+        for _ in range(2):
+            assert await client.handoff_complete(new_handoff_id(), tokens) == len(tokens)
+        with pytest.raises(LimitExceeded, match="handoffs"):
+            await client.handoff_complete(new_handoff_id(), tokens)
+        assert len(server.handoffs) == 2 and await _leases(client) == 2
