@@ -68,7 +68,7 @@ async def test_through_the_pool_the_decode_node_pulls_the_pages_by_lookup(cluste
         await prefill.handoff_open(handoff, None)
         assert await prefill.put(tokens, kv) == len(tokens)
         assert await prefill.handoff_complete(handoff, tokens) == len(tokens)  # stored at a, found by lookup
-        hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)  # shorter than a fill's own margins
         assert hit.num_tokens == len(tokens) and {r.node for r in hit.runs} == {"c"}
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens)
