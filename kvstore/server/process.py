@@ -157,8 +157,8 @@ class Server:
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
-        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server,
-                                       DirectoryService(self.core, config, self.tenancy, self.cluster))
+        directory_service = DirectoryService(self.core, config, self.tenancy, self.cluster)
+        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
         guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams,
                               self.metrics, request_limits(config))
         # The arena socket hands each tenant its arena (tenant arenas) and, with hbm, its device pool.
@@ -174,7 +174,7 @@ class Server:
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
         # Handoffs (issue 36): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
-        self.handoffs = data_service.handoffs = HandoffMarkers(self.core)
+        self.handoffs = data_service.handoffs = directory_service.handoffs = HandoffMarkers(self.core)
         handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.cluster)
         guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
                                generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),
