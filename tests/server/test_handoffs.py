@@ -4,6 +4,7 @@ markers is bounded per tenant; a wait for an id nobody completed ends at its dea
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -106,3 +107,18 @@ async def test_a_lease_of_the_handed_pages_takes_them_over(server, ns, layout) -
         assert lease.num_pages == hit.num_pages and await _leases(client) == 1 and len(server.handoffs) == 0
         await client._call(client.runtime.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
         assert await _leases(client) == 0
+
+
+async def test_waits_take_stream_slots_so_unary_calls_keep_their_threads(server_factory, ns, layout) -> None:
+    """A wait holds its thread to its deadline: it counts as a stream (``--max-streams``), a tenant
+    holding at most half of them; past that RESOURCE_EXHAUSTED, and a lookup is answered meanwhile."""
+    server = server_factory(max_streams=2, max_subscribers=1, workers=2)
+    tokens = _tokens(6, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        first = asyncio.ensure_future(client.handoff_wait(new_handoff_id(), tokens, deadline_s=1.5))
+        await asyncio.sleep(0.3)
+        with pytest.raises(LimitExceeded, match="handoff waits"):
+            await client.handoff_wait(new_handoff_id(), tokens, deadline_s=1.0)
+        assert (await asyncio.wait_for(client.lookup(tokens), 0.5)).num_tokens == 0
+        assert (await first).num_tokens == 0
+        assert server.streams.num_open == 0 and len(server.handoffs) == 0

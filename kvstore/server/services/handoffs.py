@@ -2,6 +2,10 @@
 node's completion markers (server/handoff_markers.py) and the prefill node's pushes
 (server/cluster/handoff_push.py). Each handler validates everything before it changes anything.
 
+A Wait holds its thread until its deadline, as a stream does: it takes a slot of the StreamGate
+(so unary calls keep their ``workers`` threads however many decode requests wait), and a tenant
+holds at most half of them (RESOURCE_EXHAUSTED beyond, for that caller only).
+
 Which node plays which part: Open and Complete go to the prefill node, Wait to the decode node,
 Push from the prefill node to the decode node (the node right). Without a cluster, or when the
 decode node is the prefill node itself, Complete marks the handoff complete here.
@@ -9,6 +13,10 @@ decode node is the prefill node itself, Complete marks the handoff complete here
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import grpc
@@ -16,7 +24,7 @@ import grpc
 from kvstore import validate
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, PermissionDenied
+from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
@@ -24,6 +32,7 @@ from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
+from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import Tenancy
 
 if TYPE_CHECKING:
@@ -56,9 +65,12 @@ def ttl_ms(value: int) -> int:
 
 
 class HandoffService(handoff_pb2_grpc.HandoffServicer):
-    def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy, markers: HandoffMarkers,
+    def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy, markers: HandoffMarkers, gate: StreamGate,
                  cluster: ClusterRuntime | None = None) -> None:
         self.core = core
+        self.gate = gate
+        self._waiting: Counter[str] = Counter()  # waits in progress per tenant
+        self._waiting_lock = threading.Lock()
         self.config = config
         self.tenancy = tenancy
         self.markers = markers
@@ -127,11 +139,31 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         self.tenancy.may_read(who, ns)  # PermissionDenied without the read right
         left = context.time_remaining()
         deadline = min(request.deadline_ms / 1000, (left if left is not None else MAX_TTL_S) - _MARGIN_S)
-        marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
-        reads = self.cluster_reads
-        pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _FILL_MARGINS_S)) if reads is not None else None
-        n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns))
+        with self._waiting_slot(who.tenant, context):
+            marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
+            reads = self.cluster_reads
+            pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _FILL_MARGINS_S)) if reads is not None else None
+            n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns))
         return handoff_pb2.WaitHandoffResponse(num_pages=n, generation=marker.generation)
+
+    @contextmanager
+    def _waiting_slot(self, tenant: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """A stream slot for the wait (busy: the idle watchdog leaves it to its own deadline), within the tenant's half."""
+        with self._waiting_lock:
+            if self._waiting[tenant] >= max(1, self.gate.max_streams // 2):
+                raise LimitExceeded(f"tenant {tenant!r} has {self._waiting[tenant]} handoff waits in progress at node "
+                                    f"{self.core.node}; retry later")
+            slot = self.gate.open("Handoff.Wait", context)
+            self._waiting[tenant] += 1
+        slot.touch(busy=True)
+        try:
+            yield
+        finally:
+            self.gate.close(slot)
+            with self._waiting_lock:
+                self._waiting[tenant] -= 1
+                if not self._waiting[tenant]:
+                    del self._waiting[tenant]
 
     @unary
     def Push(self, request: handoff_pb2.PushHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.PushHandoffResponse:
