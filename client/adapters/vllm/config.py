@@ -51,6 +51,11 @@ class ConnectorConfig:
     * ``load_when_faster``: load a hit only when fetching it is measured to cost less than
       recomputing it (the connector's cost model: its loads' and the engine's steps' times);
       False loads every hit.
+    * ``handoff_deadline_s``: disaggregated prefill (pd.py): how long a decode instance waits
+      for a handoff's completion marker before it recomputes the prompt (a request's
+      ``kv_transfer_params`` may set ``kvstore_deadline_s``). ``handoff_ttl_s``: how long the
+      store keeps a handoff a prefill opened; also the most a prefill holds a request's
+      blocks waiting for the handoff's completion to be answered.
     """
 
     address: str
@@ -65,6 +70,8 @@ class ConnectorConfig:
     use_call_socket: bool = True
     retry_s: float = 1.0
     load_when_faster: bool = True
+    handoff_deadline_s: float = 10.0
+    handoff_ttl_s: float = 30.0
     credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:
@@ -72,7 +79,7 @@ class ConnectorConfig:
             raise ConfigError(f'kv_connector_extra_config needs "address" (or set {ADDRESS_ENV})')
         if self.page_tokens is not None and (not isinstance(self.page_tokens, int) or self.page_tokens <= 0):
             raise ConfigError(f'kv_connector_extra_config "page_tokens" must be a positive integer, got {self.page_tokens!r}')
-        for name in ("lookup_timeout_s", "retry_s"):
+        for name in ("lookup_timeout_s", "retry_s", "handoff_deadline_s", "handoff_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f'kv_connector_extra_config "{name}" must be > 0')
         if self.load_deadline_s is not None and self.load_deadline_s <= 0:

@@ -39,6 +39,8 @@ from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.hybrid_states import state_namespace
 from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerSide
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata
+from kvstore.client.adapters.vllm.pd import HandoffScheduler
+from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
@@ -94,6 +96,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.hybrid = groups.hybrid
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | HybridWorkerSide | None = None
+        self.handoffs: HandoffScheduler | None = None  # disaggregated prefill (pd.py); single-group engines
+        self.handoff_worker: HandoffWorker | None = None
         if role == KVConnectorRole.SCHEDULER and self.hybrid:
             self.scheduler = HybridSchedulerSide(self.store, groups, self.config.lookup_timeout_s, self._block_tables,
                                                  self.config.load_when_faster, self.states)
@@ -103,9 +107,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                            [g.index for g in groups.state_groups for _ in g.layer_names])
         elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
+            self.handoffs = HandoffScheduler(self.scheduler, self.config.handoff_deadline_s, self.config.handoff_ttl_s)
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
+            self.handoff_worker = HandoffWorker(self.store, spec.block_size, self.config.lookup_timeout_s,
+                                                self.config.handoff_ttl_s)
         logger.info("kvstore connector (%s) for %s at %s, %d-token pages", role.name, namespace.model, self.config.address,
                     namespace.layout.page_tokens)  # the namespace id (salted for a tenant) is logged at connect
 
@@ -125,10 +132,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register(kv_caches)
+        if self.handoff_worker is not None:
+            self.handoff_worker.register([kv_caches[name] for name in self._worker().layer_names])
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVStoreConnectorMetadata)
+        if self.handoff_worker is not None:
+            self.handoff_worker.begin_step(connector_metadata)  # handoffs open before the saves start
         self._worker().begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -146,7 +157,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker().finished(finished_req_ids) or None, None
+        saved = self._worker().finished(finished_req_ids)
+        if self.handoff_worker is None:
+            return saved or None, None
+        sending, recving = self.handoff_worker.finished(saved)
+        return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """A hybrid engine's loads end in the step that starts them: landed, or failed
@@ -158,10 +173,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker().load_errors()
+        errors = self._worker().load_errors()
+        return errors | self.handoff_worker.load_errors() if self.handoff_worker is not None else errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker().report()
+        report = self._worker().report()
+        short = self.handoff_worker.take_short() if self.handoff_worker is not None else {}
+        if short:  # a decode's receive came short: its saves start where its pages end
+            report = report if isinstance(report, KVStoreWorkerMetadata) else KVStoreWorkerMetadata()
+            report.stored_pages.update(short)
+        return report
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVStoreConnectorMetadata) and kv_connector_metadata.preempted:
@@ -170,6 +191,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.handoff_worker is not None:
+            self.handoff_worker.shutdown()
         self.store.close()
         if self.states is not None:
             self.states.close()
@@ -186,6 +209,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._kv_cache_manager.get_block_ids(req_id)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        handed = self.handoffs.matched(request, num_computed_tokens) if self.handoffs is not None else None
+        if handed is not None:
+            return handed  # a decode's handoff: loaded asynchronously (pd.py)
         found = self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
         return found, self.hybrid and found > 0  # a hybrid engine's hit is loaded before the request computes
 
@@ -193,23 +219,30 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = self._scheduler()
         if isinstance(scheduler, HybridSchedulerSide):
             scheduler.after_alloc(request, num_external_tokens, blocks)
+        elif self.handoffs is not None and self.handoffs.after_alloc(request, blocks, num_external_tokens):
+            return
         else:
             scheduler.after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler().build_meta(scheduler_output)
+        meta = self._scheduler().build_meta(scheduler_output)
+        return self.handoffs.add_to(meta) if self.handoffs is not None else meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler().finished(request), None
+        saving = self._scheduler().finished(request)
+        return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM calls this instead of ``request_finished`` for a connector that supports
         its hybrid KV cache manager, whatever the number of groups."""
-        return self._scheduler().finished(request), None
+        saving = self._scheduler().finished(request)
+        return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))
+        if self.handoffs is not None:
+            self.handoffs.sent(set(connector_output.finished_sending or ()))
         report = connector_output.kv_connector_worker_meta
         self._scheduler().saves_short(report if isinstance(report, KVStoreWorkerMetadata) else None)
         self._scheduler().measured(report if isinstance(report, KVStoreWorkerMetadata) else None)
@@ -218,4 +251,4 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             scheduler.loads_failed(set(connector_output.failed_recving))
 
     def has_pending_block_frees(self) -> bool:
-        return self._scheduler().holds_blocks
+        return self._scheduler().holds_blocks or (self.handoffs is not None and self.handoffs.holds_blocks)

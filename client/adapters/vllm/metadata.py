@@ -75,6 +75,47 @@ class GroupSave:
     generation: int = 0  # of the pages' namespace at the request's lookup: part of the states' key
 
 
+@dataclass(frozen=True)
+class HandoffOpen:
+    """Prefill side (pd.py): open handoff ``handoff_id`` before the request's saves start,
+    so that the pages of ``tokens`` (the prompt's full pages) are pushed to ``to_node`` (a
+    kvstore node id; None: through the pool) as they are published."""
+
+    req_id: str
+    handoff_id: str
+    to_node: str | None
+    ttl_s: float
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class HandoffComplete:
+    """Prefill side: once the request's saves ended, mark the handoff complete for the
+    full pages of ``tokens`` (the prompt's computed pages), then report it finished sending."""
+
+    req_id: str
+    handoff_id: str
+    to_node: str | None
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class HandoffLoad:
+    """Decode side: wait (at most ``deadline_s``) for handoff ``handoff_id``'s completion
+    marker for the pages of ``tokens`` (the prompt up to the hit), then load pages
+    ``[first_page, first_page + num_pages)`` of them into the request's blocks in the
+    background; vLLM holds the request until it is reported finished receiving (pages that
+    did not come: failed blocks, recomputed)."""
+
+    req_id: str
+    handoff_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    first_page: int
+    num_pages: int
+    deadline_s: float
+
+
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
@@ -83,6 +124,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     group_loads: list[GroupLoad] = field(default_factory=list)  # hybrid engines only, as group_saves
     group_saves: list[GroupSave] = field(default_factory=list)
     num_scheduled_tokens: int = 0  # of the step: what a forward pass without loads is timed against
+    handoff_opens: list[HandoffOpen] = field(default_factory=list)  # disaggregated prefill (pd.py)
+    handoff_completes: list[HandoffComplete] = field(default_factory=list)
+    handoff_loads: list[HandoffLoad] = field(default_factory=list)
 
 
 @dataclass

@@ -70,6 +70,15 @@ class SchedulerSide:
                 state.hit_tokens = min(state.hit_tokens, num_computed_tokens)  # recomputed (a lease goes back at alloc)
         return max(0, state.hit_tokens - num_computed_tokens)
 
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self._requests
+
+    def adopt(self, state: RequestState) -> None:
+        """Tracks a request whose KV comes another way (a decode's handoff, pd.py): it saves
+        from page ``state.stored_pages`` on, and loads nothing itself."""
+        self._requests[state.request.request_id] = state
+
     def _lookup(self, request: Any) -> RequestState:
         tokens = list(request.prompt_token_ids or ())
         stored, lease = 0, None

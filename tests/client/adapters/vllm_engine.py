@@ -6,7 +6,10 @@ original stdout; vLLM's own output is moved to stderr.
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b, "ignore_eos": b}
 -> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"} once the connector's
 saves of the generation have ended (so that the next command finds what it stored);
-{"cmd": "stats"} -> the worker connector's counters; {"cmd": "load_stats"} -> the scheduler
+"kv_transfer_params": [params or null per prompt] (disaggregated prefill: each output then
+carries its own; "drain": true steps the engine until the connector gives every held block
+back, as vllm serve's busy loop does, so that a prefill's handoff completes);
+{"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
 cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
 {"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "exit"}.
@@ -51,12 +54,19 @@ def main() -> None:
         if cmd["cmd"] == "exit":
             break
         if cmd["cmd"] == "generate":
-            params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=0,
-                                    ignore_eos=cmd.get("ignore_eos", False),
-                                    skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None)
+            transfers = cmd.get("kv_transfer_params") or [None] * len(cmd["prompts"])
+            params = [SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=0,
+                                     ignore_eos=cmd.get("ignore_eos", False),
+                                     skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None,
+                                     extra_args={"kv_transfer_params": t} if t else None) for t in transfers]
             start = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
             seconds = time.perf_counter() - start
+            if cmd.get("drain"):
+                scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+                deadline = time.monotonic() + 60
+                while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
+                    llm.llm_engine.step()
             if transfer is not None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -65,11 +75,16 @@ def main() -> None:
                 "tokens": list(o.outputs[0].token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                 "num_cached_tokens": o.num_cached_tokens,
+                "kv_transfer_params": o.kv_transfer_params,
             } for o in outs]}
         elif cmd["cmd"] == "stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             reply = dataclasses.asdict(get_kv_transfer_group().worker.stats)
+        elif cmd["cmd"] == "pd_stats":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            reply = dataclasses.asdict(get_kv_transfer_group().handoff_worker.stats)
         elif cmd["cmd"] == "load_stats":  # the scheduler's connector (in this process: no engine-core process)
             policy = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.policy
             reply = dataclasses.asdict(policy.stats) | {"fetch": dataclasses.asdict(policy.costs.fetch.line()),

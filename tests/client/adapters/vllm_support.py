@@ -95,9 +95,10 @@ class EngineProcess:
         return self._read()
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8, skip_prefix_cache: bool = False,
-                 ignore_eos: bool = False) -> list[dict[str, Any]]:
+                 ignore_eos: bool = False, kv_transfer_params: list[dict[str, Any] | None] | None = None,
+                 drain: bool = False) -> list[dict[str, Any]]:
         return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, skip_prefix_cache=skip_prefix_cache,
-                         ignore_eos=ignore_eos)["outputs"]
+                         ignore_eos=ignore_eos, kv_transfer_params=kv_transfer_params, drain=drain)["outputs"]
 
     def stats(self) -> dict[str, int]:
         return self.call(cmd="stats")

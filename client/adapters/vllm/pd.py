@@ -1,0 +1,162 @@
+"""Disaggregated prefill, scheduler side: a prefill instance hands a prompt's KV to a
+decode instance through kvstore, as vLLM's own PD connectors (NixlConnector, Mooncake) do
+it, with the roles chosen per request by ``kv_transfer_params`` (both instances run
+``kv_role: kv_both``; kvstore-pd-proxy sets the parameters)::
+
+    proxy --> prefill vLLM {"do_remote_decode": true, "kvstore_decode_node": "n2"}
+              lookup, loads and saves as any request; when it is first scheduled the
+              workers open a handoff (its pages are pushed to node n2 as they publish)
+              request_finished --> (True, {"do_remote_prefill": true,
+                  "kvstore_handoff_id", "kvstore_prefill_node", "kvstore_num_tokens", ...})
+              the workers complete the handoff once the saves ended, then report the
+              request finished sending: only then are its blocks freed
+    proxy --> decode vLLM with those parameters
+              get_num_new_matched_tokens --> (the handed-off tokens, load_async=True)
+              the workers wait for the handoff's completion marker (its deadline), load
+              in the background, report it finished receiving; pages that did not come
+              are failed blocks, which vLLM recomputes (kv_load_failure_policy recompute)
+
+The decode side offers the handed-off prefix without a lookup (the pages may still be on
+their way) and stops short of the prompt's last token, so that the engine has logits to
+sample; it then saves only the pages past the handed-off ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
+from kvstore.client.handoff import new_handoff_id
+
+logger = logging.getLogger(__name__)
+
+FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
+
+
+@dataclass
+class Prefill:
+    handoff_id: str
+    to_node: str | None
+    opened: bool = False
+
+
+@dataclass
+class Decode:
+    handoff_id: str
+    handed_tokens: int  # the prompt's leading tokens the prefill handed off (whole pages)
+    hit_tokens: int  # of those, what is offered: block-aligned, short of the prompt's last token
+    deadline_s: float
+    consumed: bool = False  # its load was planned (or it needs none): never offered again
+
+
+class HandoffScheduler:
+    """The scheduler side's handoffs; wraps the single-group ``SchedulerSide`` (hybrid
+    engines serve no handoffs). ``deadline_s``: how long a decode waits for a marker unless
+    the request's ``kvstore_deadline_s`` says otherwise; ``ttl_s``: how long an open handoff
+    lives at the store unless completed and consumed."""
+
+    def __init__(self, scheduler: SchedulerSide, deadline_s: float, ttl_s: float) -> None:
+        self.scheduler = scheduler
+        self.page_tokens = scheduler.page_tokens
+        self.block_size = scheduler.block_size
+        self.deadline_s = deadline_s
+        self.ttl_s = ttl_s
+        self._prefills: dict[str, Prefill] = {}
+        self._decodes: dict[str, Decode] = {}
+        self._held: set[str] = set()  # prefill requests whose blocks wait for their handoff to complete
+        self._opens: list[HandoffOpen] = []
+        self._completes: list[HandoffComplete] = []
+        self._loads: list[HandoffLoad] = []
+
+    # -- both roles ----------------------------------------------------------------------
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """The answer to ``get_num_new_matched_tokens`` for a decode side's request: the
+        handed-off tokens past ``num_computed_tokens``, loaded asynchronously; None for a
+        request without a handoff to receive (a prefill's goes on as any request)."""
+        params = request.kv_transfer_params or {}
+        req_id = request.request_id
+        if params.get("do_remote_decode") and req_id not in self._prefills:
+            self._prefills[req_id] = Prefill(new_handoff_id(), params.get("kvstore_decode_node") or None)
+        decode = self._decodes.get(req_id)
+        if decode is None and params.get("do_remote_prefill") and params.get("kvstore_handoff_id"):
+            decode = self._decodes[req_id] = self._decode(request, params)
+        if decode is None:
+            return None
+        found = 0 if decode.consumed else max(0, decode.hit_tokens - num_computed_tokens)
+        return found, found > 0
+
+    def _decode(self, request: Any, params: dict[str, Any]) -> Decode:
+        prompt = len(request.prompt_token_ids or ())
+        p = self.page_tokens
+        handed = min(int(params.get("kvstore_num_tokens") or 0), prompt) // p * p
+        hit = min(handed, prompt - 1)
+        hit -= hit % self.block_size
+        deadline = float(params.get("kvstore_deadline_s") or self.deadline_s)
+        return Decode(str(params["kvstore_handoff_id"]), handed, hit, deadline)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> bool:
+        """Plans a decode's load or opens a prefill's handoff; True when the request is a
+        decode's (the single-group side must not plan a load of its own for it)."""
+        req_id = request.request_id
+        prefill = self._prefills.get(req_id)
+        if prefill is not None and not prefill.opened:
+            prefill.opened = True
+            prompt = list(request.prompt_token_ids or ())
+            self._opens.append(HandoffOpen(req_id, prefill.handoff_id, prefill.to_node, self.ttl_s,
+                                           prompt[: len(prompt) // self.page_tokens * self.page_tokens]))
+        decode = self._decodes.get(req_id)
+        if decode is None:
+            return False
+        if num_external_tokens > 0 and not decode.consumed:
+            p = self.page_tokens
+            first = (decode.hit_tokens - num_external_tokens) // p
+            tokens = list(request.prompt_token_ids[: decode.hit_tokens])
+            self._loads.append(HandoffLoad(req_id, decode.handoff_id, tokens, list(blocks.get_block_ids()[0]), first,
+                                           decode.hit_tokens // p - first, decode.deadline_s))
+            # its pages are at the store: the request saves from its next page on
+            self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids), decode.hit_tokens // p,
+                                              decode.hit_tokens))
+        elif req_id not in self.scheduler.requests:  # vLLM's own cache covers it: saves as any request
+            self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0))
+        decode.consumed = True
+        if request.kv_transfer_params:
+            request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request, as vLLM's connectors
+        return True
+
+    def add_to(self, meta: KVStoreConnectorMetadata) -> KVStoreConnectorMetadata:
+        meta.handoff_opens, self._opens = self._opens, []
+        meta.handoff_completes, self._completes = self._completes, []
+        meta.handoff_loads, self._loads = self._loads, []
+        return meta
+
+    def finished(self, request: Any, saving: bool) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: a prefill that ran to its end keeps its blocks until its
+        handoff is complete (the workers then report it finished sending) and returns what
+        the decode side needs; ``saving``: the single-group side holds them for its saves."""
+        req_id = request.request_id
+        self._decodes.pop(req_id, None)
+        prefill = self._prefills.pop(req_id, None)
+        if prefill is None or not prefill.opened or getattr(request.status, "name", "") not in FINISHED_NORMALLY:
+            return saving, None  # aborted, or never scheduled: an open handoff expires after its TTL
+        p = self.page_tokens
+        prompt = list(request.prompt_token_ids or ())
+        handed = min(request.num_computed_tokens, len(prompt)) // p * p
+        self._completes.append(HandoffComplete(req_id, prefill.handoff_id, prefill.to_node, prompt[:handed]))
+        self._held.add(req_id)
+        client = self.scheduler.store.client()
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False, "kvstore_handoff_id": prefill.handoff_id,
+            "kvstore_prefill_node": client.node if client is not None else "",
+            "kvstore_decode_node": prefill.to_node, "kvstore_num_tokens": handed,
+        }
+
+    def sent(self, req_ids: set[str]) -> None:
+        self._held -= req_ids
+
+    @property
+    def holds_blocks(self) -> bool:
+        return bool(self._held)

@@ -1,0 +1,261 @@
+"""Disaggregated prefill, worker side (pd.py is the scheduler side).
+
+Prefill instance, per handed-off request::
+
+    first step  --> handoff_open (before the step's saves start: the store pushes each page
+                    to the decode node as it is published)
+    saves       --> layer by layer, as any request's (worker.py)
+    finished    --> once worker.py reports the saves ended: handoff_complete in the
+                    background; when it answered (or failed: the decode side recomputes),
+                    the request is reported finished sending and vLLM frees its blocks
+
+Decode instance, per handed-off request (vLLM holds it in WAITING_FOR_REMOTE_KVS)::
+
+    load planned --> in the background: handoff_wait (the completion marker, bounded by
+                     the request's deadline), then a get of the handed-off pages into a
+                     staging tensor of this worker's
+    each step    --> a receive that ended (or ran past its deadline and a grace) is
+                     copied from staging into the request's blocks here, on vLLM's thread,
+                     and reported finished receiving; the blocks of pages that did not
+                     come are reported failed in the same step, and vLLM recomputes them
+
+Nothing is ever written into vLLM's blocks by a background task, so a receive given up on
+can finish late without harm.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, KVStoreConnectorMetadata
+from kvstore.client.client import Hit, KVStoreClient
+from kvstore.errors import KVStoreError
+
+logger = logging.getLogger(__name__)
+
+GRACE_S = 5.0  # past its deadline, how long a receive's get may still run before it is given up on
+
+
+@dataclass
+class HandoffStats:
+    """Counters tests and logs read (never reset)."""
+
+    opened: int = 0
+    open_failed: int = 0
+    completed: int = 0
+    completed_tokens: int = 0  # handed off, as handoff_complete answered
+    complete_failed: int = 0
+    received: int = 0  # receives whose every page arrived
+    received_tokens: int = 0
+    receive_failed: int = 0  # receives with pages missing: vLLM recomputed them
+    failed_blocks: int = 0
+
+
+@dataclass
+class Completing:
+    spec: HandoffComplete
+    job: Any = None  # the runtime's Job of handoff_complete, once started
+    give_up_at: float = 0.0
+
+
+@dataclass
+class Receiving:
+    spec: HandoffLoad
+    staging: torch.Tensor
+    job: Any  # the runtime's Job of the receive (None: it could not start)
+    give_up_at: float
+
+
+@dataclass
+class HandoffWorker:
+    """``blocks``: vLLM's KV per layer as ``[blocks, 2, block, heads, dim]`` (as worker.py
+    views it, from ``register``); ``open_timeout_s``: the most a step waits for a handoff to
+    open before its saves start; ``complete_timeout_s``: for a completion's answer."""
+
+    store: StoreConnection
+    block_size: int
+    open_timeout_s: float
+    complete_timeout_s: float
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    all_layers: torch.Tensor | None = None
+    stats: HandoffStats = field(default_factory=HandoffStats)
+
+    def __post_init__(self) -> None:
+        self.layout = self.store.namespace.layout
+        self._handed: set[str] = set()  # prefill requests with an open handoff
+        self._saving: set[str] = set()  # of those, with saves the single-group worker has not reported ended
+        self._completing: dict[str, Completing] = {}
+        self._receiving: list[Receiving] = []
+        self._failed_blocks: set[int] = set()
+        self._short: dict[str, int] = {}  # decode req id -> leading pages in its blocks, after a short receive
+
+    def register(self, kv_caches: list[torch.Tensor]) -> None:
+        """vLLM's KV of every layer, in page order (views of it, as worker.py takes them)."""
+        self.blocks, self.all_layers = block_views(kv_caches, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+
+    # -- each step -----------------------------------------------------------------------
+
+    def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
+        """Opens this step's handoffs (before worker.py starts the saves), and starts its
+        receives."""
+        client = self.store.client()
+        for spec in meta.handoff_opens:
+            self._handed.add(spec.req_id)
+            if client is None:
+                self.stats.open_failed += 1
+                continue
+            try:
+                self.store.run(client, client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens),
+                               self.open_timeout_s)
+                self.stats.opened += 1
+            except (KVStoreError, TimeoutError) as exc:  # its pages still go through the pool: complete pushes them
+                self.stats.open_failed += 1
+                logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
+        self._saving |= {spec.req_id for spec in meta.saves} & self._handed
+        for done in meta.handoff_completes:
+            self._completing[done.req_id] = Completing(done)
+        for load in meta.handoff_loads:
+            self._receiving.append(self._receive(client, load))
+
+    def _receive(self, client: KVStoreClient | None, spec: HandoffLoad) -> Receiving:
+        lay = self.layout
+        pages = spec.first_page + spec.num_pages  # all of them: the marker keeps every page a wait returned until it is read
+        staging = torch.empty((lay.num_layers, lay.kv_factor, pages * lay.page_tokens, lay.num_kv_heads, lay.head_dim),
+                              dtype=lay.torch_dtype())
+        give_up_at = time.monotonic() + spec.deadline_s + GRACE_S
+        job = None if client is None else client.runtime.submit(self._fetch(client, spec, staging))
+        return Receiving(spec, staging, job, give_up_at)
+
+    async def _fetch(self, client: KVStoreClient, spec: HandoffLoad, staging: torch.Tensor) -> int:
+        """Waits for the handoff's marker, then gets every page it answered into ``staging``
+        (also those vLLM's own cache holds: the marker keeps what it answered until read);
+        returns how many leading pages of the load are there."""
+        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.deadline_s)
+        n = min(hit.num_pages, spec.first_page + spec.num_pages)
+        if n <= 0:
+            return 0
+        p = self.layout.page_tokens
+        try:
+            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), staging)
+        except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
+            n = int(getattr(exc, "num_tokens", 0)) // p
+        return max(0, n - spec.first_page)
+
+    # -- after the step ------------------------------------------------------------------
+
+    def finished(self, saved: set[str]) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) of this step. ``saved``: what worker.py
+        reported finished (its saves ended); a handed-off request among them is held back
+        until its handoff is complete."""
+        self._saving -= saved
+        now = time.monotonic()
+        sending = saved - self._completing.keys()
+        for req_id, done in list(self._completing.items()):
+            if done.job is None and req_id not in self._saving:
+                self._start_complete(done, now)
+            if done.job is not None and (done.job.result.done() or now > done.give_up_at):
+                self._ended_complete(done)
+                del self._completing[req_id]
+                self._handed.discard(req_id)
+                sending.add(req_id)
+        return sending, self._settle_receives(now)
+
+    def _start_complete(self, done: Completing, now: float) -> None:
+        spec, client = done.spec, self.store.client()
+        done.give_up_at = now + self.complete_timeout_s
+        if client is None:
+            done.job = _Failed()
+            return
+        done.job = client.runtime.submit(client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node))
+
+    def _ended_complete(self, done: Completing) -> None:
+        spec, result = done.spec, done.job.result
+        if not result.done():
+            done.job.cancel()
+            self.stats.complete_failed += 1
+            logger.warning("kvstore handoff %s of request %s: no completion within %.1f s; the decode side recomputes",
+                           spec.handoff_id, spec.req_id, self.complete_timeout_s)
+        elif result.exception() is not None:
+            self.stats.complete_failed += 1
+            logger.warning("kvstore handoff %s of request %s not completed: %s; the decode side recomputes",
+                           spec.handoff_id, spec.req_id, result.exception())
+        else:
+            self.stats.completed += 1
+            self.stats.completed_tokens += int(result.result())
+
+    def _settle_receives(self, now: float) -> set[str]:
+        recving: set[str] = set()
+        still = []
+        for rec in self._receiving:
+            if rec.job is not None and not rec.job.result.done() and now <= rec.give_up_at:
+                still.append(rec)
+                continue
+            self._land(rec)
+            recving.add(rec.spec.req_id)
+        self._receiving = still
+        return recving
+
+    def _land(self, rec: Receiving) -> None:
+        """Copies a receive's pages into the request's blocks; the rest are failed blocks."""
+        spec, p = rec.spec, self.layout.page_tokens
+        valid, reason = 0, "the store could not be reached"
+        if rec.job is not None and not rec.job.result.done():
+            rec.job.cancel()  # it writes only into its staging tensor
+            reason = f"no marker or pages within {spec.deadline_s:.1f} s (+{GRACE_S:.0f} s)"
+        elif rec.job is not None and rec.job.result.exception() is not None:
+            reason = str(rec.job.result.exception())
+        elif rec.job is not None:
+            valid, reason = int(rec.job.result.result()), "the handoff held fewer pages (missing, foreign or expired)"
+        kv = RequestKV(self.blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout, all_layers=self.all_layers)
+        for i in range(valid):
+            kv.write_page(i, rec.staging[:, :, (spec.first_page + i) * p : (spec.first_page + i + 1) * p])
+        if valid == spec.num_pages:
+            self.stats.received += 1
+            self.stats.received_tokens += valid * p
+            return
+        first_token, end_token = (spec.first_page + valid) * p, (spec.first_page + spec.num_pages) * p
+        blocks = spec.block_ids[first_token // self.block_size : -(-end_token // self.block_size)]
+        self._failed_blocks.update(blocks)
+        self._short[spec.req_id] = spec.first_page + valid
+        self.stats.receive_failed += 1
+        self.stats.failed_blocks += len(blocks)
+        logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); vLLM recomputes %d blocks",
+                       spec.handoff_id, spec.req_id, valid, spec.num_pages, reason, len(blocks))
+
+    def load_errors(self) -> set[int]:
+        errors, self._failed_blocks = self._failed_blocks, set()
+        return errors
+
+    def take_short(self) -> dict[str, int]:
+        """Decode requests whose receive came short, with the leading pages they hold: their
+        saves start there (the scheduler side had counted the whole handoff as stored)."""
+        short, self._short = self._short, {}
+        return short
+
+    def shutdown(self) -> None:
+        for rec in self._receiving:
+            if rec.job is not None:
+                rec.job.cancel()
+        for done in self._completing.values():
+            if done.job is not None and not isinstance(done.job, _Failed):
+                done.job.cancel()
+
+
+class _Failed:
+    """A completion that could not start (no store): ended, failed."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self.result: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.result.set_exception(KVStoreError("the store could not be reached"))
+
+    def cancel(self) -> None:
+        """Nothing runs."""

