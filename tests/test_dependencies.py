@@ -90,7 +90,7 @@ def test_every_import_of_the_product_is_declared() -> None:
 
 
 @pytest.mark.parametrize(("module", "extras"), [("kvstore.cli.server", [""]), ("kvstore.cli.ctl", [""]),
-                                                ("kvstore.bench.main", ["", "bench"])])
+                                                ("kvstore.cli.pd_proxy", [""]), ("kvstore.bench.main", ["", "bench"])])
 def test_commands_start_with_only_their_declared_extras(module: str, extras: list[str]) -> None:
     declared = _declared()
     allowed = ",".join(sorted(_with_requirements(set().union(*(declared[e] for e in extras)))))

@@ -1,0 +1,223 @@
+"""kvstore-pd-proxy: an OpenAI-compatible front for disaggregated prefill with kvstore.
+
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes to a prefill ``vllm serve``
+first, as a one-token request whose ``kv_transfer_params`` ask for a remote decode on a
+kvstore node (``kvstore_decode_node``); the prefill's answer carries the handoff's
+``kv_transfer_params`` (client/adapters/vllm/pd.py), and the original request goes with
+them to a decode ``vllm serve``, whose answer (streamed or not) is the client's. A prefill
+that fails or returns no parameters leaves the decode instance to compute the prompt itself.
+Several prefill and decode instances are taken in turn.
+
+Standard library only: one thread per connection (``ThreadingHTTPServer``), ``http.client``
+towards the instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("/v1/completions", "/v1/chat/completions")
+FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A ``vllm serve`` instance; ``node``: the kvstore node beside it (decode instances)."""
+
+    url: str
+    node: str = ""
+
+    def connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        parts = urlsplit(self.url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        return cls(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
+
+
+@dataclass
+class ProxyConfig:
+    prefills: list[Backend]
+    decodes: list[Backend]
+    timeout_s: float = 600.0
+    deadline_s: float | None = None  # the decode's wait for a handoff (kvstore_deadline_s); None: the connector's
+    _turns: Any = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prefills or not self.decodes:
+            raise ValueError("give at least one --prefill and one --decode")
+        self._turns = (itertools.cycle(self.prefills), itertools.cycle(self.decodes))
+
+    def pick(self) -> tuple[Backend, Backend]:
+        with self._lock:
+            return next(self._turns[0]), next(self._turns[1])
+
+
+def prefill_body(body: dict[str, Any], decode: Backend) -> dict[str, Any]:
+    """The prefill's request: one token, not streamed, asking for a remote decode at ``decode``'s node."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                 "kvstore_decode_node": decode.node or None}
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None, deadline_s: float | None) -> dict[str, Any]:
+    """The original request, with the prefill's handoff (none: the decode computes the prompt)."""
+    out = dict(body)
+    out.pop("kv_transfer_params", None)
+    if params:
+        out["kv_transfer_params"] = dict(params, **({"kvstore_deadline_s": deadline_s} if deadline_s else {}))
+    return out
+
+
+class ProxyHandler(BaseHTTPRequestHandler):
+    server: ProxyServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.info("%s " + format, self.address_string(), *args)
+
+    def _headers(self) -> dict[str, str]:
+        return {k: v for k, v in self.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._reply(200, b'{"status": "ok"}')
+            return
+        _, decode = self.server.config.pick()  # /v1/models and the like: the decode instance answers
+        self._relay(decode, "GET", self.path, None)
+
+    def do_POST(self) -> None:
+        if self.path not in PATHS:
+            self._reply(404, json.dumps({"error": f"not proxied: {self.path}; use {' or '.join(PATHS)}"}).encode())
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+        except ValueError as exc:
+            self._reply(400, json.dumps({"error": f"the body is not JSON: {exc}"}).encode())
+            return
+        prefill, decode = self.server.config.pick()
+        params = self._prefill(prefill, decode, body)
+        self._relay(decode, "POST", self.path, decode_body(body, params, self.server.config.deadline_s))
+
+    def _prefill(self, prefill: Backend, decode: Backend, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The prefill's kv_transfer_params; None when it failed (the decode then computes the prompt)."""
+        conn = prefill.connect(self.server.config.timeout_s)
+        try:
+            conn.request("POST", self.path, json.dumps(prefill_body(body, decode)).encode(),
+                         {"content-type": "application/json", **self._headers()})
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                logger.warning("prefill %s answered %d: %s; the decode computes the prompt", prefill.url, resp.status,
+                               data[:300])
+                return None
+            params = json.loads(data).get("kv_transfer_params")
+            return params if isinstance(params, dict) else None
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            logger.warning("prefill %s failed: %s; the decode computes the prompt", prefill.url, exc)
+            return None
+        finally:
+            conn.close()
+
+    def _relay(self, backend: Backend, method: str, path: str, body: dict[str, Any] | None) -> None:
+        """Sends the request to ``backend`` and copies its answer back as it comes (chunked)."""
+        conn, started = backend.connect(self.server.config.timeout_s), False
+        try:
+            payload = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, payload, {"content-type": "application/json", **self._headers()})
+            resp = conn.getresponse()
+            self.send_response(resp.status)
+            self.send_header("content-type", resp.getheader("content-type", "application/json"))
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            started = True
+            while chunk := resp.read1(65536):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except (OSError, http.client.HTTPException) as exc:
+            logger.warning("%s %s failed: %s", backend.url, path, exc)
+            self.close_connection = True
+            if not started:  # else the client sees the answer cut short
+                try:
+                    self._reply(502, json.dumps({"error": f"{backend.url}: {exc}"}).encode())
+                except OSError:
+                    pass
+        finally:
+            conn.close()
+
+    def _reply(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], config: ProxyConfig) -> None:
+        super().__init__(address, ProxyHandler)
+        self.config = config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore-pd-proxy", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="OpenAI-compatible proxy for disaggregated prefill over kvstore: prefill on one "
+                                            "vllm serve, decode on another, the KV handed off through kvstore.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, printed at start)")
+    p.add_argument("--prefill", action="append", metavar="URL", help="a prefill vllm serve (repeat for several; taken in turn)")
+    p.add_argument("--decode", action="append", metavar="URL", help="a decode vllm serve (repeat for several; taken in turn)")
+    p.add_argument("--decode-node", action="append", metavar="NODE_ID", default=None,
+                   help="the kvstore node id beside each --decode, in the same order (its kvstore-server's --node-id): "
+                        "the prefill's node pushes the pages there; none: the decode finds them through the pool")
+    p.add_argument("--handoff-deadline-s", type=float, default=None,
+                   help="how long a decode waits for a handoff before it recomputes (default: its connector's handoff_deadline_s)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="the most one request to an instance may take")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    nodes = args.decode_node or []
+    if not args.prefill or not args.decode:
+        print("kvstore-pd-proxy: give at least one --prefill URL and one --decode URL", file=sys.stderr)
+        return 2
+    if nodes and len(nodes) != len(args.decode):
+        print("kvstore-pd-proxy: give one --decode-node per --decode, or none", file=sys.stderr)
+        return 2
+    config = ProxyConfig([Backend(url) for url in args.prefill],
+                         [Backend(url, nodes[i] if nodes else "") for i, url in enumerate(args.decode)],
+                         args.timeout_s, args.handoff_deadline_s)
+    server = ProxyServer((args.host, args.port), config)
+    print(f"kvstore-pd-proxy listening on http://{args.host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
