@@ -172,7 +172,7 @@ class HandoffMarkers:
         400 ms... (a pool handoff's pages are published by the time the decode side asks).
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline)."""
-        end = self.clock() + deadline_s
+        end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
         step = 0.05
         with self._changed:
             marker.waiters += 1
@@ -180,7 +180,7 @@ class HandoffMarkers:
             while True:
                 if self._finished(marker, keys, sees):
                     break
-                left = end - self.clock()
+                left = end - time.monotonic()
                 if left <= 0:
                     break
                 if pull is not None and not marker.pushed:
@@ -190,7 +190,7 @@ class HandoffMarkers:
                     if self._finished(marker, keys, sees):
                         break
                 with self._changed:  # woken by arrivals; re-checked after each
-                    self._changed.wait(min(step, max(0.0, end - self.clock())))
+                    self._changed.wait(min(step, max(0.0, end - time.monotonic())))
                 step = min(2 * step, 0.4)
             return self._hand(marker, keys) if sees() else self._hand(marker, [])
         finally:
