@@ -189,8 +189,10 @@ class HandoffMarkers:
                         self.arrived(marker, keys)
                     if self._finished(marker, keys, sees):
                         break
-                with self._changed:  # woken by arrivals; re-checked after each
-                    self._changed.wait(min(step, max(0.0, end - time.monotonic())))
+                left = max(0.0, end - time.monotonic())
+                with self._changed:  # woken by arrivals (a push, a complete); the pool's pulls only on the step
+                    if not self._finished(marker, keys, sees):  # under the lock: an arrival's notify is not missed
+                        self._changed.wait(left if marker.pushed or pull is None else min(step, left))
                 step = min(2 * step, 0.4)
             return self._hand(marker, keys) if sees() else self._hand(marker, [])
         finally:
