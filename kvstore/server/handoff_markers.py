@@ -164,14 +164,15 @@ class HandoffMarkers:
 
     # -- the decode side ----------------------------------------------------------------
     def wait(self, marker: Marker, keys: list[bytes], deadline_s: float, pull: Callable[[float], object] | None,
-             sees: Callable[[], bool] = lambda: True) -> int:
+             sees: Callable[[], bool] = lambda: True, alive: Callable[[], bool] = lambda: True) -> int:
         """Waits until every page of ``keys`` is held here, the marker is complete, or ``deadline_s``
         passed; returns the leading pages of ``keys`` held here for the caller (0 when the marker
         went: expired, or its namespace invalidated). ``pull(time_left_s)``: fetches ``keys``
         through the pool; called while no prefill node pushes to the marker, at 50, 100, 200,
         400 ms... (a pool handoff's pages are published by the time the decode side asks).
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
-        own and the wait answers as for an unknown id (nothing, at the deadline)."""
+        own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
+        false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short)."""
         end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
         step = 0.05
         with self._changed:
@@ -181,7 +182,7 @@ class HandoffMarkers:
                 if self._finished(marker, keys, sees):
                     break
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or not alive():
                     break
                 if pull is not None and not marker.pushed:
                     pull(left)
@@ -198,6 +199,11 @@ class HandoffMarkers:
         finally:
             with self._changed:
                 marker.waiters -= 1
+
+    def wake(self) -> None:
+        """Wakes every wait to check its caller again (a cancelled call)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def _finished(self, marker: Marker, keys: list[bytes], sees: Callable[[], bool]) -> bool:
         if self._markers.get(marker.key) is not marker:

@@ -122,3 +122,17 @@ async def test_waits_take_stream_slots_so_unary_calls_keep_their_threads(server_
         assert (await asyncio.wait_for(client.lookup(tokens), 0.5)).num_tokens == 0
         assert (await first).num_tokens == 0
         assert server.streams.num_open == 0 and len(server.handoffs) == 0
+
+
+async def test_a_cancelled_wait_gives_its_slot_back_at_once(server, ns, layout) -> None:
+    tokens = _tokens(7, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        waiting = asyncio.ensure_future(client.handoff_wait(new_handoff_id(), tokens, deadline_s=30.0))
+        await asyncio.sleep(0.3)
+        assert server.streams.num_open == 1
+        waiting.cancel()
+        started = time.monotonic()
+        while server.streams.num_open and time.monotonic() - started < 5:
+            await asyncio.sleep(0.05)
+        assert server.streams.num_open == 0 and time.monotonic() - started < 2.0
+        assert len(server.handoffs) == 0

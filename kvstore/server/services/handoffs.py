@@ -143,7 +143,9 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
             marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
             reads = self.cluster_reads
             pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _FILL_MARGINS_S)) if reads is not None else None
-            n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns))
+            context.add_callback(self.markers.wake)  # a cancelled wait ends now, its stream slot given back
+            n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns),
+                                  alive=context.is_active)
         return handoff_pb2.WaitHandoffResponse(num_pages=n, generation=marker.generation)
 
     @contextmanager
