@@ -4,7 +4,9 @@ deadline, exactly as for an id nobody made, although the pages are held at the d
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
@@ -17,6 +19,7 @@ from kvstore._proto import handoff_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
 
 NODE_TOKEN = "cluster-node-token-0123456789ab"
+PAGE_BYTES = LAYOUT.num_layers * 2 * LAYOUT.page_tokens * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2  # float16
 
 
 async def test_another_tenant_or_a_forged_id_gets_nothing(cluster_nodes, tmp_path, monkeypatch) -> None:
@@ -56,3 +59,33 @@ async def test_another_tenant_or_a_forged_id_gets_nothing(cluster_nodes, tmp_pat
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens)
         assert torch.equal(out, kv)
+
+
+async def test_handoff_pages_count_against_the_decode_nodes_quota_of_the_tenant(cluster_nodes, tmp_path, monkeypatch) -> None:
+    """Tenant a may hold 4 pages in c's host tier: of an 8-page handoff, c takes what fits and
+    the handoff says so (complete and wait answer the same shorter prefix); nothing is refused
+    to the prefill node, which holds every page."""
+    from certs import CertAuthority
+
+    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
+    args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
+    auth = json.loads(Path(args["c"][1]).read_text())
+    auth["quotas"] = {"a": {"host_bytes": 4 * PAGE_BYTES}}
+    limited = tmp_path / "auth-c.json"
+    limited.write_text(json.dumps(auth))
+    limited.chmod(0o600)
+    a = cluster_nodes(["a"], "tcp", *args["a"][:2])[0]
+    c = cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
+    tokens = tokens_of(52, 8)
+    kv = random_kv(LAYOUT, len(tokens), seed=52)
+    async with KVStoreClient(a.address, NS, token=A) as prefill, KVStoreClient(c.address, NS, token=A) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", tokens=tokens)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        handed = await prefill.handoff_complete(handoff, tokens)
+        assert 0 < handed <= 4 * LAYOUT.page_tokens, handed
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)
+        assert hit.num_tokens == handed
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == handed
+        assert torch.equal(out[:, :, :handed], kv[:, :, :handed])

@@ -32,8 +32,10 @@ from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import unary
 from kvstore.server.services.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
+from kvstore.server.services.room import room
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
 
 if TYPE_CHECKING:
     from kvstore.server.cluster import ClusterRuntime
@@ -185,12 +187,29 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         held = 0
         try:
             marker = self.markers.open(who.tenant, ns, ident, ttl)
-            held = self.cluster.copy_from(holder, ns, keys, request.page_bytes, context.time_remaining(), on_behalf(who))
-            if request.complete and held < len(keys):  # what the holder could not give: through the pool
-                self.cluster.fill(ns, keys, context.time_remaining(), on_behalf(who))
-                held = self.markers.held(ns, keys)
+            have = self.markers.held(ns, keys)
+            fits, reserved = self._room(who, len(keys) - have, request.page_bytes, context)
+            try:
+                want = keys[: have + fits]
+                held = self.cluster.copy_from(holder, ns, want, request.page_bytes, context.time_remaining(), on_behalf(who))
+                if request.complete and held < len(want):  # what the holder could not give: through the pool
+                    self.cluster.fill(ns, want, context.time_remaining(), on_behalf(who))
+                    held = self.markers.held(ns, want)
+            finally:
+                reserved.release()  # the pages that landed count as the tenant's host bytes now
             self.markers.arrived(marker, keys, pushed=True, complete=keys if request.complete else None)
         finally:
             if claimed:
                 self.tenancy.settle(who, ns, held > 0)
         return handoff_pb2.PushHandoffResponse(num_pages=held)
+
+    def _room(self, who: Identity, lacking: int, page_bytes: int, context: grpc.ServicerContext) -> tuple[int, Reservation]:
+        """How many of the ``lacking`` pages fit in the tenant's host quota here (its own coldest
+        pages written down to make room, as for a put), reserved while they land; halved until
+        they fit, else none. A handoff's bytes count as any page of the tenant's."""
+        while lacking > 0:
+            try:
+                return lacking, room(self.tenancy.quotas, self.core, who, lacking, page_bytes, context)
+            except LimitExceeded:
+                lacking //= 2
+        return 0, NOTHING
