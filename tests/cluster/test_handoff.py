@@ -30,8 +30,10 @@ def host_pages(etcd_url: str, node: str) -> int:
     return next(m["tiers"]["host"]["pages"] for m in ctl_cluster(etcd_url)["members"] if m["node"] == node)
 
 
-async def test_pages_are_pushed_as_they_are_stored_and_read_bit_exact_at_the_decode_node(cluster_nodes, etcd) -> None:
-    a, c = cluster_nodes(["a", "c"], "tcp")
+@pytest.mark.parametrize("data_plane", ["ucx", "tcp", "grpc"])
+async def test_pages_are_pushed_as_they_are_stored_and_read_bit_exact_at_the_decode_node(cluster_nodes, etcd,
+                                                                                          data_plane: str) -> None:
+    a, c = cluster_nodes(["a", "c"], data_plane)
     tokens = tokens_of(41, 8)
     kv = random_kv(LAYOUT, len(tokens), seed=41)
     half = 4 * PAGE
