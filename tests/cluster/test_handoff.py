@@ -6,6 +6,7 @@ its pins go after its ttl; an invalidation meanwhile leaves nothing to hand over
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
-from kvstore.errors import TierUnavailable
+from kvstore.errors import LimitExceeded, TierUnavailable
 
 PAGE = LAYOUT.page_tokens
 
@@ -159,3 +160,23 @@ async def test_a_dead_decode_node_is_a_clear_error_at_complete_and_nothing_is_le
         assert await num_leases(prefill) == 0
         # the pages stay at a: handed through the pool instead
         assert await prefill.handoff_complete(handoff, tokens, None) == len(tokens)
+
+
+async def test_open_handoffs_at_the_prefill_node_are_bounded_and_expire(cluster_nodes) -> None:
+    """256 open handoffs per tenant at the prefill node, then RESOURCE_EXHAUSTED for that caller;
+    one never completed is forgotten after its ttl, and makes room again."""
+    a, _ = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(47, 1)
+    async with KVStoreClient(a.address, NS) as prefill:
+        await asyncio.gather(*(prefill.handoff_open(new_handoff_id(), "c", ttl_s=1.0, tokens=tokens) for _ in range(256)))
+        with pytest.raises(LimitExceeded, match="open handoffs"):
+            await prefill.handoff_open(new_handoff_id(), "c", tokens=tokens)
+
+        async def opened() -> bool:
+            try:
+                await prefill.handoff_open(new_handoff_id(), "c", tokens=tokens)
+            except LimitExceeded:
+                return False
+            return True
+
+        await eventually(opened, 4.0, "an open handoff after the others' ttl")
