@@ -79,7 +79,8 @@ class HandoffCalls:
                                                  to_node=to_node or "", ttl_ms=_ttl_ms(ttl_s), keys=keys)
         await self._call(self.runtime.handoff.Open, request)
 
-    async def handoff_complete(self, handoff_id: str, tokens_or_keys: Any, to_node: str | None = None) -> int:
+    async def handoff_complete(self, handoff_id: str, tokens_or_keys: Any, to_node: str | None = None, *,
+                               deadline_s: float | None = None) -> int:
         """Prefill side, once every page of the prompt is stored at this client's node: hands
         the full set to the decode node (``to_node``, else the one ``handoff_open`` named),
         which fetches what it lacks and marks the handoff complete. Returns the number of
@@ -87,13 +88,17 @@ class HandoffCalls:
         leading pages stored here, findable by lookup). Raises TierUnavailable when the decode
         node is not a member or did not answer within the client's deadline; the pages stay
         here (a retry with ``to_node=None`` hands them through the pool). The handoff is
-        forgotten at this node in every case."""
+        forgotten at this node in every case. ``deadline_s``: the most this waits (default:
+        the client's ``timeout_s``), a frozen decode node included."""
+        if deadline_s is not None:
+            check_deadline(deadline_s, "deadline_s")
         keys = self._page_keys(tokens_or_keys)
         if not keys:
             return 0
         request = handoff_pb2.CompleteHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                      keys=keys, to_node=to_node or "")
-        return int((await self._call(self.runtime.handoff.Complete, request)).num_pages) * self.layout.page_tokens
+        answer = await self._io(self.runtime.rpc(self.runtime.handoff.Complete, request, deadline_s))
+        return int(answer.num_pages) * self.layout.page_tokens
 
     async def handoff_wait(self, handoff_id: str, tokens: Any, deadline_s: float) -> Hit:
         """Decode side (a client of the decode node): waits until every page of ``tokens`` is

@@ -7,6 +7,7 @@ its pins go after its ttl; an invalidation meanwhile leaves nothing to hand over
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -180,3 +181,22 @@ async def test_open_handoffs_at_the_prefill_node_are_bounded_and_expire(cluster_
             return True
 
         await eventually(opened, 4.0, "an open handoff after the others' ttl")
+
+
+async def test_a_frozen_decode_node_costs_complete_its_deadline_not_more(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(48, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=48)
+    async with KVStoreClient(a.address, NS) as prefill:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c")
+        assert await prefill.put(tokens, kv) == len(tokens)
+        c.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TierUnavailable, match="decode node 'c'"):
+                await prefill.handoff_complete(handoff, tokens, deadline_s=2.0)
+            assert time.monotonic() - started < 2.5
+        finally:
+            c.signal(signal.SIGCONT)
+        assert await num_leases(prefill) == 0
