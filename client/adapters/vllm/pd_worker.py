@@ -13,7 +13,8 @@ Decode instance, per handed-off request (vLLM holds it in WAITING_FOR_REMOTE_KVS
 
     load planned --> in the background: handoff_wait (the completion marker, bounded by
                      the request's deadline), then a get of the handed-off pages into a
-                     staging tensor of this worker's
+                     staging tensor of this worker's; with the store not connected (its
+                     node restarting), started once it is, if before the deadline
     each step    --> a receive that ended (or ran past its deadline and a grace) is
                      copied from staging into the request's blocks here, on vLLM's thread,
                      and reported finished receiving; the blocks of pages that did not
@@ -63,14 +64,17 @@ class Completing:
     spec: HandoffComplete
     job: Any = None  # the runtime's Job of handoff_complete, once started
     give_up_at: float = 0.0
+    client: KVStoreClient | None = None
 
 
 @dataclass
 class Receiving:
     spec: HandoffLoad
     staging: torch.Tensor
-    job: Any  # the runtime's Job of the receive (None: it could not start)
+    job: Any  # the runtime's Job of the receive (None: not started, the store is not connected yet)
+    start_by: float  # the request's deadline: a receive not started by then is given up on
     give_up_at: float
+    client: KVStoreClient | None
 
 
 @dataclass
@@ -117,6 +121,7 @@ class HandoffWorker:
                 self.stats.opened += 1
             except (KVStoreError, TimeoutError) as exc:  # its pages still go through the pool: complete pushes them
                 self.stats.open_failed += 1
+                self._failed(client, exc)
                 logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
         self._saving |= {spec.req_id for spec in meta.saves} & self._handed
         for done in meta.handoff_completes:
@@ -129,15 +134,20 @@ class HandoffWorker:
         pages = spec.first_page + spec.num_pages  # all of them: the marker keeps every page a wait returned until it is read
         staging = torch.empty((lay.num_layers, lay.kv_factor, pages * lay.page_tokens, lay.num_kv_heads, lay.head_dim),
                               dtype=lay.torch_dtype())
-        give_up_at = time.monotonic() + spec.deadline_s + GRACE_S
-        job = None if client is None else client.runtime.submit(self._fetch(client, spec, staging))
-        return Receiving(spec, staging, job, give_up_at)
+        start_by = time.monotonic() + spec.deadline_s
+        rec = Receiving(spec, staging, None, start_by, start_by + GRACE_S, None)
+        self._start(rec, client, spec.deadline_s)
+        return rec
 
-    async def _fetch(self, client: KVStoreClient, spec: HandoffLoad, staging: torch.Tensor) -> int:
+    def _start(self, rec: Receiving, client: KVStoreClient | None, deadline_s: float) -> None:
+        if client is not None:
+            rec.client, rec.job = client, client.runtime.submit(self._fetch(client, rec.spec, rec.staging, deadline_s))
+
+    async def _fetch(self, client: KVStoreClient, spec: HandoffLoad, staging: torch.Tensor, deadline_s: float) -> int:
         """Waits for the handoff's marker, then gets every page it answered into ``staging``
         (also those vLLM's own cache holds: the marker keeps what it answered until read);
         returns how many leading pages of the load are there."""
-        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.deadline_s)
+        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, deadline_s)
         n = min(hit.num_pages, spec.first_page + spec.num_pages)
         if n <= 0:
             return 0
@@ -169,7 +179,7 @@ class HandoffWorker:
 
     def _start_complete(self, done: Completing, now: float) -> None:
         spec, client = done.spec, self.store.client()
-        done.give_up_at = now + self.complete_timeout_s
+        done.give_up_at, done.client = now + self.complete_timeout_s, client
         if client is None:
             done.job = _Failed()
             return
@@ -184,6 +194,7 @@ class HandoffWorker:
                            spec.handoff_id, spec.req_id, self.complete_timeout_s)
         elif result.exception() is not None:
             self.stats.complete_failed += 1
+            self._failed(done.client, result.exception())
             logger.warning("kvstore handoff %s of request %s not completed: %s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, result.exception())
         else:
@@ -194,7 +205,10 @@ class HandoffWorker:
         recving: set[str] = set()
         still = []
         for rec in self._receiving:
-            if rec.job is not None and not rec.job.result.done() and now <= rec.give_up_at:
+            if rec.job is None and now < rec.start_by:  # a store reconnecting (a node restarted) may still answer in time
+                self._start(rec, self.store.client(), rec.start_by - now)
+            if (rec.job is None and now < rec.start_by) or (rec.job is not None and not rec.job.result.done()
+                                                             and now <= rec.give_up_at):
                 still.append(rec)
                 continue
             self._land(rec)
@@ -211,6 +225,7 @@ class HandoffWorker:
             reason = f"no marker or pages within {spec.deadline_s:.1f} s (+{GRACE_S:.0f} s)"
         elif rec.job is not None and rec.job.result.exception() is not None:
             reason = str(rec.job.result.exception())
+            self._failed(rec.client, rec.job.result.exception())
         elif rec.job is not None:
             valid, reason = int(rec.job.result.result()), "the handoff held fewer pages (missing, foreign or expired)"
         kv = RequestKV(self.blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout, all_layers=self.all_layers)
@@ -228,6 +243,12 @@ class HandoffWorker:
         self.stats.failed_blocks += len(blocks)
         logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); vLLM recomputes %d blocks",
                        spec.handoff_id, spec.req_id, valid, spec.num_pages, reason, len(blocks))
+
+    def _failed(self, client: KVStoreClient | None, exc: BaseException | None) -> None:
+        """A transport failure drops the client (the next call connects anew: a restarted node is
+        found again); an error the store answered with keeps it (StoreConnection.failed)."""
+        if client is not None and exc is not None:
+            self.store.failed(client, exc)
 
     def load_errors(self) -> set[int]:
         errors, self._failed_blocks = self._failed_blocks, set()

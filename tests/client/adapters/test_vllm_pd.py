@@ -88,18 +88,19 @@ def namespace(model_dir: Path) -> Namespace:
     return Namespace(model=str(model_dir), revision="", layout=layout)
 
 
-def remote_decode(node: str = "nd") -> dict[str, Any]:
+def remote_decode(node: str | None = "nd") -> dict[str, Any]:
     """What kvstore-pd-proxy asks of the prefill instance."""
     return {"do_remote_decode": True, "do_remote_prefill": False, "kvstore_decode_node": node}
 
 
-def prefill(engines: dict[str, EngineProcess], prompts: list[list[int]]) -> list[dict[str, Any]]:
+def prefill(engines: dict[str, EngineProcess], prompts: list[list[int]], to_node: str | None = "nd") -> list[dict[str, Any]]:
     """The prompts run for one token on the prefill engine (stepped until it gave back every
     block it held, as vllm serve's loop does); their outputs. vLLM's scheduler adds the
     prefill's own cache hits to its kv_transfer_params, which the decode side would report as
     its num_cached_tokens: they are taken out (into ``prefill_cached_tokens``), so that the
     decode reports what it did not compute itself."""
-    outs = engines["prefill"].generate(prompts, max_tokens=1, kv_transfer_params=[remote_decode()] * len(prompts), drain=True)
+    outs = engines["prefill"].generate(prompts, max_tokens=1, kv_transfer_params=[remote_decode(to_node)] * len(prompts),
+                                       drain=True)
     for out in outs:
         out["prefill_cached_tokens"] = out["kv_transfer_params"].pop("remote_prefill_cached_tokens")
     return outs
@@ -146,6 +147,20 @@ def test_decode_continues_from_the_prefills_kv(engines: dict[str, EngineProcess]
         assert g["num_cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
     stats = engines["decode"].call(cmd="pd_stats")
     assert stats["received"] == before["received"] + 2 and stats["receive_failed"] == before["receive_failed"]
+    assert_no_lease_left(nodes)
+
+
+def test_through_the_pool(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
+    """No decode node named (the proxy without --decode-node): the decode node finds the
+    prefill node's pages by lookup and pulls them when the decode side waits."""
+    prompt = tokens(5 * BLOCK + 1, seed=9)
+    params = prefill(engines, [prompt], to_node=None)[0]["kv_transfer_params"]
+    assert params["kvstore_decode_node"] is None and params["kvstore_num_tokens"] == 5 * BLOCK
+    before = engines["decode"].call(cmd="pd_stats")
+    got = engines["decode"].generate([prompt], kv_transfer_params=[params])[0]
+    assert got["num_cached_tokens"] == 5 * BLOCK
+    assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
+    assert engines["decode"].call(cmd="pd_stats")["received"] == before["received"] + 1
     assert_no_lease_left(nodes)
 
 
