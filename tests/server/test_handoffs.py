@@ -5,6 +5,7 @@ markers is bounded per tenant; a wait for an id nobody completed ends at its dea
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -136,3 +137,29 @@ async def test_a_cancelled_wait_gives_its_slot_back_at_once(server, ns, layout) 
             await asyncio.sleep(0.05)
         assert server.streams.num_open == 0 and time.monotonic() - started < 2.0
         assert len(server.handoffs) == 0
+
+
+async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, ns, layout) -> None:
+    """The Handoff service gets random, truncated, mutated and valid payloads (as every other
+    service does in test_bad_input.py): none answers INTERNAL or UNKNOWN or hangs, an undecodable
+    one is INVALID_ARGUMENT naming the method; then nothing is left and the server serves."""
+    import grpc
+    from test_bad_input import _call, _payloads, _wrong
+
+    from kvstore._proto import handoff_pb2 as handoff_proto
+
+    rng = random.Random(36)
+    failures = []
+    with grpc.insecure_channel(server.address) as channel:
+        for service in handoff_proto.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                for payload in _payloads(method, rng, 24):
+                    code, details = _call(channel, service.full_name, method, [payload])
+                    if _wrong(method, payload, code, details):
+                        failures.append((method.name, code.name, details, payload[:40].hex()))
+    assert not failures, failures[:10]
+    server.handoffs.expire()
+    async with KVStoreClient(server.address, ns) as client:
+        assert await _leases(client) == 0
+        tokens = _tokens(8, 1, layout.page_tokens)
+        assert await client.put(tokens, random_kv(layout, len(tokens), seed=8)) == len(tokens)
