@@ -26,13 +26,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstore.errors import LimitExceeded
+from kvstore.errors import LeaseExpired, LimitExceeded
 from kvstore.server.placement import Placement
 
 logger = logging.getLogger(__name__)
 
 MAX_HANDOFFS_PER_TENANT = 256  # markers (decode side) or open handoffs (prefill side) a tenant holds at once
 MAX_TTL_S = 600.0
+LEASE_MARGIN_MS = 5_000  # a pin's lease outlives its marker's ttl by this: the sweeper releases it first
 
 MarkerKey = tuple[str, bytes, bytes]  # tenant, namespace id, handoff id
 
@@ -113,9 +114,20 @@ class HandoffMarkers:
                 marker = Marker(tenant, namespace_id, handoff_id, generation, now + ttl_ms / 1000, ttl_ms)
                 self._markers[key] = marker
                 self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+            longer = now + ttl_ms / 1000 > marker.expires
             marker.expires = max(marker.expires, now + ttl_ms / 1000)
             marker.ttl_ms = max(marker.ttl_ms, ttl_ms)
-            return marker
+            leases = list(marker.leases) if longer else []
+        for lease in leases:  # the pins last as long as the marker
+            try:
+                self.core.renew(lease, self._lease_ms(ttl_ms))
+            except LeaseExpired:
+                pass  # released meanwhile (the marker was dropped)
+        return marker
+
+    def _lease_ms(self, ttl_ms: int) -> int:
+        """A pin's lease: the marker's ttl and a margin, so that the sweeper lets it go before it expires on its own."""
+        return min(ttl_ms + LEASE_MARGIN_MS, self.core.leases.max_lease_ms)
 
     def _forget(self, marker: Marker) -> bool:
         """Takes the marker out of the table (under the lock); False when it was out already."""
@@ -148,7 +160,7 @@ class HandoffMarkers:
             live = self._markers.get(marker.key) is marker
             new = [k for k in keys[: self.held(marker.namespace_id, keys)] if k not in marker.pinned]
         if live and new:
-            lease, found, _ = self.core.lease(marker.namespace_id, new, marker.ttl_ms, marker.tenant)
+            lease, found, _ = self.core.lease(marker.namespace_id, new, self._lease_ms(marker.ttl_ms), marker.tenant)
             with self._changed:
                 if self._markers.get(marker.key) is marker:
                     marker.leases.append(lease)
