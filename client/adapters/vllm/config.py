@@ -53,9 +53,10 @@ class ConnectorConfig:
       False loads every hit.
     * ``handoff_deadline_s``: disaggregated prefill (pd.py): how long a decode instance waits
       for a handoff's completion marker before it recomputes the prompt (a request's
-      ``kv_transfer_params`` may set ``kvstore_deadline_s``). ``handoff_ttl_s``: how long the
-      store keeps a handoff a prefill opened; also the most a prefill holds a request's
-      blocks waiting for the handoff's completion to be answered.
+      ``kv_transfer_params`` may set ``kvstore_deadline_s``); also the most a prefill waits
+      for its handoff's completion while it holds the request's blocks (the decode side has
+      given up by then). ``handoff_ttl_s``: how long the store keeps a handoff a prefill
+      opened and nobody consumed.
     """
 
     address: str

@@ -179,11 +179,12 @@ class HandoffWorker:
 
     def _start_complete(self, done: Completing, now: float) -> None:
         spec, client = done.spec, self.store.client()
-        done.give_up_at, done.client = now + self.complete_timeout_s, client
+        done.give_up_at, done.client = now + self.complete_timeout_s + GRACE_S, client
         if client is None:
             done.job = _Failed()
             return
-        done.job = client.runtime.submit(client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node))
+        done.job = client.runtime.submit(client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node,
+                                                                 deadline_s=self.complete_timeout_s))
 
     def _ended_complete(self, done: Completing) -> None:
         spec, result = done.spec, done.job.result
