@@ -37,7 +37,7 @@ from tenants import (
     tenant_grants,
 )
 
-from kvstore._proto import common_pb2, data_pb2, directory_pb2
+from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc
 from kvstore.page import ARENA_MAGIC, checksum
 
 pytest_plugins = ["tenants"]  # its ca fixture
@@ -70,11 +70,15 @@ COVERAGE = {
     "Directory.Subscribe": "test_b_cannot_subscribe_to_as_events",
     "Directory.Stats": "test_b_cannot_see_a_in_stats",
     "Directory.Quarantine": "test_b_cannot_list_or_purge_as_quarantined_pages",
+    "Handoff.Open": "test_b_cannot_take_or_disturb_as_handoffs",
+    "Handoff.Complete": "test_b_cannot_take_or_disturb_as_handoffs",
+    "Handoff.Wait": "test_b_cannot_take_or_disturb_as_handoffs",
+    "Handoff.Push": "test_tenants_cannot_make_the_node_only_calls",
 }
 
 # What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
 # whole RPCs, and the request fields that make an RPC a node's call.
-NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Directory.Remove.node", "Directory.Lookup.local_only",
+NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Handoff.Push", "Directory.Remove.node", "Directory.Lookup.local_only",
              "Directory.Lookup.tenant", "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
 _NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
@@ -169,11 +173,35 @@ def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
         replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=2, holder="n2", tenant="a", page_bytes=PAGE_BYTES)
         assert caller.code(caller.data.Replicate, replicate) == DENIED
         assert caller.code(caller.data.GrantTransfer, data_pb2.GrantTransferRequest(node="n2")) == DENIED  # the UCX data port
+        push = handoff_pb2.PushHandoffRequest(namespace_id=ns, handoff_id=b"h" * 16, keys=keys, holder="n2", tenant="a",
+                                              page_bytes=PAGE_BYTES, complete=True)
+        assert caller.code(handoff_pb2_grpc.HandoffStub(caller.channel).Push, push) == DENIED
     replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1)
     assert b(b.data.Replicate, replicate).num_pages == 0 and a(a.data.Replicate, replicate).num_pages == len(keys)
     assert world.server.core.directory.get(record.key) is None
     assert world.server.core.directory.get(keys[0]).locations.keys() == {("local", "host")}
     assert not world.server.core.view().pinned
+
+
+def test_b_cannot_take_or_disturb_as_handoffs(world: World) -> None:
+    """Issue 36: A hands its pages over (a handoff completed at this node, the decode node). B,
+    knowing A's namespace id, keys and handoff id, waits for it (nothing, at its deadline, as for
+    an id nobody made), completes it again, opens it: A's handoff is whole afterwards."""
+    a, b, ns, keys = world.a, world.b, world.ns, world.keys
+    ident = secrets.token_bytes(16)
+    on_a, on_b = handoff_pb2_grpc.HandoffStub(a.channel), handoff_pb2_grpc.HandoffStub(b.channel)
+    assert a(on_a.Complete, handoff_pb2.CompleteHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys)).num_pages == 4
+    wait = handoff_pb2.WaitHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys, deadline_ms=300)
+    for other in (ident, secrets.token_bytes(16)):
+        assert b(on_b.Wait, handoff_pb2.WaitHandoffRequest(namespace_id=ns, handoff_id=other, keys=keys, deadline_ms=300)) == \
+            handoff_pb2.WaitHandoffResponse()
+    assert b(on_b.Complete, handoff_pb2.CompleteHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys)).num_pages == 0
+    b(on_b.Open, handoff_pb2.OpenHandoffRequest(namespace_id=ns, handoff_id=ident, to_node="n2", keys=keys))
+    assert len(world.server.handoffs) == 1  # A's alone: B's waits left nothing
+    assert a(on_a.Wait, wait).num_pages == 4
+    lease = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys))  # A takes its pages over
+    a(a.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
+    assert len(world.server.handoffs) == 0 and not world.server.core.view().pinned
 
 
 def test_b_cannot_invalidate_or_remove_as_pages(world: World) -> None:
