@@ -209,17 +209,29 @@ def test_decode_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, 
         nodes["nd"].start()
 
 
-def test_prefill_node_killed_after_the_handoff(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
-    """The prefill side's node is SIGKILLed once the prefill answered and its handoff was
-    complete: the pages were pushed to the decode node, which serves them alone. (Last: the
-    node stays dead.)"""
-    prompt = tokens(4 * BLOCK + 1, seed=8)
-    completed = engines["prefill"].call(cmd="pd_stats")["completed"]
-    params = prefill(engines, [prompt])[0]["kv_transfer_params"]
-    assert engines["prefill"].call(cmd="pd_stats")["completed"] == completed + 1
+def test_prefill_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
+    """The prefill side's node is SIGKILLed. Prompt a's handoff was complete before: its pages
+    were pushed to the decode node, which serves them alone. Prompt b's prefill had answered
+    but its handoff was not complete yet (mid-handoff): Complete fails, the decode node holds
+    what was pushed before the kill, the decode side loads that and recomputes the rest (all
+    of it, or none), with the colocated output either way. No lease is left at the decode
+    node. (Last: the node stays dead.)"""
+    a, b = tokens(4 * BLOCK + 1, seed=8), tokens(6 * BLOCK + 1, seed=10)
+    completed = engines["prefill"].call(cmd="pd_stats")
+    params_a = prefill(engines, [a])[0]["kv_transfer_params"]
+    assert engines["prefill"].call(cmd="pd_stats")["completed"] == completed["completed"] + 1
+    out_b = engines["prefill"].generate([b], max_tokens=1, kv_transfer_params=[remote_decode()])[0]  # not drained
+    params_b = dict(out_b["kv_transfer_params"], kvstore_deadline_s=MISSING_DEADLINE_S)
+    params_b.pop("remote_prefill_cached_tokens")
     nodes["np"].kill()
+    engines["prefill"].call(cmd="drain")
+    assert engines["prefill"].call(cmd="pd_stats")["complete_failed"] == completed["complete_failed"] + 1
     before = engines["decode"].call(cmd="pd_stats")
-    got = engines["decode"].generate([prompt], kv_transfer_params=[params])[0]
-    assert got["num_cached_tokens"] == 4 * BLOCK
-    assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
-    assert engines["decode"].call(cmd="pd_stats")["received"] == before["received"] + 1
+    got_a, got_b = engines["decode"].generate([a, b], kv_transfer_params=[params_a, params_b])
+    assert got_a["num_cached_tokens"] == 4 * BLOCK
+    for got, prompt in ((got_a, a), (got_b, b)):
+        assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
+    stats = engines["decode"].call(cmd="pd_stats")
+    assert stats["received"] + stats["receive_failed"] == before["received"] + before["receive_failed"] + 2
+    assert stats["received"] >= before["received"] + 1
+    assert_no_lease_left({"nd": nodes["nd"]}, within_s=90)  # b's pins, if any were not read: the handoff's ttl (60 s)

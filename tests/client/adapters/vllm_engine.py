@@ -8,7 +8,8 @@ Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_
 saves of the generation have ended (so that the next command finds what it stored);
 "kv_transfer_params": [params or null per prompt] (disaggregated prefill: each output then
 carries its own; "drain": true steps the engine until the connector gives every held block
-back, as vllm serve's busy loop does, so that a prefill's handoff completes);
+back, as vllm serve's busy loop does, so that a prefill's handoff completes; {"cmd": "drain"}
+does that alone);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
 cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
@@ -27,6 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def drain(llm: object) -> None:
+    """Steps the engine until its connector holds no finished request's blocks (at most 60 s)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 60
+    while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
+        llm.llm_engine.step()  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -63,10 +72,7 @@ def main() -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
             seconds = time.perf_counter() - start
             if cmd.get("drain"):
-                scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-                deadline = time.monotonic() + 60
-                while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
-                    llm.llm_engine.step()
+                drain(llm)
             if transfer is not None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -77,6 +83,9 @@ def main() -> None:
                 "num_cached_tokens": o.num_cached_tokens,
                 "kv_transfer_params": o.kv_transfer_params,
             } for o in outs]}
+        elif cmd["cmd"] == "drain":
+            drain(llm)
+            reply = {}
         elif cmd["cmd"] == "stats":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
