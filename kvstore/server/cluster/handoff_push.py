@@ -127,6 +127,7 @@ class HandoffPushes:
             out.again = True
             return
         out.task = asyncio.create_task(self._push_stored(out))
+        out.task.add_done_callback(_logged)
 
     async def _push_stored(self, out: Outgoing) -> None:
         """Sends what was stored since the last push, until nothing new arrived meanwhile."""
@@ -160,6 +161,8 @@ class HandoffPushes:
                 await asyncio.wait_for(asyncio.shield(out.task), max(0.01, timeout_s / 2))
             except TimeoutError:
                 out.task.cancel()
+            except Exception as exc:  # noqa: BLE001 - the full set goes below all the same
+                logger.info("handoff %s: the push in flight failed (%r); Complete sends the full set", handoff_id.hex()[:8], exc)
         stored = self.remote.local_prefix(namespace_id, keys)
         if not to_node or stored == 0:
             return stored
@@ -225,3 +228,9 @@ class HandoffPushes:
             for key in list(self._by_namespace.get(namespace_id, ())):
                 if (out := self._open.get(key)) is not None:
                     self._kick(out)
+
+
+def _logged(task: asyncio.Task[None]) -> None:
+    """A push task's unexpected failure, logged (a failed push is no loss: Complete sends the full set)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        logger.error("handoff push failed", exc_info=exc)
