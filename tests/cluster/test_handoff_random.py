@@ -1,0 +1,74 @@
+"""Handoffs across three real nodes under random operations (issue 36), checked against a model
+after each step: handoffs from any node to any other (pushed as stored, pushed at complete, or
+through the pool), waits with the handoff's id and with forged ids, invalidations. Every wait
+answers the whole prompt exactly when the model holds it in the current generation, its bytes
+are the current generation's, and once every hit was read no node holds a pin. Prints the seed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from conftest import random_kv
+from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from test_cluster_nodes import LAYOUT, NS, tokens_of
+from test_handoff import num_leases
+
+from kvstore.client import KVStoreClient, new_handoff_id
+
+NAMES = ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("seed", [7])
+async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = dict(zip(NAMES, cluster_nodes(NAMES, "tcp")))
+    generation = 0
+    stored: set[int] = set()  # prompts stored somewhere in the current generation
+    prompts = [tokens_of(300 + p, 3) for p in range(5)]
+
+    def kv_of(prompt: int) -> torch.Tensor:
+        return random_kv(LAYOUT, len(prompts[prompt]), seed=1000 * generation + prompt)
+
+    clients = {name: KVStoreClient(node.address, NS) for name, node in nodes.items()}
+    for client in clients.values():
+        await client.connect()
+    try:
+        for step in range(30):
+            op = rng.choice(["handoff", "handoff", "handoff", "forged", "invalidate"])
+            prompt = rng.randrange(len(prompts))
+            prefill, decode = rng.sample(NAMES, 2)
+            mode = rng.choice(["streamed", "at-complete", "pool"])
+            try:
+                if op == "handoff":
+                    ident, to = new_handoff_id(), None if mode == "pool" else decode
+                    await clients[prefill].handoff_open(ident, to, tokens=prompts[prompt] if mode == "streamed" else None)
+                    assert await clients[prefill].put(prompts[prompt], kv_of(prompt), generation=generation) == len(prompts[prompt])
+                    stored.add(prompt)
+                    assert await clients[prefill].handoff_complete(ident, prompts[prompt]) == len(prompts[prompt])
+                    await _read(clients[decode], ident, prompts[prompt], kv_of(prompt), generation, expect=True)
+                elif op == "forged":  # an id nobody made: the pool's pages of the caller's own namespace, or nothing
+                    await _read(clients[decode], new_handoff_id(), prompts[prompt], kv_of(prompt), generation,
+                                expect=prompt in stored)
+                else:
+                    generation = await clients[prefill].invalidate()
+                    stored.clear()
+                for name, client in clients.items():
+                    assert await num_leases(client) == 0, f"node {name} holds pins after every hit was read"
+            except AssertionError as exc:
+                raise AssertionError(f"seed {seed}, step {step} ({op} {mode} prompt {prompt} {prefill}->{decode}): {exc}") from exc
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+async def _read(client: KVStoreClient, ident: str, tokens: list[int], kv: torch.Tensor, generation: int, expect: bool) -> None:
+    hit = await client.handoff_wait(ident, tokens, deadline_s=1.0)
+    assert hit.num_tokens == (len(tokens) if expect else 0), hit.num_tokens
+    if hit.num_tokens:
+        assert hit.generation == generation
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, out) == len(tokens)
+        assert torch.equal(out, kv), "a handoff delivered bytes other than the current generation's"
