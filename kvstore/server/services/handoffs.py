@@ -24,7 +24,7 @@ import grpc
 from kvstore import validate
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied
+from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
@@ -120,8 +120,11 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         if self.cluster is not None and to_node != self.core.node:
             left = context.time_remaining()
             timeout = max(0.01, (left if left is not None else 30.0) - _MARGIN_S)
-            n = self.cluster.call(self.cluster.handoffs.complete(on_behalf(who), ns, ident, keys if readable else [],
-                                                                 to_node, timeout), timeout + 1)
+            try:
+                n = self.cluster.call(self.cluster.handoffs.complete(on_behalf(who), ns, ident, keys if readable else [],
+                                                                     to_node, timeout), timeout + 1)
+            except TimeoutError:
+                raise TierUnavailable(f"handoff not completed within {timeout:.1f} s; the pages stay here") from None
             return handoff_pb2.CompleteHandoffResponse(num_pages=n)
         # no cluster, or this node is the decode node: the marker is here
         held = self.markers.held(ns, keys) if readable else 0
