@@ -219,10 +219,11 @@ class Publisher:
                 batch = items[start : start + BATCH_RECORDS]
                 await self._send_batch(peer, batch)
                 sent = start + len(batch)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.UsageError):
             if current_cancelled():
                 raise
-            # the owner's channel was closed under the call (it left, or registered anew): this task goes on
+            # the owner's channel was closed under the call, or before it started (UsageError): it left, or
+            # registered anew; this task goes on
             logger.info("node %s: publishing %d records to %s ended with its channel; retrying", self._node,
                         len(items) - sent, owner)
             await self._retry(owner, items[sent:])

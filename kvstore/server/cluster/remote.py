@@ -169,8 +169,12 @@ class RemoteTier:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""
         generation = self.core.directory.generation(namespace_id)  # the holder sends only pages of this one
-        call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
-                                                                    tenant=tenant, generation=generation), timeout=timeout_s)
+        try:
+            call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
+                                                                        tenant=tenant, generation=generation), timeout=timeout_s)
+        except grpc.aio.UsageError:  # its channel closed before the call (it left): as when closed under it, nothing came
+            logger.warning("fetch of %d pages from %s over grpc: its channel is closed", len(keys), peer.member.node_id)
+            return 0
         allocation_id: bytes | None = None
         slots: dict[bytes, int | None] = {}
         ok_keys: list[bytes] = []
