@@ -30,6 +30,7 @@ COMMANDS = {
     "vllm": ("vllm", "TTFT with a kvstore hit vs recompute vs vLLM's prefix cache; small-hit cost in the connector"),
     "cluster": ("cluster", "cluster mode on loopback: remote get GB/s per data plane vs raw pumps, sharded lookup, failover"),
     "vllm-stall": ("vllm_stall", "a big hit loaded in the step vs fetched beside it (async load): decode stall, TTFT"),
+    "pd": ("pd", "disaggregated prefill on two vLLM engines: TTFT colocated / pool / direct, handoff vs bytes / link + fixed"),
     "chaos": ("chaos.run", "random traffic on 3 nodes under random faults, every history checked against a model"),
 }
 

@@ -1,0 +1,123 @@
+"""The rows, goals, table and PNG of ``kvstore-bench pd`` (pd.py measures)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+SLACK = 1.2  # issue 36: direct handoff <= 1.2 x bytes / link + 5 ms
+ALLOWANCE_S = 0.005
+
+
+def _median(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    return ordered[len(ordered) // 2]
+
+
+def _arm(samples: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    """Medians of one PD arm's samples, keys prefixed with the arm's name."""
+    moved = sum(s["bytes"] for s in samples) / 1e9
+    out = {f"{prefix}_ttft_s": _median([s["ttft_s"] for s in samples]),
+           f"{prefix}_handoff_s": _median([s["handoff_s"] for s in samples])}
+    for key in ("prefill_s", "stored_after_prefill_s", "complete_start_s", "complete_end_s", "wait_start_s", "get_s",
+                "decode_after_get_s"):
+        out[f"{prefix}_{key}"] = _median([s[key] for s in samples])
+    out[f"{prefix}_gbps"] = samples[0]["bytes"] / out[f"{prefix}_handoff_s"] / 1e9 if out[f"{prefix}_handoff_s"] > 0 else None
+    for group in samples[0]["cpu_s"]:
+        out[f"{prefix}_{group}_cpu_s_per_gb"] = sum(s["cpu_s"][group] for s in samples) / moved if moved else None
+    out[f"{prefix}_handoff_s_each"] = [s["handoff_s"] for s in samples]
+    out[f"{prefix}_ttft_s_each"] = [s["ttft_s"] for s in samples]
+    return out
+
+
+def _rounded(row: dict[str, Any]) -> dict[str, Any]:
+    def r(v: Any) -> Any:
+        if isinstance(v, float):
+            return round(v, 6)
+        return [r(x) for x in v] if isinstance(v, list) else v
+    return {k: r(v) for k, v in row.items()}
+
+
+def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int, link: dict[str, Any],
+              measured: dict[str, Any]) -> dict[str, Any]:
+    link_bps = link["link_gbps"] * 1e9
+    page_bytes = args.block_size * bytes_per_token
+    one_page = _median([s["handoff_s"] for s in measured["fixed"]])
+    fixed_s = one_page - page_bytes / link_bps
+    rows = []
+    for tokens in lengths:
+        arms = measured["samples"][tokens]
+        nbytes = arms["direct"][0]["bytes"]
+        row: dict[str, Any] = {"tokens": tokens, "bytes": nbytes,
+                               "colocated_ttft_s": _median([s["ttft_s"] for s in arms["colocated"]]),
+                               "colocated_ttft_s_each": [s["ttft_s"] for s in arms["colocated"]]}
+        row |= _arm(arms["pool"], "pool") | _arm(arms["direct"], "direct")
+        row["handoff_s"] = row["direct_handoff_s"]
+        row["gbps"] = row["direct_gbps"]
+        row["link_bound_s"] = nbytes / link_bps
+        row["model_handoff_s"] = nbytes / link_bps + fixed_s
+        row["handoff_vs_model"] = row["handoff_s"] / row["model_handoff_s"] if row["model_handoff_s"] > 0 else None
+        row["handoff_goal_s"] = SLACK * nbytes / link_bps + ALLOWANCE_S
+        row["ttft_goal_s"] = row["colocated_ttft_s"] + row["handoff_s"]
+        rows.append(_rounded(row))
+    goals: dict[str, bool] = {}
+    for row in rows:
+        goals[f"direct_handoff<=1.2x_link+5ms@{row['tokens']}"] = row["handoff_s"] <= row["handoff_goal_s"]
+        goals[f"direct_ttft<=colocated+handoff@{row['tokens']}"] = row["direct_ttft_s"] <= row["ttft_goal_s"]
+    return {"rows": rows, **link, "link_bytes_per_s": link_bps, "fixed_s": round(fixed_s, 6), "one_page_handoff_s": round(one_page, 6),
+            "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
+            "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
+                                                          "head_dim": args.head_dim, "dtype": "float32", "block_size": args.block_size},
+            "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals, "all_goals_met": all(goals.values())}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    m = report["model"]
+    print(f"vLLM CPU, random Llama {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, fp32: "
+          f"{report['bytes_per_token']} B/token, {m['block_size']}-token pages ({report['page_bytes'] / 2**20:.2f} MiB); "
+          f"data plane {report['data_plane']}; load average {report.get('load_average_1m')}")
+    print(f"raw link (TCP pump, same sockets, page messages): {report['link_gbps']:.2f} GB/s, "
+          f"{report['link_cpu_s_per_gb']:.3f} CPU s/GB; fixed cost (1-page direct handoff - its bytes/link): "
+          f"{report['fixed_s'] * 1e3:.2f} ms")
+    print(f"medians of {report['repeats']}; handoff: prefill's last page stored -> decode's handoff_wait returned")
+    print(f"{'tokens':>6} {'MiB':>7} {'coloc ms':>9} {'pool ms':>8} {'direct ms':>9} | {'hand pool':>9} {'hand dir':>9} "
+          f"{'model':>7} {'x model':>7} {'GB/s':>6} {'pool':>6} | {'nodes s/GB':>10} {'engines s/GB':>12}")
+    for r in report["rows"]:
+        print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {r['colocated_ttft_s'] * 1e3:>9.1f} {r['pool_ttft_s'] * 1e3:>8.1f} "
+              f"{r['direct_ttft_s'] * 1e3:>9.1f} | {r['pool_handoff_s'] * 1e3:>9.1f} {r['handoff_s'] * 1e3:>9.1f} "
+              f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
+              f"{r['direct_nodes_cpu_s_per_gb']:>10.3f} {r['direct_engines_cpu_s_per_gb']:>12.2f}")
+    print("direct, where the time goes (ms after the last page stored): complete called / answered, decode's wait called; "
+          "then the get into staging, the decode's step")
+    for r in report["rows"]:
+        print(f"{r['tokens']:>6}: complete {r['direct_complete_start_s'] * 1e3:.1f} / {r['direct_complete_end_s'] * 1e3:.1f}, "
+              f"wait {r['direct_wait_start_s'] * 1e3:.1f}, handoff {r['handoff_s'] * 1e3:.1f}; get {r['direct_get_s'] * 1e3:.1f}, "
+              f"decode {r['direct_decode_after_get_s'] * 1e3:.1f}; prefill {r['direct_prefill_s'] * 1e3:.1f} "
+              f"(last page stored {r['direct_stored_after_prefill_s'] * 1e3:.1f} after it answered)")
+    print("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()))
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    mib = [r["bytes"] / 2**20 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("handoff_s", "direct", "o-"), ("pool_handoff_s", "through the pool", "s-")):
+        ax.plot(mib, [r[key] * 1e3 for r in rows], style, label=f"{label} (measured)")
+    ax.plot(mib, [r["model_handoff_s"] * 1e3 for r in rows], "k--", label="model: bytes / link + fixed")
+    ax.plot(mib, [r["handoff_goal_s"] * 1e3 for r in rows], ":", color="grey", label="goal: 1.2 x bytes / link + 5 ms")
+    ax.set_xlabel("bytes handed off (MiB)")
+    ax.set_ylabel("handoff time (ms)")
+    ax.set_title(f"prefill -> decode handoff, raw link {report['link_gbps']:.2f} GB/s, fixed {report['fixed_s'] * 1e3:.1f} ms",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
