@@ -160,7 +160,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         saved = self._worker().finished(finished_req_ids)
         if self.handoff_worker is None:
             return saved or None, None
-        sending, recving = self.handoff_worker.finished(saved)
+        sending, recving = self.handoff_worker.finished(saved, finished_req_ids)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -26,6 +26,7 @@ can finish late without harm.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -160,11 +161,13 @@ class HandoffWorker:
 
     # -- after the step ------------------------------------------------------------------
 
-    def finished(self, saved: set[str]) -> tuple[set[str], set[str]]:
+    def finished(self, saved: set[str], finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) of this step. ``saved``: what worker.py
         reported finished (its saves ended); a handed-off request among them is held back
-        until its handoff is complete."""
+        until its handoff is complete. ``finished_req_ids``: vLLM's, of this step (one that
+        ended without a complete to make, aborted, is forgotten: its handoff expires)."""
         self._saving -= saved
+        self._handed -= finished_req_ids - self._completing.keys()
         now = time.monotonic()
         sending = saved - self._completing.keys()
         for req_id, done in list(self._completing.items()):
@@ -274,8 +277,6 @@ class _Failed:
     """A completion that could not start (no store): ended, failed."""
 
     def __init__(self) -> None:
-        import concurrent.futures
-
         self.result: concurrent.futures.Future[int] = concurrent.futures.Future()
         self.result.set_exception(KVStoreError("the store could not be reached"))
 

@@ -33,6 +33,7 @@ from kvstore.tiers.host import remove_stale_arenas
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))
 from cluster_nodes import Node
 from etcd_proc import EtcdProcess
+from tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,11 +42,21 @@ MISSING_DEADLINE_S = 1.0  # a decode's wait for a handoff that never comes (per 
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+def links(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TcpProxy]]:
+    """The link by which the other node reaches the prefill node (it advertises the proxy), cuttable."""
+    link = TcpProxy(("127.0.0.1", 0))  # upstream set once the node's port is known
+    yield {"np": link}
+    link.close()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy]) -> Iterator[dict[str, Node]]:
     tmp = tmp_path_factory.mktemp("pd-cluster")
     etcd = EtcdProcess(tmp)
     etcd.start()
-    started = {name: Node(tmp, name, etcd.url, "tcp") for name in ("np", "nd")}
+    started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}  # page bytes by the advertised (cuttable) address
+    links["np"].upstream = ("127.0.0.1", started["np"].port)
+    started["np"].args += ["--advertise", f"127.0.0.1:{links['np'].port}"]
     try:
         for node in started.values():
             node.launch()
@@ -190,6 +201,25 @@ async def test_a_missing_handoff_is_recomputed(engines: dict[str, EngineProcess]
     assert right["num_cached_tokens"] == 5 * BLOCK
     assert_same_output(right, engines["decode"].generate([other], skip_prefix_cache=True)[0])
     assert_no_lease_left(nodes)
+
+
+def test_link_between_the_nodes_cut(engines: dict[str, EngineProcess], nodes: dict[str, Node],
+                                    links: dict[str, TcpProxy]) -> None:
+    """The decode node cannot reach the prefill node (their link cut before the prefill): no
+    page gets to the decode node, Complete hands off nothing, the decode side recomputes with
+    the colocated output."""
+    prompt = tokens(4 * BLOCK + 1, seed=11)
+    handed = engines["prefill"].call(cmd="pd_stats")["completed_tokens"]
+    links["np"].cut()
+    try:
+        params = prefill(engines, [prompt])[0]["kv_transfer_params"]
+        before = engines["decode"].call(cmd="pd_stats")
+        got = engines["decode"].generate([prompt], kv_transfer_params=[dict(params, kvstore_deadline_s=MISSING_DEADLINE_S)])[0]
+    finally:
+        links["np"].restore()
+    assert engines["prefill"].call(cmd="pd_stats")["completed_tokens"] == handed
+    assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
+    assert engines["decode"].call(cmd="pd_stats")["receive_failed"] == before["receive_failed"] + 1
 
 
 def test_decode_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
