@@ -156,8 +156,12 @@ class ShardedLookup:
         return compress(expand(local) + merged)
 
     async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> list[PageRecord]:
-        """Per leading page of ``keys``, where it is: cached answers first, then a lookup."""
-        found = self.cache.leading(namespace_id, keys, tenant)
+        """Per leading page of ``keys``, where it is: this node's records (its own as an owner),
+        then cached answers, then a lookup. The cache holds what other owners answered after the
+        local part (``lookup``): read from the first key, it missed wherever this node owns the
+        first pages, and the fetch asked every owner again (a frozen one cost its whole deadline)."""
+        found = expand(self._directory.lookup(namespace_id, keys))
+        found += self.cache.leading(namespace_id, keys[len(found):], tenant)
         if len(found) < len(keys):
             found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s, tenant))
         return found

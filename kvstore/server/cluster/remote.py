@@ -99,12 +99,21 @@ class RemoteTier:
     async def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                         generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
         """Landing slots for fetched pages, in the generation the fetch asks for (an invalidation
-        since: StaleGeneration, nothing allocated); its commit is refused if one comes later."""
+        since: StaleGeneration, nothing allocated); its commit is refused if one comes later. A
+        fetch cancelled meanwhile (cut at its caller's deadline) gives back what the thread allocates."""
+        job = asyncio.ensure_future(asyncio.to_thread(self.core.allocate, namespace_id, layout, keys, generation=generation))
         try:
-            return await asyncio.to_thread(self.core.allocate, namespace_id, layout, keys, generation=generation)
+            return await asyncio.shield(job)
         except KVStoreError as exc:  # full of leased pages, another layout or generation: nothing fetched, the prefix ends here
             logger.info("no landing room for %d remote pages: %s", len(keys), exc)
             return None
+        except asyncio.CancelledError:
+            job.add_done_callback(self._abort_unused)
+            raise
+
+    def _abort_unused(self, job: asyncio.Future[tuple[bytes, list[tuple[bytes, int | None]]]]) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.core.abort(job.result()[0])
 
     async def _commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         """Commits what arrived verified; nothing when the namespace entered another generation

@@ -47,7 +47,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
 MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
-_ABORT_S = 3.0    # a cancelled fetch's bounded clean-up (the transport waits up to 2 s for posted receives)
+# Of a fetch's time, kept past its own deadline for its end: the transport's abort (it waits up to
+# 2 s for posted receives), the commit of what arrived. At most _ABORT_S, and _ABORT_SHARE of a
+# caller's shorter deadline (an engine's TTFT budget): a fetch cut there is cancelled (its
+# allocation given back), and the caller gets what was committed by then.
+_ABORT_S = 3.0
+_ABORT_SHARE = 0.25
 
 
 class ClusterRuntime:
@@ -229,13 +234,11 @@ class ClusterRuntime:
         before = self.remote.local_prefix(namespace_id, keys)
         if not self.serving or before == len(keys):
             return 0
-        timeout = self.cluster.fetch_timeout_s
-        if time_remaining_s is not None:
-            timeout = min(timeout, time_remaining_s - _MARGIN_S - _ABORT_S)
+        timeout, wait = self._fetch_times(time_remaining_s)
         if timeout <= 0:
             return 0
         try:
-            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant), timeout + _ABORT_S) - before)
+            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant), wait) - before)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("remote fill of %d pages ended early: %r", len(keys), exc)
             return max(0, self.remote.local_prefix(namespace_id, keys) - before)
@@ -246,7 +249,7 @@ class ClusterRuntime:
         nodes hold them (replicas.py); returns how many leading pages that many nodes hold."""
         if not self.serving:
             return 0
-        # the targets' own fetch deadline is this one less their margins (see _timeout)
+        # the targets' own fetch deadline is this one less their margins (see _fetch_times)
         budget = self.cluster.fetch_timeout_s + _ABORT_S + 2 * _MARGIN_S
         if time_remaining_s is not None:
             budget = min(budget, time_remaining_s - _MARGIN_S)
@@ -260,18 +263,24 @@ class ClusterRuntime:
         """A replica ``holder`` asked for: fetches ``keys`` from it; returns the leading pages held here."""
         if not self.serving:
             return 0
-        timeout = self._timeout(time_remaining_s)
+        timeout, wait = self._fetch_times(time_remaining_s)
+        if timeout <= 0:
+            return self.remote.local_prefix(namespace_id, keys)
         try:
-            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant), timeout + _ABORT_S)
+            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant), wait)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)
 
-    def _timeout(self, time_remaining_s: float | None) -> float:
+    def _fetch_times(self, time_remaining_s: float | None) -> tuple[float, float]:
+        """(a fetch's own deadline, how long its caller waits for it): the caller's time less
+        the answer's margin, of which the fetch's end keeps a share (``_ABORT_S``). The wait
+        never outlives the caller; a fetch that is not done by then is cancelled."""
         timeout = self.cluster.fetch_timeout_s
-        if time_remaining_s is not None:
-            timeout = min(timeout, time_remaining_s - _MARGIN_S - _ABORT_S)
-        return max(0.01, timeout)
+        if time_remaining_s is None:
+            return timeout, timeout + _ABORT_S
+        wait = time_remaining_s - _MARGIN_S
+        return min(timeout, wait - min(_ABORT_S, _ABORT_SHARE * wait)), min(wait, timeout + _ABORT_S)
 
     def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "") -> bool:
         """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued

@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 HANDOFF_ID_BYTES = 16
 DEFAULT_TTL_MS = 30_000
 _MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
-# ClusterRuntime.fill keeps 0.25 s + 3 s of the time it is given for a cancelled fetch's clean-up:
-# a wait's pull gives it that much more, so that a wait of 1 s still fetches (a fetch ends by its own deadline)
-_FILL_MARGINS_S = 3.25
 
 
 def handoff_id(value: bytes) -> bytes:
@@ -147,7 +144,8 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         with self._waiting_slot(who.tenant, context):
             marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
             reads = self.cluster_reads
-            pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _FILL_MARGINS_S)) if reads is not None else None
+            # the wait's deadline kept the answer's margin already: ClusterRuntime.fill keeps its own
+            pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _MARGIN_S)) if reads is not None else None
             context.add_callback(self.markers.wake)  # a cancelled wait ends now, its stream slot given back
             n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns),
                                   alive=context.is_active)
