@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=4, help="KV heads (attention heads: max(this, hidden / head dim))")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension")
     p.add_argument("--block-size", type=int, default=128, help="vLLM block = kvstore page (tokens)")
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="vLLM's max_num_batched_tokens: a longer prompt's prefill runs in chunks of this many tokens, and a "
+                        "direct handoff pushes the chunks before the last while it computes (0: the whole prompt in one step)")
     p.add_argument("--data-plane", default="tcp", choices=("tcp", "ucx", "grpc"), help="between the two nodes")
     p.add_argument("--pump-rounds", type=int, default=5, help="rounds of the raw TCP pump (median)")
     p.add_argument("--host-capacity", default="3GiB", help="each node's host tier")
@@ -245,7 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "handoff_ttl_s": 60}
         for role, node in (("prefill", nodes[0]), ("decode", nodes[1])):
             engines[role] = Engine(model, workdir / f"{role}.log", {"extra": {"address": node.address, **extra},
-                                                                  "block_size": args.block_size, "max_model_len": max_len})
+                                                                  "block_size": args.block_size, "max_model_len": max_len,
+                                                                  "max_num_batched_tokens": args.chunk_tokens or max_len})
         for engine in engines.values():
             if not engine.read().get("ready"):
                 raise RuntimeError("an engine did not start")

@@ -127,7 +127,7 @@ def main() -> None:
                                 kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=config["extra"])
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
               block_size=config["block_size"], max_model_len=config["max_model_len"], enable_prefix_caching=True,
-              kv_transfer_config=transfer, max_num_batched_tokens=config["max_model_len"], disable_log_stats=True)
+              kv_transfer_config=transfer, max_num_batched_tokens=config["max_num_batched_tokens"], disable_log_stats=True)
     pending = _pending(llm)
     proto.write(json.dumps({"ready": True}) + "\n")
     while True:

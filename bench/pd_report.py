@@ -26,6 +26,7 @@ def _arm(samples: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     out[f"{prefix}_gbps"] = samples[0]["bytes"] / out[f"{prefix}_handoff_s"] / 1e9 if out[f"{prefix}_handoff_s"] > 0 else None
     for group in samples[0]["cpu_s"]:
         out[f"{prefix}_{group}_cpu_s_per_gb"] = sum(s["cpu_s"][group] for s in samples) / moved if moved else None
+    out[f"{prefix}_num_cached_tokens"] = min(s["num_cached_tokens"] for s in samples)  # the decode's hit: the bench checks it
     out[f"{prefix}_handoff_s_each"] = [s["handoff_s"] for s in samples]
     out[f"{prefix}_ttft_s_each"] = [s["ttft_s"] for s in samples]
     return out
@@ -69,14 +70,14 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
             "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
             "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
                                                           "head_dim": args.head_dim, "dtype": "float32", "block_size": args.block_size},
-            "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals, "all_goals_met": all(goals.values())}
+            "chunk_tokens": args.chunk_tokens or None, "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals, "all_goals_met": all(goals.values())}
 
 
 def print_table(report: dict[str, Any]) -> None:
     m = report["model"]
     print(f"vLLM CPU, random Llama {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, fp32: "
           f"{report['bytes_per_token']} B/token, {m['block_size']}-token pages ({report['page_bytes'] / 2**20:.2f} MiB); "
-          f"data plane {report['data_plane']}; load average {report.get('load_average_1m')}")
+          f"data plane {report['data_plane']}; prefill chunks {report['chunk_tokens'] or 'none'}; load average {report.get('load_average_1m')}")
     print(f"raw link (TCP pump, same sockets, page messages): {report['link_gbps']:.2f} GB/s, "
           f"{report['link_cpu_s_per_gb']:.3f} CPU s/GB; fixed cost (1-page direct handoff - its bytes/link): "
           f"{report['fixed_s'] * 1e3:.2f} ms")
