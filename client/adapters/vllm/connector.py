@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REMOTE = ("do_remote_decode", "do_remote_prefill")  # kv_transfer_params of disaggregated prefill (pd.py)
+
 
 def _tp_rank_size(role: KVConnectorRole) -> tuple[int, int | None]:
     """The worker's tensor-parallel shard; the scheduler looks up shard 0's pages."""
@@ -94,6 +96,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.states is not None:
             self.states.start()
         self.hybrid = groups.hybrid
+        self._warned_handoffs = False
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | HybridWorkerSide | None = None
         self.handoffs: HandoffScheduler | None = None  # disaggregated prefill (pd.py); single-group engines
@@ -212,6 +215,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         handed = self.handoffs.matched(request, num_computed_tokens) if self.handoffs is not None else None
         if handed is not None:
             return handed  # a decode's handoff: loaded asynchronously (pd.py)
+        if self.hybrid and not self._warned_handoffs and any((request.kv_transfer_params or {}).get(k) for k in REMOTE):
+            self._warned_handoffs = True
+            logger.warning("kvstore: this engine has several KV cache groups; disaggregated prefill is not built for them "
+                           "yet: requests with do_remote_decode/do_remote_prefill are served as any request")
         found = self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
         return found, self.hybrid and found > 0  # a hybrid engine's hit is loaded before the request computes
 
