@@ -36,7 +36,7 @@ import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
-from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
 
@@ -111,24 +111,36 @@ class HandoffWorker:
         """Opens this step's handoffs (before worker.py starts the saves), and starts its
         receives."""
         client = self.store.client()
-        for spec in meta.handoff_opens:
-            self._handed.add(spec.req_id)
-            if client is None:
-                self.stats.open_failed += 1
-                continue
-            try:
-                self.store.run(client, client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens),
-                               self.open_timeout_s)
-                self.stats.opened += 1
-            except (KVStoreError, TimeoutError) as exc:  # its pages still go through the pool: complete pushes them
-                self.stats.open_failed += 1
-                self._failed(client, exc)
-                logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
+        self._open(client, meta.handoff_opens)
         self._saving |= {spec.req_id for spec in meta.saves} & self._handed
         for done in meta.handoff_completes:
             self._completing[done.req_id] = Completing(done)
         for load in meta.handoff_loads:
             self._receiving.append(self._receive(client, load))
+
+    def _open(self, client: KVStoreClient | None, opens: list[HandoffOpen]) -> None:
+        """Opens the handoffs, all at once, waiting ``open_timeout_s`` at most for their answers.
+        One not opened still hands off at Complete (its pages are pushed then, not as stored)."""
+        self._handed |= {spec.req_id for spec in opens}
+        if client is None:
+            self.stats.open_failed += len(opens)
+            return
+        jobs = [(spec, client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s,
+                                                                 tokens=spec.tokens))) for spec in opens]
+        deadline = time.monotonic() + self.open_timeout_s
+        for spec, job in jobs:
+            try:
+                job.result.result(max(0.0, deadline - time.monotonic()))
+                self.stats.opened += 1
+            except concurrent.futures.TimeoutError:
+                job.cancel()
+                self.stats.open_failed += 1
+                logger.warning("kvstore handoff %s of request %s: no answer to its opening within %.2f s", spec.handoff_id,
+                               spec.req_id, self.open_timeout_s)
+            except KVStoreError as exc:
+                self.stats.open_failed += 1
+                self._failed(client, exc)
+                logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
 
     def _receive(self, client: KVStoreClient | None, spec: HandoffLoad) -> Receiving:
         lay = self.layout

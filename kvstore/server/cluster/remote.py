@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -40,6 +40,34 @@ logger = logging.getLogger(__name__)
 FETCH_PAGES = 1024  # pages per fetch request (page_wire allows 8192): the first lands while the next is asked
 
 
+class Landing(Protocol):
+    """Where a fetch's pages land, and who they are charged to (DESIGN §11). Called on worker
+    threads. ``allocate`` answers as ``Placement.allocate`` (a prefix of ``keys``; a KVStoreError:
+    nothing allocated, the fetch ends there), ``commit`` as ``Placement.commit``. A tenant's
+    (services/fetch_room.py) takes room in its host quota first; the node's own (``NodeLanding``)
+    charges nobody."""
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]: ...
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int: ...
+
+
+class NodeLanding:
+    """The landing of a fetch for nobody's quota: a node without tenants, a copy whose caller
+    reserved the room itself (a handoff's push)."""
+
+    def __init__(self, core: Placement) -> None:
+        self.core = core
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        return self.core.allocate(namespace_id, layout, keys, generation=generation)
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        return self.core.commit(allocation_id, keys, checksums)
+
+
 def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
     return [LocationRun(run.node, run.tier, min(size, run.num_pages - i), run.size_bytes) for i in range(0, run.num_pages, size)]
 
@@ -53,6 +81,7 @@ class RemoteTier:
         self._peers = peers
         self._lookup = lookup
         self._data_plane = data_plane
+        self._node_landing = NodeLanding(core)
         self.num_fetched = 0
 
     def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
@@ -64,10 +93,12 @@ class RemoteTier:
                 return i
         return len(keys)
 
-    async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> int:
+    async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
+                                landing: Landing | None = None) -> int:
         """Fetches the pages of ``keys`` held only on other nodes into the landing tier, up
-        to the first that cannot be had, for ``tenant`` (named to owners and holders); returns
-        how many leading keys are now held here."""
+        to the first that cannot be had, for ``tenant`` (named to owners and holders; its quota
+        is ``landing``'s); returns how many leading keys are now held here."""
+        landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
         start = self.local_prefix(namespace_id, keys)
         if start == len(keys):
@@ -85,9 +116,9 @@ class RemoteTier:
             elif peer is None:
                 got = 0
             elif peer.fetcher is not None:  # the UCX or TCP plane
-                got = await self._fetch_posted(peer, namespace_id, want, run.size_bytes, remaining)
+                got = await self._fetch_posted(peer, namespace_id, want, run.size_bytes, remaining, landing)
             else:
-                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
             pos += got
             if got < len(want):
                 break
@@ -96,15 +127,15 @@ class RemoteTier:
     def _layout(self, namespace_id: bytes) -> LayoutDesc | None:
         return self.core.reads.layout_of(namespace_id)
 
-    async def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+    async def _allocate(self, landing: Landing, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                         generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
         """Landing slots for fetched pages, in the generation the fetch asks for (an invalidation
         since: StaleGeneration, nothing allocated); its commit is refused if one comes later. A
         fetch cancelled meanwhile (cut at its caller's deadline) gives back what the thread allocates."""
-        job = asyncio.ensure_future(asyncio.to_thread(self.core.allocate, namespace_id, layout, keys, generation=generation))
+        job = asyncio.ensure_future(asyncio.to_thread(landing.allocate, namespace_id, layout, keys, generation))
         try:
             return await asyncio.shield(job)
-        except KVStoreError as exc:  # full of leased pages, another layout or generation: nothing fetched, the prefix ends here
+        except KVStoreError as exc:  # full of leased pages, the quota, another layout or generation: the prefix ends here
             logger.info("no landing room for %d remote pages: %s", len(keys), exc)
             return None
         except asyncio.CancelledError:
@@ -115,25 +146,27 @@ class RemoteTier:
         if not job.cancelled() and job.exception() is None:
             self.core.abort(job.result()[0])
 
-    async def _commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+    async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         """Commits what arrived verified; nothing when the namespace entered another generation
         meanwhile (the fetched bytes are the old one's: never stored, never published)."""
         try:
-            n = await asyncio.to_thread(self.core.commit, allocation_id, keys, checksums)
+            n = await asyncio.to_thread(landing.commit, allocation_id, keys, checksums)
         except StaleGeneration as exc:
             logger.info("%d fetched pages dropped: %s", len(keys), exc)
             return 0
         self.num_fetched += len(keys)
         return n
 
-    async def _fetch_posted(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float) -> int:
+    async def _fetch_posted(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
+                            landing: Landing | None = None) -> int:
+        landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
         generation = self.core.directory.generation(namespace_id)
         layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s,
                                                                            generation)
         if layout is None or layout.page_bytes != page_bytes:
             return 0
-        allocated = await self._allocate(namespace_id, layout, keys, generation)
+        allocated = await self._allocate(landing, namespace_id, layout, keys, generation)
         if allocated is None:
             return 0
         allocation_id, slots = allocated
@@ -154,29 +187,32 @@ class RemoteTier:
         except BaseException:
             await asyncio.to_thread(self.core.abort, allocation_id)
             raise
-        return await self._commit(allocation_id, ok_keys, ok_sums)
+        return await self._commit(landing, allocation_id, ok_keys, ok_sums)
 
     async def fetch_from(self, node: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
-                         tenant: str) -> int:
+                         tenant: str, landing: Landing | None = None) -> int:
         """Fetches the pages of ``keys`` not held here from ``node`` (a replica the holder asked
         for: no lookup); returns how many leading keys are now held here."""
+        landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
         pos = self.local_prefix(namespace_id, keys)
         peer = self._peers.get(node)
         while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
             want = keys[pos : pos + FETCH_PAGES]
             if peer.fetcher is not None:  # the UCX or TCP plane
-                got = await self._fetch_posted(peer, namespace_id, want, page_bytes, remaining)
+                got = await self._fetch_posted(peer, namespace_id, want, page_bytes, remaining, landing)
             else:
-                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant)
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
             pos += got
             if got < len(want):
                 break
         return pos
 
-    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> int:
+    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
+                          landing: Landing | None = None) -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""
+        landing = landing or self._node_landing
         generation = self.core.directory.generation(namespace_id)  # the holder sends only pages of this one
         try:
             call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
@@ -201,7 +237,7 @@ class RemoteTier:
                         layout = validate.layout(chunk.layout)
                         if chunk.page_bytes != layout.page_bytes:
                             raise PageCorrupt(f"node {peer.member.node_id} sent a page of the wrong size")
-                        allocated = await self._allocate(namespace_id, layout, keys, generation)
+                        allocated = await self._allocate(landing, namespace_id, layout, keys, generation)
                         if allocated is None:
                             break
                         allocation_id, answered = allocated
@@ -234,4 +270,4 @@ class RemoteTier:
             call.cancel()
         if allocation_id is None:
             return 0
-        return await self._commit(allocation_id, ok_keys, ok_sums)
+        return await self._commit(landing, allocation_id, ok_keys, ok_sums)

@@ -37,7 +37,7 @@ from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
-from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.cluster.remote import Landing, RemoteTier
 from kvstore.server.cluster.replicas import Replicas
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
@@ -227,10 +227,12 @@ class ClusterRuntime:
         except TimeoutError:
             return self.owner_lookup(namespace_id, keys)
 
-    def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "") -> int:
+    def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "",
+             landing: Landing | None = None) -> int:
         """Fetches the pages of ``keys`` held only elsewhere into the host tier (up to the
-        first that cannot be had), within the caller's deadline; then an acquire finds them.
-        Returns how many pages this added to the leading ones held here (none while not a member)."""
+        first that cannot be had, or does not fit ``landing``: the tenant's quota), within the
+        caller's deadline; then an acquire finds them. Returns how many pages this added to the
+        leading ones held here (none while not a member)."""
         before = self.remote.local_prefix(namespace_id, keys)
         if not self.serving or before == len(keys):
             return 0
@@ -238,7 +240,7 @@ class ClusterRuntime:
         if timeout <= 0:
             return 0
         try:
-            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant), wait) - before)
+            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant, landing), wait) - before)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("remote fill of %d pages ended early: %r", len(keys), exc)
             return max(0, self.remote.local_prefix(namespace_id, keys) - before)
@@ -259,15 +261,16 @@ class ClusterRuntime:
             return 0
 
     def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
-                  tenant: str = "") -> int:
-        """A replica ``holder`` asked for: fetches ``keys`` from it; returns the leading pages held here."""
+                  tenant: str = "", landing: Landing | None = None) -> int:
+        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``);
+        returns the leading pages held here."""
         if not self.serving:
             return 0
         timeout, wait = self._fetch_times(time_remaining_s)
         if timeout <= 0:
             return self.remote.local_prefix(namespace_id, keys)
         try:
-            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant), wait)
+            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing), wait)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)
@@ -282,7 +285,7 @@ class ClusterRuntime:
         wait = time_remaining_s - _MARGIN_S
         return min(timeout, wait - min(_ABORT_S, _ABORT_SHARE * wait)), min(wait, timeout + _ABORT_S)
 
-    def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "") -> bool:
+    def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "", landing: Landing | None = None) -> bool:
         """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
         request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
         flight already (the engine then recomputes or reads them on demand)."""
@@ -295,7 +298,7 @@ class ClusterRuntime:
                 return False
             self._prefetching += 1
         # a task of the runtime: cancelled (its allocation given back) when the node leaves
-        prefetch = self._prefetch(namespace_id, keys, tenant)
+        prefetch = self._prefetch(namespace_id, keys, tenant, landing)
         try:
             self._loop.call_soon_threadsafe(self._spawn, prefetch)
         except RuntimeError:  # the loop closed (the node is leaving): the slot is given back, not lost
@@ -305,9 +308,9 @@ class ClusterRuntime:
             return False
         return True
 
-    async def _prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str) -> None:
+    async def _prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str, landing: Landing | None) -> None:
         try:
-            await self.remote.read_into_landing(namespace_id, keys, self.cluster.fetch_timeout_s, tenant)
+            await self.remote.read_into_landing(namespace_id, keys, self.cluster.fetch_timeout_s, tenant, landing)
         except KVStoreError as exc:
             logger.info("prefetch of %d remote pages ended early: %r", len(keys), exc)
         finally:

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import PermissionDenied
 from kvstore.security.identity import Identity, Rights
+from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.node_calls import on_behalf
 from kvstore.server.tenancy import Tenancy
 from kvstore.types import LocationRun
 
 if TYPE_CHECKING:
     from kvstore.server.cluster import ClusterRuntime
+    from kvstore.server.cluster.remote import Landing
 
 
 class ClusterReads:
@@ -44,7 +46,7 @@ class ClusterReads:
         read the namespace here now (the caller acquires only then)."""
         tenant = on_behalf(who)
         if self.tenancy.may_read(who, namespace_id):
-            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant)
+            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
             return True
         if not self._unbound_for(who, namespace_id):
             return False
@@ -55,7 +57,7 @@ class ClusterReads:
             return False
         fetched = 0
         try:
-            fetched = self.cluster.fill(namespace_id, keys, time_remaining_s, tenant)
+            fetched = self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
         finally:
             if claimed:
                 owners.settle(namespace_id, who.tenant, fetched > 0)
@@ -65,4 +67,8 @@ class ClusterReads:
         """A hint's fetch ahead: only into a namespace bound here to the caller (one nobody holds
         here is fetched when it is read)."""
         if self.tenancy.may_read(who, namespace_id):
-            self.cluster.prefetch(namespace_id, keys, on_behalf(who))
+            self.cluster.prefetch(namespace_id, keys, on_behalf(who), self._landing(who, namespace_id, keys))
+
+    def _landing(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> Landing | None:
+        """The fetch lands within ``who``'s host quota here (fetch_room.py)."""
+        return quota_landing(self.tenancy.quotas, self.cluster.core, who, namespace_id, keys)

@@ -24,6 +24,7 @@ from kvstore.server.placement import Placement
 from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_reported
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
+from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.room import room
@@ -337,7 +338,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         claimed = self.tenancy.claim(who, ns)
         held = 0
         try:
-            held = self.cluster.copy_from(request.holder, ns, keys, request.page_bytes, context.time_remaining(), on_behalf(who))
+            held = self.cluster.copy_from(request.holder, ns, keys, request.page_bytes, context.time_remaining(), on_behalf(who),
+                                          quota_landing(self.quotas, self.core, who, ns, keys))  # within its host quota
         finally:
             if claimed:
                 self.tenancy.settle(who, ns, held > 0)
