@@ -35,6 +35,7 @@ from kvstore.client.hit import Hit
 from kvstore.client.layerwise import DeviceOps, LayerLoad, LayerSave
 from kvstore.client.localcall import CallChannel
 from kvstore.client.loopcalls import LoopCalls
+from kvstore.client.migrate import MigrateCalls
 from kvstore.client.namespace_calls import NamespaceCalls
 from kvstore.client.restart import ServerAgain, map_arena
 from kvstore.client.runtime import Runtime
@@ -68,7 +69,7 @@ def _eta_ms(eta_s: float) -> int:
     return max(0, int(eta_s * 1000))
 
 
-class KVStoreClient(NamespaceCalls, HandoffCalls):
+class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
     """One namespace's view of a kvstore server. Use as ``async with``."""
 
     def __init__(
@@ -308,8 +309,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls):
         if hit.namespace_id != self.namespace.namespace_id:
             raise InvalidRequest("the hit belongs to another namespace than this client")
 
-    # -- sessions ------------------------------------------------------------------------
-
+    # -- sessions (live migration: client/migrate.py) ---------------------------------
     def session(self, session_id: str, sync_every: int = 1, sync_ms: float = 50.0, checkpoint: str = "periodic",
                 checkpoint_tokens: int = 256) -> SessionLog:
         """The token write-ahead log and KV checkpoint policy of one generation (see

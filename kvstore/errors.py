@@ -40,6 +40,17 @@ class StaleGeneration(KVStoreError):
         self.current = current
 
 
+class SessionFenced(KVStoreError):
+    """A write (append, save) to a session this node no longer owns: a live migration fenced
+    it (issue 37; the message names the version and the owner), or is fencing it now. Nothing
+    was written; the session continues at its owner."""
+
+
+class CannotConverge(KVStoreError):
+    """A live migration gave up before its fence: the session grew at least as fast as it was
+    copied, round after round. Nothing was fenced; the source keeps the session."""
+
+
 class TierFull(KVStoreError):
     """No room in the tier, even after eviction (everything left is leased); nothing was stored."""
 

@@ -11,6 +11,8 @@ ERROR_CODES: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
     (errors.NamespaceMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StaleIncarnation, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.StaleGeneration, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.SessionFenced, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CannotConverge, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.TierFull, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -162,18 +162,20 @@ class GetInfoResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., tiers: _Optional[_Iterable[str]] = ..., max_pages_per_request: _Optional[int] = ..., max_page_bytes: _Optional[int] = ..., arena_socket: _Optional[str] = ..., call_socket: _Optional[str] = ..., call_token: _Optional[bytes] = ..., pool_socket: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("namespace_id", "layout", "keys", "parent", "generation")
+    __slots__ = ("namespace_id", "layout", "keys", "parent", "generation", "session_id")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     layout: _common_pb2.Layout
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     parent: bytes
     generation: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("key", "offset", "exists")

@@ -19,6 +19,10 @@ class Metrics:
         self.pages = Gauge("kvstore_pages", "Pages stored, per tier", ["tier"], registry=r)
         self.used_bytes = Gauge("kvstore_used_bytes", "Bytes of slots in use, per tier", ["tier"], registry=r)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Tier capacity", ["tier"], registry=r)
+        self.session_fences = Counter("kvstore_session_fences", "Live migrations: fences decided at this node (fence), "
+                                      "aborts (abort), takeovers of a gone source (takeover)", ["kind"], registry=r)
+        self.session_refusals = Counter("kvstore_session_fenced_refusals", "Session writes refused because the session "
+                                        "is fenced or being fenced here (live migration)", ["call"], registry=r)
         self.evictions = Counter("kvstore_evictions", "Pages evicted from a tier", ["tier"], registry=r)
         self.demotions = Counter("kvstore_demotions", "Pages moved down a tier under pressure", ["tier"], registry=r)
         self.promotions = Counter("kvstore_promotions", "Pages copied up into a faster tier on use", ["tier"], registry=r)

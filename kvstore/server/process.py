@@ -18,7 +18,15 @@ import grpc
 from prometheus_client import start_http_server
 
 from kvstore import pagecopy
-from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc, handoff_pb2, handoff_pb2_grpc
+from kvstore._proto import (
+    data_pb2,
+    directory_pb2,
+    directory_pb2_grpc,
+    handoff_pb2,
+    handoff_pb2_grpc,
+    migration_pb2,
+    migration_pb2_grpc,
+)
 from kvstore.config import ServerConfig
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
@@ -37,8 +45,10 @@ from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.handoffs import HandoffService
 from kvstore.server.services.local_calls import CallSocket
+from kvstore.server.services.migration import MigrationService
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
+from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
@@ -46,6 +56,7 @@ from kvstore.wire import MESSAGE_OPTIONS
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
+    from kvstore.server.cluster.migrations import SessionMoves
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +153,17 @@ class Server:
         if config.cluster is not None:
             from kvstore.server.cluster import ClusterRuntime
 
-            self.cluster = ClusterRuntime(self.core, config, reseed_salts=getattr(self.security.salts, "reseed", None))
+            self.cluster = ClusterRuntime(self.core, config, reseed_salts=self._reseed)
         self.demoter = Demoter(self.core)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        # Live migration (issue 37): who owns each migrated session here; cluster mode writes none before it caught up.
+        self.session_owners = SessionOwners(self.wal, config.node, lambda call: self.metrics.session_refusals.labels(call).inc(),
+                                            serving=(lambda: self.cluster is not None and self.cluster.serving) if self.cluster else None)
+        self.session_moves: SessionMoves | None = None
+        if self.cluster is not None:
+            from kvstore.server.cluster.migrations import SessionMoves
+
+            self.session_moves = SessionMoves(self.cluster, self.session_owners, self.wal)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
                         self.core.leases, self.wal, config.host.hint_grace_s, self.metrics)
@@ -172,6 +191,12 @@ class Server:
         data_service = DataService(self.core, config, self.wal, self.tenancy, self.cluster,
                                    socket_path if self._tenant_arenas else None, socket_path if hbm else None)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
+                               self.streams, self.metrics, request_limits(config))
+        data_service.session_owners = self.session_owners
+        migration = MigrationService(self.core, config, self.tenancy, self.wal, self.session_owners, self.cluster,
+                                     self.session_moves)
+        guarded |= add_service(self._grpc, migration_pb2.DESCRIPTOR.services_by_name["Migration"],
+                               generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))
         # Handoffs (issue 36): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
         self.handoffs = data_service.handoffs = directory_service.handoffs = HandoffMarkers(self.core)
@@ -201,6 +226,13 @@ class Server:
     def address(self) -> str:
         host, _ = split_host_port(self.config.listen, "--listen")
         return f"{host}:{self.port}"
+
+    def _reseed(self) -> None:
+        """At every catch-up with etcd, before serving: the tenants' salts, then the sessions' owners."""
+        if (reseed := getattr(self.security.salts, "reseed", None)) is not None:
+            reseed()
+        if self.session_moves is not None:
+            self.session_moves.reconcile()
 
     def _arena_for(self, identity: Identity) -> tuple[int, int] | None:
         """The arena socket's answer: the descriptor and size of the caller's tenant's arena

@@ -29,7 +29,7 @@ MAX_SESSION_ID = 256
 
 class TokenLog:
     def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES) -> None:
-        self.env = open_env(data_dir / "wal.lmdb", map_bytes, max_dbs=2, sync=False, metasync=False)
+        self.env = open_env(data_dir / "wal.lmdb", map_bytes, max_dbs=3, sync=False, metasync=False)
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
         self._lock = threading.Lock()

@@ -37,7 +37,7 @@ from tenants import (
     tenant_grants,
 )
 
-from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc
+from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc, migration_pb2, migration_pb2_grpc
 from kvstore.page import ARENA_MAGIC, checksum
 
 pytest_plugins = ["tenants"]  # its ca fixture
@@ -74,6 +74,11 @@ COVERAGE = {
     "Handoff.Complete": "test_b_cannot_take_or_disturb_as_handoffs",
     "Handoff.Wait": "test_b_cannot_take_or_disturb_as_handoffs",
     "Handoff.Push": "test_tenants_cannot_make_the_node_only_calls",
+    "Migration.Copy": "test_b_cannot_move_fence_or_probe_as_session",
+    "Migration.Fence": "test_b_cannot_move_fence_or_probe_as_session",
+    "Migration.Adopt": "test_b_cannot_move_fence_or_probe_as_session",
+    "Migration.Abort": "test_b_cannot_move_fence_or_probe_as_session",
+    "Migration.Status": "test_b_cannot_move_fence_or_probe_as_session",
 }
 
 # What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
@@ -226,6 +231,29 @@ def test_b_cannot_read_extend_or_end_as_session(world: World) -> None:
     append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", expected_length=3, tokens=[666])
     assert b.code(b.data.AppendTokens, append) == DENIED
     assert b.code(b.data.EndSession, data_pb2.EndSessionRequest(namespace_id=ns, session_id="s")) == OK
+
+
+def test_b_cannot_move_fence_or_probe_as_session(world: World) -> None:
+    """Issue 37: B, knowing A's namespace id and session id, copies it to this node, fences it
+    (which would stop A's writes), adopts it with its own tokens, aborts it: each is refused as
+    an append is, before anything changes; Status answers B as for a session that does not exist."""
+    b, ns = world.b, world.ns
+    on_b = migration_pb2_grpc.MigrationStub(b.channel)
+    for method, request in (
+        (on_b.Copy, migration_pb2.CopySessionRequest(namespace_id=ns, session_id="s", source="n2", keys=world.keys,
+                                                     page_bytes=PAGE_BYTES, tokens=[666])),
+        (on_b.Fence, migration_pb2.FenceSessionRequest(namespace_id=ns, session_id="s", to_node="n2")),
+        (on_b.Adopt, migration_pb2.AdoptSessionRequest(namespace_id=ns, session_id="s", version=1, tokens=[666])),
+        (on_b.Adopt, migration_pb2.AdoptSessionRequest(namespace_id=ns, session_id="s", force=True, source="n2")),
+        (on_b.Abort, migration_pb2.AbortSessionRequest(namespace_id=ns, session_id="s")),
+    ):
+        assert b.code(method, request) == DENIED
+    assert b(on_b.Status, migration_pb2.SessionStatusRequest(namespace_id=ns, session_id="s", to_node="n2")) == \
+        migration_pb2.SessionStatusResponse(node=world.server.config.node)
+    assert world.server.session_owners.items() == []  # nothing fenced, copied or adopted
+    a = world.a
+    append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", expected_length=3, tokens=[])
+    assert a(a.data.AppendTokens, append).length == 3  # A still writes its session
 
 
 def test_b_cannot_commit_or_abort_as_allocation(world: World) -> None:

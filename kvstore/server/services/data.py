@@ -104,6 +104,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         parent = validate.keys([request.parent], 1)[0] if request.parent else None
         generation = validate.generation(request.generation) if request.HasField("generation") else None
         who = current_identity()
+        if request.session_id:  # the pages of a session fenced here (live migration): refused, nothing allocated
+            self.session_owners.check(ns, request.session_id, "Allocate")
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
         try:
             with self.tenancy.writing(who, ns):

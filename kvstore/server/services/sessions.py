@@ -10,6 +10,7 @@ from kvstore._proto import data_pb2
 from kvstore.errors import InvalidRequest
 from kvstore.security.interceptor import current_identity
 from kvstore.server.services.errors import unary
+from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import Quotas
 from kvstore.server.tokenlog import TokenLog
@@ -18,9 +19,10 @@ MAX_APPEND_TOKENS = 1 << 20
 
 
 class SessionCalls:
-    """Needs ``wal``, ``tenancy`` and ``quotas`` of the servicer it is mixed into."""
+    """Needs ``wal``, ``tenancy``, ``quotas`` and ``session_owners`` of the servicer it is mixed into."""
 
     wal: TokenLog
+    session_owners: SessionOwners
     tenancy: Tenancy
     quotas: Quotas
 
@@ -30,7 +32,9 @@ class SessionCalls:
         if len(request.tokens) > MAX_APPEND_TOKENS:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
         who = current_identity()
-        with self.tenancy.writing(who, ns), self.quotas.appending(who) as charge:
+        # a session fenced here (live migration) is refused, counted: FAILED_PRECONDITION naming its owner
+        with self.session_owners.writing(ns, request.session_id, "AppendTokens"), self.tenancy.writing(who, ns), \
+                self.quotas.appending(who) as charge:
             length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
                                      request.prompt_tokens, request.sync, charge)
         return data_pb2.AppendTokensResponse(length=length)

@@ -1,0 +1,187 @@
+"""Live migration of a running session (DESIGN §12 "Live migration", issue 37), mixed into KVStoreClient.
+
+The client is connected to the session's source node (where its token log is)::
+
+    summary = await client.migrate("req-42", "node-b")       # returns once node-b owns the session
+    # summary.rounds, summary.round_bytes, summary.pause_ms, summary.total_bytes, summary.version
+
+Pre-copy: each round reads the session's log at the source, has the target fetch the stored
+pages of those tokens it lacks (the replica fetch path: the target pulls from the source) and
+keep the log copy, while the engine keeps appending and saving at the source. When what is
+stored and not copied is at most ``max_pause_bytes`` (the pause), the fence: the source stops
+taking the session's writes (durably), etcd decides the next version for the target, the last
+delta is copied, and the target adopts the final log. The catch-up takes about S0 / (copy rate
+- growth rate); a session whose uncopied bytes did not shrink for ``stall_rounds`` rounds in a
+row (growth >= copy) raises CannotConverge, with nothing fenced. Calling it again resumes
+(pages the target holds are not fetched again; a fence already made is answered again);
+``abort=True`` gives a migration not fenced yet up; ``force=True`` takes over from a source
+that is gone (not a member of the cluster) with what the target copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstore._proto import migration_pb2, migration_pb2_grpc
+from kvstore.client.runtime import Runtime
+from kvstore.errors import CannotConverge, InvalidRequest
+from kvstore.page import LayoutDesc
+
+if TYPE_CHECKING:
+    from kvstore.client.hit import Hit
+    from kvstore.types import KVLayout, Namespace
+
+DEFAULT_PAUSE_BYTES = 64 << 20  # the last delta copied after the fence: ~3 ms at 25 GB/s
+DEFAULT_MAX_ROUNDS = 32
+DEFAULT_STALL_ROUNDS = 3
+
+
+@dataclass
+class MigrationSummary:
+    session_id: str
+    source: str
+    target: str
+    version: int = 0                # the session's version the target owns
+    rounds: int = 0                 # pre-copy rounds, the delta after the fence not counted
+    round_bytes: list[int] = field(default_factory=list)  # page bytes each round copied, then the delta's
+    pause_ms: float = 0.0           # fence asked -> target adopted (the session takes no writes meanwhile)
+    total_bytes: int = 0
+    total_s: float = 0.0
+    num_tokens: int = 0             # the session's log length at the target
+    forced: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class MigrateCalls:
+    """Mixed into KVStoreClient, whose ``namespace``, ``layout``, ``runtime``, ``node``, ``keys``,
+    ``lookup``, ``read_session`` and ``_io`` these use."""
+
+    namespace: Namespace
+    layout: KVLayout
+    runtime: Runtime
+    node: str
+    timeout_s: float
+    _token: str | None
+    _tls: Any
+    _io: Callable[..., Any]
+    keys: Callable[[Any], list[bytes]]
+    lookup: Callable[..., Any]
+
+    async def migrate(self, session_id: str, target: str, *, max_pause_bytes: int = DEFAULT_PAUSE_BYTES,
+                      max_rounds: int = DEFAULT_MAX_ROUNDS, stall_rounds: int = DEFAULT_STALL_ROUNDS,
+                      abort: bool = False, force: bool = False, target_address: str | None = None,
+                      on_round: Callable[[int, int, int], Any] | None = None) -> MigrationSummary:
+        """Moves session ``session_id`` from this client's node to node ``target``; see the module
+        docstring. ``on_round(round, bytes copied, bytes left)`` is called after each round (a
+        benchmark's catch-up curve; it may be a coroutine function). Raises CannotConverge (nothing fenced), SessionFenced (the
+        session is another node's, or an abort won), or KVStoreError when a node is unreachable
+        (call again to resume, or ``abort=True``)."""
+        if max_pause_bytes < 0 or max_rounds < 1 or stall_rounds < 1:
+            raise InvalidRequest("max_pause_bytes must be >= 0, max_rounds and stall_rounds >= 1")
+        if not target or target == self.node:
+            raise InvalidRequest(f"target must be another node than this client's ({self.node!r}), got {target!r}")
+        ns = self.namespace.namespace_id
+        version, address = 0, target_address
+        if not force:  # with force the source is gone: the target is named by its address
+            here = await self._move(self.runtime, "Status", migration_pb2.SessionStatusRequest(
+                namespace_id=ns, session_id=session_id, to_node=target))
+            version, address = int(here.version), target_address or here.to_address
+        if not address:
+            raise InvalidRequest(f"node {target!r} is not a member this node knows (give target_address; force needs it)")
+        there = Runtime(address, self.timeout_s, token=self._token, tls=self._tls)
+        try:
+            await there.call(there.open())
+            if abort:
+                await self._move(self.runtime, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
+                await self._move(there, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
+                return MigrationSummary(session_id, self.node, target)
+            try:
+                return await self._migrate(there, session_id, target, version, max_pause_bytes, max_rounds,
+                                           stall_rounds, force, on_round)
+            except CannotConverge:  # nothing fenced: the target's copy of the log goes (its pages stay, as any copies)
+                await self._move(there, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
+                raise
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, there.close)
+
+    async def _move(self, runtime: Runtime, method: str, request: Any) -> Any:
+        async def call() -> Any:
+            stub = migration_pb2_grpc.MigrationStub(runtime._channel)
+            return await runtime.rpc(getattr(stub, method), request)
+        return await runtime.call(call())
+
+    async def _migrate(self, there: Runtime, session_id: str, target: str, version: int, max_pause_bytes: int,
+                       max_rounds: int, stall_rounds: int, force: bool,
+                       on_round: Callable[[int, int, int], Any] | None) -> MigrationSummary:
+        ns = self.namespace.namespace_id
+        page_bytes = LayoutDesc.of(self.layout).page_bytes
+        summary = MigrationSummary(session_id, self.node, target, forced=force)
+        started = time.monotonic()
+        if force:
+            adopted = await self._move(there, "Adopt", migration_pb2.AdoptSessionRequest(
+                namespace_id=ns, session_id=session_id, force=True, source=self.node))
+            summary.version, summary.num_tokens = int(adopted.version), int(adopted.num_tokens)
+            summary.total_s = time.monotonic() - started
+            return summary
+        copied, left_before, stalled = 0, None, 0
+        while True:
+            logged = await self.read_session(session_id)  # type: ignore[attr-defined]
+            if logged is None:
+                raise InvalidRequest(f"no session {session_id!r} at node {self.node}")
+            if summary.rounds >= max_rounds:
+                raise CannotConverge(f"session {session_id!r}: {max_rounds} rounds without the rest falling under "
+                                     f"{max_pause_bytes} bytes; nothing fenced, node {self.node} keeps it")
+            stored = await self._stored(logged.tokens)
+            left = (len(stored) - copied) * page_bytes
+            if summary.rounds and left <= max_pause_bytes:
+                break
+            if left_before is not None and left >= left_before:
+                stalled += 1
+                if stalled >= stall_rounds:
+                    raise CannotConverge(f"session {session_id!r} grows at least as fast as it is copied to {target} "
+                                         f"({left} bytes left after {summary.rounds} rounds, not shrinking); nothing "
+                                         f"fenced, node {self.node} keeps it")
+            else:
+                stalled = 0
+            left_before = left
+            held = await self._copy(there, session_id, stored, logged, version)
+            summary.rounds += 1
+            summary.round_bytes.append(max(0, held - copied) * page_bytes)
+            copied = max(copied, held)
+            if on_round is not None and inspect.isawaitable(done := on_round(summary.rounds, summary.round_bytes[-1],
+                                                                             left - summary.round_bytes[-1])):
+                await done
+        fence_at = time.monotonic()
+        fenced = await self._move(self.runtime, "Fence", migration_pb2.FenceSessionRequest(
+            namespace_id=ns, session_id=session_id, to_node=target))
+        final = type(logged)(int(fenced.prompt_tokens), list(fenced.tokens))
+        stored = await self._stored(final.tokens)
+        held = await self._copy(there, session_id, stored, final, version)
+        summary.round_bytes.append(max(0, held - copied) * page_bytes)
+        adopted = await self._move(there, "Adopt", migration_pb2.AdoptSessionRequest(
+            namespace_id=ns, session_id=session_id, version=int(fenced.version), prompt_tokens=final.prompt_tokens,
+            tokens=final.tokens))
+        summary.pause_ms = (time.monotonic() - fence_at) * 1000
+        summary.version, summary.num_tokens = int(adopted.version), int(adopted.num_tokens)
+        summary.total_bytes = sum(summary.round_bytes)
+        summary.total_s = time.monotonic() - started
+        return summary
+
+    async def _stored(self, tokens: list[int]) -> list[bytes]:
+        """The keys of the leading pages of ``tokens`` stored in the cluster (the source's saves)."""
+        hit: Hit = await self.lookup(tokens)
+        return list(hit.keys)
+
+    async def _copy(self, there: Runtime, session_id: str, keys: list[bytes], logged: Any, version: int) -> int:
+        request = migration_pb2.CopySessionRequest(
+            namespace_id=self.namespace.namespace_id, session_id=session_id, source=self.node, keys=keys,
+            page_bytes=LayoutDesc.of(self.layout).page_bytes, prompt_tokens=logged.prompt_tokens, tokens=logged.tokens,
+            version=version)
+        return int((await self._move(there, "Copy", request)).num_pages)

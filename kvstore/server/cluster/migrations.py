@@ -1,0 +1,85 @@
+"""The cluster half of live migration (issue 37): etcd's session records, read and decided from
+the servicer's threads on the cluster loop, and reconciled at every catch-up.
+
+``reconcile`` runs inside the catch-up, before the node serves (process.py passes it with the
+salts' reseed): records etcd holds above this node's are applied (a session that moved away
+while this node was down or cut off is fenced here before any write reaches it), and the
+records this node knows are written back where etcd lacks them (etcd wiped or restored).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore.cluster.sessions import EtcdSessions, SessionRecord
+from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
+from kvstore.server.tokenlog import TokenLog
+
+if TYPE_CHECKING:
+    from kvstore.server.cluster import ClusterRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class SessionMoves:
+    def __init__(self, cluster: ClusterRuntime, owners: SessionOwners, wal: TokenLog) -> None:
+        self._cluster = cluster
+        self._owners = owners
+        self._wal = wal
+        self.node = cluster.node
+        self._etcd: EtcdSessions | None = None
+
+    @property
+    def etcd(self) -> EtcdSessions:
+        if self._etcd is None:
+            assert self._cluster.membership is not None, "the cluster runtime has not started"
+            self._etcd = EtcdSessions(self._cluster.etcd, self._cluster.membership.config.root, self.node)
+        return self._etcd
+
+    def _timeout_s(self) -> float:
+        return max(2.0, self._cluster.cluster.rpc_timeout_s)
+
+    def decide(self, namespace_id: bytes, session_id: str, version: int, owner: str) -> SessionRecord:
+        """etcd's compare-and-swap of ``version`` for ``owner``; the record etcd holds afterwards.
+        CoordinatorUnavailable (UNAVAILABLE) when etcd does not answer: nothing is known decided."""
+        timeout = self._timeout_s()
+        return self._cluster.call(self.etcd.decide(namespace_id, session_id, version, owner), timeout + 1)
+
+    def read(self, namespace_id: bytes, session_id: str) -> SessionRecord | None:
+        timeout = self._timeout_s()
+        return self._cluster.call(self.etcd.read(namespace_id, session_id), timeout + 1)
+
+    def is_member(self, node: str) -> bool:
+        """Whether etcd lists ``node`` now (its lease alive: it may be serving)."""
+        assert self._cluster.membership is not None
+        _, registered = self._cluster.call(self._cluster.membership.registered(), self._timeout_s() + 1)
+        return node in registered
+
+    def address_of(self, node: str) -> str:
+        peer = self._cluster.peers.get(node) if node != self.node else None
+        return peer.member.grpc_address if peer is not None else ""
+
+    def reconcile(self) -> None:
+        """Runs in a worker thread of the catch-up (etcd is reached through the cluster loop)."""
+        held = {(ns, sid): record for ns, sid, record in self._cluster.call(self.etcd.read_all(), self._timeout_s() + 1)}
+        for (ns, sid), record in held.items():
+            mine = self._owners.get(ns, sid)
+            if mine is None and self._wal.read(ns, sid) is None:
+                continue  # a session never here
+            if mine is not None and record.version <= mine.version:
+                continue  # known here (FREEZING: the version the fence starts from; nothing decided above it)
+            if record.owner == self.node:
+                if mine is None or mine.state != INCOMING:  # INCOMING: served once the migration adopts it
+                    self._owners.put(ns, sid, Ownership(record.version, OWNED, self.node))
+                continue
+            self._owners.put(ns, sid, Ownership(record.version, FENCED, record.owner))
+            logger.warning("session %r of namespace %s moved to node %s (version %d) while this node was away: "
+                           "fenced here", sid, ns.hex(), record.owner, record.version)
+        for ns, sid, mine in self._owners.items():
+            if mine.state in (OWNED, FENCED) or (mine.state == FREEZING and mine.version > 0):
+                owner = mine.node if mine.state == FENCED else self.node
+                if held.get((ns, sid), SessionRecord(0, "")).version < mine.version:
+                    self._cluster.call(self.etcd.decide(ns, sid, mine.version, owner), self._timeout_s() + 1)
+                    logger.warning("etcd lacked session %r's version %d (replaced or restored?): written back", sid,
+                                   mine.version)

@@ -1,0 +1,119 @@
+"""Who owns each migrated session, as this node knows it (issue 37; DESIGN §12 "Live migration").
+
+A session without a record is owned where its token log is (every session before it first
+migrates). A migration gives it records, kept durably beside the log in ``wal.lmdb``::
+
+        (no record) --Fence--> FREEZING(v, to) --etcd decides v+1 for `to`--> FENCED(v+1, to)
+             |                       |
+             |                       +--etcd decides v+1 for this node (Abort)--> OWNED(v+1)
+             +--Copy (at the target)--> INCOMING(v, from) --Adopt--> OWNED(v+1)
+
+Only OWNED (or no record) accepts writes: ``check`` refuses the others with SessionFenced and
+counts the refusal. FREEZING is written, synced, before the fence's compare-and-swap in etcd,
+so no write is accepted here once etcd may name another owner; FENCED is never left.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from kvstore.errors import SessionFenced, TierUnavailable
+from kvstore.server.tokenlog import TokenLog
+from kvstore.types import NAMESPACE_ID_BYTES
+
+OWNED, FREEZING, FENCED, INCOMING = 1, 2, 3, 4
+STATE_NAMES = {OWNED: "owned", FREEZING: "freezing", FENCED: "fenced", INCOMING: "incoming"}
+_RECORD = struct.Struct("<QB")  # version, state; then the other node's id (utf-8)
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """``version``: the last version decided that this node knows of (FREEZING, INCOMING: the
+    one the migration started from). ``node``: FREEZING and FENCED: the target; INCOMING: the
+    source; OWNED: this node."""
+
+    version: int
+    state: int
+    node: str
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(self.version, self.state) + self.node.encode()
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Ownership:
+        version, state = _RECORD.unpack_from(raw)
+        return cls(version, state, bytes(raw[_RECORD.size :]).decode())
+
+    @property
+    def state_name(self) -> str:
+        return STATE_NAMES.get(self.state, "?")
+
+
+class SessionOwners:
+    """Thread-safe; ``check`` is a dict read. Records are synced before ``put`` returns."""
+
+    def __init__(self, wal: TokenLog, node: str, refused: Callable[[str], None],
+                 serving: Callable[[], bool] | None = None) -> None:
+        self._wal = wal
+        self.node = node
+        self._refused = refused
+        self._serving = serving  # cluster mode: no session write before the node caught up with etcd
+        self._db = wal.env.open_db(b"owners")
+        self._lock = threading.Lock()
+        self._records: dict[bytes, Ownership] = {}
+        self._stripes = [threading.Lock() for _ in range(64)]  # a session's writes against its fence, not one lock for all
+        with wal.env.begin(db=self._db) as txn:
+            for sid, raw in txn.cursor():
+                self._records[bytes(sid)] = Ownership.unpack(bytes(raw))
+
+    def get(self, namespace_id: bytes, session_id: str) -> Ownership | None:
+        return self._records.get(TokenLog._sid(namespace_id, session_id))
+
+    def put(self, namespace_id: bytes, session_id: str, record: Ownership) -> None:
+        sid = TokenLog._sid(namespace_id, session_id)
+        with self._lock, self._wal.env.begin(write=True) as txn:
+            txn.put(sid, record.pack(), db=self._db)
+            self._records[sid] = record
+        self._wal.env.sync(True)
+
+    def drop(self, namespace_id: bytes, session_id: str) -> None:
+        sid = TokenLog._sid(namespace_id, session_id)
+        with self._lock, self._wal.env.begin(write=True) as txn:
+            txn.delete(sid, db=self._db)
+            self._records.pop(sid, None)
+        self._wal.env.sync(True)
+
+    def items(self) -> list[tuple[bytes, str, Ownership]]:
+        """(namespace, session id, record) of every record here."""
+        return [(sid[:NAMESPACE_ID_BYTES], sid[NAMESPACE_ID_BYTES:-1].decode(), rec) for sid, rec in list(self._records.items())]
+
+    @contextmanager
+    def writing(self, namespace_id: bytes, session_id: str, call: str | None = None) -> Iterator[None]:
+        """Holds the session's stripe over a write (``call``: checked first), so that a fence
+        (FREEZING written inside it) falls before or after the write, never between its check and it."""
+        sid = TokenLog._sid(namespace_id, session_id)
+        with self._stripes[hash(sid) % len(self._stripes)]:
+            if call is not None:
+                self.check(namespace_id, session_id, call)
+            yield
+
+    def check(self, namespace_id: bytes, session_id: str, call: str) -> None:
+        """Raises SessionFenced (counted under ``call``) unless this node may write the session."""
+        if self._serving is not None and not self._serving():
+            raise TierUnavailable(f"node {self.node} has not caught up with the cluster (a session may have moved "
+                                  "meanwhile): retry")
+        record = self.get(namespace_id, session_id)
+        if record is None or record.state == OWNED:
+            return
+        self._refused(call)
+        if record.state == FENCED:
+            why = f"fenced: version {record.version} of the session is owned by node {record.node}"
+        elif record.state == FREEZING:
+            why = f"being fenced: version {record.version + 1} is going to node {record.node}"
+        else:
+            why = f"a migration from node {record.node} is copying it here; it is not owned here until adopted"
+        raise SessionFenced(f"session {session_id!r} at node {self.node} is {why}")
