@@ -75,16 +75,17 @@ class MigrateCalls:
     lookup: Callable[..., Any]
 
     async def migrate(self, session_id: str, target: str, *, max_pause_bytes: int = DEFAULT_PAUSE_BYTES,
-                      max_rounds: int = DEFAULT_MAX_ROUNDS, stall_rounds: int = DEFAULT_STALL_ROUNDS,
+                      max_pause_ms: float | None = None, max_rounds: int = DEFAULT_MAX_ROUNDS, stall_rounds: int = DEFAULT_STALL_ROUNDS,
                       abort: bool = False, force: bool = False, target_address: str | None = None,
                       on_round: Callable[[int, int, int], Any] | None = None) -> MigrationSummary:
         """Moves session ``session_id`` from this client's node to node ``target``; see the module
-        docstring. ``on_round(round, bytes copied, bytes left)`` is called after each round (a
+        docstring. ``max_pause_ms``: instead of bytes, fence once the rest would copy within it
+        at the last round's copy rate. ``on_round(round, bytes copied, bytes left)`` is called after each round (a
         benchmark's catch-up curve; it may be a coroutine function). Raises CannotConverge (nothing fenced), SessionFenced (the
         session is another node's, or an abort won), or KVStoreError when a node is unreachable
         (call again to resume, or ``abort=True``)."""
-        if max_pause_bytes < 0 or max_rounds < 1 or stall_rounds < 1:
-            raise InvalidRequest("max_pause_bytes must be >= 0, max_rounds and stall_rounds >= 1")
+        if max_pause_bytes < 0 or max_rounds < 1 or stall_rounds < 1 or (max_pause_ms is not None and max_pause_ms < 0):
+            raise InvalidRequest("max_pause_bytes and max_pause_ms must be >= 0, max_rounds and stall_rounds >= 1")
         if not target or target == self.node:
             raise InvalidRequest(f"target must be another node than this client's ({self.node!r}), got {target!r}")
         ns = self.namespace.namespace_id
@@ -103,7 +104,7 @@ class MigrateCalls:
                 await self._move(there, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
                 return MigrationSummary(session_id, self.node, target)
             try:
-                return await self._migrate(there, session_id, target, version, max_pause_bytes, max_rounds,
+                return await self._migrate(there, session_id, target, version, (max_pause_bytes, max_pause_ms), max_rounds,
                                            stall_rounds, force, on_round)
             except CannotConverge:  # nothing fenced: the target's copy of the log goes (its pages stay, as any copies)
                 await self._move(there, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
@@ -117,7 +118,7 @@ class MigrateCalls:
             return await runtime.rpc(getattr(stub, method), request)
         return await runtime.call(call())
 
-    async def _migrate(self, there: Runtime, session_id: str, target: str, version: int, max_pause_bytes: int,
+    async def _migrate(self, there: Runtime, session_id: str, target: str, version: int, pause: tuple[int, float | None],
                        max_rounds: int, stall_rounds: int, force: bool,
                        on_round: Callable[[int, int, int], Any] | None) -> MigrationSummary:
         ns = self.namespace.namespace_id
@@ -131,6 +132,7 @@ class MigrateCalls:
             summary.total_s = time.monotonic() - started
             return summary
         copied, left_before, stalled = 0, None, 0
+        max_pause_bytes, max_pause_ms = pause
         while True:
             logged = await self.read_session(session_id)  # type: ignore[attr-defined]
             if logged is None:
@@ -151,7 +153,11 @@ class MigrateCalls:
             else:
                 stalled = 0
             left_before = left
+            round_started = time.monotonic()
             held = await self._copy(there, session_id, stored, logged, version)
+            if max_pause_ms is not None and held > copied:  # the pause in bytes at this round's copy rate
+                rate = (held - copied) * page_bytes / max(1e-6, time.monotonic() - round_started)
+                max_pause_bytes = int(rate * max_pause_ms / 1000)
             summary.rounds += 1
             summary.round_bytes.append(max(0, held - copied) * page_bytes)
             copied = max(copied, held)

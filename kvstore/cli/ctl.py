@@ -12,6 +12,8 @@ import grpc
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.cli.client_args import add_client_security, client_security
+from kvstore.cli.ctl_migrate import add_arguments as add_migrate_arguments
+from kvstore.cli.ctl_migrate import migrate
 from kvstore.config import format_size
 from kvstore.errors import KVStoreError
 from kvstore.keys import page_keys
@@ -36,8 +38,9 @@ def _namespace_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # no abbreviations: migrate's --to would be taken for --token
     p = argparse.ArgumentParser(prog="kvstore-ctl", description="Operate a running kvstore-server.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--server", default="127.0.0.1:7070", help="server address HOST:PORT")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on the server")
@@ -63,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--etcd", required=True, metavar="etcd://HOST:PORT[,HOST:PORT]", help="the cluster's etcd (as --cluster)")
     cl.add_argument("--cluster-name", default="default")
     cl.add_argument("--cluster-replicas", type=int, default=1, help="as the servers' --cluster-replicas")
+    mg = sub.add_parser("migrate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        help="move a running session to another node (pre-copy, fence, delta); resumable")
+    _namespace_args(mg)
+    add_migrate_arguments(mg)
     plan = sub.add_parser("plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="rank local hit, fetch and recompute per instance (no server needed)")
     plan.add_argument("file", help="JSON request: {request, candidates, objective}; '-' for stdin")
     return p
@@ -119,6 +126,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvstore.cli.ctl_cluster import cluster_status
 
         return cluster_status(args.etcd, args.cluster_name, args.cluster_replicas, token, tls, args.timeout)
+    if args.command == "migrate":
+        return migrate(args, token, tls)
     with sync_channel(args.server, token=token, tls=tls) as channel:
         stub = directory_pb2_grpc.DirectoryStub(channel)
         try:

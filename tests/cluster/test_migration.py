@@ -8,6 +8,10 @@ nothing fenced). Growth is driven from the migration's own round callback: no ti
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
@@ -88,6 +92,22 @@ async def test_a_growing_session_moves_bit_exact_and_the_source_is_fenced(cluste
         there, here = await status(dst, "s1"), await status(src, "s1")
         assert (there.state, there.version, there.cluster_version, there.cluster_owner) == ("owned", 1, 1, "b")
         assert (here.state, here.owner) == ("fenced", "b")
+        # and back to a with kvstore-ctl: version 2, a's writes accepted again, b's refused
+        moved = _ctl_migrate(b.address, "s1", "a")
+        assert moved["version"] == 2 and moved["num_tokens"] == len(tokens) + 1 and moved["rounds"] >= 1
+        assert await src.append_tokens("s1", [8], expected_length=len(tokens) + 1, sync=True) == len(tokens) + 2
+        with pytest.raises(SessionFenced, match="version 2 .* node a"):
+            await dst.append_tokens("s1", [8], expected_length=len(tokens) + 1, sync=True)
+
+
+def _ctl_migrate(server: str, session_id: str, to: str) -> dict:
+    args = ["--server", server, "--json", "migrate", "--model", NS.model, "--revision", NS.revision, "--layers",
+            str(LAYOUT.num_layers), "--kv-heads", str(LAYOUT.num_kv_heads), "--head-dim", str(LAYOUT.head_dim), "--dtype",
+            "float16", "--page-tokens", str(PAGE), "--session", session_id, "--to", to, "--max-pause-ms", "50"]
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli.ctl", *args], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 async def test_the_target_killed_mid_copy_leaves_the_session_at_the_source_unfenced(cluster_nodes) -> None:

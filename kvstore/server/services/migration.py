@@ -92,7 +92,8 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
             raise InvalidRequest("Migration.Copy needs the source (another node) and page_bytes")
         assert self.cluster is not None
         mine = self.owners.get(ns, request.session_id)
-        if mine is None or mine.state == INCOMING:  # the log copy so far; OWNED or FENCED here: left alone
+        # the log copy so far, also at a node the session left earlier (migrated back); OWNED here: left alone
+        if mine is None or mine.state == INCOMING or (mine.state == FENCED and request.version >= mine.version):
             if mine != Ownership(request.version, INCOMING, source):
                 self.owners.put(ns, request.session_id, Ownership(request.version, INCOMING, source))
             held = self.wal.read(ns, request.session_id)
