@@ -1,7 +1,7 @@
 """Pages fetched from other nodes for a tenant count against its host quota at the node they land
 at, as its puts do (DESIGN §11): a fill (get), a hint's prefetch and a replica take room in the
 quota (the tenant's own coldest pages written down first), fetch only what fits, and leave
-nothing behind.
+nothing behind; with nothing fitting (its pages pinned) nothing is fetched or charged.
 
 Bug pinned here: remote fetches landed without the quota path (the tenant's arena part is its
 host_bytes rounded up to a slab), so a tenant with a 4-page quota at c read 8 pages of a prefix
@@ -52,11 +52,12 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
     limited.chmod(0o600)
     a = cluster_nodes(["a"], "tcp", *args["a"][:2])[0]
     c = cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
-    read, hinted, replicated = tokens_of(71, 8), tokens_of(72, 8), tokens_of(73, 8)
+    read, hinted, replicated, last = tokens_of(71, 8), tokens_of(72, 8), tokens_of(73, 8), tokens_of(74, 8)
     kv = random_kv(LAYOUT, len(read), seed=71)
     async with KVStoreClient(a.address, NS, token=A) as on_a, KVStoreClient(c.address, NS, token=A) as on_c:
         assert await on_a.put(read, kv) == len(read)
         assert await on_a.put(hinted, random_kv(LAYOUT, len(hinted), seed=72)) == len(hinted)
+        assert await on_a.put(last, random_kv(LAYOUT, len(last), seed=74)) == len(last)
         await eventually(lambda: _found(on_c, read), 5, "a's prefix in c's lookup")
 
         # a get at c: the prefix that fits in a's quota there, bit-exact; nothing pinned or allocated after
@@ -76,7 +77,22 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
 
         # a replica at c: as many pages as fit; the put answers the prefix two nodes hold
         held = await on_a.put(replicated, random_kv(LAYOUT, len(replicated), seed=73), replicas=2)
-        assert 0 < held <= 4 * LAYOUT.page_tokens, held
+        assert held == 4 * LAYOUT.page_tokens, held
+        assert await _within_quota(on_c), await _usage(on_c)
+
+        # its quota full of its own pinned pages: a read fetches nothing, charges nothing, leaves nothing
+        ns = on_c.namespace.namespace_id
+        lease = await on_c._call(on_c.runtime.directory.Lease,
+                                 directory_pb2.LeaseRequest(namespace_id=ns, keys=on_c.keys(replicated)[:4], ttl_ms=30_000))
+        assert lease.num_pages == 4
+        before, _ = await _usage(on_c)
+        await eventually(lambda: _found(on_c, last), 5, "the last prefix in c's lookup")
+        with pytest.raises(PageMissing) as missing:
+            await on_c.get(await on_c.lookup(last), torch.zeros_like(kv))
+        assert missing.value.num_tokens == 0  # type: ignore[attr-defined]
+        after, leases = await _usage(on_c)
+        assert after["host_bytes"] == before["host_bytes"] == QUOTA and after["allocations"] == 0 and leases == 1
+        await on_c._call(on_c.runtime.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
         assert await _within_quota(on_c), await _usage(on_c)
 
 
