@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "direct handoff pushes the chunks before the last while it computes (0: the whole prompt in one step)")
     p.add_argument("--data-plane", default="tcp", choices=("tcp", "ucx", "grpc"), help="between the two nodes")
     p.add_argument("--pump-rounds", type=int, default=5, help="rounds of the raw TCP pump (median)")
-    p.add_argument("--host-capacity", default="3GiB", help="each node's host tier")
+    p.add_argument("--host-capacity", default="1GiB", help="each node's host tier (an arena touched at start: keep it small)")
     p.add_argument("--dir", default="bench-out/pd")
     p.add_argument("--plot", default="bench-out/pd.png", help="PNG of handoff time vs bytes with the model line ('' for none)")
 
