@@ -212,9 +212,11 @@ def _pump(args: argparse.Namespace, page_bytes: int, total: int) -> dict[str, An
 
 def _measure(bench: Bench, lengths: list[int], bar: tqdm) -> dict[str, Any]:
     args = bench.args
-    for direct in (False, True):  # warm-up: both paths once, and the colocated engine
+    for direct in (False, True):  # warm-up: both paths once
         bench.handoff(2 * args.block_size, direct)
-    bench.colocated(2 * args.block_size)
+    for tokens in lengths:  # and each length on both engines: a first prompt of a new length runs slower (allocations)
+        bench.handoff(tokens, True)
+        bench.colocated(tokens)
     bar.update(1)
     fixed = []
     for _ in range(args.fixed_repeats):
