@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ async def _within_quota(client: KVStoreClient) -> bool:
     return used["host_bytes"] <= QUOTA and used["allocations"] == 0 and leases == 0
 
 
-async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes, tmp_path, monkeypatch) -> None:
+def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
+    """Nodes a and c of one cluster; tenant a may hold QUOTA host bytes at c."""
     from certs import CertAuthority  # test_cluster_auth put the security tests' folder on sys.path
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
@@ -50,8 +52,11 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
     limited = tmp_path / "auth-c.json"
     limited.write_text(json.dumps(auth))
     limited.chmod(0o600)
-    a = cluster_nodes(["a"], "tcp", *args["a"][:2])[0]
-    c = cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
+    return cluster_nodes(["a"], "tcp", *args["a"][:2])[0], cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
+
+
+async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes, tmp_path, monkeypatch) -> None:
+    a, c = _nodes(cluster_nodes, tmp_path, monkeypatch)
     read, hinted, replicated, last = tokens_of(71, 8), tokens_of(72, 8), tokens_of(73, 8), tokens_of(74, 8)
     kv = random_kv(LAYOUT, len(read), seed=71)
     async with KVStoreClient(a.address, NS, token=A) as on_a, KVStoreClient(c.address, NS, token=A) as on_c:
@@ -94,6 +99,28 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
         assert after["host_bytes"] == before["host_bytes"] == QUOTA and after["allocations"] == 0 and leases == 1
         await on_c._call(on_c.runtime.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
         assert await _within_quota(on_c), await _usage(on_c)
+
+
+async def test_a_fetch_makes_no_room_with_the_prefix_it_extends(cluster_nodes, tmp_path, monkeypatch) -> None:
+    """Pages 0-3 of a prefix are at c (the whole quota), 4-7 at a: a get of the 8 pages at c takes
+    no room by writing down pages 0-3 (it would read them up again past the quota): it fetches
+    nothing and answers the 4 pages held."""
+    a, c = _nodes(cluster_nodes, tmp_path, monkeypatch)
+    tokens = tokens_of(75, 8)
+    kv = random_kv(LAYOUT, len(tokens), seed=75)
+    half = 4 * LAYOUT.page_tokens
+    async with KVStoreClient(a.address, NS, token=A) as on_a, KVStoreClient(c.address, NS, token=A) as on_c:
+        keys = on_a.keys(tokens)
+        assert await on_c.put_keys(keys[:4], kv[:, :, :half].contiguous()) == half
+        assert await on_a.put_keys(keys[4:], kv[:, :, half:].contiguous()) == half
+        await eventually(lambda: _found(on_c, tokens), 5, "the whole prefix in c's lookup")
+        out = torch.zeros_like(kv)
+        with pytest.raises(PageMissing) as missing:
+            await on_c.get(await on_c.lookup(tokens), out)
+        assert missing.value.num_tokens == half  # type: ignore[attr-defined]
+        assert torch.equal(out[:, :, :half], kv[:, :, :half])
+        used, leases = await _usage(on_c)
+        assert used["host_bytes"] == QUOTA and used["allocations"] == 0 and leases == 0, used
 
 
 async def _found(client: KVStoreClient, tokens: list[int]) -> bool:
