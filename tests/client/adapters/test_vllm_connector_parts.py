@@ -44,13 +44,15 @@ def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
         proc.proc.wait(10)
 
 
-def parts(address: str, **worker_kw: Any) -> tuple[StoreConnection, SchedulerSide, WorkerSide, dict[str, torch.Tensor]]:
+def parts(address: str, lookup_timeout_s: float = 5.0,
+          **worker_kw: Any) -> tuple[StoreConnection, SchedulerSide, WorkerSide, dict[str, torch.Tensor]]:
+    """``lookup_timeout_s``: generous unless a test is about it (0.2 s missed lookups on a loaded CI)."""
     store = StoreConnection(address, Namespace(model="parts", revision="r", layout=LAYOUT))
     assert store.start()
     caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for name in NAMES}  # vLLM's CPU layout
     worker = WorkerSide(store, NAMES, BLOCK, NUM_BLOCKS, **worker_kw)
     worker.register(caches)
-    return store, SchedulerSide(store, BLOCK, lookup_timeout_s=0.2), worker, caches
+    return store, SchedulerSide(store, BLOCK, lookup_timeout_s=lookup_timeout_s), worker, caches
 
 
 def new_request(req_id: str, tokens: list[int]) -> SimpleNamespace:
@@ -124,20 +126,22 @@ def test_lookup_of_a_stopped_store_is_a_bounded_miss(store_process: ServerProces
     the lease the store grants once it runs again is given back."""
     tokens = list(range(1, 2 * BLOCK + 2))
     store_prompt(store_process.address, tokens)
-    store, scheduler, _, _ = parts(store_process.address)
+    store, scheduler, _, _ = parts(store_process.address, lookup_timeout_s=0.2)
     assert store_process.proc is not None
     store_process.freeze()
     try:
         start = time.monotonic()
         hit = scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r", prompt_token_ids=tokens), 0)
-        assert hit == 0 and time.monotonic() - start < 1.0
+        assert hit == 0 and time.monotonic() - start < 2.0  # bounded: the frozen store never answers
     finally:
         os.kill(store_process.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 10
     while num_leases(store_process.address):  # the late answer comes, then its release
         assert time.monotonic() < deadline, "the lease granted after the timeout was never given back"
         time.sleep(0.01)
-    assert scheduler.num_new_matched_tokens(SimpleNamespace(request_id="r2", prompt_token_ids=tokens), 0) == 2 * BLOCK
+    answered = [scheduler.num_new_matched_tokens(SimpleNamespace(request_id=f"r{i}", prompt_token_ids=tokens), 0)
+                for i in range(2, 12)]  # a 0.2 s lookup may miss on a loaded machine; the store answers again
+    assert 2 * BLOCK in answered
     store.close()
 
 

@@ -20,7 +20,8 @@ def store_process(server_process: ServerProcess) -> ServerProcess:
 
 def test_a_worker_reads_a_lease_of_the_restarted_server(store_process: ServerProcess) -> None:
     tokens = list(range(1, 4 * 32 + 2))
-    worker_store, _, worker, caches = parts(store_process.address, sync_load_pages=4)  # the worker process's client
+    # a generous load deadline: the load maps the new arena first (the prior-based 50 ms failed under load)
+    worker_store, _, worker, caches = parts(store_process.address, sync_load_pages=4, load_deadline_s=30)  # the worker process's client
     assert worker_store.client().shared_memory
     store_process.kill()
     store_process.start()
