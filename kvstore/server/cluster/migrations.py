@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.cluster.sessions import EtcdSessions, SessionRecord
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tokenlog import TokenLog
@@ -61,7 +62,14 @@ class SessionMoves:
         return peer.member.grpc_address if peer is not None else ""
 
     def reconcile(self) -> None:
-        """Runs in a worker thread of the catch-up (etcd is reached through the cluster loop)."""
+        """Runs in a worker thread of the catch-up (etcd is reached through the cluster loop);
+        CoordinatorUnavailable when etcd does not answer in time (the catch-up retries)."""
+        try:
+            self._reconcile()
+        except TimeoutError:
+            raise CoordinatorUnavailable("etcd did not answer the sessions' catch-up in time") from None
+
+    def _reconcile(self) -> None:
         held = {(ns, sid): record for ns, sid, record in self._cluster.call(self.etcd.read_all(), self._timeout_s() + 1)}
         for (ns, sid), record in held.items():
             mine = self._owners.get(ns, sid)

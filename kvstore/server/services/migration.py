@@ -222,7 +222,10 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
         record = moves.read(ns, sid)  # INCOMING, at the target
         if record is not None and record.owner == self.node and record.version > mine.version:
             raise SessionFenced(f"session {sid!r}: version {record.version} was decided for this node; adopt it")
-        self.owners.drop(ns, sid)
+        if record is not None and record.owner != self.node:  # the session was here before and moved: still fenced here
+            self.owners.put(ns, sid, Ownership(record.version, FENCED, record.owner))
+        else:
+            self.owners.drop(ns, sid)
         self.wal.end(ns, sid)
         return migration_pb2.AbortSessionResponse(version=mine.version)
 
