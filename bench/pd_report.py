@@ -70,7 +70,23 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
             "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
             "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
                                                           "head_dim": args.head_dim, "dtype": "float32", "block_size": args.block_size},
-            "chunk_tokens": args.chunk_tokens or None, "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals, "all_goals_met": all(goals.values())}
+            "chunk_tokens": args.chunk_tokens or None, "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals,
+            "all_goals_met": all(goals.values()), "definitions": DEFINITIONS}
+
+
+DEFINITIONS = {
+    "handoff_s": "CLOCK_MONOTONIC from the end of the prefill connector's last layer-wise save of the prompt (the prefill "
+                 "node acknowledged the commit of its last page) to the return of the decode connector's handoff_wait with "
+                 "every page (the completion marker set at the decode node); the same points in the pool and direct arms",
+    "ttft_s": "colocated: the decode engine's LLM.generate of one token; pool/direct: from the prefill engine's generate call "
+              "to the decode engine's first token (no HTTP proxy hop in either)",
+    "model_handoff_s": "bytes / link_gbps (raw TCP pump, same run) + fixed_s (median 1-page direct handoff - its bytes / link)",
+    "goals": "direct handoff_s <= 1.2 x bytes / link + 5 ms; direct_ttft_s <= colocated_ttft_s + direct handoff_s",
+    "pool": "through the pool here is the prefill node's own host tier, pulled once by the decode node (one transfer), not "
+            "the chapter's third-party pool (write + read, two transfers)",
+    "cpu_s_per_gb": "user + system CPU seconds (/proc) of the two nodes, and of the two engines (prefill compute included), "
+                    "over each PD request, per GB handed off",
+}
 
 
 def print_table(report: dict[str, Any]) -> None:
