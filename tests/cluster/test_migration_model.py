@@ -1,9 +1,11 @@
 """Live migration under random operations and faults (issue 37), checked against a simple model
 after every step, as etcd's robustness tests are: a session moves back and forth between two
 real nodes (or is aborted) while nodes are SIGKILLed and restarted, and etcd or the target is
-killed before a fence (then the migration is resumed or aborted). After each step exactly one node takes the session's append (the owner: the model's; the
-other refuses it as fenced), and the owner's log is the model's: nothing a node acknowledged is
-lost, and no fenced node ever took a write. Seeded (seed 43 in the suite: it takes every kind of step; $KVSTORE_MIGRATION_SEEDS=37,38,... runs others; 37-44 passed); the seed is in the test id."""
+killed before a fence (then the migration is resumed or aborted). After each step exactly one
+node takes the session's append (the owner: the model's; the other refuses it as fenced), and
+the owner's log is the model's: nothing a node acknowledged is lost, and no fenced node ever
+took a write. Seeded: seed 43 in the suite (it takes every kind of step);
+KVSTORE_MIGRATION_SEEDS=37,38,... runs others (37-44 passed). The seed is in the test id."""
 
 from __future__ import annotations
 
