@@ -14,8 +14,8 @@ delta is copied, and the target adopts the final log. The catch-up takes about S
 - growth rate); a session whose uncopied bytes did not shrink for ``stall_rounds`` rounds in a
 row (growth >= copy) raises CannotConverge, with nothing fenced. Calling it again resumes
 (pages the target holds are not fetched again; a fence already made is answered again);
-``abort=True`` gives a migration not fenced yet up; ``force=True`` takes over from a source
-that is gone (not a member of the cluster) with what the target copied.
+``abort=True`` gives a migration not fenced yet up; ``take_over`` (a client of the target) takes
+the session over from a source that is gone (not a member of the cluster) with what it copied.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class MigrateCalls:
 
     async def migrate(self, session_id: str, target: str, *, max_pause_bytes: int = DEFAULT_PAUSE_BYTES,
                       max_pause_ms: float | None = None, max_rounds: int = DEFAULT_MAX_ROUNDS, stall_rounds: int = DEFAULT_STALL_ROUNDS,
-                      abort: bool = False, force: bool = False, target_address: str | None = None,
+                      abort: bool = False, target_address: str | None = None,
                       on_round: Callable[[int, int, int], Any] | None = None) -> MigrationSummary:
         """Moves session ``session_id`` from this client's node to node ``target``; see the module
         docstring. ``max_pause_ms``: instead of bytes, fence once the rest would copy within it
@@ -89,13 +89,11 @@ class MigrateCalls:
         if not target or target == self.node:
             raise InvalidRequest(f"target must be another node than this client's ({self.node!r}), got {target!r}")
         ns = self.namespace.namespace_id
-        version, address = 0, target_address
-        if not force:  # with force the source is gone: the target is named by its address
-            here = await self._move(self.runtime, "Status", migration_pb2.SessionStatusRequest(
-                namespace_id=ns, session_id=session_id, to_node=target))
-            version, address = int(here.version), target_address or here.to_address
+        here = await self._move(self.runtime, "Status", migration_pb2.SessionStatusRequest(
+            namespace_id=ns, session_id=session_id, to_node=target))
+        version, address = int(here.version), target_address or here.to_address
         if not address:
-            raise InvalidRequest(f"node {target!r} is not a member this node knows (give target_address; force needs it)")
+            raise InvalidRequest(f"node {target!r} is not a member this node knows (give target_address)")
         there = Runtime(address, self.timeout_s, token=self._token, tls=self._tls)
         try:
             await there.call(there.open())
@@ -105,12 +103,24 @@ class MigrateCalls:
                 return MigrationSummary(session_id, self.node, target)
             try:
                 return await self._migrate(there, session_id, target, version, (max_pause_bytes, max_pause_ms), max_rounds,
-                                           stall_rounds, force, on_round)
+                                           stall_rounds, on_round)
             except CannotConverge:  # nothing fenced: the target's copy of the log goes (its pages stay, as any copies)
                 await self._move(there, "Abort", migration_pb2.AbortSessionRequest(namespace_id=ns, session_id=session_id))
                 raise
         finally:
             await asyncio.get_running_loop().run_in_executor(None, there.close)
+
+    async def take_over(self, session_id: str, source: str) -> MigrationSummary:
+        """With a client of the target node: the session's source ``source`` is gone for good
+        (not a member: its lease expired) mid-migration, and this node takes the session over with
+        what the migration's rounds copied here (its log copy and pages; tokens the source logged
+        after the last round are lost with it). SessionFenced while ``source`` is a member, or when
+        another node was decided owner; InvalidRequest when nothing of the session was copied here."""
+        started = time.monotonic()
+        adopted = await self._move(self.runtime, "Adopt", migration_pb2.AdoptSessionRequest(
+            namespace_id=self.namespace.namespace_id, session_id=session_id, force=True, source=source))
+        return MigrationSummary(session_id, source, self.node, version=int(adopted.version), total_s=time.monotonic() - started,
+                                num_tokens=int(adopted.num_tokens), forced=True)
 
     async def _move(self, runtime: Runtime, method: str, request: Any) -> Any:
         async def call() -> Any:
@@ -119,18 +129,12 @@ class MigrateCalls:
         return await runtime.call(call())
 
     async def _migrate(self, there: Runtime, session_id: str, target: str, version: int, pause: tuple[int, float | None],
-                       max_rounds: int, stall_rounds: int, force: bool,
+                       max_rounds: int, stall_rounds: int,
                        on_round: Callable[[int, int, int], Any] | None) -> MigrationSummary:
         ns = self.namespace.namespace_id
         page_bytes = LayoutDesc.of(self.layout).page_bytes
-        summary = MigrationSummary(session_id, self.node, target, forced=force)
+        summary = MigrationSummary(session_id, self.node, target)
         started = time.monotonic()
-        if force:
-            adopted = await self._move(there, "Adopt", migration_pb2.AdoptSessionRequest(
-                namespace_id=ns, session_id=session_id, force=True, source=self.node))
-            summary.version, summary.num_tokens = int(adopted.version), int(adopted.num_tokens)
-            summary.total_s = time.monotonic() - started
-            return summary
         copied, left_before, stalled = 0, None, 0
         max_pause_bytes, max_pause_ms = pause
         while True:

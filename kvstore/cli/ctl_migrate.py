@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags after the namespace's (ctl's _namespace_args: the layout is needed, not only an id)."""
     p.add_argument("--session", required=True, help="the session id (its token log is at --server)")
     p.add_argument("--to", required=True, metavar="NODE", help="the target node's id")
-    p.add_argument("--to-address", help="the target's HOST:PORT (default: as --server knows it; needed with --force)")
+    p.add_argument("--to-address", help="the target's HOST:PORT (default: as --server knows it)")
     # defaults: KVStoreClient.migrate's (not imported here: kvstore-ctl does not load the client for other commands)
     p.add_argument("--max-pause-bytes", help="fence once at most this much stored KV is not copied yet (the pause's "
                    "bytes; default 64MiB)")
@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-rounds", type=int, help="rounds in a row whose rest did not shrink before 'cannot converge' "
                    "(default 3)")
     p.add_argument("--abort", action="store_true", help="give up a migration not fenced yet (the source keeps the session)")
-    p.add_argument("--force", action="store_true", help="the source is gone (not a member): the target takes over "
-                   "with what it copied (tokens the source logged after the last round are lost)")
+    p.add_argument("--force", metavar="SOURCE", help="the session's source SOURCE is gone (not a member): --server, the "
+                   "target --to, takes the session over with what it copied (tokens logged after the last round are lost)")
 
 
 def migrate(args: argparse.Namespace, token: str | None, tls: ClientTLS | None) -> dict[str, Any]:
@@ -42,12 +42,15 @@ def migrate(args: argparse.Namespace, token: str | None, tls: ClientTLS | None) 
 
     async def run() -> dict[str, Any]:
         async with KVStoreClient(args.server, ns, use_shm=False, timeout_s=args.timeout, token=token, tls=tls) as client:
+            if args.force:
+                if client.node != args.to:
+                    raise KVStoreError(f"--force: --server must be the target {args.to!r}, not {client.node!r}")
+                return (await client.take_over(args.session, args.force)).as_dict()
             given: dict[str, Any] = {"max_pause_ms": args.max_pause_ms, "max_rounds": args.max_rounds,
                                      "stall_rounds": args.stall_rounds}
             if args.max_pause_bytes is not None:
                 given["max_pause_bytes"] = parse_size(args.max_pause_bytes, "--max-pause-bytes")
-            summary = await client.migrate(args.session, args.to, abort=args.abort, force=args.force,
-                                           target_address=args.to_address,
+            summary = await client.migrate(args.session, args.to, abort=args.abort, target_address=args.to_address,
                                            **{k: v for k, v in given.items() if v is not None})
             return {"aborted": True, **summary.as_dict()} if args.abort else summary.as_dict()
 

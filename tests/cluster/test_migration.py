@@ -100,10 +100,10 @@ async def test_a_growing_session_moves_bit_exact_and_the_source_is_fenced(cluste
             await dst.append_tokens("s1", [8], expected_length=len(tokens) + 1, sync=True)
 
 
-def _ctl_migrate(server: str, session_id: str, to: str) -> dict:
+def _ctl_migrate(server: str, session_id: str, to: str, *extra: str) -> dict:
     args = ["--server", server, "--json", "migrate", "--model", NS.model, "--revision", NS.revision, "--layers",
             str(LAYOUT.num_layers), "--kv-heads", str(LAYOUT.num_kv_heads), "--head-dim", str(LAYOUT.head_dim), "--dtype",
-            "float16", "--page-tokens", str(PAGE), "--session", session_id, "--to", to, "--max-pause-ms", "50"]
+            "float16", "--page-tokens", str(PAGE), "--session", session_id, "--to", to, "--max-pause-ms", "50", *extra]
     done = subprocess.run([sys.executable, "-m", "kvstore.cli.ctl", *args], check=False, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
@@ -153,8 +153,8 @@ async def test_the_source_killed_mid_copy_the_target_takes_over_and_the_source_r
             await src.migrate("s3", "b", max_pause_bytes=0, on_round=kill_a)
         # b may not take over while a's lease lives (a may be serving): refused, then done once a is gone
         await eventually(_gone(etcd.url, "a"), 30, "a's lease expired")
-        summary = await src.migrate("s3", "b", force=True, target_address=b.address)
-        assert summary.forced and summary.version == 1
+        summary = _ctl_migrate(b.address, "s3", "b", "--force", "a")  # client.take_over at b
+        assert summary["forced"] and summary["version"] == 1
         rec = await dst.recover("s3")  # the last fenced state: the log copy of round 1, its pages copied
         assert rec is not None and rec.tokens == tokens[: 6 * PAGE]
         assert rec.stored_tokens == 5 * PAGE and rec.to_prefill == tokens[5 * PAGE : 6 * PAGE - 1]
