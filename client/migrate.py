@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore._proto import migration_pb2, migration_pb2_grpc
 from kvstore.client.runtime import Runtime
-from kvstore.errors import CannotConverge, InvalidRequest
+from kvstore.errors import CannotConverge, InvalidRequest, TierUnavailable
 from kvstore.page import LayoutDesc
 
 if TYPE_CHECKING:
@@ -162,6 +162,10 @@ class MigrateCalls:
             if max_pause_ms is not None and held > copied:  # the pause in bytes at this round's copy rate
                 rate = (held - copied) * page_bytes / max(1e-6, time.monotonic() - round_started)
                 max_pause_bytes = int(rate * max_pause_ms / 1000)
+            if held <= copied < len(stored):  # no progress: not a race with growth, a fetch that fails
+                raise TierUnavailable(f"node {target} copied none of the {len(stored) - copied} pages left of session "
+                                      f"{session_id!r} (no room for the tenant there, or node {self.node} did not send them); "
+                                      "nothing fenced: call again to resume")
             summary.rounds += 1
             summary.round_bytes.append(max(0, held - copied) * page_bytes)
             copied = max(copied, held)

@@ -16,14 +16,14 @@ import grpc
 from kvstore import validate
 from kvstore._proto import migration_pb2, migration_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, SessionFenced
+from kvstore.errors import InvalidRequest, PermissionDenied, SessionFenced
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.errors import unary
+from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.handoffs import node_id
 from kvstore.server.services.node_calls import on_behalf
-from kvstore.server.services.room import room
 from kvstore.server.services.sessions import MAX_APPEND_TOKENS
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tenancy import Tenancy
@@ -102,7 +102,7 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
         return migration_pb2.CopySessionResponse(num_pages=self._copy(who, ns, source, keys, request.page_bytes, context))
 
     def _copy(self, who: Identity, ns: bytes, source: str, keys: list[bytes], page_bytes: int, context: grpc.ServicerContext) -> int:
-        """As Handoff.Push: room in the tenant's host quota here first, then the replica fetch."""
+        """As a replica (Data.Replicate with a holder): within the tenant's host quota here (fetch_room.py)."""
         assert self.cluster is not None
         have = self.cluster.remote.local_prefix(ns, keys) if keys else 0
         if have == len(keys):
@@ -110,20 +110,8 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
         claimed = self.tenancy.claim(who, ns)
         held = 0
         try:
-            lacking = len(keys) - have
-            while lacking > 0:
-                try:
-                    reserved = room(self.tenancy.quotas, self.core, who, lacking, page_bytes, context)
-                    break
-                except LimitExceeded:
-                    lacking //= 2
-            if lacking <= 0:
-                return have
-            try:
-                held = self.cluster.copy_from(source, ns, keys[: have + lacking], page_bytes, context.time_remaining(),
-                                              on_behalf(who))
-            finally:
-                reserved.release()
+            held = self.cluster.copy_from(source, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
+                                          quota_landing(self.tenancy.quotas, self.core, who, ns, keys))
         finally:
             if claimed:
                 self.tenancy.settle(who, ns, held > 0)
