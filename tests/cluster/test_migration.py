@@ -2,9 +2,10 @@
 session moves from a to b bit-exact while a keeps saving, and a's later writes are refused; the
 target SIGKILLed mid-copy (no fence, a keeps the session, and the migration resumes once b is
 back); the source SIGKILLed mid-copy (b takes over from the last round's copy; a restarted is
-fenced before it serves); etcd killed before the fence and restarted (the fence is made once),
-then wiped (the nodes write it back); a source growing faster than the copy (cannot converge,
-nothing fenced). Growth is driven from the migration's own round callback: no timing asserts."""
+fenced before it serves); etcd killed before the fence (the source stays frozen, also across
+its own restart) and restarted (the fence is made once), then wiped (the nodes write it back);
+a source growing faster than the copy (cannot converge, nothing fenced). Growth is driven from
+the migration's own round callback: no timing asserts."""
 
 from __future__ import annotations
 
@@ -163,13 +164,13 @@ async def test_the_source_killed_mid_copy_the_target_takes_over_and_the_source_r
     await eventually(lambda: _refused_at(a.address, "s3", 7 * PAGE), 20, "a reachable again, refusing s3's writes")
 
 
-async def _refused_at(address: str, session_id: str, length: int) -> bool:
+async def _refused_at(address: str, session_id: str, length: int, state: str = "fenced") -> bool:
     """Whether the node refuses the session's append as fenced (False: not reachable, or not serving, yet)."""
     try:
         async with KVStoreClient(address, NS) as client:
             with pytest.raises(SessionFenced):
                 await client.append_tokens(session_id, [5], expected_length=length, sync=True)
-            assert (await status(client, session_id)).state == "fenced"
+            assert (await status(client, session_id)).state == state
     except (KVStoreError, OSError) as exc:
         return isinstance(exc, SessionFenced)
     return True
@@ -181,7 +182,7 @@ def _gone(etcd_url: str, node: str):  # type: ignore[no-untyped-def]
     return check
 
 
-async def test_etcd_restarted_before_the_fence_then_wiped_the_fence_is_made_once_and_kept(cluster_nodes, etcd) -> None:
+async def test_etcd_killed_before_the_fence_then_wiped_the_fence_is_made_once_and_kept(cluster_nodes, etcd) -> None:
     a, b = cluster_nodes(["a", "b"], "tcp")
     tokens = tokens_of(373, 6)
     kv = random_kv(LAYOUT, len(tokens), seed=373)
@@ -192,8 +193,11 @@ async def test_etcd_restarted_before_the_fence_then_wiped_the_fence_is_made_once
             await src.migrate("s4", "b", max_pause_bytes=0, on_round=lambda *_: etcd.kill())
         with pytest.raises(KVStoreError):  # frozen (or not serving): no write while the fence is undecided
             await src.append_tokens("s4", [5], expected_length=len(tokens), sync=True)
+        a.kill()  # ... and across a restart: FREEZING is durable, nothing decided it
         etcd.start()  # the same etcd, back
-        await eventually(lambda: _status_ok(src, "s4"), 30, "a reads etcd again")
+        a.start()
+        await eventually(lambda: _refused_at(a.address, "s4", len(tokens), "freezing"), 30, "a back, still frozen")
+    async with KVStoreClient(a.address, NS) as src, KVStoreClient(b.address, NS) as dst:
         summary = await src.migrate("s4", "b", max_pause_bytes=0)
         assert summary.version == 1
         assert (await status(dst, "s4")).cluster_version == 1  # made once, not twice
