@@ -36,7 +36,7 @@ from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
-from kvstore.wire import MESSAGE_OPTIONS, PageStubs
+from kvstore.wire import CLIENT_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class Runtime:
 
     async def open(self) -> None:
         """Opens the channel (on this loop: a grpc.aio channel belongs to the loop it was made on)."""
-        self._channel = aio_channel(self.address, MESSAGE_OPTIONS, token=self._token, tls=self._tls)
+        self._channel = aio_channel(self.address, CLIENT_OPTIONS, token=self._token, tls=self._tls)
         self.data = data_pb2_grpc.DataStub(self._channel)
         self.directory = directory_pb2_grpc.DirectoryStub(self._channel)
         self.handoff = handoff_pb2_grpc.HandoffStub(self._channel)

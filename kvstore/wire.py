@@ -33,6 +33,16 @@ MESSAGE_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+# A client's or a peer's channel: its own connection (gRPC otherwise shares one per address across the
+# process, and a new client reused one backing off from a server that was down: refused for seconds after
+# the server was back), retried at most a second apart (gRPC's default backs off up to 120 s).
+CLIENT_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 8 << 20  # what a ReadPages request or a client may ask for
 

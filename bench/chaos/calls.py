@@ -22,6 +22,7 @@ from kvstore.bench.chaos.model import LAYOUT, page_digests, prefix_kv
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import call_metadata
+from kvstore.wire import CLIENT_OPTIONS
 
 if TYPE_CHECKING:
     from kvstore.bench.chaos.traffic import Planned
@@ -84,7 +85,7 @@ class Clients:
 
     def channel(self, node: str) -> grpc.aio.Channel:
         if node not in self._channels:
-            self._channels[node] = grpc.aio.insecure_channel(self.cluster.node(node).address)
+            self._channels[node] = grpc.aio.insecure_channel(self.cluster.node(node).address, options=CLIENT_OPTIONS)
         return self._channels[node]
 
     async def close(self) -> None:

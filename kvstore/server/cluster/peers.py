@@ -21,7 +21,7 @@ from kvstore.cluster.errors import TransportError
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
 from kvstore.security.channel import ClientTLS, aio_channel
-from kvstore.wire import MESSAGE_OPTIONS, PageStubs
+from kvstore.wire import CLIENT_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Peer:
         self._me = me
         self._rpc_timeout_s = cluster.rpc_timeout_s
         self.member = member
-        self.channel = aio_channel(member.grpc_address, MESSAGE_OPTIONS, token=cluster.token, tls=tls)
+        self.channel = aio_channel(member.grpc_address, CLIENT_OPTIONS, token=cluster.token, tls=tls)
         self.directory = directory_pb2_grpc.DirectoryStub(self.channel)
         self.data = data_pb2_grpc.DataStub(self.channel)
         self.pages = PageStubs(self.channel)
