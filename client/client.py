@@ -263,7 +263,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs, generation)
 
     async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
-                  session_open: bool = False, replicas: int = 1, generation: int | None = None) -> int:
+                  session_open: bool = False, replicas: int = 1, generation: int | None = None, session_id: str = "") -> int:
         """Stores the full pages of ``kv`` (``[layers, kv, tokens, heads, dim]``).
 
         Pages already stored are not written again. With ``durable`` every page of the
@@ -274,20 +274,19 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         included, hold every page of the returned prefix when this returns (see
         ``replicate``). ``generation`` (a ``Hit.generation``): the namespace generation ``kv``
         was computed in; once an invalidation raised it, the put is refused (StaleGeneration)
-        instead of storing KV of the old one in the new. Returns the number of leading tokens
-        stored (on that many nodes).
-        """
+        instead of storing KV of the old one in the new. ``session_id``: the session saved; refused
+        (SessionFenced) once a live migration fenced it here. Returns the leading tokens stored (on that many nodes)."""
         return await self.put_keys(self.keys(tokens), kv, durable=durable, wanted=wanted, session_open=session_open,
-                                   replicas=replicas, generation=generation)
+                                   replicas=replicas, generation=generation, session_id=session_id)
 
     async def put_keys(self, keys: list[bytes], kv: torch.Tensor | EngineKV, *, durable: bool = False,
                        wanted: bool = False, session_open: bool = False, replicas: int = 1,
-                       generation: int | None = None) -> int:
+                       generation: int | None = None, session_id: str = "") -> int:
         """``put`` for page keys the engine computed itself: page i of ``kv`` is stored under
         ``keys[i]``. Returns the number of leading tokens stored."""
         flags = (FLAG_WANTED if wanted else 0) | (FLAG_SESSION_OPEN if session_open else 0)
         check_engine_kv(kv, self.layout, len(keys) * self.layout.page_tokens, "kv")
-        stored = await self._io(self.transport.put(keys, kv, durable, flags, generation))
+        stored = await self._io(self.transport.put(keys, kv, durable, flags, generation, session_id))
         if 0 < stored < len(keys):  # cut short: the put's own tail may have been evicted before it ended
             stored = min(stored, len((await self.lookup_keys(keys[:stored])).keys))
         if replicas != 1 and stored:
@@ -375,10 +374,11 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         self._handles.add(load)
         return load
 
-    def save(self, tokens: Any, kv: torch.Tensor | EngineKV, start: int = 0, durable: bool = False) -> LayerSave:
-        """Starts a layer-wise save of the full pages of ``tokens`` from token ``start``
-        (page-aligned: usually ``hit.num_tokens``) on; see LayerSave."""
-        save = LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable)
+    def save(self, tokens: Any, kv: torch.Tensor | EngineKV, start: int = 0, durable: bool = False,
+             session_id: str = "") -> LayerSave:
+        """Starts a layer-wise save of the full pages of ``tokens`` from token ``start`` (page-aligned: usually
+        ``hit.num_tokens``) on; ``session_id``: as put's; see LayerSave."""
+        save = LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable, session_id)
         self._handles.add(save)
         return save
 

@@ -106,9 +106,10 @@ class SessionLog:
             "periodic": complete - self.checkpointed >= self.checkpoint_tokens,
         }[self.checkpoint_policy]
         if force or due:
-            self.checkpointed = await self.client.put(list(tokens)[:complete], kv, durable=self.checkpoint_policy != "ram")
+            self.checkpointed = await self.client.put(list(tokens)[:complete], kv, durable=self.checkpoint_policy != "ram",
+                                                      session_id=self.session_id)
         elif self.checkpoint_policy == "ram" and complete > self.checkpointed:
-            await self.client.put(list(tokens)[:complete], kv)
+            await self.client.put(list(tokens)[:complete], kv, session_id=self.session_id)
         return self.checkpointed if self.checkpoint_policy != "ram" else 0
 
     async def end(self) -> None:

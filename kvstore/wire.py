@@ -108,13 +108,16 @@ class Pieces(Protocol):
 
 def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int | None,
                 durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0, parent: bytes = b"",
-                generation: int | None = None) -> Iterator[bytes]:
+                generation: int | None = None, session_id: str = "") -> Iterator[bytes]:
     """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``.
     With ``page_checksum`` None the checksum is computed here: for a page that fits one
     chunk while its bytes are copied into the message (written after them as a 10-byte
     varint, which keeps the message size known before the hash), else in a pass of its own.
-    ``generation``: the namespace generation the writer computed the page in (first chunk)."""
-    named = {} if generation is None else {"generation": generation}
+    ``generation``: the namespace generation the writer computed the page in; ``session_id``: the
+    session it is saved for (refused once the session is fenced at the server); both in its first chunk."""
+    named: dict[str, Any] = {} if generation is None else {"generation": generation}
+    if session_id:
+        named["session_id"] = session_id
     if hasattr(data, "pieces"):
         size, cut, rows = data.nbytes, data.pieces, data.rows
     else:

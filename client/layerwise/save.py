@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 class LayerSave:
     """Handle of a layer-wise save; see the module docstring."""
 
-    def __init__(self, client: KVStoreClient, tokens: Any, kv: EngineKV, start: int, durable: bool) -> None:
+    def __init__(self, client: KVStoreClient, tokens: Any, kv: EngineKV, start: int, durable: bool,
+                 session_id: str = "") -> None:
         layout = client.layout
         if start % layout.page_tokens:
             raise InvalidRequest(f"save start {start} must be page-aligned ({layout.page_tokens} tokens)")
@@ -56,6 +57,7 @@ class LayerSave:
         self.keys = keys[self.first_page :]
         self.parent = keys[self.first_page - 1] if self.first_page else b""  # the server evicts the tail of a prefix first
         self.durable = durable
+        self.session_id = session_id  # the session saved (its fence refuses the save at the server)
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._marked: set[int] = set()
         self._result: int | None = None
@@ -133,7 +135,7 @@ class LayerSave:
 
     def _run(self) -> None:
         client, layout, runtime = self.client, self.client.layout, self.client.runtime
-        outgoing = client.transport.outgoing()
+        outgoing = client.transport.outgoing(self.session_id)
         try:
             if not self.keys:
                 self._result = self.first_page * layout.page_tokens

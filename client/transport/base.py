@@ -95,19 +95,21 @@ class Transport(Protocol):
     * ``get`` places every page of ``keys`` into ``into``, each verified against its
       checksum, or raises PageMissing / PageCorrupt with ``num_tokens``, the leading valid
       tokens; no unverified byte is left in ``into``, and no copy runs once it returned.
+    * ``session_id`` (put, outgoing): the session whose pages are saved, named to the server,
+      which refuses the save (SessionFenced) once a live migration fenced the session there.
     * ``staged`` / ``outgoing``: empty holders for layer-wise loads and saves; ``staged(on_device=True)``
       for a load that copies on a device (pages the server placed in this client's hbm pool
       are then read from there).
     * ``close`` stops its copy threads (nothing may be in flight)."""
 
     async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
-                  generation: int | None = None) -> int: ...
+                  generation: int | None = None, session_id: str = "") -> int: ...
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None: ...
 
     def staged(self, on_device: bool = False) -> Staged: ...
 
-    def outgoing(self) -> Outgoing: ...
+    def outgoing(self, session_id: str = "") -> Outgoing: ...
 
     def close(self) -> None: ...
 

@@ -106,13 +106,15 @@ class ShmTransport:
 
     # -- the RPCs of the arena path: one method each ---------------------------------------
 
-    async def allocate(self, keys: list[bytes], parent: bytes = b"", generation: int | None = None) -> Any:
+    async def allocate(self, keys: list[bytes], parent: bytes = b"", generation: int | None = None,
+                       session_id: str = "") -> Any:
         """Slots for ``keys`` (``slot.exists``: the page is stored already, nothing to copy);
         ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first);
-        ``generation``: the namespace generation the pages were computed in (refused if it is over)."""
+        ``generation``: the namespace generation the pages were computed in (refused if it is over);
+        ``session_id``: the session they are saved for (refused, also at commit, once it is fenced there)."""
         runtime = self.peer.runtime
         request = data_pb2.AllocateRequest(namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys,
-                                           parent=parent)
+                                           parent=parent, session_id=session_id)
         if generation is not None:
             request.generation = generation
         return await runtime.unary("Data.Allocate", request)
@@ -252,8 +254,8 @@ class ShmTransport:
     # -- put / get / layer-wise ------------------------------------------------------------
 
     async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
-                  generation: int | None = None) -> int:
-        return await shm_pipeline.put(self, keys, kv, durable, flags, generation)
+                  generation: int | None = None, session_id: str = "") -> int:
+        return await shm_pipeline.put(self, keys, kv, durable, flags, generation, session_id)
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         await shm_pipeline.get(self, keys, into)
@@ -263,5 +265,5 @@ class ShmTransport:
         hbm pool where the server placed them there (shm_staged.py)."""
         return LeasedPages(self, on_device)
 
-    def outgoing(self) -> SlotOutgoing:
-        return SlotOutgoing(self)
+    def outgoing(self, session_id: str = "") -> SlotOutgoing:
+        return SlotOutgoing(self, session_id)

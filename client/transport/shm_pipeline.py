@@ -37,7 +37,7 @@ async def _all_done(futures: list[asyncio.Future[None]]) -> None:
 
 
 async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
-              generation: int | None = None) -> int:
+              generation: int | None = None, session_id: str = "") -> int:
     """Allocate, copy, commit batch by batch, overlapped: two batches are queued on the
     copy threads (so they never wait between batches), the next one is being allocated
     and up to two earlier ones commit (and, when durable, are written to ssd).
@@ -51,7 +51,8 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
     sizes = shm.batch_sizes()
 
     def allocate(start: int) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(shm.allocate(keys[start : start + next(sizes)], keys[start - 1] if start else b"", generation))
+        return asyncio.ensure_future(shm.allocate(keys[start : start + next(sizes)], keys[start - 1] if start else b"", generation,
+                                                  session_id))
 
     async def commit_after(before: asyncio.Future[int] | None, alloc: Any, todo: list[Any], sums: list[Any]) -> int:
         # Commits of one put reach the server in order: over the call socket's pool two of

@@ -111,8 +111,9 @@ class SlotOutgoing:
     """A layer-wise save's pages, copied straight into allocated arena slots and committed
     at publish; an allocation not committed is aborted at discard."""
 
-    def __init__(self, shm: ShmTransport) -> None:
+    def __init__(self, shm: ShmTransport, session_id: str = "") -> None:
         self.shm = shm
+        self.session_id = session_id  # named at allocation: the commit is refused once the session is fenced
         self.buffers: list[torch.Tensor] = []
         self.indices: list[int] = []
         self.asked = 0
@@ -121,7 +122,8 @@ class SlotOutgoing:
         self._held: ArenaMap | None = None  # the arena of the reserved slots, from reserve to discard
 
     async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
-        alloc = await self.shm.granted(self.shm.allocate(keys, parent), lambda alloc: self.shm.abort(alloc.allocation_id))
+        alloc = await self.shm.granted(self.shm.allocate(keys, parent, session_id=self.session_id),
+                                       lambda alloc: self.shm.abort(alloc.allocation_id))
         self._alloc = alloc  # given back by discard, also when the mapping below fails or is cancelled
         arena = self._held = await self.shm.mapping(alloc, _nothing)
         todo = [(i, slot) for i, slot in enumerate(alloc.slots) if not slot.exists]

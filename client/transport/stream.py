@@ -96,14 +96,15 @@ class StreamTransport:
     # -- put / get -------------------------------------------------------------------------
 
     async def put(self, keys: list[bytes], kv: torch.Tensor | EngineKV, durable: bool, flags: int,
-                  generation: int | None = None) -> int:
+                  generation: int | None = None, session_id: str = "") -> int:
         """One WritePages stream per ``max_pages`` pages, until one comes back short."""
         stored = 0
         while stored < len(keys):
             batch = keys[stored : stored + self.peer.max_pages]
             try:
                 parent = keys[stored - 1] if stored else b""  # the server links each page to the one before it
-                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags, parent, generation))
+                n = await self.write_pages(batch, self._encoder(batch, kv, stored, durable, flags, parent, generation,
+                                                                session_id))
             except TierFull:
                 if stored == 0:
                     raise
@@ -115,12 +116,13 @@ class StreamTransport:
         return stored
 
     def _encoder(self, keys: list[bytes], kv: torch.Tensor | EngineKV, first_page: int, durable: bool,
-                 flags: int, parent: bytes = b"", generation: int | None = None) -> Callable[[int], list[bytes]]:
+                 flags: int, parent: bytes = b"", generation: int | None = None,
+                 session_id: str = "") -> Callable[[int], list[bytes]]:
         rows = page_rows(kv, self.layout)
 
         def encode(i: int) -> list[bytes]:
             page = rows.page(first_page + i) if rows is not None else self._buffered(kv, first_page + i)
-            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"", generation)
+            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"", generation, session_id)
 
         return encode
 
@@ -133,13 +135,13 @@ class StreamTransport:
         return self._buf.view(torch.uint8).reshape(-1)
 
     def encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0,
-                    parent: bytes = b"", generation: int | None = None) -> list[bytes]:
+                    parent: bytes = b"", generation: int | None = None, session_id: str = "") -> list[bytes]:
         """The WritePages chunks of one page: ``page`` is contiguous bytes or a RowPage of the
         engine's tensor (copied once, into the chunks); ``csum`` None: computed here;
-        ``parent``: the page before it in its prefix."""
+        ``parent``: the page before it in its prefix; ``session_id``: the session it is saved for."""
         data = page if isinstance(page, RowPage) else memoryview(page.numpy())
         return list(page_chunks(key, self.peer.namespace_id, self.peer.layout_msg, data, csum, durable, self.chunk_bytes,
-                                flags, parent, generation))
+                                flags, parent, generation, session_id))
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         """One ReadPages stream per ``max_pages`` pages; a stream that delivers nothing means
@@ -175,8 +177,8 @@ class StreamTransport:
         """Streamed pages land in host buffers whatever ``on_device`` says (no pool is mapped off the server's host)."""
         return StreamedPages(self)
 
-    def outgoing(self) -> StreamedOutgoing:
-        return StreamedOutgoing(self)
+    def outgoing(self, session_id: str = "") -> StreamedOutgoing:
+        return StreamedOutgoing(self, session_id)
 
 
 class StreamedPages:
@@ -220,8 +222,9 @@ class StreamedOutgoing:
     """A layer-wise save's pages, collected in buffers of their own and sent in one
     WritePages stream at publish (nothing is reserved on the server before)."""
 
-    def __init__(self, transport: StreamTransport) -> None:
+    def __init__(self, transport: StreamTransport, session_id: str = "") -> None:
         self.transport = transport
+        self.session_id = session_id  # named in each page's first chunk: refused once the session is fenced
         self.keys: list[bytes] = []
         self.parent = b""
         self.buffers: list[torch.Tensor] = []
@@ -237,7 +240,8 @@ class StreamedOutgoing:
     async def publish(self, checksums: list[int], durable: bool) -> int:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
-            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent))
+            keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent,
+                                                       None, self.session_id))
 
     term_s = math.inf  # nothing is reserved on the server
 

@@ -298,7 +298,7 @@ class RenewResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent", "generation")
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent", "generation", "session_id")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class PageChunk(_message.Message):
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace_id: bytes
     layout: _common_pb2.Layout
@@ -321,7 +322,8 @@ class PageChunk(_message.Message):
     flags: int
     parent: bytes
     generation: int
-    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("num_published",)

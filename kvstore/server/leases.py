@@ -53,6 +53,7 @@ class Allocation:
     parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
     parent_held: bool = False     # ``parent`` is pinned until commit/abort/expiry (hold_parent)
     generation: int = 0           # the namespace's generation at allocation: a commit in another is refused
+    session_id: str = ""          # the session whose pages these are (AllocateRequest.session_id): refused once it is fenced
 
     def parents(self, keys: list[bytes]) -> list[bytes | None]:
         """The page before each of ``keys`` in its prefix, when known."""

@@ -9,13 +9,16 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import random_kv
 
-from kvstore._proto import data_pb2, migration_pb2, migration_pb2_grpc
+from kvstore._proto import data_pb2, directory_pb2, migration_pb2, migration_pb2_grpc
 from kvstore.client import KVStoreClient
+from kvstore.client.pages import slot_as_page
+from kvstore.client.transport.base import page_in
 from kvstore.errors import InvalidRequest, SessionFenced
-from kvstore.page import LayoutDesc
+from kvstore.page import LayoutDesc, checksum
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
-from kvstore.server.tokenlog import TokenLog
+from kvstore.server.tokenlog import MAX_SESSION_ID, TokenLog
 from kvstore.validate import layout_msg
 
 
@@ -100,3 +103,58 @@ async def test_undecodable_or_random_migration_requests_are_clear_errors(server,
     assert server.session_owners.items() == []
     async with KVStoreClient(server.address, ns) as client:
         assert await client.append_tokens("after", [1], expected_length=0, sync=True) == 1
+
+
+async def _host_used(client: KVStoreClient) -> tuple[int, int]:
+    """(host tier used bytes, leases) in the node's Stats."""
+    stats = await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())
+    return next(t.used_bytes for t in stats.tiers if t.tier == "host"), int(stats.num_leases)
+
+
+async def test_a_fenced_sessions_saves_are_refused_on_every_path_and_a_late_commit_leaves_nothing(server, ns, layout) -> None:
+    """put / put_keys (Allocate), a stream put (WritePages), layer-wise saves on both paths, and the Commit
+    of an allocation taken before the fence: SessionFenced, counted under each call, nothing stored or held."""
+    tokens = list(range(4 * layout.page_tokens))
+    kv = random_kv(layout, len(tokens), seed=37)
+    half = 2 * layout.page_tokens
+    async with KVStoreClient(server.address, ns) as client, KVStoreClient(server.address, ns, use_shm=False) as streamed:
+        assert await client.put(tokens[:half], kv[:, :, :half], session_id="moved") == half
+        before = await _host_used(client)
+        keys = client.keys(tokens)
+        late = client.transport.outgoing("moved")  # a layer-wise save reserved before the fence ...
+        await client._io(late.reserve(keys[2:], keys[1]))
+        for i, buffer in zip(late.indices, late.buffers):
+            page_in(slot_as_page(buffer, layout), kv, 2 + i, layout)
+        sums = [checksum(buffer.numpy()) for buffer in late.buffers]
+        server.session_owners.put(client.namespace.namespace_id, "moved", Ownership(1, FENCED, "n2"))
+        with pytest.raises(SessionFenced, match="owned by node n2"):  # ... and published after it
+            await client._io(late.publish(sums, False))
+        assert await _host_used(client) == before  # its slots freed, nothing pinned
+        assert server.core.leases.counts().num_allocations == 0
+        await client._io(late.discard())  # the client's own give-back: a no-op now
+        for save in (client.put(tokens, kv, session_id="moved"), client.put_keys(keys, kv, session_id="moved"),
+                     streamed.put(tokens, kv, session_id="moved"), streamed.put_keys(keys, kv, session_id="moved")):
+            with pytest.raises(SessionFenced):
+                await save
+        for saver in (client, streamed):
+            with pytest.raises(SessionFenced):
+                await saver.save(tokens, kv, start=half, session_id="moved").finished()
+        refusals = server.metrics.session_refusals
+        assert {call: refusals.labels(call)._value.get() for call in ("Allocate", "WritePages", "Commit")} == \
+            {"Allocate": 3, "WritePages": 3, "Commit": 1}
+        assert await _host_used(client) == before and server.core.leases.counts().num_allocations == 0
+        assert (await client.lookup(tokens)).num_tokens == half  # nothing of the session published after the fence
+        assert await streamed.put(tokens, kv, session_id="stays") == len(tokens)  # another session's save goes on
+
+
+async def test_a_bad_session_id_on_a_save_is_invalid_and_allocates_nothing(server, ns, layout) -> None:
+    tokens = list(range(layout.page_tokens))
+    kv = random_kv(layout, len(tokens), seed=38)
+    async with KVStoreClient(server.address, ns) as client, KVStoreClient(server.address, ns, use_shm=False) as streamed:
+        before = await _host_used(client)
+        for saver in (client, streamed):
+            for bad in ("x" * (MAX_SESSION_ID + 1), "a\x00b"):
+                with pytest.raises(InvalidRequest, match="session_id"):
+                    await saver.put(tokens, kv, session_id=bad)
+        assert await _host_used(client) == before and server.core.leases.counts().num_allocations == 0
+        assert server.session_owners.items() == []

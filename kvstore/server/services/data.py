@@ -28,6 +28,7 @@ from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.room import room
+from kvstore.server.services.session_saves import committing
 from kvstore.server.services.sessions import SessionCalls
 from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.tenancy import Tenancy
@@ -48,6 +49,7 @@ class _Destination:
     flags: int
     namespace_id: bytes
     claimed: bool
+    session_id: str  # the session the page is saved for (PageChunk.session_id): its commit is refused once fenced here
 
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
@@ -116,6 +118,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
             self.core.abort(ident, who.tenant)
         alloc = self.core.leases.allocation(ident)
+        if alloc is not None and request.session_id:  # kept for its Commit: refused if the session is fenced by then
+            alloc.session_id = request.session_id
         arena = self.memory.arena(who)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
@@ -130,15 +134,18 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         keys = validate.keys(list(request.keys), self.config.max_pages_per_request, allow_empty=True)
         who = current_identity()
         alloc = self.core.leases.allocation(request.allocation_id)
+        mine = alloc is not None and alloc.tenant == who.tenant
         bridge = NOTHING
-        if alloc is not None and alloc.tenant == who.tenant and who.via != "local":
-            self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
-            bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
-        try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
-            n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
-                                 tenant=who.tenant, counting=self.quotas.handing_over(bridge))
-        finally:
-            bridge.release()
+        with committing(self.session_owners, self.core, request.allocation_id, alloc.namespace_id if alloc else b"",
+                        alloc.session_id if mine and alloc else "", "Commit", who.tenant):  # before the fence, or refused after
+            if mine and alloc is not None and who.via != "local":
+                self._check_written(request.allocation_id, alloc.slots, keys, list(request.checksums))
+                bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
+            try:  # the slots' bytes stay counted while they become pages (ssd quotas: see tenancy/ssd_share.py)
+                n = self.core.commit(request.allocation_id, keys, list(request.checksums), request.durable, request.flags,
+                                     tenant=who.tenant, counting=self.quotas.handing_over(bridge))
+            finally:
+                bridge.release()
         return data_pb2.CommitResponse(num_published=n)
 
     def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
@@ -220,8 +227,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                     committed = False
                     bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
                     try:
-                        committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
-                                                     dest.flags, counting=self.quotas.handing_over(bridge)) > 0
+                        with committing(self.session_owners, self.core, dest.allocation_id, dest.namespace_id,
+                                        dest.session_id, "WritePages"):
+                            committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
+                                                         dest.flags, counting=self.quotas.handing_over(bridge)) > 0
                     finally:
                         bridge.release()
                         self._settle(who, dest, committed)
@@ -251,6 +260,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
         generation = validate.generation(chunk.meta.generation) if chunk.meta.HasField("generation") else None
+        if chunk.meta.session_id:  # a page of a session fenced here: refused before a slot is taken
+            self.session_owners.check(ns, chunk.meta.session_id, "WritePages")
         held = room(self.quotas, self.core, who, 1, layout.page_bytes)
         try:
             claimed = self.tenancy.claim(who, ns)
@@ -263,7 +274,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 raise
         finally:
             held.release()  # handed over to the allocation's slot (or there is none)
-        dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed)
+        dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed, chunk.meta.session_id)
         try:
             sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
         except BaseException:
