@@ -31,6 +31,7 @@ COMMANDS = {
     "cluster": ("cluster", "cluster mode on loopback: remote get GB/s per data plane vs raw pumps, sharded lookup, failover"),
     "vllm-stall": ("vllm_stall", "a big hit loaded in the step vs fetched beside it (async load): decode stall, TTFT"),
     "pd": ("pd", "disaggregated prefill on two vLLM engines: TTFT colocated / pool / direct, handoff vs bytes / link + fixed"),
+    "migrate": ("migrate", "live migration of a growing session: catch-up curve vs S0 / (copy - growth) per link cap, the pause"),
     "chaos": ("chaos.run", "random traffic on 3 nodes under random faults, every history checked against a model"),
 }
 
