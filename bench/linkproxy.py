@@ -62,7 +62,10 @@ class LinkProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        try:
+            await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        except asyncio.CancelledError:  # close(): ends quietly (3.11's stream server logs a cancelled handler as an error)
+            return
 
     def close(self) -> None:
         async def stop() -> None:

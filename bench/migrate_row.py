@@ -119,7 +119,7 @@ class Writer:
         if at + count > POOL_PAGES:
             count = POOL_PAGES - at
         kv = self.pool[:, :, at * self.page : (at + count) * self.page]
-        stored = await self.client.put_keys(self.keys[first : first + count], kv)
+        stored = await self.client.put_keys(self.keys[first : first + count], kv, session_id=self.session_id)  # refused once fenced
         if stored != count * self.page:
             raise RuntimeError(f"the source stored {stored} of {count * self.page} tokens")
         await self.client.append_tokens(self.session_id, self.tokens[first * self.page : (first + count) * self.page],
