@@ -53,6 +53,7 @@ def summarize_row(spec: RowSpec, trace: Trace) -> dict[str, Any]:
         "gbps": _gbps(copied / trace.returned_s) if copied and trace.returned_s else None,
         "cpu_s": {k: round(v, 3) for k, v in trace.cpu_s.items()},
         "cpu_s_per_gb": round(cpu_total / (copied / 1e9), 3) if copied else None,
+        "cpu_s_per_gb_by_process": {k: round(v / (copied / 1e9), 3) for k, v in trace.cpu_s.items()} if copied else None,
         "link_cpu_s_per_gb": round(trace.link_cpu_s / (spec.pump_bytes / 1e9), 3),
         "writer_exhausted": trace.writer_exhausted,
         "curve": [[round(t, 4), b] for t, b in trace.curve], "round_curve": [[round(t, 4), b] for t, b in trace.rounds],
@@ -85,7 +86,8 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, bool]:
 def print_table(report: dict[str, Any]) -> None:
     print(f"live migration of a growing session, node a -> node b (gRPC data plane through a link proxy); "
           f"page {report['page_bytes']} bytes, growth set to {report['growth_gbps']} GB/s, "
-          f"max pause {report['max_pause_ms']} ms; load average {report['load_average_1m']}")
+          f"max pause {report['max_pause_ms']} ms; load average {report['load_average_1m']}\n"
+          "link: a raw TCP transfer through a proxy of the cap (the model's c); kv GB/s: the first round's copy")
     print(f"{'cap GB/s':>9} {'link GB/s':>9} {'growth':>7} {'S0 MiB':>7} {'converge s':>10} {'model s':>8} {'ratio':>6} "
           f"{'pause ms':>8} {'rounds':>6} {'kv GB/s':>8} {'CPU s/GB':>8} {'link CPU s/GB':>13}")
     for r in report["rows"]:
@@ -98,6 +100,8 @@ def print_table(report: dict[str, Any]) -> None:
               f"{num(r['converge_s'], '.3f'):>10} {num(r['model_converge_s'], '.3f'):>8} {num(r['ratio'], '.2f'):>6} "
               f"{num(r['pause_ms'], '.1f'):>8} {r['rounds']:>6} {num(r['copy_achieved_gbps'], '.3f'):>8} "
               f"{num(r['cpu_s_per_gb'], '.2f'):>8} {r['link_cpu_s_per_gb']:>13.2f}")
+        if r["cpu_s_per_gb_by_process"]:
+            print(f"{'':>9} CPU s/GB by process: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_gb_by_process"].items()))
         if r["reason"]:
             print(f"{'':>9} {r['reason']}")
     print("goals: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in report["goals"].items()))
