@@ -39,6 +39,7 @@ from tenants import (
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc, migration_pb2, migration_pb2_grpc
 from kvstore.page import ARENA_MAGIC, checksum
+from kvstore.server.session_owners import FENCED, Ownership
 
 pytest_plugins = ["tenants"]  # its ca fixture
 
@@ -254,6 +255,21 @@ def test_b_cannot_move_fence_or_probe_as_session(world: World) -> None:
     a = world.a
     append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", expected_length=3, tokens=[])
     assert a(a.data.AppendTokens, append).length == 3  # A still writes its session
+
+
+def test_a_fenced_session_of_a_is_denied_to_b_not_described(world: World) -> None:
+    """A's session moved away (fenced here): B naming it in an append or a save is refused as
+    any write into A's namespace is (PERMISSION_DENIED), not with A's SessionFenced, which names
+    the node and version that own A's session now."""
+    b, ns = world.b, world.ns
+    world.server.session_owners.put(ns, "moved", Ownership(1, FENCED, "n2"))
+    try:
+        append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="moved", expected_length=0, tokens=[666])
+        allocate = data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(1), session_id="moved")
+        assert b.code(b.data.AppendTokens, append) == DENIED
+        assert b.code(b.data.Allocate, allocate) == DENIED
+    finally:
+        world.server.session_owners.drop(ns, "moved")
 
 
 def test_b_cannot_commit_or_abort_as_allocation(world: World) -> None:

@@ -106,7 +106,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         parent = validate.keys([request.parent], 1)[0] if request.parent else None
         generation = validate.generation(request.generation) if request.HasField("generation") else None
         who = current_identity()
-        if request.session_id:  # the pages of a session fenced here (live migration): refused, nothing allocated
+        if request.session_id and self.tenancy.sees(who, ns):  # a session fenced here (live migration): refused, to its tenant
             self.session_owners.check(ns, request.session_id, "Allocate")
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
         try:
@@ -260,7 +260,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         if chunk.offset != 0:
             raise InvalidRequest("the first chunk of a page must have offset 0")
         generation = validate.generation(chunk.meta.generation) if chunk.meta.HasField("generation") else None
-        if chunk.meta.session_id:  # a page of a session fenced here: refused before a slot is taken
+        if chunk.meta.session_id and self.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
             self.session_owners.check(ns, chunk.meta.session_id, "WritePages")
         held = room(self.quotas, self.core, who, 1, layout.page_bytes)
         try:

@@ -3,6 +3,8 @@ mixin of DataService, kept apart because they touch the token log, not pages."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import grpc
 
 from kvstore import validate
@@ -32,8 +34,10 @@ class SessionCalls:
         if len(request.tokens) > MAX_APPEND_TOKENS:
             raise InvalidRequest(f"too many tokens in one append: {len(request.tokens)}")
         who = current_identity()
-        # a session fenced here (live migration) is refused, counted: FAILED_PRECONDITION naming its owner
-        with self.session_owners.writing(ns, request.session_id, "AppendTokens"), self.tenancy.writing(who, ns), \
+        # a session fenced here (live migration) is refused, counted: FAILED_PRECONDITION naming its owner; only
+        # to its tenant (another is refused by tenancy.writing, as for any write into the namespace)
+        fence = self.session_owners.writing(ns, request.session_id, "AppendTokens") if self.tenancy.sees(who, ns) else nullcontext()
+        with fence, self.tenancy.writing(who, ns), \
                 self.quotas.appending(who) as charge:
             length = self.wal.append(ns, request.session_id, request.expected_length, list(request.tokens),
                                      request.prompt_tokens, request.sync, charge)
