@@ -54,7 +54,7 @@ def print_table(report: dict[str, Any]) -> None:
     first, last = report["steady_first"], report["steady_last"]
     if first:
         print(f"{'steady node anon':>20}: {first['anon'] >> 20} -> {last['anon'] >> 20} MiB "
-              f"(malloc's free list {first.get('heap_free', 0) >> 20} -> {last.get('heap_free', 0) >> 20} MiB), "
+              f"(C heap in use {first.get('heap_in_use', 0) >> 20} -> {last.get('heap_in_use', 0) >> 20} MiB), "
               f"fds {first['fds']} -> {last['fds']}")
     for v in report["violation_samples"]:
         print(f"  VIOLATION seed {v['seed']} ({v['check']}): {v['what']}")

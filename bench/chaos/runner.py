@@ -27,8 +27,8 @@ from kvstore.bench.harness import percentile
 
 logger = logging.getLogger(__name__)
 
-# (e): the steady node's held memory (RssAnon less malloc's free list: the arena and LMDB's maps
-# are bounded by their capacity flags and show as shmem/file) and descriptors may grow by 10 %, or by this much
+# (e): the steady node's heap (RssAnon: the arena and LMDB's maps are bounded by their
+# capacity flags and show as shmem/file) and descriptors may grow by 10 %, or by this much
 RSS_SLACK_BYTES = 8 << 20
 FD_SLACK = 8
 
@@ -129,26 +129,19 @@ class Tally:
 
 
 def resource_violations(resources: list[dict[str, int]]) -> list[dict[str, Any]]:
-    """(e): the steady node's held memory and descriptors from the end of the first history to
-    the end of the last. Held memory is RssAnon less what malloc holds freed for reuse
-    (``heap_free``): the server keeps freed buffers on its heap on purpose (kvstore/memory.py),
-    so RssAnon alone is a high-water mark of the buffers in flight at once, not a leak."""
+    """(e): the steady node's RssAnon and descriptors from the end of the first history to the
+    end of the last. The C heap's bytes in use (``heap_in_use``, where the node exports it) are
+    named beside: RssAnon also holds freed buffers malloc keeps on purpose (kvstore/memory.py),
+    which mallinfo cannot tell apart from untouched free space, so RssAnon is what is bounded."""
     if len(resources) < 2:
         return []
     first, last = resources[0], resources[-1]
     found = []
-    for name, slack in (("held", RSS_SLACK_BYTES), ("fds", FD_SLACK)):
-        before, after = _measure(first, name), _measure(last, name)
-        if after - before > max(0.10 * before, slack):
-            found.append({"seed": None, "check": "e", "what": f"steady node {name} grew from {before} to {after}"
-                          + (f" (anon {first['anon']} -> {last['anon']})" if name == "held" else "")})
+    for name, slack in (("anon", RSS_SLACK_BYTES), ("fds", FD_SLACK)):
+        if last[name] - first[name] > max(0.10 * first[name], slack):
+            heap = f" (C heap in use {first['heap_in_use']} -> {last['heap_in_use']})" if name == "anon" and "heap_in_use" in last else ""
+            found.append({"seed": None, "check": "e", "what": f"steady node {name} grew from {first[name]} to {last[name]}{heap}"})
     return found
-
-
-def _measure(resources: dict[str, int], name: str) -> int:
-    if name == "held":
-        return resources["anon"] - resources.get("heap_free", 0)
-    return resources[name]
 
 
 async def run_histories(workdir: Path, seed: int, histories: int, settings: Settings, shrink_attempts: int = 6,
