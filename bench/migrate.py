@@ -7,7 +7,7 @@ TCP transfer through a proxy of the same cap measures the link c (the model's co
 not assumed). Then a session of ``--session`` bytes is stored at a (its log and its pages)
 and ``client.migrate`` moves it to b while a writer task keeps saving new pages and logging
 their tokens at a at ``--growth-gbps``. Bytes stored at a and not yet at b are sampled every
-``--sample-ms`` by a lookup at b (and at each round's end from the migration's callback): the
+``--sample-ms`` from b's host tier (its Stats; and at each round's end from the migration's callback): the
 catch-up curve. converge_s: the migrate call to the fence (the pre-copy); the model: S0 / (c - g)
 with g the growth the writer really made meanwhile. pause_ms: the fence asked -> the target
 adopted (``MigrationSummary.pause_ms``; ``--max-pause-ms`` sets the last delta). A row whose
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=8, help="of the layout: 8 KV heads x 128 x fp16 x 16 tokens, so a page is "
                    "layers x 64 KiB")
     p.add_argument("--max-pause-ms", type=float, default=10.0, help="client.migrate's: fence once the rest copies within this")
-    p.add_argument("--sample-ms", type=float, default=100.0, help="the catch-up curve's sampling period at the target (0: round "
+    p.add_argument("--sample-ms", type=float, default=50.0, help="the catch-up curve's sampling period at the target (0: round "
                    "ends only)")
     p.add_argument("--pump-s", type=float, default=1.0, help="the raw transfer's length at each cap (512 MiB when not capped)")
     p.add_argument("--dir", default="", help="the nodes' and etcd's folders (default: a temporary one, removed)")

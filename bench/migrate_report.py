@@ -110,30 +110,36 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    """Bytes not yet copied over time per row (sampled at the target; dots: round ends), and
-    the model's straight line S0 - (c - g) t beside each."""
+    """Bytes not yet copied over time per row (sampled at the target, held until the next sample;
+    dots: round ends) and the model's line S0 - (c - g) t beside each; converging rows on the
+    left, cannot-converge rows (a smaller session) on the right."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, r in enumerate(report["rows"]):
-        color = f"C{i % 10}"
-        label = "loopback" if r["cap_gbps"] is None else f"cap {r['cap_gbps']} GB/s"
-        curve = r["curve"] or r["round_curve"]
-        ax.plot([t for t, _ in curve], [b / 2**20 for _, b in curve], color=color, label=f"{label} (link {r['copy_gbps']} GB/s)")
-        ax.plot([t for t, _ in r["round_curve"]], [b / 2**20 for _, b in r["round_curve"]], "o", color=color, ms=3)
-        s0, c, g = r["initial_bytes"], r["copy_gbps"] * 1e9, r["growth_gbps"] * 1e9
-        end = r["model_converge_s"] if r["model_converge_s"] is not None else r["total_s"]
-        ax.plot([0, end], [s0 / 2**20, max(0.0, s0 - (c - g) * end) / 2**20], "--", color=color, lw=1)
-        if r["converge_s"] is not None:
-            ax.axvline(r["converge_s"], color=color, lw=0.5, ls=":")
-    ax.set_xlabel("seconds since the migration started")
-    ax.set_ylabel("MiB stored at the source, not yet at the target")
-    ax.set_title(f"catch-up of a session growing at {report['growth_gbps']} GB/s (dashed: S0 - (c - g) t; dotted: the fence)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    stuck = [r for r in report["rows"] if r["model_converge_s"] is None]
+    panels = [p for p in ([r for r in report["rows"] if r["model_converge_s"] is not None], stuck) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, rows in zip(axes[0], panels, strict=True):
+        for r in rows:
+            color = f"C{report['rows'].index(r) % 10}"
+            label = "loopback" if r["cap_gbps"] is None else f"cap {r['cap_gbps']} GB/s"
+            curve = r["curve"] or r["round_curve"]
+            ax.plot([t for t, _ in curve], [b / 2**20 for _, b in curve], color=color, drawstyle="steps-post",
+                    label=f"{label} (link {r['copy_gbps']} GB/s)")
+            ax.plot([t for t, _ in r["round_curve"]], [b / 2**20 for _, b in r["round_curve"]], "o", color=color, ms=3)
+            s0, c, g = r["initial_bytes"], r["copy_gbps"] * 1e9, r["growth_gbps"] * 1e9
+            end = r["model_converge_s"] if r["model_converge_s"] is not None else r["total_s"]
+            ax.plot([0, end], [s0 / 2**20, max(0.0, s0 - (c - g) * end) / 2**20], "--", color=color, lw=1)
+            if r["converge_s"] is not None:
+                ax.axvline(r["converge_s"], color=color, lw=0.5, ls=":")
+        ax.set_xlabel("seconds since the migration started")
+        ax.set_ylabel("MiB stored at the source, not yet at the target")
+        ax.set_title("cannot converge (growth >= copy)" if rows is stuck else "converging (dotted: the fence)", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"catch-up of a session growing at {report['growth_gbps']} GB/s; dashed: the model S0 - (c - g) t")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

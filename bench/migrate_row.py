@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2
 from kvstore.bench.cluster_paired import prefix_tokens, random_kv
 from kvstore.bench.cluster_procs import Etcd, Node
 from kvstore.bench.linkproxy import LinkProxy
@@ -155,14 +156,15 @@ class Writer:
             self.writes.append((time.monotonic() - t0, self.pages * self.page_bytes))
 
 
-async def _sample(dst: KVStoreClient, writer: Writer, target: str, t0: float, period_s: float, out: list[tuple[float, int]]) -> None:
-    """Bytes stored at the source and not yet at the target, every ``period_s``: the pages of
-    the session a lookup at the target finds there."""
+async def _sample(dst: KVStoreClient, writer: Writer, t0: float, period_s: float, out: list[tuple[float, int]]) -> None:
+    """Bytes stored at the source and not yet at the target, every ``period_s``: the pages the
+    target's host tier holds (its Stats, answered locally: a lookup there would ask the source's
+    shards across the capped link, queued behind the pages). The row's nodes hold this session alone."""
     while True:
         t, stored = time.monotonic() - t0, writer.pages
-        hit = await dst.lookup_keys(writer.keys[:stored])
-        here = sum(r.num_pages for r in hit.runs if r.node == target)
-        out.append((t, (stored - here) * writer.page_bytes))
+        stats = await dst._unary("Directory.Stats", directory_pb2.StatsRequest())
+        here = sum(tier.num_pages for tier in stats.tiers if tier.tier == "host")
+        out.append((t, max(0, stored - here) * writer.page_bytes))
         await asyncio.sleep(period_s)
 
 
@@ -194,7 +196,7 @@ async def _migrate(a: Node, b: Node, spec: RowSpec, layout: KVLayout, seed: int,
         trace.rounds.append((0.0, writer.pages * layout.page_bytes))
         tasks = [asyncio.create_task(writer.run(t0))]
         if spec.sample_s > 0:
-            tasks.append(asyncio.create_task(_sample(dst, writer, b.name, t0, spec.sample_s, trace.curve)))
+            tasks.append(asyncio.create_task(_sample(dst, writer, t0, spec.sample_s, trace.curve)))
         try:
             summary = await ctl.migrate(session, b.name, max_pause_ms=spec.max_pause_ms, on_round=on_round)
             trace.summary = summary.as_dict()
