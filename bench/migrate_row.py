@@ -115,7 +115,7 @@ class Writer:
         self.fenced = False
         self.writes: list[tuple[float, int]] = []
 
-    async def _save(self, first: int, count: int) -> None:
+    async def save(self, first: int, count: int) -> None:
         at = first % POOL_PAGES
         if at + count > POOL_PAGES:
             count = POOL_PAGES - at
@@ -149,7 +149,7 @@ class Writer:
                                         - time.monotonic()))
                 continue
             try:
-                await self._save(self.pages, min(8, due - self.pages, total - self.pages))
+                await self.save(self.pages, min(8, due - self.pages, total - self.pages))
             except SessionFenced:  # the fence: this session's writes go to the target now
                 self.fenced = True
                 return
@@ -215,8 +215,13 @@ async def _migrate(a: Node, b: Node, spec: RowSpec, layout: KVLayout, seed: int,
                 raise result
         trace.writes = [(0.0, start_pages * layout.page_bytes), *writer.writes]
         trace.writer_exhausted = writer.pages >= len(writer.keys) and not writer.fenced
-        if trace.summary is not None and writer.fenced is False and not trace.writer_exhausted:
-            raise RuntimeError("the migration ended but the source took the session's writes on (no fence seen)")
+        if trace.summary is not None and not writer.fenced and not trace.writer_exhausted:
+            try:  # the writer slept through the pause: one more save must be refused at the source
+                await writer.save(writer.pages, 1)
+            except SessionFenced:
+                writer.fenced = True
+        if trace.summary is not None and not writer.fenced and not trace.writer_exhausted:
+            raise RuntimeError("the migration ended but the source still took the session's writes (no fence seen)")
 
 
 def measure_row(workdir: Path, etcd: Etcd, index: int, spec: RowSpec, layout: KVLayout) -> Trace:
