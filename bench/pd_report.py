@@ -77,7 +77,9 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
 DEFINITIONS = {
     "handoff_s": "CLOCK_MONOTONIC from the end of the prefill connector's last layer-wise save of the prompt (the prefill "
                  "node acknowledged the commit of its last page) to the return of the decode connector's handoff_wait with "
-                 "every page (the completion marker set at the decode node); the same points in the pool and direct arms",
+                 "every page (the completion marker set at the decode node); the same points in the pool and direct arms. With "
+                 "--chunk-tokens the last page may be stored before the prefill's last chunk ends, and Complete waits for "
+                 "the request's end: the handoff then includes that chunk (complete_start_s shows it)",
     "ttft_s": "colocated: the decode engine's LLM.generate of one token; pool/direct: from the prefill engine's generate call "
               "to the decode engine's first token (no HTTP proxy hop in either)",
     "model_handoff_s": "bytes / link_gbps (raw TCP pump, same run) + fixed_s (median 1-page direct handoff - its bytes / link)",
