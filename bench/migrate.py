@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with tqdm(total=len(specs), desc="migrate", unit="row", disable=None) as bar:
             for i, spec in enumerate(specs):
-                rows.append(migrate_report.summarize_row(spec, measure_row(workdir, etcd, i, spec, layout)))
+                rows.append(migrate_report.summarize_row(spec, measure_row(workdir, etcd, i, spec, layout), layout.page_bytes))
                 bar.update(1)
     finally:
         etcd.stop()

@@ -27,7 +27,7 @@ def _growth_bps(trace: Trace, until_s: float) -> float:
     return (done[-1] - start) / until_s if until_s > 0 else 0.0
 
 
-def summarize_row(spec: RowSpec, trace: Trace) -> dict[str, Any]:
+def summarize_row(spec: RowSpec, trace: Trace, page_bytes: int) -> dict[str, Any]:
     s = trace.summary
     pause_ms = s["pause_ms"] if s else None
     converge_s = trace.returned_s - pause_ms / 1000 if s and pause_ms is not None else None
@@ -57,10 +57,13 @@ def summarize_row(spec: RowSpec, trace: Trace) -> dict[str, Any]:
         "link_cpu_s_per_gb": round(trace.link_cpu_s / (spec.pump_bytes / 1e9), 3),
         "writer_exhausted": trace.writer_exhausted,
         "curve": [[round(t, 4), b] for t, b in trace.curve], "round_curve": [[round(t, 4), b] for t, b in trace.rounds],
+        # the first round's end with at most 2 pages left: where the curve met its floor, fenced or not
+        "two_pages_left_s": next((round(t, 4) for t, b in trace.rounds[1:] if b <= 2 * page_bytes), None),
         "reason": None,
     }
     if trace.cannot_converge is not None:
-        row["reason"] = f"cannot converge: {trace.cannot_converge}"
+        row["reason"] = f"cannot converge: {trace.cannot_converge}" + (
+            "" if model is None else f" (the model converges: growth < copy; 2 pages left at {row['two_pages_left_s']} s)")
     elif model is None:
         row["reason"] = "the model never converges (growth >= copy) but the migration did"
     return row
