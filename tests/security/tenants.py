@@ -191,3 +191,18 @@ def tenant_server(tmp_path: Path, ca: CertAuthority) -> Iterator[Server]:
     server.start()
     yield server
     server.stop(grace_s=1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, ca: CertAuthority) -> Iterator[World]:
+    """One server per module for the hostile-tenant suites; B calls over TLS with its token (a
+    module may define its own, e.g. B over the call socket). Every test attacks A's namespace as it
+    was set up there, and ``a_is_intact`` checks it is whole afterwards."""
+    yield from hostile_world(tmp_path_factory.mktemp("server"), ca, lambda server: Caller(server, ca, B))
+
+
+@pytest.fixture(autouse=True)
+def a_is_intact(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "world" in request.fixturenames:
+        assert_a_intact(request.getfixturevalue("world"))

@@ -16,7 +16,7 @@ import pytest
 from callsock import SocketCaller, connect, read_answer
 from certs import CertAuthority
 from helpers import ALICE, every_method, grants, write_auth_file
-from tenants import LAYOUT, A, B, World, assert_a_intact, hostile_world, new_keys, tenant_config, tenant_grants
+from tenants import LAYOUT, A, B, World, hostile_world, new_keys, tenant_config, tenant_grants
 from test_hostile_tenant import COVERAGE
 from test_reload import LoggedServer
 
@@ -38,13 +38,6 @@ EXPIRED = "tenant-a-expired-token-01234567"
 def world(tmp_path_factory: pytest.TempPathFactory, ca: CertAuthority) -> Iterator[World]:
     """One server for the module; B calls over the call socket."""
     yield from hostile_world(tmp_path_factory.mktemp("server"), ca, lambda server: SocketCaller(server, B))
-
-
-@pytest.fixture(autouse=True)
-def a_is_intact(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "world" in request.fixturenames:
-        assert_a_intact(request.getfixturevalue("world"))
 
 
 def _lookup(w: World) -> None:

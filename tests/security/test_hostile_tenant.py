@@ -12,11 +12,10 @@ import queue
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
-from certs import CertAuthority
+import test_hostile_tenant_sessions  # the session, migration and handoff attacks COVERAGE names
 from conftest import ServerProcess
 from helpers import call_raw, every_method, tls_channel
 from tenants import (
@@ -27,8 +26,6 @@ from tenants import (
     B,
     Caller,
     World,
-    assert_a_intact,
-    hostile_world,
     map_own_arena,
     new_keys,
     new_ns,
@@ -37,11 +34,10 @@ from tenants import (
     tenant_grants,
 )
 
-from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc, migration_pb2, migration_pb2_grpc
+from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc
 from kvstore.page import ARENA_MAGIC, checksum
-from kvstore.server.session_owners import FENCED, Ownership
 
-pytest_plugins = ["tenants"]  # its ca fixture
+pytest_plugins = ["tenants"]  # its ca, world and a_is_intact fixtures
 
 DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 
@@ -89,26 +85,13 @@ NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Handoff.Push", "Directo
 _NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, ca: CertAuthority) -> Iterator[World]:
-    """One server for the module; every test attacks A's namespace as it was set up there and
-    checks it is intact afterwards."""
-    yield from hostile_world(tmp_path_factory.mktemp("server"), ca, lambda server: Caller(server, ca, B))
-
-
-@pytest.fixture(autouse=True)
-def a_is_intact(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "world" in request.fixturenames:
-        assert_a_intact(request.getfixturevalue("world"))
-
-
 def test_every_rpc_is_attacked_by_this_suite() -> None:
     """Fails when an RPC is added to a .proto without a hostile-tenant test (and an auth check)."""
     declared = {f"{s.name}.{m.name}" for s, m in every_method()}
     assert declared == set(COVERAGE), f"not covered: {sorted(declared - set(COVERAGE))}; gone: {sorted(set(COVERAGE) - declared)}"
     for test in set(COVERAGE.values()):
-        assert callable(globals().get(test)), f"COVERAGE names {test}, which is not a test here"
+        assert callable(globals().get(test) or getattr(test_hostile_tenant_sessions, test, None)), \
+            f"COVERAGE names {test}, which is not a test here or in test_hostile_tenant_sessions.py"
 
 
 def test_every_node_only_field_is_attacked() -> None:
@@ -189,27 +172,6 @@ def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
     assert not world.server.core.view().pinned
 
 
-def test_b_cannot_take_or_disturb_as_handoffs(world: World) -> None:
-    """Issue 36: A hands its pages over (a handoff completed at this node, the decode node). B,
-    knowing A's namespace id, keys and handoff id, waits for it (nothing, at its deadline, as for
-    an id nobody made), completes it again, opens it: A's handoff is whole afterwards."""
-    a, b, ns, keys = world.a, world.b, world.ns, world.keys
-    ident = secrets.token_bytes(16)
-    on_a, on_b = handoff_pb2_grpc.HandoffStub(a.channel), handoff_pb2_grpc.HandoffStub(b.channel)
-    assert a(on_a.Complete, handoff_pb2.CompleteHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys)).num_pages == 4
-    wait = handoff_pb2.WaitHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys, deadline_ms=300)
-    for other in (ident, secrets.token_bytes(16)):
-        assert b(on_b.Wait, handoff_pb2.WaitHandoffRequest(namespace_id=ns, handoff_id=other, keys=keys, deadline_ms=300)) == \
-            handoff_pb2.WaitHandoffResponse()
-    assert b(on_b.Complete, handoff_pb2.CompleteHandoffRequest(namespace_id=ns, handoff_id=ident, keys=keys)).num_pages == 0
-    b(on_b.Open, handoff_pb2.OpenHandoffRequest(namespace_id=ns, handoff_id=ident, to_node="n2", keys=keys))
-    assert len(world.server.handoffs) == 1  # A's alone: B's waits left nothing
-    assert a(on_a.Wait, wait).num_pages == 4
-    lease = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys))  # A takes its pages over
-    a(a.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
-    assert len(world.server.handoffs) == 0 and not world.server.core.view().pinned
-
-
 def test_b_cannot_invalidate_or_remove_as_pages(world: World) -> None:
     b, ns, keys = world.b, world.ns, world.keys
     assert b(b.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=ns)).num_removed == 0
@@ -224,52 +186,6 @@ def test_b_cannot_hint_as_keys(world: World) -> None:
     hint = data_pb2.HintRequest(namespace_id=world.ns, entries=[data_pb2.HintEntry(keys=world.keys, eta_ms=60_000)])
     assert list(b(b.data.Hint, hint).reserved) == [True]
     assert world.server.core.view().num_hinted == before
-
-
-def test_b_cannot_read_extend_or_end_as_session(world: World) -> None:
-    b, ns = world.b, world.ns
-    assert b(b.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="s")) == data_pb2.GetSessionResponse()
-    append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", expected_length=3, tokens=[666])
-    assert b.code(b.data.AppendTokens, append) == DENIED
-    assert b.code(b.data.EndSession, data_pb2.EndSessionRequest(namespace_id=ns, session_id="s")) == OK
-
-
-def test_b_cannot_move_fence_or_probe_as_session(world: World) -> None:
-    """Issue 37: B, knowing A's namespace id and session id, copies it to this node, fences it
-    (which would stop A's writes), adopts it with its own tokens, aborts it: each is refused as
-    an append is, before anything changes; Status answers B as for a session that does not exist."""
-    b, ns = world.b, world.ns
-    on_b = migration_pb2_grpc.MigrationStub(b.channel)
-    for method, request in (
-        (on_b.Copy, migration_pb2.CopySessionRequest(namespace_id=ns, session_id="s", source="n2", keys=world.keys,
-                                                     page_bytes=PAGE_BYTES, tokens=[666])),
-        (on_b.Fence, migration_pb2.FenceSessionRequest(namespace_id=ns, session_id="s", to_node="n2")),
-        (on_b.Adopt, migration_pb2.AdoptSessionRequest(namespace_id=ns, session_id="s", version=1, tokens=[666])),
-        (on_b.Adopt, migration_pb2.AdoptSessionRequest(namespace_id=ns, session_id="s", force=True, source="n2")),
-        (on_b.Abort, migration_pb2.AbortSessionRequest(namespace_id=ns, session_id="s")),
-    ):
-        assert b.code(method, request) == DENIED
-    assert b(on_b.Status, migration_pb2.SessionStatusRequest(namespace_id=ns, session_id="s", to_node="n2")) == \
-        migration_pb2.SessionStatusResponse(node=world.server.config.node)
-    assert world.server.session_owners.items() == []  # nothing fenced, copied or adopted
-    a = world.a
-    append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="s", expected_length=3, tokens=[])
-    assert a(a.data.AppendTokens, append).length == 3  # A still writes its session
-
-
-def test_a_fenced_session_of_a_is_denied_to_b_not_described(world: World) -> None:
-    """A's session moved away (fenced here): B naming it in an append or a save is refused as
-    any write into A's namespace is (PERMISSION_DENIED), not with A's SessionFenced, which names
-    the node and version that own A's session now."""
-    b, ns = world.b, world.ns
-    world.server.session_owners.put(ns, "moved", Ownership(1, FENCED, "n2"))
-    try:
-        append = data_pb2.AppendTokensRequest(namespace_id=ns, session_id="moved", expected_length=0, tokens=[666])
-        allocate = data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(1), session_id="moved")
-        assert b.code(b.data.AppendTokens, append) == DENIED
-        assert b.code(b.data.Allocate, allocate) == DENIED
-    finally:
-        world.server.session_owners.drop(ns, "moved")
 
 
 def test_b_cannot_commit_or_abort_as_allocation(world: World) -> None:
