@@ -68,10 +68,10 @@ _MALLINFO2 = _mallinfo2()
 
 def heap_bytes() -> dict[str, int] | None:
     """The C heap of this process, from glibc's mallinfo2: ``in_use`` (allocated, heap and
-    mmapped chunks) and ``free`` (freed, kept by malloc for reuse). Why: tune_malloc keeps
-    freed buffers up to 1 GiB on the heap on purpose, so resident memory is a high-water mark
-    of the buffers in flight at once; a leak shows in ``in_use``, retention in ``free``.
-    None where the C library does not say (not glibc >= 2.33)."""
+    mmapped chunks) and ``free`` (malloc's free space: freed buffers kept for reuse, which
+    tune_malloc keeps on purpose, and untouched space such as the top pad, so it can exceed
+    RssAnon). A leak of C allocations shows in ``in_use``. None where the C library does not
+    say (not glibc >= 2.33)."""
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()

@@ -46,8 +46,8 @@ class Metrics:
         self.tenant_ssd_written = Counter("kvstore_tenant_ssd_written_bytes", "SSD device bytes written for a tenant's pages",
                                           ["tenant"], registry=r)
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=r)
-        # The C heap at scrape time (glibc; absent elsewhere): freed buffers are kept for reuse on purpose
-        # (kvstore/memory.py), so resident memory is a high-water mark; a leak grows in_use, not free.
+        # The C heap at scrape time (glibc; absent elsewhere): a leak of C allocations grows in_use; free is
+        # malloc's free space, resident or not (kvstore/memory.py heap_bytes).
         if heap_bytes() is not None:
             heap = Gauge("kvstore_heap_bytes", "C heap of the server process (glibc mallinfo2)", ["state"], registry=r)
             heap.labels("in_use").set_function(lambda: heap_bytes()["in_use"])  # type: ignore[index]
