@@ -7,8 +7,6 @@ tests, which retried)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from conftest import ServerProcess
 
@@ -32,7 +30,7 @@ async def test_a_client_made_after_a_restart_connects_at_once(store_process: Ser
             async with KVStoreClient(store_process.address, ns, timeout_s=0.5):
                 pass
     store_process.start()
-    started = time.monotonic()
+    # a fresh connection: before, the first call failed at once with UNAVAILABLE 'connection refused' (gRPC fails
+    # a call fast while the shared connection backs off, whatever the call's deadline)
     async with KVStoreClient(store_process.address, ns, timeout_s=10) as client:
         assert client.node
-    assert time.monotonic() - started < 1.0  # a fresh connection; the back-off reached 2.6 s and more before
