@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import grpc
 import pytest
@@ -276,20 +277,10 @@ async def test_undecodable_requests_are_invalid_argument_on_every_rpc(server, la
     from kvstore._proto import data_pb2 as data_proto
     from kvstore._proto import directory_pb2 as directory_proto
 
-    rng = random.Random(13)
-    sent, failures = 0, []
-    with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 256 << 20)]) as channel:
-        for proto in (data_proto, directory_proto):
-            for service in proto.DESCRIPTOR.services_by_name.values():
-                for method in service.methods:
-                    for payload in _payloads(method, rng, 16):
-                        batch = [payload, *_payloads(method, rng, rng.randrange(2))] if method.client_streaming else [payload]
-                        code, details = _call(channel, service.full_name, method, batch)
-                        sent += 1
-                        if _wrong(method, payload, code, details):
-                            failures.append((method.name, code.name, details, payload[:40].hex()))
+    sent, failures = fuzz_failures(server.address, [data_proto, directory_proto], random.Random(13), 16)
     assert sent >= 300
     assert not failures, failures[:10]
+
     tokens = list(range(64))
     kv = random_kv(layout, len(tokens), seed=3)
     async with KVStoreClient(server.address, ns) as client:
@@ -297,3 +288,22 @@ async def test_undecodable_requests_are_invalid_argument_on_every_rpc(server, la
         out = torch.zeros_like(kv)
         assert await client.get(await client.lookup(tokens), into=out) == len(tokens)
         assert torch.equal(out, kv)
+
+
+def fuzz_failures(address: str, protos: list[Any], rng: random.Random, per_method: int) -> tuple[int, list[tuple[str, ...]]]:
+    """Sends ``per_method`` random, truncated, mutated and valid payloads to every method of the
+    services of ``protos`` (a client-streaming one gets up to one more message after each);
+    returns how many were sent and the answers that were wrong (``_wrong``). Shared by the
+    Handoff and Migration suites."""
+    sent, failures = 0, []
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as channel:
+        for proto in protos:
+            for service in proto.DESCRIPTOR.services_by_name.values():
+                for method in service.methods:
+                    for payload in _payloads(method, rng, per_method):
+                        batch = [payload, *_payloads(method, rng, rng.randrange(2))] if method.client_streaming else [payload]
+                        code, details = _call(channel, service.full_name, method, batch)
+                        sent += 1
+                        if _wrong(method, payload, code, details):
+                            failures.append((method.name, code.name, details, payload[:40].hex()))
+    return sent, failures

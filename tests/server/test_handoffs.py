@@ -143,20 +143,11 @@ async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, n
     """The Handoff service gets random, truncated, mutated and valid payloads (as every other
     service does in test_bad_input.py): none answers INTERNAL or UNKNOWN or hangs, an undecodable
     one is INVALID_ARGUMENT naming the method; then nothing is left and the server serves."""
-    import grpc
-    from test_bad_input import _call, _payloads, _wrong
+    from test_bad_input import fuzz_failures
 
     from kvstore._proto import handoff_pb2 as handoff_proto
 
-    rng = random.Random(36)
-    failures = []
-    with grpc.insecure_channel(server.address) as channel:
-        for service in handoff_proto.DESCRIPTOR.services_by_name.values():
-            for method in service.methods:
-                for payload in _payloads(method, rng, 24):
-                    code, details = _call(channel, service.full_name, method, [payload])
-                    if _wrong(method, payload, code, details):
-                        failures.append((method.name, code.name, details, payload[:40].hex()))
+    _, failures = fuzz_failures(server.address, [handoff_proto], random.Random(36), 24)
     assert not failures, failures[:10]
     server.handoffs.expire()
     async with KVStoreClient(server.address, ns) as client:

@@ -87,18 +87,9 @@ async def test_undecodable_or_random_migration_requests_are_clear_errors(server,
     """The Migration service gets random, truncated, mutated and valid payloads (as every other
     service does in test_bad_input.py): none answers INTERNAL or UNKNOWN or hangs, an undecodable
     one is INVALID_ARGUMENT naming the method; nothing is fenced and the server serves."""
-    import grpc
-    from test_bad_input import _call, _payloads, _wrong
+    from test_bad_input import fuzz_failures
 
-    rng = random.Random(37)
-    failures = []
-    with grpc.insecure_channel(server.address) as channel:
-        for service in migration_pb2.DESCRIPTOR.services_by_name.values():
-            for method in service.methods:
-                for payload in _payloads(method, rng, 24):
-                    code, details = _call(channel, service.full_name, method, [payload])
-                    if _wrong(method, payload, code, details):
-                        failures.append((method.name, code.name, details, payload[:40].hex()))
+    _, failures = fuzz_failures(server.address, [migration_pb2], random.Random(37), 24)
     assert not failures, failures[:10]
     assert server.session_owners.items() == []
     async with KVStoreClient(server.address, ns) as client:
