@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,8 +20,36 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+_handed: collections.deque[int] = collections.deque(maxlen=4096)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, outside the kernel's ephemeral range and not handed out lately by this process.
+    bind(0) answers from the ephemeral range, where any outgoing connection may take the port before the child
+    it was meant for binds it (CI saw etcd fail so); a port below that range is taken only by a bind naming it."""
+    low, high = _ephemeral_range()
+    below, above = max(0, low - 10000), max(0, 65535 - high)
+    for _ in range(64 if below + above else 0):
+        pick = random.randrange(below + above)
+        port = 10000 + pick if pick < below else high + 1 + pick - below
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.append(port)
+        return port
+    with socket.socket() as s:  # no room outside the ephemeral range (a host that made it the whole space)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

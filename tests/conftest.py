@@ -4,7 +4,6 @@ a real shared-memory arena."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.server import Server
 
@@ -81,12 +81,6 @@ def flip_arena_byte(server: Server, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _thread_state(task: Path) -> str:

@@ -16,13 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.harness import stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvstore.bench.harness import free_port, stop_process
 
 
 def etcd_binary() -> str:
@@ -31,6 +25,10 @@ def etcd_binary() -> str:
     if found is None:
         raise RuntimeError("etcd not found on PATH nor in the venv: run `make test` (it installs Debian's etcd-server)")
     return found
+
+
+class PortTaken(RuntimeError):
+    """etcd could not bind a port it was given: something took it after free_port() saw it free."""
 
 
 class EtcdProcess:
@@ -52,16 +50,31 @@ class EtcdProcess:
         return f"etcd://{self.endpoint}"
 
     def start(self, timeout_s: float = 20.0) -> None:
+        first = self.proc is None
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not first or attempt == 2:  # a restart must keep its ports: the nodes know only these
+                    raise
+                self.client_port, self.peer_port = free_port(), free_port()
+                shutil.rmtree(self.data_dir, ignore_errors=True)  # nothing in it: etcd never served
+                self.data_dir.mkdir()
+
+    def _start(self, timeout_s: float) -> None:
         client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         args = [etcd_binary(), "--name", "t", "--data-dir", str(self.data_dir), "--listen-client-urls", client,
                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"t={peer}", "--log-level", "warn", "--logger", "zap", *self.extra]
+        logged = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
         # etcd has no readiness signal on stdout; its client port answering /health is the signal.
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if "address already in use" in self.log.read_bytes()[logged:].decode(errors="replace"):
+                    raise PortTaken(self.log.read_text()[-2000:])
                 raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.5) as s:
