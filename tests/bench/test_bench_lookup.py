@@ -19,7 +19,7 @@ import pytest
 @pytest.mark.timeout(600)  # 17 rows, the idle and draining ones two windows each (--repeat 2): ~4.5 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1,2", "--seconds", "1", "--writer-rate", "150",
+        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1", "--seconds", "1", "--writer-rate", "150",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
          "--switch-interval-ms", "1", "--repeat", "2", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=540,
@@ -34,8 +34,9 @@ def test_lookup_smoke(tmp_path) -> None:
     assert all(r["lookups"] > 0 and 0.3 <= r["p50_ms"] <= r["p99_ms"] for r in floor), floor  # 0.3 ms of work each
     assert floor[1]["demoted_gb_per_s"] > 0 and floor[1]["floor_writer"].startswith("dd oflag=direct"), floor
     assert "p99 draining / idle, one client (goal <= 2x): " in res.stdout and "bare round trip (no kvstore) " in res.stdout
+    # one client count (each run starts processes that import torch: 2 counts made this test 2 min of CI)
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
-        (state, call, n) for state in ("idle", "demoting", "writing", "draining") for n in (1, 2)
+        (state, call, 1) for state in ("idle", "demoting", "writing", "draining")
         for call in ("Lookup RPC", "client.lookup_keys")] + [("idle", "client.lookup", 1)]
     # the engine's path beside every RPC row, over the call socket; the use_shm=False client over gRPC
     assert {r["path"] for r in rows if r["call"] == "client.lookup_keys"} == {"call socket"}
@@ -69,8 +70,9 @@ def test_a_lookup_bench_stopped_by_sigterm_leaves_no_writer_behind(tmp_path) -> 
     trips, the bench stops that dd and removes its file. Bug: the bench died without its
     finally blocks and the orphaned dd wrote on (200 GiB at most) until the disk was full."""
     workdir = tmp_path / "lk"
+    # --seconds: the floor's idle window, then its dd beside a window as long: 4.5 s to see dd's file (polled every 50 ms)
     bench = subprocess.Popen([sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1",
-                              "--seconds", "30", "--host-capacity", "64MiB", "--ssd-capacity", "1GiB", "--dir", str(workdir)],
+                              "--seconds", "4", "--host-capacity", "64MiB", "--ssd-capacity", "1GiB", "--dir", str(workdir)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = workdir / "floor" / "floor.dat"
     try:

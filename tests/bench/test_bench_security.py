@@ -49,10 +49,10 @@ def test_fuzz_smoke_calls_every_rpc_and_finds_nothing(tmp_path) -> None:
 
 def test_soak_smoke_two_tenants_exact_bytes(tmp_path) -> None:
     plot = tmp_path / "soak.png"
-    rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "2", "--duration-s", "3", "--prompts", "64",
+    rc, report, stdout = _bench("soak", "--clients", "4", "--warmup-s", "1", "--duration-s", "1.5", "--prompts", "64",
                                 "--host-capacity", "16",
                                 "--phases", "secure-shm,plain-shm,plain-grpc,secure-grpc,local-shm",
-                                "--rounds", "2", "--round-s", "1", "--round-warmup-s", "1",
+                                "--rounds", "2", "--round-s", "0.5", "--round-warmup-s", "0.5",
                                 "--dir", str(tmp_path / "sk"), "--plot", str(plot), timeout_s=480)
     assert list(report["phases"]) == ["secure-shm", "plain-shm", "plain-grpc", "secure-grpc", "local-shm"]
     assert report["auth_file_tenants"] == {"alpha": 2, "beta": 2}, "each client its own token, two tenants"
