@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 VIEW_WAIT_S = 1.0  # how long an invalidation waits for this node's view to list a node etcd lists
 FENCE_MARGIN_S = 0.5  # past a fenced node's TTL, for clocks that do not tick alike
 SEED_AT_ONCE = 64  # generations written back to etcd concurrently
+MAX_RETRY_S = 5.0  # the longest wait between catch-ups that failed in an unforeseen way
 REGISTER_AGAIN_S = 1.0  # past a keep-alive period, for a node of a replaced etcd to find its lease gone and register
 
 
@@ -178,9 +179,20 @@ class GenerationSync:
             await asyncio.sleep(0.1)
 
     async def keep_catching_up(self, epoch: int, retry_s: float) -> None:
-        """``catch_up`` until it succeeds or the node registered again (that one catches up itself)."""
-        while self._membership.epoch == epoch and not await self.catch_up(epoch):
-            await asyncio.sleep(retry_s)
+        """``catch_up`` until it succeeds or the node registered again (that one catches up itself). An
+        unforeseen error (a salts file that cannot be written) is logged and retried, less often each time:
+        a catch-up given up would leave the node registered and serving nothing until it registered again."""
+        failed = 0  # unforeseen failures in a row
+        while self._membership.epoch == epoch:
+            try:
+                if await self.catch_up(epoch):
+                    return
+                failed = 0
+            except Exception:
+                failed += 1
+                logger.exception("catching up with etcd failed (node %s serves no reads until it does); retrying in %.2f s",
+                                 self._node, min(retry_s * 2**failed, MAX_RETRY_S))
+            await asyncio.sleep(min(retry_s * 2**failed, MAX_RETRY_S))
 
     # -- invalidating ------------------------------------------------------------------------
     async def invalidate(self, namespace_id: bytes, timeout_s: float) -> tuple[int, int]:
