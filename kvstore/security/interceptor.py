@@ -4,7 +4,7 @@ makes the caller's Identity available to the handler through ``current_identity(
 An interceptor sees only the method name and the metadata, not the TLS peer, so it wraps
 the method's handler: the wrapper reads the metadata and the verified client certificate
 from the call's context, answers UNAUTHENTICATED (the handler never runs, no request is
-decoded: the services decode requests themselves, see services/handlers.py), or sets the
+read: a unary one is read as a stream of one once the caller is known), or sets the
 identity for the duration of the call. PERMISSION_DENIED is the handlers' to answer: only
 they know which namespace a request names.
 
@@ -72,9 +72,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler._replace(stream_stream=self._streaming(handler.stream_stream, method, checked_requests=True))
         if handler.request_streaming:
             return handler._replace(stream_unary=self._unary(handler.stream_unary, method, checked_requests=True))
+        # A unary request is served as a request stream of one: grpcio reads a unary request before
+        # the handler runs, and gRPC refuses one over max_receive_message_length then, with
+        # RESOURCE_EXHAUSTED, to a caller not yet authenticated (DESIGN §11: authentication first).
         if handler.response_streaming:
-            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method, checked_requests=False))
-        return handler._replace(unary_unary=self._unary(handler.unary_unary, method, checked_requests=False))
+            return handler._replace(request_streaming=True, unary_stream=None, stream_stream=self._streaming(
+                _one_request(handler.unary_stream, method), method, checked_requests=False))
+        return handler._replace(request_streaming=True, unary_unary=None, stream_unary=self._unary(
+            _one_request(handler.unary_unary, method), method, checked_requests=False))
 
     def _start(self, context: grpc.ServicerContext, method: str) -> _Call:
         """Authenticates the call, or aborts it (the handler never runs)."""
@@ -125,6 +130,18 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     call.run(close)
 
         return authenticated
+
+
+def _one_request(behaviour: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable[..., Any]:
+    """``behaviour`` of a unary request, called with a request stream: its one message is read
+    only now, once the caller is authenticated (none: UNIMPLEMENTED, as grpcio answers)."""
+    def one(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        for request in requests:
+            return behaviour(request, context)
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} requires exactly one request message")
+        raise AssertionError("context.abort returned")
+
+    return one
 
 
 class _Call:

@@ -58,20 +58,22 @@ def every_method() -> Iterator[tuple[ServiceDescriptor, MethodDescriptor]]:
 
 
 def call_raw(channel: grpc.Channel, service: ServiceDescriptor, method: MethodDescriptor, token: str | None = None,
-             timeout_s: float = 10.0) -> grpc.StatusCode:
-    """Calls ``method`` with an empty request (raw bytes: what a request says does not matter
-    to authentication) and returns the status it ended with."""
+             timeout_s: float = 10.0, *, body: bytes = b"", metadata: list[tuple[str, str]] | None = None) -> grpc.StatusCode:
+    """Calls ``method`` with ``body`` as its request (raw bytes; empty by default: what a request
+    says does not matter to authentication) and returns the status it ended with. ``metadata``
+    is sent as given, in place of the bearer ``token``'s."""
     path = f"/{service.full_name}/{method.name}"
-    metadata = [("authorization", f"Bearer {token}")] if token is not None else None
+    if metadata is None and token is not None:
+        metadata = [("authorization", f"Bearer {token}")]
     try:
         if method.client_streaming and method.server_streaming:
-            list(channel.stream_stream(path)(iter([b""]), timeout=timeout_s, metadata=metadata))
+            list(channel.stream_stream(path)(iter([body]), timeout=timeout_s, metadata=metadata))
         elif method.client_streaming:
-            channel.stream_unary(path)(iter([b""]), timeout=timeout_s, metadata=metadata)
+            channel.stream_unary(path)(iter([body]), timeout=timeout_s, metadata=metadata)
         elif method.server_streaming:
-            list(channel.unary_stream(path)(b"", timeout=timeout_s, metadata=metadata))
+            list(channel.unary_stream(path)(body, timeout=timeout_s, metadata=metadata))
         else:
-            channel.unary_unary(path)(b"", timeout=timeout_s, metadata=metadata)
+            channel.unary_unary(path)(body, timeout=timeout_s, metadata=metadata)
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK

@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -92,10 +93,12 @@ class FrameConn:
     def _more(self, deadline: float) -> None:
         self._end += self._recv_by(self._free(), deadline)
 
-    def read(self, first_byte_s: float, whole_within: float | None = None) -> tuple[int, int, bytes] | None:
+    def read(self, first_byte_s: float, whole_within: float | None = None,
+             header: Callable[[int, int], None] | None = None) -> tuple[int, int, bytes] | None:
         """The next request (method id, timeout_ms, body); None when the peer closed (or
         stayed silent past ``first_byte_s``) between frames. A frame begun must be whole
-        within the frame timeout (``whole_within`` from now, when given)."""
+        within the frame timeout (``whole_within`` from now, when given). ``header(method id,
+        body bytes)`` sees the header before anything else is checked or read, and may raise Close."""
         deadline = time.monotonic() + whole_within if whole_within is not None else None
         if self._start == self._end:
             try:
@@ -111,6 +114,8 @@ class FrameConn:
         while self._end - self._start < header_bytes:
             self._more(deadline)
         body_bytes, method_id, timeout_ms = localcall.REQUEST_HEADER.unpack_from(self._buf, self._start)
+        if header is not None:
+            header(method_id, body_bytes)
         if body_bytes > localcall.MAX_REQUEST_BYTES:
             raise Close(grpc.StatusCode.INVALID_ARGUMENT, f"a frame of {body_bytes} bytes; at most {localcall.MAX_REQUEST_BYTES}")
         self._start += header_bytes

@@ -220,14 +220,10 @@ class CallSocket:
             conn.close()
 
     def _hello(self, frames: FrameConn, peer: str) -> tuple[AuthenticatedCall, str | None]:
-        frame = frames.read(self._hello_s, whole_within=self._hello_s)
+        frame = frames.read(self._hello_s, whole_within=self._hello_s, header=self._hello_header)
         if frame is None:
             raise Close(None, "no HELLO")
-        method_id, _, body = frame
-        if method_id != localcall.HELLO:
-            raise Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
-        if len(body) > _MAX_HELLO_BYTES:
-            raise Close(grpc.StatusCode.INVALID_ARGUMENT, f"HELLO of {len(body)} bytes; at most {_MAX_HELLO_BYTES}")
+        _, _, body = frame
         try:
             token = body.decode()
         except UnicodeDecodeError:
@@ -242,6 +238,16 @@ class CallSocket:
             raise Close(grpc.StatusCode.UNAVAILABLE, f"HELLO: storage I/O error: {exc}") from None
         logger.info("call socket: %s is tenant %s (%s)", peer, call.identity.tenant, call.identity.via)
         return call, authorization
+
+    def _hello_header(self, method_id: int, body_bytes: int) -> None:
+        """The first frame's header: anything but a HELLO that may hold a token is UNAUTHENTICATED,
+        before the frame's size is looked at or its body read (DESIGN §11: authentication first)."""
+        if method_id != localcall.HELLO:
+            self._count("HELLO", grpc.StatusCode.UNAUTHENTICATED)
+            raise Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
+        if body_bytes > _MAX_HELLO_BYTES:
+            self._count("HELLO", grpc.StatusCode.UNAUTHENTICATED)
+            raise Close(grpc.StatusCode.UNAUTHENTICATED, f"HELLO: a token of {body_bytes} bytes; at most {_MAX_HELLO_BYTES}")
 
     def tenant_connections(self, tenant: str) -> int:
         """The connections past HELLO counted against ``tenant``'s call_connections."""
