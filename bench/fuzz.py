@@ -107,8 +107,9 @@ class Fuzzer:
             ("authorization", "Bearer " + "A" * 4000), ("authorization", pools.token), ("x-api-key", pools.token)))
         return "malformed", pools, None, (bad,)
 
-    def next_case(self) -> Case:
-        method = self.rng.choice(self.methods)[1]
+    def next_case(self, among: list[tuple[Any, Any]] | None = None) -> Case:
+        """A case of one of ``among`` (default: the run's methods)."""
+        method = self.rng.choice(among or self.methods)[1]
         caller, pools, token, metadata = self._caller()
         request_type = message_factory.GetMessageClass(method.input_type)
         build = VALID.get(method.name)
@@ -268,9 +269,10 @@ async def fuzz(args: argparse.Namespace, bar: Any) -> dict[str, Any]:
             await asyncio.gather(*(worker(warmup) for _ in range(args.concurrency)))
             report["rss_after_warmup"] = rss(pid)
             await asyncio.gather(*(worker(args.calls) for _ in range(args.concurrency)))
-            if probe.calls is not None and args.socket_calls:  # the same cases, as frames on the same-host call socket
-                await asyncio.to_thread(SocketFuzzer(probe.calls.path, fuzzer, args.seed).run, args.socket_calls, bar,
-                                        lambda: server.proc.poll() is None)
+            sockets = SocketFuzzer(probe.calls.path, fuzzer, args.seed) if probe.calls is not None else None
+            report["socket_methods"] = len(sockets.methods) if sockets else 0  # 0: --methods names none the socket serves
+            if sockets and sockets.methods and args.socket_calls:  # the same cases, as frames on the same-host call socket
+                await asyncio.to_thread(sockets.run, args.socket_calls, bar, lambda: server.proc.poll() is None)
             report["rss_end"] = rss(pid) if server.proc.poll() is None else None
             alive = server.proc.poll() is None
             if alive:
@@ -339,6 +341,8 @@ def print_table(report: dict[str, Any]) -> None:
         codes = ", ".join(f"{c} {n}" for c, n in sorted(m["codes"].items(), key=lambda kv: -kv[1]))
         print(f"{name:<19} {m['calls']:>6} {m['messages']:>6}  {codes}")
     print(f"{report['num_calls']} calls, {report['num_messages']} messages; strategies: {report['strategies']}")
+    if report.get("socket_methods") == 0:
+        print("call socket: none of the fuzzed methods is served there (--methods); its phase was skipped")
     mib = 1 / 2**20
     for key in ("rss_start", "rss_after_warmup", "rss_end"):
         if report.get(key):
