@@ -134,9 +134,7 @@ def _handle(kind: str) -> Callable[[Pools, random.Random, ArenaMap | None], Mess
             return data_pb2.AbortRequest(allocation_id=ident)
         if kind == "release":
             return data_pb2.ReleaseRequest(lease_id=ident)
-        if kind == "renew":
-            return data_pb2.RenewRequest(lease_id=ident, ttl_ms=rng.choice((0, 1000, 5000)))
-        return directory_pb2.ReleaseLeaseRequest(lease_id=ident)
+        return data_pb2.RenewRequest(lease_id=ident, ttl_ms=rng.choice((0, 1000, 5000)))
 
     return build
 
@@ -180,9 +178,6 @@ VALID: dict[str, Callable[[Pools, random.Random, ArenaMap | None], Message]] = {
     "Remove": lambda p, rng, a: directory_pb2.RemoveRequest(namespace_id=p.namespace_id, keys=_keys(p, rng)[:1],
                                                             tier=rng.choice(("", "host", "remote"))),
     "Invalidate": lambda p, rng, a: directory_pb2.InvalidateRequest(namespace_id=p.namespace_id, keys=_keys(p, rng)[:2]),
-    "Lease": lambda p, rng, a: directory_pb2.LeaseRequest(namespace_id=p.namespace_id, keys=_keys(p, rng),
-                                                          ttl_ms=rng.choice((0, 500, 5000))),
-    "ReleaseLease": _handle("lease"),
     "Subscribe": lambda p, rng, a: directory_pb2.SubscribeRequest(from_seq=rng.choice((0, 1, 10))),
     "Stats": lambda p, rng, a: directory_pb2.StatsRequest(),
     "Quarantine": lambda p, rng, a: directory_pb2.QuarantineRequest(purge=rng.random() < 0.1),
@@ -207,7 +202,7 @@ def learn(p: Pools, method: str, request: Message | None, response: Message, tok
         p.allocations[response.allocation_id] = Allocation([s.key for s in response.slots],
                                                            [None if s.exists else s.offset for s in response.slots],
                                                            response.page_bytes, token)
-    elif isinstance(response, (data_pb2.AcquireResponse, directory_pb2.LeaseResponse)) and response.lease_id:
+    elif isinstance(response, data_pb2.AcquireResponse) and response.lease_id:
         p.leases[response.lease_id] = token
     elif method in ("Commit", "Abort") and request is not None:
         alloc = p.allocations.get(request.allocation_id)
@@ -216,7 +211,7 @@ def learn(p: Pools, method: str, request: Message | None, response: Message, tok
             p.released.append(request.allocation_id)
         if method == "Commit":
             p.keys.extend(request.keys[: response.num_published])
-    elif method in ("Release", "ReleaseLease") and request is not None:
+    elif method == "Release" and request is not None:
         if p.leases.get(request.lease_id) == token:  # only its maker's release ends a lease
             del p.leases[request.lease_id]
             p.released.append(request.lease_id)

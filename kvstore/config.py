@@ -174,7 +174,7 @@ class TenantQuota:
     host_bytes: int = 0  # pages and allocated slots in this node's host tier; at the limit its own coldest go down
     ssd_bytes: int = 0  # pages in this node's ssd tier; at the limit its own coldest there make room
     ssd_write_percent: int = 0  # its share (percent of rate and burst) of the ssd write budget (--ssd-dwpd)
-    leases: int = 16384  # leases held at once (Acquire, Lease, ReadPages streams)
+    leases: int = 16384  # leases held at once (Acquire, ReadPages streams)
     allocations: int = 4096  # allocations not yet committed or aborted
     hints: int = 262144  # announced uses (hinted keys) held at once
     token_log_bytes: int = 1 << 30  # token-log entries of its sessions (4 bytes a token)

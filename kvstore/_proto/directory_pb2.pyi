@@ -134,38 +134,6 @@ class InvalidateResponse(_message.Message):
     generation: int
     def __init__(self, num_removed: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class LeaseRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "ttl_ms")
-    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
-    KEYS_FIELD_NUMBER: _ClassVar[int]
-    TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    namespace_id: bytes
-    keys: _containers.RepeatedScalarFieldContainer[bytes]
-    ttl_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
-
-class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "num_pages", "expires_unix_ms")
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
-    lease_id: bytes
-    num_pages: int
-    expires_unix_ms: int
-    def __init__(self, lease_id: _Optional[bytes] = ..., num_pages: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
-
-class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    lease_id: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ...) -> None: ...
-
-class ReleaseLeaseResponse(_message.Message):
-    __slots__ = ("released",)
-    RELEASED_FIELD_NUMBER: _ClassVar[int]
-    released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
-
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_seq",)
     FROM_SEQ_FIELD_NUMBER: _ClassVar[int]

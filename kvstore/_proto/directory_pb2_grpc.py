@@ -55,16 +55,6 @@ class DirectoryStub:
                 request_serializer=kvstore_dot_v1_dot_directory__pb2.InvalidateRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_directory__pb2.InvalidateResponse.FromString,
                 _registered_method=True)
-        self.Lease = channel.unary_unary(
-                '/kvstore.v1.Directory/Lease',
-                request_serializer=kvstore_dot_v1_dot_directory__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_directory__pb2.LeaseResponse.FromString,
-                _registered_method=True)
-        self.ReleaseLease = channel.unary_unary(
-                '/kvstore.v1.Directory/ReleaseLease',
-                request_serializer=kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseResponse.FromString,
-                _registered_method=True)
         self.Subscribe = channel.unary_stream(
                 '/kvstore.v1.Directory/Subscribe',
                 request_serializer=kvstore_dot_v1_dot_directory__pb2.SubscribeRequest.SerializeToString,
@@ -114,19 +104,6 @@ class DirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Lease(self, request, context):
-        """Pins pages against eviction while a reader copies them.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Subscribe(self, request, context):
         """STORED / REMOVED / CLEARED events from `from_seq` on, then live. A subscription with
         no event for --stream-idle-s is cancelled (CANCELLED): subscribe again from the next seq.
@@ -170,16 +147,6 @@ def add_DirectoryServicer_to_server(servicer, server):
                     servicer.Invalidate,
                     request_deserializer=kvstore_dot_v1_dot_directory__pb2.InvalidateRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_directory__pb2.InvalidateResponse.SerializeToString,
-            ),
-            'Lease': grpc.unary_unary_rpc_method_handler(
-                    servicer.Lease,
-                    request_deserializer=kvstore_dot_v1_dot_directory__pb2.LeaseRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_directory__pb2.LeaseResponse.SerializeToString,
-            ),
-            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseLease,
-                    request_deserializer=kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
@@ -306,60 +273,6 @@ class Directory:
             '/kvstore.v1.Directory/Invalidate',
             kvstore_dot_v1_dot_directory__pb2.InvalidateRequest.SerializeToString,
             kvstore_dot_v1_dot_directory__pb2.InvalidateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Lease(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvstore.v1.Directory/Lease',
-            kvstore_dot_v1_dot_directory__pb2.LeaseRequest.SerializeToString,
-            kvstore_dot_v1_dot_directory__pb2.LeaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReleaseLease(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvstore.v1.Directory/ReleaseLease',
-            kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseRequest.SerializeToString,
-            kvstore_dot_v1_dot_directory__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

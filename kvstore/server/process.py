@@ -199,7 +199,7 @@ class Server:
                                generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))
         # Handoffs (issue 36): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
-        self.handoffs = data_service.handoffs = directory_service.handoffs = HandoffMarkers(self.core)
+        self.handoffs = data_service.handoffs = HandoffMarkers(self.core)
         handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.streams, self.cluster)
         guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
                                generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),

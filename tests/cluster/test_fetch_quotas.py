@@ -21,7 +21,7 @@ from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from test_cluster_auth import A, secure_args
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
-from kvstore._proto import directory_pb2
+from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing
 
@@ -87,9 +87,9 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
 
         # its quota full of its own pinned pages: a read fetches nothing, charges nothing, leaves nothing
         ns = on_c.namespace.namespace_id
-        lease = await on_c._call(on_c.runtime.directory.Lease,
-                                 directory_pb2.LeaseRequest(namespace_id=ns, keys=on_c.keys(replicated)[:4], ttl_ms=30_000))
-        assert lease.num_pages == 4
+        lease = await on_c._call(on_c.runtime.data.Acquire,
+                                 data_pb2.AcquireRequest(namespace_id=ns, keys=on_c.keys(replicated)[:4], ttl_ms=30_000))
+        assert len(lease.pages) == 4
         before, _ = await _usage(on_c)
         await eventually(lambda: _found(on_c, last), 5, "the last prefix in c's lookup")
         with pytest.raises(PageMissing) as missing:
@@ -97,7 +97,7 @@ async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes,
         assert missing.value.num_tokens == 0  # type: ignore[attr-defined]
         after, leases = await _usage(on_c)
         assert after["host_bytes"] == before["host_bytes"] == QUOTA and after["allocations"] == 0 and leases == 1
-        await on_c._call(on_c.runtime.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
+        await on_c._call(on_c.runtime.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
         assert await _within_quota(on_c), await _usage(on_c)
 
 

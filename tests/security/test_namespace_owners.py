@@ -82,11 +82,9 @@ def test_reads_of_another_tenants_namespace_answer_as_for_an_empty_one(tenant_se
 
     def answers(target: bytes) -> list[object]:
         acquire = b(b.data.Acquire, data_pb2.AcquireRequest(namespace_id=target, keys=keys))
-        lease = b(b.directory.Lease, directory_pb2.LeaseRequest(namespace_id=target, keys=keys))
         return [
             b(b.directory.Lookup, directory_pb2.LookupRequest(namespace_id=target, keys=keys)),
             (list(acquire.pages), acquire.page_bytes, len(acquire.lease_id)),
-            (lease.num_pages, len(lease.lease_id)),
             b.stream(b.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=target, keys=keys)),
             b(b.data.GetSession, data_pb2.GetSessionRequest(namespace_id=target, session_id="s")),
             b(b.data.Hint, data_pb2.HintRequest(namespace_id=target, entries=[data_pb2.HintEntry(keys=keys)])),

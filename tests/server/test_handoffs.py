@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import random_kv
 
-from kvstore._proto import directory_pb2, handoff_pb2
+from kvstore._proto import data_pb2, directory_pb2, handoff_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.errors import InvalidRequest, LimitExceeded
 
@@ -93,9 +93,9 @@ async def test_the_markers_a_tenant_holds_are_bounded(server, ns, layout) -> Non
         assert len(server.handoffs) == 2 and await _leases(client) == 2
 
 
-async def test_a_lease_of_the_handed_pages_takes_them_over(server, ns, layout) -> None:
-    """The vLLM scheduler leases a hit (Directory.Lease) and its workers copy under that lease:
-    the handoff's own pins go once the waiter's lease holds every page it was handed."""
+async def test_an_acquire_of_the_handed_pages_takes_them_over(server, ns, layout) -> None:
+    """A waiter acquires its hit (Data.Acquire) and copies under that lease: the handoff's own
+    pins go once the waiter's lease holds every page it was handed."""
     tokens = _tokens(5, 3, layout.page_tokens)
     async with KVStoreClient(server.address, ns) as client:
         assert await client.put(tokens, random_kv(layout, len(tokens), seed=5)) == len(tokens)
@@ -103,10 +103,10 @@ async def test_a_lease_of_the_handed_pages_takes_them_over(server, ns, layout) -
         assert await client.handoff_complete(handoff, tokens) == len(tokens)
         hit = await client.handoff_wait(handoff, tokens, deadline_s=1.0)
         assert hit.num_tokens == len(tokens) and await _leases(client) == 1
-        lease = await client._call(client.runtime.directory.Lease,
-                                   directory_pb2.LeaseRequest(namespace_id=ns.namespace_id, keys=hit.keys, ttl_ms=5000))
-        assert lease.num_pages == hit.num_pages and await _leases(client) == 1 and len(server.handoffs) == 0
-        await client._call(client.runtime.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
+        lease = await client._call(client.runtime.data.Acquire,
+                                   data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=hit.keys, ttl_ms=5000))
+        assert len(lease.pages) == hit.num_pages and await _leases(client) == 1 and len(server.handoffs) == 0
+        await client._call(client.runtime.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
         assert await _leases(client) == 0
 
 

@@ -100,9 +100,6 @@ class _Caller:
             "Abort": lambda: d.Abort(data_pb2.AbortRequest(allocation_id=self.some_id()), timeout=10),
             "Renew": lambda: d.Renew(data_pb2.RenewRequest(lease_id=self.some_id(), ttl_ms=self.ttl()), timeout=10),
             "Release": lambda: d.Release(data_pb2.ReleaseRequest(lease_id=self.some_id()), timeout=10),
-            "Lease": lambda: self.leases.append(r.Lease(directory_pb2.LeaseRequest(
-                namespace_id=self.ns, keys=self.keys(), ttl_ms=self.ttl()), timeout=10).lease_id),
-            "ReleaseLease": lambda: r.ReleaseLease(directory_pb2.ReleaseLeaseRequest(lease_id=self.some_id()), timeout=10),
             "Hint": lambda: d.Hint(data_pb2.HintRequest(namespace_id=self.ns, entries=[data_pb2.HintEntry(
                 keys=self.keys(), eta_ms=rng.choice([0, 10, 3_600_000, 3_600_001, 2**32 - 1]))]), timeout=10),
             "WritePages": lambda: self.write_pages(self._chunks(self.keys()[:3]), timeout=10),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import random_kv
 
-from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 
 
@@ -21,14 +21,14 @@ async def test_a_page_removed_while_leased_and_stored_again_survives_the_release
     tokens = list(range(16))
     kv = random_kv(layout, 16, seed=3)
     async with KVStoreClient(server.address, ns) as client, grpc.aio.insecure_channel(server.address) as channel:
-        directory = directory_pb2_grpc.DirectoryStub(channel)
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
         assert await client.put(tokens, kv, durable=durable) == 16
         keys = client.keys(tokens)
-        lease = await directory.Lease(directory_pb2.LeaseRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000))
-        assert lease.num_pages == 1
+        lease = await data.Acquire(data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, ttl_ms=60_000))
+        assert len(lease.pages) == 1
         await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=keys))
         assert await client.put(tokens, kv, durable=durable) == 16, "stored again while the old copy is still leased"
-        await directory.ReleaseLease(directory_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id))
+        await data.Release(data_pb2.ReleaseRequest(lease_id=lease.lease_id))
         hit = await client.lookup(tokens)
         assert hit.num_tokens == 16 and {loc.tier for loc in hit.locations} == {"host"}
         out = torch.zeros_like(kv)

@@ -16,7 +16,6 @@ from kvstore.directory import Event, EventKind
 from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
-from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.errors import stream, unary
@@ -49,8 +48,6 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
     """Each handler reads its caller first and checks it against the namespace the request
     names; events, stats and quarantine lists are filtered to the caller's namespaces (see
     kvstore/server/tenancy/access.py)."""
-
-    handoffs: HandoffMarkers | None = None  # a handoff's pages are let go once its waiter leased them (issue 36)
 
     def __init__(self, core: Placement, config: ServerConfig, tenancy: Tenancy, cluster: ClusterRuntime | None = None) -> None:
         self.core = core
@@ -154,23 +151,6 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         another (it wrote there): it may invalidate it here. Its id folds in the tenant's
         secret salt, so another tenant cannot name it without a leak."""
         return self.cluster is not None and who.via != "local" and self.tenancy.owners.owner(namespace_id) is None
-
-    @unary
-    def Lease(self, request: directory_pb2.LeaseRequest, context: grpc.ServicerContext) -> directory_pb2.LeaseResponse:
-        ns = validate.namespace_id(request.namespace_id)
-        keys = self._keys(list(request.keys))
-        who = current_identity()
-        if not self.tenancy.may_read(who, ns):
-            keys = []  # as for an empty namespace
-        with self.tenancy.quotas.reserving(who, leases=1):
-            ident, found, expires = self.core.lease(ns, keys, request.ttl_ms, who.tenant)
-        if self.handoffs is not None:
-            self.handoffs.acquired(who.tenant, ns, keys[:found])
-        return directory_pb2.LeaseResponse(lease_id=ident, num_pages=found, expires_unix_ms=int(expires * 1000))
-
-    @unary
-    def ReleaseLease(self, request: directory_pb2.ReleaseLeaseRequest, context: grpc.ServicerContext) -> directory_pb2.ReleaseLeaseResponse:
-        return directory_pb2.ReleaseLeaseResponse(released=self.core.release(request.lease_id, current_identity().tenant))
 
     @stream
     def Subscribe(self, request: directory_pb2.SubscribeRequest, context: grpc.ServicerContext) -> Iterator[directory_pb2.Event]:

@@ -1,6 +1,6 @@
 """What a caller may do with the namespace a request names (DESIGN §11, issue 16).
 
-* Read (Lookup, Acquire, ReadPages, Lease, Hint, GetSession): the READ right, and the
+* Read (Lookup, Acquire, ReadPages, Hint, GetSession): the READ right, and the
   caller's tenant owns the namespace or has ADMIN. A namespace the caller may not read
   looks empty to it: the handler answers exactly what it answers for a namespace nothing
   was ever stored in. PERMISSION_DENIED would tell the caller that the id is in use, an
