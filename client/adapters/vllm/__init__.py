@@ -10,6 +10,7 @@
 | `metadata.py` | what the scheduler sends the workers each step |
 | `config.py` | `kv_connector_extra_config` and the engine's kvstore namespace (no vLLM import) |
 | `groups.py` | an engine's KV cache groups (full, sliding-window, chunked-local, state-space) and their layout in the namespace |
+| `sessions.py` | a request's session (`kvstore_session_id`): its tokens logged at its node, its saves naming it, the request stopped when a live migration's fence refuses them; a moved session continued from its log |
 | `pd.py`, `pd_worker.py` | disaggregated prefill: a prefill instance's handoff (open, complete) and a decode instance's asynchronous load of it |
 | `hybrid_scheduler.py`, `hybrid_worker.py` | the sides of hybrid engines: whole loads before the request computes, saves copied out when the step ends |
 | `grouped.py` | a hybrid page's layers copied through their groups' block tables, null blocks skipped |

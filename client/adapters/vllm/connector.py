@@ -14,7 +14,8 @@ gone: a store that cannot answer is a miss, a load that fails is reported throug
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (this needs
 ``kv_load_failure_policy: recompute``; vLLM's default, ``fail``, fails the request).
 A server that refuses the connector's token is not a miss but a configuration error: the
-engine does not start (config.py, "token").
+engine does not start (config.py, "token"). A request whose ``kv_transfer_params`` name a
+session (``kvstore_session_id``) has its tokens logged for live migration (sessions.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVSt
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+from kvstore.client.adapters.vllm.sessions import SESSION_KEY, SessionLogs
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -96,11 +98,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.states is not None:
             self.states.start()
         self.hybrid = groups.hybrid
-        self._warned_handoffs = False
+        self._warned_handoffs = self._warned_sessions = False
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | HybridWorkerSide | None = None
         self.handoffs: HandoffScheduler | None = None  # disaggregated prefill (pd.py); single-group engines
         self.handoff_worker: HandoffWorker | None = None
+        self.sessions: SessionLogs | None = None  # requests' token logs, for live migration (sessions.py); single-group
         if role == KVConnectorRole.SCHEDULER and self.hybrid:
             self.scheduler = HybridSchedulerSide(self.store, groups, self.config.lookup_timeout_s, self._block_tables,
                                                  self.config.load_when_faster, self.states)
@@ -111,6 +114,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
             self.handoffs = HandoffScheduler(self.scheduler, self.config.handoff_deadline_s, self.config.handoff_ttl_s)
+            self.sessions = SessionLogs(self.store, self.scheduler, self.config.lookup_timeout_s)
         else:
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
@@ -211,6 +215,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._kv_cache_manager is not None, "vLLM did not bind its KV cache manager"
         return self._kv_cache_manager.get_block_ids(req_id)
 
+    def on_new_request(self, request: Request) -> None:
+        if self.sessions is not None:
+            self.sessions.begin(request)
+        elif self.hybrid and not self._warned_sessions and (request.kv_transfer_params or {}).get(SESSION_KEY):
+            self._warned_sessions = True
+            logger.warning("kvstore: this engine has several KV cache groups; sessions (live migration) are not built "
+                           "for them yet: requests with %s are served as any request", SESSION_KEY)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         handed = self.handoffs.matched(request, num_computed_tokens) if self.handoffs is not None else None
         if handed is not None:
@@ -220,6 +232,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvstore: this engine has several KV cache groups; disaggregated prefill is not built for them "
                            "yet: requests with do_remote_decode/do_remote_prefill are served as any request")
         found = self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
+        if self.sessions is not None:
+            self.sessions.attach(request.request_id)  # its saves name its session
         return found, self.hybrid and found > 0  # a hybrid engine's hit is loaded before the request computes
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -233,9 +247,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = self._scheduler().build_meta(scheduler_output)
+        if self.sessions is not None:  # after: a fence it learns of stops saves from the next step on
+            self.sessions.step(scheduler_output)
         return self.handoffs.add_to(meta) if self.handoffs is not None else meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.sessions is not None:
+            self.sessions.finished(request)
         saving = self._scheduler().finished(request)
         return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
 
@@ -243,6 +261,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM calls this instead of ``request_finished`` for a connector that supports
         its hybrid KV cache manager, whatever the number of groups."""
+        if self.sessions is not None:
+            self.sessions.finished(request)
         saving = self._scheduler().finished(request)
         return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
 
@@ -253,6 +273,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         report = connector_output.kv_connector_worker_meta
         self._scheduler().saves_short(report if isinstance(report, KVStoreWorkerMetadata) else None)
         self._scheduler().measured(report if isinstance(report, KVStoreWorkerMetadata) else None)
+        if self.sessions is not None and isinstance(report, KVStoreWorkerMetadata) and report.fenced:
+            self.sessions.saves_refused(report.fenced)
         scheduler = self._scheduler()
         if isinstance(scheduler, HybridSchedulerSide) and connector_output.failed_recving:
             scheduler.loads_failed(set(connector_output.failed_recving))

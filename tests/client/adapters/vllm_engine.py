@@ -5,7 +5,7 @@ original stdout; vLLM's own output is moved to stderr.
 
 Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_cache": b, "ignore_eos": b}
 -> {"outputs": [{"tokens", "logprobs", "num_cached_tokens"}], "seconds"} once the connector's
-saves of the generation have ended (so that the next command finds what it stored);
+saves of the generation have ended and its sessions' tokens are logged (so that the next command finds what it stored);
 "kv_transfer_params": [params or null per prompt] (disaggregated prefill: each output then
 carries its own; "drain": true steps the engine until the connector gives every held block
 back, as vllm serve's busy loop does, so that a prefill's handoff completes; {"cmd": "drain"}
@@ -14,6 +14,10 @@ does that alone);
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
 cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
 {"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "exit"}.
+Live migration: {"cmd": "start", "prompt", "max_tokens", "kv_transfer_params", "pause_after": n} adds one greedy
+request (eos ignored) and steps the engine until it output n tokens, then waits until the connector logged every
+token and its saves ended -> {"tokens"}; {"cmd": "resume"} steps it to its end -> {"tokens", "finish_reason",
+"stop_reason"}; {"cmd": "session_stats"} -> the scheduler connector's session counters.
 """
 
 from __future__ import annotations
@@ -38,6 +42,27 @@ def drain(llm: object) -> None:
         llm.llm_engine.step()  # type: ignore[attr-defined]
 
 
+def step_request(llm: object, cmd: dict, paused: object) -> object:
+    """"start": adds the request and steps until it output ``pause_after`` tokens, then has the
+    connector log them and end its saves (what the engine's next steps would do), so that a
+    migration sees them all; "resume": steps the paused request to its end. Its last output."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    engine = llm.llm_engine  # type: ignore[attr-defined]
+    until = cmd.get("pause_after", 1 << 30)
+    if cmd["cmd"] == "start":
+        params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
+                                extra_args={"kv_transfer_params": cmd["kv_transfer_params"]})
+        engine.add_request("paused", {"prompt_token_ids": cmd["prompt"]}, params)
+    while paused is None or not (paused.finished or len(paused.outputs[0].token_ids) >= until):  # type: ignore[attr-defined]
+        paused = next(iter(engine.step()), paused)  # the only request in flight
+    if cmd["cmd"] == "start":
+        assert engine.engine_core.engine_core.scheduler.connector.sessions.flush(60), "the session's tokens were not logged"
+        assert get_kv_transfer_group().worker.wait_saves(60), "the connector's saves did not end"
+    return paused
+
+
 def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -58,6 +83,7 @@ def main() -> None:
               enable_prefix_caching=config.get("prefix_caching", False), kv_transfer_config=transfer,
               max_num_batched_tokens=config.get("max_num_batched_tokens", 4096))
     proto.write(json.dumps({"ready": True}) + "\n")
+    paused: object = None  # the request "start" paused, as its last RequestOutput
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "exit":
@@ -77,12 +103,20 @@ def main() -> None:
                 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
                 assert get_kv_transfer_group().worker.wait_saves(60), "the connector's saves did not end"
+                sessions = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "sessions", None)
+                assert sessions is None or sessions.flush(60), "the sessions' tokens were not logged"
             reply = {"seconds": seconds, "outputs": [{
                 "tokens": list(o.outputs[0].token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
                 "num_cached_tokens": o.num_cached_tokens,
                 "kv_transfer_params": o.kv_transfer_params,
             } for o in outs]}
+        elif cmd["cmd"] in ("start", "resume"):
+            paused = step_request(llm, cmd, paused)
+            out = paused.outputs[0]  # type: ignore[attr-defined]
+            reply = {"tokens": list(out.token_ids), "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        elif cmd["cmd"] == "session_stats":
+            reply = dataclasses.asdict(llm.llm_engine.engine_core.engine_core.scheduler.connector.sessions.stats)
         elif cmd["cmd"] == "drain":
             drain(llm)
             reply = {}
