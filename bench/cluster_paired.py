@@ -9,7 +9,7 @@ The get: an engine on node c gets a fresh prefix stored on node a (c's server fe
 into its host tier, the engine copies it out of shared memory, verified). Its destination is
 allocated and touched once before the rounds, as an engine's KV cache is and as the pumps'
 and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the kernel's
-first-touch page faults (0.3-0.4 GB/s here, LIMITS.md), not the transfer.
+first-touch page faults (0.3-0.4 GB/s measured here), not the transfer.
 Beside it, the CPU of each get (median ms of node a, node c and this process, the engine;
 clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
 tends to the CPU ratio, which no overlap hides.

@@ -229,7 +229,7 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
 
 
 def chapter_choices() -> dict[str, Any]:
-    """The same planner fed the chapter's A100/H20 numbers (FACTS.md)."""
+    """The same planner fed the chapter's A100/H20 numbers (DESIGN §10)."""
     v = 8192 * planner.kv_bytes_per_token_gqa(36, 8, 128, 2)
     rec = 0.856
     paths = {"host RAM (PCIe 25 GB/s)": (v / 25e9, v / 25e9), "local SSD (7.1/4.2 GB/s)": (v / 4.2e9, v / 7.1e9),

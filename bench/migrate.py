@@ -1,4 +1,4 @@
-"""kvstore-bench migrate: the catch-up of a live migration (issue 37; the chapter's Fig. 9-43)
+"""kvstore-bench migrate: the catch-up of a live migration (DESIGN §12.8; the chapter's Fig. 9-43)
 against the model S0 / (copy rate - growth rate), and the pause.
 
 Per row (``--copy-gbps``, 0: not capped), two fresh nodes on one etcd, the gRPC data plane,
@@ -16,7 +16,7 @@ null, the reason beside it). CPU: user + system seconds of both nodes, etcd and 
 (the writer, the proxy, the client) over the migration, per GB copied; the raw transfer's
 per GB beside it (this process: sender, proxy and sink).
 
-Goals (issue 37; reported, never tuned): converge_s <= 1.25 x the model; pause <= 50 ms for
+Goals (DESIGN §12.8; reported, never tuned): converge_s <= 1.25 x the model; pause <= 50 ms for
 the uncapped (loopback) row's session; cannot converge reported when growth >= copy.
 """
 

@@ -1,6 +1,6 @@
 """The rows, goals, table and PNG of ``kvstore-bench migrate`` from each row's ``Trace``.
 
-The model is the chapter's (FACTS.md, §9.6.2): the catch-up takes S0 / (c - g), with c the raw
+The model is the chapter's (its §9.6.2; DESIGN §12.8): the catch-up takes S0 / (c - g), with c the raw
 link measured through a proxy of the row's cap in the same run and g the growth the writer
 really made while the pre-copy ran; it never converges when g >= c.
 """

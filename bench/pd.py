@@ -1,5 +1,5 @@
 """kvstore-bench pd: disaggregated prefill through kvstore on real vLLM engines, against the
-chapter's transfer model (issue 36; FACTS.md: handoff time = bytes / link bandwidth + a fixed
+chapter's transfer model (DESIGN §12.7: handoff time = bytes / link bandwidth + a fixed
 cost).
 
 Two vLLM-CPU engines with random weights (``pd_engine.py``, one process each), two kvstore
@@ -27,7 +27,7 @@ handed off (T tokens x bytes per token of ``--layers``, ``--kv-heads``, ``--head
 The model beside it: ``bytes / link + fixed``. ``link``: a raw TCP pump between two processes
 of this host (``cluster_tcp_pump.py``: the TCP data plane's socket settings, page-sized
 messages), in the same run. ``fixed``: the median direct handoff of a one-page prompt minus
-that page's bytes / link. Goals (issue 36): direct handoff <= 1.2 x bytes / link + 5 ms, and
+that page's bytes / link. Goals (DESIGN §12.7): direct handoff <= 1.2 x bytes / link + 5 ms, and
 direct TTFT <= colocated TTFT + the direct handoff. CPU: seconds of user + system time of the
 two nodes and of the two engines (/proc) per GB handed off, over each PD arm's window; the
 pump's per GB beside it.

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-SLACK = 1.2  # issue 36: direct handoff <= 1.2 x bytes / link + 5 ms
+SLACK = 1.2  # DESIGN §12.7: direct handoff <= 1.2 x bytes / link + 5 ms
 ALLOWANCE_S = 0.005
 
 

@@ -1,4 +1,4 @@
-"""Prefill -> decode handoff calls (DESIGN §12, issue 36), mixed into KVStoreClient.
+"""Prefill -> decode handoff calls (DESIGN §12.7), mixed into KVStoreClient.
 
 The prefill side's client is connected to the prefill node, the decode side's to the decode node::
 

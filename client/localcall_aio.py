@@ -1,4 +1,4 @@
-"""Unary calls over the server's same-host call socket from the client's I/O runtime (issue 16).
+"""Unary calls over the server's same-host call socket from the client's I/O runtime (DESIGN §11).
 
 The async API's control calls (Allocate, Commit, Acquire, Release, Lookup, ...) went over
 gRPC even when the pages moved through shared memory: with TLS and tokens every one paid the

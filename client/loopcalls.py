@@ -1,4 +1,4 @@
-"""Lookups on the caller's own event loop, over the call socket (issue 14).
+"""Lookups on the caller's own event loop, over the call socket (DESIGN §8).
 
 A lookup through the I/O runtime hops threads twice (the caller's loop to the runtime's and
 back): on a loaded 2-core host that was ~0.35 ms of a 512-page lookup whose socket round trip

@@ -1,4 +1,4 @@
-"""Live migration of a running session (DESIGN §12 "Live migration", issue 37), mixed into KVStoreClient.
+"""Live migration of a running session (DESIGN §12.8), mixed into KVStoreClient.
 
 The client is connected to the session's source node (where its token log is)::
 

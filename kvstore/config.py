@@ -166,7 +166,7 @@ QUOTA_BYTES_FIELDS = ("host_bytes", "ssd_bytes", "token_log_bytes")
 
 @dataclass(frozen=True)
 class TenantQuota:
-    """What one tenant may make the server hold (issue 16); 0: no limit of its own (the
+    """What one tenant may make the server hold (DESIGN §11); 0: no limit of its own (the
     server's capacity and limits still apply). Server-wide defaults come from the
     --tenant-* flags, a tenant's own from the auth file's ``quotas`` table. The local
     tenant of a server without --auth-file has none."""

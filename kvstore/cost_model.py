@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # Priors: this project's own measurements of its transports on a 2-vCPU host
-# (../shared/LIMITS.md): a shared-memory get ~5.7 GB/s, a Python gRPC page read 0.6-1.5 GB/s.
+# (DESIGN §10): a shared-memory get ~5.7 GB/s, a Python gRPC page read 0.6-1.5 GB/s.
 SHM_PRIOR_BPS = 5e9
 GRPC_PRIOR_BPS = 1e9
 PER_CALL_PRIOR_S = 1e-3

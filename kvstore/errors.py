@@ -42,7 +42,7 @@ class StaleGeneration(KVStoreError):
 
 class SessionFenced(KVStoreError):
     """A write (append, save) to a session this node no longer owns: a live migration fenced
-    it (issue 37; the message names the version and the owner), or is fencing it now. Nothing
+    it (DESIGN §12.8; the message names the version and the owner), or is fencing it now. Nothing
     was written; the session continues at its owner."""
 
 
@@ -67,7 +67,7 @@ class LimitExceeded(KVStoreError):
 
 
 class HostQuotaFull(LimitExceeded):
-    """A tenant's pages in the host tier would pass its host_bytes quota (issue 16); nothing
+    """A tenant's pages in the host tier would pass its host_bytes quota (DESIGN §11); nothing
     was done. ``keep_bytes``: how much of its own the tenant may keep there for the request
     to fit (the servicer evicts its coldest pages down to that, then asks again)."""
 

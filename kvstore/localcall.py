@@ -1,4 +1,4 @@
-"""The same-host call channel's wire format (issue 15): unary RPCs over a Unix socket
+"""The same-host call channel's wire format (DESIGN §11 "Same-host paths"): unary RPCs over a Unix socket
 without gRPC, shared by the server (kvstore/server/services/local_calls.py) and the
 client (kvstore/client/localcall.py).
 

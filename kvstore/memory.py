@@ -3,7 +3,7 @@
 Page-sized transient buffers (a 1 MiB gRPC message, a 2.25 MiB page) sit above glibc's
 default mmap threshold, so each one is mapped fresh and unmapped on free; on VMs whose
 balloon driver hands freed memory back to the host, touching fresh memory runs at a
-fraction of memcpy speed (see LIMITS.md: 0.3-1.9 GB/s against 7 GB/s for reused memory).
+fraction of memcpy speed (measured here: 0.3-1.9 GB/s against 7 GB/s for reused memory).
 Keeping such buffers on the heap and not trimming it makes them reused memory. The
 server, the benchmarks and the raw gRPC pump they compare against call ``tune_malloc``
 at start; an engine embedding the client may call it too (it affects the whole process).

@@ -2,7 +2,7 @@
 its first token soonest.
 
 Units: bytes, seconds, bytes/second (1 GB/s = 1e9 B/s). Every formula is the chapter's
-(../shared/seed/FACTS.md); the unit tests reproduce its worked numbers. Bandwidths and
+(DESIGN §10); the unit tests reproduce its worked numbers. Bandwidths and
 prefill speeds should come from measurement, not constants: ``cost_model.py`` fits them
 online from observed fetches and forward passes (the vLLM connector decides its loads
 with it, ``kvstore-bench crossover`` predicts with it).

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from kvstore.errors import ConfigError
 
 NAMESPACE_ID_BYTES = 16
-MAX_GENERATION = (1 << 63) - 1  # a namespace generation a call may name: room left above (issue 34)
+MAX_GENERATION = (1 << 63) - 1  # a namespace generation a call may name: room left above (DESIGN §12.4)
 PAGE_KEY_BYTES = 16
 
 # Bytes per element of the dtypes a page may hold.

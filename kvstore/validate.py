@@ -78,7 +78,7 @@ def deadline_s(value: object, name: str) -> float:
 
 
 def generation(value: int) -> int:
-    """A namespace generation a call names (issue 34): at most MAX_GENERATION."""
+    """A namespace generation a call names (DESIGN §12.4): at most MAX_GENERATION."""
     if not 0 <= value <= MAX_GENERATION:
         raise InvalidRequest(f"generation {value} is outside [0, {MAX_GENERATION}]")
     return value

@@ -1,4 +1,4 @@
-"""Issue 14 item 8 as a check: no module over 400 lines, the placement core under 350 (a
+"""The layout rules as a check (DESIGN §2): no module over 400 lines, the placement core under 350 (a
 merge grew core.py to 357 lines unnoticed; generated stubs in kvstore/_proto are exempt)."""
 
 from pathlib import Path

@@ -26,7 +26,7 @@ def test_roundtrip() -> None:
 
 
 def test_the_generation_is_kept_and_a_format_1_header_reads_as_generation_0() -> None:
-    """Format 2 carries the namespace's generation (issue 34); pages written before it (format
+    """Format 2 carries the namespace's generation (DESIGN §12.4); pages written before it (format
     1, no such field) stay readable, as generation 0."""
     header = PageHeader(b"n" * 16, b"k" * 16, LAYOUT, 4096, 7, flags=1, generation=2**40 + 3)
     packed = header.pack()

@@ -1,4 +1,4 @@
-"""The cost model reproduces the chapter's worked numbers (../shared/seed/FACTS.md)."""
+"""The cost model reproduces the chapter's worked numbers (DESIGN §10)."""
 
 from __future__ import annotations
 

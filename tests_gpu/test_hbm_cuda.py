@@ -117,7 +117,7 @@ def test_each_pool_is_a_cuda_segment_of_its_own() -> None:
 
 def test_pinned_arena_and_host_to_hbm_bytes_per_s(figures) -> None:
     """Host -> hbm through HbmTier.write from a pinned arena, beside a plain pinned copy_ of the
-    same bytes (issue 18's goal: >= 0.8x). Figures only; no speed is asserted."""
+    same bytes (the goal: >= 0.8x). Figures only; no speed is asserted."""
     num_pages = 64
     nbytes = QWEN3_8B_PAGE.page_bytes
     arena = mmap.mmap(-1, num_pages * nbytes)

@@ -1,6 +1,6 @@
 """The real server with `--tiers hbm,host,ssd` on a CUDA device, and layer-wise loads into KV
 on the GPU through the side stream: the lines the CPU suite runs with CpuOps, here with
-CudaOps (issue 35, part 4). Needs lmdb (carried as a wheel: bench/gpu/README.md).
+CudaOps (DESIGN §6). Needs lmdb (carried as a wheel: bench/gpu/README.md).
 Synchronous tests running their own event loop: pytest-asyncio is not needed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The landing tier of a server with tenants: one anonymous arena per tenant (issue 16).
+"""The landing tier of a server with tenants: one anonymous arena per tenant (DESIGN §11).
 
 Whoever maps an arena reads and writes every slot in it, so an arena is a trust domain; with
 tenants each gets its own (a ``HostTier`` made with ``anonymous=True``: a 0600 memfd with no

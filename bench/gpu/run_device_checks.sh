@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path's device checks (issues 18 and 35 part 4), as ONE script for the `device` tool's `run`:
+# The GPU path's device checks (DESIGN §6: the hbm tier and its pools), as ONE script for the `device` tool's `run`:
 #   carry: [".whl"]   command: bash bench/gpu/run_device_checks.sh   timeout_s: 540
 # Runs tests_gpu/: the lines of kvstore/device_cuda.py (CudaOps), the only ones the CPU suite
 # never runs (it runs the same code with CpuOps) - hbm put/get bit-exact, a pool handed out

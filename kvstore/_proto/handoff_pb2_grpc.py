@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class HandoffStub:
-    """Prefill -> decode handoff (DESIGN §12, issue 36). A handoff is named by a 16-byte random id
+    """Prefill -> decode handoff (DESIGN §12.7). A handoff is named by a 16-byte random id
     and bound to the caller's tenant and namespace: another tenant, another namespace or an
     unknown id finds nothing, and the answer does not tell which.
     """
@@ -60,7 +60,7 @@ class HandoffStub:
 
 
 class HandoffServicer:
-    """Prefill -> decode handoff (DESIGN §12, issue 36). A handoff is named by a 16-byte random id
+    """Prefill -> decode handoff (DESIGN §12.7). A handoff is named by a 16-byte random id
     and bound to the caller's tenant and namespace: another tenant, another namespace or an
     unknown id finds nothing, and the answer does not tell which.
     """
@@ -134,7 +134,7 @@ def add_HandoffServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Handoff:
-    """Prefill -> decode handoff (DESIGN §12, issue 36). A handoff is named by a 16-byte random id
+    """Prefill -> decode handoff (DESIGN §12.7). A handoff is named by a 16-byte random id
     and bound to the caller's tenant and namespace: another tenant, another namespace or an
     unknown id finds nothing, and the answer does not tell which.
     """

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class MigrationStub:
-    """Live migration of a running session (DESIGN §12, issue 37). A session (its token log and the
+    """Live migration of a running session (DESIGN §12.8). A session (its token log and the
     pages of its tokens) moves from the source node, the one whose log it is, to a target node.
     Ownership is a version per (namespace, session): etcd's `sessions/<ns>/<id>` record names the
     owner of the highest version, decided by compare-and-swap; a node keeps the versions it saw
@@ -67,7 +67,7 @@ class MigrationStub:
 
 
 class MigrationServicer:
-    """Live migration of a running session (DESIGN §12, issue 37). A session (its token log and the
+    """Live migration of a running session (DESIGN §12.8). A session (its token log and the
     pages of its tokens) moves from the source node, the one whose log it is, to a target node.
     Ownership is a version per (namespace, session): etcd's `sessions/<ns>/<id>` record names the
     owner of the highest version, decided by compare-and-swap; a node keeps the versions it saw
@@ -155,7 +155,7 @@ def add_MigrationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Migration:
-    """Live migration of a running session (DESIGN §12, issue 37). A session (its token log and the
+    """Live migration of a running session (DESIGN §12.8). A session (its token log and the
     pages of its tokens) moves from the source node, the one whose log it is, to a target node.
     Ownership is a version per (namespace, session): etcd's `sessions/<ns>/<id>` record names the
     owner of the highest version, decided by compare-and-swap; a node keeps the versions it saw

@@ -1,5 +1,5 @@
 """``kvstore-ctl migrate``: moves a running session from the node ``--server`` names to node
-``--to`` (issue 37; DESIGN §12 "Live migration"), through KVStoreClient.migrate, and prints the
+``--to`` (DESIGN §12.8), through KVStoreClient.migrate, and prints the
 summary: rounds, bytes per round, the pause, the total."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a node keeps of its cluster membership in its own data directory, for an etcd that was
-replaced or restored (issue 34, defect 8): its last registration epoch, and the incarnation id
+replaced or restored (DESIGN §12.4): its last registration epoch, and the incarnation id
 of the etcd it last caught up with.
 
 etcd keeps each node's epoch too, but an etcd that was wiped or restored from an old snapshot

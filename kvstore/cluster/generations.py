@@ -1,4 +1,4 @@
-"""The cluster's copy of each namespace's generation, in etcd (issue 34).
+"""The cluster's copy of each namespace's generation, in etcd (DESIGN §12.4).
 
     <root>generations/<ns hex>   JSON {"generation": g, "issued_by": node, "issued_at_s": t} (no lease)
     <root>incarnation            "<random id> <unix time made>", made by the first node that finds

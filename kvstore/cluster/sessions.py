@@ -1,4 +1,4 @@
-"""The cluster's record of who owns each migrated session, in etcd (issue 37).
+"""The cluster's record of who owns each migrated session, in etcd (DESIGN §12.8).
 
     <root>sessions/<ns hex>/<session id hex>   JSON {"version": v, "owner": node, "issued_by", "issued_at_s"}
 

@@ -2,7 +2,7 @@
 prefixed frames, and exact receives bounded by a deadline.
 
 Why these options: loopback TCP with this machine's default congestion control (bbr) moved
-1.9-4.0 GB/s where cubic moved 6.3-6.8 (LIMITS.md), so each data socket asks for cubic
+1.9-4.0 GB/s where cubic moved 6.3-6.8 (DESIGN §12.3), so each data socket asks for cubic
 (keeping the default where the kernel refuses, with one warning per process); TCP_NODELAY
 so a request or an answer frame is not held back behind Nagle; send and receive buffers as
 large as the kernel allows. Blocking sockets on threads, with the deadline as the kernel's SO_RCVTIMEO /
@@ -53,7 +53,7 @@ def tune(sock: socket.socket) -> None:
                 _told.set()
                 kept = sock.getsockopt(socket.IPPROTO_TCP, congestion, 16).rstrip(b"\0").decode()
                 logger.warning("TCP data sockets keep congestion control %s: %s refused (%s); a non-root server "
-                               "needs %s in net.ipv4.tcp_allowed_congestion_control (LIMITS.md: bbr moved a third "
+                               "needs %s in net.ipv4.tcp_allowed_congestion_control (bbr moved a third "
                                "of cubic's bytes on loopback)", kept, CONGESTION.decode(), exc.strerror, CONGESTION.decode())
 
 

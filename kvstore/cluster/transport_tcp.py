@@ -3,7 +3,7 @@ plane (``page_wire``: hello with a grant, request, answer, then each found page'
 key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
-get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (LIMITS.md). A
+get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (DESIGN §12.3). A
 page is one native call on each side (``tcp_socket.recv_hashed`` / ``send_hashed``, the GIL
 released for the whole page; chunk by chunk in Python where the module is not built).
 

@@ -1,4 +1,4 @@
-"""A tenant's shared-memory arena (issue 16, item 4; tiers/arenas.py) handed to an
+"""A tenant's shared-memory arena (DESIGN §11 "Same-host paths"; tiers/arenas.py) handed to an
 authenticated same-host client as a file descriptor over a Unix socket (SCM_RIGHTS): the
 arena has no path anyone could open.
 

@@ -1,4 +1,4 @@
-"""Completion markers of prefill -> decode handoffs, held at the decode node (DESIGN §12, issue 36).
+"""Completion markers of prefill -> decode handoffs, held at the decode node (DESIGN §12.7).
 
 A marker is keyed by (tenant, namespace, handoff id): a wait of another tenant, in another
 namespace or with an unknown id meets a marker of its own, which never completes, and gets

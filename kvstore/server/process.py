@@ -137,7 +137,7 @@ class Server:
 
     def _build(self, config: ServerConfig, wrap: Wrap | None) -> None:
         self.metrics = Metrics()
-        # Security hook (issue 16), built first: a bad auth file or certificate leaves no arena
+        # Security hook (DESIGN §11), built first: a bad auth file or certificate leaves no arena
         # behind. Every call is authenticated before its handler runs; handlers read the caller
         # with kvstore.security.interceptor.current_identity().
         self.security = ServerSecurity(config.security, config.data_dir,
@@ -145,7 +145,7 @@ class Server:
                                        salts=_cluster_salts(config) if config.cluster is not None else None)
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
-        # In cluster mode a node serves reads only as a member caught up with etcd's generations (issue 34).
+        # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.4).
         serving = (lambda: self.cluster is not None and self.cluster.serving) if config.cluster is not None else None
         self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
                               arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes, serving=serving)
@@ -156,7 +156,7 @@ class Server:
             self.cluster = ClusterRuntime(self.core, config, reseed_salts=self._reseed)
         self.demoter = Demoter(self.core)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
-        # Live migration (issue 37): who owns each migrated session here; cluster mode writes none before it caught up.
+        # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: self.metrics.session_refusals.labels(call).inc(),
                                             serving=(lambda: self.cluster is not None and self.cluster.serving) if self.cluster else None)
         self.session_moves: SessionMoves | None = None
@@ -164,7 +164,7 @@ class Server:
             from kvstore.server.cluster.migrations import SessionMoves
 
             self.session_moves = SessionMoves(self.cluster, self.session_owners, self.wal)
-        owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (issue 16)
+        owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (DESIGN §11)
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
                         self.core.leases, self.wal, config.host.hint_grace_s, self.metrics)
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
@@ -198,13 +198,13 @@ class Server:
         guarded |= add_service(self._grpc, migration_pb2.DESCRIPTOR.services_by_name["Migration"],
                                generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))
-        # Handoffs (issue 36): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
+        # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
         self.handoffs = data_service.handoffs = HandoffMarkers(self.core)
         handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.streams, self.cluster)
         guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
                                generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),
                                self.streams, self.metrics, request_limits(config))
-        # Same-host unary calls without gRPC (issue 15), answered by the same guarded handlers.
+        # Same-host unary calls without gRPC (DESIGN §11 "Same-host paths"), answered by the same guarded handlers.
         self.call_socket = CallSocket(
             arena_socket_path(config.data_dir, "call.sock"), self.security.authenticator, guarded,
             secrets.token_bytes(CALL_TOKEN_BYTES),

@@ -1,4 +1,4 @@
-"""Who owns each migrated session, as this node knows it (issue 37; DESIGN §12 "Live migration").
+"""Who owns each migrated session, as this node knows it (DESIGN §12.8).
 
 A session without a record is owned where its token log is (every session before it first
 migrates). A migration gives it records, kept durably beside the log in ``wal.lmdb``::

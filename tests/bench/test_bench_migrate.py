@@ -1,5 +1,5 @@
 """Smoke run of kvstore-bench migrate: tiny sessions, one capped row that converges and one whose
-cap is below the growth (issue 37: "cannot converge" reported, not looped on). Structure only:
+cap is below the growth (DESIGN §12.8: "cannot converge" reported, not looped on). Structure only:
 timings on a shared CI box are reported by the bench, never asserted here."""
 
 from __future__ import annotations

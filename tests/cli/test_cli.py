@@ -73,8 +73,8 @@ def test_a_demote_sched_outside_the_cli_is_refused_by_the_config_too() -> None:
 
 
 def test_the_server_sets_the_gil_switch_interval_it_was_given() -> None:
-    """A lookup waits up to one switch interval for a thread holding the GIL (architecture
-    issue 14: lookup p99 ~5 ms under demotion with CPython's 5 ms); the server's default is
+    """A lookup waits up to one switch interval for a thread holding the GIL (measured:
+    lookup p99 ~5 ms under demotion with CPython's 5 ms); the server's default is
     shorter, and --switch-interval-ms sets it."""
     assert server_cli.build_parser().parse_args([]).switch_interval_ms < 5.0
     before = sys.getswitchinterval()

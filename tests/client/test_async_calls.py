@@ -1,4 +1,4 @@
-"""The async client's unary calls over the same-host call socket (issue 16; client/localcall_aio.py):
+"""The async client's unary calls over the same-host call socket (DESIGN §11; client/localcall_aio.py):
 with shared memory on the server's host, put/lookup/get make no gRPC unary call; a stalled
 server ends a call at its deadline and leaves no lease (a restarted server: test_restart_calls.py)."""
 

@@ -50,7 +50,7 @@ class SlowKV:
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
 async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns, use_shm) -> None:
-    """Issue 13 item 3: closing the client during a layer-wise save marked every layer done,
+    """Regression: closing the client during a layer-wise save marked every layer done,
     so 64 tokens were published with layers 1..N never computed (zeros, checksum-clean)."""
     tokens = list(range(64))
     kv = torch.zeros(layout.num_layers, layout.kv_factor, 64, layout.num_kv_heads, layout.head_dim, dtype=layout.torch_dtype())
@@ -70,7 +70,7 @@ async def test_closing_the_client_mid_save_publishes_nothing(server, layout, ns,
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
 async def test_a_failed_layerwise_load_reports_nothing_loaded(server, layout, ns, use_shm) -> None:
-    """Issue 13 item 4: when the lease RPC failed, wait(0) was False but finished() returned
+    """Regression: when the lease RPC failed, wait(0) was False but finished() returned
     hit.num_tokens (160) instead of the tokens delivered (0). (Over gRPC the refused stream
     was taken for an empty hit: wait(0) was True.)"""
     tokens = list(range(160))
@@ -89,7 +89,7 @@ async def test_a_failed_layerwise_load_reports_nothing_loaded(server, layout, ns
 
 
 async def test_the_load_worker_stops_at_the_deadline_by_itself(server, layout, ns) -> None:
-    """Issue 13 item 5: the deadline was enforced only inside wait(); an engine busy in its
+    """Regression: the deadline was enforced only inside wait(); an engine busy in its
     own compute got its KV written long after the load was given up (the review counted
     17 of 40 layer writes after the deadline)."""
     tokens = list(range(160))  # 10 pages x 4 layers = 40 layer writes of 20 ms
@@ -141,7 +141,7 @@ def _small_lru_server(server_factory, tmp_path):  # type: ignore[no-untyped-def]
 
 
 async def test_a_long_load_keeps_its_lease(server_factory, tmp_path, layout, ns) -> None:
-    """Issue 13 item 6: a layer-wise load checked each slot once, then copied it layer by
+    """Regression: a layer-wise load checked each slot once, then copied it layer by
     layer without renewing its lease; a load outliving the lease copied slots that had been
     evicted and reused meanwhile, and reported the wrong KV as valid."""
     server = _small_lru_server(server_factory, tmp_path)
@@ -172,7 +172,7 @@ async def test_a_long_load_keeps_its_lease(server_factory, tmp_path, layout, ns)
 
 
 async def test_a_lease_lost_under_the_load_is_not_reported_valid(server_factory, tmp_path, layout, ns) -> None:
-    """Issue 13 item 6: when a load's lease went (here another caller releases it), its
+    """Regression: when a load's lease went (here another caller releases it), its
     slots were evicted and reused while the load kept copying them, and the other pages'
     bytes were reported as this hit's KV. The refused renewal (or the check of what was
     copied) must abandon it."""
@@ -202,7 +202,7 @@ async def test_a_lease_lost_under_the_load_is_not_reported_valid(server_factory,
 
 
 async def test_a_slot_changed_under_the_load_is_not_reported_valid(server, layout, ns) -> None:
-    """Issue 13 item 6: what a layer-wise load copied was never verified, so a slot whose
+    """Regression: what a layer-wise load copied was never verified, so a slot whose
     bytes changed after the first check (reused, overwritten) reached the engine as valid
     KV. Here page 5's last layer changes after the check; the load keeps pages 0-4 only."""
     tokens = list(range(128))

@@ -1,4 +1,4 @@
-"""Lookups on the caller's own event loop (client/loopcalls.py, issue 14): over a call-socket
+"""Lookups on the caller's own event loop (client/loopcalls.py, DESIGN §8): over a call-socket
 channel of that loop, without the hop to the I/O runtime; a stalled server ends them at their
 deadline, a cancelled one leaves no connection behind, a socket that does not take them hands
 them to the runtime, and close leaves no connection of any loop open on the server."""

@@ -1,4 +1,4 @@
-"""Cluster mode with authentication (issue 17: "node-to-node traffic is mTLS, and a node is a
+"""Cluster mode with authentication (DESIGN §11: "node-to-node traffic is mTLS, and a node is a
 caller like any other"): three nodes with --auth-file and mTLS, each presenting its own
 certificate to the others, which the auth file grants the node right (and nothing else).
 Tenants call with tokens. A tenant's prefix stored at one node is found and read at another;

@@ -209,7 +209,7 @@ async def test_hf_model_restored_on_another_node_generates_identically(cluster_n
 async def test_etcd_restarted_under_a_live_cluster(cluster_nodes, etcd) -> None:
     """etcd SIGKILLed and restarted on the same data: an invalidation meanwhile is refused
     with a clear status; the nodes serve nothing once their leases ran out (an invalidation
-    could then be acknowledged without them: issue 34), and neither store; afterwards they are
+    could then be acknowledged without them: DESIGN §12.4), and neither store; afterwards they are
     members again and no page is lost (c finds and reads a's prefix)."""
     a, c = cluster_nodes(["a", "c"], "ucx")
     tokens = tokens_of(4, 8)

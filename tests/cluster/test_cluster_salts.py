@@ -110,7 +110,7 @@ def test_a_copied_salt_file_is_kept_when_salts_move_to_etcd(etcd, tmp_path: Path
 
 async def test_durable_pages_are_found_after_etcd_is_wiped_and_the_node_restarts(cluster_nodes, etcd: EtcdProcess,
                                                                                 tmp_path: Path, monkeypatch) -> None:
-    """Bug (issue 34, defect 5): tenant salts lived only in etcd, so a node restarted on a wiped
+    """Bug: tenant salts lived only in etcd, so a node restarted on a wiped
     etcd made a new salt for tenant a: its durable pages stayed on SSD under namespace ids no
     client could name any more. Now a node keeps a local copy (0600) of every salt it uses and
     proposes it to the empty etcd."""
@@ -140,7 +140,7 @@ async def test_durable_pages_are_found_after_etcd_is_wiped_and_the_node_restarts
 
 
 def test_a_wiped_etcd_gets_the_salts_back_from_the_nodes_that_knew_them(etcd: EtcdProcess, tmp_path: Path) -> None:
-    """Bug (issue 34, defect 5): a node kept its salts in memory only, so after etcd was
+    """Bug: a node kept its salts in memory only, so after etcd was
     replaced a node meeting the tenant made a new one. Now every node that knew a salt (in
     memory or in its local file) puts it back with ``reseed``, exactly once across nodes
     reseeding at the same time, and a node that never knew it reads the same salt."""
@@ -175,7 +175,7 @@ def test_a_wiped_etcd_gets_the_salts_back_from_the_nodes_that_knew_them(etcd: Et
 
 
 def test_a_restarted_node_proposes_the_salts_it_learned_to_a_wiped_etcd(etcd: EtcdProcess, tmp_path: Path) -> None:
-    """Bug (issue 34, defect 5): a node that only read a tenant's salt from etcd wrote it
+    """Bug: a node that only read a tenant's salt from etcd wrote it
     nowhere, so restarted on a wiped etcd it made a new one. Now it proposes its local copy."""
     EtcdSalts(tmp_path / "creator", [etcd.endpoint], "c").ensure(["a"])
     reader = EtcdSalts(tmp_path / "reader", [etcd.endpoint], "c")

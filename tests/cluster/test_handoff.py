@@ -1,4 +1,4 @@
-"""Prefill -> decode handoff (issue 36) on real nodes over a real etcd: pages pushed from the
+"""Prefill -> decode handoff (DESIGN §12.7) on real nodes over a real etcd: pages pushed from the
 prefill node a to the decode node c as they are stored, the completion marker at c, the bytes
 read at c bit-exact; the pool fallback (no decode node named); a wait without a complete ends at
 its deadline with what arrived, also when a is SIGKILLed mid-handoff; an unconsumed handoff lets

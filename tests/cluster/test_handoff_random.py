@@ -1,4 +1,4 @@
-"""Handoffs across three real nodes under random operations (issue 36), checked against a model
+"""Handoffs across three real nodes under random operations (DESIGN §12.7), checked against a model
 after each step: handoffs from any node to any other (pushed as stored, pushed at complete, or
 through the pool), waits with the handoff's id and with forged ids, invalidations. Every wait
 answers the whole prompt exactly when the model holds it in the current generation, its bytes

@@ -1,4 +1,4 @@
-"""A handoff is bound to its tenant and namespace (issue 36): another tenant waiting with the same
+"""A handoff is bound to its tenant and namespace (DESIGN §12.7): another tenant waiting with the same
 id, even naming the first tenant's namespace id and page keys outright, gets nothing at its
 deadline, exactly as for an id nobody made, although the pages are held at the decode node."""
 

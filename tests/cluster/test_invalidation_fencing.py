@@ -1,4 +1,4 @@
-"""Fencing seen by every issuer (issue 34, found by a review of 462107e): x is cut off from
+"""Fencing seen by every issuer (DESIGN §12.4, found by a review of 462107e): x is cut off from
 etcd and from its peers, but still within its lease's TTL. An invalidation at a pushes to x,
 fails, fences x (revokes its lease) and waits x's TTL out. An invalidation of another
 namespace at b meanwhile did not list x (its key went with the revoke), waited for nothing and

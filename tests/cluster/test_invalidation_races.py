@@ -1,5 +1,5 @@
 """An acknowledged namespace invalidation holds at every node, whatever is in flight when it
-happens (issue 34, defects 1, 4 and 6): a fetch that lands after it, a holder whose etcd
+happens (DESIGN §12.4): a fetch that lands after it, a holder whose etcd
 watch lags, a key invalidated at one node while another still holds the page."""
 
 from __future__ import annotations

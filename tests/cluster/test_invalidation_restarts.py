@@ -1,4 +1,4 @@
-"""Invalidations across restarts (issue 34, defect 3): a node restarted on its data serves
+"""Invalidations across restarts (DESIGN §12.4): a node restarted on its data serves
 nothing until it has caught up with the generations etcd holds, so pages invalidated while it
 was down are never served, even while it cannot reach etcd."""
 

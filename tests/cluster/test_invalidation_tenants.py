@@ -1,4 +1,4 @@
-"""Invalidation with tenants in cluster mode (issue 34, found by kvstore-bench chaos): a tenant
+"""Invalidation with tenants in cluster mode (DESIGN §12.4, found by kvstore-bench chaos): a tenant
 invalidates its namespace at any node, also one where it never wrote (where the namespace is
 bound to nobody: before, that answered as for an empty namespace, a silent no-op the caller
 took for an invalidation); a namespace bound there to another tenant stays as for an empty one."""

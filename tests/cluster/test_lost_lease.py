@@ -26,7 +26,7 @@ async def test_a_node_that_lost_its_lease_stops_acting_as_a_member(cluster_nodes
     """Bug: b, cut off from etcd past its TTL (the others dropped it), still answered lookups
     with the records it kept as a shard owner and those the others gave it, and kept
     publishing its new pages to the others, which listed them again for a node that is not a
-    member. Then (issue 34): it still served its own pages, which an invalidation acknowledged
+    member. Then (DESIGN §12.4): it still served its own pages, which an invalidation acknowledged
     without it (it is not listed in etcd any more) may have killed. Now b serves and stores
     nothing until it registers again (epoch 2) and caught up with etcd's generations; then it
     republishes and everything is found again."""

@@ -184,7 +184,7 @@ async def test_malformed_records_are_ignored(etcd: EtcdProcess) -> None:
 async def test_a_node_stops_acting_within_its_own_ttl_when_etcd_grants_a_longer_one(tmp_path: Path) -> None:
     """etcd raises a lease's TTL to its own minimum (here 8 s: election timeout 5 s). A node
     counted itself a member until the granted TTL ran out, while an issuer fencing it waits out
-    the node's configured TTL (issue 34, found by a review of 462107e): cut off, it served past
+    the node's configured TTL (DESIGN §12.4, found by a review of 462107e): cut off, it served past
     that wait. Now it stops acting within its configured TTL, whatever etcd grants."""
     slow = EtcdProcess(tmp_path, "--election-timeout", "5000", "--heartbeat-interval", "500")
     slow.start()

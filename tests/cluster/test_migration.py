@@ -1,4 +1,4 @@
-"""Live migration of a running session (issue 37) on real nodes over a real etcd: a growing
+"""Live migration of a running session (DESIGN §12.8) on real nodes over a real etcd: a growing
 session moves from a to b bit-exact while a keeps saving, and a's later writes are refused; the
 target SIGKILLed mid-copy (no fence, a keeps the session, and the migration resumes once b is
 back); the source SIGKILLed mid-copy (b takes over from the last round's copy; a restarted is

@@ -1,4 +1,4 @@
-"""Live migration under random operations and faults (issue 37), checked against a simple model
+"""Live migration under random operations and faults (DESIGN §12.8), checked against a simple model
 after every step, as etcd's robustness tests are: a session moves back and forth between two
 real nodes (or is aborted) while nodes are SIGKILLed and restarted, and etcd or the target is
 killed before a fence (then the migration is resumed or aborted). After each step exactly one

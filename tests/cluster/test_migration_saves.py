@@ -1,4 +1,4 @@
-"""A migrated session's page saves at the source, on real nodes over a real etcd (issue 37 item 1):
+"""A migrated session's page saves at the source, on real nodes over a real etcd (DESIGN §12.8):
 after the fence every save naming the session is refused with SessionFenced and counted
 (put / put_keys over the arena and over streams, layer-wise saves on both paths), and so is the
 commit of an allocation taken before the fence, which leaves nothing behind; a commit that lands

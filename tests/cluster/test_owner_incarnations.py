@@ -1,5 +1,5 @@
 """Records reach their owners again whatever incarnations the owners and holders go through
-(issue 34, defects 7 and 8): an owner that restarted while a holder's watch was broken, and a
+(DESIGN §12.4): an owner that restarted while a holder's watch was broken, and a
 holder registered anew after etcd was replaced, are not left with records nobody sends."""
 
 from __future__ import annotations

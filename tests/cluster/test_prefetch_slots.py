@@ -1,4 +1,4 @@
-"""A hint's prefetch slot is given back however the prefetch fails to start (issue 34,
+"""A hint's prefetch slot is given back however the prefetch fails to start (DESIGN §12.4,
 defect 10): the runtime counted a prefetch before handing it to its loop, and when the hand-
 over raised (the loop closed: the node stopping) the slot was never given back; after four,
 hints never prefetched again."""

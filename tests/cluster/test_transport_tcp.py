@@ -227,7 +227,7 @@ async def test_an_idle_connection_leaves_the_server_idle(servers: Callable[[int]
 
 
 def test_sockets_get_cubic_and_no_delay() -> None:
-    """LIMITS.md: loopback TCP with bbr (this machine's default) moves a third of cubic's bytes."""
+    """DESIGN §12.3: loopback TCP with bbr (this machine's default) moves a third of cubic's bytes."""
     from kvstore.cluster.tcp_socket import tune
 
     with socket.socket() as s:

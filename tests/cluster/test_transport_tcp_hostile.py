@@ -69,7 +69,7 @@ for _ in range(3):
 def test_a_refused_cubic_is_logged_once_not_kept_silently() -> None:
     """A non-root node where net.ipv4.tcp_allowed_congestion_control lacks cubic (this
     machine: 'reno bbr'): its data sockets keep the default (bbr here moved a third of cubic's
-    bytes, LIMITS.md); the operator must be told once, with the sysctl that fixes it."""
+    bytes); the operator must be told once, with the sysctl that fixes it."""
     import os
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""The event ring's memory is taken at its start (issue 16: a soak's server RSS must not grow
+"""The event ring's memory is taken at its start (DESIGN §11: a soak's server RSS must not grow
 by more than 5% from minute 1 on; a ring of objects filling for minutes looked like a leak)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The model-checked robustness suite, short (issue 34): random concurrent traffic of two
+"""The model-checked robustness suite, short (DESIGN §12.4): random concurrent traffic of two
 tenants on three real nodes and a real etcd under random faults, each history checked
 against the model of kvstore.bench.chaos (model.py, validate.py, converge.py). Every fault
 kind runs; the long run is ``kvstore-bench chaos``. On failure the message names each

@@ -1,5 +1,5 @@
 """Tenants with tokens over TLS, their async clients' unary calls on the same-host call socket
-(issue 16): each tenant sees only its own pages, a call into another tenant's namespace fails
+(DESIGN §11): each tenant sees only its own pages, a call into another tenant's namespace fails
 with the same error class as over gRPC, and no unary call goes over gRPC."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The hostile-tenant guarantees on the same-host call socket (issue 15; kvstore/localcall.py):
+"""The hostile-tenant guarantees on the same-host call socket (DESIGN §11 "Same-host paths"; kvstore/localcall.py):
 every method it serves is one the gRPC hostile suite attacks, and is attacked here again
 over the socket (``ATTACKS``, a test fails when a method is added without an entry); a
 caller without a valid token is refused at HELLO; a token revoked by a reload (in-process

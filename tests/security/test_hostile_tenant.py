@@ -1,4 +1,4 @@
-"""The hostile-tenant suite (issue 16): tenants A and B on one real server with TLS and bearer
+"""The hostile-tenant suite (DESIGN §11): tenants A and B on one real server with TLS and bearer
 tokens. B knows A's namespace id, keys, session id and handles (the worst case: they leaked)
 and tries every RPC on them; A's data stays unread, unchanged and unprobed. Callers without
 a valid token are refused before any handler runs; a revoked token stops working after a
@@ -138,7 +138,7 @@ def test_b_cannot_write_into_as_namespace(world: World) -> None:
 
 
 def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
-    """Bug (issue 17): a node is a caller like any other, but what only nodes do (publishing
+    """Bug: a node is a caller like any other, but what only nodes do (publishing
     records naming a node, withdrawing a node's records, asking a shard owner with
     local_only, reading for another tenant, replicating from a holder) took a tenant's
     token: B could list A's keys at any node it liked, or withdraw them. Those calls and

@@ -19,7 +19,7 @@ DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 
 
 def test_b_cannot_take_or_disturb_as_handoffs(world: World) -> None:
-    """Issue 36: A hands its pages over (a handoff completed at this node, the decode node). B,
+    """Handoffs (DESIGN §12.7): A hands its pages over (a handoff completed at this node, the decode node). B,
     knowing A's namespace id, keys and handoff id, waits for it (nothing, at its deadline, as for
     an id nobody made), completes it again, opens it: A's handoff is whole afterwards."""
     a, b, ns, keys = world.a, world.b, world.ns, world.keys
@@ -48,7 +48,7 @@ def test_b_cannot_read_extend_or_end_as_session(world: World) -> None:
 
 
 def test_b_cannot_move_fence_or_probe_as_session(world: World) -> None:
-    """Issue 37: B, knowing A's namespace id and session id, copies it to this node, fences it
+    """Live migration (DESIGN §12.8): B, knowing A's namespace id and session id, copies it to this node, fences it
     (which would stop A's writes), adopts it with its own tokens, aborts it: each is refused as
     an append is, before anything changes; Status answers B as for a session that does not exist."""
     b, ns = world.b, world.ns

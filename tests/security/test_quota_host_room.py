@@ -1,4 +1,4 @@
-"""A tenant at its host_bytes quota (issue 16): its own coldest pages make room, never another
+"""A tenant at its host_bytes quota (DESIGN §11): its own coldest pages make room, never another
 tenant's; it is refused (LimitExceeded) only when its own are pinned or reserved, after passes
 that stop at the pins, at its caller's deadline, and hold nothing for a caller that left; many
 of its calls at once at the quota are all served. Real server, TLS, tokens (tenants.py)."""

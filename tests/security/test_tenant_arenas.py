@@ -1,4 +1,4 @@
-"""Per-tenant arenas (issue 16, item 4): tenants A and B on one real server (TLS, tokens) each
+"""Per-tenant arenas (DESIGN §11): tenants A and B on one real server (TLS, tokens) each
 move pages through their own shared-memory arena, handed over as a file descriptor by the
 arena socket to the caller's own token; B can neither obtain nor use A's; a page A scribbles
 on in its own arena is quarantined, never sent or demoted; a client that dies mid-put and a

@@ -1,4 +1,4 @@
-"""hbm pools follow the host arenas' trust model (issue 35, part 4): one pool per tenant,
+"""hbm pools follow the host arenas' trust model (DESIGN §6): one pool per tenant,
 handed by the arena socket only to that tenant's tokens, filled only with the pages its own
 engines asked to read on their device. Tenants A and B on one real server (TLS, tokens),
 the pools emulated in host memory (the device seam's CPU implementation), mapped exactly as
@@ -123,7 +123,7 @@ async def test_a_tenants_device_load_fills_only_its_own_pool(pool_server, ca, la
 
 
 async def test_every_tenant_arena_is_pinned_as_it_is_made(pool_server, ca, layout) -> None:
-    """Bug (review of issue 35): only the one arena of a server without tenants was pinned;
+    """Bug (found in review): only the one arena of a server without tenants was pinned;
     tenant arenas, made at each tenant's first use long after start, stayed pageable.
     Page-locking is CUDA-only (cudaHostRegister): the decision and the registration are
     checked through the seam's CPU implementation (``CpuOps.pinned``)."""

@@ -1,5 +1,5 @@
 """A client sends its bearer token in clear text to a loopback TCP port only when every socket
-bound to that port belongs to its own uid or root (issue 34, defect 9): while the server
+bound to that port belongs to its own uid or root (DESIGN §12.4): while the server
 restarts, a process of another uid can bind the port and collect the tokens of the clients
 that reconnect. The same rule the call and arena sockets keep with SO_PEERCRED
 (test_socket_squatter.py).

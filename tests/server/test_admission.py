@@ -117,7 +117,7 @@ def test_belady_small_example() -> None:
 
 
 def test_replay_smoke(tmp_path) -> None:
-    """Bug: it read the trace from ../shared/data/ and was skipped in any clone outside the
+    """Bug: it read the trace from a folder outside the repository and was skipped in any clone outside the
     repository's parent; it now replays the first 300 requests shipped under tests/data/."""
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "replay", "--trace", str(TRACE), "--limit-requests", "300",
@@ -193,7 +193,7 @@ async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, 
 
 
 def test_expire_keeps_a_hint_whose_latest_eta_is_still_ahead() -> None:
-    """Bug (issue 13, item 7): ``expire`` read ``etas[-1]`` of the eta heap as the latest
+    """Bug: ``expire`` read ``etas[-1]`` of the eta heap as the latest
     announced use; with etas 1, 100, 2 an expiry at 7.1 (grace 5) dropped the hint although
     the use at 100 is still ahead."""
     res = HostResidency()

@@ -269,7 +269,7 @@ def _wrong(method: MethodDescriptor, payload: bytes, code: grpc.StatusCode, deta
 
 
 async def test_undecodable_requests_are_invalid_argument_on_every_rpc(server, layout, ns) -> None:
-    """Bug (issue 13, item 16): a request whose bytes do not decode answered INTERNAL
+    """Bug: a request whose bytes do not decode answered INTERNAL
     ("Exception deserializing request!", grpcio's default), the status operators alert on as
     a server bug. Every method of every service in the protos gets random, truncated,
     mutated and valid payloads (16 each, 336 in all): none answers INTERNAL or UNKNOWN, an

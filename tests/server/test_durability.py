@@ -276,7 +276,7 @@ async def test_disk_full_is_a_clear_error_and_nothing_stored_is_lost(server_proc
 async def test_crash_harness_short(tmp_path) -> None:
     """Three random SIGKILLs under concurrent durable/RAM-only writes and reads. Puts share
     prefixes, durable ones over RAM-only ones too (before, every put had its own token
-    range, so issue 13's lost durable prefix could not show)."""
+    range, so the lost durable prefix could not show)."""
     from kvstore.bench.crash import run_iterations
 
     report = await run_iterations(tmp_path / "crash", iterations=3, seed=7)

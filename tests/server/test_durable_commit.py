@@ -1,5 +1,5 @@
 """durable=True means every page of the returned prefix is on SSD when the call returns,
-pages that were already stored in RAM included, or the call raises (issue 13, item 1)."""
+pages that were already stored in RAM included, or the call raises."""
 
 from __future__ import annotations
 

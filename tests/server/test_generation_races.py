@@ -1,5 +1,5 @@
 """A demotion write-down in flight across an invalidation while the same key is put again in
-the new generation, durably (issue 34, found by a review of 462107e): the old generation's SSD
+the new generation, durably (DESIGN §12.4, found by a review of 462107e): the old generation's SSD
 copy was published as the new one's (the directory listed the key, by the new put), the durable
 commit counted it as written, and after a restart recovery deleted it: an acknowledged durable
 put lost. A copy is published only in its own generation."""

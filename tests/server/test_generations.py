@@ -1,4 +1,4 @@
-"""Namespace generations on one node (issue 34): a write computed before an invalidation is
+"""Namespace generations on one node (DESIGN §12.4): a write computed before an invalidation is
 refused after it and leaves nothing behind; a crash between raising a generation and deleting
 the older pages never serves them after the restart; SSD pages written before format 2 stay
 readable as generation 0."""

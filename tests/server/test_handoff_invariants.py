@@ -1,4 +1,4 @@
-"""Handoffs under random operations on one server (issue 36), checked after every step against a
+"""Handoffs under random operations on one server (DESIGN §12.7), checked after every step against a
 simple model: puts, completes, waits with known and forged ids, reads, invalidations and ttl
 expiry in random order. A wait's pages are exactly the model's bytes of the current generation
 (never an older one's); the server's leases are exactly the markers' pins plus nothing; no more

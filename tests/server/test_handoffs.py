@@ -1,4 +1,4 @@
-"""Handoffs on one server (issue 36): without a cluster the prefill and decode sides share the node,
+"""Handoffs on one server (DESIGN §12.7): without a cluster the prefill and decode sides share the node,
 and Complete marks the handoff here. Bad input is a clear error that leaves nothing; the table of
 markers is bounded per tenant; a wait for an id nobody completed ends at its deadline."""
 

@@ -1,4 +1,4 @@
-"""What reaches the hbm pool (issue 35, part 4): only pages an engine asked to read on its
+"""What reaches the hbm pool (DESIGN §6): only pages an engine asked to read on its
 device (AcquireRequest.device), never every Acquire. Real server, the pool emulated in
 host memory (`--hbm-device cpu`), the engine's mapping of its pool received through the
 arena socket as an engine receives it."""
@@ -30,7 +30,7 @@ def _in_hbm(server: Server, keys: list[bytes]) -> int:
 
 async def test_an_acquire_without_device_placement_copies_nothing_into_the_pool(server_factory, tmp_path, layout,
                                                                                ns) -> None:
-    """Bug (review of issue 35): every Acquire copied its pages host -> hbm, into a pool no
+    """Bug (found in review): every Acquire copied its pages host -> hbm, into a pool no
     client read. A get, a layer-wise load into host memory and ReadPages ask for no device
     placement: the pool stays empty."""
     server = server_factory(_config(tmp_path))

@@ -34,7 +34,7 @@ def _rejected(call: Callable[..., Any], request: Any) -> tuple[grpc.StatusCode, 
 
 
 async def test_rejected_acquires_and_reads_pin_nothing(server_factory, layout, ns) -> None:
-    """Bug (issue 13, item 8): Acquire and ReadPages pinned the pages before checking
+    """Bug: Acquire and ReadPages pinned the pages before checking
     ``ttl_ms``; every call rejected with INVALID_ARGUMENT left its pages pinned for good, so
     the host tier filled with pins and each write failed with RESOURCE_EXHAUSTED."""
     server = server_factory(host_bytes=4 << 20, ssd_bytes=None)  # 128 pages of 32 KiB
@@ -59,7 +59,7 @@ async def test_rejected_acquires_and_reads_pin_nothing(server_factory, layout, n
 
 
 def test_rejected_allocates_bind_no_layout(server_factory) -> None:
-    """Bug (issue 13, item 9): Allocate bound the request's layout to the namespace before
+    """Bug: Allocate bound the request's layout to the namespace before
     checking it, so after one rejected oversized layout the namespace's real owner got
     FAILED_PRECONDITION until restart. An allocate refused for want of room binds nothing
     either."""
@@ -91,7 +91,7 @@ def test_rejected_allocates_bind_no_layout(server_factory) -> None:
 
 
 def test_hint_eta_is_capped_and_a_rejected_hint_changes_nothing(server) -> None:
-    """Bug (issue 13, item 12): Hint accepted any eta a uint32 holds (49 days), so hints
+    """Bug: Hint accepted any eta a uint32 holds (49 days), so hints
     piled up for weeks. An eta beyond --max-hint-eta-s is INVALID_ARGUMENT, and a request
     with one bad entry applies none of its entries."""
     with grpc.insecure_channel(server.address) as channel:
@@ -148,7 +148,7 @@ def _lines_run(call: Callable[[], object]) -> int:
 
 
 def test_hint_expiry_work_grows_with_expired_hints_not_with_all_hints(tmp_path) -> None:
-    """Bug (issue 13, item 12): every Stats, Allocate, Acquire and Hint reaped expired hints
+    """Bug: every Stats, Allocate, Acquire and Hint reaped expired hints
     by scanning all of them under the global lock (260k hints: Stats 2 -> 98 ms). Reaping
     must cost what expired, not what is stored."""
     now = [1000.0]
@@ -183,7 +183,7 @@ def _lookup(directory: Any, keys: list[bytes]) -> int:
 
 
 def test_remote_records_are_bounded_per_node_and_in_total(server_factory, tmp_path) -> None:
-    """Bug (issue 13, item 13): Publish took any number of records of other nodes (10 x
+    """Bug: Publish took any number of records of other nodes (10 x
     65,536 took the server from 130 MB to 1 GB RSS). Beyond --max-remote-records-per-node
     (per node named in the records: the caller, until callers are authenticated) or
     --max-remote-records in total a Publish is RESOURCE_EXHAUSTED and nothing of it is

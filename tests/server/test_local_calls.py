@@ -1,4 +1,4 @@
-"""The same-host call socket (issue 15; kvstore/localcall.py) on a real server: the same
+"""The same-host call socket (DESIGN §11 "Same-host paths"; kvstore/localcall.py) on a real server: the same
 answers as gRPC, every bad frame answered with a clear status or the connection closed (the
 server serves on), silent peers do not hold the slots, and an Acquire given up on by its
 caller leaves no lease."""

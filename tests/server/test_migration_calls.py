@@ -1,4 +1,4 @@
-"""Live migration's calls on one server (issue 37): without a cluster they are clear errors
+"""Live migration's calls on one server (DESIGN §12.8): without a cluster they are clear errors
 (INVALID_ARGUMENT) that change nothing; a session fenced here refuses its appends and the saves
 naming it (FAILED_PRECONDITION, SessionFenced, counted) while other sessions go on; the owner
 records survive a restart of the token log; random and undecodable payloads are clear errors."""

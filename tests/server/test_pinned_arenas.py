@@ -1,5 +1,5 @@
 """With hbm every host arena is page-locked for the pools' copies and unpinned before it is
-unmapped (issue 35, part 4; tenant arenas, pinned as they are made: tests/security/
+unmapped (DESIGN §6; tenant arenas, pinned as they are made: tests/security/
 test_tenant_pools.py). Page-locking is CUDA-only (cudaHostRegister), so the decision and the
 registration are checked through the device seam's CPU implementation (``CpuOps.pinned``),
 on a real server with a real arena."""

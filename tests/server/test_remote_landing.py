@@ -1,6 +1,6 @@
 """A node fetching pages over gRPC ReadPages (the remote tier's fallback plane) copies each
 page into its landing slot and verifies it as it arrives: a page whose bytes were damaged in
-flight must never be committed, nor any page after it (issue 17: the receive path is where
+flight must never be committed, nor any page after it (DESIGN §11: the receive path is where
 remote-get speedups are tried; the UCX plane has its own test in tests/cluster)."""
 
 from __future__ import annotations

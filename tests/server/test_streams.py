@@ -105,7 +105,7 @@ async def _store_pages(address: str, count: int) -> list[bytes]:
 
 
 async def test_idle_streams_do_not_starve_unary_calls(server_factory) -> None:
-    """Bug (issue 13, item 11): every stream held a worker thread for as long as it was
+    """Bug: every stream held a worker thread for as long as it was
     open, so 8 Subscribe plus 8 idle WritePages streams took all 16 workers and Stats and
     a fresh client's Lookup timed out. With 32 idle streams open (Subscribe, WritePages,
     unread ReadPages) a fresh client's Lookup and Stats answer (within 2 s: starved, they wait

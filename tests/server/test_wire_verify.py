@@ -1,4 +1,4 @@
-"""The server checks a landing page's bytes before it sends them over the wire (issue 16,
+"""The server checks a landing page's bytes before it sends them over the wire (DESIGN §11,
 item 4): whoever maps an arena can write into any slot of it, so a damaged page must be
 quarantined, never streamed out under its checksum nor left stored."""
 

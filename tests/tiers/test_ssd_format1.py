@@ -1,4 +1,4 @@
-"""SSD pages written before page header format 2 (issue 34 added the generation): a tier
+"""SSD pages written before page header format 2 (DESIGN §4: it added the generation): a tier
 written by the old code (index entries with a parent key after the shorter header) opens,
 lists its pages as generation 0, and reads them back."""
 

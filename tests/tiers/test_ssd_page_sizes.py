@@ -1,4 +1,4 @@
-"""The SSD tier holds pages of any byte size, not only multiples of 4 KiB (issue 13, item 2):
+"""The SSD tier holds pages of any byte size, not only multiples of 4 KiB:
 an MLA latent page and an odd GQA page survive a durable put + SIGKILL + restart and a
 demotion, bit-exact, with O_DIRECT and with buffered I/O."""
 

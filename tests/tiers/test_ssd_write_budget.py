@@ -1,6 +1,6 @@
 """The SSD write budget counts the bytes that reach the device: header + padded payload of
 every page and the index transactions, measured against the data file and the kernel's
-I/O accounting, not against the budget's own counter (issue 13, item 17)."""
+I/O accounting, not against the budget's own counter."""
 
 from __future__ import annotations
 

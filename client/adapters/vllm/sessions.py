@@ -1,5 +1,5 @@
 """Sessions on the vLLM connector, scheduler side: a request's tokens logged at its node, so that
-a live migration (issue 37; DESIGN §12) can move it to another instance while it runs.
+a live migration (DESIGN §12.8) can move it to another instance while it runs.
 
 A request names its session in ``kv_transfer_params``: ``{"kvstore_session_id": "S"}``::
 

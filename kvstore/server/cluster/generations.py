@@ -1,4 +1,4 @@
-"""Namespace generations across the cluster (issue 34; DESIGN §12).
+"""Namespace generations across the cluster (DESIGN §12.4).
 
 * **Invalidate** (``invalidate``): the generation is raised in etcd first (the durable
   record every node and every later joiner reads), entered here, then pushed to every node

@@ -1,4 +1,4 @@
-"""The prefill node's half of a handoff (DESIGN §12, issue 36): pages pushed to the decode node
+"""The prefill node's half of a handoff (DESIGN §12.7): pages pushed to the decode node
 as they are stored here, then the full set named so that the decode node marks it complete.
 
 Direction: the decode node pulls. A "push" is a ``Handoff.Push`` call naming this node as the

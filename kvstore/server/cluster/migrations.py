@@ -1,4 +1,4 @@
-"""The cluster half of live migration (issue 37): etcd's session records, read and decided from
+"""The cluster half of live migration (DESIGN §12.8): etcd's session records, read and decided from
 the servicer's threads on the cluster loop, and reconciled at every catch-up.
 
 ``reconcile`` runs inside the catch-up, before the node serves (process.py passes it with the

@@ -124,7 +124,7 @@ class ClusterRuntime:
                                    is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
                                    epoch=lambda: self.membership.epoch if self.membership is not None else 0)
         self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
-        self.handoffs = HandoffPushes(self.node, self.remote, self.peers, cluster.rpc_timeout_s)  # prefill side (issue 36)
+        self.handoffs = HandoffPushes(self.node, self.remote, self.peers, cluster.rpc_timeout_s)  # prefill side (DESIGN §12.7)
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes

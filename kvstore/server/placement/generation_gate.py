@@ -1,4 +1,4 @@
-"""The core's checks of namespace generations and of whether this node may serve (issue 34).
+"""The core's checks of namespace generations and of whether this node may serve (DESIGN §12.4).
 
 An allocation belongs to the namespace's generation when it is made; a commit in another one
 is refused (its bytes were computed, or fetched, for a generation that is over). A node that

@@ -55,7 +55,7 @@ class _Destination:
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler reads its caller first and checks it against the namespace (tenancy/access.py)."""
 
-    handoffs: HandoffMarkers | None = None  # a handoff's pages are let go once its waiter acquired them (issue 36)
+    handoffs: HandoffMarkers | None = None  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
 
     def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
                  cluster: ClusterRuntime | None = None, arena_socket: Path | None = None,

@@ -1,4 +1,4 @@
-"""The Handoff servicer (prefill -> decode, DESIGN §12, issue 36): thin adapters over the decode
+"""The Handoff servicer (prefill -> decode, DESIGN §12.7): thin adapters over the decode
 node's completion markers (server/handoff_markers.py) and the prefill node's pushes
 (server/cluster/handoff_push.py). Each handler validates everything before it changes anything.
 

@@ -1,4 +1,4 @@
-"""The same-host call channel, server side (issue 15): unary RPCs over a Unix socket in
+"""The same-host call channel, server side (DESIGN §11 "Same-host paths"): unary RPCs over a Unix socket in
 the server's 0700 data directory (the socket itself 0600), framed as kvstore/localcall.py
 says, answered by the very same guarded handlers as gRPC (request decoding and its size
 limit, the servicer's authorization checks, the error mapping), with a LocalContext in

@@ -1,4 +1,4 @@
-"""The Migration servicer (issue 37; DESIGN §12 "Live migration"): thin adapters over the session
+"""The Migration servicer (DESIGN §12.8): thin adapters over the session
 owner records here (session_owners.py), etcd's (server/cluster/migrations.py), the token log and
 the replica fetch path. Each handler validates everything before it changes anything.
 

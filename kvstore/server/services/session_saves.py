@@ -1,4 +1,4 @@
-"""A session's page saves against its fence (issue 37; DESIGN §12 "Live migration").
+"""A session's page saves against its fence (DESIGN §12.8).
 
 Pages carry no session: a save names it (AllocateRequest.session_id, PageChunk.session_id) and
 the allocation keeps it. Allocate and a stream's page are refused early when the session is not

@@ -1,4 +1,4 @@
-"""What a caller may do with the namespace a request names (DESIGN §11, issue 16).
+"""What a caller may do with the namespace a request names (DESIGN §11).
 
 * Read (Lookup, Acquire, ReadPages, Hint, GetSession): the READ right, and the
   caller's tenant owns the namespace or has ADMIN. A namespace the caller may not read

@@ -106,7 +106,7 @@ class Quotas:
         """What ``tenant`` holds, by TenantQuota field (host_bytes: pages and allocated slots),
         and the ssd bytes written for it (``ssd_written_bytes``); only ``names`` when given
         (a call reserving leases alone reads two counters, not every namespace's usage under
-        the directory's lock: issue 16, the cost of tenancy per call)."""
+        the directory's lock: the cost of tenancy per call)."""
         wanted = _ALL_USES if names is None else names
         slot_bytes = self._leases.slot_bytes(tenant) if "host_bytes" in wanted else 0  # before the directory: a commit moves bytes from one to the other
         held: dict[str, int] = {}

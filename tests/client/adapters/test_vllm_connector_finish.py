@@ -28,7 +28,7 @@ __all__ = ["store_process"]  # the fixture, used by name
 
 
 def test_the_last_steps_save_that_ended_short_is_saved_again(store_process: ServerProcess) -> None:
-    """Regression (issue 15 item 4): a page of the answer completed in a request's last
+    """Regression: a page of the answer completed in a request's last
     decode step is saved in that step; a save that ended short was to be re-done "in the
     request's next step", which a finished request does not have: the worker reported the
     request finished at once (vLLM freed its blocks) and the page was never stored. Now the

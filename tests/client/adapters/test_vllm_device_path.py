@@ -1,4 +1,4 @@
-"""The vLLM connector's device path (issue 35, part 4), run on CPU with the CPU implementation
+"""The vLLM connector's device path (DESIGN §6), run on CPU with the CPU implementation
 of the device seam: vLLM's GPU KV layout ([2, blocks, block_size, heads, head_size], the
 flash-attention backend's), loads on a side stream with one event per layer that the
 engine's stream waits on in wait_for_layer_load, and, from a server with hbm, the pages read
