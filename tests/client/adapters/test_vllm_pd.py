@@ -29,6 +29,8 @@ from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.cli.ctl import build_parser
+from kvstore.cli.ctl_migrate import migrate as ctl_migrate
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.tiers.host import remove_stale_arenas
 
@@ -237,8 +239,8 @@ MIGRATED_PROMPT = 69  # + 60 tokens = 129: the target's lookup covers all but th
 async def test_a_running_session_migrates_to_the_other_instance(engines: dict[str, EngineProcess], nodes: dict[str, Node],
                                                                 model_dir: Path, np_metrics_port: int) -> None:
     """Live migration (issue 37): a greedy generation of 200 tokens on engine A (its session
-    logged at node np) is paused after 60 tokens and moved to np's peer nd (client.migrate, what
-    kvstore-ctl migrate runs). Resumed, A's next append is refused (counted at np) and its request
+    logged at node np) is paused after 60 tokens and moved to np's peer nd by kvstore-ctl migrate
+    (in-process, with the flags README gives for the engine's namespace). Resumed, A's next append is refused (counted at np) and its request
     stops. Engine B continues from the session's log, with its KV from nd: its prefill computes
     the last token only, and what it generates is the uninterrupted run's next 140 tokens. Then a
     request naming the moved session sent to A again: its append and its prefill's save are refused
@@ -251,13 +253,16 @@ async def test_a_running_session_migrates_to_the_other_instance(engines: dict[st
     refused = _refusals(np_metrics_port)
     async with KVStoreClient(nodes["np"].address, namespace(model_dir)) as src, \
             KVStoreClient(nodes["nd"].address, namespace(model_dir)) as dst:
-        moved = await src.migrate("migrating-1", "nd")
+        ctl = ["--server", nodes["np"].address, "migrate", "--session", "migrating-1", "--to", "nd", "--model", str(model_dir),
+               "--layers", str(LAYERS), "--kv-heads", "2", "--head-dim", "32", "--dtype", "float32", "--page-tokens", str(BLOCK)]
+        moved = await asyncio.to_thread(ctl_migrate, build_parser().parse_args(ctl), None, None)
         logged = await dst.read_session("migrating-1")
-        assert logged is not None and logged.tokens == prompt + head and moved.num_tokens == len(prompt) + 60
+        assert logged is not None and logged.tokens == prompt + head and moved["num_tokens"] == len(prompt) + 60
         hit = await dst.lookup(logged.tokens[:-1])
         assert hit.num_tokens == len(logged.tokens) - 1 and {run.node for run in hit.runs} == {"nd"}
         tail = a.call(cmd="resume")  # A's late writes: refused, and its request stops
-        assert tail["stop_reason"] == "kvstore_session_moved" and 60 < len(tail["tokens"]) < 200 and tail["tokens"][:60] == head
+        assert (tail["finish_reason"], tail["stop_reason"]) == ("length", "kvstore_session_moved")
+        assert 60 < len(tail["tokens"]) < 200 and tail["tokens"][:60] == head
         assert _refusals(np_metrics_port).get("AppendTokens", 0) == refused.get("AppendTokens", 0) + 1
         assert a.call(cmd="session_stats")["fenced"] == fenced + 1
         at_np = await src.read_session("migrating-1")
