@@ -9,7 +9,7 @@ import secrets
 import grpc
 from tenants import LAYOUT, OPS, A, B, Caller, map_own_arena, new_keys, new_ns
 
-from kvstore._proto import data_pb2, directory_pb2
+from kvstore._proto import data_pb2
 from kvstore.page import checksum
 
 pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
@@ -46,16 +46,12 @@ def test_another_tenant_cannot_release_or_renew_a_lease(tenant_server, ca) -> No
     ns, keys = new_ns(), new_keys(2)
     assert a.put(ns, keys) == 2
     acquired = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys)).lease_id
-    leased = a(a.directory.Lease, directory_pb2.LeaseRequest(namespace_id=ns, keys=keys)).lease_id
     unknown = secrets.token_bytes(16)
-    for lease in (acquired, leased):
-        assert b.code(b.data.Release, data_pb2.ReleaseRequest(lease_id=lease)) == \
-            b.code(b.data.Release, data_pb2.ReleaseRequest(lease_id=unknown)) == grpc.StatusCode.OK
-        assert b(b.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=lease)).released is False
-        assert b.code(b.data.Renew, data_pb2.RenewRequest(lease_id=lease)) == \
-            b.code(b.data.Renew, data_pb2.RenewRequest(lease_id=unknown)) == grpc.StatusCode.ABORTED
-    assert tenant_server.core.view().lease_ids == {acquired, leased}
+    assert b.code(b.data.Release, data_pb2.ReleaseRequest(lease_id=acquired)) == \
+        b.code(b.data.Release, data_pb2.ReleaseRequest(lease_id=unknown)) == grpc.StatusCode.OK
+    assert b.code(b.data.Renew, data_pb2.RenewRequest(lease_id=acquired)) == \
+        b.code(b.data.Renew, data_pb2.RenewRequest(lease_id=unknown)) == grpc.StatusCode.ABORTED
+    assert tenant_server.core.view().lease_ids == {acquired}
     a(a.data.Renew, data_pb2.RenewRequest(lease_id=acquired))
-    assert a(a.directory.ReleaseLease, directory_pb2.ReleaseLeaseRequest(lease_id=leased)).released
     a(a.data.Release, data_pb2.ReleaseRequest(lease_id=acquired))
     assert tenant_server.core.view().lease_ids == frozenset()

@@ -71,7 +71,7 @@ def test_durable_writes_at_the_ssd_share_replace_the_tenants_coldest(share_serve
     for key in keys:  # three one-page prefixes: no page keeps another in the host tier (tiers/chains.py)
         assert a.put(ns, [key], durable=True) == 1
     assert [("ssd" in share_server.core.where(k)) for k in keys] == [False, True, True]
-    a(a.directory.Lease, directory_pb2.LeaseRequest(namespace_id=ns, keys=keys[1:]))  # a's SSD pages, pinned
+    a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys[1:]))  # a's SSD pages, pinned
     with pytest.raises(grpc.RpcError) as err:
         a.put(ns, new_keys(1), durable=True)
     assert err.value.code() == FULL and "ssd" in err.value.details()

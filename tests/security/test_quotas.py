@@ -44,9 +44,8 @@ def test_leases_and_allocations(quota_server, ca) -> None:
     assert a.put(ns, keys) == 1
     acquire = data_pb2.AcquireRequest(namespace_id=ns, keys=keys)
     first = a(a.data.Acquire, acquire).lease_id
-    a(a.directory.Lease, directory_pb2.LeaseRequest(namespace_id=ns, keys=keys))
+    a(a.data.Acquire, acquire)
     assert a.code(a.data.Acquire, acquire) == FULL
-    assert a.code(a.directory.Lease, directory_pb2.LeaseRequest(namespace_id=ns, keys=keys)) == FULL
     with pytest.raises(grpc.RpcError) as err:
         a.stream(a.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys))
     assert err.value.code() == FULL and "leases" in err.value.details()
