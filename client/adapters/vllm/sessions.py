@@ -71,6 +71,7 @@ class Session:
     job: Any = None  # the append in flight (the runtime's Job)
     client: KVStoreClient | None = None  # the job's
     fenced: bool = False
+    closed: bool = False  # nothing more is sent: fenced, given up, or its log is not what it was
     scheduled: bool = False  # its first step was counted
     keep_until: float = math.inf  # finished: how long its last tokens are sent again (then given up, logged)
 
@@ -78,11 +79,11 @@ class Session:
         """An append in flight, or tokens to send (not fenced, not given up on)."""
         if self.job is not None:
             return True
-        unsent = not self.fenced and len(self.request.all_token_ids) > self.logged
+        unsent = not self.closed and len(self.request.all_token_ids) > self.logged
         if unsent and time.monotonic() > self.keep_until:
             logger.error("kvstore: the last %d tokens of request %s were not logged to session %s (given up)",
                          len(self.request.all_token_ids) - self.logged, self.request.request_id, self.session_id)
-            self.fenced = True  # nothing more is sent
+            self.closed = True
             return False
         return unsent
 
@@ -152,7 +153,7 @@ class SessionLogs:
         for session in [*self._sessions.values(), *self._tails]:
             if session.job is not None and session.job.result.done():
                 self._settle(session)
-            if session.job is None and not session.fenced:
+            if session.job is None and not session.closed:
                 self._send(session, None)  # a finished request's last append that failed: again
         self._tails = [s for s in self._tails if s.pending()]
 
@@ -165,8 +166,12 @@ class SessionLogs:
         start = session.logged
         prompt_tokens = session.prompt_tokens if start == 0 else 0
         session.client = client
-        session.job = client.runtime.submit(self._append(client, session.session_id, after, list(tokens[start:]), start,
-                                                         prompt_tokens))
+        try:
+            session.job = client.runtime.submit(self._append(client, session.session_id, after, list(tokens[start:]), start,
+                                                             prompt_tokens))
+        except KVStoreError as exc:  # the client closed under us: the next step sends them with the next one
+            self.store.failed(client, exc)
+            session.job = after
 
     @staticmethod
     async def _append(client: KVStoreClient, session_id: str, after: Any, tokens: list[int], start: int,
@@ -205,6 +210,10 @@ class SessionLogs:
             session.logged = max(session.logged, length)
         elif isinstance(exc, SessionFenced):
             self._fence(session, exc)
+        elif isinstance(exc, KVStoreError) and type(exc) not in (KVStoreError, TierUnavailable):
+            session.closed = True  # the node refused it (a gap: the log was ended meanwhile; a quota): not sent again
+            logger.error("kvstore: session %s of request %s is no longer logged: %s", session.session_id,
+                         session.request.request_id, exc)
         else:
             self.stats.append_failed += 1
             logger.warning("kvstore: append to session %s failed (sent again): %s", session.session_id, exc)
@@ -216,9 +225,9 @@ class SessionLogs:
             if not session.fenced:
                 logger.warning("kvstore: session %s moved (%s) before the last tokens of request %s were logged",
                                session.session_id, why, session.request.request_id)
-            session.fenced = True
+            session.fenced = session.closed = True
             return
-        session.fenced = True
+        session.fenced = session.closed = True
         self.stats.fenced += 1
         request = session.request
         request.max_tokens = min(request.max_tokens, request.num_output_tokens)  # vLLM's stop check ends it
@@ -239,11 +248,11 @@ class SessionLogs:
         """``request_finished``: its last tokens are appended, after the append in flight (one
         that fails is sent again in a later step, or by ``flush``)."""
         session = self._sessions.pop(request.request_id, None)
-        if session is None or session.fenced:
+        if session is None or session.closed:
             return
         if session.job is not None and session.job.result.done():
             self._settle(session)
-        if session.fenced:
+        if session.closed:
             return
         in_flight, session.job = session.job, None
         self._send(session, in_flight)
@@ -258,7 +267,7 @@ class SessionLogs:
         deadline = time.monotonic() + timeout_s
         while True:
             for session in [*self._sessions.values(), *self._tails]:
-                if session.job is None and not session.fenced:
+                if session.job is None and not session.closed:
                     self._send(session, None)
             pending = [s for s in [*self._sessions.values(), *self._tails] if s.job is not None]
             if not pending:

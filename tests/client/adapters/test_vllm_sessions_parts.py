@@ -107,3 +107,28 @@ def test_without_a_store_a_session_is_served_unlogged() -> None:
         assert sessions.stats.not_logged == 1 and sessions.flush(1)
     finally:
         store.close()
+
+
+def test_a_log_ended_under_a_request_is_not_written_again(store_process: ServerProcess) -> None:
+    """The session's log is ended while its request runs: the next append is refused (a gap),
+    and no more are sent (no error every step); the request goes on."""
+    store, scheduler, _, _ = parts(store_process.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        req = request("r", list(range(1, 40)), "s2")
+        sessions.begin(req)
+        assert sessions.flush(10)
+
+        async def end() -> None:
+            async with KVStoreClient(store_process.address, store.namespace) as client:
+                await client.end_session("s2")
+        asyncio.run(end())
+        generate(sessions, req, [1, 2])
+        assert sessions.flush(10)
+        generate(sessions, req, [3])
+        sessions.finished(req)
+        assert sessions.flush(10)
+        assert read(store_process.address, "s2", store) is None
+        assert (sessions.stats.append_failed, sessions.stats.fenced, req.max_tokens) == (0, 0, 64)
+    finally:
+        store.close()
