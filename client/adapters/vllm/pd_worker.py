@@ -12,16 +12,20 @@ Prefill instance, per handed-off request::
 Decode instance, per handed-off request (vLLM holds it in WAITING_FOR_REMOTE_KVS)::
 
     load planned --> in the background: handoff_wait (the completion marker, bounded by
-                     the request's deadline), then a get of the handed-off pages into a
-                     staging tensor of this worker's; with the store not connected (its
-                     node restarting), started once it is, if before the deadline
+                     the request's deadline), then a lease (Acquire) of the handed-off pages
+                     in the node's shared-memory arena (pd_leases.py); a store on another
+                     host: a get into a staging tensor instead. With the store not connected
+                     (its node restarting), started once it is, if before the deadline
     each step    --> a receive that ended (or ran past its deadline and a grace) is
-                     copied from staging into the request's blocks here, on vLLM's thread,
-                     and reported finished receiving; the blocks of pages that did not
-                     come are reported failed in the same step, and vLLM recomputes them
+                     copied from the arena (checksums verified) into the request's blocks
+                     here, on vLLM's thread, its leases released, and reported finished
+                     receiving; the blocks of pages that did not come or failed their
+                     checksum are reported failed in the same step, and vLLM recomputes them
 
 Nothing is ever written into vLLM's blocks by a background task, so a receive given up on
-can finish late without harm.
+can finish late without harm; what it leased late is given back when it ends. Why no staging
+tensor: one allocated per request cost its first touch (235 ms for 64 MiB on the VM), and
+the pages are in the arena this worker maps already.
 """
 
 from __future__ import annotations
@@ -37,12 +41,18 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.pd_leases import Taken, arena_of, copy_into, give_back, take
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # past its deadline, how long a receive's get may still run before it is given up on
+# A step that computed nothing (every request waits for its KV) waits this long at most for a
+# receive to end, the GIL released: vLLM's loop spins through such steps, and the client's I/O
+# thread, which takes the marker's answer and the lease, got the GIL only at the 5 ms switch
+# interval (6-64 ms from the node's answer to the worker's in kvstore-bench pd).
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -57,6 +67,7 @@ class HandoffStats:
     received: int = 0  # receives whose every page arrived
     received_tokens: int = 0
     receive_failed: int = 0  # receives with pages missing: vLLM recomputed them
+    received_leased: int = 0  # receives copied from the arena (leased), not through a staging tensor
     failed_blocks: int = 0
 
 
@@ -71,11 +82,12 @@ class Completing:
 @dataclass
 class Receiving:
     spec: HandoffLoad
-    staging: torch.Tensor
     job: Any  # the runtime's Job of the receive (None: not started, the store is not connected yet)
     start_by: float  # the request's deadline: a receive not started by then is given up on
     give_up_at: float
     client: KVStoreClient | None
+    taken: Taken | None = None  # the leased pages, set by the job before it ends (given back once copied)
+    staging: torch.Tensor | None = None  # a store on another host: the pages got into this
 
 
 @dataclass
@@ -100,6 +112,7 @@ class HandoffWorker:
         self._receiving: list[Receiving] = []
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # decode req id -> leading pages in its blocks, after a short receive
+        self._idle = False  # this step computes nothing
 
     def register(self, kv_caches: list[torch.Tensor]) -> None:
         """vLLM's KV of every layer, in page order (views of it, as worker.py takes them)."""
@@ -111,6 +124,7 @@ class HandoffWorker:
         """Opens this step's handoffs (before worker.py starts the saves), and starts its
         receives."""
         client = self.store.client()
+        self._idle = meta.num_scheduled_tokens == 0
         self._open(client, meta.handoff_opens)
         self._saving |= {spec.req_id for spec in meta.saves} & self._handed
         for done in meta.handoff_completes:
@@ -143,30 +157,32 @@ class HandoffWorker:
                 logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
 
     def _receive(self, client: KVStoreClient | None, spec: HandoffLoad) -> Receiving:
-        lay = self.layout
-        pages = spec.first_page + spec.num_pages  # all of them: the marker keeps every page a wait returned until it is read
-        staging = torch.empty((lay.num_layers, lay.kv_factor, pages * lay.page_tokens, lay.num_kv_heads, lay.head_dim),
-                              dtype=lay.torch_dtype())
         start_by = time.monotonic() + spec.deadline_s
-        rec = Receiving(spec, staging, None, start_by, start_by + GRACE_S, None)
+        rec = Receiving(spec, None, start_by, start_by + GRACE_S, None)
         self._start(rec, client, spec.deadline_s)
         return rec
 
     def _start(self, rec: Receiving, client: KVStoreClient | None, deadline_s: float) -> None:
         if client is not None:
-            rec.client, rec.job = client, client.runtime.submit(self._fetch(client, rec.spec, rec.staging, deadline_s))
+            rec.client, rec.job = client, client.runtime.submit(self._fetch(client, rec.spec, rec, deadline_s))
 
-    async def _fetch(self, client: KVStoreClient, spec: HandoffLoad, staging: torch.Tensor, deadline_s: float) -> int:
-        """Waits for the handoff's marker, then gets every page it answered into ``staging``
-        (also those vLLM's own cache holds: the marker keeps what it answered until read);
-        returns how many leading pages of the load are there."""
+    async def _fetch(self, client: KVStoreClient, spec: HandoffLoad, rec: Receiving, deadline_s: float) -> int:
+        """Waits for the handoff's marker, then leases every page it answered (also those
+        vLLM's own cache holds: the marker keeps what it answered until acquired) into
+        ``rec.taken``, or without an arena gets them into ``rec.staging``; returns how many
+        leading pages of the load are there."""
         hit = await client.handoff_wait(spec.handoff_id, spec.tokens, deadline_s)
         n = min(hit.num_pages, spec.first_page + spec.num_pages)
         if n <= 0:
             return 0
-        p = self.layout.page_tokens
+        transport = arena_of(client)
+        if transport is not None:
+            rec.taken = await take(client, transport, hit.keys[:n])
+            return max(0, rec.taken.num_pages - spec.first_page)
+        lay, p = self.layout, self.layout.page_tokens
+        rec.staging = torch.empty((lay.num_layers, lay.kv_factor, n * p, lay.num_kv_heads, lay.head_dim), dtype=lay.torch_dtype())
         try:
-            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), staging)
+            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), rec.staging)
         except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
             n = int(getattr(exc, "num_tokens", 0)) // p
         return max(0, n - spec.first_page)
@@ -180,6 +196,9 @@ class HandoffWorker:
         ended without a complete to make, aborted, is forgotten: its handoff expires)."""
         self._saving -= saved
         self._handed -= finished_req_ids - self._completing.keys()
+        running = [r.job.result for r in self._receiving if r.job is not None and not r.job.result.done()]
+        if self._idle and running:
+            concurrent.futures.wait(running, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         now = time.monotonic()
         sending = saved - self._completing.keys()
         for req_id, done in list(self._completing.items()):
@@ -237,16 +256,18 @@ class HandoffWorker:
         spec, p = rec.spec, self.layout.page_tokens
         valid, reason = 0, "the store could not be reached"
         if rec.job is not None and not rec.job.result.done():
-            rec.job.cancel()  # it writes only into its staging tensor
+            rec.job.cancel()  # it writes only into its lease or staging, and gives back a lease it took once it ends
+            rec.job.result.add_done_callback(lambda _: self._give_back(rec, []))
             reason = f"no marker or pages within {spec.deadline_s:.1f} s (+{GRACE_S:.0f} s)"
         elif rec.job is not None and rec.job.result.exception() is not None:
             reason = str(rec.job.result.exception())
             self._failed(rec.client, rec.job.result.exception())
         elif rec.job is not None:
             valid, reason = int(rec.job.result.result()), "the handoff held fewer pages (missing, foreign or expired)"
-        kv = RequestKV(self.blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout, all_layers=self.all_layers)
-        for i in range(valid):
-            kv.write_page(i, rec.staging[:, :, (spec.first_page + i) * p : (spec.first_page + i + 1) * p])
+            try:
+                valid, reason = self._copy(rec, valid, reason)
+            finally:
+                self._give_back(rec, [])
         if valid == spec.num_pages:
             self.stats.received += 1
             self.stats.received_tokens += valid * p
@@ -259,6 +280,31 @@ class HandoffWorker:
         self.stats.failed_blocks += len(blocks)
         logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); vLLM recomputes %d blocks",
                        spec.handoff_id, spec.req_id, valid, spec.num_pages, reason, len(blocks))
+
+    def _copy(self, rec: Receiving, valid: int, reason: str) -> tuple[int, str]:
+        """Copies the ``valid`` leading pages of a receive into the request's blocks: from its
+        lease (checksums verified: a page that fails ends the prefix, and is reported with the
+        release), else from its staging tensor; returns the pages in place and why fewer."""
+        spec, p = rec.spec, self.layout.page_tokens
+        kv = RequestKV(self.blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout, all_layers=self.all_layers)
+        if rec.taken is not None:
+            copied, bad = copy_into(rec.taken, kv, spec.first_page, valid, self.layout)
+            self._give_back(rec, bad)
+            self.stats.received_leased += 1
+            if bad:
+                logger.error("handed-off page %d of request %s failed its checksum", spec.first_page + copied, spec.req_id)
+                return copied, "a page failed its checksum"
+            return copied, reason if copied == valid else "the lease ran out before the copy"
+        if rec.staging is not None:
+            for i in range(valid):
+                kv.write_page(i, rec.staging[:, :, (spec.first_page + i) * p : (spec.first_page + i + 1) * p])
+        return valid, reason
+
+    def _give_back(self, rec: Receiving, failed: list[bytes]) -> None:
+        """Releases what the receive leased (once: later calls find it given back)."""
+        transport = arena_of(rec.client) if rec.client is not None else None
+        if rec.taken is not None and transport is not None:
+            give_back(rec.client, transport, rec.taken, failed)  # type: ignore[arg-type]
 
     def _failed(self, client: KVStoreClient | None, exc: BaseException | None) -> None:
         """A transport failure drops the client (the next call connects anew: a restarted node is
@@ -280,6 +326,7 @@ class HandoffWorker:
         for rec in self._receiving:
             if rec.job is not None:
                 rec.job.cancel()
+                rec.job.result.add_done_callback(lambda _, rec=rec: self._give_back(rec, []))
         for done in self._completing.values():
             if done.job is not None and not isinstance(done.job, _Failed):
                 done.job.cancel()

@@ -1,0 +1,146 @@
+"""A decode worker's handed-off pages, leased in the node's shared-memory arena (pd_worker.py).
+
+Why a lease rather than a get into a staging tensor: the pages are on this host already, in the
+arena the client maps, and the request's blocks are where they go. A get copied them into a
+tensor allocated per request (its first touch ran at 0.3-1.9 GB/s on the VM, LIMITS.md: 235 ms
+for 64 MiB), then again into the blocks. Leased, they are copied once, from the arena into the
+blocks, on vLLM's thread between steps, verifying each checksum as ordinary leased loads do
+(worker.py ``_copy_held``): a page that fails ends the valid prefix, its blocks and all after
+are recomputed and the server is told (it checks the page and quarantines it).
+
+::
+
+    background (runtime loop)      taken = await take(client, transport, keys)   # Acquire, batched
+                                   (cancelled: what was granted is given back)
+    vLLM's thread, between steps   valid, bad = copy_into(taken, kv, first, count, layout)
+    always, exactly once           give_back(client, taken, bad)                 # Release (+ failed)
+
+The acquires also let the handoff's marker go (the server drops its pins once every page a
+wait handed was acquired), so nothing is left pinned after ``give_back``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvstore.client.adapters.vllm.layout import RequestKV
+from kvstore.client.arena import ArenaMap
+from kvstore.client.client import KVStoreClient
+from kvstore.client.pages import slot_as_page
+from kvstore.client.transport import ShmTransport
+from kvstore.errors import KVStoreError
+from kvstore.page import checksum
+from kvstore.pagecopy import running_checksum
+from kvstore.types import KVLayout
+
+MARGIN_S = 1.0  # a lease this close to its expiry is not copied from (the copy itself takes time)
+
+
+@dataclass
+class Taken:
+    """Acquire answers of the leading handed-off pages, in order, with the arena mapping their
+    offsets are in (held: ``give_back`` drops it)."""
+
+    keys: list[bytes] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)
+    lease_ids: list[bytes] = field(default_factory=list)
+    arenas: list[ArenaMap] = field(default_factory=list)  # one hold per acquire answer
+    expires_at: float = 0.0  # monotonic: the first lease's end
+    given_back: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.offsets)
+
+
+def arena_of(client: KVStoreClient) -> ShmTransport | None:
+    """The client's shared-memory transport, or None (a store on another host: pages by get)."""
+    transport = client.transport
+    return transport if isinstance(transport, ShmTransport) else None
+
+
+async def take(client: KVStoreClient, transport: ShmTransport, keys: list[bytes]) -> Taken:
+    """Leases the stored prefix of ``keys`` (every page a wait handed: the marker keeps them
+    until acquired), in batches the server takes. Cancelled or failed part way, what was
+    granted is given back before the error goes on."""
+    taken = Taken(expires_at=time.monotonic() + client.lease_ms / 1000)
+    try:
+        for start in range(0, len(keys), client.max_pages):
+            batch = keys[start : start + client.max_pages]
+            acq = await transport.granted(transport.acquire(batch), lambda a: transport.release(a.lease_id))
+            taken.lease_ids.append(acq.lease_id)
+            arena = await transport.mapping(acq, lambda lid=acq.lease_id: _forget(transport, taken, lid))
+            taken.arenas.append(arena)
+            taken.keys += batch[: len(acq.pages)]
+            taken.offsets += [int(p.offset) for p in acq.pages]
+            taken.checksums += [int(p.checksum) for p in acq.pages]
+            if len(acq.pages) < len(batch):
+                break
+    except BaseException:
+        await _release_all(transport, taken, [])
+        raise
+    return taken
+
+
+async def _forget(transport: ShmTransport, taken: Taken, lease_id: bytes) -> None:
+    """An acquire whose arena cannot be mapped: its lease goes back now (not in ``taken``'s arenas)."""
+    taken.lease_ids.remove(lease_id)
+    await transport.release(lease_id)
+
+
+def copy_into(taken: Taken, kv: RequestKV, first: int, count: int, layout: KVLayout) -> tuple[int, list[bytes]]:
+    """Copies pages ``first .. first + count`` of ``taken`` (at most what it holds) into ``kv``'s
+    pages 0..; returns (the leading pages copied and verified, the keys of a page that failed).
+    Into a CPU cache one native call copies and checksums every page; otherwise each page is
+    checked first and one that fails is not copied."""
+    count = max(0, min(count, taken.num_pages - first))
+    if count == 0 or time.monotonic() > taken.expires_at - MARGIN_S or not taken.arenas:
+        return 0, []
+    arena, n = taken.arenas[0], layout.page_bytes  # every answer of one client's acquires names the arena mapped now
+    offsets, sums = taken.offsets[first : first + count], taken.checksums[first : first + count]
+    host = kv.host_pages()
+    if host is not None:
+        running = [running_checksum() for _ in offsets]
+        host.write_pages(layout.num_layers, range(count), [arena.array[o : o + n] for o in offsets], running)
+        bad = next((i for i, s in enumerate(running) if s.intdigest() != sums[i]), None)
+    else:
+        bad = None
+        for i, offset in enumerate(offsets):
+            if checksum(arena.array[offset : offset + n]) != sums[i]:
+                bad = i
+                break
+            kv.write_page(i, slot_as_page(arena.slot(offset, n), layout))
+    if bad is None:
+        return count, []
+    return bad, [taken.keys[first + bad]]
+
+
+def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
+    """Releases every lease of ``taken`` in the background (``failed``: keys whose copy failed its
+    checksum, for the server to check) and drops the arena holds; once only."""
+    if taken.given_back:
+        return
+    taken.given_back = True
+    for arena in taken.arenas:
+        arena.drop()
+    taken.arenas = []
+    for lease_id in taken.lease_ids:
+        try:
+            client.runtime.submit(transport.release(lease_id, failed))
+        except KVStoreError:  # the client closed meanwhile: the lease ends at its ttl
+            return
+
+
+async def _release_all(transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
+    """``give_back`` on the runtime loop itself (a take that failed part way)."""
+    if taken.given_back:
+        return
+    taken.given_back = True
+    for arena in taken.arenas:
+        arena.drop()
+    taken.arenas = []
+    await asyncio.gather(*(transport.release(lease_id, failed) for lease_id in taken.lease_ids))
+

@@ -1,0 +1,189 @@
+"""The decode worker's receive of a handoff (client/adapters/vllm/pd_worker.py, pd_leases.py)
+without an engine: a real kvstore-server process (one node: Complete marks the handoff there),
+a real StoreConnection with its shared-memory arena, vLLM's CPU block layout. What the real
+engines (test_vllm_pd.py) cannot be steered into: a page corrupted in the arena between the
+lease and the copy, a worker shut down with a receive not yet landed. Every case ends with no
+lease left at the node (a marker's pins and the receive's own leases)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from conftest import ServerProcess
+
+from kvstore import KVLayout, Namespace
+from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.layout import RequestKV
+from kvstore.client.adapters.vllm.metadata import HandoffLoad, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
+from kvstore.client.client import KVStoreClient
+from kvstore.client.handoff import new_handoff_id
+
+BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS, PAGES = 32, 2, 16, 3, 12, 4
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
+NAMESPACE = Namespace(model="pd-receive", revision="r", layout=LAYOUT)
+BLOCK_IDS = [7, 2, 9, 4]  # the request's blocks, out of order as vLLM hands them
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path)
+    proc.start()
+    yield proc
+    assert proc.proc is not None
+    if proc.proc.poll() is None:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.proc.kill()
+        proc.proc.wait(10)
+
+
+def caches(shared: bool) -> list[torch.Tensor]:
+    """vLLM's CPU KV per layer ``[blocks, heads, block, 2 * dim]``: views of one buffer (the
+    one-call copy path) or a tensor each (page by page)."""
+    if shared:
+        buffer = torch.zeros(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+        return [buffer[i] for i in range(LAYERS)]
+    return [torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
+
+
+def handed_off(address: str, tokens: list[int], kv: torch.Tensor) -> str:
+    """What the prefill side does, at the one node: put the pages, complete the handoff."""
+    async def run() -> str:
+        async with KVStoreClient(address, NAMESPACE) as client:
+            assert await client.put(tokens, kv) == len(tokens)
+            handoff_id = new_handoff_id()
+            assert await client.handoff_complete(handoff_id, tokens, "nd") == len(tokens)
+            return handoff_id
+    return asyncio.run(run())
+
+
+def num_leases(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return int(directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_leases)
+
+
+def assert_no_lease_left(address: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := num_leases(address)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0, f"{left} leases left"
+
+
+def start(address: str, shared: bool) -> tuple[StoreConnection, HandoffWorker, list[int], torch.Tensor, str]:
+    """A worker with a receive of a 4-page handoff begun (its job running in the background)."""
+    tokens = list(range(1, PAGES * BLOCK + 1))
+    kv = torch.randn(LAYERS, 2, len(tokens), HEADS, DIM)
+    handoff_id = handed_off(address, tokens, kv)
+    store = StoreConnection(address, NAMESPACE)
+    assert store.start()
+    worker = HandoffWorker(store, BLOCK, open_timeout_s=2.0, complete_timeout_s=5.0)
+    worker.register(caches(shared))
+    worker.begin_step(KVStoreConnectorMetadata(handoff_loads=[HandoffLoad("r1", handoff_id, tokens, BLOCK_IDS, 0, PAGES, 10.0)]))
+    return store, worker, tokens, kv, handoff_id
+
+
+def job_done(worker: HandoffWorker) -> None:
+    deadline = time.monotonic() + 20
+    while not worker._receiving[0].job.result.done():
+        assert time.monotonic() < deadline, "the receive did not end"
+        time.sleep(0.01)
+
+
+def settle(worker: HandoffWorker) -> set[str]:
+    """Steps until the receive is reported finished receiving."""
+    deadline = time.monotonic() + 20
+    while not (recving := worker.finished(set(), set())[1]):
+        assert time.monotonic() < deadline, "never finished receiving"
+        time.sleep(0.01)
+    return recving
+
+
+def page_of(worker: HandoffWorker, page: int) -> torch.Tensor:
+    kv = RequestKV(worker.blocks, BLOCK_IDS, 0, PAGES, LAYOUT)
+    return torch.stack([kv.read_layer(page, layer) for layer in range(LAYERS)])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "layer-tensors"])
+def test_a_receive_copies_the_leased_pages_from_the_arena_and_releases_them(server: ServerProcess, shared: bool) -> None:
+    store, worker, _, kv, _ = start(server.address, shared)
+    try:
+        assert settle(worker) == {"r1"}
+        assert worker.load_errors() == set() and worker.take_short() == {}
+        for page in range(PAGES):
+            assert torch.equal(page_of(worker, page), kv[:, :, page * BLOCK : (page + 1) * BLOCK])
+        assert worker.stats.received == 1 and worker.stats.received_leased == 1
+        assert worker._receiving == []
+        assert_no_lease_left(server.address)
+    finally:
+        worker.shutdown()
+        store.close()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "layer-tensors"])
+def test_a_page_corrupted_in_the_arena_fails_its_blocks_from_it_on(server: ServerProcess, shared: bool) -> None:
+    """Page 2's bytes change in the arena after the lease: pages 0-1 are copied, the blocks of
+    pages 2-3 are reported failed (vLLM recomputes them), and the leases still go back."""
+    store, worker, _, kv, _ = start(server.address, shared)
+    try:
+        job_done(worker)
+        taken = worker._receiving[0].taken
+        assert taken is not None and taken.num_pages == PAGES
+        arena = taken.arenas[0]
+        arena.array[taken.offsets[2] + 5] ^= 0xFF
+        assert settle(worker) == {"r1"}
+        assert worker.load_errors() == {BLOCK_IDS[2], BLOCK_IDS[3]}
+        assert worker.take_short() == {"r1": 2}
+        for page in range(2):
+            assert torch.equal(page_of(worker, page), kv[:, :, page * BLOCK : (page + 1) * BLOCK])
+        assert worker.stats.receive_failed == 1 and worker.stats.received == 0
+        assert_no_lease_left(server.address)
+    finally:
+        worker.shutdown()
+        store.close()
+
+
+def test_a_worker_shut_down_before_landing_gives_its_leases_back(server: ServerProcess) -> None:
+    store, worker, _, _, _ = start(server.address, shared=True)
+    try:
+        job_done(worker)
+        assert worker._receiving[0].taken is not None and num_leases(server.address) > 0
+        worker.shutdown()
+        assert_no_lease_left(server.address)
+    finally:
+        store.close()
+
+
+def test_a_receive_given_up_on_while_it_waits_leaves_nothing(server: ServerProcess) -> None:
+    """The receive's grace ran out while its job still waits for pages that never come: the
+    blocks are failed at once, the job is cancelled (a lease its acquire brings meanwhile is
+    given back by ``granted``, one it took before by the job's end), and nothing is left."""
+    store = StoreConnection(server.address, NAMESPACE)
+    assert store.start()
+    worker = HandoffWorker(store, BLOCK, open_timeout_s=2.0, complete_timeout_s=5.0)
+    worker.register(caches(True))
+    tokens = list(range(1, PAGES * BLOCK + 1))
+    try:
+        worker.begin_step(KVStoreConnectorMetadata(handoff_loads=[HandoffLoad("r1", new_handoff_id(), tokens, BLOCK_IDS, 0,
+                                                                              PAGES, 5.0)]))
+        rec = worker._receiving[0]
+        rec.give_up_at = 0.0  # past its grace already: the next step lands it, whatever the job does
+        assert worker.finished(set(), set())[1] == {"r1"}
+        assert worker.load_errors() == set(BLOCK_IDS) and worker.stats.receive_failed == 1
+        deadline = time.monotonic() + 10
+        while not rec.job.result.done():
+            assert time.monotonic() < deadline, "the job was not cancelled"
+            time.sleep(0.01)
+        assert rec.taken is None
+        assert_no_lease_left(server.address)
+    finally:
+        worker.shutdown()
+        store.close()
