@@ -10,13 +10,16 @@ generation itself, and a push is the very path a replica takes, not a second tra
 
 What triggers a push: a thread follows this node's directory events (as the publisher does);
 a page stored here in a namespace with an open handoff whose ``keys`` it is among wakes that
-handoff, which sends the pages stored since its last push (one call in flight per handoff:
-later pages batch up behind it). An ``Open`` without keys pushes nothing until ``Complete``.
+handoff, which sends the pages stored since its last push at once, up to ``MAX_PUSHES`` calls
+in flight per handoff (later pages batch up behind them). Why more than one: a save publishes
+its pages in a few commits, and with one call in flight the bulk waited behind a first push of
+a page or two, a push's whole fixed cost (~15 ms: the call, the decode node's landing slots,
+its data connection) in series. An ``Open`` without keys pushes nothing until ``Complete``.
 Any put path (``put_keys``, layer-wise saves, shared memory or streams) is covered, since
 what is followed is the commit itself.
 
 Complete ends the handoff here whatever happens (nothing left in the table): it waits for the
-push in flight, then sends every page stored here of the full set with ``complete``; the
+pushes in flight, then sends every page stored here of the full set with ``complete``; the
 decode node fetches what is missing (from here, else through the pool) and answers what it
 holds. A decode node that is not a member or does not answer is TierUnavailable.
 """
@@ -40,6 +43,7 @@ from kvstore.server.handoff_markers import MAX_HANDOFFS_PER_TENANT
 logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_MS = 30_000
+MAX_PUSHES = 2  # calls of one handoff in flight at once (each holds a unary worker of the decode node)
 OpenKey = tuple[str, bytes, bytes]  # tenant (as named to other nodes), namespace id, handoff id
 
 
@@ -54,9 +58,10 @@ class Outgoing:
     keys: list[bytes]
     may_push: Callable[[], bool]  # the caller may still read the namespace here
     sent: int = 0  # leading keys the decode node holds
+    queued: int = 0  # leading keys given to pushes (in flight, or answered)
     failed: bool = False  # a push came back short: the rest waits for Complete
-    again: bool = False
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    answered: dict[int, int] = field(default_factory=dict)  # start -> end of pushes held whole, past ``sent``
+    tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
 
 class HandoffPushes:
@@ -83,7 +88,7 @@ class HandoffPushes:
 
     async def close(self) -> None:
         self._stop.set()
-        tasks = [t for t in (self._sweeper, *(o.task for o in self._open.values())) if t is not None]
+        tasks = [t for t in (self._sweeper, *(t for o in self._open.values() for t in o.tasks)) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -107,6 +112,8 @@ class HandoffPushes:
         if out is None:
             out = self._open[key] = Outgoing(tenant, namespace_id, handoff_id, to_node, ttl_ms, expires, keys, may_push)
             self._by_namespace.setdefault(namespace_id, set()).add(key)
+            if to_node and to_node != self.node:
+                self._track(out, asyncio.create_task(self._announce(out)))
         else:
             out.to_node, out.ttl_ms, out.expires, out.keys, out.may_push = to_node, ttl_ms, expires, keys, may_push
         self._kick(out)  # pages stored before the open go now
@@ -121,33 +128,48 @@ class HandoffPushes:
         return out
 
     def _kick(self, out: Outgoing) -> None:
-        if not out.to_node or out.to_node == self.node or out.failed or not out.keys:
+        """Pushes what was stored since the last push, now, unless ``MAX_PUSHES`` are in flight
+        (the first to end kicks again)."""
+        if not out.to_node or out.to_node == self.node or out.failed or not out.keys or len(out.tasks) >= MAX_PUSHES:
             return
-        if out.task is not None and not out.task.done():
-            out.again = True
+        stored = out.queued + self.remote.local_prefix(out.namespace_id, out.keys[out.queued :])
+        if stored <= out.queued or not out.may_push():
             return
-        out.task = asyncio.create_task(self._push_stored(out))
-        out.task.add_done_callback(_logged)
+        start, out.queued = out.queued, stored
+        self._track(out, asyncio.create_task(self._push(out, start, stored)))
 
-    async def _push_stored(self, out: Outgoing) -> None:
-        """Sends what was stored since the last push, until nothing new arrived meanwhile."""
-        while True:
-            out.again = False
-            stored = self.remote.local_prefix(out.namespace_id, out.keys)
-            if stored > out.sent and out.may_push():
-                batch = out.keys[out.sent : stored]
-                try:
-                    held = await self._send(out, batch, complete=False, timeout_s=self.rpc_timeout_s + 5)
-                except TierUnavailable as exc:
-                    logger.info("handoff %s: push to %s failed (%s); Complete sends the rest", out.handoff_id.hex()[:8],
-                                out.to_node, exc)
-                    held = 0
-                out.sent += held
-                if held < len(batch):
-                    out.failed = True
-                    return
-            if not out.again:
-                return
+    def _track(self, out: Outgoing, task: asyncio.Task[None]) -> None:
+        out.tasks.add(task)
+        task.add_done_callback(lambda done: self._pushed(out, done))
+
+    async def _announce(self, out: Outgoing) -> None:
+        """Tells the decode node that pages will be pushed to it (a Push without keys): its
+        marker is made now, so that a wait starting before the first page lands sleeps until
+        it does, instead of pulling the same pages through the pool beside the push."""
+        try:
+            await self._send(out, [], complete=False, timeout_s=self.rpc_timeout_s)
+        except TierUnavailable as exc:
+            logger.info("handoff %s: no announce to %s (%s)", out.handoff_id.hex()[:8], out.to_node, exc)
+
+    async def _push(self, out: Outgoing, start: int, end: int) -> None:
+        batch = out.keys[start:end]
+        try:
+            held = await self._send(out, batch, complete=False, timeout_s=self.rpc_timeout_s + 5)
+        except TierUnavailable as exc:
+            logger.info("handoff %s: push to %s failed (%s); Complete sends the rest", out.handoff_id.hex()[:8], out.to_node, exc)
+            held = 0
+        if held < len(batch):
+            out.failed = True
+            return
+        out.answered[start] = end
+        while out.sent in out.answered:
+            out.sent = out.answered.pop(out.sent)
+
+    def _pushed(self, out: Outgoing, task: asyncio.Task[None]) -> None:
+        out.tasks.discard(task)
+        _logged(task)
+        if self._open.get((out.tenant, out.namespace_id, out.handoff_id)) is out:
+            self._kick(out)  # pages stored while the calls were all in flight
 
     async def complete(self, tenant: str, namespace_id: bytes, handoff_id: bytes, keys: list[bytes], to_node: str,
                        timeout_s: float) -> int:
@@ -156,13 +178,10 @@ class HandoffPushes:
         out = self._forget((tenant, namespace_id, handoff_id))
         deadline = time.monotonic() + timeout_s
         to_node = to_node or (out.to_node if out is not None else "")
-        if out is not None and out.task is not None and not out.task.done():
-            try:  # the push in flight lands first (the decode node would fetch its pages twice otherwise)
-                await asyncio.wait_for(asyncio.shield(out.task), max(0.01, timeout_s / 2))
-            except TimeoutError:
-                out.task.cancel()
-            except Exception as exc:  # noqa: BLE001 - the full set goes below all the same
-                logger.info("handoff %s: the push in flight failed (%r); Complete sends the full set", handoff_id.hex()[:8], exc)
+        if out is not None and out.tasks:  # the pushes in flight land first (the decode node would fetch their pages twice)
+            _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2))
+            for task in late:
+                task.cancel()
         stored = self.remote.local_prefix(namespace_id, keys)
         if not to_node or stored == 0:
             return stored
@@ -176,7 +195,8 @@ class HandoffPushes:
             raise TierUnavailable(f"handoff decode node {out.to_node!r} is not a live member of the cluster; "
                                   "the pages stay here, findable through the pool")
         request = handoff_pb2.PushHandoffRequest(namespace_id=out.namespace_id, handoff_id=out.handoff_id, keys=keys,
-                                                 holder=self.node, tenant=out.tenant, page_bytes=self._page_bytes(keys[0]),
+                                                 holder=self.node, tenant=out.tenant,
+                                                 page_bytes=self._page_bytes(keys[0]) if keys else 0,
                                                  complete=complete, ttl_ms=out.ttl_ms)
         try:
             answer = await handoff_pb2_grpc.HandoffStub(peer.channel).Push(request, timeout=timeout_s)
@@ -202,8 +222,8 @@ class HandoffPushes:
             now = time.monotonic()
             for key in [k for k, o in self._open.items() if o.expires <= now]:
                 out = self._forget(key)
-                if out is not None and out.task is not None:
-                    out.task.cancel()
+                for task in out.tasks if out is not None else ():
+                    task.cancel()
                 logger.info("open handoff %s expired without Complete", key[2].hex()[:8])
 
     # -- the event thread --------------------------------------------------------------

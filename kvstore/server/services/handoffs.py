@@ -174,20 +174,25 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
     def Push(self, request: handoff_pb2.PushHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.PushHandoffResponse:
         """The prefill node ``holder`` hands pages over: fetched from it (as a replica is), kept
         for the handoff's marker; with ``complete``, what the holder could not give is pulled
-        through the pool, then the marker completes once every page is here."""
+        through the pool, then the marker completes once every page is here. Without keys (the
+        prefill node's announce at Open): the marker is made, marked pushed, so that a wait that
+        starts before the first page lands does not pull the same pages through the pool."""
         require_node(current_identity(), "Handoff.Push")
         ns = validate.namespace_id(request.namespace_id)
         ident = handoff_id(request.handoff_id)
-        keys = self._keys(list(request.keys))
+        keys = self._keys(list(request.keys), allow_empty=not request.complete)
         holder = node_id(request.holder, "holder")
         ttl = ttl_ms(request.ttl_ms)
-        if self.cluster is None or not holder or request.page_bytes <= 0:
+        if self.cluster is None or not holder or (keys and request.page_bytes <= 0):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
         who = acting_for(current_identity(), request.tenant)
         claimed = self.tenancy.claim(who, ns)
         held = 0
         try:
             marker = self.markers.open(who.tenant, ns, ident, ttl)
+            if not keys:
+                self.markers.arrived(marker, [], pushed=True)
+                return handoff_pb2.PushHandoffResponse(num_pages=0)
             have = self.markers.held(ns, keys)
             fits, reserved = self._room(who, len(keys) - have, request.page_bytes, context)
             try:
