@@ -51,12 +51,14 @@ def step_request(llm: object, cmd: dict, paused: object) -> object:
 
     engine = llm.llm_engine  # type: ignore[attr-defined]
     until = cmd.get("pause_after", 1 << 30)
+    request_id = getattr(paused, "request_id", "")
     if cmd["cmd"] == "start":
+        paused, request_id = None, f"paused-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                                 extra_args={"kv_transfer_params": cmd["kv_transfer_params"]})
-        engine.add_request("paused", {"prompt_token_ids": cmd["prompt"]}, params)
+        engine.add_request(request_id, {"prompt_token_ids": cmd["prompt"]}, params)
     while paused is None or not (paused.finished or len(paused.outputs[0].token_ids) >= until):  # type: ignore[attr-defined]
-        paused = next(iter(engine.step()), paused)  # the only request in flight
+        paused = next((o for o in engine.step() if o.request_id == request_id), paused)
     if cmd["cmd"] == "start":
         assert engine.engine_core.engine_core.scheduler.connector.sessions.flush(60), "the session's tokens were not logged"
         assert get_kv_transfer_group().worker.wait_saves(60), "the connector's saves did not end"
