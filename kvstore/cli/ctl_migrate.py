@@ -22,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # defaults: KVStoreClient.migrate's (not imported here: kvstore-ctl does not load the client for other commands)
     p.add_argument("--max-pause-bytes", help="fence once at most this much stored KV is not copied yet (the pause's "
                    "bytes; default 64MiB)")
-    p.add_argument("--max-pause-ms", type=float, help="instead: fence once the rest copies within this, at the last "
-                   "round's copy rate")
+    p.add_argument("--max-pause-ms", type=float, help="instead: fence once the rest copies within this, at the best "
+                   "copy rate a round showed")
     p.add_argument("--max-rounds", type=int, help="pre-copy rounds before giving up (default 32)")
     p.add_argument("--stall-rounds", type=int, help="rounds in a row whose rest did not shrink before 'cannot converge' "
                    "(default 3)")
