@@ -48,6 +48,7 @@ class Taken:
     checksums: list[int] = field(default_factory=list)
     lease_ids: list[bytes] = field(default_factory=list)
     arenas: list[ArenaMap] = field(default_factory=list)  # one hold per acquire answer
+    page_arenas: list[ArenaMap] = field(default_factory=list)  # the mapping each page's offset is in
     expires_at: float = 0.0  # monotonic: the first lease's end
     given_back: bool = False
 
@@ -74,6 +75,7 @@ async def take(client: KVStoreClient, transport: ShmTransport, keys: list[bytes]
             taken.lease_ids.append(acq.lease_id)
             arena = await transport.mapping(acq, lambda lid=acq.lease_id: _forget(transport, taken, lid))
             taken.arenas.append(arena)
+            taken.page_arenas += [arena] * len(acq.pages)
             taken.keys += batch[: len(acq.pages)]
             taken.offsets += [int(p.offset) for p in acq.pages]
             taken.checksums += [int(p.checksum) for p in acq.pages]
@@ -99,16 +101,17 @@ def copy_into(taken: Taken, kv: RequestKV, first: int, count: int, layout: KVLay
     count = max(0, min(count, taken.num_pages - first))
     if count == 0 or time.monotonic() > taken.expires_at - MARGIN_S or not taken.arenas:
         return 0, []
-    arena, n = taken.arenas[0], layout.page_bytes  # every answer of one client's acquires names the arena mapped now
+    n = layout.page_bytes
     offsets, sums = taken.offsets[first : first + count], taken.checksums[first : first + count]
+    arenas = taken.page_arenas[first : first + count]  # one mapping, unless the server restarted between two acquires
     host = kv.host_pages()
     if host is not None:
         running = [running_checksum() for _ in offsets]
-        host.write_pages(layout.num_layers, range(count), [arena.array[o : o + n] for o in offsets], running)
+        host.write_pages(layout.num_layers, range(count), [a.array[o : o + n] for a, o in zip(arenas, offsets)], running)
         bad = next((i for i, s in enumerate(running) if s.intdigest() != sums[i]), None)
     else:
         bad = None
-        for i, offset in enumerate(offsets):
+        for i, (arena, offset) in enumerate(zip(arenas, offsets)):
             if checksum(arena.array[offset : offset + n]) != sums[i]:
                 bad = i
                 break
@@ -126,7 +129,7 @@ def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, fail
     taken.given_back = True
     for arena in taken.arenas:
         arena.drop()
-    taken.arenas = []
+    taken.arenas, taken.page_arenas = [], []
     for lease_id in taken.lease_ids:
         try:
             client.runtime.submit(transport.release(lease_id, failed))
@@ -141,6 +144,6 @@ async def _release_all(transport: ShmTransport, taken: Taken, failed: list[bytes
     taken.given_back = True
     for arena in taken.arenas:
         arena.drop()
-    taken.arenas = []
+    taken.arenas, taken.page_arenas = [], []
     await asyncio.gather(*(transport.release(lease_id, failed) for lease_id in taken.lease_ids))
 

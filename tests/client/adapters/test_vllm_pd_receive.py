@@ -78,13 +78,18 @@ def assert_no_lease_left(address: str, within_s: float = 10.0) -> None:
     assert left == 0, f"{left} leases left"
 
 
-def start(address: str, shared: bool) -> tuple[StoreConnection, HandoffWorker, list[int], torch.Tensor, str]:
-    """A worker with a receive of a 4-page handoff begun (its job running in the background)."""
+def start(address: str, shared: bool,
+          max_pages: int | None = None) -> tuple[StoreConnection, HandoffWorker, list[int], torch.Tensor, str]:
+    """A worker with a receive of a 4-page handoff begun (its job running in the background);
+    ``max_pages``: the most pages its client asks of the node in one call (its acquires batch)."""
     tokens = list(range(1, PAGES * BLOCK + 1))
     kv = torch.randn(LAYERS, 2, len(tokens), HEADS, DIM)
     handoff_id = handed_off(address, tokens, kv)
     store = StoreConnection(address, NAMESPACE)
     assert store.start()
+    client = store.client()
+    assert client is not None
+    client.max_pages = max_pages or client.max_pages
     worker = HandoffWorker(store, BLOCK, open_timeout_s=2.0, complete_timeout_s=5.0)
     worker.register(caches(shared))
     worker.begin_step(KVStoreConnectorMetadata(handoff_loads=[HandoffLoad("r1", handoff_id, tokens, BLOCK_IDS, 0, PAGES, 10.0)]))
@@ -112,9 +117,11 @@ def page_of(worker: HandoffWorker, page: int) -> torch.Tensor:
     return torch.stack([kv.read_layer(page, layer) for layer in range(LAYERS)])
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "layer-tensors"])
-def test_a_receive_copies_the_leased_pages_from_the_arena_and_releases_them(server: ServerProcess, shared: bool) -> None:
-    store, worker, _, kv, _ = start(server.address, shared)
+@pytest.mark.parametrize(("shared", "max_pages"), [(True, None), (False, None), (True, 3)],
+                         ids=["one-buffer", "layer-tensors", "acquires-of-3"])
+def test_a_receive_copies_the_leased_pages_from_the_arena_and_releases_them(server: ServerProcess, shared: bool,
+                                                                           max_pages: int | None) -> None:
+    store, worker, _, kv, _ = start(server.address, shared, max_pages)
     try:
         assert settle(worker) == {"r1"}
         assert worker.load_errors() == set() and worker.take_short() == {}
