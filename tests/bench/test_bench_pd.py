@@ -31,7 +31,8 @@ def test_pd_smoke(tmp_path) -> None:
     assert row["direct_num_cached_tokens"] == row["pool_num_cached_tokens"] == 64  # the decode computed only the last token
     assert row["model_handoff_s"] == pytest.approx(row["bytes"] / report["link_bytes_per_s"] + report["fixed_s"], abs=1e-5)
     assert report["link_gbps"] > 0 and report["link_cpu_s_per_gb"] >= 0
-    assert row["direct_nodes_cpu_s_per_gb"] > 0 and row["direct_engines_cpu_s_per_gb"] > 0
+    # /proc counts CPU in 10 ms ticks: the nodes' share of one 128 KiB handoff may read 0 (the engines compute)
+    assert row["direct_nodes_cpu_s_per_gb"] >= 0 and row["direct_engines_cpu_s_per_gb"] > 0
     assert set(report["goals"]) == {"direct_handoff<=1.2x_link+5ms@64", "direct_ttft<=colocated+handoff@64"}
     assert report["all_goals_met"] == all(report["goals"].values())
     assert (tmp_path / "pd.png").stat().st_size > 1000
