@@ -13,7 +13,7 @@ next command between them.
 Timestamps (CLOCK_MONOTONIC, comparable between processes of one host) are taken by wrapping
 the connector's client calls, not by changing them: a layer-wise save's end (its pages'
 commit acknowledged by the node), ``handoff_complete`` and ``handoff_wait`` (start, return),
-and the decode worker's fetch (the marker, then the get into staging) ending.
+and the decode worker's fetch (the marker, then the lease of the pages; a staging get without the arena) ending.
 
 Commands: ``{"cmd": "generate", "prompts", "max_tokens", "skip_prefix_cache", "kv_transfer_params"}``
 -> ``{"start", "end", "outputs": [{"tokens", "num_cached_tokens", "kv_transfer_params"}]}`` as soon

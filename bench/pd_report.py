@@ -108,7 +108,7 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
               f"{r['direct_nodes_cpu_s_per_gb']:>10.3f} {r['direct_engines_cpu_s_per_gb']:>12.2f}")
     print("direct, where the time goes (ms after the last page stored): complete called / answered, decode's wait called; "
-          "then the get into staging, the decode's step")
+          "then the lease (or get) of the pages, the decode's step with the copy into the blocks")
     for r in report["rows"]:
         print(f"{r['tokens']:>6}: complete {r['direct_complete_start_s'] * 1e3:.1f} / {r['direct_complete_end_s'] * 1e3:.1f}, "
               f"wait {r['direct_wait_start_s'] * 1e3:.1f}, handoff {r['handoff_s'] * 1e3:.1f}; get {r['direct_get_s'] * 1e3:.1f}, "
