@@ -48,10 +48,11 @@ from kvstore.errors import KVStoreError
 logger = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # past its deadline, how long a receive's get may still run before it is given up on
-# A step that computed nothing (every request waits for its KV) waits this long at most for a
-# receive to end, the GIL released: vLLM's loop spins through such steps, and the client's I/O
-# thread, which takes the marker's answer and the lease, got the GIL only at the 5 ms switch
-# interval (6-64 ms from the node's answer to the worker's in kvstore-bench pd).
+# A step that computed nothing (every request waits for its KV, or holds its blocks for a
+# completion) waits this long at most for a receive or completion to end, the GIL released:
+# vLLM's loop spins through such steps, and the client's I/O thread, which takes the node's
+# answers, got the GIL only at the 5 ms switch interval (6-64 ms from the node's answer to the
+# worker's in kvstore-bench pd, on both sides).
 IDLE_WAIT_S = 0.002
 
 
@@ -197,6 +198,7 @@ class HandoffWorker:
         self._saving -= saved
         self._handed -= finished_req_ids - self._completing.keys()
         running = [r.job.result for r in self._receiving if r.job is not None and not r.job.result.done()]
+        running += [d.job.result for d in self._completing.values() if d.job is not None and not d.job.result.done()]
         if self._idle and running:
             concurrent.futures.wait(running, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         now = time.monotonic()
