@@ -9,6 +9,7 @@ A request names its session in ``kv_transfer_params``: ``{"kvstore_session_id": 
                                prompt's tokens past the log are appended; its KV is found at this
                                node by the lookup, as any stored prefix
         else:                  not logged (an error names the session), served as any request
+        (another request of this instance logs S already: not logged either; one writer per session)
     each step --> the tokens generated since the last append are appended (synced; one append in
                   flight per session, so they batch when the node is slower than the steps);
                   its saves name S (SaveSpec.session_id)
@@ -110,6 +111,10 @@ class SessionLogs:
         client = self.store.client()
         if client is None or not isinstance(session_id, str) or not tokens:
             return self._not_logged(request, session_id, "no store connected, no prompt ids, or not a string")
+        if any(s.session_id == session_id and not s.closed for s in self._sessions.values()):
+            # one writer per session: both at one length, the later one's tokens entered its log and the
+            # request that logs it was logged no more (a migration would continue the other's)
+            return self._not_logged(request, session_id, "another request of this instance logs it")
         try:
             logged = self.store.run(client, client.read_session(session_id), self.read_timeout_s)
         except (KVStoreError, TimeoutError) as exc:

@@ -1,0 +1,91 @@
+"""The connector's sessions (sessions.py, resave.py) under the cases a review found: a finished
+request's save again after its session moved, and two requests of one instance naming one
+session. Without an engine, against a real kvstore server (the fence is written into the server's
+owner records, as tests/server/test_migration_calls.py does)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from test_vllm_connector_parts import BLOCK, parts
+from test_vllm_sessions_parts import generate, read, request
+
+from kvstore.client import KVStoreClient
+from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
+from kvstore.client.adapters.vllm.sessions import SessionLogs
+from kvstore.errors import KVStoreError
+from kvstore.server.session_owners import FENCED, Ownership
+
+
+def _stored_pages(address: str, store: object, tokens: list[int]) -> int:
+    async def run() -> int:
+        async with KVStoreClient(address, store.namespace) as client:  # type: ignore[attr-defined]
+            return (await client.lookup(tokens)).num_pages
+    return asyncio.run(run())
+
+
+def test_a_finished_requests_save_again_names_its_session_so_a_fence_refuses_it(server) -> None:
+    """A save of a session's request could not start (no store for a moment); the session then
+    moved (fenced here). When the request finishes, the worker saves its pages again: that save
+    must name the session, so that the fence refuses it, as it refuses every save of the request
+    (README: nothing of it is saved there again). It was made without the session, and stored."""
+    store, _, worker, _ = parts(server.address)
+    try:
+        store.retry_s = 0.05
+        tokens = list(range(1, 2 * BLOCK + 1))
+        client = store.client()
+        assert client is not None
+        namespace_id = client.namespace.namespace_id
+        closing = store.failed(client, KVStoreError("dropped by the test"))
+        assert closing is not None and store.client() is None
+        closing.join(5)
+        spec = SaveSpec("r", tokens, [0, 1], 0, "s")
+        worker.begin_step(KVStoreConnectorMetadata(saves=[spec], num_scheduled_tokens=len(tokens)))
+        worker.end_step()
+        assert worker.report() is not None  # the save ended short: the scheduler side is told
+
+        server.session_owners.put(namespace_id, "s", Ownership(1, FENCED, "n2"))  # the session moved meanwhile
+        deadline = time.monotonic() + 5
+        while store.client() is None:
+            assert time.monotonic() < deadline, "the store did not reconnect"
+            time.sleep(0.02)
+        reported = worker.finished({"r"})
+        while "r" not in reported:
+            assert time.monotonic() < deadline, "the finished request was not reported"
+            time.sleep(0.02)
+            reported = worker.finished(set())
+        assert worker.stats.saves_again == 1
+        assert _stored_pages(server.address, store, tokens) == 0, "a save of the moved session was stored after the fence"
+        assert worker.stats.saves_fenced == 1
+    finally:
+        store.close()
+
+
+def test_a_second_request_naming_a_session_another_request_logs_is_not_logged(server) -> None:
+    """A request names session S while another request of this instance logs S (a client's retry,
+    or anyone who names S): the second is served unlogged. Both logging it raced their appends at
+    one length: the second's tokens entered S's log, and the first, the session's own request, was
+    no longer logged (what a migration would then continue is the second's)."""
+    store, scheduler, _, _ = parts(server.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        prompt = list(range(11, 11 + BLOCK + 3))
+        first = request("r1", prompt, "s")
+        sessions.begin(first)
+        assert sessions.flush(10)
+        second = request("r2", list(prompt), "s")
+        sessions.begin(second)
+        generate(sessions, second, [600, 601])
+        assert sessions.flush(10)
+        generate(sessions, first, [500, 501, 502])
+        assert sessions.flush(10)
+        logged = read(server.address, "s", store)
+        assert logged is not None and logged.tokens == [*prompt, 500, 501, 502]
+        assert (sessions.stats.started, sessions.stats.continued, sessions.stats.not_logged) == (1, 0, 1)
+        sessions.finished(second)
+        sessions.finished(first)
+        assert sessions.flush(10)
+    finally:
+        store.close()
+
