@@ -3,7 +3,8 @@ a live migration (DESIGN §12.8) can move it to another instance while it runs.
 
 A request names its session in ``kv_transfer_params``: ``{"kvstore_session_id": "S"}``::
 
-    request arrives --> S's log at this instance's node is read (bounded by lookup_timeout_s):
+    request arrives --> S's log at this instance's node is read (bounded by lookup_timeout_s; after
+                        the last append of a request of S that finished, if it is in flight):
         none:                  a new session: the prompt is appended (as S's prompt)
         a prefix of the prompt: S continues here (a moved session, at its target instance): the
                                prompt's tokens past the log are appended; its KV is found at this
@@ -115,8 +116,13 @@ class SessionLogs:
             # one writer per session: both at one length, the later one's tokens entered its log and the
             # request that logs it was logged no more (a migration would continue the other's)
             return self._not_logged(request, session_id, "another request of this instance logs it")
+        started = time.monotonic()
+        in_flight = [t.job.result for t in self._tails if t.session_id == session_id and t.job is not None]
+        if in_flight:  # a request of S that finished: its last append first (else this one's, at the length read, is a gap)
+            concurrent.futures.wait(in_flight, self.read_timeout_s)
         try:
-            logged = self.store.run(client, client.read_session(session_id), self.read_timeout_s)
+            logged = self.store.run(client, client.read_session(session_id),
+                                    max(0.0, self.read_timeout_s - (time.monotonic() - started)))
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)
             return self._not_logged(request, session_id, f"its log could not be read: {exc}")

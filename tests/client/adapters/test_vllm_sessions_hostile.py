@@ -1,11 +1,13 @@
 """The connector's sessions (sessions.py, resave.py) under the cases a review found: a finished
-request's save again after its session moved, and two requests of one instance naming one
-session. Without an engine, against a real kvstore server (the fence is written into the server's
+request's save again after its session moved, two requests of one instance naming one session,
+and a session's next turn arriving while the last append of the turn before waits at the node.
+Without an engine, against a real kvstore server (the fence is written into the server's
 owner records, as tests/server/test_migration_calls.py does)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from test_vllm_connector_parts import BLOCK, parts
@@ -89,3 +91,40 @@ def test_a_second_request_naming_a_session_another_request_logs_is_not_logged(se
     finally:
         store.close()
 
+
+
+def test_a_follow_up_that_arrives_while_the_last_append_waits_at_the_node_is_logged(server) -> None:
+    """A request of session S finishes; its last tokens' append waits at the node (the token log
+    is busy: held here, as a large append of another session holds it). The next turn of S arrives
+    meanwhile, its prompt the conversation so far and a new message. It read the log without the
+    last tokens, its first append went in behind the waiting one at the length it read, and was
+    refused as a gap: the new turn was not logged at all. It must read the log once the append in
+    flight ended."""
+    store, scheduler, _, _ = parts(server.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        prompt = list(range(11, 11 + BLOCK + 3))
+        first = request("a", prompt, "s")
+        sessions.begin(first)
+        generate(sessions, first, [500])
+        assert sessions.flush(10)
+        first.all_token_ids += [700, 701, 702]  # the last steps' tokens: appended once it finished
+        lock = server.wal._lock
+        lock.acquire()  # the log busy with another session's append
+        try:
+            sessions.finished(first)
+            time.sleep(0.2)  # that append waits at the node
+            threading.Timer(0.3, lock.release).start()
+        except BaseException:
+            lock.release()
+            raise
+        turn = request("b", [*first.all_token_ids, 9, 9], "s")
+        sessions.begin(turn)
+        generate(sessions, turn, [800])
+        sessions.finished(turn)
+        assert sessions.flush(10)
+        logged = read(server.address, "s", store)
+        assert logged is not None and logged.tokens == [*first.all_token_ids, 9, 9, 800]
+        assert sessions.stats.not_logged == 0
+    finally:
+        store.close()
