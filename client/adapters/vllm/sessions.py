@@ -112,6 +112,10 @@ class SessionLogs:
         client = self.store.client()
         if client is None or not isinstance(session_id, str) or not tokens:
             return self._not_logged(request, session_id, "no store connected, no prompt ids, or not a string")
+        try:
+            session_id.encode()
+        except UnicodeEncodeError:  # the sender's: a lone surrogate (JSON's "\ud800") is not UTF-8
+            return self._not_logged(request, session_id, "not UTF-8")
         if any(s.session_id == session_id and not s.closed for s in self._sessions.values()):
             # one writer per session: both at one length, the later one's tokens entered its log and the
             # request that logs it was logged no more (a migration would continue the other's)
@@ -139,8 +143,8 @@ class SessionLogs:
 
     def _not_logged(self, request: Any, session_id: object, why: str) -> None:
         self.stats.not_logged += 1
-        logger.error("kvstore: request %s names session %r, which is not logged (%s): served as any request",
-                     request.request_id, session_id, why)
+        logger.error("kvstore: request %s names session %.80r, which is not logged (%s): served as any request",
+                     request.request_id, session_id, why)  # the sender's id: its first characters
 
     def attach(self, req_id: str) -> None:
         """Once the scheduler side tracks the request (its lookup): its saves name its session, a

@@ -128,3 +128,23 @@ def test_a_follow_up_that_arrives_while_the_last_append_waits_at_the_node_is_log
         assert sessions.stats.not_logged == 0
     finally:
         store.close()
+
+
+def test_a_session_id_that_cannot_be_sent_is_served_unlogged_not_raised(server) -> None:
+    """``kv_transfer_params`` come from the request's sender: a session id with a lone surrogate
+    (valid in a Python str, as JSON's "\\ud800" decodes) cannot be encoded for the node. The hook
+    raised UnicodeEncodeError into vLLM's add_request; the request must be served unlogged, the
+    connection kept. A too long id is the node's refusal, also unlogged."""
+    store, scheduler, _, _ = parts(server.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        client = store.client()
+        for i, sid in enumerate(["\ud800", "s" * 5000]):
+            req = request(f"r{i}", list(range(1, 40)), sid)
+            sessions.begin(req)
+            generate(sessions, req, [1])
+            sessions.finished(req)
+        assert sessions.flush(5) and sessions.stats.not_logged == 2
+        assert store.client() is client  # not dropped: nothing failed on the way
+    finally:
+        store.close()
