@@ -24,6 +24,7 @@ sample; it then saves only the pages past the handed-off ones.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvstore.client.handoff import new_handoff_id
 
 logger = logging.getLogger(__name__)
 
+MAX_DEADLINE_S = 600.0  # a handoff wait's longest at the node (its MAX_TTL_S)
 FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
 
 
@@ -50,6 +52,17 @@ class Decode:
     hit_tokens: int  # of those, what is offered: block-aligned, short of the prompt's last token
     deadline_s: float
     consumed: bool = False  # its load was planned (or it needs none): never offered again
+
+
+def _node(req_id: str, node: object) -> str | None:
+    """A prefill's ``kvstore_decode_node``: a node id, else through the pool (None)."""
+    if node is None or node == "":
+        return None
+    if not isinstance(node, str):
+        logger.error("kvstore: request %s has kvstore_decode_node %.40r, not a node id: handed off through the pool",
+                     req_id, node)
+        return None
+    return node
 
 
 class HandoffScheduler:
@@ -80,10 +93,15 @@ class HandoffScheduler:
         params = request.kv_transfer_params or {}
         req_id = request.request_id
         if params.get("do_remote_decode") and req_id not in self._prefills:
-            self._prefills[req_id] = Prefill(new_handoff_id(), params.get("kvstore_decode_node") or None)
+            self._prefills[req_id] = Prefill(new_handoff_id(), _node(req_id, params.get("kvstore_decode_node")))
         decode = self._decodes.get(req_id)
         if decode is None and params.get("do_remote_prefill") and params.get("kvstore_handoff_id"):
-            decode = self._decodes[req_id] = self._decode(request, params)
+            try:
+                decode = self._decodes[req_id] = self._decode(request, params)
+            except (TypeError, ValueError, OverflowError) as exc:  # the request's sender's: never raised into vLLM
+                logger.error("kvstore: request %s names a handoff with kvstore_num_tokens %.40r: %s; served as any request",
+                             req_id, params.get("kvstore_num_tokens"), exc)
+                return None
         if decode is None:
             return None
         found = 0 if decode.consumed else max(0, decode.hit_tokens - num_computed_tokens)
@@ -95,8 +113,23 @@ class HandoffScheduler:
         handed = min(int(params.get("kvstore_num_tokens") or 0), prompt) // p * p
         hit = min(handed, prompt - 1)
         hit -= hit % self.block_size
-        deadline = float(params.get("kvstore_deadline_s") or self.deadline_s)
-        return Decode(str(params["kvstore_handoff_id"]), handed, hit, deadline)
+        return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params))
+
+    def _deadline(self, req_id: str, params: dict[str, Any]) -> float:
+        """The request's ``kvstore_deadline_s``: the configured one unless it is a finite number above
+        0 (a sender's mistake is logged), and at most a handoff's longest wait."""
+        asked = params.get("kvstore_deadline_s")
+        if not asked:
+            return self.deadline_s
+        try:
+            deadline = float(asked)
+        except (TypeError, ValueError):
+            deadline = math.nan
+        if not (math.isfinite(deadline) and deadline > 0):
+            logger.error("kvstore: request %s has kvstore_deadline_s %.40r, not a number of seconds above 0: %.1f s instead",
+                         req_id, asked, self.deadline_s)
+            return self.deadline_s
+        return min(deadline, MAX_DEADLINE_S)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> bool:
         """Plans a decode's load or opens a prefill's handoff; True when the request is a
