@@ -241,6 +241,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(scheduler, HybridSchedulerSide):
             scheduler.after_alloc(request, num_external_tokens, blocks)
         elif self.handoffs is not None and self.handoffs.after_alloc(request, blocks, num_external_tokens):
+            if self.sessions is not None:
+                self.sessions.attach(request.request_id)  # a decode's saves name its session too (tracked from here)
             return
         else:
             scheduler.after_alloc(request, num_external_tokens)

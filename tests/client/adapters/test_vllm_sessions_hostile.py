@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 from test_vllm_connector_parts import BLOCK, parts
 from test_vllm_sessions_parts import generate, read, request
 
 from kvstore.client import KVStoreClient
+from kvstore.client.adapters.vllm.connector import KVStoreConnector
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
+from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.sessions import SessionLogs
 from kvstore.errors import KVStoreError
 from kvstore.server.session_owners import FENCED, Ownership
@@ -147,4 +150,28 @@ def test_a_session_id_that_cannot_be_sent_is_served_unlogged_not_raised(server) 
         assert sessions.flush(5) and sessions.stats.not_logged == 2
         assert store.client() is client  # not dropped: nothing failed on the way
     finally:
+        store.close()
+
+
+def test_a_decode_requests_session_names_its_saves(server) -> None:
+    """A disaggregated decode (do_remote_prefill) that names a session: the connector's hooks
+    (KVStoreConnector's own, its scheduler side without an engine) log it, and its saves must name
+    the session, so that a fence refuses them as any session request's. The decode's handoff path
+    returned before the session was attached: its saves named none, and the node stored them
+    after a move until an append's refusal stopped the request."""
+    store, scheduler, _, _ = parts(server.address)
+    connector = object.__new__(KVStoreConnector)  # its scheduler role, without vLLM's config
+    connector.store, connector.scheduler, connector.hybrid, connector._warned_handoffs = store, scheduler, False, False
+    connector.handoffs = HandoffScheduler(scheduler, deadline_s=10.0, ttl_s=30.0)
+    connector.sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        prompt = list(range(1, 4 * BLOCK + 2))
+        req = request("d", prompt, "s")
+        req.kv_transfer_params.update(do_remote_prefill=True, kvstore_handoff_id="ab" * 16, kvstore_num_tokens=4 * BLOCK)
+        connector.on_new_request(req)
+        assert connector.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, True)
+        connector.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 4 * BLOCK)
+        assert scheduler.requests["d"].session_id == "s"
+    finally:
+        connector.sessions.flush(5)
         store.close()
