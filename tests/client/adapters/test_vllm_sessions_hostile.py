@@ -11,6 +11,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 from test_vllm_connector_parts import BLOCK, parts
 from test_vllm_sessions_parts import generate, read, request
 
@@ -20,7 +21,7 @@ from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, Save
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.sessions import SessionLogs
 from kvstore.errors import KVStoreError
-from kvstore.server.session_owners import FENCED, Ownership
+from kvstore.server.session_owners import FENCED, FREEZING, OWNED, Ownership
 
 
 def _stored_pages(address: str, store: object, tokens: list[int]) -> int:
@@ -174,4 +175,31 @@ def test_a_decode_requests_session_names_its_saves(server) -> None:
         assert scheduler.requests["d"].session_id == "s"
     finally:
         connector.sessions.flush(5)
+        store.close()
+
+
+@pytest.mark.xfail(strict=True, reason="open: a FREEZING refusal is SessionFenced, as final as FENCED, to the connector")
+def test_a_fence_that_is_aborted_does_not_stop_the_request(server) -> None:
+    """A migration writes FREEZING at the source before etcd decides; every append meanwhile is
+    refused with SessionFenced ("being fenced"), and the connector stops the request for good. If
+    etcd then decides for the source (the fence aborted: etcd unreachable, the CAS lost), the
+    source owns the session again, but its request has been cut (finish reason length, stop
+    reason kvstore_session_moved) and no instance continues it."""
+    store, scheduler, _, _ = parts(server.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        req = request("r", list(range(1, 40)), "s")
+        sessions.begin(req)
+        assert sessions.flush(10)
+        namespace_id = store.client().namespace.namespace_id  # type: ignore[union-attr]
+        server.session_owners.put(namespace_id, "s", Ownership(0, FREEZING, "n2"))
+        generate(sessions, req, [1])
+        sessions.flush(2)
+        server.session_owners.put(namespace_id, "s", Ownership(1, OWNED, server.config.node))  # the fence aborted
+        generate(sessions, req, [2, 3])
+        assert sessions.flush(10)
+        assert req.max_tokens == 64 and req.stop_reason is None, "the request was stopped by a fence that did not happen"
+        logged = read(server.address, "s", store)
+        assert logged is not None and logged.tokens == [*range(1, 40), 1, 2, 3]
+    finally:
         store.close()
