@@ -27,7 +27,7 @@ from kvstore.bench.cluster_procs import Etcd, Node
 from kvstore.bench.linkproxy import LinkProxy
 from kvstore.bench.soak_cpu import cpu_seconds
 from kvstore.client import KVStoreClient
-from kvstore.errors import CannotConverge, SessionFenced
+from kvstore.errors import CannotConverge, SessionFenced, TierUnavailable
 
 POOL_PAGES = 32  # distinct random pages the writer cycles through (the bytes' content does not matter here)
 
@@ -153,6 +153,9 @@ class Writer:
             except SessionFenced:  # the fence: this session's writes go to the target now
                 self.fenced = True
                 return
+            except TierUnavailable:  # frozen, the fence not decided yet: as an engine would, try again
+                await asyncio.sleep(0.001)
+                continue
             self.writes.append((time.monotonic() - t0, self.pages * self.page_bytes))
 
 

@@ -102,7 +102,10 @@ class SessionOwners:
             yield
 
     def check(self, namespace_id: bytes, session_id: str, call: str) -> None:
-        """Raises SessionFenced (counted under ``call``) unless this node may write the session."""
+        """Raises (counted under ``call``) unless this node may write the session: SessionFenced once it is
+        FENCED, for good; TierUnavailable ("retry") while a fence or an adoption is undecided (FREEZING,
+        INCOMING): etcd may still decide for this node, and a writer that took "being fenced" as final stopped
+        a session that then stayed here."""
         if self._serving is not None and not self._serving():
             raise TierUnavailable(f"node {self.node} has not caught up with the cluster (a session may have moved "
                                   "meanwhile): retry")
@@ -111,9 +114,10 @@ class SessionOwners:
             return
         self._refused(call)
         if record.state == FENCED:
-            why = f"fenced: version {record.version} of the session is owned by node {record.node}"
-        elif record.state == FREEZING:
-            why = f"being fenced: version {record.version + 1} is going to node {record.node}"
+            raise SessionFenced(f"session {session_id!r} at node {self.node} is fenced: version {record.version} "
+                                f"of the session is owned by node {record.node}")
+        if record.state == FREEZING:
+            why = f"being fenced (version {record.version + 1} is going to node {record.node}, not decided yet)"
         else:
-            why = f"a migration from node {record.node} is copying it here; it is not owned here until adopted"
-        raise SessionFenced(f"session {session_id!r} at node {self.node} is {why}")
+            why = f"being copied here by a migration from node {record.node}; it is not owned here until adopted"
+        raise TierUnavailable(f"session {session_id!r} at node {self.node} is {why}: retry")

@@ -22,7 +22,7 @@ from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore._proto import data_pb2, migration_pb2, migration_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.errors import CannotConverge, KVStoreError, SessionFenced
+from kvstore.errors import CannotConverge, KVStoreError, SessionFenced, TierUnavailable
 from kvstore.page import LayoutDesc
 from kvstore.validate import layout_msg
 
@@ -165,14 +165,21 @@ async def test_the_source_killed_mid_copy_the_target_takes_over_and_the_source_r
 
 
 async def _refused_at(address: str, session_id: str, length: int, state: str = "fenced") -> bool:
-    """Whether the node refuses the session's append as fenced (False: not reachable, or not serving, yet)."""
+    """Whether the node refuses the session's append as ``state`` says: fenced for good (SessionFenced), or
+    "freezing", a fence not decided yet (TierUnavailable: retry). False: not reachable, or not serving, yet."""
     try:
         async with KVStoreClient(address, NS) as client:
-            with pytest.raises(SessionFenced):
+            try:
                 await client.append_tokens(session_id, [5], expected_length=length, sync=True)
+            except (SessionFenced, TierUnavailable) as exc:
+                if not isinstance(exc, SessionFenced if state == "fenced" else TierUnavailable) or (
+                        state != "fenced" and "being fenced" not in str(exc)):
+                    return False  # e.g. not caught up with the cluster yet
+            else:
+                raise AssertionError(f"node {address} took an append of session {session_id}")
             assert (await status(client, session_id)).state == state
-    except (KVStoreError, OSError) as exc:
-        return isinstance(exc, SessionFenced)
+    except (KVStoreError, OSError):
+        return False
     return True
 
 

@@ -15,7 +15,7 @@ from kvstore._proto import data_pb2, directory_pb2, migration_pb2, migration_pb2
 from kvstore.client import KVStoreClient
 from kvstore.client.pages import slot_as_page
 from kvstore.client.transport.base import page_in
-from kvstore.errors import InvalidRequest, KVStoreError, SessionFenced
+from kvstore.errors import InvalidRequest, KVStoreError, SessionFenced, TierUnavailable
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tokenlog import MAX_SESSION_ID, TokenLog
@@ -72,8 +72,10 @@ def test_owner_records_are_durable_and_only_owned_accepts(tmp_path: Path) -> Non
         owners.put(ns, f"s{i}", Ownership(i, state, "me" if state == OWNED else "other"))
     owners.check(ns, "s0", "AppendTokens")
     owners.check(ns, "unknown", "AppendTokens")
-    for sid in ("s1", "s2", "s3"):
-        with pytest.raises(SessionFenced):
+    with pytest.raises(SessionFenced):  # fenced: for good
+        owners.check(ns, "s2", "AppendTokens")
+    for sid in ("s1", "s3"):  # a fence or an adoption etcd has not decided: retry
+        with pytest.raises(TierUnavailable, match="retry"):
             owners.check(ns, sid, "AppendTokens")
     assert refused == ["AppendTokens"] * 3
     owners.drop(ns, "s3")

@@ -11,7 +11,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
 from test_vllm_connector_parts import BLOCK, parts
 from test_vllm_sessions_parts import generate, read, request
 
@@ -178,13 +177,12 @@ def test_a_decode_requests_session_names_its_saves(server) -> None:
         store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="open: a FREEZING refusal is SessionFenced, as final as FENCED, to the connector")
 def test_a_fence_that_is_aborted_does_not_stop_the_request(server) -> None:
-    """A migration writes FREEZING at the source before etcd decides; every append meanwhile is
-    refused with SessionFenced ("being fenced"), and the connector stops the request for good. If
-    etcd then decides for the source (the fence aborted: etcd unreachable, the CAS lost), the
-    source owns the session again, but its request has been cut (finish reason length, stop
-    reason kvstore_session_moved) and no instance continues it."""
+    """A migration writes FREEZING at the source before etcd decides; an append meanwhile is refused
+    with a retryable TierUnavailable. Bug: it was SessionFenced ("being fenced"), which the connector
+    takes as final: when etcd then decided for the source (the fence aborted: etcd unreachable, the
+    CAS lost), the source owned the session again, but its request had been cut (finish reason
+    length, stop reason kvstore_session_moved) and no instance continued it."""
     store, scheduler, _, _ = parts(server.address)
     sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
     try:
