@@ -9,7 +9,6 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -40,6 +39,7 @@ from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement import Demoter, Placement
 from kvstore.server.placement.assembly import Wrap
+from kvstore.server.rpc_pool import RetiringPool
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
@@ -174,7 +174,7 @@ class Server:
             self.cluster.owner_of = owners.owner  # what this node publishes names the namespace's tenant
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
-        pool = futures.ThreadPoolExecutor(max_workers=config.workers + config.max_streams, thread_name_prefix="rpc")
+        pool = RetiringPool(config.workers + config.max_streams)  # idle threads end: a burst's do not stay (rpc_pool.py)
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         directory_service = DirectoryService(self.core, config, self.tenancy, self.cluster)
         directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
