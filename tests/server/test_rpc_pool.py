@@ -120,3 +120,61 @@ def test_grpc_server_threads_end_after_a_burst() -> None:
     finally:
         server.stop(None)
         pool.shutdown()
+
+
+def test_a_task_queued_while_the_pool_was_full_leaves_no_phantom_idle_thread() -> None:
+    """A thread that ran a task queued while every thread was busy counted itself idle for it,
+    and that extra count outlived it once it retired: the next task, in a pool below its limit,
+    took the count instead of a thread and waited behind a long call (a stream) for ever."""
+    pool = RetiringPool(2, idle_s=IDLE_S, name="phantom")
+    first, long_call = threading.Event(), threading.Event()
+    try:
+        a = pool.submit(first.wait, 10)
+        b = pool.submit(long_call.wait, 30)  # the pool is full
+        queued = pool.submit(lambda: 1)  # waits for a thread
+        first.set()
+        assert a.result(5) and queued.result(5) == 1
+        assert _wait_for(lambda: pool.num_threads == 1), "the idle thread did not retire"
+        assert pool.submit(lambda: 2).result(5) == 2, "a task waited behind the long call with the pool below its limit"
+    finally:
+        long_call.set()
+        b.result(30)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_long_and_short_calls_never_leave_a_short_one_waiting_below_the_limit(seed: int) -> None:
+    """Random long calls (held until released), short ones, releases and idle pauses past idle_s:
+    while fewer than max_workers long calls run, a short call runs at once (the model: a free thread
+    exists or can be started), and the pool never holds more threads than its limit."""
+    import random
+
+    rng = random.Random(seed)
+    pool = RetiringPool(3, idle_s=0.05, name=f"random{seed}")
+    held: list[tuple[threading.Event, futures.Future[bool]]] = []
+    queued: list[futures.Future[int]] = []
+    try:
+        for _ in range(300):
+            op = rng.random()
+            if op < 0.3 and len(held) < 3:
+                gate = threading.Event()
+                held.append((gate, pool.submit(gate.wait, 30)))
+            elif op < 0.55 and held:
+                gate, call = held.pop(rng.randrange(len(held)))
+                gate.set()
+                assert call.result(5)
+            elif op < 0.65:
+                time.sleep(rng.choice([0.01, 0.06, 0.12]))  # some threads retire
+            elif len(held) < 3:
+                assert pool.submit(lambda: 7).result(2) == 7, f"a short call waited with {len(held)} long ones running"
+            else:
+                queued.append(pool.submit(lambda: 8))  # the pool is full: it waits for a thread
+            assert pool.num_threads <= 3
+            if len(held) < 3:
+                assert all(q.result(2) == 8 for q in queued), "a call queued while the pool was full never ran"
+                queued.clear()
+    finally:
+        for gate, call in held:
+            gate.set()
+            call.result(5)
+        pool.shutdown()
