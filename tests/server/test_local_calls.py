@@ -123,8 +123,8 @@ def _raw(server: Server) -> socket.socket:
 def test_bad_frames_get_a_clear_status_and_the_server_serves_on(server: Server) -> None:
     invalid, unimplemented = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED
     sock = _raw(server)
-    sock.sendall(b"\xff" * 10)  # a frame of 4 GiB
-    _closed_or(sock, invalid)
+    sock.sendall(b"\xff" * 10)  # a first frame of 4 GiB, not a HELLO: authentication comes first (DESIGN §11)
+    _closed_or(sock, grpc.StatusCode.UNAUTHENTICATED)
     sock = _raw(server)
     sock.sendall(localcall.request_frame(localcall.METHOD_IDS["Data.WhoAmI"], 0, b""))  # no HELLO first
     _closed_or(sock, grpc.StatusCode.UNAUTHENTICATED)
