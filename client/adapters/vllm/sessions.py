@@ -10,7 +10,8 @@ A request names its session in ``kv_transfer_params``: ``{"kvstore_session_id": 
                                prompt's tokens past the log are appended; its KV is found at this
                                node by the lookup, as any stored prefix
         else:                  not logged (an error names the session), served as any request
-        (another request of this instance logs S already: not logged either; one writer per session)
+        (another request of this instance logs S already, or this is a disaggregated prefill, whose
+        decode instance logs S: not logged either; one writer per session)
     each step --> the tokens generated since the last append are appended (synced; one append in
                   flight per session, so they batch when the node is slower than the steps);
                   its saves name S (SaveSpec.session_id)
@@ -105,9 +106,12 @@ class SessionLogs:
 
     def begin(self, request: Any) -> None:
         """A new request: reads the log of the session it names, if any (see the module docstring)."""
-        session_id = (request.kv_transfer_params or {}).get(SESSION_KEY)
+        params = request.kv_transfer_params or {}
+        session_id = params.get(SESSION_KEY)
         if not session_id:
             return
+        if params.get("do_remote_decode"):  # the decode instance generates and logs it: one log, one owner
+            return self._not_logged(request, session_id, "a disaggregated prefill: its decode instance logs it")
         tokens = list(request.prompt_token_ids or ())
         client = self.store.client()
         if client is None or not isinstance(session_id, str) or not tokens:

@@ -201,3 +201,21 @@ def test_a_fence_that_is_aborted_does_not_stop_the_request(server) -> None:
         assert logged is not None and logged.tokens == [*range(1, 40), 1, 2, 3]
     finally:
         store.close()
+
+
+def test_a_disaggregated_prefill_naming_a_session_does_not_log_it(server) -> None:
+    """A router that sends kvstore_session_id with do_remote_decode made the prefill instance log the
+    session at its node beside the decode instance's log at another: two logs, two owners of one session.
+    The prefill leaves the session to the decode, which generates its tokens."""
+    store, scheduler, _, _ = parts(server.address)
+    sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
+    try:
+        req = request("p", list(range(1, 40)), "pd-session")
+        req.kv_transfer_params = {**req.kv_transfer_params, "do_remote_decode": True, "do_remote_prefill": False}
+        sessions.begin(req)
+        generate(sessions, req, [1])
+        assert sessions.flush(10)
+        assert read(server.address, "pd-session", store) is None, "the prefill instance logged the session"
+        assert sessions.stats.not_logged == 1
+    finally:
+        store.close()
