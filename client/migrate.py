@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 DEFAULT_PAUSE_BYTES = 64 << 20  # the last delta copied after the fence: ~3 ms at 25 GB/s
 DEFAULT_MAX_ROUNDS = 32
 DEFAULT_STALL_ROUNDS = 3
+FRUITLESS_WAITS_S = (0.5, 1.0, 2.0)  # after a round that copied nothing: a link back from a cut reconnects (<= 1 s backoff)
 
 
 class PauseBudget:
@@ -153,7 +154,7 @@ class MigrateCalls:
         page_bytes = LayoutDesc.of(self.layout).page_bytes
         summary = MigrationSummary(session_id, self.node, target)
         started = time.monotonic()
-        copied, left_before, stalled = 0, None, 0
+        copied, left_before, stalled, fruitless = 0, None, 0, 0
         budget = PauseBudget(*pause)
         while True:
             logged = await self.read_session(session_id)  # type: ignore[attr-defined]
@@ -166,7 +167,9 @@ class MigrateCalls:
             left = (len(stored) - copied) * page_bytes
             if summary.rounds and left <= budget.bytes:
                 break
-            if left_before is not None and left >= left_before:
+            if fruitless:
+                pass  # trying the same round again after it copied nothing: not a round that lost to growth
+            elif left_before is not None and left >= left_before:
                 stalled += 1
                 if stalled >= stall_rounds:
                     raise CannotConverge(f"session {session_id!r} grows at least as fast as it is copied to {target} "
@@ -179,9 +182,14 @@ class MigrateCalls:
             held = await self._copy(there, session_id, stored, logged, version)
             budget.observe((held - copied) * page_bytes, time.monotonic() - round_started)
             if held <= copied < len(stored):  # no progress: not a race with growth, a fetch that fails
-                raise TierUnavailable(f"node {target} copied none of the {len(stored) - copied} pages left of session "
-                                      f"{session_id!r} (no room for the tenant there, or node {self.node} did not send them); "
-                                      "nothing fenced: call again to resume")
+                if fruitless == len(FRUITLESS_WAITS_S):
+                    raise TierUnavailable(f"node {target} copied none of the {len(stored) - copied} pages left of session "
+                                          f"{session_id!r} in {fruitless + 1} tries (no room for the tenant there, or node "
+                                          f"{self.node} did not send them); nothing fenced: call again to resume")
+                await asyncio.sleep(FRUITLESS_WAITS_S[fruitless])  # e.g. the target's channel to here still reconnecting
+                fruitless += 1
+                continue
+            fruitless = 0
             summary.rounds += 1
             summary.round_bytes.append(max(0, held - copied) * page_bytes)
             copied = max(copied, held)
