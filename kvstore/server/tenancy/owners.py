@@ -7,7 +7,8 @@ and settles after: if no first write succeeded, the binding is undone, so a reje
 request binds nothing. Meanwhile no other tenant can write into it.
 
 Thread-safety: ``owner`` is a dict read without a lock (the hot path: one per RPC); claims
-and bindings take ``_lock``.
+and bindings take ``_lock``, but for a claim of a binding that a first write's success made
+permanent (``_settled``, read without the lock).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class NamespaceOwners:
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # namespace bound by a first write still running -> writes in flight
         self._owners: dict[bytes, str] = {}
+        self._settled: dict[bytes, str] = {}  # bindings no settle can undo (a first write succeeded): never removed
         self._by_tenant: dict[str, set[bytes]] = {}
         with env.begin(db=self._db) as txn:
             for namespace_id, tenant in txn.cursor():
                 self._remember(bytes(namespace_id), bytes(tenant).decode())
+                self._settled[bytes(namespace_id)] = bytes(tenant).decode()
         logger.info("namespace owners: %d namespace(s) of %d tenant(s)", len(self._owners), len(self._by_tenant))
 
     def _remember(self, namespace_id: bytes, tenant: str) -> None:
@@ -59,8 +62,11 @@ class NamespaceOwners:
         nothing is bound), before the write runs, so that the write's events are already
         shown to its owner; True: ``settle`` must follow, and undoes the binding when no
         first write succeeded."""
-        owner = self._owners.get(namespace_id)
-        if owner == tenant and namespace_id not in self._pending:
+        # Lock-free only for a binding that can no longer be undone: reading "owner is tenant,
+        # nothing pending" from ``_owners`` and ``_pending`` could catch a failed first write's
+        # settle undoing the binding (its count gone, the LMDB delete running), and this write
+        # would then run unclaimed into an unbound namespace (its pages in the unowned arena).
+        if self._settled.get(namespace_id) == tenant:
             return False
         with self._lock:
             owner = self._owners.get(namespace_id)
@@ -84,6 +90,7 @@ class NamespaceOwners:
             if count is None:
                 return  # a first write succeeded already
             if succeeded:
+                self._settled[namespace_id] = tenant
                 del self._pending[namespace_id]
             elif count > 1:
                 self._pending[namespace_id] = count - 1
