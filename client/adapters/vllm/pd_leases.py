@@ -26,13 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvstore.client.adapters.vllm.layout import RequestKV
+from kvstore.client.adapters.vllm.leased_copy import copy_verified
 from kvstore.client.arena import ArenaMap
 from kvstore.client.client import KVStoreClient
-from kvstore.client.pages import slot_as_page
 from kvstore.client.transport import ShmTransport
 from kvstore.errors import KVStoreError
-from kvstore.page import checksum
-from kvstore.pagecopy import running_checksum
 from kvstore.types import KVLayout
 
 MARGIN_S = 1.0  # a lease this close to its expiry is not copied from (the copy itself takes time)
@@ -101,35 +99,30 @@ def copy_into(taken: Taken, kv: RequestKV, first: int, count: int, layout: KVLay
     count = max(0, min(count, taken.num_pages - first))
     if count == 0 or time.monotonic() > taken.expires_at - MARGIN_S or not taken.arenas:
         return 0, []
-    n = layout.page_bytes
-    offsets, sums = taken.offsets[first : first + count], taken.checksums[first : first + count]
-    arenas = taken.page_arenas[first : first + count]  # one mapping, unless the server restarted between two acquires
-    host = kv.host_pages()
-    if host is not None:
-        running = [running_checksum() for _ in offsets]
-        host.write_pages(layout.num_layers, range(count), [a.array[o : o + n] for a, o in zip(arenas, offsets)], running)
-        bad = next((i for i, s in enumerate(running) if s.intdigest() != sums[i]), None)
-    else:
-        bad = None
-        for i, (arena, offset) in enumerate(zip(arenas, offsets)):
-            if checksum(arena.array[offset : offset + n]) != sums[i]:
-                bad = i
-                break
-            kv.write_page(i, slot_as_page(arena.slot(offset, n), layout))
+    # one mapping per page, the same unless the server restarted between two acquires
+    sources = list(zip(taken.page_arenas[first : first + count], taken.offsets[first : first + count]))
+    bad = copy_verified(kv, layout, sources, taken.checksums[first : first + count], on_device=False)
     if bad is None:
         return count, []
     return bad, [taken.keys[first + bad]]
 
 
-def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
-    """Releases every lease of ``taken`` in the background (``failed``: keys whose copy failed its
-    checksum, for the server to check) and drops the arena holds; once only."""
+def _let_go(taken: Taken) -> bool:
+    """Drops ``taken``'s arena holds; False when it was given back already (its leases are released once)."""
     if taken.given_back:
-        return
+        return False
     taken.given_back = True
     for arena in taken.arenas:
         arena.drop()
     taken.arenas, taken.page_arenas = [], []
+    return True
+
+
+def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
+    """Releases every lease of ``taken`` in the background (``failed``: keys whose copy failed its
+    checksum, for the server to check) and drops the arena holds; once only."""
+    if not _let_go(taken):
+        return
     for lease_id in taken.lease_ids:
         try:
             client.runtime.submit(transport.release(lease_id, failed))
@@ -139,11 +132,6 @@ def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, fail
 
 async def _release_all(transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
     """``give_back`` on the runtime loop itself (a take that failed part way)."""
-    if taken.given_back:
-        return
-    taken.given_back = True
-    for arena in taken.arenas:
-        arena.drop()
-    taken.arenas, taken.page_arenas = [], []
-    await asyncio.gather(*(transport.release(lease_id, failed) for lease_id in taken.lease_ids))
+    if _let_go(taken):
+        await asyncio.gather(*(transport.release(lease_id, failed) for lease_id in taken.lease_ids))
 

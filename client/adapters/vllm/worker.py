@@ -25,16 +25,14 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.costs import StepClock
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+from kvstore.client.adapters.vllm.leased_copy import copy_verified
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.client.adapters.vllm.resave import Unsaveds
 from kvstore.client.arena import ArenaMap
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
-from kvstore.client.pages import slot_as_page
 from kvstore.device_ops import DeviceOps, ops_for
 from kvstore.errors import KVStoreError, SessionFenced
-from kvstore.page import checksum
-from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -197,26 +195,14 @@ class WorkerSide:
             arena.drop()
 
     def _copy_held(self, arena: ArenaMap, spec: LoadSpec, kv: RequestKV) -> int:
-        lease, n = spec.lease, self.layout.page_bytes
+        lease, first = spec.lease, spec.first_page
         assert lease is not None
-        first = spec.first_page
-        host = kv.host_pages() if self.device_ops is None else None  # KV on a device: copied page by page
-        if host is not None:
-            offsets = lease.offsets[first : first + spec.num_pages]
-            sums = [running_checksum() for _ in offsets]
-            host.write_pages(self.layout.num_layers, range(len(offsets)), [arena.array[o : o + n] for o in offsets], sums)
-            bad = next((i for i, s in enumerate(sums) if s.intdigest() != lease.checksums[first + i]), None)
-            if bad is None:
-                return spec.num_pages
-            logger.error("leased page %d of request %s failed its checksum", first + bad, spec.req_id)
-            return bad
-        for i in range(spec.num_pages):
-            offset = lease.offsets[spec.first_page + i]
-            if checksum(arena.array[offset : offset + n]) != lease.checksums[spec.first_page + i]:
-                logger.error("leased page %d of request %s failed its checksum", spec.first_page + i, spec.req_id)
-                return i
-            kv.write_page(i, slot_as_page(arena.slot(offset, n), self.layout))
-        return spec.num_pages
+        sources = [(arena, offset) for offset in lease.offsets[first : first + spec.num_pages]]
+        bad = copy_verified(kv, self.layout, sources, lease.checksums[first : first + spec.num_pages], self.device_ops is not None)
+        if bad is None:
+            return spec.num_pages
+        logger.error("leased page %d of request %s failed its checksum", first + bad, spec.req_id)
+        return bad
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)

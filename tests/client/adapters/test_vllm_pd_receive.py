@@ -8,16 +8,13 @@ lease left at the node (a marker's pins and the receive's own leases)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from conftest import ServerProcess
+from test_vllm_connector_parts import store_process  # noqa: F401  # the fixture
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
@@ -35,15 +32,9 @@ BLOCK_IDS = [7, 2, 9, 4]  # the request's blocks, out of order as vLLM hands the
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path)
-    proc.start()
-    yield proc
-    assert proc.proc is not None
-    if proc.proc.poll() is None:
-        os.kill(proc.proc.pid, signal.SIGCONT)
-        proc.proc.kill()
-        proc.proc.wait(10)
+def server(store_process: ServerProcess) -> ServerProcess:  # noqa: F811  # the imported fixture
+    """The parts tests' kvstore-server process (test_vllm_connector_parts.store_process)."""
+    return store_process
 
 
 def caches(shared: bool) -> list[torch.Tensor]:
