@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from test_vllm_connector_parts import store_process
 from test_vllm_pd_receive import BLOCK, NAMESPACE, assert_no_lease_left, job_done, num_leases, server, start
 
 from kvstore.client.adapters.connection import StoreConnection
@@ -17,7 +18,7 @@ from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 
-__all__ = ["server"]  # the fixture, used by name
+__all__ = ["server", "store_process"]  # the fixtures, used by name (server asks for store_process)
 
 
 def test_a_connector_shut_down_with_a_receive_not_landed_leaves_no_lease(server) -> None:
