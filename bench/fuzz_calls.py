@@ -12,13 +12,15 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import MethodDescriptor
 
+from kvstore.aio_status import KeptStatus
 from kvstore.bench.fuzz_cases import Pools
 
 CALL_TIMEOUT_S = 30.0  # a unary call still unanswered then is a hang
 STREAM_READ_S = 0.3  # a server stream is read this long at most, then cancelled
 CANCELLED_BY_US = "CANCELLED(by fuzzer)"
 # grpc.aio's own status when it fails to send a message because the server already ended
-# the call (a refused client stream): the server's answer is lost on the client side. It is
+# the call (a refused client stream) and the server's answer could not be kept (a bidirectional
+# stream; unary-answer streams keep it: kvstore/aio_status.py). It is
 # told apart by grpc's debug string and checked against the server's own error counts.
 CLIENT_SEND_FAILED = "INTERNAL(client: send after the server ended the call)"
 BAD_CALLERS = ("none", "wrong-token", "malformed")
@@ -59,8 +61,9 @@ async def call(channel: grpc.aio.Channel, case: Case) -> Any:
             call = channel.stream_stream(path)(send(), metadata=md, timeout=CALL_TIMEOUT_S)
             return await _read(call)
         call = channel.stream_unary(path)(send(), metadata=md, timeout=CALL_TIMEOUT_S)
+        kept = KeptStatus(call)  # the server's status where grpc.aio overwrites it (kvstore/aio_status.py)
         if case.cancel_after is None:
-            return await call
+            return await _answer(call, kept)
         waiter = asyncio.ensure_future(cut.wait())
         await asyncio.wait([waiter, asyncio.ensure_future(call.code())], return_when=asyncio.FIRST_COMPLETED)
         if not call.done():
@@ -68,8 +71,15 @@ async def call(channel: grpc.aio.Channel, case: Case) -> Any:
             await call.code()
             return None
         waiter.cancel()
-        return await call
+        return await _answer(call, kept)
     return await _read(channel.unary_stream(path)(case.requests[0], metadata=md, timeout=CALL_TIMEOUT_S))
+
+async def _answer(call: Any, kept: KeptStatus) -> Any:
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise kept.instead_of(exc) from None
+
 
 async def _read(call: Any) -> Any:
     """Reads a server stream for STREAM_READ_S at most, then cancels it; the last message

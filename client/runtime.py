@@ -31,6 +31,7 @@ import grpc
 
 from kvstore import localcall
 from kvstore._proto import data_pb2_grpc, directory_pb2_grpc, handoff_pb2_grpc
+from kvstore.aio_status import KeptStatus
 from kvstore.client.forked import ProcessCheck
 from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
@@ -153,11 +154,14 @@ class Runtime:
 
     async def rpc(self, method: Callable[..., Awaitable[Any]], request: Any, timeout_s: float | None = None) -> Any:
         """Calls a unary (or stream-unary) method with a deadline (``timeout_s``, by default
-        the client's); a gRPC failure raises the matching KVStoreError."""
+        the client's); a gRPC failure raises the matching KVStoreError, the server's own where
+        grpc.aio overwrote it (a stream refused while the client still wrote: kvstore/aio_status.py)."""
+        call = method(request, timeout=timeout_s or self.timeout_s)
+        kept = KeptStatus(call)
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
+            return await call
         except grpc.aio.AioRpcError as exc:
-            raise self.error(exc) from None
+            raise self.error(kept.instead_of(exc)) from None
 
     async def unary(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
         """Calls the unary method ``name`` ("Data.Allocate") with a deadline: over the call
