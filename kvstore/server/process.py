@@ -188,33 +188,32 @@ class Server:
             self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for,
                                             pool_for=self._pool_for if hbm else None)
         socket_path = self.arena_socket.path if self.arena_socket else None
-        data_service = DataService(self.core, config, self.wal, self.tenancy, self.cluster,
-                                   socket_path if self._tenant_arenas else None, socket_path if hbm else None)
+        # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
+        self.handoffs = HandoffMarkers(self.core)
+        # The same-host call socket's path and token, made before the services that announce them (GetInfo).
+        call_path, call_token = arena_socket_path(config.data_dir, "call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
+        data_service = DataService(self.core, config, self.wal, self.tenancy, self.session_owners, self.handoffs, self.cluster,
+                                   socket_path if self._tenant_arenas else None, socket_path if hbm else None, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
-        data_service.session_owners = self.session_owners
         migration = MigrationService(self.core, config, self.tenancy, self.wal, self.session_owners, self.cluster,
                                      self.session_moves)
         guarded |= add_service(self._grpc, migration_pb2.DESCRIPTOR.services_by_name["Migration"],
                                generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))
-        # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
-        self.handoffs = data_service.handoffs = HandoffMarkers(self.core)
         handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.streams, self.cluster)
         guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
                                generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),
                                self.streams, self.metrics, request_limits(config))
         # Same-host unary calls without gRPC (DESIGN §11 "Same-host paths"), answered by the same guarded handlers.
         self.call_socket = CallSocket(
-            arena_socket_path(config.data_dir, "call.sock"), self.security.authenticator, guarded,
-            secrets.token_bytes(CALL_TOKEN_BYTES),
+            call_path, self.security.authenticator, guarded, call_token,
             undo={"Acquire": lambda answer, who: self.core.release(answer.lease_id, who.tenant),
                   "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
             rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
             tenant_limit=lambda who: self.tenancy.quotas.limits(who.tenant).call_connections if who.via != "local" else 0,
             quota_refused=lambda tenant: self.tenancy.quotas.refused(tenant, "call_connections"))
         self.tenancy.quotas.call_connections = self.call_socket.tenant_connections
-        data_service.call_socket, data_service.call_token = self.call_socket.path, self.call_socket.call_token
         self._data = data_service
         self.port = 0
         self.metrics_port = 0

@@ -31,6 +31,7 @@ from kvstore.server.services.room import room
 from kvstore.server.services.session_saves import committing
 from kvstore.server.services.sessions import SessionCalls
 from kvstore.server.services.shared_memory import SharedMemory
+from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tokenlog import TokenLog
@@ -55,16 +56,15 @@ class _Destination:
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler reads its caller first and checks it against the namespace (tenancy/access.py)."""
 
-    handoffs: HandoffMarkers | None = None  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
-
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy,
-                 cluster: ClusterRuntime | None = None, arena_socket: Path | None = None,
-                 pool_socket: Path | None = None) -> None:
+    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, tenancy: Tenancy, session_owners: SessionOwners,
+                 handoffs: HandoffMarkers | None = None, cluster: ClusterRuntime | None = None, arena_socket: Path | None = None,
+                 pool_socket: Path | None = None, call_socket: Path | None = None, call_token: bytes = b"") -> None:
         self.core = core
+        self.session_owners = session_owners  # who owns each migrated session here (DESIGN §12.8)
+        self.handoffs = handoffs  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.memory = SharedMemory(core, config, tenancy, arena_socket, pool_socket)  # its arena and hbm pool
-        self.call_socket: Path | None = None  # the same-host call channel (local_calls.py), once the server made it
-        self.call_token = b""
+        self.call_socket, self.call_token = call_socket, call_token  # the same-host call channel (local_calls.py), announced
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
