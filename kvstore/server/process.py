@@ -44,7 +44,7 @@ from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.handoffs import HandoffService
-from kvstore.server.services.local_calls import CallSocket
+from kvstore.server.services.local_calls import CallSocket, TenantConnections
 from kvstore.server.services.migration import MigrationService
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
@@ -165,8 +165,10 @@ class Server:
 
             self.session_moves = SessionMoves(self.cluster, self.session_owners, self.wal)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (DESIGN §11)
+        # The call socket's connections per tenant: counted by the call socket (made last), read by the quotas.
+        connections = TenantConnections()
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
-                        self.core.leases, self.wal, config.host.hint_grace_s, self.metrics)
+                        self.core.leases, self.wal, config.host.hint_grace_s, self.metrics, call_connections=connections.held)
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
         self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
         self.tenancy = Tenancy(owners, quotas)
@@ -211,9 +213,8 @@ class Server:
             undo={"Acquire": lambda answer, who: self.core.release(answer.lease_id, who.tenant),
                   "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
             rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
-            tenant_limit=lambda who: self.tenancy.quotas.limits(who.tenant).call_connections if who.via != "local" else 0,
-            quota_refused=lambda tenant: self.tenancy.quotas.refused(tenant, "call_connections"))
-        self.tenancy.quotas.call_connections = self.call_socket.tenant_connections
+            tenant_limit=quotas.call_connection_limit, quota_refused=lambda tenant: quotas.refused(tenant, "call_connections"),
+            connections=connections)
         self._data = data_service
         self.port = 0
         self.metrics_port = 0

@@ -65,6 +65,32 @@ def _status(code: grpc.StatusCode) -> int:
     return int(code.value[0])
 
 
+class TenantConnections:
+    """The call socket's connections past HELLO per tenant with a call_connections limit. Made before the
+    quotas, which read it (``held``: their usage), and handed to the call socket, which counts. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        with self._lock:
+            return self._held.get(tenant, 0)
+
+    def claim(self, tenant: str, limit: int) -> bool:
+        """Counts one more connection of ``tenant``; False (nothing counted) when it holds ``limit`` already."""
+        with self._lock:
+            held = self._held.get(tenant, 0)
+            if held >= limit:
+                return False
+            self._held[tenant] = held + 1
+            return True
+
+    def release(self, tenant: str) -> None:
+        with self._lock:
+            self._held[tenant] -= 1
+
+
 class CallSocket:
     """Serves ``handlers`` (full name "Service.Method" -> the guarded grpc handler) for the
     methods of ``localcall.METHODS``. ``rejected(method, code)`` counts refused callers."""
@@ -72,7 +98,7 @@ class CallSocket:
     def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
                  call_token: bytes, *, undo: dict[str, Undo] | None = None,
                  rejected: Callable[[str, str], None] | None = None, tenant_limit: Callable[[Identity], int] | None = None,
-                 quota_refused: Callable[[str], None] | None = None,
+                 quota_refused: Callable[[str], None] | None = None, connections: TenantConnections | None = None,
                  max_connections: int = 256,
                  max_per_pid: int = 32, hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
@@ -92,7 +118,7 @@ class CallSocket:
         self._max_per_pid = max_per_pid
         self._per_pid: dict[int, int] = {}  # open connections per peer process
         self._tenant_limit, self._quota_refused = tenant_limit, quota_refused  # a tenant's call_connections, its refusals
-        self._per_tenant: dict[str, int] = {}  # connections past HELLO per tenant (those with a limit)
+        self._connections = connections or TenantConnections()  # connections past HELLO per tenant (those with a limit)
         self._hello_s, self._idle_s, self.frame_timeout_s = hello_timeout_s, idle_timeout_s, frame_timeout_s
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -213,8 +239,8 @@ class CallSocket:
         finally:
             with self._lock:
                 self._open.pop(conn, None)
-                if tenant is not None:
-                    self._per_tenant[tenant] -= 1
+            if tenant is not None:
+                self._connections.release(tenant)
             self._unclaim(pid)
             self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
             conn.close()
@@ -251,8 +277,7 @@ class CallSocket:
 
     def tenant_connections(self, tenant: str) -> int:
         """The connections past HELLO counted against ``tenant``'s call_connections."""
-        with self._lock:
-            return self._per_tenant.get(tenant, 0)
+        return self._connections.held(tenant)
 
     def _claim_tenant(self, who: Identity) -> str | None:
         """Counts the connection against its tenant's call_connections (None: no limit);
@@ -261,11 +286,8 @@ class CallSocket:
         limit = self._tenant_limit(who) if self._tenant_limit is not None else 0
         if not limit:
             return None
-        with self._lock:
-            held = self._per_tenant.get(who.tenant, 0)
-            if held < limit:
-                self._per_tenant[who.tenant] = held + 1
-                return who.tenant
+        if self._connections.claim(who.tenant, limit):
+            return who.tenant
         if self._quota_refused is not None:
             self._quota_refused(who.tenant)
         raise Close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {who.tenant!r} holds its {limit} call socket connections "

@@ -71,7 +71,7 @@ NOTHING = Reservation()
 class Quotas:
     def __init__(self, defaults: TenantQuota, overrides: Callable[[], dict[str, dict[str, int]]], owners: NamespaceOwners,
                  directory: Directory, leases: LeaseTable, wal: TokenLog, hint_grace_s: float, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, call_connections: Callable[[str], int] = lambda tenant: 0) -> None:
         self.defaults = defaults
         self._overrides = overrides
         self.owners = owners
@@ -86,7 +86,7 @@ class Quotas:
         self._locks: dict[str, threading.Lock] = {}
         self._reserved: dict[str, Counter[str]] = {}  # tenant -> quota -> reserved by its calls in flight
         self.ssd_written: Counter[str] = Counter()  # tenant -> ssd device bytes written for it (ssd_share.py)
-        self.call_connections: Callable[[str], int] = lambda tenant: 0  # its call socket connections (the server sets it)
+        self.call_connections = call_connections  # tenant -> its call socket connections (local_calls.TenantConnections)
 
     def limits(self, tenant: str) -> TenantQuota:
         overrides = self._overrides()
@@ -130,6 +130,10 @@ class Quotas:
 
     def refused(self, tenant: str, quota: str) -> None:
         self.metrics.tenant_quota_refusals.labels(tenant, quota).inc()
+
+    def call_connection_limit(self, who: Identity) -> int:
+        """How many call socket connections ``who``'s tenant may hold (0: no limit, as for the local tenant)."""
+        return self.limits(who.tenant).call_connections if self._bounded(who) else 0
 
     @staticmethod
     def _bounded(who: Identity) -> bool:
