@@ -4,7 +4,8 @@ processes), in one run:
 * remote get GB/s per data plane: an engine on node c gets a prefix stored on node a (c's
   server fetches it into its host tier, the engine copies it out of shared memory), beside
   the raw pump of the same transport and page size (a bare ucxx pump; a bare TCP socket pump
-  with the TCP plane's socket options; a bare gRPC stream);
+  with the TCP plane's socket options; a bare gRPC stream), and its CPU seconds per GB (all
+  three processes) beside the floor's: the pump plus one verified copy (``cluster_paired``);
 * lookup p50/p99 of a 512-page prefix whose records are spread over 3 owners, from node c;
 * scaling: aggregate lookups/s with one engine per node, on the 3 nodes and again after 2
   more joined (``cluster_scale``);
@@ -37,6 +38,7 @@ from kvstore.bench.cluster_paired import prefix_tokens as _tokens
 from kvstore.bench.cluster_paired import random_kv as _kv
 from kvstore.bench.cluster_procs import Etcd, Node, start_nodes
 from kvstore.bench.cluster_scale import lookup_rate, plot
+from kvstore.bench.cpu_floor import by_process
 from kvstore.bench.replay import load_trace
 from kvstore.bench.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.client import KVStoreClient
@@ -189,6 +191,14 @@ def print_table(report: dict[str, Any]) -> None:
         spread = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
         print(f"{r['transport']:>10} {r['gbps']:>7.2f} {r['raw_gbps']:>9.2f} {r['ratio']:>6.2f} {spread:>11} {over:>9} "
               f"{r['bit_exact']!s:>6} {'/'.join(f'{v:.0f}' for v in r['cpu_ms'].values()):>18} {r['pump_cpu_ms']:>11.0f}")
+    if report["remote_get"]:
+        print("CPU seconds per GB got, node a (sender) + node c (receiver) + the engine, beside the floor: the raw pump's\n"
+              "processes plus one verified copy (copy + xxh3) into the engine's buffer, in the same rounds")
+        print(f"{'path':<16} {'GB/s':>6} {'CPU s/GB':>8}  {'floor':<30} {'GB/s':>6} {'CPU s/GB':>8} {'cpu_ratio':>9}   by process")
+    for r in report["remote_get"]:
+        ratio = f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "-"
+        print(f"{r['path']:<16} {r['gbps']:>6.2f} {r['cpu_s_per_gb']:>8.3f}  {r['floor']:<30} {r['floor_gbps']:>6.2f} "
+              f"{r['floor_cpu_s_per_gb']:>8.3f} {ratio:>9}   {by_process(r)} | {by_process(r, 'floor_cpu_s_per_gb_by_process')}")
     lk, fo = report["lookup"], report["failover"]
     if lk:
         print(f"\nlookup of a {lk['pages']}-page prefix over {lk['owners']} owners: p50 {lk['p50_ms']} ms, p99 {lk['p99_ms']} ms")

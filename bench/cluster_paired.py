@@ -12,7 +12,10 @@ and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the k
 first-touch page faults (0.3-0.4 GB/s measured here), not the transfer.
 Beside it, the CPU of each get (median ms of node a, node c and this process, the engine;
 clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
-tends to the CPU ratio, which no overlap hides.
+tends to the CPU ratio, which no overlap hides. Issue 39's figure: CPU seconds per GB of
+the gets (all three processes) over the floor's, the pump plus one verified copy of the
+same bytes into a buffer of this process (copy + xxh3, ``cpu_floor.VerifiedCopy``), timed in
+each round between the pump and the get: ``cpu_ratio``.
 The pumps: a bare gRPC stream of page-sized messages (``rawgrpc``, its own process); a bare
 ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds); a
 bare TCP pump with the TCP plane's socket options (``cluster_tcp_pump``, likewise).
@@ -21,21 +24,20 @@ bare TCP pump with the TCP plane's socket options (``cluster_tcp_pump``, likewis
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil
+import numpy as np
 import torch
 
 from kvstore import Namespace
 from kvstore.bench import rawgrpc
 from kvstore.bench.cluster_procs import Node
+from kvstore.bench.cpu_floor import OWN, Meter, VerifiedCopy, add_cpu, cpu_fields
 from kvstore.bench.harness import start_raw_grpc
 from kvstore.client import KVStoreClient
 from kvstore.types import KVLayout
@@ -109,25 +111,6 @@ def random_kv(layout: KVLayout, tokens: int, seed: int) -> torch.Tensor:
                        generator=g).to(layout.torch_dtype())
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) a process has used: less swayed by other engineers' load than GB/s."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process and all its descendants (a pump and the children it runs)."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
-
-
 async def _stored_at(client: KVStoreClient, tokens: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while (await client.lookup(tokens)).num_tokens != len(tokens):
@@ -138,8 +121,13 @@ async def _stored_at(client: KVStoreClient, tokens: list[int], timeout_s: float)
 
 async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: int, rounds: int) -> dict[str, Any]:
     """Round 0 warms both paths (connections, the layout, the destination); rounds 1..n are
-    timed: pump, then get of a fresh prefix. Returns the row of ``remote_get``."""
+    timed: pump, one verified copy (the floor's), then get of a fresh prefix. Returns the
+    row of ``remote_get``."""
     nbytes = pages * layout.page_bytes
+    verified = VerifiedCopy(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8), layout.page_bytes)
+    copies_s: list[float] = []
+    get_cpu: dict[str, float] = {}  # CPU seconds over the timed rounds, per process
+    floor_cpu: dict[str, float] = {}
     child = (ucx_pump("tcp", "thread", layout.page_bytes, pages, nbytes) if plane == "ucx"
            else tcp_pump(layout.page_bytes, pages, nbytes) if plane == "tcp" else None)  # the child-process pumps
     grpc_pump = GrpcPump(layout.page_bytes, nbytes) if plane == "grpc" else None
@@ -160,28 +148,43 @@ async def paired_rounds(plane: str, a: Node, c: Node, layout: KVLayout, pages: i
                 hit = await on_c.lookup(tokens)
                 out = torch.zeros_like(kv) if out is None else out.zero_()
                 pump_pid = child.proc.pid if child is not None else grpc_pump.proc.proc.pid  # type: ignore[union-attr]
-                pump_before = (_tree_cpu_s(pump_pid), time.process_time())
+                pump_meter = Meter({"pump": pump_pid, "engine": OWN}, trees=frozenset({"pump"}))
+                pump_meter.start()
                 pump = child.round() if child is not None else await grpc_pump.round()  # type: ignore[union-attr]
-                pump_cpu = _tree_cpu_s(pump_pid) - pump_before[0] + time.process_time() - pump_before[1]
-                before = (_cpu_s(a.proc.pid), _cpu_s(c.proc.pid), time.process_time())
+                pump_cpu = pump_meter.stop()
+                copy_meter = Meter({"engine": OWN})
+                copy_meter.start()
+                t0 = time.perf_counter()
+                verified.run()
+                copy_s, copy_cpu = time.perf_counter() - t0, copy_meter.stop()
+                get_meter = Meter({"sender": a.proc.pid, "receiver": c.proc.pid, "engine": OWN})
+                get_meter.start()
                 t0 = time.perf_counter()
                 await on_c.get(hit, out)
                 dt = time.perf_counter() - t0
-                after = (_cpu_s(a.proc.pid), _cpu_s(c.proc.pid), time.process_time())
+                used = get_meter.stop()
                 exact &= torch.equal(out, kv)
                 if r:
                     gets.append(nbytes / dt / 1e9)
                     pumps.append(pump)
-                    pump_cpus.append(1000 * pump_cpu)
-                    for name, t1, t2 in zip(cpu, before, after):
-                        cpu[name].append(1000 * (t2 - t1))
+                    copies_s.append(copy_s)
+                    pump_cpus.append(1000 * sum(pump_cpu.values()))
+                    for name, seconds in used.items():
+                        cpu[name].append(1000 * seconds)
+                    add_cpu(get_cpu, used)
+                    add_cpu(floor_cpu, pump_cpu)
+                    add_cpu(floor_cpu, copy_cpu)
     finally:
         if child is not None:
             child.close()
         if grpc_pump is not None:
             await grpc_pump.close()
+        verified.close()
     ratios = sorted(g / p for g, p in zip(gets, pumps))
-    return {"transport": plane, "gbps": round(statistics.median(gets), 3), "raw_gbps": round(statistics.median(pumps), 3),
+    floor_s = [nbytes / p / 1e9 + c for p, c in zip(pumps, copies_s)]  # the pump, then the verified copy
+    return {"path": f"remote-get-{plane}", "transport": plane, "floor": f"raw-{plane}-pump+verified-copy",
+            "floor_gbps": round(nbytes / statistics.median(floor_s) / 1e9, 3),
+            **cpu_fields(nbytes * len(gets), get_cpu, floor_cpu), "gbps": round(statistics.median(gets), 3), "raw_gbps": round(statistics.median(pumps), 3),
             "ratio": round(statistics.median(ratios), 2), "ratio_min": round(ratios[0], 2), "ratio_max": round(ratios[-1], 2),
             "rounds": [{"gbps": round(g, 3), "raw_gbps": round(p, 3)} for g, p in zip(gets, pumps)], "bit_exact": exact,
             "cpu_ms": {name: round(statistics.median(v), 1) for name, v in cpu.items()},

@@ -1,24 +1,24 @@
 """kvstore-bench throughput: put/get of 2.25 MiB pages through the client, per data path,
 beside the limit each path chases, measured in the same run.
 
-| path | limit |
-| --- | --- |
-| host-shm-put/get | memcpy of the same bytes, the better of two copies: ordinary stores (torch copy_) and the non-temporal stores the path writes slots with (2 threads, as the client's copy pool) |
-| host-grpc-put/get | raw gRPC byte stream of the same size in messages of the same size (bare server, no processing) |
-| ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem |
-| ssd-get | raw O_DIRECT page reads of the same bytes |
+| path | limit | floor (limit + checking the bytes) |
+| --- | --- | --- |
+| host-shm-put/get | memcpy of the same bytes, the better of two copies: ordinary stores (torch copy_) and the non-temporal stores the path writes slots with (2 threads, as the client's copy pool) | memcpy + one xxh3 pass, apart or fused (the leaner) |
+| host-grpc-put/get | raw gRPC byte stream of the same size in messages of the same size (bare server, no processing) | + one verified copy (copy + xxh3 in one pass) |
+| ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem | + one xxh3 pass |
+| ssd-get | raw O_DIRECT page reads of the same bytes | + one xxh3 pass |
 
-Beside each rate it reports the CPU the two sides spent per GB moved (this process, plus
-the server for a path or the raw gRPC pump for its limit): on a host where client and
-server share few cores, a path that needs more CPU per byte than its limit cannot reach
-it, whatever the transport does.
+Beside each rate it reports the CPU every process spent per GB moved (this process and the
+server for a path; this process and the raw gRPC pump for its limit and floor) and
+``cpu_ratio``, the path's over the floor's (issue 39): on a host where client and server
+share few cores, a path that needs more CPU per byte than its floor cannot reach it,
+whatever the transport does, and the figure does not depend on the core count.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -33,10 +33,12 @@ from tqdm import tqdm
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench import limits, rawgrpc
+from kvstore.bench.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, add_cpu, by_process, cpu_fields
 from kvstore.bench.harness import start_raw_grpc, start_server
 from kvstore.client import KVStoreClient
 from kvstore.wire import CHUNK_BYTES
 
+SHM_FLOOR = "memcpy+xxh3(best apart|fused)"
 QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)
 
 
@@ -56,67 +58,79 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Timing:
-    """Medians of a path and of its limit over alternating repeats, and the median of the
-    per-repeat ratios: each pair is measured back to back, so drift on a shared machine
-    (which moved memcpy between 10 and 14 GB/s within an hour here) hits both alike. A limit
-    with several ways (memcpy: ordinary and non-temporal stores) counts the fastest way of
-    each repeat; ``ways_s`` keeps each way's median.
-    ``*_cpu_s``: median CPU seconds of this process plus the peer process (if any)."""
+    """Medians of a path, its limit and its floor over alternating repeats, and the median of
+    the per-repeat ratios path/limit: each set is measured back to back, so drift on a shared
+    machine (which moved memcpy between 10 and 14 GB/s within an hour here) hits them alike.
+    A limit or floor with several ways (memcpy: ordinary and non-temporal stores) counts the
+    fastest way of each repeat; ``ways_s`` keeps each limit way's median.
+    ``*_cpu``: CPU seconds per process summed over the timed repeats (the floor's: of its
+    leanest way in each repeat)."""
 
     path_s: float
     limit_s: float
     ratio: float
-    path_cpu_s: float = 0.0
-    limit_cpu_s: float = 0.0
+    floor_s: float
+    path_cpu: dict[str, float]
+    limit_cpu: dict[str, float]
+    floor_cpu: dict[str, float]
     ways_s: dict[str, float] = field(default_factory=dict)
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
+async def _once(fn: Any, meter: Meter) -> tuple[float, dict[str, float]]:
+    """Wall seconds and CPU seconds per process of one call of ``fn`` (plain or async)."""
+    meter.start()
+    start = time.perf_counter()
+    result = fn()
+    if asyncio.iscoroutine(result):
+        await result
+    return time.perf_counter() - start, meter.stop()
 
 
-def _cpu_s(peer: int | None) -> float:
-    """CPU seconds (user + system, all threads) of this process and of ``peer``."""
-    own = os.times()
-    total = own.user + own.system
-    if peer is not None:
-        with open(f"/proc/{peer}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    return total
+def _then(*steps: Any) -> Any:
+    """One floor way: ``steps`` (plain or async) one after another."""
+    async def run() -> None:
+        for step in steps:
+            result = step()
+            if asyncio.iscoroutine(result):
+                await result
+    return run
 
 
-async def _timed(fn: Any, limit: Any, repeats: int, setup: Any = None, path_peer: int | None = None,
-                 limit_peer: int | None = None) -> Timing:
-    """Times ``fn`` and its ``limit`` alternately, ``repeats`` pairs after one warm-up pair.
-    ``limit``: one callable, or name -> callable for a limit with several ways (each timed
-    in every repeat; the fastest counts). ``setup`` runs untimed before each ``fn``.
-    ``*_peer``: the other process whose CPU counts."""
+async def _timed(fn: Any, limit: Any, floor: dict[str, Any], repeats: int, setup: Any = None,
+                 path_pids: dict[str, int] | None = None, limit_pids: dict[str, int] | None = None) -> Timing:
+    """Times ``fn``, its ``limit`` and its ``floor`` (name -> way: the raw transport plus the
+    one copy/hash checking its bytes costs) in turn, ``repeats`` sets after one warm-up set.
+    ``limit``: one callable, or name -> callable for a limit with several ways. ``setup``
+    runs untimed before each ``fn``. ``path_pids``/``limit_pids``: the processes whose CPU
+    counts (the floor runs on the limit's)."""
     ways = limit if isinstance(limit, dict) else {"limit": limit}
-    path_s, limit_s, path_cpu, limit_cpu = [], [], [], []
+    path_meter = Meter(path_pids or {"client": OWN})
+    limit_meter = Meter(limit_pids or {"client": OWN})
+    path_s, limit_s, floor_s, ratios = [], [], [], []
+    path_cpu: dict[str, float] = {}
+    limit_cpu: dict[str, float] = {}
+    floor_cpu: dict[str, float] = {}
     way_s: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(repeats + 1):
         if setup is not None:
             await setup()
-        cpu, start = _cpu_s(path_peer), time.perf_counter()
-        await fn()
-        elapsed, used = time.perf_counter() - start, _cpu_s(path_peer) - cpu
-        best = (float("inf"), 0.0)
-        for name, way in ways.items():
-            cpu, start = _cpu_s(limit_peer), time.perf_counter()
-            result = way()
-            if asyncio.iscoroutine(result):
-                await result
-            took = time.perf_counter() - start
-            best = min(best, (took, _cpu_s(limit_peer) - cpu))
-            if i:
-                way_s[name].append(took)
-        if i:
-            path_s.append(elapsed)
-            path_cpu.append(used)
-            limit_s.append(best[0])
-            limit_cpu.append(best[1])
-    return Timing(median(path_s), median(limit_s), median([lim / p for p, lim in zip(path_s, limit_s)]),
-                  median(path_cpu), median(limit_cpu), {name: median(xs) for name, xs in way_s.items()} if isinstance(limit, dict) else {})
+        took, used = await _once(fn, path_meter)
+        limits = {name: await _once(way, limit_meter) for name, way in ways.items()}
+        floors = [await _once(way, limit_meter) for way in floor.values()]
+        if not i:
+            continue
+        fastest = min(limits.values(), key=lambda r: r[0])
+        path_s.append(took)
+        limit_s.append(fastest[0])
+        ratios.append(fastest[0] / took)
+        floor_s.append(min(f[0] for f in floors))
+        add_cpu(path_cpu, used)
+        add_cpu(limit_cpu, fastest[1])
+        add_cpu(floor_cpu, min(floors, key=lambda f: sum(f[1].values()))[1])
+        for name, (way_took, _) in limits.items():
+            way_s[name].append(way_took)
+    return Timing(median(path_s), median(limit_s), median(ratios), median(floor_s), path_cpu, limit_cpu, floor_cpu,
+                  {name: median(xs) for name, xs in way_s.items()} if isinstance(limit, dict) else {})
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
@@ -133,23 +147,32 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     wanted = set(args.paths.split(","))
     results: list[dict[str, Any]] = []
 
-    def add(path: str, timing: Timing, limit: str) -> None:
+    def add(path: str, timing: Timing, limit: str, floor: str) -> None:
         gbps, limit_gbps = nbytes / timing.path_s / 1e9, nbytes / timing.limit_s / 1e9
+        moved = nbytes * args.repeats
         results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
                         "ratio": round(timing.ratio, 3), "seconds": round(timing.path_s, 4),
-                        "cpu_s_per_gb": round(timing.path_cpu_s / (nbytes / 1e9), 3),
-                        "limit_cpu_s_per_gb": round(timing.limit_cpu_s / (nbytes / 1e9), 3),
+                        "floor": floor, "floor_gbps": round(nbytes / timing.floor_s / 1e9, 3),
+                        **cpu_fields(moved, timing.path_cpu, timing.floor_cpu),
+                        "limit_cpu_s_per_gb": round(sum(timing.limit_cpu.values()) / (moved / 1e9), 4),
                         **({"limit_ways_gbps": {name: round(nbytes / s / 1e9, 3) for name, s in timing.ways_s.items()}}
                            if timing.ways_s else {})})
         bar.update(1)
 
     memcpy = limits.Memcpy(kv)
+    kv_bytes = kv.view(torch.uint8).reshape(-1).numpy()
+    # The floors' one verified copy / one hash pass (into memcpy's destination: no third buffer of the batch's size).
+    verified = VerifiedCopy(kv_bytes, layout.page_bytes, dst=memcpy.dst.view(torch.uint8).reshape(-1).numpy())
+    hashed = HashPass(memcpy.dst.view(torch.uint8).reshape(-1).numpy(), layout.page_bytes)
+    # shm floor: memcpy plus one xxh3 pass, done apart or fused (the leaner counts: SHM_FLOOR)
+    shm_floor = {"memcpy+xxh3": _then(memcpy.plain, hashed.run), "copy-xxh3-fused": verified.run}
     copies = "memcpy" if len(memcpy.ways()) == 1 else "memcpy(best plain|nt)"  # which copies the limit is the best of
     # No endurance budget here: this measures the data path, not the admission policy.
     server, addr = start_server(workdir, int(nbytes * 1.3) + (64 << 20), int(nbytes * 1.3) + (256 << 20), "--ssd-dwpd", "0",
                                 *(() if args.switch_interval_ms is None else ("--switch-interval-ms", str(args.switch_interval_ms))))
     raw_proc, raw_addr = start_raw_grpc()
-    server_pid, raw_pid = server.proc.pid, raw_proc.proc.pid
+    path_pids = {"client": OWN, "server": server.proc.pid}
+    raw_pids = {"client": OWN, "raw-grpc": raw_proc.proc.pid}
     try:
         async with grpc.aio.insecure_channel(addr) as ch:
             directory = directory_pb2_grpc.DirectoryStub(ch)
@@ -160,47 +183,57 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
             if "host-shm" in wanted:
                 async with KVStoreClient(addr, ns) as client:
                     assert client.shared_memory, "benchmark client could not map the arena"
-                    add("host-shm-put", await _timed(lambda: client.put(tokens, kv), memcpy.ways(), args.repeats, setup=clear,
-                                                     path_peer=server_pid), copies)
+                    add("host-shm-put", await _timed(lambda: client.put(tokens, kv), memcpy.ways(), shm_floor, args.repeats,
+                                                     setup=clear, path_pids=path_pids), copies, SHM_FLOOR)
                     hit = await client.lookup(tokens)
                     assert hit.num_tokens == len(tokens)
-                    timing = await _timed(lambda: client.get(hit, into=out), memcpy.ways(), args.repeats, path_peer=server_pid)
+                    timing = await _timed(lambda: client.get(hit, into=out), memcpy.ways(), shm_floor, args.repeats,
+                                          path_pids=path_pids)
                     assert _same(out, kv), "host-shm get returned other bytes"
-                    add("host-shm-get", timing, copies)
+                    add("host-shm-get", timing, copies, SHM_FLOOR)
             if "host-grpc" in wanted:
                 message = min(CHUNK_BYTES, layout.page_bytes)  # the raw pump moves messages of the size ours carry
                 async with grpc.aio.insecure_channel(raw_addr, options=rawgrpc.OPTIONS) as raw, \
                         KVStoreClient(addr, ns, use_shm=False) as client:
-                    timing = await _timed(lambda: client.put(tokens, kv), lambda: rawgrpc.upload(raw, nbytes, message),
-                                          args.repeats, setup=clear, path_peer=server_pid, limit_peer=raw_pid)
-                    add("host-grpc-put", timing, "raw-grpc-upload")
+                    upload = lambda: rawgrpc.upload(raw, nbytes, message)
+                    timing = await _timed(lambda: client.put(tokens, kv), upload, {"up": _then(upload, verified.run)},
+                                          args.repeats, setup=clear, path_pids=path_pids, limit_pids=raw_pids)
+                    add("host-grpc-put", timing, "raw-grpc-upload", "raw-grpc-upload+verified-copy")
                     hit = await client.lookup(tokens)
                     out.zero_()
-                    timing = await _timed(lambda: client.get(hit, into=out), lambda: rawgrpc.download(raw, nbytes, message),
-                                          args.repeats, path_peer=server_pid, limit_peer=raw_pid)
+                    download = lambda: rawgrpc.download(raw, nbytes, message)
+                    timing = await _timed(lambda: client.get(hit, into=out), download, {"down": _then(download, verified.run)},
+                                          args.repeats, path_pids=path_pids, limit_pids=raw_pids)
                     assert _same(out, kv), "host-grpc get returned other bytes"
-                    add("host-grpc-get", timing, "raw-grpc-download")
+                    add("host-grpc-get", timing, "raw-grpc-download", "raw-grpc-download+verified-copy")
             if "ssd" in wanted:
                 disk = limits.RawDisk(workdir / "ssd", kv, layout.page_bytes)
+                disk_hash = HashPass(disk.buf, layout.page_bytes)
                 try:
                     async with KVStoreClient(addr, ns) as client:
-                        timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write, args.repeats, setup=clear,
-                                              path_peer=server_pid)
-                        add("ssd-put", timing, "raw-write+sync" + ("" if disk.direct else "(buffered)"))
+                        timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write,
+                                              {"write": _then(disk_hash.run, disk.write)}, args.repeats, setup=clear,
+                                              path_pids=path_pids)
+                        raw_write = "raw-write+sync" + ("" if disk.direct else "(buffered)")
+                        add("ssd-put", timing, raw_write, "xxh3+" + raw_write)
                         hit = await client.lookup(tokens)
 
                         async def drop_host() -> None:
                             await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
 
                         out.zero_()
-                        timing = await _timed(lambda: client.get(hit, into=out), disk.read, args.repeats, setup=drop_host,
-                                              path_peer=server_pid)
+                        timing = await _timed(lambda: client.get(hit, into=out), disk.read, {"read": _then(disk.read, disk_hash.run)},
+                                              args.repeats, setup=drop_host, path_pids=path_pids)
                         assert _same(out, kv), "ssd get returned other bytes"
-                        add("ssd-get", timing, "raw-read" + ("-odirect" if disk.direct else ""))
+                        raw_read = "raw-read" + ("-odirect" if disk.direct else "")
+                        add("ssd-get", timing, raw_read, raw_read + "+xxh3")
                 finally:
+                    disk_hash.close()
                     disk.close()
     finally:
         memcpy.close()
+        verified.close()
+        hashed.close()
         server.stop()
         raw_proc.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -216,10 +249,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"{report['pages']} pages x {report['page_bytes'] / 2**20:.2f} MiB = {report['pages'] * report['page_bytes'] / 2**30:.3f} GiB per batch")
-    print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}   {'CPU s/GB path':>13} {'limit':>6}")
+    print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}   {'CPU s/GB':>8} {'limit':>6}")
     for r in report["results"]:
         print(f"{r['path']:<14} {r['gbps']:>7.2f}  {r['limit']:<22} {r['limit_gbps']:>7.2f} {r['ratio']:>6.2f}   "
-              f"{r['cpu_s_per_gb']:>13.2f} {r['limit_cpu_s_per_gb']:>6.2f}")
+              f"{r['cpu_s_per_gb']:>8.3f} {r['limit_cpu_s_per_gb']:>6.3f}")
         if r.get("limit_ways_gbps"):
             print(f"{'':<24}" + ", ".join(f"{name} {gbps:.2f}" for name, gbps in r["limit_ways_gbps"].items()) + " GB/s")
-    print("CPU s/GB: this process plus the server (path) or the raw gRPC pump (limit), per GB moved")
+    print("\nCPU seconds per GB moved, every process (client: this process; server; raw-grpc: the bare pump), beside the floor:"
+          "\nthe limit's transport plus the one copy and/or xxh3 pass checking the bytes costs, in the same run")
+    print(f"{'path':<14} {'GB/s':>7} {'CPU s/GB':>8}  {'floor':<34} {'GB/s':>7} {'CPU s/GB':>8} {'cpu_ratio':>9}   by process (path | floor)")
+    for r in report["results"]:
+        ratio = f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "-"
+        print(f"{r['path']:<14} {r['gbps']:>7.2f} {r['cpu_s_per_gb']:>8.3f}  {r['floor']:<34} {r['floor_gbps']:>7.2f} "
+              f"{r['floor_cpu_s_per_gb']:>8.3f} {ratio:>9}   {by_process(r)} | {by_process(r, 'floor_cpu_s_per_gb_by_process')}")

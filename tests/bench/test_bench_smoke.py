@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -25,11 +26,24 @@ def test_throughput_smoke(tmp_path) -> None:
     assert paths == ["host-shm-put", "host-shm-get", "host-grpc-put", "host-grpc-get", "ssd-put", "ssd-get"]
     for r in report["results"]:
         assert r["gbps"] > 0 and r["limit_gbps"] > 0 and abs(r["ratio"] - r["gbps"] / r["limit_gbps"]) < 0.01
+        _check_cpu_columns(r, path_processes={"client", "server"})
     # The shm paths write with non-temporal stores: their memcpy limit is the better of both copies.
     for r in report["results"][:2]:
         ways = r["limit_ways_gbps"]
         assert set(ways) == ({"memcpy", "memcpy-nt"} if pagecopy.NATIVE else {"memcpy"}), r
         assert r["limit_gbps"] >= max(ways.values()) - 0.002
+
+
+def _check_cpu_columns(row: dict, path_processes: set[str]) -> None:
+    """Issue 39's columns: CPU s/GB of every process of the path beside its floor's, all finite, the floor's above 0."""
+    assert row["path"] and row["floor"] and row["floor_gbps"] > 0
+    assert set(row["cpu_s_per_gb_by_process"]) == path_processes, row
+    assert math.isfinite(row["cpu_s_per_gb"]) and row["cpu_s_per_gb"] > 0, row  # this process's share is read in ns
+    assert math.isfinite(row["floor_cpu_s_per_gb"]) and row["floor_cpu_s_per_gb"] > 0, row
+    assert abs(row["cpu_s_per_gb"] - sum(row["cpu_s_per_gb_by_process"].values())) < 0.01
+    assert abs(row["floor_cpu_s_per_gb"] - sum(row["floor_cpu_s_per_gb_by_process"].values())) < 0.01
+    assert math.isfinite(row["cpu_ratio"]) and row["cpu_ratio"] > 0
+    assert abs(row["cpu_ratio"] - row["cpu_s_per_gb"] / row["floor_cpu_s_per_gb"]) < 0.01 * row["cpu_ratio"] + 0.002
 
 
 def test_overlap_smoke(tmp_path) -> None:
@@ -123,6 +137,7 @@ def test_cluster_smoke(tmp_path) -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     [get] = report["remote_get"]
     assert get["transport"] == "grpc" and get["bit_exact"] and get["gbps"] > 0 and get["raw_gbps"] > 0
+    _check_cpu_columns(get, path_processes={"sender", "receiver", "engine"})
     # paired rounds (pump, get): the ratio is the median of the per-round ratios, its spread beside it
     assert len(get["rounds"]) == 1 and get["ratio_min"] <= get["ratio"] <= get["ratio_max"]
     assert 0 < report["lookup"]["p50_ms"] <= report["lookup"]["p99_ms"]
@@ -151,5 +166,7 @@ def test_cluster_get_phase_alone(plane: str) -> None:
     [get] = report["remote_get"]
     assert get["transport"] == plane and get["raw_gbps"] > 0
     assert get["bit_exact"] and set(get["cpu_ms"]) == {"sender", "receiver", "engine"} and get["pump_cpu_ms"] >= 0
+    _check_cpu_columns(get, path_processes={"sender", "receiver", "engine"})
+    assert get["path"] == f"remote-get-{plane}" and set(get["floor_cpu_s_per_gb_by_process"]) == {"pump", "engine"}
     assert report["lookup"] is None and report["failover"] is None and report["scaling"] == [] and report["pool"] is None
     assert report["mooncake_skipped"] == "not in --phases"

@@ -1,0 +1,55 @@
+"""cpu_floor: CPU seconds per GB of a path's processes beside its floor's (issue 39). Correctness only, no timing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from kvstore.bench.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, cpu_fields
+from kvstore.page import checksum
+
+
+def test_the_meter_counts_a_child_of_a_tree_and_this_process() -> None:
+    """A pump runs its sender in a child of its own: with ``trees`` its CPU counts."""
+    code = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+            "'import time\\nend = time.process_time() + 0.3\\nwhile time.process_time() < end: pass\\ntime.sleep(60)']); "
+            "print(flush=True); c.wait()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        parent.stdout.readline()  # the child is started
+        flat, tree = Meter({"pump": parent.pid, "me": OWN}), Meter({"pump": parent.pid}, trees=frozenset({"pump"}))
+        flat.start()
+        tree.start()
+        sum(range(2_000_000))  # some CPU of this process
+        deadline = 50
+        while tree.stop()["pump"] < 0.2 and deadline:
+            subprocess.run(["sleep", "0.1"], check=True)
+            deadline -= 1
+        used = flat.stop()
+        assert used["me"] > 0 and used["pump"] < 0.1, used  # the parent itself only waits
+        assert tree.stop()["pump"] >= 0.2
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_a_verified_copy_lands_every_byte_and_a_hash_pass_reads_them() -> None:
+    src = np.random.default_rng(1).integers(0, 256, 10 * 4096 + 123, dtype=np.uint8)  # a short last page
+    copy, hashed = VerifiedCopy(src, 4096), HashPass(src, 4096)
+    try:
+        copy.run()
+        hashed.run()
+        assert checksum(copy.dst) == checksum(src)
+    finally:
+        copy.close()
+        hashed.close()
+
+
+def test_the_cpu_columns_are_seconds_per_gb_and_their_ratio() -> None:
+    row = cpu_fields(2_000_000_000, {"client": 1.0, "server": 3.0}, {"client": 1.0})
+    assert row["cpu_s_per_gb"] == 2.0 and row["cpu_s_per_gb_by_process"] == {"client": 0.5, "server": 1.5}
+    assert row["floor_cpu_s_per_gb"] == 0.5 and row["cpu_ratio"] == 4.0
+    assert cpu_fields(1_000_000_000, {"client": 1.0}, {"client": 0.0})["cpu_ratio"] is None  # no measurable floor
