@@ -48,6 +48,7 @@ from kvstore.server.services.local_calls import CallSocket, TenantConnections
 from kvstore.server.services.migration import MigrationService
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
+from kvstore.server.serving import ServingState
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.ssd_share import SsdShares
@@ -145,26 +146,25 @@ class Server:
                                        salts=_cluster_salts(config) if config.cluster is not None else None)
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
-        # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.4).
-        serving = (lambda: self.cluster is not None and self.cluster.serving) if config.cluster is not None else None
+        # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.4): the
+        # core and the session owners read this state, the cluster runtime (made after the core) drives it.
+        serving = ServingState() if config.cluster is not None else None
         self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
                               arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes, serving=serving)
-        self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
-        if config.cluster is not None:
-            from kvstore.server.cluster import ClusterRuntime
-
-            self.cluster = ClusterRuntime(self.core, config, reseed_salts=self._reseed)
         self.demoter = Demoter(self.core)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: self.metrics.session_refusals.labels(call).inc(),
-                                            serving=(lambda: self.cluster is not None and self.cluster.serving) if self.cluster else None)
-        self.session_moves: SessionMoves | None = None
-        if self.cluster is not None:
-            from kvstore.server.cluster.migrations import SessionMoves
-
-            self.session_moves = SessionMoves(self.cluster, self.session_owners, self.wal)
+                                            serving=serving)
         owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (DESIGN §11)
+        self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
+        if serving is not None:  # cluster mode
+            from kvstore.server.cluster import ClusterRuntime
+
+            # what this node publishes names the namespace's tenant; at every catch-up the salts are reseeded, then sessions
+            self.cluster = ClusterRuntime(self.core, config, serving, owners.owner, self.session_owners, self.wal,
+                                          reseed_salts=getattr(self.security.salts, "reseed", None))
+        self.session_moves: SessionMoves | None = self.cluster.session_moves if self.cluster is not None else None
         # The call socket's connections per tenant: counted by the call socket (made last), read by the quotas.
         connections = TenantConnections()
         quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
@@ -172,8 +172,6 @@ class Server:
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
         self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
         self.tenancy = Tenancy(owners, quotas)
-        if self.cluster is not None:
-            self.cluster.owner_of = owners.owner  # what this node publishes names the namespace's tenant
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = RetiringPool(config.workers + config.max_streams)  # idle threads end: a burst's do not stay (rpc_pool.py)
@@ -226,13 +224,6 @@ class Server:
     def address(self) -> str:
         host, _ = split_host_port(self.config.listen, "--listen")
         return f"{host}:{self.port}"
-
-    def _reseed(self) -> None:
-        """At every catch-up with etcd, before serving: the tenants' salts, then the sessions' owners."""
-        if (reseed := getattr(self.security.salts, "reseed", None)) is not None:
-            reseed()
-        if self.session_moves is not None:
-            self.session_moves.reconcile()
 
     def _arena_for(self, identity: Identity) -> tuple[int, int] | None:
         """The arena socket's answer: the descriptor and size of the caller's tenant's arena

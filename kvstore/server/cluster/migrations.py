@@ -1,8 +1,8 @@
 """The cluster half of live migration (DESIGN §12.8): etcd's session records, read and decided from
 the servicer's threads on the cluster loop, and reconciled at every catch-up.
 
-``reconcile`` runs inside the catch-up, before the node serves (process.py passes it with the
-salts' reseed): records etcd holds above this node's are applied (a session that moved away
+``reconcile`` runs inside the catch-up, before the node serves (the cluster runtime runs it
+after the salts' reseed): records etcd holds above this node's are applied (a session that moved away
 while this node was down or cut off is fenced here before any write reaches it), and the
 records this node knows are written back where etcd lacks them (etcd wiped or restored).
 """

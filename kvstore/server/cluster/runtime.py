@@ -35,11 +35,15 @@ from kvstore.server.cluster.generations import GenerationSync
 from kvstore.server.cluster.handoff_push import HandoffPushes
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
+from kvstore.server.cluster.migrations import SessionMoves
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
 from kvstore.server.cluster.remote import Landing, RemoteTier
 from kvstore.server.cluster.replicas import Replicas
 from kvstore.server.placement import Placement
+from kvstore.server.serving import ServingState
+from kvstore.server.session_owners import SessionOwners
+from kvstore.server.tokenlog import TokenLog
 from kvstore.types import LocationRun
 
 logger = logging.getLogger(__name__)
@@ -56,7 +60,12 @@ _ABORT_SHARE = 0.25
 
 
 class ClusterRuntime:
-    def __init__(self, core: Placement, config: ServerConfig, reseed_salts: Callable[[], object] | None = None) -> None:
+    """``state``: whether this node serves, which the core reads and this runtime drives (server/serving.py);
+    ``owner_of``: namespace -> its tenant here, named in what this node publishes; ``session_owners`` and ``wal``:
+    live migration's records here, reconciled with etcd's (``session_moves``) after ``reseed_salts`` at every catch-up."""
+
+    def __init__(self, core: Placement, config: ServerConfig, state: ServingState, owner_of: Callable[[bytes], str | None],
+                 session_owners: SessionOwners, wal: TokenLog, reseed_salts: Callable[[], object] | None = None) -> None:
         assert config.cluster is not None
         self.core = core
         self.config = config
@@ -64,7 +73,10 @@ class ClusterRuntime:
         self.node = config.node
         self.shard_config = ShardConfig(segment_pages=1, replicas=self.cluster.replicas)  # per-page owners: see lookup.py
         self.shard_map = ShardMap([], self.shard_config)
+        self.state = state
+        self.owner_of = owner_of
         self._reseed_salts = reseed_salts  # the tenants' salts written back to an etcd that lost them
+        self.session_moves = SessionMoves(self, session_owners, wal)  # live migration's etcd side (DESIGN §12.8)
         self.incarnations = Incarnations(lambda: core.directory.version)  # of the other nodes, heard as their owner
         self._members: dict[str, Member] = {}
         self._loop = asyncio.new_event_loop()
@@ -73,13 +85,10 @@ class ClusterRuntime:
         self._page_server: Any = None
         self.grants: TransferGrants | None = None  # with the UCX or TCP data plane: what GrantTransfer hands out
         self._prefetch_lock = threading.Lock()
-        self._leaving = False
         self._prefetching = 0
         self.membership: Membership | None = None
         self.publisher: Publisher | None = None
         self.generations: GenerationSync | None = None
-        # namespace -> its tenant here (the server's tenancy sets it): named in what this node publishes
-        self.owner_of: Callable[[bytes], str | None] = lambda namespace_id: None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> None:
@@ -117,24 +126,25 @@ class ClusterRuntime:
             data_address = f"{host}:{await self._page_server.start()}"
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)
-        self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
-                                     cluster.ttl_s, newer=lambda ns, g: self._spawn(self.generations.enter(ns, g)))  # type: ignore[union-attr]
-        self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
-        self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
-                                   is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
-                                   epoch=lambda: self.membership.epoch if self.membership is not None else 0)
-        self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
-        self.handoffs = HandoffPushes(self.node, self.remote, self.peers, cluster.rpc_timeout_s)  # prefill side (DESIGN §12.7)
         capacities = {"host": self.config.host.capacity_bytes}
         if self.config.ssd is not None:
             capacities["ssd"] = self.config.ssd.capacity_bytes
         me = Member(self.node, cluster.advertise, data_address, tuple(self.config.tiers), capacities, ttl_s=cluster.ttl_s)
         config = MembershipConfig(cluster.name, self.node, cluster.ttl_s)
         epochs = EpochFile(self.config.data_dir)
-        self.membership = Membership(self.etcd, config, me, epochs)
-        self.generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), self.membership,
-                                          self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed_salts,
-                                          epochs)
+        self.membership = membership = Membership(self.etcd, config, me, epochs)
+        self.generations = generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), membership,
+                                                        self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed,
+                                                        epochs)
+        self.state.follow(lambda: generations.serving)  # the core serves reads once this caught up (DESIGN §12.5)
+        self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
+                                     cluster.ttl_s, newer=lambda ns, g: self._spawn(generations.enter(ns, g)))
+        self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
+        self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
+                                   is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
+                                   epoch=lambda: membership.epoch)
+        self.replicas = Replicas(self.node, self.remote, self.peers, lambda: self._members, cluster.rpc_timeout_s)
+        self.handoffs = HandoffPushes(self.node, self.remote, self.peers, cluster.rpc_timeout_s)  # prefill side (DESIGN §12.7)
         self.membership.on_members(self._on_members)
         self.membership.on_key("generations", self._heard_generation)
         self.membership.on_replaced(self._etcd_replaced)
@@ -153,7 +163,7 @@ class ClusterRuntime:
         once) and stops the loop."""
         if not self._thread.is_alive():
             return
-        self._leaving = True  # calls still arriving answer from this node alone
+        self.state.leave()  # calls still arriving answer from this node alone
         try:
             self.call(self._stop(), 15)
         except (TimeoutError, KVStoreError) as exc:
@@ -202,7 +212,7 @@ class ClusterRuntime:
     def is_member(self) -> bool:
         """Whether this node acts as a member now: registered, its lease not lost (DESIGN §12:
         a node that lost it would be split-brained), not leaving."""
-        return self.membership is not None and self.membership.is_member and not self._leaving
+        return self.membership is not None and self.membership.is_member and not self.state.leaving
 
     @property
     def serving(self) -> bool:
@@ -210,7 +220,7 @@ class ClusterRuntime:
         with etcd's generations since it registered (generations.py). Otherwise every read is
         answered as for an empty namespace: a page invalidated while it was away, cut off or
         down is never served, and no record it keeps as an owner is promised."""
-        return not self._leaving and self.generations is not None and self.generations.serving
+        return self.state()
 
     def owner_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
         """What a node asking this one as a shard owner gets: every record here while serving, none otherwise."""
@@ -321,7 +331,7 @@ class ClusterRuntime:
         """Raises the namespace's generation in etcd and at every node (generations.py); returns
         (pages removed here, the new generation) once every node entered it or was fenced."""
         assert self.generations is not None
-        if self._leaving:
+        if self.state.leaving:
             raise TierUnavailable(f"node {self.node} is leaving the cluster: invalidate namespace {namespace_id.hex()} "
                                   "at another node")
         timeout = max(0.01, (time_remaining_s or 3 * self.cluster.ttl_s) - _MARGIN_S)
@@ -330,6 +340,12 @@ class ClusterRuntime:
         except TimeoutError:
             raise TierUnavailable(f"the invalidation of namespace {namespace_id.hex()} did not finish within the call's "
                                   "deadline; it may stand at some nodes: invalidate again") from None
+
+    def _reseed(self) -> None:
+        """At every catch-up with etcd, before serving: the tenants' salts, then the sessions' owners."""
+        if self._reseed_salts is not None:
+            self._reseed_salts()
+        self.session_moves.reconcile()
 
     # -- membership listeners (on the loop) -------------------------------------------------
     def _on_members(self, members: Mapping[str, Member]) -> None:
