@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -242,13 +243,16 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     total = 2 * len(args.paths.split(","))
+    load_start = [round(x, 2) for x in os.getloadavg()]  # CPU per GB also grows on a busy host (shared caches, SMT)
     with tqdm(total=total, desc="throughput", unit="path", disable=None) as bar:
         results = asyncio.run(_measure(args, bar))
-    return {"pages": args.pages, "page_bytes": QWEN3_8B.page_bytes, "results": results}
+    return {"pages": args.pages, "page_bytes": QWEN3_8B.page_bytes, "results": results,
+            "load_average_start": load_start, "load_average_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{report['pages']} pages x {report['page_bytes'] / 2**20:.2f} MiB = {report['pages'] * report['page_bytes'] / 2**30:.3f} GiB per batch")
+    print(f"{report['pages']} pages x {report['page_bytes'] / 2**20:.2f} MiB = {report['pages'] * report['page_bytes'] / 2**30:.3f} GiB per batch"
+          f"; load average {report['load_average_start']} at the start, {report['load_average_end']} at the end")
     print(f"{'path':<14} {'GB/s':>7}  {'limit':<22} {'GB/s':>7} {'ratio':>6}   {'CPU s/GB':>8} {'limit':>6}")
     for r in report["results"]:
         print(f"{r['path']:<14} {r['gbps']:>7.2f}  {r['limit']:<22} {r['limit_gbps']:>7.2f} {r['ratio']:>6.2f}   "
