@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -36,9 +37,10 @@ from kvstore.security.salts import TenantSalts
 from kvstore.security.server import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.handoff_markers import HandoffMarkers
+from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement import Demoter, Placement
-from kvstore.server.placement.assembly import Wrap
+from kvstore.server.placement.assembly import Wrap, open_directory
 from kvstore.server.rpc_pool import RetiringPool
 from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
@@ -137,41 +139,53 @@ class Server:
             raise
 
     def _build(self, config: ServerConfig, wrap: Wrap | None) -> None:
-        self.metrics = Metrics()
+        """Builds in one direction (DESIGN §2 "How the server is put together"): each part gets
+        what it needs, made before it, in its constructor; nothing is assigned to a part later."""
+        self.metrics = metrics = Metrics()
         # Security hook (DESIGN §11), built first: a bad auth file or certificate leaves no arena
         # behind. Every call is authenticated before its handler runs; handlers read the caller
         # with kvstore.security.interceptor.current_identity().
         self.security = ServerSecurity(config.security, config.data_dir,
-                                       lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
+                                       lambda method, code: metrics.rpc_errors.labels(method, code).inc(),
                                        salts=_cluster_salts(config) if config.cluster is not None else None)
-        # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
-        # holding the pages of the namespaces it owns; it is handed over by the arena socket.
+        authenticator = self.security.authenticator
+        # The stores the tenancy counts from: the directory (its records loaded), the lease table, the token log.
+        directory = open_directory(config)
+        leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
+        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        # Who owns each namespace, and what each tenant may hold (DESIGN §11). The call socket's connections per
+        # tenant are counted by the call socket (made last) and read by the quotas.
+        owners = NamespaceOwners(directory.env)
+        connections = TenantConnections()
+        quotas = Quotas(config.tenant_quota, lambda: authenticator.quotas, owners, directory, leases, self.wal,
+                        config.host.hint_grace_s, metrics, call_connections=connections.held)
+        self.tenancy = Tenancy(owners, quotas)
         # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.4): the
         # core and the session owners read this state, the cluster runtime (made after the core) drives it.
         serving = ServingState() if config.cluster is not None else None
-        self.core = Placement(config, self.metrics, wrap=wrap, owner_of=lambda ns: self.tenancy.owners.owner(ns) or "",
-                              arena_bytes=lambda tenant: self.tenancy.quotas.limits(tenant).host_bytes, serving=serving)
-        self.demoter = Demoter(self.core)
-        self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
+        # holding the pages of the namespaces it owns; it is handed over by the arena socket.
+        # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
+        try:
+            self.core = core = Placement(config, metrics, wrap=wrap, owner_of=lambda ns: owners.owner(ns) or "",
+                                         arena_bytes=lambda tenant: quotas.limits(tenant).host_bytes, serving=serving,
+                                         directory=directory, leases=leases, shares=partial(SsdShares, quotas))
+        except BaseException:  # e.g. an ssd capacity below what is stored: the stores opened for it are closed
+            self.wal.close()
+            directory.close()
+            raise
+        self.demoter = Demoter(core)
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
-        self.session_owners = SessionOwners(self.wal, config.node, lambda call: self.metrics.session_refusals.labels(call).inc(),
+        self.session_owners = SessionOwners(self.wal, config.node, lambda call: metrics.session_refusals.labels(call).inc(),
                                             serving=serving)
-        owners = NamespaceOwners(self.core.directory.env)  # who owns each namespace, and what each tenant may hold (DESIGN §11)
         self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if serving is not None:  # cluster mode
             from kvstore.server.cluster import ClusterRuntime
 
             # what this node publishes names the namespace's tenant; at every catch-up the salts are reseeded, then sessions
-            self.cluster = ClusterRuntime(self.core, config, serving, owners.owner, self.session_owners, self.wal,
+            self.cluster = ClusterRuntime(core, config, serving, owners.owner, self.session_owners, self.wal,
                                           reseed_salts=getattr(self.security.salts, "reseed", None))
         self.session_moves: SessionMoves | None = self.cluster.session_moves if self.cluster is not None else None
-        # The call socket's connections per tenant: counted by the call socket (made last), read by the quotas.
-        connections = TenantConnections()
-        quotas = Quotas(config.tenant_quota, lambda: self.security.authenticator.quotas, owners, self.core.directory,
-                        self.core.leases, self.wal, config.host.hint_grace_s, self.metrics, call_connections=connections.held)
-        # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
-        self.core.moves.shares = SsdShares(quotas, self.core.lower[0].budget if self.core.lower else None)
-        self.tenancy = Tenancy(owners, quotas)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = RetiringPool(config.workers + config.max_streams)  # idle threads end: a burst's do not stay (rpc_pool.py)
@@ -185,7 +199,7 @@ class Server:
         hbm = "hbm" in config.tiers
         self.arena_socket: ArenaSocket | None = None
         if self._tenant_arenas or hbm:
-            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), self.security.authenticator, self._arena_for,
+            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), authenticator, self._arena_for,
                                             pool_for=self._pool_for if hbm else None)
         socket_path = self.arena_socket.path if self.arena_socket else None
         # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
@@ -207,10 +221,10 @@ class Server:
                                self.streams, self.metrics, request_limits(config))
         # Same-host unary calls without gRPC (DESIGN §11 "Same-host paths"), answered by the same guarded handlers.
         self.call_socket = CallSocket(
-            call_path, self.security.authenticator, guarded, call_token,
-            undo={"Acquire": lambda answer, who: self.core.release(answer.lease_id, who.tenant),
-                  "Allocate": lambda answer, who: self.core.abort(answer.allocation_id, who.tenant)},
-            rejected=lambda method, code: self.metrics.rpc_errors.labels(method, code).inc(),
+            call_path, authenticator, guarded, call_token,
+            undo={"Acquire": lambda answer, who: core.release(answer.lease_id, who.tenant),
+                  "Allocate": lambda answer, who: core.abort(answer.allocation_id, who.tenant)},
+            rejected=lambda method, code: metrics.rpc_errors.labels(method, code).inc(),
             tenant_limit=quotas.call_connection_limit, quota_refused=lambda tenant: quotas.refused(tenant, "call_connections"),
             connections=connections)
         self._data = data_service

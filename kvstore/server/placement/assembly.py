@@ -3,9 +3,12 @@ names concrete tier classes (the core only knows the protocol)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvstore.config import ServerConfig
+from kvstore.directory import Directory
 from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget, make_policy
 from kvstore.server.metrics import Metrics
 from kvstore.tiers.arenas import TenantArenas
@@ -15,6 +18,25 @@ from kvstore.tiers.pinned import ArenaPins, pinned
 from kvstore.tiers.ssd import SsdTier
 
 Wrap = Callable[[Tier], Tier]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Recovery creates an object or two per stored page; the cyclic GC would rescan the
+    growing heap again and again meanwhile (none of these objects form cycles)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def open_directory(config: ServerConfig) -> Directory:
+    """This node's directory, its durable records loaded from ``config.data_dir``."""
+    with gc_paused():
+        return Directory(config.data_dir, config.node, config.directory_map_bytes)
 
 
 def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> list[Tier]:

@@ -17,7 +17,6 @@ it, so publishing and removing them under ``_lock`` is in-memory work."""
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -28,10 +27,10 @@ from kvstore.device_ops import PoolHandout
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest, LeaseExpired, NamespaceMismatch, TierFull, TierUnavailable
 from kvstore.page import ENGINE_FLAGS, FLAG_WANTED, LayoutDesc, PageHeader
-from kvstore.server.admission import AdmissionPolicy
+from kvstore.server.admission import AdmissionPolicy, WriteBudget
 from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.assembly import Wrap, open_tiers
+from kvstore.server.placement.assembly import Wrap, gc_paused, open_directory, open_tiers
 from kvstore.server.placement.generation_gate import GenerationGate
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover, NotAmong
@@ -39,6 +38,7 @@ from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.reports import CoreReports
 from kvstore.server.placement.residence import Residence, leading
+from kvstore.server.placement.shares import TenantShares
 from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
@@ -47,10 +47,14 @@ from kvstore.tiers.base import ArenaInfo, LandingTier
 
 
 class Placement(CoreReports):
+    """``directory`` and ``leases``: made here unless the server made them first (its tenancy reads
+    them); ``shares``: makes the tenants' ssd shares from the ssd tier's write budget (None: none)."""
+
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
                  owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None,
-                 serving: Callable[[], bool] | None = None) -> None:
+                 serving: Callable[[], bool] | None = None, directory: Directory | None = None,
+                 leases: LeaseTable | None = None, shares: Callable[[WriteBudget | None], TenantShares] | None = None) -> None:
         self.config = config
         # whether this node may serve reads now (cluster mode: a member caught up with etcd's generations)
         self.serving = serving or (lambda: True)
@@ -58,20 +62,16 @@ class Placement(CoreReports):
         self.clock = clock
         self.node = config.node
         self.metrics = metrics or Metrics()
-        # Recovery creates an object or two per stored page; the cyclic GC would rescan the
-        # growing heap again and again meanwhile (none of these objects form cycles).
-        gc_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            self.directory = Directory(config.data_dir, config.node, config.directory_map_bytes)
+        with gc_paused():  # recovery: an object or two per stored page
+            self.directory = open_directory(config) if directory is None else directory
             self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
-            self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
+            self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms) if leases is None else leases
             self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
             self.tiers = self.residence.tiers
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock
             self.moves = Mover(self._lock, self.residence, self.lower, self.leases, self.directory, config.node, self.metrics,
-                               self.keeper.settle_owed)
+                               self.keeper.settle_owed, None if shares is None else shares(self.lower[0].budget if self.lower else None))
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get, self.owner_of)
             self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
@@ -82,9 +82,6 @@ class Placement(CoreReports):
             self.starved = self.moves.starved  # set when an allocation found no room: it evicted inline (demoter.py)
             self.watermarks = Watermarks(config.host.demote_above, config.host.demote_to)
             self.reporter.refresh_gauges()
-        finally:
-            if gc_enabled:
-                gc.enable()
 
     def arena_of(self, tenant: str = "") -> ArenaInfo:
         """The arena ``tenant``'s pages live in (made now at its first use: TierFull when the host cannot hold it)."""

@@ -70,7 +70,8 @@ def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
 
 class Mover(LowerRoom):
     def __init__(self, lock: threading.Lock, residence: Residence, lower: list[AdmittedTier], leases: LeaseTable,
-                 directory: Directory, node: str, metrics: Metrics, settle_owed: Callable[[], None] = lambda: None) -> None:
+                 directory: Directory, node: str, metrics: Metrics, settle_owed: Callable[[], None] = lambda: None,
+                 shares: TenantShares | None = None) -> None:
         self.lock = lock
         self._settle_owed = settle_owed  # lock held: does the owed removals now (lets go of the lock meanwhile)
         self.residence = residence
@@ -90,7 +91,7 @@ class Mover(LowerRoom):
                                                    initializer=run_behind, initargs=("idle", 0))
         self.starved = threading.Event()  # set when an allocation found no room and evicted inline: the demoter lags
         self._last_error_log = 0.0
-        self.shares: TenantShares | None = None  # tenants' ssd shares (set by the server; a page nobody owns has none)
+        self.shares = shares  # tenants' ssd shares (none without tenants; a page nobody owns has none)
         self.clock: Callable[[], float] = time.monotonic  # the demoter's backoff (tests replace it)
         self._backoff_s = 0.0  # after a failed round: how long the demoter waits, until ``_retry_at``
         self._retry_at = 0.0
