@@ -46,6 +46,38 @@ void stream_copy(char *dst, const char *src, size_t n) {
 #endif
 }
 
+/* stream_copy that also leaves the bytes it read in keep (n bytes, meant to stay in L1): each
+ * byte of src is loaded once and stored to both, so keep holds exactly what dst received even
+ * when another process writes src meanwhile. */
+static void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n) head = n;
+    memcpy(keep, src, head);
+    memcpy(dst, keep, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_storeu_si128((__m128i *)(keep + i), a);
+        _mm_storeu_si128((__m128i *)(keep + i + 16), b);
+        _mm_storeu_si128((__m128i *)(keep + i + 32), c);
+        _mm_storeu_si128((__m128i *)(keep + i + 48), d);
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(keep + i, src + i, n - i);
+    memcpy(dst + i, keep + i, n - i);
+#else
+    memcpy(keep, src, n);
+    memcpy(dst, keep, n);
+#endif
+}
+
 /* A 2-D uint8 buffer whose rows are contiguous (any row stride). */
 static int rows_view(PyObject *obj, Py_buffer *view, int writable, const char *name) {
     int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -60,19 +92,26 @@ static int rows_view(PyObject *obj, Py_buffer *view, int writable, const char *n
 
 /* Hashes the rows of src into state and copies them to dst (row r at dst + r * dst_stride),
  * piece by piece while each piece is in L1: streamed (non-temporal) stores for a destination
- * nobody reads soon, plain ones for a message the socket layer reads next. No GIL needed. */
+ * nobody reads soon, plain ones for a message the socket layer reads next. src may be shared
+ * memory another process writes (an arena slot): each piece is read from it once, into dst and
+ * an L1 buffer (streamed) or into dst (plain), and the hash is taken of that copy, so what is
+ * hashed is exactly what lands; hashing src and copying it again would let a writer that
+ * flips bytes between the two reads land bytes that were never hashed. No GIL needed. */
 static void hash_copy_rows(void *state, const Py_buffer *src, char *dst, Py_ssize_t dst_stride, int stream) {
+    char piece[PIECE_BYTES] __attribute__((aligned(64)));
     xxh3_reset(state);
     for (Py_ssize_t r = 0; r < src->shape[0]; r++) {
         const char *s = (const char *)src->buf + r * src->strides[0];
         char *d = dst + r * dst_stride;
         for (Py_ssize_t at = 0; at < src->shape[1]; at += PIECE_BYTES) {
             size_t n = (size_t)(src->shape[1] - at < PIECE_BYTES ? src->shape[1] - at : PIECE_BYTES);
-            xxh3_update(state, s + at, n);
-            if (stream)
-                stream_copy(d + at, s + at, n);
-            else
+            if (stream) {
+                stream_copy_keep(d + at, piece, s + at, n);
+                xxh3_update(state, piece, n);
+            } else {
                 memcpy(d + at, s + at, n);
+                xxh3_update(state, d + at, n);
+            }
         }
     }
 #if defined(__SSE2__)

@@ -63,15 +63,13 @@ def copy_checksum(dst: np.ndarray, src: np.ndarray, native: bool = NATIVE) -> in
     """Copies ``src`` into ``dst`` and returns ``kvstore.page.checksum`` of the bytes, row
     after row. Both are 2-D uint8 arrays of one shape whose rows are contiguous (a page in
     the arena reshaped to the engine's rows, or an engine page's strided rows). The GIL is
-    released while the bytes move."""
+    released while the bytes move. Each byte of ``src`` is read once and the digest is of
+    the bytes written: a writer changing ``src`` meanwhile cannot land bytes never hashed."""
     if native and _copyhash is not None:
         return int(_copyhash.copy_checksum(dst, src))
-    if src.flags.c_contiguous:  # hash the source first: a reader verifies before it copies
-        digest = checksum(src)
-        np.copyto(dst, src)
-        return digest
-    np.copyto(dst, src)
-    return checksum(dst) if dst.flags.c_contiguous else checksum_rows(dst)
+    private = np.ascontiguousarray(src) if not src.flags.c_contiguous else src.copy()  # src is read once:
+    np.copyto(dst, private)  # it may be shared memory another process writes (an arena slot); what is
+    return checksum(private)  # hashed is what lands, and dst may be shared too
 
 
 def checksum_released(data: Any) -> int:

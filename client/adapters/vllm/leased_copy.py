@@ -4,7 +4,11 @@ checksum verified: the one copy an ordinary leased load (worker.py) and a handof
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+
+import numpy as np
+import torch
 
 from kvstore.client.adapters.vllm.layout import RequestKV
 from kvstore.client.arena import ArenaMap
@@ -19,15 +23,32 @@ def copy_verified(kv: RequestKV, layout: KVLayout, sources: Sequence[tuple[Arena
     """Copies page i from ``sources[i]`` (an arena and the page's offset in it) into ``kv``'s page i; the
     index of the first page whose bytes fail ``sums[i]``, None when all pass. Into a CPU cache one native
     call copies and checksums every page (the caller fails the blocks from the bad one on); into device KV
-    each page is checked first and one that fails is not copied, nor any after it."""
+    or per-layer caches each page is read once from the arena into a private buffer, checked there and
+    copied from there: the arena is shared memory, and a second read could see bytes never verified. A
+    page that fails is not copied, nor any after it."""
     n = layout.page_bytes
     host = None if on_device else kv.host_pages()
     if host is not None:
         running = [running_checksum() for _ in sources]
         host.write_pages(layout.num_layers, range(len(sources)), [arena.array[o : o + n] for arena, o in sources], running)
         return next((i for i, s in enumerate(running) if s.intdigest() != sums[i]), None)
+    staging = _staging(n, on_device)
     for i, (arena, offset) in enumerate(sources):
-        if checksum(arena.array[offset : offset + n]) != sums[i]:
+        np.copyto(staging.numpy(), arena.array[offset : offset + n])  # the one read of the shared arena
+        if checksum(staging.numpy()) != sums[i]:
             return i
-        kv.write_page(i, slot_as_page(arena.slot(offset, n), layout))
+        kv.write_page(i, slot_as_page(staging, layout))  # a blocking copy: the buffer is free again after it
     return None
+
+
+_local = threading.local()
+
+
+def _staging(nbytes: int, on_device: bool) -> torch.Tensor:
+    """This thread's private page buffer, pinned for a device copy where CUDA is present (the
+    pinning is slow: kept for the thread's next loads)."""
+    pinned = on_device and torch.cuda.is_available()
+    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pinned:
+        buffer = _local.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    return buffer
