@@ -49,7 +49,7 @@ void stream_copy(char *dst, const char *src, size_t n) {
 /* stream_copy that also leaves the bytes it read in keep (n bytes, meant to stay in L1): each
  * byte of src is loaded once and stored to both, so keep holds exactly what dst received even
  * when another process writes src meanwhile. */
-static void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
+void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) head = n;

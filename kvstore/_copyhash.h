@@ -23,6 +23,7 @@ extern digest_fn xxh3_digest;
 
 /* _copyhash.c: copies n bytes with non-temporal stores (the caller fences) */
 void stream_copy(char *dst, const char *src, size_t n);
+void stream_copy_keep(char *dst, char *keep, const char *src, size_t n);
 
 /* _scatter.c */
 extern const char scatter_checksum_doc[];

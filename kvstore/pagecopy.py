@@ -95,8 +95,9 @@ def scatter_checksum(sums: Sequence[Any], dst: np.ndarray, offsets: Sequence[int
     to its place in ``dst`` (a 1-D uint8 array): from byte ``offsets[i]`` on, laid out by
     ``shape`` (the last entry: bytes of one contiguous run) and ``strides`` (bytes, one per
     dimension before the last), and feeds the bytes to ``sums[i]`` (``running_checksum``).
-    A layer of every page of a load is one call, read once: each piece is hashed right
-    after it is copied. Every place is checked to lie inside ``dst`` first. The GIL is
+    A layer of every page of a load is one call, read once: each piece is hashed from the
+    copy it was loaded into, so a writer changing ``srcs`` meanwhile cannot land bytes never
+    hashed. Every place is checked to lie inside ``dst`` first. The GIL is
     released while the bytes move."""
     if native and _copyhash is not None:
         _copyhash.scatter_checksum(sums, dst, offsets, strides, shape, srcs)
@@ -108,6 +109,6 @@ def scatter_checksum(sums: Sequence[Any], dst: np.ndarray, offsets: Sequence[int
         raise ValueError(f"a place of {extent} bytes lies outside dst ({len(dst)} bytes)")
     for running, offset, src in zip(sums, offsets, srcs):
         place = np.lib.stride_tricks.as_strided(dst[offset:], shape=tuple(shape), strides=(*strides, 1))
-        data = np.frombuffer(src, dtype=np.uint8).reshape(shape)
+        data = np.frombuffer(src, dtype=np.uint8).reshape(shape).copy()  # src read once: it may be shared memory
         np.copyto(place, data)
         running.update(data)

@@ -91,6 +91,13 @@ def test_a_source_changing_under_the_copy_lands_only_hashed_bytes(native: bool) 
     writer.start()
     try:
         wrong = sum(pagecopy.copy_checksum(dst, src, native=native) != checksum(dst) for _ in range(100))
+        flat = dst.reshape(-1)
+        for _ in range(100):  # the layer-wise load's scatter: runs of 4 KiB into every other place
+            running = pagecopy.running_checksum(native)
+            pagecopy.scatter_checksum([running], flat, [0], [8192], [src.size // 8192, 4096], [src.reshape(-1)[: src.size // 2]],
+                                      native=native)
+            landed = np.lib.stride_tricks.as_strided(flat, shape=(src.size // 8192, 4096), strides=(8192, 1))
+            wrong += running.intdigest() != checksum(np.ascontiguousarray(landed))
         message, digest = pagecopy.frame_checksummed(b"head", src, 0x3A)
         framed = np.frombuffer(message, dtype=np.uint8)[4 : 4 + src.size]
     finally:
