@@ -27,7 +27,7 @@ from kvstore.client.transport.base import Peer, page_in, page_out
 from kvstore.client.transport.shm_staged import LeasedPages, SlotOutgoing
 from kvstore.errors import KVStoreError
 from kvstore.page import checksum
-from kvstore.pagecopy import copy_checksum
+from kvstore.pagecopy import copy_checksum, copy_checksum_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,23 @@ T = TypeVar("T")
 PIPELINE_PAGES = 64
 RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
 INLINE_COPY_BYTES = 128 << 10  # a batch this small is copied on the runtime loop (a thread hop costs more)
+
+_local = threading.local()
+
+
+def _on_cuda(kv: torch.Tensor | EngineKV) -> bool:
+    layers = getattr(kv, "layers", None)  # a PagedKV's block tensors
+    first = kv if isinstance(kv, torch.Tensor) else layers[0] if layers else None
+    return isinstance(first, torch.Tensor) and first.device.type == "cuda"
+
+
+def _staging(nbytes: int, pinned: bool) -> torch.Tensor:
+    """This thread's private page buffer (read_slot), pinned for a copy to a CUDA device (the
+    pinning is slow: kept for the thread's next pages)."""
+    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pinned:
+        buffer = _local.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    return buffer
 
 
 class ShmTransport:
@@ -246,9 +263,13 @@ class ShmTransport:
                 return True
             dst.clear()
             return False
-        if checksum(slot) != acquired.checksum:
+        # The arena is shared memory another process may write: the page is read from it once,
+        # into this thread's own buffer, verified there and copied on from there (checksumming
+        # the slot and then copying the slot could land bytes that were never verified).
+        private = _staging(n, _on_cuda(into))
+        if copy_checksum_bytes(private.numpy(), slot) != acquired.checksum:
             return False
-        page_out(into, page, slot_as_page(arena.slot(acquired.offset, n), self.layout), self.layout)
+        page_out(into, page, slot_as_page(private, self.layout), self.layout)  # blocking: the buffer is free after it
         return True
 
     # -- put / get / layer-wise ------------------------------------------------------------
