@@ -48,10 +48,10 @@ def _on_cuda(kv: torch.Tensor | EngineKV) -> bool:
 def _staging(nbytes: int, pinned: bool) -> torch.Tensor:
     """This thread's private page buffer (read_slot), pinned for a copy to a CUDA device (the
     pinning is slow: kept for the thread's next pages)."""
-    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
-    if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pinned:
-        buffer = _local.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    return buffer
+    kept: tuple[torch.Tensor, bool] | None = getattr(_local, "buffer", None)  # pinned kept beside it: is_pinned()
+    if kept is None or kept[0].numel() != nbytes or kept[1] != pinned:  # may start CUDA in a process that has none
+        kept = _local.buffer = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned)
+    return kept[0]
 
 
 class ShmTransport:
