@@ -320,7 +320,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calls", type=int, default=10_000, help="calls to make (a stream's chunks each count as a message)")
     p.add_argument("--concurrency", type=int, default=8, help="calls in flight at once")
     p.add_argument("--socket-calls", type=int, default=2000,
-                   help="cases sent afterwards as frames on the same-host call socket (kvstore/localcall.py)")
+                   help="cases sent afterwards as frames on the same-host call socket (kvstore/callsocket/frames.py)")
     p.add_argument("--warmup-share", type=float, default=0.2, help="share of the calls before the RSS baseline")
     p.add_argument("--seed", type=int, default=0, help="of the cases and mutations (a finding reproduces with its seed)")
     p.add_argument("--methods", help="only these RPCs, comma-separated (to reproduce a finding); default every RPC")

@@ -1,4 +1,4 @@
-"""kvstore-bench fuzz, the same-host call socket (kvstore/localcall.py): the fuzzer's own
+"""kvstore-bench fuzz, the same-host call socket (kvstore/callsocket/frames.py): the fuzzer's own
 structure-aware requests (valid, field-mutated, encoding-damaged, random) of the methods the
 socket serves, sent as frames, and the frames themselves damaged: a lying length (cut short,
 or longer than what follows), a random method id or deadline, random bytes, a request of
@@ -18,11 +18,11 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.bench.fuzz_calls import BAD_CALLERS, CALL_TIMEOUT_S, Case
 from kvstore.bench.fuzz_cases import learn
 from kvstore.bench.fuzz_mutate import random_bytes
+from kvstore.callsocket import frames
 
 _CODES = {int(code.value[0]): code.name for code in grpc.StatusCode}
 _SERVICES = {"Data": data_pb2.DESCRIPTOR.services_by_name["Data"], "Directory": directory_pb2.DESCRIPTOR.services_by_name["Directory"]}
@@ -39,7 +39,7 @@ class SocketFuzzer:
         self._open: dict[str, socket.socket] = {}  # token -> a connection that said HELLO with it
         # The run's methods the socket serves: none (--methods Replicate) skips the phase. Cases were
         # drawn until one was served, which never ended, and SIGTERM waited for this thread.
-        self.methods = [m for m in fuzzer.methods if f"{m[1].containing_service.name}.{m[1].name}" in localcall.METHOD_IDS]
+        self.methods = [m for m in fuzzer.methods if f"{m[1].containing_service.name}.{m[1].name}" in frames.METHOD_IDS]
 
     def run(self, num_calls: int, bar: Any, server_alive: Any) -> None:
         for _ in range(num_calls if self.methods else 0):
@@ -58,7 +58,7 @@ class SocketFuzzer:
         tally = self.fuzzer.tally
         tally.calls[name] += 1
         tally.messages[name] += 1
-        method_id = localcall.METHOD_IDS[f"{case.method.containing_service.name}.{case.method.name}"]
+        method_id = frames.METHOD_IDS[f"{case.method.containing_service.name}.{case.method.name}"]
         frame, strategy, close_after_send, sent_id = self._frame(method_id, case.requests[0])
         tally.strategies[f"socket {strategy}"] += 1
         try:
@@ -73,8 +73,8 @@ class SocketFuzzer:
                 code = CLOSED if answer is None else _CODES.get(answer[0], f"status {answer[0]}")
                 if answer is None or close_after_send:
                     self._drop(case)
-                if answer is not None and answer[0] == 0 and 0 < sent_id <= len(localcall.METHODS):
-                    self._learn(case, localcall.METHODS[sent_id - 1], answer[1], strategy == "as is")
+                if answer is not None and answer[0] == 0 and 0 < sent_id <= len(frames.METHODS):
+                    self._learn(case, frames.METHODS[sent_id - 1], answer[1], strategy == "as is")
         except TimeoutError:
             code = "HANG"
             self._drop(case)
@@ -94,19 +94,19 @@ class SocketFuzzer:
         timeout_ms = int(CALL_TIMEOUT_S * 1000)
         roll = self.rng.random()
         if roll < 0.6:
-            return localcall.request_frame(method_id, timeout_ms, body), "as is", False, method_id
+            return frames.request_frame(method_id, timeout_ms, body), "as is", False, method_id
         if roll < 0.7:
             other = self.rng.randrange(0, 64)
-            return localcall.request_frame(other, timeout_ms, body), "method id", False, other
+            return frames.request_frame(other, timeout_ms, body), "method id", False, other
         if roll < 0.75:
             deadline = self.rng.choice((0, 1, 2**32 - 1))
-            return localcall.request_frame(method_id, deadline, body), "deadline", False, method_id
-        header = localcall.REQUEST_HEADER
+            return frames.request_frame(method_id, deadline, body), "deadline", False, method_id
+        header = frames.REQUEST_HEADER
         if roll < 0.85:
             cut = self.rng.randrange(0, len(body) + header.size)
-            return localcall.request_frame(method_id, timeout_ms, body)[:cut], "cut short", True, 0
+            return frames.request_frame(method_id, timeout_ms, body)[:cut], "cut short", True, 0
         if roll < 0.9:
-            claimed = len(body) + self.rng.choice((1, 100, localcall.MAX_REQUEST_BYTES, 2**32 - 1 - len(body)))
+            claimed = len(body) + self.rng.choice((1, 100, frames.MAX_REQUEST_BYTES, 2**32 - 1 - len(body)))
             return header.pack(claimed, method_id, timeout_ms) + body, "length lies", True, 0
         return random_bytes(self.rng, self.rng.randint(1, 64)), "random bytes", True, 0
 
@@ -118,7 +118,7 @@ class SocketFuzzer:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
         conn.settimeout(CALL_TIMEOUT_S)
-        conn.sendall(localcall.request_frame(localcall.HELLO, 0, token.encode(errors="surrogateescape")))
+        conn.sendall(frames.request_frame(frames.HELLO, 0, token.encode(errors="surrogateescape")))
         answer = _read_answer(conn)
         hello = CLOSED if answer is None else _CODES.get(answer[0], f"status {answer[0]}")
         if hello == "OK" and case.caller not in BAD_CALLERS:
@@ -151,10 +151,10 @@ class SocketFuzzer:
 
 def _read_answer(conn: socket.socket) -> tuple[int, bytes] | None:
     """(status, body) of the next answer; None when the server closed the connection."""
-    header = _exactly(conn, localcall.ANSWER_HEADER.size)
+    header = _exactly(conn, frames.ANSWER_HEADER.size)
     if header is None:
         return None
-    body_bytes, status = localcall.ANSWER_HEADER.unpack(header)
+    body_bytes, status = frames.ANSWER_HEADER.unpack(header)
     body = _exactly(conn, body_bytes)
     return None if body is None else (status, body)
 

@@ -27,7 +27,7 @@ What each row's ``call`` times (its ``path`` says which transport it took):
 * ``Lookup RPC``: a bare synchronous gRPC stub's Lookup, keys computed once (gRPC on loopback).
 * ``client.lookup_keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client, keys
   computed once: over the same-host call socket, on the caller's own event loop
-  (client/loopcalls.py); what an engine on the server's host pays when it keeps a
+  (client/calls.py); what an engine on the server's host pays when it keeps a
   request's keys. Beside every ``Lookup RPC`` row (each state, each client count).
 * ``client.lookup`` (idle, one client): ``KVStoreClient.lookup(tokens)`` of a client without
   shared memory: hashing the tokens, then the Lookup over grpc.aio on the client's I/O

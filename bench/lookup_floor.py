@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore import localcall
 from kvstore._proto import directory_pb2
 from kvstore.bench.harness import percentile
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
+from kvstore.callsocket import frames
 from kvstore.keys import page_keys
 
 CALL = "bare round trip (no kvstore)"
@@ -40,7 +40,7 @@ def sizes(pages: int) -> tuple[int, int]:
     request = directory_pb2.LookupRequest(namespace_id=LOOKUP_NS.namespace_id, keys=keys).ByteSize()
     answer = directory_pb2.LookupResponse(num_pages=pages, runs=[directory_pb2.LocationRun(
         node="node-0", tier="host", num_pages=pages, size_bytes=pages * LOOKUP_LAYOUT.page_bytes)]).ByteSize()
-    return localcall.REQUEST_HEADER.size + request, localcall.ANSWER_HEADER.size + answer
+    return frames.REQUEST_HEADER.size + request, frames.ANSWER_HEADER.size + answer
 
 
 def _exactly(conn: socket.socket, buf: memoryview) -> bool:

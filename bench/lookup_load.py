@@ -14,7 +14,7 @@ Roles:
   runtime thread (such a client makes its unary calls over gRPC).
 * ``keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client on the server's host,
   keys computed once: the Lookup over the same-host call socket on the caller's own event
-  loop (client/loopcalls.py), the engine's path when it keeps a request's keys. It reports
+  loop (client/calls.py), the engine's path when it keeps a request's keys. It reports
   the path it took (``path``: "call socket" only when the client has the socket).
 * ``writer``: puts fresh 2.25 MiB pages as fast as it can into a host tier smaller than
   what it writes, so that every allocation demotes a page to SSD; with ``--count`` it stops

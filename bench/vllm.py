@@ -14,7 +14,7 @@
    beside its floors measured in the same loop: a memcpy of the same bytes, and the round
    trip of a bare unary gRPC call (a raw server that echoes; once blocking on a plain
    channel, once through a client I/O runtime). Twice: the connector's unary calls over the
-   server's same-host call socket (kvstore/localcall.py; the connector's path on the
+   server's same-host call socket (kvstore/callsocket/frames.py; the connector's path on the
    server's host) and over gRPC (its path from another host). Goal: 1 page <= 1 ms.
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); outputs of the four

@@ -11,7 +11,7 @@ Contract:
 
 Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async methods
 await it from the caller's loop (a lookup over the call socket runs on the caller's loop
-itself: client/loopcalls.py); threads (layer-wise workers, synchronous engine hooks) use
+itself: client/calls.py); threads (layer-wise workers, synchronous engine hooks) use
 ``client.runtime.run(coro, timeout_s)``. Page bytes move through the one transport picked at
 connect (kvstore.client.transport): the shared arena when this host can map it, else gRPC streams.
 """
@@ -28,13 +28,13 @@ from typing import Any, Self, TypeVar, cast
 import torch
 
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket.client import CallChannel
 from kvstore.client.arena import ArenaMap
+from kvstore.client.calls import LoopCalls
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.handoff import HandoffCalls
 from kvstore.client.hit import Hit
 from kvstore.client.layerwise import DeviceOps, LayerLoad, LayerSave
-from kvstore.client.localcall import CallChannel
-from kvstore.client.loopcalls import LoopCalls
 from kvstore.client.migrate import MigrateCalls
 from kvstore.client.namespace_calls import NamespaceCalls
 from kvstore.client.restart import ServerAgain, map_arena
@@ -200,7 +200,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
     @property
     def calls(self) -> CallChannel | None:
         """The server's same-host call channel (set at connect), when this host can use it:
-        blocking unary calls from the caller's thread, without gRPC (kvstore.client.localcall)."""
+        blocking unary calls from the caller's thread, without gRPC (kvstore.callsocket.client)."""
         return self._calls
 
     @property
@@ -245,7 +245,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return await self.lookup_keys(self.keys(tokens))
 
     async def lookup_keys(self, keys: list[bytes], _tries: int = 3) -> Hit:
-        """The longest stored prefix of a chain of page keys the engine computed itself (see client/loopcalls.py)."""
+        """The longest stored prefix of a chain of page keys the engine computed itself (see client/calls.py)."""
         runs: list[LocationRun] = []
         n = generation = 0
         for start in range(0, len(keys), self.max_pages):

@@ -1,7 +1,7 @@
 """After the server restarted: what a client on its host holds of it, taken again.
 
 A restarted server has a new ``call_token`` (its call socket answers HELLO with it) and a new
-arena. The call channels (localcall.py, localcall_aio.py) see the other token on their next
+arena. The call channels (kvstore/callsocket/client.py, client_aio.py) see the other token on their next
 connection and ask ``ServerAgain`` for the server's socket and token now: over gRPC, whose
 channel names the server the client asked for (TLS), so the check of the token keeps its
 meaning. The arena is mapped again first: a lease or an allocation of the new server names
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore._proto import data_pb2
+from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_aio import AsyncCallChannel
 from kvstore.client.arena import ArenaMap
-from kvstore.client.localcall import CallChannel
-from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
 
@@ -55,7 +55,7 @@ class ServerAgain:
         the socket) and, when pages go through the arena, the runtime's async one (``local``)."""
         loop = asyncio.get_running_loop()
         calls = await loop.run_in_executor(None, CallChannel.open, info.call_socket, self._bearer, info.call_token,
-                                           timeout_s, self.call_socket_blocking)
+                                           timeout_s, self.call_socket_blocking, self.runtime.process.check)
         if self._arena_token is not None:
             self.runtime.local = await self.runtime.call(
                 AsyncCallChannel.open(info.call_socket, self._bearer, info.call_token, self.call_socket))

@@ -11,7 +11,7 @@ coroutines:
   hooks), bounded by ``timeout_s``.
 
 ``rpc`` is the one place a unary method is called over gRPC (always with a deadline),
-``unary`` picks the same-host call socket for it when the client has one (localcall_aio), and
+``unary`` picks the same-host call socket for it when the client has one (kvstore/callsocket/client_aio.py), and
 ``error`` is the one place a gRPC status becomes a kvstore error. Every job submitted here completes
 exactly once: a caller cancelled or timed out cancels its job and waits for it to unwind
 (its cleanup gives back leases and allocations), and ``close`` does the same for every job
@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore import localcall
 from kvstore._proto import data_pb2_grpc, directory_pb2_grpc, handoff_pb2_grpc
 from kvstore.aio_status import KeptStatus
+from kvstore.callsocket import frames
+from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
 from kvstore.client.forked import ProcessCheck
-from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
@@ -169,7 +169,7 @@ class Runtime:
         socket did not take the request, over gRPC. Errors are the same either way."""
         timeout_s = timeout_s or self.timeout_s
         local = self.local
-        if local is not None and name in localcall.METHOD_IDS and local.usable:
+        if local is not None and name in frames.METHOD_IDS and local.usable:
             start = self._loop.time()
             try:
                 return await local.call(name, request, timeout_s)

@@ -27,10 +27,11 @@ from kvstore._proto import (
     migration_pb2,
     migration_pb2_grpc,
 )
+from kvstore.callsocket.frames import CALL_TOKEN_BYTES
+from kvstore.callsocket.server import CallSocket, TenantConnections
 from kvstore.config import ServerConfig
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
-from kvstore.localcall import CALL_TOKEN_BYTES
 from kvstore.security.arena_socket import ArenaSocket
 from kvstore.security.identity import Identity
 from kvstore.security.salts import TenantSalts
@@ -46,7 +47,6 @@ from kvstore.server.services.data import DataService
 from kvstore.server.services.directory import DirectoryService
 from kvstore.server.services.handlers import add_service, data_handlers, generated_handlers
 from kvstore.server.services.handoffs import HandoffService
-from kvstore.server.services.local_calls import CallSocket, TenantConnections
 from kvstore.server.services.migration import MigrationService
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate

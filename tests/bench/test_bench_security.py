@@ -8,9 +8,9 @@ import json
 import subprocess
 import sys
 
-from kvstore import localcall
 from kvstore.bench import soak_rounds
 from kvstore.bench.fuzz_streams import every_method
+from kvstore.callsocket import frames
 
 
 def _bench(*args: str, timeout_s: float = 240) -> tuple[int, dict, str]:
@@ -32,7 +32,7 @@ def test_fuzz_smoke_calls_every_rpc_and_finds_nothing(tmp_path) -> None:
     every = {m.name for _, m in every_method()}
     assert {n for n in report["methods"] if not n.startswith("socket:")} == every, \
         "every RPC of the protos is fuzzed, taken from the descriptors"
-    assert {n for n in report["methods"] if n.startswith("socket:")} == {f"socket:{m.split('.')[1]}" for m in localcall.METHODS}, \
+    assert {n for n in report["methods"] if n.startswith("socket:")} == {f"socket:{m.split('.')[1]}" for m in frames.METHODS}, \
         "every method of the same-host call socket is fuzzed there too"
     assert all(m["calls"] > 0 for m in report["methods"].values())
     assert report["num_calls"] >= 700 and report["num_messages"] > report["num_calls"]  # WritePages streams many

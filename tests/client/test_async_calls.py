@@ -1,4 +1,4 @@
-"""The async client's unary calls over the same-host call socket (DESIGN §11; client/localcall_aio.py):
+"""The async client's unary calls over the same-host call socket (DESIGN §11; kvstore/callsocket/client_aio.py):
 with shared memory on the server's host, put/lookup/get make no gRPC unary call; a stalled
 server ends a call at its deadline and leaves no lease (a restarted server: test_restart_calls.py)."""
 
@@ -19,10 +19,11 @@ import torch
 from conftest import ServerProcess, random_kv
 from test_localcall_deadline import CALL_TOKEN, _read_request
 
-from kvstore import KVLayout, Namespace, localcall
+from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
+from kvstore.callsocket import frames
+from kvstore.callsocket.client_aio import AsyncCallChannel
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.errors import KVStoreError
 
 
@@ -38,7 +39,7 @@ def recorded(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def spy_on(client: KVStoreClient, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
     """(the calls made over the call socket, the unary calls made over gRPC) from now on. Every
-    AsyncCallChannel's calls: the runtime's, and the caller loop's that lookups take (loopcalls.py)."""
+    AsyncCallChannel's calls: the runtime's, and the caller loop's that lookups take (client/calls.py)."""
     assert client.runtime.local is not None
     socket_calls: list[str] = []
     grpc_calls: list[str] = []
@@ -137,16 +138,16 @@ def _serve_scripted(conn: socket.socket, asked: list[int], received: threading.E
     with conn:
         if _read_request(conn) is None:
             return
-        conn.sendall(localcall.answer_frame(0, CALL_TOKEN + b"t"))
+        conn.sendall(frames.answer_frame(0, CALL_TOKEN + b"t"))
         while (request := _read_request(conn)) is not None:
             asked.append(request[0])
-            if request[0] == localcall.METHOD_IDS["Data.Acquire"]:
+            if request[0] == frames.METHOD_IDS["Data.Acquire"]:
                 received.set()
                 go.wait(10)
-                conn.sendall(localcall.answer_frame(0, data_pb2.AcquireResponse(lease_id=b"L" * 16).SerializeToString()))
+                conn.sendall(frames.answer_frame(0, data_pb2.AcquireResponse(lease_id=b"L" * 16).SerializeToString()))
                 answered.set()
             else:
-                conn.sendall(localcall.answer_frame(0, b""))
+                conn.sendall(frames.answer_frame(0, b""))
 
 
 async def test_a_lease_answered_to_a_cancelled_call_is_given_back(tmp_path: Path) -> None:
@@ -170,6 +171,6 @@ async def test_a_lease_answered_to_a_cancelled_call_is_given_back(tmp_path: Path
             await call
         await channel.close()  # waits for the give-back
         assert channel.num_late == 1
-        assert asked == [localcall.METHOD_IDS["Data.Acquire"], localcall.METHOD_IDS["Data.Release"]]
+        assert asked == [frames.METHOD_IDS["Data.Acquire"], frames.METHOD_IDS["Data.Release"]]
     finally:
         listener.close()

@@ -19,8 +19,8 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
+from kvstore.callsocket.client import CallChannel
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall import CallChannel
 from kvstore.errors import KVStoreError
 
 

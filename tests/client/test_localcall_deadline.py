@@ -1,4 +1,4 @@
-"""The client side of the same-host call channel (client/localcall.py) against a peer that
+"""The client side of the same-host call channel (kvstore/callsocket/client.py) against a peer that
 speaks its frames on a real Unix socket, scripted to answer late or not at all."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import localcall
 from kvstore._proto import data_pb2
-from kvstore.client.localcall import CallChannel
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import CallChannel
 
-CALL_TOKEN = secrets.token_bytes(localcall.CALL_TOKEN_BYTES)
+CALL_TOKEN = secrets.token_bytes(frames.CALL_TOKEN_BYTES)
 
 
 def _read_request(conn: socket.socket) -> tuple[int, bytes] | None:
-    header = conn.recv(localcall.REQUEST_HEADER.size, socket.MSG_WAITALL)
-    if len(header) < localcall.REQUEST_HEADER.size:
+    header = conn.recv(frames.REQUEST_HEADER.size, socket.MSG_WAITALL)
+    if len(header) < frames.REQUEST_HEADER.size:
         return None
-    body_bytes, method_id, _ = localcall.REQUEST_HEADER.unpack(header)
+    body_bytes, method_id, _ = frames.REQUEST_HEADER.unpack(header)
     return method_id, conn.recv(body_bytes, socket.MSG_WAITALL) if body_bytes else b""
 
 
@@ -44,11 +44,11 @@ def _serve(conn: socket.socket, first: bool, asked: list[int], done: threading.E
     with conn:
         if _read_request(conn) is None:
             return
-        conn.sendall(localcall.answer_frame(0, CALL_TOKEN + b"t"))
+        conn.sendall(frames.answer_frame(0, CALL_TOKEN + b"t"))
         if first and _read_request(conn) is not None:
             lease = data_pb2.AcquireResponse(lease_id=b"L" * 16).SerializeToString()
-            conn.sendall(localcall.answer_frame(0, data_pb2.WhoAmIResponse(tenant="t").SerializeToString())
-                         + localcall.answer_frame(0, lease))
+            conn.sendall(frames.answer_frame(0, data_pb2.WhoAmIResponse(tenant="t").SerializeToString())
+                         + frames.answer_frame(0, lease))
         while (request := _read_request(conn)) is not None:
             asked.append(request[0])
         done.wait(10)
@@ -77,9 +77,9 @@ def test_a_late_answer_is_given_back_without_blocking_past_the_deadline(tmp_path
         took = time.monotonic() - started
         assert took < 1.0, f"a call with a deadline of 1 us returned after {took:.2f} s"
         deadline = time.monotonic() + 5
-        while localcall.METHOD_IDS["Data.Release"] not in asked and time.monotonic() < deadline:
+        while frames.METHOD_IDS["Data.Release"] not in asked and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert localcall.METHOD_IDS["Data.Release"] in asked, "the late lease was not given back"
+        assert frames.METHOD_IDS["Data.Release"] in asked, "the late lease was not given back"
         assert channel.num_late == 1
         channel.close()
     finally:

@@ -1,4 +1,4 @@
-"""Lookups on the caller's own event loop (client/loopcalls.py, DESIGN §8): over a call-socket
+"""Lookups on the caller's own event loop (client/calls.py, DESIGN §8): over a call-socket
 channel of that loop, without the hop to the I/O runtime; a stalled server ends them at their
 deadline, a cancelled one leaves no connection behind, a socket that does not take them hands
 them to the runtime, and close leaves no connection of any loop open on the server."""
@@ -20,8 +20,8 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
 
@@ -240,7 +240,7 @@ async def test_closed_loops_still_referenced_leave_their_places_and_connections(
     workers) runs nothing again. Bug: its channel kept one of the MAX_LOOPS places and its
     connections open on the server until the loop was collected: after four such loops every
     other loop's lookups hopped to the runtime."""
-    from kvstore.client import loopcalls
+    from kvstore.client import calls
 
     async with KVStoreClient(server.address, ns) as client:
         keys = await stored(client, layout, 2)
@@ -256,11 +256,11 @@ async def test_closed_loops_still_referenced_leave_their_places_and_connections(
                 loop.close()
             kept.append(loop)
 
-        for _ in range(loopcalls.MAX_LOOPS):
+        for _ in range(calls.MAX_LOOPS):
             await asyncio.to_thread(on_a_loop_of_its_own)
         _socket_calls, hops = spy(monkeypatch)
         assert (await client.lookup_keys(keys)).num_pages == 2
         assert hops == [], "this loop's lookup went through the runtime: the closed loops held every place"
         assert await asyncio.to_thread(wait_for, lambda: connections_to(path) == before + 1), \
             f"{connections_to(path) - before - 1} connections of closed loops left open on the server"
-        assert len(kept) == loopcalls.MAX_LOOPS
+        assert len(kept) == calls.MAX_LOOPS

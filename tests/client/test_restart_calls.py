@@ -16,15 +16,15 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2
+from kvstore.callsocket.client_aio import AsyncCallChannel
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall_aio import AsyncCallChannel
 from kvstore.client.runtime import Runtime
 from kvstore.page import checksum
 
 
 def served(calls: list[str], fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (the real AsyncCallChannel.call, set on the class: the runtime's channel and the
-    caller loop's that lookups take, client/loopcalls.py), noting the method of each call it answered."""
+    caller loop's that lookups take, client/calls.py), noting the method of each call it answered."""
 
     async def spy(channel: AsyncCallChannel, method: str, *args: Any, **kw: Any) -> Any:
         answer = await fn(channel, method, *args, **kw)

@@ -1,4 +1,4 @@
-"""Raw frames on a server's same-host call socket (kvstore/localcall.py), for the tests that
+"""Raw frames on a server's same-host call socket (kvstore/callsocket/frames.py), for the tests that
 attack it: a caller that sends any frame as any token and reads the status it gets."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from kvstore import localcall
+from kvstore.callsocket import frames
 from kvstore.server import Server
 
 CODES = {int(code.value[0]): code for code in grpc.StatusCode}
@@ -16,10 +16,10 @@ CODES = {int(code.value[0]): code for code in grpc.StatusCode}
 
 def read_answer(sock: socket.socket) -> tuple[grpc.StatusCode, bytes] | None:
     """The next answer frame; None when the server closed the connection instead."""
-    header = _exactly(sock, localcall.ANSWER_HEADER.size)
+    header = _exactly(sock, frames.ANSWER_HEADER.size)
     if header is None:
         return None
-    body_bytes, status = localcall.ANSWER_HEADER.unpack(header)
+    body_bytes, status = frames.ANSWER_HEADER.unpack(header)
     body = _exactly(sock, body_bytes)
     assert body is not None, "the server closed the connection mid-answer"
     return CODES[status], body
@@ -44,7 +44,7 @@ def connect(server: Server, token: str | None, timeout_s: float = 10.0) -> tuple
     sock.connect(str(server.call_socket.path))  # blocking: a full backlog waits for the accept loop
     sock.settimeout(timeout_s)
     try:
-        sock.sendall(localcall.request_frame(localcall.HELLO, 0, (token or "").encode()))
+        sock.sendall(frames.request_frame(frames.HELLO, 0, (token or "").encode()))
     except (BrokenPipeError, ConnectionResetError):
         pass  # refused before the HELLO (no slot): the answer is there to read
     answer = read_answer(sock)
@@ -60,7 +60,7 @@ class SocketCaller:
         assert status == grpc.StatusCode.OK, status
 
     def raw(self, method: str, body: bytes, timeout_ms: int = 10_000) -> tuple[grpc.StatusCode, bytes] | None:
-        self.sock.sendall(localcall.request_frame(localcall.METHOD_IDS[method], timeout_ms, body))
+        self.sock.sendall(frames.request_frame(frames.METHOD_IDS[method], timeout_ms, body))
         return read_answer(self.sock)
 
     def code(self, method: str, request: Any) -> grpc.StatusCode:

@@ -61,7 +61,7 @@ async def test_tenants_stay_apart_on_the_async_call_socket(tenant_server, ca, la
 
 async def test_lookups_on_the_callers_loop_are_the_tenants(tenant_server, ca, layout: KVLayout,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lookup runs on the caller's loop over a channel of its own (client/loopcalls.py): it says
+    """A lookup runs on the caller's loop over a channel of its own (client/calls.py): it says
     HELLO with the client's token, so a tenant sees its own pages there and no other's."""
     ns = Namespace("m", "r1", layout)
     tls = ClientTLS(ca=ca.cert)

@@ -23,8 +23,8 @@ from google.protobuf.message import Message
 from helpers import call_raw, every_method, tls_channel
 from tenants import LAYOUT, OPS, PAGE_BYTES, A, Caller, new_keys, new_ns, tenant_config
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket import frames
 from kvstore.server import Server
 from kvstore.server.services.sizes import receive_limit
 
@@ -148,14 +148,14 @@ def test_the_call_socket_refuses_an_unauthenticated_caller_before_anything_else(
     a bad token, with each body: UNAUTHENTICATED, the connection closed, nothing held."""
     tokens: list[bytes] = [b"", b"Bearer " + A.encode(), A[:-1].encode(), b"\xff\xfe", b"A" * 5000, WRONG.encode()]
     wrong: list[str] = []
-    for name in localcall.METHODS:
+    for name in frames.METHODS:
         [method] = [m for s, m in METHODS if f"{s.name}.{m.name}" == name]
         for body_name, body in setup.bodies(method).items():
-            body = body[: localcall.MAX_REQUEST_BYTES + 1] if body_name == "huge" else body
+            body = body[: frames.MAX_REQUEST_BYTES + 1] if body_name == "huge" else body
             for token in tokens if first == "hello" else [None]:
-                frames = b"" if token is None else localcall.request_frame(localcall.HELLO, 0, token)
-                frames += localcall.request_frame(localcall.METHOD_IDS[name], 10_000, body)
-                answers = _send_raw(setup.server, frames)
+                sent = b"" if token is None else frames.request_frame(frames.HELLO, 0, token)
+                sent += frames.request_frame(frames.METHOD_IDS[name], 10_000, body)
+                answers = _send_raw(setup.server, sent)
                 if [code for code, _ in answers] != [grpc.StatusCode.UNAUTHENTICATED]:
                     wrong.append(f"{name} {body_name} body, {first} {token!r:.20}: {[(c.name, b[:80]) for c, b in answers]}")
     assert not wrong, "\n".join(wrong)

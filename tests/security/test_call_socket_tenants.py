@@ -1,4 +1,4 @@
-"""The hostile-tenant guarantees on the same-host call socket (DESIGN §11 "Same-host paths"; kvstore/localcall.py):
+"""The hostile-tenant guarantees on the same-host call socket (DESIGN §11 "Same-host paths"; kvstore/callsocket/frames.py):
 every method it serves is one the gRPC hostile suite attacks, and is attacked here again
 over the socket (``ATTACKS``, a test fails when a method is added without an entry); a
 caller without a valid token is refused at HELLO; a token revoked by a reload (in-process
@@ -20,9 +20,9 @@ from tenants import LAYOUT, A, B, World, hostile_world, new_keys, tenant_config,
 from test_hostile_tenant import COVERAGE
 from test_reload import LoggedServer
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2
-from kvstore.client.localcall import CallChannel
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import CallChannel
 from kvstore.errors import Unauthenticated
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server
@@ -110,12 +110,12 @@ def test_every_method_of_the_call_socket_is_attacked() -> None:
     """Fails when a method is added to the call socket without an attack here, or when it is
     not a unary RPC the gRPC hostile suite covers (streams stay on gRPC)."""
     unary = {f"{s.name}.{m.name}" for s, m in every_method() if not m.client_streaming and not m.server_streaming}
-    assert set(localcall.METHODS) <= unary & set(COVERAGE)
-    assert set(ATTACKS) == set(localcall.METHODS), f"not attacked: {sorted(set(localcall.METHODS) - set(ATTACKS))}"
-    assert len(set(localcall.METHODS)) == len(localcall.METHODS)
+    assert set(frames.METHODS) <= unary & set(COVERAGE)
+    assert set(ATTACKS) == set(frames.METHODS), f"not attacked: {sorted(set(frames.METHODS) - set(ATTACKS))}"
+    assert len(set(frames.METHODS)) == len(frames.METHODS)
 
 
-@pytest.mark.parametrize("method", localcall.METHODS)
+@pytest.mark.parametrize("method", frames.METHODS)
 def test_b_cannot_touch_a_over_the_call_socket(world: World, method: str) -> None:
     ATTACKS[method](world)
 
@@ -149,7 +149,7 @@ def test_a_revoked_token_stops_working_on_an_open_connection_for_every_method(tm
     server.start()
     auth = tmp_path / "auth.json"
     try:
-        for method in localcall.METHODS:
+        for method in frames.METHODS:
             caller = SocketCaller(server, A2)
             assert caller("Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse).tenant == "a"
             write_auth_file(auth, tenant_grants())
@@ -173,10 +173,10 @@ def test_sighup_revokes_a_token_on_an_open_connection(tmp_path: Path) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10)
         sock.connect(info.call_socket)
-        sock.sendall(localcall.request_frame(localcall.HELLO, 0, ALICE.encode()))
+        sock.sendall(frames.request_frame(frames.HELLO, 0, ALICE.encode()))
         hello = read_answer(sock)
-        assert hello is not None and hello[0] == OK and hello[1][: localcall.CALL_TOKEN_BYTES] == info.call_token
-        who = localcall.request_frame(localcall.METHOD_IDS["Data.WhoAmI"], 10_000, b"")
+        assert hello is not None and hello[0] == OK and hello[1][: frames.CALL_TOKEN_BYTES] == info.call_token
+        who = frames.request_frame(frames.METHOD_IDS["Data.WhoAmI"], 10_000, b"")
         sock.sendall(who)
         answer = read_answer(sock)
         assert answer is not None and answer[0] == OK and data_pb2.WhoAmIResponse.FromString(answer[1]).tenant == "alice"

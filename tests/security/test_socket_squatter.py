@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvstore import localcall
-from kvstore.client.localcall import CallChannel
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import CallChannel
 from kvstore.errors import KVStoreError
 from kvstore.security.arena_socket import receive_arena
 
@@ -57,7 +57,7 @@ def test_no_token_goes_to_a_socket_of_another_uid() -> None:
         directory.chmod(0o777)  # a data directory with the wrong modes
         call_path, arena_path = directory / "call.sock", directory / "arena.sock"
         squatter = _squat(call_path)
-        assert CallChannel.open(str(call_path), TOKEN, b"\0" * localcall.CALL_TOKEN_BYTES, 2.0) is None
+        assert CallChannel.open(str(call_path), TOKEN, b"\0" * frames.CALL_TOKEN_BYTES, 2.0) is None
         assert TOKEN not in _heard(squatter), "the call channel sent its token to another uid's socket"
         squatter = _squat(arena_path)
         try:

@@ -15,8 +15,8 @@ import grpc
 import pytest
 from conftest import ServerProcess
 
-from kvstore import localcall
-from kvstore.server.services.local_calls import CallSocket
+from kvstore.callsocket import frames
+from kvstore.callsocket.server import CallSocket
 
 CODES = {int(code.value[0]): code for code in grpc.StatusCode}
 PER_PID = CallSocket.__init__.__kwdefaults__["max_per_pid"]  # type: ignore[index]
@@ -27,11 +27,11 @@ def _hello(path: Path) -> tuple[socket.socket, grpc.StatusCode]:
     sock.settimeout(10)
     sock.connect(str(path))
     try:
-        sock.sendall(localcall.request_frame(localcall.HELLO, 0, b""))
+        sock.sendall(frames.request_frame(frames.HELLO, 0, b""))
     except (BrokenPipeError, ConnectionResetError):
         pass  # refused before the HELLO: the answer is there to read
-    header = sock.recv(localcall.ANSWER_HEADER.size, socket.MSG_WAITALL)
-    _, status = localcall.ANSWER_HEADER.unpack(header)
+    header = sock.recv(frames.ANSWER_HEADER.size, socket.MSG_WAITALL)
+    _, status = frames.ANSWER_HEADER.unpack(header)
     return sock, CODES[status]
 
 

@@ -1,4 +1,4 @@
-"""The same-host call socket (DESIGN §11 "Same-host paths"; kvstore/localcall.py) on a real server: the same
+"""The same-host call socket (DESIGN §11 "Same-host paths"; kvstore/callsocket/frames.py) on a real server: the same
 answers as gRPC, every bad frame answered with a clear status or the connection closed (the
 server serves on), silent peers do not hold the slots, and an Acquire given up on by its
 caller leaves no lease."""
@@ -17,10 +17,10 @@ import grpc
 import pytest
 from conftest import random_kv
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import CallChannel
 from kvstore.client import KVStoreClient
-from kvstore.client.localcall import CallChannel
 from kvstore.server import Server
 from kvstore.types import Namespace
 
@@ -126,31 +126,31 @@ def test_bad_frames_get_a_clear_status_and_the_server_serves_on(server: Server) 
     sock.sendall(b"\xff" * 10)  # a first frame of 4 GiB, not a HELLO: authentication comes first (DESIGN §11)
     _closed_or(sock, grpc.StatusCode.UNAUTHENTICATED)
     sock = _raw(server)
-    sock.sendall(localcall.request_frame(localcall.METHOD_IDS["Data.WhoAmI"], 0, b""))  # no HELLO first
+    sock.sendall(frames.request_frame(frames.METHOD_IDS["Data.WhoAmI"], 0, b""))  # no HELLO first
     _closed_or(sock, grpc.StatusCode.UNAUTHENTICATED)
     caller = SocketCaller(server, None)
     assert caller.raw("Data.WhoAmI", b"") is not None
-    caller.sock.sendall(localcall.request_frame(999, 0, b"x"))
+    caller.sock.sendall(frames.request_frame(999, 0, b"x"))
     assert read_answer(caller.sock)[0] == unimplemented  # type: ignore[index]
-    caller.sock.sendall(localcall.request_frame(localcall.HELLO, 0, b""))
+    caller.sock.sendall(frames.request_frame(frames.HELLO, 0, b""))
     assert read_answer(caller.sock)[0] == unimplemented  # type: ignore[index]
     assert caller.raw("Directory.Lookup", b"\xff\xff\xff")[0] == invalid  # type: ignore[index]  # not a protobuf
     assert caller.raw("Directory.Lookup", b"\x0a" + b"\x7f" + b"x" * 10)[0] == invalid  # type: ignore[index]  # cut short
     assert caller("Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse).tenant  # the connection goes on
-    caller.sock.sendall(localcall.REQUEST_HEADER.pack(localcall.MAX_REQUEST_BYTES + 1, 1, 0))
+    caller.sock.sendall(frames.REQUEST_HEADER.pack(frames.MAX_REQUEST_BYTES + 1, 1, 0))
     _closed_or(caller.sock, invalid)
     caller = SocketCaller(server, None)
-    caller.sock.sendall(localcall.REQUEST_HEADER.pack(100, 1, 0) + b"x" * 10)  # and never the rest
+    caller.sock.sendall(frames.REQUEST_HEADER.pack(100, 1, 0) + b"x" * 10)  # and never the rest
     _closed_or(caller.sock, grpc.StatusCode.DEADLINE_EXCEEDED)
     caller = SocketCaller(server, None)
-    caller.sock.sendall(localcall.REQUEST_HEADER.pack(100, 1, 0) + b"x" * 10)
+    caller.sock.sendall(frames.REQUEST_HEADER.pack(100, 1, 0) + b"x" * 10)
     caller.sock.close()  # cut short by the peer
     _still_serves(server)
 
 
 def test_random_frames_never_crash_or_hang_the_server(server: Server) -> None:
     rng = random.Random(15)
-    valid = localcall.request_frame(localcall.METHOD_IDS["Directory.Lookup"], 5000,
+    valid = frames.request_frame(frames.METHOD_IDS["Directory.Lookup"], 5000,
                                     directory_pb2.LookupRequest(namespace_id=b"n" * 16, keys=[b"k" * 16] * 3).SerializeToString())
     for _ in range(300):
         frame = bytearray(valid)
@@ -210,7 +210,7 @@ def test_a_channel_to_another_servers_socket_is_refused(server_factory: object, 
     """A socket at the announced path that answers another token is not this server's."""
     server = server_factory()  # type: ignore[operator]
     info = SocketCaller(server, None)("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
-    assert CallChannel.open(info.call_socket, None, b"\0" * localcall.CALL_TOKEN_BYTES, 5.0) is None
+    assert CallChannel.open(info.call_socket, None, b"\0" * frames.CALL_TOKEN_BYTES, 5.0) is None
     assert CallChannel.open(str(tmp_path / "nothing.sock"), None, info.call_token, 5.0) is None
     assert CallChannel.open(info.call_socket, None, info.call_token, 5.0) is not None
 
@@ -220,7 +220,7 @@ def test_a_caller_that_never_reads_its_answers_is_dropped(server: Server) -> Non
     then waits at most its frame deadline and drops the connection (its thread and slot
     freed), and serves the others meanwhile."""
     caller = SocketCaller(server, None)
-    frame = localcall.request_frame(localcall.METHOD_IDS["Data.WhoAmI"], 0, b"") * 1000
+    frame = frames.request_frame(frames.METHOD_IDS["Data.WhoAmI"], 0, b"") * 1000
     with pytest.raises((BrokenPipeError, ConnectionResetError)):
         for _ in range(1000):  # 10 MB of requests: far more than the buffers hold
             caller.sock.sendall(frame)
@@ -233,12 +233,12 @@ _OTHER_PROCESS_HELLO = """
 import socket, sys
 sys.path.insert(0, sys.argv[2])
 from callsock import CODES, read_answer
-from kvstore import localcall
+from kvstore.callsocket import frames
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(10)
 sock.connect(sys.argv[1])
 try:
-    sock.sendall(localcall.request_frame(localcall.HELLO, 0, b""))
+    sock.sendall(frames.request_frame(frames.HELLO, 0, b""))
 except OSError:
     pass
 answer = read_answer(sock)

@@ -46,7 +46,7 @@ class ConnectorConfig:
       address). ``credentials`` holds what they resolve to.
     * ``use_shm``: move page bytes through the server's shared arena when on its host.
     * ``use_call_socket``: make the hit path's calls (lookup+lease, release) over the
-      server's same-host call socket when it offers one (kvstore/localcall.py), not gRPC.
+      server's same-host call socket when it offers one (kvstore/callsocket/frames.py), not gRPC.
     * ``retry_s``: how long after a failed connection the next attempt is made.
     * ``load_when_faster``: load a hit only when fetching it is measured to cost less than
       recomputing it (the connector's cost model: its loads' and the engine's steps' times);

@@ -64,7 +64,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.handoffs = handoffs  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.memory = SharedMemory(core, config, tenancy, arena_socket, pool_socket)  # its arena and hbm pool
-        self.call_socket, self.call_token = call_socket, call_token  # the same-host call channel (local_calls.py), announced
+        self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/server.py), announced
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None

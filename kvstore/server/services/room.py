@@ -61,6 +61,6 @@ def _refusal(text: str, before: int | None, after: int) -> str:
 
 def _gone(context: grpc.ServicerContext) -> bool:
     """Whether the caller will not hear the answer: a gRPC call ended, or a call socket's
-    deadline passed (its context stays active until the answer is written: local_context.py)."""
+    deadline passed (its context stays active until the answer is written: kvstore/callsocket/context.py)."""
     left = context.time_remaining()
     return not context.is_active() or (left is not None and left <= 0)

@@ -1,5 +1,5 @@
 """The vLLM connector's hit path on the server's host goes through the same-host call socket
-(kvstore/localcall.py): the scheduler's lookup+lease and the worker's release, no gRPC."""
+(kvstore/callsocket/frames.py): the scheduler's lookup+lease and the worker's release, no gRPC."""
 
 from __future__ import annotations
 

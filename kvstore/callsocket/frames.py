@@ -1,21 +1,13 @@
-"""The same-host call channel's wire format (DESIGN §11 "Same-host paths"): unary RPCs over a Unix socket
-without gRPC, shared by the server (kvstore/server/services/local_calls.py) and the
-client (kvstore/client/localcall.py).
-
-A 1-page hit is a lookup+lease and a release: on the same host a gRPC round trip costs
-~0.7 ms where the socket round trip costs ~0.01 ms, so the connector's hit path calls here.
-
-Frames, all integers big-endian::
+"""The call socket's wire format (README.md; DESIGN §11 "Same-host paths"). All integers big-endian::
 
     request   u32 body_bytes | u16 method | u32 timeout_ms | body (the method's protobuf request)
     answer    u32 body_bytes | u8 status  | body (OK: the protobuf response;
                                                    else: "<ErrorClass>\\n<message>", UTF-8)
 
 ``method`` 0 is HELLO, the first frame of every connection: its body is the bearer token
-(UTF-8; empty without one). Its answer (OK) is the server's 16-byte ``call_token`` (also
-announced by GetInfo: a client that reads it talks to the server it asked) followed by the
-tenant's name. The other method ids index ``METHODS``: unary calls only, streams stay on
-gRPC. ``status`` is the gRPC status code number.
+(UTF-8; empty without one), its answer the server's 16-byte ``call_token`` (also announced by
+GetInfo) followed by the tenant's name. Other ids index ``METHODS`` (unary calls only);
+``status`` is the gRPC status code number.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What a servicer method sees of a call that came over the same-host call channel: a
-stand-in for grpc.ServicerContext, so that the very same guarded handlers (decode, size
-limit, authorization, error mapping) serve both transports.
-
-Only what the handlers use is here: ``abort`` raises ``Aborted`` (the channel answers its
-status), ``set_trailing_metadata`` keeps the error class name, ``time_remaining`` is the
-caller's deadline, and the caller's identity is in ``invocation_metadata``/``peer``.
+"""What a handler sees of a call that came over the call socket: the part of
+grpc.ServicerContext the guarded handlers use (``abort`` raises ``Aborted``, the error class
+from the trailing metadata, ``time_remaining``, the caller's metadata and peer), so that the
+very same handlers serve both transports.
 """
 
 from __future__ import annotations

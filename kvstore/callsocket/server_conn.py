@@ -1,16 +1,10 @@
-"""One call-socket connection's frames, read and written with the kernel's timeouts.
+"""One call-socket connection's frames on the server, read and written with the kernel's timeouts.
 
-Why not ``socket.settimeout``: a Python socket with a timeout polls before every recv and
-send, and each of those syscalls lets go of the GIL and takes it back. A lookup read its
-header and its body and wrote its answer that way: six hand-overs of the GIL (from
-CPython's sock_call_ex), each one a chance to queue behind another thread's Python. Here
-the socket stays blocking, ``SO_RCVTIMEO``/``SO_SNDTIMEO`` bound each
-syscall, and one ``recv_into`` takes whatever the peer has sent into a buffer that a whole
-request usually fits: a lookup is one recv and one send.
-
-The deadlines are the server's as before: between frames the peer may stay silent for
-``first_byte_s`` (None is returned), and a frame begun must be whole within the frame
-timeout; an answer must be taken by the peer within the frame timeout, or the send fails.
+Why not ``socket.settimeout``: a Python socket with a timeout polls before every recv and send,
+each a hand-over of the GIL. Here the socket stays blocking, ``SO_RCVTIMEO``/``SO_SNDTIMEO``
+bound each syscall, and one ``recv_into`` takes a whole request into a buffer it usually fits:
+a lookup is one recv and one send. Between frames the peer may stay silent for ``first_byte_s``;
+a frame begun must be whole, and an answer taken, within the frame timeout.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstore import localcall
+from kvstore.callsocket import frames
 
 BUFFER_BYTES = 64 << 10  # a 512-key Lookup is ~9 KiB, a 4096-key one ~80 KiB (read past the buffer)
 _TIMEVAL = struct.Struct("@ll")
@@ -110,14 +104,14 @@ class FrameConn:
             self._end += got
         if deadline is None:
             deadline = time.monotonic() + self._frame_s
-        header_bytes = localcall.REQUEST_HEADER.size
+        header_bytes = frames.REQUEST_HEADER.size
         while self._end - self._start < header_bytes:
             self._more(deadline)
-        body_bytes, method_id, timeout_ms = localcall.REQUEST_HEADER.unpack_from(self._buf, self._start)
+        body_bytes, method_id, timeout_ms = frames.REQUEST_HEADER.unpack_from(self._buf, self._start)
         if header is not None:
             header(method_id, body_bytes)
-        if body_bytes > localcall.MAX_REQUEST_BYTES:
-            raise Close(grpc.StatusCode.INVALID_ARGUMENT, f"a frame of {body_bytes} bytes; at most {localcall.MAX_REQUEST_BYTES}")
+        if body_bytes > frames.MAX_REQUEST_BYTES:
+            raise Close(grpc.StatusCode.INVALID_ARGUMENT, f"a frame of {body_bytes} bytes; at most {frames.MAX_REQUEST_BYTES}")
         self._start += header_bytes
         if body_bytes <= len(self._buf) - self._start:  # fits where it lands: no copy but the last
             while self._end - self._start < body_bytes:

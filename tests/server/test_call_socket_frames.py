@@ -1,4 +1,4 @@
-"""How the call socket reads its frames (kvstore/server/services/call_frames.py), on a real
+"""How the call socket reads its frames (kvstore/callsocket/server_conn.py), on a real
 server: a request larger than the read buffer, requests sent back to back in one write, a
 frame that trickles in, and the kernel timeouts that bound a silent or slow peer."""
 
@@ -14,11 +14,11 @@ import grpc
 import pytest
 from conftest import random_kv
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket import frames
+from kvstore.callsocket.server_conn import BUFFER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.server import Server
-from kvstore.server.services.call_frames import BUFFER_BYTES
 from kvstore.types import Namespace
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
@@ -34,7 +34,7 @@ async def _stored(server: Server, ns: Namespace, pages: int) -> list[bytes]:
 
 def _lookup_frame(ns: Namespace, keys: list[bytes]) -> bytes:
     body = directory_pb2.LookupRequest(namespace_id=ns.namespace_id, keys=keys).SerializeToString()
-    return localcall.request_frame(localcall.METHOD_IDS["Directory.Lookup"], 10_000, body)
+    return frames.request_frame(frames.METHOD_IDS["Directory.Lookup"], 10_000, body)
 
 
 def _num_pages(answer: tuple[grpc.StatusCode, bytes] | None) -> int:
@@ -78,7 +78,7 @@ def test_a_frame_begun_must_end_within_the_frame_timeout(server: Server) -> None
     caller = SocketCaller(server, None)
     frame_s = server.call_socket.frame_timeout_s
     started = time.monotonic()
-    caller.sock.sendall(localcall.REQUEST_HEADER.pack(1000, localcall.METHOD_IDS["Data.WhoAmI"], 0))
+    caller.sock.sendall(frames.REQUEST_HEADER.pack(1000, frames.METHOD_IDS["Data.WhoAmI"], 0))
     with pytest.raises(OSError):
         while time.monotonic() - started < frame_s + 5:
             caller.sock.sendall(b"x")  # a byte every 0.1 s: the 1,000-byte body would take 100 s

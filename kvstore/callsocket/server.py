@@ -1,31 +1,8 @@
-"""The same-host call channel, server side (DESIGN §11 "Same-host paths"): unary RPCs over a Unix socket in
-the server's 0700 data directory (the socket itself 0600), framed as kvstore/localcall.py
-says, answered by the very same guarded handlers as gRPC (request decoding and its size
-limit, the servicer's authorization checks, the error mapping), with a LocalContext in
-place of grpc.ServicerContext.
-
-Why its own socket rather than the arena socket's connection continuing: the arena socket
-exists only with tenants and speaks JSON once per connection to hand over a descriptor; this
-channel exists with or without an auth file (as the loopback port does) and speaks binary
-frames for the life of the connection. Both authenticate the same bearer token.
-
-A connection is authenticated once (its HELLO: the bearer token, checked as on gRPC; the
-peer's pid/uid from SO_PEERCRED logged) and its caller re-checked before every call once
-the auth file was reloaded (SIGHUP) or the grant expired: a revoked token gets
-UNAUTHENTICATED and the connection closes. At most ``max_connections`` connections are
-served, at most ``max_per_pid`` of them to one process (SO_PEERCRED pid; more are answered
-RESOURCE_EXHAUSTED and closed): a process opening connections as fast as it can does not
-keep the others from the socket. One that has not said HELLO
-within ``hello_timeout_s`` or sends nothing for ``idle_timeout_s`` is closed, and a frame
-must arrive whole within ``frame_timeout_s`` once begun: a silent peer holds no slot for
-long. A bad frame is answered with a status (INVALID_ARGUMENT, UNIMPLEMENTED); one that
-cannot be skipped (too large, cut short) closes the connection. Nothing reaches a handler
-before the caller is authenticated.
-
-Nothing left behind: an answer that cannot be written (the caller gave up on its deadline
-and shut its end) is undone by ``undo[method]`` (Acquire's lease is released, Allocate's
-allocation aborted). The client shuts its reading side on a timeout before it looks for a
-late answer, so every answer is either read by it (which then gives it back) or undone here.
+"""The call socket's server (README.md; DESIGN §11): accepts on a 0600 Unix socket, serves each
+connection on a thread of its own (HELLO with the bearer token first, then one request after the
+other) with the very same guarded handlers as gRPC and a LocalContext for grpc.ServicerContext.
+Limits: connections in all, per peer process and per tenant; HELLO, idle and frame timeouts. An
+answer that cannot be delivered is undone (``undo``: Acquire's lease released, Allocate aborted).
 """
 
 from __future__ import annotations
@@ -42,15 +19,15 @@ from typing import Any
 
 import grpc
 
-from kvstore import localcall
 from kvstore.accept_pause import AcceptPause
+from kvstore.callsocket import frames
+from kvstore.callsocket.context import Aborted, LocalContext
+from kvstore.callsocket.server_conn import Close, FrameConn
 from kvstore.errors import ConfigError, Unauthenticated
 from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import AuthenticatedCall
-from kvstore.server.services.call_frames import Close, FrameConn
-from kvstore.server.services.local_context import Aborted, LocalContext
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +70,7 @@ class TenantConnections:
 
 class CallSocket:
     """Serves ``handlers`` (full name "Service.Method" -> the guarded grpc handler) for the
-    methods of ``localcall.METHODS``. ``rejected(method, code)`` counts refused callers."""
+    methods of ``frames.METHODS``. ``rejected(method, code)`` counts refused callers."""
 
     def __init__(self, path: Path, authenticator: Authenticator, handlers: dict[str, grpc.RpcMethodHandler],
                  call_token: bytes, *, undo: dict[str, Undo] | None = None,
@@ -104,7 +81,7 @@ class CallSocket:
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
             raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
         self._table: list[tuple[str, grpc.RpcMethodHandler] | None] = [None]
-        for name in localcall.METHODS:
+        for name in frames.METHODS:
             handler = handlers[name]
             if handler.request_streaming or handler.response_streaming:
                 raise RuntimeError(f"{name} streams: the call channel serves unary methods only")
@@ -189,7 +166,7 @@ class CallSocket:
                 what = "its maximum of connections" if own else f"{self._max_per_pid} connections to this process"
                 try:
                     conn.setblocking(False)
-                    conn.send(localcall.answer_frame(_status(grpc.StatusCode.RESOURCE_EXHAUSTED), localcall.error_body(
+                    conn.send(frames.answer_frame(_status(grpc.StatusCode.RESOURCE_EXHAUSTED), frames.error_body(
                         "LimitExceeded", f"the call socket serves {what} already; use gRPC or retry")))
                 except OSError:
                     pass
@@ -219,21 +196,21 @@ class CallSocket:
     def _serve(self, conn: socket.socket, pid: int, uid: int) -> None:
         peer = f"unix:pid={pid},uid={uid}"
         tenant: str | None = None  # counted against its call_connections once past HELLO
-        frames = FrameConn(conn, self.frame_timeout_s)
+        link = FrameConn(conn, self.frame_timeout_s)
         try:
-            call, authorization = self._hello(frames, peer)
+            call, authorization = self._hello(link, peer)
             tenant = self._claim_tenant(call.identity)
-            frames.send(localcall.answer_frame(0, self.call_token + call.identity.tenant.encode()))
+            link.send(frames.answer_frame(0, self.call_token + call.identity.tenant.encode()))
             while not self._closing.is_set():
-                frame = frames.read(self._idle_s)
+                frame = link.read(self._idle_s)
                 if frame is None:
                     return  # the peer closed between calls, or stayed idle too long
-                if not self._answer(frames, call, authorization, peer, *frame):
+                if not self._answer(link, call, authorization, peer, *frame):
                     return
         except Close as exc:
             logger.info("call socket: closing %s: %s", peer, exc)
             if exc.code is not None:
-                self._send_quietly(frames, exc.code, exc.error_class, str(exc))
+                self._send_quietly(link, exc.code, exc.error_class, str(exc))
         except OSError as exc:  # the peer left mid-frame or mid-answer
             logger.debug("call socket: %s dropped: %s", peer, exc)
         finally:
@@ -245,8 +222,8 @@ class CallSocket:
             self._slots.release()  # before the close: a peer that saw its connection end finds its slot free
             conn.close()
 
-    def _hello(self, frames: FrameConn, peer: str) -> tuple[AuthenticatedCall, str | None]:
-        frame = frames.read(self._hello_s, whole_within=self._hello_s, header=self._hello_header)
+    def _hello(self, link: FrameConn, peer: str) -> tuple[AuthenticatedCall, str | None]:
+        frame = link.read(self._hello_s, whole_within=self._hello_s, header=self._hello_header)
         if frame is None:
             raise Close(None, "no HELLO")
         _, _, body = frame
@@ -268,7 +245,7 @@ class CallSocket:
     def _hello_header(self, method_id: int, body_bytes: int) -> None:
         """The first frame's header: anything but a HELLO that may hold a token is UNAUTHENTICATED,
         before the frame's size is looked at or its body read (DESIGN §11: authentication first)."""
-        if method_id != localcall.HELLO:
+        if method_id != frames.HELLO:
             self._count("HELLO", grpc.StatusCode.UNAUTHENTICATED)
             raise Close(grpc.StatusCode.UNAUTHENTICATED, "the first frame must be HELLO with the bearer token")
         if body_bytes > _MAX_HELLO_BYTES:
@@ -293,13 +270,13 @@ class CallSocket:
         raise Close(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {who.tenant!r} holds its {limit} call socket connections "
                      "(call_connections) already; use gRPC or retry", "LimitExceeded")
 
-    def _answer(self, frames: FrameConn, call: AuthenticatedCall, authorization: str | None, peer: str,
+    def _answer(self, link: FrameConn, call: AuthenticatedCall, authorization: str | None, peer: str,
                 method_id: int, timeout_ms: int, body: bytes) -> bool:
         """Answers one request; False when the connection must close."""
         entry = self._table[method_id] if 0 < method_id < len(self._table) else None
         if entry is None:
-            what = "HELLO was already said" if method_id == localcall.HELLO else f"no method {method_id} on the call socket"
-            self._send(frames, grpc.StatusCode.UNIMPLEMENTED, "InvalidRequest", f"{what}; use gRPC")
+            what = "HELLO was already said" if method_id == frames.HELLO else f"no method {method_id} on the call socket"
+            self._send(link, grpc.StatusCode.UNIMPLEMENTED, "InvalidRequest", f"{what}; use gRPC")
             return True
         name, handler = entry
         method = name.rsplit(".", 1)[-1]
@@ -307,21 +284,21 @@ class CallSocket:
             call.recheck()
         except Unauthenticated as exc:
             self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-            self._send(frames, grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", f"{method}: {exc}")
+            self._send(link, grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", f"{method}: {exc}")
             return False
         context = LocalContext(peer, authorization, timeout_ms / 1000 if timeout_ms else _DEFAULT_TIMEOUT_S)
         response = None
         try:
             response = call.run(handler.unary_unary, body, context)
-            answer = localcall.answer_frame(0, handler.response_serializer(response))
+            answer = frames.answer_frame(0, handler.response_serializer(response))
         except Aborted as exc:
-            answer = localcall.answer_frame(_status(exc.code), localcall.error_body(context.error_class, exc.details))
+            answer = frames.answer_frame(_status(exc.code), frames.error_body(context.error_class, exc.details))
         except Exception as exc:  # the handlers map every error: this is a bug, answered and logged
             logger.exception("call socket: %s failed", name)
-            answer = localcall.answer_frame(_status(grpc.StatusCode.INTERNAL),
-                                            localcall.error_body("", f"internal error: {type(exc).__name__}"))
+            answer = frames.answer_frame(_status(grpc.StatusCode.INTERNAL),
+                                            frames.error_body("", f"internal error: {type(exc).__name__}"))
         try:
-            frames.send(answer)  # a caller that does not read its answers holds this thread no longer
+            link.send(answer)  # a caller that does not read its answers holds this thread no longer
         except OSError:
             undo = self._undo.get(method)
             if response is not None and undo is not None:
@@ -330,12 +307,12 @@ class CallSocket:
             raise
         return True
 
-    def _send(self, frames: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
-        frames.send(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)))
+    def _send(self, link: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
+        link.send(frames.answer_frame(_status(code), frames.error_body(error_class, message)))
 
-    def _send_quietly(self, frames: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
+    def _send_quietly(self, link: FrameConn, code: grpc.StatusCode, error_class: str, message: str) -> None:
         try:
-            frames.send(localcall.answer_frame(_status(code), localcall.error_body(error_class, message)), 0.1)
+            link.send(frames.answer_frame(_status(code), frames.error_body(error_class, message)), 0.1)
         except OSError:
             pass
 

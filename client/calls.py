@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any
 
-from kvstore.client.localcall_aio import AsyncCallChannel, NotSent
+from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
 

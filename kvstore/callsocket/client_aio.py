@@ -1,18 +1,10 @@
-"""Unary calls over the server's same-host call socket from the client's I/O runtime (DESIGN §11).
+"""Unary calls over the call socket from coroutines of one event loop (README.md): the client's
+runtime loop, and (``sibling``) a caller's own loop.
 
-The async API's control calls (Allocate, Commit, Acquire, Release, Lookup, ...) went over
-gRPC even when the pages moved through shared memory: with TLS and tokens every one paid the
-TLS record layer and a token check, which made the secure shm path ~11% slower than the plain
-one. The call socket (kvstore/localcall.py) authenticates once per connection and has no TLS;
-``client/localcall.py`` is its blocking client, this is the one for the runtime's event loop.
-
-Same frames, same HELLO, same check of the server's ``call_token`` as the blocking channel.
-A small pool of connections, one call at a time on each, so concurrent calls do not queue
-behind each other. ``NotSent`` means the request never reached the server (socket missing,
-refused, a connection that broke before it was sent): the caller may take gRPC instead.
-Nothing left behind: a call past its deadline (or cancelled) shuts the connection's reading
-side first, so the server's write fails and it undoes what it granted; an answer that had
-arrived before is read and given back (Release, Abort) on a task of its own.
+Same frames, HELLO and ``call_token`` check as the blocking channel; a small pool of
+connections, one call at a time on each. ``NotSent``: the request never reached the server,
+the caller may take gRPC. A call past its deadline (or cancelled) shuts the connection's
+reading side; an answer that had arrived is given back (Release, Abort) on a task of its own.
 """
 
 from __future__ import annotations
@@ -23,9 +15,9 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvstore import localcall
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.client.localcall import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, drain_late, take_over
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, drain_late, take_over
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 
@@ -54,7 +46,7 @@ class AsyncCallChannel:
         """``queue``: a call that finds all ``max_connections`` busy waits for one (until its
         deadline); without, it is NotSent at once (its caller has another way)."""
         self.path = path
-        self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
+        self._hello = frames.request_frame(frames.HELLO, 0, (token or "").encode())
         self._call_token = call_token
         self._relearn = relearn
         self._learn_after = 0.0  # no new call token is asked for before this (loop time)
@@ -73,7 +65,7 @@ class AsyncCallChannel:
         cannot use the socket (another uid, not this server's, the token refused).
         ``relearn()`` asks the server over gRPC for its call socket and call token now: after
         a restart the channel takes the new server's socket (see ``_learn``)."""
-        if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
+        if not path or len(call_token) != frames.CALL_TOKEN_BYTES:
             return None
         channel = cls(path, token, call_token, relearn)
         loop = asyncio.get_running_loop()
@@ -102,12 +94,12 @@ class AsyncCallChannel:
         return not self._retired and asyncio.get_running_loop().time() >= self._down_until
 
     async def call(self, method: str, request: Any, timeout_s: float) -> Any:
-        """Calls ``method`` ("Service.Method" of localcall.METHODS) and returns its response.
+        """Calls ``method`` ("Service.Method" of frames.METHODS) and returns its response.
         Raises the server's error as its KVStoreError, NotSent when the request did not reach
         the server, TimeoutError past ``timeout_s`` (what the call granted is given back)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(timeout_s), request.SerializeToString())
+        frame = frames.request_frame(frames.METHOD_IDS[method], frames.timeout_ms(timeout_s), request.SerializeToString())
         if not self._queue and self._slots.locked():
             raise NotSent(f"call socket {self.path}: all connections of this loop busy")
         try:
@@ -176,8 +168,8 @@ class AsyncCallChannel:
             raise
         if status != 0:
             conn.close()
-            raise NotSent(f"call socket {self.path}: HELLO refused: {localcall.parse_error(body)[1]}")
-        if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
+            raise NotSent(f"call socket {self.path}: HELLO refused: {frames.parse_error(body)[1]}")
+        if body[: frames.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
             try:
                 async with asyncio.timeout_at(deadline):  # asking the server again is part of this call
@@ -248,10 +240,10 @@ def _response_type(method: str) -> Any:
 
 async def _answer(loop: asyncio.AbstractEventLoop, conn: socket.socket, received: bytearray) -> tuple[int, bytes]:
     """One answer frame (status, body), its bytes gathered in ``received`` (a cancel loses none)."""
-    size = localcall.ANSWER_HEADER.size
+    size = frames.ANSWER_HEADER.size
     await _fill(loop, conn, received, size)
-    body_bytes, status = localcall.ANSWER_HEADER.unpack(received[:size])
-    if body_bytes > localcall.MAX_ANSWER_BYTES:
+    body_bytes, status = frames.ANSWER_HEADER.unpack(received[:size])
+    if body_bytes > frames.MAX_ANSWER_BYTES:
         raise _Gone(f"an answer of {body_bytes} bytes")
     await _fill(loop, conn, received, size + body_bytes)
     return status, bytes(received[size:])

@@ -1,14 +1,9 @@
-"""Blocking unary calls over the server's same-host call channel (kvstore/localcall.py,
-kvstore/server/services/local_calls.py): no gRPC, no event-loop hop, ~0.05 ms a round trip
-where a unary gRPC call costs ~0.7 ms. The vLLM connector's hit path (lookup+lease, release)
-calls here from the engine's own thread; gRPC stays the path for everything else and for a
-server on another host.
+"""Blocking unary calls over the call socket from a thread of the caller's (README.md): no gRPC,
+no event-loop hop. The vLLM connector's hit path (lookup+lease, release) takes it.
 
-Thread-safe: a call takes an idle connection (or opens one) and puts it back after its
-answer, so concurrent callers never share a connection. Nothing left behind: when a call
-runs past its deadline the connection's reading side is shut first (the server can then no
-longer deliver the answer, and undoes what it would have given: a lease, an allocation), then
-an answer that had arrived before is read and given back here (Release, Abort).
+Thread-safe: a call takes an idle connection (or opens one) and puts it back after its answer.
+Nothing left behind: past its deadline a call shuts the connection's reading side first (the
+server then undoes what it could not deliver), then gives back an answer that had arrived.
 """
 
 from __future__ import annotations
@@ -22,16 +17,15 @@ from typing import Any
 
 import grpc
 
-from kvstore import localcall
 from kvstore._proto import data_pb2
-from kvstore.client.forked import ProcessCheck
+from kvstore.callsocket import frames
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 from kvstore.status import error_for
 
 logger = logging.getLogger(__name__)
 
-# Public, shared with the asyncio channel (localcall_aio.py):
+# Public, shared with the asyncio channel (client_aio.py):
 UNAUTHENTICATED = int(grpc.StatusCode.UNAUTHENTICATED.value[0])  # the status after which the server closes the connection
 GIVE_BACK_S = 0.2  # a late answer's give-back blocks its caller this long at most (to connect; it expires otherwise)
 RELEARN_S = 1.0  # after a restart, the new server's call token is asked for at most this often
@@ -50,11 +44,11 @@ class CallChannel:
     """The client side; ``open`` makes one, or None when this host cannot use the server's socket."""
 
     def __init__(self, path: str, token: str | None, call_token: bytes, timeout_s: float,
-                 relearn: Relearn | None = None) -> None:
+                 relearn: Relearn | None = None, check_process: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self.tenant = ""
-        self._hello = localcall.request_frame(localcall.HELLO, 0, (token or "").encode())
+        self._hello = frames.request_frame(frames.HELLO, 0, (token or "").encode())
         self._call_token = call_token
         self._relearn = relearn
         self._learn_after = 0.0  # no new call token is asked for before this (time.monotonic)
@@ -63,18 +57,19 @@ class CallChannel:
         self._lock = threading.Lock()
         self._closed = False
         self.num_late = 0  # answers that came after their deadline and were given back here
-        self.process = ProcessCheck()  # a forked child is refused (client/forked.py)
+        self._check_process = check_process  # raises in a forked child (the client's ProcessCheck.check)
 
     @classmethod
     def open(cls, path: str, token: str | None, call_token: bytes, timeout_s: float,
-             relearn: Relearn | None = None) -> CallChannel | None:
+             relearn: Relearn | None = None, check_process: Callable[[str], None] | None = None) -> CallChannel | None:
         """A channel whose first connection said HELLO; None (reason logged) when the socket
         is not reachable (another host, another uid), not this server's, or the token refused.
         ``relearn(timeout_s)`` asks the server over gRPC for its call socket and call token
-        now: after a restart the channel takes the new server's socket (see ``_learn``)."""
-        if not path or len(call_token) != localcall.CALL_TOKEN_BYTES:
+        now: after a restart the channel takes the new server's socket (see ``_learn``).
+        ``check_process(path)`` raises in a forked child before any call touches a connection."""
+        if not path or len(call_token) != frames.CALL_TOKEN_BYTES:
             return None
-        channel = cls(path, token, call_token, timeout_s, relearn)
+        channel = cls(path, token, call_token, timeout_s, relearn, check_process)
         try:
             channel._put(channel._connect(time.monotonic() + min(timeout_s, 2.0)))
         except (KVStoreError, TimeoutError) as exc:  # TimeoutError: no HELLO answer (a stalled server, a stranger's socket)
@@ -83,14 +78,15 @@ class CallChannel:
         return channel
 
     def call(self, method: str, request: Any, response_type: Any, timeout_s: float | None = None) -> Any:
-        """Calls ``method`` ("Service.Method" of localcall.METHODS) and blocks this thread for
+        """Calls ``method`` ("Service.Method" of frames.METHODS) and blocks this thread for
         the answer, at most ``timeout_s`` (by default the client's). Raises the server's error
         as its KVStoreError, a plain KVStoreError when the socket fails, TimeoutError past the
         deadline (what the call would have given is given back, see ``_abandon``)."""
-        self.process.check(self.path)
+        if self._check_process is not None:
+            self._check_process(self.path)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(timeout_s), request.SerializeToString())
+        frame = frames.request_frame(frames.METHOD_IDS[method], frames.timeout_ms(timeout_s), request.SerializeToString())
         for attempt in range(2):
             conn, reused, owed = self._take(deadline)
             try:
@@ -136,7 +132,7 @@ class CallChannel:
         drops the answer. Blocks at most ``timeout_s`` (a connection to open, a full socket);
         raises KVStoreError or TimeoutError when the call was not sent."""
         deadline = time.monotonic() + timeout_s
-        frame = localcall.request_frame(localcall.METHOD_IDS[method], localcall.timeout_ms(self.timeout_s),
+        frame = frames.request_frame(frames.METHOD_IDS[method], frames.timeout_ms(self.timeout_s),
                                         request.SerializeToString())
         conn, _, owed = self._take(deadline)
         try:
@@ -153,7 +149,7 @@ class CallChannel:
             status, body = _answer(conn, deadline, bytearray())
             if status != 0:
                 logger.info("a call posted on the call socket failed (what it gave back expires): %s",
-                            localcall.parse_error(body)[1])
+                            frames.parse_error(body)[1])
 
     def close(self) -> None:
         with self._lock:
@@ -215,12 +211,12 @@ class CallChannel:
         if status != 0:
             conn.close()
             raise answer_error(status, body)
-        if body[: localcall.CALL_TOKEN_BYTES] != self._call_token:
+        if body[: frames.CALL_TOKEN_BYTES] != self._call_token:
             conn.close()
             if self._learn(deadline):
                 return self._connect(deadline)  # the new server; another restart meanwhile: asked again at most once per RELEARN_S, within the deadline
             raise KVStoreError(f"call socket {self.path} belongs to another server")
-        self.tenant = body[localcall.CALL_TOKEN_BYTES :].decode(errors="replace")
+        self.tenant = body[frames.CALL_TOKEN_BYTES :].decode(errors="replace")
         return conn
 
     def _learn(self, deadline: float) -> bool:
@@ -272,10 +268,10 @@ class _Gone(Exception):
 def _answer(conn: socket.socket, deadline: float, received: bytearray) -> tuple[int, bytes]:
     """One answer frame (status, body), its bytes gathered in ``received``; TimeoutError at
     ``deadline``, _Gone when the server closes the connection."""
-    size = localcall.ANSWER_HEADER.size
+    size = frames.ANSWER_HEADER.size
     _fill(conn, received, size, deadline)
-    body_bytes, status = localcall.ANSWER_HEADER.unpack(received[:size])
-    if body_bytes > localcall.MAX_ANSWER_BYTES:
+    body_bytes, status = frames.ANSWER_HEADER.unpack(received[:size])
+    if body_bytes > frames.MAX_ANSWER_BYTES:
         raise _Gone(f"an answer of {body_bytes} bytes")
     _fill(conn, received, size + body_bytes, deadline)
     return status, bytes(received[size:])
@@ -300,7 +296,7 @@ def take_over(learnt: tuple[str, bytes] | None, path: str, call_token: bytes, id
     (``path``, ``call_token``), the old server's ``idle`` connections are closed and removed
     from it (the caller holds what guards it) and the new (socket, call token) is returned;
     else None, nothing changed."""
-    if learnt is None or len(learnt[1]) != localcall.CALL_TOKEN_BYTES or learnt == (path, call_token):
+    if learnt is None or len(learnt[1]) != frames.CALL_TOKEN_BYTES or learnt == (path, call_token):
         return None
     for conn in idle:
         conn.close()  # the old server's
@@ -312,7 +308,7 @@ def take_over(learnt: tuple[str, bytes] | None, path: str, call_token: bytes, id
 def answer_error(status: int, body: bytes) -> KVStoreError:
     """The KVStoreError of an error answer (``status`` not 0): the class the server named,
     else the one of its gRPC status, as a gRPC call would raise it."""
-    name, message = localcall.parse_error(body)
+    name, message = frames.parse_error(body)
     return error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, name or None)
 
 
@@ -342,10 +338,10 @@ def late_give_back(method: str, data: bytes) -> tuple[str, Any] | None:
     lease, Abort for an Allocate), or None: no whole OK answer arrived (the server's write
     failed, and it undid the call itself) or the method leaves nothing behind. Shared by the
     blocking and the asyncio channels."""
-    size = localcall.ANSWER_HEADER.size
+    size = frames.ANSWER_HEADER.size
     if len(data) < size:
         return None
-    body_bytes, status = localcall.ANSWER_HEADER.unpack(data[:size])
+    body_bytes, status = frames.ANSWER_HEADER.unpack(data[:size])
     give_back = _GIVE_BACK.get(method)
     if status != 0 or give_back is None or len(data) < size + body_bytes:
         return None
