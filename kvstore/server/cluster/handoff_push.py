@@ -94,7 +94,8 @@ class HandoffPushes:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._open.clear()
         self._by_namespace.clear()
-        await asyncio.to_thread(self._thread.join, 2.0)
+        if self._thread.ident is not None:  # started: a node that never joined closes it too
+            await asyncio.to_thread(self._thread.join, 2.0)
 
     def __len__(self) -> int:
         return len(self._open)

@@ -103,7 +103,8 @@ class Publisher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.to_thread(self._thread.join, 2.0)
+        if self._thread.ident is not None:  # started: a node that never joined closes it too
+            await asyncio.to_thread(self._thread.join, 2.0)
 
     # -- what this node holds ------------------------------------------------------------
     def _follow(self) -> None:

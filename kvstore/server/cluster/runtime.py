@@ -181,10 +181,12 @@ class ClusterRuntime:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.peers.close()
+        if hasattr(self, "peers"):  # made by _start, which may have failed before (a data port in use)
+            await self.peers.close()
         if self._page_server is not None:
             await self._page_server.close()
-        await self.etcd.close()
+        if hasattr(self, "etcd"):
+            await self.etcd.close()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the cluster loop from another thread; cancels it past ``timeout_s``."""
