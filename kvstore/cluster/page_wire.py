@@ -3,7 +3,7 @@ now; a gRPC stream would carry the same frames).
 
     receiver -> sender   hello, once per connection, first:  "KVFH" version u16 | pad u16 | grant 16s
                          (a grant the sender issued to the receiver over gRPC: grants.py)
-    receiver -> sender   request:  "KVFQ" version u16 | flags u16 | request_id u64 |
+    receiver -> sender   request:  "KVFQ" version u16 | flags u16 (DESCRIBE, VERIFY) | request_id u64 |
                                    namespace_id 16s | page_bytes u64 | num_keys u32 | generation u64 |
                                    keys 16s * n
                          (generation: the namespace generation the receiver stores the pages in; a
@@ -20,7 +20,12 @@ now; a gRPC stream would carry the same frames).
 The receiver sizes its buffers before it asks (pages of one namespace have one size), so a
 page of another size is answered WRONG_SIZE and never sent. ``checksum`` is the xxh3-64 the
 sender's tier stored with the page, so the receiver's check covers the sender's memory and
-disk as well as the wire. No pickle: fixed structs, every length bounded before use.
+disk as well as the wire. The receiver's check is the one every page gets: a sender sends
+its bytes unhashed unless the request has VERIFY. A receiver that finds a page CORRUPT asks
+for it again with VERIFY, and a sender whose own bytes then fail the check reports the page
+damaged (its tier quarantines it) and never sends it, so a page damaged at its holder is
+still taken out of service there, one fetch later, while a sound page costs one hash, not
+two. No pickle: fixed structs, every length bounded before use.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.types import PAGE_KEY_BYTES
 
-VERSION = 2  # 2: requests name the receiver's generation
+VERSION = 3  # 2: requests name the receiver's generation; 3: a sender hashes a page before sending only if asked (VERIFY)
 MAX_KEYS = 8192                 # a 128K-token prefix of 16-token pages
 MAX_PAGE_BYTES = 1 << 30
 _REQUEST = struct.Struct("<4sHHQ16sQIQ")
@@ -45,6 +50,7 @@ MAX_FRAME_BYTES = max(_REQUEST.size + MAX_KEYS * PAGE_KEY_BYTES, _ANSWER.size + 
 _HELLO = struct.Struct("<4sH2x16s")
 HELLO_BYTES = _HELLO.size
 DESCRIBE = 1  # request flag: answer statuses (and the layout), send no payload
+VERIFY = 2    # request flag: hash each page before it is sent; one that fails is reported damaged, never sent
 LAYOUT = 1    # answer flag: the namespace's layout follows the entries
 
 
@@ -98,7 +104,7 @@ class FetchRequest:
             raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
         raw = bytes(data[_REQUEST.size:])
         keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
-        return cls(rid, bytes(ns), page_bytes, keys, flags & DESCRIBE, generation)
+        return cls(rid, bytes(ns), page_bytes, keys, flags & (DESCRIBE | VERIFY), generation)
 
 
 @dataclass(frozen=True)

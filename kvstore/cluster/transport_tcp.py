@@ -9,10 +9,11 @@ released for the whole page; chunk by chunk in Python where the module is not bu
 
 Receiver: receives into the destination (a host-arena slot) itself, chunk by chunk, each
 chunk hashed (xxh3) right after it lands, while it is still in cache; no copy through
-Python bytes. Sender: each chunk is hashed, then sent from the arena's own
-memory (``send`` of a memoryview: no user-space copy); the last chunk of a page goes only
-after the whole page matched its stored checksum ("verified before served"), so a page
-damaged in the arena never arrives whole: it is reported ``damaged`` (quarantined) and the
+Python bytes. Sender: each page is sent from the arena's own memory (``send`` of a
+memoryview: no user-space copy), unhashed: the receiver's check is the page's one. Asked to
+VERIFY (a receiver that found the page CORRUPT asks again so), each chunk is hashed before it
+is sent and the last chunk of a page goes only after the whole page matched its stored
+checksum, so a page damaged in the arena is reported ``damaged`` (quarantined) and the
 connection dropped.
 
 Failure contract of ``TcpPageFetcher.fetch`` (as ``UcxPageFetcher.fetch``): it returns
@@ -33,7 +34,16 @@ from typing import Any
 
 from kvstore.cluster.errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
-from kvstore.cluster.page_wire import DESCRIBE, MAX_FRAME_BYTES, FetchAnswer, FetchRequest, PageStatus, check_keys, encode_hello
+from kvstore.cluster.page_wire import (
+    DESCRIBE,
+    MAX_FRAME_BYTES,
+    VERIFY,
+    FetchAnswer,
+    FetchRequest,
+    PageStatus,
+    check_keys,
+    encode_hello,
+)
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
 from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
 from kvstore.page import LayoutDesc
@@ -163,11 +173,11 @@ class TcpPageFetcher:
         return sock
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0) -> FetchResult:
+                    generation: int = 0, verify: bool = False) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
-        raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation)
+        ``verify``: the sender hashes each page before it sends it (page_wire.VERIFY). Peer failures are
+        values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         await self._exchange(request, views, result, timeout_s)
         return result
 

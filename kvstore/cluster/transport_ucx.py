@@ -5,9 +5,11 @@ copy through a Python object on either side.
 One connection carries one fetch at a time (``page_wire``): request, answer (status, size
 and stored checksum per key), then the found pages in key order. The receiver posts every
 destination before the first page arrives and verifies each page's checksum as it lands. The
-sender verifies each page before it posts its send (DESIGN §11: a page scribbled on in the
-arena is quarantined, never propagated): the answer already promised it, so it sends the pages
-before it, reports it ``damaged`` and drops the connection (the fetcher: FAILED from there).
+sender posts its pages unhashed unless the request asks it to VERIFY (a receiver that found a
+page CORRUPT asks again so; DESIGN §11: a page scribbled on in the arena is quarantined, never
+propagated); then it verifies each page before it posts its send, and on a page that fails,
+which the answer already promised, it sends the pages before it, reports it ``damaged`` and
+drops the connection (the fetcher: FAILED from there).
 
 Failure contract of ``UcxPageFetcher.fetch``: it returns within ``timeout_s`` (+ the bounded
 time to abort), whatever the peer does (killed, stopped, reset, answering garbage); pages
@@ -44,6 +46,7 @@ from kvstore.cluster.page_wire import (
     DESCRIBE,
     HELLO_BYTES,
     MAX_FRAME_BYTES,
+    VERIFY,
     FetchAnswer,
     FetchRequest,
     PageStatus,
@@ -209,8 +212,9 @@ class UcxPageServer:
         return False
 
     async def _serve(self, ep: Any, request: FetchRequest) -> bool:
-        """Answers one request; False when the connection must be dropped: a page failed its
-        check before it was sent (the answer already promised it, so the fetcher must see the
+        """Answers one request; False when the connection must be dropped: asked to VERIFY, a
+        page failed its check before it was sent (unasked, pages go out as they are: the
+        receiver checks each) (the answer already promised it, so the fetcher must see the
         connection break there, not wait for it; the pages before it go out whole first)."""
         pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
         try:
@@ -223,12 +227,13 @@ class UcxPageServer:
                     if request.flags & DESCRIBE:
                         return True
                     loop = asyncio.get_running_loop()
+                    verify = bool(request.flags & VERIFY)  # else the receiver's check is the page's one (page_wire.py)
                     for key, page, entry in zip(request.keys, pages, answer.entries):
                         if page is None or entry.status is not PageStatus.FOUND:
                             continue
-                        # hashed on a worker, GIL released, while the sends posted before it progress
-                        checks.append(loop.run_in_executor(None, checksum_released, page.data))
-                        if await asyncio.shield(checks[-1]) != page.checksum:
+                        if verify:  # hashed on a worker, GIL released, while the sends posted before it progress
+                            checks.append(loop.run_in_executor(None, checksum_released, page.data))
+                        if verify and await asyncio.shield(checks[-1]) != page.checksum:
                             await asyncio.gather(*sends)
                             await asyncio.sleep(DRAIN_S)  # a send is done once UCX holds its bytes, not the peer
                             logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
@@ -290,11 +295,11 @@ class UcxPageFetcher:
             self._ep = None
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0) -> FetchResult:
+                    generation: int = 0, verify: bool = False) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        Peer failures are values (FAILED statuses and ``error``), never a hang; bad arguments
-        raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation)
+        ``verify``: the sender hashes each page before it sends it (page_wire.VERIFY). Peer failures are
+        values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         async with self._lock:
             try:

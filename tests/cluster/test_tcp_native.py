@@ -49,7 +49,7 @@ class RandomSource:
         return pages
 
 
-async def test_pages_arrive_bit_exact_and_a_damaged_page_is_not_sent(path: str) -> None:
+async def test_pages_arrive_bit_exact_and_a_damaged_page_is_caught_then_not_sent(path: str) -> None:
     source = RandomSource()
     server = TcpPageServer(source)
     port = await server.start()
@@ -64,7 +64,10 @@ async def test_pages_arrive_bit_exact_and_a_damaged_page_is_not_sent(path: str) 
             assert bytes(d) == expected.tobytes() and s == checksum(expected)
         bad = [key(5), key(6, first=0xEE), key(7)]
         dests = [bytearray(PAGE) for _ in bad]
-        result = await fetcher.fetch(NS, bad, dests, timeout_s=20)
+        result = await fetcher.fetch(NS, bad, dests, timeout_s=20)  # sent unhashed: the receiver's check catches it
+        assert result.statuses == [FetchStatus.OK, FetchStatus.CORRUPT, FetchStatus.OK] and result.error is None
+        assert source.damaged == []
+        result = await fetcher.fetch(NS, bad, dests, timeout_s=20, verify=True)  # the sender checks: never sent
         assert result.statuses[0] is FetchStatus.OK and result.statuses[1:] == [FetchStatus.FAILED] * 2
         assert result.error is not None and source.damaged == [bad[1]]
     finally:

@@ -64,16 +64,20 @@ async def test_pages_land_bit_exact_in_arena_slots(servers: Callable[[int], Awai
 
 
 async def test_a_page_damaged_at_the_sender_is_never_sent_whole(servers: Callable[[int], Awaitable[Child]], arena: Arena) -> None:
-    """Verified before served: the sender finds page 2's bytes do not match its stored
-    checksum before its last chunk leaves, reports it damaged (the tier quarantines it) and
-    drops the connection; the receiver gets page 1 and FAILED for the rest, and the slot of
-    the damaged page never holds a page that could pass for it."""
+    """Unasked, the sender sends page 2 as it is and the receiver finds it CORRUPT (never OK).
+    Asked to verify (what a receiver does next: remote.py), the sender finds its bytes do not
+    match its stored checksum before its last chunk leaves, reports it damaged (the tier
+    quarantines it) and drops the connection; the receiver gets page 1 and FAILED for the rest,
+    and the slot of the damaged page never holds a page that could pass for it."""
     page = 1 << 20
     server = await servers(page)
     keys = [key(1), key(2, first=0xEE), key(3)]
-    dests = arena.slots(page, 3)
+    slots = arena.slots(page, 6)
     fetcher = TcpPageFetcher("127.0.0.1", server.port)
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
+    unasked = await fetcher.fetch(NS, keys, slots[3:], timeout_s=20)
+    assert unasked.statuses == [FetchStatus.OK, FetchStatus.CORRUPT, FetchStatus.OK] and unasked.error is None
+    dests = slots[:3]
+    result = await fetcher.fetch(NS, keys, dests, timeout_s=20, verify=True)
     assert result.statuses == [FetchStatus.OK, FetchStatus.FAILED, FetchStatus.FAILED] and result.error
     assert await server.line_starting("damaged") == f"damaged {keys[1].hex()}"
     assert untouched(dests[1][-(256 << 10):]) and untouched(dests[2])  # its last chunk never left

@@ -63,15 +63,20 @@ async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) 
 
 
 async def test_a_page_damaged_at_the_sender_is_never_sent(server: Child, arena: Arena) -> None:
-    """Verified before served: the sender finds page 3's bytes do not match its stored
-    checksum before it posts its send, reports it damaged (the tier quarantines it) and drops
-    the connection after the pages before it went out; the receiver gets those and FAILED for
-    the rest (never CORRUPT: no byte of it arrived), and the next fetch reconnects."""
+    """Unasked, the sender posts page 3 as it is and the receiver finds it CORRUPT (never OK).
+    Asked to verify (what a receiver does next: remote.py), the sender finds its bytes do not
+    match its stored checksum before it posts its send, reports it damaged (the tier
+    quarantines it) and drops the connection after the pages before it went out; the receiver
+    gets those and FAILED for the rest (never CORRUPT: no byte of it arrived), and the next
+    fetch reconnects."""
     page = 256 << 10
     keys = [key(1), key(2), key(3, first=0xEE), key(4)]
-    dests = arena.slots(page, len(keys))
     fetcher = UcxPageFetcher("127.0.0.1", server.port, TCP)
-    result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
+    slots = arena.slots(page, 2 * len(keys))
+    unasked = await fetcher.fetch(NS, keys, slots[len(keys):], timeout_s=20)
+    assert unasked.statuses == [FetchStatus.OK, FetchStatus.OK, FetchStatus.CORRUPT, FetchStatus.OK] and unasked.error is None
+    dests = slots[: len(keys)]
+    result = await fetcher.fetch(NS, keys, dests, timeout_s=20, verify=True)
     assert result.statuses == [FetchStatus.OK, FetchStatus.OK, FetchStatus.FAILED, FetchStatus.FAILED] and result.error
     assert await server.line_starting("damaged") == f"damaged {keys[2].hex()}"
     for i in (0, 1):

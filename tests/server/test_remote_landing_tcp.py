@@ -1,7 +1,8 @@
 """A node fetching pages over the TCP data plane into its landing slots (the receive buffers
-themselves): a byte flipped in flight, or a page scribbled on in the holder's arena, is never
-committed, nor any page after it; the holder quarantines the scribbled page instead of
-sending it (verified before served). Real servers, a real TCP page server on the holder's
+themselves): a page that arrives CORRUPT is never committed. It is asked for again with the
+holder checking it (a holder sends unhashed unless asked: page_wire.VERIFY): a byte flipped in
+flight arrives whole the second time, a page scribbled on in the holder's arena is quarantined
+there instead of sent, and no page after it is committed. Real servers, a real TCP page server on the holder's
 core, and a relay that damages bytes on the wire."""
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory
         peer = Peer(relay.port)
         got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
         await peer.fetcher.close()
-        assert got == 1
-        assert _found(receiver.address, ns, keys) == 1
-        assert _pages_at(receiver.address, ns, keys) == pages[0]
-        # undamaged, the same path lands all four bit-exact
+        # page 2 arrived CORRUPT and was not committed; asked again (checked by the holder) it arrived whole
+        assert got == 4
+        assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
+        assert holder.core.quarantined() == []  # the holder's bytes were sound
+        # and again, the plain path lands all four bit-exact
         peer = Peer(port)
         assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
         await peer.fetcher.close()

@@ -27,6 +27,7 @@ import grpc
 from kvstore import validate
 from kvstore._proto import data_pb2
 from kvstore.chunks import BufferSink, ChunkedPage
+from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
@@ -177,17 +178,33 @@ class RemoteTier:
             if to_fetch:
                 views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
                 try:
-                    result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()),
-                                                      generation)
+                    ok_sums = await self._fetch_checked(peer, namespace_id, to_fetch, views, deadline, generation)
                 finally:
                     for view in views:
                         view.release()
-                ok_keys = to_fetch[: result.prefix]
-                ok_sums = result.checksums[: result.prefix]
+                ok_keys = to_fetch[: len(ok_sums)]
         except BaseException:
             await asyncio.to_thread(self.core.abort, allocation_id)
             raise
         return await self._commit(landing, allocation_id, ok_keys, ok_sums)
+
+    @staticmethod
+    async def _fetch_checked(peer: Peer, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
+                             generation: int) -> list[int]:
+        """The checksums of the leading pages that arrived verified. A holder sends its pages
+        unhashed (this node's check is the one each gets); from a page that arrived CORRUPT on,
+        they are asked for again with the holder verifying: a page its own bytes fail is
+        quarantined there and never sent, one damaged on the way arrives again."""
+        result = await peer.fetcher.fetch(namespace_id, keys, views, max(0.001, deadline - time.monotonic()), generation)
+        n = result.prefix
+        sums = result.checksums[:n]
+        if n < len(keys) and result.statuses[n] is FetchStatus.CORRUPT:
+            logger.warning("page %s from %s failed its checksum on arrival; asked again, checked by its holder",
+                           keys[n].hex(), getattr(getattr(peer, "member", None), "node_id", "a peer"))
+            again = await peer.fetcher.fetch(namespace_id, keys[n:], views[n:], max(0.001, deadline - time.monotonic()),
+                                             generation, verify=True)
+            sums += again.checksums[: again.prefix]
+        return sums
 
     async def fetch_from(self, node: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                          tenant: str, landing: Landing | None = None) -> int:
