@@ -6,9 +6,10 @@ predicts the bigger hosts engines run on. The floor is the least work a verified
 needs: the raw transport (memcpy, a bare pump, an O_DIRECT read) plus the one copy and/or
 one xxh3 pass that checking it costs, measured in the same run.
 
-Other processes' CPU is read from /proc/PID/stat (``soak_cpu.cpu_seconds``: clock ticks,
-10 ms); this process's from ``time.process_time`` (ns, all threads), so a small smoke run
-still gets a floor above zero.
+Other processes' CPU is read from their process CPU clock (``clock_gettime`` of the pid's
+CPUCLOCK_SCHED clock: ns, all threads), else from /proc/PID/stat (``soak_cpu.cpu_seconds``:
+clock ticks, 10 ms, which read a server's ~1 ms of CPU per get as 0 or 10 ms); this process's
+from ``time.process_time`` (ns, all threads), so a small smoke run still gets a floor above zero.
 """
 
 from __future__ import annotations
@@ -40,7 +41,17 @@ def process_cpu_s(pid: int, tree: bool = False) -> float:
             pids += [child.pid for child in psutil.Process(pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             pass
-    return sum(cpu_seconds(p) or 0.0 for p in pids)
+    return sum(_cpu_clock_s(p) for p in pids)
+
+
+def _cpu_clock_s(pid: int) -> float:
+    """CPU seconds of process ``pid``, all its threads, to the ns where Linux's process CPU
+    clock can be read (clockid ``~pid << 3 | 2``: CPUCLOCK_SCHED of the whole process), else
+    in clock ticks from /proc; 0 once it is gone."""
+    try:
+        return time.clock_gettime((~pid << 3) | 2)
+    except (OSError, OverflowError):
+        return cpu_seconds(pid) or 0.0
 
 
 class Meter:

@@ -53,3 +53,32 @@ def test_the_cpu_columns_are_seconds_per_gb_and_their_ratio() -> None:
     assert row["cpu_s_per_gb"] == 2.0 and row["cpu_s_per_gb_by_process"] == {"client": 0.5, "server": 1.5}
     assert row["floor_cpu_s_per_gb"] == 0.5 and row["cpu_ratio"] == 4.0
     assert cpu_fields(1_000_000_000, {"client": 1.0}, {"client": 0.0})["cpu_ratio"] is None  # no measurable floor
+
+
+def test_the_meter_reads_another_process_finer_than_a_clock_tick() -> None:
+    """/proc/PID/stat counts in clock ticks (10 ms): a server that spent ~1 ms on a get read 0 or
+    10 ms per window (a smoke run reported server 0.00 s/GB for host-shm-get; 10 gets of ~1.2 ms
+    of server CPU each summed to 20 ms). A burst of 3 ms of CPU in another process must read as
+    such."""
+    code = ("import sys, time\n"
+            "print(flush=True)\n"
+            "for line in sys.stdin:\n"
+            "    end = time.process_time() + 0.003\n"
+            "    while time.process_time() < end: pass\n"
+            "    print(flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdout.readline()  # started: its start-up CPU is not in a window
+        readings = []
+        for _ in range(5):
+            meter = Meter({"child": child.pid})
+            meter.start()
+            child.stdin.write("burn\n")
+            child.stdin.flush()
+            child.stdout.readline()
+            readings.append(meter.stop()["child"])
+        assert all(0.002 <= seconds < 0.008 for seconds in readings), readings
+    finally:
+        child.kill()
+        child.wait()
