@@ -269,7 +269,7 @@ async def fuzz(args: argparse.Namespace, bar: Any) -> dict[str, Any]:
             await asyncio.gather(*(worker(warmup) for _ in range(args.concurrency)))
             report["rss_after_warmup"] = rss(pid)
             await asyncio.gather(*(worker(args.calls) for _ in range(args.concurrency)))
-            sockets = SocketFuzzer(probe.calls.path, fuzzer, args.seed) if probe.calls is not None else None
+            sockets = SocketFuzzer(probe.calls.blocking.path, fuzzer, args.seed) if probe.calls.blocking is not None else None
             report["socket_methods"] = len(sockets.methods) if sockets else 0  # 0: --methods names none the socket serves
             if sockets and sockets.methods and args.socket_calls:  # the same cases, as frames on the same-host call socket
                 await asyncio.to_thread(sockets.run, args.socket_calls, bar, lambda: server.proc.poll() is None)

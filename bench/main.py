@@ -24,6 +24,7 @@ COMMANDS = {
     "restart": ("restart", "directory and index recovery time for N pages"),
     "crossover": ("crossover", "fetch vs recompute on this machine, with the planner's predictions"),
     "lookup": ("lookup", "directory lookup latency and rate of a 512-page prefix, idle and while demoting"),
+    "calls": ("calls", "a unary call from a thread and from a loop: the call socket's channels vs the runtime hop vs gRPC"),
     "checkpoint": ("checkpoint", "KV checkpoint policies: SSD bytes vs tokens to recompute after a crash"),
     "fuzz": ("fuzz", "random and mutated requests on every RPC with auth + TLS on: no crash, INTERNAL, hang, leak; still exact"),
     "soak": ("soak", "N clients of 2 tenants, mixed ops with TLS + auth, bytes checked; RSS, p50/p99; cost vs plain"),

@@ -135,7 +135,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm, use_call_sock
     if not store.start():
         raise RuntimeError(f"kvstore at {address} not reachable")
     client = store.client()
-    assert client is not None and (client.calls is not None) == use_call_socket
+    assert client is not None and (client.calls.blocking is not None) == use_call_socket
     num_blocks = 40
     raw = torch.zeros(36, num_blocks, 8, 16, 256, dtype=torch.bfloat16)  # one buffer for all layers, as vLLM allocates
     caches = {f"layer.{i}": raw[i] for i in range(36)}
@@ -191,7 +191,7 @@ def _small_hits(args: argparse.Namespace, address: str, bar: tqdm, use_call_sock
         leased = worker.stats.leased_copies - leased_before == args.small_repeats + 1
         rows.append({"pages": num_pages, "path": "leased copy" if leased else "layer-wise",
                      "transport": "shared memory" if client.shared_memory else "gRPC",
-                     "calls": "call socket" if client.calls is not None else "gRPC",
+                     "calls": "call socket" if client.calls.blocking is not None else "gRPC",
                      "bytes": num_pages * layout.page_bytes, "lookup_ms": round(_median(lookup_s) * 1e3, 3),
                      "load_ms": round(_median(load_s) * 1e3, 3), "total_ms": round(_median(total_s) * 1e3, 3),
                      "memcpy_ms": round(_median(copy_s) * 1e3, 3),

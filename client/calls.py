@@ -1,20 +1,11 @@
-"""Lookups on the caller's own event loop, over the call socket (DESIGN §8).
+"""The client's one way to make a unary call (DESIGN §8): ``Calls`` picks the call socket or gRPC.
 
-A lookup through the I/O runtime hops threads twice (the caller's loop to the runtime's and
-back): on a loaded 2-core host that was ~0.35 ms of a 512-page lookup whose socket round trip
-is ~0.3 ms. A Lookup grants nothing (no lease, no allocation), so nothing has to outlive its
-caller: it can run on the caller's loop itself. ``LoopCalls`` keeps one ``AsyncCallChannel``
-per caller loop, a sibling of the runtime's (same socket, bearer token, call token; a
-restarted server is learnt through the runtime's), opened on that loop's first lookup.
-
-Same guarantees as ``Runtime.unary``: one deadline per call (past it KVStoreError
-DEADLINE_EXCEEDED), a caller cancelled mid-call leaves its connection closed (nothing to give
-back), and a call the socket did not take (NotSent: socket gone, refused, this loop's
-connections busy) goes through the runtime (its call socket, else gRPC) within what is left of
-the deadline. Only for methods in ``NOTHING_GRANTED``; everything else keeps the runtime.
-
-Thread-safe: each loop touches only its own channel; ``close`` retires every channel on its
-own loop (or at once when that loop runs no more).
+``await calls.unary(name, request)`` from any event loop, ``calls.call`` / ``calls.post`` from a
+thread of the caller's. The choice, in one place (``_way``): a method the call socket serves goes
+over the socket where this client has one, else (or when the socket did not take the request)
+over gRPC, within one deadline. Two socket channels besides the runtime's save a thread hop, kept
+because each saves > 0.1 ms a call (client/README.md): a thread's blocking channel (``blocking``),
+and, for a Lookup from another loop, a channel of that loop. Errors are the same either way.
 """
 
 from __future__ import annotations
@@ -26,6 +17,9 @@ import weakref
 from collections.abc import Awaitable
 from typing import Any
 
+from kvstore._proto import data_pb2, directory_pb2
+from kvstore.callsocket import frames
+from kvstore.callsocket.client import CallChannel
 from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
@@ -37,12 +31,20 @@ MAX_LOOPS = 4  # caller loops with a channel of their own; others go through the
 CONNECTIONS_PER_LOOP = 2  # a third concurrent lookup on one loop goes through the runtime (the server allows 32 per pid)
 
 
-class LoopCalls:
-    """The per-caller-loop call channels of one client; see the module docstring."""
+def response_type(name: str) -> Any:
+    """The response message class of the unary method ``name`` ("Data.Acquire")."""
+    service, method = name.split(".", 1)
+    return getattr(directory_pb2 if service == "Directory" else data_pb2, method + "Response")
 
-    def __init__(self, runtime: Runtime | None) -> None:
-        """``runtime``: the client's (None: not connected, every call raises KVStoreError)."""
+
+class Calls:
+    """The unary calls of one client; see the module docstring. Thread-safe."""
+
+    def __init__(self, runtime: Runtime | None, blocking: CallChannel | None = None) -> None:
+        """``runtime``: the client's (None: not connected, every call raises KVStoreError);
+        ``blocking``: the call socket's channel for threads, when this host can use the socket."""
         self._runtime = runtime
+        self.blocking = blocking
         self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncCallChannel] = weakref.WeakKeyDictionary()
         # each loop's finalizer, detached by close: it holds the channel, and through it this
         # object and the runtime, for as long as a loop that outlives the client runs
@@ -50,17 +52,21 @@ class LoopCalls:
         self._lock = threading.Lock()
         self._closed = False
 
-    async def unary(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        """``Runtime.unary`` for a method of NOTHING_GRANTED, called from any event loop."""
-        assert name in NOTHING_GRANTED, f"{name} grants what a cancelled caller must give back: call it on the runtime"
-        runtime = self._runtime
-        if runtime is None:
+    def _connected(self) -> Runtime:
+        if self._runtime is None:
             raise KVStoreError("the client is not connected")
-        runtime.process.check(runtime.address)  # a fork's loop may be a copy of the parent's, its channel too
+        return self._runtime
+
+    async def unary(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        """Calls the unary method ``name`` ("Data.Allocate") from any event loop with a deadline
+        (``timeout_s``, by default the client's) and returns its response; a failure raises the
+        same KVStoreError whichever way the call went."""
+        runtime = self._connected()
         if runtime.on_loop():
-            return await runtime.unary(name, request, timeout_s)
+            return await self._way(runtime, name, request, timeout_s or runtime.timeout_s)
+        runtime.process.check(runtime.address)  # a fork's loop may be a copy of the parent's, its channel too
         timeout_s = timeout_s or runtime.timeout_s
-        channel = self._channel()
+        channel = self._channel() if name in NOTHING_GRANTED else None
         if channel is not None and channel.usable:
             loop = asyncio.get_running_loop()
             start = loop.time()
@@ -72,7 +78,47 @@ class LoopCalls:
             except TimeoutError:
                 raise KVStoreError(f"kvstore-server at {runtime.address}: DEADLINE_EXCEEDED: {name} "
                                    f"(call socket, {timeout_s:.3f} s)") from None
-        return await runtime.call(runtime.unary(name, request, timeout_s))
+        return await runtime.call(self._way(runtime, name, request, timeout_s))
+
+    async def _way(self, runtime: Runtime, name: str, request: Any, timeout_s: float) -> Any:
+        """On the runtime loop: over its call socket channel for a method the socket serves
+        (no TLS, no per-call token check), else, or when the socket did not take the request,
+        over gRPC."""
+        local = runtime.local
+        if local is not None and name in frames.METHOD_IDS and local.usable:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            try:
+                return await local.call(name, request, timeout_s)
+            except NotSent as exc:
+                logger.debug("%s over gRPC: %s", name, exc)
+                timeout_s = max(1e-3, timeout_s - (loop.time() - start))  # one deadline for both tries
+            except TimeoutError:
+                raise KVStoreError(f"kvstore-server at {runtime.address}: DEADLINE_EXCEEDED: {name} "
+                                   f"(call socket, {timeout_s:.3f} s)") from None
+        return await runtime.rpc(runtime.method(name), request, timeout_s)
+
+    def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
+        """``unary`` from a thread of the caller's (never the runtime's), blocking it: over the
+        blocking channel when this client has one (TimeoutError past ``timeout_s``; what a late
+        answer brings is given back), else on the runtime (KVStoreError past ``timeout_s``)."""
+        runtime = self._connected()
+        timeout_s = timeout_s or runtime.timeout_s
+        if self.blocking is not None and name in frames.METHOD_IDS:
+            return self.blocking.call(name, request, response_type(name), timeout_s)
+        return runtime.run(self._way(runtime, name, request, timeout_s), timeout_s)
+
+    def post(self, name: str, request: Any, timeout_s: float) -> None:
+        """Sends a give-back (Release, Abort) whose answer nobody waits for: what it gives back
+        expires anyway if it fails. Blocks at most ``timeout_s``; KVStoreError or TimeoutError
+        when it was not sent."""
+        runtime = self._connected()
+        if self.blocking is not None and name in frames.METHOD_IDS:
+            self.blocking.post(name, request, timeout_s)
+        else:
+            runtime.submit(self._way(runtime, name, request, runtime.timeout_s))
+
+    # -- the caller loops' channels --------------------------------------------------------
 
     def _channel(self) -> AsyncCallChannel | None:
         """This loop's channel (made on its first call); None without a call socket, once
@@ -112,13 +158,16 @@ class LoopCalls:
             return None
 
     def close(self) -> None:
-        """Retires every loop's channel: lookups go through the runtime (which refuses once closed)."""
+        """Retires every loop's channel (lookups then go through the runtime, which refuses once
+        closed) and closes the blocking channel. Call it before the runtime closes."""
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.items()), weakref.WeakKeyDictionary()
             finalizers, self._finalizers = list(self._finalizers.values()), weakref.WeakKeyDictionary()
         for finalizer in finalizers:
             finalizer.detach()  # retired below
+        if self.blocking is not None:
+            self.blocking.close()
         if self._runtime is not None and self._runtime.process.forked:
             return  # retiring would take the parent's sockets out of the epoll set it shares with this child
         try:

@@ -10,10 +10,11 @@ Contract:
 * Every RPC has a deadline: no call hangs. In a fork every call raises (client/forked.py).
 
 Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async methods
-await it from the caller's loop (a lookup over the call socket runs on the caller's loop
-itself: client/calls.py); threads (layer-wise workers, synchronous engine hooks) use
-``client.runtime.run(coro, timeout_s)``. Page bytes move through the one transport picked at
-connect (kvstore.client.transport): the shared arena when this host can map it, else gRPC streams.
+await it from the caller's loop; threads (layer-wise workers, synchronous engine hooks) use
+``client.runtime.run(coro, timeout_s)``. Unary calls go through ``client.calls`` (client/calls.py),
+which picks the call socket or gRPC (a lookup over the socket runs on the caller's loop itself).
+Page bytes move through the one transport picked at connect (kvstore.client.transport): the
+shared arena when this host can map it, else gRPC streams.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from typing import Any, Self, TypeVar, cast
 import torch
 
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.callsocket.client import CallChannel
 from kvstore.client.arena import ArenaMap
-from kvstore.client.calls import LoopCalls
+from kvstore.client.calls import Calls
 from kvstore.client.engine_kv import EngineKV, as_engine_kv
 from kvstore.client.handoff import HandoffCalls
 from kvstore.client.hit import Hit
@@ -101,7 +101,6 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         self.layout = namespace.layout
         self.use_shm = use_shm
         self.use_call_socket = use_call_socket
-        self._calls: CallChannel | None = None
         self.timeout_s = deadline_s(timeout_s, "timeout_s")
         self.lease_ms = lease_ms
         self.copy_threads = copy_threads
@@ -110,7 +109,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         self.max_pages = 4096
         self.node = ""
         self._runtime: Runtime | None = None
-        self._near = LoopCalls(None)  # lookups on the caller's loop (its runtime set at connect)
+        self._calls = Calls(None)  # every unary call (its runtime and channels set at connect)
         self._transport: Transport | None = None
         self._arena: ArenaMap | None = None
         self._handles: weakref.WeakSet[LayerLoad | LayerSave] = weakref.WeakSet()  # running layer-wise loads/saves
@@ -134,16 +133,16 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         except BaseException:
             await loop.run_in_executor(None, runtime.close)
             raise
-        self.node, self._near = info.node, LoopCalls(runtime)
+        self.node = info.node
         self.max_pages = max(1, info.max_pages_per_request)
         self.namespace = tenant_namespace(self.namespace, identity)
-        peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
-                    self.max_pages, self.lease_ms)
         if self.use_shm:
             self._arena = await loop.run_in_executor(None, map_arena, info, self._token)
         again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
-        if self.use_call_socket and info.call_socket:
-            self._calls = await again.open_channels(info, self.timeout_s)
+        blocking = await again.open_channels(info, self.timeout_s) if self.use_call_socket and info.call_socket else None
+        self._calls = Calls(runtime, blocking)
+        peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
+                    self.max_pages, self.lease_ms, self._calls)
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, self.copy_threads, info.pool_socket, self._token)
             self._transport.relearn = again.arena_again
@@ -177,11 +176,9 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
             handle.abandon("client closed")
         for handle in handles:
             await loop.run_in_executor(None, handle.join, self.timeout_s)
-        self._near.close()
+        self._calls.close()
         if self._runtime is not None:
             await loop.run_in_executor(None, self._runtime.close)
-        if self._calls is not None:
-            self._calls.close()
         if self._transport is not None:
             self._transport.close()  # closes the arena with it
             self._transport = None
@@ -198,9 +195,10 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return self._runtime
 
     @property
-    def calls(self) -> CallChannel | None:
-        """The server's same-host call channel (set at connect), when this host can use it:
-        blocking unary calls from the caller's thread, without gRPC (kvstore.callsocket.client)."""
+    def calls(self) -> Calls:
+        """The client's unary calls (client/calls.py): ``await calls.unary(name, request)`` from
+        any loop, ``calls.call`` / ``calls.post`` from a thread; each takes the call socket or gRPC.
+        ``calls.blocking`` is the socket's channel for threads, None where this host cannot use it."""
         return self._calls
 
     @property
@@ -227,12 +225,9 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return await self.runtime.call(coro)
 
     async def _call(self, method: Callable[..., Any], request: Any) -> Any:
-        """One unary RPC, run on the I/O runtime."""
+        """One RPC over gRPC whatever the method (a stub's, ``runtime.data.Stats``): for tests and
+        tools that must bypass the call socket; the client's own calls take ``calls.unary``."""
         return await self._io(self.runtime.rpc(method, request))
-
-    async def _unary(self, name: str, request: Any) -> Any:
-        """One unary call by name, run on the I/O runtime (over the call socket when it has one)."""
-        return await self._io(self.runtime.unary(name, request))
 
     def keys(self, tokens: Any) -> list[bytes]:
         """The page keys of ``tokens`` (full pages only)."""
@@ -251,7 +246,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         for start in range(0, len(keys), self.max_pages):
             batch = keys[start : start + self.max_pages]
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
-            resp = await self._near.unary("Directory.Lookup", req)
+            resp = await self._calls.unary("Directory.Lookup", req)
             if start and resp.generation != generation:  # invalidated between two batches: what came before is dead
                 return await self.lookup_keys(keys, _tries - 1) if _tries > 1 else Hit(self.namespace.namespace_id, 0, [], [],
                                                                                         resp.generation)
@@ -328,18 +323,18 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         req = data_pb2.AppendTokensRequest(namespace_id=self.namespace.namespace_id, session_id=session_id,
                                            expected_length=expected_length, tokens=token_array(tokens).tolist(), sync=sync,
                                            prompt_tokens=prompt_tokens)
-        return int((await self._unary("Data.AppendTokens", req)).length)
+        return int((await self._calls.unary("Data.AppendTokens", req)).length)
 
     async def read_session(self, session_id: str) -> LoggedSession | None:
         """A session's logged tokens, or None if it was never logged (or was ended)."""
         req = data_pb2.GetSessionRequest(namespace_id=self.namespace.namespace_id, session_id=session_id)
-        resp = await self._unary("Data.GetSession", req)
+        resp = await self._calls.unary("Data.GetSession", req)
         return LoggedSession(resp.prompt_tokens, list(resp.tokens)) if resp.found else None
 
     async def end_session(self, session_id: str) -> None:
         """Drops a session's log (its KV pages stay, as any others)."""
         req = data_pb2.EndSessionRequest(namespace_id=self.namespace.namespace_id, session_id=session_id)
-        await self._unary("Data.EndSession", req)
+        await self._calls.unary("Data.EndSession", req)
 
     # -- queue hints ---------------------------------------------------------------------
 
@@ -356,7 +351,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         if not sent:
             return [False] * len(entries)
         req = data_pb2.HintRequest(namespace_id=self.namespace.namespace_id, entries=sent)
-        reserved = iter((await self._unary("Data.Hint", req)).reserved)
+        reserved = iter((await self._calls.unary("Data.Hint", req)).reserved)
         return [bool(entry.keys) and next(reserved) for entry in entries]
 
     # -- layer-wise ----------------------------------------------------------------------

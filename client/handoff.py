@@ -27,7 +27,7 @@ from kvstore.types import LocationRun
 from kvstore.validate import deadline_s as check_deadline
 
 if TYPE_CHECKING:
-    from kvstore.client.runtime import Runtime
+    from kvstore.client.calls import Calls
     from kvstore.types import KVLayout, Namespace
 
 HANDOFF_ID_HEX = 32
@@ -50,15 +50,13 @@ def _id_bytes(handoff_id: str) -> bytes:
 
 
 class HandoffCalls:
-    """Mixed into KVStoreClient, whose ``namespace``, ``layout``, ``runtime``, ``node``, ``keys`` and ``_call`` these use."""
+    """Mixed into KVStoreClient, whose ``namespace``, ``layout``, ``calls``, ``node`` and ``keys`` these use."""
 
     namespace: Namespace
     layout: KVLayout
-    runtime: Runtime
+    calls: Calls
     node: str
     timeout_s: float
-    _call: Callable[..., Any]
-    _io: Callable[..., Any]
     keys: Callable[[Any], list[bytes]]
 
     def _page_keys(self, tokens_or_keys: Any) -> list[bytes]:
@@ -77,7 +75,7 @@ class HandoffCalls:
         keys = self._page_keys(tokens) if tokens is not None else []
         request = handoff_pb2.OpenHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                  to_node=to_node or "", ttl_ms=_ttl_ms(ttl_s), keys=keys)
-        await self._call(self.runtime.handoff.Open, request)
+        await self.calls.unary("Handoff.Open", request)
 
     async def handoff_complete(self, handoff_id: str, tokens_or_keys: Any, to_node: str | None = None, *,
                                deadline_s: float | None = None) -> int:
@@ -97,7 +95,7 @@ class HandoffCalls:
             return 0
         request = handoff_pb2.CompleteHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                      keys=keys, to_node=to_node or "")
-        answer = await self._io(self.runtime.rpc(self.runtime.handoff.Complete, request, deadline_s))
+        answer = await self.calls.unary("Handoff.Complete", request, deadline_s)
         return int(answer.num_pages) * self.layout.page_tokens
 
     async def handoff_wait(self, handoff_id: str, tokens: Any, deadline_s: float) -> Hit:
@@ -113,7 +111,7 @@ class HandoffCalls:
             return Hit(self.namespace.namespace_id, 0, [], [])
         request = handoff_pb2.WaitHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                  keys=keys, deadline_ms=max(1, int(deadline_s * 1000)))
-        answer = await self._io(self.runtime.rpc(self.runtime.handoff.Wait, request, deadline_s + _MARGIN_S))
+        answer = await self.calls.unary("Handoff.Wait", request, deadline_s + _MARGIN_S)
         n = min(len(keys), int(answer.num_pages))
         runs = [LocationRun(self.node, "host", n, LayoutDesc.of(self.layout).page_bytes)] if n else []
         return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs, int(answer.generation))

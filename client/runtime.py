@@ -1,21 +1,13 @@
 """The client's one I/O runtime: a private event loop on a thread of its own, owning the
-one ``grpc.aio`` channel to the server.
+one ``grpc.aio`` channel to the server and (``local``) the call socket's channel for this loop.
 
-Why a thread: an engine's compute blocks the caller's event loop (and engine hooks such as
-vLLM's are synchronous), yet layer-wise loads, lease renewals and copies must progress
-meanwhile. So every RPC runs on this loop, and both kinds of caller reach the very same
-coroutines:
-
-* ``await runtime.call(coro)`` from any event loop (the public async API);
-* ``runtime.run(coro, timeout_s)`` from any other thread (layer-wise workers, engine
-  hooks), bounded by ``timeout_s``.
-
-``rpc`` is the one place a unary method is called over gRPC (always with a deadline),
-``unary`` picks the same-host call socket for it when the client has one (kvstore/callsocket/client_aio.py), and
-``error`` is the one place a gRPC status becomes a kvstore error. Every job submitted here completes
-exactly once: a caller cancelled or timed out cancels its job and waits for it to unwind
-(its cleanup gives back leases and allocations), and ``close`` does the same for every job
-still running before the channel goes.
+Every RPC runs on this loop, so that layer-wise loads, renewals and copies progress while an
+engine's compute blocks its own loop: ``await runtime.call(coro)`` from any event loop,
+``runtime.run(coro, timeout_s)`` from any other thread. ``rpc`` is the one place a method is
+called over gRPC (always with a deadline), ``error`` the one place a gRPC status becomes a
+kvstore error; which way a unary call goes is chosen by ``kvstore.client.calls.Calls``. Every
+job completes exactly once: a caller cancelled or timed out cancels its job and waits for it
+to unwind (its cleanup gives back leases and allocations); ``close`` does so for every job.
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ import grpc
 
 from kvstore._proto import data_pb2_grpc, directory_pb2_grpc, handoff_pb2_grpc
 from kvstore.aio_status import KeptStatus
-from kvstore.callsocket import frames
-from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
+from kvstore.callsocket.client_aio import AsyncCallChannel
 from kvstore.client.forked import ProcessCheck
 from kvstore.errors import KVStoreError
 from kvstore.security.channel import ClientTLS, aio_channel
@@ -163,25 +154,11 @@ class Runtime:
         except grpc.aio.AioRpcError as exc:
             raise self.error(kept.instead_of(exc)) from None
 
-    async def unary(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
-        """Calls the unary method ``name`` ("Data.Allocate") with a deadline: over the call
-        socket when the client has one (no TLS, no per-call token check), else, or when the
-        socket did not take the request, over gRPC. Errors are the same either way."""
-        timeout_s = timeout_s or self.timeout_s
-        local = self.local
-        if local is not None and name in frames.METHOD_IDS and local.usable:
-            start = self._loop.time()
-            try:
-                return await local.call(name, request, timeout_s)
-            except NotSent as exc:
-                logger.debug("%s over gRPC: %s", name, exc)
-                timeout_s = max(1e-3, timeout_s - (self._loop.time() - start))  # one deadline for both tries
-            except TimeoutError:
-                raise KVStoreError(f"kvstore-server at {self.address}: DEADLINE_EXCEEDED: {name} "
-                                   f"(call socket, {timeout_s:.3f} s)") from None
+    def method(self, name: str) -> Callable[..., Awaitable[Any]]:
+        """The gRPC stub method of the unary method ``name`` ("Data.Allocate", "Handoff.Wait")."""
         service, method = name.split(".", 1)
-        stub = self.directory if service == "Directory" else self.data
-        return await self.rpc(getattr(stub, method), request, timeout_s)
+        stubs = {"Data": self.data, "Directory": self.directory, "Handoff": self.handoff}
+        return getattr(stubs[service], method)
 
     def error(self, exc: grpc.aio.AioRpcError) -> KVStoreError:
         """The kvstore error for a failed call: the class the server named, else the one of

@@ -141,7 +141,7 @@ class StoreConnection:
                 self._connecting = False
             return
         logger.info("kvstore connector connected to %s (%s, unary calls over %s), namespace %s", self.address,
-                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls else "gRPC",
+                    "shared memory" if client.shared_memory else "gRPC", "the call socket" if client.calls.blocking else "gRPC",
                     client.namespace.namespace_id.hex())
         with self._lock:
             self._connecting = False
@@ -191,7 +191,7 @@ class StoreConnection:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
         (the call goes on, and a lease it brings later is given back) or the store failed."""
         started = time.monotonic()
-        if client.calls is not None:
+        if client.calls.blocking is not None:
             return self._acquire_here(client, keys, timeout_s, started)
         try:
             transport = client.transport
@@ -211,14 +211,13 @@ class StoreConnection:
         thread when the client has one (no hop to the runtime, as ``acquire``), else a
         bounded ``run`` of ``lookup_keys``. TimeoutError past ``timeout_s``; KVStoreError."""
         calls = client.calls
-        if calls is None:
+        if calls.blocking is None:
             return self.run(client, client.lookup_keys(keys), timeout_s).num_pages
         deadline, found = time.monotonic() + timeout_s, 0
         for start in range(0, len(keys), client.max_pages):
             batch = keys[start : start + client.max_pages]
             request = directory_pb2.LookupRequest(namespace_id=client.namespace.namespace_id, keys=batch)
-            found += calls.call("Directory.Lookup", request, directory_pb2.LookupResponse,
-                                max(1e-3, deadline - time.monotonic())).num_pages
+            found += calls.call("Directory.Lookup", request, max(1e-3, deadline - time.monotonic())).num_pages
             if found < start + len(batch):
                 break
         return found
@@ -226,10 +225,9 @@ class StoreConnection:
     def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> Lease | None:
         """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);
         past ``timeout_s`` the channel gives back a lease that comes late."""
-        assert client.calls is not None
         request = data_pb2.AcquireRequest(namespace_id=client.namespace.namespace_id, keys=keys, ttl_ms=client.lease_ms)
         try:
-            acq = client.calls.call("Data.Acquire", request, data_pb2.AcquireResponse, timeout_s)
+            acq = client.calls.call("Data.Acquire", request, timeout_s)
         except TimeoutError:
             return None
         except KVStoreError as exc:
@@ -254,7 +252,7 @@ class StoreConnection:
         """Gives a lease back in the background (a release that fails, or a client closed
         meanwhile, leaves it to expire with its TTL)."""
         try:
-            if client.calls is not None:  # a send of a few microseconds: cheaper than handing it to the runtime
+            if client.calls.blocking is not None:  # a send of a few microseconds: cheaper than handing it to the runtime
                 client.calls.post("Data.Release", data_pb2.ReleaseRequest(lease_id=lease_id), RELEASE_TIMEOUT_S)
                 return
             transport = client.transport

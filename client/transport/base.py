@@ -20,6 +20,7 @@ from kvstore.errors import InvalidRequest
 from kvstore.types import KVLayout
 
 if TYPE_CHECKING:
+    from kvstore.client.calls import Calls
     from kvstore.client.runtime import Runtime
 
 
@@ -33,6 +34,7 @@ class Peer:
     layout_msg: common_pb2.Layout
     max_pages: int  # the most keys one request may carry (the server's limit)
     lease_ms: int  # lease term asked for reads (0: the server's default)
+    calls: Calls  # its unary calls (call socket or gRPC)
 
 
 class Staged(Protocol):

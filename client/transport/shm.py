@@ -129,19 +129,17 @@ class ShmTransport:
         ``parent``: the page before ``keys[0]`` in its prefix (the server evicts tails first);
         ``generation``: the namespace generation the pages were computed in (refused if it is over);
         ``session_id``: the session they are saved for (refused, also at commit, once it is fenced there)."""
-        runtime = self.peer.runtime
         request = data_pb2.AllocateRequest(namespace_id=self.peer.namespace_id, layout=self.peer.layout_msg, keys=keys,
                                            parent=parent, session_id=session_id)
         if generation is not None:
             request.generation = generation
-        return await runtime.unary("Data.Allocate", request)
+        return await self.peer.calls.unary("Data.Allocate", request)
 
     async def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
                      flags: int = 0) -> int:
         """Publishes the copied slots; returns num_published: the leading pages of the
         allocation stored (durable: on ssd)."""
-        runtime = self.peer.runtime
-        answer = await runtime.unary("Data.Commit", data_pb2.CommitRequest(
+        answer = await self.peer.calls.unary("Data.Commit", data_pb2.CommitRequest(
             allocation_id=allocation_id, keys=keys, checksums=checksums, durable=durable, flags=flags))
         return int(answer.num_published)
 
@@ -153,8 +151,7 @@ class ShmTransport:
     async def acquire(self, keys: list[bytes], device: bool = False) -> Any:
         """A lease on the slots of the longest stored prefix of ``keys`` that fits; ``device``:
         the server also places them in this client's hbm pool (answered as device offsets)."""
-        runtime = self.peer.runtime
-        return await runtime.unary("Data.Acquire", data_pb2.AcquireRequest(
+        return await self.peer.calls.unary("Data.Acquire", data_pb2.AcquireRequest(
             namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms, device=device))
 
     async def release(self, lease_id: bytes, failed: list[bytes] | None = None) -> None:
@@ -166,16 +163,15 @@ class ShmTransport:
     async def _give_back(self, method: str, request: Any, what: str, level: int) -> None:
         """A call that gives something back never raises: a failure is left to its expiry."""
         try:
-            await self.peer.runtime.unary(method, request)
+            await self.peer.calls.unary(method, request)
         except KVStoreError as exc:
             logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
 
     async def renew(self, lease_id: bytes, timeout_s: float, ttl_ms: int | None = None) -> None:
         """Extends a lease by ``lease_ms`` (an allocation by ``ttl_ms``, 0: its own term);
         raises LeaseExpired when it is already gone."""
-        runtime = self.peer.runtime
         ttl = self.peer.lease_ms if ttl_ms is None else ttl_ms
-        await runtime.unary("Data.Renew", data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
+        await self.peer.calls.unary("Data.Renew", data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
 
     async def granted(self, request: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[None]]) -> T:
         """Awaits an RPC that grants something (a lease, an allocation). If the caller is

@@ -19,12 +19,12 @@ from conftest import ServerProcess, random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
-from kvstore.callsocket.client import CallChannel
 from kvstore.client import KVStoreClient
+from kvstore.client.calls import Calls
 from kvstore.errors import KVStoreError
 
 
-def _child(client: KVStoreClient, blocking: CallChannel | None, tokens: list[int], kv: torch.Tensor, hit: Any,
+def _child(client: KVStoreClient, calls: Calls, tokens: list[int], kv: torch.Tensor, hit: Any,
            write: int) -> None:
     """In the forked child: every kind of call, each answered within 5 s; the outcome of each
     (the exception's type and message, or "ok", or "hung") written to the pipe as it comes."""
@@ -54,9 +54,8 @@ def _child(client: KVStoreClient, blocking: CallChannel | None, tokens: list[int
 
     try:
         asyncio.run(main())
-        assert blocking is not None
         request = directory_pb2.LookupRequest(namespace_id=client.namespace.namespace_id, keys=client.keys(tokens))
-        blocking.call("Directory.Lookup", request, directory_pb2.LookupResponse, 5)
+        calls.call("Directory.Lookup", request, 5)  # from a thread: the blocking channel
         outcomes.append("ok")
     except KVStoreError as exc:
         outcomes.append(f"{type(exc).__name__}: {exc}")
@@ -88,7 +87,7 @@ def test_a_forked_child_is_refused_at_once_and_the_parent_goes_on(server_process
         kv = random_kv(layout, len(tokens))
         assert loop.run_until_complete(client.put(tokens, kv)) == len(tokens)
         hit = loop.run_until_complete(client.lookup(tokens))  # the parent's loop channel is open now
-        assert client.calls is not None, "a same-host client has its blocking call channel"
+        assert client.calls.blocking is not None, "a same-host client has its blocking call channel"
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -109,7 +108,7 @@ def test_a_forked_child_is_refused_at_once_and_the_parent_goes_on(server_process
         again = loop.run_until_complete(client.lookup(tokens))
         into = torch.zeros_like(kv)
         assert loop.run_until_complete(client.get(again, into)) == len(tokens) and torch.equal(into, kv)
-        assert client.calls is not None
+        assert client.calls.blocking is not None
     finally:
         loop.run_until_complete(client.close())
         loop.close()

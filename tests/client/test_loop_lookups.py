@@ -110,7 +110,7 @@ async def test_a_cancelled_lookup_leaves_no_connection(server_process: ServerPro
     async with KVStoreClient(server_process.address, ns, timeout_s=10.0) as client:
         keys = await stored(client, layout, 2)
         assert (await client.lookup_keys(keys)).num_pages == 2
-        path = client.calls.path if client.calls is not None else ""
+        path = client.calls.blocking.path if client.calls.blocking is not None else ""
         before = connections_to(path)
         server_process.freeze()
         try:
@@ -229,8 +229,8 @@ async def test_a_client_with_a_deadline_of_months_calls_over_the_call_socket(ser
         keys = await stored(client, layout, 2)  # Allocate / Commit on the runtime's call socket
         assert (await client.lookup_keys(keys)).num_pages == 2  # this loop's channel
         assert (await asyncio.to_thread(asyncio.run, client.lookup_keys(keys))).num_pages == 2  # another loop's
-        assert client.calls is not None
-        who = await asyncio.to_thread(client.calls.call, "Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
+        assert client.calls.blocking is not None
+        who = await asyncio.to_thread(client.calls.blocking.call, "Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
         assert who.tenant  # the blocking channel
 
 

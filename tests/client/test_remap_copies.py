@@ -29,8 +29,8 @@ async def test_a_copy_queued_before_a_remap_writes_into_the_arena_its_allocation
     async with KVStoreClient(first.address, ns) as client, KVStoreClient(other.address, ns) as stranger:
         shm = client.transport
         assert isinstance(shm, ShmTransport)
-        assert stranger.calls is not None
-        info = stranger.calls.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
+        assert stranger.calls.blocking is not None
+        info = stranger.calls.blocking.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse)
         arena = map_arena(info, None)
         assert arena is not None
         copy = shm.copy

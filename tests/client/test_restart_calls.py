@@ -89,7 +89,7 @@ async def test_the_blocking_call_channel_reaches_a_restarted_server(server_proce
     tokens = torch.arange(2 * layout.page_tokens)
     kv = random_kv(layout, len(tokens))
     async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
-        calls = client.calls
+        calls = client.calls.blocking
         assert calls is not None
         assert await client.put(tokens, kv, durable=True) == len(tokens)
         before = calls.call("Data.GetInfo", data_pb2.GetInfoRequest(), data_pb2.GetInfoResponse).call_token
@@ -181,7 +181,7 @@ async def test_connections_left_idle_by_calls_side_by_side_do_not_fail_the_first
     server_process.start()
     tokens = torch.arange(2 * layout.page_tokens)
     async with KVStoreClient(server_process.address, ns, timeout_s=5.0) as client:
-        calls = client.calls
+        calls = client.calls.blocking
         assert calls is not None
         assert await client.put(tokens, random_kv(layout, len(tokens)), durable=True) == len(tokens)
         keys = client.keys(tokens)

@@ -50,10 +50,10 @@ async def test_tenants_stay_apart_on_the_async_call_socket(tenant_server, ca, la
         assert (await bob.lookup(tokens)).num_tokens == 0
         assert grpc_calls == []
         acquire = data_pb2.AcquireRequest(namespace_id=alice.namespace.namespace_id, keys=alice.keys(tokens), ttl_ms=1000)
-        acquired = await bob.runtime.call(bob.runtime.unary("Data.Acquire", acquire))
+        acquired = await bob.calls.unary("Data.Acquire", acquire)
         assert list(acquired.pages) == [] and acquired.page_bytes == 0
         allocate = data_pb2.AllocateRequest(namespace_id=alice.namespace.namespace_id, layout=LAYOUT, keys=alice.keys(tokens))
-        over_socket = await _error_of(bob, bob.runtime.unary("Data.Allocate", allocate))
+        over_socket = await _error_of(bob, bob.calls.unary("Data.Allocate", allocate))
         assert grpc_calls == []
         over_grpc = await _error_of(bob, bob.runtime.rpc(bob.runtime.data.Allocate, allocate))
         assert over_socket is over_grpc is PermissionDenied

@@ -51,7 +51,7 @@ def _no_leases_soon(server: Server, timeout_s: float = 10.0) -> frozenset[bytes]
 
 async def test_the_call_socket_answers_as_grpc_does(stored: tuple[Server, KVStoreClient, list[bytes]]) -> None:
     server, client, keys = stored
-    calls = client.calls
+    calls = client.calls.blocking
     assert calls is not None, "a client on the server's host uses its call socket"
     runtime = client.runtime
     ns_id = client.namespace.namespace_id
@@ -82,7 +82,7 @@ async def test_an_acquire_that_times_out_leaves_no_lease(stored: tuple[Server, K
     can release (pinned for its TTL): the caller shuts its reading side, then gives back an
     answer that had arrived; an answer the server can no longer write, it undoes itself."""
     server, client, keys = stored
-    calls = client.calls
+    calls = client.calls.blocking
     assert calls is not None
     request = data_pb2.AcquireRequest(namespace_id=client.namespace.namespace_id, keys=keys, ttl_ms=600_000)
     timed_out = 0

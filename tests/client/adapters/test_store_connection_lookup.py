@@ -47,7 +47,7 @@ def test_num_stored_counts_the_stored_prefix(server, ns: Namespace, layout: KVLa
     try:
         assert store.start()
         client = store.client()
-        assert client is not None and (client.calls is not None) == use_call_socket
+        assert client is not None and (client.calls.blocking is not None) == use_call_socket
         jobs = _jobs(monkeypatch)
         assert store.num_stored(client, keys, 5.0) == 4
         assert store.num_stored(client, keys[:2] + [b"\0" * 16] + keys[3:], 5.0) == 2
@@ -65,7 +65,7 @@ def test_num_stored_on_a_stalled_server_ends_at_the_callers_bound(server_process
     try:
         assert store.start()
         client = store.client()
-        assert client is not None and client.calls is not None
+        assert client is not None and client.calls.blocking is not None
         assert store.num_stored(client, keys, 5.0) == 2
         server_process.freeze()
         started = time.monotonic()

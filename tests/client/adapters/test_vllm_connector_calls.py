@@ -37,11 +37,11 @@ def test_a_small_hit_goes_through_the_call_socket(store_process: ServerProcess) 
     store_prompt(store_process.address, tokens)
     store, scheduler, worker, caches = parts(store_process.address, sync_load_pages=8)
     client = store.client()
-    assert client is not None and client.calls is not None and client.shared_memory
+    assert client is not None and client.calls.blocking is not None and client.shared_memory
     socket_calls: list[str] = []
     grpc_calls: list[str] = []
-    client.calls.call = _recorded(socket_calls, client.calls.call, lambda method, *_, **__: method)  # type: ignore[method-assign]
-    client.calls.post = _recorded(socket_calls, client.calls.post, lambda method, *_, **__: method)  # type: ignore[method-assign]
+    client.calls.blocking.call = _recorded(socket_calls, client.calls.blocking.call, lambda method, *_, **__: method)  # type: ignore[method-assign]
+    client.calls.blocking.post = _recorded(socket_calls, client.calls.blocking.post, lambda method, *_, **__: method)  # type: ignore[method-assign]
     client.runtime.rpc = _recorded(grpc_calls, client.runtime.rpc, lambda method, *_, **__: str(method))  # type: ignore[method-assign]
     request = new_request("reader", tokens)
     meta = step(scheduler, "reader", tokens, 0, [10, 11, 12], request)
@@ -51,6 +51,6 @@ def test_a_small_hit_goes_through_the_call_socket(store_process: ServerProcess) 
     assert worker.stats.leased_copies == 1 and worker.load_errors() == set()
     assert all(bool((caches[name][10:12] == 1.0 + i).all()) for i, name in enumerate(NAMES))
     assert (socket_calls, grpc_calls) == (["Data.Acquire", "Data.Release"], [])
-    client.calls.call("Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)  # after the posted release's answer
+    client.calls.blocking.call("Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)  # after the posted release's answer
     assert num_leases(store_process.address) == 0, "the worker gave the lease back"
     store.close()
