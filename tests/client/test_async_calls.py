@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 from conftest import ServerProcess, random_kv
-from test_localcall_deadline import CALL_TOKEN, _read_request
+from test_call_channel_deadline import CALL_TOKEN, _read_request
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2, directory_pb2_grpc
