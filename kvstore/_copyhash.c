@@ -54,6 +54,7 @@ void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) head = n;
     memcpy(keep, src, head);
+    __asm__ volatile("" ::: "memory");  /* keep the two copies: folded into dst <- src, src would be read twice */
     memcpy(dst, keep, head);
     size_t i = head;
     for (; i + 64 <= n; i += 64) {
@@ -71,9 +72,11 @@ void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
     memcpy(keep + i, src + i, n - i);
+    __asm__ volatile("" ::: "memory");
     memcpy(dst + i, keep + i, n - i);
 #else
     memcpy(keep, src, n);
+    __asm__ volatile("" ::: "memory");
     memcpy(dst, keep, n);
 #endif
 }

@@ -252,7 +252,19 @@ class Server:
         return self.core.pool_of(identity.tenant)
 
     def start(self) -> None:
-        self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given
+        """Starts serving; on any failure stops what was made and started (arena, sockets, threads,
+        the data directory's lock) before it raises, so the process may start another server."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+
+    def _start(self) -> None:
+        try:
+            self.port = self.security.add_port(self._grpc, self.config.listen)  # TLS when --tls-cert is given
+        except RuntimeError as exc:  # grpc raises where older releases answered port 0
+            raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?): {exc}") from None
         if self.port == 0:
             raise ConfigError(f"--listen {self.config.listen}: cannot bind (address in use?)")
         if self.config.security.local_socket is not None:
