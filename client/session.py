@@ -91,8 +91,11 @@ class SessionLog:
         return self.durable_tokens
 
     async def flush(self) -> int:
-        pending, self._pending = self._pending, []
+        """Appends the pending tokens durably. When the append fails (TierUnavailable: try again)
+        they stay pending for the next flush: dropped, the log would hold a hole after them."""
+        pending = list(self._pending)  # tokens returned meanwhile stay for the next flush
         await self._append(pending, sync=True)
+        del self._pending[: len(pending)]
         return self.durable_tokens
 
     async def checkpoint(self, tokens: Any, kv: Any, force: bool = False) -> int:

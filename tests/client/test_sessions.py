@@ -92,3 +92,23 @@ async def test_an_append_of_out_of_range_token_ids_is_invalid_request(server, la
             with pytest.raises(InvalidRequest, match="token ids"):
                 await client.append_tokens("s", tokens, expected_length=0, sync=True)
         assert await client.read_session("s") is None
+
+
+async def test_a_flush_the_node_refuses_keeps_its_tokens_for_the_next(server, ns) -> None:
+    """An append refused for now (TierUnavailable: the session freezing for a migration, a node
+    not caught up) left the log without the tokens of that flush: they were taken out of the
+    buffer before the append, so the next flush appended after them and the log had a hole.
+    They stay pending until an append takes them."""
+    from kvstore.errors import TierUnavailable
+    from kvstore.server.session_owners import FREEZING, OWNED, Ownership
+
+    async with KVStoreClient(server.address, ns) as client:
+        session = client.session("s", sync_every=2, sync_ms=600_000)
+        await session.start([1, 2, 3])
+        server.session_owners.put(client.namespace.namespace_id, "s", Ownership(0, FREEZING, "n2"))
+        with pytest.raises(TierUnavailable):
+            await session.returned([10, 11])
+        server.session_owners.put(client.namespace.namespace_id, "s", Ownership(0, OWNED, ""))
+        assert await session.returned([12, 13]) == 7
+        logged = await client.read_session("s")
+        assert logged is not None and logged.tokens == [1, 2, 3, 10, 11, 12, 13]
