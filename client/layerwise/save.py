@@ -27,11 +27,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+
 from kvstore.client.engine_kv import EngineKV
 from kvstore.client.hit import published_prefix
-from kvstore.client.pages import slot_as_page
+from kvstore.client.staging import staging_page
 from kvstore.errors import InvalidRequest, KVStoreError
-from kvstore.page import checksum
+from kvstore.pagecopy import running_checksum, scatter_checksum
+from kvstore.types import KVLayout
 
 if TYPE_CHECKING:
     from kvstore.client.client import KVStoreClient
@@ -142,14 +146,13 @@ class LayerSave:
                 return
             runtime.run(outgoing.reserve(self.keys, self.parent), client.timeout_s)
             renewed = time.monotonic()
-            pages = [slot_as_page(buffer, layout) for buffer in outgoing.buffers]
+            pages = LayerCopies(self.kv, layout, self.first_page, outgoing.indices, outgoing.buffers)
             for _ in range(layout.num_layers):
                 layer, renewed = self._next_layer(outgoing, renewed)
                 if layer is None:
                     raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
-                for i, page in zip(outgoing.indices, pages):
-                    page[layer].copy_(self.kv.read_layer(self.first_page + i, layer))
-            sums = [checksum(buffer.numpy()) for buffer in outgoing.buffers]
+                pages.copy(layer)
+            sums = pages.checksums()
             published = runtime.run(outgoing.publish(sums, self.durable), client.timeout_s)
             stored = published_prefix(outgoing.asked, published, self.durable, self.first_page, layout.page_tokens)
             self._result = (self.first_page + stored) * layout.page_tokens
@@ -161,3 +164,49 @@ class LayerSave:
             except KVStoreError as exc:
                 logger.warning("a layer-wise save could not give back its reservation (it expires): %s", exc)
             self._done.set()
+
+
+class LayerCopies:
+    """Copies the engine's layers into the save's page buffers and computes each page's checksum
+    from the bytes as they are copied, never by reading a buffer back: an arena slot is shared
+    memory (a stale allocation's writer, another writer of the tenant), and hashing the slot after
+    writing it would commit another writer's bytes with their own checksum. A page is layer-major,
+    so its checksum is fed layer after layer: a layer gathered into a private buffer is copied into
+    the slot and hashed in one pass (``scatter_checksum``); one the engine marked done before an
+    earlier layer is copied in and kept privately until its turn to be hashed."""
+
+    def __init__(self, kv: EngineKV, layout: KVLayout, first_page: int, indices: list[int], buffers: list[torch.Tensor]) -> None:
+        self.kv, self.layout, self.first_page, self.indices = kv, layout, first_page, indices
+        self.slots = [buffer.numpy() for buffer in buffers]  # 1-D uint8, page_bytes each
+        self.layer_bytes = layout.page_bytes // layout.num_layers
+        self.sums = [running_checksum() for _ in buffers]
+        self.hashed = 0  # layers fed to every page's checksum so far
+        self.early: dict[int, list[np.ndarray]] = {}  # layers copied ahead of their turn: private copies
+
+    def _gathered(self, page: int, layer: int, into: torch.Tensor) -> np.ndarray:
+        """Layer ``layer`` of engine page ``page`` as contiguous private bytes (in ``into``)."""
+        shape = self.layout.page_shape()[1:]
+        into.view(self.layout.torch_dtype()).view(shape).copy_(self.kv.read_layer(page, layer))  # blocking
+        return into.numpy()
+
+    def copy(self, layer: int) -> None:
+        at, n = layer * self.layer_bytes, self.layer_bytes
+        if layer != self.hashed:  # ahead of its turn: stored now, hashed from the private copy later
+            kept = [self._gathered(self.first_page + i, layer, torch.empty(n, dtype=torch.uint8)) for i in self.indices]
+            for slot, private in zip(self.slots, kept):
+                np.copyto(slot[at : at + n], private)
+            self.early[layer] = kept
+            return
+        staging = staging_page(n, False)
+        for i, slot, running in zip(self.indices, self.slots, self.sums):
+            private = self._gathered(self.first_page + i, layer, staging)
+            scatter_checksum([running], slot, [at], [], [n], [private])  # stored and hashed in one pass
+        self.hashed += 1
+        while self.hashed in self.early:
+            for running, private in zip(self.sums, self.early.pop(self.hashed)):
+                running.update(private)
+            self.hashed += 1
+
+    def checksums(self) -> list[int]:
+        assert self.hashed == self.layout.num_layers, "every layer is copied before the pages are published"
+        return [int(running.intdigest()) for running in self.sums]

@@ -22,11 +22,11 @@ from kvstore.client.arena import ArenaMap
 from kvstore.client.device_pool import PoolSource
 from kvstore.client.engine_kv import EngineKV
 from kvstore.client.pages import KVRows, slot_as_page
+from kvstore.client.staging import staging_page
 from kvstore.client.transport import shm_pipeline
 from kvstore.client.transport.base import Peer, page_in, page_out
 from kvstore.client.transport.shm_staged import LeasedPages, SlotOutgoing
 from kvstore.errors import KVStoreError
-from kvstore.page import checksum
 from kvstore.pagecopy import copy_checksum, copy_checksum_bytes
 
 logger = logging.getLogger(__name__)
@@ -36,22 +36,11 @@ PIPELINE_PAGES = 64
 RAMP_PAGES = 8  # the first batch of a transfer; each next one doubles up to the full batch
 INLINE_COPY_BYTES = 128 << 10  # a batch this small is copied on the runtime loop (a thread hop costs more)
 
-_local = threading.local()
-
 
 def _on_cuda(kv: torch.Tensor | EngineKV) -> bool:
     layers = getattr(kv, "layers", None)  # a PagedKV's block tensors
     first = kv if isinstance(kv, torch.Tensor) else layers[0] if layers else None
     return isinstance(first, torch.Tensor) and first.device.type == "cuda"
-
-
-def _staging(nbytes: int, pinned: bool) -> torch.Tensor:
-    """This thread's private page buffer (read_slot), pinned for a copy to a CUDA device (the
-    pinning is slow: kept for the thread's next pages)."""
-    kept: tuple[torch.Tensor, bool] | None = getattr(_local, "buffer", None)  # pinned kept beside it: is_pinned()
-    if kept is None or kept[0].numel() != nbytes or kept[1] != pinned:  # may start CUDA in a process that has none
-        kept = _local.buffer = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), pinned)
-    return kept[0]
 
 
 class ShmTransport:
@@ -243,8 +232,12 @@ class ShmTransport:
         slot = arena.array[offset : offset + n]
         if rows is not None:
             return copy_checksum(slot.reshape(rows.rows.shape[0], -1), rows.page(page).rows)
-        page_in(slot_as_page(arena.slot(offset, n), self.layout), kv, page, self.layout)
-        return checksum(slot)
+        # The slot is shared memory another process may write: the page is gathered into this
+        # thread's own buffer and copied into the slot from there, hashing the bytes stored (hashing
+        # the slot after writing it would commit another writer's bytes with their own checksum).
+        private = staging_page(n, _on_cuda(kv))
+        page_in(slot_as_page(private, self.layout), kv, page, self.layout)  # blocking: private holds the page
+        return copy_checksum_bytes(slot, private.numpy())
 
     def read_slot(self, into: torch.Tensor | EngineKV, rows: KVRows | None, page: int, acquired: Any,
                   arena: ArenaMap | None = None) -> bool:
@@ -262,7 +255,7 @@ class ShmTransport:
         # The arena is shared memory another process may write: the page is read from it once,
         # into this thread's own buffer, verified there and copied on from there (checksumming
         # the slot and then copying the slot could land bytes that were never verified).
-        private = _staging(n, _on_cuda(into))
+        private = staging_page(n, _on_cuda(into))
         if copy_checksum_bytes(private.numpy(), slot) != acquired.checksum:
             return False
         page_out(into, page, slot_as_page(private, self.layout), self.layout)  # blocking: the buffer is free after it

@@ -4,7 +4,6 @@ checksum verified: the one copy an ordinary leased load (worker.py) and a handof
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 from kvstore.client.adapters.vllm.layout import RequestKV
 from kvstore.client.arena import ArenaMap
 from kvstore.client.pages import slot_as_page
+from kvstore.client.staging import staging_page
 from kvstore.page import checksum
 from kvstore.pagecopy import running_checksum
 from kvstore.types import KVLayout
@@ -32,23 +32,10 @@ def copy_verified(kv: RequestKV, layout: KVLayout, sources: Sequence[tuple[Arena
         running = [running_checksum() for _ in sources]
         host.write_pages(layout.num_layers, range(len(sources)), [arena.array[o : o + n] for arena, o in sources], running)
         return next((i for i, s in enumerate(running) if s.intdigest() != sums[i]), None)
-    staging = _staging(n, on_device)
+    staging = staging_page(n, on_device and torch.cuda.is_available())  # pinned for a device copy where CUDA is
     for i, (arena, offset) in enumerate(sources):
         np.copyto(staging.numpy(), arena.array[offset : offset + n])  # the one read of the shared arena
         if checksum(staging.numpy()) != sums[i]:
             return i
         kv.write_page(i, slot_as_page(staging, layout))  # a blocking copy: the buffer is free again after it
     return None
-
-
-_local = threading.local()
-
-
-def _staging(nbytes: int, on_device: bool) -> torch.Tensor:
-    """This thread's private page buffer, pinned for a device copy where CUDA is present (the
-    pinning is slow: kept for the thread's next loads)."""
-    pinned = on_device and torch.cuda.is_available()
-    buffer: torch.Tensor | None = getattr(_local, "buffer", None)
-    if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pinned:
-        buffer = _local.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    return buffer
