@@ -165,7 +165,7 @@ async def _sample(dst: KVStoreClient, writer: Writer, t0: float, period_s: float
     shards across the capped link, queued behind the pages). The row's nodes hold this session alone."""
     while True:
         t, stored = time.monotonic() - t0, writer.pages
-        stats = await dst._unary("Directory.Stats", directory_pb2.StatsRequest())
+        stats = await dst.calls.unary("Directory.Stats", directory_pb2.StatsRequest())
         here = sum(tier.num_pages for tier in stats.tiers if tier.tier == "host")
         out.append((t, max(0, stored - here) * writer.page_bytes))
         await asyncio.sleep(period_s)
