@@ -41,7 +41,9 @@ What each row's ``call`` times (its ``path`` says which transport it took):
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
 >= 2,000 lookups/s from 8 clients. The table ends with each call's draining/idle p99 ratio
-at one client, the floor's beside it.
+at one client, the floor's beside it. Issue 39 judges them against the floor (lookup_report.py):
+the draining rows' ``ratio_over_floor`` (goal <= 1.25) and the server's CPU per GB demoted over
+the draining windows beside dd's own plus one xxh3 pass, ``demoter_cpu_ratio`` (goal <= 1.3).
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ from tqdm import tqdm
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.bench import lookup_floor
+from kvstore.bench.cpu_floor import Meter
 from kvstore.bench.harness import percentile, start_server
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, WRITER_NS, prefix_tokens
+from kvstore.bench.lookup_report import goal_fields, print_table  # noqa: F401 - print_table: kvstore-bench's
 from kvstore.client import KVStoreClient
 from kvstore.config import DEMOTE_SCHEDS
 from kvstore.keys import page_keys
@@ -227,11 +231,13 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
     over all their windows, and a window that outlasted its drain is said."""
     drains = [_drain_once(args, role, clients) for _ in range(args.repeat)]
     results = [r for d in drains for r in d["results"]]
-    window_s = sum(d["window_s"] for d in drains)
+    window_s, demoted = sum(d["window_s"] for d in drains), sum(d["demoted"] for d in drains)
     return {**_row("draining", role, clients, args.drain_seconds * args.repeat, results), "windows": args.repeat,
-            "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": sum(d["demoted"] for d in drains) / window_s / 1e9,
+            "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": demoted / window_s / 1e9,
             "backlog_gb": min(d["backlog_gb"] for d in drains), "drained_gb": min(d["drained_gb"] for d in drains),
             "window_inside_drain": all(d["inside"] for d in drains),
+            # the server's CPU over the windows per GB demoted in them (issue 39: the demoter's, the lookups' beside it)
+            "demoter_cpu_s_per_gb": sum(d["cpu_s"] for d in drains) / (demoted / 1e9) if demoted > 0 else None,
             # written to ssd before any window opened (0: every drain began with its window)
             "demoted_before_window_gb": max(d["before"] for d in drains) / 1e9}
 
@@ -261,7 +267,7 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
             raise RuntimeError(f"the {args.pages}-page prefix could not be stored whole")
         procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
         try:
-            crossed, before, t0, t1, after = asyncio.run(_drain_window(address, procs, args.drain_seconds))
+            crossed, before, t0, t1, after, cpu_s = asyncio.run(_drain_window(address, server.proc.pid, procs, args.drain_seconds))
             results = [_collect(p) for p in procs]
         finally:
             for proc in procs:  # those not collected: the window never opened
@@ -271,19 +277,20 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0, "before": before,
+    return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0, "before": before, "cpu_s": cpu_s,
             "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
             "drained_gb": after["ssd"].bytes_in / 1e9,  # written to ssd since the (fresh) server started: the drain's
             # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
             "inside": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
 
 
-async def _drain_window(address: str, procs: list[subprocess.Popen[str]], seconds: float
-                        ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats]]:
+async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Popen[str]], seconds: float
+                        ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats], float]:
     """Tops the host tier up to its high watermark without passing it, starts the lookups and
     puts the page that passes it as their window opens. Returns the pages put, the SSD's bytes
     in before that page (0 on a fresh server), the window's start and end and the tiers at its
-    end (read there, not once the load processes have exited a second or more later)."""
+    end (read there, not once the load processes have exited a second or more later), and the
+    server's CPU seconds from that page's put to the window's end."""
     kv = torch.randn(WRITER_LAYOUT.num_layers, 2, WRITER_LAYOUT.page_tokens, WRITER_LAYOUT.num_kv_heads,
                      WRITER_LAYOUT.head_dim).to(WRITER_LAYOUT.dtype)
     async with KVStoreClient(address, WRITER_NS) as client:
@@ -302,10 +309,13 @@ async def _drain_window(address: str, procs: list[subprocess.Popen[str]], second
         start = time.time() + 0.2
         _go(procs, start)
         await asyncio.sleep(max(0.0, start - time.time()))
+        meter = Meter({"server": server_pid}, trees=frozenset({"server"}))
+        meter.start()
         put += await _put_page(client, kv)
         await asyncio.sleep(max(0.0, start + seconds - time.time()))
         end, after = time.time(), _tier_stats(address)
-    return put, before, start, end, after
+        cpu_s = meter.stop()["server"]
+    return put, before, start, end, after, cpu_s
 
 
 async def _put_page(client: KVStoreClient, kv: torch.Tensor) -> int:
@@ -373,28 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+    goal_fields(rows)
     return {"pages": args.pages, "seconds": args.seconds, "repeat": args.repeat, "demote_sched": args.demote_sched,
             "demote_nice": args.demote_nice,
             "switch_interval_ms": args.switch_interval_ms, "writer_core": args.writer_core, "hash_ms": _hash_ms(args.pages), "rows": rows,
             "num_violations": 0}
-
-
-def print_table(report: dict[str, Any]) -> None:
-    print(f"lookup of a {report['pages']}-page prefix, {report['seconds']:.0f} s per run "
-          f"(hashing {report['pages']} keys on the client: {report['hash_ms']:.2f} ms)")
-    print("| state | call | path | clients | lookups/s | p50 ms | p99 ms | short answers | writer pages/s | demoted GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in report["rows"]:
-        print(f"| {r['state']} | {r['call']} | {r['path']} | {r['clients']} | {r['lookups_per_s']:,.0f} | {r['p50_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['writer_pages_per_s']:.0f} | {r['demoted_gb_per_s']:.2f} |")
-    ratios = []
-    for call in dict.fromkeys(r["call"] for r in report["rows"]):
-        idle, drain = (next((r for r in report["rows"] if r["call"] == call and r["clients"] == 1 and r["state"] == state), None)
-                       for state in ("idle", "draining"))
-        if idle and drain and idle["p99_ms"] > 0:
-            ratios.append(f"{call} {drain['p99_ms'] / idle['p99_ms']:.1f}x")
-    print(f"p99 draining / idle, one client (goal <= 2x): {', '.join(ratios)}")
-    for r in report["rows"]:
-        if r["state"] == "draining" and not r.get("window_inside_drain", True):
-            print(f"NOTE: the draining row with {r['clients']} clients outlasted its {r['backlog_gb']:.1f} GB backlog: "
-                  "raise --drain-host-capacity or lower --drain-seconds")

@@ -9,6 +9,11 @@ frames, nothing parsed, nothing looked up), back to back for the window; once id
 while ``dd oflag=direct`` writes 2 MiB blocks (the demoter's batch size) into the lookup
 run's work directory, on the SSD tier's filesystem, as fast as it can.
 
+The draining row also carries the demoter's CPU floor (issue 39): dd's own CPU seconds per GB
+it wrote over that window (its process CPU clock, ``cpu_floor.Meter``), ``cpu_s_per_gb``, plus
+one xxh3 pass per GB (``cpu_floor.HashPass`` over a buffer of this process), ``hash_cpu_s_per_gb``:
+their sum is ``demote_floor_cpu_s_per_gb``, the least CPU a verified byte written O_DIRECT costs.
+
 Run as ``python -m kvstore.bench.lookup_floor serve PATH REQUEST_BYTES ANSWER_BYTES``: the
 echo process (lookup.py starts it).
 """
@@ -24,7 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvstore._proto import directory_pb2
+from kvstore.bench.cpu_floor import HashPass, Meter
 from kvstore.bench.harness import percentile
 from kvstore.bench.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, prefix_tokens
 from kvstore.callsocket import frames
@@ -32,6 +40,7 @@ from kvstore.keys import page_keys
 
 CALL = "bare round trip (no kvstore)"
 WRITE_BLOCK = "2M"  # dd's bs: the demoter's pwritev batches are of this order
+HASH_BYTES = 256 << 20  # the floor's xxh3 pass: over this many bytes, in 2 MiB pieces (dd's blocks)
 
 
 def sizes(pages: int) -> tuple[int, int]:
@@ -98,6 +107,20 @@ def _row(state: str, latencies: list[float], seconds: float, written_gb_per_s: f
             "floor_writer": f"dd oflag=direct bs={WRITE_BLOCK}" if state == "draining" else ""}
 
 
+def hash_cpu_s_per_gb(passes: int = 2) -> float:
+    """CPU seconds of one xxh3 pass per GB, page by page on two threads as cpu_floor's floors hash."""
+    hashing = HashPass(np.full(HASH_BYTES, 0x5A, dtype=np.uint8), 2 << 20)
+    try:
+        hashing.run()  # warm: the pool's threads started, the buffer's pages faulted in
+        meter = Meter({"hash": os.getpid()})
+        meter.start()
+        for _ in range(passes):
+            hashing.run()
+        return meter.stop()["hash"] / (passes * HASH_BYTES / 1e9)
+    finally:
+        hashing.close()
+
+
 def run(workdir: Path, pages: int, seconds: float, work_ms: float) -> list[dict[str, Any]]:
     """Two rows: the round trip idle, and beside the direct writer (its GB/s where the lookup
     rows put the demoted GB/s); the idle one alone where dd is missing or the filesystem takes no O_DIRECT writes."""
@@ -120,10 +143,20 @@ def run(workdir: Path, pages: int, seconds: float, work_ms: float) -> list[dict[
         time.sleep(0.5)  # writing at full speed before the window opens
         if writer.poll() is not None:  # e.g. EINVAL: no O_DIRECT on this filesystem
             return rows
+        meter = Meter({"dd": writer.pid})
+        meter.start()
         before, t0 = target.stat().st_size, time.monotonic()
         beside = _time(path, request_bytes, answer_bytes, seconds)
-        written = (target.stat().st_size - before) / (time.monotonic() - t0) / 1e9
-        return [*rows, _row("draining", beside, seconds, written)]
+        written_bytes, window_s = target.stat().st_size - before, time.monotonic() - t0
+        dd_cpu = meter.stop()["dd"]
+        row = _row("draining", beside, seconds, written_bytes / window_s / 1e9)
+        if written_bytes > 0 and dd_cpu > 0:  # the demoter's floor: dd's CPU per GB written, plus one xxh3 pass
+            writer.kill()  # hashed with the disk quiet
+            writer.wait()
+            hashing = hash_cpu_s_per_gb()
+            row.update(cpu_s_per_gb=dd_cpu / (written_bytes / 1e9), hash_cpu_s_per_gb=hashing,
+                       demote_floor_cpu_s_per_gb=dd_cpu / (written_bytes / 1e9) + hashing)
+        return [*rows, row]
     finally:
         if writer is not None:
             writer.kill()
