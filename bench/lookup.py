@@ -176,15 +176,20 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
-def _idle(address: str, role: str, clients: int, pages: int, seconds: float, repeat: int) -> dict[str, Any]:
-    """An idle row: ``repeat`` windows of ``seconds``, their calls pooled."""
+def _idle(address: str, server_pid: int, role: str, clients: int, pages: int, seconds: float, repeat: int) -> dict[str, Any]:
+    """An idle row: ``repeat`` windows of ``seconds``, their calls pooled; the server's CPU per
+    lookup over them (what a draining row's lookups cost the server beside its demoter)."""
     results: list[dict[str, Any]] = []
+    meter, cpu_s = Meter({"server": server_pid}, trees=frozenset({"server"})), 0.0
     for _ in range(repeat):
         procs = _spawn(role, address, pages, seconds, number=clients)
+        meter.start()
         _go(procs, time.time() + 0.2)
         results += [_collect(p) for p in procs]
-    return {**_row("idle", role, clients, seconds * repeat, results), "windows": repeat,
-            "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": 0.0}
+        cpu_s += meter.stop()["server"]
+    row = _row("idle", role, clients, seconds * repeat, results)
+    return {**row, "windows": repeat, "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": 0.0,
+            "server_cpu_ms_per_lookup": cpu_s / max(1, row["lookups"]) * 1e3}
 
 
 def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
@@ -238,6 +243,7 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
             "window_inside_drain": all(d["inside"] for d in drains),
             # the server's CPU over the windows per GB demoted in them (issue 39: the demoter's, the lookups' beside it)
             "demoter_cpu_s_per_gb": sum(d["cpu_s"] for d in drains) / (demoted / 1e9) if demoted > 0 else None,
+            "demoted_gb": demoted / 1e9,
             # written to ssd before any window opened (0: every drain began with its window)
             "demoted_before_window_gb": max(d["before"] for d in drains) / 1e9}
 
@@ -376,7 +382,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
             pace = rate if state == "writing" else args.writer_rate if state == "demoting" else 0.0
             if state == "idle":
-                rows.append(_idle(at, role, n, args.pages, args.seconds, args.repeat))
+                rows.append(_idle(at, server.proc.pid, role, n, args.pages, args.seconds, args.repeat))
             else:
                 rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
     finally:

@@ -8,7 +8,10 @@ p99 of the same call and client count), ``floor_p99_ratio`` (the bare round trip
 store gets ``demoter_cpu_s_per_gb`` (lookup.py: the server process's CPU seconds over the
 windows per GB demoted in them; the lookups it answers meanwhile are in it too) beside
 ``demote_floor_cpu_s_per_gb`` (dd's own CPU per GB written plus one xxh3 pass per GB) and
-``demoter_cpu_ratio`` (goal <= 1.3). A field that cannot be formed (no dd, no O_DIRECT, nothing
+``demoter_cpu_ratio`` (goal <= 1.3). As the lookups' share of that CPU is not the demoter's, a
+draining row also gets ``lookups_cpu_s_per_gb``, an estimate of it (its lookups times the
+server's CPU per lookup in the idle row of the same call, ``server_cpu_ms_per_lookup``, per GB
+demoted), and ``demoter_less_lookups_cpu_ratio``, the ratio without it. A field that cannot be formed (no dd, no O_DIRECT, nothing
 demoted in the window) is None.
 """
 
@@ -50,6 +53,11 @@ def goal_fields(rows: list[dict[str, Any]]) -> None:
             row["ratio_over_floor"] = _ratio(row["p99_ratio"], floor_ratio)
         row["demote_floor_cpu_s_per_gb"] = floor_cpu
         row["demoter_cpu_ratio"] = _ratio(row.get("demoter_cpu_s_per_gb"), floor_cpu)
+        per_lookup = idle.get("server_cpu_ms_per_lookup") if idle else None
+        lookups = _ratio(row["lookups"] * per_lookup / 1e3, row.get("demoted_gb")) if per_lookup is not None else None
+        row["lookups_cpu_s_per_gb"] = lookups
+        less = row["demoter_cpu_s_per_gb"] - lookups if lookups is not None and row.get("demoter_cpu_s_per_gb") else None
+        row["demoter_less_lookups_cpu_ratio"] = _ratio(less, floor_cpu)
 
 
 def _x(v: float | None, digits: int = 2) -> str:
@@ -84,7 +92,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"demoter CPU floor: dd {floor['cpu_s_per_gb']:.3f} + xxh3 {floor['hash_cpu_s_per_gb']:.3f} = "
               f"{floor['demote_floor_cpu_s_per_gb']:.3f} s/GB; server CPU per GB demoted (goal <= {CPU_GOAL}x the floor): "
               + ", ".join(f"{r['call']} x{r['clients']} {_x(r.get('demoter_cpu_s_per_gb'), 3)} "
-                          f"({_x(r.get('demoter_cpu_ratio'))}x)" for r in drains))
+                          f"({_x(r.get('demoter_cpu_ratio'))}x; less its lookups' {_x(r.get('lookups_cpu_s_per_gb'), 3)}: "
+                          f"{_x(r.get('demoter_less_lookups_cpu_ratio'))}x)" for r in drains))
     for r in drains:
         if not r.get("window_inside_drain", True):
             print(f"NOTE: the draining row with {r['clients']} clients outlasted its {r['backlog_gb']:.1f} GB backlog: "

@@ -64,7 +64,7 @@ def test_lookup_smoke(tmp_path) -> None:
                for k in ("cpu_s_per_gb", "hash_cpu_s_per_gb", "demote_floor_cpu_s_per_gb")), floor[1]
     for r in (r for r in rows if r["state"] == "draining"):
         for k in ("p99_ratio", "floor_p99_ratio", "ratio_over_floor", "demoter_cpu_s_per_gb", "demote_floor_cpu_s_per_gb",
-                  "demoter_cpu_ratio"):
+                  "demoter_cpu_ratio", "lookups_cpu_s_per_gb", "demoter_less_lookups_cpu_ratio"):
             assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r)
     assert "p99 ratio over the floor's, one client (goal <= 1.25x): " in res.stdout and "demoter CPU floor: dd " in res.stdout
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
