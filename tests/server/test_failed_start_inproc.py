@@ -10,6 +10,7 @@ import dataclasses
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,9 @@ def test_a_start_that_fails_leaves_nothing_and_a_retry_starts(tmp_path: Path, ta
         with pytest.raises(ConfigError, match="cannot bind"):
             server.start()
         assert set(os.listdir("/dev/shm")) - shm == set(), "the arena of a server that did not start stayed"
-        left = [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]
+        deadline = time.monotonic() + 5.0  # a thread told to stop may still be on its way out
+        while (left := [t.name for t in set(threading.enumerate()) - threads if t.is_alive()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert left == [], f"threads of a server that did not start: {left}"
     again = Server(make_config(tmp_path))  # the same data directory, the same process
     again.start()
