@@ -12,7 +12,7 @@ and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the k
 first-touch page faults (0.3-0.4 GB/s measured here), not the transfer.
 Beside it, the CPU of each get (median ms of node a, node c and this process, the engine;
 clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
-tends to the CPU ratio, which no overlap hides. Issue 39's figure: CPU seconds per GB of
+tends to the CPU ratio, which no overlap hides. The figure README's "CPU per GB beside the floor" reports: CPU seconds per GB of
 the gets (all three processes) over the floor's, the pump plus one verified copy of the
 same bytes into a buffer of this process (copy + xxh3, ``cpu_floor.VerifiedCopy``), timed in
 each round between the pump and the get: ``cpu_ratio``.

@@ -1,4 +1,4 @@
-"""CPU seconds per GB of every process on a data path, beside its raw floor's (issue 39).
+"""CPU seconds per GB of every process on a data path, beside its raw floor's (README, "CPU per GB beside the floor").
 
 On a 2-core host a wall-clock ratio measures core contention as much as our code; the CPU
 all processes together spend per GB delivered does not depend on the core count, so it

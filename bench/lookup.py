@@ -41,7 +41,7 @@ What each row's ``call`` times (its ``path`` says which transport it took):
 
 Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
 >= 2,000 lookups/s from 8 clients. The table ends with each call's draining/idle p99 ratio
-at one client, the floor's beside it. Issue 39 judges them against the floor (lookup_report.py):
+at one client, the floor's beside it, and judges them against the floor (lookup_report.py):
 the draining rows' ``ratio_over_floor`` (goal <= 1.25) and the server's CPU per GB demoted over
 the draining windows beside dd's own plus one xxh3 pass, ``demoter_cpu_ratio`` (goal <= 1.3).
 """
@@ -241,7 +241,7 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
             "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": demoted / window_s / 1e9,
             "backlog_gb": min(d["backlog_gb"] for d in drains), "drained_gb": min(d["drained_gb"] for d in drains),
             "window_inside_drain": all(d["inside"] for d in drains),
-            # the server's CPU over the windows per GB demoted in them (issue 39: the demoter's, the lookups' beside it)
+            # the server's CPU over the windows per GB demoted in them (the demoter's, the lookups' beside it)
             "demoter_cpu_s_per_gb": sum(d["cpu_s"] for d in drains) / (demoted / 1e9) if demoted > 0 else None,
             "demoted_gb": demoted / 1e9,
             # written to ssd before any window opened (0: every drain began with its window)

@@ -9,7 +9,7 @@ frames, nothing parsed, nothing looked up), back to back for the window; once id
 while ``dd oflag=direct`` writes 2 MiB blocks (the demoter's batch size) into the lookup
 run's work directory, on the SSD tier's filesystem, as fast as it can.
 
-The draining row also carries the demoter's CPU floor (issue 39): dd's own CPU seconds per GB
+The draining row also carries the demoter's CPU floor: dd's own CPU seconds per GB
 it wrote over that window (its process CPU clock, ``cpu_floor.Meter``), ``cpu_s_per_gb``, plus
 one xxh3 pass per GB (``cpu_floor.HashPass`` over a buffer of this process), ``hash_cpu_s_per_gb``:
 their sum is ``demote_floor_cpu_s_per_gb``, the least CPU a verified byte written O_DIRECT costs.

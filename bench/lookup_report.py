@@ -1,4 +1,4 @@
-"""kvstore-bench lookup's goal fields and table (issue 39 item 4).
+"""kvstore-bench lookup's goal fields and table (README: the lookup tail while demoting, against the floor).
 
 The lookup tail while demoting is judged against the kernel's own floor measured in the
 same run (lookup_floor.py: a bare Unix-socket round trip, idle and beside ``dd

@@ -10,7 +10,7 @@ beside the limit each path chases, measured in the same run.
 
 Beside each rate it reports the CPU every process spent per GB moved (this process and the
 server for a path; this process and the raw gRPC pump for its limit and floor) and
-``cpu_ratio``, the path's over the floor's (issue 39): on a host where client and server
+``cpu_ratio``, the path's over the floor's (README, "CPU per GB beside the floor"): on a host where client and server
 share few cores, a path that needs more CPU per byte than its floor cannot reach it,
 whatever the transport does, and the figure does not depend on the core count.
 """

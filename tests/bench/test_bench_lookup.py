@@ -59,7 +59,7 @@ def test_lookup_smoke(tmp_path) -> None:
         # A window past the drain's end demotes nothing in it; the backlog must still have gone to ssd (all but
         # the low watermark's --demote-to 0.05 of the 1 GiB host tier): before, a backlog evicted instead passed.
         assert r["window_inside_drain"] or r["drained_gb"] >= r["backlog_gb"] - 0.06, f"the backlog never reached the ssd: {r}"
-    # issue 39 item 4: the tail judged against the floor's in the same run, the demoter's CPU beside dd's plus one hash
+    # the tail judged against the floor's in the same run, the demoter's CPU beside dd's plus one hash
     assert all(math.isfinite(floor[1][k]) and floor[1][k] > 0
                for k in ("cpu_s_per_gb", "hash_cpu_s_per_gb", "demote_floor_cpu_s_per_gb")), floor[1]
     for r in (r for r in rows if r["state"] == "draining"):

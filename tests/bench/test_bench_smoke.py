@@ -35,7 +35,7 @@ def test_throughput_smoke(tmp_path) -> None:
 
 
 def _check_cpu_columns(row: dict, path_processes: set[str]) -> None:
-    """Issue 39's columns: CPU s/GB of every process of the path beside its floor's, all finite, the floor's above 0."""
+    """The CPU columns: CPU s/GB of every process of the path beside its floor's, all finite, the floor's above 0."""
     assert row["path"] and row["floor"] and row["floor_gbps"] > 0
     assert set(row["cpu_s_per_gb_by_process"]) == path_processes, row
     assert math.isfinite(row["cpu_s_per_gb"]) and row["cpu_s_per_gb"] > 0, row  # this process's share is read in ns

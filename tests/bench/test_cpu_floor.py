@@ -1,4 +1,4 @@
-"""cpu_floor: CPU seconds per GB of a path's processes beside its floor's (issue 39). Correctness only, no timing."""
+"""cpu_floor: CPU seconds per GB of a path's processes beside its floor's. Correctness only, no timing."""
 
 from __future__ import annotations
 

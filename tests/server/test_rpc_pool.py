@@ -1,4 +1,4 @@
-"""The gRPC server's worker pool ends idle threads (issue 34, check e): a burst's threads do
+"""The gRPC server's worker pool ends idle threads (the chaos run's RSS check): a burst's threads do
 not stay for the life of the process, each with its own malloc cache and stack.
 concurrent.futures.ThreadPoolExecutor fails test_burst_threads_end (its threads never end)."""
 

