@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from changing_arena import ChangingArena
 from conftest import make_config, random_kv
 
 from kvstore import KVLayout
@@ -29,28 +30,6 @@ from kvstore.page import checksum
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, page_tokens=16)
 PAGES = 3
-
-
-class ChangingArena:
-    """An arena whose bytes a concurrent writer changes after each read: every access after
-    the first flips one byte of each page."""
-
-    def __init__(self, pages: np.ndarray) -> None:
-        self._data = pages.reshape(-1).copy()
-        self.reads = 0
-
-    def _read(self) -> np.ndarray:
-        self.reads += 1
-        if self.reads > 1:
-            self._data[:: LAYOUT.page_bytes] ^= 0xFF
-        return self._data
-
-    @property
-    def array(self) -> np.ndarray:
-        return self._read()
-
-    def slot(self, offset: int, nbytes: int) -> torch.Tensor:
-        return torch.from_numpy(self._read()[offset : offset + nbytes])
 
 
 def _landed(kv: PagedKV, page: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from changing_arena import ChangingArena
 
 from kvstore import KVLayout
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
@@ -21,28 +22,6 @@ from kvstore.page import checksum
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS, PAGES = 16, 2, 8, 3, 8, 3
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
-
-
-class ChangingArena:
-    """An arena whose bytes a concurrent writer changes after each read: every access after
-    the first flips one byte of each page (``reads`` counts accesses)."""
-
-    def __init__(self, pages: np.ndarray) -> None:
-        self._data = pages.reshape(-1).copy()
-        self.reads = 0
-
-    def _read(self) -> np.ndarray:
-        self.reads += 1
-        if self.reads > 1:
-            self._data[:: LAYOUT.page_bytes] ^= 0xFF
-        return self._data
-
-    @property
-    def array(self) -> np.ndarray:
-        return self._read()
-
-    def slot(self, offset: int, nbytes: int) -> torch.Tensor:
-        return torch.from_numpy(self._read()[offset : offset + nbytes])
 
 
 def _caches(shared: bool) -> list[torch.Tensor]:
