@@ -38,7 +38,7 @@ from kvstore.bench.cluster_paired import prefix_tokens as _tokens
 from kvstore.bench.cluster_paired import random_kv as _kv
 from kvstore.bench.cluster_procs import Etcd, Node, start_nodes
 from kvstore.bench.cluster_scale import lookup_rate, plot
-from kvstore.bench.cpu_floor import by_process
+from kvstore.bench.cpu_floor import print_cpu_rows
 from kvstore.bench.replay import load_trace
 from kvstore.bench.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.client import KVStoreClient
@@ -194,11 +194,7 @@ def print_table(report: dict[str, Any]) -> None:
     if report["remote_get"]:
         print("CPU seconds per GB got, node a (sender) + node c (receiver) + the engine, beside the floor: the raw pump's\n"
               "processes plus one verified copy (copy + xxh3) into the engine's buffer, in the same rounds")
-        print(f"{'path':<16} {'GB/s':>6} {'CPU s/GB':>8}  {'floor':<30} {'GB/s':>6} {'CPU s/GB':>8} {'cpu_ratio':>9}   by process")
-    for r in report["remote_get"]:
-        ratio = f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "-"
-        print(f"{r['path']:<16} {r['gbps']:>6.2f} {r['cpu_s_per_gb']:>8.3f}  {r['floor']:<30} {r['floor_gbps']:>6.2f} "
-              f"{r['floor_cpu_s_per_gb']:>8.3f} {ratio:>9}   {by_process(r)} | {by_process(r, 'floor_cpu_s_per_gb_by_process')}")
+        print_cpu_rows(report["remote_get"], 16, 30)
     lk, fo = report["lookup"], report["failover"]
     if lk:
         print(f"\nlookup of a {lk['pages']}-page prefix over {lk['owners']} owners: p50 {lk['p50_ms']} ms, p99 {lk['p99_ms']} ms")

@@ -138,6 +138,18 @@ def cpu_fields(moved_bytes: int, path_cpu: dict[str, float], floor_cpu: dict[str
             "cpu_ratio": round(path / floor, 3) if floor > 0 and math.isfinite(path / floor) else None}
 
 
-def by_process(row: dict[str, Any], key: str = "cpu_s_per_gb_by_process") -> str:
+def _by_process(row: dict[str, Any], key: str) -> str:
     """``a 0.12 + c 0.30`` for a table cell."""
     return " + ".join(f"{name} {v:.2f}" for name, v in row[key].items())
+
+
+def print_cpu_rows(rows: list[dict[str, Any]], path_width: int, floor_width: int) -> None:
+    """The table of ``cpu_fields`` rows (with ``path``, ``gbps``, ``floor``, ``floor_gbps``): the
+    path's CPU per GB beside its floor's, ``cpu_ratio``, and both by process."""
+    print(f"{'path':<{path_width}} {'GB/s':>7} {'CPU s/GB':>8}  {'floor':<{floor_width}} {'GB/s':>7} {'CPU s/GB':>8} "
+          f"{'cpu_ratio':>9}   by process (path | floor)")
+    for r in rows:
+        ratio = f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "-"
+        print(f"{r['path']:<{path_width}} {r['gbps']:>7.2f} {r['cpu_s_per_gb']:>8.3f}  {r['floor']:<{floor_width}} "
+              f"{r['floor_gbps']:>7.2f} {r['floor_cpu_s_per_gb']:>8.3f} {ratio:>9}   "
+              f"{_by_process(r, 'cpu_s_per_gb_by_process')} | {_by_process(r, 'floor_cpu_s_per_gb_by_process')}")

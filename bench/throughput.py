@@ -34,7 +34,7 @@ from tqdm import tqdm
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.bench import limits, rawgrpc
-from kvstore.bench.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, add_cpu, by_process, cpu_fields
+from kvstore.bench.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, add_cpu, cpu_fields, print_cpu_rows
 from kvstore.bench.harness import start_raw_grpc, start_server
 from kvstore.client import KVStoreClient
 from kvstore.wire import CHUNK_BYTES
@@ -261,8 +261,4 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"{'':<24}" + ", ".join(f"{name} {gbps:.2f}" for name, gbps in r["limit_ways_gbps"].items()) + " GB/s")
     print("\nCPU seconds per GB moved, every process (client: this process; server; raw-grpc: the bare pump), beside the floor:"
           "\nthe limit's transport plus the one copy and/or xxh3 pass checking the bytes costs, in the same run")
-    print(f"{'path':<14} {'GB/s':>7} {'CPU s/GB':>8}  {'floor':<34} {'GB/s':>7} {'CPU s/GB':>8} {'cpu_ratio':>9}   by process (path | floor)")
-    for r in report["results"]:
-        ratio = f"{r['cpu_ratio']:.2f}" if r["cpu_ratio"] is not None else "-"
-        print(f"{r['path']:<14} {r['gbps']:>7.2f} {r['cpu_s_per_gb']:>8.3f}  {r['floor']:<34} {r['floor_gbps']:>7.2f} "
-              f"{r['floor_cpu_s_per_gb']:>8.3f} {ratio:>9}   {by_process(r)} | {by_process(r, 'floor_cpu_s_per_gb_by_process')}")
+    print_cpu_rows(report["results"], 14, 34)
