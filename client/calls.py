@@ -37,6 +37,25 @@ def response_type(name: str) -> Any:
     return getattr(directory_pb2 if service == "Directory" else data_pb2, method + "Response")
 
 
+_NOT_TAKEN = object()  # the call socket did not take the request: the caller goes on another way
+
+
+async def _over_socket(channel: AsyncCallChannel, address: str, name: str, request: Any,
+                       timeout_s: float) -> tuple[Any, float]:
+    """``name`` over a call socket channel: its answer and ``timeout_s``, or _NOT_TAKEN and what is
+    left of ``timeout_s`` (one deadline for both tries) when the socket did not take the request.
+    KVStoreError DEADLINE_EXCEEDED when it took it and did not answer in time."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        return await channel.call(name, request, timeout_s), timeout_s
+    except NotSent as exc:
+        logger.debug("%s not over the call socket: %s", name, exc)
+        return _NOT_TAKEN, max(1e-3, timeout_s - (loop.time() - start))
+    except TimeoutError:
+        raise KVStoreError(f"kvstore-server at {address}: DEADLINE_EXCEEDED: {name} (call socket, {timeout_s:.3f} s)") from None
+
+
 class Calls:
     """The unary calls of one client; see the module docstring. Thread-safe."""
 
@@ -68,16 +87,9 @@ class Calls:
         timeout_s = timeout_s or runtime.timeout_s
         channel = self._channel() if name in NOTHING_GRANTED else None
         if channel is not None and channel.usable:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            try:
-                return await channel.call(name, request, timeout_s)
-            except NotSent as exc:
-                logger.debug("%s through the runtime: %s", name, exc)
-                timeout_s = max(1e-3, timeout_s - (loop.time() - start))  # one deadline for both tries
-            except TimeoutError:
-                raise KVStoreError(f"kvstore-server at {runtime.address}: DEADLINE_EXCEEDED: {name} "
-                                   f"(call socket, {timeout_s:.3f} s)") from None
+            answer, timeout_s = await _over_socket(channel, runtime.address, name, request, timeout_s)
+            if answer is not _NOT_TAKEN:
+                return answer
         return await runtime.call(self._way(runtime, name, request, timeout_s))
 
     async def _way(self, runtime: Runtime, name: str, request: Any, timeout_s: float) -> Any:
@@ -86,16 +98,9 @@ class Calls:
         over gRPC."""
         local = runtime.local
         if local is not None and name in frames.METHOD_IDS and local.usable:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            try:
-                return await local.call(name, request, timeout_s)
-            except NotSent as exc:
-                logger.debug("%s over gRPC: %s", name, exc)
-                timeout_s = max(1e-3, timeout_s - (loop.time() - start))  # one deadline for both tries
-            except TimeoutError:
-                raise KVStoreError(f"kvstore-server at {runtime.address}: DEADLINE_EXCEEDED: {name} "
-                                   f"(call socket, {timeout_s:.3f} s)") from None
+            answer, timeout_s = await _over_socket(local, runtime.address, name, request, timeout_s)
+            if answer is not _NOT_TAKEN:
+                return answer
         return await runtime.rpc(runtime.method(name), request, timeout_s)
 
     def call(self, name: str, request: Any, timeout_s: float | None = None) -> Any:
