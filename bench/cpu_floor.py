@@ -85,9 +85,8 @@ class _Pages:
         self.spans = [(off, min(off + page_bytes, nbytes)) for off in range(0, nbytes, page_bytes)]
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="floor")
 
-    def each(self, work: Callable[[int, int], object]) -> None:
-        for _ in self.pool.map(lambda span: work(*span), self.spans):
-            pass
+    def each(self, work: Callable[[int, int], int]) -> list[int]:
+        return list(self.pool.map(lambda span: work(*span), self.spans))
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -104,8 +103,9 @@ class VerifiedCopy(_Pages):
         assert len(self.dst) == len(self.src)
         super().__init__(len(self.src), page_bytes, threads)
 
-    def run(self) -> None:
-        self.each(lambda a, b: pagecopy.copy_checksum_bytes(self.dst[a:b], self.src[a:b]))
+    def run(self) -> list[int]:
+        """Each page's checksum."""
+        return self.each(lambda a, b: pagecopy.copy_checksum_bytes(self.dst[a:b], self.src[a:b]))
 
 
 class HashPass(_Pages):
@@ -115,8 +115,9 @@ class HashPass(_Pages):
         self.data = np.frombuffer(data, dtype=np.uint8)
         super().__init__(len(self.data), page_bytes, threads)
 
-    def run(self) -> None:
-        self.each(lambda a, b: pagecopy.checksum_released(self.data[a:b]))
+    def run(self) -> list[int]:
+        """Each page's checksum."""
+        return self.each(lambda a, b: pagecopy.checksum_released(self.data[a:b]))
 
     def close(self) -> None:
         super().close()

@@ -40,9 +40,10 @@ def test_a_verified_copy_lands_every_byte_and_a_hash_pass_reads_them() -> None:
     src = np.random.default_rng(1).integers(0, 256, 10 * 4096 + 123, dtype=np.uint8)  # a short last page
     copy, hashed = VerifiedCopy(src, 4096), HashPass(src, 4096)
     try:
-        copy.run()
-        hashed.run()
+        copied = copy.run()
         assert checksum(copy.dst) == checksum(src)
+        pages = [checksum(src[off : off + 4096]) for off in range(0, len(src), 4096)]
+        assert copied == pages and hashed.run() == pages  # every page, the short last one too, hashed once
     finally:
         copy.close()
         hashed.close()
