@@ -248,14 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.security.tenants and not config.security.share_arena:
             forbid_inspection()  # tenants' arenas are descriptors here: keep same-uid processes out of /proc/<pid>/fd
         server = Server(config)
-        try:
-            server.start()
-        except BaseException:  # what was built or started goes (the arena in /dev/shm, call.sock, the dir lock)
-            try:
-                server.stop(grace_s=0)
-            except Exception:  # the start's error is the one to report
-                logger.exception("stopping what the failed start had built")
-            raise
+        server.start()  # a start that fails stops what was built or started (the arena in /dev/shm, call.sock, the dir lock)
         # What start-up made (modules, the recovered directory and ssd index) lives as long as
         # the process: out of the cyclic GC's reach, a full collection walks only what came
         # since. Walking all of it stalled every thread, a lookup's too, 30-50 ms at a time

@@ -257,7 +257,10 @@ class Server:
         try:
             self._start()
         except BaseException:
-            self.stop(grace_s=0)
+            try:
+                self.stop(grace_s=0)
+            except Exception:  # the start's error is the one to report
+                logger.exception("stopping what the failed start had built")
             raise
 
     def _start(self) -> None:
