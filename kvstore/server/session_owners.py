@@ -8,8 +8,8 @@ migrates). A migration gives it records, kept durably beside the log in ``wal.lm
              |                       +--etcd decides v+1 for this node (Abort)--> OWNED(v+1)
              +--Copy (at the target)--> INCOMING(v, from) --Adopt--> OWNED(v+1)
 
-Only OWNED (or no record) accepts writes: ``check`` refuses the others with SessionFenced and
-counts the refusal. FREEZING is written, synced, before the fence's compare-and-swap in etcd,
+Only OWNED (or no record) accepts writes: ``check`` refuses the others and counts the refusal,
+FENCED with SessionFenced, FREEZING and INCOMING (undecided) with TierUnavailable ("retry"). FREEZING is written, synced, before the fence's compare-and-swap in etcd,
 so no write is accepted here once etcd may name another owner; FENCED is never left.
 """
 
