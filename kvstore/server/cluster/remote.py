@@ -200,7 +200,7 @@ class RemoteTier:
         sums = result.checksums[:n]
         if n < len(keys) and result.statuses[n] is FetchStatus.CORRUPT:
             logger.warning("page %s from %s failed its checksum on arrival; asked again, checked by its holder",
-                           keys[n].hex(), getattr(getattr(peer, "member", None), "node_id", "a peer"))
+                           keys[n].hex(), peer.member.node_id)
             again = await peer.fetcher.fetch(namespace_id, keys[n:], views[n:], max(0.001, deadline - time.monotonic()),
                                              generation, verify=True)
             sums += again.checksums[: again.prefix]
