@@ -191,8 +191,8 @@ class Server:
         pool = RetiringPool(config.workers + config.max_streams)  # idle threads end: a burst's do not stay (rpc_pool.py)
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         directory_service = DirectoryService(self.core, config, self.tenancy, self.cluster)
-        directory = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
-        guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory, self.streams,
+        directory_handlers = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
+        guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory_handlers, self.streams,
                               self.metrics, request_limits(config))
         # The arena socket hands each tenant its arena (tenant arenas) and, with hbm, its device pool.
         self._tenant_arenas = bool(config.security.tenants) and not config.security.share_arena
