@@ -24,62 +24,53 @@ reset_fn xxh3_reset;
 update_fn xxh3_update;
 digest_fn xxh3_digest;
 
-void stream_copy(char *dst, const char *src, size_t n) {
+/* Copies n bytes from src to dst with streamed (non-temporal) stores. With keep (n bytes, meant
+ * to stay in L1) each byte of src is loaded once and stored to both, so keep holds exactly what
+ * dst received even when another process writes src meanwhile. Inlined into the two entry
+ * points below with keep constant, so the plain copy carries no test of it. */
+static inline __attribute__((always_inline)) void streamed_copy(char *dst, char *keep, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     if (head > n) head = n;
-    memcpy(dst, src, head);
     size_t i = head;
+    if (keep) {
+        memcpy(keep, src, head);
+        __asm__ volatile("" ::: "memory");  /* keep the two copies: folded into dst <- src, src would be read twice */
+        memcpy(dst, keep, head);
+    } else {
+        memcpy(dst, src, head);
+    }
     for (; i + 64 <= n; i += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
         __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
         __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        if (keep) {
+            _mm_storeu_si128((__m128i *)(keep + i), a);
+            _mm_storeu_si128((__m128i *)(keep + i + 16), b);
+            _mm_storeu_si128((__m128i *)(keep + i + 32), c);
+            _mm_storeu_si128((__m128i *)(keep + i + 48), d);
+        }
         _mm_stream_si128((__m128i *)(dst + i), a);
         _mm_stream_si128((__m128i *)(dst + i + 16), b);
         _mm_stream_si128((__m128i *)(dst + i + 32), c);
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
-    memcpy(dst + i, src + i, n - i);
-#else
-    memcpy(dst, src, n);
+    src += i, dst += i, n -= i;
+    if (keep) keep += i;
 #endif
+    if (keep) {
+        memcpy(keep, src, n);
+        __asm__ volatile("" ::: "memory");
+        memcpy(dst, keep, n);
+    } else {
+        memcpy(dst, src, n);
+    }
 }
 
-/* stream_copy that also leaves the bytes it read in keep (n bytes, meant to stay in L1): each
- * byte of src is loaded once and stored to both, so keep holds exactly what dst received even
- * when another process writes src meanwhile. */
-void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) {
-#if defined(__SSE2__)
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n) head = n;
-    memcpy(keep, src, head);
-    __asm__ volatile("" ::: "memory");  /* keep the two copies: folded into dst <- src, src would be read twice */
-    memcpy(dst, keep, head);
-    size_t i = head;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_storeu_si128((__m128i *)(keep + i), a);
-        _mm_storeu_si128((__m128i *)(keep + i + 16), b);
-        _mm_storeu_si128((__m128i *)(keep + i + 32), c);
-        _mm_storeu_si128((__m128i *)(keep + i + 48), d);
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(keep + i, src + i, n - i);
-    __asm__ volatile("" ::: "memory");
-    memcpy(dst + i, keep + i, n - i);
-#else
-    memcpy(keep, src, n);
-    __asm__ volatile("" ::: "memory");
-    memcpy(dst, keep, n);
-#endif
-}
+void stream_copy(char *dst, const char *src, size_t n) { streamed_copy(dst, NULL, src, n); }
+
+void stream_copy_keep(char *dst, char *keep, const char *src, size_t n) { streamed_copy(dst, keep, src, n); }
 
 /* A 2-D uint8 buffer whose rows are contiguous (any row stride). */
 static int rows_view(PyObject *obj, Py_buffer *view, int writable, const char *name) {
