@@ -38,7 +38,7 @@ class NamespaceOwners:
         with env.begin(db=self._db) as txn:
             for namespace_id, tenant in txn.cursor():
                 self._remember(bytes(namespace_id), bytes(tenant).decode())
-                self._settled[bytes(namespace_id)] = bytes(tenant).decode()
+        self._settled.update(self._owners)  # every stored binding's first write succeeded
         logger.info("namespace owners: %d namespace(s) of %d tenant(s)", len(self._owners), len(self._by_tenant))
 
     def _remember(self, namespace_id: bytes, tenant: str) -> None:
