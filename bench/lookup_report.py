@@ -77,11 +77,8 @@ def print_table(report: dict[str, Any]) -> None:
               f"{r['p99_ms']:.2f} | {r['short_answers']} | {r['writer_pages_per_s']:.0f} | {r['demoted_gb_per_s']:.2f} | "
               f"{_x(r.get('p99_ratio'))} | {_x(r.get('ratio_over_floor'))} | {_x(cpu, 3)} | "
               f"{_x(r.get('demote_floor_cpu_s_per_gb'), 3)} | {_x(r.get('demoter_cpu_ratio'))} |")
-    ratios = []
-    for call in dict.fromkeys(r["call"] for r in rows):
-        idle, drain = _one(rows, call, "idle"), _one(rows, call, "draining")
-        if idle and drain and idle["p99_ms"] > 0:
-            ratios.append(f"{call} {drain['p99_ms'] / idle['p99_ms']:.1f}x")
+    ratios = [f"{r['call']} {r['p99_ratio']:.1f}x" for r in rows
+              if r["state"] == "draining" and r["clients"] == 1 and r.get("p99_ratio") is not None]
     print(f"p99 draining / idle, one client (goal <= 2x): {', '.join(ratios)}")
     drains = [r for r in rows if r["state"] == "draining" and r["call"] != FLOOR_CALL]
     print(f"p99 ratio over the floor's, one client (goal <= {P99_GOAL}x): "
