@@ -77,13 +77,18 @@ class Timing:
     ways_s: dict[str, float] = field(default_factory=dict)
 
 
+async def _call(fn: Any) -> None:
+    """Calls ``fn``, plain or async."""
+    result = fn()
+    if asyncio.iscoroutine(result):
+        await result
+
+
 async def _once(fn: Any, meter: Meter) -> tuple[float, dict[str, float]]:
     """Wall seconds and CPU seconds per process of one call of ``fn`` (plain or async)."""
     meter.start()
     start = time.perf_counter()
-    result = fn()
-    if asyncio.iscoroutine(result):
-        await result
+    await _call(fn)
     return time.perf_counter() - start, meter.stop()
 
 
@@ -91,9 +96,7 @@ def _then(*steps: Any) -> Any:
     """One floor way: ``steps`` (plain or async) one after another."""
     async def run() -> None:
         for step in steps:
-            result = step()
-            if asyncio.iscoroutine(result):
-                await result
+            await _call(step)
     return run
 
 
