@@ -213,9 +213,9 @@ class UcxPageServer:
 
     async def _serve(self, ep: Any, request: FetchRequest) -> bool:
         """Answers one request; False when the connection must be dropped: asked to VERIFY, a
-        page failed its check before it was sent (unasked, pages go out as they are: the
-        receiver checks each) (the answer already promised it, so the fetcher must see the
-        connection break there, not wait for it; the pages before it go out whole first)."""
+        page failed its check before it was sent (the answer already promised it, so the fetcher
+        must see the connection break there, not wait for it; the pages before it go out whole
+        first). Unasked, pages go out as they are: the receiver checks each."""
         pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
         try:
             answer = answer_for(request, pages)
@@ -233,12 +233,12 @@ class UcxPageServer:
                             continue
                         if verify:  # hashed on a worker, GIL released, while the sends posted before it progress
                             checks.append(loop.run_in_executor(None, checksum_released, page.data))
-                        if verify and await asyncio.shield(checks[-1]) != page.checksum:
-                            await asyncio.gather(*sends)
-                            await asyncio.sleep(DRAIN_S)  # a send is done once UCX holds its bytes, not the peer
-                            logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
-                            await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
-                            return False
+                            if await asyncio.shield(checks[-1]) != page.checksum:
+                                await asyncio.gather(*sends)
+                                await asyncio.sleep(DRAIN_S)  # a send is done once UCX holds its bytes, not the peer
+                                logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
+                                await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
+                                return False
                         sends.append(asyncio.ensure_future(ep.send(page.data)))
                     await asyncio.gather(*sends)
                     return True
