@@ -160,7 +160,7 @@ class Server:
         quotas = Quotas(config.tenant_quota, lambda: authenticator.quotas, owners, directory, leases, self.wal,
                         config.host.hint_grace_s, metrics, call_connections=connections.held)
         self.tenancy = Tenancy(owners, quotas)
-        # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.4): the
+        # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.5): the
         # core and the session owners read this state, the cluster runtime (made after the core) drives it.
         serving = ServingState() if config.cluster is not None else None
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
