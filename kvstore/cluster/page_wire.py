@@ -24,8 +24,8 @@ disk as well as the wire. The receiver's check is the one every page gets: a sen
 its bytes unhashed unless the request has VERIFY. A receiver that finds a page CORRUPT asks
 for it again with VERIFY, and a sender whose own bytes then fail the check reports the page
 damaged (its tier quarantines it) and never sends it, so a page damaged at its holder is
-still taken out of service there, one fetch later, while a sound page costs one hash, not
-two. No pickle: fixed structs, every length bounded before use.
+still taken out of service there, by the same fetch's second request, while a sound page costs
+one hash, not two. No pickle: fixed structs, every length bounded before use.
 """
 
 from __future__ import annotations
