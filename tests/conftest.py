@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench.harness import free_port
+from kvstore.bench.common.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.server import Server
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.bench.chaos.calls import Clients
+from kvstore.bench.chaos.chaos_calls import Clients
+from kvstore.bench.chaos.chaos_validate import acknowledged_tokens, generations, identify
 from kvstore.bench.chaos.history import History, Violation
 from kvstore.bench.chaos.model import LAYOUT, Generations, page_digest, page_digests
-from kvstore.bench.chaos.validate import acknowledged_tokens, generations, identify
 from kvstore.client.hit import Hit
 from kvstore.errors import KVStoreError
 
@@ -44,7 +44,7 @@ def durable_prefixes(history: History) -> list[Prefix]:
         if op.kind != "put" or not op.durable or n == 0 or op.generation is None:
             continue
         if g.invalidated_after(op.start) or g.unsettled_at(op.start) or op.generation != g.lowest(op.start):
-            continue  # invalidated since (or maybe), or a stale put that validate.py reports
+            continue  # invalidated since (or maybe), or a stale put that chaos_validate.py reports
         key = (op.tenant, op.namespace, op.root)
         if key not in best or best[key].num_tokens < n:
             best[key] = Prefix(op.tenant, op.namespace, op.root, n, op.generation)

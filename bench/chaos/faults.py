@@ -20,7 +20,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvstore.bench.chaos.cluster import ChaosCluster
+from kvstore.bench.chaos.chaos_cluster import ChaosCluster
 from kvstore.bench.chaos.history import Fault
 
 logger = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ class Fault:
 
 @dataclass
 class Violation:
-    check: str  # a (bytes), b (durable), c (phantom), d (deadline), e (resources), and the extra ones in validate.py
+    check: str  # a (bytes), b (durable), c (phantom), d (deadline), e (resources), and the extra ones in chaos_validate.py
     what: str
     op: int | None = None  # index into History.ops
 

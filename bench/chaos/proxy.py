@@ -8,7 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from kvstore.bench.harness import free_port
+from kvstore.bench.common.harness import free_port
 
 
 class Proxy:

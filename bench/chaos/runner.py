@@ -1,5 +1,5 @@
 """One chaos history on a running cluster, start to verdict: plan it from its seed, run the
-traffic with faults injected, heal, check the record (``validate.py``), wait for the cluster
+traffic with faults injected, heal, check the record (``chaos_validate.py``), wait for the cluster
 to converge (``converge.py``). ``run_histories`` runs many on one cluster, writes out and
 shrinks the failing ones, and checks the steady node's resources across them (e)."""
 
@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.bench.chaos.calls import Clients
-from kvstore.bench.chaos.cluster import TENANTS, TTL_S, ChaosCluster
+from kvstore.bench.chaos.chaos_calls import Clients
+from kvstore.bench.chaos.chaos_cluster import TENANTS, TTL_S, ChaosCluster
+from kvstore.bench.chaos.chaos_validate import check
 from kvstore.bench.chaos.converge import Convergence
 from kvstore.bench.chaos.faults import KINDS, Injector, heal_all, plan_faults
 from kvstore.bench.chaos.history import History, Op, Violation, shrink
 from kvstore.bench.chaos.traffic import NAMESPACES_PER_TENANT, Traffic, plan_traffic
-from kvstore.bench.chaos.validate import check
-from kvstore.bench.harness import percentile
+from kvstore.bench.common.harness import percentile
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Random concurrent traffic of a chaos history: a few workers, each a paced loop of random
 operations at random nodes as random tenants, over prefixes of 1-4 pages of a few token
 sequences (so keys collide across workers). The plan is drawn from the history's seed; the
-calls and what they returned are recorded (``calls.py``)."""
+calls and what they returned are recorded (``chaos_calls.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.bench.chaos.calls import Calls, Clients
+from kvstore.bench.chaos.chaos_calls import Calls, Clients
 from kvstore.bench.chaos.history import Op
 from kvstore.bench.chaos.model import LAYOUT
 

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from kvstore.bench import soak_rounds
-from kvstore.bench.fuzz_streams import every_method
+from kvstore.bench.fuzz.fuzz_streams import every_method
+from kvstore.bench.soak import soak_rounds
 from kvstore.callsocket import frames
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import random_kv
 
 from kvstore import pagecopy
-from kvstore.bench.crossover import _read_checked
+from kvstore.bench.engine.crossover import _read_checked
 from kvstore.client import KVStoreClient
 
 

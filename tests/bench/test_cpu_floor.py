@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from kvstore.bench.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, cpu_fields
+from kvstore.bench.common.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, cpu_fields
 from kvstore.page import checksum
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 
-from kvstore.bench.harness import Process, stop_process
+from kvstore.bench.common.harness import Process, stop_process
 
 CHATTY = "import sys, time; sys.stderr.write('x' * 300_000); sys.stderr.flush(); print('ready', flush=True); time.sleep(60)"
 

@@ -1,4 +1,4 @@
-"""The lookup bench's floor echo (bench/lookup_floor.py) as a process: a caller that goes
+"""The lookup bench's floor echo (bench/lookup/lookup_floor.py) as a process: a caller that goes
 away mid-request or a Ctrl-C must not print a traceback into the bench's output."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.bench import lookup_floor
+from kvstore.bench.lookup import lookup_floor
 
 
 def _echo(path: Path, request_bytes: int, answer_bytes: int) -> subprocess.Popen[str]:
-    echo = subprocess.Popen([sys.executable, "-m", "kvstore.bench.lookup_floor", "serve", str(path),
+    echo = subprocess.Popen([sys.executable, "-m", "kvstore.bench.lookup.lookup_floor", "serve", str(path),
                              str(request_bytes), str(answer_bytes), "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from kvstore.bench import soak_cpu, soak_rounds
+from kvstore.bench.soak import soak_cpu, soak_rounds
 
 
 def _burner(seconds: float) -> subprocess.Popen[bytes]:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.bench.harness import free_port
+from kvstore.bench.common.harness import free_port
 
 SHM = Path("/dev/shm")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from etcd_proc import free_port
 
-from kvstore.bench.harness import stop_process
+from kvstore.bench.common.harness import stop_process
 from kvstore.tiers.host import remove_stale_arenas
 
 TTL_S = 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.harness import free_port, stop_process
+from kvstore.bench.common.harness import free_port, stop_process
 
 
 def etcd_binary() -> str:

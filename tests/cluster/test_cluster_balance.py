@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.cluster_balance import load_chains, main, simulate
+from kvstore.bench.cluster.cluster_balance import load_chains, main, simulate
 from kvstore.cluster.shards import ShardConfig, ShardMap, plan_lookup
 
 TRACE = Path(__file__).parents[1] / "data" / "mooncake_trace_300.jsonl"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from etcd_proc import EtcdProcess
 
-from kvstore.bench.harness import _ephemeral_range, free_port
+from kvstore.bench.common.harness import _ephemeral_range, free_port
 
 
 def test_free_ports_lie_outside_the_ephemeral_range_and_are_not_handed_out_twice() -> None:

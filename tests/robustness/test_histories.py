@@ -1,6 +1,6 @@
 """The model-checked robustness suite, short (DESIGN §12.4): random concurrent traffic of two
 tenants on three real nodes and a real etcd under random faults, each history checked
-against the model of kvstore.bench.chaos (model.py, validate.py, converge.py). Every fault
+against the model of kvstore.bench.chaos (model.py, chaos_validate.py, converge.py). Every fault
 kind runs; the long run is ``kvstore-bench chaos``. On failure the message names each
 failing seed, what it violated, the JSON history written and the command to rerun it."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.chaos.cluster import ChaosCluster
+from kvstore.bench.chaos.chaos_cluster import ChaosCluster
 from kvstore.bench.chaos.faults import KINDS, PlannedFault, plan_faults
 from kvstore.bench.chaos.history import History
 from kvstore.bench.chaos.runner import Runner, Settings, resource_violations

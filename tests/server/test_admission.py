@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.belady import belady_hits
+from kvstore.bench.replay.belady import belady_hits
 from kvstore.errors import ConfigError
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.server.admission import Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy

@@ -277,7 +277,7 @@ async def test_crash_harness_short(tmp_path) -> None:
     """Three random SIGKILLs under concurrent durable/RAM-only writes and reads. Puts share
     prefixes, durable ones over RAM-only ones too (before, every put had its own token
     range, so the lost durable prefix could not show)."""
-    from kvstore.bench.crash import run_iterations
+    from kvstore.bench.durability.crash import run_iterations
 
     report = await run_iterations(tmp_path / "crash", iterations=3, seed=7)
     assert report["num_violations"] == 0, report["violations"]

