@@ -19,8 +19,8 @@ from typing import Any
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import CallChannel
 from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
 

@@ -42,8 +42,8 @@ from kvstore.client.runtime import Runtime
 from kvstore.client.session import LoggedSession, Recovery, SessionLog
 from kvstore.client.session import recover as recover_session
 from kvstore.client.tenant import tenant_namespace
-from kvstore.client.transport import Peer, ShmTransport, StreamTransport, Transport
-from kvstore.client.transport.base import check_engine_kv
+from kvstore.client.transport import NamespaceServer, ShmTransport, StreamTransport, Transport
+from kvstore.client.transport.contract import check_engine_kv
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
@@ -141,7 +141,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         again = ServerAgain(runtime, self._token, info.arena_token if self._arena else None, self._remap)
         blocking = await again.open_channels(info, self.timeout_s) if self.use_call_socket and info.call_socket else None
         self._calls = Calls(runtime, blocking)
-        peer = Peer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
+        peer = NamespaceServer(runtime, self.namespace.namespace_id, self.layout, layout_msg(LayoutDesc.of(self.layout)),
                     self.max_pages, self.lease_ms, self._calls)
         if self._arena is not None:
             self._transport = ShmTransport(peer, self._arena, self.copy_threads, info.pool_socket, self._token)

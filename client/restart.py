@@ -1,7 +1,7 @@
 """After the server restarted: what a client on its host holds of it, taken again.
 
 A restarted server has a new ``call_token`` (its call socket answers HELLO with it) and a new
-arena. The call channels (kvstore/callsocket/client.py, client_aio.py) see the other token on their next
+arena. The call channels (kvstore/callsocket/client_sync.py, client_aio.py) see the other token on their next
 connection and ask ``ServerAgain`` for the server's socket and token now: over gRPC, whose
 channel names the server the client asked for (TLS), so the check of the token keeps its
 meaning. The arena is mapped again first: a lease or an allocation of the new server names
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore._proto import data_pb2
-from kvstore.callsocket.client import CallChannel
 from kvstore.callsocket.client_aio import AsyncCallChannel
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.client.arena import ArenaMap
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError

@@ -1,5 +1,5 @@
 """Accepting on a listening socket while out of file descriptors, written once for the call
-socket (kvstore/callsocket/server.py) and the arena socket (security/arena_socket.py).
+socket (kvstore/callsocket/socket_server.py) and the arena socket (security/arena_socket.py).
 
 Out of descriptors (EMFILE, ENFILE) ``accept`` fails but the connection stays in the backlog:
 a blocking accept fails again at once and a selector says the socket is readable again at

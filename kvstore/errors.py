@@ -1,6 +1,6 @@
 """The error hierarchy shared by client and server.
 
-The servicers map each class to one gRPC status (kvstore/server/services/errors.py); the client maps
+The servicers map each class to one gRPC status (kvstore/server/services/rpc_errors.py); the client maps
 statuses back, so an engine catches the same class whichever side raised it.
 """
 

@@ -59,7 +59,7 @@ def test_payload_checks() -> None:
 def test_wire_roundtrip_and_damage() -> None:
     """Chunks made by kvstore.wire go back together only whole, in order, and intact."""
     from kvstore._proto import common_pb2
-    from kvstore.client.wire import PageAssembler
+    from kvstore.client.page_assembler import PageAssembler
     from kvstore.wire import decode_chunk, page_chunks
 
     data = bytes(range(256)) * 64  # 16 KiB
@@ -85,8 +85,8 @@ def test_target_pages_that_fail_or_stay_unfinished_are_zeroed() -> None:
     import numpy as np
 
     from kvstore._proto import common_pb2
+    from kvstore.client.page_assembler import PageAssembler
     from kvstore.client.pages import KVRows
-    from kvstore.client.wire import PageAssembler
     from kvstore.wire import decode_chunk, page_chunks
 
     layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)

@@ -51,8 +51,8 @@ from kvstore.tiers.chains import TailFirst
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
+from kvstore.tiers.ssd_staging import StagingPool
 from kvstore.tiers.ssd_writes import DATA_FILE, SsdWrites
-from kvstore.tiers.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from kvstore import KVLayout
 from kvstore.client.engine_kv import ContiguousKV, PagedKV
 from kvstore.client.layerwise.save import LayerCopies
 from kvstore.client.pages import slot_as_page
-from kvstore.client.transport.base import page_in
+from kvstore.client.transport.contract import page_in
 from kvstore.client.transport.shm import ShmTransport
 from kvstore.page import checksum
 

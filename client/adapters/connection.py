@@ -43,7 +43,7 @@ RELEASE_TIMEOUT_S = 0.2  # a release over the call channel blocks a hook this lo
 
 
 @dataclass(frozen=True)
-class Lease:
+class ArenaLease:
     """Leading pages of a lookup, pinned in the server's shared arena until ``expires_at``
     (``time.monotonic()``) or release: where each page's bytes are and their checksum.
     ``namespace_id``: the (salted) namespace the pages were leased in."""
@@ -186,7 +186,7 @@ class StoreConnection:
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
         return self._spawn(_close_client(client), "kvstore-close")
 
-    def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> Lease | None:
+    def acquire(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> ArenaLease | None:
         """Looks up and leases the stored prefix of ``keys`` in one RPC (same-host clients:
         the lease says where the bytes are). None when no answer came within ``timeout_s``
         (the call goes on, and a lease it brings later is given back) or the store failed."""
@@ -222,7 +222,7 @@ class StoreConnection:
                 break
         return found
 
-    def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> Lease | None:
+    def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> ArenaLease | None:
         """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);
         past ``timeout_s`` the channel gives back a lease that comes late."""
         request = data_pb2.AcquireRequest(namespace_id=client.namespace.namespace_id, keys=keys, ttl_ms=client.lease_ms)
@@ -235,13 +235,13 @@ class StoreConnection:
             return None
         return self._lease(client, acq, started)
 
-    def _lease(self, client: KVStoreClient, acq: Any, started: float) -> Lease:
-        """The Lease of an Acquire's answer, over either channel; an empty one is given back at once."""
+    def _lease(self, client: KVStoreClient, acq: Any, started: float) -> ArenaLease:
+        """The ArenaLease of an Acquire's answer, over either channel; an empty one is given back at once."""
         namespace_id = client.namespace.namespace_id
         if not acq.pages:
             self.release(client, acq.lease_id)
-            return Lease(acq.lease_id, [], [], started, namespace_id)
-        return Lease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
+            return ArenaLease(acq.lease_id, [], [], started, namespace_id)
+        return ArenaLease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
                      started + client.lease_ms / 1000, namespace_id, bytes(acq.arena_token))
 
     def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:

@@ -39,7 +39,7 @@ from kvstore.types import KVLayout
 
 if TYPE_CHECKING:
     from kvstore.client.client import KVStoreClient
-    from kvstore.client.transport.base import Outgoing
+    from kvstore.client.transport.contract import Outgoing
 
 logger = logging.getLogger(__name__)
 

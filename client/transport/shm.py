@@ -24,7 +24,7 @@ from kvstore.client.engine_kv import EngineKV
 from kvstore.client.pages import KVRows, slot_as_page
 from kvstore.client.staging import staging_page
 from kvstore.client.transport import shm_pipeline
-from kvstore.client.transport.base import Peer, page_in, page_out
+from kvstore.client.transport.contract import NamespaceServer, page_in, page_out
 from kvstore.client.transport.shm_staged import LeasedPages, SlotOutgoing
 from kvstore.errors import KVStoreError
 from kvstore.pagecopy import copy_checksum, copy_checksum_bytes
@@ -44,11 +44,11 @@ def _on_cuda(kv: torch.Tensor | EngineKV) -> bool:
 
 
 class ShmTransport:
-    """The shared-memory path (see kvstore.client.transport.base.Transport for the contract).
+    """The shared-memory path (see kvstore.client.transport.contract.Transport for the contract).
 
     Owns the client's mapping of the arena and closes it."""
 
-    def __init__(self, peer: Peer, arena: ArenaMap, copy_threads: int, pool_socket: str = "",
+    def __init__(self, peer: NamespaceServer, arena: ArenaMap, copy_threads: int, pool_socket: str = "",
                  bearer: str | None = None) -> None:
         """``pool_socket`` (GetInfo's) and ``bearer``: where this client gets its tenant's hbm pool."""
         self.peer = peer

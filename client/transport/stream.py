@@ -21,9 +21,9 @@ import torch
 from kvstore._proto import data_pb2
 from kvstore.client.engine_kv import EngineKV
 from kvstore.client.hit import missing, partial, published_prefix
+from kvstore.client.page_assembler import PageAssembler
 from kvstore.client.pages import RowPage, page_rows, slot_as_page
-from kvstore.client.transport.base import Peer, page_in, page_out
-from kvstore.client.wire import PageAssembler
+from kvstore.client.transport.contract import NamespaceServer, page_in, page_out
 from kvstore.errors import KVStoreError, PageCorrupt, TierFull
 from kvstore.page import checksum
 from kvstore.wire import decode_chunk, page_chunks
@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 class StreamTransport:
-    """The gRPC stream path (see kvstore.client.transport.base.Transport for the contract)."""
+    """The gRPC stream path (see kvstore.client.transport.contract.Transport for the contract)."""
 
-    def __init__(self, peer: Peer, chunk_bytes: int) -> None:
+    def __init__(self, peer: NamespaceServer, chunk_bytes: int) -> None:
         self.peer = peer
         self.layout = peer.layout
         self.chunk_bytes = chunk_bytes

@@ -1,4 +1,4 @@
 """The same-host call socket: unary RPCs over a Unix socket without gRPC (DESIGN §11). See README.md.
 
-Empty on purpose: the client imports ``client``/``client_aio`` and never loads the server half.
+Empty on purpose: the client imports ``client_sync``/``client_aio`` and never loads the server half.
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, drain_late, take_over
+from kvstore.callsocket.client_sync import GIVE_BACK_S, RELEARN_S, UNAUTHENTICATED, answer_error, drain_late, take_over
 from kvstore.errors import KVStoreError
 from kvstore.security.socket_owner import check_served_by_us
 

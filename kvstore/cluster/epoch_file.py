@@ -7,7 +7,7 @@ forgets it, and a restarted node would register under an epoch it (or the owners
 it) used before: its first records then refused for good, or an old incarnation's records
 never ended. The node writes the epoch here (synced, 0600) before it registers with it, and
 registers next above both etcd's and this one. The incarnation id tells a restarted node
-whether etcd is still the one it knew (server/cluster/generations.py).
+whether etcd is still the one it knew (server/cluster/cluster_generations.py).
 """
 
 from __future__ import annotations

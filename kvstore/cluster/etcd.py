@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from aetcd import rpc
 
-from kvstore.cluster.errors import CoordinatorUnavailable, WatchLost
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable, WatchLost
 from kvstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)

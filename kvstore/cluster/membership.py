@@ -4,7 +4,7 @@ Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
 
     <root>nodes/<node-id>          JSON Member, under the node's lease (gone when the lease is)
     <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
-    <root>generations/<ns hex>     a namespace's generation (generations.py; no lease)
+    <root>generations/<ns hex>     a namespace's generation (generation_records.py; no lease)
 
 A node registers with one transaction that bumps its epoch and creates its node key (only if
 no key of that node exists: a second process with the same id, or the previous incarnation
@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable, NotAMember, WatchLost
 from kvstore.cluster.epoch_file import EpochFile
-from kvstore.cluster.errors import CoordinatorUnavailable, NotAMember, WatchLost
 from kvstore.cluster.etcd import EtcdClient, KeyValue, WatchEvent
 from kvstore.cluster.members import Member, MembershipConfig, MemberState
 from kvstore.errors import ConfigError, InvalidRequest
@@ -217,7 +217,7 @@ class Membership:
             await self._revoke_quietly(lease)
             return
         # what etcd grants may be longer (its minimum TTL): a node stops acting within its own
-        # TTL regardless, which is what an issuer fencing it waits out (server/cluster/generations.py)
+        # TTL regardless, which is what an issuer fencing it waits out (server/cluster/cluster_generations.py)
         self._me, self._lease, self._deadline = me, lease, sent + min(ttl, self.config.ttl_s)
         logger.info("node %s registered: epoch %d, lease %x, ttl %d s", me.node_id, epoch, lease, ttl)
         self._set_state(MemberState.MEMBER)

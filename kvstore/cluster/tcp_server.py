@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
 from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, VERIFY, FetchRequest, PageStatus, decode_hello
 from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_exact, send_frame, send_hashed, shut, tune, wait_frame

@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.errors import InvalidRequest
 from kvstore.pagecopy import _copyhash
 

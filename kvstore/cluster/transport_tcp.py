@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.page_wire import (
     DESCRIBE,

@@ -40,7 +40,7 @@ import numpy as np
 os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for, start_fetch  # noqa: F401  # re-exported
 from kvstore.cluster.page_wire import (
     DESCRIBE,

@@ -188,6 +188,6 @@ class _Call:
             yield request
 
 
-# The same-host call channel (kvstore/callsocket/server.py) authenticates its
+# The same-host call channel (kvstore/callsocket/socket_server.py) authenticates its
 # connections and re-checks their caller with this very class.
 AuthenticatedCall = _Call

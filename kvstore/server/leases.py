@@ -62,7 +62,7 @@ class Allocation:
 
 
 @dataclass
-class Lease:
+class LeaseEntry:
     keys: list[bytes]
     expires: float
     tenant: str = ""  # who took it: only that tenant may renew or release it
@@ -88,7 +88,7 @@ class LeaseTable:
         self.allocation_ttl_ms = allocation_ttl_ms
         self.clock = clock
         self.pins = Pins()  # every pin, a caller's or a move's (``pins.moving``: the moves')
-        self._leases: dict[bytes, Lease] = {}
+        self._leases: dict[bytes, LeaseEntry] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
         self._held: Counter[tuple[str, bool]] = Counter()  # (tenant, is_lease) -> how many it holds (quotas)
@@ -137,13 +137,13 @@ class LeaseTable:
         ttl_ms = self.lease_ttl_ms(ttl_ms)
         ident = secrets.token_bytes(HANDLE_BYTES)
         deadline = self.clock() + ttl_ms / 1000
-        self._leases[ident] = Lease(keys, deadline, tenant)
+        self._leases[ident] = LeaseEntry(keys, deadline, tenant)
         self._held[(tenant, True)] += 1
         heapq.heappush(self._expiry, (deadline, ident, True))
         self.pin(keys)
         return ident, time.time() + ttl_ms / 1000
 
-    def _lease_of(self, ident: bytes, tenant: str | None) -> Lease | None:
+    def _lease_of(self, ident: bytes, tenant: str | None) -> LeaseEntry | None:
         lease = self._leases.get(ident)
         return lease if lease is not None and (tenant is None or lease.tenant == tenant) else None
 

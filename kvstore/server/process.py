@@ -28,14 +28,14 @@ from kvstore._proto import (
     migration_pb2_grpc,
 )
 from kvstore.callsocket.frames import CALL_TOKEN_BYTES
-from kvstore.callsocket.server import CallSocket, TenantConnections
+from kvstore.callsocket.socket_server import CallSocket, TenantConnections
 from kvstore.config import ServerConfig
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
 from kvstore.security.arena_socket import ArenaSocket
 from kvstore.security.identity import Identity
 from kvstore.security.salts import TenantSalts
-from kvstore.security.server import ServerSecurity
+from kvstore.security.server_security import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.leases import LeaseTable
@@ -93,13 +93,13 @@ def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
 
 def _cluster_salts(config: ServerConfig) -> Callable[[], TenantSalts]:
     """The tenants' salts of a cluster node: kept in etcd, so that every node folds the same salt
-    into a tenant's namespace ids (kvstore/cluster/salts.py; imported only in cluster mode)."""
+    into a tenant's namespace ids (kvstore/cluster/salt_records.py; imported only in cluster mode)."""
     assert config.cluster is not None
     cluster = config.cluster
 
     def make() -> TenantSalts:
         from kvstore.cluster.etcd import parse_endpoints
-        from kvstore.cluster.salts import EtcdSalts
+        from kvstore.cluster.salt_records import EtcdSalts
 
         return EtcdSalts(config.data_dir, parse_endpoints(cluster.etcd), cluster.name)
 

@@ -1,4 +1,4 @@
-"""The client side of the same-host call channel (kvstore/callsocket/client.py) against a peer that
+"""The client side of the same-host call channel (kvstore/callsocket/client_sync.py) against a peer that
 speaks its frames on a real Unix socket, scripted to answer late or not at all."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kvstore._proto import data_pb2
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_sync import CallChannel
 
 CALL_TOKEN = secrets.token_bytes(frames.CALL_TOKEN_BYTES)
 

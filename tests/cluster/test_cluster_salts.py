@@ -18,7 +18,7 @@ from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client import KVStoreClient
-from kvstore.cluster.salts import EtcdSalts
+from kvstore.cluster.salt_records import EtcdSalts
 from kvstore.security.channel import ClientTLS
 from kvstore.security.salts import FILE_NAME
 
@@ -197,7 +197,7 @@ def test_etcd_wins_over_a_local_copy_that_differs(etcd: EtcdProcess, tmp_path: P
     fresh = EtcdSalts(tmp_path / "fresh", [etcd.endpoint], "c")
     new = fresh.salt("a")
     assert new != old
-    with caplog.at_level(logging.ERROR, logger="kvstore.cluster.salts"):
+    with caplog.at_level(logging.ERROR, logger="kvstore.cluster.salt_records"):
         assert knew.reseed() == []
     assert knew.salt("a") == new
     assert any(r.levelno == logging.ERROR and "unreachable" in r.getMessage() for r in caplog.records)

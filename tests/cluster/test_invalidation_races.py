@@ -69,7 +69,7 @@ async def test_a_holder_whose_watch_lags_leaves_no_phantom_records(cluster_nodes
         h.start()
         tokens = tokens_owned_by(["a", "c", "h"], {"a", "c"}, 4)
         kv = random_kv(LAYOUT, len(tokens), seed=2)
-        # a's first invalidation waits a TTL from a's start (a node of a replaced etcd might not know yet: generations.py);
+        # a's first invalidation waits a TTL from a's start (a node of a replaced etcd might not know yet: cluster_generations.py);
         # h's lease (5 s) outlives the hold below only if that wait is over before it
         await invalidate(a.address, NS.namespace_id)
         etcd_link.hold()  # h's watch lags from here (its requests still reach etcd)

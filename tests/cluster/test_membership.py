@@ -17,7 +17,7 @@ from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
 
 from kvstore.cluster.epoch_file import EpochFile
 from kvstore.cluster.etcd import EtcdClient, KeyValue
-from kvstore.cluster.generations import EtcdGenerations
+from kvstore.cluster.generation_records import EtcdGenerations
 from kvstore.cluster.membership import Member, Membership, MembershipConfig, MemberState
 from kvstore.errors import ConfigError
 

@@ -21,7 +21,7 @@ from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient
 from kvstore.client.pages import slot_as_page
 from kvstore.client.transport import ShmTransport
-from kvstore.client.transport.base import Outgoing, page_in
+from kvstore.client.transport.contract import Outgoing, page_in
 from kvstore.errors import SessionFenced
 from kvstore.page import LayoutDesc, checksum
 

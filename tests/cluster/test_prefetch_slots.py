@@ -13,7 +13,7 @@ from etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 
 from kvstore.config import ClusterConfig
 from kvstore.server import Server
-from kvstore.server.cluster.runtime import MAX_PREFETCHES
+from kvstore.server.cluster.cluster_runtime import MAX_PREFETCHES
 
 
 def test_a_prefetch_that_cannot_start_gives_its_slot_back(etcd, tmp_path: Path) -> None:

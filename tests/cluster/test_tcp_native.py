@@ -16,7 +16,7 @@ import pytest
 from test_transport_ucx import NS, key
 
 from kvstore.cluster import tcp_socket
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchStatus, SourcePage
 from kvstore.cluster.tcp_socket import Deadline, recv_hashed, send_hashed
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer

@@ -325,7 +325,7 @@ def test_the_tcp_plane_imports_no_ucx() -> None:
     """A node on the TCP plane loads nothing of UCX (ucxx starts threads and reads its own
     configuration at import)."""
     code = ("import sys; import kvstore.cluster.transport_tcp, kvstore.server.cluster.peers, kvstore.server.cluster.source, "
-            "kvstore.server.cluster.runtime; assert 'ucxx' not in sys.modules, 'ucxx loaded'")
+            "kvstore.server.cluster.cluster_runtime; assert 'ucxx' not in sys.modules, 'ucxx loaded'")
     import subprocess
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)

@@ -19,7 +19,7 @@ from test_arena_socket import Arenas
 
 from kvstore._proto import data_pb2
 from kvstore.accept_pause import RETRY_S, AcceptPause
-from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.security.arena_socket import ArenaSocket, receive_arena
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.salts import TenantSalts
@@ -45,7 +45,7 @@ def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Listene
             channel.call("Data.WhoAmI", data_pb2.WhoAmIRequest(), data_pb2.WhoAmIResponse)
             channel.close()
 
-        yield Listener(calls.path, calls.accept_pause, "kvstore.callsocket.server", call_serves)
+        yield Listener(calls.path, calls.accept_pause, "kvstore.callsocket.socket_server", call_serves)
         return
     data = tmp_path / "data"
     data.mkdir(mode=0o700)

@@ -22,7 +22,7 @@ from test_reload import LoggedServer
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.errors import Unauthenticated
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server

@@ -61,7 +61,7 @@ def test_tls_flags_are_checked(tmp_path: Path) -> None:
         SecurityConfig(tls_client_ca=ca.cert)
     with pytest.raises(ConfigError, match="--tls-key .*no such file"):
         SecurityConfig(tls_cert=cert.cert, tls_key=tmp_path / "missing.key")
-    from kvstore.security.server import server_credentials
+    from kvstore.security.server_security import server_credentials
 
     with pytest.raises(ConfigError, match="private key"):
         server_credentials(SecurityConfig(tls_cert=cert.cert, tls_key=other.key))  # the key of another certificate

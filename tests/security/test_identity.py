@@ -24,7 +24,7 @@ from kvstore.config import SecurityConfig
 from kvstore.errors import Unauthenticated
 from kvstore.security.interceptor import current_identity
 from kvstore.security.salts import TenantSalts
-from kvstore.security.server import ServerSecurity
+from kvstore.security.server_security import ServerSecurity
 
 
 def _who() -> bytes:

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.errors import KVStoreError
 from kvstore.security.arena_socket import receive_arena
 

@@ -19,7 +19,7 @@ from conftest import random_kv
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
-from kvstore.callsocket.client import CallChannel
+from kvstore.callsocket.client_sync import CallChannel
 from kvstore.client import KVStoreClient
 from kvstore.server import Server
 from kvstore.types import Namespace

@@ -16,7 +16,7 @@ import pytest
 from conftest import ServerProcess
 
 from kvstore.callsocket import frames
-from kvstore.callsocket.server import CallSocket
+from kvstore.callsocket.socket_server import CallSocket
 
 CODES = {int(code.value[0]): code for code in grpc.StatusCode}
 PER_PID = CallSocket.__init__.__kwdefaults__["max_per_pid"]  # type: ignore[index]

@@ -14,7 +14,7 @@ from conftest import random_kv
 from kvstore._proto import data_pb2, directory_pb2, migration_pb2, migration_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.client.pages import slot_as_page
-from kvstore.client.transport.base import page_in
+from kvstore.client.transport.contract import page_in
 from kvstore.errors import InvalidRequest, SessionFenced, TierUnavailable
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners

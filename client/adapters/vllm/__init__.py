@@ -8,7 +8,7 @@
 | `worker.py` | layer-wise loads and saves on vLLM's paged KV, load errors, finished saves |
 | `layout.py` | each attention backend's per-layer KV tensor as `[blocks, K/V, block, heads, dim]` |
 | `metadata.py` | what the scheduler sends the workers each step |
-| `config.py` | `kv_connector_extra_config` and the engine's kvstore namespace (no vLLM import) |
+| `connector_settings.py` | `kv_connector_extra_config` and the engine's kvstore namespace (no vLLM import) |
 | `groups.py` | an engine's KV cache groups (full, sliding-window, chunked-local, state-space) and their layout in the namespace |
 | `sessions.py` | a request's session (`kvstore_session_id`): its tokens logged at its node, its saves naming it, the request stopped when a live migration's fence refuses them; a moved session continued from its log |
 | `pd.py`, `pd_worker.py` | disaggregated prefill: a prefill instance's handoff (open, complete) and a decode instance's asynchronous load of it |

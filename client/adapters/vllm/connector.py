@@ -14,7 +14,7 @@ gone: a store that cannot answer is a miss, a load that fails is reported throug
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (this needs
 ``kv_load_failure_policy: recompute``; vLLM's default, ``fail``, fails the request).
 A server that refuses the connector's token is not a miss but a configuration error: the
-engine does not start (config.py, "token"). A request whose ``kv_transfer_params`` name a
+engine does not start (connector_settings.py, "token"). A request whose ``kv_transfer_params`` name a
 session (``kvstore_session_id``) has its tokens logged for live migration (sessions.py).
 """
 
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.client.adapters.connection import StoreConnection
-from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.groups import KVGroups
 from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.hybrid_states import state_namespace

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvstore.client.adapters.connection import Lease
+from kvstore.client.adapters.connection import ArenaLease
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class LoadSpec:
     first_page: int
     num_pages: int
     namespace_id: bytes = b""
-    lease: Lease | None = None
+    lease: ArenaLease | None = None
     deadline_s: float | None = None
 
 
@@ -58,7 +58,7 @@ class GroupLoad:
     first_page: int
     num_pages: int
     namespace_id: bytes = b""
-    lease: Lease | None = None
+    lease: ArenaLease | None = None
     state_blocks: tuple[tuple[int, int], ...] = ()
     generation: int = 0  # of the pages' namespace at the lookup: part of the states' key
 

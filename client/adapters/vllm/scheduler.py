@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.client.adapters.connection import Lease, StoreConnection
+from kvstore.client.adapters.connection import ArenaLease, StoreConnection
 from kvstore.client.adapters.vllm.costs import LoadPolicy
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.errors import KVStoreError
@@ -45,7 +45,7 @@ class RequestState:
     load_from: int = 0  # tokens; a load of [load_from, hit_tokens) is due when load_from < hit_tokens
     load_due: bool = False
     saving: bool = False  # a save was scheduled: the blocks are kept until the workers finish it
-    lease: Lease | None = None  # held until a load takes it over or the request goes
+    lease: ArenaLease | None = None  # held until a load takes it over or the request goes
     session_id: str = ""  # its saves name it (sessions.py): a fence refuses them
     fenced: bool = False  # its session moved: nothing more is saved
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvstore.cluster.errors import CoordinatorUnavailable
-from kvstore.cluster.sessions import EtcdSessions, SessionRecord
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable
+from kvstore.cluster.session_records import EtcdSessions, SessionRecord
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tokenlog import TokenLog
 

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2_grpc
-from kvstore.cluster.errors import TransportError
+from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
 from kvstore.security.channel import ClientTLS, aio_channel
@@ -41,8 +41,8 @@ def client_tls(security: SecurityConfig) -> ClientTLS | None:
     return ClientTLS(ca=security.tls_client_ca, cert=security.tls_cert, key=security.tls_key)
 
 
-class Peer:
-    """One other node, as its member record names it (a new epoch makes a new Peer)."""
+class PeerNode:
+    """One other node, as its member record names it (a new epoch makes a new PeerNode)."""
 
     def __init__(self, me: str, member: Member, cluster: ClusterConfig, tls: ClientTLS | None, ucx: Any) -> None:
         self._me = me
@@ -82,19 +82,19 @@ class Peer:
 
 
 class Peers:
-    """node id -> Peer for the live members but this one; ``update`` follows membership."""
+    """node id -> PeerNode for the live members but this one; ``update`` follows membership."""
 
     def __init__(self, me: str, cluster: ClusterConfig, security: SecurityConfig, ucx: Any) -> None:
         self._me = me
         self._cluster = cluster
         self._tls = client_tls(security)
         self._ucx = ucx
-        self._peers: dict[str, Peer] = {}
+        self._peers: dict[str, PeerNode] = {}
 
-    def get(self, node: str) -> Peer | None:
+    def get(self, node: str) -> PeerNode | None:
         return self._peers.get(node)
 
-    def update(self, members: Mapping[str, Member]) -> list[Peer]:
+    def update(self, members: Mapping[str, Member]) -> list[PeerNode]:
         """Opens peers for new members (or new epochs of known ones) at once; returns those
         gone, for the caller to close."""
         gone = []
@@ -104,7 +104,7 @@ class Peers:
                 gone.append(self._peers.pop(node))
         for node, member in members.items():
             if node != self._me and node not in self._peers:
-                self._peers[node] = Peer(self._me, member, self._cluster, self._tls, self._ucx)
+                self._peers[node] = PeerNode(self._me, member, self._cluster, self._tls, self._ucx)
         return gone
 
     async def close(self) -> None:

@@ -31,7 +31,7 @@ from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.lookup import ShardedLookup, compress
-from kvstore.server.cluster.peers import Peer, Peers, current_cancelled
+from kvstore.server.cluster.peers import PeerNode, Peers, current_cancelled
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
 from kvstore.wire import decode_chunk
@@ -158,7 +158,7 @@ class RemoteTier:
         self.num_fetched += len(keys)
         return n
 
-    async def _fetch_posted(self, peer: Peer, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
+    async def _fetch_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                             landing: Landing | None = None) -> int:
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
@@ -189,7 +189,7 @@ class RemoteTier:
         return await self._commit(landing, allocation_id, ok_keys, ok_sums)
 
     @staticmethod
-    async def _fetch_checked(peer: Peer, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
+    async def _fetch_checked(peer: PeerNode, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
                              generation: int) -> list[int]:
         """The checksums of the leading pages that arrived verified. A holder sends its pages
         unhashed (this node's check is the one each gets); from a page that arrived CORRUPT on,
@@ -225,7 +225,7 @@ class RemoteTier:
                 break
         return pos
 
-    async def _fetch_grpc(self, peer: Peer, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
+    async def _fetch_grpc(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
                           landing: Landing | None = None) -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
         chunks arrive (allocated once the first chunk names the layout)."""

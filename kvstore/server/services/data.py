@@ -23,13 +23,13 @@ from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_reported
 from kvstore.server.services.cluster_reads import ClusterReads
-from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.room import room
+from kvstore.server.services.rpc_errors import stream, unary
+from kvstore.server.services.session_log import SessionCalls
 from kvstore.server.services.session_saves import committing
-from kvstore.server.services.sessions import SessionCalls
 from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
@@ -64,7 +64,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.handoffs = handoffs  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
         self.arena_socket = arena_socket  # with tenant arenas: where a same-host caller fetches its own
         self.memory = SharedMemory(core, config, tenancy, arena_socket, pool_socket)  # its arena and hbm pool
-        self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/server.py), announced
+        self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/socket_server.py), announced
         self.config = config
         self.cluster = cluster  # a ClusterRuntime in cluster mode: Acquire fetches pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None

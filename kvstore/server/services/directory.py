@@ -18,8 +18,8 @@ from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.services.cluster_reads import ClusterReads
-from kvstore.server.services.errors import stream, unary
 from kvstore.server.services.node_calls import acting_for, require_node
+from kvstore.server.services.rpc_errors import stream, unary
 from kvstore.server.services.tenant_stats import tenant_stats, tenant_usage
 from kvstore.server.tenancy import Tenancy
 from kvstore.types import TIER_NAMES, Location

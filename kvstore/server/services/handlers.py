@@ -21,7 +21,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from kvstore._proto import data_pb2_grpc
 from kvstore.errors import InvalidRequest, LimitExceeded
-from kvstore.server.services.errors import reject
+from kvstore.server.services.rpc_errors import reject
 from kvstore.server.services.streams import StreamGate, StreamSlot
 from kvstore.wire import decode_chunk
 
@@ -60,7 +60,7 @@ def add_service(server: grpc.Server, service: ServiceDescriptor, handlers: dict[
     """Registers ``handlers`` (one per method of ``service``) on ``server``, guarded; a
     request (a stream's message) over ``limits[name]`` (else ``limits["default"]``) bytes
     is refused before it is parsed. Returns the guarded handlers by full name ("Service.Method"),
-    for the same-host call socket (kvstore/callsocket/server.py) to serve the very same code."""
+    for the same-host call socket (kvstore/callsocket/socket_server.py) to serve the very same code."""
     declared = {m.name for m in service.methods}
     if declared != set(handlers):
         raise RuntimeError(f"{service.full_name}: handlers {sorted(handlers)} do not match the proto's methods {sorted(declared)}")

@@ -86,7 +86,7 @@ class Quotas:
         self._locks: dict[str, threading.Lock] = {}
         self._reserved: dict[str, Counter[str]] = {}  # tenant -> quota -> reserved by its calls in flight
         self.ssd_written: Counter[str] = Counter()  # tenant -> ssd device bytes written for it (ssd_share.py)
-        self.call_connections = call_connections  # tenant -> its call socket connections (kvstore/callsocket/server.py: TenantConnections)
+        self.call_connections = call_connections  # tenant -> its call socket connections (kvstore/callsocket/socket_server.py: TenantConnections)
 
     def limits(self, tenant: str) -> TenantQuota:
         overrides = self._overrides()

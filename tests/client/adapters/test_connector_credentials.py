@@ -19,7 +19,7 @@ from test_vllm_connector_parts import BLOCK, LAYOUT, NAMES, NUM_BLOCKS, forward,
 
 from kvstore import Namespace
 from kvstore.client.adapters.connection import StoreConnection
-from kvstore.client.adapters.vllm.config import ConnectorConfig
+from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.client.adapters.vllm.config import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.grouped import GroupedBlocks, pages_with_data
 from kvstore.client.adapters.vllm.groups import NULL_BLOCK, KVGroups
 from kvstore.client.adapters.vllm.hybrid_states import StateBlocks, state_block, state_key, state_namespace

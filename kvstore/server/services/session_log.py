@@ -11,7 +11,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2
 from kvstore.errors import InvalidRequest
 from kvstore.security.interceptor import current_identity
-from kvstore.server.services.errors import unary
+from kvstore.server.services.rpc_errors import unary
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import Quotas

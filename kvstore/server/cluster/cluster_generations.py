@@ -36,10 +36,10 @@ import time
 from collections.abc import Callable
 
 from kvstore._proto import directory_pb2
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable, NotAMember
 from kvstore.cluster.epoch_file import EpochFile
-from kvstore.cluster.errors import CoordinatorUnavailable, NotAMember
 from kvstore.cluster.etcd import KeyValue
-from kvstore.cluster.generations import EtcdGenerations
+from kvstore.cluster.generation_records import EtcdGenerations
 from kvstore.cluster.membership import Member, Membership
 from kvstore.errors import TierUnavailable
 from kvstore.server.cluster.peers import Peers, current_cancelled

@@ -37,7 +37,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from kvstore.cluster.errors import CoordinatorUnavailable
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.security.salts import SALT_BYTES, TenantSalts
 

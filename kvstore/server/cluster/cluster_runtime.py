@@ -1,6 +1,6 @@
 """Cluster mode inside a server process (DESIGN §12): membership on etcd, this node's records
 published to their shard owners, lookups across owners, remote pages fetched into the host
-tier, namespace generations (invalidations) kept with etcd (generations.py).
+tier, namespace generations (invalidations) kept with etcd (cluster_generations.py).
 
 Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster"); the
 gRPC servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded
@@ -21,17 +21,17 @@ from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import CancelledError
 from typing import Any, TypeVar
 
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable
 from kvstore.cluster.epoch_file import EpochFile
-from kvstore.cluster.errors import CoordinatorUnavailable
 from kvstore.cluster.etcd import EtcdClient, KeyValue, parse_endpoints
-from kvstore.cluster.generations import EtcdGenerations
+from kvstore.cluster.generation_records import EtcdGenerations
 from kvstore.cluster.grants import TransferGrants
 from kvstore.cluster.members import Member, MembershipConfig, MemberState
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, TierUnavailable
-from kvstore.server.cluster.generations import GenerationSync
+from kvstore.server.cluster.cluster_generations import GenerationSync
 from kvstore.server.cluster.handoff_push import HandoffPushes
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
@@ -219,7 +219,7 @@ class ClusterRuntime:
     @property
     def serving(self) -> bool:
         """Whether this node may answer reads now: a member (not leaving) that has caught up
-        with etcd's generations since it registered (generations.py). Otherwise every read is
+        with etcd's generations since it registered (cluster_generations.py). Otherwise every read is
         answered as for an empty namespace: a page invalidated while it was away, cut off or
         down is never served, and no record it keeps as an owner is promised."""
         return self.state()
@@ -330,7 +330,7 @@ class ClusterRuntime:
                 self._prefetching -= 1
 
     def invalidate(self, namespace_id: bytes, time_remaining_s: float | None) -> tuple[int, int]:
-        """Raises the namespace's generation in etcd and at every node (generations.py); returns
+        """Raises the namespace's generation in etcd and at every node (cluster_generations.py); returns
         (pages removed here, the new generation) once every node entered it or was fenced."""
         assert self.generations is not None
         if self.state.leaving:
@@ -354,7 +354,7 @@ class ClusterRuntime:
         before, self.shard_map = self.shard_map, ShardMap(members, self.shard_config)
         # owners registered anew (a restart: their records are gone) under the same name: not a move of the shard map
         restarted = [n for n, m in members.items() if n != self.node and n in self._members and self._members[n].epoch != m.epoch]
-        if self.generations is not None:  # a node that left may still serve for a TTL (generations.py)
+        if self.generations is not None:  # a node that left may still serve for a TTL (cluster_generations.py)
             self.generations.left([self._members[n] for n in self._members if n not in members])
         self._members = dict(members)
         for peer in self.peers.update(members):

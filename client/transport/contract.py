@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Peer:
+class NamespaceServer:
     """The server a transport talks to, as one namespace sees it."""
 
     runtime: Runtime
