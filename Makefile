@@ -21,7 +21,7 @@ SGLANG := sglang==0.5.23
 ETCD := $(VENV)/bin/etcd
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-$(VENV)/.installed: pyproject.toml setup.py kvstore/_copyhash.c kvstore/_scatter.c kvstore/_sockhash.c kvstore/_copyhash.h kvstore/_keys.c kvstore/_lookup.c
+$(VENV)/.installed: pyproject.toml setup.py csrc/_copyhash.c csrc/_scatter.c csrc/_sockhash.c csrc/_copyhash.h csrc/_keys.c csrc/_lookup.c
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)

@@ -49,7 +49,7 @@ def test_pinned_digests_of_a_long_prefix(native: bool, monkeypatch: pytest.Monke
 
 
 def test_the_native_chain_is_hashlibs() -> None:
-    """kvstore/_keys.c against hashlib over random chains: first keys, page sizes and lengths
+    """csrc/_keys.c against hashlib over random chains: first keys, page sizes and lengths
     around BLAKE2b's 128-byte block (one block, exactly one, one byte over, several)."""
     if page_key_module.chain_keys is None:
         pytest.skip("kvstore._keys was not built (no C compiler): hashlib computes the keys")

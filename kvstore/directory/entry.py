@@ -1,5 +1,5 @@
 """One page's locations (``Entry``) and the lookup's walk over a chain of keys without the
-C build (``walk_python``: kvstore/_lookup.c does the same walk, with the same answers)."""
+C build (``walk_python``: csrc/_lookup.c does the same walk, with the same answers)."""
 
 from __future__ import annotations
 

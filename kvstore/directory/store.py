@@ -106,7 +106,7 @@ class Directory:
     def lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
         """The longest contiguous present prefix of ``keys``, as runs of pages whose best
         location is on the same node, tier and page size (a 512-page prefix in RAM: one run).
-        The walk is native (kvstore/_lookup.c) where built; an entry whose best location is
+        The walk is native (csrc/_lookup.c) where built; an entry whose best location is
         not cached yet gets it here, and the walk goes on from it."""
         keys = keys if type(keys) is list else list(keys)
         runs: list[list] = []  # [where, pages]

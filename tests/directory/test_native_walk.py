@@ -1,4 +1,4 @@
-"""The native prefix walk and key-length check (kvstore/_lookup.c) answer exactly as their
+"""The native prefix walk and key-length check (csrc/_lookup.c) answer exactly as their
 Python fallbacks do, on a real Directory: random publishes, removes and namespaces, lookups
 from every start, cached and uncached best locations."""
 
