@@ -47,10 +47,10 @@ from kvstore.client.transport.contract import check_engine_kv
 from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
+from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, check_chunk_bytes
 from kvstore.security.channel import ClientTLS
 from kvstore.types import LocationRun, Namespace
 from kvstore.validate import deadline_s, layout_msg
-from kvstore.wire import CHUNK_BYTES, check_chunk_bytes
 
 logger = logging.getLogger(__name__)
 

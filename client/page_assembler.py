@@ -6,10 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvstore.chunks import BufferSink, ChunkedPage, PageSink
 from kvstore.client.pages import RowPage
 from kvstore.errors import PageCorrupt
-from kvstore.wire import WireChunk
+from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, PageSink, WireChunk
 
 
 class PageAssembler:
@@ -23,7 +22,7 @@ class PageAssembler:
     so a page is copied once; a page sent whole in one chunk (the default up to 4 MiB) is
     copied and hashed in one pass. A target page is valid only once ``feed`` returned True
     for it: one that fails, or that the stream leaves unfinished (``abandon``), is zeroed,
-    so that no unverified byte reaches the caller. Each page is one ``kvstore.chunks``
+    so that no unverified byte reaches the caller. Each page is one ``kvstore.page_wire.grpc_chunks``
     ``ChunkedPage`` (the same reassembly the server's WritePages uses).
     """
 

@@ -26,9 +26,9 @@ from kvstore.aio_status import KeptStatus
 from kvstore.callsocket.client_aio import AsyncCallChannel
 from kvstore.client.forked import ProcessCheck
 from kvstore.errors import KVStoreError
+from kvstore.page_wire.grpc_chunks import CLIENT_OPTIONS, PageStubs
 from kvstore.security.channel import ClientTLS, aio_channel
 from kvstore.status import ERROR_METADATA_KEY, error_for
-from kvstore.wire import CLIENT_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
 

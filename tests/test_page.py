@@ -57,10 +57,10 @@ def test_payload_checks() -> None:
 
 
 def test_wire_roundtrip_and_damage() -> None:
-    """Chunks made by kvstore.wire go back together only whole, in order, and intact."""
+    """Chunks made by kvstore.page_wire.grpc_chunks go back together only whole, in order, and intact."""
     from kvstore._proto import common_pb2
     from kvstore.client.page_assembler import PageAssembler
-    from kvstore.wire import decode_chunk, page_chunks
+    from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
 
     data = bytes(range(256)) * 64  # 16 KiB
     layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
@@ -87,7 +87,7 @@ def test_target_pages_that_fail_or_stay_unfinished_are_zeroed() -> None:
     from kvstore._proto import common_pb2
     from kvstore.client.page_assembler import PageAssembler
     from kvstore.client.pages import KVRows
-    from kvstore.wire import decode_chunk, page_chunks
+    from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
 
     layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
     pages = [bytes([i + 1]) * 16384 for i in range(2)]  # two 16 KiB pages of 2 rows
@@ -120,7 +120,7 @@ def test_chunk_codec_is_protobuf() -> None:
     """An encoded chunk is a PageChunk to protobuf, and decode_chunk reads protobuf's own
     encoding (fields in number order, data in the middle) the same way."""
     from kvstore._proto import common_pb2, data_pb2
-    from kvstore.wire import decode_chunk, page_chunks
+    from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
 
     data = bytes(range(256)) * 40
     layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=20, dtype="float16", page_tokens=64)
@@ -173,7 +173,7 @@ def test_a_sender_without_the_checksum_gets_it_computed_into_the_message(monkeyp
     from kvstore import pagecopy
     from kvstore._proto import common_pb2, data_pb2
     from kvstore.client.pages import KVRows
-    from kvstore.wire import decode_chunk, page_chunks
+    from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
 
     if native and not pagecopy.NATIVE:
         pytest.skip(pagecopy.NATIVE_MISSING)

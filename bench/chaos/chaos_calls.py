@@ -21,8 +21,8 @@ from kvstore.bench.chaos.history import Op
 from kvstore.bench.chaos.model import LAYOUT, page_digests, prefix_kv
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
+from kvstore.page_wire.grpc_chunks import CLIENT_OPTIONS
 from kvstore.security.channel import call_metadata
-from kvstore.wire import CLIENT_OPTIONS
 
 if TYPE_CHECKING:
     from kvstore.bench.chaos.traffic import Planned

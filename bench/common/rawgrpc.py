@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 
 from kvstore.memory import tune_malloc
-from kvstore.wire import MESSAGE_OPTIONS
+from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS
 
 _REQ = struct.Struct("<QI")  # total bytes, chunk bytes
 OPTIONS = MESSAGE_OPTIONS

@@ -21,8 +21,8 @@ from google.protobuf.message import Message
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.client.arena import ArenaMap
 from kvstore.page import checksum
+from kvstore.page_wire.grpc_chunks import page_chunks
 from kvstore.types import DTYPE_BYTES
-from kvstore.wire import page_chunks
 
 FRESH_ALLOCATION_S = 20.0  # slots of an older allocation are not read (it may have expired and been reused)
 

@@ -37,7 +37,7 @@ from kvstore.bench.common import limits, rawgrpc
 from kvstore.bench.common.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, add_cpu, cpu_fields, print_cpu_rows
 from kvstore.bench.common.harness import start_raw_grpc, start_server
 from kvstore.client import KVStoreClient
-from kvstore.wire import CHUNK_BYTES
+from kvstore.page_wire.grpc_chunks import CHUNK_BYTES
 
 SHM_FLOOR = "memcpy+xxh3(best apart|fused)"
 QWEN3_8B = KVLayout(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, page_tokens=16)

@@ -26,7 +26,7 @@ from kvstore.client.pages import RowPage, page_rows, slot_as_page
 from kvstore.client.transport.contract import NamespaceServer, page_in, page_out
 from kvstore.errors import KVStoreError, PageCorrupt, TierFull
 from kvstore.page import checksum
-from kvstore.wire import decode_chunk, page_chunks
+from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
 from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
+from kvstore.page_wire.fetch_frames import FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
 
 
 @dataclass

@@ -25,10 +25,10 @@ from typing import Any
 
 from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
-from kvstore.cluster.page_wire import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, VERIFY, FetchRequest, PageStatus, decode_hello
 from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_exact, send_frame, send_hashed, shut, tune, wait_frame
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
+from kvstore.page_wire.fetch_frames import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, VERIFY, FetchRequest, PageStatus, decode_hello
 from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class TcpPageServer:
             send_frame(conn, answer.encode(), deadline)
             if request.flags & DESCRIBE:
                 return True
-            verify = bool(request.flags & VERIFY)  # else the receiver's check is the page's one (page_wire.py)
+            verify = bool(request.flags & VERIFY)  # else the receiver's check is the page's one (fetch_frames.py)
             for key, page, entry in zip(request.keys, pages, answer.entries):
                 if page is None or entry.status is not PageStatus.FOUND:
                     continue

@@ -1,5 +1,5 @@
 """Bulk page bytes node to node over plain TCP sockets: the same fetch protocol as the UCX
-plane (``page_wire``: hello with a grant, request, answer, then each found page's bytes in
+plane (``fetch_frames``: hello with a grant, request, answer, then each found page's bytes in
 key order), on blocking sockets driven by threads.
 
 Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
@@ -34,7 +34,10 @@ from typing import Any
 
 from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
-from kvstore.cluster.page_wire import (
+from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
+from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
+from kvstore.page import LayoutDesc
+from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
     MAX_FRAME_BYTES,
     VERIFY,
@@ -44,9 +47,6 @@ from kvstore.cluster.page_wire import (
     check_keys,
     encode_hello,
 )
-from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
-from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
-from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class TcpPageFetcher:
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
                     generation: int = 0, verify: bool = False) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        ``verify``: the sender hashes each page before it sends it (page_wire.VERIFY). Peer failures are
+        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). Peer failures are
         values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         await self._exchange(request, views, result, timeout_s)

@@ -2,7 +2,7 @@
 buffers (host-arena slots, any writable buffer) and the sender's bytes land in them, with no
 copy through a Python object on either side.
 
-One connection carries one fetch at a time (``page_wire``): request, answer (status, size
+One connection carries one fetch at a time (``fetch_frames``): request, answer (status, size
 and stored checksum per key), then the found pages in key order. The receiver posts every
 destination before the first page arrives and verifies each page's checksum as it lands. The
 sender posts its pages unhashed unless the request asks it to VERIFY (a receiver that found a
@@ -42,7 +42,10 @@ import ucxx
 
 from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for, start_fetch  # noqa: F401  # re-exported
-from kvstore.cluster.page_wire import (
+from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.logs import Throttled
+from kvstore.page import LayoutDesc, checksum
+from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
     HELLO_BYTES,
     MAX_FRAME_BYTES,
@@ -54,9 +57,6 @@ from kvstore.cluster.page_wire import (
     decode_hello,
     encode_hello,
 )
-from kvstore.errors import ConfigError, InvalidRequest
-from kvstore.logs import Throttled
-from kvstore.page import LayoutDesc, checksum
 from kvstore.pagecopy import checksum_released
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class UcxPageServer:
                     if request.flags & DESCRIBE:
                         return True
                     loop = asyncio.get_running_loop()
-                    verify = bool(request.flags & VERIFY)  # else the receiver's check is the page's one (page_wire.py)
+                    verify = bool(request.flags & VERIFY)  # else the receiver's check is the page's one (fetch_frames.py)
                     for key, page, entry in zip(request.keys, pages, answer.entries):
                         if page is None or entry.status is not PageStatus.FOUND:
                             continue
@@ -297,7 +297,7 @@ class UcxPageFetcher:
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
                     generation: int = 0, verify: bool = False) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        ``verify``: the sender hashes each page before it sends it (page_wire.VERIFY). Peer failures are
+        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). Peer failures are
         values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         receives: list[tuple[int, asyncio.Future[Any]]] = []

@@ -32,6 +32,7 @@ from kvstore.callsocket.socket_server import CallSocket, TenantConnections
 from kvstore.config import ServerConfig
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError
+from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS
 from kvstore.security.arena_socket import ArenaSocket
 from kvstore.security.identity import Identity
 from kvstore.security.salts import TenantSalts
@@ -55,7 +56,6 @@ from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
-from kvstore.wire import MESSAGE_OPTIONS
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime

@@ -13,9 +13,9 @@ import grpc
 from kvstore._proto import directory_pb2_grpc
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.directory import Directory
+from kvstore.page_wire.grpc_chunks import PageStubs
 from kvstore.server.cluster.publisher import Publisher, Record
 from kvstore.server.cluster.remote import RemoteTier
-from kvstore.wire import PageStubs
 
 NS = bytes(range(16))
 

@@ -24,10 +24,10 @@ from tcp_proxy import TcpProxy
 from test_transport_ucx import NS, CountingSource, _cpu_s, key, untouched
 
 from kvstore.cluster.page_fetch import FetchStatus
-from kvstore.cluster.page_wire import FetchAnswer, FetchRequest, PageEntry, PageStatus
 from kvstore.cluster.tcp_socket import Deadline, send_frame
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 from kvstore.errors import InvalidRequest
+from kvstore.page_wire.fetch_frames import FetchAnswer, FetchRequest, PageEntry, PageStatus
 
 HERE = Path(__file__).parent
 LATE_S, SETTLE_S = 0.5, 0.5  # a stopped sender: how late fetch may return; stray bytes get 0.5 s to land before the check

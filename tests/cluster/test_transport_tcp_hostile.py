@@ -93,8 +93,8 @@ async def test_one_node_cannot_hold_unbounded_connections_and_threads() -> None:
     thread and fd per connection for ever; another node is still served."""
     from kvstore.cluster import tcp_server
     from kvstore.cluster.grants import TransferGrants
-    from kvstore.cluster.page_wire import encode_hello
     from kvstore.cluster.transport_tcp import TcpPageFetcher
+    from kvstore.page_wire.fetch_frames import encode_hello
 
     limit = getattr(tcp_server, "MAX_CONNECTIONS_PER_NODE", 8)
     grants = TransferGrants()
@@ -212,7 +212,7 @@ async def test_node_ids_named_at_will_cannot_buy_unbounded_connections(monkeypat
     server's admitted connections are capped in all (MAX_CONNECTIONS)."""
     from kvstore.cluster import tcp_server
     from kvstore.cluster.grants import TransferGrants
-    from kvstore.cluster.page_wire import encode_hello
+    from kvstore.page_wire.fetch_frames import encode_hello
 
     monkeypatch.setattr(tcp_server, "MAX_CONNECTIONS", 16, raising=False)
     grants = TransferGrants()

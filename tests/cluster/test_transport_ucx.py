@@ -17,10 +17,10 @@ import pytest
 from fetch_contract import NS, Arena, Child, check_killed_sender, check_stopped_sender, key, page_servers, start_server, untouched
 from page_server_node import expected_page
 
-from kvstore.cluster.page_wire import FetchRequest
 from kvstore.cluster.transport_ucx import FetchStatus, SourcePage, UcxConfig, UcxPageFetcher, UcxPageServer, init_ucx
 from kvstore.errors import InvalidRequest
 from kvstore.page import checksum
+from kvstore.page_wire.fetch_frames import FetchRequest
 
 HERE = Path(__file__).parent
 TCP = UcxConfig(tls="tcp", progress_mode="blocking")  # "remote" really crosses a socket

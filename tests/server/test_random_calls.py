@@ -19,8 +19,8 @@ from conftest import make_config, random_kv
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.page import LayoutDesc
+from kvstore.page_wire.grpc_chunks import page_chunks
 from kvstore.validate import layout_msg
-from kvstore.wire import page_chunks
 
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED)
 

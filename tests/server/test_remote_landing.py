@@ -14,8 +14,8 @@ from conftest import make_config
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.page import checksum
+from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS, PageStubs
 from kvstore.server.cluster.remote import RemoteTier
-from kvstore.wire import MESSAGE_OPTIONS, PageStubs
 
 LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=64, dtype="float16", page_tokens=16)
 PAGE_BYTES = 2 * 2 * 2 * 64 * 2 * 16

@@ -1,6 +1,6 @@
 """A node fetching pages over the TCP data plane into its landing slots (the receive buffers
 themselves): a page that arrives CORRUPT is never committed. It is asked for again with the
-holder checking it (a holder sends unhashed unless asked: page_wire.VERIFY): a byte flipped in
+holder checking it (a holder sends unhashed unless asked: fetch_frames.VERIFY): a byte flipped in
 flight arrives whole the second time, a page scribbled on in the holder's arena is quarantined
 there instead of sent, and no page after it is committed. Real servers, a real TCP page server on the holder's
 core, and a relay that damages bytes on the wire."""
@@ -17,8 +17,8 @@ from conftest import flip_arena_byte, make_config
 from test_remote_landing import PAGE_BYTES, _found, _store
 
 from kvstore._proto import data_pb2, data_pb2_grpc
-from kvstore.cluster.page_wire import FetchAnswer, PageEntry, PageStatus
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
+from kvstore.page_wire.fetch_frames import FetchAnswer, PageEntry, PageStatus
 from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
 

@@ -20,8 +20,8 @@ from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2_grpc
 from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.members import Member
 from kvstore.config import ClusterConfig, SecurityConfig
+from kvstore.page_wire.grpc_chunks import CLIENT_OPTIONS, PageStubs
 from kvstore.security.channel import ClientTLS, aio_channel
-from kvstore.wire import CLIENT_OPTIONS, PageStubs
 
 logger = logging.getLogger(__name__)
 

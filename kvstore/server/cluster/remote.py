@@ -26,19 +26,18 @@ import grpc
 
 from kvstore import validate
 from kvstore._proto import data_pb2
-from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
+from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import PeerNode, Peers, current_cancelled
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
-from kvstore.wire import decode_chunk
 
 logger = logging.getLogger(__name__)
 
-FETCH_PAGES = 1024  # pages per fetch request (page_wire allows 8192): the first lands while the next is asked
+FETCH_PAGES = 1024  # pages per fetch request (fetch_frames allows 8192): the first lands while the next is asked
 
 
 class Landing(Protocol):

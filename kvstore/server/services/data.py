@@ -13,10 +13,10 @@ import grpc
 
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
-from kvstore.chunks import BufferSink, ChunkedPage
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, PermissionDenied, StreamCut
 from kvstore.page import checksum
+from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, BufferSink, ChunkedPage, WireChunk, check_chunk_bytes, checked_page_chunks
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import HandoffMarkers
@@ -35,7 +35,6 @@ from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tokenlog import TokenLog
-from kvstore.wire import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime

@@ -21,9 +21,9 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from kvstore._proto import data_pb2_grpc
 from kvstore.errors import InvalidRequest, LimitExceeded
+from kvstore.page_wire.grpc_chunks import decode_chunk
 from kvstore.server.services.rpc_errors import reject
 from kvstore.server.services.streams import StreamGate, StreamSlot
-from kvstore.wire import decode_chunk
 
 
 class _Capture:
@@ -48,7 +48,7 @@ def generated_handlers(add_to_server: Callable[[Any, Any], None], servicer: Any)
 
 def data_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
     """The Data service's handlers, ReadPages and WritePages moving encoded chunks (bytes,
-    see wire.py) instead of PageChunk objects."""
+    see page_wire/grpc_chunks.py) instead of PageChunk objects."""
     handlers = generated_handlers(data_pb2_grpc.add_DataServicer_to_server, servicer)
     handlers["WritePages"] = handlers["WritePages"]._replace(request_deserializer=decode_chunk)
     handlers["ReadPages"] = handlers["ReadPages"]._replace(response_serializer=None)  # the servicer yields encoded chunks

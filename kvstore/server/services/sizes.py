@@ -10,7 +10,7 @@ bound is INVALID_ARGUMENT unparsed, one over every bound is refused by gRPC unre
 from __future__ import annotations
 
 from kvstore.config import ServerConfig
-from kvstore.wire import MAX_CHUNK_BYTES
+from kvstore.page_wire.grpc_chunks import MAX_CHUNK_BYTES
 
 SLACK = 64 << 10  # namespace ids, layouts, scalars and framing
 KEY_BYTES = 40  # a 16-byte key and its framing, with a checksum or an offset beside it

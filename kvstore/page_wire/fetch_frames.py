@@ -1,4 +1,4 @@
-"""The node-to-node page fetch protocol, independent of the transport that carries it (UCX
+"""The node-to-node page fetch protocol (DESIGN §12.3), independent of the transport that carries it (UCX
 now; a gRPC stream would carry the same frames).
 
     receiver -> sender   hello, once per connection, first:  "KVFH" version u16 | pad u16 | grant 16s

@@ -1,18 +1,12 @@
-"""Pages on the socket: PageChunk messages encoded and decoded without copying page bytes
-through protobuf objects.
+"""A page on a gRPC stream (ReadPages, WritePages; DESIGN §4, §8): PageChunk messages encoded and
+decoded without copying page bytes through protobuf objects, and put back together at the other end.
 
-The contract stays proto/kvstore/v1/data.proto: an encoded chunk is a valid ``PageChunk``
-(its small fields serialised by protobuf, then field 7 ``data`` appended by hand, which the
-wire format allows in any order), and ``decode_chunk`` reads any valid ``PageChunk``, however
-its fields are ordered. What changes is the cost: building a message with protobuf copies the
-payload three times (slice, message, serialise); ``page_chunks`` copies it once, straight into
-the bytes gRPC sends, and ``decode_chunk`` hands the payload out as a view of the bytes gRPC
-received. ReadPages and WritePages are served and called with these instead of the
-generated (de)serialisers (see ``service_handlers.data_handlers`` and ``PageStubs``).
-
-The first chunk of a page carries its namespace and layout; every chunk carries the key,
-the total length and the checksum, so a receiver checks order, length and checksum without
-trusting the sender.
+An encoded chunk is a valid ``PageChunk`` of proto/kvstore/v1/data.proto (its small fields serialised
+by protobuf, field 7 ``data`` appended by hand), and ``decode_chunk`` reads any valid one. The payload
+is copied once into the bytes gRPC sends and handed out as a view of the bytes it received. The first
+chunk of a page carries its namespace and layout; every chunk carries the key, the total length and
+the checksum, so a receiver (``ChunkedPage``) checks order, length and checksum without trusting the
+sender. The node-to-node fetch frames are ``fetch_frames``.
 """
 
 from __future__ import annotations
@@ -23,9 +17,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore._proto import common_pb2, data_pb2
-from kvstore.errors import InvalidRequest
-from kvstore.page import checksum_rows
-from kvstore.pagecopy import frame_checksummed
+from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt
+from kvstore.page import checksum, checksum_rows, checksummer
+from kvstore.pagecopy import copy_checksum_bytes, frame_checksummed
 
 MAX_MESSAGE_BYTES = 256 << 20
 # gRPC options both ends set: a message (a page chunk, a lookup of 65,536 keys) may be this large.
@@ -230,3 +224,92 @@ class PageStubs:
             WRITE_PAGES, request_serializer=None, response_deserializer=data_pb2.WritePagesResponse.FromString)
         self.read_pages = channel.unary_stream(
             READ_PAGES, request_serializer=data_pb2.ReadPagesRequest.SerializeToString, response_deserializer=None)
+
+
+# Putting a page back together from its chunks, written once for both ends: the server's WritePages and
+# the client's ReadPages. Who is to blame for a malformed stream differs (a client sending bad chunks is an
+# invalid request; a server sending them is corrupt data), so the caller names the error class.
+
+
+class PageSink(Protocol):
+    """Where the bytes of one page go as they arrive (layer-major offsets)."""
+
+    def write(self, start: int, data: memoryview) -> None: ...
+
+    def write_all(self, data: memoryview) -> int:
+        """Writes the whole page and returns the checksum of its bytes, in one pass."""
+        ...
+
+    def clear(self) -> None:
+        """Forgets unverified bytes (a page that failed must not reach its reader)."""
+        ...
+
+
+class BufferSink:
+    """A page into one contiguous buffer (a host-tier slot, a page tensor's bytes)."""
+
+    def __init__(self, dest: memoryview, clear_on_failure: bool = True) -> None:
+        self.dest = dest
+        self.clear_on_failure = clear_on_failure
+
+    def write(self, start: int, data: memoryview) -> None:
+        self.dest[start : start + len(data)] = data
+
+    def write_all(self, data: memoryview) -> int:
+        return copy_checksum_bytes(self.dest, data)
+
+    def clear(self) -> None:
+        if self.clear_on_failure:
+            self.dest[:] = bytes(len(self.dest))
+
+
+class ChunkedPage:
+    """One page arriving as chunks, in order: each must continue where the last ended and the page
+    must not overrun its length. The bytes go to the ``sink`` (none: they are only checked) and are
+    hashed as they pass, so a page is copied once; a page sent whole in one chunk (up to 4 MiB, the
+    default) is copied and hashed in one pass. The page counts only once its checksum holds; until
+    then its sink holds unverified bytes, which ``abandon`` clears. ``label`` names it in errors;
+    ``malformed`` is raised for chunks out of order or past the page's length, PageCorrupt for a bad
+    checksum."""
+
+    def __init__(self, key: bytes, page_bytes: int, expected: int, sink: PageSink | None, label: str,
+                 malformed: type[KVStoreError]) -> None:
+        self.key = key
+        self.page_bytes = page_bytes
+        self.expected = expected
+        self.sink = sink
+        self.label = label
+        self.malformed = malformed
+        self.filled = 0
+        self._hash = checksummer()
+
+    def add(self, chunk: WireChunk) -> bool:
+        """Takes the next chunk; True when the page is complete and its checksum holds."""
+        if chunk.key != self.key or chunk.offset != self.filled:
+            raise self.malformed(f"out-of-order chunk of {self.label}: at offset {chunk.offset}, expected {self.filled}")
+        end = self.filled + len(chunk.data)
+        if end > self.page_bytes:
+            raise self.malformed(f"{self.label} got more than its {self.page_bytes} bytes")
+        if end == self.page_bytes and self.filled == 0:  # the whole page in one chunk: copy and hash in one pass
+            self.filled = end  # written, not yet verified
+            digest = checksum(chunk.data) if self.sink is None else self.sink.write_all(chunk.data)
+        else:
+            if self.sink is not None:
+                self.sink.write(self.filled, chunk.data)
+            self._hash.update(chunk.data)
+            self.filled = end
+            if end < self.page_bytes:
+                return False
+            digest = self._hash.intdigest()
+        if digest != self.expected:
+            raise PageCorrupt(f"{self.label} failed its checksum")
+        return True
+
+    def abandon(self) -> None:
+        """The stream ended or failed: unverified bytes in the sink are cleared."""
+        if self.sink is not None and self.filled:
+            self.sink.clear()
+        self.filled = 0
+
+    def truncated(self) -> KVStoreError:
+        return self.malformed(f"{self.label} ended after {self.filled} of {self.page_bytes} bytes")
