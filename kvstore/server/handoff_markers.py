@@ -5,14 +5,16 @@ namespace or with an unknown id meets a marker of its own, which never completes
 what an unknown id gets (nothing, at its deadline). The pages that arrive for a marker are
 pinned under leases of its tenant, so eviction cannot take them between their arrival and the
 decode side's read; they are let go once the caller acquired every page its wait returned
-(``acquired``), when the marker's ttl passes, or when the namespace's generation moved on (an
-invalidation: nothing of the old generation is kept or returned).
+(``acquired``), when the marker's ttl passes, when the namespace's generation moved on (an
+invalidation: nothing of the old generation is kept or returned), or when the only wait's caller
+left (cancelled: nobody would acquire them).
 
 ::
 
     open ──arrived(pages)──> pinned ──arrived(complete=keys, all held)──> complete
       │                        │                                             │
-      └── ttl / generation / nothing handed ──> dropped (leases released) <──┴── acquired(all handed)
+      └── ttl / generation / nothing handed / caller left ──> dropped <───────┴── acquired(all handed)
+                                                          (leases released)
 
 Thread-safe: one lock for the table; the core is called outside it. Bounded: at most
 ``per_tenant`` markers per tenant (LimitExceeded beyond: nothing is made).
@@ -184,7 +186,8 @@ class HandoffMarkers:
         400 ms... (a pool handoff's pages are published by the time the decode side asks).
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
-        false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short)."""
+        false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short):
+        nothing is handed, and a marker no other wait reads goes with its pins at once."""
         end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
         step = 0.05
         with self._changed:
@@ -194,7 +197,9 @@ class HandoffMarkers:
                 if self._finished(marker, keys, sees):
                     break
                 left = end - time.monotonic()
-                if left <= 0 or not alive():
+                if not alive():
+                    return self._left(marker)
+                if left <= 0:
                     break
                 if pull is not None and not marker.pushed:
                     pull(left)
@@ -211,6 +216,15 @@ class HandoffMarkers:
         finally:
             with self._changed:
                 marker.waiters -= 1
+
+    def _left(self, marker: Marker) -> int:
+        """The caller left mid-wait: nothing is handed, and a marker no other wait reads is
+        dropped with its pins (a page pushed later makes it again, for its ttl at most)."""
+        with self._changed:
+            alone = marker.waiters == 1 and not marker.handed
+        if alone:
+            self._drop(marker)
+        return 0
 
     def wake(self) -> None:
         """Wakes every wait to check its caller again (a cancelled call)."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore._proto import data_pb2, directory_pb2, handoff_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
@@ -137,6 +137,26 @@ async def test_a_cancelled_wait_gives_its_slot_back_at_once(server, ns, layout) 
             await asyncio.sleep(0.05)
         assert server.streams.num_open == 0 and time.monotonic() - started < 2.0
         assert len(server.handoffs) == 0
+
+
+async def test_a_wait_cancelled_with_pages_held_leaves_no_pin(server, ns, layout) -> None:
+    """Bug: a wait whose caller left (cancelled: the decode side gave up, the request was aborted)
+    still handed the pages held so far, pinned for a caller that would never acquire them, until
+    the handoff's ttl (30 s here). The caller left: nothing is handed, the pins go at once."""
+    tokens = _tokens(8, 2, layout.page_tokens)
+    async with KVStoreClient(server.address, ns) as client:
+        handoff = new_handoff_id()
+        await client.handoff_open(handoff, None, ttl_s=30.0)
+        first = tokens[: layout.page_tokens]
+        assert await client.put(first, random_kv(layout, len(first), seed=8)) == len(first)
+        waiting = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
+        await asyncio.sleep(0.5)
+        waiting.cancel()
+        started = time.monotonic()
+        while (server.streams.num_open or len(server.handoffs) or await _leases(client)) and time.monotonic() - started < 5:
+            await asyncio.sleep(0.05)
+        assert server.streams.num_open == 0 and len(server.handoffs) == 0
+        assert await _leases(client) == 0, "the pages of a wait nobody reads are let go"
 
 
 async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, ns, layout) -> None:
