@@ -1,38 +1,25 @@
 """Shared fixtures: real servers on 127.0.0.1 with a free port, real LMDB, real files,
-a real shared-memory arena."""
+a real shared-memory arena. Fixtures only: the helpers tests import are in the ``support``
+package (tests/support/), found as a top-level package because pyproject's
+[tool.pytest.ini_options] puts tests/ on sys.path (``pythonpath = ["tests"]``); a child process
+a test starts that imports it puts tests/ on its own path (PYTHONPATH or sys.path)."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# before support's modules are imported: their asserts (ServerProcess.start, tenants' fixtures) report as tests' do
+pytest.register_assert_rewrite("support")
+
+from support.kv import SMALL
+from support.servers import ServerProcess, make_config
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench.common.harness import free_port
-from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
+from kvstore.config import ServerConfig
 from kvstore.server import Server
-
-pytest.register_assert_rewrite("tenants")  # tests/security/tenants.py: helpers and, via pytest_plugins, fixtures
-
-
-def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
-    # Tests store everything they demote (no endurance budget) unless they test admission.
-    ssd = SsdTierConfig(directory=tmp / "ssd", capacity_bytes=ssd_bytes, dwpd=0, admission="all") if ssd_bytes else None
-    return ServerConfig(
-        listen="127.0.0.1:0",
-        data_dir=tmp / "data",
-        tiers=("host", "ssd") if ssd else ("host",),
-        host=HostTierConfig(capacity_bytes=host_bytes),
-        ssd=ssd,
-        metrics_listen="127.0.0.1:0",
-        **{"scrub_pages_per_s": 0.0, **kw},  # type: ignore[arg-type]  # tests scrub by hand
-    )
 
 
 @pytest.fixture
@@ -55,9 +42,6 @@ def server(server_factory: object) -> Server:
     return server_factory()  # type: ignore[operator]
 
 
-SMALL = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
-
-
 @pytest.fixture
 def layout() -> KVLayout:
     return SMALL
@@ -68,84 +52,6 @@ def ns(layout: KVLayout) -> Namespace:
     return Namespace(model="demo", revision="r1", layout=layout)
 
 
-def random_kv(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_layers, layout.kv_factor, tokens, layout.num_kv_heads, layout.head_dim)
-    return torch.randn(shape, generator=g).to(layout.torch_dtype())
-
-
-def flip_arena_byte(server: Server, offset: int) -> None:
-    """A stray write into the server's shared-memory arena, made as a client that maps it would."""
-    with open(server.core.arena_of().path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-def _thread_state(task: Path) -> str:
-    try:
-        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return "T"  # the thread ended: it answers nothing
-
-
-class ServerProcess:
-    """kvstore-server as a child process (for SIGKILL and restart tests)."""
-
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        self.tmp = tmp
-        self.port = free_port()
-        self.args = [
-            sys.executable, "-m", "kvstore.cli.server", "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(tmp / "data"),
-            "--ssd-dir", str(tmp / "ssd"), "--host-capacity", "64MiB", "--ssd-capacity", "256MiB", "--metrics-listen", "off",
-            "--log-level", "warning", "--ssd-dwpd", "0", "--ssd-admission", "all", *extra,
-        ]
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, preexec_fn: object = None) -> None:
-        self.close_pipes()  # of the run before a restart
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=preexec_fn)  # type: ignore[arg-type]  # noqa: PLW1509 - a test's fork hook, no threads yet
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "ready" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read() if self.proc.stderr else ''}")
-
-    def freeze(self) -> None:
-        """SIGSTOP, returning once every thread is stopped: kill() only queues the signal, and a
-        request sent right after it over the call socket (~20 us) can still be answered."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        tasks = Path(f"/proc/{self.proc.pid}/task")
-        while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
-            assert time.monotonic() < deadline, "the server did not stop within 10 s of SIGSTOP"
-            time.sleep(0.001)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def terminate(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
-
-    def close_pipes(self) -> None:
-        """Closes this side of the last run's stdout and stderr (a run's pipes outlive it otherwise)."""
-        if self.proc is not None:
-            for pipe in (self.proc.stdout, self.proc.stderr):
-                if pipe is not None:
-                    pipe.close()
-
-
 @pytest.fixture
 def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
     proc = ServerProcess(tmp_path)
@@ -154,4 +60,3 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
         proc.proc.kill()
         proc.proc.wait(10)
     proc.close_pipes()
-

@@ -12,7 +12,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import pagecopy
 from kvstore.bench.engine.crossover import _read_checked

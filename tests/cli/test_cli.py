@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore.cli import ctl
 from kvstore.cli import server as server_cli
@@ -124,7 +124,7 @@ async def test_ctl_stats_lookup_invalidate(server, layout, ns, capsys) -> None:
 
 
 def test_ctl_unreachable_server_is_a_clear_error(capsys) -> None:
-    from conftest import free_port
+    from kvstore.bench.common.harness import free_port
 
     assert ctl.main(["--server", f"127.0.0.1:{free_port()}", "--timeout", "1", "stats"]) == 1
     assert "kvstore-ctl:" in capsys.readouterr().err

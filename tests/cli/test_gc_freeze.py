@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 # kvstore-server's main, with one more signal: SIGUSR1 prints the frozen object count.
 _SERVER_THAT_TELLS = """

@@ -15,7 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from conftest import ServerProcess, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from conftest import ServerProcess, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess
 from test_call_channel_deadline import CALL_TOKEN, _read_request
 
 from kvstore import KVLayout, Namespace

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2

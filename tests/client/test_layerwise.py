@@ -7,7 +7,7 @@ import time
 
 import grpc
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc

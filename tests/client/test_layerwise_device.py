@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore.client import KVStoreClient
 from kvstore.client.engine_kv import ContiguousKV, PagedKV

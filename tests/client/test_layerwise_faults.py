@@ -13,7 +13,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore import KVLayout
 from kvstore._proto import data_pb2, data_pb2_grpc

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2

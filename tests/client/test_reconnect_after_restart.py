@@ -8,7 +8,7 @@ tests, which retried)."""
 from __future__ import annotations
 
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore.client import KVStoreClient
 from kvstore.config import SecurityConfig

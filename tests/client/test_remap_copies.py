@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2

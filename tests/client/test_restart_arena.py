@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 import torch
-from conftest import ServerProcess, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc

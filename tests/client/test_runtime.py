@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import KVLayout
 from kvstore._proto import directory_pb2, directory_pb2_grpc

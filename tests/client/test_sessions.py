@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_model import greedy, namespace_for, tiny_qwen3
+from support.hf_model import greedy, namespace_for, tiny_qwen3
 
 from kvstore.client import KVStoreClient
 from kvstore.client.adapters.hf import HFKVCache

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from changing_arena import ChangingArena
-from conftest import make_config, random_kv
+from support.changing_arena import ChangingArena
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore import KVLayout
 from kvstore.client import KVStoreClient

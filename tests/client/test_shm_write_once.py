@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import KVLayout, pagecopy
 from kvstore.client import KVStoreClient

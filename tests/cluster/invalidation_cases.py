@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 import torch
-from cluster_nodes import Node
-from tcp_proxy import TcpProxy
+from support.cluster_nodes import Node
+from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore import keys as page_keys

@@ -8,8 +8,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from conftest import make_config
-from etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
+from support.servers import make_config
 
 from kvstore.config import ClusterConfig
 from kvstore.server import Server

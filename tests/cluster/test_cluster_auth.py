@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.certs import CertAuthority
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.client import KVStoreClient
 from kvstore.errors import PermissionDenied
 from kvstore.security.channel import ClientTLS
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "security"))  # the test CA lives with the security tests
-from certs import CertAuthority
 
 A = "tenant-a-token-0123456789abcdef"
 B = "tenant-b-token-0123456789abcdef"

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from cluster_nodes import TTL_S, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import TTL_S, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
@@ -155,7 +155,8 @@ def test_single_node_imports_nothing_of_cluster_mode(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import asyncio, sys, torch
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent.parent)!r})
-        from conftest import make_config, random_kv
+        from support.servers import make_config
+        from support.kv import random_kv
         from kvstore.server import Server
         from kvstore.client import KVStoreClient
         from kvstore import KVLayout, Namespace
@@ -184,7 +185,7 @@ async def test_hf_model_restored_on_another_node_generates_identically(cluster_n
     """The HF adapter on node a saves a real model's KV of a prompt; the adapter on node c
     restores it from a's pages (fetched into c's host tier) and greedy decoding from it is
     token for token what it is without any cache."""
-    from hf_model import greedy, namespace_for, tiny_qwen3
+    from support.hf_model import greedy, namespace_for, tiny_qwen3
 
     from kvstore.client.adapters.hf import HFKVCache
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import stat
-import sys
 import threading
 from pathlib import Path
 
 import torch
-from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
+from support.certs import CertAuthority
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_auth import A, B, secure_args
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
@@ -21,9 +21,6 @@ from kvstore.client import KVStoreClient
 from kvstore.cluster.salt_records import EtcdSalts
 from kvstore.security.channel import ClientTLS
 from kvstore.security.salts import FILE_NAME
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "security"))
-from certs import CertAuthority
 
 NODE_TOKEN = "cluster-node-token-0123456789ab"
 

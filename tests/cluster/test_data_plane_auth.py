@@ -12,18 +12,16 @@ import sys
 from pathlib import Path
 
 import torch
-from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.certs import CertAuthority
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_auth import A, secure_args
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster import transport_ucx
 from kvstore.security.channel import ClientTLS
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "security"))
-from certs import CertAuthority
 
 NODE_TOKEN = "cluster-node-token-0123456789ab"
 RAW_FETCH = Path(__file__).parent / "raw_ucx_fetch.py"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from etcd_proc import EtcdProcess
+from support.etcd_proc import EtcdProcess
 
 from kvstore.bench.common.harness import _ephemeral_range, free_port
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_auth import A, secure_args
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
@@ -43,7 +43,7 @@ async def _within_quota(client: KVStoreClient) -> bool:
 
 def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
     """Nodes a and c of one cluster; tenant a may hold QUOTA host bytes at c."""
-    from certs import CertAuthority  # test_cluster_auth put the security tests' folder on sys.path
+    from support.certs import CertAuthority
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)

@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
-from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 from test_handoff import num_leases
 

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import torch
-from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_auth import A, B, secure_args
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
@@ -23,7 +23,7 @@ PAGE_BYTES = LAYOUT.num_layers * 2 * LAYOUT.page_tokens * LAYOUT.num_kv_heads * 
 
 
 async def test_another_tenant_or_a_forged_id_gets_nothing(cluster_nodes, tmp_path, monkeypatch) -> None:
-    from certs import CertAuthority  # test_cluster_auth put the security tests' folder on sys.path
+    from support.certs import CertAuthority
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
@@ -65,7 +65,7 @@ async def test_handoff_pages_count_against_the_decode_nodes_quota_of_the_tenant(
     """Tenant a may hold 4 pages in c's host tier: of an 8-page handoff, c takes what fits and
     the handoff says so (complete and wait answer the same shorter prefix); nothing is refused
     to the prefill node, which holds every page."""
-    from certs import CertAuthority
+    from support.certs import CertAuthority
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from invalidation_cases import invalidate, proxied, read_checked
-from tcp_proxy import TcpProxy
+from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
+from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS
 
 from kvstore.client import KVStoreClient

@@ -8,11 +8,11 @@ import asyncio
 
 import grpc
 import pytest
-from cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from invalidation_cases import invalidate, proxied, read_checked, served, tokens_owned_by
-from tcp_proxy import TcpProxy
+from support.cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
+from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS
 
 from kvstore.client import KVStoreClient

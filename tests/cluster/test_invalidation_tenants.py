@@ -6,10 +6,10 @@ took for an invalidation); a namespace bound there to another tenant stays as fo
 from __future__ import annotations
 
 import pytest
-from cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from invalidation_cases import served, tokens_owned_by
+from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_auth import A, B, secure_args
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
@@ -20,7 +20,7 @@ NODE_TOKEN = "cluster-node-token-0123456789ab"
 
 
 async def test_a_tenant_invalidates_its_namespace_at_a_node_where_it_never_wrote(cluster_nodes, tmp_path, monkeypatch) -> None:
-    from certs import CertAuthority  # test_cluster_auth put the security tests' folder on sys.path
+    from support.certs import CertAuthority
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "b"], NODE_TOKEN)

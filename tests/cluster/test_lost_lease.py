@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 import torch
-from cluster_nodes import TTL_S, Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
-from tcp_proxy import TcpProxy
+from support.cluster_nodes import TTL_S, Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
+from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore._proto import directory_pb2

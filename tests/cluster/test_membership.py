@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
-from etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
 
 from kvstore.cluster.epoch_file import EpochFile
 from kvstore.cluster.etcd import EtcdClient, KeyValue

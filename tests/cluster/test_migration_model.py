@@ -13,8 +13,8 @@ import os
 import random
 
 import pytest
-from cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from test_cluster_nodes import NS
 
 from kvstore.client import KVStoreClient

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster_nodes import Node
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import Node
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 
 
 def test_a_ucx_node_prints_ready_as_its_first_stdout_line(tmp_path, etcd) -> None:

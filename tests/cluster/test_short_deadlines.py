@@ -12,9 +12,9 @@ import signal
 
 import pytest
 import torch
-from cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from conftest import random_kv
-from etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore._proto import directory_pb2

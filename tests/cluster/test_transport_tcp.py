@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from fetch_contract import SENTINEL, Arena, Child, check_killed_sender, check_stopped_sender, page_servers
 from page_server_node import expected_page
-from tcp_proxy import TcpProxy
+from support.tcp_proxy import TcpProxy
 from test_transport_ucx import NS, CountingSource, _cpu_s, key, untouched
 
 from kvstore.cluster.page_fetch import FetchStatus

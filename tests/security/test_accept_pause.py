@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ALICE, grants, write_auth_file
+from support.secure_server import ALICE, grants, write_auth_file
 from test_arena_socket import Arenas
 
 from kvstore._proto import data_pb2

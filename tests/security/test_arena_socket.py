@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import ADMIN, ALICE, BOB, EXPIRED, grants, write_auth_file
+from support.secure_server import ADMIN, ALICE, BOB, EXPIRED, grants, write_auth_file
 
 from kvstore.errors import KVStoreError, Unauthenticated
 from kvstore.security.arena_socket import ArenaSocket, receive_arena

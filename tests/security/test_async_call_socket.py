@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_kv
-from tenants import LAYOUT, A, B
+from support.kv import random_kv
+from support.tenants import LAYOUT, A, B
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2
@@ -15,7 +15,7 @@ from kvstore.client import ClientTLS, KVStoreClient
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError, PermissionDenied
 
-pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
+pytest_plugins = ["support.tenants"]  # its ca and tenant_server fixtures
 
 
 async def _error_of(client: KVStoreClient, coro: object) -> type[KVStoreError]:

@@ -15,20 +15,20 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from callsock import read_answer
-from certs import CertAuthority
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
-from helpers import call_raw, every_method, tls_channel
-from tenants import LAYOUT, OPS, PAGE_BYTES, A, Caller, new_keys, new_ns, tenant_config
+from support.callsock import read_answer
+from support.certs import CertAuthority
+from support.secure_server import call_raw, every_method, tls_channel
+from support.tenants import LAYOUT, OPS, PAGE_BYTES, A, Caller, new_keys, new_ns, tenant_config
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
 from kvstore.server import Server
 from kvstore.server.services.sizes import receive_limit
 
-pytest_plugins = ["tenants"]  # its ca fixture
+pytest_plugins = ["support.tenants"]  # its ca fixture
 
 METHODS = list(every_method())
 WRONG = "tenant-x-token-0123456789abcdef"  # well-formed, in no auth file

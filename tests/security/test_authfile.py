@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from helpers import ALICE, BOB, grants, write_auth_file
+from support.secure_server import ALICE, BOB, grants, write_auth_file
 
 from kvstore.errors import ConfigError, Unauthenticated
 from kvstore.security import Rights, authfile

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from callsock import SocketCaller, connect, read_answer
-from certs import CertAuthority
-from helpers import ALICE, every_method, grants, write_auth_file
-from tenants import LAYOUT, A, B, World, hostile_world, new_keys, tenant_config, tenant_grants
+from support.callsock import SocketCaller, connect, read_answer
+from support.certs import CertAuthority
+from support.secure_server import ALICE, every_method, grants, write_auth_file
+from support.tenants import LAYOUT, A, B, World, hostile_world, new_keys, tenant_config, tenant_grants
 from test_hostile_tenant import COVERAGE
 from test_reload import LoggedServer
 
@@ -27,7 +27,7 @@ from kvstore.errors import Unauthenticated
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server
 
-pytest_plugins = ["tenants"]  # its ca fixture
+pytest_plugins = ["support.tenants"]  # its ca fixture
 
 DENIED, OK, UNAUTHENTICATED = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED
 A2 = "tenant-a-second-token-0123456789"  # tenant a, revoked by the tests
@@ -227,7 +227,7 @@ def test_a_commit_is_checked_against_its_slots_bytes_on_both_transports_with_a_s
     socket serves the very same guarded Commit handler)."""
     import dataclasses
 
-    from tenants import PAGE_BYTES, Caller, new_ns
+    from support.tenants import PAGE_BYTES, Caller, new_ns
 
     from kvstore.page import checksum
 

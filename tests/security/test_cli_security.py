@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from certs import CertAuthority
-from helpers import ADMIN, grants, secure_config, write_auth_file
+from support.certs import CertAuthority
+from support.secure_server import ADMIN, grants, secure_config, write_auth_file
 
 from kvstore.bench import main as bench_main
 from kvstore.cli import ctl

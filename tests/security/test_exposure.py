@@ -9,10 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from certs import CertAuthority
-from conftest import ServerProcess, free_port, make_config
-from helpers import grants, write_auth_file
+from support.certs import CertAuthority
+from support.secure_server import grants, write_auth_file
+from support.servers import ServerProcess, make_config
 
+from kvstore.bench.common.harness import free_port
 from kvstore.config import SecurityConfig
 from kvstore.errors import ConfigError
 from kvstore.security.exposure import is_local_address

@@ -7,12 +7,12 @@ from __future__ import annotations
 import secrets
 
 import grpc
-from tenants import LAYOUT, OPS, A, B, Caller, map_own_arena, new_keys, new_ns
+from support.tenants import LAYOUT, OPS, A, B, Caller, map_own_arena, new_keys, new_ns
 
 from kvstore._proto import data_pb2
 from kvstore.page import checksum
 
-pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
+pytest_plugins = ["support.tenants"]  # its ca and tenant_server fixtures
 
 
 def test_another_tenant_cannot_commit_or_abort_an_allocation(tenant_server, ca) -> None:

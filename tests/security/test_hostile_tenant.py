@@ -16,9 +16,9 @@ import threading
 import grpc
 import pytest
 import test_hostile_tenant_sessions  # the session, migration and handoff attacks COVERAGE names
-from conftest import ServerProcess
-from helpers import call_raw, every_method, tls_channel
-from tenants import (
+from support.secure_server import call_raw, every_method, tls_channel
+from support.servers import ServerProcess
+from support.tenants import (
     LAYOUT,
     PAGE_BYTES,
     READER,
@@ -37,7 +37,7 @@ from tenants import (
 from kvstore._proto import common_pb2, data_pb2, directory_pb2, handoff_pb2, handoff_pb2_grpc
 from kvstore.page import ARENA_MAGIC, checksum
 
-pytest_plugins = ["tenants"]  # its ca, world and a_is_intact fixtures
+pytest_plugins = ["support.tenants"]  # its ca, world and a_is_intact fixtures
 
 DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import secrets
 
 import grpc
-from tenants import LAYOUT, PAGE_BYTES, World, new_keys
+from support.tenants import LAYOUT, PAGE_BYTES, World, new_keys
 
 from kvstore._proto import data_pb2, handoff_pb2, handoff_pb2_grpc, migration_pb2, migration_pb2_grpc
 from kvstore.server.session_owners import FENCED, Ownership
 
-pytest_plugins = ["tenants"]  # its ca, world and a_is_intact fixtures
+pytest_plugins = ["support.tenants"]  # its ca, world and a_is_intact fixtures
 
 DENIED, OK = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OK
 

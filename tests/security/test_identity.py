@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
-from certs import CertAuthority, Issued
-from conftest import random_kv
-from helpers import ADMIN, ALICE, BOB, grants, secure_config, tls_channel, write_auth_file
+from support.certs import CertAuthority, Issued
+from support.kv import random_kv
+from support.secure_server import ADMIN, ALICE, BOB, grants, secure_config, tls_channel, write_auth_file
 
 from kvstore.client import ClientTLS, KVStoreClient
 from kvstore.config import SecurityConfig

@@ -14,16 +14,17 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import ServerProcess, random_kv
-from helpers import call_raw, every_method
-from tenants import A, B, tenant_config
+from support.kv import random_kv
+from support.secure_server import call_raw, every_method
+from support.servers import ServerProcess
+from support.tenants import A, B, tenant_config
 
 from kvstore.client import KVStoreClient
 from kvstore.security.channel import sync_channel
 from kvstore.server import Server
 from kvstore.types import Namespace
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from conftest import random_kv
-from tenants import LAYOUT, OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, quarantine_a_page, tenant_config
+from support.kv import random_kv
+from support.tenants import LAYOUT, OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, quarantine_a_page, tenant_config
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
@@ -18,7 +18,7 @@ from kvstore.server import Server
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 
-pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
+pytest_plugins = ["support.tenants"]  # its ca and tenant_server fixtures
 
 
 def test_whoami_names_the_caller_its_rights_and_its_salt(tenant_server, ca) -> None:

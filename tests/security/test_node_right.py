@@ -5,11 +5,11 @@ a alone; a node asking for tenant b gets nothing of a's; a malformed tenant is a
 from __future__ import annotations
 
 import grpc
-from tenants import NODE, A, B, Caller, new_keys, new_ns
+from support.tenants import NODE, A, B, Caller, new_keys, new_ns
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 
-pytest_plugins = ["tenants"]  # its ca and tenant_server fixtures
+pytest_plugins = ["support.tenants"]  # its ca and tenant_server fixtures
 
 
 def _records(keys: list[bytes], node: str = "n2") -> list[directory_pb2.PageRecord]:

@@ -13,14 +13,14 @@ from typing import Any
 
 import grpc
 import pytest
-from tenants import LAYOUT, NODE, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
+from support.tenants import LAYOUT, NODE, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.config import HostTierConfig
 from kvstore.errors import LimitExceeded
 from kvstore.server import Server
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 OK = grpc.StatusCode.OK
 FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -209,7 +209,7 @@ async def test_concurrent_puts_at_the_host_quota_with_room_to_make_are_never_ref
     meanwhile (or a commit in flight, counted twice for a moment) got it refused."""
     import asyncio
 
-    from conftest import random_kv
+    from support.kv import random_kv
 
     from kvstore.client import ClientTLS, KVStoreClient
     from kvstore.types import KVLayout, Namespace

@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 import pytest
-from tenants import LAYOUT, PAGE_BYTES, A, B, Caller, new_keys, new_ns, start_with_quotas
+from support.tenants import LAYOUT, PAGE_BYTES, A, B, Caller, new_keys, new_ns, start_with_quotas
 
 from kvstore._proto import data_pb2
 
-pytest_plugins = ["tenants"]  # its ca fixture
+pytest_plugins = ["support.tenants"]  # its ca fixture
 
 FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 OK = grpc.StatusCode.OK
@@ -28,7 +28,7 @@ async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_excee
     the class it raised (HostQuotaFull) and the client built it with the message alone; its
     constructor also takes keep_bytes, so the client raised TypeError, which no caller catches
     (a soak client died of it), instead of the LimitExceeded a full quota is."""
-    from conftest import random_kv
+    from support.kv import random_kv
 
     from kvstore.client import ClientTLS, KVStoreClient
     from kvstore.errors import LimitExceeded
@@ -229,7 +229,7 @@ def test_host_bytes_with_many_shm_clients_at_the_quota(tmp_path, ca) -> None:
     """The same over shared memory (Allocate on the call socket), as the soak's tenants put:
     8 clients of one tenant, each putting prompts that share prefixes, at a host quota that
     every put crosses."""
-    from conftest import random_kv
+    from support.kv import random_kv
 
     from kvstore import KVLayout, Namespace
     from kvstore.client import ClientTLS, KVStoreClient

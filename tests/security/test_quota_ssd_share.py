@@ -13,13 +13,13 @@ from typing import Any
 
 import grpc
 import pytest
-from tenants import LAYOUT, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
+from support.tenants import LAYOUT, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.page import checksum
 from kvstore.server import Server
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 

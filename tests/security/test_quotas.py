@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from callsock import SocketCaller, connect
-from certs import CertAuthority
-from tenants import LAYOUT, NODE, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, start_with_quotas, tenant_grants
+from support.callsock import SocketCaller, connect
+from support.certs import CertAuthority
+from support.tenants import LAYOUT, NODE, OPS, PAGE_BYTES, A, B, Caller, new_keys, new_ns, start_with_quotas, tenant_grants
 
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.cli import ctl

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ServerProcess
-from helpers import ADMIN, ALICE, BOB, grants, secure_config, write_auth_file
+from support.secure_server import ADMIN, ALICE, BOB, grants, secure_config, write_auth_file
+from support.servers import ServerProcess
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.security.channel import sync_channel
@@ -89,7 +89,7 @@ async def test_revoking_a_token_ends_its_open_streams(server_factory, tmp_path, 
     """A Subscribe stream opened with a token must not outlive the token's revocation: its
     next event is refused instead of delivered. (A subscriber sees only its own tenant's
     namespaces, so the next event is the operator invalidating alice's namespace.)"""
-    from conftest import random_kv
+    from support.kv import random_kv
 
     from kvstore.client import KVStoreClient
 

@@ -9,8 +9,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess
-from helpers import grants, write_auth_file
+from support.secure_server import grants, write_auth_file
+from support.servers import ServerProcess
 
 from kvstore.errors import ConfigError
 from kvstore.security.salts import FILE_NAME, SALT_BYTES, TenantSalts

@@ -17,9 +17,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from certs import CertAuthority
-from conftest import random_kv
-from tenants import LAYOUT, PAGE_BYTES, READER, A, B, Caller, map_own_arena, new_keys, new_ns, tenant_config, tenant_grants
+from support.certs import CertAuthority
+from support.kv import random_kv
+from support.tenants import (
+    LAYOUT,
+    PAGE_BYTES,
+    READER,
+    A,
+    B,
+    Caller,
+    map_own_arena,
+    new_keys,
+    new_ns,
+    tenant_config,
+    tenant_grants,
+)
 
 from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
@@ -30,7 +42,7 @@ from kvstore.server import Server
 from kvstore.tiers.arenas import ARENA_BITS
 from kvstore.types import Namespace
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 
 def _arena_token(mapping) -> bytes:  # type: ignore[no-untyped-def]
@@ -196,7 +208,7 @@ import sys, time
 from pathlib import Path
 from types import SimpleNamespace
 sys.path[:0] = sys.argv[1:3]
-from tenants import LAYOUT, Caller, map_own_arena, new_keys
+from support.tenants import LAYOUT, Caller, map_own_arena, new_keys
 from kvstore._proto import data_pb2
 address, socket, ca, token, ns = sys.argv[3:]
 server = SimpleNamespace(address=address, arena_socket=SimpleNamespace(path=Path(socket)))
@@ -267,7 +279,7 @@ async def test_a_restarted_server_hands_out_new_arenas_and_reads_pages_back(tmp_
 def test_a_lookup_by_another_tenants_admin_is_refused_clearly(tenant_server, ca) -> None:
     """An admin may read any namespace, but its pages are in their owner's arena, which the
     admin does not map: Acquire says so (ReadPages serves them)."""
-    from tenants import OPS
+    from support.tenants import OPS
 
     a, ops = Caller(tenant_server, ca, A), Caller(tenant_server, ca, OPS)
     ns, keys = new_ns(), new_keys(2)
@@ -304,8 +316,8 @@ def test_a_same_uid_process_cannot_open_the_servers_arena_descriptors(tmp_path: 
     Server, holder and attacker run without capabilities (as root: under ``setpriv`` with an
     empty bounding set), as processes of one unprivileged uid do; root with CAP_SYS_PTRACE
     still gets in (see README)."""
-    from conftest import ServerProcess
-    from helpers import write_auth_file
+    from support.secure_server import write_auth_file
+    from support.servers import ServerProcess
 
     unprivileged = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"] if os.geteuid() == 0 else []
     auth, issued = write_auth_file(tmp_path / "auth.json", tenant_grants()), ca.server_cert()

@@ -8,9 +8,9 @@ import dataclasses
 
 import grpc
 import torch
-from certs import CertAuthority
-from conftest import random_kv
-from tenants import A, B, tenant_config
+from support.certs import CertAuthority
+from support.kv import random_kv
+from support.tenants import A, B, tenant_config
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import ClientTLS, KVStoreClient
@@ -20,7 +20,7 @@ from kvstore.server import Server
 from kvstore.tiers.arenas import ARENA_BITS
 from kvstore.types import Namespace
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 
 async def test_a_page_demoted_from_hbm_goes_back_into_its_owners_arena(tmp_path, ca: CertAuthority, layout) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from certs import CertAuthority
-from conftest import random_kv
-from tenants import OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, tenant_config
+from support.certs import CertAuthority
+from support.kv import random_kv
+from support.tenants import OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, tenant_config
 
 from kvstore._proto import data_pb2
 from kvstore.client import ClientTLS, KVStoreClient
@@ -31,7 +31,7 @@ from kvstore.security.arena_socket import _exchange, receive_arena, receive_pool
 from kvstore.server import Server
 from kvstore.types import Namespace
 
-pytest_plugins = ["tenants"]
+pytest_plugins = ["support.tenants"]
 
 POOL_BYTES = 2 << 20
 

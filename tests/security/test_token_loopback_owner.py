@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import random_kv
-from helpers import ADMIN, ALICE, grants, secure_config, write_auth_file
+from support.kv import random_kv
+from support.secure_server import ADMIN, ALICE, grants, secure_config, write_auth_file
 
 from kvstore.cli import ctl
 from kvstore.client import KVStoreClient

@@ -9,9 +9,19 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from certs import CertAuthority
-from conftest import random_kv
-from helpers import ADMIN, ALICE, EXPIRED, call_raw, every_method, grants, secure_config, tls_channel, write_auth_file
+from support.certs import CertAuthority
+from support.kv import random_kv
+from support.secure_server import (
+    ADMIN,
+    ALICE,
+    EXPIRED,
+    call_raw,
+    every_method,
+    grants,
+    secure_config,
+    tls_channel,
+    write_auth_file,
+)
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import ClientTLS, KVStoreClient

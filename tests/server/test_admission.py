@@ -140,7 +140,8 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
     import dataclasses
 
     import grpc
-    from conftest import make_config, random_kv
+    from support.kv import random_kv
+    from support.servers import make_config
 
     from kvstore._proto import directory_pb2, directory_pb2_grpc
     from kvstore.client import KVStoreClient
@@ -174,7 +175,7 @@ async def test_hint_prefetches_ssd_pages_and_reservation_is_bounded(server_facto
 async def test_engine_flags_reach_the_page_over_either_path(server, layout, ns, use_shm) -> None:
     """put(wanted=..., session_open=...) marks the stored pages for admission, through the
     arena and over the socket alike; other bits a client sets are ignored."""
-    from conftest import random_kv
+    from support.kv import random_kv
 
     from kvstore.client import KVStoreClient
     from kvstore.page import LayoutDesc

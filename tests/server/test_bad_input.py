@@ -8,10 +8,10 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from conftest import random_kv
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import DecodeError
+from support.kv import random_kv
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import random_kv
+from support.callsock import SocketCaller, connect, read_answer
+from support.kv import random_kv
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
@@ -23,9 +24,6 @@ from kvstore.callsocket.client_sync import CallChannel
 from kvstore.client import KVStoreClient
 from kvstore.server import Server
 from kvstore.types import Namespace
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
-from callsock import SocketCaller, connect, read_answer
 
 OK = grpc.StatusCode.OK
 
@@ -232,7 +230,7 @@ def test_a_caller_that_never_reads_its_answers_is_dropped(server: Server) -> Non
 _OTHER_PROCESS_HELLO = """
 import socket, sys
 sys.path.insert(0, sys.argv[2])
-from callsock import CODES, read_answer
+from support.callsock import CODES, read_answer
 from kvstore.callsocket import frames
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.settimeout(10)
@@ -260,7 +258,7 @@ def test_one_process_cannot_take_every_connection(server: Server) -> None:
     try:
         assert len(held) < 256, "one process took every connection of the call socket"
         other = subprocess.run([sys.executable, "-c", _OTHER_PROCESS_HELLO, str(server.call_socket.path),
-                                str(Path(__file__).parents[1] / "security")], check=False, capture_output=True, text=True, timeout=60)
+                                str(Path(__file__).parents[1])], check=False, capture_output=True, text=True, timeout=60)
         assert other.stdout.strip() == "OK", other.stdout + other.stderr
     finally:
         for sock in held:

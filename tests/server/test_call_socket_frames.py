@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-from conftest import random_kv
+from support.callsock import SocketCaller, read_answer
+from support.kv import random_kv
 
 from kvstore._proto import data_pb2, directory_pb2
 from kvstore.callsocket import frames
@@ -20,9 +19,6 @@ from kvstore.callsocket.server_conn import BUFFER_BYTES
 from kvstore.client import KVStoreClient
 from kvstore.server import Server
 from kvstore.types import Namespace
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
-from callsock import SocketCaller, read_answer
 
 
 async def _stored(server: Server, ns: Namespace, pages: int) -> list[bytes]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 from kvstore.callsocket import frames
 from kvstore.callsocket.socket_server import CallSocket

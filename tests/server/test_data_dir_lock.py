@@ -9,7 +9,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess, make_config, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess, make_config
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.config import ServerConfig
 from kvstore.page import LayoutDesc, checksum

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import time
 
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Placement

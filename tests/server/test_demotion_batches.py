@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.server.placement import Placement

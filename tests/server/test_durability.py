@@ -8,7 +8,8 @@ import os
 import grpc
 import pytest
 import torch
-from conftest import flip_arena_byte, random_kv
+from support.kv import random_kv
+from support.servers import flip_arena_byte
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import Hit, KVStoreClient

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 import torch
-from conftest import random_kv
-from hf_model import namespace_for, tiny_qwen3
+from support.hf_model import namespace_for, tiny_qwen3
+from support.kv import random_kv
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
@@ -146,7 +146,7 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
     The pages an allocation calls stored stay pinned until its commit, abort or expiry."""
     import dataclasses
 
-    from conftest import make_config
+    from support.servers import make_config
 
     config = make_config(tmp_path, host_bytes=8 << 20)
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, admission="seen-twice"))  # one-shot: dropped
@@ -175,7 +175,7 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
 async def test_pages_held_by_an_allocation_are_released_by_abort_and_expiry(server_factory, tmp_path, layout, ns) -> None:
     """The pin an allocation takes on the pages it calls stored goes with the allocation:
     an aborted one and an expired one (a client that died mid-put) leave no pin."""
-    from conftest import make_config
+    from support.servers import make_config
 
     from kvstore.page import LayoutDesc
 

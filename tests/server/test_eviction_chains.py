@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore import KVLayout
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc

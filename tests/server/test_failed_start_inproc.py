@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.errors import ConfigError
 from kvstore.server import Server

@@ -8,7 +8,8 @@ import stat
 import uuid
 from pathlib import Path
 
-from conftest import ServerProcess, make_config, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess, make_config
 
 from kvstore.client import KVStoreClient
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -6,7 +6,7 @@ import secrets
 
 import grpc
 import pytest
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.errors import LimitExceeded

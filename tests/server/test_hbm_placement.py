@@ -10,7 +10,8 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from conftest import ServerProcess, make_config, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess, make_config
 
 from kvstore.client import KVStoreClient
 from kvstore.config import HbmTierConfig, ServerConfig

@@ -12,7 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import ServerProcess, make_config, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess, make_config
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -9,7 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import random_kv
+from support.kv import random_kv
 
 from kvstore._proto import data_pb2, directory_pb2, migration_pb2, migration_pb2_grpc
 from kvstore.client import KVStoreClient

@@ -14,7 +14,7 @@ import hashlib
 import time
 
 import pytest
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.errors import TierFull
 from kvstore.page import LayoutDesc, checksum

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.config import HbmTierConfig
 from kvstore.device_ops import CpuOps, host_address

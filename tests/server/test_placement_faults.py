@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig

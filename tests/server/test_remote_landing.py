@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.page import checksum

@@ -8,12 +8,12 @@ core, and a relay that damages bytes on the wire."""
 from __future__ import annotations
 
 import secrets
-import sys
 from pathlib import Path
 from typing import Any
 
 import grpc
-from conftest import flip_arena_byte, make_config
+from support.servers import flip_arena_byte, make_config
+from support.tcp_proxy import TcpProxy
 from test_remote_landing import PAGE_BYTES, _found, _store
 
 from kvstore._proto import data_pb2, data_pb2_grpc
@@ -21,9 +21,6 @@ from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 from kvstore.page_wire.fetch_frames import FetchAnswer, PageEntry, PageStatus
 from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "cluster"))
-from tcp_proxy import TcpProxy
 
 
 class Peer:

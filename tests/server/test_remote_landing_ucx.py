@@ -5,7 +5,7 @@ UCX page server on the holder's core, UCX over loopback TCP (as tests/cluster's 
 
 from __future__ import annotations
 
-from conftest import flip_arena_byte
+from support.servers import flip_arena_byte
 from test_remote_landing import PAGE_BYTES, _found
 from test_remote_landing_tcp import _pages_at, _setup
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-from conftest import SMALL, random_kv
+from support.kv import SMALL, random_kv
 
 from kvstore import Namespace
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc

@@ -8,7 +8,7 @@ import secrets
 
 import grpc
 import pytest
-from conftest import flip_arena_byte
+from support.servers import flip_arena_byte
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.page import checksum

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_config, random_kv
+from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore.config import SsdTierConfig
 from kvstore.page import LayoutDesc, PageHeader, checksum

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerProcess, make_config, random_kv
+from support.kv import random_kv
+from support.servers import ServerProcess, make_config
 
 from kvstore import KVLayout, Namespace
 from kvstore.client import KVStoreClient

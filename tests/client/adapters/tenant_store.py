@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import grpc
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 

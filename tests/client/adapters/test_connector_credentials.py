@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess, free_port
+from support.servers import ServerProcess
 from tenant_store import TOKEN_A, TOKEN_A2, TOKEN_B, TOKEN_UNKNOWN, num_leases, stop, tenant_server
 from test_vllm_connector_parts import BLOCK, LAYOUT, NAMES, NUM_BLOCKS, forward, step
 
 from kvstore import Namespace
+from kvstore.bench.common.harness import free_port
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
@@ -166,8 +166,7 @@ def test_a_token_revoked_while_the_engine_runs_is_logged_as_refused(server: Serv
 
 
 def test_the_tls_options_reach_a_server_with_tls_and_tokens(tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "security"))  # the test CA lives with the security tests
-    from certs import CertAuthority
+    from support.certs import CertAuthority
 
     ca = CertAuthority(tmp_path / "ca")
     cert = ca.server_cert()

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import flip_arena_byte
-from hf_model import greedy, namespace_for, tiny_qwen3
+from support.hf_model import greedy, namespace_for, tiny_qwen3
+from support.servers import flip_arena_byte
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
@@ -80,7 +80,7 @@ WRITER = textwrap.dedent(
     """
     import asyncio, sys, torch
     sys.path.insert(0, sys.argv[2])
-    from hf_model import tiny_qwen3, namespace_for
+    from support.hf_model import tiny_qwen3, namespace_for
     from kvstore.client import KVStoreClient
     from kvstore.client.adapters.hf import HFKVCache
     base = torch.randint(0, 512, (1, 200), generator=torch.Generator().manual_seed(1))
@@ -97,7 +97,7 @@ WRITER = textwrap.dedent(
 
 async def test_cache_written_by_another_process(server, model_and_config) -> None:
     model, config = model_and_config
-    tests_dir = str(Path(__file__).resolve().parents[2])  # tests/, where hf_model.py lives
+    tests_dir = str(Path(__file__).resolve().parents[2])  # tests/, where the support package lives
     res = subprocess.run([sys.executable, "-c", WRITER, server.address, tests_dir],  # noqa: ASYNC221 - waits for the writer
                          check=False, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "192", res.stderr[-2000:]

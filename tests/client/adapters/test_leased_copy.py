@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from changing_arena import ChangingArena
+from support.changing_arena import ChangingArena
 
 from kvstore import KVLayout
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views

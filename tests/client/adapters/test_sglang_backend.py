@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import flip_arena_byte
 from sglang_api import HostPool, load_sglang_interface
+from support.servers import flip_arena_byte
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 P = 8

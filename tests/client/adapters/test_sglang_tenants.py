@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess
 from sglang_api import HostPool, load_sglang_interface
+from support.servers import ServerProcess
 from tenant_store import TOKEN_A, TOKEN_B, TOKEN_UNKNOWN, num_leases, stop, tenant_server
 from test_sglang_backend import P, host_indices, keys, storage_config
 

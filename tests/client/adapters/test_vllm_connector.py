@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from vllm_support import BLOCK, EngineProcess, connector_config, module_store, tiny_llama  # noqa: F401  # module_store: the fixture "store"
 from vllm_support import random_tokens as tokens
 

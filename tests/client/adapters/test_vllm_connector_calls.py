@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import (  # noqa: F401 - store_process is a fixture
     BLOCK,
     NAMES,

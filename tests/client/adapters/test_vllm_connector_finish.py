@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import (
     BLOCK,
     LAYOUT,

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config
+from support.servers import make_config
 
 from kvstore import KVLayout, Namespace
 from kvstore.client.adapters.connection import StoreConnection

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ServerProcess
 from hybrid_models import CHUNK, WINDOW, tiny_model
+from support.servers import ServerProcess
 from vllm_support import EngineProcess, connector_config, module_store  # noqa: F401  # module_store: the fixture "store"
 from vllm_support import random_tokens as tokens
 

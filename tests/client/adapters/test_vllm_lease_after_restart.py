@@ -7,7 +7,7 @@ its checksum and was recomputed until the worker's client happened to remap."""
 from __future__ import annotations
 
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import NAMES, forward, parts, step, store_prompt
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import BLOCK, LAYOUT, forward, new_request, num_leases, parts, step, store_prompt
 from vllm_support import EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens

@@ -34,10 +34,10 @@ from kvstore.cli.ctl_migrate import migrate as ctl_migrate
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.tiers.host import remove_stale_arenas
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))
-from cluster_nodes import Node
-from etcd_proc import EtcdProcess, free_port
-from tcp_proxy import TcpProxy
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))  # for test_migration_saves, a test module of tests/cluster
+from support.cluster_nodes import Node
+from support.etcd_proc import EtcdProcess, free_port
+from support.tcp_proxy import TcpProxy
 from test_migration_saves import _refusals
 
 pytestmark = pytest.mark.timeout(600)

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 import torch
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import store_process  # noqa: F401  # the fixture
 
 from kvstore import KVLayout, Namespace

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from test_vllm_connector_parts import BLOCK, LAYOUT, parts, store_process
 
 from kvstore import Namespace

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 from tenant_store import TOKEN_A, TOKEN_A2, TOKEN_B, TOKEN_UNKNOWN, num_leases, stop, tenant_server
 from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens

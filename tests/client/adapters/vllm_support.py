@@ -13,7 +13,7 @@ from typing import Any
 
 import engine_spawn
 import pytest
-from conftest import ServerProcess
+from support.servers import ServerProcess
 
 TESTS = Path(__file__).parent
 BLOCK = 32  # vLLM's CPU backend takes multiples of 32 tokens per block

@@ -16,14 +16,14 @@ from typing import Any
 
 import grpc
 import pytest
-from certs import CertAuthority
-from helpers import secure_config, tls_channel, write_auth_file
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.page import HEADER_BYTES, checksum
 from kvstore.security.arena_socket import receive_arena
 from kvstore.server import Server
+from support.certs import CertAuthority
+from support.secure_server import secure_config, tls_channel, write_auth_file
 
 A = "tenant-a-token-0123456789abcdef"  # tenant a: read, write
 B = "tenant-b-token-0123456789abcdef"  # tenant b: read, write

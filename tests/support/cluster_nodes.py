@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from etcd_proc import free_port
 
 from kvstore.bench.common.harness import stop_process
 from kvstore.tiers.host import remove_stale_arenas
+from support.etcd_proc import free_port
 
 TTL_S = 2
 

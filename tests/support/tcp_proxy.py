@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from etcd_proc import free_port
+from support.etcd_proc import free_port
 
 
 class TcpProxy:

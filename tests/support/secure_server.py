@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from certs import CertAuthority, Issued
-from conftest import make_config
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 import kvstore._proto
 from kvstore.config import SecurityConfig, ServerConfig
+from support.certs import CertAuthority, Issued
+from support.servers import make_config
 
 ALICE = "alice-token-0123456789abcdef"  # read, write
 BOB = "bob-token-0123456789abcdef01"  # read, write
