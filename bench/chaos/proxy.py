@@ -1,7 +1,7 @@
 """A TCP proxy a fault can cut or hold: put between a node and etcd, cutting it partitions
 that node alone from etcd and holding it makes its watch and lease answers lag; put before a
 node's advertised address, holding it makes the node slow to every peer (a slow data link).
-The idea of tests/cluster/tcp_proxy.py, which bench code cannot import."""
+The idea of tests/support/tcp_proxy.py, which bench code cannot import."""
 
 from __future__ import annotations
 
