@@ -13,22 +13,13 @@ import time
 
 import pytest
 import torch
-from support.cluster_nodes import TTL_S, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.cluster_nodes import LAYOUT, NS, TTL_S, cluster_nodes_fixture, eventually, tokens_of  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
 
-from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing, TierUnavailable
-
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
-NS = Namespace(model="cluster", revision="r1", layout=LAYOUT)
-
-
-def tokens_of(seed: int, pages: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50_000, (pages * LAYOUT.page_tokens,), generator=g).tolist()
 
 
 async def nodes_listed(client: KVStoreClient, tokens: list[int]) -> tuple[int, set[str]]:

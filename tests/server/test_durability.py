@@ -274,18 +274,6 @@ async def test_disk_full_is_a_clear_error_and_nothing_stored_is_lost(server_proc
     assert server_process.terminate() == 0
 
 
-async def test_crash_harness_short(tmp_path) -> None:
-    """Three random SIGKILLs under concurrent durable/RAM-only writes and reads. Puts share
-    prefixes, durable ones over RAM-only ones too (before, every put had its own token
-    range, so the lost durable prefix could not show)."""
-    from kvstore.bench.durability.crash import run_iterations
-
-    report = await run_iterations(tmp_path / "crash", iterations=3, seed=7)
-    assert report["num_violations"] == 0, report["violations"]
-    assert report["durable_puts_alive"] > 0 and report["reads_verified"] > 0
-    assert report["shared_prefix_puts"] > 0 and report["durable_over_ram"] > 0
-
-
 async def test_scrub_finds_damage_and_ctl_lists_and_purges(server_factory, tmp_path, layout, ns, capsys) -> None:
     import json as _json
 

@@ -12,12 +12,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvstore import KVLayout, Namespace
 from kvstore.bench.common.harness import stop_process
 from kvstore.tiers.host import remove_stale_arenas
 from support.etcd_proc import free_port
 
 TTL_S = 2
+# the cluster tests' layout and namespace, and a chain of page tokens from a seed
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
+NS = Namespace(model="cluster", revision="r1", layout=LAYOUT)
+
+
+def tokens_of(seed: int, pages: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (pages * LAYOUT.page_tokens,), generator=g).tolist()
 
 
 class Node:

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from support.cluster_nodes import TTL_S, Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.cluster_nodes import LAYOUT, NS, TTL_S, Node, cluster_nodes_fixture, eventually, tokens_of  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient
