@@ -6,6 +6,7 @@ Only ``main()`` reads argv; every component receives its own slice. Validation h
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,7 @@ class ServerConfig:
     max_remote_records: int = 1 << 19  # ... and for all other nodes together (~0.8 KB of RSS each)
     directory_map_bytes: int = MAP_BYTES  # LMDB map of the directory's durable (remote) locations
     token_log_map_bytes: int = TOKEN_LOG_MAP_BYTES  # LMDB map of the token log
+    session_idle_s: float = 86_400.0  # a session nothing was appended to this long is ended; 0: only by EndSession
     security: SecurityConfig = field(default_factory=SecurityConfig)
     cluster: ClusterConfig | None = None  # None: a single node, nothing of cluster mode is imported
     tenant_quota: TenantQuota = field(default_factory=TenantQuota)  # defaults; the auth file overrides per tenant
@@ -276,6 +278,8 @@ class ServerConfig:
             raise ConfigError("--max-remote-records-per-node and --max-remote-records must be > 0")
         if self.max_pages_per_request <= 0:
             raise ConfigError("max_pages_per_request must be > 0")
+        if not (self.session_idle_s >= 0 and math.isfinite(self.session_idle_s)):
+            raise ConfigError(f"--session-idle-s must be a number of seconds >= 0 (0: never), got {self.session_idle_s}")
         if min(self.directory_map_bytes, self.token_log_map_bytes) < MIN_MAP_BYTES:
             raise ConfigError("--lmdb-map-size must be at least 64KiB")
         check_exposure(self.listen, self.metrics_listen, self.security)

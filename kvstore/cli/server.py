@@ -49,6 +49,7 @@ _LIMIT_FLAGS: list[tuple[str, type, str]] = [
     ("--max-hint-eta-s", float, "a hint further ahead is refused (INVALID_ARGUMENT)"),
     ("--max-remote-records-per-node", int, "locations Publish may record for one other node; RESOURCE_EXHAUSTED beyond"),
     ("--max-remote-records", int, "locations Publish may record for all other nodes together"),
+    ("--session-idle-s", float, "a session of the token log nothing was appended to this long is ended (0: only by EndSession)"),
 ]
 
 

@@ -23,6 +23,8 @@ class Metrics:
                                       "aborts (abort), takeovers of a gone source (takeover)", ["kind"], registry=r)
         self.session_refusals = Counter("kvstore_session_fenced_refusals", "Session writes refused because the session "
                                         "is fenced or being fenced here (live migration)", ["call"], registry=r)
+        self.sessions_expired = Counter("kvstore_sessions_expired", "Sessions of the token log ended because nothing was "
+                                        "appended to them for --session-idle", registry=r)
         self.evictions = Counter("kvstore_evictions", "Pages evicted from a tier", ["tier"], registry=r)
         self.demotions = Counter("kvstore_demotions", "Pages moved down a tier under pressure", ["tier"], registry=r)
         self.promotions = Counter("kvstore_promotions", "Pages copied up into a faster tier on use", ["tier"], registry=r)

@@ -52,6 +52,7 @@ from kvstore.server.services.migration import MigrationService
 from kvstore.server.services.sizes import receive_limit, request_limits
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.serving import ServingState
+from kvstore.server.session_expiry import SessionExpiry
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.ssd_share import SsdShares
@@ -175,6 +176,7 @@ class Server:
             directory.close()
             raise
         self.demoter = Demoter(core)
+        self.session_expiry = SessionExpiry(self.wal, config.session_idle_s, metrics)  # sessions idle past --session-idle-s end
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: metrics.session_refusals.labels(call).inc(),
                                             serving=serving)
@@ -289,6 +291,7 @@ class Server:
         self.streams.start()
         self.handoffs.start()
         self.demoter.start()
+        self.session_expiry.start()
         if self.config.scrub_pages_per_s > 0 and len(self.core.tiers) > 1:
             self._scrubber = threading.Thread(target=self._scrub, name="scrub", daemon=True)
             self._scrubber.start()
@@ -342,6 +345,7 @@ class Server:
         self.handoffs.close()
         self.streams.stop()
         self.demoter.stop()
+        self.session_expiry.stop()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

@@ -5,12 +5,19 @@ KV checkpoint says how much of it must be prefilled again; nothing the user saw 
 again. Appends carry the length the writer believes is logged, so a retried append is
 applied once. Entries live in LMDB (``data_dir/wal.lmdb``); a ``sync`` append is durable
 before it is acknowledged, others are synced with the next sync append (batched).
+
+A session ends by EndSession, or when nothing was appended to it for the server's
+``--session-idle`` (``expire_idle``): an engine cannot tell when a conversation is over, and
+a log never ended would hold its tenant's token quota for ever. Each session's meta record
+keeps its last append's wall-clock time (it must outlive a restart); a record of the older
+format, without one, counts as appended when the log was opened.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -23,20 +30,30 @@ from kvstore.errors import InvalidRequest
 from kvstore.lmdb_env import map_full, open_env
 from kvstore.types import NAMESPACE_ID_BYTES
 
-_META = struct.Struct("<IQ")  # prompt tokens, total length
+_META = struct.Struct("<IQd")  # prompt tokens, total length, last append (unix time)
+_META_UNTIMED = struct.Struct("<IQ")  # the older format: prompt tokens, total length
 MAX_SESSION_ID = 256
 
 
+def _unpack(raw: bytes, opened_at: float) -> tuple[int, int, float]:
+    """A meta record, either format: (prompt tokens, length, last append)."""
+    if len(raw) == _META_UNTIMED.size:
+        return (*_META_UNTIMED.unpack(raw), opened_at)
+    return _META.unpack(raw)
+
+
 class TokenLog:
-    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES) -> None:
+    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES, clock: Callable[[], float] = time.time) -> None:
         self.env = open_env(data_dir / "wal.lmdb", map_bytes, max_dbs=3, sync=False, metasync=False)
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
+        self.clock = clock
+        self.opened_at = clock()
         self._lock = threading.Lock()
         self._tokens: Counter[bytes] = Counter()  # namespace -> tokens logged in its sessions (tenant quotas)
         with self.env.begin(db=self.meta_db) as txn:
             for sid, raw in txn.cursor():
-                self._tokens[bytes(sid[:NAMESPACE_ID_BYTES])] += _META.unpack(raw)[1]
+                self._tokens[bytes(sid[:NAMESPACE_ID_BYTES])] += _unpack(raw, self.opened_at)[1]
 
     def tokens_of(self, namespace_id: bytes) -> int:
         """Tokens logged in the namespace's open sessions."""
@@ -57,7 +74,7 @@ class TokenLog:
         sid = self._sid(namespace_id, session_id)
         with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
             raw = txn.get(sid, db=self.meta_db)
-            prompt, length = _META.unpack(raw) if raw else (prompt_tokens, 0)
+            prompt, length, _ = _unpack(raw, self.opened_at) if raw else (prompt_tokens, 0, 0.0)
             if expected_length + len(tokens) <= length:
                 # A retry repeats what is logged there; other tokens are another writer's, not ours to ack.
                 if self._logged(txn, sid, length)[expected_length : expected_length + len(tokens)] != list(tokens):
@@ -71,7 +88,7 @@ class TokenLog:
             if tokens:
                 txn.put(sid + struct.pack(">Q", length), np.asarray(tokens, dtype="<u4").tobytes(), db=self.chunks_db)
             length += len(tokens)
-            txn.put(sid, _META.pack(prompt, length), db=self.meta_db)
+            txn.put(sid, _META.pack(prompt, length, self.clock()), db=self.meta_db)
         with self._lock:  # counted once the transaction committed
             self._tokens[namespace_id] += len(tokens)
         if sync:
@@ -84,7 +101,7 @@ class TokenLog:
             raw = txn.get(sid, db=self.meta_db)
             if raw is None:
                 return None
-            prompt, length = _META.unpack(raw)
+            prompt, length, _ = _unpack(raw, self.opened_at)
             return prompt, self._logged(txn, sid, length)
 
     def _logged(self, txn: Any, sid: bytes, length: int) -> list[int]:
@@ -101,17 +118,45 @@ class TokenLog:
     def end(self, namespace_id: bytes, session_id: str) -> None:
         sid = self._sid(namespace_id, session_id)
         with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
-            raw = txn.get(sid, db=self.meta_db)
-            txn.delete(sid, db=self.meta_db)
-            cursor = txn.cursor(db=self.chunks_db)
-            if cursor.set_range(sid):
-                while bytes(cursor.key()).startswith(sid):
-                    if not cursor.delete():
-                        break
-        if raw is not None:
-            with self._lock:
-                self._tokens[namespace_id] -= _META.unpack(raw)[1]
+            removed = self._end(txn, sid)
+        self._uncount(sid, removed)
         self.env.sync(True)
+
+    def expire_idle(self, idle_s: float) -> int:
+        """Ends every session nothing was appended to for ``idle_s``; returns how many. Each
+        is checked again in the transaction that ends it: an append meanwhile keeps it."""
+        before = self.clock() - idle_s
+        with self.env.begin(db=self.meta_db) as txn:
+            idle = [bytes(sid) for sid, raw in txn.cursor() if _unpack(raw, self.opened_at)[2] <= before]
+        ended = 0
+        for sid in idle:
+            removed = None
+            with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
+                raw = txn.get(sid, db=self.meta_db)
+                if raw is not None and _unpack(raw, self.opened_at)[2] <= before:
+                    removed = self._end(txn, sid)
+            if removed is not None:
+                self._uncount(sid, removed)
+                ended += 1
+        if ended:
+            self.env.sync(True)
+        return ended
+
+    def _end(self, txn: Any, sid: bytes) -> int:
+        """Deletes the session's records in ``txn`` (the log's lock held); the tokens it held."""
+        raw = txn.get(sid, db=self.meta_db)
+        txn.delete(sid, db=self.meta_db)
+        cursor = txn.cursor(db=self.chunks_db)
+        if cursor.set_range(sid):
+            while bytes(cursor.key()).startswith(sid):
+                if not cursor.delete():
+                    break
+        return _unpack(raw, self.opened_at)[1] if raw is not None else 0
+
+    def _uncount(self, sid: bytes, tokens: int) -> None:
+        """Once the transaction that ended the session committed: its tokens stop counting."""
+        with self._lock:
+            self._tokens[sid[:NAMESPACE_ID_BYTES]] -= tokens
 
     def close(self) -> None:
         self.env.sync(True)

@@ -1,0 +1,142 @@
+"""Sessions end when idle (--session-idle-s): an engine cannot tell when a conversation is over,
+and a log never ended held its tenant's token-log quota for ever (the vLLM connector never ends
+the sessions it logs). A session is ended only once nothing was appended to it for the idle
+time, counted from its last append, across restarts; an append meanwhile keeps it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import grpc
+import lmdb
+import pytest
+from support.certs import CertAuthority
+from support.servers import make_config
+from support.tenants import A, Caller, new_ns, tenant_config, tenant_grants
+
+from kvstore._proto import data_pb2
+from kvstore.errors import ConfigError
+from kvstore.server import Server
+from kvstore.server.tokenlog import TokenLog
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+NS = b"\x01" * 16
+
+
+def test_a_session_ends_once_idle_for_the_idle_time_from_its_last_append(tmp_path) -> None:
+    clock = Clock(1000.0)
+    wal = TokenLog(tmp_path, clock=clock)
+    try:
+        assert wal.append(NS, "quiet", 0, [1, 2, 3], prompt_tokens=2) == 3
+        assert wal.append(NS, "busy", 0, [7]) == 1
+        clock.now = 1090.0
+        assert wal.append(NS, "busy", 1, [8]) == 2
+        clock.now = 1099.0
+        assert wal.expire_idle(100.0) == 0, "nothing idle for 100 s yet"
+        clock.now = 1101.0
+        assert wal.expire_idle(100.0) == 1
+        assert wal.read(NS, "quiet") is None and wal.read(NS, "busy") == (0, [7, 8])
+        assert wal.tokens_of(NS) == 2, "the ended session's tokens no longer count to the quota"
+        clock.now = 1191.0
+        assert wal.expire_idle(100.0) == 1 and wal.tokens_of(NS) == 0
+    finally:
+        wal.close()
+
+
+def test_the_last_append_time_survives_a_restart(tmp_path) -> None:
+    clock = Clock(1000.0)
+    wal = TokenLog(tmp_path, clock=clock)
+    wal.append(NS, "s", 0, [1, 2])
+    wal.close()
+    clock.now = 1050.0
+    wal = TokenLog(tmp_path, clock=clock)  # reopened: idle since 1000, not since the reopen
+    try:
+        assert wal.expire_idle(100.0) == 0
+        clock.now = 1101.0
+        assert wal.expire_idle(100.0) == 1 and wal.read(NS, "s") is None
+    finally:
+        wal.close()
+
+
+def test_a_log_of_the_older_format_reads_and_idles_from_its_opening(tmp_path) -> None:
+    """A meta record without a time (written before sessions idled out) is read as before and
+    counts as appended when the log was opened: nothing is ended at once by an upgrade."""
+    TokenLog(tmp_path).close()
+    env = lmdb.open(str(tmp_path / "wal.lmdb"), max_dbs=3)
+    meta, chunks = env.open_db(b"meta"), env.open_db(b"chunks")
+    sid = NS + b"old\0"
+    with env.begin(write=True) as txn:
+        txn.put(sid, (1).to_bytes(4, "little") + (3).to_bytes(8, "little"), db=meta)
+        txn.put(sid + (0).to_bytes(8, "big"), b"".join(t.to_bytes(4, "little") for t in (5, 6, 7)), db=chunks)
+    env.close()
+    clock = Clock(5000.0)
+    wal = TokenLog(tmp_path, clock=clock)
+    try:
+        assert wal.read(NS, "old") == (1, [5, 6, 7]) and wal.tokens_of(NS) == 3
+        clock.now = 5099.0
+        assert wal.expire_idle(100.0) == 0
+        assert wal.append(NS, "old", 3, [8]) == 4, "an append rewrites it in the new format"
+        clock.now = 5198.0
+        assert wal.expire_idle(100.0) == 0
+        clock.now = 5200.0
+        assert wal.expire_idle(100.0) == 1 and wal.tokens_of(NS) == 0
+    finally:
+        wal.close()
+
+
+def test_a_bad_idle_time_is_a_config_error(tmp_path) -> None:
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--session-idle-s"):
+            make_config(tmp_path, session_idle_s=bad)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> CertAuthority:
+    return CertAuthority(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def idle_server(tmp_path, ca) -> Iterator[Server]:
+    config = tenant_config(tmp_path, ca, session_idle_s=1.0)
+    assert config.security.auth_file is not None
+    config.security.auth_file.write_text(json.dumps({"tokens": tenant_grants(), "quotas": {"a": {"token_log_bytes": 400}}}))
+    server = Server(config)
+    server.start()
+    yield server
+    server.stop(grace_s=1)
+
+
+def test_an_idle_session_gives_its_tenant_quota_back_on_a_real_server(idle_server, ca) -> None:
+    """Tenant a's quota holds 100 tokens: its first session fills most of it and a second is
+    refused; once the first idled out (the log's clock moved past the idle time; the sweeper
+    runs on its own), the second is taken. Counted in /metrics."""
+    a = Caller(idle_server, ca, A)
+    ns = new_ns()
+    clock = Clock(time.time())
+    idle_server.wal.clock = clock  # the idle time passes when the test says, whatever the load
+
+    def append(session: str, n: int) -> grpc.StatusCode:
+        return a.code(a.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns, session_id=session,
+                                                                          tokens=list(range(n))))
+
+    assert append("first", 60) == grpc.StatusCode.OK
+    assert append("second", 45) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert a(a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="first")).found
+    clock.now += 1.5
+    deadline = time.monotonic() + 30
+    while append("second", 45) != grpc.StatusCode.OK:
+        assert time.monotonic() < deadline, "the idle session was not ended within 30 s (sweeps every 0.25 s)"
+        time.sleep(0.05)
+    assert not a(a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="first")).found
+    assert a(a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="second")).found
+    assert idle_server.metrics.registry.get_sample_value("kvstore_sessions_expired_total") == 1
