@@ -9,8 +9,11 @@ before it is acknowledged, others are synced with the next sync append (batched)
 A session ends by EndSession, or when nothing was appended to it for the server's
 ``--session-idle`` (``expire_idle``): an engine cannot tell when a conversation is over, and
 a log never ended would hold its tenant's token quota for ever. Each session's meta record
-keeps its last append's wall-clock time (it must outlive a restart); a record of the older
-format, without one, counts as appended when the log was opened.
+keeps its last append's time (it must outlive a restart); a record of the older format,
+without one, counts as appended when the log was opened. The time is the wall clock read once,
+when the log opens, moved on by the monotonic clock (``now``): a wall clock stepped forward
+meanwhile (NTP) ends no session that is not idle, one set back keeps none longer. A time ahead
+of ``now`` (the wall clock was set back before the restart) counts as the opening's.
 """
 
 from __future__ import annotations
@@ -43,17 +46,27 @@ def _unpack(raw: bytes, opened_at: float) -> tuple[int, int, float]:
 
 
 class TokenLog:
-    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, data_dir: Path, map_bytes: int = TOKEN_LOG_MAP_BYTES, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.env = open_env(data_dir / "wal.lmdb", map_bytes, max_dbs=3, sync=False, metasync=False)
         self.meta_db = self.env.open_db(b"meta")
         self.chunks_db = self.env.open_db(b"chunks")
-        self.clock = clock
-        self.opened_at = clock()
+        self.monotonic = monotonic
+        self.opened_at = clock()  # the wall clock, read once: only a restart reads it again
+        self._opened_mono = monotonic()
         self._lock = threading.Lock()
         self._tokens: Counter[bytes] = Counter()  # namespace -> tokens logged in its sessions (tenant quotas)
         with self.env.begin(db=self.meta_db) as txn:
             for sid, raw in txn.cursor():
                 self._tokens[bytes(sid[:NAMESPACE_ID_BYTES])] += _unpack(raw, self.opened_at)[1]
+
+    def now(self) -> float:
+        """The time appends are stamped with and idle times measured on (the module docstring)."""
+        return self.opened_at + (self.monotonic() - self._opened_mono)
+
+    def _last_append(self, raw: bytes, now: float) -> float:
+        last = _unpack(raw, self.opened_at)[2]
+        return last if last <= now else self.opened_at  # ahead of now: written before the clock was set back
 
     def tokens_of(self, namespace_id: bytes) -> int:
         """Tokens logged in the namespace's open sessions."""
@@ -88,7 +101,7 @@ class TokenLog:
             if tokens:
                 txn.put(sid + struct.pack(">Q", length), np.asarray(tokens, dtype="<u4").tobytes(), db=self.chunks_db)
             length += len(tokens)
-            txn.put(sid, _META.pack(prompt, length, self.clock()), db=self.meta_db)
+            txn.put(sid, _META.pack(prompt, length, self.now()), db=self.meta_db)
         with self._lock:  # counted once the transaction committed
             self._tokens[namespace_id] += len(tokens)
         if sync:
@@ -125,15 +138,16 @@ class TokenLog:
     def expire_idle(self, idle_s: float) -> int:
         """Ends every session nothing was appended to for ``idle_s``; returns how many. Each
         is checked again in the transaction that ends it: an append meanwhile keeps it."""
-        before = self.clock() - idle_s
+        now = self.now()
+        before = now - idle_s
         with self.env.begin(db=self.meta_db) as txn:
-            idle = [bytes(sid) for sid, raw in txn.cursor() if _unpack(raw, self.opened_at)[2] <= before]
+            idle = [bytes(sid) for sid, raw in txn.cursor() if self._last_append(raw, now) <= before]
         ended = 0
         for sid in idle:
             removed = None
             with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
                 raw = txn.get(sid, db=self.meta_db)
-                if raw is not None and _unpack(raw, self.opened_at)[2] <= before:
+                if raw is not None and self._last_append(raw, now) <= before:
                     removed = self._end(txn, sid)
             if removed is not None:
                 self._uncount(sid, removed)

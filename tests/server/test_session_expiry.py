@@ -35,7 +35,7 @@ NS = b"\x01" * 16
 
 def test_a_session_ends_once_idle_for_the_idle_time_from_its_last_append(tmp_path) -> None:
     clock = Clock(1000.0)
-    wal = TokenLog(tmp_path, clock=clock)
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)
     try:
         assert wal.append(NS, "quiet", 0, [1, 2, 3], prompt_tokens=2) == 3
         assert wal.append(NS, "busy", 0, [7]) == 1
@@ -55,11 +55,11 @@ def test_a_session_ends_once_idle_for_the_idle_time_from_its_last_append(tmp_pat
 
 def test_the_last_append_time_survives_a_restart(tmp_path) -> None:
     clock = Clock(1000.0)
-    wal = TokenLog(tmp_path, clock=clock)
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)
     wal.append(NS, "s", 0, [1, 2])
     wal.close()
     clock.now = 1050.0
-    wal = TokenLog(tmp_path, clock=clock)  # reopened: idle since 1000, not since the reopen
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)  # reopened: idle since 1000, not since the reopen
     try:
         assert wal.expire_idle(100.0) == 0
         clock.now = 1101.0
@@ -80,7 +80,7 @@ def test_a_log_of_the_older_format_reads_and_idles_from_its_opening(tmp_path) ->
         txn.put(sid + (0).to_bytes(8, "big"), b"".join(t.to_bytes(4, "little") for t in (5, 6, 7)), db=chunks)
     env.close()
     clock = Clock(5000.0)
-    wal = TokenLog(tmp_path, clock=clock)
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)
     try:
         assert wal.read(NS, "old") == (1, [5, 6, 7]) and wal.tokens_of(NS) == 3
         clock.now = 5099.0
@@ -90,6 +90,43 @@ def test_a_log_of_the_older_format_reads_and_idles_from_its_opening(tmp_path) ->
         assert wal.expire_idle(100.0) == 0
         clock.now = 5200.0
         assert wal.expire_idle(100.0) == 1 and wal.tokens_of(NS) == 0
+    finally:
+        wal.close()
+
+
+def test_a_wall_clock_set_forward_ends_no_session(tmp_path) -> None:
+    """Bug: the idle time was read from the wall clock only, so a clock stepped forward (NTP
+    correcting a clock that ran behind) by more than the idle time ended every session at the
+    next sweep, also one appended to a moment before: its acknowledged tokens were gone. Within
+    a run the idle time is measured on the monotonic clock; the wall clock only carries it
+    across a restart."""
+    wall = Clock(1000.0)
+    wal = TokenLog(tmp_path, clock=wall)
+    try:
+        assert wal.append(NS, "live", 0, [1, 2, 3]) == 3
+        wall.now += 3 * 86_400.0  # the clock is stepped three days ahead; no time passed
+        assert wal.expire_idle(100.0) == 0
+        assert wal.read(NS, "live") == (0, [1, 2, 3]) and wal.tokens_of(NS) == 3
+    finally:
+        wal.close()
+
+
+def test_a_wall_clock_set_back_across_a_restart_still_idles_a_session_out(tmp_path) -> None:
+    """Bug: a log reopened after the wall clock was set back (it had run ahead) held last-append
+    times in the future, and its sessions lived until the clock caught up with them (a clock a
+    year ahead: a year), holding their tenant's quota. A time ahead of the clock at the opening
+    counts as appended when the log was opened."""
+    wall, mono = Clock(1000.0), Clock(50.0)
+    wal = TokenLog(tmp_path, clock=wall, monotonic=mono)
+    wal.append(NS, "s", 0, [1, 2])
+    wal.close()
+    wall.now -= 365 * 86_400.0  # set back a year before the restart
+    wal = TokenLog(tmp_path, clock=wall, monotonic=mono)
+    try:
+        mono.now += 99.0
+        assert wal.expire_idle(100.0) == 0
+        mono.now += 2.0
+        assert wal.expire_idle(100.0) == 1 and wal.read(NS, "s") is None and wal.tokens_of(NS) == 0
     finally:
         wal.close()
 
@@ -122,8 +159,8 @@ def test_an_idle_session_gives_its_tenant_quota_back_on_a_real_server(idle_serve
     runs on its own), the second is taken. Counted in /metrics."""
     a = Caller(idle_server, ca, A)
     ns = new_ns()
-    clock = Clock(time.time())
-    idle_server.wal.clock = clock  # the idle time passes when the test says, whatever the load
+    clock = Clock(time.monotonic())
+    idle_server.wal.monotonic = clock  # the idle time passes when the test says, whatever the load
 
     def append(session: str, n: int) -> grpc.StatusCode:
         return a.code(a.data.AppendTokens, data_pb2.AppendTokensRequest(namespace_id=ns, session_id=session,
