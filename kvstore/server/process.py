@@ -176,10 +176,11 @@ class Server:
             directory.close()
             raise
         self.demoter = Demoter(core)
-        self.session_expiry = SessionExpiry(self.wal, config.session_idle_s, metrics)  # sessions idle past --session-idle-s end
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: metrics.session_refusals.labels(call).inc(),
                                             serving=serving)
+        # sessions idle past --session-idle-s end; not one a migration has not decided (its writes are refused meanwhile)
+        self.session_expiry = SessionExpiry(self.wal, config.session_idle_s, metrics, keep=self.session_owners.undecided)
         self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if serving is not None:  # cluster mode
             from kvstore.server.cluster import ClusterRuntime

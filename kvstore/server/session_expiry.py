@@ -1,12 +1,15 @@
 """Ends the sessions of the token log that nothing was appended to for ``--session-idle``
 (TokenLog.expire_idle): an engine cannot tell when a conversation is over, and a session
 never ended would hold its tenant's token-log quota for ever. Checked every quarter of the
-idle time, at most every minute, so a session goes at most that long after it idled out."""
+idle time, at most every minute, so a session goes at most that long after it idled out.
+A session a live migration has not decided (being fenced here, or copied here) is kept: its
+writes are refused meanwhile (DESIGN §12.8)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from kvstore.server.metrics import Metrics
 from kvstore.server.tokenlog import TokenLog
@@ -17,8 +20,9 @@ MAX_PERIOD_S = 60.0
 
 
 class SessionExpiry:
-    def __init__(self, wal: TokenLog, idle_s: float, metrics: Metrics) -> None:
+    def __init__(self, wal: TokenLog, idle_s: float, metrics: Metrics, keep: Callable[[bytes], bool] = lambda sid: False) -> None:
         self.wal = wal
+        self.keep = keep  # sessions kept however long they idle: those a migration has not decided (SessionOwners.undecided)
         self.idle_s = idle_s
         self.metrics = metrics
         self._stopped = threading.Event()
@@ -34,7 +38,7 @@ class SessionExpiry:
             self._thread.join(5)
 
     def sweep(self) -> int:
-        ended = self.wal.expire_idle(self.idle_s)
+        ended = self.wal.expire_idle(self.idle_s, self.keep)
         if ended:
             self.metrics.sessions_expired.inc(ended)
             logger.info("%d session(s) idle for %.0f s ended", ended, self.idle_s)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvstore.errors import SessionFenced, TierUnavailable
+from kvstore.errors import InvalidRequest, SessionFenced, TierUnavailable
 from kvstore.server.tokenlog import TokenLog
 from kvstore.types import NAMESPACE_ID_BYTES
 
@@ -73,12 +73,23 @@ class SessionOwners:
     def get(self, namespace_id: bytes, session_id: str) -> Ownership | None:
         return self._records.get(TokenLog._sid(namespace_id, session_id))
 
-    def put(self, namespace_id: bytes, session_id: str, record: Ownership) -> None:
+    def put(self, namespace_id: bytes, session_id: str, record: Ownership, logged: bool = False) -> None:
+        """Also starts the session's idle time again (--session-idle-s): while a migration is
+        undecided its writes are refused, so the time they could not append does not count
+        (``undecided``). ``logged``: InvalidRequest, nothing written, unless it has a log here."""
         sid = TokenLog._sid(namespace_id, session_id)
         with self._lock, self._wal.env.begin(write=True) as txn:
+            if not self._wal.touch(txn, sid) and logged:
+                raise InvalidRequest(f"no session {session_id!r} of this namespace at node {self.node}")
             txn.put(sid, record.pack(), db=self._db)
             self._records[sid] = record
         self._wal.env.sync(True)
+
+    def undecided(self, sid: bytes) -> bool:
+        """The session (its token log key) is being fenced here or copied here: its writes are
+        refused until etcd decides, so it is kept however long it idles (session_expiry.py)."""
+        record = self._records.get(sid)
+        return record is not None and record.state in (FREEZING, INCOMING)
 
     def drop(self, namespace_id: bytes, session_id: str) -> None:
         sid = TokenLog._sid(namespace_id, session_id)

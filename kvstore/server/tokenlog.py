@@ -135,9 +135,20 @@ class TokenLog:
         self._uncount(sid, removed)
         self.env.sync(True)
 
-    def expire_idle(self, idle_s: float) -> int:
-        """Ends every session nothing was appended to for ``idle_s``; returns how many. Each
-        is checked again in the transaction that ends it: an append meanwhile keeps it."""
+    def touch(self, txn: Any, sid: bytes) -> bool:
+        """In a write transaction of this log's env: the session's idle time starts again now
+        (its owner changed, session_owners.py); False when it has no log here."""
+        raw = txn.get(sid, db=self.meta_db)
+        if raw is None:
+            return False
+        prompt, length, _ = _unpack(raw, self.opened_at)
+        txn.put(sid, _META.pack(prompt, length, self.now()), db=self.meta_db)
+        return True
+
+    def expire_idle(self, idle_s: float, keep: Callable[[bytes], bool] = lambda sid: False) -> int:
+        """Ends every session nothing was appended to for ``idle_s`` but those ``keep`` names
+        (by their key: namespace, id, NUL); returns how many. Each is checked again in the
+        transaction that ends it: an append meanwhile keeps it."""
         now = self.now()
         before = now - idle_s
         with self.env.begin(db=self.meta_db) as txn:
@@ -147,7 +158,7 @@ class TokenLog:
             removed = None
             with self._lock, map_full(self.env, "the token log"), self.env.begin(write=True) as txn:
                 raw = txn.get(sid, db=self.meta_db)
-                if raw is not None and self._last_append(raw, now) <= before:
+                if raw is not None and self._last_append(raw, now) <= before and not keep(sid):
                     removed = self._end(txn, sid)
             if removed is not None:
                 self._uncount(sid, removed)

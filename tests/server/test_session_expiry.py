@@ -17,8 +17,10 @@ from support.servers import make_config
 from support.tenants import A, Caller, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import data_pb2
-from kvstore.errors import ConfigError
+from kvstore.client import KVStoreClient
+from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.server import Server
+from kvstore.server.session_owners import FREEZING, INCOMING, OWNED, Ownership
 from kvstore.server.tokenlog import TokenLog
 
 
@@ -177,3 +179,32 @@ def test_an_idle_session_gives_its_tenant_quota_back_on_a_real_server(idle_serve
     assert not a(a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="first")).found
     assert a(a.data.GetSession, data_pb2.GetSessionRequest(namespace_id=ns, session_id="second")).found
     assert idle_server.metrics.registry.get_sample_value("kvstore_sessions_expired_total") == 1
+
+
+async def test_a_session_whose_migration_is_undecided_is_not_idled_out(server_factory, ns) -> None:
+    """Bug: a session being fenced (FREEZING: etcd has not decided, e.g. unreachable) or copied
+    in (INCOMING) refuses its writer's appends ("retry"), so nothing could be appended to it, and
+    the sweeper ended it once its last append was older than the idle time: the abort that
+    gave it back (OWNED) found its log gone and the writer's next append a gap (its acknowledged
+    tokens lost). Undecided sessions are kept, and an ownership change restarts the idle time."""
+    server = server_factory(session_idle_s=100.0)  # the sweeper's own round is 25 s away: the test sweeps
+    clock = Clock(time.monotonic())
+    server.wal.monotonic = clock
+    async with KVStoreClient(server.address, ns) as client:
+        nsid = client.namespace.namespace_id
+        for sid in ("freezing", "incoming"):
+            assert await client.append_tokens(sid, [1, 2, 3], expected_length=0, sync=True) == 3
+        server.session_owners.put(nsid, "freezing", Ownership(0, FREEZING, "n2"))  # a fence etcd has not decided
+        server.session_owners.put(nsid, "incoming", Ownership(0, INCOMING, "n2"))  # a copy not adopted yet
+        with pytest.raises(TierUnavailable, match="retry"):
+            await client.append_tokens("freezing", [4], expected_length=3, sync=True)
+        clock.now += 1000.0
+        server.session_expiry.sweep()
+        assert (await client.read_session("freezing")).tokens == [1, 2, 3]  # type: ignore[union-attr]
+        assert (await client.read_session("incoming")).tokens == [1, 2, 3]  # type: ignore[union-attr]
+        server.session_owners.put(nsid, "freezing", Ownership(1, OWNED, server.config.node))  # the abort gives it back
+        server.session_expiry.sweep()
+        assert await client.append_tokens("freezing", [4], expected_length=3, sync=True) == 4, "the writer goes on"
+        clock.now += 101.0
+        assert server.session_expiry.sweep() == 1, "owned again, it idles out as any session"
+        assert await client.read_session("freezing") is None

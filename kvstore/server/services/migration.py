@@ -170,7 +170,8 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
             self.owners.check(ns, sid, "Fence")  # raises SessionFenced, naming the owner
         base = mine.version if mine is not None else 0
         with self.owners.writing(ns, sid):  # no append of the session is between its check and its write now
-            self.owners.put(ns, sid, Ownership(base, FREEZING, to_node))
+            # only with its log here (it may have idled out since the read above): FREEZING keeps it from then on
+            self.owners.put(ns, sid, Ownership(base, FREEZING, to_node), logged=True)
         decided = moves.decide(ns, sid, base + 1, to_node)  # unreachable etcd: UNAVAILABLE, FREEZING stays (resume or abort)
         if decided.owner == to_node and decided.version == base + 1:
             self.owners.put(ns, sid, Ownership(decided.version, FENCED, to_node))
