@@ -1,12 +1,19 @@
-"""Process memory settings for moving large buffers.
+"""Process memory settings for moving large buffers, and for a server that runs for months.
 
 Page-sized transient buffers (a 1 MiB gRPC message, a 2.25 MiB page) sit above glibc's
 default mmap threshold, so each one is mapped fresh and unmapped on free; on VMs whose
 balloon driver hands freed memory back to the host, touching fresh memory runs at a
 fraction of memcpy speed (measured here: 0.3-1.9 GB/s against 7 GB/s for reused memory).
-Keeping such buffers on the heap and not trimming it makes them reused memory. The
-server, the benchmarks and the raw gRPC pump they compare against call ``tune_malloc``
+Keeping such buffers on the heap and not trimming it on every free makes them reused memory.
+The server, the benchmarks and the raw gRPC pump they compare against call ``tune_malloc``
 at start; an engine embedding the client may call it too (it affects the whole process).
+
+A server that runs for months must not grow for ever (DESIGN §12.9, chaos check (e)): the
+untrimmed heap's free holes and each thread's cache of freed chunks (glibc's tcache) kept
+growing its resident memory under churn. The server runs with the tcache off (a start-up
+tunable: ``without_tcache`` re-executes it once) and gives the heap's free pages back every
+``--heap-trim-s`` (``HeapTrimmer``; jemalloc's decay does the same, finer), which costs one
+re-touch of the buffers in use per period.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable
+import os
+import platform
+import sys
+import threading
+from collections.abc import Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +87,74 @@ def heap_bytes() -> dict[str, int] | None:
         return None
     info = _MALLINFO2()
     return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks}
+
+
+TCACHE_OFF = "glibc.malloc.tcache_count=0"
+HEAP_TRIM_S = 10.0  # jemalloc's default decay of unused dirty pages is 10 s too
+
+
+def tcache_env(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment that starts this process again with glibc's per-thread cache off;
+    None where there is nothing to do: not glibc, or GLIBC_TUNABLES already names a tcache
+    count (ours, after the re-exec, or the operator's own)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.tcache_count" in tunables:
+        return None
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TCACHE_OFF}" if tunables else TCACHE_OFF}
+
+
+def without_tcache() -> None:
+    """Re-executes this process (same pid, argv and descriptors) with the tcache off, before
+    anything is started; returns where it is off already or cannot be (logged)."""
+    env = tcache_env(os.environ)
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError as exc:
+        logger.warning("could not restart with glibc's tcache off (%s); running with it", exc)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """Gives the C heap's free pages back to the kernel every ``period_s`` (malloc_trim: the
+    free space at the top and the whole pages inside free chunks; a few ms when there are
+    tens of MB, microseconds when there is nothing to give)."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.trims = 0
+        self._trim = _malloc_trim()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heap-trim", daemon=True)
+
+    def start(self) -> bool:
+        """False where there is nothing to run: a period of 0, or no malloc_trim (not glibc)."""
+        if self.period_s <= 0 or self._trim is None:
+            return False
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        assert self._trim is not None
+        while not self._stopped.wait(self.period_s):
+            self._trim(0)
+            self.trims += 1

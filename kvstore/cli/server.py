@@ -30,7 +30,7 @@ from kvstore.config import (
     parse_size,
 )
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.memory import tune_malloc
+from kvstore.memory import HEAP_TRIM_S, HeapTrimmer, tune_malloc, without_tcache
 from kvstore.security.undumpable import forbid_inspection
 
 logger = logging.getLogger("kvstore.server")
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval-ms", type=float, default=DEFAULT_SWITCH_INTERVAL_MS,
                    help="how long a Python thread may hold the GIL while another waits for it (CPython's "
                         "default: 5 ms); short, a lookup waits less behind a demoting or writing thread")
+    p.add_argument("--heap-trim-s", type=float, default=HEAP_TRIM_S,
+                   help="give the C heap's free pages back to the kernel this often (0: never; a long-running server "
+                        "otherwise grows under churn)")
+    p.add_argument("--malloc-tcache", choices=("off", "on"), default="off",
+                   help="glibc's per-thread cache of freed chunks; off (the server restarts itself once at start with "
+                        "GLIBC_TUNABLES set, unless that names a tcache count already): its memory stays bounded")
     p.add_argument("--demote-above", type=float, default=0.95,
                    help="host tier fill (0-1) past which the background demoter starts writing the coldest pages down")
     p.add_argument("--demote-to", type=float, default=0.90,
@@ -239,8 +245,14 @@ def _tenant_quota(args: argparse.Namespace) -> TenantQuota:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.malloc_tcache == "off":
+        without_tcache()  # returns once it is off (this process started again) or cannot be
     logs.setup(args.log_level, args.log_format)
     tune_malloc()
+    if not (args.heap_trim_s >= 0 and math.isfinite(args.heap_trim_s)):
+        print(f"kvstore-server: --heap-trim-s must be a number of seconds >= 0, got {args.heap_trim_s}", file=sys.stderr)
+        return 2
+    trimmer = HeapTrimmer(args.heap_trim_s)
     from kvstore.server import Server
 
     try:
@@ -255,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         # since. Walking all of it stalled every thread, a lookup's too, 30-50 ms at a time
         # while pages were written and demoted (kvstore-bench lookup, 2 cores).
         gc.freeze()
+        trimmer.start()
     except (KVStoreError, OSError, RuntimeError) as exc:
         message = str(exc) if isinstance(exc, KVStoreError) else f"cannot start: {exc}"
         logger.error("%s", message)
@@ -275,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, on_hangup)  # re-read --auth-file (revoked tokens stop working)
     print(f"kvstore-server ready on {server.address}", flush=True)
     done.wait()
+    trimmer.stop()
     server.stop()
     return 0
 
