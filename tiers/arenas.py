@@ -13,19 +13,20 @@ as the server: clients hold mappings of it. With hbm, each is page-locked as it 
 
 The parts, their slot numbering and the per-key calls are owner_parts.py's (shared with the
 hbm pools); what is the arenas' own is here: how one is made and pinned, which one gives a
-victim, hints, views.
+victim (``order``: the fullest first), views.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import replace
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import ConfigError, TierFull
 from kvstore.tiers.base import ArenaInfo
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.owner_parts import PART_BITS, UNOWNED, OwnerParts
+from kvstore.tiers.orders import PartsOrder
+from kvstore.tiers.owner_parts import PART_BITS, OwnerParts
 from kvstore.tiers.pinned import ArenaPins
 from kvstore.tiers.slab import SlabAllocator
 
@@ -52,6 +53,7 @@ class TenantArenas(OwnerParts[HostTier]):
         self._size_of = size_of
         self.arena = ArenaInfo("", 0, b"")  # no arena as a whole: each owner's is part(owner).arena
         self._slabs = SlabAllocator(0, config.slab_bytes, config.slab_bytes)  # answers ``fits`` alike for every arena
+        self.order = PartsOrder(self, lambda arenas: sorted(arenas, key=_fill, reverse=True))  # fullest arena first
 
     def _make(self, owner: str, base: int) -> HostTier:
         """``owner``'s arena, sized by its quota (ConfigError when the host cannot hold it: TierFull)."""
@@ -77,44 +79,9 @@ class TenantArenas(OwnerParts[HostTier]):
     def fits(self, page_bytes: int) -> bool:
         return self._slabs.fits(page_bytes)
 
-    def parent(self, key: bytes) -> bytes | None:
-        arena = self._holder(key)
-        return arena.parent(key) if arena is not None else None
-
     def detach(self, key: bytes) -> int | None:
-        arena = self._holder(key)
+        arena = self.holder(key)
         return arena.detach(key) if arena is not None else None
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        """The next victim of the fullest arena (room is made in one owner's arena with
-        ``part(owner).victim``; this answers a caller that names none)."""
-        for arena in sorted(self.parts(), key=_fill, reverse=True):
-            found = arena.victim(pinned, page_bytes)
-            if found is not None:
-                return found
-        return None
-
-    # -- hints: announced for one owner's arena, fulfilled and expired in all ------------
-
-    def hint(self, keys: list[bytes], eta: float) -> None:
-        self.part(UNOWNED).hint(keys, eta)
-
-    def check_hints(self, num_keys: int) -> None:
-        self.part(UNOWNED).check_hints(num_keys)
-
-    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
-        return self.part(UNOWNED).hint_room(num_pages, page_bytes)
-
-    def num_hinted(self) -> int:
-        return sum(arena.num_hinted() for arena in self.parts())
-
-    def used(self, key: bytes, now: float) -> None:
-        for arena in self.parts():
-            arena.used(key, now)
-
-    def expire_hints(self, now: float) -> None:
-        for arena in self.parts():
-            arena.expire_hints(now)
 
     def close(self) -> None:
         for arena in self.parts():

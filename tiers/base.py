@@ -28,15 +28,17 @@ Contract of every tier:
   read into directly (O_DIRECT).
 * **Thread-safety.** Every method is safe to call from any thread: a tier guards its own
   metadata with its own lock and never holds that lock over disk I/O. ``reserve``,
-  ``unreserve``, ``contains``, ``header``, ``touch``, ``victim``, ``stored_keys`` and ``usage``
-  never block on I/O (callers may hold their own locks over them); ``write``, ``commit``,
+  ``unreserve``, ``contains``, ``header``, ``stored_keys``, ``usage`` and every method of
+  ``order`` never block on I/O (callers may hold their own locks over them); ``write``, ``commit``,
   ``read_into``, ``delete``, ``quarantine`` and ``recover`` may, and must not be called
   under a lock that lookups or allocations take. The caller keeps a page from being
   deleted while it reads it (pins); the tier does not.
-* **Idempotency.** ``delete`` of a key not held, ``touch`` of an unknown key and
+* **Idempotency.** ``delete`` of a key not held, ``order.touch`` of an unknown key and
   ``unreserve`` of a slot once are no-ops; ``commit`` is not (commit once).
-* **Eviction order** is the tier's own: ``victim`` names the page to go next, skipping
-  ``pinned`` keys, without removing it; ``touch`` records a use.
+* **Eviction order** is not part of storing: a tier's ``order`` (an ``EvictionOrder``,
+  orders.py) is what the placement core asks which page goes next (``victim``: named,
+  skipping ``pinned`` keys, not removed) and tells of uses (``touch``); the tier keeps it
+  in step with what it stores. Choosing is the core's; the tier never evicts by itself.
 * **Index.** ``recover`` lists what the tier held when it was opened (a memory tier:
   nothing), from its own index, so that the directory can be rebuilt from it; the list is
   handed over once (a second call lists nothing).
@@ -130,8 +132,50 @@ class MovingPins(Counter[bytes]):
         self._moving = +self._moving  # drops the zeros
 
 
+class EvictionOrder(Protocol):
+    """Which page of a tier goes next: what the placement core asks (``tier.order``). The
+    tier keeps it in step with what it stores; the core tells it of uses and asks it for
+    victims (orders.py)."""
+
+    def touch(self, key: bytes) -> None:
+        """A use of ``key`` (a key not held: nothing)."""
+        ...
+
+    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
+        """The page to evict next to make room for one of ``page_bytes``, left in place
+        (None: every page is pinned)."""
+        ...
+
+
+class LandingOrder(EvictionOrder, Protocol):
+    """The landing tier's order: queue-aware. ``hint`` announces uses, ``used`` fulfils them,
+    ``expire_hints`` forgets the stale ones; ``parent`` is the page before a key in its
+    prefix, as its writer named it (a page written down takes it along)."""
+
+    def parent(self, key: bytes) -> bytes | None: ...
+
+    def hint(self, keys: list[bytes], eta: float) -> None: ...
+
+    def check_hints(self, num_keys: int) -> None:
+        """Raises LimitExceeded when ``num_keys`` more announced uses would pass the tier's limit."""
+        ...
+
+    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
+        """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
+        ...
+
+    def num_hinted(self) -> int: ...
+
+    def used(self, key: bytes, now: float) -> None: ...
+
+    def expire_hints(self, now: float) -> None: ...
+
+
 class Tier(Protocol):
+    """The storage contract (the module docstring); ``order`` is its eviction order."""
+
     name: str
+    order: EvictionOrder
 
     def reserve(self, payload_bytes: int) -> int | None: ...
 
@@ -172,13 +216,6 @@ class Tier(Protocol):
 
     def purge_quarantine(self) -> int: ...
 
-    def touch(self, key: bytes) -> None: ...
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        """The page to evict next to make room for one of ``page_bytes`` (None: every page
-        is pinned)."""
-        ...
-
     def stored_keys(self) -> list[bytes]:
         """The keys held (the scrub walks them)."""
         ...
@@ -196,11 +233,12 @@ class LandingTier(Tier, Protocol):
 
     The core hands out its slots (``view``) to writers it allocated them to and to readers it
     leased pages to. Every method is an in-memory operation (none blocks on I/O), so the core
-    may call any of them under its own lock. Its eviction order is queue-aware: ``hint``
-    announces uses, ``used`` fulfils them, ``expire_hints`` forgets the stale ones.
+    may call any of them under its own lock. Its eviction order is queue-aware (``order``,
+    a ``LandingOrder``).
     """
 
     arena: ArenaInfo
+    order: LandingOrder
 
     def view(self, slot: int, nbytes: int) -> memoryview: ...
 
@@ -225,36 +263,15 @@ class LandingTier(Tier, Protocol):
 
     def slot_bytes(self, slot: int) -> int: ...
 
-    def parent(self, key: bytes) -> bytes | None:
-        """The page before ``key`` in its prefix, as its writer named it (None: not known);
-        a page written down takes it along (the lower tier's eviction order)."""
-        ...
-
     def fits(self, page_bytes: int) -> bool:
         """Whether a page of ``page_bytes`` fits one slot at all."""
         ...
-
-    def hint(self, keys: list[bytes], eta: float) -> None: ...
-
-    def check_hints(self, num_keys: int) -> None:
-        """Raises LimitExceeded when ``num_keys`` more announced uses would pass the tier's limit."""
-        ...
-
-    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
-        """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
-        ...
-
-    def num_hinted(self) -> int: ...
-
-    def used(self, key: bytes, now: float) -> None: ...
-
-    def expire_hints(self, now: float) -> None: ...
 
 
 class TierWrapper:
     """Delegates every ``Tier`` method to ``inner``: the base of cross-cutting wrappers
     (fault injection, admission), which override what they change. Attributes beyond the
-    protocol (a landing tier's ``view``, ``hint``...) are looked up on ``inner`` too."""
+    protocol (a landing tier's ``view``...) are looked up on ``inner`` too."""
 
     def __init__(self, inner: Tier) -> None:
         self.inner = inner
@@ -262,6 +279,11 @@ class TierWrapper:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
+
+    @property
+    def order(self) -> Any:
+        """The inner tier's eviction order (a wrapper stores through, it evicts alike)."""
+        return self.inner.order
 
     def part(self, owner: str) -> Any:
         """The inner tier's part, through this wrapper when the inner tier is its own part."""
@@ -309,12 +331,6 @@ class TierWrapper:
 
     def purge_quarantine(self) -> int:
         return self.inner.purge_quarantine()
-
-    def touch(self, key: bytes) -> None:
-        self.inner.touch(key)
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        return self.inner.victim(pinned, page_bytes)
 
     def stored_keys(self) -> list[bytes]:
         return self.inner.stored_keys()

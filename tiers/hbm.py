@@ -3,8 +3,9 @@
 A pool is one allocation on a device, made once through the device seam
 (``kvstore.device_ops``: its own CUDA segment, or, with ``HbmTierConfig.device == "cpu"``,
 shared memory standing in for it in tests), carved into 4 KiB-aligned page slots by the
-same slab allocator as the host arena. The tier keeps its own index, LRU order and
-quarantine list under its own lock; copies in and out of the pool run outside it.
+same slab allocator as the host arena. The tier keeps its own index, LRU order
+(``order``) and quarantine list under its own lock; copies in and out of the pool run
+outside it.
 
 A pool is a trust domain, as a host arena is: whoever maps it reads and writes every slot.
 So there is one pool per tenant (``tiers/pools.py``), handed only to that tenant's engines
@@ -22,8 +23,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
 from kvstore.tiers.indexed import IndexedPages
+from kvstore.tiers.orders import LruOrder
 from kvstore.tiers.slab import SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ class HbmTier(IndexedPages):
         self.pool = self._device_pool.tensor
         self._allocator = SlabAllocator(base, capacity, config.slab_bytes)
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
-        self._order: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
+        self.order = LruOrder(self._lock)  # least recently used first (orders.py)
         logger.info("hbm pool on %s: %d MiB in %d slabs", self.ops.name, capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
@@ -112,8 +113,8 @@ class HbmTier(IndexedPages):
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                self._order[header.key] = None
-                self._order.move_to_end(header.key)
+                self.order.keys[header.key] = None
+                self.order.keys.move_to_end(header.key)
 
     def fits(self, page_bytes: int) -> bool:
         """Whether a page of ``page_bytes`` fits one slot at all."""
@@ -159,20 +160,9 @@ class HbmTier(IndexedPages):
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
-                    self._order.pop(key, None)
+                    self.order.keys.pop(key, None)
                     count += 1
         return count
-
-    # -- eviction order (LRU) ------------------------------------------------------------
-
-    def touch(self, key: bytes) -> None:
-        with self._lock:
-            if key in self._order:
-                self._order.move_to_end(key)
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        with self._lock:
-            return next((k for k in self._order if k not in pinned), None)
 
     def stored_keys(self) -> list[bytes]:
         with self._lock:
@@ -190,7 +180,7 @@ class HbmTier(IndexedPages):
     def close(self) -> None:
         with self._lock:
             self._pages.clear()
-            self._order.clear()
+            self.order.keys.clear()
         self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._device_pool.tensor = self.pool
         self._device_pool.release()  # the pool goes back to the device

@@ -7,8 +7,8 @@ The server holds an exclusive ``flock`` on the arena file while it lives; a serv
 the same node removes the arenas no one holds (their owner died, even by SIGKILL).
 Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the placement core
 (allocations and leases); this class keeps the arena, the stored-page index, its eviction
-order (eviction.py) and the pages it quarantined. It is the landing tier (base.LandingTier):
-every method is in memory, guarded by the tier's own lock.
+order (``order``: orders.py, eviction.py) and the pages it quarantined. It is the landing
+tier (base.LandingTier): every method is in memory, guarded by the tier's own lock.
 
 An anonymous arena (``anonymous=True``: one tenant's, see arenas.py) is a memfd, mode 0600,
 with no name in any filesystem: it is handed to its clients as a file descriptor, and it
@@ -25,15 +25,15 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.config import HostTierConfig
-from kvstore.errors import ConfigError, LimitExceeded, PageCorrupt
+from kvstore.errors import ConfigError, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
 from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
-from kvstore.tiers.eviction import HostResidency
 from kvstore.tiers.indexed import IndexedPages
+from kvstore.tiers.orders import HostOrder
 from kvstore.tiers.slab import ALIGN, SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -131,9 +131,9 @@ class HostTier(IndexedPages):
         self._buffer[: len(ARENA_MAGIC) + 16] = ARENA_MAGIC + token
         self._allocator = SlabAllocator(base + ARENA_HEADER_BYTES, capacity, config.slab_bytes)
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
-        self._order = HostResidency(segmented=config.eviction == "slru")
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
+        self.order = HostOrder(self._lock, config, self._allocator.capacity)  # eviction order and hints (orders.py)
         logger.info("host arena %s: %d MiB in %d slabs", self.path or "(anonymous)", capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
@@ -164,7 +164,7 @@ class HostTier(IndexedPages):
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                self._order.add(header.key, parent)
+                self.order.residency.add(header.key, parent)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = slot - self._base
@@ -214,7 +214,7 @@ class HostTier(IndexedPages):
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
-                    self._order.remove(key, evicted)
+                    self.order.residency.remove(key, evicted)
                     count += 1
         return count
 
@@ -223,66 +223,12 @@ class HostTier(IndexedPages):
             entry = self._pages.pop(key, None)
             if entry is None:
                 return None
-            self._order.remove(key)
+            self.order.residency.remove(key)
             return entry[0]
-
-    # -- eviction order ------------------------------------------------------------------
-
-    def touch(self, key: bytes) -> None:
-        with self._lock:
-            self._order.touch(key)
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        with self._lock:
-            return self._order.victim(pinned, self._hint_share(page_bytes))
-
-    def parent(self, key: bytes) -> bytes | None:
-        with self._lock:
-            return self._order.links.parent.get(key)
 
     def stored_keys(self) -> list[bytes]:
         with self._lock:
             return list(self._pages)
-
-    def hint(self, keys: list[bytes], eta: float) -> None:
-        """Raises LimitExceeded, holding nothing new, when the announced uses held would pass
-        ``config.max_hints`` (every announced use costs memory until its eta plus grace)."""
-        with self._lock:
-            held = len(self._order.due)
-            if held + len(keys) > self.config.max_hints:
-                raise LimitExceeded(f"{held} hinted keys are held, {len(keys)} more would pass the limit of "
-                                    f"{self.config.max_hints} (--max-hints); nothing was hinted")
-            for depth, key in enumerate(keys):
-                self._order.hint(key, eta, depth)
-
-    def check_hints(self, num_keys: int) -> None:
-        """Raises LimitExceeded when ``num_keys`` more announced uses would pass
-        ``config.max_hints`` (a caller announcing several batches checks them whole first)."""
-        with self._lock:
-            held = len(self._order.due)
-            if held + num_keys > self.config.max_hints:
-                raise LimitExceeded(f"{held} hinted keys are held, {num_keys} more would pass the limit of "
-                                    f"{self.config.max_hints} (--max-hints); nothing was hinted")
-
-    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
-        with self._lock:
-            return len(self._order.hinted) + num_pages <= self._hint_share(page_bytes)
-
-    def num_hinted(self) -> int:
-        """Keys with an announced use still ahead (resident or not)."""
-        with self._lock:
-            return len(self._order.hints)
-
-    def used(self, key: bytes, now: float) -> None:
-        with self._lock:
-            self._order.consume(key, now)
-
-    def expire_hints(self, now: float) -> None:
-        with self._lock:
-            self._order.expire(now, self.config.hint_grace_s)
-
-    def _hint_share(self, page_bytes: int) -> int:
-        return int(self.config.hint_share * self._allocator.capacity // max(1, page_bytes))
 
     # -- index ---------------------------------------------------------------------------
 

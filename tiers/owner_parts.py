@@ -4,7 +4,8 @@ core sees.
 
 A slot number says which part it is in (part ``i`` numbers its slots from ``i << PART_BITS``),
 a key is in at most one part (its namespace's owner's), and what must happen in one owner's
-part (reserving a slot, choosing a victim) is asked of that part, ``part(owner)``. A part is
+part (reserving a slot, choosing a victim with its ``order``) is asked of that part, ``part(owner)``;
+the order of the whole (``order``, orders.PartsOrder) answers a caller that names no owner. A part is
 made at its owner's first use (``_make``) and lives as long as the server: clients and engines
 hold mappings of it.
 
@@ -71,7 +72,8 @@ class OwnerParts(Generic[P]):
     def _at(self, slot: int) -> P:
         return self._parts[slot >> PART_BITS]
 
-    def _holder(self, key: bytes) -> P | None:
+    def holder(self, key: bytes) -> P | None:
+        """The part that holds ``key`` (None: none does)."""
         return next((part for part in list(self._parts) if part.contains(key)), None)
 
     # -- slots: in the part their number names -------------------------------------------
@@ -103,7 +105,7 @@ class OwnerParts(Generic[P]):
 
     def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
         for index, page in enumerate(pages):
-            part = self._holder(page[0])
+            part = self.holder(page[0])
             if part is None:
                 return ReadResult(index)
             result = part.read_into([page])
@@ -112,21 +114,21 @@ class OwnerParts(Generic[P]):
         return ReadResult(len(pages))
 
     def contains(self, key: bytes) -> bool:
-        return self._holder(key) is not None
+        return self.holder(key) is not None
 
     def header(self, key: bytes) -> PageHeader | None:
-        part = self._holder(key)
+        part = self.holder(key)
         return part.header(key) if part is not None else None
 
     def slot_of(self, key: bytes) -> int | None:
-        part = self._holder(key)
+        part = self.holder(key)
         return part.slot_of(key) if part is not None else None
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         return sum(part.delete(keys, evicted) for part in self.parts())
 
     def quarantine(self, key: bytes, reason: str) -> None:
-        part = self._holder(key)
+        part = self.holder(key)
         if part is not None:
             part.quarantine(key, reason)
 
@@ -135,11 +137,6 @@ class OwnerParts(Generic[P]):
 
     def purge_quarantine(self) -> int:
         return sum(part.purge_quarantine() for part in self.parts())
-
-    def touch(self, key: bytes) -> None:
-        part = self._holder(key)
-        if part is not None:
-            part.touch(key)
 
     def stored_keys(self) -> list[bytes]:
         return [key for part in self.parts() for key in part.stored_keys()]

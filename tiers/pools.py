@@ -20,12 +20,11 @@ host arenas); what is the pools' own is here: how one is made, the token of each
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from kvstore.config import HbmTierConfig
 from kvstore.device_ops import DeviceOps, ops_for_pool
 from kvstore.errors import TierFull
 from kvstore.tiers.hbm import HbmTier, check_device
+from kvstore.tiers.orders import PartsOrder
 from kvstore.tiers.owner_parts import PART_BITS, UNOWNED, OwnerParts
 from kvstore.tiers.slab import round_up
 
@@ -43,6 +42,7 @@ class TenantPools(OwnerParts[HbmTier]):
         self.config = config
         self.ops = ops or ops_for_pool(check_device(config))
         self.per_tenant = per_tenant
+        self.order = PartsOrder(self, list)  # a victim of any pool, the first made first
         if not per_tenant:
             self.part(UNOWNED)  # made at start: a device that cannot hold it refuses the server at once
 
@@ -61,7 +61,3 @@ class TenantPools(OwnerParts[HbmTier]):
 
     def fits(self, page_bytes: int) -> bool:
         return 0 < round_up(page_bytes) <= self.config.slab_bytes  # every pool's slabs are of this size
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        """The next victim of any pool (room is made in one owner's pool with ``part(owner).victim``)."""
-        return next((v for pool in self.parts() if (v := pool.victim(pinned, page_bytes)) is not None), None)

@@ -14,7 +14,7 @@ checksum before the page counts.
 
 Thread-safety: ``_lock`` guards the in-memory map, the slot allocator and the LRU order,
 and is held only for in-memory work; disk reads and writes run without it, index
-transactions under the index's own lock (ssd_index.py). Eviction order: least recently
+transactions under the index's own lock (ssd_index.py). Eviction order (``order``, orders.py): least recently
 used first (a page counts as used when it is stored or read into the host tier), the tail
 of its prefix before its head (chains.TailFirst: pages are stored and read head first, so
 plain LRU would take the head, and with it the whole prefix, first); each page's
@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from kvstore.page import (
 from kvstore.pagecopy import copy_checksum_bytes
 from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 from kvstore.tiers.chains import TailFirst
+from kvstore.tiers.orders import TailFirstOrder
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
@@ -91,6 +92,7 @@ class SsdTier(SsdWrites):
         self._pages: OrderedDict[bytes, tuple[int, PageHeader | bytes]] = OrderedDict()
         self._chains = TailFirst()  # which page comes before which, for the eviction order
         self._lock = threading.Lock()
+        self.order = TailFirstOrder(self._lock, self._pages, self._chains)  # LRU, tail first (orders.py)
         self._local = threading.local()
         self._staging = StagingPool()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-verify")  # checks beside reads
@@ -330,17 +332,6 @@ class SsdTier(SsdWrites):
 
     def purge_quarantine(self) -> int:
         return self._index.purge_quarantine()
-
-    # -- eviction order ------------------------------------------------------------------
-
-    def touch(self, key: bytes) -> None:
-        with self._lock:
-            if key in self._pages:
-                self._pages.move_to_end(key)
-
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        with self._lock:
-            return self._chains.victim(self._pages, self._pages.__contains__, pinned)
 
     def stored_keys(self) -> list[bytes]:
         with self._lock:

@@ -51,17 +51,17 @@ def test_ssd_evicts_a_chain_tail_first_and_keeps_its_links_across_a_restart(tmp_
         _store(tier, chain[:3], [None, chain[0], chain[1]])
         _store(tier, other, [None, other[0]])
         _store(tier, chain[3:], chain[2:5])  # a later batch of the same prefix
-        assert tier.victim(set(), LAYOUT.page_bytes) == chain[5]
+        assert tier.order.victim(set(), LAYOUT.page_bytes) == chain[5]
         for key in chain:  # read again (a read-up touches head first): the chain is newest now
-            tier.touch(key)
-        assert tier.victim(set(), LAYOUT.page_bytes) == other[1]
-        assert tier.victim({other[1]}, LAYOUT.page_bytes) == chain[5]  # a reader of other[1] keeps other[0]
+            tier.order.touch(key)
+        assert tier.order.victim(set(), LAYOUT.page_bytes) == other[1]
+        assert tier.order.victim({other[1]}, LAYOUT.page_bytes) == chain[5]  # a reader of other[1] keeps other[0]
     finally:
         tier.close()
     tier = SsdTier(config)  # a restart: the links come back from the index
     try:
         got = []
-        while (victim := tier.victim(set(), LAYOUT.page_bytes)) is not None:
+        while (victim := tier.order.victim(set(), LAYOUT.page_bytes)) is not None:
             got.append(victim)
             tier.delete([victim], evicted=True)
         assert got.index(chain[5]) < got.index(chain[4]) < got.index(chain[3]) < got.index(chain[0]), \

@@ -167,8 +167,8 @@ def test_a_miss_is_a_value(tier: Tier) -> None:
         assert tier.delete([key]) == 0
     except OSError:
         assert isinstance(tier, FaultyTier)
-    tier.touch(key)
-    assert tier.victim(set(), PAGE.page_bytes) is None
+    tier.order.touch(key)
+    assert tier.order.victim(set(), PAGE.page_bytes) is None
     try:
         assert tier.read_into([(key, _buffer())]).num_read == 0
     except OSError:
@@ -225,11 +225,11 @@ def test_full_is_none_and_room_comes_from_victims(tier: Tier, case: Case) -> Non
         stored += _store(tier, case.faults is not None, [len(stored)])
         slot = tier.reserve(PAGE.page_bytes)
     keys = {_page(i)[0].key for i in stored}
-    assert tier.victim(keys, PAGE.page_bytes) is None, "every page pinned: no victim"
-    victim = tier.victim(set(), PAGE.page_bytes)
+    assert tier.order.victim(keys, PAGE.page_bytes) is None, "every page pinned: no victim"
+    victim = tier.order.victim(set(), PAGE.page_bytes)
     assert victim in keys and tier.contains(victim), "victim names a page and leaves it in place"
     pinned = keys - {victim}
-    assert tier.victim(pinned, PAGE.page_bytes) == victim
+    assert tier.order.victim(pinned, PAGE.page_bytes) == victim
     try:
         assert tier.delete([victim], evicted=True) == 1
     except OSError:
