@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, directory_pb2
-from kvstore.bench.common.harness import percentile, start_server
+from kvstore.bench.common.harness import percentile, scratch_dir, start_server
 from kvstore.client import KVStoreClient
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
@@ -109,12 +107,12 @@ async def _measure(args: argparse.Namespace, address: str) -> dict[str, list[flo
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-calls-"))
-    server, address = start_server(work, 256 << 20, 1 << 30, "--tiers", "host")
-    try:
-        times = asyncio.run(_measure(args, address))
-    finally:
-        server.stop()
+    with scratch_dir("kvstore-bench-calls-") as work:
+        server, address = start_server(work, 256 << 20, 1 << 30, "--tiers", "host")
+        try:
+            times = asyncio.run(_measure(args, address))
+        finally:
+            server.stop()
     rows = [{"way": name, "median_ms": round(percentile(v, 0.5) * 1e3, 4), "p90_ms": round(percentile(v, 0.9) * 1e3, 4),
              "calls": len(v)} for name, v in times.items()]
     return {"pages": args.pages, "rounds": args.rounds, "rows": rows}

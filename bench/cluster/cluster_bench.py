@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from kvstore.bench.cluster.cluster_paired import random_kv as _kv
 from kvstore.bench.cluster.cluster_scale import lookup_rate, plot
 from kvstore.bench.common.cluster_procs import Etcd, Node, start_nodes
 from kvstore.bench.common.cpu_floor import print_cpu_rows
+from kvstore.bench.common.harness import scratch_dir
 from kvstore.bench.replay.replay_bench import load_trace
 from kvstore.bench.replay.replay_pool import pooled_vs_isolated, print_pool
 from kvstore.client import KVStoreClient
@@ -141,8 +141,12 @@ def _shards(workdir: Path, etcd: Etcd, args: argparse.Namespace, phases: set[str
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    with scratch_dir("kvstore-bench-cluster-") as workdir:
+        return _run(args, workdir)
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     phases = _phases(args.phases)
-    workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-cluster-"))
     etcd = Etcd(workdir)
     nbytes = args.pages * BIG.page_bytes
     host = f"{max(512, (args.rounds + 2) * nbytes >> 20)}MiB"  # every prefix of the rounds fits: no eviction mid-bench

@@ -5,11 +5,14 @@ from __future__ import annotations
 import collections
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,19 @@ def free_port() -> int:
     with socket.socket() as s:  # no room outside the ephemeral range (a host that made it the whole space)
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A new directory for one run's servers and etcd, removed when the run ends well; kept
+    when it raised (its logs say why), and named on stderr then."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"the run's files (server and etcd logs) are kept in {path}", file=sys.stderr)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def stop_process(proc: subprocess.Popen[Any] | None, timeout_s: float = 30.0) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,3 +33,21 @@ def test_stop_process_resumes_a_stopped_child_and_ends_it() -> None:
     stop_process(proc, 10)
     assert proc.returncode == -signal.SIGTERM  # it acted on SIGTERM once resumed, no SIGKILL needed
     stop_process(proc)  # a second stop of an ended child is a no-op
+
+
+def test_a_scratch_dir_goes_with_a_run_that_ended_well_and_stays_with_one_that_failed(capsys) -> None:
+    """Bug: kvstore-bench cluster and calls left their servers' and etcd's directory in /tmp
+    after every run (86 of them here)."""
+    from kvstore.bench.common.harness import scratch_dir
+
+    with scratch_dir("kvstore-test-scratch-") as ok:
+        (ok / "etcd.log").write_text("x")
+    assert not ok.exists()
+    try:
+        with scratch_dir("kvstore-test-scratch-") as failed:
+            (failed / "etcd.log").write_text("x")
+            raise RuntimeError("the run failed")
+    except RuntimeError:
+        pass
+    assert (failed / "etcd.log").exists() and str(failed) in capsys.readouterr().err
+    shutil.rmtree(failed)
