@@ -94,6 +94,9 @@ class TokenLog:
                     raise InvalidRequest(f"session {session_id!r}: the append at {expected_length} conflicts with the "
                                          "tokens logged there (another writer?)")
                 return length
+            if expected_length != length and raw is None:
+                raise InvalidRequest(f"session {session_id!r} has no log here (never appended to, or ended: EndSession, or "
+                                     f"idle past --session-idle-s), the append expects {expected_length} tokens logged")
             if expected_length != length:
                 raise InvalidRequest(f"session {session_id!r} has {length} tokens logged, the append expects {expected_length}")
             if charge is not None:

@@ -18,7 +18,7 @@ from support.tenants import A, Caller, new_ns, tenant_config, tenant_grants
 
 from kvstore._proto import data_pb2
 from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError, TierUnavailable
+from kvstore.errors import ConfigError, InvalidRequest, TierUnavailable
 from kvstore.server import Server
 from kvstore.server.session_owners import FREEZING, INCOMING, OWNED, Ownership
 from kvstore.server.tokenlog import TokenLog
@@ -208,3 +208,19 @@ async def test_a_session_whose_migration_is_undecided_is_not_idled_out(server_fa
         clock.now += 101.0
         assert server.session_expiry.sweep() == 1, "owned again, it idles out as any session"
         assert await client.read_session("freezing") is None
+
+
+async def test_an_append_to_a_session_that_idled_out_says_so(server_factory, ns) -> None:
+    """A writer whose session idled out under it (the vLLM connector, client/session.py) appends
+    at the length it knows: the answer is INVALID_ARGUMENT saying the session has no log here and
+    why it may have gone, not only a length mismatch ("has 0 tokens logged"), and logs nothing."""
+    server = server_factory(session_idle_s=100.0)
+    clock = Clock(time.monotonic())
+    server.wal.monotonic = clock
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.append_tokens("s", [1, 2, 3], expected_length=0, sync=True) == 3
+        clock.now += 101.0
+        assert server.session_expiry.sweep() == 1
+        with pytest.raises(InvalidRequest, match="idle past --session-idle-s"):
+            await client.append_tokens("s", [4], expected_length=3, sync=True)
+        assert await client.read_session("s") is None
