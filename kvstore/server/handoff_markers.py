@@ -144,15 +144,19 @@ class HandoffMarkers:
         self._changed.notify_all()
         return True
 
-    def _drop(self, marker: Marker) -> None:
-        """Out of the table, its pins released: nothing of it is left."""
+    def _drop(self, marker: Marker, only_if: Callable[[], bool] | None = None) -> bool:
+        """Out of the table, its pins released: nothing of it is left. ``only_if``: decided
+        again under the lock, where it is dropped (a wait may have come in since); False: kept."""
         with self._changed:
-            self._forget(marker)
+            if only_if is not None and not only_if():
+                return False
+            forgot = self._forget(marker)
             leases, marker.leases = marker.leases, []
             marker.pinned.clear()
             marker.handed.clear()
         for lease in leases:
             self.core.release(lease)
+        return forgot
 
     # -- pages arriving -----------------------------------------------------------------
     def arrived(self, marker: Marker, keys: list[bytes], pushed: bool = False, complete: list[bytes] | None = None) -> None:
@@ -220,10 +224,7 @@ class HandoffMarkers:
     def _left(self, marker: Marker) -> int:
         """The caller left mid-wait: nothing is handed, and a marker no other wait reads is
         dropped with its pins (a page pushed later makes it again, for its ttl at most)."""
-        with self._changed:
-            alone = marker.waiters == 1 and not marker.handed
-        if alone:
-            self._drop(marker)
+        self._drop(marker, only_if=lambda: marker.waiters == 1 and not marker.handed)
         return 0
 
     def wake(self) -> None:
@@ -273,14 +274,20 @@ class HandoffMarkers:
     def expire(self) -> int:
         """Drops the markers past their ttl or of a namespace that moved to another generation; returns how many."""
         now = self.clock()
+
+        def due(m: Marker) -> bool:
+            return not m.waiters and (m.expires <= now or self.core.directory.generation(m.namespace_id) != m.generation)
+
         with self._changed:
-            gone = [m for m in self._markers.values() if not m.waiters and (
-                m.expires <= now or self.core.directory.generation(m.namespace_id) != m.generation)]
+            gone = [m for m in self._markers.values() if due(m)]
+        dropped = 0
         for marker in gone:
-            logger.info("handoff %s of tenant %r dropped (%s), %d pages let go", marker.handoff_id.hex()[:8], marker.tenant,
-                        "ttl" if marker.expires <= now else "invalidated", len(marker.pinned))
-            self._drop(marker)
-        return len(gone)
+            pages = len(marker.pinned)
+            if self._drop(marker, only_if=lambda marker=marker: due(marker)):  # a wait or an open since keeps it
+                dropped += 1
+                logger.info("handoff %s of tenant %r dropped (%s), %d pages let go", marker.handoff_id.hex()[:8],
+                            marker.tenant, "ttl" if marker.expires <= now else "invalidated", pages)
+        return dropped
 
     def _sweep(self) -> None:
         while not self._stop.wait(self._next_due()):

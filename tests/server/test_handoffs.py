@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+import threading
 import time
 
 import pytest
@@ -157,6 +159,54 @@ async def test_a_wait_cancelled_with_pages_held_leaves_no_pin(server, ns, layout
             await asyncio.sleep(0.05)
         assert server.streams.num_open == 0 and len(server.handoffs) == 0
         assert await _leases(client) == 0, "the pages of a wait nobody reads are let go"
+
+
+async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns, layout) -> None:
+    """Bug: the wait whose caller left decided under the lock that no other wait read its marker,
+    then dropped it, with its pins, after letting the lock go: a second wait of the handoff that
+    came in between was handed the pages, and their pins went under it (until its acquire an
+    eviction could take them). The decision is made again where the marker is dropped. Here the
+    leaving wait's thread is held between the two (as the scheduler may hold it)."""
+    tokens = _tokens(9, 2, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=9)
+    markers = server.handoffs
+    drop, entered, release = markers._drop, threading.Event(), threading.Event()
+
+    def held_drop(*args: object, **kwargs: object) -> object:
+        if sys._getframe(1).f_code.co_name == "_left":  # the leaving wait's drop: held until the second wait has its answer
+            entered.set()
+            release.wait(10)
+        return drop(*args, **kwargs)
+
+    markers._drop = held_drop  # type: ignore[method-assign]
+    try:
+        async with KVStoreClient(server.address, ns) as client:
+            handoff = new_handoff_id()
+            await client.handoff_open(handoff, None, ttl_s=30.0)
+            first = tokens[: layout.page_tokens]
+            assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
+            leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
+            await asyncio.sleep(0.3)
+            leaving.cancel()
+            started = time.monotonic()
+            while not entered.is_set():
+                assert time.monotonic() - started < 10, "the cancelled wait did not leave"
+                await asyncio.sleep(0.02)
+            assert await client.put(tokens, kv) == len(tokens)
+            assert await client.handoff_complete(handoff, tokens) == len(tokens)
+            hit = await client.handoff_wait(handoff, tokens, deadline_s=5.0)
+            assert hit.num_tokens == len(tokens)
+            release.set()
+            while server.streams.num_open:  # the left wait's slot goes once its drop has run
+                assert time.monotonic() - started < 20, "the left wait did not end"
+                await asyncio.sleep(0.02)
+            assert len(markers) == 1 and await _leases(client) == 1, "the pages handed to the second wait stay pinned"
+            out = torch.zeros_like(kv)
+            assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
+            assert len(markers) == 0 and await _leases(client) == 0, "its acquire lets them go: nothing is left"
+    finally:
+        release.set()
+        markers._drop = drop  # type: ignore[method-assign]
 
 
 async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, ns, layout) -> None:
