@@ -98,9 +98,11 @@ class HandoffMarkers:
         return len(keys)
 
     # -- the table ----------------------------------------------------------------------
-    def open(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int) -> Marker:
+    def open(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int, waiter: bool = False) -> Marker:
         """The marker of the handoff, made if there is none (LimitExceeded past ``per_tenant``:
-        nothing made); a later open may only lengthen its ttl."""
+        nothing made); a later open may only lengthen its ttl. ``waiter``: the caller's ``wait``
+        (``registered=True``) follows, and it counts as the marker's reader from here on, so that
+        nothing (a wait that left, the ttl) drops the marker between the two."""
         key = (tenant, namespace_id, handoff_id)
         now = self.clock()
         generation = self.core.directory.generation(namespace_id)
@@ -116,6 +118,7 @@ class HandoffMarkers:
                 marker = Marker(tenant, namespace_id, handoff_id, generation, now + ttl_ms / 1000, ttl_ms)
                 self._markers[key] = marker
                 self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+            marker.waiters += waiter
             longer = now + ttl_ms / 1000 > marker.expires
             marker.expires = max(marker.expires, now + ttl_ms / 1000)
             marker.ttl_ms = max(marker.ttl_ms, ttl_ms)
@@ -182,7 +185,8 @@ class HandoffMarkers:
 
     # -- the decode side ----------------------------------------------------------------
     def wait(self, marker: Marker, keys: list[bytes], deadline_s: float, pull: Callable[[float], object] | None,
-             sees: Callable[[], bool] = lambda: True, alive: Callable[[], bool] = lambda: True) -> int:
+             sees: Callable[[], bool] = lambda: True, alive: Callable[[], bool] = lambda: True,
+             registered: bool = False) -> int:
         """Waits until every page of ``keys`` is held here, the marker is complete, or ``deadline_s``
         passed; returns the leading pages of ``keys`` held here for the caller (0 when the marker
         went: expired, or its namespace invalidated). ``pull(time_left_s)``: fetches ``keys``
@@ -191,11 +195,13 @@ class HandoffMarkers:
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
         false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short):
-        nothing is handed, and a marker no other wait reads goes with its pins at once."""
+        nothing is handed, and a marker no other wait reads goes with its pins at once.
+        ``registered``: ``open(waiter=True)`` counted this wait already."""
         end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
         step = 0.05
-        with self._changed:
-            marker.waiters += 1
+        if not registered:
+            with self._changed:
+                marker.waiters += 1
         try:
             while True:
                 if self._finished(marker, keys, sees):

@@ -209,6 +209,67 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
         markers._drop = drop  # type: ignore[method-assign]
 
 
+async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(server, ns, layout) -> None:
+    """Bug: a Wait counted as a reader of its marker only once its wait began, not when it opened
+    the marker: a wait that left in between dropped the marker as read by no other, and the second
+    wait then answered nothing at once, its pages complete and held here moments later (a decode
+    that recomputes what it was handed). The marker is opened and read in one step now. Here the
+    second wait's thread is held between the two (as the scheduler may hold it)."""
+    tokens = _tokens(10, 2, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=10)
+    markers = server.handoffs
+    wait, drop = markers.wait, markers._drop
+    second_in, left, go_on = threading.Event(), threading.Event(), threading.Event()
+    calls = 0
+
+    def held_wait(*args: object, **kwargs: object) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the second wait, its marker opened: held until the first one left
+            second_in.set()
+            go_on.wait(10)
+        return wait(*args, **kwargs)
+
+    def seen_drop(*args: object, **kwargs: object) -> object:
+        try:
+            return drop(*args, **kwargs)
+        finally:
+            if sys._getframe(1).f_code.co_name == "_left":
+                left.set()
+
+    markers.wait, markers._drop = held_wait, seen_drop  # type: ignore[method-assign]
+    try:
+        async with KVStoreClient(server.address, ns) as client:
+            handoff = new_handoff_id()
+            await client.handoff_open(handoff, None, ttl_s=30.0)
+            first = tokens[: layout.page_tokens]
+            assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
+            leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
+            started = time.monotonic()
+            while calls < 1:
+                assert time.monotonic() - started < 10, "the first wait did not begin"
+                await asyncio.sleep(0.02)
+            staying = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=10.0))
+            while not second_in.is_set():
+                assert time.monotonic() - started < 10, "the second wait did not open the marker"
+                await asyncio.sleep(0.02)
+            leaving.cancel()
+            while not left.is_set():
+                assert time.monotonic() - started < 10, "the cancelled wait did not leave"
+                await asyncio.sleep(0.02)
+            go_on.set()
+            assert await client.put(tokens, kv) == len(tokens)
+            assert await client.handoff_complete(handoff, tokens) == len(tokens)
+            hit = await staying
+            assert hit.num_tokens == len(tokens), "the second wait is handed the pages"
+            out = torch.zeros_like(kv)
+            assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
+            assert len(markers) == 0 and await _leases(client) == 0, "its acquire lets them go: nothing is left"
+    finally:
+        go_on.set()
+        markers.wait, markers._drop = wait, drop  # type: ignore[method-assign]
+
+
 async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, ns, layout) -> None:
     """The Handoff service gets random, truncated, mutated and valid payloads (as every other
     service does in test_bad_input.py): none answers INTERNAL or UNKNOWN or hangs, an undecodable

@@ -142,13 +142,14 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         left = context.time_remaining()
         deadline = min(request.deadline_ms / 1000, (left if left is not None else MAX_TTL_S) - _MARGIN_S)
         with self._waiting_slot(who.tenant, context):
-            marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms))
             reads = self.cluster_reads
             # the wait's deadline kept the answer's margin already: ClusterRuntime.fill keeps its own
             pull = (lambda time_left: reads.fill(who, ns, keys, time_left + _MARGIN_S)) if reads is not None else None
             context.add_callback(self.markers.wake)  # a cancelled wait ends now, its stream slot given back
+            # opened as its reader (nothing drops it before the wait reads it); the wait, called next, counts it off
+            marker = self.markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, request.deadline_ms), waiter=True)
             n = self.markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns),
-                                  alive=context.is_active)
+                                  alive=context.is_active, registered=True)
         return handoff_pb2.WaitHandoffResponse(num_pages=n, generation=marker.generation)
 
     @contextmanager
