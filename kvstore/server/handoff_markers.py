@@ -222,7 +222,7 @@ class HandoffMarkers:
                     if not self._finished(marker, keys, sees):  # under the lock: an arrival's notify is not missed
                         self._changed.wait(left if marker.pushed or pull is None else min(step, left))
                 step = min(2 * step, 0.4)
-            return self._hand(marker, keys) if sees() else self._hand(marker, [])
+            return self._hand(marker, keys if sees() else [], alive)
         finally:
             with self._changed:
                 marker.waiters -= 1
@@ -247,10 +247,13 @@ class HandoffMarkers:
             return True
         return self.held(marker.namespace_id, keys) == len(keys)
 
-    def _hand(self, marker: Marker, keys: list[bytes]) -> int:
+    def _hand(self, marker: Marker, keys: list[bytes], alive: Callable[[], bool] = lambda: True) -> int:
         """What the wait answers: the leading ``keys`` held here and pinned for the caller, who
         takes them over by acquiring them. Nothing (and the marker dropped) when the namespace
-        moved to another generation or nothing is held."""
+        moved to another generation or nothing is held; nothing either when the caller left
+        meanwhile (as its pages came, or during a pull): ``_left``."""
+        if not alive():
+            return self._left(marker)
         self.arrived(marker, keys)  # a page the pool brought, or held here before the marker
         live = self._markers.get(marker.key) is marker
         generation = self.core.directory.generation(marker.namespace_id)

@@ -270,6 +270,56 @@ async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(serv
         markers.wait, markers._drop = wait, drop  # type: ignore[method-assign]
 
 
+async def test_a_wait_whose_caller_left_as_its_pages_came_hands_nothing(server, ns, layout) -> None:
+    """Bug: a wait looked at its caller only while nothing was there for it: one whose caller left
+    as its pages came (or during a pull from the pool, which can take seconds) handed them anyway,
+    pinned for nobody until the handoff's ttl (up to 600 s: a wait's deadline lengthens it). It
+    looks once more as it hands them. Here the wait's thread is held from its pages' arrival until
+    the cancel reached the server."""
+    tokens = _tokens(11, 2, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=11)
+    markers = server.handoffs
+    hand, wake = markers._hand, markers.wake
+    handing, woken, go_on = threading.Event(), threading.Event(), threading.Event()
+
+    def held_hand(*args: object, **kwargs: object) -> int:
+        handing.set()
+        go_on.wait(10)
+        return hand(*args, **kwargs)
+
+    def seen_wake() -> None:
+        wake()
+        woken.set()
+
+    markers._hand, markers.wake = held_hand, seen_wake  # type: ignore[method-assign]
+    try:
+        async with KVStoreClient(server.address, ns) as client:
+            handoff = new_handoff_id()
+            await client.handoff_open(handoff, None, ttl_s=30.0)
+            first = tokens[: layout.page_tokens]
+            assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
+            leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
+            await asyncio.sleep(0.3)
+            assert await client.put(tokens, kv) == len(tokens)
+            assert await client.handoff_complete(handoff, tokens) == len(tokens)
+            started = time.monotonic()
+            while not handing.is_set():
+                assert time.monotonic() - started < 10, "the wait did not end"
+                await asyncio.sleep(0.02)
+            leaving.cancel()
+            while not woken.is_set():
+                assert time.monotonic() - started < 10, "the cancel did not reach the server"
+                await asyncio.sleep(0.02)
+            go_on.set()
+            while server.streams.num_open:
+                assert time.monotonic() - started < 20, "the left wait did not end"
+                await asyncio.sleep(0.02)
+            assert len(markers) == 0 and await _leases(client) == 0, "nothing is pinned for a caller that left"
+    finally:
+        go_on.set()
+        markers._hand, markers.wake = hand, wake  # type: ignore[method-assign]
+
+
 async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, ns, layout) -> None:
     """The Handoff service gets random, truncated, mutated and valid payloads (as every other
     service does in test_bad_input.py): none answers INTERNAL or UNKNOWN or hangs, an undecodable
