@@ -10,7 +10,7 @@ A session ends by EndSession, or when nothing was appended to it for the server'
 ``--session-idle`` (``expire_idle``): an engine cannot tell when a conversation is over, and
 a log never ended would hold its tenant's token quota for ever. Each session's meta record
 keeps its last append's time (it must outlive a restart); a record of the older format,
-without one, counts as appended when the log was opened. The time is the wall clock read once,
+without one, counts as appended when the log was first opened (it is given that time then). The time is the wall clock read once,
 when the log opens, moved on by the monotonic clock (``now``): a wall clock stepped forward
 meanwhile (NTP) ends no session that is not idle, one set back keeps none longer. A time ahead
 of ``now`` (the wall clock was set back before the restart) counts as the opening's.
@@ -18,6 +18,7 @@ of ``now`` (the wall clock was set back before the restart) counts as the openin
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -26,12 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from kvstore.config import TOKEN_LOG_MAP_BYTES
 from kvstore.errors import InvalidRequest
 from kvstore.lmdb_env import map_full, open_env
 from kvstore.types import NAMESPACE_ID_BYTES
+
+logger = logging.getLogger(__name__)
 
 _META = struct.Struct("<IQd")  # prompt tokens, total length, last append (unix time)
 _META_UNTIMED = struct.Struct("<IQ")  # the older format: prompt tokens, total length
@@ -56,9 +60,21 @@ class TokenLog:
         self._opened_mono = monotonic()
         self._lock = threading.Lock()
         self._tokens: Counter[bytes] = Counter()  # namespace -> tokens logged in its sessions (tenant quotas)
+        untimed = []
         with self.env.begin(db=self.meta_db) as txn:
             for sid, raw in txn.cursor():
                 self._tokens[bytes(sid[:NAMESPACE_ID_BYTES])] += _unpack(raw, self.opened_at)[1]
+                if len(raw) == _META_UNTIMED.size:
+                    untimed.append((bytes(sid), bytes(raw)))
+        if untimed:  # the older format: appended now, once (else every restart would count as an append)
+            try:
+                with self.env.begin(write=True) as txn:
+                    for sid, raw in untimed:
+                        txn.put(sid, _META.pack(*_META_UNTIMED.unpack(raw), self.opened_at), db=self.meta_db)
+                self.env.sync(True)
+            except lmdb.MapFullError:
+                logger.warning("the token log is full: %d sessions of the older format keep counting as appended at "
+                               "each opening", len(untimed))
 
     def now(self) -> float:
         """The time appends are stamped with and idle times measured on (the module docstring)."""

@@ -133,6 +133,29 @@ def test_a_wall_clock_set_back_across_a_restart_still_idles_a_session_out(tmp_pa
         wal.close()
 
 
+def test_a_record_of_the_older_format_idles_from_the_first_opening_not_every_restart(tmp_path) -> None:
+    """Bug: a record of the older format counted as appended when the log was opened, every time
+    it was opened, so a server restarted more often than its idle time never ended such a session.
+    The first opening writes its time into the record."""
+    TokenLog(tmp_path).close()
+    env = lmdb.open(str(tmp_path / "wal.lmdb"), max_dbs=3)
+    meta, chunks = env.open_db(b"meta"), env.open_db(b"chunks")
+    with env.begin(write=True) as txn:
+        txn.put(NS + b"old\0", (0).to_bytes(4, "little") + (1).to_bytes(8, "little"), db=meta)
+        txn.put(NS + b"old\0" + (0).to_bytes(8, "big"), (5).to_bytes(4, "little"), db=chunks)
+    env.close()
+    clock = Clock(5000.0)
+    TokenLog(tmp_path, clock=clock, monotonic=clock).close()  # upgraded at 5000
+    clock.now = 5080.0
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)  # restarted
+    try:
+        assert wal.read(NS, "old") == (0, [5])
+        clock.now = 5101.0
+        assert wal.expire_idle(100.0) == 1 and wal.tokens_of(NS) == 0
+    finally:
+        wal.close()
+
+
 def test_a_bad_idle_time_is_a_config_error(tmp_path) -> None:
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--session-idle-s"):
