@@ -1,7 +1,8 @@
 """Ends the sessions of the token log that nothing was appended to for ``--session-idle``
 (TokenLog.expire_idle): an engine cannot tell when a conversation is over, and a session
 never ended would hold its tenant's token-log quota for ever. Checked every quarter of the
-idle time, at most every minute, so a session goes at most that long after it idled out.
+idle time, but no less often than every minute nor more often than every MIN_PERIOD_S, so a session goes at most
+that long after it idled out.
 A session a live migration has not decided (being fenced here, or copied here) is kept: its
 writes are refused meanwhile (DESIGN §12.8)."""
 
@@ -17,6 +18,7 @@ from kvstore.server.tokenlog import TokenLog
 logger = logging.getLogger(__name__)
 
 MAX_PERIOD_S = 60.0
+MIN_PERIOD_S = 0.05  # however small the idle time: each round reads every session's record
 
 
 class SessionExpiry:
@@ -45,7 +47,7 @@ class SessionExpiry:
         return ended
 
     def _run(self) -> None:
-        period = min(MAX_PERIOD_S, self.idle_s / 4)
+        period = max(MIN_PERIOD_S, min(MAX_PERIOD_S, self.idle_s / 4))
         while not self._stopped.wait(period):
             try:
                 self.sweep()

@@ -20,6 +20,7 @@ from kvstore._proto import data_pb2
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError, InvalidRequest, TierUnavailable
 from kvstore.server import Server
+from kvstore.server.session_expiry import MIN_PERIOD_S
 from kvstore.server.session_owners import FREEZING, INCOMING, OWNED, Ownership
 from kvstore.server.tokenlog import TokenLog
 
@@ -247,3 +248,24 @@ async def test_an_append_to_a_session_that_idled_out_says_so(server_factory, ns)
         with pytest.raises(InvalidRequest, match="idle past --session-idle-s"):
             await client.append_tokens("s", [4], expected_length=3, sync=True)
         assert await client.read_session("s") is None
+
+
+def test_a_tiny_idle_time_does_not_spin_the_sweeper(server_factory) -> None:
+    """Bug: the sweeper ran every quarter of the idle time with no floor: --session-idle-s 1e-9
+    scanned every session's record back to back, a core kept busy for nothing. It runs at most
+    every MIN_PERIOD_S."""
+    server = server_factory(session_idle_s=1e-9)
+    expiry = server.session_expiry
+    sweeps = 0
+    sweep = expiry.sweep
+
+    def counted() -> int:
+        nonlocal sweeps
+        sweeps += 1
+        return sweep()
+
+    expiry.sweep = counted  # type: ignore[method-assign]
+    started = time.monotonic()
+    time.sleep(0.5)
+    took = time.monotonic() - started
+    assert sweeps <= took / MIN_PERIOD_S + 2, f"{sweeps} sweeps in {took:.2f} s"
