@@ -26,6 +26,7 @@ import platform
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,24 @@ TOP_PAD = 64 << 20
 ARENA_MAX = 2  # glibc's default is 8 per core: each thread's peak is kept in its own untrimmed heap
 
 
+def _libc_function(name: str, restype: Any, argtypes: list[Any]) -> Any:
+    """The C library's ``name``, typed; None where it has none (not glibc, or too old a one)."""
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype, fn.argtypes = restype, argtypes
+    return fn
+
+
 def tune_malloc() -> bool:
     """Keeps buffers up to 32 MiB on the heap and the heap untrimmed below 1 GiB, in at most
     ARENA_MAX heaps (untrimmed heaps per thread would each keep the peak of whatever request
     that thread parsed); False (logged at debug) where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        logger.debug("mallopt not available (C library %s); malloc left as is", name)
+    mallopt = _libc_function("mallopt", ctypes.c_int, [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
+        logger.debug("mallopt not available (C library %s); malloc left as is", ctypes.util.find_library("c"))
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD), (_M_TOP_PAD, TOP_PAD),
         (_M_ARENA_MAX, ARENA_MAX)))
@@ -64,17 +71,7 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _mallinfo2() -> Callable[[], _MallInfo2] | None:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
-    except (OSError, AttributeError, TypeError):  # not glibc, or one older than 2.33
-        return None
-    fn.restype = _MallInfo2
-    fn.argtypes = []
-    return fn
-
-
-_MALLINFO2 = _mallinfo2()
+_MALLINFO2: Callable[[], _MallInfo2] | None = _libc_function("mallinfo2", _MallInfo2, [])  # glibc >= 2.33
 
 
 def heap_bytes() -> dict[str, int] | None:
@@ -119,16 +116,6 @@ def without_tcache() -> None:
         logger.warning("could not restart with glibc's tcache off (%s); running with it", exc)
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class HeapTrimmer:
     """Gives the C heap's free pages back to the kernel every ``period_s`` (malloc_trim: the
     free space at the top and the whole pages inside free chunks; a few ms when there are
@@ -137,7 +124,7 @@ class HeapTrimmer:
     def __init__(self, period_s: float) -> None:
         self.period_s = period_s
         self.trims = 0
-        self._trim = _malloc_trim()
+        self._trim: Callable[[int], int] | None = _libc_function("malloc_trim", ctypes.c_int, [ctypes.c_size_t])
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heap-trim", daemon=True)
 
