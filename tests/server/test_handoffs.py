@@ -9,6 +9,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +22,14 @@ from kvstore.errors import InvalidRequest, LimitExceeded
 
 async def _leases(client: KVStoreClient) -> int:
     return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
+
+
+async def _until(done: Callable[[], object], what: str, within_s: float = 10.0) -> None:
+    """Polls ``done`` until it is true; fails naming ``what`` past ``within_s``."""
+    started = time.monotonic()
+    while not done():
+        assert time.monotonic() - started < within_s, what
+        await asyncio.sleep(0.02)
 
 
 def _tokens(seed: int, pages: int, page_tokens: int) -> list[int]:
@@ -189,9 +198,7 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             await asyncio.sleep(0.3)
             leaving.cancel()
             started = time.monotonic()
-            while not entered.is_set():
-                assert time.monotonic() - started < 10, "the cancelled wait did not leave"
-                await asyncio.sleep(0.02)
+            await _until(entered.is_set, "the cancelled wait did not leave")
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
             hit = await client.handoff_wait(handoff, tokens, deadline_s=5.0)
@@ -245,18 +252,11 @@ async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(serv
             first = tokens[: layout.page_tokens]
             assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
             leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
-            started = time.monotonic()
-            while calls < 1:
-                assert time.monotonic() - started < 10, "the first wait did not begin"
-                await asyncio.sleep(0.02)
+            await _until(lambda: calls >= 1, "the first wait did not begin")
             staying = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=10.0))
-            while not second_in.is_set():
-                assert time.monotonic() - started < 10, "the second wait did not open the marker"
-                await asyncio.sleep(0.02)
+            await _until(second_in.is_set, "the second wait did not open the marker")
             leaving.cancel()
-            while not left.is_set():
-                assert time.monotonic() - started < 10, "the cancelled wait did not leave"
-                await asyncio.sleep(0.02)
+            await _until(left.is_set, "the cancelled wait did not leave")
             go_on.set()
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
@@ -302,18 +302,11 @@ async def test_a_wait_whose_caller_left_as_its_pages_came_hands_nothing(server, 
             await asyncio.sleep(0.3)
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
-            started = time.monotonic()
-            while not handing.is_set():
-                assert time.monotonic() - started < 10, "the wait did not end"
-                await asyncio.sleep(0.02)
+            await _until(handing.is_set, "the wait did not end")
             leaving.cancel()
-            while not woken.is_set():
-                assert time.monotonic() - started < 10, "the cancel did not reach the server"
-                await asyncio.sleep(0.02)
+            await _until(woken.is_set, "the cancel did not reach the server")
             go_on.set()
-            while server.streams.num_open:
-                assert time.monotonic() - started < 20, "the left wait did not end"
-                await asyncio.sleep(0.02)
+            await _until(lambda: not server.streams.num_open, "the left wait did not end", 20)
             assert len(markers) == 0 and await _leases(client) == 0, "nothing is pinned for a caller that left"
     finally:
         go_on.set()
