@@ -24,6 +24,8 @@ from typing import Any, Protocol
 from google.protobuf.descriptor import FieldDescriptor as F
 from google.protobuf.message import Message
 
+from kvstore.page_wire.grpc_chunks import encode_varint
+
 _U32 = (0, 1, 2, 15, 16, 17, 4096, 2**31 - 1, 2**31, 2**32 - 1)
 _I32 = (0, 1, -1, 2**31 - 1, -(2**31))
 _U64 = (0, 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1)
@@ -146,7 +148,7 @@ def _huge(msg: Message, field: Any, values: Values, rng: random.Random) -> None:
     if isinstance(sample, (bytes, str)):
         each = len(sample) + 3
     else:
-        each = len(_varint(sample)) if isinstance(sample, int) and sample >= 0 else 10
+        each = len(encode_varint(sample)) if isinstance(sample, int) and sample >= 0 else 10
     count = min(rng.choice((65_536, 65_537, 100_000, (1 << 20) + 1)), HUGE_BYTES // each)
     container.extend([sample] * count)
 
@@ -207,17 +209,8 @@ def mutate(msg: Message, values: Values, rng: random.Random) -> list[str]:
     return done
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _tag(number: int, wire_type: int) -> bytes:
-    return _varint((number << 3) | wire_type)
+    return encode_varint((number << 3) | wire_type)
 
 
 def _insert(raw: bytes, at: int, extra: bytes) -> bytes:
@@ -230,10 +223,10 @@ _ENCODING_OPS: list[tuple[str, Callable[[bytes, random.Random], bytes]]] = [
     ("extend", lambda raw, rng: raw + random_bytes(rng, rng.choice((1, 7, 64, 1000)))),
     ("insert", lambda raw, rng: _insert(raw, rng.randint(0, len(raw)), random_bytes(rng, rng.choice((1, 3, 16))))),
     ("doubled", lambda raw, rng: raw + raw),  # every field twice: repeated ones doubled, scalars last-wins
-    ("unknown-field", lambda raw, rng: raw + _tag(rng.choice((15, 1000, 2**29 - 1)), 2) + _varint(3) + b"abc"),
+    ("unknown-field", lambda raw, rng: raw + _tag(rng.choice((15, 1000, 2**29 - 1)), 2) + encode_varint(3) + b"abc"),
     ("wrong-wire-type", lambda raw, rng: _tag(rng.randint(1, 9), rng.choice((0, 1, 5))) + b"\x01\x02\x03\x04\x05\x06\x07\x08" + raw),
     ("overlong-varint", lambda raw, rng: raw + _tag(rng.randint(1, 9), 0) + b"\xff" * 11),
-    ("length-past-end", lambda raw, rng: raw + _tag(rng.randint(1, 9), 2) + _varint(rng.choice((100, 2**31, 2**62)))),
+    ("length-past-end", lambda raw, rng: raw + _tag(rng.randint(1, 9), 2) + encode_varint(rng.choice((100, 2**31, 2**62)))),
     ("nested-groups", lambda raw, rng: raw + _tag(rng.randint(1, 9), 3) * rng.choice((10, 200, 5000))),
     ("zero-tag", lambda raw, rng: b"\x00" + raw),
 ]

@@ -55,7 +55,7 @@ _DATA_TAG = (_DATA_FIELD << 3) | 2  # field 7, length-delimited
 _CHECKSUM_TAG = (5 << 3) | 0  # field 5, varint
 
 
-def _encode_varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -64,7 +64,7 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-_DATA_TAG_BYTES = _encode_varint(_DATA_TAG)
+_DATA_TAG_BYTES = encode_varint(_DATA_TAG)
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def encode_chunk(meta: data_pb2.PageChunk, *parts: Any) -> bytes:
     encoded PageChunk; the payload is copied once (bytes.join releases the GIL for large
     copies)."""
     size = sum(memoryview(part).nbytes for part in parts)
-    return b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size), *parts))
+    return b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, encode_varint(size), *parts))
 
 
 class Pieces(Protocol):
@@ -121,7 +121,7 @@ def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data
     if page_checksum is None and size <= chunk_bytes:
         meta = data_pb2.PageChunk(key=key, page_bytes=size, durable=durable, namespace_id=namespace_id, layout=layout, flags=flags,
                                   parent=parent, **named)
-        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(size)))
+        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, encode_varint(size)))
         yield frame_checksummed(head, rows, _CHECKSUM_TAG)[0]
         return
     if page_checksum is None:
@@ -145,7 +145,7 @@ def checked_page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layo
     view = memoryview(data).cast("B")
     if len(view) <= chunk_bytes:
         meta = data_pb2.PageChunk(key=key, page_bytes=len(view), namespace_id=namespace_id, layout=layout)
-        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, _encode_varint(len(view))))
+        head = b"".join((meta.SerializeToString(), _DATA_TAG_BYTES, encode_varint(len(view))))
         message, found = frame_checksummed(head, np.frombuffer(view, dtype=np.uint8).reshape(1, -1), _CHECKSUM_TAG)
         return [message] if found == page_checksum else None
     copy = bytes(view)
