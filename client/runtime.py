@@ -59,6 +59,12 @@ def _set_done(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """Marks ``future``'s exception as read, so asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Job:
     """One coroutine submitted to the runtime loop: its result (``result``, a
     concurrent.futures.Future, for any thread), and a way to cancel it that leaves the result
@@ -200,7 +206,9 @@ class Runtime:
             await settled
         except asyncio.CancelledError:
             job.cancel()
-            await asyncio.wait([asyncio.wrap_future(job.result)])
+            unwound = asyncio.wrap_future(job.result)
+            unwound.add_done_callback(_read_outcome)  # the caller left: what the job ended with is nobody's to raise
+            await asyncio.wait([unwound])
             raise
         return job.result.result()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import logging
 import math
@@ -37,6 +38,7 @@ logger = logging.getLogger("kvstore.server")
 
 
 DEFAULT_SWITCH_INTERVAL_MS = 0.5
+STOP_TIMEOUT_S = 15.0  # past gRPC's 5 s grace for calls in flight and the threads' 5 s joins
 MIN_SWITCH_INTERVAL_MS = 0.001  # CPython's resolution (1 us)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
 _LIMIT_FLAGS: list[tuple[str, type, str]] = [
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heap-trim-s", type=float, default=HEAP_TRIM_S,
                    help="give the C heap's free pages back to the kernel this often (0: never; a long-running server "
                         "otherwise grows under churn)")
+    p.add_argument("--stop-timeout-s", type=float, default=STOP_TIMEOUT_S,
+                   help="a stop (SIGTERM, SIGINT) still running after this long writes every thread's stack to stderr "
+                        "and exits 1, as a crash would (what was acknowledged is on disk already); 0: wait for ever")
     p.add_argument("--malloc-tcache", choices=("off", "on"), default="off",
                    help="glibc's per-thread cache of freed chunks; off (the server restarts itself once at start with "
                         "GLIBC_TUNABLES set, unless that names a tcache count already): its memory stays bounded")
@@ -252,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.heap_trim_s >= 0 and math.isfinite(args.heap_trim_s)):
         print(f"kvstore-server: --heap-trim-s must be a number of seconds >= 0, got {args.heap_trim_s}", file=sys.stderr)
         return 2
+    if not (args.stop_timeout_s >= 0 and math.isfinite(args.stop_timeout_s)):
+        print(f"kvstore-server: --stop-timeout-s must be a number of seconds >= 0, got {args.stop_timeout_s}", file=sys.stderr)
+        return 2
     trimmer = HeapTrimmer(args.heap_trim_s)
     from kvstore.server import Server
 
@@ -287,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)  # re-read --auth-file (revoked tokens stop working)
     print(f"kvstore-server ready on {server.address}", flush=True)
-    done.wait()
+    while not done.wait(1.0):  # timed: a signal taken by another thread wakes no untimed wait of the main one
+        pass
+    if args.stop_timeout_s > 0:  # a stop that hangs says where, and ends
+        faulthandler.dump_traceback_later(args.stop_timeout_s, exit=True)
     trimmer.stop()
     server.stop()
+    faulthandler.cancel_dump_traceback_later()
     return 0
 
 

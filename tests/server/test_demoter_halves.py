@@ -170,3 +170,57 @@ def test_where_the_os_refuses_the_idle_class_the_background_half_runs_at_demote_
     finally:
         demoter.stop()
         core.close()
+
+
+def _wait_class(native_id: int, policy: int) -> bool:
+    deadline = time.monotonic() + 10
+    while os.sched_getscheduler(native_id) != policy:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_stop_lifts_the_idle_class_threads_it_waits_for(tmp_path) -> None:
+    """A stop waits for the background half's round and the idle verifier's checks; in the idle
+    class they run only on CPU nobody else wants, so on a busy host the stop hung (a CI run's
+    server took over 20 s to stop). As a privileged process (these tests run as root) the stop
+    first puts them back in the normal class."""
+    assert os.geteuid() == 0, "lifting a thread out of the idle class needs CAP_SYS_NICE"
+    core = Placement(_config(tmp_path))
+    demoter = Demoter(core, idle_s=0.02)
+    in_round, release, tids = threading.Event(), threading.Event(), []
+    demote_one = core.demote_one
+
+    def held() -> bool:
+        if threading.current_thread().name == "demoter" and not release.is_set():
+            tids.append(threading.get_native_id())
+            in_round.set()
+            release.wait(30)
+        return demote_one()
+
+    core.demote_one = held  # type: ignore[method-assign]
+    demoter.start()
+    stopping = threading.Thread(target=demoter.stop)
+    try:
+        assert in_round.wait(10)
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_IDLE
+        stopping.start()
+        assert _wait_class(tids[0], os.SCHED_OTHER), "the stop left the demoter's round in the idle class"
+    finally:
+        release.set()
+        stopping.join(30)
+    behind = core.moves._behind_verifier
+    busy, go = threading.Event(), threading.Event()
+    verifier_tid = behind.submit(lambda: (busy.set(), go.wait(30), threading.get_native_id())[-1])
+    closing = threading.Thread(target=core.close)
+    try:
+        assert busy.wait(10)
+        tid = core.moves._behind_tids[0]
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        closing.start()
+        assert _wait_class(tid, os.SCHED_OTHER), "the close left the idle verifier in the idle class"
+    finally:
+        go.set()
+        closing.join(30)
+    assert verifier_tid.result(10) == tid

@@ -89,9 +89,24 @@ class ServerProcess:
         self.proc.wait(10)
 
     def terminate(self) -> int:
+        """SIGTERM and the exit code; a stop that fails or hangs fails with the server's stderr
+        (the stacks a hung stop writes at --stop-timeout-s)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
+        try:
+            code = self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"the server did not stop within 20 s of SIGTERM:\n{self._stderr_tail()}") from None
+        if code != 0:
+            print(f"the server exited {code} on SIGTERM:\n{self._stderr_tail()}", file=sys.stderr)
+        return code
+
+    def _stderr_tail(self) -> str:
+        """The last 20,000 characters of a stopped server's stderr (nothing if it was read already)."""
+        assert self.proc is not None
+        return self.proc.stderr.read()[-20_000:] if self.proc.stderr is not None and not self.proc.stderr.closed else ""
 
     def close_pipes(self) -> None:
         """Closes this side of the last run's stdout and stderr (a run's pipes outlive it otherwise)."""

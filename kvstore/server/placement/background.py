@@ -8,7 +8,9 @@ server waiting for its disk is most of it. ``normal`` keeps it in the normal cla
 ``--demote-nice``. A thread inherits the class of the thread that starts it, so a pool
 worker that must run in the foreground is started by a foreground thread. An unprivileged
 thread cannot leave SCHED_IDLE again, so no thread switches back: the demoter's urgent
-half (demoter.py) is a thread of its own.
+half (demoter.py) is a thread of its own. At stop, where the OS lets it (CAP_SYS_NICE), the
+server puts its lowered threads back in the normal class (``lift``): the stop waits for their
+round, and a busy host gives the idle class next to no CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ def run_behind(sched: str, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # a thread's id is a process id to it
         except OSError as exc:
             logger.warning("%s runs at normal priority: %s", threading.current_thread().name, exc)
+
+
+def lift(native_id: int | None) -> None:
+    """Puts the thread ``native_id`` back in the normal class at niceness 0, where the OS lets
+    this process (an unprivileged one may not: the thread then stays where it is)."""
+    if native_id is None:
+        return
+    try:
+        os.sched_setscheduler(native_id, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, native_id, 0)
+    except (OSError, AttributeError) as exc:  # EPERM unprivileged; ESRCH it ended
+        logger.debug("thread %d stays behind: %s", native_id, exc)
 
 
 def is_behind() -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvstore.server.placement.background import run_behind
+from kvstore.server.placement.background import lift, run_behind
 from kvstore.server.placement.core import Placement
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class Demoter:
         self._stopped.set()
         self.core.pressure.set()  # wakes them
         self.core.starved.set()
+        for thread in self._threads:
+            lift(thread.native_id)  # a round under way ends at disk speed, not on the CPU a busy host leaves over
         for thread in self._threads:
             thread.join(STOP_WARN_S)
             while thread.is_alive():

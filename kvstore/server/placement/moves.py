@@ -27,7 +27,7 @@ from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.background import is_behind, run_behind
+from kvstore.server.placement.background import is_behind, lift, run_behind
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import TenantShares
@@ -87,8 +87,9 @@ class Mover(LowerRoom):
         # the idle demoter started would inherit its class) and the idle demoter's (background.py)
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
         self._verifier.submit(int).result()
+        self._behind_tids: list[int] = []  # its worker's, lifted at close (background.lift)
         self._behind_verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify-behind",
-                                                   initializer=run_behind, initargs=("idle", 0))
+                                                   initializer=self._start_behind)
         self.starved = threading.Event()  # set when an allocation found no room and evicted inline: the demoter lags
         self._last_error_log = 0.0
         self.shares = shares  # tenants' ssd shares (none without tenants; a page nobody owns has none)
@@ -96,8 +97,14 @@ class Mover(LowerRoom):
         self._backoff_s = 0.0  # after a failed round: how long the demoter waits, until ``_retry_at``
         self._retry_at = 0.0
 
+    def _start_behind(self) -> None:
+        self._behind_tids.append(threading.get_native_id())
+        run_behind("idle", 0)
+
     def close(self) -> None:
         self._verifier.shutdown(wait=True)
+        for tid in self._behind_tids:
+            lift(tid)  # the checks still queued run at disk speed, not on spare CPU
         self._behind_verifier.shutdown(wait=True)
 
     # -- landing room (lock held; released around writes) --------------------------------

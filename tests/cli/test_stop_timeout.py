@@ -1,0 +1,48 @@
+"""A kvstore-server whose stop hangs says where and ends (--stop-timeout-s): an operator's SIGTERM,
+and a test's, never waits for ever, and the stacks of every thread are in stderr. A stop held up
+here by a WritePages stream left open: gRPC gives calls in flight a 5 s grace."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from support.servers import ServerProcess
+
+from kvstore._proto import data_pb2_grpc
+
+
+def _open_stream(address: str) -> tuple[grpc.Channel, grpc.Future]:
+    """A WritePages call that sends nothing and never ends (until its channel closes)."""
+    channel = grpc.insecure_channel(address)
+    call = data_pb2_grpc.DataStub(channel).WritePages.future(iter(lambda: time.sleep(60), 0), timeout=60)
+    return channel, call
+
+
+def test_a_stop_past_its_timeout_dumps_the_stacks_and_exits(tmp_path: Path) -> None:
+    server = ServerProcess(tmp_path, "--stop-timeout-s", "0.5")
+    server.start()
+    channel, _call = _open_stream(server.address)
+    try:
+        time.sleep(0.5)  # the stream reached the server
+        began = time.monotonic()
+        assert server.proc is not None
+        server.proc.send_signal(15)
+        code = server.proc.wait(20)
+        took = time.monotonic() - began
+        stderr = server.proc.stderr.read() if server.proc.stderr is not None else ""
+    finally:
+        channel.close()
+    assert code == 1, stderr[-3000:]
+    assert took < 4.5, f"the stop was not cut short: {took:.1f} s"
+    assert "Timeout" in stderr and "Thread 0x" in stderr and "File " in stderr, stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_stop_timeout_is_refused(tmp_path: Path, value: str) -> None:
+    done = subprocess.run([*ServerProcess(tmp_path).args, "--stop-timeout-s", value], check=False, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--stop-timeout-s" in done.stderr, done.stderr
