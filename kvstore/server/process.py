@@ -175,6 +175,19 @@ class Server:
             self.wal.close()
             directory.close()
             raise
+        try:
+            self._build_around(config, core, serving, owners, quotas, connections)
+        except BaseException:  # the core's arena (RAM in /dev/shm) and files are not left behind
+            self.core.close()
+            self.wal.close()
+            if self.security.salts is not None:
+                self.security.salts.close()
+            raise
+
+    def _build_around(self, config: ServerConfig, core: Placement, serving: ServingState | None, owners: NamespaceOwners,
+                      quotas: Quotas, connections: TenantConnections) -> None:
+        """What is built on the core: the demoter, the cluster runtime, the services and sockets."""
+        metrics, authenticator = self.metrics, self.security.authenticator
         self.demoter = Demoter(core)
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: metrics.session_refusals.labels(call).inc(),
