@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import secrets
 import select
@@ -25,12 +26,13 @@ from pathlib import Path
 from kvstore.bench.chaos.proxy import Proxy
 from kvstore.bench.common.cluster_procs import etcd_binary
 from kvstore.bench.common.harness import free_port, rss, stop_process
-from kvstore.tiers.host import remove_stale_arenas
+from kvstore.tiers.host import ARENA_HEADER_BYTES, remove_stale_arenas
 
 TTL_S = 2
 FETCH_TIMEOUT_S = 1.5
 START_TIMEOUT_S = 60.0  # a node's python start on 2 busy cores takes ~3 s; an etcd that stays away is a finding
 NODE_TOKEN = "chaos-cluster-node-token-0123456789"
+FLIP_SPAN_BYTES = 2 << 20  # arena_flip's bytes land in the lowest 2 MiB of an arena (128 pages of the model's)
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,39 @@ class ChaosNode:
         if self.running:
             assert self.proc is not None
             self.proc.send_signal(signal.SIGCONT)
+
+    def flip_arena_bytes(self, rng: random.Random, count: int, span: int = FLIP_SPAN_BYTES) -> str:
+        """Inverts ``count`` bytes at random places of the first ``span`` bytes past the header of
+        this node's host arenas (a tenant's is a memfd, reached through /proc/<pid>/fd as root), as
+        a stray write would; slots are taken lowest first, so that is where pages are. Says how
+        many bytes went to how many arenas."""
+        if not self.running:
+            return "node down"
+        assert self.proc is not None
+        arenas: dict[tuple[int, int], int] = {}  # (device, inode) -> an open descriptor
+        try:
+            for fd in sorted(Path(f"/proc/{self.proc.pid}/fd").iterdir(), key=lambda p: int(p.name)):
+                try:
+                    link = os.readlink(fd)
+                    if f"kvstore-{self.name}-" not in link or not ("memfd:" in link or link.startswith("/dev/shm/")):
+                        continue
+                    opened = os.open(fd, os.O_RDWR)
+                except OSError:  # closed meanwhile
+                    continue
+                st = os.fstat(opened)
+                if (st.st_dev, st.st_ino) in arenas or st.st_size <= ARENA_HEADER_BYTES:
+                    os.close(opened)
+                else:
+                    arenas[(st.st_dev, st.st_ino)] = opened
+            chosen = sorted(arenas.values())
+            for _ in range(count if chosen else 0):
+                fd = rng.choice(chosen)
+                offset = rng.randrange(ARENA_HEADER_BYTES, min(os.fstat(fd).st_size, ARENA_HEADER_BYTES + span))
+                os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+            return f"{count if chosen else 0} bytes in {len(chosen)} arenas"
+        finally:
+            for opened in arenas.values():
+                os.close(opened)
 
     def resources(self) -> dict[str, int]:
         """RSS parts (bytes) and open descriptors, from /proc, and the C heap's ``heap_in_use`` and

@@ -53,6 +53,7 @@ class Fault:
     start: float = 0.0
     healed: float = 0.0
     error: str | None = None
+    detail: str | None = None  # what an instant fault did (arena_flip: how many bytes, in how many arenas)
 
 
 @dataclass

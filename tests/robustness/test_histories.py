@@ -25,7 +25,7 @@ SETTINGS = Settings(num_ops=70, workers=4, traffic_s=7.0)
 # ~6.5 s (gaps <= 1 s, a fault <= 4.5 s with a node's restart): inside the 7 s of traffic
 HISTORIES = [
     (3401, ["node_kill", "etcd_link_cut", "data_link_slow"]),
-    (3404, ["etcd_wipe", "node_pause", "etcd_link_delay"]),
+    (3404, ["etcd_wipe", "node_pause", "etcd_link_delay", "arena_flip"]),
     (3412, ["etcd_kill", "node_kill", "etcd_link_cut"]),
 ]
 
