@@ -56,6 +56,33 @@ def test_a_session_ends_once_idle_for_the_idle_time_from_its_last_append(tmp_pat
         wal.close()
 
 
+def test_a_session_that_cannot_end_now_holds_up_no_other(tmp_path, caplog) -> None:
+    """One session whose end fails (here its keep check raises; a full LMDB map does the same)
+    no longer stops the round: the others end, their tokens stop counting, and it is tried
+    again at the next sweep."""
+    clock = Clock(1000.0)
+    wal = TokenLog(tmp_path, clock=clock, monotonic=clock)
+    try:
+        for name in ("a", "b", "c"):
+            assert wal.append(NS, name, 0, [1, 2]) == 2
+        clock.now = 1200.0
+        stuck = {NS + b"a\0"}  # a session's key: namespace, id, NUL
+
+        def keep(sid: bytes) -> bool:
+            if sid in stuck:
+                raise RuntimeError("cannot decide now")
+            return False
+
+        assert wal.expire_idle(100.0, keep) == 2
+        assert wal.read(NS, "b") is None and wal.read(NS, "c") is None and wal.read(NS, "a") == (0, [1, 2])
+        assert wal.tokens_of(NS) == 2
+        assert "could not be ended now" in caplog.text
+        stuck.clear()
+        assert wal.expire_idle(100.0, keep) == 1 and wal.tokens_of(NS) == 0
+    finally:
+        wal.close()
+
+
 def test_the_last_append_time_survives_a_restart(tmp_path) -> None:
     clock = Clock(1000.0)
     wal = TokenLog(tmp_path, clock=clock, monotonic=clock)
