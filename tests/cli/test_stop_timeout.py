@@ -24,8 +24,17 @@ def _open_stream(address: str) -> tuple[grpc.Channel, grpc.Future]:
     return channel, call
 
 
+NODE = "stoptimeout"  # its own node name: the arena a cut stop leaves is this test's to find
+
+
+def _arenas() -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"kvstore-{NODE}-*"))
+
+
 def test_a_stop_past_its_timeout_dumps_the_stacks_and_exits(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path, "--stop-timeout-s", "0.001")
+    """Like a crash, the cut stop leaves its arena in /dev/shm (64 MiB of RAM); the next start of
+    the node on the same directories removes it, takes the directory lock and serves."""
+    server = ServerProcess(tmp_path, "--stop-timeout-s", "0.001", "--node", NODE)
     server.start()
     channel, _call = _open_stream(server.address)
     try:
@@ -38,9 +47,22 @@ def test_a_stop_past_its_timeout_dumps_the_stacks_and_exits(tmp_path: Path) -> N
         stderr = server.proc.stderr.read() if server.proc.stderr is not None else ""
     finally:
         channel.close()
+        if server.proc is not None and server.proc.poll() is None:
+            server.kill()
     assert code == 1, stderr[-3000:]
     assert took < 4.5, f"the stop was not cut short: {took:.1f} s"
     assert "Timeout" in stderr and "Thread 0x" in stderr and "File " in stderr, stderr[-3000:]
+    left = _arenas()
+    again = ServerProcess(tmp_path, "--node", NODE)
+    try:
+        again.start()
+        assert not set(left) & set(_arenas()), "the next start kept the arena the cut stop left"
+    finally:
+        if again.proc is not None:
+            assert again.terminate() == 0
+        again.close_pipes()
+        server.close_pipes()
+    assert _arenas() == [], "an arena of the test stayed in /dev/shm"
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
