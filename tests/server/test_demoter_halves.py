@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from support.servers import make_config
 from kvstore.config import ServerConfig
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Demoter, Placement
+from kvstore.server.placement.background import lift
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"demoter-halves!!"
@@ -224,3 +226,17 @@ def test_a_stop_lifts_the_idle_class_threads_it_waits_for(tmp_path) -> None:
         go.set()
         closing.join(30)
     assert verifier_tid.result(10) == tid
+
+
+def test_a_lift_leaves_a_thread_of_another_process_alone() -> None:
+    """A thread's id outlives it (``Thread.native_id``; a second stop, or a thread that ended
+    as the stop woke it) and Linux hands it out again, to any process: a root server's lift
+    must not put another process's idle or niced thread in the normal class."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        os.sched_setscheduler(other.pid, os.SCHED_IDLE, os.sched_param(0))
+        lift(other.pid)
+        assert os.sched_getscheduler(other.pid) == os.SCHED_IDLE, "the lift changed another process's thread"
+    finally:
+        other.kill()
+        other.wait(10)

@@ -40,9 +40,11 @@ def run_behind(sched: str, nice: int) -> None:
 
 def lift(native_id: int | None) -> None:
     """Puts the thread ``native_id`` back in the normal class at niceness 0, where the OS lets
-    this process (an unprivileged one may not: the thread then stays where it is)."""
-    if native_id is None:
-        return
+    this process (an unprivileged one may not: the thread then stays where it is). Only a
+    thread of this process: an id outlives its thread and Linux hands it out again, to any
+    process, and a root server would move that thread."""
+    if native_id is None or not os.path.exists(f"/proc/self/task/{native_id}"):
+        return  # not started, or ended
     try:
         os.sched_setscheduler(native_id, os.SCHED_OTHER, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, native_id, 0)
