@@ -143,6 +143,7 @@ class Server:
         """Builds in one direction (DESIGN §2 "How the server is put together"): each part gets
         what it needs, made before it, in its constructor; nothing is assigned to a part later."""
         self.metrics = metrics = Metrics()
+        self._socket_dirs: list[Path] = []  # the sockets' own directories (a long --data-dir), removed by a failed build
         # Security hook (DESIGN §11), built first: a bad auth file or certificate leaves no arena
         # behind. Every call is authenticated before its handler runs; handlers read the caller
         # with kvstore.security.interceptor.current_identity().
@@ -182,7 +183,16 @@ class Server:
             self.wal.close()
             if self.security.salts is not None:
                 self.security.salts.close()
+            for directory in self._socket_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
             raise
+
+    def _socket_path(self, name: str) -> Path:
+        """``arena_socket_path``; a directory made for it is noted for a failed build to remove."""
+        path = arena_socket_path(self.config.data_dir, name)
+        if path.parent != self.config.data_dir:
+            self._socket_dirs.append(path.parent)
+        return path
 
     def _build_around(self, config: ServerConfig, core: Placement, serving: ServingState | None, owners: NamespaceOwners,
                       quotas: Quotas, connections: TenantConnections) -> None:
@@ -215,13 +225,13 @@ class Server:
         hbm = "hbm" in config.tiers
         self.arena_socket: ArenaSocket | None = None
         if self._tenant_arenas or hbm:
-            self.arena_socket = ArenaSocket(arena_socket_path(config.data_dir), authenticator, self._arena_for,
+            self.arena_socket = ArenaSocket(self._socket_path("arena.sock"), authenticator, self._arena_for,
                                             pool_for=self._pool_for if hbm else None)
         socket_path = self.arena_socket.path if self.arena_socket else None
         # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
         self.handoffs = HandoffMarkers(self.core)
         # The same-host call socket's path and token, made before the services that announce them (GetInfo).
-        call_path, call_token = arena_socket_path(config.data_dir, "call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
+        call_path, call_token = self._socket_path("call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
         data_service = DataService(self.core, config, self.wal, self.tenancy, self.session_owners, self.handoffs, self.cluster,
                                    socket_path if self._tenant_arenas else None, socket_path if hbm else None, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),

@@ -6,6 +6,7 @@ injected (nothing after the core fails on a real host today but a bug or an OS r
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,22 @@ def test_a_failure_after_the_core_leaves_no_arena_and_no_lock(tmp_path, monkeypa
     server.start()
     server.stop(grace_s=0)
     assert _arenas(config.node) == before
+
+
+def test_a_failure_after_the_core_leaves_no_socket_directory(tmp_path, monkeypatch) -> None:
+    """A data directory whose path is too long for a Unix socket gets its sockets' directories
+    under the temp directory (arena_socket_path); a failed build removes them as a stop does."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    config = dataclasses.replace(make_config(deep), node="failedbuild")
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise RuntimeError("refused after the sockets' paths")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server_process, "DataService", refused)
+        with pytest.raises(RuntimeError, match="refused after the sockets' paths"):
+            Server(config)
+    assert list(temp.iterdir()) == [], "the failed build left its sockets' directory"
