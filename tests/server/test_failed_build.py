@@ -14,6 +14,7 @@ from support.servers import make_config
 
 from kvstore.server import Server
 from kvstore.server import process as server_process
+from kvstore.tiers.host import remove_stale_arenas
 
 
 def _arenas(node: str) -> set[str]:
@@ -22,6 +23,7 @@ def _arenas(node: str) -> set[str]:
 
 def test_a_failure_after_the_core_leaves_no_arena_and_no_lock(tmp_path, monkeypatch) -> None:
     config = dataclasses.replace(make_config(tmp_path), node="failedbuild")
+    remove_stale_arenas(Path("/dev/shm"), config.node)  # an aborted run's: the build would remove it, not this one's
     before = _arenas(config.node)
 
     def refused(*_args: object, **_kw: object) -> None:
