@@ -282,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore-server: {message}", file=sys.stderr)
         return 2
     done = threading.Event()
+    received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s, shutting down", signal.Signals(signum).name)
+        received.append(signum)  # logged below, not here: a handler that logs can interrupt a log write of this thread
         done.set()
 
     def on_hangup(_signum: int, _frame: object) -> None:
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvstore-server ready on {server.address}", flush=True)
     while not done.wait(1.0):  # timed: a signal taken by another thread wakes no untimed wait of the main one
         pass
+    logger.info("received %s, shutting down", signal.Signals(received[0]).name)
     if args.stop_timeout_s > 0:  # a stop that hangs says where, and ends
         faulthandler.dump_traceback_later(args.stop_timeout_s, exit=True)
     trimmer.stop()

@@ -70,3 +70,20 @@ def test_a_bad_stop_timeout_is_refused(tmp_path: Path, value: str) -> None:
     done = subprocess.run([*ServerProcess(tmp_path).args, "--stop-timeout-s", value], check=False, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--stop-timeout-s" in done.stderr, done.stderr
+
+
+def test_a_stop_says_which_signal_it_took(tmp_path: Path) -> None:
+    """The signal is logged by the main thread once it wakes, not inside the handler (which could
+    interrupt a log write of that thread: a reentrant write on stderr raises)."""
+    server = ServerProcess(tmp_path, "--log-level", "info")
+    server.start()
+    assert server.proc is not None
+    server.proc.send_signal(2)
+    try:
+        assert server.proc.wait(20) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    stderr = server.proc.stderr.read() if server.proc.stderr is not None else ""
+    server.close_pipes()
+    assert "received SIGINT, shutting down" in stderr and "kvstore-server stopped" in stderr, stderr[-3000:]
