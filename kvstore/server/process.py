@@ -150,11 +150,28 @@ class Server:
         self.security = ServerSecurity(config.security, config.data_dir,
                                        lambda method, code: metrics.rpc_errors.labels(method, code).inc(),
                                        salts=_cluster_salts(config) if config.cluster is not None else None)
-        authenticator = self.security.authenticator
+        # What is opened is closed again, last first, when a later part fails (a failed start leaves nothing open).
+        undo: list[Callable[[], object]] = [self.security.salts.close] if self.security.salts is not None else []
+        try:
+            self._build_core(config, wrap, undo)
+        except BaseException:
+            for close in reversed(undo):
+                try:
+                    close()
+                except Exception:  # the build's error is the one to report
+                    logger.exception("closing what the failed build had opened")
+            raise
+
+    def _build_core(self, config: ServerConfig, wrap: Wrap | None, undo: list[Callable[[], object]]) -> None:
+        """The stores, the tenancy and the placement core, then what is built on them; each
+        thing opened is added to ``undo``."""
+        metrics, authenticator = self.metrics, self.security.authenticator
         # The stores the tenancy counts from: the directory (its records loaded), the lease table, the token log.
         directory = open_directory(config)
+        undo.append(directory.close)
         leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms)
         self.wal = TokenLog(config.data_dir, config.token_log_map_bytes)
+        undo.append(self.wal.close)
         # Who owns each namespace, and what each tenant may hold (DESIGN §11). The call socket's connections per
         # tenant are counted by the call socket (made last) and read by the quotas.
         owners = NamespaceOwners(directory.env)
@@ -168,24 +185,12 @@ class Server:
         # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
-        try:
-            self.core = core = Placement(config, metrics, wrap=wrap, owner_of=lambda ns: owners.owner(ns) or "",
-                                         arena_bytes=lambda tenant: quotas.limits(tenant).host_bytes, serving=serving,
-                                         directory=directory, leases=leases, shares=partial(SsdShares, quotas))
-        except BaseException:  # e.g. an ssd capacity below what is stored: the stores opened for it are closed
-            self.wal.close()
-            directory.close()
-            raise
-        try:
-            self._build_around(config, core, serving, owners, quotas, connections)
-        except BaseException:  # the core's arena (RAM in /dev/shm) and files are not left behind
-            self.core.close()
-            self.wal.close()
-            if self.security.salts is not None:
-                self.security.salts.close()
-            for directory in self._socket_dirs:
-                shutil.rmtree(directory, ignore_errors=True)
-            raise
+        self.core = core = Placement(config, metrics, wrap=wrap, owner_of=lambda ns: owners.owner(ns) or "",
+                                     arena_bytes=lambda tenant: quotas.limits(tenant).host_bytes, serving=serving,
+                                     directory=directory, leases=leases, shares=partial(SsdShares, quotas))
+        undo[undo.index(directory.close)] = core.close  # the core closes the directory with its tiers (its arena: RAM in /dev/shm)
+        undo.append(lambda: [shutil.rmtree(d, ignore_errors=True) for d in self._socket_dirs])
+        self._build_around(config, core, serving, owners, quotas, connections)
 
     def _socket_path(self, name: str) -> Path:
         """``arena_socket_path``; a directory made for it is noted for a failed build to remove."""

@@ -6,6 +6,7 @@ injected (nothing after the core fails on a real host today but a bug or an OS r
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 
@@ -57,3 +58,36 @@ def test_a_failure_after_the_core_leaves_no_socket_directory(tmp_path, monkeypat
         with pytest.raises(RuntimeError, match="refused after the sockets' paths"):
             Server(config)
     assert list(temp.iterdir()) == [], "the failed build left its sockets' directory"
+
+
+def _open_files(under: Path) -> list[str]:
+    """The files under ``under`` this process holds open (LMDB's data and lock files, the dir lock)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:  # the listing's own descriptor, gone
+            continue
+        if link.startswith(str(under)):
+            found.append(link)
+    return found
+
+
+@pytest.mark.parametrize("part", ["TokenLog", "Placement"])
+def test_a_failure_before_the_core_leaves_nothing_open(tmp_path, monkeypatch, part) -> None:
+    """The directory's LMDB environment stayed open when the token log failed to open (and the
+    cluster salts' etcd channel when the core failed), until collected; each is closed now. The
+    failure's traceback keeps the build's locals alive here, so only an explicit close passes."""
+    config = dataclasses.replace(make_config(tmp_path), node="failedbuild")
+    remove_stale_arenas(Path("/dev/shm"), config.node)
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise RuntimeError(f"{part} refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server_process, part, refused)
+        with pytest.raises(RuntimeError, match=f"{part} refused") as failed:
+            Server(config)
+        assert failed.value is not None
+        assert _open_files(tmp_path / "data") == [], "the failed build left files open"
+    assert _arenas(config.node) == set()
