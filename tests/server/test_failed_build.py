@@ -22,18 +22,25 @@ def _arenas(node: str) -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"kvstore-{node}-*")}
 
 
+def _build_failing_at(config: object, monkeypatch: pytest.MonkeyPatch, part: str) -> pytest.ExceptionInfo[RuntimeError]:
+    """Server(config) with ``part`` (a name in server/process.py) raising; the failure, kept by
+    the caller so that the build's locals stay alive (only an explicit close frees them then)."""
+
+    def refused(*_args: object, **_kw: object) -> None:
+        raise RuntimeError(f"{part} refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server_process, part, refused)
+        with pytest.raises(RuntimeError, match=f"{part} refused") as failed:
+            Server(config)  # type: ignore[arg-type]
+    return failed
+
+
 def test_a_failure_after_the_core_leaves_no_arena_and_no_lock(tmp_path, monkeypatch) -> None:
     config = dataclasses.replace(make_config(tmp_path), node="failedbuild")
     remove_stale_arenas(Path("/dev/shm"), config.node)  # an aborted run's: the build would remove it, not this one's
     before = _arenas(config.node)
-
-    def refused(*_args: object, **_kw: object) -> None:
-        raise RuntimeError("refused after the core")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(server_process, "HandoffMarkers", refused)
-        with pytest.raises(RuntimeError, match="refused after the core"):
-            Server(config)
+    _build_failing_at(config, monkeypatch, "HandoffMarkers")  # made after the core
     assert _arenas(config.node) == before, "the failed build left its arena in /dev/shm"
     server = Server(config)  # the directory lock, the token log and the LMDB directory were let go
     server.start()
@@ -49,14 +56,7 @@ def test_a_failure_after_the_core_leaves_no_socket_directory(tmp_path, monkeypat
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     config = dataclasses.replace(make_config(deep), node="failedbuild")
-
-    def refused(*_args: object, **_kw: object) -> None:
-        raise RuntimeError("refused after the sockets' paths")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(server_process, "DataService", refused)
-        with pytest.raises(RuntimeError, match="refused after the sockets' paths"):
-            Server(config)
+    _build_failing_at(config, monkeypatch, "DataService")  # made after the sockets' paths
     assert list(temp.iterdir()) == [], "the failed build left its sockets' directory"
 
 
@@ -80,14 +80,6 @@ def test_a_failure_before_the_core_leaves_nothing_open(tmp_path, monkeypatch, pa
     failure's traceback keeps the build's locals alive here, so only an explicit close passes."""
     config = dataclasses.replace(make_config(tmp_path), node="failedbuild")
     remove_stale_arenas(Path("/dev/shm"), config.node)
-
-    def refused(*_args: object, **_kw: object) -> None:
-        raise RuntimeError(f"{part} refused")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(server_process, part, refused)
-        with pytest.raises(RuntimeError, match=f"{part} refused") as failed:
-            Server(config)
-        assert failed.value is not None
-        assert _open_files(tmp_path / "data") == [], "the failed build left files open"
+    failed = _build_failing_at(config, monkeypatch, part)
+    assert _open_files(tmp_path / "data") == [], f"the failed build left files open ({failed.value})"
     assert _arenas(config.node) == set()
