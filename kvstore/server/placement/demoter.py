@@ -58,7 +58,9 @@ class Demoter:
     def stop(self) -> None:
         """Returns once the rounds under way have ended (their pages written and indexed, or
         left in RAM), however long a slow disk makes that: the server closes the tiers next, and
-        closing them under a write is worse than a slow stop (its descriptor could be reused)."""
+        closing them under a write is worse than a slow stop (its descriptor could be reused). The
+        CLI's --stop-timeout-s ends a stop that takes longer as a crash would: nothing is closed under
+        the write, and the round was never acknowledged to anyone."""
         self._stopped.set()
         self.core.pressure.set()  # wakes them
         self.core.starved.set()
