@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvstore/v1/directory.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\"\n\x11QuarantineRequest\x12\r\n\x05purge\x18\x01 \x01(\x08\"T\n\x0fQuarantinedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06unix_s\x18\x04 \x01(\x01\"P\n\x12QuarantineResponse\x12*\n\x05pages\x18\x01 \x03(\x0b\x32\x1b.kvstore.v1.QuarantinedPage\x12\x0e\n\x06purged\x18\x02 \x01(\r\"W\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"d\n\x0eLookupResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12%\n\x04runs\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.LocationRun\x12\x12\n\ngeneration\x18\x04 \x01(\x04J\x04\x08\x02\x10\x03\"P\n\x0bLocationRun\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"A\n\nPageRecord\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12&\n\x08location\x18\x02 \x01(\x0b\x32\x14.kvstore.v1.Location\"\x96\x01\n\x0ePublishRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\'\n\x07records\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.PageRecord\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\ngeneration\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\r\n\x0b_generation\"#\n\x0fPublishResponse\x12\x10\n\x08versions\x18\x01 \x03(\x04\"^\n\rRemoveRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\"%\n\x0eRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\"K\n\x11InvalidateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"=\n\x12InvalidateResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"$\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\"\xfa\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.Event.Kind\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\x0c\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12&\n\x08location\x18\x05 \x01(\x0b\x32\x14.kvstore.v1.Location\x12\x0f\n\x07unix_ms\x18\x06 \x01(\x04\x12\x12\n\ngeneration\x18\x07 \x01(\x04\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\x12\n\n\x06RESYNC\x10\x04\"\x0e\n\x0cStatsRequest\"\xae\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\"\x9e\x02\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bnum_entries\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x12\n\nnum_leases\x18\x05 \x01(\x04\x12\x17\n\x0fnum_quarantined\x18\x06 \x01(\x04\x12/\n\x03ssd\x18\x07 \x03(\x0b\x32\".kvstore.v1.StatsResponse.SsdEntry\x12(\n\x07tenants\x18\x08 \x03(\x0b\x32\x17.kvstore.v1.TenantUsage\x1a*\n\x08SsdEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdf\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12/\n\x04used\x18\x02 \x03(\x0b\x32!.kvstore.v1.TenantUsage.UsedEntry\x12\x33\n\x06limits\x18\x03 \x03(\x0b\x32#.kvstore.v1.TenantUsage.LimitsEntry\x1a+\n\tUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xe9\x03\n\tDirectory\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Publish\x12\x1a.kvstore.v1.PublishRequest\x1a\x1b.kvstore.v1.PublishResponse\x12?\n\x06Remove\x12\x19.kvstore.v1.RemoveRequest\x1a\x1a.kvstore.v1.RemoveResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponse\x12>\n\tSubscribe\x12\x1c.kvstore.v1.SubscribeRequest\x1a\x11.kvstore.v1.Event0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12K\n\nQuarantine\x12\x1d.kvstore.v1.QuarantineRequest\x1a\x1e.kvstore.v1.QuarantineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvstore/v1/directory.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"\"\n\x11QuarantineRequest\x12\r\n\x05purge\x18\x01 \x01(\x08\"T\n\x0fQuarantinedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06unix_s\x18\x04 \x01(\x01\"P\n\x12QuarantineResponse\x12*\n\x05pages\x18\x01 \x03(\x0b\x32\x1b.kvstore.v1.QuarantinedPage\x12\x0e\n\x06purged\x18\x02 \x01(\r\"W\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\x12\x0e\n\x06tenant\x18\x04 \x01(\t\"d\n\x0eLookupResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12%\n\x04runs\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.LocationRun\x12\x12\n\ngeneration\x18\x04 \x01(\x04J\x04\x08\x02\x10\x03\"P\n\x0bLocationRun\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"A\n\nPageRecord\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12&\n\x08location\x18\x02 \x01(\x0b\x32\x14.kvstore.v1.Location\"\xab\x01\n\x0ePublishRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\'\n\x07records\x18\x02 \x03(\x0b\x32\x16.kvstore.v1.PageRecord\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\ngeneration\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bowner_epoch\x18\x06 \x01(\x04\x42\r\n\x0b_generation\"#\n\x0fPublishResponse\x12\x10\n\x08versions\x18\x01 \x03(\x04\"s\n\rRemoveRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0c\n\x04tier\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x13\n\x0bowner_epoch\x18\x06 \x01(\x04\"%\n\x0eRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\"K\n\x11InvalidateRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"=\n\x12InvalidateResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"$\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_seq\x18\x01 \x01(\x04\"\xfa\x01\n\x05\x45vent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.Event.Kind\x12\x14\n\x0cnamespace_id\x18\x03 \x01(\x0c\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12&\n\x08location\x18\x05 \x01(\x0b\x32\x14.kvstore.v1.Location\x12\x0f\n\x07unix_ms\x18\x06 \x01(\x04\x12\x12\n\ngeneration\x18\x07 \x01(\x04\"N\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43LEARED\x10\x03\x12\n\n\x06RESYNC\x10\x04\"\x0e\n\x0cStatsRequest\"\xae\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\"\x9e\x02\n\rStatsResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bnum_entries\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12$\n\x05tiers\x18\x04 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x12\n\nnum_leases\x18\x05 \x01(\x04\x12\x17\n\x0fnum_quarantined\x18\x06 \x01(\x04\x12/\n\x03ssd\x18\x07 \x03(\x0b\x32\".kvstore.v1.StatsResponse.SsdEntry\x12(\n\x07tenants\x18\x08 \x03(\x0b\x32\x17.kvstore.v1.TenantUsage\x1a*\n\x08SsdEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xdf\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12/\n\x04used\x18\x02 \x03(\x0b\x32!.kvstore.v1.TenantUsage.UsedEntry\x12\x33\n\x06limits\x18\x03 \x03(\x0b\x32#.kvstore.v1.TenantUsage.LimitsEntry\x1a+\n\tUsedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xe9\x03\n\tDirectory\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Publish\x12\x1a.kvstore.v1.PublishRequest\x1a\x1b.kvstore.v1.PublishResponse\x12?\n\x06Remove\x12\x19.kvstore.v1.RemoveRequest\x1a\x1a.kvstore.v1.RemoveResponse\x12K\n\nInvalidate\x12\x1d.kvstore.v1.InvalidateRequest\x1a\x1e.kvstore.v1.InvalidateResponse\x12>\n\tSubscribe\x12\x1c.kvstore.v1.SubscribeRequest\x1a\x11.kvstore.v1.Event0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12K\n\nQuarantine\x12\x1d.kvstore.v1.QuarantineRequest\x1a\x1e.kvstore.v1.QuarantineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,37 +53,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGERECORD']._serialized_start=544
   _globals['_PAGERECORD']._serialized_end=609
   _globals['_PUBLISHREQUEST']._serialized_start=612
-  _globals['_PUBLISHREQUEST']._serialized_end=762
-  _globals['_PUBLISHRESPONSE']._serialized_start=764
-  _globals['_PUBLISHRESPONSE']._serialized_end=799
-  _globals['_REMOVEREQUEST']._serialized_start=801
-  _globals['_REMOVEREQUEST']._serialized_end=895
-  _globals['_REMOVERESPONSE']._serialized_start=897
-  _globals['_REMOVERESPONSE']._serialized_end=934
-  _globals['_INVALIDATEREQUEST']._serialized_start=936
-  _globals['_INVALIDATEREQUEST']._serialized_end=1011
-  _globals['_INVALIDATERESPONSE']._serialized_start=1013
-  _globals['_INVALIDATERESPONSE']._serialized_end=1074
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1076
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1112
-  _globals['_EVENT']._serialized_start=1115
-  _globals['_EVENT']._serialized_end=1365
-  _globals['_EVENT_KIND']._serialized_start=1287
-  _globals['_EVENT_KIND']._serialized_end=1365
-  _globals['_STATSREQUEST']._serialized_start=1367
-  _globals['_STATSREQUEST']._serialized_end=1381
-  _globals['_TIERSTATS']._serialized_start=1384
-  _globals['_TIERSTATS']._serialized_end=1558
-  _globals['_STATSRESPONSE']._serialized_start=1561
-  _globals['_STATSRESPONSE']._serialized_end=1847
-  _globals['_STATSRESPONSE_SSDENTRY']._serialized_start=1805
-  _globals['_STATSRESPONSE_SSDENTRY']._serialized_end=1847
-  _globals['_TENANTUSAGE']._serialized_start=1850
-  _globals['_TENANTUSAGE']._serialized_end=2073
-  _globals['_TENANTUSAGE_USEDENTRY']._serialized_start=1983
-  _globals['_TENANTUSAGE_USEDENTRY']._serialized_end=2026
-  _globals['_TENANTUSAGE_LIMITSENTRY']._serialized_start=2028
-  _globals['_TENANTUSAGE_LIMITSENTRY']._serialized_end=2073
-  _globals['_DIRECTORY']._serialized_start=2076
-  _globals['_DIRECTORY']._serialized_end=2565
+  _globals['_PUBLISHREQUEST']._serialized_end=783
+  _globals['_PUBLISHRESPONSE']._serialized_start=785
+  _globals['_PUBLISHRESPONSE']._serialized_end=820
+  _globals['_REMOVEREQUEST']._serialized_start=822
+  _globals['_REMOVEREQUEST']._serialized_end=937
+  _globals['_REMOVERESPONSE']._serialized_start=939
+  _globals['_REMOVERESPONSE']._serialized_end=976
+  _globals['_INVALIDATEREQUEST']._serialized_start=978
+  _globals['_INVALIDATEREQUEST']._serialized_end=1053
+  _globals['_INVALIDATERESPONSE']._serialized_start=1055
+  _globals['_INVALIDATERESPONSE']._serialized_end=1116
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1118
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1154
+  _globals['_EVENT']._serialized_start=1157
+  _globals['_EVENT']._serialized_end=1407
+  _globals['_EVENT_KIND']._serialized_start=1329
+  _globals['_EVENT_KIND']._serialized_end=1407
+  _globals['_STATSREQUEST']._serialized_start=1409
+  _globals['_STATSREQUEST']._serialized_end=1423
+  _globals['_TIERSTATS']._serialized_start=1426
+  _globals['_TIERSTATS']._serialized_end=1600
+  _globals['_STATSRESPONSE']._serialized_start=1603
+  _globals['_STATSRESPONSE']._serialized_end=1889
+  _globals['_STATSRESPONSE_SSDENTRY']._serialized_start=1847
+  _globals['_STATSRESPONSE_SSDENTRY']._serialized_end=1889
+  _globals['_TENANTUSAGE']._serialized_start=1892
+  _globals['_TENANTUSAGE']._serialized_end=2115
+  _globals['_TENANTUSAGE_USEDENTRY']._serialized_start=2025
+  _globals['_TENANTUSAGE_USEDENTRY']._serialized_end=2068
+  _globals['_TENANTUSAGE_LIMITSENTRY']._serialized_start=2070
+  _globals['_TENANTUSAGE_LIMITSENTRY']._serialized_end=2115
+  _globals['_DIRECTORY']._serialized_start=2118
+  _globals['_DIRECTORY']._serialized_end=2607
 # @@protoc_insertion_point(module_scope)

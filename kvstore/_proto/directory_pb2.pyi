@@ -77,18 +77,20 @@ class PageRecord(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., location: _Optional[_Union[_common_pb2.Location, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("namespace_id", "records", "tenant", "epoch", "generation")
+    __slots__ = ("namespace_id", "records", "tenant", "epoch", "generation", "owner_epoch")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     records: _containers.RepeatedCompositeFieldContainer[PageRecord]
     tenant: str
     epoch: int
     generation: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ..., tenant: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    owner_epoch: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., records: _Optional[_Iterable[_Union[PageRecord, _Mapping]]] = ..., tenant: _Optional[str] = ..., epoch: _Optional[int] = ..., generation: _Optional[int] = ..., owner_epoch: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("versions",)
@@ -97,18 +99,20 @@ class PublishResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "tier", "node", "epoch")
+    __slots__ = ("namespace_id", "keys", "tier", "node", "epoch", "owner_epoch")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     tier: str
     node: str
     epoch: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    owner_epoch: int
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[str] = ..., node: _Optional[str] = ..., epoch: _Optional[int] = ..., owner_epoch: _Optional[int] = ...) -> None: ...
 
 class RemoveResponse(_message.Message):
     __slots__ = ("num_removed",)

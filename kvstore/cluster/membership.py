@@ -51,6 +51,7 @@ MembersListener = Callable[[Mapping[str, Member]], None]
 StateListener = Callable[[MemberState, int], None]
 KeyListener = Callable[[KeyValue], None]  # a key of a kind others follow (generations), as put
 ReplacedListener = Callable[[], None]
+RegisteringListener = Callable[[int], None]  # the epoch about to be put
 
 
 class Membership:
@@ -74,6 +75,7 @@ class Membership:
         self._state_listeners: list[StateListener] = []
         self._key_listeners: dict[str, list[KeyListener]] = {}
         self._replaced_listeners: list[ReplacedListener] = []
+        self._registering_listeners: list[RegisteringListener] = []
         self._epochs = epochs  # the last epoch, kept by the node (None: etcd's alone)
         if epochs is not None:
             self._me = replace(me, epoch=epochs.read())
@@ -125,6 +127,11 @@ class Membership:
         """``listener`` is called when etcd's revision went back (wiped, or restored from an old
         snapshot): what this node wrote there may be gone, for it to write back."""
         self._replaced_listeners.append(listener)
+
+    def on_registering(self, listener: RegisteringListener) -> None:
+        """``listener`` is called with the new epoch just before each registration's transaction:
+        what this node heard before it may be of a time the others did not list it."""
+        self._registering_listeners.append(listener)
 
     async def put_under_lease(self, key: bytes, value: bytes) -> None:
         """Writes ``key`` under this node's lease (gone with it); CoordinatorUnavailable, or
@@ -203,6 +210,8 @@ class Membership:
             me = replace(self._me, epoch=epoch)
             if self._epochs is not None:  # before etcd: an epoch handed out is never handed out again
                 await asyncio.to_thread(self._epochs.write, epoch)
+            for listener in self._registering_listeners:
+                self._call(listener, epoch)
             won = await self._etcd.put_if([(epoch_key, str(epoch).encode(), 0), (node_key, me.to_json(), lease)],
                                           {epoch_key: previous.mod_revision if previous else 0, node_key: 0})
         except BaseException:

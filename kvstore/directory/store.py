@@ -328,6 +328,13 @@ class Directory:
                 gone += len(self.remove(key, node, loc.tier, up_to_version))  # a republish since the listing stays
         return gone
 
+    def drop_others(self, up_to_version: int) -> int:
+        """Removes every other node's locations published up to ``up_to_version`` (this node
+        registered again as their owner); returns how many went."""
+        with self._lock:
+            nodes = list(self._remote)
+        return sum(self.drop_node(node, up_to_version) for node in nodes)
+
     def persist_generation(self, namespace_id: bytes, generation: int) -> bool:
         """Writes ``generation`` (synced) if it is above the namespace's; False when it is not
         (nothing written). Memory follows with ``enter_generation``: a crash between the two

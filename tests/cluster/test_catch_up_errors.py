@@ -23,7 +23,7 @@ def test_a_catch_up_hook_that_raises_is_retried_until_the_node_serves(etcd, tmp_
     try:
         runtime = server.cluster
         assert runtime is not None and runtime.serving and runtime.generations is not None
-        hook = runtime.generations._reseed_salts
+        hook = runtime.generations._before_serving
         failures = []
 
         def failing_thrice() -> object:  # etcd's replacement starts two catch-ups (the new registration's, the wipe's)
@@ -32,7 +32,7 @@ def test_a_catch_up_hook_that_raises_is_retried_until_the_node_serves(etcd, tmp_
                 raise OSError(28, "No space left on device")  # e.g. the salts file could not be written
             return hook() if hook is not None else None
 
-        runtime.generations._reseed_salts = failing_thrice
+        runtime.generations._before_serving = failing_thrice
         etcd.wipe()  # the node finds its lease gone, registers in the new etcd and catches up again
         deadline = time.monotonic() + 30
         while not (len(failures) == 3 and runtime.serving) and time.monotonic() < deadline:

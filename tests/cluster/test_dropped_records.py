@@ -190,3 +190,28 @@ def test_a_drop_racing_a_republish_of_the_same_page_keeps_the_fresh_record(tmp_p
         assert directory.lookup(NS, [page])[0].node == "b", "b's fresh record was dropped with the old one"
     finally:
         directory.close()
+
+
+def test_an_owner_that_registered_again_forgets_what_it_was_told_before(owner: Owner) -> None:
+    """Bug (chaos seed 70099): an owner kept through a partition the records the others gave
+    it, while they dropped the withdrawals they queued for it (an owner that left). Now what was
+    published to it before it registered again goes before it serves; what came since stays;
+    a call addressed to its previous epoch is refused (the sender retries once it heard)."""
+    directory, incarnations = owner.directory, owner.incarnations
+    old, fresh = b"o" * 16, b"f" * 16
+    incarnations.registering(1)
+    with incarnations.admitting(["b"], 1, owner_epoch=1):
+        directory.publish_remote(NS, [(old, "b", "host", 4096)], 100, 100)
+    incarnations.registering(2)  # its lease lost, it registers again
+    with pytest.raises(StaleIncarnation, match="registered as epoch 2"), incarnations.admitting(["b"], 1, owner_epoch=1):
+        pytest.fail("a call for the owner's previous epoch was admitted")
+    with incarnations.admitting(["b"], 1, owner_epoch=2):  # b heard of the new epoch: its republish
+        directory.publish_remote(NS, [(fresh, "b", "host", 4096)], 100, 100)
+    assert incarnations.own_past(1) is None
+    cut = incarnations.own_past(2)
+    assert cut is not None
+    assert directory.drop_others(cut) == 1
+    assert directory.get(old) is None
+    assert directory.lookup(NS, [fresh])[0].node == "b"
+    assert directory.drop_others(cut) == 0  # a second catch-up drops nothing more
+    assert incarnations.own_past(2) == cut

@@ -29,7 +29,13 @@ async def test_a_node_that_lost_its_lease_stops_acting_as_a_member(cluster_nodes
     member. Then (DESIGN §12.4): it still served its own pages, which an invalidation acknowledged
     without it (it is not listed in etcd any more) may have killed. Now b serves and stores
     nothing until it registers again (epoch 2) and caught up with etcd's generations; then it
-    republishes and everything is found again."""
+    republishes and everything is found again.
+
+    Bug (found by the chaos model, seed 70099): a page a removed while b was out of the
+    cluster stayed promised for ever by b's record of it, which b kept as its shard owner
+    through the partition (a's withdrawal, queued for an owner that had left, was dropped).
+    Now a node that registers again forgets the records the others gave it before, and
+    they publish again what they hold."""
     a, c = cluster_nodes(["a", "c"], "grpc")
     proxy = TcpProxy(("127.0.0.1", etcd.client_port))
     b = Node(tmp_path, "b", f"etcd://127.0.0.1:{proxy.port}", "grpc")
@@ -55,6 +61,10 @@ async def _partitioned_node_case(a: Node, b: Node, c: Node, proxy: TcpProxy) -> 
         mark = tokens_of(12, 1)
         assert await on_b.put(mark, random_kv(LAYOUT, len(mark), seed=12)) == len(mark)
         await eventually(lambda: _found(on_c, mark, len(mark)), 10, "b's page in c's lookup")
+        # a page of a's whose record b owns, removed by a while b is out (below)
+        gone = tokens_of(next(s for s in range(100, 400) if SHARDS.owners(on_a.keys(tokens_of(s, 1))[0]) == ("b",)), 1)
+        assert await on_a.put(gone, random_kv(LAYOUT, len(gone), seed=13)) == len(gone)
+        await eventually(lambda: _found(on_c, gone, len(gone)), 10, "a's page in c's lookup, by b's record")
 
         proxy.cut()
         await eventually(lambda: _found(on_c, mark, 0), 3 * TTL_S + 2, "b dropped by c once etcd expired its lease")
@@ -74,10 +84,17 @@ async def _partitioned_node_case(a: Node, b: Node, c: Node, proxy: TcpProxy) -> 
         await asyncio.sleep(1.0)  # 50 publish periods: nothing may arrive (there is no event for "nothing")
         assert (await on_c.lookup(tokens_b)).num_tokens == 0, "b published records while not a member"
 
+        removed = await on_a._call(on_a.runtime.directory.Remove, directory_pb2.RemoveRequest(
+            namespace_id=on_a.namespace.namespace_id, keys=on_a.keys(gone)))
+        assert removed.num_removed == 1
+
         proxy.restore()  # b registers again (epoch 2), catches up and republishes everything
         await eventually(lambda: _found(on_c, mark, len(mark)), 15, "b's page published again after it registered again")
         await eventually(lambda: _stored(on_b, tokens_b, kv_b), 10, "b storing again once it rejoined")
         await eventually(lambda: _found(on_c, tokens_b, len(tokens_b)), 10, "b's new pages published")
+        # b serves again: its record of the page a removed meanwhile must be gone
+        assert (await on_c.lookup(gone)).num_tokens == 0, "c's lookup promised a page a removed while b was out"
+        assert (await on_a.lookup(gone)).num_tokens == 0, "a's lookup promised a page it removed while b was out"
         await eventually(lambda: _found(on_b, tokens_a, len(tokens_a)), 10, "a's prefix in b's lookup again")
         out = torch.zeros_like(kv_b)
         assert await on_c.get(await on_c.lookup(tokens_b), out) == len(tokens_b)

@@ -23,7 +23,7 @@ NS = bytes(range(16))
 async def test_a_publish_on_a_closed_channel_is_queued_again(tmp_path) -> None:
     channel = grpc.aio.insecure_channel("127.0.0.1:1")
     await channel.close()
-    owner = SimpleNamespace(directory=directory_pb2_grpc.DirectoryStub(channel), member=SimpleNamespace(node_id="c"))
+    owner = SimpleNamespace(directory=directory_pb2_grpc.DirectoryStub(channel), member=SimpleNamespace(node_id="c", epoch=1))
     peers = SimpleNamespace(get=lambda node: owner if node == "c" else None)
     shards = ShardMap(["a", "c"], ShardConfig(segment_pages=1, replicas=1))
     publisher = Publisher(Directory(tmp_path, "a"), "a", peers, lambda: shards, 1.0)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@
   the push missed catches up as soon as its watch does.
 * **Catch-up** (``catch_up``): after every registration (and when etcd went back, replaced
   or restored) a node reads every generation etcd holds, enters them, and writes back the
-  ones etcd lacks or holds lower (and the tenants' salts, ``reseed_salts``); then it says so
+  ones etcd lacks or holds lower (``before_serving``: the tenants' salts, ...); then it says so
   in etcd (``caught-up/<node>``: etcd's incarnation id) and waits, up to a TTL, for every
   other node etcd lists to have done the same in this etcd, and, if etcd is not the one it
   caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), until etcd is a
@@ -56,7 +56,7 @@ REGISTER_AGAIN_S = 1.0  # past a keep-alive period, for a node of a replaced etc
 
 class GenerationSync:
     def __init__(self, core: Placement, etcd: EtcdGenerations, membership: Membership, peers: Peers, node: str,
-                 ttl_s: float, rpc_timeout_s: float, reseed_salts: Callable[[], object] | None = None,
+                 ttl_s: float, rpc_timeout_s: float, before_serving: Callable[[], object] | None = None,
                  epochs: EpochFile | None = None) -> None:
         self._core = core
         self._etcd = etcd
@@ -65,7 +65,7 @@ class GenerationSync:
         self._node = node
         self._ttl_s = ttl_s
         self._rpc_timeout_s = rpc_timeout_s
-        self._reseed_salts = reseed_salts
+        self._before_serving = before_serving  # at every catch-up, in a worker thread
         self._caught_up = 0  # the registration epoch whose catch-up finished (0: none yet)
         self._epochs = epochs  # where the incarnation caught up with last is kept, across restarts
         # etcd's incarnation id when this node last looked (across restarts: the file's)
@@ -141,8 +141,8 @@ class GenerationSync:
                 if any(seeded):
                     logger.warning("etcd lacked the generations of %d namespaces (replaced or restored?): written back",
                                    sum(seeded))
-            if self._reseed_salts is not None:
-                await asyncio.to_thread(self._reseed_salts)
+            if self._before_serving is not None:
+                await asyncio.to_thread(self._before_serving)
             await self._membership.put_under_lease(self._etcd.caught_up_prefix[len(self._membership.config.root):] +
                                                    self._node.encode(), self._incarnation)
             await self._wait_for_the_others()

@@ -134,7 +134,7 @@ class ClusterRuntime:
         epochs = EpochFile(self.config.data_dir)
         self.membership = membership = Membership(self.etcd, config, me, epochs)
         self.generations = generations = GenerationSync(self.core, EtcdGenerations(self.etcd, config.root, self.node), membership,
-                                                        self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._reseed,
+                                                        self.peers, self.node, cluster.ttl_s, cluster.rpc_timeout_s, self._before_serving,
                                                         epochs)
         self.state.follow(lambda: generations.serving)  # the core serves reads once this caught up (DESIGN §12.5)
         self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
@@ -149,6 +149,7 @@ class ClusterRuntime:
         self.membership.on_key("generations", self._heard_generation)
         self.membership.on_replaced(self._etcd_replaced)
         self.membership.on_state(self._on_state)
+        self.membership.on_registering(self.incarnations.registering)
         await self.membership.start(timeout_s)
         async with asyncio.timeout(timeout_s):  # caught up with etcd's generations (a task _on_state started)
             while not self.serving:
@@ -343,8 +344,12 @@ class ClusterRuntime:
             raise TierUnavailable(f"the invalidation of namespace {namespace_id.hex()} did not finish within the call's "
                                   "deadline; it may stand at some nodes: invalidate again") from None
 
-    def _reseed(self) -> None:
-        """At every catch-up with etcd, before serving: the tenants' salts, then the sessions' owners."""
+    def _before_serving(self) -> None:
+        """At every catch-up with etcd: the records the others gave this node before it registered
+        (incarnations.py), the tenants' salts, then the sessions' owners."""
+        cut = self.incarnations.own_past(self.membership.epoch) if self.membership is not None else None
+        if cut is not None and (gone := self.core.directory.drop_others(cut)):
+            logger.info("node %s registered again: %d records the others gave it before are dropped", self.node, gone)
         if self._reseed_salts is not None:
             self._reseed_salts()
         self.session_moves.reconcile()

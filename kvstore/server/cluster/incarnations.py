@@ -13,6 +13,12 @@ The watch is the judge of what ended (``watched``): a node that left, that regis
 once or several times between two views (a batched watch, a resync), or that left and came
 back. A node whose epoch the watch saw go down was registered anew in a replaced etcd (wiped,
 restored): what was heard of it before is void, or its new calls would all be refused.
+
+This owner's own registrations end what it heard too (``registering``, ``own_past``): a node
+drops the withdrawals it queued for an owner that left its view, so the records an owner kept
+through a time it was not listed (a pause, a partition past its TTL, a replaced etcd) may name
+pages that are gone. They go before it serves again; the others publish to it again what they
+hold once they see it registered (a new owner to them, or a new incarnation of one).
 """
 
 from __future__ import annotations
@@ -33,12 +39,32 @@ class Incarnations:
         self._lock = threading.Lock()
         self._heard: dict[str, tuple[int, int]] = {}  # node -> (newest epoch, directory version before it began)
         self._watched: dict[str, tuple[int, bool]] = {}  # node -> (epoch the watch last said, listed now)
+        self._own: tuple[int, int] = (0, 0)  # (this node's epoch being registered, the directory version then)
+
+    def registering(self, epoch: int) -> None:
+        """This node is about to register under ``epoch`` (before etcd has it: whatever the
+        others publish once they see it comes after)."""
+        with self._lock:
+            self._own = (epoch, self._version())
+
+    def own_past(self, epoch: int) -> int | None:
+        """The version up to which the other nodes' records go before this node serves under
+        ``epoch`` (None: it did not register under it). The same every time: a second catch-up
+        (etcd replaced meanwhile) drops again what is already gone, and keeps what came since."""
+        with self._lock:
+            return self._own[1] if self._own[0] == epoch else None
 
     @contextmanager
-    def admitting(self, nodes: Iterable[str], epoch: int) -> Iterator[None]:
-        """Held while records of a node sent by its incarnation ``epoch`` are stored (0: the
-        caller did not say; nothing is checked). Raises StaleIncarnation when the node has a
-        newer incarnation already; the epoch is noted once the records are stored."""
+    def admitting(self, nodes: Iterable[str], epoch: int, owner_epoch: int = 0) -> Iterator[None]:
+        """Held while records of a node sent by its incarnation ``epoch`` to this node's
+        incarnation ``owner_epoch`` are stored (0: the caller did not say; not checked). Raises
+        StaleIncarnation when the node has a newer incarnation already, or when this one
+        registered again since the sender heard of it; the epoch is noted once they are stored."""
+        if owner_epoch:
+            with self._lock:
+                if owner_epoch != self._own[0]:
+                    raise StaleIncarnation(f"the call is for this node's epoch {owner_epoch}; it registered as epoch "
+                                           f"{self._own[0]} since")
         if not epoch:
             yield
             return

@@ -9,9 +9,11 @@ changed are published to the new owners and withdrawn from the old ones (``shard
 A RESYNC (the publisher fell behind the event ring) re-reads every location of this node.
 
 A failed call is retried while its owner is a member; an owner that left gets nothing (the
-records move with the membership change); an owner that registered again under the same name
-(a restart: it lost what it kept) gets every record it owns again. Records are soft: a lost
-one costs a miss.
+records move with the membership change, and withdrawals queued for it are dropped); an owner
+that registered again under the same name gets every record it owns again: it forgot what it
+kept (incarnations.py), as a restarted one lost it. Each call names the owner's epoch this node
+heard of; an owner that registered since refuses it, and it is retried until the new epoch is
+heard. Records are soft: a lost one costs a miss.
 
 Every record names the namespace generation its page belongs to (the directory's, read with
 the location at once): an owner refuses one of an older generation than its own, so a page
@@ -259,7 +261,7 @@ class Publisher:
                 withdraw.setdefault((record.namespace_id, tier), []).append(key)
         for (ns, generation), records in publish.items():
             request = directory_pb2.PublishRequest(namespace_id=ns, records=records, tenant=self._tenant_of(ns),
-                                                   epoch=self._epoch(), generation=generation)
+                                                   epoch=self._epoch(), generation=generation, owner_epoch=peer.member.epoch)
             try:
                 await peer.directory.Publish(request, timeout=self._timeout_s)
                 logger.debug("node %s published %d records of %s (generation %d) to %s, epoch %d", self._node, len(records),
@@ -275,7 +277,8 @@ class Publisher:
         for (ns, tier), keys in withdraw.items():
             logger.debug("node %s withdraws %d records of %s from %s", self._node, len(keys), ns.hex(), peer.member.node_id)
             await peer.directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier=tier, node=self._node,
-                                                                    epoch=self._epoch()), timeout=self._timeout_s)
+                                                                    epoch=self._epoch(), owner_epoch=peer.member.epoch),
+                                        timeout=self._timeout_s)
             self.num_withdrawn += len(keys)
 
 

@@ -59,9 +59,10 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         self._subscribers = 0
         self._subscribers_lock = threading.Lock()
 
-    def _admitting(self, nodes: list[str], epoch: int) -> AbstractContextManager[None]:
-        """A node's calls name its epoch: one of an incarnation that is over is refused."""
-        return self.cluster.incarnations.admitting(nodes, epoch) if self.cluster is not None else nullcontext()
+    def _admitting(self, nodes: list[str], epoch: int, owner_epoch: int) -> AbstractContextManager[None]:
+        """A node's calls name its epoch and the one of this node it heard of: a call of an
+        incarnation that is over, or to one, is refused."""
+        return self.cluster.incarnations.admitting(nodes, epoch, owner_epoch) if self.cluster is not None else nullcontext()
 
     def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request, allow_empty)
@@ -107,7 +108,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         if generation is not None:  # a newer one than this node's: entered here first (the sender learned it from etcd)
             self.core.enter_generation(ns, generation)
         with self.tenancy.quotas.reserving(who, published_records=len(records)), self.tenancy.writing(who, ns), \
-                self._admitting([r[1] for r in records], request.epoch):
+                self._admitting([r[1] for r in records], request.epoch, request.owner_epoch):
             versions = self.core.publish_remote(ns, records, generation)
         return directory_pb2.PublishResponse(versions=versions)
 
@@ -119,7 +120,7 @@ class DirectoryService(directory_pb2_grpc.DirectoryServicer):
         who = current_identity()
         if request.node:  # a node withdrawing its records from a shard owner
             require_node(who, "Remove with node")
-            with self._admitting([request.node], request.epoch):
+            with self._admitting([request.node], request.epoch, request.owner_epoch):
                 return directory_pb2.RemoveResponse(num_removed=self.core.withdraw_remote(ns, request.node, keys, tier))
         if not self.tenancy.may_administer(who, ns):
             return directory_pb2.RemoveResponse(num_removed=0)  # as for an empty namespace
