@@ -60,18 +60,16 @@ class Incarnations:
         incarnation ``owner_epoch`` are stored (0: the caller did not say; not checked). Raises
         StaleIncarnation when the node has a newer incarnation already, or when this one
         registered again since the sender heard of it; the epoch is noted once they are stored."""
-        if owner_epoch:
-            with self._lock:
-                if owner_epoch != self._own[0]:
-                    raise StaleIncarnation(f"the call is for this node's epoch {owner_epoch}; it registered as epoch "
-                                           f"{self._own[0]} since")
-        if not epoch:
+        if not epoch and not owner_epoch:
             yield
             return
-        named = set(nodes)
+        named = set(nodes) if epoch else set()
         if len(named) > 1:
             raise InvalidRequest(f"an epoch is one node's incarnation; the call names {len(named)} nodes")
-        with self._lock:
+        with self._lock:  # held while they are stored: a registration's cut (``registering``) is before or after all of them
+            if owner_epoch and owner_epoch != self._own[0]:
+                raise StaleIncarnation(f"the call is for this node's epoch {owner_epoch}; it registered as epoch "
+                                       f"{self._own[0]} since")
             for node in named:
                 heard = self._heard.get(node)
                 if heard is not None and epoch < heard[0]:
