@@ -83,3 +83,28 @@ def test_a_failure_before_the_core_leaves_nothing_open(tmp_path, monkeypatch, pa
     failed = _build_failing_at(config, monkeypatch, part)
     assert _open_files(tmp_path / "data") == [], f"the failed build left files open ({failed.value})"
     assert _arenas(config.node) == set()
+
+
+def test_a_failure_after_the_cluster_runtime_leaves_no_event_loop(tmp_path, monkeypatch) -> None:
+    """Seen in review: the cluster runtime made its asyncio loop (an epoll descriptor and a
+    self-pipe) when constructed, and only a runtime that had started ever let it go; a build
+    failing after it (no etcd is reached before start) left the loop open until collected."""
+    from kvstore.config import ClusterConfig
+    from kvstore.server import cluster as cluster_module
+
+    made = []
+    original = cluster_module.ClusterRuntime.__init__
+
+    def recording(runtime: object, *args: object, **kw: object) -> None:
+        original(runtime, *args, **kw)  # type: ignore[arg-type]
+        made.append(runtime)
+
+    monkeypatch.setattr(cluster_module.ClusterRuntime, "__init__", recording)
+    cluster = ClusterConfig(etcd="etcd://127.0.0.1:1", node_id="failedbuild", advertise="127.0.0.1:1", data_plane="grpc")
+    config = dataclasses.replace(make_config(tmp_path, cluster=cluster), node="failedbuild")
+    remove_stale_arenas(Path("/dev/shm"), config.node)
+    _build_failing_at(config, monkeypatch, "DataService")  # made after the cluster runtime
+    assert len(made) == 1
+    loop = made[0]._loop  # type: ignore[attr-defined]
+    assert loop is None or loop.is_closed(), "the failed build left the cluster runtime's event loop open"
+    assert _arenas(config.node) == set()

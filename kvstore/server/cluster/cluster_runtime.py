@@ -51,10 +51,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
 MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
-# Of a fetch's time, kept past its own deadline for its end: the transport's abort (it waits up to
-# 2 s for posted receives), the commit of what arrived. At most _ABORT_S, and _ABORT_SHARE of a
-# caller's shorter deadline (an engine's TTFT budget): a fetch cut there is cancelled (its
-# allocation given back), and the caller gets what was committed by then.
+# Of a fetch's time, kept past its own deadline for its end (the transport's abort waits up to 2 s for
+# posted receives; the commit of what arrived): at most _ABORT_S, and _ABORT_SHARE of a caller's shorter
+# deadline (an engine's TTFT budget). A fetch cut there is cancelled; the caller gets what was committed.
 _ABORT_S = 3.0
 _ABORT_SHARE = 0.25
 
@@ -79,8 +78,9 @@ class ClusterRuntime:
         self.session_moves = SessionMoves(self, session_owners, wal)  # live migration's etcd side (DESIGN §12.8)
         self.incarnations = Incarnations(lambda: core.directory.version)  # of the other nodes, heard as their owner
         self._members: dict[str, Member] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
+        self._loop = asyncio.new_event_loop()  # closed until start makes the one that runs (a failed build leaves none open)
+        self._loop.close()
+        self._thread = threading.Thread(name="cluster", daemon=True)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._page_server: Any = None
         self.grants: TransferGrants | None = None  # with the UCX or TCP data plane: what GrantTransfer hands out
@@ -96,6 +96,8 @@ class ClusterRuntime:
         holds; returns once it is a member (CoordinatorUnavailable after ``timeout_s``,
         by default 3 TTLs: a restarted node waits for its previous lease to expire)."""
         timeout_s = timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
         self._thread.start()
         try:
             self.call(self._start(timeout_s), timeout_s + 5)
@@ -171,6 +173,8 @@ class ClusterRuntime:
             logger.warning("leaving the cluster did not finish: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     async def _stop(self) -> None:
         if self.publisher is not None:
