@@ -229,7 +229,7 @@ class Publisher:
             # registered anew; this task goes on
             logger.info("node %s: publishing %d records to %s ended with its channel; retrying", self._node,
                         len(items) - sent, owner)
-            await self._retry(owner, items[sent:])
+            await self._retry(owner, peer, items[sent:])
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _RETRIED and _error_name(exc) not in _RETRIED_ERRORS:
                 # refused (the owner's record limits, rights, a generation that is over): retrying would not change that
@@ -238,11 +238,13 @@ class Publisher:
                 return
             logger.info("node %s: publishing %d records to %s failed (%s); retrying", self._node, len(items) - sent, owner,
                         exc.code().name)
-            await self._retry(owner, items[sent:])
+            await self._retry(owner, peer, items[sent:])
 
-    async def _retry(self, owner: str, items: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
-        """Queues ``items`` for ``owner`` again while it is a member (a newer change queued meanwhile wins)."""
-        if owner in self._shard_map().members:
+    async def _retry(self, owner: str, peer: Any, items: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
+        """Queues ``items`` for ``owner`` again while it is a member (a newer change queued meanwhile wins), as
+        long as it is the incarnation they were sent to (``peer``): one that left or registered anew since was
+        given what this node holds now, and a change dropped with its leaving must not come back with these."""
+        if owner in self._shard_map().members and self._peers.get(owner) is peer:
             retry = self._pending.setdefault(owner, {})
             for held, record in items:
                 retry.setdefault(held, record)
