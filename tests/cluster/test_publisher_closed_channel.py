@@ -60,7 +60,7 @@ async def test_a_batch_cut_by_the_owners_leaving_is_not_sent_again_to_its_next_i
     gone, first = b"\x02" * 32, b"\x01" * 32
     publisher: Publisher
 
-    async def publish(request: object, timeout: float) -> None:  # noqa: ARG001
+    async def publish(request: object, timeout: float) -> None:
         if peers.now is old:  # the first batch: meanwhile b leaves, the page goes, b comes back as epoch 2
             peers.now, current["map"] = None, without_b
             publisher.members_changed(with_b, without_b)
