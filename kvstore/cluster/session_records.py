@@ -1,13 +1,15 @@
 """The cluster's record of who owns each migrated session, in etcd (DESIGN §12.8).
 
-    <root>sessions/<ns hex>/<session id hex>   JSON {"version": v, "owner": node, "issued_by", "issued_at_s"}
+    <root>sessions/<ns hex>/<session id hex>   JSON {"version": v, "owner": node, "issued_by", "issued_at_s",
+                                               "adopted": true once the owner adopted v}
 
 Version v of a session is decided once: by the first compare-and-swap that writes v where etcd
 holds v - 1 (or nothing, for v = 1). A fence (owner: the target) and an abort (owner: the
 source) race for the same v, and exactly one wins; the loser reads the winner's record. As
 generations are, versions are compared as numbers, so they mean the same in a replaced etcd,
 and never go back: a node that finds etcd without a record it knows, or with a lower one,
-writes its own back (``seed``, at catch-up, before it serves).
+writes its own back (``seed``, at catch-up, before it serves). ``adopted`` tells the node the
+session was fenced from that its log is no longer the only full copy (``adopt``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _CAS_ROUNDS = 64
 class SessionRecord:
     version: int
     owner: str
+    adopted: bool = False
 
 
 class EtcdSessions:
@@ -44,7 +47,7 @@ class EtcdSessions:
         try:
             ns_hex, _, sid_hex = kv.key[len(self.prefix):].decode().partition("/")
             doc = json.loads(kv.value)
-            record = SessionRecord(int(doc["version"]), str(doc["owner"]))
+            record = SessionRecord(int(doc["version"]), str(doc["owner"]), doc.get("adopted") is True)
             return bytes.fromhex(ns_hex), bytes.fromhex(sid_hex).decode(), record
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             logger.warning("ignoring session record %r: %r", kv.key, exc)
@@ -73,4 +76,18 @@ class EtcdSessions:
             doc = {"version": version, "owner": owner, "issued_by": self._node, "issued_at_s": time.time()}
             if await self._etcd.put_if([(key, json.dumps(doc).encode(), 0)], {key: kv.mod_revision if kv else 0}):
                 return SessionRecord(version, owner)
+        raise RuntimeError(f"session {session_id!r}: {_CAS_ROUNDS} compare-and-swaps lost in a row")
+
+    async def adopt(self, namespace_id: bytes, session_id: str, version: int, owner: str) -> SessionRecord:
+        """Marks ``version`` (decided for ``owner``) adopted; answers the record etcd holds
+        afterwards (unchanged when it holds another version or owner)."""
+        key = self._key(namespace_id, session_id)
+        for _ in range(_CAS_ROUNDS):
+            kv = await self._etcd.get(key)
+            parsed = self.parse(kv) if kv is not None else None
+            if kv is None or parsed is None or parsed[2] != SessionRecord(version, owner):
+                return parsed[2] if parsed is not None else SessionRecord(0, "")
+            doc = {**json.loads(kv.value), "adopted": True}
+            if await self._etcd.put_if([(key, json.dumps(doc).encode(), 0)], {key: kv.mod_revision}):
+                return SessionRecord(version, owner, True)
         raise RuntimeError(f"session {session_id!r}: {_CAS_ROUNDS} compare-and-swaps lost in a row")

@@ -207,8 +207,6 @@ class Server:
         # Live migration (DESIGN §12.8): who owns each migrated session here; cluster mode writes none before it caught up.
         self.session_owners = SessionOwners(self.wal, config.node, lambda call: metrics.session_refusals.labels(call).inc(),
                                             serving=serving)
-        # sessions idle past --session-idle-s end; not one a migration has not decided (its writes are refused meanwhile)
-        self.session_expiry = SessionExpiry(self.wal, config.session_idle_s, metrics, keep=self.session_owners.undecided)
         self.cluster: ClusterRuntime | None = None  # cluster mode (--cluster): joins in start(), leaves first in stop()
         if serving is not None:  # cluster mode
             from kvstore.server.cluster import ClusterRuntime
@@ -217,6 +215,9 @@ class Server:
             self.cluster = ClusterRuntime(core, config, serving, owners.owner, self.session_owners, self.wal,
                                           reseed_salts=getattr(self.security.salts, "reseed", None))
         self.session_moves: SessionMoves | None = self.cluster.session_moves if self.cluster is not None else None
+        # sessions idle past --session-idle-s end; not one a migration still needs (undecided, or fenced here and not adopted)
+        self.session_expiry = SessionExpiry(self.wal, config.session_idle_s, metrics, keep=self.session_owners.kept,
+                                            refresh=self.session_moves.release_adopted if self.session_moves else None)
         # Open streams hold at most max_streams threads; unary calls always have the other workers.
         self.streams = StreamGate(config.max_streams, config.stream_idle_s)
         pool = RetiringPool(config.workers + config.max_streams)  # idle threads end: a burst's do not stay (rpc_pool.py)

@@ -4,7 +4,8 @@ never ended would hold its tenant's token-log quota for ever. Checked every quar
 idle time, but no less often than every minute nor more often than every MIN_PERIOD_S, so a session goes at most
 that long after it idled out.
 A session a live migration has not decided (being fenced here, or copied here) is kept: its
-writes are refused meanwhile (DESIGN §12.8)."""
+writes are refused meanwhile (DESIGN §12.8); so is one fenced here until its target adopted it
+(``refresh`` asks etcd before each sweep)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ MIN_PERIOD_S = 0.05  # however small the idle time: each round reads every sessi
 
 
 class SessionExpiry:
-    def __init__(self, wal: TokenLog, idle_s: float, metrics: Metrics, keep: Callable[[bytes], bool] = lambda sid: False) -> None:
+    def __init__(self, wal: TokenLog, idle_s: float, metrics: Metrics, keep: Callable[[bytes], bool] = lambda sid: False,
+                 refresh: Callable[[], object] | None = None) -> None:
         self.wal = wal
-        self.keep = keep  # sessions kept however long they idle: those a migration has not decided (SessionOwners.undecided)
+        self.keep = keep  # sessions kept however long they idle: those a migration still needs (SessionOwners.kept)
+        self.refresh = refresh  # before each sweep, outside the log's lock: what ``keep`` reads is brought up to date
         self.idle_s = idle_s
         self.metrics = metrics
         self._stopped = threading.Event()
@@ -40,6 +43,8 @@ class SessionExpiry:
             self._thread.join(5)
 
     def sweep(self) -> int:
+        if self.refresh is not None:
+            self.refresh()
         ended = self.wal.expire_idle(self.idle_s, self.keep)
         if ended:
             self.metrics.sessions_expired.inc(ended)

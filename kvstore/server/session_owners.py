@@ -65,6 +65,7 @@ class SessionOwners:
         self._db = wal.env.open_db(b"owners")
         self._lock = threading.Lock()
         self._records: dict[bytes, Ownership] = {}
+        self._released: set[bytes] = set()  # FENCED here, adopted by the target (etcd says): the log may idle out
         self._stripes = [threading.Lock() for _ in range(64)]  # a session's writes against its fence, not one lock for all
         with wal.env.begin(db=self._db) as txn:
             for sid, raw in txn.cursor():
@@ -84,6 +85,24 @@ class SessionOwners:
             txn.put(sid, record.pack(), db=self._db)
             self._records[sid] = record
         self._wal.env.sync(True)
+
+    def kept(self, sid: bytes) -> bool:
+        """The session's log (by its key) stays however long it idles (session_expiry.py): its
+        migration is undecided, or it was fenced here and the target has not adopted it yet
+        (until then this log is the only full copy: a migration resumed later needs it)."""
+        record = self._records.get(sid)
+        return record is not None and (record.state in (FREEZING, INCOMING) or (record.state == FENCED and
+                                                                                sid not in self._released))
+
+    def fenced(self) -> list[tuple[bytes, str, Ownership]]:
+        """The sessions fenced here whose target was not yet seen adopting them."""
+        return [item for item in self.items() if item[2].state == FENCED
+                and TokenLog._sid(item[0], item[1]) not in self._released]
+
+    def release(self, namespace_id: bytes, session_id: str) -> None:
+        """The target adopted the session fenced here: its log may idle out (not kept across a
+        restart: the next sweep reads etcd again)."""
+        self._released.add(TokenLog._sid(namespace_id, session_id))
 
     def undecided(self, sid: bytes) -> bool:
         """The session (its token log key) is being fenced here or copied here: its writes are

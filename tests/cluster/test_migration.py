@@ -9,6 +9,7 @@ the migration's own round callback: no timing asserts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -247,3 +248,46 @@ async def test_a_source_growing_faster_than_the_copy_cannot_converge(cluster_nod
         assert there.state == ""  # the target's copy of the log is gone
         await engine.grow(1)  # the source keeps the session
         assert (await src.read_session("s5")).tokens == tokens[: engine.saved]  # type: ignore[union-attr]
+
+
+async def test_a_migration_resumed_long_after_its_fence_finds_the_log_and_then_lets_it_go(cluster_nodes) -> None:
+    """Bug (review of the session expiry, R1): the migration's driver died after the fence;
+    resumed more than --session-idle-s later, the source's log (after the fence, the only full
+    copy: the target holds the last round's) had idled out and the session could never be adopted
+    (the target INCOMING, the source fenced: nobody could write it). Now the source keeps a
+    fenced session's log until etcd says the target adopted it, and only then lets it idle out."""
+    a, b = cluster_nodes(["a", "b"], "tcp", "--session-idle-s", "1")
+    tokens = tokens_of(372, 6)
+    kv = random_kv(LAYOUT, len(tokens), seed=372)
+    async with KVStoreClient(a.address, NS) as src:
+        engine = Engine(src, "s6", tokens, kv, 4)
+        await engine.start()
+
+        moved = src._move
+
+        async def dies_after_the_fence(runtime: object, method: str, request: object) -> object:
+            answer = await moved(runtime, method, request)  # type: ignore[arg-type]
+            if method == "Fence":
+                raise RuntimeError("the migration's driver died after the fence")
+            return answer
+
+        src._move = dies_after_the_fence  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="driver died"):
+            await src.migrate("s6", "b", max_pause_bytes=0)
+        src._move = moved  # type: ignore[method-assign]
+        here = await status(src, "s6")
+        assert (here.state, here.cluster_owner) == ("fenced", "b")
+        await asyncio.sleep(2.5)  # past the idle time (swept every 0.25 s)
+        summary = await src.migrate("s6", "b", max_pause_bytes=0)  # resumed
+        assert summary.version == here.version and summary.num_tokens == len(tokens[: engine.saved])
+        async with KVStoreClient(b.address, NS) as dst:
+            logged = await dst.read_session("s6")
+            assert logged is not None and logged.tokens == tokens[: engine.saved]
+        # adopted: the source's log is no longer the only copy and idles out (its fence record stays)
+        await eventually(lambda: _no_log(src, "s6"), 10, "the source's log of an adopted session ending once idle")
+        with pytest.raises(SessionFenced):
+            await src.append_tokens("s6", [5], expected_length=0, sync=True)
+
+
+async def _no_log(client: KVStoreClient, session_id: str) -> bool:
+    return await client.read_session(session_id) is None

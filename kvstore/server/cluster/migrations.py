@@ -4,7 +4,12 @@ the servicer's threads on the cluster loop, and reconciled at every catch-up.
 ``reconcile`` runs inside the catch-up, before the node serves (the cluster runtime runs it
 after the salts' reseed): records etcd holds above this node's are applied (a session that moved away
 while this node was down or cut off is fenced here before any write reaches it), and the
-records this node knows are written back where etcd lacks them (etcd wiped or restored).
+records this node knows are written back where etcd lacks them (etcd wiped or restored), and
+a session this node owns is marked adopted there (``adopted``: a mark lost with etcd, or one an
+Adopt could not write).
+
+``release_adopted`` runs before each idle sweep: a session fenced here keeps its log until etcd
+says its target adopted it (or the session moved on since), then the log may idle out.
 """
 
 from __future__ import annotations
@@ -51,6 +56,29 @@ class SessionMoves:
         timeout = self._timeout_s()
         return self._cluster.call(self.etcd.read(namespace_id, session_id), timeout + 1)
 
+    def adopted(self, namespace_id: bytes, session_id: str, version: int) -> None:
+        """This node adopted ``version`` of the session: etcd is told, for the node it was fenced
+        from (its log can go). CoordinatorUnavailable when etcd does not answer (the Adopt is retried)."""
+        timeout = self._timeout_s()
+        self._cluster.call(self.etcd.adopt(namespace_id, session_id, version, self.node), timeout + 1)
+
+    def release_adopted(self) -> None:
+        """The sessions fenced here that their target adopted (or that moved on since): their logs
+        may idle out. Those etcd does not say so of (or does not answer for) stay kept."""
+        fenced = self._owners.fenced()
+        if not fenced or not self._cluster.serving:
+            return
+        try:
+            for ns, sid, mine in fenced:
+                if self._wal.read(ns, sid) is None:
+                    self._owners.release(ns, sid)  # no log here to keep
+                    continue
+                record = self.read(ns, sid)
+                if record is not None and (record.version > mine.version or (record.adopted and record.version == mine.version)):
+                    self._owners.release(ns, sid)
+        except (CoordinatorUnavailable, TimeoutError) as exc:
+            logger.info("etcd did not say which fenced sessions were adopted (%r); their logs stay for now", exc)
+
     def is_member(self, node: str) -> bool:
         """Whether etcd lists ``node`` now (its lease alive: it may be serving)."""
         assert self._cluster.membership is not None
@@ -87,7 +115,10 @@ class SessionMoves:
         for ns, sid, mine in self._owners.items():
             if mine.state in (OWNED, FENCED) or (mine.state == FREEZING and mine.version > 0):
                 owner = mine.node if mine.state == FENCED else self.node
-                if held.get((ns, sid), SessionRecord(0, "")).version < mine.version:
-                    self._cluster.call(self.etcd.decide(ns, sid, mine.version, owner), self._timeout_s() + 1)
+                record = held.get((ns, sid), SessionRecord(0, ""))
+                if record.version < mine.version:
+                    record = self._cluster.call(self.etcd.decide(ns, sid, mine.version, owner), self._timeout_s() + 1)
                     logger.warning("etcd lacked session %r's version %d (replaced or restored?): written back", sid,
                                    mine.version)
+                if mine.state == OWNED and record == SessionRecord(mine.version, self.node):  # adopted here, not said
+                    self.adopted(ns, sid, mine.version)
