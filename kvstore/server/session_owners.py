@@ -65,7 +65,8 @@ class SessionOwners:
         self._db = wal.env.open_db(b"owners")
         self._lock = threading.Lock()
         self._records: dict[bytes, Ownership] = {}
-        self._released: set[bytes] = set()  # FENCED here, adopted by the target (etcd says): the log may idle out
+        # sid -> the FENCED version etcd said its target adopted: its log may idle out (a later fence here is not released)
+        self._released: dict[bytes, int] = {}
         self._stripes = [threading.Lock() for _ in range(64)]  # a session's writes against its fence, not one lock for all
         with wal.env.begin(db=self._db) as txn:
             for sid, raw in txn.cursor():
@@ -92,17 +93,17 @@ class SessionOwners:
         (until then this log is the only full copy: a migration resumed later needs it)."""
         record = self._records.get(sid)
         return record is not None and (record.state in (FREEZING, INCOMING) or (record.state == FENCED and
-                                                                                sid not in self._released))
+                                                                                self._released.get(sid) != record.version))
 
     def fenced(self) -> list[tuple[bytes, str, Ownership]]:
         """The sessions fenced here whose target was not yet seen adopting them."""
         return [item for item in self.items() if item[2].state == FENCED
-                and TokenLog._sid(item[0], item[1]) not in self._released]
+                and self._released.get(TokenLog._sid(item[0], item[1])) != item[2].version]
 
-    def release(self, namespace_id: bytes, session_id: str) -> None:
-        """The target adopted the session fenced here: its log may idle out (not kept across a
-        restart: the next sweep reads etcd again)."""
-        self._released.add(TokenLog._sid(namespace_id, session_id))
+    def release(self, namespace_id: bytes, session_id: str, version: int) -> None:
+        """The target adopted ``version`` of the session fenced here: its log may idle out while it
+        stays fenced at that version (not kept across a restart: the next sweep reads etcd again)."""
+        self._released[TokenLog._sid(namespace_id, session_id)] = version
 
     def undecided(self, sid: bytes) -> bool:
         """The session (its token log key) is being fenced here or copied here: its writes are

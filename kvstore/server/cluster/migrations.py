@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.cluster.cluster_errors import CoordinatorUnavailable
 from kvstore.cluster.session_records import EtcdSessions, SessionRecord
+from kvstore.errors import KVStoreError
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tokenlog import TokenLog
 
@@ -71,12 +72,12 @@ class SessionMoves:
         try:
             for ns, sid, mine in fenced:
                 if self._wal.read(ns, sid) is None:
-                    self._owners.release(ns, sid)  # no log here to keep
+                    self._owners.release(ns, sid, mine.version)  # no log here to keep
                     continue
                 record = self.read(ns, sid)
                 if record is not None and (record.version > mine.version or (record.adopted and record.version == mine.version)):
-                    self._owners.release(ns, sid)
-        except (CoordinatorUnavailable, TimeoutError) as exc:
+                    self._owners.release(ns, sid, mine.version)
+        except (KVStoreError, TimeoutError, RuntimeError) as exc:  # etcd down; the node leaving (its loop closed)
             logger.info("etcd did not say which fenced sessions were adopted (%r); their logs stay for now", exc)
 
     def is_member(self, node: str) -> bool:
