@@ -2,14 +2,11 @@
 published to their shard owners, lookups across owners, remote pages fetched into the host
 tier, namespace generations (invalidations) kept with etcd (cluster_generations.py).
 
-Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster"); the
-gRPC servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded
-by a deadline. Membership listeners run on that loop and hand blocking work (dropping a dead
-node's records, entering a namespace's generation) to worker threads.
-
-What changes on a membership change: the shard map (owners of each page's record), the
-peers (a channel and a fetcher per node), the records of nodes that left or re-registered
-(dropped: they republish), and this node's records whose owners changed (republished).
+Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster"); the gRPC
+servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded by a
+deadline. Membership listeners run on that loop and hand blocking work to worker threads. A
+membership change rebuilds the shard map and the peers, drops the records of nodes that left or
+re-registered (they republish) and republishes this node's records whose owners changed.
 """
 
 from __future__ import annotations
@@ -204,6 +201,16 @@ class ClusterRuntime:
         except CancelledError:  # the loop's tasks are cancelled: the node is leaving
             raise TierUnavailable(f"node {self.node} is leaving the cluster: ask another node") from None
 
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """From another thread: ``coro`` becomes a task of the runtime (cancelled when the node leaves);
+        False (not run) once the loop closed."""
+        try:
+            self._loop.call_soon_threadsafe(self._spawn, coro)
+        except RuntimeError:
+            coro.close()
+            return False
+        return True
+
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -217,16 +224,14 @@ class ClusterRuntime:
     # -- what the servicers call ---------------------------------------------------------
     @property
     def is_member(self) -> bool:
-        """Whether this node acts as a member now: registered, its lease not lost (DESIGN §12:
-        a node that lost it would be split-brained), not leaving."""
+        """Registered, its lease not lost (DESIGN §12: else split-brained), not leaving."""
         return self.membership is not None and self.membership.is_member and not self.state.leaving
 
     @property
     def serving(self) -> bool:
-        """Whether this node may answer reads now: a member (not leaving) that has caught up
-        with etcd's generations since it registered (cluster_generations.py). Otherwise every read is
-        answered as for an empty namespace: a page invalidated while it was away, cut off or
-        down is never served, and no record it keeps as an owner is promised."""
+        """Whether this node may answer reads now: a member (not leaving) caught up with etcd's generations
+        since it registered (cluster_generations.py). Otherwise every read is answered as for an empty
+        namespace: nothing invalidated while it was away is served, no record it keeps is promised."""
         return self.state()
 
     def owner_lookup(self, namespace_id: bytes, keys: list[bytes]) -> list[LocationRun]:
@@ -314,14 +319,9 @@ class ClusterRuntime:
             if self._prefetching >= MAX_PREFETCHES:
                 return False
             self._prefetching += 1
-        # a task of the runtime: cancelled (its allocation given back) when the node leaves
-        prefetch = self._prefetch(namespace_id, keys, tenant, landing)
-        try:
-            self._loop.call_soon_threadsafe(self._spawn, prefetch)
-        except RuntimeError:  # the loop closed (the node is leaving): the slot is given back, not lost
-            prefetch.close()
+        if not self.submit(self._prefetch(namespace_id, keys, tenant, landing)):  # cancelled if the node leaves
             with self._prefetch_lock:
-                self._prefetching -= 1
+                self._prefetching -= 1  # the slot is given back, not lost
             return False
         return True
 

@@ -14,6 +14,7 @@ says its target adopted it (or the session moved on since), then the log may idl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from kvstore.server.cluster import ClusterRuntime
 
 logger = logging.getLogger(__name__)
+
+MARK_RETRY_MAX_S = 5.0  # the longest wait between tries to tell etcd a session was adopted here
 
 
 class SessionMoves:
@@ -59,9 +62,20 @@ class SessionMoves:
 
     def adopted(self, namespace_id: bytes, session_id: str, version: int) -> None:
         """This node adopted ``version`` of the session: etcd is told, for the node it was fenced
-        from (its log can go). CoordinatorUnavailable when etcd does not answer (the Adopt is retried)."""
-        timeout = self._timeout_s()
-        self._cluster.call(self.etcd.adopt(namespace_id, session_id, version, self.node), timeout + 1)
+        from (its log can go), in the background and until etcd answers: not on the migration's pause."""
+        self._cluster.submit(self._mark_adopted(namespace_id, session_id, version))
+
+    async def _mark_adopted(self, namespace_id: bytes, session_id: str, version: int) -> None:
+        wait = 0.1
+        while True:
+            try:
+                await asyncio.wait_for(self.etcd.adopt(namespace_id, session_id, version, self.node), self._timeout_s())
+                return
+            except (CoordinatorUnavailable, TimeoutError) as exc:
+                logger.info("session %r: etcd not told yet that version %d was adopted here (%r); retrying", session_id,
+                            version, exc)
+            await asyncio.sleep(wait)
+            wait = min(MARK_RETRY_MAX_S, 2 * wait)
 
     def release_adopted(self) -> None:
         """The sessions fenced here that their target adopted (or that moved on since): their logs
@@ -122,4 +136,4 @@ class SessionMoves:
                     logger.warning("etcd lacked session %r's version %d (replaced or restored?): written back", sid,
                                    mine.version)
                 if mine.state == OWNED and record == SessionRecord(mine.version, self.node):  # adopted here, not said
-                    self.adopted(ns, sid, mine.version)
+                    self._cluster.call(self.etcd.adopt(ns, sid, mine.version, self.node), self._timeout_s() + 1)

@@ -147,7 +147,7 @@ class MigrationService(migration_pb2_grpc.MigrationServicer):
             decided = record
         if not (mine is not None and mine.state == OWNED and mine.version == decided.version):
             self.owners.put(ns, sid, Ownership(decided.version, OWNED, self.node))
-        if not decided.adopted:  # the source keeps its log until etcd says so (unreachable: UNAVAILABLE, adopt again)
+        if not decided.adopted:  # the source keeps its log until etcd says so (told in the background)
             moves.adopted(ns, sid, decided.version)
         logged = self.wal.read(ns, sid)
         return migration_pb2.AdoptSessionResponse(version=decided.version, num_tokens=len(logged[1]) if logged else 0)
