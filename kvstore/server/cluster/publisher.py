@@ -53,6 +53,7 @@ _RETRIED_ERRORS = ("StaleIncarnation",)
 
 BATCH_RECORDS = 4096
 FLUSH_S = 0.02  # how long changes gather before they are sent
+RETRY_S = 0.2  # before a failed send is tried again
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ class Publisher:
             retry = self._pending.setdefault(owner, {})
             for held, record in items:
                 retry.setdefault(held, record)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(RETRY_S)
             self._wake.set()
 
     async def _send_batch(self, peer: Any, batch: list[tuple[tuple[bytes, str], tuple[Record, bool]]]) -> None:
