@@ -78,7 +78,7 @@ class SessionOwners:
     def put(self, namespace_id: bytes, session_id: str, record: Ownership, logged: bool = False) -> None:
         """Also starts the session's idle time again (--session-idle-s): while a migration is
         undecided its writes are refused, so the time they could not append does not count
-        (``undecided``). ``logged``: InvalidRequest, nothing written, unless it has a log here."""
+        (``kept``). ``logged``: InvalidRequest, nothing written, unless it has a log here."""
         sid = TokenLog._sid(namespace_id, session_id)
         with self._lock, self._wal.env.begin(write=True) as txn:
             if not self._wal.touch(txn, sid) and logged:
@@ -104,12 +104,6 @@ class SessionOwners:
         """The target adopted ``version`` of the session fenced here: its log may idle out while it
         stays fenced at that version (not kept across a restart: the next sweep reads etcd again)."""
         self._released[TokenLog._sid(namespace_id, session_id)] = version
-
-    def undecided(self, sid: bytes) -> bool:
-        """The session (its token log key) is being fenced here or copied here: its writes are
-        refused until etcd decides, so it is kept however long it idles (session_expiry.py)."""
-        record = self._records.get(sid)
-        return record is not None and record.state in (FREEZING, INCOMING)
 
     def drop(self, namespace_id: bytes, session_id: str) -> None:
         sid = TokenLog._sid(namespace_id, session_id)
