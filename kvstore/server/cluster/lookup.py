@@ -55,16 +55,22 @@ class AnswerCache:
     tenant asked for: the owners answered that tenant, and no other may fetch on its answer."""
 
     MAX_ENTRIES = 1 << 16
+    PURGE_AT = 1 << 10  # entries past which the expired ones go (then again once twice as many are live)
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
         self._records: dict[tuple[bytes, str], tuple[bytes, PageRecord, float]] = {}
+        self._purge_at = self.PURGE_AT
 
     def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord], tenant: str = "") -> None:
+        now = self._clock()
+        if len(self._records) + len(records) > self._purge_at:  # expired records are never read again
+            self._records = {k: v for k, v in self._records.items() if v[2] >= now}
+            self._purge_at = max(self.PURGE_AT, 2 * len(self._records))
         if len(self._records) + len(records) > self.MAX_ENTRIES:
             self._records.clear()
-        expires = self._clock() + self._ttl_s
+        expires = now + self._ttl_s
         self._records.update(((key, tenant), (namespace_id, record, expires)) for key, record in zip(keys, records))
 
     def leading(self, namespace_id: bytes, keys: Sequence[bytes], tenant: str = "") -> list[PageRecord]:
