@@ -2,11 +2,11 @@
 published to their shard owners, lookups across owners, remote pages fetched into the host
 tier, namespace generations (invalidations) kept with etcd (cluster_generations.py).
 
-Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster"); the gRPC
-servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded by a
-deadline. Membership listeners run on that loop and hand blocking work to worker threads. A
-membership change rebuilds the shard map and the peers, drops the records of nodes that left or
-re-registered (they republish) and republishes this node's records whose owners changed.
+Everything cluster-side runs on one asyncio loop in a thread of its own ("cluster", made in ``start``); the gRPC
+servicers (threads) call in through ``lookup`` / ``fill`` / ``invalidate``, each bounded by a deadline, or ``submit``
+a background task. Membership listeners run on that loop and hand blocking work to worker threads. A membership change
+rebuilds the shard map and peers, drops the records of nodes that left or re-registered (they republish), republishes
+this node's records whose owners changed. At each catch-up it drops the records the others gave it before it registered.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class ClusterRuntime:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> None:
-        """Starts the loop, the page server, joins the cluster and publishes what this node
+        """Makes and starts the loop, the page server, joins the cluster and publishes what this node
         holds; returns once it is a member (CoordinatorUnavailable after ``timeout_s``,
         by default 3 TTLs: a restarted node waits for its previous lease to expire)."""
         timeout_s = timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
