@@ -25,7 +25,8 @@ State machine of the local node::
 
 The view of the others comes from one watch over ``<root>``; a broken watch (etcd restart,
 compaction) is healed by a fresh snapshot, diffed against the view so listeners see only
-real changes. Listeners run on the event loop and must not block.
+real changes. Listeners run on the event loop and must not block; ``on_registering`` ones are
+called with the new epoch just before each registration's transaction.
 """
 
 from __future__ import annotations

@@ -211,7 +211,8 @@ class Server:
         if serving is not None:  # cluster mode
             from kvstore.server.cluster import ClusterRuntime
 
-            # what this node publishes names the namespace's tenant; at every catch-up the salts are reseeded, then sessions
+            # what this node publishes names the namespace's tenant; at every catch-up (before_serving) the others' old
+            # records go, the salts are reseeded, then sessions
             self.cluster = ClusterRuntime(core, config, serving, owners.owner, self.session_owners, self.wal,
                                           reseed_salts=getattr(self.security.salts, "reseed", None))
         self.session_moves: SessionMoves | None = self.cluster.session_moves if self.cluster is not None else None

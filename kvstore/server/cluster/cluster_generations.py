@@ -16,7 +16,8 @@
   the push missed catches up as soon as its watch does.
 * **Catch-up** (``catch_up``): after every registration (and when etcd went back, replaced
   or restored) a node reads every generation etcd holds, enters them, and writes back the
-  ones etcd lacks or holds lower (``before_serving``: the tenants' salts, ...); then it says so
+  ones etcd lacks or holds lower, then runs ``before_serving`` (the runtime's: the records the
+  others gave it before it registered dropped, the tenants' salts, the sessions' owners); then it says so
   in etcd (``caught-up/<node>``: etcd's incarnation id) and waits, up to a TTL, for every
   other node etcd lists to have done the same in this etcd, and, if etcd is not the one it
   caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), until etcd is a

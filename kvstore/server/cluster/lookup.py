@@ -52,7 +52,8 @@ class AnswerCache:
     as a dead node's records may be listed anyway), so that the Acquire that follows a
     client's lookup fetches without asking the owners again, and still fetches when an owner
     fails between the two. A stale record costs a miss (the holder answers MISSING). Kept per
-    tenant asked for: the owners answered that tenant, and no other may fetch on its answer."""
+    tenant asked for: the owners answered that tenant, and no other may fetch on its answer.
+    Bounded: a put past ``PURGE_AT`` entries purges the expired ones, past ``MAX_ENTRIES`` all."""
 
     MAX_ENTRIES = 1 << 16
     PURGE_AT = 1 << 10  # entries past which the expired ones go (then again once twice as many are live)

@@ -8,7 +8,8 @@ batches them per owner and sends them as ``Publish`` (records naming this node) 
 changed are published to the new owners and withdrawn from the old ones (``shards.moves``).
 A RESYNC (the publisher fell behind the event ring) re-reads every location of this node.
 
-A failed call is retried while its owner is a member; an owner that left gets nothing (the
+A failed call is retried while its owner is a member under the incarnation it was sent to (a new epoch is a
+new peer, given every record it owns); an owner that left gets nothing (the
 records move with the membership change, and withdrawals queued for it are dropped); an owner
 that registered again under the same name gets every record it owns again: it forgot what it
 kept (incarnations.py), as a restarted one lost it. Each call names the owner's epoch this node
@@ -48,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 _RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 # refused because the owner's watch has not yet heard of this node's new incarnation (a node registered
-# anew in a replaced etcd, below the epoch the owner remembers): retried until the owner's watch says so
+# anew in a replaced etcd, below the epoch the owner remembers): retried until the owner's watch says so; or
+# because the owner registered again since this node heard of it: retried until this node's watch says so
 _RETRIED_ERRORS = ("StaleIncarnation",)
 
 BATCH_RECORDS = 4096

@@ -1,6 +1,7 @@
 """The Migration servicer (DESIGN §12.8): thin adapters over the session
 owner records here (session_owners.py), etcd's (server/cluster/migrations.py), the token log and
-the replica fetch path. Each handler validates everything before it changes anything.
+the replica fetch path. Each handler validates everything before it changes anything. Adopt
+also has etcd told, in the background, that the version was adopted (the source's log may then go).
 
 Who calls what: the migrating client (client/migrate.py) calls Copy, Adopt at the target and
 Fence, Abort at the source, each as the session's tenant, on its own namespace; another
