@@ -11,11 +11,16 @@ from pathlib import Path
 
 from kvstore.bench.lookup import lookup_floor
 
+# Ctrl-C as a terminal gives it: a suite started in the background by a shell without job control runs with SIGINT
+# ignored, which a child inherits and Python then leaves ignored, so the echo never stopped (seen: a whole-suite run
+# under `nohup ... &`). The child sets its own handler (no preexec_fn: this process has threads).
+_INTERRUPTIBLE = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "runpy.run_module('kvstore.bench.lookup.lookup_floor', run_name='__main__', alter_sys=True)")
+
 
 def _echo(path: Path, request_bytes: int, answer_bytes: int) -> subprocess.Popen[str]:
-    echo = subprocess.Popen([sys.executable, "-m", "kvstore.bench.lookup.lookup_floor", "serve", str(path),
-                             str(request_bytes), str(answer_bytes), "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    echo = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, "serve", str(path), str(request_bytes), str(answer_bytes),
+                             "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
     return echo
 
