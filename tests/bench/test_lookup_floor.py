@@ -53,6 +53,11 @@ def test_a_caller_reset_mid_request_is_no_traceback_and_the_next_caller_is_serve
         assert echo.poll() is None, "the echo process died of a caller that went away"
     finally:
         echo.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole process group
-        _, err = echo.communicate(timeout=10)
+        try:
+            _, err = echo.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            echo.kill()  # an echo that did not stop is not left running after the test
+            echo.communicate()
+            raise
     assert "Traceback" not in err, err
     assert echo.returncode in (0, -signal.SIGINT, 128 + signal.SIGINT), echo.returncode
