@@ -4,17 +4,11 @@ lookups name new chains all the time held tens of MB of dead records between two
 
 from __future__ import annotations
 
+from support.clock import Clock
+
 from kvstore.server.cluster.lookup import AnswerCache
 
 NS = bytes(16)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _fill(cache: AnswerCache, first: int, count: int) -> list[bytes]:

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from support.clock import Clock
+
 from kvstore.cluster.session_records import SessionRecord
 from kvstore.server.cluster.migrations import SessionMoves
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tokenlog import TokenLog
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
 
 NSID = b"\x01" * 16
 

@@ -13,6 +13,7 @@ import grpc
 import lmdb
 import pytest
 from support.certs import CertAuthority
+from support.clock import Clock
 from support.servers import make_config
 from support.tenants import A, Caller, new_ns, tenant_config, tenant_grants
 
@@ -23,15 +24,6 @@ from kvstore.server import Server
 from kvstore.server.session_expiry import MIN_PERIOD_S
 from kvstore.server.session_owners import FREEZING, INCOMING, OWNED, Ownership
 from kvstore.server.tokenlog import TokenLog
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
 
 NS = b"\x01" * 16
 
