@@ -127,6 +127,11 @@ class TokenLog:
             self.env.sync(True)
         return length
 
+    def has(self, namespace_id: bytes, session_id: str) -> bool:
+        """Whether the session has a log here (one read of its record, not of its tokens)."""
+        with self.env.begin() as txn:
+            return txn.get(self._sid(namespace_id, session_id), db=self.meta_db) is not None
+
     def read(self, namespace_id: bytes, session_id: str) -> tuple[int, list[int]] | None:
         sid = self._sid(namespace_id, session_id)
         with self.env.begin() as txn:

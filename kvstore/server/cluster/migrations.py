@@ -85,7 +85,7 @@ class SessionMoves:
             return
         try:
             for ns, sid, mine in fenced:
-                if self._wal.read(ns, sid) is None:
+                if not self._wal.has(ns, sid):
                     self._owners.release(ns, sid, mine.version)  # no log here to keep
                     continue
                 record = self.read(ns, sid)
