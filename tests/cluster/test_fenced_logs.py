@@ -3,7 +3,8 @@ fence's version (DESIGN §12.8). Found by a review of the first version of this:
 mark was one per session, never cleared, so a session fenced, adopted, migrated back here and
 fenced again was released already: its log, the only full copy until the new target adopts,
 idled out, and a migration resumed later than the idle time could never finish. The mark is per
-version now. The mark lost with a wiped etcd is written again at the owner's catch-up (real etcd). etcd's reads are faked here (the real ones: tests/cluster/test_migration.py)."""
+version now (etcd's reads faked; end to end: tests/cluster/test_migration.py). And a mark lost with a
+wiped etcd is written again at the owner's catch-up (a real etcd)."""
 
 from __future__ import annotations
 
