@@ -27,6 +27,10 @@ from dataclasses import dataclass
 SHM_PRIOR_BPS = 5e9
 GRPC_PRIOR_BPS = 1e9
 PER_CALL_PRIOR_S = 1e-3
+# LoadCosts: a size skipped this many times in a row is loaded once, to be measured again; a
+# fetch this far off its size class's mean restarts the class (a link that changed speed)
+PROBE_EVERY = 40
+FETCH_RESTART_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -82,17 +86,22 @@ class LinearCost:
     observations (one size cannot tell a per-call cost from a bandwidth, and no unit of
     work is free). ``seconds`` predicts a size already seen from its
     class (the line plus the class's offset from it). Classes not observed for ``max_age_s`` are forgotten,
-    so an estimate that stopped being refreshed falls back to the prior.
+    so an estimate that stopped being refreshed falls back to the prior. ``restart_factor``: an
+    observation more than that factor off its class's mean starts the class again from it (a
+    link that got slow or fast is followed at its next observation, not over ``window`` of them).
 
     Thread-safe."""
 
     def __init__(self, prior: Line, *, window: int = 32, max_age_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 restart_factor: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if window < 1:
             raise ValueError("window must be >= 1")
+        if restart_factor is not None and restart_factor <= 1:
+            raise ValueError("restart_factor must be > 1")
         self.prior = prior
         self.window = window
         self.max_age_s = max_age_s
+        self.restart_factor = restart_factor
         self._clock = clock
         self._buckets: dict[int, _Bucket] = {}
         self._lock = threading.Lock()
@@ -106,7 +115,7 @@ class LinearCost:
         with self._lock:
             now = self._clock()
             bucket = self._buckets.get(key)
-            if bucket is None:
+            if bucket is None or self._surprising(bucket, units, seconds):
                 self._buckets[key] = _Bucket(units, seconds, 1, now)
             else:
                 bucket.count += 1
@@ -115,6 +124,16 @@ class LinearCost:
                 bucket.seconds += alpha * (seconds - bucket.seconds)
                 bucket.seen_at = now
             self.num_observations += 1
+
+    def _surprising(self, bucket: _Bucket, units: float, seconds: float) -> bool:
+        """Whether ``seconds`` lies more than ``restart_factor`` outside what the class's mean
+        allows at ``units`` (between its mean time and that time scaled to ``units``: a size
+        class spans 2x, whether its cost is fixed or per unit)."""
+        if self.restart_factor is None:
+            return False
+        scaled = bucket.seconds * units / bucket.units if bucket.units > 0 else bucket.seconds
+        low, high = min(bucket.seconds, scaled), max(bucket.seconds, scaled)
+        return seconds > high * self.restart_factor or seconds * self.restart_factor < low
 
     def line(self) -> Line:
         """The fitted line (the prior before any observation)."""
@@ -180,18 +199,34 @@ def tokens_worth_loading(hit_tokens: int, fetch_s: float, recompute_s: float) ->
 class LoadCosts:
     """The two measured costs of one engine's loads and the decision made from them:
     ``fetch`` in bytes (this client's loads), ``recompute`` in scheduled tokens (the
-    engine's forward passes). A fetch estimate not refreshed for ``fetch_max_age_s`` falls
-    back to the prior, so a link measured slow once is tried again later (a prior that
-    loads, see ``fetch_prior``)."""
+    engine's forward passes).
+
+    A hit that is not loaded is not measured, so an estimate too slow would never be
+    corrected: a size skipped ``PROBE_EVERY`` times in a row is loaded once (a probe), and
+    what it measures replaces the class's estimate if it is off by more than
+    ``FETCH_RESTART_FACTOR`` (so does any fetch observation: a link that got slow is skipped
+    from its next hit on). A probe costs at most its load deadline, twice the recompute, so
+    probing a link that stays slow adds at most 2/PROBE_EVERY (5 %) to what recomputing
+    costs. A fetch estimate not refreshed for ``fetch_max_age_s`` also falls back to the
+    prior. Called from one thread (the scheduler's)."""
 
     def __init__(self, bytes_per_token: float, fetch: Line, recompute: Line, fetch_max_age_s: float | None = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.bytes_per_token = bytes_per_token
-        self.fetch = LinearCost(fetch, max_age_s=fetch_max_age_s, clock=clock)
+        self.fetch = LinearCost(fetch, max_age_s=fetch_max_age_s, restart_factor=FETCH_RESTART_FACTOR, clock=clock)
         self.recompute = LinearCost(recompute, clock=clock)
+        self._skipped: dict[int, int] = {}  # size class of a hit's bytes -> hits of it skipped in a row
 
     def worth_loading(self, hit_tokens: int) -> int:
-        return tokens_worth_loading(hit_tokens, self.fetch_s(hit_tokens), self.recompute_s(hit_tokens))
+        load = tokens_worth_loading(hit_tokens, self.fetch_s(hit_tokens), self.recompute_s(hit_tokens))
+        if hit_tokens <= 0:
+            return load
+        key = _size_class(hit_tokens * self.bytes_per_token)
+        skipped = 0 if load else self._skipped.get(key, 0) + 1
+        if skipped >= PROBE_EVERY:
+            skipped, load = 0, hit_tokens
+        self._skipped[key] = skipped
+        return load
 
     def fetch_s(self, tokens: int) -> float:
         return self.fetch.seconds(tokens * self.bytes_per_token)

@@ -128,3 +128,18 @@ def test_a_size_seen_is_predicted_from_what_it_cost() -> None:
     assert cost.seconds(16 << 20) == pytest.approx(0.069)
     assert cost.seconds(17 << 20) == pytest.approx(0.069 + cost.line().per_unit_s * (1 << 20))
     assert cost.seconds(1 << 30) == pytest.approx(cost.line().seconds(1 << 30))  # never seen: the line
+
+
+def test_a_fetch_far_off_its_class_restarts_it() -> None:
+    """Noise within ``restart_factor`` is averaged; an observation further off starts its
+    size class again (a link that changed speed), in either direction."""
+    cost = cm.LinearCost(cm.Line(1e-3, 1e-9), restart_factor=2.0)
+    for seconds in (0.010, 0.015, 0.008):
+        cost.observe(1e7, seconds)
+    assert cost.seconds(1e7) == pytest.approx(0.011)
+    cost.observe(1e7, 0.1)
+    assert cost.seconds(1e7) == pytest.approx(0.1)
+    cost.observe(1e7, 0.01)
+    assert cost.seconds(1e7) == pytest.approx(0.01)
+    with pytest.raises(ValueError):
+        cm.LinearCost(cm.Line(0.0, 1e-9), restart_factor=1.0)

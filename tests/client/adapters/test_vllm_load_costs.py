@@ -19,6 +19,7 @@ import math
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +29,9 @@ from vllm_support import EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens
 
 from kvstore.bench.common.linkproxy import LinkProxy
+from kvstore.client.adapters.vllm.costs import LoadPolicy, StepClock
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
+from kvstore.cost_model import PROBE_EVERY
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -181,3 +184,55 @@ def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_p
             engine.close()
         fast.close()
         slow.close()
+
+
+# -- the policy's reaction to a link that changes (no store, no engine) ------------------
+
+HIT_TOKENS = 1024
+PER_TOKEN_S = 1e-3  # the engine's measured recompute
+
+
+def measured_policy(fetch_s: float, num_loads: int = 32) -> tuple[LoadPolicy, Any]:
+    """A policy that measured a recompute of 1 ms a token and ``num_loads`` loads of a
+    ``HIT_TOKENS`` hit at ``fetch_s`` each."""
+    policy = LoadPolicy(LAYOUT.bytes_per_token)
+    client = SimpleNamespace(shared_memory=True, prefill_tokens_per_s=3000.0)
+    policy.measured([(n, 0.01 + n * PER_TOKEN_S) for n in (1, 64, 512, 2048) for _ in range(4)],
+                    [(HIT_TOKENS * LAYOUT.bytes_per_token, fetch_s)] * num_loads)
+    return policy, client
+
+
+def test_a_link_that_got_slower_than_recompute_is_recomputed_from_its_next_hit() -> None:
+    """Bug: a link measured at a tenth of the recompute for 32 loads that became 1.9x slower
+    than recompute (under the load deadline of 2x, so never cut) kept loading: the size
+    class's running mean of the last 32 moved a 32nd of the way per load, so some 20 more
+    hits loaded at 1.9x their recompute. A load that far off its class's mean is a new
+    link, not noise."""
+    recompute_s = HIT_TOKENS * PER_TOKEN_S
+    policy, client = measured_policy(0.1 * recompute_s)
+    assert policy.decide(client, "before", HIT_TOKENS) == HIT_TOKENS
+    policy.measured([], [(HIT_TOKENS * LAYOUT.bytes_per_token, 1.9 * recompute_s)])
+    assert policy.decide(client, "after", HIT_TOKENS) == 0
+
+
+def test_a_load_cut_once_does_not_turn_loads_off_for_ten_minutes() -> None:
+    """Bug: one load cut by its deadline with no page received (a stall of the store, not
+    the link: the pages come in one batch over shared memory) is counted at its stall times
+    its number of pages (StepClock's stretch), so its size class is skipped; nothing of that
+    size loaded again and so nothing was measured, until the class aged out after 10
+    minutes, though its loads cost a tenth of the recompute. A skipped size is tried again
+    after PROBE_EVERY skipped hits (a probe costs at most its deadline, so probes add at
+    most 5 %), and what the probe measures replaces the stale estimate."""
+    recompute_s = HIT_TOKENS * PER_TOKEN_S
+    policy, client = measured_policy(0.1 * recompute_s)
+    pages = HIT_TOKENS // LAYOUT.page_tokens
+    clock = StepClock()
+    clock.begin(0, pages * LAYOUT.page_bytes)
+    clock.stalled(time.perf_counter() - policy.deadline_s(HIT_TOKENS))  # waited its whole deadline
+    clock.end(stretch=float(pages))  # no page had arrived: _stretch gives num_pages
+    policy.measured(*clock.take())
+    decisions = [policy.decide(client, f"r{i}", HIT_TOKENS) for i in range(PROBE_EVERY + 1)]
+    assert decisions[0] == 0  # a cut load: the next hit recomputes (a stall or a dead link: not known yet)
+    assert HIT_TOKENS in decisions  # a probe
+    policy.measured([], [(HIT_TOKENS * LAYOUT.bytes_per_token, 0.1 * recompute_s)])  # what the probe measured
+    assert policy.decide(client, "after", HIT_TOKENS) == HIT_TOKENS
