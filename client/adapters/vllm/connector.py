@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats, PromMetric, PromMetricT
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
@@ -44,6 +45,7 @@ from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.sessions import SESSION_KEY, SessionLogs
+from kvstore.client.adapters.vllm.stats import CounterDeltas, KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -120,6 +122,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
             self.handoff_worker = HandoffWorker(self.store, spec.block_size, self.config.lookup_timeout_s,
                                                 self.config.handoff_deadline_s)
+        self._counts = CounterDeltas(self.scheduler.policy.stats if self.scheduler is not None else self._worker().stats)
         logger.info("kvstore connector (%s) for %s at %s, %d-token pages", role.name, namespace.model, self.config.address,
                     namespace.layout.page_tokens)  # the namespace id (salted for a tenant) is logged at connect
 
@@ -130,6 +133,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save lost to preemption is a later miss
+
+    # -- metrics (stats.py): vLLM asks both sides after every step -------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._counts.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=data or {})  # its own copy of the dict
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ---------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ does that alone);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
 cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
-{"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "exit"}.
+{"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "metrics"} -> vLLM's counters named vllm:kvstore_*
+(``LLM.get_metrics()``, its Prometheus registry; the config needs "log_stats": true); {"cmd": "exit"}.
 Live migration: {"cmd": "start", "prompt", "max_tokens", "kv_transfer_params", "pause_after": n} adds one greedy
 request (eos ignored) and steps the engine until it output n tokens, then waits until the connector logged every
 token and its saves ended -> {"tokens"}; {"cmd": "resume"} steps it to its end -> {"tokens", "finish_reason",
@@ -83,7 +84,8 @@ def main() -> None:
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=config.get("dtype", "float32"), enforce_eager=True, seed=0,
               block_size=config.get("block_size", 32), max_model_len=config.get("max_model_len", 1024),
               enable_prefix_caching=config.get("prefix_caching", False), kv_transfer_config=transfer,
-              max_num_batched_tokens=config.get("max_num_batched_tokens", 4096))
+              max_num_batched_tokens=config.get("max_num_batched_tokens", 4096),
+              disable_log_stats=not config.get("log_stats", False))
     proto.write(json.dumps({"ready": True}) + "\n")
     paused: object = None  # the request "start" paused, as its last RequestOutput
     for line in sys.stdin:
@@ -140,6 +142,10 @@ def main() -> None:
             reply = {"hybrid_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
                      "groups": [type(g.kv_cache_spec).__name__ for g in connector._kv_cache_config.kv_cache_groups],
                      "layout": {**layout.describe(), "groups": list(layout.groups)}}
+        elif cmd["cmd"] == "metrics":  # the connector's counters as an operator sees them (stats.py), one engine
+            from vllm.v1.metrics.reader import Counter
+
+            reply = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name.startswith("vllm:kvstore_")}
         elif cmd["cmd"] == "hooks":
             vllm_hooks.CORRUPT_LAYER[:] = [cmd["corrupt_layer"]] if cmd.get("corrupt_layer") is not None else []
             vllm_hooks.CORRUPT_STATE[:] = [True] if cmd.get("corrupt_state") else []
