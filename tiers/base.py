@@ -19,6 +19,9 @@ Contract of every tier:
   ``MetadataFull``) stored nothing of its batch; the caller unreserves the slots.
 * **Reading.** ``read_into`` copies pages into the caller's buffers and verifies each
   (length, header, checksum) before it counts; only a contiguous prefix of the batch counts.
+  With ``verify=False`` the caller takes on the payload's checksum (it hands the bytes to a
+  reader that checks them as it copies them out): a tier may then skip that pass, never the
+  length and header checks.
   A page the tier does not hold is a miss (it ends the prefix), never an exception; a page
   that fails its check ends it with the reason; a tier that cannot read at all may raise
   ``OSError`` (nothing of the batch counts).
@@ -193,7 +196,7 @@ class Tier(Protocol):
         """Makes written slots the stored pages; ``parents``: each page's predecessor in its
         prefix when known (the eviction order gives up a chain's tail first)."""
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult: ...
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult: ...
 
     def contains(self, key: bytes) -> bool: ...
 
@@ -308,8 +311,8 @@ class TierWrapper:
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self.inner.commit(pages, parents)
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
-        return self.inner.read_into(pages)
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
+        return self.inner.read_into(pages, verify)
 
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)

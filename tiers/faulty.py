@@ -90,14 +90,14 @@ class FaultyTier(TierWrapper):
         self._io("commit")
         self.inner.commit(pages, parents)
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
         self._io("read_into")
         if pages and self._draw(self.short_read_rate, "short_read"):
             with self._lock:
                 keep = self._random.randrange(len(pages))
-            result = self.inner.read_into(pages[:keep])
+            result = self.inner.read_into(pages[:keep], verify)
             return result if result.num_read < keep else ReadResult(keep)
-        return self.inner.read_into(pages)
+        return self.inner.read_into(pages, verify)
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         if self._draw(self.error_rate, "error"):

@@ -136,8 +136,9 @@ class HbmTier(IndexedPages):
 
     # -- reads ---------------------------------------------------------------------------
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
-        """Copies pages out of the pool (device -> host) and verifies each there."""
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
+        """Copies pages out of the pool (device -> host) and verifies each there, whatever
+        ``verify`` says (the check is what makes the copy worth trusting)."""
         for index, (key, into) in enumerate(pages):
             entry = self._pages.get(key)
             if entry is None:

@@ -192,7 +192,9 @@ class HostTier(IndexedPages):
 
     # -- reads ---------------------------------------------------------------------------
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
+        """Copies and verifies each page, whatever ``verify`` says (shared memory another
+        process may write: the copy is not worth having unchecked)."""
         for index, (key, into) in enumerate(pages):
             entry = self._pages.get(key)
             if entry is None:

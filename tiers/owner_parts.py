@@ -103,12 +103,12 @@ class OwnerParts(Generic[P]):
 
     # -- keys: in the part that holds them -----------------------------------------------
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
         for index, page in enumerate(pages):
             part = self.holder(page[0])
             if part is None:
                 return ReadResult(index)
-            result = part.read_into([page])
+            result = part.read_into([page], verify)
             if result.num_read == 0:
                 return ReadResult(index, result.reason)
         return ReadResult(len(pages))

@@ -9,8 +9,9 @@ at start (``recover``).
 O_DIRECT is used where the filesystem allows it (the payload of a page written from the host
 arena is already 4 KiB aligned, so it goes to disk without a copy; reads land in aligned
 staging buffers and are copied into place while the next page is read); elsewhere I/O is
-buffered, which is said once in the log. Each read checks the header and the payload
-checksum before the page counts.
+buffered, which is said once in the log. Each read checks the header before the page
+counts, and the payload checksum too unless its caller checks it where the bytes are
+consumed (``read_into(verify=False)``, DESIGN §4).
 
 Thread-safety: ``_lock`` guards the in-memory map, the slot allocator and the LRU order,
 and is held only for in-memory work; disk reads and writes run without it, index
@@ -223,15 +224,20 @@ class SsdTier(SsdWrites):
         entry = self._pages.get(key)
         return entry[0] if entry else None
 
-    def read_into(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+    def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
         """Reads pages into their destinations, each verified as it is copied.
 
         The disk reads go back to back into a pair of aligned staging buffers (anonymous
         memory: O_DIRECT into the shared-memory arena reads ~10% slower here) while a
         helper thread copies each staged page into place and checks it in one pass.
+        ``verify`` False: each page is read straight into place (O_DIRECT where it is
+        aligned) and only its header and length are checked; whoever consumes the bytes
+        checks the payload (DESIGN §4, one hash where the bytes are consumed).
         """
         if not pages:
             return ReadResult(0)
+        if not verify:
+            return self._read_in_place(pages)
         stage = self._staging.take(max(len(into) for _, into in pages))
         jobs: list[Future[bool]] = []
         cut, reason = len(pages), ""
@@ -269,6 +275,18 @@ class SsdTier(SsdWrites):
             if bad(index):
                 break
         return ReadResult(cut, reason)
+
+    def _read_in_place(self, pages: list[tuple[bytes, memoryview]]) -> ReadResult:
+        for index, (key, into) in enumerate(pages):
+            try:
+                if self._read_unverified(key, into) is None:
+                    return ReadResult(index)
+            except PageCorrupt as exc:
+                return ReadResult(index, str(exc))
+            except OSError as exc:
+                logger.error("ssd tier: read of %s failed: %s", key.hex(), exc)
+                return ReadResult(index)
+        return ReadResult(len(pages))
 
     def _read_unverified(self, key: bytes, into: memoryview) -> PageHeader | None:
         """A page's bytes into ``into``, its header, the index and the length checked but

@@ -178,5 +178,5 @@ def test_subscribe_stats_and_quarantine_show_only_the_callers_namespaces(tenant_
     assert ops(ops.directory.Stats, directory_pb2.StatsRequest()).num_entries == 5
     key = quarantine_a_page(tenant_server, a, ns_a)
     assert b(b.directory.Quarantine, directory_pb2.QuarantineRequest()).pages == []
-    assert [p.key for p in a(a.directory.Quarantine, directory_pb2.QuarantineRequest()).pages] == [key]
-    assert [p.key for p in ops(ops.directory.Quarantine, directory_pb2.QuarantineRequest()).pages] == [key]
+    assert {p.key for p in a(a.directory.Quarantine, directory_pb2.QuarantineRequest()).pages} == {key}  # read-up copy and disk copy
+    assert {p.key for p in ops(ops.directory.Quarantine, directory_pb2.QuarantineRequest()).pages} == {key}

@@ -50,11 +50,17 @@ def _flip_payload_byte(ssd_dir, offset: int, where: int) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_factory, tmp_path, layout, ns) -> None:
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
+async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_factory, tmp_path, layout, ns, use_shm: bool) -> None:
+    """A page read up from disk is checked once, where its bytes are consumed (DESIGN §4): a
+    same-host reader's verified copy finds the damage (PageCorrupt) and reports it, the
+    server's gRPC send finds it before sending (PageMissing). Either way no byte of it
+    reaches the caller, and the copy on disk, where the damage is, is quarantined: the next
+    lookup stops before it instead of promising it again."""
     server = server_factory()
     tokens = list(range(160))
     kv = random_kv(layout, 160, seed=5)
-    async with KVStoreClient(server.address, ns) as client:
+    async with KVStoreClient(server.address, ns, use_shm=use_shm) as client:
         await client.put(tokens, kv, durable=True)
         hit = await client.lookup(tokens)
         bad = hit.keys[3]
@@ -66,16 +72,19 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
         hit = await client.lookup(tokens)
         assert hit.num_pages == 10 and {loc.tier for loc in hit.locations} == {"ssd"}
         out = torch.zeros_like(kv)
-        with pytest.raises(PageMissing) as err:
+        with pytest.raises(PageCorrupt if use_shm else PageMissing) as err:
             await client.get(hit, into=out)
         assert err.value.num_tokens == 48
         assert torch.equal(out[:, :, :48], kv[:, :, :48])
-        assert not out[:, :, 48:].any(), "no byte of the corrupt page may reach the caller"
-        # Quarantined: the next lookup stops before it instead of stalling on it again.
+        # (a same-host get copies the pages after it meanwhile: intact bytes of their own pages)
+        assert not out[:, :, 48:64].any(), "no byte of the corrupt page may reach the caller"
+        # Quarantined at its source: the next lookup stops before it instead of stalling on it again.
         assert (await client.lookup(tokens)).num_tokens == 48
+        assert server.core.where(bad) == {}
     quarantined = server.core.quarantined()
-    assert [q.key for q in quarantined] == [bad] and "checksum" in quarantined[0].reason
-    assert server.core.stats().num_quarantined == 1
+    assert {q.key for q in quarantined} == {bad} and all("checksum" in q.reason for q in quarantined)
+    on_disk = next(tier for tier in server.core.tiers if tier.name == "ssd").quarantined()
+    assert [q.key for q in on_disk] == [bad], "the damaged copy on disk is quarantined, not only the one read up"
 
 
 @pytest.mark.parametrize(("use_shm", "chunk_bytes"), [(True, 4 << 20), (False, 4 << 20), (False, 4096)],
@@ -239,8 +248,44 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
                 d[:] = bytes(8192)
             assert tier.read_into(items) == ReadResult(4, f"page {(4).to_bytes(16, 'little').hex()} failed its checksum")
             assert [bytes(d) for d in dests[:4]] == pages[:4]
+        # Unverified (its reader checks the payload): every page lands, the damaged one as it is on disk ...
+        assert tier.read_into(items, verify=False) == ReadResult(6)
+        assert [bytes(d) for i, d in enumerate(dests) if i != 4] == pages[:4] + pages[5:] and bytes(dests[4]) != pages[4]
+        with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:  # ... but a header that does not match the index still ends it
+            f.seek(placed[2][0] + 40)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+        result = tier.read_into(items, verify=False)
+        assert result.num_read == 2 and "header" in result.reason
     finally:
         tier.close()
+
+
+async def test_a_page_damaged_in_the_arena_after_its_read_up_keeps_its_intact_copy_on_disk(server_factory, layout, ns) -> None:
+    """The other half of checking a read-up page at its reader: the damage may be the arena's
+    (a stray write after the read). The reader's report drops the arena copy; the disk copy,
+    checked then, is intact and stays, and the next get reads it up again, bit-exact."""
+    server = server_factory()
+    tokens, kv = list(range(64)), random_kv(layout, 64, seed=7)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv, durable=True)
+        hit = await client.lookup(tokens)
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = directory_pb2_grpc.DirectoryStub(ch)
+            await stub.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
+        out = torch.zeros_like(kv)
+        await client.get(await client.lookup(tokens), into=out)  # read up from disk
+        assert torch.equal(out, kv)
+        flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)
+        with pytest.raises(PageCorrupt):
+            await client.get(await client.lookup(tokens), into=torch.zeros_like(kv))
+        assert set(server.core.where(hit.keys[2])) == {"ssd"}, "the arena copy is dropped, the intact one on disk kept"
+        again = await client.lookup(tokens)
+        assert again.num_tokens == 64
+        out = torch.zeros_like(kv)
+        await client.get(again, into=out)
+        assert torch.equal(out, kv)
 
 
 def _limit_file_size() -> None:

@@ -14,10 +14,11 @@ from typing import Any
 import grpc
 from support.servers import flip_arena_byte, make_config
 from support.tcp_proxy import TcpProxy
-from test_remote_landing import PAGE_BYTES, _found, _store
+from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
 
-from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
+from kvstore.page import HEADER_BYTES, checksum
 from kvstore.page_wire.fetch_frames import FetchAnswer, PageEntry, PageStatus
 from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
@@ -85,6 +86,40 @@ async def test_a_page_scribbled_on_at_the_holder_is_quarantined_not_sent(server_
         assert got == 1 and _found(receiver.address, ns, keys) == 1
         assert _pages_at(receiver.address, ns, keys) == pages[0]
         assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
+        assert _found(holder.address, ns, keys) == 1
+    finally:
+        await server.close()
+
+
+async def test_a_page_damaged_on_the_holders_disk_is_quarantined_there_not_sent(server_factory, tmp_path) -> None:
+    """A page the holder reads up from disk to send is not checked on the way up (its reader
+    checks it: DESIGN §4). Here the damage is on the holder's disk: the receiver finds it
+    CORRUPT, asks again with the holder checking, and the holder then drops both its read-up
+    copy and the copy on disk, where the damage is, so that no lookup promises it again."""
+    holder, receiver = server_factory(), server_factory(make_config(tmp_path / "receiver"))
+    ns = secrets.token_bytes(16)
+    keys = [secrets.token_bytes(16) for _ in range(3)]
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    with grpc.insecure_channel(holder.address) as channel:
+        stored = data_pb2_grpc.DataStub(channel).WritePages(iter([
+            data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES, checksum=checksum(p), data=p,
+                               durable=True) for k, p in zip(keys, pages)]))
+        assert stored.num_published == len(keys)
+        directory_pb2_grpc.DirectoryStub(channel).Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier="host"))
+    with open(holder.config.ssd.directory / "pages.dat", "r+b") as f:  # noqa: ASYNC230 - one byte of page 1, on the holder's disk
+        f.seek(holder.core.where(keys[1])["ssd"] + HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]
+        peer = Peer(port)
+        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
+        await peer.fetcher.close()
+        assert got == 1 and _pages_at(receiver.address, ns, keys) == pages[0]
+        assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
         assert _found(holder.address, ns, keys) == 1
     finally:
         await server.close()

@@ -9,7 +9,9 @@ written twice; a page removed meanwhile is not published (``Directory.publish_li
   not admitted) is dropped at once; a dirty one is written down first.
 * ``write_down`` copies landing pages to a lower tier: reserve (evicting there), write,
   verify, sync and index, publish.
-* ``read_up`` reads lower-tier pages into reserved landing slots, verified.
+* ``read_up`` reads lower-tier pages into reserved landing slots, unchecked: whoever reads
+  them from there checks them (DESIGN §4), and a copy found damaged there has its source
+  checked too (``Reader.check_below``).
 """
 
 from __future__ import annotations
@@ -362,7 +364,8 @@ class Mover(LowerRoom):
 
     def read_up(self, items: list[tuple[int, bytes, int]]) -> ReadResult:
         """Reads pages (source tier, key, reserved landing slot), pinned by the caller, into
-        their landing slots, verified. Stops at the first page that fails; a tier that
+        their landing slots, headers checked, payloads not (their reader checks them). Stops
+        at the first page that fails; a tier that
         fails as a whole (OSError) ends the prefix there, which proves nothing about bytes."""
         done = 0
         while done < len(items):
@@ -372,7 +375,7 @@ class Mover(LowerRoom):
             views = [(key, self.landing.view(slot, self.landing.slot_bytes(slot))) for _, key, slot in run]
             source = self.residence.tiers[tier]  # a lower tier, or one above the landing tier
             try:
-                result = source.read_into(views)
+                result = source.read_into(views, verify=False)  # its reader checks the bytes (DESIGN §4)
             except OSError as exc:
                 logger.error("%s tier: read failed: %s", source.name, exc)
                 return ReadResult(done)

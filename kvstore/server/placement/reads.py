@@ -4,6 +4,7 @@ requests will need, and scrubbing lower-tier pages in the background."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ class Reader:
         self.layout_of = layout_of
         self.owner_of = owner_of  # namespace id -> the tenant whose arena its pages are read up into
         self._scrub_queue: list[tuple[int, bytes]] = []
-        self._scrub_buf = bytearray()
+        self._scratch = threading.local()
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
                 tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
@@ -213,18 +214,38 @@ class Reader:
                 return None
             tier, key, slot, header = found  # header None: its index entry is damaged, which the read reports
             self.leases.pin([key], move=True)
+        return self._check(tier, key, slot, header, "scrub")
+
+    def check_below(self, key: bytes) -> None:
+        """The landing copy of ``key`` failed a check. Lower copies are read up unchecked (the
+        reader checks the bytes: DESIGN §4), so the damage may have come from one of them:
+        each is checked now and quarantined if it fails, dropped where the damage is instead
+        of read up again for the next reader."""
+        for tier in range(1, len(self.tiers)):
+            with self.keeper.critical():
+                if not self.residence.has(key, tier):
+                    continue
+                slot, header = self.tiers[tier].slot_of(key), self.tiers[tier].header(key)
+                self.leases.pin([key], move=True)
+            self._check(tier, key, slot, header, "after its copy read up failed a check")
+
+    def _check(self, tier: int, key: bytes, slot: int | None, header: PageHeader | None, why: str) -> bool:
+        """Reads the copy of ``key`` in ``tier`` (pinned by the caller for this, with the
+        pin of a move, which is dropped here) and verifies it; quarantines it if it fails and
+        is still that copy. False when it failed."""
         size = header.payload_bytes if header is not None else 0
-        if len(self._scrub_buf) < size + 4096:
-            self._scrub_buf = bytearray(size + 4096)
+        buf = getattr(self._scratch, "buf", None)  # per thread: the scrubber and a reader's report may check at once
+        if buf is None or len(buf) < size + 4096:
+            buf = self._scratch.buf = bytearray(size + 4096)
         try:
-            result = self.tiers[tier].read_into([(key, memoryview(self._scrub_buf))])
+            result = self.tiers[tier].read_into([(key, memoryview(buf))])
             reason = result.reason if result.num_read == 0 else ""
         except OSError as exc:
             reason = ""  # an I/O error is not evidence of bad bytes; retried next round
-            logger.warning("scrub: read of %s failed: %s", key.hex(), exc)
+            logger.warning("%s: read of %s failed: %s", why, key.hex(), exc)
         with self.keeper.critical():
             self.residence.released(self.leases.unpin([key], move=True))
             self.metrics.scrubbed.inc()
             if reason and self.residence.has(key, tier) and self.tiers[tier].slot_of(key) == slot:
-                self._quarantine(key, tier, f"scrub: {reason}")
+                self._quarantine(key, tier, f"{why}: {reason}")
         return not reason
