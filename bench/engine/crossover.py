@@ -7,7 +7,10 @@ through an emulated link whose bandwidth is swept. Reads are predicted by the on
 model the vLLM connector decides with (kvstore/cost_model.py): each path's model is fed
 that path's reads in the order they are measured, and every length's read is predicted
 before it is measured, so the longest prefix is predicted from the shorter ones only.
-Draws time vs prefix length (each path vs recompute) and time vs link bandwidth, with the
+Recompute is predicted as the connector decides it, tokens x the slope fitted to every
+prefill (LoadCosts.recompute_s), once with the longest length seen and once from the
+shorter ones only (prefill grows faster than linearly past the sizes seen: attention,
+caches). Draws time vs prefix length (each path vs recompute) and time vs link bandwidth, with the
 crossover marked.
 """
 
@@ -99,7 +102,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     server, addr = start_server(workdir, 4 * total + (64 << 20), 4 * total + (256 << 20), "--ssd-dwpd", "0", "--ssd-admission", "all")
     rows: dict[int, dict[str, float]] = {}
     # one online model per path, as the connector keeps one per client (shared memory: host-shm and ssd)
-    models = {path: cost_model.LinearCost(cost_model.fetch_prior(path != "host-grpc")) for path in PATHS}
+    models = {path: cost_model.LinearCost(cost_model.fetch_prior(path != "host-grpc"), restart_factor=cost_model.FETCH_RESTART_FACTOR)
+              for path in PATHS}
     recompute = cost_model.LinearCost(cost_model.recompute_prior(3000.0))  # tokens -> seconds of a prefill
     try:
         async with grpc.aio.insecure_channel(addr) as ch, KVStoreClient(addr, ns) as shm, KVStoreClient(addr, ns, use_shm=False) as wire:
@@ -118,8 +122,11 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         out = model(prefix, use_cache=True)
                     times.append(time.perf_counter() - t0)
                 row["recompute"] = _best(times)
-                row["recompute-predicted"] = recompute.seconds(n)  # from the shorter prefixes' prefills
-                recompute.observe(n, row["recompute"])
+                # what the connector decides with (tokens x the fitted slope: LoadCosts.recompute_s),
+                # from the shorter prefixes' prefills only; every prefill is fed, as a connector sees each step
+                row["recompute-extrapolated"] = n * recompute.line().per_unit_s
+                for t in times:
+                    recompute.observe(n, t)
                 kv = torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
                                   for layer in out.past_key_values.layers]).contiguous()
                 tokens = prefix[0].tolist()
@@ -171,13 +178,16 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return _report(args, layout, lengths, rows, emulated, models["host-grpc"].seconds(total))
+    return _report(args, layout, lengths, rows, emulated, models["host-grpc"].seconds(total),
+                   lengths[-1] * recompute.line().per_unit_s)
 
 
 def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows: dict[int, dict[str, float]],
-            emulated: list[dict[str, Any]], wire_s: float) -> dict[str, Any]:
+            emulated: list[dict[str, Any]], wire_s: float, recompute_s: float) -> dict[str, Any]:
     """``wire_s``: the gRPC path's model's read of the longest prefix once every gRPC read
-    was fed to it: an emulated link adds V/B to it."""
+    was fed to it: an emulated link adds V/B to it. ``recompute_s``: what the connector's
+    model says recomputing the longest prefix costs once every prefill was fed to it (the
+    quantity it decides with: tokens x slope), as a connector that has seen that length."""
     target = lengths[-1]
     v = rows[target]["bytes"]
     t_rec = rows[target]["recompute"]
@@ -197,7 +207,7 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
             "extrapolated_read_ms": round(row[f"{path}-extrapolated"] * 1e3, 2),
             "extrapolation_error": round(row[f"{path}-extrapolated"] / median - 1, 3),
         })
-    predicted_rec = rows[target]["recompute-predicted"]
+    predicted_rec, extrapolated_rec = recompute_s, rows[target]["recompute-extrapolated"]
     wire_fixed = wire_s  # the emulated link adds V/B to what the same gRPC read costs without it
     for e in emulated:
         link = e["link_gbps"] * 1e9
@@ -214,14 +224,19 @@ def _report(args: argparse.Namespace, layout: KVLayout, lengths: list[int], rows
             measured_x = math.exp(la + (target_f - fa) * (lb - la) / (fb - fa)) if fb != fa else math.exp(la)
             break
     predicted_x = planner.tie_bandwidth(v, predicted_rec, wire_fixed) / 1e9
+    extrapolated_x = planner.tie_bandwidth(v, extrapolated_rec, wire_fixed) / 1e9
     return {
         "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                   "bytes_per_token": layout.bytes_per_token},
         "prefix_tokens": target, "prefix_bytes": v,
         "recompute_ms": round(t_rec * 1e3, 1), "predicted_recompute_ms": round(predicted_rec * 1e3, 1),
+        "recompute_prediction_error": round(predicted_rec / t_rec - 1, 3),
+        "extrapolated_recompute_ms": round(extrapolated_rec * 1e3, 1),  # from the shorter prefixes only
         "r_gbps": round(r_measured / 1e9, 6), "paths": paths, "emulated": emulated,
         "crossover_link_gbps": {"measured": None if measured_x is None else round(measured_x, 6),
-                                "predicted": round(predicted_x, 6), "r": round(r_measured / 1e9, 6)},
+                                "predicted": round(predicted_x, 6), "extrapolated": round(extrapolated_x, 6),
+                                "error": None if measured_x is None else round(predicted_x / measured_x - 1, 3),
+                                "r": round(r_measured / 1e9, 6)},
         "by_length": {str(n): {k: (x if k == "bytes" else round(x, 3) if k.endswith("error") else round(x * 1e3, 2))
                                for k, x in rows[n].items()} for n in lengths},
         "chapter": chapter_choices(),
@@ -302,7 +317,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     print(f"prefix {report['prefix_tokens']} tokens = {report['prefix_bytes'] / 2**20:.1f} MiB; recompute "
-          f"{report['recompute_ms']:.0f} ms (cost model, from the shorter prefixes: {report['predicted_recompute_ms']:.0f}); "
+          f"{report['recompute_ms']:.0f} ms (cost model, tokens x slope as the connector decides: "
+          f"{report['predicted_recompute_ms']:.0f}, {100 * report['recompute_prediction_error']:+.0f}%; "
+          f"from the shorter prefixes only: {report['extrapolated_recompute_ms']:.0f}); "
           f"r = {report['r_gbps'] * 1e3:.2f} MB/s")
     print("reads of the longest prefix, each predicted by the online cost model from the path's earlier reads (medians of "
           "the reads after the first; per read: median |error|), and the first from the shorter prefixes' reads only (extrap):")
@@ -317,7 +334,9 @@ def print_table(report: dict[str, Any]) -> None:
     for e in report["emulated"]:
         print(f"{e['link_gbps'] * 1e3:>10g} {e['fetch_ms']:>9.0f} {e['predicted_fetch_ms']:>8.0f} {e['recompute_ms']:>9.0f} {e['fetch_wins']}")
     cx = report["crossover_link_gbps"]
-    print(f"crossover: measured {cx['measured'] and cx['measured'] * 1e3} MB/s, cost model {cx['predicted'] * 1e3:.2f} MB/s, r {cx['r'] * 1e3:.2f} MB/s")
+    error = "" if cx["error"] is None else f" ({100 * cx['error']:+.0f}%)"
+    print(f"crossover: measured {cx['measured'] and cx['measured'] * 1e3} MB/s, cost model {cx['predicted'] * 1e3:.2f} MB/s{error} "
+          f"(from the shorter prefixes' prefills only: {cx['extrapolated'] * 1e3:.2f}), r {cx['r'] * 1e3:.2f} MB/s")
     print("chapter (A100/H20 numbers):", report["chapter"])
     if report.get("plot"):
         print(f"plot: {report['plot']}")

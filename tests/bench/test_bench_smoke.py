@@ -73,6 +73,8 @@ def test_crossover_smoke(tmp_path) -> None:
         assert p["read_gbps"] > 0 and p["measured_read_ms"] > 0 and p["predicted_read_ms"] > 0
     assert [e["link_gbps"] for e in report["emulated"]] == [0.005, 0.05]
     assert report["r_gbps"] > 0 and report["chapter"]["r_gbps"] == 1.411
+    assert report["predicted_recompute_ms"] > 0 and report["extrapolated_recompute_ms"] > 0
+    assert report["crossover_link_gbps"]["predicted"] > 0 and report["crossover_link_gbps"]["extrapolated"] > 0
     assert (tmp_path / "cx.png").stat().st_size > 1000
 
 
