@@ -248,16 +248,18 @@ class StoreConnection:
         if not late.cancelled() and late.exception() is None:
             self.release(client, late.result().lease_id)
 
-    def release(self, client: KVStoreClient, lease_id: bytes) -> None:
+    def release(self, client: KVStoreClient, lease_id: bytes, failed: list[bytes] | None = None) -> None:
         """Gives a lease back in the background (a release that fails, or a client closed
-        meanwhile, leaves it to expire with its TTL)."""
+        meanwhile, leaves it to expire with its TTL); ``failed``: its pages whose copy failed
+        the checksum (the server checks and quarantines them, server/placement/reported.py)."""
         try:
             if client.calls.blocking is not None:  # a send of a few microseconds: cheaper than handing it to the runtime
-                client.calls.post("Data.Release", data_pb2.ReleaseRequest(lease_id=lease_id), RELEASE_TIMEOUT_S)
+                request = data_pb2.ReleaseRequest(lease_id=lease_id, failed=failed or [])
+                client.calls.post("Data.Release", request, RELEASE_TIMEOUT_S)
                 return
             transport = client.transport
             if isinstance(transport, ShmTransport):
-                client.runtime.submit(transport.release(lease_id))
+                client.runtime.submit(transport.release(lease_id, failed))
         except (KVStoreError, TimeoutError) as exc:
             logger.debug("lease %s not released (it expires): %s", lease_id.hex()[:8], exc)
 

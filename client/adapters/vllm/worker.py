@@ -111,7 +111,7 @@ class WorkerSide:
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
         """Starts this step's saves, so that their allocations overlap the forward pass."""
-        self.clock.begin(meta.num_scheduled_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
+        self.clock.begin(meta.num_prefill_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
         client = self.store.client()
         self._saving |= {spec.req_id for spec in meta.saves}
         started = [self._start_save(client, spec, computed=False) for spec in meta.saves]
@@ -150,17 +150,22 @@ class WorkerSide:
             kv = RequestKV(self._blocks, spec.block_ids, spec.first_page, spec.num_pages, self.layout,
                            all_layers=self._all_layers)
             ours = client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id
+            failed: list[bytes] = []  # a leased page whose copy failed its checksum: named at release
             try:
                 if ours and spec.num_pages <= self.sync_load_pages and self._lease_usable(client, spec):
-                    self._loads.append(ActiveLoad(spec, kv, None, client, copied=self._copy_leased(client, spec, kv)))
+                    copied, corrupt = self._copy_leased(client, spec, kv)
+                    self._loads.append(ActiveLoad(spec, kv, None, client, copied=copied))
                     self.stats.leased_copies += 1
+                    failed = client.keys(spec.tokens)[spec.first_page + copied :][:1] if corrupt else []
                 else:
                     self._loads.append(self._start_layerwise(client, spec, kv))
             except (KVStoreError, AttributeError, ValueError) as exc:  # the client closed under us: recompute
                 logger.warning("kvstore load of request %s not started: %s", spec.req_id, exc)
                 self._loads.append(ActiveLoad(spec, kv, None, client, ok=False))
             if ours:
-                self.store.release(client, spec.lease.lease_id)  # type: ignore[arg-type,union-attr]
+                # failed: the server checks it and quarantines it at its source (server/placement/reported.py);
+                # a page read up from disk is checked first here (DESIGN §4)
+                self.store.release(client, spec.lease.lease_id, failed)  # type: ignore[arg-type,union-attr]
         self.clock.stalled(since)
 
     def _start_layerwise(self, client: KVStoreClient | None, spec: LoadSpec, kv: RequestKV) -> ActiveLoad:
@@ -181,28 +186,28 @@ class WorkerSide:
                 and lease.arena_token in (b"", client.arena.token)  # after a restart: the arena the offsets are in
                 and time.monotonic() < lease.expires_at - 1.0)  # a second's margin for the copy itself
 
-    def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> int:
+    def _copy_leased(self, client: KVStoreClient, spec: LoadSpec, kv: RequestKV) -> tuple[int, bool]:
         """Copies the leased pages into vLLM's blocks; returns how many leading pages are
-        valid. Into a CPU cache, one native call copies every page and checksums it as it
+        valid, and whether the next one failed its checksum. Into a CPU cache, one native call copies every page and checksums it as it
         copies (the blocks of a page that fails, and of all after it, are reported failed and
         recomputed); otherwise each page is checked first and one that fails is not copied."""
         arena = client.arena
         if arena is None or not arena.hold():  # closed by a remap meanwhile: recomputed
-            return 0
+            return 0, False
         try:
             return self._copy_held(arena, spec, kv)
         finally:
             arena.drop()
 
-    def _copy_held(self, arena: ArenaMap, spec: LoadSpec, kv: RequestKV) -> int:
+    def _copy_held(self, arena: ArenaMap, spec: LoadSpec, kv: RequestKV) -> tuple[int, bool]:
         lease, first = spec.lease, spec.first_page
         assert lease is not None
         sources = [(arena, offset) for offset in lease.offsets[first : first + spec.num_pages]]
         bad = copy_verified(kv, self.layout, sources, lease.checksums[first : first + spec.num_pages], self.device_ops is not None)
         if bad is None:
-            return spec.num_pages
+            return spec.num_pages, False
         logger.error("leased page %d of request %s failed its checksum", first + bad, spec.req_id)
-        return bad
+        return bad, True
 
     def wait_layer(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
