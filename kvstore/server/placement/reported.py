@@ -51,17 +51,22 @@ class ReportBudget:
             return True
 
 
-def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: list[bytes]) -> int:
+def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: list[bytes],
+                   budget: Callable[[], bool] = lambda: True) -> int:
     """Verifies the landing copies of ``keys`` held by the lease ``lease_id`` (of ``tenant``,
-    when given); quarantines those that fail. Returns how many did. Call before the release."""
+    when given); quarantines those that fail. Returns how many did. Call before the release.
+    ``budget`` is asked only when there is a copy to hash: a reader holding several leases
+    names its failed page at each release, and those that do not hold it must not spend the
+    check the one that does needs (a ReportBudget's ``take``)."""
     with core.keeper.critical():
         leased = core.leases.keys_of(lease_id, tenant)
         wanted = set(keys) & set(leased or ())
         pages = [(core.landing.slot_of(key), core.landing.header(key)) for key in wanted]
+    pages = [(slot, header) for slot, header in pages if slot is not None and header is not None]
+    if not pages or not budget():
+        return 0
     failed = 0
     for slot, header in pages:
-        if slot is None or header is None:
-            continue
         try:  # the lease pins the page against eviction; quarantine_landing checks it is still this copy
             header.verify_payload(core.landing.view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
         except PageCorrupt:

@@ -190,8 +190,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        if request.failed and self._reports.take(current_identity().tenant):  # a reader's copy failed (placement/reported.py)
-            check_reported(self.core, request.lease_id, current_identity().tenant, list(request.failed[:MAX_REPORTED]))
+        if request.failed:  # a reader's copy failed (placement/reported.py): checked if the lease holds it, within budget
+            tenant = current_identity().tenant
+            check_reported(self.core, request.lease_id, tenant, list(request.failed[:MAX_REPORTED]), lambda: self._reports.take(tenant))
         self.core.release(request.lease_id, current_identity().tenant)
         return data_pb2.ReleaseResponse()
 
