@@ -1,14 +1,18 @@
 """The connector's use of the cost model (kvstore/cost_model.py): what its workers measure,
 and the scheduler side's decision of how much of a hit to load.
 
-Workers time every step (``StepClock``). A step that loads nothing gives the engine's
-recompute cost: (tokens scheduled, seconds of the forward pass). A step that loads gives
-the fetch cost: (bytes loaded, seconds the step was held up by the loads: leased copies
-and waits for layers). A step that loads is no recompute observation, since its time
-includes waiting for the load. The observations go to the scheduler side in the workers'
-metadata (``KVStoreWorkerMetadata``); ``LoadPolicy`` fits them and decides, per request,
-before vLLM allocates: load the hit when fetching it is measured to cost less than
-recomputing it, otherwise recompute it (the tokens are counted as skipped).
+Workers time every step (``StepClock``). A step that loads nothing and computes prompt
+tokens gives the engine's recompute cost: (prefill tokens, seconds of the forward pass;
+``prefill_tokens``). What a hit's recompute costs is a step's marginal cost per prefill
+token: the step's decode tokens (dearer each: sampling, attention over long contexts) are
+part of its fixed cost, and a step that only decodes is no observation (counted per token,
+decode steps pulled the slope up by a third). A step that loads gives the fetch cost:
+(bytes loaded, seconds the step was held up by the loads: leased copies and waits for
+layers). A step that loads is no recompute observation, since its time includes waiting
+for the load. The observations go to the scheduler side in the workers' metadata
+(``KVStoreWorkerMetadata``); ``LoadPolicy`` fits them and decides, per request, before
+vLLM allocates: load the hit when fetching it is measured to cost less than recomputing
+it, otherwise recompute it (the tokens are counted as skipped).
 
 The clock measures host time: on a CPU engine that is the forward pass and the stall.
 On a CUDA engine the forward pass runs asynchronously to the host, so the host time of a
@@ -31,6 +35,19 @@ MIN_DEADLINE_S = 0.05
 DEFAULT_PREFILL_TOKENS_PER_S = 3000.0  # KVStoreClient's default prefill speed, until a client is connected
 
 
+def prefill_tokens(out: Any) -> int:
+    """Tokens vLLM's step (its ``SchedulerOutput``) computes for requests still in their
+    context: a new request's, the next chunk of a prompt (a request with no output yet) and
+    a preempted request's recompute (resumed). A request with output tokens decodes: its
+    tokens (the next one, any speculative ones) are not counted. Without output counts (an
+    older vLLM) every scheduled token is."""
+    scheduled, cached = out.num_scheduled_tokens, out.scheduled_cached_reqs
+    outputs = getattr(cached, "num_output_tokens", None) or [0] * len(cached.req_ids)
+    resumed = cached.resumed_req_ids or set()
+    return (sum(scheduled.get(new.req_id, 0) for new in out.scheduled_new_reqs)
+            + sum(scheduled.get(req_id, 0) for req_id, n in zip(cached.req_ids, outputs) if n == 0 or req_id in resumed))
+
+
 class StepClock:
     """Times one worker's steps: ``begin``, any number of ``stalled``, ``end``.
     Observations accumulate until ``take``. Called from vLLM's worker thread only."""
@@ -44,6 +61,8 @@ class StepClock:
         self._loads: list[Observation] = []
 
     def begin(self, num_tokens: int, load_bytes: int) -> None:
+        """``num_tokens``: the step's prefill tokens (``prefill_tokens``); a step with none
+        and no load is not observed."""
         self._start = time.perf_counter()
         self._tokens, self._load_bytes, self._stall_s = num_tokens, load_bytes, 0.0
 

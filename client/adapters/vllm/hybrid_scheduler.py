@@ -34,7 +34,7 @@ from kvstore.client.adapters.vllm.grouped import pages_with_data
 from kvstore.client.adapters.vllm.groups import NULL_BLOCK, KVGroups
 from kvstore.client.adapters.vllm.hybrid_states import state_block, state_key
 from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata
-from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
+from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide, step_meta
 from kvstore.errors import InvalidRequest, KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,7 @@ class HybridSchedulerSide(SchedulerSide):
             self._group_ids[request.request_id] = tuple(list(ids) for ids in blocks.get_block_ids())
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()),
-                                        num_scheduled_tokens=sum(out.num_scheduled_tokens.values()))
+        meta = step_meta(out)
         for req_id, state in self._requests.items():
             if state.load_due:  # waiting for its load (not scheduled): the workers load it this step
                 self._plan_load(meta, req_id, state)

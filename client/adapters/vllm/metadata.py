@@ -125,7 +125,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     group_loads: list[GroupLoad] = field(default_factory=list)  # hybrid engines only, as group_saves
     group_saves: list[GroupSave] = field(default_factory=list)
-    num_scheduled_tokens: int = 0  # of the step: what a forward pass without loads is timed against
+    num_scheduled_tokens: int = 0  # of the step
+    num_prefill_tokens: int = 0  # of the step's requests in their prompt: what a forward pass without loads is timed against
     handoff_opens: list[HandoffOpen] = field(default_factory=list)  # disaggregated prefill (pd.py)
     handoff_completes: list[HandoffComplete] = field(default_factory=list)
     handoff_loads: list[HandoffLoad] = field(default_factory=list)
@@ -136,7 +137,7 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Requests whose saves stored less than the scheduler side counted (a save failed, was
     cancelled or could not start), each with the leading pages of the request that may be
     stored at most: the scheduler side saves again from there. And what the workers
-    measured for the cost model (costs.py): ``step_costs`` (scheduled tokens, seconds) of
+    measured for the cost model (costs.py): ``step_costs`` (prefill tokens, seconds) of
     forward passes without loads, ``load_costs`` (bytes, seconds the step waited) of loads.
     ``fenced``: requests whose save a fence refused (their session moved: sessions.py)."""
 

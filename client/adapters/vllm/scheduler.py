@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client.adapters.connection import ArenaLease, StoreConnection
-from kvstore.client.adapters.vllm.costs import LoadPolicy
+from kvstore.client.adapters.vllm.costs import LoadPolicy, prefill_tokens
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
 from kvstore.errors import KVStoreError
 
@@ -48,6 +48,14 @@ class RequestState:
     lease: ArenaLease | None = None  # held until a load takes it over or the request goes
     session_id: str = ""  # its saves name it (sessions.py): a fence refuses them
     fenced: bool = False  # its session moved: nothing more is saved
+
+
+def step_meta(out: Any) -> KVStoreConnectorMetadata:
+    """A step's metadata before its loads and saves: what the step schedules (``out``: vLLM's
+    SchedulerOutput) and the requests it preempted."""
+    return KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()),
+                                    num_scheduled_tokens=sum(out.num_scheduled_tokens.values()),
+                                    num_prefill_tokens=prefill_tokens(out))
 
 
 class SchedulerSide:
@@ -116,8 +124,7 @@ class SchedulerSide:
         state.lease = None
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(preempted=set(out.preempted_req_ids or ()),
-                                        num_scheduled_tokens=sum(out.num_scheduled_tokens.values()))
+        meta = step_meta(out)
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:

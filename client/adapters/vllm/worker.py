@@ -111,7 +111,7 @@ class WorkerSide:
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
         """Starts this step's saves, so that their allocations overlap the forward pass."""
-        self.clock.begin(meta.num_scheduled_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
+        self.clock.begin(meta.num_prefill_tokens, sum(spec.num_pages for spec in meta.loads) * self.layout.page_bytes)
         client = self.store.client()
         self._saving |= {spec.req_id for spec in meta.saves}
         started = [self._start_save(client, spec, computed=False) for spec in meta.saves]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +30,7 @@ from vllm_support import EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens
 
 from kvstore.bench.common.linkproxy import LinkProxy
+from kvstore.client.adapters.vllm import costs
 from kvstore.client.adapters.vllm.costs import LoadPolicy, StepClock
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
 from kvstore.cost_model import PROBE_EVERY
@@ -128,6 +130,70 @@ def test_measured_costs_decide(store: ServerProcess, fetch_s_per_token: float) -
         assert num_leases(store.address) == 0  # given back at once, not held until the request ends
     assert stats.found_tokens == 4 * BLOCK
     scheduler.finished(request)
+
+
+MARGINAL_S = 0.5e-3  # a busy engine's cost per prefill token in a step (what a hit's recompute costs)
+
+
+def busy_engine_steps(seed: int, num_steps: int = 2000) -> Iterator[tuple[SimpleNamespace, float]]:
+    """vLLM's scheduler outputs of a busy engine and what each step takes: 1-8 requests
+    decoding (a token each, dearer as the batch and its contexts of 1,000-8,000 tokens grow:
+    3-18 ms each), in 3 steps of 10 a new request's short prefill of 16-512 tokens and in 1 of 20
+    the next chunk of a long prompt (a request still in its prompt: no output yet), each at
+    ``MARGINAL_S`` a token plus 2 ms for the request; noise of +-20 % (a shared host)."""
+    rng = random.Random(seed)
+    for i in range(num_steps):
+        decoding = [f"d{j}" for j in range(rng.randint(1, 8))]
+        seconds = 0.004 + len(decoding) * 2e-3 * (1 + rng.randint(1000, 8000) / 2000) * (1 + 0.1 * len(decoding))
+        new, chunk, draw = [], [], rng.random()
+        if draw < 0.3:
+            new = [(f"p{i}", int(2 ** rng.uniform(4, 9)))]
+        elif draw < 0.35:
+            chunk = [(f"c{i}", rng.randint(256, 1024))]
+        seconds += sum(0.002 + MARGINAL_S * n for _, n in new + chunk)
+        cached = decoding + [r for r, _ in chunk]
+        out = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([],), num_computed_tokens=0) for r, _ in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=cached, resumed_req_ids=set(), new_block_ids=[None] * len(cached),
+                                                  num_computed_tokens=[1000] * len(cached),
+                                                  num_output_tokens=[rng.randint(1, 50) for _ in decoding] + [0] * len(chunk)),
+            num_scheduled_tokens={**dict.fromkeys(decoding, 1), **dict(new + chunk)}, preempted_req_ids=None)
+        yield out, seconds * rng.uniform(0.8, 1.2)
+
+
+def test_prefill_tokens_are_those_of_requests_in_their_context() -> None:
+    """A new request's, a prompt's next chunk (no output yet) and a resumed request's
+    recompute count; a decode's token and its speculative ones do not."""
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="new")],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["chunk", "resumed", "decode", "spec"], resumed_req_ids={"resumed"},
+                                              num_output_tokens=[0, 7, 3, 9]),
+        num_scheduled_tokens={"new": 100, "chunk": 512, "resumed": 300, "decode": 1, "spec": 4})
+    assert costs.prefill_tokens(out) == 912
+
+def test_decode_steps_do_not_bias_the_recompute_slope(store: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: every step without loads was a recompute observation of all its scheduled
+    tokens, so decode tokens (dearer each than a prefill token: a request's sampling,
+    attention over a long context) pulled the per-token slope up: 34-39 % over it on these
+    seeds, enough to keep loading over links up to some 1.4x slower than recompute. What a
+    hit's recompute costs is the step's marginal cost per prefill token. The steps go
+    through the real scheduler side (metadata), worker side (StepClock, on a clock the test
+    moves) and LoadPolicy."""
+    now = [0.0]
+    monkeypatch.setattr(costs, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    for seed in range(6):
+        conn, scheduler, worker, _ = parts(store.address)
+        try:
+            for out, seconds in busy_engine_steps(seed):
+                meta = scheduler.build_meta(out)
+                worker.begin_step(meta)
+                now[0] += seconds
+                worker.end_step()
+                scheduler.measured(worker.report())
+            slope = scheduler.policy.costs.recompute_s(1000) / 1000
+            assert slope == pytest.approx(MARGINAL_S, rel=0.15), f"seed {seed}: {slope / MARGINAL_S - 1:+.0%}"
+        finally:
+            conn.close()
 
 
 # -- on the real engine ------------------------------------------------------------------
