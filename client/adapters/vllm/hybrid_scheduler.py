@@ -141,10 +141,10 @@ class HybridSchedulerSide(SchedulerSide):
         if block_ids is None or states is None:  # no blocks for it: the request gets the load reported failed
             logger.error("kvstore: request %s has a load due but no blocks for it", req_id)
             block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
-        first = state.load_from // p
-        meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first,
-                                          state.hit_tokens // p - first, state_blocks=states,
-                                          generation=self._generations.get(req_id, 0)))
+        first, num_pages = state.load_from // p, state.hit_tokens // p - state.load_from // p
+        meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first, num_pages,
+                                          state_blocks=states, generation=self._generations.get(req_id, 0),
+                                          deadline_s=self.policy.deadline_s(num_pages * p)))
         self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed_after: int) -> None:

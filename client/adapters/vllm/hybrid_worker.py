@@ -3,10 +3,11 @@ group: groups.py, hybrid_scheduler.py).
 
 One step::
 
-    start_load_kv --> each load: its pages fetched (verified) into a staging tensor, then
-                      written into every group's blocks (null blocks skipped); all of
-                      it, or the request is reported failed (failed_recving)
     forward pass  --> nothing per layer
+    start_load_kv --> (after the forward pass: vLLM starts asynchronous loads there) each
+                      load: its pages fetched (verified) into a staging tensor within the
+                      load's deadline, then written into every group's blocks (null blocks
+                      skipped); all of it, or the request is reported failed (failed_recving)
     wait_for_save --> each save: its pages copied out of every group's blocks into a
                       staging tensor now (vLLM may drop a window group's blocks by the
                       next step), then stored from it in the background
@@ -18,6 +19,12 @@ failed or late load leaves nothing half-written that vLLM could read: the reques
 recomputes from its start. With state-space groups a load also fetches the states after
 its last page, and a save at a page boundary stores the states there (hybrid_states.py):
 the states go into the state namespace through a connection of their own.
+
+Steps are timed as on the single-group worker (costs.py, ``StepClock``): a step without
+loads is a recompute observation, a step with loads a fetch observation (the bytes of its
+pages, the seconds its loads held it up; a load cut at its deadline counted at the pace
+of the pages it received). A load's deadline is the scheduler side's (twice the measured
+recompute of its tokens) unless the connector's configuration sets one.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 import torch
 
 from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.costs import MIN_DEADLINE_S, StepClock
 from kvstore.client.adapters.vllm.grouped import GroupedBlocks
 from kvstore.client.adapters.vllm.hybrid_states import StateBlocks, state_key
 from kvstore.client.adapters.vllm.layout import block_views
@@ -78,6 +86,8 @@ class HybridWorkerSide:
         self._loaded: set[str] = set()  # this step's loads that landed whole
         self._failed: set[str] = set()  # this step's loads that did not
         self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
+        self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
+        self._loads_ok, self._stretch = True, 1.0  # this step's loads, for the clock (worker.py's end_step)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -94,52 +104,74 @@ class HybridWorkerSide:
     # -- one step ------------------------------------------------------------------------
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
+        self.clock.begin(meta.num_prefill_tokens, sum(spec.num_pages for spec in meta.group_loads) * self.layout.page_bytes)
         self._saves = list(meta.group_saves)
 
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        since = time.perf_counter()
         client = self.store.client()
+        self._loads_ok = client is not None or not meta.group_loads  # a load that could not start measures nothing
         for spec in meta.group_loads:
-            ok = client is not None and self._load(client, spec)
+            ok, stretch = self._load(client, spec) if client is not None else (False, 1.0)
+            self._stretch = max(self._stretch, stretch)
             (self._loaded if ok else self._failed).add(spec.req_id)
             if ok:
                 self.stats.loaded_tokens += spec.num_pages * self.layout.page_tokens
             else:
                 self.stats.failed_loads += 1
             if client is not None and spec.lease is not None and client.namespace.namespace_id == spec.namespace_id:
-                self.store.release(client, spec.lease.lease_id)  # the get leased the pages again
+                self.store.release(client, spec.lease.lease_id)  # the load leases the pages itself
+        self.clock.stalled(since)
 
-    def _load(self, client: KVStoreClient, spec: GroupLoad) -> bool:
-        """Fetches the pages (and the states after the last one) into staging tensors,
-        then writes them into the blocks; False (nothing written) when any of them is
-        missing, corrupt or late."""
-        p = self.layout.page_tokens
+    def _load(self, client: KVStoreClient, spec: GroupLoad) -> tuple[bool, float]:
+        """Fetches the pages (a layer-wise load, bounded by the deadline) and the states
+        after the last one into staging tensors, then writes them into the blocks. Returns
+        whether it landed (nothing is written when any of it is missing, corrupt or late),
+        and how many times longer the whole would have taken than the stall (a load cut at
+        its deadline: its pages over those received, for the clock)."""
+        p, num_layers = self.layout.page_tokens, self.layout.num_layers
         all_keys = client.keys(spec.tokens)
         keys = all_keys[spec.first_page : spec.first_page + spec.num_pages]
-        if len(keys) < spec.num_pages or spec.num_pages <= 0:
-            return False
+        if len(keys) < spec.num_pages or spec.num_pages <= 0 or (self._states is not None and not spec.state_blocks):
+            logger.warning("kvstore load of request %s has no pages or no block for its states; it recomputes", spec.req_id)
+            return False, 1.0
+        # the configured deadline, else the scheduler side's (from the measured recompute cost), else the client's prior
+        deadline_s = self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
+        if deadline_s is None:
+            deadline_s = max(MIN_DEADLINE_S, 2 * len(keys) * p / client.prefill_tokens_per_s)
+        ends = time.monotonic() + deadline_s
         staging = self._blocks().staging(len(keys))
-        timeout_s = self.load_deadline_s or max(1.0, 2 * len(keys) * p / client.prefill_tokens_per_s)
+        try:
+            load = client.load(Hit(client.namespace.namespace_id, len(keys) * p, keys, []), into=staging, ahead=num_layers,
+                               deadline_s=deadline_s)
+        except (KVStoreError, AttributeError, ValueError) as exc:  # the client closed under us
+            logger.warning("kvstore load of request %s not started, it recomputes from its start: %s", spec.req_id, exc)
+            return False, 1.0
+        if not all(load.wait(layer) for layer in range(num_layers)) or load.num_tokens < len(keys) * p:
+            load.abandon("not complete by its deadline")
+            logger.warning("kvstore load of request %s not whole in time (%d of %d pages received); it recomputes from its "
+                           "start", spec.req_id, load.pages_received, len(keys))
+            if load.error is not None:
+                self.store.failed(client, load.error)
+            return False, len(keys) / max(1, min(len(keys), load.pages_received))
         states = None
         try:
-            self.store.run(client, client.get(Hit(client.namespace.namespace_id, len(keys) * p, keys, []), staging), timeout_s)
             if self._states is not None:
-                if not spec.state_blocks:
-                    raise InvalidRequest("no block was given for the states")
-                states = self._fetch_states(all_keys[-1], spec.generation, timeout_s)
+                states = self._fetch_states(all_keys[-1], spec.generation, max(MIN_DEADLINE_S, ends - time.monotonic()))
             self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
-        except (KVStoreError, TimeoutError) as exc:
+        except KVStoreError as exc:  # no states, or a page past the blocks (InvalidRequest): recomputed
             logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
-            if not isinstance(exc, InvalidRequest):
-                self.store.failed(client, exc)
-            return False
+            return False, 1.0
         if states is not None:
             assert self._states is not None
             self._states.scatter(states, dict(spec.state_blocks))
             self.stats.states_loaded += 1
-        return True
+        return True, 1.0
 
     def _fetch_states(self, last_page_key: bytes, generation: int, timeout_s: float) -> torch.Tensor:
-        """The states after the page ``last_page_key``, verified (KVStoreError if absent)."""
+        """The states after the page ``last_page_key``, verified (KVStoreError if absent or
+        not in within ``timeout_s``: what is left of the load's deadline, no sign of a broken
+        connection)."""
         assert self.states is not None and self._states is not None
         client = self.states.client()
         if client is None:
@@ -149,7 +181,7 @@ class HybridWorkerSide:
         try:
             self.states.run(client, client.get(Hit(client.namespace.namespace_id, 1, [key], []), staging), timeout_s)
         except (KVStoreError, TimeoutError) as exc:
-            if not isinstance(exc, InvalidRequest):
+            if not isinstance(exc, (InvalidRequest, TimeoutError)):
                 self.states.failed(client, exc)
             raise KVStoreError(f"the states after the last page did not load: {exc}") from exc
         return staging
@@ -161,7 +193,10 @@ class HybridWorkerSide:
         """Nothing: saves copy every layer out when the step ends."""
 
     def end_step(self) -> None:
-        """Copies this step's saves out of vLLM's blocks and starts storing them."""
+        """Ends the step's timing; copies this step's saves out of vLLM's blocks and starts
+        storing them."""
+        self.clock.end(loads_ok=self._loads_ok, stretch=self._stretch)
+        self._loads_ok, self._stretch = True, 1.0
         client = self.store.client()
         for spec in self._saves:
             num_pages = len(spec.tokens) // self.layout.page_tokens - spec.first_page
@@ -243,10 +278,12 @@ class HybridWorkerSide:
         return set()  # failed loads are whole requests (transfer_results), never blocks
 
     def report(self) -> KVStoreWorkerMetadata | None:
+        """Requests whose saves ended short, and the steps and loads timed, since the last report."""
         self._collect()
-        if not self._short:
+        steps, loads = self.clock.take()
+        if not (self._short or steps or loads):
             return None
-        report, self._short = KVStoreWorkerMetadata(self._short), {}
+        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads), {}
         return report
 
     def wait_saves(self, timeout_s: float) -> bool:

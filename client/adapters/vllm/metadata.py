@@ -50,7 +50,7 @@ class GroupLoad:
     group g's block table, null blocks included). All of it lands, or the request is
     reported failed and recomputes from its start: a hit covers every group or none.
     ``state_blocks``: (group, block) of each state-space group, where the state after the
-    last page goes (hybrid_states.py)."""
+    last page goes (hybrid_states.py). ``deadline_s``: as LoadSpec's."""
 
     req_id: str
     tokens: list[int]
@@ -61,6 +61,7 @@ class GroupLoad:
     lease: ArenaLease | None = None
     state_blocks: tuple[tuple[int, int], ...] = ()
     generation: int = 0  # of the pages' namespace at the lookup: part of the states' key
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from vllm_support import EngineProcess, connector_config, module_store  # noqa: 
 from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.client import KVStoreClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -231,3 +232,43 @@ def test_states_saved_while_decoding(store: ServerProcess, tmp_path: Path, monke
     finally:
         a.close()
         b.close()
+
+
+SLOW_BPS = 200e3  # ~3 s for a 6-page hit of gemma3's KV (64 KiB a page), against a recompute of milliseconds
+
+
+def test_a_slow_link_recomputes_hits_after_the_first_load(store: ServerProcess, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: the hybrid worker timed nothing, so its scheduler side decided on the priors for
+    ever: over a link far slower than recompute every hit loaded, held its step up to a
+    timeout of the prior's (at least 1 s, not the policy's deadline), failed, and the request
+    recomputed from its start. Now B's first hit (its decision still on the fetch prior)
+    loads, is cut at the policy's deadline and measured; the next hit is recomputed at once,
+    not loaded (skipped, no second failed load). Outputs are A's either way."""
+    model = tiny_model("gemma3", tmp_path.parent / "model-gemma3")
+    proxy = LinkProxy(store.address, SLOW_BPS)
+    slow = {"use_shm": False, "use_call_socket": False, "load_when_faster": True}
+    started = [EngineProcess(model, tmp_path / f"{name}.log", prefix_caching=True,
+                             **connector_config(address, lookup_timeout_s=10, **extra))
+               for name, address, extra in (("a", store.address, {}), ("b", proxy.address, slow))]
+    try:
+        for engine in started:
+            engine.wait_ready()
+        a, b = started
+        prompts = [tokens(6 * BLOCK + 9, seed=700 + i) for i in range(2)]
+        stored = [a.generate([p])[0] for p in prompts]
+        b.generate([tokens(6 * BLOCK + 9, seed=799)])  # a miss: B's forward passes get measured
+        first = b.generate([prompts[0]])[0]
+        assert first["num_cached_tokens"] == 0 and b.stats()["failed_loads"] == 1, b.call(cmd="load_stats")
+        assert_same_output(first, stored[0])
+        second = b.generate([prompts[1]])[0]
+        assert second["num_cached_tokens"] == 0
+        assert_same_output(second, stored[1])
+        assert b.stats()["failed_loads"] == 1, "the second hit was loaded (and failed) too"
+        load = b.call(cmd="load_stats")
+        assert (load["found_tokens"], load["loaded_tokens"], load["skipped_tokens"], load["requests_skipped"]) == \
+            (2 * 6 * BLOCK, 6 * BLOCK, 6 * BLOCK, 1), load
+    finally:
+        for engine in started:
+            engine.close()
+        proxy.close()
