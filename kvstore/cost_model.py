@@ -216,6 +216,7 @@ class LoadCosts:
         self.fetch = LinearCost(fetch, max_age_s=fetch_max_age_s, restart_factor=FETCH_RESTART_FACTOR, clock=clock)
         self.recompute = LinearCost(recompute, clock=clock)
         self._skipped: dict[int, int] = {}  # size class of a hit's bytes -> hits of it skipped in a row
+        self.num_probes = 0  # hits loaded as probes (never reset)
 
     def worth_loading(self, hit_tokens: int) -> int:
         load = tokens_worth_loading(hit_tokens, self.fetch_s(hit_tokens), self.recompute_s(hit_tokens))
@@ -225,6 +226,7 @@ class LoadCosts:
         skipped = 0 if load else self._skipped.get(key, 0) + 1
         if skipped >= PROBE_EVERY:
             skipped, load = 0, hit_tokens
+            self.num_probes += 1
         self._skipped[key] = skipped
         return load
 

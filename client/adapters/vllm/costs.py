@@ -94,12 +94,15 @@ class StepClock:
 class LoadStats:
     """The scheduler side's counters (never reset): of the tokens kvstore holds beyond
     vLLM's own hit (``found_tokens``), how many were handed to vLLM to load and how many
-    were left to recompute because loading them was measured to be slower."""
+    were left to recompute because loading them was measured to be slower. ``probes``: hits
+    handed to vLLM to load though measured slower, to measure them again (a size skipped
+    ``cost_model.PROBE_EVERY`` times in a row); their tokens count in ``loaded_tokens``."""
 
     found_tokens: int = 0
     loaded_tokens: int = 0
     skipped_tokens: int = 0
     requests_skipped: int = 0
+    probes: int = 0
 
 
 @dataclass
@@ -127,7 +130,9 @@ class LoadPolicy:
             self.costs.fetch.prior = cost_model.fetch_prior(bool(client.shared_memory))
             self.costs.recompute.prior = cost_model.recompute_prior(client.prefill_tokens_per_s)
             self._priors_set = True
+        probes = self.costs.num_probes
         load = self.costs.worth_loading(found_tokens)
+        self.stats.probes += self.costs.num_probes - probes
         if load < found_tokens:
             self.stats.skipped_tokens += found_tokens - load
             self.stats.requests_skipped += 1

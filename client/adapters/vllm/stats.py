@@ -1,5 +1,5 @@
 """The connector's counters as vLLM's own metrics: what the scheduler side decided (hits
-found, loaded, skipped as not worth loading; DESIGN §10) and what the workers did (tokens
+found, loaded, skipped as not worth loading, probes; DESIGN §10) and what the workers did (tokens
 loaded, failed loads, saves).
 
 vLLM asks each connector for ``get_kv_connector_stats()`` after every step: the workers'
@@ -44,6 +44,7 @@ SCHEDULER_KEYS = {
     "loaded_tokens": "load_scheduled_tokens",
     "skipped_tokens": "skipped_tokens",
     "requests_skipped": "skipped_requests",
+    "probes": "probes",
 }
 WORKER_KEYS = {
     "loaded_tokens": "loaded_tokens",
@@ -57,6 +58,7 @@ METRICS = {  # stats key -> what the metric counts (its Prometheus help)
     "load_scheduled_tokens": "Tokens of kvstore hits the scheduler had vLLM allocate and load.",
     "skipped_tokens": "Tokens of kvstore hits recomputed instead: fetching them was measured to cost more.",
     "skipped_requests": "Requests whose kvstore hit was recomputed because fetching it was measured to cost more.",
+    "probes": "Hits loaded though measured to cost more, to measure them again (a size skipped 40 times in a row).",
     "loaded_tokens": "Tokens whose KV the workers loaded from kvstore into vLLM's blocks (summed over workers).",
     "failed_loads": "Loads from kvstore that failed or were cut by their deadline (their blocks are recomputed).",
     "failed_blocks": "vLLM blocks reported to vLLM as failed to load, and recomputed.",

@@ -55,9 +55,12 @@ def test_the_scheduler_side_reports_its_decisions_since_the_last_call() -> None:
     policy.stats.requests_skipped += 1
     second = deltas.take()
     assert second is not None and second.data == {"skipped_tokens": 96, "skipped_requests": 1}
+    policy.stats.probes += 1  # a hit loaded to be measured again (cost_model.PROBE_EVERY)
+    third = deltas.take()
+    assert third is not None and third.data == {"probes": 1}
     assert deltas.take() is None
     assert dataclasses.asdict(policy.stats) == {"found_tokens": 96, "loaded_tokens": 64, "skipped_tokens": 96,
-                                                "requests_skipped": 1}
+                                                "requests_skipped": 1, "probes": 1}
 
 
 @pytest.mark.parametrize("counters", [WorkerStats(), HybridWorkerStats()], ids=["single-group", "hybrid"])

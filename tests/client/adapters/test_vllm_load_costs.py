@@ -299,6 +299,6 @@ def test_a_load_cut_once_does_not_turn_loads_off_for_ten_minutes() -> None:
     policy.measured(*clock.take())
     decisions = [policy.decide(client, f"r{i}", HIT_TOKENS) for i in range(PROBE_EVERY + 1)]
     assert decisions[0] == 0  # a cut load: the next hit recomputes (a stall or a dead link: not known yet)
-    assert HIT_TOKENS in decisions  # a probe
+    assert HIT_TOKENS in decisions and policy.stats.probes == 1  # a probe, counted as one
     policy.measured([], [(HIT_TOKENS * LAYOUT.bytes_per_token, 0.1 * recompute_s)])  # what the probe measured
     assert policy.decide(client, "after", HIT_TOKENS) == HIT_TOKENS
