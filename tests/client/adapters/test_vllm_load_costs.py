@@ -33,6 +33,7 @@ from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.client.adapters.vllm import costs
 from kvstore.client.adapters.vllm.costs import LoadPolicy, StepClock
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
+from kvstore.client.adapters.vllm.stats import METRICS
 from kvstore.cost_model import PROBE_EVERY
 
 pytestmark = pytest.mark.timeout(600)
@@ -218,7 +219,7 @@ def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_p
     # measurement) runs to its end, so that what it measures is the link, not a deadline
     extra = {"use_shm": False, "use_call_socket": False, "load_deadline_s": 120, "lookup_timeout_s": 10, "load_when_faster": True}
     engines = {name: EngineProcess(model, tmp_path / f"{name}.log", block_size=ENGINE_BLOCK, max_model_len=1024,
-                                   **connector_config(proxy.address, **extra))
+                                   log_stats=name == "slow", **connector_config(proxy.address, **extra))
                for name, proxy in (("fast", fast), ("slow", slow))}
     try:
         for engine in engines.values():
@@ -244,7 +245,14 @@ def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_p
             assert got["num_cached_tokens"] == 0, s.call(cmd="load_stats")
             same_output(got, want)
         assert counters(s) == {"found_tokens": 3 * HIT, "loaded_tokens": HIT, "skipped_tokens": 2 * HIT, "requests_skipped": 2}
-        assert s.stats()["failed_loads"] == 0
+        s.generate([[7, 8, 9]], max_tokens=1)  # one more step: a save that ended after the last one is reported
+        worker = s.stats()
+        assert worker["failed_loads"] == 0 and worker["loaded_tokens"] == HIT and worker["saved_tokens"] > 0
+        # vLLM's own metrics (stats.py; the Prometheus registry LLM.get_metrics() reads) count the same
+        want = {**dict.fromkeys(METRICS, 0), "found_tokens": 3 * HIT, "load_scheduled_tokens": HIT, "skipped_tokens": 2 * HIT,
+                "skipped_requests": 2, "loaded_tokens": HIT, "saved_tokens": worker["saved_tokens"],
+                "failed_saves": worker["saves_failed"]}
+        assert s.call(cmd="metrics") == {f"vllm:kvstore_{key}": count for key, count in want.items()}, s.log_tail()
     finally:
         for engine in engines.values():
             engine.close()
