@@ -1,6 +1,7 @@
 """The sending side of the TCP data plane: a listener thread and one thread per connection,
 serving pages from a ``PageSource`` (whose ``open_pages`` runs on the event loop that
-started the server, as the UCX page server's does).
+started the server, as the UCX page server's does; a ``BlockingPageSource``, the node's own,
+is opened on the connection's thread instead).
 
 Without ``authorize`` it listens on loopback only. With it, a connection is served only
 after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.cluster.cluster_errors import TransportError
-from kvstore.cluster.page_fetch import PageSource, SourcePage, answer_for
+from kvstore.cluster.page_fetch import BlockingPageSource, PageSource, SourcePage, answer_for
 from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_exact, send_frame, send_hashed, shut, tune, wait_frame
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
@@ -229,8 +230,11 @@ class TcpPageServer:
         return None
 
     def _open(self, request: FetchRequest) -> list[SourcePage | None]:
-        """The source's pages, opened on the server's event loop; on a timeout every page it
-        opens later is released at once."""
+        """The source's pages: opened on this connection's thread when the source can be
+        (``BlockingPageSource``: no hop to the loop and back), else on the server's event
+        loop; on a timeout every page it opens later is released at once."""
+        if isinstance(self._source, BlockingPageSource):
+            return self._source.open_pages_now(request.namespace_id, request.keys, request.generation)
         assert self._loop is not None
         opened = self._source.open_pages(request.namespace_id, request.keys, request.generation)
         future = asyncio.run_coroutine_threadsafe(opened, self._loop)

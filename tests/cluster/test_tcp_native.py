@@ -5,6 +5,7 @@ closes or goes silent reported as TransportError or TimeoutError by the deadline
 
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
 import threading
@@ -70,6 +71,40 @@ async def test_pages_arrive_bit_exact_and_a_damaged_page_is_caught_then_not_sent
         result = await fetcher.fetch(NS, bad, dests, timeout_s=20, verify=True)  # the sender checks: never sent
         assert result.statuses[0] is FetchStatus.OK and result.statuses[1:] == [FetchStatus.FAILED] * 2
         assert result.error is not None and source.damaged == [bad[1]]
+    finally:
+        await fetcher.close()
+        await server.close()
+
+
+class BlockingSource(RandomSource):
+    """A ``BlockingPageSource``: the server must open it on its connection's thread, never through the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
+        raise AssertionError("opened through the event loop")
+
+    def open_pages_now(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
+        self.threads.append(threading.current_thread().name)
+        return asyncio.run(RandomSource.open_pages(self, namespace_id, keys, generation))
+
+
+async def test_a_source_that_may_block_is_opened_on_the_connection_thread(path: str) -> None:
+    """DESIGN §12.7: the node's own source is opened where the request arrives; the hop to the
+    server's loop and on to a worker thread and back cost a handoff ~0.5-2 ms of its fixed cost."""
+    source = BlockingSource()
+    server = TcpPageServer(source)
+    port = await server.start()
+    fetcher = TcpPageFetcher("127.0.0.1", port)
+    try:
+        keys = [key(1), key(2)]
+        dests = [bytearray(PAGE) for _ in keys]
+        result = await fetcher.fetch(NS, keys, dests, timeout_s=20)
+        assert result.statuses == [FetchStatus.OK] * 2 and result.error is None
+        assert bytes(dests[1]) == np.random.default_rng(keys[1][1]).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+        assert len(source.threads) == 1 and source.threads[0] != threading.current_thread().name
     finally:
         await fetcher.close()
         await server.close()

@@ -26,10 +26,15 @@ class CorePageSource:
     async def open_pages(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
         """The pages of ``keys`` leased for sending, of the receiver's ``generation`` only: a
         receiver in an older one gets none (it would store them under a generation that is
-        over); one in a newer makes this node enter it first (nothing of the older is sent)."""
+        over); one in a newer makes this node enter it first (nothing of the older is sent).
+        One hop to a worker thread for the check and the acquire together."""
+        return await asyncio.to_thread(self.open_pages_now, namespace_id, keys, generation)
+
+    def open_pages_now(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]:
+        """As ``open_pages``, on the calling thread (it may block: a page on SSD only is read up)."""
         try:
-            await asyncio.to_thread(self.core.read_generation, namespace_id, generation)
-            lease_id, pages = await asyncio.to_thread(self.core.acquire, namespace_id, list(keys), LEASE_MS, False)
+            self.core.read_generation(namespace_id, generation)
+            lease_id, pages = self.core.acquire(namespace_id, list(keys), LEASE_MS, False)
         except KVStoreError as exc:  # full of leased pages, bad keys, another generation: answered as missing
             logger.info("cannot serve %d pages to a peer: %s", len(keys), exc)
             return [None] * len(keys)
