@@ -2,11 +2,12 @@
 
 Prefill instance, per handed-off request::
 
-    first step  --> handoff_open (before the step's saves start: the store pushes each page
-                    to the decode node as it is published)
+    first step  --> handoff_open, sent as the step's saves start and not waited for (the
+                    store pushes each page to the decode node as it is published; pages
+                    stored before the open lands go when it does)
     saves       --> layer by layer, as any request's (worker.py)
-    finished    --> once worker.py reports the saves ended: handoff_complete in the
-                    background; when it answered (or failed: the decode side recomputes),
+    finished    --> once worker.py reports the saves ended and the open answered (or was
+                    given up on): handoff_complete in the background; when it answered (or failed: the decode side recomputes),
                     the request is reported finished sending and vLLM frees its blocks
 
 Decode instance, per handed-off request (vLLM holds it in WAITING_FOR_REMOTE_KVS)::
@@ -73,6 +74,14 @@ class HandoffStats:
 
 
 @dataclass
+class Opening:
+    spec: HandoffOpen
+    job: Any  # the runtime's Job of handoff_open
+    give_up_at: float
+    client: KVStoreClient
+
+
+@dataclass
 class Completing:
     spec: HandoffComplete
     job: Any = None  # the runtime's Job of handoff_complete, once started
@@ -94,8 +103,9 @@ class Receiving:
 @dataclass
 class HandoffWorker:
     """``blocks``: vLLM's KV per layer as ``[blocks, 2, block, heads, dim]`` (as worker.py
-    views it, from ``register``); ``open_timeout_s``: the most a step waits for a handoff to
-    open before its saves start; ``complete_timeout_s``: for a completion's answer."""
+    views it, from ``register``); ``open_timeout_s``: the most a handoff's completion waits
+    for its open to answer (the step never waits for it); ``complete_timeout_s``: for a
+    completion's answer."""
 
     store: StoreConnection
     block_size: int
@@ -109,6 +119,7 @@ class HandoffWorker:
         self.layout = self.store.namespace.layout
         self._handed: set[str] = set()  # prefill requests with an open handoff
         self._saving: set[str] = set()  # of those, with saves the single-group worker has not reported ended
+        self._opening: dict[str, Opening] = {}  # prefill req id -> its handoff_open, not answered yet
         self._completing: dict[str, Completing] = {}
         self._receiving: list[Receiving] = []
         self._failed_blocks: set[int] = set()
@@ -134,28 +145,39 @@ class HandoffWorker:
             self._receiving.append(self._receive(client, load))
 
     def _open(self, client: KVStoreClient | None, opens: list[HandoffOpen]) -> None:
-        """Opens the handoffs, all at once, waiting ``open_timeout_s`` at most for their answers.
+        """Sends the handoffs' opens, all at once, without waiting: the step's forward pass
+        runs beside them (waiting cost every handed-off prompt's TTFT an RPC, 0.7-8 ms in
+        ``kvstore-bench pd`` on 2 busy cores, DESIGN §12.7). Pages stored before an open
+        lands are pushed when it does; the completion waits for the open (``_settle_opens``).
         One not opened still hands off at Complete (its pages are pushed then, not as stored)."""
         self._handed |= {spec.req_id for spec in opens}
         if client is None:
             self.stats.open_failed += len(opens)
             return
-        jobs = [(spec, client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s,
-                                                                 tokens=spec.tokens))) for spec in opens]
-        deadline = time.monotonic() + self.open_timeout_s
-        for spec, job in jobs:
-            try:
-                job.result.result(max(0.0, deadline - time.monotonic()))
-                self.stats.opened += 1
-            except concurrent.futures.TimeoutError:
-                job.cancel()
+        give_up_at = time.monotonic() + self.open_timeout_s
+        for spec in opens:
+            job = client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens))
+            self._opening[spec.req_id] = Opening(spec, job, give_up_at, client)
+
+    def _settle_opens(self, now: float) -> None:
+        """Counts the opens that answered; one past ``open_timeout_s`` is given up on (cancelled)."""
+        for req_id, opening in list(self._opening.items()):
+            spec, result = opening.spec, opening.job.result
+            if not result.done() and now <= opening.give_up_at:
+                continue
+            del self._opening[req_id]
+            if not result.done():
+                opening.job.cancel()
                 self.stats.open_failed += 1
                 logger.warning("kvstore handoff %s of request %s: no answer to its opening within %.2f s", spec.handoff_id,
                                spec.req_id, self.open_timeout_s)
-            except KVStoreError as exc:
+            elif result.exception() is not None:
                 self.stats.open_failed += 1
-                self._failed(client, exc)
-                logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id, exc)
+                self._failed(opening.client, result.exception())
+                logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id,
+                               result.exception())
+            else:
+                self.stats.opened += 1
 
     def _receive(self, client: KVStoreClient | None, spec: HandoffLoad) -> Receiving:
         start_by = time.monotonic() + spec.deadline_s
@@ -197,14 +219,18 @@ class HandoffWorker:
         ended without a complete to make, aborted, is forgotten: its handoff expires)."""
         self._saving -= saved
         self._handed -= finished_req_ids - self._completing.keys()
+        for req_id in finished_req_ids - self._completing.keys():  # aborted: its open is not waited for (it expires)
+            self._opening.pop(req_id, None)
         running = [r.job.result for r in self._receiving if r.job is not None and not r.job.result.done()]
         running += [d.job.result for d in self._completing.values() if d.job is not None and not d.job.result.done()]
+        running += [o.job.result for o in self._opening.values() if not o.job.result.done()]
         if self._idle and running:
             concurrent.futures.wait(running, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         now = time.monotonic()
+        self._settle_opens(now)
         sending = saved - self._completing.keys()
         for req_id, done in list(self._completing.items()):
-            if done.job is None and req_id not in self._saving:
+            if done.job is None and req_id not in self._saving and req_id not in self._opening:
                 self._start_complete(done, now)
             if done.job is not None and (done.job.result.done() or now > done.give_up_at):
                 self._ended_complete(done)
@@ -332,6 +358,8 @@ class HandoffWorker:
         for done in self._completing.values():
             if done.job is not None and not isinstance(done.job, _Failed):
                 done.job.cancel()
+        for opening in self._opening.values():
+            opening.job.cancel()
 
 
 class _Failed:
