@@ -50,6 +50,6 @@ class CorePageSource:
 
         out: list[SourcePage | None] = [
             SourcePage(self.core.read_view(p), p.checksum, release, p.header.layout,
-                       damaged=lambda reason, p=p: self.core.quarantine_landing(p.header, reason, p.slot))
+                       damaged=lambda reason, p=p: self.core.reads.quarantine_landing(p.header, reason, p.slot))
             for p in pages]
         return out + [None] * (len(keys) - len(pages))

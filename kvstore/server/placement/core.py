@@ -334,12 +334,6 @@ class Placement(CoreReports):
             self.pressure.clear()  # set again by the next allocation past the watermark
             return False
 
-    def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
-        """A reader found the landing copy of a page damaged: it is dropped, and so is any
-        lower copy it was read up from that fails its check too (reads.check_below)."""
-        self.moves.quarantine_landing(header, reason, slot)
-        self.reads.check_below(header.key)
-
     def scrub_one(self) -> bool | None:
         """Verifies the next lower-tier page (see reads.py); None when there is none."""
         return self.reads.scrub_one()

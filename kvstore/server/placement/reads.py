@@ -216,6 +216,12 @@ class Reader:
             self.leases.pin([key], move=True)
         return self._check(tier, key, slot, header, "scrub")
 
+    def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
+        """A reader found the landing copy of a page damaged: it is dropped (``Mover.quarantine_landing``),
+        and so is any lower copy it was read up from that fails its check too."""
+        self.moves.quarantine_landing(header, reason, slot)
+        self.check_below(header.key)
+
     def check_below(self, key: bytes) -> None:
         """The landing copy of ``key`` failed a check. Lower copies are read up unchecked (the
         reader checks the bytes: DESIGN §4), so the damage may have come from one of them:

@@ -70,6 +70,6 @@ def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: l
         try:  # the lease pins the page against eviction; quarantine_landing checks it is still this copy
             header.verify_payload(core.landing.view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
         except PageCorrupt:
-            core.quarantine_landing(header, REASON, slot)
+            core.reads.quarantine_landing(header, REASON, slot)
             failed += 1
     return failed

@@ -391,8 +391,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             with closing(built_ahead(pages, build, self._read_ahead)) as built:
                 for page, chunks in zip(pages, built):
                     if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
-                        self.core.quarantine_landing(page.header, "its bytes in the arena do not match its checksum "
-                                                     "(checked before sending)", page.slot)
+                        self.core.reads.quarantine_landing(page.header, "its bytes in the arena do not match its checksum "
+                                                           "(checked before sending)", page.slot)
                         break
                     yield from chunks
         finally:
