@@ -91,8 +91,9 @@ def _get(core: Placement, keys: list[bytes]) -> int:
             got = bytes(core.read_view(page))
             if checksum(got) != page.checksum:
                 # A copy damaged on disk, read up unchecked: its reader's check finds it (DESIGN §4),
-                # as a client's does, and reports it; the arena copy is then dropped at once.
-                assert check_reported(core, lease, None, [page.key]) == 1, "a damaged arena copy is dropped when reported"
+                # as a client's does, and reports it (the arena copy is dropped then, unless another
+                # thread removed and stored the key again meanwhile: test_durability checks the drop)
+                check_reported(core, lease, None, [page.key])
                 return n
             assert got == _payload(page.key), f"page {page.key.hex()} was served with other bytes that pass its checksum"
     finally:
