@@ -20,6 +20,7 @@ import pytest
 from support.cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from test_cluster_nodes import NS
+from test_migration_model import settle
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidRequest, KVStoreError, SessionFenced
@@ -145,15 +146,7 @@ async def test_one_owner_and_no_early_end_under_random_migrations_and_idle_time(
             resume = rng.random() < 0.5
             steps[-1] += "+resume" if resume else "+abort"
 
-            async def settle(source: Node = nodes[model.owner], target: str = other, abort: bool = not resume) -> bool:
-                try:
-                    async with KVStoreClient(source.address, NS) as client:
-                        await client.migrate(SESSION, target, max_pause_bytes=0, abort=abort)
-                except KVStoreError:
-                    return False
-                return True
-
-            await eventually(settle, 40, f"the migration {'resumed' if resume else 'aborted'}", every_s=0.3)
+            await settle(nodes[model.owner], other, resume, SESSION)
             model.version += 1  # an abort decides the next version too, for the source
             if resume:
                 model.owner = other

@@ -63,6 +63,21 @@ async def check(nodes: dict[str, Node], model: Model, token: int) -> None:
     assert logged is not None and logged.tokens == model.tokens
 
 
+async def settle(source: Node, target: str, resume: bool, session: str) -> None:
+    """Resumes (or aborts) at ``source`` a migration that was cut, asking until it answers (etcd
+    or the target may still be coming back)."""
+
+    async def once() -> bool:
+        try:
+            async with KVStoreClient(source.address, NS) as client:
+                await client.migrate(session, target, max_pause_bytes=0, abort=not resume)
+        except KVStoreError:
+            return False
+        return True
+
+    await eventually(once, 40, f"the migration {'resumed' if resume else 'aborted'}", every_s=0.3)
+
+
 @pytest.mark.parametrize("seed", [int(s) for s in os.environ.get("KVSTORE_MIGRATION_SEEDS", "43").split(",")])
 async def test_one_owner_under_random_migrations_kills_and_etcd_restarts(cluster_nodes, etcd, seed: int) -> None:
     rng = random.Random(seed)
@@ -98,15 +113,7 @@ async def test_one_owner_under_random_migrations_kills_and_etcd_restarts(cluster
             resume = op == "target_dies" or rng.random() < 0.5
             steps[-1] += "+resume" if resume else "+abort"
 
-            async def settle(source: Node = nodes[model.owner], target: str = other, abort: bool = not resume) -> bool:
-                try:
-                    async with KVStoreClient(source.address, NS) as client:
-                        await client.migrate(SESSION, target, max_pause_bytes=0, abort=abort)
-                except KVStoreError:
-                    return False
-                return True
-
-            await eventually(settle, 40, f"the migration {'resumed' if resume else 'aborted'}", every_s=0.3)
+            await settle(nodes[model.owner], other, resume, SESSION)
             model.version += 1  # an abort decides the next version too, for the source
             if resume:
                 model.owner = other

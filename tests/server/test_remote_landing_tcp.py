@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from support.servers import flip_arena_byte, make_config
+from support.servers import flip_arena_byte, flip_ssd_byte, make_config
 from support.tcp_proxy import TcpProxy
 from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
-from kvstore.page import HEADER_BYTES, checksum
+from kvstore.page import checksum
 from kvstore.page_wire.fetch_frames import FetchAnswer, PageEntry, PageStatus
 from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
@@ -36,6 +36,20 @@ def _pages_at(address: str, ns: bytes, keys: list[bytes]) -> bytes:
     with grpc.insecure_channel(address) as channel:
         return b"".join(c.data for c in data_pb2_grpc.DataStub(channel).ReadPages(
             data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys)))
+
+
+async def _fetch_from(holder: Any, receiver: Any, ns: bytes, keys: list[bytes]) -> int:
+    """The receiver fetches ``keys`` from the holder's TCP page server (on its core) into its
+    landing slots; how many pages it committed."""
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        peer = Peer(port)
+        got = await RemoteTier(receiver.core, None, None, "tcp")._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
+        await peer.fetcher.close()
+        return got
+    finally:
+        await server.close()
 
 
 async def _setup(server_factory: Any, tmp_path: Path, n: int) -> tuple[Any, Any, bytes, list[bytes], list[bytes]]:
@@ -76,19 +90,11 @@ async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory
 async def test_a_page_scribbled_on_at_the_holder_is_quarantined_not_sent(server_factory, tmp_path) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 3)
     flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
-    server = TcpPageServer(CorePageSource(holder.core))
-    port = await server.start()
-    try:
-        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]
-        peer = Peer(port)
-        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
-        await peer.fetcher.close()
-        assert got == 1 and _found(receiver.address, ns, keys) == 1
-        assert _pages_at(receiver.address, ns, keys) == pages[0]
-        assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
-        assert _found(holder.address, ns, keys) == 1
-    finally:
-        await server.close()
+    got = await _fetch_from(holder, receiver, ns, keys)
+    assert got == 1 and _found(receiver.address, ns, keys) == 1
+    assert _pages_at(receiver.address, ns, keys) == pages[0]
+    assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
+    assert _found(holder.address, ns, keys) == 1
 
 
 async def test_a_page_damaged_on_the_holders_disk_is_quarantined_there_not_sent(server_factory, tmp_path) -> None:
@@ -106,20 +112,8 @@ async def test_a_page_damaged_on_the_holders_disk_is_quarantined_there_not_sent(
                                durable=True) for k, p in zip(keys, pages)]))
         assert stored.num_published == len(keys)
         directory_pb2_grpc.DirectoryStub(channel).Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier="host"))
-    with open(holder.config.ssd.directory / "pages.dat", "r+b") as f:  # noqa: ASYNC230 - one byte of page 1, on the holder's disk
-        f.seek(holder.core.where(keys[1])["ssd"] + HEADER_BYTES + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
-    server = TcpPageServer(CorePageSource(holder.core))
-    port = await server.start()
-    try:
-        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]
-        peer = Peer(port)
-        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
-        await peer.fetcher.close()
-        assert got == 1 and _pages_at(receiver.address, ns, keys) == pages[0]
-        assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
-        assert _found(holder.address, ns, keys) == 1
-    finally:
-        await server.close()
+    flip_ssd_byte(holder, keys[1])  # one byte of page 1, on the holder's disk
+    got = await _fetch_from(holder, receiver, ns, keys)
+    assert got == 1 and _pages_at(receiver.address, ns, keys) == pages[0]
+    assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
+    assert _found(holder.address, ns, keys) == 1

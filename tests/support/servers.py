@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvstore.bench.common.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
+from kvstore.page import HEADER_BYTES
 from kvstore.server import Server
 
 
@@ -36,6 +37,16 @@ def flip_arena_byte(server: Server, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def flip_ssd_byte(server: Server, key: bytes, where: int = 100) -> None:
+    """One payload byte of ``key``'s copy on the server's SSD changed (damage on disk)."""
+    assert server.config.ssd is not None
+    with open(server.config.ssd.directory / "pages.dat", "r+b") as f:
+        f.seek(server.core.where(key)["ssd"] + HEADER_BYTES + where)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def _thread_state(task: Path) -> str:

@@ -19,11 +19,12 @@ import pytest
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.page import HEADER_BYTES, checksum
+from kvstore.page import checksum
 from kvstore.security.arena_socket import receive_arena
 from kvstore.server import Server
 from support.certs import CertAuthority
 from support.secure_server import secure_config, tls_channel, write_auth_file
+from support.servers import flip_ssd_byte
 
 A = "tenant-a-token-0123456789abcdef"  # tenant a: read, write
 B = "tenant-b-token-0123456789abcdef"  # tenant b: read, write
@@ -117,11 +118,7 @@ def quarantine_a_page(server: Server, owner: Caller, ns: bytes) -> bytes:
     [key] = new_keys(1)
     assert owner.put(ns, [key], durable=True) == 1
     owner(owner.directory.Remove, directory_pb2.RemoveRequest(namespace_id=ns, keys=[key], tier="host"))
-    with open(server.config.ssd.directory / "pages.dat", "r+b") as f:  # type: ignore[union-attr]
-        f.seek(server.core.where(key)["ssd"] + HEADER_BYTES + 7)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_ssd_byte(server, key, where=7)
     assert owner.stream(owner.data.ReadPages, data_pb2.ReadPagesRequest(namespace_id=ns, keys=[key])) == []
     assert [q.key for q in server.core.quarantined()][-1:] == [key]
     return key

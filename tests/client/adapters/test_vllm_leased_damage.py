@@ -10,12 +10,12 @@ import time
 
 import grpc
 from support.kv import random_kv
+from support.servers import flip_ssd_byte
 from test_vllm_connector_parts import BLOCK, LAYOUT, forward, parts, step
 
 from kvstore import Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.page import HEADER_BYTES
 
 
 async def _store_on_disk_only(address: str, tokens: list[int]) -> list[bytes]:
@@ -36,11 +36,7 @@ def test_a_leased_copy_that_finds_a_page_damaged_on_disk_gets_it_quarantined(ser
     server = server_factory()
     tokens = list(range(1, 4 * BLOCK + 1))
     keys = asyncio.run(_store_on_disk_only(server.address, tokens))
-    with open(tmp_path / "ssd" / "pages.dat", "r+b") as f:
-        f.seek(server.core.where(keys[1])["ssd"] + HEADER_BYTES + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_ssd_byte(server, keys[1])
     store, scheduler, worker, _ = parts(server.address, sync_load_pages=8)
     try:
         meta = step(scheduler, "reader", tokens + [0], 0, [10, 11, 12, 13, 14])
