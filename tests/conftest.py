@@ -15,11 +15,18 @@ import pytest
 pytest.register_assert_rewrite("support")
 
 from support.kv import SMALL
-from support.servers import ServerProcess, make_config
+from support.servers import ServerProcess, make_config, remove_dead_arenas
 
 from kvstore import KVLayout, Namespace
 from kvstore.config import ServerConfig
 from kvstore.server import Server
+
+
+@pytest.fixture(autouse=True)
+def _no_arena_left() -> Iterator[None]:
+    """After each test, the /dev/shm arenas of the servers it killed are gone (nothing left behind)."""
+    yield
+    remove_dead_arenas()
 
 
 @pytest.fixture

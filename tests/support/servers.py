@@ -14,6 +14,7 @@ from kvstore.bench.common.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import HEADER_BYTES
 from kvstore.server import Server
+from kvstore.tiers.host import remove_stale_arenas
 
 
 def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
@@ -28,6 +29,12 @@ def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 2
         metrics_listen="127.0.0.1:0",
         **{"scrub_pages_per_s": 0.0, **kw},  # type: ignore[arg-type]  # tests scrub by hand
     )
+
+
+def remove_dead_arenas(shm_dir: Path = Path("/dev/shm")) -> None:
+    """Unlinks the arenas of servers that died (a SIGKILLed child leaves its /dev/shm arena, which
+    only the next start of its node removes): a test leaves no memory behind."""
+    remove_stale_arenas(shm_dir, "*")
 
 
 def flip_arena_byte(server: Server, offset: int) -> None:
