@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,12 +57,14 @@ def remove_stale_arenas(shm_dir: Path, node: str) -> None:
     """Unlinks arenas left by servers of this node that died without cleaning up."""
     for path in shm_dir.glob(f"kvstore-{node}-*"):
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO of that name must not block the start
         except OSError:  # gone meanwhile, or another user's: not ours to judge
             continue
         try:
-            # An empty file is being created: its owner takes the lock before it sizes it.
-            if not _owned(fd) and os.fstat(fd).st_size > 0:
+            # An empty file is being created: its owner takes the lock before it sizes it. Only a
+            # regular file is an arena (a directory of that name, e.g. a data dir, is not ours).
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_size > 0 and not _owned(fd):
                 logger.info("removing stale arena %s", path)
                 path.unlink(missing_ok=True)
         finally:

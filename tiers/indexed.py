@@ -41,10 +41,11 @@ class IndexedPages:
         header = self.header(key)
         if header is None:
             return
+        if not self.delete([key]):
+            return  # another report of the same damage dropped it first: listed once
         logger.error("%s tier: quarantining page %s: %s", self.name, key.hex(), reason)
         with self._lock:
             self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
-        self.delete([key])
 
     def quarantined(self) -> list[Quarantined]:
         with self._lock:

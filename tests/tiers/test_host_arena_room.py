@@ -27,3 +27,19 @@ def test_an_arena_larger_than_its_shm_filesystem_is_refused_before_it_fills_it()
     with pytest.raises(ConfigError, match="--host-capacity"):
         HostTier(HostTierConfig(capacity_bytes=capacity, shm_dir=SHM), node=node)
     assert list(SHM.glob(f"kvstore-{node}-*")) == []
+
+
+def test_a_directory_named_like_a_stale_arena_neither_stops_the_start_nor_is_removed(tmp_path: Path) -> None:
+    """Bug: the sweep of stale arenas (``kvstore-<node>-*`` no process holds) took anything of that
+    name: a directory there (etcd's data dir ``kvstore-etcd-<random>``, made by the tests and
+    benches, beside a node named ``etcd``) made the server's start fail with IsADirectoryError.
+    Only regular files are arenas; other things are not ours to judge."""
+    node = f"dir{uuid.uuid4().hex[:8]}"
+    other = tmp_path / f"kvstore-{node}-data"
+    other.mkdir()
+    (other / "member").write_bytes(b"x")
+    tier = HostTier(HostTierConfig(capacity_bytes=4 << 20, shm_dir=tmp_path), node=node)
+    try:
+        assert other.is_dir() and (other / "member").exists()
+    finally:
+        tier.close()

@@ -256,6 +256,24 @@ def test_quarantine_drops_and_lists_the_page(tier: Tier, case: Case) -> None:
     assert tier.purge_quarantine() == 1 and tier.quarantined() == []
 
 
+@pytest.mark.parametrize("name", ["host", "hbm-emulated"])
+def test_two_reports_of_one_damage_list_the_page_once(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: a report read the page's header, then listed it and dropped it; a second report of
+    the same damage that had read the header before the first dropped the page listed it again
+    (the quarantine counted one damaged page twice). Only the report that drops it lists it."""
+    tier = CASES[name].open(tmp_path)
+    try:
+        _store(tier, False, [3])
+        key = _page(3)[0].key
+        header = tier.header(key)
+        monkeypatch.setattr(tier, "header", lambda k: header)  # the second report read it before the first dropped it
+        tier.quarantine(key, "found damaged")
+        tier.quarantine(key, "found damaged")
+        assert [q.key for q in tier.quarantined()] == [key]
+    finally:
+        tier.close()
+
+
 def test_recover_lists_what_outlived_the_process(case: Case, tmp_path: Path) -> None:
     tier = case.open(tmp_path)
     try:
