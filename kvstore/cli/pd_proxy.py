@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvstore.cli import pd_first_token as first_token
+
 logger = logging.getLogger(__name__)
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -75,6 +77,12 @@ def prefill_body(body: dict[str, Any], decode: Backend) -> dict[str, Any]:
     return out
 
 
+def _params(answer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The handoff's kv_transfer_params in a prefill's answer, if any."""
+    params = (answer or {}).get("kv_transfer_params")
+    return params if isinstance(params, dict) else None
+
+
 def decode_body(body: dict[str, Any], params: dict[str, Any] | None, deadline_s: float | None) -> dict[str, Any]:
     """The original request, with the prefill's handoff (none: the decode computes the prompt)."""
     out = dict(body)
@@ -111,23 +119,109 @@ class ProxyHandler(BaseHTTPRequestHandler):
             self._reply(400, json.dumps({"error": f"the body is not JSON: {exc}"}).encode())
             return
         prefill, decode = self.server.config.pick()
-        params = self._prefill(prefill, decode, body)
+        if self.path == "/v1/completions" and first_token.eligible(body):
+            self._first_token(prefill, decode, body)
+            return
+        params = _params(self._prefill(prefill, self.path, prefill_body(body, decode)))
         self._relay(decode, "POST", self.path, decode_body(body, params, self.server.config.deadline_s))
 
-    def _prefill(self, prefill: Backend, decode: Backend, body: dict[str, Any]) -> dict[str, Any] | None:
-        """The prefill's kv_transfer_params; None when it failed (the decode then computes the prompt)."""
+    def _first_token(self, prefill: Backend, decode: Backend, body: dict[str, Any]) -> None:
+        """A completion whose first token is the prefill's (pd_first_token.py): shown at once,
+        the decode continuing from the prompt and it; else (no usable token) today's way."""
+        single = body.get("max_tokens", first_token.DEFAULT_MAX_TOKENS) == 1  # the prefill's answer is the whole one
+        transfer = None if single else prefill_body(body, decode)["kv_transfer_params"]
+        answer = self._prefill(prefill, self.path, first_token.prefill_body(body, transfer))
+        first = first_token.first_token(answer) if answer is not None else None
+        if answer is None or first is None:
+            self._relay(decode, "POST", self.path, decode_body(body, _params(answer), self.server.config.deadline_s))
+            return
+        prompt, token, text, finish = first
+        if first_token.ends_at_first(body, finish):
+            self._answer_alone(body, answer, prompt, token, text, finish)
+            return
+        params = _params(answer)
+        if not text:  # a partial character or a skipped token: the decode samples it again from the prompt
+            self._relay(decode, "POST", self.path, decode_body(body, params, self.server.config.deadline_s))
+            return
+        later = first_token.decode_body(body, prompt, token, decode_body({}, params, self.server.config.deadline_s).get(
+            "kv_transfer_params"))
+        if not body.get("stream"):
+            self._merged(decode, body, later, prompt, token, text)
+            return
+        self._start_stream()
+        self._chunk(first_token.first_event(body, answer, prompt, token, text, None))
+        self._relay_stream(decode, later, answer.get("id"))
+
+    def _answer_alone(self, body: dict[str, Any], answer: dict[str, Any], prompt: list[int], token: int, text: str,
+                      finish: str | None) -> None:
+        if not body.get("stream"):
+            self._reply(200, json.dumps(first_token.answer(body, answer)).encode())
+            return
+        self._start_stream()
+        self._chunk(first_token.first_event(body, answer, prompt, token, text, finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            self._chunk(first_token.usage_event(answer))
+        self._chunk(b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _merged(self, decode: Backend, body: dict[str, Any], later: dict[str, Any], prompt: list[int], token: int,
+                text: str) -> None:
+        """A request not streamed: the decode's answer with the first token in front."""
+        conn = decode.connect(self.server.config.timeout_s)
+        try:
+            conn.request("POST", self.path, json.dumps(later).encode(), {"content-type": "application/json", **self._headers()})
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status == 200:
+                data = json.dumps(first_token.merged(body, prompt, token, text, json.loads(data))).encode()
+            self._reply(resp.status, data)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            logger.warning("%s %s failed: %s", decode.url, self.path, exc)
+            self._reply(502, json.dumps({"error": f"{decode.url}: {exc}"}).encode())
+        finally:
+            conn.close()
+
+    def _relay_stream(self, decode: Backend, later: dict[str, Any], stream_id: str | None) -> None:
+        """The decode's stream after the first event, line by line (pd_first_token.relayed_line)."""
+        conn = decode.connect(self.server.config.timeout_s)
+        try:
+            conn.request("POST", self.path, json.dumps(later).encode(), {"content-type": "application/json", **self._headers()})
+            resp = conn.getresponse()
+            if resp.status != 200:  # the client has its 200 and first token: the error goes as an event
+                self._chunk(b"data: %s\n\ndata: [DONE]\n\n" % json.dumps({"error": resp.read().decode(errors="replace")}).encode())
+            else:
+                while line := resp.readline():
+                    self._chunk(first_token.relayed_line(line, stream_id))
+            self.wfile.write(b"0\r\n\r\n")
+        except (OSError, http.client.HTTPException) as exc:
+            logger.warning("%s %s failed: %s", decode.url, self.path, exc)
+            self.close_connection = True  # the client sees the answer cut short
+        finally:
+            conn.close()
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def _prefill(self, prefill: Backend, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The prefill's answer; None when it failed (the decode then computes the prompt)."""
         conn = prefill.connect(self.server.config.timeout_s)
         try:
-            conn.request("POST", self.path, json.dumps(prefill_body(body, decode)).encode(),
-                         {"content-type": "application/json", **self._headers()})
+            conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json", **self._headers()})
             resp = conn.getresponse()
             data = resp.read()
             if resp.status != 200:
                 logger.warning("prefill %s answered %d: %s; the decode computes the prompt", prefill.url, resp.status,
                                data[:300])
                 return None
-            params = json.loads(data).get("kv_transfer_params")
-            return params if isinstance(params, dict) else None
+            answer = json.loads(data)
+            return answer if isinstance(answer, dict) else None
         except (OSError, ValueError, http.client.HTTPException) as exc:
             logger.warning("prefill %s failed: %s; the decode computes the prompt", prefill.url, exc)
             return None

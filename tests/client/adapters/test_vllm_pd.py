@@ -172,6 +172,30 @@ def test_decode_continues_from_the_prefills_kv(engines: dict[str, EngineProcess]
     assert_no_lease_left(nodes)
 
 
+def test_decode_continues_from_the_prompt_and_the_prefills_token(engines: dict[str, EngineProcess],
+                                                                 nodes: dict[str, Node]) -> None:
+    """kvstore-pd-proxy's completions flow (the first token is the prefill's): the decode engine
+    gets the prompt and the prefill's token as its prompt, one token less to make. Its hit is
+    every handed-off page (the prompt's whole pages, a page-aligned prompt's all of them) and it
+    computes only what follows: the first token, and the prompt's partial last page; its tokens
+    are the colocated engine's after the first."""
+    prompts = [tokens(4 * BLOCK, seed=21), tokens(6 * BLOCK + 17, seed=22)]
+    first = prefill(engines, prompts)
+    params = [o["kv_transfer_params"] for o in first]
+    later = [p + o["tokens"] for p, o in zip(prompts, first)]
+    before = engines["decode"].call(cmd="pd_stats")
+    got = engines["decode"].generate(later, max_tokens=7, kv_transfer_params=params)
+    colocated = engines["decode"].generate(prompts, max_tokens=8, skip_prefix_cache=True)
+    for g, c, f, p, prompt in zip(got, colocated, first, params, prompts):
+        assert f["tokens"] == c["tokens"][:1]
+        assert p["kvstore_num_tokens"] == len(prompt) // BLOCK * BLOCK
+        assert g["num_cached_tokens"] == p["kvstore_num_tokens"], "the decode's hit is every handed-off token"
+        assert_same_output(g, dict(c, tokens=c["tokens"][1:], logprobs=c["logprobs"][1:]))
+    stats = engines["decode"].call(cmd="pd_stats")
+    assert stats["received"] == before["received"] + 2 and stats["receive_failed"] == before["receive_failed"]
+    assert_no_lease_left(nodes)
+
+
 def test_through_the_pool(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
     """No decode node named (the proxy without --decode-node): the decode node finds the
     prefill node's pages by lookup and pulls them when the decode side waits."""
