@@ -16,8 +16,9 @@ commit acknowledged by the node), ``handoff_complete`` and ``handoff_wait`` (sta
 and the decode worker's fetch (the marker, then the lease of the pages; a staging get without the arena) ending.
 
 Commands: ``{"cmd": "generate", "prompts", "max_tokens", "skip_prefix_cache", "kv_transfer_params"}``
--> ``{"start", "end", "outputs": [{"tokens", "num_cached_tokens", "kv_transfer_params"}]}`` as soon
-as vLLM returned (start/end: monotonic around ``LLM.generate``); ``{"cmd": "settle"}`` steps until no
+-> ``{"start", "end", "outputs": [{"tokens", "token_times", "num_cached_tokens", "kv_transfer_params"}]}``
+as soon as the prompts ended (start/end: monotonic around adding them and stepping the engine until they
+finished, as ``LLM.generate`` does; ``token_times``: the end of the step that gave each token); ``{"cmd": "settle"}`` steps until no
 block is held and every save ended, then answers the stamps taken since the last settle;
 ``{"cmd": "pd_stats"}``; ``{"cmd": "exit"}``.
 """
@@ -96,16 +97,32 @@ def _settle(llm: Any, pending: Callable[[], bool]) -> dict[str, Any]:
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Runs the prompts to their end as ``LLM.generate`` does (stepping the engine), stamping
+    the step at which each output token appeared."""
     from vllm import SamplingParams
 
+    engine = llm.llm_engine
     transfers = cmd.get("kv_transfer_params") or [None] * len(cmd["prompts"])
-    params = [SamplingParams(max_tokens=cmd.get("max_tokens", 1), temperature=0.0, ignore_eos=True,
-                             skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None,
-                             extra_args={"kv_transfer_params": t} if t else None) for t in transfers]
     start = time.monotonic()
-    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False)
+    ids = []
+    for i, (prompt, transfer) in enumerate(zip(cmd["prompts"], transfers)):
+        params = SamplingParams(max_tokens=cmd.get("max_tokens", 1), temperature=0.0, ignore_eos=True,
+                                skip_reading_prefix_cache=cmd.get("skip_prefix_cache", False) or None,
+                                extra_args={"kv_transfer_params": transfer} if transfer else None)
+        ids.append(f"bench-{time.monotonic_ns()}-{i}")
+        engine.add_request(ids[-1], {"prompt_token_ids": prompt}, params)
+    stamps: dict[str, list[float]] = {rid: [] for rid in ids}
+    last: dict[str, Any] = {}
+    while len(last) < len(ids) or not all(o.finished for o in last.values()):
+        for out in engine.step():
+            now, seen = time.monotonic(), stamps.get(out.request_id)
+            if seen is None:
+                continue
+            seen.extend([now] * (len(out.outputs[0].token_ids) - len(seen)))
+            last[out.request_id] = out
     end = time.monotonic()
-    return {"start": start, "end": end, "outputs": [{"tokens": list(o.outputs[0].token_ids),
+    outs = [last[rid] for rid in ids]
+    return {"start": start, "end": end, "outputs": [{"tokens": list(o.outputs[0].token_ids), "token_times": stamps[o.request_id],
                                                       "num_cached_tokens": o.num_cached_tokens,
                                                       "kv_transfer_params": o.kv_transfer_params} for o in outs]}
 
