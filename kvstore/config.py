@@ -194,7 +194,7 @@ class TenantQuota:
 class ClusterConfig:
     """Cluster mode (DESIGN §12; kvstore/server/cluster/). The node's name in locations is
     ``node_id``; peers reach it at ``advertise`` (gRPC) and ``advertise``'s host + the data
-    port (UCX)."""
+    port (UCX, TCP), or ``advertise_data_port`` where that differs (``data_address``)."""
 
     etcd: str  # etcd://host:port[,host:port...]
     node_id: str
@@ -203,17 +203,25 @@ class ClusterConfig:
     data_plane: str = "ucx"  # "ucx", "tcp" (plain sockets) or "grpc" (ReadPages streams)
     ucx_tls: str | None = None  # UCX_TLS (e.g. "tcp"); None: UCX chooses
     data_port: int = 0  # the UCX or TCP data listener's port (0: any free one; it is registered in etcd)
+    advertise_data_port: int = 0  # the port peers reach that listener at (behind a NAT or a forward); 0: its own
     ttl_s: int = 10  # the membership lease
     replicas: int = 1  # directory owners of each page's record
     fetch_timeout_s: float = 5.0  # a remote fetch gives up after this (or the caller's deadline, if sooner)
     rpc_timeout_s: float = 2.0  # node-to-node directory calls (lookup, publish)
     token: str | None = None  # bearer token this node presents to the others
 
+    def data_address(self, listening_port: int) -> str:
+        """The data listener's address peers are told (etcd's member record): ``advertise``'s host
+        and ``advertise_data_port``, or the port it listens on when that is 0."""
+        return f"{self.advertise.rpartition(':')[0]}:{self.advertise_data_port or listening_port}"
+
     def __post_init__(self) -> None:
         if self.data_plane not in ("ucx", "tcp", "grpc"):
             raise ConfigError(f"--data-plane must be ucx, tcp or grpc, got {self.data_plane!r}")
         if ":" not in self.advertise or not self.advertise.rpartition(":")[2].isdigit() or self.advertise.endswith(":0"):
             raise ConfigError(f"--advertise must be HOST:PORT with a fixed port, got {self.advertise!r}")
+        if not 0 <= self.advertise_data_port <= 65535:
+            raise ConfigError(f"--advertise-data-port must be a port (0: the listener's own), got {self.advertise_data_port}")
         if self.ttl_s < 2:
             raise ConfigError("--cluster-ttl must be >= 2 s")
         if self.replicas < 1:

@@ -18,6 +18,7 @@ class LinkProxy:
         self.bandwidth_bps = bandwidth_bps
         self.latency_s = latency_s
         self.port = 0
+        self.num_bytes = 0  # relayed, both directions (a test checks traffic took this path)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="link-proxy", daemon=True)
@@ -45,6 +46,7 @@ class LinkProxy:
                 if not data:
                     break
                 sent += len(data)
+                self.num_bytes += len(data)
                 due = start + self.latency_s + sent / self.bandwidth_bps
                 delay = due - time.monotonic()
                 if delay > 0:

@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "asked over authenticated gRPC")
     cluster.add_argument("--ucx-tls", default=None, help="UCX_TLS for the data plane, e.g. tcp or sm,self,tcp (None: UCX chooses)")
     cluster.add_argument("--data-port", type=int, default=0, help="the UCX or TCP data listener's port (0: any free one)")
+    cluster.add_argument("--advertise-data-port", type=int, default=0,
+                         help="the port other nodes reach the data listener at, on --advertise's host (behind a NAT or a port "
+                              "forward; UCX sets up connections there but its transport may use addresses of its own; 0: the "
+                              "listener's own)")
     cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd")
     cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds")
     cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record")
@@ -188,8 +192,8 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig | None:
         raise ConfigError("--cluster needs --node-id")
     return ClusterConfig(
         etcd=args.cluster, node_id=args.node_id, advertise=args.advertise or args.listen, name=args.cluster_name,
-        data_plane=args.data_plane, ucx_tls=args.ucx_tls, data_port=args.data_port, ttl_s=args.cluster_ttl,
-        replicas=args.cluster_replicas, fetch_timeout_s=args.fetch_timeout_s,
+        data_plane=args.data_plane, ucx_tls=args.ucx_tls, data_port=args.data_port, advertise_data_port=args.advertise_data_port,
+        ttl_s=args.cluster_ttl, replicas=args.cluster_replicas, fetch_timeout_s=args.fetch_timeout_s,
         token=os.environ.get("KVSTORE_CLUSTER_TOKEN") or None,  # a secret: not on the command line
     )
 

@@ -31,6 +31,7 @@ def test_cluster_flags_make_the_node_id_the_node_name() -> None:
     (["--node-id", "n1"], "--cluster"),
     (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1", "--advertise", "127.0.0.1:0"], "--advertise"),
     (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1", "--cluster-ttl", "1"], "--cluster-ttl"),
+    (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1", "--advertise-data-port", "70000"], "--advertise-data-port"),
     (["--cluster", "etcd://127.0.0.1:2379", "--node-id", "n1", "--cluster-replicas", "0"], "--cluster-replicas"),
 ])
 def test_bad_cluster_flags_are_refused(argv: list[str], flag: str) -> None:

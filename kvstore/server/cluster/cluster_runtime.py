@@ -113,7 +113,7 @@ class ClusterRuntime:
             self.grants = TransferGrants()  # the data port serves only connections granted over gRPC (node right)
             self._page_server = UcxPageServer(CorePageSource(self.core), ucx, port=cluster.data_port, authorize=self.grants.take,
                                              send_timeout_s=SEND_TIMEOUT_S)
-            data_address = f"{cluster.advertise.rpartition(':')[0]}:{await self._page_server.start()}"
+            data_address = cluster.data_address(await self._page_server.start())
         elif cluster.data_plane == "tcp":
             from kvstore.cluster.transport_tcp import TcpPageServer
             from kvstore.server.cluster.source import SEND_TIMEOUT_S, CorePageSource
@@ -122,7 +122,7 @@ class ClusterRuntime:
             host = cluster.advertise.rpartition(":")[0]
             self._page_server = TcpPageServer(CorePageSource(self.core), host=host.strip("[]"), port=cluster.data_port,
                                               send_timeout_s=SEND_TIMEOUT_S, authorize=self.grants.take)
-            data_address = f"{host}:{await self._page_server.start()}"
+            data_address = cluster.data_address(await self._page_server.start())
         self.etcd = EtcdClient(parse_endpoints(cluster.etcd))
         self.peers = Peers(self.node, cluster, self.config.security, ucx)
         capacities = {"host": self.config.host.capacity_bytes}
