@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +26,7 @@ from kvstore.client.pages import RowPage, page_rows, slot_as_page
 from kvstore.client.transport.contract import NamespaceServer, page_in, page_out
 from kvstore.errors import KVStoreError, PageCorrupt, TierFull
 from kvstore.page import checksum
-from kvstore.page_wire.grpc_chunks import decode_chunk, page_chunks
+from kvstore.page_wire.grpc_chunks import announced, decode_chunk, page_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class StreamTransport:
 
         def encode(i: int) -> list[bytes]:
             page = rows.page(first_page + i) if rows is not None else self._buffered(kv, first_page + i)
-            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"", generation, session_id)
+            return self.encode_page(keys[i], page, None, durable, flags, parent if i == 0 else b"", generation, session_id,
+                                    announced(keys, i))
 
         return encode
 
@@ -135,13 +136,15 @@ class StreamTransport:
         return self._buf.view(torch.uint8).reshape(-1)
 
     def encode_page(self, key: bytes, page: Any, csum: int | None, durable: bool, flags: int = 0,
-                    parent: bytes = b"", generation: int | None = None, session_id: str = "") -> list[bytes]:
+                    parent: bytes = b"", generation: int | None = None, session_id: str = "",
+                    next_keys: Sequence[bytes] = ()) -> list[bytes]:
         """The WritePages chunks of one page: ``page`` is contiguous bytes or a RowPage of the
         engine's tensor (copied once, into the chunks); ``csum`` None: computed here;
-        ``parent``: the page before it in its prefix; ``session_id``: the session it is saved for."""
+        ``parent``: the page before it in its prefix; ``session_id``: the session it is saved for;
+        ``next_keys``: the keys after it the stream announces (the server commits them in groups)."""
         data = page if isinstance(page, RowPage) else memoryview(page.numpy())
         return list(page_chunks(key, self.peer.namespace_id, self.peer.layout_msg, data, csum, durable, self.chunk_bytes,
-                                flags, parent, generation, session_id))
+                                flags, parent, generation, session_id, next_keys))
 
     async def get(self, keys: list[bytes], into: torch.Tensor | EngineKV) -> None:
         """One ReadPages stream per ``max_pages`` pages; a stream that delivers nothing means
@@ -241,7 +244,7 @@ class StreamedOutgoing:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
             keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent,
-                                                       None, self.session_id))
+                                                       None, self.session_id, announced(keys, i)))
 
     term_s = math.inf  # nothing is reserved on the server
 

@@ -298,7 +298,7 @@ class RenewResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent", "generation", "session_id")
+    __slots__ = ("key", "namespace_id", "layout", "page_bytes", "checksum", "offset", "data", "durable", "flags", "parent", "generation", "session_id", "next_keys")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -311,6 +311,7 @@ class PageChunk(_message.Message):
     PARENT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KEYS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace_id: bytes
     layout: _common_pb2.Layout
@@ -323,7 +324,8 @@ class PageChunk(_message.Message):
     parent: bytes
     generation: int
     session_id: str
-    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    next_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, key: _Optional[bytes] = ..., namespace_id: _Optional[bytes] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., page_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., durable: _Optional[bool] = ..., flags: _Optional[int] = ..., parent: _Optional[bytes] = ..., generation: _Optional[int] = ..., session_id: _Optional[str] = ..., next_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WritePagesResponse(_message.Message):
     __slots__ = ("num_published",)

@@ -11,7 +11,7 @@ sender. The node-to-node fetch frames are ``fetch_frames``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,6 +39,15 @@ CLIENT_OPTIONS = [
 ]
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4096, 8 << 20  # what a ReadPages request or a client may ask for
+# PageChunk.next_keys holds at most this many keys: 40 KiB with their framing, within the slack a WritePages
+# message has beside its payload (kvstore/server/services/sizes.py).
+MAX_ANNOUNCED_KEYS = 1024
+
+
+def announced(keys: Sequence[bytes], i: int) -> Sequence[bytes]:
+    """What page ``i`` of a WritePages stream of ``keys`` announces (PageChunk.next_keys): the keys after it,
+    from every MAX_ANNOUNCED_KEYS-th page on, so that the server allocates and commits the stream's pages in groups."""
+    return keys[i + 1 : i + MAX_ANNOUNCED_KEYS] if i % MAX_ANNOUNCED_KEYS == 0 else ()
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:
@@ -102,16 +111,19 @@ class Pieces(Protocol):
 
 def page_chunks(key: bytes, namespace_id: bytes, layout: common_pb2.Layout, data: Any, page_checksum: int | None,
                 durable: bool = False, chunk_bytes: int = CHUNK_BYTES, flags: int = 0, parent: bytes = b"",
-                generation: int | None = None, session_id: str = "") -> Iterator[bytes]:
+                generation: int | None = None, session_id: str = "", next_keys: Sequence[bytes] = ()) -> Iterator[bytes]:
     """The encoded chunks of one page; ``data`` is its payload: any buffer, or ``Pieces``.
     With ``page_checksum`` None the checksum is computed here: for a page that fits one
     chunk while its bytes are copied into the message (written after them as a 10-byte
     varint, which keeps the message size known before the hash), else in a pass of its own.
     ``generation``: the namespace generation the writer computed the page in; ``session_id``: the
-    session it is saved for (refused once the session is fenced at the server); both in its first chunk."""
+    session it is saved for (refused once the session is fenced at the server); ``next_keys``: the keys of the
+    pages that follow it in the stream (``announced``); all three in its first chunk."""
     named: dict[str, Any] = {} if generation is None else {"generation": generation}
     if session_id:
         named["session_id"] = session_id
+    if next_keys:
+        named["next_keys"] = next_keys
     if hasattr(data, "pieces"):
         size, cut, rows = data.nbytes, data.pieces, data.rows
     else:

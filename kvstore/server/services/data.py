@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +13,9 @@ import grpc
 from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
-from kvstore.errors import InvalidRequest, PermissionDenied, StreamCut
+from kvstore.errors import InvalidRequest, PermissionDenied
 from kvstore.page import checksum
-from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, BufferSink, ChunkedPage, WireChunk, check_chunk_bytes, checked_page_chunks
+from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import HandoffMarkers
@@ -25,6 +24,7 @@ from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_
 from kvstore.server.services.cluster_reads import ClusterReads
 from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.node_calls import MAX_NODE_ID, MAX_REPLICAS, acting_for, on_behalf, require_node
+from kvstore.server.services.page_writes import PageWrites
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.room import room
 from kvstore.server.services.rpc_errors import stream, unary
@@ -38,18 +38,6 @@ from kvstore.server.tokenlog import TokenLog
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
-
-
-@dataclass(frozen=True)
-class _Destination:
-    """Where a page arriving over WritePages goes: allocation, commit, the namespace claim it settles."""
-
-    allocation_id: bytes
-    durable: bool
-    flags: int
-    namespace_id: bytes
-    claimed: bool
-    session_id: str  # the session the page is saved for (PageChunk.session_id): its commit is refused once fenced here
 
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
@@ -73,6 +61,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.quotas = tenancy.quotas
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
         self._reports = ReportBudget()  # pages readers report failing, checked per tenant
+        self.page_writes = PageWrites(core, tenancy, session_owners)  # WritePages' streams
 
     def close(self) -> None:  # once no call runs (the gRPC server stopped): the read-ahead workers end
         self._read_ahead.shutdown(wait=True)
@@ -203,86 +192,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def WritePages(self, request_iterator: Iterator[WireChunk], context: grpc.ServicerContext) -> data_pb2.WritePagesResponse:
-        """Each page takes the same allocate -> fill -> commit path as a same-host client's,
-        the server filling the slot from the stream and checking the checksum as the bytes
-        pass (a page stored already is only checked)."""
-        stored = 0
-        page: ChunkedPage | None = None
-        dest: _Destination | None = None
-        who = current_identity()
-        parent: bytes | None = None  # the page before the next one: each follows the one before it in the stream
-        try:
-            for chunk in request_iterator:
-                if chunk.error:
-                    raise InvalidRequest(f"WritePages: {chunk.error}")
-                if page is None or chunk.offset == 0:
-                    if page is not None:
-                        raise page.truncated()
-                    if parent is None and stored == 0 and chunk.meta.parent:
-                        parent = validate.keys([chunk.meta.parent], 1)[0]
-                    page, dest = self._start_page(chunk, who, parent)
-                if page.add(chunk):
-                    assert dest is not None
-                    done, page = page, None
-                    committed = False
-                    bridge = self.quotas.hold(who, host_bytes=done.page_bytes) if done.sink is not None else NOTHING
-                    try:
-                        with committing(self.session_owners, self.core, dest.allocation_id, dest.namespace_id,
-                                        dest.session_id, "WritePages"):
-                            committed = self.core.commit(dest.allocation_id, [done.key], [done.expected], dest.durable,
-                                                         dest.flags, counting=self.quotas.handing_over(bridge)) > 0
-                    finally:
-                        bridge.release()
-                        self._settle(who, dest, committed)
-                    if not committed:
-                        break  # stored at its first chunk, gone at its commit: num_published ends here
-                    stored, parent = stored + 1, done.key
-            if page is not None:
-                raise StreamCut(str(page.truncated()))
-        finally:
-            if page is not None and dest is not None:
-                self.core.abort(dest.allocation_id)
-                self._settle(who, dest, False)
-        return data_pb2.WritePagesResponse(num_published=stored)
-
-    def _settle(self, who: Identity, dest: _Destination, succeeded: bool) -> None:
-        if dest.claimed:
-            self.tenancy.settle(who, dest.namespace_id, succeeded)
-
-    def _start_page(self, chunk: WireChunk, who: Identity, parent: bytes | None) -> tuple[ChunkedPage, _Destination]:
-        """Checks a page's first chunk and allocates the landing slot its bytes go to (none
-        when the page is stored already: its bytes are only checked)."""
-        key = validate.keys([chunk.key], 1)[0]
-        ns = validate.namespace_id(chunk.namespace_id)
-        layout = validate.layout(chunk.layout)
-        if chunk.page_bytes != layout.page_bytes:
-            raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
-        if chunk.offset != 0:
-            raise InvalidRequest("the first chunk of a page must have offset 0")
-        generation = validate.generation(chunk.meta.generation) if chunk.meta.HasField("generation") else None
-        if chunk.meta.session_id and self.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
-            self.session_owners.check(ns, chunk.meta.session_id, "WritePages")
-        held = room(self.quotas, self.core, who, 1, layout.page_bytes)
-        try:
-            claimed = self.tenancy.claim(who, ns)
-            try:
-                allocation_id, [(_, slot)] = self.core.allocate(ns, layout, [key], who.tenant, parent, self.quotas.handing_over(held),
-                                                                generation)
-            except BaseException:
-                if claimed:
-                    self.tenancy.settle(who, ns, False)
-                raise
-        finally:
-            held.release()  # handed over to the allocation's slot (or there is none)
-        dest = _Destination(allocation_id, chunk.durable, chunk.flags, ns, claimed, chunk.meta.session_id)
-        try:
-            sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, key), clear_on_failure=False)
-        except BaseException:
-            self.core.abort(allocation_id)
-            self._settle(who, dest, False)
-            raise
-        page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
-        return page, dest
+        """Pages allocated and committed a group at a time, each filled and checked as its bytes pass (page_writes.py)."""
+        return data_pb2.WritePagesResponse(num_published=self.page_writes.write(request_iterator, current_identity()))
 
     @unary
     def Hint(self, request: data_pb2.HintRequest, context: grpc.ServicerContext) -> data_pb2.HintResponse:

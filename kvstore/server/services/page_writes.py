@@ -1,0 +1,237 @@
+"""WritePages (DESIGN §4, §8): a stream's pages allocated and committed a group at a time.
+
+Each page takes the same allocate -> fill -> commit path as a same-host client's, the server filling
+the slot from the stream and checking the checksum as the bytes pass (a page stored already is only
+checked). A page's first chunk may announce the keys that follow it (PageChunk.next_keys); the server
+then reserves slots for a group of them with that page's and commits the group once its last page
+is verified: room, claim, allocation, reap, directory publish and durable write-through once per
+group, not once per page (~0.2 ms of Python each). What holds for a page sent alone holds in a group:
+
+* a page is findable only once its bytes are in its slot and match its checksum: a group's commit
+  names only the pages verified so far;
+* however the stream ends (its end, a malformed or corrupt chunk, the client gone, a refusal), the
+  open group is committed with its verified pages and its other slots freed, its pins dropped
+  (``Placement.commit`` frees what it does not name; with none verified it is aborted);
+* a page that does not continue its group (not the key announced next, or another namespace, layout,
+  durability, flags, session or generation) closes the group and starts one of its own;
+* room for a group at the tenant's host quota is made as for an Allocate (room.py); when it cannot be,
+  for half as many pages, down to the page itself, whose refusal (LimitExceeded) is the call's, as
+  when pages came alone; a full tier gives a shorter group (``Placement.allocate``'s prefix) and TierFull
+  only when not even the page fits;
+* the slots are in the namespace owner's arena (``Placement.allocate``): tenants stay apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvstore import validate
+from kvstore._proto import data_pb2
+from kvstore.errors import InvalidRequest, KVStoreError, LimitExceeded, StreamCut
+from kvstore.page_wire.grpc_chunks import MAX_ANNOUNCED_KEYS, BufferSink, ChunkedPage, WireChunk
+from kvstore.security.identity import Identity
+from kvstore.server.placement import Placement
+from kvstore.server.services.room import room
+from kvstore.server.services.session_saves import committing
+from kvstore.server.session_owners import SessionOwners
+from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
+
+logger = logging.getLogger(__name__)
+
+GROUP_PAGES = 32  # pages one allocation and commit take at most
+GROUP_BYTES = 64 << 20  # and bytes: a page is findable at most this far behind the stream
+
+
+@dataclass
+class _Group:
+    """One allocation of a stream: ``keys`` as ``Placement.allocate`` answered (a prefix of those
+    asked), ``written`` per key (False: stored already, its bytes only checked), the pages verified so
+    far (``checksums``, in order), and ``meta``, its first chunk, which the other pages must match."""
+
+    allocation_id: bytes
+    keys: list[bytes]
+    written: list[bool]
+    meta: data_pb2.PageChunk
+    claimed: bool
+    renewed_s: float
+    checksums: list[int] = field(default_factory=list)
+    num_written: int = 0  # of the verified pages, those written into a slot (they become host bytes at commit)
+
+    def continued_by(self, meta: data_pb2.PageChunk) -> bool:
+        """Whether the page starting with ``meta`` is this group's next, in the same destination."""
+        i, first = len(self.checksums), self.meta
+        return (i < len(self.keys) and self.keys[i] == meta.key and meta.namespace_id == first.namespace_id
+                and meta.page_bytes == first.page_bytes and meta.durable == first.durable and meta.flags == first.flags
+                and meta.session_id == first.session_id and meta.layout == first.layout
+                and meta.HasField("generation") == first.HasField("generation") and meta.generation == first.generation)
+
+
+class PageWrites:
+    """The WritePages handler's work, one ``_Stream`` per call."""
+
+    def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners) -> None:
+        self.core = core
+        self.tenancy = tenancy
+        self.quotas = tenancy.quotas
+        self.session_owners = session_owners
+
+    def write(self, chunks: Iterable[WireChunk], who: Identity) -> int:
+        """Stores the stream's pages; returns how many leading ones are stored (durable: on ssd)."""
+        stream = _Stream(self, who)
+        try:
+            for chunk in chunks:
+                if not stream.take(chunk):
+                    return stream.stored
+            stream.end()
+        except BaseException:
+            stream.cut()
+            raise
+        return stream.stored
+
+
+class _Stream:
+    def __init__(self, writes: PageWrites, who: Identity) -> None:
+        self.w = writes
+        self.who = who
+        self.stored = 0
+        self.parent: bytes | None = None  # the page before the next one: each follows the one before it in the stream
+        self.ahead: list[bytes] = []  # the keys announced after the last page started
+        self.group: _Group | None = None
+        self.page: ChunkedPage | None = None
+
+    def take(self, chunk: WireChunk) -> bool:
+        """Takes the next chunk; False when a commit came back short (the stream ends there)."""
+        if chunk.error:
+            raise InvalidRequest(f"WritePages: {chunk.error}")
+        if self.page is None or chunk.offset == 0:
+            if self.page is not None:
+                raise self.page.truncated()
+            if not self._start(chunk):
+                return False
+        assert self.page is not None and self.group is not None
+        if not self.page.add(chunk):
+            return True
+        done, self.page, group = self.page, None, self.group
+        group.num_written += done.sink is not None
+        group.checksums.append(done.expected)
+        self.parent = done.key
+        return len(group.checksums) < len(group.keys) or self._commit()
+
+    def end(self) -> None:
+        if self.page is not None:
+            raise StreamCut(str(self.page.truncated()))
+        self._commit()
+
+    def cut(self) -> None:
+        """The stream failed: the verified pages of the open group are committed, the rest given back."""
+        if self.page is not None:
+            self.page.abandon()
+            self.page = None
+        group = self.group
+        if group is None:
+            return
+        try:
+            self._commit()
+        except KVStoreError as exc:  # the call's own error is the one it answers
+            logger.info("WritePages cut: the %d verified pages of its last group were not stored: %s", len(group.checksums), exc)
+        finally:
+            self.w.core.abort(group.allocation_id)  # a no-op once committed or given back
+
+    def _start(self, chunk: WireChunk) -> bool:
+        """A page's first chunk: in its group, or after committing that one, in a new one."""
+        meta = chunk.meta
+        key = validate.keys([meta.key], 1)[0]
+        if meta.next_keys:
+            if len(meta.next_keys) > MAX_ANNOUNCED_KEYS:
+                raise InvalidRequest(f"next_keys holds {len(meta.next_keys)} keys, at most {MAX_ANNOUNCED_KEYS}")
+            self.ahead = validate.keys(list(meta.next_keys), MAX_ANNOUNCED_KEYS)
+        elif self.ahead and self.ahead[0] == key:
+            del self.ahead[0]
+        else:
+            self.ahead = []  # the stream left what it announced
+        group = self.group
+        if group is None or not group.continued_by(meta):
+            if group is not None and not self._commit():
+                return False
+            if self.parent is None and self.stored == 0 and meta.parent:
+                self.parent = validate.keys([meta.parent], 1)[0]
+            group = self.group = self._allocate(chunk, key)
+        i = len(group.checksums)
+        now = time.monotonic()
+        if now - group.renewed_s > self.w.core.config.allocation_ttl_ms / 2000:  # a slow stream keeps its group
+            self.w.core.renew(group.allocation_id, 0, self.who.tenant)
+            group.renewed_s = now
+        sink = BufferSink(self.w.core.slot_view(group.allocation_id, key), clear_on_failure=False) if group.written[i] else None
+        self.page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
+        return True
+
+    def _allocate(self, chunk: WireChunk, key: bytes) -> _Group:
+        """Checks a page's first chunk and allocates the slots of its group (none for pages stored
+        already: their bytes are only checked)."""
+        ns = validate.namespace_id(chunk.namespace_id)
+        layout = validate.layout(chunk.layout)
+        if chunk.page_bytes != layout.page_bytes:
+            raise InvalidRequest(f"page_bytes {chunk.page_bytes} does not match the layout ({layout.page_bytes})")
+        if chunk.offset != 0:
+            raise InvalidRequest("the first chunk of a page must have offset 0")
+        meta, who, w = chunk.meta, self.who, self.w
+        generation = validate.generation(meta.generation) if meta.HasField("generation") else None
+        if meta.session_id and w.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
+            w.session_owners.check(ns, meta.session_id, "WritePages")
+        cap = max(1, min(GROUP_PAGES, GROUP_BYTES // layout.page_bytes))
+        keys = [key, *self.ahead[: cap - 1]]
+        n, held = self._room(len(keys), layout.page_bytes)
+        try:
+            claimed = w.tenancy.claim(who, ns)
+            try:
+                allocation_id, slots = w.core.allocate(ns, layout, keys[:n], who.tenant, self.parent,
+                                                       w.quotas.handing_over(held), generation)
+            except BaseException:
+                if claimed:
+                    w.tenancy.settle(who, ns, False)
+                raise
+        finally:
+            held.release()  # handed over to the allocation's slots (or there are none)
+        return _Group(allocation_id, [k for k, _ in slots], [s is not None for _, s in slots], meta, claimed, time.monotonic())
+
+    def _room(self, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
+        """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
+        while True:
+            try:
+                return num_pages, room(self.w.quotas, self.w.core, self.who, num_pages, page_bytes)
+            except LimitExceeded:
+                if num_pages == 1:
+                    raise
+                num_pages //= 2
+
+    def _commit(self) -> bool:
+        """Commits the open group's verified pages (frees its other slots); False when fewer of them are stored."""
+        group, self.group = self.group, None
+        if group is None:
+            return True
+        w, who, meta = self.w, self.who, group.meta
+        verified = group.keys[: len(group.checksums)]
+        if not verified:
+            w.core.abort(group.allocation_id)
+            if group.claimed:
+                w.tenancy.settle(who, meta.namespace_id, False)
+            return True
+        n = 0
+        bridge = w.quotas.hold(who, host_bytes=group.num_written * meta.page_bytes) if group.num_written else NOTHING
+        try:
+            with committing(w.session_owners, w.core, group.allocation_id, meta.namespace_id, meta.session_id, "WritePages"):
+                n = min(len(verified), w.core.commit(group.allocation_id, verified, group.checksums, meta.durable, meta.flags,
+                                                     counting=w.quotas.handing_over(bridge)))
+        except BaseException:
+            w.core.abort(group.allocation_id)  # a no-op unless the commit failed before taking it
+            raise
+        finally:
+            bridge.release()
+            if group.claimed:
+                w.tenancy.settle(who, meta.namespace_id, n > 0)
+        self.stored += n
+        return n == len(verified)
