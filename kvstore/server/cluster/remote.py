@@ -37,7 +37,7 @@ from kvstore.types import LocationRun
 
 logger = logging.getLogger(__name__)
 
-FETCH_PAGES = 1024  # pages per fetch request (fetch_frames allows 8192): the first lands while the next is asked
+FETCH_PAGES = 1024  # pages per fetch request (fetch_frames allows 8192); fetch_from commits one while the next arrives
 
 
 class Landing(Protocol):
@@ -66,6 +66,11 @@ class NodeLanding:
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         return self.core.commit(allocation_id, keys, checksums)
+
+
+def _log_failed_commit(commit: asyncio.Future[int]) -> None:
+    if not commit.cancelled() and commit.exception() is not None:
+        logger.warning("a fetched batch's commit failed after its copy was cut: %r", commit.exception())
 
 
 def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
@@ -160,18 +165,25 @@ class RemoteTier:
     async def _fetch_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                             landing: Landing | None = None) -> int:
         landing = landing or self._node_landing
+        landed = await self._land_posted(peer, namespace_id, keys, page_bytes, timeout_s, landing)
+        return 0 if landed is None else await self._commit(landing, *landed[:3])
+
+    async def _land_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
+                           landing: Landing) -> tuple[bytes, list[bytes], list[int], bool] | None:
+        """Allocates landing slots for ``keys`` and fetches their bytes into them, uncommitted: (the
+        allocation, the keys that arrived verified, their checksums, whether every key is held or
+        arrived), or None when nothing was allocated. The caller commits or aborts the allocation."""
         deadline = time.monotonic() + timeout_s
         generation = self.core.directory.generation(namespace_id)
         layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s,
                                                                            generation)
         if layout is None or layout.page_bytes != page_bytes:
-            return 0
+            return None
         allocated = await self._allocate(landing, namespace_id, layout, keys, generation)
         if allocated is None:
-            return 0
+            return None
         allocation_id, slots = allocated
         to_fetch = [k for k, slot in slots if slot is not None]
-        ok_keys: list[bytes] = []
         ok_sums: list[int] = []
         try:
             if to_fetch:
@@ -181,11 +193,10 @@ class RemoteTier:
                 finally:
                     for view in views:
                         view.release()
-                ok_keys = to_fetch[: len(ok_sums)]
         except BaseException:
             await asyncio.to_thread(self.core.abort, allocation_id)
             raise
-        return await self._commit(landing, allocation_id, ok_keys, ok_sums)
+        return allocation_id, to_fetch[: len(ok_sums)], ok_sums, len(slots) == len(keys) and len(ok_sums) == len(to_fetch)
 
     @staticmethod
     async def _fetch_checked(peer: PeerNode, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
@@ -213,16 +224,49 @@ class RemoteTier:
         deadline = time.monotonic() + timeout_s
         pos = self.local_prefix(namespace_id, keys)
         peer = self._peers.get(node)
+        if peer is not None and peer.fetcher is not None:  # the UCX or TCP plane
+            return await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing)
         while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
             want = keys[pos : pos + FETCH_PAGES]
-            if peer.fetcher is not None:  # the UCX or TCP plane
-                got = await self._fetch_posted(peer, namespace_id, want, page_bytes, remaining, landing)
-            else:
-                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
+            got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
             pos += got
             if got < len(want):
                 break
         return pos
+
+    async def _fetch_overlapped(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], done: int, page_bytes: int,
+                                deadline: float, landing: Landing) -> int:
+        """``fetch_from`` on the UCX or TCP plane, batch by batch, each batch's commit running while
+        the next one's bytes arrive. Why: a commit publishes a batch of 1,024 pages in ~20 ms here,
+        as long as the batch takes to arrive at 25 GB/s; in series it halved a fast link. ``done``
+        leading keys are held here; a batch whose commit falls short ends the copy there, and the
+        one landed behind it is aborted (the result stays the leading pages held here)."""
+        committing: tuple[asyncio.Future[int], int] | None = None  # the last batch's commit, how many keys it covers
+        more = True
+        try:
+            while more and (start := done + (committing[1] if committing else 0)) < len(keys) \
+                    and (remaining := deadline - time.monotonic()) > 0:
+                want = keys[start : start + FETCH_PAGES]
+                landed = await self._land_posted(peer, namespace_id, want, page_bytes, remaining, landing)
+                if committing is not None:
+                    (commit, size), committing = committing, None
+                    got = await commit
+                    done += got
+                    if got < size:
+                        if landed is not None:
+                            await asyncio.to_thread(self.core.abort, landed[0])
+                        return done
+                if landed is None:
+                    return done
+                allocation_id, ok_keys, ok_sums, more = landed
+                committing = (asyncio.ensure_future(self._commit(landing, allocation_id, ok_keys, ok_sums)), len(want))
+            if committing is not None:
+                (commit, _), committing = committing, None
+                done += await commit
+            return done
+        finally:
+            if committing is not None:  # cut while the next batch landed: the commit completes on its own, reported
+                committing[0].add_done_callback(_log_failed_commit)
 
     async def _fetch_grpc(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
                           landing: Landing | None = None) -> int:
