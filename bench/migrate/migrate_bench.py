@@ -1,10 +1,13 @@
 """kvstore-bench migrate: the catch-up of a live migration (DESIGN §12.8; the chapter's Fig. 9-43)
 against the model S0 / (copy rate - growth rate), and the pause.
 
-Per row (``--copy-gbps``, 0: not capped), two fresh nodes on one etcd, the gRPC data plane,
-node a advertising a ``LinkProxy`` capped at the row's rate (``migrate_row.py``). First a raw
-TCP transfer through a proxy of the same cap measures the link c (the model's copy rate,
-not assumed). Then a session of ``--session`` bytes is stored at a (its log and its pages)
+Per row (``--copy-gbps``, 0: not capped), two fresh nodes on one etcd on ``--data-plane``, node a
+advertising a ``LinkProxy`` capped at the row's rate where b pulls its pages from (its TCP data
+listener; its gRPC server on the gRPC plane; ``migrate_row.py``). Why TCP by default and not the
+server's default, UCX: the bench's link is TCP, on which the TCP plane is the one for bulk copies
+(the gRPC plane is the fallback, the one with TLS), and a userspace proxy cannot cap UCX (UCX rows are
+uncapped only). First a raw TCP transfer through a proxy of the same cap measures the link c (the
+model's copy rate, not assumed). Then a session of ``--session`` bytes is stored at a (its log and its pages)
 and ``client.migrate`` moves it to b while a writer task keeps saving new pages and logging
 their tokens at a at ``--growth-gbps``. Bytes stored at a and not yet at b are sampled every
 ``--sample-ms`` from b's host tier (its Stats; and at each round's end from the migration's callback): the
@@ -51,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-session", default="8MiB", help="S0 of the cannot-converge rows (they copy for a few rounds only)")
     p.add_argument("--layers", type=int, default=8, help="of the layout: 8 KV heads x 128 x fp16 x 16 tokens, so a page is "
                    "layers x 64 KiB")
+    p.add_argument("--data-plane", choices=("ucx", "tcp", "grpc"), default="tcp",
+                   help="the nodes' --data-plane, over which the target pulls the session's pages (ucx: uncapped rows only)")
     p.add_argument("--max-pause-ms", type=float, default=10.0, help="client.migrate's: fence once the rest copies within this")
     p.add_argument("--sample-ms", type=float, default=50.0, help="the catch-up curve's sampling period at the target (0: round "
                    "ends only)")
@@ -69,13 +74,16 @@ def _specs(args: argparse.Namespace, page_bytes: int) -> list[RowSpec]:
         if cap < 0:
             raise SystemExit(f"--copy-gbps: {text} is negative")
         cap = math.inf if cap == 0 else cap
+        if args.data_plane == "ucx" and not math.isinf(cap):
+            raise SystemExit(f"--copy-gbps {text}: the UCX plane cannot be capped here (its transport connects past the "
+                             "bench's link proxy): give --copy-gbps 0, or --data-plane tcp or grpc")
         small = cap <= g
         s0 = parse_size(args.small_session if small else args.session, "--session")
         s0 = max(page_bytes, s0 // page_bytes * page_bytes)
         nominal = s0 / ((UNCAPPED_GUESS_BPS if math.isinf(cap) else cap) - g) if not small else 0.0
         budget = 30.0 if small else min(300.0, 2 * nominal + 10)
         pump = 512 << 20 if math.isinf(cap) else max(1 << 20, int(cap * args.pump_s))
-        specs.append(RowSpec(cap, g, s0, budget, args.sample_ms / 1000, args.max_pause_ms, pump))
+        specs.append(RowSpec(cap, g, s0, budget, args.sample_ms / 1000, args.max_pause_ms, pump, args.data_plane))
     return specs
 
 
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"page_bytes": layout.page_bytes, "growth_gbps": args.growth_gbps, "max_pause_ms": args.max_pause_ms,
-                              "data_plane": "grpc", "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+                              "data_plane": args.data_plane, "load_average_start": [round(x, 2) for x in os.getloadavg()]}
     rows = []
     etcd = Etcd(workdir)
     try:

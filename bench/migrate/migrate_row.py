@@ -1,10 +1,13 @@
 """One row of ``kvstore-bench migrate``: a growing session moved from node a to node b over a
 capped link, its catch-up curve sampled, and the raw link measured through a proxy of the same rate.
 
-Two fresh nodes on the run's etcd per row (the gRPC data plane; node a advertises a
-``LinkProxy``, so node b's page fetches from a cross the capped link while the bench's own
-calls reach each node directly). A row's nodes hold its session alone: nothing of an earlier
-row is evicted while this one is timed.
+Two fresh nodes on the run's etcd per row, on the row's data plane. Node a advertises a
+``LinkProxy`` where b's page fetches from it go: its data listener on the TCP plane
+(``--advertise-data-port``), its gRPC server on the gRPC plane; so those cross the capped link while
+the bench's own calls reach each node directly. UCX takes no proxy (its transport connects to
+addresses of its own past the listener: a 0.1 GB/s proxy there let 0.35 GB/s through), so a UCX row
+is uncapped, loopback direct, and so is its raw transfer. A row's nodes hold its session alone: nothing
+of an earlier row is evicted while this one is timed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2
 from kvstore.bench.cluster.cluster_paired import prefix_tokens, random_kv
 from kvstore.bench.common.cluster_procs import Etcd, Node
+from kvstore.bench.common.harness import free_port
 from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.bench.common.proc_stat import cpu_seconds
 from kvstore.client import KVStoreClient
@@ -41,6 +45,7 @@ class RowSpec:
     sample_s: float        # the catch-up curve's sampling period at the target (0: round ends only)
     max_pause_ms: float    # client.migrate's: fence once the rest copies within it
     pump_bytes: int        # the raw transfer through a proxy of the same rate
+    data_plane: str = "tcp"  # the nodes' --data-plane: how b pulls a's pages
 
 
 @dataclass
@@ -59,10 +64,10 @@ class Trace:
     cpu_s: dict[str, float] = field(default_factory=dict)
 
 
-def raw_link(bandwidth_bps: float, nbytes: int) -> tuple[float, float]:
+def raw_link(bandwidth_bps: float, nbytes: int, proxied: bool = True) -> tuple[float, float]:
     """Bytes/s of one raw TCP transfer of ``nbytes`` through a ``LinkProxy`` capped at
-    ``bandwidth_bps`` (the copy rate the model takes), and this process's CPU seconds for it
-    (sender, proxy and sink all run here)."""
+    ``bandwidth_bps`` (the copy rate the model takes; not ``proxied``: sender to sink, as UCX's
+    pages go), and this process's CPU seconds for it (sender, proxy and sink all run here)."""
     sink = socket.create_server(("127.0.0.1", 0))
     got: list[int] = []
 
@@ -77,10 +82,10 @@ def raw_link(bandwidth_bps: float, nbytes: int) -> tuple[float, float]:
 
     thread = threading.Thread(target=drain, daemon=True)
     thread.start()
-    proxy = LinkProxy(f"127.0.0.1:{sink.getsockname()[1]}", bandwidth_bps)
+    proxy = LinkProxy(f"127.0.0.1:{sink.getsockname()[1]}", bandwidth_bps) if proxied else None
     chunk = memoryview(bytearray(1 << 20))
     try:
-        with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+        with socket.create_connection(("127.0.0.1", proxy.port if proxy else sink.getsockname()[1])) as s:
             cpu0, t0 = cpu_seconds(os.getpid()) or 0.0, time.perf_counter()
             sent = 0
             while sent < nbytes:
@@ -91,7 +96,8 @@ def raw_link(bandwidth_bps: float, nbytes: int) -> tuple[float, float]:
             seconds, cpu = time.perf_counter() - t0, (cpu_seconds(os.getpid()) or 0.0) - cpu0
         thread.join(10)
     finally:
-        proxy.close()
+        if proxy is not None:
+            proxy.close()
         sink.close()
     if got != [nbytes]:
         raise RuntimeError(f"the raw transfer delivered {got} bytes of {nbytes}")
@@ -230,13 +236,19 @@ async def _migrate(a: Node, b: Node, spec: RowSpec, layout: KVLayout, seed: int,
 def measure_row(workdir: Path, etcd: Etcd, index: int, spec: RowSpec, layout: KVLayout) -> Trace:
     """Starts the row's two nodes (a behind its link proxy), measures the raw link, then the migration."""
     trace = Trace()
-    trace.link_bps, trace.link_cpu_s = raw_link(spec.copy_bps, spec.pump_bytes)
+    trace.link_bps, trace.link_cpu_s = raw_link(spec.copy_bps, spec.pump_bytes, proxied=spec.data_plane != "ucx")
     grow = int(spec.growth_bps * spec.budget_s) + spec.initial_bytes
     host = f"{(grow + (96 << 20)) >> 20}MiB"
     cluster = f"migrate-{index}"
-    nodes = [Node(workdir, name, etcd, cluster, "grpc", 10, host) for name in ("a", "b")]
-    proxy = LinkProxy(nodes[0].address, spec.copy_bps)
-    nodes[0].args += ["--advertise", proxy.address]  # b fetches a's pages through the proxy (argparse: the last wins)
+    nodes = [Node(workdir, name, etcd, cluster, spec.data_plane, 10, host) for name in ("a", "b")]
+    proxy = None
+    if spec.data_plane == "grpc":  # b fetches a's pages through the proxy (argparse: the last --advertise wins)
+        proxy = LinkProxy(nodes[0].address, spec.copy_bps)
+        nodes[0].args += ["--advertise", proxy.address]
+    elif spec.data_plane == "tcp":  # the pages go over a's data listener: b is told the proxy's port for it, a's gRPC calls go direct
+        data_port = free_port()
+        proxy = LinkProxy(f"127.0.0.1:{data_port}", spec.copy_bps)
+        nodes[0].args += ["--data-port", str(data_port), "--advertise-data-port", str(proxy.port)]
     for node in nodes:
         node.args += ["--fetch-timeout-s", "600", "--scrub-rate", "0"]
     try:
@@ -250,5 +262,6 @@ def measure_row(workdir: Path, etcd: Etcd, index: int, spec: RowSpec, layout: KV
     finally:
         for node in nodes:
             node.stop()
-        proxy.close()
+        if proxy is not None:
+            proxy.close()
     return trace

@@ -4,11 +4,14 @@ timings on a shared CI box are reported by the bench, never asserted here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
+
+from kvstore.bench.migrate import migrate_bench
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,6 +26,7 @@ def test_migrate_smoke(tmp_path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ERROR" not in res.stderr, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["data_plane"] == "tcp"  # through the proxy on a's data listener (--advertise-data-port)
     converged, stuck = report["rows"]
     page = report["page_bytes"]
     assert page == 2 * 2 * 8 * 128 * 2 * 16
@@ -42,3 +46,14 @@ def test_migrate_smoke(tmp_path) -> None:
     assert report["goals"]["cannot_converge_reported@0.005GB/s"] is True
     assert report["all_goals_met"] == all(report["goals"].values())
     assert (tmp_path / "migrate.png").stat().st_size > 1000
+
+
+def test_a_ucx_row_cannot_be_capped() -> None:
+    """UCX's transport connects past a proxy on its listener, so a capped UCX row would not be
+    capped: refused, naming what to give instead."""
+    parser = argparse.ArgumentParser()
+    migrate_bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--data-plane tcp"):
+        migrate_bench._specs(parser.parse_args(["--data-plane", "ucx", "--copy-gbps", "0,0.1"]), 1 << 19)
+    assert [s.data_plane for s in migrate_bench._specs(parser.parse_args(["--data-plane", "ucx", "--copy-gbps", "0"]),
+                                                       1 << 19)] == ["ucx"]
