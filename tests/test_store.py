@@ -73,7 +73,7 @@ async def test_pressure_demotes_to_ssd_and_hits_promote_back(server_factory, lay
         hit = await client.lookup(tokens)
         assert hit.num_pages == 400
         tiers = [loc.tier for loc in hit.locations]
-        # the host tier keeps the head of the prefix; deeper pages went down (tiers/chains.py: tail first)
+        # the host tier keeps the head of the prefix; deeper pages went down (server/placement/chains.py: tail first)
         assert tiers[0] == "host" and "ssd" in tiers
         # The whole hit is larger than the host tier: the client fetches it in batches and
         # each batch promotes its ssd pages, evicting the ones already copied.

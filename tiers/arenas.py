@@ -5,15 +5,15 @@ tenants each gets its own (a ``HostTier`` made with ``anonymous=True``: a 0600 m
 name in any filesystem, handed to the tenant's clients as a file descriptor). The placement
 core still sees one landing tier: a slot number says which arena it is in (arena ``i`` numbers
 its slots from ``i << ARENA_BITS``), a key is in at most one arena (its namespace's owner's),
-and what must happen in one tenant's arena (reserving a slot, choosing a victim, hints) is
-asked of that arena, ``part(owner)``. An arena is made at its owner's first use, sized by
+and what must happen in one tenant's arena (reserving a slot) is asked of that arena,
+``part(owner)``; each arena tells its own events (``events(owner, config)``: the core's
+eviction order and hints of that arena). An arena is made at its owner's first use, sized by
 ``size_of(owner)`` (the tenant's host_bytes quota, else --host-capacity), and lives as long
 as the server: clients hold mappings of it. With hbm, each is page-locked as it is made
 (``pins``, pinned.py) and unpinned before it is unmapped.
 
 The parts, their slot numbering and the per-key calls are owner_parts.py's (shared with the
-hbm pools); what is the arenas' own is here: how one is made and pinned, which one gives a
-victim (``order``: the fullest first), views.
+hbm pools); what is the arenas' own is here: how one is made and pinned, views.
 """
 
 from __future__ import annotations
@@ -23,19 +23,13 @@ from dataclasses import replace
 
 from kvstore.config import HostTierConfig
 from kvstore.errors import ConfigError, TierFull
-from kvstore.tiers.base import ArenaInfo
+from kvstore.tiers.base import ArenaInfo, StoreEvents
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.orders import PartsOrder
 from kvstore.tiers.owner_parts import PART_BITS, OwnerParts
 from kvstore.tiers.pinned import ArenaPins
 from kvstore.tiers.slab import SlabAllocator
 
 ARENA_BITS = PART_BITS  # slot >> ARENA_BITS is its arena
-
-
-def _fill(tier: HostTier) -> float:
-    usage = tier.usage()
-    return usage.used_bytes / usage.capacity_bytes if usage.capacity_bytes else 0.0
 
 
 class TenantArenas(OwnerParts[HostTier]):
@@ -45,23 +39,24 @@ class TenantArenas(OwnerParts[HostTier]):
     what = "arena"
 
     def __init__(self, config: HostTierConfig, node: str, size_of: Callable[[str], int],
-                 pins: ArenaPins | None = None) -> None:
+                 pins: ArenaPins | None = None, events: Callable[[str, HostTierConfig], StoreEvents] | None = None) -> None:
         super().__init__()
         self.config = config
         self.pins = pins
         self.node = node
         self._size_of = size_of
+        self._events = events  # (owner, the arena's config) -> the events of its arena
         self.arena = ArenaInfo("", 0, b"")  # no arena as a whole: each owner's is part(owner).arena
         self._slabs = SlabAllocator(0, config.slab_bytes, config.slab_bytes)  # answers ``fits`` alike for every arena
-        self.order = PartsOrder(self, lambda arenas: sorted(arenas, key=_fill, reverse=True))  # fullest arena first
 
     def _make(self, owner: str, base: int) -> HostTier:
         """``owner``'s arena, sized by its quota (ConfigError when the host cannot hold it: TierFull)."""
         slab = self.config.slab_bytes
         wanted = min(self._size_of(owner) or self.config.capacity_bytes, self.config.capacity_bytes)
+        config = replace(self.config, capacity_bytes=-(-wanted // slab) * slab)
         try:
-            made = HostTier(replace(self.config, capacity_bytes=-(-wanted // slab) * slab), self.node, base=base,
-                            anonymous=True)
+            made = HostTier(config, self.node, base=base, anonymous=True, owner=owner,
+                            events=self._events(owner, config) if self._events else None)
         except ConfigError as exc:
             raise TierFull(f"no arena for tenant {owner!r}: {exc}") from None
         if self.pins is not None:

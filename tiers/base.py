@@ -10,8 +10,8 @@ Contract of every tier:
 * **Keys.** A tier holds at most one copy of a 16-byte page key. ``commit`` of a key it
   holds already replaces that copy (its old slot is freed).
 * **Writing** is reserve -> write -> commit. ``reserve`` answers a slot or None when the
-  tier is full (the caller frees room with ``victim`` + ``delete`` and asks again); it
-  never evicts by itself. ``write`` puts a page into a reserved slot, not findable yet
+  tier is full (the caller frees room with ``delete`` and asks again); it never evicts by
+  itself. ``write`` puts a page into a reserved slot, not findable yet
   (``write_many``: several, in as few device calls as the tier can make of them);
   ``commit`` makes written slots the stored copies, durable when the tier is (synced,
   indexed): only after it returns may anyone publish them. ``unreserve`` gives back a slot
@@ -31,17 +31,18 @@ Contract of every tier:
   read into directly (O_DIRECT).
 * **Thread-safety.** Every method is safe to call from any thread: a tier guards its own
   metadata with its own lock and never holds that lock over disk I/O. ``reserve``,
-  ``unreserve``, ``contains``, ``header``, ``stored_keys``, ``usage`` and every method of
-  ``order`` never block on I/O (callers may hold their own locks over them); ``write``, ``commit``,
+  ``unreserve``, ``contains``, ``header``, ``stored_keys`` and ``usage`` never block on I/O
+  (callers may hold their own locks over them); ``write``, ``commit``,
   ``read_into``, ``delete``, ``quarantine`` and ``recover`` may, and must not be called
   under a lock that lookups or allocations take. The caller keeps a page from being
   deleted while it reads it (pins); the tier does not.
-* **Idempotency.** ``delete`` of a key not held, ``order.touch`` of an unknown key and
-  ``unreserve`` of a slot once are no-ops; ``commit`` is not (commit once).
-* **Eviction order** is not part of storing: a tier's ``order`` (an ``EvictionOrder``,
-  orders.py) is what the placement core asks which page goes next (``victim``: named,
-  skipping ``pinned`` keys, not removed) and tells of uses (``touch``); the tier keeps it
-  in step with what it stores. Choosing is the core's; the tier never evicts by itself.
+* **Idempotency.** ``delete`` of a key not held and ``unreserve`` of a slot once are
+  no-ops; ``commit`` is not (commit once).
+* **Events.** Which page goes next is not the tier's question: the placement core keeps the
+  eviction orders (kvstore/server/placement/orders.py). A tier tells the ``StoreEvents`` it
+  was made with what it stores (``stored``: each committed page, with its parent) and what
+  leaves (``removed``: deleted, detached or quarantined), in the order it happens, under its
+  own lock; so the core's order never names a page the tier does not hold.
 * **Index.** ``recover`` lists what the tier held when it was opened (a memory tier:
   nothing), from its own index, so that the directory can be rebuilt from it; the list is
   handed over once (a second call lists nothing).
@@ -49,13 +50,13 @@ Contract of every tier:
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.page import PageHeader
+
+UNOWNED = ""  # the owner of pages no tenant owns (and of the one part of a tier without tenants)
 
 
 def parent_links(parents: Sequence[bytes | None], num_pages: int) -> list[bytes | None]:
@@ -112,73 +113,35 @@ class ArenaInfo:
     fd: int = -1
 
 
-class MovingPins(Counter[bytes]):
-    """The keys a caller keeps a tier from evicting (``victim``'s ``pinned``), counted, and
-    among them the ones held by moves (``moving``): a page being written down does not keep
-    the pages before it in its prefix (its predecessor may follow it down), one a reader
-    holds does (chains.py)."""
+class StoreEvents(Protocol):
+    """What a tier tells of what it stores (the module docstring): the placement core's
+    eviction order of the tier (or of one part of it). Called under the tier's lock, so it
+    never blocks and never calls back into the tier."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._moving: Counter[bytes] = Counter()
-
-    @property
-    def moving(self) -> Mapping[bytes, int]:
-        """The pins of moves, read-only (changed through ``pin_moves`` / ``unpin_moves``)."""
-        return MappingProxyType(self._moving)
-
-    def pin_moves(self, keys: Iterable[bytes]) -> None:
-        self._moving.update(keys)
-
-    def unpin_moves(self, keys: Iterable[bytes]) -> None:
-        self._moving.subtract(keys)
-        self._moving = +self._moving  # drops the zeros
-
-
-class EvictionOrder(Protocol):
-    """Which page of a tier goes next: what the placement core asks (``tier.order``). The
-    tier keeps it in step with what it stores; the core tells it of uses and asks it for
-    victims (orders.py)."""
-
-    def touch(self, key: bytes) -> None:
-        """A use of ``key`` (a key not held: nothing)."""
+    def stored(self, key: bytes, parent: bytes | None) -> None:
+        """``key`` was committed (again: its new copy replaces the old); ``parent``: the page
+        before it in its prefix, when its writer named it."""
         ...
 
-    def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        """The page to evict next to make room for one of ``page_bytes``, left in place
-        (None: every page is pinned)."""
+    def removed(self, key: bytes, evicted: bool) -> None:
+        """``key`` left the tier (``evicted``: to make room, as its ``delete`` was told)."""
         ...
 
 
-class LandingOrder(EvictionOrder, Protocol):
-    """The landing tier's order: queue-aware. ``hint`` announces uses, ``used`` fulfils them,
-    ``expire_hints`` forgets the stale ones; ``parent`` is the page before a key in its
-    prefix, as its writer named it (a page written down takes it along)."""
+class NoEvents:
+    """Events nobody listens to (a tier opened on its own: tests, tools)."""
 
-    def parent(self, key: bytes) -> bytes | None: ...
+    def stored(self, key: bytes, parent: bytes | None) -> None:
+        pass
 
-    def hint(self, keys: list[bytes], eta: float) -> None: ...
-
-    def check_hints(self, num_keys: int) -> None:
-        """Raises LimitExceeded when ``num_keys`` more announced uses would pass the tier's limit."""
-        ...
-
-    def hint_room(self, num_pages: int, page_bytes: int) -> bool:
-        """Whether ``num_pages`` more hinted pages fit the share hints may hold."""
-        ...
-
-    def num_hinted(self) -> int: ...
-
-    def used(self, key: bytes, now: float) -> None: ...
-
-    def expire_hints(self, now: float) -> None: ...
+    def removed(self, key: bytes, evicted: bool) -> None:
+        pass
 
 
 class Tier(Protocol):
-    """The storage contract (the module docstring); ``order`` is its eviction order."""
+    """The storage contract (the module docstring)."""
 
     name: str
-    order: EvictionOrder
 
     def reserve(self, payload_bytes: int) -> int | None: ...
 
@@ -194,7 +157,8 @@ class Tier(Protocol):
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Makes written slots the stored pages; ``parents``: each page's predecessor in its
-        prefix when known (the eviction order gives up a chain's tail first)."""
+        prefix when known, told to the tier's events (the eviction order gives up a chain's
+        tail first; a durable tier keeps them in its index for a restart)."""
 
     def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult: ...
 
@@ -208,7 +172,7 @@ class Tier(Protocol):
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         """Drops the copies of ``keys``; returns how many it held. ``evicted``: they go to
-        make room (an eviction order may remember them as recently evicted)."""
+        make room (told to the tier's events: an order may remember them as recently evicted)."""
         ...
 
     def quarantine(self, key: bytes, reason: str) -> None:
@@ -236,12 +200,10 @@ class LandingTier(Tier, Protocol):
 
     The core hands out its slots (``view``) to writers it allocated them to and to readers it
     leased pages to. Every method is an in-memory operation (none blocks on I/O), so the core
-    may call any of them under its own lock. Its eviction order is queue-aware (``order``,
-    a ``LandingOrder``).
+    may call any of them under its own lock.
     """
 
     arena: ArenaInfo
-    order: LandingOrder
 
     def view(self, slot: int, nbytes: int) -> memoryview: ...
 
@@ -249,12 +211,12 @@ class LandingTier(Tier, Protocol):
         """Where ``slot`` lies in the arena a client maps (the byte offset it is told)."""
         ...
 
-    def part(self, owner: str) -> LandingTier:
+    def part(self, owner: str) -> LandingPart:
         """The landing memory of ``owner``'s pages (a tenant's arena): where its pages are
         reserved, read up and evicted from. A tier of one arena is its own only part."""
         ...
 
-    def parts(self) -> list[LandingTier]:
+    def parts(self) -> list[LandingPart]:
         """Every part (the demoter keeps each below its watermark)."""
         ...
 
@@ -271,6 +233,13 @@ class LandingTier(Tier, Protocol):
         ...
 
 
+class LandingPart(LandingTier, Protocol):
+    """One owner's part of the landing tier (a tenant's arena, or the one arena of a tier
+    without tenants): ``owner`` (UNOWNED: every owner's) names its eviction order in the core."""
+
+    owner: str
+
+
 class TierWrapper:
     """Delegates every ``Tier`` method to ``inner``: the base of cross-cutting wrappers
     (fault injection, admission), which override what they change. Attributes beyond the
@@ -282,11 +251,6 @@ class TierWrapper:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
-
-    @property
-    def order(self) -> Any:
-        """The inner tier's eviction order (a wrapper stores through, it evicts alike)."""
-        return self.inner.order
 
     def part(self, owner: str) -> Any:
         """The inner tier's part, through this wrapper when the inner tier is its own part."""

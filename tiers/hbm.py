@@ -3,9 +3,9 @@
 A pool is one allocation on a device, made once through the device seam
 (``kvstore.device_ops``: its own CUDA segment, or, with ``HbmTierConfig.device == "cpu"``,
 shared memory standing in for it in tests), carved into 4 KiB-aligned page slots by the
-same slab allocator as the host arena. The tier keeps its own index, LRU order
-(``order``) and quarantine list under its own lock; copies in and out of the pool run
-outside it.
+same slab allocator as the host arena. The tier keeps its own index and quarantine list
+under its own lock (and tells ``events``, the core's eviction order of the pool, what it
+stores); copies in and out of the pool run outside it.
 
 A pool is a trust domain, as a host arena is: whoever maps it reads and writes every slot.
 So there is one pool per tenant (``tiers/pools.py``), handed only to that tenant's engines
@@ -31,9 +31,8 @@ from kvstore.config import HbmTierConfig
 from kvstore.device_ops import DeviceOps, PoolHandout, ops_for_pool
 from kvstore.errors import PageCorrupt, TierUnavailable
 from kvstore.page import PageHeader
-from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage
+from kvstore.tiers.base import UNOWNED, NoEvents, Quarantined, ReadResult, StoredPage, StoreEvents, TierUsage, parent_links
 from kvstore.tiers.indexed import IndexedPages
-from kvstore.tiers.orders import LruOrder
 from kvstore.tiers.slab import SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -67,10 +66,14 @@ class HbmTier(IndexedPages):
 
     name = "hbm"
 
-    def __init__(self, config: HbmTierConfig, ops: DeviceOps | None = None, base: int = 0) -> None:
+    def __init__(self, config: HbmTierConfig, ops: DeviceOps | None = None, base: int = 0, owner: str = UNOWNED,
+                 events: StoreEvents | None = None) -> None:
         """``ops``: the device seam (default: that of ``config.device``); ``base``: the number
-        of the first slot (several pools behind one tier never share a slot number)."""
+        of the first slot (several pools behind one tier never share a slot number); ``owner``:
+        the tenant whose pool it is; ``events``: the core's eviction order of the pool."""
         self.config = config
+        self.owner = owner
+        self._events = events or NoEvents()
         self.device = check_device(config)
         self.ops = ops or ops_for_pool(self.device)
         self._base = base
@@ -83,7 +86,6 @@ class HbmTier(IndexedPages):
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
-        self.order = LruOrder(self._lock)  # least recently used first (orders.py)
         logger.info("hbm pool on %s: %d MiB in %d slabs", self.ops.name, capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
@@ -108,13 +110,12 @@ class HbmTier(IndexedPages):
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         with self._lock:
-            for slot, header in pages:
+            for (slot, header), parent in zip(pages, parent_links(parents, len(pages)), strict=True):
                 old = self._pages.get(header.key)
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                self.order.keys[header.key] = None
-                self.order.keys.move_to_end(header.key)
+                self._events.stored(header.key, parent)
 
     def fits(self, page_bytes: int) -> bool:
         """Whether a page of ``page_bytes`` fits one slot at all."""
@@ -161,7 +162,7 @@ class HbmTier(IndexedPages):
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
-                    self.order.keys.pop(key, None)
+                    self._events.removed(key, evicted)
                     count += 1
         return count
 
@@ -181,7 +182,6 @@ class HbmTier(IndexedPages):
     def close(self) -> None:
         with self._lock:
             self._pages.clear()
-            self.order.keys.clear()
         self.pool = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._device_pool.tensor = self.pool
         self._device_pool.release()  # the pool goes back to the device

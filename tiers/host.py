@@ -5,10 +5,11 @@ bytes in and out directly, so no page byte crosses a socket. The first 4 KiB hol
 and a random token: a client that reads the token the server announced is on this host.
 The server holds an exclusive ``flock`` on the arena file while it lives; a server starting on
 the same node removes the arenas no one holds (their owner died, even by SIGKILL).
-Slots are 4 KiB aligned (slab.py). Who may write a slot is decided by the placement core
-(allocations and leases); this class keeps the arena, the stored-page index, its eviction
-order (``order``: orders.py, eviction.py) and the pages it quarantined. It is the landing
-tier (base.LandingTier): every method is in memory, guarded by the tier's own lock.
+Slots are 4 KiB aligned (slab.py). Who may write a slot, and which page goes first, is
+decided by the placement core (allocations, leases, its eviction order, told what is stored
+through ``events``); this class keeps the arena, the stored-page index and the pages it
+quarantined. It is the landing tier (base.LandingTier): every method is in memory, guarded
+by the tier's own lock.
 
 An anonymous arena (``anonymous=True``: one tenant's, see arenas.py) is a memfd, mode 0600,
 with no name in any filesystem: it is handed to its clients as a file descriptor, and it
@@ -32,9 +33,18 @@ from pathlib import Path
 from kvstore.config import HostTierConfig
 from kvstore.errors import ConfigError, PageCorrupt
 from kvstore.page import ARENA_MAGIC, PageHeader
-from kvstore.tiers.base import ArenaInfo, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
+from kvstore.tiers.base import (
+    UNOWNED,
+    ArenaInfo,
+    NoEvents,
+    Quarantined,
+    ReadResult,
+    StoredPage,
+    StoreEvents,
+    TierUsage,
+    parent_links,
+)
 from kvstore.tiers.indexed import IndexedPages
-from kvstore.tiers.orders import HostOrder
 from kvstore.tiers.slab import ALIGN, SlabAllocator
 
 logger = logging.getLogger(__name__)
@@ -97,8 +107,11 @@ class HostTier(IndexedPages):
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig, node: str = "local", *, base: int = 0, anonymous: bool = False) -> None:
+    def __init__(self, config: HostTierConfig, node: str = "local", *, base: int = 0, anonymous: bool = False,
+                 owner: str = UNOWNED, events: StoreEvents | None = None) -> None:
         self.config = config
+        self.owner = owner
+        self._events = events or NoEvents()  # the core's eviction order of this arena
         self._base = base
         token = secrets.token_bytes(16)
         capacity = config.capacity_bytes - config.capacity_bytes % config.slab_bytes
@@ -136,7 +149,6 @@ class HostTier(IndexedPages):
         self._pages: dict[bytes, tuple[int, PageHeader]] = {}
         self._quarantine: list[Quarantined] = []
         self._lock = threading.Lock()
-        self.order = HostOrder(self._lock, config, self._allocator.capacity)  # eviction order and hints (orders.py)
         logger.info("host arena %s: %d MiB in %d slabs", self.path or "(anonymous)", capacity >> 20, self._allocator.num_slabs)
 
     # -- slots ---------------------------------------------------------------------------
@@ -167,7 +179,7 @@ class HostTier(IndexedPages):
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                self.order.residency.add(header.key, parent)
+                self._events.stored(header.key, parent)
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = slot - self._base
@@ -219,7 +231,7 @@ class HostTier(IndexedPages):
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
-                    self.order.residency.remove(key, evicted)
+                    self._events.removed(key, evicted)
                     count += 1
         return count
 
@@ -228,7 +240,7 @@ class HostTier(IndexedPages):
             entry = self._pages.pop(key, None)
             if entry is None:
                 return None
-            self.order.residency.remove(key)
+            self._events.removed(key, False)
             return entry[0]
 
     def stored_keys(self) -> list[bytes]:

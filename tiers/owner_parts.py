@@ -4,8 +4,8 @@ core sees.
 
 A slot number says which part it is in (part ``i`` numbers its slots from ``i << PART_BITS``),
 a key is in at most one part (its namespace's owner's), and what must happen in one owner's
-part (reserving a slot, choosing a victim with its ``order``) is asked of that part, ``part(owner)``;
-the order of the whole (``order``, orders.PartsOrder) answers a caller that names no owner. A part is
+part (reserving a slot) is asked of that part, ``part(owner)``. Each part tells its own
+events (the core's eviction order of that part, named by the part's ``owner``). A part is
 made at its owner's first use (``_make``) and lives as long as the server: clients and engines
 hold mappings of it.
 
@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 from kvstore.page import PageHeader
-from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage, parent_links
+from kvstore.tiers.base import UNOWNED, Quarantined, ReadResult, StoredPage, TierUsage, parent_links
 
 logger = logging.getLogger(__name__)
 
 PART_BITS = 40  # a part holds at most 1 TiB; slot >> PART_BITS is its part
-UNOWNED = ""  # the owner of pages no tenant owns (and of the one part without tenants)
 
 P = TypeVar("P", bound=Any)  # a HostTier or an HbmTier
 

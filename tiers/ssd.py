@@ -13,13 +13,12 @@ buffered, which is said once in the log. Each read checks the header before the 
 counts, and the payload checksum too unless its caller checks it where the bytes are
 consumed (``read_into(verify=False)``, DESIGN §4).
 
-Thread-safety: ``_lock`` guards the in-memory map, the slot allocator and the LRU order,
-and is held only for in-memory work; disk reads and writes run without it, index
-transactions under the index's own lock (ssd_index.py). Eviction order (``order``, orders.py): least recently
-used first (a page counts as used when it is stored or read into the host tier), the tail
-of its prefix before its head (chains.TailFirst: pages are stored and read head first, so
-plain LRU would take the head, and with it the whole prefix, first); each page's
-predecessor, when its writer named it, is kept in its index entry for a restart.
+Thread-safety: ``_lock`` guards the in-memory map and the slot allocator (and the events
+told under it), and is held only for in-memory work; disk reads and writes run without it, index
+transactions under the index's own lock (ssd_index.py). Which page goes first is the placement
+core's (placement/orders.py: least recently used, a prefix's tail before its head), told what
+is stored through ``events``: at start every indexed page in the index's order with the
+predecessor its writer named, kept in its index entry for a restart; then each commit and removal.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import logging
 import mmap
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -47,9 +45,7 @@ from kvstore.page import (
     peek_generation,
 )
 from kvstore.pagecopy import copy_checksum_bytes
-from kvstore.tiers.base import Quarantined, ReadResult, StoredPage, TierUsage, parent_links
-from kvstore.tiers.chains import TailFirst
-from kvstore.tiers.orders import TailFirstOrder
+from kvstore.tiers.base import NoEvents, Quarantined, ReadResult, StoredPage, StoreEvents, TierUsage, parent_links
 from kvstore.tiers.slab import ALIGN, SlabAllocator, round_up
 from kvstore.tiers.ssd_index import SsdIndex, slot_bytes
 from kvstore.tiers.ssd_slabs import keep_slab_bytes, stored_slab_bytes
@@ -73,8 +69,9 @@ class SsdTier(SsdWrites):
     name = "ssd"
     slot_bytes = staticmethod(slot_bytes)
 
-    def __init__(self, config: SsdTierConfig) -> None:
+    def __init__(self, config: SsdTierConfig, events: StoreEvents | None = None) -> None:
         self.directory = config.directory
+        self._events = events or NoEvents()  # the core's eviction order of the tier
         try:
             private_dir(self.directory)
         except OSError as exc:
@@ -88,12 +85,9 @@ class SsdTier(SsdWrites):
         slab = self._slab_bytes(config)
         self._allocator = SlabAllocator(0, config.capacity_bytes - config.capacity_bytes % slab, slab)
         # key -> (offset, header); the header stays raw bytes until first used, so that a
-        # restart with a million pages does not parse a million headers. Insertion order is
-        # the LRU order.
-        self._pages: OrderedDict[bytes, tuple[int, PageHeader | bytes]] = OrderedDict()
-        self._chains = TailFirst()  # which page comes before which, for the eviction order
+        # restart with a million pages does not parse a million headers.
+        self._pages: dict[bytes, tuple[int, PageHeader | bytes]] = {}
         self._lock = threading.Lock()
-        self.order = TailFirstOrder(self._lock, self._pages, self._chains)  # LRU, tail first (orders.py)
         self._local = threading.local()
         self._staging = StagingPool()
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-verify")  # checks beside reads
@@ -146,18 +140,16 @@ class SsdTier(SsdWrites):
         claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries])
         overlapping = []
         recovered, payload_of = self._recovered, PAYLOAD_BYTES_FIELD.unpack_from
+        parents, stored = dict(links), self._events.stored
         for (key, offset, _, raw), ok in zip(entries, claimed):
             if ok:
                 self._pages[key] = (offset, raw)
+                stored(key, parents.get(key))
                 recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0],
                                   peek_generation(raw)))
             else:
                 overlapping.append((key, "index entry overlaps another slot"))
         self._index.drop(overlapping)
-        link = self._chains.links.link
-        for key, parent in links:
-            if key in self._pages:
-                link(key, parent)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
                     "O_DIRECT" if self.direct_io else "buffered")
 
@@ -192,8 +184,7 @@ class SsdTier(SsdWrites):
                 if old is not None and old[0] != slot:
                     self._allocator.free(old[0])
                 self._pages[header.key] = (slot, header)
-                if parent is not None:
-                    self._chains.links.link(header.key, parent)
+                self._events.stored(header.key, parent)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -327,7 +318,7 @@ class SsdTier(SsdWrites):
                 entry = self._pages.pop(key, None)
                 if entry is not None:
                     self._allocator.free(entry[0])
-                    self._chains.removed(key, evicted)
+                    self._events.removed(key, evicted)
                     count += 1
         return count
 
@@ -343,7 +334,7 @@ class SsdTier(SsdWrites):
             entry = self._pages.pop(key, None)
             if entry is not None:
                 self._allocator.free(entry[0])
-                self._chains.removed(key)
+                self._events.removed(key, False)
 
     def quarantined(self) -> list[Quarantined]:
         return self._index.quarantined()

@@ -57,7 +57,7 @@ async def put(shm: ShmTransport, keys: list[bytes], kv: torch.Tensor | EngineKV,
     async def commit_after(before: asyncio.Future[int] | None, alloc: Any, todo: list[Any], sums: list[Any]) -> int:
         # Commits of one put reach the server in order: over the call socket's pool two of
         # them could be served out of order, and a batch committed before the one it extends
-        # joins the tier as an orphan (tiers/chains.py) while its predecessor may be evicted.
+        # joins the tier as an orphan (kvstore/server/placement/chains.py) while its predecessor may be evicted.
         if before is not None:
             await asyncio.gather(before, return_exceptions=True)
         return await shm.commit(alloc.allocation_id, [slot.key for _, slot in todo], sums, durable, flags)

@@ -21,22 +21,39 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvstore.errors import InvalidRequest, LeaseExpired
 from kvstore.page import LayoutDesc
-from kvstore.tiers.base import MovingPins
 
 logger = logging.getLogger(__name__)
 
 HANDLE_BYTES = 16
 
 
-class Pins(MovingPins):
-    """Every pin, a caller's or a move's; ``moving``: the pins of moves. A page pinned by
-    a caller keeps the pages before it in its prefix (eviction order); one being moved
-    down does not (its predecessor may follow it down)."""
+class Pins(Counter[bytes]):
+    """Every pin, a caller's or a move's, counted: the keys an eviction order's ``victim``
+    passes over; ``moving``: the pins of moves. A page pinned by a caller keeps the pages
+    before it in its prefix (chains.py); one being moved down does not (its predecessor may
+    follow it down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._moving: Counter[bytes] = Counter()
+
+    @property
+    def moving(self) -> Mapping[bytes, int]:
+        """The pins of moves, read-only (changed through ``pin_moves`` / ``unpin_moves``)."""
+        return MappingProxyType(self._moving)
+
+    def pin_moves(self, keys: Iterable[bytes]) -> None:
+        self._moving.update(keys)
+
+    def unpin_moves(self, keys: Iterable[bytes]) -> None:
+        self._moving.subtract(keys)
+        self._moving = +self._moving  # drops the zeros
 
 
 @dataclass

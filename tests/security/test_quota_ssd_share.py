@@ -68,7 +68,7 @@ def test_durable_writes_at_the_ssd_share_replace_the_tenants_coldest(share_serve
     a = Caller(share_server, ca, A)
     quotas = share_server.tenancy.quotas
     ns, keys = new_ns(), new_keys(3)
-    for key in keys:  # three one-page prefixes: no page keeps another in the host tier (tiers/chains.py)
+    for key in keys:  # three one-page prefixes: no page keeps another in the host tier (server/placement/chains.py)
         assert a.put(ns, [key], durable=True) == 1
     assert [("ssd" in share_server.core.where(k)) for k in keys] == [False, True, True]
     a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys[1:]))  # a's SSD pages, pinned

@@ -79,7 +79,7 @@ def test_host_bytes(host_quota_server, ca) -> None:
     assert a.put(ns, keys[:3]) == 3
     assert a.put(ns, keys[3:]) == 2
     core = host_quota_server.core
-    # a's coldest prefix (keys[:3]) gives up its tail first (tiers/chains.py): its two deepest went down
+    # a's coldest prefix (keys[:3]) gives up its tail first (server/placement/chains.py): its two deepest went down
     assert [set(core.where(k)) for k in keys] == [{"host"}, {"ssd"}, {"ssd"}, {"host"}, {"host"}], "a's two coldest went down"
     assert all("host" in core.where(k) for k in keys_b), "b's pages stay"
     assert a.lookup(ns, keys) == 5

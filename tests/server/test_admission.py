@@ -13,7 +13,7 @@ from kvstore.bench.replay.belady import belady_hits
 from kvstore.errors import ConfigError
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED
 from kvstore.server.admission import Decision, SeenTwice, ValueAdmission, WriteBudget, make_policy
-from kvstore.tiers.eviction import HostResidency
+from kvstore.server.placement.eviction import HostResidency
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_trace_300.jsonl"  # shipped: the smoke test always runs
 

@@ -18,7 +18,7 @@ from support.kv import random_kv
 from kvstore import KVLayout
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc
 from kvstore.client import KVStoreClient
-from kvstore.tiers.eviction import HostResidency
+from kvstore.server.placement.eviction import HostResidency
 
 PAGES = 24  # per prefix: a 256-page tier holds ~10 of them, probation (20%) ~51 pages
 
@@ -176,14 +176,13 @@ def test_residency_gives_up_whole_chains_tail_first() -> None:
 def test_pins_say_which_are_moving_through_a_read_only_property() -> None:
     """The eviction order reads which pins are moves' through ``Pins.moving``, a public
     read-only view of the lease table's counter (not an attribute anyone may replace)."""
-    from kvstore.server.leases import LeaseTable
-    from kvstore.tiers.base import MovingPins
+    from kvstore.server.leases import LeaseTable, Pins
 
     table = LeaseTable(1000, 10_000, 1000)
     a, b = b"a" * 16, b"b" * 16
     table.pin([a], move=True)
     table.pin([b])
-    assert isinstance(table.pins, MovingPins)
+    assert isinstance(table.pins, Pins)
     assert a in table.pins.moving and b not in table.pins.moving
     with pytest.raises(AttributeError):
         table.pins.moving = {}  # type: ignore[misc]

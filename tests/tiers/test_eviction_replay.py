@@ -1,8 +1,9 @@
 """The eviction order each tier gives, pinned: seeded random histories of stores (with each
 page's parent), deletes, uses, queue hints, fulfilled and expired hints and pins are replayed
 through the real tiers and the order the core asks, and the digest of every victim named is
-compared with the one recorded before the order moved (DESIGN §6). A change to which page
-goes first under any of these histories changes a digest; a refactor must not.
+compared with the one recorded while each tier kept its own order (before the orders moved
+to the placement core, DESIGN §6). A change to which page goes first under any of these
+histories changes a digest; a refactor must not.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 from kvstore.config import HbmTierConfig, HostTierConfig, SsdTierConfig
 from kvstore.errors import LimitExceeded
 from kvstore.page import LayoutDesc, PageHeader
+from kvstore.server.leases import Pins
+from kvstore.server.placement.orders import HostOrder, LandingOrders, LruOrder, Orders, TailFirstOrder
 from kvstore.tiers.arenas import TenantArenas
-from kvstore.tiers.base import MovingPins
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.ssd import SsdTier
@@ -29,23 +31,28 @@ PAYLOAD = bytes(range(256)) * (PAGE.page_bytes // 256)
 OWNERS = ("", "t1")
 
 
-def _open(kind: str, tmp: Path):  # a tier with ``order`` (and its owners' parts)
+def _open(kind: str, tmp: Path) -> tuple[object, Orders]:  # a tier and its orders, as assembly.py makes them
     host = HostTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10, max_hints=64, hint_grace_s=3.0,
                           eviction="lru" if kind == "host-lru" else "slru")
     if kind in ("host", "host-lru"):
-        return HostTier(host, node=f"replay{os.getpid()}")
+        orders = LandingOrders(HostOrder)
+        return HostTier(host, node=f"replay{os.getpid()}", events=orders.make("", host)), orders
     if kind == "arenas":
-        return TenantArenas(host, f"replay{os.getpid()}", lambda owner: (128 << 10) if owner else 0)
+        orders = LandingOrders(HostOrder, shared=False)
+        return TenantArenas(host, f"replay{os.getpid()}", lambda owner: (128 << 10) if owner else 0, events=orders.make), orders
     if kind == "hbm":
-        return HbmTier(HbmTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10, device="cpu"))
-    return SsdTier(SsdTierConfig(directory=tmp / "ssd", capacity_bytes=256 << 10, slab_bytes=64 << 10, direct_io=False, dwpd=0))
+        orders = Orders(LruOrder)
+        return HbmTier(HbmTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10, device="cpu"), events=orders.make()), orders
+    orders = Orders(TailFirstOrder)
+    config = SsdTierConfig(directory=tmp / "ssd", capacity_bytes=256 << 10, slab_bytes=64 << 10, direct_io=False, dwpd=0)
+    return SsdTier(config, events=orders.make()), orders
 
 
 class Replay:
     """The core's side of a history: what it asks the tier's order and tells it."""
 
-    def __init__(self, tier, kind: str, rng: random.Random) -> None:
-        self.tier, self.kind, self.rng = tier, kind, rng
+    def __init__(self, tier, orders: Orders, kind: str, rng: random.Random) -> None:
+        self.tier, self.orders, self.kind, self.rng = tier, orders, kind, rng
         self.hinting = kind in ("host", "host-lru", "arenas")
         self.victims: list[bytes] = []
         self.now = 0.0
@@ -53,13 +60,13 @@ class Replay:
     def part(self, owner: str):
         return self.tier.part(owner) if self.kind == "arenas" else self.tier
 
-    def store(self, owner: str, keys: list[bytes], parents: list[bytes | None], pins: MovingPins) -> None:
+    def store(self, owner: str, keys: list[bytes], parents: list[bytes | None], pins: Pins) -> None:
         part = self.part(owner)
         placed = []
         for key in keys:
             slot = part.reserve(PAGE.page_bytes)
             while slot is None:
-                victim = part.order.victim(pins, PAGE.page_bytes)
+                victim = self.orders.of(owner).victim(pins, PAGE.page_bytes)
                 if victim is None:
                     break
                 self.victims.append(victim)
@@ -72,8 +79,8 @@ class Replay:
             placed.append((slot, header))
         self.tier.commit(placed, parents[: len(placed)])
 
-    def step(self, chains: dict[bytes, list[bytes]], pins: MovingPins) -> None:
-        rng, order = self.rng, self.tier.order
+    def step(self, chains: dict[bytes, list[bytes]], pins: Pins) -> None:
+        rng, orders = self.rng, self.orders
         held = [k for chain in chains.values() for k in chain if self.tier.contains(k)]
         self.now += rng.random()
         op = rng.random()
@@ -91,17 +98,17 @@ class Replay:
             self.tier.delete([key], evicted=rng.random() < 0.5)
         elif op < 0.65 and held:
             for key in rng.sample(held, min(len(held), 3)):
-                order.touch(key)
+                orders.touch(key)
         elif op < 0.75 and self.hinting:
             chain = chains[rng.choice(list(chains))]
-            try:
-                order.hint(chain[: rng.randint(1, len(chain))], self.now + rng.uniform(0, 10))
+            try:  # announced in the unowned part (the one arena, or of two tenants' the first's), made now at its first use
+                orders.of(self.part("").owner).hint(chain[: rng.randint(1, len(chain))], self.now + rng.uniform(0, 10))
             except LimitExceeded:
                 self.victims.append(b"limit")  # the limit on announced uses is part of the order
         elif op < 0.8 and self.hinting and held:
-            order.used(rng.choice(held), self.now)
+            orders.used(rng.choice(held), self.now)
         elif op < 0.83 and self.hinting:
-            order.expire_hints(self.now)
+            orders.expire_hints(self.now)
         elif op < 0.9 and held:  # pins come and go (a reader's, or a move's)
             key = rng.choice(held)
             if pins.get(key):
@@ -113,7 +120,10 @@ class Replay:
                 pins.update([key])
                 pins.pin_moves([key])
         else:
-            victim = order.victim(pins, PAGE.page_bytes)
+            if isinstance(orders, LandingOrders):  # the tier as a whole: the fullest arena's first
+                victim = orders.victim(self.tier.parts(), pins, PAGE.page_bytes)
+            else:
+                victim = orders.of().victim(pins, PAGE.page_bytes)
             self.victims.append(victim or b"none")
             if victim is not None and rng.random() < 0.7:
                 self.tier.delete([victim], evicted=True)
@@ -123,10 +133,10 @@ def replay(kind: str, seed: int, tmp: Path, steps: int = 600) -> str:
     rng = random.Random(seed)
     chains = {bytes([n]) + b"-chain": [hashlib.blake2b(b"%d/%d" % (n, i), digest_size=16).digest()
                                        for i in range(rng.randint(2, 40))] for n in range(16)}
-    tier = _open(kind, tmp)
+    tier, orders = _open(kind, tmp)
     try:
-        run = Replay(tier, kind, rng)
-        pins = MovingPins()
+        run = Replay(tier, orders, kind, rng)
+        pins = Pins()
         for _ in range(steps):
             run.step(chains, pins)
         return hashlib.sha256(b"".join(run.victims)).hexdigest()[:16]
@@ -147,3 +157,25 @@ PINNED = {  # recorded with the orders on the tiers (tiers/orders.py), before th
 def test_the_eviction_order_is_the_pinned_one(kind: str, tmp_path: Path) -> None:
     got = [replay(kind, seed, tmp_path / str(seed)) for seed in range(3)]
     assert got == PINNED[kind]
+
+
+@pytest.mark.parametrize("kind", list(PINNED))
+def test_a_victim_is_named_left_in_place_and_never_pinned(kind: str, tmp_path: Path) -> None:
+    """What the core asks of an order (placement/orders.py), for every tier's: a use of a key
+    not held is nothing; a victim is a held page, left in place; a pinned page never is one."""
+    tier, orders = _open(kind, tmp_path)
+    try:
+        run = Replay(tier, orders, kind, random.Random(0))
+        order = orders.of(getattr(run.part(""), "owner", ""))  # made with its part
+        order.touch(b"m" * 16)
+        assert order.victim(set(), PAGE.page_bytes) is None, "nothing stored: no victim"
+        keys = [bytes([i]) * 16 for i in range(8)]
+        run.store("", keys, [None, *keys[:-1]], Pins())
+        victim = order.victim(set(), PAGE.page_bytes)
+        assert victim in keys and tier.contains(victim), "a victim names a page and leaves it in place"
+        assert order.victim(set(keys), PAGE.page_bytes) is None, "every page pinned: no victim"
+        assert order.victim(set(keys) - {victim}, PAGE.page_bytes) == victim
+        tier.delete([victim], evicted=True)
+        assert victim not in order, "the tier told its order the page left"
+    finally:
+        tier.close()

@@ -17,7 +17,8 @@ from support.servers import make_config
 from kvstore.config import SsdTierConfig
 from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.server.placement import Placement
-from kvstore.tiers.chains import PrefixLinks
+from kvstore.server.placement.chains import PrefixLinks
+from kvstore.server.placement.orders import TailFirstOrder
 from kvstore.tiers.ssd import SsdTier
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages
@@ -46,22 +47,24 @@ def _store(tier: SsdTier, keys: list[bytes], parents: list[bytes | None]) -> Non
 def test_ssd_evicts_a_chain_tail_first_and_keeps_its_links_across_a_restart(tmp_path) -> None:
     config = SsdTierConfig(directory=tmp_path / "ssd", capacity_bytes=16 << 20)
     chain, other = _keys("chain", 6), _keys("other", 2)
-    tier = SsdTier(config)
+    order = TailFirstOrder()  # the core's order of the tier, told what it stores
+    tier = SsdTier(config, events=order)
     try:
         _store(tier, chain[:3], [None, chain[0], chain[1]])
         _store(tier, other, [None, other[0]])
         _store(tier, chain[3:], chain[2:5])  # a later batch of the same prefix
-        assert tier.order.victim(set(), LAYOUT.page_bytes) == chain[5]
+        assert order.victim(set(), LAYOUT.page_bytes) == chain[5]
         for key in chain:  # read again (a read-up touches head first): the chain is newest now
-            tier.order.touch(key)
-        assert tier.order.victim(set(), LAYOUT.page_bytes) == other[1]
-        assert tier.order.victim({other[1]}, LAYOUT.page_bytes) == chain[5]  # a reader of other[1] keeps other[0]
+            order.touch(key)
+        assert order.victim(set(), LAYOUT.page_bytes) == other[1]
+        assert order.victim({other[1]}, LAYOUT.page_bytes) == chain[5]  # a reader of other[1] keeps other[0]
     finally:
         tier.close()
-    tier = SsdTier(config)  # a restart: the links come back from the index
+    order = TailFirstOrder()
+    tier = SsdTier(config, events=order)  # a restart: the links come back from the index
     try:
         got = []
-        while (victim := tier.order.victim(set(), LAYOUT.page_bytes)) is not None:
+        while (victim := order.victim(set(), LAYOUT.page_bytes)) is not None:
             got.append(victim)
             tier.delete([victim], evicted=True)
         assert got.index(chain[5]) < got.index(chain[4]) < got.index(chain[3]) < got.index(chain[0]), \

@@ -64,9 +64,9 @@ class Placement(CoreReports):
         self.metrics = metrics or Metrics()
         with gc_paused():  # recovery: an object or two per stored page
             self.directory = open_directory(config) if directory is None else directory
-            self.landing, self.lower, upper = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
+            self.landing, self.lower, upper, orders = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms) if leases is None else leases
-            self.residence = Residence(self.landing, list(self.lower), self.leases, upper)
+            self.residence = Residence(self.landing, list(self.lower), self.leases, upper, orders)
             self.tiers = self.residence.tiers
             self.keeper = Housekeeper(self.residence, self.leases, self.lower, clock)
             self._lock = self.keeper.lock

@@ -116,7 +116,7 @@ class Housekeeper:
 
     def reap(self) -> None:
         """Lock held: forgets stale hints, ends expired leases and allocations."""
-        self.residence.landing.order.expire_hints(self.clock())
+        self.residence.landing_orders.expire_hints(self.clock())
         free, allocations = self.leases.expired()
         self.residence.released(free)
         for alloc in allocations:
@@ -142,4 +142,4 @@ class Housekeeper:
         """Lock held: a use of ``key``; admission learns from it, a hint for it is fulfilled."""
         for target in self.lower:
             target.learn(key)
-        self.residence.landing.order.used(key, self.clock())
+        self.residence.landing_orders.used(key, self.clock())

@@ -45,7 +45,7 @@ class LowerRoom:
         """Evicts the next victim of ``tier`` not in ``skip``; False when there is none or its
         delete failed. Lock held; released during the delete."""
         target = self._target(tier)
-        victim = target.order.victim(skip, payload_bytes)
+        victim = self.residence.orders[tier].of().victim(skip, payload_bytes)
         if victim is None:
             return False
         self.residence.doom(victim, tier)  # not served while it goes

@@ -152,7 +152,8 @@ class Mover(LowerRoom):
         found, picked = 0, 0
         batch: list[tuple[bytes, PageHeader, memoryview]] = []
         while found < limit and (max_bytes <= 0 or picked < max_bytes):
-            victim = arena.order.victim(self.leases.pins if skip is None else skip, page_bytes)  # pinned ones (the batch) skipped
+            victim = self.residence.landing_orders.victim(self.landing.parts() if arena is self.landing else [arena],
+                                                          self.leases.pins if skip is None else skip, page_bytes)  # the batch's skipped
             if victim is None:
                 break
             header, slot = self.landing.header(victim), self.landing.slot_of(victim)
@@ -288,7 +289,7 @@ class Mover(LowerRoom):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
                     raise PageCorrupt(reason)
-            target.commit([(slot, header) for slot, header, _ in placed], [self.landing.order.parent(h.key) for _, h, _ in placed])
+            target.commit([(slot, header) for slot, header, _ in placed], [self.residence.landing_orders.parent(h.key) for _, h, _ in placed])
         except BaseException as exc:  # whatever failed (a corrupt page, an I/O error, a bug below): nothing stays reserved
             with self.lock:
                 self._unplace(target, tier, placed)

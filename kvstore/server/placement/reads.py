@@ -102,7 +102,7 @@ class Reader:
                 at.append(len(pages))
                 pages.append(AcquiredPage(key, slot, header))
             for key in reversed(touched):  # deepest first: the head of the prefix ends the most recent
-                self.landing.order.touch(key)
+                self.residence.orders[LANDING].touch(key)
         result = self.moves.read_up(read_up)
         with self.keeper.critical():
             return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms, tenant)
@@ -132,7 +132,7 @@ class Reader:
                 continue
             self.landing.commit([(slot, page.header)], [pages[i - 1].key if i else None])
             name = self.tiers[tier].name
-            self.tiers[tier].order.touch(page.key)
+            self.residence.orders[tier].touch(page.key)
             self.metrics.hits.labels(name).inc()
             self.metrics.bytes_out.labels(name).inc(page.header.payload_bytes)
             self.metrics.promotions.labels(name).inc()
@@ -170,22 +170,22 @@ class Reader:
     def hint_entries(self, namespace_id: bytes, entries: list[tuple[list[bytes], float]], prefetch: bool = True) -> list[bool]:
         """``hint`` for each (keys, eta_s) entry, announced all or none: LimitExceeded, with
         nothing announced, when together they would pass --max-hints."""
-        arena = self.landing.part(self.owner_of(namespace_id))
+        order = self.residence.landing_orders.of(self.landing.part(self.owner_of(namespace_id)).owner)  # made now at its first use
         with self.keeper.critical():
             self.keeper.reap()
-            arena.order.check_hints(sum(len(keys) for keys, _ in entries))
+            order.check_hints(sum(len(keys) for keys, _ in entries))
             now = self.keeper.clock()
             for keys, eta_s in entries:
-                arena.order.hint(keys, now + eta_s)
+                order.hint(keys, now + eta_s)
         return [self._prefetch(namespace_id, keys, prefetch) for keys, _ in entries]
 
     def _prefetch(self, namespace_id: bytes, keys: list[bytes], prefetch: bool) -> bool:
-        arena = self.landing.part(self.owner_of(namespace_id))
+        order = self.residence.landing_orders.of(self.landing.part(self.owner_of(namespace_id)).owner)
         with self.keeper.critical():
             stored = self.directory.prefix_length(namespace_id, keys)
             todo = [k for k in keys[:stored] if not self.residence.has(k, LANDING)] if prefetch else []
             layout = self.layout_of(namespace_id)
-            if todo and (layout is None or not arena.order.hint_room(len(todo), layout.page_bytes)):
+            if todo and (layout is None or not order.hint_room(len(todo), layout.page_bytes)):
                 self.metrics.hints.labels("refused").inc(len(keys))
                 return False
             self.metrics.hints.labels("reserved").inc(len(keys))

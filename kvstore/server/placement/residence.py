@@ -1,4 +1,5 @@
-"""Which tier holds a live copy of each page, and the removals still owed.
+"""Which tier holds a live copy of each page, which goes first (each tier's eviction orders,
+orders.py, which its tier tells what it stores), and the removals still owed.
 
 A copy stops being live the moment it is removed (from the directory); its bytes go only
 when no pin is left on its key, because a reader may still be copying them:
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.server.leases import LeaseTable
+from kvstore.server.placement.orders import LandingOrders, Orders
 from kvstore.tiers.base import LandingTier, Tier
 
 logger = logging.getLogger(__name__)
@@ -37,12 +39,16 @@ class Owed:
 
 
 class Residence:
-    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable, upper: list[Tier] | None = None) -> None:
+    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable, upper: list[Tier],
+                 orders: list[Orders]) -> None:
         self.landing = landing
         # Upper tiers (faster than the landing tier: hbm) go last, so that the index of the
         # landing tier and of each lower tier is the same with or without them.
-        self.tiers: list[Tier] = [landing, *lower, *(upper or [])]
+        self.tiers: list[Tier] = [landing, *lower, *upper]
         self.upper = list(range(1 + len(lower), len(self.tiers)))
+        self.orders = orders  # orders[i]: the eviction orders of tiers[i]'s parts
+        assert isinstance(orders[LANDING], LandingOrders) and len(orders) == len(self.tiers)
+        self.landing_orders: LandingOrders = orders[LANDING]
         self._read_order = [*self.upper, *range(1, 1 + len(lower))]  # fastest first
         self.leases = leases
         self._doomed: set[tuple[bytes, int]] = set()  # lower-tier copies removed, not yet deleted

@@ -182,7 +182,7 @@ class Promoter:
         up, tier = self.index, self.tier
         assert up is not None
         skip = _Either(self.leases.pins, self._promoting)
-        victim = pool.order.victim(skip, page_bytes)
+        victim = self.residence.orders[up].of(pool.owner).victim(skip, page_bytes)  # type: ignore[attr-defined]  # an HbmTier
         if victim is None:
             return False
         header = tier.header(victim)

@@ -29,7 +29,7 @@ class CoreView:
         """Called with the core's lock held."""
         counts = core.leases.counts()
         return cls(counts.num_leases, counts.num_allocations, counts.num_expiry_entries, counts.pinned, counts.moving,
-                   core.landing.order.num_hinted(), core.residence.num_detached(), {t.name: t.usage() for t in core.tiers},
+                   core.residence.landing_orders.num_hinted(), core.residence.num_detached(), {t.name: t.usage() for t in core.tiers},
                    counts.lease_ids)
 
     @property

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Container
 from itertools import chain
 
-from kvstore.tiers.chains import PrefixLinks, TailFirst
+from kvstore.server.placement.chains import PrefixLinks, TailFirst
 
 
 class HostResidency:
