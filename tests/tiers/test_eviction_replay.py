@@ -23,6 +23,7 @@ from kvstore.server.placement.orders import HostOrder, LandingOrders, LruOrder, 
 from kvstore.tiers.arenas import TenantArenas
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.pools import TenantPools
 from kvstore.tiers.ssd import SsdTier
 
 PAGE = LayoutDesc(1, 2, 1, 16, "float16", 16)  # 1 KiB pages, one 4 KiB slot each
@@ -179,3 +180,63 @@ def test_a_victim_is_named_left_in_place_and_never_pinned(kind: str, tmp_path: P
         assert victim not in order, "the tier told its order the page left"
     finally:
         tier.close()
+
+
+class Recorder:
+    """StoreEvents that remember what they were told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, bytes, object]] = []
+
+    def stored(self, key: bytes, parent: bytes | None) -> None:
+        self.told.append(("stored", key, parent))
+
+    def removed(self, key: bytes, evicted: bool) -> None:
+        self.told.append(("removed", key, evicted))
+
+
+def _with_events(kind: str, tmp: Path, events: Recorder):
+    host = HostTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10)
+    hbm = HbmTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10, device="cpu")
+    if kind == "host":
+        return HostTier(host, node=f"events{os.getpid()}", events=events)
+    if kind == "arenas":
+        return TenantArenas(host, f"events{os.getpid()}", lambda owner: 0, events=lambda owner, config: events).part("t1")
+    if kind == "hbm":
+        return HbmTier(hbm, events=events)
+    if kind == "pools":
+        return TenantPools(hbm, per_tenant=True, events=lambda owner: events).part("t1")
+    return SsdTier(SsdTierConfig(directory=tmp / "ssd", capacity_bytes=256 << 10, slab_bytes=64 << 10, dwpd=0), events=events)
+
+
+@pytest.mark.parametrize("kind", ["host", "arenas", "hbm", "pools", "ssd"])
+def test_a_tier_tells_its_events_what_it_stores_and_what_leaves(kind: str, tmp_path: Path) -> None:
+    """The core's order follows its tier only through these events (tiers/base.py): each page
+    committed with its parent, each removal once with how it went, nothing for a key not held;
+    the SSD tier tells what its index held again at start, with the parents."""
+    events = Recorder()
+    tier = _with_events(kind, tmp_path, events)
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    try:
+        placed = []
+        for key in (a, b, c):
+            slot = tier.reserve(PAGE.page_bytes)
+            header = PageHeader(NS, key, PAGE, PAGE.page_bytes, 0, generation=1)
+            tier.write(slot, header, memoryview(PAYLOAD))
+            placed.append((slot, header))
+        tier.commit(placed, [None, a, b])
+        assert events.told == [("stored", a, None), ("stored", b, a), ("stored", c, b)]
+        events.told.clear()
+        assert tier.delete([c, b"x" * 16], evicted=True) == 1
+        tier.quarantine(b, "found damaged")
+        assert events.told == [("removed", c, True), ("removed", b, False)]
+        if kind in ("host", "arenas"):
+            events.told.clear()
+            assert tier.detach(a) is not None
+            assert events.told == [("removed", a, False)]
+    finally:
+        tier.close()
+    if kind == "ssd":
+        events = Recorder()
+        _with_events(kind, tmp_path, events).close()  # a restart
+        assert events.told == [("stored", a, None)]
