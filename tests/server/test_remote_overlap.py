@@ -7,6 +7,7 @@ Real servers and a real TCP page server on the holder's core."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from test_remote_landing import PAGE_BYTES, _found
 from test_remote_landing_tcp import Peer, _pages_at, _setup
 
 from kvstore.cluster.transport_tcp import TcpPageServer
+from kvstore.errors import LeaseExpired
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster import remote
 from kvstore.server.cluster.remote import NodeLanding, RemoteTier
@@ -98,3 +100,91 @@ async def test_a_batch_short_at_its_commit_ends_the_copy_and_the_next_is_dropped
     assert _found(receiver.address, ns, keys) == 1
     assert _found(receiver.address, ns, keys[2:]) == 0
     assert _pages_at(receiver.address, ns, keys[:1]) == pages[0]
+
+
+class Expiring(NodeLanding):
+    """The receiver's own landing whose first batch's allocation is gone by its commit (as at its ttl:
+    the real commit raises LeaseExpired); ``gate``: that commit first waits until it is opened."""
+
+    def __init__(self, core: Any, gate: threading.Event | None = None) -> None:
+        super().__init__(core)
+        self.gate = gate
+        self.failed = threading.Event()
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        if self.gate is not None:
+            self.gate.wait(WAIT_S)
+        self.core.abort(allocation_id)
+        try:
+            return super().commit(allocation_id, keys, checksums)
+        finally:
+            self.failed.set()
+
+
+async def _copying(holder: Any, receiver: Any, ns: bytes, keys: list[bytes], landing: NodeLanding,
+                   cut: Any = None) -> int:
+    """``_copy`` that survives the copy's failure; ``cut(task)``: awaited beside the copy, to cancel it."""
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    peer = Peer(port)
+    try:
+        tier = RemoteTier(receiver.core, OnePeer(peer), None, "tcp")  # type: ignore[arg-type]
+        task = asyncio.ensure_future(tier.fetch_from("holder", ns, keys, PAGE_BYTES, 60.0, "", landing))
+        if cut is not None:
+            await cut(task)
+        return await task
+    finally:
+        await peer.fetcher.close()
+        await server.close()
+
+
+def _settled(receiver: Any) -> None:
+    counts = receiver.core.leases.counts()
+    assert counts.num_allocations == 0, "a landed batch stayed reserved"
+    assert not counts.pinned and not counts.moving, "a page stayed pinned"
+
+
+async def test_a_commit_failing_behind_a_landed_batch_gives_that_batch_back(server_factory, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch's commit fails (its allocation expired) while the second landed: the copy ends
+    with nothing stored, and the second batch's slots are given back at once, not at their ttl."""
+    monkeypatch.setattr(remote, "FETCH_PAGES", 2)
+    holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 6)
+    landing = Expiring(receiver.core)
+    with pytest.raises(LeaseExpired):
+        await _copying(holder, receiver, ns, keys, landing)
+    _settled(receiver)
+    assert _found(receiver.address, ns, keys) == 0
+    assert receiver.core.view().tiers["host"].num_pages == 0, "the landed batch's slots were freed"
+
+
+def _awaits_a_commit(task: asyncio.Task[int]) -> bool:
+    """Whether the copy waits on its last batch's commit (the future a task waits on: CPython's Task)."""
+    waiter = getattr(task, "_fut_waiter", None)
+    return isinstance(waiter, asyncio.Task) and waiter.get_coro().__qualname__.endswith("._commit")  # type: ignore[union-attr]
+
+
+async def test_a_copy_cut_while_it_waits_on_a_commit_gives_the_landed_batch_back(server_factory, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is cancelled (its caller's deadline, a migration's abort) while the second batch has
+    landed and the first batch's commit runs: the second batch's slots are given back."""
+    monkeypatch.setattr(remote, "FETCH_PAGES", 2)
+    holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 6)
+    gate = threading.Event()
+    landing = Expiring(receiver.core, gate)
+
+    async def cut(task: asyncio.Task[int]) -> None:
+        for _ in range(int(WAIT_S / 0.01)):
+            if _awaits_a_commit(task) or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert _awaits_a_commit(task), "the copy never waited on a commit with the next batch landed"
+        task.cancel()
+        gate.set()
+
+    with pytest.raises(asyncio.CancelledError):
+        await _copying(holder, receiver, ns, keys, landing, cut)
+    assert await asyncio.to_thread(landing.failed.wait, WAIT_S)
+    await asyncio.sleep(0.1)  # the cancelled copy's own clean-up, if any, runs on this loop
+    _settled(receiver)
+    assert receiver.core.view().tiers["host"].num_pages == 0

@@ -239,8 +239,8 @@ class RemoteTier:
         """``fetch_from`` on the UCX or TCP plane, batch by batch, each batch's commit running while
         the next one's bytes arrive. Why: a commit publishes a batch of 1,024 pages in ~20 ms here,
         as long as the batch takes to arrive at 25 GB/s; in series it halved a fast link. ``done``
-        leading keys are held here; a batch whose commit falls short ends the copy there, and the
-        one landed behind it is aborted (the result stays the leading pages held here)."""
+        leading keys are held here; a batch whose commit falls short, fails or is cut ends the copy
+        there, and the one landed behind it is aborted (the result stays the leading pages held here)."""
         committing: tuple[asyncio.Future[int], int] | None = None  # the last batch's commit, how many keys it covers
         more = True
         try:
@@ -250,7 +250,12 @@ class RemoteTier:
                 landed = await self._land_posted(peer, namespace_id, want, page_bytes, remaining, landing)
                 if committing is not None:
                     (commit, size), committing = committing, None
-                    got = await commit
+                    try:
+                        got = await commit
+                    except BaseException:  # it failed, or the copy was cut meanwhile: the batch behind it goes back now
+                        if landed is not None:
+                            await asyncio.to_thread(self.core.abort, landed[0])
+                        raise
                     done += got
                     if got < size:
                         if landed is not None:
