@@ -112,12 +112,12 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['fixed_s'] * 1e3:.2f} ms")
     print(f"medians of {report['repeats']}; handoff: prefill's last page stored -> decode's handoff_wait returned")
     print("TTFT and the second token (ms from the request): colocated / through the pool / direct")
-    print(f"{'tokens':>6} {'MiB':>7} {'TTFT':>20} {'second token':>20} | {'hand pool':>9} {'hand dir':>9} "
+    print(f"{'tokens':>6} {'MiB':>7} {'TTFT':>24} {'second token':>24} | {'hand pool':>9} {'hand dir':>9} "
           f"{'model':>7} {'x model':>7} {'GB/s':>6} {'pool':>6} | {'nodes s/GB':>10} {'engines s/GB':>12}")
     for r in report["rows"]:
         ttft = " / ".join(f"{r[f'{arm}_ttft_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
         second = " / ".join(f"{r[f'{arm}_second_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
-        print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {ttft:>20} {second:>20} | {r['pool_handoff_s'] * 1e3:>9.1f} {r['handoff_s'] * 1e3:>9.1f} "
+        print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {ttft:>24} {second:>24} | {r['pool_handoff_s'] * 1e3:>9.1f} {r['handoff_s'] * 1e3:>9.1f} "
               f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
               f"{r['direct_nodes_cpu_s_per_gb']:>10.3f} {r['direct_engines_cpu_s_per_gb']:>12.2f}")
     print("direct, where the time goes (ms after the last page stored): complete called / answered, decode's wait called; "
