@@ -146,5 +146,10 @@ def test_a_first_token_that_ends_the_request_or_has_no_text(serve: int, proxy: i
     first = post(serve, {**BASE, "max_tokens": 1, "return_token_ids": True})["choices"][0]["token_ids"][0]
     stopped = {**BASE, "stop_token_ids": [first], "stream": stream}
     assert post(proxy, stopped) == post(serve, stopped)
-    partial = {**BASE, "allowed_token_ids": partial_characters(serve), "stream": stream, "max_tokens": 6}
-    assert post(proxy, partial) == post(serve, partial)
+    # this prompt's first token ends mid-character and a later one completes it ("日本..."): a decode primed
+    # with the prompt + that token would answer the prompt's text too
+    partial = {**BASE, "prompt": "the quick", "allowed_token_ids": partial_characters(serve), "stream": stream, "max_tokens": 6}
+    assert post(serve, {**partial, "stream": False, "max_tokens": 1})["choices"][0]["text"] == "", "the first token has no text"
+    want = post(serve, partial)
+    assert (want["text"] if stream else want["choices"][0]["text"]).startswith("日本")
+    assert post(proxy, partial) == want
