@@ -48,7 +48,7 @@ def _store(tier: HbmTier, pages: list[int]) -> dict[int, int]:
         header, payload = page(i)
         slot = tier.reserve(header.payload_bytes)
         assert slot is not None
-        tier.write(slot, header, memoryview(payload))
+        tier.write([(slot, header, memoryview(payload))])
         tier.commit([(slot, header)])
         slots[i] = slot
     return slots
@@ -140,7 +140,7 @@ def test_pinned_arena_and_host_to_hbm_bytes_per_s(figures) -> None:
             torch.cuda.synchronize()
             start = time.perf_counter()
             for i, (slot, header) in enumerate(zip(slots, headers)):
-                tier.write(slot, header, view[i * nbytes : (i + 1) * nbytes])  # type: ignore[arg-type]
+                tier.write([(slot, header, view[i * nbytes : (i + 1) * nbytes])])  # type: ignore[arg-type]
             torch.cuda.synchronize()
             tier_s = time.perf_counter() - start
             dst = tier.pool[: num_pages * nbytes]

@@ -11,12 +11,12 @@ Contract of every tier:
   holds already replaces that copy (its old slot is freed).
 * **Writing** is reserve -> write -> commit. ``reserve`` answers a slot or None when the
   tier is full (the caller frees room with ``delete`` and asks again); it never evicts by
-  itself. ``write`` puts a page into a reserved slot, not findable yet
-  (``write_many``: several, in as few device calls as the tier can make of them);
-  ``commit`` makes written slots the stored copies, durable when the tier is (synced,
-  indexed): only after it returns may anyone publish them. ``unreserve`` gives back a slot
-  that will not be committed. A ``write``, ``write_many`` or ``commit`` that raises (``OSError``,
-  ``MetadataFull``) stored nothing of its batch; the caller unreserves the slots.
+  itself. ``write`` puts a batch of pages into reserved slots, not findable yet, in as few
+  device calls as the tier can make of them; ``commit`` makes written slots the stored
+  copies, durable when the tier is (synced, indexed): only after it returns may anyone
+  publish them. ``unreserve`` gives back a slot that will not be committed. A ``write`` or
+  ``commit`` that raises (``OSError``, ``MetadataFull``) stored nothing of its batch (some
+  pages of a ``write`` may have reached their slots); the caller unreserves the slots.
 * **Reading.** ``read_into`` copies pages into the caller's buffers and verifies each
   (length, header, checksum) before it counts; only a contiguous prefix of the batch counts.
   With ``verify=False`` the caller takes on the payload's checksum (it hands the bytes to a
@@ -31,13 +31,15 @@ Contract of every tier:
   read into directly (O_DIRECT).
 * **Thread-safety.** Every method is safe to call from any thread: a tier guards its own
   metadata with its own lock and never holds that lock over disk I/O. ``reserve``,
-  ``unreserve``, ``contains``, ``header``, ``stored_keys`` and ``usage`` never block on I/O
+  ``unreserve``, ``contains``, ``find``, ``stored_keys`` and ``usage`` never block on I/O
   (callers may hold their own locks over them); ``write``, ``commit``,
   ``read_into``, ``delete``, ``quarantine`` and ``recover`` may, and must not be called
   under a lock that lookups or allocations take. The caller keeps a page from being
   deleted while it reads it (pins); the tier does not.
 * **Idempotency.** ``delete`` of a key not held and ``unreserve`` of a slot once are
   no-ops; ``commit`` is not (commit once).
+* **Quarantine.** ``quarantine`` drops a page that failed a check and lists it;
+  ``quarantined`` answers the list (``purge=True``: and empties it, answering what it dropped).
 * **Events.** Which page goes next is not the tier's question: the placement core keeps the
   eviction orders (kvstore/server/placement/orders.py). A tier tells the ``StoreEvents`` it
   was made with what it stores (``stored``: each committed page, with its parent) and what
@@ -147,12 +149,10 @@ class Tier(Protocol):
 
     def unreserve(self, slot: int) -> None: ...
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None: ...
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
-        """``write`` for each (slot, header, payload), as few calls to the device as the tier
-        can make of them. On an error some may have been written (none is stored before its
-        ``commit``: the slots stay reserved and unindexed)."""
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """Puts each (slot, header, payload) into its reserved slot, in as few calls to the
+        device as the tier can make of them. On an error some may have been written (none is
+        stored before its ``commit``: the slots stay reserved and unindexed)."""
         ...
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
@@ -164,10 +164,9 @@ class Tier(Protocol):
 
     def contains(self, key: bytes) -> bool: ...
 
-    def header(self, key: bytes) -> PageHeader | None: ...
-
-    def slot_of(self, key: bytes) -> int | None:
-        """Where the tier keeps ``key`` (arena or file offset), or None."""
+    def find(self, key: bytes) -> tuple[int, PageHeader] | None:
+        """Where the tier keeps ``key`` (its slot: an arena or file offset) and the page's
+        header; None when it does not hold it, or (a durable tier) its index entry is damaged."""
         ...
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
@@ -179,9 +178,9 @@ class Tier(Protocol):
         """Drops a page that failed a check and lists it (``quarantined``) with ``reason``."""
         ...
 
-    def quarantined(self) -> list[Quarantined]: ...
-
-    def purge_quarantine(self) -> int: ...
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
+        """The pages quarantined (``purge``: the list is emptied; those it held come back)."""
+        ...
 
     def stored_keys(self) -> list[bytes]:
         """The keys held (the scrub walks them)."""
@@ -266,11 +265,8 @@ class TierWrapper:
     def unreserve(self, slot: int) -> None:
         self.inner.unreserve(slot)
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        self.inner.write(slot, header, payload)
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
-        self.inner.write_many(pages)
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        self.inner.write(pages)
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         self.inner.commit(pages, parents)
@@ -281,11 +277,8 @@ class TierWrapper:
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)
 
-    def header(self, key: bytes) -> PageHeader | None:
-        return self.inner.header(key)
-
-    def slot_of(self, key: bytes) -> int | None:
-        return self.inner.slot_of(key)
+    def find(self, key: bytes) -> tuple[int, PageHeader] | None:
+        return self.inner.find(key)
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         return self.inner.delete(keys, evicted)
@@ -293,11 +286,8 @@ class TierWrapper:
     def quarantine(self, key: bytes, reason: str) -> None:
         self.inner.quarantine(key, reason)
 
-    def quarantined(self) -> list[Quarantined]:
-        return self.inner.quarantined()
-
-    def purge_quarantine(self) -> int:
-        return self.inner.purge_quarantine()
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
+        return self.inner.quarantined(purge)
 
     def stored_keys(self) -> list[bytes]:
         return self.inner.stored_keys()

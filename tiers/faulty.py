@@ -4,9 +4,9 @@
 model) and, from a seeded random stream, makes the I/O methods fail the ways a disk or a
 link does:
 
-* ``error_rate``: ``write``, ``commit``, ``read_into`` and ``delete`` raise ``OSError``
-  before doing anything (nothing of the batch happened); ``write_many`` at a page of its
-  batch, after writing the ones before it;
+* ``error_rate``: ``commit``, ``read_into`` and ``delete`` raise ``OSError`` before doing
+  anything (nothing of the batch happened); ``write`` at a page of its batch, after writing
+  the ones before it;
 * ``short_read_rate``: ``read_into`` stops after a random prefix of the batch, as an I/O
   error in the middle would (the pages before it are read and verified);
 * ``corrupt_rate``: ``write`` stores the page with one byte flipped under its true
@@ -61,20 +61,17 @@ class FaultyTier(TierWrapper):
         if self._draw(self.error_rate, "error"):
             raise OSError(f"injected I/O error in {self.inner.name}.{what} (FaultyTier seed {self.seed})")
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        self._io("write")
-        self.inner.write(slot, header, self._damaged(header, payload))
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
-        """Draws each page's faults as ``write`` does; an error cuts the batch at its page,
-        after the pages before it were written (an I/O error in the middle of a batch)."""
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """Draws each page's faults in turn; an error cuts the batch at its page, after the
+        pages before it were written (an I/O error in the middle of a batch)."""
         done: list[tuple[int, PageHeader, memoryview]] = []
         try:
             for slot, header, payload in pages:
                 self._io("write")
                 done.append((slot, header, self._damaged(header, payload)))
         finally:
-            self.inner.write_many(done)
+            if done:
+                self.inner.write(done)
 
     def _damaged(self, header: PageHeader, payload: memoryview) -> memoryview:
         """The payload, or (``corrupt_rate``) a copy of it with one byte flipped."""

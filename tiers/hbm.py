@@ -98,15 +98,12 @@ class HbmTier(IndexedPages):
         with self._lock:
             self._allocator.free(slot)
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        """Copies the payload from host memory into the slot (host -> device; a pinned
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """Copies each payload from host memory into its slot (host -> device; a pinned
         source makes it DMA). Returns once the bytes are in the pool."""
-        nbytes = header.payload_bytes
-        self.device_view(slot, nbytes).copy_(_host_bytes(payload, nbytes))
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
         for slot, header, payload in pages:
-            self.write(slot, header, payload)
+            nbytes = header.payload_bytes
+            self.device_view(slot, nbytes).copy_(_host_bytes(payload, nbytes))
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         with self._lock:

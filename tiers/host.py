@@ -162,12 +162,9 @@ class HostTier(IndexedPages):
         with self._lock:
             self._allocator.free(slot)
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        self.view(slot, header.payload_bytes)[:] = payload[: header.payload_bytes]
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
         for slot, header, payload in pages:
-            self.write(slot, header, payload)
+            self.view(slot, header.payload_bytes)[:] = payload[: header.payload_bytes]
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         """Makes reserved, written slots the stored copies of their keys (``parents``: see

@@ -29,30 +29,23 @@ class IndexedPages:
     def contains(self, key: bytes) -> bool:
         return key in self._pages
 
-    def header(self, key: bytes) -> PageHeader | None:
-        entry = self._pages.get(key)
-        return entry[1] if entry else None
-
-    def slot_of(self, key: bytes) -> int | None:
-        entry = self._pages.get(key)
-        return entry[0] if entry else None
+    def find(self, key: bytes) -> tuple[int, PageHeader] | None:
+        return self._pages.get(key)
 
     def quarantine(self, key: bytes, reason: str) -> None:
-        header = self.header(key)
-        if header is None:
+        found = self.find(key)
+        if found is None:
             return
+        header = found[1]
         if not self.delete([key]):
             return  # another report of the same damage dropped it first: listed once
         logger.error("%s tier: quarantining page %s: %s", self.name, key.hex(), reason)
         with self._lock:
             self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))
 
-    def quarantined(self) -> list[Quarantined]:
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
         with self._lock:
-            return list(self._quarantine)
-
-    def purge_quarantine(self) -> int:
-        with self._lock:
-            count = len(self._quarantine)
-            self._quarantine.clear()
-            return count
+            listed = list(self._quarantine)
+            if purge:
+                self._quarantine.clear()
+            return listed

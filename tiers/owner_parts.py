@@ -83,12 +83,9 @@ class OwnerParts(Generic[P]):
     def unreserve(self, slot: int) -> None:
         self._at(slot).unreserve(slot)
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
-        self._at(slot).write(slot, header, payload)
-
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
-        for slot, header, payload in pages:
-            self.write(slot, header, payload)
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        for page in pages:
+            self._at(page[0]).write([page])
 
     def commit(self, pages: list[tuple[int, PageHeader]], parents: Sequence[bytes | None] = ()) -> None:
         links = parent_links(parents, len(pages))
@@ -115,13 +112,9 @@ class OwnerParts(Generic[P]):
     def contains(self, key: bytes) -> bool:
         return self.holder(key) is not None
 
-    def header(self, key: bytes) -> PageHeader | None:
+    def find(self, key: bytes) -> tuple[int, PageHeader] | None:
         part = self.holder(key)
-        return part.header(key) if part is not None else None
-
-    def slot_of(self, key: bytes) -> int | None:
-        part = self.holder(key)
-        return part.slot_of(key) if part is not None else None
+        return part.find(key) if part is not None else None
 
     def delete(self, keys: list[bytes], evicted: bool = False) -> int:
         return sum(part.delete(keys, evicted) for part in self.parts())
@@ -131,11 +124,8 @@ class OwnerParts(Generic[P]):
         if part is not None:
             part.quarantine(key, reason)
 
-    def quarantined(self) -> list[Quarantined]:
-        return [q for part in self.parts() for q in part.quarantined()]
-
-    def purge_quarantine(self) -> int:
-        return sum(part.purge_quarantine() for part in self.parts())
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
+        return [q for part in self.parts() for q in part.quarantined(purge)]
 
     def stored_keys(self) -> list[bytes]:
         return [key for part in self.parts() for key in part.stored_keys()]

@@ -204,16 +204,11 @@ class SsdTier(SsdWrites):
     def contains(self, key: bytes) -> bool:
         return key in self._pages
 
-    def header(self, key: bytes) -> PageHeader | None:
+    def find(self, key: bytes) -> tuple[int, PageHeader] | None:
         try:
-            entry = self._entry(key)
+            return self._entry(key)
         except PageCorrupt:
-            return None
-        return entry[1] if entry else None
-
-    def slot_of(self, key: bytes) -> int | None:
-        entry = self._pages.get(key)
-        return entry[0] if entry else None
+            return None  # a damaged index entry: ``contains`` still says it is held, and a read reports it
 
     def read_into(self, pages: list[tuple[bytes, memoryview]], verify: bool = True) -> ReadResult:
         """Reads pages into their destinations, each verified as it is copied.
@@ -336,11 +331,8 @@ class SsdTier(SsdWrites):
                 self._allocator.free(entry[0])
                 self._events.removed(key, False)
 
-    def quarantined(self) -> list[Quarantined]:
-        return self._index.quarantined()
-
-    def purge_quarantine(self) -> int:
-        return self._index.purge_quarantine()
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
+        return self._index.quarantined(purge)
 
     def stored_keys(self) -> list[bytes]:
         with self._lock:

@@ -111,19 +111,23 @@ class SsdIndex:
             txn.put(key, record.encode())
             txn.delete(key, db=self.index_db)
 
-    def quarantined(self) -> list[Quarantined]:
-        out = []
-        with self.env.begin(db=self.quarantine_db) as txn:
-            for key, value in txn.cursor():
-                rec = json.loads(bytes(value))
-                out.append(Quarantined(bytes(key), bytes.fromhex(rec["namespace_id"]), rec["reason"], rec["unix_s"]))
-        return out
-
-    def purge_quarantine(self) -> int:
+    def quarantined(self, purge: bool = False) -> list[Quarantined]:
+        """The quarantine list (``purge``: read and emptied in one write transaction)."""
+        if not purge:
+            with self.env.begin(db=self.quarantine_db) as txn:
+                return _listed(txn)
         with self._write_txn(1, self.quarantine_db) as txn:
-            n: int = txn.stat(self.quarantine_db)["entries"]
+            listed = _listed(txn)
             txn.drop(self.quarantine_db, delete=False)
-        return n
+        return listed
 
     def close(self) -> None:
         self.env.close()
+
+
+def _listed(txn: lmdb.Transaction) -> list[Quarantined]:
+    out = []
+    for key, value in txn.cursor():
+        rec = json.loads(bytes(value))
+        out.append(Quarantined(bytes(key), bytes.fromhex(rec["namespace_id"]), rec["reason"], rec["unix_s"]))
+    return out

@@ -49,7 +49,7 @@ class SsdWrites:
         addr = _address(view)
         return addr is not None and addr % ALIGN == 0 and nbytes % ALIGN == 0
 
-    def write(self, slot: int, header: PageHeader, payload: memoryview) -> None:
+    def _write_one(self, slot: int, header: PageHeader, payload: memoryview) -> None:
         """Writes header and payload, zero-padded to whole 4 KiB blocks, into a reserved slot
         (not yet durable nor indexed). The payload's whole blocks go to disk without a copy
         (for O_DIRECT when they are aligned); only the rest is staged."""
@@ -69,19 +69,19 @@ class SsdWrites:
         if written != slot_bytes(size):
             raise OSError(f"short write to {DATA_FILE}: {written} of {slot_bytes(size)} bytes")
 
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
-        """``write`` for a batch: the pages of adjacent slots (a slab hands its slots out in
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+        """Writes a batch: the pages of adjacent slots (a slab hands its slots out in
         order) go in one pwritev, so that a demotion round of 32 MiB is a call or two to the
         device, the GIL let go once a call instead of once a page. A page whose payload
         cannot go to disk as it is (a partial last block, or unaligned for O_DIRECT) is
-        written alone, by ``write``."""
+        written alone, by ``_write_one``."""
         headers = self._header_bufs(len(pages))
         bufs: list[object] = []
         start = end = 0
         for index, (slot, header, payload) in enumerate(sorted(pages, key=lambda page: page[0])):
             size = header.payload_bytes
             if size % ALIGN or (self.direct_io and not self._direct_ok(payload, size)):
-                self.write(slot, header, payload)
+                self._write_one(slot, header, payload)
                 continue
             if slot != end or len(bufs) + 2 > IOV_MAX or end - start + HEADER_BYTES + size > self.run_bytes:
                 self._pwrite(bufs, start, end)

@@ -80,7 +80,7 @@ def build(workdir: Path, pages: int, page_bytes: int, bar: Any) -> None:
                 offset = ssd.reserve(page_bytes)
                 assert offset is not None, "the ssd capacity is sized for every page"
                 header = PageHeader(NS, _key(i), layout, page_bytes, checksum(view))
-                ssd.write(offset, header, view)
+                ssd.write([(offset, header, view)])
                 entries.append((offset, header))
             ssd.commit(entries)
             bar.update(len(entries))

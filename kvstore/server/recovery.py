@@ -43,10 +43,10 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
                 dead.append(key)
                 continue
             if namespace_id not in layouts:
-                header = tier.header(key)
-                if header is None:
+                found = tier.find(key)
+                if found is None:
                     continue  # corrupt index header: found and quarantined on first read
-                layouts[namespace_id] = header.layout
+                layouts[namespace_id] = found[1].layout
             records.append((key, namespace_id, name, payload_bytes))
         directory.restore_local(records)
         if records:

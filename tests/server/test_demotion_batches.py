@@ -115,17 +115,17 @@ class _CutShort(TierWrapper):
         self.at = at
         self.cuts = 0
 
-    def write_many(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+    def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
         if self.at is None:
-            self.inner.write_many(pages)
+            self.inner.write(pages)
             return
-        self.inner.write_many(pages[: self.at])
+        self.inner.write(pages[: self.at])
         self.cuts += 1
         raise OSError("injected: the device failed in the middle of a batch")
 
 
 def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_is_not_on_disk(tmp_path) -> None:
-    """The round's pages are written in one call to the device (write_many): when it fails
+    """The round's pages are written in one call to the device (write): when it fails
     after some of them reached the disk, none is indexed nor published, all stay in RAM, and
     a restart finds none; once the device works they go down, and a restart finds exactly
     the pages the directory listed on SSD."""

@@ -203,7 +203,7 @@ def test_ssd_slots_stay_aligned_for_any_capacity(tmp_path) -> None:
             header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(36, 2, 8, 128, "bfloat16", 16), len(payload), checksum(payload))
             offset = tier.reserve(header.payload_bytes)
             assert offset is not None and offset % 4096 == 0
-            tier.write(offset, header, memoryview(payload))
+            tier.write([(offset, header, memoryview(payload))])
             placed.append((offset, header))
         tier.commit(placed)
         into = bytearray(len(payload))
@@ -229,7 +229,7 @@ def test_staged_ssd_reads_stop_at_a_damaged_page(tmp_path) -> None:
             header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), layout, len(payload), checksum(payload))
             offset = tier.reserve(header.payload_bytes)
             assert offset is not None
-            tier.write(offset, header, memoryview(payload))
+            tier.write([(offset, header, memoryview(payload))])
             pages.append(payload)
             placed.append((offset, header))
         tier.commit(placed)

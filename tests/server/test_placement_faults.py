@@ -238,17 +238,17 @@ def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
 
 
 class _Buggy(FaultyTier):
-    """Its first write_many raises what no I/O error is (a bug below, a MemoryError)."""
+    """Its first write raises what no I/O error is (a bug below, a MemoryError)."""
 
     def __init__(self, inner: Tier) -> None:
         super().__init__(inner, 0)
         self.raised = 0
 
-    def write_many(self, pages):  # type: ignore[no-untyped-def]
+    def write(self, pages):  # type: ignore[no-untyped-def]
         if not self.raised:
             self.raised += 1
             raise RuntimeError("injected: not an I/O error")
-        return super().write_many(pages)
+        return super().write(pages)
 
 
 def test_a_write_that_fails_with_no_io_error_leaves_no_slot_or_page_held(tmp_path) -> None:

@@ -76,7 +76,7 @@ class Replay:
             if slot is None:
                 break
             header = PageHeader(NS, key, PAGE, PAGE.page_bytes, 0, generation=1)
-            part.write(slot, header, memoryview(PAYLOAD))
+            part.write([(slot, header, memoryview(PAYLOAD))])
             placed.append((slot, header))
         self.tier.commit(placed, parents[: len(placed)])
 
@@ -222,7 +222,7 @@ def test_a_tier_tells_its_events_what_it_stores_and_what_leaves(kind: str, tmp_p
         for key in (a, b, c):
             slot = tier.reserve(PAGE.page_bytes)
             header = PageHeader(NS, key, PAGE, PAGE.page_bytes, 0, generation=1)
-            tier.write(slot, header, memoryview(PAYLOAD))
+            tier.write([(slot, header, memoryview(PAYLOAD))])
             placed.append((slot, header))
         tier.commit(placed, [None, a, b])
         assert events.told == [("stored", a, None), ("stored", b, a), ("stored", c, b)]

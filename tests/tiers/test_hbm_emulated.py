@@ -43,7 +43,7 @@ def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
                             checksum=0)  # write reads only payload_bytes
         slot = tier.reserve(len(payload))
         assert slot is not None
-        tier.write(slot, header, memoryview(payload))
+        tier.write([(slot, header, memoryview(payload))])
         tier.commit([(slot, header)])
         assert tier.stored_keys() == [header.key]
         opened = CpuOps().open_pool(handout, writable=False)  # as an engine maps it
@@ -69,7 +69,7 @@ def test_pools_of_tenants_are_separate_and_list_their_keys() -> None:
                             checksum=0)
         slot = b.reserve(4096)
         assert slot is not None and pools.offset(slot) == 0 and pools.token_of(slot) == b.handout.token
-        pools.write(slot, header, memoryview(bytes(4096)))
+        pools.write([(slot, header, memoryview(bytes(4096)))])
         pools.commit([(slot, header)])
         assert pools.stored_keys() == [header.key] and b.stored_keys() == [header.key] and a.stored_keys() == []
     finally:

@@ -35,7 +35,7 @@ def _page(i: int, size: int = LAYOUT.page_bytes) -> tuple[PageHeader, memoryview
 
 
 def _reserved(tier: SsdTier, pages: list[tuple[PageHeader, memoryview]]) -> list[tuple[int, PageHeader, memoryview]]:
-    """A write_many batch of ``pages``, each in a slot reserved for it (in order: adjacent)."""
+    """A write batch of ``pages``, each in a slot reserved for it (in order: adjacent)."""
     return [(tier.reserve(header.payload_bytes), header, payload) for header, payload in pages]  # type: ignore[misc]
 
 
@@ -60,7 +60,7 @@ def test_a_batch_of_adjacent_slots_is_one_write_call_and_reads_back(tmp_path: Pa
         slots = [slot for slot, _, _ in batch]
         assert all(b == a + tier.slot_bytes(LAYOUT.page_bytes) for a, b in itertools.pairwise(slots)), slots
         before = _write_calls()
-        tier.write_many(batch[::-1])  # in any order
+        tier.write(batch[::-1])  # in any order
         assert _write_calls() - before == 1, "one write call a page, not one a batch"
         assert not any(tier.contains(header.key) for header, _ in pages), "found before its commit"
         tier.commit([(slot, header) for slot, header, _ in batch])
@@ -75,7 +75,7 @@ def test_a_partial_last_block_is_written_alone_zero_padded_and_the_rest_still_at
         pages = [_page(0), _page(1), _page(2, LAYOUT.page_bytes - 1000), _page(3), _page(4)]
         batch = _reserved(tier, pages)
         before = _write_calls()
-        tier.write_many(batch)
+        tier.write(batch)
         assert _write_calls() - before <= 3  # pages 0-1, page 2 alone, pages 3-4
         tier.commit([(slot, header) for slot, header, _ in batch])
         _reads_back(tier, pages)
@@ -87,7 +87,7 @@ def test_a_batch_written_but_not_committed_is_not_found_after_a_restart(tmp_path
     tier = _tier(tmp_path, True)
     pages = [_page(i) for i in range(4)]
     try:
-        tier.write_many(_reserved(tier, pages))
+        tier.write(_reserved(tier, pages))
     finally:
         tier.close()  # a crash before the commit: the bytes are on disk, the index does not name them
     again = _tier(tmp_path, True)
@@ -107,7 +107,7 @@ def test_a_batch_larger_than_one_call_takes_is_written_in_several(tmp_path: Path
         pages = [_page(i) for i in range(8)]
         batch = _reserved(tier, pages)
         before = _write_calls()
-        tier.write_many(batch)  # type: ignore[arg-type]
+        tier.write(batch)  # type: ignore[arg-type]
         assert _write_calls() - before == 3
         tier.commit([(slot, header) for slot, header, _ in batch])  # type: ignore[misc]
         _reads_back(tier, pages)

@@ -39,7 +39,7 @@ def _store(tier: SsdTier, keys: list[bytes], parents: list[bytes | None]) -> Non
         header = PageHeader(NS, key, LAYOUT, LAYOUT.page_bytes, checksum(_payload(key)), 0)
         slot = tier.reserve(LAYOUT.page_bytes)
         assert slot is not None
-        tier.write(slot, header, memoryview(_payload(key)))
+        tier.write([(slot, header, memoryview(_payload(key)))])
         pages.append((slot, header))
     tier.commit(pages, parents)
 

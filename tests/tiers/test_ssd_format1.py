@@ -42,7 +42,7 @@ def test_a_tier_the_old_format_wrote_opens_and_reads_as_generation_0(tmp_path: P
         for header, parent in zip(headers, [None, *[h.key for h in headers[:-1]]]):
             slot = tier.reserve(header.payload_bytes)
             assert slot is not None
-            tier.write(slot, header, memoryview(payloads[header.key]))
+            tier.write([(slot, header, memoryview(payloads[header.key]))])
             tier.commit([(slot, header)], [parent])
         tier.close()
     tier = _open(tmp_path)
@@ -52,6 +52,6 @@ def test_a_tier_the_old_format_wrote_opens_and_reads_as_generation_0(tmp_path: P
             buf = memoryview(bytearray(LAYOUT.page_bytes + 4096))
             assert tier.read_into([(header.key, buf)]).num_read == 1
             assert bytes(buf[: LAYOUT.page_bytes]) == payloads[header.key]
-            assert tier.header(header.key) == header  # generation 0
+            assert tier.find(header.key)[1] == header  # generation 0
     finally:
         tier.close()

@@ -111,7 +111,7 @@ def test_write_slot_pads_any_page_size_with_zeros(tmp_path, size: int, direct_io
         header = PageHeader(b"n" * 16, i.to_bytes(16, "little"), LayoutDesc(1, 1, 1, n, "uint8", 1), n, checksum(payload))
         offset = tier.reserve(n)
         assert offset is not None
-        tier.write(offset, header, memoryview(source)[start : start + n])
+        tier.write([(offset, header, memoryview(source)[start : start + n])])
         placed.append((offset, header))
         pages.append(payload)
     tier.commit(placed)

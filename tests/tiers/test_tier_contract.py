@@ -48,29 +48,31 @@ def _pools(tmp: Path) -> Tier:
     return TenantPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=False)
 
 
+def _slot(tier: Tier, key: bytes) -> int:
+    found = tier.find(key)
+    assert found is not None
+    return found[0]
+
+
 def _damage_pools(tier: Tier, tmp: Path, key: bytes) -> None:
-    slot = tier.slot_of(key)
-    assert slot is not None
+    slot = _slot(tier, key)
     tier.part("").device_view(slot + 7, 1)[0] ^= 0xFF  # type: ignore[attr-defined]  # the pool an engine maps
 
 
 def _damage_host(tier: Tier, tmp: Path, key: bytes) -> None:
-    slot = tier.slot_of(key)
-    assert slot is not None
+    slot = _slot(tier, key)
     view = tier.view(slot + 7, 1)  # type: ignore[attr-defined]  # the arena a client maps
     view[0] ^= 0xFF
 
 
 def _damage_hbm(tier: Tier, tmp: Path, key: bytes) -> None:
-    slot = tier.slot_of(key)
-    assert slot is not None
+    slot = _slot(tier, key)
     pool = tier.pool  # type: ignore[attr-defined]  # the device memory (here: emulated in host memory)
     pool[slot + 7] ^= 0xFF
 
 
 def _damage_ssd(tier: Tier, tmp: Path, key: bytes) -> None:
-    slot = tier.slot_of(key)
-    assert slot is not None
+    slot = _slot(tier, key)
     fd = os.open(tmp / "ssd" / DATA_FILE, os.O_RDWR)
     try:
         at = slot + HEADER_BYTES + 7
@@ -137,7 +139,7 @@ def _store(tier: Tier, faulty: bool, pages: list[int]) -> list[int]:
             slot = tier.reserve(header.payload_bytes)
             assert slot is not None, "the tier is full"
             try:
-                tier.write(slot, header, memoryview(payload))
+                tier.write([(slot, header, memoryview(payload))])
                 tier.commit([(slot, header)])
             except OSError:
                 assert faulty, "a fault-free tier failed a write"
@@ -162,7 +164,7 @@ def _read(tier: Tier, pages: list[int]) -> tuple[int, str, list[memoryview]]:
 
 def test_a_miss_is_a_value(tier: Tier) -> None:
     key = b"m" * 16
-    assert not tier.contains(key) and tier.header(key) is None and tier.slot_of(key) is None
+    assert not tier.contains(key) and tier.find(key) is None and key not in tier.stored_keys()
     try:
         assert tier.delete([key]) == 0
     except OSError:
@@ -177,8 +179,13 @@ def test_a_committed_page_reads_back_verified(tier: Tier, case: Case) -> None:
     faulty = case.faults is not None
     stored = _store(tier, faulty, [1, 2, 3])
     assert stored == [1, 2, 3]
+    slots = set()
     for i in stored:
-        assert tier.contains(_page(i)[0].key) and tier.header(_page(i)[0].key) == _page(i)[0]
+        found = tier.find(_page(i)[0].key)
+        assert tier.contains(_page(i)[0].key) and found is not None and found[1] == _page(i)[0]
+        slots.add(found[0])
+    assert len(slots) == 3, "each page in a slot of its own"
+    assert sorted(tier.stored_keys()) == [_page(i)[0].key for i in stored]
     assert tier.usage().num_pages == 3
     num_read, _, _ = _read(tier, stored)
     assert faulty or num_read == 3
@@ -189,7 +196,7 @@ def test_a_written_page_is_not_found_before_its_commit(tier: Tier) -> None:
     slot = tier.reserve(header.payload_bytes)
     assert slot is not None
     try:
-        tier.write(slot, header, memoryview(payload))
+        tier.write([(slot, header, memoryview(payload))])
     except OSError:
         assert isinstance(tier, FaultyTier)
     assert not tier.contains(header.key)
@@ -246,7 +253,8 @@ def test_quarantine_drops_and_lists_the_page(tier: Tier, case: Case) -> None:
     tier.quarantine(_page(3)[0].key, "found damaged")
     assert not tier.contains(_page(3)[0].key)
     assert [(q.key, q.namespace_id, q.reason) for q in tier.quarantined()] == [(_page(3)[0].key, NS, "found damaged")]
-    assert tier.purge_quarantine() == 1 and tier.quarantined() == []
+    assert [q.key for q in tier.quarantined(purge=True)] == [_page(3)[0].key], "a purge answers what it dropped"
+    assert tier.quarantined() == [] and tier.quarantined(purge=True) == []
 
 
 @pytest.mark.parametrize("name", ["host", "hbm-emulated"])
@@ -258,8 +266,8 @@ def test_two_reports_of_one_damage_list_the_page_once(name: str, tmp_path: Path,
     try:
         _store(tier, False, [3])
         key = _page(3)[0].key
-        header = tier.header(key)
-        monkeypatch.setattr(tier, "header", lambda k: header)  # the second report read it before the first dropped it
+        found = tier.find(key)
+        monkeypatch.setattr(tier, "find", lambda k: found)  # the second report read it before the first dropped it
         tier.quarantine(key, "found damaged")
         tier.quarantine(key, "found damaged")
         assert [q.key for q in tier.quarantined()] == [key]
@@ -318,7 +326,7 @@ def test_a_commit_with_another_number_of_parents_than_pages_stores_nothing(name:
         for header, payload in pages:
             slot = tier.reserve(header.payload_bytes)
             assert slot is not None
-            tier.write(slot, header, memoryview(payload))
+            tier.write([(slot, header, memoryview(payload))])
             slots.append(slot)
         with pytest.raises(ValueError, match="1 parents for 2 pages"):
             tier.commit([(slot, header) for slot, (header, _) in zip(slots, pages)], [None])
@@ -330,7 +338,7 @@ def test_a_commit_with_another_number_of_parents_than_pages_stores_nothing(name:
 
 
 def test_a_batch_written_at_once_reads_back_and_one_cut_short_stores_nothing(tier: Tier, case: Case) -> None:
-    """``write_many`` is ``write`` for each page (adjacent slots, as a demotion round's): after
+    """A ``write`` of several pages (adjacent slots, as a demotion round's): after
     the commit every page reads back verified; when it fails (a faulty tier's error cuts the
     batch at a page, after writing the ones before it) and the slots are given back, no page
     of the batch is stored."""
@@ -340,7 +348,7 @@ def test_a_batch_written_at_once_reads_back_and_one_cut_short_stores_nothing(tie
         slots = [tier.reserve(header.payload_bytes) for header, _ in pages]
         assert None not in slots, "the tier is full"
         try:
-            tier.write_many([(slot, header, memoryview(payload)) for slot, (header, payload) in zip(slots, pages)])  # type: ignore[misc]
+            tier.write([(slot, header, memoryview(payload)) for slot, (header, payload) in zip(slots, pages)])  # type: ignore[misc]
             tier.commit([(slot, header) for slot, (header, _) in zip(slots, pages)])  # type: ignore[misc]
         except OSError:
             assert faulty, "a fault-free tier failed a write"

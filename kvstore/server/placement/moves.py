@@ -156,8 +156,9 @@ class Mover(LowerRoom):
                                                           self.leases.pins if skip is None else skip, page_bytes)  # the batch's skipped
             if victim is None:
                 break
-            header, slot = self.landing.header(victim), self.landing.slot_of(victim)
-            assert header is not None and slot is not None
+            held = self.landing.find(victim)
+            assert held is not None
+            slot, header = held
             found, picked = found + 1, picked + header.payload_bytes
             if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
                 self._evict([victim])
@@ -216,9 +217,9 @@ class Mover(LowerRoom):
         with self.lock:
             items = []
             for key in keys:
-                header, slot = self.landing.header(key), self.landing.slot_of(key)
-                if header is not None and slot is not None and not self.residence.has(key, 1):
-                    items.append((header, self.landing.view(slot, header.payload_bytes)))
+                found = None if self.residence.has(key, 1) else self.landing.find(key)
+                if found is not None:
+                    items.append((found[1], self.landing.view(found[0], found[1].payload_bytes)))
         try:
             why: list[str] = []
             held = self.write_down(1, items, wait=True, why=why) if items else 0
@@ -284,7 +285,7 @@ class Mover(LowerRoom):
         try:
             verifier = self._behind_verifier if is_behind() else self._verifier  # in the caller's class
             check = verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
-            target.write_many(placed)
+            target.write(placed)
             for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
@@ -355,7 +356,7 @@ class Mover(LowerRoom):
         """Drops a landing page that failed a check (lock not held). With ``slot``: only if
         the page is still kept there (it may have been stored again elsewhere meanwhile)."""
         with self.lock:
-            if slot is not None and (self.landing.slot_of(header.key) != slot or self.landing.header(header.key) != header):
+            if slot is not None and self.landing.find(header.key) != (slot, header):
                 return  # stored again meanwhile (maybe in the same slot): not the copy that failed
             self.landing.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()

@@ -77,19 +77,20 @@ class Reader:
                 if learn:
                     self.keeper.learn(key)
                 if self.residence.has(key, LANDING):
-                    header = self.landing.header(key)
-                    if header is None or header.generation != generation:
+                    found = self.landing.find(key)
+                    if found is None or found[1].generation != generation:
                         break
                     touched.append(key)
                     hit.labels(landing).inc()
                     self.leases.pin([key])
-                    pages.append(AcquiredPage(key, self.landing.slot_of(key), header))  # type: ignore[arg-type]
+                    pages.append(AcquiredPage(key, *found))
                     continue
                 miss.labels(landing).inc()
                 tier = self.residence.holder(key)
-                header = self.tiers[tier].header(key) if tier is not None else None
-                if tier is None or header is None or header.generation != generation:
+                found = self.tiers[tier].find(key) if tier is not None else None
+                if tier is None or found is None or found[1].generation != generation:
                     break
+                header = found[1]
                 self.leases.pin([key])  # keeps the lower copy while we make room and read it
                 slot = self.moves.make_room(header.payload_bytes, arena)
                 if slot is None:
@@ -123,7 +124,7 @@ class Reader:
                 continue
             if self.residence.has(page.key, LANDING):  # read up concurrently by another reader
                 self.landing.unreserve(slot)
-                pages[i] = AcquiredPage(page.key, self.landing.slot_of(page.key), page.header)  # type: ignore[arg-type]
+                pages[i] = AcquiredPage(page.key, self.landing.find(page.key)[0], page.header)  # type: ignore[index]
                 continue
             record = (page.key, self.node, self.landing.name, page.header.payload_bytes)
             if page.key not in self.directory.publish_listed(page.header.namespace_id, [record], page.header.generation):
@@ -139,7 +140,8 @@ class Reader:
         if cut < len(pages):
             bad = pages[cut].key
             # (the copy read, not one that replaced it meanwhile)
-            if reason and bad_tier and self.residence.has(bad, bad_tier) and self.tiers[bad_tier].header(bad) == pages[cut].header:
+            held = self.tiers[bad_tier].find(bad) if reason and bad_tier and self.residence.has(bad, bad_tier) else None
+            if held is not None and held[1] == pages[cut].header:
                 self._quarantine(bad, bad_tier, reason)
             self.keeper.unpin([p.key for p in pages[cut:]])
             pages = pages[:cut]
@@ -208,11 +210,12 @@ class Reader:
             while self._scrub_queue:
                 tier, key = self._scrub_queue.pop()
                 if self.residence.has(key, tier):
-                    found = (tier, key, self.tiers[tier].slot_of(key), self.tiers[tier].header(key))
+                    found = (tier, key, self.tiers[tier].find(key))
                     break
             if found is None:
                 return None
-            tier, key, slot, header = found  # header None: its index entry is damaged, which the read reports
+            tier, key, held = found  # None: its index entry is damaged, which the read reports
+            slot, header = held if held is not None else (None, None)
             self.leases.pin([key], move=True)
         return self._check(tier, key, slot, header, "scrub")
 
@@ -231,7 +234,8 @@ class Reader:
             with self.keeper.critical():
                 if not self.residence.has(key, tier):
                     continue
-                slot, header = self.tiers[tier].slot_of(key), self.tiers[tier].header(key)
+                held = self.tiers[tier].find(key)
+                slot, header = held if held is not None else (None, None)
                 self.leases.pin([key], move=True)
             self._check(tier, key, slot, header, "after its copy read up failed a check")
 
@@ -252,6 +256,6 @@ class Reader:
         with self.keeper.critical():
             self.residence.released(self.leases.unpin([key], move=True))
             self.metrics.scrubbed.inc()
-            if reason and self.residence.has(key, tier) and self.tiers[tier].slot_of(key) == slot:
+            if reason and self.residence.has(key, tier) and (self.tiers[tier].find(key) or (None,))[0] == slot:
                 self._quarantine(key, tier, f"{why}: {reason}")
         return not reason

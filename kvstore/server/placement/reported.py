@@ -61,8 +61,8 @@ def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: l
     with core.keeper.critical():
         leased = core.leases.keys_of(lease_id, tenant)
         wanted = set(keys) & set(leased or ())
-        pages = [(core.landing.slot_of(key), core.landing.header(key)) for key in wanted]
-    pages = [(slot, header) for slot, header in pages if slot is not None and header is not None]
+        found = [core.landing.find(key) for key in wanted]
+    pages = [page for page in found if page is not None]
     if not pages or not budget():
         return 0
     failed = 0

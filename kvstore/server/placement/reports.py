@@ -30,7 +30,7 @@ class CoreReports:
         return [q for tier in self.tiers for q in tier.quarantined()]
 
     def purge_quarantine(self) -> int:
-        return sum(tier.purge_quarantine() for tier in self.tiers)
+        return sum(len(tier.quarantined(purge=True)) for tier in self.tiers)
 
     def stats(self) -> CoreStats:
         num_quarantined = len(self.quarantined())  # an index read: outside the lock
@@ -46,9 +46,11 @@ class CoreReports:
     def where(self, key: bytes) -> dict[str, int]:
         """This node's live copies of ``key``: tier name -> slot (arena or file offset)."""
         with self._lock:
-            return {t.name: t.slot_of(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)}  # type: ignore[misc]
+            found = {t.name: t.find(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)}
+        return {name: held[0] for name, held in found.items() if held is not None}
 
     def page(self, key: bytes) -> PageHeader | None:
         """The header of this node's fastest live copy of ``key``."""
         with self._lock:
-            return next((t.header(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)), None)
+            held = next((t.find(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)), None)
+        return held[1] if held is not None else None

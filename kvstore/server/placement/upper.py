@@ -88,7 +88,8 @@ class Promoter:
             return b"", [None] * len(pages)
         tier, up = self.tier, self.index
         with self.keeper.critical():
-            slots = [tier.slot_of(p.key) if self.residence.has(p.key, up) else None for p in pages]
+            held = [tier.find(p.key) if self.residence.has(p.key, up) else None for p in pages]
+        slots = [found[0] if found is not None else None for found in held]
         token = next((tier.token_of(slot) for slot in slots if slot is not None), b"")
         return token, [None if slot is None else tier.offset(slot) for slot in slots]
 
@@ -135,7 +136,7 @@ class Promoter:
                 except PageCorrupt as exc:  # damaged in the arena: not copied up; reads find it
                     logger.warning("not promoting page %s: %s", page.key.hex(), exc)
                     continue
-                tier.write(slot, page.header, source)
+                tier.write([(slot, page.header, source)])
                 written.append((slot, page.header))
             tier.commit(written)
         except OSError as exc:
@@ -185,7 +186,8 @@ class Promoter:
         victim = self.residence.orders[up].of(pool.owner).victim(skip, page_bytes)  # type: ignore[attr-defined]  # an HbmTier
         if victim is None:
             return False
-        header = tier.header(victim)
+        found = tier.find(victim)
+        header = found[1] if found is not None else None
         elsewhere = any(self.residence.has(victim, i) for i in range(len(self.residence.tiers)) if i != up)
         if header is not None and not elsewhere and self.landing.fits(header.payload_bytes):
             self._demote(victim, header)
