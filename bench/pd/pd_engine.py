@@ -132,8 +132,12 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     model_dir, config = sys.argv[1], json.loads(sys.argv[2])
+    # OMP_WAIT_POLICY=PASSIVE (read when torch loads libgomp, below): a forward runs on 2 OpenMP threads whose
+    # barriers spin by default, so with both engines and both nodes on the host's cores a thread preempted by any of
+    # them leaves its partner spinning (a 1-token decode forward of 3-9 ms took 152 ms once, 76 ms of it on CPU);
+    # the PD arms run two engines and the nodes' handoff work at once, the colocated arm one engine (DESIGN §12.7)
     for key, value in {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_WAIT_POLICY": "PASSIVE"}.items():
         os.environ.setdefault(key, value)
     _instrument()
     from vllm import LLM
