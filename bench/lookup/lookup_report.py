@@ -92,6 +92,9 @@ def print_table(report: dict[str, Any]) -> None:
                           f"({_x(r.get('demoter_cpu_ratio'))}x; less its lookups' {_x(r.get('lookups_cpu_s_per_gb'), 3)}: "
                           f"{_x(r.get('demoter_less_lookups_cpu_ratio'))}x)" for r in drains))
     for r in drains:
+        if r.get("window_inside_drain") and not r["demoted_gb_per_s"]:
+            print(f"NOTE: in the draining row with {r['clients']} clients the demoter wrote nothing inside the window "
+                  "(its background half runs in the idle class: the host's cores were busy); that row measures no demotion")
         if not r.get("window_inside_drain", True):
             print(f"NOTE: the draining row with {r['clients']} clients outlasted its {r['backlog_gb']:.1f} GB backlog: "
                   "raise --drain-host-capacity or lower --drain-seconds")

