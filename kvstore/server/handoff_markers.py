@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 MAX_HANDOFFS_PER_TENANT = 256  # markers (decode side) or open handoffs (prefill side) a tenant holds at once
 MAX_TTL_S = 600.0
 LEASE_MARGIN_MS = 5_000  # a pin's lease outlives its marker's ttl by this: the sweeper releases it first
+POOL_FIRST_STEP_S = 0.005  # a pool handoff's second pull (then 10, 20 ... 400 ms): its last pages land ~3 ms after the prefill answers
 
 MarkerKey = tuple[str, bytes, bytes]  # tenant, namespace id, handoff id
 
@@ -190,15 +191,17 @@ class HandoffMarkers:
         """Waits until every page of ``keys`` is held here, the marker is complete, or ``deadline_s``
         passed; returns the leading pages of ``keys`` held here for the caller (0 when the marker
         went: expired, or its namespace invalidated). ``pull(time_left_s)``: fetches ``keys``
-        through the pool; called while no prefill node pushes to the marker, at 50, 100, 200,
-        400 ms... (a pool handoff's pages are published by the time the decode side asks).
+        through the pool; called while no prefill node pushes to the marker, at once, then after
+        5, 10, 20 ... 400 ms (the step doubles): a pool handoff's last pages are published a few ms
+        after the prefill answers, about when the decode side asks, so the second pull must not be
+        far behind the first.
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
         false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short):
         nothing is handed, and a marker no other wait reads goes with its pins at once.
         ``registered``: ``open(waiter=True)`` counted this wait already."""
         end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
-        step = 0.05
+        step = POOL_FIRST_STEP_S
         if not registered:
             with self._changed:
                 marker.waiters += 1
