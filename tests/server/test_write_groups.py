@@ -172,3 +172,29 @@ def test_a_page_of_another_tenants_namespace_does_not_join_the_group(tenant_serv
     finally:
         a.close()
         b.close()
+
+
+def test_a_stream_that_stalls_past_the_allocation_ttl_is_told_so(server_factory) -> None:
+    """Bug (review): a stream paused between pages of one group past the allocation ttl was
+    told "allocation ... unknown or expired; allocate again", though a WritePages client never
+    allocates. Now ABORTED says the stream stalled, that group's pages are not stored, and
+    what to do; the pages of groups committed before it stay, nothing is left reserved."""
+    server = server_factory(allocation_ttl_ms=400)
+    channel = grpc.insecure_channel(server.address)
+    data = data_pb2_grpc.DataStub(channel)
+    ns, keys = new_ns(), new_keys(2)
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+
+    def chunks() -> Iterator[data_pb2.PageChunk]:
+        yield _page(keys[0], ns, pages[0], keys[1:])
+        threading.Event().wait(0.6)  # past the ttl (400 ms) before the group's next page
+        yield _page(keys[1], ns, pages[1])
+
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            data.WritePages(chunks(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "allocate again" not in (err.value.details() or "") and "stream" in (err.value.details() or ""), err.value.details()
+        _settled(server)
+    finally:
+        channel.close()

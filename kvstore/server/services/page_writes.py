@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvstore import validate
 from kvstore._proto import data_pb2
-from kvstore.errors import InvalidRequest, KVStoreError, LimitExceeded, StreamCut
+from kvstore.errors import InvalidRequest, KVStoreError, LeaseExpired, LimitExceeded, StreamCut
 from kvstore.page_wire.grpc_chunks import MAX_ANNOUNCED_KEYS, BufferSink, ChunkedPage, WireChunk
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
@@ -163,7 +163,10 @@ class _Stream:
         i = len(group.checksums)
         now = time.monotonic()
         if now - group.renewed_s > self.w.core.config.allocation_ttl_ms / 2000:  # a slow stream keeps its group
-            self.w.core.renew(group.allocation_id, 0, self.who.tenant)
+            try:
+                self.w.core.renew(group.allocation_id, 0, self.who.tenant)
+            except LeaseExpired:
+                raise self._stalled(group) from None
             group.renewed_s = now
         sink = BufferSink(self.w.core.slot_view(group.allocation_id, key), clear_on_failure=False) if group.written[i] else None
         self.page = ChunkedPage(key, chunk.page_bytes, chunk.checksum, sink, f"page {key.hex()}", InvalidRequest)
@@ -198,6 +201,13 @@ class _Stream:
             held.release()  # handed over to the allocation's slots (or there are none)
         return _Group(allocation_id, [k for k, _ in slots], [s is not None for _, s in slots], meta, claimed, time.monotonic())
 
+    def _stalled(self, group: _Group) -> LeaseExpired:
+        """A stream that paused past the allocation ttl inside a group: its slots are gone (a WritePages
+        client never allocated, so "allocate again" would mislead it)."""
+        return LeaseExpired(f"the stream paused more than the allocation ttl ({self.w.core.config.allocation_ttl_ms} ms) "
+                            f"between pages of one group: its {len(group.keys)} pages from {group.keys[0].hex()} on are not "
+                            f"stored ({self.stored} pages before them are); send them again")
+
     def _room(self, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
         """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
         while True:
@@ -226,6 +236,9 @@ class _Stream:
             with committing(w.session_owners, w.core, group.allocation_id, meta.namespace_id, meta.session_id, "WritePages"):
                 n = min(len(verified), w.core.commit(group.allocation_id, verified, group.checksums, meta.durable, meta.flags,
                                                      counting=w.quotas.handing_over(bridge)))
+        except LeaseExpired:
+            w.core.abort(group.allocation_id)
+            raise self._stalled(group) from None
         except BaseException:
             w.core.abort(group.allocation_id)  # a no-op unless the commit failed before taking it
             raise
