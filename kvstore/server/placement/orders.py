@@ -77,39 +77,30 @@ class LruOrder:
             return next((k for k in self.keys if k not in pinned), None)
 
 
-class TailFirstOrder:
+class TailFirstOrder(LruOrder):
     """The SSD tier's order: least recently used first (a page counts as used when it is
     stored or read up), given up tail first (chains.TailFirst); ``stored`` with the page's
     parent when its writer named one (at start: in the index's order, with the links it kept)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        super().__init__()
         self.chains = TailFirst()
 
     def stored(self, key: bytes, parent: bytes | None) -> None:
         with self._lock:
-            self.lru.pop(key, None)
-            self.lru[key] = None
+            self.keys.pop(key, None)
+            self.keys[key] = None
             if parent is not None:
                 self.chains.links.link(key, parent)
 
     def removed(self, key: bytes, evicted: bool) -> None:
         with self._lock:
-            self.lru.pop(key, None)
+            self.keys.pop(key, None)
             self.chains.removed(key, evicted)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.lru
-
-    def touch(self, key: bytes) -> None:
-        with self._lock:
-            if key in self.lru:
-                self.lru.move_to_end(key)
 
     def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
         with self._lock:
-            return self.chains.victim(self.lru, self.lru.__contains__, pinned)
+            return self.chains.victim(self.keys, self.keys.__contains__, pinned)
 
 
 class HostOrder:
