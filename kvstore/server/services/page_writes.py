@@ -205,8 +205,8 @@ class _Stream:
         """A stream that paused past the allocation ttl inside a group: its slots are gone (a WritePages
         client never allocated, so "allocate again" would mislead it)."""
         return LeaseExpired(f"the stream paused more than the allocation ttl ({self.w.core.config.allocation_ttl_ms} ms) "
-                            f"between pages of one group: its {len(group.keys)} pages from {group.keys[0].hex()} on are not "
-                            f"stored ({self.stored} pages before them are); send them again")
+                            f"between pages of one group: of its {len(group.keys)} pages from {group.keys[0].hex()} on, those not "
+                            f"held already are not stored ({self.stored} pages before them are); send them again")
 
     def _room(self, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
         """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
