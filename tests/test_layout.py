@@ -19,3 +19,15 @@ def test_no_module_is_over_400_lines() -> None:
 
 def test_the_placement_core_is_under_350_lines() -> None:
     assert _lines(ROOT / "kvstore/server/placement/core.py") < 350
+
+
+def test_module_file_names_are_unique() -> None:
+    """A file's name tells where a thing lives only when no other module has it (package markers and
+    the command-line entry modules aside)."""
+    seen: dict[str, list[str]] = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            if "_proto" not in p.parts and p.name not in ("__init__.py", "__main__.py"):
+                seen.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"module names used twice: {twice}"

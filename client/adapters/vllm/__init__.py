@@ -15,7 +15,7 @@
 | `hybrid_scheduler.py`, `hybrid_worker.py` | the sides of hybrid engines: whole loads before the request computes, saves copied out when the step ends |
 | `grouped.py` | a hybrid page's layers copied through their groups' block tables, null blocks skipped |
 | `hybrid_states.py` | state-space layers' states at page boundaries: their namespace, keys and blocks |
-| `stats.py` | the sides' counters as vLLM's connector stats and Prometheus counters (`vllm:kvstore_*`) |
+| `connector_stats.py` | the sides' counters as vLLM's connector stats and Prometheus counters (`vllm:kvstore_*`) |
 
 ``kvstore.client.adapters.connection`` runs the asyncio client for these synchronous hooks.
 """

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
+from kvstore.client.adapters.vllm.connector_stats import CounterDeltas, KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.client.adapters.vllm.groups import KVGroups
 from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.hybrid_states import state_namespace
@@ -45,7 +46,6 @@ from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.sessions import SESSION_KEY, SessionLogs
-from kvstore.client.adapters.vllm.stats import CounterDeltas, KVStoreConnectorStats, KVStorePromMetrics
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save lost to preemption is a later miss
 
-    # -- metrics (stats.py): vLLM asks both sides after every step -------------------------
+    # -- metrics (connector_stats.py): vLLM asks both sides after every step -------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._counts.take()

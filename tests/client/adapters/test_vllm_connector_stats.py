@@ -1,4 +1,4 @@
-"""The connector's counters as vLLM's metrics (client/adapters/vllm/stats.py): each side
+"""The connector's counters as vLLM's metrics (client/adapters/vllm/connector_stats.py): each side
 reports what it counted since vLLM last asked, vLLM's own code merges the workers' and the
 scheduler's and sums the steps of an interval, and the front end's Prometheus counters
 (``vllm:kvstore_*``) add them up.
@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from kvstore.client.adapters.vllm import KVStoreConnector
+from kvstore.client.adapters.vllm.connector_stats import METRICS, CounterDeltas, KVStoreConnectorStats
 from kvstore.client.adapters.vllm.costs import LoadPolicy
 from kvstore.client.adapters.vllm.hybrid_worker import HybridWorkerStats
-from kvstore.client.adapters.vllm.stats import METRICS, CounterDeltas, KVStoreConnectorStats
 from kvstore.client.adapters.vllm.worker import WorkerStats
 
 pytestmark = pytest.mark.timeout(600)

@@ -31,9 +31,9 @@ from vllm_support import random_tokens as tokens
 
 from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.client.adapters.vllm import costs
+from kvstore.client.adapters.vllm.connector_stats import METRICS
 from kvstore.client.adapters.vllm.costs import LoadPolicy, StepClock
 from kvstore.client.adapters.vllm.metadata import KVStoreWorkerMetadata
-from kvstore.client.adapters.vllm.stats import METRICS
 from kvstore.cost_model import PROBE_EVERY
 
 pytestmark = pytest.mark.timeout(600)
@@ -248,7 +248,7 @@ def test_a_slow_link_recomputes_and_a_fast_one_loads(store: ServerProcess, tmp_p
         s.generate([[7, 8, 9]], max_tokens=1)  # one more step: a save that ended after the last one is reported
         worker = s.stats()
         assert worker["failed_loads"] == 0 and worker["loaded_tokens"] == HIT and worker["saved_tokens"] > 0
-        # vLLM's own metrics (stats.py; the Prometheus registry LLM.get_metrics() reads) count the same
+        # vLLM's own metrics (connector_stats.py; the Prometheus registry LLM.get_metrics() reads) count the same
         want = {**dict.fromkeys(METRICS, 0), "found_tokens": 3 * HIT, "load_scheduled_tokens": HIT, "skipped_tokens": 2 * HIT,
                 "skipped_requests": 2, "loaded_tokens": HIT, "saved_tokens": worker["saved_tokens"],
                 "failed_saves": worker["saves_failed"]}

@@ -142,7 +142,7 @@ def main() -> None:
             reply = {"hybrid_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
                      "groups": [type(g.kv_cache_spec).__name__ for g in connector._kv_cache_config.kv_cache_groups],
                      "layout": {**layout.describe(), "groups": list(layout.groups)}}
-        elif cmd["cmd"] == "metrics":  # the connector's counters as an operator sees them (stats.py), one engine
+        elif cmd["cmd"] == "metrics":  # the connector's counters as an operator sees them (connector_stats.py), one engine
             from vllm.v1.metrics.reader import Counter
 
             reply = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter) and m.name.startswith("vllm:kvstore_")}

@@ -104,7 +104,7 @@ class CounterDeltas:
     def __init__(self, counters: LoadStats | WorkerStats) -> None:
         self._counters = counters
         self._keys = SCHEDULER_KEYS if isinstance(counters, LoadStats) else WORKER_KEYS
-        assert self._keys.keys() <= {f.name for f in fields(counters)}, "a counter named in stats.py is gone"
+        assert self._keys.keys() <= {f.name for f in fields(counters)}, "a counter named in connector_stats.py is gone"
         self._last = self._read()
 
     def _read(self) -> dict[str, int]:
