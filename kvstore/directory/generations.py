@@ -70,3 +70,12 @@ def stale_message(namespace_id: bytes, named: int, current: int) -> str:
     older = "an older" if named < current else "a newer"
     return (f"namespace {namespace_id.hex()} is at generation {current}; the call names {older} one ({named}) "
             "and changed nothing")
+
+
+def stale_commit_message(namespace_id: bytes, allocated: int, current: int) -> str:
+    """A commit refused because its allocation's generation is over. Why apart from ``stale_message``:
+    the call may have named no generation (the allocation takes the current one), so "the call
+    names" would blame it for a number it never sent."""
+    return (f"namespace {namespace_id.hex()} is at generation {current}: an invalidation raised it after these pages "
+            f"were allocated in generation {allocated}, so they are not stored; look the prefix up again and write the pages "
+            f"computed from what it finds (generation {current})")

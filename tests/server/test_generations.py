@@ -5,6 +5,11 @@ readable as generation 0."""
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
 import grpc
 import lmdb
 import pytest
@@ -14,7 +19,7 @@ from support.kv import random_kv
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.errors import StaleGeneration
-from kvstore.page import LayoutDesc
+from kvstore.page import LayoutDesc, checksum
 from kvstore.validate import layout_msg
 
 
@@ -98,3 +103,42 @@ async def test_pages_newer_than_the_generation_table_raise_it_at_recovery(server
         out = torch.zeros_like(kv)
         hit = await client.lookup(tokens)
         assert hit.generation == 3 and await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
+
+
+def test_a_stream_naming_no_generation_cut_by_an_invalidation_is_told_what_happened(server, layout, ns) -> None:
+    """A WritePages stream that names no generation, invalidated between its group's allocation and
+    commit, was told "... the call names an older one (0) and changed nothing" (found by a review):
+    it named none; its pages were allocated in generation 0. Refused still (DESIGN §12.4: what was
+    written before an invalidation is dead), with what happened and what to do; nothing left."""
+    keys = [secrets.token_bytes(16) for _ in range(2)]
+    pages = [secrets.token_bytes(LayoutDesc.of(layout).page_bytes) for _ in keys]
+    lay = layout_msg(LayoutDesc.of(layout))
+    invalidated = threading.Event()
+
+    def chunks() -> Iterator[data_pb2.PageChunk]:
+        for i, (key, data) in enumerate(zip(keys, pages)):
+            if i == 1 and not invalidated.wait(10):  # the group (both pages) is allocated by now, its commit not made
+                return
+            yield data_pb2.PageChunk(key=key, namespace_id=ns.namespace_id, layout=lay, page_bytes=len(data), offset=0,
+                                     checksum=checksum(data), data=data, next_keys=keys[1:] if i == 0 else [])
+
+    with grpc.insecure_channel(server.address) as channel:
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+        answer = data.WritePages.future(chunks(), timeout=10)
+        for _ in range(1000):  # the stream's first page lands in its group's allocation
+            if server.core.leases.counts().num_allocations == 1:
+                break
+            time.sleep(0.01)
+        assert server.core.leases.counts().num_allocations == 1, "the stream's group was never allocated"
+        directory.Invalidate(directory_pb2.InvalidateRequest(namespace_id=ns.namespace_id), timeout=5)
+        invalidated.set()
+        with pytest.raises(grpc.RpcError) as refused:
+            answer.result()
+        lookup = directory.Lookup(directory_pb2.LookupRequest(namespace_id=ns.namespace_id, keys=keys), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details()
+    assert "names an older one" not in details, details
+    assert "allocated in generation 0" in details and "is at generation 1:" in details, details
+    assert "not stored" in details and "look" in details, details
+    assert lookup.num_pages == 0 and lookup.generation == 1
+    assert server.core.leases.counts().num_allocations == 0 and not server.core.leases.counts().pinned

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.directory import Directory
-from kvstore.directory.generations import stale_message
+from kvstore.directory.generations import stale_commit_message, stale_message
 from kvstore.errors import StaleGeneration, TierUnavailable
 from kvstore.server.leases import Allocation
 from kvstore.server.placement.removals import Removals
@@ -41,7 +41,9 @@ class GenerationGate:
 
     def check_commit(self, alloc: Allocation) -> None:
         """Core lock held: StaleGeneration when the namespace left the allocation's generation."""
-        self.require(alloc.namespace_id, alloc.generation)
+        current = self._directory.generation(alloc.namespace_id)
+        if alloc.generation != current:
+            raise StaleGeneration(stale_commit_message(alloc.namespace_id, alloc.generation, current), current)
 
     def read(self, namespace_id: bytes, generation: int) -> None:
         """A node reads pages from here for its ``generation``: a newer one than this node's is
