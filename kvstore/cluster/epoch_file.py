@@ -2,12 +2,7 @@
 replaced or restored (DESIGN §12.4): its last registration epoch, and the incarnation id
 of the etcd it last caught up with.
 
-etcd keeps each node's epoch too, but an etcd that was wiped or restored from an old snapshot
-forgets it, and a restarted node would register under an epoch it (or the owners that heard
-it) used before: its first records then refused for good, or an old incarnation's records
-never ended. The node writes the epoch here (synced, 0600) before it registers with it, and
-registers next above both etcd's and this one. The incarnation id tells a restarted node
-whether etcd is still the one it knew (server/cluster/cluster_generations.py).
+More: kvstore/cluster/README.md (### epoch_file.py).
 """
 
 from __future__ import annotations

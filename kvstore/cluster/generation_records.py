@@ -1,18 +1,6 @@
 """The cluster's copy of each namespace's generation, in etcd (DESIGN §12.4).
 
-    <root>generations/<ns hex>   JSON {"generation": g, "issued_by": node, "issued_at_s": t} (no lease)
-    <root>incarnation            "<random id> <unix time made>", made by the first node that finds
-                                 it absent: another id (or none) than a node saw before says etcd
-                                 was replaced; its age, how long the nodes have had to write back
-    <root>caught-up/<node>       the incarnation id a node caught up with (written back what it knew),
-                                 under its lease
-
-An invalidation raises a namespace's generation here first (a compare-and-swap on the key's
-mod revision), then every member enters it. Generations are compared as numbers, never by
-etcd revision, so they mean the same in a replaced etcd (wiped, or restored from an old
-snapshot, whose revisions start again); and they never go back: a node that finds etcd
-without a namespace's generation, or with a lower one than it entered, writes its own back
-(``seed``), as it does for tenants' salts.
+More: kvstore/cluster/README.md (### generation_records.py).
 """
 
 from __future__ import annotations

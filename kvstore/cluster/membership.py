@@ -6,27 +6,7 @@ Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
     <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
     <root>generations/<ns hex>     a namespace's generation (generation_records.py; no lease)
 
-A node registers with one transaction that bumps its epoch and creates its node key (only if
-no key of that node exists: a second process with the same id, or the previous incarnation
-whose lease has not yet expired, makes it wait). It refreshes the lease every TTL/3 and
-counts itself a member only until ``sent + TTL`` of the last acknowledged refresh: a node
-that cannot reach etcd stops acting as a member no later than etcd expires its lease, so two
-incarnations of a node never both act. It then revokes the old lease (retried until etcd
-answers: an etcd restarted on its data renews every lease) and registers again under a new
-epoch. Epochs never go back: the last one is kept in the node's
-own data directory too (``epoch_file.py``), for an etcd that was replaced or restored.
-
-State machine of the local node::
-
-    JOINING --registered--> MEMBER --lease gone / refresh deadline passed--> LOST
-                               ^                                               |
-                               +--------- registered again, epoch + 1 --------+
-    any --close()--> CLOSED
-
-The view of the others comes from one watch over ``<root>``; a broken watch (etcd restart,
-compaction) is healed by a fresh snapshot, diffed against the view so listeners see only
-real changes. Listeners run on the event loop and must not block; ``on_registering`` ones are
-called with the new epoch just before each registration's transaction.
+More: kvstore/cluster/README.md (### membership.py).
 """
 
 from __future__ import annotations

@@ -6,24 +6,7 @@ only while the key is absent (``create_revision == 0``), and otherwise reads the
 there, so nodes racing for one tenant agree on the first writer's salt. etcd then holds every
 tenant's secret: it must be reachable by the nodes only (see the README).
 
-etcd can be lost (its disk, a rebuild without a backup), and a salt made anew makes the
-tenant's durable pages unreachable. So every salt a node learns or creates is written to its
-``DATA_DIR/tenant-salts.json`` (0600, atomically, the single node's ``TenantSalts._write``)
-before it is handed out: the file is a durable copy of every salt the node uses. Its salt is
-what the node proposes at start and on a miss (also a file copied by hand before salts were
-shared, so an existing cluster keeps its namespace ids), and ``reseed`` proposes all of them
-again to an etcd that was replaced.
-
-When etcd already holds a different salt, etcd's wins, and the node adopts it (memory and
-file) with an ERROR: the local pages under the old salt are unreachable. The other way round
-would split the tenant: the nodes that made or read etcd's salt (say one that met the tenant
-first after etcd was wiped) use it already and never read it again, so overwriting etcd would
-give one tenant two namespace ids at once, which is worse than losing one node's cached pages.
-Proposing at start and reseeding as soon as a replaced etcd is seen keep that window short.
-
-Synchronous (a plain gRPC channel, etcd's own stubs from ``aetcd``): salts are asked for at
-start, on SIGHUP, in the authenticating interceptor and by the cluster runtime's ``reseed``,
-all in plain threads, before and beside the cluster runtime's event loop.
+More: kvstore/cluster/README.md (### salt_records.py).
 """
 
 from __future__ import annotations

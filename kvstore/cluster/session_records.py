@@ -3,13 +3,7 @@
     <root>sessions/<ns hex>/<session id hex>   JSON {"version": v, "owner": node, "issued_by", "issued_at_s",
                                                "adopted": true once the owner adopted v}
 
-Version v of a session is decided once: by the first compare-and-swap that writes v where etcd
-holds v - 1 (or nothing, for v = 1). A fence (owner: the target) and an abort (owner: the
-source) race for the same v, and exactly one wins; the loser reads the winner's record. As
-generations are, versions are compared as numbers, so they mean the same in a replaced etcd,
-and never go back: a node that finds etcd without a record it knows, or with a lower one,
-writes its own back (``seed``, at catch-up, before it serves). ``adopted`` tells the node the
-session was fenced from that its log is no longer the only full copy (``adopt``).
+More: kvstore/cluster/README.md (### session_records.py).
 """
 
 from __future__ import annotations

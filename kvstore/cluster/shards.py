@@ -1,15 +1,7 @@
 """The sharded, soft directory's arithmetic: which members own which chain segment, what moves
 when membership changes, and a prefix lookup as one parallel round (DESIGN §12).
 
-A chain of page keys is cut into segments of ``segment_pages`` pages at fixed depths
-(0, S, 2S, ...). A segment is named by its first page key, which names the whole prefix
-before it too (keys are chained), so every node that holds any page of the segment computes
-the same name. Its owners are the ``replicas`` members with the highest rendezvous score
-``xxh3_64(node_id || 0 || segment_key)``: every node agrees given the same member set, and
-adding a member moves only the segments it now wins (1/(N+1) of them on average).
-
-Owners keep soft state: location records that holders republish when owners change. This
-module touches no network and no bytes; it is pure functions over keys and node ids.
+More: kvstore/cluster/README.md (### shards.py).
 """
 
 from __future__ import annotations

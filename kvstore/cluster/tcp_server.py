@@ -3,15 +3,7 @@ serving pages from a ``PageSource`` (whose ``open_pages`` runs on the event loop
 started the server, as the UCX page server's does; a ``BlockingPageSource``, the node's own,
 is opened on the connection's thread instead).
 
-Without ``authorize`` it listens on loopback only. With it, a connection is served only
-after its first frame presents a live one-time grant (grants.py); at most ``MAX_ADMITTING`` connections may be presenting one at
-a time (one past it supersedes the oldest: anyone who reaches the port could otherwise hold
-them all with idle sockets and lock every node out), each within ``HELLO_TIMEOUT_S``; a node keeps at most
-``MAX_CONNECTIONS_PER_NODE`` admitted (a newer one closes its oldest), the server
-``MAX_CONNECTIONS`` in all (more are closed); refusals are logged at
-most once per kind per 10 s. Why threads: every call that moves a page's bytes (the native
-hash, ``send``) releases the GIL, and a blocking send with the kernel's send timeout
-bounds a fetcher that stops reading without a poll per chunk.
+More: kvstore/cluster/README.md (### tcp_server.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Plain TCP sockets for the page data plane: the options every data socket gets, length-
 prefixed frames, and exact receives bounded by a deadline.
 
-Why these options: loopback TCP with this machine's default congestion control (bbr) moved
-1.9-4.0 GB/s where cubic moved 6.3-6.8 (DESIGN §12.3), so each data socket asks for cubic
-(keeping the default where the kernel refuses, with one warning per process); TCP_NODELAY
-so a request or an answer frame is not held back behind Nagle; send and receive buffers as
-large as the kernel allows. Blocking sockets on threads, with the deadline as the kernel's SO_RCVTIMEO /
-SO_SNDTIMEO: one syscall per receive (``MSG_WAITALL``), none for a poll, and the GIL
-released while the kernel copies.
+More: kvstore/cluster/README.md (### tcp_socket.py); DESIGN §12.3.
 """
 
 from __future__ import annotations

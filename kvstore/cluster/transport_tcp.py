@@ -2,24 +2,7 @@
 plane (``fetch_frames``: hello with a grant, request, answer, then each found page's bytes in
 key order), on blocking sockets driven by threads.
 
-Why a third plane: the bare ucxx and gRPC pumps here move 1.3 and 2.0 GB/s, below what a
-get must reach; a bare TCP socket with cubic moves 6-7 GB/s on loopback (DESIGN §12.3). A
-page is one native call on each side (``tcp_socket.recv_hashed`` / ``send_hashed``, the GIL
-released for the whole page; chunk by chunk in Python where the module is not built).
-
-Receiver: receives into the destination (a host-arena slot) itself, chunk by chunk, each
-chunk hashed (xxh3) right after it lands, while it is still in cache; no copy through
-Python bytes. Sender: each page is sent from the arena's own memory (``send`` of a
-memoryview: no user-space copy), unhashed: the receiver's check is the page's one. Asked to
-VERIFY (a receiver that found the page CORRUPT asks again so), each chunk is hashed before it
-is sent and the last chunk of a page goes only after the whole page matched its stored
-checksum, so a page damaged in the arena is reported ``damaged`` (quarantined) and the
-connection dropped.
-
-Failure contract of ``TcpPageFetcher.fetch`` (as ``UcxPageFetcher.fetch``): it returns
-within ``timeout_s`` (+ the bounded time to abort) whatever the peer does; pages that arrived
-whole and verified are OK, the rest FAILED; it returns only after its receiving thread has
-stopped, so no byte lands in a caller's buffer afterwards.
+More: kvstore/cluster/README.md (### transport_tcp.py); DESIGN §12.3.
 """
 
 from __future__ import annotations

@@ -2,23 +2,7 @@
 buffers (host-arena slots, any writable buffer) and the sender's bytes land in them, with no
 copy through a Python object on either side.
 
-One connection carries one fetch at a time (``fetch_frames``): request, answer (status, size
-and stored checksum per key), then the found pages in key order. The receiver posts every
-destination before the first page arrives and verifies each page's checksum as it lands. The
-sender posts its pages unhashed unless the request asks it to VERIFY (a receiver that found a
-page CORRUPT asks again so; DESIGN §11: a page scribbled on in the arena is quarantined, never
-propagated); then it verifies each page before it posts its send, and on a page that fails,
-which the answer already promised, it sends the pages before it, reports it ``damaged`` and
-drops the connection (the fetcher: FAILED from there).
-
-Failure contract of ``UcxPageFetcher.fetch``: it returns within ``timeout_s`` (+ the bounded
-time to abort), whatever the peer does (killed, stopped, reset, answering garbage); pages
-that arrived whole and verified are OK, the rest FAILED. Before it returns, every receive it
-posted has completed or been cancelled, so no late byte can land in a buffer the caller
-reuses; a connection that failed is dropped and the next fetch reconnects.
-
-UCX reads its transports when the process first uses it: ``init_ucx`` sets them (``UCX_TLS``)
-and the progress mode once per process.
+More: kvstore/cluster/README.md (### transport_ucx.py); DESIGN §11.
 """
 
 from __future__ import annotations
