@@ -4,10 +4,7 @@
     answer    u32 body_bytes | u8 status  | body (OK: the protobuf response;
                                                    else: "<ErrorClass>\\n<message>", UTF-8)
 
-``method`` 0 is HELLO, the first frame of every connection: its body is the bearer token
-(UTF-8; empty without one), its answer the server's 16-byte ``call_token`` (also announced by
-GetInfo) followed by the tenant's name. Other ids index ``METHODS`` (unary calls only);
-``status`` is the gRPC status code number.
+More: kvstore/callsocket/README.md (### frames.py).
 """
 
 from __future__ import annotations
