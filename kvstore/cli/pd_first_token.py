@@ -1,28 +1,6 @@
 """The first token is the prefill's: how ``kvstore-pd-proxy`` serves ``/v1/completions`` (DESIGN §12.7).
 
-As SGLang's and Mooncake's PD do, the prefill instance's sampled token goes to the client at
-once, and the decode instance continues from the prompt and that token, given as a token
-prompt, with one token less to make::
-
-    client --> proxy --> prefill vllm serve: max_tokens 1, return_token_ids, a remote decode at node nd
-               <-- first token (streamed at once, or kept to prepend)
-               --> decode vllm serve: prompt_token_ids + [first], max_tokens - 1, the handoff's parameters
-               <-- the rest, relayed; usage and text merged into one colocated-looking answer
-
-The decode engine then computes only the tokens past the handed-off pages (the first token and
-the prompt's partial last page), and the client's TTFT is the prefill's. A request whose first
-token ends it (eos, a stop token, ``max_tokens`` 1) makes no decode request; its handoff, if
-any, expires after its TTL.
-
-Only requests whose sampling cannot tell the two flows apart take this one (``eligible``):
-output penalties, stop strings, bad words, grammars and n > 1 depend on the output tokens,
-which the decode engine would no longer see (the first is in its prompt); a seeded sampler's
-second draw would be its first; logprobs and echo are not merged. A first token whose text is
-empty (a partial UTF-8 character, a skipped special token, a server without a tokenizer) is not
-shown either: tokenizers' DecodeStream, primed with a prompt that ends mid-character, answers
-the whole prompt's text, so such a request goes today's way (the decode gets the original
-prompt and the handoff, and samples the first token again). Every other field makes the
-request go today's way too, so a field the proxy does not know cannot change an answer.
+More: kvstore/cli/README.md (### pd_first_token.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """kvstore-pd-proxy: an OpenAI-compatible front for disaggregated prefill with kvstore.
 
-Each ``/v1/completions`` or ``/v1/chat/completions`` request goes to a prefill ``vllm serve``
-first, as a one-token request whose ``kv_transfer_params`` ask for a remote decode on a
-kvstore node (``kvstore_decode_node``); the prefill's answer carries the handoff's
-``kv_transfer_params`` (client/adapters/vllm/pd.py). A completion's first token is then the
-prefill's, shown at once, and the decode ``vllm serve`` continues from the prompt's token ids
-and it (pd_first_token.py, which says which requests may). Any other request (a chat, one
-whose sampling depends on its output so far) goes to the decode with the handoff as it came,
-and the decode's answer (streamed or not) is the client's. A prefill that fails or returns no
-parameters leaves the decode instance to compute the prompt itself. Several prefill and
-decode instances are taken in turn.
-
-Standard library only: one thread per connection (``ThreadingHTTPServer``), ``http.client``
-towards the instances.
+More: kvstore/cli/README.md (### pd_proxy.py).
 """
 
 from __future__ import annotations
