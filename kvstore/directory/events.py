@@ -3,13 +3,7 @@
 A subscriber asks for events from a sequence number on. If those are no longer in the ring
 (or were lost in a restart) it first gets RESYNC: its picture is stale, rebuild with Lookup.
 
-The ring is one buffer of fixed-size records, written through when it is made: its memory is
-taken at the server's start, not over its first minutes (a deque of 65,536 Event objects grew
-the heap by ~25 MiB, ~380 B an event, which a soak's RSS check read as a leak), and it holds
-no object for the garbage collector to walk. Node and tier names are kept once each in a name
-table; an id of another size than the directory's (never, from the servicers) or a name past
-the table's 65,535 is kept beside its record and goes with it. Events are objects again only
-when a subscriber reads them.
+More: kvstore/directory/README.md (### events.py).
 """
 
 from __future__ import annotations

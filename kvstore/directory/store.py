@@ -1,15 +1,6 @@
 """Page key -> locations, in memory for lookups and in LMDB for what must survive a restart.
 
-Only locations in the ``remote`` tier are written to this LMDB (a cluster's records of other
-nodes' host and SSD pages live in memory: their holders publish them again), and each
-namespace's generation (generations.py): a host-arena page dies with the process, and this
-node's SSD pages are already recorded durably in the SSD tier's own index, from which the
-directory rebuilds them at start (``restore_local``) — writing them twice would only double
-the work of every publish and of every restart. Every change emits an event.
-
-Thread-safety: lookups take only ``_lock``, held for in-memory work alone; a change takes
-``_write_lock`` (changes are serialised), commits its durable part to LMDB under it, and
-only then takes ``_lock`` to apply itself in memory. A lookup never waits for a disk sync.
+More: kvstore/directory/README.md (### store.py).
 """
 
 from __future__ import annotations
