@@ -1,31 +1,7 @@
 """The node-to-node page fetch protocol (DESIGN §12.3), independent of the transport that carries it (UCX
 now; a gRPC stream would carry the same frames).
 
-    receiver -> sender   hello, once per connection, first:  "KVFH" version u16 | pad u16 | grant 16s
-                         (a grant the sender issued to the receiver over gRPC: grants.py)
-    receiver -> sender   request:  "KVFQ" version u16 | flags u16 (DESCRIBE, VERIFY) | request_id u64 |
-                                   namespace_id 16s | page_bytes u64 | num_keys u32 | generation u64 |
-                                   keys 16s * n
-                         (generation: the namespace generation the receiver stores the pages in; a
-                         sender in a newer one answers MISSING, one in an older enters it first)
-    sender -> receiver   answer:   "KVFA" version u16 | flags u16 | request_id u64 | num_keys u32 |
-                                   per key: status u8 | pad 7 | payload_bytes u64 | checksum u64
-                                   [layout, when flags has LAYOUT: num_layers u32 | kv_factor u32 |
-                                    num_kv_heads u32 | head_dim u32 | dtype 16s | page_tokens u32]
-    sender -> receiver   then each FOUND page's payload, in key order, one message per page,
-                         straight into the buffer the receiver posted for it (none when the
-                         request's flags has DESCRIBE: a receiver that does not know the
-                         namespace's layout asks for it before it allocates destinations).
-
-The receiver sizes its buffers before it asks (pages of one namespace have one size), so a
-page of another size is answered WRONG_SIZE and never sent. ``checksum`` is the xxh3-64 the
-sender's tier stored with the page, so the receiver's check covers the sender's memory and
-disk as well as the wire. The receiver's check is the one every page gets: a sender sends
-its bytes unhashed unless the request has VERIFY. A receiver that finds a page CORRUPT asks
-for it again with VERIFY, and a sender whose own bytes then fail the check reports the page
-damaged (its tier quarantines it) and never sends it, so a page damaged at its holder is
-still taken out of service there, by the same fetch's second request, while a sound page costs
-one hash, not two. No pickle: fixed structs, every length bounded before use.
+More: kvstore/page_wire/README.md (### fetch_frames.py).
 """
 
 from __future__ import annotations
