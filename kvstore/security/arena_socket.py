@@ -2,33 +2,7 @@
 authenticated same-host client as a file descriptor over a Unix socket (SCM_RIGHTS): the
 arena has no path anyone could open.
 
-Protocol, one exchange per connection (each message: 4-byte big-endian length + JSON):
-
-    client -> server   {"token": "<bearer token>"}            (no token: only without --auth-file)
-    server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": W}  + the arena's fd (SCM_RIGHTS)
-                    or {"ok": false, "error": "..."}              and no fd
-
-    client -> server   {"token": "...", "want": "pool"}       (with --tiers hbm: the tenant's device pool)
-    server -> client   {"ok": true, "tenant": "...", "size_bytes": N, "writable": true, "device": "cuda:0",
-                        "pool_token": "<hex>", "handle": "<CUDA IPC JSON>"}   (CUDA: no fd)
-                       ... "device": "cpu", "handle": ""}  + the pool's fd     (the CPU implementation: shared memory)
-
-A pool, like an arena, is one tenant's (tiers/pools.py), and the same token decides whose
-comes back. It goes only to a token with read and write (``may_map_pool``): a CUDA IPC
-mapping is always writable, so a read-only token reads through its read-only arena instead.
-
-The request names no tenant and no arena: the token decides whose arena comes back, so a
-caller can only ever receive its own tenant's. A token without the write right receives a
-read-only descriptor (W false; its own open of the arena, O_RDONLY): no writable mapping. It
-is no wall against a hostile process of the server's uid, which can reopen it read-write
-through /proc/self/fd (or ptrace a writer of the tenant): the server's checksums are. The socket is 0600 in the 0700 data
-directory (only the server's uid, or root, can connect) and the peer's pid/uid
-(SO_PEERCRED) is logged with every hand-out. A peer that has not sent its whole request within
-``timeout_s`` is dropped. One thread serves every connection (a selector, no thread or slot per
-connection): a silent connection costs a descriptor, not a turn. A process (SO_PEERCRED pid) holds
-at most ``max_per_pid`` connections, a newer one is closed; with ``max_peers`` open in all, the
-oldest of the process holding the most is closed: a process squatting connections, however
-fast it reconnects, never keeps another process from its arena.
+More: kvstore/security/README.md (### arena_socket.py).
 """
 
 from __future__ import annotations

@@ -2,15 +2,7 @@
 Identity, against the current --auth-file; reloadable. No gRPC here: the interceptor
 (interceptor.py) extracts the credentials and maps the errors.
 
-Who a caller is, in order:
-
-1. an ``authorization: Bearer <token>`` header: the token's entry decides (unknown,
-   expired: Unauthenticated). A server without --auth-file cannot check tokens and
-   ignores them;
-2. else, with mTLS, the client certificate: the --auth-file entry naming its CN or a SAN
-   decides; without an auth file the certificate's CN is the tenant, with read and write;
-3. else, with an auth file or mTLS: Unauthenticated; without either (today's behaviour,
-   loopback only unless --insecure): the local tenant with every right.
+More: kvstore/security/README.md (### authenticator.py).
 """
 
 from __future__ import annotations

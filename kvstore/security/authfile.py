@@ -1,35 +1,6 @@
 """The --auth-file: who may call, as which tenant, with which rights, until when.
 
-TOML (or JSON when the name ends in ``.json``)::
-
-    [[tokens]]
-    tenant = "alice"
-    rights = ["read", "write"]              # read, write, admin; node: a cluster node (never a tenant)
-    sha256 = "9f86d08..."                   # SHA-256 of the token, hex: the file holds no secret
-    # token = "..."                         # or the token itself (then keep the file 0600)
-    expires = 2030-01-01T00:00:00Z          # optional: TOML time with offset, RFC 3339 text, or unix seconds
-
-    [[certs]]                               # mTLS (--tls-client-ca): a client certificate whose
-    subject = "alice.clients.example"       # common name or a subject alternative name is this
-    tenant = "alice"
-    rights = ["read", "write"]
-
-    [quotas.alice]                          # optional, per tenant: over the --tenant-* defaults
-    host_bytes = "4GiB"                     # host_bytes, ssd_bytes, token_log_bytes: sizes;
-    leases = 1000                           # leases, allocations, hints, published_records: counts
-
-Revoking a token is removing its entry and sending the server SIGHUP; a changed quota
-takes effect the same way.
-
-Only the SHA-256 of each token is kept, and tokens are found by that digest. Why this does
-not leak a token through timing: the only comparison that can stop early is between
-SHA-256(presented token) and a stored digest (dict lookup: a keyed hash of the digest, then
-memcmp). Timing can at best tell an attacker how many leading bytes of the digest of *its
-own guess* match a stored digest; turning that into a token needs a SHA-256 preimage. The
-token itself is never compared with anything, so no early exit depends on its bytes. A slow
-hash (bcrypt) would matter only for guessable tokens: tokens must be random secrets
-(``kvstore-ctl new-token`` makes 256-bit ones; at least 16 characters are required), and
-nobody brute-forces 128 random bits through SHA-256.
+More: kvstore/security/README.md (### authfile.py).
 """
 
 from __future__ import annotations

@@ -4,16 +4,7 @@ A leaf module (gRPC, kvstore.errors, kvstore.security.exposure and .loopback_own
 client's channel creation calls ``aio_channel``/``sync_channel`` instead of
 ``grpc.*insecure_channel``.
 
-How the token travels: as ``authorization: Bearer <token>`` metadata that a client
-interceptor adds to every call (or that a caller adds itself, from ``call_metadata``). Not
-as gRPC call credentials: grpcio runs those as a Python plugin on a thread of its own per
-call, which measured ~2x the latency of a small unary call here, where the interceptor
-costs nothing measurable. gRPC would send call credentials only over a protected channel;
-this module keeps that rule itself: a token goes over TLS, or to a loopback/Unix-socket
-address (never across the network in clear text), and is refused here otherwise, before
-anything is sent. To a loopback TCP port without TLS, each call that carries a token first
-asks whose sockets hold the port (loopback_owner.py: ~40 us a call here): another uid's
-fails the call with UNAUTHENTICATED and the token stays in the process.
+More: kvstore/security/README.md (### channel.py).
 """
 
 from __future__ import annotations

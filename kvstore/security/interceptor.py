@@ -1,18 +1,7 @@
 """A gRPC server interceptor that authenticates every call before its handler runs, and
 makes the caller's Identity available to the handler through ``current_identity()``.
 
-An interceptor sees only the method name and the metadata, not the TLS peer, so it wraps
-the method's handler: the wrapper reads the metadata and the verified client certificate
-from the call's context, answers UNAUTHENTICATED (the handler never runs, no request is
-read: a unary one is read as a stream of one once the caller is known), or sets the
-identity for the duration of the call. PERMISSION_DENIED is the handlers' to answer: only
-they know which namespace a request names.
-
-The identity lives in a ContextVar of a context made for the call, in which every step of the
-call's handler runs (see ``_Call``): it is visible to the handler and everything it calls on
-that thread, and to nothing else. Handlers read it at their start, before handing work to
-other threads (where it is not set, and ``current_identity`` fails closed). Streams
-re-check their caller after a reload or an expiry: revoking a token ends its open streams.
+More: kvstore/security/README.md (### interceptor.py).
 """
 
 from __future__ import annotations

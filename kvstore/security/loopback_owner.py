@@ -1,24 +1,6 @@
 """Whose sockets hold a loopback TCP port, asked before a client sends a token there in clear text.
 
-A token goes without TLS only to a loopback address, so only this host can read it; but any
-local uid may bind the server's port while the server restarts and collect the tokens of the
-clients that come back. Over the call and arena sockets the kernel names the peer
-(socket_owner.py, SO_PEERCRED); gRPC's TCP connections are out of reach, so before each call
-that carries a token the client reads the kernel's socket table instead: every socket bound to
-the port on a loopback or wildcard address must belong to this uid or root (uid 0), else the
-token is withheld. A leaf module: stdlib and kvstore.errors only.
-
-Two reads, to stay cheap on every call:
-
-* the listening sockets, from a NETLINK_SOCK_DIAG dump filtered to LISTEN (the kernel walks only
-  its listening table: ~30 us here);
-* when they are not the ones last found good (a restart, a new listener), every socket on the
-  port in any state (~2 ms: the whole connection table): an accepted connection of another uid
-  outlives its listener, and gRPC may still hold it after the real server bound again.
-
-Where sock_diag is not allowed, /proc/net/tcp and tcp6 give both (the whole table on every call);
-where neither can be read (not Linux), every call is refused: use TLS. What no table can close is
-the instant between the check and gRPC's connect, should the server die just then.
+More: kvstore/security/README.md (### loopback_owner.py).
 """
 
 from __future__ import annotations
