@@ -1,32 +1,6 @@
 """Namespace generations across the cluster (DESIGN §12.4).
 
-* **Invalidate** (``invalidate``): the generation is raised in etcd first (the durable
-  record every node and every later joiner reads), entered here, then pushed to every node
-  etcd lists (``Invalidate`` with ``generation``, the node right); the call is acknowledged
-  only once each has entered it, or has been fenced: its lease revoked and its TTL waited
-  out, past which it serves nothing (``serving``). A node etcd does not list may still be
-  serving: one another issuer fenced (its key went with the revoke), one that left etcd
-  within its TTL, one holding a lease of an etcd that was replaced (wiped, restored: another
-  ``incarnation`` id, or a revision gone back) until its next keep-alive tells it so. So an
-  acknowledgement also waits out the TTL of every node that left this node's view, or that
-  its view lists and etcd does not, within a TTL, and for a TTL after this node started or
-  saw etcd replaced (``_quiet_until``). No read that starts after the acknowledgement is
-  answered from an older generation, at any node.
-* **Watch**: a generation etcd delivers is entered (idempotent, never backwards), so a node
-  the push missed catches up as soon as its watch does.
-* **Catch-up** (``catch_up``): after every registration (and when etcd went back, replaced
-  or restored) a node reads every generation etcd holds, enters them, and writes back the
-  ones etcd lacks or holds lower, then runs ``before_serving`` (the runtime's: the records the
-  others gave it before it registered dropped, the tenants' salts, the sessions' owners); then it says so
-  in etcd (``caught-up/<node>``: etcd's incarnation id) and waits, up to a TTL, for every
-  other node etcd lists to have done the same in this etcd, and, if etcd is not the one it
-  caught up with last (its id kept in ``DATA_DIR/cluster-incarnation``), until etcd is a
-  keep-alive period (TTL/3) and a second old (after a wipe, a node that missed an invalidation
-  while it was down must not serve before the nodes that know of it registered again and wrote
-  it back); it reads etcd's generations once more, and only then serves reads
-  (``serving``). A node restarted on its data, or cut off while the cluster moved on, never
-  serves a page invalidated meanwhile (unless every node that knew of it is down and etcd
-  lost it: etcd is the cluster's memory).
+More: kvstore/server/cluster/README.md (### cluster_generations.py).
 """
 
 from __future__ import annotations

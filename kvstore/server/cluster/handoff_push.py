@@ -1,27 +1,7 @@
 """The prefill node's half of a handoff (DESIGN §12.7): pages pushed to the decode node
 as they are stored here, then the full set named so that the decode node marks it complete.
 
-Direction: the decode node pulls. A "push" is a ``Handoff.Push`` call naming this node as the
-holder; the decode node fetches the pages it lacks with the replicas' machinery
-(``ClusterRuntime.copy_from`` -> ``RemoteTier.fetch_from``: landing slots allocated in its
-current generation and for its tenant's quota, the bytes over UCX/TCP/gRPC straight into them,
-verified, committed, published). So the node that stores the bytes checks room, quota and
-generation itself, and a push is the very path a replica takes, not a second transfer path.
-
-What triggers a push: a thread follows this node's directory events (as the publisher does);
-a page stored here in a namespace with an open handoff whose ``keys`` it is among wakes that
-handoff, which sends the pages stored since its last push at once, up to ``MAX_PUSHES`` calls
-in flight per handoff (later pages batch up behind them). Why more than one: a save publishes
-its pages in a few commits, and with one call in flight the bulk waited behind a first push of
-a page or two, a push's whole fixed cost (~15 ms: the call, the decode node's landing slots,
-its data connection) in series. An ``Open`` without keys pushes nothing until ``Complete``.
-Any put path (``put_keys``, layer-wise saves, shared memory or streams) is covered, since
-what is followed is the commit itself.
-
-Complete ends the handoff here whatever happens (nothing left in the table): it waits for the
-pushes in flight, then sends every page stored here of the full set with ``complete``; the
-decode node fetches what is missing (from here, else through the pool) and answers what it
-holds. A decode node that is not a member or does not answer is TierUnavailable.
+More: kvstore/server/cluster/README.md (### handoff_push.py).
 """
 
 from __future__ import annotations

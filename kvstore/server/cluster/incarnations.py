@@ -1,24 +1,7 @@
 """Which incarnation (registration epoch) of each other node this shard owner has heard
 from, and where in the directory's version order the newest one began.
 
-A node that registers again (a restart, a lost lease) republishes its pages at once, and
-that ``Publish`` can reach an owner before the owner's etcd watch says the node registered
-again. When the watch then ends the old incarnation, the owner drops the records published
-before the newest incarnation's first one, not everything up to the moment it heard: the
-fresh records would go too, and nothing would send them again (the page would be a miss
-through this owner for as long as it lives). A ``Publish`` or withdrawal of an older
-incarnation than one heard is refused: a call of a process that is over, late in flight.
-
-The watch is the judge of what ended (``watched``): a node that left, that registered again
-once or several times between two views (a batched watch, a resync), or that left and came
-back. A node whose epoch the watch saw go down was registered anew in a replaced etcd (wiped,
-restored): what was heard of it before is void, or its new calls would all be refused.
-
-This owner's own registrations end what it heard too (``registering``, ``own_past``): a node
-drops the withdrawals it queued for an owner that left its view, so the records an owner kept
-through a time it was not listed (a pause, a partition past its TTL, a replaced etcd) may name
-pages that are gone. They go before it serves again; the others publish to it again what they
-hold once they see it registered (a new owner to them, or a new incarnation of one).
+More: kvstore/server/cluster/README.md (### incarnations.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The cluster half of live migration (DESIGN §12.8): etcd's session records, read and decided from
 the servicer's threads on the cluster loop, and reconciled at every catch-up.
 
-``reconcile`` runs inside the catch-up, before the node serves (the cluster runtime runs it
-after the salts' reseed): records etcd holds above this node's are applied (a session that moved away
-while this node was down or cut off is fenced here before any write reaches it), and the
-records this node knows are written back where etcd lacks them (etcd wiped or restored), and
-a session this node owns is marked adopted there (``adopted``: a mark lost with etcd, or one an
-Adopt could not write).
-
-``release_adopted`` runs before each idle sweep: a session fenced here keeps its log until etcd
-says its target adopted it (or the session moved on since), then the log may idle out.
+More: kvstore/server/cluster/README.md (### migrations.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """This node's page locations, published to the shard owners of each page's record.
 
-The node is the authority on its own pages: its directory emits a STORED / REMOVED event
-whenever its tiers commit, evict or drop a copy. A thread follows those events (never on
-the commit path: a commit only appends an event) and hands them to the cluster loop, which
-batches them per owner and sends them as ``Publish`` (records naming this node) and
-``Remove`` with ``node`` set (withdrawals). On a membership change the records whose owners
-changed are published to the new owners and withdrawn from the old ones (``shards.moves``).
-A RESYNC (the publisher fell behind the event ring) re-reads every location of this node.
-
-A failed call is retried while its owner is a member under the incarnation it was sent to (a new epoch is a
-new peer, given every record it owns); an owner that left gets nothing (the
-records move with the membership change, and withdrawals queued for it are dropped); an owner
-that registered again under the same name gets every record it owns again: it forgot what it
-kept (incarnations.py), as a restarted one lost it. Each call names the owner's epoch this node
-heard of; an owner that registered since refuses it, and it is retried until the new epoch is
-heard. Records are soft: a lost one costs a miss.
-
-Every record names the namespace generation its page belongs to (the directory's, read with
-the location at once): an owner refuses one of an older generation than its own, so a page
-stored just before an invalidation is never listed after it; a namespace that entered a new
-generation here drops the records of the older one (the owners drop theirs when they enter it).
-
-Nothing is sent while this node is not a member (its lease lost: the others dropped its
-records and may not list it again); what is pending waits, and a re-registration publishes
-everything again. Each batch names the namespace's tenant here (``tenant_of``): the owner
-binds the namespace to it and answers only that tenant's lookups.
+More: kvstore/server/cluster/README.md (### publisher.py).
 """
 
 from __future__ import annotations
@@ -43,7 +19,7 @@ from kvstore.cluster.shards import ShardMap, moves
 from kvstore.directory import Directory
 from kvstore.directory.events import EventKind
 from kvstore.server.cluster.peers import Peers, current_cancelled
-from kvstore.status import ERROR_METADATA_KEY
+from kvstore.status import ERROR_METADATA_KEY, error_class
 
 logger = logging.getLogger(__name__)
 
@@ -289,4 +265,4 @@ class Publisher:
 
 def _error_name(exc: grpc.aio.AioRpcError) -> str:
     """The kvstore error class the owner raised (its trailing metadata), or ""."""
-    return next((str(v) for k, v in (exc.trailing_metadata() or ()) if k == ERROR_METADATA_KEY), "")
+    return next((error_class(str(v)) for k, v in (exc.trailing_metadata() or ()) if k == ERROR_METADATA_KEY), "")

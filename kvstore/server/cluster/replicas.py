@@ -1,14 +1,7 @@
 """``replicas=n`` (DESIGN §12 "a put may ask for replicas=n"): the node holding the pages asks
 n - 1 other members to copy them, and answers once they did.
 
-Semantics: synchronous and counted, not a promise. The holder picks the n - 1 live members
-ranked first by rendezvous score of the prefix's first key (the same nodes for the same
-prefix, spread over the cluster), sends each ``Replicate`` with itself as ``holder``, and
-each fetches the pages it lacks from the holder (the remote tier's fetch: verified, then
-committed and published like any copy). The answer is the number of leading pages that at
-least n nodes hold once every target answered or the deadline passed: fewer than asked when
-the cluster has fewer than n live members, a target fails or runs out of room. Replicas are
-ordinary copies afterwards (evictable like any page; no node re-creates a lost one).
+More: kvstore/server/cluster/README.md (### replicas.py).
 """
 
 from __future__ import annotations
