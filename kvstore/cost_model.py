@@ -1,17 +1,7 @@
 """The online cost model: what fetching stored KV costs and what recomputing it costs, as
 measured where the work is done, and how much of a hit is worth loading.
 
-Both costs are lines, ``seconds = fixed_s + per_unit_s * units``. A fetch costs a per-call
-time plus bytes over a bandwidth (the chapter's ``latency + V/B``); a forward pass costs a
-per-step time plus a time per scheduled token (its slope is the engine's KV production
-rate seen per token). ``LinearCost`` fits one line online from the observations the caller
-feeds it, so the estimate follows the link and the engine as they are, not as configured.
-
-One model for everything that predicts: the vLLM connector decides its loads with it (its
-workers measure, its scheduler side decides) and ``kvstore-bench crossover`` predicts its
-reads with it, so the estimate that the benchmark checks is the one that decides.
-
-Imports nothing from the rest of kvstore: any layer may use it.
+More: kvstore/README.md (### cost_model.py).
 """
 
 from __future__ import annotations

@@ -4,11 +4,7 @@ These are the only lines of kvstore that CI (no GPU) never runs; everything arou
 runs in the tests with ``device_ops.CpuOps``. tests_gpu/ (bench/gpu/run_device_checks.sh)
 runs them on a GPU machine.
 
-* Page-locking: ``cudaHostRegister`` through torch's cudart binding, per process.
-* Pools: one allocation per pool, in a CUDA segment of its own (checked: a CUDA IPC handle
-  opens the whole segment, so a pool that shared one would expose the memory beside it),
-  exported as CUDA IPC JSON (bytes as hex, never pickled) and opened with torch's rebuild.
-* Streams and events: ``torch.cuda.Stream`` / ``torch.cuda.Event``.
+More: kvstore/README.md (### device_cuda.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Every call kvstore makes to an accelerator, behind one small seam, so that the code around
 them is the same on a GPU and in the CPU tests.
 
-``DeviceOps`` is what the rest of kvstore may ask of a device: page-lock host memory it
-copies through, make a pool of device memory that another process of this host maps (and
-map one), and order copies with a side stream and events. Two implementations:
-
-* ``CudaOps`` (device_cuda.py): the CUDA calls themselves, and the only lines of kvstore
-  that CI (no GPU) never runs; tests_gpu/ runs them.
-* ``CpuOps`` (here): the CPU implementation the tests run. A pool is shared memory (an
-  anonymous 0600 memfd, handed over as a file descriptor, exactly as a tenant's host arena
-  is), page-locking records the range (there is no DMA to speed up), a stream is the
-  caller's thread, and an event records that it was recorded: waiting on one never
-  recorded raises, where CUDA would silently not wait.
-
-The server asks for ``ops_for_pool(device)`` (its hbm pools, and pinning of every arena they
-copy through); a client for ``ops_for(tensor.device)`` (None: host memory, no device path).
-torch is imported only where a tensor is made: a server without hbm never loads it.
+More: kvstore/README.md (### device_ops.py).
 """
 
 from __future__ import annotations

@@ -4,11 +4,7 @@ H is BLAKE2b truncated to 16 bytes (collision-resistant, so a tenant cannot craf
 collision). Tokens are hashed as little-endian uint32, so the keys are the same on every
 process and machine. Only full pages get keys.
 
-The chain is hashed in one native call (csrc/_keys.c, ~0.1 ms for a 512-page prefix where
-hashlib page by page took ~0.5 ms); without a C compiler (setup.py builds it optionally) hashlib
-computes the very same keys. A list of token ids becomes an array without numpy's type
-inference (``array('I')``: ~0.06 ms for 8192 ids, numpy ~0.3 ms); what it refuses takes the
-checked path, whose errors name what is wrong.
+More: kvstore/README.md (### keys.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Process memory settings for moving large buffers, and for a server that runs for months.
 
-Page-sized transient buffers (a 1 MiB gRPC message, a 2.25 MiB page) sit above glibc's
-default mmap threshold, so each one is mapped fresh and unmapped on free; on VMs whose
-balloon driver hands freed memory back to the host, touching fresh memory runs at a
-fraction of memcpy speed (measured here: 0.3-1.9 GB/s against 7 GB/s for reused memory).
-Keeping such buffers on the heap and not trimming it on every free makes them reused memory.
-The server, the benchmarks and the raw gRPC pump they compare against call ``tune_malloc``
-at start; an engine embedding the client may call it too (it affects the whole process).
-
-A server that runs for months must not grow for ever (DESIGN §12.9, chaos check (e)): the
-untrimmed heap's free holes and each thread's cache of freed chunks (glibc's tcache) kept
-growing its resident memory under churn. The server runs with the tcache off (a start-up
-tunable: ``without_tcache`` re-executes it once) and gives the heap's free pages back every
-``--heap-trim-s`` (``HeapTrimmer``; jemalloc's decay does the same, finer), which costs one
-re-touch of the buffers in use per period.
+More: kvstore/README.md (### memory.py); DESIGN §12.9.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The stored form of a page: a fixed header, then layer-major payload bytes.
 
-Header (little-endian, padded to ``HEADER_BYTES`` so that the payload of an on-disk page is
-aligned for O_DIRECT):
-
-    magic "KVPG" | format u16 | flags u16 | namespace_id 16s | key 16s |
-    num_layers u32 | kv_factor u32 | num_kv_heads u32 | head_dim u32 | dtype 16s |
-    page_tokens u32 | payload_bytes u64 | checksum u64 | generation u64 | header_checksum u64
-
-``checksum`` is xxh3-64 of the payload; ``header_checksum`` covers every byte before it.
-A page whose header or payload fails its check is never returned. ``generation`` is the
-namespace's generation the page was written in (format 2; a format-1 header, without the
-field, reads as generation 0): a page of an older generation than its namespace's is dead
-wherever it is found, even where a crash kept its bytes (recovery.py drops it).
+More: kvstore/README.md (### page.py).
 """
 
 from __future__ import annotations
