@@ -1,23 +1,6 @@
 """Completion markers of prefill -> decode handoffs, held at the decode node (DESIGN §12.7).
 
-A marker is keyed by (tenant, namespace, handoff id): a wait of another tenant, in another
-namespace or with an unknown id meets a marker of its own, which never completes, and gets
-what an unknown id gets (nothing, at its deadline). The pages that arrive for a marker are
-pinned under leases of its tenant, so eviction cannot take them between their arrival and the
-decode side's read; they are let go once the caller acquired every page its wait returned
-(``acquired``), when the marker's ttl passes, when the namespace's generation moved on (an
-invalidation: nothing of the old generation is kept or returned), or when the only wait's caller
-left (cancelled: nobody would acquire them).
-
-::
-
-    open ──arrived(pages)──> pinned ──arrived(complete=keys, all held)──> complete
-      │                        │                                             │
-      └── ttl / generation / nothing handed / caller left ──> dropped <───────┴── acquired(all handed)
-                                                          (leases released)
-
-Thread-safe: one lock for the table; the core is called outside it. Bounded: at most
-``per_tenant`` markers per tenant (LimitExceeded beyond: nothing is made).
+More: kvstore/server/README.md (### handoff_markers.py).
 """
 
 from __future__ import annotations

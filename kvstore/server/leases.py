@@ -1,17 +1,6 @@
 """What callers make the server hold for them: pins, leases, allocations, and their expiry.
 
-A pin keeps a page in whatever tier holds it (never evicted, never freed) until its last
-pin goes; pins count, so two readers of one page each hold one. A lease is a reader's pin
-on a prefix, an allocation a writer's reserved slots (plus a pin on the pages it called
-stored already, and with no tier below on the page it names as its parent). Both expire:
-one heap entry per lease or allocation, a renewed lease's entry moved on when it comes
-due, so renewing in a loop grows nothing.
-
-Handles are 16 random bytes: a caller cannot guess another's to release, renew or abort it.
-Each remembers the tenant that made it; another tenant's release, renew, commit or abort
-finds nothing, exactly as with an unknown handle (``tenant=None``: the server's own use).
-
-Not thread-safe: the placement core calls it under its own lock.
+More: kvstore/server/README.md (### leases.py).
 """
 
 from __future__ import annotations

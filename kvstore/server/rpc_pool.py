@@ -1,14 +1,7 @@
 """The gRPC server's worker threads: up to ``max_workers``, each ending after ``idle_s``
 without work.
 
-``concurrent.futures.ThreadPoolExecutor`` starts a thread whenever no idle one is free and
-never ends one, so the pool keeps the most threads a burst ever needed (``--workers`` plus
-``--max-streams``: 48 by default) for the life of the process. Each of them keeps its own
-glibc tcache of freed chunks (counted as in use, reusable by no other thread) and its stack:
-in the chaos run (`kvstore-bench chaos`, its RSS check) the steady node's pool grew by a thread every few
-histories and its C heap in use with it; with the tcache turned off the heap stayed flat
-while the threads still grew. Here a thread idle for ``idle_s`` ends, which hands its tcache
-back to the arena for every other thread to reuse, so what stays is what recent load needs.
+More: kvstore/server/README.md (### rpc_pool.py).
 """
 
 from __future__ import annotations

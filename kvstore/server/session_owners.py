@@ -1,18 +1,6 @@
 """Who owns each migrated session, as this node knows it (DESIGN §12.8).
 
-A session without a record is owned where its token log is (every session before it first
-migrates). A migration gives it records, kept durably beside the log in ``wal.lmdb``::
-
-        (no record) --Fence--> FREEZING(v, to) --etcd decides v+1 for `to`--> FENCED(v+1, to)
-             |                       |
-             |                       +--etcd decides v+1 for this node (Abort)--> OWNED(v+1)
-             +--Copy (at the target; also from FENCED: moved back)--> INCOMING(v, from) --Adopt--> OWNED(v+1)
-
-Only OWNED (or no record) accepts writes: ``check`` refuses the others and counts the refusal,
-FENCED with SessionFenced, FREEZING and INCOMING (undecided) with TierUnavailable ("retry"). FREEZING is written, synced, before the fence's compare-and-swap in etcd,
-so no write is accepted here once etcd may name another owner; FENCED is left only for a later version (a Copy
-that moves the session back here, or etcd's record naming this node at a catch-up). A FENCED log is ``kept``
-from idle expiry until etcd says the target adopted it, or it moved on (``release``).
+More: kvstore/server/README.md (### session_owners.py).
 """
 
 from __future__ import annotations

@@ -6,14 +6,7 @@ again. Appends carry the length the writer believes is logged, so a retried appe
 applied once. Entries live in LMDB (``data_dir/wal.lmdb``); a ``sync`` append is durable
 before it is acknowledged, others are synced with the next sync append (batched).
 
-A session ends by EndSession, or when nothing was appended to it for the server's
-``--session-idle`` (``expire_idle``): an engine cannot tell when a conversation is over, and
-a log never ended would hold its tenant's token quota for ever. Each session's meta record
-keeps its last append's time (it must outlive a restart); a record of the older format,
-without one, counts as appended when the log was first opened (it is given that time then). The time is the wall clock read once,
-when the log opens, moved on by the monotonic clock (``now``): a wall clock stepped forward
-meanwhile (NTP) ends no session that is not idle, one set back keeps none longer. A time ahead
-of ``now`` (the wall clock was set back before the restart) counts as the opening's.
+More: kvstore/server/README.md (### tokenlog.py).
 """
 
 from __future__ import annotations
