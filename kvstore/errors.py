@@ -66,13 +66,38 @@ class LimitExceeded(KVStoreError):
     was changed. Retry later, or make room (close streams, remove records)."""
 
 
-class HostQuotaFull(LimitExceeded):
-    """A tenant's pages in the host tier would pass its host_bytes quota (DESIGN §11); nothing
-    was done. ``keep_bytes``: how much of its own the tenant may keep there for the request
-    to fit (the servicer evicts its coldest pages down to that, then asks again)."""
+class QuotaExceeded(LimitExceeded):
+    """A tenant's call would pass one of its quotas (DESIGN §11). Its figures are fields, sent
+    to the client beside the message (status.error_label), so that neither side reads them
+    from text: ``quota`` (host_bytes, leases, ...), ``held`` (what the tenant holds), ``wanted``
+    (what the call asked for), ``limit``, and ``freed``: bytes of its own pages the server wrote
+    down trying to make room before it refused (0: nothing was done)."""
 
-    def __init__(self, message: str, keep_bytes: int) -> None:
-        super().__init__(message)
+    FIELDS = ("tenant", "quota", "held", "wanted", "limit", "freed")
+
+    def __init__(self, tenant: str, quota: str, held: int, wanted: int, limit: int, freed: int = 0) -> None:
+        self.tenant, self.quota, self.held, self.wanted, self.limit, self.freed = tenant, quota, held, wanted, limit, freed
+        name = quota.replace("_", " ")
+        done = (f"{freed} bytes of its own pages were written down to make room (to a lower tier; dropped where there "
+                "is none); no allocation was made" if freed > 0 else "nothing was done")
+        super().__init__(f"tenant {tenant!r} holds {held} {name}; {wanted} more would pass its quota of {limit} "
+                         f"(--tenant-{quota.replace('_', '-')} or the auth file's quotas); {done}")
+
+    def fields(self) -> dict[str, str | int]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    def after_freeing(self, freed: int) -> QuotaExceeded:
+        """The same refusal, told that ``freed`` bytes went down first (the servicer's passes)."""
+        return QuotaExceeded(self.tenant, self.quota, self.held, self.wanted, self.limit, max(0, freed))
+
+
+class HostQuotaFull(QuotaExceeded):
+    """The host_bytes quota's refusal before the servicer made room: ``keep_bytes``, how much of
+    its own the tenant may keep in the host tier for the request to fit (the servicer evicts its
+    coldest pages down to that, then asks again). Never sent: the caller gets a QuotaExceeded."""
+
+    def __init__(self, refused: QuotaExceeded, keep_bytes: int) -> None:
+        super().__init__(*(getattr(refused, name) for name in QuotaExceeded.FIELDS))
         self.keep_bytes = keep_bytes
 
 

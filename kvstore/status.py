@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import grpc
 
 from kvstore import errors
@@ -33,18 +36,44 @@ def code_for(exc: errors.KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-ERROR_METADATA_KEY = "kvstore-error"  # trailing metadata naming the exact error class
+ERROR_METADATA_KEY = "kvstore-error"  # trailing metadata: the exact error class (and its fields: error_label)
+
+
+def error_label(exc: errors.KVStoreError) -> str:
+    """What the server sends beside the status: the class's name, and for a class whose figures
+    are fields (QuotaExceeded), those fields as JSON after a space (ASCII, one line: it travels
+    as gRPC metadata and as the call socket's error line)."""
+    fields = getattr(exc, "fields", None)
+    return type(exc).__name__ if fields is None else f"{type(exc).__name__} {json.dumps(fields(), sort_keys=True)}"
+
+
+def error_class(label: str) -> str:
+    """The class name of an ``error_label``."""
+    return label.partition(" ")[0]
+
+
+def _fields(text: str) -> dict[str, Any] | None:
+    """A label's fields, when they are a JSON object of plain names, ints and strings."""
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        return None
+    ok = isinstance(fields, dict) and all(isinstance(k, str) and k.isidentifier() and type(v) in (int, str)
+                                          for k, v in fields.items())
+    return fields if ok else None
 
 
 def error_for(code: grpc.StatusCode, message: str, name: str | None = None) -> errors.KVStoreError:
-    """The client-side exception for a status the server sent (``name``: the class the
-    server raised, from trailing metadata, when it says)."""
-    named = getattr(errors, name, None) if name else None
+    """The client-side exception for a status the server sent (``name``: the ``error_label``
+    the server sent, when it did: its class, built from its fields where it has them)."""
+    label, _, rest = (name or "").partition(" ")
+    fields = _fields(rest) if rest else None
+    named = getattr(errors, label, None) if label else None
     if isinstance(named, type) and issubclass(named, errors.KVStoreError):
-        for cls in named.__mro__:  # a class that carries more than a message (HostQuotaFull): its nearest base
+        for cls in named.__mro__:  # a class that carries more than its fields (HostQuotaFull): its nearest base
             if issubclass(cls, errors.KVStoreError):
                 try:
-                    return cls(message)
+                    return cls(**fields) if fields is not None and hasattr(cls, "FIELDS") else cls(message)
                 except TypeError:
                     continue
     for cls, known in ERROR_CODES:

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from kvstore import errors
-from kvstore.status import ERROR_CODES, code_for, error_for
+from kvstore.status import ERROR_CODES, code_for, error_class, error_for, error_label
 
 
 def test_a_named_class_that_needs_more_than_a_message_becomes_its_nearest_base() -> None:
@@ -25,3 +25,20 @@ def test_a_named_class_that_needs_more_than_a_message_becomes_its_nearest_base()
 def test_every_class_a_server_names_comes_back_as_itself(cls: type[errors.KVStoreError]) -> None:
     exc = error_for(code_for(cls("m")), "m", cls.__name__)
     assert type(exc) is cls and str(exc) == "m"
+
+
+def test_a_quota_refusal_comes_back_with_its_figures() -> None:
+    """The server sends a QuotaExceeded's fields with its class (status.error_label): the client
+    builds the same refusal, figures and message alike, with nothing read from the text."""
+    sent = errors.QuotaExceeded("a", "host_bytes", 4096, 1024, 4096, freed=2048)
+    got = error_for(code_for(sent), str(sent), error_label(sent))
+    assert isinstance(got, errors.QuotaExceeded) and got.fields() == sent.fields() and str(got) == str(sent)
+    assert error_class(error_label(sent)) == "QuotaExceeded"
+
+
+@pytest.mark.parametrize("fields", ['{"tenant": "a"}', "not json", '["a"]', '{"tenant": {"x": 1}}', '{"__class__": 1}'])
+def test_a_quota_label_whose_fields_do_not_fit_comes_back_as_its_message(fields: str) -> None:
+    """Fields that are not the class's (a malformed or hostile answer) never raise in the client: the
+    refusal comes back as its nearest class that takes the message alone."""
+    got = error_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "refused", f"QuotaExceeded {fields}")
+    assert isinstance(got, errors.LimitExceeded) and str(got) == "refused"

@@ -15,11 +15,18 @@ import pytest
 from support.tenants import LAYOUT, PAGE_BYTES, A, B, Caller, new_keys, new_ns, start_with_quotas
 
 from kvstore._proto import data_pb2
+from kvstore.errors import QuotaExceeded
+from kvstore.status import ERROR_METADATA_KEY, error_for
 
 pytest_plugins = ["support.tenants"]  # its ca fixture
 
 FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 OK = grpc.StatusCode.OK
+
+
+def _error_label(exc: Any) -> str | None:
+    """The error class (and its fields) the server named in the trailing metadata."""
+    return next((str(v) for k, v in exc.trailing_metadata() or () if k == ERROR_METADATA_KEY), None)
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
@@ -45,8 +52,12 @@ async def test_a_client_at_its_host_quota_with_its_pages_pinned_gets_limit_excee
             a = Caller(server, ca, A)
             a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=hit.namespace_id, keys=hit.keys))  # all of a's pages, pinned
             more = list(range(100, 100 + layout.page_tokens))
-            with pytest.raises(LimitExceeded, match="host bytes"):
+            with pytest.raises(LimitExceeded, match="host bytes") as refused:
                 await client.put(more, random_kv(layout, len(more)))
+            # the refusal's figures come as fields, whichever transport carried it (DESIGN §11)
+            assert isinstance(refused.value, QuotaExceeded), type(refused.value).__name__
+            assert (refused.value.tenant, refused.value.quota, refused.value.limit) == ("a", "host_bytes", 2 * layout.page_bytes)
+            assert (refused.value.held, refused.value.wanted, refused.value.freed) == (2 * layout.page_bytes, layout.page_bytes, 0)
     finally:
         server.stop(grace_s=1)
 
@@ -180,6 +191,8 @@ def test_a_refusal_after_its_own_pages_went_down_says_so(tmp_path, ca) -> None:
         details = refused.value.details() or ""
         assert "nothing was done" not in details, details
         assert f"{2 * PAGE_BYTES} bytes of its own pages were written down" in details, details
+        exc = error_for(FULL, details, _error_label(refused.value))
+        assert isinstance(exc, QuotaExceeded) and (exc.quota, exc.freed) == ("host_bytes", 2 * PAGE_BYTES), exc
         assert server.core.directory.usage(ns).get("host", 0) == 2 * PAGE_BYTES, "the two unpinned pages went down"
         a.close()
     finally:

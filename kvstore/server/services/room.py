@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvstore.errors import HostQuotaFull, LimitExceeded
+from kvstore.errors import HostQuotaFull
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
 from kvstore.server.tenancy.quotas import Quotas, Reservation
@@ -26,8 +26,8 @@ def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_by
     after each pass, up to ROOM_TRIES times: the tenant's other calls may take the room made
     meanwhile, which is no reason to refuse. A pass that could not evict down to what it
     needed (what is left of its own is pinned or reserved) or a caller gone (its deadline
-    passed) ends the passes: it is asked once more, then refused with LimitExceeded (the
-    caller cannot build HostQuotaFull, the servicer's own signal to make room)."""
+    passed) ends the passes: it is asked once more, then refused with a QuotaExceeded that says what the passes
+    freed (HostQuotaFull is the servicer's own signal to make room, never sent)."""
     before: int | None = None  # the tenant's host bytes when the first pass began
     for _ in range(ROOM_TRIES):
         try:
@@ -43,20 +43,12 @@ def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_by
         return quotas.pages(who, num_pages, page_bytes)
     except HostQuotaFull as full:
         quotas.refused(who.tenant, "host_bytes")
-        raise LimitExceeded(_refusal(str(full), before, _host_bytes(quotas, who))) from None
+        freed = 0 if before is None else before - _host_bytes(quotas, who)  # the passes may have written some down
+        raise full.after_freeing(freed) from None
 
 
 def _host_bytes(quotas: Quotas, who: Identity) -> int:
     return quotas.usage(who.tenant, ["host_bytes"])["host_bytes"]
-
-
-def _refusal(text: str, before: int | None, after: int) -> str:
-    """The quota's refusal, saying what the passes did: they may have written some of the
-    tenant's pages down before the rest proved pinned."""
-    if before is None or before <= after:
-        return text
-    return text.replace("nothing was done", f"{before - after} bytes of its own pages were written down to make room "
-                                            "(to a lower tier; dropped where there is none); no allocation was made")
 
 
 def _gone(context: grpc.ServicerContext) -> bool:

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import grpc
 
 from kvstore.errors import KVStoreError, StreamCut
-from kvstore.status import ERROR_METADATA_KEY, code_for
+from kvstore.status import ERROR_METADATA_KEY, code_for, error_label
 
 logger = logging.getLogger(__name__)
 _CANCEL_SETTLE_S = 0.05
@@ -47,7 +47,7 @@ def _abort(context: grpc.ServicerContext, exc: BaseException) -> tuple[grpc.Stat
         return grpc.StatusCode.CANCELLED, "the client cancelled the call"
     code, message = _status(exc)
     if isinstance(exc, KVStoreError):
-        context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, error_label(exc)),))
     return code, message
 
 

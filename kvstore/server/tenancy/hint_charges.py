@@ -18,7 +18,7 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from kvstore.errors import LimitExceeded
+from kvstore.errors import QuotaExceeded
 
 
 class HintCharges:
@@ -38,15 +38,14 @@ class HintCharges:
 
     def charge(self, tenant: str, entries: list[tuple[list[bytes], float]], limit: int) -> list[int]:
         """Charges every key of ``entries`` ((keys, until) pairs), or none: raises
-        LimitExceeded when together they would pass ``limit`` (0: none). Returns the charges,
+        QuotaExceeded when together they would pass ``limit`` (0: none). Returns the charges,
         for ``refund``."""
         num_keys = sum(len(keys) for keys, _ in entries)
         with self._lock:
             self._expire()
             held = self._held.get(tenant, 0)
             if limit and held + num_keys > limit:
-                raise LimitExceeded(f"tenant {tenant!r} holds {held} hinted keys; {num_keys} more would pass its quota "
-                                    f"of {limit} (hints); nothing was hinted")
+                raise QuotaExceeded(tenant, "hints", held, num_keys, limit)
             self._held[tenant] = held + num_keys
             ids = []
             for keys, until in sorted(entries, key=lambda entry: entry[1]):

@@ -10,7 +10,7 @@ Check and charge are one step: ``reserve`` checks use + what the tenant's calls 
 reserved + what this call adds against the limit, and reserves it, under the tenant's
 lock; the reservation is released once the change is counted by its holder (or failed),
 so concurrent calls of one tenant never pass a limit together, and a refused or failed
-call leaves no charge. A quota exceeded raises LimitExceeded (RESOURCE_EXHAUSTED) for that
+call leaves no charge. A quota exceeded raises QuotaExceeded (a LimitExceeded: RESOURCE_EXHAUSTED) for that
 tenant only and is counted in ``kvstore_tenant_quota_refusals_total``. The local tenant of a
 server without tenants has no quota.
 
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 from kvstore.config import TenantQuota
 from kvstore.directory import Directory
-from kvstore.errors import HostQuotaFull, LimitExceeded
+from kvstore.errors import HostQuotaFull, QuotaExceeded
 from kvstore.security.identity import Identity
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
@@ -147,8 +147,8 @@ class Quotas:
 
     def reserve(self, who: Identity, **amounts: int) -> Reservation:
         """Checks and reserves ``amounts`` (TenantQuota field -> how much the call adds) in one
-        step; LimitExceeded, reserving nothing, when one would pass its limit. HostQuotaFull
-        (a LimitExceeded) when only host_bytes would, and evicting the tenant's own pages down
+        step; QuotaExceeded, reserving nothing, when one would pass its limit. HostQuotaFull
+        (a QuotaExceeded) when only host_bytes would, and evicting the tenant's own pages down
         to its ``keep_bytes`` would make room."""
         if not self._bounded(who):
             return NOTHING
@@ -206,14 +206,13 @@ class Quotas:
     def _refuse(self, who: Identity, name: str, adding: int, held: int, limit: int, used: dict[str, int]) -> None:
         """Raises; counts the refusal unless the caller may make room (HostQuotaFull: it counts
         one if it still fails after)."""
-        text = (f"tenant {who.tenant!r} holds {held} {name.replace('_', ' ')}; {adding} more would pass its quota of {limit} "
-                f"(--tenant-{name.replace('_', '-')} or the auth file's quotas); nothing was done")
+        refused = QuotaExceeded(who.tenant, name, held, adding, limit)
         if name == "host_bytes":
             keep = limit - adding - (held - used["host_bytes"]) - self._leases.slot_bytes(who.tenant)
             if keep >= 0:  # evicting its own pages down to keep makes room (slots and reservations cannot go)
-                raise HostQuotaFull(text, keep)
+                raise HostQuotaFull(refused, keep)
         self.refused(who.tenant, name)
-        raise LimitExceeded(text)
+        raise refused
 
     # -- the quotas, as the servicers use them -------------------------------------------
 
@@ -255,7 +254,7 @@ class Quotas:
         try:
             ids = self._hints.charge(who.tenant, [(keys, now + eta + self._hint_grace_s) for keys, eta in entries],
                                      self.limits(who.tenant).hints)
-        except LimitExceeded:
+        except QuotaExceeded:
             self.refused(who.tenant, "hints")
             raise
         try:
