@@ -6,14 +6,7 @@ loop thread and one channel per client) and is bounded by the caller's timeout w
 waiting for a cancelled call to unwind: ``Runtime.submit`` hands back a job the hook waits
 on as long as it chooses; a lease that a late answer brings is given back.
 
-A store that cannot be reached is a miss, not an engine error: after a transport failure
-the connection is dropped and tried again at most every ``retry_s`` seconds. A server that
-refuses the client's credentials (or its namespace) is a configuration error instead:
-``start`` raises it, naming the option to fix, since retrying would recompute every request
-for ever; later refusals (a token revoked while the engine runs) are logged as errors and
-retried, so that a corrected auth file is taken up. Connecting and closing await the client's
-coroutines on a short-lived thread of their own (``asyncio.run``), so neither blocks a hook,
-and ``close`` waits for every one of them to end.
+More: client/adapters/README.md (### connection.py).
 """
 
 from __future__ import annotations

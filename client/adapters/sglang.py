@@ -1,25 +1,6 @@
 """SGLang HiCache storage backend (L3) backed by kvstore.
 
-Load it with::
-
-    --enable-hierarchical-cache --hicache-storage-backend dynamic
-    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
-        "module_path": "kvstore.client.adapters.sglang", "class_name": "KVStoreHiCacheStorage",
-        "address": "127.0.0.1:7070", "token_file": "/etc/kvstore/engine.token"}'
-
-SGLang names pages by its own chained page hashes; each becomes a kvstore page key (a
-hash of the namespace id, with the tenant's salt, and SGLang's key), so ``batch_exists`` is one kvstore lookup of the
-longest contiguous prefix. Page bytes are kept in kvstore's canonical layout
-(``[layer][K|V][token][head][dim]``) whatever ``--hicache-mem-layout`` the host pool
-uses: instances with different host layouts share pages. Every page read is verified
-against its checksum; a page that is missing or corrupt is a miss for it and the pages
-after it, never garbage in the host pool.
-
-Contract (SGLang's): methods are called from SGLang's cache-controller threads, each
-returns within the connection's timeout, failures are False / None / a shorter count,
-never exceptions. Only MHA (GQA) host pools (``layer_first``, ``page_first``,
-``page_first_direct``) are supported; MLA is refused at start, and so is a token the server
-refuses (a configuration error, not a miss for ever).
+More: client/adapters/README.md (### sglang.py).
 """
 
 from __future__ import annotations

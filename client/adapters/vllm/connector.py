@@ -1,21 +1,6 @@
 """``KVStoreConnector``: vLLM's KV connector (V1) backed by kvstore.
 
-Load it with::
-
-    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
-                           "kv_connector_module_path": "kvstore.client.adapters.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"address": "127.0.0.1:7070"}}'
-
-vLLM builds one instance per role: the scheduler's (``SchedulerSide``: lookups, what each
-step loads and saves) and each worker's (``WorkerSide``: the copies). Hooks are called
-synchronously by vLLM and none of them blocks past a deadline when the store is slow or
-gone: a store that cannot answer is a miss, a load that fails is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (this needs
-``kv_load_failure_policy: recompute``; vLLM's default, ``fail``, fails the request).
-A server that refuses the connector's token is not a miss but a configuration error: the
-engine does not start (connector_settings.py, "token"). A request whose ``kv_transfer_params`` name a
-session (``kvstore_session_id``) has its tokens logged for live migration (sessions.py).
+More: client/adapters/vllm/README.md (### connector.py).
 """
 
 from __future__ import annotations

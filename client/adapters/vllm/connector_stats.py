@@ -2,22 +2,7 @@
 found, loaded, skipped as not worth loading, probes; DESIGN §10) and what the workers did (tokens
 loaded, failed loads, saves).
 
-vLLM asks each connector for ``get_kv_connector_stats()`` after every step: the workers'
-(the model runner) and the scheduler's (``Scheduler.update_from_output``). It sums the
-workers' objects and the scheduler's with ``aggregate``, sends the result's ``data`` to the
-front end as a plain dict (msgpack, across processes), rebuilds it there with the
-connector's ``build_kv_connector_stats`` for the log line (aggregated over the logging
-interval, then ``reduce``d and ``reset``), and hands the same dict to the connector's
-``KVConnectorPromMetrics.observe`` once per step. So each call must return what happened
-since the previous one: ``CounterDeltas`` takes the difference of the sides' own counters
-(``LoadStats``, ``WorkerStats``, never reset: tests and ``kvstore-bench vllm`` read them)
-from what it reported last.
-
-Worker counters are summed over the workers: with tensor parallelism every rank loads and
-saves its own shard of the same tokens, so ``loaded_tokens`` and ``saved_tokens`` count
-each token once per rank. A save that ends after the engine's last step is reported with
-the next step. A decode's handoff loads (disaggregated prefill, pd_worker.py) keep counters
-of their own, not exported here.
+More: client/adapters/vllm/README.md (### connector_stats.py).
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The connector's use of the cost model (kvstore/cost_model.py): what its workers measure,
 and the scheduler side's decision of how much of a hit to load.
 
-Workers time every step (``StepClock``). A step that loads nothing and computes prompt
-tokens gives the engine's recompute cost: (prefill tokens, seconds of the forward pass;
-``prefill_tokens``). What a hit's recompute costs is a step's marginal cost per prefill
-token: the step's decode tokens (dearer each: sampling, attention over long contexts) are
-part of its fixed cost, and a step that only decodes is no observation (counted per token,
-decode steps pulled the slope up by a third). A step that loads gives the fetch cost:
-(bytes loaded, seconds the step was held up by the loads: leased copies and waits for
-layers). A step that loads is no recompute observation, since its time includes waiting
-for the load. The observations go to the scheduler side in the workers' metadata
-(``KVStoreWorkerMetadata``); ``LoadPolicy`` fits them and decides, per request, before
-vLLM allocates: load the hit when fetching it is measured to cost less than recomputing
-it, otherwise recompute it (the tokens are counted as skipped).
-
-The clock measures host time: on a CPU engine that is the forward pass and the stall.
-On a CUDA engine the forward pass runs asynchronously to the host, so the host time of a
-step is not what the device spent (not built: events on the engine's stream).
+More: client/adapters/vllm/README.md (### costs.py).
 """
 
 from __future__ import annotations

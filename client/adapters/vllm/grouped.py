@@ -2,14 +2,7 @@
 tensor ``[layers, 2, tokens, heads, dim]`` (the canonical page layout, layers in page
 order: groups.py).
 
-Every layer is read and written through the block table of its own KV cache group. A
-window group's dropped block is vLLM's null block (groups.NULL_BLOCK): a load never
-writes it (another request's window may read zeros from it) and a save never reads it
-as data (``pages_with_data`` ends a save before the first page that has one).
-
-Saves are gathered into the staging tensor before vLLM's step ends, because vLLM frees a
-window group's blocks as the window moves on (and hands them to other requests) while a
-full-attention block stays until the request ends: the store is written from the copy.
+More: client/adapters/vllm/README.md (### grouped.py).
 """
 
 from __future__ import annotations

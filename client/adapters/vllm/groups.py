@@ -1,15 +1,6 @@
 """The KV cache groups of a vLLM engine, as the connector stores them.
 
-vLLM's hybrid KV cache manager gives each kind of layer its own group with its own block
-table: full attention, sliding-window attention (Gemma 2/3, gpt-oss), chunked local
-attention (Llama 4), state-space layers (Mamba, linear attention). A kvstore page holds
-every layer of every attention group for its tokens; a state-space group has no KV per
-token but a state that sums up the prefix, kept at page boundaries (StateGroup). A hit
-covers every group of its pages (and the states at its end) or it is no hit. The groups
-(their kinds, windows, state shapes and layers) are part of the namespace: two engines
-whose groups differ never share pages, even when their per-layer KV shapes agree.
-
-Nothing here imports vLLM (the config objects are read by attribute).
+More: client/adapters/vllm/README.md (### groups.py).
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """Scheduler side of the connector for hybrid engines (several KV cache groups, or a
 window group: groups.py).
 
-It differs from the single-group side (scheduler.py) in four ways:
-
-* A hit is loaded before the request computes, not inside its first step: vLLM cannot be
-  told which blocks of which group failed to load (its block-level error report is
-  refused for several groups), only that a request's load failed, and only for a load it
-  waits for (``load_kv_async``). So a hit is offered as an asynchronous load; the
-  workers copy it whole in the step that carries it and report it finished, or failed:
-  then vLLM recomputes the request from its start, and this side offers it no hit again.
-* Blocks come per group (``update_state_after_alloc``: the request's block table of every
-  group, vLLM's null blocks included), and a save takes the request's current tables from
-  vLLM's cache manager: a window group's blocks are dropped as the window moves on.
-  Pages are saved only up to the first page that has a dropped block in an attention
-  group (grouped.pages_with_data); the pages after it would be unreachable (only a
-  contiguous prefix counts), so the request saves nothing more.
-* With state-space groups a hit ends only at a page boundary whose states are stored
-  (hybrid_states.py): the lookup takes the stored pages, then asks for the states at
-  the last few boundaries before their end. A step that ends at a page boundary saves the
-  states there.
-* Saves are copied out of vLLM's blocks when the step ends (grouped.py), so a finished
-  request's blocks are never held.
+More: client/adapters/vllm/README.md (### hybrid_scheduler.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """States of a hybrid engine's state-space groups (Mamba, linear attention) at page
 boundaries.
 
-A state-space layer keeps no KV per token: one fixed-size state sums up the whole prefix.
-A request resumed after ``j`` pages needs every attention layer's KV of those pages and,
-of each state layer, exactly the state after token ``j * page_tokens``: nothing else
-helps it. vLLM leaves that state in the request's block ``(b - 1) // block_size`` of the
-state group when a step ends at ``b`` (its prefix-caching "align" mode ends prefill steps
-at block boundaries; decode steps cross every boundary one token at a time), so kvstore
-keeps the states of the boundaries where a step ended. They live in a namespace of their
-own (``state_namespace``: one state page per boundary, every state layer in it), keyed by
-the key of the page they end and the pages' namespace generation (``state_key``: states
-of pages invalidated since are never found). A hit ends at a boundary whose state is
-stored, and loads the attention pages before it and that state together, or nothing.
+More: client/adapters/vllm/README.md (### hybrid_states.py).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """Worker side of the connector for hybrid engines (several KV cache groups, or a window
 group: groups.py, hybrid_scheduler.py).
 
-One step::
-
-    forward pass  --> nothing per layer
-    start_load_kv --> (after the forward pass: vLLM starts asynchronous loads there) each
-                      load: its pages fetched (verified) into a staging tensor within the
-                      load's deadline, then written into every group's blocks (null blocks
-                      skipped); all of it, or the request is reported failed (failed_recving)
-    wait_for_save --> each save: its pages copied out of every group's blocks into a
-                      staging tensor now (vLLM may drop a window group's blocks by the
-                      next step), then stored from it in the background
-    transfer results --> loads of this step: finished (and failed); saves that ended short
-                      go back to the scheduler side in the worker metadata
-
-A load writes vLLM's blocks only once every page arrived and held its checksum, so a
-failed or late load leaves nothing half-written that vLLM could read: the request
-recomputes from its start. With state-space groups a load also fetches the states after
-its last page, and a save at a page boundary stores the states there (hybrid_states.py):
-the states go into the state namespace through a connection of their own.
-
-Steps are timed as on the single-group worker (costs.py, ``StepClock``): a step without
-loads is a recompute observation, a step with loads a fetch observation (the bytes of its
-pages, the seconds its loads held it up; a load cut at its deadline counted at the pace
-of the pages it received). A load's deadline is the scheduler side's (twice the measured
-recompute of its tokens) unless the connector's configuration sets one.
+More: client/adapters/vllm/README.md (### hybrid_worker.py).
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Disaggregated prefill, scheduler side: a prefill instance hands a prompt's KV to a
 decode instance through kvstore, as vLLM's own PD connectors (NixlConnector, Mooncake) do
 it, with the roles chosen per request by ``kv_transfer_params`` (both instances run
-``kv_role: kv_both``; kvstore-pd-proxy sets the parameters)::
+``kv_role: kv_both``; kvstore-pd-proxy sets the parameters).
 
-    proxy --> prefill vLLM {"do_remote_decode": true, "kvstore_decode_node": "n2"}
-              lookup, loads and saves as any request; when it is first scheduled the
-              workers open a handoff (its pages are pushed to node n2 as they publish)
-              request_finished --> (True, {"do_remote_prefill": true,
-                  "kvstore_handoff_id", "kvstore_prefill_node", "kvstore_num_tokens", ...})
-              the workers complete the handoff once the saves ended, then report the
-              request finished sending: only then are its blocks freed
-    proxy --> decode vLLM with those parameters
-              get_num_new_matched_tokens --> (the handed-off tokens, load_async=True)
-              the workers wait for the handoff's completion marker (its deadline), load
-              in the background, report it finished receiving; pages that did not come
-              are failed blocks, which vLLM recomputes (kv_load_failure_policy recompute)
-
-The decode side offers the handed-off prefix without a lookup (the pages may still be on
-their way) and stops short of the prompt's last token, so that the engine has logits to
-sample; it then saves only the pages past the handed-off ones.
+More: client/adapters/vllm/README.md (### pd.py).
 """
 
 from __future__ import annotations

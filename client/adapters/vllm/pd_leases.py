@@ -1,22 +1,6 @@
 """A decode worker's handed-off pages, leased in the node's shared-memory arena (pd_worker.py).
 
-Why a lease rather than a get into a staging tensor: the pages are on this host already, in the
-arena the client maps, and the request's blocks are where they go. A get copied them into a
-tensor allocated per request (its first touch ran at 0.3-1.9 GB/s on the VM, LIMITS.md: 235 ms
-for 64 MiB), then again into the blocks. Leased, they are copied once, from the arena into the
-blocks, on vLLM's thread between steps, verifying each checksum as ordinary leased loads do
-(worker.py ``_copy_held``): a page that fails ends the valid prefix, its blocks and all after
-are recomputed and the server is told (it checks the page and quarantines it).
-
-::
-
-    background (runtime loop)      taken = await take(client, transport, keys)   # Acquire, batched
-                                   (cancelled: what was granted is given back)
-    vLLM's thread, between steps   valid, bad = copy_into(taken, kv, first, count, layout)
-    always, exactly once           give_back(client, taken, bad)                 # Release (+ failed)
-
-The acquires also let the handoff's marker go (the server drops its pins once every page a
-wait handed was acquired), so nothing is left pinned after ``give_back``.
+More: client/adapters/vllm/README.md (### pd_leases.py).
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """Disaggregated prefill, worker side (pd.py is the scheduler side).
 
-Prefill instance, per handed-off request::
-
-    first step  --> handoff_open, sent as the step's saves start and not waited for (the
-                    store pushes each page to the decode node as it is published; pages
-                    stored before the open lands go when it does)
-    saves       --> layer by layer, as any request's (worker.py)
-    finished    --> once worker.py reports the saves ended and the open answered (or was
-                    given up on): handoff_complete in the background; when it answered (or failed: the decode side recomputes),
-                    the request is reported finished sending and vLLM frees its blocks
-
-Decode instance, per handed-off request (vLLM holds it in WAITING_FOR_REMOTE_KVS)::
-
-    load planned --> in the background: handoff_wait (the completion marker, bounded by
-                     the request's deadline), then a lease (Acquire) of the handed-off pages
-                     in the node's shared-memory arena (pd_leases.py); a store on another
-                     host: a get into a staging tensor instead. With the store not connected
-                     (its node restarting), started once it is, if before the deadline
-    each step    --> a receive that ended (or ran past its deadline and a grace) is
-                     copied from the arena (checksums verified) into the request's blocks
-                     here, on vLLM's thread, its leases released, and reported finished
-                     receiving; the blocks of pages that did not come or failed their
-                     checksum are reported failed in the same step, and vLLM recomputes them
-
-Nothing is ever written into vLLM's blocks by a background task, so a receive given up on
-can finish late without harm; what it leased late is given back when it ends. Why no staging
-tensor: one allocated per request cost its first touch (235 ms for 64 MiB on the VM), and
-the pages are in the arena this worker maps already.
+More: client/adapters/vllm/README.md (### pd_worker.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """What a finished request still has to save: the pages its saves left unstored.
 
-A save that ends short (it failed, or could not start) is reported to the scheduler side,
-which saves those pages again in the request's next step. A request that finished has no
-next step: the page of the answer completed in its last decode steps would be lost. The
-worker then saves it again itself, once, while vLLM still holds the request's blocks
-(``request_finished`` said True), and reports the request finished only when that save
-ended. A request whose blocks hold KV that must not be published (its load failed) or that
-vLLM may reuse (it was preempted) is forgotten here, as is one whose save a fence refused (its
-session moved: nothing of it is saved here again); those are reported to the scheduler side.
+More: client/adapters/vllm/README.md (### resave.py).
 """
 
 from __future__ import annotations

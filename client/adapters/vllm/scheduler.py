@@ -1,22 +1,7 @@
 """Scheduler side of the connector: how much of a prompt kvstore holds, and which pages
 each step loads and saves.
 
-Saves cover every full page whose KV exists by the end of a step, generated tokens
-included: a page of the answer is saved in the decode step that computes its last token,
-so a follow-up turn that repeats the answer finds it. A save that ends short (it failed,
-was cancelled or never started) is reported back by the workers, and the next step of the
-request saves again from the pages that may be stored. A finished request has no next
-step: its workers save again themselves while its blocks are held (worker side, resave.py).
-
-Per request, one lookup (the answer is cached, so vLLM may ask again and get the same
-count). On the server's host the lookup also leases the pages (one Acquire RPC): they
-cannot be evicted before the load, and the worker copies them without asking again. The
-lease goes to the worker with the load, or back to the server when no load follows. The
-count offered to vLLM is aligned to vLLM blocks and kvstore pages and leaves at least the
-prompt's last token to compute, so the engine always has logits to sample. Of it, only what
-is worth loading is offered: a hit whose fetch is measured to cost more than recomputing
-it is recomputed instead (costs.py, LoadPolicy; the workers' measurements come back with
-their metadata).
+More: client/adapters/vllm/README.md (### scheduler.py).
 """
 
 from __future__ import annotations

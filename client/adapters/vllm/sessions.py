@@ -1,30 +1,7 @@
 """Sessions on the vLLM connector, scheduler side: a request's tokens logged at its node, so that
 a live migration (DESIGN §12.8) can move it to another instance while it runs.
 
-A request names its session in ``kv_transfer_params``: ``{"kvstore_session_id": "S"}``::
-
-    request arrives --> S's log at this instance's node is read (bounded by lookup_timeout_s; after
-                        the last append of a request of S that finished, if it is in flight):
-        none:                  a new session: the prompt is appended (as S's prompt)
-        a prefix of the prompt: S continues here (a moved session, at its target instance): the
-                               prompt's tokens past the log are appended; its KV is found at this
-                               node by the lookup, as any stored prefix
-        else:                  not logged (an error names the session), served as any request
-        (another request of this instance logs S already, or this is a disaggregated prefill, whose
-        decode instance logs S: not logged either; one writer per session)
-    each step --> the tokens generated since the last append are appended (synced; one append in
-                  flight per session, so they batch when the node is slower than the steps);
-                  its saves name S (SaveSpec.session_id)
-    fenced    --> an append or a save is refused (SessionFenced: S moved to another node): the
-                  request stops, vLLM ending it after the step it already scheduled (finish
-                  reason "length", stop_reason "kvstore_session_moved"); nothing of it is
-                  appended or saved here again
-    finished  --> its last tokens are appended (after the append in flight)
-
-Why a stop through ``max_tokens``: a connector has no call that finishes a request. Lowering it
-to the tokens already output lets vLLM's own stop check end the request and free its blocks
-the usual way. The tokens the source output after its log's end (at most a few: appends lag
-the steps) are not in the log; the target continues from the log.
+More: client/adapters/vllm/README.md (### sessions.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """Worker side of the connector: layer-wise loads into and saves out of vLLM's paged KV.
 
-One step::
-
-    bind metadata --> saves start (allocate in the background)
-    start_load_kv --> small leased hits: verified and copied now (no RPC);
-                      others: a layer-wise load starts (lease + verify, then layer by layer)
-    per layer i:  wait_for_layer_load(i) --> attention(i) --> save_kv_layer(i): copy out
-    wait_for_save --> loads settled: short or late ones become failed blocks
-                  --> saves of requests whose load failed are cancelled (never published);
-                      the others get their last layer and commit in the background
-    get_finished  --> requests whose saves are done may have their blocks freed (one whose saves ended short saves again first: resave.py)
-
-A save holds back its last layer until ``wait_for_save``: only then is it known that the KV it copies was computed
-from valid loaded KV, and a page is published only after all its layers are stored."""
+More: client/adapters/vllm/README.md (### worker.py).
+"""
 
 from __future__ import annotations
 
