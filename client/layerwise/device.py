@@ -1,13 +1,6 @@
 """How a layer-wise load hands layers to the engine, chosen by the device of its KV.
 
-* KV in host memory (CPU engines): the worker thread copies, ``wait(layer)`` returns once
-  the thread has copied the layer. Nothing else to do: ``HostLayers`` is a no-op.
-* KV on a device: the worker issues each layer's copies on a side stream and records one
-  event per layer there; ``wait(layer)`` then makes the engine's current stream wait on
-  that event, so the engine never blocks the host on the copy (``StreamLayers``). Every
-  device call goes through the seam (``kvstore.device_ops``): ``CudaOps`` on a GPU, and in
-  the tests ``CpuOps``, which runs these same lines on host memory and raises if the engine
-  ever waits on a layer whose event was not recorded.
+More: client/layerwise/README.md (### device.py).
 """
 
 from __future__ import annotations

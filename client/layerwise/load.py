@@ -1,52 +1,6 @@
 """Layer-wise load: copies run on their own worker while the engine computes.
 
-A ``LayerLoad`` fetches a hit into the engine's KV layer by layer. Its contract:
-
-* Before the first layer is released every page is leased: ``num_tokens`` is then the
-  prefix the engine may compute on (whole pages). A missing page only shortens it (partial
-  recompute); it never grows.
-* ``wait(layer)`` True: layer ``layer`` of those ``num_tokens`` tokens is in place. Every
-  page is verified against its checksum once its last layer is in, so the final word is
-  ``wait(num_layers - 1)``. If a page fails there (corrupt, or its slot changed under the
-  load), that wait returns False and ``num_tokens`` drops to the verified pages before it:
-  the engine must recompute from ``num_tokens`` on, including what it computed on top of
-  the dropped pages, since layers it was already given may have held wrong KV for them. A
-  page that failed is never counted.
-* How a page is checked: into an engine KV with ``host_pages()`` (a CPU tensor), a layer
-  of every page is copied by one native call that feeds each page's running checksum as
-  it copies (every byte read once, each piece hashed right after it was copied, so a
-  source that changes under the copy fails). Otherwise every page is checked before the
-  first layer is released (a corrupt one shortens ``num_tokens`` at once) and what landed
-  is hashed again after each layer write.
-* The deadline is known at start and the worker watches it itself: it starts a layer
-  write only if, at the pace of the slowest so far, it ends before the deadline. At the
-  deadline, on ``abandon`` (the client closing), on an error or on a lost lease, the load
-  is abandoned: no layer write starts any more (once ``abandon`` or a False ``wait``
-  returned, none is in progress), ``wait`` returns False and ``num_tokens`` is 0:
-  recompute everything.
-* ``finished()`` returns the tokens delivered and verified: 0 when abandoned.
-* What the transport holds for the load (leases on arena slots) is renewed every third of
-  the lease ttl for the life of the load, from a thread of its own (the worker may be
-  inside the engine's write); a renewal refused (the lease expired: its slots may have
-  been reused) abandons the load. Everything held is given back when the worker ends.
-
-On CPU the worker is a thread. KV on a device (``ops``, the device seam: CUDA, or its CPU
-implementation in the tests): the same worker issues each layer's copies on a side stream
-and records one event per layer; ``wait(layer)`` makes the engine's current stream wait on
-that event (no host sync on the engine's side; device.py). Such a load asks for device
-placement: pages the server placed in this client's hbm pool are copied device to device,
-the rest from the page-locked arena (transport/shm_staged.py). The worker drains the side
-stream before it gives the leases back, so no copy outlives them.
-
-Life of a load::
-
-    started --leased+checked--> copying --last layer in, every page verified--> done
-       |                           |------last layer in, page i failed its check--> done (num_tokens: i pages)
-       '---------------------------'--deadline / abandon / error / lease lost--> abandoned (num_tokens = 0)
-
-The worker and the keeper run the transport's coroutines on the client's I/O runtime
-(``runtime.run``), so the load progresses even while the engine's compute blocks the
-caller's event loop. Any transport works: the load reads ``Staged.pages`` layer by layer.
+More: client/layerwise/README.md (### load.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Layer-wise save: each layer the engine finished is copied out behind compute; the pages
 are published only when all their layers are stored.
 
-Contract of a ``LayerSave``:
-
-* ``layer_done(i)`` hands layer ``i`` of the new full pages to the worker, which copies it
-  into the transport's page buffers (arena slots, or buffers sent at publish).
-* ``finished()`` marks the layers not yet done, waits for the publish and returns the
-  leading tokens now stored; a durable save that comes back short raises PageMissing.
-  A synchronous caller does the same with ``mark_all()``, ``wait(timeout_s)`` and ``result()``.
-* The reserved slots are renewed every third of their term while the engine computes, so
-  a slow engine never has a layer copied into a slot the server gave to another writer.
-* ``abandon`` (the client closing) stops it: layers the engine did not mark done are never
-  copied, nothing is published unless every layer was marked, and what was reserved on
-  the server is given back. ``finished()`` then raises.
-
-The worker runs the transport's coroutines on the client's I/O runtime (``runtime.run``).
+More: client/layerwise/README.md (### save.py).
 """
 
 from __future__ import annotations
