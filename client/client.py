@@ -1,20 +1,6 @@
 """KVStoreClient: store the KV an engine computed, find the longest stored prefix, fetch it.
 
-Contract:
-* Only full pages are stored; ``put`` returns how many leading tokens are now stored.
-* ``lookup`` answers the longest contiguous stored prefix (page-aligned) in one RPC per
-  ``max_pages_per_request`` pages.
-* ``get`` delivers exactly the pages of the hit, each verified against its checksum, or
-  raises (PageMissing / PageCorrupt) after copying the valid leading pages; the exception's
-  ``num_tokens`` says how many leading tokens of ``into`` are valid.
-* Every RPC has a deadline: no call hangs. In a fork every call raises (client/forked.py).
-
-Every call runs on the client's I/O runtime (kvstore.client.runtime): the public async methods
-await it from the caller's loop; threads (layer-wise workers, synchronous engine hooks) use
-``client.runtime.run(coro, timeout_s)``. Unary calls go through ``client.calls`` (client/calls.py),
-which picks the call socket or gRPC (a lookup over the socket runs on the caller's loop itself).
-Page bytes move through the one transport picked at connect (kvstore.client.transport): the
-shared arena when this host can map it, else gRPC streams.
+More: client/README.md (### client.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """A client belongs to the process that connected it.
 
-A process that forks after its client connected (an engine starting its workers) hands the
-child copies of the client's sockets and of its event loops' epoll sets, but not the I/O
-runtime's thread. A child that used them would read answers meant for the parent (whichever
-process reads a shared socket first gets the bytes), wait forever for a thread it does not
-have, or, closing them, take the parent's sockets out of the epoll set both share (an
-epoll registration belongs to the open file, which parent and child hold together). So
-every way into the server checks the process first and refuses at once, and close() in a
-child closes nothing the parent still uses.
+More: client/README.md (### forked.py).
 """
 
 from __future__ import annotations

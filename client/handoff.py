@@ -1,16 +1,6 @@
 """Prefill -> decode handoff calls (DESIGN §12.7), mixed into KVStoreClient.
 
-The prefill side's client is connected to the prefill node, the decode side's to the decode node::
-
-    handoff_id = new_handoff_id()                               # sent to the decode side with the request
-    await prefill.handoff_open(handoff_id, "decode-node", tokens=prompt)   # pages pushed as they are stored
-    ... prefill saves the prompt's KV (put, put_keys, layer-wise save) ...
-    n = await prefill.handoff_complete(handoff_id, prompt, "decode-node")  # tokens handed off
-    hit = await decode.handoff_wait(handoff_id, prompt, deadline_s=2.0)     # the pages held at the decode node
-    await decode.get(hit, into)                                 # or load(hit, ...): releases the handoff's pins
-
-A handoff is bound to the caller's tenant and namespace: another tenant's wait, or a wait with a
-forged id, gets an empty hit at its deadline, exactly as for an unknown id.
+More: client/README.md (### handoff.py).
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Where an engine's KV pages lie in host memory, as byte offsets into one buffer.
 
-A layer-wise load copies one layer of every page at a time and must verify every page
-against its checksum. Going through torch views, each (page, layer) costs an indexing op
-and a copy, and the checksum a second read of the bytes. ``HostPages`` describes the
-places once (a buffer over the engine tensor's storage, one offset per page, the strides
-of a page's layer), so that ``kvstore.pagecopy.scatter_checksum`` copies a layer of every
-page, or every layer of a page, in one native call that also feeds each page's running
-checksum: every byte is read once.
-
-Only for CPU tensors whose strides allow it; an engine KV that has none answers None and
-the load goes through ``EngineKV.write_layer``.
+More: client/README.md (### hostpages.py).
 """
 
 from __future__ import annotations

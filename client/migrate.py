@@ -5,17 +5,7 @@ The client is connected to the session's source node (where its token log is)::
     summary = await client.migrate("req-42", "node-b")       # returns once node-b owns the session
     # summary.rounds, summary.round_bytes, summary.pause_ms, summary.total_bytes, summary.version
 
-Pre-copy: each round reads the session's log at the source, has the target fetch the stored
-pages of those tokens it lacks (the replica fetch path: the target pulls from the source) and
-keep the log copy, while the engine keeps appending and saving at the source. When what is
-stored and not copied is at most ``max_pause_bytes`` (the pause), the fence: the source stops
-taking the session's writes (durably), etcd decides the next version for the target, the last
-delta is copied, and the target adopts the final log. The catch-up takes about S0 / (copy rate
-- growth rate); a session whose uncopied bytes did not shrink for ``stall_rounds`` rounds in a
-row (growth >= copy) raises CannotConverge, with nothing fenced. Calling it again resumes
-(pages the target holds are not fetched again; a fence already made is answered again);
-``abort=True`` gives a migration not fenced yet up; ``take_over`` (a client of the target) takes
-the session over from a source that is gone (not a member of the cluster) with what it copied.
+More: client/README.md (### migrate.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """After the server restarted: what a client on its host holds of it, taken again.
 
-A restarted server has a new ``call_token`` (its call socket answers HELLO with it) and a new
-arena. The call channels (kvstore/callsocket/client_sync.py, client_aio.py) see the other token on their next
-connection and ask ``ServerAgain`` for the server's socket and token now: over gRPC, whose
-channel names the server the client asked for (TLS), so the check of the token keeps its
-meaning. The arena is mapped again first: a lease or an allocation of the new server names
-offsets in its arena, not in the old one. The old mapping goes once no copy runs on it
-(ShmTransport.remap: it holds the dead server's arena in RAM).
-
-An answer may still reach the client before its channel learnt of the restart (over gRPC),
-or an old server's answer be copied after: every Allocate and Acquire answer names the
-token of the arena its offsets are in, and ``ShmTransport.mapping`` copies only through that
-arena's mapping, mapping the new one first (``arena_again``) when it is not mapped yet.
+More: client/README.md (### restart.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The client's one I/O runtime: a private event loop on a thread of its own, owning the
 one ``grpc.aio`` channel to the server and (``local``) the call socket's channel for this loop.
 
-Every RPC runs on this loop, so that layer-wise loads, renewals and copies progress while an
-engine's compute blocks its own loop: ``await runtime.call(coro)`` from any event loop,
-``runtime.run(coro, timeout_s)`` from any other thread. ``rpc`` is the one place a method is
-called over gRPC (always with a deadline), ``error`` the one place a gRPC status becomes a
-kvstore error; which way a unary call goes is chosen by ``kvstore.client.calls.Calls``. Every
-job completes exactly once: a caller cancelled or timed out cancels its job and waits for it
-to unwind (its cleanup gives back leases and allocations); ``close`` does so for every job.
+More: client/README.md (### runtime.py).
 """
 
 from __future__ import annotations
