@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvstore.directory import Directory
 from kvstore.errors import KVStoreError
@@ -28,7 +29,7 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
                 dropped += 1
     layouts: dict[bytes, LayoutDesc] = {}
     recovered = [(tier, tier.recover()) for tier in tiers]
-    for namespace_id, newest in _newest_generations(recovered).items():  # a raise an OS crash undid: the pages say it
+    for namespace_id, newest in _newest_generations(recovered, directory.generation).items():  # a raise a crash undid
         if newest > directory.generation(namespace_id) and directory.persist_generation(namespace_id, newest):
             directory.enter_generation(namespace_id, newest)
             logger.warning("recovery: namespace %s has pages of generation %d: its generation raised to it",
@@ -58,12 +59,14 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
     return layouts
 
 
-def _newest_generations(recovered: list[tuple[Tier, list[StoredPage]]]) -> dict[bytes, int]:
-    """The newest generation of each namespace among the recovered pages (those above 0)."""
+def _newest_generations(recovered: list[tuple[Tier, list[StoredPage]]], known: Callable[[bytes], int]) -> dict[bytes, int]:
+    """The newest generation of each namespace among the recovered pages above ``known``, counted
+    only from a page whose header checks: an index entry's generation is read unchecked, and one
+    damaged entry trusted would make every other page of its namespace one of an invalidated generation."""
     newest: dict[bytes, int] = {}
-    for _, pages in recovered:
-        for _, namespace_id, _, page_generation in pages:
-            if page_generation > newest.get(namespace_id, 0):
+    for tier, pages in recovered:
+        for key, namespace_id, _, page_generation in pages:
+            if page_generation > max(newest.get(namespace_id, 0), known(namespace_id)) and tier.find(key) is not None:
                 newest[namespace_id] = page_generation
     return newest
 
