@@ -6,11 +6,7 @@ row (median, p90). The question: do the two socket channels beside the runtime's
 issue's bar: > 0.1 ms a call on the engine's path)? Each row is beside the way it would
 otherwise take, and a unary gRPC call beside both.
 
-* ``thread``: from a plain thread (the vLLM scheduler's): ``calls.call`` (the blocking channel)
-  against ``runtime.run(calls.unary(...))`` (the hop to the runtime loop and its channel).
-* ``loop``: from the caller's event loop: ``calls.unary`` (a Lookup takes this loop's own
-  channel) against ``runtime.call(calls.unary(...))`` (the hop), and ``runtime.rpc`` (gRPC).
-Methods: Lookup of 1 page and of all pages; Acquire of 1 page + a posted Release (a hit).
+More: bench/callpath/README.md (### callpath_bench.py).
 """
 
 from __future__ import annotations
