@@ -1,21 +1,7 @@
 """kvstore-bench cluster: cluster mode on loopback (one etcd, kvstore-server nodes as
-processes), in one run:
+processes), in one run.
 
-* remote get GB/s per data plane: an engine on node c gets a prefix stored on node a (c's
-  server fetches it into its host tier, the engine copies it out of shared memory), beside
-  the raw pump of the same transport and page size (a bare ucxx pump; a bare TCP socket pump
-  with the TCP plane's socket options; a bare gRPC stream), and its CPU seconds per GB (all
-  three processes) beside the floor's: the pump plus one verified copy (``cluster_paired``);
-* lookup p50/p99 of a 512-page prefix whose records are spread over 3 owners, from node c;
-* scaling: aggregate lookups/s with one engine per node, on the 3 nodes and again after 2
-  more joined (``cluster_scale``);
-* failover: SIGKILL of the node holding a prefix -> the first lookup at another node that no
-  longer lists it, and the worst lookup latency meanwhile;
-* Mooncake Store's remote TCP get of the same pages (``cluster_mooncake``; null with the
-  reason when the ``mooncake-transfer-engine-non-cuda`` wheel does not import);
-* pooled vs isolated: the hit rate of a trace replayed round-robin over 4 engine nodes
-  against one pooled cluster cache and against 4 isolated caches of the same total capacity
-  (``replay_pool``, the same code as ``kvstore-bench replay --suite pool``).
+More: bench/cluster/README.md (### cluster_bench.py).
 """
 
 from __future__ import annotations

@@ -5,20 +5,7 @@ timed minutes apart from its pump says little. Here each round times one pump of
 bytes and message size right before one remote get; the ratio is the median of the
 per-round ratios, with their spread (min, max) beside it.
 
-The get: an engine on node c gets a fresh prefix stored on node a (c's server fetches it
-into its host tier, the engine copies it out of shared memory, verified). Its destination is
-allocated and touched once before the rounds, as an engine's KV cache is and as the pumps'
-and Mooncake's destinations are: a fresh 128 MiB tensor per get would time the kernel's
-first-touch page faults (0.3-0.4 GB/s measured here), not the transfer.
-Beside it, the CPU of each get (median ms of node a, node c and this process, the engine;
-clock ticks of 10 ms) and of each pump round (all its processes): on busy cores the ratio
-tends to the CPU ratio, which no overlap hides. The figure README's "CPU per GB beside the floor" reports: CPU seconds per GB of
-the gets (all three processes) over the floor's, the pump plus one verified copy of the
-same bytes into a buffer of this process (copy + xxh3, ``cpu_floor.VerifiedCopy``), timed in
-each round between the pump and the get: ``cpu_ratio``.
-The pumps: a bare gRPC stream of page-sized messages (``rawgrpc``, its own process); a bare
-ucxx pump (``cluster_transport``: a client child and a server child, kept for all rounds); a
-bare TCP pump with the TCP plane's socket options (``cluster_tcp_pump``, likewise).
+More: bench/cluster/README.md (### cluster_paired.py).
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ request), with nothing checked, framed or leased. The sender sends one page-size
 from memory; the receiver ``recv_into``s a destination touched once beforehand, as the get's
 host-arena slots and the engine's tensor are.
 
-    python -m kvstore.bench.cluster.cluster_tcp_pump --rounds PAGE_BYTES BATCH TOTAL
-        (reads "round" lines on stdin, answers "gbps X" for each: TOTAL bytes moved)
-    python -m kvstore.bench.cluster.cluster_tcp_pump --serve PAGE_BYTES   (prints its port; until stdin closes)
+More: bench/cluster/README.md (### cluster_tcp_pump.py).
 """
 
 from __future__ import annotations
