@@ -6,10 +6,7 @@ predicts the bigger hosts engines run on. The floor is the least work a verified
 needs: the raw transport (memcpy, a bare pump, an O_DIRECT read) plus the one copy and/or
 one xxh3 pass that checking it costs, measured in the same run.
 
-Other processes' CPU is read from their process CPU clock (``clock_gettime`` of the pid's
-CPUCLOCK_SCHED clock: ns, all threads), else from /proc/PID/stat (``proc_stat.cpu_seconds``:
-clock ticks, 10 ms, which read a server's ~1 ms of CPU per get as 0 or 10 ms); this process's
-from ``time.process_time`` (ns, all threads), so a small smoke run still gets a floor above zero.
+More: bench/common/README.md (### cpu_floor.py).
 """
 
 from __future__ import annotations
