@@ -1,19 +1,8 @@
 """kvstore-bench crash: SIGKILL the real server at random instants during concurrent
 durable and RAM-only writes and reads, restart it on the same directories, and check after
-every restart:
+every restart.
 
-* every durable put acknowledged before the kill is found whole and bit-exact, also where
-  its leading pages were first stored RAM-only by another put (puts share prefixes: each
-  either starts fresh or extends some pages of an earlier sequence);
-* every RAM-only put is absent, or present bit-exact (where its pages were demoted to SSD,
-  or written durably by another put, before the kill): no directory entry without bytes;
-* pages of puts in flight at the kill are either absent or bit-exact (never torn);
-* no read, during the load or after, ever returns bytes other than the ones written, and no
-  request fails while the server is up: a page evicted between lookup and read is the only
-  error a live reader may see.
-
-A page's KV is a function of its key, so every put that shares a prefix writes the same
-bytes and any read is checked against it.
+More: bench/durability/README.md (### crash.py).
 """
 
 from __future__ import annotations

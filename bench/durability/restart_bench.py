@@ -1,16 +1,6 @@
 """kvstore-bench restart: how long a user waits for a restarted server holding N pages.
 
-The store is built first: N pages really written through the SSD tier's write path (slot
-write, fdatasync, index), not a sparse file. Then two figures:
-
-* ``server_first_lookup_s``, what a user waits for: a fresh ``kvstore-server`` process,
-  from its start until its first Lookup answers (interpreter start, SSD index read and
-  cross-checked against the data file, directory rebuilt, gRPC up). Before it starts the
-  page cache is dropped (``/proc/sys/vm/drop_caches``) where the machine allows it;
-  elsewhere only the store's own files are evicted (``posix_fadvise(DONTNEED)``), and the
-  output says which, with the share of the store's files still cached at the start.
-* ``constructor_s``: the ``Placement`` (core) constructor alone, in the process that just built
-  the store (warm cache): recovery without process start-up and cold reads.
+More: bench/durability/README.md (### restart_bench.py).
 """
 
 from __future__ import annotations
