@@ -1,17 +1,6 @@
 """kvstore-bench crossover: when does fetching stored KV beat recomputing it, here?
 
-Measures, in one run, for a real transformers model (random weights, sized by flags) and
-several prefix lengths: the prefill time (T_recompute) and, through the real store, T_write
-and T_read for each path (host via shared memory, host via gRPC, SSD), plus gRPC reads
-through an emulated link whose bandwidth is swept. Reads are predicted by the online cost
-model the vLLM connector decides with (kvstore/cost_model.py): each path's model is fed
-that path's reads in the order they are measured, and every length's read is predicted
-before it is measured, so the longest prefix is predicted from the shorter ones only.
-Recompute is predicted as the connector decides it, tokens x the slope fitted to every
-prefill (LoadCosts.recompute_s), once with the longest length seen and once from the
-shorter ones only (prefill grows faster than linearly past the sizes seen: attention,
-caches). Draws time vs prefix length (each path vs recompute) and time vs link bandwidth, with the
-crossover marked.
+More: bench/engine/README.md (### crossover.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ transformers model (CPU), in three modes:
 * layerwise-ahead: the same with ``ahead`` layers preloaded, ``ahead`` proposed by the
   client's helper from the measured bandwidth (S_buf = B·(T_read − T_new)).
 
-T_read (load alone) and T_compute (prefill alone, KV already in memory) are measured in the
-same run; ideal = max(T_read, T_compute). Torch runs on one thread so that the copy worker
-has the other core.
+More: bench/engine/README.md (### overlap.py).
 """
 
 from __future__ import annotations
