@@ -2,19 +2,7 @@
 auth and TLS on; the server must stay up, never answer INTERNAL or UNKNOWN, never hang, keep
 its memory, and still be exact afterwards.
 
-Every RPC of every service in kvstore/_proto is called, taken from the descriptors (a new
-RPC is fuzzed without an edit here). A call starts from a valid request of its caller's
-tenant (fuzz_cases: real namespace ids, keys of stored pages, live handles, valid layouts,
-valid PageChunk streams), then is sent as is, with fields mutated, with its encoding
-damaged, or replaced by random bytes (fuzz_mutate); client-streaming calls get chunks out
-of order, duplicated, dropped, cut mid-page or cancelled mid-stream; server-streaming ones
-are read a little and cancelled. Callers are the two tenants, an admin, and callers with no,
-an unknown or a malformed token (those must get UNAUTHENTICATED).
-
-Violations: a server crash; an INTERNAL or UNKNOWN answer (listed with its request); a unary
-call that hangs past its deadline; an unauthenticated call answered otherwise than
-UNAUTHENTICATED; leases left after every handle handed out was released; server RSS growing
->= 10% from the end of the warm-up to the end; the acceptance example not exact afterwards.
+More: bench/fuzz/README.md (### fuzz_bench.py).
 """
 
 from __future__ import annotations

@@ -6,12 +6,7 @@ come from a ``Values`` source that hands out real ones seen during the run, anot
 tenant's, or near misses (a byte short, a byte long, random). So a field added to the
 proto, or a new RPC, is mutated without code here.
 
-Three levels, as a grammar fuzzer does it:
-* ``fill``: a message of any type with random, typed field values;
-* ``mutate``: a valid message with one to three fields changed (boundary integers, wrong
-  lengths, huge repeated fields within the message-size limit, cleared or foreign values);
-* ``mutate_encoding``: the encoded bytes truncated, bit-flipped, extended, with unknown or
-  wrongly typed fields, overlong varints, lengths past the end, nested groups.
+More: bench/fuzz/README.md (### fuzz_mutate.py).
 """
 
 from __future__ import annotations
