@@ -1,49 +1,7 @@
 """kvstore-bench lookup: how fast the directory answers a 512-page prefix, idle and while
 the store demotes to SSD at full speed.
 
-A real ``kvstore-server`` process; every client is its own process (see lookup_load.py)
-calling the Lookup RPC with the prefix's keys computed once, for ``--seconds``; p50/p99
-are over every call of every client, lookups/s is calls over the window. In the
-``demoting`` runs a writer process puts fresh 2.25 MiB pages (as fast as it can, or at
-``--writer-rate``) into a host tier smaller than
-what it writes, so every allocation evicts a page to SSD (the demotion rate is read from
-the server's own counters and printed beside). The ``writing`` rows are their control: the
-same writer, paced to the page rate it reached in the demoting row of the same client
-count, against a second server with no SSD tier (its evictions are in-memory drops), so
-that what the writer's own CPU costs the lookups on this machine is told apart from what
-demotion costs them. The ``draining`` rows measure demotion alone: a server of its own with
-a larger host tier (``--drain-host-capacity``) is filled by the writer to just below its
-demotion watermark, and the page that passes it is put as the lookups' window opens: the
-lookups run while the demoter writes that backlog down at full speed (down to
-``--demote-to`` of 0.05), from its first page (``demoted_before_window_gb``: 0). The GB/s demoted is read over the lookups' own window, and
-the row says whether that window lay wholly inside the drain (the host tier was still
-above its low watermark when it ended). With ``--repeat K`` every idle and draining row is K
-windows (each drain on a fresh server), their calls pooled: on a noisy 2-core VM one window's
-p99 moves by 2x from run to run, idle as much as draining, and the goal is a ratio of two of
-them. The hashing of the prefix's tokens alone is timed here.
-
-What each row's ``call`` times (its ``path`` says which transport it took):
-
-* ``Lookup RPC``: a bare synchronous gRPC stub's Lookup, keys computed once (gRPC on loopback).
-* ``client.lookup_keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client, keys
-  computed once: over the same-host call socket, on the caller's own event loop
-  (client/calls.py); what an engine on the server's host pays when it keeps a
-  request's keys. Beside every ``Lookup RPC`` row (each state, each client count).
-* ``client.lookup`` (idle, one client): ``KVStoreClient.lookup(tokens)`` of a client without
-  shared memory: hashing the tokens, then the Lookup over grpc.aio on the client's I/O
-  runtime thread (a ``use_shm=False`` client makes its unary calls over gRPC).
-
-* ``bare round trip (no kvstore)`` (lookup_floor.py): the floor under them, one process
-  sending a 512-key Lookup's bytes over a Unix socket to another that answers a Lookup
-  answer's bytes after ``--floor-work-ms`` of busy work, idle and beside ``dd oflag=direct``
-  writing to this run's directory (its GB/s in the demoted column): what the machine itself
-  does to a round trip of this shape while its disk takes direct writes.
-
-Goals (architecture issue): idle p50 <= 1 ms, p99 <= 5 ms; demoting p99 <= 2x idle;
->= 2,000 lookups/s from 8 clients. The table ends with each call's draining/idle p99 ratio
-at one client, the floor's beside it, and judges them against the floor (lookup_report.py):
-the draining rows' ``ratio_over_floor`` (goal <= 1.25) and the server's CPU per GB demoted over
-the draining windows beside dd's own plus one xxh3 pass, ``demoter_cpu_ratio`` (goal <= 1.3).
+More: bench/lookup/README.md (### lookup_bench.py).
 """
 
 from __future__ import annotations

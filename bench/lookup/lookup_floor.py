@@ -1,21 +1,7 @@
 """The floor under kvstore-bench lookup's rows: a bare Unix-socket round trip of a Lookup's
 sizes, no kvstore at all, timed idle and beside a full-speed O_DIRECT writer.
 
-The lookup rows' goal under demotion (p99 <= 2x idle) is a ratio; what a 2-core VM does to
-any process's round trip while its disk takes direct writes is part of it. So the same run
-times the least a lookup could cost: one process sends a request of a 512-key Lookup's bytes
-over a Unix socket to another, which answers with a Lookup answer's bytes (the call socket's
-frames, nothing parsed, nothing looked up), back to back for the window; once idle and once
-while ``dd oflag=direct`` writes 2 MiB blocks (the demoter's batch size) into the lookup
-run's work directory, on the SSD tier's filesystem, as fast as it can.
-
-The draining row also carries the demoter's CPU floor: dd's own CPU seconds per GB
-it wrote over that window (its process CPU clock, ``cpu_floor.Meter``), ``cpu_s_per_gb``, plus
-one xxh3 pass per GB (``cpu_floor.HashPass`` over a buffer of this process), ``hash_cpu_s_per_gb``:
-their sum is ``demote_floor_cpu_s_per_gb``, the least CPU a verified byte written O_DIRECT costs.
-
-Run as ``python -m kvstore.bench.lookup.lookup_floor serve PATH REQUEST_BYTES ANSWER_BYTES``: the
-echo process (lookup.py starts it).
+More: bench/lookup/README.md (### lookup_floor.py).
 """
 
 from __future__ import annotations

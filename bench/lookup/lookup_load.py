@@ -6,19 +6,7 @@ coroutines sharing one GIL. Every process connects and warms up, prints ``ready`
 the wall-clock start time from stdin (sent once all are ready), runs until start +
 ``--seconds`` and prints one JSON line with what it measured.
 
-Roles:
-* ``rpc``: the Lookup RPC of a 512-page prefix with its keys computed once (what an
-  engine pays per lookup when it keeps a request's keys).
-* ``client``: ``KVStoreClient.lookup(tokens)`` of a client without shared memory
-  (``use_shm=False``): hashing the tokens, then the Lookup over grpc.aio on the client's I/O
-  runtime thread (such a client makes its unary calls over gRPC).
-* ``keys``: ``KVStoreClient.lookup_keys(keys)`` of a default client on the server's host,
-  keys computed once: the Lookup over the same-host call socket on the caller's own event
-  loop (client/calls.py), the engine's path when it keeps a request's keys. It reports
-  the path it took (``path``: "call socket" only when the client has the socket).
-* ``writer``: puts fresh 2.25 MiB pages as fast as it can into a host tier smaller than
-  what it writes, so that every allocation demotes a page to SSD; with ``--count`` it stops
-  after that many pages (the draining row fills the host tier with it, then lets it drain).
+More: bench/lookup/README.md (### lookup_load.py).
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """kvstore-bench lookup's goal fields and table (README: the lookup tail while demoting, against the floor).
 
-The lookup tail while demoting is judged against the kernel's own floor measured in the
-same run (lookup_floor.py: a bare Unix-socket round trip, idle and beside ``dd
-oflag=direct``). Every draining row of one client gets ``p99_ratio`` (its p99 over the idle
-p99 of the same call and client count), ``floor_p99_ratio`` (the bare round trip's) and
-``ratio_over_floor`` (the first over the second; goal <= 1.25). Every draining row of the
-store gets ``demoter_cpu_s_per_gb`` (lookup.py: the server process's CPU seconds over the
-windows per GB demoted in them; the lookups it answers meanwhile are in it too) beside
-``demote_floor_cpu_s_per_gb`` (dd's own CPU per GB written plus one xxh3 pass per GB) and
-``demoter_cpu_ratio`` (goal <= 1.3). As the lookups' share of that CPU is not the demoter's, a
-draining row also gets ``lookups_cpu_s_per_gb``, an estimate of it (its lookups times the
-server's CPU per lookup in the idle row of the same call, ``server_cpu_ms_per_lookup``, per GB
-demoted), and ``demoter_less_lookups_cpu_ratio``, the ratio without it. A field that cannot be formed (no dd, no O_DIRECT, nothing
-demoted in the window) is None.
+More: bench/lookup/README.md (### lookup_report.py).
 """
 
 from __future__ import annotations
