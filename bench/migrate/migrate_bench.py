@@ -1,26 +1,7 @@
 """kvstore-bench migrate: the catch-up of a live migration (DESIGN §12.8; the chapter's Fig. 9-43)
 against the model S0 / (copy rate - growth rate), and the pause.
 
-Per row (``--copy-gbps``, 0: not capped), two fresh nodes on one etcd on ``--data-plane``, node a
-advertising a ``LinkProxy`` capped at the row's rate where b pulls its pages from (its TCP data
-listener; its gRPC server on the gRPC plane; ``migrate_row.py``). Why TCP by default and not the
-server's default, UCX: the bench's link is TCP, on which the TCP plane is the one for bulk copies
-(the gRPC plane is the fallback, the one with TLS), and a userspace proxy cannot cap UCX (UCX rows are
-uncapped only). First a raw TCP transfer through a proxy of the same cap measures the link c (the
-model's copy rate, not assumed). Then a session of ``--session`` bytes is stored at a (its log and its pages)
-and ``client.migrate`` moves it to b while a writer task keeps saving new pages and logging
-their tokens at a at ``--growth-gbps``. Bytes stored at a and not yet at b are sampled every
-``--sample-ms`` from b's host tier (its Stats; and at each round's end from the migration's callback): the
-catch-up curve. converge_s: the migrate call to the fence (the pre-copy); the model: S0 / (c - g)
-with g the growth the writer really made meanwhile. pause_ms: the fence asked -> the target
-adopted (``MigrationSummary.pause_ms``; ``--max-pause-ms`` sets the last delta). A row whose
-cap is at most the growth runs a ``--small-session`` and must end in CannotConverge (converge_s
-null, the reason beside it). CPU: user + system seconds of both nodes, etcd and this process
-(the writer, the proxy, the client) over the migration, per GB copied; the raw transfer's
-per GB beside it (this process: sender, proxy and sink).
-
-Goals (DESIGN §12.8; reported, never tuned): converge_s <= 1.25 x the model; pause <= 50 ms for
-the uncapped (loopback) row's session; cannot converge reported when growth >= copy.
+More: bench/migrate/README.md (### migrate_bench.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """One row of ``kvstore-bench migrate``: a growing session moved from node a to node b over a
 capped link, its catch-up curve sampled, and the raw link measured through a proxy of the same rate.
 
-Two fresh nodes on the run's etcd per row, on the row's data plane. Node a advertises a
-``LinkProxy`` where b's page fetches from it go: its data listener on the TCP plane
-(``--advertise-data-port``), its gRPC server on the gRPC plane; so those cross the capped link while
-the bench's own calls reach each node directly. UCX takes no proxy (its transport connects to
-addresses of its own past the listener: a 0.1 GB/s proxy there let 0.35 GB/s through), so a UCX row
-is uncapped, loopback direct, and so is its raw transfer. A row's nodes hold its session alone: nothing
-of an earlier row is evicted while this one is timed.
+More: bench/migrate/README.md (### migrate_row.py).
 """
 
 from __future__ import annotations
