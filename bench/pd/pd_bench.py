@@ -2,39 +2,7 @@
 chapter's transfer model (DESIGN §12.7: handoff time = bytes / link bandwidth + a fixed
 cost).
 
-Two vLLM-CPU engines with random weights (``pd_engine.py``, one process each), two kvstore
-nodes on one etcd (``np`` beside the prefill engine, ``nd`` beside the decode engine; the
-``--data-plane`` between them). For each ``--tokens`` T, ``--repeats`` times, on fresh prompts
-of T tokens (whole pages, all handed off), in a rotating order:
-
-* colocated: the decode engine alone runs the prompt for two tokens (no handoff; its connector
-  looks up and saves as for any request). TTFT and second token = from its ``generate`` call to
-  the end of the step that gave each.
-* pool / direct: as ``kvstore-pd-proxy`` serves a completion, the first token is the prefill's.
-  The prefill engine runs the prompt for one token with ``kv_transfer_params`` asking for a
-  remote decode (pool: no decode node named, the decode node pulls the pages by lookup when
-  the decode side waits; direct: ``kvstore_decode_node`` = nd, the prefill node pushes each
-  page as it is stored): TTFT = from its ``generate`` call to its token. As soon as it
-  answers, the decode engine gets the prompt + that token with the answer's parameters (its
-  hit: the T handed-off tokens; it computes the one past them), while the prefill engine keeps
-  stepping to complete the handoff (as ``vllm serve`` does): second token = from the
-  prefill's ``generate`` call to the decode's token. What the proxy adds, an HTTP hop each
-  way, is in neither.
-
-Handoff time, the same points in both PD arms, CLOCK_MONOTONIC of this host: from the end of
-the prefill connector's last layer-wise save of the prompt (the prefill node acknowledged the
-commit of the last page) to the return of the decode connector's ``handoff_wait`` with every
-page (the completion marker set at the decode node, every page held there). Bytes: the pages
-handed off (T tokens x bytes per token of ``--layers``, ``--kv-heads``, ``--head-dim``, fp32).
-
-The model beside it: ``bytes / link + fixed``. ``link``: a raw TCP pump between two processes
-of this host (``cluster_tcp_pump.py``: the TCP data plane's socket settings, page-sized
-messages), in the same run. ``fixed``: the median direct handoff of a one-page prompt minus
-that page's bytes / link. Goals (DESIGN §12.7): direct handoff <= 1.2 x bytes / link + 5 ms,
-direct TTFT <= colocated TTFT + the direct handoff, and direct second token <= colocated
-second token + the direct handoff. CPU: seconds of user + system time of the
-two nodes and of the two engines (/proc) per GB handed off, over each PD arm's window; the
-pump's per GB beside it.
+More: bench/pd/README.md (### pd_bench.py).
 """
 
 from __future__ import annotations

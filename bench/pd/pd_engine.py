@@ -3,24 +3,7 @@
 Usage: ``python -m kvstore.bench.pd.pd_engine MODEL_DIR CONFIG_JSON``. The protocol goes over the
 process's original stdout (vLLM's own output is moved to stderr).
 
-Why a process of its own per engine: a prefill and a decode instance are two engines, and the
-prefill one must go on stepping after it answered (as ``vllm serve``'s busy loop does) so that
-its connector completes the handoff while the decode instance already waits on the marker.
-Here the loop steps while the connector holds a finished request's blocks, with a 1 ms pause
-between steps (an idle spin would take a core of two from the decode engine), and reads the
-next command between them.
-
-Timestamps (CLOCK_MONOTONIC, comparable between processes of one host) are taken by wrapping
-the connector's client calls, not by changing them: a layer-wise save's end (its pages'
-commit acknowledged by the node), ``handoff_complete`` and ``handoff_wait`` (start, return),
-and the decode worker's fetch (the marker, then the lease of the pages; a staging get without the arena) ending.
-
-Commands: ``{"cmd": "generate", "prompts", "max_tokens", "skip_prefix_cache", "kv_transfer_params"}``
--> ``{"start", "end", "outputs": [{"tokens", "token_times", "num_cached_tokens", "kv_transfer_params"}]}``
-as soon as the prompts ended (start/end: monotonic around adding them and stepping the engine until they
-finished, as ``LLM.generate`` does; ``token_times``: the end of the step that gave each token); ``{"cmd": "settle"}`` steps until no
-block is held and every save ended, then answers the stamps taken since the last settle;
-``{"cmd": "pd_stats"}``; ``{"cmd": "exit"}``.
+More: bench/pd/README.md (### pd_engine.py).
 """
 
 from __future__ import annotations
