@@ -2,17 +2,7 @@
 Mooncake-format trace (one page per 512-token block, payloads scaled down), on simulated
 time, and compare policies with the offline optimum (Belady) at the same capacity.
 
-Two questions, each a suite of runs:
-* admission: host H blocks + SSD S blocks; "all" writes every evicted page (no budget);
-  the other policies get a write budget of ``--budget-of-all`` times what "all" wrote.
-  SSD hits kept = a policy's SSD hits / the SSD hits of "all". "oracle" reads the trace's
-  future (admits pages used at least twice more): the bound for an online policy.
-* eviction: host-only caches of ``--capacities`` blocks, LRU (window 0) vs queue-aware
-  eviction with the hints a scheduler would send for requests arriving in the next W s.
-
-A third suite, ``pool``, runs real server processes instead (``replay_pool``): the trace
-round-robin over ``--pool-nodes`` engine nodes, against one pooled cluster cache and against
-isolated per-node caches of the same total capacity (``--pool-blocks``).
+More: bench/replay/README.md (### replay_bench.py).
 """
 
 from __future__ import annotations

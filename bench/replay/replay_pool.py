@@ -2,18 +2,7 @@
 isolated per-node caches of the same total capacity, on a Mooncake-format trace (DESIGN §12:
 the reason a cluster exists).
 
-Requests go round-robin to ``nodes`` engines, each with a client of its own node. Each
-request looks up its chain of blocks (one page per 512-token block), gets the hit (on the
-cluster, pages held by other nodes are fetched into this node's host tier first) and puts
-the rest, as an engine that recomputed it. The hit rate counts the pages a get delivered,
-not what a lookup promised. Both runs are real ``kvstore-server`` processes on loopback:
-``nodes`` cluster members on one etcd, then ``nodes`` single servers, each with a host tier
-of ``capacity_blocks / nodes`` pages.
-
-The replay runs faster than the trace's clock. So that a prefix stored on one node is
-findable from the others before the next request asks, as the trace's seconds between
-requests would make it, the pooled run waits after each put until the next node's lookup
-lists what was stored (bounded; late records are counted).
+More: bench/replay/README.md (### replay_pool.py).
 """
 
 from __future__ import annotations
