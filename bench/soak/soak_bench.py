@@ -1,22 +1,10 @@
 """kvstore-bench soak: N client processes of two tenants (each client its own token) run a
 mixed put / lookup / get / layer-wise save and load workload against a real kvstore-server
 with TLS and auth on, every read checked bit-exact; then the same workload against a plain
-loopback server (no TLS, no auth file), back to back; once through shared memory and once
-over gRPC (use_shm=False). With auth each tenant's clients map their tenant's own arena (the
-server hands it over its arena socket to their tokens), sized by the tenant's host_bytes quota,
-which the bench sets to --host-capacity / tenants; without, every client maps the server's one
-arena of --host-capacity. Both sides hold the same RAM and so evict alike: a server that evicts
-less would miss less and do less work (soak_tiers.py reports what each side's host tier did).
+loopback server (no TLS, no auth file), back to back. Reported: errors, wrong bytes, latency,
+server RSS growth, and the cost of TLS + auth.
 
-Reported per phase: errors and wrong bytes (both must be 0), p50/p99 latency per operation
-and ops/s after the warm-up, server RSS from minute 1 (or, in a run shorter than two minutes,
-from the end of the warm-up) to the end (growth must be < 5%), the load average. A phase is a
-warm-up minute, then the measured minute (--warmup-s, --duration-s): the server's bounded
-structures (caches, heaps) fill in the first one. And the cost
-of TLS + auth: secure vs plain per transport (goal: shm unaffected, gRPC <= 15% slower; a
-goal, not a verdict: this measures speed on a shared machine), from the phases and, decisive
-when run (--rounds), from interleaved short rounds of each compared pair (soak_rounds.py: the
-median of per-round-pair slowdowns, with min and max). --plot: a PNG of latency and RSS over time.
+More: bench/soak/README.md (### soak_bench.py).
 """
 
 from __future__ import annotations

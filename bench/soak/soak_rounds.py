@@ -1,16 +1,6 @@
 """The cost of TLS + auth measured in interleaved rounds (kvstore-bench soak --rounds).
 
-One long phase after another compares two stretches of a shared machine: with 16 client
-processes on 2 cores, a phase's ops/s moves 15-30% with whatever else runs, and the same
-comparison once gave 0.2%, 13.9%, 16.4%, 28.3%. Here each compared pair (plain vs secure,
-TLS alone, auth alone, the --local-socket path) runs as short rounds, each a fresh server
-with its own warm-up, alternating which of the two goes first (plain, secure, secure, plain,
-...: a drift in the load lands on both sides alike). Each round pair gives one slowdown
-(plain ops/s / other ops/s - 1); the cost is their median, with min and max beside it and
-every round's ops/s in the report, so one noisy stretch cannot decide it. A round is a phase
-of soak.py (the same server flags: with auth, each tenant's arena is --host-capacity / tenants),
-and each round's evictions per put and share of looked-up tokens found are kept beside its
-ops/s: the two sides of a round pair must evict alike for its slowdown to be like-for-like.
+More: bench/soak/README.md (### soak_rounds.py).
 """
 
 from __future__ import annotations

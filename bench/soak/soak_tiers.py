@@ -1,13 +1,6 @@
 """What the server's host tier did in one soak phase, from its Stats answers (soak.py).
 
-A cost of TLS + auth measured on two servers is like-for-like only when both hold the same
-RAM and so evict alike: a server that evicts less misses less and does less work, which
-would flatter the secure side. The plain server has one arena of --host-capacity for both
-tenants; with auth each tenant has its own, sized by its host_bytes quota, which soak.py
-sets to --host-capacity / tenants. These figures show it held: the host tier's capacity
-(the sum of the arenas), and over the measured window (warm-up end to the end) its
-evictions, hits and misses as the server counts them (a hit or miss: a page an Acquire asked
-of the host tier), and each tenant's host bytes used and quota at the end.
+More: bench/soak/README.md (### soak_tiers.py).
 """
 
 from __future__ import annotations

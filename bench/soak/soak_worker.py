@@ -1,18 +1,7 @@
 """One soak client process (soak.py starts them): a mixed put / lookup / get / layer-wise
 save and load loop on one namespace of its tenant, every byte read checked.
 
-A page's KV is a function of its key, so pages put by any client of the tenant verify
-against the same bytes. Prompts share prefixes (16 bases, 1-4 pages each, then 1-8 pages
-of their own) and outnumber what the host tier holds, so puts keep writing new bytes and
-the server keeps evicting. Expected outcomes that are not errors, counted on their own: a
-page evicted between a lookup and its read (``misses``), a layer-wise load that stops
-short at a page evicted meanwhile (``short_loads``). How much of what it looked up in the
-measured window was stored (``window_lookups``, ``window_lookup_hits``: lookups that found a
-prefix; ``window_tokens_asked``, ``window_tokens_hit``) tells how much the server evicted.
-
-Protocol with the parent, over a Pipe: it sends a phase (dict) or None (exit); the worker
-connects and answers "connected"; the parent sends the wall-clock start; the worker runs
-until start + warmup_s + duration_s and answers its results (dict).
+More: bench/soak/README.md (### soak_worker.py).
 """
 
 from __future__ import annotations
