@@ -1,18 +1,7 @@
 """kvstore-bench throughput: put/get of 2.25 MiB pages through the client, per data path,
 beside the limit each path chases, measured in the same run.
 
-| path | limit | floor (limit + checking the bytes) |
-| --- | --- | --- |
-| host-shm-put/get | memcpy of the same bytes, the better of two copies: ordinary stores (torch copy_) and the non-temporal stores the path writes slots with (2 threads, as the client's copy pool) | memcpy + one xxh3 pass, apart or fused (the leaner) |
-| host-grpc-put/get | raw gRPC byte stream of the same size in messages of the same size (bare server, no processing) | + one verified copy (copy + xxh3 in one pass) |
-| ssd-put | raw O_DIRECT sequential page writes + fdatasync on the same filesystem | + one xxh3 pass |
-| ssd-get | raw O_DIRECT page reads of the same bytes | + one xxh3 pass |
-
-Beside each rate it reports the CPU every process spent per GB moved (this process and the
-server for a path; this process and the raw gRPC pump for its limit and floor) and
-``cpu_ratio``, the path's over the floor's (README, "CPU per GB beside the floor"): on a host where client and server
-share few cores, a path that needs more CPU per byte than its floor cannot reach it,
-whatever the transport does, and the figure does not depend on the core count.
+More: bench/throughput/README.md (### throughput_bench.py).
 """
 
 from __future__ import annotations
