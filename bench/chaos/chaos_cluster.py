@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.bench.chaos.proxy import Proxy
+from kvstore.bench.chaos.ssd_flip import SsdDamage, flip_ssd
 from kvstore.bench.common.cluster_procs import etcd_binary
 from kvstore.bench.common.harness import free_port, rss, stop_process
 from kvstore.tiers.host import ARENA_HEADER_BYTES, remove_stale_arenas
@@ -205,6 +206,18 @@ class ChaosNode:
         finally:
             for opened in arenas.values():
                 os.close(opened)
+
+    def flip_ssd_bytes(self, rng: random.Random, count: int) -> SsdDamage | None:
+        """Inverts ``count`` bytes of pages this node's SSD tier indexes (ssd_flip.py), the node
+        stopped meanwhile: no slot it holds is freed and written again under the flip, so the
+        pages returned are all that were hit. None while the node is down."""
+        if not self.running:
+            return None
+        self.pause()
+        try:
+            return flip_ssd(self.dir / "ssd", rng, count)
+        finally:
+            self.resume()
 
     def resources(self) -> dict[str, int]:
         """RSS parts (bytes) and open descriptors, from /proc, and the C heap's ``heap_in_use`` and

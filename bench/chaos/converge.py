@@ -2,7 +2,7 @@
 
 * b: every acknowledged durable put is found again (a lookup at every node promises all of
   it, a get delivers its bytes), unless an invalidation of its namespace started after it
-  started or was still unsettled when it started;
+  started or was still unsettled when it started; up to its first page an ssd_flip damaged;
 * c: at every node, what a lookup of each of the history's prefixes promises is delivered
   whole by a get (no PageMissing: no phantom records), with bytes of the namespace's window.
 
@@ -35,12 +35,18 @@ class Prefix:
 
 
 def durable_prefixes(history: History) -> list[Prefix]:
-    """The longest acknowledged durable prefix of each (tenant, namespace, root) expected back."""
+    """The longest acknowledged durable prefix of each (tenant, namespace, root) expected back,
+    each cut before its first page an ssd_flip damaged: a durable page whose SSD copy was hit
+    may be lost once its node restarts (quarantined, never served); the pages before it may not."""
     gens = generations(history.ops)
+    damaged = {key for fault in history.faults for key in fault.keys}
     best: dict[tuple[str, str, int], Prefix] = {}
     for op in history.ops:
         g = gens[(op.tenant, op.namespace)]
         n = acknowledged_tokens(op)
+        hit = next((k for k, key in enumerate(op.keys) if key in damaged), None)
+        if hit is not None:
+            n = min(n, hit * LAYOUT.page_tokens)
         if op.kind != "put" or not op.durable or n == 0 or op.generation is None:
             continue
         if g.invalidated_after(op.start) or g.unsettled_at(op.start) or op.generation != g.lowest(op.start):

@@ -11,6 +11,7 @@ injected while the traffic runs; each fault heals itself at the end of its durat
 | etcd_link_delay | hold what etcd sends one node (its watch and keep-alive answers lag) | 0.5-2 s |
 | data_link_slow | hold what a node sends its peers (fetches, lookups, invalidation pushes) | 0.3-1 s |
 | arena_flip | flip bytes at random places of a node's host arenas (a stray write of a process that maps one) | at once |
+| ssd_flip | flip bytes of pages a node's SSD tier indexes: payloads, slot headers, index entries (bit rot, a stray write) | at once |
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ logger = logging.getLogger(__name__)
 DURATIONS_S = {
     "node_kill": (0.0, 1.5), "node_pause": (0.5, 3.0), "etcd_kill": (0.0, 1.5), "etcd_wipe": (0.0, 1.0),
     "etcd_link_cut": (1.0, 4.0), "etcd_link_delay": (0.5, 2.0), "data_link_slow": (0.3, 1.0), "arena_flip": (0.0, 0.0),
+    "ssd_flip": (0.0, 0.0),
 }
 FLIPS = 64  # bytes an arena_flip changes; a 64 MiB arena a tenant fills to a few MiB: some land in stored pages
+SSD_FLIPS = 8  # bytes an ssd_flip changes, each in a page its SSD tier indexes (a history's node holds tens)
+SEEDED = ("arena_flip", "ssd_flip")  # kinds whose bytes land where their own seed says
 KINDS = list(DURATIONS_S)
 ETCD_KINDS = ("etcd_kill", "etcd_wipe")
 TWO_AT_ONCE = 0.4  # the share of slots with two faults at a time
@@ -41,7 +45,7 @@ class PlannedFault:
     kind: str
     target: str  # a node's name, or "etcd"
     duration_s: float
-    seed: int = 0  # arena_flip: where its bytes land
+    seed: int = 0  # arena_flip, ssd_flip: where its bytes land
 
 
 def plan_faults(rng: random.Random, nodes: list[str], steady: str, kinds: list[str],
@@ -65,7 +69,7 @@ def plan_faults(rng: random.Random, nodes: list[str], steady: str, kinds: list[s
                 continue
             low, high = DURATIONS_S[kind]
             target, duration_s = rng.choice(free), round(rng.uniform(low, high), 3)
-            chosen.append(PlannedFault(kind, target, duration_s, rng.getrandbits(32) if kind == "arena_flip" else 0))
+            chosen.append(PlannedFault(kind, target, duration_s, rng.getrandbits(32) if kind in SEEDED else 0))
         slots.append((gap, chosen))
     return slots
 
@@ -94,6 +98,10 @@ class Injector:
             if planned.kind == "arena_flip":
                 fault.detail = await asyncio.to_thread(self.cluster.node(planned.target).flip_arena_bytes,
                                                        random.Random(planned.seed), FLIPS)
+            elif planned.kind == "ssd_flip":
+                damage = await asyncio.to_thread(self.cluster.node(planned.target).flip_ssd_bytes,
+                                                 random.Random(planned.seed), SSD_FLIPS)
+                fault.detail, fault.keys = ("node down", []) if damage is None else (damage.describe(), damage.keys)
             else:
                 await getattr(self, f"_{planned.kind}")(planned.target, planned.duration_s)
         except Exception as exc:  # noqa: BLE001 - a fault that could not be healed is a finding, recorded

@@ -54,6 +54,7 @@ class Fault:
     healed: float = 0.0
     error: str | None = None
     detail: str | None = None  # what an instant fault did (arena_flip: how many bytes, in how many arenas)
+    keys: list[str] = field(default_factory=list)  # ssd_flip: the pages it damaged (hex keys), which (b) may lose
 
 
 @dataclass

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    for key in ("histories", "operations", "violations", "convergence_p50_s", "convergence_p99_s", "convergence_max_s",
+    for key in ("histories", "operations", "ssd_pages_damaged", "violations", "convergence_p50_s", "convergence_p99_s", "convergence_max_s",
                 "not_converged", "elapsed_s", "dir"):
         print(f"{key:>20}: {report[key]}")
     for kind, count in report["faults"].items():

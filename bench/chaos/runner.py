@@ -108,6 +108,7 @@ class Tally:
     histories: int = 0
     operations: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    damaged_pages: int = 0  # pages an ssd_flip damaged (the model lets (b) lose them)
     errors: Counter[str] = field(default_factory=Counter)
     violations: list[dict[str, Any]] = field(default_factory=list)
     convergence_s: list[float] = field(default_factory=list)  # -1: did not converge
@@ -120,6 +121,7 @@ class Tally:
         self.histories += 1
         self.operations += len(history.ops)
         self.faults.update(f.kind for f in history.faults)
+        self.damaged_pages += sum(len(f.keys) for f in history.faults)
         self.errors.update(f"{op.kind}:{op.error}" for op in history.ops if op.error)
         self.violations += [{"seed": history.seed, "check": v.check, "what": v.what} for v in history.violations]
         self.convergence_s.append(history.timings.get("convergence_s", -1.0))
@@ -173,6 +175,7 @@ async def run_histories(workdir: Path, seed: int, histories: int, settings: Sett
     finite = [c for c in tally.convergence_s if c >= 0]
     return {
         "histories": tally.histories, "operations": tally.operations, "faults": dict(sorted(tally.faults.items())),
+        "ssd_pages_damaged": tally.damaged_pages,
         "violations": len(tally.violations), "num_violations": len(tally.violations), "seed": seed,
         "convergence_p50_s": _rounded(percentile(finite, 0.5)), "convergence_p99_s": _rounded(percentile(finite, 0.99)),
         "convergence_max_s": _rounded(max(finite, default=math.nan)), "not_converged": len(tally.convergence_s) - len(finite),
