@@ -7,6 +7,8 @@ goes back to the pool, so a size that is no longer used gives its space to other
 
 from __future__ import annotations
 
+from collections import Counter
+
 ALIGN = 4096
 
 
@@ -82,14 +84,19 @@ class SlabAllocator:
             if 0 <= slab < self.num_slabs and (offset - self.base - slab * self.slab_bytes) % size == 0:
                 by_slab.setdefault(slab, []).append((i, offset, size))
         free_slabs = set(self._free_slabs)
-        for slab, items in by_slab.items():
-            size = items[0][2]
-            if slab not in free_slabs or any(it[2] != size for it in items):
-                continue  # already in use, or mixed sizes: not a valid state
+        for slab, found in by_slab.items():
+            if slab not in free_slabs:
+                continue  # already in use
+            # A damaged entry (another size, or a slot another entry names) costs itself, not
+            # its slab's other pages: the slab's size is its entries' most common one.
+            sizes = Counter(it[2] for it in found)
+            size = max(sizes, key=lambda s: (sizes[s], -s))
+            offsets = Counter(offset for _, offset, nbytes in found if nbytes == size)
+            items = [it for it in found if it[2] == size and offsets[it[1]] == 1]
+            if not items:
+                continue
             start = self.base + slab * self.slab_bytes
             used = {offset for _, offset, _ in items}
-            if len(used) != len(items):
-                continue
             free_slabs.discard(slab)
             self._slab_class[slab] = size
             count = self.slab_bytes // size
