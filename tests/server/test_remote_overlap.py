@@ -188,3 +188,53 @@ async def test_a_copy_cut_while_it_waits_on_a_commit_gives_the_landed_batch_back
     await asyncio.sleep(0.1)  # the cancelled copy's own clean-up, if any, runs on this loop
     _settled(receiver)
     assert receiver.core.view().tiers["host"].num_pages == 0
+
+
+class HeldAtTheCut(NodeLanding):
+    """The receiver's own landing: the first batch's commit waits for ``gate``; the second batch's
+    allocation waits until the copy is cut (``cut``), having said it started (``second``)."""
+
+    def __init__(self, core: Any) -> None:
+        super().__init__(core)
+        self.gate, self.cut, self.second = threading.Event(), threading.Event(), threading.Event()
+        self.allocations = 0
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        self.allocations += 1
+        if self.allocations == 2:
+            self.second.set()
+            assert self.cut.wait(WAIT_S), "the copy was never cut"
+        return super().allocate(namespace_id, layout, keys, generation)
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        assert self.gate.wait(WAIT_S), "the test never let the commit go"
+        return super().commit(allocation_id, keys, checksums)
+
+
+async def test_a_copy_cut_while_the_next_batch_lands_ends_after_the_commit_in_flight(server_factory, tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is cut while the first batch commits and the second is being allocated: it ends only
+    once that commit has (its caller then answers, and settles the namespace's binding, on what was
+    stored: tests/cluster/test_cut_copy_binding.py), with the first batch stored and the second's
+    slots given back. Before, the commit ran on after the cancelled copy had ended."""
+    monkeypatch.setattr(remote, "FETCH_PAGES", 2)
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
+    landing = HeldAtTheCut(receiver.core)
+
+    async def cut(task: asyncio.Task[int]) -> None:
+        assert await asyncio.to_thread(landing.second.wait, WAIT_S), "the second batch was never allocated"
+        task.cancel()
+        landing.cut.set()
+        try:
+            done, _ = await asyncio.wait([task], timeout=0.2)
+            assert not done, "the cut copy ended while its first batch's commit still ran"
+        finally:
+            landing.gate.set()
+
+    with pytest.raises(asyncio.CancelledError):
+        await _copying(holder, receiver, ns, keys, landing, cut)
+    _settled(receiver)
+    assert _found(receiver.address, ns, keys) == 2
+    assert _pages_at(receiver.address, ns, keys[:2]) == b"".join(pages[:2])
+    assert receiver.core.view().tiers["host"].num_pages == 2, "the second batch's slots were given back"

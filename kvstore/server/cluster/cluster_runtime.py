@@ -32,6 +32,7 @@ from kvstore.server.cluster.cluster_generations import GenerationSync
 from kvstore.server.cluster.handoff_push import HandoffPushes
 from kvstore.server.cluster.incarnations import Incarnations
 from kvstore.server.cluster.lookup import ShardedLookup
+from kvstore.server.cluster.loop_calls import run_on
 from kvstore.server.cluster.migrations import SessionMoves
 from kvstore.server.cluster.peers import Peers
 from kvstore.server.cluster.publisher import Publisher
@@ -50,7 +51,8 @@ _MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
 MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
 # Of a fetch's time, kept past its own deadline for its end (the transport's abort waits up to 2 s for
 # posted receives; the commit of what arrived): at most _ABORT_S, and _ABORT_SHARE of a caller's shorter
-# deadline (an engine's TTFT budget). A fetch cut there is cancelled; the caller gets what was committed.
+# deadline (an engine's TTFT budget). A fetch cut there is cancelled; the caller gets what was committed
+# once it ended (a commit it started included: to_end).
 _ABORT_S = 3.0
 _ABORT_SHARE = 0.25
 
@@ -190,14 +192,11 @@ class ClusterRuntime:
         if hasattr(self, "etcd"):
             await self.etcd.close()
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Runs ``coro`` on the cluster loop from another thread; cancels it past ``timeout_s``."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float, to_end: bool = False) -> T:
+        """Runs ``coro`` on the cluster loop from another thread; cancels it past ``timeout_s`` (``to_end``: returns
+        once it ended, loop_calls.py)."""
         try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
+            return run_on(self._loop, coro, timeout_s, to_end)
         except CancelledError:  # the loop's tasks are cancelled: the node is leaving
             raise TierUnavailable(f"node {self.node} is leaving the cluster: ask another node") from None
 
@@ -262,7 +261,8 @@ class ClusterRuntime:
         if timeout <= 0:
             return 0
         try:
-            return max(0, self.call(self.remote.read_into_landing(namespace_id, keys, timeout, tenant, landing), wait) - before)
+            fetch = self.remote.read_into_landing(namespace_id, keys, timeout, tenant, landing)
+            return max(0, self.call(fetch, wait, to_end=True) - before)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("remote fill of %d pages ended early: %r", len(keys), exc)
             return max(0, self.remote.local_prefix(namespace_id, keys) - before)
@@ -292,7 +292,7 @@ class ClusterRuntime:
         if timeout <= 0:
             return self.remote.local_prefix(namespace_id, keys)
         try:
-            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing), wait)
+            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing), wait, to_end=True)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)

@@ -68,9 +68,20 @@ class NodeLanding:
         return self.core.commit(allocation_id, keys, checksums)
 
 
-def _log_failed_commit(commit: asyncio.Future[int]) -> None:
+def _log_failed_commit(commit: asyncio.Future[Any]) -> None:
     if not commit.cancelled() and commit.exception() is not None:
         logger.warning("a fetched batch's commit failed after its copy was cut: %r", commit.exception())
+
+
+async def _to_the_end(job: asyncio.Future[Any]) -> None:
+    """Waits until ``job`` (a worker thread's allocation or commit) has ended, however often the
+    fetch is cancelled meanwhile. Why: a cut fetch ends only after it, so that its caller answers,
+    and settles the namespace's binding, on what was stored (cluster/loop_calls.py)."""
+    while not job.done():
+        try:
+            await asyncio.wait([job])
+        except asyncio.CancelledError:
+            continue
 
 
 def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
@@ -136,7 +147,7 @@ class RemoteTier:
                         generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]] | None:
         """Landing slots for fetched pages, in the generation the fetch asks for (an invalidation
         since: StaleGeneration, nothing allocated); its commit is refused if one comes later. A
-        fetch cancelled meanwhile (cut at its caller's deadline) gives back what the thread allocates."""
+        fetch cancelled meanwhile (cut at its caller's deadline) gives back what the thread allocates, then ends."""
         job = asyncio.ensure_future(asyncio.to_thread(landing.allocate, namespace_id, layout, keys, generation))
         try:
             return await asyncio.shield(job)
@@ -144,21 +155,29 @@ class RemoteTier:
             logger.info("no landing room for %d remote pages: %s", len(keys), exc)
             return None
         except asyncio.CancelledError:
-            job.add_done_callback(self._abort_unused)
+            await _to_the_end(job)
+            self._abort_unused(job)
             raise
 
     def _abort_unused(self, job: asyncio.Future[tuple[bytes, list[tuple[bytes, int | None]]]]) -> None:
         if not job.cancelled() and job.exception() is None:
-            self.core.abort(job.result()[0])
+            self.core.abort(job.result()[0])  # holds no pin or slot past the fetch's end
 
     async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         """Commits what arrived verified; nothing when the namespace entered another generation
-        meanwhile (the fetched bytes are the old one's: never stored, never published)."""
+        meanwhile (the fetched bytes are the old one's: never stored, never published). A fetch cut
+        meanwhile ends once the commit has (its pages stored or not when its caller answers)."""
+        job = asyncio.ensure_future(asyncio.to_thread(landing.commit, allocation_id, keys, checksums))
         try:
-            n = await asyncio.to_thread(landing.commit, allocation_id, keys, checksums)
+            n = await asyncio.shield(job)
         except StaleGeneration as exc:
             logger.info("%d fetched pages dropped: %s", len(keys), exc)
             return 0
+        except asyncio.CancelledError:
+            await _to_the_end(job)
+            _log_failed_commit(job)
+            self.num_fetched += len(keys) if not job.cancelled() and job.exception() is None else 0
+            raise
         self.num_fetched += len(keys)
         return n
 
@@ -240,7 +259,8 @@ class RemoteTier:
         the next one's bytes arrive. Why: a commit publishes a batch of 1,024 pages in ~20 ms here,
         as long as the batch takes to arrive at 25 GB/s; in series it halved a fast link. ``done``
         leading keys are held here; a batch whose commit falls short, fails or is cut ends the copy
-        there, and the one landed behind it is aborted (the result stays the leading pages held here)."""
+        there, and the one landed behind it is aborted (the result stays the leading pages held here).
+        A cut copy ends only once the commit in flight has (see ``_commit``)."""
         committing: tuple[asyncio.Future[int], int] | None = None  # the last batch's commit, how many keys it covers
         more = True
         try:
@@ -270,8 +290,9 @@ class RemoteTier:
                 done += await commit
             return done
         finally:
-            if committing is not None:  # cut while the next batch landed: the commit completes on its own, reported
-                committing[0].add_done_callback(_log_failed_commit)
+            if committing is not None:  # cut (or failed) while the next batch landed: the copy ends after the commit
+                await _to_the_end(committing[0])
+                _log_failed_commit(committing[0])
 
     async def _fetch_grpc(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
                           landing: Landing | None = None) -> int:
