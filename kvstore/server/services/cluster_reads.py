@@ -1,14 +1,7 @@
 """A tenant's reads in cluster mode: its namespace may be bound on the nodes it wrote at but
 not (yet) on the one it reads at.
 
-A namespace is bound to its tenant by the first write on each node (tenancy/owners.py), by
-records published to this node as a shard owner, and by pages fetched here for the tenant.
-A read of a namespace bound here to the caller goes to the cluster as before. A read of a
-namespace bound to nobody here asks the owners and holders for the caller's tenant, and they
-answer only where it is bound to that tenant; pages fetched so bind it here to the caller
-(claimed before the fetch, undone when nothing arrived), so that a second tenant can neither
-read them nor bind the namespace meanwhile. A namespace bound here to another tenant is
-empty to the caller, as on a single node.
+More: kvstore/server/services/README.md (### cluster_reads.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Pages fetched from other nodes for a tenant land within its host quota here (DESIGN §11), as
 its puts do: a fill (get, ReadPages, a handoff wait's pull), a hint's prefetch and a replica.
 
-The fetch's landing (cluster/remote.py ``Landing``) takes room at each allocation, when the page
-size is known: its own coldest pages written down first, then as many of the lacking pages as
-fit (halving, as a handoff's push does), reserved until the allocation's slots count them; the
-commit bridges slots to pages as WritePages does. None fits: LimitExceeded, nothing allocated,
-nothing charged, the fetch ends there. Without it a fetch's landing bypassed host_bytes (the
-tenant's arena part is its quota rounded up to a slab: 8 pages landed under a 4-page quota).
-
-The chain the fetch is for is leased while room is made: writing down the prefix being read
-(or what this fetch landed a moment ago from another holder) to land its next pages would be no
-room, only a shorter hit.
+More: kvstore/server/services/README.md (### fetch_room.py).
 """
 
 from __future__ import annotations

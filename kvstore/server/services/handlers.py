@@ -1,14 +1,7 @@
 """Registers every RPC of a service so that requests are decoded by us, not by grpcio, and
 streams pass through the StreamGate.
 
-grpcio answers a request it cannot deserialise with INTERNAL ("Exception deserializing
-request!"), the status operators alert on as a server bug. Here every method takes raw
-bytes; the wrapper decodes them with the method's own deserialiser (the generated
-``FromString``, or a hand-written one such as ``wire.decode_chunk``) and a request that does
-not decode is INVALID_ARGUMENT naming the method and the message type. The methods are taken
-from the generated registration and checked against the service's descriptor, so an RPC
-added to the .proto is covered without code here. Streaming methods hold a slot of the
-StreamGate (service_streams.py) while they run, touched on every message.
+More: kvstore/server/services/README.md (### handlers.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ A Wait holds its thread until its deadline, as a stream does: it takes a slot of
 (so unary calls keep their ``workers`` threads however many decode requests wait), and a tenant
 holds at most half of them (RESOURCE_EXHAUSTED beyond, for that caller only).
 
-Which node plays which part: Open and Complete go to the prefill node, Wait to the decode node,
-Push from the prefill node to the decode node (the node right). Without a cluster, or when the
-decode node is the prefill node itself, Complete marks the handoff complete here.
+More: kvstore/server/services/README.md (### handoffs.py).
 """
 
 from __future__ import annotations

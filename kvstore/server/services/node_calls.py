@@ -1,14 +1,6 @@
 """What only the nodes of a cluster may ask (DESIGN §11-12), and the tenant such a call acts for.
 
-A node is a caller like any other: it proves who it is with its certificate (mTLS) or the
-cluster token, and the auth file grants it the ``node`` right. Publishing records that name
-a node, withdrawing a node's records (``Remove`` with ``node``), asking a shard owner
-(``Lookup`` with ``local_only``), reading pages for another node (``ReadPages`` with
-``local_only``), replicating from a holder (``Replicate`` with ``holder``) and a grant for
-a node's UCX data port (``GrantTransfer``) need it; a
-tenant asking any of them is PERMISSION_DENIED. A node's call names the tenant it acts for
-(the namespace's owner where the call came from): the tenancy checks and quotas of that
-tenant apply, so a node never reads or binds a namespace for a tenant that does not own it.
+More: kvstore/server/services/README.md (### node_calls.py).
 """
 
 from __future__ import annotations

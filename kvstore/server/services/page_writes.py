@@ -1,24 +1,6 @@
 """WritePages (DESIGN §4, §8): a stream's pages allocated and committed a group at a time.
 
-Each page takes the same allocate -> fill -> commit path as a same-host client's, the server filling
-the slot from the stream and checking the checksum as the bytes pass (a page stored already is only
-checked). A page's first chunk may announce the keys that follow it (PageChunk.next_keys); the server
-then reserves slots for a group of them with that page's and commits the group once its last page
-is verified: room, claim, allocation, reap, directory publish and durable write-through once per
-group, not once per page (~0.2 ms of Python each). What holds for a page sent alone holds in a group:
-
-* a page is findable only once its bytes are in its slot and match its checksum: a group's commit
-  names only the pages verified so far;
-* however the stream ends (its end, a malformed or corrupt chunk, the client gone, a refusal), the
-  open group is committed with its verified pages and its other slots freed, its pins dropped
-  (``Placement.commit`` frees what it does not name; with none verified it is aborted);
-* a page that does not continue its group (not the key announced next, or another namespace, layout,
-  durability, flags, session or generation) closes the group and starts one of its own;
-* room for a group at the tenant's host quota is made as for an Allocate (room.py); when it cannot be,
-  for half as many pages, down to the page itself, whose refusal (LimitExceeded) is the call's, as
-  when pages came alone; a full tier gives a shorter group (``Placement.allocate``'s prefix) and TierFull
-  only when not even the page fits;
-* the slots are in the namespace owner's arena (``Placement.allocate``): tenants stay apart.
+More: kvstore/server/services/README.md (### page_writes.py).
 """
 
 from __future__ import annotations

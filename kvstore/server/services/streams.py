@@ -5,11 +5,7 @@ is open. So streams are admitted up to ``max_streams`` at once (``LimitExceeded`
 RESOURCE_EXHAUSTED, beyond) and the server's pool has ``workers`` threads more than that:
 however many streams are open, unary calls (a Lookup, Stats) find a thread.
 
-A stream that moves no message for ``idle_s`` (nothing received on WritePages, nothing sent
-on ReadPages or Subscribe) is cancelled by a watchdog thread; its client sees CANCELLED and,
-for a subscription, subscribes again from the next sequence number. A peer that stopped
-answering is found sooner by keepalive pings (server options in server.py), which close its
-connection and with it its streams.
+More: kvstore/server/services/README.md (### streams.py).
 """
 
 from __future__ import annotations
