@@ -1,25 +1,6 @@
 """What a caller may do with the namespace a request names (DESIGN §11).
 
-* Read (Lookup, Acquire, ReadPages, Hint, GetSession): the READ right, and the
-  caller's tenant owns the namespace or has ADMIN. A namespace the caller may not read
-  looks empty to it: the handler answers exactly what it answers for a namespace nothing
-  was ever stored in. PERMISSION_DENIED would tell the caller that the id is in use, an
-  oracle for "this tenant ran this model / saw this prompt", and a tenant's own fresh
-  namespace is legitimately read before its first write (it is unbound then).
-* Write (Allocate, WritePages, AppendTokens; Publish, made by nodes for a tenant: see
-  services/node_calls.py): the WRITE right, and the namespace
-  is the caller's or nobody's; its first successful write binds it to the caller (see
-  owners.py). A write into another tenant's namespace is PERMISSION_DENIED: silently
-  dropping it would lose the caller's data, and the denial only says that an id the
-  caller already knows (ids are salted: it cannot compute another tenant's) is taken.
-  ADMIN does not allow writing into another tenant's namespace (that is cache poisoning).
-* Administer (Invalidate, Remove, EndSession): ADMIN, or WRITE and ownership. For a
-  namespace the caller does not own it is, like a read, a no-op answered as for an empty
-  namespace. Purging the quarantine list (one per tier, every tenant's pages) needs ADMIN.
-* Filters (Subscribe, Stats, Quarantine): a caller sees its own namespaces; ADMIN sees all.
-
-Without an auth file every caller is the local tenant, which has every right and binds
-nothing: the server behaves as before tenants.
+More: kvstore/server/tenancy/README.md (### access.py).
 """
 
 from __future__ import annotations

@@ -5,10 +5,7 @@ A Hint charges each of its keys until its eta plus the hint grace, or until the 
 costs the tenant nothing more. A Hint is charged whole or not at all, and a Hint the
 server then refuses gives its charge back (``refund``).
 
-Thread-safe (one lock); expiry pops only what is due, fulfilment only the key's charges. A
-charge that ended early leaves its entry in the expiry heap until it comes due; the heap is
-rebuilt from the live charges when such entries outnumber them, so that refused or fulfilled
-Hints in a loop do not grow it.
+More: kvstore/server/tenancy/README.md (### hint_charges.py).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ write per namespace, ever: the events of that write must already be shown to the
 and settles after: if no first write succeeded, the binding is undone, so a rejected
 request binds nothing. Meanwhile no other tenant can write into it.
 
-Thread-safety: ``owner`` is a dict read without a lock (the hot path: one per RPC); claims
-and bindings take ``_lock``, but for a claim of a binding that a first write's success made
-permanent (``_settled``, read without the lock).
+More: kvstore/server/tenancy/README.md (### owners.py).
 """
 
 from __future__ import annotations

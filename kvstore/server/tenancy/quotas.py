@@ -6,18 +6,7 @@ from counters the holders keep anyway: the directory's bytes per namespace and t
 its remote records, the lease table's leases, allocations and allocated slot bytes per
 tenant, the token log's tokens per namespace, and the hints charged in hint_charges.py.
 
-Check and charge are one step: ``reserve`` checks use + what the tenant's calls in flight
-reserved + what this call adds against the limit, and reserves it, under the tenant's
-lock; the reservation is released once the change is counted by its holder (or failed),
-so concurrent calls of one tenant never pass a limit together, and a refused or failed
-call leaves no charge. A quota exceeded raises QuotaExceeded (a LimitExceeded: RESOURCE_EXHAUSTED) for that
-tenant only and is counted in ``kvstore_tenant_quota_refusals_total``. The local tenant of a
-server without tenants has no quota.
-
-A tenant at its host_bytes quota makes room by evicting (writing down) its own coldest
-pages (``Placement.evict_own``); it is refused only when all of them are pinned or
-reserved. ssd_bytes and ssd_write_percent hold wherever pages reach the ssd tier, durable
-writes and demotion alike (ssd_share.py).
+More: kvstore/server/tenancy/README.md (### quotas.py).
 """
 
 from __future__ import annotations

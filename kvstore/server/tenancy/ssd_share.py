@@ -2,19 +2,7 @@
 budget (``ssd_write_percent``), asked by the mover (kvstore/server/placement/shares.py) with
 the core's lock held, for durable writes and demotions alike.
 
-ssd_bytes: a page that would take its tenant past its share makes room by evicting the
-tenant's own coldest unpinned ssd pages, never another tenant's; only when they are all in
-use is the page kept off the ssd (a demoted page is then dropped from RAM as any eviction
-that is not admitted; a durable write is RESOURCE_EXHAUSTED). Why not refuse instead: the
-share then behaves as a private ssd of that size, the way the whole tier behaves when it is
-full (and host_bytes when the tenant is at its quota); a share that refused new pages would
-keep the tenant's oldest pages forever and never take the ones it uses now.
-
-ssd_write_percent: each tenant with a share has a token bucket of that percent of the
-budget's rate and burst (WriteBudget); its pages' writes take from it as well as from the
-drive's. A tenant that spends its share has its pages kept off the ssd (and its durable
-writes refused) until it refills; the others write on. Without --ssd-dwpd (no budget) there
-is nothing to share.
+More: kvstore/server/tenancy/README.md (### ssd_share.py).
 """
 
 from __future__ import annotations
