@@ -1,18 +1,11 @@
 """The remote tier: pages other nodes hold, read into this node's landing tier.
 
-Tier-shaped on the read side (``contains``, ``read_into_landing``): where a local lower tier
-reads a page up into a reserved landing slot, this one fetches it from its holder into a
-landing slot allocated as a writer's would be (``core.allocate``), then commits what arrived
-verified (``core.commit``), which publishes the new local copy; the directory then lists
-both. The core's ``acquire`` then leases the prefix as for any local page. It is not in the
-core's tier list: that list is where pages are written down to, and nothing is written down
-to another node (replicas are made by readers fetching, DESIGN §12).
+A page is fetched from its holder (UCX, plain TCP or gRPC ``ReadPages``) into a landing slot
+allocated as a writer's would be, then committed once verified, which publishes the new local
+copy; replicas are made by readers fetching (DESIGN §12). A fetch returns by its deadline, and
+no byte that failed its check is ever committed.
 
-Three data planes: UCX and plain TCP (the receiver posts the landing slots themselves as
-destinations, the bytes land there; checksums verified as each lands: transport_ucx.py,
-transport_tcp.py) and gRPC ``ReadPages`` streams (the fallback, the one with TLS). Failure contract: a fetch returns by its deadline; pages that arrived whole and
-verified are committed, the rest of the allocation is freed; a peer dying mid-fetch costs
-only the pages not yet verified. No byte that failed its check is ever committed.
+More: kvstore/server/cluster/README.md (### remote.py).
 """
 
 from __future__ import annotations
