@@ -1,16 +1,10 @@
-"""Checks of a recorded history against the model (``model.py``), after the fact:
+"""Checks of a recorded history against the model (``model.py``), after the fact: (a),
+stale_put, supersede, key_invalidate, tenant, tenant_refused and (d).
 
-* a: every page a read delivered is the page of its key, tenant and namespace in a
-  generation of the read's window [A(t0), S(t1)];
-* stale_put: no put naming a generation below A(its start) was acknowledged;
-* supersede: an acknowledged invalidation returns a generation above those of every
-  invalidation acknowledged and every put acknowledged before it started;
-* key_invalidate: cluster mode refuses key-level invalidation (an OK is a violation);
-* tenant: another tenant's probe of a namespace's ids and keys sees no page;
-* tenant_refused: a tenant's calls in its own namespace are never refused as another tenant's;
-* d: no call outlived its budget, ROUNDS x timeout_s + MARGIN_S.
+(b) and (c) need the live cluster: ``converge.py``; (e) spans histories: ``run.py``.
 
-(b) and (c) need the live cluster: ``converge.py``; (e) spans histories: ``run.py``."""
+More: bench/chaos/README.md (### chaos_validate.py).
+"""
 
 from __future__ import annotations
 

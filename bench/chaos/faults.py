@@ -1,17 +1,7 @@
 """Faults of a chaos history: drawn from its seed as slots of one or two faults at a time,
 injected while the traffic runs; each fault heals itself at the end of its duration.
 
-| kind | what | duration |
-| --- | --- | --- |
-| node_kill | SIGKILL a node (never the steady one), restart it on the same ports and data | down 0-1.5 s |
-| node_pause | SIGSTOP a node, then SIGCONT | 0.5-3 s |
-| etcd_kill | SIGKILL etcd, restart it on its data | down 0-1.5 s |
-| etcd_wipe | stop etcd, delete its data, start an empty one on the same ports | down 0-1 s |
-| etcd_link_cut | close one node's connections to etcd and refuse new ones (past the 2 s TTL sometimes) | 1-4 s |
-| etcd_link_delay | hold what etcd sends one node (its watch and keep-alive answers lag) | 0.5-2 s |
-| data_link_slow | hold what a node sends its peers (fetches, lookups, invalidation pushes) | 0.3-1 s |
-| arena_flip | flip bytes at random places of a node's host arenas (a stray write of a process that maps one) | at once |
-| ssd_flip | flip bytes of pages a node's SSD tier indexes: payloads, slot headers, index entries (bit rot, a stray write) | at once |
+More: bench/chaos/README.md (### faults.py).
 """
 
 from __future__ import annotations
