@@ -195,7 +195,8 @@ class Tier(Protocol):
 
 @runtime_checkable
 class LandingTier(Tier, Protocol):
-    """Where pages land: memory that clients map and fill or read in place (the host arena).
+    """Where pages land: memory that clients map and fill or read in place (a host arena; the
+    landing tier is a map of them by owner, tiers/owner_parts.py).
 
     The core hands out its slots (``view``) to writers it allocated them to and to readers it
     leased pages to. Every method is an in-memory operation (none blocks on I/O), so the core
@@ -208,15 +209,6 @@ class LandingTier(Tier, Protocol):
 
     def offset(self, slot: int) -> int:
         """Where ``slot`` lies in the arena a client maps (the byte offset it is told)."""
-        ...
-
-    def part(self, owner: str) -> LandingPart:
-        """The landing memory of ``owner``'s pages (a tenant's arena): where its pages are
-        reserved, read up and evicted from. A tier of one arena is its own only part."""
-        ...
-
-    def parts(self) -> list[LandingPart]:
-        """Every part (the demoter keeps each below its watermark)."""
         ...
 
     def detach(self, key: bytes) -> int | None:
@@ -250,14 +242,6 @@ class TierWrapper:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.inner, attr)
-
-    def part(self, owner: str) -> Any:
-        """The inner tier's part, through this wrapper when the inner tier is its own part."""
-        found = self.inner.part(owner)  # type: ignore[attr-defined]
-        return self if found is self.inner else found
-
-    def parts(self) -> list[Any]:
-        return [self if part is self.inner else part for part in self.inner.parts()]  # type: ignore[attr-defined]
 
     def reserve(self, payload_bytes: int) -> int | None:
         return self.inner.reserve(payload_bytes)

@@ -189,12 +189,6 @@ class HostTier(IndexedPages):
         """The whole arena as this process maps it (pinned.py page-locks it)."""
         return self._buffer
 
-    def part(self, owner: str) -> HostTier:
-        return self  # one arena for every owner
-
-    def parts(self) -> list[HostTier]:
-        return [self]
-
     def slot_bytes(self, slot: int) -> int:
         with self._lock:
             return self._allocator.slot_bytes(slot)

@@ -2,10 +2,10 @@
 
 Promotions into a pool and demotions out of it copy between an arena and device memory;
 from page-locked memory that is DMA at link speed, from pageable memory a staged copy
-through a driver bounce buffer. So with hbm every arena is pinned: the one arena without
-tenants, and each tenant's arena as it is made (arenas.py makes them at a tenant's first
-use, long after start). Page-locking is per process: this pins the server's own mappings;
-an engine pins its mapping itself (client/arena.py).
+through a driver bounce buffer. So with hbm every arena is pinned as arenas.py makes it: the
+one arena without tenants at start, each tenant's at its first use, long after start (and
+unpinned at close). Page-locking is per process: this pins the server's own mappings; an
+engine pins its mapping itself (client/arena.py).
 
 The page-locking itself is the device seam's (``DeviceOps.pin_host``): ``cudaHostRegister``
 on CUDA, a recorded range in the CPU implementation the tests run.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 
 from kvstore.device_ops import DeviceOps, host_address
-from kvstore.tiers.base import LandingTier, TierWrapper
 from kvstore.tiers.host import HostTier
 
 
@@ -42,20 +41,3 @@ class ArenaPins:
         if address is not None:
             self.ops.unpin_host(address)
 
-
-class PinnedArena(TierWrapper):
-    """The one arena of a server without tenant arenas, pinned while it is open."""
-
-    def __init__(self, inner: HostTier, pins: ArenaPins) -> None:
-        super().__init__(inner)
-        self.pins = pins
-        pins.pin(inner)
-
-    def close(self) -> None:
-        self.pins.unpin(self.inner)  # type: ignore[arg-type]
-        self.inner.close()
-
-
-def pinned(host: HostTier, pins: ArenaPins | None) -> LandingTier:
-    """``host`` itself unless an hbm pool copies through it (``pins``)."""
-    return host if pins is None else PinnedArena(host, pins)  # type: ignore[return-value]  # a LandingTier by delegation

@@ -124,7 +124,7 @@ def replay(reqs: list[Req], host_blocks: int, ssd_blocks: int, policy: str, dwpd
                     core.hint(NS, [_key(b) for b in later.blocks], later.t - req.t)
                     next_hint += 1
             keys = [_key(b) for b in req.blocks]
-            in_host = [core.landing.contains(k) for k in keys]
+            in_host = [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier (host)
             ident, pages = core.acquire(NS, keys, 0)
             core.release(ident)
             served = len(pages)

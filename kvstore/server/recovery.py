@@ -9,12 +9,13 @@ from kvstore.directory import Directory
 from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.tiers.base import StoredPage, Tier
+from kvstore.tiers.owner_parts import OwnerParts
 
 logger = logging.getLogger(__name__)
 
 
-def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dict[bytes, LayoutDesc]:
-    """This node's locations come from the tiers' own indexes (what a memory tier held is
+def rebuild_directory(directory: Directory, node: str, tiers: list[OwnerParts[Tier]]) -> dict[bytes, LayoutDesc]:
+    """This node's locations come from the tiers' own indexes, each part's (what a memory tier held is
     gone; a durable tier holds exactly what it indexed); other nodes' come from the
     directory's LMDB. A page of an older generation than its namespace's (an invalidation
     raised it; a crash kept the page) is deleted, never listed. Returns the layout of every
@@ -28,7 +29,7 @@ def rebuild_directory(directory: Directory, node: str, tiers: list[Tier]) -> dic
                 directory.remove(key, loc_node, tier)
                 dropped += 1
     layouts: dict[bytes, LayoutDesc] = {}
-    recovered = [(tier, tier.recover()) for tier in tiers]
+    recovered = [(part, part.recover()) for tier in tiers for part in tier.parts()]
     for namespace_id, newest in _newest_generations(recovered, directory.generation).items():  # a raise a crash undid
         if newest > directory.generation(namespace_id) and directory.persist_generation(namespace_id, newest):
             directory.enter_generation(namespace_id, newest)

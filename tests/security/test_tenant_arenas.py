@@ -51,7 +51,8 @@ def _arena_token(mapping) -> bytes:  # type: ignore[no-untyped-def]
 
 def _client_offset(server: Server, key: bytes) -> int:
     """Where a stored page lies in the arena its owner's clients map (read from the server)."""
-    return server.core.landing.offset(server.core.where(key)["host"])
+    slot = server.core.where(key)["host"]
+    return server.core.landing.at(slot).offset(slot)
 
 
 async def test_both_tenants_put_and_get_through_their_own_arenas(tenant_server, ca, layout) -> None:

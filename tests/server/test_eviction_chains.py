@@ -71,7 +71,7 @@ async def test_put_larger_than_probation_with_ssd(server_factory, layout, ns) ->
     assert found == stored == 80 * layout.page_tokens
     async with KVStoreClient(server.address, ns) as client:
         keys = client.keys(_tokens(99, 80, layout))
-    in_host = [server.core.landing.contains(k) for k in keys]
+    in_host = [server.core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
     assert in_host[0], "the host tier gave up the put's head"
     gap = in_host.index(False) if False in in_host else len(keys)
     assert all(server.core.residence.stored(k) for k in keys), "a page of the put is in no tier"

@@ -85,7 +85,7 @@ def test_a_demotion_across_an_invalidation_does_not_stand_in_for_a_durable_put_o
         demoter.join(10)
         writer.join(10)
         assert acked == [1]
-        assert core.tiers[1].find(K)[1].generation == 1, "the SSD copy of the acknowledged durable put is generation 0's"
+        assert core.lower[0].find(K)[1].generation == 1, "the SSD copy of the acknowledged durable put is generation 0's"
         assert read(core) == new
         with core.keeper.critical():
             core.moves.evict_one(0)  # the landing copy goes (any eviction)

@@ -61,6 +61,10 @@ class Replay:
     def part(self, owner: str):
         return self.tier.part(owner) if self.kind == "arenas" else self.tier
 
+    def holding(self, key: bytes):  # the arena (or the tier) that holds ``key``; None: none does
+        part = self.tier.part_of(key) if self.kind == "arenas" else self.tier
+        return part if part is not None and part.contains(key) else None
+
     def store(self, owner: str, keys: list[bytes], parents: list[bytes | None], pins: Pins) -> None:
         part = self.part(owner)
         placed = []
@@ -71,18 +75,18 @@ class Replay:
                 if victim is None:
                     break
                 self.victims.append(victim)
-                self.tier.delete([victim], evicted=True)
+                part.delete([victim], evicted=True)
                 slot = part.reserve(PAGE.page_bytes)
             if slot is None:
                 break
             header = PageHeader(NS, key, PAGE, PAGE.page_bytes, 0, generation=1)
             part.write([(slot, header, memoryview(PAYLOAD))])
             placed.append((slot, header))
-        self.tier.commit(placed, parents[: len(placed)])
+        part.commit(placed, parents[: len(placed)])
 
     def step(self, chains: dict[bytes, list[bytes]], pins: Pins) -> None:
         rng, orders = self.rng, self.orders
-        held = [k for chain in chains.values() for k in chain if self.tier.contains(k)]
+        held = [k for chain in chains.values() for k in chain if self.holding(k) is not None]
         self.now += rng.random()
         op = rng.random()
         if op < 0.35:  # a put of a prefix, or its next pages
@@ -96,7 +100,7 @@ class Replay:
             self.store(OWNERS[name[0] % 2], keys, parents, pins)
         elif op < 0.45 and held:
             key = rng.choice(held)
-            self.tier.delete([key], evicted=rng.random() < 0.5)
+            self.holding(key).delete([key], evicted=rng.random() < 0.5)
         elif op < 0.65 and held:
             for key in rng.sample(held, min(len(held), 3)):
                 orders.touch(key)
@@ -121,13 +125,14 @@ class Replay:
                 pins.update([key])
                 pins.pin_moves([key])
         else:
-            if isinstance(orders, LandingOrders):  # the tier as a whole: the fullest arena's first
-                victim = orders.victim(self.tier.parts(), pins, PAGE.page_bytes)
+            if isinstance(orders, LandingOrders):  # the tier as a whole: the fullest arena's first, named with it
+                named = orders.victim(self.tier.parts() if self.kind == "arenas" else [self.tier], pins, PAGE.page_bytes)
+                part, victim = named if named is not None else (None, None)
             else:
-                victim = orders.of().victim(pins, PAGE.page_bytes)
+                part, victim = self.tier, orders.of().victim(pins, PAGE.page_bytes)
             self.victims.append(victim or b"none")
             if victim is not None and rng.random() < 0.7:
-                self.tier.delete([victim], evicted=True)
+                part.delete([victim], evicted=True)
 
 
 def replay(kind: str, seed: int, tmp: Path, steps: int = 600) -> str:
@@ -173,10 +178,10 @@ def test_a_victim_is_named_left_in_place_and_never_pinned(kind: str, tmp_path: P
         keys = [bytes([i]) * 16 for i in range(8)]
         run.store("", keys, [None, *keys[:-1]], Pins())
         victim = order.victim(set(), PAGE.page_bytes)
-        assert victim in keys and tier.contains(victim), "a victim names a page and leaves it in place"
+        assert victim in keys and run.holding(victim) is not None, "a victim names a page and leaves it in place"
         assert order.victim(set(keys), PAGE.page_bytes) is None, "every page pinned: no victim"
         assert order.victim(set(keys) - {victim}, PAGE.page_bytes) == victim
-        tier.delete([victim], evicted=True)
+        run.holding(victim).delete([victim], evicted=True)
         assert victim not in order, "the tier told its order the page left"
     finally:
         tier.close()

@@ -12,7 +12,6 @@ from kvstore.device_ops import CpuOps
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.hbm import HbmTier, check_device
-from kvstore.tiers.pinned import pinned
 from kvstore.tiers.pools import TenantPools
 
 
@@ -55,8 +54,6 @@ def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
         assert not tier.fits(2 << 20) and tier.reserve(2 << 20) is None, "a page larger than a slab never fits"
     finally:
         tier.close()
-    host = object()
-    assert pinned(host, None) is host  # type: ignore[arg-type]  # without hbm nothing is pinned
 
 
 def test_pools_of_tenants_are_separate_and_list_their_keys() -> None:
@@ -68,9 +65,10 @@ def test_pools_of_tenants_are_separate_and_list_their_keys() -> None:
         header = PageHeader(namespace_id=b"n" * 16, key=b"k" * 16, layout=None, payload_bytes=4096,  # type: ignore[arg-type]
                             checksum=0)
         slot = b.reserve(4096)
-        assert slot is not None and pools.offset(slot) == 0 and pools.token_of(slot) == b.handout.token
-        pools.write([(slot, header, memoryview(bytes(4096)))])
-        pools.commit([(slot, header)])
+        assert slot is not None and pools.at(slot) is b and b.offset(slot) == 0, "a slot names its pool"
+        b.write([(slot, header, memoryview(bytes(4096)))])
+        b.commit([(slot, header)])
+        assert pools.part_of(header.key) is b and pools.part_of(b"x" * 16) is None, "a key names the pool that holds it"
         assert pools.stored_keys() == [header.key] and b.stored_keys() == [header.key] and a.stored_keys() == []
     finally:
         pools.close()

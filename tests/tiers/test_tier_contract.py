@@ -44,8 +44,8 @@ def _hbm(tmp: Path) -> Tier:
     return HbmTier(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"))  # the test-only emulation
 
 
-def _pools(tmp: Path) -> Tier:
-    return TenantPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=False)
+def _pools(tmp: Path) -> Tier:  # the one pool of a map of pools without tenants, as the map makes it
+    return TenantPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=False).part("")
 
 
 def _slot(tier: Tier, key: bytes) -> int:
@@ -56,7 +56,7 @@ def _slot(tier: Tier, key: bytes) -> int:
 
 def _damage_pools(tier: Tier, tmp: Path, key: bytes) -> None:
     slot = _slot(tier, key)
-    tier.part("").device_view(slot + 7, 1)[0] ^= 0xFF  # type: ignore[attr-defined]  # the pool an engine maps
+    tier.device_view(slot + 7, 1)[0] ^= 0xFF  # type: ignore[attr-defined]  # the pool an engine maps
 
 
 def _damage_host(tier: Tier, tmp: Path, key: bytes) -> None:

@@ -14,9 +14,9 @@ from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget,
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.orders import HostOrder, LandingOrders, LruOrder, Orders, TailFirstOrder
 from kvstore.tiers.arenas import TenantArenas
-from kvstore.tiers.base import UNOWNED, LandingTier, Tier
-from kvstore.tiers.host import HostTier
-from kvstore.tiers.pinned import ArenaPins, pinned
+from kvstore.tiers.base import LandingPart, Tier
+from kvstore.tiers.owner_parts import OwnerParts
+from kvstore.tiers.pinned import ArenaPins
 from kvstore.tiers.ssd import SsdTier
 
 Wrap = Callable[[Tier], Tier]
@@ -41,27 +41,28 @@ def open_directory(config: ServerConfig) -> Directory:
         return Directory(config.data_dir, config.node, config.directory_map_bytes)
 
 
-def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> tuple[list[Tier], list[Orders[LruOrder]]]:
+def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> tuple[list[OwnerParts[Tier]], list[Orders[LruOrder]]]:
     """The tiers above the landing tier (hbm: one device pool per tenant, or one without
-    tenant arenas, tiers/pools.py), fastest first, and their orders. torch is imported only
-    when they are asked for (the server does not need it otherwise)."""
+    tenant arenas, tiers/pools.py; ``wrap`` goes around each pool), fastest first, and their
+    orders. torch is imported only when they are asked for (the server does not need it otherwise)."""
     if "hbm" not in config.tiers:
         return [], []
     from kvstore.tiers.pools import TenantPools
 
     per_tenant = bool(config.security.tenants) and not config.security.share_arena
     orders = Orders(LruOrder, shared=not per_tenant)
-    return [(wrap or (lambda tier: tier))(TenantPools(config.hbm, per_tenant, events=orders.make))], [orders]
+    return [TenantPools(config.hbm, per_tenant, events=orders.make, wrap=wrap)], [orders]  # type: ignore[arg-type]
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
                policy: AdmissionPolicy | None = None, arena_bytes: Callable[[str], int] | None = None,
-               ) -> tuple[LandingTier, list[AdmittedTier], list[Tier], list[Orders]]:
+               ) -> tuple[OwnerParts[LandingPart], list[AdmittedTier], list[OwnerParts[Tier]], list[Orders]]:
     """The landing tier (host), the demotion targets (ssd, with its admission policy and
     write budget) and the tiers above the landing tier (hbm, see ``open_upper``). ``wrap``
-    goes around each tier first (tests: ``FaultyTier``); ``policy`` replaces the configured
-    admission policy (the replay's oracle). With tenants (and not --share-arena) the host
-    tier is one arena per tenant, of ``arena_bytes(tenant)`` bytes, made lazily. With hbm every
+    goes around each tier (each arena or pool of a map of them) first (tests: ``FaultyTier``);
+    ``policy`` replaces the configured admission policy (the replay's oracle). The host tier is a
+    map of arenas (tiers/arenas.py): with tenants (and not --share-arena) one per tenant, of
+    ``arena_bytes(tenant)`` bytes, made lazily; else one, made now. With hbm every
     arena is page-locked for the pools' copies, each tenant's as it is made (tiers/pinned.py).
     The orders come last, one ``Orders`` per tier in the core's order: landing, lower, upper."""
     wrap = wrap or (lambda tier: tier)
@@ -70,16 +71,12 @@ def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float
     per_tenant = bool(config.security.tenants) and not config.security.share_arena
     landing_orders = LandingOrders(HostOrder, shared=not per_tenant)
     try:
-        if per_tenant:
-            landing = wrap(TenantArenas(config.host, config.node, arena_bytes or (lambda tenant: 0), pins, landing_orders.make))
-        else:
-            landing = wrap(pinned(HostTier(config.host, config.node, events=landing_orders.make(UNOWNED, config.host)), pins))
+        landing: OwnerParts[LandingPart] = TenantArenas(  # type: ignore[assignment]  # its arenas are LandingParts
+            config.host, config.node, arena_bytes or (lambda tenant: 0), pins, landing_orders.make, per_tenant, wrap)  # type: ignore[arg-type]
     except BaseException:  # no arena: the pools made already go back to the device
         for tier in upper:
             tier.close()
         raise
-    if not isinstance(landing, LandingTier):
-        raise TypeError(f"{landing!r} cannot be the landing tier")
     lower: list[AdmittedTier] = []
     lower_orders: list[Orders] = []
     try:

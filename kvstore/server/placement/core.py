@@ -43,7 +43,7 @@ from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import Reporter
-from kvstore.tiers.base import ArenaInfo, LandingTier
+from kvstore.tiers.base import ArenaInfo, LandingPart
 
 
 class Placement(CoreReports):
@@ -87,7 +87,7 @@ class Placement(CoreReports):
         """The arena ``tenant``'s pages live in (made now at its first use: TierFull when the host cannot hold it)."""
         return self.landing.part(tenant).arena
 
-    def _check_layout(self, namespace_id: bytes, layout: LayoutDesc) -> None:
+    def _check_layout(self, namespace_id: bytes, layout: LayoutDesc, arena: LandingPart) -> None:
         """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
         binds it once a slot was taken, so a rejected request leaves no binding)."""
         known = self._layouts.get(namespace_id, layout)
@@ -97,11 +97,11 @@ class Placement(CoreReports):
             raise InvalidRequest(f"layout {layout} gives an empty page or an unknown dtype")
         if layout.page_bytes > self.config.max_page_bytes:
             raise InvalidRequest(f"page of {layout.page_bytes} bytes exceeds the limit of {self.config.max_page_bytes}")
-        if not self.landing.fits(layout.page_bytes):
+        if not arena.fits(layout.page_bytes):
             raise InvalidRequest(f"page of {layout.page_bytes} bytes does not fit a {self.landing.name} slab; raise --host-capacity")
 
-    def _fill(self, tier: LandingTier | None = None) -> float:
-        usage = (tier or self.landing).usage()
+    def _fill(self, arena: LandingPart) -> float:
+        usage = arena.usage()
         return usage.used_bytes / usage.capacity_bytes if usage.capacity_bytes else 0.0
 
     # -- writes through the landing tier -------------------------------------------------
@@ -119,7 +119,7 @@ class Placement(CoreReports):
         arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
         with self.keeper.critical():
             self.keeper.reap()
-            self._check_layout(namespace_id, layout)
+            self._check_layout(namespace_id, layout, arena)
             current = self.generations.require(namespace_id, generation)
             out: list[tuple[bytes, int | None]] = []
             alloc = Allocation(namespace_id, layout, {}, [], [], tenant=tenant, parent=parent, generation=current)
@@ -161,7 +161,7 @@ class Placement(CoreReports):
             slot = alloc.slots.get(key)
             if slot is None:
                 raise InvalidRequest(f"allocation {allocation_id.hex()} has no slot for page {key.hex()}")
-            return self.landing.view(slot, alloc.layout.page_bytes)
+            return self.landing.at(slot).view(slot, alloc.layout.page_bytes)
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
                tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
@@ -195,12 +195,13 @@ class Placement(CoreReports):
                 if slot is None:
                     continue  # was stored already at allocation time
                 if self.residence.stored(key):
-                    self.landing.unreserve(slot)
+                    self.landing.at(slot).unreserve(slot)
                     continue
                 header = PageHeader(alloc.namespace_id, key, alloc.layout, alloc.layout.page_bytes, csum,
                                     flags | (FLAG_WANTED if durable else 0), alloc.generation)
                 fresh.append((slot, header))
-            self.landing.commit(fresh, alloc.parents([h.key for _, h in fresh]))
+            if fresh:  # an allocation's slots are all in its namespace's owner's arena (allocate)
+                self.landing.at(fresh[0][0]).commit(fresh, alloc.parents([h.key for _, h in fresh]))
             self.keeper.free_slots(list(alloc.slots.values()))
             with counting or nullcontext():  # the pages count from here (Quotas.handing_over: the caller's bridge goes)
                 if fresh:
@@ -233,7 +234,7 @@ class Placement(CoreReports):
         is left of them is pinned (another pass would walk the same pins). Each step removes or finds a pin: it ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
-        arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else self.landing  # theirs
+        arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else None  # theirs
         with self.keeper.critical():
             while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
                     and self.moves.evict_one(0, skip, arena):
@@ -256,11 +257,11 @@ class Placement(CoreReports):
         """The hbm pool ``tenant``'s engines map (made at first use: TierFull if it does not fit); None without hbm."""
         if self.promoter.index is None:
             return None
-        return self.promoter.tier.part(tenant).handout  # type: ignore[attr-defined]  # an HbmTier
+        return self.promoter.tier.part(tenant).handout
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
-        return self.landing.view(page.slot, page.header.payload_bytes)
+        return self.landing.at(page.slot).view(page.slot, page.header.payload_bytes)
 
     def release(self, lease_id: bytes, tenant: str | None = None) -> bool:
         """Ends a lease (of ``tenant``, when given); False when there is no such lease."""

@@ -12,6 +12,7 @@ from kvstore.errors import MetadataFull
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import Allocation, LeaseTable
 from kvstore.server.placement.residence import Owed, Residence
+from kvstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,16 @@ class Housekeeper:
                 self.residence.released(self.leases.unpin([item.key], move=True))
             owed = [item for item in owed if item not in revived]
         for item in owed:
-            tier = self.residence.tiers[item.tier]
+            part = self.residence.tiers[item.tier].part_of(item.key)  # None: gone already
             try:
-                if item.reason:
-                    tier.quarantine(item.key, item.reason)
-                else:
-                    tier.delete([item.key])
+                if part is not None and item.reason:
+                    part.quarantine(item.key, item.reason)
+                elif part is not None:
+                    part.delete([item.key])
                 done.append((item, True))
             except (OSError, MetadataFull) as exc:
-                logger.error("%s tier: cannot remove page %s (%s); it is never served again", tier.name, item.key.hex(), exc)
+                logger.error("%s tier: cannot remove page %s (%s); it is never served again",
+                             self.residence.tiers[item.tier].name, item.key.hex(), exc)
                 done.append((item, False))
         with self.lock:
             for item, ok in done:
@@ -96,10 +98,9 @@ class Housekeeper:
         done: list[tuple[int, bytes]] = []
         failed: list[tuple[int, bytes]] = []
         try:
-            for index in sorted({i for i, _ in todo}):
-                batch = [key for i, key in todo if i == index]
+            for index, part, batch in self._by_part(todo):
                 try:
-                    self.residence.tiers[index].delete(batch)  # one index transaction: all or nothing
+                    part.delete(batch)  # one index transaction: all or nothing
                     done += [(index, key) for key in batch]
                 except OSError as exc:  # a failing device: the removal goes on, the copies are never served
                     logger.error("%s tier: cannot remove %d pages (%s); they are never served again",
@@ -113,6 +114,15 @@ class Housekeeper:
                     else:
                         self.residence.revive(key, index)
                 self.residence.released(self.leases.unpin([key for _, key in todo], move=True))
+
+    def _by_part(self, todo: list[tuple[int, bytes]]) -> list[tuple[int, Tier, list[bytes]]]:
+        """``todo``'s keys by the tier and the part of it that holds them (a lower tier is one part)."""
+        batches: dict[tuple[int, int], tuple[int, Tier, list[bytes]]] = {}
+        for index, key in todo:
+            part = self.residence.tiers[index].part_of(key)
+            if part is not None:
+                batches.setdefault((index, id(part)), (index, part, []))[2].append(key)
+        return sorted(batches.values(), key=lambda batch: batch[0])
 
     def reap(self) -> None:
         """Lock held: forgets stale hints, ends expired leases and allocations."""
@@ -133,7 +143,7 @@ class Housekeeper:
 
     def free_slots(self, slots: list[int]) -> None:
         for slot in slots:
-            self.residence.landing.unreserve(slot)
+            self.residence.landing.at(slot).unreserve(slot)
 
     def unpin(self, keys: list[bytes]) -> None:
         self.residence.released(self.leases.unpin(keys))

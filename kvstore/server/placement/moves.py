@@ -33,7 +33,7 @@ from kvstore.server.placement.background import is_behind, lift, run_behind
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import TenantShares
-from kvstore.tiers.base import LandingTier, ReadResult
+from kvstore.tiers.base import LandingPart, ReadResult
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +111,11 @@ class Mover(LowerRoom):
 
     # -- landing room (lock held; released around writes) --------------------------------
 
-    def make_room(self, page_bytes: int, arena: LandingTier | None = None) -> int | None:
+    def make_room(self, page_bytes: int, arena: LandingPart) -> int | None:
         """A slot in ``arena`` (a part of the landing tier: one tenant's arena) for a page of
         ``page_bytes``, evicting from that arena as needed; None when every page left in it
         is pinned. Called with the lock held; lets go of it while a victim is written down,
         so what the caller decided before may have changed after."""
-        arena = arena or self.landing
         while True:
             slot = arena.reserve(page_bytes)
             if slot is not None:
@@ -126,13 +125,13 @@ class Mover(LowerRoom):
             if not self.evict_one(page_bytes, None, arena):
                 return None
 
-    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None) -> bool:
+    def evict_one(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingPart | None = None) -> bool:
         """Evicts the next victim of ``arena`` (default: the landing tier's choice), written
         down first when it is worth it, passing over the keys in ``skip`` (default: the
         pinned ones); False when there is none. Lock held; released during the write."""
         return self.evict_some(page_bytes, skip, arena) > 0
 
-    def demote(self, arena: LandingTier, low: float) -> bool:
+    def demote(self, arena: LandingPart, low: float) -> bool:
         """Lock held: evicts ``arena``'s coldest pages toward ``low`` of its capacity, the ones
         worth it written down as one batch (the demoter's round); False when nothing could go,
         or while it backs off after a round the lower tier failed (whose pages stayed in RAM)."""
@@ -142,34 +141,37 @@ class Mover(LowerRoom):
         over = usage.used_bytes - int(low * usage.capacity_bytes)
         return self.evict_some(0, None, arena, DEMOTE_PAGES, min(over, DEMOTE_BYTES), keep=True) > 0
 
-    def evict_some(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingTier | None = None,
+    def evict_some(self, page_bytes: int, skip: Container[bytes] | None = None, arena: LandingPart | None = None,
                    limit: int = 1, max_bytes: int = 0, keep: bool = False) -> int:
         """``evict_one`` for up to ``limit`` victims (no more once ``max_bytes`` of them are
         picked, when given); the ones worth writing down go in one ``write_down``: one sync
         and one index transaction for all of them. Returns how many victims it found.
         ``keep`` (work ahead of need): what an I/O error left unwritten stays in RAM."""
-        arena = arena or self.landing
         found, picked = 0, 0
         batch: list[tuple[bytes, PageHeader, memoryview]] = []
+        parts: dict[bytes, LandingPart] = {}  # each victim's arena
         while found < limit and (max_bytes <= 0 or picked < max_bytes):
-            victim = self.residence.landing_orders.victim(self.landing.parts() if arena is self.landing else [arena],
-                                                          self.leases.pins if skip is None else skip, page_bytes)  # the batch's skipped
-            if victim is None:
+            named = self.residence.landing_orders.victim(self.landing.parts() if arena is None else [arena],
+                                                         self.leases.pins if skip is None else skip, page_bytes)  # the batch's skipped
+            if named is None:
                 break
-            held = self.landing.find(victim)
+            part, victim = named
+            held = part.find(victim)
             assert held is not None
             slot, header = held
             found, picked = found + 1, picked + header.payload_bytes
             if not self.lower or self.residence.has(victim, 1) or not self._target(1).admit(header):
-                self._evict([victim])
+                self._evict(part, [victim])
                 continue
             self.leases.pin([victim], move=True)
-            batch.append((victim, header, self.landing.view(slot, header.payload_bytes)))
+            parts[victim] = part
+            batch.append((victim, header, part.view(slot, header.payload_bytes)))
         if batch:
-            self._write_victims(batch, keep)
+            self._write_victims(batch, parts, keep)
         return found
 
-    def _write_victims(self, batch: list[tuple[bytes, PageHeader, memoryview]], keep: bool = False) -> None:
+    def _write_victims(self, batch: list[tuple[bytes, PageHeader, memoryview]], parts: dict[bytes, LandingPart],
+                       keep: bool = False) -> None:
         """Lock held (released for the write): writes pinned victims down, then evicts them
         from the landing tier. A batch with a damaged page (quarantined, nothing indexed)
         leaves the others in place for the next round; so does an I/O error with ``keep``
@@ -196,13 +198,15 @@ class Mover(LowerRoom):
         if below:
             self.metrics.demotions.labels(self.landing.name).inc(len(below))
         # a reader that took one meanwhile keeps it (now clean) in place
-        self._evict([key for key in (keys if kept else below) if has(key, LANDING) and not pinned(key)])
+        going = [key for key in (keys if kept else below) if has(key, LANDING) and not pinned(key)]
+        for part in {id(part): part for part in parts.values()}.values():  # an arena's at once
+            self._evict(part, [key for key in going if parts[key] is part])
 
-    def _evict(self, keys: list[bytes]) -> None:
-        """Drops landing pages (a round's at once: one delete, the counter once)."""
+    def _evict(self, arena: LandingPart, keys: list[bytes]) -> None:
+        """Drops landing pages of ``arena`` (a round's at once: one delete, the counter once)."""
         if not keys:
             return
-        self.landing.delete(keys, evicted=True)
+        arena.delete(keys, evicted=True)
         for key in keys:
             self.directory.remove(key, self.node, self.landing.name)
         self.metrics.evictions.labels(self.landing.name).inc(len(keys))
@@ -217,9 +221,10 @@ class Mover(LowerRoom):
         with self.lock:
             items = []
             for key in keys:
-                found = None if self.residence.has(key, 1) else self.landing.find(key)
-                if found is not None:
-                    items.append((found[1], self.landing.view(found[0], found[1].payload_bytes)))
+                arena = None if self.residence.has(key, 1) else self.landing.part_of(key)
+                found = arena.find(key) if arena is not None else None
+                if arena is not None and found is not None:
+                    items.append((found[1], arena.view(found[0], found[1].payload_bytes)))
         try:
             why: list[str] = []
             held = self.write_down(1, items, wait=True, why=why) if items else 0
@@ -356,9 +361,10 @@ class Mover(LowerRoom):
         """Drops a landing page that failed a check (lock not held). With ``slot``: only if
         the page is still kept there (it may have been stored again elsewhere meanwhile)."""
         with self.lock:
-            if slot is not None and self.landing.find(header.key) != (slot, header):
-                return  # stored again meanwhile (maybe in the same slot): not the copy that failed
-            self.landing.quarantine(header.key, reason)
+            arena = self.landing.part_of(header.key)
+            if arena is None or slot is not None and arena.find(header.key) != (slot, header):
+                return  # gone, or stored again meanwhile (maybe in the same slot): not the copy that failed
+            arena.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)
 
@@ -371,11 +377,14 @@ class Mover(LowerRoom):
         fails as a whole (OSError) ends the prefix there, which proves nothing about bytes."""
         done = 0
         while done < len(items):
-            tier = items[done][0]
-            end = next((i for i in range(done, len(items)) if items[i][0] != tier), len(items))
+            tier, key = items[done][:2]
+            source = self.residence.tiers[tier].part_of(key)  # of a lower tier, or of one above the landing tier
+            if source is None:
+                return ReadResult(done)  # gone meanwhile: a miss
+            end = next((i for i in range(done, len(items))
+                        if items[i][0] != tier or self.residence.tiers[tier].part_of(items[i][1]) is not source), len(items))
             run = items[done:end]
-            views = [(key, self.landing.view(slot, self.landing.slot_bytes(slot))) for _, key, slot in run]
-            source = self.residence.tiers[tier]  # a lower tier, or one above the landing tier
+            views = [(key, self.landing.at(slot).view(slot, self.landing.at(slot).slot_bytes(slot))) for _, key, slot in run]
             try:
                 result = source.read_into(views, verify=False)  # its reader checks the bytes (DESIGN §4)
             except OSError as exc:

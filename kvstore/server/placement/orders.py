@@ -242,9 +242,10 @@ class LandingOrders(Orders[HostOrder]):
     def num_hinted(self) -> int:
         return sum(order.num_hinted() for order in self.all())
 
-    def victim(self, parts: list[LandingPart], pinned: Container[bytes], page_bytes: int) -> bytes | None:
-        """The first victim of ``parts``' orders, the fullest part first (a tier of arenas as a whole)."""
-        return next((v for part in sorted(parts, key=_fill, reverse=True)
+    def victim(self, parts: list[LandingPart], pinned: Container[bytes], page_bytes: int) -> tuple[LandingPart, bytes] | None:
+        """The first victim of ``parts``' orders, the fullest part first (a tier of arenas as a
+        whole), with the part it is in."""
+        return next(((part, v) for part in sorted(parts, key=_fill, reverse=True)
                      if (v := self.of(part.owner).victim(pinned, page_bytes)) is not None), None)
 
 

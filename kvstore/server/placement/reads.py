@@ -15,6 +15,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover
 from kvstore.server.placement.residence import LANDING
+from kvstore.tiers.base import ReadResult
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Reader:
                 if learn:
                     self.keeper.learn(key)
                 if self.residence.has(key, LANDING):
-                    found = self.landing.find(key)
+                    found = arena.find(key)  # in its owner's arena, where this reader maps it
                     if found is None or found[1].generation != generation:
                         break
                     touched.append(key)
@@ -87,7 +88,8 @@ class Reader:
                     continue
                 miss.labels(landing).inc()
                 tier = self.residence.holder(key)
-                found = self.tiers[tier].find(key) if tier is not None else None
+                part = self.residence.part(key, tier) if tier is not None else None
+                found = part.find(key) if part is not None else None
                 if tier is None or found is None or found[1].generation != generation:
                     break
                 header = found[1]
@@ -117,21 +119,22 @@ class Reader:
             if i not in source:
                 continue
             tier, _, slot = read_up[source[i]]
+            arena = self.landing.at(slot)  # the owner's, where the page was read up into
             if source[i] >= num_read and cut == len(pages):
                 cut, bad_tier = i, tier
             if i >= cut:
-                self.landing.unreserve(slot)
+                arena.unreserve(slot)
                 continue
             if self.residence.has(page.key, LANDING):  # read up concurrently by another reader
-                self.landing.unreserve(slot)
-                pages[i] = AcquiredPage(page.key, self.landing.find(page.key)[0], page.header)  # type: ignore[index]
+                arena.unreserve(slot)
+                pages[i] = AcquiredPage(page.key, arena.find(page.key)[0], page.header)  # type: ignore[index]
                 continue
             record = (page.key, self.node, self.landing.name, page.header.payload_bytes)
             if page.key not in self.directory.publish_listed(page.header.namespace_id, [record], page.header.generation):
-                self.landing.unreserve(slot)  # removed while we read it: not resurrected
+                arena.unreserve(slot)  # removed while we read it: not resurrected
                 cut, reason = i, ""
                 continue
-            self.landing.commit([(slot, page.header)], [pages[i - 1].key if i else None])
+            arena.commit([(slot, page.header)], [pages[i - 1].key if i else None])
             name = self.tiers[tier].name
             self.residence.orders[tier].touch(page.key)
             self.metrics.hits.labels(name).inc()
@@ -140,7 +143,8 @@ class Reader:
         if cut < len(pages):
             bad = pages[cut].key
             # (the copy read, not one that replaced it meanwhile)
-            held = self.tiers[bad_tier].find(bad) if reason and bad_tier and self.residence.has(bad, bad_tier) else None
+            part = self.residence.part(bad, bad_tier) if reason and bad_tier and self.residence.has(bad, bad_tier) else None
+            held = part.find(bad) if part is not None else None
             if held is not None and held[1] == pages[cut].header:
                 self._quarantine(bad, bad_tier, reason)
             self.keeper.unpin([p.key for p in pages[cut:]])
@@ -209,8 +213,8 @@ class Reader:
             found = None
             while self._scrub_queue:
                 tier, key = self._scrub_queue.pop()
-                if self.residence.has(key, tier):
-                    found = (tier, key, self.tiers[tier].find(key))
+                if (part := self.residence.part(key, tier)) is not None and self.residence.has(key, tier):
+                    found = (tier, key, part.find(key))
                     break
             if found is None:
                 return None
@@ -232,9 +236,10 @@ class Reader:
         of read up again for the next reader."""
         for tier in range(1, len(self.tiers)):
             with self.keeper.critical():
-                if not self.residence.has(key, tier):
+                part = self.residence.part(key, tier)
+                if part is None or not self.residence.has(key, tier):
                     continue
-                held = self.tiers[tier].find(key)
+                held = part.find(key)
                 slot, header = held if held is not None else (None, None)
                 self.leases.pin([key], move=True)
             self._check(tier, key, slot, header, "after its copy read up failed a check")
@@ -248,7 +253,8 @@ class Reader:
         if buf is None or len(buf) < size + 4096:
             buf = self._scratch.buf = bytearray(size + 4096)
         try:
-            result = self.tiers[tier].read_into([(key, memoryview(buf))])
+            part = self.residence.part(key, tier)  # None: gone meanwhile, a miss
+            result = part.read_into([(key, memoryview(buf))]) if part is not None else ReadResult(0)
             reason = result.reason if result.num_read == 0 else ""
         except OSError as exc:
             reason = ""  # an I/O error is not evidence of bad bytes; retried next round
@@ -256,6 +262,7 @@ class Reader:
         with self.keeper.critical():
             self.residence.released(self.leases.unpin([key], move=True))
             self.metrics.scrubbed.inc()
-            if reason and self.residence.has(key, tier) and (self.tiers[tier].find(key) or (None,))[0] == slot:
+            part = self.residence.part(key, tier)
+            if reason and part is not None and self.residence.has(key, tier) and (part.find(key) or (None,))[0] == slot:
                 self._quarantine(key, tier, f"{why}: {reason}")
         return not reason

@@ -76,7 +76,7 @@ class Removals:
                 return None
             for key, _ in removed:
                 for index in range(len(tiers)):
-                    if tiers[index].contains(key):
+                    if self.residence.part(key, index) is not None:
                         self.residence.drop(key, index)
             self._layouts.pop(namespace_id, None)
             self.reporter.refresh_gauges()

@@ -61,14 +61,14 @@ def check_reported(core: Placement, lease_id: bytes, tenant: str | None, keys: l
     with core.keeper.critical():
         leased = core.leases.keys_of(lease_id, tenant)
         wanted = set(keys) & set(leased or ())
-        found = [core.landing.find(key) for key in wanted]
+        found = [arena.find(key) if (arena := core.landing.part_of(key)) is not None else None for key in wanted]
     pages = [page for page in found if page is not None]
     if not pages or not budget():
         return 0
     failed = 0
     for slot, header in pages:
         try:  # the lease pins the page against eviction; quarantine_landing checks it is still this copy
-            header.verify_payload(core.landing.view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
+            header.verify_payload(core.landing.at(slot).view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
         except PageCorrupt:
             core.reads.quarantine_landing(header, REASON, slot)
             failed += 1

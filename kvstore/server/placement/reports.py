@@ -16,10 +16,11 @@ if TYPE_CHECKING:
     from kvstore.server.placement.housekeeping import Housekeeper
     from kvstore.server.placement.residence import Residence
     from kvstore.tiers.base import Tier
+    from kvstore.tiers.owner_parts import OwnerParts
 
 
 class CoreReports:
-    tiers: list[Tier]
+    tiers: list[OwnerParts[Tier]]
     residence: Residence
     keeper: Housekeeper
     leases: LeaseTable
@@ -46,11 +47,13 @@ class CoreReports:
     def where(self, key: bytes) -> dict[str, int]:
         """This node's live copies of ``key``: tier name -> slot (arena or file offset)."""
         with self._lock:
-            found = {t.name: t.find(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)}
+            found = {t.name: self.residence.part(key, i).find(key)  # type: ignore[union-attr]  # has: a part holds it
+                     for i, t in enumerate(self.tiers) if self.residence.has(key, i)}
         return {name: held[0] for name, held in found.items() if held is not None}
 
     def page(self, key: bytes) -> PageHeader | None:
         """The header of this node's fastest live copy of ``key``."""
         with self._lock:
-            held = next((t.find(key) for i, t in enumerate(self.tiers) if self.residence.has(key, i)), None)
+            held = next((self.residence.part(key, i).find(key)  # type: ignore[union-attr]  # has: a part holds it
+                         for i in range(len(self.tiers)) if self.residence.has(key, i)), None)
         return held[1] if held is not None else None

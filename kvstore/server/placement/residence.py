@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from kvstore.server.leases import LeaseTable
 from kvstore.server.placement.orders import LandingOrders, Orders
-from kvstore.tiers.base import LandingTier, Tier
+from kvstore.tiers.base import LandingPart, Tier
+from kvstore.tiers.owner_parts import OwnerParts
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,12 @@ class Owed:
 
 
 class Residence:
-    def __init__(self, landing: LandingTier, lower: list[Tier], leases: LeaseTable, upper: list[Tier],
-                 orders: list[Orders]) -> None:
+    def __init__(self, landing: OwnerParts[LandingPart], lower: list[Tier], leases: LeaseTable,
+                 upper: list[OwnerParts[Tier]], orders: list[Orders]) -> None:
         self.landing = landing
         # Upper tiers (faster than the landing tier: hbm) go last, so that the index of the
         # landing tier and of each lower tier is the same with or without them.
-        self.tiers: list[Tier] = [landing, *lower, *upper]
+        self.tiers: list[OwnerParts[Tier]] = [landing, *map(OwnerParts.one, lower), *upper]  # type: ignore[list-item]
         self.upper = list(range(1 + len(lower), len(self.tiers)))
         self.orders = orders  # orders[i]: the eviction orders of tiers[i]'s parts
         assert isinstance(orders[LANDING], LandingOrders) and len(orders) == len(self.tiers)
@@ -56,9 +57,14 @@ class Residence:
         self._detached: dict[bytes, list[int]] = {}   # landing slots of removed pages, freed once unpinned
         self._owed: list[Owed] = []
 
+    def part(self, key: bytes, tier: int) -> Tier | None:
+        """The part of ``tiers[tier]`` that holds ``key``, live or not (None: none does)."""
+        part = self.tiers[tier].part_of(key)
+        return part if part is not None and part.contains(key) else None
+
     def has(self, key: bytes, tier: int) -> bool:
         """Whether ``tiers[tier]`` holds a live copy of ``key``."""
-        return self.tiers[tier].contains(key) and (tier == LANDING or (key, tier) not in self._doomed)
+        return self.part(key, tier) is not None and (tier == LANDING or (key, tier) not in self._doomed)
 
     def doomed(self, key: bytes, tier: int) -> bool:
         """Whether a removed copy of ``key`` in ``tiers[tier]`` waits to be deleted."""
@@ -80,14 +86,17 @@ class Residence:
         """Frees this node's copy of ``key`` in ``tiers[tier]`` (already out of the
         directory) now, or once its last pin goes."""
         if tier == LANDING:
+            arena: LandingPart | None = self.landing.part_of(key)
+            if arena is None:
+                return
             if not self.leases.pinned(key):
-                self.landing.delete([key])
+                arena.delete([key])
             else:
-                slot = self.landing.detach(key)
+                slot = arena.detach(key)
                 if slot is not None:
                     self._detached.setdefault(key, []).append(slot)
             return
-        if not self.tiers[tier].contains(key) or (key, tier) in self._doomed:
+        if self.part(key, tier) is None or (key, tier) in self._doomed:
             return
         self._doomed.add((key, tier))
         if not self.leases.pinned(key):
@@ -112,7 +121,7 @@ class Residence:
         """``keys`` lost their last pin: what waited for that happens (or is owed) now."""
         for key in keys:
             for slot in self._detached.pop(key, ()):
-                self.landing.unreserve(slot)
+                self.landing.at(slot).unreserve(slot)
             for tier in range(1, len(self.tiers)):
                 if (key, tier) in self._doomed and (key, tier) not in self._stuck:
                     self._owe(Owed(tier, key))
@@ -127,7 +136,7 @@ class Residence:
 
     def settled(self, owed: Owed, ok: bool) -> None:
         """An owed removal was done (``ok``) or failed; its pin is the caller's to drop."""
-        if ok or not self.tiers[owed.tier].contains(owed.key):
+        if ok or self.part(owed.key, owed.tier) is None:
             self._doomed.discard((owed.key, owed.tier))
             self._stuck.discard((owed.key, owed.tier))
         else:

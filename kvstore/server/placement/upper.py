@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from kvstore.device_ops import PoolHandout
 from kvstore.directory import Directory
 from kvstore.errors import PageCorrupt, TierFull
 from kvstore.page import PageHeader
@@ -33,23 +34,21 @@ from kvstore.server.placement.moves import Mover
 from kvstore.server.placement.reads import AcquiredPage
 from kvstore.server.placement.residence import LANDING
 from kvstore.tiers.base import ReadResult, Tier
+from kvstore.tiers.owner_parts import OwnerParts
 
 logger = logging.getLogger(__name__)
 
 
-class UpperTier(Tier, Protocol):
-    def fits(self, page_bytes: int) -> bool: ...
+class Pool(Tier, Protocol):
+    """One owner's part of the upper tier (an hbm pool, tiers/pools.py)."""
 
-    def part(self, owner: str) -> Tier:
-        """``owner``'s pool: where its pages are reserved and evicted from."""
-        ...
+    owner: str
+    handout: PoolHandout  # what its owner's engines map: its token names it in an Acquire answer
+
+    def fits(self, page_bytes: int) -> bool: ...
 
     def offset(self, slot: int) -> int:
         """Where ``slot`` lies in the pool an engine maps."""
-        ...
-
-    def token_of(self, slot: int) -> bytes:
-        """The token of the pool ``slot`` is in."""
         ...
 
 
@@ -70,7 +69,8 @@ class Promoter:
         self._promoting: set[bytes] = set()
 
     @property
-    def tier(self) -> UpperTier:
+    def tier(self) -> OwnerParts[Pool]:
+        """The upper tier: a map of pools by owner."""
         assert self.index is not None
         return self.residence.tiers[self.index]  # type: ignore[return-value]
 
@@ -88,10 +88,11 @@ class Promoter:
             return b"", [None] * len(pages)
         tier, up = self.tier, self.index
         with self.keeper.critical():
-            held = [tier.find(p.key) if self.residence.has(p.key, up) else None for p in pages]
+            pools = [tier.part_of(p.key) if self.residence.has(p.key, up) else None for p in pages]
+            held = [pool.find(p.key) if pool is not None else None for pool, p in zip(pools, pages)]
         slots = [found[0] if found is not None else None for found in held]
-        token = next((tier.token_of(slot) for slot in slots if slot is not None), b"")
-        return token, [None if slot is None else tier.offset(slot) for slot in slots]
+        token = next((tier.at(slot).handout.token for slot in slots if slot is not None), b"")
+        return token, [None if slot is None else tier.at(slot).offset(slot) for slot in slots]
 
     def promote(self, pages: list[AcquiredPage]) -> int:
         """Copies leased landing pages (the caller's lease keeps their slots) into the upper
@@ -112,7 +113,7 @@ class Promoter:
                 for page in pages:
                     key, size = page.key, page.header.payload_bytes
                     # a key a move holds may have a copy being deleted here: not written over it
-                    if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not tier.fits(size):
+                    if self.residence.has(key, up) or key in self._promoting or self.leases.moving(key) or not pool.fits(size):
                         continue
                     self._promoting.add(key)
                     making_room = key
@@ -125,20 +126,20 @@ class Promoter:
             except BaseException:
                 self._promoting.difference_update([page.key for _, page in placed] + ([making_room] if making_room else []))
                 for slot, _ in placed:
-                    tier.unreserve(slot)
+                    pool.unreserve(slot)
                 raise
         written: list[tuple[int, PageHeader]] = []
         try:
             for slot, page in placed:
-                source = self.landing.view(page.slot, page.header.payload_bytes)
+                source = self.landing.at(page.slot).view(page.slot, page.header.payload_bytes)
                 try:
                     page.header.verify_payload(source, page.header.payload_bytes)
                 except PageCorrupt as exc:  # damaged in the arena: not copied up; reads find it
                     logger.warning("not promoting page %s: %s", page.key.hex(), exc)
                     continue
-                tier.write([(slot, page.header, source)])
+                pool.write([(slot, page.header, source)])
                 written.append((slot, page.header))
-            tier.commit(written)
+            pool.commit(written)
         except OSError as exc:
             logger.error("promotion into %s failed (%s); the pages stay below", tier.name, exc)
             written = []
@@ -156,7 +157,7 @@ class Promoter:
         for slot, page in placed:
             self._promoting.discard(page.key)
             if slot not in committed:
-                tier.unreserve(slot)
+                tier.at(slot).unreserve(slot)
         listed: set[bytes] = set()
         for slot, header in written:
             record = (header.key, self.node, tier.name, header.payload_bytes)
@@ -171,29 +172,29 @@ class Promoter:
 
     # -- room in the upper tier (lock held; released while a victim is demoted) ----------
 
-    def _make_room(self, page_bytes: int, pool: Tier) -> int | None:
+    def _make_room(self, page_bytes: int, pool: Pool) -> int | None:
         while True:
             slot = pool.reserve(page_bytes)
             if slot is not None or not self._evict_one(page_bytes, pool):
                 return slot
 
-    def _evict_one(self, page_bytes: int, pool: Tier) -> bool:
+    def _evict_one(self, page_bytes: int, pool: Pool) -> bool:
         """Frees the next victim of ``pool`` (one owner's), demoting it to the landing tier
         first when no other tier holds it; False when every page there is pinned or in flight."""
         up, tier = self.index, self.tier
         assert up is not None
         skip = _Either(self.leases.pins, self._promoting)
-        victim = self.residence.orders[up].of(pool.owner).victim(skip, page_bytes)  # type: ignore[attr-defined]  # an HbmTier
+        victim = self.residence.orders[up].of(pool.owner).victim(skip, page_bytes)
         if victim is None:
             return False
-        found = tier.find(victim)
+        found = pool.find(victim)
         header = found[1] if found is not None else None
         elsewhere = any(self.residence.has(victim, i) for i in range(len(self.residence.tiers)) if i != up)
-        if header is not None and not elsewhere and self.landing.fits(header.payload_bytes):
-            self._demote(victim, header)
+        if header is not None and not elsewhere:
+            self._demote(victim, header, pool)
         if self.residence.has(victim, up) and not self.leases.pinned(victim):
             try:
-                tier.delete([victim], evicted=True)
+                pool.delete([victim], evicted=True)
             except OSError as exc:  # a memory tier does not fail here, a fault-injecting wrapper may
                 logger.error("%s tier: cannot evict %s: %s", tier.name, victim.hex(), exc)
                 return False
@@ -201,17 +202,20 @@ class Promoter:
             self.metrics.evictions.labels(tier.name).inc()
         return True
 
-    def _demote(self, key: bytes, header: PageHeader) -> None:
-        """Lock held (released for the copy): reads the only copy of ``key`` into a landing
-        slot and publishes it there."""
+    def _demote(self, key: bytes, header: PageHeader, pool: Pool) -> None:
+        """Lock held (released for the copy): reads the only copy of ``key`` (in ``pool``) into
+        a slot of its owner's arena and publishes it there (a page no slot fits leaves the cache)."""
         up, tier = self.index, self.tier
-        slot = self.moves.make_room(header.payload_bytes, self.landing.part(self.owner_of(header.namespace_id)))
+        arena = self.landing.part(self.owner_of(header.namespace_id))
+        if not arena.fits(header.payload_bytes):
+            return
+        slot = self.moves.make_room(header.payload_bytes, arena)
         if slot is None:
             return  # every landing page is pinned: the page leaves the cache
         self.leases.pin([key], move=True)
         self.lock.release()
         try:
-            result = tier.read_into([(key, self.landing.view(slot, self.landing.slot_bytes(slot)))])
+            result = pool.read_into([(key, arena.view(slot, arena.slot_bytes(slot)))])
         except OSError as exc:
             logger.error("%s tier: read of %s failed: %s", tier.name, key.hex(), exc)
             result = ReadResult(0)
@@ -219,16 +223,16 @@ class Promoter:
             self.lock.acquire()
             self.residence.released(self.leases.unpin([key], move=True))
         if result.num_read == 1 and up is not None and self.residence.has(key, up) and not self.residence.has(key, LANDING):
-            self.landing.commit([(slot, header)])
+            arena.commit([(slot, header)])
             record = (key, self.node, self.landing.name, header.payload_bytes)
             if key in self.directory.publish_listed(header.namespace_id, [record], header.generation):
                 self.metrics.demotions.labels(tier.name).inc()
             else:
                 self.residence.drop(key, LANDING)
             return
-        self.landing.unreserve(slot)
+        arena.unreserve(slot)
         if result.reason and up is not None and self.residence.has(key, up):
-            tier.quarantine(key, f"on demotion: {result.reason}")
+            pool.quarantine(key, f"on demotion: {result.reason}")
             self.metrics.quarantined.labels(tier.name).inc()
             self.directory.remove(key, self.node, tier.name)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.tiers.base import LandingTier
+from kvstore.tiers.base import LandingPart
 
 
 class Watermarks:
@@ -23,7 +23,7 @@ class Watermarks:
         self.high, self.low = high, low
         self._draining: set[int] = set()  # id() of the parts draining (parts live as long as the tier)
 
-    def next_part(self, parts: list[LandingTier], fill: Callable[[LandingTier], float]) -> LandingTier | None:
+    def next_part(self, parts: list[LandingPart], fill: Callable[[LandingPart], float]) -> LandingPart | None:
         """The fullest part that is draining now (None: none is), after starting the parts
         past the high watermark and ending those down to the low one."""
         fullest, most = None, -1.0

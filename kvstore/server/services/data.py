@@ -113,7 +113,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
             arena_token=arena.token if arena is not None else b"",
             generation=alloc.generation if alloc is not None else self.core.directory.generation(ns),
-            slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.offset(o), exists=o is None)
+            slots=[data_pb2.Slot(key=k, offset=0 if o is None else self.core.landing.at(o).offset(o), exists=o is None)
                    for k, o in slots],
         )
 

@@ -75,7 +75,7 @@ class SharedMemory:
         return data_pb2.AcquireResponse(
             lease_id=ident, page_bytes=pages[0].header.payload_bytes if pages else 0,
             arena_token=arena.token if arena is not None else b"", pool_token=token,
-            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.offset(p.slot), checksum=p.checksum,
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=self.core.landing.at(p.slot).offset(p.slot), checksum=p.checksum,
                                          on_device=o is not None, device_offset=o or 0)
                    for p, o in zip(pages, offsets)],
         )
