@@ -6,6 +6,8 @@ statuses back, so an engine catches the same class whichever side raised it.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class KVStoreError(Exception):
     """Base of every error kvstore raises on purpose."""
@@ -73,7 +75,7 @@ class QuotaExceeded(LimitExceeded):
     (what the call asked for), ``limit``, and ``freed``: bytes of its own pages the server wrote
     down trying to make room before it refused (0: nothing was done)."""
 
-    FIELDS = ("tenant", "quota", "held", "wanted", "limit", "freed")
+    FIELDS: ClassVar[dict[str, type]] = {"tenant": str, "quota": str, "held": int, "wanted": int, "limit": int, "freed": int}
 
     def __init__(self, tenant: str, quota: str, held: int, wanted: int, limit: int, freed: int = 0) -> None:
         self.tenant, self.quota, self.held, self.wanted, self.limit, self.freed = tenant, quota, held, wanted, limit, freed

@@ -52,14 +52,19 @@ def error_class(label: str) -> str:
     return label.partition(" ")[0]
 
 
-def _fields(text: str) -> dict[str, Any] | None:
-    """A label's fields, when they are a JSON object of plain names, ints and strings."""
+MAX_LABEL_CHARS = 1024  # an error_label's fields: a QuotaExceeded's are ~150 characters
+
+
+def _fields(text: str, kinds: dict[str, type]) -> dict[str, Any] | None:
+    """A label's fields when they are exactly the class's (``kinds``: name -> type), each of its type.
+    Anything else (too long, too deep, other names or types: a buggy or hostile server) is None."""
+    if len(text) > MAX_LABEL_CHARS:
+        return None
     try:
         fields = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    ok = isinstance(fields, dict) and all(isinstance(k, str) and k.isidentifier() and type(v) in (int, str)
-                                          for k, v in fields.items())
+    ok = isinstance(fields, dict) and fields.keys() == kinds.keys() and all(type(v) is kinds[k] for k, v in fields.items())
     return fields if ok else None
 
 
@@ -67,13 +72,14 @@ def error_for(code: grpc.StatusCode, message: str, name: str | None = None) -> e
     """The client-side exception for a status the server sent (``name``: the ``error_label``
     the server sent, when it did: its class, built from its fields where it has them)."""
     label, _, rest = (name or "").partition(" ")
-    fields = _fields(rest) if rest else None
     named = getattr(errors, label, None) if label else None
     if isinstance(named, type) and issubclass(named, errors.KVStoreError):
         for cls in named.__mro__:  # a class that carries more than its fields (HostQuotaFull): its nearest base
             if issubclass(cls, errors.KVStoreError):
+                kinds = cls.__dict__.get("FIELDS")  # the class's own: a subclass adds what its base cannot build
+                fields = _fields(rest, kinds) if rest and kinds else None
                 try:
-                    return cls(**fields) if fields is not None and hasattr(cls, "FIELDS") else cls(message)
+                    return cls(**fields) if fields is not None else cls(message)
                 except TypeError:
                     continue
     for cls, known in ERROR_CODES:

@@ -294,6 +294,19 @@ def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
             time.sleep(0.002)
 
 
+
+def _named(name: str, message: str) -> KVStoreError:
+    """The error class the server named, built from ``message``; a class that needs more than a
+    message (QuotaExceeded's fields) becomes its nearest base that does not; an unknown name KVStoreError."""
+    kind = getattr(errors, name, None)
+    for cls in kind.__mro__ if isinstance(kind, type) and issubclass(kind, KVStoreError) else (KVStoreError,):
+        if issubclass(cls, KVStoreError):
+            try:
+                return cls(message)
+            except TypeError:
+                continue
+    return KVStoreError(message)
+
 def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tuple[int, int, str]:
     """The client side: (fd, size_bytes, tenant) of this token's arena. The caller owns the
     fd (mmap it, then close it). Raises the server's error class (Unauthenticated for a
@@ -349,10 +362,7 @@ def _exchange(path: Path, request: dict[str, Any], timeout_s: float) -> tuple[di
             body += _recv_exact(sock, length - len(body)) if len(body) < length else b""
             answer = json.loads(body)
             if not answer.get("ok"):
-                kind = getattr(errors, str(answer.get("error_class")), None)
-                if not (isinstance(kind, type) and issubclass(kind, KVStoreError)):
-                    kind = KVStoreError
-                raise kind(f"arena socket {path}: {answer.get('error', 'refused')}")
+                raise _named(str(answer.get("error_class")), f"arena socket {path}: {answer.get('error', 'refused')}")
             if len(fds) > 1:
                 raise KVStoreError(f"arena socket {path}: more than one file descriptor")
             return answer, fds.pop() if fds else None

@@ -171,11 +171,11 @@ def _digest(entry: dict[str, Any], at: str) -> bytes:
         raise ConfigError(f"{at}: give exactly one of token (the token) and sha256 (its SHA-256, hex)")
     if "token" in entry:
         token = entry["token"]
-        if not isinstance(token, str) or not _TOKEN.match(token):
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
             raise ConfigError(f"{at}: token must be 16-4096 printable ASCII characters without spaces")
         return token_digest(token)
     digest = entry["sha256"]
-    if not isinstance(digest, str) or not _HEX_DIGEST.match(digest):
+    if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
         raise ConfigError(f"{at}: sha256 must be 64 hex digits (sha256sum of the token, without a newline)")
     return bytes.fromhex(digest)
 

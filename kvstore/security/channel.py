@@ -68,7 +68,7 @@ def check_token_route(address: str, token: str | None, tls: ClientTLS | None) ->
     """Raises ConfigError for a token that is malformed or would cross the network in clear text."""
     if token is None:
         return
-    if not _TOKEN.match(token):
+    if not _TOKEN.fullmatch(token):
         raise ConfigError("token must be printable ASCII without spaces (it is sent as 'authorization: Bearer <token>')")
     _check_clear_route(address, tls)
 

@@ -50,7 +50,7 @@ ALL_RIGHTS = Rights.READ | Rights.WRITE | Rights.ADMIN
 def check_tenant_name(name: object, where: str) -> str:
     """Tenant names are 1-128 characters of letters, digits and ``._@:-``: they appear in
     logs, metrics labels and the salt file, so nothing that could forge a line or a label."""
-    if not isinstance(name, str) or not _TENANT_NAME.match(name):
+    if not isinstance(name, str) or not _TENANT_NAME.fullmatch(name):
         raise ConfigError(f"{where}: tenant must be 1-128 characters of letters, digits and ._@:- "
                           f"(starting with a letter or digit), got {name!r}")
     return name
