@@ -63,8 +63,9 @@ class Residence:
         return part if part is not None and part.contains(key) else None
 
     def has(self, key: bytes, tier: int) -> bool:
-        """Whether ``tiers[tier]`` holds a live copy of ``key``."""
-        return self.part(key, tier) is not None and (tier == LANDING or (key, tier) not in self._doomed)
+        """Whether ``tiers[tier]`` holds a live copy of ``key`` (``part`` inlined: the core asks it of every key)."""
+        part = self.tiers[tier].part_of(key)
+        return part is not None and part.contains(key) and (tier == LANDING or (key, tier) not in self._doomed)
 
     def doomed(self, key: bytes, tier: int) -> bool:
         """Whether a removed copy of ``key`` in ``tiers[tier]`` waits to be deleted."""
