@@ -284,3 +284,41 @@ def test_host_bytes_with_many_shm_clients_at_the_quota(tmp_path, ca) -> None:
         assert errors == [], f"{len(errors)} of {puts} puts refused at the quota: {errors[:2]}"
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_landing_whose_fetch_was_cut_stops_making_room(tmp_path, ca, monkeypatch) -> None:
+    """A fetch for tenant a (a fill, a replica) lands within its host quota (QuotaLanding): at the quota
+    its allocate makes room, up to ROOM_TRIES eviction passes a try, halving what it asks for between
+    tries. A fetch cut at its caller's deadline is waited for to the end (its commit must settle the
+    namespace's binding), so a landing still making room holds that caller's thread: once cut, it must
+    stop at the next pass. Here every pass reports room made that the quota never shows (a write down to
+    a disk the tenant's other calls refill at once), and the cut comes in the first pass."""
+    from kvstore import validate
+    from kvstore.errors import LimitExceeded
+    from kvstore.security.identity import Identity, Rights
+    from kvstore.server.services.fetch_room import QuotaLanding
+
+    server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
+    try:
+        a = Caller(server, ca, A)
+        ns, chain = new_ns(), new_keys(4)
+        assert a.put(ns, chain) == 4
+        who = Identity("a", Rights.READ | Rights.WRITE, b"")
+        fetched = new_keys(4)
+        landing = QuotaLanding(server.tenancy.quotas, server.core, who, ns, fetched)
+        passes: list[bool] = []
+
+        def busy(*args: Any) -> bool:
+            passes.append(True)
+            landing.cut()  # the caller's deadline passed during the first pass
+            return True
+
+        monkeypatch.setattr(server.core, "evict_own", busy)
+        with pytest.raises(LimitExceeded):
+            landing.allocate(ns, validate.layout(LAYOUT), fetched, server.core.directory.generation(ns))
+        assert len(passes) == 1, f"{len(passes)} eviction passes after the fetch was cut"
+        use = server.tenancy.quotas.usage("a", ["host_bytes", "allocations"])
+        assert use == {"host_bytes": 4 * PAGE_BYTES, "allocations": 0}, "nothing held"
+        a.close()
+    finally:
+        server.stop(grace_s=1)

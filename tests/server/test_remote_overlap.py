@@ -192,11 +192,12 @@ async def test_a_copy_cut_while_it_waits_on_a_commit_gives_the_landed_batch_back
 
 class HeldAtTheCut(NodeLanding):
     """The receiver's own landing: the first batch's commit waits for ``gate``; the second batch's
-    allocation waits until the copy is cut (``cut``), having said it started (``second``)."""
+    allocation waits until the landing is told the copy was cut (``cut()``), having said it started
+    (``second``)."""
 
     def __init__(self, core: Any) -> None:
         super().__init__(core)
-        self.gate, self.cut, self.second = threading.Event(), threading.Event(), threading.Event()
+        self.gate, self.told_cut, self.second = threading.Event(), threading.Event(), threading.Event()
         self.allocations = 0
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
@@ -204,12 +205,15 @@ class HeldAtTheCut(NodeLanding):
         self.allocations += 1
         if self.allocations == 2:
             self.second.set()
-            assert self.cut.wait(WAIT_S), "the copy was never cut"
+            assert self.told_cut.wait(WAIT_S), "the landing was never told the copy was cut"
         return super().allocate(namespace_id, layout, keys, generation)
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         assert self.gate.wait(WAIT_S), "the test never let the commit go"
         return super().commit(allocation_id, keys, checksums)
+
+    def cut(self) -> None:
+        self.told_cut.set()
 
 
 async def test_a_copy_cut_while_the_next_batch_lands_ends_after_the_commit_in_flight(server_factory, tmp_path: Path,
@@ -224,8 +228,7 @@ async def test_a_copy_cut_while_the_next_batch_lands_ends_after_the_commit_in_fl
 
     async def cut(task: asyncio.Task[int]) -> None:
         assert await asyncio.to_thread(landing.second.wait, WAIT_S), "the second batch was never allocated"
-        task.cancel()
-        landing.cut.set()
+        task.cancel()  # the fetch tells the landing (cut()), which lets the second allocation end
         try:
             done, _ = await asyncio.wait([task], timeout=0.2)
             assert not done, "the cut copy ended while its first batch's commit still ran"

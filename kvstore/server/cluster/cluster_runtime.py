@@ -299,8 +299,8 @@ class ClusterRuntime:
 
     def _fetch_times(self, time_remaining_s: float | None) -> tuple[float, float]:
         """(a fetch's own deadline, how long its caller waits for it): the caller's time less
-        the answer's margin, of which the fetch's end keeps a share (``_ABORT_S``). The wait
-        never outlives the caller; a fetch that is not done by then is cancelled."""
+        the answer's margin, of which the fetch's end keeps a share (``_ABORT_S``). A fetch not
+        done by then is cancelled and waited for to its end: its landing stops making room."""
         timeout = self.cluster.fetch_timeout_s
         if time_remaining_s is None:
             return timeout, timeout + _ABORT_S

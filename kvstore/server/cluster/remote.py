@@ -45,6 +45,10 @@ class Landing(Protocol):
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int: ...
 
+    def cut(self) -> None:
+        """The fetch was cut at its caller's deadline (from the loop, any time): an ``allocate``
+        still making room stops at its next step (the fetch waits for it to end)."""
+
 
 class NodeLanding:
     """The landing of a fetch for nobody's quota: a node without tenants, a copy whose caller
@@ -59,6 +63,9 @@ class NodeLanding:
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
         return self.core.commit(allocation_id, keys, checksums)
+
+    def cut(self) -> None:
+        pass  # its allocate makes no room: it ends soon whatever happens
 
 
 def _log_failed_commit(commit: asyncio.Future[Any]) -> None:
@@ -148,6 +155,7 @@ class RemoteTier:
             logger.info("no landing room for %d remote pages: %s", len(keys), exc)
             return None
         except asyncio.CancelledError:
+            landing.cut()
             await _to_the_end(job)
             self._abort_unused(job)
             raise

@@ -6,6 +6,8 @@ More: kvstore/server/services/README.md (### fetch_room.py).
 
 from __future__ import annotations
 
+import threading
+
 from kvstore.errors import LimitExceeded
 from kvstore.page import LayoutDesc
 from kvstore.security.identity import Identity
@@ -25,6 +27,10 @@ class QuotaLanding:
         self.namespace_id = namespace_id
         self.chain = keys
         self.page_bytes = 0
+        self._cut = threading.Event()  # the fetch's caller is gone: make no more room
+
+    def cut(self) -> None:
+        self._cut.set()
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                  generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
@@ -55,9 +61,9 @@ class QuotaLanding:
             bridge.release()
 
     def _room(self, lacking: int, page_bytes: int) -> tuple[int, Reservation]:
-        while lacking > 0:
+        while lacking > 0 and not self._cut.is_set():
             try:
-                return lacking, room(self.quotas, self.core, self.who, lacking, page_bytes)
+                return lacking, room(self.quotas, self.core, self.who, lacking, page_bytes, stop=self._cut)
             except LimitExceeded:
                 lacking //= 2
         return 0, NOTHING
