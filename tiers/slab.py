@@ -7,7 +7,11 @@ goes back to the pool, so a size that is no longer used gives its space to other
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 
@@ -58,8 +62,15 @@ class SlabAllocator:
         return offset
 
     def free(self, offset: int) -> None:
-        slab = (offset - self.base) // self.slab_bytes
-        size = self._slab_class[slab]
+        """Gives a slot back. An offset ``alloc`` could never have returned (no slab of it in
+        use, not on a slot boundary, or a slot running past its slab's end) is refused and
+        logged: on a free list it would be handed out over the bytes of other slots."""
+        slab, within = divmod(offset - self.base, self.slab_bytes)
+        size = self._slab_class.get(slab)
+        if size is None or within % size or within // size >= self.slab_bytes // size:
+            logger.error("slab allocator: refusing to free offset %d, not a slot in use (slab %d, %s-byte slots)",
+                         offset, slab, size)
+            return
         slots = self._slab_free[slab]
         slots.append(offset)
         self.used_bytes -= size
@@ -73,28 +84,41 @@ class SlabAllocator:
     def slot_bytes(self, offset: int) -> int:
         return self._slab_class[(offset - self.base) // self.slab_bytes]
 
-    def claim_many(self, slots: list[tuple[int, int]]) -> list[bool]:
+    def claim_many(self, slots: list[tuple[int, int]], vouch: Callable[[int], bool] | None = None) -> list[bool]:
         """Marks many known slots used at once (start-up): O(slots) overall instead of a
-        list search per slot. Returns per slot whether it could be claimed."""
+        list search per slot. Returns per slot whether it could be claimed.
+
+        A slot ``alloc`` never hands out (outside every slab, off its size's slot boundaries,
+        or running past its slab's end into the next) is refused. Where a slab's slots
+        conflict, ``vouch(i)`` (the SSD tier reads slot i's header) says whether slot i is what
+        it claims to be, asked of every slot of a slab of mixed sizes, else of the slots named
+        twice; those it refuses are dropped. A clean start asks nothing. What still
+        conflicts costs itself: the slab's size is its slots' most common one, a shared slot
+        is refused. Claimed slots never share a byte."""
         by_slab: dict[int, list[tuple[int, int, int]]] = {}
         ok = [False] * len(slots)
         for i, (offset, nbytes) in enumerate(slots):
             size = round_up(nbytes)
-            slab = (offset - self.base) // self.slab_bytes
-            if 0 <= slab < self.num_slabs and (offset - self.base - slab * self.slab_bytes) % size == 0:
+            slab, within = divmod(offset - self.base, self.slab_bytes)
+            if 0 <= slab < self.num_slabs and within % size == 0 and within + size <= self.slab_bytes:
                 by_slab.setdefault(slab, []).append((i, offset, size))
         free_slabs = set(self._free_slabs)
         for slab, found in by_slab.items():
             if slab not in free_slabs:
                 continue  # already in use
-            # A damaged entry (another size, or a slot another entry names) costs itself, not
-            # its slab's other pages: the slab's size is its entries' most common one.
-            sizes = Counter(it[2] for it in found)
-            size = max(sizes, key=lambda s: (sizes[s], -s))
-            offsets = Counter(offset for _, offset, nbytes in found if nbytes == size)
-            items = [it for it in found if it[2] == size and offsets[it[1]] == 1]
+            if len({it[2] for it in found}) == 1 and len({it[1] for it in found}) == len(found):
+                items = found  # the common case, a clean start: nothing to read
+            else:
+                if vouch is not None:  # asked of every slot when sizes are mixed, else of the shared ones
+                    mixed, named = len({it[2] for it in found}) > 1, Counter(it[1] for it in found)
+                    found = [it for it in found if not (mixed or named[it[1]] > 1) or vouch(it[0])]
+                sizes = Counter(it[2] for it in found)
+                size = max(sizes, key=lambda s: (sizes[s], -s), default=0)
+                offsets = Counter(offset for _, offset, nbytes in found if nbytes == size)
+                items = [it for it in found if it[2] == size and offsets[it[1]] == 1]
             if not items:
                 continue
+            size = items[0][2]
             start = self.base + slab * self.slab_bytes
             used = {offset for _, offset, _ in items}
             free_slabs.discard(slab)

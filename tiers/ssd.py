@@ -137,7 +137,10 @@ class SsdTier(SsdWrites):
         if end > self._allocator.capacity or self._allocator.capacity == 0:
             raise ConfigError(f"--ssd-capacity {format_size(capacity_bytes)} is less than the pages stored in {self.directory} "
                               f"take: give at least {format_size(max(end + (-end) % slab, slab))}, or an empty --ssd-dir")
-        claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries])
+        # Where entries conflict (a damaged offset naming another page's slot, or a slot of a slab
+        # of another size), the slots' headers on disk tell which entries are right.
+        claimed = self._allocator.claim_many([(offset, size) for _, offset, size, _ in entries],
+                                             lambda i: self._holds(entries[i][1], entries[i][3]))
         overlapping = []
         recovered, payload_of = self._recovered, PAYLOAD_BYTES_FIELD.unpack_from
         parents, stored = dict(links), self._events.stored
@@ -148,10 +151,21 @@ class SsdTier(SsdWrites):
                 recovered.append((key, raw[NAMESPACE_AT : NAMESPACE_AT + 16], payload_of(raw, PAYLOAD_BYTES_AT)[0],
                                   peek_generation(raw)))
             else:
-                overlapping.append((key, "index entry overlaps another slot"))
+                overlapping.append((key, "index entry overlaps another slot, or names none"))
         self._index.drop(overlapping)
         logger.info("ssd tier %s: %d pages indexed, %s I/O", self.directory, len(self._pages),
                     "O_DIRECT" if self.direct_io else "buffered")
+
+    def _holds(self, offset: int, raw: bytes) -> bool:
+        """Whether the slot at ``offset`` starts with the header an index entry copied (``raw``,
+        which names its key). Read at start only for entries that conflict."""
+        hdr = self._header_buf()
+        try:
+            got = os.preadv(self.fd, [hdr], offset)
+        except OSError as exc:
+            logger.error("ssd tier: reading the slot header at %d failed: %s", offset, exc)
+            return False
+        return got == HEADER_BYTES and hdr[: len(raw)] == raw
 
     def recover(self) -> list[StoredPage]:
         """What the index held when the tier was opened (handed over once)."""
