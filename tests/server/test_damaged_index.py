@@ -3,30 +3,12 @@ pages of its namespace are recovered and served, and the namespace keeps its gen
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import lmdb
 import torch
 from support.kv import random_kv
+from support.servers import ENTRY_HEADER_AT, flip_index_byte
 
 from kvstore.client import KVStoreClient
-from kvstore.page import GENERATION_AT
-from kvstore.tiers.ssd import INDEX_DIR
-
-ENTRY_HEADER_AT = 16  # an index entry's value: offset u64, slot bytes u64, then the page header's core
-
-
-def _flip_index_byte(ssd_dir: Path, key: bytes, at: int, mask: int) -> None:
-    """XORs one byte of ``key``'s index entry (the server is stopped)."""
-    env = lmdb.open(str(ssd_dir / INDEX_DIR), subdir=True, max_dbs=4)
-    try:
-        db = env.open_db(b"index", create=False)
-        with env.begin(write=True, db=db) as txn:
-            value = bytearray(txn.get(key))
-            value[at] ^= mask
-            txn.put(key, bytes(value))
-    finally:
-        env.close()
+from kvstore.page import GENERATION_AT, HEADER_CORE_BYTES
 
 
 async def test_a_flipped_generation_in_one_index_entry_loses_only_that_page(server_factory, tmp_path, layout, ns) -> None:
@@ -43,7 +25,7 @@ async def test_a_flipped_generation_in_one_index_entry_loses_only_that_page(serv
         hit = await client.lookup(tokens)
     generation, last = hit.generation, hit.keys[-1]
     server.stop(grace_s=1)
-    _flip_index_byte(tmp_path / "ssd", last, ENTRY_HEADER_AT + GENERATION_AT + 7, 0x01)  # + 2**56
+    flip_index_byte(tmp_path / "ssd", last, ENTRY_HEADER_AT + GENERATION_AT + 7, 0x01)  # + 2**56
     server = server_factory()
     async with KVStoreClient(server.address, ns) as client:
         hit = await client.lookup(tokens)
@@ -52,3 +34,27 @@ async def test_a_flipped_generation_in_one_index_entry_loses_only_that_page(serv
         out = torch.zeros_like(kv)
         got = await client.get(hit, into=out)
         assert got >= 48 and torch.equal(out[:, :, :got], kv[:, :, :got])
+
+
+async def test_a_damaged_first_entry_of_a_namespace_is_quarantined_at_recovery_not_left_unlisted(server_factory, tmp_path,
+                                                                                                  layout, ns) -> None:
+    """Bug (the chaos model, seed 20006, check c): recovery reads a namespace's layout from its
+    first page in index order, and left that page in the tier, unlisted, when its entry's header
+    copy failed its check ("quarantined on first read", but a page nobody lists is never read).
+    The node then took the page for stored: a put of it was acknowledged, and a fetch for a reader
+    skipped it, while no lookup there listed it and no read could have it."""
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=12)
+    server = server_factory()
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv, durable=True) == 64
+        first = min((await client.lookup(tokens)).keys)  # index order is key order
+    server.stop(grace_s=1)
+    flip_index_byte(tmp_path / "ssd", first, ENTRY_HEADER_AT + HEADER_CORE_BYTES - 1, 0x01)  # the header's own check
+    server = server_factory()
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == 64
+        hit = await client.lookup(tokens)
+        assert hit.num_tokens == 64, "a put was acknowledged for a page this node does not list"
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, into=out) == 64 and torch.equal(out, kv)

@@ -1,6 +1,7 @@
 """Servers for the tests: a ServerConfig on a test's tmp dir (``make_config``), kvstore-server as a
-child process (``ServerProcess``, for SIGKILL and restart tests), and a stray write into a
-running server's arena (``flip_arena_byte``). The fixtures that use them are in conftest.py."""
+child process (``ServerProcess``, for SIGKILL and restart tests), and stray writes: into a
+running server's arena (``flip_arena_byte``), its SSD (``flip_ssd_byte``), a stopped one's SSD
+index (``flip_index_byte``). The fixtures that use them are in conftest.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+import lmdb
+
 from kvstore.bench.common.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import HEADER_BYTES
 from kvstore.server import Server
 from kvstore.tiers.host import remove_stale_arenas
+from kvstore.tiers.ssd import INDEX_DIR
+
+ENTRY_HEADER_AT = 16  # an SSD index entry's value: offset u64, slot bytes u64, then the page header's core
 
 
 def make_config(tmp: Path, host_bytes: int = 64 << 20, ssd_bytes: int | None = 256 << 20, **kw: object) -> ServerConfig:
@@ -54,6 +60,19 @@ def flip_ssd_byte(server: Server, key: bytes, where: int = 100) -> None:
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+def flip_index_byte(ssd_dir: Path, key: bytes, at: int, mask: int) -> None:
+    """XORs one byte of ``key``'s SSD index entry (its server is stopped)."""
+    env = lmdb.open(str(ssd_dir / INDEX_DIR), subdir=True, max_dbs=4)
+    try:
+        db = env.open_db(b"index", create=False)
+        with env.begin(write=True, db=db) as txn:
+            value = bytearray(txn.get(key))
+            value[at] ^= mask
+            txn.put(key, bytes(value))
+    finally:
+        env.close()
 
 
 def _thread_state(task: Path) -> str:
