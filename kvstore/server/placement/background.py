@@ -2,15 +2,7 @@
 work ahead of need, so on busy cores a lookup, an allocation or a durable put should not
 wait behind them for a CPU.
 
-``idle`` (the default, ``--demote-sched``) puts such a thread in Linux's SCHED_IDLE class: a
-waking foreground thread preempts it at once, and it runs on what CPU is left, which on a
-server waiting for its disk is most of it. ``normal`` keeps it in the normal class at
-``--demote-nice``. A thread inherits the class of the thread that starts it, so a pool
-worker that must run in the foreground is started by a foreground thread. An unprivileged
-thread cannot leave SCHED_IDLE again, so no thread switches back: the demoter's urgent
-half (demoter.py) is a thread of its own. At stop, where the OS lets it (CAP_SYS_NICE), the
-server puts its lowered threads back in the normal class (``lift``): the stop waits for their
-round, and a busy host gives the idle class next to no CPU.
+More: kvstore/server/placement/README.md (### background.py).
 """
 
 from __future__ import annotations

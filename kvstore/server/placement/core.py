@@ -1,19 +1,11 @@
 """The placement core: places pages in tiers, moves them on pressure and use, keeps the directory true.
 
-Page life in the landing tier::
-
-    allocate --> reserved --commit--> stored --evict--> (written down | dropped)
-        |                  \\--abort/expire--> freed       ^
-        '-- stored already: nothing to write               '-- read up from below on acquire
-
 A page is published only once its bytes are where its location says (landing: committed; lower: synced and indexed). Pinned
 pages (leases, acquisitions, moves in flight) are never evicted or freed; a page removed while leased loses its lower copies
 at once, its landing copy at its last unpin.
 
-Locks: ``_lock`` guards in-memory placement state only (leases, which copy is live, the eviction and admission decisions).
-No disk I/O runs under it: moves let go of it around their writes and reads (moves.py), removals of lower-tier copies are
-done after it is released (housekeeping.py). The directory has its own locks; this node's locations are never persisted by
-it, so publishing and removing them under ``_lock`` is in-memory work."""
+More: kvstore/server/placement/README.md (### core.py).
+"""
 
 from __future__ import annotations
 

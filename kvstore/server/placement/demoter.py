@@ -1,28 +1,7 @@
 """Background demotion: keeps the landing tier below a high watermark, so that an
 allocation finds a free slot instead of waiting for a victim to be written to disk.
 
-When an allocation leaves an arena of the landing tier fuller than ``demote_above`` it
-signals ``core.pressure``, and an idle tick looks too; this thread then demotes the coldest
-pages of each draining arena (``Placement.demote_one``: the same eviction and admission
-decisions an allocation would make, the writes outside the core's lock, a batch of pages
-per write call, sync and index commit) until it is down to ``demote_to``; an arena between
-the two watermarks that has not passed the high one is left alone (watermarks.py). A
-round the lower tier fails (an I/O error, a full index) leaves its pages in RAM, and the
-rounds after it wait, longer each time (``moves.BACKOFF_S``); the arena stays draining,
-so an idle tick resumes it. An allocation that still finds no room reclaims a victim
-itself (dropping it, if the lower tier fails it too). With no lower tier there is no
-demoter (an eviction is then in-memory work); without this thread (the trace replay)
-every eviction happens inline, in the order allocations need them.
-
-Two threads do it. The background half runs behind the foreground (``--demote-sched``,
-background.py; by default Linux's idle class): what it does is work ahead of need, so on
-busy cores a lookup or an allocation should not wait behind it for a CPU, and on a server
-with a core to spare it still drains at disk speed. Where it falls behind, an allocation
-finds no room and evicts inline (one page, one sync); that sets ``core.starved`` and wakes
-the urgent half, a normal thread at ``--demote-nice``, which then drains in batches too
-until no arena is draining: allocations are waiting, so the work is no longer ahead of
-need (the kernel's kswapd and direct reclaim have the same two speeds). With
-``--demote-sched normal`` the background half runs at ``--demote-nice`` and is the only one.
+More: kvstore/server/placement/README.md (### demoter.py).
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Which host page goes first under pressure: queue-aware segmented LRU.
 
-Pages nobody announced go first: with ``segmented`` (the default) those used only once
-(probation) before those used again (protected), each least recently used first, so a
-one-shot prefix cannot push out a reused one; plain LRU otherwise. A page evicted recently
-and stored again is a reuse: it enters protected. Pages the engine's scheduler
-hinted (a queued request will need them at ``eta``) go only when nothing else can, and
-then the one whose next announced use is furthest away (Belady's rule, with the queue as
-the oracle); among the pages of one request (one eta) the deepest goes first, since a
-page is only of use while every page before it in its prefix is there. When hinted pages
-hold more than their share of the tier, the furthest of them go before unannounced ones.
-A page keeps every announced use: when one happens (or passed long ago) the next one
-counts. Announced uses also sit in one heap ordered by eta, so that expiring them costs
-what expired, not what is announced.
-
-Unannounced pages are given up tail first: a page's writer names its predecessor
-(chains.py), and when the least recently used page has pages after it in its prefix, the
-deepest of those goes first (the head of a prefix outlives its tail in probation, in
-protected and between them, across the several batches of one put). Pages whose
-predecessor is gone (orphans) are of no use and go before anything else.
+More: kvstore/server/placement/README.md (### eviction.py).
 """
 
 from __future__ import annotations

@@ -5,13 +5,7 @@ for the I/O (pwrite, fdatasync, the index commit, a delete, a read), take it aga
 publish. What a move touches is pinned meanwhile, so that it is neither evicted, freed nor
 written twice; a page removed meanwhile is not published (``Directory.publish_listed``).
 
-* ``make_room`` frees a slot in the landing tier: a clean victim (held below already, or
-  not admitted) is dropped at once; a dirty one is written down first.
-* ``write_down`` copies landing pages to a lower tier: reserve (evicting there), write,
-  verify, sync and index, publish.
-* ``read_up`` reads lower-tier pages into reserved landing slots, unchecked: whoever reads
-  them from there checks them (DESIGN §4), and a copy found damaged there has its source
-  checked too (``Reader.check_below``).
+More: kvstore/server/placement/README.md (### moves.py); DESIGN §4.
 """
 
 from __future__ import annotations

@@ -6,13 +6,7 @@ The core asks the orders only: who goes next (``victim``: named, skipping pinned
 place), a page was used (``touch``), and for the landing tier's, a page will be used (queue
 hints). Each order has its own lock and never blocks on I/O; none calls into its tier.
 
-* ``LruOrder``: least recently used first (an hbm pool).
-* ``TailFirstOrder``: the SSD tier's: least recently used first, a prefix's tail before its
-  head (chains.py); rebuilt at start from the links the tier's index keeps.
-* ``HostOrder``: a host arena's: queue-aware segmented LRU (eviction.py) with the hints the
-  engine's scheduler announces, bounded by ``--max-hints`` and ``--hint-share``.
-* ``Orders``: one tier's orders, one per part (a tenant's arena or pool; a tier of one part:
-  one order whatever the owner), and the tier's as a whole.
+More: kvstore/server/placement/README.md (### orders.py).
 """
 
 from __future__ import annotations

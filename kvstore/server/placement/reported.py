@@ -1,15 +1,7 @@
 """Pages a reader reports failing their checksum in the arena: checked here, quarantined if
 they do fail.
 
-A same-host client verifies every page it copies out of its arena. A page that fails there
-had its slot's bytes changed after they were stored (a bug, bad memory, a writer of the
-tenant scribbling on a slot it no longer holds). Unreported, it would stay listed: every
-later lookup would promise it and every get fail on it, a miss disguised as a hit for as
-long as the page stays. The server checks the bytes itself instead of trusting the report,
-so a client cannot get a good page quarantined, and looks only at keys of the caller's own
-lease, which still pins them. Checking costs a hash of the page, which a caller could ask for
-in a loop (Acquire, then Release naming every page): one page per Release is checked (a
-reader stops at the first page that fails), at most CHECKS_PER_S per tenant.
+More: kvstore/server/placement/README.md (### reported.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Which tier holds a live copy of each page, which goes first (each tier's eviction orders,
 orders.py, which its tier tells what it stores), and the removals still owed.
 
-A copy stops being live the moment it is removed (from the directory); its bytes go only
-when no pin is left on its key, because a reader may still be copying them:
-
-* in the landing tier the copy is detached at once (the key can be stored again in another
-  slot) and its slot is given back when the last pin goes;
-* in a lower tier the copy is doomed (never served again) and deleted once unpinned. A
-  delete is disk I/O, so it is owed: ``take_owed`` hands the owed removals to the core,
-  which does them after letting go of its lock, each key pinned meanwhile so that nobody
-  writes or reads it while its copy is being deleted.
-
-Not thread-safe, and does no I/O: the core calls it under its own lock.
+More: kvstore/server/placement/README.md (### residence.py).
 """
 
 from __future__ import annotations

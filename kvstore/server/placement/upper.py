@@ -1,21 +1,7 @@
 """The tier above the landing tier (hbm): pages an engine will read on its device are
 promoted into it, and its coldest pages are demoted back down to make room.
 
-Clients write and read pages through the landing tier (the host arena they map); an engine
-whose KV is on a device asks Acquire for device placement (``AcquireRequest.device``), and
-only then are the leased pages not yet in hbm copied up (``promote``), into the pool of the
-namespace's owner (tiers/pools.py): the one that tenant's engines map. Every other read
-(get into host memory, ReadPages, a cluster fetch) copies nothing up: a page in a pool no
-engine reads is a wasted device copy. When the pool is full, its victim goes: a page with
-another live copy (landing or lower) is dropped from hbm; one held nowhere else is demoted
-first, read into a landing slot and published there (hbm -> host; from there demotion
-goes on to ssd as for any landing page). Acquire finds a page held only in hbm and reads
-it into the landing tier like any page held outside it (``Residence.holder``).
-
-Same shape as moves.py: decide under the core's lock, copy outside it with the keys pinned,
-publish under it (a page removed meanwhile is not published, its copy is dropped). The
-upper tier is memory: its ``reserve``, ``victim``, ``commit`` and ``delete`` do no I/O and
-run under the lock; its ``write`` and ``read_into`` (device copies) never do.
+More: kvstore/server/placement/README.md (### upper.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Which parts of the landing tier are draining: the demoter's two watermarks, per arena.
 
-A part (a tenant's arena, or the whole host tier without tenants) starts draining once it
-fills past ``demote_above`` and goes on, across demotion rounds and idle ticks, until it is
-down to ``demote_to``. Below its high watermark a part that is not draining keeps its pages
-in RAM however long the demoter idles: a page written down early costs SSD endurance for
-nothing (it may be deleted before RAM is needed). The state is per part because each
-tenant's arena fills on its own: one tenant's arena passing its watermark is no reason to
-write another tenant's pages down.
-
-Thread-safety: the caller holds the placement core's lock.
+More: kvstore/server/placement/README.md (### watermarks.py).
 """
 
 from __future__ import annotations
