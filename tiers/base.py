@@ -5,49 +5,7 @@ they are demoted to) and calls them only through ``Tier``; what is special about
 its type (``LandingTier``: memory that clients map), or a wrapper around it (admission and
 a write budget, fault injection), never a branch on its name.
 
-Contract of every tier:
-
-* **Keys.** A tier holds at most one copy of a 16-byte page key. ``commit`` of a key it
-  holds already replaces that copy (its old slot is freed).
-* **Writing** is reserve -> write -> commit. ``reserve`` answers a slot or None when the
-  tier is full (the caller frees room with ``delete`` and asks again); it never evicts by
-  itself. ``write`` puts a batch of pages into reserved slots, not findable yet, in as few
-  device calls as the tier can make of them; ``commit`` makes written slots the stored
-  copies, durable when the tier is (synced, indexed): only after it returns may anyone
-  publish them. ``unreserve`` gives back a slot that will not be committed. A ``write`` or
-  ``commit`` that raises (``OSError``, ``MetadataFull``) stored nothing of its batch (some
-  pages of a ``write`` may have reached their slots); the caller unreserves the slots.
-* **Reading.** ``read_into`` copies pages into the caller's buffers and verifies each
-  (length, header, checksum) before it counts; only a contiguous prefix of the batch counts.
-  With ``verify=False`` the caller takes on the payload's checksum (it hands the bytes to a
-  reader that checks them as it copies them out): a tier may then skip that pass, never the
-  length and header checks.
-  A page the tier does not hold is a miss (it ends the prefix), never an exception; a page
-  that fails its check ends it with the reason; a tier that cannot read at all may raise
-  ``OSError`` (nothing of the batch counts).
-* **Buffers** belong to the caller: a tier keeps no reference to a payload after ``write``
-  returns, nor to a destination after ``read_into`` returns. A destination holds at least
-  the payload; one that is 4 KiB aligned and holds the payload rounded up to 4 KiB may be
-  read into directly (O_DIRECT).
-* **Thread-safety.** Every method is safe to call from any thread: a tier guards its own
-  metadata with its own lock and never holds that lock over disk I/O. ``reserve``,
-  ``unreserve``, ``contains``, ``find``, ``stored_keys`` and ``usage`` never block on I/O
-  (callers may hold their own locks over them); ``write``, ``commit``,
-  ``read_into``, ``delete``, ``quarantine`` and ``recover`` may, and must not be called
-  under a lock that lookups or allocations take. The caller keeps a page from being
-  deleted while it reads it (pins); the tier does not.
-* **Idempotency.** ``delete`` of a key not held and ``unreserve`` of a slot once are
-  no-ops; ``commit`` is not (commit once).
-* **Quarantine.** ``quarantine`` drops a page that failed a check and lists it;
-  ``quarantined`` answers the list (``purge=True``: and empties it, answering what it dropped).
-* **Events.** Which page goes next is not the tier's question: the placement core keeps the
-  eviction orders (kvstore/server/placement/orders.py). A tier tells the ``StoreEvents`` it
-  was made with what it stores (``stored``: each committed page, with its parent) and what
-  leaves (``removed``: deleted, detached or quarantined), in the order it happens, under its
-  own lock; so the core's order never names a page the tier does not hold.
-* **Index.** ``recover`` lists what the tier held when it was opened (a memory tier:
-  nothing), from its own index, so that the directory can be rebuilt from it; the list is
-  handed over once (a second call lists nothing).
+More: tiers/README.md (### base.py).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """A tier that fails on purpose, for tests: errors, short reads, corrupt bytes and delays.
 
-``FaultyTier(inner, seed, ...)`` wraps any tier (LMCache's fault-injection adapter is the
-model) and, from a seeded random stream, makes the I/O methods fail the ways a disk or a
-link does:
-
-* ``error_rate``: ``commit``, ``read_into`` and ``delete`` raise ``OSError`` before doing
-  anything (nothing of the batch happened); ``write`` at a page of its batch, after writing
-  the ones before it;
-* ``short_read_rate``: ``read_into`` stops after a random prefix of the batch, as an I/O
-  error in the middle would (the pages before it are read and verified);
-* ``corrupt_rate``: ``write`` stores the page with one byte flipped under its true
-  header, so that the damage is found by the tier's own check when the page is read;
-* ``delay_s``: every ``write``, ``commit`` and ``read_into`` first sleeps this long (a slow
-  device: what a caller holding a lock over I/O would make everyone wait for).
-
-What it injected is counted in ``injected``. Thread-safe like the tier it wraps.
+More: tiers/README.md (### faulty.py).
 """
 
 from __future__ import annotations

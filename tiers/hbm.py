@@ -1,21 +1,6 @@
 """The hbm tier: a pool of page slots in GPU memory, above the host tier.
 
-A pool is one allocation on a device, made once through the device seam
-(``kvstore.device_ops``: its own CUDA segment, or, with ``HbmTierConfig.device == "cpu"``,
-shared memory standing in for it in tests), carved into 4 KiB-aligned page slots by the
-same slab allocator as the host arena. The tier keeps its own index and quarantine list
-under its own lock (and tells ``events``, the core's eviction order of the pool, what it
-stores); copies in and out of the pool run outside it.
-
-A pool is a trust domain, as a host arena is: whoever maps it reads and writes every slot.
-So there is one pool per tenant (``tiers/pools.py``), handed only to that tenant's engines
-through the arena socket (``handout``), and only pages an engine asked to read on its
-device are copied in (``placement/upper.py``). With ``device == "cpu"`` every line runs but
-the CUDA calls (in ``kvstore/device_cuda.py``). Without CUDA and without that switch the
-tier refuses to open (``check_device``), and ``kvstore-server --tiers hbm`` exits with that
-message.
-
-It is a memory tier: nothing survives the process (``recover`` lists nothing).
+More: tiers/README.md (### hbm.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The host tier: one shared-memory arena of page slots in /dev/shm.
 
-The server creates and owns the arena; same-host clients map the same file and copy page
-bytes in and out directly, so no page byte crosses a socket. The first 4 KiB hold a magic
-and a random token: a client that reads the token the server announced is on this host.
-The server holds an exclusive ``flock`` on the arena file while it lives; a server starting on
-the same node removes the arenas no one holds (their owner died, even by SIGKILL).
-Slots are 4 KiB aligned (slab.py). Who may write a slot, and which page goes first, is
-decided by the placement core (allocations, leases, its eviction order, told what is stored
-through ``events``); this class keeps the arena, the stored-page index and the pages it
-quarantined. It is the landing tier (base.LandingTier): every method is in memory, guarded
-by the tier's own lock.
-
-An anonymous arena (``anonymous=True``: one tenant's, see arenas.py) is a memfd, mode 0600,
-with no name in any filesystem: it is handed to its clients as a file descriptor, and it
-dies with the server. Its slots are numbered from ``base`` (so that several arenas behind
-one landing tier never share a slot number); ``offset`` turns a slot into the byte offset
-a client uses in its own mapping.
+More: tiers/README.md (### host.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Every host arena page-locked while an hbm pool copies in and out of it.
 
-Promotions into a pool and demotions out of it copy between an arena and device memory;
-from page-locked memory that is DMA at link speed, from pageable memory a staged copy
-through a driver bounce buffer. So with hbm every arena is pinned as arenas.py makes it: the
-one arena without tenants at start, each tenant's at its first use, long after start (and
-unpinned at close). Page-locking is per process: this pins the server's own mappings; an
-engine pins its mapping itself (client/arena.py).
-
-The page-locking itself is the device seam's (``DeviceOps.pin_host``): ``cudaHostRegister``
-on CUDA, a recorded range in the CPU implementation the tests run.
+More: tiers/README.md (### pinned.py).
 """
 
 from __future__ import annotations
