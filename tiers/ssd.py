@@ -6,19 +6,7 @@ synced index transaction) -> the caller publishes. A crash between any two steps
 either a free slot with stray bytes (reused later) or an indexed page the directory adopts
 at start (``recover``).
 
-O_DIRECT is used where the filesystem allows it (the payload of a page written from the host
-arena is already 4 KiB aligned, so it goes to disk without a copy; reads land in aligned
-staging buffers and are copied into place while the next page is read); elsewhere I/O is
-buffered, which is said once in the log. Each read checks the header before the page
-counts, and the payload checksum too unless its caller checks it where the bytes are
-consumed (``read_into(verify=False)``, DESIGN §4).
-
-Thread-safety: ``_lock`` guards the in-memory map and the slot allocator (and the events
-told under it), and is held only for in-memory work; disk reads and writes run without it, index
-transactions under the index's own lock (ssd_index.py). Which page goes first is the placement
-core's (placement/orders.py: least recently used, a prefix's tail before its head), told what
-is stored through ``events``: at start every indexed page in the index's order with the
-predecessor its writer named, kept in its index entry for a restart; then each commit and removal.
+More: tiers/README.md (### ssd.py); DESIGN §4.
 """
 
 from __future__ import annotations
