@@ -76,7 +76,7 @@ class HostTierConfig:
         if self.max_hints == 0:
             object.__setattr__(self, "max_hints", max(1024, self.capacity_bytes // 1024))
         if self.eviction not in ("slru", "lru"):
-            raise ConfigError(f"--host-eviction must be slru or lru, got {self.eviction!r}")
+            raise ConfigError(f"HostTierConfig.eviction must be slru or lru (no server flag sets it), got {self.eviction!r}")
         if self.slab_bytes == 0:
             derived = min(64 << 20, max(4 << 20, self.capacity_bytes // 16))
             object.__setattr__(self, "slab_bytes", derived - derived % 4096)
