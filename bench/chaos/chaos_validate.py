@@ -73,7 +73,7 @@ def check(history: History, timeout_s: float) -> list[Violation]:
 def _probed_meanwhile(ops: list[Op], op: Op) -> bool:
     """Whether the other tenant's probe of ``op``'s namespace ran at its node while ``op`` did.
     A read of a namespace bound to nobody at a node claims it for the reader while its fetch
-    runs (server/services/cluster_reads.py: so that nobody else binds it meanwhile), and a first
+    runs (server/tenancy/cluster_reads.py: so that nobody else binds it meanwhile), and a first
     write of the real owner there meanwhile is refused: the price of a leaked namespace id,
     which the probe plays (ids are salted: another tenant cannot compute them)."""
     return any(p.kind == "probe" and p.tenant == op.tenant and p.namespace == op.namespace and p.node == op.node

@@ -55,6 +55,7 @@ from kvstore.server.serving import ServingState
 from kvstore.server.session_expiry import SessionExpiry
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
+from kvstore.server.tenancy.gate import Gate
 from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
 
@@ -239,8 +240,10 @@ class Server:
         self.handoffs = HandoffMarkers(self.core)
         # The same-host call socket's path and token, made before the services that announce them (GetInfo).
         call_path, call_token = self._socket_path("call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
-        data_service = DataService(self.core, config, self.wal, self.tenancy, self.session_owners, self.handoffs, self.cluster,
-                                   socket_path if self._tenant_arenas else None, socket_path if hbm else None, call_path, call_token)
+        # The tenancy gate in front of the core (DESIGN §11): each call's caller resolved, quota reserved, core called, settled.
+        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas)
+        data_service = DataService(self.core, config, self.wal, gate, socket_path if self._tenant_arenas else None,
+                                   socket_path if hbm else None, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
         migration = MigrationService(self.core, config, self.tenancy, self.wal, self.session_owners, self.cluster,

@@ -35,8 +35,8 @@ from kvstore.page import checksum
 from kvstore.server import Server
 from kvstore.server.cluster import remote
 from kvstore.server.cluster.remote import RemoteTier
-from kvstore.server.services.fetch_room import QuotaLanding
 from kvstore.server.tenancy.access import Tenancy
+from kvstore.server.tenancy.fetch_room import QuotaLanding
 
 WAIT_S = 30.0  # only a broken hook waits this long
 SETTLE_GRACE_S = 0.15  # how long the held commit waits for a settle that may not come before it (the fixed call)

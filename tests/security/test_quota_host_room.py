@@ -296,7 +296,7 @@ def test_a_landing_whose_fetch_was_cut_stops_making_room(tmp_path, ca, monkeypat
     from kvstore import validate
     from kvstore.errors import LimitExceeded
     from kvstore.security.identity import Identity, Rights
-    from kvstore.server.services.fetch_room import QuotaLanding
+    from kvstore.server.tenancy.fetch_room import QuotaLanding
 
     server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
     try:

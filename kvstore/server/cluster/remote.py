@@ -37,7 +37,7 @@ class Landing(Protocol):
     """Where a fetch's pages land, and who they are charged to (DESIGN §11). Called on worker
     threads. ``allocate`` answers as ``Placement.allocate`` (a prefix of ``keys``; a KVStoreError:
     nothing allocated, the fetch ends there), ``commit`` as ``Placement.commit``. A tenant's
-    (services/fetch_room.py) takes room in its host quota first; the node's own (``NodeLanding``)
+    (tenancy/fetch_room.py) takes room in its host quota first; the node's own (``NodeLanding``)
     charges nobody."""
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],

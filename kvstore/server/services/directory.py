@@ -17,11 +17,11 @@ from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
-from kvstore.server.services.cluster_reads import ClusterReads
-from kvstore.server.services.node_calls import acting_for, require_node
 from kvstore.server.services.rpc_errors import stream, unary
 from kvstore.server.services.tenant_stats import tenant_stats, tenant_usage
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.cluster_reads import ClusterReads
+from kvstore.server.tenancy.node_calls import acting_for, require_node
 from kvstore.types import TIER_NAMES, Location
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it

@@ -27,13 +27,13 @@ from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
 from kvstore.server.placement import Placement
-from kvstore.server.services.cluster_reads import ClusterReads
-from kvstore.server.services.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
-from kvstore.server.services.room import room
 from kvstore.server.services.rpc_errors import unary
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.cluster_reads import ClusterReads
+from kvstore.server.tenancy.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
+from kvstore.server.tenancy.room import room
 
 if TYPE_CHECKING:
     from kvstore.server.cluster import ClusterRuntime

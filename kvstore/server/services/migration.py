@@ -21,13 +21,13 @@ from kvstore.errors import InvalidRequest, PermissionDenied, SessionFenced
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
-from kvstore.server.services.fetch_room import quota_landing
 from kvstore.server.services.handoffs import node_id
-from kvstore.server.services.node_calls import on_behalf
 from kvstore.server.services.rpc_errors import unary
 from kvstore.server.services.session_log import MAX_APPEND_TOKENS
 from kvstore.server.session_owners import FENCED, FREEZING, INCOMING, OWNED, Ownership, SessionOwners
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.node_calls import on_behalf
 from kvstore.server.tokenlog import TokenLog
 
 if TYPE_CHECKING:

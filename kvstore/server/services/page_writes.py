@@ -16,11 +16,11 @@ from kvstore.errors import InvalidRequest, KVStoreError, LeaseExpired, LimitExce
 from kvstore.page_wire.grpc_chunks import MAX_ANNOUNCED_KEYS, BufferSink, ChunkedPage, WireChunk
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
-from kvstore.server.services.room import room
-from kvstore.server.services.session_saves import committing
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import Tenancy
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
+from kvstore.server.tenancy.room import room
+from kvstore.server.tenancy.session_saves import committing
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Pages fetched from other nodes for a tenant land within its host quota here (DESIGN §11), as
 its puts do: a fill (get, ReadPages, a handoff wait's pull), a hint's prefetch and a replica.
 
-More: kvstore/server/services/README.md (### fetch_room.py).
+More: kvstore/server/tenancy/README.md (### fetch_room.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from kvstore.errors import LimitExceeded
 from kvstore.page import LayoutDesc
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
-from kvstore.server.services.room import room
 from kvstore.server.tenancy.quotas import NOTHING, Quotas, Reservation
+from kvstore.server.tenancy.room import room
 
 
 class QuotaLanding:

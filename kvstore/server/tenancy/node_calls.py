@@ -1,6 +1,6 @@
 """What only the nodes of a cluster may ask (DESIGN §11-12), and the tenant such a call acts for.
 
-More: kvstore/server/services/README.md (### node_calls.py).
+More: kvstore/server/tenancy/README.md (### node_calls.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Room for an allocation at its tenant's host quota: the tenant's own coldest pages go.
 
-Apart from the Data servicer (data.py) because the loop is its own policy: when a pass
-helps, when asking again is pointless, and what a refusal looks like to the caller."""
+Apart from the gate (gate.py) because the loop is its own policy: when a pass helps, when
+asking again is pointless, and what a refusal looks like to the caller."""
 
 from __future__ import annotations
 
 import threading
-
-import grpc
+from typing import Protocol
 
 from kvstore.errors import HostQuotaFull
 from kvstore.security.identity import Identity
@@ -21,8 +20,16 @@ from kvstore.server.tenancy.quotas import Quotas, Reservation
 ROOM_TRIES = 16
 
 
+class CallContext(Protocol):
+    """What the tenancy reads of a call's context (a gRPC ServicerContext, a call socket's): whether its caller still waits."""
+
+    def is_active(self) -> bool: ...
+
+    def time_remaining(self) -> float | None: ...
+
+
 def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_bytes: int,
-         context: grpc.ServicerContext | None = None, stop: threading.Event | None = None) -> Reservation:
+         context: CallContext | None = None, stop: threading.Event | None = None) -> Reservation:
     """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its host
     quota, its own coldest pages make room (written down), never another tenant's. Asked again
     after each pass, up to ROOM_TRIES times: the tenant's other calls may take the room made
@@ -53,7 +60,7 @@ def _host_bytes(quotas: Quotas, who: Identity) -> int:
     return quotas.usage(who.tenant, ["host_bytes"])["host_bytes"]
 
 
-def _gone(context: grpc.ServicerContext) -> bool:
+def _gone(context: CallContext) -> bool:
     """Whether the caller will not hear the answer: a gRPC call ended, or a call socket's
     deadline passed (its context stays active until the answer is written: kvstore/callsocket/context.py)."""
     left = context.time_remaining()

@@ -1,7 +1,7 @@
 """A tenant's reads in cluster mode: its namespace may be bound on the nodes it wrote at but
 not (yet) on the one it reads at.
 
-More: kvstore/server/services/README.md (### cluster_reads.py).
+More: kvstore/server/tenancy/README.md (### cluster_reads.py).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import PermissionDenied
 from kvstore.security.identity import Identity, Rights
-from kvstore.server.services.fetch_room import quota_landing
-from kvstore.server.services.node_calls import on_behalf
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.node_calls import on_behalf
 from kvstore.types import LocationRun
 
 if TYPE_CHECKING:

@@ -1,0 +1,179 @@
+"""The tenancy gate in front of the placement core: each operation resolves its caller, reserves
+its quota, calls the core and settles, so that the servicers only validate, call it and answer.
+
+More: kvstore/server/tenancy/README.md (### gate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore import validate
+from kvstore.errors import InvalidRequest, PermissionDenied
+from kvstore.page import LayoutDesc, checksum
+from kvstore.security.identity import Identity, Rights
+from kvstore.server.handoff_markers import HandoffMarkers
+from kvstore.server.leases import Allocation
+from kvstore.server.placement import Placement
+from kvstore.server.placement.reads import AcquiredPage
+from kvstore.server.session_owners import SessionOwners
+from kvstore.server.tenancy.access import Tenancy
+from kvstore.server.tenancy.cluster_reads import ClusterReads
+from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
+from kvstore.server.tenancy.quotas import NOTHING
+from kvstore.server.tenancy.room import CallContext, room
+from kvstore.server.tenancy.session_saves import committing
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
+
+Slots = list[tuple[bytes, int | None]]
+HintEntries = list[tuple[list[bytes], float]]
+
+
+class Gate:
+    """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages)."""
+
+    def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
+                 cluster: ClusterRuntime | None = None, tenant_arenas: bool = False) -> None:
+        self.core = core
+        self.tenancy = tenancy
+        self.quotas = tenancy.quotas
+        self.session_owners = session_owners  # who owns each migrated session here (DESIGN §12.8)
+        self.handoffs = handoffs  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
+        self.cluster = cluster  # a ClusterRuntime in cluster mode: reads fetch pages other nodes hold
+        self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
+        self.tenant_arenas = tenant_arenas
+
+    def allocate(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
+                 generation: int | None, session_id: str, context: CallContext) -> tuple[bytes, Slots, Allocation | None]:
+        """Room at the tenant's host quota (room.py), the namespace claimed, the slots allocated."""
+        if session_id and self.tenancy.sees(who, ns):  # a session fenced here (live migration): refused, to its tenant
+            self.session_owners.check(ns, session_id, "Allocate")
+        held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
+        try:
+            with self.tenancy.writing(who, ns):
+                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held), generation)
+        finally:
+            held.release()  # handed over to the allocation's slots (or there are none)
+        if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
+            self.core.abort(ident, who.tenant)
+        alloc = self.core.leases.allocation(ident)
+        if alloc is not None and session_id:  # kept for its Commit: refused if the session is fenced by then
+            alloc.session_id = session_id
+        return ident, slots, alloc
+
+    def commit(self, who: Identity, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
+               flags: int) -> int:
+        """The slots' bytes stay counted while they become pages (ssd quotas: see ssd_share.py)."""
+        alloc = self.core.leases.allocation(allocation_id)
+        mine = alloc is not None and alloc.tenant == who.tenant
+        bridge = NOTHING
+        with committing(self.session_owners, self.core, allocation_id, alloc.namespace_id if alloc else b"",
+                        alloc.session_id if mine and alloc else "", "Commit", who.tenant):  # before the fence, or refused after
+            if mine and alloc is not None and who.via != "local":
+                self._check_written(allocation_id, alloc.slots, keys, checksums)
+                bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
+            try:
+                return self.core.commit(allocation_id, keys, checksums, durable, flags, tenant=who.tenant,
+                                        counting=self.quotas.handing_over(bridge))
+            finally:
+                bridge.release()
+
+    def _check_written(self, allocation_id: bytes, slots: dict[bytes, int], keys: list[bytes], checksums: list[int]) -> None:
+        """A tenant's commit is checked against the bytes in its slots: a freed slot keeps the
+        bytes of the page that left it (maybe another tenant's), and a commit that claims a
+        checksum without writing them must not publish those bytes under the caller's key. With
+        an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
+        page committed with a wrong checksum fails the checks before it is sent or demoted)."""
+        if self.tenant_arenas:
+            return
+        for key, expected in zip(keys, checksums):
+            if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
+                raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
+                                     "nothing was committed (write the page, then commit)")
+
+    def acquire(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext,
+                device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
+        """A lease on what the caller may read of ``keys`` (nothing: as for an empty namespace)."""
+        return self._acquire(who, ns, keys, ttl_ms, context, device, node_call=False)
+
+    def read(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext, local_only: bool,
+             tenant: str, generation: int | None) -> tuple[bytes, list[AcquiredPage]]:
+        """ReadPages' lease. With ``local_only`` or ``tenant`` (the node right): a node fetching for
+        one of its tenants, its ``generation`` (unvalidated) entered here or refused when older."""
+        node_call = local_only or bool(tenant)
+        if node_call:
+            require_node(who, "ReadPages with local_only or tenant")
+            who = acting_for(who, tenant)
+            if generation is not None:  # the reader's: a newer one is entered here, an older one refused
+                self.core.read_generation(ns, validate.generation(generation))
+        return self._acquire(who, ns, keys, ttl_ms, context, False, node_call)
+
+    def _acquire(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext, device: bool,
+                 node_call: bool) -> tuple[bytes, list[AcquiredPage]]:
+        with self.quotas.reserving(who, leases=1):
+            if not (self.tenancy.may_read(who, ns) if node_call else self._readable(who, ns, keys, context)):
+                keys = []  # as for an empty namespace
+            ident, pages = self.core.acquire(ns, keys, ttl_ms, tenant=who.tenant, device=device)
+        self.quotas.used(who, [p.key for p in pages])
+        if self.handoffs is not None and not node_call:
+            self.handoffs.acquired(who.tenant, ns, [p.key for p in pages])
+        return ident, pages
+
+    def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: CallContext) -> bool:
+        """Whether ``who`` may read the namespace; in cluster mode, after fetching what other
+        nodes hold of ``keys`` into this node's host tier (cluster_reads.py)."""
+        if self.cluster_reads is None:
+            return self.tenancy.may_read(who, ns)
+        return self.cluster_reads.fill(who, ns, keys, context.time_remaining())
+
+    def hint(self, who: Identity, ns: bytes, entries: Callable[[], HintEntries]) -> list[bool]:
+        """``entries`` validates the request's entries, after the read right is checked; all of
+        them are charged, or none: a Hint the server refuses is not charged."""
+        readable = self.tenancy.may_read(who, ns)
+        checked = entries()  # every entry is checked before any is applied
+        if not readable:  # an empty namespace has nothing to prefetch: every entry is answered reserved
+            return [True] * len(checked)
+        with self.quotas.hinting(who, checked):
+            reserved = self.core.hint_entries(ns, checked)
+        if self.cluster_reads is not None:  # pages held on other nodes are fetched ahead too, without waiting
+            for (keys, _), ok in zip(checked, reserved):
+                if ok:
+                    self.cluster_reads.prefetch(who, ns, keys)
+        return reserved
+
+    def replicate(self, who: Identity, ns: bytes, keys: list[bytes], replicas: int, holder: str, tenant: str, page_bytes: int,
+                  context: CallContext) -> int:
+        """A client's ``put(replicas=n)``: other members copy the caller's pages held here
+        (kvstore/server/cluster/replicas.py). With ``holder`` (the node right): this node is
+        such a member, and fetches the pages from the holder for the tenant named."""
+        if holder or tenant:
+            require_node(who, "Replicate from a holder")
+            return self._copy_from(acting_for(who, tenant), ns, keys, holder, page_bytes, context)
+        if not who.allows(Rights.WRITE):
+            raise PermissionDenied(f"tenant {who.tenant!r} lacks the write right (replicas are writes on other nodes)")
+        if self.cluster is None:
+            if replicas > 1:
+                raise InvalidRequest("replicas > 1 needs cluster mode (--cluster)")
+            held = self.core.directory.lookup(ns, keys) if self.tenancy.may_read(who, ns) else []
+            return sum(r.num_pages for r in held)
+        if not self.tenancy.may_read(who, ns):
+            return 0  # as for an empty namespace
+        return self.cluster.replicate(ns, keys, replicas, context.time_remaining(), on_behalf(who))
+
+    def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], holder: str, page_bytes: int, context: CallContext) -> int:
+        """The namespace is claimed for the tenant before the copy and bound only if pages arrived."""
+        if self.cluster is None or page_bytes <= 0:
+            raise InvalidRequest("Replicate with a holder needs cluster mode and page_bytes")
+        claimed = self.tenancy.claim(who, ns)
+        held = 0
+        try:
+            held = self.cluster.copy_from(holder, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
+                                          quota_landing(self.quotas, self.core, who, ns, keys))  # within its host quota
+        finally:
+            if claimed:
+                self.tenancy.settle(who, ns, held > 0)
+        return held
