@@ -21,6 +21,7 @@ from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
 from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tenancy.room import CallContext, room
@@ -33,8 +34,9 @@ Slots = list[tuple[bytes, int | None]]
 HintEntries = list[tuple[list[bytes], float]]
 
 
-class Gate:
-    """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages)."""
+class Gate(DirectoryGate):
+    """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages).
+    The directory's operations are in gate_directory.py."""
 
     def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
                  cluster: ClusterRuntime | None = None, tenant_arenas: bool = False) -> None:
