@@ -251,7 +251,7 @@ class Server:
         guarded |= add_service(self._grpc, migration_pb2.DESCRIPTOR.services_by_name["Migration"],
                                generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))
-        handoffs = HandoffService(self.core, config, self.tenancy, self.handoffs, self.streams, self.cluster)
+        handoffs = HandoffService(self.core, config, gate, self.streams)
         guarded |= add_service(self._grpc, handoff_pb2.DESCRIPTOR.services_by_name["Handoff"],
                                generated_handlers(handoff_pb2_grpc.add_HandoffServicer_to_server, handoffs),
                                self.streams, self.metrics, request_limits(config))

@@ -22,6 +22,7 @@ from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
 from kvstore.server.tenancy.fetch_room import quota_landing
 from kvstore.server.tenancy.gate_directory import DirectoryGate
+from kvstore.server.tenancy.gate_handoffs import HandoffGate
 from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tenancy.room import CallContext, room
@@ -34,9 +35,9 @@ Slots = list[tuple[bytes, int | None]]
 HintEntries = list[tuple[list[bytes], float]]
 
 
-class Gate(DirectoryGate):
+class Gate(DirectoryGate, HandoffGate):
     """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages).
-    The directory's operations are in gate_directory.py."""
+    The directory's operations are in gate_directory.py, the handoffs' in gate_handoffs.py."""
 
     def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
                  cluster: ClusterRuntime | None = None, tenant_arenas: bool = False) -> None:

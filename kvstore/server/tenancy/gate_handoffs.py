@@ -1,0 +1,126 @@
+"""The tenancy gate's handoff operations (prefill -> decode, DESIGN §12.7: Complete, Wait, Push):
+a mixin of ``Gate`` (gate.py), apart because they drive the decode node's completion markers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
+from kvstore.security.identity import Identity, Rights
+from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
+from kvstore.server.placement import Placement
+from kvstore.server.tenancy.access import Tenancy
+from kvstore.server.tenancy.cluster_reads import ClusterReads
+from kvstore.server.tenancy.node_calls import acting_for, on_behalf
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
+from kvstore.server.tenancy.room import CallContext, room
+
+if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.server.cluster import ClusterRuntime
+
+DEFAULT_TTL_MS = 30_000
+MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
+
+
+class WaitContext(CallContext, Protocol):
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+
+
+def require_writer(who: Identity) -> None:
+    if not who.allows(Rights.WRITE):
+        raise PermissionDenied(f"tenant {who.tenant!r} lacks the write right (a handoff hands off pages it stored)")
+
+
+class HandoffGate:
+    """Needs ``core``, ``tenancy``, ``handoffs``, ``cluster`` and ``cluster_reads`` of the gate it is mixed into."""
+
+    core: Placement
+    tenancy: Tenancy
+    handoffs: HandoffMarkers | None
+    cluster: ClusterRuntime | None
+    cluster_reads: ClusterReads | None
+
+    @property
+    def _markers(self) -> HandoffMarkers:
+        assert self.handoffs is not None, "the server builds the gate with its handoff markers"
+        return self.handoffs
+
+    def complete(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], to_node: str, context: CallContext) -> int:
+        """The pages of ``keys`` handed to ``to_node`` (another node: through its Push; else the
+        marker is here, completed with what this node holds)."""
+        require_writer(who)
+        readable = self.tenancy.may_read(who, ns)
+        if self.cluster is not None and to_node != self.core.node:
+            left = context.time_remaining()
+            timeout = max(0.01, (left if left is not None else 30.0) - MARGIN_S)
+            try:
+                return self.cluster.call(self.cluster.handoffs.complete(on_behalf(who), ns, ident, keys if readable else [],
+                                                                        to_node, timeout), timeout + 1)
+            except TimeoutError:
+                raise TierUnavailable(f"handoff not completed within {timeout:.1f} s; the pages stay here") from None
+        held = self._markers.held(ns, keys) if readable else 0
+        if held:
+            marker = self._markers.open(who.tenant, ns, ident, DEFAULT_TTL_MS)
+            self._markers.arrived(marker, keys[:held], pushed=True, complete=keys[:held])
+        return held
+
+    def wait(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], deadline_ms: int, context: WaitContext,
+             slot: Callable[[], AbstractContextManager[None]]) -> tuple[int, int]:
+        """Pages of the handoff here by its deadline, and the marker's generation; ``slot`` is
+        taken (the servicer's stream slot) once the read right is checked."""
+        self.tenancy.may_read(who, ns)  # PermissionDenied without the read right
+        left = context.time_remaining()
+        deadline = min(deadline_ms / 1000, (left if left is not None else MAX_TTL_S) - MARGIN_S)
+        markers = self._markers
+        with slot():
+            reads = self.cluster_reads
+            # the wait's deadline kept the answer's margin already: ClusterRuntime.fill keeps its own
+            pull = (lambda time_left: reads.fill(who, ns, keys, time_left + MARGIN_S)) if reads is not None else None
+            context.add_callback(markers.wake)  # a cancelled wait ends now, its stream slot given back
+            # opened as its reader (nothing drops it before the wait reads it); the wait, called next, counts it off
+            marker = markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, deadline_ms), waiter=True)
+            n = markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns),
+                             alive=context.is_active, registered=True)
+        return n, marker.generation
+
+    def push(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], holder: str, ttl_ms: int, tenant: str,
+             page_bytes: int, complete: bool, context: CallContext) -> int:
+        """A node's Push (its node right checked first, by the servicer): see HandoffService.Push."""
+        if self.cluster is None or not holder or (keys and page_bytes <= 0):
+            raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
+        who = acting_for(who, tenant)
+        claimed = self.tenancy.claim(who, ns)
+        held = 0
+        try:
+            marker = self._markers.open(who.tenant, ns, ident, ttl_ms)
+            if not keys:
+                self._markers.arrived(marker, [], pushed=True)
+                return 0
+            have = self._markers.held(ns, keys)
+            fits, reserved = self._handoff_room(who, len(keys) - have, page_bytes, context)
+            try:
+                want = keys[: have + fits]
+                held = self.cluster.copy_from(holder, ns, want, page_bytes, context.time_remaining(), on_behalf(who))
+                if complete and held < len(want):  # what the holder could not give: through the pool
+                    self.cluster.fill(ns, want, context.time_remaining(), on_behalf(who))
+                    held = self._markers.held(ns, want)
+            finally:
+                reserved.release()  # the pages that landed count as the tenant's host bytes now
+            self._markers.arrived(marker, keys, pushed=True, complete=keys if complete else None)
+        finally:
+            if claimed:
+                self.tenancy.settle(who, ns, held > 0)
+        return held
+
+    def _handoff_room(self, who: Identity, lacking: int, page_bytes: int, context: CallContext) -> tuple[int, Reservation]:
+        """How many of the ``lacking`` pages fit in the tenant's host quota here (its own coldest
+        pages written down to make room, as for a put), reserved while they land; halved until
+        they fit, else none. A handoff's bytes count as any page of the tenant's."""
+        while lacking > 0:
+            try:
+                return lacking, room(self.tenancy.quotas, self.core, who, lacking, page_bytes, context)
+            except LimitExceeded:
+                lacking //= 2
+        return 0, NOTHING
