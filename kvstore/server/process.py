@@ -228,7 +228,8 @@ class Server:
         self.handoffs = HandoffMarkers(self.core)
         # The tenancy gate in front of the core (DESIGN §11): each call's caller resolved, quota reserved, core called, settled.
         self._tenant_arenas = bool(config.security.tenants) and not config.security.share_arena  # an arena per tenant
-        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas)
+        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas,
+                    wal=self.wal, moves=self.session_moves)
         directory_service = DirectoryService(self.core, config, gate)
         directory_handlers = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
         guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory_handlers, self.streams,
@@ -246,8 +247,7 @@ class Server:
                                    socket_path if hbm else None, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
-        migration = MigrationService(self.core, config, self.tenancy, self.wal, self.session_owners, self.cluster,
-                                     self.session_moves)
+        migration = MigrationService(self.core, config, gate)
         guarded |= add_service(self._grpc, migration_pb2.DESCRIPTOR.services_by_name["Migration"],
                                generated_handlers(migration_pb2_grpc.add_MigrationServicer_to_server, migration),
                                self.streams, self.metrics, request_limits(config))

@@ -23,24 +23,29 @@ from kvstore.server.tenancy.cluster_reads import ClusterReads
 from kvstore.server.tenancy.fetch_room import quota_landing
 from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.gate_handoffs import HandoffGate
+from kvstore.server.tenancy.gate_migration import MigrationGate
 from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
 from kvstore.server.tenancy.quotas import NOTHING
 from kvstore.server.tenancy.room import CallContext, room
 from kvstore.server.tenancy.session_saves import committing
+from kvstore.server.tokenlog import TokenLog
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
+    from kvstore.server.cluster.migrations import SessionMoves
 
 Slots = list[tuple[bytes, int | None]]
 HintEntries = list[tuple[list[bytes], float]]
 
 
-class Gate(DirectoryGate, HandoffGate):
+class Gate(DirectoryGate, HandoffGate, MigrationGate):
     """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages).
-    The directory's operations are in gate_directory.py, the handoffs' in gate_handoffs.py."""
+    The directory's operations are in gate_directory.py, the handoffs' in gate_handoffs.py, live
+    migration's in gate_migration.py."""
 
     def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
-                 cluster: ClusterRuntime | None = None, tenant_arenas: bool = False) -> None:
+                 cluster: ClusterRuntime | None = None, tenant_arenas: bool = False, wal: TokenLog | None = None,
+                 moves: SessionMoves | None = None) -> None:
         self.core = core
         self.tenancy = tenancy
         self.quotas = tenancy.quotas
@@ -49,6 +54,8 @@ class Gate(DirectoryGate, HandoffGate):
         self.cluster = cluster  # a ClusterRuntime in cluster mode: reads fetch pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
         self.tenant_arenas = tenant_arenas
+        self.wal = wal  # the token log: a migrated session's log
+        self.moves = moves  # cluster mode: etcd's records of session moves (live migration)
 
     def allocate(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
                  generation: int | None, session_id: str, context: CallContext) -> tuple[bytes, Slots, Allocation | None]:
