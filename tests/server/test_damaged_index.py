@@ -3,11 +3,13 @@ pages of its namespace are recovered and served, and the namespace keeps its gen
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.kv import random_kv
 from support.servers import ENTRY_HEADER_AT, flip_index_byte
 
 from kvstore.client import KVStoreClient
+from kvstore.errors import PageMissing
 from kvstore.page import GENERATION_AT, HEADER_CORE_BYTES
 
 
@@ -58,3 +60,30 @@ async def test_a_damaged_first_entry_of_a_namespace_is_quarantined_at_recovery_n
         assert hit.num_tokens == 64, "a put was acknowledged for a page this node does not list"
         out = torch.zeros_like(kv)
         assert await client.get(hit, into=out) == 64 and torch.equal(out, kv)
+
+
+async def test_a_page_whose_index_entry_fails_its_check_is_not_promised_after_the_read_that_finds_it(server_factory, tmp_path,
+                                                                                                      layout, ns) -> None:
+    """Bug (the chaos model, seed 46013, check c: an ssd_flip's index flips on a node, then its
+    restart): a page whose SSD index entry's header copy fails its own check is kept by the SSD
+    tier (so that the scrub finds it) and listed at recovery, but no read can have it (its entry
+    has no header to read by): every get stopped short of it and every lookup promised it again,
+    15 s after the heal. The read that finds it must quarantine it, as one that finds bad bytes does."""
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=13)
+    server = server_factory()
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv, durable=True) == 64
+        keys = (await client.lookup(tokens)).keys
+    server.stop(grace_s=1)
+    damaged = keys[2]
+    assert damaged != min(keys), "not the namespace's first page in index order (recovery reads that one)"
+    flip_index_byte(tmp_path / "ssd", damaged, ENTRY_HEADER_AT + HEADER_CORE_BYTES - 1, 0x01)  # the header's own check
+    server = server_factory()
+    async with KVStoreClient(server.address, ns) as client:
+        hit = await client.lookup(tokens)
+        out = torch.zeros_like(kv)
+        with pytest.raises(PageMissing) as short:
+            await client.get(hit, into=out)
+        assert short.value.num_tokens == 32 and torch.equal(out[:, :, :32], kv[:, :, :32]), "pages 0 and 1 are whole"
+        assert (await client.lookup(tokens)).num_tokens == 32, "the page no read can have is promised again"

@@ -90,6 +90,8 @@ class Reader:
                 tier = self.residence.holder(key)
                 part = self.residence.part(key, tier) if tier is not None else None
                 found = part.find(key) if part is not None else None
+                if tier is not None and found is None:  # held with no header: its index entry failed its check
+                    self._quarantine(key, tier, "its index entry failed its check")  # else promised for ever
                 if tier is None or found is None or found[1].generation != generation:
                     break
                 header = found[1]
