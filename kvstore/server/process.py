@@ -243,7 +243,7 @@ class Server:
         socket_path = self.arena_socket.path if self.arena_socket else None
         # The same-host call socket's path and token, made before the services that announce them (GetInfo).
         call_path, call_token = self._socket_path("call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
-        data_service = DataService(self.core, config, self.wal, gate, socket_path if self._tenant_arenas else None,
+        data_service = DataService(self.core, config, gate, socket_path if self._tenant_arenas else None,
                                    socket_path if hbm else None, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))

@@ -25,26 +25,21 @@ from kvstore.server.services.session_log import SessionCalls
 from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.tenancy.gate import Gate
 from kvstore.server.tenancy.node_calls import MAX_NODE_ID, MAX_REPLICAS, require_node
-from kvstore.server.tokenlog import TokenLog
 
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler validates its request, makes one call of the tenancy gate (tenancy/gate.py)
     or the core, and answers; exceptions become statuses in rpc_errors.py."""
 
-    def __init__(self, core: Placement, config: ServerConfig, wal: TokenLog, gate: Gate, arena_socket: Path | None = None,
+    def __init__(self, core: Placement, config: ServerConfig, gate: Gate, arena_socket: Path | None = None,
                  pool_socket: Path | None = None, call_socket: Path | None = None, call_token: bytes = b"") -> None:
         self.core = core
         self.gate = gate  # each call's caller resolved, quota reserved, core called, settled
-        self.session_owners = gate.session_owners
         self.memory = SharedMemory(core, config, gate.tenancy, arena_socket, pool_socket)  # the caller's arena and hbm pool
         self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/socket_server.py), announced
         self.config = config
         self.cluster = gate.cluster  # a ClusterRuntime in cluster mode: GrantTransfer's grants
         self.metrics = core.metrics
-        self.wal = wal
-        self.tenancy = gate.tenancy
-        self.quotas = gate.quotas
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
         self._reports = ReportBudget()  # pages readers report failing, checked per tenant
         self.page_writes = PageWrites(core, gate.tenancy, gate.session_owners)  # WritePages' streams

@@ -7,6 +7,7 @@ More: kvstore/server/tenancy/README.md (### gate.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from kvstore import validate
@@ -187,3 +188,22 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
             if claimed:
                 self.tenancy.settle(who, ns, held > 0)
         return held
+
+    def append_tokens(self, who: Identity, ns: bytes, sid: str, expected_length: int, tokens: list[int], prompt_tokens: int,
+                      sync: bool) -> int:
+        """A session fenced here (live migration) is refused, counted: FAILED_PRECONDITION naming its owner;
+        only to its tenant (another is refused by Tenancy.writing, as for any write into the namespace)."""
+        assert self.wal is not None, "the server builds the gate with its token log"
+        fence = self.session_owners.writing(ns, sid, "AppendTokens") if self.tenancy.sees(who, ns) else nullcontext()
+        with fence, self.tenancy.writing(who, ns), self.quotas.appending(who) as charge:
+            return self.wal.append(ns, sid, expected_length, tokens, prompt_tokens, sync, charge)
+
+    def read_session(self, who: Identity, ns: bytes, sid: str) -> tuple[int, list[int]] | None:
+        """The session's prompt length and tokens; None as for one that does not exist."""
+        assert self.wal is not None, "the server builds the gate with its token log"
+        return self.wal.read(ns, sid) if self.tenancy.may_read(who, ns) else None
+
+    def end_session(self, who: Identity, ns: bytes, sid: str) -> None:
+        assert self.wal is not None, "the server builds the gate with its token log"
+        if self.tenancy.may_administer(who, ns):  # else: as for a session that does not exist
+            self.wal.end(ns, sid)
