@@ -42,7 +42,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.metrics = core.metrics
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
         self._reports = ReportBudget()  # pages readers report failing, checked per tenant
-        self.page_writes = PageWrites(core, gate.tenancy, gate.session_owners)  # WritePages' streams
+        self.page_writes = PageWrites(core, gate)  # WritePages' streams
 
     def close(self) -> None:  # once no call runs (the gRPC server stopped): the read-ahead workers end
         self._read_ahead.shutdown(wait=True)

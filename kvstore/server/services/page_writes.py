@@ -12,15 +12,11 @@ from dataclasses import dataclass, field
 
 from kvstore import validate
 from kvstore._proto import data_pb2
-from kvstore.errors import InvalidRequest, KVStoreError, LeaseExpired, LimitExceeded, StreamCut
+from kvstore.errors import InvalidRequest, KVStoreError, LeaseExpired, StreamCut
 from kvstore.page_wire.grpc_chunks import MAX_ANNOUNCED_KEYS, BufferSink, ChunkedPage, WireChunk
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
-from kvstore.server.session_owners import SessionOwners
-from kvstore.server.tenancy import Tenancy
-from kvstore.server.tenancy.quotas import NOTHING, Reservation
-from kvstore.server.tenancy.room import room
-from kvstore.server.tenancy.session_saves import committing
+from kvstore.server.tenancy.gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +51,9 @@ class _Group:
 class PageWrites:
     """The WritePages handler's work, one ``_Stream`` per call."""
 
-    def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners) -> None:
+    def __init__(self, core: Placement, gate: Gate) -> None:
         self.core = core
-        self.tenancy = tenancy
-        self.quotas = tenancy.quotas
-        self.session_owners = session_owners
+        self.gate = gate  # room, claim, allocation and commit of each group for its tenant (tenancy/gate.py)
 
     def write(self, chunks: Iterable[WireChunk], who: Identity) -> int:
         """Stores the stream's pages; returns how many leading ones are stored (durable: on ssd)."""
@@ -165,22 +159,9 @@ class _Stream:
             raise InvalidRequest("the first chunk of a page must have offset 0")
         meta, who, w = chunk.meta, self.who, self.w
         generation = validate.generation(meta.generation) if meta.HasField("generation") else None
-        if meta.session_id and w.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
-            w.session_owners.check(ns, meta.session_id, "WritePages")
         cap = max(1, min(GROUP_PAGES, GROUP_BYTES // layout.page_bytes))
         keys = [key, *self.ahead[: cap - 1]]
-        n, held = self._room(len(keys), layout.page_bytes)
-        try:
-            claimed = w.tenancy.claim(who, ns)
-            try:
-                allocation_id, slots = w.core.allocate(ns, layout, keys[:n], who.tenant, self.parent,
-                                                       w.quotas.handing_over(held), generation)
-            except BaseException:
-                if claimed:
-                    w.tenancy.settle(who, ns, False)
-                raise
-        finally:
-            held.release()  # handed over to the allocation's slots (or there are none)
+        allocation_id, slots, claimed = w.gate.open_group(who, ns, layout, keys, self.parent, generation, meta.session_id)
         return _Group(allocation_id, [k for k, _ in slots], [s is not None for _, s in slots], meta, claimed, time.monotonic())
 
     def _stalled(self, group: _Group) -> LeaseExpired:
@@ -190,43 +171,17 @@ class _Stream:
                             f"between pages of one group: of its {len(group.keys)} pages from {group.keys[0].hex()} on, those not "
                             f"held already are not stored ({self.stored} pages before them are); send them again")
 
-    def _room(self, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
-        """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
-        while True:
-            try:
-                return num_pages, room(self.w.quotas, self.w.core, self.who, num_pages, page_bytes)
-            except LimitExceeded:
-                if num_pages == 1:
-                    raise
-                num_pages //= 2
-
     def _commit(self) -> bool:
         """Commits the open group's verified pages (frees its other slots); False when fewer of them are stored."""
         group, self.group = self.group, None
         if group is None:
             return True
-        w, who, meta = self.w, self.who, group.meta
+        meta = group.meta
         verified = group.keys[: len(group.checksums)]
-        if not verified:
-            w.core.abort(group.allocation_id)
-            if group.claimed:
-                w.tenancy.settle(who, meta.namespace_id, False)
-            return True
-        n = 0
-        bridge = w.quotas.hold(who, host_bytes=group.num_written * meta.page_bytes) if group.num_written else NOTHING
         try:
-            with committing(w.session_owners, w.core, group.allocation_id, meta.namespace_id, meta.session_id, "WritePages"):
-                n = min(len(verified), w.core.commit(group.allocation_id, verified, group.checksums, meta.durable, meta.flags,
-                                                     counting=w.quotas.handing_over(bridge)))
-        except LeaseExpired:
-            w.core.abort(group.allocation_id)
+            n = self.w.gate.commit_group(self.who, group.allocation_id, meta.namespace_id, meta.session_id, verified, group.checksums,
+                                         meta.durable, meta.flags, group.num_written * meta.page_bytes, group.claimed)
+        except LeaseExpired:  # the allocation aborted
             raise self._stalled(group) from None
-        except BaseException:
-            w.core.abort(group.allocation_id)  # a no-op unless the commit failed before taking it
-            raise
-        finally:
-            bridge.release()
-            if group.claimed:
-                w.tenancy.settle(who, meta.namespace_id, n > 0)
         self.stored += n
         return n == len(verified)

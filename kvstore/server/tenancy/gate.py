@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from kvstore import validate
-from kvstore.errors import InvalidRequest, PermissionDenied
+from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied
 from kvstore.page import LayoutDesc, checksum
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.handoff_markers import HandoffMarkers
@@ -26,7 +26,7 @@ from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.gate_handoffs import HandoffGate
 from kvstore.server.tenancy.gate_migration import MigrationGate
 from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
-from kvstore.server.tenancy.quotas import NOTHING
+from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tenancy.room import CallContext, room
 from kvstore.server.tenancy.session_saves import committing
 from kvstore.server.tokenlog import TokenLog
@@ -105,6 +105,62 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
             if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:
                 raise InvalidRequest(f"page {key.hex()}: the checksum does not match the bytes in its slot; "
                                      "nothing was committed (write the page, then commit)")
+
+    def open_group(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
+                   generation: int | None, session_id: str) -> tuple[bytes, Slots, bool]:
+        """A WritePages group's slots (services/page_writes.py): room for as many of ``keys`` as the
+        host quota makes, halving, the page alone's refusal raised; the namespace claimed (True:
+        ``commit_group`` settles it). Returns the allocation, its slots and whether it claimed."""
+        if session_id and self.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
+            self.session_owners.check(ns, session_id, "WritePages")
+        n, held = self._group_room(who, len(keys), layout.page_bytes)
+        try:
+            claimed = self.tenancy.claim(who, ns)
+            try:
+                allocation_id, slots = self.core.allocate(ns, layout, keys[:n], who.tenant, parent, self.quotas.handing_over(held),
+                                                          generation)
+            except BaseException:
+                if claimed:
+                    self.tenancy.settle(who, ns, False)
+                raise
+        finally:
+            held.release()  # handed over to the allocation's slots (or there are none)
+        return allocation_id, slots, claimed
+
+    def _group_room(self, who: Identity, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
+        """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
+        while True:
+            try:
+                return num_pages, room(self.quotas, self.core, who, num_pages, page_bytes)
+            except LimitExceeded:
+                if num_pages == 1:
+                    raise
+                num_pages //= 2
+
+    def commit_group(self, who: Identity, allocation_id: bytes, ns: bytes, session_id: str, verified: list[bytes],
+                     checksums: list[int], durable: bool, flags: int, written_bytes: int, claimed: bool) -> int:
+        """Commits a group's ``verified`` pages (its other slots freed; none: aborted) within its
+        session's fence; the slots' ``written_bytes`` stay counted while they become pages. Any
+        failure aborts the allocation (LeaseExpired too, raised as it is); the claim is settled."""
+        if not verified:
+            self.core.abort(allocation_id)
+            if claimed:
+                self.tenancy.settle(who, ns, False)
+            return 0
+        n = 0
+        bridge = self.quotas.hold(who, host_bytes=written_bytes) if written_bytes else NOTHING
+        try:
+            with committing(self.session_owners, self.core, allocation_id, ns, session_id, "WritePages"):
+                n = min(len(verified), self.core.commit(allocation_id, verified, checksums, durable, flags,
+                                                        counting=self.quotas.handing_over(bridge)))
+        except BaseException:
+            self.core.abort(allocation_id)  # a no-op unless the commit failed before taking it
+            raise
+        finally:
+            bridge.release()
+            if claimed:
+                self.tenancy.settle(who, ns, n > 0)
+        return n
 
     def acquire(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext,
                 device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
