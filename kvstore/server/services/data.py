@@ -24,7 +24,7 @@ from kvstore.server.services.rpc_errors import stream, unary
 from kvstore.server.services.session_log import SessionCalls
 from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.tenancy.gate import Gate
-from kvstore.server.tenancy.node_calls import MAX_NODE_ID, MAX_REPLICAS, require_node
+from kvstore.server.tenancy.node_calls import MAX_REPLICAS
 
 
 class DataService(SessionCalls, data_pb2_grpc.DataServicer):
@@ -38,7 +38,6 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.memory = SharedMemory(core, config, gate.tenancy, arena_socket, pool_socket)  # the caller's arena and hbm pool
         self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/socket_server.py), announced
         self.config = config
-        self.cluster = gate.cluster  # a ClusterRuntime in cluster mode: GrantTransfer's grants
         self.metrics = core.metrics
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
         self._reports = ReportBudget()  # pages readers report failing, checked per tenant
@@ -158,13 +157,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     @unary
     def GrantTransfer(self, request: data_pb2.GrantTransferRequest, context: grpc.ServicerContext) -> data_pb2.GrantTransferResponse:
         """A node's one-time grant for a connection to this node's UCX or TCP data port (kvstore/cluster/grants.py)."""
-        require_node(current_identity(), "GrantTransfer")
-        if self.cluster is None or self.cluster.grants is None:
-            raise InvalidRequest("GrantTransfer needs cluster mode with --data-plane ucx or tcp")
-        if not 0 < len(request.node) <= MAX_NODE_ID:
-            raise InvalidRequest(f"GrantTransfer names a node id of 1..{MAX_NODE_ID} characters, got {len(request.node)}")
-        grants = self.cluster.grants
-        return data_pb2.GrantTransferResponse(grant=grants.issue(request.node), ttl_ms=int(grants.ttl_s * 1000))
+        grant, ttl_ms = self.gate.grant_transfer(current_identity(), request.node)
+        return data_pb2.GrantTransferResponse(grant=grant, ttl_ms=ttl_ms)
 
     @stream
     def ReadPages(self, request: data_pb2.ReadPagesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -28,8 +28,8 @@ from kvstore.server.placement import Placement
 from kvstore.server.services.rpc_errors import unary
 from kvstore.server.services.streams import StreamGate
 from kvstore.server.tenancy.gate import Gate
-from kvstore.server.tenancy.gate_handoffs import DEFAULT_TTL_MS, require_writer
-from kvstore.server.tenancy.node_calls import MAX_NODE_ID, on_behalf, require_node
+from kvstore.server.tenancy.gate_handoffs import DEFAULT_TTL_MS
+from kvstore.server.tenancy.node_calls import MAX_NODE_ID, require_node
 
 HANDOFF_ID_BYTES = 16
 
@@ -63,16 +63,10 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         self._waiting: Counter[str] = Counter()  # waits in progress per tenant
         self._waiting_lock = threading.Lock()
         self.config = config
-        self.tenancy = gate.tenancy
-        self.cluster = gate.cluster
         self.metrics = core.metrics
 
     def _keys(self, values: list[bytes], allow_empty: bool = False) -> list[bytes]:
         return validate.keys(values, self.config.max_pages_per_request, allow_empty)
-
-    def _pushes_to(self, to_node: str) -> bool:
-        """Whether pages go to another node (else: the pool, or this node is the decode node)."""
-        return self.cluster is not None and bool(to_node) and to_node != self.core.node
 
     @unary
     def Open(self, request: handoff_pb2.OpenHandoffRequest, context: grpc.ServicerContext) -> handoff_pb2.OpenHandoffResponse:
@@ -81,12 +75,7 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         to_node = node_id(request.to_node, "to_node")
         ttl = ttl_ms(request.ttl_ms)
         keys = self._keys(list(request.keys), allow_empty=True)
-        who = current_identity()
-        require_writer(who)
-        if self._pushes_to(to_node):
-            assert self.cluster is not None
-            self.cluster.call(self.cluster.handoffs.open(on_behalf(who), ns, ident, to_node, ttl, keys,
-                                                         lambda: self.tenancy.sees(who, ns)), self.cluster.cluster.rpc_timeout_s)
+        self.gate.open_handoff(current_identity(), ns, ident, to_node, ttl, keys)
         return handoff_pb2.OpenHandoffResponse()
 
     @unary

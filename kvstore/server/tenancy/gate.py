@@ -25,7 +25,7 @@ from kvstore.server.tenancy.fetch_room import quota_landing
 from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.gate_handoffs import HandoffGate
 from kvstore.server.tenancy.gate_migration import MigrationGate
-from kvstore.server.tenancy.node_calls import acting_for, on_behalf, require_node
+from kvstore.server.tenancy.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tenancy.room import CallContext, room
 from kvstore.server.tenancy.session_saves import committing
@@ -230,6 +230,17 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         if not self.tenancy.may_read(who, ns):
             return 0  # as for an empty namespace
         return self.cluster.replicate(ns, keys, replicas, context.time_remaining(), on_behalf(who))
+
+    def grant_transfer(self, who: Identity, node: str) -> tuple[bytes, int]:
+        """A node's one-time grant for a connection to this node's UCX or TCP data port
+        (kvstore/cluster/grants.py), and its ttl in ms; the node right first."""
+        require_node(who, "GrantTransfer")
+        if self.cluster is None or self.cluster.grants is None:
+            raise InvalidRequest("GrantTransfer needs cluster mode with --data-plane ucx or tcp")
+        if not 0 < len(node) <= MAX_NODE_ID:
+            raise InvalidRequest(f"GrantTransfer names a node id of 1..{MAX_NODE_ID} characters, got {len(node)}")
+        grants = self.cluster.grants
+        return grants.issue(node), int(grants.ttl_s * 1000)
 
     def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], holder: str, page_bytes: int, context: CallContext) -> int:
         """The namespace is claimed for the tenant before the copy and bound only if pages arrived."""

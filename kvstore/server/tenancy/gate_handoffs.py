@@ -47,6 +47,14 @@ class HandoffGate:
         assert self.handoffs is not None, "the server builds the gate with its handoff markers"
         return self.handoffs
 
+    def open_handoff(self, who: Identity, ns: bytes, ident: bytes, to_node: str, ttl_ms: int, keys: list[bytes]) -> None:
+        """At the prefill node: announced to ``to_node`` when pages go to another node (else the
+        pool carries them, or this node is the decode node: nothing to announce)."""
+        require_writer(who)
+        if self.cluster is not None and bool(to_node) and to_node != self.core.node:
+            self.cluster.call(self.cluster.handoffs.open(on_behalf(who), ns, ident, to_node, ttl_ms, keys,
+                                                         lambda: self.tenancy.sees(who, ns)), self.cluster.cluster.rpc_timeout_s)
+
     def complete(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], to_node: str, context: CallContext) -> int:
         """The pages of ``keys`` handed to ``to_node`` (another node: through its Push; else the
         marker is here, completed with what this node holds)."""
