@@ -3,6 +3,7 @@ token, before its handler runs; a valid token stores and reads pages."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,9 +72,15 @@ def test_refused_streams_take_no_stream_slot(tls_server, ca) -> None:
         stats = directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10,
                                                                  metadata=[("authorization", f"Bearer {ADMIN}")])
         assert stats.node == "local"
+        assert tls_server.streams.num_open == 0, "a refused stream holds a slot"
         events = directory_pb2_grpc.DirectoryStub(channel).Subscribe(
             directory_pb2.SubscribeRequest(), timeout=10, metadata=[("authorization", f"Bearer {ALICE}")])
-        assert events.initial_metadata() is not None  # the stream was admitted: a slot was free
+        # the stream is admitted (a slot was free): the server holds it open. (Its initial metadata comes with
+        # its first event, so waiting for that took the call's whole 10 s and proved nothing.)
+        deadline = time.monotonic() + 10
+        while tls_server.streams.num_open == 0 and events.is_active() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tls_server.streams.num_open == 1 and events.is_active(), "the stream was not admitted"
         events.cancel()
 
 
