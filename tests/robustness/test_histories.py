@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.ssd_pages import store_page
 
 from kvstore.bench.chaos.chaos_cluster import ChaosCluster
 from kvstore.bench.chaos.faults import KINDS, PlannedFault, plan_faults
@@ -20,7 +21,7 @@ from kvstore.bench.chaos.runner import Runner, Settings, resource_violations
 from kvstore.bench.chaos.ssd_flip import flip_ssd
 from kvstore.bench.chaos.traffic import Planned, plan_traffic
 from kvstore.config import SsdTierConfig
-from kvstore.page import LayoutDesc, PageHeader, checksum
+from kvstore.page import LayoutDesc
 from kvstore.tiers.ssd import SsdTier
 
 SETTINGS = Settings(num_ops=70, workers=4, traffic_s=7.0)
@@ -105,11 +106,7 @@ def test_an_ssd_flip_damages_exactly_the_pages_it_names(tmp_path: Path) -> None:
     for seed in range(4):
         tier = SsdTier(config)
         for key, payload in payloads.items():
-            slot = tier.reserve(len(payload))
-            assert slot is not None
-            header = PageHeader(b"n" * 16, key, layout, len(payload), checksum(payload), generation=1)
-            tier.write([(slot, header, memoryview(payload))])
-            tier.commit([(slot, header)])
+            store_page(tier, key, layout, payload)
         tier.close()
         damage = flip_ssd(tmp_path, random.Random(seed), 8)
         places = {p: places.get(p, 0) + n for p, n in damage.places.items()}

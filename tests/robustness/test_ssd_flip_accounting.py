@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from support.ssd_pages import store_pages
+
 from kvstore.bench.chaos.ssd_flip import flip_ssd
 from kvstore.config import SsdTierConfig
-from kvstore.page import LayoutDesc, PageHeader, checksum
+from kvstore.page import LayoutDesc
 from kvstore.tiers.ssd import SsdTier
 
 
@@ -38,16 +40,7 @@ def test_an_index_flip_names_every_page_it_costs(tmp_path: Path) -> None:
     layout = LayoutDesc(2, 2, 2, 64, "float16", 16)  # 16 KiB payload, 20 KiB slots
     config = SsdTierConfig(tmp_path, capacity_bytes=32 << 20, dwpd=0)
     tier = SsdTier(config)
-    rng = random.Random(1)
-    payloads, slots = {}, {}
-    for i in range(819):  # slab 0 full: slots 0..818
-        key, payload = i.to_bytes(16, "big"), rng.randbytes(layout.page_bytes)
-        slot = tier.reserve(len(payload))
-        assert slot is not None
-        header = PageHeader(b"n" * 16, key, layout, len(payload), checksum(payload), generation=1)
-        tier.write([(slot, header, memoryview(payload))])
-        tier.commit([(slot, header)])
-        payloads[key], slots[key] = payload, slot
+    payloads, slots = store_pages(tier, layout, 819, random.Random(1))  # slab 0 full: slots 0..818
     tier.close()
     assert 20480 in slots.values() and 817 * 20480 in slots.values()
     damage = flip_ssd(tmp_path, Scripted(20480, 2), 1)

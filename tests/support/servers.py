@@ -11,14 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import lmdb
-
 from kvstore.bench.common.harness import free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import HEADER_BYTES
 from kvstore.server import Server
 from kvstore.tiers.host import remove_stale_arenas
-from kvstore.tiers.ssd import INDEX_DIR
+from support.ssd_pages import edit_index_entry
 
 ENTRY_HEADER_AT = 16  # an SSD index entry's value: offset u64, slot bytes u64, then the page header's core
 
@@ -64,15 +62,11 @@ def flip_ssd_byte(server: Server, key: bytes, where: int = 100) -> None:
 
 def flip_index_byte(ssd_dir: Path, key: bytes, at: int, mask: int) -> None:
     """XORs one byte of ``key``'s SSD index entry (its server is stopped)."""
-    env = lmdb.open(str(ssd_dir / INDEX_DIR), subdir=True, max_dbs=4)
-    try:
-        db = env.open_db(b"index", create=False)
-        with env.begin(write=True, db=db) as txn:
-            value = bytearray(txn.get(key))
-            value[at] ^= mask
-            txn.put(key, bytes(value))
-    finally:
-        env.close()
+
+    def flip(value: bytearray) -> None:
+        value[at] ^= mask
+
+    edit_index_entry(ssd_dir, key, flip)
 
 
 def _thread_state(task: Path) -> str:

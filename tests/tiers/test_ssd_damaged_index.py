@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import random
-import struct
 from pathlib import Path
 
-import lmdb
+from support.ssd_pages import set_entry_offset, store_pages
 
 from kvstore.config import SsdTierConfig
-from kvstore.page import LayoutDesc, PageHeader, checksum
-from kvstore.tiers.ssd import INDEX_DIR, SsdTier
+from kvstore.page import LayoutDesc
+from kvstore.tiers.ssd import SsdTier
 
 LAYOUT = LayoutDesc(2, 2, 2, 64, "float16", 16)
 
@@ -23,24 +22,10 @@ def test_an_entry_naming_another_pages_slot_costs_itself_not_that_page_nor_the_s
     slot, page 6 too, undamaged; now the slot's header on disk names page 6: only page 7 is lost."""
     config = SsdTierConfig(tmp_path, capacity_bytes=64 << 20, dwpd=0)
     tier = SsdTier(config)
-    rng = random.Random(3)
-    payloads, slots = {}, {}
-    for i in range(8):
-        key, payload = i.to_bytes(16, "big"), rng.randbytes(LAYOUT.page_bytes)
-        slot = tier.reserve(len(payload))
-        assert slot is not None
-        header = PageHeader(b"n" * 16, key, LAYOUT, len(payload), checksum(payload), generation=1)
-        tier.write([(slot, header, memoryview(payload))])
-        tier.commit([(slot, header)])
-        payloads[key], slots[key] = payload, slot
+    payloads, slots = store_pages(tier, LAYOUT, 8, random.Random(3))
     tier.close()
     keys = list(payloads)
-    env = lmdb.open(str(tmp_path / INDEX_DIR), subdir=True, max_dbs=4)
-    with env.begin(write=True, db=env.open_db(b"index")) as txn:  # page 7's entry names page 6's slot
-        value = bytearray(txn.get(keys[7]))
-        struct.pack_into("<Q", value, 0, slots[keys[6]])
-        txn.put(keys[7], bytes(value))
-    env.close()
+    set_entry_offset(tmp_path, keys[7], slots[keys[6]])  # page 7's entry names page 6's slot
     tier = SsdTier(config)
     try:
         assert sorted(key for key, *_ in tier.recover()) == keys[:7]

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import itertools
 import random
-import struct
 from pathlib import Path
 
-import lmdb
+from support.ssd_pages import set_entry_offset, store_page
 
 from kvstore.config import SsdTierConfig
-from kvstore.page import LayoutDesc, PageHeader, checksum
+from kvstore.page import LayoutDesc
 from kvstore.tiers.slab import SlabAllocator
-from kvstore.tiers.ssd import INDEX_DIR, SsdTier
+from kvstore.tiers.ssd import SsdTier
 
 BIG = LayoutDesc(2, 1, 1, 64, "float16", 32)    # 8 KiB payload: 12 KiB slots (header 4 KiB)
 SMALL = LayoutDesc(1, 1, 1, 64, "float16", 32)  # 4 KiB payload: 8 KiB slots, in a slab of their own
@@ -56,12 +55,7 @@ def test_free_refuses_an_offset_alloc_never_hands_out() -> None:
 
 def _page(tier: SsdTier, key: bytes, layout: LayoutDesc, rng: random.Random) -> tuple[int, bytes]:
     payload = rng.randbytes(layout.page_bytes)
-    slot = tier.reserve(len(payload))
-    assert slot is not None
-    header = PageHeader(b"n" * 16, key, layout, len(payload), checksum(payload), generation=1)
-    tier.write([(slot, header, memoryview(payload))])
-    tier.commit([(slot, header)])
-    return slot, payload
+    return store_page(tier, key, layout, payload), payload
 
 
 def test_a_damaged_offset_never_lets_a_later_write_land_on_another_recovered_page(tmp_path: Path) -> None:
@@ -85,12 +79,7 @@ def test_a_damaged_offset_never_lets_a_later_write_land_on_another_recovered_pag
     tier.close()
 
     phantom = (slab // 12288) * 12288  # slot 1365 of slab 0: 16 MiB - 4 KiB .. 16 MiB + 8 KiB
-    env = lmdb.open(str(tmp_path / INDEX_DIR), subdir=True, max_dbs=4)
-    with env.begin(write=True, db=env.open_db(b"index")) as txn:
-        value = bytearray(txn.get(big_keys[0]))
-        struct.pack_into("<Q", value, 0, phantom)
-        txn.put(big_keys[0], bytes(value))
-    env.close()
+    set_entry_offset(tmp_path, big_keys[0], phantom)
 
     tier = SsdTier(config)
     try:
@@ -136,12 +125,7 @@ def test_a_damaged_entry_of_another_size_never_costs_a_page_whose_slot_it_does_n
     assert big_slot == slab, big_slot
     tier.close()
 
-    env = lmdb.open(str(tmp_path / INDEX_DIR), subdir=True, max_dbs=4)
-    with env.begin(write=True, db=env.open_db(b"index")) as txn:
-        value = bytearray(txn.get(small_keys[3]))
-        struct.pack_into("<Q", value, 0, slab + 16384)
-        txn.put(small_keys[3], bytes(value))
-    env.close()
+    set_entry_offset(tmp_path, small_keys[3], slab + 16384)
 
     tier = SsdTier(config)
     try:
