@@ -32,6 +32,13 @@ class QuotaLanding:
     def cut(self) -> None:
         self._cut.set()
 
+    # its allocate's call context (room.CallContext): its caller waits until the fetch is cut
+    def is_active(self) -> bool:
+        return not self._cut.is_set()
+
+    def time_remaining(self) -> float | None:
+        return None  # the fetch's deadline is the cluster loop's (cut() when it passes)
+
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
                  generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
         lacking = [i for i, key in enumerate(keys) if not self.core.residence.stored(key)]
@@ -63,7 +70,7 @@ class QuotaLanding:
     def _room(self, lacking: int, page_bytes: int) -> tuple[int, Reservation]:
         while lacking > 0 and not self._cut.is_set():
             try:
-                return lacking, room(self.quotas, self.core, self.who, lacking, page_bytes, stop=self._cut)
+                return lacking, room(self.quotas, self.core, self.who, lacking, page_bytes, self)
             except LimitExceeded:
                 lacking //= 2
         return 0, NOTHING

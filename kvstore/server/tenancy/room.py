@@ -5,7 +5,6 @@ asking again is pointless, and what a refusal looks like to the caller."""
 
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 from kvstore.errors import HostQuotaFull
@@ -29,20 +28,20 @@ class CallContext(Protocol):
 
 
 def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_bytes: int,
-         context: CallContext | None = None, stop: threading.Event | None = None) -> Reservation:
+         context: CallContext | None = None) -> Reservation:
     """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its host
     quota, its own coldest pages make room (written down), never another tenant's. Asked again
     after each pass, up to ROOM_TRIES times: the tenant's other calls may take the room made
     meanwhile, which is no reason to refuse. A pass that could not evict down to what it
     needed (what is left of its own is pinned or reserved) or a caller gone (its deadline
-    passed; ``stop`` set: a fetch cut) ends the passes: it is asked once more, then refused with a QuotaExceeded that says what the passes
+    passed; a fetch cut: fetch_room.QuotaLanding is its own context) ends the passes: it is asked once more, then refused with a QuotaExceeded that says what the passes
     freed (HostQuotaFull is the servicer's own signal to make room, never sent)."""
     before: int | None = None  # the tenant's host bytes when the first pass began
     for _ in range(ROOM_TRIES):
         try:
             return quotas.pages(who, num_pages, page_bytes)
         except HostQuotaFull as full:
-            if (context is not None and _gone(context)) or (stop is not None and stop.is_set()):
+            if context is not None and _gone(context):
                 break
             if before is None:
                 before = _host_bytes(quotas, who)
