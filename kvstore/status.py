@@ -68,20 +68,30 @@ def _fields(text: str, kinds: dict[str, type]) -> dict[str, Any] | None:
     return fields if ok else None
 
 
+def named_error(name: str, message: str) -> errors.KVStoreError | None:
+    """The exception an ``error_label`` names (its class, built from its fields where it has them;
+    a class that cannot be built so, its nearest base that can); None for a name that is no error class."""
+    label, _, rest = name.partition(" ")
+    named = getattr(errors, label, None) if label else None
+    if not (isinstance(named, type) and issubclass(named, errors.KVStoreError)):
+        return None
+    for cls in named.__mro__:  # a class that carries more than its fields (HostQuotaFull): its nearest base
+        if issubclass(cls, errors.KVStoreError):
+            kinds = cls.__dict__.get("FIELDS")  # the class's own: a subclass adds what its base cannot build
+            fields = _fields(rest, kinds) if rest and kinds else None
+            try:
+                return cls(**fields) if fields is not None else cls(message)
+            except TypeError:
+                continue
+    return None
+
+
 def error_for(code: grpc.StatusCode, message: str, name: str | None = None) -> errors.KVStoreError:
     """The client-side exception for a status the server sent (``name``: the ``error_label``
-    the server sent, when it did: its class, built from its fields where it has them)."""
-    label, _, rest = (name or "").partition(" ")
-    named = getattr(errors, label, None) if label else None
-    if isinstance(named, type) and issubclass(named, errors.KVStoreError):
-        for cls in named.__mro__:  # a class that carries more than its fields (HostQuotaFull): its nearest base
-            if issubclass(cls, errors.KVStoreError):
-                kinds = cls.__dict__.get("FIELDS")  # the class's own: a subclass adds what its base cannot build
-                fields = _fields(rest, kinds) if rest and kinds else None
-                try:
-                    return cls(**fields) if fields is not None else cls(message)
-                except TypeError:
-                    continue
+    the server sent, when it did), else the first class of the status's row."""
+    named = named_error(name, message) if name else None
+    if named is not None:
+        return named
     for cls, known in ERROR_CODES:
         if known == code:
             return cls(message)

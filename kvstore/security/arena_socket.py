@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore import errors
 from kvstore.accept_pause import AcceptPause
 from kvstore.device_ops import PoolHandout
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.socket_owner import check_served_by_us
+from kvstore.status import named_error
 
 logger = logging.getLogger(__name__)
 
@@ -295,17 +295,6 @@ def _connect(sock: socket.socket, path: Path, deadline: float) -> None:
 
 
 
-def _named(name: str, message: str) -> KVStoreError:
-    """The error class the server named, built from ``message``; a class that needs more than a
-    message (QuotaExceeded's fields) becomes its nearest base that does not; an unknown name KVStoreError."""
-    kind = getattr(errors, name, None)
-    for cls in kind.__mro__ if isinstance(kind, type) and issubclass(kind, KVStoreError) else (KVStoreError,):
-        if issubclass(cls, KVStoreError):
-            try:
-                return cls(message)
-            except TypeError:
-                continue
-    return KVStoreError(message)
 
 def receive_arena(path: Path, token: str | None, timeout_s: float = 5.0) -> tuple[int, int, str]:
     """The client side: (fd, size_bytes, tenant) of this token's arena. The caller owns the
@@ -362,7 +351,8 @@ def _exchange(path: Path, request: dict[str, Any], timeout_s: float) -> tuple[di
             body += _recv_exact(sock, length - len(body)) if len(body) < length else b""
             answer = json.loads(body)
             if not answer.get("ok"):
-                raise _named(str(answer.get("error_class")), f"arena socket {path}: {answer.get('error', 'refused')}")
+                message = f"arena socket {path}: {answer.get('error', 'refused')}"
+                raise named_error(str(answer.get("error_class")), message) or KVStoreError(message)
             if len(fds) > 1:
                 raise KVStoreError(f"arena socket {path}: more than one file descriptor")
             return answer, fds.pop() if fds else None
