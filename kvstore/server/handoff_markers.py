@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import LeaseExpired, LimitExceeded
 from kvstore.server.placement import Placement
+from kvstore.server.tenancy.owners import owner_for
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class HandoffMarkers:
             live = self._markers.get(marker.key) is marker
             new = [k for k in keys[: self.held(marker.namespace_id, keys)] if k not in marker.pinned]
         if live and new:
-            lease, found, _ = self.core.lease(marker.namespace_id, new, self._lease_ms(marker.ttl_ms), marker.tenant)
+            lease, found, _ = self.core.lease(marker.namespace_id, new, self._lease_ms(marker.ttl_ms), owner_for(marker.tenant))
             with self._changed:
                 if self._markers.get(marker.key) is marker:
                     marker.leases.append(lease)

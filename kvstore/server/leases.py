@@ -55,7 +55,7 @@ class Allocation:
     keys: list[bytes]             # the prefix allocate answered: stored already or reserved
     held: list[bytes]             # the keys stored already, pinned until commit/abort/expiry
     expires: float = field(default=0.0)
-    tenant: str = ""              # who made it: only that tenant may commit or abort it
+    owner: str = ""               # who made it (opaque): only that owner may commit or abort it
     parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
     parent_held: bool = False     # ``parent`` is pinned until commit/abort/expiry (hold_parent)
     generation: int = 0           # the namespace's generation at allocation: a commit in another is refused
@@ -71,7 +71,7 @@ class Allocation:
 class LeaseEntry:
     keys: list[bytes]
     expires: float
-    tenant: str = ""  # who took it: only that tenant may renew or release it
+    owner: str = ""  # who took it (opaque): only that owner may renew or release it
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,10 @@ class LeaseCounts:
 
 
 class LeaseTable:
+    """Each handle keeps one owner: an opaque key its caller's side resolved (the server's:
+    kvstore/server/tenancy/owners.py), compared only with other owners; ``held`` and
+    ``slot_bytes`` count what each owner holds."""
+
     def __init__(self, default_lease_ms: int, max_lease_ms: int, allocation_ttl_ms: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.default_lease_ms = default_lease_ms
@@ -97,8 +101,8 @@ class LeaseTable:
         self._leases: dict[bytes, LeaseEntry] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
-        self._held: Counter[tuple[str, bool]] = Counter()  # (tenant, is_lease) -> how many it holds (quotas)
-        self._slot_bytes: Counter[str] = Counter()  # tenant -> landing bytes its allocations' slots hold (host quota)
+        self._held: Counter[tuple[str, bool]] = Counter()  # (owner, is_lease) -> how many it holds
+        self._slot_bytes: Counter[str] = Counter()  # owner -> landing bytes its allocations' slots hold
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -138,41 +142,41 @@ class LeaseTable:
             raise InvalidRequest(f"lease ttl {ttl_ms} ms exceeds the maximum of {self.max_lease_ms} ms")
         return ttl_ms
 
-    def lease(self, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, float]:
-        """Pins ``keys`` under a new lease of ``tenant``; returns its handle and its expiry (unix seconds)."""
+    def lease(self, keys: list[bytes], ttl_ms: int, owner: str = "") -> tuple[bytes, float]:
+        """Pins ``keys`` under a new lease of ``owner``; returns its handle and its expiry (unix seconds)."""
         ttl_ms = self.lease_ttl_ms(ttl_ms)
         ident = secrets.token_bytes(HANDLE_BYTES)
         deadline = self.clock() + ttl_ms / 1000
-        self._leases[ident] = LeaseEntry(keys, deadline, tenant)
-        self._held[(tenant, True)] += 1
+        self._leases[ident] = LeaseEntry(keys, deadline, owner)
+        self._held[(owner, True)] += 1
         heapq.heappush(self._expiry, (deadline, ident, True))
         self.pin(keys)
         return ident, time.time() + ttl_ms / 1000
 
-    def _lease_of(self, ident: bytes, tenant: str | None) -> LeaseEntry | None:
+    def _lease_of(self, ident: bytes, owner: str | None) -> LeaseEntry | None:
         lease = self._leases.get(ident)
-        return lease if lease is not None and (tenant is None or lease.tenant == tenant) else None
+        return lease if lease is not None and (owner is None or lease.owner == owner) else None
 
-    def keys_of(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
-        """The keys a lease (of ``tenant``, when given) pins; None when there is no such lease."""
-        lease = self._lease_of(ident, tenant)
+    def keys_of(self, ident: bytes, owner: str | None = None) -> list[bytes] | None:
+        """The keys a lease (of ``owner``, when given) pins; None when there is no such lease."""
+        lease = self._lease_of(ident, owner)
         return None if lease is None else list(lease.keys)
 
-    def release(self, ident: bytes, tenant: str | None = None) -> list[bytes] | None:
+    def release(self, ident: bytes, owner: str | None = None) -> list[bytes] | None:
         """Ends a lease; returns its keys no longer pinned, or None when there is no such lease
-        (of ``tenant``, when given)."""
-        if self._lease_of(ident, tenant) is None:
+        (of ``owner``, when given)."""
+        if self._lease_of(ident, owner) is None:
             return None
         lease = self._leases.pop(ident)
-        self._held[(lease.tenant, True)] -= 1
+        self._held[(lease.owner, True)] -= 1
         return self.unpin(lease.keys)
 
-    def renew(self, ident: bytes, ttl_ms: int, tenant: str | None = None) -> None:
+    def renew(self, ident: bytes, ttl_ms: int, owner: str | None = None) -> None:
         """Moves a lease's or an allocation's expiry to ``ttl_ms`` from now (never back).
         Raises LeaseExpired when it was released, committed or has expired (its pages may have
-        been evicted, its slots given to another writer, meanwhile), or is not ``tenant``'s."""
+        been evicted, its slots given to another writer, meanwhile), or is not ``owner``'s."""
         alloc = self._allocations.get(ident)
-        if alloc is not None and (tenant is None or alloc.tenant == tenant):  # a layer-wise save's slots
+        if alloc is not None and (owner is None or alloc.owner == owner):  # a layer-wise save's slots
             ttl_ms = ttl_ms or self.allocation_ttl_ms
             if ttl_ms > max(self.max_lease_ms, self.allocation_ttl_ms):
                 raise InvalidRequest(f"allocation ttl {ttl_ms} ms exceeds the maximum of "
@@ -180,7 +184,7 @@ class LeaseTable:
             alloc.expires = max(alloc.expires, self.clock() + ttl_ms / 1000)
             return
         ttl_ms = self.lease_ttl_ms(ttl_ms)
-        lease = self._lease_of(ident, tenant)
+        lease = self._lease_of(ident, owner)
         if lease is None:
             raise LeaseExpired(f"lease {ident.hex()} was released or has expired; its pages may be gone")
         lease.expires = max(lease.expires, self.clock() + ttl_ms / 1000)
@@ -192,8 +196,8 @@ class LeaseTable:
         ident = secrets.token_bytes(HANDLE_BYTES)
         alloc.expires = self.clock() + self.allocation_ttl_ms / 1000
         self._allocations[ident] = alloc
-        self._held[(alloc.tenant, False)] += 1
-        self._slot_bytes[alloc.tenant] += len(alloc.slots) * alloc.layout.page_bytes
+        self._held[(alloc.owner, False)] += 1
+        self._slot_bytes[alloc.owner] += len(alloc.slots) * alloc.layout.page_bytes
         heapq.heappush(self._expiry, (alloc.expires, ident, False))
         return ident
 
@@ -225,14 +229,14 @@ class LeaseTable:
     def allocation(self, ident: bytes) -> Allocation | None:
         return self._allocations.get(ident)
 
-    def take_allocation(self, ident: bytes, tenant: str | None = None) -> Allocation | None:
-        """Removes and returns an allocation (None: unknown, expired, or not ``tenant``'s when
+    def take_allocation(self, ident: bytes, owner: str | None = None) -> Allocation | None:
+        """Removes and returns an allocation (None: unknown, expired, or not ``owner``'s when
         given); the caller frees its slots and unpins its ``held`` keys."""
         alloc = self._allocations.get(ident)
-        if alloc is None or (tenant is not None and alloc.tenant != tenant):
+        if alloc is None or (owner is not None and alloc.owner != owner):
             return None
-        self._held[(alloc.tenant, False)] -= 1
-        self._slot_bytes[alloc.tenant] -= len(alloc.slots) * alloc.layout.page_bytes
+        self._held[(alloc.owner, False)] -= 1
+        self._slot_bytes[alloc.owner] -= len(alloc.slots) * alloc.layout.page_bytes
         return self._allocations.pop(ident)
 
     # -- expiry --------------------------------------------------------------------------
@@ -251,7 +255,7 @@ class LeaseTable:
                     heapq.heappush(self._expiry, (lease.expires, ident, True))
                 elif lease is not None:
                     del self._leases[ident]
-                    self._held[(lease.tenant, True)] -= 1
+                    self._held[(lease.owner, True)] -= 1
                     logger.warning("lease %s expired with %d pages pinned", ident.hex()[:8], len(lease.keys))
                     free += self.unpin(lease.keys)
             else:
@@ -260,19 +264,19 @@ class LeaseTable:
                     heapq.heappush(self._expiry, (alloc.expires, ident, False))
                 elif alloc is not None:
                     del self._allocations[ident]
-                    self._held[(alloc.tenant, False)] -= 1
-                    self._slot_bytes[alloc.tenant] -= len(alloc.slots) * alloc.layout.page_bytes
+                    self._held[(alloc.owner, False)] -= 1
+                    self._slot_bytes[alloc.owner] -= len(alloc.slots) * alloc.layout.page_bytes
                     logger.warning("allocation %s expired uncommitted; freeing %d slots", ident.hex()[:8], len(alloc.slots))
                     allocations.append(alloc)
         return free, allocations
 
-    def held(self, tenant: str) -> tuple[int, int]:
-        """(leases, allocations) ``tenant`` holds now (a dict read: callers need no lock)."""
-        return self._held.get((tenant, True), 0), self._held.get((tenant, False), 0)
+    def held(self, owner: str) -> tuple[int, int]:
+        """(leases, allocations) ``owner`` holds now (a dict read: callers need no lock)."""
+        return self._held.get((owner, True), 0), self._held.get((owner, False), 0)
 
-    def slot_bytes(self, tenant: str) -> int:
-        """Landing bytes the slots of ``tenant``'s allocations hold (a dict read, as ``held``)."""
-        return self._slot_bytes.get(tenant, 0)
+    def slot_bytes(self, owner: str) -> int:
+        """Landing bytes the slots of ``owner``'s allocations hold (a dict read, as ``held``)."""
+        return self._slot_bytes.get(owner, 0)
 
     def counts(self) -> LeaseCounts:
         moving = self.pins.moving

@@ -56,6 +56,7 @@ from kvstore.server.session_expiry import SessionExpiry
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.gate import Gate
+from kvstore.server.tenancy.owners import owner_for, tenant_for
 from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
 
@@ -183,11 +184,11 @@ class Server:
         # In cluster mode a node serves reads only as a member caught up with etcd's generations (DESIGN §12.5): the
         # core and the session owners read this state, the cluster runtime (made after the core) drives it.
         serving = ServingState() if config.cluster is not None else None
-        # With tenants, each has its own arena (tiers/arenas.py), sized by its host_bytes quota,
+        # With tenants, each has its own arena (tiers/arenas.py), keyed by its owner (tenancy/owners.py), sized by its host_bytes quota,
         # holding the pages of the namespaces it owns; it is handed over by the arena socket.
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
-        self.core = core = Placement(config, metrics, wrap=wrap, owner_of=lambda ns: owners.owner(ns) or "",
-                                     arena_bytes=lambda tenant: quotas.limits(tenant).host_bytes, serving=serving,
+        self.core = core = Placement(config, metrics, wrap=wrap, owner_of=owners.core_owner,
+                                     arena_bytes=lambda owner: quotas.limits(tenant_for(owner)).host_bytes, serving=serving,
                                      directory=directory, leases=leases, shares=partial(SsdShares, quotas))
         undo[undo.index(directory.close)] = core.close  # the core closes the directory with its tiers (its arena: RAM in /dev/shm)
         undo.append(lambda: [shutil.rmtree(d, ignore_errors=True) for d in self._socket_dirs])
@@ -258,8 +259,8 @@ class Server:
         # Same-host unary calls without gRPC (DESIGN §11 "Same-host paths"), answered by the same guarded handlers.
         self.call_socket = CallSocket(
             call_path, authenticator, guarded, call_token,
-            undo={"Acquire": lambda answer, who: core.release(answer.lease_id, who.tenant),
-                  "Allocate": lambda answer, who: core.abort(answer.allocation_id, who.tenant)},
+            undo={"Acquire": lambda answer, who: gate.release(who, answer.lease_id),
+                  "Allocate": lambda answer, who: gate.abort(who, answer.allocation_id)},
             rejected=lambda method, code: metrics.rpc_errors.labels(method, code).inc(),
             tenant_limit=quotas.call_connection_limit, quota_refused=lambda tenant: quotas.refused(tenant, "call_connections"),
             connections=connections)
@@ -280,12 +281,12 @@ class Server:
         (None without tenant arenas: the one arena is announced by path)."""
         if identity.via == "local" or not self._tenant_arenas:
             return None
-        arena = self.core.arena_of(identity.tenant)
+        arena = self.core.arena_of(owner_for(identity.tenant))
         return arena.fd, arena.size_bytes
 
     def _pool_for(self, identity: Identity) -> PoolHandout | None:
         """The arena socket's answer to an engine: its tenant's hbm pool (tiers/pools.py)."""
-        return self.core.pool_of(identity.tenant)
+        return self.core.pool_of(owner_for(identity.tenant))
 
     def start(self) -> None:
         """Starts serving; on any failure stops what was made and started (arena, sockets, threads,

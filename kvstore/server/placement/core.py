@@ -39,8 +39,10 @@ from kvstore.tiers.base import ArenaInfo, LandingPart
 
 
 class Placement(CoreReports):
-    """``directory`` and ``leases``: made here unless the server made them first (its tenancy reads
-    them); ``shares``: makes the tenants' ssd shares from the ssd tier's write budget (None: none)."""
+    """An ``owner`` (``owner_of`` a namespace's; a handle's maker) is an opaque key the caller's side resolved
+    (the server's gate: kvstore/server/tenancy/owners.py): it names an arena, a pool or a handle's maker and is
+    compared only with other owners. ``directory`` and ``leases``: made here unless the server made them first (its
+    tenancy reads them); ``shares``: makes the tenants' ssd shares from the ssd tier's write budget (None: none)."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
@@ -50,7 +52,7 @@ class Placement(CoreReports):
         self.config = config
         # whether this node may serve reads now (cluster mode: a member caught up with etcd's generations)
         self.serving = serving or (lambda: True)
-        self.owner_of = owner_of or (lambda namespace_id: "")  # namespace -> the tenant whose arena holds its pages
+        self.owner_of = owner_of or (lambda namespace_id: "")  # namespace -> the owner of the arena that holds its pages
         self.clock = clock
         self.node = config.node
         self.metrics = metrics or Metrics()
@@ -75,9 +77,9 @@ class Placement(CoreReports):
             self.watermarks = Watermarks(config.host.demote_above, config.host.demote_to)
             self.reporter.refresh_gauges()
 
-    def arena_of(self, tenant: str = "") -> ArenaInfo:
-        """The arena ``tenant``'s pages live in (made now at its first use: TierFull when the host cannot hold it)."""
-        return self.landing.part(tenant).arena
+    def arena_of(self, owner: str = "") -> ArenaInfo:
+        """The arena ``owner``'s pages live in (made now at its first use: TierFull when the host cannot hold it)."""
+        return self.landing.part(owner).arena
 
     def _check_layout(self, namespace_id: bytes, layout: LayoutDesc, arena: LandingPart) -> None:
         """Raises unless ``layout`` may be used in the namespace; binds nothing (allocate
@@ -99,10 +101,10 @@ class Placement(CoreReports):
     # -- writes through the landing tier -------------------------------------------------
 
     def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 tenant: str = "", parent: bytes | None = None,
+                 owner: str = "", parent: bytes | None = None,
                  counting: AbstractContextManager[None] | None = None,
                  generation: int | None = None) -> tuple[bytes, list[tuple[bytes, int | None]]]:
-        """Reserves landing slots for the keys not stored yet, under an allocation of ``tenant``; stops at the first that
+        """Reserves landing slots for the keys not stored yet, under an allocation of ``owner``; stops at the first that
         finds no room (``counting``: around the lease table counting it, Quotas.handing_over). Returns (allocation id, [(key, slot or None when stored already)]) for a prefix of ``keys``; the
         pages it calls stored (and ``parent``, the key before keys[0], with no tier below) are pinned until commit, abort
         or expiry. Raises TierFull when not even the first page fits. The allocation belongs to the namespace's
@@ -114,7 +116,7 @@ class Placement(CoreReports):
             self._check_layout(namespace_id, layout, arena)
             current = self.generations.require(namespace_id, generation)
             out: list[tuple[bytes, int | None]] = []
-            alloc = Allocation(namespace_id, layout, {}, [], [], tenant=tenant, parent=parent, generation=current)
+            alloc = Allocation(namespace_id, layout, {}, [], [], owner=owner, parent=parent, generation=current)
             slots, held = alloc.slots, alloc.held
             self.leases.hold_parent(alloc, keep=not self.lower)  # below, an eviction writes it down: findable
             try:
@@ -156,7 +158,7 @@ class Placement(CoreReports):
             return self.landing.at(slot).view(slot, alloc.layout.page_bytes)
 
     def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool = False, flags: int = 0,
-               tenant: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
+               owner: str | None = None, counting: AbstractContextManager[None] | None = None) -> int:
         """Publishes the written slots of an allocation; frees the others.  Returns how many leading pages of the allocation's
         prefix (as ``allocate`` answered it, pages stored before included) are now stored. With ``durable`` every one of
         them, written now or stored earlier in RAM, is in the first lower tier (synced) when this returns and only those
@@ -168,7 +170,7 @@ class Placement(CoreReports):
         flags &= ENGINE_FLAGS
         with self.keeper.critical():
             self.keeper.reap()
-            alloc = self.leases.take_allocation(allocation_id, tenant)
+            alloc = self.leases.take_allocation(allocation_id, owner)
             if alloc is None:
                 raise LeaseExpired(f"allocation {allocation_id.hex()} is unknown or expired; allocate again")
             try:  # a node that may not serve stores nothing; a generation left since allocation: the bytes are dead
@@ -213,16 +215,16 @@ class Placement(CoreReports):
         with self._lock:
             return len(leading(run, (lambda k: self.residence.has(k, 1)) if durable else self.residence.stored))
 
-    def abort(self, allocation_id: bytes, tenant: str | None = None) -> None:
-        """Gives back an allocation (of ``tenant``, when given); an unknown one is a no-op."""
+    def abort(self, allocation_id: bytes, owner: str | None = None) -> None:
+        """Gives back an allocation (of ``owner``, when given); an unknown one is a no-op."""
         with self.keeper.critical():
-            alloc = self.leases.take_allocation(allocation_id, tenant)
+            alloc = self.leases.take_allocation(allocation_id, owner)
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
     def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
         """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` until they hold at most
-        ``keep_bytes``: a tenant at its host quota makes room with its own pages, never another's. False when what
+        ``keep_bytes``: a caller at its host quota makes room with its own pages, never another's. False when what
         is left of them is pinned (another pass would walk the same pins). Each step removes or finds a pin: it ends."""
         directory, landing = self.directory, self.landing.name
         skip = NotAmong(self.leases.pins, directory, namespace_ids)
@@ -237,39 +239,39 @@ class Placement(CoreReports):
     # -- reads ---------------------------------------------------------------------------
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
-                tenant: str = "", device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
-        """Leases (for ``tenant``) the longest contiguous prefix of ``keys`` and makes it readable in the landing tier,
+                owner: str = "", device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
+        """Leases (for ``owner``) the longest contiguous prefix of ``keys`` and makes it readable in the landing tier,
         reading pages held only below into it (reads.py); with ``device`` (an engine reads them on its device) also up into
         its owner's hbm pool (upper.py, ``placed``). Nothing while this node may not serve (``serving``): as for an empty
         namespace."""
-        leased = self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, tenant)
+        leased = self.reads.acquire(namespace_id, keys if self.serving() else [], ttl_ms, learn, owner)
         return self.promoter.promoted(*leased, device)
 
-    def pool_of(self, tenant: str = "") -> PoolHandout | None:
-        """The hbm pool ``tenant``'s engines map (made at first use: TierFull if it does not fit); None without hbm."""
+    def pool_of(self, owner: str = "") -> PoolHandout | None:
+        """The hbm pool ``owner``'s engines map (made at first use: TierFull if it does not fit); None without hbm."""
         if self.promoter.index is None:
             return None
-        return self.promoter.tier.part(tenant).handout
+        return self.promoter.tier.part(owner).handout
 
     def read_view(self, page: AcquiredPage) -> memoryview:
         """The bytes of a page the caller acquired (valid until it releases)."""
         return self.landing.at(page.slot).view(page.slot, page.header.payload_bytes)
 
-    def release(self, lease_id: bytes, tenant: str | None = None) -> bool:
-        """Ends a lease (of ``tenant``, when given); False when there is no such lease."""
+    def release(self, lease_id: bytes, owner: str | None = None) -> bool:
+        """Ends a lease (of ``owner``, when given); False when there is no such lease."""
         with self.keeper.critical():
-            free = self.leases.release(lease_id, tenant)
+            free = self.leases.release(lease_id, owner)
             if free is None:
                 return False
             self.residence.released(free)
             return True
 
-    def renew(self, lease_id: bytes, ttl_ms: int, tenant: str | None = None) -> None:
+    def renew(self, lease_id: bytes, ttl_ms: int, owner: str | None = None) -> None:
         """Extends a lease to ``ttl_ms`` from now (never shortens it); LeaseExpired when it
-        was released or has expired (or is not ``tenant``'s, when given)."""
+        was released or has expired (or is not ``owner``'s, when given)."""
         with self.keeper.critical():
             self.keeper.reap()
-            self.leases.renew(lease_id, ttl_ms, tenant)
+            self.leases.renew(lease_id, ttl_ms, owner)
 
     # -- directory operations ------------------------------------------------------------
 
@@ -281,12 +283,12 @@ class Placement(CoreReports):
         """``hint`` for each (keys, eta_s) entry, all announced or none (reads.py)."""
         return self.reads.hint_entries(namespace_id, entries)
 
-    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, tenant: str = "") -> tuple[bytes, int, float]:
-        """Pins (for ``tenant``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
+    def lease(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, owner: str = "") -> tuple[bytes, int, float]:
+        """Pins (for ``owner``) the contiguous present prefix of ``keys`` in whatever tier holds it."""
         with self.keeper.critical():
             self.keeper.reap()
             found = self.directory.prefix_length(namespace_id, keys) if self.serving() else 0
-            ident, expires = self.leases.lease(keys[:found], ttl_ms, tenant)
+            ident, expires = self.leases.lease(keys[:found], ttl_ms, owner)
             return ident, found, expires
 
     def publish_remote(self, namespace_id: bytes, records: list[tuple[bytes, str, str, int]],

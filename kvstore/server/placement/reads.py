@@ -46,12 +46,12 @@ class Reader:
         self.node = node
         self.metrics = metrics
         self.layout_of = layout_of
-        self.owner_of = owner_of  # namespace id -> the tenant whose arena its pages are read up into
+        self.owner_of = owner_of  # namespace id -> the owner of the arena its pages are read up into
         self._scrub_queue: list[tuple[int, bytes]] = []
         self._scratch = threading.local()
 
     def acquire(self, namespace_id: bytes, keys: list[bytes], ttl_ms: int, learn: bool = True,
-                tenant: str = "") -> tuple[bytes, list[AcquiredPage]]:
+                owner: str = "") -> tuple[bytes, list[AcquiredPage]]:
         """Leases the longest contiguous prefix of ``keys`` and makes it readable in the
         landing tier, reading pages held only below into it. A page that fails its check ends
         the prefix (and is quarantined). When the landing tier cannot take more pages the
@@ -110,10 +110,10 @@ class Reader:
                 self.residence.orders[LANDING].touch(key)
         result = self.moves.read_up(read_up)
         with self.keeper.critical():
-            return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms, tenant)
+            return self._lease(pages, read_up, at, result.num_read, result.reason, ttl_ms, owner)
 
     def _lease(self, pages: list[AcquiredPage], read_up: list[tuple[int, bytes, int]], at: list[int], num_read: int,
-               reason: str, ttl_ms: int, tenant: str) -> tuple[bytes, list[AcquiredPage]]:
+               reason: str, ttl_ms: int, owner: str) -> tuple[bytes, list[AcquiredPage]]:
         """Lock held: commits what was read up, cuts the prefix at the first failure, leases it."""
         source = {page: j for j, page in enumerate(at)}  # index in pages -> index in read_up
         cut, bad_tier = len(pages), 0
@@ -154,7 +154,7 @@ class Reader:
         for page in pages:
             self.metrics.bytes_out.labels(self.landing.name).inc(page.header.payload_bytes)
         keys = [p.key for p in pages]
-        ident, _ = self.leases.lease(keys, ttl_ms, tenant)
+        ident, _ = self.leases.lease(keys, ttl_ms, owner)
         self.keeper.unpin(keys)  # the lease holds them now
         return ident, pages
 

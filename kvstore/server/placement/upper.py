@@ -41,7 +41,7 @@ class Pool(Tier, Protocol):
 class Promoter:
     def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
                  owner_of: Callable[[bytes], str]) -> None:
-        self.owner_of = owner_of  # namespace id -> the tenant whose arena a page demoted from hbm goes to
+        self.owner_of = owner_of  # namespace id -> the owner of the arena a page demoted from hbm goes to
         self.keeper = keeper
         self.lock = keeper.lock
         self.residence = keeper.residence

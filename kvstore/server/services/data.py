@@ -17,7 +17,7 @@ from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, WireChunk, check_chunk_by
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
-from kvstore.server.placement.reported import MAX_REPORTED, ReportBudget, check_reported
+from kvstore.server.placement.reported import MAX_REPORTED
 from kvstore.server.services.page_writes import PageWrites
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.rpc_errors import stream, unary
@@ -40,7 +40,6 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         self.config = config
         self.metrics = core.metrics
         self._read_ahead = ThreadPoolExecutor(max_workers=2, thread_name_prefix="read-ahead")  # ReadPages' next page
-        self._reports = ReportBudget()  # pages readers report failing, checked per tenant
         self.page_writes = PageWrites(core, gate)  # WritePages' streams
 
     def close(self) -> None:  # once no call runs (the gRPC server stopped): the read-ahead workers end
@@ -95,7 +94,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Abort(self, request: data_pb2.AbortRequest, context: grpc.ServicerContext) -> data_pb2.AbortResponse:
-        self.core.abort(request.allocation_id, current_identity().tenant)
+        self.gate.abort(current_identity(), request.allocation_id)
         return data_pb2.AbortResponse()
 
     @unary
@@ -110,15 +109,13 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:
-        if request.failed:  # a reader's copy failed (placement/reported.py): checked if the lease holds it, within budget
-            tenant = current_identity().tenant
-            check_reported(self.core, request.lease_id, tenant, list(request.failed[:MAX_REPORTED]), lambda: self._reports.take(tenant))
-        self.core.release(request.lease_id, current_identity().tenant)
+        # a reader's copy failed (placement/reported.py): checked if the lease holds it, within budget
+        self.gate.release(current_identity(), request.lease_id, request.failed[:MAX_REPORTED])
         return data_pb2.ReleaseResponse()
 
     @unary
     def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
-        self.core.renew(request.lease_id, request.ttl_ms, current_identity().tenant)
+        self.gate.renew(current_identity(), request.lease_id, request.ttl_ms)
         return data_pb2.RenewResponse()
 
     @unary

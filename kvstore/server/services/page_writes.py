@@ -140,7 +140,7 @@ class _Stream:
         now = time.monotonic()
         if now - group.renewed_s > self.w.core.config.allocation_ttl_ms / 2000:  # a slow stream keeps its group
             try:
-                self.w.core.renew(group.allocation_id, 0, self.who.tenant)
+                self.w.gate.renew(self.who, group.allocation_id, 0)
             except LeaseExpired:
                 raise self._stalled(group) from None
             group.renewed_s = now

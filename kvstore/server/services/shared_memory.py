@@ -20,6 +20,7 @@ from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.owners import owner_for
 
 
 class SharedMemory:
@@ -48,7 +49,7 @@ class SharedMemory:
         """The caller's arena (None: none); Allocate and Acquire name its token (client/restart.py)."""
         if who.via == "local" or self.config.security.share_arena:
             return self.core.arena_of()
-        return self.core.arena_of(who.tenant) if self.arena_socket is not None else None
+        return self.core.arena_of(owner_for(who.tenant)) if self.arena_socket is not None else None
 
     def check_arena(self, who: Identity, namespace_id: bytes) -> None:
         """With an arena per tenant, Acquire answers slots in the arena of the namespace's
@@ -69,7 +70,7 @@ class SharedMemory:
         its pool (only that of the caller's own tenant: the one its token was handed)."""
         arena = self.arena(who)
         token, offsets = self.core.promoter.placed(pages) if device else (b"", [None] * len(pages))
-        pool = self.core.pool_of(who.tenant) if token else None
+        pool = self.core.pool_of(owner_for(who.tenant)) if token else None
         if pool is None or pool.token != token:
             token, offsets = b"", [None] * len(pages)
         return data_pb2.AcquireResponse(

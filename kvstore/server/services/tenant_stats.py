@@ -13,6 +13,7 @@ from kvstore._proto import directory_pb2
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
 from kvstore.server.tenancy import Tenancy
+from kvstore.server.tenancy.owners import owner_for
 
 
 def tenant_stats(core: Placement, tenancy: Tenancy, who: Identity) -> directory_pb2.StatsResponse:
@@ -35,7 +36,7 @@ def tenant_stats(core: Placement, tenancy: Tenancy, who: Identity) -> directory_
              for name, usage in core.reporter.usages().items()]
     quarantined = sum(1 for q in core.quarantined() if tenancy.sees(who, q.namespace_id))
     return directory_pb2.StatsResponse(node=core.node, num_entries=num_entries, last_seq=directory.events.last_seq,
-                                       tiers=tiers, num_leases=core.leases.held(who.tenant)[0], num_quarantined=quarantined,
+                                       tiers=tiers, num_leases=core.leases.held(owner_for(who.tenant))[0], num_quarantined=quarantined,
                                        tenants=[tenant_usage(tenancy, who.tenant)])
 
 

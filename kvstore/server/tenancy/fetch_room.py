@@ -12,6 +12,7 @@ from kvstore.errors import LimitExceeded
 from kvstore.page import LayoutDesc
 from kvstore.security.identity import Identity
 from kvstore.server.placement import Placement
+from kvstore.server.tenancy.owners import owner_for
 from kvstore.server.tenancy.quotas import NOTHING, Quotas, Reservation
 from kvstore.server.tenancy.room import room
 
@@ -55,8 +56,8 @@ class QuotaLanding:
         end = lacking[fits] if fits < len(lacking) else len(keys)
         self.page_bytes = layout.page_bytes
         try:
-            return self.core.allocate(namespace_id, layout, keys[:end], self.who.tenant, None, self.quotas.handing_over(held),
-                                      generation)
+            return self.core.allocate(namespace_id, layout, keys[:end], owner_for(self.who.tenant), None,
+                                      self.quotas.handing_over(held), generation)
         finally:
             held.release()  # handed over to the allocation's slots (or it failed)
 

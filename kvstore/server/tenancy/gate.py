@@ -6,7 +6,7 @@ More: kvstore/server/tenancy/README.md (### gate.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.leases import Allocation
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
+from kvstore.server.placement.reported import ReportBudget, check_reported
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
@@ -26,6 +27,7 @@ from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.gate_handoffs import HandoffGate
 from kvstore.server.tenancy.gate_migration import MigrationGate
 from kvstore.server.tenancy.node_calls import MAX_NODE_ID, acting_for, on_behalf, require_node
+from kvstore.server.tenancy.owners import owner_for
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tenancy.room import CallContext, room
 from kvstore.server.tenancy.session_saves import committing
@@ -57,6 +59,7 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         self.tenant_arenas = tenant_arenas
         self.wal = wal  # the token log: a migrated session's log
         self.moves = moves  # cluster mode: etcd's records of session moves (live migration)
+        self.reports = ReportBudget()  # pages readers report failing, checked per owner (placement/reported.py)
 
     def allocate(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
                  generation: int | None, session_id: str, context: CallContext) -> tuple[bytes, Slots, Allocation | None]:
@@ -66,11 +69,12 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
         try:
             with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, who.tenant, parent, self.quotas.handing_over(held), generation)
+                ident, slots = self.core.allocate(ns, layout, keys, owner_for(who.tenant), parent, self.quotas.handing_over(held),
+                                                  generation)
         finally:
             held.release()  # handed over to the allocation's slots (or there are none)
         if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
-            self.core.abort(ident, who.tenant)
+            self.core.abort(ident, owner_for(who.tenant))
         alloc = self.core.leases.allocation(ident)
         if alloc is not None and session_id:  # kept for its Commit: refused if the session is fenced by then
             alloc.session_id = session_id
@@ -79,16 +83,16 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
     def commit(self, who: Identity, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
                flags: int) -> int:
         """The slots' bytes stay counted while they become pages (ssd quotas: see ssd_share.py)."""
-        alloc = self.core.leases.allocation(allocation_id)
-        mine = alloc is not None and alloc.tenant == who.tenant
+        alloc, owner = self.core.leases.allocation(allocation_id), owner_for(who.tenant)
+        mine = alloc is not None and alloc.owner == owner
         bridge = NOTHING
         with committing(self.session_owners, self.core, allocation_id, alloc.namespace_id if alloc else b"",
-                        alloc.session_id if mine and alloc else "", "Commit", who.tenant):  # before the fence, or refused after
+                        alloc.session_id if mine and alloc else "", "Commit", owner):  # before the fence, or refused after
             if mine and alloc is not None and who.via != "local":
                 self._check_written(allocation_id, alloc.slots, keys, checksums)
                 bridge = self.quotas.hold(who, host_bytes=len(alloc.slots) * alloc.layout.page_bytes)
             try:
-                return self.core.commit(allocation_id, keys, checksums, durable, flags, tenant=who.tenant,
+                return self.core.commit(allocation_id, keys, checksums, durable, flags, owner=owner,
                                         counting=self.quotas.handing_over(bridge))
             finally:
                 bridge.release()
@@ -117,8 +121,8 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
-                allocation_id, slots = self.core.allocate(ns, layout, keys[:n], who.tenant, parent, self.quotas.handing_over(held),
-                                                          generation)
+                allocation_id, slots = self.core.allocate(ns, layout, keys[:n], owner_for(who.tenant), parent,
+                                                          self.quotas.handing_over(held), generation)
             except BaseException:
                 if claimed:
                     self.tenancy.settle(who, ns, False)
@@ -184,11 +188,27 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         with self.quotas.reserving(who, leases=1):
             if not (self.tenancy.may_read(who, ns) if node_call else self._readable(who, ns, keys, context)):
                 keys = []  # as for an empty namespace
-            ident, pages = self.core.acquire(ns, keys, ttl_ms, tenant=who.tenant, device=device)
+            ident, pages = self.core.acquire(ns, keys, ttl_ms, owner=owner_for(who.tenant), device=device)
         self.quotas.used(who, [p.key for p in pages])
         if self.handoffs is not None and not node_call:
             self.handoffs.acquired(who.tenant, ns, [p.key for p in pages])
         return ident, pages
+
+    def abort(self, who: Identity, allocation_id: bytes) -> None:
+        """Gives back the caller's allocation (another's is unknown to it: a no-op)."""
+        self.core.abort(allocation_id, owner_for(who.tenant))
+
+    def release(self, who: Identity, lease_id: bytes, failed: Sequence[bytes] = ()) -> None:
+        """Ends the caller's lease (another's is unknown to it). The pages its reader found failing
+        (``failed``) are checked first where the lease holds them, within the caller's budget."""
+        owner = owner_for(who.tenant)
+        if failed:
+            check_reported(self.core, lease_id, owner, list(failed), lambda: self.reports.take(owner))
+        self.core.release(lease_id, owner)
+
+    def renew(self, who: Identity, handle: bytes, ttl_ms: int) -> None:
+        """Moves the caller's lease's or allocation's expiry on (LeaseExpired: not the caller's, or gone)."""
+        self.core.renew(handle, ttl_ms, owner_for(who.tenant))
 
     def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: CallContext) -> bool:
         """Whether ``who`` may read the namespace; in cluster mode, after fetching what other

@@ -22,6 +22,24 @@ from kvstore.lmdb_env import map_full
 logger = logging.getLogger(__name__)
 
 TABLE = b"owners"
+UNBOUND = ""  # the owner an unbound namespace's pages have in the core (kvstore.tiers.base.UNOWNED)
+
+
+def owner_for(tenant: str) -> str:
+    """The owner the placement core, its lease table and the tiers know ``tenant`` by: an opaque
+    key of its arena, its hbm pool, its handles and the counters its quotas read (DESIGN §11).
+    The one place tenants become owners: today a tenant's owner is its name."""
+    return tenant
+
+
+def tenant_for(owner: str) -> str:
+    """The tenant ``owner`` stands for (``owner_for``'s inverse: its arena is sized by that tenant's quota)."""
+    return owner
+
+
+def owner_named(owner: str) -> str:
+    """How the core's and the tiers' refusals name an owner's part (tiers/owner_parts.py)."""
+    return f"tenant {tenant_for(owner)!r}"
 
 
 class NamespaceOwners:
@@ -45,6 +63,11 @@ class NamespaceOwners:
 
     def owner(self, namespace_id: bytes) -> str | None:
         return self._owners.get(namespace_id)
+
+    def core_owner(self, namespace_id: bytes) -> str:
+        """The owner of the namespace's pages in the core (``owner_for`` its tenant; UNBOUND: none)."""
+        tenant = self._owners.get(namespace_id)
+        return UNBOUND if tenant is None else owner_for(tenant)
 
     def tenants(self) -> list[str]:
         with self._lock:

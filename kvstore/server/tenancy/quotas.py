@@ -4,7 +4,8 @@ A tenant's limits are the server-wide defaults (--tenant-* flags, ``TenantQuota`
 auth file's ``[quotas.TENANT]`` over them, re-read with the file (SIGHUP). Its use is read
 from counters the holders keep anyway: the directory's bytes per namespace and tier and
 its remote records, the lease table's leases, allocations and allocated slot bytes per
-tenant, the token log's tokens per namespace, and the hints charged in hint_charges.py.
+owner (a tenant's: owners.owner_for), the token log's tokens per namespace, and the hints
+charged in hint_charges.py.
 
 More: kvstore/server/tenancy/README.md (### quotas.py).
 """
@@ -24,7 +25,7 @@ from kvstore.security.identity import Identity
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.tenancy.hint_charges import HintCharges
-from kvstore.server.tenancy.owners import NamespaceOwners
+from kvstore.server.tenancy.owners import NamespaceOwners, owner_for
 from kvstore.server.tokenlog import TokenLog
 from kvstore.types import REMOTE_TIER
 
@@ -97,7 +98,7 @@ class Quotas:
         (a call reserving leases alone reads two counters, not every namespace's usage under
         the directory's lock: the cost of tenancy per call)."""
         wanted = _ALL_USES if names is None else names
-        slot_bytes = self._leases.slot_bytes(tenant) if "host_bytes" in wanted else 0  # before the directory: a commit moves bytes from one to the other
+        slot_bytes = self._leases.slot_bytes(owner_for(tenant)) if "host_bytes" in wanted else 0  # before the directory: a commit moves bytes from one to the other
         held: dict[str, int] = {}
         tokens = 0
         if not _PER_NAMESPACE.isdisjoint(wanted):
@@ -107,7 +108,7 @@ class Quotas:
                     held[what] = held.get(what, 0) + amount
                 if logged:
                     tokens += self._wal.tokens_of(namespace_id)
-        leases, allocations = self._leases.held(tenant)
+        leases, allocations = self._leases.held(owner_for(tenant))
         every = {"host_bytes": held.get("host", 0) + slot_bytes, "ssd_bytes": held.get("ssd", 0), "leases": leases,
                  "allocations": allocations, "token_log_bytes": tokens * TOKEN_BYTES,
                  "published_records": held.get(REMOTE_TIER, 0), "ssd_written_bytes": self.ssd_written[tenant]}
@@ -197,7 +198,7 @@ class Quotas:
         one if it still fails after)."""
         refused = QuotaExceeded(who.tenant, name, held, adding, limit)
         if name == "host_bytes":
-            keep = limit - adding - (held - used["host_bytes"]) - self._leases.slot_bytes(who.tenant)
+            keep = limit - adding - (held - used["host_bytes"]) - self._leases.slot_bytes(owner_for(who.tenant))
             if keep >= 0:  # evicting its own pages down to keep makes room (slots and reservations cannot go)
                 raise HostQuotaFull(refused, keep)
         self.refused(who.tenant, name)

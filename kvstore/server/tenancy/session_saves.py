@@ -20,7 +20,7 @@ from kvstore.server.session_owners import SessionOwners
 
 @contextmanager
 def committing(owners: SessionOwners, core: Placement, allocation_id: bytes, namespace_id: bytes, session_id: str,
-               call: str, tenant: str | None = None) -> Iterator[None]:
+               call: str, owner: str | None = None) -> Iterator[None]:
     """Around the commit of ``allocation_id`` (a save of ``session_id``; empty: no session, no check):
     SessionFenced (counted under ``call``) with the allocation aborted when the session is not
     writable here, else the commit runs with the session's fence held off until it returns."""
@@ -31,6 +31,6 @@ def committing(owners: SessionOwners, core: Placement, allocation_id: bytes, nam
         try:
             owners.check(namespace_id, session_id, call)
         except BaseException:  # fenced, or the node not caught up with etcd: nothing of it stays
-            core.abort(allocation_id, tenant)
+            core.abort(allocation_id, owner)
             raise
         yield
