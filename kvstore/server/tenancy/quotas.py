@@ -3,9 +3,8 @@
 A tenant's limits are the server-wide defaults (--tenant-* flags, ``TenantQuota``) with the
 auth file's ``[quotas.TENANT]`` over them, re-read with the file (SIGHUP). Its use is read
 from counters the holders keep anyway: the directory's bytes per namespace and tier and
-its remote records, the lease table's leases, allocations and allocated slot bytes per
-owner (a tenant's: owners.owner_for), the token log's tokens per namespace, and the hints
-charged in hint_charges.py.
+its remote records, the lease table's leases, allocations and slot bytes per owner (a
+tenant's: owners.owner_for), the token log's tokens per namespace, the hints in hint_charges.py.
 
 More: kvstore/server/tenancy/README.md (### quotas.py).
 """
