@@ -30,7 +30,7 @@ from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.reports import CoreReports
 from kvstore.server.placement.residence import Residence, leading
-from kvstore.server.placement.shares import TenantShares
+from kvstore.server.placement.shares import NamespaceShares
 from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
@@ -42,13 +42,13 @@ class Placement(CoreReports):
     """An ``owner`` (``owner_of`` a namespace's; a handle's maker) is an opaque key the caller's side resolved
     (the server's gate: kvstore/server/tenancy/owners.py): it names an arena, a pool or a handle's maker and is
     compared only with other owners. ``directory`` and ``leases``: made here unless the server made them first (its
-    tenancy reads them); ``shares``: makes the tenants' ssd shares from the ssd tier's write budget (None: none)."""
+    tenancy reads them); ``shares``: makes the namespaces' ssd shares from the ssd tier's write budget (None: none)."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
                  owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None,
                  serving: Callable[[], bool] | None = None, directory: Directory | None = None,
-                 leases: LeaseTable | None = None, shares: Callable[[WriteBudget | None], TenantShares] | None = None) -> None:
+                 leases: LeaseTable | None = None, shares: Callable[[WriteBudget | None], NamespaceShares] | None = None) -> None:
         self.config = config
         # whether this node may serve reads now (cluster mode: a member caught up with etcd's generations)
         self.serving = serving or (lambda: True)

@@ -1,5 +1,5 @@
 """Room in the tiers below the landing tier: evicting their victims (the delete outside the
-core's lock) and a tenant's ssd shares (what writing down asks of a page's tenant). Mixed
+core's lock) and the ssd shares (what writing down asks of a page's namespace). Mixed
 into ``moves.Mover``, which writes pages down into the room made here."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.residence import Residence
-from kvstore.server.placement.shares import TenantShares
+from kvstore.server.placement.shares import NamespaceShares
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class LowerRoom:
     directory: Directory
     metrics: Metrics
     node: str
-    shares: TenantShares | None
+    shares: NamespaceShares | None
 
     def _target(self, tier: int) -> AdmittedTier:
         return self.lower[tier - 1]
@@ -68,28 +68,24 @@ class LowerRoom:
         return True
 
     def _share_room(self, tier: int, header: PageHeader, why: list[str]) -> bool:
-        """Lock held: whether the page's tenant may add it to ``tier`` within its shares (write
-        budget, then ssd_bytes). At its ssd_bytes its own coldest unpinned pages there make room,
-        never another tenant's; False (the reason in ``why``) when they cannot."""
-        shares = self.shares
-        tenant = shares.tenant_of(header.namespace_id) if shares is not None and tier == 1 else None
-        if shares is None or tenant is None:
+        """Lock held: whether the share the page's namespace counts against takes it in ``tier``
+        (write budget, then bytes). A full share's own coldest unpinned pages there make room,
+        never another share's; False (the reason in ``why``) when they cannot."""
+        shares, target, ns = self.shares, self._target(tier), header.namespace_id
+        if shares is None or tier != 1:
             return True
-        cost = self._target(tier).write_cost(header.payload_bytes)
-        if not shares.can_write(tenant, cost):
-            shares.refused(tenant, "ssd_write_percent")
-            why.append(f"tenant {tenant!r} has spent its share of the {self._target(tier).name} write budget "
-                       "(ssd_write_percent of --ssd-dwpd)")
+        cost = target.write_cost(header.payload_bytes)
+        refusal = shares.write_refused(ns, cost, target.name)
+        if refusal is not None:
+            why.append(refusal)
             return False
-        if not self._target(tier).budget.can_take(cost):
-            return True  # the drive's budget refuses it next: nothing of the tenant's is evicted for it
+        if not target.budget.can_take(cost):
+            return True  # the drive's budget refuses it next: nothing of the share's is evicted for it
         skip = None
-        while shares.over(tenant, header.payload_bytes):
-            skip = skip or shares.own(tenant, self.leases.pins)
+        while shares.over(ns, header.payload_bytes):
+            skip = skip or shares.own(ns, self.leases.pins)
             if not self._evict_lower(tier, skip, header.payload_bytes):
-                shares.refused(tenant, "ssd_bytes")
-                why.append(f"tenant {tenant!r} is at its ssd bytes quota and every one of its {self._target(tier).name} "
-                           "pages is in use (--tenant-ssd-bytes or the auth file's quotas)")
+                why.append(shares.full(ns, target.name))
                 return False
         return True
 

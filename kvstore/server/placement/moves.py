@@ -26,7 +26,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.placement.background import is_behind, lift, run_behind
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
-from kvstore.server.placement.shares import TenantShares
+from kvstore.server.placement.shares import NamespaceShares
 from kvstore.tiers.base import LandingPart, ReadResult
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
 class Mover(LowerRoom):
     def __init__(self, lock: threading.Lock, residence: Residence, lower: list[AdmittedTier], leases: LeaseTable,
                  directory: Directory, node: str, metrics: Metrics, settle_owed: Callable[[], None] = lambda: None,
-                 shares: TenantShares | None = None) -> None:
+                 shares: NamespaceShares | None = None) -> None:
         self.lock = lock
         self._settle_owed = settle_owed  # lock held: does the owed removals now (lets go of the lock meanwhile)
         self.residence = residence
@@ -88,7 +88,7 @@ class Mover(LowerRoom):
                                                    initializer=self._start_behind)
         self.starved = threading.Event()  # set when an allocation found no room and evicted inline: the demoter lags
         self._last_error_log = 0.0
-        self.shares = shares  # tenants' ssd shares (none without tenants; a page nobody owns has none)
+        self.shares = shares  # the ssd shares pages count against by namespace (none: no shares)
         self.clock: Callable[[], float] = time.monotonic  # the demoter's backoff (tests replace it)
         self._backoff_s = 0.0  # after a failed round: how long the demoter waits, until ``_retry_at``
         self._retry_at = 0.0
@@ -106,7 +106,7 @@ class Mover(LowerRoom):
     # -- landing room (lock held; released around writes) --------------------------------
 
     def make_room(self, page_bytes: int, arena: LandingPart) -> int | None:
-        """A slot in ``arena`` (a part of the landing tier: one tenant's arena) for a page of
+        """A slot in ``arena`` (a part of the landing tier: one owner's arena) for a page of
         ``page_bytes``, evicting from that arena as needed; None when every page left in it
         is pinned. Called with the lock held; lets go of it while a victim is written down,
         so what the caller decided before may have changed after."""
@@ -242,14 +242,14 @@ class Mover(LowerRoom):
         of the batch is indexed (PageCorrupt); an I/O error or a full index stores nothing
         (OSError, MetadataFull). ``wait``: a page another caller is writing to ``tier`` is
         waited for instead of skipped (a durable commit needs it there when it returns). A page
-        its tenant's ssd shares refuse is not written (the reason goes to ``why``). A page whose
+        its namespace's ssd share refuses is not written (the reason goes to ``why``). A page whose
         older copy there is being deleted (removed, invalidated) is written only once that delete
         is done (``wait``; else skipped): the delete would take the new copy; one whose delete
         waits for the page's last unpin is replaced (the delete is called off).
         """
         target = self._target(tier)
         placed: list[tuple[int, PageHeader, memoryview]] = []
-        refused: set[bytes] = set()  # namespaces whose tenant's shares refused a page of this batch
+        refused: set[bytes] = set()  # namespaces whose share refused a page of this batch
         with self.lock:
             waited = time.monotonic() + DOOMED_WAIT_S
             while wait and any((h.key, tier) in self._writing or self._deleting(h.key, tier) for h, _ in items):
@@ -269,7 +269,7 @@ class Mover(LowerRoom):
                     self.residence.revive(header.key, tier)  # a doomed older copy, if any: this one replaces it
                     if header.namespace_id in refused or not self._share_room(tier, header, [] if why is None else why):
                         refused.add(header.namespace_id)
-                        continue  # its tenant's shares are spent: its pages stay in RAM only, other tenants' go on
+                        continue  # its share is spent: its pages stay in RAM only, other namespaces' go on
                     if not target.charge(header.payload_bytes):
                         break  # over the endurance budget: the rest stays in RAM only
                     slot = self._reserve_lower(tier, header.payload_bytes)
@@ -315,11 +315,10 @@ class Mover(LowerRoom):
         self._written.notify_all()
 
     def _placing(self, tier: int, header: PageHeader) -> None:
-        """Lock held: a page is placed in ``tier``; its tenant's shares count it (and its write)."""
-        tenant = self.shares.tenant_of(header.namespace_id) if self.shares is not None and tier == 1 else None
-        if self.shares is not None and tenant is not None:
-            self.shares.wrote(tenant, self._target(tier).write_cost(header.payload_bytes))
-            self.shares.placing(header.key, tenant, header.payload_bytes)
+        """Lock held: a page is placed in ``tier``; its namespace's share counts it (and its write)."""
+        if self.shares is not None and tier == 1:
+            self.shares.placing(header.key, header.namespace_id, self._target(tier).write_cost(header.payload_bytes),
+                                header.payload_bytes)
 
     def _publish(self, tier: int, headers: list[PageHeader]) -> None:
         """Lock held: publishes written copies, except of pages removed meanwhile (their new

@@ -16,7 +16,8 @@ from kvstore.server.tenancy.quotas import Quotas
 
 
 class SsdShares:
-    """Implements placement's TenantShares. Not thread-safe: the core's lock is held."""
+    """Implements placement's NamespaceShares: a namespace's pages count against its tenant's share
+    (an unbound namespace's against none). Not thread-safe: the core's lock is held."""
 
     def __init__(self, quotas: Quotas, budget: WriteBudget | None, tier_name: str = "ssd") -> None:
         self.quotas = quotas
@@ -26,18 +27,46 @@ class SsdShares:
         self._placing: dict[bytes, tuple[str, int]] = {}  # key being written -> (tenant, bytes)
         self._pending: Counter[str] = Counter()  # tenant -> bytes being written
 
-    def tenant_of(self, namespace_id: bytes) -> str | None:
-        return self.quotas.owners.owner(namespace_id)
+    def write_refused(self, namespace_id: bytes, cost: int, tier: str) -> str | None:
+        tenant = self.quotas.owners.owner(namespace_id)
+        if tenant is None or self._can_write(tenant, cost):
+            return None
+        self.quotas.refused(tenant, "ssd_write_percent")
+        return f"tenant {tenant!r} has spent its share of the {tier} write budget (ssd_write_percent of --ssd-dwpd)"
 
-    def over(self, tenant: str, num_bytes: int) -> bool:
+    def over(self, namespace_id: bytes, num_bytes: int) -> bool:
+        tenant = self.quotas.owners.owner(namespace_id)
+        return tenant is not None and self._over(tenant, num_bytes)
+
+    def own(self, namespace_id: bytes, pinned: Container[bytes]) -> Container[bytes]:
+        tenant = self.quotas.owners.owner(namespace_id)
+        return pinned if tenant is None else NotAmong(pinned, self.quotas.directory, self.quotas.owners.namespaces_of(tenant))
+
+    def full(self, namespace_id: bytes, tier: str) -> str:
+        tenant = self.quotas.owners.owner(namespace_id) or ""
+        self.quotas.refused(tenant, "ssd_bytes")
+        return (f"tenant {tenant!r} is at its ssd bytes quota and every one of its {tier} pages is in use "
+                "(--tenant-ssd-bytes or the auth file's quotas)")
+
+    def placing(self, key: bytes, namespace_id: bytes, cost: int, num_bytes: int) -> None:
+        tenant = self.quotas.owners.owner(namespace_id)
+        if tenant is None:
+            return
+        self._wrote(tenant, cost)
+        self._placing[key] = (tenant, num_bytes)
+        self._pending[tenant] += num_bytes
+
+    def placed(self, key: bytes) -> None:
+        found = self._placing.pop(key, None)
+        if found is not None:
+            self._pending[found[0]] -= found[1]
+
+    def _over(self, tenant: str, num_bytes: int) -> bool:
         limit = self.quotas.limits(tenant).ssd_bytes
         if not limit:
             return False
         held = sum(self.quotas.directory.usage(ns).get(self.tier_name, 0) for ns in self.quotas.owners.namespaces_of(tenant))
         return held + self._pending[tenant] + num_bytes > limit
-
-    def own(self, tenant: str, pinned: Container[bytes]) -> Container[bytes]:
-        return NotAmong(pinned, self.quotas.directory, self.quotas.owners.namespaces_of(tenant))
 
     def _bucket(self, tenant: str) -> WriteBudget | None:
         percent = self.quotas.limits(tenant).ssd_write_percent
@@ -50,28 +79,16 @@ class SsdShares:
                                                                   self.budget.clock))
         return found[1]
 
-    def can_write(self, tenant: str, cost: int) -> bool:
+    def _can_write(self, tenant: str, cost: int) -> bool:
         bucket = self._bucket(tenant)
         if bucket is None or bucket.can_take(cost):
             return True
         bucket.refused_bytes += cost
         return False
 
-    def wrote(self, tenant: str, cost: int) -> None:
+    def _wrote(self, tenant: str, cost: int) -> None:
         bucket = self._bucket(tenant)
         if bucket is not None:
             bucket.take(cost)
         self.quotas.ssd_written[tenant] += cost
         self.quotas.metrics.tenant_ssd_written.labels(tenant).inc(cost)
-
-    def placing(self, key: bytes, tenant: str, num_bytes: int) -> None:
-        self._placing[key] = (tenant, num_bytes)
-        self._pending[tenant] += num_bytes
-
-    def placed(self, key: bytes) -> None:
-        found = self._placing.pop(key, None)
-        if found is not None:
-            self._pending[found[0]] -= found[1]
-
-    def refused(self, tenant: str, quota: str) -> None:
-        self.quotas.refused(tenant, quota)
