@@ -29,7 +29,7 @@ class SlabAllocator:
         self.num_slabs = capacity // slab_bytes
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._slab_class: dict[int, int] = {}          # slab index -> slot bytes
-        self._slab_free: dict[int, list[int]] = {}     # slab index -> free slot offsets
+        self._slab_free: dict[int, dict[int, None]] = {}  # slab index -> free slot offsets (an ordered set: LIFO, O(1) lookup)
         self._partial: dict[int, set[int]] = {}        # slot bytes -> slabs with a free slot
         self.used_bytes = 0
 
@@ -51,11 +51,11 @@ class SlabAllocator:
             start = self.base + slab * self.slab_bytes
             count = self.slab_bytes // size
             self._slab_class[slab] = size
-            self._slab_free[slab] = [start + i * size for i in range(count - 1, -1, -1)]
+            self._slab_free[slab] = dict.fromkeys(start + i * size for i in range(count - 1, -1, -1))
             partial.add(slab)
         slab = next(iter(partial))
         slots = self._slab_free[slab]
-        offset = slots.pop()
+        offset, _ = slots.popitem()
         if not slots:
             partial.discard(slab)
         self.used_bytes += size
@@ -64,7 +64,8 @@ class SlabAllocator:
     def free(self, offset: int) -> None:
         """Gives a slot back. An offset ``alloc`` could never have returned (no slab of it in
         use, not on a slot boundary, or a slot running past its slab's end) is refused and
-        logged: on a free list it would be handed out over the bytes of other slots."""
+        logged: on a free list it would be handed out over the bytes of other slots. So is a
+        slot already free: twice on the list, it would be handed to two pages at once."""
         slab, within = divmod(offset - self.base, self.slab_bytes)
         size = self._slab_class.get(slab)
         if size is None or within % size or within // size >= self.slab_bytes // size:
@@ -72,7 +73,10 @@ class SlabAllocator:
                          offset, slab, size)
             return
         slots = self._slab_free[slab]
-        slots.append(offset)
+        if offset in slots:
+            logger.error("slab allocator: refusing to free offset %d twice (slab %d, %s-byte slots)", offset, slab, size)
+            return
+        slots[offset] = None
         self.used_bytes -= size
         if len(slots) == self.slab_bytes // size:
             del self._slab_class[slab], self._slab_free[slab]
@@ -124,7 +128,7 @@ class SlabAllocator:
             free_slabs.discard(slab)
             self._slab_class[slab] = size
             count = self.slab_bytes // size
-            self._slab_free[slab] = [start + j * size for j in range(count - 1, -1, -1) if start + j * size not in used]
+            self._slab_free[slab] = dict.fromkeys(start + j * size for j in range(count - 1, -1, -1) if start + j * size not in used)
             if self._slab_free[slab]:
                 self._partial.setdefault(size, set()).add(slab)
             else:

@@ -53,6 +53,20 @@ def test_free_refuses_an_offset_alloc_never_hands_out() -> None:
     assert allocator.used_bytes == 4 * 8192
 
 
+def test_a_slot_freed_twice_is_handed_out_once() -> None:
+    """A second free of a slot already free is refused: on the free list twice, the slot would be
+    handed to two pages at once (each write over the other's bytes), and the slab would count
+    itself empty, and go back to the pool, while a page still lives in it."""
+    allocator = SlabAllocator(0, 2 * 20480, 20480)
+    first, second = allocator.alloc(8192), allocator.alloc(8192)
+    allocator.free(first)
+    allocator.free(first)  # the bug being guarded against: a caller frees the same slot again
+    handed = [allocator.alloc(8192) for _ in range(3)]
+    live = [second, *(h for h in handed if h is not None)]
+    assert len(live) == len(set(live)), f"a slot was handed out twice: {live}"
+    assert allocator.used_bytes == 8192 * len(live), allocator.used_bytes
+
+
 def _page(tier: SsdTier, key: bytes, layout: LayoutDesc, rng: random.Random) -> tuple[int, bytes]:
     payload = rng.randbytes(layout.page_bytes)
     return store_page(tier, key, layout, payload), payload
