@@ -3,14 +3,16 @@ pages of its namespace are recovered and served, and the namespace keeps its gen
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 from support.kv import random_kv
 from support.servers import ENTRY_HEADER_AT, flip_index_byte
 
+from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing
-from kvstore.page import GENERATION_AT, HEADER_CORE_BYTES
+from kvstore.page import GENERATION_AT, HEADER_CORE_BYTES, NAMESPACE_AT
 
 
 async def test_a_flipped_generation_in_one_index_entry_loses_only_that_page(server_factory, tmp_path, layout, ns) -> None:
@@ -60,6 +62,30 @@ async def test_a_damaged_first_entry_of_a_namespace_is_quarantined_at_recovery_n
         assert hit.num_tokens == 64, "a put was acknowledged for a page this node does not list"
         out = torch.zeros_like(kv)
         assert await client.get(hit, into=out) == 64 and torch.equal(out, kv)
+
+
+async def test_a_flipped_namespace_in_an_index_entry_lists_no_page_under_a_made_up_namespace(server_factory, tmp_path,
+                                                                                             layout, ns) -> None:
+    """A flipped bit in a middle entry's namespace id names a namespace nobody made: recovery
+    must not list the page there (a location nothing can read, and a page the node takes for
+    stored); the page is lost alone and its tokens are stored again by the next put."""
+    tokens = list(range(64))
+    kv = random_kv(layout, 64, seed=13)
+    server = server_factory()
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv, durable=True) == 64
+        keys = sorted((await client.lookup(tokens)).keys)
+    server.stop(grace_s=1)
+    flip_index_byte(tmp_path / "ssd", keys[1], ENTRY_HEADER_AT + NAMESPACE_AT, 0x01)
+    server = server_factory()
+    with grpc.insecure_channel(server.address) as channel:
+        entries = directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=10).num_entries
+    assert entries == len(keys) - 1, f"{entries} pages listed: the damaged one under a namespace nobody made"
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == 64
+        hit = await client.lookup(tokens)
+        out = torch.zeros_like(kv)
+        assert hit.num_tokens == 64 and await client.get(hit, into=out) == 64 and torch.equal(out, kv)
 
 
 async def test_a_page_whose_index_entry_fails_its_check_is_not_promised_after_the_read_that_finds_it(server_factory, tmp_path,
