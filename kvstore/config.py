@@ -151,6 +151,12 @@ class SecurityConfig:
         """Whether callers are tenants (an auth file or client certificates name them)."""
         return self.auth_file is not None or self.tls_client_ca is not None
 
+    @property
+    def parts_per_owner(self) -> bool:
+        """Whether each owner the placement core is given has an arena and an hbm pool of its own
+        (tiers/arenas.py, tiers/pools.py): callers are tenants, and do not share (--share-arena)."""
+        return self.tenants and not self.share_arena
+
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")

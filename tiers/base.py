@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvstore.page import PageHeader
 
-UNOWNED = ""  # the owner of pages no tenant owns (and of the one part of a tier without tenants)
+UNOWNED = ""  # the owner of pages no one owns (and of the one part of a tier without owners)
 
 
 def parent_links(parents: Sequence[bytes | None], num_pages: int) -> list[bytes | None]:
@@ -183,8 +183,8 @@ class LandingTier(Tier, Protocol):
 
 
 class LandingPart(LandingTier, Protocol):
-    """One owner's part of the landing tier (a tenant's arena, or the one arena of a tier
-    without tenants): ``owner`` (UNOWNED: every owner's) names its eviction order in the core."""
+    """One owner's part of the landing tier (an owner's arena, or the one arena of a tier for
+    every owner): ``owner`` (UNOWNED: every owner's) names its eviction order in the core."""
 
     owner: str
 

@@ -55,7 +55,7 @@ class HbmTier(IndexedPages):
                  events: StoreEvents | None = None) -> None:
         """``ops``: the device seam (default: that of ``config.device``); ``base``: the number
         of the first slot (several pools behind one tier never share a slot number); ``owner``:
-        the tenant whose pool it is; ``events``: the core's eviction order of the pool."""
+        the owner whose pool it is; ``events``: the core's eviction order of the pool."""
         self.config = config
         self.owner = owner
         self._events = events or NoEvents()
@@ -114,7 +114,7 @@ class HbmTier(IndexedPages):
 
     @property
     def handout(self) -> PoolHandout:
-        """What the arena socket hands the pool's tenant (tiers/pools.py)."""
+        """What the arena socket hands the pool's owner (tiers/pools.py)."""
         return self._device_pool.handout
 
     # -- reads ---------------------------------------------------------------------------

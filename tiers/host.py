@@ -66,7 +66,7 @@ def remove_stale_arenas(shm_dir: Path, node: str) -> None:
             os.close(fd)
 
 
-def _check_memory(arena_bytes: int) -> None:
+def _check_memory(arena_bytes: int, lower: str) -> None:
     """Refuses an anonymous arena the host's available memory cannot hold (it is reserved up
     front: past that, the OOM killer would pick a victim)."""
     with open("/proc/meminfo") as f:
@@ -74,7 +74,7 @@ def _check_memory(arena_bytes: int) -> None:
     free = int(fields["MemAvailable"].split()[0]) * 1024
     if arena_bytes > free:
         raise ConfigError(f"a {arena_bytes >> 20} MiB arena does not fit in the {free >> 20} MiB of memory available "
-                          "(lower --host-capacity or the tenant's host_bytes quota)")
+                          f"(lower {lower})")
 
 
 def _check_room(shm_dir: Path, arena_bytes: int) -> None:
@@ -88,12 +88,13 @@ def _check_room(shm_dir: Path, arena_bytes: int) -> None:
 
 
 class HostTier(IndexedPages):
-    """Pages in a shared-memory arena, indexed by key (a ``LandingTier``)."""
+    """Pages in a shared-memory arena, indexed by key (a ``LandingTier``). ``lower``: what to lower
+    when an anonymous arena does not fit in the memory available (its refusal says so)."""
 
     name = "host"
 
     def __init__(self, config: HostTierConfig, node: str = "local", *, base: int = 0, anonymous: bool = False,
-                 owner: str = UNOWNED, events: StoreEvents | None = None) -> None:
+                 owner: str = UNOWNED, events: StoreEvents | None = None, lower: str = "--host-capacity") -> None:
         self.config = config
         self.owner = owner
         self._events = events or NoEvents()  # the core's eviction order of this arena
@@ -103,7 +104,7 @@ class HostTier(IndexedPages):
         arena_bytes = ARENA_HEADER_BYTES + capacity
         if anonymous:
             self.path: Path | None = None
-            _check_memory(arena_bytes)
+            _check_memory(arena_bytes, lower)
             fd = os.memfd_create(f"kvstore-{node}-arena", os.MFD_CLOEXEC)
             os.fchmod(fd, 0o600)  # a memfd is created 0777; /proc/<pid>/fd/ is the one way to reach it by name
         else:

@@ -1,12 +1,12 @@
-"""A tier as a map of its parts, one per owner (tenant): the host arenas (arenas.py) and hbm pools
-(pools.py); a tier without tenants, or a lower tier (``one``), is a map of one part.
+"""A tier as a map of its parts, one per owner (an opaque string, compared only with other owners):
+the host arenas (arenas.py) and hbm pools (pools.py); a tier of one part, or a lower tier, one part.
 
 The map forwards no storage call: the core asks a part, found by owner (``part``), by slot (``at``:
 part ``i`` numbers its slots from ``i << PART_BITS``) or by key (``part_of``: a dict the parts' events
 keep, not a question to every part); the map sums what is about every part (``usage``...). A part is
 made at its owner's first use, then wrapped (``wrap``: fault injection in tests), and lives as long
-as the server. Thread-safety: each part guards itself; the list of parts only grows (under
-``_lock``); the key notes are written under each part's lock, one dict operation each.
+as the server; ``words`` name its owner in logs and refusals. Thread-safety: each part guards itself;
+the parts only grow (under ``_lock``); key notes are written under each part's lock, one dict op each.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvstore.tiers.base import UNOWNED, NoEvents, Quarantined, StoreEvents, TierUsage
@@ -23,6 +24,15 @@ logger = logging.getLogger(__name__)
 PART_BITS = 40  # a part holds at most 1 TiB; slot >> PART_BITS is its part
 
 P = TypeVar("P", bound=Any)  # a Tier: a HostTier, an HbmTier, a lower tier (or a wrapper of one)
+
+
+@dataclass(frozen=True)
+class OwnerWords:
+    """How logs and refusals name an owner's part, and what sizes an owner's arena: the words of
+    whoever maps callers to owners (the server's: kvstore/server/tenancy/owners.py)."""
+
+    named: Callable[[str], str] = repr  # "no arena for <named(owner)>"
+    sized_by: str = "the size asked for it"  # what an operator lowers when an owner's arena does not fit
 
 
 class _Noted:
@@ -49,9 +59,11 @@ class OwnerParts(Generic[P]):
 
     what = "part"  # named in logs and errors
 
-    def __init__(self, name: str, single: bool, wrap: Callable[[P], P] | None = None) -> None:
+    def __init__(self, name: str, single: bool, wrap: Callable[[P], P] | None = None,
+                 words: OwnerWords | None = None) -> None:
         self.name = name
         self.single = single
+        self.words = words or OwnerWords()
         self._wrap = wrap
         self._parts: list[P] = []
         self._by_owner: dict[str, P] = {}
@@ -90,7 +102,7 @@ class OwnerParts(Generic[P]):
                     found = self._wrap(found)
                 self._parts.append(found)
                 self._by_owner[owner] = found
-                logger.info("%s %d made for tenant %r", self.what, len(self._parts) - 1, owner)
+                logger.info("%s %d made for %s", self.what, len(self._parts) - 1, self.words.named(owner))
             return found
 
     def parts(self) -> list[P]:

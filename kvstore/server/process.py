@@ -56,7 +56,7 @@ from kvstore.server.session_expiry import SessionExpiry
 from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.gate import Gate
-from kvstore.server.tenancy.owners import owner_for, tenant_for
+from kvstore.server.tenancy.owners import OWNER_WORDS, owner_for, tenant_for
 from kvstore.server.tenancy.ssd_share import SsdShares
 from kvstore.server.tokenlog import TokenLog
 
@@ -189,7 +189,7 @@ class Server:
         # Tenants' ssd shares hold wherever pages reach the ssd tier (durable writes and demotion).
         self.core = core = Placement(config, metrics, wrap=wrap, owner_of=owners.core_owner,
                                      arena_bytes=lambda owner: quotas.limits(tenant_for(owner)).host_bytes, serving=serving,
-                                     directory=directory, leases=leases, shares=partial(SsdShares, quotas))
+                                     directory=directory, leases=leases, shares=partial(SsdShares, quotas), words=OWNER_WORDS)
         undo[undo.index(directory.close)] = core.close  # the core closes the directory with its tiers (its arena: RAM in /dev/shm)
         undo.append(lambda: [shutil.rmtree(d, ignore_errors=True) for d in self._socket_dirs])
         self._build_around(config, core, serving, owners, quotas, connections)

@@ -20,10 +20,10 @@ from kvstore.errors import LimitExceeded
 from kvstore.page import LayoutDesc, PageHeader
 from kvstore.server.leases import Pins
 from kvstore.server.placement.orders import HostOrder, LandingOrders, LruOrder, Orders, TailFirstOrder
-from kvstore.tiers.arenas import TenantArenas
+from kvstore.tiers.arenas import OwnerArenas
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.pools import TenantPools
+from kvstore.tiers.pools import OwnerPools
 from kvstore.tiers.ssd import SsdTier
 
 PAGE = LayoutDesc(1, 2, 1, 16, "float16", 16)  # 1 KiB pages, one 4 KiB slot each
@@ -40,7 +40,7 @@ def _open(kind: str, tmp: Path) -> tuple[object, Orders]:  # a tier and its orde
         return HostTier(host, node=f"replay{os.getpid()}", events=orders.make("", host)), orders
     if kind == "arenas":
         orders = LandingOrders(HostOrder, shared=False)
-        return TenantArenas(host, f"replay{os.getpid()}", lambda owner: (128 << 10) if owner else 0, events=orders.make), orders
+        return OwnerArenas(host, f"replay{os.getpid()}", lambda owner: (128 << 10) if owner else 0, events=orders.make), orders
     if kind == "hbm":
         orders = Orders(LruOrder)
         return HbmTier(HbmTierConfig(capacity_bytes=256 << 10, slab_bytes=64 << 10, device="cpu"), events=orders.make()), orders
@@ -206,11 +206,11 @@ def _with_events(kind: str, tmp: Path, events: Recorder):
     if kind == "host":
         return HostTier(host, node=f"events{os.getpid()}", events=events)
     if kind == "arenas":
-        return TenantArenas(host, f"events{os.getpid()}", lambda owner: 0, events=lambda owner, config: events).part("t1")
+        return OwnerArenas(host, f"events{os.getpid()}", lambda owner: 0, events=lambda owner, config: events).part("t1")
     if kind == "hbm":
         return HbmTier(hbm, events=events)
     if kind == "pools":
-        return TenantPools(hbm, per_tenant=True, events=lambda owner: events).part("t1")
+        return OwnerPools(hbm, per_owner=True, events=lambda owner: events).part("t1")
     return SsdTier(SsdTierConfig(directory=tmp / "ssd", capacity_bytes=256 << 10, slab_bytes=64 << 10, dwpd=0), events=events)
 
 

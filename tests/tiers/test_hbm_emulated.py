@@ -12,7 +12,7 @@ from kvstore.device_ops import CpuOps
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.page import PageHeader
 from kvstore.tiers.hbm import HbmTier, check_device
-from kvstore.tiers.pools import TenantPools
+from kvstore.tiers.pools import OwnerPools
 
 
 def test_the_device_check_refuses_cuda_where_there_is_none_and_names_the_switch() -> None:
@@ -57,7 +57,7 @@ def test_an_emulated_pool_is_shared_memory_handed_out_by_descriptor() -> None:
 
 
 def test_pools_of_tenants_are_separate_and_list_their_keys() -> None:
-    pools = TenantPools(HbmTierConfig(capacity_bytes=2 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=True)
+    pools = OwnerPools(HbmTierConfig(capacity_bytes=2 << 20, slab_bytes=1 << 20, device="cpu"), per_owner=True)
     try:
         assert pools.parts() == [], "a tenant's pool is made at its first use"
         a, b = pools.part("a"), pools.part("b")

@@ -22,7 +22,7 @@ from kvstore.tiers.base import Tier
 from kvstore.tiers.faulty import FaultyTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.pools import TenantPools
+from kvstore.tiers.pools import OwnerPools
 from kvstore.tiers.slab import round_up
 from kvstore.tiers.ssd import DATA_FILE, SsdTier
 
@@ -45,7 +45,7 @@ def _hbm(tmp: Path) -> Tier:
 
 
 def _pools(tmp: Path) -> Tier:  # the one pool of a map of pools without tenants, as the map makes it
-    return TenantPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_tenant=False).part("")
+    return OwnerPools(HbmTierConfig(capacity_bytes=4 << 20, slab_bytes=1 << 20, device="cpu"), per_owner=False).part("")
 
 
 def _slot(tier: Tier, key: bytes) -> int:

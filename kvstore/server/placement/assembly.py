@@ -13,9 +13,9 @@ from kvstore.directory import Directory
 from kvstore.server.admission import AdmissionPolicy, AdmittedTier, WriteBudget, make_policy
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.orders import HostOrder, LandingOrders, LruOrder, Orders, TailFirstOrder
-from kvstore.tiers.arenas import TenantArenas
+from kvstore.tiers.arenas import OwnerArenas
 from kvstore.tiers.base import LandingPart, Tier
-from kvstore.tiers.owner_parts import OwnerParts
+from kvstore.tiers.owner_parts import OwnerParts, OwnerWords
 from kvstore.tiers.pinned import ArenaPins
 from kvstore.tiers.ssd import SsdTier
 
@@ -41,38 +41,40 @@ def open_directory(config: ServerConfig) -> Directory:
         return Directory(config.data_dir, config.node, config.directory_map_bytes)
 
 
-def open_upper(config: ServerConfig, wrap: Wrap | None = None) -> tuple[list[OwnerParts[Tier]], list[Orders[LruOrder]]]:
-    """The tiers above the landing tier (hbm: one device pool per tenant, or one without
-    tenant arenas, tiers/pools.py; ``wrap`` goes around each pool), fastest first, and their
-    orders. torch is imported only when they are asked for (the server does not need it otherwise)."""
+def open_upper(config: ServerConfig, wrap: Wrap | None = None,
+               words: OwnerWords | None = None) -> tuple[list[OwnerParts[Tier]], list[Orders[LruOrder]]]:
+    """The tiers above the landing tier (hbm: one device pool per owner, or one for all,
+    tiers/pools.py; ``wrap`` goes around each pool), fastest first, and their orders. torch is
+    imported only when they are asked for (the server does not need it otherwise)."""
     if "hbm" not in config.tiers:
         return [], []
-    from kvstore.tiers.pools import TenantPools
+    from kvstore.tiers.pools import OwnerPools
 
-    per_tenant = bool(config.security.tenants) and not config.security.share_arena
-    orders = Orders(LruOrder, shared=not per_tenant)
-    return [TenantPools(config.hbm, per_tenant, events=orders.make, wrap=wrap)], [orders]  # type: ignore[arg-type]
+    per_owner = config.security.parts_per_owner
+    orders = Orders(LruOrder, shared=not per_owner)
+    return [OwnerPools(config.hbm, per_owner, events=orders.make, wrap=wrap, words=words)], [orders]  # type: ignore[arg-type]
 
 
 def open_tiers(config: ServerConfig, metrics: Metrics, clock: Callable[[], float], wrap: Wrap | None = None,
                policy: AdmissionPolicy | None = None, arena_bytes: Callable[[str], int] | None = None,
-               ) -> tuple[OwnerParts[LandingPart], list[AdmittedTier], list[OwnerParts[Tier]], list[Orders]]:
+               words: OwnerWords | None = None) -> tuple[OwnerParts[LandingPart], list[AdmittedTier], list[OwnerParts[Tier]], list[Orders]]:
     """The landing tier (host), the demotion targets (ssd, with its admission policy and
     write budget) and the tiers above the landing tier (hbm, see ``open_upper``). ``wrap``
     goes around each tier (each arena or pool of a map of them) first (tests: ``FaultyTier``);
     ``policy`` replaces the configured admission policy (the replay's oracle). The host tier is a
-    map of arenas (tiers/arenas.py): with tenants (and not --share-arena) one per tenant, of
-    ``arena_bytes(tenant)`` bytes, made lazily; else one, made now. With hbm every
-    arena is page-locked for the pools' copies, each tenant's as it is made (tiers/pinned.py).
+    map of arenas (tiers/arenas.py): with ``parts_per_owner`` one per owner, of ``arena_bytes(owner)``
+    bytes, made lazily; else one, made now (``words``: how their refusals name an owner). With hbm
+    every arena is page-locked for the pools' copies, each as it is made (tiers/pinned.py).
     The orders come last, one ``Orders`` per tier in the core's order: landing, lower, upper."""
     wrap = wrap or (lambda tier: tier)
-    upper, upper_orders = open_upper(config, wrap)  # first: a device that cannot be used refuses before an arena is made
-    pins = ArenaPins(upper[0].ops) if upper else None  # type: ignore[attr-defined]  # TenantPools.ops
-    per_tenant = bool(config.security.tenants) and not config.security.share_arena
-    landing_orders = LandingOrders(HostOrder, shared=not per_tenant)
+    upper, upper_orders = open_upper(config, wrap, words)  # first: a device that cannot be used refuses before an arena is made
+    pins = ArenaPins(upper[0].ops) if upper else None  # type: ignore[attr-defined]  # OwnerPools.ops
+    per_owner = config.security.parts_per_owner
+    landing_orders = LandingOrders(HostOrder, shared=not per_owner)
     try:
-        landing: OwnerParts[LandingPart] = TenantArenas(  # type: ignore[assignment]  # its arenas are LandingParts
-            config.host, config.node, arena_bytes or (lambda tenant: 0), pins, landing_orders.make, per_tenant, wrap)  # type: ignore[arg-type]
+        landing: OwnerParts[LandingPart] = OwnerArenas(  # type: ignore[assignment]  # its arenas are LandingParts
+            config.host, config.node, arena_bytes or (lambda owner: 0), pins, landing_orders.make, per_owner, wrap,  # type: ignore[arg-type]
+            words)
     except BaseException:  # no arena: the pools made already go back to the device
         for tier in upper:
             tier.close()

@@ -36,19 +36,22 @@ from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
 from kvstore.server.stats import Reporter
 from kvstore.tiers.base import ArenaInfo, LandingPart
+from kvstore.tiers.owner_parts import OwnerWords
 
 
 class Placement(CoreReports):
     """An ``owner`` (``owner_of`` a namespace's; a handle's maker) is an opaque key the caller's side resolved
     (the server's gate: kvstore/server/tenancy/owners.py): it names an arena, a pool or a handle's maker and is
-    compared only with other owners. ``directory`` and ``leases``: made here unless the server made them first (its
-    tenancy reads them); ``shares``: makes the namespaces' ssd shares from the ssd tier's write budget (None: none)."""
+    compared only with other owners (``words``: how refusals name one). ``directory`` and ``leases``: made here
+    unless the server made them first (its tenancy reads them); ``shares``: makes the namespaces' ssd shares
+    from the ssd tier's write budget (None: none)."""
 
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic,
                  wrap: Wrap | None = None, policy: AdmissionPolicy | None = None,
                  owner_of: Callable[[bytes], str] | None = None, arena_bytes: Callable[[str], int] | None = None,
                  serving: Callable[[], bool] | None = None, directory: Directory | None = None,
-                 leases: LeaseTable | None = None, shares: Callable[[WriteBudget | None], NamespaceShares] | None = None) -> None:
+                 leases: LeaseTable | None = None, shares: Callable[[WriteBudget | None], NamespaceShares] | None = None,
+                 words: OwnerWords | None = None) -> None:
         self.config = config
         # whether this node may serve reads now (cluster mode: a member caught up with etcd's generations)
         self.serving = serving or (lambda: True)
@@ -58,7 +61,7 @@ class Placement(CoreReports):
         self.metrics = metrics or Metrics()
         with gc_paused():  # recovery: an object or two per stored page
             self.directory = open_directory(config) if directory is None else directory
-            self.landing, self.lower, upper, orders = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes)
+            self.landing, self.lower, upper, orders = open_tiers(config, self.metrics, clock, wrap, policy, arena_bytes, words)
             self.leases = LeaseTable(config.default_lease_ms, config.max_lease_ms, config.allocation_ttl_ms) if leases is None else leases
             self.residence = Residence(self.landing, list(self.lower), self.leases, upper, orders)
             self.tiers = self.residence.tiers

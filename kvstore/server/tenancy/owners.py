@@ -18,6 +18,7 @@ import lmdb
 
 from kvstore.errors import PermissionDenied
 from kvstore.lmdb_env import map_full
+from kvstore.tiers.owner_parts import OwnerWords
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,12 @@ def tenant_for(owner: str) -> str:
     return owner
 
 
-def owner_named(owner: str) -> str:
-    """How the core's and the tiers' refusals name an owner's part (tiers/owner_parts.py)."""
+def _named(owner: str) -> str:
     return f"tenant {tenant_for(owner)!r}"
+
+
+# How the tiers' logs and refusals name an owner's part, and what sizes its arena (its tenant's quota).
+OWNER_WORDS = OwnerWords(_named, "the tenant's host_bytes quota")
 
 
 class NamespaceOwners:
