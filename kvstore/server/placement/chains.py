@@ -9,7 +9,7 @@ when it is removed, so memory is bounded by what the tier holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Container, Iterable
+from collections.abc import Callable, Collection, Container, Iterable, Iterator
 
 from kvstore.server.leases import Pins
 
@@ -58,21 +58,20 @@ class PrefixLinks:
     def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
                  blocked: set[bytes]) -> bytes | None:
         """The last page of ``key``'s chain (following links to ``evictable`` pages; one being
-        moved down counts as gone), or None when a page after ``key`` is pinned otherwise:
-        that chain is in use up to it, so none of it goes. The pages seen then join
-        ``blocked`` (one victim search walks each chain once). A cycle a writer made up
-        (links are the writers' word) ends the walk at its first page seen twice, which goes
-        like any other: a walk costs its chain's length, never the tier's size."""
+        moved down counts as gone), or None when that last page is pinned: a pinned page keeps
+        the pages before it (without them it is of no use once read), not those after it, which
+        go first as any chain's tail does (and as ``TailFirst``'s shortcuts give them up). The
+        pages seen then join ``blocked`` (one victim search walks each chain once). A cycle a
+        writer made up (links are the writers' word) ends the walk at its first page seen
+        twice, which goes like any other: a walk costs its chain's length, never the tier's size."""
         moving: Container[bytes] = pinned.moving if isinstance(pinned, Pins) else ()  # moved down: keeps no chain
         seen: dict[bytes, None] = {}  # in walk order
         while key not in blocked:
-            if key in seen:
-                return key  # a cycle
+            after = [k for k in self.after(key) if evictable(k) and k not in moving] if key not in seen else []  # seen: a cycle
             seen[key] = None
-            after = [k for k in self.after(key) if evictable(k) and k not in moving]
             if not after:
-                return key
-            if any(k in pinned for k in after):
+                if key not in pinned:
+                    return key
                 break
             key = after[0]
         blocked.update(seen)
@@ -92,13 +91,38 @@ class TailFirst:
         self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
         self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
 
+    def link(self, key: bytes, parent: bytes) -> None:
+        """``parent`` comes right before ``key`` (PrefixLinks.link). A page linked again, or a
+        second page after one, may change a chain the shortcuts remember: they are dropped."""
+        if key in self.links.parent or self.links.after(parent):
+            self.forget()
+        self.links.link(key, parent)
+
     def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
         """``key`` left the tier (``evicted``: as the victim named last, maybe). Returns the
-        resident pages right after it (PrefixLinks.unlink)."""
+        resident pages right after it (PrefixLinks.unlink). Any other removal may cut the chain
+        the shortcuts remember (or be their candidate): they are dropped, the next search walks."""
         before = self.links.parent.get(key)
-        if evicted and before is not None and self._picked is not None and self._picked[1] == key:
-            self._next = (self._picked[0], before)  # where the next search down that chain ends: not walked again
+        picked = self._picked
+        if evicted and before is not None and picked is not None and picked[1] == key and picked[0] != key:
+            self._next = (picked[0], before)  # where the next search down that chain ends: not walked again
+        else:
+            self.forget()
         return self.links.unlink(key)
+
+    def forget(self) -> None:
+        """Drops the shortcuts: a page of some chain stopped, or started, being one the walk
+        follows (its owner's ``held``: a page hinted, say)."""
+        self._picked = self._next = None
+
+    def ends(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> Iterator[tuple[int, bytes]]:
+        """The order as a sort key (DESIGN §6): (position in ``order``, the last page of its chain)
+        for each page of ``order`` whose chain may go now; a page's priority is the first
+        position that names it, and ``victim`` names a page of the least. O(pages x depth):
+        the definition that ``victim``'s O(1)-a-page search is held to (tests), not a path."""
+        for position, key in enumerate(order):
+            if key not in pinned and (last := self.links.deepest(key, held, pinned, set())) is not None:
+                yield position, last
 
     def victim(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> bytes | None:
         """The page to go: ``order`` lists the held pages least recently used first."""

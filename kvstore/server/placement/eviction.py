@@ -66,7 +66,7 @@ class HostResidency:
             if self.orphans.pop(child, False) is None:
                 self.lru[child] = None
         if parent is not None:
-            self.links.link(key, parent)
+            self.chains.link(key, parent)
             if parent not in self:
                 self._orphan(key)
 
@@ -108,6 +108,7 @@ class HostResidency:
             self.protected.pop(key, None)
             self.orphans.pop(key, None)
             self.hinted.add(key)
+            self.chains.forget()  # a walk no longer follows it
 
     def consume(self, key: bytes, now: float) -> None:
         """A use of ``key`` happened: announced uses up to now are fulfilled."""
@@ -124,6 +125,7 @@ class HostResidency:
         self.depth.pop(key, None)
         if key in self.hinted:
             self.hinted.discard(key)
+            self.chains.forget()  # a walk follows it again
             if self.segmented:
                 self._protect(key)  # it was used, as announced
             else:
@@ -143,7 +145,24 @@ class HostResidency:
             if not etas:
                 self._unhint(key)
 
+    def priorities(self, pinned: Container[bytes], hinted_share: int | None = None) -> dict[bytes, tuple[int, float, int]]:
+        """The order as one priority function (DESIGN §6): each page that may go now with its
+        sort key, the least first. Unannounced pages by their chain's place in orphans,
+        probation, protected (``TailFirst.ends``); hinted ones by their next announced use,
+        furthest first, then the deepest; hinted ones after the others unless they hold more
+        than ``hinted_share`` pages. ``victim`` names a page of the least priority in O(1) a
+        page; this is the slow definition it is held to (tests), not a path."""
+        over = hinted_share is not None and len(self.hinted) > hinted_share
+        ranked: dict[bytes, tuple[int, float, int]] = {}
+        for position, last in self.chains.ends(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned):
+            ranked.setdefault(last, (int(over), float(position), 0))
+        for key in self.hinted:
+            if key not in pinned:
+                ranked[key] = (int(not over), -self.hints[key][0], -self.depth[key])
+        return ranked
+
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
+        """A page of the least ``priorities`` (None: every page is pinned or keeps a pinned one)."""
         blocked: set[bytes] = set()  # chains a pinned page keeps
         if hinted_share is None or len(self.hinted) <= hinted_share:
             last = self.chains.victim(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned)

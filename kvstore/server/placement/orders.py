@@ -38,7 +38,12 @@ class Order(Protocol):
 
     def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
         """The page to evict next to make room for one of ``page_bytes``, left in place
-        (None: every page is pinned)."""
+        (None: every page is pinned): one of the least ``priorities``."""
+        ...
+
+    def priorities(self, pinned: Container[bytes], page_bytes: int) -> dict[bytes, tuple[float, ...]]:
+        """The order as one priority function: each page that may go now with its sort key,
+        the least first (DESIGN §6). The slow definition ``victim`` is held to (tests)."""
         ...
 
 
@@ -70,6 +75,10 @@ class LruOrder:
         with self._lock:
             return next((k for k in self.keys if k not in pinned), None)
 
+    def priorities(self, pinned: Container[bytes], page_bytes: int) -> dict[bytes, tuple[float, ...]]:
+        with self._lock:
+            return {k: (float(i),) for i, k in enumerate(self.keys) if k not in pinned}
+
 
 class TailFirstOrder(LruOrder):
     """The SSD tier's order: least recently used first (a page counts as used when it is
@@ -85,7 +94,7 @@ class TailFirstOrder(LruOrder):
             self.keys.pop(key, None)
             self.keys[key] = None
             if parent is not None:
-                self.chains.links.link(key, parent)
+                self.chains.link(key, parent)
 
     def removed(self, key: bytes, evicted: bool) -> None:
         with self._lock:
@@ -95,6 +104,13 @@ class TailFirstOrder(LruOrder):
     def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
         with self._lock:
             return self.chains.victim(self.keys, self.keys.__contains__, pinned)
+
+    def priorities(self, pinned: Container[bytes], page_bytes: int) -> dict[bytes, tuple[float, ...]]:
+        with self._lock:
+            ranked: dict[bytes, tuple[float, ...]] = {}
+            for position, last in self.chains.ends(self.keys, self.keys.__contains__, pinned):
+                ranked.setdefault(last, (float(position),))
+            return ranked
 
 
 class HostOrder:
@@ -126,6 +142,10 @@ class HostOrder:
     def victim(self, pinned: Container[bytes], page_bytes: int) -> bytes | None:
         with self._lock:
             return self.residency.victim(pinned, self._hint_share(page_bytes))
+
+    def priorities(self, pinned: Container[bytes], page_bytes: int) -> dict[bytes, tuple[float, ...]]:
+        with self._lock:
+            return dict(self.residency.priorities(pinned, self._hint_share(page_bytes)))
 
     def parent(self, key: bytes) -> bytes | None:
         """The page before ``key`` in its prefix, as its writer named it (a page written down takes it along)."""

@@ -1,0 +1,102 @@
+"""Each eviction order is one priority function (DESIGN §6): under random traffic (pages
+stored in prefixes, used, hinted, consumed, expired, removed, evicted as named) and random
+pins, the victim an order names in O(1) a page is always one of the least priority its
+``priorities`` gives, and it names none exactly when that gives none. A scenario test
+proves one interleaving; this holds the fast orders to their definition on thousands."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.config import HostTierConfig
+from kvstore.server.placement.eviction import HostResidency
+from kvstore.server.placement.orders import HostOrder, LruOrder, TailFirstOrder
+
+KEYS = [bytes([i]) * 16 for i in range(36)]
+CHAINS = [KEYS[i : i + 6] for i in range(0, len(KEYS), 6)]  # six prefixes of six pages
+PARENT = {key: chain[i - 1] for chain in CHAINS for i, key in enumerate(chain) if i}
+
+
+def _held_to_its_priorities(victim: bytes | None, ranked: dict[bytes, tuple[float, ...]], what: str) -> None:
+    if not ranked:
+        assert victim is None, f"{what}: named {victim!r} though no page may go"
+        return
+    assert victim in ranked, f"{what}: named {victim!r}, which may not go now"
+    assert ranked[victim] == min(ranked.values()), f"{what}: named {ranked[victim]}, least is {min(ranked.values())}"
+
+
+def _traffic(rng: random.Random, stored: set[bytes], now: float) -> tuple[str, bytes, float]:
+    key = rng.choice(KEYS)
+    op = rng.choices(["store", "touch", "remove", "hint", "consume", "expire", "evict"], [6, 4, 1, 2, 2, 1, 4])[0]
+    if op in ("touch", "remove", "consume") and stored:
+        key = rng.choice(sorted(stored))
+    return op, key, now + rng.uniform(0.0, 5.0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_host_order_names_a_page_of_the_least_priority(seed: int) -> None:
+    rng = random.Random(seed)
+    residency = HostResidency(segmented=seed % 3 != 0, protected_share=rng.choice([0.5, 0.8]), ghost_pages=8)
+    stored: set[bytes] = set()
+    now = 0.0
+    for step in range(400):
+        now += 0.01
+        op, key, eta = _traffic(rng, stored, now)
+        if op == "store" and key not in stored:
+            residency.add(key, PARENT.get(key) if rng.random() < 0.9 else None)
+            stored.add(key)
+        elif op == "touch":
+            residency.touch(key)
+        elif op == "remove" and key in stored:
+            residency.remove(key)
+            stored.discard(key)
+        elif op == "hint":
+            residency.hint(key, round(eta, 1), depth=rng.randrange(6))  # rounded: equal uses happen
+        elif op == "consume":
+            residency.consume(key, now + rng.uniform(0.0, 3.0))
+        elif op == "expire":
+            residency.expire(now + rng.uniform(0.0, 4.0), 0.5)
+        pinned = {k for k in sorted(stored) if rng.random() < 0.15}
+        share = rng.choice([None, 0, 2, 6])
+        victim = residency.victim(pinned, share)
+        _held_to_its_priorities(victim, residency.priorities(pinned, share), f"seed {seed} step {step} ({op})")
+        if op == "evict" and victim is not None:  # named, then written down or dropped: the shortcuts' path
+            residency.remove(victim, evicted=True)
+            stored.discard(victim)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_ssd_and_pool_orders_name_a_page_of_the_least_priority(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    orders = {"ssd": TailFirstOrder(), "pool": LruOrder()}
+    stored: set[bytes] = set()
+    for step in range(400):
+        op, key, _ = _traffic(rng, stored, 0.0)
+        for name, order in orders.items():
+            if op == "store":
+                order.stored(key, PARENT.get(key) if rng.random() < 0.9 else None)
+            elif op == "touch":
+                order.touch(key)
+            elif op == "remove":
+                order.removed(key, evicted=False)
+        stored = stored | {key} if op == "store" else stored - {key} if op == "remove" else stored
+        pinned = {k for k in sorted(stored) if rng.random() < 0.15}
+        for name, order in orders.items():
+            victim = order.victim(pinned, 1)
+            _held_to_its_priorities(victim, order.priorities(pinned, 1), f"{name} seed {seed} step {step} ({op})")
+            if op == "evict" and victim is not None:
+                order.removed(victim, evicted=True)
+        if op == "evict":
+            stored = {k for k in stored if all(k in order for order in orders.values())}
+
+
+def test_the_host_order_in_its_lock_gives_the_same_priorities() -> None:
+    """HostOrder (the core's object, with its hint share) answers the residency's function."""
+    order = HostOrder(HostTierConfig(capacity_bytes=64 << 20))
+    for chain in CHAINS[:2]:
+        for i, key in enumerate(chain):
+            order.stored(key, chain[i - 1] if i else None)
+    ranked = order.priorities(set(), 1 << 20)
+    assert order.victim(set(), 1 << 20) == min(ranked, key=ranked.__getitem__) == CHAINS[0][-1]
