@@ -81,7 +81,7 @@ class Clients:
             if not first.get("connected"):
                 results[i] = first  # could not connect: its errors are in the result
             shared += bool(first.get("shared_memory"))
-        start = time.time() + 1.0
+        start = time.time() + 0.25  # every client is connected and waits on its pipe; a late one starts late, same window
         for i, pipe in enumerate(self.pipes):
             if results[i] is None:
                 pipe.send(start)
@@ -170,7 +170,8 @@ def _sample(server: subprocess.Popen[str], directory: Any, start: float, total_s
             bar.update(elapsed - shown)
             shown = elapsed
             bar.set_postfix_str(f"server RSS {timeline[-1][1] >> 20} MiB", refresh=False)
-        time.sleep(1.0)
+        now = time.time()  # ticks 1 s apart from the start, no wait past the start or the end
+        time.sleep(min(1.0, max(0.0, (start if now < start else start + total_s + 0.5) - now)))
     bar.update(int(total_s) - shown)
     return timeline, host
 
