@@ -100,19 +100,26 @@ class TailFirst:
 
     def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
         """``key`` left the tier (``evicted``: as the victim named last, maybe). Returns the
-        resident pages right after it (PrefixLinks.unlink). Any other removal may cut the chain
-        the shortcuts remember (or be their candidate): they are dropped, the next search walks."""
+        resident pages right after it (PrefixLinks.unlink); the shortcuts as ``changed`` says."""
         before = self.links.parent.get(key)
         picked = self._picked
         if evicted and before is not None and picked is not None and picked[1] == key and picked[0] != key:
             self._next = (picked[0], before)  # where the next search down that chain ends: not walked again
         else:
-            self.forget()
+            self.changed(key)
         return self.links.unlink(key)
 
+    def changed(self, key: bytes) -> None:
+        """``key`` left, or stopped or started being a page the walk follows (its owner's
+        ``held``: a page hinted, say). A page with pages after it, or a candidate the
+        shortcuts remember, may change the chain they remember: they are dropped, the next
+        search walks. A chain's last page changes no walk but one that ends there, which the
+        shortcuts' own checks catch (the pages of a demotion batch leave so, tail first)."""
+        if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:
+            self.forget()
+
     def forget(self) -> None:
-        """Drops the shortcuts: a page of some chain stopped, or started, being one the walk
-        follows (its owner's ``held``: a page hinted, say)."""
+        """Drops the shortcuts: the next search walks its chain."""
         self._picked = self._next = None
 
     def ends(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> Iterator[tuple[int, bytes]]:

@@ -108,7 +108,7 @@ class HostResidency:
             self.protected.pop(key, None)
             self.orphans.pop(key, None)
             self.hinted.add(key)
-            self.chains.forget()  # a walk no longer follows it
+            self.chains.changed(key)  # a walk no longer follows it
 
     def consume(self, key: bytes, now: float) -> None:
         """A use of ``key`` happened: announced uses up to now are fulfilled."""
@@ -125,7 +125,7 @@ class HostResidency:
         self.depth.pop(key, None)
         if key in self.hinted:
             self.hinted.discard(key)
-            self.chains.forget()  # a walk follows it again
+            self.chains.changed(key)  # a walk follows it again
             if self.segmented:
                 self._protect(key)  # it was used, as announced
             else:
