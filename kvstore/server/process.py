@@ -227,25 +227,26 @@ class Server:
         self._grpc = grpc.server(pool, options=grpc_options(config), interceptors=[self.security.interceptor])
         # Handoffs (DESIGN §12.7): completion markers held here as a decode node; Acquire lets go of what a waiter took over.
         self.handoffs = HandoffMarkers(self.core)
-        # The tenancy gate in front of the core (DESIGN §11): each call's caller resolved, quota reserved, core called, settled.
-        self._tenant_arenas = bool(config.security.tenants) and not config.security.share_arena  # an arena per tenant
-        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas,
-                    wal=self.wal, moves=self.session_moves)
-        directory_service = DirectoryService(self.core, config, gate)
-        directory_handlers = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
-        guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory_handlers, self.streams,
-                              self.metrics, request_limits(config))
         # The arena socket hands each tenant its arena (tenant arenas) and, with hbm, its device pool.
+        self._tenant_arenas = bool(config.security.tenants) and not config.security.share_arena  # an arena per tenant
         hbm = "hbm" in config.tiers
         self.arena_socket: ArenaSocket | None = None
         if self._tenant_arenas or hbm:
             self.arena_socket = ArenaSocket(self._socket_path("arena.sock"), authenticator, self._arena_for,
                                             pool_for=self._pool_for if hbm else None)
         socket_path = self.arena_socket.path if self.arena_socket else None
+        # The tenancy gate in front of the core (DESIGN §11): each call's caller resolved, quota reserved, core called,
+        # settled; GetInfo, Allocate and Acquire name the caller's own arena and pool (tenancy/gate_arenas.py).
+        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas,
+                    wal=self.wal, moves=self.session_moves, share_arena=config.security.share_arena,
+                    arena_socket=socket_path if self._tenant_arenas else None, pool_socket=socket_path if hbm else None)
+        directory_service = DirectoryService(self.core, config, gate)
+        directory_handlers = generated_handlers(directory_pb2_grpc.add_DirectoryServicer_to_server, directory_service)
+        guarded = add_service(self._grpc, directory_pb2.DESCRIPTOR.services_by_name["Directory"], directory_handlers, self.streams,
+                              self.metrics, request_limits(config))
         # The same-host call socket's path and token, made before the services that announce them (GetInfo).
         call_path, call_token = self._socket_path("call.sock"), secrets.token_bytes(CALL_TOKEN_BYTES)
-        data_service = DataService(self.core, config, gate, socket_path if self._tenant_arenas else None,
-                                   socket_path if hbm else None, call_path, call_token)
+        data_service = DataService(self.core, config, gate, call_path, call_token)
         guarded |= add_service(self._grpc, data_pb2.DESCRIPTOR.services_by_name["Data"], data_handlers(data_service),
                                self.streams, self.metrics, request_limits(config))
         migration = MigrationService(self.core, config, gate)

@@ -22,7 +22,6 @@ from kvstore.server.services.page_writes import PageWrites
 from kvstore.server.services.read_ahead import built_ahead
 from kvstore.server.services.rpc_errors import stream, unary
 from kvstore.server.services.session_log import SessionCalls
-from kvstore.server.services.shared_memory import SharedMemory
 from kvstore.server.tenancy.gate import Gate
 from kvstore.server.tenancy.node_calls import MAX_REPLICAS
 
@@ -31,11 +30,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     """Each handler validates its request, makes one call of the tenancy gate (tenancy/gate.py)
     or the core, and answers; exceptions become statuses in rpc_errors.py."""
 
-    def __init__(self, core: Placement, config: ServerConfig, gate: Gate, arena_socket: Path | None = None,
-                 pool_socket: Path | None = None, call_socket: Path | None = None, call_token: bytes = b"") -> None:
+    def __init__(self, core: Placement, config: ServerConfig, gate: Gate, call_socket: Path | None = None,
+                 call_token: bytes = b"") -> None:
         self.core = core
-        self.gate = gate  # each call's caller resolved, quota reserved, core called, settled
-        self.memory = SharedMemory(core, config, gate.tenancy, arena_socket, pool_socket)  # the caller's arena and hbm pool
+        self.gate = gate  # each call's caller resolved, quota reserved, core called, settled; its arena and pool too
         self.call_socket, self.call_token = call_socket, call_token  # the same-host call socket (kvstore/callsocket/socket_server.py), announced
         self.config = config
         self.metrics = core.metrics
@@ -50,12 +48,13 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def GetInfo(self, request: data_pb2.GetInfoRequest, context: grpc.ServicerContext) -> data_pb2.GetInfoResponse:
-        """The caller's arena and pool: one trust domain each (shared_memory.py)."""
-        who = current_identity()
+        """The caller's arena and pool: one trust domain each (tenancy/gate_arenas.py)."""
+        memory = self.gate.memory_info(current_identity())
         info = data_pb2.GetInfoResponse(node=self.core.node, tiers=list(self.config.tiers),
                                         max_pages_per_request=self.config.max_pages_per_request,
-                                        max_page_bytes=self.config.max_page_bytes)
-        self.memory.describe(who, info)
+                                        max_page_bytes=self.config.max_page_bytes, arena_path=memory.arena_path,
+                                        arena_socket=memory.arena_socket, arena_bytes=memory.arena_bytes,
+                                        arena_token=memory.arena_token, pool_socket=memory.pool_socket)
         if self.call_socket is not None:
             info.call_socket, info.call_token = str(self.call_socket), self.call_token
         return info
@@ -72,12 +71,11 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         keys = self._keys(list(request.keys))
         parent = validate.keys([request.parent], 1)[0] if request.parent else None
         generation = validate.generation(request.generation) if request.HasField("generation") else None
-        who = current_identity()
-        ident, slots, alloc = self.gate.allocate(who, ns, layout, keys, parent, generation, request.session_id, context)
-        arena = self.memory.arena(who)
+        ident, slots, alloc, arena_token = self.gate.allocate(current_identity(), ns, layout, keys, parent, generation,
+                                                              request.session_id, context)
         return data_pb2.AllocateResponse(
             allocation_id=ident, page_bytes=layout.page_bytes, ttl_ms=self.core.config.allocation_ttl_ms,
-            arena_token=arena.token if arena is not None else b"", slots=self._slots(slots),
+            arena_token=arena_token, slots=self._slots(slots),
             generation=alloc.generation if alloc is not None else self.core.directory.generation(ns))
 
     def _slots(self, slots: list[tuple[bytes, int | None]]) -> list[data_pb2.Slot]:
@@ -101,11 +99,11 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     def Acquire(self, request: data_pb2.AcquireRequest, context: grpc.ServicerContext) -> data_pb2.AcquireResponse:
         ns = validate.namespace_id(request.namespace_id)
         keys = self._keys(list(request.keys))
-        who = current_identity()
-        self.memory.check_arena(who, ns)
-        device = self.memory.device(who, request)
-        ident, pages = self.gate.acquire(who, ns, keys, request.ttl_ms, context, device)
-        return self.memory.acquired(who, ident, pages, device)
+        got = self.gate.acquire(current_identity(), ns, keys, request.ttl_ms, context, request.device)
+        return data_pb2.AcquireResponse(
+            lease_id=got.lease_id, page_bytes=got.page_bytes, arena_token=got.arena_token, pool_token=got.pool_token,
+            pages=[data_pb2.AcquiredPage(key=p.key, offset=p.offset, checksum=p.checksum, on_device=p.device_offset is not None,
+                                         device_offset=p.device_offset or 0) for p in got.pages])
 
     @unary
     def Release(self, request: data_pb2.ReleaseRequest, context: grpc.ServicerContext) -> data_pb2.ReleaseResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore import validate
@@ -23,6 +24,7 @@ from kvstore.server.session_owners import SessionOwners
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
 from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.gate_arenas import ArenaGate, Mapped
 from kvstore.server.tenancy.gate_directory import DirectoryGate
 from kvstore.server.tenancy.gate_handoffs import HandoffGate
 from kvstore.server.tenancy.gate_migration import MigrationGate
@@ -41,14 +43,15 @@ Slots = list[tuple[bytes, int | None]]
 HintEntries = list[tuple[list[bytes], float]]
 
 
-class Gate(DirectoryGate, HandoffGate, MigrationGate):
+class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
     """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages).
     The directory's operations are in gate_directory.py, the handoffs' in gate_handoffs.py, live
-    migration's in gate_migration.py."""
+    migration's in gate_migration.py, the memory a same-host caller maps in gate_arenas.py."""
 
     def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
                  cluster: ClusterRuntime | None = None, tenant_arenas: bool = False, wal: TokenLog | None = None,
-                 moves: SessionMoves | None = None) -> None:
+                 moves: SessionMoves | None = None, share_arena: bool = False, arena_socket: Path | None = None,
+                 pool_socket: Path | None = None) -> None:
         self.core = core
         self.tenancy = tenancy
         self.quotas = tenancy.quotas
@@ -60,10 +63,15 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         self.wal = wal  # the token log: a migrated session's log
         self.moves = moves  # cluster mode: etcd's records of session moves (live migration)
         self.reports = ReportBudget()  # pages readers report failing, checked per owner (placement/reported.py)
+        self.share_arena = share_arena  # --share-arena: one arena for every tenant
+        self.arena_socket = arena_socket  # with tenant arenas: where a caller fetches its own arena
+        self.pool_socket = pool_socket  # with hbm: where an engine fetches its tenant's pool
 
     def allocate(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
-                 generation: int | None, session_id: str, context: CallContext) -> tuple[bytes, Slots, Allocation | None]:
-        """Room at the tenant's host quota (room.py), the namespace claimed, the slots allocated."""
+                 generation: int | None, session_id: str,
+                 context: CallContext) -> tuple[bytes, Slots, Allocation | None, bytes]:
+        """Room at the tenant's host quota (room.py), the namespace claimed, the slots allocated;
+        last, the token of the caller's arena they are in (empty: none, gate_arenas.py)."""
         if session_id and self.tenancy.sees(who, ns):  # a session fenced here (live migration): refused, to its tenant
             self.session_owners.check(ns, session_id, "Allocate")
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
@@ -78,7 +86,7 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         alloc = self.core.leases.allocation(ident)
         if alloc is not None and session_id:  # kept for its Commit: refused if the session is fenced by then
             alloc.session_id = session_id
-        return ident, slots, alloc
+        return ident, slots, alloc, self._arena_token(who)
 
     def commit(self, who: Identity, allocation_id: bytes, keys: list[bytes], checksums: list[int], durable: bool,
                flags: int) -> int:
@@ -167,9 +175,13 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate):
         return n
 
     def acquire(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext,
-                device: bool = False) -> tuple[bytes, list[AcquiredPage]]:
-        """A lease on what the caller may read of ``keys`` (nothing: as for an empty namespace)."""
-        return self._acquire(who, ns, keys, ttl_ms, context, device, node_call=False)
+                device: bool = False) -> Mapped:
+        """A lease on what the caller may read of ``keys`` (nothing: as for an empty namespace), in
+        its own arena and, with ``device``, copied to its own pool where it may map it (gate_arenas.py)."""
+        self._check_arena(who, ns)
+        device = self._to_device(who, device)
+        ident, pages = self._acquire(who, ns, keys, ttl_ms, context, device, node_call=False)
+        return self._mapped(who, ident, pages, device)
 
     def read(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext, local_only: bool,
              tenant: str, generation: int | None) -> tuple[bytes, list[AcquiredPage]]:

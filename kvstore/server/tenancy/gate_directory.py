@@ -1,5 +1,5 @@
 """The tenancy gate's directory operations (Lookup, Publish, Remove, Invalidate, Subscribe,
-Quarantine): a mixin of ``Gate`` (gate.py), apart because they touch records, not pages."""
+Quarantine, Stats): a mixin of ``Gate`` (gate.py), apart because they touch records, not pages."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING
 from kvstore import validate
 from kvstore.directory import Event, EventKind
 from kvstore.errors import InvalidRequest
-from kvstore.security.identity import Identity
+from kvstore.security.identity import Identity, Rights
 from kvstore.server.placement import Placement
+from kvstore.server.stats import CoreStats
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
 from kvstore.server.tenancy.node_calls import acting_for, require_node
+from kvstore.server.tenancy.owners import owner_for
 from kvstore.server.tenancy.room import CallContext
-from kvstore.tiers.base import Quarantined
+from kvstore.tiers.base import Quarantined, TierUsage
 from kvstore.types import LocationRun
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
 
 SUBSCRIBE_POLL_S = 0.5
 Record = tuple[bytes, str, str, int]  # key, node, tier, size_bytes
+TenantUse = tuple[str, dict[str, int], dict[str, int]]  # a tenant, what it holds and its limits, by TenantQuota field
 
 
 class DirectoryGate:
@@ -122,3 +125,38 @@ class DirectoryGate:
             self.tenancy.check_purge(who)
         pages = [q for q in self.core.quarantined() if self.tenancy.sees(who, q.namespace_id)]
         return pages, self.core.purge_quarantine() if purge else 0
+
+    def stats(self, who: Identity) -> tuple[CoreStats, list[TenantUse]]:
+        """An admin's: the node's figures and every tenant's use. Another caller's: only its own
+        (``_own_stats``), never the server-wide hit, eviction and SSD-budget counters, which would
+        tell it how busy the other tenants are."""
+        if not who.allows(Rights.ADMIN):
+            return self._own_stats(who), [self._use(who.tenant)]
+        return self.core.stats(), [self._use(t) for t in self.tenancy.tenants()]
+
+    def _use(self, tenant: str) -> TenantUse:
+        return tenant, self.tenancy.quotas.usage(tenant), vars(self.tenancy.quotas.limits(tenant))
+
+    def _own_stats(self, who: Identity) -> CoreStats:
+        """The pages and bytes of the caller's own namespaces in each of this node's tiers (and the
+        tiers' capacities, the operator's public figures), its leases, its quarantined pages and the
+        event sequence it subscribes from. Not a hot path: it walks its namespaces' directory entries."""
+        directory = self.core.directory
+        pages: dict[str, int] = {}
+        used: dict[str, int] = {}
+        num_entries = 0
+        for namespace_id in self.tenancy.owners.namespaces_of(who.tenant):
+            for key in directory.keys_of(namespace_id):
+                entry = directory.get(key)
+                if entry is None:
+                    continue
+                num_entries += 1
+                for loc in list(entry.locations.values()):
+                    if loc.node == self.core.node:
+                        pages[loc.tier] = pages.get(loc.tier, 0) + 1
+                        used[loc.tier] = used.get(loc.tier, 0) + loc.size_bytes
+        tiers = {name: TierUsage(pages.get(name, 0), used.get(name, 0), usage.capacity_bytes)
+                 for name, usage in self.core.reporter.usages().items()}
+        quarantined = sum(1 for q in self.core.quarantined() if self.tenancy.sees(who, q.namespace_id))
+        return CoreStats(self.core.node, num_entries, directory.events.last_seq, tiers,
+                         self.core.leases.held(owner_for(who.tenant))[0], quarantined)
