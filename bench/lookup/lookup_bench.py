@@ -77,18 +77,23 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0,
-           number: int = 1) -> list[subprocess.Popen[str]]:
-    """``number`` load processes of ``role``, started together and each ready (an interpreter
-    that imports torch takes seconds: one after the other, they made most of a run's time)."""
-    args = [sys.executable, "-m", "kvstore.bench.lookup.lookup_load", role, "--address", address, "--pages", str(pages),
-            "--seconds", str(seconds), "--rate", str(rate), "--count", str(count)]
-    procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(number)]
-    for proc in procs:
+           number: int = 1, writer: tuple[float, float] | None = None) -> list[subprocess.Popen[str]]:
+    """``number`` load processes of ``role`` (with ``writer``, first in the list a writer of
+    that many seconds at that rate), started together and each ready (an interpreter that
+    imports torch takes seconds: one after the other, they made most of a run's time)."""
+    def command(role: str, seconds: float, rate: float, count: int) -> list[str]:
+        return [sys.executable, "-m", "kvstore.bench.lookup.lookup_load", role, "--address", address, "--pages", str(pages),
+                "--seconds", str(seconds), "--rate", str(rate), "--count", str(count)]
+
+    commands = [command("writer", *writer, 0)] if writer else []
+    commands += [command(role, seconds, rate, count)] * number
+    procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for args in commands]
+    for proc, args in zip(procs, commands, strict=True):
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             for other in procs:
                 other.kill()
-            raise RuntimeError(f"load process {role} did not get ready")
+            raise RuntimeError(f"load process {args[3]} did not get ready")
     return procs
 
 
@@ -154,10 +159,9 @@ def _run(address: str, role: str, clients: int, pages: int, seconds: float, stat
          writer_core: int = -1) -> dict[str, Any]:
     """A demoting or writing row: one window beside the writer (idle rows are _idle's)."""
     demote = state == "demoting"
-    writer = _spawn("writer", address, pages, seconds + 1.5, rate)[0]
+    writer, *procs = _spawn(role, address, pages, seconds, number=clients, writer=(seconds + 1.5, rate))
     if writer_core >= 0:
         os.sched_setaffinity(writer.pid, {writer_core})
-    procs = _spawn(role, address, pages, seconds, number=clients)
     # leased once every process is ready (starting them can take longer than a lease on a
     # loaded machine), before the writer is let go
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
