@@ -100,3 +100,41 @@ def test_the_host_order_in_its_lock_gives_the_same_priorities() -> None:
             order.stored(key, chain[i - 1] if i else None)
     ranked = order.priorities(set(), 1 << 20)
     assert order.victim(set(), 1 << 20) == min(ranked, key=ranked.__getitem__) == CHAINS[0][-1]
+
+
+@pytest.mark.parametrize("order_kind", ["host", "ssd"])
+def test_a_remembered_chain_end_stored_again_elsewhere_is_not_its_chain_end(order_kind: str) -> None:
+    """The shortcut a tail-first eviction leaves (the page before its victim: that chain's end
+    next) names that page only while it is that chain's end. Removed (not as a victim, say
+    invalidated) and stored again with no parent, or after another page, it is the newest
+    page of another chain: the next victim is the old chain's end, not it (DESIGN §6)."""
+    a, b = CHAINS[0][:4], CHAINS[1][:2]
+    if order_kind == "host":
+        residency = HostResidency(segmented=False)
+        store, remove = residency.add, residency.remove
+
+        def victim() -> bytes | None:
+            return residency.victim(set())
+
+        def ranked() -> dict[bytes, tuple[float, ...]]:
+            return dict(residency.priorities(set()))
+    else:
+        order = TailFirstOrder()
+        store, remove = order.stored, order.removed  # type: ignore[assignment]
+
+        def victim() -> bytes | None:
+            return order.victim(set(), 1)
+
+        def ranked() -> dict[bytes, tuple[float, ...]]:
+            return order.priorities(set(), 1)
+    for chain in (a, b):
+        for i, key in enumerate(chain):
+            store(key, chain[i - 1] if i else None)
+    assert victim() == a[3]
+    remove(a[3], True)  # evicted as named: the shortcut remembers a[2], the chain's end now
+    assert victim() == a[2]
+    remove(a[2], False)  # removed otherwise (invalidated), then written again on its own
+    store(a[2], None)
+    named = victim()
+    _held_to_its_priorities(named, ranked(), order_kind)
+    assert named == a[1]  # the least recently used chain's end; a[2] is the newest page

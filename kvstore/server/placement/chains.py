@@ -114,9 +114,15 @@ class TailFirst:
         ``held``: a page hinted, say). A page with pages after it, or a candidate the
         shortcuts remember, may change the chain they remember: they are dropped, the next
         search walks. A chain's last page changes no walk but one that ends there, which the
-        shortcuts' own checks catch (the pages of a demotion batch leave so, tail first)."""
+        shortcuts' own checks catch (the pages of a demotion batch leave so, tail first). A
+        remembered end itself leaving is forgotten: stored again elsewhere, it would pass
+        those checks as the end of a chain it is no longer in."""
         if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:
             self.forget()
+        if self._next is not None and self._next[1] == key:
+            self._next = None
+        if self._picked is not None and self._picked[1] == key:
+            self._picked = None
 
     def forget(self) -> None:
         """Drops the shortcuts: the next search walks its chain."""
