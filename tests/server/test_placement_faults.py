@@ -216,14 +216,17 @@ def test_a_slow_ssd_write_blocks_no_lookup_acquire_or_allocation(tmp_path) -> No
         server.stop(grace_s=1)
 
 
-def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
+def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path, monkeypatch, caplog) -> None:
     """A server stopping while its demoter writes a round through a slow SSD waits for that
     round, then closes the tiers. Bug: Demoter.stop joined for 10 s and the server closed the
     tiers, the SSD file and its index under a demoter still writing (found in CI: the next
-    test read the leftover thread; a reused descriptor could take its writes)."""
+    test read the leftover thread; a reused descriptor could take its writes). The join's
+    period is 0.5 s here and the round outlasts several (the warning each says so), so a
+    bounded join of any length the stop might regress to fails as the 10 s one did."""
+    monkeypatch.setattr("kvstore.server.placement.demoter.STOP_WARN_S", 0.5)
     config = make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=16 << 20)
     config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.5, demote_to=0.05))
-    wrap, _made = _faulty_ssd(0, delay_s=0.2)  # a round of 64 pages: ~13 s
+    wrap, _made = _faulty_ssd(0, delay_s=0.05)  # a round of 64 pages: ~3 s
     server = Server(config, wrap=wrap)
     before = {t.native_id for t in threading.enumerate()}
     server.start()
@@ -238,6 +241,7 @@ def test_a_stop_waits_for_the_demotion_round_under_way(tmp_path) -> None:
     finally:
         server.stop(grace_s=1)
     assert not any(t.is_alive() for t in demoters), "the server closed its tiers under a demoter still writing"
+    assert any("still writing a round down" in r.getMessage() for r in caplog.records), "the round ended within one join"
 
 
 class _Buggy(FaultyTier):
