@@ -211,6 +211,7 @@ class ClusterConfig:
     data_port: int = 0  # the UCX or TCP data listener's port (0: any free one; it is registered in etcd)
     advertise_data_port: int = 0  # the port peers reach that listener at (behind a NAT or a forward); 0: its own
     ttl_s: int = 10  # the membership lease
+    join_timeout_s: float = 0.0  # a start that cannot join gives up after this (0: 3 TTLs, at least 10 s)
     replicas: int = 1  # directory owners of each page's record
     fetch_timeout_s: float = 5.0  # a remote fetch gives up after this (or the caller's deadline, if sooner)
     rpc_timeout_s: float = 2.0  # node-to-node directory calls (lookup, publish)
@@ -230,6 +231,8 @@ class ClusterConfig:
             raise ConfigError(f"--advertise-data-port must be a port (0: the listener's own), got {self.advertise_data_port}")
         if self.ttl_s < 2:
             raise ConfigError("--cluster-ttl must be >= 2 s")
+        if not 0 <= self.join_timeout_s < float("inf"):
+            raise ConfigError(f"--cluster-join-timeout-s must be >= 0 (0: 3 TTLs, at least 10 s), got {self.join_timeout_s}")
         if self.replicas < 1:
             raise ConfigError("--cluster-replicas must be >= 1")
         if not (self.fetch_timeout_s > 0 and self.rpc_timeout_s > 0):

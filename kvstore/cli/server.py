@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "listener's own)")
     cluster.add_argument("--cluster-name", default="default", help="keys live under /kvstore/NAME/ in etcd")
     cluster.add_argument("--cluster-ttl", type=int, default=10, help="membership lease TTL in seconds")
+    cluster.add_argument("--cluster-join-timeout-s", type=float, default=0.0,
+                         help="a start that cannot join the cluster gives up after this (0: 3 TTLs, at least 10 s: a "
+                              "restarted node waits for its previous lease to expire)")
     cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record")
     cluster.add_argument("--fetch-timeout-s", type=float, default=5.0,
                          help="a remote page fetch gives up after this, or the caller's deadline if sooner")
@@ -193,7 +196,8 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterConfig | None:
     return ClusterConfig(
         etcd=args.cluster, node_id=args.node_id, advertise=args.advertise or args.listen, name=args.cluster_name,
         data_plane=args.data_plane, ucx_tls=args.ucx_tls, data_port=args.data_port, advertise_data_port=args.advertise_data_port,
-        ttl_s=args.cluster_ttl, replicas=args.cluster_replicas, fetch_timeout_s=args.fetch_timeout_s,
+        ttl_s=args.cluster_ttl, join_timeout_s=args.cluster_join_timeout_s, replicas=args.cluster_replicas,
+        fetch_timeout_s=args.fetch_timeout_s,
         token=os.environ.get("KVSTORE_CLUSTER_TOKEN") or None,  # a secret: not on the command line
     )
 

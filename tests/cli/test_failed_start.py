@@ -45,7 +45,7 @@ def test_a_listen_port_in_use_leaves_no_arena(tmp_path: Path) -> None:
 def test_an_unreachable_etcd_leaves_no_arena_nor_socket(tmp_path: Path) -> None:
     before = {p.name for p in SHM.glob("kvstore-*")}
     done = _server(tmp_path, "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--cluster", f"etcd://127.0.0.1:{free_port()}",
-                   "--node-id", "failedjoin", "--advertise", "127.0.0.1:1", "--cluster-ttl", "2")
+                   "--node-id", "failedjoin", "--advertise", "127.0.0.1:1", "--cluster-ttl", "2", "--cluster-join-timeout-s", "1.5")
     assert done.returncode == 2, done.stderr
     assert "could not join the cluster" in done.stderr
     assert _left_behind(tmp_path, "failedjoin", before) == []

@@ -93,8 +93,8 @@ class ClusterRuntime:
     def start(self, timeout_s: float | None = None) -> None:
         """Makes and starts the loop, the page server, joins the cluster and publishes what this node
         holds; returns once it is a member (CoordinatorUnavailable after ``timeout_s``,
-        by default 3 TTLs: a restarted node waits for its previous lease to expire)."""
-        timeout_s = timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
+        by default --cluster-join-timeout-s or 3 TTLs: a restarted node waits for its previous lease to expire)."""
+        timeout_s = timeout_s or self.cluster.join_timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
         self._thread.start()
