@@ -66,13 +66,16 @@ class Reader:
         read_up: list[tuple[int, bytes, int]] = []  # (lower tier, key, landing slot)
         at: list[int] = []  # where each of read_up is in pages
         touched: list[bytes] = []  # landing hits, touched once the prefix is known
-        arena = self.landing.part(self.owner_of(namespace_id))  # before the lock: it may be made now
+        # before the lock: it may be made now; only for a namespace with a page here (DESIGN §11: an unbound one's
+        # reader, served nothing, makes no arena for the unbound owner, reserved in full and mapped by nobody)
+        first = self.directory.get(keys[0]) if keys else None
+        arena = self.landing.part(self.owner_of(namespace_id)) if first is not None and first.namespace_id == namespace_id else None
         with self.keeper.critical():
             self.keeper.reap()
             generation = self.directory.generation(namespace_id)  # a page of an older one is never served
             for key in keys:
                 entry = self.directory.get(key)
-                if entry is None or entry.namespace_id != namespace_id or not self.residence.stored(key):
+                if entry is None or entry.namespace_id != namespace_id or arena is None or not self.residence.stored(key):
                     miss.labels(landing).inc()
                     break
                 if learn:

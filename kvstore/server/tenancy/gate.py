@@ -181,7 +181,11 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         self._check_arena(who, ns)
         device = self._to_device(who, device)
         ident, pages = self._acquire(who, ns, keys, ttl_ms, context, device, node_call=False)
-        return self._mapped(who, ident, pages, device)
+        try:
+            return self._mapped(who, ident, pages, device)
+        except BaseException:  # its own arena could not be made (TierFull): a refused call holds no lease (DESIGN §11)
+            self.core.release(ident, owner_for(who.tenant))
+            raise
 
     def read(self, who: Identity, ns: bytes, keys: list[bytes], ttl_ms: int, context: CallContext, local_only: bool,
              tenant: str, generation: int | None) -> tuple[bytes, list[AcquiredPage]]:
