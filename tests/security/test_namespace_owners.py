@@ -10,9 +10,10 @@ import torch
 from support.kv import random_kv
 from support.tenants import LAYOUT, OPS, READER, WRITER, A, B, Caller, new_keys, new_ns, quarantine_a_page, tenant_config
 
-from kvstore import KVLayout, Namespace
+from kvstore import KVLayout, Namespace, validate
 from kvstore._proto import common_pb2, data_pb2, directory_pb2
 from kvstore.client import ClientTLS, KVStoreClient
+from kvstore.security.identity import Identity, Rights
 from kvstore.server import Server
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -124,6 +125,32 @@ def test_a_caller_without_the_right_is_denied(tenant_server, ca) -> None:
     assert writer.code(writer.directory.Lookup, directory_pb2.LookupRequest(namespace_id=ns, keys=new_keys(1))) == DENIED
     assert reader.code(reader.directory.Invalidate, directory_pb2.InvalidateRequest(namespace_id=ns)) == DENIED
     assert reader.code(reader.directory.Quarantine, directory_pb2.QuarantineRequest(purge=True)) == DENIED
+
+
+class _GoneContext:
+    """A caller whose deadline passed while its Allocate made room: nobody hears the answer."""
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return 0.0
+
+
+def test_an_allocate_its_caller_left_binds_nothing(tenant_server, ca) -> None:
+    """An Allocate whose deadline passed while it made room is given back (nobody hears of it);
+    the namespace must not stay bound to its caller either (a rejected request leaves no
+    binding): another tenant's write into it is then its first. Found by review: the claim was
+    settled as a success before the gate saw the caller gone."""
+    b = Identity(tenant="b", rights=Rights.READ | Rights.WRITE, salt=b"\0" * 16)
+    ns = new_ns()
+    gate = tenant_server._data.gate
+    ident, _slots, alloc, _token = gate.allocate(b, ns, validate.layout(LAYOUT), new_keys(1), None, None, "", _GoneContext())
+    assert alloc is None and tenant_server.core.leases.allocation(ident) is None, "the allocation was not given back"
+    assert tenant_server.tenancy.owners.owner(ns) is None, "an Allocate nobody heard of bound the namespace"
+    a = Caller(tenant_server, ca, A)
+    assert a.put(ns, new_keys(1)) == 1
+    assert tenant_server.tenancy.owners.owner(ns) == "a"
 
 
 def test_a_rejected_request_binds_nothing(tenant_server, ca) -> None:

@@ -75,14 +75,17 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         if session_id and self.tenancy.sees(who, ns):  # a session fenced here (live migration): refused, to its tenant
             self.session_owners.check(ns, session_id, "Allocate")
         held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
+        claimed, heard = self.tenancy.claim(who, ns), False
         try:
-            with self.tenancy.writing(who, ns):
-                ident, slots = self.core.allocate(ns, layout, keys, owner_for(who.tenant), parent, self.quotas.handing_over(held),
-                                                  generation)
+            ident, slots = self.core.allocate(ns, layout, keys, owner_for(who.tenant), parent, self.quotas.handing_over(held),
+                                              generation)
+            heard = context.is_active()  # else its deadline passed while room was made: nobody hears of it (a gRPC caller)
+            if not heard:
+                self.core.abort(ident, owner_for(who.tenant))
         finally:
             held.release()  # handed over to the allocation's slots (or there are none)
-        if not context.is_active():  # its deadline passed while room was made: nobody hears of it (a gRPC caller)
-            self.core.abort(ident, owner_for(who.tenant))
+            if claimed:
+                self.tenancy.settle(who, ns, heard)  # bound only by an allocation its caller hears of
         alloc = self.core.leases.allocation(ident)
         if alloc is not None and session_id:  # kept for its Commit: refused if the session is fenced by then
             alloc.session_id = session_id
