@@ -11,12 +11,20 @@ import random
 import pytest
 
 from kvstore.config import HostTierConfig
+from kvstore.server.leases import Pins
 from kvstore.server.placement.eviction import HostResidency
 from kvstore.server.placement.orders import HostOrder, LruOrder, TailFirstOrder
 
 KEYS = [bytes([i]) * 16 for i in range(36)]
 CHAINS = [KEYS[i : i + 6] for i in range(0, len(KEYS), 6)]  # six prefixes of six pages
 PARENT = {key: chain[i - 1] for chain in CHAINS for i, key in enumerate(chain) if i}
+
+
+def _parent(rng: random.Random, key: bytes) -> bytes | None:
+    """The page a writer names before ``key``: its prefix's mostly, none sometimes, and now and
+    then another page (two prefixes sharing a head: a chain that branches)."""
+    draw = rng.random()
+    return PARENT.get(key) if draw < 0.85 else rng.choice(KEYS) if draw < 0.92 else None
 
 
 def _held_to_its_priorities(victim: bytes | None, ranked: dict[bytes, tuple[float, ...]], what: str) -> None:
@@ -45,7 +53,7 @@ def test_the_host_order_names_a_page_of_the_least_priority(seed: int) -> None:
         now += 0.01
         op, key, eta = _traffic(rng, stored, now)
         if op == "store" and key not in stored:
-            residency.add(key, PARENT.get(key) if rng.random() < 0.9 else None)
+            residency.add(key, _parent(rng, key))
             stored.add(key)
         elif op == "touch":
             residency.touch(key)
@@ -62,9 +70,31 @@ def test_the_host_order_names_a_page_of_the_least_priority(seed: int) -> None:
         share = rng.choice([None, 0, 2, 6])
         victim = residency.victim(pinned, share)
         _held_to_its_priorities(victim, residency.priorities(pinned, share), f"seed {seed} step {step} ({op})")
-        if op == "evict" and victim is not None:  # named, then written down or dropped: the shortcuts' path
+        if op == "evict" and rng.random() < 0.5:
+            _demotion_batch(residency, stored, rng, f"seed {seed} step {step}")
+        elif op == "evict" and victim is not None:  # named, then written down or dropped: the shortcuts' path
             residency.remove(victim, evicted=True)
             stored.discard(victim)
+
+
+def _demotion_batch(residency: HostResidency, stored: set[bytes], rng: random.Random, what: str) -> None:
+    """The demoter's round: victims named one after another, each pinned as moving (it counts as
+    gone to the walk, Pins.moving), every one held to the priorities; then they leave in the order
+    named, as the batch's write ends (the moving shortcut's path)."""
+    pins = Pins()
+    pins.update(k for k in sorted(stored) if rng.random() < 0.1)
+    named: list[bytes] = []
+    for _ in range(rng.randint(2, 6)):
+        victim = residency.victim(pins)
+        _held_to_its_priorities(victim, residency.priorities(pins), f"{what} (batch of {len(named) + 1})")
+        if victim is None:
+            break
+        pins.update([victim])
+        pins.pin_moves([victim])
+        named.append(victim)
+    for victim in named:
+        residency.remove(victim, evicted=True)
+        stored.discard(victim)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -76,7 +106,7 @@ def test_the_ssd_and_pool_orders_name_a_page_of_the_least_priority(seed: int) ->
         op, key, _ = _traffic(rng, stored, 0.0)
         for name, order in orders.items():
             if op == "store":
-                order.stored(key, PARENT.get(key) if rng.random() < 0.9 else None)
+                order.stored(key, _parent(rng, key))
             elif op == "touch":
                 order.touch(key)
             elif op == "remove":
@@ -138,3 +168,21 @@ def test_a_remembered_chain_end_stored_again_elsewhere_is_not_its_chain_end(orde
     named = victim()
     _held_to_its_priorities(named, ranked(), order_kind)
     assert named == a[1]  # the least recently used chain's end; a[2] is the newest page
+
+
+def test_a_demotion_batch_takes_a_branchs_other_tail_before_the_page_they_share() -> None:
+    """Two prefixes sharing a head (p, then v or w): a demotion batch names one tail, pins it as
+    moving, and asks again; the page before it (p) still has the other tail after it, so the next
+    victim is that tail, not p (the moving shortcut checks p has no other page after it)."""
+    c, p, v, w = KEYS[:4]
+    order = TailFirstOrder()
+    for key, parent in ((c, None), (p, c), (v, p), (w, p)):
+        order.stored(key, parent)
+    pins = Pins()
+    first = order.victim(pins, 1)
+    assert first in (v, w)
+    pins.update([first])
+    pins.pin_moves([first])
+    second = order.victim(pins, 1)
+    _held_to_its_priorities(second, order.priorities(pins, 1), "second of the batch")
+    assert second == ({v, w} - {first}).pop()
