@@ -237,7 +237,7 @@ class Server:
         socket_path = self.arena_socket.path if self.arena_socket else None
         # The tenancy gate in front of the core (DESIGN §11): each call's caller resolved, quota reserved, core called,
         # settled; GetInfo, Allocate and Acquire name the caller's own arena and pool (tenancy/gate_arenas.py).
-        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster, tenant_arenas=self._tenant_arenas,
+        gate = Gate(self.core, self.tenancy, self.session_owners, self.handoffs, self.cluster,
                     wal=self.wal, moves=self.session_moves, share_arena=config.security.share_arena,
                     arena_socket=socket_path if self._tenant_arenas else None, pool_socket=socket_path if hbm else None)
         directory_service = DirectoryService(self.core, config, gate)

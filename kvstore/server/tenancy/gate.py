@@ -44,12 +44,12 @@ HintEntries = list[tuple[list[bytes], float]]
 
 
 class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
-    """``tenant_arenas``: each tenant has its own arena (a slot only ever held its own pages).
+    """``arena_socket`` set: each tenant has its own arena, fetched there (a slot only ever held its own pages).
     The directory's operations are in gate_directory.py, the handoffs' in gate_handoffs.py, live
     migration's in gate_migration.py, the memory a same-host caller maps in gate_arenas.py."""
 
     def __init__(self, core: Placement, tenancy: Tenancy, session_owners: SessionOwners, handoffs: HandoffMarkers | None = None,
-                 cluster: ClusterRuntime | None = None, tenant_arenas: bool = False, wal: TokenLog | None = None,
+                 cluster: ClusterRuntime | None = None, wal: TokenLog | None = None,
                  moves: SessionMoves | None = None, share_arena: bool = False, arena_socket: Path | None = None,
                  pool_socket: Path | None = None) -> None:
         self.core = core
@@ -59,12 +59,11 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         self.handoffs = handoffs  # a handoff's pages are let go once its waiter acquired them (DESIGN §12.7)
         self.cluster = cluster  # a ClusterRuntime in cluster mode: reads fetch pages other nodes hold
         self.cluster_reads = ClusterReads(tenancy, cluster) if cluster is not None else None
-        self.tenant_arenas = tenant_arenas
         self.wal = wal  # the token log: a migrated session's log
         self.moves = moves  # cluster mode: etcd's records of session moves (live migration)
         self.reports = ReportBudget()  # pages readers report failing, checked per owner (placement/reported.py)
         self.share_arena = share_arena  # --share-arena: one arena for every tenant
-        self.arena_socket = arena_socket  # with tenant arenas: where a caller fetches its own arena
+        self.arena_socket = arena_socket  # with an arena per tenant (only then): where a caller fetches its own
         self.pool_socket = pool_socket  # with hbm: where an engine fetches its tenant's pool
 
     def allocate(self, who: Identity, ns: bytes, layout: LayoutDesc, keys: list[bytes], parent: bytes | None,
@@ -114,7 +113,7 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         checksum without writing them must not publish those bytes under the caller's key. With
         an arena per tenant a slot only ever held the tenant's own pages: nothing to check (a
         page committed with a wrong checksum fails the checks before it is sent or demoted)."""
-        if self.tenant_arenas:
+        if self.arena_socket is not None:  # an arena per tenant
             return
         for key, expected in zip(keys, checksums):
             if key in slots and checksum(self.core.slot_view(allocation_id, key)) != expected:

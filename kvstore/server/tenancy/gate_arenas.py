@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvstore.errors import InvalidRequest
 from kvstore.security.arena_socket import may_map_pool
@@ -21,6 +20,7 @@ from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.owners import owner_for
+from kvstore.tiers.base import ArenaInfo
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class ArenaGate:
             return MemoryInfo("", str(self.arena_socket), arena.size_bytes, arena.token, pool_socket)
         return MemoryInfo(pool_socket=pool_socket)
 
-    def _arena(self, who: Identity) -> Any:
+    def _arena(self, who: Identity) -> ArenaInfo | None:
         """The caller's arena (None: none); Allocate and Acquire name its token (client/restart.py)."""
         if who.via == "local" or self.share_arena:
             return self.core.arena_of()

@@ -18,12 +18,12 @@ import lmdb
 
 from kvstore.errors import PermissionDenied
 from kvstore.lmdb_env import map_full
+from kvstore.tiers.base import UNOWNED
 from kvstore.tiers.owner_parts import OwnerWords
 
 logger = logging.getLogger(__name__)
 
 TABLE = b"owners"
-UNBOUND = ""  # the owner an unbound namespace's pages have in the core (kvstore.tiers.base.UNOWNED)
 
 
 def owner_for(tenant: str) -> str:
@@ -69,9 +69,9 @@ class NamespaceOwners:
         return self._owners.get(namespace_id)
 
     def core_owner(self, namespace_id: bytes) -> str:
-        """The owner of the namespace's pages in the core (``owner_for`` its tenant; UNBOUND: none)."""
+        """The owner of the namespace's pages in the core (``owner_for`` its tenant; UNOWNED: none)."""
         tenant = self._owners.get(namespace_id)
-        return UNBOUND if tenant is None else owner_for(tenant)
+        return UNOWNED if tenant is None else owner_for(tenant)
 
     def tenants(self) -> list[str]:
         with self._lock:
