@@ -150,8 +150,8 @@ class HostResidency:
         sort key, the least first. Unannounced pages by their chain's place in orphans,
         probation, protected (``TailFirst.ends``); hinted ones by their next announced use,
         furthest first, then the deepest; hinted ones after the others unless they hold more
-        than ``hinted_share`` pages. ``victim`` names a page of the least priority in O(1) a
-        page; this is the slow definition it is held to (tests), not a path."""
+        than ``hinted_share`` pages. ``victim`` names a page of the least priority without
+        computing them all; this is the slow definition it is held to (tests), not a path."""
         over = hinted_share is not None and len(self.hinted) > hinted_share
         ranked: dict[bytes, tuple[int, float, int]] = {}
         for position, last in self.chains.ends(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned):
