@@ -13,7 +13,7 @@ from support.kv import random_kv
 from kvstore.cli import ctl
 from kvstore.cli import server as server_cli
 from kvstore.client import KVStoreClient
-from kvstore.config import HostTierConfig, parse_size
+from kvstore.config import ClusterConfig, HostTierConfig, parse_size
 from kvstore.errors import ConfigError
 
 
@@ -65,6 +65,12 @@ def test_a_metrics_port_in_use_is_named_with_its_flag(tmp_path) -> None:
         res = _server("--data-dir", str(tmp_path), "--listen", "127.0.0.1:0", "--metrics-listen", address)
     assert res.returncode == 2 and "ready" not in res.stdout
     assert f"--metrics-listen {address}: cannot bind" in res.stderr and "'off'" in res.stderr
+
+
+@pytest.mark.parametrize("seconds", [-1.0, float("inf"), float("nan")])
+def test_a_join_timeout_that_is_no_length_of_time_is_refused_naming_its_flag(seconds: float) -> None:
+    with pytest.raises(ConfigError, match="--cluster-join-timeout-s must be >= 0"):
+        ClusterConfig(etcd="etcd://127.0.0.1:1", node_id="n", advertise="127.0.0.1:1", join_timeout_s=seconds)
 
 
 def test_a_demote_sched_outside_the_cli_is_refused_by_the_config_too() -> None:
