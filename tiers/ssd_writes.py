@@ -71,8 +71,9 @@ class SsdWrites:
 
     def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
         """Writes a batch: the pages of adjacent slots (a slab hands its slots out in
-        order) go in one pwritev, so that a demotion round of 32 MiB is a call or two to the
-        device, the GIL let go once a call instead of once a page. A page whose payload
+        order) go in one pwritev, so that a batch of 32 MiB is a call or two to the device,
+        the GIL let go once a call instead of once a page (the background demoter hands its
+        rounds over in smaller batches: placement/background.py). A page whose payload
         cannot go to disk as it is (a partial last block, or unaligned for O_DIRECT) is
         written alone, by ``_write_one``."""
         headers = self._header_bufs(len(pages))

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import threading
 
 from support.servers import make_config
 
 from kvstore.page import LayoutDesc, PageHeader, checksum
 from kvstore.server.placement import Placement
+from kvstore.server.placement.background import BEHIND_WRITE_BYTES, run_behind
 from kvstore.server.placement.moves import DEMOTE_PAGES
 from kvstore.tiers.base import Tier, TierWrapper
 from kvstore.tiers.faulty import FaultyTier
@@ -22,17 +24,17 @@ LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fil
 NS = b"batch-namespace!"
 
 
-def _payload(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
+def _payload(key: bytes, layout: LayoutDesc = LAYOUT) -> bytes:
+    return hashlib.blake2b(key, digest_size=64).digest() * (layout.page_bytes // 64)
 
 
-def _put(core: Placement, keys: list[bytes], damaged: frozenset[bytes] = frozenset()) -> None:
+def _put(core: Placement, keys: list[bytes], damaged: frozenset[bytes] = frozenset(), layout: LayoutDesc = LAYOUT) -> None:
     """Stores ``keys``; those in ``damaged`` with a checksum that does not match their bytes
     (as a page whose RAM copy was damaged after it was written)."""
-    alloc, slots = core.allocate(NS, LAYOUT, keys)
+    alloc, slots = core.allocate(NS, layout, keys)
     for key, _ in slots:
-        core.slot_view(alloc, key)[:] = _payload(key)
-    sums = [checksum(_payload(k)) ^ (1 if k in damaged else 0) for k in keys]
+        core.slot_view(alloc, key)[:] = _payload(key, layout)
+    sums = [checksum(_payload(k, layout)) ^ (1 if k in damaged else 0) for k in keys]
     assert core.commit(alloc, keys, sums) == len(keys)
 
 
@@ -173,3 +175,44 @@ def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_
         assert {key for key, _, _, _ in ssd.recover()} == on_ssd
     finally:
         ssd.close()
+
+
+def test_the_background_demoter_hands_the_disk_its_round_in_pieces(tmp_path) -> None:
+    """A demotion round in the idle class reaches the SSD tier in pieces of whole pages of at
+    most BEHIND_WRITE_BYTES, each a pwritev: the kernel pins an O_DIRECT write's pages without a
+    preemption point, and on CI's kernel (PREEMPT_NONE) a round written whole (32 MiB) held a CPU
+    ~1 ms that a lookup woken meanwhile waited for. A foreground round (an allocation waiting on
+    it) still goes in one call; every page of both reads back as written."""
+    layout = LayoutDesc(8, 2, 2, 64, "float16", 128)  # 512 KiB pages: 4 to a piece, 32 fill the host tier
+    config = make_config(tmp_path, host_bytes=16 << 20, ssd_bytes=64 << 20)
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=0.05, demote_to=0.05))
+    writes: list[list[int]] = []
+
+    class Recording(TierWrapper):
+        def write(self, pages: list[tuple[int, PageHeader, memoryview]]) -> None:
+            writes.append([header.payload_bytes for _, header, _ in pages])
+            self.inner.write(pages)
+
+    core = Placement(config, wrap=lambda tier: Recording(tier) if tier.name == "ssd" else tier)
+    try:
+        keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(40)]
+        _put(core, keys[:20], layout=layout)
+
+        def behind_round() -> None:
+            run_behind("idle", 0)
+            assert core.demote_one()
+
+        thread = threading.Thread(target=behind_round)
+        thread.start()
+        thread.join(30)
+        assert len(writes) > 1, f"a background round of {len(keys) // 2} pages went down in {len(writes)} call(s)"
+        assert all(sum(w) <= BEHIND_WRITE_BYTES for w in writes), writes
+        assert sum(map(len, writes)) >= 16, writes
+        writes.clear()
+        _put(core, keys[20:], layout=layout)
+        assert core.demote_one()  # this thread: the foreground
+        assert len(writes) == 1 and len(writes[0]) >= 16, writes
+        for key in keys:
+            assert _read(core, key) == _payload(key, layout), key.hex()
+    finally:
+        core.close()

@@ -10,8 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from typing import TypeVar
+
+from kvstore.page import PageHeader
 
 logger = logging.getLogger(__name__)
+
+BEHIND_WRITE_BYTES = 2 << 20  # a background write goes down in pieces of about this much (dd bs=2M beside)
+Placed = TypeVar("Placed", bound=tuple[int, PageHeader, memoryview])
 
 def run_behind(sched: str, nice: int) -> None:
     """Lowers the calling thread (only it: Linux schedules threads): SCHED_IDLE for ``idle``,
@@ -50,3 +57,25 @@ def is_behind() -> bool:
         return os.sched_getscheduler(0) == os.SCHED_IDLE
     except (OSError, AttributeError):
         return False
+
+
+def write_pieces(placed: list[Placed], behind: bool) -> Iterator[list[Placed]]:
+    """The pages of a write as the tier is handed them: the foreground's at once (one
+    pwritev), the background's in pieces of whole pages of about BEHIND_WRITE_BYTES (a page
+    larger alone). The kernel pins an O_DIRECT write's pages and builds its requests without a
+    preemption point: on a kernel built without preemption (PREEMPT_NONE, as CI's VM) a demotion
+    round's 32 MiB pwritev held its CPU ~1 ms, and a lookup woken meanwhile waited for it (DESIGN §6)."""
+    if not behind:
+        yield placed
+        return
+    piece: list[Placed] = []
+    piece_bytes = 0
+    for page in placed:
+        size = page[1].payload_bytes
+        if piece and piece_bytes + size > BEHIND_WRITE_BYTES:
+            yield piece
+            piece, piece_bytes = [], 0
+        piece.append(page)
+        piece_bytes += size
+    if piece:
+        yield piece

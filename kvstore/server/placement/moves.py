@@ -23,7 +23,7 @@ from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.background import is_behind, lift, run_behind
+from kvstore.server.placement.background import is_behind, lift, run_behind, write_pieces
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import NamespaceShares
@@ -282,9 +282,11 @@ class Mover(LowerRoom):
                 self._unplace(target, tier, placed)
                 raise
         try:
-            verifier = self._behind_verifier if is_behind() else self._verifier  # in the caller's class
+            behind = is_behind()
+            verifier = self._behind_verifier if behind else self._verifier  # in the caller's class
             check = verifier.submit(_damages, [(header, payload) for _, header, payload in placed])
-            target.write(placed)
+            for piece in write_pieces(placed, behind):
+                target.write(piece)
             for (_, header, _), reason in zip(placed, check.result()):
                 if reason is not None:
                     self.quarantine_landing(header, reason)
