@@ -69,6 +69,50 @@ class Meter:
         return {name: max(0.0, t - self._before[name]) for name, t in self._read().items()}
 
 
+def threads_cpu_s(pid: int, prefixes: tuple[str, ...]) -> dict[int, float]:
+    """CPU seconds of each thread of ``pid`` whose OS name (``comm``) begins with one of
+    ``prefixes``, by thread id: to the ns from /proc's schedstat, in clock ticks from its stat
+    where the kernel keeps no schedstat; {} once the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return {}
+    out: dict[int, float] = {}
+    for tid in tids:
+        task = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{task}/comm") as f:
+                if not f.read().strip().startswith(prefixes):
+                    continue
+            try:
+                with open(f"{task}/schedstat") as f:
+                    out[int(tid)] = int(f.read().split()[0]) / 1e9
+            except FileNotFoundError:
+                with open(f"{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return out
+
+
+class ThreadMeter:
+    """CPU seconds of one process's threads named as ``prefixes`` say, between ``start()`` and
+    ``stop()``; a thread started meanwhile counts from 0 (a pool starts its worker at its first
+    task), one that ended meanwhile is lost (the server's demotion threads run until it stops)."""
+
+    def __init__(self, pid: int, prefixes: tuple[str, ...]) -> None:
+        self.pid, self.prefixes = pid, prefixes
+        self._before: dict[int, float] = {}
+
+    def start(self) -> None:
+        self._before = threads_cpu_s(self.pid, self.prefixes)
+
+    def stop(self) -> float:
+        after = threads_cpu_s(self.pid, self.prefixes)
+        return sum(max(0.0, t - self._before.get(tid, 0.0)) for tid, t in after.items())
+
+
 def add_cpu(total: dict[str, float], used: dict[str, float]) -> None:
     for name, seconds in used.items():
         total[name] = total.get(name, 0.0) + seconds

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
-from kvstore.bench.common.cpu_floor import Meter
+from kvstore.bench.common.cpu_floor import Meter, ThreadMeter
 from kvstore.bench.common.harness import percentile, start_server
 from kvstore.bench.lookup import lookup_floor
 from kvstore.bench.lookup.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, WRITER_NS, prefix_tokens
@@ -37,6 +38,11 @@ DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill 
 # full, so that no allocation of the fill evicts a page itself) ...
 DRAIN_TO = 0.05  # ... and writes down nearly all of it
 CALLS = {"rpc": "Lookup RPC", "keys": "client.lookup_keys", "client": "client.lookup"}  # a row's "call", by load role
+DEMOTION_THREADS = ("kv-demoter", "kv-verify")  # the server's demoter halves and its verifiers, by their OS names
+
+
+def _nothing(seconds: float) -> None:
+    """No floor window beside a row (more than one client: the floor is one)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,13 +145,16 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
-def _idle(address: str, server_pid: int, role: str, clients: int, pages: int, seconds: float, repeat: int) -> dict[str, Any]:
-    """An idle row: ``repeat`` windows of ``seconds``, their calls pooled; the server's CPU per
-    lookup over them (what a draining row's lookups cost the server beside its demoter)."""
+def _idle(address: str, server_pid: int, role: str, clients: int, pages: int, seconds: float, repeat: int,
+          beside: Callable[[float], None]) -> dict[str, Any]:
+    """An idle row: ``repeat`` windows of ``seconds``, their calls pooled, each after one of
+    ``beside`` (the floor's); the server's CPU per lookup over them (what a draining row's
+    lookups cost the server beside its demoter)."""
     results: list[dict[str, Any]] = []
     meter, cpu_s = Meter({"server": server_pid}, trees=frozenset({"server"})), 0.0
     for _ in range(repeat):
         procs = _spawn(role, address, pages, seconds, number=clients)
+        beside(seconds)
         meter.start()
         _go(procs, time.time() + 0.2)
         results += [_collect(p) for p in procs]
@@ -193,10 +202,10 @@ def _row(state: str, role: str, clients: int, seconds: float, results: list[dict
     }
 
 
-def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
+def _drain(args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
     """A draining row: ``--repeat`` drains (``_drain_once``), their calls pooled; the GB/s is
     over all their windows, and a window that outlasted its drain is said."""
-    drains = [_drain_once(args, role, clients) for _ in range(args.repeat)]
+    drains = [_drain_once(args, role, clients, beside) for _ in range(args.repeat)]
     results = [r for d in drains for r in d["results"]]
     window_s, demoted = sum(d["window_s"] for d in drains), sum(d["demoted"] for d in drains)
     return {**_row("draining", role, clients, args.drain_seconds * args.repeat, results), "windows": args.repeat,
@@ -205,15 +214,17 @@ def _drain(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
             "window_inside_drain": all(d["inside"] for d in drains),
             # the server's CPU over the windows per GB demoted in them (the demoter's, the lookups' beside it)
             "demoter_cpu_s_per_gb": sum(d["cpu_s"] for d in drains) / (demoted / 1e9) if demoted > 0 else None,
+            # the demoter's own threads (kv-demoter*, kv-verify*: named for the OS by the server) per GB demoted
+            "demoter_threads_cpu_s_per_gb": sum(d["threads_cpu_s"] for d in drains) / (demoted / 1e9) if demoted > 0 else None,
             "demoted_gb": demoted / 1e9,
             # written to ssd before any window opened (0: every drain began with its window)
             "demoted_before_window_gb": max(d["before"] for d in drains) / 1e9}
 
 
-def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, Any]:
-    """Fills a fresh server's host tier to just below its high watermark, then puts the page
-    that passes it as the lookups' window opens, and times them while the demoter writes the
-    backlog down. Filled past it beforehand, the drain ran unmeasured while the prefix was
+def _drain_once(args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
+    """Fills a fresh server's host tier to just below its high watermark, then (after a window
+    of ``beside``, the floor's beside dd) puts the page that passes it as the lookups' window
+    opens, and times them while the demoter writes the backlog down. Filled past it beforehand, the drain ran unmeasured while the prefix was
     stored and the load processes started: most of the backlog was gone before the window."""
     workdir = Path(args.dir) / "drain"
     shutil.rmtree(workdir, ignore_errors=True)
@@ -235,7 +246,8 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
             raise RuntimeError(f"the {args.pages}-page prefix could not be stored whole")
         procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
         try:
-            crossed, before, t0, t1, after, cpu_s = asyncio.run(_drain_window(address, server.proc.pid, procs, args.drain_seconds))
+            beside(args.drain_seconds)
+            crossed, before, t0, t1, after, cpu_s, threads_cpu_s = asyncio.run(_drain_window(address, server.proc.pid, procs, args.drain_seconds))
             results = [_collect(p) for p in procs]
         finally:
             for proc in procs:  # those not collected: the window never opened
@@ -246,6 +258,7 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return {"results": results, "demoted": after["ssd"].bytes_in - before, "window_s": t1 - t0, "before": before, "cpu_s": cpu_s,
+            "threads_cpu_s": threads_cpu_s,
             "backlog_gb": written * WRITER_LAYOUT.page_bytes / 1e9,
             "drained_gb": after["ssd"].bytes_in / 1e9,  # written to ssd since the (fresh) server started: the drain's
             # still above the low watermark (with a page to spare) when the window ended: the drain outlasted it
@@ -253,12 +266,13 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int) -> dict[str, 
 
 
 async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Popen[str]], seconds: float
-                        ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats], float]:
+                        ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats], float, float]:
     """Tops the host tier up to its high watermark without passing it, starts the lookups and
     puts the page that passes it as their window opens. Returns the pages put, the SSD's bytes
     in before that page (0 on a fresh server), the window's start and end and the tiers at its
     end (read there, not once the load processes have exited a second or more later), and the
-    server's CPU seconds from that page's put to the window's end."""
+    server's CPU seconds from that page's put to the window's end, all of it and its demotion
+    threads'."""
     kv = torch.randn(WRITER_LAYOUT.num_layers, 2, WRITER_LAYOUT.page_tokens, WRITER_LAYOUT.num_kv_heads,
                      WRITER_LAYOUT.head_dim).to(WRITER_LAYOUT.dtype)
     async with KVStoreClient(address, WRITER_NS) as client:
@@ -277,13 +291,14 @@ async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Po
         start = time.time() + 0.2
         _go(procs, start)
         await asyncio.sleep(max(0.0, start - time.time()))
-        meter = Meter({"server": server_pid}, trees=frozenset({"server"}))
+        meter, threads = Meter({"server": server_pid}, trees=frozenset({"server"})), ThreadMeter(server_pid, DEMOTION_THREADS)
         meter.start()
+        threads.start()
         put += await _put_page(client, kv)
         await asyncio.sleep(max(0.0, start + seconds - time.time()))
         end, after = time.time(), _tier_stats(address)
-        cpu_s = meter.stop()["server"]
-    return put, before, start, end, after, cpu_s
+        cpu_s, threads_cpu_s = meter.stop()["server"], threads.stop()
+    return put, before, start, end, after, cpu_s, threads_cpu_s
 
 
 async def _put_page(client: KVStoreClient, kv: torch.Tensor) -> int:
@@ -327,11 +342,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(c) for c in args.clients.split(",") if c]
     plan = [(role, n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts for role in ("rpc", "keys")]
     plan.append(("client", 1, "idle"))
+    floor: lookup_floor.Floor | None = None
+    rows: list[dict[str, Any]] = []
     try:
-        rows = lookup_floor.run(workdir / "floor", args.pages, args.seconds, args.floor_work_ms)
+        floor = lookup_floor.Floor(workdir / "floor", args.pages, args.floor_work_ms)
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
-            if state == "draining":
-                rows.append(_drain(args, role, n))
+            if state == "draining":  # the floor's windows beside the one-client rows' (the floor is one client)
+                rows.append(_drain(args, role, n, floor.writer_window if n == 1 else _nothing))
                 continue
             at = ram_address if state == "writing" else address
             # Stored again before each run (only what a previous run's writer pushed out):
@@ -344,10 +361,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
             pace = rate if state == "writing" else args.writer_rate if state == "demoting" else 0.0
             if state == "idle":
-                rows.append(_idle(at, server.proc.pid, role, n, args.pages, args.seconds, args.repeat))
+                rows.append(_idle(at, server.proc.pid, role, n, args.pages, args.seconds, args.repeat,
+                                  floor.idle_window if n == 1 and role != "client" else _nothing))
             else:
                 rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
+        rows = floor.rows() + rows
     finally:
+        if floor is not None:
+            floor.close()
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)

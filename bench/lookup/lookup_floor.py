@@ -86,7 +86,7 @@ def _time(path: str, request_bytes: int, answer_bytes: int, seconds: float) -> l
 
 
 def _row(state: str, latencies: list[float], seconds: float, written_gb_per_s: float) -> dict[str, Any]:
-    return {"state": state, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(latencies),
+    return {"state": state, "windows_s": seconds, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(latencies),
             "lookups_per_s": len(latencies) / seconds,
             "p50_ms": percentile(latencies, 0.50) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
             "short_answers": 0, "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": written_gb_per_s,
@@ -107,50 +107,77 @@ def hash_cpu_s_per_gb(passes: int = 2) -> float:
         hashing.close()
 
 
-def run(workdir: Path, pages: int, seconds: float, work_ms: float) -> list[dict[str, Any]]:
-    """Two rows: the round trip idle, and beside the direct writer (its GB/s where the lookup
-    rows put the demoted GB/s); the idle one alone where dd is missing or the filesystem takes no O_DIRECT writes."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    request_bytes, answer_bytes = sizes(pages)
-    path = str(workdir / "floor.sock")  # a Unix socket path has at most 107 bytes: the work dir is short
-    echo = subprocess.Popen([sys.executable, "-m", "kvstore.bench.lookup.lookup_floor", "serve", path, str(request_bytes),
-                             str(answer_bytes), str(work_ms / 1e3)], stdout=subprocess.PIPE, text=True)
-    target = workdir / "floor.dat"
-    writer: subprocess.Popen[bytes] | None = None
-    try:
-        assert echo.stdout is not None
-        if echo.stdout.readline().strip() != "ready":
+class Floor:
+    """The echo process, and its windows as the bench asks for them: interleaved with the
+    bench's own (each idle window of a one-client row beside one of the floor's, each drain
+    beside one of dd's), their calls pooled, so that both see the machine in the same state.
+    Measured once, minutes before the drains, the floor's draining p99 moved 2-3x from run to
+    run on a shared 2-core VM while the lookups' did not."""
+
+    def __init__(self, workdir: Path, pages: int, work_ms: float) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.request_bytes, self.answer_bytes = sizes(pages)
+        self.path = str(workdir / "floor.sock")  # a Unix socket path has at most 107 bytes: the work dir is short
+        self.target = workdir / "floor.dat"
+        self.echo = subprocess.Popen([sys.executable, "-m", "kvstore.bench.lookup.lookup_floor", "serve", self.path,
+                                      str(self.request_bytes), str(self.answer_bytes), str(work_ms / 1e3)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.echo.stdout is not None
+        if self.echo.stdout.readline().strip() != "ready":
+            self.close()
             raise RuntimeError("the echo process did not start")
-        rows = [_row("idle", _time(path, request_bytes, answer_bytes, seconds), seconds, 0.0)]
-        if shutil.which("dd") is None:
-            return rows
-        writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={target}", f"bs={WRITE_BLOCK}", "count=100000", "oflag=direct"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # writing at full speed before the window opens
-        if writer.poll() is not None:  # e.g. EINVAL: no O_DIRECT on this filesystem
-            return rows
-        meter = Meter({"dd": writer.pid})
-        meter.start()
-        before, t0 = target.stat().st_size, time.monotonic()
-        beside = _time(path, request_bytes, answer_bytes, seconds)
-        written_bytes, window_s = target.stat().st_size - before, time.monotonic() - t0
-        dd_cpu = meter.stop()["dd"]
-        row = _row("draining", beside, seconds, written_bytes / window_s / 1e9)
-        if written_bytes > 0 and dd_cpu > 0:  # the demoter's floor: dd's CPU per GB written, plus one xxh3 pass
-            writer.kill()  # hashed with the disk quiet
-            writer.wait()
-            hashing = hash_cpu_s_per_gb()
-            row.update(cpu_s_per_gb=dd_cpu / (written_bytes / 1e9), hash_cpu_s_per_gb=hashing,
-                       demote_floor_cpu_s_per_gb=dd_cpu / (written_bytes / 1e9) + hashing)
-        return [*rows, row]
-    finally:
-        if writer is not None:
+        self.idle: list[float] = []
+        self.idle_s = 0.0
+        self.beside: list[float] = []
+        self.beside_s = self.written_bytes = self.written_s = self.dd_cpu_s = 0.0
+        self.direct = shutil.which("dd") is not None  # False also once dd found no O_DIRECT here
+
+    def idle_window(self, seconds: float) -> None:
+        self.idle += _time(self.path, self.request_bytes, self.answer_bytes, seconds)
+        self.idle_s += seconds
+
+    def writer_window(self, seconds: float) -> None:
+        """A window beside ``dd oflag=direct``, begun half a second before it (at full speed)."""
+        if not self.direct:
+            return
+        writer = subprocess.Popen(["dd", "if=/dev/zero", f"of={self.target}", f"bs={WRITE_BLOCK}", "count=100000",
+                                   "oflag=direct"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            if writer.poll() is not None:  # e.g. EINVAL: no O_DIRECT on this filesystem
+                self.direct = False
+                return
+            meter = Meter({"dd": writer.pid})
+            meter.start()
+            before, t0 = self.target.stat().st_size, time.monotonic()
+            self.beside += _time(self.path, self.request_bytes, self.answer_bytes, seconds)
+            self.written_bytes += self.target.stat().st_size - before
+            self.written_s += time.monotonic() - t0
+            self.dd_cpu_s += meter.stop()["dd"]
+            self.beside_s += seconds
+        finally:
             writer.kill()
             writer.wait()
-        echo.kill()
-        echo.wait()
-        target.unlink(missing_ok=True)
-        Path(path).unlink(missing_ok=True)
+            self.target.unlink(missing_ok=True)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The idle row and the row beside dd (its GB/s where the lookup rows put the demoted
+        GB/s, and the demoter's CPU floor), each where its windows ran."""
+        rows = [_row("idle", self.idle, self.idle_s, 0.0)] if self.idle else []
+        if not self.beside:
+            return rows
+        row = _row("draining", self.beside, self.beside_s, self.written_bytes / self.written_s / 1e9)
+        if self.written_bytes > 0 and self.dd_cpu_s > 0:  # the demoter's floor: dd's CPU per GB written, plus one xxh3 pass
+            hashing = hash_cpu_s_per_gb()  # with the disk quiet
+            per_gb = self.dd_cpu_s / (self.written_bytes / 1e9)
+            row.update(cpu_s_per_gb=per_gb, hash_cpu_s_per_gb=hashing, demote_floor_cpu_s_per_gb=per_gb + hashing)
+        return [*rows, row]
+
+    def close(self) -> None:
+        self.echo.kill()
+        self.echo.wait()
+        self.target.unlink(missing_ok=True)
+        Path(self.path).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ def goal_fields(rows: list[dict[str, Any]]) -> None:
             row["floor_p99_ratio"] = floor_ratio
             row["ratio_over_floor"] = _ratio(row["p99_ratio"], floor_ratio)
         row["demote_floor_cpu_s_per_gb"] = floor_cpu
-        row["demoter_cpu_ratio"] = _ratio(row.get("demoter_cpu_s_per_gb"), floor_cpu)
+        row["demoter_cpu_ratio"] = _ratio(row.get("demoter_cpu_s_per_gb"), floor_cpu)  # the whole server's, lookups too
+        row["demoter_threads_cpu_ratio"] = _ratio(row.get("demoter_threads_cpu_s_per_gb"), floor_cpu)  # the goal's
         per_lookup = idle.get("server_cpu_ms_per_lookup") if idle else None
         lookups = _ratio(row["lookups"] * per_lookup / 1e3, row.get("demoted_gb")) if per_lookup is not None else None
         row["lookups_cpu_s_per_gb"] = lookups
@@ -77,8 +78,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"demoter CPU floor: dd {floor['cpu_s_per_gb']:.3f} + xxh3 {floor['hash_cpu_s_per_gb']:.3f} = "
               f"{floor['demote_floor_cpu_s_per_gb']:.3f} s/GB; server CPU per GB demoted (goal <= {CPU_GOAL}x the floor): "
               + ", ".join(f"{r['call']} x{r['clients']} {_x(r.get('demoter_cpu_s_per_gb'), 3)} "
-                          f"({_x(r.get('demoter_cpu_ratio'))}x; less its lookups' {_x(r.get('lookups_cpu_s_per_gb'), 3)}: "
-                          f"{_x(r.get('demoter_less_lookups_cpu_ratio'))}x)" for r in drains))
+                          f"({_x(r.get('demoter_cpu_ratio'))}x; its demotion threads' {_x(r.get('demoter_threads_cpu_s_per_gb'), 3)}: "
+                          f"{_x(r.get('demoter_threads_cpu_ratio'))}x; less its lookups' estimated "
+                          f"{_x(r.get('lookups_cpu_s_per_gb'), 3)}: {_x(r.get('demoter_less_lookups_cpu_ratio'))}x)"
+                          for r in drains))
     for r in drains:
         if r.get("window_inside_drain") and not r["demoted_gb_per_s"]:
             print(f"NOTE: in the draining row with {r['clients']} clients the demoter wrote nothing inside the window "

@@ -66,10 +66,13 @@ def test_lookup_smoke(tmp_path) -> None:
     assert all(math.isfinite(floor[1][k]) and floor[1][k] > 0
                for k in ("cpu_s_per_gb", "hash_cpu_s_per_gb", "demote_floor_cpu_s_per_gb")), floor[1]
     for r in (r for r in rows if r["state"] == "draining"):
-        demoted = ("demoter_cpu_s_per_gb", "demoter_cpu_ratio", "lookups_cpu_s_per_gb", "demoter_less_lookups_cpu_ratio")
+        demoted = ("demoter_cpu_s_per_gb", "demoter_cpu_ratio", "lookups_cpu_s_per_gb", "demoter_less_lookups_cpu_ratio",
+                   "demoter_threads_cpu_s_per_gb", "demoter_threads_cpu_ratio")
         for k in ("p99_ratio", "floor_p99_ratio", "ratio_over_floor", "demote_floor_cpu_s_per_gb",
                   *(demoted if r["demoted_gb_per_s"] > 0 else ())):  # per GB demoted: none when nothing was
             assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r)
+        if r["demoted_gb_per_s"] > 0:  # the demotion threads (found by their OS names) are a part of the server
+            assert r["demoter_threads_cpu_s_per_gb"] <= r["demoter_cpu_s_per_gb"], r
     assert "p99 ratio over the floor's, one client (goal <= 1.25x): " in res.stdout and "demoter CPU floor: dd " in res.stdout
     for control in (r for r in rows if r["state"] == "writing"):  # paced to the demoting writer's rate, not faster
         demoting = next(r for r in rows if r["state"] == "demoting" and r["clients"] == control["clients"]

@@ -90,6 +90,10 @@ def test_by_default_the_background_half_and_its_verifier_are_idle_class_and_the_
             time.sleep(0.01)
         assert _nice_of_thread(urgent) == 7
         assert os.sched_getscheduler(0) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, 0) == 0  # the caller: untouched
+        # named for the OS (top -H, ps -L; kvstore-bench lookup meters the demotion threads' CPU by these names)
+        comms = {name: Path(f"/proc/self/task/{tid}/comm").read_text().strip() for name, tid in ours.items()}
+        assert (comms["demoter"], comms["demoter-urgent"]) == ("kv-demoter", "kv-demoter-urg"), comms
+        assert sorted(c for name, c in comms.items() if name.startswith("kv-verify")) == ["kv-verify", "kv-verify-bg"], comms
     finally:
         demoter.stop()
         core.close()

@@ -7,6 +7,7 @@ More: kvstore/server/placement/README.md (### background.py).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -17,8 +18,19 @@ from kvstore.page import PageHeader
 
 logger = logging.getLogger(__name__)
 
+_PR_SET_NAME = 15
 BEHIND_WRITE_BYTES = 2 << 20  # a background write goes down in pieces of about this much (dd bs=2M beside)
 Placed = TypeVar("Placed", bound=tuple[int, PageHeader, memoryview])
+
+def name_thread(name: str) -> None:
+    """Names the calling thread for the OS (``top -H``, ``ps -L``, ``/proc/PID/task/TID/comm``;
+    15 bytes at most): Python's thread names stay inside Python, and an operator, or
+    kvstore-bench lookup's meter of the demoter's CPU, tells the background threads apart by it."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl (not Linux): the OS keeps the process's name
+        pass
+
 
 def run_behind(sched: str, nice: int) -> None:
     """Lowers the calling thread (only it: Linux schedules threads): SCHED_IDLE for ``idle``,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvstore.server.placement.background import lift, run_behind
+from kvstore.server.placement.background import lift, name_thread, run_behind
 from kvstore.server.placement.core import Placement
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,14 @@ class Demoter:
                 thread.join(STOP_WARN_S)
 
     def _run(self, sched: str) -> None:
+        name_thread("kv-demoter")
         run_behind(sched, self.core.config.host.demote_nice)
         while not self._stopped.is_set():
             self.core.pressure.wait(self.idle_s)
             self._drain()  # a round on each wake-up and idle tick; the core's watermarks say whether there is one
 
     def _run_urgent(self) -> None:
+        name_thread("kv-demoter-urg")
         run_behind("normal", self.core.config.host.demote_nice)
         while not self._stopped.is_set():
             if self.core.starved.wait(self.idle_s):

@@ -23,7 +23,7 @@ from kvstore.pagecopy import checksum_released
 from kvstore.server.admission import AdmittedTier
 from kvstore.server.leases import LeaseTable
 from kvstore.server.metrics import Metrics
-from kvstore.server.placement.background import is_behind, lift, run_behind, write_pieces
+from kvstore.server.placement.background import is_behind, lift, name_thread, run_behind, write_pieces
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import NamespaceShares
@@ -81,7 +81,8 @@ class Mover(LowerRoom):
         self._written = threading.Condition(lock)
         # checks beside disk writes: the foreground's (its worker started here, by a foreground thread: one
         # the idle demoter started would inherit its class) and the idle demoter's (background.py)
-        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify", initializer=name_thread,
+                                            initargs=("kv-verify",))
         self._verifier.submit(int).result()
         self._behind_tids: list[int] = []  # its worker's, lifted at close (background.lift)
         self._behind_verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify-behind",
@@ -95,6 +96,7 @@ class Mover(LowerRoom):
 
     def _start_behind(self) -> None:
         self._behind_tids.append(threading.get_native_id())
+        name_thread("kv-verify-bg")
         run_behind("idle", 0)
 
     def close(self) -> None:
