@@ -38,6 +38,7 @@ DRAIN_ABOVE = 0.80  # the draining rows' server: demotion starts past this fill 
 # full, so that no allocation of the fill evicts a page itself) ...
 DRAIN_TO = 0.05  # ... and writes down nearly all of it
 CALLS = {"rpc": "Lookup RPC", "keys": "client.lookup_keys", "client": "client.lookup"}  # a row's "call", by load role
+STATES = ("idle", "demoting", "writing", "draining")  # the rows, in the order they run
 DEMOTION_THREADS = ("kv-demoter", "kv-verify")  # the server's demoter halves and its verifiers, by their OS names
 
 
@@ -73,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "builds whose demoters differ in speed at the same write load)")
     p.add_argument("--floor-work-ms", type=float, default=0.3,
                    help="busy work per request of the floor's echo (lookup_floor.py; about a server's share of an idle lookup)")
+    p.add_argument("--states", default=",".join(STATES),
+                   help="which rows to run (the floor's windows come with the idle and draining ones)")
     p.add_argument("--dir", default="bench-out/lookup", help="work directory")
 
 
@@ -340,8 +343,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            *_server_flags(args))
     counts = [int(c) for c in args.clients.split(",") if c]
-    plan = [(role, n, state) for state in ("idle", "demoting", "writing", "draining") for n in counts for role in ("rpc", "keys")]
-    plan.append(("client", 1, "idle"))
+    states = [state for state in STATES if state in args.states.split(",")]
+    if not states or set(args.states.split(",")) - set(STATES):
+        raise SystemExit(f"--states {args.states}: a comma-separated choice of {', '.join(STATES)}")
+    plan = [(role, n, state) for state in states for n in counts for role in ("rpc", "keys")]
+    plan += [("client", 1, "idle")] if "idle" in states else []
     floor: lookup_floor.Floor | None = None
     rows: list[dict[str, Any]] = []
     try:

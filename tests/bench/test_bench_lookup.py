@@ -86,9 +86,11 @@ def test_a_lookup_bench_stopped_by_sigterm_leaves_no_writer_behind(tmp_path) -> 
     trips, the bench stops that dd and removes its file. Bug: the bench died without its
     finally blocks and the orphaned dd wrote on (200 GiB at most) until the disk was full."""
     workdir = tmp_path / "lk"
-    # --seconds: the floor's idle window, then its dd beside a window as long: 4.5 s to see dd's file (polled every 50 ms)
+    # the draining rows alone: after a fill of 128 MiB, the floor's dd beside a window of --drain-seconds (4.5 s
+    # to see dd's file, polled every 50 ms), just before the drain's own
     bench = subprocess.Popen([sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1",
-                              "--seconds", "4", "--host-capacity", "64MiB", "--ssd-capacity", "1GiB", "--dir", str(workdir)],
+                              "--states", "draining", "--drain-seconds", "4", "--drain-host-capacity", "128MiB",
+                              "--host-capacity", "64MiB", "--ssd-capacity", "1GiB", "--dir", str(workdir)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = workdir / "floor" / "floor.dat"
     try:
