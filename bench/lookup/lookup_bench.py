@@ -328,6 +328,9 @@ def _hash_ms(pages: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    states = [state for state in STATES if state in args.states.split(",")]
+    if not states or set(args.states.split(",")) - set(STATES):
+        raise SystemExit(f"--states {args.states}: a comma-separated choice of {', '.join(STATES)}")
     if args.repeat < 1:
         raise SystemExit(f"--repeat {args.repeat}: at least one window per row")
     workdir = Path(args.dir)
@@ -343,9 +346,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
                                            *_server_flags(args))
     counts = [int(c) for c in args.clients.split(",") if c]
-    states = [state for state in STATES if state in args.states.split(",")]
-    if not states or set(args.states.split(",")) - set(STATES):
-        raise SystemExit(f"--states {args.states}: a comma-separated choice of {', '.join(STATES)}")
     plan = [(role, n, state) for state in states for n in counts for role in ("rpc", "keys")]
     plan += [("client", 1, "idle")] if "idle" in states else []
     floor: lookup_floor.Floor | None = None

@@ -112,3 +112,16 @@ def test_a_lookup_bench_stopped_by_sigterm_leaves_no_writer_behind(tmp_path) -> 
     assert not writers, "a dd of the floor is still writing"
     assert not target.exists()
     assert not others, "processes the bench started outlived it"
+
+
+def test_unknown_states_are_refused_before_any_server_starts(tmp_path) -> None:
+    """Bug (found writing --states): the check ran after the bench had started its two servers, and its
+    SystemExit left them running. Now it is refused first, naming the choices, and nothing is started."""
+    workdir = tmp_path / "lk"
+    res = subprocess.run([sys.executable, "-m", "kvstore.bench.main", "lookup", "--states", "idle,bogus", "--dir", str(workdir)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "--states idle,bogus: a comma-separated choice of idle, demoting, writing, draining" in res.stderr
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True, check=False).stdout.split()
+    for pid in left:
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left, "the bench started servers it left running"
