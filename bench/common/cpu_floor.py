@@ -84,15 +84,12 @@ def threads_cpu_s(pid: int, prefixes: tuple[str, ...]) -> dict[int, float]:
             with open(f"{task}/comm") as f:
                 if not f.read().strip().startswith(prefixes):
                     continue
-            try:
-                with open(f"{task}/schedstat") as f:
-                    out[int(tid)] = int(f.read().split()[0]) / 1e9
-            except FileNotFoundError:
-                with open(f"{task}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            continue
+            with open(f"{task}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile, or the kernel keeps no schedstat
+            ticks = cpu_seconds(pid, int(tid))
+            if ticks is not None:
+                out[int(tid)] = ticks
     return out
 
 

@@ -8,10 +8,10 @@ import os
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` so far; None once it is gone."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds of ``pid`` (of its thread ``tid``, when given) so far; None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     except OSError:
         return None

@@ -86,7 +86,7 @@ def _time(path: str, request_bytes: int, answer_bytes: int, seconds: float) -> l
 
 
 def _row(state: str, latencies: list[float], seconds: float, written_gb_per_s: float) -> dict[str, Any]:
-    return {"state": state, "windows_s": seconds, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(latencies),
+    return {"state": state, "call": CALL, "path": "Unix socket", "clients": 1, "lookups": len(latencies),
             "lookups_per_s": len(latencies) / seconds,
             "p50_ms": percentile(latencies, 0.50) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3,
             "short_answers": 0, "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": written_gb_per_s,

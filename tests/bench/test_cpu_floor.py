@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 
-from kvstore.bench.common.cpu_floor import OWN, HashPass, Meter, VerifiedCopy, cpu_fields
+from kvstore.bench.common.cpu_floor import OWN, HashPass, Meter, ThreadMeter, VerifiedCopy, cpu_fields
 from kvstore.page import checksum
+from kvstore.server.placement.background import name_thread
 
 
 def test_the_meter_counts_a_child_of_a_tree_and_this_process() -> None:
@@ -83,3 +87,30 @@ def test_the_meter_reads_another_process_finer_than_a_clock_tick() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_thread_meter_counts_the_named_threads_only_and_those_started_meanwhile() -> None:
+    """ThreadMeter (kvstore-bench lookup's meter of the demoter's CPU) sums the CPU of a process's
+    threads by their OS name: a thread named for it and started after start() counts from 0,
+    another busy thread of the same process not at all."""
+    spun, done = threading.Barrier(3), threading.Event()
+
+    def spin(name: str) -> None:
+        name_thread(name)
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        spun.wait()
+        done.wait()  # alive while the meter reads: a thread that ended is lost to it
+
+    meter = ThreadMeter(os.getpid(), ("kv-test-meter",))
+    meter.start()
+    threads = [threading.Thread(target=spin, args=(name,)) for name in ("kv-test-meter", "kv-other")]
+    for thread in threads:
+        thread.start()
+    spun.wait(30)
+    used = meter.stop()
+    done.set()
+    for thread in threads:
+        thread.join()
+    assert 0.15 <= used <= 0.25, f"{used} s: the named thread spun 0.2 s of CPU, the other as much"
