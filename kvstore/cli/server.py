@@ -37,7 +37,7 @@ from kvstore.security.undumpable import forbid_inspection
 logger = logging.getLogger("kvstore.server")
 
 
-DEFAULT_SWITCH_INTERVAL_MS = 0.5  # why: set_switch_interval
+DEFAULT_SWITCH_INTERVAL_MS = 0.5  # why 0.5: set_switch_interval
 STOP_TIMEOUT_S = 15.0  # past gRPC's 5 s grace for calls in flight and the threads' 5 s joins
 MIN_SWITCH_INTERVAL_MS = 0.001  # CPython's resolution (1 us)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval-ms", type=float, default=DEFAULT_SWITCH_INTERVAL_MS,
                    help="how long a Python thread may hold the GIL while another waits for it (CPython's "
                         "default: 5 ms); short, a lookup waits less behind a demoting or writing thread (0.1: "
-                        "kvstore-bench lookup's draining p99 20-45%% lower than at 0.5, more CPU on busy threads)")
+                        "kvstore-bench lookup's draining p99 18-38%% lower than at 0.5; the test suite took 16-25%% more CPU)")
     p.add_argument("--heap-trim-s", type=float, default=HEAP_TRIM_S,
                    help="give the C heap's free pages back to the kernel this often (0: never; a long-running server "
                         "otherwise grows under churn)")
@@ -180,8 +180,9 @@ def set_switch_interval(ms: float) -> None:
     under demotion sat at ~5 ms against ~0.6 ms idle (kvstore-bench lookup, 2 cores). At
     0.5 ms the slowest 1% of draining lookups still waited ~0.4 ms for the demoter's Python
     between its writes; 0.1 ms took the draining p99 of client.lookup_keys from 0.86-1.14 to
-    0.60-0.91 ms, and kvstore-bench throughput moved within its spread, but the test suite
-    used 16-25% more CPU (user time of a fresh-clone make test), so 0.5 stays the default."""
+    0.60-0.91 ms, and kvstore-bench throughput moved within its spread, but a fresh-clone make
+    test took 16-25% more user CPU on the two trees with it than on the one before (not an A/B
+    of the interval alone), so 0.5 stays the default."""
     if not MIN_SWITCH_INTERVAL_MS <= ms < math.inf:  # CPython keeps microseconds: less, or inf, is 0
         raise ConfigError(f"--switch-interval-ms must be > 0 (at least {MIN_SWITCH_INTERVAL_MS}) and finite, got {ms}")
     sys.setswitchinterval(ms / 1e3)

@@ -180,7 +180,7 @@ def test_a_demotion_batch_cut_short_by_an_io_error_leaves_no_page_findable_that_
 def test_the_background_demoter_hands_the_disk_its_round_in_pieces(tmp_path) -> None:
     """A demotion round in the idle class reaches the SSD tier in pieces of whole pages of at
     most BEHIND_WRITE_BYTES, each a pwritev: the kernel pins an O_DIRECT write's pages without a
-    preemption point, and on CI's kernel (PREEMPT_NONE) a round written whole (32 MiB) held a CPU
+    preemption point, and on the development VM's kernel (PREEMPT_NONE) a round written whole (32 MiB) held a CPU
     ~1 ms that a lookup woken meanwhile waited for. A foreground round (an allocation waiting on
     it) still goes in one call; every page of both reads back as written."""
     layout = LayoutDesc(8, 2, 2, 64, "float16", 128)  # 512 KiB pages: 4 to a piece, 32 fill the host tier

@@ -75,7 +75,7 @@ def write_pieces(placed: list[Placed], behind: bool) -> Iterator[list[Placed]]:
     """The pages of a write as the tier is handed them: the foreground's at once (one
     pwritev), the background's in pieces of whole pages of about BEHIND_WRITE_BYTES (a page
     larger alone). The kernel pins an O_DIRECT write's pages and builds its requests without a
-    preemption point: on a kernel built without preemption (PREEMPT_NONE, as CI's VM) a demotion
+    preemption point: on a kernel built without preemption (PREEMPT_NONE, as our 2-core dev VM's) a demotion
     round's 32 MiB pwritev held its CPU ~1 ms, and a lookup woken meanwhile waited for it (DESIGN §6)."""
     if not behind:
         yield placed
