@@ -52,7 +52,7 @@ class BlockingPageSource(PageSource, Protocol):
 
 
 class FetchStatus(enum.Enum):
-    OK = "ok"            # the page's bytes are in its buffer and match the stored checksum
+    OK = "ok"            # the page's bytes are in its buffer and match the stored checksum (hashed=False: unchecked)
     MISSING = "missing"  # the sender does not hold it (or not at the posted size)
     CORRUPT = "corrupt"  # bytes arrived but failed the checksum: the buffer holds garbage
     FAILED = "failed"    # the transfer broke or timed out before this page arrived

@@ -18,7 +18,7 @@ from typing import Any
 from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
-from kvstore.cluster.tcp_socket import Deadline, recv_frame, recv_hashed, send_frame, shut, tune
+from kvstore.cluster.tcp_socket import Deadline, recv_exact, recv_frame, recv_hashed, send_frame, shut, tune
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
@@ -156,12 +156,14 @@ class TcpPageFetcher:
         return sock
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). Peer failures are
-        values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
+        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
+        the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
+        ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
+        hang; bad arguments raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
-        await self._exchange(request, views, result, timeout_s)
+        await self._exchange(request, views, result, timeout_s, hashed)
         return result
 
     async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float,
@@ -175,7 +177,7 @@ class TcpPageFetcher:
         return answer.layout if answer is not None and answer.entries[0].status is PageStatus.FOUND else None
 
     async def _exchange(self, request: FetchRequest, views: list[memoryview], result: FetchResult,
-                        timeout_s: float) -> FetchAnswer | None:
+                        timeout_s: float, hashed: bool = True) -> FetchAnswer | None:
         """One request on a connection of its own, its receives on a thread of their own;
         whatever happens, returns only once that thread stopped touching ``views``. The
         connection is kept for the next fetch only when this one ended cleanly."""
@@ -187,7 +189,7 @@ class TcpPageFetcher:
                 self._fail(result, exc, request)
                 return None
             try:
-                answer = await self._on(sock, request, views, result, deadline, timeout_s)
+                answer = await self._on(sock, request, views, result, deadline, timeout_s, hashed)
             except BaseException:
                 _close(sock)
                 raise
@@ -198,9 +200,9 @@ class TcpPageFetcher:
             return answer
 
     async def _on(self, sock: socket.socket, request: FetchRequest, views: list[memoryview], result: FetchResult,
-                  deadline: Deadline, timeout_s: float) -> FetchAnswer | None:
+                  deadline: Deadline, timeout_s: float, hashed: bool) -> FetchAnswer | None:
         answer: list[FetchAnswer] = []
-        receiving = _Receiving((sock, request, views, result, deadline, answer)).start(asyncio.get_running_loop())
+        receiving = _Receiving((sock, request, views, result, deadline, answer, hashed)).start(asyncio.get_running_loop())
         if receiving is None:
             self._fail(result, TransportError("cannot start a thread for the fetch"), request)
             return None
@@ -247,9 +249,10 @@ class TcpPageFetcher:
 
     @staticmethod
     def receive(sock: socket.socket, request: FetchRequest, views: list[memoryview], result: FetchResult,
-                 deadline: Deadline, answer_out: list[FetchAnswer]) -> None:
+                 deadline: Deadline, answer_out: list[FetchAnswer], hashed: bool = True) -> None:
         """The thread: request out, answer in, then every found page into its buffer, each
-        chunk hashed as it lands. Raises on any transport or protocol failure."""
+        chunk hashed as it lands (``hashed``; else OK with the stored checksum, unchecked).
+        Raises on any transport or protocol failure."""
         send_frame(sock, request.encode(), deadline)
         answer = FetchAnswer.decode(recv_frame(sock, MAX_FRAME_BYTES, deadline), request)
         answer_out.append(answer)
@@ -261,7 +264,12 @@ class TcpPageFetcher:
         for i, entry in enumerate(answer.entries):
             if entry.status is not PageStatus.FOUND:
                 continue
+            result.checksums[i] = entry.checksum
+            if not hashed:
+                deadline.arm(sock)
+                recv_exact(sock, views[i], deadline)
+                result.statuses[i] = FetchStatus.OK
+                continue
             digest = running_checksum()
             recv_hashed(sock, views[i], digest, deadline)
-            result.checksums[i] = entry.checksum
             result.statuses[i] = FetchStatus.OK if digest.intdigest() == entry.checksum else FetchStatus.CORRUPT

@@ -279,10 +279,12 @@ class UcxPageFetcher:
             self._ep = None
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
-        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). Peer failures are
-        values (FAILED statuses and ``error``), never a hang; bad arguments raise InvalidRequest."""
+        ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
+        the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
+        ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
+        hang; bad arguments raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         async with self._lock:
@@ -299,7 +301,7 @@ class UcxPageFetcher:
                     for i, task in receives:
                         await task
                         result.checksums[i] = answer.entries[i].checksum
-                        ok = checksum(views[i]) == answer.entries[i].checksum
+                        ok = not hashed or checksum(views[i]) == answer.entries[i].checksum
                         result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT
             except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
                 result.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
