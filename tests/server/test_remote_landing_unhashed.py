@@ -1,12 +1,14 @@
 """A handoff's pages land at the decode node unhashed (DESIGN §4: the copy out of the arena that
 consumes a page is its one check): a page scribbled on in the holder's arena lands and is findable
 at the receiver, but none of its readers there serves it. gRPC's send checks it and quarantines
-it; a third node fetching it (hashed, the default) finds it CORRUPT, asks again with the holder
-verifying, and the receiver quarantines its copy. Real servers, a real TCP or UCX page server on
-each holder's core, over loopback."""
+it, and the holder is then asked to check its own copy, which it quarantines; a third node
+fetching it (hashed, the default) finds it CORRUPT, asks again with the holder verifying, and the
+receiver quarantines its copy. Real servers, a real TCP or UCX page server on each holder's core,
+over loopback."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -47,15 +49,62 @@ async def _fetch(plane: str, holder: Any, receiver: Any, ns: bytes, keys: list[b
         await server.close()
 
 
+async def _quarantined(server: Any, key: bytes) -> bool:
+    for _ in range(200):
+        if key in {q.key for q in server.core.quarantined()}:
+            return True
+        await asyncio.sleep(0.025)
+    return False
+
+
 @pytest.mark.parametrize("plane", ["tcp", "ucx"])
-async def test_unhashed_pages_land_and_the_gRPC_send_quarantines_a_damaged_one(server_factory, tmp_path, plane: str) -> None:
+async def test_unhashed_pages_land_the_gRPC_send_quarantines_a_damaged_one_and_its_source_checks_its_own(
+        server_factory, tmp_path, plane: str) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
     flip_arena_byte(holder, holder.core.where(keys[2])["host"] + 100)  # a client that maps the arena scribbles
-    assert await _fetch(plane, holder, receiver, ns, keys, hashed=False) == 4
-    assert _found(receiver.address, ns, keys) == 4  # landed unchecked, findable ...
-    assert _pages_at(receiver.address, ns, keys) == pages[0] + pages[1]  # ... but never served
-    assert keys[2] in {q.key for q in receiver.core.quarantined()}
-    assert _found(receiver.address, ns, keys) == 2
+    server, port = await _serve(plane, holder)
+    try:
+        peer = Peer(plane, port)
+        tier = RemoteTier(receiver.core, {"holder": peer}, None, plane)  # type: ignore[arg-type]  # the peers: the holder alone
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 4  # type: ignore[arg-type]
+        assert _found(receiver.address, ns, keys) == 4  # landed unchecked, findable ...
+        assert holder.core.quarantined() == []
+        read = await asyncio.to_thread(_pages_at, receiver.address, ns, keys)
+        assert read == pages[0] + pages[1]  # ... but never served
+        assert keys[2] in {q.key for q in receiver.core.quarantined()}
+        assert _found(receiver.address, ns, keys) == 2
+        assert await _quarantined(holder, keys[2]), "the source was not asked to check its copy, or did not drop it"
+        assert _found(holder.address, ns, keys) == 2
+        assert tier.source_checks.num_asked == 1
+        await peer.fetcher.close()
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("plane", ["tcp", "ucx"])
+async def test_a_page_damaged_on_the_way_is_dropped_where_it_landed_and_its_sound_source_kept(server_factory, tmp_path,
+                                                                                              plane: str) -> None:
+    """The damage was on the receiver's copy alone (here: scribbled on after it landed): the
+    source checks its copy, finds it sound, and keeps serving it."""
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 3)
+    server, port = await _serve(plane, holder)
+    try:
+        peer = Peer(plane, port)
+        tier = RemoteTier(receiver.core, {"holder": peer}, None, plane)  # type: ignore[arg-type]
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 3  # type: ignore[arg-type]
+        flip_arena_byte(receiver, receiver.core.where(keys[1])["host"] + 5)
+        assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
+        for _ in range(200):
+            if tier.source_checks.num_asked and not tier.source_checks._tasks:
+                break
+            await asyncio.sleep(0.025)
+        assert tier.source_checks.num_asked == 1 and holder.core.quarantined() == []
+        assert _found(holder.address, ns, keys) == 3
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 3  # type: ignore[arg-type]
+        assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == b"".join(pages)
+        await peer.fetcher.close()
+    finally:
+        await server.close()
 
 
 @pytest.mark.parametrize("plane", ["tcp", "ucx"])

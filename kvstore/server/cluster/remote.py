@@ -25,6 +25,7 @@ from kvstore.page import LayoutDesc
 from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import PeerNode, Peers, current_cancelled
+from kvstore.server.cluster.source_checks import SourceChecks
 from kvstore.server.placement import Placement
 from kvstore.types import LocationRun
 
@@ -99,6 +100,7 @@ class RemoteTier:
         self._data_plane = data_plane
         self._node_landing = NodeLanding(core)
         self.num_fetched = 0
+        self.source_checks = SourceChecks(core, peers)  # pages landed unhashed (``hashed=False``) that a reader failed
 
     def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """How many leading keys this node holds a copy of."""
@@ -211,6 +213,8 @@ class RemoteTier:
                 views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
                 try:
                     ok_sums = await self._fetch_checked(peer, namespace_id, to_fetch, views, deadline, generation, hashed)
+                    if not hashed:
+                        self.core.reads.unchecked.landed(namespace_id, to_fetch[: len(ok_sums)], peer.member.node_id)
                 finally:
                     for view in views:
                         view.release()

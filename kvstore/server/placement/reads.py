@@ -15,6 +15,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover
 from kvstore.server.placement.residence import LANDING
+from kvstore.server.placement.unchecked import UncheckedCopies
 from kvstore.tiers.base import ReadResult
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Reader:
         self.metrics = metrics
         self.layout_of = layout_of
         self.owner_of = owner_of  # namespace id -> the owner of the arena its pages are read up into
+        self.unchecked = UncheckedCopies()  # landed from other nodes unhashed: their sources check them on damage
         self._scrub_queue: list[tuple[int, bytes]] = []
         self._scratch = threading.local()
 
@@ -230,9 +232,11 @@ class Reader:
 
     def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
         """A reader found the landing copy of a page damaged: it is dropped (``Mover.quarantine_landing``),
-        and so is any lower copy it was read up from that fails its check too."""
+        and so is any lower copy it was read up from that fails its check too; the node it was
+        fetched from unhashed, if any, is asked to check its own (``UncheckedCopies``)."""
         self.moves.quarantine_landing(header, reason, slot)
         self.check_below(header.key)
+        self.unchecked.damaged(header)
 
     def check_below(self, key: bytes) -> None:
         """The landing copy of ``key`` failed a check. Lower copies are read up unchecked (the

@@ -1,0 +1,53 @@
+"""A copy landed here unhashed that a reader found damaged: the node it came from is asked to
+check its own copy (a one-page fetch with ``fetch_frames.VERIFY``: the sender hashes it before
+sending and quarantines it if its bytes fail), so that damage at the source is dropped there
+(DESIGN §4, ``placement/unchecked.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvstore.page import PageHeader
+from kvstore.server.cluster.peers import Peers
+from kvstore.server.placement import Placement
+
+logger = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 10.0
+
+
+class SourceChecks:
+    def __init__(self, core: Placement, peers: Peers) -> None:
+        self.core = core
+        self._peers = peers
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.num_asked = 0
+        core.reads.unchecked.on_damaged(self._damaged)
+
+    def _damaged(self, header: PageHeader, source: str) -> bool:
+        """On the reader's thread: the check runs on the cluster loop; False once that closed."""
+        try:
+            self._loop.call_soon_threadsafe(self._start, header, source)
+        except RuntimeError:
+            return False
+        return True
+
+    def _start(self, header: PageHeader, source: str) -> None:
+        task = asyncio.ensure_future(self._check(header, source))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _check(self, header: PageHeader, source: str) -> None:
+        peer = self._peers.get(source) if self._peers is not None else None
+        if peer is None or peer.fetcher is None:
+            logger.info("page %s damaged here: its source %s is gone; not asked to check it", header.key.hex(), source)
+            return
+        self.num_asked += 1
+        scratch = bytearray(header.payload_bytes)  # the bytes come back only when they are sound: dropped
+        generation = self.core.directory.generation(header.namespace_id)
+        result = await peer.fetcher.fetch(header.namespace_id, [header.key], [scratch], CHECK_TIMEOUT_S, generation,
+                                          verify=True, hashed=False)
+        logger.warning("page %s landed from %s unhashed failed a reader's check here; %s checked its copy: %s",
+                       header.key.hex(), source, source, result.statuses[0].value if result.error is None else result.error)
