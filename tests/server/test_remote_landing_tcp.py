@@ -1,18 +1,19 @@
 """A node fetching pages over the TCP data plane into its landing slots (the receive buffers
-themselves): a page that arrives CORRUPT is never committed. It is asked for again with the
-holder checking it (a holder sends unhashed unless asked: fetch_frames.VERIFY): a byte flipped in
-flight arrives whole the second time, a page scribbled on in the holder's arena is quarantined
-there instead of sent, and no page after it is committed. Real servers, a real TCP page server on the holder's
-core, and a relay that damages bytes on the wire."""
+themselves), unhashed: the reader that consumes a page checks it (DESIGN §4). A byte flipped in
+flight lands, is never served (the reader drops the copy) and the holder, asked to check its own,
+keeps its sound one, which a second fetch lands whole; a page damaged on the holder's disk lands,
+is never served, and the holder drops its read-up copy and the one on disk. Real servers, a real
+TCP page server on the holder's core, and a relay that damages bytes on the wire."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from pathlib import Path
 from typing import Any
 
 import grpc
-from support.servers import flip_arena_byte, flip_ssd_byte, make_config
+from support.servers import flip_ssd_byte, make_config
 from support.tcp_proxy import TcpProxy
 from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
 
@@ -38,20 +39,6 @@ def _pages_at(address: str, ns: bytes, keys: list[bytes]) -> bytes:
             data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys)))
 
 
-async def _fetch_from(holder: Any, receiver: Any, ns: bytes, keys: list[bytes]) -> int:
-    """The receiver fetches ``keys`` from the holder's TCP page server (on its core) into its
-    landing slots; how many pages it committed."""
-    server = TcpPageServer(CorePageSource(holder.core))
-    port = await server.start()
-    try:
-        peer = Peer(port)
-        got = await RemoteTier(receiver.core, None, None, "tcp")._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
-        await peer.fetcher.close()
-        return got
-    finally:
-        await server.close()
-
-
 async def _setup(server_factory: Any, tmp_path: Path, n: int) -> tuple[Any, Any, bytes, list[bytes], list[bytes]]:
     holder, receiver = server_factory(), server_factory(make_config(tmp_path / "receiver"))
     ns = secrets.token_bytes(16)
@@ -61,7 +48,7 @@ async def _setup(server_factory: Any, tmp_path: Path, n: int) -> tuple[Any, Any,
     return holder, receiver, ns, keys, pages
 
 
-async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory, tmp_path) -> None:
+async def test_a_page_damaged_in_flight_is_never_served_and_arrives_whole_again(server_factory, tmp_path) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
     server = TcpPageServer(CorePageSource(holder.core))
     port = await server.start()
@@ -69,38 +56,35 @@ async def test_a_page_damaged_in_flight_over_tcp_is_not_committed(server_factory
     answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
     relay = TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
     try:
-        tier = RemoteTier(receiver.core, None, None, "tcp")  # type: ignore[arg-type]  # no cluster: the peer is given
-        peer = Peer(relay.port)
-        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
-        await peer.fetcher.close()
-        # page 2 arrived CORRUPT and was not committed; asked again (checked by the holder) it arrived whole
-        assert got == 4
-        assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
-        assert holder.core.quarantined() == []  # the holder's bytes were sound
-        # and again, the plain path lands all four bit-exact
-        peer = Peer(port)
-        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
-        await peer.fetcher.close()
+        flipped = Peer(relay.port)
+        tier = RemoteTier(receiver.core, {"holder": Peer(port)}, None, "tcp")  # type: ignore[arg-type]  # the source checks go direct
+        assert await tier._fetch_posted(flipped, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
+        await flipped.fetcher.close()
+        # page 2 landed damaged: its reader drops it, and the pages after it are not served either
+        assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
+        assert keys[1] in {q.key for q in receiver.core.quarantined()}
+        await _checks_done(tier)
+        assert tier.source_checks.num_asked == 1 and holder.core.quarantined() == []  # the holder's bytes were sound
+        # fetched again (the first page is held), the plain path lands the rest bit-exact
+        assert await tier._fetch_posted(Peer(port), ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
         assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
     finally:
         relay.close()
         await server.close()
 
 
-async def test_a_page_scribbled_on_at_the_holder_is_quarantined_not_sent(server_factory, tmp_path) -> None:
-    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 3)
-    flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
-    got = await _fetch_from(holder, receiver, ns, keys)
-    assert got == 1 and _found(receiver.address, ns, keys) == 1
-    assert _pages_at(receiver.address, ns, keys) == pages[0]
-    assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
-    assert _found(holder.address, ns, keys) == 1
+async def _checks_done(tier: RemoteTier) -> None:
+    for _ in range(400):
+        if tier.source_checks.num_asked and not tier.source_checks._tasks:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError("no source check ran to its end")
 
 
-async def test_a_page_damaged_on_the_holders_disk_is_quarantined_there_not_sent(server_factory, tmp_path) -> None:
-    """A page the holder reads up from disk to send is not checked on the way up (its reader
-    checks it: DESIGN §4). Here the damage is on the holder's disk: the receiver finds it
-    CORRUPT, asks again with the holder checking, and the holder then drops both its read-up
+async def test_a_page_damaged_on_the_holders_disk_is_never_served_and_dropped_there(server_factory, tmp_path) -> None:
+    """A page the holder reads up from disk to send is not checked on the way up, nor as it lands
+    (its reader checks it: DESIGN §4). Here the damage is on the holder's disk: the receiver's
+    reader drops the copy that landed, the holder, asked to check its own, drops both its read-up
     copy and the copy on disk, where the damage is, so that no lookup promises it again."""
     holder, receiver = server_factory(), server_factory(make_config(tmp_path / "receiver"))
     ns = secrets.token_bytes(16)
@@ -113,7 +97,16 @@ async def test_a_page_damaged_on_the_holders_disk_is_quarantined_there_not_sent(
         assert stored.num_published == len(keys)
         directory_pb2_grpc.DirectoryStub(channel).Remove(directory_pb2.RemoveRequest(namespace_id=ns, keys=keys, tier="host"))
     flip_ssd_byte(holder, keys[1])  # one byte of page 1, on the holder's disk
-    got = await _fetch_from(holder, receiver, ns, keys)
-    assert got == 1 and _pages_at(receiver.address, ns, keys) == pages[0]
-    assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
-    assert _found(holder.address, ns, keys) == 1
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        peer = Peer(port)
+        tier = RemoteTier(receiver.core, {"holder": peer}, None, "tcp")  # type: ignore[arg-type]
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 3  # type: ignore[arg-type]
+        assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
+        await _checks_done(tier)
+        assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
+        assert _found(holder.address, ns, keys) == 1 and _found(receiver.address, ns, keys) == 1
+        await peer.fetcher.close()
+    finally:
+        await server.close()

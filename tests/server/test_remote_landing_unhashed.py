@@ -1,10 +1,9 @@
-"""A handoff's pages land at the decode node unhashed (DESIGN §4: the copy out of the arena that
-consumes a page is its one check): a page scribbled on in the holder's arena lands and is findable
-at the receiver, but none of its readers there serves it. gRPC's send checks it and quarantines
-it, and the holder is then asked to check its own copy, which it quarantines; a third node
-fetching it (hashed, the default) finds it CORRUPT, asks again with the holder verifying, and the
-receiver quarantines its copy. Real servers, a real TCP or UCX page server on each holder's core,
-over loopback."""
+"""Pages fetched from another node land unhashed (DESIGN §4: the copy that consumes a page is its
+one check): a page scribbled on in the holder's arena lands and is findable at the receiver, but
+none of its readers there serves it. gRPC's send checks it and quarantines it, and the holder is
+then asked to check its own copy, which it quarantines; fetched on by a third node, the damage is
+dropped at every node it passed through. Real servers, a real TCP or UCX page server on each
+holder's core, over loopback."""
 
 from __future__ import annotations
 
@@ -37,12 +36,12 @@ async def _serve(plane: str, holder: Any) -> tuple[Any, int]:
     return server, await server.start()
 
 
-async def _fetch(plane: str, holder: Any, receiver: Any, ns: bytes, keys: list[bytes], hashed: bool) -> int:
+async def _fetch(plane: str, holder: Any, receiver: Any, ns: bytes, keys: list[bytes]) -> int:
     server, port = await _serve(plane, holder)
     try:
         peer = Peer(plane, port)
         tier = RemoteTier(receiver.core, None, None, plane)  # type: ignore[arg-type]  # no cluster: the peer is given
-        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=hashed)  # type: ignore[arg-type]
+        got = await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0)  # type: ignore[arg-type]
         await peer.fetcher.close()
         return got
     finally:
@@ -66,7 +65,7 @@ async def test_unhashed_pages_land_the_gRPC_send_quarantines_a_damaged_one_and_i
     try:
         peer = Peer(plane, port)
         tier = RemoteTier(receiver.core, {"holder": peer}, None, plane)  # type: ignore[arg-type]  # the peers: the holder alone
-        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 4  # type: ignore[arg-type]
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
         assert _found(receiver.address, ns, keys) == 4  # landed unchecked, findable ...
         assert holder.core.quarantined() == []
         read = await asyncio.to_thread(_pages_at, receiver.address, ns, keys)
@@ -91,7 +90,7 @@ async def test_a_page_damaged_on_the_way_is_dropped_where_it_landed_and_its_soun
     try:
         peer = Peer(plane, port)
         tier = RemoteTier(receiver.core, {"holder": peer}, None, plane)  # type: ignore[arg-type]
-        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 3  # type: ignore[arg-type]
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 3  # type: ignore[arg-type]
         flip_arena_byte(receiver, receiver.core.where(keys[1])["host"] + 5)
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
         for _ in range(200):
@@ -100,7 +99,7 @@ async def test_a_page_damaged_on_the_way_is_dropped_where_it_landed_and_its_soun
             await asyncio.sleep(0.025)
         assert tier.source_checks.num_asked == 1 and holder.core.quarantined() == []
         assert _found(holder.address, ns, keys) == 3
-        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0, hashed=False) == 3  # type: ignore[arg-type]
+        assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 3  # type: ignore[arg-type]
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == b"".join(pages)
         await peer.fetcher.close()
     finally:
@@ -108,21 +107,34 @@ async def test_a_page_damaged_on_the_way_is_dropped_where_it_landed_and_its_soun
 
 
 @pytest.mark.parametrize("plane", ["tcp", "ucx"])
-async def test_a_node_fetching_a_damaged_unhashed_landing_has_it_quarantined_where_it_landed(server_factory, tmp_path,
-                                                                                               plane: str) -> None:
+async def test_damage_fetched_on_by_a_third_node_is_dropped_at_every_node_it_passed(server_factory, tmp_path,
+                                                                                    plane: str) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
     flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 7)
-    assert await _fetch(plane, holder, receiver, ns, keys, hashed=False) == 4
     third = server_factory(make_config(tmp_path / "third"))
-    assert await _fetch(plane, receiver, third, ns, keys, hashed=True) == 1  # page 1 CORRUPT, then not sent
-    assert keys[1] in {q.key for q in receiver.core.quarantined()}
-    assert _found(receiver.address, ns, keys) == 1 and _found(third.address, ns, keys) == 1
-    assert _pages_at(third.address, ns, keys) == pages[0]
+    holder_server, holder_port = await _serve(plane, holder)
+    receiver_server, receiver_port = await _serve(plane, receiver)
+    try:
+        from_holder, from_receiver = Peer(plane, holder_port), Peer(plane, receiver_port)
+        from_receiver.member = type("Member", (), {"node_id": "receiver"})()
+        at_receiver = RemoteTier(receiver.core, {"holder": from_holder}, None, plane)  # type: ignore[arg-type]
+        at_third = RemoteTier(third.core, {"receiver": from_receiver}, None, plane)  # type: ignore[arg-type]
+        assert await at_receiver._fetch_posted(from_holder, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
+        assert await at_third._fetch_posted(from_receiver, ns, keys, PAGE_BYTES, 10.0) == 4  # type: ignore[arg-type]
+        assert await asyncio.to_thread(_pages_at, third.address, ns, keys) == pages[0]  # never served ...
+        for server in (third, receiver, holder):  # ... and dropped where it landed, where it came from, and at its source
+            assert await _quarantined(server, keys[1])
+        assert [_found(s.address, ns, keys) for s in (holder, receiver, third)] == [1, 1, 1]
+        await from_holder.fetcher.close()
+        await from_receiver.fetcher.close()
+    finally:
+        await receiver_server.close()
+        await holder_server.close()
 
 
 @pytest.mark.parametrize("plane", ["tcp", "ucx"])
 async def test_sound_pages_land_unhashed_bit_exact(server_factory, tmp_path, plane: str) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
-    assert await _fetch(plane, holder, receiver, ns, keys, hashed=False) == 4
+    assert await _fetch(plane, holder, receiver, ns, keys) == 4
     assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
     assert receiver.core.quarantined() == []

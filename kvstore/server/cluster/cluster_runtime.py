@@ -283,17 +283,16 @@ class ClusterRuntime:
             return 0
 
     def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
-                  tenant: str = "", landing: Landing | None = None, hashed: bool = True) -> int:
-        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``; ``hashed``:
-        see ``RemoteTier.fetch_from``); returns the leading pages held here."""
+                  tenant: str = "", landing: Landing | None = None) -> int:
+        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``);
+        returns the leading pages held here."""
         if not self.serving:
             return 0
         timeout, wait = self._fetch_times(time_remaining_s)
         if timeout <= 0:
             return self.remote.local_prefix(namespace_id, keys)
         try:
-            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing, hashed),
-                             wait, to_end=True)
+            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing), wait, to_end=True)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)
