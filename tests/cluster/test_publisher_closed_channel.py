@@ -18,6 +18,7 @@ from kvstore.page_wire.grpc_chunks import PageStubs
 from kvstore.server.cluster import publisher as publisher_module
 from kvstore.server.cluster.publisher import Publisher, Record
 from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.placement.unchecked import UncheckedCopies
 
 NS = bytes(range(16))
 
@@ -42,7 +43,7 @@ async def test_a_fetch_on_a_closed_channel_gets_nothing(tmp_path) -> None:
     channel = grpc.aio.insecure_channel("127.0.0.1:1")
     await channel.close()
     holder = SimpleNamespace(pages=PageStubs(channel), member=SimpleNamespace(node_id="c"))
-    core = SimpleNamespace(node="a", directory=Directory(tmp_path, "a"))
+    core = SimpleNamespace(node="a", directory=Directory(tmp_path, "a"), reads=SimpleNamespace(unchecked=UncheckedCopies()))
     remote = RemoteTier(core, SimpleNamespace(), None, "grpc")  # type: ignore[arg-type]
     assert await remote._fetch_grpc(holder, NS, [bytes(32)], 1.0) == 0  # type: ignore[arg-type]
 

@@ -27,6 +27,7 @@ from kvstore.server.placement.background import is_behind, lift, name_thread, ru
 from kvstore.server.placement.lower_room import LowerRoom
 from kvstore.server.placement.residence import LANDING, Residence
 from kvstore.server.placement.shares import NamespaceShares
+from kvstore.server.placement.unchecked import UncheckedCopies
 from kvstore.tiers.base import LandingPart, ReadResult
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class Mover(LowerRoom):
         self.starved = threading.Event()  # set when an allocation found no room and evicted inline: the demoter lags
         self._last_error_log = 0.0
         self.shares = shares  # the ssd shares pages count against by namespace (none: no shares)
+        self.unchecked = UncheckedCopies()  # landed from other nodes unhashed: a damaged one's source checks its own
         self.clock: Callable[[], float] = time.monotonic  # the demoter's backoff (tests replace it)
         self._backoff_s = 0.0  # after a failed round: how long the demoter waits, until ``_retry_at``
         self._retry_at = 0.0
@@ -364,6 +366,7 @@ class Mover(LowerRoom):
             arena.quarantine(header.key, reason)
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)
+        self.unchecked.damaged(header)
 
     # -- reading up (lock not held) ------------------------------------------------------
 

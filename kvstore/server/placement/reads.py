@@ -15,7 +15,6 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover
 from kvstore.server.placement.residence import LANDING
-from kvstore.server.placement.unchecked import UncheckedCopies
 from kvstore.tiers.base import ReadResult
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class Reader:
         self.metrics = metrics
         self.layout_of = layout_of
         self.owner_of = owner_of  # namespace id -> the owner of the arena its pages are read up into
-        self.unchecked = UncheckedCopies()  # landed from other nodes unhashed: their sources check them on damage
+        self.unchecked = moves.unchecked  # landed from other nodes unhashed (the cluster's remote tier records them)
         self._scrub_queue: list[tuple[int, bytes]] = []
         self._scratch = threading.local()
 
@@ -231,12 +230,11 @@ class Reader:
         return self._check(tier, key, slot, header, "scrub")
 
     def quarantine_landing(self, header: PageHeader, reason: str, slot: int | None = None) -> None:
-        """A reader found the landing copy of a page damaged: it is dropped (``Mover.quarantine_landing``),
-        and so is any lower copy it was read up from that fails its check too; the node it was
-        fetched from unhashed, if any, is asked to check its own (``UncheckedCopies``)."""
+        """A reader found the landing copy of a page damaged: it is dropped (``Mover.quarantine_landing``,
+        which also has the node it was fetched from unhashed check its own), and so is any lower copy
+        it was read up from that fails its check too."""
         self.moves.quarantine_landing(header, reason, slot)
         self.check_below(header.key)
-        self.unchecked.damaged(header)
 
     def check_below(self, key: bytes) -> None:
         """The landing copy of ``key`` failed a check. Lower copies are read up unchecked (the

@@ -1,7 +1,8 @@
 """Copies this node landed from another node without hashing them (DESIGN §4: one hash, where the
 bytes are consumed), each with the node it came from. When a reader finds one damaged and drops
-it, the node it came from is asked to check its own copy, as ``Reader.check_below`` checks the
-tiers below: the damage is then quarantined where it is, not fetched again by the next reader."""
+it (a client's copy, the gRPC send, the demoter's check: ``Mover.quarantine_landing``), the node
+it came from is asked to check its own copy, as ``Reader.check_below`` checks the tiers below: the
+damage is then quarantined where it is, not fetched again by the next reader."""
 
 from __future__ import annotations
 
