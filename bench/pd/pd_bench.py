@@ -23,6 +23,7 @@ from kvstore.bench.common.cluster_procs import Etcd, start_nodes
 from kvstore.bench.common.harness import stop_process
 from kvstore.bench.common.proc_stat import cpu_seconds
 from kvstore.bench.pd import pd_report
+from kvstore.bench.pd.pd_link import Link
 
 ARMS = ("colocated", "pool", "direct")
 
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's max_num_batched_tokens: a longer prompt's prefill runs in chunks of this many tokens, and a "
                         "direct handoff pushes the chunks before the last while it computes (0: the whole prompt in one step)")
     p.add_argument("--data-plane", default="tcp", choices=("tcp", "ucx", "grpc"), help="between the two nodes")
-    p.add_argument("--pump-rounds", type=int, default=5, help="rounds of the raw TCP pump (median)")
+    p.add_argument("--pump-rounds", type=int, default=5,
+                   help="rounds of the raw TCP pump at the start (median; each direct handoff also gets one just before it)")
     p.add_argument("--host-capacity", default="1GiB", help="each node's host tier (an arena touched at start: keep it small)")
     p.add_argument("--dir", default="bench-out/pd")
     p.add_argument("--plot", default="bench-out/pd.png", help="PNG of handoff time vs bytes with the model line ('' for none)")
@@ -155,35 +157,13 @@ class Bench:
                 "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0}}
 
 
-def _pump(args: argparse.Namespace, page_bytes: int, total: int) -> dict[str, Any]:
-    """The raw link: ``cluster_tcp_pump`` rounds of ``total`` bytes in page-sized messages,
-    16 per request; GB/s median, and CPU seconds per GB of both pump processes."""
-    import psutil
-
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.cluster.cluster_tcp_pump", "--rounds", str(page_bytes), "16", str(total)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    rates, cpu = [], 0.0
-    try:
-        proc.stdin.write("round\n")  # warm-up: connects, touches the buffers
-        proc.stdin.flush()
-        proc.stdout.readline()
-        pids = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-        before = sum(cpu_seconds(p) or 0.0 for p in pids)
-        for _ in range(args.pump_rounds):
-            proc.stdin.write("round\n")
-            proc.stdin.flush()
-            rates.append(float(proc.stdout.readline().split()[1]))
-        cpu = sum(cpu_seconds(p) or 0.0 for p in pids) - before
-    finally:
-        proc.stdin.close()
-        proc.wait(30)
-    return {"link_gbps": sorted(rates)[len(rates) // 2], "link_gbps_each": rates,
-            "link_cpu_s_per_gb": round(cpu / (total * args.pump_rounds / 1e9), 4), "link_page_bytes": page_bytes,
-            "link_round_bytes": total}
+def _direct(bench: Bench, link: Link, tokens: int) -> dict[str, Any]:
+    """A direct handoff, with the raw link's round run just before it (``link_gbps``)."""
+    gbps = link.round()
+    return bench.handoff(tokens, True) | {"link_gbps": gbps}
 
 
-def _measure(bench: Bench, lengths: list[int], bar: tqdm) -> dict[str, Any]:
+def _measure(bench: Bench, link: Link, lengths: list[int], bar: tqdm) -> dict[str, Any]:
     args = bench.args
     for direct in (False, True):  # warm-up: both paths once
         bench.handoff(2 * args.block_size, direct)
@@ -193,14 +173,15 @@ def _measure(bench: Bench, lengths: list[int], bar: tqdm) -> dict[str, Any]:
     bar.update(1)
     fixed = []
     for _ in range(args.fixed_repeats):
-        fixed.append(bench.handoff(args.block_size, True))
+        fixed.append(_direct(bench, link, args.block_size))
         bar.update(1)
     samples: dict[int, dict[str, list[dict[str, Any]]]] = {t: {arm: [] for arm in ARMS} for t in lengths}
     for repeat in range(args.repeats):
         for tokens in lengths:
             order = ARMS[repeat % 3:] + ARMS[: repeat % 3]  # the arms take turns going first
             for arm in order:
-                samples[tokens][arm].append(bench.colocated(tokens) if arm == "colocated" else bench.handoff(tokens, arm == "direct"))
+                samples[tokens][arm].append(bench.colocated(tokens) if arm == "colocated" else
+                                            _direct(bench, link, tokens) if arm == "direct" else bench.handoff(tokens, False))
             bar.update(1)
     return {"fixed": fixed, "samples": samples}
 
@@ -217,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     etcd = Etcd(workdir)
     engines: dict[str, Engine] = {}
     nodes = []
+    link: Link | None = None
     try:
         nodes = start_nodes(workdir, etcd, "pd", ["np", "nd"], args.data_plane, 10, args.host_capacity)
         extra = {"load_when_faster": False, "load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 30,
@@ -231,17 +213,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pids = {"nodes": [n.proc.pid for n in nodes if n.proc is not None], "engines": [e.proc.pid for e in engines.values()]}
         bench = Bench(args, engines, pids)
         page_bytes = args.block_size * bench.bytes_per_token
-        link = _pump(args, page_bytes, max(64 << 20, max(lengths) * bench.bytes_per_token))
+        link = Link(page_bytes, max(64 << 20, max(lengths) * bench.bytes_per_token))
+        at_start = link.measure(args.pump_rounds)
         total = 1 + args.fixed_repeats + args.repeats * len(lengths)
         with tqdm(total=total, desc="pd", unit="step", disable=None) as bar:
-            measured = _measure(bench, lengths, bar)
+            measured = _measure(bench, link, lengths, bar)
     finally:
+        if link is not None:
+            link.close()
         for engine in engines.values():
             engine.close()
         for node in nodes:
             node.stop()
         etcd.stop()
-    report = pd_report.summarize(args, lengths, bench.bytes_per_token, link, measured)
+    report = pd_report.summarize(args, lengths, bench.bytes_per_token, at_start, measured)
     report["load_average_1m"] = round(os.getloadavg()[0], 2)
     if args.plot:
         pd_report.plot(report, args.plot)

@@ -42,16 +42,22 @@ def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: r(v) for k, v in row.items()}
 
 
+def _goal_s(nbytes: int, link_gbps: float) -> float:
+    return SLACK * nbytes / (link_gbps * 1e9) + ALLOWANCE_S
+
+
 def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int, link: dict[str, Any],
               measured: dict[str, Any]) -> dict[str, Any]:
-    link_bps = link["link_gbps"] * 1e9
+    """The rows and goals. Each direct handoff is judged against the link round run just before it
+    (``link_gbps`` of its sample); a row's link is the median of its handoffs' rounds."""
     page_bytes = args.block_size * bytes_per_token
     one_page = _median([s["handoff_s"] for s in measured["fixed"]])
-    fixed_s = one_page - page_bytes / link_bps
+    fixed_s = _median([s["handoff_s"] - page_bytes / (s["link_gbps"] * 1e9) for s in measured["fixed"]])
     rows = []
     for tokens in lengths:
         arms = measured["samples"][tokens]
         nbytes = arms["direct"][0]["bytes"]
+        link_bps = _median([s["link_gbps"] for s in arms["direct"]]) * 1e9
         row: dict[str, Any] = {"tokens": tokens, "bytes": nbytes,
                                "colocated_ttft_s": _median([s["ttft_s"] for s in arms["colocated"]]),
                                "colocated_ttft_s_each": [s["ttft_s"] for s in arms["colocated"]],
@@ -60,19 +66,23 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
         row |= _arm(arms["pool"], "pool") | _arm(arms["direct"], "direct")
         row["handoff_s"] = row["direct_handoff_s"]
         row["gbps"] = row["direct_gbps"]
+        row["link_gbps"] = link_bps / 1e9
+        row["link_gbps_each"] = [s["link_gbps"] for s in arms["direct"]]
+        row["handoff_over_goal_each"] = [s["handoff_s"] / _goal_s(nbytes, s["link_gbps"]) for s in arms["direct"]]
+        row["handoff_over_goal"] = _median(row["handoff_over_goal_each"])
         row["link_bound_s"] = nbytes / link_bps
         row["model_handoff_s"] = nbytes / link_bps + fixed_s
         row["handoff_vs_model"] = row["handoff_s"] / row["model_handoff_s"] if row["model_handoff_s"] > 0 else None
-        row["handoff_goal_s"] = SLACK * nbytes / link_bps + ALLOWANCE_S
+        row["handoff_goal_s"] = _goal_s(nbytes, link_bps / 1e9)
         row["ttft_goal_s"] = row["colocated_ttft_s"] + row["handoff_s"]
         row["second_goal_s"] = row["colocated_second_s"] + row["handoff_s"]
         rows.append(_rounded(row))
     goals: dict[str, bool] = {}
     for row in rows:
-        goals[f"direct_handoff<=1.2x_link+5ms@{row['tokens']}"] = row["handoff_s"] <= row["handoff_goal_s"]
+        goals[f"direct_handoff<=1.2x_link+5ms@{row['tokens']}"] = row["handoff_over_goal"] <= 1.0
         goals[f"direct_ttft<=colocated+handoff@{row['tokens']}"] = row["direct_ttft_s"] <= row["ttft_goal_s"]
         goals[f"direct_second<=colocated+handoff@{row['tokens']}"] = row["direct_second_s"] <= row["second_goal_s"]
-    return {"rows": rows, **link, "link_bytes_per_s": link_bps, "fixed_s": round(fixed_s, 6), "one_page_handoff_s": round(one_page, 6),
+    return {"rows": rows, **link, "fixed_s": round(fixed_s, 6), "one_page_handoff_s": round(one_page, 6),
             "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
             "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
                                                           "head_dim": args.head_dim, "dtype": "float32", "block_size": args.block_size},
@@ -92,8 +102,11 @@ DEFINITIONS = {
     "second_s": "colocated: to the step that gave its second token; pool/direct: from the prefill engine's generate call to "
                 "the decode engine's first token, generated from the prompt + the prefill's token (its handed-off pages "
                 "loaded, only that token computed)",
-    "model_handoff_s": "bytes / link_gbps (raw TCP pump, same run) + fixed_s (median 1-page direct handoff - its bytes / link)",
-    "goals": "direct handoff_s <= 1.2 x bytes / link + 5 ms; direct_ttft_s <= colocated_ttft_s + direct handoff_s; "
+    "model_handoff_s": "bytes / the row's link_gbps + fixed_s (median over the 1-page direct handoffs of its time - its "
+                       "bytes / its link). A row's link_gbps: the median of the raw TCP pump's rounds run just before each of "
+                       "its direct handoffs (the report's top-level link_gbps: the rounds at the start)",
+    "goals": "direct handoff <= 1.2 x bytes / link + 5 ms, each handoff against its own round of the pump (the median of "
+             "handoff_over_goal_each <= 1); direct_ttft_s <= colocated_ttft_s + direct handoff_s; "
              "direct_second_s <= colocated_second_s + direct handoff_s",
     "pool": "through the pool here is the prefill node's own host tier, pulled once by the decode node (one transfer), not "
             "the chapter's third-party pool (write + read, two transfers)",
@@ -107,18 +120,19 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"vLLM CPU, random Llama {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, fp32: "
           f"{report['bytes_per_token']} B/token, {m['block_size']}-token pages ({report['page_bytes'] / 2**20:.2f} MiB); "
           f"data plane {report['data_plane']}; prefill chunks {report['chunk_tokens'] or 'none'}; load average {report.get('load_average_1m')}")
-    print(f"raw link (TCP pump, same sockets, page messages): {report['link_gbps']:.2f} GB/s, "
-          f"{report['link_cpu_s_per_gb']:.3f} CPU s/GB; fixed cost (1-page direct handoff - its bytes/link): "
-          f"{report['fixed_s'] * 1e3:.2f} ms")
+    print(f"raw link (TCP pump, same sockets, page messages): {report['link_gbps']:.2f} GB/s at the start, "
+          f"{report['link_cpu_s_per_gb']:.3f} CPU s/GB, and a round before each direct handoff (a row's: 'link'); "
+          f"fixed cost (1-page direct handoff - its bytes/link): {report['fixed_s'] * 1e3:.2f} ms")
     print(f"medians of {report['repeats']}; handoff: prefill's last page stored -> decode's handoff_wait returned")
     print("TTFT and the second token (ms from the request): colocated / through the pool / direct")
     print(f"{'tokens':>6} {'MiB':>7} {'TTFT':>24} {'second token':>24} | {'hand pool':>9} {'hand dir':>9} "
-          f"{'model':>7} {'x model':>7} {'GB/s':>6} {'pool':>6} | {'nodes s/GB':>10} {'engines s/GB':>12}")
+          f"{'model':>7} {'x model':>7} {'x goal':>6} {'link':>5} {'GB/s':>6} {'pool':>6} | {'nodes s/GB':>10} {'engines s/GB':>12}")
     for r in report["rows"]:
         ttft = " / ".join(f"{r[f'{arm}_ttft_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
         second = " / ".join(f"{r[f'{arm}_second_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
         print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {ttft:>24} {second:>24} | {r['pool_handoff_s'] * 1e3:>9.1f} {r['handoff_s'] * 1e3:>9.1f} "
-              f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
+              f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['handoff_over_goal']:>6.2f} {r['link_gbps']:>5.2f} "
+              f"{r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
               f"{r['direct_nodes_cpu_s_per_gb']:>10.3f} {r['direct_engines_cpu_s_per_gb']:>12.2f}")
     print("direct, where the time goes (ms after the last page stored): complete called / answered, decode's wait called; "
           "then the lease (or get) of the pages, the decode's step with the copy into the blocks")
@@ -145,7 +159,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax.plot(mib, [r["handoff_goal_s"] * 1e3 for r in rows], ":", color="grey", label="goal: 1.2 x bytes / link + 5 ms")
     ax.set_xlabel("bytes handed off (MiB)")
     ax.set_ylabel("handoff time (ms)")
-    ax.set_title(f"prefill -> decode handoff, raw link {report['link_gbps']:.2f} GB/s, fixed {report['fixed_s'] * 1e3:.1f} ms",
+    links = ", ".join(f"{r['link_gbps']:.2f}" for r in rows)
+    ax.set_title(f"prefill -> decode handoff, raw link {links} GB/s (each size's), fixed {report['fixed_s'] * 1e3:.1f} ms",
                  fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

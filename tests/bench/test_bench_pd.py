@@ -33,8 +33,12 @@ def test_pd_smoke(tmp_path) -> None:
         assert all(s > t for s, t in zip(row[f"{arm}_second_s_each"], row[f"{arm}_ttft_s_each"])), arm
     # the decode got the prompt + the prefill's token and computed only that token
     assert row["direct_num_cached_tokens"] == row["pool_num_cached_tokens"] == 64
-    assert row["model_handoff_s"] == pytest.approx(row["bytes"] / report["link_bytes_per_s"] + report["fixed_s"], abs=1e-5)
+    assert row["model_handoff_s"] == pytest.approx(row["bytes"] / (row["link_gbps"] * 1e9) + report["fixed_s"], abs=1e-5)
     assert report["link_gbps"] > 0 and report["link_cpu_s_per_gb"] >= 0
+    # each direct handoff judged against the pump's round run just before it
+    assert len(row["link_gbps_each"]) == len(row["handoff_over_goal_each"]) == len(row["direct_handoff_s_each"]) == 1
+    assert all(g > 0 for g in row["link_gbps_each"])
+    assert report["goals"]["direct_handoff<=1.2x_link+5ms@64"] == (row["handoff_over_goal"] <= 1.0)
     # /proc counts CPU in 10 ms ticks: the nodes' share of one 128 KiB handoff may read 0 (the engines compute)
     assert row["direct_nodes_cpu_s_per_gb"] >= 0 and row["direct_engines_cpu_s_per_gb"] > 0
     assert set(report["goals"]) == {"direct_handoff<=1.2x_link+5ms@64", "direct_ttft<=colocated+handoff@64",
