@@ -185,6 +185,8 @@ class ClusterRuntime:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "remote"):  # its source checks, before the fetchers they use close
+            await self.remote.close()
         if hasattr(self, "peers"):  # made by _start, which may have failed before (a data port in use)
             await self.peers.close()
         if self._page_server is not None:
@@ -284,8 +286,7 @@ class ClusterRuntime:
 
     def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
                   tenant: str = "", landing: Landing | None = None) -> int:
-        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``);
-        returns the leading pages held here."""
+        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``); the leading pages held here."""
         if not self.serving:
             return 0
         timeout, wait = self._fetch_times(time_remaining_s)

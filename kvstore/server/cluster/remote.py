@@ -101,6 +101,10 @@ class RemoteTier:
         self.num_fetched = 0
         self.source_checks = SourceChecks(core, peers)  # a page landed here that a reader failed: its holder checks its own
 
+    async def close(self) -> None:
+        """Cancels the source checks in flight (before the fetchers they use are closed)."""
+        await self.source_checks.close()
+
     def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """How many leading keys this node holds a copy of."""
         for i, key in enumerate(keys):
@@ -165,11 +169,21 @@ class RemoteTier:
         if not job.cancelled() and job.exception() is None:
             self.core.abort(job.result()[0])  # holds no pin or slot past the fetch's end
 
-    async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
-        """Commits what arrived verified; nothing when the namespace entered another generation
-        meanwhile (the fetched bytes are the old one's: never stored, never published). A fetch cut
-        meanwhile ends once the commit has (its pages stored or not when its caller answers)."""
-        job = asyncio.ensure_future(asyncio.to_thread(landing.commit, allocation_id, keys, checksums))
+    async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int],
+                      unhashed_from: tuple[bytes, str] | None = None) -> int:
+        """Commits what arrived; nothing when the namespace entered another generation meanwhile (the
+        fetched bytes are the old one's: never stored, never published). ``unhashed_from`` (namespace,
+        node): once committed, the copies are noted as landed from that node unchecked (a commit
+        forgets any older note). A fetch cut meanwhile ends once the commit has (its pages stored or
+        not when its caller answers)."""
+
+        def commit() -> int:
+            n = landing.commit(allocation_id, keys, checksums)
+            if unhashed_from is not None:
+                self.core.reads.unchecked.landed(unhashed_from[0], keys, unhashed_from[1])
+            return n
+
+        job = asyncio.ensure_future(asyncio.to_thread(commit))
         try:
             n = await asyncio.shield(job)
         except StaleGeneration as exc:
@@ -187,15 +201,15 @@ class RemoteTier:
                             landing: Landing | None = None) -> int:
         landing = landing or self._node_landing
         landed = await self._land_posted(peer, namespace_id, keys, page_bytes, timeout_s, landing)
-        return 0 if landed is None else await self._commit(landing, *landed[:3])
+        return 0 if landed is None else await self._commit(landing, *landed[:3], (namespace_id, peer.member.node_id))
 
     async def _land_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                            landing: Landing) -> tuple[bytes, list[bytes], list[int], bool] | None:
         """Allocates landing slots for ``keys`` and fetches their bytes into them, uncommitted: (the
         allocation, the keys that arrived, their checksums, whether every key is held or arrived), or
-        None when nothing was allocated. The caller commits or aborts the allocation. The bytes land
-        unhashed: the copy that consumes a page checks it (DESIGN §4), and a reader that finds one
-        damaged has the holder check its own (``source_checks``)."""
+        None when nothing was allocated. The caller commits or aborts the allocation (``_commit`` with
+        ``unhashed_from``). The bytes land unhashed: the copy that consumes a page checks it (DESIGN
+        §4), and a reader that finds one damaged has the holder check its own (``source_checks``)."""
         deadline = time.monotonic() + timeout_s
         generation = self.core.directory.generation(namespace_id)
         layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s,
@@ -215,7 +229,6 @@ class RemoteTier:
                     result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()),
                                                       generation, hashed=False)
                     ok_sums = result.checksums[: result.prefix]
-                    self.core.reads.unchecked.landed(namespace_id, to_fetch[: len(ok_sums)], peer.member.node_id)
                 finally:
                     for view in views:
                         view.release()
@@ -273,7 +286,8 @@ class RemoteTier:
                 if landed is None:
                     return done
                 allocation_id, ok_keys, ok_sums, more = landed
-                committing = (asyncio.ensure_future(self._commit(landing, allocation_id, ok_keys, ok_sums)), len(want))
+                source = (namespace_id, peer.member.node_id)
+                committing = (asyncio.ensure_future(self._commit(landing, allocation_id, ok_keys, ok_sums, source)), len(want))
             if committing is not None:
                 (commit, _), committing = committing, None
                 done += await commit

@@ -15,6 +15,7 @@ from kvstore.server.placement import Placement
 logger = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 10.0
+MAX_CHECKS = 4  # in flight; past it a damaged copy is still dropped here, its source not asked (each takes a page of memory)
 
 
 class SourceChecks:
@@ -24,6 +25,7 @@ class SourceChecks:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_asked = 0
+        self.num_skipped = 0  # past MAX_CHECKS
         core.reads.unchecked.on_damaged(self._damaged)
 
     def _damaged(self, header: PageHeader, source: str) -> bool:
@@ -35,6 +37,11 @@ class SourceChecks:
         return True
 
     def _start(self, header: PageHeader, source: str) -> None:
+        if len(self._tasks) >= MAX_CHECKS:
+            self.num_skipped += 1
+            logger.warning("page %s damaged here: %d source checks in flight already; %s not asked to check its copy",
+                           header.key.hex(), MAX_CHECKS, source)
+            return
         task = asyncio.ensure_future(self._check(header, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -51,3 +58,10 @@ class SourceChecks:
                                           verify=True, hashed=False)
         logger.warning("page %s landed from %s unhashed failed a reader's check here; %s checked its copy: %s",
                        header.key.hex(), source, source, result.statuses[0].value if result.error is None else result.error)
+
+    async def close(self) -> None:
+        """Cancels the checks in flight (the node leaves: its fetchers close next) and waits for them."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

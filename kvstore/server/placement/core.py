@@ -170,6 +170,7 @@ class Placement(CoreReports):
         allocation's generation."""
         if len(keys) != len(checksums):  # before taking the allocation: it stays usable
             raise InvalidRequest(f"commit has {len(keys)} keys but {len(checksums)} checksums")
+        self.moves.unchecked.forget(keys)  # a copy stored now came from no node unchecked, unless its fetch notes so after
         flags &= ENGINE_FLAGS
         with self.keeper.critical():
             self.keeper.reap()

@@ -34,6 +34,12 @@ class UncheckedCopies:
             while len(self._sources) > self._capacity:
                 self._sources.popitem(last=False)
 
+    def forget(self, keys: list[bytes]) -> None:
+        """A copy of each of ``keys`` is being stored here: not (yet) one another node sent unchecked."""
+        with self._lock:
+            for key in keys:
+                self._sources.pop(key, None)
+
     def on_damaged(self, check: SourceCheck) -> None:
         """``check`` is called (on the reader's thread) for each damaged copy that came from a
         node; it returns False once it can no longer act (its loop closed): it is dropped."""
