@@ -1,9 +1,12 @@
 """A node fetching pages over the TCP data plane into its landing slots (the receive buffers
-themselves), unhashed: the reader that consumes a page checks it (DESIGN §4). A byte flipped in
-flight lands, is never served (the reader drops the copy) and the holder, asked to check its own,
-keeps its sound one, which a second fetch lands whole; a page damaged on the holder's disk lands,
-is never served, and the holder drops its read-up copy and the one on disk. Real servers, a real
-TCP page server on the holder's core, and a relay that damages bytes on the wire."""
+themselves). A reader's fill lands unhashed: the reader that consumes a page checks it (DESIGN
+§4). A byte flipped in flight lands, is never served (the reader drops the copy) and the holder,
+asked to check its own, keeps its sound one, which a second fetch lands whole; a page damaged on
+the holder's disk lands, is never served, and the holder drops its read-up copy and the one on
+disk. A copy that may become the only one (``fetch_from(hashed=True)``: a replica, a migration)
+is checked as it lands: damage in flight is fetched again with the holder checking, damage at the
+holder is quarantined there and not copied. Real servers, a real TCP page server on the holder's
+core, and a relay that damages bytes on the wire."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from support.servers import flip_ssd_byte, make_config
+from support.servers import flip_arena_byte, flip_ssd_byte, make_config
 from support.tcp_proxy import TcpProxy
 from test_remote_landing import LAYOUT, PAGE_BYTES, _found, _store
 
@@ -108,5 +111,45 @@ async def test_a_page_damaged_on_the_holders_disk_is_never_served_and_dropped_th
         assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
         assert _found(holder.address, ns, keys) == 1 and _found(receiver.address, ns, keys) == 1
         await peer.fetcher.close()
+    finally:
+        await server.close()
+
+
+async def test_a_copy_that_may_become_the_only_one_is_checked_as_it_lands(server_factory, tmp_path) -> None:
+    """``fetch_from(hashed=True)``, a replica's or a migration's copy (the holder may drop its own
+    next): a page damaged in flight arrives CORRUPT, is asked for again with the holder checking it
+    and arrives whole; nothing lands unchecked, so nothing is noted for a source check."""
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    layout = holder.core.reads.layout_of(ns)
+    answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
+    relay = TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
+    try:
+        flipped = Peer(relay.port)
+        tier = RemoteTier(receiver.core, {"holder": flipped}, None, "tcp")  # type: ignore[arg-type]
+        assert await tier.fetch_from("holder", ns, keys, PAGE_BYTES, 10.0, "", hashed=True) == 4
+        await flipped.fetcher.close()
+        assert _pages_at(receiver.address, ns, keys) == b"".join(pages)
+        assert holder.core.quarantined() == [] and receiver.core.quarantined() == []
+        assert len(receiver.core.reads.unchecked) == 0
+    finally:
+        relay.close()
+        await server.close()
+
+
+async def test_a_page_scribbled_on_at_the_holder_is_quarantined_there_not_copied(server_factory, tmp_path) -> None:
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 3)
+    flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        peer = Peer(port)
+        tier = RemoteTier(receiver.core, {"holder": peer}, None, "tcp")  # type: ignore[arg-type]
+        assert await tier.fetch_from("holder", ns, keys, PAGE_BYTES, 10.0, "", hashed=True) == 1
+        await peer.fetcher.close()
+        assert _found(receiver.address, ns, keys) == 1 and _pages_at(receiver.address, ns, keys) == pages[0]
+        assert keys[1] in {q.key for q in holder.core.quarantined()}  # the holder took it out of service
+        assert _found(holder.address, ns, keys) == 1
     finally:
         await server.close()

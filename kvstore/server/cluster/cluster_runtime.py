@@ -53,8 +53,7 @@ MAX_PREFETCHES = 4  # hinted remote fetches in flight at once
 # posted receives; the commit of what arrived): at most _ABORT_S, and _ABORT_SHARE of a caller's shorter
 # deadline (an engine's TTFT budget). A fetch cut there is cancelled; the caller gets what was committed
 # once it ended (a commit it started included: to_end).
-_ABORT_S = 3.0
-_ABORT_SHARE = 0.25
+_ABORT_S, _ABORT_SHARE = 3.0, 0.25
 
 
 class ClusterRuntime:
@@ -285,15 +284,16 @@ class ClusterRuntime:
             return 0
 
     def copy_from(self, holder: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, time_remaining_s: float | None,
-                  tenant: str = "", landing: Landing | None = None) -> int:
-        """A replica ``holder`` asked for: fetches ``keys`` from it (what fits ``landing``); the leading pages held here."""
+                  tenant: str = "", landing: Landing | None = None, hashed: bool = True) -> int:
+        """Fetches ``keys`` from ``holder`` (what fits ``landing``; ``hashed``: RemoteTier.fetch_from); the leading pages held here."""
         if not self.serving:
             return 0
         timeout, wait = self._fetch_times(time_remaining_s)
         if timeout <= 0:
             return self.remote.local_prefix(namespace_id, keys)
         try:
-            return self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing), wait, to_end=True)
+            fetch = self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing, hashed)
+            return self.call(fetch, wait, to_end=True)
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)

@@ -19,6 +19,7 @@ import grpc
 
 from kvstore import validate
 from kvstore._proto import data_pb2
+from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk
@@ -200,16 +201,17 @@ class RemoteTier:
     async def _fetch_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                             landing: Landing | None = None) -> int:
         landing = landing or self._node_landing
-        landed = await self._land_posted(peer, namespace_id, keys, page_bytes, timeout_s, landing)
+        landed = await self._land_posted(peer, namespace_id, keys, page_bytes, timeout_s, landing, hashed=False)
         return 0 if landed is None else await self._commit(landing, *landed[:3], (namespace_id, peer.member.node_id))
 
     async def _land_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
-                           landing: Landing) -> tuple[bytes, list[bytes], list[int], bool] | None:
+                           landing: Landing, hashed: bool) -> tuple[bytes, list[bytes], list[int], bool] | None:
         """Allocates landing slots for ``keys`` and fetches their bytes into them, uncommitted: (the
         allocation, the keys that arrived, their checksums, whether every key is held or arrived), or
-        None when nothing was allocated. The caller commits or aborts the allocation (``_commit`` with
-        ``unhashed_from``). The bytes land unhashed: the copy that consumes a page checks it (DESIGN
-        §4), and a reader that finds one damaged has the holder check its own (``source_checks``)."""
+        None when nothing was allocated. The caller commits or aborts the allocation. Unless ``hashed``
+        the bytes land unchecked: the copy that consumes a page checks it (DESIGN §4; the caller's
+        ``_commit`` notes ``unhashed_from``, so that a reader that finds one damaged has the holder
+        check its own, ``source_checks``)."""
         deadline = time.monotonic() + timeout_s
         generation = self.core.directory.generation(namespace_id)
         layout = self._layout(namespace_id) or await peer.fetcher.describe(namespace_id, keys[0], page_bytes, timeout_s,
@@ -226,9 +228,7 @@ class RemoteTier:
             if to_fetch:
                 views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
                 try:
-                    result = await peer.fetcher.fetch(namespace_id, to_fetch, views, max(0.001, deadline - time.monotonic()),
-                                                      generation, hashed=False)
-                    ok_sums = result.checksums[: result.prefix]
+                    ok_sums = await self._fetch_checked(peer, namespace_id, to_fetch, views, deadline, generation, hashed)
                 finally:
                     for view in views:
                         view.release()
@@ -237,16 +237,37 @@ class RemoteTier:
             raise
         return allocation_id, to_fetch[: len(ok_sums)], ok_sums, len(slots) == len(keys) and len(ok_sums) == len(to_fetch)
 
+    @staticmethod
+    async def _fetch_checked(peer: PeerNode, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
+                             generation: int, hashed: bool) -> list[int]:
+        """The checksums of the leading pages that arrived (``hashed``: verified). A holder sends its
+        pages unhashed; hashed, from a page that arrived CORRUPT on they are asked for again with the
+        holder verifying: a page its own bytes fail is quarantined there and never sent, one damaged on
+        the way arrives again."""
+        result = await peer.fetcher.fetch(namespace_id, keys, views, max(0.001, deadline - time.monotonic()), generation,
+                                          hashed=hashed)
+        n = result.prefix
+        sums = result.checksums[:n]
+        if n < len(keys) and result.statuses[n] is FetchStatus.CORRUPT:
+            logger.warning("page %s from %s failed its checksum on arrival; asked again, checked by its holder",
+                           keys[n].hex(), peer.member.node_id)
+            again = await peer.fetcher.fetch(namespace_id, keys[n:], views[n:], max(0.001, deadline - time.monotonic()),
+                                             generation, verify=True)
+            sums += again.checksums[: again.prefix]
+        return sums
+
     async def fetch_from(self, node: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
-                         tenant: str, landing: Landing | None = None) -> int:
+                         tenant: str, landing: Landing | None = None, hashed: bool = True) -> int:
         """Fetches the pages of ``keys`` not held here from ``node`` (a replica the holder asked
-        for: no lookup); returns how many leading keys are now held here."""
+        for: no lookup); returns how many leading keys are now held here. ``hashed`` (UCX, TCP): each
+        page checked as it lands, for a copy that may become the only one (a replica, a migration);
+        a handoff's lands unchecked (the holder keeps its copy; the decode side's copy checks it)."""
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
         pos = self.local_prefix(namespace_id, keys)
         peer = self._peers.get(node)
         if peer is not None and peer.fetcher is not None:  # the UCX or TCP plane
-            return await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing)
+            return await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing, hashed)
         while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
             want = keys[pos : pos + FETCH_PAGES]
             got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
@@ -256,7 +277,7 @@ class RemoteTier:
         return pos
 
     async def _fetch_overlapped(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], done: int, page_bytes: int,
-                                deadline: float, landing: Landing) -> int:
+                                deadline: float, landing: Landing, hashed: bool) -> int:
         """``fetch_from`` on the UCX or TCP plane, batch by batch, each batch's commit running while
         the next one's bytes arrive. Why: a commit publishes a batch of 1,024 pages in ~20 ms here,
         as long as the batch takes to arrive at 25 GB/s; in series it halved a fast link. ``done``
@@ -269,7 +290,7 @@ class RemoteTier:
             while more and (start := done + (committing[1] if committing else 0)) < len(keys) \
                     and (remaining := deadline - time.monotonic()) > 0:
                 want = keys[start : start + FETCH_PAGES]
-                landed = await self._land_posted(peer, namespace_id, want, page_bytes, remaining, landing)
+                landed = await self._land_posted(peer, namespace_id, want, page_bytes, remaining, landing, hashed)
                 if committing is not None:
                     (commit, size), committing = committing, None
                     try:
@@ -286,7 +307,7 @@ class RemoteTier:
                 if landed is None:
                     return done
                 allocation_id, ok_keys, ok_sums, more = landed
-                source = (namespace_id, peer.member.node_id)
+                source = None if hashed else (namespace_id, peer.member.node_id)
                 committing = (asyncio.ensure_future(self._commit(landing, allocation_id, ok_keys, ok_sums, source)), len(want))
             if committing is not None:
                 (commit, _), committing = committing, None

@@ -110,7 +110,8 @@ class HandoffGate:
             fits, reserved = self._handoff_room(who, len(keys) - have, page_bytes, context)
             try:
                 want = keys[: have + fits]
-                held = self.cluster.copy_from(holder, ns, want, page_bytes, context.time_remaining(), on_behalf(who))
+                # unhashed: the prefill node keeps its copy, the decode side's copy out of the arena checks it (DESIGN §4)
+                held = self.cluster.copy_from(holder, ns, want, page_bytes, context.time_remaining(), on_behalf(who), hashed=False)
                 if complete and held < len(want):  # what the holder could not give: through the pool
                     self.cluster.fill(ns, want, context.time_remaining(), on_behalf(who))
                     held = self._markers.held(ns, want)
