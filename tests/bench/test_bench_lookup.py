@@ -20,7 +20,7 @@ import pytest
 @pytest.mark.timeout(600)  # 17 rows, one window each: ~3 min on a loaded 2-core host
 def test_lookup_smoke(tmp_path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1", "--seconds", "1", "--writer-rate", "150",
+        [sys.executable, "-m", "kvstore.bench.main", "lookup", "--pages", "64", "--clients", "1", "--seconds", "0.5", "--writer-rate", "150",
          "--host-capacity", "64MiB", "--ssd-capacity", "4GiB", "--drain-host-capacity", "1GiB", "--drain-seconds", "0.3",
          "--switch-interval-ms", "1", "--repeat", "1", "--json", "--dir", str(tmp_path / "lk")],
         check=False, capture_output=True, text=True, timeout=540,
