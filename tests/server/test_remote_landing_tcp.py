@@ -51,13 +51,19 @@ async def _setup(server_factory: Any, tmp_path: Path, n: int) -> tuple[Any, Any,
     return holder, receiver, ns, keys, pages
 
 
-async def test_a_page_damaged_in_flight_is_never_served_and_arrives_whole_again(server_factory, tmp_path) -> None:
-    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
+async def _serve_through_a_flipping_relay(holder: Any, ns: bytes, keys: list[bytes]) -> tuple[TcpPageServer, int, TcpProxy]:
+    """The holder's TCP page server, and a relay to it that flips one byte inside page 2 of a
+    fetch of ``keys`` (after the answer frame and page 1)."""
     server = TcpPageServer(CorePageSource(holder.core))
     port = await server.start()
     layout = holder.core.reads.layout_of(ns)
     answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
-    relay = TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
+    return server, port, TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)
+
+
+async def test_a_page_damaged_in_flight_is_never_served_and_arrives_whole_again(server_factory, tmp_path) -> None:
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
+    server, port, relay = await _serve_through_a_flipping_relay(holder, ns, keys)
     try:
         flipped = Peer(relay.port)
         tier = RemoteTier(receiver.core, {"holder": Peer(port)}, None, "tcp")  # type: ignore[arg-type]  # the source checks go direct
@@ -120,11 +126,7 @@ async def test_a_copy_that_may_become_the_only_one_is_checked_as_it_lands(server
     next): a page damaged in flight arrives CORRUPT, is asked for again with the holder checking it
     and arrives whole; nothing lands unchecked, so nothing is noted for a source check."""
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
-    server = TcpPageServer(CorePageSource(holder.core))
-    port = await server.start()
-    layout = holder.core.reads.layout_of(ns)
-    answer = 8 + len(FetchAnswer(1, (PageEntry(PageStatus.FOUND, PAGE_BYTES, 0),) * len(keys), layout).encode())
-    relay = TcpProxy(("127.0.0.1", port), flip_at=answer + PAGE_BYTES + 100)  # inside page 2
+    server, _, relay = await _serve_through_a_flipping_relay(holder, ns, keys)
     try:
         flipped = Peer(relay.port)
         tier = RemoteTier(receiver.core, {"holder": flipped}, None, "tcp")  # type: ignore[arg-type]

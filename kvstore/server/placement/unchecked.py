@@ -35,7 +35,10 @@ class UncheckedCopies:
                 self._sources.popitem(last=False)
 
     def forget(self, keys: list[bytes]) -> None:
-        """A copy of each of ``keys`` is being stored here: not (yet) one another node sent unchecked."""
+        """A copy of each of ``keys`` is being stored here: not (yet) one another node sent unchecked.
+        Every commit calls it: with nothing noted (a node that fetched nothing unhashed) it takes no lock."""
+        if not self._sources:
+            return
         with self._lock:
             for key in keys:
                 self._sources.pop(key, None)
