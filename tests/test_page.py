@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from kvstore.errors import PageCorrupt
+from kvstore.errors import InvalidRequest, PageCorrupt
 from kvstore.page import HEADER_BYTES, LayoutDesc, PageHeader, checksum, core_bytes, peek_generation
 
 LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)
@@ -191,3 +191,38 @@ def test_a_sender_without_the_checksum_gets_it_computed_into_the_message(monkeyp
         chunks = [decode_chunk(r) for r in page_chunks(b"k" * 16, b"n" * 16, layout, source, None, chunk_bytes=4096)]
         assert len(chunks) == 4 and {c.checksum for c in chunks} == {checksum(data)}
         assert b"".join(bytes(c.data) for c in chunks) == data
+
+
+def test_an_unverified_page_lands_unhashed_but_its_chunks_must_agree() -> None:
+    """``ChunkedPage(verify=False)`` (a node's unhashed landing, DESIGN §4): damaged bytes land (their
+    consumer checks them), but chunks out of order, past the length, or naming another length or
+    checksum than the first are refused, as the page is committed with what they say."""
+    from kvstore._proto import common_pb2
+    from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk, page_chunks
+
+    data = bytes(range(256)) * 64
+    layout = common_pb2.Layout(num_layers=1, kv_factor=2, num_kv_heads=1, head_dim=64, dtype="float16", page_tokens=64)
+
+    def chunks(payload: bytes, sum_: int, chunk_bytes: int = 4096) -> list:
+        return [decode_chunk(raw) for raw in page_chunks(b"k" * 16, b"n" * 16, layout, memoryview(payload), sum_,
+                                                         chunk_bytes=chunk_bytes)]
+
+    def page(dest: bytearray, verify: bool = False) -> ChunkedPage:
+        return ChunkedPage(b"k" * 16, len(data), checksum(data), BufferSink(memoryview(dest)), "page", InvalidRequest, verify)
+
+    damaged = data[:5000] + b"\0" + data[5001:]
+    for chunk_bytes in (4096, len(data)):  # four chunks, one
+        dest = bytearray(len(data))
+        unverified = page(dest)
+        assert [unverified.add(c) for c in chunks(damaged, checksum(data), chunk_bytes)][-1]
+        assert bytes(dest) == damaged
+        verified = page(bytearray(len(data)), verify=True)
+        with pytest.raises(PageCorrupt, match="checksum"):
+            for c in chunks(damaged, checksum(data), chunk_bytes):
+                verified.add(c)
+    whole, other = chunks(data, checksum(data)), chunks(data, checksum(data) ^ 1)
+    for bad in ([whole[0], other[1]], [whole[1]], [whole[0], whole[0]]):
+        unverified = page(bytearray(len(data)))
+        with pytest.raises(InvalidRequest):
+            for c in bad:
+                unverified.add(c)

@@ -334,7 +334,7 @@ class WritePagesResponse(_message.Message):
     def __init__(self, num_published: _Optional[int] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only", "tenant", "generation")
+    __slots__ = ("namespace_id", "keys", "chunk_bytes", "ttl_ms", "local_only", "tenant", "generation", "unchecked")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,7 @@ class ReadPagesRequest(_message.Message):
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    UNCHECKED_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     chunk_bytes: int
@@ -349,4 +350,5 @@ class ReadPagesRequest(_message.Message):
     local_only: bool
     tenant: str
     generation: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    unchecked: bool
+    def __init__(self, namespace_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., chunk_bytes: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., local_only: _Optional[bool] = ..., tenant: _Optional[str] = ..., generation: _Optional[int] = ..., unchecked: _Optional[bool] = ...) -> None: ...

@@ -19,7 +19,7 @@ import numpy as np
 from kvstore._proto import common_pb2, data_pb2
 from kvstore.errors import InvalidRequest, KVStoreError, PageCorrupt
 from kvstore.page import checksum, checksum_rows, checksummer
-from kvstore.pagecopy import copy_checksum_bytes, frame_checksummed
+from kvstore.pagecopy import copy_checksum_bytes, copy_streamed, frame_checksummed
 
 MAX_MESSAGE_BYTES = 256 << 20
 # gRPC options both ends set: a message (a page chunk, a lookup of 65,536 keys) may be this large.
@@ -265,7 +265,9 @@ class BufferSink:
         self.clear_on_failure = clear_on_failure
 
     def write(self, start: int, data: memoryview) -> None:
-        self.dest[start : start + len(data)] = data
+        dest = self.dest[start : start + len(data)]
+        if not copy_streamed(dest, data):  # the native copy (GIL released) when there is one
+            dest[:] = data
 
     def write_all(self, data: memoryview) -> int:
         return copy_checksum_bytes(self.dest, data)
@@ -282,26 +284,31 @@ class ChunkedPage:
     default) is copied and hashed in one pass. The page counts only once its checksum holds; until
     then its sink holds unverified bytes, which ``abandon`` clears. ``label`` names it in errors;
     ``malformed`` is raised for chunks out of order or past the page's length, PageCorrupt for a bad
-    checksum."""
+    checksum. Not ``verify``: the bytes are copied unhashed and the page counts once whole, each of
+    its chunks naming the first one's length and checksum (a node's landing: the copy that consumes
+    the page checks it, DESIGN §4)."""
 
     def __init__(self, key: bytes, page_bytes: int, expected: int, sink: PageSink | None, label: str,
-                 malformed: type[KVStoreError]) -> None:
+                 malformed: type[KVStoreError], verify: bool = True) -> None:
         self.key = key
         self.page_bytes = page_bytes
         self.expected = expected
         self.sink = sink
         self.label = label
         self.malformed = malformed
+        self.verify = verify
         self.filled = 0
         self._hash = checksummer()
 
     def add(self, chunk: WireChunk) -> bool:
-        """Takes the next chunk; True when the page is complete and its checksum holds."""
+        """Takes the next chunk; True when the page is complete (and, verified, its checksum holds)."""
         if chunk.key != self.key or chunk.offset != self.filled:
             raise self.malformed(f"out-of-order chunk of {self.label}: at offset {chunk.offset}, expected {self.filled}")
         end = self.filled + len(chunk.data)
         if end > self.page_bytes:
             raise self.malformed(f"{self.label} got more than its {self.page_bytes} bytes")
+        if not self.verify:
+            return self._copied(chunk, end)
         if end == self.page_bytes and self.filled == 0:  # the whole page in one chunk: copy and hash in one pass
             self.filled = end  # written, not yet verified
             digest = checksum(chunk.data) if self.sink is None else self.sink.write_all(chunk.data)
@@ -316,6 +323,16 @@ class ChunkedPage:
         if digest != self.expected:
             raise PageCorrupt(f"{self.label} failed its checksum")
         return True
+
+    def _copied(self, chunk: WireChunk, end: int) -> bool:
+        """An unverified page's chunk copied: whether the page is whole. Its chunks must agree on
+        what the page is, as the checksum it is committed with is theirs."""
+        if chunk.page_bytes != self.page_bytes or chunk.checksum != self.expected:
+            raise self.malformed(f"a chunk of {self.label} names another length or checksum than its first")
+        if self.sink is not None:
+            self.sink.write(self.filled, chunk.data)
+        self.filled = end
+        return end == self.page_bytes
 
     def abandon(self) -> None:
         """The stream ended or failed: unverified bytes in the sink are cleared."""

@@ -139,7 +139,7 @@ class ClusterRuntime:
         self.state.follow(lambda: generations.serving)  # the core serves reads once this caught up (DESIGN §12.5)
         self.lookups = ShardedLookup(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
                                      cluster.ttl_s, newer=lambda ns, g: self._spawn(generations.enter(ns, g)))
-        self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane)
+        self.remote = RemoteTier(self.core, self.peers, self.lookups, cluster.data_plane, self.owner_of)
         self.publisher = Publisher(self.core.directory, self.node, self.peers, lambda: self.shard_map, cluster.rpc_timeout_s,
                                    is_member=lambda: self.is_member, tenant_of=lambda ns: self.owner_of(ns) or "",
                                    epoch=lambda: membership.epoch)

@@ -1,9 +1,10 @@
 """The remote tier: pages other nodes hold, read into this node's landing tier.
 
 A page is fetched from its holder (UCX, plain TCP or gRPC ``ReadPages``) into a landing slot
-allocated as a writer's would be, then committed once verified, which publishes the new local
-copy; replicas are made by readers fetching (DESIGN §12). A fetch returns by its deadline, and
-no byte that failed its check is ever committed.
+allocated as a writer's would be, then committed, which publishes the new local copy; replicas
+are made by readers fetching (DESIGN §12). A reader's fill or a handoff lands unhashed (the copy
+that consumes it checks it, DESIGN §4), a replica's or migration's copy verified. A fetch returns
+by its deadline; no byte that failed a check is committed, nor one that fails its consumer's served.
 
 More: kvstore/server/cluster/README.md (### remote.py).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -92,7 +94,8 @@ def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
 class RemoteTier:
     name = "remote"
 
-    def __init__(self, core: Placement, peers: Peers, lookup: ShardedLookup, data_plane: str) -> None:
+    def __init__(self, core: Placement, peers: Peers, lookup: ShardedLookup, data_plane: str,
+                 tenant_of: Callable[[bytes], str | None] = lambda ns: None) -> None:
         self.core = core
         self.node = core.node
         self._peers = peers
@@ -100,7 +103,7 @@ class RemoteTier:
         self._data_plane = data_plane
         self._node_landing = NodeLanding(core)
         self.num_fetched = 0
-        self.source_checks = SourceChecks(core, peers)  # a page landed here that a reader failed: its holder checks its own
+        self.source_checks = SourceChecks(core, peers, tenant_of)  # a page landed here that a reader failed: its holder checks its own
 
     async def close(self) -> None:
         """Cancels the source checks in flight (before the fetchers they use are closed)."""
@@ -140,7 +143,7 @@ class RemoteTier:
             elif peer.fetcher is not None:  # the UCX or TCP plane
                 got = await self._fetch_posted(peer, namespace_id, want, run.size_bytes, remaining, landing)
             else:
-                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing, hashed=False)
             pos += got
             if got < len(want):
                 break
@@ -171,17 +174,17 @@ class RemoteTier:
             self.core.abort(job.result()[0])  # holds no pin or slot past the fetch's end
 
     async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int],
-                      unhashed_from: tuple[bytes, str] | None = None) -> int:
+                      unhashed_from: tuple[bytes, str] | None = None, landed: list[bytes] | None = None) -> int:
         """Commits what arrived; nothing when the namespace entered another generation meanwhile (the
         fetched bytes are the old one's: never stored, never published). ``unhashed_from`` (namespace,
-        node): once committed, the copies are noted as landed from that node unchecked (a commit
-        forgets any older note). A fetch cut meanwhile ends once the commit has (its pages stored or
-        not when its caller answers)."""
+        node): once committed, the copies (``landed``, else all of ``keys``) are noted as landed from
+        that node unchecked (a commit forgets any older note). A fetch cut meanwhile ends once the
+        commit has (its pages stored or not when its caller answers)."""
 
         def commit() -> int:
             n = landing.commit(allocation_id, keys, checksums)
             if unhashed_from is not None:
-                self.core.reads.unchecked.landed(unhashed_from[0], keys, unhashed_from[1])
+                self.core.reads.unchecked.landed(unhashed_from[0], keys if landed is None else landed, unhashed_from[1])
             return n
 
         job = asyncio.ensure_future(asyncio.to_thread(commit))
@@ -259,9 +262,9 @@ class RemoteTier:
     async def fetch_from(self, node: str, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
                          tenant: str, landing: Landing | None = None, hashed: bool = True) -> int:
         """Fetches the pages of ``keys`` not held here from ``node`` (a replica the holder asked
-        for: no lookup); returns how many leading keys are now held here. ``hashed`` (UCX, TCP): each
-        page checked as it lands, for a copy that may become the only one (a replica, a migration);
-        a handoff's lands unchecked (the holder keeps its copy; the decode side's copy checks it)."""
+        for: no lookup); returns how many leading keys are now held here. ``hashed``: each page
+        checked as it lands, for a copy that may become the only one (a replica, a migration); a
+        handoff's lands unchecked (the holder keeps its copy; the decode side's copy checks it)."""
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
         pos = self.local_prefix(namespace_id, keys)
@@ -270,7 +273,7 @@ class RemoteTier:
             return await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing, hashed)
         while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
             want = keys[pos : pos + FETCH_PAGES]
-            got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing)
+            got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing, hashed)
             pos += got
             if got < len(want):
                 break
@@ -319,18 +322,22 @@ class RemoteTier:
                 _log_failed_commit(committing[0])
 
     async def _fetch_grpc(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
-                          landing: Landing | None = None) -> int:
+                          landing: Landing | None = None, hashed: bool = True) -> int:
         """ReadPages from the holder, each page straight into its landing slot as its
-        chunks arrive (allocated once the first chunk names the layout)."""
+        chunks arrive (allocated once the first chunk names the layout). ``hashed``: checked where
+        sent and where landed; else sent and landed unhashed, committed with the holder's checksum
+        and noted as from it, as ``_land_posted`` lands them (DESIGN §4)."""
         landing = landing or self._node_landing
         generation = self.core.directory.generation(namespace_id)  # the holder sends only pages of this one
+        request = data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True, tenant=tenant,
+                                            generation=generation, unchecked=not hashed)
         try:
-            call: Any = peer.pages.read_pages(data_pb2.ReadPagesRequest(namespace_id=namespace_id, keys=keys, local_only=True,
-                                                                        tenant=tenant, generation=generation), timeout=timeout_s)
+            call: Any = peer.pages.read_pages(request, timeout=timeout_s)
         except grpc.aio.UsageError:  # its channel closed before the call (it left): as when closed under it, nothing came
             logger.warning("fetch of %d pages from %s over grpc: its channel is closed", len(keys), peer.member.node_id)
             return 0
         allocation_id: bytes | None = None
+        page_bytes = 0
         slots: dict[bytes, int | None] = {}
         ok_keys: list[bytes] = []
         ok_sums: list[int] = []
@@ -345,8 +352,10 @@ class RemoteTier:
                         raise PageCorrupt(f"node {peer.member.node_id} sent a page out of order")
                     if allocation_id is None:
                         layout = validate.layout(chunk.layout)
-                        if chunk.page_bytes != layout.page_bytes:
-                            raise PageCorrupt(f"node {peer.member.node_id} sent a page of the wrong size")
+                        page_bytes = layout.page_bytes
+                    if chunk.page_bytes != page_bytes:  # every page: an unhashed one is committed as its chunks say
+                        raise PageCorrupt(f"node {peer.member.node_id} sent a page of the wrong size")
+                    if allocation_id is None:
                         allocated = await self._allocate(landing, namespace_id, layout, keys, generation)
                         if allocated is None:
                             break
@@ -356,8 +365,9 @@ class RemoteTier:
                         break  # the allocation's prefix ends before it
                     slot = slots[chunk.key]
                     sink = None if slot is None else BufferSink(self.core.slot_view(allocation_id, chunk.key), clear_on_failure=False)
-                    page = ChunkedPage(chunk.key, chunk.page_bytes, chunk.checksum, sink, f"remote page {chunk.key.hex()}", PageCorrupt)
-                if page.add(chunk):  # whole and verified (a page stored here already is only checked)
+                    page = ChunkedPage(chunk.key, chunk.page_bytes, chunk.checksum, sink, f"remote page {chunk.key.hex()}",
+                                       PageCorrupt, verify=hashed)
+                if page.add(chunk):  # whole (hashed: verified; a page stored here already is only checked)
                     ok_keys.append(page.key)
                     ok_sums.append(page.expected)
                     page = None
@@ -380,4 +390,5 @@ class RemoteTier:
             call.cancel()
         if allocation_id is None:
             return 0
-        return await self._commit(landing, allocation_id, ok_keys, ok_sums)
+        source = None if hashed else (namespace_id, peer.member.node_id)  # a page stored here already did not land
+        return await self._commit(landing, allocation_id, ok_keys, ok_sums, source, [k for k in ok_keys if slots[k] is not None])

@@ -13,7 +13,7 @@ from kvstore import validate
 from kvstore._proto import data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest
-from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks
+from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks, page_chunks
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
@@ -164,17 +164,21 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         generation = request.generation if request.HasField("generation") else None
         ident, pages = self.gate.read(current_identity(), ns, keys, request.ttl_ms, context, request.local_only, request.tenant,
                                       generation)
-        yield from self._send(ident, pages, chunk_bytes)
+        # unchecked: a node's fetch (local_only needs the node right: Gate.read) that lands the pages unhashed
+        yield from self._send(ident, pages, chunk_bytes, checked=not (request.unchecked and request.local_only))
 
-    def _send(self, ident: bytes, pages: list[AcquiredPage], chunk_bytes: int) -> Iterator[bytes]:
+    def _send(self, ident: bytes, pages: list[AcquiredPage], chunk_bytes: int, checked: bool = True) -> Iterator[bytes]:
         """Each page checked as it is copied out (the next one while this one is sent): a slot
-        scribbled on is quarantined, not sent. closing(): the build in flight ends before the
-        lease is released, however the stream ends."""
+        scribbled on is quarantined, not sent. Not ``checked``: copied out unhashed with its stored
+        checksum, for a node whose consumer of the copy checks it (DESIGN §4). closing(): the build
+        in flight ends before the lease is released, however the stream ends."""
 
         def build(page: AcquiredPage) -> list[bytes] | None:
             header = page.header
-            return checked_page_chunks(header.key, header.namespace_id, validate.layout_msg(header.layout),
-                                       self.core.read_view(page), header.checksum, chunk_bytes)
+            layout, view = validate.layout_msg(header.layout), self.core.read_view(page)
+            if not checked:
+                return list(page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes=chunk_bytes))
+            return checked_page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes)
 
         try:
             with closing(built_ahead(pages, build, self._read_ahead)) as built:
