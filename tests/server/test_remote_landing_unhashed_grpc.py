@@ -153,3 +153,37 @@ def test_unchecked_is_ignored_without_local_only(server_factory, tmp_path) -> No
         raw = list(PageStubs(channel).read_pages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True)))
     assert b"".join(bytes(decode_chunk(r).data) for r in raw) == pages[0]
     assert keys[1] in {q.key for q in holder.core.quarantined()}
+
+
+async def test_a_source_check_over_grpc_names_the_namespaces_tenant_here(server_factory, tmp_path) -> None:
+    """The source's ReadPages answers a node only for a namespace bound to the tenant it names:
+    the check names the one this node binds the namespace to (``tenant_of``), without ``unchecked``."""
+    asked: list[data_pb2.ReadPagesRequest] = []
+
+    class Recording:
+        fetcher = None
+        member = type("Member", (), {"node_id": "holder"})()
+        pages = None
+
+        def read_pages(self, request: data_pb2.ReadPagesRequest, timeout: float) -> Any:
+            asked.append(request)
+
+            class Nothing:
+                def __aiter__(self) -> Any:
+                    return self
+
+                async def __anext__(self) -> bytes:
+                    raise StopAsyncIteration
+
+                def cancel(self) -> None:
+                    pass
+
+            return Nothing()
+
+    peer = Recording()
+    peer.pages = peer
+    _, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 1)
+    tier = RemoteTier(receiver.core, {"holder": peer}, None, "grpc", tenant_of=lambda n: "acme" if n == ns else None)  # type: ignore[arg-type]
+    header = type("Header", (), {"namespace_id": ns, "key": keys[0], "payload_bytes": PAGE_BYTES})()
+    await tier.source_checks._check(header, "holder")  # type: ignore[arg-type]
+    assert [(r.tenant, r.local_only, r.unchecked, list(r.keys)) for r in asked] == [("acme", True, False, keys[:1])]
