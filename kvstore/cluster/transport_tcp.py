@@ -182,7 +182,13 @@ class TcpPageFetcher:
         whatever happens, returns only once that thread stopped touching ``views``. The
         connection is kept for the next fetch only when this one ended cleanly."""
         deadline = Deadline(timeout_s)
-        async with self._free:
+        try:  # a fetch queued behind another on the connection waits at most its own deadline
+            async with asyncio.timeout(max(0.001, deadline.left())):
+                await self._free.acquire()
+        except TimeoutError:
+            self._fail(result, TimeoutError(f"no connection free within {timeout_s:.3g} s"), request)
+            return None
+        try:
             try:
                 sock = await asyncio.wait_for(self._connect(deadline), max(0.001, deadline.left()))
             except (OSError, TimeoutError, TransportError) as exc:
@@ -198,6 +204,8 @@ class TcpPageFetcher:
             else:
                 _close(sock)
             return answer
+        finally:
+            self._free.release()
 
     async def _on(self, sock: socket.socket, request: FetchRequest, views: list[memoryview], result: FetchResult,
                   deadline: Deadline, timeout_s: float, hashed: bool) -> FetchAnswer | None:

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -278,6 +279,16 @@ class UcxPageFetcher:
             self._ep.abort()
             self._ep = None
 
+    async def _turn(self, timeout_s: float) -> bool:
+        """Takes the connection (one request at a time on it); False when the requests ahead
+        held it past ``timeout_s``: a queued call keeps its own deadline, whatever else the peer serves."""
+        try:
+            async with asyncio.timeout(max(0.001, timeout_s)):
+                await self._lock.acquire()
+        except TimeoutError:
+            return False
+        return True
+
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
                     generation: int = 0, verify: bool = False, hashed: bool = True) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
@@ -287,9 +298,14 @@ class UcxPageFetcher:
         hang; bad arguments raise InvalidRequest."""
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
-        async with self._lock:
+        deadline = time.monotonic() + timeout_s
+        if not await self._turn(timeout_s):
+            result.error = f"TimeoutError: no connection free within {timeout_s:.3g} s"
+            logger.warning("fetch of %d pages from %s:%d failed: %s", len(keys), self._host, self._port, result.error)
+            return result
+        try:
             try:
-                async with asyncio.timeout(timeout_s):
+                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                     await self._connect()
                     await _send_frame(self._ep, request.encode())
                     answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
@@ -311,6 +327,8 @@ class UcxPageFetcher:
             except BaseException:
                 await self._abandon([t for _, t in receives])
                 raise
+        finally:
+            self._lock.release()
         return result
 
     async def describe(self, namespace_id: bytes, key: bytes, page_bytes: int, timeout_s: float,
@@ -319,16 +337,22 @@ class UcxPageFetcher:
         ``page_bytes``, or did not answer in time): what a receiver needs to allocate for it."""
         check_keys(namespace_id, [key])
         request = FetchRequest(next(self._ids), namespace_id, page_bytes, (key,), DESCRIBE, generation)
-        async with self._lock:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._connect()
-                    await _send_frame(self._ep, request.encode())
-                    answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
-            except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
-                logger.warning("describe of a page at %s:%d failed: %r", self._host, self._port, exc)
-                self._drop()
-                return None
+        deadline = time.monotonic() + timeout_s
+        if not await self._turn(timeout_s):
+            logger.warning("describe of a page at %s:%d failed: no connection free within %.3g s", self._host, self._port,
+                           timeout_s)
+            return None
+        try:
+            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                await self._connect()
+                await _send_frame(self._ep, request.encode())
+                answer = FetchAnswer.decode(await _recv_frame(self._ep), request)
+        except (TimeoutError, ucxx.exceptions.UCXError, InvalidRequest, TransportError) as exc:
+            logger.warning("describe of a page at %s:%d failed: %r", self._host, self._port, exc)
+            self._drop()
+            return None
+        finally:
+            self._lock.release()
         return answer.layout if answer.entries[0].status is PageStatus.FOUND else None
 
     async def _abandon(self, receives: list[asyncio.Future[Any]]) -> None:

@@ -140,3 +140,30 @@ async def check_stopped_sender(fetcher: Any, child: Child, dests: list[memoryvie
     await asyncio.sleep(settle_s)
     assert all(untouched(dests[i]) for i in failed)
     await fetcher.close()
+
+
+async def _stopped(child: Child, timeout_s: float = 30.0) -> None:
+    """Returns once the child process stopped itself (state T in /proc), its answer begun."""
+    stat = Path(f"/proc/{child.proc.pid}/stat")
+    end = time.monotonic() + timeout_s
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < end, "the page server never froze"
+        await asyncio.sleep(0.01)
+
+
+async def check_queued_fetch_keeps_its_deadline(fetcher: Any, child: Child, dests: list[memoryview], page: int,
+                                                late_s: float) -> None:
+    """A fetch queued behind another on the same connection (its sender frozen, SIGSTOP) returns
+    at its own deadline, FAILED with a timeout, not at the end of the one ahead of it: a caller
+    (a handoff's push, a reader's fill) is promised its timeout whatever else the peer serves."""
+    ahead = asyncio.ensure_future(fetcher.fetch(NS, keys_for(len(dests), FREEZES_AT), dests, timeout_s=20))
+    await _stopped(child)  # the frozen fetch holds the connection (a SIGCONT before the child's own SIGSTOP would be lost)
+    t0 = time.monotonic()
+    queued = await fetcher.fetch(NS, [key(5, first=3)], [bytearray(page)], timeout_s=0.5)
+    assert time.monotonic() - t0 < 0.5 + late_s, "the queued fetch outlived its own deadline"
+    assert queued.statuses == [FetchStatus.FAILED] and "Timeout" in (queued.error or "")
+    child.proc.send_signal(signal.SIGCONT)
+    await ahead
+    probe = await fetcher.fetch(NS, [key(7, first=2)], [bytearray(page)], timeout_s=20)  # the fetcher still serves
+    assert probe.statuses == [FetchStatus.OK]
+    await fetcher.close()

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fetch_contract import SENTINEL, Arena, Child, check_killed_sender, check_stopped_sender, page_servers
+from fetch_contract import (
+    SENTINEL,
+    Arena,
+    Child,
+    check_killed_sender,
+    check_queued_fetch_keeps_its_deadline,
+    check_stopped_sender,
+    page_servers,
+)
 from page_server_node import expected_page
 from support.tcp_proxy import TcpProxy
 from test_transport_ucx import NS, CountingSource, _cpu_s, key, untouched
@@ -119,6 +127,15 @@ async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Ar
     page = 1 << 20
     child = await servers(page)
     await check_stopped_sender(TcpPageFetcher("127.0.0.1", child.port), child, arena.slots(page, 200), page, LATE_S, SETTLE_S)
+
+
+async def test_a_fetch_queued_behind_a_frozen_one_keeps_its_own_deadline(arena: Arena,
+                                                                        servers: Callable[[int], Awaitable[Child]]) -> None:
+    """One connection per peer: a second fetch waits for it (fetch_contract.check_queued_fetch_keeps_its_deadline)."""
+    page = 1 << 20
+    child = await servers(page)
+    await check_queued_fetch_keeps_its_deadline(TcpPageFetcher("127.0.0.1", child.port), child, arena.slots(page, 200), page,
+                                                LATE_S)
 
 
 async def test_a_cancelled_fetch_returns_only_after_its_receives_stopped(arena: Arena,

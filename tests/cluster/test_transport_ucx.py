@@ -14,7 +14,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fetch_contract import NS, Arena, Child, check_killed_sender, check_stopped_sender, key, page_servers, start_server, untouched
+from fetch_contract import (
+    NS,
+    Arena,
+    Child,
+    check_killed_sender,
+    check_queued_fetch_keeps_its_deadline,
+    check_stopped_sender,
+    key,
+    page_servers,
+    start_server,
+    untouched,
+)
 from page_server_node import expected_page
 
 from kvstore.cluster.transport_ucx import FetchStatus, SourcePage, UcxConfig, UcxPageFetcher, UcxPageServer, init_ucx
@@ -99,6 +110,15 @@ async def test_stopped_sender_hits_the_deadline_and_no_late_byte_lands(arena: Ar
     page = 1 << 20
     child = await servers(page)
     await check_stopped_sender(UcxPageFetcher("127.0.0.1", child.port, TCP), child, arena.slots(page, 200), page, LATE_S, SETTLE_S)
+
+
+async def test_a_fetch_queued_behind_a_frozen_one_keeps_its_own_deadline(arena: Arena,
+                                                                        servers: Callable[[int], Awaitable[Child]]) -> None:
+    """One connection per peer: a second fetch waits for it (fetch_contract.check_queued_fetch_keeps_its_deadline)."""
+    page = 1 << 20
+    child = await servers(page)
+    await check_queued_fetch_keeps_its_deadline(UcxPageFetcher("127.0.0.1", child.port, TCP), child, arena.slots(page, 200),
+                                                page, LATE_S)
 
 
 async def test_unreachable_server_and_bad_arguments() -> None:
