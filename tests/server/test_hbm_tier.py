@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from support.kv import random_kv
-from support.servers import ServerProcess, make_config
+from support.servers import ServerProcess, flip_arena_byte, make_config
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import KVStoreClient
@@ -226,3 +226,23 @@ async def test_sigkill_with_hbm_keeps_ssd_pages_and_the_cli_flags_work(tmp_path,
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait(10)
+
+
+async def test_a_page_a_promotion_finds_damaged_is_quarantined_not_only_skipped(server_factory, tmp_path, layout, ns) -> None:
+    """Promotion copies each page up with its check (DESIGN §4): one scribbled on in the arena is
+    not copied, and is dropped at once as any reader's find is, not left for the next reader."""
+    server = server_factory(_config(tmp_path))
+    tokens, kv = list(range(64)), random_kv(layout, 64, seed=12)
+    async with KVStoreClient(server.address, ns) as client:
+        await client.put(tokens, kv)
+        keys = (await client.lookup(tokens)).keys
+    flip_arena_byte(server, server.core.where(keys[2])["host"] + 100)
+    lease, pages = server.core.acquire(ns.namespace_id, keys, 10_000, device=True)
+    try:
+        assert len(pages) == 4
+        assert [("hbm" in server.core.where(k)) for k in keys] == [True, True, False, True]
+        assert keys[2] in [q.key for q in server.core.quarantined()], "the damaged page was skipped, not dropped"
+        assert "host" not in server.core.where(keys[2])
+    finally:
+        server.core.release(lease)
+    assert server.core.view().idle

@@ -120,8 +120,9 @@ class Promoter:
                 source = self.landing.at(page.slot).view(page.slot, page.header.payload_bytes)
                 try:
                     page.header.verify_payload(source, page.header.payload_bytes)
-                except PageCorrupt as exc:  # damaged in the arena: not copied up; reads find it
+                except PageCorrupt as exc:  # damaged in the arena: not copied up, and dropped as any reader's find is
                     logger.warning("not promoting page %s: %s", page.key.hex(), exc)
+                    self.moves.quarantine_landing(page.header, f"on promotion: {exc}", page.slot)
                     continue
                 pool.write([(slot, page.header, source)])
                 written.append((slot, page.header))
