@@ -90,3 +90,29 @@ async def test_at_most_MAX_CHECKS_source_checks_run_at_once(server_factory, tmp_
     finally:
         silent.close()
         await server.close()
+
+
+async def test_a_tier_that_closed_asks_no_more_checks_and_a_rejoin_asks_once(server_factory, tmp_path) -> None:
+    """A node that leaves and joins again builds a new remote tier on the same core: the closed
+    one's listener goes with it (else it asked every source once more, for as long as its loop ran)."""
+    holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 2)
+    server = TcpPageServer(CorePageSource(holder.core))
+    port = await server.start()
+    try:
+        peer = Peer(port)
+        left = RemoteTier(receiver.core, {"holder": peer}, None, "tcp")  # type: ignore[arg-type]
+        await left.close()
+        joined = RemoteTier(receiver.core, {"holder": peer}, None, "tcp")  # type: ignore[arg-type]
+        assert await joined._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 2  # type: ignore[arg-type]
+        flip_arena_byte(receiver, receiver.core.where(keys[1])["host"] + 3)
+        assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
+        for _ in range(200):
+            if joined.source_checks.num_asked and not joined.source_checks._tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert joined.source_checks.num_asked == 1
+        assert left.source_checks.num_asked == 0, "the closed tier's listener still asked the source"
+        await joined.close()
+        await peer.fetcher.close()
+    finally:
+        await server.close()

@@ -99,7 +99,9 @@ class SourceChecks:
         return "sound, sent" if sent else "not sent (its check failed there and it was dropped, or it is gone)"
 
     async def close(self) -> None:
-        """Cancels the checks in flight (the node leaves: its fetchers close next) and waits for them."""
+        """Asks no more (the node leaves: a rejoin makes its own), cancels the checks in flight (its
+        fetchers close next) and waits for them."""
+        self.core.reads.unchecked.off_damaged(self._damaged)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -49,6 +49,12 @@ class UncheckedCopies:
         with self._lock:
             self._listeners.append(check)
 
+    def off_damaged(self, check: SourceCheck) -> None:
+        """``check`` is called no more (its node left: a later join registers a new one)."""
+        with self._lock:
+            if check in self._listeners:
+                self._listeners.remove(check)
+
     def damaged(self, header: PageHeader) -> None:
         """The landed copy of ``header.key`` failed a reader's check and was dropped here."""
         with self._lock:
