@@ -71,7 +71,8 @@ class Placement(CoreReports):
                                self.keeper.settle_owed, None if shares is None else shares(self.lower[0].budget if self.lower else None))
             self._layouts: dict[bytes, LayoutDesc] = rebuild_directory(self.directory, self.node, self.tiers)
             self.reads = Reader(self.keeper, self.moves, self.directory, self.node, self.metrics, self._layouts.get, self.owner_of)
-            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of)
+            self.promoter = Promoter(self.keeper, self.moves, self.directory, self.node, self.metrics, self.owner_of,
+                                     self.reads.quarantine_landing)
             self.reporter = Reporter(self.node, self.directory, self.tiers, self.lower, self.metrics)
             self.removals = Removals(config, self.directory, self.keeper, self.reporter, self._layouts)
             self.generations = GenerationGate(self.directory, self.removals, self.serving, self.node)

@@ -40,8 +40,9 @@ class Pool(Tier, Protocol):
 
 class Promoter:
     def __init__(self, keeper: Housekeeper, moves: Mover, directory: Directory, node: str, metrics: Metrics,
-                 owner_of: Callable[[bytes], str]) -> None:
+                 owner_of: Callable[[bytes], str], quarantine: Callable[[PageHeader, str, int | None], None]) -> None:
         self.owner_of = owner_of  # namespace id -> the owner of the arena a page demoted from hbm goes to
+        self.quarantine = quarantine  # a landing page found damaged: Reader.quarantine_landing, lower copies checked too (DESIGN §4)
         self.keeper = keeper
         self.lock = keeper.lock
         self.residence = keeper.residence
@@ -122,7 +123,7 @@ class Promoter:
                     page.header.verify_payload(source, page.header.payload_bytes)
                 except PageCorrupt as exc:  # damaged in the arena: not copied up, and dropped as any reader's find is
                     logger.warning("not promoting page %s: %s", page.key.hex(), exc)
-                    self.moves.quarantine_landing(page.header, f"on promotion: {exc}", page.slot)
+                    self.quarantine(page.header, f"on promotion: {exc}", page.slot)
                     continue
                 pool.write([(slot, page.header, source)])
                 written.append((slot, page.header))
