@@ -174,17 +174,17 @@ class RemoteTier:
             self.core.abort(job.result()[0])  # holds no pin or slot past the fetch's end
 
     async def _commit(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int],
-                      unhashed_from: tuple[bytes, str] | None = None, landed: list[bytes] | None = None) -> int:
+                      unhashed_from: tuple[bytes, str] | None = None) -> int:
         """Commits what arrived; nothing when the namespace entered another generation meanwhile (the
         fetched bytes are the old one's: never stored, never published). ``unhashed_from`` (namespace,
-        node): once committed, the copies (``landed``, else all of ``keys``) are noted as landed from
-        that node unchecked (a commit forgets any older note). A fetch cut meanwhile ends once the
-        commit has (its pages stored or not when its caller answers)."""
+        node): once committed, the copies are noted as landed from that node unchecked (a commit
+        forgets any older note of ``keys``: only the pages that landed are passed). A fetch cut
+        meanwhile ends once the commit has (its pages stored or not when its caller answers)."""
 
         def commit() -> int:
             n = landing.commit(allocation_id, keys, checksums)
             if unhashed_from is not None:
-                self.core.reads.unchecked.landed(unhashed_from[0], keys if landed is None else landed, unhashed_from[1])
+                self.core.reads.unchecked.landed(unhashed_from[0], keys, unhashed_from[1])
             return n
 
         job = asyncio.ensure_future(asyncio.to_thread(commit))
@@ -390,5 +390,6 @@ class RemoteTier:
             call.cancel()
         if allocation_id is None:
             return 0
-        source = None if hashed else (namespace_id, peer.member.node_id)  # a page stored here already did not land
-        return await self._commit(landing, allocation_id, ok_keys, ok_sums, source, [k for k in ok_keys if slots[k] is not None])
+        source = None if hashed else (namespace_id, peer.member.node_id)
+        landed = [i for i, k in enumerate(ok_keys) if slots[k] is not None]  # a page stored here already did not land
+        return await self._commit(landing, allocation_id, [ok_keys[i] for i in landed], [ok_sums[i] for i in landed], source)
