@@ -116,3 +116,19 @@ async def test_a_tier_that_closed_asks_no_more_checks_and_a_rejoin_asks_once(ser
         await peer.fetcher.close()
     finally:
         await server.close()
+
+
+async def test_a_reader_that_took_the_listener_before_the_close_starts_no_check_after_it(server_factory, tmp_path) -> None:
+    """``UncheckedCopies.damaged`` calls its listeners outside its lock, from a copy of the list
+    taken under it: a reader's thread may call a tier's listener just after that tier closed (the
+    node left). No check may start then: nothing would cancel or await it, and it would use the
+    fetchers the leave closes."""
+    _, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 1)
+    tier = RemoteTier(receiver.core, {"holder": Peer(1)}, None, "tcp")  # type: ignore[arg-type]
+    taken = list(receiver.core.reads.unchecked._listeners)  # a reader's copy, taken before the close
+    await tier.close()
+    header = SimpleNamespace(namespace_id=ns, key=keys[0], payload_bytes=PAGE_BYTES)
+    for check in taken:
+        await asyncio.to_thread(check, header, "holder")  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert tier.source_checks.num_asked == 0 and not tier.source_checks._tasks, "a check started after its tier closed"

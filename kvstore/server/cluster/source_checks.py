@@ -38,10 +38,13 @@ class SourceChecks:
         self._tasks: set[asyncio.Task[None]] = set()
         self.num_asked = 0
         self.num_skipped = 0  # past MAX_CHECKS
+        self._closed = False
         core.reads.unchecked.on_damaged(self._damaged)
 
     def _damaged(self, header: PageHeader, source: str) -> bool:
-        """On the reader's thread: the check runs on the cluster loop; False once that closed."""
+        """On the reader's thread: the check runs on the cluster loop; False once that or this closed."""
+        if self._closed:  # a reader may call a listener it took just before the close (UncheckedCopies.damaged)
+            return False
         try:
             self._loop.call_soon_threadsafe(self._start, header, source)
         except RuntimeError:
@@ -49,6 +52,8 @@ class SourceChecks:
         return True
 
     def _start(self, header: PageHeader, source: str) -> None:
+        if self._closed:  # nothing would cancel or await it
+            return
         if len(self._tasks) >= MAX_CHECKS:
             self.num_skipped += 1
             logger.warning("page %s damaged here: %d source checks in flight already; %s not asked to check its copy",
@@ -101,6 +106,7 @@ class SourceChecks:
     async def close(self) -> None:
         """Asks no more (the node leaves: a rejoin makes its own), cancels the checks in flight (its
         fetchers close next) and waits for them."""
+        self._closed = True
         self.core.reads.unchecked.off_damaged(self._damaged)
         tasks = list(self._tasks)
         for task in tasks:
