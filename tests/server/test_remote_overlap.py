@@ -20,7 +20,8 @@ from kvstore.cluster.transport_tcp import TcpPageServer
 from kvstore.errors import LeaseExpired
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster import remote
-from kvstore.server.cluster.remote import NodeLanding, RemoteTier
+from kvstore.server.cluster.landing import NodeLanding
+from kvstore.server.cluster.remote import RemoteTier
 from kvstore.server.cluster.source import CorePageSource
 
 WAIT_S = 30.0  # only a copy that never asks for the next batch while one commits waits this long

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 from test_remote_landing import PAGE_BYTES
 from test_remote_landing_tcp import _pages_at, _setup
 from test_remote_landing_unhashed_grpc import Damaging, GrpcPeer, _tier
@@ -16,9 +15,6 @@ from test_remote_landing_unhashed_grpc import Damaging, GrpcPeer, _tier
 from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS
 
 
-@pytest.mark.xfail(strict=True, reason="fetch_from(hashed=True) (a replica, a migration) counts a page held here as held "
-                   "(local_prefix; allocate's stored-already slot) without checking it, though it may have landed "
-                   "unhashed and damaged: the copy that may become the only one is then never checked (DESIGN §4)")
 async def test_a_replica_over_a_copy_landed_unhashed_is_checked(server_factory, tmp_path) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
     async with grpc.aio.insecure_channel(holder.address, options=MESSAGE_OPTIONS) as channel:

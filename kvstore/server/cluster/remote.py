@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -25,6 +25,7 @@ from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk
+from kvstore.server.cluster.landing import Landing, NodeLanding
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import PeerNode, Peers, current_cancelled
 from kvstore.server.cluster.source_checks import SourceChecks
@@ -34,41 +35,6 @@ from kvstore.types import LocationRun
 logger = logging.getLogger(__name__)
 
 FETCH_PAGES = 1024  # pages per fetch request (fetch_frames allows 8192); fetch_from commits one while the next arrives
-
-
-class Landing(Protocol):
-    """Where a fetch's pages land, and who they are charged to (DESIGN §11). Called on worker
-    threads. ``allocate`` answers as ``Placement.allocate`` (a prefix of ``keys``; a KVStoreError:
-    nothing allocated, the fetch ends there), ``commit`` as ``Placement.commit``. A tenant's
-    (tenancy/fetch_room.py) takes room in its host quota first; the node's own (``NodeLanding``)
-    charges nobody."""
-
-    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]: ...
-
-    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int: ...
-
-    def cut(self) -> None:
-        """The fetch was cut at its caller's deadline (from the loop, any time): an ``allocate``
-        still making room stops at its next step (the fetch waits for it to end)."""
-
-
-class NodeLanding:
-    """The landing of a fetch for nobody's quota: a node without tenants, a copy whose caller
-    reserved the room itself (a handoff's push)."""
-
-    def __init__(self, core: Placement) -> None:
-        self.core = core
-
-    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
-                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
-        return self.core.allocate(namespace_id, layout, keys, generation=generation)
-
-    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
-        return self.core.commit(allocation_id, keys, checksums)
-
-    def cut(self) -> None:
-        pass  # its allocate makes no room: it ends soon whatever happens
 
 
 def _log_failed_commit(commit: asyncio.Future[Any]) -> None:
@@ -263,21 +229,33 @@ class RemoteTier:
                          tenant: str, landing: Landing | None = None, hashed: bool = True) -> int:
         """Fetches the pages of ``keys`` not held here from ``node`` (a replica the holder asked
         for: no lookup); returns how many leading keys are now held here. ``hashed``: each page
-        checked as it lands, for a copy that may become the only one (a replica, a migration); a
-        handoff's lands unchecked (the holder keeps its copy; the decode side's copy checks it)."""
+        checked as it lands, for a copy that may become the only one (a replica, a migration), and
+        a page held here counted only once checked in place (``checked_prefix``; a fill's unhashed
+        landing that won a key's commit meanwhile, after the fetch); a handoff's lands unchecked
+        (the holder keeps its copy; the decode side's copy checks it)."""
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
-        pos = self.local_prefix(namespace_id, keys)
+        pos = await asyncio.to_thread(self.checked_prefix, namespace_id, keys) if hashed else self.local_prefix(namespace_id, keys)
         peer = self._peers.get(node)
         if peer is not None and peer.fetcher is not None:  # the UCX or TCP plane
-            return await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing, hashed)
-        while pos < len(keys) and peer is not None and (remaining := deadline - time.monotonic()) > 0:
-            want = keys[pos : pos + FETCH_PAGES]
-            got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing, hashed)
-            pos += got
-            if got < len(want):
-                break
+            pos = await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing, hashed)
+        elif peer is not None:
+            while pos < len(keys) and (remaining := deadline - time.monotonic()) > 0:
+                want = keys[pos : pos + FETCH_PAGES]
+                got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing, hashed)
+                pos += got
+                if got < len(want):
+                    break
+        if hashed and pos:
+            await asyncio.to_thread(self.core.reads.check_held, namespace_id, keys[:pos], True)
+            pos = self.local_prefix(namespace_id, keys[:pos])
         return pos
+
+    def checked_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        """How many leading keys this node holds a sound copy of, each landing copy checked in place
+        first (``Reader.check_held``: a damaged one is dropped). A worker thread's call."""
+        self.core.reads.check_held(namespace_id, keys)
+        return self.local_prefix(namespace_id, keys)
 
     async def _fetch_overlapped(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], done: int, page_bytes: int,
                                 deadline: float, landing: Landing, hashed: bool) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.directory import Directory
-from kvstore.errors import TierFull
+from kvstore.errors import PageCorrupt, TierFull
 from kvstore.page import LayoutDesc, PageHeader
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
@@ -235,6 +235,35 @@ class Reader:
         it was read up from that fails its check too."""
         self.moves.quarantine_landing(header, reason, slot)
         self.check_below(header.key)
+
+    def check_held(self, namespace_id: bytes, keys: list[bytes], noted_only: bool = False) -> None:
+        """Checks the landing copies of ``keys`` held here in place, for a copy that may become
+        the only one (a replica, a migration's: DESIGN §4), which counts a page held here only
+        once its bytes hold: it may have landed unhashed (a fill, a handoff). A damaged one is
+        quarantined (its source asked), so the caller fetches it again, checked. ``noted_only``:
+        only those ``unchecked`` remembers (a fill that landed while the caller's copy did)."""
+        for key in keys:
+            if noted_only and not self.unchecked.noted(key):
+                continue
+            with self.keeper.critical():
+                part = self.landing.part_of(key) if self.residence.has(key, LANDING) else None
+                held = part.find(key) if part is not None else None
+                if part is None or held is None or held[1].namespace_id != namespace_id:
+                    continue
+                self.leases.pin([key], move=True)
+            slot, header = held
+            try:
+                header.verify_payload(part.view(slot, header.payload_bytes), header.payload_bytes)
+                reason = ""
+            except PageCorrupt as exc:
+                reason = str(exc)
+            finally:
+                with self.keeper.critical():
+                    self.residence.released(self.leases.unpin([key], move=True))
+            if reason:
+                self.quarantine_landing(header, f"held here for a checked copy: {reason}", slot)
+            else:
+                self.unchecked.forget([key])
 
     def check_below(self, key: bytes) -> None:
         """The landing copy of ``key`` failed a check. Lower copies are read up unchecked (the

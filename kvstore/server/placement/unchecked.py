@@ -43,6 +43,10 @@ class UncheckedCopies:
             for key in keys:
                 self._sources.pop(key, None)
 
+    def noted(self, key: bytes) -> bool:
+        """Whether the copy of ``key`` here landed unhashed from another node (as far as remembered)."""
+        return key in self._sources
+
     def on_damaged(self, check: SourceCheck) -> None:
         """``check`` is called (on the reader's thread) for each damaged copy that came from a
         node; it returns False once it can no longer act (its loop closed): it is dropped."""

@@ -17,7 +17,7 @@ from kvstore.types import LocationRun
 
 if TYPE_CHECKING:
     from kvstore.server.cluster import ClusterRuntime
-    from kvstore.server.cluster.remote import Landing
+    from kvstore.server.cluster.landing import Landing
 
 
 class ClusterReads:

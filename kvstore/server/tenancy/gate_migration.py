@@ -94,7 +94,7 @@ class MigrationGate:
     def _copy_pages(self, who: Identity, ns: bytes, source: str, keys: list[bytes], page_bytes: int, context: CallContext) -> int:
         """As a replica (Data.Replicate with a holder): within the tenant's host quota here (fetch_room.py)."""
         assert self.cluster is not None
-        have = self.cluster.remote.local_prefix(ns, keys) if keys else 0
+        have = self.cluster.remote.checked_prefix(ns, keys) if keys else 0  # a copy landed unhashed counts once checked
         if have == len(keys):
             return have
         claimed = self.tenancy.claim(who, ns)

@@ -1,0 +1,45 @@
+"""Where a remote fetch's pages land, and who they are charged to (DESIGN §11): the protocol
+``RemoteTier`` fetches into, and the node's own landing that charges nobody (a tenant's is
+tenancy/fetch_room.py)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstore.page import LayoutDesc
+from kvstore.server.placement import Placement
+
+
+class Landing(Protocol):
+    """Where a fetch's pages land, and who they are charged to (DESIGN §11). Called on worker
+    threads. ``allocate`` answers as ``Placement.allocate`` (a prefix of ``keys``; a KVStoreError:
+    nothing allocated, the fetch ends there), ``commit`` as ``Placement.commit``. A tenant's
+    (tenancy/fetch_room.py) takes room in its host quota first; the node's own (``NodeLanding``)
+    charges nobody."""
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]: ...
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int: ...
+
+    def cut(self) -> None:
+        """The fetch was cut at its caller's deadline (from the loop, any time): an ``allocate``
+        still making room stops at its next step (the fetch waits for it to end)."""
+
+
+class NodeLanding:
+    """The landing of a fetch for nobody's quota: a node without tenants, a copy whose caller
+    reserved the room itself (a handoff's push)."""
+
+    def __init__(self, core: Placement) -> None:
+        self.core = core
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        return self.core.allocate(namespace_id, layout, keys, generation=generation)
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        return self.core.commit(allocation_id, keys, checksums)
+
+    def cut(self) -> None:
+        pass  # its allocate makes no room: it ends soon whatever happens
