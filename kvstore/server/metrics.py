@@ -3,7 +3,12 @@ process in tests)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import socket
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvstore.memory import heap_bytes
 
@@ -54,3 +59,19 @@ class Metrics:
             heap = Gauge("kvstore_heap_bytes", "C heap of the server process (glibc mallinfo2)", ["state"], registry=r)
             heap.labels("in_use").set_function(lambda: heap_bytes()["in_use"])  # type: ignore[index]
             heap.labels("free").set_function(lambda: heap_bytes()["free"])  # type: ignore[index]
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not logged (as prometheus_client's own handler)."""
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """``registry`` at /metrics over HTTP, served on a daemon thread: prometheus_client's
+    start_http_server, except that its loop looks for a shutdown every 50 ms; the library's
+    0.5 s made every stop of a server wait up to that long in ``shutdown()``."""
+    family, *_, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})  # IPv4 or IPv6, as host is
+    httpd = make_server(sockaddr[0], port, make_wsgi_app(registry), server_class, handler_class=_Quiet)
+    threading.Thread(target=httpd.serve_forever, args=(0.05,), name="metrics-http", daemon=True).start()
+    return httpd

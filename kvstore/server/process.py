@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import start_http_server
 
 from kvstore import pagecopy
 from kvstore._proto import (
@@ -40,7 +39,7 @@ from kvstore.security.server_security import ServerSecurity
 from kvstore.server.dirlock import DirectoryLock
 from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.leases import LeaseTable
-from kvstore.server.metrics import Metrics
+from kvstore.server.metrics import Metrics, serve_metrics
 from kvstore.server.placement import Demoter, Placement
 from kvstore.server.placement.assembly import Wrap, open_directory
 from kvstore.server.rpc_pool import RetiringPool
@@ -313,7 +312,7 @@ class Server:
         if self.config.metrics_listen:  # bound before anything starts: a port in use stops nothing half-started
             host, port = split_host_port(self.config.metrics_listen, "--metrics-listen")
             try:
-                self._metrics_http, _ = start_http_server(port, addr=host, registry=self.metrics.registry)
+                self._metrics_http = serve_metrics(host, port, self.metrics.registry)
             except OSError as exc:
                 raise ConfigError(f"--metrics-listen {self.config.metrics_listen}: cannot bind ({exc.strerror}); "
                                   "another server on this host? give it another --metrics-listen, or 'off'") from exc
