@@ -254,8 +254,10 @@ class RemoteTier:
     def checked_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """How many leading keys this node holds a sound copy of, each landing copy checked in place
         first (``Reader.check_held``: a damaged one is dropped). A worker thread's call."""
-        self.core.reads.check_held(namespace_id, keys)
-        return self.local_prefix(namespace_id, keys)
+        held = self.local_prefix(namespace_id, keys)  # lock-free: a new replica holds none, checks none
+        if held:
+            self.core.reads.check_held(namespace_id, keys[:held])
+        return self.local_prefix(namespace_id, keys[:held])
 
     async def _fetch_overlapped(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], done: int, page_bytes: int,
                                 deadline: float, landing: Landing, hashed: bool) -> int:
