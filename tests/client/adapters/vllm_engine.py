@@ -12,7 +12,7 @@ back, as vllm serve's busy loop does, so that a prefill's handoff completes; {"c
 does that alone);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
-cache groups, whether vLLM's hybrid KV cache manager is on, and the connector's page layout;
+cache groups, whether vLLM's hybrid KV cache manager is on, the connector's page layout and vLLM's block size;
 {"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "metrics"} -> vLLM's counters named vllm:kvstore_*
 (``LLM.get_metrics()``, its Prometheus registry; the config needs "log_stats": true); {"cmd": "exit"}.
 Live migration: {"cmd": "start", "prompt", "max_tokens", "kv_transfer_params", "pause_after": n} adds one greedy
@@ -141,7 +141,8 @@ def main() -> None:
             layout = connector.store.namespace.layout
             reply = {"hybrid_manager": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
                      "groups": [type(g.kv_cache_spec).__name__ for g in connector._kv_cache_config.kv_cache_groups],
-                     "layout": {**layout.describe(), "groups": list(layout.groups)}}
+                     "layout": {**layout.describe(), "groups": list(layout.groups)},
+                     "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
         elif cmd["cmd"] == "metrics":  # the connector's counters as an operator sees them (connector_stats.py), one engine
             from vllm.v1.metrics.reader import Counter
 
