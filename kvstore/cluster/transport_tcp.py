@@ -189,8 +189,10 @@ class TcpPageFetcher:
             self._fail(result, TimeoutError(f"no connection free within {timeout_s:.3g} s"), request)
             return None
         try:
-            try:
-                sock = await asyncio.wait_for(self._connect(deadline), max(0.001, deadline.left()))
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for returns a connect that ended as it was cancelled,
+                # swallowing the cancel (a cancelled source check then waited out its 10 s on a stalled peer)
+                async with asyncio.timeout(max(0.001, deadline.left())):
+                    sock = await self._connect(deadline)
             except (OSError, TimeoutError, TransportError) as exc:
                 self._fail(result, exc, request)
                 return None
