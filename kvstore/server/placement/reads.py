@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvstore.directory import Directory
 from kvstore.errors import PageCorrupt, TierFull
 from kvstore.page import LayoutDesc, PageHeader
+from kvstore.pagecopy import checksum_released
 from kvstore.server.metrics import Metrics
 from kvstore.server.placement.housekeeping import Housekeeper
 from kvstore.server.placement.moves import Mover
@@ -253,7 +254,7 @@ class Reader:
                 self.leases.pin([key], move=True)
             slot, header = held
             try:
-                header.verify_payload(part.view(slot, header.payload_bytes), header.payload_bytes)
+                header.verify_payload(part.view(slot, header.payload_bytes), header.payload_bytes, checksum_released)
                 reason = ""
             except PageCorrupt as exc:
                 reason = str(exc)
