@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from support.servers import flip_arena_byte, make_config
 from test_remote_landing import PAGE_BYTES, _found
-from test_remote_landing_tcp import _pages_at, _setup
+from test_remote_landing_tcp import _checks_done, _pages_at, _setup
 
 from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 from kvstore.cluster.transport_ucx import UcxConfig, UcxPageFetcher, UcxPageServer
@@ -93,10 +93,7 @@ async def test_a_page_damaged_on_the_way_is_dropped_where_it_landed_and_its_soun
         assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 3  # type: ignore[arg-type]
         flip_arena_byte(receiver, receiver.core.where(keys[1])["host"] + 5)
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
-        for _ in range(200):
-            if tier.source_checks.num_asked and not tier.source_checks._tasks:
-                break
-            await asyncio.sleep(0.025)
+        await _checks_done(tier)
         assert tier.source_checks.num_asked == 1 and holder.core.quarantined() == []
         assert _found(holder.address, ns, keys) == 3
         assert await tier._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 3  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from support.servers import flip_arena_byte, make_config
 from test_remote_landing import PAGE_BYTES, DamagingLink, _found, _store
-from test_remote_landing_tcp import _pages_at, _setup
+from test_remote_landing_tcp import _checks_done, _pages_at, _setup
 from test_remote_landing_unhashed import _quarantined
 
 from kvstore._proto import data_pb2
@@ -53,13 +53,6 @@ class Damaging(DamagingLink):
 
 def _tier(receiver: Any, peer: Any) -> RemoteTier:
     return RemoteTier(receiver.core, {"holder": peer}, OneHolder("holder"), "grpc")  # type: ignore[arg-type]
-
-
-async def _checks_done(tier: RemoteTier) -> None:
-    for _ in range(200):
-        if tier.source_checks.num_asked and not tier.source_checks._tasks:
-            return
-        await asyncio.sleep(0.025)
 
 
 async def test_a_fill_lands_a_holders_scribbled_page_unhashed_never_serves_it_and_its_source_quarantines_it(

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 from support.servers import flip_arena_byte
 from test_remote_landing import PAGE_BYTES
-from test_remote_landing_tcp import Peer, _pages_at, _setup
+from test_remote_landing_tcp import Peer, _checks_done, _pages_at, _setup
+from test_remote_landing_unhashed import _serve
 
 from kvstore.cluster.transport_tcp import TcpPageServer
 from kvstore.server.cluster.cluster_runtime import ClusterRuntime
@@ -96,8 +97,7 @@ async def test_a_tier_that_closed_asks_no_more_checks_and_a_rejoin_asks_once(ser
     """A node that leaves and joins again builds a new remote tier on the same core: the closed
     one's listener goes with it (else it asked every source once more, for as long as its loop ran)."""
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 2)
-    server = TcpPageServer(CorePageSource(holder.core))
-    port = await server.start()
+    server, port = await _serve("tcp", holder)
     try:
         peer = Peer(port)
         left = RemoteTier(receiver.core, {"holder": peer}, None, "tcp")  # type: ignore[arg-type]
@@ -106,10 +106,7 @@ async def test_a_tier_that_closed_asks_no_more_checks_and_a_rejoin_asks_once(ser
         assert await joined._fetch_posted(peer, ns, keys, PAGE_BYTES, 10.0) == 2  # type: ignore[arg-type]
         flip_arena_byte(receiver, receiver.core.where(keys[1])["host"] + 3)
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
-        for _ in range(200):
-            if joined.source_checks.num_asked and not joined.source_checks._tasks:
-                break
-            await asyncio.sleep(0.01)
+        await _checks_done(joined)
         assert joined.source_checks.num_asked == 1
         assert left.source_checks.num_asked == 0, "the closed tier's listener still asked the source"
         await joined.close()
