@@ -235,7 +235,9 @@ class RemoteTier:
         (the holder keeps its copy; the decode side's copy checks it)."""
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
-        pos = await asyncio.to_thread(self.checked_prefix, namespace_id, keys) if hashed else self.local_prefix(namespace_id, keys)
+        pos = self.local_prefix(namespace_id, keys)  # lock-free: a new replica holds none, and takes no thread hop
+        if hashed and pos:
+            pos = await asyncio.to_thread(self.checked_prefix, namespace_id, keys[:pos])
         peer = self._peers.get(node)
         if peer is not None and peer.fetcher is not None:  # the UCX or TCP plane
             pos = await self._fetch_overlapped(peer, namespace_id, keys, pos, page_bytes, deadline, landing, hashed)
