@@ -150,6 +150,9 @@ async def test_durable_put_keeps_the_stored_prefix_it_was_promised(server_factor
 
     config = make_config(tmp_path, host_bytes=8 << 20)
     config = dataclasses.replace(config, ssd=dataclasses.replace(config.ssd, admission="seen-twice"))  # one-shot: dropped
+    # Only allocations evict (no background demoter): otherwise it may drop the filler's
+    # one-shot pages between its put and its lookup, and the check below races it.
+    config = dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=1.0, demote_to=1.0))
     server = server_factory(config)
     host_pages = server.core.view().tiers["host"].capacity_bytes // layout.page_bytes
     prefix, new = list(range(8 * 16)), list(range(10**6, 10**6 + 16 * 16))
