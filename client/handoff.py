@@ -38,6 +38,8 @@ def _id_bytes(handoff_id: str) -> bytes:
         raise InvalidRequest(f"handoff_id must be {HANDOFF_ID_HEX} hex digits (new_handoff_id()), got {handoff_id!r}")
     return raw
 
+MAX_PUSHING = 256  # direct handoffs a client remembers as open (their layer-wise saves say each layer)
+
 
 class HandoffCalls:
     """Mixed into KVStoreClient, whose ``namespace``, ``layout``, ``calls``, ``node`` and ``keys`` these use."""
@@ -65,7 +67,30 @@ class HandoffCalls:
         keys = self._page_keys(tokens) if tokens is not None else []
         request = handoff_pb2.OpenHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                  to_node=to_node or "", ttl_ms=_ttl_ms(ttl_s), keys=keys)
-        await self.calls.unary("Handoff.Open", request)
+        pushing = self._pushing_handoffs()
+        if to_node and keys:  # before the call: a save's first layer, written meanwhile, is said to the node
+            pushing[handoff_id] = frozenset(keys)
+            while len(pushing) > MAX_PUSHING:
+                pushing.pop(next(iter(pushing)))
+        try:
+            await self.calls.unary("Handoff.Open", request)
+        except BaseException:
+            pushing.pop(handoff_id, None)
+            raise
+
+    def _pushing_handoffs(self) -> dict[str, frozenset[bytes]]:
+        """The page keys of the direct handoffs this client opened and has not completed (the
+        newest ``MAX_PUSHING``)."""
+        if "_pushing" not in self.__dict__:
+            self.__dict__["_pushing"] = {}
+        pushing: dict[str, frozenset[bytes]] = self.__dict__["_pushing"]
+        return pushing
+
+    def pushes(self, keys: list[bytes]) -> bool:
+        """Whether a direct handoff this client opened covers ``keys`` (a layer-wise save of them
+        then says each layer it stored, so that the node pushes layers while later ones compute:
+        DESIGN §12.7)."""
+        return bool(keys) and any(keys[0] in opened for opened in list(self._pushing_handoffs().values()))
 
     async def handoff_complete(self, handoff_id: str, tokens_or_keys: Any, to_node: str | None = None, *,
                                deadline_s: float | None = None) -> int:
@@ -80,6 +105,7 @@ class HandoffCalls:
         the client's ``timeout_s``), a frozen decode node included."""
         if deadline_s is not None:
             check_deadline(deadline_s, "deadline_s")
+        self._pushing_handoffs().pop(handoff_id, None)
         keys = self._page_keys(tokens_or_keys)
         if not keys:
             return 0

@@ -134,11 +134,15 @@ class LayerSave:
             runtime.run(outgoing.reserve(self.keys, self.parent), client.timeout_s)
             renewed = time.monotonic()
             pages = LayerCopies(self.kv, layout, self.first_page, outgoing.indices, outgoing.buffers)
+            said = 0  # leading layers said to the server
             for _ in range(layout.num_layers):
                 layer, renewed = self._next_layer(outgoing, renewed)
                 if layer is None:
                     raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
                 pages.copy(layer)
+                if said < pages.hashed < layout.num_layers and outgoing.indices and client.pushes(self.keys):
+                    said = pages.hashed  # not waited for: the next layer's copy goes on (a renewal the commit overtakes is moot)
+                    runtime.submit(_say_written(outgoing, said, client.timeout_s))
             sums = pages.checksums()
             published = runtime.run(outgoing.publish(sums, self.durable), client.timeout_s)
             stored = published_prefix(outgoing.asked, published, self.durable, self.first_page, layout.page_tokens)
@@ -151,6 +155,15 @@ class LayerSave:
             except KVStoreError as exc:
                 logger.warning("a layer-wise save could not give back its reservation (it expires): %s", exc)
             self._done.set()
+
+
+async def _say_written(outgoing: Outgoing, layers: int, timeout_s: float) -> None:
+    """``outgoing.written``, whose failure costs only the push of those layers (the pages still
+    go once stored): a save whose commit came first, a node that did not answer."""
+    try:
+        await outgoing.written(layers, timeout_s)
+    except KVStoreError as exc:
+        logger.debug("layers written not said to the server: %s", exc)
 
 
 class LayerCopies:

@@ -86,6 +86,11 @@ class Outgoing(Protocol):
 
     async def renew(self, timeout_s: float) -> None: ...
 
+    async def written(self, layers: int, timeout_s: float) -> None:
+        """Says that the leading ``layers`` of every reserved page are stored in its buffer
+        (a server that reserved slots pushes them on to a handoff's decode node, DESIGN §12.7);
+        a transport that reserves nothing there ignores it."""
+
 
 class Transport(Protocol):
     """One path for page bytes. Coroutines run on the client's runtime loop.

@@ -156,11 +156,13 @@ class ShmTransport:
         except KVStoreError as exc:
             logger.log(level, "giving back %s failed (it will expire): %s", what, exc)
 
-    async def renew(self, lease_id: bytes, timeout_s: float, ttl_ms: int | None = None) -> None:
-        """Extends a lease by ``lease_ms`` (an allocation by ``ttl_ms``, 0: its own term);
-        raises LeaseExpired when it is already gone."""
+    async def renew(self, lease_id: bytes, timeout_s: float, ttl_ms: int | None = None, layers_written: int = 0) -> None:
+        """Extends a lease by ``lease_ms`` (an allocation by ``ttl_ms``, 0: its own term;
+        ``layers_written``: its leading layers stored in every slot); raises LeaseExpired when
+        it is already gone."""
         ttl = self.peer.lease_ms if ttl_ms is None else ttl_ms
-        await self.peer.calls.unary("Data.Renew", data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl), timeout_s)
+        request = data_pb2.RenewRequest(lease_id=lease_id, ttl_ms=ttl, layers_written=layers_written)
+        await self.peer.calls.unary("Data.Renew", request, timeout_s)
 
     async def granted(self, request: Coroutine[Any, Any, T], give_back: Callable[[T], Awaitable[None]]) -> T:
         """Awaits an RPC that grants something (a lease, an allocation). If the caller is

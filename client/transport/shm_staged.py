@@ -149,6 +149,11 @@ class SlotOutgoing:
         if self._alloc is not None:
             await self.shm.renew(self._alloc.allocation_id, timeout_s, ttl_ms=0)
 
+    async def written(self, layers: int, timeout_s: float) -> None:
+        """A renewal that also names the leading layers stored in every slot (DESIGN §12.7)."""
+        if self._alloc is not None:
+            await self.shm.renew(self._alloc.allocation_id, timeout_s, ttl_ms=0, layers_written=layers)
+
     async def discard(self) -> None:
         """Ends the save (after its last copy into the slots): the arena let go, an allocation
         not committed aborted."""

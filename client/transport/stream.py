@@ -251,5 +251,8 @@ class StreamedOutgoing:
     async def renew(self, timeout_s: float) -> None:
         return None
 
+    async def written(self, layers: int, timeout_s: float) -> None:
+        return None  # the bytes stay here until publish
+
     async def discard(self) -> None:
         return None

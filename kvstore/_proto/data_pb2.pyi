@@ -286,12 +286,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("lease_id", "ttl_ms")
+    __slots__ = ("lease_id", "ttl_ms", "layers_written")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     ttl_ms: int
-    def __init__(self, lease_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    layers_written: int
+    def __init__(self, lease_id: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., layers_written: _Optional[int] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ()

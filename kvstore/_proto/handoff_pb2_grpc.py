@@ -57,6 +57,11 @@ class HandoffStub:
                 request_serializer=kvstore_dot_v1_dot_handoff__pb2.PushHandoffRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_handoff__pb2.PushHandoffResponse.FromString,
                 _registered_method=True)
+        self.PushLayers = channel.unary_unary(
+                '/kvstore.v1.Handoff/PushLayers',
+                request_serializer=kvstore_dot_v1_dot_handoff__pb2.PushLayersRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_handoff__pb2.PushLayersResponse.FromString,
+                _registered_method=True)
 
 
 class HandoffServicer:
@@ -102,6 +107,16 @@ class HandoffServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushLayers(self, request, context):
+        """Node-only: the prefill node `holder` sends a byte range (whole layers) of pages it has not
+        stored yet, as the engine's layer-wise save writes them; this node lands them in slots it
+        holds for the handoff, and the Push that names those pages once stored commits them with
+        the checksums it carries (DESIGN §12.7, layer-wise pushes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandoffServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +139,11 @@ def add_HandoffServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=kvstore_dot_v1_dot_handoff__pb2.PushHandoffRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_handoff__pb2.PushHandoffResponse.SerializeToString,
+            ),
+            'PushLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushLayers,
+                    request_deserializer=kvstore_dot_v1_dot_handoff__pb2.PushLayersRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_handoff__pb2.PushLayersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,6 +257,33 @@ class Handoff:
             '/kvstore.v1.Handoff/Push',
             kvstore_dot_v1_dot_handoff__pb2.PushHandoffRequest.SerializeToString,
             kvstore_dot_v1_dot_handoff__pb2.PushHandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Handoff/PushLayers',
+            kvstore_dot_v1_dot_handoff__pb2.PushLayersRequest.SerializeToString,
+            kvstore_dot_v1_dot_handoff__pb2.PushLayersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import LeaseExpired, LimitExceeded
+from kvstore.server.handoff_layers import LayerLanding
 from kvstore.server.placement import Placement
 from kvstore.server.tenancy.owners import owner_for
 
@@ -39,6 +40,7 @@ class Marker:
     pinned: set[bytes] = field(default_factory=set)
     handed: set[bytes] = field(default_factory=set)  # returned by a wait, not yet acquired by the caller
     waiters: int = 0
+    layers: LayerLanding | None = None  # slots its pages' layers landed in before they were stored at the holder
 
     @property
     def key(self) -> MarkerKey:
@@ -142,9 +144,19 @@ class HandoffMarkers:
             leases, marker.leases = marker.leases, []
             marker.pinned.clear()
             marker.handed.clear()
+            layers, marker.layers = marker.layers, LayerLanding(self.core, closed=True)
         for lease in leases:
             self.core.release(lease)
+        if layers is not None:
+            layers.close()
         return forgot
+
+    def layers(self, marker: Marker) -> LayerLanding:
+        """The marker's layer landing (made now; a closed one once the marker was dropped)."""
+        with self._changed:
+            if marker.layers is None:
+                marker.layers = LayerLanding(self.core, closed=self._markers.get(marker.key) is not marker)
+            return marker.layers
 
     # -- pages arriving -----------------------------------------------------------------
     def arrived(self, marker: Marker, keys: list[bytes], pushed: bool = False, complete: list[bytes] | None = None) -> None:

@@ -52,6 +52,10 @@ class Metrics:
                                              ["tenant", "quota"], registry=r)
         self.tenant_ssd_written = Counter("kvstore_tenant_ssd_written_bytes", "SSD device bytes written for a tenant's pages",
                                           ["tenant"], registry=r)
+        self.handoff_layer_bytes = Counter("kvstore_handoff_layer_bytes", "Layer-wise handoff pushes (DESIGN §12.7): bytes "
+                                           "sent ahead of the pages' commit (prefill node) and landed (decode node)", ["side"], registry=r)
+        self.handoff_layer_pages = Counter("kvstore_handoff_layer_pages", "Handed-off pages committed at the decode node from "
+                                           "the layers that came ahead (not fetched whole)", registry=r)
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=r)
         # The C heap at scrape time (glibc; absent elsewhere): a leak of C allocations grows in_use; free is
         # malloc's free space, resident or not (kvstore/memory.py heap_bytes).

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.directory.events import EventKind
 from kvstore.errors import LimitExceeded, TierUnavailable
+from kvstore.server.cluster.handoff_layers import LayerPushes
 from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.cluster.remote import RemoteTier
+from kvstore.server.handoff_layers import WrittenSlots
 from kvstore.server.handoff_markers import MAX_HANDOFFS_PER_TENANT
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class Outgoing:
     queued: int = 0  # leading keys given to pushes (in flight, or answered)
     failed: bool = False  # a push came back short: the rest waits for Complete
     answered: dict[int, int] = field(default_factory=dict)  # start -> end of pushes held whole, past ``sent``
+    layered: bool = False  # layers of its pages went ahead (handoff_layers.py): its pushes carry checksums
     tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
 
@@ -60,6 +63,7 @@ class HandoffPushes:
         self._thread = threading.Thread(target=self._follow, name=f"handoff-{node}", daemon=True)
         self._sweeper: asyncio.Task[None] | None = None
         self.num_pushed = 0
+        self.layers = LayerPushes(node, remote.core, peers, rpc_timeout_s, self._direct)
 
     def start(self) -> None:
         self._next_seq = self.directory.events.last_seq + 1
@@ -68,6 +72,7 @@ class HandoffPushes:
 
     async def close(self) -> None:
         self._stop.set()
+        await self.layers.close()
         tasks = [t for t in (self._sweeper, *(t for o in self._open.values() for t in o.tasks)) if t is not None]
         for task in tasks:
             task.cancel()
@@ -98,6 +103,15 @@ class HandoffPushes:
         else:
             out.to_node, out.ttl_ms, out.expires, out.keys, out.may_push = to_node, ttl_ms, expires, keys, may_push
         self._kick(out)  # pages stored before the open go now
+
+    def _direct(self, tenant: str, namespace_id: bytes) -> list[Outgoing]:
+        """The handoffs open here of ``tenant`` in the namespace whose pages go to another node."""
+        return [out for key in self._by_namespace.get(namespace_id, ()) if key[0] == tenant
+                and (out := self._open[key]).to_node and out.to_node != self.node and not out.failed]
+
+    async def layers_written(self, tenant: str, allocation_id: bytes, slots: WrittenSlots, layers: int) -> None:
+        """A layer-wise save's writer stored the leading ``layers`` of its pages (handoff_layers.py)."""
+        self.layers.written(tenant, allocation_id, slots, layers)
 
     def _forget(self, key: OpenKey) -> Outgoing | None:
         out = self._open.pop(key, None)
@@ -163,22 +177,27 @@ class HandoffPushes:
             _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2))
             for task in late:
                 task.cancel()
-        stored = self.remote.local_prefix(namespace_id, keys)
-        if not to_node or stored == 0:
-            return stored
-        target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
-        target.to_node = to_node
-        return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
+        try:
+            stored = self.remote.local_prefix(namespace_id, keys)
+            if not to_node or stored == 0:
+                return stored
+            target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
+            target.to_node = to_node
+            return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
+        finally:
+            self.layers.forget((tenant, namespace_id, handoff_id))  # after the last send: it finishes their layers
 
     async def _send(self, out: Outgoing, keys: list[bytes], complete: bool, timeout_s: float) -> int:
         peer = self.peers.get(out.to_node)
         if peer is None:
             raise TierUnavailable(f"handoff decode node {out.to_node!r} is not a live member of the cluster; "
                                   "the pages stay here, findable through the pool")
+        # where layers went ahead, the decode node commits them with the checksums stored here
+        sums = await self.layers.finish(out, keys) if keys and out.layered else []
         request = handoff_pb2.PushHandoffRequest(namespace_id=out.namespace_id, handoff_id=out.handoff_id, keys=keys,
                                                  holder=self.node, tenant=out.tenant,
                                                  page_bytes=self._page_bytes(keys[0]) if keys else 0,
-                                                 complete=complete, ttl_ms=out.ttl_ms)
+                                                 complete=complete, ttl_ms=out.ttl_ms, checksums=sums)
         try:
             answer = await handoff_pb2_grpc.HandoffStub(peer.channel).Push(request, timeout=timeout_s)
         except asyncio.CancelledError:
@@ -203,6 +222,7 @@ class HandoffPushes:
             now = time.monotonic()
             for key in [k for k, o in self._open.items() if o.expires <= now]:
                 out = self._forget(key)
+                self.layers.forget(key)
                 for task in out.tasks if out is not None else ():
                     task.cancel()
                 logger.info("open handoff %s expired without Complete", key[2].hex()[:8])

@@ -113,7 +113,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
 
     @unary
     def Renew(self, request: data_pb2.RenewRequest, context: grpc.ServicerContext) -> data_pb2.RenewResponse:
-        self.gate.renew(current_identity(), request.lease_id, request.ttl_ms)
+        self.gate.renew(current_identity(), request.lease_id, request.ttl_ms, request.layers_written)
         return data_pb2.RenewResponse()
 
     @unary

@@ -131,6 +131,27 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         keys = self._keys(list(request.keys), allow_empty=not request.complete)
         holder = node_id(request.holder, "holder")
         ttl = ttl_ms(request.ttl_ms)
+        if len(request.checksums) > len(keys):
+            raise InvalidRequest(f"{len(request.checksums)} checksums for {len(keys)} keys")
         n = self.gate.push(current_identity(), ns, ident, keys, holder, ttl, request.tenant, request.page_bytes, request.complete,
-                           context)
+                           context, list(request.checksums))
         return handoff_pb2.PushHandoffResponse(num_pages=n)
+
+    @unary
+    def PushLayers(self, request: handoff_pb2.PushLayersRequest, context: grpc.ServicerContext) -> handoff_pb2.PushLayersResponse:
+        """The prefill node ``holder`` sends a range of pages it has not stored yet (whole layers, as
+        a layer-wise save wrote them): landed here in slots held for the handoff, committed by the
+        Push that names the pages once stored (DESIGN §12.7, layer-wise pushes)."""
+        require_node(current_identity(), "Handoff.PushLayers")
+        ns = validate.namespace_id(request.namespace_id)
+        ident = handoff_id(request.handoff_id)
+        keys = self._keys(list(request.keys))
+        holder = node_id(request.holder, "holder")
+        layout = validate.layout(request.layout)
+        offset, length = request.offset, request.length
+        if not 0 < length <= layout.page_bytes - offset or len(request.data) != len(keys) * length:
+            raise InvalidRequest(f"a range of {length} bytes at {offset} of {len(keys)} pages of {layout.page_bytes} bytes "
+                                 f"needs {len(keys) * length} bytes of data, got {len(request.data)}")
+        n = self.gate.push_layers(current_identity(), ns, ident, holder, request.tenant, layout, keys, offset, length,
+                                  request.data, ttl_ms(request.ttl_ms))
+        return handoff_pb2.PushLayersResponse(num_pages=n)

@@ -15,6 +15,7 @@ from kvstore import validate
 from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied
 from kvstore.page import LayoutDesc, checksum
 from kvstore.security.identity import Identity, Rights
+from kvstore.server.handoff_layers import written_slots
 from kvstore.server.handoff_markers import HandoffMarkers
 from kvstore.server.leases import Allocation
 from kvstore.server.placement import Placement
@@ -224,9 +225,14 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
             check_reported(self.core, lease_id, owner, list(failed), lambda: self.reports.take(owner))
         self.core.release(lease_id, owner)
 
-    def renew(self, who: Identity, handle: bytes, ttl_ms: int) -> None:
-        """Moves the caller's lease's or allocation's expiry on (LeaseExpired: not the caller's, or gone)."""
-        self.core.renew(handle, ttl_ms, owner_for(who.tenant))
+    def renew(self, who: Identity, handle: bytes, ttl_ms: int, layers_written: int = 0) -> None:
+        """Moves the caller's lease's or allocation's expiry on (LeaseExpired: not the caller's, or gone);
+        ``layers_written``: an allocation's leading layers its writer stored, pushed on to the decode
+        node of a direct handoff open here that names its pages (DESIGN §12.7; not waited for)."""
+        owner = owner_for(who.tenant)
+        self.core.renew(handle, ttl_ms, owner)
+        if layers_written and self.cluster is not None and (slots := written_slots(self.core, handle, owner)) is not None:
+            self.cluster.submit(self.cluster.handoffs.layers_written(on_behalf(who), handle, slots, layers_written))
 
     def _readable(self, who: Identity, ns: bytes, keys: list[bytes], context: CallContext) -> bool:
         """Whether ``who`` may read the namespace; in cluster mode, after fetching what other

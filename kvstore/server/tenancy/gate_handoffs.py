@@ -8,17 +8,20 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
+from kvstore.page import LayoutDesc
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
 from kvstore.server.placement import Placement
 from kvstore.server.tenancy.access import Tenancy
 from kvstore.server.tenancy.cluster_reads import ClusterReads
+from kvstore.server.tenancy.fetch_room import quota_landing
 from kvstore.server.tenancy.node_calls import acting_for, on_behalf
 from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tenancy.room import CallContext, room
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
+    from kvstore.server.cluster.landing import Landing
 
 DEFAULT_TTL_MS = 30_000
 MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
@@ -94,7 +97,7 @@ class HandoffGate:
         return n, marker.generation
 
     def push(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], holder: str, ttl_ms: int, tenant: str,
-             page_bytes: int, complete: bool, context: CallContext) -> int:
+             page_bytes: int, complete: bool, context: CallContext, checksums: list[int] | None = None) -> int:
         """A node's Push (its node right checked first, by the servicer): see HandoffService.Push."""
         if self.cluster is None or not holder or (keys and page_bytes <= 0):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
@@ -106,6 +109,8 @@ class HandoffGate:
             if not keys:
                 self._markers.arrived(marker, [], pushed=True)
                 return 0
+            if checksums and marker.layers is not None:  # pages whose layers came ahead: committed in place
+                marker.layers.commit(ns, keys, checksums, page_bytes, holder)
             have = self._markers.held(ns, keys)
             fits, reserved = self._handoff_room(who, len(keys) - have, page_bytes, context)
             try:
@@ -122,6 +127,31 @@ class HandoffGate:
             if claimed:
                 self.tenancy.settle(who, ns, held > 0)
         return held
+
+    def push_layers(self, who: Identity, ns: bytes, ident: bytes, holder: str, tenant: str, layout: LayoutDesc,
+                    keys: list[bytes], offset: int, length: int, data: bytes, ttl_ms: int) -> int:
+        """A node's PushLayers (its node right checked first): lands a range of each page in the
+        handoff's slots here, within the tenant's host quota (handoff_layers.py); how many landed."""
+        if self.cluster is None or not holder:
+            raise InvalidRequest("Handoff.PushLayers needs cluster mode and a holder")
+        who = acting_for(who, tenant)
+        claimed = self.tenancy.claim(who, ns)
+        landed = 0
+        try:
+            marker = self._markers.open(who.tenant, ns, ident, ttl_ms)
+            self._markers.arrived(marker, [], pushed=True)  # as the announce: a wait sleeps until the pages come
+            landed = self._markers.layers(marker).land(ns, layout, keys, offset, length, data, marker.generation,
+                                                       lambda new: self._landing(who, ns, new))
+        finally:
+            if claimed:
+                self.tenancy.settle(who, ns, landed > 0)
+        return landed
+
+    def _landing(self, who: Identity, ns: bytes, keys: list[bytes]) -> Landing:
+        """Where a handoff's layers land: within the tenant's host quota here (none: the node's own)."""
+        from kvstore.server.cluster.landing import NodeLanding  # cluster mode only
+
+        return quota_landing(self.tenancy.quotas, self.core, who, ns, keys) or NodeLanding(self.core)
 
     def _handoff_room(self, who: Identity, lacking: int, page_bytes: int, context: CallContext) -> tuple[int, Reservation]:
         """How many of the ``lacking`` pages fit in the tenant's host quota here (its own coldest
