@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import LeaseExpired, LimitExceeded
-from kvstore.server.handoff_layers import LayerLanding
+from kvstore.server.layer_landings import LayerLanding
 from kvstore.server.placement import Placement
 from kvstore.server.tenancy.owners import owner_for
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.directory.events import EventKind
 from kvstore.errors import LimitExceeded, TierUnavailable
-from kvstore.server.cluster.handoff_layers import LayerPushes
+from kvstore.server.cluster.layer_pushes import LayerPushes
 from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.cluster.remote import RemoteTier
-from kvstore.server.handoff_layers import WrittenSlots
 from kvstore.server.handoff_markers import MAX_HANDOFFS_PER_TENANT
+from kvstore.server.layer_landings import WrittenSlots
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Outgoing:
     queued: int = 0  # leading keys given to pushes (in flight, or answered)
     failed: bool = False  # a push came back short: the rest waits for Complete
     answered: dict[int, int] = field(default_factory=dict)  # start -> end of pushes held whole, past ``sent``
-    layered: bool = False  # layers of its pages went ahead (handoff_layers.py): its pushes carry checksums
+    layered: bool = False  # layers of its pages went ahead (layer_pushes.py): its pushes carry checksums
     tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
 
@@ -110,7 +110,7 @@ class HandoffPushes:
                 and (out := self._open[key]).to_node and out.to_node != self.node and not out.failed]
 
     async def layers_written(self, tenant: str, allocation_id: bytes, slots: WrittenSlots, layers: int) -> None:
-        """A layer-wise save's writer stored the leading ``layers`` of its pages (handoff_layers.py)."""
+        """A layer-wise save's writer stored the leading ``layers`` of its pages (layer_pushes.py)."""
         self.layers.written(tenant, allocation_id, slots, layers)
 
     def _forget(self, key: OpenKey) -> Outgoing | None:

@@ -60,8 +60,10 @@ class SessionMoves:
     async def _mark_adopted(self, namespace_id: bytes, session_id: str, version: int) -> None:
         wait = 0.1
         while True:
-            try:
-                await asyncio.wait_for(self.etcd.adopt(namespace_id, session_id, version, self.node), self._timeout_s())
+            try:  # asyncio.timeout, not 3.11's wait_for: that swallows a leave's cancel arriving as etcd answers,
+                # and an error then kept this task of the runtime retrying while the leave waited on it (DESIGN §12.8)
+                async with asyncio.timeout(self._timeout_s()):
+                    await self.etcd.adopt(namespace_id, session_id, version, self.node)
                 return
             except (CoordinatorUnavailable, TimeoutError) as exc:
                 logger.info("session %r: etcd not told yet that version %d was adopted here (%r); retrying", session_id,

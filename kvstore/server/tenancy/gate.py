@@ -15,8 +15,8 @@ from kvstore import validate
 from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied
 from kvstore.page import LayoutDesc, checksum
 from kvstore.security.identity import Identity, Rights
-from kvstore.server.handoff_layers import written_slots
 from kvstore.server.handoff_markers import HandoffMarkers
+from kvstore.server.layer_landings import written_slots
 from kvstore.server.leases import Allocation
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage

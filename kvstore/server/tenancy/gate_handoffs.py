@@ -131,7 +131,7 @@ class HandoffGate:
     def push_layers(self, who: Identity, ns: bytes, ident: bytes, holder: str, tenant: str, layout: LayoutDesc,
                     keys: list[bytes], offset: int, length: int, data: bytes, ttl_ms: int) -> int:
         """A node's PushLayers (its node right checked first): lands a range of each page in the
-        handoff's slots here, within the tenant's host quota (handoff_layers.py); how many landed."""
+        handoff's slots here, within the tenant's host quota (layer_landings.py); how many landed."""
         if self.cluster is None or not holder:
             raise InvalidRequest("Handoff.PushLayers needs cluster mode and a holder")
         who = acting_for(who, tenant)

@@ -4,7 +4,7 @@ direct handoff open here that names those pages, so that a one-step prefill's by
 its later layers compute. The Push that names the pages once stored carries their checksums,
 and the decode node commits the slots the layers filled; what did not arrive goes as before.
 
-More: kvstore/server/cluster/README.md (### handoff_layers.py).
+More: kvstore/server/cluster/README.md (### layer_pushes.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.peers import Peers, current_cancelled
-from kvstore.server.handoff_layers import WrittenSlots
+from kvstore.server.layer_landings import WrittenSlots
 from kvstore.server.placement import Placement
 from kvstore.server.services.sizes import LAYER_PUSH_BYTES
 

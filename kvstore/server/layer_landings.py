@@ -1,14 +1,11 @@
-"""Layer-wise handoff state on this node (DESIGN §12.7, layer-wise pushes).
+"""Layer-wise handoff state (DESIGN §12.7, layer-wise pushes). At the prefill node,
+``written_slots``: what a layer-wise save's renewal names, for cluster/layer_pushes.py to push.
+At the decode node, ``LayerLanding``: one handoff's slots, filled range by range as the layers
+arrive; the Push that names the pages once stored carries their checksums, and the slots whose
+every byte arrived are committed with them, unhashed, noted as from the holder (the copy out of
+the arena checks them, DESIGN §4); the rest of the allocation goes back, those pages come whole.
 
-At the prefill node: ``written_slots``, what a layer-wise save's renewal names (its allocation's
-namespace, layout and slotted keys), for server/cluster/handoff_layers.py to push the layers on.
-At the decode node: ``LayerLanding``, one handoff's slots, filled range by range as the layers
-arrive before the prefill node has stored the pages. The Push that names the pages once stored
-carries their checksums: the slots whose every byte arrived are committed with them, unhashed,
-noted as from the holder (the decode side's copy out of the arena checks them, DESIGN §4); the
-rest of the allocation is given back and those pages are fetched whole, as before.
-
-More: kvstore/server/README.md (### handoff_layers.py).
+More: kvstore/server/README.md (### layer_landings.py).
 """
 
 from __future__ import annotations
