@@ -120,8 +120,9 @@ class StoreConnection:
     async def _connect(self) -> None:
         client = KVStoreClient(self.address, self.namespace, use_shm=self.use_shm, use_call_socket=self.use_call_socket,
                                token=self.credentials.token, tls=self.credentials.tls)
-        try:
-            await asyncio.wait_for(client.connect(), self.connect_timeout_s)
+        try:  # asyncio.timeout, not 3.11's wait_for, which swallows a cancel arriving as the connect ends (nothing cancels it today)
+            async with asyncio.timeout(self.connect_timeout_s):
+                await client.connect()
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
             await _close_client(client)
             if _refusal(exc):
