@@ -48,10 +48,11 @@ MISSING_DEADLINE_S = 1.0  # a decode's wait for a handoff that never comes (per 
 
 @pytest.fixture(scope="module")
 def links(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TcpProxy]]:
-    """The link by which the other node reaches the prefill node (it advertises the proxy), cuttable."""
-    link = TcpProxy(("127.0.0.1", 0))  # upstream set once the node's port is known
-    yield {"np": link}
-    link.close()
+    """The links by which each node reaches the other (each advertises its proxy), cuttable."""
+    links = {name: TcpProxy(("127.0.0.1", 0)) for name in ("np", "nd")}  # upstreams set once the nodes' ports are known
+    yield links
+    for link in links.values():
+        link.close()
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,10 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy], 
     etcd = EtcdProcess(tmp)
     etcd.start()
     started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}  # page bytes by the advertised (cuttable) address
-    links["np"].upstream = ("127.0.0.1", started["np"].port)
-    started["np"].args += ["--advertise", f"127.0.0.1:{links['np'].port}", "--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
+    for name in started:
+        links[name].upstream = ("127.0.0.1", started[name].port)
+        started[name].args += ["--advertise", f"127.0.0.1:{links[name].port}"]
+    started["np"].args += ["--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
     try:
         for node in started.values():
             node.launch()
@@ -240,18 +243,20 @@ async def test_a_missing_handoff_is_recomputed(engines: dict[str, EngineProcess]
 
 def test_link_between_the_nodes_cut(engines: dict[str, EngineProcess], nodes: dict[str, Node],
                                     links: dict[str, TcpProxy]) -> None:
-    """The decode node cannot reach the prefill node (their link cut before the prefill): no
-    page gets to the decode node, Complete hands off nothing, the decode side recomputes with
-    the colocated output."""
+    """The nodes cannot reach each other (their link cut both ways before the prefill: the decode
+    node fetches from the prefill node, which pushes layers to it): no page gets to the decode
+    node, Complete hands off nothing, the decode side recomputes with the colocated output."""
     prompt = tokens(4 * BLOCK + 1, seed=11)
     handed = engines["prefill"].call(cmd="pd_stats")["completed_tokens"]
     links["np"].cut()
+    links["nd"].cut()
     try:
         params = prefill(engines, [prompt])[0]["kv_transfer_params"]
         before = engines["decode"].call(cmd="pd_stats")
         got = engines["decode"].generate([prompt], kv_transfer_params=[dict(params, kvstore_deadline_s=MISSING_DEADLINE_S)])[0]
     finally:
         links["np"].restore()
+        links["nd"].restore()
     assert engines["prefill"].call(cmd="pd_stats")["completed_tokens"] == handed
     assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
     assert engines["decode"].call(cmd="pd_stats")["receive_failed"] == before["receive_failed"] + 1
