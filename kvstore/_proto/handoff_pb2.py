@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore._proto import common_pb2 as kvstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/handoff.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"m\n\x12OpenHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0f\n\x07to_node\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x0c\n\x04keys\x18\x05 \x03(\x0c\"\x15\n\x13OpenHandoffResponse\"a\n\x16\x43ompleteHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0f\n\x07to_node\x18\x04 \x01(\t\",\n\x17\x43ompleteHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"a\n\x12WaitHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"<\n\x13WaitHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\xb5\x01\n\x12PushHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x07 \x01(\x08\x12\x0e\n\x06ttl_ms\x18\x08 \x01(\r\x12\x11\n\tchecksums\x18\t \x03(\x06\"(\n\x13PushHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"\xcd\x01\n\x11PushLayersRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\"\n\x06layout\x18\x05 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0e\n\x06length\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\n \x01(\r\"\'\n\x12PushLayersResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r2\x86\x03\n\x07Handoff\x12G\n\x04Open\x12\x1e.kvstore.v1.OpenHandoffRequest\x1a\x1f.kvstore.v1.OpenHandoffResponse\x12S\n\x08\x43omplete\x12\".kvstore.v1.CompleteHandoffRequest\x1a#.kvstore.v1.CompleteHandoffResponse\x12G\n\x04Wait\x12\x1e.kvstore.v1.WaitHandoffRequest\x1a\x1f.kvstore.v1.WaitHandoffResponse\x12G\n\x04Push\x12\x1e.kvstore.v1.PushHandoffRequest\x1a\x1f.kvstore.v1.PushHandoffResponse\x12K\n\nPushLayers\x12\x1d.kvstore.v1.PushLayersRequest\x1a\x1e.kvstore.v1.PushLayersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/handoff.proto\x12\nkvstore.v1\x1a\x17kvstore/v1/common.proto\"m\n\x12OpenHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0f\n\x07to_node\x18\x03 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\x12\x0c\n\x04keys\x18\x05 \x03(\x0c\"\x15\n\x13OpenHandoffResponse\"a\n\x16\x43ompleteHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0f\n\x07to_node\x18\x04 \x01(\t\",\n\x17\x43ompleteHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"a\n\x12WaitHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x04 \x01(\r\"<\n\x13WaitHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\xa2\x01\n\x12PushHandoffRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x12\n\npage_bytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x07 \x01(\x08\x12\x0e\n\x06ttl_ms\x18\x08 \x01(\r\"(\n\x13PushHandoffResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r\"\xcd\x01\n\x11PushLayersRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x0c\x12\x12\n\nhandoff_id\x18\x02 \x01(\x0c\x12\x0e\n\x06holder\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\"\n\x06layout\x18\x05 \x01(\x0b\x32\x12.kvstore.v1.Layout\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\x12\x0e\n\x06offset\x18\x07 \x01(\x04\x12\x0e\n\x06length\x18\x08 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\t \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\n \x01(\r\"\'\n\x12PushLayersResponse\x12\x11\n\tnum_pages\x18\x01 \x01(\r2\x86\x03\n\x07Handoff\x12G\n\x04Open\x12\x1e.kvstore.v1.OpenHandoffRequest\x1a\x1f.kvstore.v1.OpenHandoffResponse\x12S\n\x08\x43omplete\x12\".kvstore.v1.CompleteHandoffRequest\x1a#.kvstore.v1.CompleteHandoffResponse\x12G\n\x04Wait\x12\x1e.kvstore.v1.WaitHandoffRequest\x1a\x1f.kvstore.v1.WaitHandoffResponse\x12G\n\x04Push\x12\x1e.kvstore.v1.PushHandoffRequest\x1a\x1f.kvstore.v1.PushHandoffResponse\x12K\n\nPushLayers\x12\x1d.kvstore.v1.PushLayersRequest\x1a\x1e.kvstore.v1.PushLayersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,13 +45,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WAITHANDOFFRESPONSE']._serialized_start=443
   _globals['_WAITHANDOFFRESPONSE']._serialized_end=503
   _globals['_PUSHHANDOFFREQUEST']._serialized_start=506
-  _globals['_PUSHHANDOFFREQUEST']._serialized_end=687
-  _globals['_PUSHHANDOFFRESPONSE']._serialized_start=689
-  _globals['_PUSHHANDOFFRESPONSE']._serialized_end=729
-  _globals['_PUSHLAYERSREQUEST']._serialized_start=732
-  _globals['_PUSHLAYERSREQUEST']._serialized_end=937
-  _globals['_PUSHLAYERSRESPONSE']._serialized_start=939
-  _globals['_PUSHLAYERSRESPONSE']._serialized_end=978
-  _globals['_HANDOFF']._serialized_start=981
-  _globals['_HANDOFF']._serialized_end=1371
+  _globals['_PUSHHANDOFFREQUEST']._serialized_end=668
+  _globals['_PUSHHANDOFFRESPONSE']._serialized_start=670
+  _globals['_PUSHHANDOFFRESPONSE']._serialized_end=710
+  _globals['_PUSHLAYERSREQUEST']._serialized_start=713
+  _globals['_PUSHLAYERSREQUEST']._serialized_end=918
+  _globals['_PUSHLAYERSRESPONSE']._serialized_start=920
+  _globals['_PUSHLAYERSRESPONSE']._serialized_end=959
+  _globals['_HANDOFF']._serialized_start=962
+  _globals['_HANDOFF']._serialized_end=1352
 # @@protoc_insertion_point(module_scope)

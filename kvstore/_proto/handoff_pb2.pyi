@@ -64,7 +64,7 @@ class WaitHandoffResponse(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PushHandoffRequest(_message.Message):
-    __slots__ = ("namespace_id", "handoff_id", "keys", "holder", "tenant", "page_bytes", "complete", "ttl_ms", "checksums")
+    __slots__ = ("namespace_id", "handoff_id", "keys", "holder", "tenant", "page_bytes", "complete", "ttl_ms")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -73,7 +73,6 @@ class PushHandoffRequest(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     handoff_id: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -82,8 +81,7 @@ class PushHandoffRequest(_message.Message):
     page_bytes: int
     complete: bool
     ttl_ms: int
-    checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[bytes] = ..., handoff_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., holder: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[bytes] = ..., handoff_id: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., holder: _Optional[str] = ..., tenant: _Optional[str] = ..., page_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PushHandoffResponse(_message.Message):
     __slots__ = ("num_pages",)

@@ -110,8 +110,8 @@ class HandoffServicer:
     def PushLayers(self, request, context):
         """Node-only: the prefill node `holder` sends a byte range (whole layers) of pages it has not
         stored yet, as the engine's layer-wise save writes them; this node lands them in slots it
-        holds for the handoff, and the Push that names those pages once stored commits them with
-        the checksums it carries (DESIGN §12.7, layer-wise pushes).
+        holds for the handoff, and at the Push that names those pages once stored it fetches the
+        rest of each over the data plane and commits those that match (DESIGN §12.7, layer-wise pushes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

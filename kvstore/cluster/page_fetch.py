@@ -90,13 +90,14 @@ def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> Fet
 
 
 def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], generation: int = 0,
-                flags: int = 0) -> tuple[FetchRequest, list[memoryview], FetchResult]:
+                flags: int = 0, offset: int = 0) -> tuple[FetchRequest, list[memoryview], FetchResult]:
     """What a fetcher checks and builds before it asks (either transport): the request, one
-    writable byte view of the page size per key (InvalidRequest otherwise), and a result
+    writable byte view of the page size per key (``offset``: of the page's bytes from there on;
+    InvalidRequest otherwise), and a result
     that says FAILED for every page until the page arrives verified."""
     check_keys(namespace_id, keys)
     views = [memoryview(d).cast("B") for d in dests]
     if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
         raise InvalidRequest("fetch needs one writable destination of the page size per key")
-    request = FetchRequest(request_id, namespace_id, views[0].nbytes, tuple(keys), flags, generation)
+    request = FetchRequest(request_id, namespace_id, views[0].nbytes + offset, tuple(keys), flags, generation, offset)
     return request, views, FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))

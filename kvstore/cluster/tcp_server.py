@@ -252,7 +252,7 @@ class TcpPageServer:
                 if page is None or entry.status is not PageStatus.FOUND:
                     continue
                 if not verify:
-                    send_exact(conn, memoryview(page.data).cast("B"), deadline)
+                    send_exact(conn, memoryview(page.data).cast("B")[request.offset :], deadline)
                 elif not send_verified(conn, page, deadline):
                     logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                     page.damaged(DAMAGED)

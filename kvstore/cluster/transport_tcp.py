@@ -19,6 +19,7 @@ from kvstore.cluster.cluster_errors import TransportError
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
 from kvstore.cluster.tcp_socket import Deadline, recv_exact, recv_frame, recv_hashed, send_frame, shut, tune
+from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
@@ -156,13 +157,17 @@ class TcpPageFetcher:
         return sock
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False, hashed: bool = True) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
         the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
         ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
-        hang; bad arguments raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
+        hang; bad arguments raise InvalidRequest. ``offset``: each page from that byte on (``dests`` that
+        long), unhashed only (the checksum covers the whole page)."""
+        if offset and (verify or hashed):
+            raise InvalidRequest("a fetch from a byte offset lands unhashed, unverified: its checksum covers the whole page")
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0,
+                                             offset)
         await self._exchange(request, views, result, timeout_s, hashed)
         return result
 

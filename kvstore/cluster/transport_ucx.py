@@ -224,7 +224,8 @@ class UcxPageServer:
                                 logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                                 await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
                                 return False
-                        sends.append(asyncio.ensure_future(ep.send(page.data)))
+                        data = memoryview(page.data).cast("B")[request.offset :] if request.offset else page.data
+                        sends.append(asyncio.ensure_future(ep.send(data)))
                     await asyncio.gather(*sends)
                     return True
             except BaseException:
@@ -290,13 +291,17 @@ class UcxPageFetcher:
         return True
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False, hashed: bool = True) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
         the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
         ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
-        hang; bad arguments raise InvalidRequest."""
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0)
+        hang; bad arguments raise InvalidRequest. ``offset``: each page from that byte on (``dests`` that
+        long), unhashed only (the checksum covers the whole page)."""
+        if offset and (verify or hashed):
+            raise InvalidRequest("a fetch from a byte offset lands unhashed, unverified: its checksum covers the whole page")
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0,
+                                             offset)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         deadline = time.monotonic() + timeout_s
         if not await self._turn(timeout_s):

@@ -15,10 +15,11 @@ from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.types import PAGE_KEY_BYTES
 
-VERSION = 3  # 2: requests name the receiver's generation; 3: a sender hashes a page before sending only if asked (VERIFY)
+VERSION = 4  # 2: requests name the receiver's generation; 3: a sender hashes a page before sending only if asked (VERIFY);
+# 4: a request may ask for each page from a byte offset on (the rest of a handoff's layers, DESIGN §12.7)
 MAX_KEYS = 8192                 # a 128K-token prefix of 16-token pages
 MAX_PAGE_BYTES = 1 << 30
-_REQUEST = struct.Struct("<4sHHQ16sQIQ")
+_REQUEST = struct.Struct("<4sHHQ16sQIQQ")
 _ANSWER = struct.Struct("<4sHHQI")
 _ENTRY = struct.Struct("<B7xQQ")
 _LAYOUT = struct.Struct("<IIII16sI")
@@ -61,26 +62,34 @@ class FetchRequest:
     keys: tuple[bytes, ...]
     flags: int = 0
     generation: int = 0
+    offset: int = 0  # each FOUND page is sent from this byte on (page_bytes - offset bytes); never with VERIFY
 
     def encode(self) -> bytes:
         return _REQUEST.pack(b"KVFQ", VERSION, self.flags, self.request_id, self.namespace_id, self.page_bytes,
-                             len(self.keys), self.generation) + b"".join(self.keys)
+                             len(self.keys), self.generation, self.offset) + b"".join(self.keys)
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of each FOUND page on the wire."""
+        return self.page_bytes - self.offset
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> FetchRequest:
         """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
         if len(data) < _REQUEST.size:
             raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
-        magic, version, flags, rid, ns, page_bytes, n, generation = _REQUEST.unpack_from(data)
+        magic, version, flags, rid, ns, page_bytes, n, generation, offset = _REQUEST.unpack_from(data)
         if magic != b"KVFQ" or version != VERSION:
             raise InvalidRequest(f"not a fetch request of version {VERSION} ({bytes(magic)!r} v{version})")
         if not 0 < n <= MAX_KEYS or not 0 < page_bytes <= MAX_PAGE_BYTES:
             raise InvalidRequest(f"fetch request out of bounds: {n} keys of {page_bytes} bytes")
         if len(data) != _REQUEST.size + n * PAGE_KEY_BYTES:
             raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
+        if offset >= page_bytes or (offset and flags & VERIFY):
+            raise InvalidRequest(f"fetch request from byte {offset} of {page_bytes}-byte pages (never with VERIFY)")
         raw = bytes(data[_REQUEST.size:])
         keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
-        return cls(rid, bytes(ns), page_bytes, keys, flags & (DESCRIBE | VERIFY), generation)
+        return cls(rid, bytes(ns), page_bytes, keys, flags & (DESCRIBE | VERIFY), generation, offset)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Layer-wise handoff state (DESIGN §12.7, layer-wise pushes). At the prefill node,
 ``written_slots``: what a layer-wise save's renewal names, for cluster/layer_pushes.py to push.
-At the decode node, ``LayerLanding``: one handoff's slots, filled range by range as the layers
-arrive; the Push that names the pages once stored carries their checksums, and the slots whose
-every byte arrived are committed with them, unhashed, noted as from the holder (the copy out of
-the arena checks them, DESIGN §4); the rest of the allocation goes back, those pages come whole.
+At the decode node, ``LayerLanding``: one handoff's slots, filled and hashed range by range as
+the layers arrive; at the Push that names the pages once stored, the rest of each comes over the
+data plane, and a slot whose whole page matches the holder's checksum is committed (a checked
+copy); the rest of the allocation goes back, and those pages come whole as before.
 
 More: kvstore/server/README.md (### layer_landings.py).
 """
@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError, LeaseExpired
 from kvstore.page import LayoutDesc
+from kvstore.pagecopy import running_checksum
 
 if TYPE_CHECKING:
     from kvstore.server.cluster.landing import Landing
@@ -48,7 +49,15 @@ def written_slots(core: Placement, allocation_id: bytes, owner: str) -> WrittenS
 class _Slot:
     allocation_id: bytes
     landing: Landing
+    layout: LayoutDesc
     landed: int = 0  # leading bytes of the page written into the slot
+    digest: Any = field(default_factory=running_checksum)  # of those bytes, fed as they land
+
+    def restart(self) -> None:
+        self.landed, self.digest = 0, running_checksum()
+
+
+Rest = Callable[[list[bytes], list[memoryview], int], list[int]]  # (keys, views, offset) -> checksums of the leading arrived
 
 
 class LayerLanding:
@@ -65,8 +74,10 @@ class LayerLanding:
     def land(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes], offset: int, length: int, data: bytes,
              generation: int, landing_for: Callable[[list[bytes]], Landing]) -> int:
         """Writes page i's range ``[offset, offset + length)`` from ``data[i * length:]`` into its
-        slot (made for the pages that start at 0 and have none; ``landing_for`` charges them);
-        a range that does not continue its slot's bytes is dropped. Returns how many landed."""
+        slot (made for the pages that start at 0 and have none; ``landing_for`` charges them). A
+        range at 0 starts a slot again (a save retried); one that does not continue its slot's
+        bytes, reaches the page's end (the last layer comes by ``commit``'s fetch, which checks the
+        holder's generation) or names another layout is dropped. Returns how many landed."""
         with self._lock:
             if self._closed:
                 return 0
@@ -76,7 +87,11 @@ class LayerLanding:
             view, renewed, landed = memoryview(data), set(), 0
             for i, key in enumerate(keys):
                 slot = self._slots.get(key)
-                if slot is None or slot.landed != offset or offset + length > layout.page_bytes:
+                if slot is None or slot.layout != layout or offset + length >= layout.page_bytes:
+                    continue
+                if offset == 0:
+                    slot.restart()
+                if slot.landed != offset:
                     continue
                 if slot.allocation_id not in renewed:
                     try:
@@ -85,11 +100,13 @@ class LayerLanding:
                         self._drop(slot.allocation_id)
                         continue
                     renewed.add(slot.allocation_id)
+                part = view[i * length : (i + 1) * length]
                 target = self.core.slot_view(slot.allocation_id, key)
                 try:
-                    target[offset : offset + length] = view[i * length : (i + 1) * length]
+                    target[offset : offset + length] = part
                 finally:
                     target.release()
+                slot.digest.update(part)
                 slot.landed += length
                 landed += 1
             self.core.metrics.handoff_layer_bytes.labels("landed").inc(landed * length)
@@ -103,28 +120,55 @@ class LayerLanding:
             return
         for key, slot in slots:
             if slot is not None:
-                self._slots[key] = _Slot(allocation_id, landing)
+                self._slots[key] = _Slot(allocation_id, landing, layout)
 
-    def commit(self, namespace_id: bytes, keys: list[bytes], checksums: list[int], page_bytes: int, holder: str) -> int:
-        """At the Push of ``keys`` (stored at ``holder`` now, with ``checksums`` for a prefix of
-        them): commits the slots of those whose every byte landed; every allocation they touch
-        is ended (its other slots given back). Returns how many pages it committed."""
-        sums = dict(zip(keys, checksums))
+    def commit(self, keys: list[bytes], rest: Rest) -> int:
+        """At the Push of ``keys`` (stored at the holder now): the rest of each slot that holds a
+        leading part of its page is fetched (``rest``: unhashed, from that offset, of this node's
+        generation), the page's checksum finished over it, and the slots whose page matches the
+        holder's stored checksum are committed; every allocation they touch is ended (its other
+        slots given back: those pages come whole). Returns how many pages it committed."""
         with self._lock:
-            whole: dict[bytes, tuple[Landing, list[bytes]]] = {}
+            touched: dict[bytes, tuple[Landing, list[bytes], list[int]]] = {}
+            waiting: dict[int, list[bytes]] = {}  # offset -> the slots whose rest starts there
             for key in keys:
                 if (slot := self._slots.get(key)) is not None:
-                    ready = whole.setdefault(slot.allocation_id, (slot.landing, []))[1]
-                    if slot.landed == page_bytes and key in sums:
-                        ready.append(key)
+                    touched.setdefault(slot.allocation_id, (slot.landing, [], []))
+                    if 0 < slot.landed < slot.layout.page_bytes:
+                        waiting.setdefault(slot.landed, []).append(key)
+            for offset, group in waiting.items():
+                self._finish(group, offset, rest, touched)
             committed = 0
-            for allocation_id, (landing, ready) in whole.items():
-                committed += self._commit(namespace_id, allocation_id, landing, ready, [sums[k] for k in ready], holder)
+            for allocation_id, (landing, ready, sums) in touched.items():
+                committed += self._commit(allocation_id, landing, ready, sums)
                 self._drop(allocation_id)
             return committed
 
-    def _commit(self, namespace_id: bytes, allocation_id: bytes, landing: Landing, keys: list[bytes], checksums: list[int],
-                holder: str) -> int:
+    def _finish(self, keys: list[bytes], offset: int, rest: Rest, touched: dict[bytes, tuple[Landing, list[bytes], list[int]]]) -> None:
+        """Fetches the rest of ``keys``' slots into them; those whose page then matches go to ``touched``'s ready lists."""
+        slots = [self._slots[key] for key in keys]
+        try:
+            for allocation_id in {slot.allocation_id for slot in slots}:
+                self.core.renew(allocation_id, 0)
+            views = [self.core.slot_view(slot.allocation_id, key)[offset:] for key, slot in zip(keys, slots)]
+        except KVStoreError:  # an allocation expired: those pages come whole
+            return
+        try:
+            sums = rest(keys, views, offset)
+            for key, slot, view, stored in zip(keys, slots, views, sums):
+                slot.digest.update(view)
+                if slot.digest.intdigest() == stored:  # every byte checked: committed as a checked copy
+                    _, ready, ready_sums = touched[slot.allocation_id]
+                    ready.append(key)
+                    ready_sums.append(stored)
+                else:
+                    logger.info("handed-off page %s assembled from its layers does not match its checksum; fetched whole",
+                                key.hex())
+        finally:
+            for view in views:
+                view.release()
+
+    def _commit(self, allocation_id: bytes, landing: Landing, keys: list[bytes], checksums: list[int]) -> int:
         if not keys:
             self.core.abort(allocation_id)
             return 0
@@ -134,7 +178,6 @@ class LayerLanding:
             logger.info("layers of %d handed-off pages not committed: %s", len(keys), exc)
             self.core.abort(allocation_id)
             return 0
-        self.core.reads.unchecked.landed(namespace_id, keys, holder)  # a reader that finds one damaged asks the holder
         self.core.metrics.handoff_layer_pages.inc(len(keys))
         return len(keys)
 

@@ -167,3 +167,39 @@ async def check_queued_fetch_keeps_its_deadline(fetcher: Any, child: Child, dest
     probe = await fetcher.fetch(NS, [key(7, first=2)], [bytearray(page)], timeout_s=20)  # the fetcher still serves
     assert probe.statuses == [FetchStatus.OK]
     await fetcher.close()
+
+
+async def check_fetch_from_an_offset(fetcher: Any, dests: list[memoryview], page: int) -> None:
+    """A fetch from a byte offset (the rest of a handed-off page whose first layers came ahead,
+    DESIGN §12.7): each page's bytes from there on land in a destination that long, unhashed, OK
+    with the page's stored checksum (of the whole page); a missing page is reported, not sent; a
+    hashed or verified fetch from an offset is refused (its checksum covers the whole page)."""
+    from kvstore.errors import InvalidRequest
+    from kvstore.page import checksum
+    from kvstore.page_wire.fetch_frames import VERIFY, FetchRequest
+
+    offset = page // 4
+    rests = [memoryview(d).cast("B")[offset:] for d in dests]
+    keys = [key(0), key(1), key(2, first=0xFF)]
+    result = await fetcher.fetch(NS, keys, rests[:3], timeout_s=20, hashed=False, offset=offset)
+    assert result.statuses == [FetchStatus.OK, FetchStatus.OK, FetchStatus.MISSING]
+    for i in (0, 1):
+        whole = expected_page(keys[i], page)
+        assert np.array_equal(np.frombuffer(rests[i], np.uint8), whole[offset:])
+        assert result.checksums[i] == checksum(whole)
+        assert (np.frombuffer(dests[i], np.uint8)[:offset] == SENTINEL).all()  # nothing before the offset written
+    assert untouched(dests[2])
+    again = await fetcher.fetch(NS, [key(3)], [dests[3]], timeout_s=20)  # whole pages on the same connection after
+    assert again.statuses == [FetchStatus.OK]
+    for hashed, verify in ((True, False), (False, True)):
+        try:
+            await fetcher.fetch(NS, keys[:1], rests[:1], timeout_s=20, hashed=hashed, verify=verify, offset=offset)
+        except InvalidRequest:
+            continue
+        raise AssertionError("a hashed or verified fetch from an offset must be refused")
+    for bad in (FetchRequest(1, NS, page, (keys[0],), VERIFY, 0, offset), FetchRequest(1, NS, page, (keys[0],), 0, 0, page)):
+        try:
+            FetchRequest.decode(bad.encode())
+        except InvalidRequest:
+            continue
+        raise AssertionError(f"a sender must refuse {bad}")

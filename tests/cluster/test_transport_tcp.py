@@ -22,6 +22,7 @@ from fetch_contract import (
     SENTINEL,
     Arena,
     Child,
+    check_fetch_from_an_offset,
     check_killed_sender,
     check_queued_fetch_keeps_its_deadline,
     check_stopped_sender,
@@ -68,6 +69,17 @@ async def test_pages_land_bit_exact_in_arena_slots(servers: Callable[[int], Awai
     assert untouched(dests[2])  # a missing page is never sent
     again = await fetcher.fetch(NS, [key(9)], [dests[5]], timeout_s=20)  # the connection is reused
     assert again.statuses == [FetchStatus.OK]
+    await fetcher.close()
+
+
+async def test_a_fetch_from_an_offset_sends_each_pages_rest(servers: Callable[[int], Awaitable[Child]], arena: Arena) -> None:
+    page = 256 << 10
+    server = await servers(page)
+    fetcher = TcpPageFetcher("127.0.0.1", server.port)
+    dests = arena.slots(page, 4)
+    for d in dests:
+        np.frombuffer(d, np.uint8)[:] = SENTINEL
+    await check_fetch_from_an_offset(fetcher, dests, page)
     await fetcher.close()
 
 

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 from fetch_contract import (
     NS,
+    SENTINEL,
     Arena,
     Child,
+    check_fetch_from_an_offset,
     check_killed_sender,
     check_queued_fetch_keeps_its_deadline,
     check_stopped_sender,
@@ -54,6 +56,16 @@ async def servers() -> AsyncIterator[Callable[[int], Awaitable[Child]]]:
 @pytest.fixture
 async def server(servers: Callable[[int], Awaitable[Child]]) -> Child:
     return await servers(256 << 10)
+
+
+async def test_a_fetch_from_an_offset_sends_each_pages_rest(server: Child, arena: Arena) -> None:
+    page = 256 << 10
+    fetcher = UcxPageFetcher("127.0.0.1", server.port, TCP)
+    dests = arena.slots(page, 4)
+    for d in dests:
+        np.frombuffer(d, np.uint8)[:] = SENTINEL
+    await check_fetch_from_an_offset(fetcher, dests, page)
+    await fetcher.close()
 
 
 async def test_pages_land_bit_exact_in_arena_slots(server: Child, arena: Arena) -> None:

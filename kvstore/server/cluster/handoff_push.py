@@ -43,7 +43,6 @@ class Outgoing:
     queued: int = 0  # leading keys given to pushes (in flight, or answered)
     failed: bool = False  # a push came back short: the rest waits for Complete
     answered: dict[int, int] = field(default_factory=dict)  # start -> end of pushes held whole, past ``sent``
-    layered: bool = False  # layers of its pages went ahead (layer_pushes.py): its pushes carry checksums
     tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
 
 
@@ -192,12 +191,12 @@ class HandoffPushes:
         if peer is None:
             raise TierUnavailable(f"handoff decode node {out.to_node!r} is not a live member of the cluster; "
                                   "the pages stay here, findable through the pool")
-        # where layers went ahead, the decode node commits them with the checksums stored here
-        sums = await self.layers.finish(out, keys) if keys and out.layered else []
+        if keys:
+            await self.layers.settle(out)  # the layers on their way land first: the decode node finishes their pages
         request = handoff_pb2.PushHandoffRequest(namespace_id=out.namespace_id, handoff_id=out.handoff_id, keys=keys,
                                                  holder=self.node, tenant=out.tenant,
                                                  page_bytes=self._page_bytes(keys[0]) if keys else 0,
-                                                 complete=complete, ttl_ms=out.ttl_ms, checksums=sums)
+                                                 complete=complete, ttl_ms=out.ttl_ms)
         try:
             answer = await handoff_pb2_grpc.HandoffStub(peer.channel).Push(request, timeout=timeout_s)
         except asyncio.CancelledError:

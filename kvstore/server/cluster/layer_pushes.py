@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from kvstore import validate
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
 from kvstore.errors import KVStoreError
-from kvstore.page import LayoutDesc
 from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.layer_landings import WrittenSlots
 from kvstore.server.placement import Placement
@@ -64,10 +63,12 @@ class LayerPushes:
             if sending is None:
                 named = set(out.keys[out.queued :])  # pages already stored here go by the Push
                 keys = [k for k in slots.keys if k in named]
-                if not keys or not out.may_push():
-                    continue
+                peer = self.peers.get(out.to_node)
+                if not keys or peer is None or peer.fetcher is None or not out.may_push():
+                    continue  # on the gRPC data plane the decode node cannot fetch a page's rest: the pages go whole
                 sending = self._sending[key] = _Sending(out, allocation_id, slots, keys)
-            sending.said = max(sending.said, min(layers, slots.layout.num_layers))
+            # never the last layer: the decode node fetches each page's rest once stored (checked against its generation)
+            sending.said = max(sending.said, min(layers, slots.layout.num_layers - 1))
             if sending.task is None or sending.task.done():
                 sending.task = asyncio.create_task(self._send(sending), name=f"layers-{out.handoff_id.hex()[:8]}")
 
@@ -85,60 +86,15 @@ class LayerPushes:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def finish(self, out: Outgoing, keys: list[bytes]) -> list[int]:
-        """Before the Push of ``keys`` (stored here now) to a handoff whose layers went ahead: the
-        layers not sent yet of those pages go now, from the stored pages, so that the decode node
-        commits every page in place; returns the stored checksums of the leading ``keys``."""
+    async def settle(self, out: Outgoing) -> None:
+        """Before the Push of pages stored here: this handoff's layer sends in flight end first (each
+        ends at its next read, its allocation committed), so that the decode node holds what they carry."""
         handoff = (out.tenant, out.namespace_id, out.handoff_id)
-        sendings = [s for (_, k), s in self._sending.items() if k == handoff]
-        running = {s.task for s in sendings if s.task is not None and not s.task.done()}
-        if running:  # they end at their next read: the allocation is committed
+        running = {s.task for (_, k), s in self._sending.items() if k == handoff and s.task is not None and not s.task.done()}
+        if running:
             await asyncio.wait(running, timeout=self.rpc_timeout_s)
-        wanted = set(keys)
-        rest: dict[int, list[bytes]] = {}  # layers sent -> the pages whose later layers are missing there
-        for s in sendings:
-            if 0 < s.sent < s.slots.layout.num_layers:
-                rest.setdefault(s.sent, []).extend(k for k in s.keys if k in wanted)
-        layout = sendings[0].slots.layout if sendings else None
-        sums, ranges = await asyncio.to_thread(self._read_stored, out.namespace_id, keys, rest, layout)
-        for sent, data in ranges.items():
-            assert layout is not None
-            layer_bytes = layout.page_bytes // layout.num_layers
-            length = layout.page_bytes - sent * layer_bytes
-            pages = rest[sent][: len(data) // length]
-            per_call = max(1, LAYER_PUSH_BYTES // length)
-            for i in range(0, len(pages), per_call):
-                chunk = data[i * length : (i + per_call) * length]
-                sending = _Sending(out, b"", WrittenSlots(out.namespace_id, layout, pages), pages)
-                if not await self._call(sending, pages[i : i + per_call], sent * layer_bytes, length, chunk):
-                    break
-        return sums
-
-    def _read_stored(self, namespace_id: bytes, keys: list[bytes], rest: dict[int, list[bytes]],
-                     layout: LayoutDesc | None) -> tuple[list[int], dict[int, bytes]]:
-        """The stored checksums of the leading ``keys`` held here, and per group of ``rest`` the
-        pages' bytes from that many layers on (those held); a worker thread's call."""
-        try:
-            lease_id, pages = self.core.acquire(namespace_id, keys, 1_000, False)
-        except KVStoreError:
-            return [], {}
-        try:
-            held = {page.header.key: page for page in pages}
-            ranges: dict[int, bytes] = {}
-            for sent, group in rest.items():
-                assert layout is not None
-                start = sent * (layout.page_bytes // layout.num_layers)
-                parts = []
-                for key in group:
-                    if (page := held.get(key)) is None:
-                        break
-                    view = self.core.read_view(page)
-                    parts.append(bytes(view[start:]))
-                    view.release()
-                ranges[sent] = b"".join(parts)
-            return [page.checksum for page in pages], ranges
-        finally:
-            self.core.release(lease_id)
+        for key in [k for k, s in self._sending.items() if k[1] == handoff and self.core.leases.allocation(k[0]) is None]:
+            del self._sending[key]  # its allocation committed or went: nothing more of it is sent
 
     async def _send(self, sending: _Sending) -> None:
         """Sends the layers said and not sent, a few pages per call, until none is left, the
@@ -152,9 +108,19 @@ class LayerPushes:
             for i in range(0, len(sending.keys), per_call):
                 keys = sending.keys[i : i + per_call]
                 data = await asyncio.to_thread(self._read, sending.allocation_id, keys, offset, length)
-                if data is None or not await self._call(sending, keys, offset, length, data):
+                if data is None:  # committed (the Push takes over) or given up: nothing more of it
+                    self._ended(sending)
+                    return
+                if not await self._call(sending, keys, offset, length, data):
+                    self._ended(sending)
                     return
             sending.sent = end
+
+    def _ended(self, sending: _Sending) -> None:
+        out = sending.out
+        key = (sending.allocation_id, (out.tenant, out.namespace_id, out.handoff_id))
+        if self._sending.get(key) is sending:
+            del self._sending[key]
 
     def _read(self, allocation_id: bytes, keys: list[bytes], offset: int, length: int) -> bytes | None:
         """The byte range of each page, in order; None once the allocation is gone."""
@@ -188,5 +154,16 @@ class LayerPushes:
             logger.info("handoff %s: layers not pushed to %s: %r", out.handoff_id.hex()[:8], out.to_node, exc)
             return False
         self.core.metrics.handoff_layer_bytes.labels("sent").inc(len(data))
-        out.layered = True
         return int(answer.num_pages) == len(keys)
+
+
+async def fetch_rest(peers: Peers, holder: str, namespace_id: bytes, keys: list[bytes], views: list[memoryview], offset: int,
+                     timeout_s: float, generation: int) -> list[int]:
+    """At the decode node: each page's bytes from ``offset`` on, from ``holder`` over the data plane,
+    unhashed, of this node's ``generation`` (a holder of another serves none); the stored checksums
+    of the leading pages that arrived."""
+    peer = peers.get(holder)
+    if peer is None or peer.fetcher is None:
+        return []
+    result = await peer.fetcher.fetch(namespace_id, keys, views, timeout_s, generation, hashed=False, offset=offset)
+    return result.checksums[: result.prefix]

@@ -131,10 +131,8 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         keys = self._keys(list(request.keys), allow_empty=not request.complete)
         holder = node_id(request.holder, "holder")
         ttl = ttl_ms(request.ttl_ms)
-        if len(request.checksums) > len(keys):
-            raise InvalidRequest(f"{len(request.checksums)} checksums for {len(keys)} keys")
         n = self.gate.push(current_identity(), ns, ident, keys, holder, ttl, request.tenant, request.page_bytes, request.complete,
-                           context, list(request.checksums))
+                           context)
         return handoff_pb2.PushHandoffResponse(num_pages=n)
 
     @unary

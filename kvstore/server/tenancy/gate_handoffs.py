@@ -3,11 +3,12 @@ a mixin of ``Gate`` (gate.py), apart because they drive the decode node's comple
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
-from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
+from kvstore.errors import InvalidRequest, KVStoreError, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.page import LayoutDesc
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
@@ -22,6 +23,8 @@ from kvstore.server.tenancy.room import CallContext, room
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
     from kvstore.server.cluster import ClusterRuntime
     from kvstore.server.cluster.landing import Landing
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_MS = 30_000
 MARGIN_S = 0.25  # of a caller's deadline, kept for the answer to reach it
@@ -97,7 +100,7 @@ class HandoffGate:
         return n, marker.generation
 
     def push(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], holder: str, ttl_ms: int, tenant: str,
-             page_bytes: int, complete: bool, context: CallContext, checksums: list[int] | None = None) -> int:
+             page_bytes: int, complete: bool, context: CallContext) -> int:
         """A node's Push (its node right checked first, by the servicer): see HandoffService.Push."""
         if self.cluster is None or not holder or (keys and page_bytes <= 0):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
@@ -109,8 +112,9 @@ class HandoffGate:
             if not keys:
                 self._markers.arrived(marker, [], pushed=True)
                 return 0
-            if checksums and marker.layers is not None:  # pages whose layers came ahead: committed in place
-                marker.layers.commit(ns, keys, checksums, page_bytes, holder)
+            if marker.layers is not None:  # pages whose layers came ahead: their rest fetched, committed in place
+                marker.layers.commit(keys, lambda ks, views, offset: self._rest(holder, ns, ks, views, offset, marker.generation,
+                                                                               context))
             have = self._markers.held(ns, keys)
             fits, reserved = self._handoff_room(who, len(keys) - have, page_bytes, context)
             try:
@@ -146,6 +150,21 @@ class HandoffGate:
             if claimed:
                 self.tenancy.settle(who, ns, landed > 0)
         return landed
+
+    def _rest(self, holder: str, ns: bytes, keys: list[bytes], views: list[memoryview], offset: int, generation: int,
+              context: CallContext) -> list[int]:
+        """The rest of pages whose layers landed ahead, from ``holder`` (layer_pushes.fetch_rest)."""
+        from kvstore.server.cluster.layer_pushes import fetch_rest  # cluster mode only
+
+        assert self.cluster is not None
+        left = context.time_remaining()
+        timeout = max(0.01, (left if left is not None else 30.0) - MARGIN_S)
+        try:
+            return self.cluster.call(fetch_rest(self.cluster.peers, holder, ns, keys, views, offset, timeout, generation),
+                                     timeout + 1)
+        except (TimeoutError, KVStoreError) as exc:
+            logger.info("the rest of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
+            return []
 
     def _landing(self, who: Identity, ns: bytes, keys: list[bytes]) -> Landing:
         """Where a handoff's layers land: within the tenant's host quota here (none: the node's own)."""

@@ -67,9 +67,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy], 
     etcd = EtcdProcess(tmp)
     etcd.start()
     started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}  # page bytes by the advertised (cuttable) address
-    for name in started:
-        links[name].upstream = ("127.0.0.1", started[name].port)
-        started[name].args += ["--advertise", f"127.0.0.1:{links[name].port}"]
+    for name, node in started.items():
+        links[name].upstream = ("127.0.0.1", node.port)
+        node.args += ["--advertise", f"127.0.0.1:{links[name].port}"]
     started["np"].args += ["--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
     try:
         for node in started.values():
