@@ -57,18 +57,21 @@ class HandoffCalls:
             return tokens_or_keys
         return self.keys(tokens_or_keys)
 
-    async def handoff_open(self, handoff_id: str, to_node: str | None, ttl_s: float = 30.0, *, tokens: Any = None) -> None:
+    async def handoff_open(self, handoff_id: str, to_node: str | None, ttl_s: float = 30.0, *, tokens: Any = None,
+                           push_layers: bool = True) -> None:
         """Prefill side, before or while the prompt's KV is saved: registers the handoff at this
         client's node, to be handed to node ``to_node`` (None: through the pool, the decode node
         finds the pages by lookup). With ``tokens`` (or their page keys), each page of them is
         pushed to ``to_node`` as soon as it is stored here, whatever call stores it; without,
-        the pages go at ``handoff_complete``. Forgotten after ``ttl_s`` without a complete.
+        the pages go at ``handoff_complete``. ``push_layers`` (with ``tokens``): this client's
+        layer-wise saves of them say each layer stored, and its bytes go while later layers
+        compute (DESIGN §12.7). Forgotten after ``ttl_s`` without a complete.
         RESOURCE_EXHAUSTED (LimitExceeded) past the tenant's open handoffs at the node."""
         keys = self._page_keys(tokens) if tokens is not None else []
         request = handoff_pb2.OpenHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                  to_node=to_node or "", ttl_ms=_ttl_ms(ttl_s), keys=keys)
         pushing = self._pushing_handoffs()
-        if to_node and keys:  # before the call: a save's first layer, written meanwhile, is said to the node
+        if to_node and keys and push_layers:  # before the call: a save's first layer, written meanwhile, is said to the node
             pushing[handoff_id] = frozenset(keys)
             while len(pushing) > MAX_PUSHING:
                 pushing.pop(next(iter(pushing)))

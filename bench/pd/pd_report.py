@@ -86,7 +86,7 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
             "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
             "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
                                                           "head_dim": args.head_dim, "dtype": "float32", "block_size": args.block_size},
-            "chunk_tokens": args.chunk_tokens or None, "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals,
+            "chunk_tokens": args.chunk_tokens or None, "push_layers": args.push_layers, "data_plane": args.data_plane, "repeats": args.repeats, "goals": goals,
             "all_goals_met": all(goals.values()), "definitions": DEFINITIONS}
 
 
@@ -119,7 +119,7 @@ def print_table(report: dict[str, Any]) -> None:
     m = report["model"]
     print(f"vLLM CPU, random Llama {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, fp32: "
           f"{report['bytes_per_token']} B/token, {m['block_size']}-token pages ({report['page_bytes'] / 2**20:.2f} MiB); "
-          f"data plane {report['data_plane']}; prefill chunks {report['chunk_tokens'] or 'none'}; load average {report.get('load_average_1m')}")
+          f"data plane {report['data_plane']}; prefill chunks {report['chunk_tokens'] or 'none'}; layers pushed ahead {report.get('push_layers', 'on')}; load average {report.get('load_average_1m')}")
     print(f"raw link (TCP pump, same sockets, page messages): {report['link_gbps']:.2f} GB/s at the start, "
           f"{report['link_cpu_s_per_gb']:.3f} CPU s/GB, and a round before each direct handoff (a row's: 'link'); "
           f"fixed cost (1-page direct handoff - its bytes/link): {report['fixed_s'] * 1e3:.2f} ms")

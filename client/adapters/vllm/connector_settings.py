@@ -56,7 +56,9 @@ class ConnectorConfig:
       ``kv_transfer_params`` may set ``kvstore_deadline_s``); also the most a prefill waits
       for its handoff's completion while it holds the request's blocks (the decode side has
       given up by then). ``handoff_ttl_s``: how long the store keeps a handoff a prefill
-      opened and nobody consumed.
+      opened and nobody consumed. ``handoff_push_layers``: a prefill's layers go to the
+      decode node while its later layers compute (DESIGN §12.7); False: each page goes once
+      stored (on a host whose cores the prefill needs, the pushes compete with it).
     """
 
     address: str
@@ -73,6 +75,7 @@ class ConnectorConfig:
     load_when_faster: bool = True
     handoff_deadline_s: float = 10.0
     handoff_ttl_s: float = 30.0
+    handoff_push_layers: bool = True
     credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:

@@ -85,6 +85,7 @@ class HandoffWorker:
     block_size: int
     open_timeout_s: float
     complete_timeout_s: float
+    push_layers: bool = True  # the saves say each layer: the prefill node pushes it while later ones compute
     blocks: list[torch.Tensor] = field(default_factory=list)
     all_layers: torch.Tensor | None = None
     stats: HandoffStats = field(default_factory=HandoffStats)
@@ -130,7 +131,8 @@ class HandoffWorker:
             return
         give_up_at = time.monotonic() + self.open_timeout_s
         for spec in opens:
-            job = client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens))
+            job = client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens,
+                                                            push_layers=self.push_layers))
             self._opening[spec.req_id] = Opening(spec, job, give_up_at, client)
 
     def _settle_opens(self, now: float) -> None:
