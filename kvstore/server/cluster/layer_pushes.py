@@ -123,18 +123,19 @@ class LayerPushes:
             del self._sending[key]
 
     def _read(self, allocation_id: bytes, keys: list[bytes], offset: int, length: int) -> bytes | None:
-        """The byte range of each page, in order; None once the allocation is gone."""
-        out = bytearray(len(keys) * length)
-        for i, key in enumerate(keys):
-            try:
-                view = self.core.slot_view(allocation_id, key)
-            except KVStoreError:
-                return None
-            try:
-                out[i * length : (i + 1) * length] = view[offset : offset + length]
-            finally:
+        """The byte range of each page, in order, in one copy; None once the allocation is gone
+        (checked again after the copy: a slot given back meanwhile may hold another page's bytes)."""
+        views: list[memoryview] = []
+        try:
+            for key in keys:
+                views.append(self.core.slot_view(allocation_id, key))
+            data = b"".join(view[offset : offset + length] for view in views)
+        except KVStoreError:
+            return None
+        finally:
+            for view in views:
                 view.release()
-        return bytes(out)
+        return data if self.core.leases.allocation(allocation_id) is not None else None
 
     async def _call(self, sending: _Sending, keys: list[bytes], offset: int, length: int, data: bytes) -> bool:
         out = sending.out
