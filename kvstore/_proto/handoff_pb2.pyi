@@ -90,7 +90,7 @@ class PushHandoffResponse(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ...) -> None: ...
 
 class PushLayersRequest(_message.Message):
-    __slots__ = ("namespace_id", "handoff_id", "holder", "tenant", "layout", "keys", "offset", "length", "data", "ttl_ms")
+    __slots__ = ("namespace_id", "handoff_id", "holder", "tenant", "layout", "keys", "offset", "length", "allocation", "ttl_ms")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
@@ -99,7 +99,7 @@ class PushLayersRequest(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: bytes
     handoff_id: bytes
@@ -109,9 +109,9 @@ class PushLayersRequest(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     offset: int
     length: int
-    data: bytes
+    allocation: bytes
     ttl_ms: int
-    def __init__(self, namespace_id: _Optional[bytes] = ..., handoff_id: _Optional[bytes] = ..., holder: _Optional[str] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[bytes] = ..., handoff_id: _Optional[bytes] = ..., holder: _Optional[str] = ..., tenant: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., allocation: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PushLayersResponse(_message.Message):
     __slots__ = ("num_pages",)

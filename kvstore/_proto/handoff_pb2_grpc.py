@@ -108,10 +108,11 @@ class HandoffServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushLayers(self, request, context):
-        """Node-only: the prefill node `holder` sends a byte range (whole layers) of pages it has not
-        stored yet, as the engine's layer-wise save writes them; this node lands them in slots it
-        holds for the handoff, and at the Push that names those pages once stored it fetches the
-        rest of each over the data plane and commits those that match (DESIGN §12.7, layer-wise pushes).
+        """Node-only: the prefill node `holder` says a byte range (whole layers) of pages it has not
+        stored yet is written, as the engine's layer-wise save writes them; this node fetches the
+        range over the data plane into slots it holds for the handoff, and at the Push that names
+        those pages once stored it fetches the rest of each and commits those that match (DESIGN
+        §12.7, layer-wise pushes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

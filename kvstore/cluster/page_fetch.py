@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
-from kvstore.page_wire.fetch_frames import FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.page_wire.fetch_frames import NO_ALLOCATION, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
 
 
 @dataclass
@@ -49,6 +49,24 @@ class BlockingPageSource(PageSource, Protocol):
     busy 2-core host). Thread-safe; same answer as ``open_pages``."""
 
     def open_pages_now(self, namespace_id: bytes, keys: Sequence[bytes], generation: int = 0) -> list[SourcePage | None]: ...
+
+
+@runtime_checkable
+class PendingSource(Protocol):
+    """A source that also serves pages of an allocation not committed yet (fetch_frames.PENDING: a
+    handoff's layers as the prefill computes them, DESIGN §12.7): ``data`` the slot, ``checksum`` 0.
+    None for a key the allocation has no slot for, all None when the allocation is gone or is not
+    of the namespace and ``generation``. On the caller's thread (it may take a lock)."""
+
+    def open_pending_now(self, namespace_id: bytes, keys: Sequence[bytes], allocation: bytes,
+                         generation: int = 0) -> list[SourcePage | None]: ...
+
+
+def open_pending(source: object, request: FetchRequest) -> list[SourcePage | None]:
+    """``source``'s pending pages of ``request`` (none from a source that serves none)."""
+    if not isinstance(source, PendingSource):
+        return [None] * len(request.keys)
+    return source.open_pending_now(request.namespace_id, request.keys, request.allocation, request.generation)
 
 
 class FetchStatus(enum.Enum):
@@ -90,14 +108,18 @@ def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> Fet
 
 
 def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], generation: int = 0,
-                flags: int = 0, offset: int = 0) -> tuple[FetchRequest, list[memoryview], FetchResult]:
+                flags: int = 0, offset: int = 0, page_bytes: int = 0,
+                allocation: bytes = NO_ALLOCATION) -> tuple[FetchRequest, list[memoryview], FetchResult]:
     """What a fetcher checks and builds before it asks (either transport): the request, one
-    writable byte view of the page size per key (``offset``: of the page's bytes from there on;
-    InvalidRequest otherwise), and a result
+    writable byte view of the page size per key (with ``offset`` or ``page_bytes``: of the range of
+    each ``page_bytes`` page from ``offset`` on, that long; InvalidRequest otherwise), and a result
     that says FAILED for every page until the page arrives verified."""
     check_keys(namespace_id, keys)
     views = [memoryview(d).cast("B") for d in dests]
     if len(views) != len(keys) or any(v.readonly or v.nbytes != views[0].nbytes for v in views):
         raise InvalidRequest("fetch needs one writable destination of the page size per key")
-    request = FetchRequest(request_id, namespace_id, views[0].nbytes + offset, tuple(keys), flags, generation, offset)
+    size = views[0].nbytes
+    whole = page_bytes or size + offset
+    request = FetchRequest(request_id, namespace_id, whole, tuple(keys), flags, generation, offset,
+                           size if size + offset != whole else 0, allocation)
     return request, views, FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))

@@ -17,11 +17,20 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.cluster.cluster_errors import TransportError
-from kvstore.cluster.page_fetch import BlockingPageSource, PageSource, SourcePage, answer_for
+from kvstore.cluster.page_fetch import BlockingPageSource, PageSource, SourcePage, answer_for, open_pending
 from kvstore.cluster.tcp_socket import Deadline, recv_frame, send_exact, send_frame, send_hashed, shut, tune, wait_frame
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
-from kvstore.page_wire.fetch_frames import DESCRIBE, HELLO_BYTES, MAX_FRAME_BYTES, VERIFY, FetchRequest, PageStatus, decode_hello
+from kvstore.page_wire.fetch_frames import (
+    DESCRIBE,
+    HELLO_BYTES,
+    MAX_FRAME_BYTES,
+    PENDING,
+    VERIFY,
+    FetchRequest,
+    PageStatus,
+    decode_hello,
+)
 from kvstore.pagecopy import running_checksum
 
 logger = logging.getLogger(__name__)
@@ -225,6 +234,8 @@ class TcpPageServer:
         """The source's pages: opened on this connection's thread when the source can be
         (``BlockingPageSource``: no hop to the loop and back), else on the server's event
         loop; on a timeout every page it opens later is released at once."""
+        if request.flags & PENDING:
+            return open_pending(self._source, request)
         if isinstance(self._source, BlockingPageSource):
             return self._source.open_pages_now(request.namespace_id, request.keys, request.generation)
         assert self._loop is not None
@@ -252,7 +263,7 @@ class TcpPageServer:
                 if page is None or entry.status is not PageStatus.FOUND:
                     continue
                 if not verify:
-                    send_exact(conn, memoryview(page.data).cast("B")[request.offset :], deadline)
+                    send_exact(conn, memoryview(page.data).cast("B")[request.offset : request.offset + request.sent_bytes], deadline)
                 elif not send_verified(conn, page, deadline):
                     logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                     page.damaged(DAMAGED)

@@ -24,6 +24,8 @@ from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
     MAX_FRAME_BYTES,
+    NO_ALLOCATION,
+    PENDING,
     VERIFY,
     FetchAnswer,
     FetchRequest,
@@ -157,17 +159,21 @@ class TcpPageFetcher:
         return sock
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0, page_bytes: int = 0,
+                    allocation: bytes = NO_ALLOCATION) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
         the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
         ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
-        hang; bad arguments raise InvalidRequest. ``offset``: each page from that byte on (``dests`` that
-        long), unhashed only (the checksum covers the whole page)."""
-        if offset and (verify or hashed):
-            raise InvalidRequest("a fetch from a byte offset lands unhashed, unverified: its checksum covers the whole page")
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0,
-                                             offset)
+        hang; bad arguments raise InvalidRequest. ``offset``, ``page_bytes``: a range of each page from that
+        byte on, as long as ``dests`` (unhashed only: the checksum covers the whole page); ``allocation``: of
+        the sender's pages not committed yet (fetch_frames.PENDING; checksums 0)."""
+        ranged = bool(offset or page_bytes or allocation != NO_ALLOCATION)
+        if ranged and (verify or hashed):
+            raise InvalidRequest("a fetch of a range lands unhashed, unverified: a checksum covers the whole page")
+        flags = (VERIFY if verify else 0) | (PENDING if allocation != NO_ALLOCATION else 0)
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, flags, offset, page_bytes,
+                                             allocation)
         await self._exchange(request, views, result, timeout_s, hashed)
         return result
 

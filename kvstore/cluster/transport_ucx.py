@@ -26,7 +26,15 @@ os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
 from kvstore.cluster.cluster_errors import TransportError
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus, PageSource, SourcePage, answer_for, start_fetch  # noqa: F401  # re-exported
+from kvstore.cluster.page_fetch import (  # noqa: F401  # re-exported
+    FetchResult,
+    FetchStatus,
+    PageSource,
+    SourcePage,
+    answer_for,
+    open_pending,
+    start_fetch,
+)
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.page import LayoutDesc, checksum
@@ -34,6 +42,8 @@ from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
     HELLO_BYTES,
     MAX_FRAME_BYTES,
+    NO_ALLOCATION,
+    PENDING,
     VERIFY,
     FetchAnswer,
     FetchRequest,
@@ -201,7 +211,10 @@ class UcxPageServer:
         page failed its check before it was sent (the answer already promised it, so the fetcher
         must see the connection break there, not wait for it; the pages before it go out whole
         first). Unasked, pages go out as they are: the receiver checks each."""
-        pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
+        if request.flags & PENDING:
+            pages = await asyncio.to_thread(open_pending, self._source, request)
+        else:
+            pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
         try:
             answer = answer_for(request, pages)
             sends: list[asyncio.Future[Any]] = []
@@ -224,7 +237,9 @@ class UcxPageServer:
                                 logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                                 await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
                                 return False
-                        data = memoryview(page.data).cast("B")[request.offset :] if request.offset else page.data
+                        ranged = request.offset or request.sent_bytes != request.page_bytes
+                        data = memoryview(page.data).cast("B")[request.offset : request.offset + request.sent_bytes] if ranged \
+                            else page.data
                         sends.append(asyncio.ensure_future(ep.send(data)))
                     await asyncio.gather(*sends)
                     return True
@@ -291,17 +306,21 @@ class UcxPageFetcher:
         return True
 
     async def fetch(self, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
-                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0) -> FetchResult:
+                    generation: int = 0, verify: bool = False, hashed: bool = True, offset: int = 0, page_bytes: int = 0,
+                    allocation: bytes = NO_ALLOCATION) -> FetchResult:
         """Fetches ``keys`` of the namespace's ``generation`` into ``dests`` (one writable buffer of the page size per key).
         ``verify``: the sender hashes each page before it sends it (fetch_frames.VERIFY). ``hashed=False``:
         the pages land unhashed, OK with the sender's stored checksum (the consumer's copy checks them:
         ``page_fetch.FetchStatus``). Peer failures are values (FAILED statuses and ``error``), never a
-        hang; bad arguments raise InvalidRequest. ``offset``: each page from that byte on (``dests`` that
-        long), unhashed only (the checksum covers the whole page)."""
-        if offset and (verify or hashed):
-            raise InvalidRequest("a fetch from a byte offset lands unhashed, unverified: its checksum covers the whole page")
-        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, VERIFY if verify else 0,
-                                             offset)
+        hang; bad arguments raise InvalidRequest. ``offset``, ``page_bytes``: a range of each page from that
+        byte on, as long as ``dests`` (unhashed only: the checksum covers the whole page); ``allocation``: of
+        the sender's pages not committed yet (fetch_frames.PENDING; checksums 0)."""
+        ranged = bool(offset or page_bytes or allocation != NO_ALLOCATION)
+        if ranged and (verify or hashed):
+            raise InvalidRequest("a fetch of a range lands unhashed, unverified: a checksum covers the whole page")
+        flags = (VERIFY if verify else 0) | (PENDING if allocation != NO_ALLOCATION else 0)
+        request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, flags, offset, page_bytes,
+                                             allocation)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
         deadline = time.monotonic() + timeout_s
         if not await self._turn(timeout_s):

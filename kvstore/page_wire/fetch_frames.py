@@ -16,10 +16,11 @@ from kvstore.page import LayoutDesc
 from kvstore.types import PAGE_KEY_BYTES
 
 VERSION = 4  # 2: requests name the receiver's generation; 3: a sender hashes a page before sending only if asked (VERIFY);
-# 4: a request may ask for each page from a byte offset on (the rest of a handoff's layers, DESIGN §12.7)
+# 4: a request may ask for a byte range of each page, of pages stored or of an allocation not committed
+# yet (PENDING: a handoff's layers as the prefill computes them, DESIGN §12.7)
 MAX_KEYS = 8192                 # a 128K-token prefix of 16-token pages
 MAX_PAGE_BYTES = 1 << 30
-_REQUEST = struct.Struct("<4sHHQ16sQIQQ")
+_REQUEST = struct.Struct("<4sHHQ16sQIQQQ16s")
 _ANSWER = struct.Struct("<4sHHQI")
 _ENTRY = struct.Struct("<B7xQQ")
 _LAYOUT = struct.Struct("<IIII16sI")
@@ -28,7 +29,9 @@ _HELLO = struct.Struct("<4sH2x16s")
 HELLO_BYTES = _HELLO.size
 DESCRIBE = 1  # request flag: answer statuses (and the layout), send no payload
 VERIFY = 2    # request flag: hash each page before it is sent; one that fails is reported damaged, never sent
+PENDING = 4   # request flag: pages of the sender's allocation ``allocation``, not committed yet (no checksum: 0)
 LAYOUT = 1    # answer flag: the namespace's layout follows the entries
+NO_ALLOCATION = bytes(16)
 
 
 def encode_layout(layout: LayoutDesc) -> bytes:
@@ -62,34 +65,41 @@ class FetchRequest:
     keys: tuple[bytes, ...]
     flags: int = 0
     generation: int = 0
-    offset: int = 0  # each FOUND page is sent from this byte on (page_bytes - offset bytes); never with VERIFY
+    offset: int = 0  # each FOUND page is sent from this byte on; never with VERIFY
+    length: int = 0  # ... this many bytes of it (0: to its end)
+    allocation: bytes = NO_ALLOCATION  # with PENDING: the sender's allocation handle
 
     def encode(self) -> bytes:
         return _REQUEST.pack(b"KVFQ", VERSION, self.flags, self.request_id, self.namespace_id, self.page_bytes,
-                             len(self.keys), self.generation, self.offset) + b"".join(self.keys)
+                             len(self.keys), self.generation, self.offset, self.length, self.allocation) + b"".join(self.keys)
 
     @property
     def sent_bytes(self) -> int:
         """Bytes of each FOUND page on the wire."""
-        return self.page_bytes - self.offset
+        return self.length or self.page_bytes - self.offset
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> FetchRequest:
         """Parses a request; raises InvalidRequest for anything malformed or out of bounds."""
         if len(data) < _REQUEST.size:
             raise InvalidRequest(f"fetch request of {len(data)} bytes is truncated")
-        magic, version, flags, rid, ns, page_bytes, n, generation, offset = _REQUEST.unpack_from(data)
+        magic, version, flags, rid, ns, page_bytes, n, generation, offset, length, allocation = _REQUEST.unpack_from(data)
         if magic != b"KVFQ" or version != VERSION:
             raise InvalidRequest(f"not a fetch request of version {VERSION} ({bytes(magic)!r} v{version})")
         if not 0 < n <= MAX_KEYS or not 0 < page_bytes <= MAX_PAGE_BYTES:
             raise InvalidRequest(f"fetch request out of bounds: {n} keys of {page_bytes} bytes")
         if len(data) != _REQUEST.size + n * PAGE_KEY_BYTES:
             raise InvalidRequest(f"fetch request of {len(data)} bytes does not hold {n} keys")
-        if offset >= page_bytes or (offset and flags & VERIFY):
-            raise InvalidRequest(f"fetch request from byte {offset} of {page_bytes}-byte pages (never with VERIFY)")
+        ranged = bool(offset or length or flags & PENDING)
+        if offset >= page_bytes or length > page_bytes - offset or (ranged and flags & (VERIFY | DESCRIBE)):
+            raise InvalidRequest(f"fetch request of {length or 'all'} bytes from byte {offset} of {page_bytes}-byte pages "
+                                 "(never verified or described)")
+        if bool(flags & PENDING) == (allocation == NO_ALLOCATION):
+            raise InvalidRequest("a fetch of pending pages names their allocation, and only it does")
         raw = bytes(data[_REQUEST.size:])
         keys = tuple(raw[i: i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES))
-        return cls(rid, bytes(ns), page_bytes, keys, flags & (DESCRIBE | VERIFY), generation, offset)
+        return cls(rid, bytes(ns), page_bytes, keys, flags & (DESCRIBE | VERIFY | PENDING), generation, offset, length,
+                   bytes(allocation))
 
 
 @dataclass(frozen=True)

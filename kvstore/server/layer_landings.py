@@ -1,7 +1,7 @@
 """Layer-wise handoff state (DESIGN §12.7, layer-wise pushes). At the prefill node,
 ``written_slots``: what a layer-wise save's renewal names, for cluster/layer_pushes.py to push.
-At the decode node, ``LayerLanding``: one handoff's slots, filled and hashed range by range as
-the layers arrive; at the Push that names the pages once stored, the rest of each comes over the
+At the decode node, ``LayerLanding``: one handoff's slots, fetched into and hashed range by range
+as the prefill node says its layers are written; at the Push that names the pages once stored, the rest of each comes over the
 data plane, and a slot whose whole page matches the holder's checksum is committed (a checked
 copy); the rest of the allocation goes back, and those pages come whole as before.
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.errors import KVStoreError, LeaseExpired
+from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
 
@@ -58,6 +58,7 @@ class _Slot:
 
 
 Rest = Callable[[list[bytes], list[memoryview], int], list[int]]  # (keys, views, offset) -> checksums of the leading arrived
+Pull = Callable[[list[bytes], list[memoryview]], list[bool]]  # (keys, views) -> whether each range arrived
 
 
 class LayerLanding:
@@ -71,46 +72,56 @@ class LayerLanding:
         self._slots: dict[bytes, _Slot] = {}
         self._closed = closed
 
-    def land(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes], offset: int, length: int, data: bytes,
-             generation: int, landing_for: Callable[[list[bytes]], Landing]) -> int:
-        """Writes page i's range ``[offset, offset + length)`` from ``data[i * length:]`` into its
-        slot (made for the pages that start at 0 and have none; ``landing_for`` charges them). A
-        range at 0 starts a slot again (a save retried); one that does not continue its slot's
-        bytes, reaches the page's end (the last layer comes by ``commit``'s fetch, which checks the
-        holder's generation) or names another layout is dropped. Returns how many landed."""
+    def land(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes], offset: int, length: int, generation: int,
+             landing_for: Callable[[list[bytes]], Landing], pull: Pull) -> int:
+        """Fetches each page's range ``[offset, offset + length)`` into its slot (``pull``: from the
+        holder's pages not stored yet; slots made for the pages that start at 0 and have none,
+        ``landing_for`` charges them) and hashes it. A range at 0 starts a slot again (a save
+        retried); one that does not continue its slot's bytes, reaches the page's end (the last
+        layer comes by ``commit``'s fetch of stored pages) or names another layout is not fetched.
+        Returns how many landed."""
         with self._lock:
             if self._closed:
                 return 0
             new = [key for key in keys if key not in self._slots]
             if new and offset == 0:
                 self._allocate(namespace_id, layout, new, generation, landing_for(new))
-            view, renewed, landed = memoryview(data), set(), 0
-            for i, key in enumerate(keys):
+            wanted: list[tuple[bytes, _Slot]] = []
+            for key in keys:
                 slot = self._slots.get(key)
                 if slot is None or slot.layout != layout or offset + length >= layout.page_bytes:
                     continue
                 if offset == 0:
                     slot.restart()
-                if slot.landed != offset:
-                    continue
-                if slot.allocation_id not in renewed:
-                    try:
-                        self.core.renew(slot.allocation_id, 0)  # its own term from now: it outlives this write
-                    except LeaseExpired:
-                        self._drop(slot.allocation_id)
-                        continue
-                    renewed.add(slot.allocation_id)
-                part = view[i * length : (i + 1) * length]
-                target = self.core.slot_view(slot.allocation_id, key)
-                try:
-                    target[offset : offset + length] = part
-                finally:
-                    target.release()
-                slot.digest.update(part)
-                slot.landed += length
-                landed += 1
+                if slot.landed == offset:
+                    wanted.append((key, slot))
+            views = self._views(wanted, offset, length)
+            try:
+                arrived = pull([key for key, _ in wanted], views) if views else []
+                landed = 0
+                for (_, slot), view, ok in zip(wanted, views, arrived):
+                    if ok:
+                        slot.digest.update(view)
+                        slot.landed += length
+                        landed += 1
+            finally:
+                for view in views:
+                    view.release()
             self.core.metrics.handoff_layer_bytes.labels("landed").inc(landed * length)
             return landed
+
+    def _views(self, wanted: list[tuple[bytes, _Slot]], offset: int, length: int) -> list[memoryview]:
+        """Where each range lands, each allocation renewed first (its own term from now: it
+        outlives the fetch); none when one has expired (its slots are dropped: those pages come whole)."""
+        try:
+            for allocation_id in {slot.allocation_id for _, slot in wanted}:
+                self.core.renew(allocation_id, 0)
+            return [self.core.slot_view(slot.allocation_id, key)[offset : offset + length] for key, slot in wanted]
+        except KVStoreError:
+            for allocation_id in {slot.allocation_id for _, slot in wanted}:
+                if self.core.leases.allocation(allocation_id) is None:
+                    self._drop(allocation_id)
+            return []
 
     def _allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes], generation: int, landing: Landing) -> None:
         try:

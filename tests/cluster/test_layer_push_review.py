@@ -69,24 +69,30 @@ async def test_push_layers_in_a_layout_other_than_the_slots_is_a_clear_answer(cl
     """A PushLayers whose layout is not the namespace's (a node on another build, a bad peer)
     after slots were made in the namespace's layout must be refused (InvalidRequest) or land
     nothing; it must not fail inside the write with an internal error."""
+    [a] = cluster_nodes(["a"], "tcp")
     [c] = cluster_nodes(["c"], "tcp")
     bigger = dataclasses.replace(DESC, num_layers=DESC.num_layers + 1)
-    async with KVStoreClient(c.address, NS) as node:  # no tenants here: the caller has the node right
-        keys = node.keys(tokens_of(72, 1))
+    tokens = tokens_of(72, 1)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as node:  # no tenants: node right
+        keys = node.keys(tokens)
         handoff = os.urandom(16)
+        assert isinstance(prefill.transport, ShmTransport)
+        out = prefill.transport.outgoing()
+        await prefill._io(out.reserve(keys))  # a's allocation the ranges are fetched from
 
         def request(desc: LayoutDesc, offset: int, length: int) -> handoff_pb2.PushLayersRequest:
             return handoff_pb2.PushLayersRequest(namespace_id=NS.namespace_id, handoff_id=handoff, holder="a", tenant="",
                                                  layout=validate.layout_msg(desc), keys=keys, offset=offset, length=length,
-                                                 data=os.urandom(length), ttl_ms=5_000)
+                                                 allocation=out._alloc.allocation_id, ttl_ms=5_000)
 
         first = await node._call(node.runtime.handoff.PushLayers, request(DESC, 0, LAYER_BYTES))
         assert first.num_pages == 1  # layer 0 landed in the namespace's layout
         try:
             answer = await node._call(node.runtime.handoff.PushLayers, request(bigger, LAYER_BYTES, DESC.page_bytes))
         except InvalidRequest:
-            return
-        assert answer.num_pages == 0
+            answer = None
+        assert answer is None or answer.num_pages == 0
+        await prefill._io(out.discard())
 
 
 async def test_layers_land_and_commit_only_for_pages_the_holder_stores(cluster_nodes) -> None:
@@ -101,11 +107,11 @@ async def test_layers_land_and_commit_only_for_pages_the_holder_stores(cluster_n
     async with KVStoreClient(c.address, NS) as node:  # a runs, and stores nothing of these pages
         keys = node.keys(tokens)
         handoff = os.urandom(16)
-        ahead = DESC.page_bytes - LAYER_BYTES  # every layer but the last: what a lagging holder had of the pages (stale)
+        ahead = DESC.page_bytes - LAYER_BYTES  # every layer but the last, of an allocation a does not have
         layers = handoff_pb2.PushLayersRequest(namespace_id=NS.namespace_id, handoff_id=handoff, holder="a", tenant="",
                                                layout=validate.layout_msg(DESC), keys=keys, offset=0,
-                                               length=ahead, data=os.urandom(ahead * len(keys)), ttl_ms=5_000)
-        assert (await node._call(node.runtime.handoff.PushLayers, layers)).num_pages == len(keys)
+                                               length=ahead, allocation=os.urandom(16), ttl_ms=5_000)
+        assert (await node._call(node.runtime.handoff.PushLayers, layers)).num_pages == 0  # a serves nothing of it
         push = handoff_pb2.PushHandoffRequest(namespace_id=NS.namespace_id, handoff_id=handoff, keys=keys, holder="a",
                                               tenant="", page_bytes=DESC.page_bytes, complete=True, ttl_ms=5_000)
         held = (await node._call(node.runtime.handoff.Push, push)).num_pages
@@ -125,13 +131,23 @@ async def test_the_sends_of_ended_allocations_are_not_kept() -> None:
     from kvstore.server.cluster.layer_pushes import LayerPushes
     from kvstore.server.layer_landings import WrittenSlots
 
-    class GoneCore:  # every allocation has ended by the time its layers are read
+    class GoneLeases:
+        def allocation(self, allocation_id: bytes) -> None:
+            return None
+
+    class GoneCore:  # every allocation has ended by the time its layers are said
+        leases = GoneLeases()
+
         def slot_view(self, allocation_id: bytes, key: bytes) -> memoryview:
             raise LeaseExpired("gone")
 
+    class Peer:  # on a data plane that fetches ranges
+        fetcher = object()
+        channel = None
+
     class NoPeers:
-        def get(self, node: str) -> None:
-            return None
+        def get(self, node: str) -> Peer:
+            return Peer()
 
     keys = [bytes([i]) * 16 for i in range(4)]
     out = Outgoing("t", b"n" * 16, b"h" * 16, "c", 30_000, time.monotonic() + 30, keys, lambda: True)

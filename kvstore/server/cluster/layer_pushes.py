@@ -1,8 +1,9 @@
 """The prefill node's layer-wise pushes (DESIGN §12.7): while a layer-wise save's allocation is
-not committed yet, the leading layers its writer says it stored go to the decode node of each
-direct handoff open here that names those pages, so that a one-step prefill's bytes move while
-its later layers compute. The Push that names the pages once stored carries their checksums,
-and the decode node commits the slots the layers filled; what did not arrive goes as before.
+not committed yet, the leading layers its writer says it stored are said to the decode node of
+each direct handoff open here that names those pages, which fetches them from here over the data
+plane (``fetch_range``), so that a one-step prefill's bytes move while its later layers compute.
+At the Push of the pages once stored, the decode node fetches each page's rest and commits what
+matches the stored checksum (server/layer_landings.py); what did not arrive goes as before.
 
 More: kvstore/server/cluster/README.md (### layer_pushes.py).
 """
@@ -17,16 +18,18 @@ from typing import TYPE_CHECKING
 
 from kvstore import validate
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
-from kvstore.errors import KVStoreError
+from kvstore.cluster.page_fetch import FetchResult
+from kvstore.page_wire.fetch_frames import MAX_KEYS, NO_ALLOCATION
 from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.layer_landings import WrittenSlots
 from kvstore.server.placement import Placement
-from kvstore.server.services.sizes import LAYER_PUSH_BYTES
 
 if TYPE_CHECKING:
     from kvstore.server.cluster.handoff_push import OpenKey, Outgoing
 
 logger = logging.getLogger(__name__)
+
+PULL_BYTES = 32 << 20  # of the ranges one PushLayers names (the decode node fetches them in one request)
 
 
 
@@ -97,22 +100,19 @@ class LayerPushes:
             del self._sending[key]  # its allocation committed or went: nothing more of it is sent
 
     async def _send(self, sending: _Sending) -> None:
-        """Sends the layers said and not sent, a few pages per call, until none is left, the
+        """Says the layers written and not said yet, a batch of pages per call (the decode node
+        fetches each batch's range from here before it answers), until none is left, the
         allocation is gone (committed: the Push takes over) or the decode node refuses."""
         layout = sending.slots.layout
         layer_bytes = layout.page_bytes // layout.num_layers
         while sending.sent < sending.said:
             start, end = sending.sent, sending.said
             offset, length = start * layer_bytes, (end - start) * layer_bytes
-            per_call = max(1, LAYER_PUSH_BYTES // length)
+            per_call = max(1, min(MAX_KEYS, PULL_BYTES // length))
             for i in range(0, len(sending.keys), per_call):
-                keys = sending.keys[i : i + per_call]
-                data = await asyncio.to_thread(self._read, sending.allocation_id, keys, offset, length)
-                if data is None:  # committed (the Push takes over) or given up: nothing more of it
-                    self._ended(sending)
-                    return
-                if not await self._call(sending, keys, offset, length, data):
-                    self._ended(sending)
+                if self.core.leases.allocation(sending.allocation_id) is None or \
+                        not await self._call(sending, sending.keys[i : i + per_call], offset, length):
+                    self._ended(sending)  # committed (the Push takes over), given up, or refused
                     return
             sending.sent = end
 
@@ -122,49 +122,39 @@ class LayerPushes:
         if self._sending.get(key) is sending:
             del self._sending[key]
 
-    def _read(self, allocation_id: bytes, keys: list[bytes], offset: int, length: int) -> bytes | None:
-        """The byte range of each page, in order, in one copy; None once the allocation is gone
-        (checked again after the copy: a slot given back meanwhile may hold another page's bytes)."""
-        views: list[memoryview] = []
-        try:
-            for key in keys:
-                views.append(self.core.slot_view(allocation_id, key))
-            data = b"".join(view[offset : offset + length] for view in views)
-        except KVStoreError:
-            return None
-        finally:
-            for view in views:
-                view.release()
-        return data if self.core.leases.allocation(allocation_id) is not None else None
-
-    async def _call(self, sending: _Sending, keys: list[bytes], offset: int, length: int, data: bytes) -> bool:
+    async def _call(self, sending: _Sending, keys: list[bytes], offset: int, length: int) -> bool:
         out = sending.out
         peer = self.peers.get(out.to_node)
         if peer is None:
             return False
         request = handoff_pb2.PushLayersRequest(namespace_id=out.namespace_id, handoff_id=out.handoff_id, holder=self.node,
                                                 tenant=out.tenant, layout=validate.layout_msg(sending.slots.layout), keys=keys,
-                                                offset=offset, length=length, data=data, ttl_ms=out.ttl_ms)
+                                                offset=offset, length=length, allocation=sending.allocation_id,
+                                                ttl_ms=out.ttl_ms)
         try:
             answer = await handoff_pb2_grpc.HandoffStub(peer.channel).PushLayers(request, timeout=self.rpc_timeout_s)
         except asyncio.CancelledError:
             if current_cancelled():
                 raise
             return False
-        except Exception as exc:  # noqa: BLE001 - a layer push lost costs only time: the Push sends the pages
+        except Exception as exc:  # noqa: BLE001 - a layer push lost costs only time: the page comes whole
             logger.info("handoff %s: layers not pushed to %s: %r", out.handoff_id.hex()[:8], out.to_node, exc)
             return False
-        self.core.metrics.handoff_layer_bytes.labels("sent").inc(len(data))
-        return int(answer.num_pages) == len(keys)
+        landed = int(answer.num_pages)
+        self.core.metrics.handoff_layer_bytes.labels("sent").inc(landed * length)
+        return landed == len(keys)
 
 
-async def fetch_rest(peers: Peers, holder: str, namespace_id: bytes, keys: list[bytes], views: list[memoryview], offset: int,
-                     timeout_s: float, generation: int) -> list[int]:
-    """At the decode node: each page's bytes from ``offset`` on, from ``holder`` over the data plane,
-    unhashed, of this node's ``generation`` (a holder of another serves none); the stored checksums
-    of the leading pages that arrived."""
+async def fetch_range(peers: Peers, holder: str, namespace_id: bytes, keys: list[bytes], views: list[memoryview],
+                      offset: int, page_bytes: int, timeout_s: float, generation: int,
+                      allocation: bytes = NO_ALLOCATION) -> FetchResult | None:
+    """At the decode node: a range of each page from ``holder`` over the data plane, unhashed, of
+    this node's ``generation`` (a holder in another serves none): of its stored pages (the rest of
+    pages whose layers came ahead: the answer carries their stored checksums) or, with
+    ``allocation``, of pages it has not committed yet (their layers as the prefill computes them).
+    None on the gRPC data plane (no range fetch there)."""
     peer = peers.get(holder)
     if peer is None or peer.fetcher is None:
-        return []
-    result = await peer.fetcher.fetch(namespace_id, keys, views, timeout_s, generation, hashed=False, offset=offset)
-    return result.checksums[: result.prefix]
+        return None
+    return await peer.fetcher.fetch(namespace_id, keys, views, timeout_s, generation, hashed=False, offset=offset,
+                                    page_bytes=page_bytes, allocation=allocation)

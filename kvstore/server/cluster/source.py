@@ -53,3 +53,31 @@ class CorePageSource:
                        damaged=lambda reason, p=p: self.core.reads.quarantine_landing(p.header, reason, p.slot))
             for p in pages]
         return out + [None] * (len(keys) - len(pages))
+
+    def open_pending_now(self, namespace_id: bytes, keys: Sequence[bytes], allocation: bytes,
+                         generation: int = 0) -> list[SourcePage | None]:
+        """The slots of ``allocation``, not committed yet, for ``keys`` (a handoff's layers as the
+        prefill computes them, DESIGN §12.7; fetch_frames.PENDING): none unless it is of the
+        namespace and of the receiver's ``generation``. Nothing pins a slot: the receiver checks the
+        page it assembles against the stored page's checksum, so bytes of a slot given back meanwhile
+        are never committed there."""
+        core = self.core
+        with core.keeper.lock:
+            alloc = core.leases.allocation(allocation)
+            if alloc is None or alloc.namespace_id != namespace_id or alloc.generation != generation:
+                return [None] * len(keys)
+            offsets = [alloc.slots.get(key) for key in keys]
+            layout = alloc.layout
+        out: list[SourcePage | None] = []
+        for key, slot in zip(keys, offsets):
+            if slot is None:
+                out.append(None)
+                continue
+            try:
+                view = core.slot_view(allocation, key)
+            except KVStoreError:  # committed or given back since: the rest is not served
+                out += [None] * (len(keys) - len(out))
+                break
+            out.append(SourcePage(view, 0, view.release, layout))
+        return out
+

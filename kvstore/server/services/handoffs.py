@@ -147,9 +147,10 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         holder = node_id(request.holder, "holder")
         layout = validate.layout(request.layout)
         offset, length = request.offset, request.length
-        if not 0 < length <= layout.page_bytes - offset or len(request.data) != len(keys) * length:
-            raise InvalidRequest(f"a range of {length} bytes at {offset} of {len(keys)} pages of {layout.page_bytes} bytes "
-                                 f"needs {len(keys) * length} bytes of data, got {len(request.data)}")
+        if not 0 < length <= layout.page_bytes - offset:
+            raise InvalidRequest(f"a range of {length} bytes at {offset} of pages of {layout.page_bytes} bytes")
+        if len(request.allocation) != HANDOFF_ID_BYTES or request.allocation == bytes(HANDOFF_ID_BYTES):
+            raise InvalidRequest(f"allocation must be the holder's allocation handle ({HANDOFF_ID_BYTES} bytes)")
         n = self.gate.push_layers(current_identity(), ns, ident, holder, request.tenant, layout, keys, offset, length,
-                                  request.data, ttl_ms(request.ttl_ms))
+                                  bytes(request.allocation), ttl_ms(request.ttl_ms), context)
         return handoff_pb2.PushLayersResponse(num_pages=n)

@@ -17,7 +17,6 @@ KEY_BYTES = 40  # a 16-byte key and its framing, with a checksum or an offset be
 RECORD_BYTES = 128  # a Publish record or a hinted key: key, location strings, framing
 TOKEN_BYTES = 5  # a uint32 token id, varint-packed
 MAX_APPEND_TOKENS = 1 << 20
-LAYER_PUSH_BYTES = 8 << 20  # of one Handoff.PushLayers call's data: a few pages' layers (one page's at least)
 
 
 def request_limits(config: ServerConfig) -> dict[str, int]:
@@ -29,7 +28,6 @@ def request_limits(config: ServerConfig) -> dict[str, int]:
         "WritePages": MAX_CHUNK_BYTES + SLACK,  # per message of the stream
         "AppendTokens": TOKEN_BYTES * MAX_APPEND_TOKENS + SLACK,
         "Publish": records,
-        "PushLayers": max(LAYER_PUSH_BYTES, config.max_page_bytes) + keyed,
         "Hint": records,
     }
 

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus
 from kvstore.errors import InvalidRequest, KVStoreError, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.page import LayoutDesc
+from kvstore.page_wire.fetch_frames import NO_ALLOCATION
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.handoff_markers import MAX_TTL_S, HandoffMarkers
 from kvstore.server.placement import Placement
@@ -133,9 +135,10 @@ class HandoffGate:
         return held
 
     def push_layers(self, who: Identity, ns: bytes, ident: bytes, holder: str, tenant: str, layout: LayoutDesc,
-                    keys: list[bytes], offset: int, length: int, data: bytes, ttl_ms: int) -> int:
-        """A node's PushLayers (its node right checked first): lands a range of each page in the
-        handoff's slots here, within the tenant's host quota (layer_landings.py); how many landed."""
+                    keys: list[bytes], offset: int, length: int, allocation: bytes, ttl_ms: int, context: CallContext) -> int:
+        """A node's PushLayers (its node right checked first): fetches a range of each page from the
+        holder's ``allocation`` into the handoff's slots here, within the tenant's host quota
+        (layer_landings.py); how many landed."""
         if self.cluster is None or not holder:
             raise InvalidRequest("Handoff.PushLayers needs cluster mode and a holder")
         who = acting_for(who, tenant)
@@ -144,8 +147,12 @@ class HandoffGate:
         try:
             marker = self._markers.open(who.tenant, ns, ident, ttl_ms)
             self._markers.arrived(marker, [], pushed=True)  # as the announce: a wait sleeps until the pages come
-            landed = self._markers.layers(marker).land(ns, layout, keys, offset, length, data, marker.generation,
-                                                       lambda new: self._landing(who, ns, new))
+            def pull(wanted: list[bytes], views: list[memoryview]) -> list[bool]:
+                result = self._fetch(holder, ns, wanted, views, offset, layout.page_bytes, marker.generation, context, allocation)
+                return [s is FetchStatus.OK for s in result.statuses] if result is not None else []
+
+            landed = self._markers.layers(marker).land(ns, layout, keys, offset, length, marker.generation,
+                                                       lambda new: self._landing(who, ns, new), pull)
         finally:
             if claimed:
                 self.tenancy.settle(who, ns, landed > 0)
@@ -153,18 +160,25 @@ class HandoffGate:
 
     def _rest(self, holder: str, ns: bytes, keys: list[bytes], views: list[memoryview], offset: int, generation: int,
               context: CallContext) -> list[int]:
-        """The rest of pages whose layers landed ahead, from ``holder`` (layer_pushes.fetch_rest)."""
-        from kvstore.server.cluster.layer_pushes import fetch_rest  # cluster mode only
+        """The rest of pages whose layers landed ahead, from ``holder``'s stored pages: the stored
+        checksums of the leading ones that arrived."""
+        result = self._fetch(holder, ns, keys, views, offset, 0, generation, context)
+        return result.checksums[: result.prefix] if result is not None else []
+
+    def _fetch(self, holder: str, ns: bytes, keys: list[bytes], views: list[memoryview], offset: int, page_bytes: int,
+               generation: int, context: CallContext, allocation: bytes = NO_ALLOCATION) -> FetchResult | None:
+        """layer_pushes.fetch_range on the cluster loop, within the caller's deadline; None when it failed."""
+        from kvstore.server.cluster.layer_pushes import fetch_range  # cluster mode only
 
         assert self.cluster is not None
         left = context.time_remaining()
         timeout = max(0.01, (left if left is not None else 30.0) - MARGIN_S)
         try:
-            return self.cluster.call(fetch_rest(self.cluster.peers, holder, ns, keys, views, offset, timeout, generation),
-                                     timeout + 1)
+            return self.cluster.call(fetch_range(self.cluster.peers, holder, ns, keys, views, offset, page_bytes, timeout,
+                                                 generation, allocation), timeout + 1)
         except (TimeoutError, KVStoreError) as exc:
-            logger.info("the rest of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
-            return []
+            logger.info("a range of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
+            return None
 
     def _landing(self, who: Identity, ns: bytes, keys: list[bytes]) -> Landing:
         """Where a handoff's layers land: within the tenant's host quota here (none: the node's own)."""
