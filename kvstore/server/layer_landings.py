@@ -57,6 +57,7 @@ class _Slot:
         self.landed, self.digest = 0, running_checksum()
 
 
+POISONED = -1  # a slot's ``landed`` once it may hold bytes of a page other than the holder's: never committed
 Rest = Callable[[list[bytes], list[memoryview], int], list[int]]  # (keys, views, offset) -> checksums of the leading arrived
 Pull = Callable[[list[bytes], list[memoryview]], list[bool]]  # (keys, views) -> whether each range arrived
 
@@ -89,7 +90,10 @@ class LayerLanding:
             wanted: list[tuple[bytes, _Slot]] = []
             for key in keys:
                 slot = self._slots.get(key)
-                if slot is None or slot.layout != layout or offset + length >= layout.page_bytes:
+                if slot is None or slot.landed == POISONED or offset + length >= layout.page_bytes:
+                    continue
+                if slot.layout != layout:  # a save retried in another layout: this slot is never committed
+                    slot.landed = POISONED
                     continue
                 if offset == 0:
                     slot.restart()
@@ -110,14 +114,22 @@ class LayerLanding:
             self.core.metrics.handoff_layer_bytes.labels("landed").inc(landed * length)
             return landed
 
-    def _views(self, wanted: list[tuple[bytes, _Slot]], offset: int, length: int) -> list[memoryview]:
-        """Where each range lands, each allocation renewed first (its own term from now: it
-        outlives the fetch); none when one has expired (its slots are dropped: those pages come whole)."""
+    def _views(self, wanted: list[tuple[bytes, _Slot]], offset: int, length: int = 0) -> list[memoryview]:
+        """Where each range lands (``length`` 0: to the page's end), each allocation renewed first
+        (its own term from now: it outlives the fetch); none when one has expired (its slots are
+        dropped: those pages come whole)."""
+        views: list[memoryview] = []
         try:
             for allocation_id in {slot.allocation_id for _, slot in wanted}:
                 self.core.renew(allocation_id, 0)
-            return [self.core.slot_view(slot.allocation_id, key)[offset : offset + length] for key, slot in wanted]
+            for key, slot in wanted:
+                whole = self.core.slot_view(slot.allocation_id, key)
+                views.append(whole[offset : offset + length] if length else whole[offset:])
+                whole.release()
+            return views
         except KVStoreError:
+            for view in views:
+                view.release()
             for allocation_id in {slot.allocation_id for _, slot in wanted}:
                 if self.core.leases.allocation(allocation_id) is None:
                     self._drop(allocation_id)
@@ -157,16 +169,13 @@ class LayerLanding:
 
     def _finish(self, keys: list[bytes], offset: int, rest: Rest, touched: dict[bytes, tuple[Landing, list[bytes], list[int]]]) -> None:
         """Fetches the rest of ``keys``' slots into them; those whose page then matches go to ``touched``'s ready lists."""
-        slots = [self._slots[key] for key in keys]
-        try:
-            for allocation_id in {slot.allocation_id for slot in slots}:
-                self.core.renew(allocation_id, 0)
-            views = [self.core.slot_view(slot.allocation_id, key)[offset:] for key, slot in zip(keys, slots)]
-        except KVStoreError:  # an allocation expired: those pages come whole
+        wanted = [(key, self._slots[key]) for key in keys]
+        views = self._views(wanted, offset)
+        if not views:
             return
         try:
             sums = rest(keys, views, offset)
-            for key, slot, view, stored in zip(keys, slots, views, sums):
+            for (key, slot), view, stored in zip(wanted, views, sums):
                 slot.digest.update(view)
                 if slot.digest.intdigest() == stored:  # every byte checked: committed as a checked copy
                     _, ready, ready_sums = touched[slot.allocation_id]

@@ -176,7 +176,7 @@ async def check_fetch_from_an_offset(fetcher: Any, dests: list[memoryview], page
     hashed or verified fetch from an offset is refused (its checksum covers the whole page)."""
     from kvstore.errors import InvalidRequest
     from kvstore.page import checksum
-    from kvstore.page_wire.fetch_frames import VERIFY, FetchRequest
+    from kvstore.page_wire.fetch_frames import PENDING, VERIFY, FetchRequest
 
     offset = page // 4
     rests = [memoryview(d).cast("B")[offset:] for d in dests]
@@ -191,13 +191,20 @@ async def check_fetch_from_an_offset(fetcher: Any, dests: list[memoryview], page
     assert untouched(dests[2])
     again = await fetcher.fetch(NS, [key(3)], [dests[3]], timeout_s=20)  # whole pages on the same connection after
     assert again.statuses == [FetchStatus.OK]
+    middle = await fetcher.fetch(NS, keys[:1], [rests[0][: page // 4]], timeout_s=20, hashed=False, offset=offset, page_bytes=page)
+    assert middle.statuses == [FetchStatus.OK]  # a range inside the page: that long
+    assert np.array_equal(np.frombuffer(rests[0][: page // 4], np.uint8), expected_page(keys[0], page)[offset : offset + page // 4])
+    pending = await fetcher.fetch(NS, keys[:1], rests[:1], timeout_s=20, hashed=False, offset=offset, allocation=bytes([7]) * 16)
+    assert pending.statuses == [FetchStatus.MISSING]  # a source without pending pages (or that allocation) sends none
     for hashed, verify in ((True, False), (False, True)):
         try:
             await fetcher.fetch(NS, keys[:1], rests[:1], timeout_s=20, hashed=hashed, verify=verify, offset=offset)
         except InvalidRequest:
             continue
         raise AssertionError("a hashed or verified fetch from an offset must be refused")
-    for bad in (FetchRequest(1, NS, page, (keys[0],), VERIFY, 0, offset), FetchRequest(1, NS, page, (keys[0],), 0, 0, page)):
+    for bad in (FetchRequest(1, NS, page, (keys[0],), VERIFY, 0, offset), FetchRequest(1, NS, page, (keys[0],), 0, 0, page),
+                FetchRequest(1, NS, page, (keys[0],), 0, 0, offset, page), FetchRequest(1, NS, page, (keys[0],), PENDING),
+                FetchRequest(1, NS, page, (keys[0],), 0, 0, 0, 0, bytes([7]) * 16)):
         try:
             FetchRequest.decode(bad.encode())
         except InvalidRequest:

@@ -1,16 +1,16 @@
 """A second adversarial review of the layer-wise handoff pushes (DESIGN §12.7), reworked in
 1178487: the decode node fetches each slot's rest from the holder while it holds the handoff's
-LayerLanding lock, then commits or gives the slots back. Each test here pins a defect found in that
-rework as a strict xfail."""
+LayerLanding lock, then commits or gives the slots back. Each test failed on that rework (the
+fetch's call returned while the fetch still wrote into the slots; a slot of another layout
+committed under it) and passes since."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
-
-import pytest
 
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus
 from kvstore.page import LayoutDesc
@@ -28,7 +28,7 @@ class _DrainingFetcher:
         self.drain_s = drain_s
         self.last_write: float | None = None
 
-    async def fetch(self, namespace_id, keys, views, timeout_s, generation=0, verify=False, hashed=True, offset=0):
+    async def fetch(self, namespace_id, keys, views, timeout_s, generation=0, **kw):
         try:
             await asyncio.sleep(timeout_s + 10)  # a stalled holder: the receive is still open
         except asyncio.CancelledError:
@@ -40,10 +40,6 @@ class _DrainingFetcher:
         return FetchResult([FetchStatus.OK] * len(keys), checksums=[0] * len(keys))
 
 
-@pytest.mark.xfail(strict=True, reason="gate_handoffs._rest runs fetch_rest with cluster.call(..., timeout + 1) without "
-                   "to_end=True: past its time the call returns at once while the cancelled fetch still writes into the "
-                   "slot views, which LayerLanding.commit then releases and aborts (the slots given back, perhaps another "
-                   "page's since)")
 def test_the_rest_fetch_returns_only_once_it_stopped_writing_into_the_slots() -> None:
     """LayerLanding's lock promises that no byte is written into a slot given back. The rest's fetch
     writes into the slots: ``_rest`` must not return (and let ``commit`` abort the allocation) while
@@ -56,6 +52,7 @@ def test_the_rest_fetch_returns_only_once_it_stopped_writing_into_the_slots() ->
         runtime = SimpleNamespace(_loop=loop, node="c", peers=SimpleNamespace(get=lambda node: SimpleNamespace(fetcher=fetcher)))
         runtime.call = lambda coro, timeout_s, to_end=False: ClusterRuntime.call(runtime, coro, timeout_s, to_end)
         gate = SimpleNamespace(cluster=runtime)
+        gate._fetch = lambda *args, **kw: HandoffGate._fetch(gate, *args, **kw)  # type: ignore[arg-type]
         context = SimpleNamespace(time_remaining=lambda: 0.1 + MARGIN_S)
         slot = bytearray(64)
         views = [memoryview(slot)[16:]]
@@ -71,9 +68,6 @@ def test_the_rest_fetch_returns_only_once_it_stopped_writing_into_the_slots() ->
         loop.close()
 
 
-@pytest.mark.xfail(strict=True, reason="LayerLanding.land drops a range at 0 of another layout without starting the slot "
-                   "again, and commit checks only the bytes' hash: a slot landed under layout A is committed under A when "
-                   "the holder stored the page under B with the same bytes (the page's header, and so every read, says A)")
 def test_a_page_is_committed_with_the_holders_layout(tmp_path) -> None:
     """An abandoned save lands layer 0 under layout A; the save is retried under layout B (same
     page size) and stored at the holder; B's range at 0 is dropped (the slot keeps A). The page's
@@ -97,9 +91,17 @@ def test_a_page_is_committed_with_the_holders_layout(tmp_path) -> None:
     stored = bytes(b.page_bytes)  # the holder's page, layout B
     layer_a = a.page_bytes // a.num_layers
     landing = LayerLanding(core)
-    assert landing.land(ns, a, [key], 0, layer_a, stored[:layer_a], gen, lambda new: NodeLanding(core)) == 1
+
+    def pull(length: int) -> Callable[[list[bytes], list[memoryview]], list[bool]]:
+        def fetched(keys: list[bytes], views: list[memoryview]) -> list[bool]:
+            for view in views:
+                view[:] = stored[:length]
+            return [True] * len(keys)
+        return fetched
+
+    assert landing.land(ns, a, [key], 0, layer_a, gen, lambda new: NodeLanding(core), pull(layer_a)) == 1
     layer_b = b.page_bytes // b.num_layers
-    assert landing.land(ns, b, [key], 0, layer_b, stored[:layer_b], gen, lambda new: NodeLanding(core)) == 0
+    assert landing.land(ns, b, [key], 0, layer_b, gen, lambda new: NodeLanding(core), pull(layer_b)) == 0
 
     def rest(keys: list[bytes], views: list[memoryview], offset: int) -> list[int]:
         for view in views:

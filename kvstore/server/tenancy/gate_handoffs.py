@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus
-from kvstore.errors import InvalidRequest, KVStoreError, LimitExceeded, PermissionDenied, TierUnavailable
+from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import NO_ALLOCATION
 from kvstore.security.identity import Identity, Rights
@@ -174,9 +174,10 @@ class HandoffGate:
         left = context.time_remaining()
         timeout = max(0.01, (left if left is not None else 30.0) - MARGIN_S)
         try:
+            # to the end: a fetch cut at its deadline returns once it stopped writing into the views (slots given back next)
             return self.cluster.call(fetch_range(self.cluster.peers, holder, ns, keys, views, offset, page_bytes, timeout,
-                                                 generation, allocation), timeout + 1)
-        except (TimeoutError, KVStoreError) as exc:
+                                                 generation, allocation), timeout + 1, to_end=True)
+        except Exception as exc:  # noqa: BLE001 - any failure (a timeout, the node leaving): those pages come whole
             logger.info("a range of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
             return None
 
