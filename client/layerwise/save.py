@@ -135,12 +135,13 @@ class LayerSave:
             renewed = time.monotonic()
             pages = LayerCopies(self.kv, layout, self.first_page, outgoing.indices, outgoing.buffers)
             said = 0  # leading layers said to the server
+            ahead = len(outgoing.indices) * layout.page_bytes >= client.push_layers_min_bytes
             for _ in range(layout.num_layers):
                 layer, renewed = self._next_layer(outgoing, renewed)
                 if layer is None:
                     raise KVStoreError("layer-wise save abandoned before the engine marked every layer done; nothing was stored")
                 pages.copy(layer)
-                if said < pages.hashed < layout.num_layers and outgoing.indices and client.pushes(self.keys):
+                if ahead and said < pages.hashed < layout.num_layers and client.pushes(self.keys):
                     said = pages.hashed  # not waited for: the next layer's copy goes on (a renewal the commit overtakes is moot)
                     runtime.submit(_say_written(outgoing, said, client.timeout_s))
             sums = pages.checksums()

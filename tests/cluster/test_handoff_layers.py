@@ -45,6 +45,7 @@ async def test_layers_go_ahead_of_the_commit_and_are_committed_in_place(cluster_
     ahead = LAYOUT.num_layers - 1
     layered = data_plane != "grpc"
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        prefill.push_layers_min_bytes = 0  # these saves are a few small pages: their layers go ahead all the same
         handoff = new_handoff_id()
         await prefill.handoff_open(handoff, "c", tokens=tokens)
         save = prefill.save(tokens, kv)
@@ -74,6 +75,7 @@ async def test_a_save_given_up_midway_leaves_nothing_at_the_decode_node(cluster_
     tokens = tokens_of(62, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=62)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        prefill.push_layers_min_bytes = 0  # these saves are a few small pages: their layers go ahead all the same
         handoff = new_handoff_id()
         await prefill.handoff_open(handoff, "c", ttl_s=1.0, tokens=tokens)
         save = prefill.save(tokens, kv)
@@ -123,6 +125,28 @@ async def test_layers_that_landed_wrong_are_never_served(cluster_nodes) -> None:
         assert await decode.get(hit, got) == len(tokens)
         assert torch.equal(got, kv)
         assert _metric(port, "kvstore_handoff_layer_pages_total") == 0  # none committed from the wrong layers
+
+
+async def test_a_small_save_sends_no_layer_ahead(cluster_nodes) -> None:
+    """Below ``push_layers_min_bytes`` (8 MiB) a save says no layer: its layers going ahead would save
+    a handoff little and cost the prefill a few hops per layer (DESIGN §12.7); the pages go whole."""
+    port = free_port()
+    [a] = cluster_nodes(["a"], "tcp")
+    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    tokens = tokens_of(64, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=64)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", tokens=tokens)
+        save = prefill.save(tokens, kv)
+        for layer in range(LAYOUT.num_layers - 1):
+            save.layer_done(layer)
+        assert await save.finished() == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)
+        assert _metric(port, "kvstore_handoff_layer_bytes_total") == 0
 
 
 async def _landed(port: int, at_least: int) -> bool:

@@ -39,6 +39,7 @@ async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: 
 
     clients = {name: KVStoreClient(node.address, NS) for name, node in nodes.items()}
     for client in clients.values():
+        client.push_layers_min_bytes = 0  # the prompts are a few small pages: layered handoffs send them ahead all the same
         await client.connect()
     try:
         for step in range(30):

@@ -40,6 +40,7 @@ async def test_a_save_retried_after_an_abandoned_one_is_handed_off_intact(cluste
     old = random_kv(LAYOUT, len(tokens), seed=70)  # the abandoned attempt's bytes
     kv = random_kv(LAYOUT, len(tokens), seed=71)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        prefill.push_layers_min_bytes = 0  # a few small pages: their layers go ahead all the same
         keys = prefill.keys(tokens)
         assert isinstance(prefill.transport, ShmTransport)
         handoff = new_handoff_id()
