@@ -243,9 +243,10 @@ async def test_a_missing_handoff_is_recomputed(engines: dict[str, EngineProcess]
 
 def test_link_between_the_nodes_cut(engines: dict[str, EngineProcess], nodes: dict[str, Node],
                                     links: dict[str, TcpProxy]) -> None:
-    """The nodes cannot reach each other (their link cut both ways before the prefill: the decode
-    node fetches from the prefill node, which pushes layers to it): no page gets to the decode
-    node, Complete hands off nothing, the decode side recomputes with the colocated output."""
+    """The nodes cannot reach each other (their link cut both ways before the prefill: the prefill
+    node calls the decode node's Handoff service, the decode node fetches from the prefill node):
+    no page gets to the decode node, Complete hands off nothing, the decode side recomputes with
+    the colocated output."""
     prompt = tokens(4 * BLOCK + 1, seed=11)
     handed = engines["prefill"].call(cmd="pd_stats")["completed_tokens"]
     links["np"].cut()
