@@ -28,3 +28,9 @@ class TransportError(KVStoreError):
     """A node-to-node transfer failed (peer gone, connection reset, deadline passed). Every
     destination buffer of the request is released back to the caller untouched by late bytes;
     pages already verified stay valid."""
+
+
+class DestinationsInUse(TransportError):
+    """A transfer was abandoned while the transport may still write into its destination buffers
+    (UCX receives still posted after the abort): the caller must never hand them to another use
+    (an arena slot kept back, not given to another page)."""

@@ -120,6 +120,8 @@ def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes], des
         raise InvalidRequest("fetch needs one writable destination of the page size per key")
     size = views[0].nbytes
     whole = page_bytes or size + offset
+    if not 0 <= offset < whole or size > whole - offset:
+        raise InvalidRequest(f"a range of {size} bytes from byte {offset} of {whole}-byte pages")
     request = FetchRequest(request_id, namespace_id, whole, tuple(keys), flags, generation, offset,
                            size if size + offset != whole else 0, allocation)
     return request, views, FetchResult([FetchStatus.FAILED] * len(keys), checksums=[0] * len(keys))

@@ -25,7 +25,7 @@ import numpy as np
 os.environ.setdefault("UCX_LOG_FILE", "stderr")
 import ucxx
 
-from kvstore.cluster.cluster_errors import TransportError
+from kvstore.cluster.cluster_errors import DestinationsInUse, TransportError
 from kvstore.cluster.page_fetch import (  # noqa: F401  # re-exported
     FetchResult,
     FetchStatus,
@@ -388,7 +388,7 @@ class UcxPageFetcher:
             _, still = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
             if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
                 logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
-                raise TransportError("receives still posted after abort; do not reuse the destinations")
+                raise DestinationsInUse("receives still posted after abort; do not reuse the destinations")
         for t in receives:
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 # reported through the statuses; the traceback's frames would keep the caller's

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstore.cluster.cluster_errors import DestinationsInUse
 from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
@@ -71,6 +72,7 @@ class LayerLanding:
         self.core = core
         self._lock = threading.Lock()
         self._slots: dict[bytes, _Slot] = {}
+        self._kept: set[bytes] = set()  # allocations kept back (``_keep_back``)
         self._closed = closed
 
     def land(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes], offset: int, length: int, generation: int,
@@ -101,7 +103,11 @@ class LayerLanding:
                     wanted.append((key, slot))
             views = self._views(wanted, offset, length)
             try:
-                arrived = pull([key for key, _ in wanted], views) if views else []
+                try:
+                    arrived = pull([key for key, _ in wanted], views) if views else []
+                except DestinationsInUse:
+                    self._keep_back(wanted)
+                    return 0
                 landed = 0
                 for (_, slot), view, ok in zip(wanted, views, arrived):
                     if ok:
@@ -163,6 +169,8 @@ class LayerLanding:
                 self._finish(group, offset, rest, touched)
             committed = 0
             for allocation_id, (landing, ready, sums) in touched.items():
+                if allocation_id in self._kept:
+                    continue  # a fetch may still write into its slots: neither committed nor given back
                 committed += self._commit(allocation_id, landing, ready, sums)
                 self._drop(allocation_id)
             return committed
@@ -174,7 +182,11 @@ class LayerLanding:
         if not views:
             return
         try:
-            sums = rest(keys, views, offset)
+            try:
+                sums = rest(keys, views, offset)
+            except DestinationsInUse:
+                self._keep_back(wanted)
+                return
             for (key, slot), view, stored in zip(wanted, views, sums):
                 slot.digest.update(view)
                 if slot.digest.intdigest() == stored:  # every byte checked: committed as a checked copy
@@ -200,6 +212,20 @@ class LayerLanding:
             return 0
         self.core.metrics.handoff_layer_pages.inc(len(keys))
         return len(keys)
+
+    def _keep_back(self, wanted: list[tuple[bytes, _Slot]]) -> None:
+        """A fetch into these slots was abandoned while the transport may still write into them: their
+        allocations are not given back but kept for the longest term the lease table allows (a late
+        receive lands in them, not in another page's slot), then reaped; this landing forgets them."""
+        longest = max(self.core.leases.max_lease_ms, self.core.leases.allocation_ttl_ms)
+        for allocation_id in {slot.allocation_id for _, slot in wanted}:
+            try:
+                self.core.renew(allocation_id, longest)
+            except KVStoreError:
+                pass  # gone already
+            self._kept.add(allocation_id)
+            self._drop(allocation_id)
+        logger.error("%d handoff slots kept back: a fetch into them may still write", len(wanted))
 
     def _drop(self, allocation_id: bytes) -> None:
         for key in [k for k, s in self._slots.items() if s.allocation_id == allocation_id]:

@@ -1,7 +1,8 @@
 """A third adversarial review of the layer-wise handoff pushes (DESIGN §12.7), as pulled over the
 data plane (cd398a4, 2e8ca6d, 2641139): PushLayers names the prefill node's allocation and a range,
 and the decode node fetches that range of the pages not committed yet (fetch_frames v4, PENDING).
-Each test here is a strict xfail for a defect found; it passes once the defect is fixed."""
+Each test failed on that version (a range request its own decoder refuses; slots given back after a
+UCX fetch said its destinations may still be written into) and passes since."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from kvstore.page_wire.fetch_frames import FetchRequest
 NS, KEY = b"\x01" * 16, b"\x02" * 16
 
 
-@pytest.mark.xfail(strict=True, reason="start_fetch does not check a range against page_bytes: it builds v4 requests "
-                                       "its own FetchRequest.decode refuses, so the peer drops the connection (a FAILED "
-                                       "fetch, a 'bad frame' warning at the sender) instead of InvalidRequest here")
 @pytest.mark.parametrize(("dest", "offset", "page_bytes"), [
     (64, 32, 64),   # offset + length past the page's end
     (64, 0, 32),    # a range longer than the page
@@ -34,13 +32,9 @@ def test_start_fetch_refuses_a_range_outside_the_page(dest: int, offset: int, pa
     FetchRequest.decode(request.encode())  # raises InvalidRequest: the sender would drop the connection
 
 
-@pytest.mark.xfail(strict=True, reason="a range fetch that ends with the UCX fetcher's 'receives still posted after abort; "
-                                       "do not reuse the destinations' is taken as any failure (HandoffGate._fetch: "
-                                       "except Exception -> None): LayerLanding gives the slots back, and the next "
-                                       "allocation gets a slot a late receive may still write into")
 def test_slots_a_fetch_may_still_write_into_are_never_given_back(tmp_path) -> None:
     """transport_ucx's ``_abandon``: when posted receives do not finish after the abort it raises
-    TransportError, "do not reuse the destinations". The layer pulls (and the rest's fetch) write
+    DestinationsInUse (a TransportError), "do not reuse the destinations". The layer pulls (and the rest's fetch) write
     into the decode node's slots; on that error the slots must not go back to the allocator (kept,
     or leaked, until the node restarts), else a late receive overwrites another page's slot."""
     import asyncio
@@ -49,7 +43,7 @@ def test_slots_a_fetch_may_still_write_into_are_never_given_back(tmp_path) -> No
 
     from support.servers import make_config
 
-    from kvstore.cluster.cluster_errors import TransportError
+    from kvstore.cluster.cluster_errors import DestinationsInUse
     from kvstore.cluster.page_fetch import FetchStatus
     from kvstore.page import LayoutDesc
     from kvstore.server.cluster.cluster_runtime import ClusterRuntime
@@ -60,7 +54,7 @@ def test_slots_a_fetch_may_still_write_into_are_never_given_back(tmp_path) -> No
 
     class _StuckReceives:
         async def fetch(self, namespace_id, keys, views, timeout_s, generation=0, **kw):
-            raise TransportError("receives still posted after abort; do not reuse the destinations")
+            raise DestinationsInUse("receives still posted after abort; do not reuse the destinations")
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -76,7 +70,10 @@ def test_slots_a_fetch_may_still_write_into_are_never_given_back(tmp_path) -> No
         ns, key, other = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
         gen = core.directory.generation(ns)
 
+        seen: list[bytes] = []
+
         def pull(wanted: list[bytes], views: list[memoryview]) -> list[bool]:  # as HandoffGate.push_layers's
+            seen.append(landing._slots[wanted[0]].allocation_id)
             result = HandoffGate._fetch(gate, "a", ns, wanted, views, 0, layout.page_bytes, gen, context,  # type: ignore[arg-type]
                                         b"\x07" * 16)
             return [s is FetchStatus.OK for s in result.statuses] if result is not None else []
@@ -84,8 +81,10 @@ def test_slots_a_fetch_may_still_write_into_are_never_given_back(tmp_path) -> No
         landing = LayerLanding(core)
         layer = layout.page_bytes // layout.num_layers
         assert landing.land(ns, layout, [key], 0, layer, gen, lambda new: NodeLanding(core), pull) == 0
-        allocation = landing._slots[key].allocation_id
-        written = core.leases.allocation(allocation).slots[key]  # a late receive may still write here
+        [allocation] = seen
+        kept = core.leases.allocation(allocation)
+        assert kept is not None, "the allocation a receive may still write into was given back"
+        written = kept.slots[key]  # a late receive may still write here
         landing.close()  # the marker went: its slots are given back
         _, slots = core.allocate(ns, layout, [other], generation=gen)
         assert slots[0][1] != written, "a slot a receive may still write into was given to another page"

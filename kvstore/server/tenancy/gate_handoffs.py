@@ -8,6 +8,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
+from kvstore.cluster.cluster_errors import DestinationsInUse
 from kvstore.cluster.page_fetch import FetchResult, FetchStatus
 from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.page import LayoutDesc
@@ -177,6 +178,8 @@ class HandoffGate:
             # to the end: a fetch cut at its deadline returns once it stopped writing into the views (slots given back next)
             return self.cluster.call(fetch_range(self.cluster.peers, holder, ns, keys, views, offset, page_bytes, timeout,
                                                  generation, allocation), timeout + 1, to_end=True)
+        except DestinationsInUse:
+            raise  # the views may still be written into: LayerLanding keeps their slots back
         except Exception as exc:  # noqa: BLE001 - any failure (a timeout, the node leaving): those pages come whole
             logger.info("a range of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
             return None
