@@ -24,6 +24,7 @@ from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest, LimitExceeded
 from kvstore.security.interceptor import current_identity
 from kvstore.server.handoff_markers import MAX_TTL_S
+from kvstore.server.leases import HANDLE_BYTES
 from kvstore.server.placement import Placement
 from kvstore.server.services.rpc_errors import unary
 from kvstore.server.services.streams import StreamGate
@@ -149,8 +150,8 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         offset, length = request.offset, request.length
         if not 0 < length <= layout.page_bytes - offset:
             raise InvalidRequest(f"a range of {length} bytes at {offset} of pages of {layout.page_bytes} bytes")
-        if len(request.allocation) != HANDOFF_ID_BYTES or request.allocation == bytes(HANDOFF_ID_BYTES):
-            raise InvalidRequest(f"allocation must be the holder's allocation handle ({HANDOFF_ID_BYTES} bytes)")
+        if len(request.allocation) != HANDLE_BYTES or request.allocation == bytes(HANDLE_BYTES):
+            raise InvalidRequest(f"allocation must be the holder's allocation handle ({HANDLE_BYTES} bytes)")
         n = self.gate.push_layers(current_identity(), ns, ident, holder, request.tenant, layout, keys, offset, length,
                                   bytes(request.allocation), ttl_ms(request.ttl_ms), context)
         return handoff_pb2.PushLayersResponse(num_pages=n)
