@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.cluster.cluster_errors import DestinationsInUse
 from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.pagecopy import running_checksum
@@ -105,7 +104,9 @@ class LayerLanding:
             try:
                 try:
                     arrived = pull([key for key, _ in wanted], views) if views else []
-                except DestinationsInUse:
+                except KVStoreError as exc:
+                    if not _destinations_in_use(exc):
+                        raise
                     self._keep_back(wanted)
                     return 0
                 landed = 0
@@ -184,7 +185,9 @@ class LayerLanding:
         try:
             try:
                 sums = rest(keys, views, offset)
-            except DestinationsInUse:
+            except KVStoreError as exc:
+                if not _destinations_in_use(exc):
+                    raise
                 self._keep_back(wanted)
                 return
             for (key, slot), view, stored in zip(wanted, views, sums):
@@ -239,3 +242,11 @@ class LayerLanding:
             self._slots.clear()
             for allocation_id in allocations:
                 self.core.abort(allocation_id)
+
+
+def _destinations_in_use(exc: BaseException) -> bool:
+    """Whether a fetch ended with its destinations perhaps still written into (cluster mode's
+    ``DestinationsInUse``; imported here only when one was raised: a single node loads no cluster code)."""
+    from kvstore.cluster.cluster_errors import DestinationsInUse
+
+    return isinstance(exc, DestinationsInUse)

@@ -69,6 +69,7 @@ COVERAGE = {
     "Handoff.Complete": "test_b_cannot_take_or_disturb_as_handoffs",
     "Handoff.Wait": "test_b_cannot_take_or_disturb_as_handoffs",
     "Handoff.Push": "test_tenants_cannot_make_the_node_only_calls",
+    "Handoff.PushLayers": "test_tenants_cannot_make_the_node_only_calls",
     "Migration.Copy": "test_b_cannot_move_fence_or_probe_as_session",
     "Migration.Fence": "test_b_cannot_move_fence_or_probe_as_session",
     "Migration.Adopt": "test_b_cannot_move_fence_or_probe_as_session",
@@ -78,7 +79,7 @@ COVERAGE = {
 
 # What only nodes may do (the node right), each attacked by test_tenants_cannot_make_the_node_only_calls:
 # whole RPCs, and the request fields that make an RPC a node's call.
-NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Handoff.Push", "Directory.Remove.node", "Directory.Lookup.local_only",
+NODE_ONLY = {"Directory.Publish", "Data.GrantTransfer", "Handoff.Push", "Handoff.PushLayers", "Directory.Remove.node", "Directory.Lookup.local_only",
              "Directory.Lookup.tenant", "Data.ReadPages.local_only", "Data.ReadPages.tenant", "Data.Replicate.holder", "Data.Replicate.tenant"}
 _NODE_FIELDS = {"node", "local_only", "tenant", "holder"}  # request fields by these names make a call a node's
 
@@ -162,6 +163,9 @@ def test_tenants_cannot_make_the_node_only_calls(world: World) -> None:
         push = handoff_pb2.PushHandoffRequest(namespace_id=ns, handoff_id=b"h" * 16, keys=keys, holder="n2", tenant="a",
                                               page_bytes=PAGE_BYTES, complete=True)
         assert caller.code(handoff_pb2_grpc.HandoffStub(caller.channel).Push, push) == DENIED
+        layers = handoff_pb2.PushLayersRequest(namespace_id=ns, handoff_id=b"h" * 16, keys=keys, holder="n2", tenant="a",
+                                               layout=LAYOUT, offset=0, length=1, allocation=b"x" * 16)
+        assert caller.code(handoff_pb2_grpc.HandoffStub(caller.channel).PushLayers, layers) == DENIED
     replicate = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1)
     assert b(b.data.Replicate, replicate).num_pages == 0 and a(a.data.Replicate, replicate).num_pages == len(keys)
     assert world.server.core.directory.get(record.key) is None

@@ -8,8 +8,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
-from kvstore.cluster.cluster_errors import DestinationsInUse
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus
 from kvstore.errors import InvalidRequest, LimitExceeded, PermissionDenied, TierUnavailable
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import NO_ALLOCATION
@@ -24,6 +22,7 @@ from kvstore.server.tenancy.quotas import NOTHING, Reservation
 from kvstore.server.tenancy.room import CallContext, room
 
 if TYPE_CHECKING:  # cluster mode is imported only when the server runs it
+    from kvstore.cluster.page_fetch import FetchResult
     from kvstore.server.cluster import ClusterRuntime
     from kvstore.server.cluster.landing import Landing
 
@@ -148,6 +147,8 @@ class HandoffGate:
         try:
             marker = self._markers.open(who.tenant, ns, ident, ttl_ms)
             self._markers.arrived(marker, [], pushed=True)  # as the announce: a wait sleeps until the pages come
+            from kvstore.cluster.page_fetch import FetchStatus  # cluster mode only
+
             def pull(wanted: list[bytes], views: list[memoryview]) -> list[bool]:
                 result = self._fetch(holder, ns, wanted, views, offset, layout.page_bytes, marker.generation, context, allocation)
                 return [s is FetchStatus.OK for s in result.statuses] if result is not None else []
@@ -169,7 +170,8 @@ class HandoffGate:
     def _fetch(self, holder: str, ns: bytes, keys: list[bytes], views: list[memoryview], offset: int, page_bytes: int,
                generation: int, context: CallContext, allocation: bytes = NO_ALLOCATION) -> FetchResult | None:
         """layer_pushes.fetch_range on the cluster loop, within the caller's deadline; None when it failed."""
-        from kvstore.server.cluster.layer_pushes import fetch_range  # cluster mode only
+        from kvstore.cluster.cluster_errors import DestinationsInUse  # cluster mode only
+        from kvstore.server.cluster.layer_pushes import fetch_range
 
         assert self.cluster is not None
         left = context.time_remaining()
