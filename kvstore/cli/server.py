@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import faulthandler
 import gc
 import logging
@@ -313,12 +314,31 @@ def main(argv: list[str] | None = None) -> int:
     while not done.wait(1.0):  # timed: a signal taken by another thread wakes no untimed wait of the main one
         pass
     logger.info("received %s, shutting down", signal.Signals(received[0]).name)
+    stopped = threading.Event()
     if args.stop_timeout_s > 0:  # a stop that hangs says where, and ends
-        faulthandler.dump_traceback_later(args.stop_timeout_s, exit=True)
+        threading.Thread(target=_stop_watchdog, args=(args.stop_timeout_s, stopped), name="stop-watchdog", daemon=True).start()
+        # the backstop, should the stop hold the GIL: faulthandler's own thread reads the others' frames without
+        # it, and crashed the process (SIGSEGV) once in CI doing so while they ran
+        faulthandler.dump_traceback_later(args.stop_timeout_s + STOP_BACKSTOP_S, exit=True)
     trimmer.stop()
     server.stop()
+    stopped.set()
     faulthandler.cancel_dump_traceback_later()
     return 0
+
+
+STOP_BACKSTOP_S = 10.0
+
+
+def _stop_watchdog(timeout_s: float, stopped: threading.Event) -> None:
+    """Past ``timeout_s`` of the stop: every thread's stack to stderr, then exit 1. The dump runs on
+    this thread holding the GIL, so no other thread's Python frames change under it."""
+    if stopped.wait(timeout_s):
+        return
+    print(f"Timeout ({datetime.timedelta(seconds=timeout_s)})!", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":
