@@ -13,7 +13,16 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
-from kvstore.page_wire.fetch_frames import NO_ALLOCATION, FetchAnswer, FetchRequest, PageEntry, PageStatus, check_keys
+from kvstore.page_wire.fetch_frames import (
+    NO_ALLOCATION,
+    PENDING,
+    VERIFY,
+    FetchAnswer,
+    FetchRequest,
+    PageEntry,
+    PageStatus,
+    check_keys,
+)
 
 
 @dataclass
@@ -105,6 +114,15 @@ def answer_for(request: FetchRequest, pages: Sequence[SourcePage | None]) -> Fet
             entries.append(PageEntry(PageStatus.FOUND, request.page_bytes, page.checksum))
     layout = next((p.layout for p in pages if p is not None and p.layout is not None), None)
     return FetchAnswer(request.request_id, tuple(entries), layout)
+
+
+def fetch_flags(verify: bool, hashed: bool, offset: int, page_bytes: int, allocation: bytes) -> int:
+    """A fetcher's request flags (either transport); InvalidRequest for a range asked hashed or
+    verified (a checksum covers the whole page)."""
+    pending = allocation != NO_ALLOCATION
+    if (offset or page_bytes or pending) and (verify or hashed):
+        raise InvalidRequest("a fetch of a range lands unhashed, unverified: a checksum covers the whole page")
+    return (VERIFY if verify else 0) | (PENDING if pending else 0)
 
 
 def start_fetch(request_id: int, namespace_id: bytes, keys: Sequence[bytes], dests: Sequence[Any], generation: int = 0,

@@ -16,17 +16,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvstore.cluster.cluster_errors import TransportError
-from kvstore.cluster.page_fetch import FetchResult, FetchStatus, start_fetch
+from kvstore.cluster.page_fetch import FetchResult, FetchStatus, fetch_flags, start_fetch
 from kvstore.cluster.tcp_server import HELLO_TIMEOUT_S, MAX_ADMITTING, TcpPageServer, start_thread  # noqa: F401  # re-exported
 from kvstore.cluster.tcp_socket import Deadline, recv_exact, recv_frame, recv_hashed, send_frame, shut, tune
-from kvstore.errors import InvalidRequest
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.fetch_frames import (
     DESCRIBE,
     MAX_FRAME_BYTES,
     NO_ALLOCATION,
-    PENDING,
-    VERIFY,
     FetchAnswer,
     FetchRequest,
     PageStatus,
@@ -168,10 +165,7 @@ class TcpPageFetcher:
         hang; bad arguments raise InvalidRequest. ``offset``, ``page_bytes``: a range of each page from that
         byte on, as long as ``dests`` (unhashed only: the checksum covers the whole page); ``allocation``: of
         the sender's pages not committed yet (fetch_frames.PENDING; checksums 0)."""
-        ranged = bool(offset or page_bytes or allocation != NO_ALLOCATION)
-        if ranged and (verify or hashed):
-            raise InvalidRequest("a fetch of a range lands unhashed, unverified: a checksum covers the whole page")
-        flags = (VERIFY if verify else 0) | (PENDING if allocation != NO_ALLOCATION else 0)
+        flags = fetch_flags(verify, hashed, offset, page_bytes, allocation)
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, flags, offset, page_bytes,
                                              allocation)
         await self._exchange(request, views, result, timeout_s, hashed)

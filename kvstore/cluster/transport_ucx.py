@@ -32,6 +32,7 @@ from kvstore.cluster.page_fetch import (  # noqa: F401  # re-exported
     PageSource,
     SourcePage,
     answer_for,
+    fetch_flags,
     open_pending,
     start_fetch,
 )
@@ -315,10 +316,7 @@ class UcxPageFetcher:
         hang; bad arguments raise InvalidRequest. ``offset``, ``page_bytes``: a range of each page from that
         byte on, as long as ``dests`` (unhashed only: the checksum covers the whole page); ``allocation``: of
         the sender's pages not committed yet (fetch_frames.PENDING; checksums 0)."""
-        ranged = bool(offset or page_bytes or allocation != NO_ALLOCATION)
-        if ranged and (verify or hashed):
-            raise InvalidRequest("a fetch of a range lands unhashed, unverified: a checksum covers the whole page")
-        flags = (VERIFY if verify else 0) | (PENDING if allocation != NO_ALLOCATION else 0)
+        flags = fetch_flags(verify, hashed, offset, page_bytes, allocation)
         request, views, result = start_fetch(next(self._ids), namespace_id, keys, dests, generation, flags, offset, page_bytes,
                                              allocation)
         receives: list[tuple[int, asyncio.Future[Any]]] = []
