@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 import torch
-from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
@@ -26,6 +27,14 @@ from kvstore.page import checksum
 
 PAGE = LAYOUT.page_tokens
 LAYER_BYTES = LAYOUT.page_bytes // LAYOUT.num_layers
+
+
+def prefill_and_decode(cluster_nodes: Callable[..., list[Node]]) -> tuple[Node, Node, int]:
+    """Nodes a (prefill) and c (decode, its /metrics on the port returned) on the TCP data plane."""
+    port = free_port()
+    [a] = cluster_nodes(["a"], "tcp")
+    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    return a, c, port
 
 
 def _metric(port: int, name: str) -> float:
@@ -69,9 +78,7 @@ async def test_layers_go_ahead_of_the_commit_and_are_committed_in_place(cluster_
 
 
 async def test_a_save_given_up_midway_leaves_nothing_at_the_decode_node(cluster_nodes) -> None:
-    port = free_port()
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    a, c, port = prefill_and_decode(cluster_nodes)
     tokens = tokens_of(62, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=62)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
@@ -99,9 +106,7 @@ async def test_layers_that_landed_wrong_are_never_served(cluster_nodes) -> None:
     wrong layer. c hashes what lands and checks the assembled page against the holder's stored
     checksum before it commits: the mix is not committed, the pages come whole, and the decode
     side reads them right the first time."""
-    port = free_port()
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    a, c, port = prefill_and_decode(cluster_nodes)
     tokens = tokens_of(63, 3)
     kv = random_kv(LAYOUT, len(tokens), seed=63)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
@@ -130,9 +135,7 @@ async def test_layers_that_landed_wrong_are_never_served(cluster_nodes) -> None:
 async def test_a_small_save_sends_no_layer_ahead(cluster_nodes) -> None:
     """Below ``push_layers_min_bytes`` (8 MiB) a save says no layer: its layers going ahead would save
     a handoff little and cost the prefill a few hops per layer (DESIGN §12.7); the pages go whole."""
-    port = free_port()
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    a, c, port = prefill_and_decode(cluster_nodes)
     tokens = tokens_of(64, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=64)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:

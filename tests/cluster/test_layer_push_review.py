@@ -13,7 +13,7 @@ from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F40
 from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
-from test_handoff_layers import LAYER_BYTES, _landed, _metric
+from test_handoff_layers import LAYER_BYTES, _landed, _metric, prefill_and_decode
 
 from kvstore import validate
 from kvstore._proto import handoff_pb2
@@ -33,9 +33,7 @@ async def test_a_save_retried_after_an_abandoned_one_is_handed_off_intact(cluste
     bit-identical: another batch shape) and the handoff completed. The decode side's read must
     get the pages: a's pushes must not commit at c a page made of the abandoned save's layer 0
     and the stored page's other layers (which fails its check: PageCorrupt, a recompute)."""
-    port = free_port()
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    a, c, port = prefill_and_decode(cluster_nodes)
     tokens = tokens_of(71, 3)
     old = random_kv(LAYOUT, len(tokens), seed=70)  # the abandoned attempt's bytes
     kv = random_kv(LAYOUT, len(tokens), seed=71)
