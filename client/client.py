@@ -93,6 +93,9 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.load_bps = 0.0  # measured by layer-wise loads (EWMA)
         self.max_pages = 4096
+        # the highest namespace generation an answer named: an engine's request that learned none
+        # of its own saves in it, so that an invalidation acknowledged since refuses them (DESIGN §3)
+        self.generation_seen = 0
         self.node = ""
         self._runtime: Runtime | None = None
         self._calls = Calls(None)  # every unary call (its runtime and channels set at connect)
@@ -241,7 +244,12 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
             n += resp.num_pages
             if resp.num_pages < len(batch):
                 break
+        self.saw_generation(generation)
         return Hit(self.namespace.namespace_id, n * self.layout.page_tokens, keys[:n], runs, generation)
+
+    def saw_generation(self, generation: int) -> None:
+        """Keeps the highest namespace generation an answer named (``generation_seen``)."""
+        self.generation_seen = max(self.generation_seen, generation)
 
     async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
                   session_open: bool = False, replicas: int = 1, generation: int | None = None, session_id: str = "") -> int:
@@ -356,10 +364,10 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return load
 
     def save(self, tokens: Any, kv: torch.Tensor | EngineKV, start: int = 0, durable: bool = False,
-             session_id: str = "") -> LayerSave:
+             session_id: str = "", generation: int | None = None) -> LayerSave:
         """Starts a layer-wise save of the full pages of ``tokens`` from token ``start`` (page-aligned: usually
-        ``hit.num_tokens``) on; ``session_id``: as put's; see LayerSave."""
-        save = LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable, session_id)
+        ``hit.num_tokens``) on; ``session_id``, ``generation``: as put's; see LayerSave."""
+        save = LayerSave(self, tokens, as_engine_kv(kv, self.layout), start, durable, session_id, generation)
         self._handles.add(save)
         return save
 

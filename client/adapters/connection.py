@@ -26,7 +26,7 @@ from kvstore.client.client import KVStoreClient
 from kvstore.client.transport import ShmTransport
 from kvstore.errors import ConfigError, KVStoreError, PermissionDenied, Unauthenticated
 from kvstore.security.credentials import Credentials
-from kvstore.types import Namespace
+from kvstore.types import PAGE_KEY_BYTES, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ RELEASE_TIMEOUT_S = 0.2  # a release over the call channel blocks a hook this lo
 class ArenaLease:
     """Leading pages of a lookup, pinned in the server's shared arena until ``expires_at``
     (``time.monotonic()``) or release: where each page's bytes are and their checksum.
-    ``namespace_id``: the (salted) namespace the pages were leased in."""
+    ``namespace_id``: the (salted) namespace the pages were leased in; ``generation``: its
+    generation read before them (the request's saves name it, DESIGN §3)."""
 
     lease_id: bytes
     offsets: list[int]
@@ -47,6 +48,7 @@ class ArenaLease:
     expires_at: float
     namespace_id: bytes = b""
     arena_token: bytes = b""  # the arena the offsets are in: a worker whose client maps another does not copy
+    generation: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -123,6 +125,9 @@ class StoreConnection:
         try:  # asyncio.timeout, not 3.11's wait_for, which swallows a cancel arriving as the connect ends (nothing cancels it today)
             async with asyncio.timeout(self.connect_timeout_s):
                 await client.connect()
+                # learns the namespace's generation: a request that learns none of its own (no lookup,
+                # a decode's handoff) saves in the highest its client saw (vllm/scheduler.py)
+                await client.lookup_keys([bytes(PAGE_KEY_BYTES)])
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
             await _close_client(client)
             if _refusal(exc):
@@ -201,20 +206,33 @@ class StoreConnection:
         return self._lease(client, acq, started)
 
     def num_stored(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> int:
-        """How many leading ``keys`` are stored: over the same-host call channel from this
-        thread when the client has one (no hop to the runtime, as ``acquire``), else a
-        bounded ``run`` of ``lookup_keys``. TimeoutError past ``timeout_s``; KVStoreError."""
+        """How many leading ``keys`` are stored (``stored_prefix``'s pages)."""
+        return self.stored_prefix(client, keys, timeout_s)[0]
+
+    def stored_prefix(self, client: KVStoreClient, keys: list[bytes], timeout_s: float) -> tuple[int, int]:
+        """How many leading ``keys`` are stored, and the namespace generation read before them:
+        over the same-host call channel from this thread when the client has one (no hop to the
+        runtime, as ``acquire``), else a bounded ``run`` of ``lookup_keys``. TimeoutError past
+        ``timeout_s``; KVStoreError."""
         calls = client.calls
         if calls.blocking is None:
-            return self.run(client, client.lookup_keys(keys), timeout_s).num_pages
-        deadline, found = time.monotonic() + timeout_s, 0
+            hit = self.run(client, client.lookup_keys(keys), timeout_s)
+            return hit.num_pages, hit.generation
+        deadline, found, generation = time.monotonic() + timeout_s, 0, None
         for start in range(0, len(keys), client.max_pages):
             batch = keys[start : start + client.max_pages]
             request = directory_pb2.LookupRequest(namespace_id=client.namespace.namespace_id, keys=batch)
-            found += calls.call("Directory.Lookup", request, max(1e-3, deadline - time.monotonic())).num_pages
+            answer = calls.call("Directory.Lookup", request, max(1e-3, deadline - time.monotonic()))
+            if generation is not None and answer.generation != generation:  # invalidated between two batches
+                return 0, int(answer.generation)
+            generation = int(answer.generation)
+            found += answer.num_pages
             if found < start + len(batch):
                 break
-        return found
+        if generation is None:
+            return 0, client.generation_seen
+        client.saw_generation(generation)
+        return found, generation
 
     def _acquire_here(self, client: KVStoreClient, keys: list[bytes], timeout_s: float, started: float) -> ArenaLease | None:
         """``acquire`` over the same-host call channel, blocking this thread (no event-loop hop);
@@ -231,12 +249,13 @@ class StoreConnection:
 
     def _lease(self, client: KVStoreClient, acq: Any, started: float) -> ArenaLease:
         """The ArenaLease of an Acquire's answer, over either channel; an empty one is given back at once."""
-        namespace_id = client.namespace.namespace_id
+        namespace_id, generation = client.namespace.namespace_id, int(acq.generation)
+        client.saw_generation(generation)
         if not acq.pages:
             self.release(client, acq.lease_id)
-            return ArenaLease(acq.lease_id, [], [], started, namespace_id)
+            return ArenaLease(acq.lease_id, [], [], started, namespace_id, generation=generation)
         return ArenaLease(acq.lease_id, [p.offset for p in acq.pages], [p.checksum for p in acq.pages],
-                     started + client.lease_ms / 1000, namespace_id, bytes(acq.arena_token))
+                          started + client.lease_ms / 1000, namespace_id, bytes(acq.arena_token), generation)
 
     def _release_late(self, client: KVStoreClient, late: Future[Any]) -> None:
         if not late.cancelled() and late.exception() is None:

@@ -35,7 +35,7 @@ class LayerSave:
     """Handle of a layer-wise save; see the module docstring."""
 
     def __init__(self, client: KVStoreClient, tokens: Any, kv: EngineKV, start: int, durable: bool,
-                 session_id: str = "") -> None:
+                 session_id: str = "", generation: int | None = None) -> None:
         layout = client.layout
         if start % layout.page_tokens:
             raise InvalidRequest(f"save start {start} must be page-aligned ({layout.page_tokens} tokens)")
@@ -49,6 +49,7 @@ class LayerSave:
         self.parent = keys[self.first_page - 1] if self.first_page else b""  # the server evicts the tail of a prefix first
         self.durable = durable
         self.session_id = session_id  # the session saved (its fence refuses the save at the server)
+        self.generation = generation  # the one the KV was computed in (the server refuses it once invalidated)
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._marked: set[int] = set()
         self._result: int | None = None
@@ -126,7 +127,7 @@ class LayerSave:
 
     def _run(self) -> None:
         client, layout, runtime = self.client, self.client.layout, self.client.runtime
-        outgoing = client.transport.outgoing(self.session_id)
+        outgoing = client.transport.outgoing(self.session_id, self.generation)
         try:
             if not self.keys:
                 self._result = self.first_page * layout.page_tokens

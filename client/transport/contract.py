@@ -104,6 +104,8 @@ class Transport(Protocol):
       tokens; no unverified byte is left in ``into``, and no copy runs once it returned.
     * ``session_id`` (put, outgoing): the session whose pages are saved, named to the server,
       which refuses the save (SessionFenced) once a live migration fenced the session there.
+    * ``generation`` (put, outgoing): the namespace generation the KV was computed in (None: the
+      server's current); refused (StaleGeneration) once an invalidation raised it.
     * ``staged`` / ``outgoing``: empty holders for layer-wise loads and saves; ``staged(on_device=True)``
       for a load that copies on a device (pages the server placed in this client's hbm pool
       are then read from there).
@@ -116,7 +118,7 @@ class Transport(Protocol):
 
     def staged(self, on_device: bool = False) -> Staged: ...
 
-    def outgoing(self, session_id: str = "") -> Outgoing: ...
+    def outgoing(self, session_id: str = "", generation: int | None = None) -> Outgoing: ...
 
     def close(self) -> None: ...
 

@@ -277,5 +277,5 @@ class ShmTransport:
         hbm pool where the server placed them there (shm_staged.py)."""
         return LeasedPages(self, on_device)
 
-    def outgoing(self, session_id: str = "") -> SlotOutgoing:
-        return SlotOutgoing(self, session_id)
+    def outgoing(self, session_id: str = "", generation: int | None = None) -> SlotOutgoing:
+        return SlotOutgoing(self, session_id, generation)

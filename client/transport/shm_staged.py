@@ -111,9 +111,10 @@ class SlotOutgoing:
     """A layer-wise save's pages, copied straight into allocated arena slots and committed
     at publish; an allocation not committed is aborted at discard."""
 
-    def __init__(self, shm: ShmTransport, session_id: str = "") -> None:
+    def __init__(self, shm: ShmTransport, session_id: str = "", generation: int | None = None) -> None:
         self.shm = shm
         self.session_id = session_id  # named at allocation: the commit is refused once the session is fenced
+        self.generation = generation  # named at allocation: refused, also at commit, once an invalidation raised it
         self.buffers: list[torch.Tensor] = []
         self.indices: list[int] = []
         self.asked = 0
@@ -122,7 +123,7 @@ class SlotOutgoing:
         self._held: ArenaMap | None = None  # the arena of the reserved slots, from reserve to discard
 
     async def reserve(self, keys: list[bytes], parent: bytes = b"") -> None:
-        alloc = await self.shm.granted(self.shm.allocate(keys, parent, session_id=self.session_id),
+        alloc = await self.shm.granted(self.shm.allocate(keys, parent, self.generation, self.session_id),
                                        lambda alloc: self.shm.abort(alloc.allocation_id))
         self._alloc = alloc  # given back by discard, also when the mapping below fails or is cancelled
         arena = self._held = await self.shm.mapping(alloc, _nothing)

@@ -180,8 +180,8 @@ class StreamTransport:
         """Streamed pages land in host buffers whatever ``on_device`` says (no pool is mapped off the server's host)."""
         return StreamedPages(self)
 
-    def outgoing(self, session_id: str = "") -> StreamedOutgoing:
-        return StreamedOutgoing(self, session_id)
+    def outgoing(self, session_id: str = "", generation: int | None = None) -> StreamedOutgoing:
+        return StreamedOutgoing(self, session_id, generation)
 
 
 class StreamedPages:
@@ -225,9 +225,10 @@ class StreamedOutgoing:
     """A layer-wise save's pages, collected in buffers of their own and sent in one
     WritePages stream at publish (nothing is reserved on the server before)."""
 
-    def __init__(self, transport: StreamTransport, session_id: str = "") -> None:
+    def __init__(self, transport: StreamTransport, session_id: str = "", generation: int | None = None) -> None:
         self.transport = transport
         self.session_id = session_id  # named in each page's first chunk: refused once the session is fenced
+        self.generation = generation  # named likewise: refused once an invalidation raised it (DESIGN §3)
         self.keys: list[bytes] = []
         self.parent = b""
         self.buffers: list[torch.Tensor] = []
@@ -244,7 +245,7 @@ class StreamedOutgoing:
         keys, buffers = self.keys, self.buffers
         return await self.transport.write_pages(
             keys, lambda i: self.transport.encode_page(keys[i], buffers[i], checksums[i], durable, 0, b"" if i else self.parent,
-                                                       None, self.session_id, announced(keys, i)))
+                                                       self.generation, self.session_id, announced(keys, i)))
 
     term_s = math.inf  # nothing is reserved on the server
 

@@ -260,18 +260,20 @@ class AcquiredPage(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., checksum: _Optional[int] = ..., on_device: _Optional[bool] = ..., device_offset: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "pages", "page_bytes", "arena_token", "pool_token")
+    __slots__ = ("lease_id", "pages", "page_bytes", "arena_token", "pool_token", "generation")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     POOL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     lease_id: bytes
     pages: _containers.RepeatedCompositeFieldContainer[AcquiredPage]
     page_bytes: int
     arena_token: bytes
     pool_token: bytes
-    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., pool_token: _Optional[bytes] = ...) -> None: ...
+    generation: int
+    def __init__(self, lease_id: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[AcquiredPage, _Mapping]]] = ..., page_bytes: _Optional[int] = ..., arena_token: _Optional[bytes] = ..., pool_token: _Optional[bytes] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "failed")

@@ -45,15 +45,16 @@ class HybridSchedulerSide(SchedulerSide):
         """The stored pages (no lease: the workers fetch them whole), and with state-space
         groups the last boundary before their end whose states are stored."""
         tokens = list(request.prompt_token_ids or ())
-        p, stored, generation = self.page_tokens, 0, 0
+        p, stored = self.page_tokens, 0
         client = self.store.client()
+        generation = self.generation_now(client) or 0  # keys the states; the saves name it (as scheduler.py's)
         if client is not None and len(tokens) > p:
             try:
-                if self.groups.state_groups:  # the generation keys the states
+                if self.groups.state_groups:
                     hit = self.store.run(client, client.lookup_keys(client.keys(tokens)), self.lookup_timeout_s)
                     stored, generation = hit.num_pages, hit.generation
                 else:
-                    stored = self.store.num_stored(client, client.keys(tokens), self.lookup_timeout_s)
+                    stored, generation = self.store.stored_prefix(client, client.keys(tokens), self.lookup_timeout_s)
             except (KVStoreError, TimeoutError) as exc:
                 self.store.failed(client, exc)
         self._generations[request.request_id] = generation

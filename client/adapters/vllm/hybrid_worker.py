@@ -187,7 +187,7 @@ class HybridWorkerSide:
             try:
                 staging = self._blocks().gather(spec.block_ids, spec.first_page, num_pages)
                 keys = client.keys(spec.tokens)[spec.first_page :]
-                job = client.runtime.submit(client.put_keys(keys, staging))
+                job = client.runtime.submit(client.put_keys(keys, staging, generation=spec.generation))  # refused once invalidated
             except KVStoreError as exc:
                 logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
                 self.stats.saves_failed += 1

@@ -41,6 +41,7 @@ class SaveSpec:
     block_ids: list[int]
     first_page: int
     session_id: str = ""
+    generation: int | None = None  # the namespace's the KV was computed in (scheduler.py's RequestState)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class GroupSave:
     block_ids: tuple[list[int], ...]
     first_page: int
     state_blocks: tuple[tuple[int, int], ...] = ()
-    generation: int = 0  # of the pages' namespace at the request's lookup: part of the states' key
+    generation: int = 0  # of the pages' namespace at the request's lookup: part of the states' key; its page puts name it
 
 
 @dataclass(frozen=True)

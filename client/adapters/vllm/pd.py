@@ -100,6 +100,12 @@ class HandoffScheduler:
         hit -= hit % self.block_size
         return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params))
 
+    def _generation_now(self) -> int | None:
+        """A decode's saves name the generation its client saw before its load was planned: a
+        handoff of an older one is not served to it (it recomputes), and an invalidation after
+        refuses the saves of KV computed on the handoff's pages."""
+        return self.scheduler.generation_now(self.scheduler.store.client())
+
     def _deadline(self, req_id: str, params: dict[str, Any]) -> float:
         """The request's ``kvstore_deadline_s``: the configured one unless it is a finite number above
         0 (a sender's mistake is logged), and at most a handoff's longest wait."""
@@ -137,9 +143,10 @@ class HandoffScheduler:
                                            decode.hit_tokens // p - first, decode.deadline_s))
             # its pages are at the store: the request saves from its next page on
             self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids), decode.hit_tokens // p,
-                                              decode.hit_tokens))
+                                              decode.hit_tokens, generation=self._generation_now()))
         elif req_id not in self.scheduler.requests:  # vLLM's own cache covers it: saves as any request
-            self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0))
+            self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0,
+                                              generation=self._generation_now()))
         decode.consumed = True
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request, as vLLM's connectors

@@ -71,7 +71,8 @@ class Unsaveds:
             known.tried = now >= known.wait_until  # given up on: the blocks go back to vLLM
             return None
         known.tried = True
-        return SaveSpec(req_id, known.spec.tokens, known.spec.block_ids, known.stored, known.spec.session_id)  # a fence refuses it too
+        return SaveSpec(req_id, known.spec.tokens, known.spec.block_ids, known.stored, known.spec.session_id,
+                        known.spec.generation)  # a fence refuses it too
 
     def waiting(self, req_id: str) -> bool:
         """True while a finished request still waits for its save again (its blocks stay held)."""

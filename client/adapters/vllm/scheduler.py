@@ -33,6 +33,9 @@ class RequestState:
     lease: ArenaLease | None = None  # held until a load takes it over or the request goes
     session_id: str = ""  # its saves name it (sessions.py): a fence refuses them
     fenced: bool = False  # its session moved: nothing more is saved
+    # the namespace generation its KV is computed in: its lookup's, else the highest its client saw
+    # before it came; its saves name it, so an invalidation acknowledged since refuses them (DESIGN §3)
+    generation: int | None = None
 
 
 def step_meta(out: Any) -> KVStoreConnectorMetadata:
@@ -78,18 +81,28 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or ())
         stored, lease = 0, None
         client = self.store.client()
+        generation = self.generation_now(client)
         if client is not None and len(tokens) > self.page_tokens:
             if client.shared_memory:
                 lease = self.store.acquire(client, client.keys(tokens), self.lookup_timeout_s)
                 stored = lease.num_pages if lease is not None else 0
+                generation = lease.generation if lease is not None else generation
                 lease = lease if stored else None
             else:
                 try:
-                    stored = self.store.run(client, client.lookup(tokens), self.lookup_timeout_s).num_pages
+                    hit = self.store.run(client, client.lookup(tokens), self.lookup_timeout_s)
+                    stored, generation = hit.num_pages, hit.generation
                 except (KVStoreError, TimeoutError) as exc:
                     self.store.failed(client, exc)
         usable = min(stored * self.page_tokens, len(tokens) - 1)
-        return RequestState(request, tokens, stored, usable - usable % self.block_size, lease=lease)
+        return RequestState(request, tokens, stored, usable - usable % self.block_size, lease=lease, generation=generation)
+
+    @staticmethod
+    def generation_now(client: Any) -> int | None:
+        """What a request that learns no generation of its own computes in: the highest its
+        client saw so far (a lower bound of the current one: an invalidation since refuses its
+        saves); None without a client (it saves nothing)."""
+        return client.generation_seen if client is not None else None
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -146,7 +159,8 @@ class SchedulerSide:
         if end > state.stored_pages and not state.fenced and self.store.client() is not None:
             num_blocks = -(-end * p // self.block_size)
             tokens = list(state.request.all_token_ids[: end * p])
-            meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages, state.session_id))
+            meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages, state.session_id,
+                                       state.generation))
             state.stored_pages = end
             state.saving = True
 

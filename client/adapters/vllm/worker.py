@@ -116,7 +116,8 @@ class WorkerSide:
         try:
             kv = RequestKV(self._blocks, spec.block_ids, 0, len(spec.tokens) // self.layout.page_tokens, self.layout,
                            guarded=not computed)
-            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens, session_id=spec.session_id)
+            save = client.save(spec.tokens, kv, start=spec.first_page * self.layout.page_tokens, session_id=spec.session_id,
+                               generation=spec.generation)
         except KVStoreError as exc:  # a cache: this prefix is just not stored
             logger.warning("kvstore save of request %s not started: %s", spec.req_id, exc)
             self.stats.saves_failed += 1

@@ -102,6 +102,7 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         got = self.gate.acquire(current_identity(), ns, keys, request.ttl_ms, context, request.device)
         return data_pb2.AcquireResponse(
             lease_id=got.lease_id, page_bytes=got.page_bytes, arena_token=got.arena_token, pool_token=got.pool_token,
+            generation=got.generation,
             pages=[data_pb2.AcquiredPage(key=p.key, offset=p.offset, checksum=p.checksum, on_device=p.device_offset is not None,
                                          device_offset=p.device_offset or 0) for p in got.pages])
 

@@ -6,6 +6,7 @@ More: kvstore/server/tenancy/README.md (### gate.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -183,9 +184,10 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         its own arena and, with ``device``, copied to its own pool where it may map it (gate_arenas.py)."""
         self._check_arena(who, ns)
         device = self._to_device(who, device)
+        generation = self.core.directory.generation(ns)  # before the pages: leased pages are never of an older one
         ident, pages = self._acquire(who, ns, keys, ttl_ms, context, device, node_call=False)
         try:
-            return self._mapped(who, ident, pages, device)
+            return dataclasses.replace(self._mapped(who, ident, pages, device), generation=generation)
         except BaseException:  # its own arena could not be made (TierFull): a refused call holds no lease (DESIGN §11)
             self.core.release(ident, owner_for(who.tenant))
             raise

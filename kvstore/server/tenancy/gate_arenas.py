@@ -49,13 +49,15 @@ class MappedPage:
 @dataclass(frozen=True)
 class Mapped:
     """Acquire's answer in plain values: the lease, the pages' size, the tokens the caller's
-    arena and pool start with (empty: none), and each page's place."""
+    arena and pool start with (empty: none), each page's place, and the namespace generation
+    read before the pages were leased (an engine's saves name it: DESIGN §3)."""
 
     lease_id: bytes
     page_bytes: int
     arena_token: bytes
     pool_token: bytes
     pages: list[MappedPage]
+    generation: int = 0
 
 
 class ArenaGate:

@@ -44,10 +44,10 @@ def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
         proc.proc.wait(10)
 
 
-def parts(address: str, lookup_timeout_s: float = 5.0,
+def parts(address: str, lookup_timeout_s: float = 5.0, use_shm: bool = True,
           **worker_kw: Any) -> tuple[StoreConnection, SchedulerSide, WorkerSide, dict[str, torch.Tensor]]:
     """``lookup_timeout_s``: generous unless a test is about it (0.2 s missed lookups on a loaded CI)."""
-    store = StoreConnection(address, Namespace(model="parts", revision="r", layout=LAYOUT))
+    store = StoreConnection(address, Namespace(model="parts", revision="r", layout=LAYOUT), use_shm=use_shm)
     assert store.start()
     caches = {name: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for name in NAMES}  # vLLM's CPU layout
     worker = WorkerSide(store, NAMES, BLOCK, NUM_BLOCKS, **worker_kw)
