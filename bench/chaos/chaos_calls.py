@@ -1,6 +1,7 @@
 """The calls a chaos worker makes, each recorded as an ``Op``: through the public client
-(put, lookup + get, invalidate, hint, put with replicas) and raw gRPC where the check is
-that the server refuses (key-level invalidation in cluster mode, another tenant's probe)."""
+(put, lookup + get, invalidate, hint, put with replicas, a direct handoff of a layer-wise save)
+and raw gRPC where the check is that the server refuses (key-level invalidation in cluster
+mode, another tenant's probe)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2
 from kvstore.bench.chaos.chaos_cluster import TENANTS, ChaosCluster
 from kvstore.bench.chaos.history import Op
 from kvstore.bench.chaos.model import LAYOUT, page_digests, prefix_kv
-from kvstore.client import KVStoreClient
+from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.errors import KVStoreError
 from kvstore.page_wire.grpc_chunks import CLIENT_OPTIONS
 from kvstore.security.channel import call_metadata
@@ -32,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 # RPC rounds each kind makes (lookup: 1, get: acquire + release, put: allocate + commit, a
 # replicated put: + Replicate): its deadline budget is rounds x timeout_s (+ validate.MARGIN_S)
-ROUNDS = {"lookup": 1, "read": 3, "put": 2, "replicate": 3, "hint": 1, "invalidate": 1, "key_invalidate": 1, "probe": 2}
+ROUNDS = {"lookup": 1, "read": 3, "put": 2, "replicate": 3, "hint": 1, "invalidate": 1, "key_invalidate": 1, "probe": 2,
+          "handoff": 7}  # open, allocate, commit, complete, wait, acquire, release
+HANDOFF_TTL_S = 10.0  # a handoff whose save was refused or whose wait failed: its marker goes after this
 HUNG_S = 10.0  # past its budget by this much, a call is abandoned and recorded as "Hung"
 TOKENS = {t.name: t.token for t in TENANTS}
 
@@ -63,6 +66,7 @@ class Clients:
                          + [n.name for n in self.cluster.nodes].index(node))
                 client = KVStoreClient(self.cluster.node(node).address, Namespace(model=namespace, revision="r1", layout=LAYOUT),
                                        token=TOKENS[tenant], timeout_s=self.timeout_s, copy_threads=1, use_shm=index % 3 != 0)
+                client.push_layers_min_bytes = 0  # a history's saves are a few small pages: their layers go ahead all the same
                 await client.connect()
                 self._clients[key] = client
         return client
@@ -96,6 +100,19 @@ class Clients:
         self._channels.clear()
 
 
+async def _get(client: KVStoreClient, hit: Hit, op: Op) -> None:
+    """Reads ``hit``: ``op.result`` the tokens read, ``op.pages`` the digest of each page in place
+    (the leading pages of a get cut short too)."""
+    out = torch.zeros((LAYOUT.num_layers, LAYOUT.kv_factor, hit.num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
+                      dtype=LAYOUT.torch_dtype())
+    try:
+        op.result = await client.get(hit, out)
+    except KVStoreError as exc:
+        op.pages = page_digests(out, int(getattr(exc, "num_tokens", 0)) // LAYOUT.page_tokens)
+        raise
+    op.pages = page_digests(out, op.result // LAYOUT.page_tokens)
+
+
 def error_name(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"grpc.{exc.code().name}"
@@ -117,7 +134,8 @@ class Calls:
         self.record = record
         self._bodies: dict[str, Callable[[Planned, list[int], Op], Awaitable[object]]] = {
             "lookup": self._lookup, "put": self._put, "replicate": self._put, "read": self._read, "hint": self._hint,
-            "invalidate": self._invalidate, "key_invalidate": self._key_invalidate, "probe": self._probe}
+            "invalidate": self._invalidate, "key_invalidate": self._key_invalidate, "probe": self._probe,
+            "handoff": self._handoff}
 
     async def do(self, p: Planned, tokens: list[int]) -> None:
         if p.kind == "put" and p.lookup_first:
@@ -158,15 +176,31 @@ class Calls:
         op.result = 0
         if hit.num_tokens == 0:
             return
-        client = await self.clients.get(p.tenant, p.node, p.namespace)
-        out = torch.zeros((LAYOUT.num_layers, LAYOUT.kv_factor, hit.num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim),
-                          dtype=LAYOUT.torch_dtype())
-        try:
-            op.result = await client.get(hit, out)
-        except KVStoreError as exc:  # the leading pages in place are checked too
-            op.pages = page_digests(out, int(getattr(exc, "num_tokens", 0)) // LAYOUT.page_tokens)
-            raise
-        op.pages = page_digests(out, op.result // LAYOUT.page_tokens)
+        await _get(await self.clients.get(p.tenant, p.node, p.namespace), hit, op)
+
+    async def _handoff(self, p: Planned, tokens: list[int], op: Op) -> None:
+        """A direct handoff from ``p.node`` to another node (``op.to_node``), opened with the
+        prompt's keys; a layer-wise save naming the generation the worker knows, its first layer
+        said before the others (``op.saved``: the tokens it stored); the complete; the wait and
+        the read at the decode node as the same tenant (``op.pages``, checked as a read's)."""
+        nodes = [n.name for n in self.clients.cluster.nodes]
+        op.to_node = nodes[(nodes.index(p.node) + 1 + p.root % (len(nodes) - 1)) % len(nodes)]
+        prefill = await self.clients.get(p.tenant, p.node, p.namespace)
+        keys = prefill.keys(tokens)
+        op.keys = [k.hex() for k in keys]
+        op.generation = self.known.get((p.tenant, p.namespace), 0)
+        ident = new_handoff_id()
+        await prefill.handoff_open(ident, op.to_node, HANDOFF_TTL_S, tokens=keys)
+        save = prefill.save(tokens, prefix_kv(p.tenant, p.namespace, op.generation, keys), generation=op.generation)
+        save.layer_done(0)
+        await asyncio.sleep(p.eta_s / 20)  # the first layer goes ahead while "the model" computes the next
+        op.saved = await save.finished()
+        await prefill.handoff_complete(ident, keys)
+        decode = await self.clients.get(p.tenant, op.to_node, p.namespace)
+        hit = await decode.handoff_wait(ident, keys, deadline_s=self.clients.timeout_s)
+        op.hit_tokens, op.result = hit.num_tokens, 0
+        if hit.num_tokens:
+            await _get(decode, hit, op)
 
     async def _put(self, p: Planned, tokens: list[int], op: Op) -> None:
         client = await self.clients.get(p.tenant, p.node, p.namespace)

@@ -32,7 +32,10 @@ def generations(ops: list[Op]) -> dict[tuple[str, str], Generations]:
 
 
 def acknowledged_tokens(op: Op) -> int:
-    """Tokens a put was acknowledged for: its result, or a durable put's durable prefix (PageMissing)."""
+    """Tokens a put was acknowledged for: its result, or a durable put's durable prefix
+    (PageMissing); a handoff's save: what it stored."""
+    if op.kind == "handoff":
+        return op.saved or 0
     if op.kind not in ("put", "replicate") or op.result is None:
         return 0
     return op.result if op.ok or op.error == "PageMissing" else 0
@@ -47,19 +50,19 @@ def check(history: History, timeout_s: float) -> list[Violation]:
         budget = ROUNDS[op.kind] * timeout_s + MARGIN_S
         if op.end - op.start > budget:
             found.append(Violation("d", f"{op.kind} at {op.node} took {op.end - op.start:.2f} s > {budget:.1f} s ({op.error})", i))
-        if op.kind == "read" and op.pages:
+        if op.kind in ("read", "handoff") and op.pages:
             low, high = g.lowest(op.start), g.highest(op.end)
             for k, got in enumerate(op.pages):
                 key = bytes.fromhex(op.keys[k])
                 if got not in {page_digest(op.tenant, op.namespace, gen, key) for gen in range(low, high + 1)}:
-                    found.append(Violation("a", f"page {k} read at {op.node} is not of generations {low}..{high}: "
+                    found.append(Violation("a", f"page {k} read at {op.to_node or op.node} is not of generations {low}..{high}: "
                                            f"{identify(history, got)}", i))
-        elif op.kind in ("put", "replicate") and acknowledged_tokens(op) > 0 and op.generation is not None:
+        if op.kind in ("put", "replicate", "handoff") and acknowledged_tokens(op) > 0 and op.generation is not None:
             low = g.lowest(op.start)
             if op.generation < low:
                 found.append(Violation("stale_put", f"a put naming generation {op.generation} was acknowledged at {op.node} "
                                        f"after an invalidation to {low} was", i))
-        elif op.kind == "key_invalidate" and op.result == 1:
+        if op.kind == "key_invalidate" and op.result == 1:
             found.append(Violation("key_invalidate", f"key-level invalidation was accepted at {op.node} in cluster mode", i))
         if op.kind != "probe" and op.error in ("PermissionDenied", "grpc.PERMISSION_DENIED") and not _probed_meanwhile(ops, op):
             found.append(Violation("tenant_refused", f"{op.kind} of tenant {op.tenant} in its own namespace refused at "

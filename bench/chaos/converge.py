@@ -59,7 +59,7 @@ def durable_prefixes(history: History) -> list[Prefix]:
 
 def sampled_prefixes(history: History) -> list[Prefix]:
     """Every (tenant, namespace, root) the history put, at its full length."""
-    seen = {(op.tenant, op.namespace, op.root) for op in history.ops if op.kind in ("put", "replicate")}
+    seen = {(op.tenant, op.namespace, op.root) for op in history.ops if op.kind in ("put", "replicate", "handoff")}
     return [Prefix(t, ns, root, 0, None) for t, ns, root in sorted(seen)]
 
 

@@ -39,6 +39,8 @@ class Op:
     keys: list[str] = field(default_factory=list)
     pages: list[str] = field(default_factory=list)
     hit_tokens: int | None = None
+    to_node: str = ""  # a handoff's decode node
+    saved: int | None = None  # the tokens a handoff's save stored (acknowledged)
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,7 @@ NUM_ROOTS = 4  # token sequences per history: small, so that workers' keys colli
 NAMESPACES_PER_TENANT = 2
 # kind -> weight. put/replicate name the generation the worker last learned; a put is often
 # preceded by a lookup that learns it (an engine's lookup, compute the rest, put)
-WEIGHTS = {"put": 27, "read": 33, "replicate": 8, "hint": 8, "invalidate": 5, "key_invalidate": 3, "probe": 6}
+WEIGHTS = {"put": 24, "read": 30, "replicate": 7, "hint": 7, "invalidate": 5, "key_invalidate": 3, "probe": 6, "handoff": 8}
 LOOKUP_BEFORE_PUT = 0.6
 DURABLE = 0.4
 
