@@ -76,12 +76,16 @@ def summarize(args: argparse.Namespace, lengths: list[int], bytes_per_token: int
         row["handoff_goal_s"] = _goal_s(nbytes, link_bps / 1e9)
         row["ttft_goal_s"] = row["colocated_ttft_s"] + row["handoff_s"]
         row["second_goal_s"] = row["colocated_second_s"] + row["handoff_s"]
+        for point in ("ttft", "second"):  # paired: each repeat's direct request against the colocated one run beside it
+            excess = [d[f"{point}_s"] - c[f"{point}_s"] - d["handoff_s"] for c, d in zip(arms["colocated"], arms["direct"], strict=True)]
+            row[f"direct_{point}_excess_s_each"] = excess
+            row[f"direct_{point}_excess_s"] = _median(excess)
         rows.append(_rounded(row))
     goals: dict[str, bool] = {}
     for row in rows:
         goals[f"direct_handoff<=1.2x_link+5ms@{row['tokens']}"] = row["handoff_over_goal"] <= 1.0
-        goals[f"direct_ttft<=colocated+handoff@{row['tokens']}"] = row["direct_ttft_s"] <= row["ttft_goal_s"]
-        goals[f"direct_second<=colocated+handoff@{row['tokens']}"] = row["direct_second_s"] <= row["second_goal_s"]
+        goals[f"direct_ttft<=colocated+handoff@{row['tokens']}"] = row["direct_ttft_excess_s"] <= 0
+        goals[f"direct_second<=colocated+handoff@{row['tokens']}"] = row["direct_second_excess_s"] <= 0
     return {"rows": rows, **link, "fixed_s": round(fixed_s, 6), "one_page_handoff_s": round(one_page, 6),
             "one_page_handoff_s_each": [round(s["handoff_s"], 6) for s in measured["fixed"]], "page_bytes": page_bytes,
             "bytes_per_token": bytes_per_token, "model": {"layers": args.layers, "hidden": args.hidden, "kv_heads": args.kv_heads,
@@ -106,8 +110,10 @@ DEFINITIONS = {
                        "bytes / its link). A row's link_gbps: the median of the raw TCP pump's rounds run just before each of "
                        "its direct handoffs (the report's top-level link_gbps: the rounds at the start)",
     "goals": "direct handoff <= 1.2 x bytes / link + 5 ms, each handoff against its own round of the pump (the median of "
-             "handoff_over_goal_each <= 1); direct_ttft_s <= colocated_ttft_s + direct handoff_s; "
-             "direct_second_s <= colocated_second_s + direct handoff_s",
+             "handoff_over_goal_each <= 1); TTFT and the second token paired per repeat (the colocated and the direct "
+             "request of one repeat run back to back, the arms taking turns going first): the median over the repeats of "
+             "direct - colocated - that direct request's handoff_s (direct_ttft_excess_s, direct_second_excess_s) <= 0. "
+             "ttft_goal_s / second_goal_s: the same comparison of the arms' medians, unpaired, for reference",
     "pool": "through the pool here is the prefill node's own host tier, pulled once by the decode node (one transfer), not "
             "the chapter's third-party pool (write + read, two transfers)",
     "cpu_s_per_gb": "user + system CPU seconds (/proc) of the two nodes, and of the two engines (prefill compute included), "
@@ -141,6 +147,11 @@ def print_table(report: dict[str, Any]) -> None:
               f"wait {r['direct_wait_start_s'] * 1e3:.1f}, handoff {r['handoff_s'] * 1e3:.1f}; get {r['direct_get_s'] * 1e3:.1f}, "
               f"decode {r['direct_decode_after_get_s'] * 1e3:.1f}; prefill {r['direct_prefill_s'] * 1e3:.1f} "
               f"(last page stored {r['direct_stored_after_prefill_s'] * 1e3:.1f} after it answered)")
+    print("paired per repeat (ms): direct - colocated - its handoff; the goals ask the median <= 0")
+    for r in report["rows"]:
+        each = ", ".join(f"{x * 1e3:+.1f}" for x in r["direct_ttft_excess_s_each"])
+        print(f"{r['tokens']:>6}: TTFT {r['direct_ttft_excess_s'] * 1e3:+.1f} ({each}); "
+              f"second token {r['direct_second_excess_s'] * 1e3:+.1f}")
     print("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in report["goals"].items()))
 
 

@@ -43,5 +43,9 @@ def test_pd_smoke(tmp_path) -> None:
     assert row["direct_nodes_cpu_s_per_gb"] >= 0 and row["direct_engines_cpu_s_per_gb"] > 0
     assert set(report["goals"]) == {"direct_handoff<=1.2x_link+5ms@64", "direct_ttft<=colocated+handoff@64",
                                     "direct_second<=colocated+handoff@64"}
+    # the TTFT goals are paired per repeat: direct - colocated (the request run beside it) - its handoff
+    excess = row["direct_ttft_s_each"][0] - row["colocated_ttft_s_each"][0] - row["direct_handoff_s_each"][0]
+    assert row["direct_ttft_excess_s_each"] == [pytest.approx(excess, abs=2e-6)]
+    assert report["goals"]["direct_ttft<=colocated+handoff@64"] == (row["direct_ttft_excess_s"] <= 0)
     assert report["all_goals_met"] == all(report["goals"].values())
     assert (tmp_path / "pd.png").stat().st_size > 1000
