@@ -93,9 +93,9 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.load_bps = 0.0  # measured by layer-wise loads (EWMA)
         self.max_pages = 4096
-        # the highest namespace generation an answer named: an engine's request that learned none
-        # of its own saves in it, so that an invalidation acknowledged since refuses them (DESIGN §3)
-        self.generation_seen = 0
+        # the highest namespace generation an answer named (None: none yet): an engine's request that
+        # learned none of its own saves in it, so that an invalidation acknowledged since refuses them (DESIGN §3)
+        self.generation_seen: int | None = None
         self.node = ""
         self._runtime: Runtime | None = None
         self._calls = Calls(None)  # every unary call (its runtime and channels set at connect)
@@ -249,7 +249,7 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
 
     def saw_generation(self, generation: int) -> None:
         """Keeps the highest namespace generation an answer named (``generation_seen``)."""
-        self.generation_seen = max(self.generation_seen, generation)
+        self.generation_seen = generation if self.generation_seen is None else max(self.generation_seen, generation)
 
     async def put(self, tokens: Any, kv: torch.Tensor | EngineKV, *, durable: bool = False, wanted: bool = False,
                   session_open: bool = False, replicas: int = 1, generation: int | None = None, session_id: str = "") -> int:

@@ -125,9 +125,7 @@ class StoreConnection:
         try:  # asyncio.timeout, not 3.11's wait_for, which swallows a cancel arriving as the connect ends (nothing cancels it today)
             async with asyncio.timeout(self.connect_timeout_s):
                 await client.connect()
-                # learns the namespace's generation: a request that learns none of its own (no lookup,
-                # a decode's handoff) saves in the highest its client saw (vllm/scheduler.py)
-                await client.lookup_keys([bytes(PAGE_KEY_BYTES)])
+                await _learn_generation(client)
         except Exception as exc:  # noqa: BLE001 - whatever stops the connection, requests recompute
             await _close_client(client)
             if _refusal(exc):
@@ -230,7 +228,7 @@ class StoreConnection:
             if found < start + len(batch):
                 break
         if generation is None:
-            return 0, client.generation_seen
+            return 0, client.generation_seen or 0
         client.saw_generation(generation)
         return found, generation
 
@@ -303,6 +301,16 @@ class StoreConnection:
             if thread.is_alive():
                 logger.warning("kvstore connection to %s: %s still running %.0f s after close", self.address,
                                thread.name, timeout_s)
+
+
+async def _learn_generation(client: KVStoreClient) -> None:
+    """The namespace's generation, learned at connect: a request that learns none of its own (no
+    lookup, a decode's handoff) saves in the highest its client saw (vllm/scheduler.py). A token
+    without the read right learns none: its saves then name none (the server's current)."""
+    try:
+        await client.lookup_keys([bytes(PAGE_KEY_BYTES)])
+    except KVStoreError as exc:
+        logger.info("kvstore: the namespace's generation was not learned at connect (%s)", exc)
 
 
 def _refusal(exc: BaseException) -> bool:

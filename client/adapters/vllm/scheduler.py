@@ -101,7 +101,8 @@ class SchedulerSide:
     def generation_now(client: Any) -> int | None:
         """What a request that learns no generation of its own computes in: the highest its
         client saw so far (a lower bound of the current one: an invalidation since refuses its
-        saves); None without a client (it saves nothing)."""
+        saves); None where its client saw none (a token without the read right: the save is in
+        the server's current one) or without a client (it saves nothing)."""
         return client.generation_seen if client is not None else None
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
