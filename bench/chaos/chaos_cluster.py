@@ -105,14 +105,21 @@ class EtcdServer:
 
 class ChaosNode:
     """A kvstore-server process on fixed ports: ``--listen`` for clients, ``--advertise`` a
-    proxy to it for peers, and its etcd reached through a proxy of its own."""
+    proxy to it for peers, and its etcd reached through a proxy of its own. ``data_plane``
+    "tcp": pages between nodes go over its TCP data port, which peers reach through a proxy
+    too (``data_link``: a slow data link holds both)."""
 
-    def __init__(self, workdir: Path, name: str, etcd: EtcdServer, auth_file: Path, salts: str, log_level: str) -> None:
+    def __init__(self, workdir: Path, name: str, etcd: EtcdServer, auth_file: Path, salts: str, log_level: str,
+                 data_plane: str = "grpc") -> None:
         self.name = name
         self.port = free_port()
         self.metrics_port = free_port()
         self.inbound = Proxy(("127.0.0.1", self.port))
         self.etcd_link = Proxy(("127.0.0.1", etcd.port))
+        data_port = free_port()
+        self.data_link = Proxy(("127.0.0.1", data_port)) if data_plane == "tcp" else None
+        plane = ["--data-plane", "grpc"] if self.data_link is None else [
+            "--data-plane", "tcp", "--data-port", str(data_port), "--advertise-data-port", str(self.data_link.port)]
         self.dir = workdir / name
         data = self.dir / "data"
         data.mkdir(parents=True, mode=0o700)
@@ -124,7 +131,7 @@ class ChaosNode:
             "--ssd-dir", str(self.dir / "ssd"), "--host-capacity", "64MiB", "--ssd-capacity", "256MiB",
             "--metrics-listen", f"127.0.0.1:{self.metrics_port}", "--log-level", log_level, "--ssd-dwpd", "0",
             "--ssd-admission", "all", "--scrub-rate", "0", "--cluster", f"etcd://{self.etcd_link.address}", "--node-id", name,
-            "--advertise", self.inbound.address, "--cluster-ttl", str(TTL_S), "--data-plane", "grpc",
+            "--advertise", self.inbound.address, "--cluster-ttl", str(TTL_S), *plane,
             "--fetch-timeout-s", str(FETCH_TIMEOUT_S), "--auth-file", str(auth_file),
         ]
         self.proc: subprocess.Popen[str] | None = None
@@ -132,6 +139,11 @@ class ChaosNode:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def links(self) -> list[Proxy]:
+        """The proxies peers reach it through: its gRPC address, and its data port over TCP."""
+        return [self.inbound] if self.data_link is None else [self.inbound, self.data_link]
 
     @property
     def running(self) -> bool:
@@ -233,7 +245,8 @@ class ChaosNode:
 
     def close(self) -> None:
         stop_process(self.proc, 20)
-        self.inbound.close()
+        for link in self.links:
+            link.close()
         self.etcd_link.close()
         remove_stale_arenas(Path("/dev/shm"), self.name)
 
@@ -242,8 +255,9 @@ class ChaosCluster:
     """etcd and ``num_nodes`` nodes; the first is the steady node (never killed: its RSS and
     descriptors are compared across histories). ``close()`` stops everything, also on error."""
 
-    def __init__(self, workdir: Path, num_nodes: int = 3, log_level: str = "warning") -> None:
+    def __init__(self, workdir: Path, num_nodes: int = 3, log_level: str = "warning", data_plane: str = "grpc") -> None:
         self.workdir = workdir
+        self.data_plane = data_plane
         workdir.mkdir(parents=True, exist_ok=True)
         self.etcd = EtcdServer(workdir / "etcd.log")
         auth = workdir / "auth.json"
@@ -252,7 +266,7 @@ class ChaosCluster:
         auth.chmod(0o600)
         salts = json.dumps({"version": 1, "salts": {t: secrets.token_bytes(16).hex() for t in ("a", "b", "cluster")}})
         run_id = f"{os.getpid() % 100000}"  # node ids name /dev/shm arenas: distinct from other runs' on this host
-        self.nodes = [ChaosNode(workdir, f"chaos{run_id}-n{i + 1}", self.etcd, auth, salts, log_level)
+        self.nodes = [ChaosNode(workdir, f"chaos{run_id}-n{i + 1}", self.etcd, auth, salts, log_level, data_plane)
                       for i in range(num_nodes)]
         self.steady = self.nodes[0]
 

@@ -141,12 +141,14 @@ class Injector:
             link.release()
 
     async def _data_link_slow(self, target: str, duration_s: float) -> None:
-        link = self.cluster.node(target).inbound
-        link.hold()
+        links = self.cluster.node(target).links
+        for link in links:
+            link.hold()
         try:
             await asyncio.sleep(duration_s)
         finally:
-            link.release()
+            for link in links:
+                link.release()
 
 
 async def heal_all(cluster: ChaosCluster) -> list[str]:
@@ -159,7 +161,8 @@ async def heal_all(cluster: ChaosCluster) -> list[str]:
         await asyncio.to_thread(cluster.etcd.start)
     for node in cluster.nodes:
         node.etcd_link.heal()
-        node.inbound.heal()
+        for link in node.links:
+            link.heal()
         node.resume()
         if not node.running:
             assert node.proc is not None

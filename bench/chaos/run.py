@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shrink-attempts", type=int, default=6, help="reruns to shrink a failing history")
     p.add_argument("--dir", default=None, help="the cluster's files and failing histories (None: a new temporary dir)")
     p.add_argument("--server-log-level", default="warning", help="the nodes' --log-level")
+    p.add_argument("--data-plane", default="grpc", choices=["grpc", "tcp"],
+                   help="how nodes move pages (tcp: also a handoff's layers ahead of its commit, DESIGN §12.7)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstore-chaos-"))
     with tqdm(total=args.histories, desc="chaos", unit="history", disable=None) as bar:
         report = asyncio.run(run_histories(workdir, args.seed, args.histories, settings, args.shrink_attempts,
-                                           args.server_log_level, bar))
+                                           args.server_log_level, bar, args.data_plane))
     report["dir"] = str(workdir)
     return report
 

@@ -64,7 +64,8 @@ class Runner:
         roots, plan = plan_traffic(ops_rng, history.num_ops, s.workers, names, [t.name for t in TENANTS], namespaces, traffic_s)
         slots = plan_faults(faults_rng, names, self.cluster.steady.name, kinds, math.ceil(traffic_s / 1.2) + 4)
         history.reproduce = (f"kvstore-bench chaos --histories 1 --seed {seed} --ops-per-history {history.num_ops} "
-                             f"--workers {s.workers} --traffic-s {traffic_s:g} --timeout-s {s.timeout_s} --kinds {','.join(kinds)}")
+                             f"--workers {s.workers} --traffic-s {traffic_s:g} --timeout-s {s.timeout_s} --kinds {','.join(kinds)} "
+                             f"--data-plane {self.cluster.data_plane}")
         clients = Clients(self.cluster, namespaces, s.timeout_s)
         try:
             await clients.open()
@@ -147,11 +148,11 @@ def resource_violations(resources: list[dict[str, int]]) -> list[dict[str, Any]]
 
 
 async def run_histories(workdir: Path, seed: int, histories: int, settings: Settings, shrink_attempts: int = 6,
-                        log_level: str = "warning", bar: Any = None) -> dict[str, Any]:
+                        log_level: str = "warning", bar: Any = None, data_plane: str = "grpc") -> dict[str, Any]:
     """``histories`` histories of seeds ``seed``, ``seed + 1``, ... on one cluster (etcd + 3 nodes)."""
     tally = Tally()
     started = time.monotonic()
-    cluster = ChaosCluster(workdir / "cluster", 3, log_level)
+    cluster = ChaosCluster(workdir / "cluster", 3, log_level, data_plane)
     try:
         await asyncio.to_thread(cluster.start)
         runner = Runner(cluster, settings)
