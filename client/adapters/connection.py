@@ -79,6 +79,7 @@ class StoreConnection:
         self.retry_s = retry_s
         self._lock = threading.Lock()
         self._client: KVStoreClient | None = None
+        self._seen_before: int | None = None  # the highest generation the clients dropped before this one saw
         self._next_try = 0.0
         self._closed = False
         self._connecting = False
@@ -166,6 +167,22 @@ class StoreConnection:
         if news:
             logger.error("%s (tried again every %.1f s; meanwhile requests recompute)", refused, self.retry_s)
 
+    def generation_seen(self) -> int | None:
+        """The highest namespace generation an answer to any client of this connection named
+        (None: none yet), kept across reconnects: a request that came while the store could not
+        be reached computes in it, a lower bound of the current one (DESIGN §3)."""
+        client = self._client
+        return _highest(self._seen_before, client.generation_seen if client is not None else None)
+
+    def probe_generation(self, client: KVStoreClient, timeout_s: float) -> int | None:
+        """The namespace's generation now (one lookup of a key nobody stores), for a request that
+        learns none of its own; ``generation_seen()`` when it does not answer."""
+        try:
+            return self.stored_prefix(client, [bytes(PAGE_KEY_BYTES)], timeout_s)[1]
+        except (KVStoreError, TimeoutError) as exc:
+            self.failed(client, exc)
+            return self.generation_seen()
+
     def failed(self, client: KVStoreClient, reason: object) -> threading.Thread | None:
         """Drops ``client`` after a transport failure; the next ``client()`` reconnects. An
         error the server answered with (a subclass of KVStoreError: full tier, missing
@@ -179,6 +196,7 @@ class StoreConnection:
             if self._client is not client:
                 return None
             self._client = None
+            self._seen_before = _highest(self._seen_before, client.generation_seen)
             self._next_try = time.monotonic() + self.retry_s
         logger.warning("kvstore connection to %s dropped: %s", self.address, reason)
         return self._spawn(_close_client(client), "kvstore-close")
@@ -301,6 +319,10 @@ class StoreConnection:
             if thread.is_alive():
                 logger.warning("kvstore connection to %s: %s still running %.0f s after close", self.address,
                                thread.name, timeout_s)
+
+
+def _highest(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 async def _learn_generation(client: KVStoreClient) -> None:

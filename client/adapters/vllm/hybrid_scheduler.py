@@ -39,7 +39,7 @@ class HybridSchedulerSide(SchedulerSide):
         self._group_ids: dict[str, tuple[list[int], ...]] = {}  # blocks of a due load, as allocated
         self._no_more_saves: set[str] = set()  # a page with a dropped block ended the request's saves
         self._state_saved: dict[str, int] = {}  # req id -> the last boundary (tokens) whose states were saved
-        self._generations: dict[str, int] = {}  # req id -> the pages' namespace generation its lookup saw
+        self._generations: dict[str, int | None] = {}  # req id -> the pages' namespace generation its lookup saw
 
     def _lookup(self, request: Any) -> RequestState:
         """The stored pages (no lease: the workers fetch them whole), and with state-space
@@ -47,8 +47,10 @@ class HybridSchedulerSide(SchedulerSide):
         tokens = list(request.prompt_token_ids or ())
         p, stored = self.page_tokens, 0
         client = self.store.client()
-        generation = self.generation_now(client) or 0  # keys the states; the saves name it (as scheduler.py's)
-        if client is not None and len(tokens) > p:
+        generation = self.store.generation_seen()  # where no answer names one; the saves name it (as scheduler.py's)
+        if client is not None and len(tokens) <= p:
+            generation = self.store.probe_generation(client, self.lookup_timeout_s)  # no page to look up
+        elif client is not None:
             try:
                 if self.groups.state_groups:
                     hit = self.store.run(client, client.lookup_keys(client.keys(tokens)), self.lookup_timeout_s)
@@ -61,7 +63,7 @@ class HybridSchedulerSide(SchedulerSide):
         usable = min(stored * p, len(tokens) - 1)
         usable -= usable % self.block_size
         if self.groups.state_groups and usable:
-            usable = self._stored_state(client, tokens, usable // p, generation) * p
+            usable = self._stored_state(client, tokens, usable // p, generation or 0) * p
         return RequestState(request, tokens, stored, usable)
 
     def _stored_state(self, pages_client: Any, tokens: list[int], pages: int, generation: int) -> int:
@@ -125,7 +127,7 @@ class HybridSchedulerSide(SchedulerSide):
             block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
         first, num_pages = state.load_from // p, state.hit_tokens // p - state.load_from // p
         meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first, num_pages,
-                                          state_blocks=states, generation=self._generations.get(req_id, 0),
+                                          state_blocks=states, generation=self._generations.get(req_id) or 0,
                                           deadline_s=self.policy.deadline_s(num_pages * p)))
         self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
@@ -157,7 +159,7 @@ class HybridSchedulerSide(SchedulerSide):
             last = computed_after // p if states else usable
             meta.group_saves.append(GroupSave(req_id, list(state.request.all_token_ids[: last * p]),
                                               tuple(list(ids) for ids in block_ids), first, states,
-                                              self._generations.get(req_id, 0)))
+                                              self._generations.get(req_id)))
             state.stored_pages = max(first, usable)
 
     def loads_failed(self, req_ids: set[str]) -> None:

@@ -204,7 +204,7 @@ class HybridWorkerSide:
             return  # a cache: this boundary is just not a hit later
         try:
             staging = self._states.gather(dict(spec.state_blocks))
-            key = state_key(pages_client.keys(spec.tokens)[-1], client.namespace.namespace_id, spec.generation)
+            key = state_key(pages_client.keys(spec.tokens)[-1], client.namespace.namespace_id, spec.generation or 0)
             job = client.runtime.submit(client.put_keys([key], staging))
         except KVStoreError as exc:
             logger.warning("kvstore: the states of request %s were not saved: %s", spec.req_id, exc)

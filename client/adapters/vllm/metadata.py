@@ -76,7 +76,9 @@ class GroupSave:
     block_ids: tuple[list[int], ...]
     first_page: int
     state_blocks: tuple[tuple[int, int], ...] = ()
-    generation: int = 0  # of the pages' namespace at the request's lookup: part of the states' key; its page puts name it
+    # of the pages' namespace at the request's lookup (None: none learned): its page puts name it, and the
+    # states' key holds it (0 for None)
+    generation: int | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class Prefill:
     handoff_id: str
     to_node: str | None
     opened: bool = False
+    generation: int | None = None  # its lookup's (RequestState.generation), handed to the decode side
 
 
 @dataclass
@@ -37,6 +38,18 @@ class Decode:
     hit_tokens: int  # of those, what is offered: block-aligned, short of the prompt's last token
     deadline_s: float
     consumed: bool = False  # its load was planned (or it needs none): never offered again
+    generation: int | None = None  # the prefill's (kvstore_generation), when it named one
+
+
+def _generation(req_id: str, named: object) -> int | None:
+    """A decode's ``kvstore_generation``: a generation (an int >= 0), else none (logged when it is
+    malformed). A wrong one refuses only this request's saves: a put names, never raises, one."""
+    if named is None or named == "":
+        return None
+    if type(named) is int and 0 <= named < 1 << 63:
+        return named
+    logger.error("kvstore: request %s has kvstore_generation %.40r, not a generation: its saves name the store's", req_id, named)
+    return None
 
 
 def _node(req_id: str, node: object) -> str | None:
@@ -98,13 +111,14 @@ class HandoffScheduler:
         handed = min(int(params.get("kvstore_num_tokens") or 0), prompt) // p * p
         hit = min(handed, prompt - 1)
         hit -= hit % self.block_size
-        return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params))
+        return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params),
+                      generation=_generation(request.request_id, params.get("kvstore_generation")))
 
-    def _generation_now(self) -> int | None:
-        """A decode's saves name the generation its client saw before its load was planned: a
-        handoff of an older one is not served to it (it recomputes), and an invalidation after
-        refuses the saves of KV computed on the handoff's pages."""
-        return self.scheduler.generation_now(self.scheduler.store.client())
+    def _generation_of(self, decode: Decode) -> int | None:
+        """A decode's saves name the generation the prefill computed in (its kv_transfer_params'
+        ``kvstore_generation``), else the namespace's when its load is planned: an invalidation
+        after refuses the saves of KV computed on the handoff's pages."""
+        return decode.generation if decode.generation is not None else self.scheduler.generation_now()
 
     def _deadline(self, req_id: str, params: dict[str, Any]) -> float:
         """The request's ``kvstore_deadline_s``: the configured one unless it is a finite number above
@@ -129,6 +143,8 @@ class HandoffScheduler:
         prefill = self._prefills.get(req_id)
         if prefill is not None and not prefill.opened:
             prefill.opened = True
+            state = self.scheduler.requests.get(req_id)
+            prefill.generation = state.generation if state is not None else None
             prompt = list(request.prompt_token_ids or ())
             self._opens.append(HandoffOpen(req_id, prefill.handoff_id, prefill.to_node, self.ttl_s,
                                            prompt[: len(prompt) // self.page_tokens * self.page_tokens]))
@@ -143,10 +159,10 @@ class HandoffScheduler:
                                            decode.hit_tokens // p - first, decode.deadline_s))
             # its pages are at the store: the request saves from its next page on
             self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids), decode.hit_tokens // p,
-                                              decode.hit_tokens, generation=self._generation_now()))
+                                              decode.hit_tokens, generation=self._generation_of(decode)))
         elif req_id not in self.scheduler.requests:  # vLLM's own cache covers it: saves as any request
             self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0,
-                                              generation=self._generation_now()))
+                                              generation=self._generation_of(decode)))
         decode.consumed = True
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request, as vLLM's connectors
@@ -173,10 +189,12 @@ class HandoffScheduler:
         self._completes.append(HandoffComplete(req_id, prefill.handoff_id, prefill.to_node, prompt[:handed]))
         self._held.add(req_id)
         client = self.scheduler.store.client()
+        generation = prefill.generation
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "kvstore_handoff_id": prefill.handoff_id,
             "kvstore_prefill_node": client.node if client is not None else "",
             "kvstore_decode_node": prefill.to_node, "kvstore_num_tokens": handed,
+            **({"kvstore_generation": generation} if generation is not None else {}),
         }
 
     def sent(self, req_ids: set[str]) -> None:

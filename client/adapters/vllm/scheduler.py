@@ -81,8 +81,10 @@ class SchedulerSide:
         tokens = list(request.prompt_token_ids or ())
         stored, lease = 0, None
         client = self.store.client()
-        generation = self.generation_now(client)
-        if client is not None and len(tokens) > self.page_tokens:
+        generation = self.store.generation_seen()  # where no answer names one (the store away, a lookup that failed)
+        if client is not None and len(tokens) <= self.page_tokens:
+            generation = self.store.probe_generation(client, self.lookup_timeout_s)  # no page to look up
+        elif client is not None:
             if client.shared_memory:
                 lease = self.store.acquire(client, client.keys(tokens), self.lookup_timeout_s)
                 stored = lease.num_pages if lease is not None else 0
@@ -97,13 +99,13 @@ class SchedulerSide:
         usable = min(stored * self.page_tokens, len(tokens) - 1)
         return RequestState(request, tokens, stored, usable - usable % self.block_size, lease=lease, generation=generation)
 
-    @staticmethod
-    def generation_now(client: Any) -> int | None:
-        """What a request that learns no generation of its own computes in: the highest its
-        client saw so far (a lower bound of the current one: an invalidation since refuses its
-        saves); None where its client saw none (a token without the read right: the save is in
-        the server's current one) or without a client (it saves nothing)."""
-        return client.generation_seen if client is not None else None
+    def generation_now(self) -> int | None:
+        """What a request that learns no generation of its own computes in (a decode's, a short
+        prompt's): the namespace's now, asked; else the highest an answer named so far (a lower
+        bound of the current one: an invalidation since refuses its saves). None where none was
+        ever named (a token without the read right: its saves are in the server's current one)."""
+        client = self.store.client()
+        return self.store.probe_generation(client, self.lookup_timeout_s) if client is not None else self.store.generation_seen()
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)

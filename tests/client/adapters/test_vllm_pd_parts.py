@@ -17,7 +17,7 @@ from kvstore import KVLayout, Namespace
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
-from kvstore.client.adapters.vllm.scheduler import SchedulerSide
+from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
 
 BLOCK = 32
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, page_tokens=BLOCK)
@@ -87,6 +87,19 @@ def test_a_prefill_opens_at_alloc_and_returns_the_handoff_when_it_ends(handoffs:
     assert done.tokens == prompt[:128] and done.handoff_id == opened.handoff_id
     handoffs.sent({"p"})
     assert not handoffs.holds_blocks
+
+
+def test_a_prefill_hands_its_requests_generation_to_the_decode(handoffs: HandoffScheduler) -> None:
+    """The generation the prefill's lookup saw goes with the handoff (``kvstore_generation``): the
+    decode's saves name it (DESIGN §3)."""
+    prompt = list(range(1, 150))
+    req = request("p", prompt, {"do_remote_decode": True, "kvstore_decode_node": "nd"})
+    assert handoffs.matched(req, 0) is None
+    handoffs.scheduler.adopt(RequestState(req, prompt, 0, 0, generation=3))  # what its lookup saw
+    handoffs.after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    req.status, req.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), len(prompt)
+    _, params = handoffs.finished(req, saving=False)
+    assert params is not None and params["kvstore_generation"] == 3
 
 
 def test_an_aborted_prefill_returns_nothing_and_its_handoff_expires(handoffs: HandoffScheduler) -> None:

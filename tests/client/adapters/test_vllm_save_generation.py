@@ -10,16 +10,18 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import test_vllm_hybrid_load_costs as hybrid
 import torch
 from support.servers import ServerProcess
-from test_vllm_connector_parts import BLOCK, forward, hand_back, parts, step, store_prompt
+from test_vllm_connector_parts import BLOCK, forward, hand_back, new_request, parts, step, store_prompt
 
 from kvstore import Namespace
 from kvstore.client import KVStoreClient
 from kvstore.client.adapters.vllm.metadata import GroupSave, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
 
@@ -107,3 +109,31 @@ def test_a_hybrid_engines_page_puts_name_the_generation_of_its_lookup(store_proc
     assert conn.stored_prefix(client, client.keys(tokens), 5) == ((hybrid.PAGES, 1) if named == 1 else (0, 1))
     assert client.generation_seen == 1
     conn.close()
+
+
+@pytest.mark.parametrize(("named", "stored"), [(0, 0), (1, 4), ("1", 4)], ids=["prefills-generation", "current", "malformed"])
+def test_a_decode_saves_in_the_generation_its_prefill_computed_in(store_process: ServerProcess, named: object,
+                                                                  stored: int) -> None:
+    """A decode's request names the prefill's generation (``kvstore_generation`` in its kv_transfer_params,
+    test_vllm_pd_parts.py shows the prefill side handing it): KV computed on a handoff of generation 0 is
+    not saved once 1 was acknowledged; a malformed one is logged and the decode asks the store instead."""
+    store, scheduler, worker, caches = parts(store_process.address)
+    handoffs = HandoffScheduler(scheduler, deadline_s=1.0, ttl_s=30.0)
+    assert _invalidate(store_process.address, store.namespace) == 1
+    tokens = list(range(1, 4 * BLOCK + 2))
+    request = new_request("d", tokens)
+    request.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False, "kvstore_handoff_id": "ab" * 16,
+                                  "kvstore_num_tokens": 4 * BLOCK, "kvstore_generation": named}
+    assert handoffs.matched(request, 0) is not None
+    handoffs.after_alloc(request, SimpleNamespace(get_block_ids=lambda: (list(range(5)),)), 0)  # the decode recomputes it
+    meta = scheduler.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="d", block_ids=(list(range(5)),), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={"d": len(tokens)}, preempted_req_ids=None))
+    assert meta.saves and meta.saves[0].generation == (named if isinstance(named, int) else 1)
+    forward(worker, meta, fill=2.0, caches=caches)
+    _saved(worker, scheduler, "d")
+    client = store.client()
+    assert client is not None
+    assert store.run(client, client.lookup(tokens), 5).num_pages == stored
+    store.close()

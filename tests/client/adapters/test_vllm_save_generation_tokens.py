@@ -1,7 +1,7 @@
 """Review of the saves' generation (DESIGN §3) with a token without the read right: the
 connector's client learns no generation at connect (3fd1012: its saves then name none and are
-stored in the server's current one). The single-group connector keeps that promise; the hybrid
-scheduler side turns "none" into generation 0."""
+stored in the server's current one). The single-group and the hybrid connector keep that promise
+(the hybrid one turned "none" into generation 0, and every save was refused after one invalidation)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import test_vllm_hybrid_load_costs as hybrid
 import torch
 from support.servers import ServerProcess
-from test_vllm_connector_parts import BLOCK, LAYOUT, NAMES, NUM_BLOCKS, HEADS, DIM, forward, step, hand_back
+from test_vllm_connector_parts import BLOCK, DIM, HEADS, LAYOUT, NAMES, NUM_BLOCKS, forward, hand_back, step
 
 from kvstore import Namespace
 from kvstore.client.adapters.connection import StoreConnection
@@ -76,18 +76,13 @@ def test_a_writer_without_the_read_right_keeps_its_saves_after_an_invalidation(s
         meta = step(scheduler, req_id, tokens, 0, list(range(5)))
         assert meta.saves and meta.saves[0].generation is None
         forward(worker, meta, fill=float(i), caches=caches)
-        _wait(lambda: req_id in hand_back(worker, scheduler, {req_id}), "the save did not end")
+        _wait(lambda req_id=req_id: req_id in hand_back(worker, scheduler, {req_id}), "the save did not end")
         assert worker.stats.saved_tokens == 4 * BLOCK * (i + 1), f"request {req_id} was not stored"
         if i == 0:  # the first write bound the namespace to tenant w: it may invalidate it
             assert _invalidate(store) == 1
     store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "HybridSchedulerSide._lookup takes `generation_now(client) or 0` and GroupSave falls back to 0: a client that "
-    "learned no generation (a token without the read right, whose Lookup is refused) names generation 0, so once "
-    "the namespace was invalidated every page put of the hybrid worker is refused (StaleGeneration), for good; "
-    "before f0c10ef they named none and were stored, and the single-group connector still stores them"))
 def test_a_hybrid_writer_without_the_read_right_keeps_its_saves_after_an_invalidation(server: ServerProcess) -> None:
     store = _connect(server.address, "w-hybrid", hybrid.LAYOUT)
     caches = {name: torch.zeros(hybrid.NUM_BLOCKS, hybrid.HEADS, hybrid.BLOCK, 2 * hybrid.DIM) for name in hybrid.NAMES}

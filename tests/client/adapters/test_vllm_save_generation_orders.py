@@ -1,7 +1,8 @@
 """Review of "an engine's saves name the namespace generation its request computed in"
-(DESIGN §3, commits f0c10ef and 3fd1012): orders of lookup, invalidation and save the change
-does not cover yet, and saves it refuses that it should store. Real kvstore-server processes,
-the connector's parts without an engine (test_vllm_connector_parts.py)."""
+(DESIGN §3): orders of lookup, invalidation and save an adversarial review found uncovered (a
+request that came while the store was away, a decode instance that never looks up), the one
+left out of scope (vLLM's own prefix cache), and saves that must still be stored. Real
+kvstore-server processes, the connector's parts without an engine (test_vllm_connector_parts.py)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,6 @@ def _stored(store, tokens: list[int]) -> tuple[int, int]:  # type: ignore[no-unt
     return hit.num_pages, hit.generation
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a request that came while the store could not be reached (store.client() None at its lookup) gets "
-    "RequestState.generation None; once the connection is back its saves name no generation and are stored in "
-    "whatever is current, also after an invalidation acknowledged meanwhile (the client it had before the drop "
-    "had seen generation 0: DESIGN §3's 'the highest its client saw before the request came' is lost with it)"))
 def test_a_request_that_came_while_the_store_was_unreachable_saves_no_kv_across_an_invalidation(
         store_process: ServerProcess) -> None:
     tokens = list(range(1, 4 * BLOCK + 2))  # 4 pages and one token
@@ -64,10 +60,9 @@ def test_a_request_that_came_while_the_store_was_unreachable_saves_no_kv_across_
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "vLLM's own prefix cache (or a preempted request's blocks it keeps cached) holds KV computed before an "
-    "invalidation; a request after it looks up generation 1, vLLM reuses those blocks (num_computed_tokens), "
-    "and the connector saves them from its lookup's stored pages on, naming generation 1: KV of generation 0 "
-    "lands in generation 1"))
+    "out of scope (DESIGN §3): vLLM's own prefix cache holds KV computed before an invalidation, and the connector "
+    "cannot see when a cached block was computed; an operator who invalidates for new weights resets the engine's "
+    "prefix cache too (vLLM's reset_prefix_cache), as for any cache inside the engine"))
 def test_blocks_vllm_cached_before_an_invalidation_are_not_saved_in_the_new_generation(
         store_process: ServerProcess) -> None:
     prompt = list(range(1, 2 * BLOCK + 1))
@@ -98,11 +93,6 @@ def _decode_request(req_id: str, tokens: list[int]) -> SimpleNamespace:
     return request
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a PD decode instance's requests all come with a handoff: HandoffScheduler.matched answers them, so its "
-    "scheduler side never looks up and generation_seen stays what it learned at connect; after one "
-    "invalidation every decode request adopted later (generation_now) names the old generation and all its "
-    "saves are refused, for as long as the connection lasts (before the change they were stored)"))
 def test_a_decode_instance_keeps_saving_after_an_invalidation_before_its_requests(store_process: ServerProcess) -> None:
     store, scheduler, worker, caches = parts(store_process.address)
     handoffs = HandoffScheduler(scheduler, deadline_s=1.0, ttl_s=30.0)
