@@ -6,7 +6,8 @@ the bytes that arrived (so the test can compare them with the stored page).
     python tests/cluster/raw_ucx_fetch.py HOST:PORT GRANT_HEX|- NAMESPACE_HEX PAGE_BYTES KEY_HEX [KEY_HEX ...]
 
 GRANT_HEX: a grant to present (a forged one, say); ``-``: none; ``idle [N]``: open N connections
-(default 1), send nothing for IDLE_S seconds, print ``idle`` and exit.
+(default 1), send nothing until the node has closed every one of them (IDLE_S seconds at most),
+print ``idle`` and exit.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 from kvstore.cluster import transport_ucx  # before ucxx itself: it points UCX's log away from stdout
 from kvstore.cluster.transport_ucx import UcxConfig, UcxPageFetcher, init_ucx
 from kvstore.page import checksum
 
-IDLE_S = 7.0  # past the page server's HELLO_TIMEOUT_S
+IDLE_S = 7.0  # past the page server's HELLO_TIMEOUT_S: the longest an idle connection is held open
 
 
 async def idle(address: str, count: int) -> None:
     host, _, port = address.rpartition(":")
     init_ucx(UcxConfig(tls="tcp", progress_mode="thread"))
     eps = [await transport_ucx.ucxx.create_endpoint(host, int(port)) for _ in range(count)]
-    await asyncio.sleep(IDLE_S)
+    deadline = time.monotonic() + IDLE_S
+    while time.monotonic() < deadline and not all(ep.closed for ep in eps):  # the node dropped them all: done
+        await asyncio.sleep(0.05)
     for ep in eps:
         ep.abort()
     print("idle", flush=True)

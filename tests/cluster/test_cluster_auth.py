@@ -62,7 +62,7 @@ async def test_tenants_across_nodes_with_mtls_between_nodes(cluster_nodes, tmp_p
         node_token = "cluster-node-token-0123456789ab"
         monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", node_token)  # the nodes' processes inherit it
     args = secure_args(tmp_path, ca, ["a", "b", "c"], node_token)
-    a, b, c = (cluster_nodes([n], data_plane, *args[n])[0] for n in ("a", "b", "c"))
+    a, b, c = cluster_nodes(["a", "b", "c"], data_plane, each=args)
     engine = ca.issue("engine")  # a client certificate (mTLS); the token names the tenant
     tls = ClientTLS(ca=ca.cert, cert=engine.cert, key=engine.key)
     tokens = tokens_of(7, 24)

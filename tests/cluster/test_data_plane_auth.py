@@ -44,7 +44,7 @@ async def test_a_client_that_is_not_a_node_gets_no_page_over_ucx(cluster_nodes, 
     ca = CertAuthority(tmp_path / "ca")
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)  # the nodes' processes inherit it
     args = secure_args(tmp_path, ca, ["a", "b"], NODE_TOKEN)
-    a, b = (cluster_nodes([n], "ucx", *args[n])[0] for n in ("a", "b"))
+    a, b = cluster_nodes(["a", "b"], "ucx", each=args)
     engine = ca.issue("engine")
     tls = ClientTLS(ca=ca.cert, cert=engine.cert, key=engine.key)
     tokens = tokens_of(11, 8)

@@ -27,7 +27,7 @@ async def test_another_tenant_or_a_forged_id_gets_nothing(cluster_nodes, tmp_pat
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
-    a, c = (cluster_nodes([n], "tcp", *args[n][:2])[0] for n in ("a", "c"))  # --auth-file only: loopback, tokens
+    a, c = cluster_nodes(["a", "c"], "tcp", each={n: args[n][:2] for n in ("a", "c")})  # --auth-file only: loopback, tokens
     tokens = tokens_of(51, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=51)
     async with KVStoreClient(a.address, NS, token=A) as prefill, KVStoreClient(c.address, NS, token=A) as decode, \

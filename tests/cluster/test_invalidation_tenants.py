@@ -24,7 +24,7 @@ async def test_a_tenant_invalidates_its_namespace_at_a_node_where_it_never_wrote
 
     monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
     args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "b"], NODE_TOKEN)
-    a, b = (cluster_nodes([n], "grpc", *args[n][:2])[0] for n in ("a", "b"))  # --auth-file only: loopback, tokens
+    a, b = cluster_nodes(["a", "b"], "grpc", each={n: args[n][:2] for n in ("a", "b")})  # --auth-file only: loopback, tokens
     tokens = tokens_owned_by(["a", "b"], {"a"}, 4)  # every record at a: b never hears of the namespace
     kv = random_kv(LAYOUT, len(tokens), seed=31)
     async with KVStoreClient(a.address, NS, token=A) as on_a, KVStoreClient(b.address, NS, token=A) as on_b, \

@@ -80,11 +80,13 @@ class Node:
 
 @pytest.fixture(name="cluster_nodes")
 def cluster_nodes_fixture(tmp_path: Path, etcd: object) -> Iterator[Callable[..., list[Node]]]:
-    """``start(names, data_plane)`` -> the nodes, started in parallel and all members."""
+    """``start(names, data_plane, *extra, each={name: flags})`` -> the nodes, started in parallel and
+    all members; ``extra`` flags for every node, ``each`` a node's own after them (its certificate, say)."""
     started: list[Node] = []
 
-    def start(names: list[str], data_plane: str = "ucx", *extra: str) -> list[Node]:
-        nodes = [Node(tmp_path, name, etcd.url, data_plane, *extra) for name in names]  # type: ignore[attr-defined]
+    def start(names: list[str], data_plane: str = "ucx", *extra: str, each: dict[str, list[str]] | None = None) -> list[Node]:
+        nodes = [Node(tmp_path, name, etcd.url, data_plane, *extra, *(each or {}).get(name, ()))  # type: ignore[attr-defined]
+                 for name in names]
         for node in nodes:
             node.launch()
             started.append(node)
