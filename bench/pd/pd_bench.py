@@ -51,13 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class Engine:
-    """A ``pd_engine.py`` child; ``call`` sends one command and reads its answer."""
+    """A ``pd_engine.py`` child, importing vLLM from the start; ``start`` gives it its model and
+    config, ``call`` sends one command and reads its answer."""
 
-    def __init__(self, model: Path, log: Path, config: dict[str, Any]) -> None:
+    def __init__(self, log: Path) -> None:
         self._log = open(log, "w")  # noqa: SIM115 - open for the child's life, closed in close()
         self.log_path = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.pd.pd_engine", str(model), json.dumps(config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.bench.pd.pd_engine"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+
+    def start(self, model: Path, config: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"model": str(model), "config": config}) + "\n")
+        self.proc.stdin.flush()
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -196,19 +202,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     max_len = (max(lengths) + 1 + 64 + args.block_size - 1) // args.block_size * args.block_size
-    model = _model(workdir / "model", args, max_len)
-    etcd = Etcd(workdir)
+    etcd: Etcd | None = None
     engines: dict[str, Engine] = {}
     nodes = []
     link: Link | None = None
     try:
+        # the engines first: each imports vLLM (most of its start) while the model is made and the nodes start
+        for role in ("prefill", "decode"):
+            engines[role] = Engine(workdir / f"{role}.log")
+        model = _model(workdir / "model", args, max_len)
+        etcd = Etcd(workdir)
         nodes = start_nodes(workdir, etcd, "pd", ["np", "nd"], args.data_plane, 10, args.host_capacity)
         extra = {"load_when_faster": False, "load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 30,
                  "handoff_ttl_s": 60, "handoff_push_layers": args.push_layers == "on"}
         for role, node in (("prefill", nodes[0]), ("decode", nodes[1])):
-            engines[role] = Engine(model, workdir / f"{role}.log", {"extra": {"address": node.address, **extra},
-                                                                  "block_size": args.block_size, "max_model_len": max_len,
-                                                                  "max_num_batched_tokens": args.chunk_tokens or max_len})
+            engines[role].start(model, {"extra": {"address": node.address, **extra}, "block_size": args.block_size,
+                                        "max_model_len": max_len, "max_num_batched_tokens": args.chunk_tokens or max_len})
         for engine in engines.values():
             if not engine.read().get("ready"):
                 raise RuntimeError("an engine did not start")
@@ -227,7 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.close()
         for node in nodes:
             node.stop()
-        etcd.stop()
+        if etcd is not None:
+            etcd.stop()
     report = pd_report.summarize(args, lengths, bench.bytes_per_token, at_start, measured)
     report["load_average_1m"] = round(os.getloadavg()[0], 2)
     if args.plot:

@@ -1,7 +1,9 @@
 """One vLLM engine of ``kvstore-bench pd`` in its own process, driven by JSON lines.
 
-Usage: ``python -m kvstore.bench.pd.pd_engine MODEL_DIR CONFIG_JSON``. The protocol goes over the
-process's original stdout (vLLM's own output is moved to stderr).
+Usage: ``python -m kvstore.bench.pd.pd_engine MODEL_DIR CONFIG_JSON``, or with no arguments the first
+line on stdin ``{"model": MODEL_DIR, "config": CONFIG}``, read once vLLM is imported (the bench starts
+the engines first, and makes the model and starts the nodes while they import). The protocol goes over
+the process's original stdout (vLLM's own output is moved to stderr).
 
 More: bench/pd/README.md (### pd_engine.py).
 """
@@ -114,7 +116,6 @@ def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    model_dir, config = sys.argv[1], json.loads(sys.argv[2])
     # OMP_WAIT_POLICY=PASSIVE (read when torch loads libgomp, below): a forward runs on 2 OpenMP threads whose
     # barriers spin by default, so with both engines and both nodes on the host's cores a thread preempted by any of
     # them leaves its partner spinning (a 1-token decode forward of 3-9 ms took 152 ms once, 76 ms of it on CPU);
@@ -127,6 +128,13 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    if len(sys.argv) > 1:
+        model_dir, config = sys.argv[1], json.loads(sys.argv[2])
+    else:  # imported meanwhile; the model and the nodes are ready now (or the bench stopped: no line, or exit)
+        first = json.loads(sys.stdin.readline() or '{"cmd": "exit"}')
+        if first.get("cmd") == "exit":
+            return
+        model_dir, config = first["model"], first["config"]
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.client.adapters.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=config["extra"])
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, seed=0,
