@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -317,6 +318,21 @@ async def _store_prefix(address: str, pages: int) -> int:
         return await client.put(tokens, kv) // LOOKUP_LAYOUT.page_tokens
 
 
+def _start_together(*starts: Callable[[], Any]) -> list[Any]:
+    """The run's servers and the floor's echo, started together before any row (each imports torch: seconds
+    one after the other); when one fails or the bench is stopped meanwhile, those that started are stopped."""
+    pool = ThreadPoolExecutor(len(starts))
+    futures = [pool.submit(start) for start in starts]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for started in (f.result() for f in futures if f.exception() is None):  # waits for those under way
+            started[0].stop() if isinstance(started, tuple) else started.close()
+        raise
+    finally:
+        pool.shutdown()
+
+
 def _hash_ms(pages: int) -> float:
     tokens = prefix_tokens(pages)
     times = []
@@ -341,17 +357,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, others)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    server, address = start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0",
-                                   "--ssd-admission", "all", *_server_flags(args))
-    ram_server, ram_address = start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host",
-                                           *_server_flags(args))
+    (server, address), (ram_server, ram_address), floor = _start_together(
+        lambda: start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0", "--ssd-admission", "all",
+                             *_server_flags(args)),
+        lambda: start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host", *_server_flags(args)),
+        lambda: lookup_floor.Floor(workdir / "floor", args.pages, args.floor_work_ms))
     counts = [int(c) for c in args.clients.split(",") if c]
     plan = [(role, n, state) for state in states for n in counts for role in ("rpc", "keys")]
     plan += [("client", 1, "idle")] if "idle" in states else []
-    floor: lookup_floor.Floor | None = None
     rows: list[dict[str, Any]] = []
     try:
-        floor = lookup_floor.Floor(workdir / "floor", args.pages, args.floor_work_ms)
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
             if state == "draining":  # the floor's windows beside the one-client rows' (the floor is one client)
                 rows.append(_drain(args, role, n, floor.writer_window if n == 1 else _nothing))
@@ -373,8 +388,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
         rows = floor.rows() + rows
     finally:
-        if floor is not None:
-            floor.close()
+        floor.close()
         server.stop()
         ram_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
