@@ -52,7 +52,8 @@ def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
     limited = tmp_path / "auth-c.json"
     limited.write_text(json.dumps(auth))
     limited.chmod(0o600)
-    return cluster_nodes(["a"], "tcp", *args["a"][:2])[0], cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
+    a, c = cluster_nodes(["a", "c"], "tcp", each={"a": args["a"][:2], "c": ["--auth-file", str(limited)]})
+    return a, c
 
 
 async def test_fetched_pages_count_against_the_tenants_host_quota(cluster_nodes, tmp_path, monkeypatch) -> None:

@@ -32,8 +32,7 @@ LAYER_BYTES = LAYOUT.page_bytes // LAYOUT.num_layers
 def prefill_and_decode(cluster_nodes: Callable[..., list[Node]]) -> tuple[Node, Node, int]:
     """Nodes a (prefill) and c (decode, its /metrics on the port returned) on the TCP data plane."""
     port = free_port()
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
+    a, c = cluster_nodes(["a", "c"], "tcp", each={"c": ["--metrics-listen", f"127.0.0.1:{port}"]})
     return a, c, port
 
 
@@ -47,8 +46,7 @@ async def test_layers_go_ahead_of_the_commit_and_are_committed_in_place(cluster_
     """On the gRPC data plane the decode node cannot fetch a page's rest: no layer goes ahead there,
     the pages go whole at the Push, as before."""
     port = free_port()
-    [a] = cluster_nodes(["a"], data_plane)
-    [c] = cluster_nodes(["c"], data_plane, "--metrics-listen", f"127.0.0.1:{port}")
+    a, c = cluster_nodes(["a", "c"], data_plane, each={"c": ["--metrics-listen", f"127.0.0.1:{port}"]})
     tokens = tokens_of(61, 6)
     kv = random_kv(LAYOUT, len(tokens), seed=61)
     ahead = LAYOUT.num_layers - 1

@@ -74,8 +74,7 @@ async def test_handoff_pages_count_against_the_decode_nodes_quota_of_the_tenant(
     limited = tmp_path / "auth-c.json"
     limited.write_text(json.dumps(auth))
     limited.chmod(0o600)
-    a = cluster_nodes(["a"], "tcp", *args["a"][:2])[0]
-    c = cluster_nodes(["c"], "tcp", "--auth-file", str(limited))[0]
+    a, c = cluster_nodes(["a", "c"], "tcp", each={"a": args["a"][:2], "c": ["--auth-file", str(limited)]})
     tokens = tokens_of(52, 8)
     kv = random_kv(LAYOUT, len(tokens), seed=52)
     async with KVStoreClient(a.address, NS, token=A) as prefill, KVStoreClient(c.address, NS, token=A) as decode:

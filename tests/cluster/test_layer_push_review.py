@@ -68,8 +68,7 @@ async def test_push_layers_in_a_layout_other_than_the_slots_is_a_clear_answer(cl
     """A PushLayers whose layout is not the namespace's (a node on another build, a bad peer)
     after slots were made in the namespace's layout must be refused (InvalidRequest) or land
     nothing; it must not fail inside the write with an internal error."""
-    [a] = cluster_nodes(["a"], "tcp")
-    [c] = cluster_nodes(["c"], "tcp")
+    a, c = cluster_nodes(["a", "c"], "tcp")
     bigger = dataclasses.replace(DESC, num_layers=DESC.num_layers + 1)
     tokens = tokens_of(72, 1)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as node:  # no tenants: node right
@@ -100,8 +99,7 @@ async def test_layers_land_and_commit_only_for_pages_the_holder_stores(cluster_n
     holder behind an invalidation gives nothing; here a holder that stores nothing of the pages
     (at c's generation) still gets them committed at c: stale bytes after an invalidation whose
     news has not reached the prefill node yet, served as current at c."""
-    cluster_nodes(["a"], "tcp")  # the holder the Push names
-    [c] = cluster_nodes(["c"], "tcp")
+    _, c = cluster_nodes(["a", "c"], "tcp")  # a: the holder the Push names
     tokens = tokens_of(73, 2)
     async with KVStoreClient(c.address, NS) as node:  # a runs, and stores nothing of these pages
         keys = node.keys(tokens)

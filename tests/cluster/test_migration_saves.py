@@ -53,8 +53,7 @@ async def _reserved(client: KVStoreClient, session_id: str, keys: list[bytes], f
 
 async def test_after_the_fence_the_sources_saves_of_the_session_are_refused_counted_and_leave_nothing(cluster_nodes) -> None:
     port = free_port()
-    [a] = cluster_nodes(["a"], "tcp", "--metrics-listen", f"127.0.0.1:{port}")
-    [b] = cluster_nodes(["b"], "tcp")
+    a, b = cluster_nodes(["a", "b"], "tcp", each={"a": ["--metrics-listen", f"127.0.0.1:{port}"]})
     tokens = tokens_of(380, 6)
     kv = random_kv(LAYOUT, len(tokens), seed=380)
     four = 4 * PAGE
