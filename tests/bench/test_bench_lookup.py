@@ -70,7 +70,9 @@ def test_lookup_smoke(tmp_path) -> None:
                    "demoter_threads_cpu_s_per_gb", "demoter_threads_cpu_ratio")
         for k in ("p99_ratio", "floor_p99_ratio", "ratio_over_floor", "demote_floor_cpu_s_per_gb",
                   *(demoted if r["demoted_gb_per_s"] > 0 else ())):  # per GB demoted: none when nothing was
-            assert isinstance(r[k], float) and math.isfinite(r[k]) and r[k] > 0, (k, r)
+            # less lookups: the server's CPU minus the lookups' share estimated from the idle row, which a
+            # busy host can put above what was measured (seen at -0.40): a figure, not a correctness check
+            assert isinstance(r[k], float) and math.isfinite(r[k]) and (r[k] > 0 or k == "demoter_less_lookups_cpu_ratio"), (k, r)
         if r["demoted_gb_per_s"] > 0:  # the demotion threads (found by their OS names) are a part of the server
             assert r["demoter_threads_cpu_s_per_gb"] <= r["demoter_cpu_s_per_gb"], r
     assert "p99 ratio over the floor's, one client (goal <= 1.25x): " in res.stdout and "demoter CPU floor: dd " in res.stdout
