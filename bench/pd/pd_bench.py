@@ -14,6 +14,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvstore.bench.pd import pd_report
 from kvstore.bench.pd.pd_link import Link
 
 ARMS = ("colocated", "pool", "direct")
+QUIET_CORES, QUIET_WINDOW_S, QUIET_MAX_S = 0.05, 0.2, 10.0  # Bench.quiesce: the nodes idle before each request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,7 +121,22 @@ class Bench:
     def cpu(self) -> dict[str, float]:
         return {group: sum(cpu_seconds(pid) or 0.0 for pid in pids) for group, pids in self.pids.items()}
 
+    def quiesce(self) -> None:
+        """Waits until the nodes are idle (under QUIET_CORES of CPU over QUIET_WINDOW_S, at most
+        QUIET_MAX_S): what the previous request left them (its pages demoted to the SSD tier, a
+        handoff's slots given back) would otherwise run during the next request's prefill, on the
+        same two cores, and land in whichever arm comes next."""
+        deadline = time.monotonic() + QUIET_MAX_S
+        before = self.cpu()["nodes"]
+        while time.monotonic() < deadline:
+            time.sleep(QUIET_WINDOW_S)
+            now = self.cpu()["nodes"]
+            if now - before < QUIET_CORES * QUIET_WINDOW_S:
+                return
+            before = now
+
     def colocated(self, tokens: int) -> dict[str, Any]:
+        self.quiesce()
         prompt = self.prompt(tokens)
         out = self.engines["decode"].call(cmd="generate", prompts=[prompt], max_tokens=2)
         self.engines["decode"].call(cmd="settle")
@@ -132,6 +149,7 @@ class Bench:
     def handoff(self, tokens: int, direct: bool) -> dict[str, Any]:
         """One PD request; its TTFT, handoff time and CPU (see the module docstring)."""
         prefill, decode = self.engines["prefill"], self.engines["decode"]
+        self.quiesce()
         prompt = self.prompt(tokens)
         ask = {"do_remote_decode": True, "do_remote_prefill": False, "kvstore_decode_node": "nd" if direct else None}
         cpu0 = self.cpu()
