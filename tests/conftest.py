@@ -67,3 +67,10 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
         proc.proc.kill()
         proc.proc.wait(10)
     proc.close_pipes()
+
+
+@pytest.fixture
+def store_process(server_process: ServerProcess) -> ServerProcess:
+    """``server_process``, started (a module with a fixture of this name of its own uses that one)."""
+    server_process.start()
+    return server_process

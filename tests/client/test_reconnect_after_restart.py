@@ -14,13 +14,6 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
 
 
-@pytest.fixture
-def store_process(server_process: ServerProcess) -> ServerProcess:
-    """conftest's server process, started."""
-    server_process.start()
-    return server_process
-
-
 async def test_a_client_made_after_a_restart_connects_at_once(store_process: ServerProcess, ns) -> None:
     async with KVStoreClient(store_process.address, ns):
         pass

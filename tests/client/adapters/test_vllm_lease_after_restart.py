@@ -6,16 +6,8 @@ its checksum and was recomputed until the worker's client happened to remap."""
 
 from __future__ import annotations
 
-import pytest
 from support.servers import ServerProcess
 from test_vllm_connector_parts import NAMES, forward, parts, step, store_prompt
-
-
-@pytest.fixture
-def store_process(server_process: ServerProcess) -> ServerProcess:
-    """conftest's server process, started."""
-    server_process.start()
-    return server_process
 
 
 def test_a_worker_reads_a_lease_of_the_restarted_server(store_process: ServerProcess) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,14 +22,6 @@ from kvstore.client.adapters.vllm.metadata import GroupSave, KVStoreConnectorMet
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
 from kvstore.client.adapters.vllm.worker import WorkerSide
-
-
-@pytest.fixture
-def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path)
-    proc.start()
-    yield proc
-    proc.kill()
 
 
 def _invalidate(store_address: str, namespace: Namespace) -> int:

@@ -7,8 +7,6 @@ kvstore-server processes, the connector's parts without an engine (test_vllm_con
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,14 +16,6 @@ from test_vllm_save_generation import _invalidate, _saved
 
 from kvstore.client.adapters.vllm.pd import HandoffScheduler
 from kvstore.errors import KVStoreError
-
-
-@pytest.fixture
-def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path)
-    proc.start()
-    yield proc
-    proc.kill()
 
 
 def _stored(store, tokens: list[int]) -> tuple[int, int]:  # type: ignore[no-untyped-def]
