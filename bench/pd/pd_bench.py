@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=0,
                    help="vLLM's max_num_batched_tokens: a longer prompt's prefill runs in chunks of this many tokens, and a "
                         "direct handoff pushes the chunks before the last while it computes (0: the whole prompt in one step)")
-    p.add_argument("--push-layers", default="on", choices=("on", "off"),
-                   help="the connector's handoff_push_layers: a prefill's layers go while later ones compute (DESIGN §12.7)")
+    p.add_argument("--push-layers", default="auto", choices=("auto", "on", "off"),
+                   help="the connector's handoff_push_layers: a prefill's layers go while later ones compute (DESIGN §12.7); "
+                        "auto: only where vLLM's KV is on an accelerator (off here, a CPU engine)")
     p.add_argument("--data-plane", default="tcp", choices=("tcp", "ucx", "grpc"), help="between the two nodes")
     p.add_argument("--pump-rounds", type=int, default=5,
                    help="rounds of the raw TCP pump at the start (median; each direct handoff also gets one just before it)")
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         etcd = Etcd(workdir)
         nodes = start_nodes(workdir, etcd, "pd", ["np", "nd"], args.data_plane, 10, args.host_capacity)
         extra = {"load_when_faster": False, "load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 30,
-                 "handoff_ttl_s": 60, "handoff_push_layers": args.push_layers == "on"}
+                 "handoff_ttl_s": 60, "handoff_push_layers": {"on": True, "off": False}.get(args.push_layers, "auto")}
         for role, node in (("prefill", nodes[0]), ("decode", nodes[1])):
             engines[role].start(model, {"extra": {"address": node.address, **extra}, "block_size": args.block_size,
                                         "max_model_len": max_len, "max_num_batched_tokens": args.chunk_tokens or max_len})

@@ -106,7 +106,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = WorkerSide(self.store, layer_names, spec.block_size, kv_cache_config.num_blocks,
                                      self.config.load_deadline_s, self.config.load_ahead, self.config.sync_load_pages)
             self.handoff_worker = HandoffWorker(self.store, spec.block_size, self.config.lookup_timeout_s,
-                                                self.config.handoff_deadline_s, push_layers=self.config.handoff_push_layers)
+                                                self.config.handoff_deadline_s, push_layers=self.config.push_layers())
         self._counts = CounterDeltas(self.scheduler.policy.stats if self.scheduler is not None else self._worker().stats)
         logger.info("kvstore connector (%s) for %s at %s, %d-token pages", role.name, namespace.model, self.config.address,
                     namespace.layout.page_tokens)  # the namespace id (salted for a tenant) is logged at connect

@@ -17,6 +17,7 @@ from kvstore.security.credentials import ClientSecurity, Credentials
 from kvstore.types import KVLayout, Namespace
 
 ADDRESS_ENV = "KVSTORE_ADDRESS"
+AUTO = "auto"  # handoff_push_layers decided by where vLLM's KV lives (pd_worker.HandoffWorker.register)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class ConnectorConfig:
       given up by then). ``handoff_ttl_s``: how long the store keeps a handoff a prefill
       opened and nobody consumed. ``handoff_push_layers``: a prefill's layers go to the
       decode node while its later layers compute (DESIGN §12.7); False: each page goes once
-      stored (on a host whose cores the prefill needs, the pushes compete with it).
+      stored; "auto" (the default): True where vLLM's KV is on an accelerator, False where
+      the engine computes on the CPU, whose cores the pushes would take from the prefill.
     """
 
     address: str
@@ -75,7 +77,7 @@ class ConnectorConfig:
     load_when_faster: bool = True
     handoff_deadline_s: float = 10.0
     handoff_ttl_s: float = 30.0
-    handoff_push_layers: bool = True
+    handoff_push_layers: bool | str = AUTO
     credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:
@@ -86,8 +88,15 @@ class ConnectorConfig:
         for name in ("lookup_timeout_s", "retry_s", "handoff_deadline_s", "handoff_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f'kv_connector_extra_config "{name}" must be > 0')
+        if not isinstance(self.handoff_push_layers, bool) and self.handoff_push_layers != AUTO:
+            raise ConfigError(f'kv_connector_extra_config "handoff_push_layers" must be true, false or "{AUTO}", '
+                              f'got {self.handoff_push_layers!r}')
         if self.load_deadline_s is not None and self.load_deadline_s <= 0:
             raise ConfigError('kv_connector_extra_config "load_deadline_s" must be > 0')
+
+    def push_layers(self) -> bool | None:
+        """``handoff_push_layers`` for the worker: None when "auto" (decided at register)."""
+        return None if self.handoff_push_layers == AUTO else bool(self.handoff_push_layers)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ) -> ConnectorConfig:

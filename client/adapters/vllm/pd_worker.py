@@ -85,7 +85,8 @@ class HandoffWorker:
     block_size: int
     open_timeout_s: float
     complete_timeout_s: float
-    push_layers: bool = True  # the saves say each layer: the prefill node pushes it while later ones compute
+    push_layers: bool | None = True  # the saves say each layer: the prefill node pushes it while later ones compute
+    # (None: decided at register, True for KV on an accelerator: on the CPU the pushes take the prefill's cores)
     blocks: list[torch.Tensor] = field(default_factory=list)
     all_layers: torch.Tensor | None = None
     stats: HandoffStats = field(default_factory=HandoffStats)
@@ -104,6 +105,9 @@ class HandoffWorker:
     def register(self, kv_caches: list[torch.Tensor]) -> None:
         """vLLM's KV of every layer, in page order (views of it, as worker.py takes them)."""
         self.blocks, self.all_layers = block_views(kv_caches, self.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        if self.push_layers is None and kv_caches:
+            self.push_layers = kv_caches[0].device.type != "cpu"
+            logger.info("handoff_push_layers auto: %s (vLLM's KV on %s)", self.push_layers, kv_caches[0].device)
 
     # -- each step -----------------------------------------------------------------------
 
@@ -132,7 +136,7 @@ class HandoffWorker:
         give_up_at = time.monotonic() + self.open_timeout_s
         for spec in opens:
             job = client.runtime.submit(client.handoff_open(spec.handoff_id, spec.to_node, ttl_s=spec.ttl_s, tokens=spec.tokens,
-                                                            push_layers=self.push_layers))
+                                                            push_layers=self.push_layers is True))
             self._opening[spec.req_id] = Opening(spec, job, give_up_at, client)
 
     def _settle_opens(self, now: float) -> None:

@@ -11,6 +11,7 @@ import torch
 from kvstore import KVLayout
 from kvstore.client.adapters.vllm.connector_settings import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
+from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.errors import ConfigError
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS = 32, 2, 32, 3, 16
@@ -62,3 +63,22 @@ def test_page_copies_land_where_vllms_cpu_kernels_read(one_buffer: bool) -> None
             assert torch.equal(rows[:, BLOCK + BLOCK // 2 + t], page[layer, 1, t])
         assert torch.equal(kv.read_layer(1, layer), page[layer])
     assert int(torch.count_nonzero(torch.stack(caches))) == page.numel()
+
+
+def test_layer_pushes_are_on_where_the_kv_is_on_an_accelerator_and_off_on_a_cpu_engine() -> None:
+    """``handoff_push_layers`` "auto" (the default): a CPU engine's prefill needs the cores the
+    pushes would take (DESIGN §12.7), so its layers go whole; KV on an accelerator pushes them.
+    True or False is kept whatever the device; anything else is refused by name."""
+    config = ConnectorConfig.from_extra({}, environ={"KVSTORE_ADDRESS": "h:1"})
+    assert config.handoff_push_layers == "auto" and config.push_layers() is None
+    assert ConnectorConfig("h:1", handoff_push_layers=True).push_layers() is True
+    assert ConnectorConfig("h:1", handoff_push_layers=False).push_layers() is False
+    for bad in (1, "yes", None):
+        with pytest.raises(ConfigError, match="handoff_push_layers"):
+            ConnectorConfig("h:1", handoff_push_layers=bad)
+    store = SimpleNamespace(namespace=SimpleNamespace(layout=LAYOUT))
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * DIM)
+    for device, setting, pushes in (("cpu", None, False), ("meta", None, True), ("cpu", True, True), ("meta", False, False)):
+        worker = HandoffWorker(store, BLOCK, open_timeout_s=1.0, complete_timeout_s=1.0, push_layers=setting)  # type: ignore[arg-type]
+        worker.register([torch.empty(shape, device=device) for _ in range(LAYERS)])
+        assert worker.push_layers is pushes, (device, setting)
