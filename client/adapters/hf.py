@@ -5,6 +5,7 @@ a computed one.
 page boundary, at most ``len(input_ids) - 1`` so the model always computes the last token's
 logits) and a cache holding exactly them. A page that vanished or fails its checksum only
 shortens ``n``: the model recomputes the rest (partial recompute), never reads garbage.
+``save`` names the generation the restore of its tokens answered (DESIGN §3).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 import torch
 
-from kvstore.client.client import KVStoreClient
+from kvstore.client.adapters.lookup_generations import LookupGenerations
+from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad
-from kvstore.errors import InvalidRequest, NamespaceMismatch, PageCorrupt, PageMissing
+from kvstore.errors import InvalidRequest, NamespaceMismatch, PageCorrupt, PageMissing, StaleGeneration
 from kvstore.types import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class HFKVCache:
     def __init__(self, client: KVStoreClient, config: Any | None = None) -> None:
         self.client = client
         self.layout = client.layout
+        self.generations = LookupGenerations()  # what each page's restore answered, for its save (DESIGN §3)
         if config is not None:
             derived = KVLayout.from_hf_config(config, dtype=self.layout.dtype, page_tokens=self.layout.page_tokens)
             if derived != self.layout:
@@ -98,9 +101,18 @@ class HFKVCache:
         return ([torch.empty(shape, dtype=lay.dtype) for _ in range(lay.num_layers)],
                 [torch.empty(shape, dtype=lay.dtype) for _ in range(lay.num_layers)])
 
+    async def _lookup(self, ids: list[int]) -> Hit:
+        """The stored prefix of all but the last token; its generation is kept for every page looked
+        up, stored or not: the model computes the rest on the prefix, and ``save`` names it."""
+        tokens = ids[: max(0, len(ids) - 1)]
+        hit = await self.client.lookup(tokens)
+        if len(tokens) >= self.layout.page_tokens:
+            self.generations.remember(self.client.keys(tokens), hit.generation)
+        return hit
+
     async def restore(self, input_ids: Any) -> tuple[int, Any]:
         ids = _ids(input_ids)
-        hit = await self.client.lookup(ids[: max(0, len(ids) - 1)])
+        hit = await self._lookup(ids)
         if hit.num_tokens == 0:
             return 0, None
         keys, values = self._empty(hit.num_tokens)
@@ -114,20 +126,31 @@ class HFKVCache:
             return 0, None
         return n, cache_from_layers([k[:, :, :n] for k in keys], [v[:, :, :n] for v in values])
 
-    async def save(self, input_ids: Any, past: Any, durable: bool = False) -> int:
-        """Stores the full pages of a computed cache; returns the leading tokens stored."""
+    async def save(self, input_ids: Any, past: Any, durable: bool = False, generation: int | None = None) -> int:
+        """Stores the full pages of a computed cache; returns the leading tokens stored. It names
+        ``generation`` (a ``Hit``'s), else the lowest a restore of its pages answered since they were
+        last saved, else the highest the client saw: 0 tokens once an invalidation raised it."""
         ids = _ids(input_ids)
         keys, values = cache_layers(past)
         self._check_tensors(keys)
         tokens = min(len(ids), keys[0].shape[2])
-        return await self.client.put(ids[:tokens], HFLayersKV(keys, values, self.layout), durable=durable)
+        page_keys = self.client.keys(ids[:tokens])
+        restored = [g for g in self.generations.take(page_keys) if g is not None]
+        if generation is None:
+            generation = min(restored) if restored else self.client.generation_seen
+        try:
+            return await self.client.put_keys(page_keys, HFLayersKV(keys, values, self.layout), durable=durable,
+                                              generation=generation)
+        except StaleGeneration as exc:
+            logger.info("save refused: the cache was computed before an invalidation (%s)", exc)
+            return 0
 
     async def restore_layerwise(self, input_ids: Any, ahead: int = 0, deadline_s: float | None = None) -> tuple[int, Any, LayerLoad | None]:
         """Starts a layer-wise load; returns (n, past, load) once the valid prefix is known.
         Run the model inside ``wait_per_layer(model, load)`` so each decoder layer waits for
         its own KV only. n is 0 (and past None) when nothing usable is stored."""
         ids = _ids(input_ids)
-        hit = await self.client.lookup(ids[: max(0, len(ids) - 1)])
+        hit = await self._lookup(ids)
         if hit.num_tokens == 0:
             return 0, None, None
         keys, values = self._empty(hit.num_tokens)

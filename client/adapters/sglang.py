@@ -14,8 +14,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.lookup_generations import LookupGenerations
 from kvstore.client.client import Hit, KVStoreClient
-from kvstore.errors import ConfigError, KVStoreError, PageCorrupt, PageMissing
+from kvstore.errors import ConfigError, KVStoreError, PageCorrupt, PageMissing, StaleGeneration
 from kvstore.security.credentials import ClientSecurity
 from kvstore.types import KVLayout, Namespace
 
@@ -74,6 +75,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.store: StoreConnection | None = None
         self.pool: Any = None
+        self.generations = LookupGenerations()  # what each key's lookup answered, for its write (DESIGN §3)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.store is not None:
             self.store.close()
         self.pool = mem_pool_host
+        self.generations.clear()
         self.store = StoreConnection(self.address, namespace, credentials=self.credentials)
         self.store.start()  # raises ConfigError when the server refuses the credentials
 
@@ -111,15 +114,19 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- reads ---------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """The number of leading keys stored (one lookup)."""
+        """The number of leading keys stored (one lookup). The generation it answered is kept for
+        every key: SGLang loads the stored ones and computes the rest on them, and writes both back."""
         client = self.store.client() if self.store is not None else None
         if client is None or not keys:
             return 0
+        kv_keys = self._keys(client, keys)
         try:
-            return self.store.num_stored(client, self._keys(client, keys), self.timeout_s)  # type: ignore[union-attr]
+            found, generation = self.store.stored_prefix(client, kv_keys, self.timeout_s)  # type: ignore[union-attr]
         except (KVStoreError, TimeoutError) as exc:
             self.store.failed(client, exc)  # type: ignore[union-attr]
             return 0
+        self.generations.remember(kv_keys, generation)
+        return found
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -130,9 +137,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if client is None or not keys:
             return None
         layout = self._layout()
+        kv_keys = self._keys(client, keys)
+        seen = self.store.generation_seen()  # type: ignore[union-attr]
+        if seen is not None:  # at most the generation of the pages read (none older is served)
+            self.generations.remember(kv_keys, seen)
         kv = torch.empty((layout.num_layers, 2, len(keys) * layout.page_tokens, layout.num_kv_heads, layout.head_dim),
                          dtype=layout.torch_dtype())
-        hit = Hit(client.namespace.namespace_id, kv.shape[2], self._keys(client, keys), [])
+        hit = Hit(client.namespace.namespace_id, kv.shape[2], kv_keys, [])
         try:
             self.store.run(client, client.get(hit, into=kv), self.timeout_s)  # type: ignore[union-attr]
             return kv
@@ -182,17 +193,36 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     # -- writes --------------------------------------------------------------------------
 
     def _write(self, keys: list[str], pages: list[torch.Tensor]) -> int:
-        """Stores canonical pages under ``keys``; returns how many leading ones are stored."""
+        """Stores canonical pages under ``keys``; returns how many leading ones are stored. Each
+        page names the generation its key's lookup answered, a key never looked up the highest the
+        connection saw (DESIGN §3): a run of pages refused as stale ends the write."""
         client = self.store.client() if self.store is not None else None
         if client is None or not keys:
             return 0
-        kv = torch.cat([page for page in pages], dim=2) if len(pages) > 1 else pages[0].contiguous()
-        try:
-            stored = self.store.run(client, client.put_keys(self._keys(client, keys), kv), self.timeout_s)  # type: ignore[union-attr]
-        except (KVStoreError, TimeoutError) as exc:
-            self.store.failed(client, exc)  # type: ignore[union-attr]
-            return 0
-        return stored // self._layout().page_tokens
+        kv_keys, p = self._keys(client, keys), self._layout().page_tokens
+        seen = self.store.generation_seen()  # type: ignore[union-attr]
+        named = [seen if g is None else g for g in self.generations.take(kv_keys)]
+        stored = 0
+        while stored < len(keys):
+            end = stored + 1
+            while end < len(keys) and named[end] == named[stored]:
+                end += 1
+            run = pages[stored:end]
+            kv = torch.cat(run, dim=2) if len(run) > 1 else run[0].contiguous()
+            try:
+                put = client.put_keys(kv_keys[stored:end], kv, generation=named[stored])
+                num = self.store.run(client, put, self.timeout_s) // p  # type: ignore[union-attr]
+            except StaleGeneration as exc:
+                logger.info("kvstore HiCache write of %d pages refused: looked up before an invalidation (%s)",
+                            len(keys) - stored, exc)
+                return stored
+            except (KVStoreError, TimeoutError) as exc:
+                self.store.failed(client, exc)  # type: ignore[union-attr]
+                return stored
+            stored += num
+            if stored < end:
+                return stored
+        return stored
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:

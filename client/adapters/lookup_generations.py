@@ -1,0 +1,51 @@
+"""The namespace generation an engine's lookup of each page key answered, kept for its write of
+that key (DESIGN §3): an adapter whose calls carry no request (SGLang's HiCache backend, the
+``transformers`` helper) names it to the put, so KV computed on a lookup made before an
+acknowledged invalidation is refused rather than stored in the new generation.
+
+More: client/adapters/README.md (### lookup_generations.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+MAX_KEYS = 1 << 16  # ~10 MiB at most; an engine writes a key back seconds after looking it up
+
+
+class LookupGenerations:
+    """Page key -> the lowest generation a lookup of it answered since its last write.
+
+    ``remember`` after a lookup, ``take`` at the write (which forgets the keys, stored or refused).
+    A later lookup never raises a key's generation: KV computed on the earlier one may still be
+    written. Bounded: past ``capacity`` keys the least recently looked up are forgotten (their
+    writes name what the adapter names for a key never looked up). Thread-safe."""
+
+    def __init__(self, capacity: int = MAX_KEYS) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._generations: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._generations)
+
+    def remember(self, keys: list[bytes], generation: int) -> None:
+        """A lookup of ``keys`` answered ``generation``."""
+        with self._lock:
+            for key in keys:
+                known = self._generations.pop(key, None)
+                self._generations[key] = generation if known is None else min(known, generation)
+            while len(self._generations) > self.capacity:
+                self._generations.popitem(last=False)
+
+    def take(self, keys: list[bytes]) -> list[int | None]:
+        """Each key's generation (None: not remembered), forgotten."""
+        with self._lock:
+            return [self._generations.pop(key, None) for key in keys]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._generations.clear()
