@@ -241,8 +241,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> bool:
-        """True when every page is stored."""
-        if self.pool is None or values is None:
+        """True when every page is stored; False without the pages (a zero-copy call's
+        ``target_locations`` alone: batch_set_v1 takes those)."""
+        if self.pool is None or values is None or any(value is None for value in values):
             return False
         shape = self.pool.get_data_page(0, flat=False).shape
         pages = [from_pool_order(value.reshape(shape), self.pool.layout) for value in values]

@@ -111,6 +111,9 @@ def test_tensor_api_round_trip(make_backend: Any, layout: str) -> None:
     got_all = backend.batch_get(k)
     assert [torch.equal(g, pool.get_data_page(i * P)) for g, i in zip(got_all, [2, 4, 6])] == [True] * 3
     assert backend.get(keys(1, tag="never")[0]) is None
+    # a set without its page (SGLang's zero-copy call shape, which this backend does not take) stores nothing
+    assert backend.set(keys(1, tag="none")[0]) is False and backend.batch_set(keys(2, tag="none"), [None, None]) is False
+    assert backend.batch_exists(keys(2, tag="none")) == 0
 
 
 def test_batch_exists_counts_leading_hits_only(make_backend: Any) -> None:
