@@ -29,12 +29,14 @@ MESSAGE_OPTIONS = [
 ]
 # A client's or a peer's channel: its own connection (gRPC otherwise shares one per address across the
 # process, and a new client reused one backing off from a server that was down: refused for seconds after
-# the server was back), retried at most a second apart (gRPC's default backs off up to 120 s).
+# the server was back), retried at most a second apart (gRPC's default backs off up to 120 s). gRPC takes
+# min_reconnect_backoff_ms as the least time one connection attempt is given to get the server's SETTINGS
+# frame, not as a floor on the backoff: at 100 ms a slower handshake could never connect (DESIGN §8).
 CLIENT_OPTIONS = [
     *MESSAGE_OPTIONS,
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 20_000),  # gRPC's own default
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 CHUNK_BYTES = 4 << 20  # a page up to 4 MiB is one message (a 2.25 MiB Qwen3-8B page: one, not three)
