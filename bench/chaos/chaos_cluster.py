@@ -116,7 +116,7 @@ class ChaosNode:
         self.metrics_port = free_port()
         self.inbound = Proxy(("127.0.0.1", self.port))
         self.etcd_link = Proxy(("127.0.0.1", etcd.port))
-        data_port = free_port()
+        data_port = free_port() if data_plane == "tcp" else 0
         self.data_link = Proxy(("127.0.0.1", data_port)) if data_plane == "tcp" else None
         plane = ["--data-plane", "grpc"] if self.data_link is None else [
             "--data-plane", "tcp", "--data-port", str(data_port), "--advertise-data-port", str(self.data_link.port)]
