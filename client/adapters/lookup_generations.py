@@ -17,17 +17,19 @@ MAX_KEYS = 1 << 16  # ~10 MiB at most; an engine writes a key back seconds after
 class LookupGenerations:
     """Page key -> the lowest generation a lookup of it answered since its last write.
 
-    ``remember`` after a lookup, ``take`` at the write (which forgets the keys, stored or refused).
-    A later lookup never raises a key's generation: KV computed on the earlier one may still be
-    written. Bounded: past ``capacity`` keys the least recently looked up are forgotten (their
-    writes name what the adapter names for a key never looked up). Thread-safe."""
+    ``remember`` after a lookup, ``take`` at the write. A later lookup never raises a key's
+    generation: KV computed on the earlier one may still be written. A write keeps the key at the
+    generation it named until its next lookup: a retry of a refused write, or another write of KV
+    computed on the same lookups, names it again (DESIGN §3). Bounded: past ``capacity`` keys the
+    least recently used are forgotten (their writes name what the adapter names for a key never
+    looked up). Thread-safe."""
 
     def __init__(self, capacity: int = MAX_KEYS) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._generations: OrderedDict[bytes, int] = OrderedDict()
+        self._generations: OrderedDict[bytes, int] = OrderedDict()  # g: looked up; ~g (< 0): written since
 
     def __len__(self) -> int:
         return len(self._generations)
@@ -37,14 +39,21 @@ class LookupGenerations:
         with self._lock:
             for key in keys:
                 known = self._generations.pop(key, None)
-                self._generations[key] = generation if known is None else min(known, generation)
+                self._generations[key] = generation if known is None or known < 0 else min(known, generation)
             while len(self._generations) > self.capacity:
                 self._generations.popitem(last=False)
 
     def take(self, keys: list[bytes]) -> list[int | None]:
-        """Each key's generation (None: not remembered), forgotten."""
+        """Each key's generation (None: not remembered), kept as written until its next lookup."""
         with self._lock:
-            return [self._generations.pop(key, None) for key in keys]
+            out: list[int | None] = []
+            for key in keys:
+                known = self._generations.get(key)
+                if known is not None:
+                    self._generations[key] = known if known < 0 else ~known
+                    self._generations.move_to_end(key)
+                out.append(None if known is None else known if known >= 0 else ~known)
+            return out
 
     def clear(self) -> None:
         with self._lock:

@@ -230,6 +230,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if self.pool is None:
             return [False] * len(keys)
         p = self._layout().page_tokens
+        if len(host_indices) < len(keys) * p:
+            logger.warning("kvstore HiCache batch_set_v1: %d host indices for %d pages of %d tokens; nothing stored",
+                           len(host_indices), len(keys), p)
+            return [False] * len(keys)
         pages = [canonical_page(self.pool, int(host_indices[i * p])) for i in range(len(keys))]
         stored = self._write(keys, pages)
         return [i < stored for i in range(len(keys))]
@@ -242,10 +246,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> bool:
         """True when every page is stored; False without the pages (a zero-copy call's
-        ``target_locations`` alone: batch_set_v1 takes those)."""
+        ``target_locations`` alone: batch_set_v1 takes those) or with pages not one a key."""
         if self.pool is None or values is None or any(value is None for value in values):
             return False
         shape = self.pool.get_data_page(0, flat=False).shape
+        if len(values) != len(keys) or any(value.numel() != shape.numel() for value in values):
+            logger.warning("kvstore HiCache batch_set: %d pages for %d keys, or a page not of %s; nothing stored",
+                           len(values), len(keys), tuple(shape))
+            return False
         pages = [from_pool_order(value.reshape(shape), self.pool.layout) for value in values]
         return self._write(keys, pages) == len(keys)
 

@@ -76,7 +76,7 @@ async def test_a_save_never_restored_names_the_highest_generation_seen(server: o
 
 async def test_a_later_turn_restored_after_the_invalidation_is_stored(server: object, ns: Namespace) -> None:
     """A chat's next turn: its prompt holds the last turn's, restored again after the invalidation;
-    its save is stored (what a refused save remembered went with it)."""
+    its save is stored (the restore replaces what the refused save kept)."""
     first = prompt(seed=10)
     async with KVStoreClient(server.address, ns) as client, KVStoreClient(server.address, ns) as operator:  # type: ignore[attr-defined]
         cache = HFKVCache(client)
@@ -86,4 +86,17 @@ async def test_a_later_turn_restored_after_the_invalidation_is_stored(server: ob
         second = first + prompt(seed=12, pages=1)
         assert (await cache.restore(second))[0] == 0
         assert await cache.save(second, computed(len(second), seed=13)) == 4 * P
-        assert len(cache.generations) == 0
+
+
+async def test_a_save_again_without_a_restore_names_what_the_last_save_named(server: object, ns: Namespace) -> None:
+    """Regression: a refused save forgot its pages, so saving the same cache again, once another
+    restore had shown the client generation 1, stored KV restored in generation 0."""
+    ids, other = prompt(seed=14), prompt(seed=15)
+    async with KVStoreClient(server.address, ns) as client, KVStoreClient(server.address, ns) as operator:  # type: ignore[attr-defined]
+        cache, past = HFKVCache(client), computed(len(ids), seed=16)
+        assert (await cache.restore(ids))[0] == 0
+        assert await operator.invalidate() == 1
+        assert (await cache.restore(other))[0] == 0  # generation 1 seen
+        assert await cache.save(ids, past) == 0
+        assert await cache.save(ids, past) == 0
+        assert await stored_pages(operator, ids) == 0, "KV restored in generation 0 was stored in generation 1"
