@@ -44,6 +44,23 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names; None for none, or one it cannot tell (then every bench is
+    imported, as ``--help`` does: it lists them all, and an error is the full parser's to report)."""
+    probe = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    probe.add_argument("--log-level")
+    add_client_security(probe)
+    sub = probe.add_subparsers(dest="command")
+    for name in COMMANDS:
+        sub.add_parser(name, add_help=False)
+    if {"-h", "--help"} & set(argv[: next((i for i, a in enumerate(argv) if a in COMMANDS), len(argv))]):
+        return None
+    try:
+        return probe.parse_known_args(argv)[0].command  # type: ignore[no-any-return]
+    except (argparse.ArgumentError, SystemExit):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore-bench", description="kvstore benchmarks against physical limits",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -52,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     # today's subcommands start their own loopback server without them and do not use them.
     add_client_security(parser)
     sub = parser.add_subparsers(dest="command", required=True)
+    command = _command(sys.argv[1:] if argv is None else argv)
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(f"kvstore.bench.{module_name}")
         p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if command not in (None, name):  # a run imports its own bench only (each import of them all cost a second)
+            continue
+        module = importlib.import_module(f"kvstore.bench.{module_name}")
         module.add_arguments(p)
         p.add_argument("--json", action="store_true", help="end with one JSON object")
         p.set_defaults(module=module)
