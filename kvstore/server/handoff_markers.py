@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 MAX_HANDOFFS_PER_TENANT = 256  # markers (decode side) or open handoffs (prefill side) a tenant holds at once
 MAX_TTL_S = 600.0
 LEASE_MARGIN_MS = 5_000  # a pin's lease outlives its marker's ttl by this: the sweeper releases it first
+MAX_TAKEN_OVER = 65_536  # handoffs remembered as taken over, each to its ttl's end (the oldest forgotten first)
 POOL_FIRST_STEP_S = 0.005  # a pool handoff's second pull (then 10, 20 ... 400 ms): its last pages land ~3 ms after the prefill answers
 
 MarkerKey = tuple[str, bytes, bytes]  # tenant, namespace id, handoff id
@@ -56,6 +58,9 @@ class HandoffMarkers:
         self.clock = clock
         self._markers: dict[MarkerKey, Marker] = {}
         self._per_tenant: dict[str, int] = {}
+        # handoffs whose reader took over every page its wait was handed -> the end of their ttl: a
+        # Complete or Push after that (a decode's wait may come first) makes no marker, pins nothing
+        self._taken: OrderedDict[MarkerKey, float] = OrderedDict()
         self._changed = threading.Condition()  # the table's lock; notified whenever pages arrive or a marker goes
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="handoff-ttl", daemon=True)
@@ -71,6 +76,8 @@ class HandoffMarkers:
             markers = list(self._markers.values())
         for marker in markers:
             self._drop(marker)
+        with self._changed:
+            self._taken.clear()
 
     def __len__(self) -> int:
         return len(self._markers)
@@ -89,7 +96,9 @@ class HandoffMarkers:
         """The marker of the handoff, made if there is none (LimitExceeded past ``per_tenant``:
         nothing made); a later open may only lengthen its ttl. ``waiter``: the caller's ``wait``
         (``registered=True``) follows, and it counts as the marker's reader from here on, so that
-        nothing (a wait that left, the ttl) drops the marker between the two."""
+        nothing (a wait that left, the ttl) drops the marker between the two. But for a wait, the
+        opener of a handoff its reader took over already (``acquired``) gets a marker outside the
+        table: nothing that arrives for it is pinned."""
         key = (tenant, namespace_id, handoff_id)
         now = self.clock()
         generation = self.core.directory.generation(namespace_id)
@@ -98,6 +107,8 @@ class HandoffMarkers:
             self._drop(stale)  # of an older generation: its pins go, nothing of it is handed
         with self._changed:
             marker = self._markers.get(key)
+            if marker is None and not waiter and self._taken.get(key, now) > now:
+                return Marker(tenant, namespace_id, handoff_id, generation, now, ttl_ms)
             if marker is None:
                 if self._per_tenant.get(tenant, 0) >= self.per_tenant:
                     raise LimitExceeded(f"tenant {tenant!r} holds {self.per_tenant} handoffs already; "
@@ -275,6 +286,12 @@ class HandoffMarkers:
                     marker.handed.difference_update(keys)
                     if not marker.handed:
                         done.append(marker)
+        with self._changed:  # before the drop: a Complete in between finds the marker, or this
+            for marker in done:
+                self._taken[marker.key] = marker.expires
+                self._taken.move_to_end(marker.key)
+            while len(self._taken) > MAX_TAKEN_OVER:
+                self._taken.popitem(last=False)
         for marker in done:
             self._drop(marker)
 
@@ -288,6 +305,8 @@ class HandoffMarkers:
 
         with self._changed:
             gone = [m for m in self._markers.values() if due(m)]
+            for key in [k for k, end in self._taken.items() if end <= now]:
+                del self._taken[key]
         dropped = 0
         for marker in gone:
             pages = len(marker.pinned)

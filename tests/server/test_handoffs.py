@@ -121,6 +121,29 @@ async def test_an_acquire_of_the_handed_pages_takes_them_over(server, ns, layout
         assert await _leases(client) == 0
 
 
+async def test_a_complete_after_the_decode_side_read_the_pages_pins_nothing(server, ns, layout) -> None:
+    """Bug: a decode's wait may come before the prefill's Complete (the prefill returns its
+    kv_transfer_params when it finishes; its worker completes a step later, once its saves end). With the
+    pages stored already the wait answered at once and the read took them over; the Complete that came
+    next made the marker again and pinned its pages under a lease nobody would take over, held to the
+    handoff's ttl (30 s). A handoff taken over stays taken over: a late Complete answers, pins nothing."""
+    tokens = _tokens(9, 3, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=9)
+    async with KVStoreClient(server.address, ns) as client:
+        handoff = new_handoff_id()
+        await client.handoff_open(handoff, None)
+        assert await client.put(tokens, kv) == len(tokens)
+        hit = await client.handoff_wait(handoff, tokens, deadline_s=2.0)
+        out = torch.zeros_like(kv)
+        assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
+        assert await _leases(client) == 0 and len(server.handoffs) == 0
+        assert await client.handoff_complete(handoff, tokens) == len(tokens)
+        assert await _leases(client) == 0 and len(server.handoffs) == 0, "the late Complete pinned the pages again"
+        again = await client.handoff_wait(handoff, tokens, deadline_s=2.0)  # a wait after it: as before, handed
+        assert again.num_tokens == len(tokens) and await client.get(again, out) == len(tokens)
+        assert await _leases(client) == 0 and len(server.handoffs) == 0
+
+
 async def test_waits_take_stream_slots_so_unary_calls_keep_their_threads(server_factory, ns, layout) -> None:
     """A wait holds its thread to its deadline: it counts as a stream (``--max-streams``), a tenant
     holding at most half of them; past that RESOURCE_EXHAUSTED, and a lookup is answered meanwhile."""
