@@ -21,7 +21,7 @@ from kvstore.client.arena import ArenaMap
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.client.layerwise import LayerLoad, LayerSave
 from kvstore.device_ops import DeviceOps, ops_for
-from kvstore.errors import KVStoreError, SessionFenced
+from kvstore.errors import KVStoreError, SessionFenced, StaleGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class WorkerStats:
     saves_cancelled: int = 0
     saves_failed: int = 0
     saves_fenced: int = 0  # refused: the request's session moved (live migration)
+    saves_stale: int = 0  # refused: the generation the request names is not the namespace's (DESIGN §3)
     saved_tokens: int = 0
 
 
@@ -326,6 +327,10 @@ class WorkerSide:
         except SessionFenced:  # its session moved (sessions.py): reported, never saved here again
             self.stats.saves_fenced += 1
             return self._unsaved.fenced(spec.req_id)
+        except StaleGeneration:  # invalidated since its lookup (DESIGN §3): sent again, it would be refused again
+            self.stats.saves_stale += 1
+            self._unsaved.forget({spec.req_id})
+            return True
         except KVStoreError as exc:
             if not active.kv.cancelled:
                 self.stats.saves_failed += 1

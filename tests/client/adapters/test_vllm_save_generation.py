@@ -14,7 +14,7 @@ import pytest
 import test_vllm_hybrid_load_costs as hybrid
 import torch
 from support.servers import ServerProcess
-from test_vllm_connector_parts import BLOCK, forward, hand_back, new_request, parts, step, store_prompt
+from test_vllm_connector_parts import BLOCK, cached_step, forward, hand_back, new_request, parts, step, store_prompt
 
 from kvstore import Namespace
 from kvstore.client import KVStoreClient
@@ -126,4 +126,28 @@ def test_a_decode_saves_in_the_generation_its_prefill_computed_in(store_process:
     client = store.client()
     assert client is not None
     assert store.run(client, client.lookup(tokens), 5).num_pages == stored
+    store.close()
+
+
+def test_a_save_refused_as_stale_is_not_sent_again(store_process: ServerProcess) -> None:
+    """Bug: a save the server refused for its stale generation counted as a save that came up short,
+    so the request's next step sent the same save again, refused again, on every step until it
+    finished (and once more at its end). It ends as a save a session fence refused: never sent again."""
+    tokens = list(range(1, 3 * BLOCK + 2))
+    store, scheduler, worker, caches = parts(store_process.address)
+    meta = step(scheduler, "r", tokens, 0, list(range(4)))
+    assert [(s.first_page, len(s.tokens) // BLOCK, s.generation) for s in meta.saves] == [(0, 3, 0)]
+    assert _invalidate(store_process.address, store.namespace) == 1
+    forward(worker, meta, fill=3.0, caches=caches)
+    assert worker.wait_saves(10)
+    hand_back(worker, scheduler)
+    assert worker.stats.saves_stale == 1 and worker.stats.saved_tokens == 0
+    for computed in range(len(tokens), len(tokens) + 3):  # decode steps, still within the fourth page
+        scheduler.requests["r"].request.all_token_ids.append(5)
+        meta = cached_step(scheduler, "r", computed, 1)
+        assert not meta.saves, f"the refused save was sent again: {meta.saves}"
+        forward(worker, meta, fill=3.0, caches=caches)
+        hand_back(worker, scheduler)
+    scheduler.finished(scheduler.requests["r"].request)
+    assert hand_back(worker, scheduler, {"r"}) == {"r"} and worker.stats.saves_again == 0  # nothing to save at its end
     store.close()
