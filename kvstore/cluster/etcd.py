@@ -26,12 +26,15 @@ from kvstore.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 # etcd refuses client pings more often than every 5 s (GOAWAY "too_many_pings"); a short
-# reconnect backoff matters more: a restarted etcd must be found within a lease TTL.
+# reconnect backoff matters more: a restarted etcd must be found within a lease TTL. gRPC takes
+# min_reconnect_backoff_ms as the least time one connection attempt is given to get etcd's SETTINGS
+# frame (DESIGN §8, Connecting): at 100 ms an etcd slower to handshake was never reached; 2 s bounds
+# how long an attempt lost in a partition delays the next one, below any lease TTL.
 _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 2_000),
     ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.enable_retries", 0),
 )
