@@ -103,10 +103,12 @@ class ShmTransport:
         return found if found is not None and found.hold() else None
 
     def close(self) -> None:
-        """After the client's loads and saves ended (client.close abandons and joins them)."""
+        """After the client's loads and saves ended (client.close abandons and joins them). An
+        arena still held (a handoff's receive holds its lease's until given back) closes with
+        its last user."""
         self._pool.shutdown(wait=True)
         for arena in (*self._old_arenas, self.arena):
-            arena.close()
+            arena.retire()
         if self.pools is not None:
             self.pools.close()
 

@@ -102,10 +102,11 @@ def _let_go(taken: Taken) -> bool:
     return True
 
 
-def give_back(client: KVStoreClient, transport: ShmTransport, taken: Taken, failed: list[bytes]) -> None:
+def give_back(client: KVStoreClient, transport: ShmTransport | None, taken: Taken, failed: list[bytes]) -> None:
     """Releases every lease of ``taken`` in the background (``failed``: keys whose copy failed its
-    checksum, for the server to check) and drops the arena holds; once only."""
-    if not _let_go(taken):
+    checksum, for the server to check) and drops the arena holds; once only. Without a transport
+    (no client connected) only the holds go: the leases expire."""
+    if not _let_go(taken) or transport is None:
         return
     for lease_id in taken.lease_ids:
         try:

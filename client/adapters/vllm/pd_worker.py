@@ -309,10 +309,19 @@ class HandoffWorker:
         return valid, reason
 
     def _give_back(self, rec: Receiving, failed: list[bytes]) -> None:
-        """Releases what the receive leased (once: later calls find it given back)."""
-        transport = arena_of(rec.client) if rec.client is not None else None
-        if rec.taken is not None and transport is not None:
-            give_back(rec.client, transport, rec.taken, failed)  # type: ignore[arg-type]
+        """Releases what the receive leased (once: later calls find it given back). A client the
+        connection dropped and closed meanwhile gives it back through the store's client of now:
+        after a restart, its channel may have taken the lease at the server that answers now (a
+        lease of the server gone went with it: released there, it is refused, and logged)."""
+        if rec.taken is None or rec.client is None:
+            return
+        client: KVStoreClient | None = rec.client
+        try:
+            transport = arena_of(rec.client)
+        except KVStoreError:  # closed
+            client = self.store.client()
+            transport = arena_of(client) if client is not None else None
+        give_back(client or rec.client, transport, rec.taken, failed)
 
     def _failed(self, client: KVStoreClient | None, exc: BaseException | None) -> None:
         """A transport failure drops the client (the next call connects anew: a restarted node is
@@ -331,15 +340,17 @@ class HandoffWorker:
         return short
 
     def shutdown(self) -> None:
-        for rec in self._receiving:
+        for rec in self._receiving:  # a job that ended is not cancelled: its client's runtime may have closed
             if rec.job is not None:
-                rec.job.cancel()
+                if not rec.job.result.done():
+                    rec.job.cancel()
                 rec.job.result.add_done_callback(lambda _, rec=rec: self._give_back(rec, []))
         for done in self._completing.values():
-            if done.job is not None and not isinstance(done.job, _Failed):
+            if done.job is not None and not done.job.result.done():
                 done.job.cancel()
         for opening in self._opening.values():
-            opening.job.cancel()
+            if not opening.job.result.done():
+                opening.job.cancel()
 
 
 class _Failed:

@@ -24,6 +24,7 @@ from kvstore.client.adapters.vllm.metadata import HandoffLoad, KVStoreConnectorM
 from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 from kvstore.client.client import KVStoreClient
 from kvstore.client.handoff import new_handoff_id
+from kvstore.errors import KVStoreError
 
 BLOCK, HEADS, DIM, LAYERS, NUM_BLOCKS, PAGES = 32, 2, 16, 3, 12, 4
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, dtype=torch.float32, page_tokens=BLOCK)
@@ -237,3 +238,32 @@ def test_the_prefill_step_does_not_wait_for_the_open_and_the_completion_follows_
 async def _put(address: str, tokens: list[int]) -> None:
     async with KVStoreClient(address, NAMESPACE) as client:
         assert await client.put(tokens, torch.randn(LAYERS, 2, len(tokens), HEADS, DIM)) == len(tokens)
+
+
+@pytest.mark.parametrize("then", ["landed", "shut-down"])
+def test_a_receive_whose_client_was_dropped_meanwhile_raises_nothing_and_leaves_no_lease(server: ServerProcess,
+                                                                                         then: str) -> None:
+    """Bug: the connection dropped and closed the client a receive had leased its pages through (a
+    failure: the store restarting) before the receive landed; landing then raised into vLLM's
+    get_finished (the copy read the closed client's arena: AttributeError; the give-back asked it for
+    its transport: KVStoreError), and so did the worker's shutdown (a cancel on its closed runtime).
+    The receive lands from the arena its lease still holds, and the lease goes back through the
+    store's client of now (this server: it lives here)."""
+    store, worker, _, kv, _ = start(server.address, shared=True)
+    try:
+        job_done(worker)
+        closing = store.failed(store.client(), KVStoreError("the store restarted"))  # type: ignore[arg-type]
+        assert closing is not None
+        closing.join(10)
+        deadline = time.monotonic() + 10
+        while store.client() is None:  # connected again
+            assert time.monotonic() < deadline, "the store did not reconnect"
+            time.sleep(0.05)
+        if then == "landed":
+            assert settle(worker) == {"r1"} and worker.load_errors() == set()
+            for page in range(PAGES):
+                assert torch.equal(page_of(worker, page), kv[:, :, page * BLOCK : (page + 1) * BLOCK])
+        worker.shutdown()
+        assert_no_lease_left(server.address)
+    finally:
+        store.close()
