@@ -117,17 +117,19 @@ class ArenaMap:
         """A user is done; a retired mapping closes with its last user."""
         with self._use_lock:
             self._uses -= 1
-            last = self._retired and self._uses == 0
+            last = self._retired and self._uses == 0 and not self._closed
+            self._closed = self._closed or last  # under the lock: a ``hold`` from here on is refused
         if last:
-            self.close()
+            self._unmap()
 
     def retire(self) -> None:
         """Closes the mapping once nobody holds it (now, when nobody does)."""
         with self._use_lock:
             self._retired = True
-            idle = self._uses == 0
+            idle = self._uses == 0 and not self._closed
+            self._closed = self._closed or idle
         if idle:
-            self.close()
+            self._unmap()
 
     @property
     def closed(self) -> bool:
@@ -138,6 +140,10 @@ class ArenaMap:
             if self._closed:
                 return
             self._closed = True
+        self._unmap()
+
+    def _unmap(self) -> None:
+        """Once marked closed (under the lock, where ``hold`` looks): nobody holds it or is granted it."""
         if self._ops is not None and self._pinned_at is not None:  # CUDA ONLY: before the mapping goes
             self._ops.unpin_host(self._pinned_at)
             self._pinned_at = None
