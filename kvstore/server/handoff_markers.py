@@ -276,7 +276,8 @@ class HandoffMarkers:
         return n
 
     def acquired(self, tenant: str, namespace_id: bytes, keys: list[bytes]) -> None:
-        """The caller acquired ``keys``: a marker whose handed pages it has all acquired lets them go."""
+        """The caller acquired ``keys``: a marker whose handed pages it has all acquired lets them go
+        (kept where a wait came in meanwhile: that wait reads it, or was handed its pins)."""
         if not self._markers:
             return
         done: list[Marker] = []
@@ -292,8 +293,8 @@ class HandoffMarkers:
                 self._taken.move_to_end(marker.key)
             while len(self._taken) > MAX_TAKEN_OVER:
                 self._taken.popitem(last=False)
-        for marker in done:
-            self._drop(marker)
+        for marker in done:  # unless a wait came in since: it reads the marker, or was handed its pins
+            self._drop(marker, only_if=lambda marker=marker: not marker.waiters and not marker.handed)
 
     # -- expiry -------------------------------------------------------------------------
     def expire(self) -> int:
