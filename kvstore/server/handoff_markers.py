@@ -306,8 +306,8 @@ class HandoffMarkers:
 
         with self._changed:
             gone = [m for m in self._markers.values() if due(m)]
-            for key in [k for k, end in self._taken.items() if end <= now]:
-                del self._taken[key]
+            while self._taken and next(iter(self._taken.values())) <= now:  # the oldest first: a sweep scans
+                self._taken.popitem(last=False)  # no more than it drops (open() checks each entry's end itself)
         dropped = 0
         for marker in gone:
             pages = len(marker.pinned)
