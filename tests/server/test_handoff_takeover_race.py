@@ -12,25 +12,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
-from collections.abc import Callable
 
 import torch
+from support.handoffs import leases, until
 from support.kv import random_kv
 
-from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
-
-
-async def _leases(client: KVStoreClient) -> int:
-    return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
-
-
-async def _until(done: Callable[[], object], what: str, within_s: float = 10.0) -> None:
-    started = time.monotonic()
-    while not done():
-        assert time.monotonic() - started < within_s, what
-        await asyncio.sleep(0.02)
 
 
 async def test_a_wait_that_comes_as_the_handoff_is_taken_over_is_still_handed_its_pages(server, ns, layout) -> None:
@@ -62,18 +49,18 @@ async def test_a_wait_that_comes_as_the_handoff_is_taken_over_is_still_handed_it
             first = await client.handoff_wait(handoff, tokens, deadline_s=5.0)
             assert first.num_tokens == len(tokens)
             reading = asyncio.ensure_future(client.get(first, torch.zeros_like(kv)))  # its acquire takes the handoff over
-            await _until(dropping.is_set, "the read did not take the handoff over")
+            await until(dropping.is_set, "the read did not take the handoff over")
             second = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=5.0))
-            await _until(second_in.is_set, "the second wait did not open the marker")
+            await until(second_in.is_set, "the second wait did not open the marker")
             await asyncio.sleep(0.2)  # it may be handed its pages meanwhile, or not yet
             go_on.set()
             assert await reading == len(tokens)
             hit = await second
             assert hit.num_tokens == len(tokens), "the second wait answered nothing, its pages held here"
-            assert len(markers) == 1 and await _leases(client) == 1, "the pages handed to the second wait stay pinned"
+            assert len(markers) == 1 and await leases(client) == 1, "the pages handed to the second wait stay pinned"
             out = torch.zeros_like(kv)
             assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
-            assert len(markers) == 0 and await _leases(client) == 0, "its read lets them go: nothing is left"
+            assert len(markers) == 0 and await leases(client) == 0, "its read lets them go: nothing is left"
     finally:
         go_on.set()
         markers._drop, markers.open = drop, opened  # type: ignore[method-assign]

@@ -9,27 +9,15 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
+from support.handoffs import leases, until
 from support.kv import random_kv
 
-from kvstore._proto import data_pb2, directory_pb2, handoff_pb2
+from kvstore._proto import data_pb2, handoff_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.errors import InvalidRequest, LimitExceeded
-
-
-async def _leases(client: KVStoreClient) -> int:
-    return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
-
-
-async def _until(done: Callable[[], object], what: str, within_s: float = 10.0) -> None:
-    """Polls ``done`` until it is true; fails naming ``what`` past ``within_s``."""
-    started = time.monotonic()
-    while not done():
-        assert time.monotonic() - started < within_s, what
-        await asyncio.sleep(0.02)
 
 
 def _tokens(seed: int, pages: int, page_tokens: int) -> list[int]:
@@ -46,13 +34,13 @@ async def test_a_handoff_on_one_node_is_complete_at_once_and_its_pins_go_with_th
         await client.handoff_open(handoff, None)
         assert await client.put(tokens, kv) == len(tokens)
         assert await client.handoff_complete(handoff, tokens) == len(tokens)
-        assert await _leases(client) == 1 and len(server.handoffs) == 1
+        assert await leases(client) == 1 and len(server.handoffs) == 1
         hit = await client.handoff_wait(handoff, tokens, deadline_s=2.0)
         assert hit.num_tokens == len(tokens)
         out = torch.zeros_like(kv)
         assert await client.get(hit, out) == len(tokens)
         assert torch.equal(out, kv)
-        assert await _leases(client) == 0 and len(server.handoffs) == 0
+        assert await leases(client) == 0 and len(server.handoffs) == 0
 
 
 async def test_a_wait_for_pages_nobody_stores_ends_at_its_deadline_with_nothing_left(server, ns, layout) -> None:
@@ -61,7 +49,7 @@ async def test_a_wait_for_pages_nobody_stores_ends_at_its_deadline_with_nothing_
         started = time.monotonic()
         hit = await client.handoff_wait(new_handoff_id(), tokens, deadline_s=0.3)
         assert hit.num_tokens == 0 and 0.3 <= time.monotonic() - started < 1.5
-        assert len(server.handoffs) == 0 and await _leases(client) == 0
+        assert len(server.handoffs) == 0 and await leases(client) == 0
 
 
 async def test_bad_input_is_refused_and_leaves_nothing(server, ns, layout) -> None:
@@ -88,7 +76,7 @@ async def test_bad_input_is_refused_and_leaves_nothing(server, ns, layout) -> No
                                               holder="a", page_bytes=1)
         with pytest.raises(InvalidRequest, match="cluster mode"):  # no tenants here: the caller has every right
             await client._call(client.runtime.handoff.Push, push)
-        assert len(server.handoffs) == 0 and await _leases(client) == 0
+        assert len(server.handoffs) == 0 and await leases(client) == 0
 
 
 async def test_the_markers_a_tenant_holds_are_bounded(server, ns, layout) -> None:
@@ -101,7 +89,7 @@ async def test_the_markers_a_tenant_holds_are_bounded(server, ns, layout) -> Non
             assert await client.handoff_complete(new_handoff_id(), tokens) == len(tokens)
         with pytest.raises(LimitExceeded, match="handoffs"):
             await client.handoff_complete(new_handoff_id(), tokens)
-        assert len(server.handoffs) == 2 and await _leases(client) == 2
+        assert len(server.handoffs) == 2 and await leases(client) == 2
 
 
 async def test_an_acquire_of_the_handed_pages_takes_them_over(server, ns, layout) -> None:
@@ -113,12 +101,12 @@ async def test_an_acquire_of_the_handed_pages_takes_them_over(server, ns, layout
         handoff = new_handoff_id()
         assert await client.handoff_complete(handoff, tokens) == len(tokens)
         hit = await client.handoff_wait(handoff, tokens, deadline_s=1.0)
-        assert hit.num_tokens == len(tokens) and await _leases(client) == 1
+        assert hit.num_tokens == len(tokens) and await leases(client) == 1
         lease = await client._call(client.runtime.data.Acquire,
                                    data_pb2.AcquireRequest(namespace_id=ns.namespace_id, keys=hit.keys, ttl_ms=5000))
-        assert len(lease.pages) == hit.num_pages and await _leases(client) == 1 and len(server.handoffs) == 0
+        assert len(lease.pages) == hit.num_pages and await leases(client) == 1 and len(server.handoffs) == 0
         await client._call(client.runtime.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
-        assert await _leases(client) == 0
+        assert await leases(client) == 0
 
 
 async def test_a_complete_after_the_decode_side_read_the_pages_pins_nothing(server, ns, layout) -> None:
@@ -136,12 +124,12 @@ async def test_a_complete_after_the_decode_side_read_the_pages_pins_nothing(serv
         hit = await client.handoff_wait(handoff, tokens, deadline_s=2.0)
         out = torch.zeros_like(kv)
         assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
-        assert await _leases(client) == 0 and len(server.handoffs) == 0
+        assert await leases(client) == 0 and len(server.handoffs) == 0
         assert await client.handoff_complete(handoff, tokens) == len(tokens)
-        assert await _leases(client) == 0 and len(server.handoffs) == 0, "the late Complete pinned the pages again"
+        assert await leases(client) == 0 and len(server.handoffs) == 0, "the late Complete pinned the pages again"
         again = await client.handoff_wait(handoff, tokens, deadline_s=2.0)  # a wait after it: as before, handed
         assert again.num_tokens == len(tokens) and await client.get(again, out) == len(tokens)
-        assert await _leases(client) == 0 and len(server.handoffs) == 0
+        assert await leases(client) == 0 and len(server.handoffs) == 0
 
 
 async def test_waits_take_stream_slots_so_unary_calls_keep_their_threads(server_factory, ns, layout) -> None:
@@ -187,10 +175,10 @@ async def test_a_wait_cancelled_with_pages_held_leaves_no_pin(server, ns, layout
         await asyncio.sleep(0.5)
         waiting.cancel()
         started = time.monotonic()
-        while (server.streams.num_open or len(server.handoffs) or await _leases(client)) and time.monotonic() - started < 5:
+        while (server.streams.num_open or len(server.handoffs) or await leases(client)) and time.monotonic() - started < 5:
             await asyncio.sleep(0.05)
         assert server.streams.num_open == 0 and len(server.handoffs) == 0
-        assert await _leases(client) == 0, "the pages of a wait nobody reads are let go"
+        assert await leases(client) == 0, "the pages of a wait nobody reads are let go"
 
 
 async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns, layout) -> None:
@@ -221,7 +209,7 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             await asyncio.sleep(0.3)
             leaving.cancel()
             started = time.monotonic()
-            await _until(entered.is_set, "the cancelled wait did not leave")
+            await until(entered.is_set, "the cancelled wait did not leave")
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
             hit = await client.handoff_wait(handoff, tokens, deadline_s=5.0)
@@ -230,10 +218,10 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             while server.streams.num_open:  # the left wait's slot goes once its drop has run
                 assert time.monotonic() - started < 20, "the left wait did not end"
                 await asyncio.sleep(0.02)
-            assert len(markers) == 1 and await _leases(client) == 1, "the pages handed to the second wait stay pinned"
+            assert len(markers) == 1 and await leases(client) == 1, "the pages handed to the second wait stay pinned"
             out = torch.zeros_like(kv)
             assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
-            assert len(markers) == 0 and await _leases(client) == 0, "its acquire lets them go: nothing is left"
+            assert len(markers) == 0 and await leases(client) == 0, "its acquire lets them go: nothing is left"
     finally:
         release.set()
         markers._drop = drop  # type: ignore[method-assign]
@@ -275,11 +263,11 @@ async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(serv
             first = tokens[: layout.page_tokens]
             assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
             leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
-            await _until(lambda: calls >= 1, "the first wait did not begin")
+            await until(lambda: calls >= 1, "the first wait did not begin")
             staying = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=10.0))
-            await _until(second_in.is_set, "the second wait did not open the marker")
+            await until(second_in.is_set, "the second wait did not open the marker")
             leaving.cancel()
-            await _until(left.is_set, "the cancelled wait did not leave")
+            await until(left.is_set, "the cancelled wait did not leave")
             go_on.set()
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
@@ -287,7 +275,7 @@ async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(serv
             assert hit.num_tokens == len(tokens), "the second wait is handed the pages"
             out = torch.zeros_like(kv)
             assert await client.get(hit, out) == len(tokens) and torch.equal(out, kv)
-            assert len(markers) == 0 and await _leases(client) == 0, "its acquire lets them go: nothing is left"
+            assert len(markers) == 0 and await leases(client) == 0, "its acquire lets them go: nothing is left"
     finally:
         go_on.set()
         markers.wait, markers._drop = wait, drop  # type: ignore[method-assign]
@@ -325,12 +313,12 @@ async def test_a_wait_whose_caller_left_as_its_pages_came_hands_nothing(server, 
             await asyncio.sleep(0.3)
             assert await client.put(tokens, kv) == len(tokens)
             assert await client.handoff_complete(handoff, tokens) == len(tokens)
-            await _until(handing.is_set, "the wait did not end")
+            await until(handing.is_set, "the wait did not end")
             leaving.cancel()
-            await _until(woken.is_set, "the cancel did not reach the server")
+            await until(woken.is_set, "the cancel did not reach the server")
             go_on.set()
-            await _until(lambda: not server.streams.num_open, "the left wait did not end", 20)
-            assert len(markers) == 0 and await _leases(client) == 0, "nothing is pinned for a caller that left"
+            await until(lambda: not server.streams.num_open, "the left wait did not end", 20)
+            assert len(markers) == 0 and await leases(client) == 0, "nothing is pinned for a caller that left"
     finally:
         go_on.set()
         markers._hand, markers.wake = hand, wake  # type: ignore[method-assign]
@@ -348,6 +336,6 @@ async def test_undecodable_or_random_handoff_requests_are_clear_errors(server, n
     assert not failures, failures[:10]
     server.handoffs.expire()
     async with KVStoreClient(server.address, ns) as client:
-        assert await _leases(client) == 0
+        assert await leases(client) == 0
         tokens = _tokens(8, 1, layout.page_tokens)
         assert await client.put(tokens, random_kv(layout, len(tokens), seed=8)) == len(tokens)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sglang_api import HostPool, load_sglang_interface
-from test_sglang_backend import P, host_indices, keys, storage_config
+from sglang_api import HostPool
+from test_sglang_backend import P, host_indices, keys, sglang, storage_config  # noqa: F401  # sglang: the fixture
 
 from kvstore import Namespace
 from kvstore.client import KVStoreClient
@@ -20,16 +20,8 @@ from kvstore.client import KVStoreClient
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def sglang(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    load_sglang_interface(tmp_path_factory.mktemp("sglang-api"))
-    from sglang.srt.mem_cache import hicache_storage
-
-    return hicache_storage
-
-
 @pytest.fixture
-def make_backend(sglang: Any, server: Any) -> Iterator[Any]:
+def make_backend(sglang: Any, server: Any) -> Iterator[Any]:  # noqa: F811  # sglang: the imported fixture
     from kvstore.client.adapters.sglang import KVStoreHiCacheStorage
 
     made: list[Any] = []

@@ -10,22 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_api import HostPool, load_sglang_interface
+from sglang_api import HostPool
 from support.servers import ServerProcess
 from tenant_store import TOKEN_A, TOKEN_B, TOKEN_UNKNOWN, num_leases, stop, tenant_server
-from test_sglang_backend import P, host_indices, keys, storage_config
+from test_sglang_backend import P, host_indices, keys, sglang, storage_config  # noqa: F401  # sglang: the fixture
 
 from kvstore.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def sglang(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    load_sglang_interface(tmp_path_factory.mktemp("sglang-api"))
-    from sglang.srt.mem_cache import hicache_storage
-
-    return hicache_storage
 
 
 @pytest.fixture
@@ -36,7 +28,7 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture
-def make_backend(sglang: Any, server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def make_backend(sglang: Any, server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:  # noqa: F811
     from kvstore.client.adapters.sglang import KVStoreHiCacheStorage
 
     monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
