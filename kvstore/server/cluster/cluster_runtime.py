@@ -28,6 +28,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.shards import ShardConfig, ShardMap
 from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError, TierUnavailable
+from kvstore.server.cluster.caller_copy import copy_on_caller
 from kvstore.server.cluster.cluster_generations import GenerationSync
 from kvstore.server.cluster.handoff_push import HandoffPushes
 from kvstore.server.cluster.incarnations import Incarnations
@@ -90,9 +91,9 @@ class ClusterRuntime:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout_s: float | None = None) -> None:
-        """Makes and starts the loop, the page server, joins the cluster and publishes what this node
-        holds; returns once it is a member (CoordinatorUnavailable after ``timeout_s``,
-        by default --cluster-join-timeout-s or 3 TTLs: a restarted node waits for its previous lease to expire)."""
+        """Makes and starts the loop, the page server, joins the cluster and publishes what this node holds; returns once
+        it is a member (CoordinatorUnavailable after ``timeout_s``, by default --cluster-join-timeout-s or 3 TTLs: a
+        restarted node waits for its previous lease to expire)."""
         timeout_s = timeout_s or self.cluster.join_timeout_s or max(10.0, 3.0 * self.cluster.ttl_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cluster", daemon=True)
@@ -160,8 +161,7 @@ class ClusterRuntime:
                     cluster.data_plane, f" on {data_address}" if data_address else "")
 
     def stop(self) -> None:
-        """Leaves the cluster (the lease is revoked: the others drop this node's records at
-        once) and stops the loop."""
+        """Leaves the cluster (the lease is revoked: the others drop this node's records at once) and stops the loop."""
         if not self._thread.is_alive():
             return
         self.state.leave()  # calls still arriving answer from this node alone
@@ -202,8 +202,7 @@ class ClusterRuntime:
             raise TierUnavailable(f"node {self.node} is leaving the cluster: ask another node") from None
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> bool:
-        """From another thread: ``coro`` becomes a task of the runtime (cancelled when the node leaves);
-        False (not run) once the loop closed."""
+        """From another thread: ``coro`` becomes a task of the runtime (cancelled when the node leaves); False once the loop closed."""
         try:
             self._loop.call_soon_threadsafe(self._spawn, coro)
         except RuntimeError:
@@ -251,10 +250,9 @@ class ClusterRuntime:
 
     def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "",
              landing: Landing | None = None) -> int:
-        """Fetches the pages of ``keys`` held only elsewhere into the host tier (up to the
-        first that cannot be had, or does not fit ``landing``: the tenant's quota), within the
-        caller's deadline; then an acquire finds them. Returns how many pages this added to the
-        leading ones held here (none while not a member)."""
+        """Fetches the pages of ``keys`` held only elsewhere into the host tier (up to the first that cannot be had, or does
+        not fit ``landing``: the tenant's quota), within the caller's deadline; then an acquire finds them. Returns how
+        many pages this added to the leading ones held here (none while not a member)."""
         before = self.remote.local_prefix(namespace_id, keys)
         if not self.serving or before == len(keys):
             return 0
@@ -292,8 +290,12 @@ class ClusterRuntime:
         if timeout <= 0:
             return self.remote.local_prefix(namespace_id, keys)
         try:
-            fetch = self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing, hashed)
-            return self.call(fetch, wait, to_end=True)
+            # a handoff's push (unhashed): allocated and committed on this thread, caller_copy.py
+            held = None if hashed else copy_on_caller(self, holder, namespace_id, keys, page_bytes, timeout, wait, landing)
+            if held is None:
+                held = self.call(self.remote.fetch_from(holder, namespace_id, keys, page_bytes, timeout, tenant, landing, hashed),
+                                 wait, to_end=True)
+            return held
         except (TimeoutError, KVStoreError) as exc:
             logger.warning("replica of %d pages from %s ended early: %r", len(keys), holder, exc)
             return self.remote.local_prefix(namespace_id, keys)
@@ -309,9 +311,8 @@ class ClusterRuntime:
         return min(timeout, wait - min(_ABORT_S, _ABORT_SHARE * wait)), min(wait, timeout + _ABORT_S)
 
     def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "", landing: Landing | None = None) -> bool:
-        """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued
-        request will need them) and returns at once; False when ``MAX_PREFETCHES`` are in
-        flight already (the engine then recomputes or reads them on demand)."""
+        """Starts fetching the pages of ``keys`` held only elsewhere (a hint: a queued request will need them) and returns
+        at once; False when ``MAX_PREFETCHES`` are in flight already (the engine then recomputes or reads them on demand)."""
         if not self.serving:
             return False
         if self.remote.local_prefix(namespace_id, keys) == len(keys):
@@ -350,8 +351,7 @@ class ClusterRuntime:
                                   "deadline; it may stand at some nodes: invalidate again") from None
 
     def _before_serving(self) -> None:
-        """At every catch-up with etcd: the records the others gave this node before it registered
-        (incarnations.py), the tenants' salts, then the sessions' owners."""
+        """At every catch-up: the records the others gave this node before it registered (incarnations.py), the salts, the sessions."""
         cut = self.incarnations.own_past(self.membership.epoch) if self.membership is not None else None
         if cut is not None and (gone := self.core.directory.drop_others(cut)):
             logger.info("node %s registered again: %d records the others gave it before are dropped", self.node, gone)

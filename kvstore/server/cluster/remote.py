@@ -197,7 +197,7 @@ class RemoteTier:
             if to_fetch:
                 views = [self.core.slot_view(allocation_id, k) for k in to_fetch]
                 try:
-                    ok_sums = await self._fetch_checked(peer, namespace_id, to_fetch, views, deadline, generation, hashed)
+                    ok_sums = await self.fetch_checked(peer, namespace_id, to_fetch, views, deadline, generation, hashed)
                 finally:
                     for view in views:
                         view.release()
@@ -207,7 +207,7 @@ class RemoteTier:
         return allocation_id, to_fetch[: len(ok_sums)], ok_sums, len(slots) == len(keys) and len(ok_sums) == len(to_fetch)
 
     @staticmethod
-    async def _fetch_checked(peer: PeerNode, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
+    async def fetch_checked(peer: PeerNode, namespace_id: bytes, keys: list[bytes], views: list[memoryview], deadline: float,
                              generation: int, hashed: bool) -> list[int]:
         """The checksums of the leading pages that arrived (``hashed``: verified). A holder sends its
         pages unhashed; hashed, from a page that arrived CORRUPT on they are asked for again with the
