@@ -34,13 +34,15 @@ def copy_on_caller(runtime: ClusterRuntime, holder: str, namespace_id: bytes, ke
     if not want:
         return held
     peer = runtime.peers.get(holder)
+    # the generation before the layout (as _land_posted): an invalidation between them drops the layout, or the
+    # allocation is refused as stale; the other way the new generation could be bound to the old one's layout
+    generation = core.directory.generation(namespace_id)  # the holder sends only pages of this one
     layout = core.reads.layout_of(namespace_id)
     if peer is None or peer.fetcher is None or len(want) > FETCH_PAGES or layout is None:
         return None
     if layout.page_bytes != page_bytes:
         return held
     deadline = time.monotonic() + timeout_s
-    generation = core.directory.generation(namespace_id)  # the holder sends only pages of this one
     try:
         allocation_id, slots = landing.allocate(namespace_id, layout, want, generation)
     except KVStoreError as exc:  # full of leased pages, the quota, another layout or generation
@@ -76,4 +78,5 @@ def copy_on_caller(runtime: ClusterRuntime, holder: str, namespace_id: bytes, ke
 def _in_use(exc: BaseException) -> bool:
     from kvstore.cluster.cluster_errors import DestinationsInUse  # cluster mode only, as this module
 
-    return isinstance(exc, DestinationsInUse)
+    # a copy cut at its caller's time raises TimeoutError from what the transfer ended with (loop_calls.run_on)
+    return isinstance(exc, DestinationsInUse) or isinstance(exc.__cause__, DestinationsInUse)

@@ -21,7 +21,8 @@ _POLL_S = 0.1  # how often a cut call's wait checks that the loop still runs (a 
 def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout_s: float, to_end: bool = False) -> T:
     """Runs ``coro`` on ``loop`` from another thread. Past ``timeout_s`` it is cancelled and
     TimeoutError raised: at once, or (``to_end``) once it has ended, its clean-up included, or the
-    loop stopped. concurrent.futures.CancelledError: the loop cancelled it (the node leaving)."""
+    loop stopped (its cause: what the coroutine raised as it ended, if anything but its cancel).
+    concurrent.futures.CancelledError: the loop cancelled it (the node leaving)."""
     if not to_end:
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
@@ -51,7 +52,8 @@ def run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeou
         raise TimeoutError from None
     while not ended.done() and loop.is_running():
         concurrent.futures.wait([ended], _POLL_S)
-    raise TimeoutError
+    # from what the cut coroutine raised as it ended (DestinationsInUse: its buffers may still be written into)
+    raise TimeoutError from (ended.exception(0) if ended.done() and not ended.cancelled() else None)
 
 
 def _pass_on(task: asyncio.Task[T], ended: concurrent.futures.Future[T]) -> None:
