@@ -141,7 +141,8 @@ class HybridSchedulerSide(SchedulerSide):
         end = min(computed_after, known) // p
         wants_states = (bool(self.groups.state_groups) and computed_after % p == 0 and 0 < computed_after <= known
                         and self._state_saved.get(req_id) != computed_after)
-        if (end <= state.stored_pages and not wants_states) or req_id in self._no_more_saves or self.store.client() is None:
+        if (end <= state.stored_pages and not wants_states) or req_id in self._no_more_saves or state.stale \
+                or self.store.client() is None:
             return
         block_ids = self.block_tables(req_id)
         first = state.stored_pages

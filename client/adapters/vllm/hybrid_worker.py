@@ -22,7 +22,7 @@ from kvstore.client.adapters.vllm.layout import block_views
 from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata, KVStoreWorkerMetadata
 from kvstore.client.adapters.vllm.worker import WorkerStats
 from kvstore.client.client import Hit, KVStoreClient
-from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError, StaleGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class HybridWorkerSide:
         self._loaded: set[str] = set()  # this step's loads that landed whole
         self._failed: set[str] = set()  # this step's loads that did not
         self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
+        self._stale: set[str] = set()  # requests a save of which was refused as stale, since the last report
         self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
         self._loads_ok, self._stretch = True, 1.0  # this step's loads, for the clock (worker.py's end_step)
 
@@ -221,6 +222,10 @@ class HybridWorkerSide:
             spec, stored = save.spec, 0
             try:
                 stored = save.job.result.result() // save.client.layout.page_tokens
+            except StaleGeneration:  # invalidated since its lookup (DESIGN §3): its later pages would be refused too
+                self.stats.saves_stale += 1
+                self._stale.add(spec.req_id)
+                continue
             except (KVStoreError, concurrent.futures.CancelledError) as exc:
                 self.stats.saves_failed += 1
                 logger.warning("kvstore save of request %s failed: %s", spec.req_id, exc)
@@ -258,9 +263,10 @@ class HybridWorkerSide:
         """Requests whose saves ended short, and the steps and loads timed, since the last report."""
         self._collect()
         steps, loads = self.clock.take()
-        if not (self._short or steps or loads):
+        if not (self._short or steps or loads or self._stale):
             return None
-        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads), {}
+        report = KVStoreWorkerMetadata(self._short, steps, loads, stale=self._stale)
+        self._short, self._stale = {}, set()
         return report
 
     def wait_saves(self, timeout_s: float) -> bool:

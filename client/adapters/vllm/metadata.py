@@ -143,12 +143,15 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
     stored at most: the scheduler side saves again from there. And what the workers
     measured for the cost model (costs.py): ``step_costs`` (prefill tokens, seconds) of
     forward passes without loads, ``load_costs`` (bytes, seconds the step waited) of loads.
-    ``fenced``: requests whose save a fence refused (their session moved: sessions.py)."""
+    ``fenced``: requests whose save a fence refused (their session moved: sessions.py);
+    ``stale``: requests whose save was refused as stale (invalidated since their lookup, DESIGN
+    §3): every later page of theirs names the same generation, and none is sent."""
 
     stored_pages: dict[str, int] = field(default_factory=dict)
     step_costs: list[tuple[int, float]] = field(default_factory=list)
     load_costs: list[tuple[int, float]] = field(default_factory=list)
     fenced: set[str] = field(default_factory=set)
+    stale: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVStoreWorkerMetadata:
         """Tensor-parallel workers each report their shard: a page counts only if every shard
@@ -158,4 +161,5 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
             merged[req_id] = min(merged.get(req_id, pages), pages)
         return KVStoreWorkerMetadata(merged, self.step_costs + list(getattr(other, "step_costs", [])),
                                      self.load_costs + list(getattr(other, "load_costs", [])),
-                                     self.fenced | set(getattr(other, "fenced", ())))
+                                     self.fenced | set(getattr(other, "fenced", ())),
+                                     self.stale | set(getattr(other, "stale", ())))

@@ -33,6 +33,7 @@ class RequestState:
     lease: ArenaLease | None = None  # held until a load takes it over or the request goes
     session_id: str = ""  # its saves name it (sessions.py): a fence refuses them
     fenced: bool = False  # its session moved: nothing more is saved
+    stale: bool = False  # a save was refused as stale (invalidated since its lookup): nothing more is saved
     # the namespace generation its KV is computed in: its lookup's, else the highest its client saw
     # before it came; its saves name it, so an invalidation acknowledged since refuses them (DESIGN §3)
     generation: int | None = None
@@ -159,7 +160,7 @@ class SchedulerSide:
         # nothing when the prompt came as embeddings (no ids to key pages by).
         known = len(state.request.all_token_ids) if state.tokens else 0
         end = min(computed_after, known) // p
-        if end > state.stored_pages and not state.fenced and self.store.client() is not None:
+        if end > state.stored_pages and not state.fenced and not state.stale and self.store.client() is not None:
             num_blocks = -(-end * p // self.block_size)
             tokens = list(state.request.all_token_ids[: end * p])
             meta.saves.append(SaveSpec(req_id, tokens, state.block_ids[:num_blocks], state.stored_pages, state.session_id,
@@ -184,9 +185,13 @@ class SchedulerSide:
 
     def saves_short(self, report: KVStoreWorkerMetadata | None) -> None:
         """Takes back the pages counted for saves that stored less (the workers' report):
-        the request's next step saves again from the pages that may be stored."""
+        the request's next step saves again from the pages that may be stored. A request a
+        save of which was refused as stale saves nothing more (its pages name that generation)."""
         if report is None:
             return
+        for req_id in report.stale:
+            if (stale := self._requests.get(req_id)) is not None:
+                stale.stale = True
         for req_id, pages in report.stored_pages.items():
             state = self._requests.get(req_id)
             if state is not None and pages < state.stored_pages:

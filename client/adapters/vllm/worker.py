@@ -86,6 +86,7 @@ class WorkerSide:
         self._finishing: set[str] = set()  # finished by vLLM, blocks held until its saves end
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # req id -> leading pages stored at most, after a save that ended short
+        self._stale: set[str] = set()  # requests a save of which was refused as stale, since the last report
         self._unsaved = Unsaveds(self.store.connect_timeout_s + self.store.retry_s)
         self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
 
@@ -330,6 +331,7 @@ class WorkerSide:
         except StaleGeneration:  # invalidated since its lookup (DESIGN §3): sent again, it would be refused again
             self.stats.saves_stale += 1
             self._unsaved.forget({spec.req_id})
+            self._stale.add(spec.req_id)  # reported: its later pages name the same generation, none is sent
             return True
         except KVStoreError as exc:
             if not active.kv.cancelled:
@@ -354,9 +356,10 @@ class WorkerSide:
         """Requests whose saves ended short since the last report, and the steps and loads
         timed since, for the scheduler side."""
         (steps, loads), fenced = self.clock.take(), self._unsaved.take_fenced()
-        if not (self._short or steps or loads or fenced):
+        if not (self._short or steps or loads or fenced or self._stale):
             return None
-        report, self._short = KVStoreWorkerMetadata(self._short, steps, loads, fenced), {}
+        report = KVStoreWorkerMetadata(self._short, steps, loads, fenced, self._stale)
+        self._short, self._stale = {}, set()
         return report
 
     def wait_saves(self, timeout_s: float) -> bool:
