@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -30,6 +29,7 @@ from kvstore.bench.common.cpu_floor import Meter, ThreadMeter
 from kvstore.bench.common.harness import percentile, start_server
 from kvstore.bench.lookup import lookup_floor
 from kvstore.bench.lookup.lookup_load import LOOKUP_LAYOUT, LOOKUP_NS, WRITER_LAYOUT, WRITER_NS, prefix_tokens
+from kvstore.bench.lookup.lookup_procs import Loads, go
 from kvstore.bench.lookup.lookup_report import goal_fields, print_table  # noqa: F401 - print_table: kvstore-bench's
 from kvstore.client import KVStoreClient
 from kvstore.config import DEMOTE_SCHEDS
@@ -86,41 +86,6 @@ def _server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--scrub-rate", "0", "--demote-sched", args.demote_sched, "--demote-nice", str(args.demote_nice), *switch)
 
 
-def _spawn(role: str, address: str, pages: int, seconds: float, rate: float = 0.0, count: int = 0,
-           number: int = 1, writer: tuple[float, float] | None = None) -> list[subprocess.Popen[str]]:
-    """``number`` load processes of ``role`` (with ``writer``, first in the list a writer of
-    that many seconds at that rate), started together and each ready (an interpreter that
-    imports torch takes seconds: one after the other, they made most of a run's time)."""
-    def command(role: str, seconds: float, rate: float, count: int) -> list[str]:
-        return [sys.executable, "-m", "kvstore.bench.lookup.lookup_load", role, "--address", address, "--pages", str(pages),
-                "--seconds", str(seconds), "--rate", str(rate), "--count", str(count)]
-
-    commands = [command("writer", *writer, 0)] if writer else []
-    commands += [command(role, seconds, rate, count)] * number
-    procs = [subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for args in commands]
-    for proc, args in zip(procs, commands, strict=True):
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "ready":
-            for other in procs:
-                other.kill()
-            raise RuntimeError(f"load process {args[3]} did not get ready")
-    return procs
-
-
-def _go(procs: list[subprocess.Popen[str]], start: float) -> None:
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write(f"{start}\n")
-        proc.stdin.flush()
-
-
-def _collect(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    out, _ = proc.communicate(timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"load process failed with status {proc.returncode}")
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 def _tier_stats(address: str) -> dict[str, directory_pb2.TierStats]:
     with grpc.insecure_channel(address) as channel:
         stats = directory_pb2_grpc.DirectoryStub(channel).Stats(directory_pb2.StatsRequest(), timeout=30)
@@ -149,7 +114,7 @@ def _release(address: str, lease_id: bytes) -> None:
         data_pb2_grpc.DataStub(channel).Release(data_pb2.ReleaseRequest(lease_id=lease_id), timeout=30)
 
 
-def _idle(address: str, server_pid: int, role: str, clients: int, pages: int, seconds: float, repeat: int,
+def _idle(loads: Loads, address: str, server_pid: int, role: str, clients: int, pages: int, seconds: float, repeat: int,
           beside: Callable[[float], None]) -> dict[str, Any]:
     """An idle row: ``repeat`` windows of ``seconds``, their calls pooled, each after one of
     ``beside`` (the floor's); the server's CPU per lookup over them (what a draining row's
@@ -157,33 +122,31 @@ def _idle(address: str, server_pid: int, role: str, clients: int, pages: int, se
     results: list[dict[str, Any]] = []
     meter, cpu_s = Meter({"server": server_pid}, trees=frozenset({"server"})), 0.0
     for _ in range(repeat):
-        procs = _spawn(role, address, pages, seconds, number=clients)
+        procs = loads.spawn(role, address, pages, seconds, number=clients)
         beside(seconds)
         meter.start()
-        _go(procs, time.time() + 0.2)
-        results += [_collect(p) for p in procs]
+        go(procs, time.time() + 0.2)
+        results += [loads.collect(p) for p in procs]
         cpu_s += meter.stop()["server"]
     row = _row("idle", role, clients, seconds * repeat, results)
     return {**row, "windows": repeat, "writer_pages": 0, "writer_pages_per_s": 0.0, "demoted_gb_per_s": 0.0,
             "server_cpu_ms_per_lookup": cpu_s / max(1, row["lookups"]) * 1e3}
 
 
-def _run(address: str, role: str, clients: int, pages: int, seconds: float, state: str, rate: float = 0.0,
-         writer_core: int = -1) -> dict[str, Any]:
+def _run(loads: Loads, address: str, role: str, clients: int, pages: int, seconds: float, state: str,
+         rate: float = 0.0) -> dict[str, Any]:
     """A demoting or writing row: one window beside the writer (idle rows are _idle's)."""
     demote = state == "demoting"
-    writer, *procs = _spawn(role, address, pages, seconds, number=clients, writer=(seconds + 1.5, rate))
-    if writer_core >= 0:
-        os.sched_setaffinity(writer.pid, {writer_core})
+    writer, *procs = loads.spawn(role, address, pages, seconds, number=clients, writer=(seconds + 1.5, rate))
     # leased once every process is ready (starting them can take longer than a lease on a
     # loaded machine), before the writer is let go
     lease = _lease_prefix(address, pages, seconds) if state == "writing" else None
     before = _ssd_bytes_in(address)
     start = time.time() + 0.2
-    _go([writer], start - 1.0)  # in full swing before the lookups start
-    _go(procs, start)
-    results = [_collect(p) for p in procs]
-    written = _collect(writer)["pages_written"]
+    go([writer], start - 1.0)  # in full swing before the lookups start
+    go(procs, start)
+    results = [loads.collect(p) for p in procs]
+    written = loads.collect(writer)["pages_written"]
     if lease is not None:
         _release(address, lease)
     demoted = _ssd_bytes_in(address) - before
@@ -206,10 +169,10 @@ def _row(state: str, role: str, clients: int, seconds: float, results: list[dict
     }
 
 
-def _drain(args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
+def _drain(loads: Loads, args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
     """A draining row: ``--repeat`` drains (``_drain_once``), their calls pooled; the GB/s is
     over all their windows, and a window that outlasted its drain is said."""
-    drains = [_drain_once(args, role, clients, beside) for _ in range(args.repeat)]
+    drains = [_drain_once(loads, args, role, clients, beside) for _ in range(args.repeat)]
     results = [r for d in drains for r in d["results"]]
     window_s, demoted = sum(d["window_s"] for d in drains), sum(d["demoted"] for d in drains)
     return {**_row("draining", role, clients, args.drain_seconds * args.repeat, results), "windows": args.repeat,
@@ -225,7 +188,7 @@ def _drain(args: argparse.Namespace, role: str, clients: int, beside: Callable[[
             "demoted_before_window_gb": max(d["before"] for d in drains) / 1e9}
 
 
-def _drain_once(args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
+def _drain_once(loads: Loads, args: argparse.Namespace, role: str, clients: int, beside: Callable[[float], None]) -> dict[str, Any]:
     """Fills a fresh server's host tier to just below its high watermark, then (after a window
     of ``beside``, the floor's beside dd) puts the page that passes it as the lookups' window
     opens, and times them while the demoter writes the backlog down. Filled past it beforehand, the drain ran unmeasured while the prefix was
@@ -240,22 +203,22 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int, beside: Calla
         room = int(DRAIN_ABOVE * host.capacity_bytes - host.used_bytes) // WRITER_LAYOUT.page_bytes
         written = 0
         if room // 16 > 1:
-            writer = _spawn("writer", address, args.pages, 600.0, 0.0, (room // 16 - 1) * 16)[0]
-            if args.writer_core >= 0:
-                os.sched_setaffinity(writer.pid, {args.writer_core})
-            _go([writer], time.time())
-            written = _collect(writer)["pages_written"]
+            writer = loads.spawn("writer", address, args.pages, 600.0, 0.0, (room // 16 - 1) * 16)[0]
+            go([writer], time.time())
+            written = loads.collect(writer)["pages_written"]
         # stored after the backlog: the newest pages, demoted last, as in the other rows
         if asyncio.run(_store_prefix(address, args.pages)) != args.pages:
             raise RuntimeError(f"the {args.pages}-page prefix could not be stored whole")
-        procs = _spawn(role, address, args.pages, args.drain_seconds, number=clients)
+        procs = loads.spawn(role, address, args.pages, args.drain_seconds, number=clients)
+        results = []
         try:
             beside(args.drain_seconds)
             crossed, before, t0, t1, after, cpu_s, threads_cpu_s = asyncio.run(_drain_window(address, server.proc.pid, procs, args.drain_seconds))
-            results = [_collect(p) for p in procs]
+            results = [loads.collect(p) for p in procs]
         finally:
-            for proc in procs:  # those not collected: the window never opened
-                proc.kill()
+            if len(results) < len(procs):  # not collected: the window never opened
+                for proc in procs:
+                    loads.discard(proc)
         written += crossed
         host_end = after["host"]
     finally:
@@ -269,7 +232,7 @@ def _drain_once(args: argparse.Namespace, role: str, clients: int, beside: Calla
             "inside": host_end.used_bytes > DRAIN_TO * host_end.capacity_bytes + WRITER_LAYOUT.page_bytes}
 
 
-async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Popen[str]], seconds: float
+async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Popen[bytes]], seconds: float
                         ) -> tuple[int, int, float, float, dict[str, directory_pb2.TierStats], float, float]:
     """Tops the host tier up to its high watermark without passing it, starts the lookups and
     puts the page that passes it as their window opens. Returns the pages put, the SSD's bytes
@@ -293,7 +256,7 @@ async def _drain_window(address: str, server_pid: int, procs: list[subprocess.Po
             raise RuntimeError("the host tier passed its high watermark before the window")
         before = _ssd_bytes_in(address)
         start = time.time() + 0.2
-        _go(procs, start)
+        go(procs, start)
         await asyncio.sleep(max(0.0, start - time.time()))
         meter, threads = Meter({"server": server_pid}, trees=frozenset({"server"})), ThreadMeter(server_pid, DEMOTION_THREADS)
         meter.start()
@@ -357,19 +320,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, others)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    (server, address), (ram_server, ram_address), floor = _start_together(
-        lambda: start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0", "--ssd-admission", "all",
-                             *_server_flags(args)),
-        lambda: start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host", *_server_flags(args)),
-        lambda: lookup_floor.Floor(workdir / "floor", args.pages, args.floor_work_ms))
     counts = [int(c) for c in args.clients.split(",") if c]
+    loads = Loads(max(counts), writer_core=args.writer_core)  # their imports run while the servers start
+    try:
+        (server, address), (ram_server, ram_address), floor = _start_together(
+            lambda: start_server(workdir, args.host_capacity, args.ssd_capacity, "--ssd-dwpd", "0", "--ssd-admission", "all",
+                                 *_server_flags(args)),
+            lambda: start_server(workdir / "ram", args.host_capacity, args.ssd_capacity, "--tiers", "host", *_server_flags(args)),
+            lambda: lookup_floor.Floor(workdir / "floor", args.pages, args.floor_work_ms))
+    except BaseException:
+        loads.close()
+        raise
     plan = [(role, n, state) for state in states for n in counts for role in ("rpc", "keys")]
     plan += [("client", 1, "idle")] if "idle" in states else []
     rows: list[dict[str, Any]] = []
     try:
         for role, n, state in tqdm(plan, desc="lookup runs", file=sys.stderr):
             if state == "draining":  # the floor's windows beside the one-client rows' (the floor is one client)
-                rows.append(_drain(args, role, n, floor.writer_window if n == 1 else _nothing))
+                rows.append(_drain(loads, args, role, n, floor.writer_window if n == 1 else _nothing))
                 continue
             at = ram_address if state == "writing" else address
             # Stored again before each run (only what a previous run's writer pushed out):
@@ -382,12 +350,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          if r["state"] == "demoting" and r["clients"] == n and r["call"] == CALLS[role]), 0.0)
             pace = rate if state == "writing" else args.writer_rate if state == "demoting" else 0.0
             if state == "idle":
-                rows.append(_idle(at, server.proc.pid, role, n, args.pages, args.seconds, args.repeat,
+                rows.append(_idle(loads, at, server.proc.pid, role, n, args.pages, args.seconds, args.repeat,
                                   floor.idle_window if n == 1 and role != "client" else _nothing))
             else:
-                rows.append(_run(at, role, n, args.pages, args.seconds, state, pace, args.writer_core))
+                rows.append(_run(loads, at, role, n, args.pages, args.seconds, state, pace))
         rows = floor.rows() + rows
     finally:
+        loads.close()
         floor.close()
         server.stop()
         ram_server.stop()

@@ -1,10 +1,10 @@
 """Load processes for ``kvstore-bench lookup``: one per lookup client, one writer.
 
-Each runs as its own process (``python -m kvstore.bench.lookup.lookup_load ROLE ...``) so that
-eight clients are eight interpreters, as eight engine workers would be, not eight
-coroutines sharing one GIL. Every process connects and warms up, prints ``ready``, reads
-the wall-clock start time from stdin (sent once all are ready), runs until start +
-``--seconds`` and prints one JSON line with what it measured.
+Each runs as its own process (``python -m kvstore.bench.lookup.lookup_load ROLE ...``, or
+``serve``: one job after another, each a JSON line on stdin) so that eight clients are eight
+interpreters, as eight engine workers would be, not eight coroutines sharing one GIL. A job
+connects and warms up, prints ``ready``, reads the wall-clock start time from stdin (sent
+once all are ready), runs until start + ``--seconds`` and prints one JSON line of what it measured.
 
 More: bench/lookup/README.md (### lookup_load.py).
 """
@@ -110,7 +110,25 @@ async def _run_writer(address: str, seconds: float, rate: float, count: int = 0)
     return {"pages_written": written}
 
 
+def run(role: str, address: str, pages: int = 512, seconds: float = 0.0, rate: float = 0.0, count: int = 0) -> dict[str, object]:
+    """One job of ``role``: from connecting to what it measured."""
+    if role == "rpc":
+        return run_rpc(address, pages, seconds)
+    if role in ("client", "keys"):
+        return asyncio.run(_run_client(address, pages, seconds, role == "keys"))
+    return asyncio.run(_run_writer(address, seconds, rate, count))
+
+
+def serve() -> None:
+    """Jobs one after another, each a JSON line of ``run``'s arguments on stdin, until it closes."""
+    for line in sys.stdin:
+        print(json.dumps(run(**json.loads(line))), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if (argv if argv is not None else sys.argv[1:]) == ["serve"]:
+        serve()
+        return 0
     p = argparse.ArgumentParser(prog="kvstore.bench.lookup.lookup_load")
     p.add_argument("role", choices=["rpc", "client", "keys", "writer"])
     p.add_argument("--address", required=True)
@@ -119,13 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.0, help="writer: pages/s (0: as fast as it can)")
     p.add_argument("--count", type=int, default=0, help="writer: stop after this many pages (0: at the end of --seconds)")
     args = p.parse_args(argv)
-    if args.role == "rpc":
-        out = run_rpc(args.address, args.pages, args.seconds)
-    elif args.role in ("client", "keys"):
-        out = asyncio.run(_run_client(args.address, args.pages, args.seconds, args.role == "keys"))
-    else:
-        out = asyncio.run(_run_writer(args.address, args.seconds, args.rate, args.count))
-    print(json.dumps(out), flush=True)
+    print(json.dumps(run(args.role, args.address, args.pages, args.seconds, args.rate, args.count)), flush=True)
     return 0
 
 

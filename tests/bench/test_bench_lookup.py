@@ -35,7 +35,7 @@ def test_lookup_smoke(tmp_path) -> None:
     assert all(r["lookups"] > 0 and 0.3 <= r["p50_ms"] <= r["p99_ms"] for r in floor), floor  # 0.3 ms of work each
     assert floor[1]["demoted_gb_per_s"] > 0 and floor[1]["floor_writer"].startswith("dd oflag=direct"), floor
     assert "p99 draining / idle, one client (goal <= 2x): " in res.stdout and "bare round trip (no kvstore) " in res.stdout
-    # one client count (each run starts processes that import torch: 2 counts made this test 2 min of CI)
+    # one client count (2 counts made this test 2 min of CI when each row started processes that import torch)
     assert [(r["state"], r["call"], r["clients"]) for r in rows] == [
         (state, call, 1) for state in ("idle", "demoting", "writing", "draining")
         for call in ("Lookup RPC", "client.lookup_keys")] + [("idle", "client.lookup", 1)]
@@ -44,7 +44,7 @@ def test_lookup_smoke(tmp_path) -> None:
     assert {r["path"] for r in rows if r["call"] != "client.lookup_keys"} == {"gRPC"}
     for r in rows:
         assert r["lookups"] > 0 and r["short_answers"] == 0 and 0 < r["p50_ms"] <= r["p99_ms"], r
-        # --repeat 1: one window a row (each starts processes that import torch: --repeat 2 was ~30 s more of CI)
+        # --repeat 1: one window a row (--repeat 2 was ~30 s more of CI; each drain starts a server of its own)
         assert r.get("windows", 1) == 1, r
     assert all(r["writer_pages"] > 0 and r["demoted_gb_per_s"] > 0 for r in rows if r["state"] == "demoting")
     # --writer-rate paces the demoting rows' writer (150 pages/s), each run on fresh pages
