@@ -2,9 +2,11 @@
 KV cache manager left on, and a real kvstore-server process.
 
 Per family (tiny random-weight models, hybrid_models.py): engine A computes a prompt and
-stores it; engine B, a fresh instance (its own prefix cache empty), gets the prefix from
-kvstore (vLLM counts the loaded tokens as cached) and its greedy output is A's and its own
-recompute's. The prompt is longer than the window or chunk, so the window groups' block
+stores it; engine B, another instance (its own prefix cache never saw the prompt), gets the
+prefix from kvstore (vLLM counts the loaded tokens as cached) and its greedy output is A's
+and its own recompute's. A pair of engines serves the next test too when it asks for the
+same family and options (``Pairs``: a pair takes ~7 s to boot on 2 cores); every test's
+prompts are its own. The prompt is longer than the window or chunk, so the window groups' block
 tables of the load hold null blocks (outside the window) that must not be written, and
 the saves of A stop at none (every block is live while A computes).
 
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +42,14 @@ from kvstore.client import KVStoreClient
 
 pytestmark = pytest.mark.timeout(600)
 
-# family -> (the KV cache group kinds vLLM makes of it, the engine's environment)
+# family -> (the KV cache group kinds vLLM makes of it, the engine's environment); gemma3 last: its pair
+# serves test_a_hit_covers_every_group_or_none next
 FAMILIES: dict[str, tuple[set[str], dict[str, str]]] = {
     "gemma2": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
-    "gemma3": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
     "gpt-oss": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
     # vLLM turns its hybrid manager off for chunked attention unless told otherwise
     "llama4": ({"ChunkedLocalAttentionSpec", "FullAttentionSpec"}, {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}),
+    "gemma3": ({"SlidingWindowSpec", "FullAttentionSpec"}, {}),
 }
 BLOCK = 32
 
@@ -56,16 +61,17 @@ def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def engines(family: str, store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-            hooked_b: bool = False, **options: Any) -> tuple[EngineProcess, EngineProcess]:
+            **options: Any) -> tuple[EngineProcess, EngineProcess]:
     """Two fresh engines of ``family`` (their prefix caches on and empty unless
-    ``options`` say otherwise), booted in parallel; ``hooked_b``: B runs the test hooks'
-    connector (vllm_hooks.py)."""
+    ``options`` say otherwise), booted in parallel; B runs the test hooks' connector
+    (vllm_hooks.py), with every hook off until a test switches one on: then it is the
+    real connector (each hook calls it first and adds nothing)."""
     model = tiny_model(family, tmp_path.parent / f"model-{family}")
     for name, value in FAMILIES.get(family, (set(), {}))[1].items():
         monkeypatch.setenv(name, value)  # the engines inherit it
     options = {"prefix_caching": True, **options}
     started = [EngineProcess(model, tmp_path / f"{name}.log", **options,
-                             **connector_config(store.address, hooked=hooked_b and name == "b", load_deadline_s=30,
+                             **connector_config(store.address, hooked=name == "b", load_deadline_s=30,
                                                 lookup_timeout_s=5))
                for name in "ab"]
     try:
@@ -78,11 +84,46 @@ def engines(family: str, store: ServerProcess, tmp_path: Path, monkeypatch: pyte
     return started[0], started[1]
 
 
+class Pairs:
+    """The module's engine pairs (``engines``): the one a test used is kept for the next test
+    that asks for the same family and options; it is closed when another is asked for, when a
+    test failed while using it (the next gets a fresh one) and at the module's end."""
+
+    def __init__(self, store: ServerProcess) -> None:
+        self.store = store
+        self.key: tuple[Any, ...] | None = None
+        self.pair: tuple[EngineProcess, EngineProcess] | None = None
+
+    @contextmanager
+    def use(self, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            **options: Any) -> Iterator[tuple[EngineProcess, EngineProcess]]:
+        key = (family, sorted(options.items()))
+        if self.pair is None or key != self.key or any(e.proc.poll() is not None for e in self.pair):
+            self.close()
+            self.pair, self.key = engines(family, self.store, tmp_path, monkeypatch, **options), key
+        try:
+            yield self.pair
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        pair, self.pair = self.pair, None
+        for engine in pair or ():
+            engine.close()
+
+
+@pytest.fixture(scope="module", name="pairs")
+def pairs_fixture(store: ServerProcess) -> Iterator[Pairs]:
+    pairs = Pairs(store)
+    yield pairs
+    pairs.close()
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fresh_engine_gets_every_group_of_the_prefix(family: str, store: ServerProcess, tmp_path: Path,
+def test_fresh_engine_gets_every_group_of_the_prefix(family: str, pairs: Pairs, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = engines(family, store, tmp_path, monkeypatch)
-    try:
+    with pairs.use(family, tmp_path, monkeypatch) as (a, b):
         kv = a.call(cmd="kv_config")
         assert kv["hybrid_manager"], "vLLM's hybrid KV cache manager was turned off"
         assert set(kv["groups"]) == FAMILIES[family][0] and len(kv["groups"]) > 1
@@ -101,9 +142,6 @@ def test_fresh_engine_gets_every_group_of_the_prefix(family: str, store: ServerP
         recompute = b.generate([prompt], skip_prefix_cache=True)[0]
         assert recompute["num_cached_tokens"] == 0
         assert_same_output(hit, recompute)
-    finally:
-        a.close()
-        b.close()
 
 
 def engine_namespace(engine: EngineProcess, model: Path) -> Namespace:
@@ -114,14 +152,15 @@ def engine_namespace(engine: EngineProcess, model: Path) -> Namespace:
         dtype=getattr(torch, layout["dtype"]), page_tokens=layout["page_tokens"], groups=tuple(layout["groups"])))
 
 
-def test_a_hit_covers_every_group_or_none(store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hit_covers_every_group_or_none(store: ServerProcess, pairs: Pairs, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A stored page whose bytes changed fails its checksum: the whole load is reported
     failed (vLLM refuses block-level errors with several groups), B recomputes from the
     start (no cached token) and its output is A's; asked again, the request gets no hit.
     Negative control: with one loaded layer wrong (a window group's, tokens reversed) the
     output is not A's, so the comparisons above would catch wrong KV."""
-    a, b = engines("gemma3", store, tmp_path, monkeypatch, hooked_b=True)
-    try:
+    with pairs.use("gemma3", tmp_path, monkeypatch) as (a, b):
+        skipped = b.stats()["null_slices_skipped"]  # B may have served the test before
         damaged = tokens(6 * BLOCK + 9, seed=100)
         first = a.generate([damaged])[0]
 
@@ -150,12 +189,9 @@ def test_a_hit_covers_every_group_or_none(store: ServerProcess, tmp_path: Path, 
         finally:
             b.call(cmd="hooks")
         assert wrong["num_cached_tokens"] == 6 * BLOCK
-        assert b.stats()["null_slices_skipped"] > 0, "the window group's blocks outside the window were not written"
+        assert b.stats()["null_slices_skipped"] > skipped, "the window group's blocks outside the window were not written"
         with pytest.raises(AssertionError):
             assert_same_output(wrong, right)
-    finally:
-        a.close()
-        b.close()
 
 
 # family -> (page tokens: vLLM's block size, None where vLLM sizes it per host; engine options).
@@ -172,7 +208,7 @@ STATE_FAMILIES: dict[str, tuple[int | None, dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("family", list(STATE_FAMILIES))
-def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, store: ServerProcess, tmp_path: Path,
+def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, pairs: Pairs, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A computes a prompt of whole pages plus a few tokens ("align": its first step ends
     at the last page boundary) or of whole pages (one running state: its prefill ends at
@@ -182,8 +218,7 @@ def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, sto
     control: the same hit with the loaded states zeroed gives another output, so the
     states are what the resumed prefix runs on."""
     known, options = STATE_FAMILIES[family]
-    a, b = engines(family, store, tmp_path, monkeypatch, hooked_b=True, **options)
-    try:
+    with pairs.use(family, tmp_path, monkeypatch, **options) as (a, b):
         kv = a.call(cmd="kv_config")
         assert kv["hybrid_manager"] and "MambaSpec" in kv["groups"] and "FullAttentionSpec" in kv["groups"]
         page = kv["block_size"]
@@ -213,44 +248,38 @@ def test_fresh_engine_resumes_from_the_state_at_a_page_boundary(family: str, sto
         assert zeroed["num_cached_tokens"] == pages * page and b.stats()["states_loaded"] == after["states_loaded"] + 1
         with pytest.raises(AssertionError):
             assert_same_output(zeroed, b.generate([other], skip_prefix_cache=True)[0])
-    finally:
-        a.close()
-        b.close()
 
 
-def test_states_saved_while_decoding(store: ServerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_states_saved_while_decoding(pairs: Pairs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode crosses every page boundary one token at a time: A's answer completes page 4
     (tokens 192-255) while decoding, and the step that ends there saves its pages and the
     states at 256. B's follow-up turn (A's prompt, the answer so far, new text) resumes
     there: 256 cached tokens, its recompute's output (Granite 4, one running state)."""
     page, options = STATE_FAMILIES["granite4"]
     assert page is not None  # Granite 4's block is the same on every host
-    a, b = engines("granite4", store, tmp_path, monkeypatch, **options)
-    try:
+    with pairs.use("granite4", tmp_path, monkeypatch, **options) as (a, b):  # the state test's pair, when it passed
+        saved, loaded = a.stats()["states_saved"], b.stats()["states_loaded"]
         prompt = tokens(4 * page - 6, seed=600)
         answer = a.generate([prompt], max_tokens=10, ignore_eos=True)[0]["tokens"]
-        assert a.stats()["states_saved"] >= 1
+        assert a.stats()["states_saved"] >= saved + 1
         turn2 = prompt + answer + tokens(12, seed=601)
         hit = b.generate([turn2])[0]
         assert hit["num_cached_tokens"] == 4 * page
-        assert b.stats()["states_loaded"] == 1
+        assert b.stats()["states_loaded"] == loaded + 1
         assert_same_output(hit, b.generate([turn2], skip_prefix_cache=True)[0])
-    finally:
-        a.close()
-        b.close()
 
 
 SLOW_BPS = 200e3  # ~3 s for a 6-page hit of gemma3's KV (64 KiB a page), against a recompute of milliseconds
 
 
-def test_a_slow_link_recomputes_hits_after_the_first_load(store: ServerProcess, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_link_recomputes_hits_after_the_first_load(store: ServerProcess, pairs: Pairs, tmp_path: Path) -> None:
     """Bug: the hybrid worker timed nothing, so its scheduler side decided on the priors for
     ever: over a link far slower than recompute every hit loaded, held its step up to a
     timeout of the prior's (at least 1 s, not the policy's deadline), failed, and the request
     recomputed from its start. Now B's first hit (its decision still on the fetch prior)
     loads, is cut at the policy's deadline and measured; the next hit is recomputed at once,
     not loaded (skipped, no second failed load). Outputs are A's either way."""
+    pairs.close()  # engines of its own (B behind the slow link): the last test's pair would idle beside them
     model = tiny_model("gemma3", tmp_path.parent / "model-gemma3")
     proxy = LinkProxy(store.address, SLOW_BPS)
     slow = {"use_shm": False, "use_call_socket": False, "load_when_faster": True}
