@@ -35,7 +35,7 @@ from kvstore.keys import page_keys, token_array
 from kvstore.page import FLAG_SESSION_OPEN, FLAG_WANTED, LayoutDesc
 from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, check_chunk_bytes
 from kvstore.security.channel import ClientTLS
-from kvstore.types import LocationRun, Namespace
+from kvstore.types import PAGE_KEY_BYTES, LocationRun, Namespace
 from kvstore.validate import deadline_s, layout_msg
 
 logger = logging.getLogger(__name__)
@@ -229,9 +229,15 @@ class KVStoreClient(NamespaceCalls, HandoffCalls, MigrateCalls):
         return await self.lookup_keys(self.keys(tokens))
 
     async def lookup_keys(self, keys: list[bytes], _tries: int = 3) -> Hit:
-        """The longest stored prefix of a chain of page keys the engine computed itself (see client/calls.py)."""
+        """The longest stored prefix of a chain of page keys the engine computed itself (see client/calls.py).
+        No keys (a prompt under a page): the server is asked with a key nobody stores, for the generation it reads."""
         runs: list[LocationRun] = []
         n = generation = 0
+        if not keys:
+            req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=[bytes(PAGE_KEY_BYTES)])
+            generation = int((await self._calls.unary("Directory.Lookup", req)).generation)
+            self.saw_generation(generation)
+            return Hit(self.namespace.namespace_id, 0, [], [], generation)
         for start in range(0, len(keys), self.max_pages):
             batch = keys[start : start + self.max_pages]
             req = directory_pb2.LookupRequest(namespace_id=self.namespace.namespace_id, keys=batch)
