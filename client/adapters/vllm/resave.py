@@ -26,6 +26,7 @@ class Unsaveds:
         self.wait_s = wait_s  # how long a finished request waits for a store to save again to
         self._by_req: dict[str, Unsaved] = {}
         self._fenced: set[str] = set()  # not reported yet
+        self._stale: set[str] = set()  # refused as stale: nothing is saved again for them until they finish
 
     def fenced(self, req_id: str) -> bool:
         """A save of ``req_id`` was refused by its session's fence: forgotten, to be reported.
@@ -38,7 +39,20 @@ class Unsaveds:
         fenced, self._fenced = self._fenced, set()
         return fenced
 
+    def stale(self, req_id: str) -> None:
+        """A save of ``req_id`` was refused as stale: a save of it that ends short later (planned
+        before the refusal was reported) is not saved again either (it names the same generation)."""
+        self._by_req.pop(req_id, None)
+        self._stale.add(req_id)
+
+    def finished(self, req_ids: set[str]) -> None:
+        """Requests reported finished: forgotten, their refusals too."""
+        self.forget(req_ids)
+        self._stale -= req_ids
+
     def ended_short(self, spec: SaveSpec, stored_pages: int) -> None:
+        if spec.req_id in self._stale:
+            return
         known = self._by_req.get(spec.req_id)
         if known is None:
             self._by_req[spec.req_id] = Unsaved(spec, stored_pages)

@@ -302,7 +302,7 @@ class WorkerSide:
         reported = {r for r in self._finishing if r not in self._pending and not self._unsaved.waiting(r)}
         self._finishing -= reported
         self._saving -= reported
-        self._unsaved.forget(reported)
+        self._unsaved.finished(reported)
         return reported
 
     def _save_again(self, req_id: str) -> None:
@@ -330,7 +330,7 @@ class WorkerSide:
             return self._unsaved.fenced(spec.req_id)
         except StaleGeneration:  # invalidated since its lookup (DESIGN §3): sent again, it would be refused again
             self.stats.saves_stale += 1
-            self._unsaved.forget({spec.req_id})
+            self._unsaved.stale(spec.req_id)
             self._stale.add(spec.req_id)  # reported: its later pages name the same generation, none is sent
             return True
         except KVStoreError as exc:
