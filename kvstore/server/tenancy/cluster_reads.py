@@ -30,14 +30,13 @@ class ClusterReads:
         return who.via != "local" and who.allows(Rights.READ) and self.tenancy.owners.owner(namespace_id) is None
 
     def lookup(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> list[LocationRun]:
-        if self.tenancy.may_read(who, namespace_id):
-            return self.cluster.lookup(namespace_id, keys, time_remaining_s, on_behalf(who))
-        if not self._unbound_for(who, namespace_id):
+        if not (self.tenancy.may_read(who, namespace_id) or self._unbound_for(who, namespace_id)):
             return []
         runs = self.cluster.lookup(namespace_id, keys, time_remaining_s, on_behalf(who))
-        # Unbound when asked; another tenant's first write here may have bound it and stored a page since,
-        # which the lookup (this node's directory first) answered: a binding comes before any page of its write
-        return runs if self.tenancy.owners.owner(namespace_id) in (None, who.tenant) else []
+        # Unbound when asked, or bound by the caller's own first write, which may fail and be undone: another
+        # tenant's first write here may have bound it and stored a page since, which the lookup (this node's
+        # directory first) answered; a binding comes before any page of its write
+        return runs if self.tenancy.sees(who, namespace_id) or self.tenancy.owners.owner(namespace_id) is None else []
 
     def fill(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> bool:
         """Fetches what other nodes hold of ``keys`` for ``who``; returns whether ``who`` may
