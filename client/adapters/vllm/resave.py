@@ -26,13 +26,16 @@ class Unsaveds:
         self.wait_s = wait_s  # how long a finished request waits for a store to save again to
         self._by_req: dict[str, Unsaved] = {}
         self._fenced: set[str] = set()  # not reported yet
-        self._stale: set[str] = set()  # refused as stale: nothing is saved again for them until they finish
+        # refused as stale or by a fence: nothing is saved again for them until they finish
+        self._refused: set[str] = set()
 
     def fenced(self, req_id: str) -> bool:
-        """A save of ``req_id`` was refused by its session's fence: forgotten, to be reported.
+        """A save of ``req_id`` was refused by its session's fence: forgotten, to be reported; a
+        save of it that ends short later is not saved again either (the fence refuses it too).
         True: the save ended (worker.py's ``_ended``)."""
         self._by_req.pop(req_id, None)
         self._fenced.add(req_id)
+        self._refused.add(req_id)
         return True
 
     def take_fenced(self) -> set[str]:
@@ -43,15 +46,15 @@ class Unsaveds:
         """A save of ``req_id`` was refused as stale: a save of it that ends short later (planned
         before the refusal was reported) is not saved again either (it names the same generation)."""
         self._by_req.pop(req_id, None)
-        self._stale.add(req_id)
+        self._refused.add(req_id)
 
     def finished(self, req_ids: set[str]) -> None:
         """Requests reported finished: forgotten, their refusals too."""
         self.forget(req_ids)
-        self._stale -= req_ids
+        self._refused -= req_ids
 
     def ended_short(self, spec: SaveSpec, stored_pages: int) -> None:
-        if spec.req_id in self._stale:
+        if spec.req_id in self._refused:
             return
         known = self._by_req.get(spec.req_id)
         if known is None:
