@@ -56,7 +56,9 @@ class Clients:
     """The client processes, started once and reused by every phase."""
 
     def __init__(self, count: int) -> None:
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds gRPC threads
+        # no fork of a process that holds gRPC threads: forked by a server that imported the worker (torch) once
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["kvstore.bench.soak.soak_worker"])
         self.pipes: list[Connection] = []
         self.procs: list[BaseProcess] = []
         for index in range(count):
