@@ -41,17 +41,20 @@ class ClusterReads:
     def fill(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> bool:
         """Fetches what other nodes hold of ``keys`` for ``who``; returns whether ``who`` may
         read the namespace here now (the caller acquires only then)."""
-        tenant = on_behalf(who)
-        if self.tenancy.may_read(who, namespace_id):
-            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
-            return True
-        if not self._unbound_for(who, namespace_id):
+        tenant, owners = on_behalf(who), self.tenancy.owners
+        readable = self.tenancy.may_read(who, namespace_id)
+        if not readable and not self._unbound_for(who, namespace_id):
             return False
-        owners = self.tenancy.owners
-        try:
-            claimed = owners.claim(namespace_id, who.tenant)
-        except PermissionDenied:  # bound to another tenant meanwhile
-            return False
+        # Unbound: claimed for the caller before the fetch. Bound to the caller: maybe only by its own first write
+        # here, still running, which may fail and be undone; the fill holds the binding as a write does (a claim,
+        # False once settled), so that a page it lands keeps it. An admin's read of another's namespace claims nothing.
+        bound = owners.owner(namespace_id)
+        claimed = False
+        if who.via != "local" and (bound == who.tenant if readable else bound is None):
+            try:
+                claimed = owners.claim(namespace_id, who.tenant)
+            except PermissionDenied:  # bound to another tenant meanwhile
+                return False
         fetched = 0
         try:
             fetched = self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
@@ -62,8 +65,9 @@ class ClusterReads:
 
     def prefetch(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> None:
         """A hint's fetch ahead: only into a namespace bound here to the caller (one nobody holds
-        here is fetched when it is read)."""
-        if self.tenancy.may_read(who, namespace_id):
+        here is fetched when it is read), by a write that succeeded: the fetch runs after the hint
+        answers, and a first write still running may fail and undo the binding meanwhile."""
+        if self.tenancy.may_read(who, namespace_id) and (who.via == "local" or self.tenancy.owners.settled(namespace_id)):
             self.cluster.prefetch(namespace_id, keys, on_behalf(who), self._landing(who, namespace_id, keys))
 
     def _landing(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> Landing | None:

@@ -68,6 +68,10 @@ class NamespaceOwners:
     def owner(self, namespace_id: bytes) -> str | None:
         return self._owners.get(namespace_id)
 
+    def settled(self, namespace_id: bytes) -> bool:
+        """Bound by a write that succeeded: no settle can undo it."""
+        return namespace_id in self._settled
+
     def core_owner(self, namespace_id: bytes) -> str:
         """The owner of the namespace's pages in the core (``owner_for`` its tenant; UNOWNED: none)."""
         tenant = self._owners.get(namespace_id)
