@@ -69,9 +69,9 @@ def copy_on_caller(runtime: ClusterRuntime, holder: str, namespace_id: bytes, ke
     try:
         landing.commit(allocation_id, arrived, sums)
         core.reads.unchecked.landed(namespace_id, arrived, holder)  # a reader that finds one damaged has the holder check its own
+        remote.num_fetched += len(arrived)  # as _commit counts: not the pages an invalidation dropped
     except StaleGeneration as exc:  # an invalidation since the allocation: the old generation's bytes are never stored
         logger.info("%d handed-off pages dropped: %s", len(arrived), exc)
-    remote.num_fetched += len(arrived)
     return remote.local_prefix(namespace_id, keys)
 
 
