@@ -100,24 +100,27 @@ async def test_random_kills_restarts_and_a_join_never_serve_a_wrong_byte(cluster
                                      f"prefix of {entry.holder} from {name}")
                 await eventually(lambda c=client, e=entry: _names_live(c, e.tokens, live), TTL_S + 2,
                                  f"lookups at {name} naming live nodes only")
-                await _read_checked(nodes[name], entry)
+                await _read_checked(nodes[name], entry, client)
             await eventually(lambda c=client: _no_leases(c), 5, f"no lease left at {name}")
 
 
-async def _read_checked(node: Node, entry: Stored) -> int:
-    """Reads ``entry`` at ``node``: the tokens served must be bit-exact. Returns how many."""
-    async with KVStoreClient(node.address, NS) as client:
-        hit = await client.lookup(entry.tokens)
-        out = torch.zeros_like(entry.kv)
-        try:
-            n = await client.get(hit, out)
-        except PageMissing as missing:
-            n = missing.num_tokens  # type: ignore[attr-defined]
-        except KVStoreError:
-            n = 0
-        assert torch.equal(out[:, :, :n], entry.kv[:, :, :n]), f"wrong bytes served at {node.name}"
-        assert not (entry.invalidated and n), f"{node.name} served {n} tokens of a prefix invalidated after it was put"
-        return n
+async def _read_checked(node: Node, entry: Stored, client: KVStoreClient | None = None) -> int:
+    """Reads ``entry`` at ``node`` (through ``client`` when given, a client of that node; else a
+    new one): the tokens served must be bit-exact. Returns how many."""
+    if client is None:
+        async with KVStoreClient(node.address, NS) as fresh:
+            return await _read_checked(node, entry, fresh)
+    hit = await client.lookup(entry.tokens)
+    out = torch.zeros_like(entry.kv)
+    try:
+        n = await client.get(hit, out)
+    except PageMissing as missing:
+        n = missing.num_tokens  # type: ignore[attr-defined]
+    except KVStoreError:
+        n = 0
+    assert torch.equal(out[:, :, :n], entry.kv[:, :, :n]), f"wrong bytes served at {node.name}"
+    assert not (entry.invalidated and n), f"{node.name} served {n} tokens of a prefix invalidated after it was put"
+    return n
 
 
 async def _found(client: KVStoreClient, tokens: list[int]) -> bool:
