@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ from support.tcp_proxy import TcpProxy
 from test_remote_landing import PAGE_BYTES, _found, _store
 from test_remote_landing_tcp import Peer, _pages_at, _setup
 
-from kvstore.cluster.transport_tcp import TcpPageServer
+from kvstore.cluster.transport_tcp import TcpPageFetcher, TcpPageServer
 from kvstore.page import LayoutDesc
 from kvstore.server.cluster.caller_copy import copy_on_caller
 from kvstore.server.cluster.landing import NodeLanding
@@ -64,9 +65,30 @@ class Threads(NodeLanding):
         return super().commit(allocation_id, keys, checksums)
 
 
-async def _holder_serving(holder: Any) -> tuple[TcpPageServer, int]:
+@asynccontextmanager
+async def holder_link(holder: Any, receiver: Any, held: bool = False,
+                      fetcher: type[TcpPageFetcher] = TcpPageFetcher) -> AsyncIterator[Runtime]:
+    """The receiver's runtime with the holder's real TCP page server as its one peer, all closed
+    on exit; ``held``: through a link that keeps the holder's bytes back (a stalled holder);
+    ``fetcher``: the receiver's fetcher class."""
     server = TcpPageServer(CorePageSource(holder.core))
-    return server, await server.start()
+    port = await server.start()
+    link = TcpProxy(("127.0.0.1", port)) if held else None
+    if link is not None:
+        link.hold()
+        port = link.port
+    peer = Peer(port)
+    if fetcher is not TcpPageFetcher:
+        peer.fetcher = fetcher("127.0.0.1", port)
+    try:
+        yield Runtime(receiver.core, peer)
+    finally:
+        if link is not None:
+            link.release()
+        await peer.fetcher.close()
+        if link is not None:
+            link.close()
+        await server.close()
 
 
 def _copy(runtime: Runtime, ns: bytes, keys: list[bytes], landing: NodeLanding, wait_s: float = 10.0) -> tuple[int | None, int]:
@@ -87,77 +109,50 @@ def _known_here(receiver: Any, ns: bytes) -> None:
 async def test_the_pages_land_bit_exact_allocated_and_committed_on_the_calling_thread(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 4)
     _known_here(receiver, ns)
-    server, port = await _holder_serving(holder)
-    runtime, landing = Runtime(receiver.core, Peer(port)), Threads(receiver.core)
-    try:
+    landing = Threads(receiver.core)
+    async with holder_link(holder, receiver) as runtime:
         held, caller = await asyncio.to_thread(_copy, runtime, ns, keys, landing)
-        assert held == 4 and landing.threads == [caller, caller]
+        assert held == 4 and landing.threads == [caller, caller] and runtime.remote.num_fetched == 4
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == b"".join(pages)
         assert (await asyncio.to_thread(_copy, runtime, ns, keys, landing))[0] == 4
         assert len(landing.threads) == 2, "pages held already are not fetched again"
         _nothing_held(receiver.core)
         _nothing_held(holder.core)
-    finally:
-        await runtime.peers["holder"].fetcher.close()
-        await server.close()
 
 
 async def test_a_namespace_whose_layout_is_not_known_here_takes_the_loop_path(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 2)
-    server, port = await _holder_serving(holder)
-    runtime = Runtime(receiver.core, Peer(port))
-    try:
+    async with holder_link(holder, receiver) as runtime:
         assert (await asyncio.to_thread(_copy, runtime, ns, keys, Threads(receiver.core)))[0] is None
         _nothing_held(receiver.core)
-    finally:
-        await runtime.peers["holder"].fetcher.close()
-        await server.close()
 
 
 async def test_pages_the_holder_lacks_end_the_copy_and_leave_no_slot(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, pages = await _setup(server_factory, tmp_path, 2)
     _known_here(receiver, ns)
-    server, port = await _holder_serving(holder)
-    runtime = Runtime(receiver.core, Peer(port))
     wanted = [*keys, secrets.token_bytes(16), secrets.token_bytes(16)]  # the holder has only the first two
-    try:
+    async with holder_link(holder, receiver) as runtime:
         held, _ = await asyncio.to_thread(_copy, runtime, ns, wanted, Threads(receiver.core))
         assert held == 2 and _found(receiver.address, ns, wanted) == 2
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == b"".join(pages)
         _nothing_held(receiver.core)
-    finally:
-        await runtime.peers["holder"].fetcher.close()
-        await server.close()
 
 
 async def test_a_copy_cut_at_its_deadline_gives_back_its_slots(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 3)
     _known_here(receiver, ns)
-    server, port = await _holder_serving(holder)
-    link = TcpProxy(("127.0.0.1", port))
-    link.hold()  # the holder's bytes never come
-    runtime = Runtime(receiver.core, Peer(link.port))
-    try:
+    async with holder_link(holder, receiver, held=True) as runtime:  # the holder's bytes never come
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(_copy, runtime, ns, keys, Threads(receiver.core), 0.5)
         assert _found(receiver.address, ns, keys) == 0
         _nothing_held(receiver.core)
-    finally:
-        link.release()
-        await runtime.peers["holder"].fetcher.close()
-        link.close()
-        await server.close()
 
 
 async def test_an_invalidation_overtaking_the_copy_stores_nothing_of_the_old_generation(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 3)
     _known_here(receiver, ns)
-    server, port = await _holder_serving(holder)
-    runtime = Runtime(receiver.core, Peer(port))
-    try:
+    async with holder_link(holder, receiver) as runtime:
         held, _ = await asyncio.to_thread(_copy, runtime, ns, keys, Threads(receiver.core, invalidate=True))
         assert held == 0 and _found(receiver.address, ns, keys) == 0
+        assert runtime.remote.num_fetched == 0, "pages the invalidation dropped counted as fetched"
         _nothing_held(receiver.core)
-    finally:
-        await runtime.peers["holder"].fetcher.close()
-        await server.close()

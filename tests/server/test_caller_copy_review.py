@@ -19,10 +19,9 @@ from typing import Any
 
 import grpc
 import pytest
-from support.tcp_proxy import TcpProxy
-from test_caller_copy import Runtime, _holder_serving, _known_here
+from test_caller_copy import _known_here, holder_link
 from test_remote_landing import PAGE_BYTES, _found
-from test_remote_landing_tcp import Peer, _setup
+from test_remote_landing_tcp import _setup
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc
 from kvstore.cluster.cluster_errors import DestinationsInUse
@@ -56,23 +55,12 @@ def _store_as(address: str, ns: bytes, keys: list[bytes], pages: list[bytes], la
 async def test_a_cut_copy_whose_receives_are_still_posted_keeps_its_slots(server_factory, tmp_path: Path) -> None:
     holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 3)
     _known_here(receiver, ns)
-    server, port = await _holder_serving(holder)
-    link = TcpProxy(("127.0.0.1", port))
-    link.hold()  # the holder's bytes never come
-    peer = Peer(link.port)
-    peer.fetcher = StillPosted("127.0.0.1", link.port)
-    runtime = Runtime(receiver.core, peer)
-    try:
+    async with holder_link(holder, receiver, held=True, fetcher=StillPosted) as runtime:  # the holder's bytes never come
         with pytest.raises(TimeoutError):  # the fetch's own deadline 10 s, its caller's 0.5 s: cut
             await asyncio.to_thread(copy_on_caller, runtime, "holder", ns, keys, PAGE_BYTES, 10.0, 0.5,  # type: ignore[arg-type]
                                     NodeLanding(receiver.core))
         assert receiver.core.view().num_allocations == 1, "slots the transport may still write into were given back"
         assert _found(receiver.address, ns, keys) == 0
-    finally:
-        link.release()
-        await peer.fetcher.close()
-        link.close()
-        await server.close()
 
 
 async def test_an_invalidation_after_the_layout_is_read_binds_no_old_layout(server_factory, tmp_path: Path) -> None:
@@ -94,15 +82,12 @@ async def test_an_invalidation_after_the_layout_is_read_binds_no_old_layout(serv
         return layout
 
     reads.layout_of = overtaken
-    server, port = await _holder_serving(holder)
-    runtime = Runtime(receiver.core, Peer(port))
     try:
-        held = await asyncio.to_thread(copy_on_caller, runtime, "holder", ns, keys, PAGE_BYTES, 10.0, 10.0,  # type: ignore[arg-type]
-                                       NodeLanding(receiver.core))
-        assert reads.layout_of(ns) != old, "the new generation is bound here to the old generation's layout"
-        assert held == 0 and _found(receiver.address, ns, keys) == 0
-        _store_as(receiver.address, ns, keys[:1], pages[:1], OTHER_LAYOUT)  # the new generation's writer is not refused
+        async with holder_link(holder, receiver) as runtime:
+            held = await asyncio.to_thread(copy_on_caller, runtime, "holder", ns, keys, PAGE_BYTES, 10.0, 10.0,  # type: ignore[arg-type]
+                                           NodeLanding(receiver.core))
+            assert reads.layout_of(ns) != old, "the new generation is bound here to the old generation's layout"
+            assert held == 0 and _found(receiver.address, ns, keys) == 0
+            _store_as(receiver.address, ns, keys[:1], pages[:1], OTHER_LAYOUT)  # the new generation's writer is not refused
     finally:
         reads.layout_of = layout_of
-        await runtime.peers["holder"].fetcher.close()
-        await server.close()
