@@ -90,6 +90,24 @@ def hand_back(worker: WorkerSide, scheduler: SchedulerSide, finished: set[str] |
     return done
 
 
+def break_connection(store: StoreConnection, why: str) -> None:
+    """The connection breaks: its client dropped as the connector drops one on a transport
+    failure, and closed (its saves abandoned) before this returns."""
+    client = store.client()
+    assert client is not None
+    closing = store.failed(client, KVStoreError(why))
+    assert closing is not None, "the broken connection was kept"
+    closing.join(10)
+
+
+def reconnected(store: StoreConnection, timeout_s: float = 10.0) -> None:
+    """Returns once the connection is back (it reconnects after retry_s)."""
+    deadline = time.monotonic() + timeout_s
+    while store.client() is None:
+        assert time.monotonic() < deadline, "no reconnection"
+        time.sleep(0.05)
+
+
 def forward(worker: WorkerSide, meta: KVStoreConnectorMetadata, fill: float | None = None,
             caches: dict[str, torch.Tensor] | None = None) -> None:
     """One step of the worker hooks in vLLM's order; ``fill`` writes every block as the
@@ -311,21 +329,14 @@ def test_a_save_that_ended_short_is_saved_again(store_process: ServerProcess, ho
         meta = step(scheduler, "r", tokens, 0, [0, 1, 2, 3], request=request)
         worker.begin_step(meta)
         worker.start_loads(meta)
-        client = store.client()
-        assert client is not None
-        closing = store.failed(client, KVStoreError("test: the connection broke mid-step"))
-        assert closing is not None, "the broken connection was kept"
-        closing.join(10)  # its saves are abandoned before the engine marks their layers
+        break_connection(store, "test: the connection broke mid-step")  # its saves abandoned before the engine marks their layers
         for i, name in enumerate(NAMES):
             caches[name].fill_(7.0 + i)
             worker.save_layer(name)
         worker.end_step()
         assert worker.wait_saves(10)
         hand_back(worker, scheduler)
-        deadline = time.monotonic() + 10
-        while store.client() is None:  # reconnects after retry_s
-            assert time.monotonic() < deadline, "no reconnection"
-            time.sleep(0.05)
+        reconnected(store)
         request.all_token_ids.append(99)  # the first output token, computed in the next (decode) step
         again = cached_step(scheduler, "r", len(tokens), 1)
     assert [(s.first_page, len(s.tokens) // BLOCK) for s in again.saves] == [(2 if how == "cancelled" else 0, len(tokens) // BLOCK)]

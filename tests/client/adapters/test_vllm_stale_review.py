@@ -12,12 +12,11 @@ import time
 from types import SimpleNamespace
 
 from support.servers import ServerProcess
-from test_vllm_connector_parts import BLOCK, NAMES, hand_back, new_request, parts
+from test_vllm_connector_parts import BLOCK, NAMES, break_connection, hand_back, new_request, parts, reconnected
 from test_vllm_save_generation import _invalidate
 
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
-from kvstore.errors import KVStoreError
 
 
 def _chunk(scheduler: SchedulerSide, req_id: str, blocks: list[int], computed: int, scheduled: int) -> KVStoreConnectorMetadata:
@@ -50,11 +49,7 @@ def test_a_stale_request_sends_nothing_again_at_its_finish(store_process: Server
     assert [(s.first_page, len(s.tokens) // BLOCK) for s in second.saves] == [(2, 4)]
     worker.begin_step(second)
     worker.start_loads(second)
-    client = store.client()  # the connection breaks mid-step: the save (streamed) fails before its first page is sent
-    assert client is not None
-    closing = store.failed(client, KVStoreError("test: the connection broke mid-step"))
-    assert closing is not None
-    closing.join(10)
+    break_connection(store, "test: the connection broke mid-step")  # the save (streamed) fails before its first page is sent
     for i, name in enumerate(NAMES):
         caches[name].fill_(4.0 + i)
         worker.save_layer(name)
@@ -62,10 +57,7 @@ def test_a_stale_request_sends_nothing_again_at_its_finish(store_process: Server
     assert worker.wait_saves(10)
     hand_back(worker, scheduler)
     assert scheduler.requests["r"].stale and worker.stats.saves_stale == 1
-    deadline = time.monotonic() + 10
-    while store.client() is None:  # reconnects after retry_s: a save again could be sent now
-        assert time.monotonic() < deadline, "no reconnection"
-        time.sleep(0.05)
+    reconnected(store)  # a save again could be sent now
     assert scheduler.finished(request)  # a save was scheduled: vLLM holds its blocks until it is reported
     done: set[str] = set()
     deadline = time.monotonic() + 10
