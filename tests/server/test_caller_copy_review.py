@@ -1,7 +1,8 @@
 """Review of ``caller_copy.copy_on_caller`` (a handoff's push at the decode node, DESIGN §12.7).
 
 1. A copy cut at its caller's time whose transport reports ``DestinationsInUse`` (UCX: receives
-   still posted after the abort) keeps its slots back: ``run_on(to_end=True)`` raised a bare
+   still posted after the abort) keeps its slots back, on the caller's thread and on the loop's
+   ``fetch_from`` alike: ``run_on(to_end=True)`` raised a bare
    TimeoutError after the cut, hiding the transport's error, and the slots went back to the arena
    while the transfer might still write into them. The fetcher here is the real TCP one, reporting
    on a cut what UCX's reports when its receives stay posted.
@@ -59,6 +60,19 @@ async def test_a_cut_copy_whose_receives_are_still_posted_keeps_its_slots(server
         with pytest.raises(TimeoutError):  # the fetch's own deadline 10 s, its caller's 0.5 s: cut
             await asyncio.to_thread(copy_on_caller, runtime, "holder", ns, keys, PAGE_BYTES, 10.0, 0.5,  # type: ignore[arg-type]
                                     NodeLanding(receiver.core))
+        assert receiver.core.view().num_allocations == 1, "slots the transport may still write into were given back"
+        assert _found(receiver.address, ns, keys) == 0
+
+
+async def test_a_cut_fetch_on_the_loop_whose_receives_are_still_posted_keeps_its_slots(server_factory, tmp_path: Path) -> None:
+    """The same on ``RemoteTier.fetch_from``'s own path (the loop's: a replica, a fill, a push of
+    more pages than one fetch), which gave the slots back whatever the transport said."""
+    holder, receiver, ns, keys, _ = await _setup(server_factory, tmp_path, 3)
+    _known_here(receiver, ns)
+    async with holder_link(holder, receiver, held=True, fetcher=StillPosted) as runtime:
+        copy = runtime.remote.fetch_from("holder", ns, keys, PAGE_BYTES, 10.0, "", NodeLanding(receiver.core), hashed=False)
+        with pytest.raises(TimeoutError):
+            await asyncio.to_thread(runtime.call, copy, 0.5, True)
         assert receiver.core.view().num_allocations == 1, "slots the transport may still write into were given back"
         assert _found(receiver.address, ns, keys) == 0
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import KVStoreError, StaleGeneration
 from kvstore.server.cluster.landing import Landing, NodeLanding
-from kvstore.server.cluster.remote import FETCH_PAGES, RemoteTier
+from kvstore.server.cluster.remote import FETCH_PAGES, RemoteTier, destinations_in_use
 
 if TYPE_CHECKING:
     from kvstore.server.cluster.cluster_runtime import ClusterRuntime
@@ -60,23 +60,16 @@ def copy_on_caller(runtime: ClusterRuntime, holder: str, namespace_id: bytes, ke
                 for view in views:
                     view.release()
     except BaseException as exc:
-        if not _in_use(exc):
+        if not destinations_in_use(exc):
             core.abort(allocation_id)
         else:  # UCX receives still posted: the slots stay the allocation's until its ttl (bytes may still land there)
             logger.warning("a cut handoff copy's slots are kept back until their allocation expires: %s", exc)
         raise
     arrived = to_fetch[: len(sums)]
     try:
-        landing.commit(allocation_id, arrived, sums)
-        core.reads.unchecked.landed(namespace_id, arrived, holder)  # a reader that finds one damaged has the holder check its own
+        remote.commit_landed(landing, allocation_id, arrived, sums, (namespace_id, holder))  # noted unchecked, as fetch_from's
         remote.num_fetched += len(arrived)  # as _commit counts: not the pages an invalidation dropped
     except StaleGeneration as exc:  # an invalidation since the allocation: the old generation's bytes are never stored
         logger.info("%d handed-off pages dropped: %s", len(arrived), exc)
     return remote.local_prefix(namespace_id, keys)
 
-
-def _in_use(exc: BaseException) -> bool:
-    from kvstore.cluster.cluster_errors import DestinationsInUse  # cluster mode only, as this module
-
-    # a copy cut at its caller's time raises TimeoutError from what the transfer ended with (loop_calls.run_on)
-    return isinstance(exc, DestinationsInUse) or isinstance(exc.__cause__, DestinationsInUse)

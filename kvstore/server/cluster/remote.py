@@ -21,6 +21,7 @@ import grpc
 
 from kvstore import validate
 from kvstore._proto import data_pb2
+from kvstore.cluster.cluster_errors import DestinationsInUse
 from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
@@ -51,6 +52,12 @@ async def _to_the_end(job: asyncio.Future[Any]) -> None:
             await asyncio.wait([job])
         except asyncio.CancelledError:
             continue
+
+
+def destinations_in_use(exc: BaseException) -> bool:
+    """A transfer cut while the transport may still write into its buffers (UCX's receives posted after
+    the abort), raised as such or as the cause of a cut call's TimeoutError (loop_calls.run_on)."""
+    return isinstance(exc, DestinationsInUse) or isinstance(exc.__cause__, DestinationsInUse)
 
 
 def _pieces(run: LocationRun, size: int) -> list[LocationRun]:
@@ -146,14 +153,8 @@ class RemoteTier:
         node): once committed, the copies are noted as landed from that node unchecked (a commit
         forgets any older note of ``keys``: only the pages that landed are passed). A fetch cut
         meanwhile ends once the commit has (its pages stored or not when its caller answers)."""
-
-        def commit() -> int:
-            n = landing.commit(allocation_id, keys, checksums)
-            if unhashed_from is not None:
-                self.core.reads.unchecked.landed(unhashed_from[0], keys, unhashed_from[1])
-            return n
-
-        job = asyncio.ensure_future(asyncio.to_thread(commit))
+        job = asyncio.ensure_future(asyncio.to_thread(self.commit_landed, landing, allocation_id, keys, checksums,
+                                                      unhashed_from))
         try:
             n = await asyncio.shield(job)
         except StaleGeneration as exc:
@@ -165,6 +166,14 @@ class RemoteTier:
             self.num_fetched += len(keys) if not job.cancelled() and job.exception() is None else 0
             raise
         self.num_fetched += len(keys)
+        return n
+
+    def commit_landed(self, landing: Landing, allocation_id: bytes, keys: list[bytes], checksums: list[int],
+                      unhashed_from: tuple[bytes, str] | None) -> int:
+        """``landing.commit`` of what arrived, on the calling thread; ``unhashed_from``: as ``_commit``'s."""
+        n = landing.commit(allocation_id, keys, checksums)
+        if unhashed_from is not None:
+            self.core.reads.unchecked.landed(unhashed_from[0], keys, unhashed_from[1])
         return n
 
     async def _fetch_posted(self, peer: PeerNode, namespace_id: bytes, keys: list[bytes], page_bytes: int, timeout_s: float,
@@ -201,8 +210,11 @@ class RemoteTier:
                 finally:
                     for view in views:
                         view.release()
-        except BaseException:
-            await asyncio.to_thread(self.core.abort, allocation_id)
+        except BaseException as exc:
+            if not destinations_in_use(exc):
+                await asyncio.to_thread(self.core.abort, allocation_id)
+            else:  # UCX receives still posted: the slots stay the allocation's until its ttl (bytes may still land there)
+                logger.warning("a cut fetch's slots are kept back until their allocation expires: %s", exc)
             raise
         return allocation_id, to_fetch[: len(ok_sums)], ok_sums, len(slots) == len(keys) and len(ok_sums) == len(to_fetch)
 
