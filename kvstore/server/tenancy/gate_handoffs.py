@@ -169,9 +169,12 @@ class HandoffGate:
 
     def _fetch(self, holder: str, ns: bytes, keys: list[bytes], views: list[memoryview], offset: int, page_bytes: int,
                generation: int, context: CallContext, allocation: bytes = NO_ALLOCATION) -> FetchResult | None:
-        """layer_pushes.fetch_range on the cluster loop, within the caller's deadline; None when it failed."""
+        """layer_pushes.fetch_range on the cluster loop, within the caller's deadline; None when it failed;
+        DestinationsInUse when the transport may still write into ``views`` (raised so, or the cause of
+        the call's TimeoutError when it was cut: UCX's abort waiting on its posted receives)."""
         from kvstore.cluster.cluster_errors import DestinationsInUse  # cluster mode only
         from kvstore.server.cluster.layer_pushes import fetch_range
+        from kvstore.server.cluster.remote import destinations_in_use
 
         assert self.cluster is not None
         left = context.time_remaining()
@@ -180,9 +183,11 @@ class HandoffGate:
             # to the end: a fetch cut at its deadline returns once it stopped writing into the views (slots given back next)
             return self.cluster.call(fetch_range(self.cluster.peers, holder, ns, keys, views, offset, page_bytes, timeout,
                                                  generation, allocation), timeout + 1, to_end=True)
-        except DestinationsInUse:
-            raise  # the views may still be written into: LayerLanding keeps their slots back
-        except Exception as exc:  # noqa: BLE001 - any failure (a timeout, the node leaving): those pages come whole
+        except Exception as exc:  # any failure (a timeout, the node leaving): those pages come whole
+            if isinstance(exc, DestinationsInUse):
+                raise  # the views may still be written into: LayerLanding keeps their slots back
+            if destinations_in_use(exc):  # cut: its TimeoutError's cause, raised as what LayerLanding looks for
+                raise DestinationsInUse(f"a range fetch cut at its deadline: {exc.__cause__}") from exc
             logger.info("a range of %d handed-off pages not fetched from %s: %r", len(keys), holder, exc)
             return None
 
