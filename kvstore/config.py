@@ -22,6 +22,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 MIN_MAP_BYTES = 64 << 10  # an LMDB map smaller than this cannot hold its own tables
+MAX_TTL_S = 600  # --cluster-ttl: a node serves up to this long past its last keep-alive
 MAP_BYTES = 8 << 30  # default LMDB map of the directory and of the ssd index (address space, not disk)
 TOKEN_LOG_MAP_BYTES = 4 << 30
 DEMOTE_SCHEDS = ("idle", "normal")  # --demote-sched: the background demoter in Linux's SCHED_IDLE class, or normal at --demote-nice
@@ -229,8 +230,8 @@ class ClusterConfig:
             raise ConfigError(f"--advertise must be HOST:PORT with a fixed port, got {self.advertise!r}")
         if not 0 <= self.advertise_data_port <= 65535:
             raise ConfigError(f"--advertise-data-port must be a port (0: the listener's own), got {self.advertise_data_port}")
-        if self.ttl_s < 2:
-            raise ConfigError("--cluster-ttl must be >= 2 s")
+        if not 2 <= self.ttl_s <= MAX_TTL_S:  # the age of etcd's incarnation is measured up to an hour (DESIGN §12.4)
+            raise ConfigError(f"--cluster-ttl must be between 2 and {MAX_TTL_S} s, got {self.ttl_s}")
         if not 0 <= self.join_timeout_s < float("inf"):
             raise ConfigError(f"--cluster-join-timeout-s must be >= 0 (0: 3 TTLs, at least 10 s), got {self.join_timeout_s}")
         if self.replicas < 1:

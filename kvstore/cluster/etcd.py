@@ -138,6 +138,19 @@ class EtcdClient:
         except TimeoutError as exc:
             raise _unavailable("lease revoke", exc) from exc
 
+    async def lease_ttl(self, lease_id: int) -> tuple[int, int]:
+        """(the TTL a lease was granted, whole seconds it has left by etcd's clock; -1: gone).
+        etcd rounds what is left down: up to a second more remains."""
+        try:
+            resp = await self._lease.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id), timeout=self.call_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return 0, -1
+            raise _unavailable("lease time-to-live", exc) from exc
+        except TimeoutError as exc:
+            raise _unavailable("lease time-to-live", exc) from exc
+        return resp.grantedTTL, resp.TTL
+
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Writes a key; returns the revision of the write."""
         resp = await self._call("put", self._kv.Put, rpc.PutRequest(key=key, value=value, lease=lease))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from kvstore.types import MAX_GENERATION
 logger = logging.getLogger(__name__)
 
 _CAS_ROUNDS = 64  # a compare-and-swap lost this often in a row: something else is wrong
+YOUNG_S = 3600  # how long an incarnation's age is measured; past it, it counts as YOUNG_S old (above any TTL)
 
 
 class EtcdGenerations:
@@ -25,24 +27,49 @@ class EtcdGenerations:
         self._etcd = etcd
         self.prefix = root + b"generations/"
         self._incarnation_key = root + b"incarnation"
+        self._young_key = root + b"incarnation-young"  # under a lease of YOUNG_S, made with the incarnation
+        self.fenced_prefix = root + b"fenced/"
         self.caught_up_prefix = root + b"caught-up/"
         self._node = node
 
     async def incarnation(self) -> tuple[bytes, float]:
-        """This etcd's incarnation id and when it was made (unix seconds; made now if it has
-        none: a new or wiped etcd)."""
+        """This etcd's incarnation id (made now if it has none: a new or wiped etcd) and how long
+        ago, at least, it was made, by etcd's clock: the time its young key's lease has run
+        (no node's clock is trusted). Once that lease is out, YOUNG_S."""
         for _ in range(_CAS_ROUNDS):
             kv = await self._etcd.get(self._incarnation_key)
             if kv is not None:
-                ident, _, made_at = kv.value.partition(b" ")
-                try:
-                    return ident, float(made_at)
-                except ValueError:
-                    return ident, 0.0
+                return kv.value.partition(b" ")[0], await self._age()
+            lease, _ = await self._etcd.grant(YOUNG_S)  # before the key: every node of a replaced etcd stopped before
             made = f"{secrets.token_hex(16)} {time.time():.3f}".encode()
-            if await self._etcd.put_if([(self._incarnation_key, made, 0)], {self._incarnation_key: 0}):
-                return made.partition(b" ")[0], time.time()
+            if await self._etcd.put_if([(self._incarnation_key, made, 0), (self._young_key, made, lease)],
+                                       {self._incarnation_key: 0}):
+                return made.partition(b" ")[0], 0.0
+            await self._etcd.revoke(lease)
         raise RuntimeError(f"{self._incarnation_key!r}: {_CAS_ROUNDS} creations lost in a row")
+
+    async def _age(self) -> float:
+        young = await self._etcd.get(self._young_key)
+        if young is None or not young.lease:
+            return float(YOUNG_S)
+        granted, left = await self._etcd.lease_ttl(young.lease)
+        if left < 0:
+            return float(YOUNG_S)
+        return max(0.0, granted - left - 1.0)  # etcd rounds what is left down
+
+    async def note_fenced(self, node: str, lease: int, serves_s: float) -> None:
+        """Before ``node``'s ``lease`` is revoked: a record that lives in etcd (by its clock) at
+        least as long as ``node`` may still serve, ``serves_s`` from the revoke, for an issuer
+        that never listed ``node`` (``fenced``). The revoke may land up to two calls later. One
+        record per lease: a later fencing of a shorter TTL does not shorten an earlier one's."""
+        own, _ = await self._etcd.grant(math.ceil(serves_s + 2 * self._etcd.call_timeout_s) + 1)
+        await self._etcd.put(self.fenced_prefix + f"{node}/{lease:x}".encode(), b"", own)
+
+    async def fenced(self) -> list[float]:
+        """For each record of ``note_fenced`` still in etcd: seconds it has left, at most."""
+        _, kvs = await self._etcd.get_prefix(self.fenced_prefix)
+        lefts = [(await self._etcd.lease_ttl(kv.lease))[1] for kv in kvs if kv.lease]
+        return [left + 1.0 for left in lefts if left >= 0]
 
     def _key(self, namespace_id: bytes) -> bytes:
         return self.prefix + namespace_id.hex().encode()

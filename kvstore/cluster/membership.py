@@ -5,6 +5,10 @@ Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
     <root>nodes/<node-id>          JSON Member, under the node's lease (gone when the lease is)
     <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
     <root>generations/<ns hex>     a namespace's generation (generation_records.py; no lease)
+    <root>incarnation              this etcd's id and when it was made (generation_records.py; no lease)
+    <root>incarnation-young        made with it, under a lease of an hour: how old the etcd is, by its clock
+    <root>fenced/<node>/<lease>    a node an invalidation fenced, under a lease as long as it may still serve
+    <root>caught-up/<node-id>      the incarnation the node last caught up with, under its lease
 
 More: kvstore/cluster/README.md (### membership.py).
 """
@@ -51,6 +55,9 @@ class Membership:
         self._deadline = 0.0  # monotonic; a member only while now < deadline
         self._members: dict[str, Member] = {}
         self._revision = 0    # last etcd revision folded into the view
+        # when the last snapshot of the view was read (monotonic; 0: none yet): a node gone from etcd before it
+        # was never in the view, so it never left it (server/cluster/cluster_generations.py)
+        self.snapshot_at = 0.0
         self._changed = asyncio.Event()  # set and replaced on every change of view or state
         self._member_listeners: list[MembersListener] = []
         self._state_listeners: list[StateListener] = []
@@ -266,6 +273,7 @@ class Membership:
         while self._state is not MemberState.CLOSED:
             try:
                 revision, kvs = await self._etcd.get_prefix(self.config.root)
+                self.snapshot_at = time.monotonic()
                 self._apply_snapshot(revision, kvs)
                 async for revision, events in self._etcd.watch_prefix(self.config.root, self._revision + 1):
                     self._apply_events(revision, events)

@@ -45,12 +45,12 @@ class GenerationSync:
         self._epochs = epochs  # where the incarnation caught up with last is kept, across restarts
         # etcd's incarnation id when this node last looked (across restarts: the file's)
         self._incarnation = epochs.read_incarnation() if epochs is not None else b""
-        self._incarnation_made = 0.0  # ... and when it was made (unix seconds)
+        self._incarnation_age = 0.0  # ... and how long ago, at least, it was made (by etcd's clock)
         self._replaced = False  # this node met another etcd than the one it knew: the young wait applies
         self.num_fenced = 0
-        # until then a node etcd does not list may be serving on a lease of a replaced etcd (this node may
-        # have started just after etcd was replaced: it cannot tell)
-        self._quiet_until = time.monotonic() + self._fence_wait()
+        # until then a node that left this node's view may still serve (``left``, ``etcd_replaced``, ``_fence``);
+        # one it never listed: ``_unlisted``
+        self._quiet_until = 0.0
 
     @property
     def serving(self) -> bool:
@@ -74,7 +74,16 @@ class GenerationSync:
     def etcd_replaced(self) -> None:
         """etcd went back: the nodes registered in the old one serve until their keep-alives
         find their leases gone (within a TTL); they are not listed in the new one meanwhile."""
-        self._quiet_for(self._fence_wait())
+        self._quiet_for(max([self._fence_wait(m) for m in self._membership.members.values()], default=self._fence_wait()))
+
+    def _unlisted(self) -> None:
+        """Nodes gone from etcd before this node's view was last read from it (at its start, after a
+        watch broke) never left that view. One whose lease expired stopped serving by then, by its own
+        clock: the margin covers clocks that do not tick alike. Fenced ones are waited for by their
+        records (``_fence``), those of a replaced etcd by the incarnation's age (``_check_incarnation``)."""
+        snapshot_at = self._membership.snapshot_at
+        self._quiet_for(self._fence_wait() - self._ttl_s - (time.monotonic() - snapshot_at) if snapshot_at
+                        else self._fence_wait())
 
     def left(self, members: list[Member]) -> None:
         """Nodes left this node's view (expired, left, fenced by another issuer): until their
@@ -83,8 +92,11 @@ class GenerationSync:
             self._quiet_for(self._fence_wait(member))
 
     async def _check_incarnation(self) -> None:
-        """etcd replaced since this node last looked (another incarnation id): ``etcd_replaced``."""
-        incarnation, self._incarnation_made = await self._etcd.incarnation()
+        """etcd replaced since this node last looked (another incarnation id): ``etcd_replaced``.
+        A node of an etcd replaced before this one was made may serve up to a TTL past that (one
+        this node never listed, whatever it knew: assumed of a TTL no longer than its own)."""
+        incarnation, self._incarnation_age = await self._etcd.incarnation()
+        self._quiet_for(self._fence_wait() - self._incarnation_age)
         if self._incarnation and incarnation != self._incarnation:
             logger.warning("etcd was replaced (its incarnation id changed): what it lost is written back")
             self.etcd_replaced()
@@ -138,7 +150,7 @@ class GenerationSync:
         does not is stuck, or gone within its TTL)."""
         # a new etcd: a live node of the old one finds its lease gone at its next keep-alive (every TTL/3) and
         # registers again at once
-        young = self._incarnation_made + self._ttl_s / 3 + REGISTER_AGAIN_S - time.time()
+        young = self._ttl_s / 3 + REGISTER_AGAIN_S - self._incarnation_age
         if young > 0 and self._replaced:
             await asyncio.sleep(young)
         give_up = time.monotonic() + self._fence_wait()
@@ -180,12 +192,19 @@ class GenerationSync:
         try:
             await self._check_incarnation()
             generation = await self._etcd.raise_above(namespace_id, self._core.directory.generation(namespace_id))
-            revision, registered = await self._membership.registered()
         except CoordinatorUnavailable as exc:
             raise TierUnavailable(f"etcd did not take the invalidation of namespace {namespace_id.hex()} ({exc}); "
                                   "nothing was invalidated: try again") from None
+        try:
+            revision, registered = await self._membership.registered()
+            for serves_s in await self._etcd.fenced():  # nodes fenced before this node's view listed them, say
+                self._quiet_for(serves_s)
+        except CoordinatorUnavailable as exc:
+            raise TierUnavailable(f"namespace {namespace_id.hex()} is at generation {generation} in etcd, but etcd did "
+                                  f"not say which nodes to tell ({exc}): not confirmed, try again") from None
         if revision < self._membership.revision:  # etcd went back before this node's watch said so
             self.etcd_replaced()
+        self._unlisted()
         viewed = self._membership.members
         for node in set(viewed) - set(registered) - {self._node}:  # gone from etcd, not yet from the view
             self._quiet_for(self._fence_wait(viewed[node]))
@@ -231,11 +250,14 @@ class GenerationSync:
         """Revokes the leases of nodes that did not confirm: a node counts itself a member (and
         serves) only within TTL of its last acknowledged refresh, which the caller waits out. A
         revoke etcd does not take is tried again until the deadline: a node whose lease lives
-        on (its keep-alives still reach etcd) would serve on. TierUnavailable when one never was."""
+        on (its keep-alives still reach etcd) would serve on. TierUnavailable when one never was.
+        Each revoke is recorded in etcd for as long as its node may serve: an issuer whose view
+        never listed that node waits for it too."""
         viewed = self._membership.members
         for node, kv in nodes.items():
             while True:
-                try:
+                try:  # the record first: a node revoked is never unrecorded
+                    await self._etcd.note_fenced(node, kv.lease, self._fence_wait(viewed.get(node)))
                     await self._membership.revoke_lease(kv.lease)
                     break
                 except CoordinatorUnavailable as exc:

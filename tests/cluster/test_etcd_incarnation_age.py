@@ -1,0 +1,54 @@
+"""etcd's incarnation age and the records of fenced nodes, by etcd's clock (DESIGN §12.4), on a
+real etcd: what an issuer that never listed a node waits for."""
+
+from __future__ import annotations
+
+import asyncio
+
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+
+from kvstore.cluster.etcd import EtcdClient, parse_endpoints
+from kvstore.cluster.generation_records import YOUNG_S, EtcdGenerations
+
+ROOT = b"/kvstore/t/"
+
+
+async def test_a_new_incarnation_is_young_and_ages_by_etcds_clock(etcd) -> None:
+    client = EtcdClient(parse_endpoints(etcd.url))
+    try:
+        records = EtcdGenerations(client, ROOT, "a")
+        ident, age = await records.incarnation()
+        assert age == 0.0
+        again, age = await EtcdGenerations(client, ROOT, "b").incarnation()
+        assert again == ident and 0.0 <= age < 1.0  # a lower bound: etcd rounds what is left down
+        await asyncio.sleep(2.2)
+        _, age = await records.incarnation()
+        assert 1.0 <= age < 60  # at least the time slept, less a second of rounding; not YOUNG_S
+    finally:
+        await client.close()
+
+
+async def test_an_incarnation_without_its_young_key_counts_as_old(etcd) -> None:
+    """Its lease ran out (an hour), or an older kvstore made it."""
+    client = EtcdClient(parse_endpoints(etcd.url))
+    try:
+        await client.put(ROOT + b"incarnation", b"feed 1000.000")
+        ident, age = await EtcdGenerations(client, ROOT, "a").incarnation()
+        assert (ident, age) == (b"feed", float(YOUNG_S))
+    finally:
+        await client.close()
+
+
+async def test_a_fenced_record_outlives_the_fenced_nodes_serving(etcd) -> None:
+    client = EtcdClient(parse_endpoints(etcd.url), call_timeout_s=1.0)
+    try:
+        records = EtcdGenerations(client, ROOT, "a")
+        assert await records.fenced() == []
+        await records.note_fenced("x", 0x51, 3.0)  # x may serve 3 s past its revoke
+        await records.note_fenced("x", 0x52, 1.0)  # fenced again since, on a shorter TTL
+        lefts = sorted(await records.fenced())
+        assert len(lefts) == 2
+        assert 4.0 <= lefts[1] <= 7.0  # 3 s + two calls of 1 s + 1 s, plus etcd's rounding, less the time since
+        assert 2.0 <= lefts[0] <= 5.0 and lefts[0] < lefts[1]
+    finally:
+        await client.close()
