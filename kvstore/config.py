@@ -230,7 +230,7 @@ class ClusterConfig:
             raise ConfigError(f"--advertise must be HOST:PORT with a fixed port, got {self.advertise!r}")
         if not 0 <= self.advertise_data_port <= 65535:
             raise ConfigError(f"--advertise-data-port must be a port (0: the listener's own), got {self.advertise_data_port}")
-        if not 2 <= self.ttl_s <= MAX_TTL_S:  # the age of etcd's incarnation is measured up to an hour (DESIGN §12.4)
+        if not 2 <= self.ttl_s <= MAX_TTL_S:  # a fence wait well below the age etcd's incarnation is measured to (DESIGN §12.4)
             raise ConfigError(f"--cluster-ttl must be between 2 and {MAX_TTL_S} s, got {self.ttl_s}")
         if not 0 <= self.join_timeout_s < float("inf"):
             raise ConfigError(f"--cluster-join-timeout-s must be >= 0 (0: 3 TTLs, at least 10 s), got {self.join_timeout_s}")

@@ -19,7 +19,9 @@ from kvstore.types import MAX_GENERATION
 logger = logging.getLogger(__name__)
 
 _CAS_ROUNDS = 64  # a compare-and-swap lost this often in a row: something else is wrong
-YOUNG_S = 3600  # how long an incarnation's age is measured; past it, it counts as YOUNG_S old (above any TTL)
+# the young key's lease, out only after ten years (then made again): a key gone with a shorter lease would
+# leave a backup restored later without one, its age unknown (DESIGN §12.4)
+YOUNG_S = 10 * 365 * 86400
 
 
 class EtcdGenerations:
@@ -34,27 +36,35 @@ class EtcdGenerations:
 
     async def incarnation(self) -> tuple[bytes, float]:
         """This etcd's incarnation id (made now if it has none: a new or wiped etcd) and how long
-        ago, at least, it was made, by etcd's clock: the time its young key's lease has run
-        (no node's clock is trusted). Once that lease is out, YOUNG_S."""
+        ago, at least, it was made or etcd last started, by etcd's clock: the time its young key's
+        lease has run (no node's clock is trusted). etcd renews every lease it holds to its whole
+        TTL when it starts, so a restart or a restore from a backup makes it young again. A young
+        key lacking (an older kvstore made the incarnation) is made now: young from here."""
         for _ in range(_CAS_ROUNDS):
             kv = await self._etcd.get(self._incarnation_key)
-            if kv is not None:
-                return kv.value.partition(b" ")[0], await self._age()
+            young = await self._etcd.get(self._young_key)
+            if kv is not None and (age := await self._age(young)) is not None:
+                return kv.value.partition(b" ")[0], age
             lease, _ = await self._etcd.grant(YOUNG_S)  # before the key: every node of a replaced etcd stopped before
-            made = f"{secrets.token_hex(16)} {time.time():.3f}".encode()
-            if await self._etcd.put_if([(self._incarnation_key, made, 0), (self._young_key, made, lease)],
-                                       {self._incarnation_key: 0}):
+            if kv is None:
+                made = f"{secrets.token_hex(16)} {time.time():.3f}".encode()
+                puts, expected = [(self._incarnation_key, made, 0), (self._young_key, made, lease)], {self._incarnation_key: 0}
+            else:
+                made = kv.value
+                puts = [(self._young_key, made, lease)]
+                expected = {self._incarnation_key: kv.mod_revision, self._young_key: young.mod_revision if young else 0}
+            if await self._etcd.put_if(puts, expected):
                 return made.partition(b" ")[0], 0.0
             await self._etcd.revoke(lease)
         raise RuntimeError(f"{self._incarnation_key!r}: {_CAS_ROUNDS} creations lost in a row")
 
-    async def _age(self) -> float:
-        young = await self._etcd.get(self._young_key)
+    async def _age(self, young: KeyValue | None) -> float | None:
+        """The time the young key's lease has run; None without one."""
         if young is None or not young.lease:
-            return float(YOUNG_S)
+            return None
         granted, left = await self._etcd.lease_ttl(young.lease)
         if left < 0:
-            return float(YOUNG_S)
+            return None
         return max(0.0, granted - left - 1.0)  # etcd rounds what is left down
 
     async def note_fenced(self, node: str, lease: int, serves_s: float) -> None:

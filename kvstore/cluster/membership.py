@@ -6,7 +6,7 @@ Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
     <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
     <root>generations/<ns hex>     a namespace's generation (generation_records.py; no lease)
     <root>incarnation              this etcd's id and when it was made (generation_records.py; no lease)
-    <root>incarnation-young        made with it, under a lease of an hour: how old the etcd is, by its clock
+    <root>incarnation-young        made with it, under a lease of ten years: how long since etcd was made or started
     <root>fenced/<node>/<lease>    a node an invalidation fenced, under a lease as long as it may still serve
     <root>caught-up/<node-id>      the incarnation the node last caught up with, under its lease
 

@@ -7,6 +7,8 @@ import asyncio
 
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 
+from kvstore.bench.common.harness import stop_process
+from kvstore.cluster.cluster_errors import CoordinatorUnavailable
 from kvstore.cluster.etcd import EtcdClient, parse_endpoints
 from kvstore.cluster.generation_records import YOUNG_S, EtcdGenerations
 
@@ -28,13 +30,38 @@ async def test_a_new_incarnation_is_young_and_ages_by_etcds_clock(etcd) -> None:
         await client.close()
 
 
-async def test_an_incarnation_without_its_young_key_counts_as_old(etcd) -> None:
-    """Its lease ran out (an hour), or an older kvstore made it."""
+async def test_an_incarnation_without_its_young_key_is_young_from_then(etcd) -> None:
+    """An older kvstore made it: its age is unknown, so it is given a young key, counted from then
+    (before, it counted as an hour old, and so did a backup restored without one)."""
     client = EtcdClient(parse_endpoints(etcd.url))
     try:
         await client.put(ROOT + b"incarnation", b"feed 1000.000")
         ident, age = await EtcdGenerations(client, ROOT, "a").incarnation()
-        assert (ident, age) == (b"feed", float(YOUNG_S))
+        assert (ident, age) == (b"feed", 0.0)
+        young = await client.get(ROOT + b"incarnation-young")
+        assert young is not None and young.lease and (await client.lease_ttl(young.lease))[0] == YOUNG_S
+    finally:
+        await client.close()
+
+
+async def test_an_etcd_restarted_on_its_data_is_young_again(etcd) -> None:
+    """etcd renews every lease to its whole TTL when it starts: the age is the time since then, as
+    for a backup restored (a node of the history it lost had its last keep-alive before)."""
+    client = EtcdClient(parse_endpoints(etcd.url))
+    try:
+        records = EtcdGenerations(client, ROOT, "a")
+        ident, _ = await records.incarnation()
+        await asyncio.sleep(2.2)
+        assert (await records.incarnation())[1] >= 1.0
+        stop_process(etcd.proc, 10)
+        etcd.start()
+        for _ in range(100):  # the channel finds the restarted etcd
+            try:
+                again, age = await records.incarnation()
+                break
+            except CoordinatorUnavailable:
+                await asyncio.sleep(0.1)
+        assert again == ident and 0.0 <= age < 1.0
     finally:
         await client.close()
 

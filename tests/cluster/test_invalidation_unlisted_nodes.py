@@ -20,6 +20,7 @@ from test_invalidation_fencing import OTHER
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster.etcd import EtcdClient, parse_endpoints
+from kvstore.cluster.generation_records import EtcdGenerations
 
 ROOT = b"/kvstore/default/"
 TOKENS = list(range(4 * LAYOUT.page_tokens))
@@ -39,12 +40,14 @@ async def _gone_from_etcd(client: EtcdClient, node: str) -> None:
 
 
 async def test_a_node_started_on_an_old_etcd_answers_its_first_invalidation_without_waiting_a_ttl(cluster_nodes, etcd) -> None:
-    """etcd's incarnation was made more than an hour ago (its young key's lease is out): no node
+    """etcd's incarnation was made (etcd last started) more than a TTL ago, by etcd's clock: no node
     of an etcd it replaced can still serve. The invalidation is confirmed at once; before, it
     waited out 6.8 s from b's start and a 4 s deadline answered UNAVAILABLE."""
     client = EtcdClient(parse_endpoints(etcd.url))
     try:
-        await client.put(ROOT + b"incarnation", b"0123456789abcdef0123456789abcdef 1000000000.000")
+        records = EtcdGenerations(client, ROOT, "t")
+        while (await records.incarnation())[1] < 7.0:  # past 6 s x 1.05 + 0.5 s
+            await asyncio.sleep(0.5)
     finally:
         await client.close()
     _a, b = cluster_nodes(["a", "b"], "grpc", "--cluster-ttl", "6")

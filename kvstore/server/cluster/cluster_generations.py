@@ -93,8 +93,9 @@ class GenerationSync:
 
     async def _check_incarnation(self) -> None:
         """etcd replaced since this node last looked (another incarnation id): ``etcd_replaced``.
-        A node of an etcd replaced before this one was made may serve up to a TTL past that (one
-        this node never listed, whatever it knew: assumed of a TTL no longer than its own)."""
+        A node of an etcd replaced before this one was made or last started (a restored backup) may
+        serve up to a TTL past that (one this node never listed, whatever it knew: assumed of a TTL
+        no longer than its own)."""
         incarnation, self._incarnation_age = await self._etcd.incarnation()
         self._quiet_for(self._fence_wait() - self._incarnation_age)
         if self._incarnation and incarnation != self._incarnation:
