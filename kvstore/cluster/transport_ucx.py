@@ -378,17 +378,23 @@ class UcxPageFetcher:
         return answer.layout if answer.entries[0].status is PageStatus.FOUND else None
 
     async def _abandon(self, receives: list[asyncio.Future[Any]]) -> None:
-        """Drops the connection and waits until every posted receive has finished, so none
-        can write into a destination after ``fetch`` returns."""
+        """Drops the connection and waits until every posted receive has finished, so none can write
+        into a destination after ``fetch`` returns (else DestinationsInUse); a cancel meanwhile (its
+        caller cutting the fetch) is raised only once the wait is over, as transport_tcp's ``_stop``."""
         self._drop()
-        pending = [t for t in receives if not t.done()]
-        if pending:
-            _, still = await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
-            if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
-                logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
-                raise DestinationsInUse("receives still posted after abort; do not reuse the destinations")
+        cancelled, end = False, time.monotonic() + _ABORT_WAIT_S
+        while (still := [t for t in receives if not t.done()]) and (left := end - time.monotonic()) > 0:
+            try:
+                await asyncio.wait(still, timeout=left)
+            except asyncio.CancelledError:
+                cancelled = True
+        if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
+            logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
+            raise DestinationsInUse("receives still posted after abort; do not reuse the destinations")
         for t in receives:
             if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
                 # reported through the statuses; the traceback's frames would keep the caller's
                 # buffers exported (an arena slot that cannot be unmapped) until a gc pass
                 exc.__traceback__ = None
+        if cancelled:
+            raise asyncio.CancelledError
