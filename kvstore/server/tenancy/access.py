@@ -5,7 +5,7 @@ More: kvstore/server/tenancy/README.md (### access.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvstore.errors import PermissionDenied
@@ -73,3 +73,16 @@ class Tenancy:
             succeeded = True
         finally:
             self.settle(who, namespace_id, succeeded)
+
+    @contextmanager
+    def copying(self, who: Identity, namespace_id: bytes, stored: Callable[[], bool]) -> Iterator[None]:
+        """Claims the namespace for the body's copy from another node and binds it if ``stored()`` once
+        the body ended, raised or not: a batch the copy committed before it failed stays its tenant's,
+        not left in an unbound namespace, unreadable by that tenant (DESIGN §11)."""
+        if not self.claim(who, namespace_id):
+            yield
+            return
+        try:
+            yield
+        finally:
+            self.settle(who, namespace_id, stored())

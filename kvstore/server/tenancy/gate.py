@@ -289,18 +289,13 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         return grants.issue(node), int(grants.ttl_s * 1000)
 
     def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], holder: str, page_bytes: int, context: CallContext) -> int:
-        """The namespace is claimed for the tenant before the copy and bound only if pages arrived."""
+        """The namespace is claimed for the tenant before the copy and bound only if pages are held here after it."""
         if self.cluster is None or page_bytes <= 0:
             raise InvalidRequest("Replicate with a holder needs cluster mode and page_bytes")
-        claimed = self.tenancy.claim(who, ns)
-        held = 0
-        try:
-            held = self.cluster.copy_from(holder, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
+        remote = self.cluster.remote
+        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys) > 0):
+            return self.cluster.copy_from(holder, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
                                           quota_landing(self.quotas, self.core, who, ns, keys))  # within its host quota
-        finally:
-            if claimed:
-                self.tenancy.settle(who, ns, held > 0)
-        return held
 
     def append_tokens(self, who: Identity, ns: bytes, sid: str, expected_length: int, tokens: list[int], prompt_tokens: int,
                       sync: bool) -> int:

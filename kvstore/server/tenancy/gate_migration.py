@@ -97,15 +97,10 @@ class MigrationGate:
         have = self.cluster.remote.checked_prefix(ns, keys) if keys else 0  # a copy landed unhashed counts once checked
         if have == len(keys):
             return have
-        claimed = self.tenancy.claim(who, ns)
-        held = 0
-        try:
-            held = self.cluster.copy_from(source, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
+        remote = self.cluster.remote
+        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys) > 0):  # also if the copy raised
+            return self.cluster.copy_from(source, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
                                           quota_landing(self.tenancy.quotas, self.core, who, ns, keys))
-        finally:
-            if claimed:
-                self.tenancy.settle(who, ns, held > 0)
-        return held
 
     def adopt(self, who: Identity, ns: bytes, sid: str, source: str, version: int, force: bool, prompt_tokens: int,
               tokens: list[int]) -> tuple[int, int]:
