@@ -336,8 +336,8 @@ class UcxPageFetcher:
                             receives.append((i, asyncio.ensure_future(self._ep.recv(views[i]))))
                         else:
                             result.statuses[i] = FetchStatus.MISSING
-                    for i, task in receives:
-                        await task
+                    for i, task in receives:  # shielded: a cancel ends this wait, not the receive (_abandon waits for its end)
+                        await asyncio.shield(task)
                         result.checksums[i] = answer.entries[i].checksum
                         ok = not hashed or checksum(views[i]) == answer.entries[i].checksum
                         result.statuses[i] = FetchStatus.OK if ok else FetchStatus.CORRUPT

@@ -5,7 +5,9 @@ Bug pinned here: ``_abandon`` waits for the posted receives after its abort; a c
 that wait (the caller cutting a fetch that hit its own deadline: ``run_on(to_end=True)`` cancels
 it past its caller's time, and the abort's wait can take 2 s) ended the wait at once, and the fetch
 ended cancelled with receives still posted: its caller gave the destinations back (a plain cancel,
-no DestinationsInUse) while UCX could still write into them.
+no DestinationsInUse) while UCX could still write into them. And the receive the fetch was waiting
+on when its deadline (or its caller) cancelled it was cancelled with it: ucxx cancels only the
+wait, its request stays posted, and ``_abandon``, finding it done, never waited for its end.
 
 A real page server in a child process over UCX on loopback, frozen (SIGSTOP) as the first page's
 receive is posted, so the receives stay posted until the fetch is abandoned: at its deadline, or
@@ -53,10 +55,12 @@ class _Held:
         return receive
 
     async def _reported_late(self, receive: Any) -> Any:
-        """A cancel (the fetch's deadline, while it awaits this receive) ends it at once, as it ends UCX's."""
+        """A cancel (the fetch's deadline, while it awaits this receive) ends it at once, as it ends UCX's
+        (whose request stays posted: ucxx cancels only the wait)."""
         try:
             result = await receive
         except asyncio.CancelledError:
+            self._fetcher.num_cut += 1
             raise
         except BaseException:  # aborted
             await self._fetcher.released.wait()
@@ -77,6 +81,7 @@ class CancelledAtItsAbort(UcxPageFetcher):
         self.sender = sender
         self.armed = False
         self.receives: list[asyncio.Future[Any]] = []
+        self.num_cut = 0  # receives whose wait was cancelled: nothing waits for their request's end any more
         self.posted, self.dropped, self.released = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def _connect(self) -> None:
@@ -127,5 +132,6 @@ async def test_a_cancel_inside_the_abort_wait_ends_the_fetch_only_after_its_rece
     await fetcher.close()
     fetcher.receives.clear()
     gc.collect()  # the receives' ended frames hold the arena's slots too
+    assert fetcher.num_cut == 0, "a receive's wait was cancelled: the abort's wait did not wait for its request"
     if not kept_back:  # its caller may reuse the destinations now
         assert posted_at_end == [0], "the fetch ended while receives it posted could still write into its destinations"
