@@ -279,7 +279,8 @@ class GenerationSync:
             return
         if time.monotonic() + wait > deadline:
             who = f"nodes {', '.join(fenced)} did not confirm (their leases were revoked)" if fenced else \
-                "a node of a replaced etcd may not know it yet"
+                "a node this one does not list may not know it yet (one that left or another node fenced, or one " \
+                "an etcd made or restarted within a TTL may have lost)"
             raise TierUnavailable(f"namespace {namespace_id.hex()} is at generation {generation} in etcd and at every node "
                                   f"that answered, but {who}: no node serves an older generation after {wait:.1f} s; "
                                   "give the call a deadline past that to have it confirmed")
