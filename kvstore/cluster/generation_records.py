@@ -70,9 +70,10 @@ class EtcdGenerations:
     async def note_fenced(self, node: str, lease: int, serves_s: float) -> None:
         """Before ``node``'s ``lease`` is revoked: a record that lives in etcd (by its clock) at
         least as long as ``node`` may still serve, ``serves_s`` from the revoke, for an issuer
-        that never listed ``node`` (``fenced``). The revoke may land up to two calls later. One
-        record per lease: a later fencing of a shorter TTL does not shorten an earlier one's."""
-        own, _ = await self._etcd.grant(math.ceil(serves_s + 2 * self._etcd.call_timeout_s) + 1)
+        that never listed ``node`` (``fenced``). The revoke may land up to three calls (this grant,
+        the put, the revoke) after this lease's grant. One record per lease: a later fencing of a shorter TTL does not
+        shorten an earlier one's."""
+        own, _ = await self._etcd.grant(math.ceil(serves_s + 3 * self._etcd.call_timeout_s) + 1)
         await self._etcd.put(self.fenced_prefix + f"{node}/{lease:x}".encode(), b"", own)
 
     async def fenced(self) -> list[float]:

@@ -16,7 +16,7 @@ from kvstore.cluster.epoch_file import EpochFile
 from kvstore.cluster.etcd import KeyValue
 from kvstore.cluster.generation_records import EtcdGenerations
 from kvstore.cluster.membership import Member, Membership
-from kvstore.errors import TierUnavailable
+from kvstore.errors import InvalidRequest, TierUnavailable
 from kvstore.server.cluster.peers import Peers, current_cancelled
 from kvstore.server.placement import Placement
 
@@ -256,9 +256,10 @@ class GenerationSync:
         never listed that node waits for it too."""
         viewed = self._membership.members
         for node, kv in nodes.items():
+            serves_s = self._serves_s(viewed.get(node), kv)
             while True:
                 try:  # the record first: a node revoked is never unrecorded
-                    await self._etcd.note_fenced(node, kv.lease, self._fence_wait(viewed.get(node)))
+                    await self._etcd.note_fenced(node, kv.lease, serves_s)
                     await self._membership.revoke_lease(kv.lease)
                     break
                 except CoordinatorUnavailable as exc:
@@ -268,9 +269,18 @@ class GenerationSync:
                                               f"its lease ({exc}): it may still serve the older one") from None
                     await asyncio.sleep(0.2)
             self.num_fenced += 1
-            self._quiet_for(self._fence_wait(viewed.get(node)))
+            self._quiet_for(serves_s)
         logger.warning("nodes %s did not confirm generation %d of namespace %s: fenced (leases revoked)",
                        ", ".join(sorted(nodes)), generation, namespace_id.hex())
+
+    def _serves_s(self, viewed: Member | None, kv: KeyValue) -> float:
+        """How long a node may serve past a revoke of its lease: by its TTL as etcd holds it, or as
+        this node's view does (which may lag etcd, or lack the node), whichever is longer."""
+        try:
+            registered: Member | None = Member.from_json(kv.value)
+        except InvalidRequest:
+            registered = None
+        return max(self._fence_wait(viewed), self._fence_wait(registered))
 
     async def _quiet(self, namespace_id: bytes, generation: int, fenced: list[str], deadline: float) -> None:
         """Waits until no node that did not confirm can still be serving (``_quiet_until``)."""
