@@ -1,11 +1,13 @@
-"""A copy from a holder that raises after a batch of its pages was committed (DESIGN §11, §12.8):
+"""A copy from another node that raises after a batch of its pages was committed (DESIGN §11, §12.8):
 the namespace's first binding is settled on what the copy stored, not undone.
 
-Bug pinned here: ``Gate._copy_from`` (Replicate from a holder) claims the namespace before the copy
-and settled it on the copy's answer, ``held > 0``; a copy that raised (anything but the TimeoutError
-and KVStoreError ``ClusterRuntime.copy_from`` turns into what is held) left ``held`` at 0, so the
-binding was undone while the batch committed before the failure stayed stored: pages in an
-unbound namespace, unreadable by their tenant until it wrote there again.
+Bug pinned here: ``Gate._copy_from`` (Replicate from a holder; a migration's Copy, ``_copy_pages``,
+alike), ``HandoffGate.push`` (a handoff's Push) and ``ClusterReads.fill`` (a read of pages other
+nodes hold) claim the namespace before the copy and settled it on the copy's answer; a copy that
+raised (anything but the TimeoutError and KVStoreError ``ClusterRuntime.copy_from`` and ``fill``
+turn into what is held) left that answer at 0, so the binding was undone while the batch committed
+before the failure stayed stored: pages in an unbound namespace, unreadable by their tenant until
+it wrote there again.
 
 Two real in-process nodes on a real etcd, the TCP data plane, tenants with tokens (as
 test_cut_copy_binding.py). The one stand-in: the copy's second batch fails unexpectedly as it lands."""
@@ -21,15 +23,16 @@ from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.tenants import LAYOUT, NODE, PAGE_BYTES, A
 from test_cut_copy_binding import _bearer, _owned_by, nodes  # noqa: F401  # nodes: the fixture
 
-from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore._proto import data_pb2, data_pb2_grpc, handoff_pb2, handoff_pb2_grpc
 from kvstore.page import checksum
 from kvstore.server import Server
 from kvstore.server.cluster import remote
 from kvstore.server.cluster.remote import RemoteTier
 
 
+@pytest.mark.parametrize("copy", ["replicate", "push", "read"])
 def test_a_copy_that_raises_after_a_batch_committed_leaves_its_pages_their_tenants(
-        nodes: tuple[Server, Server], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        nodes: tuple[Server, Server], monkeypatch: pytest.MonkeyPatch, copy: str) -> None:  # noqa: F811
     h, r = nodes
     monkeypatch.setattr(remote, "FETCH_PAGES", 2)  # two batches: the first committed as the second lands
     ns, keys = secrets.token_bytes(16), _owned_by("h", 4)  # r receives no Publish: the copy is its first write there
@@ -50,9 +53,16 @@ def test_a_copy_that_raises_after_a_batch_committed_leaves_its_pages_their_tenan
     monkeypatch.setattr(RemoteTier, "_land_posted", second_fails)
     with grpc.insecure_channel(r.address) as at_r:
         data = data_pb2_grpc.DataStub(at_r)
-        request = data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1, holder="h", tenant="a", page_bytes=PAGE_BYTES)
         with pytest.raises(grpc.RpcError):  # the failure is the copy's answer
-            data.Replicate(request, metadata=_bearer(NODE), timeout=10)
+            if copy == "replicate":
+                data.Replicate(data_pb2.ReplicateRequest(namespace_id=ns, keys=keys, replicas=1, holder="h", tenant="a",
+                                                         page_bytes=PAGE_BYTES), metadata=_bearer(NODE), timeout=10)
+            elif copy == "read":  # a read's fill of what other nodes hold
+                list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys), metadata=_bearer(A), timeout=10))
+            else:
+                handoff_pb2_grpc.HandoffStub(at_r).Push(handoff_pb2.PushHandoffRequest(
+                    namespace_id=ns, handoff_id=secrets.token_bytes(16), keys=keys, holder="h", tenant="a", page_bytes=PAGE_BYTES,
+                    ttl_ms=30_000), metadata=_bearer(NODE), timeout=10)
         assert len(batches) == 2, "the copy did not reach its second batch"
         held = sum(run.num_pages for run in r.core.directory.lookup(ns, keys) if run.node == "r")
         assert held == 2, "the first batch was not committed before the failure"

@@ -26,12 +26,18 @@ class FirstWriteFailsDuringTheFill:
     def __init__(self, owners: NamespaceOwners) -> None:
         self.owners = owners
         self.core = None
+        self.remote = self  # its remote tier: what is held here (local_prefix)
+        self.num_held = 0
         self.prefetched: list[bytes] = []
 
     def fill(self, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None, tenant: str = "",
              landing: object = None) -> int:
         self.owners.settle(namespace_id, "b", False)  # the first write failed while the page landed
+        self.num_held = 1
         return 1
+
+    def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
+        return self.num_held
 
     def prefetch(self, namespace_id: bytes, keys: list[bytes], tenant: str = "", landing: object = None) -> bool:
         self.prefetched.append(namespace_id)

@@ -75,14 +75,15 @@ class Tenancy:
             self.settle(who, namespace_id, succeeded)
 
     @contextmanager
-    def copying(self, who: Identity, namespace_id: bytes, stored: Callable[[], bool]) -> Iterator[None]:
-        """Claims the namespace for the body's copy from another node and binds it if ``stored()`` once
-        the body ended, raised or not: a batch the copy committed before it failed stays its tenant's,
-        not left in an unbound namespace, unreadable by that tenant (DESIGN §11)."""
+    def copying(self, who: Identity, namespace_id: bytes, held: Callable[[], int]) -> Iterator[None]:
+        """Claims the namespace for the body's copy from another node and binds it if the copy stored
+        pages: more are ``held`` here once the body ended than before it, raised or not (a batch committed
+        before a failure stays its tenant's, not left in an unbound namespace, unreadable by it; DESIGN §11)."""
         if not self.claim(who, namespace_id):
             yield
             return
+        before = held()
         try:
             yield
         finally:
-            self.settle(who, namespace_id, stored())
+            self.settle(who, namespace_id, held() > before)

@@ -55,12 +55,13 @@ class ClusterReads:
                 claimed = owners.claim(namespace_id, who.tenant)
             except PermissionDenied:  # bound to another tenant meanwhile
                 return False
-        fetched = 0
+        remote = self.cluster.remote
+        before = remote.local_prefix(namespace_id, keys) if claimed else 0
         try:
-            fetched = self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
+            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
         finally:
-            if claimed:
-                owners.settle(namespace_id, who.tenant, fetched > 0)
+            if claimed:  # bound if the fill stored pages, raised or not (as Tenancy.copying)
+                owners.settle(namespace_id, who.tenant, remote.local_prefix(namespace_id, keys) > before)
         return self.tenancy.may_read(who, namespace_id)
 
     def prefetch(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> None:

@@ -289,11 +289,11 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         return grants.issue(node), int(grants.ttl_s * 1000)
 
     def _copy_from(self, who: Identity, ns: bytes, keys: list[bytes], holder: str, page_bytes: int, context: CallContext) -> int:
-        """The namespace is claimed for the tenant before the copy and bound only if pages are held here after it."""
+        """The namespace is claimed for the tenant before the copy and bound only if it stored pages (Tenancy.copying)."""
         if self.cluster is None or page_bytes <= 0:
             raise InvalidRequest("Replicate with a holder needs cluster mode and page_bytes")
         remote = self.cluster.remote
-        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys) > 0):
+        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys)):
             return self.cluster.copy_from(holder, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
                                           quota_landing(self.quotas, self.core, who, ns, keys))  # within its host quota
 

@@ -107,9 +107,8 @@ class HandoffGate:
         if self.cluster is None or not holder or (keys and page_bytes <= 0):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
         who = acting_for(who, tenant)
-        claimed = self.tenancy.claim(who, ns)
-        held = 0
-        try:
+        # bound if the push stored pages (its layers or its copy), raised or not (Tenancy.copying)
+        with self.tenancy.copying(who, ns, lambda: self._markers.held(ns, keys)):
             marker = self._markers.open(who.tenant, ns, ident, ttl_ms)
             if not keys:
                 self._markers.arrived(marker, [], pushed=True)
@@ -129,9 +128,6 @@ class HandoffGate:
             finally:
                 reserved.release()  # the pages that landed count as the tenant's host bytes now
             self._markers.arrived(marker, keys, pushed=True, complete=keys if complete else None)
-        finally:
-            if claimed:
-                self.tenancy.settle(who, ns, held > 0)
         return held
 
     def push_layers(self, who: Identity, ns: bytes, ident: bytes, holder: str, tenant: str, layout: LayoutDesc,

@@ -98,7 +98,7 @@ class MigrationGate:
         if have == len(keys):
             return have
         remote = self.cluster.remote
-        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys) > 0):  # also if the copy raised
+        with self.tenancy.copying(who, ns, lambda: remote.local_prefix(ns, keys)):  # also if the copy raised
             return self.cluster.copy_from(source, ns, keys, page_bytes, context.time_remaining(), on_behalf(who),
                                           quota_landing(self.tenancy.quotas, self.core, who, ns, keys))
 
