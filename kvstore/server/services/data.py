@@ -10,16 +10,17 @@ from pathlib import Path
 import grpc
 
 from kvstore import validate
-from kvstore._proto import data_pb2, data_pb2_grpc
+from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc
 from kvstore.config import ServerConfig
 from kvstore.errors import InvalidRequest
+from kvstore.page import LayoutDesc
 from kvstore.page_wire.grpc_chunks import CHUNK_BYTES, WireChunk, check_chunk_bytes, checked_page_chunks, page_chunks
 from kvstore.security.interceptor import current_identity
 from kvstore.server.placement import Placement
 from kvstore.server.placement.reads import AcquiredPage
 from kvstore.server.placement.reported import MAX_REPORTED
 from kvstore.server.services.page_writes import PageWrites
-from kvstore.server.services.read_ahead import built_ahead
+from kvstore.server.services.read_ahead import built_ahead, map_now
 from kvstore.server.services.rpc_errors import stream, unary
 from kvstore.server.services.session_log import SessionCalls
 from kvstore.server.tenancy.gate import Gate
@@ -171,18 +172,24 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     def _send(self, ident: bytes, pages: list[AcquiredPage], chunk_bytes: int, checked: bool = True) -> Iterator[bytes]:
         """Each page checked as it is copied out (the next one while this one is sent): a slot
         scribbled on is quarantined, not sent. Not ``checked``: copied out unhashed with its stored
-        checksum, for a node whose consumer of the copy checks it (DESIGN §4). closing(): the build
-        in flight ends before the lease is released, however the stream ends."""
+        checksum, for a node whose consumer of the copy checks it (DESIGN §4), on this thread: that
+        build is one copy, and the hop to a read-ahead worker and back cost more CPU than the overlap
+        saved (services/README.md). closing(): the build in flight ends before the lease is released,
+        however the stream ends."""
+        layouts: dict[LayoutDesc, common_pb2.Layout] = {}  # one message per layout, not per page
 
         def build(page: AcquiredPage) -> list[bytes] | None:
             header = page.header
-            layout, view = validate.layout_msg(header.layout), self.core.read_view(page)
+            layout = layouts.get(header.layout)
+            if layout is None:
+                layout = layouts[header.layout] = validate.layout_msg(header.layout)
+            view = self.core.read_view(page)
             if not checked:
                 return list(page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes=chunk_bytes))
             return checked_page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes)
 
         try:
-            with closing(built_ahead(pages, build, self._read_ahead)) as built:
+            with closing(built_ahead(pages, build, self._read_ahead) if checked else map_now(pages, build)) as built:
                 for page, chunks in zip(pages, built):
                     if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
                         self.core.reads.quarantine_landing(page.header, "its bytes in the arena do not match its checksum "

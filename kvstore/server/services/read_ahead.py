@@ -1,5 +1,7 @@
-"""ReadPages' messages built one page ahead: while gRPC sends one page's messages, a worker
-thread copies and checks the next one into its message (the native copy releases the GIL).
+"""ReadPages' checked messages built one page ahead: while gRPC sends one page's messages, a worker
+thread copies and checks the next one into its message (the native copy releases the GIL). A node's
+fill, sent unhashed (DESIGN §4), is built on the sending thread instead (``map_now``): its build is one
+copy, and the hop to the worker and back cost more CPU than the overlap saved (services/README.md).
 
 Measured before (timeline of a 64-page remote get, node c reading node a over ReadPages):
 the sender built each 2 MiB message (copy + checksum, ~0.6 ms) only after the previous one
@@ -33,3 +35,10 @@ def built_ahead(pages: Iterable[P], build: Callable[[P], R], pool: concurrent.fu
     finally:
         if pending is not None and not pending.cancel():
             concurrent.futures.wait([pending])  # it reads a leased slot: done before the lease goes
+
+
+def map_now(pages: Iterable[P], build: Callable[[P], R]) -> Iterator[R]:
+    """``build(page)`` of each page in order, on the caller's thread when it asks for the page
+    (``built_ahead`` without the worker: nothing is left in flight when it is closed)."""
+    for page in pages:
+        yield build(page)
