@@ -25,6 +25,11 @@ from kvstore.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# the most one answer may bring (gRPC's default: 4 MiB). A page of get_prefix (PAGE_KEYS) passes it only
+# at values of 32 KiB on average, far above kvstore's; etcd's largest value (a request of 1.5 MiB by
+# default) fits many times
+MAX_RECEIVE_BYTES = 16 * 1024 * 1024
+
 # etcd refuses client pings more often than every 5 s (GOAWAY "too_many_pings"); a short
 # reconnect backoff matters more: a restarted etcd must be found within a lease TTL. gRPC takes
 # min_reconnect_backoff_ms as the least time one connection attempt is given to get etcd's SETTINGS
@@ -37,7 +42,13 @@ _CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 2_000),
     ("grpc.max_reconnect_backoff_ms", 500),
     ("grpc.enable_retries", 0),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
 )
+
+# keys per Range answer of get_prefix: a root holds a generation record for every namespace ever
+# invalidated, for good (DESIGN §12.4), and one answer of them all passes any receive limit; a page of
+# kvstore's values (small JSON, a few KiB at most) stays far below gRPC's 4 MiB default
+PAGE_KEYS = 512
 
 
 def parse_endpoints(url: str) -> list[str]:
@@ -157,9 +168,27 @@ class EtcdClient:
         return resp.header.revision  # type: ignore[attr-defined]
 
     async def get_prefix(self, prefix: bytes) -> tuple[int, list[KeyValue]]:
-        """Every key under ``prefix`` and the revision the answer is consistent at."""
-        resp = await self._call("range", self._kv.Range, rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
-        return resp.header.revision, [_kv(kv) for kv in resp.kvs]  # type: ignore[attr-defined]
+        """Every key under ``prefix``, in key order, and the revision the answer is consistent at.
+
+        Read in pages of ``PAGE_KEYS``, each a call with its own deadline, every page after the first at
+        the first's revision: one snapshot, whatever is written meanwhile. CoordinatorUnavailable also
+        when etcd compacted that revision before the last page (the caller reads again from scratch)."""
+        end, key, revision, out = prefix_end(prefix), prefix, 0, []
+        while True:
+            request = rpc.RangeRequest(key=key, range_end=end, limit=PAGE_KEYS, revision=revision)
+            try:
+                resp = await self._kv.Range(request, timeout=self.call_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if revision and exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # etcd's ErrCompacted
+                    raise CoordinatorUnavailable(f"etcd range: revision {revision} compacted between pages") from exc
+                raise _unavailable("range", exc) from exc
+            except TimeoutError as exc:
+                raise _unavailable("range", exc) from exc
+            revision = revision or resp.header.revision
+            out.extend(_kv(kv) for kv in resp.kvs)
+            if not resp.more or not resp.kvs:
+                return revision, out
+            key = resp.kvs[-1].key + b"\0"  # the next key after the last one returned
 
     async def get(self, key: bytes) -> KeyValue | None:
         resp = await self._call("range", self._kv.Range, rpc.RangeRequest(key=key))
