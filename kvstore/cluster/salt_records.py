@@ -21,6 +21,7 @@ import grpc
 from aetcd import rpc
 
 from kvstore.cluster.cluster_errors import CoordinatorUnavailable
+from kvstore.cluster.etcd import MAX_RECEIVE_BYTES, PAGE_KEYS
 from kvstore.errors import ConfigError, TierUnavailable
 from kvstore.security.salts import SALT_BYTES, TenantSalts
 
@@ -42,7 +43,7 @@ class EtcdSalts(TenantSalts):
         self._local, self._salts = self._salts, {}  # the file's salts are proposals until etcd agrees
         self._prefix = f"/kvstore/{cluster}/tenant-salts/".encode()
         target = endpoints[0] if len(endpoints) == 1 else "ipv4:" + ",".join(endpoints)
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
         self._kv = rpc.KVStub(self._channel)
         self._timeout_s = call_timeout_s
         self._closed = False
@@ -133,11 +134,17 @@ class EtcdSalts(TenantSalts):
         return salt, False
 
     def _all_in_etcd(self) -> dict[str, bytes]:
-        """Every tenant's value in etcd now, unparsed (one range over the prefix; a damaged key
-        fails only that tenant's ``_agree``)."""
-        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
-        answer = self._call(self._kv.Range, rpc.RangeRequest(key=self._prefix, range_end=end), "the tenants' salts")
-        return {kv.key[len(self._prefix):].decode(errors="replace"): kv.value for kv in answer.kvs}
+        """Every tenant's value in etcd now, unparsed (a damaged key fails only that tenant's
+        ``_agree``). Read in pages of PAGE_KEYS at the first page's revision, as ``get_prefix``
+        does: one answer for every tenant would pass the channel's receive limit."""
+        end, key, revision, out = self._prefix[:-1] + bytes([self._prefix[-1] + 1]), self._prefix, 0, {}
+        while True:
+            request = rpc.RangeRequest(key=key, range_end=end, limit=PAGE_KEYS, revision=revision)
+            answer = self._call(self._kv.Range, request, "the tenants' salts")
+            out.update((kv.key[len(self._prefix):].decode(errors="replace"), kv.value) for kv in answer.kvs)
+            if not answer.more or not answer.kvs:
+                return out
+            key, revision = answer.kvs[-1].key + b"\0", answer.header.revision
 
     @staticmethod
     def _parse(key: bytes, value: bytes) -> bytes:
