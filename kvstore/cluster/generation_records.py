@@ -67,14 +67,28 @@ class EtcdGenerations:
             return None
         return max(0.0, granted - left - 1.0)  # etcd rounds what is left down
 
-    async def note_fenced(self, node: str, lease: int, serves_s: float) -> None:
+    async def note_fenced(self, node: str, lease: int, serves_s: float) -> int:
         """Before ``node``'s ``lease`` is revoked: a record that lives in etcd (by its clock) at
         least as long as ``node`` may still serve, ``serves_s`` from the revoke, for an issuer
         that never listed ``node`` (``fenced``). The revoke may land up to three calls (this grant,
-        the put, the revoke) after this lease's grant. One record per lease: a later fencing of a shorter TTL does not
-        shorten an earlier one's."""
+        the put, the revoke) after this lease's grant: that long more, until ``fence_settled``.
+        One record per lease: a later fencing of a shorter TTL does not shorten an earlier one's.
+        Returns the record's own lease."""
         own, _ = await self._etcd.grant(math.ceil(serves_s + 3 * self._etcd.call_timeout_s) + 1)
-        await self._etcd.put(self.fenced_prefix + f"{node}/{lease:x}".encode(), b"", own)
+        await self._etcd.put(self._fenced_key(node, lease), b"", own)
+        return own
+
+    async def fence_settled(self, node: str, lease: int, serves_s: float, noted: int) -> None:
+        """The revoke of ``node``'s ``lease`` was acknowledged: its record from now on lives
+        ``serves_s`` (and etcd's rounding) past now, under a lease granted after that
+        acknowledgement, instead of the margin ``note_fenced`` gave for a revoke yet to land.
+        Best effort: a record left as noted is longer, never shorter."""
+        own, _ = await self._etcd.grant(math.ceil(serves_s) + 1)
+        await self._etcd.put(self._fenced_key(node, lease), b"", own)
+        await self._etcd.revoke(noted)  # the noted lease holds no key any more
+
+    def _fenced_key(self, node: str, lease: int) -> bytes:
+        return self.fenced_prefix + f"{node}/{lease:x}".encode()
 
     async def fenced(self) -> list[float]:
         """For each record of ``note_fenced`` still in etcd: seconds it has left, at most."""

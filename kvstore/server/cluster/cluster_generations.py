@@ -259,7 +259,7 @@ class GenerationSync:
             serves_s = self._serves_s(viewed.get(node), kv)
             while True:
                 try:  # the record first: a node revoked is never unrecorded
-                    await self._etcd.note_fenced(node, kv.lease, serves_s)
+                    noted = await self._etcd.note_fenced(node, kv.lease, serves_s)
                     await self._membership.revoke_lease(kv.lease)
                     break
                 except CoordinatorUnavailable as exc:
@@ -270,6 +270,10 @@ class GenerationSync:
                     await asyncio.sleep(0.2)
             self.num_fenced += 1
             self._quiet_for(serves_s)
+            try:  # the record's margin for a revoke yet to land is no longer needed
+                await self._etcd.fence_settled(node, kv.lease, serves_s, noted)
+            except CoordinatorUnavailable as exc:
+                logger.info("the record of node %s's fencing keeps its margin (%s)", node, exc)
         logger.warning("nodes %s did not confirm generation %d of namespace %s: fenced (leases revoked)",
                        ", ".join(sorted(nodes)), generation, namespace_id.hex())
 
