@@ -48,7 +48,7 @@ async def test_a_node_of_the_history_a_restored_backup_lost_is_waited_for(cluste
     backup = tmp_path / "etcd-backup"
     _restart_on(etcd, None, keep=backup)
     etcd_link = TcpProxy(("127.0.0.1", etcd.client_port))
-    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc", "--cluster-ttl", "20")
+    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc", "--cluster-ttl", "10")
     try:
         x.start()
         kv = random_kv(LAYOUT, len(TOKENS), seed=11)
@@ -58,7 +58,7 @@ async def test_a_node_of_the_history_a_restored_backup_lost_is_waited_for(cluste
         etcd_link.cut()
         peer_link.cut()
         _restart_on(etcd, backup)
-        (c,) = cluster_nodes(["c"], "grpc", "--cluster-ttl", "20")
+        (c,) = cluster_nodes(["c"], "grpc", "--cluster-ttl", "10")
         await invalidate(c.address, NS.namespace_id, timeout_s=60)
         n = await read_checked(x.address, TOKENS, kv, "after c's OK")
         assert n == 0, f"x, of the history the restore lost, served {n} tokens of an invalidated generation " \
