@@ -104,7 +104,7 @@ class EtcdGenerations:
         try:
             namespace_id = bytes.fromhex(kv.key[len(self.prefix):].decode())
             generation = int(json.loads(kv.value)["generation"])
-            if len(namespace_id) != 16 or generation < 0:
+            if len(namespace_id) != 16 or not 0 <= generation <= MAX_GENERATION:  # one entered with many: all or none
                 raise ValueError(f"namespace of {len(namespace_id)} bytes, generation {generation}")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             logger.warning("ignoring generation record %r: %r", kv.key, exc)

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvstore.config import MAP_BYTES
@@ -327,45 +328,66 @@ class Directory:
         return sum(self.drop_node(node, up_to_version) for node in nodes)
 
     def persist_generation(self, namespace_id: bytes, generation: int) -> bool:
-        """Writes ``generation`` (synced) if it is above the namespace's; False when it is not
-        (nothing written). Memory follows with ``enter_generation``: a crash between the two
-        leaves the raised generation on disk, and recovery drops the older pages it finds."""
+        """``persist_generations`` of one namespace: False when it is at ``generation`` or above."""
+        return bool(self.persist_generations({namespace_id: generation}))
+
+    def persist_generations(self, raised: Mapping[bytes, int]) -> dict[bytes, int]:
+        """Writes each namespace's generation of ``raised`` that is above its own, in one transaction,
+        synced once; returns those (none written for the others). Memory follows with ``enter_generations``:
+        a crash between the two leaves the raised generations on disk, and recovery drops the older pages it finds."""
         with self._write_lock:
-            if generation <= self._generations.get(namespace_id):
-                return False
-            if generation > self._generations.durable(namespace_id):
+            above = {ns: g for ns, g in raised.items() if g > self._generations.get(ns)}
+            unwritten = {ns: g for ns, g in above.items() if g > self._generations.durable(ns)}
+            if unwritten:
                 with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
-                    self._generations.put(txn, namespace_id, generation)
+                    for namespace_id, generation in unwritten.items():
+                        self._generations.put(txn, namespace_id, generation)
                 self.env.sync(True)  # the env skips the meta sync (metasync=False): an OS crash must not undo a raise
-                self._generations.written(namespace_id, generation)
-            return True
+                for namespace_id, generation in unwritten.items():
+                    self._generations.written(namespace_id, generation)
+            return above
 
     def enter_generation(self, namespace_id: bytes, generation: int) -> list[tuple[bytes, list[Location]]] | None:
-        """Raises the namespace to ``generation`` and removes every entry of it, the older
-        generation's: one CLEARED event. None when the namespace is at ``generation`` or above
-        already (nothing changed). Writes to LMDB only what ``persist_generation`` did not (a
-        caller holding a lock no disk sync may run under calls that first). On MetadataFull
-        nothing changed."""
+        """``enter_generations`` of one namespace: None when it is at ``generation`` or above already."""
+        return self.enter_generations({namespace_id: generation}).get(namespace_id)
+
+    def enter_generations(self, raised: Mapping[bytes, int]) -> dict[bytes, list[tuple[bytes, list[Location]]]]:
+        """Raises each namespace of ``raised`` to its generation there and removes every entry of it, the
+        older generation's: one CLEARED event each. Returns the entries removed of each namespace raised;
+        those at their generation or above already are left out (nothing changed). Writes to LMDB, in one
+        transaction, only what ``persist_generations`` did not (a caller holding a lock no disk sync may
+        run under calls that first). On MetadataFull nothing changed."""
         with self._write_lock:
-            if generation <= self._generations.get(namespace_id):
-                return None
-            keys = self.keys_of(namespace_id)
-            rows = [k for k in keys if self._entries[k].durable()]
-            if rows or generation > self._generations.durable(namespace_id):
+            above = {ns: g for ns, g in raised.items() if g > self._generations.get(ns)}
+            if not above:
+                return {}
+            with self._lock:  # every namespace's keys in one pass
+                keys: dict[bytes, list[bytes]] = {}
+                for key, entry in self._entries.items():
+                    if entry.namespace_id in above:
+                        keys.setdefault(entry.namespace_id, []).append(key)
+            rows = [k for of in keys.values() for k in of if self._entries[k].durable()]
+            unwritten = {ns: g for ns, g in above.items() if g > self._generations.durable(ns)}
+            if rows or unwritten:
                 with map_full(self.env, "the directory"), self.env.begin(write=True) as txn:
-                    self._generations.put(txn, namespace_id, generation)
+                    for namespace_id, generation in unwritten.items():
+                        self._generations.put(txn, namespace_id, generation)
                     for key in rows:
                         txn.delete(key, db=self.entries_db)
-                    txn.put(_SEQ_KEY, str(self.events.last_seq + 1).encode(), db=self.meta_db)
-                self._generations.written(namespace_id, generation)
+                    txn.put(_SEQ_KEY, str(self.events.last_seq + len(above)).encode(), db=self.meta_db)
+                for namespace_id, generation in unwritten.items():
+                    self._generations.written(namespace_id, generation)
+            removed: dict[bytes, list[tuple[bytes, list[Location]]]] = {}
             with self._lock:
-                self._generations.set(namespace_id, generation)
-                removed = [(k, list(self._entries.pop(k).locations.values())) for k in keys]
-                for _, locations in removed:
-                    for loc in locations:
-                        self._count(loc.node, -1)
-                self._usage.pop(namespace_id, None)
-                self.events.append(EventKind.CLEARED, namespace_id, generation=generation)
+                for namespace_id, generation in above.items():
+                    self._generations.set(namespace_id, generation)
+                    removed[namespace_id] = gone = [(k, list(self._entries.pop(k).locations.values()))
+                                                    for k in keys.get(namespace_id, ())]
+                    for _, locations in gone:
+                        for loc in locations:
+                            self._count(loc.node, -1)
+                    self._usage.pop(namespace_id, None)
+                    self.events.append(EventKind.CLEARED, namespace_id, generation=generation)
             return removed
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvstore._proto import directory_pb2
 from kvstore.cluster.cluster_errors import CoordinatorUnavailable, NotAMember
@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 VIEW_WAIT_S = 1.0  # how long an invalidation waits for this node's view to list a node etcd lists
 FENCE_MARGIN_S = 0.5  # past a fenced node's TTL, for clocks that do not tick alike
 SEED_AT_ONCE = 64  # generations written back to etcd concurrently
+# generations entered in one worker-thread call, one synced LMDB transaction (DESIGN §12.5): the loop (keep-alives) runs
+# between them, and a lookup waits for the directory's lock at most one of them
+ENTER_AT_ONCE = 1024
 MAX_RETRY_S = 5.0  # the longest wait between catch-ups that failed in an unforeseen way
 REGISTER_AGAIN_S = 1.0  # past a keep-alive period, for a node of a replaced etcd to find its lease gone and register
 
@@ -51,6 +54,8 @@ class GenerationSync:
         # until then a node that left this node's view may still serve (``left``, ``etcd_replaced``, ``_fence``);
         # one it never listed: ``_unlisted``
         self._quiet_until = 0.0
+        self._heard: dict[bytes, int] = {}  # delivered by etcd, not entered yet (``heard``)
+        self._entering: asyncio.Task[None] | None = None  # the task entering them
 
     @property
     def serving(self) -> bool:
@@ -59,9 +64,22 @@ class GenerationSync:
         return membership.is_member and self._caught_up == membership.epoch
 
     async def enter(self, namespace_id: bytes, generation: int) -> None:
-        removed = await asyncio.to_thread(self._core.enter_generation, namespace_id, generation)
-        if removed is not None:
-            logger.info("namespace %s entered generation %d: %d pages dropped here", namespace_id.hex(), generation, removed)
+        await self.enter_all({namespace_id: generation})
+
+    async def enter_all(self, raised: Mapping[bytes, int]) -> None:
+        """Enters every generation of ``raised`` (idempotent, never backwards) in worker threads, ``ENTER_AT_ONCE``
+        per call: one synced LMDB transaction each, the loop free between them."""
+        items = list(raised.items())
+        for start in range(0, len(items), ENTER_AT_ONCE):
+            chunk = dict(items[start : start + ENTER_AT_ONCE])
+            removed = await asyncio.to_thread(self._core.enter_generations, chunk)
+            for namespace_id, count in removed.items():
+                if count or len(removed) == 1:
+                    logger.info("namespace %s entered generation %d: %d pages dropped here", namespace_id.hex(),
+                                chunk[namespace_id], count)
+            if len(removed) > 1:
+                logger.info("%d namespaces entered their generations from etcd (%d pages dropped here)", len(removed),
+                            sum(removed.values()))
 
     def _fence_wait(self, member: Member | None = None) -> float:
         """How long a node may serve after its last acknowledged keep-alive (its TTL, or ours)."""
@@ -107,9 +125,27 @@ class GenerationSync:
         self._incarnation = incarnation
 
     def heard(self, kv: KeyValue) -> asyncio.Task[None] | None:
-        """A generation the watch delivered (on the loop): entered in a worker thread."""
+        """A generation the watch or a snapshot delivered (on the loop): entered in worker threads together with
+        every other one delivered before the loop runs again (a snapshot delivers a record of every namespace
+        ever invalidated at once), and with those delivered while they are entered. Returns the task that
+        enters them when this call started it."""
         parsed = self._etcd.parse(kv)
-        return asyncio.ensure_future(self.enter(*parsed)) if parsed is not None else None
+        if parsed is None:
+            return None
+        namespace_id, generation = parsed
+        self._heard[namespace_id] = max(generation, self._heard.get(namespace_id, 0))
+        if self._entering is not None and not self._entering.done():
+            return None
+        self._entering = asyncio.ensure_future(self._enter_heard())
+        return self._entering
+
+    async def _enter_heard(self) -> None:
+        while self._heard:
+            heard, self._heard = self._heard, {}
+            try:
+                await self.enter_all(heard)
+            except Exception:  # as an enter's failure always was: logged, the next catch-up enters them
+                logger.exception("entering %d generations etcd delivered failed", len(heard))
 
     # -- catching up ---------------------------------------------------------------------------
     async def catch_up(self, epoch: int) -> bool:
@@ -119,9 +155,7 @@ class GenerationSync:
             await self._check_incarnation()
             _, held = await self._etcd.read_all()
             current = self._core.directory.generation
-            for namespace_id, generation in held.items():
-                if generation > current(namespace_id):
-                    await self.enter(namespace_id, generation)
+            await self.enter_all({ns: g for ns, g in held.items() if g > current(ns)})
             lacking = [(ns, g) for ns, g in self._core.directory.generations().items() if held.get(ns, 0) < g]
             for start in range(0, len(lacking), SEED_AT_ONCE):  # after a wipe, every namespace ever invalidated
                 batch = lacking[start : start + SEED_AT_ONCE]
@@ -135,9 +169,7 @@ class GenerationSync:
                                                    self._node.encode(), self._incarnation)
             await self._wait_for_the_others()
             _, held = await self._etcd.read_all()  # what they wrote back
-            for namespace_id, generation in held.items():
-                if generation > current(namespace_id):
-                    await self.enter(namespace_id, generation)
+            await self.enter_all({ns: g for ns, g in held.items() if g > current(ns)})
         except (CoordinatorUnavailable, NotAMember) as exc:
             logger.info("catching up with etcd's generations failed (%s); retrying", exc)
             return False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.config import ServerConfig
@@ -321,6 +321,11 @@ class Placement(CoreReports):
         """Raises the namespace to ``generation``: every page, record and allocation of an older one is dead here
         (removals.py). Returns how many pages went; None when it was there already. Idempotent, never backwards."""
         return self.removals.enter_generation(namespace_id, generation)
+
+    def enter_generations(self, raised: Mapping[bytes, int]) -> dict[bytes, int]:
+        """``enter_generation`` of many namespaces at once, in one synced LMDB transaction (a node catching up with
+        etcd's generations, DESIGN §12.5). Returns the pages dropped of each namespace raised; the others are left out."""
+        return self.removals.enter_generations(raised)
 
     # -- background work -----------------------------------------------------------------
 

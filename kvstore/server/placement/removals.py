@@ -5,6 +5,8 @@ then, under the core's lock, the landing copies (at their last unpin when leased
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvstore.config import ServerConfig
 from kvstore.directory import Directory
 from kvstore.errors import InvalidRequest
@@ -63,21 +65,26 @@ class Removals:
         return count
 
     def enter_generation(self, namespace_id: bytes, generation: int) -> int | None:
-        """Raises the namespace to ``generation`` (the directory's table, synced, first): its
-        entries go, its landing copies now (at their last unpin when leased), its lower copies
-        as owed removals, outside the lock. A crash before those finish leaves pages of the older
-        generation on disk, which recovery drops. None when it was at ``generation`` already."""
-        if not self.directory.persist_generation(namespace_id, generation):
-            return None
+        """``enter_generations`` of one namespace: None when it was at ``generation`` already."""
+        return self.enter_generations({namespace_id: generation}).get(namespace_id)
+
+    def enter_generations(self, raised: Mapping[bytes, int]) -> dict[bytes, int]:
+        """Raises each namespace of ``raised`` to its generation there (the directory's table, all in one
+        transaction, synced, first): its entries go, its landing copies now (at their last unpin when leased),
+        its lower copies as owed removals, outside the lock. A crash before those finish leaves pages of the
+        older generation on disk, which recovery drops. Returns the pages dropped of each namespace raised;
+        those at their generation or above already are left out."""
+        above = self.directory.persist_generations(raised)
+        if not above:
+            return {}
         tiers = self.residence.tiers
         with self.keeper.critical():  # commits check the generation under this lock (core.commit)
-            removed = self.directory.enter_generation(namespace_id, generation)
-            if removed is None:
-                return None
-            for key, _ in removed:
-                for index in range(len(tiers)):
-                    if self.residence.part(key, index) is not None:
-                        self.residence.drop(key, index)
-            self._layouts.pop(namespace_id, None)
+            removed = self.directory.enter_generations(above)
+            for namespace_id, gone in removed.items():
+                for key, _ in gone:
+                    for index in range(len(tiers)):
+                        if self.residence.part(key, index) is not None:
+                            self.residence.drop(key, index)
+                self._layouts.pop(namespace_id, None)
             self.reporter.refresh_gauges()
-        return len(removed)
+        return {namespace_id: len(gone) for namespace_id, gone in removed.items()}
