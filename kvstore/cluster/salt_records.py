@@ -144,7 +144,7 @@ class EtcdSalts(TenantSalts):
             out.update((kv.key[len(self._prefix):].decode(errors="replace"), kv.value) for kv in answer.kvs)
             if not answer.more or not answer.kvs:
                 return out
-            key, revision = answer.kvs[-1].key + b"\0", answer.header.revision
+            key, revision = answer.kvs[-1].key + b"\0", revision or answer.header.revision
 
     @staticmethod
     def _parse(key: bytes, value: bytes) -> bytes:
