@@ -11,6 +11,7 @@ import sys
 from types import ModuleType
 
 from kvstore import logs
+from kvstore.bench.common.harness import exit_now
 from kvstore.cli.client_args import add_client_security, client_security
 from kvstore.errors import ConfigError
 from kvstore.memory import tune_malloc
@@ -108,4 +109,4 @@ def run_alone(module: ModuleType, argv: list[str] | None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -137,3 +137,24 @@ def rss(pid: int) -> dict[str, int]:
             if name in fields:
                 out[fields[name]] = int(value.split()[0]) * 1024
     return out
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the process as the interpreter's exit does, less its teardown of every module and
+    object: 1-2.5 s once torch or vLLM is imported, which every run (and every smoke test's
+    subprocess) waited for. Non-daemon threads are joined and the atexit handlers run (logging's
+    flush, multiprocessing's children, weakref finalizers: vLLM's engine shutdown, temporary
+    directories), then the standard streams are flushed and the process exits with ``code``."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: its threads end first
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
