@@ -1,14 +1,8 @@
 """Cluster membership on etcd: who is alive, under which epoch, and namespace generations.
 
-Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``):
-
-    <root>nodes/<node-id>          JSON Member, under the node's lease (gone when the lease is)
-    <root>epochs/<node-id>         the node's last epoch (no lease; bumped on every registration)
-    <root>generations/<ns hex>     a namespace's generation (generation_records.py; no lease)
-    <root>incarnation              this etcd's id and when it was made (generation_records.py; no lease)
-    <root>incarnation-young        made with it, under a lease of ten years: how long since etcd was made or started
-    <root>fenced/<node>/<lease>    a node an invalidation fenced, under a lease as long as it may still serve
-    <root>caught-up/<node-id>      the incarnation the node last caught up with, under its lease
+Layout in etcd (``<root>`` = ``/kvstore/<cluster>/``): ``nodes/<node-id>`` (JSON Member, under the node's lease),
+``epochs/<node-id>`` (the node's last epoch, no lease); the generations, the incarnation and its age, fenced nodes
+and caught-up marks: kvstore/cluster/README.md (### generation_records.py).
 
 More: kvstore/cluster/README.md (### membership.py).
 """

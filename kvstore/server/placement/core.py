@@ -318,13 +318,11 @@ class Placement(CoreReports):
         self.generations.read(namespace_id, generation)
 
     def enter_generation(self, namespace_id: bytes, generation: int) -> int | None:
-        """Raises the namespace to ``generation``: every page, record and allocation of an older one is dead here
-        (removals.py). Returns how many pages went; None when it was there already. Idempotent, never backwards."""
+        """Raises the namespace to ``generation`` (removals.py): pages gone, None if it was there; never backwards."""
         return self.removals.enter_generation(namespace_id, generation)
 
     def enter_generations(self, raised: Mapping[bytes, int]) -> dict[bytes, int]:
-        """``enter_generation`` of many namespaces at once, in one synced LMDB transaction (a node catching up with
-        etcd's generations, DESIGN §12.5). Returns the pages dropped of each namespace raised; the others are left out."""
+        """``enter_generation`` of many namespaces in one synced LMDB transaction (DESIGN §12.5): pages dropped of each raised."""
         return self.removals.enter_generations(raised)
 
     # -- background work -----------------------------------------------------------------
