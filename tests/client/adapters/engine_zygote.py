@@ -45,23 +45,13 @@ def _run_child(request: dict, fds: list[int]) -> None:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        import threading
-
-        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit: its threads end first
-        import atexit
-
-        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - whatever ended it, the child exits here and says why
         import traceback
 
         traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+    from kvstore.bench.common.harness import exit_now
+
+    exit_now(code)  # threads joined, atexit handlers run, streams flushed; no interpreter teardown
 
 
 def serve(path: str) -> None:
