@@ -20,11 +20,10 @@ from typing import Any
 import grpc
 import pytest
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
-from support.tenants import LAYOUT, NODE, PAGE_BYTES, A
-from test_cut_copy_binding import _bearer, _owned_by, nodes  # noqa: F401  # nodes: the fixture
+from support.tenants import NODE, PAGE_BYTES, A
+from test_cut_copy_binding import _bearer, _owned_by, _written_at, nodes  # noqa: F401  # nodes: the fixture
 
 from kvstore._proto import data_pb2, data_pb2_grpc, handoff_pb2, handoff_pb2_grpc
-from kvstore.page import checksum
 from kvstore.server import Server
 from kvstore.server.cluster import remote
 from kvstore.server.cluster.remote import RemoteTier
@@ -35,12 +34,7 @@ def test_a_copy_that_raises_after_a_batch_committed_leaves_its_pages_their_tenan
         nodes: tuple[Server, Server], monkeypatch: pytest.MonkeyPatch, copy: str) -> None:  # noqa: F811
     h, r = nodes
     monkeypatch.setattr(remote, "FETCH_PAGES", 2)  # two batches: the first committed as the second lands
-    ns, keys = secrets.token_bytes(16), _owned_by("h", 4)  # r receives no Publish: the copy is its first write there
-    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
-    with grpc.insecure_channel(h.address) as at_h:
-        chunks = [data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES, checksum=checksum(p), offset=0,
-                                     data=p) for k, p in zip(keys, pages)]
-        assert data_pb2_grpc.DataStub(at_h).WritePages(iter(chunks), metadata=_bearer(A), timeout=10).num_published == 4
+    ns, keys, pages = _written_at(h)
     land_posted = RemoteTier._land_posted
     batches: list[int] = []
 

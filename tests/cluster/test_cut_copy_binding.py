@@ -63,6 +63,18 @@ def nodes(etcd: Any, tmp_path: Path) -> Iterator[tuple[Server, Server]]:
             server.stop(grace_s=1)
 
 
+def _written_at(h: Server) -> tuple[bytes, list[bytes], list[bytes]]:
+    """Four pages of a new namespace written at h by tenant a, owned by h (r receives no Publish: a copy is its
+    first write there): (namespace id, keys, pages)."""
+    ns, keys = secrets.token_bytes(16), _owned_by("h", 4)
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    with grpc.insecure_channel(h.address) as at_h:
+        chunks = [data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES, checksum=checksum(p), offset=0,
+                                     data=p) for k, p in zip(keys, pages)]
+        assert data_pb2_grpc.DataStub(at_h).WritePages(iter(chunks), metadata=_bearer(A), timeout=10).num_published == 4
+    return ns, keys, pages
+
+
 def _owned_by(node: str, n: int) -> list[bytes]:
     """``n`` page keys whose directory records only ``node`` owns among h and r (one owner a page)."""
     shards = ShardMap(["h", "r"], ShardConfig(segment_pages=1, replicas=1))
@@ -128,12 +140,7 @@ def test_a_copy_cut_while_a_batch_commits_leaves_its_pages_readable_by_their_ten
         nodes: tuple[Server, Server], monkeypatch: pytest.MonkeyPatch) -> None:
     h, r = nodes
     monkeypatch.setattr(remote, "FETCH_PAGES", 2)  # two batches: the second lands while the first commits
-    ns, keys = secrets.token_bytes(16), _owned_by("h", 4)  # r receives no Publish: the copy is its first write there
-    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
-    with grpc.insecure_channel(h.address) as at_h:
-        chunks = [data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES, checksum=checksum(p), offset=0,
-                                     data=p) for k, p in zip(keys, pages)]
-        assert data_pb2_grpc.DataStub(at_h).WritePages(iter(chunks), metadata=_bearer(A), timeout=10).num_published == 4
+    ns, keys, pages = _written_at(h)
     hooks = CutHooks(monkeypatch)
     with grpc.insecure_channel(r.address) as at_r:
         data = data_pb2_grpc.DataStub(at_r)
