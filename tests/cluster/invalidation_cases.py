@@ -3,6 +3,8 @@ reached only through a proxy, and a read that checks every byte it is served."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -37,6 +39,28 @@ def proxied(tmp: Path, name: str, etcd_url: str, data_plane: str, *extra: str) -
     proxy = TcpProxy(("127.0.0.1", node.port))
     node.args += ["--advertise", f"127.0.0.1:{proxy.port}"]
     return node, proxy
+
+
+@contextmanager
+def cut_off_later(tmp: Path, etcd_port: int, name: str, data_plane: str, *extra: str) -> Iterator[tuple[Node, Callable[[], None]]]:
+    """A node reached by etcd and by its peers only through proxies, started: (the node, ``cut``, which cuts
+    both at once; it serves on until its lease's TTL is out). Links restored, node stopped, proxies closed at the end."""
+    etcd_link = TcpProxy(("127.0.0.1", etcd_port))
+    node, peer_link = proxied(tmp, name, f"etcd://127.0.0.1:{etcd_link.port}", data_plane, *extra)
+
+    def cut() -> None:
+        etcd_link.cut()
+        peer_link.cut()
+
+    try:
+        node.start()
+        yield node, cut
+    finally:
+        etcd_link.restore()
+        peer_link.restore()
+        node.stop()
+        etcd_link.close()
+        peer_link.close()
 
 
 async def invalidate(address: str, namespace_id: bytes, keys: list[bytes] | None = None,

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import shutil
 
-from invalidation_cases import invalidate, proxied, read_checked
+from invalidation_cases import cut_off_later, invalidate, read_checked
 from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
 from support.etcd_proc import EtcdProcess, etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS
 
 from kvstore.bench.common.harness import stop_process
@@ -47,25 +46,15 @@ async def test_a_node_of_the_history_a_restored_backup_lost_is_waited_for(cluste
         await client.close()
     backup = tmp_path / "etcd-backup"
     _restart_on(etcd, None, keep=backup)
-    etcd_link = TcpProxy(("127.0.0.1", etcd.client_port))
-    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc", "--cluster-ttl", "10")
-    try:
-        x.start()
+    with cut_off_later(tmp_path, etcd.client_port, "x", "grpc", "--cluster-ttl", "10") as (x, cut):
         kv = random_kv(LAYOUT, len(TOKENS), seed=11)
         async with KVStoreClient(x.address, NS) as kvs:
             assert await kvs.put(TOKENS, kv) == len(TOKENS)
         assert await read_checked(x.address, TOKENS, kv, "before") == len(TOKENS)
-        etcd_link.cut()
-        peer_link.cut()
+        cut()
         _restart_on(etcd, backup)
         (c,) = cluster_nodes(["c"], "grpc", "--cluster-ttl", "10")
         await invalidate(c.address, NS.namespace_id, timeout_s=60)
         n = await read_checked(x.address, TOKENS, kv, "after c's OK")
         assert n == 0, f"x, of the history the restore lost, served {n} tokens of an invalidated generation " \
                        "after Invalidate returned OK at c"
-    finally:
-        etcd_link.restore()
-        peer_link.restore()
-        x.stop()
-        etcd_link.close()
-        peer_link.close()

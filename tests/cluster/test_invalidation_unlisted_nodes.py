@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from invalidation_cases import invalidate, proxied, read_checked
+from invalidation_cases import cut_off_later, invalidate, read_checked
 from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS
 from test_invalidation_fencing import OTHER
 
@@ -59,24 +58,14 @@ async def test_a_node_of_a_replaced_etcd_is_waited_for_by_a_node_that_never_list
     """x registered in an etcd that was wiped; cut off from the new one, it serves until its
     lease's TTL is out. c starts on the new etcd and never lists x: its invalidation is
     confirmed only once x can no longer serve (the new incarnation is younger than a TTL)."""
-    etcd_link = TcpProxy(("127.0.0.1", etcd.client_port))
-    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc", "--cluster-ttl", "6")
-    try:
-        x.start()
+    with cut_off_later(tmp_path, etcd.client_port, "x", "grpc", "--cluster-ttl", "6") as (x, cut):
         kv = await _put_at(x.address)
-        etcd_link.cut()
-        peer_link.cut()
+        cut()
         etcd.wipe()
         (c,) = cluster_nodes(["c"], "grpc", "--cluster-ttl", "6")
         await invalidate(c.address, NS.namespace_id)
         assert await read_checked(x.address, TOKENS, kv, "after c's OK") == 0, \
             "x, of the replaced etcd, served an invalidated generation after Invalidate returned OK at c"
-    finally:
-        etcd_link.restore()
-        peer_link.restore()
-        x.stop()
-        etcd_link.close()
-        peer_link.close()
 
 
 async def test_a_node_fenced_before_another_node_started_is_waited_for_by_it(cluster_nodes, etcd, tmp_path) -> None:
@@ -84,27 +73,19 @@ async def test_a_node_fenced_before_another_node_started_is_waited_for_by_it(clu
     after x's key is gone (TTL 2 s: its own wait from its start was 2.6 s) and invalidates
     another namespace: confirmed only once x can no longer serve, by the record of the fencing."""
     (a,) = cluster_nodes(["a"], "grpc")
-    etcd_link = TcpProxy(("127.0.0.1", etcd.client_port))
-    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc", "--cluster-ttl", "10")
     client = EtcdClient(parse_endpoints(etcd.url))
     try:
-        x.start()
-        kv = await _put_at(x.address)
-        etcd_link.cut()
-        peer_link.cut()
-        first = asyncio.create_task(invalidate(a.address, OTHER.namespace_id))
-        await asyncio.wait_for(_gone_from_etcd(client, "x"), 30)
-        (c,) = cluster_nodes(["c"], "grpc")
-        started = time.monotonic()
-        await invalidate(c.address, NS.namespace_id)
-        n = await read_checked(x.address, TOKENS, kv, "after c's OK")
-        await first
-        assert n == 0, f"x served {n} tokens of an invalidated generation after Invalidate returned OK at c " \
-                       f"({time.monotonic() - started:.1f} s after c's start)"
+        with cut_off_later(tmp_path, etcd.client_port, "x", "grpc", "--cluster-ttl", "10") as (x, cut):
+            kv = await _put_at(x.address)
+            cut()
+            first = asyncio.create_task(invalidate(a.address, OTHER.namespace_id))
+            await asyncio.wait_for(_gone_from_etcd(client, "x"), 30)
+            (c,) = cluster_nodes(["c"], "grpc")
+            started = time.monotonic()
+            await invalidate(c.address, NS.namespace_id)
+            n = await read_checked(x.address, TOKENS, kv, "after c's OK")
+            await first
+            assert n == 0, f"x served {n} tokens of an invalidated generation after Invalidate returned OK at c " \
+                           f"({time.monotonic() - started:.1f} s after c's start)"
     finally:
         await client.close()
-        etcd_link.restore()
-        peer_link.restore()
-        x.stop()
-        etcd_link.close()
-        peer_link.close()
