@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from invalidation_cases import invalidate, proxied, read_checked
+from invalidation_cases import cut_off_later, invalidate, read_checked
 from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from support.tcp_proxy import TcpProxy
 from test_cluster_nodes import LAYOUT, NS
 
 from kvstore.client import KVStoreClient
@@ -25,33 +24,25 @@ OTHER = replace(NS, revision="r2")  # another namespace, invalidated first
 
 async def test_a_second_issuer_waits_for_a_node_another_issuer_fenced(cluster_nodes, etcd, tmp_path) -> None:
     a, b = cluster_nodes(["a", "b"], "grpc")
-    etcd_link = TcpProxy(("127.0.0.1", etcd.client_port))
-    x, peer_link = proxied(tmp_path, "x", f"etcd://127.0.0.1:{etcd_link.port}", "grpc")
     client = EtcdClient(parse_endpoints(etcd.url))
     try:
-        x.start()
-        tokens = list(range(4 * LAYOUT.page_tokens))
-        kv = random_kv(LAYOUT, len(tokens), seed=7)
-        async with KVStoreClient(x.address, NS) as on_x:
-            assert await on_x.put(tokens, kv) == len(tokens)
-        await asyncio.sleep(0.5)
-        assert await read_checked(x.address, tokens, kv, "before") == len(tokens)
-        etcd_link.cut()
-        peer_link.cut()
-        first = asyncio.create_task(invalidate(a.address, OTHER.namespace_id))
-        while True:  # until a revoked x's lease (x's key is gone from etcd)
-            _, kvs = await client.get_prefix(b"/kvstore/")
-            if not any(kv_.key.endswith(b"nodes/x") for kv_ in kvs):
-                break
-            await asyncio.sleep(0.01)
-        await invalidate(b.address, NS.namespace_id)
-        n = await read_checked(x.address, tokens, kv, "after b's OK")
-        await first
-        assert n == 0, f"x served {n} tokens of an invalidated generation after Invalidate returned OK at b"
+        with cut_off_later(tmp_path, etcd.client_port, "x", "grpc") as (x, cut):
+            tokens = list(range(4 * LAYOUT.page_tokens))
+            kv = random_kv(LAYOUT, len(tokens), seed=7)
+            async with KVStoreClient(x.address, NS) as on_x:
+                assert await on_x.put(tokens, kv) == len(tokens)
+            await asyncio.sleep(0.5)
+            assert await read_checked(x.address, tokens, kv, "before") == len(tokens)
+            cut()
+            first = asyncio.create_task(invalidate(a.address, OTHER.namespace_id))
+            while True:  # until a revoked x's lease (x's key is gone from etcd)
+                _, kvs = await client.get_prefix(b"/kvstore/")
+                if not any(kv_.key.endswith(b"nodes/x") for kv_ in kvs):
+                    break
+                await asyncio.sleep(0.01)
+            await invalidate(b.address, NS.namespace_id)
+            n = await read_checked(x.address, tokens, kv, "after b's OK")
+            await first
+            assert n == 0, f"x served {n} tokens of an invalidated generation after Invalidate returned OK at b"
     finally:
         await client.close()
-        etcd_link.restore()
-        peer_link.restore()
-        x.stop()
-        etcd_link.close()
-        peer_link.close()
