@@ -36,6 +36,7 @@ from kvstore.cluster.page_fetch import (  # noqa: F401  # re-exported
     open_pending,
     start_fetch,
 )
+from kvstore.cluster.ucx_sends import PageReads
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.page import LayoutDesc, checksum
@@ -58,7 +59,7 @@ from kvstore.pagecopy import checksum_released
 logger = logging.getLogger(__name__)
 _refusals = Throttled(logger)  # a scanner at the data port must not flood the log
 
-_ABORT_WAIT_S = 2.0  # how long cancelled receives get to report back after an abort
+_ABORT_WAIT_S = 2.0  # how long the receives (sends) cut by an abort get to report their end
 HELLO_TIMEOUT_S = 5.0  # a connection that presents no grant within it is dropped
 MAX_ADMITTING = 64  # connections still presenting their grant at once; a newer one supersedes the oldest
 # An abort drops the bytes UCX has not delivered yet: before it drops a connection at a damaged
@@ -216,10 +217,9 @@ class UcxPageServer:
             pages = await asyncio.to_thread(open_pending, self._source, request)
         else:
             pages = await self._source.open_pages(request.namespace_id, request.keys, request.generation)
+        reads = PageReads()  # a cancel of this handler ends its waits, never a send or check reading a page
         try:
             answer = answer_for(request, pages)
-            sends: list[asyncio.Future[Any]] = []
-            checks: list[asyncio.Future[int]] = []
             try:
                 async with asyncio.timeout(self._send_timeout_s):
                     await _send_frame(ep, answer.encode())
@@ -231,9 +231,9 @@ class UcxPageServer:
                         if page is None or entry.status is not PageStatus.FOUND:
                             continue
                         if verify:  # hashed on a worker, GIL released, while the sends posted before it progress
-                            checks.append(loop.run_in_executor(None, checksum_released, page.data))
-                            if await asyncio.shield(checks[-1]) != page.checksum:
-                                await asyncio.gather(*sends)
+                            check = reads.post(page, loop.run_in_executor(None, checksum_released, page.data))
+                            if await asyncio.shield(check) != page.checksum:
+                                await reads.ended()
                                 await asyncio.sleep(DRAIN_S)  # a send is done once UCX holds its bytes, not the peer
                                 logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
                                 await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
@@ -241,22 +241,15 @@ class UcxPageServer:
                         ranged = request.offset or request.sent_bytes != request.page_bytes
                         data = memoryview(page.data).cast("B")[request.offset : request.offset + request.sent_bytes] if ranged \
                             else page.data
-                        sends.append(asyncio.ensure_future(ep.send(data)))
-                    await asyncio.gather(*sends)
+                        reads.post(page, asyncio.ensure_future(ep.send(data)))
+                    await reads.ended()
                     return True
             except BaseException:
-                # the pages are released below: no send or check may still be reading them by then
-                ep.abort()
-                if pending := [t for t in (*sends, *checks) if not t.done()]:
-                    await asyncio.wait(pending, timeout=_ABORT_WAIT_S)
-                for t in sends:
-                    if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
-                        exc.__traceback__ = None
+                ep.abort()  # ends the sends; ucxx may report that late (DESIGN §12.3)
+                await reads.after_abort(_ABORT_WAIT_S)
                 raise
         finally:
-            for page in pages:
-                if page is not None:
-                    page.release()
+            reads.release(pages)  # each page once no send or check reads it any more
 
 
 class UcxPageFetcher:
