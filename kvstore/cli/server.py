@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore import logs
@@ -296,24 +297,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", message)
         print(f"kvstore-server: {message}", file=sys.stderr)
         return 2
-    done = threading.Event()
-    received: list[int] = []
+    signals = _signal_pipe()
+    print(f"kvstore-server ready on {server.address}", flush=True)
 
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signum)  # logged below, not here: a handler that logs can interrupt a log write of this thread
-        done.set()
-
-    def on_hangup(_signum: int, _frame: object) -> None:
-        # Off the signal handler: the reload reads a file and logs, which may wait on locks.
+    def on_hangup() -> None:  # re-read --auth-file (revoked tokens stop working), on a thread: a slow read delays no stop
         threading.Thread(target=server.reload_security, name="reload", daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGHUP, on_hangup)  # re-read --auth-file (revoked tokens stop working)
-    print(f"kvstore-server ready on {server.address}", flush=True)
-    while not done.wait(1.0):  # timed: a signal taken by another thread wakes no untimed wait of the main one
-        pass
-    logger.info("received %s, shutting down", signal.Signals(received[0]).name)
+    signum = _wait_for_stop(signals, on_hangup)
+    logger.info("received %s, shutting down", signal.Signals(signum).name)
     stopped = threading.Event()
     if args.stop_timeout_s > 0:  # a stop that hangs says where, and ends
         threading.Thread(target=_stop_watchdog, args=(args.stop_timeout_s, stopped), name="stop-watchdog", daemon=True).start()
@@ -328,6 +319,35 @@ def main(argv: list[str] | None = None) -> int:
 
 
 STOP_BACKSTOP_S = 10.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _signal_pipe() -> int:
+    """SIGTERM, SIGINT and SIGHUP as their numbers on a pipe, whose read end is returned for
+    ``_wait_for_stop``. The handlers do nothing (DESIGN §12.9 "Stopping"): Python runs one on the
+    main thread between two of its bytecodes, and one that took a lock (Event.set) hung the
+    process for good whenever the main thread held that lock."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)  # written by whichever thread takes the signal
+    for signum in (*STOP_SIGNALS, signal.SIGHUP):
+        signal.signal(signum, _noted)
+    return read_fd
+
+
+def _noted(_signum: int, _frame: object) -> None:
+    """Nothing: the signal's number is on the wakeup pipe already."""
+
+
+def _wait_for_stop(read_fd: int, on_hangup: Callable[[], object]) -> int:
+    """Reads signal numbers off ``read_fd`` until SIGTERM or SIGINT, which it returns; calls
+    ``on_hangup`` for each SIGHUP."""
+    while True:
+        for signum in os.read(read_fd, 64):  # blocking; a read interrupted by a signal goes on (PEP 475)
+            if signum in STOP_SIGNALS:
+                return signum
+            if signum == signal.SIGHUP:
+                on_hangup()
 
 
 def _stop_watchdog(timeout_s: float, stopped: threading.Event) -> None:
