@@ -233,10 +233,12 @@ class UcxPageServer:
                         if verify:  # hashed on a worker, GIL released, while the sends posted before it progress
                             check = reads.post(page, loop.run_in_executor(None, checksum_released, page.data))
                             if await asyncio.shield(check) != page.checksum:
+                                logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
+                                # reported now, on a worker (the core's lock), while pinned: a cut of the waits below
+                                # must not skip it (DESIGN §12.3)
+                                reads.post(page, loop.run_in_executor(None, page.damaged, DAMAGED))
                                 await reads.ended()
                                 await asyncio.sleep(DRAIN_S)  # a send is done once UCX holds its bytes, not the peer
-                                logger.warning("page %s not sent to a peer: %s", key.hex(), DAMAGED)
-                                await asyncio.to_thread(page.damaged, DAMAGED)  # takes the core's lock: not on the loop
                                 return False
                         ranged = request.offset or request.sent_bytes != request.page_bytes
                         data = memoryview(page.data).cast("B")[request.offset : request.offset + request.sent_bytes] if ranged \
