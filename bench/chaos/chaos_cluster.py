@@ -107,7 +107,9 @@ class ChaosNode:
     """A kvstore-server process on fixed ports: ``--listen`` for clients, ``--advertise`` a
     proxy to it for peers, and its etcd reached through a proxy of its own. ``data_plane``
     "tcp": pages between nodes go over its TCP data port, which peers reach through a proxy
-    too (``data_link``: a slow data link holds both)."""
+    too (``data_link``: a slow data link holds both); "ucx": over UCX (TCP on loopback) on a
+    port of its choosing, with no proxy: UCX connects to addresses it exchanges at wire-up
+    (DESIGN §12.9), so ``faults.kinds_for`` leaves the data link's faults out."""
 
     def __init__(self, workdir: Path, name: str, etcd: EtcdServer, auth_file: Path, salts: str, log_level: str,
                  data_plane: str = "grpc") -> None:
@@ -120,6 +122,8 @@ class ChaosNode:
         self.data_link = Proxy(("127.0.0.1", data_port)) if data_plane == "tcp" else None
         plane = ["--data-plane", "grpc"] if self.data_link is None else [
             "--data-plane", "tcp", "--data-port", str(data_port), "--advertise-data-port", str(self.data_link.port)]
+        if data_plane == "ucx":  # a new data port at each restart, published with its membership (DESIGN §12.1)
+            plane = ["--data-plane", "ucx", "--ucx-tls", "tcp"]
         self.dir = workdir / name
         data = self.dir / "data"
         data.mkdir(parents=True, mode=0o700)
@@ -142,7 +146,7 @@ class ChaosNode:
 
     @property
     def links(self) -> list[Proxy]:
-        """The proxies peers reach it through: its gRPC address, and its data port over TCP."""
+        """The proxies peers reach it through: its gRPC address, and its data port over TCP (none over UCX)."""
         return [self.inbound] if self.data_link is None else [self.inbound, self.data_link]
 
     @property

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.bench.chaos.chaos_cluster import ChaosCluster
@@ -28,6 +29,28 @@ SEEDED = ("arena_flip", "ssd_flip")  # kinds whose bytes land where their own se
 KINDS = list(DURATIONS_S)
 ETCD_KINDS = ("etcd_kill", "etcd_wipe")
 TWO_AT_ONCE = 0.4  # the share of slots with two faults at a time
+# kinds that hold a proxy in front of a node's data connections: none sits there with --data-plane ucx,
+# as UCX connects to addresses it exchanges at wire-up (DESIGN §12.9)
+DATA_LINK_KINDS = ("data_link_slow",)
+DATA_PLANES = ("grpc", "tcp", "ucx")
+
+
+def kinds_for(data_plane: str, named: Sequence[str] | None = None) -> list[str]:
+    """The fault kinds a run on ``data_plane`` draws: ``named``, or by default every kind the
+    plane can inject (with ucx all but ``DATA_LINK_KINDS``). ValueError, saying why, for a kind
+    unknown or one the plane cannot inject."""
+    allowed = [k for k in KINDS if data_plane != "ucx" or k not in DATA_LINK_KINDS]
+    if named is None:
+        return allowed
+    unknown = sorted(set(named) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}; known: {','.join(KINDS)}")
+    refused = [k for k in named if k not in allowed]
+    if refused:
+        raise ValueError(f"fault kinds {refused} need a proxy in front of the nodes' data connections, which "
+                         f"--data-plane {data_plane} has none of (UCX connects to addresses it exchanges at wire-up); "
+                         f"its kinds: {','.join(allowed)}")
+    return list(named)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvstore.bench.chaos.faults import KINDS
+from kvstore.bench.chaos.faults import DATA_LINK_KINDS, DATA_PLANES, KINDS, kinds_for
 from kvstore.bench.chaos.runner import Settings, run_histories
 
 
@@ -24,19 +24,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4, help="concurrent clients' loops per history")
     p.add_argument("--traffic-s", type=float, default=10.0, help="each history's ops are spread over this long")
     p.add_argument("--timeout-s", type=float, default=5.0, help="every client call's deadline")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--kinds", default=None,
+                   help=f"fault kinds, comma-separated (default: every kind, {','.join(KINDS)}; with --data-plane ucx all but "
+                        f"{','.join(DATA_LINK_KINDS)}: no proxy can sit in front of UCX's data connections, and naming it fails)")
     p.add_argument("--shrink-attempts", type=int, default=6, help="reruns to shrink a failing history")
     p.add_argument("--dir", default=None, help="the cluster's files and failing histories (None: a new temporary dir)")
     p.add_argument("--server-log-level", default="warning", help="the nodes' --log-level")
-    p.add_argument("--data-plane", default="grpc", choices=["grpc", "tcp"],
-                   help="how nodes move pages (tcp: also a handoff's layers ahead of its commit, DESIGN §12.7)")
+    p.add_argument("--data-plane", default="grpc", choices=DATA_PLANES,
+                   help="how nodes move pages (tcp: also a handoff's layers ahead of its commit, DESIGN §12.7; ucx: UCX over "
+                        "TCP on loopback, the nodes' --data-plane ucx --ucx-tls tcp, without the data link faults)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
-        raise SystemExit(f"--kinds: unknown {sorted(unknown)}; known: {','.join(KINDS)}")
+    try:
+        kinds = tuple(kinds_for(args.data_plane, None if args.kinds is None else [k for k in args.kinds.split(",") if k]))
+    except ValueError as exc:
+        raise SystemExit(f"--kinds: {exc}") from None
     settings = Settings(num_ops=args.ops_per_history, workers=args.workers, traffic_s=args.traffic_s,
                         timeout_s=args.timeout_s, kinds=kinds)
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvstore-chaos-"))

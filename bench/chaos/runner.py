@@ -20,7 +20,7 @@ from kvstore.bench.chaos.chaos_calls import Clients
 from kvstore.bench.chaos.chaos_cluster import TENANTS, TTL_S, ChaosCluster
 from kvstore.bench.chaos.chaos_validate import check
 from kvstore.bench.chaos.converge import Convergence
-from kvstore.bench.chaos.faults import KINDS, Injector, heal_all, plan_faults
+from kvstore.bench.chaos.faults import Injector, heal_all, kinds_for, plan_faults
 from kvstore.bench.chaos.history import History, Op, Violation, shrink
 from kvstore.bench.chaos.traffic import NAMESPACES_PER_TENANT, Traffic, plan_traffic
 from kvstore.bench.common.harness import percentile
@@ -39,7 +39,7 @@ class Settings:
     workers: int = 4
     traffic_s: float = 10.0  # the ops of a history are spread over this long, and faults drawn in it
     timeout_s: float = 5.0  # every client's per-RPC deadline
-    kinds: tuple[str, ...] = tuple(KINDS)
+    kinds: tuple[str, ...] | None = None  # None: every kind the cluster's data plane can inject (faults.kinds_for)
     deadline_s: float = 2 * TTL_S  # (b) and (c) must hold this long after the heal
     late_s: float = 15.0  # polled this long to tell late from never (past 2 x TTL, a cluster that converges has)
 
@@ -57,7 +57,7 @@ class Runner:
         afterwards (~3 s after faults: each waits out the fence wait of a node that left); a last
         history, after which nothing runs on the cluster, is better left without."""
         s = self.settings
-        kinds = list(s.kinds) if kinds is None else kinds
+        kinds = kinds_for(self.cluster.data_plane, s.kinds if kinds is None else kinds)  # ValueError: not on this plane
         history = History(seed=seed, num_ops=s.num_ops if num_ops is None else num_ops, kinds=kinds)
         rng = random.Random(seed)
         ops_rng, faults_rng = random.Random(rng.getrandbits(64)), random.Random(rng.getrandbits(64))
@@ -190,7 +190,7 @@ async def run_histories(workdir: Path, seed: int, histories: int, settings: Sett
         "reproduce": tally.reproduce,
         "steady_first": tally.resources[0] if tally.resources else {}, "steady_last": tally.resources[-1] if tally.resources else {},
         "steady_series": tally.resources,
-        "elapsed_s": round(time.monotonic() - started, 1), "settings": {**settings.__dict__, "kinds": list(settings.kinds)},
+        "elapsed_s": round(time.monotonic() - started, 1), "settings": {**settings.__dict__, "kinds": kinds_for(data_plane, settings.kinds)},
     }
 
 
