@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=4, help="concurrent clients' loops per history")
     p.add_argument("--traffic-s", type=float, default=10.0, help="each history's ops are spread over this long")
     p.add_argument("--timeout-s", type=float, default=5.0, help="every client call's deadline")
-    p.add_argument("--kinds", default=None,
-                   help=f"fault kinds, comma-separated (default: every kind, {','.join(KINDS)}; with --data-plane ucx all but "
-                        f"{','.join(DATA_LINK_KINDS)}: no proxy can sit in front of UCX's data connections, and naming it fails)")
+    p.add_argument("--kinds", default="all",
+                   help=f"fault kinds, comma-separated; all: every kind, {','.join(KINDS)}, or with --data-plane ucx all but "
+                        f"{','.join(DATA_LINK_KINDS)} (no proxy can sit in front of UCX's data connections, and naming it fails)")
     p.add_argument("--shrink-attempts", type=int, default=6, help="reruns to shrink a failing history")
     p.add_argument("--dir", default=None, help="the cluster's files and failing histories (None: a new temporary dir)")
     p.add_argument("--server-log-level", default="warning", help="the nodes' --log-level")
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        kinds = tuple(kinds_for(args.data_plane, None if args.kinds is None else [k for k in args.kinds.split(",") if k]))
+        kinds = tuple(kinds_for(args.data_plane, None if args.kinds == "all" else [k for k in args.kinds.split(",") if k]))
     except ValueError as exc:
         raise SystemExit(f"--kinds: {exc}") from None
     settings = Settings(num_ops=args.ops_per_history, workers=args.workers, traffic_s=args.traffic_s,
