@@ -90,7 +90,7 @@ async def _checks_done(tier: RemoteTier) -> None:
     raise AssertionError("no source check ran to its end")
 
 
-async def test_a_page_damaged_on_the_holders_disk_is_never_served_and_dropped_there(server_factory, tmp_path) -> None:
+async def test_a_page_damaged_on_the_holders_disk_is_never_served_and_dropped_there(server_factory, tmp_path, caplog) -> None:
     """A page the holder reads up from disk to send is not checked on the way up, nor as it lands
     (its reader checks it: DESIGN §4). Here the damage is on the holder's disk: the receiver's
     reader drops the copy that landed, the holder, asked to check its own, drops both its read-up
@@ -115,6 +115,8 @@ async def test_a_page_damaged_on_the_holders_disk_is_never_served_and_dropped_th
         assert await asyncio.to_thread(_pages_at, receiver.address, ns, keys) == pages[0]
         await _checks_done(tier)
         assert holder.core.where(keys[1]) == {}, "neither the read-up copy nor the damaged one on disk stays"
+        # the holder's answer to the check is the connection it dropped: said so, not as the transport's error alone
+        assert "holder checked its copy: not sent (its check failed there and it was quarantined" in caplog.text
         assert _found(holder.address, ns, keys) == 1 and _found(receiver.address, ns, keys) == 1
         await peer.fetcher.close()
     finally:

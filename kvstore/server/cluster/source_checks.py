@@ -82,7 +82,10 @@ class SourceChecks:
         scratch = bytearray(header.payload_bytes)  # the bytes come back only when they are sound: dropped
         result = await peer.fetcher.fetch(header.namespace_id, [header.key], [scratch], CHECK_TIMEOUT_S, generation,
                                           verify=True, hashed=False)
-        return str(result.statuses[0].value if result.error is None else result.error)
+        if result.error is None:
+            return str(result.statuses[0].value)
+        # asked to verify, a holder whose copy fails drops the connection before the page (transport_ucx.py, tcp_server.py)
+        return f"not sent (its check failed there and it was quarantined, or the link failed: {result.error})"
 
     async def _read_back(self, peer: Any, header: PageHeader, generation: int) -> str:
         """The page read back over ReadPages, checked as its holder sends it: sent when sound,
