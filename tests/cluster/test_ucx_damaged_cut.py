@@ -59,7 +59,9 @@ async def test_a_damaged_page_is_reported_also_when_the_answer_is_cut(monkeypatc
             async with asyncio.timeout(WAIT_S):
                 while len(server.sends) < BAD and not server.ended.is_set():
                     await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # the damaged page's check ends meanwhile: the handler waits for the sends before it
+            async with asyncio.timeout(WAIT_S):  # its check ends and it is reported before the sends before it end
+                while not source.reports:
+                    await asyncio.sleep(0.01)
             assert len(server.sends) == BAD, f"{len(server.sends)} pages sent, the {BAD} before the damaged one expected"
             if cut == "closed":
                 closing = asyncio.ensure_future(server.close())
