@@ -274,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the kvstore node id beside each --decode, in the same order (its kvstore-server's --node-id): "
                         "the prefill's node pushes the pages there; none: the decode finds them through the pool")
     p.add_argument("--handoff-deadline-s", type=float, default=None,
-                   help="how long a decode waits for a handoff before it recomputes (default: its connector's handoff_deadline_s)")
+                   help="how long a decode waits for a handoff before it recomputes; %(default)s: the decode connector's "
+                        "handoff_deadline_s")
     p.add_argument("--timeout-s", type=float, default=600.0, help="the most one request to an instance may take")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="least severity logged (stderr)")
     return p
 
 

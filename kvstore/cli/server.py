@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--cluster-replicas", type=int, default=1, help="directory owners per page record")
     cluster.add_argument("--fetch-timeout-s", type=float, default=5.0,
                          help="a remote page fetch gives up after this, or the caller's deadline if sooner")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="least severity logged (stderr)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object a line, for log shippers")
     return p
 
 
