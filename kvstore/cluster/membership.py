@@ -48,6 +48,7 @@ class Membership:
         self._lost_leases: set[int] = set()  # leases of this process a revoke has not ended yet (etcd was down)
         self._deadline = 0.0  # monotonic; a member only while now < deadline
         self._members: dict[str, Member] = {}
+        self._ttl_warned: dict[str, int] = {}  # node -> the other TTL it was seen with (warned once)
         self._revision = 0    # last etcd revision folded into the view
         # when the last snapshot of the view was read (monotonic; 0: none yet): a node gone from etcd before it
         # was never in the view, so it never left it (server/cluster/cluster_generations.py)
@@ -326,6 +327,12 @@ class Membership:
         if members == self._members:
             return
         self._members = members
+        for node, m in members.items():
+            if m.ttl_s and m.ttl_s != self.config.ttl_s and self._ttl_warned.get(node) != m.ttl_s:
+                self._ttl_warned[node] = m.ttl_s
+                logger.warning("node %s runs --cluster-ttl %d s, this node %d s: give every node the same TTL (after etcd "
+                               "is replaced a node waits out its own TTL for nodes it never listed, DESIGN §12.4)",
+                               node, m.ttl_s, self.config.ttl_s)
         for listener in self._member_listeners:
             self._call(listener, dict(members))
         self._notify()

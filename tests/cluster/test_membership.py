@@ -4,6 +4,7 @@ namespace generations, and etcd itself restarted, wiped or replaced under the no
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import signal
 import sys
@@ -30,7 +31,8 @@ async def member(etcd: EtcdProcess, node_id: str, cluster: str = "c", ttl_s: int
                  start: bool = True, epochs: EpochFile | None = None) -> AsyncIterator[Membership]:
     client = EtcdClient([etcd.endpoint], call_timeout_s=1.0)
     m = Membership(client, MembershipConfig(cluster=cluster, node_id=node_id, ttl_s=ttl_s),
-                   Member(node_id, f"127.0.0.1:1{len(node_id)}", "127.0.0.1:0", ("host", "ssd"), {"host": 1 << 30}), epochs)
+                   Member(node_id, f"127.0.0.1:1{len(node_id)}", "127.0.0.1:0", ("host", "ssd"), {"host": 1 << 30}, ttl_s=ttl_s),
+                   epochs)
     try:
         if start:
             await m.start(timeout_s=10)
@@ -316,3 +318,16 @@ async def test_close_during_registration_leaves_nothing_behind(etcd: EtcdProcess
             assert m.state is MemberState.CLOSED
             assert await admin.get(b"/kvstore/c/nodes/a") is None, f"left registered after {turns} turns"
     await admin.close()
+
+
+async def test_a_member_of_another_ttl_is_warned_of(etcd: EtcdProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """Nodes of different ``--cluster-ttl``: after etcd is replaced a node waits out its own TTL for the nodes it
+    never listed (DESIGN §12.4), so one of a longer TTL could serve past it. Each node says so, once a node."""
+    caplog.set_level(logging.WARNING, logger="kvstore.cluster.membership")
+    async with member(etcd, "a", ttl_s=2) as a, member(etcd, "b", ttl_s=3) as b:
+        for m in (a, b):
+            await m.wait_for(sees("a", "b"), 5)
+    warned = [r.getMessage() for r in caplog.records if "--cluster-ttl" in r.getMessage()]
+    assert any(w.startswith("node b runs --cluster-ttl 3 s, this node 2 s") for w in warned), warned
+    assert any(w.startswith("node a runs --cluster-ttl 2 s, this node 3 s") for w in warned), warned
+    assert len(warned) == 2, warned
