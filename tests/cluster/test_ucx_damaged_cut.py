@@ -14,12 +14,10 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
-from fetch_contract import NS, key
-from test_transport_ucx import TCP
-from test_ucx_send_cancel import PAGE_BYTES, PAGES, WAIT_S, HeldServer, HeldSource
+from test_ucx_send_cancel import PAGES, WAIT_S, HeldSource, answering
 
 from kvstore.cluster import transport_ucx
-from kvstore.cluster.transport_ucx import SourcePage, UcxPageFetcher
+from kvstore.cluster.transport_ucx import SourcePage
 
 BAD = 4  # the damaged page: the sends of the pages before it are posted, held
 ABORT_WAIT_S = 0.5
@@ -48,13 +46,7 @@ class DamagedSource(HeldSource):
 async def test_a_damaged_page_is_reported_also_when_the_answer_is_cut(monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
     monkeypatch.setattr(transport_ucx, "_ABORT_WAIT_S", ABORT_WAIT_S)
     source = DamagedSource()
-    server = HeldServer(source, TIMEOUT_S if cut == "timed-out" else WAIT_S)
-    port = await server.start()
-    fetcher = UcxPageFetcher("127.0.0.1", port, TCP)
-    fetch = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(PAGES)], [bytearray(PAGE_BYTES) for _ in range(PAGES)],
-                                                timeout_s=WAIT_S, verify=True))
-    closing: asyncio.Future[None] | None = None
-    try:
+    async with answering(source, TIMEOUT_S if cut == "timed-out" else WAIT_S, True) as server:
         try:
             async with asyncio.timeout(WAIT_S):
                 while len(server.sends) < BAD and not server.ended.is_set():
@@ -64,7 +56,7 @@ async def test_a_damaged_page_is_reported_also_when_the_answer_is_cut(monkeypatc
                     await asyncio.sleep(0.01)
             assert len(server.sends) == BAD, f"{len(server.sends)} pages sent, the {BAD} before the damaged one expected"
             if cut == "closed":
-                closing = asyncio.ensure_future(server.close())
+                server.close_now()
             if cut != "none":
                 await asyncio.wait_for(server.aborted.wait(), WAIT_S)
                 await asyncio.wait_for(server.ended.wait(), WAIT_S)  # cut, and its abort's wait over
@@ -76,10 +68,3 @@ async def test_a_damaged_page_is_reported_also_when_the_answer_is_cut(monkeypatc
         assert source.reports == [0], f"the damaged page's reports (its releases before each): {source.reports}"
         assert not source.early, f"pages {source.early} were released while a send reading them was still posted"
         assert source.releases == [1] * PAGES, f"pages released other than once each: {source.releases}"
-    finally:
-        server.gate.set()
-        if closing is not None:
-            await asyncio.wait_for(closing, WAIT_S)
-        await asyncio.wait_for(server.close(), WAIT_S)
-        await asyncio.wait({fetch}, timeout=WAIT_S)
-        await fetcher.close()

@@ -15,7 +15,8 @@ released only as they do."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -121,12 +122,36 @@ class HeldServer(UcxPageServer):
         self.sends: list[asyncio.Future[Any]] = []
         self.num_cut = 0
         self.posted, self.aborted, self.ended, self.gate = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.closing: asyncio.Future[None] | None = None  # a close() the test started
+
+    def close_now(self) -> None:
+        self.closing = asyncio.ensure_future(self.close())
 
     async def _on_connect(self, ep: Any) -> None:
         try:
             await super()._on_connect(_Held(ep, self))
         finally:
             self.ended.set()
+
+
+@asynccontextmanager
+async def answering(source: HeldSource, send_timeout_s: float, verify: bool) -> AsyncIterator[HeldServer]:
+    """A ``HeldServer`` on ``source``, answering a fetch of ``PAGES`` pages; at the end its sends are let go,
+    the server and the fetcher closed."""
+    server = HeldServer(source, send_timeout_s)
+    port = await server.start()
+    fetcher = UcxPageFetcher("127.0.0.1", port, TCP)
+    fetch = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(PAGES)], [bytearray(PAGE_BYTES) for _ in range(PAGES)],
+                                                timeout_s=WAIT_S, verify=verify))
+    try:
+        yield server
+    finally:
+        server.gate.set()
+        if server.closing is not None:
+            await asyncio.wait_for(server.closing, WAIT_S)
+        await asyncio.wait_for(server.close(), WAIT_S)
+        await asyncio.wait({fetch}, timeout=WAIT_S)
+        await fetcher.close()
 
 
 async def _first(*events: asyncio.Event) -> None:
@@ -145,18 +170,12 @@ async def test_no_page_is_released_while_a_send_may_read_it(monkeypatch: pytest.
                                                             verify: bool) -> None:
     monkeypatch.setattr(transport_ucx, "_ABORT_WAIT_S", ABORT_WAIT_S)
     source = HeldSource()
-    server = HeldServer(source, TIMEOUT_S if cut == "timed-out" else WAIT_S)
-    port = await server.start()
-    fetcher = UcxPageFetcher("127.0.0.1", port, TCP)
-    fetch = asyncio.ensure_future(fetcher.fetch(NS, [key(i) for i in range(PAGES)], [bytearray(PAGE_BYTES) for _ in range(PAGES)],
-                                                timeout_s=WAIT_S, verify=verify))
-    closing: asyncio.Future[None] | None = None
-    try:
+    async with answering(source, TIMEOUT_S if cut == "timed-out" else WAIT_S, verify) as server:
         try:
             await _first(server.posted, server.ended)
             assert server.posted.is_set(), "the handler ended before every page's send was posted"
             if cut == "closed":
-                closing = asyncio.ensure_future(server.close())
+                server.close_now()
             await asyncio.wait_for(server.aborted.wait(), WAIT_S)
             if ends == "after-it":
                 await asyncio.wait_for(server.ended.wait(), WAIT_S)
@@ -168,10 +187,3 @@ async def test_no_page_is_released_while_a_send_may_read_it(monkeypatch: pytest.
         assert server.num_cut == 0, "a send's wait was cancelled: nothing waited for its request's end"
         assert not source.early, f"pages {source.early} were released while a send reading them was still posted"
         assert source.releases == [1] * PAGES, f"pages released other than once each: {source.releases}"
-    finally:
-        server.gate.set()
-        if closing is not None:
-            await asyncio.wait_for(closing, WAIT_S)
-        await asyncio.wait_for(server.close(), WAIT_S)
-        await asyncio.wait({fetch}, timeout=WAIT_S)
-        await fetcher.close()
