@@ -118,12 +118,13 @@ class Directory:
                 entry.where = self._wheres.setdefault(where, where)  # one object per place: the walk compares identity first
         return [LocationRun(where[0], where[1], pages, where[2]) for where, pages in runs]
 
-    def prefix_length(self, namespace_id: bytes, keys: list[bytes]) -> int:
-        """How many leading ``keys`` are present in ``namespace_id``."""
+    def prefix_length(self, namespace_id: bytes, keys: list[bytes], node: str | None = None) -> int:
+        """How many leading ``keys`` are present in ``namespace_id`` (at ``node``, when given); a publish's pages are seen all or none."""
         with self._lock:
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
-                if entry is None or entry.namespace_id != namespace_id or not entry.locations:
+                if entry is None or entry.namespace_id != namespace_id or not entry.locations \
+                        or (node is not None and all(n != node for n, _ in entry.locations)):
                     return i
         return len(keys)
 

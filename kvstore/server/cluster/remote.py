@@ -83,13 +83,9 @@ class RemoteTier:
         await self.source_checks.close()
 
     def local_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
-        """How many leading keys this node holds a copy of."""
-        for i, key in enumerate(keys):
-            entry = self.core.directory.get(key)
-            # list(): a copy taken at once (the GIL), as another thread may add a location meanwhile
-            if entry is None or entry.namespace_id != namespace_id or not any(n == self.node for n, _ in list(entry.locations)):
-                return i
-        return len(keys)
+        """How many leading keys this node holds a copy of; a commit's pages are seen all or none (a
+        handoff push that named part of a commit would end the decode node's landing of the rest's layers)."""
+        return self.core.directory.prefix_length(namespace_id, keys, self.node)
 
     async def read_into_landing(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "",
                                 landing: Landing | None = None) -> int:
@@ -247,7 +243,7 @@ class RemoteTier:
         (the holder keeps its copy; the decode side's copy checks it)."""
         landing = landing or self._node_landing
         deadline = time.monotonic() + timeout_s
-        pos = self.local_prefix(namespace_id, keys)  # lock-free: a new replica holds none, and takes no thread hop
+        pos = self.local_prefix(namespace_id, keys)  # the directory's lock only: a new replica holds none, and takes no thread hop
         if hashed and pos:
             pos = await asyncio.to_thread(self.checked_prefix, namespace_id, keys[:pos])
         peer = self._peers.get(node)
@@ -268,7 +264,7 @@ class RemoteTier:
     def checked_prefix(self, namespace_id: bytes, keys: list[bytes]) -> int:
         """How many leading keys this node holds a sound copy of, each landing copy checked in place
         first (``Reader.check_held``: a damaged one is dropped). A worker thread's call."""
-        held = self.local_prefix(namespace_id, keys)  # lock-free: a new replica holds none, checks none
+        held = self.local_prefix(namespace_id, keys)  # the directory's lock only: a new replica holds none, checks none
         if held:
             self.core.reads.check_held(namespace_id, keys[:held])
         return self.local_prefix(namespace_id, keys[:held])
