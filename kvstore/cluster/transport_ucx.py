@@ -36,7 +36,7 @@ from kvstore.cluster.page_fetch import (  # noqa: F401  # re-exported
     open_pending,
     start_fetch,
 )
-from kvstore.cluster.ucx_sends import PageReads
+from kvstore.cluster.ucx_sends import PageReads, wait_over_cancel
 from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.logs import Throttled
 from kvstore.page import LayoutDesc, checksum
@@ -377,12 +377,7 @@ class UcxPageFetcher:
         into a destination after ``fetch`` returns (else DestinationsInUse); a cancel meanwhile (its
         caller cutting the fetch) is raised only once the wait is over, as transport_tcp's ``_stop``."""
         self._drop()
-        cancelled, end = False, time.monotonic() + _ABORT_WAIT_S
-        while (still := [t for t in receives if not t.done()]) and (left := end - time.monotonic()) > 0:
-            try:
-                await asyncio.wait(still, timeout=left)
-            except asyncio.CancelledError:
-                cancelled = True
+        still, cancelled = await wait_over_cancel(receives, _ABORT_WAIT_S)
         if still:  # not seen in tests; if UCX ever does this, the buffers must not be reused
             logger.error("%d receives did not finish after the abort; their buffers may still be written", len(still))
             raise DestinationsInUse("receives still posted after abort; do not reuse the destinations")

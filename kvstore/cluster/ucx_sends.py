@@ -25,6 +25,19 @@ def _settled(read: asyncio.Future[Any]) -> None:
         exc.__traceback__ = None
 
 
+async def wait_over_cancel(futures: Sequence[asyncio.Future[Any]], wait_s: float) -> tuple[list[asyncio.Future[Any]], bool]:
+    """Waits up to ``wait_s`` for ``futures`` to end, a cancel meanwhile noted rather than raised (the
+    caller raises it once it has done what must follow the wait): those still running, and whether a
+    cancel came. After an abort, UCX reports its requests' ends late or never (DESIGN §12.3)."""
+    cancelled, end = False, time.monotonic() + wait_s
+    while (still := [f for f in futures if not f.done()]) and (left := end - time.monotonic()) > 0:
+        try:
+            await asyncio.wait(still, timeout=left)
+        except asyncio.CancelledError:
+            cancelled = True
+    return still, cancelled
+
+
 class PageReads:
     """The reads one answer posted, per page."""
 
@@ -45,12 +58,7 @@ class PageReads:
         """Once the connection is aborted: waits up to ``wait_s`` for every read's end; a cancel
         meanwhile is raised only once the wait is over (as UcxPageFetcher._abandon)."""
         reads = [read for reads in self._reads.values() for read in reads]
-        cancelled, end = False, time.monotonic() + wait_s
-        while (still := [r for r in reads if not r.done()]) and (left := end - time.monotonic()) > 0:
-            try:
-                await asyncio.wait(still, timeout=left)
-            except asyncio.CancelledError:
-                cancelled = True
+        _, cancelled = await wait_over_cancel(reads, wait_s)
         for read in reads:
             if read.done():
                 _settled(read)
