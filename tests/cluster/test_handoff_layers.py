@@ -7,6 +7,7 @@ wrong are never committed (the decode node checks each assembled page against th
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 from collections.abc import Callable
@@ -73,6 +74,35 @@ async def test_layers_go_ahead_of_the_commit_and_are_committed_in_place(cluster_
         assert await num_leases(decode) == 0 and await num_leases(prefill) == 0
         if not layered:
             assert _metric(port, "kvstore_handoff_layer_bytes_total") == 0
+
+
+async def test_a_second_writer_of_the_first_pages_does_not_cut_the_landing(cluster_nodes) -> None:
+    """Pages 0-2 of a layer-wise save whose layers went ahead are stored first by another writer of
+    the same prefix: no Push names them before the save's own commit. A Push that named part of the
+    landing's allocation ended it at the decode node, its other pages' layers given back (3 of 6
+    were committed in place)."""
+    a, c, port = prefill_and_decode(cluster_nodes)
+    tokens = tokens_of(65, 6)
+    kv = random_kv(LAYOUT, len(tokens), seed=65)
+    ahead = LAYOUT.num_layers - 1
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(a.address, NS) as other, \
+            KVStoreClient(c.address, NS) as decode:
+        prefill.push_layers_min_bytes = 0  # these saves are a few small pages: their layers go ahead all the same
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", tokens=tokens)
+        save = prefill.save(tokens, kv)
+        for layer in range(ahead):
+            save.layer_done(layer)
+        await eventually(lambda: _landed(port, 6 * ahead * LAYER_BYTES), 10, "the first layers landed at c")
+        assert await other.save(tokens[: 3 * PAGE], kv[:, :, : 3 * PAGE].contiguous()).finished() == 3 * PAGE
+        await asyncio.sleep(0.5)  # time for a Push of the other writer's pages to start (none may); not awaited on
+        assert await save.finished() == len(tokens)
+        assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
+        assert hit.num_tokens == len(tokens)
+        assert _metric(port, "kvstore_handoff_layer_pages_total") == 6
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)
 
 
 async def test_a_save_given_up_midway_leaves_nothing_at_the_decode_node(cluster_nodes) -> None:

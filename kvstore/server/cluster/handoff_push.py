@@ -127,6 +127,7 @@ class HandoffPushes:
         if not out.to_node or out.to_node == self.node or out.failed or not out.keys or len(out.tasks) >= MAX_PUSHES:
             return
         stored = out.queued + self.remote.local_prefix(out.namespace_id, out.keys[out.queued :])
+        stored = self.layers.whole(out, out.queued, stored)  # no Push names part of a landing's allocation
         if stored <= out.queued or not out.may_push():
             return
         start, out.queued = out.queued, stored

@@ -89,6 +89,20 @@ class LayerPushes:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def whole(self, out: Outgoing, start: int, end: int) -> int:
+        """``end``, or less, so that a Push of ``out.keys[start:end]`` names all or none of the pages of
+        each allocation whose layers went ahead and that is not committed yet. Why: the decode node ends
+        a landing's allocation at the first Push that names any of its pages, its other pages' layers
+        given back (a second writer of the same prefix stores the first pages of it early)."""
+        handoff = (out.tenant, out.namespace_id, out.handoff_id)
+        where = {key: i for i, key in enumerate(out.keys[start:], start)}
+        spans = [(min(found), max(found)) for (allocation_id, k), s in self._sending.items()
+                 if k == handoff and self.core.leases.allocation(allocation_id) is not None
+                 and (found := [where[key] for key in s.keys if key in where])]
+        while any(first < end <= last for first, last in spans):
+            end = min(first for first, last in spans if first < end <= last)
+        return end
+
     async def settle(self, out: Outgoing) -> None:
         """Before the Push of pages stored here: this handoff's layer sends in flight end first (each
         ends at its next read, its allocation committed), so that the decode node holds what they carry."""
