@@ -95,10 +95,12 @@ class LayerPushes:
         a landing's allocation at the first Push that names any of its pages, its other pages' layers
         given back (a second writer of the same prefix stores the first pages of it early)."""
         handoff = (out.tenant, out.namespace_id, out.handoff_id)
+        live = [s for (allocation_id, k), s in self._sending.items()
+                if k == handoff and self.core.leases.allocation(allocation_id) is not None]
+        if not live:
+            return end  # no layers on their way (the usual case): no index of the handoff's keys made
         where = {key: i for i, key in enumerate(out.keys[start:], start)}
-        spans = [(min(found), max(found)) for (allocation_id, k), s in self._sending.items()
-                 if k == handoff and self.core.leases.allocation(allocation_id) is not None
-                 and (found := [where[key] for key in s.keys if key in where])]
+        spans = [(min(found), max(found)) for s in live if (found := [where[key] for key in s.keys if key in where])]
         while any(first < end <= last for first, last in spans):
             end = min(first for first, last in spans if first < end <= last)
         return end
