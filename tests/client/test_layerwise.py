@@ -112,8 +112,9 @@ async def test_deadline_means_recompute_and_no_late_writes(server, layout, ns, m
         await asyncio.sleep(0.8)
         assert not into.any(), "nothing may be written after the load is abandoned"
         assert not load.wait(1)
+        before = time.monotonic()  # the deadline counts from the load's start, not from this check (a slow host's gap)
         default = client.load(hit, into=torch.zeros_like(kv))
-        assert 0.05 <= default.deadline - time.monotonic() <= 1.0, "default deadline derives from the recompute estimate"
+        assert 0.05 <= default.deadline - before <= 1.0, "default deadline derives from the recompute estimate"
 
 
 async def test_missing_page_shortens_the_layerwise_prefix(server, layout, ns) -> None:

@@ -291,16 +291,16 @@ async def test_renew_keeps_an_allocation_and_refuses_a_committed_one(server_fact
     """Renew with an allocation's handle keeps its slots past the allocation's term (what a
     slow layer-wise save needs); the term is in AllocateResponse.ttl_ms; a committed
     allocation is ABORTED and changes nothing; an over-long ttl is INVALID_ARGUMENT."""
-    server = server_factory(make_config(tmp_path, ssd_bytes=None, allocation_ttl_ms=400))
+    server = server_factory(make_config(tmp_path, ssd_bytes=None, allocation_ttl_ms=1500))
     with grpc.insecure_channel(server.address) as channel:
         data = data_pb2_grpc.DataStub(channel)
         page_keys = [bytes([i]) * 16 for i in range(3)]
         alloc = data.Allocate(data_pb2.AllocateRequest(namespace_id=ns.namespace_id, layout=layout_msg(LayoutDesc.of(layout)),
                                                        keys=page_keys), timeout=10)
-        assert alloc.ttl_ms == 400 and len(alloc.slots) == 3
-        for _ in range(8):  # 1.6 s: four terms
+        assert alloc.ttl_ms == 1500 and len(alloc.slots) == 3
+        for _ in range(10):  # 3 s: two terms, each renewal 1.2 s before the term's end (a slow host's slack)
             data.Renew(data_pb2.RenewRequest(lease_id=alloc.allocation_id), timeout=10)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.3)
             server.core.stats()  # reaps what has expired
         assert server.core.view().num_allocations == 1, "a renewed allocation expired at its first term"
         with pytest.raises(grpc.RpcError) as err:

@@ -7,13 +7,15 @@ its pins go after its ttl; an invalidation meanwhile leaves nothing to hand over
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
+import urllib.request
 
 import pytest
 import torch
 from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
-from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
@@ -114,14 +116,15 @@ async def test_a_direct_handoffs_wait_takes_what_is_pushed_not_what_the_pool_hol
     while the push's pages were there already: +38 ms at 64 MiB in kvstore-bench pd). Seen here
     with pages stored at a, findable by lookup, that the open does not name: only Complete hands
     them over."""
-    a, c = cluster_nodes(["a", "c"], "tcp")
+    port = free_port()
+    a, c = cluster_nodes(["a", "c"], "tcp", each={"c": ["--metrics-listen", f"127.0.0.1:{port}"]})
     tokens = tokens_of(49, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=49)
     async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
         assert await prefill.put(tokens, kv) == len(tokens)
         handoff = new_handoff_id()
         await prefill.handoff_open(handoff, "c")  # no tokens: pushed at complete
-        await asyncio.sleep(0.5)  # the announce goes in the background
+        await eventually(lambda: _pushes_answered(port), 10, "the announce (a Push without keys) answered at c")
         assert (await decode.handoff_wait(handoff, tokens, deadline_s=0.5)).num_tokens == 0
         assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=2.0)
@@ -130,6 +133,15 @@ async def test_a_direct_handoffs_wait_takes_what_is_pushed_not_what_the_pool_hol
         assert await decode.get(hit, out) == len(tokens)
         assert torch.equal(out, kv)
         assert await num_leases(decode) == 0
+
+
+def _pushes(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(n) for n in re.findall(r'^kvstore_rpc_seconds_count\{method="Push"\} (\S+)$', text, re.MULTILINE))
+
+
+async def _pushes_answered(port: int) -> bool:
+    return _pushes(port) >= 1
 
 
 async def test_an_unconsumed_handoff_lets_its_pins_go_after_its_ttl(cluster_nodes) -> None:

@@ -141,13 +141,14 @@ def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_nee
     of the tenant's pages where one was needed (the demoter may evict besides: keep_bytes,
     what the put asks, is checked)."""
     import threading
-    import time
 
     server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 4 * PAGE_BYTES}})
     write_through = server.core.moves.write_through
+    writing, go_on = threading.Event(), threading.Event()
 
-    def slow(keys: list[bytes]) -> None:
-        time.sleep(0.5)  # a busy disk
+    def slow(keys: list[bytes]) -> None:  # a busy disk: the write waits until the Allocate below was answered
+        writing.set()
+        go_on.wait(10)
         write_through(keys)
 
     monkeypatch.setattr(server.core.moves, "write_through", slow)
@@ -166,12 +167,14 @@ def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_nee
             assert a.put(ns, new_keys(1)) == 1  # three pages, no chain: each can go alone
         durable = threading.Thread(target=a.put, args=(ns, new_keys(1), True))
         durable.start()
-        time.sleep(0.2)  # the durable page is published; its write is under way
+        assert writing.wait(10), "the durable put did not reach its write"  # its page published, its write under way
         assert a.code(a.data.Allocate, data_pb2.AllocateRequest(namespace_id=ns, layout=LAYOUT, keys=new_keys(1))) == OK
-        durable.join(5)
+        go_on.set()
+        durable.join(10)
         assert keeps == [3 * PAGE_BYTES], f"evicted down to {[k // PAGE_BYTES for k in keeps]} pages: 3 of 4 may stay"
         a.close()
     finally:
+        go_on.set()
         server.stop(grace_s=1)
 
 

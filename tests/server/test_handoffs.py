@@ -138,11 +138,12 @@ async def test_waits_take_stream_slots_so_unary_calls_keep_their_threads(server_
     server = server_factory(max_streams=2, max_subscribers=1, workers=2)
     tokens = _tokens(6, 2, layout.page_tokens)
     async with KVStoreClient(server.address, ns) as client:
-        first = asyncio.ensure_future(client.handoff_wait(new_handoff_id(), tokens, deadline_s=1.5))
-        await asyncio.sleep(0.3)
+        first = asyncio.ensure_future(client.handoff_wait(new_handoff_id(), tokens, deadline_s=4.0))
+        await until(lambda: server.streams.num_open == 1, "the first wait did not take its slot")
         with pytest.raises(LimitExceeded, match="handoff waits"):
             await client.handoff_wait(new_handoff_id(), tokens, deadline_s=1.0)
-        assert (await asyncio.wait_for(client.lookup(tokens), 0.5)).num_tokens == 0
+        assert (await asyncio.wait_for(client.lookup(tokens), 5.0)).num_tokens == 0
+        assert not first.done(), "the lookup was answered while the wait held its slot"
         assert (await first).num_tokens == 0
         assert server.streams.num_open == 0 and len(server.handoffs) == 0
 
@@ -151,13 +152,12 @@ async def test_a_cancelled_wait_gives_its_slot_back_at_once(server, ns, layout) 
     tokens = _tokens(7, 2, layout.page_tokens)
     async with KVStoreClient(server.address, ns) as client:
         waiting = asyncio.ensure_future(client.handoff_wait(new_handoff_id(), tokens, deadline_s=30.0))
-        await asyncio.sleep(0.3)
-        assert server.streams.num_open == 1
+        await until(lambda: server.streams.num_open == 1, "the wait did not take its slot")
         waiting.cancel()
         started = time.monotonic()
-        while server.streams.num_open and time.monotonic() - started < 5:
+        while server.streams.num_open and time.monotonic() - started < 10:
             await asyncio.sleep(0.05)
-        assert server.streams.num_open == 0 and time.monotonic() - started < 2.0
+        assert server.streams.num_open == 0 and time.monotonic() - started < 10.0  # not at its 30 s deadline
         assert len(server.handoffs) == 0
 
 
@@ -191,6 +191,11 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
     kv = random_kv(layout, len(tokens), seed=9)
     markers = server.handoffs
     drop, entered, release = markers._drop, threading.Event(), threading.Event()
+    wait, waiting = markers.wait, threading.Event()
+
+    def seen_wait(*args: object, **kwargs: object) -> int:
+        waiting.set()
+        return wait(*args, **kwargs)
 
     def held_drop(*args: object, **kwargs: object) -> object:
         if sys._getframe(1).f_code.co_name == "_left":  # the leaving wait's drop: held until the second wait has its answer
@@ -198,7 +203,7 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             release.wait(10)
         return drop(*args, **kwargs)
 
-    markers._drop = held_drop  # type: ignore[method-assign]
+    markers._drop, markers.wait = held_drop, seen_wait  # type: ignore[method-assign]
     try:
         async with KVStoreClient(server.address, ns) as client:
             handoff = new_handoff_id()
@@ -206,7 +211,7 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             first = tokens[: layout.page_tokens]
             assert await client.put(first, kv[:, :, : len(first)].contiguous()) == len(first)
             leaving = asyncio.ensure_future(client.handoff_wait(handoff, tokens, deadline_s=30.0))
-            await asyncio.sleep(0.3)
+            await until(waiting.is_set, "the wait did not begin")
             leaving.cancel()
             started = time.monotonic()
             await until(entered.is_set, "the cancelled wait did not leave")
@@ -224,7 +229,7 @@ async def test_a_wait_that_left_drops_no_pin_another_wait_was_handed(server, ns,
             assert len(markers) == 0 and await leases(client) == 0, "its acquire lets them go: nothing is left"
     finally:
         release.set()
-        markers._drop = drop  # type: ignore[method-assign]
+        markers._drop, markers.wait = drop, wait  # type: ignore[method-assign]
 
 
 async def test_a_wait_that_opened_the_marker_keeps_it_from_a_wait_that_left(server, ns, layout) -> None:

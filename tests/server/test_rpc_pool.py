@@ -84,10 +84,11 @@ def test_results_errors_and_shutdown() -> None:
 
 def test_steady_calls_keep_their_threads() -> None:
     """Calls that come more often than idle_s find an idle thread: no thread churn."""
-    pool = RetiringPool(4, idle_s=IDLE_S, name="steady")
+    pool = RetiringPool(4, idle_s=5.0, name="steady")  # far past a call's gap, however slow the host
     seen = set()
     for _ in range(20):
         seen.add(pool.submit(lambda: threading.current_thread().name).result(5))
+        assert _wait_for(lambda: pool._waiting == 1)  # the thread is back waiting (not yet: a second would start)
         time.sleep(IDLE_S / 10)
     assert len(seen) == 1
     pool.shutdown()
