@@ -139,7 +139,7 @@ async def test_idle_streams_are_closed_and_leave_nothing_behind(server_factory) 
     """A stream that moves no message for --stream-idle-s is cancelled: its thread, its
     stream slot, its lease (ReadPages) and its half-written page's slot (WritePages) are
     given back."""
-    server = server_factory(stream_idle_s=1.0, max_streams=3, max_subscribers=1)
+    server = server_factory(stream_idle_s=3.0, max_streams=3, max_subscribers=1)  # idle well after the 4th stream is refused
     keys = await _store_pages(server.address, 512)
     streams = _Streams(server.address)
     try:
