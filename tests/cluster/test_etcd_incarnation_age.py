@@ -58,6 +58,7 @@ async def test_an_etcd_restarted_on_its_data_is_young_again(etcd) -> None:
         await asyncio.sleep(2.2)
         assert (await records.incarnation())[1] >= 1.0
         stop_process(etcd.proc, 10)
+        restarting = time.monotonic()
         etcd.start()
         for _ in range(100):  # the channel finds the restarted etcd
             try:
@@ -65,7 +66,8 @@ async def test_an_etcd_restarted_on_its_data_is_young_again(etcd) -> None:
                 break
             except CoordinatorUnavailable:
                 await asyncio.sleep(0.1)
-        assert again == ident and 0.0 <= age < 1.0
+        # counted from the restart (however long the channel took to find it on a slow host), not from before it
+        assert again == ident and 0.0 <= age <= time.monotonic() - restarting + 0.1
     finally:
         await client.close()
 

@@ -205,7 +205,7 @@ def test_the_prefill_step_does_not_wait_for_the_open_and_the_completion_follows_
     real_open, real_complete = client.handoff_open, client.handoff_complete
 
     async def slow_open(*args: object, **kwargs: object) -> None:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(2.0)  # far past the bound below: a step that waited for it is told from a slow host's step
         await real_open(*args, **kwargs)  # type: ignore[arg-type]
         calls.append("open")
 
@@ -221,7 +221,7 @@ def test_the_prefill_step_does_not_wait_for_the_open_and_the_completion_follows_
     try:
         began = time.monotonic()
         worker.begin_step(KVStoreConnectorMetadata(handoff_opens=[HandoffOpen("r1", handoff_id, None, 30.0, tokens)]))
-        assert time.monotonic() - began < 0.25, "the step waited for the open's answer"
+        assert time.monotonic() - began < 1.5, "the step waited for the open's answer"
         asyncio.run(_put(server.address, tokens))  # the saves, as the step stores its pages
         worker.begin_step(KVStoreConnectorMetadata(handoff_completes=[HandoffComplete("r1", handoff_id, None, tokens)]))
         deadline = time.monotonic() + 20
