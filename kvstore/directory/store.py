@@ -123,8 +123,7 @@ class Directory:
         with self._lock:
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
-                if entry is None or entry.namespace_id != namespace_id or not entry.locations \
-                        or (node is not None and all(n != node for n, _ in entry.locations)):
+                if entry is None or entry.namespace_id != namespace_id or not any(node in (None, n) for n, _ in entry.locations):
                     return i
         return len(keys)
 
