@@ -7,16 +7,15 @@ its pins go after its ttl; an invalidation meanwhile leaves nothing to hand over
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import time
-import urllib.request
 
 import pytest
 import torch
 from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
+from support.metrics import metric
 from test_cluster_nodes import LAYOUT, NS, ctl_cluster, tokens_of
 
 from kvstore._proto import directory_pb2
@@ -135,13 +134,8 @@ async def test_a_direct_handoffs_wait_takes_what_is_pushed_not_what_the_pool_hol
         assert await num_leases(decode) == 0
 
 
-def _pushes(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(n) for n in re.findall(r'^kvstore_rpc_seconds_count\{method="Push"\} (\S+)$', text, re.MULTILINE))
-
-
 async def _pushes_answered(port: int) -> bool:
-    return _pushes(port) >= 1
+    return metric(port, 'kvstore_rpc_seconds_count{method="Push"}') >= 1
 
 
 async def test_an_unconsumed_handoff_lets_its_pins_go_after_its_ttl(cluster_nodes) -> None:

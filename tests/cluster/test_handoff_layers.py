@@ -8,8 +8,6 @@ wrong are never committed (the decode node checks each assembled page against th
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 from support.cluster_nodes import Node, cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
+from support.metrics import metric
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 from test_handoff import num_leases
 
@@ -35,11 +34,6 @@ def prefill_and_decode(cluster_nodes: Callable[..., list[Node]]) -> tuple[Node, 
     port = free_port()
     a, c = cluster_nodes(["a", "c"], "tcp", each={"c": ["--metrics-listen", f"127.0.0.1:{port}"]})
     return a, c, port
-
-
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return sum(float(n) for n in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE))
 
 
 @pytest.mark.parametrize("data_plane", ["tcp", "ucx", "grpc"])
@@ -62,18 +56,18 @@ async def test_layers_go_ahead_of_the_commit_and_are_committed_in_place(cluster_
         if layered:
             await eventually(lambda: _landed(port, 6 * ahead * LAYER_BYTES), 10,
                              "the first layers landed at c before the save's commit")
-        assert _metric(port, "kvstore_handoff_layer_pages_total") == 0  # nothing committed before the pages are stored at a
+        assert metric(port, "kvstore_handoff_layer_pages_total") == 0  # nothing committed before the pages are stored at a
         assert await save.finished() == len(tokens)
         assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
         assert hit.num_tokens == len(tokens)
-        assert _metric(port, "kvstore_handoff_layer_pages_total") == (6 if layered else 0)
+        assert metric(port, "kvstore_handoff_layer_pages_total") == (6 if layered else 0)
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens)
         assert torch.equal(out, kv)
         assert await num_leases(decode) == 0 and await num_leases(prefill) == 0
         if not layered:
-            assert _metric(port, "kvstore_handoff_layer_bytes_total") == 0
+            assert metric(port, "kvstore_handoff_layer_bytes_total") == 0
 
 
 async def test_a_second_writer_of_the_first_pages_does_not_cut_the_landing(cluster_nodes) -> None:
@@ -100,7 +94,7 @@ async def test_a_second_writer_of_the_first_pages_does_not_cut_the_landing(clust
         assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
         assert hit.num_tokens == len(tokens)
-        assert _metric(port, "kvstore_handoff_layer_pages_total") == 6
+        assert metric(port, "kvstore_handoff_layer_pages_total") == 6
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)
 
@@ -125,7 +119,7 @@ async def test_a_save_given_up_midway_leaves_nothing_at_the_decode_node(cluster_
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=0.3)
         assert hit.num_tokens == 0
         assert await num_leases(decode) == 0 and await num_leases(prefill) == 0
-        assert _metric(port, "kvstore_handoff_layer_pages_total") == 0
+        assert metric(port, "kvstore_handoff_layer_pages_total") == 0
 
 
 async def test_layers_that_landed_wrong_are_never_served(cluster_nodes) -> None:
@@ -157,7 +151,7 @@ async def test_layers_that_landed_wrong_are_never_served(cluster_nodes) -> None:
         got = torch.zeros_like(kv)
         assert await decode.get(hit, got) == len(tokens)
         assert torch.equal(got, kv)
-        assert _metric(port, "kvstore_handoff_layer_pages_total") == 0  # none committed from the wrong layers
+        assert metric(port, "kvstore_handoff_layer_pages_total") == 0  # none committed from the wrong layers
 
 
 async def test_a_small_save_sends_no_layer_ahead(cluster_nodes) -> None:
@@ -177,11 +171,11 @@ async def test_a_small_save_sends_no_layer_ahead(cluster_nodes) -> None:
         hit = await decode.handoff_wait(handoff, tokens, deadline_s=5.0)
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)
-        assert _metric(port, "kvstore_handoff_layer_bytes_total") == 0
+        assert metric(port, "kvstore_handoff_layer_bytes_total") == 0
 
 
 async def _landed(port: int, at_least: int) -> bool:
-    return _metric(port, 'kvstore_handoff_layer_bytes_total{side="landed"}') >= at_least
+    return metric(port, 'kvstore_handoff_layer_bytes_total{side="landed"}') >= at_least
 
 
 async def _host_used(address: str) -> int:
