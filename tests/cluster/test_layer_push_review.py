@@ -12,8 +12,9 @@ import torch
 from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture, free_port  # noqa: F401  # the fixture
 from support.kv import random_kv
+from support.metrics import metric
 from test_cluster_nodes import LAYOUT, NS, tokens_of
-from test_handoff_layers import LAYER_BYTES, _landed, _metric, prefill_and_decode
+from test_handoff_layers import LAYER_BYTES, _landed, prefill_and_decode
 
 from kvstore import validate
 from kvstore._proto import handoff_pb2
@@ -61,7 +62,7 @@ async def test_a_save_retried_after_an_abandoned_one_is_handed_off_intact(cluste
             n = exc.num_tokens  # type: ignore[attr-defined]
         assert torch.equal(got[:, :, :n], kv[:, :, :n]), "wrong bytes served"
         assert n == len(tokens), (f"{n} of {len(tokens)} tokens read; "
-                                  f"{_metric(port, 'kvstore_handoff_layer_pages_total')} pages committed in place at c")
+                                  f"{metric(port, 'kvstore_handoff_layer_pages_total')} pages committed in place at c")
 
 
 async def test_push_layers_in_a_layout_other_than_the_slots_is_a_clear_answer(cluster_nodes) -> None:
