@@ -243,19 +243,22 @@ class Directory:
         if rows:
             self._persist(rows, self.events.last_seq + len(staged))
         generation = self._generations.get(namespace_id)
-        with self._lock:
-            for key, loc in staged:
-                entry = self._entries.setdefault(key, Entry(namespace_id))
-                old = entry.locations.get((loc.node, loc.tier))
-                if old is None:
-                    self._count(loc.node, 1)
-                else:
-                    self._account(entry.namespace_id, old, -1)
-                self._account(entry.namespace_id, loc, 1)
-                entry.locations[(loc.node, loc.tier)] = loc
-                entry.where = None
-                self.events.append(EventKind.STORED, namespace_id, key, loc, generation)
-            self._version += len(staged)
+        try:
+            with self._lock:
+                for key, loc in staged:
+                    entry = self._entries.setdefault(key, Entry(namespace_id))
+                    old = entry.locations.get((loc.node, loc.tier))
+                    if old is None:
+                        self._count(loc.node, 1)
+                    else:
+                        self._account(entry.namespace_id, old, -1)
+                    self._account(entry.namespace_id, loc, 1)
+                    entry.locations[(loc.node, loc.tier)] = loc
+                    entry.where = None
+                    self.events.append(EventKind.STORED, namespace_id, key, loc, generation, wake=False)
+                self._version += len(staged)
+        finally:  # the waiters woken even if an entry's accounting raised
+            self.events.stored(namespace_id, frozenset(loc.node for _, loc in staged))
         return [loc.version for _, loc in staged]
 
     def restore_local(self, records: list[tuple[bytes, bytes, str, int]]) -> None:

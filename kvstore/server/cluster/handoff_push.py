@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore._proto import handoff_pb2, handoff_pb2_grpc
-from kvstore.directory.events import EventKind
 from kvstore.errors import LimitExceeded, TierUnavailable
 from kvstore.server.cluster.layer_pushes import LayerPushes
 from kvstore.server.cluster.peers import Peers, current_cancelled
@@ -58,19 +57,20 @@ class HandoffPushes:
         self._open: dict[OpenKey, Outgoing] = {}
         self._by_namespace: dict[bytes, set[OpenKey]] = {}
         self._loop = asyncio.get_running_loop()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name=f"handoff-{node}", daemon=True)
+        self._pending: set[bytes] = set()  # namespaces stored in, handed to the loop and not yet kicked
+        self._pending_lock = threading.Lock()
+        self._closed = False
         self._sweeper: asyncio.Task[None] | None = None
         self.num_pushed = 0
         self.layers = LayerPushes(node, remote.core, peers, rpc_timeout_s, self._direct)
 
     def start(self) -> None:
-        self._next_seq = self.directory.events.last_seq + 1
-        self._thread.start()
+        self.directory.events.listen(self._on_stored)
         self._sweeper = asyncio.create_task(self._expire_loop(), name=f"handoff-expiry-{self.node}")
 
     async def close(self) -> None:
-        self._stop.set()
+        self._closed = True
+        self.directory.events.unlisten(self._on_stored)
         await self.layers.close()
         tasks = [t for t in (self._sweeper, *(t for o in self._open.values() for t in o.tasks)) if t is not None]
         for task in tasks:
@@ -78,8 +78,6 @@ class HandoffPushes:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._open.clear()
         self._by_namespace.clear()
-        if self._thread.ident is not None:  # started: a node that never joined closes it too
-            await asyncio.to_thread(self._thread.join, 2.0)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -227,28 +225,28 @@ class HandoffPushes:
                     task.cancel()
                 logger.info("open handoff %s expired without Complete", key[2].hex()[:8])
 
-    # -- the event thread --------------------------------------------------------------
-    def _follow(self) -> None:
-        """Pages stored here, handed to the loop by namespace (only those with open handoffs)."""
-        events = self.directory.events
-        while not self._stop.is_set() and not events.closed:
-            batch = events.wait_since(self._next_seq, 0.5)
-            if not batch:
-                continue
-            self._next_seq = batch[-1].seq + 1
-            namespaces = {ev.namespace_id for ev in batch if ev.kind is EventKind.STORED and ev.location is not None
-                          and ev.location.node == self.node and ev.namespace_id in self._by_namespace}
-            if namespaces:
-                try:
-                    self._loop.call_soon_threadsafe(self._stored, namespaces)
-                except RuntimeError:  # the loop closed: the node is leaving
-                    return
+    # -- the publishing thread ----------------------------------------------------------
+    def _on_stored(self, namespace_id: bytes, nodes: frozenset[str]) -> None:
+        """Pages stored here in a namespace with open handoffs: handed to the loop (once while
+        one is pending). Called on the publishing thread (``EventLog.listen``), after the pages
+        are in the directory: an open registered after this check kicks and finds them itself."""
+        if self._closed or self.node not in nodes or namespace_id not in self._by_namespace:
+            return
+        with self._pending_lock:
+            if namespace_id in self._pending:
+                return
+            self._pending.add(namespace_id)
+        try:
+            self._loop.call_soon_threadsafe(self._stored, namespace_id)
+        except RuntimeError:  # the loop closed: the node is leaving
+            pass
 
-    def _stored(self, namespaces: set[bytes]) -> None:
-        for namespace_id in namespaces:
-            for key in list(self._by_namespace.get(namespace_id, ())):
-                if (out := self._open.get(key)) is not None:
-                    self._kick(out)
+    def _stored(self, namespace_id: bytes) -> None:
+        with self._pending_lock:
+            self._pending.discard(namespace_id)  # before the kicks: a publish from now on is handed on again
+        for key in list(self._by_namespace.get(namespace_id, ())):
+            if (out := self._open.get(key)) is not None:
+                self._kick(out)
 
 
 def _logged(task: asyncio.Task[None]) -> None:

@@ -1,0 +1,53 @@
+"""A publish tells the event log's listeners once, on the publishing thread, after its pages are
+readable (a handoff's push acts on it at once: DESIGN §12.7), and wakes a waiter once for all its
+pages, not once per page."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from kvstore.directory import Directory, EventKind
+
+NS = b"n" * 16
+
+
+def test_a_listener_sees_every_page_of_the_publish_that_called_it(tmp_path: Path) -> None:
+    directory = Directory(tmp_path, "a")
+    seen: list[tuple[bytes, frozenset[str], int]] = []
+    keys = [bytes([i]) * 16 for i in range(8)]
+    directory.events.listen(lambda ns, nodes: seen.append((ns, nodes, directory.prefix_length(ns, keys, "a"))))
+    directory.publish(NS, [(k, "a", "host", 4096) for k in keys[:3]])
+    directory.publish(NS, [(k, "b", "host", 4096) for k in keys[3:]])
+    assert seen == [(NS, frozenset({"a"}), 3), (NS, frozenset({"b"}), 3)]
+
+
+def test_an_unlistened_listener_is_not_called(tmp_path: Path) -> None:
+    directory = Directory(tmp_path, "a")
+    calls: list[bytes] = []
+    listener = lambda ns, nodes: calls.append(ns)
+    directory.events.listen(listener)
+    directory.events.unlisten(listener)
+    directory.publish(NS, [(b"k" * 16, "a", "host", 4096)])
+    assert calls == []
+
+
+def test_a_waiter_wakes_once_to_the_whole_publish(tmp_path: Path) -> None:
+    """The waiter sleeps until the publish's last page is in (the pages are logged without a wake,
+    then one wake), so its first batch is every page."""
+    directory = Directory(tmp_path, "a")
+    first = directory.events.last_seq + 1
+    batches: list[int] = []
+    waiting = threading.Event()
+
+    def wait() -> None:
+        waiting.set()
+        batches.append(len(directory.events.wait_since(first, 10.0)))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiting.wait()
+    directory.publish(NS, [(bytes([i]) * 16, "a", "host", 4096) for i in range(64)])
+    waiter.join(10.0)
+    assert batches == [64]
+    assert all(ev.kind is EventKind.STORED for ev in directory.events.since(first))
