@@ -80,8 +80,7 @@ class EventLog:
     def listen(self, listener: StoredListener) -> None:
         """``listener`` is called on the publishing thread once a publish's STORED events are in
         the log and its entries readable: a subscriber that acts on them at once (a handoff's
-        push, DESIGN §12.7) skips the wake of a thread in ``wait_since`` (0.5-1.4 ms of a
-        handoff's, traced). It must not block: it hands the work on (``call_soon_threadsafe``)."""
+        push, DESIGN §12.7) skips the wake of a thread in ``wait_since``. It must not block: it hands the work on (``call_soon_threadsafe``)."""
         self._listeners.append(listener)
 
     def unlisten(self, listener: StoredListener) -> None:
