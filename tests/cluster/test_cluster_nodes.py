@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -106,7 +105,7 @@ async def test_node_killed_mid_fetch_costs_only_its_pages_and_comes_back(cluster
         await eventually(lambda: _found(on_c, tokens, len(tokens)), 5, "the whole prefix in c's lookup")
         hit = await on_c.lookup(tokens)
         assert [(r.node, r.num_pages) for r in hit.runs] == [("a", 8), ("b", 8)]
-        b.signal(signal.SIGSTOP)
+        b.freeze()
         out = torch.zeros_like(kv)
         started = time.monotonic()
         with pytest.raises(PageMissing) as missing:

@@ -222,7 +222,7 @@ async def test_a_frozen_decode_node_costs_complete_its_deadline_not_more(cluster
         handoff = new_handoff_id()
         await prefill.handoff_open(handoff, "c")
         assert await prefill.put(tokens, kv) == len(tokens)
-        c.signal(signal.SIGSTOP)
+        c.freeze()
         try:
             started = time.monotonic()
             with pytest.raises(TierUnavailable, match="decode node 'c'"):

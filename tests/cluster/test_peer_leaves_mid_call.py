@@ -37,7 +37,7 @@ async def test_a_holder_leaving_mid_read_is_a_miss_not_an_internal_error(cluster
         assert await on_a.put(tokens, kv) == len(tokens)
         await eventually(lambda: _found(on_c, tokens), 5, "a's prefix in c's lookup")
         hit = await on_c.lookup(tokens)
-        a.signal(signal.SIGSTOP)
+        a.freeze()  # every thread stopped: a SIGSTOP only queued, a ReadPages sent now was still answered under load
         try:
             started = time.monotonic()
             with pytest.raises(PageMissing) as missing:

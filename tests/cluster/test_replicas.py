@@ -70,7 +70,7 @@ async def test_a_frozen_target_costs_the_replica_not_a_hang(cluster_nodes) -> No
     kv = random_kv(LAYOUT, len(tokens), seed=24)
     async with KVStoreClient(a.address, NS) as on_a:
         for node in (b, c):
-            node.signal(signal.SIGSTOP)
+            node.freeze()
         started = time.monotonic()
         assert await on_a.put(tokens, kv, replicas=2) == 0
         waited = time.monotonic() - started

@@ -69,7 +69,7 @@ async def test_a_short_read_cut_by_a_frozen_holder_leaves_nothing_behind(cluster
     async with KVStoreClient(c.address, NS, timeout_s=SHORT_S) as on_c:
         await eventually(lambda: _found(on_c, tokens, len(tokens)), 5, "the whole prefix in c's lookup")
         hit = await on_c.lookup(tokens)
-        b.signal(signal.SIGSTOP)
+        b.freeze()
         try:
             out = torch.zeros_like(kv)
             with pytest.raises(PageMissing) as missing:

@@ -18,6 +18,7 @@ from kvstore import KVLayout, Namespace
 from kvstore.bench.common.harness import stop_process
 from kvstore.tiers.host import remove_stale_arenas
 from support.etcd_proc import free_port
+from support.servers import freeze
 
 TTL_S = 2
 # the cluster tests' layout and namespace, and a chain of page tokens from a seed
@@ -66,8 +67,14 @@ class Node:
         self.wait_ready()
 
     def signal(self, sig: int) -> None:
+        """Sends ``sig`` and returns: a SIGSTOP may not have stopped the node yet (``freeze`` waits)."""
         assert self.proc is not None
         self.proc.send_signal(sig)
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread of the node is stopped (support.servers.freeze)."""
+        assert self.proc is not None
+        freeze(self.proc)
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -76,6 +76,19 @@ def _thread_state(task: Path) -> str:
         return "T"  # the thread ended: it answers nothing
 
 
+def freeze(proc: subprocess.Popen[str]) -> None:
+    """SIGSTOP, returning once every thread is stopped: kill() only queues the signal. The thread
+    the kernel picks to take it (the main one) starts the group stop once it runs; until then the
+    others run on, and a request sent right after kill() can still be answered (seen under load:
+    a frozen cluster node served a fetched page)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    tasks = Path(f"/proc/{proc.pid}/task")
+    while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
+        assert time.monotonic() < deadline, f"process {proc.pid} did not stop within 10 s of SIGSTOP"
+        time.sleep(0.001)
+
+
 class ServerProcess:
     """kvstore-server as a child process (for SIGKILL and restart tests)."""
 
@@ -104,15 +117,10 @@ class ServerProcess:
             raise RuntimeError(f"server did not start: {line}{self.proc.stderr.read() if self.proc.stderr else ''}")
 
     def freeze(self) -> None:
-        """SIGSTOP, returning once every thread is stopped: kill() only queues the signal, and a
-        request sent right after it over the call socket (~20 us) can still be answered."""
+        """SIGSTOP, returning once every thread is stopped (``freeze``): a request sent right after
+        kill() over the call socket (~20 us) can still be answered."""
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        tasks = Path(f"/proc/{self.proc.pid}/task")
-        while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
-            assert time.monotonic() < deadline, "the server did not stop within 10 s of SIGSTOP"
-            time.sleep(0.001)
+        freeze(self.proc)
 
     def kill(self) -> None:
         assert self.proc is not None
