@@ -9,6 +9,7 @@ More: kvstore/directory/README.md (### events.py).
 from __future__ import annotations
 
 import enum
+import logging
 import struct
 import threading
 import time
@@ -19,6 +20,8 @@ from kvstore.types import NAMESPACE_ID_BYTES, PAGE_KEY_BYTES, Location
 
 # seq, unix_ms, kind, flags, namespace id (its length, its bytes), key (likewise),
 # location: node and tier (name table indexes), version, size; the namespace's generation
+logger = logging.getLogger(__name__)
+
 _RECORD = struct.Struct(f"<qqBBB{NAMESPACE_ID_BYTES}sB{PAGE_KEY_BYTES}sHHqqQ")
 _HAS_LOCATION, _KEPT_BESIDE = 1, 2  # flags
 _MAX_NAMES = 1 << 16
@@ -92,8 +95,11 @@ class EventLog:
         listeners told."""
         with self._cond:
             self._cond.notify_all()
-        for listener in self._listeners:
-            listener(namespace_id, nodes)
+        for listener in list(self._listeners):
+            try:
+                listener(namespace_id, nodes)
+            except Exception:  # the publish is done: a listener's failure is its own, not the commit's
+                logger.exception("a listener of published pages failed")
 
     def _name(self, name: str) -> int | None:
         found = self._name_ids.get(name)

@@ -51,3 +51,18 @@ def test_a_waiter_wakes_once_to_the_whole_publish(tmp_path: Path) -> None:
     waiter.join(10.0)
     assert batches == [64]
     assert all(ev.kind is EventKind.STORED for ev in directory.events.since(first))
+
+
+def test_a_failing_listener_does_not_fail_the_publish(tmp_path: Path) -> None:
+    """The pages are published when the listeners are told: a listener that raises is logged, and
+    the publish (a client's commit) still answers, the listeners after it told too."""
+    directory = Directory(tmp_path, "a")
+    told: list[bytes] = []
+
+    def broken(ns: bytes, nodes: frozenset[str]) -> None:
+        raise RuntimeError("a listener's bug")
+
+    directory.events.listen(broken)
+    directory.events.listen(lambda ns, nodes: told.append(ns))
+    assert len(directory.publish(NS, [(b"k" * 16, "a", "host", 4096)])) == 1
+    assert told == [NS] and directory.prefix_length(NS, [b"k" * 16], "a") == 1
