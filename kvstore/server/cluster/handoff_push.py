@@ -121,8 +121,9 @@ class HandoffPushes:
 
     def _kick(self, out: Outgoing) -> None:
         """Pushes what was stored since the last push, now, unless ``MAX_PUSHES`` are in flight
-        (the first to end kicks again)."""
-        if not out.to_node or out.to_node == self.node or out.failed or not out.keys or len(out.tasks) >= MAX_PUSHES:
+        (the first to end kicks again). None once ``close`` began: the end of a push it cancels, or a
+        publish handed to the loop before it, would start a Push that nothing cancels or awaits."""
+        if self._closed or not out.to_node or out.to_node == self.node or out.failed or not out.keys or len(out.tasks) >= MAX_PUSHES:
             return
         stored = out.queued + self.remote.local_prefix(out.namespace_id, out.keys[out.queued :])
         stored = self.layers.whole(out, out.queued, stored)  # no Push names part of a landing's allocation
