@@ -359,8 +359,8 @@ class Server:
             return
         self._stopped.set()
         self.call_socket.stop()  # first, as gRPC stops taking calls first: nothing is served while the rest stops
-        self.core.directory.events.close()  # wakes its followers: the cluster's publisher and handoff threads end now,
-        # not at their next 0.5 s poll (each close joined one: a node's stop took ~1 s)
+        self.core.directory.events.close()  # wakes its followers: the cluster's publisher thread ends now,
+        # not at its next 0.5 s poll (its close joins it: a node's stop took ~1 s)
         if self.cluster is not None:
             self.cluster.stop()
         if self._scrubber is not None:
