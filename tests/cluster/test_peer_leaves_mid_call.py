@@ -49,7 +49,7 @@ async def test_a_holder_leaving_mid_read_is_a_miss_not_an_internal_error(cluster
             assert time.monotonic() - started < 3 * TTL_S + 2
             stats = await on_c._call(on_c.runtime.directory.Stats, directory_pb2.StatsRequest())
             assert stats.num_leases == 0 and next(t for t in stats.tiers if t.tier == "host").num_pages == 0
-            asked = "lookup at owner a ended with its channel" in c.log.read_text()
+            asked = "lookup at owner a " in c.log.read_text()  # ended with its channel, or failed at its deadline
             assert asked == c_owns, "the read asked frozen a for records" if asked else "the read did not ask a for records"
         finally:
             a.signal(signal.SIGCONT)

@@ -76,15 +76,23 @@ def _thread_state(task: Path) -> str:
         return "T"  # the thread ended: it answers nothing
 
 
+def _tasks(tasks: Path, proc: subprocess.Popen[str]) -> list[Path]:
+    try:
+        return list(tasks.iterdir())
+    except FileNotFoundError:  # a process that ended (a zombie's task directory cannot be listed)
+        raise AssertionError(f"process {proc.pid} ended while it was being frozen") from None
+
+
 def freeze(proc: subprocess.Popen[str]) -> None:
     """SIGSTOP, returning once every thread is stopped: kill() only queues the signal. The thread
     the kernel picks to take it (the main one) starts the group stop once it runs; until then the
     others run on, and a request sent right after kill() can still be answered (seen under load:
     a frozen cluster node served a fetched page)."""
+    assert proc.poll() is None, f"process {proc.pid} exited ({proc.returncode}) before it could be frozen"
     proc.send_signal(signal.SIGSTOP)
     deadline = time.monotonic() + 10
     tasks = Path(f"/proc/{proc.pid}/task")
-    while not all(_thread_state(t) in "Tt" for t in tasks.iterdir()):
+    while not all(_thread_state(t) in "Tt" for t in _tasks(tasks, proc)):
         assert time.monotonic() < deadline, f"process {proc.pid} did not stop within 10 s of SIGSTOP"
         time.sleep(0.001)
 
