@@ -63,9 +63,9 @@ class HandoffPushes:
         self._sweeper: asyncio.Task[None] | None = None
         self.num_pushed = 0
         self.layers = LayerPushes(node, remote.core, peers, rpc_timeout_s, self._direct)
+        self.directory.events.listen(self._on_stored)  # now, not at start(): an open served before it is kicked too
 
     def start(self) -> None:
-        self.directory.events.listen(self._on_stored)
         self._sweeper = asyncio.create_task(self._expire_loop(), name=f"handoff-expiry-{self.node}")
 
     async def close(self) -> None:
