@@ -25,6 +25,7 @@ from kvstore.callsocket.client_aio import AsyncCallChannel, NotSent
 from kvstore.client import KVStoreClient
 from kvstore.client.runtime import Runtime
 from kvstore.errors import KVStoreError
+from kvstore.server.tenancy.gate import Gate
 
 
 def spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
@@ -142,10 +143,34 @@ async def test_a_socket_that_does_not_take_the_lookup_hands_it_to_the_runtime(
 
 async def test_lookups_past_the_loops_connections_wait_for_none(server, ns: Namespace, layout: KVLayout,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server holds each lookup until all six arrived, so the loop's two connections are busy
+    when the other four try them. Without the hold a lookup could run its whole call before the
+    next one started (the server's thread answering within the caller's GIL slice, no await
+    yielding), and six in a row took the loop's connections (0 hops: a CI run under load)."""
     async with KVStoreClient(server.address, ns) as client:
         keys = await stored(client, layout, 3)
         _socket_calls, hops = spy(monkeypatch)
-        hits = await asyncio.gather(*(client.lookup_keys(keys) for _ in range(6)))
+        arrived, all_in = threading.Semaphore(0), threading.Event()
+        real = Gate.lookup
+
+        def held(gate: Gate, *args: Any, **kwargs: Any) -> Any:
+            arrived.release()
+            all_in.wait(10.0)
+            return real(gate, *args, **kwargs)
+
+        def count() -> None:
+            for _ in range(6):
+                arrived.acquire(timeout=10.0)
+            all_in.set()
+
+        monkeypatch.setattr(Gate, "lookup", held)
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            hits = await asyncio.gather(*(client.lookup_keys(keys) for _ in range(6)))
+        finally:
+            all_in.set()
+            counter.join()
         assert [h.num_pages for h in hits] == [3] * 6
         assert len(hops) == 6 - 2, "two on this loop's connections, the others through the runtime"
 
