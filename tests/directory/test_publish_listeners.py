@@ -4,6 +4,7 @@ pages, not once per page."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -33,24 +34,38 @@ def test_an_unlistened_listener_is_not_called(tmp_path: Path) -> None:
 
 
 def test_a_waiter_wakes_once_to_the_whole_publish(tmp_path: Path) -> None:
-    """The waiter sleeps until the publish's last page is in (the pages are logged without a wake,
-    then one wake), so its first batch is every page."""
+    """A waiter asleep in ``wait_since`` before a 64-page publish first reads all 64 pages: they
+    are logged without a wake, then one wake. Woken per page (before), it took the log's lock
+    between two pages and read a part, the interpreter switching threads every microsecond."""
     directory = Directory(tmp_path, "a")
+    asleep = threading.Event()
+    directory.events._cond = _Announcing(asleep)  # type: ignore[attr-defined]
     first = directory.events.last_seq + 1
     batches: list[int] = []
-    waiting = threading.Event()
-
-    def wait() -> None:
-        waiting.set()
-        batches.append(len(directory.events.wait_since(first, 10.0)))
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    waiting.wait()
-    directory.publish(NS, [(bytes([i]) * 16, "a", "host", 4096) for i in range(64)])
-    waiter.join(10.0)
+    waiter = threading.Thread(target=lambda: batches.append(len(directory.events.wait_since(first, 10.0))))
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        waiter.start()
+        assert asleep.wait(10.0)  # the publish's first append takes the lock the waiter's wait gives up
+        directory.publish(NS, [(bytes([i]) * 16, "a", "host", 4096) for i in range(64)])
+        waiter.join(10.0)
+    finally:
+        sys.setswitchinterval(before)
     assert batches == [64]
     assert all(ev.kind is EventKind.STORED for ev in directory.events.since(first))
+
+
+class _Announcing(threading.Condition):
+    """A condition that says when a thread is about to wait on it (it holds the lock until then)."""
+
+    def __init__(self, asleep: threading.Event) -> None:
+        super().__init__()
+        self._asleep = asleep
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._asleep.set()
+        return super().wait(timeout)
 
 
 def test_a_failing_listener_does_not_fail_the_publish(tmp_path: Path) -> None:
