@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from kvstore.types import NAMESPACE_ID_BYTES, PAGE_KEY_BYTES, Location
 
-# seq, unix_ms, kind, flags, namespace id (its length, its bytes), key (likewise),
-# location: node and tier (name table indexes), version, size; the namespace's generation
 logger = logging.getLogger(__name__)
 
+# seq, unix_ms, kind, flags, namespace id (its length, its bytes), key (likewise),
+# location: node and tier (name table indexes), version, size; the namespace's generation
 _RECORD = struct.Struct(f"<qqBBB{NAMESPACE_ID_BYTES}sB{PAGE_KEY_BYTES}sHHqqQ")
 _HAS_LOCATION, _KEPT_BESIDE = 1, 2  # flags
 _MAX_NAMES = 1 << 16
@@ -83,7 +83,8 @@ class EventLog:
     def listen(self, listener: StoredListener) -> None:
         """``listener`` is called on the publishing thread once a publish's STORED events are in
         the log and its entries readable: a subscriber that acts on them at once (a handoff's
-        push, DESIGN §12.7) skips the wake of a thread in ``wait_since``. It must not block: it hands the work on (``call_soon_threadsafe``)."""
+        push, DESIGN §12.7) skips the wake of a thread in ``wait_since``. It must not block: it
+        hands the work on (``call_soon_threadsafe``)."""
         self._listeners.append(listener)
 
     def unlisten(self, listener: StoredListener) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +57,6 @@ class HandoffPushes:
         self._by_namespace: dict[bytes, set[OpenKey]] = {}
         self._loop = asyncio.get_running_loop()
         self._pending: set[bytes] = set()  # namespaces stored in, handed to the loop and not yet kicked
-        self._pending_lock = threading.Lock()
         self._closed = False
         self._sweeper: asyncio.Task[None] | None = None
         self.num_pushed = 0
@@ -230,21 +228,19 @@ class HandoffPushes:
     def _on_stored(self, namespace_id: bytes, nodes: frozenset[str]) -> None:
         """Pages stored here in a namespace with open handoffs: handed to the loop (once while
         one is pending). Called on the publishing thread (``EventLog.listen``), after the pages
-        are in the directory: an open registered after this check kicks and finds them itself."""
-        if self._closed or self.node not in nodes or namespace_id not in self._by_namespace:
+        are in the directory: an open registered after this check kicks and finds them itself. No
+        lock: two publishes that both find the namespace not pending hand it on twice (a kick more);
+        one that finds it pending has its pages read by that kick, which discards it first."""
+        if self._closed or self.node not in nodes or namespace_id not in self._by_namespace or namespace_id in self._pending:
             return
-        with self._pending_lock:
-            if namespace_id in self._pending:
-                return
-            self._pending.add(namespace_id)
+        self._pending.add(namespace_id)
         try:
             self._loop.call_soon_threadsafe(self._stored, namespace_id)
         except RuntimeError:  # the loop closed: the node is leaving
             pass
 
     def _stored(self, namespace_id: bytes) -> None:
-        with self._pending_lock:
-            self._pending.discard(namespace_id)  # before the kicks: a publish from now on is handed on again
+        self._pending.discard(namespace_id)  # before the kicks: a publish from now on is handed on again
         for key in list(self._by_namespace.get(namespace_id, ())):
             if (out := self._open.get(key)) is not None:
                 self._kick(out)
