@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -53,6 +51,7 @@ from kvstore.server.services.streams import StreamGate
 from kvstore.server.serving import ServingState
 from kvstore.server.session_expiry import SessionExpiry
 from kvstore.server.session_owners import SessionOwners
+from kvstore.server.socket_dir import arena_socket_path
 from kvstore.server.tenancy import NamespaceOwners, Quotas, Tenancy
 from kvstore.server.tenancy.gate import Gate
 from kvstore.server.tenancy.owners import OWNER_WORDS, owner_for, tenant_for
@@ -82,15 +81,6 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 2),
     ]
-
-
-def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
-    """``DATA_DIR/<name>``, or, when that path is too long for a Unix socket, one in a
-    new private (0700) directory under the temp directory."""
-    path = data_dir / name
-    if len(os.fsencode(path)) <= 100:
-        return path
-    return Path(tempfile.mkdtemp(prefix="kvstore-")) / name
 
 
 def _cluster_salts(config: ServerConfig) -> Callable[[], TenantSalts]:

@@ -1,0 +1,70 @@
+"""A data directory whose path is too long for a Unix socket gets its sockets' directory under
+the temp directory (``arena_socket_path``). A SIGKILLed server cannot remove it; its restart on
+the same data directory takes it over, so kills do not pile directories up under /tmp. A name
+there that another user made, or made open to others, is never used (an attacker on the host
+could otherwise own the directory the sockets are bound in)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from support.servers import ServerProcess
+
+
+def _deep(tmp_path: Path) -> Path:
+    return tmp_path / ("d" * 60) / ("e" * 60)
+
+
+@pytest.fixture(name="temp")
+def temp_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the server's tempfile.gettempdir()
+    return temp
+
+
+def test_a_killed_server_restarted_on_its_data_directory_leaves_one_sockets_directory(tmp_path: Path, temp: Path) -> None:
+    server = ServerProcess(_deep(tmp_path))
+    try:
+        for _ in range(3):
+            server.start()
+            server.kill()
+        server.start()
+        made = list(temp.iterdir())
+        assert len(made) == 1, f"each kill left its sockets' directory: {sorted(p.name for p in made)}"
+        assert made[0].stat().st_mode & 0o777 == 0o700
+        assert {p.name for p in made[0].iterdir()} >= {"call.sock"}
+    finally:
+        server.terminate()
+        server.close_pipes()
+    assert list(temp.iterdir()) == [], "a stopped server left its sockets' directory"
+
+
+@pytest.mark.parametrize("squat", ["open to others", "a symlink"])
+def test_a_squatted_sockets_directory_is_passed_over(tmp_path: Path, temp: Path, squat: str) -> None:
+    data = _deep(tmp_path) / "data"
+    data.mkdir(parents=True)
+    digest = hashlib.sha256(os.fsencode(data.resolve())).hexdigest()[:16]
+    squatted = temp / f"kvstore-{os.geteuid()}-{digest}"
+    target = tmp_path / "attacker"
+    target.mkdir(mode=0o777)
+    os.chmod(target, 0o777)
+    if squat == "a symlink":
+        squatted.symlink_to(target)
+    else:
+        squatted.mkdir()
+        os.chmod(squatted, 0o777)
+    server = ServerProcess(_deep(tmp_path))
+    try:
+        server.start()
+        assert list(target.iterdir()) == [], "the server bound its sockets in a directory it does not own alone"
+        if squat != "a symlink":
+            assert list(squatted.iterdir()) == []
+        others = [p for p in temp.iterdir() if p != squatted]
+        assert len(others) == 1 and others[0].stat().st_mode & 0o777 == 0o700
+    finally:
+        server.terminate()
+        server.close_pipes()
