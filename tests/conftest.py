@@ -6,6 +6,9 @@ a test starts that imports it puts tests/ on its own path (PYTHONPATH or sys.pat
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,25 @@ from support.servers import ServerProcess, make_config, remove_dead_arenas
 from kvstore import KVLayout, Namespace
 from kvstore.config import ServerConfig
 from kvstore.server import Server
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _children_temp() -> Iterator[None]:
+    """Child processes (servers, vLLM engines) make their temp files in a directory of this run,
+    removed at its end: a server a test SIGKILLed cannot remove its sockets' directory
+    (kvstore/server/socket_dir.py), nor a killed vLLM engine its ZMQ sockets. A short path: a
+    socket's address holds ~100 bytes."""
+    temp = tempfile.mkdtemp(prefix="kvt-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = temp
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
