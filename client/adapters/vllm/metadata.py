@@ -96,8 +96,8 @@ class HandoffOpen:
 
 @dataclass(frozen=True)
 class HandoffComplete:
-    """Prefill side: once the request's saves ended, mark the handoff complete for the
-    full pages of ``tokens`` (the prompt's computed pages), then report it finished sending."""
+    """Prefill side: once the request's saves ended, report it finished sending and mark the
+    handoff complete for the full pages of ``tokens`` (the prompt's computed pages)."""
 
     req_id: str
     handoff_id: str

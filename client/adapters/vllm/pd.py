@@ -176,8 +176,9 @@ class HandoffScheduler:
 
     def finished(self, request: Any, saving: bool) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: a prefill that ran to its end keeps its blocks until its
-        handoff is complete (the workers then report it finished sending) and returns what
-        the decode side needs; ``saving``: the single-group side holds them for its saves."""
+        saves ended (the workers then report it finished sending and complete the handoff)
+        and returns what the decode side needs; ``saving``: the single-group side holds them
+        for its saves."""
         req_id = request.request_id
         self._decodes.pop(req_id, None)
         prefill = self._prefills.pop(req_id, None)

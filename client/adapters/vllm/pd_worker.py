@@ -5,8 +5,10 @@ More: client/adapters/vllm/README.md (### pd_worker.py).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +103,8 @@ class HandoffWorker:
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # decode req id -> leading pages in its blocks, after a short receive
         self._idle = False  # this step computes nothing
+        self._ending = threading.Lock()
+        self._in_flight = 0  # completions started and not counted yet (they end on the runtime's thread)
 
     def register(self, kv_caches: list[torch.Tensor]) -> None:
         """vLLM's KV of every layer, in page order (views of it, as worker.py takes them)."""
@@ -193,10 +197,12 @@ class HandoffWorker:
     # -- after the step ------------------------------------------------------------------
 
     def finished(self, saved: set[str], finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished sending, finished receiving) of this step. ``saved``: what worker.py
-        reported finished (its saves ended); a handed-off request among them is held back
-        until its handoff is complete. ``finished_req_ids``: vLLM's, of this step (one that
-        ended without a complete to make, aborted, is forgotten: its handoff expires)."""
+        """(finished sending, finished receiving) of this step. ``saved``: what worker.py reported
+        finished (its saves ended: its pages are stored, vLLM may take its blocks back); a handed-off
+        request among them is reported finished sending at once and completes in the background
+        (after its open): held until Complete answered, its blocks were kept through the pushes in
+        flight (~30 ms at 64 MiB) and an idle engine kept stepping. ``finished_req_ids``: vLLM's, of
+        this step (one that ended without a complete to make, aborted, is forgotten: it expires)."""
         self._saving -= saved
         self._handed -= finished_req_ids - self._completing.keys()
         for req_id in finished_req_ids - self._completing.keys():  # aborted: its open is not waited for (it expires)
@@ -210,28 +216,56 @@ class HandoffWorker:
         self._settle_opens(now)
         sending = saved - self._completing.keys()
         for req_id, done in list(self._completing.items()):
-            if done.job is None and req_id not in self._saving and req_id not in self._opening:
-                self._start_complete(done, now)
+            if done.job is None and req_id not in self._saving:
+                self._start_complete(done, now, self._opening.get(req_id))
+                sending.add(req_id)
             if done.job is not None and (done.job.result.done() or now > done.give_up_at):
-                self._ended_complete(done)
+                if not done.job.result.done():
+                    done.job.cancel()  # its end is counted by _ended_complete
                 del self._completing[req_id]
                 self._handed.discard(req_id)
-                sending.add(req_id)
         return sending, self._settle_receives(now)
 
-    def _start_complete(self, done: Completing, now: float) -> None:
+    def _start_complete(self, done: Completing, now: float, opening: Opening | None) -> None:
+        """Completes in the background once the open answered (or was given up on: its pages go
+        at Complete), so Complete never reaches the node first."""
         spec, client = done.spec, self.store.client()
-        done.give_up_at, done.client = now + self.complete_timeout_s + GRACE_S, client
+        open_wait_s = max(0.0, opening.give_up_at - now) if opening is not None else 0.0
+        done.give_up_at, done.client = now + open_wait_s + self.complete_timeout_s + GRACE_S, client
         if client is None:
             done.job = _Failed()
+            self._ended_complete(done)
             return
-        done.job = client.runtime.submit(client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node,
-                                                                 deadline_s=self.complete_timeout_s))
+        opened = opening.job.result if opening is not None else None
+        with self._ending:
+            self._in_flight += 1
+        done.job = client.runtime.submit(self._complete(client, spec, opened, open_wait_s))
+        # counted as it ends (on the runtime's thread): an engine with nothing else to do steps no more
+        done.job.result.add_done_callback(lambda _: self._ended_complete(done, counted=True))
 
-    def _ended_complete(self, done: Completing) -> None:
+    async def _complete(self, client: KVStoreClient, spec: HandoffComplete, opened: concurrent.futures.Future[Any] | None,
+                        open_wait_s: float) -> int:
+        if opened is not None and not opened.done():  # however it ends (failed, given up on: _settle_opens counts
+            # it), the pages not pushed go at Complete
+            await asyncio.wait({asyncio.wrap_future(opened)}, timeout=max(0.001, open_wait_s))
+        return await client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node, deadline_s=self.complete_timeout_s)
+
+    def completions_in_flight(self) -> int:
+        """Completions started whose end is not counted yet in ``stats``."""
+        with self._ending:
+            return self._in_flight
+
+    def _ended_complete(self, done: Completing, counted: bool = False) -> None:
+        try:
+            self._count_complete(done)
+        finally:
+            if counted:
+                with self._ending:
+                    self._in_flight -= 1
+
+    def _count_complete(self, done: Completing) -> None:
         spec, result = done.spec, done.job.result
-        if not result.done():
-            done.job.cancel()
+        if result.cancelled():  # given up on past its deadline, or at shutdown
             self.stats.complete_failed += 1
             logger.warning("kvstore handoff %s of request %s: no completion within %.1f s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, self.complete_timeout_s)

@@ -8,7 +8,7 @@ Commands: {"cmd": "generate", "prompts": [[ids]], "max_tokens": n, "skip_prefix_
 saves of the generation have ended and its sessions' tokens are logged (so that the next command finds what it stored);
 "kv_transfer_params": [params or null per prompt] (disaggregated prefill: each output then
 carries its own; "drain": true steps the engine until the connector gives every held block
-back, as vllm serve's busy loop does, so that a prefill's handoff completes; {"cmd": "drain"}
+back, as vllm serve's busy loop does, and waits for its handoffs' completions; {"cmd": "drain"}
 does that alone);
 {"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
@@ -36,11 +36,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def drain(llm: object) -> None:
-    """Steps the engine until its connector holds no finished request's blocks (at most 60 s)."""
+    """Steps the engine until its connector holds no finished request's blocks, then waits for
+    the handoffs' completions, which end in the background (at most 60 s in all)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
     deadline = time.monotonic() + 60
     while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
         llm.llm_engine.step()  # type: ignore[attr-defined]
+    handoffs = getattr(get_kv_transfer_group(), "handoff_worker", None)
+    while handoffs is not None and handoffs.completions_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def step_request(llm: object, cmd: dict, paused: object) -> object:
