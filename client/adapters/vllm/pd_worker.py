@@ -5,20 +5,19 @@ More: client/adapters/vllm/README.md (### pd_worker.py).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV, block_views
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
-from kvstore.client.adapters.vllm.pd_leases import Taken, arena_of, copy_into, give_back, take
+from kvstore.client.adapters.vllm.pd_jobs import Completing, FailedJob, HandoffStats, Opening, Receiving, ended
+from kvstore.client.adapters.vllm.pd_leases import arena_of, copy_into, give_back, take
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
 
@@ -31,49 +30,6 @@ GRACE_S = 5.0  # past its deadline, how long a receive's get may still run befor
 # answers, got the GIL only at the 5 ms switch interval (6-64 ms from the node's answer to the
 # worker's in kvstore-bench pd, on both sides).
 IDLE_WAIT_S = 0.002
-
-
-@dataclass
-class HandoffStats:
-    """Counters tests and logs read (never reset)."""
-
-    opened: int = 0
-    open_failed: int = 0
-    completed: int = 0
-    completed_tokens: int = 0  # handed off, as handoff_complete answered
-    complete_failed: int = 0
-    received: int = 0  # receives whose every page arrived
-    received_tokens: int = 0
-    receive_failed: int = 0  # receives with pages missing: vLLM recomputed them
-    received_leased: int = 0  # receives copied from the arena (leased), not through a staging tensor
-    failed_blocks: int = 0
-
-
-@dataclass
-class Opening:
-    spec: HandoffOpen
-    job: Any  # the runtime's Job of handoff_open
-    give_up_at: float
-    client: KVStoreClient
-
-
-@dataclass
-class Completing:
-    spec: HandoffComplete
-    job: Any = None  # the runtime's Job of handoff_complete, once started
-    give_up_at: float = 0.0
-    client: KVStoreClient | None = None
-
-
-@dataclass
-class Receiving:
-    spec: HandoffLoad
-    job: Any  # the runtime's Job of the receive (None: not started, the store is not connected yet)
-    start_by: float  # the request's deadline: a receive not started by then is given up on
-    give_up_at: float
-    client: KVStoreClient | None
-    taken: Taken | None = None  # the leased pages, set by the job before it ends (given back once copied)
-    staging: torch.Tensor | None = None  # a store on another host: the pages got into this
 
 
 @dataclass
@@ -150,18 +106,19 @@ class HandoffWorker:
             if not result.done() and now <= opening.give_up_at:
                 continue
             del self._opening[req_id]
-            if not result.done():
-                opening.job.cancel()
+            if result.done() and result.exception() is None:
+                self.stats.opened += 1
+            elif not result.done() or opening.given_up:  # its completion may have cancelled it: no transport failure
+                if not result.done():
+                    opening.job.cancel()
                 self.stats.open_failed += 1
                 logger.warning("kvstore handoff %s of request %s: no answer to its opening within %.2f s", spec.handoff_id,
                                spec.req_id, self.open_timeout_s)
-            elif result.exception() is not None:
+            else:
                 self.stats.open_failed += 1
                 self._failed(opening.client, result.exception())
                 logger.warning("kvstore handoff %s of request %s not opened: %s", spec.handoff_id, spec.req_id,
                                result.exception())
-            else:
-                self.stats.opened += 1
 
     def _receive(self, client: KVStoreClient | None, spec: HandoffLoad) -> Receiving:
         start_by = time.monotonic() + spec.deadline_s
@@ -221,7 +178,8 @@ class HandoffWorker:
                 sending.add(req_id)
             if done.job is not None and (done.job.result.done() or now > done.give_up_at):
                 if not done.job.result.done():
-                    done.job.cancel()  # its end is counted by _ended_complete
+                    done.given_up = True  # before the cancel: its end, counted by _ended_complete, is no transport failure
+                    done.job.cancel()
                 del self._completing[req_id]
                 self._handed.discard(req_id)
         return sending, self._settle_receives(now)
@@ -233,21 +191,33 @@ class HandoffWorker:
         open_wait_s = max(0.0, opening.give_up_at - now) if opening is not None else 0.0
         done.give_up_at, done.client = now + open_wait_s + self.complete_timeout_s + GRACE_S, client
         if client is None:
-            done.job = _Failed()
+            done.job = FailedJob()
             self._ended_complete(done)
             return
-        opened = opening.job.result if opening is not None else None
+        coro = self._complete(client, spec, opening, open_wait_s)
+        try:
+            done.job = client.runtime.submit(coro)
+        except KVStoreError as exc:  # its runtime closed under this step (the connection dropped it on another thread)
+            coro.close()
+            done.job = FailedJob(exc)
+            self._ended_complete(done)
+            return
         with self._ending:
             self._in_flight += 1
-        done.job = client.runtime.submit(self._complete(client, spec, opened, open_wait_s))
         # counted as it ends (on the runtime's thread): an engine with nothing else to do steps no more
         done.job.result.add_done_callback(lambda _: self._ended_complete(done, counted=True))
 
-    async def _complete(self, client: KVStoreClient, spec: HandoffComplete, opened: concurrent.futures.Future[Any] | None,
-                        open_wait_s: float) -> int:
-        if opened is not None and not opened.done():  # however it ends (failed, given up on: _settle_opens counts
-            # it), the pages not pushed go at Complete
-            await asyncio.wait({asyncio.wrap_future(opened)}, timeout=max(0.001, open_wait_s))
+    async def _complete(self, client: KVStoreClient, spec: HandoffComplete, opening: Opening | None, open_wait_s: float) -> int:
+        """However the open ends (answered, failed), the pages not pushed go at Complete. One that has
+        not answered by ``open_timeout_s`` is cancelled and its unwinding waited for: still running, it
+        could land after the Complete (a step's _settle_opens may never come: the engine went idle)."""
+        opened = opening.job.result if opening is not None else None
+        if opening is not None and opened is not None and not opened.done():
+            await ended(opened, open_wait_s)
+            if not opened.done():
+                opening.given_up = True  # before the cancel: _settle_opens counts it failed, the connection kept
+                opening.job.cancel()
+                await ended(opened, GRACE_S)
         return await client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node, deadline_s=self.complete_timeout_s)
 
     def completions_in_flight(self) -> int:
@@ -256,16 +226,20 @@ class HandoffWorker:
             return self._in_flight
 
     def _ended_complete(self, done: Completing, counted: bool = False) -> None:
-        try:
-            self._count_complete(done)
-        finally:
-            if counted:
-                with self._ending:
+        with self._ending:  # counted on this thread and the runtimes' (a client dropped, its successor's)
+            try:
+                self._count_complete(done)
+            finally:
+                if counted:
                     self._in_flight -= 1
 
     def _count_complete(self, done: Completing) -> None:
         spec, result = done.spec, done.job.result
-        if result.cancelled():  # given up on past its deadline, or at shutdown
+        if not result.cancelled() and result.exception() is None:
+            self.stats.completed += 1
+            self.stats.completed_tokens += int(result.result())
+        elif result.cancelled() or done.given_up:  # given up on past its deadline, or at shutdown: the runtime's
+            # "cancelled" is a plain KVStoreError, which would drop the connection as a transport failure
             self.stats.complete_failed += 1
             logger.warning("kvstore handoff %s of request %s: no completion within %.1f s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, self.complete_timeout_s)
@@ -274,9 +248,6 @@ class HandoffWorker:
             self._failed(done.client, result.exception())
             logger.warning("kvstore handoff %s of request %s not completed: %s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, result.exception())
-        else:
-            self.stats.completed += 1
-            self.stats.completed_tokens += int(result.result())
 
     def _settle_receives(self, now: float) -> set[str]:
         recving: set[str] = set()
@@ -381,18 +352,8 @@ class HandoffWorker:
                 rec.job.result.add_done_callback(lambda _, rec=rec: self._give_back(rec, []))
         for done in self._completing.values():
             if done.job is not None and not done.job.result.done():
+                done.given_up = True
                 done.job.cancel()
         for opening in self._opening.values():
             if not opening.job.result.done():
                 opening.job.cancel()
-
-
-class _Failed:
-    """A completion that could not start (no store): ended, failed."""
-
-    def __init__(self) -> None:
-        self.result: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self.result.set_exception(KVStoreError("the store could not be reached"))
-
-    def cancel(self) -> None:
-        """Nothing runs."""
