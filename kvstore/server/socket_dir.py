@@ -21,6 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MAX_SOCKET_PATH = 100  # bytes; sun_path holds 108 with its terminating NUL
+SUN_PATH_MAX = 107  # what binds (the sockets' own check, callsocket/socket_server.py, security/arena_socket.py)
 
 
 def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
@@ -29,14 +30,17 @@ def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
     path = data_dir / name
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
         return path
-    return private_socket_dir(data_dir) / name
+    return private_socket_dir(data_dir, name) / name
 
 
-def private_socket_dir(data_dir: Path) -> Path:
+def private_socket_dir(data_dir: Path, name: str = "arena.sock") -> Path:
     """``$TMPDIR/kvstore-<uid>-<digest of data_dir>``, made 0700 or taken over when it is this
-    user's own 0700 directory; otherwise a new ``mkdtemp`` one (0700)."""
+    user's own 0700 directory; otherwise a new ``mkdtemp`` one (0700), also when ``name`` in the
+    derived one would not bind (its name is ~17 bytes longer than mkdtemp's: a long $TMPDIR)."""
     digest = hashlib.sha256(os.fsencode(data_dir.resolve())).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"kvstore-{os.geteuid()}-{digest}"
+    if len(os.fsencode(path / name)) > SUN_PATH_MAX:
+        return Path(tempfile.mkdtemp(prefix="kvstore-"))
     try:
         path.mkdir(mode=0o700)
         return path

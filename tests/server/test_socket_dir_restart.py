@@ -6,12 +6,18 @@ could otherwise own the directory the sockets are bound in)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
-from support.servers import ServerProcess
+from support.servers import ServerProcess, make_config
+
+from kvstore.server import Server
+from kvstore.server.socket_dir import MAX_SOCKET_PATH, arena_socket_path
 
 
 def _deep(tmp_path: Path) -> Path:
@@ -68,3 +74,30 @@ def test_a_squatted_sockets_directory_is_passed_over(tmp_path: Path, temp: Path,
     finally:
         server.terminate()
         server.close_pipes()
+
+
+def test_a_temp_directory_the_random_name_fitted_still_binds_the_sockets(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: the derived name (``kvstore-<uid>-<16 hex>``, 30-35 bytes) is 14-19 bytes longer than
+    the random one it replaced (``kvstore-XXXXXXXX``), and its socket path was never measured: a
+    temp directory of ~70-80 bytes, where a server started before, made the call socket's address
+    too long to bind (the server refused to start: "use a shorter --data-dir"). A derived name whose
+    sockets would not fit goes to a random directory, as before."""
+    base = Path(tempfile.mkdtemp(prefix="kvl-", dir="/tmp"))  # short whatever pytest's base temp is
+    temp = base / ("t" * (72 - len(os.fsencode(base)) - 1))  # the random name's sockets fit in 100 bytes
+    temp.mkdir()
+    assert len(os.fsencode(temp)) == 72
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    deep = _deep(tmp_path)
+    try:
+        server = Server(dataclasses.replace(make_config(deep, ssd_bytes=None), node="longtemp"))
+        try:
+            server.start()
+            assert len(os.fsencode(server.call_socket.path)) <= MAX_SOCKET_PATH
+        finally:
+            server.stop(grace_s=0)
+        assert list(temp.iterdir()) == [], "a stopped server left its sockets' directory"
+        path = arena_socket_path(deep / "data", "arena.sock")  # the longest name; a random directory, made anew
+        assert len(os.fsencode(path)) <= MAX_SOCKET_PATH and path.parent.parent == temp
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
