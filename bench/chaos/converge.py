@@ -7,10 +7,7 @@
   whole by a get (no PageMissing: no phantom records), with bytes of the namespace's window.
 
 Both must hold within ``deadline_s`` (2 x TTL) of the heal; polling goes on to ``late_s`` so
-that a violation says whether the cluster converged late or not at all. Each check (a node and a
-prefix) converged when the read that began its last run of passes ended: a round reads every
-check in turn (seconds under load), so the end of the first clean round would count the reads
-after each check's pass as the cluster's time."""
+that a violation says whether the cluster converged late or not at all (timed per check: ``wait``)."""
 
 from __future__ import annotations
 
@@ -78,7 +75,10 @@ class Convergence:
         self.wrong: dict[str, Violation] = {}  # wrong bytes seen while converging, by message: violations at once
 
     async def wait(self, healed_at: float, deadline_s: float, late_s: float) -> tuple[float | None, list[Violation]]:
-        """Seconds from ``healed_at`` until (b) and (c) held (None: not within ``late_s``), and the violations."""
+        """Seconds from ``healed_at`` until (b) and (c) held (None: not within ``late_s``), and the violations.
+        Each check (a node and a prefix) converged when the read that began its last run of passes
+        ended: a round reads every check in turn (seconds under load), so the end of the first clean
+        round would count the reads after each check's pass as the cluster's time."""
         passing: dict[tuple[str, int, bool], float] = {}  # each check passing since: when that read ended
         pending: list[str] = []  # what the last round ending by ``deadline_s`` found wrong
         while True:
