@@ -46,8 +46,11 @@ def private_socket_dir(data_dir: Path, name: str = "arena.sock") -> Path:
         return path
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # removed since the mkdir by its owner (another user's squat may come and go)
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0:
         return path  # a killed server's (its socket files are unlinked before each bind)
     logger.warning("%s is not this user's own 0700 directory; the sockets go to a new one", path)
     return Path(tempfile.mkdtemp(prefix="kvstore-"))

@@ -101,3 +101,25 @@ def test_a_temp_directory_the_random_name_fitted_still_binds_the_sockets(tmp_pat
         assert len(os.fsencode(path)) <= MAX_SOCKET_PATH and path.parent.parent == temp
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_squat_removed_between_the_mkdir_and_the_check_is_passed_over(tmp_path: Path, temp: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: another user's entry at the derived name made the mkdir fail (FileExistsError); its
+    owner may remove it (the sticky temp directory lets it) before the lstat that checks it, which
+    then raised FileNotFoundError out of the server's build: a local user looping create/remove on
+    the name could stop a server from starting. The name is passed over for a new random one."""
+    from kvstore.server import socket_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    real_mkdir = Path.mkdir
+
+    def raced(self: Path, *args: object, **kwargs: object) -> None:
+        if self.parent == temp and self.name.startswith(f"kvstore-{os.geteuid()}-"):
+            raise FileExistsError(17, "File exists", str(self))  # the squat, removed right after
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket_dir.Path, "mkdir", raced)
+    path = arena_socket_path(_deep(tmp_path) / "data", "call.sock")
+    assert path.parent.parent == temp and path.parent.stat().st_mode & 0o777 == 0o700
+    assert not path.parent.name.startswith(f"kvstore-{os.geteuid()}-")
