@@ -275,9 +275,14 @@ async def test_anyone_holding_every_hello_slot_does_not_lock_a_node_out(monkeypa
         result = await fetcher.fetch(NS, [key(1)], [bytearray(4096)], timeout_s=3)
         await fetcher.close()
         assert result.statuses == [FetchStatus.OK], f"the node was locked out: {result.error}"
-        assert server.connections() <= tcp_server.MAX_ADMITTING
         silent[0].settimeout(5)
         assert silent[0].recv(1) == b"", "the oldest silent connection was superseded"
+        # the superseded connection is shut at once and counted out when its thread ends it (on a busy
+        # host a moment later: the count read 9 once in CI right after the fetch)
+        deadline = time.monotonic() + 5
+        while server.connections() > tcp_server.MAX_ADMITTING:
+            assert time.monotonic() < deadline, f"{server.connections()} connections held, past {tcp_server.MAX_ADMITTING}"
+            await asyncio.sleep(0.01)
     finally:
         for s in silent:
             s.close()

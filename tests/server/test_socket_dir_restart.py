@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,15 @@ def _deep(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(name="temp")
-def temp_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(temp))  # the server's tempfile.gettempdir()
-    return temp
+def temp_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The server's tempfile.gettempdir(): short, as /tmp is (under pytest-xdist a tmp_path is
+    ~80 bytes, where a socket in a derived directory no longer fits and a random one is made)."""
+    temp = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(temp))
+    try:
+        yield temp
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_killed_server_restarted_on_its_data_directory_leaves_one_sockets_directory(tmp_path: Path, temp: Path) -> None:
