@@ -155,7 +155,7 @@ class HandoffWorker:
 
     def finished(self, saved: set[str], finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) of this step. ``saved``: what worker.py reported
-        finished (its saves ended: its pages are stored, vLLM may take its blocks back); a handed-off
+        finished (its saves ended, short ones saved again: nothing reads its blocks after); a handed-off
         request among them is reported finished sending at once and completes in the background
         (after its open): held until Complete answered, its blocks were kept through the pushes in
         flight (~30 ms at 64 MiB) and an idle engine kept stepping. ``finished_req_ids``: vLLM's, of
