@@ -23,15 +23,15 @@ from kvstore.accept_pause import AcceptPause
 from kvstore.callsocket import frames
 from kvstore.callsocket.context import Aborted, LocalContext
 from kvstore.callsocket.server_conn import Close, FrameConn
-from kvstore.errors import ConfigError, Unauthenticated
+from kvstore.errors import Unauthenticated
 from kvstore.logs import Throttled
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity
 from kvstore.security.interceptor import AuthenticatedCall
+from kvstore.unix_paths import check_socket_path
 
 logger = logging.getLogger(__name__)
 
-_SUN_PATH_MAX = 107
 _MAX_HELLO_BYTES = 4096
 _DEFAULT_TIMEOUT_S = 30.0  # a request that names no deadline (timeout_ms 0)
 _peer_errors = Throttled(logger)
@@ -78,8 +78,7 @@ class CallSocket:
                  quota_refused: Callable[[str], None] | None = None, connections: TenantConnections | None = None,
                  max_connections: int = 256,
                  max_per_pid: int = 32, hello_timeout_s: float = 2.0, idle_timeout_s: float = 300.0, frame_timeout_s: float = 2.0) -> None:
-        if len(os.fsencode(path)) > _SUN_PATH_MAX:
-            raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
+        check_socket_path(path)
         self._table: list[tuple[str, grpc.RpcMethodHandler] | None] = [None]
         for name in frames.METHODS:
             handler = handlers[name]

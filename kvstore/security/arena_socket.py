@@ -22,17 +22,17 @@ from typing import Any
 
 from kvstore.accept_pause import AcceptPause
 from kvstore.device_ops import PoolHandout
-from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
 from kvstore.security.authenticator import Authenticator
 from kvstore.security.identity import Identity, Rights
 from kvstore.security.socket_owner import check_served_by_us
 from kvstore.status import named_error
+from kvstore.unix_paths import check_socket_path
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 8192
 _LENGTH = struct.Struct(">I")
-_SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 _ACCEPT_BATCH = 64
 
 ArenaLookup = Callable[[Identity], "tuple[int, int] | None"]  # identity -> (fd, size_bytes), or None: no arena
@@ -105,8 +105,7 @@ class ArenaSocket:
     def __init__(self, path: Path, authenticator: Authenticator, arena_for: ArenaLookup, *,
                  pool_for: PoolLookup | None = None, timeout_s: float = 2.0, max_peers: int = 256,
                  max_per_pid: int = 32) -> None:
-        if len(os.fsencode(path)) > _SUN_PATH_MAX:
-            raise ConfigError(f"{path}: a Unix socket path is at most {_SUN_PATH_MAX} bytes; use a shorter --data-dir")
+        check_socket_path(path)
         self.path = path
         self._authenticator = authenticator
         self._arena_for = arena_for

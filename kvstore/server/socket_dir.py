@@ -18,10 +18,11 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvstore.unix_paths import fits_socket
+
 logger = logging.getLogger(__name__)
 
 MAX_SOCKET_PATH = 100  # bytes; sun_path holds 108 with its terminating NUL
-SUN_PATH_MAX = 107  # what binds (the sockets' own check, callsocket/socket_server.py, security/arena_socket.py)
 
 
 def arena_socket_path(data_dir: Path, name: str = "arena.sock") -> Path:
@@ -39,7 +40,7 @@ def private_socket_dir(data_dir: Path, name: str = "arena.sock") -> Path:
     derived one would not bind (its name is ~17 bytes longer than mkdtemp's: a long $TMPDIR)."""
     digest = hashlib.sha256(os.fsencode(data_dir.resolve())).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"kvstore-{os.geteuid()}-{digest}"
-    if len(os.fsencode(path / name)) > SUN_PATH_MAX:
+    if not fits_socket(path / name):
         return Path(tempfile.mkdtemp(prefix="kvstore-"))
     try:
         path.mkdir(mode=0o700)
