@@ -79,7 +79,7 @@ class Convergence:
         Each check (a node and a prefix) converged when the read that began its last run of passes
         ended: a round reads every check in turn (seconds under load), so the end of the first clean
         round would count the reads after each check's pass as the cluster's time."""
-        passing: dict[tuple[str, int, bool], float] = {}  # each check passing since: when that read ended
+        passing: dict[tuple[str, int], float] = {}  # each check passing since: when that read ended
         pending: list[str] = []  # what the last round ending by ``deadline_s`` found wrong
         while True:
             problems = await self._round(passing)
@@ -96,14 +96,14 @@ class Convergence:
                 pending = problems
             await asyncio.sleep(0.2)
 
-    async def _round(self, passing: dict[tuple[str, int, bool], float]) -> list[str]:
+    async def _round(self, passing: dict[tuple[str, int], float]) -> list[str]:
         """Every check once; ``passing`` keeps, for each check that passes, when its run of passes began."""
         problems = []
         checks = [(prefix, True, "b") for prefix in self.durable] + [(prefix, False, "c") for prefix in self.samples]
         for node in self.nodes:
             for k, (prefix, whole, check) in enumerate(checks):
                 problem = await self._read(node, prefix, whole=whole)
-                key = (node, k, whole)
+                key = (node, k)
                 if problem:
                     problems.append(f"{check} {problem}")
                     passing.pop(key, None)

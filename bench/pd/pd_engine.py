@@ -78,8 +78,8 @@ def _settle(llm: Any, pending: Callable[[], bool]) -> dict[str, Any]:
     if not get_kv_transfer_group().worker.wait_saves(60):
         raise RuntimeError("the connector's saves did not end")
     handoffs = get_kv_transfer_group().handoff_worker  # a prefill's completion ends after its blocks are back
-    while handoffs is not None and handoffs.completions_in_flight() and time.monotonic() < deadline:
-        time.sleep(0.001)
+    if handoffs is not None and not handoffs.wait_completions(60):
+        raise RuntimeError("the connector's handoff completions did not end")
     stamps = {k: list(v) for k, v in STAMPS.items()}
     for v in STAMPS.values():
         v.clear()

@@ -59,7 +59,7 @@ class HandoffWorker:
         self._failed_blocks: set[int] = set()
         self._short: dict[str, int] = {}  # decode req id -> leading pages in its blocks, after a short receive
         self._idle = False  # this step computes nothing
-        self._ending = threading.Lock()
+        self._ending = threading.Condition()  # notified as each completion is counted
         self._in_flight = 0  # completions started and not counted yet (they end on the runtime's thread)
 
     def register(self, kv_caches: list[torch.Tensor]) -> None:
@@ -211,8 +211,7 @@ class HandoffWorker:
         """However the open ends (answered, failed), the pages not pushed go at Complete. One that has
         not answered by ``open_timeout_s`` is cancelled and its unwinding waited for: still running, it
         could land after the Complete (a step's _settle_opens may never come: the engine went idle)."""
-        opened = opening.job.result if opening is not None else None
-        if opening is not None and opened is not None and not opened.done():
+        if opening is not None and not (opened := opening.job.result).done():
             await ended(opened, open_wait_s)
             if not opened.done():
                 opening.given_up = True  # before the cancel: _settle_opens counts it failed, the connection kept
@@ -225,6 +224,13 @@ class HandoffWorker:
         with self._ending:
             return self._in_flight
 
+    def wait_completions(self, timeout_s: float) -> bool:
+        """Waits until every completion started is counted in ``stats`` (they end in the background,
+        after the request's blocks went back: harnesses that read the counters wait so, as worker.py's
+        ``wait_saves``); False on timeout."""
+        with self._ending:
+            return self._ending.wait_for(lambda: self._in_flight == 0, timeout_s)
+
     def _ended_complete(self, done: Completing, counted: bool = False) -> None:
         with self._ending:  # counted on this thread and the runtimes' (a client dropped, its successor's)
             try:
@@ -232,6 +238,7 @@ class HandoffWorker:
             finally:
                 if counted:
                     self._in_flight -= 1
+                    self._ending.notify_all()
 
     def _count_complete(self, done: Completing) -> None:
         spec, result = done.spec, done.job.result
@@ -243,7 +250,7 @@ class HandoffWorker:
             self.stats.complete_failed += 1
             logger.warning("kvstore handoff %s of request %s: no completion within %.1f s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, self.complete_timeout_s)
-        elif result.exception() is not None:
+        else:
             self.stats.complete_failed += 1
             self._failed(done.client, result.exception())
             logger.warning("kvstore handoff %s of request %s not completed: %s; the decode side recomputes",

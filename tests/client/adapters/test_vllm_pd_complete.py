@@ -40,10 +40,8 @@ def connected(address: str) -> tuple[StoreConnection, KVStoreClient]:
 
 def counted(worker: HandoffWorker, within_s: float = 20.0) -> None:
     """Waits until no completion is in flight (the runtime's thread counts them as they end)."""
-    deadline = time.monotonic() + within_s
-    while worker.completions_in_flight():
-        assert time.monotonic() < deadline, "a completion was never counted"
-        time.sleep(0.01)
+    assert worker.wait_completions(within_s), "a completion was never counted"
+    assert worker.completions_in_flight() == 0
 
 
 def completes(handoff_id: str = "") -> KVStoreConnectorMetadata:

@@ -45,8 +45,8 @@ def drain(llm: object) -> None:
     while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
         llm.llm_engine.step()  # type: ignore[attr-defined]
     handoffs = getattr(get_kv_transfer_group(), "handoff_worker", None)
-    while handoffs is not None and handoffs.completions_in_flight() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    if handoffs is not None:
+        handoffs.wait_completions(max(0.0, deadline - time.monotonic()))
 
 
 def step_request(llm: object, cmd: dict, paused: object) -> object:
