@@ -45,6 +45,22 @@ class Pins(Counter[bytes]):
         self._moving = +self._moving  # drops the zeros
 
 
+class PinsAnd:
+    """Pins and the parents open allocations lean on (``Leases.kept``): a ``Pins`` for a
+    victim search (its ``moving`` too), which then passes over both; ``pins`` alone where
+    leaning keeps nothing (an orphan's chain: its head is gone already)."""
+
+    def __init__(self, pins: Pins, leaned: Counter[bytes]) -> None:
+        self.pins, self._leaned = pins, leaned
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.pins or key in self._leaned
+
+    @property
+    def moving(self) -> Mapping[bytes, int]:
+        return self.pins.moving
+
+
 @dataclass
 class Allocation:
     """A writer's reservation: slots in the landing tier for the keys not stored yet."""
@@ -58,6 +74,7 @@ class Allocation:
     owner: str = ""               # who made it (opaque): only that owner may commit or abort it
     parent: bytes | None = None   # the page before keys[0] in its prefix, when the writer named it
     parent_held: bool = False     # ``parent`` is pinned until commit/abort/expiry (hold_parent)
+    parent_leaned: bool = False   # ``parent`` is kept while other pages can go, until commit/abort/expiry
     generation: int = 0           # the namespace's generation at allocation: a commit in another is refused
     session_id: str = ""          # the session whose pages these are (AllocateRequest.session_id): refused once it is fenced
 
@@ -98,6 +115,8 @@ class LeaseTable:
         self.allocation_ttl_ms = allocation_ttl_ms
         self.clock = clock
         self.pins = Pins()  # every pin, a caller's or a move's (``pins.moving``: the moves')
+        self.leaned: Counter[bytes] = Counter()  # parents open allocations keep while other pages can go
+        self.kept = PinsAnd(self.pins, self.leaned)  # what an eviction passes over first
         self._leases: dict[bytes, LeaseEntry] = {}
         self._allocations: dict[bytes, Allocation] = {}
         self._expiry: list[tuple[float, bytes, bool]] = []  # (deadline, handle, is_lease)
@@ -205,16 +224,28 @@ class LeaseTable:
         """With ``keep``, pins the page the allocation names as its parent (stored or not yet:
         an earlier batch may commit later) until ``let_go``: the pages after it are written
         meanwhile, and a prefix lookup finds nothing after a missing page. The pin keeps the
-        whole chain before it too, as a reader's pin does. (With a tier below, an eviction
-        writes the chain down, still findable, and a put may outgrow RAM: no pin then.)"""
-        if keep and alloc.parent is not None and not alloc.parent_held:
+        whole chain before it too, as a reader's pin does. Without ``keep`` (a tier below: an
+        eviction writes the chain down, still findable, and a put may outgrow RAM) the parent
+        is only leaned on: ``kept`` holds it, evictions take other pages while there are any,
+        so a put does not write its own head down to make room for its next batch."""
+        if alloc.parent is None or alloc.parent_held or alloc.parent_leaned:
+            return
+        if keep:
             self.pin([alloc.parent])
             alloc.parent_held = True
+        else:
+            self.leaned[alloc.parent] += 1
+            alloc.parent_leaned = True
 
     def let_go(self, alloc: Allocation) -> list[bytes]:
         """Drops the pins an allocation holds (its stored keys, its parent); returns the keys
         no longer pinned at all. Once only: commit, abort and expiry each take the allocation."""
         keys, alloc.held = alloc.held, []
+        if alloc.parent is not None and alloc.parent_leaned:
+            self.leaned[alloc.parent] -= 1
+            if self.leaned[alloc.parent] <= 0:
+                del self.leaned[alloc.parent]
+            alloc.parent_leaned = False
         if alloc.parent is not None and alloc.parent_held:
             keys, alloc.parent_held = [*keys, alloc.parent], False
         return self.unpin(keys)

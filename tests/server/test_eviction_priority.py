@@ -7,11 +7,13 @@ proves one interleaving; this holds the fast orders to their definition on thous
 from __future__ import annotations
 
 import random
+from collections import Counter
+from collections.abc import Container
 
 import pytest
 
 from kvstore.config import HostTierConfig
-from kvstore.server.leases import Pins
+from kvstore.server.leases import Pins, PinsAnd
 from kvstore.server.placement.eviction import HostResidency
 from kvstore.server.placement.orders import HostOrder, LruOrder, TailFirstOrder
 
@@ -66,7 +68,11 @@ def test_the_host_order_names_a_page_of_the_least_priority(seed: int) -> None:
             residency.consume(key, now + rng.uniform(0.0, 3.0))
         elif op == "expire":
             residency.expire(now + rng.uniform(0.0, 4.0), 0.5)
-        pinned = {k for k in sorted(stored) if rng.random() < 0.15}
+        pinned: Container[bytes] = {k for k in sorted(stored) if rng.random() < 0.15}
+        if rng.random() < 0.5:  # and parents open allocations lean on: kept, save in an orphan's chain
+            pins = Pins()
+            pins.update(pinned)
+            pinned = PinsAnd(pins, Counter(k for k in sorted(stored) if rng.random() < 0.1))
         share = rng.choice([None, 0, 2, 6])
         victim = residency.victim(pinned, share)
         _held_to_its_priorities(victim, residency.priorities(pinned, share), f"seed {seed} step {step} ({op})")

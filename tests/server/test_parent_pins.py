@@ -92,3 +92,53 @@ def test_an_aborted_expired_or_refused_allocation_leaves_no_pin(core: Placement)
     core.abort(everything)
     assert core.view().idle, core.view()
     assert _found(core, head) == 4
+
+
+@pytest.fixture
+def core_ssd(tmp_path):
+    core = Placement(make_config(tmp_path, host_bytes=4 << 20, allocation_ttl_ms=30_000))
+    yield core
+    core.close()
+
+
+def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
+    return [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
+
+
+def test_with_a_tier_below_a_put_keeps_its_head_while_other_pages_can_go(core_ssd: Placement) -> None:
+    """With an SSD below, an open allocation does not pin its parent (a put may outgrow RAM),
+    but the victims come from other chains while there are any: the put's committed head is
+    not written down to make room for its own next batch. (Failed a fresh-clone run under
+    load: other prefixes read back filled the protected share, the put's pages were the
+    only probation pages, and each batch's allocation evicted the batch before it, the
+    next batch then committed as orphans, which go first: the put streamed through RAM.)"""
+    core = core_ssd
+    for n in range(15):  # 120 of the 128 pages, each read back: protected
+        others = _keys(f"other{n}", 8)
+        assert _commit(core, _allocate(core, others), others) == 8
+        assert _found(core, others) == 8
+    put = _keys("put", 64)
+    parent = None
+    for start in range(0, 64, 8):
+        batch = put[start:start + 8]
+        alloc = _allocate(core, batch, parent=parent)
+        assert all(_in_host(core, put[:start])), f"batch {start // 8}'s allocation evicted the put's earlier pages"
+        assert _commit(core, alloc, batch) == 8
+        parent = batch[-1]
+    assert _in_host(core, put) == [True] * 64
+    assert _found(core, put) == 64
+
+
+def test_with_a_tier_below_a_put_larger_than_ram_is_stored_whole(core_ssd: Placement) -> None:
+    """The other half of the rule: when only the put's own pages are left to go, they go
+    (written down), and the put is stored and found whole."""
+    core = core_ssd
+    put = _keys("huge", 200)  # 128 pages fit
+    parent = None
+    for start in range(0, 200, 8):
+        batch = put[start:start + 8]
+        assert _commit(core, _allocate(core, batch, parent=parent), batch) == 8
+        parent = batch[-1]
+    assert all(core.residence.stored(k) for k in put)
+    assert _found(core, put[:100]) == 100
+    assert core.view().idle, core.view()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Iterable, Iterator
 
-from kvstore.server.leases import Pins
-
 
 class PrefixLinks:
     """Predecessor links between resident pages. Not thread-safe (owner's lock)."""
@@ -64,7 +62,7 @@ class PrefixLinks:
         pages seen then join ``blocked`` (one victim search walks each chain once). A cycle a
         writer made up (links are the writers' word) ends the walk at its first page seen
         twice, which goes like any other: a walk costs its chain's length, never the tier's size."""
-        moving: Container[bytes] = pinned.moving if isinstance(pinned, Pins) else ()  # moved down: keeps no chain
+        moving: Container[bytes] = getattr(pinned, "moving", ())  # moved down: keeps no chain
         seen: dict[bytes, None] = {}  # in walk order
         while key not in blocked:
             after = [k for k in self.after(key) if evictable(k) and k not in moving] if key not in seen else []  # seen: a cycle
@@ -155,7 +153,7 @@ class TailFirst:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
                 return end
-        moving: Container[bytes] = pinned.moving if isinstance(pinned, Pins) else ()
+        moving: Container[bytes] = getattr(pinned, "moving", ())
         if self._picked is not None and self._picked[0] == key and self._picked[1] in moving:
             end = self.links.parent.get(self._picked[1])
             if (end is not None and end not in pinned and held(end)

@@ -154,7 +154,9 @@ class HostResidency:
         computing them all; this is the slow definition it is held to (tests), not a path."""
         over = hinted_share is not None and len(self.hinted) > hinted_share
         ranked: dict[bytes, tuple[int, float, int]] = {}
-        for position, last in self.chains.ends(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned):
+        orphans = list(self.chains.ends(self.orphans, self._unannounced, _loose(pinned)))
+        rest = self.chains.ends(chain(self.lru, self.protected), self._unannounced, pinned)
+        for position, last in chain(orphans, ((len(self.orphans) + p, last) for p, last in rest)):
             ranked.setdefault(last, (int(over), float(position), 0))
         for key in self.hinted:
             if key not in pinned:
@@ -165,7 +167,9 @@ class HostResidency:
         """A page of the least ``priorities`` (None: every page is pinned or keeps a pinned one)."""
         blocked: set[bytes] = set()  # chains a pinned page keeps
         if hinted_share is None or len(self.hinted) <= hinted_share:
-            last = self.chains.victim(chain(self.orphans, self.lru, self.protected), self._unannounced, pinned)
+            last = self.chains.victim(self.orphans, self._unannounced, _loose(pinned))
+            if last is None:
+                last = self.chains.victim(chain(self.lru, self.protected), self._unannounced, pinned)
             if last is not None:
                 return last
         best, best_use = None, (-1.0, -1)
@@ -174,6 +178,13 @@ class HostResidency:
             if key not in pinned and use > best_use:
                 best, best_use = key, use
         if best is None:
-            return next((last for seg in (self.orphans, self.lru, self.protected) for k in seg
-                         if k not in pinned and (last := self.links.deepest(k, self._unannounced, pinned, blocked))), None)
+            return next((last for seg, kept in ((self.orphans, _loose(pinned)), (self.lru, pinned), (self.protected, pinned))
+                         for k in seg if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, blocked))), None)
         return best
+
+
+def _loose(pinned: Container[bytes]) -> Container[bytes]:
+    """What an orphan's chain passes over: the pins alone, not what open allocations lean
+    on (``Leases.kept``): its head is gone, so keeping its end for a put's next batch keeps
+    nothing findable (that batch's commit counts none of it)."""
+    return getattr(pinned, "pins", pinned)
