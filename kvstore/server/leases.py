@@ -234,17 +234,25 @@ class LeaseTable:
             self.pin([alloc.parent])
             alloc.parent_held = True
         else:
-            self.leaned[alloc.parent] += 1
+            self.lean(alloc.parent)
             alloc.parent_leaned = True
+
+    def lean(self, key: bytes) -> None:
+        """``key`` is kept while other pages can go (``kept``) until ``unlean``: the parent of an
+        open allocation, or of one about to be made (a tenant's room at its quota, DESIGN §6)."""
+        self.leaned[key] += 1
+
+    def unlean(self, key: bytes) -> None:
+        self.leaned[key] -= 1
+        if self.leaned[key] <= 0:
+            del self.leaned[key]
 
     def let_go(self, alloc: Allocation) -> list[bytes]:
         """Drops the pins an allocation holds (its stored keys, its parent); returns the keys
         no longer pinned at all. Once only: commit, abort and expiry each take the allocation."""
         keys, alloc.held = alloc.held, []
         if alloc.parent is not None and alloc.parent_leaned:
-            self.leaned[alloc.parent] -= 1
-            if self.leaned[alloc.parent] <= 0:
-                del self.leaned[alloc.parent]
+            self.unlean(alloc.parent)
             alloc.parent_leaned = False
         if alloc.parent is not None and alloc.parent_held:
             keys, alloc.parent_held = [*keys, alloc.parent], False

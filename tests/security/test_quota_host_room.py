@@ -156,9 +156,9 @@ def test_a_put_at_the_host_quota_beside_a_durable_commit_evicts_only_what_it_nee
     keeps: list[int] = []
     evict_own = server.core.evict_own
 
-    def recorded(namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
+    def recorded(namespace_ids: frozenset[bytes], keep_bytes: int, parent: bytes | None = None) -> bool:
         keeps.append(keep_bytes)
-        return evict_own(namespace_ids, keep_bytes)
+        return evict_own(namespace_ids, keep_bytes, parent)
 
     monkeypatch.setattr(server.core, "evict_own", recorded)
     try:

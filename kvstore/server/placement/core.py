@@ -227,17 +227,26 @@ class Placement(CoreReports):
             if alloc is not None:
                 self.keeper.give_back(alloc)
 
-    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int) -> bool:
+    def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int, parent: bytes | None = None) -> bool:
         """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` until they hold at most
-        ``keep_bytes``: a caller at its host quota makes room with its own pages, never another's. False when what
-        is left of them is pinned (another pass would walk the same pins). Each step removes or finds a pin: it ends."""
-        directory, landing = self.directory, self.landing.name
-        skip = NotAmong(self.leases.pins, directory, namespace_ids)
+        ``keep_bytes``: a caller at its host quota makes room with its own pages, never another's. As every eviction
+        (DESIGN §6), the chains open allocations lean on go only when nothing else of theirs can, and so does
+        ``parent``'s, the page the allocation this room is for names as its parent (it leans on nothing yet). False
+        when what is left of them is pinned (another pass would walk the same pins). Each step removes or finds a
+        pin: it ends."""
+        directory, landing, leases = self.directory, self.landing.name, self.leases
+        kept, skip = NotAmong(leases.kept, directory, namespace_ids), NotAmong(leases.pins, directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else None  # theirs
         with self.keeper.critical():
-            while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
-                    and self.moves.evict_one(0, skip, arena):
-                pass
+            if parent is not None:
+                leases.lean(parent)
+            try:
+                while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
+                        and (self.moves.evict_one(0, kept, arena) or self.moves.evict_one(0, skip, arena)):
+                    pass
+            finally:
+                if parent is not None:
+                    leases.unlean(parent)
             self.reporter.refresh_gauges()
         return not over
 

@@ -39,11 +39,18 @@ DOOMED_WAIT_S = 10.0  # a durable write waits this long at most for an older cop
 
 
 class NotAmong:
-    """The keys an eviction for some namespaces passes over: pinned ones, and every page of
-    another namespace (read from the directory: no tier lock is taken)."""
+    """The keys an eviction for some namespaces passes over: pinned ones (or ``Leases.kept``),
+    and every page of another namespace (read from the directory: no tier lock is taken)."""
 
     def __init__(self, pins: Container[bytes], directory: Directory, namespace_ids: frozenset[bytes]) -> None:
         self._pins, self._directory, self._namespace_ids = pins, directory, namespace_ids
+
+    @property
+    def pins(self) -> NotAmong:
+        """The same over the pins alone, without what open allocations lean on: what an
+        orphan's chain passes over (eviction._loose, DESIGN §6)."""
+        loose = getattr(self._pins, "pins", None)
+        return self if loose is None else NotAmong(loose, self._directory, self._namespace_ids)
 
     def __contains__(self, key: object) -> bool:
         if key in self._pins:

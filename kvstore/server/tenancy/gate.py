@@ -75,7 +75,7 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         last, the token of the caller's arena they are in (empty: none, gate_arenas.py)."""
         if session_id and self.tenancy.sees(who, ns):  # a session fenced here (live migration): refused, to its tenant
             self.session_owners.check(ns, session_id, "Allocate")
-        held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context)
+        held = room(self.quotas, self.core, who, len(keys), layout.page_bytes, context, parent)
         claimed, heard = self.tenancy.claim(who, ns), False
         try:
             ident, slots = self.core.allocate(ns, layout, keys, owner_for(who.tenant), parent, self.quotas.handing_over(held),
@@ -129,7 +129,7 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
         ``commit_group`` settles it). Returns the allocation, its slots and whether it claimed."""
         if session_id and self.tenancy.sees(who, ns):  # a session fenced here: refused before a slot is taken
             self.session_owners.check(ns, session_id, "WritePages")
-        n, held = self._group_room(who, len(keys), layout.page_bytes)
+        n, held = self._group_room(who, len(keys), layout.page_bytes, parent)
         try:
             claimed = self.tenancy.claim(who, ns)
             try:
@@ -143,11 +143,11 @@ class Gate(DirectoryGate, HandoffGate, MigrationGate, ArenaGate):
             held.release()  # handed over to the allocation's slots (or there are none)
         return allocation_id, slots, claimed
 
-    def _group_room(self, who: Identity, num_pages: int, page_bytes: int) -> tuple[int, Reservation]:
+    def _group_room(self, who: Identity, num_pages: int, page_bytes: int, parent: bytes | None) -> tuple[int, Reservation]:
         """Room for as many of ``num_pages`` as the tenant's host quota makes, halving; the page alone's refusal is raised."""
         while True:
             try:
-                return num_pages, room(self.quotas, self.core, who, num_pages, page_bytes)
+                return num_pages, room(self.quotas, self.core, who, num_pages, page_bytes, parent=parent)
             except LimitExceeded:
                 if num_pages == 1:
                     raise

@@ -28,14 +28,15 @@ class CallContext(Protocol):
 
 
 def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_bytes: int,
-         context: CallContext | None = None) -> Reservation:
+         context: CallContext | None = None, parent: bytes | None = None) -> Reservation:
     """Reserves the tenant's quotas for an allocation of ``num_pages`` new pages; at its host
     quota, its own coldest pages make room (written down), never another tenant's. Asked again
     after each pass, up to ROOM_TRIES times: the tenant's other calls may take the room made
     meanwhile, which is no reason to refuse. A pass that could not evict down to what it
     needed (what is left of its own is pinned or reserved) or a caller gone (its deadline
     passed; a fetch cut: fetch_room.QuotaLanding is its own context) ends the passes: it is asked once more, then refused with a QuotaExceeded that says what the passes
-    freed (HostQuotaFull is the servicer's own signal to make room, never sent)."""
+    freed (HostQuotaFull is the servicer's own signal to make room, never sent). ``parent``: the
+    page the allocation names as its parent; the passes take its chain last (DESIGN §6)."""
     before: int | None = None  # the tenant's host bytes when the first pass began
     for _ in range(ROOM_TRIES):
         try:
@@ -45,7 +46,7 @@ def room(quotas: Quotas, core: Placement, who: Identity, num_pages: int, page_by
                 break
             if before is None:
                 before = _host_bytes(quotas, who)
-            if not core.evict_own(quotas.owners.namespaces_of(who.tenant), full.keep_bytes):
+            if not core.evict_own(quotas.owners.namespaces_of(who.tenant), full.keep_bytes, parent):
                 break  # another pass would walk the same pins
     try:
         return quotas.pages(who, num_pages, page_bytes)

@@ -1,0 +1,118 @@
+"""A tenant at its host quota makes room with its own pages (Placement.evict_own); those passes
+lean on a put's chain as every other eviction does (DESIGN §6): other pages go first.
+
+Bug pinned: evict_own searched with the pins alone (NotAmong over Leases.pins), so the chain an
+open allocation extends went first, and a put at its tenant's quota wrote its own head down to
+make room for its next batch; a WritePages stream (one page a group, each room made before its
+allocation leans on anything) wrote each page's predecessor down: the put streamed through RAM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from support.servers import make_config
+from support.tenants import LAYOUT as WIRE_LAYOUT
+from support.tenants import PAGE_BYTES, A, Caller, new_keys, new_ns, start_with_quotas
+
+from kvstore._proto import data_pb2
+from kvstore.page import LayoutDesc, checksum
+from kvstore.server.placement import Placement
+
+pytest_plugins = ["support.tenants"]  # its ca fixture
+
+LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
+NS = b"leaning-namespace"
+
+
+def _keys(name: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def _payload(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
+
+
+def _allocate(core: Placement, keys: list[bytes], parent: bytes | None = None) -> bytes:
+    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
+    assert [k for k, _ in slots] == keys
+    for key, slot in slots:
+        if slot is not None:
+            core.slot_view(alloc, key)[:] = _payload(key)
+    return alloc
+
+
+def _commit(core: Placement, alloc: bytes, keys: list[bytes]) -> int:
+    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
+
+
+def _read_back(core: Placement, keys: list[bytes]) -> None:
+    lease, pages = core.acquire(NS, keys, 0)
+    assert len(pages) == len(keys)
+    core.release(lease)
+
+
+def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
+    return [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
+
+
+def test_evict_own_passes_over_the_chain_an_open_allocation_extends(tmp_path) -> None:
+    """24 pages read back (protected), a put's first batch of 8 committed (the only probation
+    pages), its second batch allocated (open, leaning on the first's last page): a pass at the
+    tenant's quota takes 8 of the others, not the put's head."""
+    core = Placement(make_config(tmp_path, host_bytes=4 << 20, allocation_ttl_ms=30_000))
+    try:
+        others = [_keys(f"other{n}", 8) for n in range(3)]
+        for keys in others:
+            assert _commit(core, _allocate(core, keys), keys) == 8
+        head = _keys("head", 8)
+        assert _commit(core, _allocate(core, head), head) == 8
+        for keys in others:
+            _read_back(core, keys)
+        tail = _keys("tail", 8)
+        second = _allocate(core, tail, parent=head[-1])
+        assert core.evict_own(frozenset([NS]), 24 * LAYOUT.page_bytes)
+        assert _in_host(core, head) == [True] * 8, "the pass at the quota wrote the put's head down"
+        assert sum(_in_host(core, [k for keys in others for k in keys])) == 16
+        assert _commit(core, second, tail) == 8
+        assert _in_host(core, head + tail) == [True] * 16
+        assert core.view().idle, core.view()
+    finally:
+        core.close()
+
+
+def _chunks(ns: bytes, keys: list[bytes], parent: bytes = b"") -> list[data_pb2.PageChunk]:
+    chunks = []
+    for i, key in enumerate(keys):
+        data = secrets.token_bytes(PAGE_BYTES)
+        chunks.append(data_pb2.PageChunk(key=key, namespace_id=ns, layout=WIRE_LAYOUT, page_bytes=PAGE_BYTES,
+                                         checksum=checksum(data), offset=0, data=data, parent=parent if i == 0 else b""))
+    return chunks
+
+
+def test_a_put_streamed_at_the_host_quota_keeps_its_own_pages(tmp_path, ca) -> None:
+    """Tenant a, quota 28 pages: 24 pages, a put's first 4, the 24 read back (protected); then
+    the put's other 4 in a second WritePages stream naming the first's last page as its parent.
+    Each page's room is made before its allocation: the put's pages stay, 4 of the others go."""
+    server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 28 * PAGE_BYTES}})
+    try:
+        a = Caller(server, ca, A)
+        ns, others = new_ns(), [new_keys(8) for _ in range(3)]
+        for keys in others:
+            assert a.put(ns, keys) == 8
+        put = new_keys(8)
+        assert a.data.WritePages(iter(_chunks(ns, put[:4])), metadata=a.metadata, timeout=10).num_published == 4
+        for keys in others:  # read back: protected, the put's the oldest probation pages
+            lease = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys))
+            assert len(lease.pages) == 8
+            a(a.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
+        sent = a.data.WritePages(iter(_chunks(ns, put[4:], parent=put[3])), metadata=a.metadata, timeout=10)
+        assert sent.num_published == 4
+        host = server.core.residence
+        assert [host.has(k, 0) for k in put] == [True] * 8, "the put wrote its own pages down at the quota"
+        assert sum(host.has(k, 0) for keys in others for k in keys) == 20
+        assert a.lookup(ns, put) == 8
+        a.close()
+    finally:
+        server.stop(grace_s=1)
