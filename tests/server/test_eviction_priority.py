@@ -89,10 +89,13 @@ def _demotion_batch(residency: HostResidency, stored: set[bytes], rng: random.Ra
     named, as the batch's write ends (the moving shortcut's path)."""
     pins = Pins()
     pins.update(k for k in sorted(stored) if rng.random() < 0.1)
+    kept: Container[bytes] = pins
+    if rng.random() < 0.5:  # the demoter's search passes over what open allocations lean on too (Leases.kept)
+        kept = PinsAnd(pins, Counter(k for k in sorted(stored) if rng.random() < 0.15))
     named: list[bytes] = []
     for _ in range(rng.randint(2, 6)):
-        victim = residency.victim(pins)
-        _held_to_its_priorities(victim, residency.priorities(pins), f"{what} (batch of {len(named) + 1})")
+        victim = residency.victim(kept)
+        _held_to_its_priorities(victim, residency.priorities(kept), f"{what} (batch of {len(named) + 1})")
         if victim is None:
             break
         pins.update([victim])

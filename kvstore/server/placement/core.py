@@ -230,19 +230,19 @@ class Placement(CoreReports):
     def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int, parent: bytes | None = None) -> bool:
         """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` until they hold at most
         ``keep_bytes``: a caller at its host quota makes room with its own pages, never another's. As every eviction
-        (DESIGN §6), the chains open allocations lean on go only when nothing else of theirs can, and so does
+        (DESIGN §6), the chains open allocations lean on go after their other unannounced pages, and so does
         ``parent``'s, the page the allocation this room is for names as its parent (it leans on nothing yet). False
         when what is left of them is pinned (another pass would walk the same pins). Each step removes or finds a
         pin: it ends."""
         directory, landing, leases = self.directory, self.landing.name, self.leases
-        kept, skip = NotAmong(leases.kept, directory, namespace_ids), NotAmong(leases.pins, directory, namespace_ids)
+        skip = NotAmong(leases.kept, directory, namespace_ids)  # the order takes a leaned chain after their other pages
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else None  # theirs
         with self.keeper.critical():
             if parent is not None:
                 leases.lean(parent)
             try:
                 while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
-                        and (self.moves.evict_one(0, kept, arena) or self.moves.evict_one(0, skip, arena)):
+                        and self.moves.evict_one(0, skip, arena):
                     pass
             finally:
                 if parent is not None:

@@ -148,43 +148,55 @@ class HostResidency:
     def priorities(self, pinned: Container[bytes], hinted_share: int | None = None) -> dict[bytes, tuple[int, float, int]]:
         """The order as one priority function (DESIGN §6): each page that may go now with its
         sort key, the least first. Unannounced pages by their chain's place in orphans,
-        probation, protected (``TailFirst.ends``); hinted ones by their next announced use,
-        furthest first, then the deepest; hinted ones after the others unless they hold more
-        than ``hinted_share`` pages. ``victim`` names a page of the least priority without
-        computing them all; this is the slow definition it is held to (tests), not a path."""
+        probation, protected (``TailFirst.ends``), then the chains ``pinned`` keeps only by
+        leaning (``Leases.kept``: a put's, walked again over the pins alone); hinted ones by
+        their next announced use, furthest first, then the deepest; hinted ones after the
+        others unless they hold more than ``hinted_share`` pages. ``victim`` names a page of
+        the least priority without computing them all; this is the slow definition it is held
+        to (tests), not a path."""
         over = hinted_share is not None and len(self.hinted) > hinted_share
         ranked: dict[bytes, tuple[int, float, int]] = {}
-        orphans = list(self.chains.ends(self.orphans, self._unannounced, _loose(pinned)))
-        rest = self.chains.ends(chain(self.lru, self.protected), self._unannounced, pinned)
-        for position, last in chain(orphans, ((len(self.orphans) + p, last) for p, last in rest)):
+        loose, n, m = _loose(pinned), len(self.orphans), len(self.orphans) + len(self.lru) + len(self.protected)
+        orphans = list(self.chains.ends(self.orphans, self._unannounced, loose))
+        rest = list(self.chains.ends(chain(self.lru, self.protected), self._unannounced, pinned))
+        leaned = self.chains.ends(chain(self.lru, self.protected), self._unannounced, loose) if loose is not pinned else ()
+        for position, last in chain(orphans, ((n + p, last) for p, last in rest), ((m + p, last) for p, last in leaned)):
             ranked.setdefault(last, (int(over), float(position), 0))
         for key in self.hinted:
-            if key not in pinned:
+            if key not in loose:
                 ranked[key] = (int(not over), -self.hints[key][0], -self.depth[key])
         return ranked
 
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
         """A page of the least ``priorities`` (None: every page is pinned or keeps a pinned one)."""
-        blocked: set[bytes] = set()  # chains a pinned page keeps
+        loose = _loose(pinned)
         if hinted_share is None or len(self.hinted) <= hinted_share:
-            last = self.chains.victim(self.orphans, self._unannounced, _loose(pinned))
+            last = self.chains.victim(self.orphans, self._unannounced, loose)
             if last is None:
                 last = self.chains.victim(chain(self.lru, self.protected), self._unannounced, pinned)
+            if last is None and loose is not pinned:  # the chains open allocations lean on, before the hinted
+                last = self.chains.victim(chain(self.lru, self.protected), self._unannounced, loose)
             if last is not None:
                 return last
         best, best_use = None, (-1.0, -1)
         for key in self.hinted:
             use = (self.hints[key][0], self.depth[key])
-            if key not in pinned and use > best_use:
+            if key not in loose and use > best_use:
                 best, best_use = key, use
         if best is None:
-            return next((last for seg, kept in ((self.orphans, _loose(pinned)), (self.lru, pinned), (self.protected, pinned))
-                         for k in seg if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, blocked))), None)
+            blocked: set[bytes] = set()  # chains a pinned (kept) page keeps
+            passes = [(self.orphans, loose, blocked), (self.lru, pinned, blocked), (self.protected, pinned, blocked)]
+            if loose is not pinned:  # a chain kept only by leaning is walked again, over the pins alone
+                again: set[bytes] = set()
+                passes += [(self.lru, loose, again), (self.protected, loose, again)]
+            return next((last for seg, kept, seen in passes
+                         for k in seg if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, seen))), None)
         return best
 
 
 def _loose(pinned: Container[bytes]) -> Container[bytes]:
-    """What an orphan's chain passes over: the pins alone, not what open allocations lean
-    on (``Leases.kept``): its head is gone, so keeping its end for a put's next batch keeps
-    nothing findable (that batch's commit counts none of it)."""
+    """The pins alone, not what open allocations lean on (``Leases.kept``): what an orphan's
+    chain passes over (its head is gone, so keeping its end for a put's next batch keeps
+    nothing findable: that batch's commit counts none of it), what a leaned chain is walked
+    over after the other unannounced pages, and what a hinted page is (they go last, DESIGN §6)."""
     return getattr(pinned, "pins", pinned)

@@ -156,10 +156,8 @@ class Mover(LowerRoom):
         batch: list[tuple[bytes, PageHeader, memoryview]] = []
         parts: dict[bytes, LandingPart] = {}  # each victim's arena
         while found < limit and (max_bytes <= 0 or picked < max_bytes):
-            parts_now = self.landing.parts() if arena is None else [arena]
-            named = self.residence.landing_orders.victim(parts_now, self.leases.kept if skip is None else skip, page_bytes)
-            if named is None and skip is None and self.leases.leaned:  # only chains open allocations extend are left
-                named = self.residence.landing_orders.victim(parts_now, self.leases.pins, page_bytes)
+            named = self.residence.landing_orders.victim(self.landing.parts() if arena is None else [arena],
+                                                         self.leases.kept if skip is None else skip, page_bytes)  # the batch's skipped
             if named is None:
                 break
             part, victim = named
