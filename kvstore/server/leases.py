@@ -102,6 +102,7 @@ class LeaseCounts:
     pinned: frozenset[bytes]  # by callers: leases, allocations, acquisitions under way
     moving: frozenset[bytes]  # by the server's own moves in flight (demotion, deletion)
     lease_ids: frozenset[bytes]
+    leaned: frozenset[bytes] = frozenset()  # parents open allocations lean on (``LeaseTable.leaned``)
 
 
 class LeaseTable:
@@ -322,4 +323,4 @@ class LeaseTable:
         moving = self.pins.moving
         callers = frozenset(k for k, n in self.pins.items() if n > moving.get(k, 0))
         return LeaseCounts(len(self._leases), len(self._allocations), len(self._expiry), callers, frozenset(moving),
-                           frozenset(self._leases))
+                           frozenset(self._leases), frozenset(self.leaned))

@@ -23,6 +23,7 @@ class CoreView:
     num_detached: int         # landing slots of removed pages kept for their readers
     tiers: dict[str, TierUsage]
     lease_ids: frozenset[bytes]
+    leaned: frozenset[bytes] = frozenset()  # parents open allocations lean on (evicted after other pages, DESIGN §6)
 
     @classmethod
     def of(cls, core: Placement) -> CoreView:
@@ -30,9 +31,9 @@ class CoreView:
         counts = core.leases.counts()
         return cls(counts.num_leases, counts.num_allocations, counts.num_expiry_entries, counts.pinned, counts.moving,
                    core.residence.landing_orders.num_hinted(), core.residence.num_detached(), {t.name: t.usage() for t in core.tiers},
-                   counts.lease_ids)
+                   counts.lease_ids, counts.leaned)
 
     @property
     def idle(self) -> bool:
-        """Nothing held for any caller: no lease, allocation, pin or slot kept for a reader."""
-        return not (self.num_leases or self.num_allocations or self.pinned or self.num_detached)
+        """Nothing held for any caller: no lease, allocation, pin, parent leaned on or slot kept for a reader."""
+        return not (self.num_leases or self.num_allocations or self.pinned or self.leaned or self.num_detached)
