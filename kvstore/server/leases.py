@@ -10,7 +10,8 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -248,6 +249,18 @@ class LeaseTable:
         self.leaned[key] -= 1
         if self.leaned[key] <= 0:
             del self.leaned[key]
+
+    @contextmanager
+    def leaning(self, key: bytes | None) -> Iterator[None]:
+        """``lean`` on ``key`` (when given) for the block."""
+        if key is None:
+            yield
+            return
+        self.lean(key)
+        try:
+            yield
+        finally:
+            self.unlean(key)
 
     def let_go(self, alloc: Allocation) -> list[bytes]:
         """Drops the pins an allocation holds (its stored keys, its parent); returns the keys

@@ -25,12 +25,13 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.placement.assembly import Wrap, gc_paused, open_directory, open_tiers
 from kvstore.server.placement.generation_gate import GenerationGate
 from kvstore.server.placement.housekeeping import Housekeeper
-from kvstore.server.placement.moves import Mover, NotAmong
+from kvstore.server.placement.moves import Mover
 from kvstore.server.placement.reads import AcquiredPage, Reader
 from kvstore.server.placement.removals import Removals
 from kvstore.server.placement.reports import CoreReports
 from kvstore.server.placement.residence import Residence, leading
 from kvstore.server.placement.shares import NamespaceShares
+from kvstore.server.placement.skips import NotAmong
 from kvstore.server.placement.upper import Promoter
 from kvstore.server.placement.watermarks import Watermarks
 from kvstore.server.recovery import rebuild_directory
@@ -228,25 +229,15 @@ class Placement(CoreReports):
                 self.keeper.give_back(alloc)
 
     def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int, parent: bytes | None = None) -> bool:
-        """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` until they hold at most
-        ``keep_bytes``: a caller at its host quota makes room with its own pages, never another's. As every eviction
-        (DESIGN §6), the chains open allocations lean on go after their other unannounced pages, and so does
-        ``parent``'s, the page the allocation this room is for names as its parent (it leans on nothing yet). False
-        when what is left of them is pinned (another pass would walk the same pins). Each step removes or finds a
-        pin: it ends."""
-        directory, landing, leases = self.directory, self.landing.name, self.leases
-        skip = NotAmong(leases.kept, directory, namespace_ids)  # the order takes a leaned chain after their other pages
+        """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` down to ``keep_bytes``: a caller
+        at its host quota makes room with its own pages, never another's; leaned chains last, ``parent``'s too (the
+        allocation to come names it, DESIGN §6). False when the rest is pinned. Each step removes or finds a pin."""
+        directory, landing, skip = self.directory, self.landing.name, NotAmong(self.leases.kept, self.directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else None  # theirs
-        with self.keeper.critical():
-            if parent is not None:
-                leases.lean(parent)
-            try:
-                while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
-                        and self.moves.evict_one(0, skip, arena):
-                    pass
-            finally:
-                if parent is not None:
-                    leases.unlean(parent)
+        with self.keeper.critical(), self.leases.leaning(parent):
+            while (over := sum(directory.usage(ns).get(landing, 0) for ns in namespace_ids) > keep_bytes) \
+                    and self.moves.evict_one(0, skip, arena):
+                pass
             self.reporter.refresh_gauges()
         return not over
 

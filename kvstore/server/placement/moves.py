@@ -38,27 +38,6 @@ BACKOFF_S = (0.5, 30.0)  # after a round the lower tier failed, the next waits t
 DOOMED_WAIT_S = 10.0  # a durable write waits this long at most for an older copy's delete
 
 
-class NotAmong:
-    """The keys an eviction for some namespaces passes over: pinned ones (or ``Leases.kept``),
-    and every page of another namespace (read from the directory: no tier lock is taken)."""
-
-    def __init__(self, pins: Container[bytes], directory: Directory, namespace_ids: frozenset[bytes]) -> None:
-        self._pins, self._directory, self._namespace_ids = pins, directory, namespace_ids
-
-    @property
-    def pins(self) -> NotAmong:
-        """The same over the pins alone, without what open allocations lean on: what an
-        orphan's chain passes over (eviction._loose, DESIGN §6)."""
-        loose = getattr(self._pins, "pins", None)
-        return self if loose is None else NotAmong(loose, self._directory, self._namespace_ids)
-
-    def __contains__(self, key: object) -> bool:
-        if key in self._pins:
-            return True
-        entry = self._directory.get(key)  # type: ignore[arg-type]
-        return entry is None or entry.namespace_id not in self._namespace_ids
-
-
 def _damages(pages: list[tuple[PageHeader, memoryview]]) -> list[str | None]:
     """Why each payload is not the page its header describes (None when it is); hashed with
     the GIL released, beside the disk writes, so that lookups do not wait for it."""

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Container
 
 from kvstore.server.admission import WriteBudget
-from kvstore.server.placement.moves import NotAmong
+from kvstore.server.placement.skips import NotAmong
 from kvstore.server.tenancy.quotas import Quotas
 
 
