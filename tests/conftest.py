@@ -87,7 +87,7 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.proc.kill()
-        proc.proc.wait(10)
+        proc.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
     proc.close_pipes()
 
 

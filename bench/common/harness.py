@@ -34,16 +34,28 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _worker_share() -> tuple[int, int]:
+    """(this process's index, how many): the pytest-xdist workers of one test run each pick from their own
+    share of the ports (``port % how_many == index``); (0, 1) elsewhere."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
     """A loopback port free now, outside the kernel's ephemeral range and not handed out lately by this process.
     bind(0) answers from the ephemeral range, where any outgoing connection may take the port before the child
-    it was meant for binds it (CI saw etcd fail so); a port below that range is taken only by a bind naming it."""
+    it was meant for binds it (CI saw etcd fail so); a port below that range is taken only by a bind naming it.
+    Test workers pick from disjoint shares: two of them handed the same free port, the second child's bind
+    failed ("address already in use", seen with 4 workers)."""
     low, high = _ephemeral_range()
     below, above = max(0, low - 10000), max(0, 65535 - high)
-    for _ in range(64 if below + above else 0):
+    index, count = _worker_share()
+    for _ in range(64 * count if below + above else 0):
         pick = random.randrange(below + above)
         port = 10000 + pick if pick < below else high + 1 + pick - below
-        if port in _handed:
+        if port in _handed or port % count != index:
             continue
         with socket.socket() as s:
             try:

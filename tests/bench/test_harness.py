@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+from kvstore.bench.common import harness
 from kvstore.bench.common.harness import Process, stop_process
 
 CHATTY = "import sys, time; sys.stderr.write('x' * 300_000); sys.stderr.flush(); print('ready', flush=True); time.sleep(60)"
@@ -51,3 +52,16 @@ def test_a_scratch_dir_goes_with_a_run_that_ended_well_and_stays_with_one_that_f
         pass
     assert (failed / "etcd.log").exists() and str(failed) in capsys.readouterr().err
     shutil.rmtree(failed)
+
+
+def test_test_workers_pick_ports_from_disjoint_shares(monkeypatch) -> None:
+    """Two xdist workers handed the same free port: the second child's bind failed. Each worker
+    now picks only ports of its own residue (a worker's own picks repeat none either)."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    picked: dict[int, set[int]] = {}
+    for index in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        picked[index] = {harness.free_port() for _ in range(20)}
+        assert len(picked[index]) == 20 and all(port % 3 == index for port in picked[index])
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert harness._worker_share() == (0, 1)

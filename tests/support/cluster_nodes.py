@@ -79,7 +79,7 @@ class Node:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
 
     def stop(self) -> None:
         stop_process(self.proc, 20)

@@ -93,7 +93,7 @@ class EtcdProcess:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
 
     def stop(self) -> None:
         try:
