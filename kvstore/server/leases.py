@@ -49,7 +49,7 @@ class Pins(Counter[bytes]):
 class PinsAnd:
     """Pins and the parents open allocations lean on (``Leases.kept``): a ``Pins`` for a
     victim search (its ``moving`` too), which passes over both, then walks the chains kept
-    only by leaning over ``pins`` alone, before the hinted pages (eviction.py, DESIGN §6);
+    only by leaning over ``pins`` alone in their turn (eviction.py ``_passes``, DESIGN §6);
     ``pins`` alone too where leaning keeps nothing (an orphan's chain: its head is gone)."""
 
     def __init__(self, pins: Pins, leaned: Counter[bytes]) -> None:
@@ -229,7 +229,7 @@ class LeaseTable:
         meanwhile, and a prefix lookup finds nothing after a missing page. The pin keeps the
         whole chain before it too, as a reader's pin does. Without ``keep`` (a tier below: an
         eviction writes the chain down, still findable, and a put may outgrow RAM) the parent
-        is only leaned on: ``kept`` holds it, evictions take the other unannounced pages first,
+        is only leaned on: ``kept`` holds it, evictions take the other probation pages first,
         so a put does not write its own head down to make room for its next batch."""
         if alloc.parent is None or alloc.parent_held or alloc.parent_leaned:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 
 import pytest
 from support.servers import make_config
@@ -105,40 +106,58 @@ def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
     return [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
 
 
-def test_with_a_tier_below_a_put_keeps_its_head_while_other_pages_can_go(core_ssd: Placement) -> None:
-    """With an SSD below, an open allocation does not pin its parent (a put may outgrow RAM),
-    but the victims come from other chains while there are any: the put's committed head is
-    not written down to make room for its own next batch. (Failed a fresh-clone run under
-    load: other prefixes read back filled the protected share, the put's pages were the
-    only probation pages, and each batch's allocation evicted the batch before it, the
-    next batch then committed as orphans, which go first: the put streamed through RAM.)"""
-    core = core_ssd
-    for n in range(15):  # 120 of the 128 pages, each read back: protected
-        others = _keys(f"other{n}", 8)
-        assert _commit(core, _allocate(core, others), others) == 8
-        assert _found(core, others) == 8
-    put = _keys("put", 64)
+def _fill_reused(core: Placement) -> list[bytes]:
+    """120 of the 128 pages, in prefixes each read back (reused): 96 protected, 24 in probation."""
+    others: list[bytes] = []
+    for n in range(15):
+        keys = _keys(f"other{n}", 8)
+        assert _commit(core, _allocate(core, keys), keys) == 8
+        assert _found(core, keys) == 8
+        others += keys
+    return others
+
+
+def _put_in_batches(core: Placement, put: list[bytes], each: Callable[[int], None] = lambda start: None) -> None:
     parent = None
-    for start in range(0, 64, 8):
+    for start in range(0, len(put), 8):
         batch = put[start:start + 8]
         alloc = _allocate(core, batch, parent=parent)
-        assert all(_in_host(core, put[:start])), f"batch {start // 8}'s allocation evicted the put's earlier pages"
+        each(start)
         assert _commit(core, alloc, batch) == 8
         parent = batch[-1]
-    assert _in_host(core, put) == [True] * 64
+
+
+def test_with_a_tier_below_a_put_keeps_its_head(core_ssd: Placement) -> None:
+    """With an SSD below, an open allocation does not pin its parent (a put may outgrow RAM);
+    it leans on it: the chain a put extends goes after the other probation pages, so the put
+    keeps its head, and the put's later pages go down instead. (Failed a fresh-clone run under
+    load: the put's pages were the only probation pages, each batch's allocation evicted the
+    batch before it, the next batch then committed as orphans, which go first: the put
+    streamed through RAM head and all.)"""
+    core = core_ssd
+    _fill_reused(core)
+    put = _keys("put", 64)
+
+    def head_kept(start: int) -> None:
+        held = _in_host(core, put[:start])
+        head = held.index(False) if False in held else start
+        assert head >= min(start, 16), f"batch {start // 8}'s allocation evicted the put's head: {head} of {start} pages left"
+
+    _put_in_batches(core, put, head_kept)
+    assert all(core.residence.stored(k) for k in put)
     assert _found(core, put) == 64
 
 
-def test_with_a_tier_below_a_put_larger_than_ram_is_stored_whole(core_ssd: Placement) -> None:
-    """The other half of the rule: when only the put's own pages are left to go, they go
-    (written down), and the put is stored and found whole."""
+def test_with_a_tier_below_a_put_larger_than_ram_is_stored_whole_and_leaves_reused_pages(core_ssd: Placement) -> None:
+    """The other half of the rule: a put's chain goes before the protected (reused) pages
+    while those hold no more than their share (DESIGN §6): a one-shot put three times the
+    tier writes its own later pages down, is stored and found whole, and the 96 reused pages
+    stay in RAM (on dbd063b's order, which kept a put's chain over every unannounced page,
+    it pushed them out)."""
     core = core_ssd
-    put = _keys("huge", 200)  # 128 pages fit
-    parent = None
-    for start in range(0, 200, 8):
-        batch = put[start:start + 8]
-        assert _commit(core, _allocate(core, batch, parent=parent), batch) == 8
-        parent = batch[-1]
+    others, put = _fill_reused(core), _keys("huge", 400)
+    _put_in_batches(core, put)
+    assert sum(_in_host(core, others)) >= 96, "a one-shot put pushed reused pages out of RAM"
     assert all(core.residence.stored(k) for k in put)
     assert _found(core, put[:100]) == 100
     assert core.view().idle, core.view()

@@ -1,5 +1,5 @@
 """A tenant at its host quota makes room with its own pages (Placement.evict_own); those passes
-lean on a put's chain as every other eviction does (DESIGN §6): other pages go first.
+lean on a put's chain as every other eviction does (DESIGN §6): other probation pages go first.
 
 Bug pinned: evict_own searched with the pins alone (NotAmong over Leases.pins), so the chain an
 open allocation extends went first, and a put at its tenant's quota wrote its own head down to
@@ -58,18 +58,17 @@ def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
 
 
 def test_evict_own_passes_over_the_chain_an_open_allocation_extends(tmp_path) -> None:
-    """24 pages read back (protected), a put's first batch of 8 committed (the only probation
-    pages), its second batch allocated (open, leaning on the first's last page): a pass at the
-    tenant's quota takes 8 of the others, not the put's head."""
+    """A put's first batch of 8 committed, then 24 other pages (probation, newer than the
+    put's), the put's second batch allocated (open, leaning on the first's last page): a pass
+    at the tenant's quota takes 8 of the others, not the put's head, which is the least
+    recently used chain."""
     core = Placement(make_config(tmp_path, host_bytes=4 << 20, allocation_ttl_ms=30_000))
     try:
+        head = _keys("head", 8)
+        assert _commit(core, _allocate(core, head), head) == 8
         others = [_keys(f"other{n}", 8) for n in range(3)]
         for keys in others:
             assert _commit(core, _allocate(core, keys), keys) == 8
-        head = _keys("head", 8)
-        assert _commit(core, _allocate(core, head), head) == 8
-        for keys in others:
-            _read_back(core, keys)
         tail = _keys("tail", 8)
         second = _allocate(core, tail, parent=head[-1])
         assert core.evict_own(frozenset([NS]), 24 * LAYOUT.page_bytes)
@@ -92,21 +91,18 @@ def _chunks(ns: bytes, keys: list[bytes], parent: bytes = b"") -> list[data_pb2.
 
 
 def test_a_put_streamed_at_the_host_quota_keeps_its_own_pages(tmp_path, ca) -> None:
-    """Tenant a, quota 28 pages: 24 pages, a put's first 4, the 24 read back (protected); then
-    the put's other 4 in a second WritePages stream naming the first's last page as its parent.
-    Each page's room is made before its allocation: the put's pages stay, 4 of the others go."""
+    """Tenant a, quota 28 pages: a put's first 4 pages, then 24 other pages (probation, newer
+    than the put's); then the put's other 4 in a second WritePages stream naming the first's
+    last page as its parent. Each page's room is made before its allocation: the put's pages
+    stay, 4 of the others go."""
     server = start_with_quotas(tmp_path, ca, {"a": {"host_bytes": 28 * PAGE_BYTES}})
     try:
         a = Caller(server, ca, A)
         ns, others = new_ns(), [new_keys(8) for _ in range(3)]
-        for keys in others:
-            assert a.put(ns, keys) == 8
         put = new_keys(8)
         assert a.data.WritePages(iter(_chunks(ns, put[:4])), metadata=a.metadata, timeout=10).num_published == 4
-        for keys in others:  # read back: protected, the put's the oldest probation pages
-            lease = a(a.data.Acquire, data_pb2.AcquireRequest(namespace_id=ns, keys=keys))
-            assert len(lease.pages) == 8
-            a(a.data.Release, data_pb2.ReleaseRequest(lease_id=lease.lease_id))
+        for keys in others:
+            assert a.put(ns, keys) == 8
         sent = a.data.WritePages(iter(_chunks(ns, put[4:], parent=put[3])), metadata=a.metadata, timeout=10)
         assert sent.num_published == 4
         host = server.core.residence

@@ -230,7 +230,7 @@ class Placement(CoreReports):
 
     def evict_own(self, namespace_ids: frozenset[bytes], keep_bytes: int, parent: bytes | None = None) -> bool:
         """Evicts (writing down) the coldest unpinned landing pages of ``namespace_ids`` down to ``keep_bytes``: a caller
-        at its host quota makes room with its own pages, never another's; leaned chains last, ``parent``'s too (the
+        at its host quota makes room with its own pages, never another's; leaned chains in their turn, ``parent``'s too (the
         allocation to come names it, DESIGN §6). False when the rest is pinned. Each step removes or finds a pin."""
         directory, landing, skip = self.directory, self.landing.name, NotAmong(self.leases.kept, self.directory, namespace_ids)
         arena = self.landing.part(self.owner_of(next(iter(namespace_ids)))) if namespace_ids else None  # theirs

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Container
-from itertools import chain
+from collections.abc import Container, Iterable
 
 from kvstore.server.placement.chains import PrefixLinks, TailFirst
 
@@ -145,23 +144,38 @@ class HostResidency:
             if not etas:
                 self._unhint(key)
 
+    def _passes(self, pinned: Container[bytes]) -> list[tuple[Iterable[bytes], Container[bytes]]]:
+        """The unannounced pages' segments in the order they give up chains, each with what it
+        passes over. Orphans, over the pins alone (``_loose``); probation; then the chains open
+        allocations only lean on (``Leases.kept``: a put's, walked again over the pins alone),
+        before protected unless protected holds more than its share of the resident pages: a
+        put keeps its head while other probation pages can go, and a one-shot put cannot push
+        reused pages below their share (DESIGN §6). Without leaning: orphans, probation, protected."""
+        loose = _loose(pinned)
+        if loose is pinned:
+            return [(self.orphans, pinned), (self.lru, pinned), (self.protected, pinned)]
+        resident = len(self.lru) + len(self.protected) + len(self.hinted) + len(self.orphans)
+        over = self.segmented and len(self.protected) > self.protected_share * resident
+        leaned = [(self.lru, loose)] if over else [(self.lru, loose), (self.protected, pinned)]
+        return [(self.orphans, loose), (self.lru, pinned), *([(self.protected, pinned)] if over else []), *leaned,
+                (self.protected, loose)]
+
     def priorities(self, pinned: Container[bytes], hinted_share: int | None = None) -> dict[bytes, tuple[int, float, int]]:
         """The order as one priority function (DESIGN §6): each page that may go now with its
-        sort key, the least first. Unannounced pages by their chain's place in orphans,
-        probation, protected (``TailFirst.ends``), then the chains ``pinned`` keeps only by
-        leaning (``Leases.kept``: a put's, walked again over the pins alone); hinted ones by
-        their next announced use, furthest first, then the deepest; hinted ones after the
-        others unless they hold more than ``hinted_share`` pages. ``victim`` names a page of
-        the least priority without computing them all; this is the slow definition it is held
-        to (tests), not a path."""
+        sort key, the least first. Unannounced pages by their chain's place in the segments of
+        ``_passes``, in its order (``TailFirst.ends``); hinted ones by their next announced use,
+        furthest first, then the deepest; hinted ones after the others unless they hold more
+        than ``hinted_share`` pages. ``victim`` names a page of the least priority without
+        computing them all; this is the slow definition it is held to (tests), not a path."""
         over = hinted_share is not None and len(self.hinted) > hinted_share
         ranked: dict[bytes, tuple[int, float, int]] = {}
-        loose, n, m = _loose(pinned), len(self.orphans), len(self.orphans) + len(self.lru) + len(self.protected)
-        orphans = list(self.chains.ends(self.orphans, self._unannounced, loose))
-        rest = list(self.chains.ends(chain(self.lru, self.protected), self._unannounced, pinned))
-        leaned = self.chains.ends(chain(self.lru, self.protected), self._unannounced, loose) if loose is not pinned else ()
-        for position, last in chain(orphans, ((n + p, last) for p, last in rest), ((m + p, last) for p, last in leaned)):
-            ranked.setdefault(last, (int(over), float(position), 0))
+        offset = 0
+        for segment, kept in self._passes(pinned):
+            order = list(segment)
+            for position, last in self.chains.ends(order, self._unannounced, kept):
+                ranked.setdefault(last, (int(over), float(offset + position), 0))
+            offset += len(order)
+        loose = _loose(pinned)
         for key in self.hinted:
             if key not in loose:
                 ranked[key] = (int(not over), -self.hints[key][0], -self.depth[key])
@@ -169,28 +183,23 @@ class HostResidency:
 
     def victim(self, pinned: Container[bytes], hinted_share: int | None = None) -> bytes | None:
         """A page of the least ``priorities`` (None: every page is pinned or keeps a pinned one)."""
-        loose = _loose(pinned)
+        passes = self._passes(pinned)
         if hinted_share is None or len(self.hinted) <= hinted_share:
-            last = self.chains.victim(self.orphans, self._unannounced, loose)
-            if last is None:
-                last = self.chains.victim(chain(self.lru, self.protected), self._unannounced, pinned)
-            if last is None and loose is not pinned:  # the chains open allocations lean on, before the hinted
-                last = self.chains.victim(chain(self.lru, self.protected), self._unannounced, loose)
-            if last is not None:
-                return last
+            for segment, kept in passes:
+                last = self.chains.victim(segment, self._unannounced, kept)
+                if last is not None:
+                    return last
+        loose = _loose(pinned)
         best, best_use = None, (-1.0, -1)
         for key in self.hinted:
             use = (self.hints[key][0], self.depth[key])
             if key not in loose and use > best_use:
                 best, best_use = key, use
         if best is None:
-            blocked: set[bytes] = set()  # chains a pinned (kept) page keeps
-            passes = [(self.orphans, loose, blocked), (self.lru, pinned, blocked), (self.protected, pinned, blocked)]
-            if loose is not pinned:  # a chain kept only by leaning is walked again, over the pins alone
-                again: set[bytes] = set()
-                passes += [(self.lru, loose, again), (self.protected, loose, again)]
-            return next((last for seg, kept, seen in passes
-                         for k in seg if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, seen))), None)
+            blocked: dict[int, set[bytes]] = {}  # chains a kept page keeps, per what is kept
+            return next((last for segment, kept in passes for k in segment
+                         if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, blocked.setdefault(id(kept), set())))),
+                        None)
         return best
 
 
@@ -198,5 +207,5 @@ def _loose(pinned: Container[bytes]) -> Container[bytes]:
     """The pins alone, not what open allocations lean on (``Leases.kept``): what an orphan's
     chain passes over (its head is gone, so keeping its end for a put's next batch keeps
     nothing findable: that batch's commit counts none of it), what a leaned chain is walked
-    over after the other unannounced pages, and what a hinted page is (they go last, DESIGN §6)."""
+    over in its turn (``_passes``), and what a hinted page is (they go last, DESIGN §6)."""
     return getattr(pinned, "pins", pinned)
