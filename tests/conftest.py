@@ -21,6 +21,7 @@ from support.kv import SMALL
 from support.servers import ServerProcess, make_config, remove_dead_arenas
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.config import ServerConfig
 from kvstore.server import Server
 
@@ -87,7 +88,7 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.proc.kill()
-        proc.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
+        proc.proc.wait(KILL_WAIT_S)
     proc.close_pipes()
 
 

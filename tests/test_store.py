@@ -4,6 +4,7 @@ invalidation, metrics, two worker processes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import grpc
 import pytest
 import torch
 from support.kv import random_kv
+from support.servers import make_config
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
@@ -207,12 +209,15 @@ async def test_subscribers_are_bounded(server_factory) -> None:
         assert (await stub.Stats(directory_pb2.StatsRequest())).node == "local"
 
 
-async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(server_factory, layout, ns) -> None:
+async def test_get_through_a_crowded_host_tier_with_two_acquires_in_flight(server_factory, tmp_path, layout, ns) -> None:
     """The client keeps two acquires in flight; when the host tier cannot take a whole batch
     of promoted pages (here most of it is leased by someone else) answers come back short,
     the acquire issued after a short one is stale and asked again, and a TierFull while our
-    own leases hold the space waits for them. The get still delivers every page, in order."""
-    server = server_factory(host_bytes=8 << 20, ssd_bytes=64 << 20)  # 256 host slots of 32 KiB
+    own leases hold the space waits for them. The get still delivers every page, in order.
+    Only allocations evict (no demoter): a demoter's round, under load, wrote the second
+    put's last pages down before the blocker leased them (5 of 20 runs beside 3 CPU burners)."""
+    config = make_config(tmp_path, host_bytes=8 << 20, ssd_bytes=64 << 20)  # 256 host slots of 32 KiB
+    server = server_factory(dataclasses.replace(config, host=dataclasses.replace(config.host, demote_above=1.0, demote_to=1.0)))
     tokens = list(range(16 * 300))
     kv = random_kv(layout, len(tokens), seed=11)
     other = list(range(10**6, 10**6 + 16 * 240))

@@ -26,7 +26,7 @@ from pathlib import Path
 from kvstore.bench.chaos.proxy import Proxy
 from kvstore.bench.chaos.ssd_flip import SsdDamage, flip_ssd
 from kvstore.bench.common.cluster_procs import etcd_binary
-from kvstore.bench.common.harness import free_port, rss, stop_process
+from kvstore.bench.common.harness import KILL_WAIT_S, free_port, rss, stop_process
 from kvstore.tiers.host import ARENA_HEADER_BYTES, remove_stale_arenas
 
 TTL_S = 2
@@ -90,7 +90,7 @@ class EtcdServer:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(KILL_WAIT_S)
 
     def wipe(self) -> None:
         """Stopped, its data deleted: the next ``start`` is an empty etcd on the same ports."""
@@ -167,7 +167,7 @@ class ChaosNode:
         line = self.proc.stdout.readline() if ready else ""
         if "ready" not in line:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(KILL_WAIT_S)
             raise RuntimeError(f"node {self.name} did not start within {timeout_s} s: {line!r}; see {self.log}")
 
     def start(self) -> None:
@@ -178,7 +178,7 @@ class ChaosNode:
         """SIGKILL (resumed first if stopped, so that it dies at once), and its arena unlinked."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(KILL_WAIT_S)
         remove_stale_arenas(Path("/dev/shm"), self.name)
 
     def pause(self) -> None:

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.bench.common.harness import free_port, stop_process
+from kvstore.bench.common.harness import KILL_WAIT_S, free_port, stop_process
 from kvstore.tiers.host import remove_stale_arenas
 
 
@@ -87,7 +87,7 @@ class Node:
         still locked by a live server of that name, another run's, is left alone)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(KILL_WAIT_S)
         remove_stale_arenas(Path("/dev/shm"), self.name)
 
     def stop(self) -> None:

@@ -24,6 +24,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 _handed: collections.deque[int] = collections.deque(maxlen=4096)
+KILL_WAIT_S = 60.0  # how long a SIGKILLed child may take to be reaped: seen past 10 s on a loaded 2-core host
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -93,7 +94,7 @@ def stop_process(proc: subprocess.Popen[Any] | None, timeout_s: float = 30.0) ->
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(10)
+        proc.wait(KILL_WAIT_S)
 
 
 class Process:
@@ -108,7 +109,7 @@ class Process:
         line = self.proc.stdout.readline()
         if "ready" not in line:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(KILL_WAIT_S)
             raise RuntimeError(f"{args[2]} did not start: {line}{self.stderr_text()}")
 
     def stderr_text(self) -> str:

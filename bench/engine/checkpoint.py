@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
-from kvstore.bench.common.harness import start_server
+from kvstore.bench.common.harness import KILL_WAIT_S, start_server
 from kvstore.client import KVStoreClient
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, page_tokens=16)
@@ -50,7 +50,7 @@ async def _one(workdir: Path, policy: str, period: int, prompt: int, generate: i
                 await session.returned([tokens[prompt + step - 1]])
                 await session.checkpoint(tokens[: prompt + step], kv)
         server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait(10)
+        server.proc.wait(KILL_WAIT_S)
         server, addr = start_server(workdir, 256 << 20, 512 << 20, *args)
         async with KVStoreClient(addr, ns) as client:
             rec = await client.recover("s")

@@ -82,7 +82,7 @@ class Loads:
             if proc in idle:
                 idle.remove(proc)
         proc.kill()
-        proc.wait(10)
+        proc.wait(60)  # as harness.KILL_WAIT_S (this module imports nothing of kvstore)
 
     def close(self) -> None:
         """Every process: idle ones by closing their stdin (they end), the others killed."""
@@ -100,7 +100,7 @@ class Loads:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(10)
+                proc.wait(60)  # as harness.KILL_WAIT_S (this module imports nothing of kvstore)
         self._idle, self._kind, self._unread = {"client": [], "writer": []}, {}, {}
 
     def _line(self, proc: subprocess.Popen[bytes], timeout_s: float = RESULT_TIMEOUT_S) -> str:

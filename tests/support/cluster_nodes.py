@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench.common.harness import stop_process
+from kvstore.bench.common.harness import KILL_WAIT_S, stop_process
 from kvstore.tiers.host import remove_stale_arenas
 from support.etcd_proc import free_port
 from support.servers import freeze
@@ -79,7 +79,7 @@ class Node:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
+        self.proc.wait(KILL_WAIT_S)
 
     def stop(self) -> None:
         stop_process(self.proc, 20)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.common.harness import free_port, stop_process
+from kvstore.bench.common.harness import KILL_WAIT_S, free_port, stop_process
 
 
 def etcd_binary() -> str:
@@ -93,7 +93,7 @@ class EtcdProcess:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
+        self.proc.wait(KILL_WAIT_S)
 
     def stop(self) -> None:
         try:

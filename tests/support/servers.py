@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvstore.bench.common.harness import free_port
+from kvstore.bench.common.harness import KILL_WAIT_S, free_port
 from kvstore.config import HostTierConfig, ServerConfig, SsdTierConfig
 from kvstore.page import HEADER_BYTES
 from kvstore.server import Server
@@ -133,7 +133,7 @@ class ServerProcess:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
+        self.proc.wait(KILL_WAIT_S)
 
     def terminate(self) -> int:
         """SIGTERM and the exit code; a stop that fails or hangs fails with the server's stderr
@@ -144,7 +144,7 @@ class ServerProcess:
             code = self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(60)  # a SIGKILLed child was seen not reaped within 10 s on a loaded host
+            self.proc.wait(KILL_WAIT_S)
             raise AssertionError(f"the server did not stop within 20 s of SIGTERM:\n{self._stderr_tail()}") from None
         if code != 0:
             print(f"the server exited {code} on SIGTERM:\n{self._stderr_tail()}", file=sys.stderr)
