@@ -149,15 +149,39 @@ def test_with_a_tier_below_a_put_keeps_its_head(core_ssd: Placement) -> None:
 
 
 def test_with_a_tier_below_a_put_larger_than_ram_is_stored_whole_and_leaves_reused_pages(core_ssd: Placement) -> None:
-    """The other half of the rule: a put's chain goes before the protected (reused) pages
-    while those hold no more than their share (DESIGN §6): a one-shot put three times the
-    tier writes its own later pages down, is stored and found whole, and the 96 reused pages
-    stay in RAM (on dbd063b's order, which kept a put's chain over every unannounced page,
-    it pushed them out)."""
+    """The other half of the rule: a put being written takes reused (protected) pages down to
+    half their share of RAM (eviction.LEANED_FLOOR), then its own later pages (DESIGN §6): a
+    one-shot put three times the tier is stored and found whole, keeps its head, and leaves at
+    least 40 of the 96 reused pages in RAM (the floor, 51 pages, less a chain of 8 that goes
+    whole). On f53df30's order, which kept a put's chain over every unannounced page, it
+    pushed them all out."""
     core = core_ssd
     others, put = _fill_reused(core), _keys("huge", 400)
     _put_in_batches(core, put)
-    assert sum(_in_host(core, others)) >= 96, "a one-shot put pushed reused pages out of RAM"
+    assert sum(_in_host(core, others)) >= 40, "a one-shot put pushed reused pages out of RAM"
+    assert _in_host(core, put[:16]) == [True] * 16, "the put gave up its head"
     assert all(core.residence.stored(k) for k in put)
     assert _found(core, put[:100]) == 100
     assert core.view().idle, core.view()
+
+
+def test_a_demoter_round_while_a_put_is_open_leaves_its_head(core_ssd: Placement) -> None:
+    """The failing interleaving itself: the reused pages are all protected (the probation ones
+    removed), the put's pages are the only probation pages, and a demoter round (to the low
+    watermark) runs while each of its batches is open. On 4275cb1 the rounds wrote the put's
+    committed pages down, head first among them, and its later batches committed as orphans;
+    now they take reused pages, down to their floor, and the put keeps its head."""
+    core = core_ssd
+    others = _fill_reused(core)
+    probation = [k for k in others if not any(k in o.residency.protected for o in core.residence.landing_orders.all())]
+    assert core.remove(NS, probation) == len(probation)
+
+    def round_while_open(start: int) -> None:
+        while core.demote_one():
+            pass
+
+    put = _keys("put", 64)
+    _put_in_batches(core, put, round_while_open)
+    round_while_open(64)
+    assert _in_host(core, put[:32]) == [True] * 32, "a demoter round wrote the put's head down"
+    assert all(core.residence.stored(k) for k in put)

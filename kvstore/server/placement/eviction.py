@@ -11,6 +11,8 @@ from collections.abc import Container, Iterable
 
 from kvstore.server.placement.chains import PrefixLinks, TailFirst
 
+LEANED_FLOOR = 0.5  # of protected's share: a put being written takes reused pages down to it before its own
+
 
 class HostResidency:
     """Eviction order of the pages in the host tier. Not thread-safe (owner's lock)."""
@@ -146,16 +148,16 @@ class HostResidency:
 
     def _passes(self, pinned: Container[bytes]) -> list[tuple[Iterable[bytes], Container[bytes]]]:
         """The unannounced pages' segments in the order they give up chains, each with what it
-        passes over. Orphans, over the pins alone (``_loose``); probation; then the chains open
-        allocations only lean on (``Leases.kept``: a put's, walked again over the pins alone),
-        before protected unless protected holds more than its share of the resident pages: a
-        put keeps its head while other probation pages can go, and a one-shot put cannot push
-        reused pages below their share (DESIGN §6). Without leaning: orphans, probation, protected."""
+        passes over. Orphans, over the pins alone (``_loose``); probation; protected while it
+        holds more than ``LEANED_FLOOR`` of its share of the resident pages; then the chains open
+        allocations only lean on (``Leases.kept``: a put's, walked again over the pins alone);
+        protected. A put keeps its head, and a one-shot put pushes reused pages no lower than
+        that floor (DESIGN §6). Without leaning: orphans, probation, protected."""
         loose = _loose(pinned)
         if loose is pinned:
             return [(self.orphans, pinned), (self.lru, pinned), (self.protected, pinned)]
         resident = len(self.lru) + len(self.protected) + len(self.hinted) + len(self.orphans)
-        over = self.segmented and len(self.protected) > self.protected_share * resident
+        over = self.segmented and len(self.protected) > LEANED_FLOOR * self.protected_share * resident
         leaned = [(self.lru, loose)] if over else [(self.lru, loose), (self.protected, pinned)]
         return [(self.orphans, loose), (self.lru, pinned), *([(self.protected, pinned)] if over else []), *leaned,
                 (self.protected, loose)]
