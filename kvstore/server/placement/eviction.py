@@ -152,12 +152,15 @@ class HostResidency:
         holds more than ``LEANED_FLOOR`` of its share of the resident pages; then the chains open
         allocations only lean on (``Leases.kept``: a put's, walked again over the pins alone);
         protected. A put keeps its head, and a one-shot put pushes reused pages no lower than
-        that floor (DESIGN §6). Without leaning: orphans, probation, protected."""
+        that floor (DESIGN §6), a demoter's round too: the pages it named already (``moving``)
+        count as gone, as they do to the walk. Without leaning: orphans, probation, protected."""
         loose = _loose(pinned)
         if loose is pinned:
             return [(self.orphans, pinned), (self.lru, pinned), (self.protected, pinned)]
-        resident = len(self.lru) + len(self.protected) + len(self.hinted) + len(self.orphans)
-        over = self.segmented and len(self.protected) > LEANED_FLOOR * self.protected_share * resident
+        moving = [k for k in getattr(pinned, "moving", ()) if k in self]  # a round's named pages count as gone
+        resident = len(self.lru) + len(self.protected) + len(self.hinted) + len(self.orphans) - len(moving)
+        protected = len(self.protected) - sum(k in self.protected for k in moving)
+        over = self.segmented and protected > LEANED_FLOOR * self.protected_share * resident
         leaned = [(self.lru, loose)] if over else [(self.lru, loose), (self.protected, pinned)]
         return [(self.orphans, loose), (self.lru, pinned), *([(self.protected, pinned)] if over else []), *leaned,
                 (self.protected, loose)]
