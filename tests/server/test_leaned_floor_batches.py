@@ -4,8 +4,8 @@ pages keep against a put being written (eviction.LEANED_FLOOR, DESIGN §6) count
 
 Bug pinned: the floor was checked on the protected pages still held, moving ones included, so a
 round that started above the floor took protected pages until it ended, far below the floor
-(60 protected of 100 resident, a round of 40: all 40 protected, where one at a time 36 go,
-the put's tail the other 4)."""
+(60 protected of 100 resident, a round of 40: all 40 protected, where one at a time 34 go,
+then 6 of the put's chain, tail first)."""
 
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def test_a_round_names_what_one_eviction_at_a_time_would(n: int) -> None:
 
 
 def test_a_round_takes_protected_pages_no_lower_than_the_floor() -> None:
-    """The floor is a share of the resident pages, so it falls as the round lowers them: after
-    it, protected and the put's tail (tail first) go by turns, protected held at the floor."""
+    """Protected goes down to the floor (a share of the resident pages, which the round lowers),
+    then the put's chain, tail first (its leaned last page, then the rest as probation)."""
     _, reused, put = _residency()
     named = _as_a_batch(40)
     left, resident = 60 - sum(key in reused for key in named), 100 - len(named)
