@@ -25,7 +25,7 @@ from kvstore import Namespace
 from kvstore.bench.common import rawgrpc
 from kvstore.bench.common.cluster_procs import Node
 from kvstore.bench.common.cpu_floor import OWN, Meter, VerifiedCopy, add_cpu, cpu_fields
-from kvstore.bench.common.harness import start_raw_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S, start_raw_grpc
 from kvstore.client import KVStoreClient
 from kvstore.types import KVLayout
 
@@ -41,7 +41,7 @@ class ChildPump:
             self.round()  # connects and warms the destinations
         except BaseException:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(KILL_WAIT_S)
             raise
 
     def round(self) -> float:

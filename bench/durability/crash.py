@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from kvstore import KVLayout, Namespace
-from kvstore.bench.common.harness import start_server
+from kvstore.bench.common.harness import KILL_WAIT_S, start_server
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError, PageMissing
 from kvstore.keys import page_keys
@@ -189,7 +189,7 @@ async def run_iterations(workdir: Path, iterations: int, seed: int, bar: Any = N
             await asyncio.sleep(rng.uniform(0.2, 1.0))
             model.killed = True
             server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait(10)
+            server.proc.wait(KILL_WAIT_S)
             stop.set()
             await asyncio.wait_for(load, 30)
             if bar is not None:

@@ -30,6 +30,7 @@ from fetch_contract import (
 )
 from page_server_node import expected_page
 
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.cluster.transport_ucx import FetchStatus, SourcePage, UcxConfig, UcxPageFetcher, UcxPageServer, init_ucx
 from kvstore.errors import InvalidRequest
 from kvstore.page import checksum
@@ -179,7 +180,7 @@ def test_two_processes_bit_exact_over(tls: str) -> None:
             server.wait(20)
         except subprocess.TimeoutExpired:
             server.kill()
-            server.wait(10)
+            server.wait(KILL_WAIT_S)
 
 
 class CountingSource:

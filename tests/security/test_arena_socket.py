@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from support.secure_server import ADMIN, ALICE, BOB, EXPIRED, grants, write_auth_file
 
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.errors import KVStoreError, Unauthenticated
 from kvstore.security.arena_socket import ArenaSocket, receive_arena
 from kvstore.security.authenticator import Authenticator
@@ -257,7 +258,7 @@ def test_a_peer_squatting_every_slot_does_not_keep_others_from_their_arena(tmp_p
     finally:
         for squatter in procs:
             squatter.kill()
-            squatter.wait(10)
+            squatter.wait(KILL_WAIT_S)
         server.stop()
         arenas.close()
 

@@ -34,6 +34,7 @@ from support.tenants import (
 )
 
 from kvstore._proto import data_pb2
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import ClientTLS, KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.page import ARENA_MAGIC, checksum
@@ -236,7 +237,7 @@ def test_nothing_is_left_behind_when_a_client_dies_mid_put(tmp_path: Path, ca: C
             assert server.core.arena_of("a").size_bytes and server.core.landing.part("a").usage().used_bytes > 0
         finally:
             child.kill()
-            child.wait(10)
+            child.wait(KILL_WAIT_S)
         deadline = time.monotonic() + 10
         while server.core.view().num_allocations and time.monotonic() < deadline:  # the allocation expires by its TTL
             server.core.stats()  # reaps what expired
@@ -341,4 +342,4 @@ def test_a_same_uid_process_cannot_open_the_servers_arena_descriptors(tmp_path: 
     finally:
         server.kill()
         holder.kill()
-        holder.wait(10)
+        holder.wait(KILL_WAIT_S)

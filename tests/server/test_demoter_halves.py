@@ -15,6 +15,7 @@ from pathlib import Path
 
 from support.servers import make_config
 
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.config import ServerConfig
 from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Demoter, Placement
@@ -243,4 +244,4 @@ def test_a_lift_leaves_a_thread_of_another_process_alone() -> None:
         assert os.sched_getscheduler(other.pid) == os.SCHED_IDLE, "the lift changed another process's thread"
     finally:
         other.kill()
-        other.wait(10)
+        other.wait(KILL_WAIT_S)

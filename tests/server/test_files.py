@@ -11,6 +11,7 @@ from pathlib import Path
 from support.kv import random_kv
 from support.servers import ServerProcess, make_config
 
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 
 
@@ -60,7 +61,7 @@ def test_arena_of_a_killed_server_is_removed_even_while_its_pid_exists(server_fa
         for proc in (live, dead):
             if proc.proc is not None:
                 proc.proc.kill()
-                proc.proc.wait(10)
+                proc.proc.wait(KILL_WAIT_S)
         for path in Path("/dev/shm").glob(f"kvstore-{node}-*"):  # what a failed run would leave
             path.unlink()
 

@@ -10,6 +10,7 @@ from support.kv import random_kv
 from support.servers import ServerProcess
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 
 
@@ -78,5 +79,5 @@ async def test_refused_large_requests_do_not_pin_server_memory(tmp_path) -> None
         assert rss[-1] - rss[0] < 128 << 20, f"the server kept {[r >> 20 for r in rss]} MiB after refusing requests"
     finally:
         server.proc.kill()
-        server.proc.wait(10)
+        server.proc.wait(KILL_WAIT_S)
         server.close_pipes()

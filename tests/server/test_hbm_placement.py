@@ -13,6 +13,7 @@ import torch
 from support.kv import random_kv
 from support.servers import ServerProcess, make_config
 
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 from kvstore.config import HbmTierConfig, ServerConfig
 from kvstore.device_ops import CpuOps
@@ -79,4 +80,4 @@ async def test_after_a_restart_a_device_load_maps_the_new_pool(tmp_path, layout,
     finally:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.kill()
-            proc.proc.wait(10)
+            proc.proc.wait(KILL_WAIT_S)

@@ -16,6 +16,7 @@ from support.kv import random_kv
 from support.servers import ServerProcess, flip_arena_byte, make_config
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 from kvstore.config import HbmTierConfig, ServerConfig
 from kvstore.device_ops import CpuOps
@@ -225,7 +226,7 @@ async def test_sigkill_with_hbm_keeps_ssd_pages_and_the_cli_flags_work(tmp_path,
     finally:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.kill()
-            proc.proc.wait(10)
+            proc.proc.wait(KILL_WAIT_S)
 
 
 async def test_a_page_a_promotion_finds_damaged_is_quarantined_not_only_skipped(server_factory, tmp_path, layout, ns) -> None:

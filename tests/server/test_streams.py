@@ -21,6 +21,7 @@ from support.kv import SMALL, random_kv
 
 from kvstore import Namespace
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 from kvstore.page import checksum
 
@@ -207,7 +208,7 @@ def test_a_frozen_peer_loses_its_streams_to_keepalive(server_factory) -> None:
             assert time.monotonic() - start < 15, "the frozen peer kept its stream slot"
     finally:
         peer.kill()
-        peer.wait(10)
+        peer.wait(KILL_WAIT_S)
 
 
 def test_a_stream_the_client_cancels_is_no_server_fault(server) -> None:

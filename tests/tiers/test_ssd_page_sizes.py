@@ -13,6 +13,7 @@ from support.kv import random_kv
 from support.servers import ServerProcess, make_config
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client import KVStoreClient
 
 LAYOUTS = {
@@ -28,7 +29,7 @@ def io_server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.proc.kill()
-        proc.proc.wait(10)
+        proc.proc.wait(KILL_WAIT_S)
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])

@@ -17,6 +17,7 @@ from support.kv import random_kv
 from support.servers import ServerProcess, make_config
 
 from kvstore import KVLayout, Namespace
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.cli import ctl
 from kvstore.client import KVStoreClient
 from kvstore.errors import TierFull
@@ -53,7 +54,7 @@ def shm_data_server(tmp_path: Path) -> Iterator[ServerProcess]:
         yield proc
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.kill()
-            proc.proc.wait(10)
+            proc.proc.wait(KILL_WAIT_S)
 
 
 async def test_written_bytes_are_the_bytes_the_device_receives(shm_data_server, capsys) -> None:

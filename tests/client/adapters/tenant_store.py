@@ -10,6 +10,7 @@ import grpc
 from support.servers import ServerProcess
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S
 
 TOKEN_A = "tenant-a-token-0123456789abcdef"  # tenant a: read, write
 TOKEN_A2 = "tenant-a-other-0123456789abcde"  # tenant a too, another token
@@ -36,7 +37,7 @@ def tenant_server(tmp: Path, *args: str) -> ServerProcess:
 def stop(server: ServerProcess) -> None:
     if server.proc is not None and server.proc.poll() is None:
         server.proc.kill()
-        server.proc.wait(10)
+        server.proc.wait(KILL_WAIT_S)
     server.close_pipes()
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import engine_spawn
 
+from kvstore.bench.common.harness import KILL_WAIT_S
+
 ECHO = """
 import os, sys
 print("env", os.environ.get("ZYGOTE_TEST"), flush=True)
@@ -48,4 +50,4 @@ def test_a_killed_child_reads_as_killed_and_a_wait_can_time_out(tmp_path: Path) 
     except subprocess.TimeoutExpired:
         pass
     child.kill()
-    assert child.wait(30) == -signal.SIGKILL
+    assert child.wait(KILL_WAIT_S) == -signal.SIGKILL

@@ -21,6 +21,7 @@ from support.servers import ServerProcess
 
 from kvstore import KVLayout, Namespace
 from kvstore._proto import directory_pb2, directory_pb2_grpc
+from kvstore.bench.common.harness import KILL_WAIT_S
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.client.adapters.vllm.scheduler import SchedulerSide
@@ -41,7 +42,7 @@ def store_process(tmp_path: Path) -> Iterator[ServerProcess]:
     if proc.proc.poll() is None:
         os.kill(proc.proc.pid, signal.SIGCONT)
         proc.proc.kill()
-        proc.proc.wait(10)
+        proc.proc.wait(KILL_WAIT_S)
 
 
 def parts(address: str, lookup_timeout_s: float = 5.0, use_shm: bool = True,

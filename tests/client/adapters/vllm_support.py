@@ -15,6 +15,8 @@ import engine_spawn
 import pytest
 from support.servers import ServerProcess
 
+from kvstore.bench.common.harness import KILL_WAIT_S
+
 TESTS = Path(__file__).parent
 BLOCK = 32  # vLLM's CPU backend takes multiples of 32 tokens per block
 
@@ -33,7 +35,7 @@ def module_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.proc.kill()
-        proc.proc.wait(10)
+        proc.proc.wait(KILL_WAIT_S)
 
 
 def tiny_llama(path: Path, layers: int = 4, hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
@@ -110,5 +112,5 @@ class EngineProcess:
                 self.proc.wait(30)
             except (OSError, RuntimeError, subprocess.TimeoutExpired):
                 self.proc.kill()
-                self.proc.wait(10)
+                self.proc.wait(KILL_WAIT_S)
         self._log.close()
