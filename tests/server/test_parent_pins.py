@@ -150,11 +150,11 @@ def test_with_a_tier_below_a_put_keeps_its_head(core_ssd: Placement) -> None:
 
 def test_with_a_tier_below_a_put_larger_than_ram_is_stored_whole_and_leaves_reused_pages(core_ssd: Placement) -> None:
     """The other half of the rule: a put being written takes reused (protected) pages down to
-    half their share of RAM (eviction.LEANED_FLOOR), then its own later pages (DESIGN §6): a
-    one-shot put three times the tier is stored and found whole, keeps its head, and leaves at
-    least 40 of the 96 reused pages in RAM (the floor, 51 pages, less a chain of 8 that goes
-    whole). On f53df30's order, which kept a put's chain over every unannounced page, it
-    pushed them all out."""
+    half their share of the resident pages (eviction.LEANED_FLOOR), then its own later pages
+    (DESIGN §6): a one-shot put three times the tier is stored and found whole, keeps its head,
+    and leaves at least 40 of the 96 reused pages in RAM (48: the floor is 0.4 of the resident
+    pages, 120 while a batch's 8 slots are reserved). On f53df30's order, which kept a put's
+    chain over every unannounced page, it pushed them all out."""
     core = core_ssd
     others, put = _fill_reused(core), _keys("huge", 400)
     _put_in_batches(core, put)
