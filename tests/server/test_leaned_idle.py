@@ -8,38 +8,18 @@ leaned parent left behind by some path (a chain kept from eviction for ever) pas
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import pytest
+from support.core_pages import LAYOUT, CorePages, page_keys
 from support.servers import make_config
 
 from kvstore.errors import StaleGeneration, TierFull
-from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Placement
 
-LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"leaned-idle-ns"
-
-
-def _keys(name: str, n: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
-
-
-def _payload(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
-
-
-def _allocate(core: Placement, keys: list[bytes], parent: bytes | None = None) -> bytes:
-    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
-    for key, slot in slots:
-        if slot is not None:
-            core.slot_view(alloc, key)[:] = _payload(key)
-    return alloc
-
-
-def _commit(core: Placement, alloc: bytes, keys: list[bytes]) -> int:
-    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
+PAGES = CorePages(NS)
+_keys, _allocate, _commit = page_keys, PAGES.allocate, PAGES.commit
 
 
 @pytest.fixture

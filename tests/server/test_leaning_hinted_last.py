@@ -10,36 +10,19 @@ and ``priorities``, the order's definition, did not rank that chain at all.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from itertools import pairwise
 
+from support.core_pages import CorePages, page_keys
 from support.servers import make_config
 
-from kvstore.page import LayoutDesc, checksum
 from kvstore.server.leases import Pins, PinsAnd
 from kvstore.server.placement import Placement
 from kvstore.server.placement.eviction import HostResidency
 
-LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"hinted-namespace"
-
-
-def _keys(name: str, n: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
-
-
-def _payload(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
-
-
-def _put(core: Placement, keys: list[bytes], parent: bytes | None = None) -> int:
-    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
-    assert [k for k, _ in slots] == keys
-    for key, slot in slots:
-        if slot is not None:
-            core.slot_view(alloc, key)[:] = _payload(key)
-    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
+PAGES = CorePages(NS)
+_keys, _put = page_keys, PAGES.put
 
 
 def test_a_put_at_ram_size_takes_its_own_chain_before_the_hinted_pages(tmp_path) -> None:

@@ -10,50 +10,20 @@ workaround (client/transport/shm_pipeline.py).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 
 import pytest
+from support.core_pages import LAYOUT, CorePages, in_host, page_keys, payload
 from support.servers import make_config
 
 from kvstore.errors import TierFull
-from kvstore.page import LayoutDesc, checksum
 from kvstore.server.placement import Placement
 
-LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"parent-namespace"
-
-
-def _keys(name: str, n: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
-
-
-def _payload(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
-
-
-def _allocate(core: Placement, keys: list[bytes], parent: bytes | None = None) -> bytes:
-    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
-    assert [k for k, _ in slots] == keys
-    for key, slot in slots:
-        if slot is not None:
-            core.slot_view(alloc, key)[:] = _payload(key)
-    return alloc
-
-
-def _commit(core: Placement, alloc: bytes, keys: list[bytes]) -> int:
-    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
-
-
-def _found(core: Placement, keys: list[bytes]) -> int:
-    lease, pages = core.acquire(NS, keys, 0)
-    try:
-        for page in pages:
-            assert bytes(core.read_view(page)) == _payload(page.key)
-        return len(pages)
-    finally:
-        core.release(lease)
+PAGES = CorePages(NS)
+_keys, _payload, _in_host = page_keys, payload, in_host
+_allocate, _commit, _found = PAGES.allocate, PAGES.commit, PAGES.found
 
 
 @pytest.fixture
@@ -100,10 +70,6 @@ def core_ssd(tmp_path):
     core = Placement(make_config(tmp_path, host_bytes=4 << 20, allocation_ttl_ms=30_000))
     yield core
     core.close()
-
-
-def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
-    return [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
 
 
 def _fill_reused(core: Placement) -> list[bytes]:

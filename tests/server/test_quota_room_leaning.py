@@ -9,52 +9,28 @@ allocation leans on anything) wrote each page's predecessor down: the put stream
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 
+from support.core_pages import LAYOUT, CorePages, in_host, page_keys
 from support.servers import make_config
 from support.tenants import LAYOUT as WIRE_LAYOUT
 from support.tenants import PAGE_BYTES, A, Caller, new_keys, new_ns, start_with_quotas
 
 from kvstore._proto import data_pb2
-from kvstore.page import LayoutDesc, checksum
+from kvstore.page import checksum
 from kvstore.server.placement import Placement
 
 pytest_plugins = ["support.tenants"]  # its ca fixture
 
-LAYOUT = LayoutDesc(4, 2, 2, 64, "float16", 16)  # 32 KiB pages: 128 of them fill a 4 MiB host tier
 NS = b"leaning-namespace"
-
-
-def _keys(name: str, n: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=16).digest() for i in range(n)]
-
-
-def _payload(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=64).digest() * (LAYOUT.page_bytes // 64)
-
-
-def _allocate(core: Placement, keys: list[bytes], parent: bytes | None = None) -> bytes:
-    alloc, slots = core.allocate(NS, LAYOUT, keys, parent=parent)
-    assert [k for k, _ in slots] == keys
-    for key, slot in slots:
-        if slot is not None:
-            core.slot_view(alloc, key)[:] = _payload(key)
-    return alloc
-
-
-def _commit(core: Placement, alloc: bytes, keys: list[bytes]) -> int:
-    return core.commit(alloc, keys, [checksum(_payload(k)) for k in keys])
+PAGES = CorePages(NS)
+_keys, _in_host, _allocate, _commit = page_keys, in_host, PAGES.allocate, PAGES.commit
 
 
 def _read_back(core: Placement, keys: list[bytes]) -> None:
     lease, pages = core.acquire(NS, keys, 0)
     assert len(pages) == len(keys)
     core.release(lease)
-
-
-def _in_host(core: Placement, keys: list[bytes]) -> list[bool]:
-    return [core.residence.has(k, 0) for k in keys]  # tier 0: the landing tier
 
 
 def test_evict_own_passes_over_the_chain_an_open_allocation_extends(tmp_path) -> None:
