@@ -87,3 +87,23 @@ def test_a_round_in_flight_leaves_the_put_its_head(tmp_path, batch_open: bool) -
     finally:
         go.set()
         core.close()
+
+
+def test_a_tenants_room_at_its_quota_walks_a_round_as_every_eviction(tmp_path) -> None:
+    """A tenant's room at its host quota (Placement.evict_own, NotAmong) sees a round's pages as
+    being moved, as every other eviction does: with the round holding the tail of the tenant's only
+    chain, the room is made with the pages before it (tail first), not refused while the round is
+    in flight (it counted the round's pages as pinned, keeping the whole chain)."""
+    core = Placement(make_config(tmp_path, host_bytes=4 << 20, ssd_bytes=None))
+    try:
+        put = page_keys("put", 16)
+        assert PAGES.put(core, put) == 16
+        core.leases.pin(put[8:], move=True)  # a round named the chain's tail; its write is in flight
+        try:
+            assert core.evict_own(frozenset([NS]), 12 * core.config.host.capacity_bytes // 128)
+        finally:
+            core.leases.unpin(put[8:], move=True)
+        assert in_host(core, put) == [True] * 4 + [False] * 4 + [True] * 8
+        assert core.view().idle, core.view()
+    finally:
+        core.close()

@@ -27,6 +27,11 @@ class NotAmong:
         loose = getattr(self._pins, "pins", None)
         return self if loose is None else NotAmong(loose, self._directory, self._namespace_ids)
 
+    @property
+    def moving(self) -> Container[bytes]:
+        """The pages being moved down (``Pins.moving``): walked through, never named (chains.py)."""
+        return getattr(self._pins, "moving", ())
+
     def __contains__(self, key: object) -> bool:
         if key in self._pins:
             return True
