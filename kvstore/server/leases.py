@@ -27,7 +27,7 @@ class Pins(Counter[bytes]):
     """Every pin, a caller's or a move's, counted: the keys an eviction order's ``victim``
     passes over; ``moving``: the pins of moves. A page pinned by a caller keeps the pages
     before it in its prefix (chains.py); one being moved down does not (its predecessor may
-    follow it down)."""
+    follow it down): a victim search walks through it, to what was committed after it."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -84,9 +84,11 @@ def test_the_host_order_names_a_page_of_the_least_priority(seed: int) -> None:
 
 
 def _demotion_batch(residency: HostResidency, stored: set[bytes], rng: random.Random, what: str) -> None:
-    """The demoter's round: victims named one after another, each pinned as moving (it counts as
-    gone to the walk, Pins.moving), every one held to the priorities; then they leave in the order
-    named, as the batch's write ends (the moving shortcut's path)."""
+    """The demoter's round: victims named one after another, each pinned as moving (the walk goes
+    through it, never names it: Pins.moving), every one held to the priorities, now and then a
+    page committed after one of them while the round's write is in flight (a put's next batch:
+    that chain's tail now); then they leave in the order named, as the batch's write ends (the
+    moving shortcut's path)."""
     pins = Pins()
     pins.update(k for k in sorted(stored) if rng.random() < 0.1)
     kept: Container[bytes] = pins
@@ -101,6 +103,10 @@ def _demotion_batch(residency: HostResidency, stored: set[bytes], rng: random.Ra
         pins.update([victim])
         pins.pin_moves([victim])
         named.append(victim)
+        if rng.random() < 0.3 and (free := [k for k in KEYS if k not in stored]):
+            key = rng.choice(free)
+            residency.add(key, rng.choice(named))
+            stored.add(key)
     for victim in named:
         residency.remove(victim, evicted=True)
         stored.discard(victim)

@@ -12,6 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Container, Iterable, Iterator
 
 
+def walks_from(key: bytes, pinned: Container[bytes]) -> bool:
+    """Whether a victim search walks ``key``'s chain: it is not pinned, or pinned only as being
+    moved down (walked through, never named: the pages after a round's orphan go first)."""
+    return key not in pinned or key in getattr(pinned, "moving", ())
+
+
 class PrefixLinks:
     """Predecessor links between resident pages. Not thread-safe (owner's lock)."""
 
@@ -55,21 +61,29 @@ class PrefixLinks:
 
     def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
                  blocked: set[bytes]) -> bytes | None:
-        """The last page of ``key``'s chain (following links to ``evictable`` pages; one being
-        moved down counts as gone), or None when that last page is pinned: a pinned page keeps
-        the pages before it (without them it is of no use once read), not those after it, which
-        go first as any chain's tail does (and as ``TailFirst``'s shortcuts give them up). The
-        pages seen then join ``blocked`` (one victim search walks each chain once). A cycle a
-        writer made up (links are the writers' word) ends the walk at its first page seen
-        twice, which goes like any other: a walk costs its chain's length, never the tier's size."""
-        moving: Container[bytes] = getattr(pinned, "moving", ())  # moved down: keeps no chain
+        """The last page of ``key``'s chain (following links to ``evictable`` pages) that is not
+        being moved down, or None when that page is pinned: a pinned page keeps the pages before
+        it (without them it is of no use once read), not those after it, which go first as any
+        chain's tail does (and as ``TailFirst``'s shortcuts give them up). A page being moved
+        down is walked through, never named (it leaves on its own, or stays when its write
+        fails): what a put committed after it is still the chain's tail, and goes before the
+        pages ahead of it (DESIGN §6). The pages seen on the way to a pinned page join
+        ``blocked`` (one victim search walks each chain once). A cycle a writer made up (links
+        are the writers' word) ends the walk at its first page seen twice: a walk costs its
+        chain's length, never the tier's size."""
+        moving: Container[bytes] = getattr(pinned, "moving", ())
         seen: dict[bytes, None] = {}  # in walk order
+        last: bytes | None = None  # the deepest page seen that is not being moved down
         while key not in blocked:
-            after = [k for k in self.after(key) if evictable(k) and k not in moving] if key not in seen else []  # seen: a cycle
-            seen[key] = None
+            after = sorted((k for k in self.after(key) if evictable(k)), key=moving.__contains__) if key not in seen else []
+            seen[key] = None  # (seen: a cycle; a child not being moved is followed first)
+            if key not in moving:
+                last = key
             if not after:
-                if key not in pinned:
-                    return key
+                if last is None:
+                    return None  # every page walked is being moved down: the pages before them may go
+                if last not in pinned:
+                    return last
                 break
             key = after[0]
         blocked.update(seen)
@@ -91,9 +105,12 @@ class TailFirst:
 
     def link(self, key: bytes, parent: bytes) -> None:
         """``parent`` comes right before ``key`` (PrefixLinks.link). A page linked again, or a
-        second page after one, may change a chain the shortcuts remember: they are dropped."""
+        second page after one, may change a chain the shortcuts remember: they are dropped; a
+        round's (``_picked``) at any link, since a page linked after one it named (being moved,
+        so walked through) is that chain's new tail."""
         if key in self.links.parent or self.links.after(parent):
             self.forget()
+        self._picked = None
         self.links.link(key, parent)
 
     def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
@@ -132,14 +149,14 @@ class TailFirst:
         position that names it, and ``victim`` names a page of the least. O(pages x depth):
         the definition that ``victim``'s O(1)-a-page search is held to (tests), not a path."""
         for position, key in enumerate(order):
-            if key not in pinned and (last := self.links.deepest(key, held, pinned, set())) is not None:
+            if walks_from(key, pinned) and (last := self.links.deepest(key, held, pinned, set())) is not None:
                 yield position, last
 
     def victim(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> bytes | None:
         """The page to go: ``order`` lists the held pages least recently used first."""
         blocked: set[bytes] = set()  # chains a pinned page keeps
         for key in order:
-            if key not in pinned and (last := self._deepest(key, held, pinned, blocked)) is not None:
+            if walks_from(key, pinned) and (last := self._deepest(key, held, pinned, blocked)) is not None:
                 self._picked = (key, last)
                 return last
         return None
@@ -154,7 +171,7 @@ class TailFirst:
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
                 return end
         moving: Container[bytes] = getattr(pinned, "moving", ())
-        if self._picked is not None and self._picked[0] == key and self._picked[1] in moving:
+        if self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving:
             end = self.links.parent.get(self._picked[1])
             if (end is not None and end not in pinned and held(end)
                     and not any(held(k) and k not in moving for k in self.links.after(end))):

@@ -9,7 +9,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container, Iterable
 
-from kvstore.server.placement.chains import PrefixLinks, TailFirst
+from kvstore.server.placement.chains import PrefixLinks, TailFirst, walks_from
 
 LEANED_FLOOR = 0.5  # of protected's share: a put being written takes reused pages down to it before its own
 
@@ -153,7 +153,8 @@ class HostResidency:
         allocations only lean on (``Leases.kept``: a put's, walked again over the pins alone);
         protected. A put keeps its head, and a one-shot put pushes reused pages no lower than
         that floor (DESIGN §6), a demoter's round too: the pages it named already (``moving``)
-        count as gone, as they do to the walk. Without leaning: orphans, probation, protected."""
+        count as gone (the walk never names them; it walks through them to what a put committed
+        after them, chains.py). Without leaning: orphans, probation, protected."""
         loose = _loose(pinned)
         if loose is pinned:
             return [(self.orphans, pinned), (self.lru, pinned), (self.protected, pinned)]
@@ -203,7 +204,7 @@ class HostResidency:
         if best is None:
             blocked: dict[int, set[bytes]] = {}  # chains a kept page keeps, per what is kept
             return next((last for segment, kept in passes for k in segment
-                         if k not in kept and (last := self.links.deepest(k, self._unannounced, kept, blocked.setdefault(id(kept), set())))),
+                         if walks_from(k, kept) and (last := self.links.deepest(k, self._unannounced, kept, blocked.setdefault(id(kept), set())))),
                         None)
         return best
 
