@@ -6,6 +6,7 @@ More: kvstore/server/README.md (### leases.py).
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import secrets
 import time
@@ -21,6 +22,7 @@ from kvstore.page import LayoutDesc
 logger = logging.getLogger(__name__)
 
 HANDLE_BYTES = 16
+_MOVES_ENDED = itertools.count()  # Pins.moves_ended: one value a Pins and a move's end
 
 
 class Pins(Counter[bytes]):
@@ -32,6 +34,7 @@ class Pins(Counter[bytes]):
     def __init__(self) -> None:
         super().__init__()
         self._moving: Counter[bytes] = Counter()
+        self.moves_ended = next(_MOVES_ENDED)
 
     @property
     def moving(self) -> Mapping[bytes, int]:
@@ -42,8 +45,11 @@ class Pins(Counter[bytes]):
         self._moving.update(keys)
 
     def unpin_moves(self, keys: Iterable[bytes]) -> None:
+        """``moves_ended`` changes (no two ``Pins`` share a value): a page that was being moved
+        may be followed again by a walk (a round's shortcut down a chain is stale: chains.py)."""
         self._moving.subtract(keys)
         self._moving = +self._moving  # drops the zeros
+        self.moves_ended = next(_MOVES_ENDED)
 
 
 class PinsAnd:
@@ -61,6 +67,10 @@ class PinsAnd:
     @property
     def moving(self) -> Mapping[bytes, int]:
         return self.pins.moving
+
+    @property
+    def moves_ended(self) -> int:
+        return self.pins.moves_ended
 
 
 @dataclass

@@ -100,7 +100,8 @@ class TailFirst:
 
     def __init__(self) -> None:
         self.links = PrefixLinks()
-        self._picked: tuple[bytes, bytes] | None = None  # (LRU candidate, the victim found down its chain)
+        # (LRU candidate, the victim found down its chain, the pins' ``moves_ended`` then)
+        self._picked: tuple[bytes, bytes, int | None] | None = None
         self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
 
     def link(self, key: bytes, parent: bytes) -> None:
@@ -124,16 +125,19 @@ class TailFirst:
             self.changed(key)
         return self.links.unlink(key)
 
-    def changed(self, key: bytes) -> None:
-        """``key`` left, or stopped or started being a page the walk follows (its owner's
-        ``held``: a page hinted, say). A page with pages after it, or a candidate the
+    def changed(self, key: bytes, followed: bool = False) -> None:
+        """``key`` left, or stopped or started (``followed``) being a page the walk follows (its
+        owner's ``held``: a page hinted, say). A page with pages after it, or a candidate the
         shortcuts remember, may change the chain they remember: they are dropped, the next
         search walks. A chain's last page changes no walk but one that ends there, which the
-        shortcuts' own checks catch (the pages of a demotion batch leave so, tail first). A
-        remembered end itself leaving is forgotten: stored again elsewhere, it would pass
-        those checks as the end of a chain it is no longer in."""
+        shortcuts' own checks catch (the pages of a demotion batch leave so, tail first), save
+        one followed again after a round's victim and the pages being moved after it (the
+        round's shortcut is dropped). A remembered end itself leaving is forgotten: stored
+        again elsewhere, it would pass those checks as the end of a chain it is no longer in."""
         if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:
             self.forget()
+        if followed:
+            self._picked = None
         if self._next is not None and self._next[1] == key:
             self._next = None
         if self._picked is not None and self._picked[1] == key:
@@ -157,7 +161,7 @@ class TailFirst:
         blocked: set[bytes] = set()  # chains a pinned page keeps
         for key in order:
             if walks_from(key, pinned) and (last := self._deepest(key, held, pinned, blocked)) is not None:
-                self._picked = (key, last)
+                self._picked = (key, last, getattr(pinned, "moves_ended", None))
                 return last
         return None
 
@@ -165,13 +169,16 @@ class TailFirst:
         """The page to go in ``key``'s chain; the one before the last victim of the same
         chain when that is now its end (a chain is given up in O(1) a page, not O(depth)):
         the last victim evicted, or being moved down (a demotion batch picks its pages
-        before any of them leaves)."""
+        before any of them leaves) while no move has ended since it was named: every page
+        the walk went through after it is still being moved, none followed again (a round's
+        write that failed leaves its pages in place, the chain's tail again)."""
         if self._next is not None and self._next[0] == key:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
                 return end
         moving: Container[bytes] = getattr(pinned, "moving", ())
-        if self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving:
+        if (self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving
+                and self._picked[2] is not None and self._picked[2] == getattr(pinned, "moves_ended", None)):
             end = self.links.parent.get(self._picked[1])
             if (end is not None and end not in pinned and held(end)
                     and not any(held(k) and k not in moving for k in self.links.after(end))):

@@ -126,7 +126,7 @@ class HostResidency:
         self.depth.pop(key, None)
         if key in self.hinted:
             self.hinted.discard(key)
-            self.chains.changed(key)  # a walk follows it again
+            self.chains.changed(key, followed=True)  # a walk follows it again
             if self.segmented:
                 self._protect(key)  # it was used, as announced
             else:

@@ -32,6 +32,11 @@ class NotAmong:
         """The pages being moved down (``Pins.moving``): walked through, never named (chains.py)."""
         return getattr(self._pins, "moving", ())
 
+    @property
+    def moves_ended(self) -> int | None:
+        """``Pins.moves_ended`` (None: not known, so a round's shortcut is not taken)."""
+        return getattr(self._pins, "moves_ended", None)
+
     def __contains__(self, key: object) -> bool:
         if key in self._pins:
             return True
