@@ -60,34 +60,72 @@ class PrefixLinks:
         return () if after is None else after if isinstance(after, set) else (after,)
 
     def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
-                 blocked: set[bytes]) -> bytes | None:
+                 blocked: set[bytes], spent: set[bytes] | None = None) -> bytes | None:
         """The last page of ``key``'s chain (following links to ``evictable`` pages) that is not
         being moved down, or None when that page is pinned: a pinned page keeps the pages before
         it (without them it is of no use once read), not those after it, which go first as any
         chain's tail does (and as ``TailFirst``'s shortcuts give them up). A page being moved
         down is walked through, never named (it leaves on its own, or stays when its write
         fails): what a put committed after it is still the chain's tail, and goes before the
-        pages ahead of it (DESIGN §6). The pages seen on the way to a pinned page join
-        ``blocked`` (one victim search walks each chain once). A cycle a writer made up (links
-        are the writers' word) ends the walk at its first page seen twice: a walk costs its
-        chain's length, never the tier's size."""
+        pages ahead of it (DESIGN §6); so at a branch the walk follows a page not being moved,
+        else one that leads to such a page (``onward``). The pages seen on the way to a pinned
+        page join ``blocked``, those of a walk that met only pages being moved ``spent`` (one
+        victim search walks each chain once). A cycle a writer made up (links are the writers'
+        word) ends the walk at its first page seen twice: a walk costs its chain's length, and
+        the pages being moved after it, never the tier's size."""
         moving: Container[bytes] = getattr(pinned, "moving", ())
+        spent = set() if spent is None else spent
         seen: dict[bytes, None] = {}  # in walk order
         last: bytes | None = None  # the deepest page seen that is not being moved down
-        while key not in blocked:
-            after = sorted((k for k in self.after(key) if evictable(k)), key=moving.__contains__) if key not in seen else []
-            seen[key] = None  # (seen: a cycle; a child not being moved is followed first)
+        step: bytes | None = key
+        while step is not None and step not in blocked and step not in spent:
+            key, after = step, self.after(step) if step not in seen else ()
+            if len(after) == 1:  # a chain, mostly: no branch to choose
+                step = next(iter(after))
+                step = step if evictable(step) else None
+            else:
+                step = self.onward(after, evictable, moving, spent)
+            seen[key] = None
             if key not in moving:
                 last = key
-            if not after:
-                if last is None:
-                    return None  # every page walked is being moved down: the pages before them may go
-                if last not in pinned:
-                    return last
-                break
-            key = after[0]
+        if step is not None and step in blocked:
+            blocked.update(seen)  # a pinned page further on keeps these
+            return None
+        if last is None:
+            spent.update(seen)  # every page walked is being moved down: the pages before them may go
+            return None
+        if last not in pinned:
+            return last
         blocked.update(seen)
         return None
+
+    def onward(self, after: Collection[bytes], evictable: Callable[[bytes], bool], moving: Container[bytes],
+               spent: set[bytes]) -> bytes | None:
+        """The page a walk follows of those ``after`` a page: one not being moved down, else one
+        that leads to such a page through pages being moved (a branch of those alone leads nowhere)."""
+        held = [k for k in after if evictable(k)]
+        live = next((k for k in held if k not in moving), None)
+        if live is not None or len(held) < 2:
+            return live if live is not None else next(iter(held), None)
+        return next((k for k in held if not self.all_moving(k, evictable, moving, spent)), held[0])
+
+    def all_moving(self, key: bytes, evictable: Callable[[bytes], bool], moving: Container[bytes],
+                   spent: set[bytes]) -> bool:
+        """Whether ``key`` and every page after it reached through pages being moved are being
+        moved down; then they join ``spent`` (each visited once a search)."""
+        seen, stack = {key}, [key]
+        while stack:
+            page = stack.pop()
+            if page in spent:
+                continue
+            if page not in moving:
+                return False
+            for k in self.after(page):
+                if k not in seen and evictable(k):
+                    seen.add(k)
+                    stack.append(k)
+        spent.update(seen)
+        return True
 
 
 class TailFirst:
@@ -159,13 +197,15 @@ class TailFirst:
     def victim(self, order: Iterable[bytes], held: Callable[[bytes], bool], pinned: Container[bytes]) -> bytes | None:
         """The page to go: ``order`` lists the held pages least recently used first."""
         blocked: set[bytes] = set()  # chains a pinned page keeps
+        spent: set[bytes] = set()  # pages with only pages being moved after them
         for key in order:
-            if walks_from(key, pinned) and (last := self._deepest(key, held, pinned, blocked)) is not None:
+            if walks_from(key, pinned) and (last := self._deepest(key, held, pinned, blocked, spent)) is not None:
                 self._picked = (key, last, getattr(pinned, "moves_ended", None))
                 return last
         return None
 
-    def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes]) -> bytes | None:
+    def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes],
+                 spent: set[bytes]) -> bytes | None:
         """The page to go in ``key``'s chain; the one before the last victim of the same
         chain when that is now its end (a chain is given up in O(1) a page, not O(depth)):
         the last victim evicted, or being moved down (a demotion batch picks its pages
@@ -179,8 +219,10 @@ class TailFirst:
         moving: Container[bytes] = getattr(pinned, "moving", ())
         if (self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving
                 and self._picked[2] is not None and self._picked[2] == getattr(pinned, "moves_ended", None)):
-            end = self.links.parent.get(self._picked[1])
+            victim = self._picked[1]
+            end = self.links.parent.get(victim)
             if (end is not None and end not in pinned and held(end)
-                    and not any(held(k) and k not in moving for k in self.links.after(end))):
+                    and not any(held(k) and (k not in moving or k != victim and not self.links.all_moving(k, held, moving, spent))
+                                for k in self.links.after(end))):
                 return end
-        return self.links.deepest(key, held, pinned, blocked)
+        return self.links.deepest(key, held, pinned, blocked, spent)
