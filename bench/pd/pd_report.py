@@ -121,6 +121,16 @@ DEFINITIONS = {
 }
 
 
+def _num(value: float | None, spec: str) -> str:
+    """A figure, or "-" where none was measured (a GB/s of a handoff that took no time: through the
+    pool the decode's wait may return before the prefill's engine hears its last commit answered)."""
+    return "-" if value is None else format(value, spec)
+
+
+def _ms(seconds: float | None) -> str:
+    return _num(None if seconds is None else seconds * 1e3, ".1f")
+
+
 def print_table(report: dict[str, Any]) -> None:
     m = report["model"]
     print(f"vLLM CPU, random Llama {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, fp32: "
@@ -136,10 +146,10 @@ def print_table(report: dict[str, Any]) -> None:
     for r in report["rows"]:
         ttft = " / ".join(f"{r[f'{arm}_ttft_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
         second = " / ".join(f"{r[f'{arm}_second_s'] * 1e3:.1f}" for arm in ("colocated", "pool", "direct"))
-        print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {ttft:>24} {second:>24} | {r['pool_handoff_s'] * 1e3:>9.1f} {r['handoff_s'] * 1e3:>9.1f} "
-              f"{r['model_handoff_s'] * 1e3:>7.1f} {r['handoff_vs_model']:>7.2f} {r['handoff_over_goal']:>6.2f} {r['link_gbps']:>5.2f} "
-              f"{r['gbps']:>6.2f} {r['pool_gbps']:>6.2f} | "
-              f"{r['direct_nodes_cpu_s_per_gb']:>10.3f} {r['direct_engines_cpu_s_per_gb']:>12.2f}")
+        print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.1f} {ttft:>24} {second:>24} | {_ms(r['pool_handoff_s']):>9} {_ms(r['handoff_s']):>9} "
+              f"{_ms(r['model_handoff_s']):>7} {_num(r['handoff_vs_model'], '.2f'):>7} {_num(r['handoff_over_goal'], '.2f'):>6} "
+              f"{_num(r['link_gbps'], '.2f'):>5} {_num(r['gbps'], '.2f'):>6} {_num(r['pool_gbps'], '.2f'):>6} | "
+              f"{_num(r['direct_nodes_cpu_s_per_gb'], '.3f'):>10} {_num(r['direct_engines_cpu_s_per_gb'], '.2f'):>12}")
     print("direct, where the time goes (ms after the last page stored): complete called / answered, decode's wait called; "
           "then the lease (or get) of the pages, the decode's step with the copy into the blocks")
     for r in report["rows"]:

@@ -26,9 +26,12 @@ def test_pd_smoke(tmp_path) -> None:
     report = json.loads(res.stdout.strip().splitlines()[-1])
     (row,) = report["rows"]
     assert row["tokens"] == 64 and row["bytes"] == 64 * report["bytes_per_token"] == 64 * 2 * 2 * 2 * 64 * 4
-    for key in ("colocated_ttft_s", "pool_ttft_s", "direct_ttft_s", "handoff_s", "pool_handoff_s", "model_handoff_s",
+    for key in ("colocated_ttft_s", "pool_ttft_s", "direct_ttft_s", "handoff_s", "model_handoff_s",
                 "colocated_second_s", "pool_second_s", "direct_second_s"):
         assert row[key] > 0, key
+    # Through the pool nothing orders the decode's wait after the prefill's save end (the pages are findable once
+    # published, before the prefill's engine hears its last commit answered): on a loaded host it may read <= 0.
+    assert isinstance(row["pool_handoff_s"], float)
     for arm in ("colocated", "pool", "direct"):  # the second token comes after the first, in every sample
         assert all(s > t for s, t in zip(row[f"{arm}_second_s_each"], row[f"{arm}_ttft_s_each"])), arm
     # the decode got the prompt + the prefill's token and computed only that token

@@ -7,7 +7,9 @@ was still read (the placement core's commit)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -141,7 +143,14 @@ async def test_random_calls_leave_nothing_behind(server_factory, tmp_path, layou
     assert not bad, bad[:10]
     assert codes["WritePages", "OK"] and codes["Acquire", "OK"] and codes["Commit", "OK"], codes  # the calls went deep
     view = server.core.view()
-    assert (view.pinned, view.moving, view.num_allocations, view.num_leases, view.num_detached) == (frozenset(), frozenset(), 0, 0, 0)
+    assert (view.pinned, view.num_allocations, view.num_leases, view.num_detached) == (frozenset(), 0, 0, 0)
+    # A move of the server's own (a demoter's round, a removal's delete below) holds its pin while its I/O
+    # runs: one was still in flight at this point in one run of ten beside 3 CPU burners, gone 50 ms later.
+    deadline = time.monotonic() + 10
+    while view.moving and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        view = server.core.view()
+    assert (view.pinned, view.moving, view.num_allocations) == (frozenset(), frozenset(), 0), view
     assert server.streams.num_open == 0
     usage = view.tiers["host"]
     assert usage.used_bytes == usage.num_pages * layout.page_bytes, "a host slot stays allocated with no page in it"
