@@ -48,8 +48,12 @@ def test_a_leased_copy_that_finds_a_page_damaged_on_disk_gets_it_quarantined(ser
         while server.core.where(keys[1]) and time.monotonic() < deadline:
             time.sleep(0.02)  # the release is posted
         assert server.core.where(keys[1]) == {}, "the damaged page stays listed: every lookup promises it again"
-        on_disk = next(tier for tier in server.core.tiers if tier.name == "ssd").quarantined()
-        assert [q.key for q in on_disk] == [keys[1]], "the damaged copy on disk is quarantined where it is"
+        # A copy is doomed (never served) under the lock and quarantined on disk just after, outside it
+        # (Housekeeper.critical): seen empty in between in one run of ten beside 3 CPU burners.
+        ssd = next(tier for tier in server.core.tiers if tier.name == "ssd")
+        while not ssd.quarantined() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [q.key for q in ssd.quarantined()] == [keys[1]], "the damaged copy on disk is quarantined where it is"
         while server.core.view().pinned and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not server.core.view().pinned
