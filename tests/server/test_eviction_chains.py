@@ -13,6 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from support.chain_steps import count_steps
 from support.kv import random_kv
 
 from kvstore import KVLayout
@@ -197,32 +198,25 @@ def test_pins_say_which_are_moving_through_a_read_only_property() -> None:
 
 def test_a_demotion_batch_picks_a_chain_tail_first_in_one_step_a_page() -> None:
     """A demotion batch picks all its victims before any leaves (each is pinned as moving):
-    they still come tail first, a page being moved counts as gone but a reader's pin still
-    keeps the pages before it, a branch is given up whole, and each pick after the first
-    starts at the one before the last (one step a page, not a walk from the head: a 16-page
-    chain cost 16 steps a page, the demoter's largest piece of Python while lookups wait)."""
+    they still come tail first, a page being moved is walked through (never named) but a
+    reader's pin still keeps the pages before it, a branch is given up whole, and each pick
+    after the first starts at the one before the last (one step a page, not a walk from the
+    head: a 16-page chain cost 16 steps a page, the demoter's largest piece of Python while
+    lookups wait)."""
     from kvstore.server.leases import LeaseTable
 
     order = HostResidency()
     chain = [bytes([1, i]) * 8 for i in range(40)]
     for i, key in enumerate(chain):
         order.add(key, chain[i - 1] if i else None)
-    steps = 0
-    after = order.links.after
-
-    def counted(key: bytes):  # the real lookup, counted
-        nonlocal steps
-        steps += 1
-        return after(key)
-
-    order.links.after = counted  # type: ignore[method-assign]
+    steps = count_steps(order.links)
     table = LeaseTable(1000, 10_000, 1000)
     got = []
     for _ in range(30):
         got.append(victim := order.victim(table.pins))
         table.pin([victim], move=True)
     assert got == chain[:-31:-1]
-    assert steps <= 3 * 30 + len(chain), f"{steps} chain steps for 30 victims of one chain"
+    assert steps() <= 3 * 30 + len(chain), f"{steps()} chain steps for 30 victims of one chain"
     table.pin([chain[5]])  # a reader holds page 5: pages 0-5 stay, 6-9 may go
     while (victim := order.victim(table.pins)) is not None:
         got.append(victim)

@@ -9,6 +9,8 @@ that ended at a page being moved)."""
 
 from __future__ import annotations
 
+from support.chain_steps import count_steps
+
 from kvstore.server.leases import Pins
 from kvstore.server.placement.eviction import HostResidency
 
@@ -29,14 +31,6 @@ def test_a_search_walks_a_chain_being_moved_once() -> None:
         assert victim in moved
         pins.update([victim])
         pins.pin_moves([victim])
-    steps = 0
-    after = order.links.after
-
-    def counted(key: bytes):  # the real lookup, counted
-        nonlocal steps
-        steps += 1
-        return after(key)
-
-    order.links.after = counted  # type: ignore[method-assign]
+    steps = count_steps(order.links)
     assert order.victim(pins) == other[-1]
-    assert steps <= 2 * (len(moved) + len(other)), f"{steps} chain steps for one search past {len(moved)} pages being moved"
+    assert steps() <= 2 * (len(moved) + len(other)), f"{steps()} chain steps for one search past {len(moved)} pages being moved"
