@@ -18,6 +18,8 @@ import subprocess
 import sys
 from typing import Any
 
+from kvstore.bench.common.harness import KILL_WAIT_S
+
 RESULT_TIMEOUT_S = 300.0  # the longest wait for a load process's next line ("ready", its result)
 
 
@@ -82,7 +84,7 @@ class Loads:
             if proc in idle:
                 idle.remove(proc)
         proc.kill()
-        proc.wait(60)  # as harness.KILL_WAIT_S (this module imports nothing of kvstore)
+        proc.wait(KILL_WAIT_S)
 
     def close(self) -> None:
         """Every process: idle ones by closing their stdin (they end), the others killed."""
@@ -100,7 +102,7 @@ class Loads:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(60)  # as harness.KILL_WAIT_S (this module imports nothing of kvstore)
+                proc.wait(KILL_WAIT_S)
         self._idle, self._kind, self._unread = {"client": [], "writer": []}, {}, {}
 
     def _line(self, proc: subprocess.Popen[bytes], timeout_s: float = RESULT_TIMEOUT_S) -> str:

@@ -99,7 +99,9 @@ DEFINITIONS = {
                  "node acknowledged the commit of its last page) to the return of the decode connector's handoff_wait with "
                  "every page (the completion marker set at the decode node); the same points in the pool and direct arms. With "
                  "--chunk-tokens the last page may be stored before the prefill's last chunk ends, and Complete waits for "
-                 "the request's end: the handoff then includes that chunk (complete_start_s shows it)",
+                 "the request's end: the handoff then includes that chunk (complete_start_s shows it). Through the pool "
+                 "nothing orders the two: the pages are findable once published, before the prefill's engine hears its last "
+                 "commit answered, so pool_handoff_s may read <= 0 on a loaded host (its pool_gbps is then null)",
     "ttft_s": "colocated: from the decode engine's generate call (a T-token prompt, 2 tokens) to the step that gave its first "
               "token; pool/direct: from the prefill engine's generate call to its first token, which kvstore-pd-proxy streams "
               "at once (no HTTP proxy hop in either)",
