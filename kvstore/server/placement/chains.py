@@ -60,7 +60,7 @@ class PrefixLinks:
         return () if after is None else after if isinstance(after, set) else (after,)
 
     def deepest(self, key: bytes, evictable: Callable[[bytes], bool], pinned: Container[bytes],
-                 blocked: set[bytes], spent: set[bytes] | None = None) -> bytes | None:
+                 blocked: set[bytes], spent: set[bytes] | None = None, walked: list[bytes] | None = None) -> bytes | None:
         """The last page of ``key``'s chain (following links to ``evictable`` pages) that is not
         being moved down, or None when that page is pinned: a pinned page keeps the pages before
         it (without them it is of no use once read), not those after it, which go first as any
@@ -72,22 +72,30 @@ class PrefixLinks:
         page join ``blocked``, those of a walk that met only pages being moved ``spent`` (one
         victim search walks each chain once). A cycle a writer made up (links are the writers'
         word) ends the walk at its first page seen twice: a walk costs its chain's length, and
-        the pages being moved after it, never the tier's size."""
+        the pages being moved after it, never the tier's size. ``walked`` (when given) gets the
+        pages of a walk down a chain without a branch or a cycle that ended at its own last page
+        (none being moved after it): the walks ``TailFirst`` may remember (its shortcuts, its
+        kept chains), since at a branch the walk's choice may change with no link changing."""
         moving: Container[bytes] = getattr(pinned, "moving", ())
         spent = set() if spent is None else spent
         seen: dict[bytes, None] = {}  # in walk order
         last: bytes | None = None  # the deepest page seen that is not being moved down
+        linear = True  # no branch, no cycle
         step: bytes | None = key
         while step is not None and step not in blocked and step not in spent:
+            linear = linear and step not in seen
             key, after = step, self.after(step) if step not in seen else ()
             if len(after) == 1:  # a chain, mostly: no branch to choose
                 step = next(iter(after))
                 step = step if evictable(step) else None
             else:
+                linear = linear and len(after) == 0
                 step = self.onward(after, evictable, moving, spent)
             seen[key] = None
             if key not in moving:
                 last = key
+        if walked is not None and linear and step is None and last == key:
+            walked.extend(seen)
         if step is not None and step in blocked:
             blocked.update(seen)  # a pinned page further on keeps these
             return None
@@ -133,31 +141,47 @@ class TailFirst:
     deepest page of the least recently used page's chain, so the head of a prefix goes
     last. For a tier whose pages are written or read head first (the SSD tier: durable
     puts, write-downs, read-ups), where plain LRU would take the head first. The page
-    before the last victim is remembered, so a chain is given up in O(1) a page. Not
-    thread-safe (owner's lock)."""
+    before the last victim is remembered, so a chain is given up in O(1) a page. A chain
+    whose last page is kept (an open allocation leans on it, a caller pinned it) is
+    remembered too, each of its pages with that end (``_kept``): while the end stays kept
+    and the links stay, a search passes its pages in O(1) each rather than walking the
+    chain again from each one. Not thread-safe (owner's lock)."""
 
     def __init__(self) -> None:
         self.links = PrefixLinks()
-        # (LRU candidate, the victim found down its chain, the pins' ``moves_ended`` then)
-        self._picked: tuple[bytes, bytes, int | None] | None = None
+        # (LRU candidate, the victim found down its chain, the pins' ``moves_ended`` then, whether
+        # the way there had no branch: only then do the shortcuts name what the walk would)
+        self._picked: tuple[bytes, bytes, int | None, bool] | None = None
         self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
+        self._kept: dict[bytes, bytes] = {}              # page -> the kept last page of its chain (linear)
+        self._kept_pages: dict[bytes, set[bytes]] = {}   # that last page -> the pages remembered with it
 
     def link(self, key: bytes, parent: bytes) -> None:
         """``parent`` comes right before ``key`` (PrefixLinks.link). A page linked again, or a
         second page after one, may change a chain the shortcuts remember: they are dropped; a
         round's (``_picked``) at any link, since a page linked after one it named (being moved,
-        so walked through) is that chain's new tail."""
+        so walked through) is that chain's new tail. A kept chain through either page is
+        forgotten (its end moved on, or it branches now)."""
         if key in self.links.parent or self.links.after(parent):
             self.forget()
         self._picked = None
+        self._unkeep(key)
+        self._unkeep(parent)
         self.links.link(key, parent)
+
+    def _unkeep(self, key: bytes | None) -> None:
+        """Forgets the kept chain ``key`` is a page of (or the last page of)."""
+        end = self._kept.get(key) if key is not None else None
+        for page in self._kept_pages.pop(end if end is not None else key, ()):  # type: ignore[arg-type]
+            self._kept.pop(page, None)
 
     def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
         """``key`` left the tier (``evicted``: as the victim named last, maybe). Returns the
         resident pages right after it (PrefixLinks.unlink); the shortcuts as ``changed`` says."""
         before = self.links.parent.get(key)
+        self._unkeep(key)
         picked = self._picked
-        if evicted and before is not None and picked is not None and picked[1] == key and picked[0] != key:
+        if evicted and before is not None and picked is not None and picked[1] == key and picked[0] != key and picked[3]:
             self._next = (picked[0], before)  # where the next search down that chain ends: not walked again
         else:
             self.changed(key)
@@ -174,6 +198,8 @@ class TailFirst:
         again elsewhere, it would pass those checks as the end of a chain it is no longer in."""
         if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:
             self.forget()
+        self._unkeep(key)
+        self._unkeep(self.links.parent.get(key))  # a page followed again after a kept chain's end
         if followed:
             self._picked = None
         if self._next is not None and self._next[1] == key:
@@ -198,31 +224,44 @@ class TailFirst:
         """The page to go: ``order`` lists the held pages least recently used first."""
         blocked: set[bytes] = set()  # chains a pinned page keeps
         spent: set[bytes] = set()  # pages with only pages being moved after them
+        moving: Container[bytes] = getattr(pinned, "moving", ())
+        kept, still = self._kept, {}  # a remembered kept end -> whether it is kept now
         for key in order:
-            if walks_from(key, pinned) and (last := self._deepest(key, held, pinned, blocked, spent)) is not None:
-                self._picked = (key, last, getattr(pinned, "moves_ended", None))
-                return last
+            if (end := kept.get(key)) is not None:
+                if (keeps := still.get(end)) is None:
+                    keeps = still[end] = end in pinned and end not in moving
+                if keeps:
+                    continue
+            if walks_from(key, pinned) and (found := self._deepest(key, held, pinned, blocked, spent))[0] is not None:
+                self._picked = (key, found[0], getattr(pinned, "moves_ended", None), found[1])
+                return found[0]
         return None
 
     def _deepest(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], blocked: set[bytes],
-                 spent: set[bytes]) -> bytes | None:
-        """The page to go in ``key``'s chain; the one before the last victim of the same
-        chain when that is now its end (a chain is given up in O(1) a page, not O(depth)):
-        the last victim evicted, or being moved down (a demotion batch picks its pages
-        before any of them leaves) while no move has ended since it was named: every page
-        the walk went through after it is still being moved, none followed again (a round's
-        write that failed leaves its pages in place, the chain's tail again)."""
+                 spent: set[bytes]) -> tuple[bytes | None, bool]:
+        """The page to go in ``key``'s chain, and whether the way to it had no branch; the one
+        before the last victim of the same chain when that is now its end (a chain is given
+        up in O(1) a page, not O(depth)), when the way to that victim had no branch: the last
+        victim evicted, or being moved down (a demotion batch picks its pages before any of
+        them leaves) while no move has ended since it was named: every page the walk went
+        through after it is still being moved, none followed again (a round's write that
+        failed leaves its pages in place, the chain's tail again)."""
         if self._next is not None and self._next[0] == key:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
-                return end
+                return end, True
         moving: Container[bytes] = getattr(pinned, "moving", ())
         if (self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving
-                and self._picked[2] is not None and self._picked[2] == getattr(pinned, "moves_ended", None)):
+                and self._picked[3] and self._picked[2] is not None and self._picked[2] == getattr(pinned, "moves_ended", None)):
             victim = self._picked[1]
             end = self.links.parent.get(victim)
             if (end is not None and end not in pinned and held(end)
                     and not any(held(k) and (k not in moving or k != victim and not self.links.all_moving(k, held, moving, spent))
                                 for k in self.links.after(end))):
-                return end
-        return self.links.deepest(key, held, pinned, blocked, spent)
+                return end, True
+        walked: list[bytes] = []
+        last = self.links.deepest(key, held, pinned, blocked, spent, walked)
+        if walked and last is None:  # blocked at its own last page: remembered until that page or a link changes
+            self._kept_pages.setdefault(walked[-1], set()).update(walked)
+            self._kept.update(dict.fromkeys(walked, walked[-1]))
+        return last, bool(walked)
