@@ -10,6 +10,7 @@ when it is removed, so memory is bounded by what the tier holds.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Iterable, Iterator
+from typing import NamedTuple
 
 
 def walks_from(key: bytes, pinned: Container[bytes]) -> bool:
@@ -136,6 +137,15 @@ class PrefixLinks:
         return True
 
 
+class _Picked(NamedTuple):
+    """The last victim a search named, for ``TailFirst``'s shortcuts."""
+
+    candidate: bytes  # the LRU page whose chain it ended
+    victim: bytes
+    moves_ended: int | None  # the pins' ``moves_ended`` then (None: not known)
+    linear: bool  # the way from candidate to victim had no branch: only then is a shortcut the walk's answer
+
+
 class TailFirst:
     """A least-recently-used order (its owner's) given up tail first: the victim is the
     deepest page of the least recently used page's chain, so the head of a prefix goes
@@ -149,9 +159,7 @@ class TailFirst:
 
     def __init__(self) -> None:
         self.links = PrefixLinks()
-        # (LRU candidate, the victim found down its chain, the pins' ``moves_ended`` then, whether
-        # the way there had no branch: only then do the shortcuts name what the walk would)
-        self._picked: tuple[bytes, bytes, int | None, bool] | None = None
+        self._picked: _Picked | None = None
         self._next: tuple[bytes, bytes] | None = None    # (that candidate, the page before the victim, evicted)
         self._kept: dict[bytes, bytes] = {}              # page -> the kept last page of its chain (linear)
         self._kept_pages: dict[bytes, set[bytes]] = {}   # that last page -> the pages remembered with it
@@ -181,8 +189,8 @@ class TailFirst:
         before = self.links.parent.get(key)
         self._unkeep(key)
         picked = self._picked
-        if evicted and before is not None and picked is not None and picked[1] == key and picked[0] != key and picked[3]:
-            self._next = (picked[0], before)  # where the next search down that chain ends: not walked again
+        if evicted and before is not None and picked is not None and picked.victim == key != picked.candidate and picked.linear:
+            self._next = (picked.candidate, before)  # where the next search down that chain ends: not walked again
         else:
             self.changed(key)
         return self.links.unlink(key)
@@ -196,7 +204,7 @@ class TailFirst:
         one followed again after a round's victim and the pages being moved after it (the
         round's shortcut is dropped). A remembered end itself leaving is forgotten: stored
         again elsewhere, it would pass those checks as the end of a chain it is no longer in."""
-        if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:
+        if self.links.after(key) or key in (self._picked or ())[:1] or key in (self._next or ())[:1]:  # a candidate
             self.forget()
         self._unkeep(key)
         self._unkeep(self.links.parent.get(key))  # a page followed again after a kept chain's end
@@ -204,7 +212,7 @@ class TailFirst:
             self._picked = None
         if self._next is not None and self._next[1] == key:
             self._next = None
-        if self._picked is not None and self._picked[1] == key:
+        if self._picked is not None and self._picked.victim == key:
             self._picked = None
 
     def forget(self) -> None:
@@ -233,7 +241,7 @@ class TailFirst:
                 if keeps:
                     continue
             if walks_from(key, pinned) and (found := self._deepest(key, held, pinned, blocked, spent))[0] is not None:
-                self._picked = (key, found[0], getattr(pinned, "moves_ended", None), found[1])
+                self._picked = _Picked(key, found[0], getattr(pinned, "moves_ended", None), found[1])
                 return found[0]
         return None
 
@@ -250,18 +258,27 @@ class TailFirst:
             end = self._next[1]
             if end not in pinned and held(end) and not any(map(held, self.links.after(end))):
                 return end, True
-        moving: Container[bytes] = getattr(pinned, "moving", ())
-        if (self._picked is not None and self._picked[0] == key != self._picked[1] and self._picked[1] in moving
-                and self._picked[3] and self._picked[2] is not None and self._picked[2] == getattr(pinned, "moves_ended", None)):
-            victim = self._picked[1]
-            end = self.links.parent.get(victim)
-            if (end is not None and end not in pinned and held(end)
-                    and not any(held(k) and (k not in moving or k != victim and not self.links.all_moving(k, held, moving, spent))
-                                for k in self.links.after(end))):
-                return end, True
+        if (end := self._round_end(key, held, pinned, spent)) is not None:
+            return end, True
         walked: list[bytes] = []
         last = self.links.deepest(key, held, pinned, blocked, spent, walked)
         if walked and last is None:  # blocked at its own last page: remembered until that page or a link changes
             self._kept_pages.setdefault(walked[-1], set()).update(walked)
             self._kept.update(dict.fromkeys(walked, walked[-1]))
         return last, bool(walked)
+
+    def _round_end(self, key: bytes, held: Callable[[bytes], bool], pinned: Container[bytes], spent: set[bytes]) -> bytes | None:
+        """The page before the last victim of ``key``'s chain while that victim is being moved
+        down by a round that named it (no move ended since) and it is that chain's end now:
+        every other page after it is being moved too, as is all that follows them."""
+        picked, moving = self._picked, getattr(pinned, "moving", ())
+        if (picked is None or picked.candidate != key or picked.victim == key or picked.victim not in moving
+                or not picked.linear or picked.moves_ended is None or picked.moves_ended != getattr(pinned, "moves_ended", None)):
+            return None
+        end = self.links.parent.get(picked.victim)
+        if end is None or end in pinned or not held(end):
+            return None
+        for k in self.links.after(end):
+            if held(k) and (k not in moving or k != picked.victim and not self.links.all_moving(k, held, moving, spent)):
+                return None
+        return end
