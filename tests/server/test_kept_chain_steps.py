@@ -41,3 +41,26 @@ def test_searches_beside_a_leaned_chain_walk_it_once() -> None:
     searches = sum(map(len, others))
     assert steps() <= len(put) + 4 * searches, f"{steps()} chain steps for {searches} searches beside a {len(put)}-page leaned chain"
     assert order.victim(PinsAnd(Pins(), Counter())) == put[-1], "the lean let go: the chain's tail goes"
+
+
+def test_a_round_over_a_chain_whose_tail_is_being_moved_names_each_page_in_o1() -> None:
+    """A round starts while an earlier write of the same chain's tail is in flight (the lock is
+    let go for the I/O: the urgent demoter, a put's own eviction): its first walk goes through
+    that moving tail, and its later searches take the round's shortcut, as with no tail moving.
+    Bug pinned (found by review of the kept chains' change): the shortcut was taken only after a
+    walk that ended at its own last page, so each of the round's 64 searches walked the whole
+    4,096-page chain again (262,144 chain steps; 4,159 before that change and after this fix)."""
+    order = HostResidency()
+    chain = _chain(b"c", 4096)
+    for i, key in enumerate(chain):
+        order.add(key, chain[i - 1] if i else None)
+    pins = Pins()
+    pins.update([chain[-1]])
+    pins.pin_moves([chain[-1]])  # the earlier write, in flight
+    steps = count_steps(order.links)
+    for i in range(64):
+        victim = order.victim(pins)
+        assert victim == chain[-2 - i]
+        pins.update([victim])
+        pins.pin_moves([victim])
+    assert steps() <= len(chain) + 4 * 64, f"{steps()} chain steps for a 64-page round"

@@ -74,9 +74,9 @@ class PrefixLinks:
         victim search walks each chain once). A cycle a writer made up (links are the writers'
         word) ends the walk at its first page seen twice: a walk costs its chain's length, and
         the pages being moved after it, never the tier's size. ``walked`` (when given) gets the
-        pages of a walk down a chain without a branch or a cycle that ended at its own last page
-        (none being moved after it): the walks ``TailFirst`` may remember (its shortcuts, its
-        kept chains), since at a branch the walk's choice may change with no link changing."""
+        pages of a walk down a chain without a branch or a cycle: the walks ``TailFirst`` may
+        remember (its shortcuts; its kept chains, of those whose last page is not being moved),
+        since at a branch the walk's choice may change with no link changing."""
         moving: Container[bytes] = getattr(pinned, "moving", ())
         spent = set() if spent is None else spent
         seen: dict[bytes, None] = {}  # in walk order
@@ -95,7 +95,7 @@ class PrefixLinks:
             seen[key] = None
             if key not in moving:
                 last = key
-        if walked is not None and linear and step is None and last == key:
+        if walked is not None and linear and step is None:
             walked.extend(seen)
         if step is not None and step in blocked:
             blocked.update(seen)  # a pinned page further on keeps these
@@ -262,7 +262,8 @@ class TailFirst:
             return end, True
         walked: list[bytes] = []
         last = self.links.deepest(key, held, pinned, blocked, spent, walked)
-        if walked and last is None:  # blocked at its own last page: remembered until that page or a link changes
+        if walked and last is None and walked[-1] not in getattr(pinned, "moving", ()):
+            # blocked at its own last page: remembered until that page or a link changes
             self._kept_pages.setdefault(walked[-1], set()).update(walked)
             self._kept.update(dict.fromkeys(walked, walked[-1]))
         return last, bool(walked)
