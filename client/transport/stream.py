@@ -68,11 +68,14 @@ class StreamTransport:
         """One ReadPages stream of ``keys`` fed to ``pages`` on the wire thread (``on_page``
         after each page completes there). ``pages.count`` says how far it got; raises
         PageCorrupt (from the assembler) or the mapped gRPC error. No placement runs and no
-        unverified byte is left once this returns."""
+        unverified byte is left once this returns. The server sends the pages unchecked: the
+        assembler checks each one as it lands (DESIGN §4: one hash, where the bytes are
+        consumed); a page that fails it is read again alone, checked, so that a copy damaged at
+        the server is quarantined there (``_have_checked``)."""
         loop = asyncio.get_running_loop()
         runtime = self.peer.runtime
         req = data_pb2.ReadPagesRequest(namespace_id=self.peer.namespace_id, keys=keys, ttl_ms=self.peer.lease_ms,
-                                        chunk_bytes=self.chunk_bytes)
+                                        chunk_bytes=self.chunk_bytes, unchecked=True)
 
         def place(raw: bytes) -> None:
             if pages.feed(decode_chunk(raw)) and on_page is not None:
@@ -89,9 +92,27 @@ class StreamTransport:
                 await asyncio.shield(placing)
         except grpc.aio.AioRpcError as exc:
             raise runtime.error(exc) from None
+        except PageCorrupt:
+            await asyncio.gather(*(f for f in (previous, placing) if f is not None), return_exceptions=True)
+            if pages.count < len(keys):
+                await self._have_checked(keys[pages.count], timeout_s)
+            raise
         finally:  # never leave the wire thread writing after returning (also when cancelled)
             await asyncio.gather(*(f for f in (previous, placing) if f is not None), return_exceptions=True)
             pages.abandon()  # a stream cut mid-page leaves no unverified bytes behind
+
+    async def _have_checked(self, key: bytes, timeout_s: float | None) -> None:
+        """Reads ``key`` again alone, checked: the server's send hashes it first and quarantines
+        it if its bytes fail (what it sent did not pass this reader's check). The bytes are not
+        kept; the page is a miss either way (the caller recomputes from it)."""
+        runtime = self.peer.runtime
+        req = data_pb2.ReadPagesRequest(namespace_id=self.peer.namespace_id, keys=[key], ttl_ms=self.peer.lease_ms,
+                                        chunk_bytes=self.chunk_bytes)
+        try:
+            async for _ in runtime.pages.read_pages(req, timeout=timeout_s or runtime.timeout_s):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("page %s failed its check; asking the server to check its copy failed: %s", key.hex(), exc.details())
 
     # -- put / get -------------------------------------------------------------------------
 

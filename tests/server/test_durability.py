@@ -13,7 +13,7 @@ from support.servers import flip_arena_byte
 
 from kvstore._proto import data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.client import Hit, KVStoreClient
-from kvstore.errors import PageCorrupt, PageMissing
+from kvstore.errors import PageCorrupt
 from kvstore.page import HEADER_BYTES, LayoutDesc
 from kvstore.tiers.base import ReadResult
 from kvstore.validate import layout_msg
@@ -53,10 +53,11 @@ def _flip_payload_byte(ssd_dir, offset: int, where: int) -> None:
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "grpc"])
 async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_factory, tmp_path, layout, ns, use_shm: bool) -> None:
     """A page read up from disk is checked once, where its bytes are consumed (DESIGN §4): a
-    same-host reader's verified copy finds the damage (PageCorrupt) and reports it, the
-    server's gRPC send finds it before sending (PageMissing). Either way no byte of it
-    reaches the caller, and the copy on disk, where the damage is, is quarantined: the next
-    lookup stops before it instead of promising it again."""
+    same-host reader's verified copy finds the damage (PageCorrupt) and reports it; a reader
+    over gRPC, sent it unchecked, finds it as it lands (PageCorrupt) and reads it again
+    checked, whose send finds it and quarantines it. Either way no byte of it reaches the
+    caller, and the copy on disk, where the damage is, is quarantined: the next lookup stops
+    before it instead of promising it again."""
     server = server_factory()
     tokens = list(range(160))
     kv = random_kv(layout, 160, seed=5)
@@ -72,7 +73,7 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
         hit = await client.lookup(tokens)
         assert hit.num_pages == 10 and {loc.tier for loc in hit.locations} == {"ssd"}
         out = torch.zeros_like(kv)
-        with pytest.raises(PageCorrupt if use_shm else PageMissing) as err:
+        with pytest.raises(PageCorrupt) as err:
             await client.get(hit, into=out)
         assert err.value.num_tokens == 48
         assert torch.equal(out[:, :, :48], kv[:, :, :48])
@@ -91,9 +92,10 @@ async def test_flipped_byte_on_ssd_is_never_served_and_is_quarantined(server_fac
                          ids=["shm", "grpc-page-per-message", "grpc-chunks"])
 async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, use_shm: bool, chunk_bytes: int) -> None:
     """A stray write into the arena: the reader (same host or over the socket, a page whole
-    or in chunks) stops at the damaged page, and no byte of it reaches the caller. A
-    same-host reader finds the damage itself (PageCorrupt); over the socket the server finds
-    it before sending and quarantines the page, so the reader finds it gone (PageMissing)."""
+    or in chunks) finds the damage itself (PageCorrupt), stops at the damaged page, and no
+    byte of it reaches the caller. Over the socket the pages come unchecked (the reader's
+    check is their one hash, DESIGN §4) and the reader reads the failed one again checked:
+    that send finds the damage and quarantines the page at the server."""
     tokens = list(range(64))
     kv = random_kv(layout, 64, seed=6)
     async with KVStoreClient(server.address, ns, use_shm=use_shm, chunk_bytes=chunk_bytes) as client:
@@ -101,7 +103,7 @@ async def test_corrupt_host_slot_is_detected_by_the_reader(server, layout, ns, u
         hit = await client.lookup(tokens)
         flip_arena_byte(server, server.core.where(hit.keys[2])["host"] + 100)  # a stray write into the arena
         out = torch.zeros_like(kv)
-        with pytest.raises(PageCorrupt if use_shm else PageMissing) as err:
+        with pytest.raises(PageCorrupt) as err:
             await client.get(hit, into=out)
         assert err.value.num_tokens == 32
         assert torch.equal(out[:, :, :32], kv[:, :, :32])

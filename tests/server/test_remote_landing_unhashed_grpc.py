@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from typing import Any
 
 import grpc
@@ -20,7 +19,7 @@ from test_remote_landing_tcp import _checks_done, _pages_at, _setup
 from test_remote_landing_unhashed import _quarantined
 
 from kvstore._proto import data_pb2
-from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS, PageStubs, decode_chunk
+from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS, PageStubs
 from kvstore.server.cluster.remote import RemoteTier
 
 
@@ -133,19 +132,6 @@ async def test_a_replicas_copy_is_checked_where_it_lands(server_factory, tmp_pat
         assert await tier.fetch_from("holder", ns, keys, PAGE_BYTES, 10.0, "", hashed=True) == 1
     assert _found(receiver.address, ns, keys) == 1 and holder.core.quarantined() == []
     assert _pages_at(receiver.address, ns, keys) == pages[0]
-
-
-def test_unchecked_is_ignored_without_local_only(server_factory, tmp_path) -> None:
-    """A client's ReadPages that asks for unchecked pages still gets them checked: its
-    scribbled page is quarantined, not sent."""
-    holder, ns = server_factory(), secrets.token_bytes(16)
-    keys, pages = [secrets.token_bytes(16) for _ in range(3)], [secrets.token_bytes(PAGE_BYTES) for _ in range(3)]
-    _store(holder.address, ns, keys, pages)
-    flip_arena_byte(holder, holder.core.where(keys[1])["host"] + 9)
-    with grpc.insecure_channel(holder.address, options=MESSAGE_OPTIONS) as channel:
-        raw = list(PageStubs(channel).read_pages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True)))
-    assert b"".join(bytes(decode_chunk(r).data) for r in raw) == pages[0]
-    assert keys[1] in {q.key for q in holder.core.quarantined()}
 
 
 async def test_a_source_check_over_grpc_names_the_namespaces_tenant_here(server_factory, tmp_path) -> None:

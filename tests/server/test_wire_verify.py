@@ -37,3 +37,29 @@ def test_a_damaged_landing_page_is_quarantined_not_streamed(server, chunk_bytes:
         assert sent == pages[0]
         assert keys[1] in [q.key for q in server.core.quarantined()]
         assert directory.Lookup(directory_pb2.LookupRequest(namespace_id=ns, keys=keys)).num_pages == 1
+
+
+def test_a_reader_that_checks_pages_itself_gets_them_unchecked_and_has_a_failed_one_checked(server) -> None:
+    """A reader that checks every page itself (the client library, DESIGN §4) asks ``unchecked``:
+    the server sends the stored bytes without hashing them first (before, it did so only for a
+    node's fetch, and hashed every page a client read: a second pass over the same bytes). The
+    reader's own check finds the damage; its read of that page alone, checked, has the server
+    find it too and quarantine it, so it is never promised again."""
+    ns = secrets.token_bytes(16)
+    keys = [secrets.token_bytes(16) for _ in range(3)]
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    with grpc.insecure_channel(server.address) as channel:
+        data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
+        stored = data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
+                                                          checksum=checksum(p), data=p) for k, p in zip(keys, pages)]))
+        assert stored.num_published == 3
+        flip_arena_byte(server, server.core.where(keys[1])["host"] + 100)
+        chunks = list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True)))
+        assert [c.key for c in chunks] == keys, "sent unchecked: every page, the damaged one too"
+        damaged = chunks[1]
+        assert damaged.checksum == checksum(pages[1]) != checksum(damaged.data), "under its stored checksum, which it fails"
+        assert keys[1] not in [q.key for q in server.core.quarantined()], "the server did not look at it"
+        again = list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=[keys[1]])))
+        assert again == [], "read again checked: not sent"
+        assert keys[1] in [q.key for q in server.core.quarantined()]
+        assert directory.Lookup(directory_pb2.LookupRequest(namespace_id=ns, keys=keys)).num_pages == 1

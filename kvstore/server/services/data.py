@@ -166,8 +166,9 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         generation = request.generation if request.HasField("generation") else None
         ident, pages = self.gate.read(current_identity(), ns, keys, request.ttl_ms, context, request.local_only, request.tenant,
                                       generation)
-        # unchecked: a node's fetch (local_only needs the node right: Gate.read) that lands the pages unhashed
-        yield from self._send(ident, pages, chunk_bytes, checked=not (request.unchecked and request.local_only))
+        # unchecked: a reader that checks each page itself (a node's fill, the client library) and reads one that
+        # fails again without it (DESIGN §4): the send's hash would be a second pass over the same bytes
+        yield from self._send(ident, pages, chunk_bytes, checked=not request.unchecked)
 
     def _send(self, ident: bytes, pages: list[AcquiredPage], chunk_bytes: int, checked: bool = True) -> Iterator[bytes]:
         """Each page checked as it is copied out (the next one while this one is sent): a slot
