@@ -83,8 +83,11 @@ class StreamTransport:
 
         previous: asyncio.Future[None] | None = None
         placing: asyncio.Future[None] | None = None
+        budget_s = timeout_s or runtime.timeout_s
+        ends = loop.time() + budget_s  # the re-read of a failed page takes what is left of it, not a budget of its own
+        call = runtime.pages.read_pages(req, timeout=budget_s)
         try:
-            async for raw in runtime.pages.read_pages(req, timeout=timeout_s or runtime.timeout_s):
+            async for raw in call:
                 previous, placing = placing, loop.run_in_executor(self._pool, place, raw)
                 if previous is not None:
                     await asyncio.shield(previous)
@@ -93,15 +96,17 @@ class StreamTransport:
         except grpc.aio.AioRpcError as exc:
             raise runtime.error(exc) from None
         except PageCorrupt:
+            call.cancel()  # the server's lease, pins and stream slot go now, not at its idle watchdog
             await asyncio.gather(*(f for f in (previous, placing) if f is not None), return_exceptions=True)
             if pages.count < len(keys):
-                await self._have_checked(keys[pages.count], timeout_s)
+                await self._have_checked(keys[pages.count], max(0.05, ends - loop.time()))
             raise
-        finally:  # never leave the wire thread writing after returning (also when cancelled)
+        finally:  # never leave the call open nor the wire thread writing after returning (also when cancelled)
+            call.cancel()
             await asyncio.gather(*(f for f in (previous, placing) if f is not None), return_exceptions=True)
             pages.abandon()  # a stream cut mid-page leaves no unverified bytes behind
 
-    async def _have_checked(self, key: bytes, timeout_s: float | None) -> None:
+    async def _have_checked(self, key: bytes, timeout_s: float) -> None:
         """Reads ``key`` again alone, checked: the server's send hashes it first and quarantines
         it if its bytes fail (what it sent did not pass this reader's check). The bytes are not
         kept; the page is a miss either way (the caller recomputes from it)."""
@@ -109,7 +114,7 @@ class StreamTransport:
         req = data_pb2.ReadPagesRequest(namespace_id=self.peer.namespace_id, keys=[key], ttl_ms=self.peer.lease_ms,
                                         chunk_bytes=self.chunk_bytes)
         try:
-            async for _ in runtime.pages.read_pages(req, timeout=timeout_s or runtime.timeout_s):
+            async for _ in runtime.pages.read_pages(req, timeout=timeout_s):
                 pass
         except grpc.aio.AioRpcError as exc:
             logger.warning("page %s failed its check; asking the server to check its copy failed: %s", key.hex(), exc.details())

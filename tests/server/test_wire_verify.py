@@ -12,6 +12,7 @@ from support.servers import flip_arena_byte
 
 from kvstore._proto import common_pb2, data_pb2, data_pb2_grpc, directory_pb2, directory_pb2_grpc
 from kvstore.page import checksum
+from kvstore.page_wire.grpc_chunks import MESSAGE_OPTIONS, PageStubs, decode_chunk
 
 LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=64, dtype="float16", page_tokens=16)
 PAGE_BYTES = 2 * 2 * 2 * 64 * 2 * 16
@@ -63,3 +64,39 @@ def test_a_reader_that_checks_pages_itself_gets_them_unchecked_and_has_a_failed_
         assert again == [], "read again checked: not sent"
         assert keys[1] in [q.key for q in server.core.quarantined()]
         assert directory.Lookup(directory_pb2.LookupRequest(namespace_id=ns, keys=keys)).num_pages == 1
+
+
+def test_an_unchecked_stream_never_sends_a_slot_reused_under_its_lease(server_factory) -> None:
+    """A page quarantined while a reader's stream leases it has its slot freed at once, and the
+    next page written may land there. Bug pinned (review of unchecked client reads): the stream's
+    unchecked send copied whatever the slot held, under the quarantined page's key and checksum:
+    another namespace's page went to this reader. A checked send hashed the slot, so it never
+    did; an unchecked one now sends a page only if, once copied, its slot still holds it."""
+    big = common_pb2.Layout(num_layers=8, kv_factor=2, num_kv_heads=8, head_dim=128, dtype="float16", page_tokens=32)
+    page_bytes = 8 * 2 * 8 * 128 * 2 * 32  # 1 MiB: flow control holds the send well before the damaged page
+    server = server_factory(host_bytes=96 << 20)
+    ns, other_ns, damaged = secrets.token_bytes(16), secrets.token_bytes(16), 12
+    keys = [secrets.token_bytes(16) for _ in range(16)]
+    pages = [secrets.token_bytes(page_bytes) for _ in keys]
+    other_key, other = secrets.token_bytes(16), b"ANOTHER!" * (page_bytes // 8)
+
+    def write(data: data_pb2_grpc.DataStub, namespace: bytes, keys: list[bytes], pages: list[bytes]) -> int:
+        return data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=namespace, layout=big, page_bytes=page_bytes,
+                                                        checksum=checksum(p), data=p) for k, p in zip(keys, pages)])).num_published
+
+    with grpc.insecure_channel(server.address, options=MESSAGE_OPTIONS) as channel:
+        data = data_pb2_grpc.DataStub(channel)
+        assert write(data, ns, keys, pages) == len(keys)
+        stream = PageStubs(channel).read_pages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True))
+        got = [next(stream)]
+        slot = server.core.where(keys[damaged])["host"]
+        flip_arena_byte(server, slot + 100)
+        assert list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=[keys[damaged]]))) == []
+        assert write(data, other_ns, [other_key], [other]) == 1
+        assert server.core.where(other_key)["host"] == slot, "the other page landed in the freed slot (the case pinned)"
+        got += list(stream)
+    sent: dict[bytes, bytes] = {}
+    for chunk in map(decode_chunk, got):
+        sent[bytes(chunk.key)] = sent.get(bytes(chunk.key), b"") + bytes(chunk.data)
+    assert keys[damaged] not in sent, "the stream ends before the page whose slot was freed under it"
+    assert all(sent[k] == p for k, p in zip(keys, pages) if k in sent)

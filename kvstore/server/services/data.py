@@ -173,10 +173,12 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
     def _send(self, ident: bytes, pages: list[AcquiredPage], chunk_bytes: int, checked: bool = True) -> Iterator[bytes]:
         """Each page checked as it is copied out (the next one while this one is sent): a slot
         scribbled on is quarantined, not sent. Not ``checked``: copied out unhashed with its stored
-        checksum, for a node whose consumer of the copy checks it (DESIGN §4), on this thread: that
-        build is one copy, and the hop to a read-ahead worker and back cost more CPU than the overlap
-        saved (services/README.md). closing(): the build in flight ends before the lease is released,
-        however the stream ends."""
+        checksum, for a reader that checks each page itself (DESIGN §4), on this thread: that build is
+        one copy, and the hop to a read-ahead worker and back cost more CPU than the overlap saved
+        (services/README.md); a page is sent only if its slot still holds it once copied (a quarantine
+        frees a slot at once, though a lease pins it: the next page written there, maybe another
+        tenant's, must not go out under this one's key). closing(): the build in flight ends before
+        the lease is released, however the stream ends."""
         layouts: dict[LayoutDesc, common_pb2.Layout] = {}  # one message per layout, not per page
 
         def build(page: AcquiredPage) -> list[bytes] | None:
@@ -186,7 +188,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                 layout = layouts[header.layout] = validate.layout_msg(header.layout)
             view = self.core.read_view(page)
             if not checked:
-                return list(page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes=chunk_bytes))
+                chunks = list(page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes=chunk_bytes))
+                return chunks if self.core.landing.at(page.slot).find(header.key) == (page.slot, header) else []
             return checked_page_chunks(header.key, header.namespace_id, layout, view, header.checksum, chunk_bytes)
 
         try:
@@ -195,6 +198,8 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
                     if chunks is None:  # quarantined, unless the key was stored again elsewhere meanwhile
                         self.core.reads.quarantine_landing(page.header, "its bytes in the arena do not match its checksum "
                                                            "(checked before sending)", page.slot)
+                        break
+                    if not chunks:  # unchecked, and its slot no longer holds it: gone (a miss for this reader)
                         break
                     yield from chunks
         finally:
