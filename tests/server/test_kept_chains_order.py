@@ -5,10 +5,11 @@ hinted and unhinted (right after a kept end too), removed from a chain's middle 
 search passes a chain it found kept without walking it again (``TailFirst``'s memo); each victim
 must still be one of the least ``priorities``, whose definition walks every chain afresh.
 test_eviction_priority draws its pins afresh at each search, so it rarely keeps a chain long.
-On e1c5bcc (no memo) it failed at 16 of 31 hash seeds (PYTHONHASHSEED 0-30): after a victim
-down one way of a branch, the shortcut named the page before it, while the walk, taking the
-branch's other way first, named that way's end. Writers' parents here never make a cycle
-(one seen there named a page the walk from the cycle's first page does not reach)."""
+On e1c5bcc (no memo) it failed at 16 of 31 hash seeds (PYTHONHASHSEED 0-30; its writers then
+named only earlier pages): after a victim down one way of a branch, the shortcut named the page
+before it, while the walk, taking the branch's other way first, named that way's end. With any
+page a writer's parent, links forming a cycle failed it too (571a508: the walk from one page of
+the cycle ended where the walk from another did not); such a link is no longer made."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def _held(victim: bytes | None, ranked: dict[bytes, tuple[float, ...]], what: st
 
 
 def _other_parent(rng: random.Random, key: bytes) -> bytes | None:
-    """Another writer's page before ``key``: none, or any page listed before it (a branch, often;
-    never a cycle, which no honest writer makes: prefixes hash their predecessors)."""
-    return rng.choice([None, rng.choice(KEYS[: KEYS.index(key)] or [None])])
+    """Another writer's page before ``key``: none, or any page (a branch, often; now and then a
+    cycle, which no honest writer makes, prefixes hashing their predecessors, and a link that
+    would close one is not made: PrefixLinks.link)."""
+    return rng.choice([None, rng.choice(KEYS)])
 
 
 class _Traffic:

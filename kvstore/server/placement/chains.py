@@ -29,10 +29,15 @@ class PrefixLinks:
         self.children: dict[bytes, bytes | set[bytes]] = {}
 
     def link(self, key: bytes, parent: bytes) -> None:
-        """``parent`` comes right before ``key``; a second link replaces the first."""
+        """``parent`` comes right before ``key``; a second link replaces the first. A link that
+        would close a cycle (``key`` comes before ``parent`` already: links are the writers' word,
+        and prefixes, which hash their predecessors, never loop) is not made: ``key`` heads a
+        chain. Walks then have one end whichever page of a chain they start at."""
         if parent == key:
             return
         self.unlink(key)
+        if key in self.children and self._comes_before(key, parent):
+            return
         self.parent[key] = parent
         after = self.children.get(parent)
         if after is None:
@@ -41,6 +46,18 @@ class PrefixLinks:
             after.add(key)
         elif after != key:
             self.children[parent] = {after, key}
+
+    def _comes_before(self, key: bytes, page: bytes) -> bool:
+        """Whether ``key`` is ``page`` or before it in its chain (O(its depth); asked only of a
+        page that has pages after it: one linked again, a page stored again)."""
+        for _ in range(len(self.parent) + 1):
+            if page == key:
+                return True
+            up = self.parent.get(page)
+            if up is None:
+                return False
+            page = up
+        return True  # a cycle already (not made here): not linked into it either
 
     def unlink(self, key: bytes) -> list[bytes]:
         """``key`` left the tier: forgets its own link. Returns the resident pages right
