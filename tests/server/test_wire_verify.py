@@ -18,19 +18,29 @@ LAYOUT = common_pb2.Layout(num_layers=2, kv_factor=2, num_kv_heads=2, head_dim=6
 PAGE_BYTES = 2 * 2 * 2 * 64 * 2 * 16
 
 
+def _write(data: data_pb2_grpc.DataStub, ns: bytes, keys: list[bytes], pages: list[bytes],
+           layout: common_pb2.Layout = LAYOUT) -> int:
+    """One WritePages of ``pages``, a chunk each: how many the server published."""
+    return data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=ns, layout=layout, page_bytes=len(p),
+                                                    checksum=checksum(p), data=p) for k, p in zip(keys, pages)])).num_published
+
+
+def _three_pages(data: data_pb2_grpc.DataStub) -> tuple[bytes, list[bytes], list[bytes]]:
+    """Three random pages written in a namespace of their own: (namespace, keys, pages)."""
+    ns, keys = secrets.token_bytes(16), [secrets.token_bytes(16) for _ in range(3)]
+    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
+    assert _write(data, ns, keys, pages) == 3
+    return ns, keys, pages
+
+
 @pytest.mark.parametrize("chunk_bytes", [4 << 20, 4096], ids=["page-per-message", "chunks"])
 def test_a_damaged_landing_page_is_quarantined_not_streamed(server, chunk_bytes: int) -> None:
     """Bug: ReadPages streamed a landing page straight from its slot without checking it,
     so bytes scribbled into the arena went out over the wire (the receiver alone noticed)
     and the damaged page stayed stored and findable."""
-    ns = secrets.token_bytes(16)
-    keys = [secrets.token_bytes(16) for _ in range(3)]
-    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
     with grpc.insecure_channel(server.address) as channel:
         data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
-        stored = data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
-                                                          checksum=checksum(p), data=p) for k, p in zip(keys, pages)]))
-        assert stored.num_published == 3
+        ns, keys, pages = _three_pages(data)
         flip_arena_byte(server, server.core.where(keys[1])["host"] + 100)  # a client that maps the arena scribbles
         chunks = list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, chunk_bytes=chunk_bytes)))
         sent = b"".join(c.data for c in chunks)
@@ -46,14 +56,9 @@ def test_a_reader_that_checks_pages_itself_gets_them_unchecked_and_has_a_failed_
     node's fetch, and hashed every page a client read: a second pass over the same bytes). The
     reader's own check finds the damage; its read of that page alone, checked, has the server
     find it too and quarantine it, so it is never promised again."""
-    ns = secrets.token_bytes(16)
-    keys = [secrets.token_bytes(16) for _ in range(3)]
-    pages = [secrets.token_bytes(PAGE_BYTES) for _ in keys]
     with grpc.insecure_channel(server.address) as channel:
         data, directory = data_pb2_grpc.DataStub(channel), directory_pb2_grpc.DirectoryStub(channel)
-        stored = data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=ns, layout=LAYOUT, page_bytes=PAGE_BYTES,
-                                                          checksum=checksum(p), data=p) for k, p in zip(keys, pages)]))
-        assert stored.num_published == 3
+        ns, keys, pages = _three_pages(data)
         flip_arena_byte(server, server.core.where(keys[1])["host"] + 100)
         chunks = list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True)))
         assert [c.key for c in chunks] == keys, "sent unchecked: every page, the damaged one too"
@@ -80,19 +85,15 @@ def test_an_unchecked_stream_never_sends_a_slot_reused_under_its_lease(server_fa
     pages = [secrets.token_bytes(page_bytes) for _ in keys]
     other_key, other = secrets.token_bytes(16), b"ANOTHER!" * (page_bytes // 8)
 
-    def write(data: data_pb2_grpc.DataStub, namespace: bytes, keys: list[bytes], pages: list[bytes]) -> int:
-        return data.WritePages(iter([data_pb2.PageChunk(key=k, namespace_id=namespace, layout=big, page_bytes=page_bytes,
-                                                        checksum=checksum(p), data=p) for k, p in zip(keys, pages)])).num_published
-
     with grpc.insecure_channel(server.address, options=MESSAGE_OPTIONS) as channel:
         data = data_pb2_grpc.DataStub(channel)
-        assert write(data, ns, keys, pages) == len(keys)
+        assert _write(data, ns, keys, pages, big) == len(keys)
         stream = PageStubs(channel).read_pages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=keys, unchecked=True))
         got = [next(stream)]
         slot = server.core.where(keys[damaged])["host"]
         flip_arena_byte(server, slot + 100)
         assert list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=[keys[damaged]]))) == []
-        assert write(data, other_ns, [other_key], [other]) == 1
+        assert _write(data, other_ns, [other_key], [other], big) == 1
         assert server.core.where(other_key)["host"] == slot, "the other page landed in the freed slot (the case pinned)"
         got += list(stream)
     sent: dict[bytes, bytes] = {}
