@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Container
 
 import pytest
+from test_eviction_priority import _held_to_its_priorities as _held
 
 from kvstore.server.leases import Pins, PinsAnd
 from kvstore.server.placement.eviction import HostResidency
@@ -25,14 +26,6 @@ from kvstore.server.placement.orders import TailFirstOrder
 
 KEYS = [bytes([i]) * 16 for i in range(48)]
 CHAINS = [KEYS[i : i + 12] for i in range(0, len(KEYS), 12)]  # four prefixes of twelve pages
-
-
-def _held(victim: bytes | None, ranked: dict[bytes, tuple[float, ...]], what: str) -> None:
-    if not ranked:
-        assert victim is None, f"{what}: named {victim!r} though no page may go"
-        return
-    assert victim in ranked, f"{what}: named {victim!r}, which may not go now"
-    assert ranked[victim] == min(ranked.values()), f"{what}: named {ranked[victim]}, least is {min(ranked.values())}"
 
 
 def _other_parent(rng: random.Random, key: bytes) -> bytes | None:
