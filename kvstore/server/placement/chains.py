@@ -195,10 +195,10 @@ class TailFirst:
         self.links.link(key, parent)
 
     def _unkeep(self, key: bytes | None) -> None:
-        """Forgets the kept chain ``key`` is a page of (or the last page of)."""
-        end = self._kept.get(key) if key is not None else None
-        for page in self._kept_pages.pop(end if end is not None else key, ()):  # type: ignore[arg-type]
-            self._kept.pop(page, None)
+        """Forgets the kept chain ``key`` is a page of (its last page maps to itself)."""
+        if key is not None:
+            for page in self._kept_pages.pop(self._kept.get(key, key), ()):
+                self._kept.pop(page, None)
 
     def removed(self, key: bytes, evicted: bool = False) -> list[bytes]:
         """``key`` left the tier (``evicted``: as the victim named last, maybe). Returns the
@@ -250,7 +250,7 @@ class TailFirst:
         blocked: set[bytes] = set()  # chains a pinned page keeps
         spent: set[bytes] = set()  # pages with only pages being moved after them
         moving: Container[bytes] = getattr(pinned, "moving", ())
-        kept, still = self._kept, {}  # a remembered kept end -> whether it is kept now
+        kept, still = self._kept, {}  # a remembered kept end -> whether it keeps its chain now
         for key in order:
             if (end := kept.get(key)) is not None:
                 if (keeps := still.get(end)) is None:
