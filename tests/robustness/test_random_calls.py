@@ -71,7 +71,7 @@ class _Caller:
 
         def read() -> None:
             req = data_pb2.ReadPagesRequest(namespace_id=self.ns, keys=self.keys(), ttl_ms=self.ttl(),
-                                            chunk_bytes=rng.choice([0, 4096, 100, 1 << 30]))
+                                            chunk_bytes=rng.choice([0, 4096, 100, 1 << 30]), unchecked=rng.random() < 0.5)
             for _ in d.ReadPages(req, timeout=10):
                 if rng.random() < 0.3:
                     break  # the reader leaves mid-stream
