@@ -32,13 +32,26 @@ class IndexedPages:
     def find(self, key: bytes) -> tuple[int, PageHeader] | None:
         return self._pages.get(key)
 
+    def detach(self, key: bytes) -> int | None:  # pragma: no cover - each tier has its own
+        raise NotImplementedError
+
     def quarantine(self, key: bytes, reason: str) -> None:
         found = self.find(key)
+        if found is not None and self.delete([key]):  # else another report of the same damage dropped it first
+            self._list(key, found[1], reason)
+
+    def quarantine_detached(self, key: bytes, reason: str) -> int | None:
+        """``quarantine``, its slot kept reserved and returned (``detach``): readers that lease
+        the page still read it there; the caller unreserves it once they let go."""
+        found = self.find(key)
         if found is None:
-            return
-        header = found[1]
-        if not self.delete([key]):
-            return  # another report of the same damage dropped it first: listed once
+            return None
+        slot = self.detach(key)
+        if slot is not None:  # else another report of the same damage dropped it first
+            self._list(key, found[1], reason)
+        return slot
+
+    def _list(self, key: bytes, header: PageHeader, reason: str) -> None:
         logger.error("%s tier: quarantining page %s: %s", self.name, key.hex(), reason)
         with self._lock:
             self._quarantine.append(Quarantined(key, header.namespace_id, reason, time.time()))

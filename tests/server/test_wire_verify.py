@@ -72,11 +72,11 @@ def test_a_reader_that_checks_pages_itself_gets_them_unchecked_and_has_a_failed_
 
 
 def test_an_unchecked_stream_never_sends_a_slot_reused_under_its_lease(server_factory) -> None:
-    """A page quarantined while a reader's stream leases it has its slot freed at once, and the
-    next page written may land there. Bug pinned (review of unchecked client reads): the stream's
-    unchecked send copied whatever the slot held, under the quarantined page's key and checksum:
-    another namespace's page went to this reader. A checked send hashed the slot, so it never
-    did; an unchecked one now sends a page only if, once copied, its slot still holds it."""
+    """A page quarantined while a reader's stream leases it. Bug pinned (review of unchecked client
+    reads): the quarantine freed its slot at once, the next page written (another namespace's)
+    landed there, and the stream's unchecked send copied it out under the quarantined page's key
+    and checksum. Now the slot waits for the lease's end (test_quarantine_under_lease), and an
+    unchecked send sends a page only if, once copied, its slot still holds it."""
     big = common_pb2.Layout(num_layers=8, kv_factor=2, num_kv_heads=8, head_dim=128, dtype="float16", page_tokens=32)
     page_bytes = 8 * 2 * 8 * 128 * 2 * 32  # 1 MiB: flow control holds the send well before the damaged page
     server = server_factory(host_bytes=96 << 20)
@@ -94,7 +94,7 @@ def test_an_unchecked_stream_never_sends_a_slot_reused_under_its_lease(server_fa
         flip_arena_byte(server, slot + 100)
         assert list(data.ReadPages(data_pb2.ReadPagesRequest(namespace_id=ns, keys=[keys[damaged]]))) == []
         assert _write(data, other_ns, [other_key], [other], big) == 1
-        assert server.core.where(other_key)["host"] == slot, "the other page landed in the freed slot (the case pinned)"
+        assert server.core.where(other_key)["host"] != slot, "the leased slot waits for its readers (as a removal's)"
         got += list(stream)
     sent: dict[bytes, bytes] = {}
     for chunk in map(decode_chunk, got):

@@ -83,15 +83,19 @@ class Residence:
             if not self.leases.pinned(key):
                 arena.delete([key])
             else:
-                slot = arena.detach(key)
-                if slot is not None:
-                    self._detached.setdefault(key, []).append(slot)
+                self.keep_detached(key, arena.detach(key))
             return
         if self.part(key, tier) is None or (key, tier) in self._doomed:
             return
         self._doomed.add((key, tier))
         if not self.leases.pinned(key):
             self._owe(Owed(tier, key))
+
+    def keep_detached(self, key: bytes, slot: int | None) -> None:
+        """``key``'s landing ``slot``, out of its arena's index, is freed once its last pin goes
+        (``released``): its readers still read it there."""
+        if slot is not None:
+            self._detached.setdefault(key, []).append(slot)
 
     def quarantine(self, key: bytes, tier: int, reason: str) -> None:
         """A lower-tier copy failed a check: never served again, quarantined outside the lock."""

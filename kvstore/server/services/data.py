@@ -175,10 +175,10 @@ class DataService(SessionCalls, data_pb2_grpc.DataServicer):
         scribbled on is quarantined, not sent. Not ``checked``: copied out unhashed with its stored
         checksum, for a reader that checks each page itself (DESIGN §4), on this thread: that build is
         one copy, and the hop to a read-ahead worker and back cost more CPU than the overlap saved
-        (services/README.md); a page is sent only if its slot still holds it once copied (a quarantine
-        frees a slot at once, though a lease pins it: the next page written there, maybe another
-        tenant's, must not go out under this one's key). closing(): the build in flight ends before
-        the lease is released, however the stream ends."""
+        (services/README.md); a page is sent only if its slot still holds it once copied (quarantined
+        or removed meanwhile, it is a miss: its slot waits for the lease, Residence.keep_detached, but
+        its bytes are not this page's any more). closing(): the build in flight ends before the lease
+        is released, however the stream ends."""
         layouts: dict[LayoutDesc, common_pb2.Layout] = {}  # one message per layout, not per page
 
         def build(page: AcquiredPage) -> list[bytes] | None:
