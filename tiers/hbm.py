@@ -148,6 +148,16 @@ class HbmTier(IndexedPages):
                     count += 1
         return count
 
+    def detach(self, key: bytes) -> int | None:
+        """Drops ``key`` from the index, its slot kept reserved (returned; None: not held): an
+        engine a lease handed its offset still reads it there. The caller unreserves it later."""
+        with self._lock:
+            entry = self._pages.pop(key, None)
+            if entry is None:
+                return None
+            self._events.removed(key, False)
+            return entry[0]
+
     def stored_keys(self) -> list[bytes]:
         with self._lock:
             return list(self._pages)

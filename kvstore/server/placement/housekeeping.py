@@ -82,8 +82,9 @@ class Housekeeper:
         raises MetadataFull with nothing changed, so memory and disk never disagree (an I/O
         error leaves the copy stuck, never served, as an owed removal does). Each key
         is doomed and pinned meanwhile; the deletes run without the lock. Readers' leases hold
-        landing copies only, so a leased key's lower copies go now; a key a move holds is left
-        to the removal owed at its last unpin."""
+        landing copies and pool slots (``Promoter.placed``), not lower copies, so a leased key's
+        lower copies go now; a key a move holds is left to the removal owed at its last unpin.
+        Upper copies are the caller's to drop after (``Residence.drop``: at the last pin)."""
         todo: list[tuple[int, bytes]] = []
         with self.lock:
             for key in keys:
@@ -91,6 +92,8 @@ class Housekeeper:
                     continue
                 for index in range(1, len(self.residence.tiers)):
                     tier = self.residence.tiers[index]
+                    if index in self.residence.upper:
+                        continue
                     if (not tier_name or tier.name == tier_name) and self.residence.has(key, index):
                         self.residence.doom(key, index)
                         todo.append((index, key))

@@ -349,10 +349,7 @@ class Mover(LowerRoom):
             arena = self.landing.part_of(header.key)
             if arena is None or slot is not None and arena.find(header.key) != (slot, header):
                 return  # gone, or stored again meanwhile (maybe in the same slot): not the copy that failed
-            if self.leases.pinned(header.key):  # its slot waits for its readers, as a removed page's does
-                self.residence.keep_detached(header.key, arena.quarantine_detached(header.key, reason))
-            else:
-                arena.quarantine(header.key, reason)
+            self.residence.quarantine_held(header.key, LANDING, reason)  # its slot waits for its readers
             self.metrics.quarantined.labels(self.landing.name).inc()
             self.directory.remove(header.key, self.node, self.landing.name)
         self.unchecked.damaged(header)

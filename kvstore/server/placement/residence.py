@@ -44,7 +44,7 @@ class Residence:
         self.leases = leases
         self._doomed: set[tuple[bytes, int]] = set()  # lower-tier copies removed, not yet deleted
         self._stuck: set[tuple[bytes, int]] = set()   # ... whose delete failed: never served, never retried
-        self._detached: dict[bytes, list[int]] = {}   # landing slots of removed pages, freed once unpinned
+        self._detached: dict[bytes, list[tuple[int, int]]] = {}  # (tier, slot) of removed in-place copies, freed once unpinned
         self._owed: list[Owed] = []
 
     def part(self, key: bytes, tier: int) -> Tier | None:
@@ -85,22 +85,41 @@ class Residence:
             else:
                 self.keep_detached(key, arena.detach(key))
             return
-        if self.part(key, tier) is None or (key, tier) in self._doomed:
+        part = self.part(key, tier)
+        if part is None or (key, tier) in self._doomed:
+            return
+        if tier in self.upper and self.leases.pinned(key):  # an engine reads its pool slot in place (Promoter.placed)
+            self.keep_detached(key, part.detach(key), tier)  # type: ignore[attr-defined]
             return
         self._doomed.add((key, tier))
         if not self.leases.pinned(key):
             self._owe(Owed(tier, key))
 
-    def keep_detached(self, key: bytes, slot: int | None) -> None:
-        """``key``'s landing ``slot``, out of its arena's index, is freed once its last pin goes
-        (``released``): its readers still read it there."""
+    def keep_detached(self, key: bytes, slot: int | None, tier: int = LANDING) -> None:
+        """``key``'s ``slot`` in ``tiers[tier]`` (a landing slot, or a pool's), out of its part's
+        index, is freed once its last pin goes (``released``): its readers still read it there."""
         if slot is not None:
-            self._detached.setdefault(key, []).append(slot)
+            self._detached.setdefault(key, []).append((tier, slot))
 
     def quarantine(self, key: bytes, tier: int, reason: str) -> None:
-        """A lower-tier copy failed a check: never served again, quarantined outside the lock."""
+        """A lower-tier copy failed a check: never served again, quarantined outside the lock.
+        An upper one (memory) is quarantined now, as ``quarantine_held`` does."""
+        if tier in self.upper:
+            self.quarantine_held(key, tier, reason)
+            return
         self._doomed.add((key, tier))
         self._owe(Owed(tier, key, reason))
+
+    def quarantine_held(self, key: bytes, tier: int, reason: str) -> None:
+        """A copy read in place (a landing slot, a pool slot a lease named) failed a check: out of
+        its part now and listed; its slot is freed at once, or at the last pin (``keep_detached``)."""
+        part = self.part(key, tier)
+        if part is None:
+            return
+        if self.leases.pinned(key):
+            self.keep_detached(key, part.quarantine_detached(key, reason), tier)  # type: ignore[attr-defined]
+        else:
+            part.quarantine(key, reason)
 
     def doom(self, key: bytes, tier: int) -> None:
         """Marks a copy as leaving (not served) while the caller deletes it itself."""
@@ -115,8 +134,8 @@ class Residence:
     def released(self, keys: list[bytes]) -> None:
         """``keys`` lost their last pin: what waited for that happens (or is owed) now."""
         for key in keys:
-            for slot in self._detached.pop(key, ()):
-                self.landing.at(slot).unreserve(slot)
+            for tier, slot in self._detached.pop(key, ()):
+                self.tiers[tier].at(slot).unreserve(slot)
             for tier in range(1, len(self.tiers)):
                 if (key, tier) in self._doomed and (key, tier) not in self._stuck:
                     self._owe(Owed(tier, key))

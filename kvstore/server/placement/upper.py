@@ -220,7 +220,7 @@ class Promoter:
             return
         arena.unreserve(slot)
         if result.reason and up is not None and self.residence.has(key, up):
-            pool.quarantine(key, f"on demotion: {result.reason}")
+            self.residence.quarantine_held(key, up, f"on demotion: {result.reason}")  # a lease may name its slot
             self.metrics.quarantined.labels(tier.name).inc()
             self.directory.remove(key, self.node, tier.name)
 

@@ -20,7 +20,7 @@ class CoreView:
     pinned: frozenset[bytes]  # keys held for callers: leases, allocations, acquisitions under way
     moving: frozenset[bytes]  # keys held by the server's own moves in flight (demotion, deletion)
     num_hinted: int           # keys with an announced use still ahead
-    num_detached: int         # landing slots of removed pages kept for their readers
+    num_detached: int         # landing and pool slots of removed (or quarantined) pages kept for their readers
     tiers: dict[str, TierUsage]
     lease_ids: frozenset[bytes]
     leaned: frozenset[bytes] = frozenset()  # parents open allocations lean on (evicted after other pages, DESIGN §6)
