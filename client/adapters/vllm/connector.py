@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REMOTE = ("do_remote_decode", "do_remote_prefill")  # kv_transfer_params of disaggregated prefill (pd.py)
 
 
 def _tp_rank_size(role: KVConnectorRole) -> tuple[int, int | None]:
@@ -85,19 +84,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.states is not None:
             self.states.start()
         self.hybrid = groups.hybrid
-        self._warned_handoffs = self._warned_sessions = False
+        self._warned_sessions = False
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | HybridWorkerSide | None = None
-        self.handoffs: HandoffScheduler | None = None  # disaggregated prefill (pd.py); single-group engines
+        self.handoffs: HandoffScheduler | None = None  # disaggregated prefill (pd.py)
         self.handoff_worker: HandoffWorker | None = None
         self.sessions: SessionLogs | None = None  # requests' token logs, for live migration (sessions.py); single-group
         if role == KVConnectorRole.SCHEDULER and self.hybrid:
             self.scheduler = HybridSchedulerSide(self.store, groups, self.config.lookup_timeout_s, self._block_tables,
                                                  self.config.load_when_faster, self.states)
+            self.handoffs = HandoffScheduler(self.scheduler, self.config.handoff_deadline_s, self.config.handoff_ttl_s)
         elif self.hybrid:
             self.worker = HybridWorkerSide(self.store, layer_names, groups.layer_groups, spec.block_size,
                                            self.config.load_deadline_s, self.states, groups.state_layer_names,
                                            [g.index for g in groups.state_groups for _ in g.layer_names])
+            # its saves copy whole pages out when the step ends: no layer goes ahead of them
+            self.handoff_worker = HandoffWorker(self.store, spec.block_size, self.config.lookup_timeout_s,
+                                                self.config.handoff_deadline_s, push_layers=False)
         elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, spec.block_size, self.config.lookup_timeout_s, self.config.load_when_faster)
             self.handoffs = HandoffScheduler(self.scheduler, self.config.handoff_deadline_s, self.config.handoff_ttl_s)
@@ -141,7 +144,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker().register(kv_caches)
-        if self.handoff_worker is not None:
+        if self.handoff_worker is not None and not self.hybrid:  # a hybrid worker receives a handoff itself
             self.handoff_worker.register([kv_caches[name] for name in self._worker().layer_names])
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -166,10 +169,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        saved = self._worker().finished(finished_req_ids)
+        worker = self._worker()
+        saved = worker.finished(finished_req_ids)
         if self.handoff_worker is None:
             return saved or None, None
-        sending, recving = self.handoff_worker.finished(saved, finished_req_ids)
+        ended = self.handoff_worker.saving() - worker.saving() if isinstance(worker, HybridWorkerSide) else None
+        sending, recving = self.handoff_worker.finished(saved, finished_req_ids, ended)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -229,10 +234,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         handed = self.handoffs.matched(request, num_computed_tokens) if self.handoffs is not None else None
         if handed is not None:
             return handed  # a decode's handoff: loaded asynchronously (pd.py)
-        if self.hybrid and not self._warned_handoffs and any((request.kv_transfer_params or {}).get(k) for k in REMOTE):
-            self._warned_handoffs = True
-            logger.warning("kvstore: this engine has several KV cache groups; disaggregated prefill is not built for them "
-                           "yet: requests with do_remote_decode/do_remote_prefill are served as any request")
         found = self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
         if self.sessions is not None:
             self.sessions.attach(request.request_id)  # its saves name its session
@@ -240,12 +241,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         scheduler = self._scheduler()
-        if isinstance(scheduler, HybridSchedulerSide):
-            scheduler.after_alloc(request, num_external_tokens, blocks)
-        elif self.handoffs is not None and self.handoffs.after_alloc(request, blocks, num_external_tokens):
+        if self.handoffs is not None and self.handoffs.after_alloc(request, blocks, num_external_tokens):
             if self.sessions is not None:
                 self.sessions.attach(request.request_id)  # a decode's saves name its session too (tracked from here)
-            return
+        elif isinstance(scheduler, HybridSchedulerSide):
+            scheduler.after_alloc(request, num_external_tokens, blocks)
         else:
             scheduler.after_alloc(request, num_external_tokens)
 
@@ -256,19 +256,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.handoffs.add_to(meta) if self.handoffs is not None else meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.sessions is not None:
-            self.sessions.finished(request)
-        saving = self._scheduler().finished(request)
-        return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
+        return self._finished(request)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM calls this instead of ``request_finished`` for a connector that supports
         its hybrid KV cache manager, whatever the number of groups."""
+        return self._finished(request)
+
+    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         if self.sessions is not None:
             self.sessions.finished(request)
-        saving = self._scheduler().finished(request)
-        return self.handoffs.finished(request, saving) if self.handoffs is not None else (saving, None)
+        scheduler = self._scheduler()
+        boundary = scheduler.state_boundary(request.request_id) if isinstance(scheduler, HybridSchedulerSide) else None
+        saving = scheduler.finished(request)
+        return self.handoffs.finished(request, saving, boundary) if self.handoffs is not None else (saving, None)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))

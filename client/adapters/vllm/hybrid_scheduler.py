@@ -40,6 +40,7 @@ class HybridSchedulerSide(SchedulerSide):
         self._no_more_saves: set[str] = set()  # a page with a dropped block ended the request's saves
         self._state_saved: dict[str, int] = {}  # req id -> the last boundary (tokens) whose states were saved
         self._generations: dict[str, int | None] = {}  # req id -> the pages' namespace generation its lookup saw
+        self._handoffs: dict[str, tuple[str, float]] = {}  # a decode's load: its handoff id and wait deadline (pd.py)
 
     def _lookup(self, request: Any) -> RequestState:
         """The stored pages (no lease: the workers fetch them whole), and with state-space
@@ -64,7 +65,7 @@ class HybridSchedulerSide(SchedulerSide):
         usable -= usable % self.block_size
         if self.groups.state_groups and usable:
             usable = self._stored_state(client, tokens, usable // p, generation or 0) * p
-        return RequestState(request, tokens, stored, usable)
+        return RequestState(request, tokens, stored, usable, generation=generation)
 
     def _stored_state(self, pages_client: Any, tokens: list[int], pages: int, generation: int) -> int:
         """The last of the ``STATE_PROBES`` boundaries up to ``pages`` whose states are
@@ -91,6 +92,22 @@ class HybridSchedulerSide(SchedulerSide):
         super().after_alloc(request, num_external_tokens)
         if num_external_tokens > 0 and blocks is not None and request.request_id in self._requests:
             self._group_ids[request.request_id] = tuple(list(ids) for ids in blocks.get_block_ids())
+
+    def handoff_load(self, state: RequestState, handoff_id: str, deadline_s: float, blocks: Any,
+                     num_external_tokens: int) -> None:
+        """A decode's handed-off pages (pd.py): loaded like a hit, after the handoff's marker,
+        and saved from their end on; ``state.generation``: the prefill's (the states' key)."""
+        req_id = state.request.request_id
+        state.load_from, state.load_due = state.hit_tokens - num_external_tokens, True
+        self.adopt(state)
+        self._group_ids[req_id] = tuple(list(ids) for ids in blocks.get_block_ids())
+        self._generations[req_id] = state.generation
+        self._handoffs[req_id] = (handoff_id, deadline_s)
+
+    def state_boundary(self, req_id: str) -> int | None:
+        """The last page boundary (tokens) whose states a request saved; None without state-space
+        groups (any page boundary will do)."""
+        return self._state_saved.get(req_id, 0) if self.groups.state_groups else None
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
         meta = step_meta(out)
@@ -126,9 +143,10 @@ class HybridSchedulerSide(SchedulerSide):
             logger.error("kvstore: request %s has a load due but no blocks for it", req_id)
             block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
         first, num_pages = state.load_from // p, state.hit_tokens // p - state.load_from // p
+        handoff_id, deadline_s = self._handoffs.pop(req_id, None) or ("", self.policy.deadline_s(num_pages * p))
         meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first, num_pages,
                                           state_blocks=states, generation=self._generations.get(req_id) or 0,
-                                          deadline_s=self.policy.deadline_s(num_pages * p)))
+                                          deadline_s=deadline_s, handoff_id=handoff_id))
         self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed_after: int) -> None:
@@ -178,6 +196,7 @@ class HybridSchedulerSide(SchedulerSide):
         super().finished(request)
         self._held.discard(request.request_id)
         self._group_ids.pop(request.request_id, None)
+        self._handoffs.pop(request.request_id, None)
         self._no_more_saves.discard(request.request_id)
         self._state_saved.pop(request.request_id, None)
         self._generations.pop(request.request_id, None)

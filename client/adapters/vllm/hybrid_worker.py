@@ -17,6 +17,7 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.costs import MIN_DEADLINE_S, StepClock
 from kvstore.client.adapters.vllm.grouped import GroupedBlocks
+from kvstore.client.adapters.vllm.hybrid_handoff import HybridReceives
 from kvstore.client.adapters.vllm.hybrid_states import StateBlocks, state_key
 from kvstore.client.adapters.vllm.layout import block_views
 from kvstore.client.adapters.vllm.metadata import GroupLoad, GroupSave, KVStoreConnectorMetadata, KVStoreWorkerMetadata
@@ -66,6 +67,8 @@ class HybridWorkerSide:
         self._stale: set[str] = set()  # requests a save of which was refused as stale, since the last report
         self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
         self._loads_ok, self._stretch = True, 1.0  # this step's loads, for the clock (worker.py's end_step)
+        self.receives = HybridReceives(self.store)  # decodes' handoffs waiting for their markers
+        self._idle = False  # this step computes nothing
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = [kv_caches[name] for name in self.layer_names]
@@ -82,14 +85,19 @@ class HybridWorkerSide:
     # -- one step ------------------------------------------------------------------------
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
-        self.clock.begin(meta.num_prefill_tokens, sum(spec.num_pages for spec in meta.group_loads) * self.layout.page_bytes)
+        loads = sum(spec.num_pages for spec in meta.group_loads if not spec.handoff_id)  # a handoff's: in a later step
+        self.clock.begin(meta.num_prefill_tokens, loads * self.layout.page_bytes)
         self._saves = list(meta.group_saves)
+        self._idle = meta.num_scheduled_tokens == 0
 
     def start_loads(self, meta: KVStoreConnectorMetadata) -> None:
         since = time.perf_counter()
         client = self.store.client()
         self._loads_ok = client is not None or not meta.group_loads  # a load that could not start measures nothing
         for spec in meta.group_loads:
+            if spec.handoff_id:
+                self.receives.start(client, spec)  # lands in transfer_results once its marker answered
+                continue
             ok, stretch = self._load(client, spec) if client is not None else (False, 1.0)
             self._stretch = max(self._stretch, stretch)
             (self._loaded if ok else self._failed).add(spec.req_id)
@@ -247,9 +255,32 @@ class HybridWorkerSide:
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """This step's loads: (landed whole or failed, failed). vLLM takes a failed one as
         finished too, and recomputes it."""
+        self._land_handoffs()
         done, failed = self._loaded | self._failed, self._failed
         self._loaded, self._failed = set(), set()
         return done, failed
+
+    def _land_handoffs(self) -> None:
+        """Loads the handoffs whose markers answered with every page (between steps: vLLM holds
+        the request, its blocks allocated); the others are failed, and recompute."""
+        for answer in self.receives.answered(self._idle):
+            spec, ok = answer.spec, False
+            client = self.store.client()
+            if answer.num_pages < spec.first_page + spec.num_pages:
+                logger.warning("kvstore handoff %s of request %s: %d of %d pages held (%s); it recomputes from its start",
+                               spec.handoff_id, spec.req_id, answer.num_pages, spec.first_page + spec.num_pages, answer.reason)
+            elif client is not None:
+                ok, _ = self._load(client, spec)
+            (self._loaded if ok else self._failed).add(spec.req_id)
+            if ok:
+                self.stats.loaded_tokens += spec.num_pages * self.layout.page_tokens
+            else:
+                self.stats.failed_loads += 1
+
+    def saving(self) -> set[str]:
+        """Requests with a put still running (a handoff completes once its request's ended)."""
+        self._collect()
+        return {save.spec.req_id for save in self._pending}
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """No request's blocks are held (saves read copies), so none is reported here."""
@@ -286,5 +317,6 @@ class HybridWorkerSide:
         """Nothing: no save reads vLLM's blocks after its step."""
 
     def shutdown(self) -> None:
+        self.receives.shutdown()
         for save in self._pending:
             save.job.cancel()

@@ -51,7 +51,9 @@ class GroupLoad:
     group g's block table, null blocks included). All of it lands, or the request is
     reported failed and recomputes from its start: a hit covers every group or none.
     ``state_blocks``: (group, block) of each state-space group, where the state after the
-    last page goes (hybrid_states.py). ``deadline_s``: as LoadSpec's."""
+    last page goes (hybrid_states.py). ``deadline_s``: as LoadSpec's. ``handoff_id``: a
+    decode's handoff (pd.py): its marker is waited for first (at most ``deadline_s``), in the
+    background, and the load runs between steps once it answered (hybrid_handoff.py)."""
 
     req_id: str
     tokens: list[int]
@@ -63,6 +65,7 @@ class GroupLoad:
     state_blocks: tuple[tuple[int, int], ...] = ()
     generation: int = 0  # of the pages' namespace at the lookup: part of the states' key
     deadline_s: float | None = None
+    handoff_id: str = ""
 
 
 @dataclass(frozen=True)

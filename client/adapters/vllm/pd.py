@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
 from kvstore.client.handoff import new_handoff_id
@@ -64,10 +65,11 @@ def _node(req_id: str, node: object) -> str | None:
 
 
 class HandoffScheduler:
-    """The scheduler side's handoffs; wraps the single-group ``SchedulerSide`` (hybrid
-    engines serve no handoffs). ``deadline_s``: how long a decode waits for a marker unless
-    the request's ``kvstore_deadline_s`` says otherwise; ``ttl_s``: how long an open handoff
-    lives at the store unless completed and consumed."""
+    """The scheduler side's handoffs; wraps the scheduler side (a hybrid engine's too: its
+    decode loads every group once the marker answered, hybrid_handoff.py). ``deadline_s``:
+    how long a decode waits for a marker unless the request's ``kvstore_deadline_s`` says
+    otherwise; ``ttl_s``: how long an open handoff lives at the store unless completed and
+    consumed."""
 
     def __init__(self, scheduler: SchedulerSide, deadline_s: float, ttl_s: float) -> None:
         self.scheduler = scheduler
@@ -81,6 +83,9 @@ class HandoffScheduler:
         self._opens: list[HandoffOpen] = []
         self._completes: list[HandoffComplete] = []
         self._loads: list[HandoffLoad] = []
+        hybrid = scheduler if isinstance(scheduler, HybridSchedulerSide) else None
+        self._hybrid = hybrid
+        self._states_at_boundary = hybrid is not None and bool(hybrid.groups.state_groups)
 
     # -- both roles ----------------------------------------------------------------------
 
@@ -111,6 +116,8 @@ class HandoffScheduler:
         handed = min(int(params.get("kvstore_num_tokens") or 0), prompt) // p * p
         hit = min(handed, prompt - 1)
         hit -= hit % self.block_size
+        if self._states_at_boundary and hit != handed:
+            hit = 0  # state-space groups: the prefill saved the states after its last handed page only
         return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params),
                       generation=_generation(request.request_id, params.get("kvstore_generation")))
 
@@ -151,7 +158,11 @@ class HandoffScheduler:
         decode = self._decodes.get(req_id)
         if decode is None:
             return False
-        if num_external_tokens > 0 and not decode.consumed:
+        if num_external_tokens > 0 and not decode.consumed and self._hybrid is not None:
+            self._hybrid.handoff_load(RequestState(request, list(request.prompt_token_ids), decode.hit_tokens // self.page_tokens,
+                                                   decode.hit_tokens, generation=self._generation_of(decode)),
+                                      decode.handoff_id, decode.deadline_s, blocks, num_external_tokens)
+        elif num_external_tokens > 0 and not decode.consumed:
             p = self.page_tokens
             first = (decode.hit_tokens - num_external_tokens) // p
             tokens = list(request.prompt_token_ids[: decode.hit_tokens])
@@ -174,11 +185,12 @@ class HandoffScheduler:
         meta.handoff_loads, self._loads = self._loads, []
         return meta
 
-    def finished(self, request: Any, saving: bool) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, saving: bool, boundary: int | None = None) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: a prefill that ran to its end keeps its blocks until its
         saves ended (the workers then report it finished sending and complete the handoff)
         and returns what the decode side needs; ``saving``: the single-group side holds them
-        for its saves."""
+        for its saves; ``boundary``: with state-space groups, the last page boundary whose
+        states the request saved (HybridSchedulerSide.state_boundary)."""
         req_id = request.request_id
         self._decodes.pop(req_id, None)
         prefill = self._prefills.pop(req_id, None)
@@ -187,6 +199,8 @@ class HandoffScheduler:
         p = self.page_tokens
         prompt = list(request.prompt_token_ids or ())
         handed = min(request.num_computed_tokens, len(prompt)) // p * p
+        if boundary is not None:  # state-space groups: no page past the states saved is of use
+            handed = min(handed, boundary)
         self._completes.append(HandoffComplete(req_id, prefill.handoff_id, prefill.to_node, prompt[:handed]))
         self._held.add(req_id)
         client = self.scheduler.store.client()

@@ -77,7 +77,7 @@ class HandoffWorker:
         client = self.store.client()
         self._idle = meta.num_scheduled_tokens == 0
         self._open(client, meta.handoff_opens)
-        self._saving |= {spec.req_id for spec in meta.saves} & self._handed
+        self._saving |= {spec.req_id for spec in (*meta.saves, *meta.group_saves)} & self._handed
         for done in meta.handoff_completes:
             self._completing[done.req_id] = Completing(done)
         for load in meta.handoff_loads:
@@ -153,14 +153,22 @@ class HandoffWorker:
 
     # -- after the step ------------------------------------------------------------------
 
-    def finished(self, saved: set[str], finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished sending, finished receiving) of this step. ``saved``: what worker.py reported
+    def saving(self) -> set[str]:
+        """Handed-off requests whose saves the workers have not reported ended."""
+        return set(self._saving)
+
+    def finished(self, saved: set[str], finished_req_ids: set[str],
+                 saves_ended: set[str] | None = None) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) of this step. ``saves_ended``: the requests
+        whose saves ended, ``saved`` when not given (a hybrid worker holds no blocks and
+        reports none finished: its puts ended, hybrid_worker.py's ``saving``).
+        ``saved``: what worker.py reported
         finished (its saves ended, short ones saved again: nothing reads its blocks after); a handed-off
         request among them is reported finished sending at once and completes in the background
         (after its open): held until Complete answered, its blocks were kept through the pushes in
         flight (~30 ms at 64 MiB) and an idle engine kept stepping. ``finished_req_ids``: vLLM's, of
         this step (one that ended without a complete to make, aborted, is forgotten: it expires)."""
-        self._saving -= saved
+        self._saving -= saved if saves_ended is None else saves_ended
         self._handed -= finished_req_ids - self._completing.keys()
         for req_id in finished_req_ids - self._completing.keys():  # aborted: its open is not waited for (it expires)
             self._opening.pop(req_id, None)

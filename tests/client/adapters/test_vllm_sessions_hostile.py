@@ -161,7 +161,7 @@ def test_a_decode_requests_session_names_its_saves(server) -> None:
     after a move until an append's refusal stopped the request."""
     store, scheduler, _, _ = parts(server.address)
     connector = object.__new__(KVStoreConnector)  # its scheduler role, without vLLM's config
-    connector.store, connector.scheduler, connector.hybrid, connector._warned_handoffs = store, scheduler, False, False
+    connector.store, connector.scheduler, connector.hybrid, connector._warned_sessions = store, scheduler, False, False
     connector.handoffs = HandoffScheduler(scheduler, deadline_s=10.0, ttl_s=30.0)
     connector.sessions = SessionLogs(store, scheduler, read_timeout_s=5.0)
     try:
