@@ -153,7 +153,10 @@ class HandoffScheduler:
             state = self.scheduler.requests.get(req_id)
             prefill.generation = state.generation if state is not None else None
             prompt = list(request.prompt_token_ids or ())
-            self._opens.append(HandoffOpen(req_id, prefill.handoff_id, prefill.to_node, self.ttl_s,
+            # state-space groups: which pages are of use is known at the end (state_boundary), so they go
+            # to the decode node at Complete, not as stored (else a decode node would hold pages nobody takes)
+            to_node = None if self._states_at_boundary else prefill.to_node
+            self._opens.append(HandoffOpen(req_id, prefill.handoff_id, to_node, self.ttl_s,
                                            prompt[: len(prompt) // self.page_tokens * self.page_tokens]))
         decode = self._decodes.get(req_id)
         if decode is None:

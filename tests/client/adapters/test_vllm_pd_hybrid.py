@@ -135,7 +135,8 @@ def test_a_prompt_past_a_boundary_hands_off_what_a_decode_can_resume_from(
     """A prompt that ends past a page boundary. Gemma 3 hands off its whole pages. Granite 4's
     prefill step saved no states at a boundary (its step ended past it), and a decode cannot
     resume after a page without the state there: it hands off 0 tokens and the decode computes
-    the prompt itself. Both with the colocated output; what was pushed is given back."""
+    the prompt itself. Both with the colocated output; nothing is left pinned at either node (a
+    state-space model's pages go to the decode node at Complete, once the boundary is known)."""
     family, pair = engines
     page = pair["decode"].call(cmd="kv_config")["layout"]["page_tokens"]
     pages = 4 if page <= 64 else 1
@@ -150,7 +151,7 @@ def test_a_prompt_past_a_boundary_hands_off_what_a_decode_can_resume_from(
     assert got["num_cached_tokens"] == handed and pair["decode"].stats()["failed_loads"] == before["failed_loads"]
     colocated = pair["decode"].generate([prompt], max_tokens=4, skip_prefix_cache=True)[0]
     assert_same_output(got, dict(colocated, tokens=colocated["tokens"][1:], logprobs=colocated["logprobs"][1:]))
-    assert_no_lease_left(nodes, within_s=90.0)
+    assert_no_lease_left(nodes, within_s=5.0)  # well within the handoff's ttl: nothing waits for it to pass
 
 
 def test_a_handoff_that_never_comes_is_recomputed(engines: tuple[str, dict[str, EngineProcess]]) -> None:
