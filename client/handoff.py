@@ -111,13 +111,13 @@ class HandoffCalls:
         node is not a member or did not answer within the client's deadline; the pages stay
         here (a retry with ``to_node=None`` hands them through the pool). The handoff is
         forgotten at this node in every case. ``deadline_s``: the most this waits (default:
-        the client's ``timeout_s``), a frozen decode node included."""
+        the client's ``timeout_s``), a frozen decode node included. No whole page (the prefill
+        was aborted, or nothing of it is of use): nothing is handed off, and the decode node lets
+        go of what was pushed to it now (a wait on it answers nothing), not at the ttl."""
         if deadline_s is not None:
             check_deadline(deadline_s, "deadline_s")
         self._pushing_handoffs().pop(handoff_id, None)
         keys = self._page_keys(tokens_or_keys)
-        if not keys:
-            return 0
         request = handoff_pb2.CompleteHandoffRequest(namespace_id=self.namespace.namespace_id, handoff_id=_id_bytes(handoff_id),
                                                      keys=keys, to_node=to_node or "")
         answer = await self.calls.unary("Handoff.Complete", request, deadline_s)

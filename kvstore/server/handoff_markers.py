@@ -296,6 +296,24 @@ class HandoffMarkers:
         for marker in done:  # unless a wait came in since: it reads the marker, or was handed its pins
             self._drop(marker, only_if=lambda marker=marker: not marker.waiters and not marker.handed)
 
+    def abandon(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int) -> None:
+        """The prefill node handed off nothing: the marker goes with its pins (a wait on it answers
+        nothing now), and for ``ttl_ms`` a push still on its way pins nothing (as once taken over).
+        Remembered only for a marker there is (a forged id fills no table)."""
+        key = (tenant, namespace_id, handoff_id)
+        with self._changed:
+            marker = self._markers.get(key)
+            if marker is not None:
+                self._taken[key] = max(self._taken.get(key, 0.0), self.clock() + ttl_ms / 1000)
+                self._taken.move_to_end(key)
+                while len(self._taken) > MAX_TAKEN_OVER:
+                    self._taken.popitem(last=False)
+        if marker is not None:
+            pages = len(marker.pinned)
+            self._drop(marker)
+            logger.info("handoff %s of tenant %r abandoned by its prefill node, %d pages let go", handoff_id.hex()[:8],
+                        tenant, pages)
+
     # -- expiry -------------------------------------------------------------------------
     def expire(self) -> int:
         """Drops the markers past their ttl or of a namespace that moved to another generation; returns how many."""

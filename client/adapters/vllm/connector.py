@@ -183,7 +183,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         results = super().get_transfer_results(finished_req_ids)
         worker = self._worker()
         if isinstance(worker, HybridWorkerSide):
-            results.finished_recving, results.failed_recving = worker.transfer_results()
+            results.finished_recving, results.failed_recving = worker.transfer_results(finished_req_ids)
         return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -268,9 +268,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sessions is not None:
             self.sessions.finished(request)
         scheduler = self._scheduler()
-        boundary = scheduler.state_boundary(request.request_id) if isinstance(scheduler, HybridSchedulerSide) else None
+        limit = scheduler.handoff_limit(request.request_id) if isinstance(scheduler, HybridSchedulerSide) else None
         saving = scheduler.finished(request)
-        return self.handoffs.finished(request, saving, boundary) if self.handoffs is not None else (saving, None)
+        return self.handoffs.finished(request, saving, limit) if self.handoffs is not None else (saving, None)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().saves_finished(set(connector_output.finished_sending or ()))

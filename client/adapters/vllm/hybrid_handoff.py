@@ -1,6 +1,7 @@
-"""Decode side of a handoff for hybrid engines: the wait for the completion marker runs in
-the background, and once it answered the load (hybrid_worker.py's: every group and the
-states, or nothing) runs between steps, as a hybrid hit's does (DESIGN §12.7).
+"""Decode side of a handoff for hybrid engines: the wait for the completion marker and the get
+of the handed-off pages (verified, into a staging tensor) run in the background; once they
+ended, the pages are written into every group's blocks between steps, with the states after
+the last page (hybrid_worker.py), or the request fails and recomputes (DESIGN §12.7).
 
 More: client/adapters/vllm/README.md (### hybrid_handoff.py).
 """
@@ -10,12 +11,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.metadata import GroupLoad
-from kvstore.client.client import KVStoreClient
+from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
@@ -29,71 +33,102 @@ class Waiting:
     spec: GroupLoad
     give_up_at: float  # monotonic
     client: KVStoreClient | None = None
-    job: Any = None  # the runtime's Job of the handoff_wait: ``job.result`` is a concurrent Future of its Hit
+    job: Any = None  # the runtime's Job of ``_receive``: ``job.result`` is a concurrent Future of its page count
+    staging: torch.Tensor | None = None  # every handed-off page, once got
 
 
 @dataclass
 class Answered:
-    """A wait that ended: the client it ran on (None: it never started) and the leading pages
-    of the load's tokens held at the node for it (0: none, or the wait failed or timed out)."""
+    """A receive that ended: the leading pages of the load's tokens got into ``staging`` (0: none,
+    or the wait or the get failed, timed out, or its request went); ``reason``: why fewer."""
 
     spec: GroupLoad
-    client: KVStoreClient | None
     num_pages: int
+    staging: torch.Tensor | None
     reason: str
 
 
 class HybridReceives:
-    """The handoff loads of a hybrid engine's decode side, waiting for their markers."""
+    """The handoff loads of a hybrid engine's decode side, received in the background.
+    ``staging(n)``: a tensor for ``n`` pages of every layer (GroupedBlocks.staging)."""
 
-    def __init__(self, store: StoreConnection) -> None:
+    def __init__(self, store: StoreConnection, staging: Callable[[int], torch.Tensor]) -> None:
         self.store = store
+        self.staging = staging
         self._waiting: list[Waiting] = []
+        self._gone: set[str] = set()  # requests vLLM finished (aborted) while their receive ran
 
     def start(self, client: KVStoreClient | None, spec: GroupLoad) -> None:
-        deadline_s = spec.deadline_s or 0.0
-        waiting = Waiting(spec, time.monotonic() + deadline_s + GRACE_S)
-        if client is not None and deadline_s > 0:
+        wait_s = spec.handoff_wait_s
+        waiting = Waiting(spec, time.monotonic() + wait_s + GRACE_S)
+        if client is not None and wait_s > 0:
+            coro = self._receive(client, waiting)
             try:
-                waiting.client, waiting.job = client, client.runtime.submit(client.handoff_wait(spec.handoff_id, spec.tokens,
-                                                                                                deadline_s))
+                waiting.client, waiting.job = client, client.runtime.submit(coro)
             except KVStoreError as exc:  # its runtime closed under this step
-                logger.warning("kvstore handoff %s of request %s: wait not started: %s", spec.handoff_id, spec.req_id, exc)
+                coro.close()
+                logger.warning("kvstore handoff %s of request %s: receive not started: %s", spec.handoff_id, spec.req_id, exc)
         self._waiting.append(waiting)
+
+    async def _receive(self, client: KVStoreClient, waiting: Waiting) -> int:
+        """Waits for the marker, then gets every page it answered (verified): acquiring them all lets
+        the marker go (DESIGN §12.7), though the load writes only its own (vLLM's cache may hold the
+        first ones). Returns how many leading pages are in ``waiting.staging``."""
+        spec, p = waiting.spec, client.layout.page_tokens
+        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.handoff_wait_s)
+        n = min(hit.num_tokens // p, spec.first_page + spec.num_pages)
+        if n <= 0:
+            return 0
+        staging = self.staging(n)
+        try:
+            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), staging)
+        except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
+            n = int(getattr(exc, "num_tokens", 0)) // p
+        waiting.staging = staging
+        return n
+
+    def forget(self, req_ids: set[str]) -> None:
+        """vLLM finished these requests (aborted while waiting): their receives end now, reported
+        failed, so that vLLM frees their blocks, and nothing is written into them."""
+        self._gone |= req_ids & {w.spec.req_id for w in self._waiting}
 
     def __len__(self) -> int:
         return len(self._waiting)
 
     def answered(self, idle: bool) -> list[Answered]:
-        """The waits that ended (or were given up on, past their deadline + ``GRACE_S``).
-        ``idle``: the step computed nothing, so it waits ``IDLE_WAIT_S`` at most for one first."""
+        """The receives that ended (or were given up on, past their wait + ``GRACE_S``, or whose
+        request went). ``idle``: the step computed nothing, so it waits ``IDLE_WAIT_S`` at most for
+        one first."""
         running = [w.job.result for w in self._waiting if w.job is not None and not w.job.result.done()]
         if idle and running:
             concurrent.futures.wait(running, IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
         now, out, still = time.monotonic(), [], []
         for waiting in self._waiting:
-            if waiting.job is not None and not waiting.job.result.done() and now <= waiting.give_up_at:
+            gone = waiting.spec.req_id in self._gone
+            if waiting.job is not None and not waiting.job.result.done() and now <= waiting.give_up_at and not gone:
                 still.append(waiting)
             else:
-                out.append(self._ended(waiting))
+                out.append(self._ended(waiting, gone))
         self._waiting = still
+        self._gone.clear()
         return out
 
-    def _ended(self, waiting: Waiting) -> Answered:
+    def _ended(self, waiting: Waiting, gone: bool) -> Answered:
         spec, job = waiting.spec, waiting.job
         if job is None:
-            return Answered(spec, None, 0, "the store could not be reached")
+            return Answered(spec, 0, None, "the store could not be reached")
         result = job.result
         if not result.done():
-            job.cancel()
-            return Answered(spec, waiting.client, 0, f"no marker within {spec.deadline_s:.1f} s (+{GRACE_S:.0f} s)")
+            job.cancel()  # it writes only into its own staging tensor
+            why = "its request went" if gone else f"no marker or pages within {spec.handoff_wait_s:.1f} s (+{GRACE_S:.0f} s)"
+            return Answered(spec, 0, None, why)
         if result.cancelled() or result.exception() is not None:
             exc = None if result.cancelled() else result.exception()
             if exc is not None and waiting.client is not None:  # a transport failure drops the client
                 self.store.failed(waiting.client, exc)
-            return Answered(spec, waiting.client, 0, f"the wait failed: {exc!r}")
-        held = result.result().num_tokens // waiting.client.layout.page_tokens if waiting.client is not None else 0
-        return Answered(spec, waiting.client, held, "the handoff held fewer pages (missing, foreign or expired)")
+            return Answered(spec, 0, None, f"the receive failed: {exc!r}")
+        return Answered(spec, 0 if gone else int(result.result()), waiting.staging,
+                        "its request went" if gone else "the handoff held fewer pages (missing, foreign, expired or damaged)")
 
     def shutdown(self) -> None:
         for waiting in self._waiting:

@@ -104,10 +104,13 @@ class HybridSchedulerSide(SchedulerSide):
         self._generations[req_id] = state.generation
         self._handoffs[req_id] = (handoff_id, deadline_s)
 
-    def state_boundary(self, req_id: str) -> int | None:
-        """The last page boundary (tokens) whose states a request saved; None without state-space
-        groups (any page boundary will do)."""
-        return self._state_saved.get(req_id, 0) if self.groups.state_groups else None
+    def handoff_limit(self, req_id: str) -> int:
+        """The most tokens a finished prefill hands off (pd.py): its pages saved (a page with a
+        block vLLM dropped, outside a window, ended its saves), and with state-space groups no
+        page past the last boundary whose states it saved (a decode resumes only there)."""
+        state = self._requests.get(req_id)
+        limit = state.stored_pages * self.page_tokens if state is not None else 0
+        return min(limit, self._state_saved.get(req_id, 0)) if self.groups.state_groups else limit
 
     def build_meta(self, out: Any) -> KVStoreConnectorMetadata:
         meta = step_meta(out)
@@ -143,10 +146,11 @@ class HybridSchedulerSide(SchedulerSide):
             logger.error("kvstore: request %s has a load due but no blocks for it", req_id)
             block_ids, states = tuple([] for _ in range(len(self.groups.groups) + len(self.groups.state_groups))), ()
         first, num_pages = state.load_from // p, state.hit_tokens // p - state.load_from // p
-        handoff_id, deadline_s = self._handoffs.pop(req_id, None) or ("", self.policy.deadline_s(num_pages * p))
+        handoff_id, wait_s = self._handoffs.pop(req_id, None) or ("", 0.0)
         meta.group_loads.append(GroupLoad(req_id, state.tokens[: state.hit_tokens], block_ids, first, num_pages,
                                           state_blocks=states, generation=self._generations.get(req_id) or 0,
-                                          deadline_s=deadline_s, handoff_id=handoff_id))
+                                          deadline_s=self.policy.deadline_s(num_pages * p), handoff_id=handoff_id,
+                                          handoff_wait_s=wait_s))
         self._release(state)  # a hybrid lookup leases nothing; a lease taken otherwise goes back
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed_after: int) -> None:

@@ -67,7 +67,7 @@ class HybridWorkerSide:
         self._stale: set[str] = set()  # requests a save of which was refused as stale, since the last report
         self.clock = StepClock()  # forward passes and load stalls, for the scheduler side's cost model
         self._loads_ok, self._stretch = True, 1.0  # this step's loads, for the clock (worker.py's end_step)
-        self.receives = HybridReceives(self.store)  # decodes' handoffs waiting for their markers
+        self.receives = HybridReceives(self.store, lambda n: self._blocks().staging(n))  # decodes' handoffs
         self._idle = False  # this step computes nothing
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -252,30 +252,56 @@ class HybridWorkerSide:
 
     # -- after the step ------------------------------------------------------------------
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
+    def transfer_results(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str]]:
         """This step's loads: (landed whole or failed, failed). vLLM takes a failed one as
-        finished too, and recomputes it."""
+        finished too, and recomputes it. ``finished_req_ids``: vLLM's, of this step (a decode
+        aborted while its handoff is received is reported now: vLLM frees its blocks then)."""
+        self.receives.forget(finished_req_ids or set())
         self._land_handoffs()
         done, failed = self._loaded | self._failed, self._failed
         self._loaded, self._failed = set(), set()
         return done, failed
 
     def _land_handoffs(self) -> None:
-        """Loads the handoffs whose markers answered with every page (between steps: vLLM holds
-        the request, its blocks allocated); the others are failed, and recompute."""
+        """Writes the handoffs received whole into the requests' blocks, with the states after
+        their last page (between steps: vLLM holds the request, its blocks allocated); the others
+        are failed, and recompute."""
         for answer in self.receives.answered(self._idle):
-            spec, ok = answer.spec, False
-            client = self.store.client()
-            if answer.num_pages < spec.first_page + spec.num_pages:
-                logger.warning("kvstore handoff %s of request %s: %d of %d pages held (%s); it recomputes from its start",
+            spec, p = answer.spec, self.layout.page_tokens
+            ok = answer.num_pages >= spec.first_page + spec.num_pages and answer.staging is not None
+            if not ok:
+                logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); it recomputes from its start",
                                spec.handoff_id, spec.req_id, answer.num_pages, spec.first_page + spec.num_pages, answer.reason)
-            elif client is not None:
-                ok, _ = self._load(client, spec)
+            else:
+                ok = self._write(spec, answer.staging[:, :, spec.first_page * p : (spec.first_page + spec.num_pages) * p])
             (self._loaded if ok else self._failed).add(spec.req_id)
             if ok:
-                self.stats.loaded_tokens += spec.num_pages * self.layout.page_tokens
+                self.stats.loaded_tokens += spec.num_pages * p
             else:
                 self.stats.failed_loads += 1
+
+    def _write(self, spec: GroupLoad, staging: torch.Tensor) -> bool:
+        """Writes pages received (``staging``) and the states after the last one (fetched now,
+        within the load's deadline) into the blocks; False, writing nothing, when the states are
+        not to be had or a page lies past the blocks."""
+        client, p = self.store.client(), self.layout.page_tokens
+        deadline_s = self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
+        try:
+            states = None
+            if self._states is not None:
+                if client is None or not spec.state_blocks:
+                    raise KVStoreError("no store to key the states by, or no block for them")
+                last = client.keys(spec.tokens[: (spec.first_page + spec.num_pages) * p])[-1]
+                states = self._fetch_states(last, spec.generation, max(MIN_DEADLINE_S, deadline_s or MIN_DEADLINE_S))
+            self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
+        except KVStoreError as exc:
+            logger.warning("kvstore handoff of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
+            return False
+        if states is not None:
+            assert self._states is not None
+            self._states.scatter(states, dict(spec.state_blocks))
+            self.stats.states_loaded += 1
+        return True
 
     def saving(self) -> set[str]:
         """Requests with a put still running (a handoff completes once its request's ended)."""

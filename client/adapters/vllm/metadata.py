@@ -52,8 +52,8 @@ class GroupLoad:
     reported failed and recomputes from its start: a hit covers every group or none.
     ``state_blocks``: (group, block) of each state-space group, where the state after the
     last page goes (hybrid_states.py). ``deadline_s``: as LoadSpec's. ``handoff_id``: a
-    decode's handoff (pd.py): its marker is waited for first (at most ``deadline_s``), in the
-    background, and the load runs between steps once it answered (hybrid_handoff.py)."""
+    decode's handoff (pd.py): its marker is waited for (at most ``handoff_wait_s``) and its
+    pages got in the background, then written between steps (hybrid_handoff.py)."""
 
     req_id: str
     tokens: list[int]
@@ -66,6 +66,7 @@ class GroupLoad:
     generation: int = 0  # of the pages' namespace at the lookup: part of the states' key
     deadline_s: float | None = None
     handoff_id: str = ""
+    handoff_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)

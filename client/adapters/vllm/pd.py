@@ -153,7 +153,7 @@ class HandoffScheduler:
             state = self.scheduler.requests.get(req_id)
             prefill.generation = state.generation if state is not None else None
             prompt = list(request.prompt_token_ids or ())
-            # state-space groups: which pages are of use is known at the end (state_boundary), so they go
+            # state-space groups: which pages are of use is known at the end (handoff_limit), so they go
             # to the decode node at Complete, not as stored (else a decode node would hold pages nobody takes)
             to_node = None if self._states_at_boundary else prefill.to_node
             self._opens.append(HandoffOpen(req_id, prefill.handoff_id, to_node, self.ttl_s,
@@ -188,12 +188,12 @@ class HandoffScheduler:
         meta.handoff_loads, self._loads = self._loads, []
         return meta
 
-    def finished(self, request: Any, saving: bool, boundary: int | None = None) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, saving: bool, limit: int | None = None) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: a prefill that ran to its end keeps its blocks until its
         saves ended (the workers then report it finished sending and complete the handoff)
         and returns what the decode side needs; ``saving``: the single-group side holds them
-        for its saves; ``boundary``: with state-space groups, the last page boundary whose
-        states the request saved (HybridSchedulerSide.state_boundary)."""
+        for its saves; ``limit``: a hybrid engine's most tokens to hand off
+        (HybridSchedulerSide.handoff_limit)."""
         req_id = request.request_id
         self._decodes.pop(req_id, None)
         prefill = self._prefills.pop(req_id, None)
@@ -202,8 +202,8 @@ class HandoffScheduler:
         p = self.page_tokens
         prompt = list(request.prompt_token_ids or ())
         handed = min(request.num_computed_tokens, len(prompt)) // p * p
-        if boundary is not None:  # state-space groups: no page past the states saved is of use
-            handed = min(handed, boundary)
+        if limit is not None:  # a hybrid engine's: the pages it saved, up to its states' boundary
+            handed = min(handed, limit)
         self._completes.append(HandoffComplete(req_id, prefill.handoff_id, prefill.to_node, prompt[:handed]))
         self._held.add(req_id)
         client = self.scheduler.store.client()

@@ -51,7 +51,7 @@ class HandoffWorker:
 
     def __post_init__(self) -> None:
         self.layout = self.store.namespace.layout
-        self._handed: set[str] = set()  # prefill requests with an open handoff
+        self._handed: dict[str, HandoffOpen] = {}  # prefill requests with an open handoff
         self._saving: set[str] = set()  # of those, with saves the single-group worker has not reported ended
         self._opening: dict[str, Opening] = {}  # prefill req id -> its handoff_open, not answered yet
         self._completing: dict[str, Completing] = {}
@@ -77,7 +77,7 @@ class HandoffWorker:
         client = self.store.client()
         self._idle = meta.num_scheduled_tokens == 0
         self._open(client, meta.handoff_opens)
-        self._saving |= {spec.req_id for spec in (*meta.saves, *meta.group_saves)} & self._handed
+        self._saving |= {spec.req_id for spec in (*meta.saves, *meta.group_saves)} & self._handed.keys()
         for done in meta.handoff_completes:
             self._completing[done.req_id] = Completing(done)
         for load in meta.handoff_loads:
@@ -89,7 +89,7 @@ class HandoffWorker:
         ``kvstore-bench pd`` on 2 busy cores, DESIGN §12.7). Pages stored before an open
         lands are pushed when it does; the completion waits for the open (``_settle_opens``).
         One not opened still hands off at Complete (its pages are pushed then, not as stored)."""
-        self._handed |= {spec.req_id for spec in opens}
+        self._handed.update((spec.req_id, spec) for spec in opens)
         if client is None:
             self.stats.open_failed += len(opens)
             return
@@ -169,8 +169,10 @@ class HandoffWorker:
         flight (~30 ms at 64 MiB) and an idle engine kept stepping. ``finished_req_ids``: vLLM's, of
         this step (one that ended without a complete to make, aborted, is forgotten: it expires)."""
         self._saving -= saved if saves_ended is None else saves_ended
-        self._handed -= finished_req_ids - self._completing.keys()
-        for req_id in finished_req_ids - self._completing.keys():  # aborted: its open is not waited for (it expires)
+        for req_id in finished_req_ids - self._completing.keys():  # aborted: nothing handed off
+            spec = self._handed.pop(req_id, None)
+            if spec is not None and spec.to_node:  # its pushed pages let go at the decode node now, not at the ttl
+                self._abandon(spec, self._opening.get(req_id))
             self._opening.pop(req_id, None)
         running = [r.job.result for r in self._receiving if r.job is not None and not r.job.result.done()]
         running += [d.job.result for d in self._completing.values() if d.job is not None and not d.job.result.done()]
@@ -189,7 +191,7 @@ class HandoffWorker:
                     done.given_up = True  # before the cancel: its end, counted by _ended_complete, is no transport failure
                     done.job.cancel()
                 del self._completing[req_id]
-                self._handed.discard(req_id)
+                self._handed.pop(req_id, None)
         return sending, self._settle_receives(now)
 
     def _start_complete(self, done: Completing, now: float, opening: Opening | None) -> None:
@@ -226,6 +228,19 @@ class HandoffWorker:
                 opening.job.cancel()
                 await ended(opened, GRACE_S)
         return await client.handoff_complete(spec.handoff_id, spec.tokens, spec.to_node, deadline_s=self.complete_timeout_s)
+
+    def _abandon(self, spec: HandoffOpen, opening: Opening | None) -> None:
+        """Completes an aborted prefill's handoff with no page, in the background once its open
+        answered (``_complete``): the decode node drops its marker and the pages pushed to it."""
+        client = self.store.client()
+        if client is None:
+            return  # its pins go at the handoff's ttl
+        open_wait_s = max(0.0, opening.give_up_at - time.monotonic()) if opening is not None else 0.0
+        coro = self._complete(client, HandoffComplete(spec.req_id, spec.handoff_id, spec.to_node, []), opening, open_wait_s)
+        try:
+            client.runtime.submit(coro).result.add_done_callback(lambda done: done.cancelled() or done.exception())
+        except KVStoreError:  # its runtime closed under this step
+            coro.close()
 
     def completions_in_flight(self) -> int:
         """Completions started whose end is not counted yet in ``stats``."""

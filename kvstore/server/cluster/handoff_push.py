@@ -166,23 +166,37 @@ class HandoffPushes:
     async def complete(self, tenant: str, namespace_id: bytes, handoff_id: bytes, keys: list[bytes], to_node: str,
                        timeout_s: float) -> int:
         """Ends the handoff here; returns the leading pages of ``keys`` the decode node holds
-        (through the pool, ``to_node`` and the open's both empty: the leading pages stored here)."""
+        (through the pool, ``to_node`` and the open's both empty: the leading pages stored here).
+        None of them stored here (``keys`` empty: the prefill was aborted, or nothing of it is of
+        use): nothing is handed off, and the decode node lets go of what was pushed to it now."""
         out = self._forget((tenant, namespace_id, handoff_id))
         deadline = time.monotonic() + timeout_s
         to_node = to_node or (out.to_node if out is not None else "")
+        stored = self.remote.local_prefix(namespace_id, keys)
         if out is not None and out.tasks:  # the pushes in flight land first (the decode node would fetch their pages twice)
-            _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2))
+            _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2)) if stored else (None, out.tasks)
             for task in late:
                 task.cancel()
         try:
-            stored = self.remote.local_prefix(namespace_id, keys)
-            if not to_node or stored == 0:
+            if not to_node:
                 return stored
             target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
             target.to_node = to_node
+            if stored == 0:
+                await self._abandon(target, max(0.01, deadline - time.monotonic()))
+                return 0
             return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
         finally:
             self.layers.forget((tenant, namespace_id, handoff_id))  # after the last send: it finishes their layers
+
+    async def _abandon(self, out: Outgoing, timeout_s: float) -> None:
+        """A complete without pages: the decode node drops the marker and its pins (a decode node
+        that cannot be told keeps them until the handoff's ttl)."""
+        try:
+            await self._send(out, [], complete=True, timeout_s=timeout_s)
+        except TierUnavailable as exc:
+            logger.info("handoff %s: nothing handed off, %s not told (%s); its pins go at the ttl", out.handoff_id.hex()[:8],
+                        out.to_node, exc)
 
     async def _send(self, out: Outgoing, keys: list[bytes], complete: bool, timeout_s: float) -> int:
         peer = self.peers.get(out.to_node)

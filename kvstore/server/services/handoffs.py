@@ -84,7 +84,7 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
                  context: grpc.ServicerContext) -> handoff_pb2.CompleteHandoffResponse:
         ns = validate.namespace_id(request.namespace_id)
         ident = handoff_id(request.handoff_id)
-        keys = self._keys(list(request.keys))
+        keys = self._keys(list(request.keys), allow_empty=True)  # none: nothing handed off (HandoffGate.complete)
         to_node = node_id(request.to_node, "to_node")
         return handoff_pb2.CompleteHandoffResponse(num_pages=self.gate.complete(current_identity(), ns, ident, keys, to_node, context))
 
@@ -125,11 +125,12 @@ class HandoffService(handoff_pb2_grpc.HandoffServicer):
         for the handoff's marker; with ``complete``, what the holder could not give is pulled
         through the pool, then the marker completes once every page is here. Without keys (the
         prefill node's announce at Open): the marker is made, marked pushed, so that a wait that
-        starts before the first page lands does not pull the same pages through the pool."""
+        starts before the first page lands does not pull the same pages through the pool. With
+        ``complete`` and no keys, nothing is handed off: the marker goes, with its pins."""
         require_node(current_identity(), "Handoff.Push")
         ns = validate.namespace_id(request.namespace_id)
         ident = handoff_id(request.handoff_id)
-        keys = self._keys(list(request.keys), allow_empty=not request.complete)
+        keys = self._keys(list(request.keys), allow_empty=True)
         holder = node_id(request.holder, "holder")
         ttl = ttl_ms(request.ttl_ms)
         n = self.gate.push(current_identity(), ns, ident, keys, holder, ttl, request.tenant, request.page_bytes, request.complete,

@@ -107,6 +107,9 @@ class HandoffGate:
         if self.cluster is None or not holder or (keys and page_bytes <= 0):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
         who = acting_for(who, tenant)
+        if complete and not keys:  # nothing handed off: the pushed pages are let go now, not at the ttl
+            self._markers.abandon(who.tenant, ns, ident, ttl_ms)
+            return 0
         # bound if the push stored pages (its layers or its copy), raised or not (Tenancy.copying)
         with self.tenancy.copying(who, ns, lambda: self._markers.held(ns, keys)):
             marker = self._markers.open(who.tenant, ns, ident, ttl_ms)

@@ -1,0 +1,88 @@
+"""A handoff that hands off nothing (DESIGN §12.7): Complete with no pages (the prefill was
+aborted, or nothing of it is of use to a decode) lets the decode node go of what was pushed to
+it at once, not at the handoff's ttl, and a decode waiting on it answers nothing at once (it
+recomputes) instead of sleeping to its deadline. (A wait that comes later is a wait on an unknown
+id: it answers what the pool holds of its pages, as any.) Real nodes over a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
+from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
+from support.kv import random_kv
+from test_cluster_nodes import LAYOUT, NS, tokens_of
+from test_handoff import _holds, num_leases
+
+from kvstore.client import KVStoreClient, new_handoff_id
+from kvstore.client.adapters.connection import StoreConnection
+from kvstore.client.adapters.vllm.metadata import HandoffOpen, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
+
+TTL_S = 60.0  # far longer than any wait below: what is let go is let go by the abandon, not the ttl
+
+
+async def _no_leases(client: KVStoreClient) -> bool:
+    return await num_leases(client) == 0
+
+
+async def test_a_complete_with_no_pages_lets_the_decode_node_go_of_the_pushed_pages_at_once(cluster_nodes, etcd) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(61, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=61)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", ttl_s=TTL_S, tokens=tokens)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the pages pushed to c")
+        assert await num_leases(decode) >= 1, "the marker pins what was pushed"
+        assert await prefill.handoff_complete(handoff, [], "c") == 0
+        await eventually(lambda: _no_leases(decode), 2.0, "the abandoned handoff's pins released")
+        assert await num_leases(prefill) == 0
+
+
+async def test_a_decode_waiting_on_a_handoff_that_is_abandoned_answers_nothing_at_once(cluster_nodes) -> None:
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(62, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=62)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", ttl_s=TTL_S, tokens=tokens)
+        assert await prefill.put(tokens[: 2 * LAYOUT.page_tokens], kv[:, :, : 2 * LAYOUT.page_tokens]) > 0
+        waiting = asyncio.ensure_future(decode.handoff_wait(handoff, tokens, deadline_s=20.0))
+        await asyncio.sleep(0.3)  # the wait sleeps on the marker: half the pages are there
+        started = time.monotonic()
+        assert await prefill.handoff_complete(handoff, [], "c") == 0
+        hit = await asyncio.wait_for(waiting, 5.0)
+        assert hit.num_tokens == 0 and time.monotonic() - started < 2.0
+        await eventually(lambda: _no_leases(decode), 2.0, "the abandoned handoff's pins released")
+
+
+async def test_an_aborted_prefills_worker_lets_the_decode_node_go_of_its_pages(cluster_nodes, etcd) -> None:
+    """The vLLM connector's prefill worker (pd_worker.py): a handed-off request that vLLM finished
+    without a completion (aborted: its client went away) completes its handoff with no page."""
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(63, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=63)
+    store = StoreConnection(a.address, NS)
+    assert store.start()
+    worker = HandoffWorker(store, LAYOUT.page_tokens, 5.0, 10.0, push_layers=False)
+    try:
+        async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+            handoff = new_handoff_id()
+            worker.begin_step(KVStoreConnectorMetadata(handoff_opens=[HandoffOpen("r", handoff, "c", TTL_S, tokens)]))
+            await eventually(lambda: _opened(worker), 10, "the open answered")
+            assert await prefill.put(tokens, kv) == len(tokens)
+            await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the pages pushed to c")
+            assert await num_leases(decode) >= 1
+            assert worker.finished(set(), {"r"}) == (set(), set()), "an aborted request is not reported finished sending"
+            await eventually(lambda: _no_leases(decode), 3.0, "the aborted prefill's pushed pages released")
+    finally:
+        worker.shutdown()
+        store.close()
+
+
+async def _opened(worker: HandoffWorker) -> bool:
+    worker.finished(set(), set())  # settles the opens that answered
+    return worker.stats.opened == 1
