@@ -298,16 +298,16 @@ class HandoffMarkers:
 
     def abandon(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int) -> None:
         """The prefill node handed off nothing: the marker goes with its pins (a wait on it answers
-        nothing now), and for ``ttl_ms`` a push still on its way pins nothing (as once taken over).
-        Remembered only for a marker there is (a forged id fills no table)."""
+        nothing now), and for ``ttl_ms`` a push still on its way pins nothing (as once taken over),
+        whether it is served before the abandon (its marker is gone when its pages arrive) or after
+        (remembered here even with no marker yet: a push the prefill node cancelled may still come)."""
         key = (tenant, namespace_id, handoff_id)
         with self._changed:
             marker = self._markers.get(key)
-            if marker is not None:
-                self._taken[key] = max(self._taken.get(key, 0.0), self.clock() + ttl_ms / 1000)
-                self._taken.move_to_end(key)
-                while len(self._taken) > MAX_TAKEN_OVER:
-                    self._taken.popitem(last=False)
+            self._taken[key] = max(self._taken.get(key, 0.0), self.clock() + ttl_ms / 1000)
+            self._taken.move_to_end(key)
+            while len(self._taken) > MAX_TAKEN_OVER:
+                self._taken.popitem(last=False)
         if marker is not None:
             pages = len(marker.pinned)
             self._drop(marker)

@@ -2,7 +2,8 @@
 after each step: handoffs from any node to any other (pushed as stored, pushed at complete, through
 the pool, or saved layer by layer with layers pushed ahead: some saves given up midway and saved
 again with other bytes, some cut by an invalidation between their layers and their commit), waits
-with the handoff's id and with forged ids, invalidations. Every wait answers the whole prompt
+with the handoff's id and with forged ids, handoffs abandoned (completed with no page) after their
+pushes began, invalidations. Every wait answers the whole prompt
 exactly when the model holds it in the current generation, its bytes are the current generation's,
 and once every hit was read no node holds a pin. Prints the seed."""
 
@@ -26,7 +27,7 @@ from kvstore.errors import KVStoreError
 NAMES = ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("seed", [7, 11])
+@pytest.mark.parametrize("seed", [7, 11, 13])
 async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: int) -> None:
     rng = random.Random(seed)
     nodes = dict(zip(NAMES, cluster_nodes(NAMES, "tcp")))
@@ -43,7 +44,7 @@ async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: 
         await client.connect()
     try:
         for step in range(30):
-            op = rng.choice(["handoff", "handoff", "handoff", "forged", "invalidate"])
+            op = rng.choice(["handoff", "handoff", "handoff", "forged", "abandoned", "invalidate"])
             prompt = rng.randrange(len(prompts))
             prefill, decode = rng.sample(NAMES, 2)
             mode = rng.choice(["streamed", "at-complete", "pool", "layered"])
@@ -58,6 +59,15 @@ async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: 
                     stored.add(prompt)
                     assert await clients[prefill].handoff_complete(ident, prompts[prompt]) == len(prompts[prompt])
                     await _read(clients[decode], ident, prompts[prompt], kv_of(prompt), generation, expect=True)
+                elif op == "abandoned":  # pushed as stored, then nothing handed off: the decode node lets go at once
+                    ident = new_handoff_id()
+                    await clients[prefill].handoff_open(ident, decode, tokens=prompts[prompt])
+                    assert await clients[prefill].put(prompts[prompt], kv_of(prompt), generation=generation) == len(prompts[prompt])
+                    stored.add(prompt)
+                    await asyncio.sleep(rng.random() * 0.05)  # some pushes landed, some are on their way
+                    assert await clients[prefill].handoff_complete(ident, [], decode) == 0
+                    if rng.random() < 0.5:  # a wait after it is one on an unknown id: the pool's pages
+                        await _read(clients[decode], ident, prompts[prompt], kv_of(prompt), generation, expect=True)
                 elif op == "forged":  # an id nobody made: the pool's pages of the caller's own namespace, or nothing
                     await _read(clients[decode], new_handoff_id(), prompts[prompt], kv_of(prompt), generation,
                                 expect=prompt in stored)
@@ -104,7 +114,7 @@ async def _layered(prefill: KVStoreClient, decode: KVStoreClient, decode_node: s
     assert saved == (0 if invalidated else len(tokens)), saved
     if saved:
         stored.add(prompt)
-    handed = await prefill.handoff_complete(ident, tokens) if saved else 0
+    handed = await prefill.handoff_complete(ident, tokens)  # as the connector does: none stored, none handed off
     assert handed == saved
     await _read(decode, ident, tokens, kv_of(prompt), generation, expect=bool(saved))
     return generation

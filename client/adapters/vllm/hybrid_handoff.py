@@ -71,21 +71,26 @@ class HybridReceives:
         self._waiting.append(waiting)
 
     async def _receive(self, client: KVStoreClient, waiting: Waiting) -> int:
-        """Waits for the marker, then gets every page it answered (verified): acquiring them all lets
-        the marker go (DESIGN §12.7), though the load writes only its own (vLLM's cache may hold the
-        first ones). Returns how many leading pages are in ``waiting.staging``."""
+        """Waits for the marker, then gets the load's pages (verified) into ``waiting.staging``,
+        only those: pages before them (vLLM's own cache holds them) keep their pins at the node
+        until the handoff's ttl. Returns how many leading pages of the load's tokens are there."""
         spec, p = waiting.spec, client.layout.page_tokens
         hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.handoff_wait_s)
-        n = min(hit.num_tokens // p, spec.first_page + spec.num_pages)
-        if n <= 0:
-            return 0
-        staging = self.staging(n)
+        first, end = spec.first_page, spec.first_page + spec.num_pages
+        if hit.num_tokens // p < end:
+            return hit.num_tokens // p  # short: the request recomputes
         try:
-            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), staging)
+            staging = self.staging(spec.num_pages)  # on vLLM's KV device: it may be full (no store failure)
+        except (RuntimeError, MemoryError) as exc:
+            logger.warning("kvstore handoff %s of request %s: no staging for %d pages: %s", spec.handoff_id, spec.req_id,
+                           spec.num_pages, exc)
+            return 0
+        try:
+            await client.get(Hit(hit.namespace_id, spec.num_pages * p, hit.keys[first:end], [], hit.generation), staging)
         except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
-            n = int(getattr(exc, "num_tokens", 0)) // p
+            return first + int(getattr(exc, "num_tokens", 0)) // p
         waiting.staging = staging
-        return n
+        return end
 
     def forget(self, req_ids: set[str]) -> None:
         """vLLM finished these requests (aborted while waiting): their receives end now, reported
@@ -124,7 +129,7 @@ class HybridReceives:
             return Answered(spec, 0, None, why)
         if result.cancelled() or result.exception() is not None:
             exc = None if result.cancelled() else result.exception()
-            if exc is not None and waiting.client is not None:  # a transport failure drops the client
+            if isinstance(exc, KVStoreError) and waiting.client is not None:  # a transport failure drops the client
                 self.store.failed(waiting.client, exc)
             return Answered(spec, 0, None, f"the receive failed: {exc!r}")
         return Answered(spec, 0 if gone else int(result.result()), waiting.staging,

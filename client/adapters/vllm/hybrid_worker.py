@@ -273,7 +273,7 @@ class HybridWorkerSide:
                 logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); it recomputes from its start",
                                spec.handoff_id, spec.req_id, answer.num_pages, spec.first_page + spec.num_pages, answer.reason)
             else:
-                ok = self._write(spec, answer.staging[:, :, spec.first_page * p : (spec.first_page + spec.num_pages) * p])
+                ok = self._write(spec, answer.staging)
             (self._loaded if ok else self._failed).add(spec.req_id)
             if ok:
                 self.stats.loaded_tokens += spec.num_pages * p

@@ -192,7 +192,7 @@ class HandoffWorker:
                     done.job.cancel()
                 del self._completing[req_id]
                 self._handed.pop(req_id, None)
-        return sending, self._settle_receives(now)
+        return sending, self._settle_receives(now, finished_req_ids)
 
     def _start_complete(self, done: Completing, now: float, opening: Opening | None) -> None:
         """Completes in the background once the open answered (or was given up on: its pages go
@@ -279,10 +279,19 @@ class HandoffWorker:
             logger.warning("kvstore handoff %s of request %s not completed: %s; the decode side recomputes",
                            spec.handoff_id, spec.req_id, result.exception())
 
-    def _settle_receives(self, now: float) -> set[str]:
+    def _settle_receives(self, now: float, gone: set[str]) -> set[str]:
+        """Receives that ended, landed. ``gone``: requests vLLM finished (aborted while they wait):
+        reported now, nothing landed (vLLM frees their blocks then), their leases given back."""
         recving: set[str] = set()
         still = []
         for rec in self._receiving:
+            if rec.spec.req_id in gone:
+                if rec.job is not None and not rec.job.result.done():
+                    rec.job.cancel()
+                if rec.job is not None:  # once it ends: a lease it took is given back
+                    rec.job.result.add_done_callback(lambda _, rec=rec: self._give_back(rec, []))
+                recving.add(rec.spec.req_id)
+                continue
             if rec.job is None and now < rec.start_by:  # a store reconnecting (a node restarted) may still answer in time
                 self._start(rec, self.store.client(), rec.start_by - now)
             if (rec.job is None and now < rec.start_by) or (rec.job is not None and not rec.job.result.done()
