@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import torch
 from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 from test_handoff import _holds, num_leases
 
+from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.metadata import HandoffOpen, KVStoreConnectorMetadata
@@ -86,3 +88,26 @@ async def test_an_aborted_prefills_worker_lets_the_decode_node_go_of_its_pages(c
 async def _opened(worker: HandoffWorker) -> bool:
     worker.finished(set(), set())  # settles the opens that answered
     return worker.stats.opened == 1
+
+
+async def test_a_complete_whose_pages_are_gone_here_is_no_abandon(cluster_nodes, etcd) -> None:
+    """A Complete that names pages none of which the prefill node holds now (evicted, removed):
+    not an abandon. The decode node keeps what was pushed, and a decode waiting on it gets those
+    pages at its deadline (DESIGN §12.7, Failures)."""
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(64, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=64)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", ttl_s=TTL_S, tokens=tokens)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the pages pushed to c")
+        keys = prefill.keys(tokens)
+        await prefill._call(prefill.runtime.directory.Remove,
+                            directory_pb2.RemoveRequest(namespace_id=prefill.namespace.namespace_id, keys=keys, tier="host"))
+        assert await prefill.handoff_complete(handoff, tokens, "c") == 0
+        assert await num_leases(decode) >= 1, "the pushed pages' pins were let go: eviction could take them"
+        hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)
+        assert hit.num_tokens == len(tokens), "the pushed pages were let go"
+        out = torch.zeros_like(kv)
+        assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)

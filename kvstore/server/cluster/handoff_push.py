@@ -167,22 +167,24 @@ class HandoffPushes:
                        timeout_s: float) -> int:
         """Ends the handoff here; returns the leading pages of ``keys`` the decode node holds
         (through the pool, ``to_node`` and the open's both empty: the leading pages stored here).
-        None of them stored here (``keys`` empty: the prefill was aborted, or nothing of it is of
-        use): nothing is handed off, and the decode node lets go of what was pushed to it now."""
+        ``keys`` empty (the prefill was aborted, or nothing of it is of use): nothing is handed
+        off, and the decode node lets go of what was pushed to it now. (Keys whose first page is
+        not stored here, evicted or lost: the decode node is not told, and a decode waiting on
+        it gets what was pushed at its deadline, DESIGN §12.7.)"""
         out = self._forget((tenant, namespace_id, handoff_id))
         deadline = time.monotonic() + timeout_s
         to_node = to_node or (out.to_node if out is not None else "")
-        stored = self.remote.local_prefix(namespace_id, keys)
         if out is not None and out.tasks:  # the pushes in flight land first (the decode node would fetch their pages twice)
-            _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2)) if stored else (None, out.tasks)
+            _, late = await asyncio.wait(set(out.tasks), timeout=max(0.01, timeout_s / 2)) if keys else (None, out.tasks)
             for task in late:
                 task.cancel()
         try:
-            if not to_node:
+            stored = self.remote.local_prefix(namespace_id, keys)
+            if not to_node or (stored == 0 and keys):
                 return stored
             target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
             target.to_node = to_node
-            if stored == 0:
+            if not keys:
                 await self._abandon(target, max(0.01, deadline - time.monotonic()))
                 return 0
             return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
