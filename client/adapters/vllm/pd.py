@@ -17,6 +17,7 @@ from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
 from kvstore.client.handoff import new_handoff_id
+from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class HandoffScheduler:
                 logger.error("kvstore: request %s names a handoff with kvstore_num_tokens %.40r: %s; served as any request",
                              req_id, params.get("kvstore_num_tokens"), exc)
                 return None
+            if decode.handed_tokens and not decode.hit_tokens:
+                self._decline(decode)
         if decode is None:
             return None
         found = 0 if decode.consumed else max(0, decode.hit_tokens - num_computed_tokens)
@@ -120,6 +123,19 @@ class HandoffScheduler:
             hit = 0  # state-space groups: the prefill saved the states after its last handed page only
         return Decode(str(params["kvstore_handoff_id"]), handed, hit, self._deadline(request.request_id, params),
                       generation=_generation(request.request_id, params.get("kvstore_generation")))
+
+    def _decline(self, decode: Decode) -> None:
+        """A handoff this decode cannot take (a state-space model's, its hit short of the states'
+        boundary): its node lets go of the pages at once, not at the ttl (a Complete with no page
+        at this node, in the background; the prefill's pushes that come later pin nothing)."""
+        client = self.scheduler.store.client()
+        if client is None:
+            return
+        coro = client.handoff_complete(decode.handoff_id, [], client.node)
+        try:
+            client.runtime.submit(coro).result.add_done_callback(lambda done: done.cancelled() or done.exception())
+        except KVStoreError:  # its runtime closed meanwhile
+            coro.close()
 
     def _generation_of(self, decode: Decode) -> int | None:
         """A decode's saves name the generation the prefill computed in (its kv_transfer_params'

@@ -65,7 +65,7 @@ class HandoffGate:
 
     def complete(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], to_node: str, context: CallContext) -> int:
         """The pages of ``keys`` handed to ``to_node`` (another node: through its Push; else the
-        marker is here, completed with what this node holds)."""
+        marker is here, completed with what this node holds; no keys: the marker here is dropped)."""
         require_writer(who)
         readable = self.tenancy.may_read(who, ns)
         if self.cluster is not None and to_node != self.core.node:
@@ -76,6 +76,9 @@ class HandoffGate:
                                                                         to_node, timeout), timeout + 1)
             except TimeoutError:
                 raise TierUnavailable(f"handoff not completed within {timeout:.1f} s; the pages stay here") from None
+        if not keys:  # nothing handed off (or a decode that will not take it): the marker here goes with its pins
+            self._markers.abandon(who.tenant, ns, ident, DEFAULT_TTL_MS)
+            return 0
         held = self._markers.held(ns, keys) if readable else 0
         if held:
             marker = self._markers.open(who.tenant, ns, ident, DEFAULT_TTL_MS)

@@ -16,6 +16,7 @@ import torch
 from support.servers import ServerProcess
 
 from kvstore import Namespace
+from kvstore._proto import directory_pb2
 from kvstore.bench.common.linkproxy import LinkProxy
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.connector import KVStoreConnector
@@ -176,5 +177,37 @@ def test_a_prefill_hands_off_only_the_pages_it_saved(store: ServerProcess) -> No
         got, waited = asyncio.run(decode_waits()) if handed else (0, 0.0)
         assert handed == 0, (f"the prefill handed off {handed} tokens it never saved: the decode's wait got {got} "
                              f"after {waited:.1f} s (its whole deadline), then it recomputes")
+    finally:
+        conn.close()
+
+
+def test_a_handoff_a_state_space_decode_cannot_take_is_let_go_at_once(store: ServerProcess) -> None:
+    """A state-space model's decode of the prefill's own prompt (kvstore-pd-proxy's chat path): its
+    hit must end a block before the states saved, so it is offered nothing; the pages handed off for
+    it are let go at its node at once (the decode declines the handoff), not kept pinned until the
+    handoff's ttl (30 s here). Before, they were."""
+    prompt = [random.Random(8).randrange(1, 50_000) for _ in range(PAGES * BLOCK)]
+    handoff_id = handed_off(store.address, prompt)  # the marker at this node pins every page
+
+    async def leases() -> int:
+        async with KVStoreClient(store.address, NAMESPACE) as client:
+            return int((await client._call(client.runtime.directory.Stats, directory_pb2.StatsRequest())).num_leases)
+    assert asyncio.run(leases()) >= 1
+    conn = StoreConnection(store.address, NAMESPACE)
+    assert conn.start()
+    groups = SimpleNamespace(spec=SimpleNamespace(block_size=BLOCK), groups=[SimpleNamespace(index=1)],
+                             state_groups=[SimpleNamespace(index=0, block_size=BLOCK)])
+    try:
+        handoffs = HandoffScheduler(HybridSchedulerSide(conn, groups, 5.0, lambda req_id: ([], [])),  # type: ignore[arg-type]
+                                    deadline_s=10.0, ttl_s=30.0)
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "kvstore_handoff_id": handoff_id,
+                  "kvstore_num_tokens": len(prompt)}
+        chat = SimpleNamespace(request_id="d", prompt_token_ids=prompt, all_token_ids=list(prompt), kv_transfer_params=params,
+                               status=SimpleNamespace(name="WAITING"), num_computed_tokens=0)
+        assert handoffs.matched(chat, 0) == (0, False), "offered nothing: no states a block before the last page"
+        deadline = time.monotonic() + 5
+        while asyncio.run(leases()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert asyncio.run(leases()) == 0, "the declined handoff's pages stayed pinned"
     finally:
         conn.close()
