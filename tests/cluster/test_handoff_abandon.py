@@ -14,7 +14,7 @@ from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F40
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
 from test_cluster_nodes import LAYOUT, NS, tokens_of
-from test_handoff import _holds, num_leases
+from test_handoff import _holds, _no_leases, num_leases
 
 from kvstore._proto import directory_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
@@ -23,10 +23,6 @@ from kvstore.client.adapters.vllm.metadata import HandoffOpen, KVStoreConnectorM
 from kvstore.client.adapters.vllm.pd_worker import HandoffWorker
 
 TTL_S = 60.0  # far longer than any wait below: what is let go is let go by the abandon, not the ttl
-
-
-async def _no_leases(client: KVStoreClient) -> bool:
-    return await num_leases(client) == 0
 
 
 async def test_a_complete_with_no_pages_lets_the_decode_node_go_of_the_pushed_pages_at_once(cluster_nodes, etcd) -> None:
