@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,8 @@ IDLE_WAIT_S = 0.002  # a step that computed nothing waits this long at most for 
 @dataclass
 class Waiting:
     spec: GroupLoad
-    give_up_at: float  # monotonic
+    start_by: float  # monotonic: a receive with no store to start on is started again until then
+    give_up_at: float
     client: KVStoreClient | None = None
     job: Any = None  # the runtime's Job of ``_receive``: ``job.result`` is a concurrent Future of its page count
     staging: torch.Tensor | None = None  # every handed-off page, once got
@@ -59,16 +60,24 @@ class HybridReceives:
         self._gone: set[str] = set()  # requests vLLM finished (aborted) while their receive ran
 
     def start(self, client: KVStoreClient | None, spec: GroupLoad) -> None:
-        wait_s = spec.handoff_wait_s
-        waiting = Waiting(spec, time.monotonic() + wait_s + GRACE_S)
-        if client is not None and wait_s > 0:
-            coro = self._receive(client, waiting)
-            try:
-                waiting.client, waiting.job = client, client.runtime.submit(coro)
-            except KVStoreError as exc:  # its runtime closed under this step
-                coro.close()
-                logger.warning("kvstore handoff %s of request %s: receive not started: %s", spec.handoff_id, spec.req_id, exc)
+        now = time.monotonic()
+        waiting = Waiting(spec, now + spec.handoff_wait_s, now + spec.handoff_wait_s + GRACE_S)
+        self._start(waiting, client, spec.handoff_wait_s)
         self._waiting.append(waiting)
+
+    def _start(self, waiting: Waiting, client: KVStoreClient | None, wait_s: float) -> None:
+        """Starts the receive on ``client``; none (the store reconnecting: a node restarted): the
+        next ``answered`` starts it again, until its wait's end (as pd_receives.py does)."""
+        spec = waiting.spec
+        if client is None or wait_s <= 0:
+            return
+        waiting.spec = replace(spec, handoff_wait_s=wait_s)
+        coro = self._receive(client, waiting)
+        try:
+            waiting.client, waiting.job = client, client.runtime.submit(coro)
+        except KVStoreError as exc:  # its runtime closed under this step
+            coro.close()
+            logger.warning("kvstore handoff %s of request %s: receive not started: %s", spec.handoff_id, spec.req_id, exc)
 
     async def _receive(self, client: KVStoreClient, waiting: Waiting) -> int:
         """Waits for the marker, then gets the load's pages (verified) into ``waiting.staging``,
@@ -110,7 +119,10 @@ class HybridReceives:
         now, out, still = time.monotonic(), [], []
         for waiting in self._waiting:
             gone = waiting.spec.req_id in self._gone
-            if waiting.job is not None and not waiting.job.result.done() and now <= waiting.give_up_at and not gone:
+            if waiting.job is None and now < waiting.start_by and not gone:
+                self._start(waiting, self.store.client(), waiting.start_by - now)
+            if not gone and ((waiting.job is None and now < waiting.start_by)
+                             or (waiting.job is not None and not waiting.job.result.done() and now <= waiting.give_up_at)):
                 still.append(waiting)
             else:
                 out.append(self._ended(waiting, gone))

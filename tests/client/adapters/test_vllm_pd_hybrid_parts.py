@@ -211,3 +211,22 @@ def test_a_handoff_a_state_space_decode_cannot_take_is_let_go_at_once(store: Ser
         assert asyncio.run(leases()) == 0, "the declined handoff's pages stayed pinned"
     finally:
         conn.close()
+
+
+def test_a_receive_that_found_no_store_starts_when_the_store_is_back(store: ServerProcess) -> None:
+    """A hybrid decode whose load came while its store connection was down (a node restarting:
+    no client that step) is started again at the next steps, until its wait's end, and lands, as
+    the single-group decode's does (pd_receives.py). Before, it failed at once and recomputed."""
+    tokens = [random.Random(9).randrange(1, 50_000) for _ in range(PAGES * BLOCK)]
+    handoff_id = handed_off(store.address, tokens)
+    conn, connector = decode_worker(store.address)
+    try:
+        load = GroupLoad("d", tokens, TABLES, 0, PAGES, handoff_id=handoff_id, handoff_wait_s=30.0)
+        connector.worker.receives.start(None, load)  # type: ignore[union-attr]  # as start_loads with no client
+        done, failed, deadline = set(), set(), time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            done, failed, _ = engine_step(connector, KVStoreConnectorMetadata(num_scheduled_tokens=0))
+        assert done == {"d"} and not failed, (done, failed)
+    finally:
+        connector.worker.shutdown()  # type: ignore[union-attr]
+        conn.close()
