@@ -27,7 +27,7 @@ from kvstore.errors import KVStoreError
 NAMES = ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("seed", [7, 11, 13])
+@pytest.mark.parametrize("seed", [7, 11, 13, 29])
 async def test_random_handoffs_across_nodes_keep_the_model(cluster_nodes, seed: int) -> None:
     rng = random.Random(seed)
     nodes = dict(zip(NAMES, cluster_nodes(NAMES, "tcp")))

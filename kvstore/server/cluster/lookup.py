@@ -52,7 +52,9 @@ class AnswerCache:
     as a dead node's records may be listed anyway), so that the Acquire that follows a
     client's lookup fetches without asking the owners again, and still fetches when an owner
     fails between the two. A stale record costs a miss (the holder answers MISSING). Kept per
-    tenant asked for: the owners answered that tenant, and no other may fetch on its answer.
+    tenant asked for: the owners answered that tenant, and no other may fetch on its answer; and
+    per namespace generation asked in: once the namespace entered a newer one its holders dropped
+    those pages, and a record read then sent every fill to a MISSING for the whole TTL.
     Bounded: a put past ``PURGE_AT`` entries purges the expired ones, past ``MAX_ENTRIES`` all."""
 
     MAX_ENTRIES = 1 << 16
@@ -61,10 +63,11 @@ class AnswerCache:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._ttl_s = ttl_s
         self._clock = clock
-        self._records: dict[tuple[bytes, str], tuple[bytes, PageRecord, float]] = {}
+        self._records: dict[tuple[bytes, str], tuple[bytes, PageRecord, float, int]] = {}
         self._purge_at = self.PURGE_AT
 
-    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord], tenant: str = "") -> None:
+    def put(self, namespace_id: bytes, keys: Sequence[bytes], records: Sequence[PageRecord], tenant: str = "",
+            generation: int = 0) -> None:
         now = self._clock()
         if len(self._records) + len(records) > self._purge_at:  # expired records are never read again
             self._records = {k: v for k, v in self._records.items() if v[2] >= now}
@@ -72,14 +75,14 @@ class AnswerCache:
         if len(self._records) + len(records) > self.MAX_ENTRIES:
             self._records.clear()
         expires = now + self._ttl_s
-        self._records.update(((key, tenant), (namespace_id, record, expires)) for key, record in zip(keys, records))
+        self._records.update(((key, tenant), (namespace_id, record, expires, generation)) for key, record in zip(keys, records))
 
-    def leading(self, namespace_id: bytes, keys: Sequence[bytes], tenant: str = "") -> list[PageRecord]:
-        """The cached records of the leading ``keys`` (stops at the first not cached)."""
+    def leading(self, namespace_id: bytes, keys: Sequence[bytes], tenant: str = "", generation: int = 0) -> list[PageRecord]:
+        """The cached records of the leading ``keys`` learned in ``generation`` (stops at the first not cached)."""
         now, out = self._clock(), []
         for key in keys:
             cached = self._records.get((key, tenant))
-            if cached is None or cached[0] != namespace_id or cached[2] < now:
+            if cached is None or cached[0] != namespace_id or cached[2] < now or cached[3] != generation:
                 break
             out.append(cached[1])
         return out
@@ -138,6 +141,7 @@ class ShardedLookup:
     async def lookup(self, namespace_id: bytes, keys: list[bytes], timeout_s: float | None = None,
                      tenant: str = "") -> list[LocationRun]:
         """``tenant``: the caller's, named to the owners (they answer only for its namespaces)."""
+        generation = self._directory.generation(namespace_id)  # what the owners answer is where pages are in it
         local = self._directory.lookup(namespace_id, keys)
         found = sum(r.num_pages for r in local)
         if found == len(keys):
@@ -159,7 +163,7 @@ class ShardedLookup:
             failed |= {o for o, a in zip(owners, answers) if a is None}
             if len(merged) == len(rest) or not failed:
                 break
-        self.cache.put(namespace_id, rest, merged, tenant)
+        self.cache.put(namespace_id, rest, merged, tenant, generation)
         return compress(expand(local) + merged)
 
     async def records(self, namespace_id: bytes, keys: list[bytes], timeout_s: float, tenant: str = "") -> list[PageRecord]:
@@ -168,7 +172,7 @@ class ShardedLookup:
         local part (``lookup``): read from the first key, it missed wherever this node owns the
         first pages, and the fetch asked every owner again (a frozen one cost its whole deadline)."""
         found = expand(self._directory.lookup(namespace_id, keys))
-        found += self.cache.leading(namespace_id, keys[len(found):], tenant)
+        found += self.cache.leading(namespace_id, keys[len(found):], tenant, self._directory.generation(namespace_id))
         if len(found) < len(keys):
             found += expand(await self.lookup(namespace_id, keys[len(found):], timeout_s, tenant))
         return found
