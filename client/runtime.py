@@ -214,6 +214,14 @@ class Runtime:
         back) then runs on the loop. ``close`` cancels and waits for it like any other job."""
         return self._submit(coro)
 
+    def detach(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Runs ``coro`` on the runtime loop for its effect alone (a best-effort notice to the
+        node): its outcome is read and dropped; nothing runs once the runtime closed."""
+        try:
+            self._submit(coro).result.add_done_callback(lambda done: done.cancelled() or done.exception())
+        except KVStoreError:  # closed: _submit closed the coroutine
+            pass
+
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Runs ``coro`` on the runtime loop and blocks this thread (never the runtime's own)
         until it is done. Past ``timeout_s`` the job is cancelled, waited for (its cleanup

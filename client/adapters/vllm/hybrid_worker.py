@@ -140,19 +140,7 @@ class HybridWorkerSide:
             if load.error is not None:
                 self.store.failed(client, load.error)
             return False, len(keys) / max(1, min(len(keys), load.pages_received))
-        states = None
-        try:
-            if self._states is not None:
-                states = self._fetch_states(all_keys[-1], spec.generation, max(MIN_DEADLINE_S, ends - time.monotonic()))
-            self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
-        except KVStoreError as exc:  # no states, or a page past the blocks (InvalidRequest): recomputed
-            logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
-            return False, 1.0
-        if states is not None:
-            assert self._states is not None
-            self._states.scatter(states, dict(spec.state_blocks))
-            self.stats.states_loaded += 1
-        return True, 1.0
+        return self._write(spec, staging, all_keys[-1], max(MIN_DEADLINE_S, ends - time.monotonic())), 1.0
 
     def _fetch_states(self, last_page_key: bytes, generation: int, timeout_s: float) -> torch.Tensor:
         """The states after the page ``last_page_key``, verified (KVStoreError if absent or
@@ -273,29 +261,29 @@ class HybridWorkerSide:
                 logger.warning("kvstore handoff %s of request %s: %d of %d pages received (%s); it recomputes from its start",
                                spec.handoff_id, spec.req_id, answer.num_pages, spec.first_page + spec.num_pages, answer.reason)
             else:
-                ok = self._write(spec, answer.staging)
+                client = self.store.client()
+                last = client.keys(spec.tokens)[-1] if client is not None and self._states is not None else None
+                deadline_s = self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
+                ok = self._write(spec, answer.staging, last, max(MIN_DEADLINE_S, deadline_s or MIN_DEADLINE_S))
             (self._loaded if ok else self._failed).add(spec.req_id)
             if ok:
                 self.stats.loaded_tokens += spec.num_pages * p
             else:
                 self.stats.failed_loads += 1
 
-    def _write(self, spec: GroupLoad, staging: torch.Tensor) -> bool:
-        """Writes pages received (``staging``) and the states after the last one (fetched now,
-        within the load's deadline) into the blocks; False, writing nothing, when the states are
-        not to be had or a page lies past the blocks."""
-        client, p = self.store.client(), self.layout.page_tokens
-        deadline_s = self.load_deadline_s if self.load_deadline_s is not None else spec.deadline_s
+    def _write(self, spec: GroupLoad, staging: torch.Tensor, last_key: bytes | None, timeout_s: float) -> bool:
+        """Writes a load's pages (``staging``) and, with state-space groups, the states after its
+        last page (``last_key``'s, fetched now within ``timeout_s``) into the blocks; False, writing
+        nothing, when the states are not to be had or a page lies past the blocks (InvalidRequest)."""
         try:
             states = None
             if self._states is not None:
-                if client is None or not spec.state_blocks:
+                if last_key is None or not spec.state_blocks:
                     raise KVStoreError("no store to key the states by, or no block for them")
-                last = client.keys(spec.tokens[: (spec.first_page + spec.num_pages) * p])[-1]
-                states = self._fetch_states(last, spec.generation, max(MIN_DEADLINE_S, deadline_s or MIN_DEADLINE_S))
+                states = self._fetch_states(last_key, spec.generation, timeout_s)
             self.stats.null_slices_skipped += self._blocks().scatter(staging, spec.block_ids, spec.first_page)
         except KVStoreError as exc:
-            logger.warning("kvstore handoff of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
+            logger.warning("kvstore load of request %s failed, it recomputes from its start: %s", spec.req_id, exc)
             return False
         if states is not None:
             assert self._states is not None

@@ -17,7 +17,6 @@ from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
 from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
 from kvstore.client.handoff import new_handoff_id
-from kvstore.errors import KVStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -129,13 +128,8 @@ class HandoffScheduler:
         boundary): its node lets go of the pages at once, not at the ttl (a Complete with no page
         at this node, in the background; the prefill's pushes that come later pin nothing)."""
         client = self.scheduler.store.client()
-        if client is None:
-            return
-        coro = client.handoff_complete(decode.handoff_id, [], client.node)
-        try:
-            client.runtime.submit(coro).result.add_done_callback(lambda done: done.cancelled() or done.exception())
-        except KVStoreError:  # its runtime closed meanwhile
-            coro.close()
+        if client is not None:
+            client.runtime.detach(client.handoff_complete(decode.handoff_id, [], client.node))
 
     def _generation_of(self, decode: Decode) -> int | None:
         """A decode's saves name the generation the prefill computed in (its kv_transfer_params'

@@ -204,11 +204,8 @@ class HandoffWorker(ReceiveSide):
         if client is None:
             return  # its pins go at the handoff's ttl
         open_wait_s = max(0.0, opening.give_up_at - time.monotonic()) if opening is not None else 0.0
-        coro = self._complete(client, HandoffComplete(spec.req_id, spec.handoff_id, spec.to_node, []), opening, open_wait_s)
-        try:
-            client.runtime.submit(coro).result.add_done_callback(lambda done: done.cancelled() or done.exception())
-        except KVStoreError:  # its runtime closed under this step
-            coro.close()
+        client.runtime.detach(self._complete(client, HandoffComplete(spec.req_id, spec.handoff_id, spec.to_node, []),
+                                             opening, open_wait_s))
 
     def completions_in_flight(self) -> int:
         """Completions started whose end is not counted yet in ``stats``."""

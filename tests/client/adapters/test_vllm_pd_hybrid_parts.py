@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import test_vllm_hybrid_load_costs as hybrid
+import test_vllm_pd_receive
 import torch
 from support.servers import ServerProcess
 
@@ -42,14 +43,7 @@ def store(server_process: ServerProcess) -> ServerProcess:
 def handed_off(address: str, tokens: list[int]) -> str:
     """The prefill side at the one node: the pages put, the handoff completed (the marker made)."""
     kv = torch.randn(hybrid.LAYOUT.num_layers, 2, len(tokens), hybrid.HEADS, hybrid.DIM)
-
-    async def run() -> str:
-        async with KVStoreClient(address, NAMESPACE) as client:
-            assert await client.put(tokens, kv) == len(tokens)
-            handoff_id = new_handoff_id()
-            assert await client.handoff_complete(handoff_id, tokens, "nd") == len(tokens)
-            return handoff_id
-    return asyncio.run(run())
+    return test_vllm_pd_receive.handed_off(address, tokens, kv, NAMESPACE)
 
 
 def decode_worker(address: str, **conn: bool) -> tuple[StoreConnection, KVStoreConnector]:

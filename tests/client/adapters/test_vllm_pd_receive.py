@@ -47,10 +47,10 @@ def caches(shared: bool) -> list[torch.Tensor]:
     return [torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
 
 
-def handed_off(address: str, tokens: list[int], kv: torch.Tensor) -> str:
+def handed_off(address: str, tokens: list[int], kv: torch.Tensor, namespace: Namespace = NAMESPACE) -> str:
     """What the prefill side does, at the one node: put the pages, complete the handoff."""
     async def run() -> str:
-        async with KVStoreClient(address, NAMESPACE) as client:
+        async with KVStoreClient(address, namespace) as client:
             assert await client.put(tokens, kv) == len(tokens)
             handoff_id = new_handoff_id()
             assert await client.handoff_complete(handoff_id, tokens, "nd") == len(tokens)
