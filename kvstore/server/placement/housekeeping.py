@@ -47,17 +47,33 @@ class Housekeeper:
                 self.residence.released(self.leases.unpin([item.key], move=True))
             owed = [item for item in owed if item not in revived]
         for item in owed:
+            if not item.reason:
+                continue
             part = self.residence.tiers[item.tier].part_of(item.key)  # None: gone already
             try:
-                if part is not None and item.reason:
+                if part is not None:
                     part.quarantine(item.key, item.reason)
-                elif part is not None:
-                    part.delete([item.key])
                 done.append((item, True))
             except (OSError, MetadataFull) as exc:
-                logger.error("%s tier: cannot remove page %s (%s); it is never served again",
+                logger.error("%s tier: cannot quarantine page %s (%s); it is never served again",
                              self.residence.tiers[item.tier].name, item.key.hex(), exc)
                 done.append((item, False))
+        # the deletes: one index transaction (synced) per tier part, not one a page (an invalidated
+        # namespace owes all its lower copies at once)
+        deletes: dict[tuple[int, bytes], list[Owed]] = {}
+        for item in owed:
+            if not item.reason:
+                deletes.setdefault((item.tier, item.key), []).append(item)
+        for index, part, batch in self._by_part(list(deletes)):
+            try:
+                part.delete(batch)
+                ok = True
+            except (OSError, MetadataFull) as exc:
+                logger.error("%s tier: cannot remove %d pages (%s); they are never served again",
+                             self.residence.tiers[index].name, len(batch), exc)
+                ok = False
+            done += [(item, ok) for key in batch for item in deletes.pop((index, key))]
+        done += [(item, True) for items in deletes.values() for item in items]  # gone already
         with self.lock:
             for item, ok in done:
                 self.residence.settled(item, ok)
