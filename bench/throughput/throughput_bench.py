@@ -64,6 +64,7 @@ class Timing:
     limit_cpu: dict[str, float]
     floor_cpu: dict[str, float]
     ways_s: dict[str, float] = field(default_factory=dict)
+    passes_cpu: dict[str, float] = field(default_factory=dict)  # the ``passes`` way's, when measured
 
 
 async def _call(fn: Any) -> None:
@@ -90,12 +91,14 @@ def _then(*steps: Any) -> Any:
 
 
 async def _timed(fn: Any, limit: Any, floor: dict[str, Any], repeats: int, setup: Any = None,
-                 path_pids: dict[str, int] | None = None, limit_pids: dict[str, int] | None = None) -> Timing:
+                 path_pids: dict[str, int] | None = None, limit_pids: dict[str, int] | None = None,
+                 passes: Any = None) -> Timing:
     """Times ``fn``, its ``limit`` and its ``floor`` (name -> way: the raw transport plus the
     one copy/hash checking its bytes costs) in turn, ``repeats`` sets after one warm-up set.
     ``limit``: one callable, or name -> callable for a limit with several ways. ``setup``
     runs untimed before each ``fn``. ``path_pids``/``limit_pids``: the processes whose CPU
-    counts (the floor runs on the limit's)."""
+    counts (the floor runs on the limit's). ``passes``: a way doing, on the raw parts, every pass
+    the path's design cannot leave out (README: the SSD rows), timed beside them."""
     ways = limit if isinstance(limit, dict) else {"limit": limit}
     path_meter = Meter(path_pids or {"client": OWN})
     limit_meter = Meter(limit_pids or {"client": OWN})
@@ -103,6 +106,7 @@ async def _timed(fn: Any, limit: Any, floor: dict[str, Any], repeats: int, setup
     path_cpu: dict[str, float] = {}
     limit_cpu: dict[str, float] = {}
     floor_cpu: dict[str, float] = {}
+    passes_cpu: dict[str, float] = {}
     way_s: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(repeats + 1):
         if setup is not None:
@@ -110,6 +114,7 @@ async def _timed(fn: Any, limit: Any, floor: dict[str, Any], repeats: int, setup
         took, used = await _once(fn, path_meter)
         limits = {name: await _once(way, limit_meter) for name, way in ways.items()}
         floors = [await _once(way, limit_meter) for way in floor.values()]
+        designed = await _once(passes, limit_meter) if passes is not None else None
         if not i:
             continue
         fastest = min(limits.values(), key=lambda r: r[0])
@@ -120,10 +125,19 @@ async def _timed(fn: Any, limit: Any, floor: dict[str, Any], repeats: int, setup
         add_cpu(path_cpu, used)
         add_cpu(limit_cpu, fastest[1])
         add_cpu(floor_cpu, min(floors, key=lambda f: sum(f[1].values()))[1])
+        if designed is not None:
+            add_cpu(passes_cpu, designed[1])
         for name, (way_took, _) in limits.items():
             way_s[name].append(way_took)
     return Timing(median(path_s), median(limit_s), median(ratios), median(floor_s), path_cpu, limit_cpu, floor_cpu,
-                  {name: median(xs) for name, xs in way_s.items()} if isinstance(limit, dict) else {})
+                  {name: median(xs) for name, xs in way_s.items()} if isinstance(limit, dict) else {}, passes_cpu)
+
+
+def _passes_fields(name: str, timing: Timing, moved: int) -> dict[str, Any]:
+    """The row's design floor (``passes``): its CPU per GB and the path's over it."""
+    path, passes = sum(timing.path_cpu.values()) / (moved / 1e9), sum(timing.passes_cpu.values()) / (moved / 1e9)
+    return {"passes": name, "passes_cpu_s_per_gb": round(passes, 4),
+            "passes_cpu_ratio": round(path / passes, 3) if passes > 0 else None}
 
 
 async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
@@ -140,7 +154,7 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
     wanted = set(args.paths.split(","))
     results: list[dict[str, Any]] = []
 
-    def add(path: str, timing: Timing, limit: str, floor: str) -> None:
+    def add(path: str, timing: Timing, limit: str, floor: str, passes: str = "") -> None:
         gbps, limit_gbps = nbytes / timing.path_s / 1e9, nbytes / timing.limit_s / 1e9
         moved = nbytes * args.repeats
         results.append({"path": path, "gbps": round(gbps, 3), "limit": limit, "limit_gbps": round(limit_gbps, 3),
@@ -149,7 +163,8 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                         **cpu_fields(moved, timing.path_cpu, timing.floor_cpu),
                         "limit_cpu_s_per_gb": round(sum(timing.limit_cpu.values()) / (moved / 1e9), 4),
                         **({"limit_ways_gbps": {name: round(nbytes / s / 1e9, 3) for name, s in timing.ways_s.items()}}
-                           if timing.ways_s else {})})
+                           if timing.ways_s else {}),
+                        **(_passes_fields(passes, timing, moved) if passes else {})})
         bar.update(1)
 
     memcpy = limits.Memcpy(kv)
@@ -204,22 +219,27 @@ async def _measure(args: argparse.Namespace, bar: tqdm) -> list[dict[str, Any]]:
                 disk_hash = HashPass(disk.buf, layout.page_bytes)
                 try:
                     async with KVStoreClient(addr, ns) as client:
+                        # the passes a put to SSD cannot leave out: the engine's bytes copied into the shared
+                        # arena, hashed at their source as they go; the server's check of the slot (the
+                        # client can still write it) before it goes to disk; the write
                         timing = await _timed(lambda: client.put(tokens, kv, durable=True), disk.write,
                                               {"write": _then(disk_hash.run, disk.write)}, args.repeats, setup=clear,
-                                              path_pids=path_pids)
+                                              path_pids=path_pids, passes=_then(verified.run, disk_hash.run, disk.write))
                         raw_write = "raw-write+sync" + ("" if disk.direct else "(buffered)")
-                        add("ssd-put", timing, raw_write, "xxh3+" + raw_write)
+                        add("ssd-put", timing, raw_write, "xxh3+" + raw_write, "copy-xxh3+xxh3+" + raw_write)
                         hit = await client.lookup(tokens)
 
                         async def drop_host() -> None:
                             await directory.Remove(directory_pb2.RemoveRequest(namespace_id=ns.namespace_id, keys=hit.keys, tier="host"))
 
                         out.zero_()
+                        # cannot leave out: the read into the arena, the verified copy out of it into the engine's buffer
                         timing = await _timed(lambda: client.get(hit, into=out), disk.read, {"read": _then(disk.read, disk_hash.run)},
-                                              args.repeats, setup=drop_host, path_pids=path_pids)
+                                              args.repeats, setup=drop_host, path_pids=path_pids,
+                                              passes=_then(disk.read, verified.run))
                         assert _same(out, kv), "ssd get returned other bytes"
                         raw_read = "raw-read" + ("-odirect" if disk.direct else "")
-                        add("ssd-get", timing, raw_read, raw_read + "+xxh3")
+                        add("ssd-get", timing, raw_read, raw_read + "+xxh3", raw_read + "+copy-xxh3")
                 finally:
                     disk_hash.close()
                     disk.close()
@@ -254,3 +274,9 @@ def print_table(report: dict[str, Any]) -> None:
     print("\nCPU seconds per GB moved, every process (client: this process; server; raw-grpc: the bare pump), beside the floor:"
           "\nthe limit's transport plus the one copy and/or xxh3 pass checking the bytes costs, in the same run")
     print_cpu_rows(report["results"], 14, 34)
+    passes = [r for r in report["results"] if r.get("passes")]
+    if passes:
+        print("\nBeside the passes the path's design cannot leave out (done on the raw parts, in the same run):")
+        for r in passes:
+            ratio = f"{r['passes_cpu_ratio']:.2f}" if r["passes_cpu_ratio"] is not None else "-"
+            print(f"{r['path']:<14} {r['cpu_s_per_gb']:>8.3f}  {r['passes']:<40} {r['passes_cpu_s_per_gb']:>8.3f} {ratio:>6}")
