@@ -32,6 +32,10 @@ def test_throughput_smoke(tmp_path) -> None:
         ways = r["limit_ways_gbps"]
         assert set(ways) == ({"memcpy", "memcpy-nt"} if pagecopy.NATIVE else {"memcpy"}), r
         assert r["limit_gbps"] >= max(ways.values()) - 0.002
+    # The SSD rows also stand beside the passes their design cannot leave out, measured in the same run.
+    for r in report["results"][4:]:
+        assert r["passes"] and r["passes_cpu_s_per_gb"] > 0, r
+        assert abs(r["passes_cpu_ratio"] - r["cpu_s_per_gb"] / r["passes_cpu_s_per_gb"]) < 0.01 * r["passes_cpu_ratio"] + 0.002
 
 
 def _check_cpu_columns(row: dict, path_processes: set[str]) -> None:
