@@ -54,7 +54,8 @@ class AnswerCache:
     fails between the two. A stale record costs a miss (the holder answers MISSING). Kept per
     tenant asked for: the owners answered that tenant, and no other may fetch on its answer; and
     per namespace generation asked in: once the namespace entered a newer one its holders dropped
-    those pages, and a record read then sent every fill to a MISSING for the whole TTL.
+    those pages, and a record read then sent every fill to a MISSING for the whole TTL. A fill
+    whose holder had none of them forgets them (``forget``) and asks the owners again.
     Bounded: a put past ``PURGE_AT`` entries purges the expired ones, past ``MAX_ENTRIES`` all."""
 
     MAX_ENTRIES = 1 << 16
@@ -86,6 +87,11 @@ class AnswerCache:
                 break
             out.append(cached[1])
         return out
+
+    def forget(self, keys: Sequence[bytes], tenant: str = "") -> None:
+        """Drops the records of ``keys`` (a holder they named answered it has none)."""
+        for key in keys:
+            self._records.pop((key, tenant), None)
 
     def forget_node(self, node: str) -> None:
         self._records = {k: v for k, v in self._records.items() if v[1][0] != node}

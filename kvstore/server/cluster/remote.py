@@ -1,10 +1,9 @@
 """The remote tier: pages other nodes hold, read into this node's landing tier.
 
-A page is fetched from its holder (UCX, plain TCP or gRPC ``ReadPages``) into a landing slot
-allocated as a writer's would be, then committed, which publishes the new local copy; replicas
-are made by readers fetching (DESIGN §12). A reader's fill or a handoff lands unhashed (the copy
-that consumes it checks it, DESIGN §4), a replica's or migration's copy verified. A fetch returns
-by its deadline; no byte that failed a check is committed, nor one that fails its consumer's served.
+A page is fetched from its holder (UCX, plain TCP or gRPC ``ReadPages``) into a landing slot allocated
+as a writer's would be, then committed, which publishes the new local copy; replicas are made by readers
+fetching (DESIGN §12). A fill or handoff lands unhashed (its consumer checks it, DESIGN §4), a replica's
+or migration's copy verified. A fetch returns by its deadline; no byte failing a check is committed or served.
 
 More: kvstore/server/cluster/README.md (### remote.py).
 """
@@ -99,6 +98,21 @@ class RemoteTier:
             return start
         runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s, tenant))
         pos = start
+        for again in (False, True):
+            got, short = await self._fetch_runs(namespace_id, keys, pos, runs, deadline, tenant, landing)
+            pos += got
+            if not short or again or time.monotonic() >= deadline:
+                break
+            # another node held fewer than its record (a cached answer, maybe) said: forgotten, the owners asked again
+            self._lookup.cache.forget(keys[pos:], tenant)
+            runs = await self._lookup.lookup(namespace_id, keys[pos:], deadline - time.monotonic(), tenant)
+        return pos
+
+    async def _fetch_runs(self, namespace_id: bytes, keys: list[bytes], start: int, runs: list[LocationRun], deadline: float,
+                          tenant: str, landing: Landing) -> tuple[int, bool]:
+        """Fetches ``runs`` (of ``keys[start:]``) in turn until one comes back short: (pages held
+        here now past ``start``, whether another node reached held fewer than its run)."""
+        pos = start
         for run in (piece for whole in runs for piece in _pieces(whole, FETCH_PAGES)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -115,8 +129,8 @@ class RemoteTier:
                 got = await self._fetch_grpc(peer, namespace_id, want, remaining, tenant, landing, hashed=False)
             pos += got
             if got < len(want):
-                break
-        return pos
+                return pos - start, run.node != self.node and peer is not None
+        return pos - start, False
 
     def _layout(self, namespace_id: bytes) -> LayoutDesc | None:
         return self.core.reads.layout_of(namespace_id)
