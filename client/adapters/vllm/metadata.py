@@ -138,6 +138,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     handoff_opens: list[HandoffOpen] = field(default_factory=list)  # disaggregated prefill (pd.py)
     handoff_completes: list[HandoffComplete] = field(default_factory=list)
     handoff_loads: list[HandoffLoad] = field(default_factory=list)
+    handoff_declines: list[str] = field(default_factory=list)  # decode side: handoff ids it takes nothing of
 
 
 @dataclass

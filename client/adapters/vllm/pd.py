@@ -83,6 +83,7 @@ class HandoffScheduler:
         self._opens: list[HandoffOpen] = []
         self._completes: list[HandoffComplete] = []
         self._loads: list[HandoffLoad] = []
+        self._declines: list[str] = []  # handoff ids the workers of ranks > 0 decline in theirs (HandoffWorker.begin_step)
         hybrid = scheduler if isinstance(scheduler, HybridSchedulerSide) else None
         self._hybrid = hybrid
         self._states_at_boundary = hybrid is not None and bool(hybrid.groups.state_groups)
@@ -126,10 +127,13 @@ class HandoffScheduler:
     def _decline(self, decode: Decode) -> None:
         """A handoff this decode cannot take (a state-space model's, its hit short of the states'
         boundary): its node lets go of the pages at once, not at the ttl (a Complete with no page
-        at this node, in the background; the prefill's pushes that come later pin nothing)."""
+        at this node, in the background; the prefill's pushes that come later pin nothing). This
+        side's namespace is rank 0's: with tensor parallelism each rank's shard has a marker of its
+        own (DESIGN §12.7), which the other ranks' workers decline with the step's metadata."""
         client = self.scheduler.store.client()
         if client is not None:
             client.runtime.detach(client.handoff_complete(decode.handoff_id, [], client.node))
+        self._declines.append(decode.handoff_id)
 
     def _generation_of(self, decode: Decode) -> int | None:
         """A decode's saves name the generation the prefill computed in (its kv_transfer_params'
@@ -196,6 +200,7 @@ class HandoffScheduler:
         meta.handoff_opens, self._opens = self._opens, []
         meta.handoff_completes, self._completes = self._completes, []
         meta.handoff_loads, self._loads = self._loads, []
+        meta.handoff_declines, self._declines = self._declines, []
         return meta
 
     def finished(self, request: Any, saving: bool, limit: int | None = None) -> tuple[bool, dict[str, Any] | None]:

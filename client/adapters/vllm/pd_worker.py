@@ -71,11 +71,14 @@ class HandoffWorker(ReceiveSide):
     # -- each step -----------------------------------------------------------------------
 
     def begin_step(self, meta: KVStoreConnectorMetadata) -> None:
-        """Opens this step's handoffs (before worker.py starts the saves), and starts its
-        receives."""
+        """Opens this step's handoffs (before worker.py starts the saves), declines those the
+        decode takes nothing of in this rank's namespace, and starts its receives."""
         client = self.store.client()
         self._idle = meta.num_scheduled_tokens == 0
         self._open(client, meta.handoff_opens)
+        if client is not None and self.store.namespace.tp_rank > 0:  # rank 0's namespace is the scheduler side's: declined there
+            for handoff_id in meta.handoff_declines:  # a Complete with no page at this node (pd.py _decline)
+                client.runtime.detach(client.handoff_complete(handoff_id, [], client.node))
         self._saving |= {spec.req_id for spec in (*meta.saves, *meta.group_saves)} & self._handed.keys()
         for done in meta.handoff_completes:
             self._completing[done.req_id] = Completing(done)

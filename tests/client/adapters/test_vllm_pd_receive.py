@@ -47,14 +47,16 @@ def caches(shared: bool) -> list[torch.Tensor]:
     return [torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM) for _ in range(LAYERS)]
 
 
-def handed_off(address: str, tokens: list[int], kv: torch.Tensor, namespace: Namespace = NAMESPACE) -> str:
-    """What the prefill side does, at the one node: put the pages, complete the handoff."""
+def handed_off(address: str, tokens: list[int], kv: torch.Tensor, namespace: Namespace = NAMESPACE,
+               handoff_id: str | None = None) -> str:
+    """What the prefill side does, at the one node: put the pages, complete the handoff (a new one
+    unless ``handoff_id`` names it: each tensor-parallel rank completes the request's one id)."""
     async def run() -> str:
         async with KVStoreClient(address, namespace) as client:
             assert await client.put(tokens, kv) == len(tokens)
-            handoff_id = new_handoff_id()
-            assert await client.handoff_complete(handoff_id, tokens, "nd") == len(tokens)
-            return handoff_id
+            done_id = handoff_id or new_handoff_id()
+            assert await client.handoff_complete(done_id, tokens, "nd") == len(tokens)
+            return done_id
     return asyncio.run(run())
 
 

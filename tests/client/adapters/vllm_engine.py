@@ -10,7 +10,8 @@ saves of the generation have ended and its sessions' tokens are logged (so that 
 carries its own; "drain": true steps the engine until the connector gives every held block
 back, as vllm serve's busy loop does, and waits for its handoffs' completions; {"cmd": "drain"}
 does that alone);
-{"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters; {"cmd": "load_stats"} -> the scheduler
+{"cmd": "stats"} -> the worker connector's counters; {"cmd": "pd_stats"} -> its handoff counters (both: "rank": r, a
+tensor-parallel rank's, 0 unless named; "tensor_parallel_size" in the config runs that many workers); {"cmd": "load_stats"} -> the scheduler
 side's (tokens found, loaded, skipped as not worth loading; the fitted fetch and recompute lines); {"cmd": "kv_config"} -> the KV
 cache groups, whether vLLM's hybrid KV cache manager is on, the connector's page layout and vLLM's block size;
 {"cmd": "hooks", ...} sets vllm_hooks' switches; {"cmd": "metrics"} -> vLLM's counters named vllm:kvstore_*
@@ -35,18 +36,35 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def drain(llm: object) -> None:
-    """Steps the engine until its connector holds no finished request's blocks, then waits for
-    the handoffs' completions, which end in the background (at most 60 s in all)."""
+def _stats(_worker: object, handoffs: bool) -> dict:
+    """In a worker's process (``LLM.collective_rpc``: each tensor-parallel rank runs its own connector): its counters."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    connector = get_kv_transfer_group()
+    return dataclasses.asdict(connector.handoff_worker.stats if handoffs else connector.worker.stats)
+
+
+def _wait_saves(_worker: object, timeout_s: float) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return bool(get_kv_transfer_group().worker.wait_saves(timeout_s))
+
+
+def _wait_completions(_worker: object, timeout_s: float) -> bool:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    handoffs = getattr(get_kv_transfer_group(), "handoff_worker", None)
+    return handoffs is None or bool(handoffs.wait_completions(timeout_s))
+
+
+def drain(llm: object) -> None:
+    """Steps the engine until its connector holds no finished request's blocks, then waits for
+    the handoffs' completions, which end in the background (at most 60 s in all), on every worker."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
     deadline = time.monotonic() + 60
     while scheduler.connector.has_pending_block_frees() and time.monotonic() < deadline:
         llm.llm_engine.step()  # type: ignore[attr-defined]
-    handoffs = getattr(get_kv_transfer_group(), "handoff_worker", None)
-    if handoffs is not None:
-        handoffs.wait_completions(max(0.0, deadline - time.monotonic()))
+    llm.collective_rpc(_wait_completions, args=(max(0.0, deadline - time.monotonic()),))  # type: ignore[attr-defined]
 
 
 def step_request(llm: object, cmd: dict, paused: object) -> object:
@@ -91,7 +109,8 @@ def main() -> None:
               block_size=config.get("block_size", 32), max_model_len=config.get("max_model_len", 1024),
               enable_prefix_caching=config.get("prefix_caching", False), kv_transfer_config=transfer,
               max_num_batched_tokens=config.get("max_num_batched_tokens", 4096),
-              disable_log_stats=not config.get("log_stats", False))
+              disable_log_stats=not config.get("log_stats", False),
+              tensor_parallel_size=config.get("tensor_parallel_size", 1))
     proto.write(json.dumps({"ready": True}) + "\n")
     paused: object = None  # the request "start" paused, as its last RequestOutput
     for line in sys.stdin:
@@ -110,9 +129,7 @@ def main() -> None:
             if cmd.get("drain"):
                 drain(llm)
             if transfer is not None:
-                from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-                assert get_kv_transfer_group().worker.wait_saves(60), "the connector's saves did not end"
+                assert all(llm.collective_rpc(_wait_saves, args=(60,))), "the connector's saves did not end"
                 sessions = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "sessions", None)
                 assert sessions is None or sessions.flush(60), "the sessions' tokens were not logged"
             reply = {"seconds": seconds, "outputs": [{
@@ -130,14 +147,8 @@ def main() -> None:
         elif cmd["cmd"] == "drain":
             drain(llm)
             reply = {}
-        elif cmd["cmd"] == "stats":
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            reply = dataclasses.asdict(get_kv_transfer_group().worker.stats)
-        elif cmd["cmd"] == "pd_stats":
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            reply = dataclasses.asdict(get_kv_transfer_group().handoff_worker.stats)
+        elif cmd["cmd"] in ("stats", "pd_stats"):
+            reply = llm.collective_rpc(_stats, args=(cmd["cmd"] == "pd_stats",))[cmd.get("rank", 0)]
         elif cmd["cmd"] == "load_stats":  # the scheduler's connector (in this process: no engine-core process)
             policy = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler.policy
             reply = dataclasses.asdict(policy.stats) | {"fetch": dataclasses.asdict(policy.costs.fetch.line()),
