@@ -297,21 +297,23 @@ class HandoffMarkers:
             self._drop(marker, only_if=lambda marker=marker: not marker.waiters and not marker.handed)
 
     def abandon(self, tenant: str, namespace_id: bytes, handoff_id: bytes, ttl_ms: int) -> None:
-        """The prefill node handed off nothing: the marker goes with its pins (a wait on it answers
-        nothing now), and for ``ttl_ms`` a push still on its way pins nothing (as once taken over),
-        whether it is served before the abandon (its marker is gone when its pages arrive) or after
+        """The prefill node handed off nothing, or the decode takes nothing more of it: the marker
+        goes with its pins (a wait on it answers nothing now), and for ``ttl_ms`` (the marker's own
+        ttl where it is longer) a push still on its way pins nothing (as once taken over), whether
+        it is served before the abandon (its marker is gone when its pages arrive) or after
         (remembered here even with no marker yet: a push the prefill node cancelled may still come)."""
         key = (tenant, namespace_id, handoff_id)
         with self._changed:
             marker = self._markers.get(key)
-            self._taken[key] = max(self._taken.get(key, 0.0), self.clock() + ttl_ms / 1000)
+            until = max(self.clock() + ttl_ms / 1000, marker.expires if marker is not None else 0.0)
+            self._taken[key] = max(self._taken.get(key, 0.0), until)
             self._taken.move_to_end(key)
             while len(self._taken) > MAX_TAKEN_OVER:
                 self._taken.popitem(last=False)
         if marker is not None:
             pages = len(marker.pinned)
             self._drop(marker)
-            logger.info("handoff %s of tenant %r abandoned by its prefill node, %d pages let go", handoff_id.hex()[:8],
+            logger.info("handoff %s of tenant %r abandoned (a Complete with no page), %d pages let go", handoff_id.hex()[:8],
                         tenant, pages)
 
     # -- expiry -------------------------------------------------------------------------

@@ -60,6 +60,25 @@ async def test_pages_are_pushed_as_they_are_stored_and_read_bit_exact_at_the_dec
         assert await num_leases(prefill) == 0
 
 
+async def test_pages_pushed_beyond_those_completed_go_with_the_marker_once_read(cluster_nodes, etcd) -> None:
+    """The open names 4 pages, all pushed as stored; the Complete hands off 2 (a prefill hands off
+    fewer than it opened with: a state boundary, pages it did not save). The decode side reads the
+    2 its wait was handed: the marker goes, the 2 pages beyond with it, and no pin is left at c."""
+    a, c = cluster_nodes(["a", "c"], "tcp")
+    tokens = tokens_of(48, 4)
+    kv = random_kv(LAYOUT, len(tokens), seed=48)
+    async with KVStoreClient(a.address, NS) as prefill, KVStoreClient(c.address, NS) as decode:
+        handoff = new_handoff_id()
+        await prefill.handoff_open(handoff, "c", ttl_s=60.0, tokens=tokens)
+        assert await prefill.put(tokens, kv) == len(tokens)
+        await eventually(lambda: _holds(etcd.url, "c", 4), 10, "the 4 pages pushed to c")
+        assert await prefill.handoff_complete(handoff, tokens[: 2 * PAGE], "c") == 2 * PAGE
+        hit = await decode.handoff_wait(handoff, tokens[: 2 * PAGE], deadline_s=5.0)
+        out = torch.zeros_like(kv[:, :, : 2 * PAGE])
+        assert hit.num_tokens == 2 * PAGE and await decode.get(hit, out) == 2 * PAGE
+        await eventually(lambda: _no_leases(decode), 2.0, "the pins of the pages pushed beyond the Complete's released")
+
+
 async def _holds(etcd_url: str, node: str, pages: int) -> bool:
     return host_pages(etcd_url, node) >= pages
 

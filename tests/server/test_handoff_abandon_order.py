@@ -14,6 +14,7 @@ from support.handoffs import leases
 from support.kv import random_kv
 
 from kvstore.client import KVStoreClient, new_handoff_id
+from kvstore.server.tenancy.gate_handoffs import DEFAULT_TTL_MS
 
 
 def _tokens(seed: int, pages: int, page_tokens: int) -> list[int]:
@@ -37,3 +38,28 @@ async def test_a_push_served_after_the_abandon_pins_nothing(server, ns, layout) 
         assert len(markers) == 0 and await leases(client) == 0, (
             f"a push served after the abandon of its handoff made a marker ({len(markers)}) and pinned "
             f"{len(marker.pinned)} pages under {await leases(client)} lease(s) until the ttl ({ttl_ms / 1000:.0f} s)")
+
+
+async def test_a_decodes_let_go_is_remembered_for_the_handoffs_own_ttl(server, ns, layout) -> None:
+    """A decode that takes nothing more of a handoff lets its node go of it by a Complete that names
+    no page there (HandoffGate.complete), which carries no ttl: the node's default (30 s). A handoff
+    opened for longer (600 s here) is remembered as abandoned for its own ttl, so a push of it served
+    60 s later pins nothing. Before, the default's 30 s were: that push made the marker again and
+    pinned its pages until the handoff's ttl."""
+    tokens = _tokens(72, 4, layout.page_tokens)
+    kv = random_kv(layout, len(tokens), seed=72)
+    async with KVStoreClient(server.address, ns) as client:
+        assert await client.put(tokens, kv) == len(tokens)
+        keys = client.keys(tokens)
+        markers, ttl_ms, tenant = server.handoffs, 600_000, "t"
+        now = [markers.clock()]
+        markers.clock = lambda: now[0]
+        ident = bytes.fromhex(new_handoff_id())
+        markers.arrived(markers.open(tenant, ns.namespace_id, ident, ttl_ms), keys[:1], pushed=True)
+        markers.abandon(tenant, ns.namespace_id, ident, DEFAULT_TTL_MS)  # the decode's let-go
+        now[0] += 60.0
+        marker = markers.open(tenant, ns.namespace_id, ident, ttl_ms)  # a push still on its way
+        markers.arrived(marker, keys, pushed=True)
+        assert len(markers) == 0 and await leases(client) == 0, (
+            f"a push served 60 s after the decode let go of its handoff pinned {len(marker.pinned)} pages "
+            f"until the handoff's ttl ({ttl_ms / 1000:.0f} s)")

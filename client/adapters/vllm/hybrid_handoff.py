@@ -19,6 +19,7 @@ import torch
 
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.metadata import GroupLoad
+from kvstore.client.adapters.vllm.pd_jobs import let_go
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
 
@@ -81,25 +82,33 @@ class HybridReceives:
 
     async def _receive(self, client: KVStoreClient, waiting: Waiting) -> int:
         """Waits for the marker, then gets the load's pages (verified) into ``waiting.staging``,
-        only those: pages before them (vLLM's own cache holds them) keep their pins at the node
-        until the handoff's ttl. Returns how many leading pages of the load's tokens are there."""
+        only those: pages before them (vLLM's own cache holds them) are not read. Returns how many
+        leading pages of the load's tokens are there. Unless it got every page the wait answered
+        (the node then let go of the handoff: HandoffMarkers.acquired), it lets go once it ended
+        however it ended (pages before the load's, short, failed, cancelled): ``let_go``."""
         spec, p = waiting.spec, client.layout.page_tokens
-        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.handoff_wait_s)
-        first, end = spec.first_page, spec.first_page + spec.num_pages
-        if hit.num_tokens // p < end:
-            return hit.num_tokens // p  # short: the request recomputes
+        got_all = False
         try:
-            staging = self.staging(spec.num_pages)  # on vLLM's KV device: it may be full (no store failure)
-        except (RuntimeError, MemoryError) as exc:
-            logger.warning("kvstore handoff %s of request %s: no staging for %d pages: %s", spec.handoff_id, spec.req_id,
-                           spec.num_pages, exc)
-            return 0
-        try:
-            await client.get(Hit(hit.namespace_id, spec.num_pages * p, hit.keys[first:end], [], hit.generation), staging)
-        except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
-            return first + int(getattr(exc, "num_tokens", 0)) // p
-        waiting.staging = staging
-        return end
+            hit = await client.handoff_wait(spec.handoff_id, spec.tokens, spec.handoff_wait_s)
+            first, end = spec.first_page, spec.first_page + spec.num_pages
+            if hit.num_tokens // p < end:
+                return hit.num_tokens // p  # short: the request recomputes
+            try:
+                staging = self.staging(spec.num_pages)  # on vLLM's KV device: it may be full (no store failure)
+            except (RuntimeError, MemoryError) as exc:
+                logger.warning("kvstore handoff %s of request %s: no staging for %d pages: %s", spec.handoff_id, spec.req_id,
+                               spec.num_pages, exc)
+                return 0
+            try:
+                await client.get(Hit(hit.namespace_id, spec.num_pages * p, hit.keys[first:end], [], hit.generation), staging)
+            except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
+                return first + int(getattr(exc, "num_tokens", 0)) // p
+            got_all = first == 0 and hit.num_pages == end
+            waiting.staging = staging
+            return end
+        finally:
+            if not got_all:
+                let_go(client, spec.handoff_id)
 
     def forget(self, req_ids: set[str]) -> None:
         """vLLM finished these requests (aborted while waiting): their receives end now, reported

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvstore.client.adapters.vllm.hybrid_scheduler import HybridSchedulerSide
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffLoad, HandoffOpen, KVStoreConnectorMetadata
+from kvstore.client.adapters.vllm.pd_jobs import let_go
 from kvstore.client.adapters.vllm.scheduler import RequestState, SchedulerSide
 from kvstore.client.handoff import new_handoff_id
 
@@ -125,14 +126,14 @@ class HandoffScheduler:
                       generation=_generation(request.request_id, params.get("kvstore_generation")))
 
     def _decline(self, decode: Decode) -> None:
-        """A handoff this decode cannot take (a state-space model's, its hit short of the states'
-        boundary): its node lets go of the pages at once, not at the ttl (a Complete with no page
-        at this node, in the background; the prefill's pushes that come later pin nothing). This
-        side's namespace is rank 0's: with tensor parallelism each rank's shard has a marker of its
-        own (DESIGN §12.7), which the other ranks' workers decline with the step's metadata."""
+        """A handoff this decode takes nothing of (a state-space model's, its hit short of the states'
+        boundary; one vLLM's own cache covers; a request gone before it was scheduled): its node
+        lets go of the pages at once, not at the ttl (``let_go``). This side's namespace is rank 0's:
+        with tensor parallelism each rank's shard has a marker of its own (DESIGN §12.7), which the
+        other ranks' workers decline with the next step's metadata."""
         client = self.scheduler.store.client()
         if client is not None:
-            client.runtime.detach(client.handoff_complete(decode.handoff_id, [], client.node))
+            let_go(client, decode.handoff_id)
         self._declines.append(decode.handoff_id)
 
     def _generation_of(self, decode: Decode) -> int | None:
@@ -188,9 +189,12 @@ class HandoffScheduler:
             # its pages are at the store: the request saves from its next page on
             self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids), decode.hit_tokens // p,
                                               decode.hit_tokens, generation=self._generation_of(decode)))
-        elif req_id not in self.scheduler.requests:  # vLLM's own cache covers it: saves as any request
-            self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0,
-                                              generation=self._generation_of(decode)))
+        else:  # vLLM's own cache covers it (or a load was planned for it before): saves as any request
+            if not decode.consumed and decode.hit_tokens:  # it loads nothing: let go (a hit of 0 was declined already)
+                self._decline(decode)
+            if req_id not in self.scheduler.requests:
+                self.scheduler.adopt(RequestState(request, list(request.prompt_token_ids or ()), 0, 0,
+                                                  generation=self._generation_of(decode)))
         decode.consumed = True
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request, as vLLM's connectors
@@ -210,7 +214,9 @@ class HandoffScheduler:
         for its saves; ``limit``: a hybrid engine's most tokens to hand off
         (HybridSchedulerSide.handoff_limit)."""
         req_id = request.request_id
-        self._decodes.pop(req_id, None)
+        decode = self._decodes.pop(req_id, None)
+        if decode is not None and not decode.consumed and decode.hit_tokens:  # gone before it was scheduled: let go
+            self._decline(decode)
         prefill = self._prefills.pop(req_id, None)
         if prefill is None or not prefill.opened or getattr(request.status, "name", "") not in FINISHED_NORMALLY:
             return saving, None  # aborted, or never scheduled: an open handoff expires after its TTL

@@ -1,5 +1,6 @@
 """The disaggregated-prefill worker's records (pd_worker.py): its counters, and one record per
-handoff open, completion and receive in flight, each with the runtime's Job that runs it.
+handoff open, completion and receive in flight, each with the runtime's Job that runs it; and
+the decode side's let-go of a handoff at its node (``let_go``).
 
 More: client/adapters/vllm/README.md (### pd_worker.py).
 """
@@ -82,3 +83,11 @@ async def ended(job: concurrent.futures.Future[Any], timeout_s: float) -> None:
     waited = asyncio.wrap_future(job)
     waited.add_done_callback(lambda f: f.cancelled() or f.exception())
     await asyncio.wait({waited}, timeout=max(0.001, timeout_s))
+
+
+def let_go(client: KVStoreClient, handoff_id: str) -> None:
+    """A decode takes nothing more of the handoff (its load ended, or it needs none): a Complete
+    with no page at its own node, in the background, so that the node drops the marker with its
+    pins now, not at the ttl, and for the ttl a push still on its way pins nothing (DESIGN §12.7).
+    Sent once nothing of it is read any more: pages leased for a copy keep that lease of their own."""
+    client.runtime.detach(client.handoff_complete(handoff_id, [], client.node))

@@ -15,7 +15,7 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import RequestKV
 from kvstore.client.adapters.vllm.metadata import HandoffLoad
-from kvstore.client.adapters.vllm.pd_jobs import HandoffStats, Receiving
+from kvstore.client.adapters.vllm.pd_jobs import HandoffStats, Receiving, let_go
 from kvstore.client.adapters.vllm.pd_leases import arena_of, copy_into, give_back, take
 from kvstore.client.client import Hit, KVStoreClient
 from kvstore.errors import KVStoreError
@@ -58,22 +58,32 @@ class ReceiveSide:
         """Waits for the handoff's marker, then leases every page it answered (also those
         vLLM's own cache holds: the marker keeps what it answered until acquired) into
         ``rec.taken``, or without an arena gets them into ``rec.staging``; returns how many
-        leading pages of the load are there."""
-        hit = await client.handoff_wait(spec.handoff_id, spec.tokens, deadline_s)
-        n = min(hit.num_pages, spec.first_page + spec.num_pages)
-        if n <= 0:
-            return 0
-        transport = arena_of(client)
-        if transport is not None:
-            rec.taken = await take(client, transport, hit.keys[:n])
-            return max(0, rec.taken.num_pages - spec.first_page)
-        lay, p = self.layout, self.layout.page_tokens
-        rec.staging = torch.empty((lay.num_layers, lay.kv_factor, n * p, lay.num_kv_heads, lay.head_dim), dtype=lay.torch_dtype())
+        leading pages of the load are there. Unless it took every page the wait answered (the
+        node then let go of the handoff: HandoffMarkers.acquired), it lets go once it ended
+        however it ended (short, failed, cancelled): ``let_go``."""
+        taken_all = False
         try:
-            await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), rec.staging)
-        except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
-            n = int(getattr(exc, "num_tokens", 0)) // p
-        return max(0, n - spec.first_page)
+            hit = await client.handoff_wait(spec.handoff_id, spec.tokens, deadline_s)
+            n = min(hit.num_pages, spec.first_page + spec.num_pages)
+            if n <= 0:
+                return 0
+            transport = arena_of(client)
+            if transport is not None:
+                rec.taken = await take(client, transport, hit.keys[:n])
+                taken_all = rec.taken.num_pages == hit.num_pages
+                return max(0, rec.taken.num_pages - spec.first_page)
+            lay, p = self.layout, self.layout.page_tokens
+            rec.staging = torch.empty((lay.num_layers, lay.kv_factor, n * p, lay.num_kv_heads, lay.head_dim),
+                                      dtype=lay.torch_dtype())
+            try:
+                await client.get(Hit(hit.namespace_id, n * p, hit.keys[:n], [], hit.generation), rec.staging)
+                taken_all = n == hit.num_pages
+            except KVStoreError as exc:  # PageMissing, PageCorrupt: the leading pages before it are in place
+                n = int(getattr(exc, "num_tokens", 0)) // p
+            return max(0, n - spec.first_page)
+        finally:
+            if not taken_all:
+                let_go(client, spec.handoff_id)
 
     def _settle_receives(self, now: float, gone: set[str]) -> set[str]:
         """Receives that ended, landed. ``gone``: requests vLLM finished (aborted while they wait):

@@ -16,7 +16,7 @@ import torch
 from kvstore.client.adapters.connection import StoreConnection
 from kvstore.client.adapters.vllm.layout import block_views
 from kvstore.client.adapters.vllm.metadata import HandoffComplete, HandoffOpen, KVStoreConnectorMetadata
-from kvstore.client.adapters.vllm.pd_jobs import Completing, FailedJob, HandoffStats, Opening, Receiving, ended
+from kvstore.client.adapters.vllm.pd_jobs import Completing, FailedJob, HandoffStats, Opening, Receiving, ended, let_go
 from kvstore.client.adapters.vllm.pd_receives import GRACE_S, ReceiveSide
 from kvstore.client.client import KVStoreClient
 from kvstore.errors import KVStoreError
@@ -78,7 +78,7 @@ class HandoffWorker(ReceiveSide):
         self._open(client, meta.handoff_opens)
         if client is not None and self.store.namespace.tp_rank > 0:  # rank 0's namespace is the scheduler side's: declined there
             for handoff_id in meta.handoff_declines:  # a Complete with no page at this node (pd.py _decline)
-                client.runtime.detach(client.handoff_complete(handoff_id, [], client.node))
+                let_go(client, handoff_id)
         self._saving |= {spec.req_id for spec in (*meta.saves, *meta.group_saves)} & self._handed.keys()
         for done in meta.handoff_completes:
             self._completing[done.req_id] = Completing(done)

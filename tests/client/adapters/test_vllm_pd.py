@@ -96,7 +96,9 @@ def engines(model_dir: Path, nodes: dict[str, Node], tmp_path_factory: pytest.Te
     # Generous timeouts: these tests are about which KV is used, not speed (a loaded 2-core box
     # must not turn a slow handoff into a recompute); the missing-handoff cases set their own deadline.
     settings = {"load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 60, "handoff_ttl_s": 60}
-    started = {role: EngineProcess(model_dir, logs / f"{role}.log", **connector_config(nodes[node].address, **settings))
+    # the decode engine's own prefix cache on, as vllm serve's default: a prompt it computed before is its own hit
+    started = {role: EngineProcess(model_dir, logs / f"{role}.log", prefix_caching=role == "decode",
+                                   **connector_config(nodes[node].address, **settings))
                for role, node in (("prefill", "np"), ("decode", "nd"))}
     try:
         for engine in started.values():
@@ -213,6 +215,22 @@ def test_through_the_pool(engines: dict[str, EngineProcess], nodes: dict[str, No
     assert_no_lease_left(nodes)
 
 
+def test_a_handoff_the_decodes_own_cache_covers_is_let_go_at_once(engines: dict[str, EngineProcess],
+                                                                   nodes: dict[str, Node]) -> None:
+    """The same prompt through PD twice: the second time the decode engine's own prefix cache covers
+    every handed-off page, so it loads nothing, and the pages its node pinned for the handoff are let
+    go at once, not at the handoff's ttl (60 s here). Before, nobody waited on or took them: they
+    stayed pinned until the ttl."""
+    prompt = tokens(4 * BLOCK + 1, seed=23)
+    for _ in range(2):
+        params = prefill(engines, [prompt])[0]["kv_transfer_params"]
+        before = engines["decode"].call(cmd="pd_stats")
+        got = engines["decode"].generate([prompt], max_tokens=2, kv_transfer_params=[params])[0]
+    assert got["num_cached_tokens"] == 4 * BLOCK and params["kvstore_num_tokens"] == 4 * BLOCK
+    assert engines["decode"].call(cmd="pd_stats")["received"] == before["received"], "vLLM's own cache covered it"
+    assert_no_lease_left(nodes, within_s=5.0)
+
+
 async def test_a_missing_handoff_is_recomputed(engines: dict[str, EngineProcess], nodes: dict[str, Node],
                                                model_dir: Path) -> None:
     """A forged handoff id, another prompt's handoff, and one opened at the prefill node but
@@ -324,19 +342,19 @@ async def test_a_running_session_migrates_to_the_other_instance(engines: dict[st
 
 def test_decode_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:
     """The decode side's node is SIGKILLed after the prefill answered: the decode engine's
-    wait fails, vLLM recomputes, the output is the colocated one. (The node is started
-    again for the next test, empty of this handoff.)"""
+    wait fails, vLLM recomputes, the output is the colocated one (computed after, once the node
+    is started again for the next test, empty of this handoff: before, the decode engine's own
+    cache would hold the prompt)."""
     prompt = tokens(4 * BLOCK + 1, seed=7)
     params = prefill(engines, [prompt])[0]["kv_transfer_params"]
-    want = engines["decode"].generate([prompt], skip_prefix_cache=True)[0]
     nodes["nd"].kill()
     try:
         before = engines["decode"].call(cmd="pd_stats")
         got = engines["decode"].generate([prompt], kv_transfer_params=[dict(params, kvstore_deadline_s=MISSING_DEADLINE_S)])[0]
-        assert_same_output(got, want)
         assert engines["decode"].call(cmd="pd_stats")["receive_failed"] == before["receive_failed"] + 1
     finally:
         nodes["nd"].start()
+    assert_same_output(got, engines["decode"].generate([prompt], skip_prefix_cache=True)[0])
 
 
 def test_prefill_node_killed(engines: dict[str, EngineProcess], nodes: dict[str, Node]) -> None:

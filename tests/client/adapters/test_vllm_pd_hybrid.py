@@ -31,8 +31,9 @@ from kvstore.tiers.host import remove_stale_arenas
 
 pytestmark = pytest.mark.timeout(600)
 
-# family -> the engines' options (Granite 4: one running state per request, vLLM's prefix caching off)
-FAMILIES: dict[str, dict[str, Any]] = {"gemma3": {}, "granite4": {"prefix_caching": False}}
+# family -> the engines' options (Gemma 3: vLLM's prefix caching on, as vllm serve's default; Granite 4:
+# one running state per request, vLLM's prefix caching off)
+FAMILIES: dict[str, dict[str, Any]] = {"gemma3": {"prefix_caching": True}, "granite4": {"prefix_caching": False}}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,31 @@ def test_a_prompt_past_a_boundary_hands_off_what_a_decode_can_resume_from(
     colocated = pair["decode"].generate([prompt], max_tokens=4, skip_prefix_cache=True)[0]
     assert_same_output(got, dict(colocated, tokens=colocated["tokens"][1:], logprobs=colocated["logprobs"][1:]))
     assert_no_lease_left(nodes, within_s=5.0)  # well within the handoff's ttl: nothing waits for it to pass
+
+
+def test_a_decode_whose_own_cache_holds_the_prompts_head_lets_the_rest_of_the_handoff_go(
+        engines: tuple[str, dict[str, EngineProcess]], nodes: dict[str, Node]) -> None:
+    """Gemma 3's decode engine computed the prompt's first pages before (its own prefix cache holds
+    some of them): it loads only the handed-off pages after its own hit, and the pages before them
+    that its node pinned for the handoff are let go once its load ended, not at the handoff's ttl
+    (20 s here). Before, its receive got the load's own pages only: the others stayed pinned to the ttl."""
+    family, pair = engines
+    if not FAMILIES[family]["prefix_caching"]:
+        pytest.skip("vLLM's own prefix cache is off on these engines")
+    page = pair["decode"].call(cmd="kv_config")["layout"]["page_tokens"]
+    head = tokens(3 * page, seed=61)
+    prompt = head + tokens(page + 9, seed=62)
+    pair["decode"].generate([head + [7]], max_tokens=1)
+    first = pair["prefill"].generate([prompt], max_tokens=1, kv_transfer_params=[remote_decode()], drain=True)[0]
+    params = first["kv_transfer_params"] or {}
+    params.pop("remote_prefill_cached_tokens", None)
+    assert params.get("kvstore_num_tokens") == 4 * page, params
+    before = pair["decode"].stats()
+    got = pair["decode"].generate([prompt + first["tokens"]], max_tokens=2, kv_transfer_params=[params])[0]
+    after = pair["decode"].stats()
+    assert got["num_cached_tokens"] == 4 * page
+    assert 0 < after["loaded_tokens"] - before["loaded_tokens"] < 4 * page, "the decode's own cache held a head"
+    assert_no_lease_left(nodes, within_s=5.0)
 
 
 def test_a_handoff_that_never_comes_is_recomputed(engines: tuple[str, dict[str, EngineProcess]]) -> None:

@@ -190,6 +190,26 @@ def test_a_receive_given_up_on_while_it_waits_leaves_nothing(server: ServerProce
         store.close()
 
 
+def test_a_receive_whose_wait_got_nothing_lets_go_so_that_a_late_complete_pins_nothing(server: ServerProcess) -> None:
+    """A decode's wait answered nothing by its deadline (a slow prefill): the request recomputes, and
+    its receive lets go of the handoff at the node, so the prefill's Complete that comes later pins
+    nothing. Before, that Complete made the marker again and pinned the pages until the ttl (30 s)."""
+    store = StoreConnection(server.address, NAMESPACE)
+    assert store.start()
+    worker = HandoffWorker(store, BLOCK, open_timeout_s=2.0, complete_timeout_s=5.0)
+    worker.register(caches(True))
+    tokens, handoff_id = list(range(1, PAGES * BLOCK + 1)), new_handoff_id()
+    try:
+        worker.begin_step(KVStoreConnectorMetadata(handoff_loads=[HandoffLoad("r1", handoff_id, tokens, BLOCK_IDS, 0, PAGES,
+                                                                              0.3)]))
+        assert settle(worker) == {"r1"} and worker.stats.receive_failed == 1
+        handed_off(server.address, tokens, torch.randn(LAYERS, 2, len(tokens), HEADS, DIM), handoff_id=handoff_id)
+        assert_no_lease_left(server.address, within_s=2.0)
+    finally:
+        worker.shutdown()
+        store.close()
+
+
 def test_the_prefill_step_does_not_wait_for_the_open_and_the_completion_follows_it(server: ServerProcess,
                                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """DESIGN §12.7: a step of a handed-off prefill waited for handoff_open's answer before its
