@@ -155,15 +155,14 @@ def test_a_prompt_past_a_boundary_hands_off_what_a_decode_can_resume_from(
     assert_no_lease_left(nodes, within_s=5.0)  # well within the handoff's ttl: nothing waits for it to pass
 
 
+@pytest.mark.parametrize("engines", [f for f, options in FAMILIES.items() if options["prefix_caching"]], indirect=True)
 def test_a_decode_whose_own_cache_holds_the_prompts_head_lets_the_rest_of_the_handoff_go(
         engines: tuple[str, dict[str, EngineProcess]], nodes: dict[str, Node]) -> None:
     """Gemma 3's decode engine computed the prompt's first pages before (its own prefix cache holds
     some of them): it loads only the handed-off pages after its own hit, and the pages before them
     that its node pinned for the handoff are let go once its load ended, not at the handoff's ttl
     (20 s here). Before, its receive got the load's own pages only: the others stayed pinned to the ttl."""
-    family, pair = engines
-    if not FAMILIES[family]["prefix_caching"]:
-        pytest.skip("vLLM's own prefix cache is off on these engines")
+    _, pair = engines
     page = pair["decode"].call(cmd="kv_config")["layout"]["page_tokens"]
     head = tokens(3 * page, seed=61)
     prompt = head + tokens(page + 9, seed=62)
