@@ -192,7 +192,7 @@ class HandoffMarkers:
             self._changed.notify_all()
 
     # -- the decode side ----------------------------------------------------------------
-    def wait(self, marker: Marker, keys: list[bytes], deadline_s: float, pull: Callable[[float], object] | None,
+    def wait(self, marker: Marker, keys: list[bytes], deadline_s: float, pull: Callable[[float], bool] | None,
              sees: Callable[[], bool] = lambda: True, alive: Callable[[], bool] = lambda: True,
              registered: bool = False) -> int:
         """Waits until every page of ``keys`` is held here, the marker is complete, or ``deadline_s``
@@ -201,7 +201,8 @@ class HandoffMarkers:
         through the pool; called while no prefill node pushes to the marker, at once, then after
         5, 10, 20 ... 400 ms (the step doubles): a pool handoff's last pages are published a few ms
         after the prefill answers, about when the decode side asks, so the second pull must not be
-        far behind the first.
+        far behind the first. A pull returns True when the caller's quota here could hold no more
+        of ``keys``: the wait then answers what is held.
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
         false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short):
@@ -222,11 +223,11 @@ class HandoffMarkers:
                 if left <= 0:
                     break
                 if pull is not None and not marker.pushed:
-                    pull(left)
+                    full = pull(left)
                     if sees():
                         self.arrived(marker, keys)
-                    if self._finished(marker, keys, sees):
-                        break
+                    if full or self._finished(marker, keys, sees):
+                        break  # full: the caller's quota here holds no more of them (what is held is answered)
                 left = max(0.0, end - time.monotonic())
                 with self._changed:  # woken by arrivals (a push, a complete); the pool's pulls only on the step
                     if not self._finished(marker, keys, sees):  # under the lock: an arrival's notify is not missed

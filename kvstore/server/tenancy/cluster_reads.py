@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import PermissionDenied
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.tenancy import Tenancy
-from kvstore.server.tenancy.fetch_room import quota_landing
+from kvstore.server.tenancy.fetch_room import QuotaLanding, quota_landing
 from kvstore.server.tenancy.node_calls import on_behalf
 from kvstore.types import LocationRun
 
@@ -38,9 +38,11 @@ class ClusterReads:
         # directory first) answered; a binding comes before any page of its write
         return runs if self.tenancy.sees(who, namespace_id) or self.tenancy.owners.owner(namespace_id) is None else []
 
-    def fill(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None) -> bool:
-        """Fetches what other nodes hold of ``keys`` for ``who``; returns whether ``who`` may
-        read the namespace here now (the caller acquires only then)."""
+    def fill(self, who: Identity, namespace_id: bytes, keys: list[bytes], time_remaining_s: float | None,
+             landing: Landing | None = None) -> bool:
+        """Fetches what other nodes hold of ``keys`` for ``who`` (into ``landing``: by default
+        ``landing_for``'s); returns whether ``who`` may read the namespace here now (the caller
+        acquires only then)."""
         tenant, owners = on_behalf(who), self.tenancy.owners
         readable = self.tenancy.may_read(who, namespace_id)
         if not readable and not self._unbound_for(who, namespace_id):
@@ -58,7 +60,7 @@ class ClusterReads:
         remote = self.cluster.remote
         before = remote.local_prefix(namespace_id, keys) if claimed else 0
         try:
-            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, self._landing(who, namespace_id, keys))
+            self.cluster.fill(namespace_id, keys, time_remaining_s, tenant, landing or self.landing_for(who, namespace_id, keys))
         finally:
             if claimed:  # bound if the fill stored pages, raised or not (as Tenancy.copying)
                 owners.settle(namespace_id, who.tenant, remote.local_prefix(namespace_id, keys) > before)
@@ -69,8 +71,8 @@ class ClusterReads:
         here is fetched when it is read), by a write that succeeded: the fetch runs after the hint
         answers, and a first write still running may fail and undo the binding meanwhile."""
         if self.tenancy.may_read(who, namespace_id) and (who.via == "local" or self.tenancy.owners.settled(namespace_id)):
-            self.cluster.prefetch(namespace_id, keys, on_behalf(who), self._landing(who, namespace_id, keys))
+            self.cluster.prefetch(namespace_id, keys, on_behalf(who), self.landing_for(who, namespace_id, keys))
 
-    def _landing(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> Landing | None:
+    def landing_for(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> QuotaLanding | None:
         """The fetch lands within ``who``'s host quota here (fetch_room.py)."""
         return quota_landing(self.tenancy.quotas, self.cluster.core, who, namespace_id, keys)

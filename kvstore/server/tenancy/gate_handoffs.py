@@ -96,11 +96,18 @@ class HandoffGate:
         with slot():
             reads = self.cluster_reads
             # the wait's deadline kept the answer's margin already: ClusterRuntime.fill keeps its own
-            pull = (lambda time_left: reads.fill(who, ns, keys, time_left + MARGIN_S)) if reads is not None else None
+
+            def pull(time_left: float) -> bool:
+                """A pull through the pool; True when the tenant's quota here held no more of the pages."""
+                assert reads is not None
+                landing = reads.landing_for(who, ns, keys)
+                reads.fill(who, ns, keys, time_left + MARGIN_S, landing)
+                return landing is not None and landing.quota_short
+
             context.add_callback(markers.wake)  # a cancelled wait ends now, its stream slot given back
             # opened as its reader (nothing drops it before the wait reads it); the wait, called next, counts it off
             marker = markers.open(who.tenant, ns, ident, max(DEFAULT_TTL_MS, deadline_ms), waiter=True)
-            n = markers.wait(marker, keys, max(0.0, deadline), pull, sees=lambda: self.tenancy.may_read(who, ns),
+            n = markers.wait(marker, keys, max(0.0, deadline), pull if reads is not None else None, sees=lambda: self.tenancy.may_read(who, ns),
                              alive=context.is_active, registered=True)
         return n, marker.generation
 
@@ -133,7 +140,9 @@ class HandoffGate:
                     held = self._markers.held(ns, want)
             finally:
                 reserved.release()  # the pages that landed count as the tenant's host bytes now
-            self._markers.arrived(marker, keys, pushed=True, complete=keys if complete else None)
+            # complete: the handoff is what is held here now (the rest over the tenant's quota, or not to be had),
+            # as the prefill node's Complete answers it: a wait for the whole prompt answers at once, not at its deadline
+            self._markers.arrived(marker, keys, pushed=True, complete=keys[:held] if complete else None)
         return held
 
     def push_layers(self, who: Identity, ns: bytes, ident: bytes, holder: str, tenant: str, layout: LayoutDesc,
