@@ -88,8 +88,8 @@ async def _opened(worker: HandoffWorker) -> bool:
 
 async def test_a_complete_whose_pages_are_gone_here_is_no_abandon(cluster_nodes, etcd) -> None:
     """A Complete that names pages none of which the prefill node holds now (evicted, removed):
-    not an abandon. The decode node keeps what was pushed, and a decode waiting on it gets those
-    pages at its deadline (DESIGN §12.7, Failures)."""
+    not an abandon. The decode node keeps what was pushed and completes the handoff with it: a decode
+    waiting on it gets those pages at once (before, at its deadline; DESIGN §12.7, Failures)."""
     a, c = cluster_nodes(["a", "c"], "tcp")
     tokens = tokens_of(64, 4)
     kv = random_kv(LAYOUT, len(tokens), seed=64)
@@ -101,9 +101,11 @@ async def test_a_complete_whose_pages_are_gone_here_is_no_abandon(cluster_nodes,
         keys = prefill.keys(tokens)
         await prefill._call(prefill.runtime.directory.Remove,
                             directory_pb2.RemoveRequest(namespace_id=prefill.namespace.namespace_id, keys=keys, tier="host"))
-        assert await prefill.handoff_complete(handoff, tokens, "c") == 0
+        assert await prefill.handoff_complete(handoff, tokens, "c") == len(tokens)  # what c holds
         assert await num_leases(decode) >= 1, "the pushed pages' pins were let go: eviction could take them"
-        hit = await decode.handoff_wait(handoff, tokens, deadline_s=1.0)
+        started = time.monotonic()
+        hit = await decode.handoff_wait(handoff, tokens + tokens_of(65, 1), deadline_s=6.0)  # one page more than handed
         assert hit.num_tokens == len(tokens), "the pushed pages were let go"
+        assert time.monotonic() - started < 2.0, "the decode waited out its deadline for a handoff that was over"
         out = torch.zeros_like(kv)
         assert await decode.get(hit, out) == len(tokens) and torch.equal(out, kv)

@@ -168,9 +168,9 @@ class HandoffPushes:
         """Ends the handoff here; returns the leading pages of ``keys`` the decode node holds
         (through the pool, ``to_node`` and the open's both empty: the leading pages stored here).
         ``keys`` empty (the prefill was aborted, or nothing of it is of use): nothing is handed
-        off, and the decode node lets go of what was pushed to it now. (Keys whose first page is
-        not stored here, evicted or lost: the decode node is not told, and a decode waiting on
-        it gets what was pushed at its deadline, DESIGN §12.7.)"""
+        off, and the decode node lets go of what was pushed to it now. Keys whose first page is
+        not stored here (evicted or lost): the decode node completes the handoff with what was
+        pushed to it before (a decode waiting on it answers now, not at its deadline, DESIGN §12.7)."""
         out = self._forget((tenant, namespace_id, handoff_id))
         deadline = time.monotonic() + timeout_s
         to_node = to_node or (out.to_node if out is not None else "")
@@ -180,14 +180,15 @@ class HandoffPushes:
                 task.cancel()
         try:
             stored = self.remote.local_prefix(namespace_id, keys)
-            if not to_node or (stored == 0 and keys):
+            if not to_node:
                 return stored
             target = out or Outgoing(tenant, namespace_id, handoff_id, to_node, DEFAULT_TTL_MS, 0.0, keys, lambda: True)
             target.to_node = to_node
             if not keys:
                 await self._abandon(target, max(0.01, deadline - time.monotonic()))
                 return 0
-            return await self._send(target, keys[:stored], complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
+            # none here now: every key named, so the decode node completes with the leading ones it holds
+            return await self._send(target, keys[:stored] or keys, complete=True, timeout_s=max(0.01, deadline - time.monotonic()))
         finally:
             self.layers.forget((tenant, namespace_id, handoff_id))  # after the last send: it finishes their layers
 

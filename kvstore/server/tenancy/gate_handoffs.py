@@ -114,7 +114,7 @@ class HandoffGate:
     def push(self, who: Identity, ns: bytes, ident: bytes, keys: list[bytes], holder: str, ttl_ms: int, tenant: str,
              page_bytes: int, complete: bool, context: CallContext) -> int:
         """A node's Push (its node right checked first, by the servicer): see HandoffService.Push."""
-        if self.cluster is None or not holder or (keys and page_bytes <= 0):
+        if self.cluster is None or not holder or (keys and page_bytes <= 0 and not complete):
             raise InvalidRequest("Handoff.Push needs cluster mode, a holder and page_bytes")
         who = acting_for(who, tenant)
         if complete and not keys:  # nothing handed off: the pushed pages are let go now, not at the ttl
@@ -126,6 +126,10 @@ class HandoffGate:
             if not keys:
                 self._markers.arrived(marker, [], pushed=True)
                 return 0
+            if page_bytes <= 0:  # a complete whose holder has none of them now: the handoff is what was pushed here
+                held = self._markers.held(ns, keys)
+                self._markers.arrived(marker, keys, pushed=True, complete=keys[:held])
+                return held
             if marker.layers is not None:  # pages whose layers came ahead: their rest fetched, committed in place
                 marker.layers.commit(keys, lambda ks, views, offset: self._rest(holder, ns, ks, views, offset, marker.generation,
                                                                                context))
