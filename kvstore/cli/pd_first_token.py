@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest.max_tokens when the field is absent
+from kvstore.cli.pd_fields import COMPLETIONS_MAX_TOKENS, as_int, one_token
 
 # fields whose values never depend on which engine samples which token (the prompt fields:
 # the decode gets token ids); any other field, or another value, goes today's way
@@ -21,20 +21,27 @@ FREE_FIELDS = frozenset({
     "bad_words", "use_beam_search",
 })
 DROPPED_FOR_DECODE = ("truncate_prompt_tokens", "truncation_side", "add_special_tokens")  # it gets token ids
+FLAGS = ("stream", "return_token_ids")  # read here; a value vLLM coerces ("false") goes today's way
+
+
+def _flag(value: Any) -> bool:
+    """Whether vLLM and a Python truth test read ``value`` alike (a JSON boolean or null)."""
+    return value is None or type(value) is bool
 
 
 def eligible(body: dict[str, Any]) -> bool:
-    """True when the prefill's first token may be the client's (see the module docstring)."""
-    if set(body) - FREE_FIELDS:
+    """True when the prefill's first token may be the client's (see the module docstring), of a
+    request ``pd_fields.splittable`` takes."""
+    if set(body) - FREE_FIELDS or not all(_flag(body.get(f)) for f in FLAGS):
         return False
     prompt = body.get("prompt")
     if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt))):
         return False  # a batch of prompts, or none
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+    max_tokens = body.get("max_tokens", COMPLETIONS_MAX_TOKENS)
+    if type(max_tokens) is not int or max_tokens < 1:  # null: 16 or the context's room by vLLM version; decode's call
         return False
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or options.get("continuous_usage_stats"):
+    if not isinstance(options, dict) or options.get("continuous_usage_stats") or not _flag(options.get("include_usage")):
         return False
     seeded = body.get("seed") is not None and body.get("temperature") != 0
     return not (seeded or body.get("echo") or body.get("n", 1) not in (1, None) or body.get("logprobs") is not None
@@ -46,9 +53,7 @@ def prefill_body(body: dict[str, Any], transfer: dict[str, Any] | None) -> dict[
     """The prefill's request: the client's sampling, one token, not streamed, with its token ids;
     ``transfer``: the handoff asked for (None when the answer is the whole request)."""
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "kv_transfer_params")}
-    out |= {"max_tokens": 1, "return_token_ids": True}
-    if body.get("min_tokens"):
-        out["min_tokens"] = 1
+    out |= one_token(body) | {"return_token_ids": True}
     if transfer is not None:
         out["kv_transfer_params"] = transfer
     return out
@@ -70,17 +75,17 @@ def first_token(answer: dict[str, Any]) -> tuple[list[int], int, str, str | None
 
 def ends_at_first(body: dict[str, Any], finish: str | None) -> bool:
     """Whether the first token ended the client's request (eos, a stop token, max_tokens 1)."""
-    return finish not in (None, "length") or body.get("max_tokens", DEFAULT_MAX_TOKENS) == 1
+    return finish not in (None, "length") or body.get("max_tokens", COMPLETIONS_MAX_TOKENS) == 1
 
 
 def decode_body(body: dict[str, Any], prompt: list[int], token: int, params: dict[str, Any] | None) -> dict[str, Any]:
     """The decode's request: the prompt and the first token as token ids, one token less to make."""
     out = {k: v for k, v in body.items() if k not in DROPPED_FOR_DECODE and k != "kv_transfer_params"}
     out["prompt"] = [*prompt, token]
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    out["max_tokens"] = None if max_tokens is None else max_tokens - 1
-    if body.get("min_tokens"):
-        out["min_tokens"] = body["min_tokens"] - 1
+    out["max_tokens"] = body.get("max_tokens", COMPLETIONS_MAX_TOKENS) - 1
+    least = as_int(body.get("min_tokens"))
+    if least:  # "3" as vLLM reads it
+        out["min_tokens"] = least - 1
     if params:
         out["kv_transfer_params"] = params
     return out

@@ -17,12 +17,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvstore.cli import pd_fields
 from kvstore.cli import pd_first_token as first_token
 
 logger = logging.getLogger(__name__)
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_HEADERS = ("authorization", "x-request-id")
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean", type(None): "null"}
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,7 @@ class ProxyConfig:
 
 def prefill_body(body: dict[str, Any], decode: Backend) -> dict[str, Any]:
     """The prefill's request: one token, not streamed, asking for a remote decode at ``decode``'s node."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")} | pd_fields.one_token(body)
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
                                  "kvstore_decode_node": decode.node or None}
     return out
@@ -106,10 +105,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return
         try:
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
-        except ValueError as exc:
-            self._reply(400, json.dumps({"error": f"the body is not JSON: {exc}"}).encode())
+        except (ValueError, RecursionError) as exc:
+            self._refuse(f"the body is not JSON: {exc}")
+            return
+        if not isinstance(body, dict):
+            self._refuse(f"the body must be a JSON object, not {JSON_TYPES.get(type(body), type(body).__name__)}")
             return
         prefill, decode = self.server.config.pick()
+        if not pd_fields.splittable(body, chat=self.path != "/v1/completions"):
+            # a value vLLM refuses: its answer, and no handoff that no decode would read (DESIGN §12.7)
+            self._relay(decode, "POST", self.path, decode_body(body, None, None))
+            return
         if self.path == "/v1/completions" and first_token.eligible(body):
             self._first_token(prefill, decode, body)
             return
@@ -119,7 +125,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def _first_token(self, prefill: Backend, decode: Backend, body: dict[str, Any]) -> None:
         """A completion whose first token is the prefill's (pd_first_token.py): shown at once,
         the decode continuing from the prompt and it; else (no usable token) today's way."""
-        single = body.get("max_tokens", first_token.DEFAULT_MAX_TOKENS) == 1  # the prefill's answer is the whole one
+        single = body.get("max_tokens", pd_fields.COMPLETIONS_MAX_TOKENS) == 1  # the prefill's answer is the whole one
         transfer = None if single else prefill_body(body, decode)["kv_transfer_params"]
         answer = self._prefill(prefill, self.path, first_token.prefill_body(body, transfer))
         first = first_token.first_token(answer) if answer is not None else None
@@ -245,6 +251,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     pass
         finally:
             conn.close()
+
+    def _refuse(self, message: str) -> None:
+        """A 400 for the client's request in vLLM's error shape (its request validation's)."""
+        error = {"message": message, "type": "Bad Request", "param": None, "code": 400}
+        self._reply(400, json.dumps({"error": error}).encode())
 
     def _reply(self, status: int, data: bytes) -> None:
         self.send_response(status)

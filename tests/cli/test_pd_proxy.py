@@ -1,6 +1,6 @@
 """kvstore-pd-proxy in front of two small HTTP servers that answer as a prefill and a decode
 ``vllm serve`` do (tests/client/adapters/test_vllm_pd.py runs the connector's side of the same
-exchange on real engines, test_pd_proxy_vllm.py the proxy's answers against a real ``vllm
+exchange on real engines, test_vllm_pd_proxy.py the proxy's answers against a real ``vllm
 serve``'s): what each instance is sent, and what reaches the client, streamed or not."""
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def test_a_first_token_that_ends_the_request_makes_no_decode_request(instances: 
                                                                       stream: bool) -> None:
     """eos or a stop token: the prefill's answer is the client's (its handoff expires unused)."""
     instances["prefill"].first |= {"finish_reason": "stop", "stop_reason": 9}
-    request = {"model": "m", "prompt": "hello", "stream": stream, "stream_options": {"include_usage": True}}
+    request = {"model": "m", "prompt": "hello", "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
     status, _, data = post(proxy, "/v1/completions", request)
     assert status == 200 and not instances["decode"].bodies
     if stream:

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +51,16 @@ def with_tokenizer(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    tmp = tmp_path_factory.mktemp("pd-serve")
+@contextmanager
+def serving(tmp: Path, *args: str) -> Iterator[int]:
+    """``vllm serve`` of a tiny Llama with TEXT's tokenizer as model "m", ``args`` added; yields its port."""
     model = with_tokenizer(tiny_llama(tmp / "model"))
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     with open(tmp / "serve.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                  "--served-model-name", "m", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-                                 "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "4"],
+                                 "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "4", *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 300
@@ -69,6 +70,12 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         yield port
     finally:
         stop_process(proc, 20)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    with serving(tmp_path_factory.mktemp("pd-serve")) as port:
+        yield port
 
 
 def healthy(port: int) -> bool:
