@@ -41,10 +41,11 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> tuple[bool, int | None]:
 def splittable(body: dict[str, Any], chat: bool) -> bool:
     """Whether vLLM takes the fields a prefill's request changes: ``max_tokens`` (and
     ``max_completion_tokens``) >= 1, ``min_tokens`` between 0 and that limit, ``stream`` a
-    boolean, ``stream_options`` an object and only with ``stream`` true. A value vLLM would
+    boolean, ``stream_options`` an object and only with ``stream`` true; one prompt, one sample
+    (``_one_sequence``). A value vLLM would
     refuse (or one read here more strictly than vLLM does) sends the request to the decode as sent."""
     ok, limit = _max_tokens(body, chat)
-    if not ok:
+    if not ok or not _one_sequence(body, chat):
         return False
     if "min_tokens" in body:
         least = as_int(body["min_tokens"])
@@ -54,6 +55,16 @@ def splittable(body: dict[str, Any], chat: bool) -> bool:
         return False
     options = body.get("stream_options")
     return not options or (isinstance(options, dict) and body.get("stream") is True)
+
+
+def _one_sequence(body: dict[str, Any], chat: bool) -> bool:
+    """One prompt, one sample: the prefill's answer names one handoff. A batch of prompts or
+    ``n`` > 1 made the prefill open one a prompt or sample, of which the decode could read one
+    (the rest pinned at the node until the ttl): such a request goes to the decode as sent."""
+    if body.get("n") is not None and as_int(body["n"]) != 1:
+        return False
+    prompt = body.get("prompt")
+    return chat or prompt is None or isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
 
 
 def one_token(body: dict[str, Any]) -> dict[str, Any]:

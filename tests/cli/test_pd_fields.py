@@ -38,6 +38,11 @@ def test_an_int_read_here_is_the_one_vllm_reads(value: Any) -> None:
     ({"stream_options": {"include_usage": True}}, False, False),
     ({"stream": True, "stream_options": "x"}, False, False),
     ({"stream_options": {}}, False, True),
+    ({"n": 2}, False, False),  # a handoff per sample, the decode reads one
+    ({"n": "1", "prompt": [1, 2, 3]}, False, True),
+    ({"prompt": ["a", "b"]}, False, False),  # a handoff per prompt
+    ({"prompt": [[1, 2], [3]]}, False, False),
+    ({"n": 3}, True, False),
 ])
 def test_splittable(body: dict[str, Any], chat: bool, split: bool) -> None:
     assert splittable(body, chat) is split

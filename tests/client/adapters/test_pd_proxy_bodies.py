@@ -127,6 +127,26 @@ def test_min_tokens_0_as_a_string_lets_the_first_token_stop_the_request(serve: i
     assert answer(proxy, body) == want
 
 
+ONE_HANDOFF_EACH = {
+    # before: the prefill opened a handoff per sample or prompt and answered one; the decode read
+    # that one (a batch's other prompts recomputed), the others stayed pinned at the node to the ttl
+    "n 2": {"n": 2, "temperature": 1.0, "seed": 5},
+    "a batch of two prompts": {"prompt": [BASE["prompt"], BASE["prompt"].upper()]},
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_HANDOFF_EACH))
+def test_a_request_of_several_sequences_leaves_no_handoff_pinned(serve: int, proxy: int, store: ServerProcess,
+                                                                 case: str) -> None:
+    """Several samples (``n``) or prompts in one request: sent to the decode as they are (not split),
+    vLLM's own answer, no handoff left at the node."""
+    body = {**BASE, **ONE_HANDOFF_EACH[case]}
+    got = answer(proxy, body)
+    assert got == answer(serve, body), case
+    assert got[0] == 200 and len(got[2]["choices"]) == 2, got
+    assert_no_lease_left(store.address, within_s=5)
+
+
 REFUSED = {
     "max_tokens 0": {"max_tokens": 0},
     "min_tokens above max_tokens": {"min_tokens": 9},
