@@ -65,20 +65,31 @@ class Housekeeper:
             if not item.reason:
                 deletes.setdefault((item.tier, item.key), []).append(item)
         for index, part, batch in self._by_part(list(deletes)):
-            try:
-                part.delete(batch)
-                ok = True
-            except (OSError, MetadataFull) as exc:
-                logger.error("%s tier: cannot remove %d pages (%s); they are never served again",
-                             self.residence.tiers[index].name, len(batch), exc)
-                ok = False
-            done += [(item, ok) for key in batch for item in deletes.pop((index, key))]
+            for keys, ok in self._delete(part, batch, self.residence.tiers[index].name):
+                done += [(item, ok) for key in keys for item in deletes.pop((index, key))]
         done += [(item, True) for items in deletes.values() for item in items]  # gone already
         with self.lock:
             for item, ok in done:
                 self.residence.settled(item, ok)
                 self.residence.released(self.leases.unpin([item.key], move=True))
             return self.residence.take_owed()
+
+    @staticmethod
+    def _delete(part: Tier, keys: list[bytes], tier_name: str) -> list[tuple[list[bytes], bool]]:
+        """Deletes ``keys`` from ``part`` in one index transaction: [(keys, whether deleted)]. One
+        refused whole for a full index is done a key at a time (an LMDB transaction copies the pages
+        it touches before it frees any: many deletes at once need room a full map lacks, one does not)."""
+        try:
+            part.delete(keys)
+            return [(keys, True)]
+        except MetadataFull as exc:
+            if len(keys) > 1:
+                return [done for key in keys for done in Housekeeper._delete(part, [key], tier_name)]
+            error: Exception = exc
+        except OSError as exc:
+            error = exc
+        logger.error("%s tier: cannot remove %d pages (%s); they are never served again", tier_name, len(keys), error)
+        return [(keys, False)]
 
     def settle_owed(self) -> None:
         """Lock held: does the removals owed so far now, letting go of the lock meanwhile."""
