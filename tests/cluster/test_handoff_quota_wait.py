@@ -23,7 +23,7 @@ from kvstore.client import KVStoreClient, new_handoff_id
 DEADLINE_S = 6.0
 
 
-def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> list:  # noqa: ANN001 - pytest fixtures
+def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> list:
     """Nodes a and c with tenants; tenant a's host quota at c is 4 pages."""
     from support.certs import CertAuthority
 

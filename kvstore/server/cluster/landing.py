@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvstore.errors import KVStoreError
 from kvstore.page import LayoutDesc
 from kvstore.server.placement import Placement
 
@@ -43,3 +44,28 @@ class NodeLanding:
 
     def cut(self) -> None:
         pass  # its allocate makes no room: it ends soon whatever happens
+
+
+class NotedLanding:
+    """A landing that notes whether it held its fetch short (refused, or allocated fewer pages
+    than asked): a fetch it cut short says nothing of the holder's records (RemoteTier's retry)."""
+
+    def __init__(self, inner: Landing) -> None:
+        self.inner = inner
+        self.short = False
+
+    def allocate(self, namespace_id: bytes, layout: LayoutDesc, keys: list[bytes],
+                 generation: int) -> tuple[bytes, list[tuple[bytes, int | None]]]:
+        try:
+            allocation_id, slots = self.inner.allocate(namespace_id, layout, keys, generation)
+        except KVStoreError:
+            self.short = True
+            raise
+        self.short = self.short or len(slots) < len(keys)
+        return allocation_id, slots
+
+    def commit(self, allocation_id: bytes, keys: list[bytes], checksums: list[int]) -> int:
+        return self.inner.commit(allocation_id, keys, checksums)
+
+    def cut(self) -> None:
+        self.inner.cut()

@@ -25,7 +25,7 @@ from kvstore.cluster.page_fetch import FetchStatus
 from kvstore.errors import KVStoreError, PageCorrupt, StaleGeneration
 from kvstore.page import LayoutDesc
 from kvstore.page_wire.grpc_chunks import BufferSink, ChunkedPage, decode_chunk
-from kvstore.server.cluster.landing import Landing, NodeLanding
+from kvstore.server.cluster.landing import Landing, NodeLanding, NotedLanding
 from kvstore.server.cluster.lookup import ShardedLookup, compress
 from kvstore.server.cluster.peers import PeerNode, Peers, current_cancelled
 from kvstore.server.cluster.source_checks import SourceChecks
@@ -97,13 +97,13 @@ class RemoteTier:
         if start == len(keys):
             return start
         runs = compress(await self._lookup.records(namespace_id, keys[start:], timeout_s, tenant))
-        pos = start
+        pos, noted = start, NotedLanding(landing)
         for again in (False, True):
-            got, short = await self._fetch_runs(namespace_id, keys, pos, runs, deadline, tenant, landing)
+            got, short = await self._fetch_runs(namespace_id, keys, pos, runs, deadline, tenant, noted)
             pos += got
-            if not short or again or time.monotonic() >= deadline:
+            if not short or noted.short or again or time.monotonic() >= deadline:
                 break
-            # another node held fewer than its record (a cached answer, maybe) said: forgotten, the owners asked again
+            # a holder had fewer than its record (a cached answer, maybe) said: forgotten, the owners asked again
             self._lookup.cache.forget(keys[pos:], tenant)
             runs = await self._lookup.lookup(namespace_id, keys[pos:], deadline - time.monotonic(), tenant)
         return pos
