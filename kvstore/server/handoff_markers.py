@@ -23,6 +23,7 @@ MAX_HANDOFFS_PER_TENANT = 256  # markers (decode side) or open handoffs (prefill
 MAX_TTL_S = 600.0
 LEASE_MARGIN_MS = 5_000  # a pin's lease outlives its marker's ttl by this: the sweeper releases it first
 MAX_TAKEN_OVER = 65_536  # handoffs remembered as taken over, each to its ttl's end (the oldest forgotten first)
+QUOTA_PATIENCE_S = 1.0  # a pool handoff's pulls that find the caller's quota full, landing nothing, this long: answered
 POOL_FIRST_STEP_S = 0.005  # a pool handoff's second pull (then 10, 20 ... 400 ms): its last pages land ~3 ms after the prefill answers
 
 MarkerKey = tuple[str, bytes, bytes]  # tenant, namespace id, handoff id
@@ -201,8 +202,10 @@ class HandoffMarkers:
         through the pool; called while no prefill node pushes to the marker, at once, then after
         5, 10, 20 ... 400 ms (the step doubles): a pool handoff's last pages are published a few ms
         after the prefill answers, about when the decode side asks, so the second pull must not be
-        far behind the first. A pull returns True when the caller's quota here could hold no more
-        of ``keys``: the wait then answers what is held.
+        far behind the first. A pull returns True when the caller's quota here held fewer of
+        ``keys`` than it lacked: pulls that land nothing for ``QUOTA_PATIENCE_S`` so (the quota
+        full of pages pinned longer than a read's while, most often the handoff's own) end the
+        wait with what is held.
         ``sees()``: the caller may read the namespace here; if not, pages held here are not its
         own and the wait answers as for an unknown id (nothing, at the deadline). ``alive()``
         false: the caller left (its call was cancelled; ``wake`` then cuts the sleep short):
@@ -210,6 +213,7 @@ class HandoffMarkers:
         ``registered``: ``open(waiter=True)`` counted this wait already."""
         end = time.monotonic() + deadline_s  # the caller's deadline is real time (``clock`` runs the ttls)
         step = POOL_FIRST_STEP_S
+        full_since: float | None = None  # since when the pulls found the caller's quota full, landing nothing
         if not registered:
             with self._changed:
                 marker.waiters += 1
@@ -223,11 +227,16 @@ class HandoffMarkers:
                 if left <= 0:
                     break
                 if pull is not None and not marker.pushed:
+                    had = self.held(marker.namespace_id, keys)
                     full = pull(left)
                     if sees():
                         self.arrived(marker, keys)
-                    if full or self._finished(marker, keys, sees):
-                        break  # full: the caller's quota here holds no more of them (what is held is answered)
+                    if self._finished(marker, keys, sees):
+                        break
+                    now = time.monotonic()
+                    full_since = (full_since or now) if full and self.held(marker.namespace_id, keys) == had else None
+                    if full_since is not None and now - full_since >= QUOTA_PATIENCE_S:
+                        break  # the caller's quota here held no more of them for a while: what is held is answered
                 left = max(0.0, end - time.monotonic())
                 with self._changed:  # woken by arrivals (a push, a complete); the pool's pulls only on the step
                     if not self._finished(marker, keys, sees):  # under the lock: an arrival's notify is not missed
