@@ -197,9 +197,10 @@ async def test_a_node_stops_acting_within_its_own_ttl_when_etcd_grants_a_longer_
             assert granted > TTL + 2, f"precondition: etcd grants more than asked ({granted} s for {TTL})"
             slow.signal(signal.SIGSTOP)
             try:
-                t0 = time.monotonic()
-                await a.wait_for(lambda m: not m.is_member, TTL + 0.5)
-                assert time.monotonic() - t0 <= TTL + 0.5
+                # is_member reads the lease's deadline itself (a starved keep-alive task flips the state late:
+                # waiting for that flip failed a CI run under load); the node acts only while it holds
+                await asyncio.sleep(TTL + 0.1)
+                assert not a.is_member, "the node counts itself a member past its own ttl"
             finally:
                 slow.signal(signal.SIGCONT)
     finally:
