@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from kvstore import KVLayout, Namespace
 from kvstore.bench.common.harness import KILL_WAIT_S, stop_process
 from kvstore.tiers.host import remove_stale_arenas
-from support.etcd_proc import free_port
+from support.etcd_proc import EtcdProcess, free_port
 from support.servers import freeze
 
 TTL_S = 2
@@ -117,3 +118,25 @@ async def eventually(check: Callable[[], object], timeout_s: float, what: str, e
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"{what} not within {timeout_s} s")
         await asyncio.sleep(every_s)
+
+
+@contextmanager
+def pd_nodes(tmp: Path, prepare: Callable[[dict[str, Node]], None] = lambda nodes: None) -> Iterator[dict[str, Node]]:
+    """A prefill node ``np`` and a decode node ``nd`` (gRPC data plane) on an etcd of their own,
+    started once ``prepare`` changed their arguments; stopped, etcd and their arenas gone, at the end."""
+    etcd = EtcdProcess(tmp)
+    etcd.start()
+    started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}
+    prepare(started)
+    try:
+        for node in started.values():
+            node.launch()
+        for node in started.values():
+            node.wait_ready()
+        yield started
+    finally:
+        for node in started.values():
+            node.stop()
+        etcd.stop()
+        for name in started:
+            remove_stale_arenas(Path("/dev/shm"), name)

@@ -32,11 +32,10 @@ from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.cli.ctl import build_parser
 from kvstore.cli.ctl_migrate import migrate as ctl_migrate
 from kvstore.client import KVStoreClient, new_handoff_id
-from kvstore.tiers.host import remove_stale_arenas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster"))  # for test_migration_saves, a test module of tests/cluster
-from support.cluster_nodes import Node
-from support.etcd_proc import EtcdProcess, free_port
+from support.cluster_nodes import Node, pd_nodes
+from support.etcd_proc import free_port
 from support.tcp_proxy import TcpProxy
 from test_migration_saves import _refusals
 
@@ -63,26 +62,14 @@ def np_metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory, links: dict[str, TcpProxy], np_metrics_port: int) -> Iterator[dict[str, Node]]:
-    tmp = tmp_path_factory.mktemp("pd-cluster")
-    etcd = EtcdProcess(tmp)
-    etcd.start()
-    started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}  # page bytes by the advertised (cuttable) address
-    for name, node in started.items():
-        links[name].upstream = ("127.0.0.1", node.port)
-        node.args += ["--advertise", f"127.0.0.1:{links[name].port}"]
-    started["np"].args += ["--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
-    try:
-        for node in started.values():
-            node.launch()
-        for node in started.values():
-            node.wait_ready()
+    def cuttable(started: dict[str, Node]) -> None:  # page bytes by the advertised (cuttable) address
+        for name, node in started.items():
+            links[name].upstream = ("127.0.0.1", node.port)
+            node.args += ["--advertise", f"127.0.0.1:{links[name].port}"]
+        started["np"].args += ["--metrics-listen", f"127.0.0.1:{np_metrics_port}"]
+
+    with pd_nodes(tmp_path_factory.mktemp("pd-cluster"), cuttable) as started:
         yield started
-    finally:
-        for node in started.values():
-            node.stop()
-        etcd.stop()
-        for name in started:
-            remove_stale_arenas(Path("/dev/shm"), name)
 
 
 @pytest.fixture(scope="module")

@@ -14,20 +14,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from hybrid_models import tiny_model
-from support.cluster_nodes import Node
-from support.etcd_proc import EtcdProcess
+from support.cluster_nodes import Node, pd_nodes
 from vllm_support import EngineProcess, connector_config
 from vllm_support import random_tokens as tokens
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
 from kvstore.client import new_handoff_id
-from kvstore.tiers.host import remove_stale_arenas
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,21 +36,8 @@ FAMILIES: dict[str, dict[str, Any]] = {"gemma3": {"prefix_caching": True}, "gran
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
     tmp = tmp_path_factory.mktemp("pd-hybrid-cluster")
-    etcd = EtcdProcess(tmp)
-    etcd.start()
-    started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}
-    try:
-        for node in started.values():
-            node.launch()
-        for node in started.values():
-            node.wait_ready()
+    with pd_nodes(tmp) as started:
         yield started
-    finally:
-        for node in started.values():
-            node.stop()
-        etcd.stop()
-        for name in started:
-            remove_stale_arenas(Path("/dev/shm"), name)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

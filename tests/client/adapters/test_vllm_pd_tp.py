@@ -10,17 +10,13 @@ namespace, under the request's one handoff id; the scheduler's steps run once pe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from support.cluster_nodes import Node
-from support.etcd_proc import EtcdProcess
+from support.cluster_nodes import Node, pd_nodes
 from test_vllm_pd import assert_no_lease_left, assert_same_output, prefill
 from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
 from vllm_support import random_tokens as tokens
-
-from kvstore.tiers.host import remove_stale_arenas
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,21 +27,8 @@ RELEASED_WITHIN_S = 5.0  # a handoff's pins at either node, once its decode took
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
     tmp = tmp_path_factory.mktemp("pd-tp-cluster")
-    etcd = EtcdProcess(tmp)
-    etcd.start()
-    started = {name: Node(tmp, name, etcd.url, "grpc") for name in ("np", "nd")}
-    try:
-        for node in started.values():
-            node.launch()
-        for node in started.values():
-            node.wait_ready()
+    with pd_nodes(tmp) as started:
         yield started
-    finally:
-        for node in started.values():
-            node.stop()
-        etcd.stop()
-        for name in started:
-            remove_stale_arenas(Path("/dev/shm"), name)
 
 
 @pytest.fixture(scope="module")
