@@ -48,7 +48,8 @@ class NodeLanding:
 
 class NotedLanding:
     """A landing that notes whether it held its fetch short (refused, or allocated fewer pages
-    than asked): a fetch it cut short says nothing of the holder's records (RemoteTier's retry)."""
+    than asked): a fetch it cut short says nothing of the holder's records (RemoteTier's retry),
+    and a handoff's pull it cut short landed what the tenant's room holds (HandoffGate.wait)."""
 
     def __init__(self, inner: Landing) -> None:
         self.inner = inner

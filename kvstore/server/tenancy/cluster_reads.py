@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import PermissionDenied
 from kvstore.security.identity import Identity, Rights
 from kvstore.server.tenancy import Tenancy
-from kvstore.server.tenancy.fetch_room import QuotaLanding, quota_landing
+from kvstore.server.tenancy.fetch_room import quota_landing
 from kvstore.server.tenancy.node_calls import on_behalf
 from kvstore.types import LocationRun
 
@@ -73,6 +73,6 @@ class ClusterReads:
         if self.tenancy.may_read(who, namespace_id) and (who.via == "local" or self.tenancy.owners.settled(namespace_id)):
             self.cluster.prefetch(namespace_id, keys, on_behalf(who), self.landing_for(who, namespace_id, keys))
 
-    def landing_for(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> QuotaLanding | None:
+    def landing_for(self, who: Identity, namespace_id: bytes, keys: list[bytes]) -> Landing | None:
         """The fetch lands within ``who``'s host quota here (fetch_room.py)."""
         return quota_landing(self.tenancy.quotas, self.cluster.core, who, namespace_id, keys)

@@ -28,7 +28,6 @@ class QuotaLanding:
         self.namespace_id = namespace_id
         self.chain = keys
         self.page_bytes = 0
-        self.quota_short = False  # the tenant's quota held fewer of the pages than the fetch lacked
         self._cut = threading.Event()  # the fetch's caller is gone: make no more room
 
     def cut(self) -> None:
@@ -51,7 +50,6 @@ class QuotaLanding:
                 fits, held = self._room(len(lacking), layout.page_bytes)
             finally:
                 self.core.release(lease)
-        self.quota_short = self.quota_short or fits < len(lacking)
         if lacking and not fits:
             raise LimitExceeded(f"tenant {self.who.tenant!r} has no room in its host quota at node {self.core.node} for "
                                 "pages fetched from another node; nothing was fetched")

@@ -98,11 +98,14 @@ class HandoffGate:
             # the wait's deadline kept the answer's margin already: ClusterRuntime.fill keeps its own
 
             def pull(time_left: float) -> bool:
-                """A pull through the pool; True when the tenant's quota here held no more of the pages."""
+                """A pull through the pool (cluster mode); True when the tenant's room here held it short."""
+                from kvstore.server.cluster.landing import NotedLanding  # cluster mode only
+
                 assert reads is not None
-                landing = reads.landing_for(who, ns, keys)
-                reads.fill(who, ns, keys, time_left + MARGIN_S, landing)
-                return landing is not None and landing.quota_short
+                quota = reads.landing_for(who, ns, keys)
+                noted = NotedLanding(quota) if quota is not None else None  # the node's own (no tenants): no room to note
+                reads.fill(who, ns, keys, time_left + MARGIN_S, noted)
+                return noted is not None and noted.short
 
             context.add_callback(markers.wake)  # a cancelled wait ends now, its stream slot given back
             # opened as its reader (nothing drops it before the wait reads it); the wait, called next, counts it off
