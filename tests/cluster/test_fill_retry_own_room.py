@@ -11,40 +11,29 @@ tenant a's host quota at c 4 pages, c reads 16 pages after its own lookup, owner
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from quota_nodes import quota_nodes
 from support.cluster_nodes import cluster_nodes_fixture, eventually  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from test_cluster_auth import A, secure_args
+from test_cluster_auth import A
 from test_cluster_nodes import LAYOUT, NS, tokens_of
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import PageMissing
 
-NODE_TOKEN = "cluster-node-token-0123456789ab"
-PAGE_BYTES = LAYOUT.num_layers * 2 * LAYOUT.page_tokens * LAYOUT.num_kv_heads * LAYOUT.head_dim * 2  # float16
 QUOTA_PAGES = 4
 
 
 def _nodes(cluster_nodes, tmp_path: Path, monkeypatch) -> list:
-    from support.certs import CertAuthority
-
-    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
-    args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "b", "c"], NODE_TOKEN)
-    auth = json.loads(Path(args["c"][1]).read_text())
-    auth["quotas"] = {"a": {"host_bytes": QUOTA_PAGES * PAGE_BYTES}}
-    limited = tmp_path / "auth-c.json"
-    limited.write_text(json.dumps(auth))
-    limited.chmod(0o600)
     # a long membership ttl: the frozen owner stays a member for the whole test (as a node frozen by a GC
     # pause or a stalled disk does for its ttl); the fetch deadline well past the rpc timeout (2 s)
-    return cluster_nodes(["a", "b", "c"], "tcp", "--cluster-ttl", "30", "--fetch-timeout-s", "4",
-                         each={"a": args["a"][:2], "b": args["b"][:2], "c": ["--auth-file", str(limited)]})
+    return quota_nodes(cluster_nodes, tmp_path, monkeypatch, ["a", "b", "c"], QUOTA_PAGES, "--cluster-ttl", "30",
+                       "--fetch-timeout-s", "4")
 
 
 async def test_a_fill_cut_short_by_the_readers_own_quota_does_not_ask_the_owners_again(cluster_nodes, tmp_path,

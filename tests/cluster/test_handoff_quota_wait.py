@@ -10,16 +10,15 @@ adversarial reviews (2026-12-08). Two real nodes on a real etcd with tenants, as
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
+from quota_nodes import quota_nodes
 from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
-from test_cluster_auth import A, secure_args
+from test_cluster_auth import A
 from test_cluster_nodes import LAYOUT, NS, tokens_of
-from test_handoff_tenants import NODE_TOKEN, PAGE_BYTES
 
 from kvstore._proto import data_pb2
 from kvstore.client import KVStoreClient, new_handoff_id
@@ -30,16 +29,7 @@ DEADLINE_S = 10.0
 
 def _nodes(cluster_nodes, tmp_path: Path, monkeypatch, quota_pages: int = 4) -> list:
     """Nodes a and c with tenants; tenant a's host quota at c is ``quota_pages``."""
-    from support.certs import CertAuthority
-
-    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
-    args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
-    auth = json.loads(Path(args["c"][1]).read_text())
-    auth["quotas"] = {"a": {"host_bytes": quota_pages * PAGE_BYTES}}
-    limited = tmp_path / "auth-c.json"
-    limited.write_text(json.dumps(auth))
-    limited.chmod(0o600)
-    return cluster_nodes(["a", "c"], "tcp", each={"a": args["a"][:2], "c": ["--auth-file", str(limited)]})
+    return quota_nodes(cluster_nodes, tmp_path, monkeypatch, ["a", "c"], quota_pages)
 
 
 async def test_a_handoff_cut_short_by_the_quota_is_answered_without_waiting_out_the_deadline(cluster_nodes, tmp_path,

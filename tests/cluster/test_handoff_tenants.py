@@ -4,11 +4,10 @@ deadline, exactly as for an id nobody made, although the pages are held at the d
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
+from quota_nodes import quota_nodes
 from support.cluster_nodes import cluster_nodes_fixture  # noqa: F401  # the fixture
 from support.etcd_proc import etcd_fixture  # noqa: F401  # the fixture
 from support.kv import random_kv
@@ -65,16 +64,7 @@ async def test_handoff_pages_count_against_the_decode_nodes_quota_of_the_tenant(
     """Tenant a may hold 4 pages in c's host tier: of an 8-page handoff, c takes what fits and
     the handoff says so (complete and wait answer the same shorter prefix); nothing is refused
     to the prefill node, which holds every page."""
-    from support.certs import CertAuthority
-
-    monkeypatch.setenv("KVSTORE_CLUSTER_TOKEN", NODE_TOKEN)
-    args = secure_args(tmp_path, CertAuthority(tmp_path / "ca"), ["a", "c"], NODE_TOKEN)
-    auth = json.loads(Path(args["c"][1]).read_text())
-    auth["quotas"] = {"a": {"host_bytes": 4 * PAGE_BYTES}}
-    limited = tmp_path / "auth-c.json"
-    limited.write_text(json.dumps(auth))
-    limited.chmod(0o600)
-    a, c = cluster_nodes(["a", "c"], "tcp", each={"a": args["a"][:2], "c": ["--auth-file", str(limited)]})
+    a, c = quota_nodes(cluster_nodes, tmp_path, monkeypatch, ["a", "c"], 4)
     tokens = tokens_of(52, 8)
     kv = random_kv(LAYOUT, len(tokens), seed=52)
     async with KVStoreClient(a.address, NS, token=A) as prefill, KVStoreClient(c.address, NS, token=A) as decode:
