@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from support.servers import ServerProcess
-from vllm_support import BLOCK, EngineProcess, connector_config, module_store, tiny_llama  # noqa: F401  # module_store: the fixture "store"
+from vllm_support import BLOCK, EngineProcess, connector_config, module_store, running, tiny_llama  # noqa: F401  # module_store: the fixture "store"
 from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
@@ -58,13 +58,8 @@ def engines(model_dir: Path, store: ServerProcess, tmp_path_factory: pytest.Temp
         "plain": EngineProcess(model_dir, logs / "plain.log", prefix_caching=True,
                                **connector_config(store.address, load_deadline_s=30, lookup_timeout_s=5, sync_load_pages=8)),
     }
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any], exact: bool = False) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
+from vllm_support import BLOCK, EngineProcess, connector_config, running, tiny_llama
 from vllm_support import random_tokens as tokens
 
 from kvstore import KVLayout, Namespace
@@ -87,13 +87,8 @@ def engines(model_dir: Path, nodes: dict[str, Node], tmp_path_factory: pytest.Te
     started = {role: EngineProcess(model_dir, logs / f"{role}.log", prefix_caching=role == "decode",
                                    **connector_config(nodes[node].address, **settings))
                for role, node in (("prefill", "np"), ("decode", "nd"))}
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def namespace(model_dir: Path) -> Namespace:

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from hybrid_models import tiny_model
 from support.cluster_nodes import Node, pd_nodes
-from vllm_support import EngineProcess, connector_config
+from vllm_support import EngineProcess, connector_config, running
 from vllm_support import random_tokens as tokens
 
 from kvstore._proto import directory_pb2, directory_pb2_grpc
@@ -51,13 +51,8 @@ def engines(request: pytest.FixtureRequest, nodes: dict[str, Node],
     settings = {"load_deadline_s": 30, "lookup_timeout_s": 5, "handoff_deadline_s": 60, "handoff_ttl_s": 20}
     started = {role: EngineProcess(model, tmp / f"{role}.log", **FAMILIES[family], **connector_config(nodes[node].address, **settings))
                for role, node in (("prefill", "np"), ("decode", "nd"))}
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield family, started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:

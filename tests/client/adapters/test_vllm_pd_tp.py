@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support.cluster_nodes import Node, pd_nodes
 from test_vllm_pd import assert_no_lease_left, assert_same_output, prefill
-from vllm_support import BLOCK, EngineProcess, connector_config, tiny_llama
+from vllm_support import BLOCK, EngineProcess, connector_config, running, tiny_llama
 from vllm_support import random_tokens as tokens
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,13 +41,8 @@ def engines(nodes: dict[str, Node], tmp_path_factory: pytest.TempPathFactory) ->
     started = {role: EngineProcess(model, tmp / f"{role}.log", tensor_parallel_size=TP,
                                    **connector_config(nodes[node].address, **settings))
                for role, node in (("prefill", "np"), ("decode", "nd"))}
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield started
-    finally:
-        for engine in started.values():
-            engine.close()
 
 
 def rank_stats(engine: EngineProcess) -> list[dict[str, Any]]:

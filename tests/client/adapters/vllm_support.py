@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,16 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait(KILL_WAIT_S)
         self._log.close()
+
+
+@contextmanager
+def running(engines: dict[str, EngineProcess]) -> Iterator[dict[str, EngineProcess]]:
+    """``engines`` (started, booting side by side) once each is ready; every one closed at the end,
+    also when one of them failed to start."""
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
